@@ -1,0 +1,26 @@
+// kvlens command line: the only place that prints, exits and decides what a failure means.
+#include <cstdio>
+#include <exception>
+
+#include "app/commands.h"
+#include "core/errors.h"
+
+int main(int argc, char** argv) {
+  CLI::App root{"kvlens: a lab for KV-cache compression in LLaVA-style vision-language models"};
+  root.require_subcommand(1);
+  kvlens::app::add_caption_command(root);
+  kvlens::app::add_scenes_command(root);
+  try {
+    root.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = root.exit(e);
+    return rc == 0 ? 0 : 2;
+  } catch (const kvlens::InputError& e) {
+    std::fprintf(stderr, "kvlens: error: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kvlens: internal error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

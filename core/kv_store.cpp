@@ -1,0 +1,91 @@
+#include "core/kv_store.h"
+
+#include "core/errors.h"
+
+namespace kvlens {
+
+const char* segment_kind_name(SegmentKind k) {
+  switch (k) {
+    case SegmentKind::System: return "system";
+    case SegmentKind::Visual: return "visual";
+    case SegmentKind::PostVisionText: return "post_vision_text";
+    case SegmentKind::Generated: return "generated";
+  }
+  return "?";
+}
+
+KVBytes KVSegment::dense_bytes(int head_dim, int bytes_per_value) const {
+  KVBytes b;
+  for (const HeadRows& h : heads) {
+    b.codes += 2LL * h.n() * head_dim * bytes_per_value;
+    b.indices += static_cast<int64_t>(h.n()) * static_cast<int64_t>(sizeof(int32_t));
+  }
+  return b;
+}
+
+KVStore::KVStore(int n_layers, int n_kv_heads, int head_dim)
+    : n_kv_heads_(n_kv_heads), head_dim_(head_dim), layers_(n_layers) {}
+
+void KVStore::append(int l, const float* k, const float* v, const int32_t* pos,
+                     const SegmentKind* kinds, int T) {
+  LayerKV& L = layers_.at(l);
+  const int H = n_kv_heads_, D = head_dim_;
+  for (int t = 0; t < T; ++t) {
+    if (L.segments.empty() || L.segments.back().kind != kinds[t] ||
+        L.segments.back().storage != "fp32") {
+      KVSegment s;
+      s.kind = kinds[t];
+      s.heads.resize(H);
+      L.segments.push_back(std::move(s));
+    }
+    KVSegment& s = L.segments.back();
+    for (int h = 0; h < H; ++h) {
+      const float* kr = k + (static_cast<int64_t>(t) * H + h) * D;
+      const float* vr = v + (static_cast<int64_t>(t) * H + h) * D;
+      HeadRows& r = s.heads[h];
+      r.k.insert(r.k.end(), kr, kr + D);
+      r.v.insert(r.v.end(), vr, vr + D);
+      r.pos.push_back(pos[t]);
+    }
+    s.bytes = s.dense_bytes(D, 4);
+  }
+}
+
+int KVStore::n_rows(int l, int h) const {
+  int n = 0;
+  for (const KVSegment& s : layers_.at(l).segments) n += s.heads.at(h).n();
+  return n;
+}
+
+void KVStore::gather(int l, int h, std::vector<float>& k, std::vector<float>& v,
+                     std::vector<int32_t>& pos, std::vector<SegmentKind>* kinds) const {
+  k.clear();
+  v.clear();
+  pos.clear();
+  if (kinds) kinds->clear();
+  for (const KVSegment& s : layers_.at(l).segments) {
+    const HeadRows& r = s.heads.at(h);
+    if (static_cast<int64_t>(r.k.size()) != static_cast<int64_t>(r.n()) * head_dim_ ||
+        r.v.size() != r.k.size())
+      throw InternalError("KV store: layer " + std::to_string(l) + " head " + std::to_string(h) +
+                          " rows and positions disagree");
+    k.insert(k.end(), r.k.begin(), r.k.end());
+    v.insert(v.end(), r.v.begin(), r.v.end());
+    pos.insert(pos.end(), r.pos.begin(), r.pos.end());
+    if (kinds) kinds->insert(kinds->end(), r.pos.size(), s.kind);
+  }
+}
+
+KVBytes KVStore::bytes(int l) const {
+  KVBytes b;
+  for (const KVSegment& s : layers_.at(l).segments) b += s.bytes;
+  return b;
+}
+
+KVBytes KVStore::bytes() const {
+  KVBytes b;
+  for (int l = 0; l < n_layers(); ++l) b += bytes(l);
+  return b;
+}
+
+}  // namespace kvlens

@@ -1,0 +1,100 @@
+// The KV store: per decoder layer, a list of segments. A segment knows its modality tag
+// (system text / visual / post-vision text / generated), its storage, each kept token's
+// position per KV head, and its exact byte count. Attention reads the store as it is.
+//
+// Rows are kept per KV head so that eviction policies may keep a different token set in each
+// head (SnapKV, PyramidKV do). `k`/`v` always hold the rows attention computes with (fp32,
+// already dequantized when the storage is quantized); `bytes` is what the storage would take
+// in memory as compressed, and `payload` owns the packed codes when a policy quantizes.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace kvlens {
+
+enum class SegmentKind { System, Visual, PostVisionText, Generated };
+const char* segment_kind_name(SegmentKind k);
+
+// Byte accounting for one segment (or a sum of them).
+struct KVBytes {
+  int64_t codes = 0;    // K/V values or packed codes
+  int64_t scales = 0;   // quantization scales
+  int64_t zeros = 0;    // zero points / minima
+  int64_t indices = 0;  // positions or kept-token indices
+  int64_t meta = 0;     // anything else (per-channel factors, codebooks...)
+  int64_t total() const { return codes + scales + zeros + indices + meta; }
+  KVBytes& operator+=(const KVBytes& o) {
+    codes += o.codes; scales += o.scales; zeros += o.zeros; indices += o.indices; meta += o.meta;
+    return *this;
+  }
+};
+
+struct HeadRows {
+  std::vector<float> k, v;     // [n][head_dim]
+  std::vector<int32_t> pos;    // [n] absolute position of each row
+  // Optional per-row annotations for diagnostics (empty = none): the bits a row's K/V are
+  // stored with (0 = full precision) and how many evicted rows were merged into it.
+  std::vector<uint8_t> bits;
+  std::vector<uint16_t> merged;
+  int n() const { return static_cast<int>(pos.size()); }
+};
+
+// Opaque storage a policy keeps for a segment (packed codes and scales). It reports the bytes
+// it really holds, so accounting can be checked against allocation.
+struct SegmentPayload {
+  virtual ~SegmentPayload() = default;
+  virtual KVBytes allocated() const = 0;
+};
+
+struct KVSegment {
+  SegmentKind kind = SegmentKind::System;
+  std::string storage = "fp32";      // "fp32", "fp16", "q1", "q4/q2 mixed", ...
+  std::vector<HeadRows> heads;       // one per KV head
+  KVBytes bytes;                     // as stored
+  std::shared_ptr<SegmentPayload> payload;
+
+  int n_tokens(int head = 0) const { return heads.empty() ? 0 : heads[head].n(); }
+  // Bytes of this segment stored as plain floats of `bytes_per_value` (4 = fp32, 2 = fp16),
+  // positions as int32.
+  KVBytes dense_bytes(int head_dim, int bytes_per_value) const;
+};
+
+struct LayerKV {
+  std::vector<KVSegment> segments;
+};
+
+class KVStore {
+ public:
+  KVStore() = default;
+  KVStore(int n_layers, int n_kv_heads, int head_dim);
+
+  int n_layers() const { return static_cast<int>(layers_.size()); }
+  int n_kv_heads() const { return n_kv_heads_; }
+  int head_dim() const { return head_dim_; }
+  LayerKV& layer(int l) { return layers_.at(l); }
+  const LayerKV& layer(int l) const { return layers_.at(l); }
+
+  // Appends T tokens of layer l: k/v laid out [T][n_kv_heads][head_dim] (as the projections
+  // produce them), positions pos[T], kinds[T]. Consecutive tokens of one kind go to one
+  // segment; a token whose kind equals the last segment's kind extends that segment when
+  // that segment is still stored as fp32 (otherwise a new fp32 segment starts).
+  void append(int l, const float* k, const float* v, const int32_t* pos, const SegmentKind* kinds,
+              int T);
+
+  // Number of rows KV head h of layer l holds over all segments.
+  int n_rows(int l, int h) const;
+  // Gathers layer l, KV head h into contiguous [n][head_dim] buffers (the order of segments).
+  void gather(int l, int h, std::vector<float>& k, std::vector<float>& v,
+              std::vector<int32_t>& pos, std::vector<SegmentKind>* kinds = nullptr) const;
+
+  KVBytes bytes(int l) const;
+  KVBytes bytes() const;
+
+ private:
+  int n_kv_heads_ = 0, head_dim_ = 0;
+  std::vector<LayerKV> layers_;
+};
+
+}  // namespace kvlens

@@ -1,0 +1,72 @@
+// Compression methods: one parameter schema per method drives CLI flags, GUI widgets,
+// session JSON and validation messages. A method spec string reads
+//   "calibquant:bits=1,tau1=0,tau2=3"   or   "stack:evict=vlcache,quant=calibquant,budget=0.2"
+#pragma once
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/policy.h"
+
+namespace kvlens {
+
+struct ParamSpec {
+  enum class Type { Int, Float, Bool, Choice, String };
+  std::string name;
+  Type type = Type::Float;
+  double min = 0, max = 0;              // Int / Float range, inclusive
+  std::vector<std::string> choices;     // Choice
+  std::string def;                      // default, as text
+  std::string help;                     // one line, with the paper's formula where it has one
+};
+
+// Validated parameter values of one method (every parameter present, defaults filled in).
+class Params {
+ public:
+  Params() = default;
+  Params(std::string method, std::map<std::string, std::string> values)
+      : method_(std::move(method)), values_(std::move(values)) {}
+  const std::string& method() const { return method_; }
+  bool has(const std::string& name) const { return values_.count(name) > 0; }
+  std::string str(const std::string& name) const;
+  double num(const std::string& name) const;
+  int integer(const std::string& name) const;
+  bool flag(const std::string& name) const;
+  const std::map<std::string, std::string>& values() const { return values_; }
+  // Canonical spec string, e.g. "calibquant:bits=1,tau1=0,tau2=3".
+  std::string spec() const;
+  nlohmann::json to_json() const;
+
+ private:
+  std::string method_;
+  std::map<std::string, std::string> values_;
+};
+
+struct MethodSpec {
+  std::string name;
+  std::string family;    // "reference", "quantization", "eviction", "merge", "composition"
+  std::string summary;   // one line
+  std::vector<ParamSpec> params;
+  // Named parameter presets, e.g. {"paper", {...}}, {"official", {...}}; `preset=NAME` in a
+  // spec applies one before the explicit values.
+  std::map<std::string, std::map<std::string, std::string>> presets;
+  std::function<std::unique_ptr<KVPolicy>(const Params&)> make;
+};
+
+// All registered methods, in a stable order.
+const std::vector<MethodSpec>& methods();
+const MethodSpec& find_method(const std::string& name);  // throws InputError naming the choices
+
+// Parses and validates a spec string; throws InputError such as
+//   "calibquant: tau2 must be in [0, 8], got -1".
+Params parse_method_spec(const std::string& spec);
+// Validates one value against its schema (used by parse_method_spec, session JSON and GUI).
+std::string validate_param(const std::string& method, const ParamSpec& p, const std::string& value);
+std::unique_ptr<KVPolicy> make_policy(const std::string& spec);
+std::unique_ptr<KVPolicy> make_policy(const Params& params);
+
+}  // namespace kvlens

@@ -1,0 +1,41 @@
+// Attention observers: see each layer's per-head pre-softmax scores and probabilities in
+// prefill and in every decode step. The model computes and hands these over only when an
+// observer is attached, so an empty observer list costs nothing.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "core/kv_store.h"
+
+namespace kvlens {
+
+enum class Phase { Prefill, Decode };
+
+struct AttentionEvent {
+  Phase phase = Phase::Prefill;
+  int layer = 0;
+  int step = 0;          // decode step (0 = first generated token's forward), 0 in prefill
+  int n_heads = 0;       // query heads
+  int n_kv_heads = 0;
+  int n_q = 0;           // queries in this event (prompt length in prefill, 1 in decode)
+  int n_k = 0;           // keys seen by each head (same for all heads)
+  // [n_heads][n_q][n_k]; masked entries are -inf in scores and 0 in probs.
+  const float* scores = nullptr;
+  const float* probs = nullptr;
+  const int32_t* query_pos = nullptr;            // [n_q]
+  const int32_t* key_pos = nullptr;              // [n_kv_heads][n_k]
+  const SegmentKind* key_kind = nullptr;         // [n_kv_heads][n_k]
+  // Query vectors after RoPE, [n_q][n_heads][head_dim], and the keys [n_kv_heads][n_k][head_dim].
+  const float* q = nullptr;
+  const float* k = nullptr;
+  const float* v = nullptr;  // values, laid out as k
+  int head_dim = 0;
+};
+
+class AttentionObserver {
+ public:
+  virtual ~AttentionObserver() = default;
+  virtual void on_attention(const AttentionEvent& e) = 0;
+};
+
+}  // namespace kvlens

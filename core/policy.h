@@ -1,0 +1,60 @@
+// The one hook point between the model and KV-cache compression. The model calls these and
+// nothing else; policies never edit model code.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "core/kv_store.h"
+
+namespace kvlens {
+
+// What a policy may read when it compresses a layer after prefill.
+struct PrefillContext {
+  int layer = 0;
+  int n_layers = 0;
+  int n_heads = 0;
+  int n_kv_heads = 0;
+  int head_dim = 0;
+  int prompt_len = 0;
+  // Prompt queries after RoPE, [prompt_len][n_heads][head_dim], and the full causal
+  // attention probabilities [n_heads][prompt_len][prompt_len] of this layer.
+  const float* q = nullptr;
+  const float* probs = nullptr;
+  const float* scores = nullptr;
+  const std::vector<SegmentKind>* token_kinds = nullptr;  // [prompt_len]
+  const std::vector<int>* token_ids = nullptr;            // [prompt_len]
+};
+
+struct DecodeContext {
+  int layer = 0;
+  int step = 0;
+  int position = 0;
+  int n_heads = 0;
+  int n_kv_heads = 0;
+  int head_dim = 0;
+  const float* q = nullptr;  // [n_heads][head_dim] of the new token
+};
+
+class KVPolicy {
+ public:
+  virtual ~KVPolicy() = default;
+  virtual std::string name() const = 0;
+  // Whether on_prefill needs the layer's prompt attention (probs/scores in PrefillContext).
+  virtual bool needs_prefill_attention() const { return false; }
+  // Called once the whole prompt is in the store, with one context per layer (so layer
+  // budgets may depend on every layer, as VL-Cache and PyramidKV need). The default compresses
+  // each layer on its own through on_prefill_layer.
+  virtual void on_prefill(const std::vector<PrefillContext>& layers, KVStore& store) {
+    for (const PrefillContext& c : layers) on_prefill_layer(c, store.layer(c.layer));
+  }
+  virtual void on_prefill_layer(const PrefillContext& ctx, LayerKV& layer) {}
+  // Called after the new token's K/V were appended, before attention reads the store.
+  virtual void on_decode_step(const DecodeContext& ctx, LayerKV& layer) {}
+  // Optional transform of one query head's pre-softmax scores over the keys [n_k] the store
+  // holds (kinds[j] tells each key's segment). Calibration lives here.
+  virtual bool has_score_transform() const { return false; }
+  virtual void transform_scores(int layer, int head, float* scores, const SegmentKind* kinds,
+                                int n_k) const {}
+};
+
+}  // namespace kvlens

@@ -1,0 +1,34 @@
+// A plain fp32 tensor: row-major data with its shape written beside it. Intermediates are
+// named with their layer ("l3.attn.scores") so CPU and CUDA activations can be compared.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace kvlens {
+
+struct Tensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  std::vector<float> data;
+
+  Tensor() = default;
+  Tensor(std::string n, std::vector<int64_t> s) : name(std::move(n)), shape(std::move(s)) {
+    data.assign(static_cast<size_t>(numel()), 0.0f);
+  }
+  int64_t numel() const {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    return n;
+  }
+  int64_t dim(int i) const { return shape.at(i < 0 ? shape.size() + i : i); }
+  float* ptr() { return data.data(); }
+  const float* ptr() const { return data.data(); }
+  std::string shape_str() const {
+    std::string s = "[";
+    for (size_t i = 0; i < shape.size(); ++i) s += (i ? "," : "") + std::to_string(shape[i]);
+    return s + "]";
+  }
+};
+
+}  // namespace kvlens

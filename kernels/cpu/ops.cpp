@@ -1,0 +1,164 @@
+#include "kernels/cpu/ops.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace kvlens::cpu {
+
+void linear(const float* x, int M, int K, const float* W, int N, const float* bias, float* y) {
+  if (bias) {
+    for (int m = 0; m < M; ++m) std::copy(bias, bias + N, y + static_cast<int64_t>(m) * N);
+  }
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1.0f, x, K, W, K,
+              bias ? 1.0f : 0.0f, y, N);
+}
+
+void layer_norm(const float* x, float* y, int M, int D, const float* g, const float* b, float eps) {
+#pragma omp parallel for
+  for (int m = 0; m < M; ++m) {
+    const float* xr = x + static_cast<int64_t>(m) * D;
+    float* yr = y + static_cast<int64_t>(m) * D;
+    double mean = 0.0;
+    for (int i = 0; i < D; ++i) mean += xr[i];
+    mean /= D;
+    double var = 0.0;
+    for (int i = 0; i < D; ++i) var += (xr[i] - mean) * (xr[i] - mean);
+    var /= D;
+    const float inv = static_cast<float>(1.0 / std::sqrt(var + eps));
+    for (int i = 0; i < D; ++i)
+      yr[i] = (xr[i] - static_cast<float>(mean)) * inv * g[i] + (b ? b[i] : 0.0f);
+  }
+}
+
+void rms_norm(const float* x, float* y, int M, int D, const float* g, float eps) {
+#pragma omp parallel for
+  for (int m = 0; m < M; ++m) {
+    const float* xr = x + static_cast<int64_t>(m) * D;
+    float* yr = y + static_cast<int64_t>(m) * D;
+    double ss = 0.0;
+    for (int i = 0; i < D; ++i) ss += static_cast<double>(xr[i]) * xr[i];
+    const float inv = static_cast<float>(1.0 / std::sqrt(ss / D + eps));
+    for (int i = 0; i < D; ++i) yr[i] = g[i] * (xr[i] * inv);
+  }
+}
+
+void activate(float* x, int64_t n, Act act) {
+#pragma omp parallel for
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = x[i];
+    switch (act) {
+      case Act::Gelu: x[i] = 0.5f * v * (1.0f + std::erf(v * 0.70710678118654752f)); break;
+      case Act::GeluTanh:
+        x[i] = 0.5f * v * (1.0f + std::tanh(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+        break;
+      case Act::QuickGelu: x[i] = v / (1.0f + std::exp(-1.702f * v)); break;
+      case Act::Silu: x[i] = v / (1.0f + std::exp(-v)); break;
+      case Act::Relu: x[i] = v > 0.0f ? v : 0.0f; break;
+    }
+  }
+}
+
+void mul(float* x, const float* y, int64_t n) {
+#pragma omp parallel for
+  for (int64_t i = 0; i < n; ++i) x[i] *= y[i];
+}
+
+void add(float* x, const float* y, int64_t n) {
+#pragma omp parallel for
+  for (int64_t i = 0; i < n; ++i) x[i] += y[i];
+}
+
+void rope(float* x, int T, int H, int D, const int32_t* pos, float theta) {
+  const int half = D / 2;
+  std::vector<double> inv_freq(half);
+  for (int i = 0; i < half; ++i) {
+    // As HF computes it: 1 / theta^(2i/D) in fp32.
+    inv_freq[i] = 1.0f / std::pow(theta, static_cast<float>(2 * i) / static_cast<float>(D));
+  }
+#pragma omp parallel for
+  for (int t = 0; t < T; ++t) {
+    for (int i = 0; i < half; ++i) {
+      const float ang = static_cast<float>(pos[t]) * static_cast<float>(inv_freq[i]);
+      const float c = std::cos(ang), s = std::sin(ang);
+      for (int h = 0; h < H; ++h) {
+        float* r = x + (static_cast<int64_t>(t) * H + h) * D;
+        const float a = r[i], b = r[i + half];
+        r[i] = a * c - b * s;
+        r[i + half] = b * c + a * s;
+      }
+    }
+  }
+}
+
+void softmax_rows(float* x, int64_t rows, int n) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = x + r * n;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int j = 0; j < n; ++j) mx = std::max(mx, row[j]);
+    if (!std::isfinite(mx)) {
+      std::fill(row, row + n, 0.0f);
+      continue;
+    }
+    double sum = 0.0;
+    for (int j = 0; j < n; ++j) {
+      row[j] = std::exp(row[j] - mx);
+      sum += row[j];
+    }
+    const float inv = static_cast<float>(1.0 / sum);
+    for (int j = 0; j < n; ++j) row[j] *= inv;
+  }
+}
+
+void attention_head(const AttnHeadArgs& a) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  std::vector<float> local;
+  float* S = a.scores;
+  if (!S) {
+    local.resize(static_cast<size_t>(a.Tq) * a.Tk);
+    S = local.data();
+  }
+  for (int i = 0; i < a.Tq; ++i) {
+    const float* qi = a.q + static_cast<int64_t>(i) * a.q_stride;
+    float* Si = S + static_cast<int64_t>(i) * a.Tk;
+    for (int j = 0; j < a.Tk; ++j) {
+      if (a.key_pos && a.query_pos && a.key_pos[j] > a.query_pos[i]) {
+        Si[j] = ninf;
+        continue;
+      }
+      const float* kj = a.k + static_cast<int64_t>(j) * a.kv_stride;
+      float dot = 0.0f;
+      for (int d = 0; d < a.D; ++d) dot += qi[d] * kj[d];
+      Si[j] = dot * a.scale;
+    }
+  }
+  float* P = a.probs;
+  std::vector<float> plocal;
+  if (!P) {
+    if (a.scores) {
+      plocal.assign(S, S + static_cast<size_t>(a.Tq) * a.Tk);
+      P = plocal.data();
+    } else {
+      P = S;  // scores are not kept: softmax in place
+    }
+  } else {
+    std::copy(S, S + static_cast<size_t>(a.Tq) * a.Tk, P);
+  }
+  softmax_rows(P, a.Tq, a.Tk);
+  for (int i = 0; i < a.Tq; ++i) {
+    float* oi = a.out + static_cast<int64_t>(i) * a.o_stride;
+    std::fill(oi, oi + a.D, 0.0f);
+    const float* Pi = P + static_cast<int64_t>(i) * a.Tk;
+    for (int j = 0; j < a.Tk; ++j) {
+      const float p = Pi[j];
+      if (p == 0.0f) continue;
+      const float* vj = a.v + static_cast<int64_t>(j) * a.kv_stride;
+      for (int d = 0; d < a.D; ++d) oi[d] += p * vj[d];
+    }
+  }
+}
+
+}  // namespace kvlens::cpu

@@ -1,0 +1,46 @@
+// CPU reference ops: plain, readable fp32 loops (OpenMP over rows) and OpenBLAS for GEMM.
+// Every CUDA op in kernels/cuda has its twin here; the tests compare them.
+#pragma once
+#include <cstdint>
+
+namespace kvlens::cpu {
+
+enum class Act { Gelu, GeluTanh, QuickGelu, Silu, Relu };
+
+// y[M,N] = x[M,K] · W[N,K]ᵀ (+ bias[N]); W in the PyTorch nn.Linear layout.
+void linear(const float* x, int M, int K, const float* W, int N, const float* bias, float* y);
+// y[M,D] = LayerNorm(x) · g + b (biased variance, as torch.nn.LayerNorm).
+void layer_norm(const float* x, float* y, int M, int D, const float* g, const float* b, float eps);
+// y[M,D] = x / sqrt(mean(x²) + eps) · g (Llama RMSNorm).
+void rms_norm(const float* x, float* y, int M, int D, const float* g, float eps);
+// In place: x = act(x) on n values.
+void activate(float* x, int64_t n, Act act);
+// In place: x = x ⊙ y on n values.
+void mul(float* x, const float* y, int64_t n);
+// In place: x += y on n values.
+void add(float* x, const float* y, int64_t n);
+// Rotary embedding in the "rotate half" layout: x[T][H][D], position pos[t], base theta.
+void rope(float* x, int T, int H, int D, const int32_t* pos, float theta);
+// In place, numerically stable softmax of each of `rows` rows of length n; entries equal to
+// -inf get probability 0.
+void softmax_rows(float* x, int64_t rows, int n);
+
+// Scaled dot-product attention of one query head against its key/value rows.
+//   q[Tq][D], k[Tk][D], v[Tk][D] (row strides q_stride, kv_stride), out[Tq][D] (stride o_stride).
+//   Key j is visible to query i when key_pos[j] <= query_pos[i] (pass null to see all keys).
+//   scores/probs, when not null, receive the [Tq][Tk] pre-softmax scores (masked = -inf) and
+//   probabilities.
+struct AttnHeadArgs {
+  const float* q; int64_t q_stride;
+  const float* k; const float* v; int64_t kv_stride;
+  float* out; int64_t o_stride;
+  int Tq, Tk, D;
+  float scale;
+  const int32_t* query_pos = nullptr;
+  const int32_t* key_pos = nullptr;
+  float* scores = nullptr;
+  float* probs = nullptr;
+};
+void attention_head(const AttnHeadArgs& a);
+
+}  // namespace kvlens::cpu

@@ -1,0 +1,66 @@
+// LLaVA-1.5 checkpoint configuration (config.json of model_type "llava"): a CLIP vision tower,
+// a 2-layer projector and a Llama decoder. Missing keys take HF transformers' defaults for
+// CLIPVisionConfig / LlamaConfig / LlavaConfig.
+#pragma once
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace kvlens {
+
+struct ClipVisionConfig {
+  int hidden_size = 768;
+  int intermediate_size = 3072;
+  int num_hidden_layers = 12;
+  int num_attention_heads = 12;
+  int num_channels = 3;
+  int image_size = 224;
+  int patch_size = 32;
+  std::string hidden_act = "quick_gelu";
+  double layer_norm_eps = 1e-5;
+  int head_dim() const { return hidden_size / num_attention_heads; }
+  int n_patches() const { return (image_size / patch_size) * (image_size / patch_size); }
+};
+
+struct LlamaConfig {
+  int vocab_size = 32000;
+  int hidden_size = 4096;
+  int intermediate_size = 11008;
+  int num_hidden_layers = 32;
+  int num_attention_heads = 32;
+  int num_key_value_heads = 32;
+  int head_dim = 128;
+  std::string hidden_act = "silu";
+  int max_position_embeddings = 2048;
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  bool attention_bias = false;
+  bool mlp_bias = false;
+  bool tie_word_embeddings = false;
+  int bos_token_id = 1;
+  std::vector<int> eos_token_ids{2};
+};
+
+struct LlavaConfig {
+  ClipVisionConfig vision;
+  LlamaConfig text;
+  int image_token_index = 32000;
+  std::string projector_hidden_act = "gelu";
+  bool multimodal_projector_bias = true;
+  std::vector<int> vision_feature_layers{-2};  // one or more; negative = from the end
+  std::string vision_feature_select_strategy = "default";  // "default" drops CLS, or "full"
+  bool tie_word_embeddings = false;
+
+  // Image tokens per image, from the vision config: patches, plus CLS with "full".
+  int n_visual_tokens() const;
+  // hidden_states index (0 = embeddings after pre_layrnorm) of each feature layer, and the
+  // number of encoder layers that must run to produce them.
+  std::vector<int> feature_layer_indices() const;
+  int encoder_layers_needed() const;
+};
+
+LlavaConfig parse_llava_config(const nlohmann::json& j, const std::string& where);
+LlavaConfig load_llava_config(const std::string& path);
+
+}  // namespace kvlens

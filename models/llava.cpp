@@ -1,0 +1,246 @@
+#include "models/llava.h"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <random>
+
+#include "core/errors.h"
+#include "kernels/cpu/ops.h"
+#include "models/activations.h"
+
+namespace kvlens {
+
+namespace {
+
+double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// The first prefix under which `probe` exists, or "" when none does.
+std::string find_prefix(const WeightStore& ws, const std::vector<std::string>& prefixes,
+                        const std::string& probe) {
+  for (const auto& p : prefixes)
+    if (ws.has(p + probe)) return p;
+  return "";
+}
+
+std::string need_prefix(const WeightStore& ws, const std::vector<std::string>& prefixes,
+                        const std::string& probe, const std::string& what) {
+  const std::string p = find_prefix(ws, prefixes, probe);
+  if (p.empty()) {
+    std::string tried;
+    for (const auto& x : prefixes) tried += (tried.empty() ? "'" : ", '") + x + probe + "'";
+    throw InputError(ws.dir() + ": no " + what + " weights (looked for " + tried + ")");
+  }
+  return p;
+}
+
+int sample(const std::vector<float>& logits, const GenerateOptions& opt, std::mt19937_64& rng) {
+  if (opt.temperature <= 0.0f)
+    return static_cast<int>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+  std::vector<float> p(logits);
+  for (float& x : p) x /= opt.temperature;
+  cpu::softmax_rows(p.data(), 1, static_cast<int>(p.size()));
+  std::vector<int> order(p.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(i);
+  std::sort(order.begin(), order.end(), [&](int a, int b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+  double cum = 0.0;
+  size_t keep = 0;
+  while (keep < order.size()) {
+    cum += p[order[keep++]];
+    if (cum >= opt.top_p) break;
+  }
+  const double u = std::uniform_real_distribution<double>(0.0, cum)(rng);
+  double acc = 0.0;
+  for (size_t i = 0; i < keep; ++i) {
+    acc += p[order[i]];
+    if (u < acc) return order[i];
+  }
+  return order[keep - 1];
+}
+
+}  // namespace
+
+LlavaModel LlavaModel::load(const std::string& dir) {
+  struct stat st {};
+  if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
+    throw InputError(dir + ": model directory does not exist");
+  LlavaModel m;
+  m.dir_ = dir;
+  m.cfg_ = load_llava_config(dir + "/config.json");
+  m.tok_ = Tokenizer::load(dir, m.cfg_.image_token_index);
+  if (m.tok_.image_token_id() >= m.cfg_.text.vocab_size)
+    throw InputError(dir + ": <image> token id " + std::to_string(m.tok_.image_token_id()) +
+                     " is outside the text vocabulary");
+  const std::string pp = dir + "/preprocessor_config.json";
+  if (::stat(pp.c_str(), &st) == 0) {
+    std::ifstream f(pp);
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(f);
+    } catch (const std::exception& e) {
+      throw InputError(pp + ": not valid JSON (" + e.what() + ")");
+    }
+    m.pre_ = preprocess_config_from_json(j, m.cfg_.vision.image_size);
+  } else {
+    m.pre_ = preprocess_config_from_json(nlohmann::json::object(), m.cfg_.vision.image_size);
+  }
+  if (m.pre_.crop_height != m.cfg_.vision.image_size || m.pre_.crop_width != m.cfg_.vision.image_size)
+    throw InputError(pp + ": crop size " + std::to_string(m.pre_.crop_width) + "x" +
+                     std::to_string(m.pre_.crop_height) + " differs from vision_config.image_size " +
+                     std::to_string(m.cfg_.vision.image_size));
+
+  const WeightStore ws = WeightStore::open_dir(dir);
+  const std::string vp = need_prefix(ws,
+      {"vision_tower.vision_model.", "model.vision_tower.vision_model.", "vision_tower.", "model.vision_tower."},
+      "embeddings.patch_embedding.weight", "vision tower");
+  const std::string tp = need_prefix(ws,
+      {"language_model.model.", "model.language_model.", "language_model.", "model."},
+      "embed_tokens.weight", "language model");
+  const std::string pj = need_prefix(ws, {"multi_modal_projector.", "model.multi_modal_projector."},
+                                     "linear_1.weight", "projector");
+  std::string lm_head;
+  for (const char* n : {"language_model.lm_head.weight", "lm_head.weight", "model.lm_head.weight"})
+    if (ws.has(n)) lm_head = n;
+  m.vision_ = ClipVision::load(ws, vp, m.cfg_.vision, m.cfg_.encoder_layers_needed());
+  m.text_ = LlamaDecoder::load(ws, tp, lm_head, m.cfg_.tie_word_embeddings, m.cfg_.text);
+  const int64_t in = static_cast<int64_t>(m.cfg_.vision.hidden_size) * m.cfg_.vision_feature_layers.size();
+  const int64_t H = m.cfg_.text.hidden_size;
+  m.proj_.w1 = ws.load(pj + "linear_1.weight", {H, in});
+  m.proj_.w2 = ws.load(pj + "linear_2.weight", {H, H});
+  if (m.cfg_.multimodal_projector_bias) {
+    m.proj_.b1 = ws.load(pj + "linear_1.bias", {H});
+    m.proj_.b2 = ws.load(pj + "linear_2.bias", {H});
+  }
+  activation_from_name(m.cfg_.projector_hidden_act, "projector_hidden_act");
+  return m;
+}
+
+Tensor LlavaModel::pixel_values(const RGBImage& img) const { return preprocess(img, pre_); }
+
+Tensor LlavaModel::encode_image(const Tensor& px) const {
+  const auto states = vision_.forward(px, cfg_.feature_layer_indices());
+  const int VH = cfg_.vision.hidden_size, H = cfg_.text.hidden_size;
+  const int skip = cfg_.vision_feature_select_strategy == "default" ? 1 : 0;
+  const int N = cfg_.n_visual_tokens(), L = static_cast<int>(states.size());
+  // Selected features of every feature layer, concatenated along the hidden dimension.
+  std::vector<float> feat(static_cast<size_t>(N) * VH * L);
+  for (int i = 0; i < N; ++i)
+    for (int s = 0; s < L; ++s)
+      std::copy_n(states[s].ptr() + static_cast<size_t>(i + skip) * VH, VH,
+                  feat.data() + (static_cast<size_t>(i) * L + s) * VH);
+  std::vector<float> mid(static_cast<size_t>(N) * H);
+  cpu::linear(feat.data(), N, VH * L, proj_.w1.ptr(), H, proj_.b1.data.empty() ? nullptr : proj_.b1.ptr(), mid.data());
+  cpu::activate(mid.data(), static_cast<int64_t>(mid.size()),
+                activation_from_name(cfg_.projector_hidden_act, "projector_hidden_act"));
+  Tensor out("image_features", {N, H});
+  cpu::linear(mid.data(), N, H, proj_.w2.ptr(), H, proj_.b2.data.empty() ? nullptr : proj_.b2.ptr(), out.ptr());
+  return out;
+}
+
+PrefillState LlavaModel::prefill(const RGBImage& img, const std::string& prompt, const std::string& templ,
+                                 bool keep_attention, const std::vector<AttentionObserver*>& observers) const {
+  PrefillState st;
+  const auto t0 = std::chrono::steady_clock::now();
+  const Tensor feats = encode_image(pixel_values(img));
+  st.vision_ms = ms_since(t0);
+  const auto t1 = std::chrono::steady_clock::now();
+  st.n_visual = cfg_.n_visual_tokens();
+  if (templ.find("<image>") == std::string::npos)
+    throw InputError("prompt template '" + templ + "' has no <image> marker");
+  st.ids = tok_.encode_prompt(templ, prompt, st.n_visual);
+  const int T = static_cast<int>(st.ids.size());
+  if (T + 1 > cfg_.text.max_position_embeddings)
+    throw InputError("prompt is " + std::to_string(T) + " tokens (" + std::to_string(st.n_visual) +
+                     " visual); the model's max_position_embeddings is " +
+                     std::to_string(cfg_.text.max_position_embeddings));
+  const int H = cfg_.text.hidden_size, img_id = tok_.image_token_id();
+  Tensor x("prompt_embeds", {T, H});
+  st.kinds.resize(T);
+  int seen = 0;
+  for (int t = 0; t < T; ++t) {
+    if (st.ids[t] == img_id) {
+      std::copy_n(feats.ptr() + static_cast<size_t>(seen) * H, H, x.ptr() + static_cast<size_t>(t) * H);
+      st.kinds[t] = SegmentKind::Visual;
+      ++seen;
+    } else {
+      text_.embed_tokens({st.ids[t]}, x.ptr() + static_cast<size_t>(t) * H);
+      st.kinds[t] = seen ? SegmentKind::PostVisionText : SegmentKind::System;
+    }
+  }
+  if (seen != st.n_visual)
+    throw InputError("prompt holds " + std::to_string(seen) + " image tokens, the image gives " +
+                     std::to_string(st.n_visual) + " features");
+  st.store = KVStore(cfg_.text.num_hidden_layers, cfg_.text.num_key_value_heads, cfg_.text.head_dim);
+  st.capture.keep = keep_attention;
+  st.logits = text_.prefill(x, st.kinds, st.store, observers, &st.capture);
+  st.prefill_ms = ms_since(t1);
+  return st;
+}
+
+std::vector<PrefillContext> LlavaModel::prefill_contexts(const PrefillState& st) const {
+  std::vector<PrefillContext> r;
+  const int L = cfg_.text.num_hidden_layers;
+  for (int l = 0; l < L; ++l) {
+    PrefillContext c;
+    c.layer = l;
+    c.n_layers = L;
+    c.n_heads = cfg_.text.num_attention_heads;
+    c.n_kv_heads = cfg_.text.num_key_value_heads;
+    c.head_dim = cfg_.text.head_dim;
+    c.prompt_len = static_cast<int>(st.ids.size());
+    if (st.capture.keep) {
+      c.q = st.capture.q[l].data();
+      c.scores = st.capture.scores[l].data();
+      c.probs = st.capture.probs[l].data();
+    }
+    c.token_kinds = &st.kinds;
+    c.token_ids = &st.ids;
+    r.push_back(c);
+  }
+  return r;
+}
+
+DecodeResult LlavaModel::decode(const PrefillState& st, KVPolicy* policy, const GenerateOptions& opt,
+                                const std::vector<AttentionObserver*>& observers) const {
+  DecodeResult r;
+  KVStore store = st.store;
+  const auto t0 = std::chrono::steady_clock::now();
+  if (policy) {
+    if (policy->needs_prefill_attention() && !st.capture.keep)
+      throw InternalError("policy '" + policy->name() + "' needs the prefill attention, which was not kept");
+    policy->on_prefill(prefill_contexts(st), store);
+  }
+  r.compress_ms = ms_since(t0);
+  r.bytes_after_prefill = store.bytes();
+  const auto t1 = std::chrono::steady_clock::now();
+  std::mt19937_64 rng(opt.seed);
+  std::vector<float> logits = st.logits;
+  r.first_logits = logits;
+  int pos = static_cast<int>(st.ids.size());
+  const auto& eos = cfg_.text.eos_token_ids;
+  std::vector<float> emb(cfg_.text.hidden_size);
+  for (int step = 0; step < opt.max_new_tokens; ++step) {
+    const int tok = sample(logits, opt, rng);
+    std::vector<float> p(logits);
+    cpu::softmax_rows(p.data(), 1, static_cast<int>(p.size()));
+    r.chosen_probs.push_back(p[tok]);
+    r.generated_ids.push_back(tok);
+    const bool is_eos = std::find(eos.begin(), eos.end(), tok) != eos.end() || tok == tok_.eos_id();
+    if ((opt.stop_at_eos && is_eos) || step + 1 == opt.max_new_tokens) break;
+    if (pos + 1 > cfg_.text.max_position_embeddings) break;
+    text_.embed_tokens({tok}, emb.data());
+    logits = text_.decode(emb.data(), pos, step, store, policy, observers);
+    ++pos;
+  }
+  r.decode_ms = ms_since(t1);
+  r.bytes_final = store.bytes();
+  r.text = tok_.decode(r.generated_ids);
+  return r;
+}
+
+}  // namespace kvlens

@@ -1,0 +1,66 @@
+// Memory-mapped safetensors checkpoints: one file, or shards listed by
+// model.safetensors.index.json. Every header is validated on open (length cap, JSON, dtype,
+// shape × dtype size = byte range, ranges inside the file and not overlapping).
+#pragma once
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace kvlens {
+
+enum class DType { F32, F16, BF16, F64, I8, U8, I16, U16, I32, U32, I64, U64, BOOL, F8_E4M3, F8_E5M2 };
+const char* dtype_name(DType d);
+int dtype_size(DType d);
+
+struct TensorView {
+  std::string name;
+  DType dtype = DType::F32;
+  std::vector<int64_t> shape;
+  const uint8_t* data = nullptr;
+  uint64_t nbytes = 0;
+  std::string file;
+  int64_t numel() const;
+};
+
+// Largest header accepted (the reference implementation uses the same cap).
+constexpr uint64_t kMaxSafetensorsHeader = 100ULL * 1024 * 1024;
+
+class SafetensorsFile {
+ public:
+  explicit SafetensorsFile(const std::string& path);  // throws InputError naming the file
+  ~SafetensorsFile();
+  SafetensorsFile(const SafetensorsFile&) = delete;
+  SafetensorsFile& operator=(const SafetensorsFile&) = delete;
+  const std::map<std::string, TensorView>& tensors() const { return tensors_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  void* map_ = nullptr;
+  uint64_t size_ = 0;
+  std::map<std::string, TensorView> tensors_;
+};
+
+// All tensors of a model directory, from model.safetensors or from the shards named in
+// model.safetensors.index.json.
+class WeightStore {
+ public:
+  static WeightStore open_dir(const std::string& dir);
+  bool has(const std::string& name) const { return index_.count(name) > 0; }
+  const TensorView& view(const std::string& name) const;
+  // Converts to fp32. When `shape` is not empty, it must match the stored shape.
+  Tensor load(const std::string& name, const std::vector<int64_t>& shape = {}) const;
+  std::vector<std::string> names() const;
+  const std::string& dir() const { return dir_; }
+
+ private:
+  std::string dir_;
+  std::vector<std::shared_ptr<SafetensorsFile>> files_;
+  std::map<std::string, const TensorView*> index_;
+};
+
+}  // namespace kvlens

@@ -1,0 +1,110 @@
+#include "models/tokenizer.h"
+
+#include <sentencepiece_processor.h>
+#include <sys/stat.h>
+
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "core/errors.h"
+
+namespace kvlens {
+
+namespace {
+bool exists(const std::string& p) {
+  struct stat st {};
+  return ::stat(p.c_str(), &st) == 0;
+}
+nlohmann::json read_json(const std::string& path) {
+  std::ifstream f(path);
+  try {
+    return nlohmann::json::parse(f);
+  } catch (const std::exception& e) {
+    throw InputError(path + ": not valid JSON (" + e.what() + ")");
+  }
+}
+}  // namespace
+
+Tokenizer::Tokenizer() = default;
+Tokenizer::~Tokenizer() = default;
+Tokenizer::Tokenizer(Tokenizer&&) noexcept = default;
+Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
+
+Tokenizer Tokenizer::load(const std::string& dir, int image_token_index) {
+  Tokenizer t;
+  const std::string model = dir + "/tokenizer.model";
+  if (!exists(model)) throw InputError(model + ": missing (kvlens needs a SentencePiece tokenizer.model)");
+  t.sp_ = std::make_unique<sentencepiece::SentencePieceProcessor>();
+  const auto status = t.sp_->Load(model);
+  if (!status.ok()) throw InputError(model + ": not a SentencePiece model (" + status.ToString() + ")");
+  t.bos_ = t.sp_->bos_id();
+  t.eos_ = t.sp_->eos_id();
+  t.image_token_ = image_token_index;
+  const std::string tc = dir + "/tokenizer_config.json";
+  if (exists(tc)) {
+    const auto j = read_json(tc);
+    if (j.contains("add_bos_token") && j["add_bos_token"].is_boolean())
+      t.add_bos_ = j["add_bos_token"].get<bool>();
+  }
+  const std::string at = dir + "/added_tokens.json";
+  if (exists(at)) {
+    const auto j = read_json(at);
+    if (j.contains("<image>") && j["<image>"].is_number_integer()) t.image_token_ = j["<image>"].get<int>();
+  }
+  const int piece_id = t.sp_->PieceToId("<image>");
+  if (t.image_token_ < 0 && piece_id != t.sp_->unk_id()) t.image_token_ = piece_id;
+  if (t.image_token_ < 0) throw InputError(dir + ": no id for the <image> token");
+  return t;
+}
+
+int Tokenizer::sp_vocab_size() const { return sp_->GetPieceSize(); }
+
+std::vector<int> Tokenizer::encode(const std::string& text) const {
+  std::vector<int> ids;
+  if (text.empty()) return ids;
+  const auto status = sp_->Encode(text, &ids);
+  if (!status.ok()) throw InputError("tokenizer: cannot encode text (" + status.ToString() + ")");
+  return ids;
+}
+
+std::string Tokenizer::decode(const std::vector<int>& ids) const {
+  std::vector<int> keep;
+  const int n = sp_->GetPieceSize();
+  for (int id : ids)
+    if (id >= 0 && id < n && id != eos_ && id != bos_) keep.push_back(id);
+  std::string text;
+  sp_->Decode(keep, &text);
+  return text;
+}
+
+std::string Tokenizer::piece(int id) const {
+  if (id == image_token_) return "<image>";
+  if (id < 0 || id >= sp_->GetPieceSize()) return "<" + std::to_string(id) + ">";
+  return sp_->IdToPiece(id);
+}
+
+std::vector<int> Tokenizer::encode_prompt(const std::string& templ, const std::string& prompt,
+                                          int n_visual) const {
+  std::string text = templ;
+  const auto p = text.find("{prompt}");
+  if (p == std::string::npos) throw InputError("prompt template '" + templ + "' has no {prompt}");
+  text.replace(p, 8, prompt);
+  std::vector<int> ids;
+  if (add_bos_) ids.push_back(bos_);
+  size_t start = 0;
+  bool first = true;
+  while (true) {
+    const size_t at = text.find("<image>", start);
+    const std::string chunk = text.substr(start, at == std::string::npos ? std::string::npos : at - start);
+    if (!first) ids.insert(ids.end(), n_visual, image_token_);
+    const auto enc = encode(chunk);
+    ids.insert(ids.end(), enc.begin(), enc.end());
+    first = false;
+    if (at == std::string::npos) break;
+    start = at + 7;
+  }
+  return ids;
+}
+
+}  // namespace kvlens

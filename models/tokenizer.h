@@ -1,0 +1,50 @@
+// The checkpoint's tokenizer: tokenizer.model through SentencePiece, tokenizer_config.json
+// (add_bos_token), added_tokens.json / the config's image_token_index for "<image>".
+// Prompts are tokenized as LLaVA's tokenizer_image_token does: each text chunk around
+// "<image>" is encoded on its own, BOS once at the start, the image token repeated once per
+// visual token.
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace sentencepiece {
+class SentencePieceProcessor;
+}
+
+namespace kvlens {
+
+constexpr const char* kDefaultTemplate = "USER: <image>\n{prompt} ASSISTANT:";
+constexpr const char* kDefaultPrompt = "Describe the image.";
+
+class Tokenizer {
+ public:
+  // dir holds tokenizer.model; image_token_index comes from the model config and is replaced
+  // by added_tokens.json's "<image>" when that file names it.
+  static Tokenizer load(const std::string& dir, int image_token_index);
+  Tokenizer();
+  ~Tokenizer();
+  Tokenizer(Tokenizer&&) noexcept;
+  Tokenizer& operator=(Tokenizer&&) noexcept;
+
+  std::vector<int> encode(const std::string& text) const;  // no BOS
+  // Text of generated ids; ids outside the SentencePiece vocabulary are skipped.
+  std::string decode(const std::vector<int>& ids) const;
+  std::string piece(int id) const;
+  // "{prompt}" in the template is replaced by prompt; "<image>" becomes n_visual image tokens.
+  std::vector<int> encode_prompt(const std::string& templ, const std::string& prompt,
+                                 int n_visual) const;
+
+  int bos_id() const { return bos_; }
+  int eos_id() const { return eos_; }
+  int image_token_id() const { return image_token_; }
+  bool add_bos() const { return add_bos_; }
+  int sp_vocab_size() const;
+
+ private:
+  std::unique_ptr<sentencepiece::SentencePieceProcessor> sp_;
+  int bos_ = 1, eos_ = 2, image_token_ = -1;
+  bool add_bos_ = true;
+};
+
+}  // namespace kvlens

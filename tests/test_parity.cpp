@@ -1,0 +1,94 @@
+// Parity with HF transformers: for each checkpoint under tests/fixtures/hf (built and recorded
+// by tests/make_hf_fixtures.py), the CPU runner must reproduce HF's prompt ids, greedy ids,
+// first-step logits and layer-0 attention probabilities.
+#include <gtest/gtest.h>
+
+#include <dirent.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "core/errors.h"
+#include "core/image.h"
+#include "models/llava.h"
+#include "tests/test_util.h"
+
+using namespace kvlens;
+namespace kt = kvlens::testing;
+
+namespace {
+
+std::vector<std::string> fixture_dirs() {
+  std::vector<std::string> r;
+  const std::string root = kt::source_dir() + "/tests/fixtures/hf";
+  if (DIR* d = opendir(root.c_str())) {
+    while (dirent* e = readdir(d)) {
+      const std::string p = root + "/" + e->d_name;
+      if (e->d_name[0] != '.' && std::ifstream(p + "/expected.json").good()) r.push_back(p);
+    }
+    closedir(d);
+  }
+  std::sort(r.begin(), r.end());
+  return r;
+}
+
+nlohmann::json read_json(const std::string& p) {
+  std::ifstream f(p);
+  return nlohmann::json::parse(f);
+}
+
+class HfParity : public ::testing::TestWithParam<std::string> {};
+
+}  // namespace
+
+TEST(HfFixtures, Present) {
+  // The fixtures are committed; their absence is a failure, not a skip.
+  EXPECT_GE(fixture_dirs().size(), 3u);
+}
+
+TEST_P(HfParity, MatchesTransformers) {
+  const std::string dir = GetParam();
+  const auto exp = read_json(dir + "/expected.json");
+  const LlavaModel model = LlavaModel::load(dir);
+  const RGBImage img = load_image(dir + "/image.png");
+  const std::string templ = exp.value("template", std::string(kDefaultTemplate));
+  const PrefillState st = model.prefill(img, exp["prompt"].get<std::string>(), templ, true);
+
+  EXPECT_EQ(st.n_visual, exp["n_visual_tokens"].get<int>());
+  ASSERT_EQ(st.ids, exp["prompt_ids"].get<std::vector<int>>()) << dir;
+
+  // First-step logits: max |ours − HF| relative to max |HF| ≤ 1e-4.
+  const auto ref = kt::read_f32(dir + "/" + exp["logits_file"].get<std::string>());
+  ASSERT_EQ(ref.size(), st.logits.size());
+  double max_diff = 0, max_ref = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    max_diff = std::max(max_diff, std::abs(static_cast<double>(st.logits[i]) - ref[i]));
+    max_ref = std::max(max_ref, std::abs(static_cast<double>(ref[i])));
+  }
+  EXPECT_LE(max_diff / max_ref, 1e-4) << dir << ": max diff " << max_diff << " of max " << max_ref;
+
+  // Layer-0 attention probabilities [H][T][T] ≤ 1e-5 absolute.
+  const auto attn = kt::read_f32(dir + "/" + exp["attn0_file"].get<std::string>());
+  const auto& ours = st.capture.probs.at(0);
+  ASSERT_EQ(attn.size(), ours.size());
+  double max_attn = 0;
+  for (size_t i = 0; i < attn.size(); ++i) max_attn = std::max(max_attn, std::abs(static_cast<double>(ours[i]) - attn[i]));
+  EXPECT_LE(max_attn, 1e-5) << dir;
+
+  // Greedy ids, no stopping at EOS (HF's were recorded the same way).
+  const auto greedy = exp["greedy_ids"].get<std::vector<int>>();
+  GenerateOptions opt;
+  opt.max_new_tokens = static_cast<int>(greedy.size());
+  opt.stop_at_eos = false;
+  const DecodeResult r = model.decode(st, nullptr, opt);
+  EXPECT_EQ(r.generated_ids, greedy) << dir;
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, HfParity, ::testing::ValuesIn(fixture_dirs()),
+                         [](const ::testing::TestParamInfo<std::string>& i) {
+                           return i.param.substr(i.param.rfind('/') + 1);
+                         });
+GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(HfParity);

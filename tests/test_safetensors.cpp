@@ -1,0 +1,182 @@
+// Checkpoint loading: safetensors validation and dtype conversion, config defaults and errors.
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include <nlohmann/json.hpp>
+
+#include "core/errors.h"
+#include "models/config.h"
+#include "models/safetensors.h"
+#include "tests/test_util.h"
+
+using namespace kvlens;
+using kvlens::testing::make_temp_dir;
+using kvlens::testing::write_file;
+
+namespace {
+
+std::string le64(uint64_t v) {
+  std::string s(8, '\0');
+  for (int i = 0; i < 8; ++i) s[i] = static_cast<char>((v >> (8 * i)) & 0xff);
+  return s;
+}
+
+// A safetensors file from a header object and a raw data section.
+std::string st_file(const nlohmann::json& header, const std::string& data) {
+  const std::string h = header.dump();
+  return le64(h.size()) + h + data;
+}
+
+std::string f32_bytes(const std::vector<float>& v) {
+  return std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4);
+}
+
+template <typename F>
+void expect_input_error(F f, const std::string& must_contain) {
+  try {
+    f();
+    ADD_FAILURE() << "expected InputError containing '" << must_contain << "'";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find(must_contain), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+
+TEST(Safetensors, ReadsF32F16Bf16) {
+  const std::string dir = make_temp_dir("st");
+  // 1.5, -2, 0.333.. in f16: 0x3E00, 0xC000, 0x3555; bf16 of 3.140625 = 0x4049.
+  std::string f16 = std::string("\x00\x3e\x00\xc0\x55\x35", 6);
+  std::string bf16 = std::string("\x49\x40", 2);
+  std::string f32 = f32_bytes({1.0f, 2.0f, 3.0f, 4.0f});
+  nlohmann::json h;
+  h["a"] = {{"dtype", "F32"}, {"shape", {2, 2}}, {"data_offsets", {0, 16}}};
+  h["b"] = {{"dtype", "F16"}, {"shape", {3}}, {"data_offsets", {16, 22}}};
+  h["c"] = {{"dtype", "BF16"}, {"shape", {1}}, {"data_offsets", {22, 24}}};
+  h["__metadata__"] = {{"format", "pt"}};
+  write_file(dir + "/model.safetensors", st_file(h, f32 + f16 + bf16));
+  const WeightStore ws = WeightStore::open_dir(dir);
+  EXPECT_EQ(ws.names().size(), 3u);
+  const Tensor a = ws.load("a", {2, 2});
+  EXPECT_EQ(a.data, (std::vector<float>{1, 2, 3, 4}));
+  const Tensor b = ws.load("b");
+  EXPECT_FLOAT_EQ(b.data[0], 1.5f);
+  EXPECT_FLOAT_EQ(b.data[1], -2.0f);
+  EXPECT_NEAR(b.data[2], 1.0f / 3.0f, 1e-3f);  // f16 has 10 mantissa bits
+  EXPECT_FLOAT_EQ(ws.load("c").data[0], 3.140625f);
+  expect_input_error([&] { ws.load("a", {4}); }, "'a' has shape [2,2]");
+  expect_input_error([&] { ws.load("nope"); }, "no tensor 'nope'");
+}
+
+TEST(Safetensors, RejectsBadFiles) {
+  const std::string dir = make_temp_dir("stbad");
+  const std::string p = dir + "/model.safetensors";
+  nlohmann::json h;
+  h["a"] = {{"dtype", "F32"}, {"shape", {2}}, {"data_offsets", {0, 8}}};
+  const std::string good = st_file(h, f32_bytes({1, 2}));
+
+  write_file(p, good.substr(0, 5));
+  expect_input_error([&] { SafetensorsFile f(p); }, "truncated");
+  write_file(p, good.substr(0, good.size() - 3));
+  expect_input_error([&] { SafetensorsFile f(p); }, "past the end of the file");
+  write_file(p, le64(1000) + "{}");
+  expect_input_error([&] { SafetensorsFile f(p); }, "larger than the file");
+  write_file(p, le64(kMaxSafetensorsHeader + 1) + "{}");
+  expect_input_error([&] { SafetensorsFile f(p); }, "cap");
+  write_file(p, le64(5) + "{nope");
+  expect_input_error([&] { SafetensorsFile f(p); }, "not valid JSON");
+
+  nlohmann::json bad = h;
+  bad["a"]["shape"] = {3};
+  write_file(p, st_file(bad, f32_bytes({1, 2})));
+  expect_input_error([&] { SafetensorsFile f(p); }, "needs 12 bytes");
+  bad = h;
+  bad["a"]["dtype"] = "F4";
+  write_file(p, st_file(bad, f32_bytes({1, 2})));
+  expect_input_error([&] { SafetensorsFile f(p); }, "unknown dtype 'F4'");
+  bad = h;
+  bad["b"] = {{"dtype", "F32"}, {"shape", {1}}, {"data_offsets", {4, 8}}};
+  write_file(p, st_file(bad, f32_bytes({1, 2})));
+  expect_input_error([&] { SafetensorsFile f(p); }, "overlap");
+
+  nlohmann::json ints;
+  ints["i"] = {{"dtype", "I32"}, {"shape", {2}}, {"data_offsets", {0, 8}}};
+  write_file(p, st_file(ints, f32_bytes({1, 2})));
+  const WeightStore ws = WeightStore::open_dir(dir);
+  expect_input_error([&] { ws.load("i"); }, "dtype I32");
+
+  expect_input_error([&] { SafetensorsFile f(dir + "/missing.safetensors"); }, "missing.safetensors");
+}
+
+TEST(Safetensors, ShardsWithIndex) {
+  const std::string dir = make_temp_dir("shard");
+  nlohmann::json h1, h2, idx;
+  h1["x"] = {{"dtype", "F32"}, {"shape", {1}}, {"data_offsets", {0, 4}}};
+  h2["y"] = {{"dtype", "F32"}, {"shape", {1}}, {"data_offsets", {0, 4}}};
+  write_file(dir + "/model-00001-of-00002.safetensors", st_file(h1, f32_bytes({7})));
+  write_file(dir + "/model-00002-of-00002.safetensors", st_file(h2, f32_bytes({9})));
+  idx["weight_map"] = {{"x", "model-00001-of-00002.safetensors"}, {"y", "model-00002-of-00002.safetensors"}};
+  write_file(dir + "/model.safetensors.index.json", idx.dump());
+  const WeightStore ws = WeightStore::open_dir(dir);
+  EXPECT_EQ(ws.load("x").data[0], 7.0f);
+  EXPECT_EQ(ws.load("y").data[0], 9.0f);
+
+  idx["weight_map"]["z"] = "model-00003-of-00003.safetensors";
+  write_file(dir + "/model.safetensors.index.json", idx.dump());
+  expect_input_error([&] { WeightStore::open_dir(dir); }, "shard 'model-00003-of-00003.safetensors'");
+  expect_input_error([&] { WeightStore::open_dir(make_temp_dir("empty")); }, "no model.safetensors");
+}
+
+TEST(Config, DefaultsFollowHF) {
+  // The published llava-1.5-7b config omits most text/vision keys.
+  const auto j = nlohmann::json::parse(R"({
+    "model_type": "llava", "image_token_index": 32000, "vocab_size": 32064,
+    "text_config": {"model_type": "llama", "vocab_size": 32064, "max_position_embeddings": 4096},
+    "vision_config": {"model_type": "clip_vision_model", "hidden_size": 1024, "image_size": 336,
+                      "intermediate_size": 4096, "num_attention_heads": 16, "num_hidden_layers": 24,
+                      "patch_size": 14, "projection_dim": 768}})");
+  const LlavaConfig c = parse_llava_config(j, "config.json");
+  EXPECT_EQ(c.text.hidden_size, 4096);
+  EXPECT_EQ(c.text.num_attention_heads, 32);
+  EXPECT_EQ(c.text.num_key_value_heads, 32);
+  EXPECT_EQ(c.text.head_dim, 128);
+  EXPECT_EQ(c.text.num_hidden_layers, 32);
+  EXPECT_DOUBLE_EQ(c.text.rope_theta, 10000.0);
+  EXPECT_DOUBLE_EQ(c.text.rms_norm_eps, 1e-6);
+  EXPECT_EQ(c.vision.hidden_act, "quick_gelu");
+  EXPECT_EQ(c.n_visual_tokens(), 576);  // (336/14)^2, CLS dropped
+  EXPECT_EQ(c.feature_layer_indices(), std::vector<int>{23});  // -2 of 25 hidden states
+  EXPECT_EQ(c.encoder_layers_needed(), 23);
+  EXPECT_EQ(c.projector_hidden_act, "gelu");
+}
+
+TEST(Config, VariantsAndErrors) {
+  auto j = nlohmann::json::parse(R"({
+    "model_type": "llava", "image_token_index": 5, "vision_feature_select_strategy": "full",
+    "vision_feature_layer": [-1, 1],
+    "text_config": {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "num_attention_heads": 4,
+                    "num_key_value_heads": 2, "head_dim": 16, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}},
+    "vision_config": {"hidden_size": 16, "num_attention_heads": 2, "num_hidden_layers": 3,
+                      "image_size": 32, "patch_size": 8}})");
+  const LlavaConfig c = parse_llava_config(j, "cfg");
+  EXPECT_EQ(c.text.head_dim, 16);
+  EXPECT_EQ(c.text.num_key_value_heads, 2);
+  EXPECT_DOUBLE_EQ(c.text.rope_theta, 500000.0);
+  EXPECT_EQ(c.n_visual_tokens(), 17);
+  EXPECT_EQ(c.feature_layer_indices(), (std::vector<int>{3, 1}));
+
+  auto bad = j;
+  bad["model_type"] = "qwen2_vl";
+  expect_input_error([&] { parse_llava_config(bad, "cfg"); }, "model_type 'qwen2_vl'");
+  bad = j;
+  bad["text_config"]["num_key_value_heads"] = 3;
+  expect_input_error([&] { parse_llava_config(bad, "cfg"); }, "num_key_value_heads");
+  bad = j;
+  bad["vision_feature_layer"] = 9;
+  expect_input_error([&] { parse_llava_config(bad, "cfg"); }, "vision_feature_layer");
+  bad = j;
+  bad["image_token_index"] = 64;
+  expect_input_error([&] { parse_llava_config(bad, "cfg"); }, "image_token_index 64");
+  expect_input_error([&] { load_llava_config("/nonexistent/config.json"); }, "/nonexistent/config.json");
+}

@@ -1,0 +1,60 @@
+// Small helpers shared by the test suites: temporary folders, files, running the CLI.
+#pragma once
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <vector>
+
+namespace kvlens::testing {
+
+inline std::string source_dir() { return KVLENS_SOURCE_DIR; }
+inline std::string cli() { return KVLENS_BINARY; }
+
+inline std::string make_temp_dir(const std::string& tag) {
+  std::string templ = "/tmp/kvlens_test_" + tag + "_XXXXXX";
+  std::vector<char> buf(templ.begin(), templ.end());
+  buf.push_back('\0');
+  const char* d = mkdtemp(buf.data());
+  return d ? std::string(d) : std::string();
+}
+
+inline void write_file(const std::string& path, const std::string& bytes) {
+  std::ofstream f(path, std::ios::binary);
+  f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+inline std::string read_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+inline std::vector<float> read_f32(const std::string& path) {
+  const std::string b = read_file(path);
+  std::vector<float> v(b.size() / 4);
+  if (!v.empty()) std::copy_n(b.data(), v.size() * 4, reinterpret_cast<char*>(v.data()));
+  return v;
+}
+
+struct RunResult {
+  int code = -1;
+  std::string output;  // stdout + stderr
+};
+
+// Runs a shell command line and captures its combined output and exit code.
+inline RunResult run(const std::string& cmd) {
+  RunResult r;
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  if (!p) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
+  const int st = pclose(p);
+  r.code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  return r;
+}
+
+}  // namespace kvlens::testing
