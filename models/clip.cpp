@@ -86,7 +86,7 @@ std::vector<Tensor> ClipVision::forward(const Tensor& px, const std::vector<int>
     cpu::linear(x.data(), T, H, L.q_w.ptr(), H, L.q_b.ptr(), q.data());
     cpu::linear(x.data(), T, H, L.k_w.ptr(), H, L.k_b.ptr(), k.data());
     cpu::linear(x.data(), T, H, L.v_w.ptr(), H, L.v_b.ptr(), v.data());
-#pragma omp parallel for
+#pragma omp parallel for if (cpu::parallel_heads(NH, T, T, D))
     for (int hd = 0; hd < NH; ++hd) {
       cpu::AttnHeadArgs args;
       args.q = q.data() + hd * D; args.q_stride = H;

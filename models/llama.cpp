@@ -108,7 +108,7 @@ std::vector<float> LlamaDecoder::prefill(const Tensor& x0, const std::vector<Seg
     cpu::rope(q.data(), T, NH, D, pos.data(), static_cast<float>(cfg.rope_theta));
     cpu::rope(k.data(), T, NKV, D, pos.data(), static_cast<float>(cfg.rope_theta));
     store.append(l, k.data(), v.data(), pos.data(), kinds.data(), T);
-#pragma omp parallel for
+#pragma omp parallel for if (cpu::parallel_heads(NH, T, T, D))
     for (int hd = 0; hd < NH; ++hd) {
       const int kv = hd / G;
       cpu::AttnHeadArgs args;
@@ -204,7 +204,7 @@ std::vector<float> LlamaDecoder::decode(const float* x0, int position, int step,
       scores.assign(static_cast<size_t>(NH) * n_max, ninf);
       probs.assign(scores.size(), 0.0f);
     }
-#pragma omp parallel for
+#pragma omp parallel for if (cpu::parallel_heads(NH, 1, n_max, D))
     for (int hd = 0; hd < NH; ++hd) {
       const int kv = hd / G, n = static_cast<int>(P[kv].size());
       std::vector<float> s(n);

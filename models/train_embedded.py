@@ -385,7 +385,7 @@ def parse_args(argv=None):
     ap.add_argument("--minutes", type=float, default=6.0, help="wall budget of the training loop")
     ap.add_argument("--deadline", type=float, default=0.0,
                     help="unix time by which the training loop must end (0: none)")
-    ap.add_argument("--device", default="cuda" if _cuda_available() else "cpu")
+    ap.add_argument("--device", default="auto", help="cuda, cpu, ... (auto: cuda if available)")
     ap.add_argument("--eval-n", type=int, default=500, help="held-out images to evaluate")
     ap.add_argument("--train-eval-n", type=int, default=200,
                     help="training images whose captions are also scored (overfitting check)")
@@ -399,14 +399,6 @@ def parse_args(argv=None):
     ap.add_argument("--log-every", type=int, default=100)
     ap.add_argument("--compile", action="store_true", help="torch.compile the training model")
     return ap.parse_args(argv)
-
-
-def _cuda_available():
-    try:
-        import torch
-        return torch.cuda.is_available()
-    except Exception:
-        return False
 
 
 def main(argv=None):
@@ -443,6 +435,8 @@ def main(argv=None):
     tr_u8 = decode_images(args.train, tr_images, args.workers)
     eval_n = min(args.eval_n, len(ho_images))
     ho_u8 = decode_images(args.heldout, ho_images[:eval_n], args.workers)
+    tr_n = min(args.train_eval_n, len(tr_images))
+    tr_eval_u8 = tr_u8[:tr_n].copy()
     log(f"decoded {len(tr_u8)} + {len(ho_u8)} images in {time.time() - t0:.1f}s")
 
     # ---- model ----
@@ -451,7 +445,8 @@ def main(argv=None):
     import transformers
     from transformers import LlavaForConditionalGeneration
     torch.manual_seed(args.seed)
-    device = torch.device(args.device)
+    device = torch.device(args.device if args.device != "auto" else
+                          "cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.manual_seed_all(args.seed)
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -559,6 +554,7 @@ def main(argv=None):
     model.config.vision_config.dtype = torch.float16
     model.save_pretrained(args.out, safe_serialization=True)
     write_tokenizer_files(args.out, sp_bytes, sp, image_token_index, max_pos)
+    tok_json = write_tokenizer_json(args.out)
     write_preprocessor_config(args.out)
     del model, opt, fwd, imgs, tokens
     if device.type == "cuda":
@@ -617,14 +613,12 @@ def main(argv=None):
 
         # captions of training images: distance between train and held-out exposes overfitting
         tr_cap = None
-        tr_n = min(args.train_eval_n, len(tr_images))
         if tr_n > 0:
-            tr_eval_u8 = torch.from_numpy(decode_images(args.train, tr_images[:tr_n], args.workers)).to(device)
-            tr_res = run_generation(model, [(cap_prompt, r) for r in range(tr_n)], tr_eval_u8,
-                                    mean, std, args.eval_batch, args.max_new_tokens, torch, device)
+            tr_res = run_generation(model, [(cap_prompt, r) for r in range(tr_n)],
+                                    torch.from_numpy(tr_eval_u8).to(device), mean, std,
+                                    args.eval_batch, args.max_new_tokens, torch, device)
             tr_cap = sum(decode_text(sp, ids).strip() == tr_caps[r][0].strip()
                          for r, (ids, _) in enumerate(tr_res)) / tr_n
-            del tr_eval_u8
 
         # reference generations for the C++ runner, one prompt at a time (batch 1, like it runs)
         hf = None
@@ -659,7 +653,11 @@ def main(argv=None):
     eval_s = time.time() - t_eval
 
     # HF tokenizer loaded from the written files must reproduce the runner's prompt ids.
-    tok_check = hf_tokenizer_check(args.out, sp, image_token_index)
+    check_texts = sorted({t for caps in ho_caps[:eval_n] for t in caps} |
+                         {str(q[k]) for q in ho_eval_qs for k in ("question", "answer")})
+    check_prompts = [CAPTION_PROMPT] + sorted({q["question"] for q in ho_eval_qs})[:50]
+    tok_check = hf_tokenizer_check(args.out, sp, image_token_index, check_texts, check_prompts)
+    log(f"tokenizer.json: {tok_json}; AutoTokenizer vs runner: {tok_check}")
 
     n_cap_eval = max(1, eval_n)
     n_q_eval = max(1, len(ho_eval_qs))
@@ -696,7 +694,8 @@ def main(argv=None):
                         "questions": len(ho_qs), "seed": ho_info.get("seed"), "info": ho_info},
         "samples": {"caption": table.n_caption, "vqa": table.n_vqa, "max_len": table.max_len},
         "tokenizer": {"sp_vocab": sp_vocab, "image_token_index": image_token_index,
-                      "text_vocab_size": text_vocab, "hf_tokenizer_check": tok_check},
+                      "text_vocab_size": text_vocab, "tokenizer_json": tok_json,
+                      "hf_tokenizer_check": tok_check},
         "prompt_template": PROMPT_TEMPLATE, "caption_prompt": CAPTION_PROMPT,
         "n_visual": N_VISUAL, "device": _device_name(torch, device),
         "torch": torch.__version__, "transformers": transformers.__version__,
@@ -719,7 +718,7 @@ def main(argv=None):
         ("train caption exact", "-" if tr_cap is None else f"{100 * tr_cap:.1f} % of {tr_n}"),
         ("VQA exact", f"{100 * q_ok / n_q_eval:.1f} % of {len(ho_eval_qs)}"),
     ] + [(f"  VQA {k}", f"{100 * v[0] / v[1]:.1f} % of {v[1]}") for k, v in sorted(by_type.items())] + [
-        ("HF tokenizer check", tok_check),
+        ("HF tokenizer check", tok_check[:70]),
     ]
     w = max(len(k) for k, _ in rows)
     print("\n" + "-" * (w + 30))
@@ -728,18 +727,47 @@ def main(argv=None):
     print("-" * (w + 30), flush=True)
 
 
-def hf_tokenizer_check(out, sp, image_token_index):
-    """Loads the written tokenizer with transformers and compares its ids for the caption
-    prompt with the runner's (only informative: the runner uses tokenizer.model directly)."""
+def write_tokenizer_json(out):
+    """Adds tokenizer.json, converted by transformers' LlamaTokenizer from tokenizer.model.
+    AutoTokenizer loads llava folders through the generic tokenizers backend, which needs it.
+    The conversion reads the SentencePiece proto (needs protobuf); failure is reported, not
+    fatal: the C++ runner reads tokenizer.model."""
+    import shutil
+    import tempfile
+    try:
+        from transformers import LlamaTokenizer
+        tok = LlamaTokenizer.from_pretrained(out)  # legacy=True: "▁" after special tokens
+        with tempfile.TemporaryDirectory() as tmp:
+            tok.save_pretrained(tmp)
+            shutil.copyfile(os.path.join(tmp, "tokenizer.json"), os.path.join(out, "tokenizer.json"))
+        return "written"
+    except Exception as e:
+        return f"not written ({type(e).__name__}: {str(e)[:160]})"
+
+
+def hf_tokenizer_check(out, sp, image_token_index, texts, prompts):
+    """Loads the written tokenizer with AutoTokenizer and compares its ids with the runner's:
+    the filled prompt template (one <image> token) for each prompt, and BOS + sp.encode(text)
+    for each text. Informative only: the runner uses tokenizer.model directly."""
     try:
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(out)
-        text = PROMPT_TEMPLATE.replace("{prompt}", CAPTION_PROMPT)
-        got = tok(text).input_ids
-        want = encode_prompt(sp, CAPTION_PROMPT, image_token_index, n_visual=1)
-        return "match" if got == want else f"differs: hf {got} vs runner {want}"
+        bad, n = [], 0
+        for p in prompts:
+            got = tok(PROMPT_TEMPLATE.replace("{prompt}", p)).input_ids
+            want = encode_prompt(sp, p, image_token_index, n_visual=1)
+            n += 1
+            if got != want:
+                bad.append(f"prompt {p!r}: hf {got} vs runner {want}")
+        for t in texts:
+            n += 1
+            if tok(t).input_ids != [BOS_ID] + sp.encode(t):
+                bad.append(f"text {t!r}: hf {tok(t).input_ids} vs runner {[BOS_ID] + sp.encode(t)}")
+        if bad:
+            return f"{len(bad)} of {n} differ ({type(tok).__name__}); first: {bad[0][:300]}"
+        return f"match ({n} strings, {type(tok).__name__})"
     except Exception as e:  # informative only
-        return f"not loaded ({type(e).__name__}: {str(e)[:120]})"
+        return f"not loaded ({type(e).__name__}: {str(e)[:160]})"
 
 
 def _device_name(torch, device):

@@ -9,6 +9,9 @@
 
 namespace kvlens::cpu {
 
+// Loops below this many values run on one thread: thread start-up costs more than they do.
+constexpr int64_t kParallelMin = 1 << 15;
+
 void linear(const float* x, int M, int K, const float* W, int N, const float* bias, float* y) {
   if (bias) {
     for (int m = 0; m < M; ++m) std::copy(bias, bias + N, y + static_cast<int64_t>(m) * N);
@@ -18,7 +21,7 @@ void linear(const float* x, int M, int K, const float* W, int N, const float* bi
 }
 
 void layer_norm(const float* x, float* y, int M, int D, const float* g, const float* b, float eps) {
-#pragma omp parallel for
+#pragma omp parallel for if (static_cast<int64_t>(M) * D > kParallelMin)
   for (int m = 0; m < M; ++m) {
     const float* xr = x + static_cast<int64_t>(m) * D;
     float* yr = y + static_cast<int64_t>(m) * D;
@@ -35,7 +38,7 @@ void layer_norm(const float* x, float* y, int M, int D, const float* g, const fl
 }
 
 void rms_norm(const float* x, float* y, int M, int D, const float* g, float eps) {
-#pragma omp parallel for
+#pragma omp parallel for if (static_cast<int64_t>(M) * D > kParallelMin)
   for (int m = 0; m < M; ++m) {
     const float* xr = x + static_cast<int64_t>(m) * D;
     float* yr = y + static_cast<int64_t>(m) * D;
@@ -47,7 +50,7 @@ void rms_norm(const float* x, float* y, int M, int D, const float* g, float eps)
 }
 
 void activate(float* x, int64_t n, Act act) {
-#pragma omp parallel for
+#pragma omp parallel for if (n > kParallelMin)
   for (int64_t i = 0; i < n; ++i) {
     const float v = x[i];
     switch (act) {
@@ -63,12 +66,12 @@ void activate(float* x, int64_t n, Act act) {
 }
 
 void mul(float* x, const float* y, int64_t n) {
-#pragma omp parallel for
+#pragma omp parallel for if (n > kParallelMin)
   for (int64_t i = 0; i < n; ++i) x[i] *= y[i];
 }
 
 void add(float* x, const float* y, int64_t n) {
-#pragma omp parallel for
+#pragma omp parallel for if (n > kParallelMin)
   for (int64_t i = 0; i < n; ++i) x[i] += y[i];
 }
 
@@ -79,7 +82,7 @@ void rope(float* x, int T, int H, int D, const int32_t* pos, float theta) {
     // As HF computes it: 1 / theta^(2i/D) in fp32.
     inv_freq[i] = 1.0f / std::pow(theta, static_cast<float>(2 * i) / static_cast<float>(D));
   }
-#pragma omp parallel for
+#pragma omp parallel for if (static_cast<int64_t>(T) * H * D > kParallelMin)
   for (int t = 0; t < T; ++t) {
     for (int i = 0; i < half; ++i) {
       const float ang = static_cast<float>(pos[t]) * static_cast<float>(inv_freq[i]);

@@ -42,5 +42,9 @@ struct AttnHeadArgs {
   float* probs = nullptr;
 };
 void attention_head(const AttnHeadArgs& a);
+// Whether running `heads` attention heads of Tq × Tk × D on several threads pays off.
+inline bool parallel_heads(int heads, int Tq, int Tk, int D) {
+  return static_cast<int64_t>(heads) * Tq * Tk * D > (1 << 17);
+}
 
 }  // namespace kvlens::cpu

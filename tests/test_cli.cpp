@@ -1,0 +1,128 @@
+// The CLI on good and bad input: every bad input gives one clear line naming the file, tensor
+// or value, exit code 2, and no crash.
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "tests/test_util.h"
+
+namespace kt = kvlens::testing;
+
+namespace {
+
+const std::string kFix = kt::source_dir() + "/tests/fixtures/hf/";
+
+std::string copy_fixture(const std::string& name) {
+  const std::string d = kt::make_temp_dir("cli") + "/" + name;
+  EXPECT_EQ(kt::run("cp -r " + kFix + name + " " + d).code, 0);
+  return d;
+}
+
+void expect_exit2(const std::string& args, const std::string& must_contain) {
+  const auto r = kt::run(kt::cli() + " " + args);
+  EXPECT_EQ(r.code, 2) << args << "\n" << r.output;
+  EXPECT_NE(r.output.find(must_contain), std::string::npos) << args << "\n" << r.output;
+  EXPECT_EQ(r.output.find("internal error"), std::string::npos) << r.output;
+}
+
+}  // namespace
+
+TEST(Cli, CaptionWritesJsonAndLogits) {
+  const std::string dir = kFix + "mha_fp32_hub";
+  const std::string tmp = kt::make_temp_dir("cap");
+  const auto r = kt::run(kt::cli() + " caption --model " + dir + " --image " + dir +
+                         "/image.png --max-new-tokens 4 --json " + tmp + "/out.json --dump-logits " + tmp + "/l.f32");
+  ASSERT_EQ(r.code, 0) << r.output;
+  std::ifstream f(tmp + "/out.json");
+  const auto j = nlohmann::json::parse(f);
+  std::ifstream e(dir + "/expected.json");
+  const auto exp = nlohmann::json::parse(e);
+  EXPECT_EQ(j["prompt_ids"], exp["prompt_ids"]);
+  const auto greedy = exp["greedy_ids"].get<std::vector<int>>();
+  const auto got = j["generated_ids"].get<std::vector<int>>();
+  ASSERT_FALSE(got.empty());
+  EXPECT_TRUE(std::equal(got.begin(), got.end(), greedy.begin())) << j["generated_ids"].dump();
+  EXPECT_EQ(j["n_visual_tokens"], exp["n_visual_tokens"]);
+  for (const char* k : {"vision", "prefill", "decode"}) EXPECT_GE(j["timings_ms"][k].get<double>(), 0.0);
+  EXPECT_TRUE(j.contains("caption"));
+  const auto logits = kt::read_f32(tmp + "/l.f32");
+  const auto ref = kt::read_f32(dir + "/logits.f32");
+  ASSERT_EQ(logits.size(), ref.size());
+}
+
+TEST(Cli, HelpDocumentsCaption) {
+  const auto r = kt::run(kt::cli() + " caption --help");
+  EXPECT_EQ(r.code, 0);
+  for (const char* opt : {"--model", "--image", "--prompt", "--max-new-tokens", "--json", "--dump-logits"})
+    EXPECT_NE(r.output.find(opt), std::string::npos) << opt;
+}
+
+TEST(Cli, BadFiles) {
+  const std::string good = kFix + "mha_fp32_hub";
+  const std::string img = good + "/image.png";
+  const std::string tmp = kt::make_temp_dir("bad");
+  expect_exit2("caption --model /nonexistent/model --image " + img, "/nonexistent/model");
+  expect_exit2("caption --model " + good + " --image /nonexistent/x.png", "/nonexistent/x.png");
+  kt::write_file(tmp + "/empty.png", "");
+  expect_exit2("caption --model " + good + " --image " + tmp + "/empty.png", "empty.png");
+  kt::write_file(tmp + "/notes.png", "this is text, not an image\n");
+  expect_exit2("caption --model " + good + " --image " + tmp + "/notes.png", "notes.png");
+  expect_exit2("caption --model " + good + " --image " + img + " --max-new-tokens 0", "--max-new-tokens");
+  expect_exit2("caption --bogus", "bogus");
+}
+
+TEST(Cli, HugeImageRefused) {
+  // A PNG header claiming 20000×20000: refused before any pixel is decoded.
+  const std::string tmp = kt::make_temp_dir("huge");
+  std::string png("\x89PNG\r\n\x1a\n", 8);
+  const unsigned char ihdr[] = {0, 0, 0, 13, 'I', 'H', 'D', 'R', 0, 0, 0x4e, 0x20, 0, 0, 0x4e, 0x20, 8, 2, 0, 0, 0,
+                                0, 0, 0, 0};
+  png.append(reinterpret_cast<const char*>(ihdr), sizeof ihdr);
+  kt::write_file(tmp + "/huge.png", png);
+  expect_exit2("caption --model " + kFix + "mha_fp32_hub --image " + tmp + "/huge.png", "huge.png");
+}
+
+TEST(Cli, PromptLongerThanContext) {
+  std::string prompt;
+  for (int i = 0; i < 300; ++i) prompt += "word ";
+  expect_exit2("caption --model " + kFix + "mha_fp32_hub --image " + kFix + "mha_fp32_hub/image.png --prompt '" +
+                   prompt + "'",
+               "max_position_embeddings");
+}
+
+TEST(Cli, BrokenCheckpoints) {
+  const std::string img = kFix + "mha_fp32_hub/image.png";
+  {  // unknown model_type
+    const std::string d = copy_fixture("mha_fp32_hub");
+    std::ifstream f(d + "/config.json");
+    auto j = nlohmann::json::parse(f);
+    j["model_type"] = "blip";
+    kt::write_file(d + "/config.json", j.dump());
+    expect_exit2("caption --model " + d + " --image " + img, "model_type 'blip'");
+  }
+  {  // truncated weights
+    const std::string d = copy_fixture("mha_fp32_hub");
+    EXPECT_EQ(kt::run("truncate -s 300000 " + d + "/model.safetensors").code, 0);
+    expect_exit2("caption --model " + d + " --image " + img, "model.safetensors");
+  }
+  {  // a tensor whose shape disagrees with the config
+    const std::string d = copy_fixture("mha_fp32_hub");
+    std::ifstream f(d + "/config.json");
+    auto j = nlohmann::json::parse(f);
+    j["text_config"]["intermediate_size"] = 100;
+    kt::write_file(d + "/config.json", j.dump());
+    expect_exit2("caption --model " + d + " --image " + img, "mlp.gate_proj.weight' has shape");
+  }
+  {  // missing shard
+    const std::string d = copy_fixture("bf16_sharded_inmem");
+    EXPECT_EQ(kt::run("rm " + d + "/model-00002-of-00004.safetensors").code, 0);
+    expect_exit2("caption --model " + d + " --image " + img, "model-00002-of-00004.safetensors");
+  }
+  {  // missing tokenizer
+    const std::string d = copy_fixture("mha_fp32_hub");
+    EXPECT_EQ(kt::run("rm " + d + "/tokenizer.model").code, 0);
+    expect_exit2("caption --model " + d + " --image " + img, "tokenizer.model");
+  }
+}
