@@ -52,7 +52,9 @@ struct PreprocessConfig {
 // Throws InputError naming the key for bad values.
 PreprocessConfig preprocess_config_from_json(const nlohmann::json& j, int image_size);
 
-// PIL-compatible (Image.resize with BICUBIC, antialiased when shrinking) resize to w × h.
+// PIL-compatible (Image.resize with BICUBIC, antialiased when shrinking) resize to w × h:
+// bit-exact with Pillow 13, whose pass order it follows (Pillow ≤ 12 always resized
+// horizontally first, which differs only when the height shrinks by more than twice the width).
 RGBImage resize_bicubic(const RGBImage& img, int w, int h);
 // Centers `img` on a square canvas of the given colour (LLaVA expand2square: offset
 // ((side - w) / 2, (side - h) / 2)).

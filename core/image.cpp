@@ -1,0 +1,508 @@
+// Image decoding (stb_image), PNG writing (stb_image_write) and CLIP / LLaVA preprocessing.
+//
+// The resampler reproduces PIL's Image.resize(..., BICUBIC) for 8-bit images: a separable
+// convolution with the cubic kernel (a = -0.5), support 2 · max(scale, 1) so that shrinking
+// antialiases, pixel centres at (i + 0.5) · scale, windows clipped to the image, weights
+// normalized to sum 1 and turned into fixed point with 22 fractional bits, each pass rounded and
+// clipped to uint8, passes in the order Pillow 13 picks (see resize_bicubic).
+#include "core/image.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+
+#include "core/errors.h"
+
+// Formats that PIL also opens; TGA (weak signature), PSD, HDR and PIC are left out so that
+// arbitrary bytes are not mistaken for an image.
+#define STBI_ONLY_PNG
+#define STBI_ONLY_JPEG
+#define STBI_ONLY_BMP
+#define STBI_ONLY_GIF
+#define STBI_ONLY_PNM
+#define STBI_NO_STDIO  // files are read here, so that each failure gets its own message
+#define STB_IMAGE_IMPLEMENTATION
+#define STB_IMAGE_WRITE_IMPLEMENTATION
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-function"
+#pragma GCC diagnostic ignored "-Wmissing-field-initializers"
+#pragma GCC diagnostic ignored "-Wsign-compare"
+#pragma GCC diagnostic ignored "-Wimplicit-fallthrough"
+#include "stb_image.h"
+#include "stb_image_write.h"
+#pragma GCC diagnostic pop
+
+namespace kvlens {
+
+namespace {
+
+std::string stb_reason() {
+  const char* r = stbi_failure_reason();
+  return r ? r : "unknown failure";
+}
+
+void check_image(const RGBImage& img, const char* what) {
+  if (img.width <= 0 || img.height <= 0 ||
+      img.data.size() != static_cast<size_t>(img.width) * img.height * 3)
+    throw InputError(std::string(what) + ": expected a non-empty RGB image with width*height*3 "
+                     "bytes, got " + std::to_string(img.width) + "x" +
+                     std::to_string(img.height) + " with " + std::to_string(img.data.size()) +
+                     " bytes");
+}
+
+// Width and height from a PNG's IHDR, or false when `bytes` does not start like a PNG. Used to
+// report an oversized PNG as such: stb_image refuses large ones in its header check with the
+// reason of whichever format it tried last.
+bool png_header_size(const uint8_t* b, size_t n, int64_t* w, int64_t* h) {
+  static const uint8_t sig[8] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1a, '\n'};
+  if (n < 24 || std::memcmp(b, sig, 8) != 0 || std::memcmp(b + 12, "IHDR", 4) != 0) return false;
+  auto be32 = [](const uint8_t* p) {
+    return int64_t{p[0]} << 24 | int64_t{p[1]} << 16 | int64_t{p[2]} << 8 | int64_t{p[3]};
+  };
+  *w = be32(b + 16);
+  *h = be32(b + 20);
+  return true;
+}
+
+std::string too_large(const std::string& name, int64_t w, int64_t h) {
+  return name + ": image is " + std::to_string(w) + "x" + std::to_string(h) +
+         " pixels, expected at most " + std::to_string(kMaxImagePixels) + " pixels in all";
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Decoding and writing
+
+RGBImage decode_image(const uint8_t* bytes, size_t n, const std::string& name) {
+  if (bytes == nullptr || n == 0)
+    throw InputError(name + ": empty input (0 bytes), expected an image");
+  if (n > static_cast<size_t>(std::numeric_limits<int>::max()))
+    throw InputError(name + ": " + std::to_string(n) + " bytes is too large for an image file");
+  const int len = static_cast<int>(n);
+  int w = 0, h = 0, comp = 0;
+  if (!stbi_info_from_memory(bytes, len, &w, &h, &comp)) {
+    const std::string reason = stb_reason();
+    int64_t pw = 0, ph = 0;
+    if (png_header_size(bytes, n, &pw, &ph) && pw * ph > kMaxImagePixels)
+      throw InputError(too_large(name, pw, ph));
+    throw InputError(name + ": not a readable image (stb_image: " + reason +
+                     "); expected PNG, JPEG, BMP, GIF or PNM");
+  }
+  const int64_t pixels = static_cast<int64_t>(w) * h;
+  if (w <= 0 || h <= 0 || pixels > kMaxImagePixels) throw InputError(too_large(name, w, h));
+  int dw = 0, dh = 0, dc = 0;
+  // 16-bit images come back as 8 bits by keeping the high byte of each sample (v >> 8). PIL
+  // does the same for 16-bit RGB / RGBA PNGs; for 16-bit grey PIL clips v to 255 instead.
+  stbi_uc* px = stbi_load_from_memory(bytes, len, &dw, &dh, &dc, 3);
+  if (px == nullptr)
+    throw InputError(name + ": cannot decode image (stb_image: " + stb_reason() + ")");
+  if (dw != w || dh != h) {
+    stbi_image_free(px);
+    throw InputError(name + ": image header says " + std::to_string(w) + "x" +
+                     std::to_string(h) + " but the decoded image is " + std::to_string(dw) +
+                     "x" + std::to_string(dh));
+  }
+  RGBImage img;
+  img.width = w;
+  img.height = h;
+  img.data.assign(px, px + static_cast<size_t>(pixels) * 3);
+  stbi_image_free(px);
+  return img;
+}
+
+RGBImage load_image(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  if (ec && ec != std::errc::no_such_file_or_directory && ec != std::errc::not_a_directory)
+    throw InputError("cannot access image file " + path + ": " + ec.message());
+  if (!fs::exists(st)) throw InputError("image file not found: " + path);
+  if (fs::is_directory(st)) throw InputError(path + " is a directory, expected an image file");
+  std::ifstream f(path, std::ios::binary | std::ios::ate);
+  if (!f) throw InputError("cannot open image file for reading: " + path);
+  const std::streamoff size = f.tellg();
+  if (size < 0) throw InputError("cannot read image file: " + path);
+  if (size == 0) throw InputError("image file is empty (0 bytes): " + path);
+  std::vector<uint8_t> bytes(static_cast<size_t>(size));
+  f.seekg(0);
+  if (!f.read(reinterpret_cast<char*>(bytes.data()), size))
+    throw InputError("cannot read image file: " + path);
+  return decode_image(bytes.data(), bytes.size(), path);
+}
+
+void write_png(const std::string& path, const RGBImage& img) {
+  check_image(img, ("write_png " + path).c_str());
+  if (!stbi_write_png(path.c_str(), img.width, img.height, 3, img.data.data(), img.width * 3))
+    throw InputError("cannot write PNG file: " + path);
+}
+
+// ---------------------------------------------------------------------------------------------
+// PIL-compatible bicubic resampling
+
+namespace {
+
+constexpr int kPrecisionBits = 32 - 8 - 2;  // fixed-point fraction bits PIL uses for 8-bit data
+
+double cubic(double x) {
+  constexpr double a = -0.5;
+  if (x < 0.0) x = -x;
+  if (x < 1.0) return ((a + 2.0) * x - (a + 3.0)) * x * x + 1.0;
+  if (x < 2.0) return (((x - 5.0) * x + 8.0) * x - 4.0) * a;
+  return 0.0;
+}
+
+// Per output pixel: the first input index, how many inputs it reads and their fixed-point
+// weights (ksize slots each).
+struct Coeffs {
+  int ksize = 0;
+  std::vector<int> first, count;
+  std::vector<int32_t> k;
+};
+
+Coeffs precompute_coeffs(int in_size, int out_size) {
+  const double scale = static_cast<double>(in_size) / out_size;
+  const double filterscale = std::max(scale, 1.0);
+  const double support = 2.0 * filterscale;
+  Coeffs c;
+  c.ksize = static_cast<int>(std::ceil(support)) * 2 + 1;
+  c.first.resize(out_size);
+  c.count.resize(out_size);
+  c.k.assign(static_cast<size_t>(out_size) * c.ksize, 0);
+  std::vector<double> w(c.ksize);
+  for (int xx = 0; xx < out_size; ++xx) {
+    const double center = (xx + 0.5) * scale;
+    const double ss = 1.0 / filterscale;
+    // Truncation toward zero, then clipping to the image, as PIL rounds the window ends.
+    int xmin = static_cast<int>(center - support + 0.5);
+    if (xmin < 0) xmin = 0;
+    int xmax = static_cast<int>(center + support + 0.5);
+    if (xmax > in_size) xmax = in_size;
+    const int n = std::min(xmax - xmin, c.ksize);
+    double sum = 0.0;
+    for (int x = 0; x < n; ++x) {
+      w[x] = cubic((x + xmin - center + 0.5) * ss);
+      sum += w[x];
+    }
+    int32_t* k = &c.k[static_cast<size_t>(xx) * c.ksize];
+    for (int x = 0; x < n; ++x) {
+      const double v = sum != 0.0 ? w[x] / sum : w[x];
+      const double f = v * (1 << kPrecisionBits);
+      k[x] = static_cast<int32_t>(v < 0 ? f - 0.5 : f + 0.5);
+    }
+    c.first[xx] = xmin;
+    c.count[xx] = std::max(n, 0);
+  }
+  return c;
+}
+
+inline uint8_t clip8(int64_t acc) {
+  const int64_t v = acc >> kPrecisionBits;  // floor: the 0.5 bias was added up front
+  return static_cast<uint8_t>(v < 0 ? 0 : (v > 255 ? 255 : v));
+}
+
+RGBImage resample_horizontal(const RGBImage& in, int out_w) {
+  const Coeffs c = precompute_coeffs(in.width, out_w);
+  RGBImage out;
+  out.width = out_w;
+  out.height = in.height;
+  out.data.resize(static_cast<size_t>(out_w) * in.height * 3);
+  for (int y = 0; y < in.height; ++y) {
+    const uint8_t* row = &in.data[static_cast<size_t>(y) * in.width * 3];
+    uint8_t* dst = &out.data[static_cast<size_t>(y) * out_w * 3];
+    for (int xx = 0; xx < out_w; ++xx) {
+      const int32_t* k = &c.k[static_cast<size_t>(xx) * c.ksize];
+      const uint8_t* src = row + static_cast<size_t>(c.first[xx]) * 3;
+      for (int ch = 0; ch < 3; ++ch) {
+        int64_t acc = int64_t{1} << (kPrecisionBits - 1);
+        for (int x = 0; x < c.count[xx]; ++x) acc += int64_t{src[x * 3 + ch]} * k[x];
+        dst[xx * 3 + ch] = clip8(acc);
+      }
+    }
+  }
+  return out;
+}
+
+RGBImage resample_vertical(const RGBImage& in, int out_h) {
+  const Coeffs c = precompute_coeffs(in.height, out_h);
+  RGBImage out;
+  out.width = in.width;
+  out.height = out_h;
+  const size_t stride = static_cast<size_t>(in.width) * 3;
+  out.data.resize(stride * out_h);
+  for (int yy = 0; yy < out_h; ++yy) {
+    const int32_t* k = &c.k[static_cast<size_t>(yy) * c.ksize];
+    const uint8_t* src = &in.data[static_cast<size_t>(c.first[yy]) * stride];
+    uint8_t* dst = &out.data[static_cast<size_t>(yy) * stride];
+    for (size_t i = 0; i < stride; ++i) {
+      int64_t acc = int64_t{1} << (kPrecisionBits - 1);
+      for (int y = 0; y < c.count[yy]; ++y) acc += int64_t{src[y * stride + i]} * k[y];
+      dst[i] = clip8(acc);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+RGBImage resize_bicubic(const RGBImage& img, int w, int h) {
+  check_image(img, "resize_bicubic");
+  if (w <= 0 || h <= 0 || static_cast<int64_t>(w) * h > kMaxImagePixels)
+    throw InputError("resize_bicubic: target size must be positive and at most " +
+                     std::to_string(kMaxImagePixels) + " pixels, got " + std::to_string(w) +
+                     "x" + std::to_string(h));
+  if (w == img.width && h == img.height) return img;
+  if (h == img.height) return resample_horizontal(img, w);
+  if (w == img.width) return resample_vertical(img, h);
+  // Pillow 13 runs the vertical pass first when the height shrinks by more than twice what the
+  // width shrinks (always when the width grows while the height shrinks); Pillow 12 and older
+  // always ran the horizontal pass first. The order changes the intermediate rounding, so it
+  // is followed to stay bit-exact with the Pillow that the reference processor uses.
+  const bool vertical_first = h < img.height && (img.height - h) > 2 * (img.width - w);
+  if (vertical_first) return resample_horizontal(resample_vertical(img, h), w);
+  return resample_vertical(resample_horizontal(img, w), h);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Geometry
+
+RGBImage pad_to_square(const RGBImage& img, std::array<uint8_t, 3> colour) {
+  check_image(img, "pad_to_square");
+  if (img.width == img.height) return img;
+  const int side = std::max(img.width, img.height);
+  RGBImage out;
+  out.width = out.height = side;
+  out.data.resize(static_cast<size_t>(side) * side * 3);
+  for (size_t i = 0; i < out.data.size(); i += 3)
+    std::memcpy(&out.data[i], colour.data(), 3);
+  // LLaVA-1.5 expand2square: paste at ((side - w) / 2, (side - h) / 2).
+  const int ox = (side - img.width) / 2, oy = (side - img.height) / 2;
+  const size_t row = static_cast<size_t>(img.width) * 3;
+  for (int y = 0; y < img.height; ++y)
+    std::memcpy(&out.data[(static_cast<size_t>(y + oy) * side + ox) * 3],
+                &img.data[static_cast<size_t>(y) * row], row);
+  return out;
+}
+
+RGBImage center_crop(const RGBImage& img, int w, int h) {
+  check_image(img, "center_crop");
+  if (w <= 0 || h <= 0 || static_cast<int64_t>(w) * h > kMaxImagePixels)
+    throw InputError("center_crop: crop size must be positive and at most " +
+                     std::to_string(kMaxImagePixels) + " pixels, got " + std::to_string(w) +
+                     "x" + std::to_string(h));
+  // As transformers' numpy center_crop (the PIL-based CLIPImageProcessor): along an axis where
+  // the crop fits, start at (size - crop) / 2 (floor); where it does not, keep the whole image
+  // and place it at ceil((crop - size) / 2) on a zero canvas.
+  auto axis = [](int size, int crop, int* src, int* dst, int* len) {
+    if (crop <= size) {
+      *src = (size - crop) / 2, *dst = 0, *len = crop;
+    } else {
+      *src = 0, *dst = (crop - size + 1) / 2, *len = size;
+    }
+  };
+  int sx, dx, nx, sy, dy, ny;
+  axis(img.width, w, &sx, &dx, &nx);
+  axis(img.height, h, &sy, &dy, &ny);
+  RGBImage out;
+  out.width = w;
+  out.height = h;
+  out.data.assign(static_cast<size_t>(w) * h * 3, 0);
+  for (int y = 0; y < ny; ++y)
+    std::memcpy(&out.data[(static_cast<size_t>(y + dy) * w + dx) * 3],
+                &img.data[(static_cast<size_t>(y + sy) * img.width + sx) * 3],
+                static_cast<size_t>(nx) * 3);
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pipeline
+
+Tensor preprocess(const RGBImage& img, const PreprocessConfig& cfg) {
+  check_image(img, "preprocess");
+  RGBImage cur;
+  if (cfg.pad_to_square) {
+    // LLaVA: tuple(int(x * 255) for x in image_processor.image_mean)
+    std::array<uint8_t, 3> colour{};
+    for (int c = 0; c < 3; ++c) {
+      const double v = std::floor(static_cast<double>(cfg.mean[c]) * 255.0);
+      colour[c] = static_cast<uint8_t>(std::clamp(v, 0.0, 255.0));
+    }
+    cur = pad_to_square(img, colour);
+  }
+  const RGBImage& base = cfg.pad_to_square ? cur : img;
+
+  RGBImage resized;
+  if (cfg.do_resize) {
+    int tw, th;
+    if (cfg.resize_height > 0 && cfg.resize_width > 0) {
+      tw = cfg.resize_width, th = cfg.resize_height;
+    } else {
+      if (cfg.shortest_edge <= 0)
+        throw InputError("preprocess: shortest_edge must be positive, got " +
+                         std::to_string(cfg.shortest_edge));
+      // transformers get_resize_output_image_size(default_to_square=False):
+      // long side = int(shortest_edge * long / short)
+      const int64_t s = cfg.shortest_edge;
+      const int shrt = std::min(base.width, base.height), lng = std::max(base.width, base.height);
+      const int64_t new_long = static_cast<int64_t>(static_cast<double>(s * lng) / shrt);
+      if (new_long > std::numeric_limits<int>::max())
+        throw InputError("preprocess: resized image would be too large");
+      if (base.width <= base.height)
+        tw = static_cast<int>(s), th = static_cast<int>(new_long);
+      else
+        tw = static_cast<int>(new_long), th = static_cast<int>(s);
+    }
+    resized = resize_bicubic(base, tw, th);
+  }
+  const RGBImage& sized = cfg.do_resize ? resized : base;
+
+  RGBImage cropped;
+  if (cfg.do_center_crop) cropped = center_crop(sized, cfg.crop_width, cfg.crop_height);
+  const RGBImage& fin = cfg.do_center_crop ? cropped : sized;
+
+  if (cfg.do_normalize)
+    for (int c = 0; c < 3; ++c)
+      if (!(cfg.std[c] != 0.0f) || !std::isfinite(cfg.std[c]))
+        throw InputError("preprocess: image_std must be finite and non-zero, got " +
+                         std::to_string(cfg.std[c]));
+
+  const int H = fin.height, W = fin.width;
+  Tensor t("pixel_values", {3, H, W});
+  // As transformers' numpy path: rescale in float64 then store float32, normalize in float32.
+  const double scale = cfg.rescale_factor;
+  for (int c = 0; c < 3; ++c) {
+    float* dst = t.ptr() + static_cast<size_t>(c) * H * W;
+    for (int i = 0; i < H * W; ++i) {
+      const uint8_t u = fin.data[static_cast<size_t>(i) * 3 + c];
+      float v = cfg.do_rescale ? static_cast<float>(u * scale) : static_cast<float>(u);
+      if (cfg.do_normalize) v = (v - cfg.mean[c]) / cfg.std[c];
+      dst[i] = v;
+    }
+  }
+  return t;
+}
+
+// ---------------------------------------------------------------------------------------------
+// preprocessor_config.json
+
+namespace {
+
+constexpr int kMaxEdge = 16384;
+
+int positive_int(const nlohmann::json& v, const std::string& key) {
+  if (!v.is_number_integer() || v.get<int64_t>() <= 0 || v.get<int64_t>() > kMaxEdge)
+    throw InputError("preprocessor config: '" + key + "' must be an integer in [1, " +
+                     std::to_string(kMaxEdge) + "], got " + v.dump());
+  return static_cast<int>(v.get<int64_t>());
+}
+
+bool boolean(const nlohmann::json& v, const std::string& key) {
+  if (!v.is_boolean())
+    throw InputError("preprocessor config: '" + key + "' must be true or false, got " + v.dump());
+  return v.get<bool>();
+}
+
+std::array<float, 3> three(const nlohmann::json& v, const std::string& key, bool positive) {
+  auto ok = [&](const nlohmann::json& x) {
+    if (!x.is_number()) return false;
+    const double d = x.get<double>();
+    return std::isfinite(d) && (!positive || d > 0.0);
+  };
+  std::array<float, 3> r{};
+  if (ok(v)) {
+    r.fill(v.get<float>());
+    return r;
+  }
+  if (v.is_array() && v.size() == 3 && ok(v[0]) && ok(v[1]) && ok(v[2])) {
+    for (int c = 0; c < 3; ++c) r[c] = v[c].get<float>();
+    return r;
+  }
+  throw InputError("preprocessor config: '" + key + "' must be 3 " +
+                   (positive ? "positive " : "") + "numbers (or one), got " + v.dump());
+}
+
+// {"height": h, "width": w} → (h, w)
+void height_width(const nlohmann::json& v, const std::string& key, int* h, int* w) {
+  if (!v.contains("height") || !v.contains("width"))
+    throw InputError("preprocessor config: '" + key +
+                     "' must be an integer or have 'height' and 'width', got " + v.dump());
+  *h = positive_int(v["height"], key + ".height");
+  *w = positive_int(v["width"], key + ".width");
+}
+
+}  // namespace
+
+PreprocessConfig preprocess_config_from_json(const nlohmann::json& j, int image_size) {
+  if (image_size <= 0 || image_size > kMaxEdge)
+    throw InputError("preprocessor config: image_size must be in [1, " +
+                     std::to_string(kMaxEdge) + "], got " + std::to_string(image_size));
+  if (!j.is_object())
+    throw InputError("preprocessor config: expected a JSON object, got " +
+                     std::string(j.type_name()));
+  PreprocessConfig cfg;
+  cfg.shortest_edge = image_size;
+  cfg.crop_height = cfg.crop_width = image_size;
+
+  if (j.contains("size")) {
+    const auto& s = j["size"];
+    if (s.is_number()) {
+      cfg.shortest_edge = positive_int(s, "size");  // CLIP: an int means the shortest edge
+    } else if (s.is_object() && s.contains("shortest_edge")) {
+      if (s.contains("longest_edge"))
+        throw InputError("preprocessor config: 'size.longest_edge' is not supported");
+      cfg.shortest_edge = positive_int(s["shortest_edge"], "size.shortest_edge");
+    } else if (s.is_object()) {
+      height_width(s, "size", &cfg.resize_height, &cfg.resize_width);
+    } else {
+      throw InputError("preprocessor config: 'size' must be an integer or an object, got " +
+                       s.dump());
+    }
+  }
+  if (j.contains("crop_size")) {
+    const auto& s = j["crop_size"];
+    if (s.is_number()) {
+      cfg.crop_height = cfg.crop_width = positive_int(s, "crop_size");
+    } else if (s.is_object()) {
+      height_width(s, "crop_size", &cfg.crop_height, &cfg.crop_width);
+    } else {
+      throw InputError("preprocessor config: 'crop_size' must be an integer or an object, got " +
+                       s.dump());
+    }
+  }
+  if (j.contains("do_resize")) cfg.do_resize = boolean(j["do_resize"], "do_resize");
+  if (j.contains("do_center_crop"))
+    cfg.do_center_crop = boolean(j["do_center_crop"], "do_center_crop");
+  if (j.contains("do_rescale")) cfg.do_rescale = boolean(j["do_rescale"], "do_rescale");
+  if (j.contains("do_normalize")) cfg.do_normalize = boolean(j["do_normalize"], "do_normalize");
+  if (j.contains("rescale_factor")) {
+    const auto& v = j["rescale_factor"];
+    if (!v.is_number() || !std::isfinite(v.get<double>()) || v.get<double>() <= 0.0)
+      throw InputError("preprocessor config: 'rescale_factor' must be a positive number, got " +
+                       v.dump());
+    cfg.rescale_factor = v.get<float>();
+  }
+  if (j.contains("image_mean")) cfg.mean = three(j["image_mean"], "image_mean", false);
+  if (j.contains("image_std")) cfg.std = three(j["image_std"], "image_std", true);
+  if (j.contains("resample")) {
+    const auto& v = j["resample"];
+    if (!v.is_number_integer() || v.get<int>() != 3)
+      throw InputError("preprocessor config: 'resample' must be 3 (bicubic, the only filter "
+                       "kvlens implements), got " + v.dump());
+  }
+  if (j.contains("do_pad")) cfg.pad_to_square = boolean(j["do_pad"], "do_pad");
+  if (j.contains("pad_to_square"))
+    cfg.pad_to_square = boolean(j["pad_to_square"], "pad_to_square");
+  if (j.contains("image_aspect_ratio")) {
+    const auto& v = j["image_aspect_ratio"];
+    if (!v.is_string())
+      throw InputError("preprocessor config: 'image_aspect_ratio' must be a string, got " +
+                       v.dump());
+    cfg.pad_to_square = v.get<std::string>() == "pad";
+  }
+  return cfg;
+}
+
+}  // namespace kvlens
