@@ -1,0 +1,114 @@
+// `kivi` (KIVI): keys quantized per channel within groups of G consecutive tokens, values per
+// token, both with b bits; the R most recent tokens stay fp32.
+//
+// Layout in the store, per KV head: the first n_q = floor((n − R)/G)·G rows of the layer are
+// quantized at prefill and the rest (R ≤ rest < R + G) stay fp32. During decode new tokens stay
+// fp32 until the fp32 tail holds R + G rows; then its oldest G rows are quantized (streaming),
+// so the last R tokens are always exact. Groups never cross a segment boundary (a segment has
+// one token kind): where the quantized span crosses one, the group is cut there and the piece
+// gets its own per-channel range. Each group is packed on its own (byte-aligned); V rows are
+// packed row by row.
+#include <algorithm>
+
+#include "core/policies/quant_methods.h"
+
+namespace kvlens {
+
+namespace {
+
+class KiviPolicy : public KVPolicy {
+ public:
+  KiviPolicy(int bits, int group, int residual) : bits_(bits), G_(group), R_(residual) {}
+  std::string name() const override { return "kivi"; }
+
+  void on_prefill_layer(const PrefillContext& ctx, LayerKV& layer) override {
+    if (layer.segments.empty()) return;
+    const int H = static_cast<int>(layer.segments.front().heads.size());
+    std::vector<int> take(H);
+    for (int h = 0; h < H; ++h) take[h] = quantizable(quant::rows_in_head(layer, h));
+    quantize_prefix(layer, 0, take, ctx.head_dim);
+  }
+
+  void on_decode_step(const DecodeContext& ctx, LayerKV& layer) override {
+    if (layer.segments.empty()) return;
+    size_t from = layer.segments.size();
+    while (from > 0 && layer.segments[from - 1].storage == "fp32") --from;
+    if (from == layer.segments.size()) return;
+    const int H = static_cast<int>(layer.segments.front().heads.size());
+    std::vector<int> take(H, 0);
+    bool any = false;
+    for (int h = 0; h < H; ++h) {
+      int tail = 0;
+      for (size_t i = from; i < layer.segments.size(); ++i) tail += layer.segments[i].heads[h].n();
+      take[h] = quantizable(tail);
+      any = any || take[h] > 0;
+    }
+    if (any) quantize_prefix(layer, from, take, ctx.head_dim);
+  }
+
+ private:
+  // Rows of n that leave at least R fp32 rows, in whole groups.
+  int quantizable(int n) const { return n > R_ ? (n - R_) / G_ * G_ : 0; }
+
+  // Quantizes the first take[h] fp32 rows of each head, walking segments from `from`.
+  void quantize_prefix(LayerKV& layer, size_t from, std::vector<int> take, int D) const {
+    for (size_t i = from; i < layer.segments.size(); ++i) {
+      if (layer.segments[i].storage != "fp32") continue;
+      const size_t H = layer.segments[i].heads.size();
+      std::vector<int> cut(H);
+      bool any = false, partial = false;
+      for (size_t h = 0; h < H; ++h) {
+        const int n = layer.segments[i].heads[h].n();
+        cut[h] = std::min(take[h], n);
+        any = any || cut[h] > 0;
+        partial = partial || cut[h] < n;
+      }
+      if (!any) {
+        bool more = false;
+        for (int t : take) more = more || t > 0;
+        if (!more) return;
+        continue;
+      }
+      if (partial) quant::split_segment(layer, i, cut, D);
+      quantize_piece(layer.segments[i], D);
+      for (size_t h = 0; h < H; ++h) take[h] -= cut[h];
+    }
+  }
+
+  void quantize_piece(KVSegment& s, int D) const {
+    auto p = std::make_shared<quant::QuantPayload>(static_cast<int>(s.heads.size()));
+    for (size_t h = 0; h < s.heads.size(); ++h) {
+      HeadRows& r = s.heads[h];
+      for (int g = 0; g < r.n(); g += G_)
+        quant::quantize_block(r.k.data() + static_cast<size_t>(g) * D, std::min(G_, r.n() - g), D,
+                              {bits_, quant::Axis::PerChannel}, p->k[h]);
+      quant::quantize_block(r.v.data(), r.n(), D, {bits_, quant::Axis::PerToken}, p->v[h]);
+    }
+    quant::set_quantized(s, p, "kivi q" + std::to_string(bits_));
+  }
+
+  int bits_, G_, R_;
+};
+
+}  // namespace
+
+MethodSpec kivi_method() {
+  MethodSpec m;
+  m.name = "kivi";
+  m.family = "quantization";
+  m.summary = "KIVI: K per-channel in groups of G tokens, V per-token, last R tokens fp32";
+  m.params = {
+      param::choice("bits", {"2", "4"}, "2",
+                    "bits b: x_dis = round((x−α)(2^b−1)/(β−α)); K ranges per channel and group, V per token"),
+      param::integer("group", 1, 4096, "32",
+                     "G: tokens per key group; each group has its own per-channel [α, β]"),
+      param::integer("residual", 0, 4096, "32",
+                     "R: the most recent R tokens stay fp32; quantized = floor((n−R)/G)·G oldest"),
+  };
+  m.make = [](const Params& p) -> std::unique_ptr<KVPolicy> {
+    return std::make_unique<KiviPolicy>(p.integer("bits"), p.integer("group"), p.integer("residual"));
+  };
+  return m;
+}
+
+}  // namespace kvlens

@@ -1,0 +1,362 @@
+#include "core/policies/quantize.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "core/errors.h"
+
+namespace kvlens::quant {
+
+// ---- fp16 -------------------------------------------------------------------------------------
+
+uint16_t to_half(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  uint32_t mant = x & 0x7fffffu;
+  const int exp = static_cast<int>((x >> 23) & 0xffu);
+  if (exp == 255) return static_cast<uint16_t>(sign | 0x7c00u | (mant ? 0x200u : 0u));
+  const int e = exp - 127 + 15;
+  if (e >= 31) return static_cast<uint16_t>(sign | 0x7c00u);
+  if (e <= 0) {  // half subnormal: value = m · 2^-24
+    if (e < -10) return static_cast<uint16_t>(sign);
+    mant |= 0x800000u;
+    const int shift = 14 - e;
+    uint32_t m = mant >> shift;
+    const uint32_t rem = mant & ((1u << shift) - 1u), halfway = 1u << (shift - 1);
+    if (rem > halfway || (rem == halfway && (m & 1u))) ++m;
+    return static_cast<uint16_t>(sign | m);
+  }
+  uint32_t h = sign | (static_cast<uint32_t>(e) << 10) | (mant >> 13);
+  const uint32_t rem = mant & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  // a carry rounds up the exponent
+  return static_cast<uint16_t>(h);
+}
+
+float from_half(uint16_t h) {
+  const uint32_t sign = (static_cast<uint32_t>(h) & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+  uint32_t x;
+  if (exp == 0) {
+    if (mant == 0) {
+      x = sign;
+    } else {
+      const float v = std::ldexp(static_cast<float>(mant), -24);
+      std::memcpy(&x, &v, 4);
+      x |= sign;
+    }
+  } else if (exp == 31) {
+    x = sign | 0x7f800000u | (mant << 13);
+  } else {
+    x = sign | ((exp - 15 + 127) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &x, 4);
+  return f;
+}
+
+// ---- Eq. 3/4 ----------------------------------------------------------------------------------
+
+uint32_t quantize(float x, float alpha, float beta, int bits) {
+  if (!(beta > alpha)) return 0;
+  const double L = max_code(bits);
+  const double c = std::nearbyint((static_cast<double>(x) - alpha) * L / (static_cast<double>(beta) - alpha));
+  return static_cast<uint32_t>(std::clamp(c, 0.0, L));
+}
+
+float dequantize(uint32_t code, float alpha, float beta, int bits) {
+  return static_cast<float>(code * ((static_cast<double>(beta) - alpha) / max_code(bits)) + alpha);
+}
+
+Affine make_affine(float alpha, float beta, int bits) {
+  Affine a;
+  a.alpha = round_half(alpha);
+  a.scale = beta > alpha ? round_half((beta - alpha) / static_cast<float>(max_code(bits))) : 0.0f;
+  return a;
+}
+
+uint32_t encode(float x, const Affine& a, int bits) {
+  if (!(a.scale > 0)) return 0;
+  const float c = std::nearbyint((x - a.alpha) / a.scale);
+  return static_cast<uint32_t>(std::clamp(c, 0.0f, static_cast<float>(max_code(bits))));
+}
+
+// ---- packing ----------------------------------------------------------------------------------
+
+int64_t packed_size(int64_t count, int bits) { return (count * bits + 7) / 8; }
+
+void pack(const uint32_t* codes, int64_t count, int bits, std::vector<uint8_t>& out) {
+  const size_t base = out.size();
+  out.resize(base + static_cast<size_t>(packed_size(count, bits)), 0);
+  uint8_t* p = out.data() + base;
+  const uint32_t mask = max_code(bits);
+  for (int64_t i = 0; i < count; ++i) {
+    const uint32_t c = codes[i] & mask;
+    const int64_t bit = i * bits;
+    const uint32_t shifted = c << (bit & 7);  // at most 15 bits wide
+    p[bit >> 3] |= static_cast<uint8_t>(shifted & 0xffu);
+    if ((bit & 7) + bits > 8) p[(bit >> 3) + 1] |= static_cast<uint8_t>(shifted >> 8);
+  }
+}
+
+uint32_t unpack_one(const uint8_t* p, int64_t i, int bits) {
+  const int64_t bit = i * bits;
+  uint32_t w = p[bit >> 3];
+  if ((bit & 7) + bits > 8) w |= static_cast<uint32_t>(p[(bit >> 3) + 1]) << 8;
+  return (w >> (bit & 7)) & max_code(bits);
+}
+
+void unpack(const uint8_t* packed, int64_t count, int bits, uint32_t* codes) {
+  for (int64_t i = 0; i < count; ++i) codes[i] = unpack_one(packed, i, bits);
+}
+
+// ---- ranges -----------------------------------------------------------------------------------
+
+Axis parse_axis(const std::string& s) {
+  if (s == "global") return Axis::Global;
+  if (s == "per-token") return Axis::PerToken;
+  if (s == "per-channel") return Axis::PerChannel;
+  throw InputError("granularity must be one of global|per-token|per-channel, got " + s);
+}
+
+const char* axis_name(Axis a) {
+  switch (a) {
+    case Axis::Global: return "global";
+    case Axis::PerToken: return "per-token";
+    case Axis::PerChannel: return "per-channel";
+  }
+  return "?";
+}
+
+void min_max(const float* x, int n, int d, Axis axis, std::vector<float>& lo,
+             std::vector<float>& hi) {
+  const int m = static_cast<int>(block_ranges(n, d, axis));
+  lo.assign(m, INFINITY);
+  hi.assign(m, -INFINITY);
+  for (int i = 0; i < n; ++i)
+    for (int j = 0; j < d; ++j) {
+      const int r = axis == Axis::Global ? 0 : axis == Axis::PerToken ? i : j;
+      const float v = x[static_cast<int64_t>(i) * d + j];
+      lo[r] = std::min(lo[r], v);
+      hi[r] = std::max(hi[r], v);
+    }
+}
+
+void shrink_range(float& lo, float& hi, float s, bool about_zero) {
+  if (s == 1.0f) return;
+  const float c = about_zero ? 0.0f : 0.5f * (lo + hi);
+  lo = c + s * (lo - c);
+  hi = c + s * (hi - c);
+}
+
+int64_t block_ranges(int n, int d, Axis axis) {
+  if (n <= 0 || d <= 0) return 0;
+  return axis == Axis::Global ? 1 : axis == Axis::PerToken ? n : d;
+}
+
+int64_t block_code_bytes(int n, int d, int bits, Axis axis) {
+  if (n <= 0 || d <= 0) return 0;
+  if (axis == Axis::PerToken) return static_cast<int64_t>(n) * packed_size(d, bits);
+  return packed_size(static_cast<int64_t>(n) * d, bits);
+}
+
+void quantize_block(float* x, int n, int d, const UniformSpec& spec, QuantBlock& out) {
+  if (n <= 0 || d <= 0) return;
+  std::vector<float> lo, hi;
+  min_max(x, n, d, spec.axis, lo, hi);
+  std::vector<Affine> aff(lo.size());
+  for (size_t r = 0; r < lo.size(); ++r) {
+    shrink_range(lo[r], hi[r], spec.shrink, spec.shrink_about_zero);
+    aff[r] = make_affine(lo[r], hi[r], spec.bits);
+    out.scales.push_back(to_half(aff[r].scale));
+    out.zeros.push_back(to_half(aff[r].alpha));
+  }
+  std::vector<uint32_t> codes(static_cast<size_t>(n) * d);
+  for (int i = 0; i < n; ++i)
+    for (int j = 0; j < d; ++j) {
+      const int r = spec.axis == Axis::Global ? 0 : spec.axis == Axis::PerToken ? i : j;
+      float& v = x[static_cast<int64_t>(i) * d + j];
+      const uint32_t c = encode(v, aff[r], spec.bits);
+      codes[static_cast<size_t>(i) * d + j] = c;
+      v = decode(c, aff[r]);
+    }
+  if (spec.axis == Axis::PerToken) {
+    for (int i = 0; i < n; ++i) pack(codes.data() + static_cast<size_t>(i) * d, d, spec.bits, out.codes);
+  } else {
+    pack(codes.data(), static_cast<int64_t>(n) * d, spec.bits, out.codes);
+  }
+}
+
+// ---- payload ----------------------------------------------------------------------------------
+
+void QuantBlock::shrink_to_fit() {
+  codes.shrink_to_fit();
+  scales.shrink_to_fit();
+  zeros.shrink_to_fit();
+  meta.shrink_to_fit();
+  flags.shrink_to_fit();
+}
+
+KVBytes QuantBlock::allocated() const {
+  KVBytes b;
+  b.codes = static_cast<int64_t>(codes.capacity());
+  b.scales = static_cast<int64_t>(scales.capacity() * sizeof(uint16_t));
+  b.zeros = static_cast<int64_t>(zeros.capacity() * sizeof(uint16_t));
+  b.meta = static_cast<int64_t>(meta.capacity() * sizeof(uint16_t) + flags.capacity());
+  return b;
+}
+
+KVBytes QuantPayload::allocated() const {
+  KVBytes b;
+  for (const QuantBlock& q : k) b += q.allocated();
+  for (const QuantBlock& q : v) b += q.allocated();
+  return b;
+}
+
+void QuantPayload::shrink_to_fit() {
+  for (QuantBlock& q : k) q.shrink_to_fit();
+  for (QuantBlock& q : v) q.shrink_to_fit();
+}
+
+// ---- rotations --------------------------------------------------------------------------------
+
+bool is_pow2(int n) { return n > 0 && (n & (n - 1)) == 0; }
+
+int next_pow2(int n) {
+  int p = 1;
+  while (p < n) p <<= 1;
+  return p;
+}
+
+void hadamard(float* x, int n) {
+  for (int len = 1; len < n; len <<= 1)
+    for (int i = 0; i < n; i += len << 1)
+      for (int j = i; j < i + len; ++j) {
+        const float a = x[j], b = x[j + len];
+        x[j] = a + b;
+        x[j + len] = a - b;
+      }
+  const float s = 1.0f / std::sqrt(static_cast<float>(n));
+  for (int i = 0; i < n; ++i) x[i] *= s;
+}
+
+namespace {
+double normal_pdf(double x) { return std::exp(-0.5 * x * x) / std::sqrt(2.0 * M_PI); }
+double normal_cdf(double x) { return 0.5 * std::erfc(-x / std::sqrt(2.0)); }
+// Inverse of normal_cdf by bisection (only used for the initial levels).
+double normal_quantile(double p) {
+  double a = -10, b = 10;
+  for (int it = 0; it < 200; ++it) {
+    const double m = 0.5 * (a + b);
+    (normal_cdf(m) < p ? a : b) = m;
+  }
+  return 0.5 * (a + b);
+}
+}  // namespace
+
+std::vector<float> lloyd_max_normal(int bits) {
+  const int K = 1 << bits;
+  std::vector<double> c(K);
+  for (int i = 0; i < K; ++i) c[i] = normal_quantile((i + 0.5) / K);
+  for (int it = 0; it < 10000; ++it) {
+    double moved = 0;
+    std::vector<double> nc(K);
+    for (int i = 0; i < K; ++i) {
+      // Centroid of N(0,1) on the cell [t_i, t_{i+1}]: (φ(t_i) − φ(t_{i+1})) / (Φ(t_{i+1}) − Φ(t_i)).
+      const double a = i == 0 ? -INFINITY : 0.5 * (c[i - 1] + c[i]);
+      const double b = i == K - 1 ? INFINITY : 0.5 * (c[i] + c[i + 1]);
+      const double pa = std::isinf(a) ? 0.0 : normal_pdf(a), pb = std::isinf(b) ? 0.0 : normal_pdf(b);
+      const double mass = normal_cdf(b) - normal_cdf(a);
+      nc[i] = mass > 0 ? (pa - pb) / mass : c[i];
+      moved = std::max(moved, std::fabs(nc[i] - c[i]));
+    }
+    c = nc;
+    if (moved < 1e-7) break;
+  }
+  return std::vector<float>(c.begin(), c.end());
+}
+
+uint32_t nearest_level(const std::vector<float>& levels, float x) {
+  // Boundaries are the midpoints between consecutive levels.
+  uint32_t lo = 0, hi = static_cast<uint32_t>(levels.size()) - 1;
+  while (lo < hi) {
+    const uint32_t mid = (lo + hi) / 2;
+    if (x > 0.5f * (levels[mid] + levels[mid + 1])) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
+// ---- segments ---------------------------------------------------------------------------------
+
+void set_quantized(KVSegment& s, std::shared_ptr<QuantPayload> p, const std::string& storage) {
+  p->shrink_to_fit();
+  s.storage = storage;
+  s.bytes = p->allocated();
+  for (const HeadRows& h : s.heads)
+    s.bytes.indices += static_cast<int64_t>(h.n()) * static_cast<int64_t>(sizeof(int32_t));
+  s.payload = std::move(p);
+}
+
+void split_segment(LayerKV& layer, size_t i, const std::vector<int>& cut, int head_dim) {
+  KVSegment& s = layer.segments.at(i);
+  if (s.storage != "fp32" || s.payload)
+    throw InternalError("split_segment: only fp32 segments can be split, got " + s.storage);
+  KVSegment tail;
+  tail.kind = s.kind;
+  tail.heads.resize(s.heads.size());
+  for (size_t h = 0; h < s.heads.size(); ++h) {
+    HeadRows& r = s.heads[h];
+    const int c = std::clamp(cut.at(h), 0, r.n());
+    const size_t off = static_cast<size_t>(c) * head_dim;
+    tail.heads[h].k.assign(r.k.begin() + off, r.k.end());
+    tail.heads[h].v.assign(r.v.begin() + off, r.v.end());
+    tail.heads[h].pos.assign(r.pos.begin() + c, r.pos.end());
+    r.k.resize(off);
+    r.v.resize(off);
+    r.pos.resize(c);
+  }
+  s.bytes = s.dense_bytes(head_dim, 4);
+  tail.bytes = tail.dense_bytes(head_dim, 4);
+  layer.segments.insert(layer.segments.begin() + static_cast<std::ptrdiff_t>(i) + 1, std::move(tail));
+}
+
+bool merge_last_into_previous(LayerKV& layer) {
+  const size_t n = layer.segments.size();
+  if (n < 2) return false;
+  KVSegment& a = layer.segments[n - 2];
+  KVSegment& b = layer.segments[n - 1];
+  auto pa = std::dynamic_pointer_cast<QuantPayload>(a.payload);
+  auto pb = std::dynamic_pointer_cast<QuantPayload>(b.payload);
+  if (a.kind != b.kind || a.storage != b.storage || !pa || !pb || a.heads.size() != b.heads.size())
+    return false;
+  auto cat = [](auto& x, const auto& y) { x.insert(x.end(), y.begin(), y.end()); };
+  for (size_t h = 0; h < a.heads.size(); ++h) {
+    if (!pa->k[h].flags.empty() || !pb->k[h].flags.empty()) return false;
+  }
+  for (size_t h = 0; h < a.heads.size(); ++h) {
+    cat(a.heads[h].k, b.heads[h].k);
+    cat(a.heads[h].v, b.heads[h].v);
+    cat(a.heads[h].pos, b.heads[h].pos);
+    for (int kv = 0; kv < 2; ++kv) {
+      QuantBlock& x = kv ? pa->v[h] : pa->k[h];
+      const QuantBlock& y = kv ? pb->v[h] : pb->k[h];
+      cat(x.codes, y.codes);
+      cat(x.scales, y.scales);
+      cat(x.zeros, y.zeros);
+      cat(x.meta, y.meta);
+    }
+  }
+  const std::string storage = a.storage;
+  set_quantized(a, pa, storage);
+  layer.segments.pop_back();
+  return true;
+}
+
+int rows_in_head(const LayerKV& layer, int h) {
+  int n = 0;
+  for (const KVSegment& s : layer.segments) n += s.heads.at(h).n();
+  return n;
+}
+
+}  // namespace kvlens::quant

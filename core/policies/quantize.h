@@ -1,0 +1,128 @@
+// Shared pieces of the quantization policies: the uniform affine quantizer of the papers
+// (CalibQuant Eq. 3/4, also KIVI's and ZipCache's), fp16 storage of scales, b-bit packing,
+// min/max along tokens or channels, the Hadamard transform, the Lloyd-Max codebook of a
+// standard normal, and the payload that owns a quantized segment's packed bytes.
+//
+// Conventions every quantizing policy follows:
+// - HeadRows.k/v of a quantized segment hold the dequantized fp32 rows (what attention reads);
+//   they equal, bit for bit, what decoding the payload gives.
+// - Scales, zero points (α), norms and per-channel factors are stored as fp16 and the policy
+//   quantizes with the fp16-rounded values, so the rows are exactly what the payload encodes.
+// - segment.bytes = payload->allocated() (vector capacities, after shrink_to_fit) plus the
+//   int32 positions (indices = 4 bytes per row).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/kv_store.h"
+
+namespace kvlens::quant {
+
+// ---- fp16 (IEEE binary16, round to nearest even) -------------------------------------------
+uint16_t to_half(float x);
+float from_half(uint16_t h);
+inline float round_half(float x) { return from_half(to_half(x)); }
+
+// ---- uniform affine quantization (Eq. 3/4) ---------------------------------------------------
+inline uint32_t max_code(int bits) { return (1u << bits) - 1u; }
+// x_dis = round((x − α)(2^b − 1)/(β − α)), clamped to [0, 2^b − 1]; 0 when β = α.
+uint32_t quantize(float x, float alpha, float beta, int bits);
+// x̂ = x_dis (β − α)/(2^b − 1) + α.
+float dequantize(uint32_t code, float alpha, float beta, int bits);
+
+// A range as stored: scale = (β − α)/(2^b − 1) and zero point α, both rounded to fp16.
+struct Affine {
+  float scale = 0, alpha = 0;
+};
+Affine make_affine(float alpha, float beta, int bits);
+// round((x − α)/scale) clamped to [0, 2^b − 1]; 0 when scale = 0.
+uint32_t encode(float x, const Affine& a, int bits);
+inline float decode(uint32_t code, const Affine& a) { return static_cast<float>(code) * a.scale + a.alpha; }
+
+// ---- bit packing ------------------------------------------------------------------------------
+// Code i occupies bits [i·b, (i+1)·b) of a little-endian bit stream (bit 0 = LSB of byte 0);
+// b ∈ [1, 8]; a stream of n codes takes ceil(n·b/8) bytes.
+int64_t packed_size(int64_t count, int bits);
+// Appends the packed stream of `count` codes to `out`.
+void pack(const uint32_t* codes, int64_t count, int bits, std::vector<uint8_t>& out);
+void unpack(const uint8_t* packed, int64_t count, int bits, uint32_t* codes);
+uint32_t unpack_one(const uint8_t* packed, int64_t i, int bits);
+
+// ---- ranges ---------------------------------------------------------------------------------
+enum class Axis { Global, PerToken, PerChannel };
+// "global" | "per-token" | "per-channel"
+Axis parse_axis(const std::string& s);
+const char* axis_name(Axis a);
+// Min and max of x[n][d]: one pair (Global), one per row (PerToken) or one per column
+// (PerChannel).
+void min_max(const float* x, int n, int d, Axis axis, std::vector<float>& lo,
+             std::vector<float>& hi);
+
+// Range shrinking (CalibQuant's official 1-bit setting): the bounds move towards a centre c by
+// the factor s ∈ (0, 1]: lo ← c + s(lo − c), hi ← c + s(hi − c); c = 0 (about_zero, what the
+// authors' code does: x_min·s, x_max·s) or c = (lo + hi)/2. s = 1 leaves the range as is.
+void shrink_range(float& lo, float& hi, float s, bool about_zero);
+
+// ---- what a quantized segment stores ----------------------------------------------------------
+struct QuantBlock {
+  std::vector<uint8_t> codes;    // packed codes (and sign bits)
+  std::vector<uint16_t> scales;  // fp16 scales (or norms)
+  std::vector<uint16_t> zeros;   // fp16 zero points α
+  std::vector<uint16_t> meta;    // fp16 extras (per-channel factors)
+  std::vector<uint8_t> flags;    // packed per-token flags (mixed precision membership)
+  void shrink_to_fit();
+  KVBytes allocated() const;  // from capacities: codes, scales, zeros, meta (fp16 meta + flags)
+};
+
+// One K block and one V block per KV head.
+class QuantPayload : public SegmentPayload {
+ public:
+  explicit QuantPayload(int n_heads) : k(n_heads), v(n_heads) {}
+  std::vector<QuantBlock> k, v;
+  KVBytes allocated() const override;
+  void shrink_to_fit();
+};
+
+// Uniform quantization of x[n][d] in place (x becomes its dequantization). Appends the packed
+// codes and the fp16 scale/zero of each range to `out`. Global and PerChannel pack the block
+// as one stream; PerToken packs each row on its own (row-aligned, so per-token blocks can be
+// concatenated as tokens arrive). Ranges are shrunk by `shrink` (see shrink_range) first;
+// values outside a shrunk range clamp to its ends.
+struct UniformSpec {
+  int bits = 4;
+  Axis axis = Axis::PerToken;
+  float shrink = 1.0f;
+  bool shrink_about_zero = true;
+};
+void quantize_block(float* x, int n, int d, const UniformSpec& spec, QuantBlock& out);
+// Bytes quantize_block appends for a block of n×d (codes; scale and zero count per range).
+int64_t block_code_bytes(int n, int d, int bits, Axis axis);
+int64_t block_ranges(int n, int d, Axis axis);
+
+// ---- rotations --------------------------------------------------------------------------------
+bool is_pow2(int n);
+int next_pow2(int n);
+// In place, orthonormal Walsh–Hadamard transform (H/√n, its own inverse), n a power of two.
+void hadamard(float* x, int n);
+// Lloyd-Max scalar codebook of 2^bits levels for N(0, 1) (bits = 0 gives {0}), ascending;
+// computed by Lloyd iterations from quantile initial levels until they move by < 1e-7.
+std::vector<float> lloyd_max_normal(int bits);
+// Index of the level nearest to x in an ascending codebook.
+uint32_t nearest_level(const std::vector<float>& levels, float x);
+
+// ---- segments ---------------------------------------------------------------------------------
+// Installs a payload: shrinks it, sets storage and bytes (payload + int32 positions).
+void set_quantized(KVSegment& s, std::shared_ptr<QuantPayload> p, const std::string& storage);
+// Splits layer.segments[i] (stored fp32) after cut[h] rows of each head h: rows [0, cut[h])
+// stay at i, the rest go to a new fp32 segment of the same kind at i + 1.
+void split_segment(LayerKV& layer, size_t i, const std::vector<int>& cut, int head_dim);
+// Moves the last segment's rows and payload onto the segment before it when both have the
+// same kind and storage and both payloads are QuantPayload with row-aligned blocks (per-token
+// formats); returns whether it merged.
+bool merge_last_into_previous(LayerKV& layer);
+// Number of rows KV head h holds over all segments of `layer`.
+int rows_in_head(const LayerKV& layer, int h);
+
+}  // namespace kvlens::quant

@@ -1,0 +1,598 @@
+// Quantization policies against direct computations of their formulas, on fresh seeded random
+// stores built by hand (system / visual / post-vision text segments, GQA heads). Tolerances are
+// derived from the stored format: half a step, the fp16 rounding of the range, float epsilon.
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <set>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "core/errors.h"
+#include "core/method.h"
+#include "core/policies/quant_methods.h"
+#include "core/policies/quantize.h"
+#include "kernels/cpu/ops.h"
+
+using namespace kvlens;
+using quant::round_half;
+
+namespace {
+
+const SegmentKind kS = SegmentKind::System, kV = SegmentKind::Visual, kT = SegmentKind::PostVisionText;
+// A one-layer store of n_sys system, n_vis visual and n_txt text tokens with H query heads over
+// KH KV heads, its original rows, prompt queries and causal attention of every query head.
+struct Fixture {
+  int H = 4, KH = 2, D = 16, T = 0;
+  std::vector<SegmentKind> kinds;
+  std::vector<int> ids;
+  std::vector<float> k, v, q, probs, scores;  // k, v: [T][KH][D]; q: [T][H][D]; probs: [H][T][T]
+  std::vector<float> dq;                      // decode queries [step][H][D]
+  KVStore store;
+  std::mt19937_64 rng;
+  float normal() { return std::normal_distribution<float>(0.0f, 1.0f)(rng); }
+
+  Fixture(int n_sys, int n_vis, int n_txt, int d, uint64_t seed, int kv_heads = 2)
+      : KH(kv_heads), D(d), rng(seed) {
+    T = n_sys + n_vis + n_txt;
+    for (int i = 0; i < T; ++i) {
+      kinds.push_back(i < n_sys ? kS : i < n_sys + n_vis ? kV : kT);
+      ids.push_back(i == 0 ? 1 : 100 + i);
+    }
+    k.resize(static_cast<size_t>(T) * KH * D), v.resize(k.size()), q.resize(static_cast<size_t>(T) * H * D);
+    for (size_t i = 0; i < k.size(); ++i)  // keys with outlier channels
+      k[i] = normal() * (i % D % 5 == 0 ? 6.0f : 1.0f) + (i % D % 3 == 0 ? 2.0f : 0.0f), v[i] = normal();
+    for (float& x : q) x = normal();
+    std::vector<int32_t> pos(T);
+    std::iota(pos.begin(), pos.end(), 0), store = KVStore(1, KH, D);
+    store.append(0, k.data(), v.data(), pos.data(), kinds.data(), T);
+    scores.assign(static_cast<size_t>(H) * T * T, -INFINITY);  // causal: keys j ≤ query i
+    for (int h = 0; h < H; ++h)
+      for (int i = 0; i < T; ++i)
+        for (int j = 0; j <= i; ++j)
+          scores[(static_cast<size_t>(h) * T + i) * T + j] = static_cast<float>(
+              std::inner_product(key(j, h / (H / KH)), key(j, h / (H / KH)) + D, &q[(static_cast<size_t>(i) * H + h) * D], 0.0) / std::sqrt(D));
+    probs = scores;
+    cpu::softmax_rows(probs.data(), static_cast<int64_t>(H) * T, T);
+  }
+  const float* key(int t, int kh) const { return &k[(static_cast<size_t>(t) * KH + kh) * D]; }
+  const float* val(int t, int kh) const { return &v[(static_cast<size_t>(t) * KH + kh) * D]; }
+  PrefillContext ctx() const {
+    PrefillContext c;
+    c.n_layers = 1, c.n_heads = H, c.n_kv_heads = KH, c.head_dim = D, c.prompt_len = T;
+    c.q = q.data(), c.probs = probs.data(), c.scores = scores.data();
+    c.token_kinds = &kinds, c.token_ids = &ids;
+    return c;
+  }
+  void prefill(KVPolicy& p) { p.on_prefill({ctx()}, store); }
+  // Appends `steps` generated tokens, calling the decode hook after each; originals are kept.
+  void decode(KVPolicy& p, int steps) {
+    for (int s = 0; s < steps; ++s) {
+      std::vector<float> nk(static_cast<size_t>(KH) * D), nv(nk.size()), nq(static_cast<size_t>(H) * D);
+      for (std::vector<float>* x : {&nk, &nv, &nq}) std::generate(x->begin(), x->end(), [this] { return normal(); });
+      DecodeContext d;  // the new token's position follows every token so far
+      d.position = static_cast<int>(k.size() / (static_cast<size_t>(KH) * D));
+      d.step = d.position - T, d.n_heads = H, d.n_kv_heads = KH, d.head_dim = D, d.q = nq.data();
+      k.insert(k.end(), nk.begin(), nk.end()), v.insert(v.end(), nv.begin(), nv.end()), dq.insert(dq.end(), nq.begin(), nq.end());
+      const SegmentKind g = SegmentKind::Generated;
+      store.append(0, nk.data(), nv.data(), &d.position, &g, 1);
+      p.on_decode_step(d, store.layer(0));
+    }
+  }
+};
+
+// The largest error of the stored affine format on values in [lo, hi] at b bits: half the
+// fp16 step, the fp16 rounding of α, the part of the range the rounded step no longer covers,
+// and float rounding of the arithmetic.
+double affine_bound(double lo, double hi, int bits) {
+  const double L = quant::max_code(bits);
+  const double a = round_half(static_cast<float>(lo));
+  const double s = hi > lo ? round_half(static_cast<float>((hi - lo) / L)) : 0.0;
+  return s / 2 + std::fabs(a - lo) + std::max(0.0, hi - (a + L * s)) +
+         8 * FLT_EPSILON * (std::fabs(lo) + std::fabs(hi) + L * s);
+}
+
+// Every segment reports what it holds: payload bytes as allocated, 4-byte positions, and dense
+// bytes for plain fp32 rows.
+void expect_accounting(const KVStore& st) {
+  for (int l = 0; l < st.n_layers(); ++l)
+    for (const KVSegment& s : st.layer(l).segments) {
+      int64_t idx = 0;
+      for (const HeadRows& r : s.heads) {
+        idx += 4LL * r.n();
+        ASSERT_EQ(r.k.size(), static_cast<size_t>(r.n()) * st.head_dim());
+        ASSERT_EQ(r.v.size(), r.k.size());
+      }
+      if (!s.payload) {
+        EXPECT_EQ(s.storage, "fp32");
+        EXPECT_EQ(s.bytes.total(), s.dense_bytes(st.head_dim(), 4).total());
+        continue;
+      }
+      const KVBytes a = s.payload->allocated(), b = s.bytes;
+      EXPECT_TRUE(b.codes == a.codes && b.scales == a.scales && b.zeros == a.zeros && b.meta == a.meta) << s.storage;
+      EXPECT_EQ(b.indices, idx) << s.storage;
+    }
+}
+
+const quant::QuantPayload& payload(const KVSegment& s) {
+  if (auto p = std::dynamic_pointer_cast<quant::QuantPayload>(s.payload)) return *p;
+  throw std::runtime_error("segment has no QuantPayload: " + s.storage);
+}
+
+// Indices by descending score, ties to the earlier index.
+std::vector<int> ranked(const std::vector<double>& score) {
+  std::vector<int> idx(score.size());
+  std::iota(idx.begin(), idx.end(), 0);
+  std::stable_sort(idx.begin(), idx.end(), [&](int a, int b) { return score[a] > score[b]; });
+  return idx;
+}
+
+bool same_rows(const KVSegment& a, const KVSegment& b) {
+  if (a.heads.size() != b.heads.size() || a.storage != b.storage || a.bytes.total() != b.bytes.total()) return false;
+  for (size_t h = 0; h < a.heads.size(); ++h)
+    if (a.heads[h].k != b.heads[h].k || a.heads[h].v != b.heads[h].v || a.heads[h].pos != b.heads[h].pos) return false;
+  return true;
+}
+
+}  // namespace
+
+TEST(Quantize, EqThreeAndFourDirectly) {
+  std::mt19937_64 rng(11);
+  std::uniform_real_distribution<double> u(-50, 50);  // x̂ and the error bound from Eq. 3/4
+  for (int bits : {1, 2, 3, 4, 8})
+    for (int trial = 0; trial < 200; ++trial) {
+      float a = static_cast<float>(u(rng)), b = static_cast<float>(u(rng));
+      if (a > b) std::swap(a, b);  // random range [α, β], x inside it
+      const float x = a + static_cast<float>(std::uniform_real_distribution<double>(0, 1)(rng)) * (b - a);
+      const double L = (1 << bits) - 1;
+      const uint32_t c = quant::quantize(x, a, b, bits);
+      EXPECT_EQ(c, static_cast<uint32_t>(std::nearbyint((static_cast<double>(x) - a) * L / (static_cast<double>(b) - a))));
+      const double xh = quant::dequantize(c, a, b, bits);  // Eq. 4, and within half a step of x
+      EXPECT_NEAR(xh, c * (static_cast<double>(b) - a) / L + a, 4 * FLT_EPSILON * (std::fabs(a) + std::fabs(b)));
+      EXPECT_LE(std::fabs(xh - x), (b - a) / L / 2 + 8 * FLT_EPSILON * (std::fabs(a) + std::fabs(b)));
+    }
+  EXPECT_TRUE(quant::quantize(3.0f, 3.0f, 3.0f, 2) == 0u && quant::dequantize(0, 3.0f, 3.0f, 2) == 3.0f);  // β = α
+  EXPECT_EQ(quant::quantize(9.0f, 0.0f, 1.0f, 2), 3u);  // clamped
+}
+
+TEST(Quantize, HalfPrecisionRoundTrip) {
+  for (float x : {0.0f, -0.0f, 1.0f, -2.5f, 65504.0f, 6.103515625e-05f, 5.9604645e-08f, 1000.5f})
+    EXPECT_EQ(quant::from_half(quant::to_half(x)), x) << x;
+  EXPECT_TRUE(round_half(1000.25f) == 1000.0f && round_half(1000.75f) == 1001.0f);  // ties to even (ulp 0.5)
+  EXPECT_TRUE(std::isinf(quant::from_half(quant::to_half(1e6f))));
+  std::mt19937_64 rng(3);
+  for (int i = 0; i < 10000; ++i) {  // within half an fp16 ulp: 2^-11 relative, 2^-25 near 0
+    const float x = std::normal_distribution<float>(0, 100)(rng);
+    EXPECT_LE(std::fabs(round_half(x) - x), std::ldexp(std::fabs(x), -11) + 3e-8f) << x;
+  }
+}
+
+TEST(Quantize, BitPackingRoundTrip) {
+  std::mt19937_64 rng(5);
+  for (int bits : {1, 2, 3, 4, 8})
+    for (int n : {1, 3, 7, 13, 64, 101}) {
+      std::vector<uint32_t> codes(n), back(n);
+      std::vector<uint8_t> out = {0xAB};  // packing appends after what is there
+      for (uint32_t& c : codes) c = static_cast<uint32_t>(rng() % (1u << bits));
+      quant::pack(codes.data(), n, bits, out);
+      ASSERT_EQ(out.size(), 1 + static_cast<size_t>((n * bits + 7) / 8));
+      ASSERT_EQ(out[0], 0xAB);
+      quant::unpack(out.data() + 1, n, bits, back.data());
+      EXPECT_EQ(back, codes) << bits << " bits, n=" << n;
+    }
+}
+
+TEST(Uniform, GranularitiesAndScope) {
+  for (const char* g : {"global", "per-token", "per-channel"})
+    for (int bits : {1, 3, 8}) {
+      Fixture f(5, 20, 6, 16, 21);
+      f.prefill(*make_policy("uniform:bits=" + std::to_string(bits) + ",k_granularity=" + g + ",v_granularity=" + g));
+      expect_accounting(f.store);
+      int start = 0;
+      for (const KVSegment& s : f.store.layer(0).segments) {
+        const int n = s.heads[0].n();
+        for (int kh = 0; kh < f.KH; ++kh)
+          for (int kv = 0; kv < 2; ++kv) {
+            auto orig = [&](int t, int c) { return (kv ? f.val(start + t, kh) : f.key(start + t, kh))[c]; };
+            const std::vector<float>& got = kv ? s.heads[kh].v : s.heads[kh].k;
+            for (int t = 0; t < n; ++t)
+              for (int c = 0; c < f.D; ++c) {
+                double lo = INFINITY, hi = -INFINITY;  // the range this value was quantized with
+                for (int t2 = 0; t2 < n; ++t2)
+                  for (int c2 = 0; c2 < f.D; ++c2)
+                    if (std::string(g) == "global" || (std::string(g) == "per-token" ? t2 == t : c2 == c))
+                      lo = std::min<double>(lo, orig(t2, c2)), hi = std::max<double>(hi, orig(t2, c2));
+                EXPECT_LE(std::fabs(got[t * f.D + c] - orig(t, c)), affine_bound(lo, hi, bits)) << g << bits;
+              }
+          }
+        start += n;
+      }
+    }
+  Fixture f(5, 20, 6, 16, 22), ref(5, 20, 6, 16, 22);
+  f.prefill(*make_policy("uniform:bits=2,scope=visual"));
+  for (size_t i = 0; i < 3; ++i)
+    EXPECT_EQ(same_rows(f.store.layer(0).segments[i], ref.store.layer(0).segments[i]), i != 1) << i;
+}
+
+TEST(Full, Fp32IsUntouchedAndFp16RoundsRows) {
+  Fixture f(4, 12, 5, 16, 31), ref(4, 12, 5, 16, 31);
+  auto p32 = make_policy("full");
+  f.prefill(*p32), f.decode(*p32, 3), ref.decode(*p32, 3);
+  ASSERT_EQ(f.store.layer(0).segments.size(), ref.store.layer(0).segments.size());
+  for (size_t i = 0; i < f.store.layer(0).segments.size(); ++i)  // bit-identical to no policy
+    EXPECT_TRUE(same_rows(f.store.layer(0).segments[i], ref.store.layer(0).segments[i]));
+  Fixture h(4, 12, 5, 16, 32);
+  auto p16 = make_policy("full:storage=fp16");
+  h.prefill(*p16), h.decode(*p16, 4), expect_accounting(h.store);
+  ASSERT_EQ(h.store.layer(0).segments.size(), 4u);  // system, visual, text, one merged generated segment
+  for (const KVSegment& s : h.store.layer(0).segments) {
+    EXPECT_TRUE(s.storage == "fp16" && s.bytes.total() == s.dense_bytes(h.D, 2).total()) << s.storage;
+    for (int kh = 0; kh < h.KH; ++kh)
+      for (int t = 0; t < s.heads[kh].n(); ++t)
+        for (int c = 0; c < h.D; ++c)
+          EXPECT_EQ(s.heads[kh].k[t * h.D + c], round_half(h.key(s.heads[kh].pos[t], kh)[c]));
+  }
+}
+
+TEST(CalibQuant, PostScalingEqualsDequantizeThenDot) {
+  for (int bits : {1, 2, 4, 8}) {
+    Fixture f(3, 40, 4, 32, 40 + bits);
+    f.prefill(*make_policy("calibquant:bits=" + std::to_string(bits)));
+    const KVSegment& vis = f.store.layer(0).segments[1];
+    const quant::QuantPayload& p = payload(vis);
+    for (int kh = 0; kh < f.KH; ++kh) {  // q·k̂ and w·V̂ from the codes vs the dequantized rows
+      const int n = vis.heads[kh].n(), D = f.D;
+      std::vector<float> qv(D), w(n), got(std::max(n, D));
+      std::generate(qv.begin(), qv.end(), [&] { return f.normal(); }), std::generate(w.begin(), w.end(), [&] { return std::fabs(f.normal()); });
+      calibquant::post_scaled_scores(qv.data(), D, p.k[kh].codes.data(), n, bits, p.k[kh].scales.data(), p.k[kh].zeros.data(), got.data());
+      for (int j = 0; j < n; ++j) {  // relative to Σ|q_c k̂_c|, the scale of the sum's rounding
+        double dot = 0, mag = 0;
+        for (int c = 0; c < D; ++c) dot += qv[c] * vis.heads[kh].k[j * D + c], mag += std::fabs(qv[c] * vis.heads[kh].k[j * D + c]);
+        EXPECT_LE(std::fabs(got[j] - dot), 1e-5 * mag + 1e-30) << bits;
+      }
+      calibquant::post_scaled_values(w.data(), n, p.v[kh].codes.data(), D, bits, p.v[kh].scales.data(), p.v[kh].zeros.data(), got.data());
+      for (int c = 0; c < D; ++c) {
+        double acc = 0, mag = 0;
+        for (int j = 0; j < n; ++j) acc += w[j] * vis.heads[kh].v[j * D + c], mag += std::fabs(w[j] * vis.heads[kh].v[j * D + c]);
+        EXPECT_LE(std::fabs(got[c] - acc), 1e-5 * mag + 1e-30) << bits;
+      }
+    }
+  }
+}
+
+TEST(CalibQuant, CalibrationMapsTheVisualRangeAndTouchesOnlyVisualKeys) {
+  std::mt19937_64 rng(50);
+  std::uniform_real_distribution<float> u(-20, 20), t(0, 8);
+  for (int trial = 0; trial < 100; ++trial) {
+    float g = u(rng), d = u(rng);
+    if (g > d) std::swap(g, d);
+    const float t1 = t(rng), t2 = t(rng), eps = 16 * FLT_EPSILON * (std::fabs(g) + std::fabs(d) + 16);
+    EXPECT_NEAR(calibquant::calibrate(g, g, d, t1, t2), g - t1, eps);
+    EXPECT_NEAR(calibquant::calibrate(d, g, d, t1, t2), d - t2, eps);
+    const float x = u(rng), y = u(rng), a = 0.3f;  // linear: g(ax + (1−a)y) = a g(x) + (1−a) g(y)
+    EXPECT_NEAR(calibquant::calibrate(a * x + (1 - a) * y, g, d, t1, t2),
+                a * calibquant::calibrate(x, g, d, t1, t2) + (1 - a) * calibquant::calibrate(y, g, d, t1, t2), eps * 4);
+  }
+  const int n = 30;  // scores of one query
+  std::vector<float> s(n);
+  std::vector<SegmentKind> kinds(n);  // visual, system and generated keys
+  for (int j = 0; j < n; ++j) s[j] = u(rng), kinds[j] = j % 3 ? kV : (j % 2 ? kS : SegmentKind::Generated);
+  const std::vector<float> orig = s;
+  auto p = make_policy("calibquant:bits=1,tau1=1,tau2=3");
+  ASSERT_TRUE(p->has_score_transform());
+  p->transform_scores(0, 0, s.data(), kinds.data(), n);
+  float g = INFINITY, d = -INFINITY, ng = INFINITY, nd = -INFINITY;
+  for (int j = 0; j < n; ++j)
+    if (kinds[j] != kV) EXPECT_EQ(s[j], orig[j]);  // other keys untouched
+    else g = std::min(g, orig[j]), d = std::max(d, orig[j]), ng = std::min(ng, s[j]), nd = std::max(nd, s[j]);
+  EXPECT_NEAR(ng, g - 1, 1e-4);  // [γ, δ] → [γ − τ1, δ − τ2]
+  EXPECT_NEAR(nd, d - 3, 1e-4);
+  EXPECT_TRUE(!make_policy("calibquant:bits=4")->has_score_transform() && make_policy("calibquant:bits=4,calibrate=force")->has_score_transform() &&
+              !make_policy("calibquant:bits=1,calibrate=off")->has_score_transform());  // auto: only when bits ≤ 2
+}
+
+TEST(CalibQuant, VisualOnlyChannelWiseWithOptionalShrink) {
+  for (const char* spec : {"calibquant:preset=paper", "calibquant:preset=official"}) {
+    Fixture f(6, 50, 7, 16, 60), ref(6, 50, 7, 16, 60);
+    const Params prm = parse_method_spec(spec);
+    f.prefill(*make_policy(prm)), expect_accounting(f.store);
+    const LayerKV& L = f.store.layer(0);  // system and text untouched, visual 1-bit channel-wise
+    EXPECT_TRUE(same_rows(L.segments[0], ref.store.layer(0).segments[0]) && same_rows(L.segments[2], ref.store.layer(0).segments[2]));
+    const KVSegment& vis = L.segments[1];
+    EXPECT_EQ(vis.storage, "q1-channel");
+    for (int kv = 0; kv < 2; ++kv) {
+      const float s = static_cast<float>(prm.num(kv ? "v_shrink" : "k_shrink"));
+      for (int kh = 0; kh < f.KH; ++kh)
+        for (int c = 0; c < f.D; ++c) {
+          float lo = INFINITY, hi = -INFINITY;
+          for (int t = 6; t < 56; ++t) lo = std::min(lo, (kv ? f.val(t, kh) : f.key(t, kh))[c]), hi = std::max(hi, (kv ? f.val(t, kh) : f.key(t, kh))[c]);
+          lo *= s, hi *= s;  // shrink about zero
+          const float a = round_half(lo), st = round_half(hi - lo);  // 1 bit: 2^b − 1 = 1
+          for (int t = 0; t < 50; ++t) {
+            const float got = (kv ? vis.heads[kh].v : vis.heads[kh].k)[t * f.D + c];
+            const float x = (kv ? f.val(6 + t, kh) : f.key(6 + t, kh))[c];
+            const float code = std::clamp(std::nearbyint((x - a) / st), 0.0f, 1.0f);
+            EXPECT_EQ(got, code * st + a);  // the channel's shrunk range: α or β
+          }
+        }
+    }
+  }
+}
+
+TEST(CalibQuant, CompressionRatioOfOneBitVisualStore) {
+  const int n = 100, D = 64, KH = 2;
+  Fixture f(0, n, 0, D, 70, KH);
+  f.prefill(*make_policy("calibquant:bits=1")), expect_accounting(f.store);
+  // Per head: K and V codes ceil(n·D·1/8) bytes each, fp16 scale and zero per channel, positions.
+  const int64_t per_head = 2 * ((n * D + 7) / 8) + 2 * 2 * D * 2 + 4 * n;
+  EXPECT_EQ(f.store.bytes().total(), KH * per_head);
+  const double ratio = KH * (2.0 * n * D * 2 + 4 * n) / f.store.bytes().total();  // vs fp16 rows
+  EXPECT_TRUE(ratio > 8.0 && ratio < 16.0) << ratio;  // below 16/b only by the ranges and positions
+}
+
+TEST(Kivi, RecentWindowExactAndGroupRangesPerChannel) {
+  const int G = 8, R = 10;
+  Fixture f(7, 60, 9, 16, 80);
+  auto p = make_policy("kivi:bits=2,group=" + std::to_string(G) + ",residual=" + std::to_string(R));
+  f.prefill(*p);
+  const LayerKV& L = f.store.layer(0);
+  for (int step = 0; step < 23; ++step) {  // after each token: fp32 tail in [R, R + G), all at the end
+    f.decode(*p, 1);
+    size_t i = L.segments.size(), tail = 0;
+    while (i > 0 && L.segments[i - 1].storage == "fp32") tail += L.segments[--i].heads[0].n();
+    EXPECT_TRUE(tail >= static_cast<size_t>(R) && tail < static_cast<size_t>(R + G)) << tail;
+  }
+  expect_accounting(f.store);
+  for (int kh = 0; kh < f.KH; ++kh) {
+    int fp32_rows = 0;
+    std::vector<int32_t> order;
+    for (const KVSegment& s : L.segments) {
+      const HeadRows& r = s.heads[kh];
+      for (int32_t ps : r.pos) order.push_back(ps);
+      if (s.storage == "fp32") {
+        fp32_rows += r.n();
+        for (int t = 0; t < r.n(); ++t)
+          for (int c = 0; c < f.D; ++c) EXPECT_EQ(r.k[t * f.D + c], f.key(r.pos[t], kh)[c]);
+        continue;
+      }
+      EXPECT_EQ(fp32_rows, 0) << "quantized rows after fp32 ones";
+      const quant::QuantPayload& q = payload(s);
+      int groups = 0;
+      for (int g0 = 0; g0 < r.n(); g0 += G, ++groups)
+        for (int c = 0; c < f.D; ++c) {
+          float lo = INFINITY, hi = -INFINITY;
+          for (int t = g0; t < std::min(r.n(), g0 + G); ++t)
+            lo = std::min(lo, f.key(r.pos[t], kh)[c]), hi = std::max(hi, f.key(r.pos[t], kh)[c]);
+          EXPECT_EQ(quant::from_half(q.k[kh].scales[groups * f.D + c]), round_half((hi - lo) / 3));
+          EXPECT_EQ(quant::from_half(q.k[kh].zeros[groups * f.D + c]), round_half(lo));
+          for (int t = g0; t < std::min(r.n(), g0 + G); ++t)
+            EXPECT_LE(std::fabs(r.k[t * f.D + c] - f.key(r.pos[t], kh)[c]), affine_bound(lo, hi, 2));
+        }
+      EXPECT_EQ(q.k[kh].scales.size(), static_cast<size_t>(groups * f.D));
+      EXPECT_EQ(q.v[kh].scales.size(), static_cast<size_t>(r.n()));  // V: one range per token
+    }
+    EXPECT_TRUE(std::is_sorted(order.begin(), order.end()));
+    EXPECT_EQ(static_cast<int>(order.size()), f.T + 23);
+  }
+}
+
+TEST(ZipCache, SaliencyOnAHandMadeLowerTriangularMatrix) {
+  // Rows are queries, columns keys. Column sums: 2.3, 0.8, 0.5, 0.4; visible to 4, 3, 2, 1 rows.
+  const std::vector<float> A = {1.0f, 0, 0, 0,  0.5f, 0.5f, 0, 0,  0.4f, 0.2f, 0.4f, 0,  0.4f, 0.1f, 0.1f, 0.4f};
+  const auto acc = zipcache::saliency(A.data(), 4, {0, 1, 2, 3}, zipcache::Saliency::Accumulated);
+  const auto nor = zipcache::saliency(A.data(), 4, {0, 1, 2, 3}, zipcache::Saliency::Normalized);
+  const std::vector<double> want_acc = {2.3, 0.8, 0.5, 0.4}, want_nor = {2.3 / 4, 0.8 / 3, 0.5 / 2, 0.4 / 1};
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_NEAR(acc[i], want_acc[i], 1e-6);
+    EXPECT_NEAR(nor[i], want_nor[i], 1e-6);
+  }
+  // Accumulated ranks the last token last; normalized ranks it second (the paper's point).
+  EXPECT_LT(acc[3], acc[2]);
+  EXPECT_GT(nor[3], nor[1]);
+  // Probes {2, 3} only: nnz = 2, 2, 2, 1.
+  const auto pn = zipcache::saliency(A.data(), 4, {2, 3}, zipcache::Saliency::Normalized);
+  for (int i = 0; i < 4; ++i) EXPECT_NEAR(pn[i], (std::vector<double>{0.8 / 2, 0.3 / 2, 0.5 / 2, 0.4 / 1}[i]), 1e-6);
+}
+
+TEST(ZipCache, ProbeSelection) {
+  const int T = 200;
+  auto rr = zipcache::select_probes(zipcache::Probe::RandomRecent, T, nullptr, nullptr, 0.05, 0.05, 7);
+  EXPECT_EQ(rr.size(), 20u);
+  for (int i = T - 10; i < T; ++i) EXPECT_TRUE(std::binary_search(rr.begin(), rr.end(), i));
+  for (uint64_t seed : {7, 8})  // seeded: the same seed draws the same probes
+    EXPECT_EQ(rr == zipcache::select_probes(zipcache::Probe::RandomRecent, T, nullptr, nullptr, 0.05, 0.05, seed), seed == 7);
+  EXPECT_TRUE(zipcache::select_probes(zipcache::Probe::Random, T, nullptr, nullptr, 0.05, 0.1, 1).size() == 20u &&
+              zipcache::select_probes(zipcache::Probe::All, T, nullptr, nullptr, 0, 0, 1).size() == 200u);
+  Fixture f(4, 10, 5, 8, 90);
+  const auto sp = zipcache::select_probes(zipcache::Probe::Special, f.T, &f.kinds, &f.ids, 0, 0, 0);
+  EXPECT_EQ(sp, (std::vector<int>{0, 3, 14, 18}));  // BOS, before / after the visual run, last
+}
+
+TEST(ZipCache, ChannelSeparableTokenWiseMatchesDirectComputation) {
+  std::mt19937_64 rng(100);
+  const int n = 9, d = 12, bits = 2;
+  std::vector<float> x(n * d);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = std::normal_distribution<float>(0, 1)(rng) * (i % d == 4 ? 20.f : 1.f);
+  std::vector<float> got = x;  // channel 4 is an outlier
+  quant::QuantBlock blk;
+  zipcache::cst_quantize(got.data(), n, d, bits, blk);
+  std::vector<float> c(d, 0);  // c_j = sqrt(max_t |x_tj|), stored as fp16
+  for (int t = 0; t < n * d; ++t) c[t % d] = std::max(c[t % d], std::fabs(x[t]));
+  for (float& cj : c) cj = round_half(std::sqrt(cj));
+  for (int t = 0; t < n; ++t) {
+    float lo = INFINITY, hi = -INFINITY;
+    for (int j = 0; j < d; ++j) lo = std::min(lo, x[t * d + j] / c[j]), hi = std::max(hi, x[t * d + j] / c[j]);
+    const float a = round_half(lo), s = round_half((hi - lo) / 3);
+    for (int j = 0; j < d; ++j) {
+      const float code = std::clamp(std::nearbyint((x[t * d + j] / c[j] - a) / s), 0.0f, 3.0f);
+      EXPECT_EQ(got[t * d + j], (code * s + a) * c[j]);
+    }
+  }
+  EXPECT_TRUE(blk.meta.size() == static_cast<size_t>(d) && blk.scales.size() == static_cast<size_t>(n));
+  EXPECT_EQ(blk.codes.size(), static_cast<size_t>(n * ((d * bits + 7) / 8)));
+}
+
+TEST(ZipCache, SalientTokensFollowProbeSaliencyAndBytesFollowTheFormat) {
+  Fixture f(5, 30, 6, 16, 110);
+  auto p = make_policy("zipcache:probe=all,saliency_ratio=0.4,gap=4,recent_ratio=1,random_ratio=0");
+  f.prefill(*p), expect_accounting(f.store);
+  const LayerKV& L = f.store.layer(0);
+  const int group = f.H / f.KH;
+  for (int kh = 0; kh < f.KH; ++kh) {
+    std::vector<double> sal(f.T, 0);  // Eq. 8 with every query as probe, mean over the group
+    for (int h = kh * group; h < (kh + 1) * group; ++h)
+      for (int i = 0; i < f.T; ++i)
+        for (int r = i; r < f.T; ++r) sal[i] += f.probs[(static_cast<size_t>(h) * f.T + r) * f.T + i] / (f.T - i) / group;
+    const std::vector<int> idx = ranked(sal);  // top round(0.4·T), ties to the earlier token
+    std::set<int> want(idx.begin(), idx.begin() + std::llround(0.4 * f.T)), got;
+    for (const KVSegment& s : L.segments) {
+      const quant::QuantPayload& q = payload(s);
+      const int n = s.heads[kh].n();
+      int n_sal = 0;
+      for (int t = 0; t < n; ++t)
+        if (quant::unpack_one(q.k[kh].flags.data(), t, 1)) got.insert(s.heads[kh].pos[t]), ++n_sal;
+      // K: codes of each subset as one stream + fp16 scale/zero per channel and subset; V: codes
+      // row by row + fp16 scale/zero per token + fp16 c per channel and subset; 1 flag bit per row.
+      const int64_t nr = n - n_sal, D = f.D, subsets = (n_sal > 0) + (nr > 0);
+      EXPECT_EQ(q.k[kh].allocated().total() + q.v[kh].allocated().total(),
+                (n_sal * D * 4 + 7) / 8 + (nr * D * 2 + 7) / 8 + 4 * D * subsets + n_sal * ((D * 4 + 7) / 8) +
+                    nr * ((D * 2 + 7) / 8) + 4 * n + 2 * D * subsets + (n + 7) / 8);
+    }
+    EXPECT_EQ(got, want);
+  }
+  // Streaming: each gap of 4 tokens is quantized when the 5th arrives, ranked by Eq. 8 over the
+  // attention of its own tokens' queries (all probes here) on the rows as they were at each step.
+  f.decode(*p, 9), expect_accounting(f.store);
+  ASSERT_EQ(L.segments.size(), 6u);
+  EXPECT_TRUE(L.segments[5].storage == "fp32" && L.segments[5].heads[0].n() == 1);
+  for (int gi = 0; gi < 2; ++gi)
+    for (int kh = 0; kh < f.KH; ++kh) {
+      std::vector<double> sal(4, 0.0);
+      for (int h = kh * group; h < (kh + 1) * group; ++h)
+        for (int k = 0; k < 4; ++k) {
+          const int pk = f.T + 4 * gi + k;  // the probe's position; it saw rows up to pk
+          std::vector<double> e(4, 0.0);  // exp(q·k/√D) of the gap rows, z over every visible row
+          double z = 0;
+          for (const KVSegment& s : L.segments)
+            for (int t = 0; t < s.heads[kh].n(); ++t) {
+              const int ps = s.heads[kh].pos[t];  // rows after the probe were not there yet
+              if (ps > pk) continue;
+              const float* row = ps >= f.T + 4 * gi ? f.key(ps, kh) : &s.heads[kh].k[t * f.D];  // fp32 then
+              const double x = std::exp(std::inner_product(row, row + f.D, &f.dq[((pk - f.T) * f.H + h) * f.D], 0.0) / std::sqrt(f.D));
+              z += x;
+              if (ps >= f.T + 4 * gi) e[ps - f.T - 4 * gi] = x;
+            }
+          for (int j = 0; j <= k; ++j) sal[j] += e[j] / z / (4 - j) / group;
+        }
+      const std::vector<int> idx = ranked(sal);
+      const quant::QuantPayload& q = payload(L.segments[3 + gi]);
+      for (int j = 0; j < 4; ++j)  // round(0.4·4) = 2 salient
+        EXPECT_EQ(quant::unpack_one(q.k[kh].flags.data(), j, 1), idx[0] == j || idx[1] == j ? 1u : 0u) << gi << " " << j;
+    }
+}
+
+TEST(TurboQuant, RotationIsOrthonormalAndErrorFallsWithBits) {
+  std::mt19937_64 rng(120);
+  for (int d : {64, 80}) {  // 80 pads to 128
+    const turboquant::Codec c = turboquant::make_codec(d, 2, false, 9);
+    std::vector<float> x(d), y(c.dp), back(d);
+    for (float& t : x) t = std::normal_distribution<float>(0, 3)(rng);
+    c.rotate(x.data(), y.data());
+    const double nx = std::inner_product(x.begin(), x.end(), x.begin(), 0.0);
+    EXPECT_NEAR(std::inner_product(y.begin(), y.end(), y.begin(), 0.0), nx, 1e-5 * nx);  // norm kept
+    c.unrotate(y.data(), back.data());
+    for (int j = 0; j < d; ++j) EXPECT_NEAR(back[j], x[j], 1e-5 * std::sqrt(nx));
+  }
+  const auto l1 = quant::lloyd_max_normal(1);  // ±E|X| for X ~ N(0, 1)
+  ASSERT_EQ(l1.size(), 2u);
+  EXPECT_TRUE(std::fabs(l1[1] - std::sqrt(2 / M_PI)) < 1e-6 && std::fabs(l1[0] + l1[1]) < 1e-6) << l1[0] << " " << l1[1];
+  double prev = INFINITY;
+  for (int bits = 1; bits <= 4; ++bits) {
+    Fixture f(0, 64, 0, 64, 130);
+    f.prefill(*make_policy("turboquant:bits=" + std::to_string(bits))), expect_accounting(f.store);
+    double err = 0, tot = 0;
+    const KVSegment& s = f.store.layer(0).segments[0];
+    for (int kh = 0; kh < f.KH; ++kh)
+      for (int t = 0; t < 64; ++t)
+        for (int c = 0; c < f.D; ++c)
+          err += std::pow(s.heads[kh].k[t * f.D + c] - f.key(t, kh)[c], 2), tot += std::pow(f.key(t, kh)[c], 2);
+    EXPECT_LT(err / tot, prev) << bits;
+    EXPECT_EQ(s.bytes.codes, 2LL * f.KH * 64 * ((64 * bits + 7) / 8));  // K and V codes per row
+    prev = err / tot;
+  }
+}
+
+TEST(TurboQuant, QjlKeysGiveUnbiasedInnerProducts) {
+  // E over the random rotation and S (seeds) of q·k̂ equals q·k with the QJL residual; the
+  // 1-bit MSE codebook alone shrinks the product (biased).
+  std::mt19937_64 rng(140);
+  const int d = 32, N = 400;
+  std::vector<float> x(d), qv(d), xh(d);
+  for (float& t : x) t = std::normal_distribution<float>(0, 1)(rng);
+  for (int j = 0; j < d; ++j) qv[j] = x[j] + 0.5f * std::normal_distribution<float>(0, 1)(rng);
+  const double exact = std::inner_product(qv.begin(), qv.end(), x.begin(), 0.0);
+  for (bool qjl : {true, false}) {
+    double mean = 0, sq = 0;
+    for (int seed = 0; seed < N; ++seed) {
+      const turboquant::Codec c = turboquant::make_codec(d, 1, qjl, seed);
+      quant::QuantBlock blk;
+      c.encode_row(x.data(), blk, xh.data());
+      EXPECT_EQ(blk.codes.size(), static_cast<size_t>(c.row_code_bytes()));
+      const double e = std::inner_product(qv.begin(), qv.end(), xh.begin(), 0.0) - exact;
+      mean += e / N, sq += e * e / N;
+    }
+    const double se = std::sqrt(std::max(sq - mean * mean, 0.0) / N);
+    if (qjl) EXPECT_LT(std::fabs(mean), 4 * se) << "mean error " << mean;
+    else EXPECT_GT(std::fabs(mean), 4 * se) << "mean error " << mean;
+  }
+}
+
+TEST(HadamardInt4, DequantizedKeysKeepDotProducts) {
+  Fixture f(4, 30, 5, 64, 160);
+  std::vector<float> x(64), y;
+  std::generate(x.begin(), x.end(), [&] { return f.normal(); }), y = x;  // H twice gives x back
+  for (int twice = 0; twice < 2; ++twice) hadamard_int4::block_hadamard(y.data(), 64, 16);
+  for (int j = 0; j < 64; ++j) EXPECT_NEAR(y[j], x[j], 1e-5);  // its own inverse
+  auto p = make_policy("hadamard_int4:block=16");
+  f.prefill(*p), f.decode(*p, 3);
+  expect_accounting(f.store);
+  const LayerKV& L = f.store.layer(0);
+  EXPECT_EQ(L.segments.size(), 4u);  // the generated tokens merge into one segment
+  std::vector<float> qv(x), hq(x);  // q·k̂ = (Hq)·k̂_rot: the error is bounded in the rotated basis
+  hadamard_int4::block_hadamard(hq.data(), f.D, 16);
+  for (const KVSegment& s : L.segments)
+    for (int kh = 0; kh < f.KH; ++kh)
+      for (int t = 0; t < s.heads[kh].n(); ++t) {
+        std::vector<float> kr(f.key(s.heads[kh].pos[t], kh), f.key(s.heads[kh].pos[t], kh) + f.D);
+        hadamard_int4::block_hadamard(kr.data(), f.D, 16);
+        const float lo = *std::min_element(kr.begin(), kr.end()), hi = *std::max_element(kr.begin(), kr.end());
+        double exact = 0, got = 0, bound = 0;
+        for (int c = 0; c < f.D; ++c)
+          exact += qv[c] * f.key(s.heads[kh].pos[t], kh)[c], got += qv[c] * s.heads[kh].k[t * f.D + c],
+              bound += std::fabs(hq[c]) * affine_bound(lo, hi, 4);
+        EXPECT_LE(std::fabs(got - exact), bound + 1e-5 * std::fabs(exact));
+      }
+  Fixture g(2, 4, 2, 64, 161);
+  EXPECT_THROW(make_policy("hadamard_int4:block=128")->on_prefill({g.ctx()}, g.store), InputError);
+}
+
+TEST(AllQuantMethods, BytesEqualAllocatedAfterPrefillAndDecode) {
+  std::vector<std::string> specs = {"zipcache:gap=7,saliency_heads=shared", "kivi:bits=4,group=5,residual=3",
+                                    "turboquant:bits=1,qjl=on,scope=visual", "hadamard_int4:quantize_v=off",
+                                    "uniform:bits=3,k_granularity=per-channel,v_granularity=global"};
+  for (const MethodSpec& m : {full_method(), uniform_method(), kivi_method(), calibquant_method(),
+                              zipcache_method(), turboquant_method(), hadamard_int4_method()}) {
+    specs.push_back(m.name);
+    for (const auto& pr : m.presets) specs.push_back(m.name + ":preset=" + pr.first);
+  }
+  for (const std::string& spec : specs) {
+    SCOPED_TRACE(spec);
+    Fixture f(6, 70, 8, 32, 170);
+    auto p = make_policy(spec);
+    f.prefill(*p), f.decode(*p, 40), expect_accounting(f.store);
+    for (int kh = 0; kh < f.KH; ++kh) EXPECT_EQ(f.store.n_rows(0, kh), f.T + 40);
+  }
+}
