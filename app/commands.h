@@ -8,5 +8,6 @@ namespace kvlens::app {
 
 void add_caption_command(CLI::App& root);
 void add_scenes_command(CLI::App& root);
+void add_run_commands(CLI::App& root);  // methods, run, calibrate
 
 }  // namespace kvlens::app

@@ -10,6 +10,7 @@ int main(int argc, char** argv) {
   root.require_subcommand(1);
   kvlens::app::add_caption_command(root);
   kvlens::app::add_scenes_command(root);
+  kvlens::app::add_run_commands(root);
   try {
     root.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

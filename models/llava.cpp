@@ -206,7 +206,7 @@ std::vector<PrefillContext> LlavaModel::prefill_contexts(const PrefillState& st)
 }
 
 DecodeResult LlavaModel::decode(const PrefillState& st, KVPolicy* policy, const GenerateOptions& opt,
-                                const std::vector<AttentionObserver*>& observers) const {
+                                const std::vector<AttentionObserver*>& observers, KVStore* compressed) const {
   DecodeResult r;
   KVStore store = st.store;
   const auto t0 = std::chrono::steady_clock::now();
@@ -217,6 +217,7 @@ DecodeResult LlavaModel::decode(const PrefillState& st, KVPolicy* policy, const 
   }
   r.compress_ms = ms_since(t0);
   r.bytes_after_prefill = store.bytes();
+  if (compressed) *compressed = store;
   const auto t1 = std::chrono::steady_clock::now();
   std::mt19937_64 rng(opt.seed);
   std::vector<float> logits = st.logits;

@@ -70,8 +70,10 @@ class LlavaModel {
   PrefillState prefill(const RGBImage& img, const std::string& prompt, const std::string& templ,
                        bool keep_attention, const std::vector<AttentionObserver*>& observers = {}) const;
   // Copies the prefill store, lets `policy` compress it (null = full cache), then decodes.
+  // `compressed`, when given, receives the store as the policy left it after prefill.
   DecodeResult decode(const PrefillState& st, KVPolicy* policy, const GenerateOptions& opt,
-                      const std::vector<AttentionObserver*>& observers = {}) const;
+                      const std::vector<AttentionObserver*>& observers = {},
+                      KVStore* compressed = nullptr) const;
   // Contexts handed to KVPolicy::on_prefill.
   std::vector<PrefillContext> prefill_contexts(const PrefillState& st) const;
 

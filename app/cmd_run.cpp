@@ -1,0 +1,150 @@
+// kvlens methods / run / calibrate: compression methods on one shared prefill.
+#include <cstdio>
+#include <fstream>
+
+#include "app/commands.h"
+#include "app/defaults.h"
+#include "core/errors.h"
+#include "models/experiment.h"
+
+namespace kvlens::app {
+
+namespace {
+
+struct RunArgs {
+  std::string model, image, report;
+  std::vector<std::string> methods;
+  ExperimentOptions opt;
+};
+
+void add_common(CLI::App* c, RunArgs& a) {
+  c->add_option("--model", a.model, "HF-format LLaVA-1.5 model directory (default: the embedded model)");
+  c->add_option("--image", a.image, "Image file (default: the embedded sample image)");
+  c->add_option("--prompt", a.opt.prompt, "Text in place of {prompt} in the template")->capture_default_str();
+  c->add_option("--template", a.opt.templ, "Prompt template with <image> and {prompt}")->capture_default_str();
+  c->add_option("--max-new-tokens", a.opt.max_new_tokens, "Most tokens to generate")->capture_default_str();
+  c->add_option("--diag-steps", a.opt.diag_steps, "Decode steps compared against the full cache")->capture_default_str();
+  c->add_option("--sparsity-p", a.opt.sparsity_p, "Sparsity threshold p (A_ij < p·max_j A_ij counts as zero)")->capture_default_str();
+  c->add_option("--hit-budget", a.opt.hit_budget, "CacheHitRate k as a share of the prompt")->capture_default_str();
+}
+
+void check_options(const ExperimentOptions& o) {
+  if (o.max_new_tokens < 1) throw InputError("--max-new-tokens must be at least 1, got " + std::to_string(o.max_new_tokens));
+  if (o.diag_steps < 1) throw InputError("--diag-steps must be at least 1, got " + std::to_string(o.diag_steps));
+  if (o.sparsity_p < 0 || o.sparsity_p > 1) throw InputError("--sparsity-p must be in [0, 1]");
+  if (o.hit_budget <= 0 || o.hit_budget > 1) throw InputError("--hit-budget must be in (0, 1]");
+}
+
+void write_json(const std::string& path, const nlohmann::json& j) {
+  std::ofstream f(path);
+  if (!f) throw InputError(path + ": cannot write report");
+  f << j.dump(1) << "\n";
+}
+
+void run_methods(const RunArgs& a) {
+  check_options(a.opt);
+  // Validate every spec before any model work.
+  std::vector<Params> specs;
+  for (const auto& s : a.methods) specs.push_back(parse_method_spec(s));
+  const LlavaModel model = LlavaModel::load(a.model.empty() ? default_model_dir() : a.model);
+  const RGBImage img = load_image(a.image.empty() ? default_image() : a.image);
+  Experiment ex = start_experiment(model, img, a.opt);
+  std::printf("%-44s %10s %7s %10s %9s  %s\n", "method", "KV bytes", "ratio", "softmaxMSE", "diverges", "caption");
+  std::printf("%-44s %10lld %7.2f %10s %9s  %s\n", "full (fp16 reference)",
+              static_cast<long long>(ex.full_fp16_bytes.total()), 1.0, "-", "-", ex.full.text.c_str());
+  for (const Params& p : specs) {
+    ex.runs.push_back(run_method(model, ex, p, a.opt));
+    const MethodRun& r = ex.runs.back();
+    const std::string div = r.divergence.position < 0 ? "never" : "@" + std::to_string(r.divergence.position);
+    std::printf("%-44s %10lld %7.2f %10.3g %9s  %s\n", p.spec().substr(0, 44).c_str(),
+                static_cast<long long>(r.result.bytes_after_prefill.total()), r.compression_vs_fp16,
+                r.mean_softmax_mse, div.c_str(), r.result.text.c_str());
+  }
+  if (!a.report.empty()) write_json(a.report, experiment_json(model, ex, a.opt));
+}
+
+void list_methods() {
+  for (const MethodSpec& m : methods()) {
+    std::printf("%s  [%s]  %s\n", m.name.c_str(), m.family.c_str(), m.summary.c_str());
+    for (const ParamSpec& p : m.params) {
+      std::string range;
+      switch (p.type) {
+        case ParamSpec::Type::Int:
+        case ParamSpec::Type::Float: {
+          char buf[64];
+          std::snprintf(buf, sizeof buf, "[%g, %g]", p.min, p.max);
+          range = buf;
+          break;
+        }
+        case ParamSpec::Type::Bool: range = "{true, false}"; break;
+        case ParamSpec::Type::Choice:
+          for (const auto& c : p.choices) range += (range.empty() ? "{" : ", ") + c;
+          range += "}";
+          break;
+        case ParamSpec::Type::String: range = "text"; break;
+      }
+      std::printf("    %-14s %-28s default %-8s %s\n", p.name.c_str(), range.c_str(), p.def.c_str(), p.help.c_str());
+    }
+    for (const auto& pr : m.presets) {
+      std::string v;
+      for (const auto& kv : pr.second) v += (v.empty() ? "" : ",") + kv.first + "=" + kv.second;
+      std::printf("    preset %-7s %s\n", pr.first.c_str(), v.c_str());
+    }
+  }
+}
+
+void run_calibrate(const RunArgs& a, const std::string& base, const std::vector<double>& taus) {
+  check_options(a.opt);
+  if (taus.empty()) throw InputError("--taus needs at least one value");
+  parse_method_spec(base);  // validate before loading
+  const LlavaModel model = LlavaModel::load(a.model.empty() ? default_model_dir() : a.model);
+  const RGBImage img = load_image(a.image.empty() ? default_image() : a.image);
+  const Experiment ex = start_experiment(model, img, a.opt);
+  const auto pts = calibrate_grid(model, ex, base, taus, a.opt);
+  std::printf("%6s %6s %12s %12s %s\n", "tau1", "tau2", "softmaxMSE", "KL", "caption==full");
+  const CalibrationPoint* best = nullptr;
+  nlohmann::json j = nlohmann::json::array();
+  for (const auto& p : pts) {
+    std::printf("%6g %6g %12.4g %12.4g %s\n", p.tau1, p.tau2, p.mse, p.kl, p.same_caption ? "yes" : "no");
+    if (!best || p.mse < best->mse) best = &p;
+    j.push_back({{"tau1", p.tau1}, {"tau2", p.tau2}, {"softmax_mse", p.mse}, {"kl", p.kl}, {"same_caption", p.same_caption}});
+  }
+  std::printf("best by softmax MSE: tau1=%g tau2=%g\n", best->tau1, best->tau2);
+  if (!a.report.empty())
+    write_json(a.report, {{"base", base}, {"grid", j}, {"best", {{"tau1", best->tau1}, {"tau2", best->tau2}}}});
+}
+
+}  // namespace
+
+void add_run_commands(CLI::App& root) {
+  CLI::App* m = root.add_subcommand("methods", "List compression methods with parameters, ranges, defaults and help");
+  m->callback([] { list_methods(); });
+
+  auto ra = std::make_shared<RunArgs>();
+  CLI::App* r = root.add_subcommand("run", "Run methods on one shared prefill and compare each with the full cache");
+  add_common(r, *ra);
+  r->add_option("--method", ra->methods, "Method spec, e.g. 'calibquant:bits=1,tau1=0,tau2=3' (repeatable)")->required();
+  r->add_option("--report", ra->report, "Write captions, ids, bytes, timings and every diagnostic as JSON");
+  r->callback([ra] { run_methods(*ra); });
+
+  auto da = std::make_shared<RunArgs>();
+  da->methods = {"calibquant:bits=1", "zipcache", "vlcache:budget=0.1", "lookm", "stack:evict=vlcache,quant=calibquant"};
+  CLI::App* d = root.add_subcommand(
+      "demo", "The embedded model on the sample image: full cache next to CalibQuant, ZipCache, VL-Cache, LOOK-M and a stack");
+  add_common(d, *da);
+  d->add_option("--method", da->methods, "Method specs to compare")->capture_default_str();
+  d->add_option("--report", da->report, "Write the JSON report here");
+  d->callback([da] { run_methods(*da); });
+
+  auto ca = std::make_shared<RunArgs>();
+  auto base = std::make_shared<std::string>("calibquant:bits=1");
+  auto taus = std::make_shared<std::vector<double>>(std::vector<double>{0, 1, 2, 3});
+  CLI::App* c = root.add_subcommand("calibrate", "Grid-search CalibQuant tau1/tau2 by softmax MSE against the full cache");
+  add_common(c, *ca);
+  c->add_option("--base", *base, "CalibQuant spec the grid starts from")->capture_default_str();
+  c->add_option("--taus", *taus, "Values tried for both tau1 and tau2")->capture_default_str();
+  c->add_option("--report", ca->report, "Write the grid as JSON");
+  c->callback([ca, base, taus] { run_calibrate(*ca, *base, *taus); });
+}
+
+}  // namespace kvlens::app

@@ -1,0 +1,354 @@
+#include "core/diagnostics.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+#include "core/errors.h"
+
+namespace kvlens {
+
+void DecodeRecorder::on_attention(const AttentionEvent& e) {
+  if (e.phase != Phase::Decode || e.step >= max_steps_) return;
+  Entry r;
+  r.step = e.step; r.layer = e.layer; r.n_heads = e.n_heads; r.n_kv_heads = e.n_kv_heads;
+  r.n_k = e.n_k; r.head_dim = e.head_dim; r.query_pos = e.query_pos[0];
+  const size_t hk = static_cast<size_t>(e.n_heads) * e.n_k, kvk = static_cast<size_t>(e.n_kv_heads) * e.n_k;
+  r.scores.assign(e.scores, e.scores + hk);
+  r.probs.assign(e.probs, e.probs + hk);
+  r.q.assign(e.q, e.q + static_cast<size_t>(e.n_heads) * e.head_dim);
+  r.k.assign(e.k, e.k + kvk * e.head_dim);
+  r.v.assign(e.v, e.v + kvk * e.head_dim);
+  r.key_pos.assign(e.key_pos, e.key_pos + kvk);
+  r.key_kind.assign(e.key_kind, e.key_kind + kvk);
+  entries_.push_back(std::move(r));
+}
+
+const DecodeRecorder::Entry* DecodeRecorder::find(int step, int layer) const {
+  for (const Entry& e : entries_)
+    if (e.step == step && e.layer == layer) return &e;
+  return nullptr;
+}
+
+int DecodeRecorder::steps() const {
+  int s = 0;
+  for (const Entry& e : entries_) s = std::max(s, e.step + 1);
+  return s;
+}
+
+double sparsity(const float* probs, int n_heads, int n_q, int n_k, double p) {
+  double total = 0.0;
+  for (int h = 0; h < n_heads; ++h) {
+    int64_t zeros = 0, seen = 0;
+    for (int i = 0; i < n_q; ++i) {
+      const float* row = probs + (static_cast<int64_t>(h) * n_q + i) * n_k;
+      const int visible = std::min(n_k, i + 1 + (n_k - n_q));  // causal, aligned at the end
+      const float mx = *std::max_element(row, row + visible);
+      for (int j = 0; j < visible; ++j) zeros += row[j] < p * mx ? 1 : 0;
+      seen += visible;
+    }
+    total += seen ? static_cast<double>(zeros) / seen : 0.0;
+  }
+  return n_heads ? total / n_heads : 0.0;
+}
+
+double prefill_sparsity(const PrefillView& pv, int layer, double p) {
+  const auto& pr = pv.probs->at(layer);
+  return sparsity(pr.data(), pv.n_heads, pv.prompt_len, pv.prompt_len, p);
+}
+
+namespace {
+
+int storage_bits(const std::string& s) {
+  if (s == "fp32") return 32;
+  if (s == "fp16") return 16;
+  if (!s.empty() && s[0] == 'q') {
+    int b = 0;
+    for (size_t i = 1; i < s.size() && std::isdigit(static_cast<unsigned char>(s[i])); ++i) b = b * 10 + (s[i] - '0');
+    if (b > 0) return b;
+  }
+  return 32;
+}
+
+struct Histo {
+  std::vector<float> exact, quant, calib;
+};
+
+void fill_histogram(const Histo& h, int bins, ScoreHistogram& out) {
+  float lo = std::numeric_limits<float>::infinity(), hi = -lo;
+  for (const auto* v : {&h.exact, &h.quant, &h.calib})
+    for (float x : *v) {
+      lo = std::min(lo, x);
+      hi = std::max(hi, x);
+    }
+  if (!std::isfinite(lo)) return;
+  if (hi <= lo) hi = lo + 1.0f;
+  out.lo = lo;
+  out.hi = hi;
+  auto count = [&](const std::vector<float>& v) {
+    std::vector<int64_t> c(bins, 0);
+    for (float x : v) {
+      int b = static_cast<int>((x - lo) / (hi - lo) * bins);
+      c[std::clamp(b, 0, bins - 1)]++;
+    }
+    return c;
+  };
+  out.exact = count(h.exact);
+  out.quantized = count(h.quant);
+  out.calibrated = count(h.calib);
+}
+
+}  // namespace
+
+std::vector<LayerDiagnostics> compare_layers(const PrefillView& pv, const DecodeRecorder& method,
+                                             const KVStore& compressed, int hist_bins, double p) {
+  const KVStore& full = *pv.full;
+  const int L = full.n_layers(), NKV = full.n_kv_heads(), D = full.head_dim();
+  const int T = pv.prompt_len;
+  const std::vector<SegmentKind>& kinds = *pv.kinds;
+  int first_visual = -1, n_visual = 0;
+  for (int t = 0; t < T; ++t)
+    if (kinds[t] == SegmentKind::Visual) {
+      if (first_visual < 0) first_visual = t;
+      ++n_visual;
+    }
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  std::vector<LayerDiagnostics> out(L);
+  for (int l = 0; l < L; ++l) {
+    LayerDiagnostics& d = out[l];
+    d.layer = l;
+    d.bytes = compressed.bytes(l);
+    // Full-precision prompt rows of each KV head, in position order.
+    std::vector<std::vector<float>> FK(NKV), FV(NKV);
+    std::vector<int32_t> fpos;
+    for (int kv = 0; kv < NKV; ++kv) full.gather(l, kv, FK[kv], FV[kv], fpos);
+    Histo histo;
+    int n_terms = 0, n_sparse = 0;
+    for (const auto& E : method.entries()) {
+      if (E.layer != l) continue;
+      const int H = E.n_heads, G = H / E.n_kv_heads, n_k = E.n_k;
+      for (int h = 0; h < H; ++h) {
+        const int kv = h / G;
+        const float* q = E.q.data() + static_cast<size_t>(h) * D;
+        const int32_t* kp = E.key_pos.data() + static_cast<size_t>(kv) * n_k;
+        const SegmentKind* kk = E.key_kind.data() + static_cast<size_t>(kv) * n_k;
+        const float* mk = E.k.data() + static_cast<size_t>(kv) * n_k * D;
+        const float* mv = E.v.data() + static_cast<size_t>(kv) * n_k * D;
+        const float* mp = E.probs.data() + static_cast<size_t>(h) * n_k;
+        const float* ms = E.scores.data() + static_cast<size_t>(h) * n_k;
+        // Exact keys: the prompt from the full store, generated tokens from the method's rows.
+        std::vector<const float*> ek, ev;
+        std::vector<int32_t> epos;
+        for (int t = 0; t < T; ++t) {
+          ek.push_back(FK[kv].data() + static_cast<size_t>(t) * D);
+          ev.push_back(FV[kv].data() + static_cast<size_t>(t) * D);
+          epos.push_back(t);
+        }
+        std::vector<float> pm_by_pos(E.query_pos + 1, 0.0f);
+        int n_valid = 0;
+        for (int j = 0; j < n_k; ++j) {
+          if (kp[j] < 0) continue;
+          ++n_valid;
+          pm_by_pos.at(kp[j]) += mp[j];
+          if (kp[j] >= T) {
+            ek.push_back(mk + static_cast<size_t>(j) * D);
+            ev.push_back(mv + static_cast<size_t>(j) * D);
+            epos.push_back(kp[j]);
+          }
+        }
+        const int ne = static_cast<int>(ek.size());
+        std::vector<float> pe(ne);
+        for (int j = 0; j < ne; ++j) {
+          float dot = 0.0f;
+          for (int x = 0; x < D; ++x) dot += q[x] * ek[j][x];
+          pe[j] = dot * scale;
+        }
+        if (E.step == 0)
+          for (int j = 0; j < T; ++j)
+            if (kinds[j] == SegmentKind::Visual) histo.exact.push_back(pe[j]);
+        const float mx = *std::max_element(pe.begin(), pe.end());
+        double sum = 0.0;
+        for (float& x : pe) {
+          x = std::exp(x - mx);
+          sum += x;
+        }
+        for (float& x : pe) x = static_cast<float>(x / sum);
+        double mse = 0.0, kl = 0.0;
+        std::vector<double> oe(D, 0.0), om(D, 0.0);
+        for (int j = 0; j < ne; ++j) {
+          const double pm = pm_by_pos[epos[j]];
+          mse += (pe[j] - pm) * (pe[j] - pm);
+          if (pe[j] > 0) kl += pe[j] * (std::log(pe[j]) - std::log(std::max(pm, 1e-10)));
+          for (int x = 0; x < D; ++x) oe[x] += pe[j] * ev[j][x];
+        }
+        for (int j = 0; j < n_k; ++j) {
+          if (kp[j] < 0) continue;
+          for (int x = 0; x < D; ++x) om[x] += mp[j] * mv[static_cast<size_t>(j) * D + x];
+          if (E.step == 0 && kk[j] == SegmentKind::Visual) {
+            float dot = 0.0f;
+            for (int x = 0; x < D; ++x) dot += q[x] * mk[static_cast<size_t>(j) * D + x];
+            histo.quant.push_back(dot * scale);
+            histo.calib.push_back(ms[j]);
+          }
+        }
+        double num = 0.0, den = 0.0;
+        for (int x = 0; x < D; ++x) {
+          num += (om[x] - oe[x]) * (om[x] - oe[x]);
+          den += oe[x] * oe[x];
+        }
+        d.softmax_mse += mse / ne;
+        d.softmax_kl += kl;
+        d.output_rel_error += std::sqrt(num / std::max(den, 1e-30));
+        ++n_terms;
+        std::vector<float> valid;
+        for (int j = 0; j < n_k; ++j)
+          if (kp[j] >= 0) valid.push_back(mp[j]);
+        d.sparsity_decode += sparsity(valid.data(), 1, 1, n_valid, p);
+        ++n_sparse;
+      }
+    }
+    if (n_terms) {
+      d.softmax_mse /= n_terms;
+      d.softmax_kl /= n_terms;
+      d.output_rel_error /= n_terms;
+    }
+    if (n_sparse) d.sparsity_decode /= n_sparse;
+    fill_histogram(histo, hist_bins, d.visual_scores);
+    // Token fate over the visual tokens.
+    d.fate_kept.assign(n_visual, 0.0f);
+    d.fate_bits.assign(n_visual, 0.0f);
+    d.fate_merged.assign(n_visual, 0.0f);
+    std::vector<int> kept_rows(n_visual, 0);
+    for (const KVSegment& s : compressed.layer(l).segments)
+      for (const HeadRows& r : s.heads)
+        for (int i = 0; i < r.n(); ++i) {
+          const int pos = r.pos[i];
+          if (pos < 0 || pos >= T || kinds[pos] != SegmentKind::Visual) continue;
+          const int vi = pos - first_visual;
+          kept_rows[vi]++;
+          d.fate_bits[vi] += r.bits.empty() ? storage_bits(s.storage) : (r.bits[i] ? r.bits[i] : 32);
+          d.fate_merged[vi] += r.merged.empty() ? 0.0f : r.merged[i];
+        }
+    for (int i = 0; i < n_visual; ++i) {
+      d.fate_kept[i] = static_cast<float>(kept_rows[i]) / NKV;
+      if (kept_rows[i]) {
+        d.fate_bits[i] /= kept_rows[i];
+        d.fate_merged[i] /= kept_rows[i];
+      }
+    }
+  }
+  return out;
+}
+
+FirstDivergence first_divergence(const std::vector<int>& full_ids, const std::vector<float>& full_probs,
+                                 const std::vector<int>& ids, const std::vector<float>& probs) {
+  FirstDivergence f;
+  const size_t n = std::max(full_ids.size(), ids.size());
+  for (size_t i = 0; i < n; ++i) {
+    const int a = i < full_ids.size() ? full_ids[i] : -1, b = i < ids.size() ? ids[i] : -1;
+    if (a != b) {
+      f.position = static_cast<int>(i);
+      f.full_token = a;
+      f.method_token = b;
+      f.full_prob = i < full_probs.size() ? full_probs[i] : 0.0f;
+      f.method_prob = i < probs.size() ? probs[i] : 0.0f;
+      break;
+    }
+  }
+  return f;
+}
+
+namespace {
+std::vector<int> top_k(const std::vector<double>& score, int k) {
+  std::vector<int> idx(score.size());
+  std::iota(idx.begin(), idx.end(), 0);
+  k = std::min<int>(k, static_cast<int>(idx.size()));
+  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), [&](int a, int b) {
+    return score[a] > score[b] || (score[a] == score[b] && a > b);
+  });
+  idx.resize(k);
+  std::sort(idx.begin(), idx.end());
+  return idx;
+}
+}  // namespace
+
+HitRates cache_hit_rates(const PrefillView& pv, const DecodeRecorder& full, double budget,
+                         const std::vector<int>& steps) {
+  HitRates hr;
+  hr.strategies = {"accumulated", "normalized", "sliding_window", "post_vision"};
+  const int T = pv.prompt_len, H = pv.n_heads, L = pv.full->n_layers();
+  hr.k = std::max(1, static_cast<int>(std::lround(budget * T)));
+  int last_visual = -1;
+  for (int t = 0; t < T; ++t)
+    if ((*pv.kinds)[t] == SegmentKind::Visual) last_visual = t;
+  for (int s : steps)
+    if (full.find(s, 0)) hr.steps.push_back(s);
+  hr.rates.assign(hr.strategies.size(), std::vector<std::vector<double>>(hr.steps.size(), std::vector<double>(L, 0.0)));
+  for (int l = 0; l < L; ++l) {
+    const auto& P = pv.probs->at(l);
+    std::vector<double> acc(T, 0.0), post(T, 0.0), window(T);
+    const int post_from = (last_visual >= 0 && last_visual + 1 < T) ? last_visual + 1 : T - 1;
+    for (int h = 0; h < H; ++h)
+      for (int i = 0; i < T; ++i)
+        for (int j = 0; j <= i; ++j) {
+          const double a = P[(static_cast<size_t>(h) * T + i) * T + j] / H;
+          acc[j] += a;
+          if (i >= post_from) post[j] += a;
+        }
+    std::vector<double> norm(T);
+    for (int j = 0; j < T; ++j) {
+      norm[j] = acc[j] / (T - j);
+      window[j] = j;
+    }
+    const std::vector<std::vector<int>> picks = {top_k(acc, hr.k), top_k(norm, hr.k), top_k(window, hr.k),
+                                                 top_k(post, hr.k)};
+    for (size_t si = 0; si < hr.steps.size(); ++si) {
+      const auto* E = full.find(hr.steps[si], l);
+      std::vector<double> truth(T, 0.0);
+      const int G = E->n_heads / E->n_kv_heads;
+      for (int h = 0; h < E->n_heads; ++h)
+        for (int j = 0; j < E->n_k; ++j) {
+          const int32_t pos = E->key_pos[static_cast<size_t>(h / G) * E->n_k + j];
+          if (pos >= 0 && pos < T) truth[pos] += E->probs[static_cast<size_t>(h) * E->n_k + j] / E->n_heads;
+        }
+      const auto want = top_k(truth, hr.k);
+      for (size_t st = 0; st < picks.size(); ++st) {
+        std::vector<int> both;
+        std::set_intersection(picks[st].begin(), picks[st].end(), want.begin(), want.end(), std::back_inserter(both));
+        hr.rates[st][si][l] = static_cast<double>(both.size()) / hr.k;
+      }
+    }
+  }
+  return hr;
+}
+
+nlohmann::json to_json(const KVBytes& b) {
+  return {{"codes", b.codes}, {"scales", b.scales}, {"zeros", b.zeros}, {"indices", b.indices},
+          {"meta", b.meta}, {"total", b.total()}};
+}
+
+nlohmann::json to_json(const LayerDiagnostics& d) {
+  nlohmann::json j;
+  j["layer"] = d.layer;
+  j["softmax_mse"] = d.softmax_mse;
+  j["softmax_kl"] = d.softmax_kl;
+  j["attn_output_rel_error"] = d.output_rel_error;
+  j["sparsity_decode"] = d.sparsity_decode;
+  j["visual_score_histogram"] = {{"lo", d.visual_scores.lo}, {"hi", d.visual_scores.hi},
+                                 {"exact", d.visual_scores.exact}, {"quantized", d.visual_scores.quantized},
+                                 {"calibrated", d.visual_scores.calibrated}};
+  j["token_fate"] = {{"kept", d.fate_kept}, {"bits", d.fate_bits}, {"merged", d.fate_merged}};
+  j["bytes"] = to_json(d.bytes);
+  return j;
+}
+
+nlohmann::json to_json(const HitRates& h) {
+  nlohmann::json j;
+  j["k"] = h.k;
+  j["steps"] = h.steps;
+  for (size_t s = 0; s < h.strategies.size(); ++s) j["rates"][h.strategies[s]] = h.rates[s];
+  return j;
+}
+
+}  // namespace kvlens

@@ -1,0 +1,96 @@
+// Diagnostics that compare a compressed KV cache against the full one on the same prefill:
+// score histograms (exact / quantized / calibrated), softmax MSE and KL, attention-output
+// error, sparsity, CacheHitRate of scoring strategies, token fate over the patch grid, and the
+// first divergence of the greedy output.
+#pragma once
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/kv_store.h"
+#include "core/observer.h"
+
+namespace kvlens {
+
+// Keeps the decode-phase attention events of one run (steps < max_steps).
+class DecodeRecorder : public AttentionObserver {
+ public:
+  struct Entry {
+    int step = 0, layer = 0, n_heads = 0, n_kv_heads = 0, n_k = 0, head_dim = 0;
+    int32_t query_pos = 0;
+    std::vector<float> scores, probs;   // [n_heads][n_k]
+    std::vector<float> q;               // [n_heads][head_dim]
+    std::vector<float> k, v;            // [n_kv_heads][n_k][head_dim]
+    std::vector<int32_t> key_pos;       // [n_kv_heads][n_k], -1 = padding
+    std::vector<SegmentKind> key_kind;  // [n_kv_heads][n_k]
+  };
+  explicit DecodeRecorder(int max_steps) : max_steps_(max_steps) {}
+  void on_attention(const AttentionEvent& e) override;
+  const std::vector<Entry>& entries() const { return entries_; }
+  const Entry* find(int step, int layer) const;
+  int steps() const;
+
+ private:
+  int max_steps_;
+  std::vector<Entry> entries_;
+};
+
+// What the prefill left behind that diagnostics compare against.
+struct PrefillView {
+  const KVStore* full = nullptr;                          // full-precision store after prefill
+  const std::vector<std::vector<float>>* probs = nullptr; // [layer][n_heads][T][T]
+  const std::vector<SegmentKind>* kinds = nullptr;        // [T]
+  int n_heads = 0;
+  int prompt_len = 0;
+};
+
+struct ScoreHistogram {
+  double lo = 0, hi = 0;
+  std::vector<int64_t> exact, quantized, calibrated;  // same bin edges
+};
+
+struct LayerDiagnostics {
+  int layer = 0;
+  double softmax_mse = 0, softmax_kl = 0, output_rel_error = 0;  // mean over heads and steps
+  double sparsity_decode = 0;                                     // this method's decode attention
+  ScoreHistogram visual_scores;                                   // first decode step, visual keys
+  std::vector<float> fate_kept;   // per visual token: share of KV heads that keep it
+  std::vector<float> fate_bits;   // per visual token: mean bits of kept rows (0 = full precision)
+  std::vector<float> fate_merged; // per visual token: mean rows merged into it
+  KVBytes bytes;                  // after prefill compression
+};
+
+struct FirstDivergence {
+  int position = -1;  // index into the generated ids; -1 = identical
+  int full_token = -1, method_token = -1;
+  float full_prob = 0, method_prob = 0;
+};
+
+// γ = share of attention entries below p · (row max) among unmasked entries, averaged over heads.
+double sparsity(const float* probs, int n_heads, int n_q, int n_k, double p);
+double prefill_sparsity(const PrefillView& pv, int layer, double p);
+
+std::vector<LayerDiagnostics> compare_layers(const PrefillView& pv, const DecodeRecorder& method,
+                                             const KVStore& compressed, int hist_bins, double p);
+
+FirstDivergence first_divergence(const std::vector<int>& full_ids, const std::vector<float>& full_probs,
+                                 const std::vector<int>& ids, const std::vector<float>& probs);
+
+// CacheHitRate of each scoring strategy (accumulated, normalized, sliding_window, post_vision)
+// per layer: |top-k by strategy ∩ top-k by the true decode attention at `step`| / k, with
+// k = budget · prompt_len. rates[strategy][step index][layer].
+struct HitRates {
+  std::vector<std::string> strategies;
+  std::vector<int> steps;
+  int k = 0;
+  std::vector<std::vector<std::vector<double>>> rates;
+};
+HitRates cache_hit_rates(const PrefillView& pv, const DecodeRecorder& full, double budget,
+                         const std::vector<int>& steps);
+
+nlohmann::json to_json(const LayerDiagnostics& d);
+nlohmann::json to_json(const HitRates& h);
+nlohmann::json to_json(const KVBytes& b);
+
+}  // namespace kvlens

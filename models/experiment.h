@@ -1,0 +1,66 @@
+// Many compression methods on one shared prefill: the full-cache reference, then each method's
+// compression + decode, with every diagnostic against the reference. `kvlens run`,
+// `kvlens calibrate` and the demo use this.
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/diagnostics.h"
+#include "core/method.h"
+#include "models/llava.h"
+
+namespace kvlens {
+
+struct ExperimentOptions {
+  std::string prompt = kDefaultPrompt;
+  std::string templ = kDefaultTemplate;
+  int max_new_tokens = 32;
+  int diag_steps = 4;              // decode steps whose attention the diagnostics compare
+  double sparsity_p = 0.01;        // ThresholdFilter: keep A_ij >= p · max_j A_ij
+  double hit_budget = 0.1;         // CacheHitRate k = budget · prompt length
+  std::vector<int> hit_steps{0, 2, 4, 8};
+  int hist_bins = 40;
+};
+
+struct MethodRun {
+  Params params;
+  DecodeResult result;
+  std::vector<LayerDiagnostics> layers;
+  FirstDivergence divergence;
+  double mean_softmax_mse = 0, mean_kl = 0, mean_output_error = 0;
+  double compression_vs_fp16 = 0;  // fp16 bytes of the full prompt cache / bytes after compression
+};
+
+struct Experiment {
+  PrefillState prefill;
+  DecodeResult full;
+  std::unique_ptr<DecodeRecorder> full_recorder;
+  HitRates hit_rates;
+  std::vector<double> sparsity_prefill, sparsity_decode_full;
+  KVBytes full_fp16_bytes;  // the full prompt cache stored as fp16
+  std::vector<MethodRun> runs;
+
+  PrefillView view() const;
+};
+
+// Prefill once (attention kept) and decode with the full cache.
+Experiment start_experiment(const LlavaModel& model, const RGBImage& img, const ExperimentOptions& opt);
+// Compress the shared prefill with one method, decode, and compare against the reference.
+MethodRun run_method(const LlavaModel& model, const Experiment& ex, const Params& params,
+                     const ExperimentOptions& opt);
+
+nlohmann::json experiment_json(const LlavaModel& model, const Experiment& ex, const ExperimentOptions& opt);
+
+// CalibQuant τ1/τ2 grid search by mean softmax MSE against the full cache.
+struct CalibrationPoint {
+  double tau1 = 0, tau2 = 0, mse = 0, kl = 0;
+  bool same_caption = false;
+};
+std::vector<CalibrationPoint> calibrate_grid(const LlavaModel& model, const Experiment& ex,
+                                             const std::string& base_spec, const std::vector<double>& taus,
+                                             const ExperimentOptions& opt);
+
+}  // namespace kvlens
