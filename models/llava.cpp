@@ -144,10 +144,17 @@ Tensor LlavaModel::encode_image(const Tensor& px) const {
 
 PrefillState LlavaModel::prefill(const RGBImage& img, const std::string& prompt, const std::string& templ,
                                  bool keep_attention, const std::vector<AttentionObserver*>& observers) const {
-  PrefillState st;
   const auto t0 = std::chrono::steady_clock::now();
   const Tensor feats = encode_image(pixel_values(img));
-  st.vision_ms = ms_since(t0);
+  const double vision_ms = ms_since(t0);
+  PrefillState st = prefill_features(feats, prompt, templ, keep_attention, observers);
+  st.vision_ms = vision_ms;
+  return st;
+}
+
+PrefillState LlavaModel::prefill_features(const Tensor& feats, const std::string& prompt, const std::string& templ,
+                                          bool keep_attention, const std::vector<AttentionObserver*>& observers) const {
+  PrefillState st;
   const auto t1 = std::chrono::steady_clock::now();
   st.n_visual = cfg_.n_visual_tokens();
   if (templ.find("<image>") == std::string::npos)

@@ -69,6 +69,9 @@ class LlavaModel {
   // that score tokens need them).
   PrefillState prefill(const RGBImage& img, const std::string& prompt, const std::string& templ,
                        bool keep_attention, const std::vector<AttentionObserver*>& observers = {}) const;
+  // The same from image features already computed by encode_image (several prompts, one image).
+  PrefillState prefill_features(const Tensor& features, const std::string& prompt, const std::string& templ,
+                                bool keep_attention, const std::vector<AttentionObserver*>& observers = {}) const;
   // Copies the prefill store, lets `policy` compress it (null = full cache), then decodes.
   // `compressed`, when given, receives the store as the policy left it after prefill.
   DecodeResult decode(const PrefillState& st, KVPolicy* policy, const GenerateOptions& opt,

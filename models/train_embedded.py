@@ -414,7 +414,7 @@ def main(argv=None):
         f" | heldout: {len(ho_images)} images, {len(ho_qs)} questions")
 
     import sentencepiece as spm
-    texts = tokenizer_texts(tr_caps, tr_qs) + tokenizer_texts(ho_caps, ho_qs)
+    texts = tokenizer_texts(tr_caps, tr_qs)  # training text only; byte fallback covers the rest
     sp_bytes = train_sentencepiece(texts, args.vocab, args.workers)
     sp = spm.SentencePieceProcessor(model_proto=sp_bytes)
     sp_vocab = sp.get_piece_size()
@@ -535,6 +535,8 @@ def main(argv=None):
         if step % args.log_every == 0 or step == 1:
             last_loss = (loss_acc / loss_n).item()
             recent.append(last_loss)
+            if not math.isfinite(last_loss):
+                log(f"WARNING: loss is {last_loss} at step {step}")
             el = time.time() - t_train
             log(f"step {step:6d}  loss {last_loss:.4f}  lr {lr:.2e}  train {el:6.1f}s"
                 f"  {step / max(el, 1e-9):.2f} it/s")
@@ -562,8 +564,11 @@ def main(argv=None):
     st_bytes = os.path.getsize(os.path.join(args.out, "model.safetensors"))
     log(f"saved {args.out} (model.safetensors {st_bytes / 2**20:.1f} MiB)")
 
-    # ---- evaluate the saved weights: fp32, eager attention, greedy ----
+    # ---- evaluate the saved weights: fp32 (no TF32), eager attention, greedy ----
     t_eval = time.time()
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     model = LlavaForConditionalGeneration.from_pretrained(
         args.out, dtype=torch.float32, attn_implementation="eager").to(device).eval()
     assert model.config.image_token_index == image_token_index

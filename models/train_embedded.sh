@@ -45,7 +45,9 @@ say() { echo "[train_embedded +$(($(date +%s) - T_START))s] $*"; }
 
 run() {
   say "host $(hostname), $(nproc) cores"
-  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+  fi
 
   # 1. kvlens CLI
   local kv=${KVLENS:-}

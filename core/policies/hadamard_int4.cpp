@@ -46,7 +46,11 @@ class HadamardInt4Policy : public KVPolicy {
   bool in_scope(const KVSegment& s) const {
     return s.storage == "fp32" && (!visual_only_ || s.kind == SegmentKind::Visual);
   }
-  void quantize_segment(KVSegment& s, int D) const {
+  void quantize_segment(KVSegment& s, int D) {
+    if (block_ == 0) {  // auto: the slides' order 16, halved until it divides head_dim
+      block_ = 16;
+      while (block_ > 1 && D % block_ != 0) block_ /= 2;
+    }
     if (D % block_ != 0)
       throw InputError("hadamard_int4: block must divide head_dim " + std::to_string(D) + ", got " +
                        std::to_string(block_));
@@ -84,14 +88,15 @@ MethodSpec hadamard_int4_method() {
   m.family = "quantization";
   m.summary = "Block-diagonal Hadamard rotation of keys, then per-token asymmetric INT4 K and V";
   m.params = {
-      param::choice("block", {"8", "16", "32", "64", "128", "256"}, "16",
-                    "Hadamard block size B (divides head_dim): k_rot = blockdiag(H_B/√B)·k"),
+      param::choice("block", {"auto", "8", "16", "32", "64", "128", "256"}, "auto",
+                    "Hadamard block size B (divides head_dim; auto = 16 halved until it divides): k_rot = blockdiag(H_B/√B)·k"),
       param::flag("quantize_v", "on", "quantize V per token to INT4 too (off: V stays fp32)"),
       param::flag("rotate_v", "off", "rotate V blocks before quantizing as well (rotated back after)"),
       param::choice("scope", {"all", "visual"}, "all", "which tokens to quantize: every kind, or visual only"),
   };
   m.make = [](const Params& p) -> std::unique_ptr<KVPolicy> {
-    return std::make_unique<HadamardInt4Policy>(p.integer("block"), p.flag("quantize_v"),
+    const int block = p.str("block") == "auto" ? 0 : std::stoi(p.str("block"));
+    return std::make_unique<HadamardInt4Policy>(block, p.flag("quantize_v"),
                                                 p.flag("rotate_v"), p.str("scope") == "visual");
   };
   return m;

@@ -1,0 +1,191 @@
+// Methods end to end on fixture checkpoints, with every diagnostic against the full cache.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <numeric>
+
+#include "core/diagnostics.h"
+#include "core/errors.h"
+#include "core/method.h"
+#include "models/experiment.h"
+#include "tests/test_util.h"
+
+using namespace kvlens;
+namespace kt = kvlens::testing;
+
+namespace {
+
+struct Fixture {
+  LlavaModel model;
+  RGBImage image;
+};
+
+const Fixture& fixture(const std::string& name) {
+  static std::map<std::string, std::unique_ptr<Fixture>> cache;
+  auto& f = cache[name];
+  if (!f) {
+    const std::string dir = kt::source_dir() + "/tests/fixtures/hf/" + name;
+    f.reset(new Fixture{LlavaModel::load(dir), load_image(dir + "/image.png")});
+  }
+  return *f;
+}
+
+ExperimentOptions small_options() {
+  ExperimentOptions o;
+  o.max_new_tokens = 6;
+  o.diag_steps = 3;
+  o.hit_steps = {0, 2};
+  return o;
+}
+
+}  // namespace
+
+TEST(Experiment, FullPolicyIsBitIdenticalToNoPolicy) {
+  const Fixture& f = fixture("gqa_fp16_save");
+  const PrefillState st = f.model.prefill(f.image, kDefaultPrompt, kDefaultTemplate, false);
+  GenerateOptions g;
+  g.max_new_tokens = 6;
+  g.stop_at_eos = false;
+  DecodeRecorder a(6), b(6);
+  const DecodeResult none = f.model.decode(st, nullptr, g, {&a});
+  auto full = make_policy("full:storage=fp32");
+  const DecodeResult with = f.model.decode(st, full.get(), g, {&b});
+  EXPECT_EQ(none.generated_ids, with.generated_ids);
+  ASSERT_EQ(a.entries().size(), b.entries().size());
+  for (size_t i = 0; i < a.entries().size(); ++i) {
+    EXPECT_EQ(a.entries()[i].probs, b.entries()[i].probs);  // bit-identical
+    EXPECT_EQ(a.entries()[i].scores, b.entries()[i].scores);
+  }
+}
+
+TEST(Experiment, FullCacheHasZeroErrorAndIdenticalHistograms) {
+  const Fixture& f = fixture("mha_fp32_hub");
+  const ExperimentOptions opt = small_options();
+  const Experiment ex = start_experiment(f.model, f.image, opt);
+  const MethodRun r = run_method(f.model, ex, parse_method_spec("full"), opt);
+  EXPECT_EQ(r.result.generated_ids, ex.full.generated_ids);
+  EXPECT_EQ(r.divergence.position, -1);
+  for (const auto& d : r.layers) {
+    EXPECT_LT(d.softmax_mse, 1e-12);
+    EXPECT_LT(std::abs(d.softmax_kl), 1e-5);
+    EXPECT_LT(d.output_rel_error, 1e-5);
+    EXPECT_EQ(d.visual_scores.exact, d.visual_scores.quantized);
+    EXPECT_EQ(d.visual_scores.exact, d.visual_scores.calibrated);
+    const int64_t n = std::accumulate(d.visual_scores.exact.begin(), d.visual_scores.exact.end(), int64_t{0});
+    // Every visual key of every head is counted once.
+    EXPECT_EQ(n, static_cast<int64_t>(ex.prefill.n_visual) * f.model.config().text.num_attention_heads);
+    for (float k : d.fate_kept) EXPECT_EQ(k, 1.0f);
+    for (float b : d.fate_bits) EXPECT_EQ(b, 32.0f);
+  }
+}
+
+TEST(Experiment, EveryMethodRunsWithEveryDiagnostic) {
+  for (const char* name : {"mha_fp32_hub", "gqa_fp16_save"}) {
+    const Fixture& f = fixture(name);
+    const ExperimentOptions opt = small_options();
+    Experiment ex = start_experiment(f.model, f.image, opt);
+    for (const MethodSpec& m : methods()) {
+      ex.runs.push_back(run_method(f.model, ex, parse_method_spec(m.name), opt));
+      const MethodRun& r = ex.runs.back();
+      EXPECT_GT(r.result.bytes_after_prefill.total(), 0) << m.name;
+      EXPECT_FALSE(r.result.generated_ids.empty()) << m.name;
+      ASSERT_EQ(r.layers.size(), static_cast<size_t>(f.model.config().text.num_hidden_layers));
+      for (const auto& d : r.layers) {
+        EXPECT_GE(d.softmax_mse, 0.0) << m.name;
+        EXPECT_TRUE(std::isfinite(d.softmax_kl)) << m.name;
+        EXPECT_EQ(d.fate_kept.size(), static_cast<size_t>(ex.prefill.n_visual)) << m.name;
+        EXPECT_FALSE(d.visual_scores.exact.empty()) << m.name;
+      }
+    }
+    const nlohmann::json j = experiment_json(f.model, ex, opt);
+    ASSERT_EQ(j["methods"].size(), methods().size());
+    for (const auto& m : j["methods"]) {
+      for (const char* key : {"caption", "generated_ids", "bytes_after_prefill", "compression_vs_fp16",
+                              "timings_ms", "mean_softmax_mse", "first_divergence", "layers"})
+        EXPECT_TRUE(m.contains(key)) << m["method"] << " lacks " << key;
+      for (const auto& l : m["layers"])
+        for (const char* key : {"softmax_mse", "softmax_kl", "attn_output_rel_error", "sparsity_decode",
+                                "visual_score_histogram", "token_fate", "bytes"})
+          EXPECT_TRUE(l.contains(key)) << m["method"] << " layer lacks " << key;
+    }
+    for (const char* key : {"sparsity_prefill", "sparsity_decode"}) EXPECT_TRUE(j["full"].contains(key));
+    EXPECT_EQ(j["cache_hit_rate"]["rates"].size(), 4u);
+  }
+}
+
+TEST(Experiment, EvictionShrinksBytesAndMarksFate) {
+  const Fixture& f = fixture("mha_fp32_hub");
+  const ExperimentOptions opt = small_options();
+  const Experiment ex = start_experiment(f.model, f.image, opt);
+  const MethodRun r = run_method(f.model, ex, parse_method_spec("streamingllm:budget=0.2"), opt);
+  EXPECT_GT(r.compression_vs_fp16, 1.0);
+  // StreamingLLM keeps sinks + the most recent tokens; the visual tokens in the middle of the
+  // prompt are gone in every layer.
+  for (const auto& d : r.layers) {
+    const float kept = std::accumulate(d.fate_kept.begin(), d.fate_kept.end(), 0.0f);
+    EXPECT_LT(kept, static_cast<float>(d.fate_kept.size()));
+    EXPECT_GT(d.softmax_mse, 0.0);
+  }
+}
+
+TEST(Diagnostics, SparsityOnAHandMadeMatrix) {
+  // One head, causal 3×3: rows [1], [0.5 0.5], [0.9 0.095 0.005]. With p = 0.01 only 0.005 is
+  // below 0.01·0.9, so 1 of the 6 visible entries counts as zero.
+  const float probs[9] = {1, 0, 0, 0.5f, 0.5f, 0, 0.9f, 0.095f, 0.005f};
+  EXPECT_NEAR(sparsity(probs, 1, 3, 3, 0.01), 1.0 / 6.0, 1e-12);
+  EXPECT_NEAR(sparsity(probs, 1, 3, 3, 0.2), 2.0 / 6.0, 1e-12);
+}
+
+TEST(Diagnostics, FirstDivergence) {
+  const auto d = first_divergence({5, 6, 7}, {0.9f, 0.8f, 0.7f}, {5, 6, 9}, {0.9f, 0.8f, 0.4f});
+  EXPECT_EQ(d.position, 2);
+  EXPECT_EQ(d.full_token, 7);
+  EXPECT_EQ(d.method_token, 9);
+  EXPECT_FLOAT_EQ(d.method_prob, 0.4f);
+  EXPECT_EQ(first_divergence({1, 2}, {1, 1}, {1, 2}, {1, 1}).position, -1);
+  EXPECT_EQ(first_divergence({1, 2}, {1, 1}, {1}, {1}).position, 1);
+}
+
+TEST(Diagnostics, SlidingWindowHitRateMatchesDirectCount) {
+  const Fixture& f = fixture("mha_fp32_hub");
+  const ExperimentOptions opt = small_options();
+  const Experiment ex = start_experiment(f.model, f.image, opt);
+  const HitRates& h = ex.hit_rates;
+  ASSERT_EQ(h.strategies[2], "sliding_window");
+  const int T = static_cast<int>(ex.prefill.ids.size());
+  for (size_t si = 0; si < h.steps.size(); ++si)
+    for (int l = 0; l < ex.prefill.store.n_layers(); ++l) {
+      // Direct: head-mean attention over the prompt at this step, its top-k, and how many of
+      // them are among the last k prompt positions.
+      const auto* e = ex.full_recorder->find(h.steps[si], l);
+      ASSERT_NE(e, nullptr);
+      std::vector<double> a(T, 0.0);
+      const int G = e->n_heads / e->n_kv_heads;
+      for (int hd = 0; hd < e->n_heads; ++hd)
+        for (int j = 0; j < e->n_k; ++j) {
+          const int p = e->key_pos[(hd / G) * e->n_k + j];
+          if (p < T) a[p] += e->probs[hd * e->n_k + j] / e->n_heads;
+        }
+      std::vector<int> idx(T);
+      std::iota(idx.begin(), idx.end(), 0);
+      std::stable_sort(idx.begin(), idx.end(), [&](int x, int y) { return a[x] > a[y] || (a[x] == a[y] && x > y); });
+      int hits = 0;
+      for (int i = 0; i < h.k; ++i) hits += idx[i] >= T - h.k ? 1 : 0;
+      EXPECT_DOUBLE_EQ(h.rates[2][si][l], static_cast<double>(hits) / h.k);
+    }
+}
+
+TEST(Experiment, BadSpecNamesMethodAndParameter) {
+  try {
+    parse_method_spec("calibquant:tau2=-1");
+    FAIL();
+  } catch (const InputError& e) {
+    const std::string w = e.what();
+    EXPECT_NE(w.find("calibquant"), std::string::npos) << w;
+    EXPECT_NE(w.find("tau2"), std::string::npos) << w;
+  }
+  const auto r = kt::run(kt::cli() + " run --model " + kt::source_dir() + "/tests/fixtures/hf/mha_fp32_hub --image " +
+                         kt::source_dir() + "/tests/fixtures/hf/mha_fp32_hub/image.png --method 'vlcache:budget=7'");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("budget"), std::string::npos) << r.output;
+}
