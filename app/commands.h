@@ -10,5 +10,6 @@ void add_caption_command(CLI::App& root);
 void add_scenes_command(CLI::App& root);
 void add_run_commands(CLI::App& root);  // methods, run, calibrate, demo
 void add_eval_command(CLI::App& root);
+void add_bench_command(CLI::App& root);
 
 }  // namespace kvlens::app

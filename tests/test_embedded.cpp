@@ -1,0 +1,79 @@
+// The embedded default model: greedy output equal to HF transformers' on held-out scenes
+// (recorded on the GPU machine by models/train_embedded.py), and caption / VQA quality on
+// held-out scenes measured with kvlens's own runner.
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "core/scenes.h"
+#include "models/evaluate.h"
+#include "models/llava.h"
+#include "tests/test_util.h"
+
+using namespace kvlens;
+namespace kt = kvlens::testing;
+
+namespace {
+
+const std::string kModel = kt::source_dir() + "/assets/models/kvlens-scenes-6m";
+constexpr uint64_t kHeldoutSeed = 1000001;  // never used in training (seed 1)
+
+const LlavaModel& model() {
+  static const LlavaModel m = LlavaModel::load(kModel);
+  return m;
+}
+
+nlohmann::json hf_outputs() {
+  std::ifstream f(kt::source_dir() + "/tests/fixtures/embedded/hf_greedy.json");
+  return nlohmann::json::parse(f);
+}
+
+// Checks the first `n` recorded generations of `kind` ("captions" or "questions").
+void check_against_hf(const char* kind, int n) {
+  const auto j = hf_outputs();
+  const auto& list = j[kind];
+  ASSERT_GE(static_cast<int>(list.size()), n);
+  int same = 0;
+  for (int i = 0; i < n; ++i) {
+    const auto& e = list[i];
+    const Scene sc = generate_scene(kHeldoutSeed, e["image_id"].get<int64_t>());
+    const PrefillState st = model().prefill(sc.image, e["prompt"].get<std::string>(), kDefaultTemplate, false);
+    ASSERT_EQ(st.ids, e["input_ids"].get<std::vector<int>>()) << kind << " " << i;
+    GenerateOptions g;
+    g.max_new_tokens = j["max_new_tokens"].get<int>();
+    const DecodeResult r = model().decode(st, nullptr, g);
+    const auto want = e["generated_ids"].get<std::vector<int>>();
+    EXPECT_EQ(r.generated_ids, want) << kind << " " << i << ": ours '" << r.text << "', HF '" << e["text"] << "'";
+    same += r.generated_ids == want;
+  }
+  EXPECT_EQ(same, n);
+}
+
+}  // namespace
+
+TEST(Embedded, CaptionsMatchTransformers) { check_against_hf("captions", 16); }
+TEST(Embedded, AnswersMatchTransformers) { check_against_hf("questions", 16); }
+
+TEST(Embedded, SampleImageCaptionIsTheCanonicalReference) {
+  // The sample image comes from the generator (seed 20261122, index 0): the caption must be
+  // that scene's canonical reference.
+  const Scene sc = generate_scene(20261122, 0);
+  const RGBImage img = load_image(kt::source_dir() + "/assets/images/scene_000.png");
+  ASSERT_EQ(img.data, sc.image.data);
+  const DecodeResult r = model().decode(model().prefill(img, kDefaultPrompt, kDefaultTemplate, false), nullptr, {});
+  EXPECT_EQ(r.text, sc.captions[0]);
+}
+
+TEST(Embedded, HeldOutQuality) {
+  // A slice of the held-out set; the model card reports the whole 500-image set.
+  const std::string dir = kt::make_temp_dir("heldout") + "/set";
+  write_scene_set(dir, 30, kHeldoutSeed, false, {});
+  EvalOptions o;
+  const EvalResult r = evaluate_scenes(model(), load_scene_set(dir), o);
+  EXPECT_EQ(r.images, 30);
+  EXPECT_GE(r.caption_accuracy(), 0.85) << r.to_json().dump();
+  EXPECT_GT(r.questions, 60);
+  EXPECT_GE(r.vqa_accuracy(), 0.85) << r.to_json().dump();
+}
