@@ -34,8 +34,9 @@ struct KVBytes {
 struct HeadRows {
   std::vector<float> k, v;     // [n][head_dim]
   std::vector<int32_t> pos;    // [n] absolute position of each row
-  // Optional per-row annotations for diagnostics (empty = none): the bits a row's K/V are
-  // stored with (0 = full precision) and how many evicted rows were merged into it.
+  // Optional per-row annotations for diagnostics: the bits a row's keys are stored with
+  // (32 = fp32, 16 = fp16, b = b-bit codes; empty = every row as the segment's storage label
+  // says) and how many evicted rows were merged into it (empty = none).
   std::vector<uint8_t> bits;
   std::vector<uint16_t> merged;
   int n() const { return static_cast<int>(pos.size()); }

@@ -122,6 +122,8 @@ LlamaConfig parse_text(const nlohmann::json* jp, const std::string& where) {
 
 }  // namespace
 
+static LlavaConfig parse_llava_config_checked(const nlohmann::json& j, const std::string& where);
+
 int LlavaConfig::n_visual_tokens() const {
   return vision.n_patches() + (vision_feature_select_strategy == "full" ? 1 : 0);
 }
@@ -139,6 +141,14 @@ int LlavaConfig::encoder_layers_needed() const {
 }
 
 LlavaConfig parse_llava_config(const nlohmann::json& j, const std::string& where) {
+  try {
+    return parse_llava_config_checked(j, where);
+  } catch (const nlohmann::json::exception& e) {
+    throw InputError(where + ": a value has the wrong type (" + e.what() + ")");
+  }
+}
+
+static LlavaConfig parse_llava_config_checked(const nlohmann::json& j, const std::string& where) {
   if (!j.is_object()) throw InputError(where + ": not a JSON object");
   const std::string mt = j.value("model_type", std::string());
   if (mt != "llava")

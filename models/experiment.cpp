@@ -119,13 +119,28 @@ nlohmann::json experiment_json(const LlavaModel& model, const Experiment& ex, co
 std::vector<CalibrationPoint> calibrate_grid(const LlavaModel& model, const Experiment& ex,
                                              const std::string& base_spec, const std::vector<double>& taus,
                                              const ExperimentOptions& opt) {
+  const Params base = parse_method_spec(base_spec);
+  if (base.method() != "calibquant")
+    throw InputError("calibrate: --base must be a calibquant spec, got '" + base.method() + "'");
+  if (base.str("calibrate") == "off" || (base.str("calibrate") == "auto" && base.integer("bits") > 2))
+    throw InputError("calibrate: the base spec '" + base.spec() +
+                     "' does not calibrate (calibration applies at bits <= 2, or with calibrate=force)");
   std::vector<CalibrationPoint> pts;
   for (double t1 : taus)
     for (double t2 : taus) {
-      std::ostringstream spec;
-      spec << base_spec << (base_spec.find(':') == std::string::npos ? ":" : ",") << "tau1=" << t1
-           << ",tau2=" << t2;
-      const MethodRun r = run_method(model, ex, parse_method_spec(spec.str()), opt);
+      std::map<std::string, std::string> v = base.values();
+      std::ostringstream a, b;
+      a << t1;
+      b << t2;
+      v["tau1"] = a.str();
+      v["tau2"] = b.str();
+      std::string spec = "calibquant:";
+      bool first = true;
+      for (const auto& kv : v) {
+        spec += (first ? "" : ",") + kv.first + "=" + kv.second;
+        first = false;
+      }
+      const MethodRun r = run_method(model, ex, parse_method_spec(spec), opt);
       CalibrationPoint p;
       p.tau1 = t1;
       p.tau2 = t2;

@@ -66,6 +66,14 @@ int sample(const std::vector<float>& logits, const GenerateOptions& opt, std::mt
 }  // namespace
 
 LlavaModel LlavaModel::load(const std::string& dir) {
+  try {
+    return load_checked(dir);
+  } catch (const nlohmann::json::exception& e) {
+    throw InputError(dir + ": a JSON file holds a value of the wrong type (" + e.what() + ")");
+  }
+}
+
+LlavaModel LlavaModel::load_checked(const std::string& dir) {
   struct stat st {};
   if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
     throw InputError(dir + ": model directory does not exist");
@@ -166,6 +174,13 @@ PrefillState LlavaModel::prefill_features(const Tensor& feats, const std::string
                      " visual); the model's max_position_embeddings is " +
                      std::to_string(cfg_.text.max_position_embeddings));
   const int H = cfg_.text.hidden_size, img_id = tok_.image_token_id();
+  if (feats.shape != std::vector<int64_t>{st.n_visual, H})
+    throw InputError("image features have shape " + feats.shape_str() + ", the model needs [" +
+                     std::to_string(st.n_visual) + "," + std::to_string(H) + "]");
+  const auto n_image_ids = std::count(st.ids.begin(), st.ids.end(), img_id);
+  if (n_image_ids != st.n_visual)
+    throw InputError("prompt holds " + std::to_string(n_image_ids) + " image tokens, the image gives " +
+                     std::to_string(st.n_visual) + " features (one <image> marker is expected, in the template)");
   Tensor x("prompt_embeds", {T, H});
   st.kinds.resize(T);
   int seen = 0;
@@ -179,9 +194,6 @@ PrefillState LlavaModel::prefill_features(const Tensor& feats, const std::string
       st.kinds[t] = seen ? SegmentKind::PostVisionText : SegmentKind::System;
     }
   }
-  if (seen != st.n_visual)
-    throw InputError("prompt holds " + std::to_string(seen) + " image tokens, the image gives " +
-                     std::to_string(st.n_visual) + " features");
   st.store = KVStore(cfg_.text.num_hidden_layers, cfg_.text.num_key_value_heads, cfg_.text.head_dim);
   st.capture.keep = keep_attention;
   st.logits = text_.prefill(x, st.kinds, st.store, observers, &st.capture);

@@ -81,6 +81,8 @@ class LlavaModel {
   std::vector<PrefillContext> prefill_contexts(const PrefillState& st) const;
 
  private:
+  static LlavaModel load_checked(const std::string& dir);
+
   std::string dir_;
   LlavaConfig cfg_;
   Tokenizer tok_;

@@ -89,6 +89,8 @@ std::vector<int> Tokenizer::encode_prompt(const std::string& templ, const std::s
   std::string text = templ;
   const auto p = text.find("{prompt}");
   if (p == std::string::npos) throw InputError("prompt template '" + templ + "' has no {prompt}");
+  if (prompt.find("<image>") != std::string::npos)
+    throw InputError("prompt '" + prompt + "' contains <image>; the image marker belongs in the template");
   text.replace(p, 8, prompt);
   std::vector<int> ids;
   if (add_bos_) ids.push_back(bos_);

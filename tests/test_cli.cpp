@@ -71,6 +71,9 @@ TEST(Cli, BadFiles) {
   expect_exit2("caption --model " + good + " --image " + tmp + "/notes.png", "notes.png");
   expect_exit2("caption --model " + good + " --image " + img + " --max-new-tokens 0", "--max-new-tokens");
   expect_exit2("caption --bogus", "bogus");
+  expect_exit2("caption --model " + good + " --image " + img + " --prompt 'x <image> y'", "<image>");
+  expect_exit2("caption --model " + good + " --image " + img + " --template 'A <image> B <image> {prompt}'",
+               "image tokens");
 }
 
 TEST(Cli, HugeImageRefused) {
@@ -119,6 +122,14 @@ TEST(Cli, BrokenCheckpoints) {
     const std::string d = copy_fixture("bf16_sharded_inmem");
     EXPECT_EQ(kt::run("rm " + d + "/model-00002-of-00004.safetensors").code, 0);
     expect_exit2("caption --model " + d + " --image " + img, "model-00002-of-00004.safetensors");
+  }
+  {  // a config value of the wrong JSON type
+    const std::string d = copy_fixture("mha_fp32_hub");
+    std::ifstream f(d + "/config.json");
+    auto j = nlohmann::json::parse(f);
+    j["text_config"]["eos_token_id"] = "x";
+    kt::write_file(d + "/config.json", j.dump());
+    expect_exit2("caption --model " + d + " --image " + img, "config.json");
   }
   {  // missing tokenizer
     const std::string d = copy_fixture("mha_fp32_hub");

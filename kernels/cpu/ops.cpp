@@ -134,6 +134,7 @@ void attention_head(const AttnHeadArgs& a) {
       }
       const float* kj = a.k + static_cast<int64_t>(j) * a.kv_stride;
       float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
       for (int d = 0; d < a.D; ++d) dot += qi[d] * kj[d];
       Si[j] = dot * a.scale;
     }
@@ -159,6 +160,7 @@ void attention_head(const AttnHeadArgs& a) {
       const float p = Pi[j];
       if (p == 0.0f) continue;
       const float* vj = a.v + static_cast<int64_t>(j) * a.kv_stride;
+#pragma omp simd
       for (int d = 0; d < a.D; ++d) oi[d] += p * vj[d];
     }
   }
