@@ -5,6 +5,7 @@
 #include "app/commands.h"
 #include "app/defaults.h"
 #include "core/errors.h"
+#include "core/session.h"
 #include "models/experiment.h"
 
 namespace kvlens::app {
@@ -12,7 +13,7 @@ namespace kvlens::app {
 namespace {
 
 struct RunArgs {
-  std::string model, image, report;
+  std::string model, image, report, session, save_session;
   std::vector<std::string> methods;
   ExperimentOptions opt;
 };
@@ -28,6 +29,11 @@ void add_common(CLI::App* c, RunArgs& a) {
   c->add_option("--hit-budget", a.opt.hit_budget, "CacheHitRate k as a share of the prompt")->capture_default_str();
 }
 
+void add_session_options(CLI::App* c, RunArgs& a) {
+  c->add_option("--session", a.session, "Session JSON (sessions/*.json): model, image, prompt, methods, options");
+  c->add_option("--save-session", a.save_session, "Write this run's setup as a session JSON");
+}
+
 void check_options(const ExperimentOptions& o) {
   if (o.max_new_tokens < 1) throw InputError("--max-new-tokens must be at least 1, got " + std::to_string(o.max_new_tokens));
   if (o.diag_steps < 1) throw InputError("--diag-steps must be at least 1, got " + std::to_string(o.diag_steps));
@@ -41,11 +47,44 @@ void write_json(const std::string& path, const nlohmann::json& j) {
   f << j.dump(1) << "\n";
 }
 
-void run_methods(const RunArgs& a) {
-  check_options(a.opt);
+// A session file fills what the command line left unset; --method adds to its methods.
+RunArgs with_session(const RunArgs& in, std::vector<Params>& specs) {
+  RunArgs a = in;
+  if (!a.session.empty()) {
+    const Session s = load_session(a.session);
+    if (a.model.empty()) a.model = s.model;
+    if (a.image.empty()) a.image = s.image;
+    if (!s.prompt.empty() && a.opt.prompt == kDefaultPrompt) a.opt.prompt = s.prompt;
+    if (!s.templ.empty() && a.opt.templ == kDefaultTemplate) a.opt.templ = s.templ;
+    a.opt.max_new_tokens = s.max_new_tokens;
+    a.opt.diag_steps = s.diag_steps;
+    a.opt.sparsity_p = s.sparsity_p;
+    a.opt.hit_budget = s.hit_budget;
+    specs = s.methods;
+  }
+  for (const auto& m : a.methods) specs.push_back(parse_method_spec(m));
+  if (specs.empty()) throw InputError("no method to run: give --method SPEC or --session FILE");
+  return a;
+}
+
+void run_methods(const RunArgs& args) {
   // Validate every spec before any model work.
   std::vector<Params> specs;
-  for (const auto& s : a.methods) specs.push_back(parse_method_spec(s));
+  const RunArgs a = with_session(args, specs);
+  check_options(a.opt);
+  if (!a.save_session.empty()) {
+    Session s;
+    s.model = a.model;
+    s.image = a.image;
+    s.prompt = a.opt.prompt;
+    s.templ = a.opt.templ;
+    s.max_new_tokens = a.opt.max_new_tokens;
+    s.diag_steps = a.opt.diag_steps;
+    s.sparsity_p = a.opt.sparsity_p;
+    s.hit_budget = a.opt.hit_budget;
+    s.methods = specs;
+    save_session(a.save_session, s);
+  }
   const LlavaModel model = LlavaModel::load(a.model.empty() ? default_model_dir() : a.model);
   const RGBImage img = load_image(a.image.empty() ? default_image() : a.image);
   Experiment ex = start_experiment(model, img, a.opt);
@@ -123,7 +162,8 @@ void add_run_commands(CLI::App& root) {
   auto ra = std::make_shared<RunArgs>();
   CLI::App* r = root.add_subcommand("run", "Run methods on one shared prefill and compare each with the full cache");
   add_common(r, *ra);
-  r->add_option("--method", ra->methods, "Method spec, e.g. 'calibquant:bits=1,tau1=0,tau2=3' (repeatable)")->required();
+  add_session_options(r, *ra);
+  r->add_option("--method", ra->methods, "Method spec, e.g. 'calibquant:bits=1,tau1=0,tau2=3' (repeatable)");
   r->add_option("--report", ra->report, "Write captions, ids, bytes, timings and every diagnostic as JSON");
   r->callback([ra] { run_methods(*ra); });
 
@@ -132,6 +172,7 @@ void add_run_commands(CLI::App& root) {
   CLI::App* d = root.add_subcommand(
       "demo", "The embedded model on the sample image: full cache next to CalibQuant, ZipCache, VL-Cache, LOOK-M and a stack");
   add_common(d, *da);
+  add_session_options(d, *da);
   d->add_option("--method", da->methods, "Method specs to compare")->capture_default_str();
   d->add_option("--report", da->report, "Write the JSON report here");
   d->callback([da] { run_methods(*da); });

@@ -3,6 +3,7 @@
 // held-out scenes measured with kvlens's own runner.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <fstream>
 
 #include <nlohmann/json.hpp>
@@ -53,8 +54,14 @@ void check_against_hf(const char* kind, int n) {
 
 }  // namespace
 
-TEST(Embedded, CaptionsMatchTransformers) { check_against_hf("captions", 16); }
-TEST(Embedded, AnswersMatchTransformers) { check_against_hf("questions", 16); }
+// 16 of each by default; KVLENS_HF_SPOTCHECK=64 checks every recorded generation.
+int spotcheck_count() {
+  const char* e = std::getenv("KVLENS_HF_SPOTCHECK");
+  return e ? std::atoi(e) : 16;
+}
+
+TEST(Embedded, CaptionsMatchTransformers) { check_against_hf("captions", spotcheck_count()); }
+TEST(Embedded, AnswersMatchTransformers) { check_against_hf("questions", spotcheck_count()); }
 
 TEST(Embedded, SampleImageCaptionIsTheCanonicalReference) {
   // The sample image comes from the generator (seed 20261122, index 0): the caption must be

@@ -1,0 +1,84 @@
+// Session JSON: every example session loads and validates, round-trips, and bad sessions are
+// refused with the key or method parameter named.
+#include <gtest/gtest.h>
+
+#include <dirent.h>
+
+#include "core/errors.h"
+#include "core/session.h"
+#include "tests/test_util.h"
+
+using namespace kvlens;
+namespace kt = kvlens::testing;
+
+namespace {
+std::vector<std::string> example_sessions() {
+  std::vector<std::string> r;
+  const std::string root = kt::source_dir() + "/sessions";
+  if (DIR* d = opendir(root.c_str())) {
+    while (dirent* e = readdir(d)) {
+      const std::string n = e->d_name;
+      if (n.size() > 5 && n.substr(n.size() - 5) == ".json") r.push_back(root + "/" + n);
+    }
+    closedir(d);
+  }
+  return r;
+}
+}  // namespace
+
+TEST(Session, ExamplesLoadAndRoundTrip) {
+  const auto files = example_sessions();
+  ASSERT_GE(files.size(), 4u);
+  for (const auto& f : files) {
+    const Session s = load_session(f);
+    EXPECT_FALSE(s.methods.empty()) << f;
+    EXPECT_FALSE(s.name.empty()) << f;
+    const Session back = session_from_json(session_to_json(s), "round trip");
+    ASSERT_EQ(back.methods.size(), s.methods.size()) << f;
+    for (size_t i = 0; i < s.methods.size(); ++i) EXPECT_EQ(back.methods[i].spec(), s.methods[i].spec()) << f;
+    EXPECT_EQ(back.max_new_tokens, s.max_new_tokens);
+  }
+}
+
+TEST(Session, ObjectAndStringFormsAgree) {
+  const auto a = session_from_json(nlohmann::json::parse(R"({"methods": ["calibquant:bits=1,tau2=2"]})"), "a");
+  const auto b = session_from_json(
+      nlohmann::json::parse(R"({"methods": [{"method": "calibquant", "params": {"bits": 1, "tau2": 2}}]})"), "b");
+  EXPECT_EQ(a.methods.at(0).spec(), b.methods.at(0).spec());
+  EXPECT_EQ(a.methods.at(0).num("tau2"), 2.0);
+}
+
+TEST(Session, BadSessionsNameTheProblem) {
+  auto expect = [](const char* text, const std::string& needle) {
+    try {
+      session_from_json(nlohmann::json::parse(text), "s.json");
+      ADD_FAILURE() << text;
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect(R"({"methods": ["calibquant:tau2=-1"]})", "methods[0]: calibquant: tau2");
+  expect(R"({"methods": [{"method": "vlcache", "params": {"budget": 9}}]})", "budget");
+  expect(R"({"methods": [42]})", "methods[0]");
+  expect(R"({"method": []})", "unknown key 'method'");
+  expect(R"({"max_new_tokens": 0})", "max_new_tokens");
+  expect(R"({"max_new_tokens": "many"})", "wrong type");
+  EXPECT_THROW(load_session("/nonexistent/session.json"), InputError);
+}
+
+TEST(Session, CliRunsASessionAndSavesOne) {
+  const std::string tmp = kt::make_temp_dir("sess");
+  const std::string fix = kt::source_dir() + "/tests/fixtures/hf/mha_fp32_hub";
+  kt::write_file(tmp + "/s.json", R"({"name": "t", "max_new_tokens": 3, "methods": ["calibquant:bits=1", "vlcache:budget=0.5"]})");
+  const auto r = kt::run(kt::cli() + " run --model " + fix + " --image " + fix + "/image.png --session " + tmp +
+                         "/s.json --save-session " + tmp + "/saved.json --report " + tmp + "/r.json");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const Session saved = load_session(tmp + "/saved.json");
+  ASSERT_EQ(saved.methods.size(), 2u);
+  EXPECT_EQ(saved.methods[0].method(), "calibquant");
+  EXPECT_EQ(saved.max_new_tokens, 3);
+  kt::write_file(tmp + "/bad.json", R"({"methods": ["lookm:merge=blend"]})");
+  const auto bad = kt::run(kt::cli() + " run --model " + fix + " --image " + fix + "/image.png --session " + tmp + "/bad.json");
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_NE(bad.output.find("merge"), std::string::npos) << bad.output;
+}
