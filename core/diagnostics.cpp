@@ -60,15 +60,41 @@ double prefill_sparsity(const PrefillView& pv, int layer, double p) {
 
 namespace {
 
-int storage_bits(const std::string& s) {
-  if (s == "fp32") return 32;
-  if (s == "fp16") return 16;
-  if (!s.empty() && s[0] == 'q') {
+// Key bits of a row from its segment's storage label, for rows without a per-row annotation
+// (HeadRows::bits). Every quantizing policy writes per-row bits, so this mostly sees "fp32" and
+// "fp16"; it still reads the labels the policies write: "q<b> k:.. v:..", "q<b>-channel",
+// "kivi q<b>", "turboquant k:q<b−1>+qjl v:q<b>" (keys: b−1 codebook bits + 1 sign bit),
+// "hadamard-int4[ k, fp32 v]" (4), and "zipcache q<h>/q<l>" (mixed: the mean of the two, as the
+// per-row split is unknown). Anything else reads as 32.
+float storage_bits(const std::string& s) {
+  if (s == "fp32") return 32.0f;
+  if (s == "fp16") return 16.0f;
+  if (s.find("int4") != std::string::npos) return 4.0f;
+  // The number after "q" at `at`, or 0.
+  auto bits_at = [&](size_t at) {
     int b = 0;
-    for (size_t i = 1; i < s.size() && std::isdigit(static_cast<unsigned char>(s[i])); ++i) b = b * 10 + (s[i] - '0');
-    if (b > 0) return b;
+    for (size_t i = at; i < s.size() && std::isdigit(static_cast<unsigned char>(s[i])) && b < 1000; ++i)
+      b = b * 10 + (s[i] - '0');
+    return b;
+  };
+  const size_t k = s.find("k:q");
+  if (k != std::string::npos) {
+    const int b = bits_at(k + 3);
+    if (b > 0) return static_cast<float>(b + (s.compare(k + 3 + std::to_string(b).size(), 4, "+qjl") == 0 ? 1 : 0));
   }
-  return 32;
+  // The first "q<digits>" at the start of a word ("q4 k:..", "kivi q2", "zipcache q4/q2").
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] != 'q' || (i > 0 && s[i - 1] != ' ')) continue;
+    const int b = bits_at(i + 1);
+    if (b <= 0) continue;
+    const size_t end = i + 1 + std::to_string(b).size();
+    if (end + 1 < s.size() && s[end] == '/' && s[end + 1] == 'q') {
+      const int lo = bits_at(end + 2);
+      if (lo > 0) return 0.5f * static_cast<float>(b + lo);
+    }
+    return static_cast<float>(b);
+  }
+  return 32.0f;
 }
 
 struct Histo {
@@ -227,8 +253,11 @@ std::vector<LayerDiagnostics> compare_layers(const PrefillView& pv, const Decode
           if (pos < 0 || pos >= T || kinds[pos] != SegmentKind::Visual) continue;
           const int vi = pos - first_visual;
           kept_rows[vi]++;
-          d.fate_bits[vi] += r.bits.empty() ? storage_bits(s.storage) : (r.bits[i] ? r.bits[i] : 32);
-          d.fate_merged[vi] += r.merged.empty() ? 0.0f : r.merged[i];
+          // Rows appended after an annotation was written have none: read them as the storage
+          // label says and as nothing merged.
+          const size_t ui = static_cast<size_t>(i);
+          d.fate_bits[vi] += ui < r.bits.size() ? (r.bits[ui] ? r.bits[ui] : 32) : storage_bits(s.storage);
+          d.fate_merged[vi] += ui < r.merged.size() ? r.merged[ui] : 0.0f;
         }
     for (int i = 0; i < n_visual; ++i) {
       d.fate_kept[i] = static_cast<float>(kept_rows[i]) / NKV;

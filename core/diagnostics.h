@@ -56,7 +56,7 @@ struct LayerDiagnostics {
   double sparsity_decode = 0;                                     // this method's decode attention
   ScoreHistogram visual_scores;                                   // first decode step, visual keys
   std::vector<float> fate_kept;   // per visual token: share of KV heads that keep it
-  std::vector<float> fate_bits;   // per visual token: mean bits of kept rows (0 = full precision)
+  std::vector<float> fate_bits;   // per visual token: mean bits of kept rows (32 = fp32; 0 = no head keeps it)
   std::vector<float> fate_merged; // per visual token: mean rows merged into it
   KVBytes bytes;                  // after prefill compression
 };

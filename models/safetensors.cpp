@@ -155,6 +155,22 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
                        ") reach past the end of the file (data section is " +
                        std::to_string(data_size) + " bytes): truncated?");
     v.nbytes = en - b;
+    // A hostile shape can make numel() (and numel × dtype size) overflow int64 and wrap to a
+    // size that matches the offsets: check the product before multiplying. A zero dimension
+    // makes the tensor empty whatever the others are. (A product that fits but disagrees with
+    // the offsets is caught just below.)
+    const uint64_t max_elems = static_cast<uint64_t>(INT64_MAX) / static_cast<uint64_t>(dtype_size(v.dtype));
+    if (std::find(v.shape.begin(), v.shape.end(), int64_t{0}) == v.shape.end()) {
+      uint64_t elems = 1;
+      for (int64_t d : v.shape) {
+        const uint64_t du = static_cast<uint64_t>(d);
+        if (elems > max_elems / du)
+          throw InputError(where + ": shape " + shape_str(v.shape) + " × " + dtype_name(v.dtype) +
+                           " overflows 64-bit byte counts (data section is " +
+                           std::to_string(data_size) + " bytes)");
+        elems *= du;
+      }
+    }
     const uint64_t want = static_cast<uint64_t>(v.numel()) * dtype_size(v.dtype);
     if (want != v.nbytes)
       throw InputError(where + ": shape " + shape_str(v.shape) + " × " + dtype_name(v.dtype) +

@@ -597,3 +597,84 @@ TEST(Stack, EvictsThenQuantizesAndRoutesParameters) {
   for (const char* name : {"vlcache", "lookm", "h2o", "snapkv", "streamingllm", "pyramidkv", "stack"})
     EXPECT_NO_THROW(parse_method_spec(name)) << name;
 }
+
+TEST(LookM, MergedCountsAnnotateKeptRows) {
+  Prompt P(2, 4, 2, 8, layout(3, 30, 7), 41);
+  P.random_logits(42, 1.0, 3.0);
+  for (const char* merge : {"none", "average", "pivotal", "weighted"}) {
+    SCOPED_TRACE(merge);
+    for (int per_layer = 0; per_layer < 2; ++per_layer) {
+      Prompt M = P;
+      auto pol = make(lookm_method(), {{"merge", merge}});
+      if (per_layer) {
+        for (const PrefillContext& c : M.contexts()) pol->on_prefill_layer(c, M.store.layer(c.layer));
+      } else {
+        pol->on_prefill(M.contexts(), M.store);
+      }
+      for (int l = 0; l < P.L; ++l)
+        for (int h = 0; h < P.Hkv; ++h) {
+          int kept = 0, merged = 0;
+          for (const KVSegment& s : M.store.layer(l).segments) {
+            const HeadRows& r = s.heads[h];
+            kept += r.n();
+            if (std::string(merge) != "none") {
+              EXPECT_EQ(r.merged.size(), static_cast<size_t>(r.n()));
+            }
+            for (uint16_t m : r.merged) merged += m;
+          }
+          ASSERT_LT(kept, P.T);
+          EXPECT_EQ(merged, std::string(merge) == "none" ? 0 : P.T - kept) << l << " " << h;
+        }
+    }
+  }
+  // Counts accumulate onto rows that already absorbed some (e.g. from an earlier merge).
+  Prompt A = P;
+  for (int l = 0; l < P.L; ++l)
+    for (KVSegment& s : A.store.layer(l).segments)
+      for (HeadRows& r : s.heads) r.merged.assign(r.n(), 2);
+  make(lookm_method(), {{"merge", "average"}})->on_prefill(A.contexts(), A.store);
+  for (int h = 0; h < P.Hkv; ++h) {
+    int kept = 0, merged = 0;
+    for (const KVSegment& s : A.store.layer(0).segments) {
+      kept += s.heads[h].n();
+      for (uint16_t m : s.heads[h].merged) merged += m;
+    }
+    EXPECT_EQ(merged, 2 * kept + P.T - kept);
+  }
+}
+
+TEST(Select, KeepRowsCarriesRowAnnotations) {
+  Prompt P(1, 2, 2, 4, layout(2, 5, 3), 51);
+  LayerKV& L = P.store.layer(0);
+  // Visual rows annotated (bits 16 and merged = position), the text segment only partly (a row
+  // appended after the annotation was written), the system segment not at all.
+  for (HeadRows& r : L.segments[1].heads) {
+    for (int32_t p : r.pos) r.bits.push_back(16), r.merged.push_back(static_cast<uint16_t>(p));
+    r.bits[1] = 32;
+  }
+  for (HeadRows& r : L.segments[2].heads) r.merged = {7, 8};
+  const std::vector<std::vector<int>> keep = {{0, 3, 4, 6, 8, 9}, {1, 2, 5, 9}};
+  keep_rows("test", L, P.D, keep);
+  for (int h = 0; h < 2; ++h) {
+    std::vector<int> bits, merged;
+    std::vector<int32_t> pos;
+    for (const KVSegment& s : L.segments) {
+      const HeadRows& r = s.heads[h];
+      EXPECT_TRUE(r.bits.empty() || r.bits.size() == static_cast<size_t>(r.n()));
+      EXPECT_TRUE(r.merged.empty() || r.merged.size() == static_cast<size_t>(r.n()));
+      for (int i = 0; i < r.n(); ++i) {
+        pos.push_back(r.pos[i]);
+        bits.push_back(r.bits.empty() ? -1 : r.bits[i]);
+        merged.push_back(r.merged.empty() ? -1 : r.merged[i]);
+      }
+    }
+    EXPECT_EQ(pos, std::vector<int32_t>(keep[h].begin(), keep[h].end()));
+    if (h == 0) {  // rows 0 | 3 4 6 | 8 9
+      EXPECT_EQ(bits, (std::vector<int>{-1, 32, 16, 16, -1, -1}));
+      EXPECT_EQ(merged, (std::vector<int>{-1, 3, 4, 6, 8, 0}));
+    } else {  // rows 1 | 2 5 | 9
+      EXPECT_EQ(bits, (std::vector<int>{-1, 16, 16, -1}));
+      EXPECT_EQ(merged, (std::vector<int>{-1, 2, 5, 0}));
+    }
+  }
+}

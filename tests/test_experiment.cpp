@@ -1,6 +1,7 @@
 // Methods end to end on fixture checkpoints, with every diagnostic against the full cache.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <numeric>
 
@@ -126,6 +127,39 @@ TEST(Experiment, EvictionShrinksBytesAndMarksFate) {
     EXPECT_LT(kept, static_cast<float>(d.fate_kept.size()));
     EXPECT_GT(d.softmax_mse, 0.0);
   }
+}
+
+TEST(Experiment, TokenFateReadsRowBitsAndMergeCounts) {
+  const Fixture& f = fixture("mha_fp32_hub");
+  const ExperimentOptions opt = small_options();
+  const Experiment ex = start_experiment(f.model, f.image, opt);
+  // ZipCache: every kept visual row is stored at low_bits or high_bits, never as fp32.
+  const MethodRun z = run_method(f.model, ex, parse_method_spec("zipcache:high_bits=4,low_bits=2"), opt);
+  for (const auto& d : z.layers) {
+    ASSERT_EQ(d.fate_bits.size(), static_cast<size_t>(ex.prefill.n_visual));
+    bool below_32 = false;
+    for (size_t i = 0; i < d.fate_bits.size(); ++i) {
+      EXPECT_EQ(d.fate_kept[i], 1.0f);
+      EXPECT_GE(d.fate_bits[i], 2.0f) << i;
+      EXPECT_LE(d.fate_bits[i], 4.0f) << i;
+      below_32 = below_32 || d.fate_bits[i] < 32.0f;
+    }
+    EXPECT_TRUE(below_32);
+    for (float m : d.fate_merged) EXPECT_EQ(m, 0.0f);
+  }
+  // LOOK-M (pivotal merging by default): kept visual rows absorbed evicted ones. The text prior
+  // would rank every text token first; without it, visual tokens compete for N on attention.
+  const MethodRun m = run_method(f.model, ex, parse_method_spec("lookm:alpha1=0.1,alpha2=0.5,text_prior=false"), opt);
+  double max_mean = 0, kept = 0;
+  for (const auto& d : m.layers) {
+    double sum = 0;
+    for (float x : d.fate_merged) sum += x;
+    for (float x : d.fate_kept) kept += x;
+    max_mean = std::max(max_mean, sum / std::max<size_t>(d.fate_merged.size(), 1));
+    for (float b : d.fate_bits) EXPECT_TRUE(b == 0.0f || b == 32.0f) << b;  // 0: evicted everywhere
+  }
+  EXPECT_GT(kept, 0.0);
+  EXPECT_GT(max_mean, 0.0);
 }
 
 TEST(Diagnostics, SparsityOnAHandMadeMatrix) {

@@ -596,3 +596,148 @@ TEST(AllQuantMethods, BytesEqualAllocatedAfterPrefillAndDecode) {
     for (int kh = 0; kh < f.KH; ++kh) EXPECT_EQ(f.store.n_rows(0, kh), f.T + 40);
   }
 }
+
+// ---- per-row annotations: what token fate reads --------------------------------------------------
+
+namespace {
+
+// The bits each row of head kh is stored with, over all segments in order (unannotated rows
+// read as the segment's plain storage: fp32 32, fp16 16).
+std::vector<int> row_bits_of(const LayerKV& L, int kh) {
+  std::vector<int> out;
+  for (const KVSegment& s : L.segments) {
+    const HeadRows& r = s.heads[kh];
+    if (!r.bits.empty()) {
+      EXPECT_EQ(r.bits.size(), static_cast<size_t>(r.n())) << s.storage;
+    } else {
+      EXPECT_TRUE(s.storage == "fp32" || s.storage == "fp16") << s.storage << " has no row bits";
+    }
+    for (int i = 0; i < r.n(); ++i) out.push_back(quant::row_bits(r, i, s.storage == "fp16" ? 16 : 32));
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST(TokenFate, ZipCacheRowsCarryHighOrLowBitsWithTheSalientShareHigh) {
+  Fixture f(5, 30, 6, 16, 111);
+  auto p = make_policy("zipcache:high_bits=3,low_bits=1,saliency_ratio=0.4,gap=4");
+  f.prefill(*p);
+  const LayerKV& L = f.store.layer(0);
+  for (int kh = 0; kh < f.KH; ++kh) {
+    int high = 0;
+    for (const KVSegment& s : L.segments) {
+      const HeadRows& r = s.heads[kh];
+      ASSERT_EQ(r.bits.size(), static_cast<size_t>(r.n()));
+      for (int t = 0; t < r.n(); ++t) {
+        const bool salient = quant::unpack_one(payload(s).k[kh].flags.data(), t, 1) != 0;
+        EXPECT_EQ(r.bits[t], salient ? 3 : 1);
+        high += r.bits[t] == 3;
+      }
+    }
+    EXPECT_EQ(high, std::llround(0.4 * f.T));
+  }
+  f.decode(*p, 9);  // two gaps of 4 quantized, round(0.4·4) = 2 salient each; the last row fp32
+  ASSERT_EQ(L.segments.size(), 6u);
+  for (int kh = 0; kh < f.KH; ++kh) {
+    for (int gi = 3; gi < 5; ++gi) {
+      const HeadRows& r = L.segments[gi].heads[kh];
+      ASSERT_EQ(r.bits.size(), 4u);
+      EXPECT_EQ(std::count(r.bits.begin(), r.bits.end(), uint8_t{3}), 2);
+      EXPECT_EQ(std::count(r.bits.begin(), r.bits.end(), uint8_t{1}), 2);
+    }
+    EXPECT_EQ(row_bits_of(L, kh).back(), 32);
+  }
+  try {
+    make_policy("zipcache:high_bits=2,low_bits=4");
+    ADD_FAILURE() << "high_bits < low_bits accepted";
+  } catch (const InputError& e) {
+    const std::string w = e.what();
+    EXPECT_NE(w.find("high_bits"), std::string::npos) << w;
+    EXPECT_NE(w.find("low_bits"), std::string::npos) << w;
+  }
+  EXPECT_NO_THROW(make_policy("zipcache:high_bits=2,low_bits=2"));
+}
+
+TEST(TokenFate, KiviCalibQuantAndUniformRowBits) {
+  {  // KIVI: quantized rows b bits, the fp32 residual window 32, through decode
+    Fixture f(7, 60, 9, 16, 81);
+    auto p = make_policy("kivi:bits=2,group=8,residual=10");
+    f.prefill(*p), f.decode(*p, 13);
+    for (int kh = 0; kh < f.KH; ++kh) {
+      int fp32 = 0, q = 0;
+      for (const KVSegment& s : f.store.layer(0).segments)
+        for (int i = 0; i < s.heads[kh].n(); ++i) {
+          const int b = quant::row_bits(s.heads[kh], i, s.storage == "fp32" ? 32 : -1);
+          EXPECT_EQ(b, s.storage == "fp32" ? 32 : 2) << s.storage;
+          (s.storage == "fp32" ? fp32 : q)++;
+        }
+      EXPECT_TRUE(fp32 >= 10 && fp32 < 18) << fp32;
+      EXPECT_EQ(q + fp32, f.T + 13);
+      EXPECT_EQ(q % 8, 0);
+    }
+  }
+  {  // CalibQuant: visual rows b bits, system and text rows untouched (unannotated, fp32)
+    Fixture f(6, 20, 7, 16, 61);
+    f.prefill(*make_policy("calibquant:bits=2"));
+    const LayerKV& L = f.store.layer(0);
+    for (int kh = 0; kh < f.KH; ++kh) {
+      const std::vector<int> b = row_bits_of(L, kh);
+      ASSERT_EQ(static_cast<int>(b.size()), f.T);
+      for (int t = 0; t < f.T; ++t) EXPECT_EQ(b[t], f.kinds[t] == kV ? 2 : 32) << t;
+      EXPECT_TRUE(L.segments[0].heads[kh].bits.empty() && L.segments[2].heads[kh].bits.empty());
+    }
+  }
+  // Every row a policy stores: bits as the format says, aligned with pos after decode merges.
+  const std::vector<std::pair<std::string, int>> cases = {
+      {"uniform:bits=3", 3}, {"hadamard_int4", 4}, {"hadamard_int4:quantize_v=off", 4},
+      {"turboquant:bits=2", 2}, {"turboquant:bits=3,qjl=on", 3}, {"full:storage=fp16", 16},
+      {"full:storage=fp32", 32}};
+  for (const auto& [spec, bits] : cases) {
+    SCOPED_TRACE(spec);
+    Fixture f(4, 12, 5, 16, 90);
+    auto p = make_policy(spec);
+    f.prefill(*p), f.decode(*p, 5);
+    for (int kh = 0; kh < f.KH; ++kh) {
+      const std::vector<int> b = row_bits_of(f.store.layer(0), kh);
+      EXPECT_EQ(static_cast<int>(b.size()), f.T + 5);
+      for (int x : b) EXPECT_EQ(x, bits);
+    }
+  }
+}
+
+TEST(TokenFate, SegmentHelpersKeepAnnotationsAlignedAndPayloadsUnshared) {
+  // split_segment splits bits/merged with the rows.
+  LayerKV L;
+  KVSegment s;
+  s.heads.resize(1);
+  for (int i = 0; i < 5; ++i) {
+    s.heads[0].k.insert(s.heads[0].k.end(), 2, static_cast<float>(i));
+    s.heads[0].v.insert(s.heads[0].v.end(), 2, static_cast<float>(i));
+    s.heads[0].pos.push_back(i);
+  }
+  s.heads[0].merged = {1, 2, 3, 4};  // one row appended after it was written
+  L.segments.push_back(s);
+  quant::split_segment(L, 0, {2}, 2);
+  ASSERT_EQ(L.segments.size(), 2u);
+  EXPECT_EQ(L.segments[0].heads[0].merged, (std::vector<uint16_t>{1, 2}));
+  EXPECT_EQ(L.segments[1].heads[0].merged, (std::vector<uint16_t>{3, 4, 0}));
+  EXPECT_TRUE(L.segments[0].heads[0].bits.empty() && L.segments[1].heads[0].bits.empty());
+
+  // merge_last_into_previous grows a clone: a copy of the store keeps its payload as it was.
+  Fixture f(3, 6, 2, 16, 95);
+  auto p = make_policy("uniform:bits=4");
+  f.prefill(*p), f.decode(*p, 2);  // the generated segment now holds 2 rows
+  const KVStore copy = f.store;
+  const KVSegment& gen = copy.layer(0).segments.back();
+  ASSERT_EQ(gen.kind, SegmentKind::Generated);
+  ASSERT_EQ(gen.heads[0].n(), 2);
+  const int64_t held = gen.payload->allocated().total();
+  const size_t codes = payload(gen).k[0].codes.size();
+  f.decode(*p, 3);
+  EXPECT_EQ(f.store.layer(0).segments.back().heads[0].n(), 5);
+  EXPECT_EQ(f.store.layer(0).segments.back().heads[0].bits, std::vector<uint8_t>(5, 4));
+  EXPECT_EQ(gen.payload->allocated().total(), held);
+  EXPECT_EQ(payload(gen).k[0].codes.size(), codes);
+  EXPECT_EQ(gen.bytes.total(), held + 4 * 2 * f.KH);
+}

@@ -99,6 +99,16 @@ TEST(Safetensors, RejectsBadFiles) {
   bad["b"] = {{"dtype", "F32"}, {"shape", {1}}, {"data_offsets", {4, 8}}};
   write_file(p, st_file(bad, f32_bytes({1, 2})));
   expect_input_error([&] { SafetensorsFile f(p); }, "overlap");
+  // 2^62 × 4 elements × 4 bytes wraps to 0 in 64 bits: must not pass as an empty tensor.
+  bad = h;
+  bad["a"]["shape"] = {int64_t{1} << 62, 4};
+  bad["a"]["data_offsets"] = {0, 0};
+  write_file(p, st_file(bad, f32_bytes({1, 2})));
+  expect_input_error([&] { SafetensorsFile f(p); }, "tensor 'a': shape");
+  expect_input_error([&] { SafetensorsFile f(p); }, "overflows 64-bit byte counts");
+  bad["a"]["shape"] = {int64_t{1} << 62, 0};  // a zero dimension: empty, whatever the rest
+  write_file(p, st_file(bad, f32_bytes({1, 2})));
+  EXPECT_NO_THROW({ SafetensorsFile f(p); });
 
   nlohmann::json ints;
   ints["i"] = {{"dtype", "I32"}, {"shape", {2}}, {"data_offsets", {0, 8}}};

@@ -92,7 +92,7 @@ class CalibQuantPolicy : public KVPolicy {
         quant::quantize_block(r.k.data(), r.n(), D, {bits_, quant::Axis::PerChannel, k_shrink_, about_zero_}, p->k[h]);
         quant::quantize_block(r.v.data(), r.n(), D, {bits_, quant::Axis::PerChannel, v_shrink_, about_zero_}, p->v[h]);
       }
-      quant::set_quantized(s, p, "q" + std::to_string(bits_) + "-channel");
+      quant::set_quantized(s, p, "q" + std::to_string(bits_) + "-channel", bits_);
     }
   }
 

@@ -22,7 +22,7 @@ void round_segment_to_fp16(KVSegment& s) {
         out.push_back(static_cast<uint8_t>(b >> 8));
       }
     }
-  quant::set_quantized(s, p, "fp16");
+  quant::set_quantized(s, p, "fp16", 16);
 }
 
 class FullPolicy : public KVPolicy {

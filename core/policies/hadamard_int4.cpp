@@ -73,7 +73,7 @@ class HadamardInt4Policy : public KVPolicy {
       if (rotate_v_)
         for (int j = 0; j < n; ++j) hadamard_int4::block_hadamard(r.v.data() + static_cast<size_t>(j) * D, D, block_);
     }
-    quant::set_quantized(s, p, quantize_v_ ? "hadamard-int4" : "hadamard-int4 k, fp32 v");
+    quant::set_quantized(s, p, quantize_v_ ? "hadamard-int4" : "hadamard-int4 k, fp32 v", 4);
   }
 
   int block_;

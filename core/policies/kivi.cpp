@@ -84,7 +84,7 @@ class KiviPolicy : public KVPolicy {
                               {bits_, quant::Axis::PerChannel}, p->k[h]);
       quant::quantize_block(r.v.data(), r.n(), D, {bits_, quant::Axis::PerToken}, p->v[h]);
     }
-    quant::set_quantized(s, p, "kivi q" + std::to_string(bits_));
+    quant::set_quantized(s, p, "kivi q" + std::to_string(bits_), bits_);
   }
 
   int bits_, G_, R_;

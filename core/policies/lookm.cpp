@@ -25,7 +25,9 @@
 //   above the mean; the paper does not mention it and kvlens merges every evicted token.
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <memory>
+#include <mutex>
 
 #include "core/errors.h"
 #include "core/policies/evict_methods.h"
@@ -33,8 +35,12 @@
 
 namespace kvlens {
 
-void lookm_merge(MergeKind kind, int d, const std::vector<int>& keep, std::vector<float>& k,
-                 std::vector<float>& v) {
+namespace {
+
+// lookm_merge, also giving in count[c] (n entries) how many evicted rows row c absorbed.
+void merge_counted(MergeKind kind, int d, const std::vector<int>& keep, std::vector<float>& k,
+                   std::vector<float>& v, std::vector<int>& count) {
+  count.clear();
   if (kind == MergeKind::None) return;
   if (d < 1 || k.size() % d != 0 || v.size() != k.size())
     throw InternalError("lookm_merge: k/v are not [n][d]");
@@ -59,7 +65,7 @@ void lookm_merge(MergeKind kind, int d, const std::vector<int>& keep, std::vecto
   };
   // Accumulate Σ over each kept row's evicted set, against the original kept values.
   std::vector<double> acc_k(static_cast<size_t>(n) * d, 0.0), acc_v(acc_k.size(), 0.0);
-  std::vector<int> count(n, 0);
+  count.assign(n, 0);
   for (int e = 0; e < n; ++e) {
     if (kept[e]) continue;
     int best = keep[0];
@@ -94,6 +100,14 @@ void lookm_merge(MergeKind kind, int d, const std::vector<int>& keep, std::vecto
       v[i] = static_cast<float>((v[i] + acc_v[i]) * w);
     }
   }
+}
+
+}  // namespace
+
+void lookm_merge(MergeKind kind, int d, const std::vector<int>& keep, std::vector<float>& k,
+                 std::vector<float>& v) {
+  std::vector<int> count;
+  merge_counted(kind, d, keep, k, v, count);
 }
 
 namespace {
@@ -151,12 +165,65 @@ class LookMPolicy : public ScoreEvictPolicy {
   }
 
   bool merges() const override { return merge_ != MergeKind::None; }
+  // Merges, and remembers for each kept row (in order) how many evicted rows it absorbed; the
+  // counts go into HeadRows::merged once the base class has kept the rows (record_merged).
+  // Called for several KV heads at once.
   void merge(const PrefillContext& c, int kv_head, const std::vector<int>& keep,
              std::vector<float>& k, std::vector<float>& v) const override {
-    lookm_merge(merge_, c.head_dim, keep, k, v);
+    std::vector<int> count;
+    merge_counted(merge_, c.head_dim, keep, k, v, count);
+    std::vector<int> per_kept(keep.size(), 0);
+    if (!count.empty())
+      for (size_t j = 0; j < keep.size(); ++j) per_kept[j] = count[static_cast<size_t>(keep[j])];
+    std::lock_guard<std::mutex> lock(mu_);
+    counts_[{c.layer, kv_head}] = std::move(per_kept);
+  }
+
+ public:
+  void on_prefill(const std::vector<PrefillContext>& layers, KVStore& store) override {
+    clear_counts();
+    ScoreEvictPolicy::on_prefill(layers, store);
+    for (const PrefillContext& c : layers) record_merged(c.layer, store.layer(c.layer));
+    clear_counts();
+  }
+  void on_prefill_layer(const PrefillContext& ctx, LayerKV& layer) override {
+    clear_counts();
+    ScoreEvictPolicy::on_prefill_layer(ctx, layer);
+    record_merged(ctx.layer, layer);
+    clear_counts();
   }
 
  private:
+  void clear_counts() {
+    std::lock_guard<std::mutex> lock(mu_);
+    counts_.clear();
+  }
+  // Adds each kept row's merge count onto HeadRows::merged (rows are in the order kept).
+  void record_merged(int layer_index, LayerKV& layer) {
+    if (merge_ == MergeKind::None || layer.segments.empty()) return;
+    const int H = static_cast<int>(layer.segments.front().heads.size());
+    for (int h = 0; h < H; ++h) {
+      auto it = counts_.find({layer_index, h});
+      if (it == counts_.end())
+        throw InternalError("lookm: no merge counts for layer " + std::to_string(layer_index) +
+                            " KV head " + std::to_string(h));
+      const std::vector<int>& kc = it->second;
+      size_t j = 0;
+      for (KVSegment& s : layer.segments) {
+        HeadRows& r = s.heads.at(h);
+        if (r.merged.size() < static_cast<size_t>(r.n())) r.merged.resize(r.n(), 0);
+        for (int i = 0; i < r.n(); ++i, ++j) {
+          if (j >= kc.size()) throw InternalError("lookm: more kept rows than merge counts");
+          r.merged[i] = static_cast<uint16_t>(std::min<int>(65535, r.merged[i] + kc[j]));
+        }
+      }
+      if (j != kc.size()) throw InternalError("lookm: fewer kept rows than merge counts");
+    }
+  }
+
+  mutable std::mutex mu_;
+  mutable std::map<std::pair<int, int>, std::vector<int>> counts_;  // (layer, KV head) → per kept row
+
   double alpha1_, alpha2_;
   bool text_prior_, keep_all_text_;
   MergeKind merge_;

@@ -289,7 +289,26 @@ uint32_t nearest_level(const std::vector<float>& levels, float x) {
 
 // ---- segments ---------------------------------------------------------------------------------
 
-void set_quantized(KVSegment& s, std::shared_ptr<QuantPayload> p, const std::string& storage) {
+void pad_annotations(HeadRows& r, int bits) {
+  const size_t n = static_cast<size_t>(r.n());
+  if (!r.bits.empty() && r.bits.size() < n) r.bits.resize(n, static_cast<uint8_t>(bits));
+  if (!r.merged.empty() && r.merged.size() < n) r.merged.resize(n, 0);
+  if (r.bits.size() > n || r.merged.size() > n)
+    throw InternalError("row annotations longer than the rows they annotate");
+}
+
+void set_quantized(KVSegment& s, std::shared_ptr<QuantPayload> p, const std::string& storage,
+                   int bits) {
+  if (bits < 0 || bits > 32) throw InternalError("set_quantized: bits must be in [0, 32]");
+  for (HeadRows& h : s.heads) {
+    if (bits > 0) {
+      h.bits.assign(static_cast<size_t>(h.n()), static_cast<uint8_t>(bits));
+    } else if (h.bits.size() != static_cast<size_t>(h.n())) {
+      throw InternalError("set_quantized(" + storage + "): " + std::to_string(h.bits.size()) +
+                          " row bits for " + std::to_string(h.n()) + " rows");
+    }
+    pad_annotations(h, bits);
+  }
   p->shrink_to_fit();
   s.storage = storage;
   s.bytes = p->allocated();
@@ -307,11 +326,15 @@ void split_segment(LayerKV& layer, size_t i, const std::vector<int>& cut, int he
   tail.heads.resize(s.heads.size());
   for (size_t h = 0; h < s.heads.size(); ++h) {
     HeadRows& r = s.heads[h];
+    pad_annotations(r, 32);
     const int c = std::clamp(cut.at(h), 0, r.n());
     const size_t off = static_cast<size_t>(c) * head_dim;
-    tail.heads[h].k.assign(r.k.begin() + off, r.k.end());
-    tail.heads[h].v.assign(r.v.begin() + off, r.v.end());
-    tail.heads[h].pos.assign(r.pos.begin() + c, r.pos.end());
+    HeadRows& t = tail.heads[h];
+    t.k.assign(r.k.begin() + off, r.k.end());
+    t.v.assign(r.v.begin() + off, r.v.end());
+    t.pos.assign(r.pos.begin() + c, r.pos.end());
+    if (!r.bits.empty()) t.bits.assign(r.bits.begin() + c, r.bits.end()), r.bits.resize(c);
+    if (!r.merged.empty()) t.merged.assign(r.merged.begin() + c, r.merged.end()), r.merged.resize(c);
     r.k.resize(off);
     r.v.resize(off);
     r.pos.resize(c);
@@ -321,23 +344,52 @@ void split_segment(LayerKV& layer, size_t i, const std::vector<int>& cut, int he
   layer.segments.insert(layer.segments.begin() + static_cast<std::ptrdiff_t>(i) + 1, std::move(tail));
 }
 
+namespace {
+// Appends y's annotation (of ny rows) to x's (of nx rows); when only one side is set, the other
+// is filled with `fill` first so the result stays one entry per row.
+template <typename T>
+void cat_annotation(std::vector<T>& x, size_t nx, const std::vector<T>& y, size_t ny, T fill) {
+  if (x.empty() && y.empty()) return;
+  if (x.empty()) x.assign(nx, fill);
+  x.insert(x.end(), y.begin(), y.end());
+  if (y.empty()) x.resize(nx + ny, fill);
+}
+}  // namespace
+
 bool merge_last_into_previous(LayerKV& layer) {
   const size_t n = layer.segments.size();
   if (n < 2) return false;
   KVSegment& a = layer.segments[n - 2];
   KVSegment& b = layer.segments[n - 1];
-  auto pa = std::dynamic_pointer_cast<QuantPayload>(a.payload);
+  auto shared_a = std::dynamic_pointer_cast<QuantPayload>(a.payload);
   auto pb = std::dynamic_pointer_cast<QuantPayload>(b.payload);
-  if (a.kind != b.kind || a.storage != b.storage || !pa || !pb || a.heads.size() != b.heads.size())
+  if (a.kind != b.kind || a.storage != b.storage || !shared_a || !pb ||
+      a.heads.size() != b.heads.size())
     return false;
+  for (size_t h = 0; h < a.heads.size(); ++h) {
+    if (!shared_a->k[h].flags.empty() || !pb->k[h].flags.empty()) return false;
+  }
+  // Copies of the store (KVStore is copyable) share the payload: grow a private clone.
+  auto pa = std::make_shared<QuantPayload>(*shared_a);
   auto cat = [](auto& x, const auto& y) { x.insert(x.end(), y.begin(), y.end()); };
   for (size_t h = 0; h < a.heads.size(); ++h) {
-    if (!pa->k[h].flags.empty() || !pb->k[h].flags.empty()) return false;
-  }
-  for (size_t h = 0; h < a.heads.size(); ++h) {
-    cat(a.heads[h].k, b.heads[h].k);
-    cat(a.heads[h].v, b.heads[h].v);
-    cat(a.heads[h].pos, b.heads[h].pos);
+    HeadRows& ra = a.heads[h];
+    const HeadRows& rb = b.heads[h];
+    const size_t na = static_cast<size_t>(ra.n()), nb = static_cast<size_t>(rb.n());
+    if (ra.bits.size() > na || ra.merged.size() > na || rb.bits.size() > nb || rb.merged.size() > nb)
+      throw InternalError("merge_last_into_previous: row annotations longer than the rows");
+    // A quantized segment has one bits entry per row (set_quantized); 0 would read as fp32.
+    std::vector<uint8_t> bb = rb.bits;
+    std::vector<uint16_t> mb = rb.merged;
+    if (!bb.empty()) bb.resize(nb, 0);
+    if (!mb.empty()) mb.resize(nb, 0);
+    if (!ra.bits.empty()) ra.bits.resize(na, 0);
+    if (!ra.merged.empty()) ra.merged.resize(na, 0);
+    cat_annotation<uint8_t>(ra.bits, na, bb, nb, 0);
+    cat_annotation<uint16_t>(ra.merged, na, mb, nb, 0);
+    cat(ra.k, rb.k);
+    cat(ra.v, rb.v);
+    cat(ra.pos, rb.pos);
     for (int kv = 0; kv < 2; ++kv) {
       QuantBlock& x = kv ? pa->v[h] : pa->k[h];
       const QuantBlock& y = kv ? pb->v[h] : pb->k[h];
@@ -348,7 +400,7 @@ bool merge_last_into_previous(LayerKV& layer) {
     }
   }
   const std::string storage = a.storage;
-  set_quantized(a, pa, storage);
+  set_quantized(a, pa, storage, 0);
   layer.segments.pop_back();
   return true;
 }

@@ -112,15 +112,39 @@ std::vector<float> lloyd_max_normal(int bits);
 // Index of the level nearest to x in an ascending codebook.
 uint32_t nearest_level(const std::vector<float>& levels, float x);
 
+// ---- per-row annotations (HeadRows::bits / merged) -----------------------------------------
+// Every quantizing policy writes, for each row of a segment it quantizes, the bits its keys are
+// stored with (32 fp32, 16 fp16, b for b-bit codes); fp32 segments a policy leaves alone stay
+// unannotated (they read as fp32). `merged` is written by merging eviction (LOOK-M) and is only
+// carried along here. An annotation is either empty or has one entry per row: the helpers below
+// keep it so when they split, merge or quantize segments.
+//
+// The bits of row i: r.bits[i] when set (0 reads as 32), else `fallback` (the segment's).
+inline int row_bits(const HeadRows& r, int i, int fallback) {
+  if (i < 0 || static_cast<size_t>(i) >= r.bits.size()) return fallback;
+  return r.bits[static_cast<size_t>(i)] ? r.bits[static_cast<size_t>(i)] : 32;
+}
+inline int row_merged(const HeadRows& r, int i) {
+  return i >= 0 && static_cast<size_t>(i) < r.merged.size() ? r.merged[static_cast<size_t>(i)] : 0;
+}
+// Brings an annotation that is set but shorter than r.n() (rows appended since it was written)
+// to r.n() entries: new rows get `bits` and 0 merged. Empty annotations stay empty.
+void pad_annotations(HeadRows& r, int bits);
+
 // ---- segments ---------------------------------------------------------------------------------
-// Installs a payload: shrinks it, sets storage and bytes (payload + int32 positions).
-void set_quantized(KVSegment& s, std::shared_ptr<QuantPayload> p, const std::string& storage);
+// Installs a payload: shrinks it, sets storage and bytes (payload + int32 positions) and the
+// rows' bits: bits > 0 stores every row of every head with `bits`; bits = 0 means the caller
+// wrote r.bits itself (one entry per row, else InternalError). `merged` is kept (padded with 0).
+void set_quantized(KVSegment& s, std::shared_ptr<QuantPayload> p, const std::string& storage,
+                   int bits);
 // Splits layer.segments[i] (stored fp32) after cut[h] rows of each head h: rows [0, cut[h])
-// stay at i, the rest go to a new fp32 segment of the same kind at i + 1.
+// stay at i, the rest go to a new fp32 segment of the same kind at i + 1. Row annotations are
+// split with the rows.
 void split_segment(LayerKV& layer, size_t i, const std::vector<int>& cut, int head_dim);
-// Moves the last segment's rows and payload onto the segment before it when both have the
-// same kind and storage and both payloads are QuantPayload with row-aligned blocks (per-token
-// formats); returns whether it merged.
+// Moves the last segment's rows, row annotations and payload onto the segment before it when
+// both have the same kind and storage and both payloads are QuantPayload with row-aligned
+// blocks (per-token formats); returns whether it merged. The previous segment's payload is
+// cloned before it grows, so copies of the store that share it never see the change.
 bool merge_last_into_previous(LayerKV& layer);
 // Number of rows KV head h holds over all segments of `layer`.
 int rows_in_head(const LayerKV& layer, int h);

@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "core/errors.h"
+#include "core/policies/quantize.h"
 
 namespace kvlens {
 
@@ -172,6 +173,10 @@ void keep_rows(const std::string& method, LayerKV& layer, int head_dim,
     int g = 0;  // row index over all segments
     for (KVSegment& s : layer.segments) {
       HeadRows& r = s.heads[h];
+      // Kept rows keep their annotations (rows appended after one was written read as the
+      // segment's storage and as nothing merged).
+      const int seg_bits = 8 * bytes_per_value(method, s);
+      const bool has_bits = !r.bits.empty(), has_merged = !r.merged.empty();
       HeadRows out;
       for (int i = 0; i < r.n(); ++i, ++g) {
         if (!mask[g]) continue;
@@ -180,6 +185,8 @@ void keep_rows(const std::string& method, LayerKV& layer, int head_dim,
         out.k.insert(out.k.end(), kr, kr + D);
         out.v.insert(out.v.end(), vr, vr + D);
         out.pos.push_back(r.pos[i]);
+        if (has_bits) out.bits.push_back(static_cast<uint8_t>(quant::row_bits(r, i, seg_bits)));
+        if (has_merged) out.merged.push_back(static_cast<uint16_t>(quant::row_merged(r, i)));
       }
       r = std::move(out);
     }

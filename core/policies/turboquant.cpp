@@ -153,7 +153,8 @@ class TurboQuantPolicy : public KVPolicy {
         std::copy(xhat.begin(), xhat.end(), v);
       }
     }
-    quant::set_quantized(s, p, storage_);
+    // Row bits are the keys': b codebook bits, or with qjl b − 1 codebook bits + the 1-bit sketch.
+    quant::set_quantized(s, p, storage_, bits_);
   }
 
   int bits_;

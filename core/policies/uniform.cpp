@@ -43,7 +43,7 @@ class UniformPolicy : public KVPolicy {
       quant::quantize_block(r.k.data(), r.n(), D, {bits_, k_axis_}, p->k[h]);
       quant::quantize_block(r.v.data(), r.n(), D, {bits_, v_axis_}, p->v[h]);
     }
-    quant::set_quantized(s, p, storage_);
+    quant::set_quantized(s, p, storage_, bits_);
   }
 
   int bits_;

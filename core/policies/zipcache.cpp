@@ -315,10 +315,15 @@ class ZipCachePolicy : public KVPolicy {
           std::copy_n(v.data() + static_cast<size_t>(t) * D, D, r.v.data() + static_cast<size_t>(idx[t]) * D);
         }
       }
-      for (int j = 0; j < r.n(); ++j) bits[j] = f[j] ? 1u : 0u;
+      r.bits.resize(static_cast<size_t>(r.n()));
+      for (int j = 0; j < r.n(); ++j) {
+        bits[j] = f[j] ? 1u : 0u;
+        r.bits[static_cast<size_t>(j)] = static_cast<uint8_t>(f[j] ? o_.hi : o_.lo);
+      }
       quant::pack(bits.data(), r.n(), 1, p->k[h].flags);
     }
-    quant::set_quantized(s, p, "zipcache q" + std::to_string(o_.hi) + "/q" + std::to_string(o_.lo));
+    // Per-row bits written above (salient rows k_h, the rest k_l).
+    quant::set_quantized(s, p, "zipcache q" + std::to_string(o_.hi) + "/q" + std::to_string(o_.lo), 0);
   }
 
   ZipOptions o_;
@@ -359,6 +364,9 @@ MethodSpec zipcache_method() {
     ZipOptions o;
     o.hi = p.integer("high_bits");
     o.lo = p.integer("low_bits");
+    if (o.hi < o.lo)
+      throw InputError("zipcache: high_bits (" + std::to_string(o.hi) + ") must be >= low_bits (" +
+                       std::to_string(o.lo) + ")");
     o.ratio = p.num("saliency_ratio");
     o.saliency = p.str("saliency") == "accumulated" ? Saliency::Accumulated : Saliency::Normalized;
     o.probe = parse_probe(p.str("probe"));
