@@ -100,6 +100,17 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
     map_ = nullptr;
     throw InputError(path + ": cannot memory-map file");
   }
+  try {
+    parse_header();
+  } catch (...) {
+    ::munmap(map_, size_);  // the destructor does not run when the constructor throws
+    map_ = nullptr;
+    throw;
+  }
+}
+
+void SafetensorsFile::parse_header() {
+  const std::string& path = path_;
   const auto* base = static_cast<const uint8_t*>(map_);
   uint64_t hlen = 0;
   for (int i = 0; i < 8; ++i) hlen |= static_cast<uint64_t>(base[i]) << (8 * i);

@@ -39,6 +39,8 @@ class SafetensorsFile {
   const std::string& path() const { return path_; }
 
  private:
+  void parse_header();
+
   std::string path_;
   void* map_ = nullptr;
   uint64_t size_ = 0;
