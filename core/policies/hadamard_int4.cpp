@@ -26,27 +26,14 @@ void block_hadamard(float* x, int d, int block) {
 
 namespace {
 
-class HadamardInt4Policy : public KVPolicy {
+class HadamardInt4Policy : public quant::SegmentQuantPolicy {
  public:
   HadamardInt4Policy(int block, bool quantize_v, bool rotate_v, bool visual_only)
-      : block_(block), quantize_v_(quantize_v), rotate_v_(rotate_v), visual_only_(visual_only) {}
+      : SegmentQuantPolicy(visual_only), block_(block), quantize_v_(quantize_v), rotate_v_(rotate_v) {}
   std::string name() const override { return "hadamard_int4"; }
 
-  void on_prefill_layer(const PrefillContext& ctx, LayerKV& layer) override {
-    for (KVSegment& s : layer.segments)
-      if (in_scope(s)) quantize_segment(s, ctx.head_dim);
-  }
-  void on_decode_step(const DecodeContext& ctx, LayerKV& layer) override {
-    if (visual_only_ || layer.segments.empty() || !in_scope(layer.segments.back())) return;
-    quantize_segment(layer.segments.back(), ctx.head_dim);
-    quant::merge_last_into_previous(layer);
-  }
-
  private:
-  bool in_scope(const KVSegment& s) const {
-    return s.storage == "fp32" && (!visual_only_ || s.kind == SegmentKind::Visual);
-  }
-  void quantize_segment(KVSegment& s, int D) {
+  void quantize_segment(KVSegment& s, int D) override {
     if (block_ == 0) {  // auto: the slides' order 16, halved until it divides head_dim
       block_ = 16;
       while (block_ > 1 && D % block_ != 0) block_ /= 2;
@@ -77,7 +64,7 @@ class HadamardInt4Policy : public KVPolicy {
   }
 
   int block_;
-  bool quantize_v_, rotate_v_, visual_only_;
+  bool quantize_v_, rotate_v_;
 };
 
 }  // namespace

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "core/kv_store.h"
+#include "core/policy.h"
 
 namespace kvlens::quant {
 
@@ -148,5 +149,29 @@ void split_segment(LayerKV& layer, size_t i, const std::vector<int>& cut, int he
 bool merge_last_into_previous(LayerKV& layer);
 // Number of rows KV head h holds over all segments of `layer`.
 int rows_in_head(const LayerKV& layer, int h);
+
+// A policy that quantizes every fp32 segment in scope (all kinds, or visual only) at prefill,
+// and each generated token as it arrives (scope "all"), appending it to the previous generated
+// segment. Methods only write quantize_segment.
+class SegmentQuantPolicy : public KVPolicy {
+ public:
+  explicit SegmentQuantPolicy(bool visual_only) : visual_only_(visual_only) {}
+  void on_prefill_layer(const PrefillContext& ctx, LayerKV& layer) override {
+    for (KVSegment& s : layer.segments)
+      if (in_scope(s)) quantize_segment(s, ctx.head_dim);
+  }
+  void on_decode_step(const DecodeContext& ctx, LayerKV& layer) override {
+    if (visual_only_ || layer.segments.empty() || !in_scope(layer.segments.back())) return;
+    quantize_segment(layer.segments.back(), ctx.head_dim);
+    merge_last_into_previous(layer);
+  }
+
+ protected:
+  virtual void quantize_segment(KVSegment& s, int head_dim) = 0;
+  bool in_scope(const KVSegment& s) const {
+    return s.storage == "fp32" && (!visual_only_ || s.kind == SegmentKind::Visual);
+  }
+  bool visual_only_;
+};
 
 }  // namespace kvlens::quant

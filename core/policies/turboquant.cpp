@@ -112,30 +112,17 @@ Codec make_codec(int d, int mse_bits, bool qjl, uint64_t seed) {
 
 namespace {
 
-class TurboQuantPolicy : public KVPolicy {
+class TurboQuantPolicy : public quant::SegmentQuantPolicy {
  public:
   TurboQuantPolicy(int bits, bool qjl, uint64_t seed, bool visual_only)
-      : bits_(bits), qjl_(qjl), seed_(seed), visual_only_(visual_only) {
+      : SegmentQuantPolicy(visual_only), bits_(bits), qjl_(qjl), seed_(seed) {
     storage_ = "turboquant k:q" + std::to_string(qjl ? bits - 1 : bits) + (qjl ? "+qjl" : "") +
                " v:q" + std::to_string(bits);
   }
   std::string name() const override { return "turboquant"; }
 
-  void on_prefill_layer(const PrefillContext& ctx, LayerKV& layer) override {
-    for (KVSegment& s : layer.segments)
-      if (in_scope(s)) quantize_segment(s, ctx.head_dim);
-  }
-  void on_decode_step(const DecodeContext& ctx, LayerKV& layer) override {
-    if (visual_only_ || layer.segments.empty() || !in_scope(layer.segments.back())) return;
-    quantize_segment(layer.segments.back(), ctx.head_dim);
-    quant::merge_last_into_previous(layer);
-  }
-
  private:
-  bool in_scope(const KVSegment& s) const {
-    return s.storage == "fp32" && (!visual_only_ || s.kind == SegmentKind::Visual);
-  }
-  void quantize_segment(KVSegment& s, int D) {
+  void quantize_segment(KVSegment& s, int D) override {
     if (kc_.d != D) {
       kc_ = turboquant::make_codec(D, qjl_ ? bits_ - 1 : bits_, qjl_, seed_);
       vc_ = turboquant::make_codec(D, bits_, false, seed_);
@@ -160,7 +147,6 @@ class TurboQuantPolicy : public KVPolicy {
   int bits_;
   bool qjl_;
   uint64_t seed_;
-  bool visual_only_;
   std::string storage_;
   turboquant::Codec kc_, vc_;
 };
