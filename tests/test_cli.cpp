@@ -20,6 +20,17 @@ std::string copy_fixture(const std::string& name) {
   return d;
 }
 
+// A copy of a fixture whose config.json was changed by `edit`.
+template <typename F>
+std::string fixture_with_config(const std::string& name, F edit) {
+  const std::string d = copy_fixture(name);
+  std::ifstream f(d + "/config.json");
+  auto j = nlohmann::json::parse(f);
+  edit(j);
+  kt::write_file(d + "/config.json", j.dump());
+  return d;
+}
+
 void expect_exit2(const std::string& args, const std::string& must_contain) {
   const auto r = kt::run(kt::cli() + " " + args);
   EXPECT_EQ(r.code, 2) << args << "\n" << r.output;
@@ -98,11 +109,7 @@ TEST(Cli, PromptLongerThanContext) {
 TEST(Cli, BrokenCheckpoints) {
   const std::string img = kFix + "mha_fp32_hub/image.png";
   {  // unknown model_type
-    const std::string d = copy_fixture("mha_fp32_hub");
-    std::ifstream f(d + "/config.json");
-    auto j = nlohmann::json::parse(f);
-    j["model_type"] = "blip";
-    kt::write_file(d + "/config.json", j.dump());
+    const std::string d = fixture_with_config("mha_fp32_hub", [](nlohmann::json& j) { j["model_type"] = "blip"; });
     expect_exit2("caption --model " + d + " --image " + img, "model_type 'blip'");
   }
   {  // truncated weights
@@ -111,11 +118,7 @@ TEST(Cli, BrokenCheckpoints) {
     expect_exit2("caption --model " + d + " --image " + img, "model.safetensors");
   }
   {  // a tensor whose shape disagrees with the config
-    const std::string d = copy_fixture("mha_fp32_hub");
-    std::ifstream f(d + "/config.json");
-    auto j = nlohmann::json::parse(f);
-    j["text_config"]["intermediate_size"] = 100;
-    kt::write_file(d + "/config.json", j.dump());
+    const std::string d = fixture_with_config("mha_fp32_hub", [](nlohmann::json& j) { j["text_config"]["intermediate_size"] = 100; });
     expect_exit2("caption --model " + d + " --image " + img, "mlp.gate_proj.weight' has shape");
   }
   {  // missing shard
@@ -124,11 +127,7 @@ TEST(Cli, BrokenCheckpoints) {
     expect_exit2("caption --model " + d + " --image " + img, "model-00002-of-00004.safetensors");
   }
   {  // a config value of the wrong JSON type
-    const std::string d = copy_fixture("mha_fp32_hub");
-    std::ifstream f(d + "/config.json");
-    auto j = nlohmann::json::parse(f);
-    j["text_config"]["eos_token_id"] = "x";
-    kt::write_file(d + "/config.json", j.dump());
+    const std::string d = fixture_with_config("mha_fp32_hub", [](nlohmann::json& j) { j["text_config"]["eos_token_id"] = "x"; });
     expect_exit2("caption --model " + d + " --image " + img, "config.json");
   }
   {  // missing tokenizer
