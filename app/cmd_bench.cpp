@@ -76,7 +76,7 @@ void add_bench_command(CLI::App& root) {
   c->add_option("--method", a->method, "Compression method spec (default: full cache)");
   c->add_option("--repeat", a->repeat, "Timed runs after one warm-up")->capture_default_str();
   c->add_option("--max-new-tokens", a->max_new_tokens, "Most tokens per caption")->capture_default_str();
-  c->add_option("--threads", a->threads, "CPU threads (0 = OpenMP/OpenBLAS default)")->capture_default_str();
+  c->add_option("--threads", a->threads, "CPU threads for kvlens loops and OpenBLAS (0 = OMP_NUM_THREADS, else 1, and OpenBLAS's default)")->capture_default_str();
   c->callback([a] { run_bench(*a); });
 }
 

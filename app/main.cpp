@@ -1,11 +1,18 @@
 // kvlens command line: the only place that prints, exits and decides what a failure means.
+#include <omp.h>
+
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 
 #include "app/commands.h"
 #include "core/errors.h"
 
 int main(int argc, char** argv) {
+  // kvlens's own loops run on one thread unless OMP_NUM_THREADS says otherwise: for models of
+  // the embedded size, thread hand-offs cost more than they save, above all on a busy machine.
+  // OpenBLAS keeps its own threading for the matrix products.
+  if (!std::getenv("OMP_NUM_THREADS")) omp_set_num_threads(1);
   CLI::App root{"kvlens: a lab for KV-cache compression in LLaVA-style vision-language models"};
   root.require_subcommand(1);
   kvlens::app::add_caption_command(root);
