@@ -34,7 +34,8 @@ void run_eval(const EvalArgs& a) {
     o.method = m;
     o.vqa = !a.no_vqa;
     const EvalResult r = evaluate_scenes(model, set, o);
-    std::printf("%-40s %7d %9.1f %9.1f %12.0f %10.1f\n", r.method.substr(0, 40).c_str(), r.images,
+    const std::string label = m.empty() ? "full" : parse_method_spec(m).short_spec();
+    std::printf("%-40s %7d %9.1f %9.1f %12.0f %10.1f\n", label.c_str(), r.images,
                 100.0 * r.caption_accuracy(), 100.0 * r.vqa_accuracy(), r.kv_bytes_mean, r.caption_ms_mean);
     std::fflush(stdout);
     out.push_back(r.to_json());

@@ -95,7 +95,7 @@ void run_methods(const RunArgs& args) {
     ex.runs.push_back(run_method(model, ex, p, a.opt));
     const MethodRun& r = ex.runs.back();
     const std::string div = r.divergence.position < 0 ? "never" : "@" + std::to_string(r.divergence.position);
-    std::printf("%-44s %10lld %7.2f %10.3g %9s  %s\n", p.spec().substr(0, 44).c_str(),
+    std::printf("%-44s %10lld %7.2f %10.3g %9s  %s\n", p.short_spec().c_str(),
                 static_cast<long long>(r.result.bytes_after_prefill.total()), r.compression_vs_fp16,
                 r.mean_softmax_mse, div.c_str(), r.result.text.c_str());
   }

@@ -143,6 +143,24 @@ std::string Params::spec() const {
   return out;
 }
 
+std::string Params::short_spec() const {
+  std::vector<std::string> items;
+  const MethodSpec* m = lookup(method_);
+  for (const auto& kv : values_) {
+    const ParamSpec* p = m ? find_param(*m, kv.first) : nullptr;
+    std::string def;
+    if (p) {
+      try {
+        def = validate_param(method_, *p, p->def);
+      } catch (const InputError&) {
+        def = p->def;  // pass-through defaults ("default") are not values of their own
+      }
+    }
+    if (!p || kv.second != def) items.push_back(kv.first + "=" + kv.second);
+  }
+  return items.empty() ? method_ : method_ + ":" + join(items, ",");
+}
+
 nlohmann::json Params::to_json() const {
   nlohmann::json params = nlohmann::json::object();
   const MethodSpec* m = lookup(method_);

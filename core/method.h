@@ -39,6 +39,8 @@ class Params {
   const std::map<std::string, std::string>& values() const { return values_; }
   // Canonical spec string, e.g. "calibquant:bits=1,tau1=0,tau2=3".
   std::string spec() const;
+  // Only the values that differ from the defaults, e.g. "vlcache:budget=0.2" (for tables).
+  std::string short_spec() const;
   nlohmann::json to_json() const;
 
  private:

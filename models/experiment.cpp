@@ -89,6 +89,7 @@ nlohmann::json experiment_json(const LlavaModel& model, const Experiment& ex, co
   for (const MethodRun& r : ex.runs) {
     nlohmann::json m;
     m["spec"] = r.params.spec();
+    m["short_spec"] = r.params.short_spec();
     m["method"] = r.params.method();
     m["params"] = r.params.to_json();
     m["caption"] = r.result.text;

@@ -182,3 +182,15 @@ TEST(Registry, ParamsAccessorsSpecAndJson) {
   EXPECT_THROW(c.str("nope"), InternalError);
   EXPECT_EQ(make_policy("calibquant:bits=2")->name(), "calibquant");
 }
+
+TEST(Registry, ShortSpecKeepsOnlyValuesThatDifferFromDefaults) {
+  EXPECT_EQ(parse_method_spec("vlcache").short_spec(), "vlcache");
+  EXPECT_EQ(parse_method_spec("vlcache:budget=0.2").short_spec(), "vlcache:budget=0.2");
+  EXPECT_EQ(parse_method_spec("calibquant:bits=1,tau2=3").short_spec(), "calibquant");
+  EXPECT_EQ(parse_method_spec("calibquant:tau2=2").short_spec(), "calibquant:tau2=2");
+  for (const MethodSpec& m : methods()) {
+    // The short form names the same method and parses back to the same values.
+    const Params p = parse_method_spec(m.name);
+    EXPECT_EQ(parse_method_spec(p.short_spec()).spec(), p.spec()) << m.name;
+  }
+}
