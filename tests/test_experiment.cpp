@@ -223,3 +223,27 @@ TEST(Experiment, BadSpecNamesMethodAndParameter) {
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("budget"), std::string::npos) << r.output;
 }
+
+TEST(Experiment, SeededSampling) {
+  const Fixture& f = fixture("mha_fp32_hub");
+  const PrefillState st = f.model.prefill(f.image, kDefaultPrompt, kDefaultTemplate, false);
+  GenerateOptions g;
+  g.max_new_tokens = 12;
+  g.stop_at_eos = false;
+  g.temperature = 1.5f;
+  g.seed = 7;
+  const auto a = f.model.decode(st, nullptr, g).generated_ids;
+  EXPECT_EQ(a, f.model.decode(st, nullptr, g).generated_ids);  // same seed, same tokens
+  bool differs = false;
+  for (uint64_t s = 8; s < 16 && !differs; ++s) {
+    g.seed = s;
+    differs = f.model.decode(st, nullptr, g).generated_ids != a;
+  }
+  EXPECT_TRUE(differs) << "eight other seeds all sampled the same 12 tokens at temperature 1.5";
+  // A nucleus that holds only the top token is greedy decoding.
+  g.top_p = 1e-6f;
+  GenerateOptions greedy;
+  greedy.max_new_tokens = 12;
+  greedy.stop_at_eos = false;
+  EXPECT_EQ(f.model.decode(st, nullptr, g).generated_ids, f.model.decode(st, nullptr, greedy).generated_ids);
+}
