@@ -27,6 +27,7 @@ void add_common(CLI::App* c, RunArgs& a) {
   c->add_option("--diag-steps", a.opt.diag_steps, "Decode steps compared against the full cache")->capture_default_str();
   c->add_option("--sparsity-p", a.opt.sparsity_p, "Sparsity threshold p (A_ij < p·max_j A_ij counts as zero)")->capture_default_str();
   c->add_option("--hit-budget", a.opt.hit_budget, "CacheHitRate k as a share of the prompt")->capture_default_str();
+  c->add_option("--hit-window", a.opt.hit_window, "Queries of the sliding-window scoring strategy")->capture_default_str();
 }
 
 void add_session_options(CLI::App* c, RunArgs& a) {
@@ -39,6 +40,7 @@ void check_options(const ExperimentOptions& o) {
   if (o.diag_steps < 1) throw InputError("--diag-steps must be at least 1, got " + std::to_string(o.diag_steps));
   if (o.sparsity_p < 0 || o.sparsity_p > 1) throw InputError("--sparsity-p must be in [0, 1]");
   if (o.hit_budget <= 0 || o.hit_budget > 1) throw InputError("--hit-budget must be in (0, 1]");
+  if (o.hit_window < 1) throw InputError("--hit-window must be at least 1, got " + std::to_string(o.hit_window));
 }
 
 void write_json(const std::string& path, const nlohmann::json& j) {

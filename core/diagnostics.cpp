@@ -303,9 +303,9 @@ std::vector<int> top_k(const std::vector<double>& score, int k) {
 }  // namespace
 
 HitRates cache_hit_rates(const PrefillView& pv, const DecodeRecorder& full, double budget,
-                         const std::vector<int>& steps) {
+                         const std::vector<int>& steps, int window_queries) {
   HitRates hr;
-  hr.strategies = {"accumulated", "normalized", "sliding_window", "post_vision"};
+  hr.strategies = {"accumulated", "normalized", "sliding_window", "post_vision", "recency"};
   const int T = pv.prompt_len, H = pv.n_heads, L = pv.full->n_layers();
   hr.k = std::max(1, static_cast<int>(std::lround(budget * T)));
   int last_visual = -1;
@@ -316,22 +316,24 @@ HitRates cache_hit_rates(const PrefillView& pv, const DecodeRecorder& full, doub
   hr.rates.assign(hr.strategies.size(), std::vector<std::vector<double>>(hr.steps.size(), std::vector<double>(L, 0.0)));
   for (int l = 0; l < L; ++l) {
     const auto& P = pv.probs->at(l);
-    std::vector<double> acc(T, 0.0), post(T, 0.0), window(T);
+    std::vector<double> acc(T, 0.0), post(T, 0.0), window(T, 0.0), recent(T);
     const int post_from = (last_visual >= 0 && last_visual + 1 < T) ? last_visual + 1 : T - 1;
+    const int window_from = std::max(0, T - window_queries);
     for (int h = 0; h < H; ++h)
       for (int i = 0; i < T; ++i)
         for (int j = 0; j <= i; ++j) {
           const double a = P[(static_cast<size_t>(h) * T + i) * T + j] / H;
           acc[j] += a;
           if (i >= post_from) post[j] += a;
+          if (i >= window_from) window[j] += a;
         }
     std::vector<double> norm(T);
     for (int j = 0; j < T; ++j) {
       norm[j] = acc[j] / (T - j);
-      window[j] = j;
+      recent[j] = j;
     }
     const std::vector<std::vector<int>> picks = {top_k(acc, hr.k), top_k(norm, hr.k), top_k(window, hr.k),
-                                                 top_k(post, hr.k)};
+                                                 top_k(post, hr.k), top_k(recent, hr.k)};
     for (size_t si = 0; si < hr.steps.size(); ++si) {
       const auto* E = full.find(hr.steps[si], l);
       std::vector<double> truth(T, 0.0);

@@ -77,9 +77,12 @@ std::vector<LayerDiagnostics> compare_layers(const PrefillView& pv, const Decode
 FirstDivergence first_divergence(const std::vector<int>& full_ids, const std::vector<float>& full_probs,
                                  const std::vector<int>& ids, const std::vector<float>& probs);
 
-// CacheHitRate of each scoring strategy (accumulated, normalized, sliding_window, post_vision)
-// per layer: |top-k by strategy ∩ top-k by the true decode attention at `step`| / k, with
-// k = budget · prompt_len. rates[strategy][step index][layer].
+// CacheHitRate of each scoring strategy per layer (VL-Cache §3.2): |top-k by strategy ∩ top-k by
+// the true decode attention at `step`| / k, with k = budget · prompt_len. Strategies score a key
+// by the prefill attention it receives: accumulated (all queries), normalized (all queries,
+// divided by how many can see it), sliding_window (the last `window_queries` queries),
+// post_vision (the queries after the last visual token), and recency (position only, as
+// StreamingLLM keeps tokens). rates[strategy][step index][layer].
 struct HitRates {
   std::vector<std::string> strategies;
   std::vector<int> steps;
@@ -87,7 +90,7 @@ struct HitRates {
   std::vector<std::vector<std::vector<double>>> rates;
 };
 HitRates cache_hit_rates(const PrefillView& pv, const DecodeRecorder& full, double budget,
-                         const std::vector<int>& steps);
+                         const std::vector<int>& steps, int window_queries = 32);
 
 nlohmann::json to_json(const LayerDiagnostics& d);
 nlohmann::json to_json(const HitRates& h);

@@ -27,7 +27,7 @@ Experiment start_experiment(const LlavaModel& model, const RGBImage& img, const 
   g.max_new_tokens = opt.max_new_tokens;
   ex.full = model.decode(ex.prefill, nullptr, g, {ex.full_recorder.get()});
   const PrefillView pv = ex.view();
-  ex.hit_rates = cache_hit_rates(pv, *ex.full_recorder, opt.hit_budget, opt.hit_steps);
+  ex.hit_rates = cache_hit_rates(pv, *ex.full_recorder, opt.hit_budget, opt.hit_steps, opt.hit_window);
   for (int l = 0; l < ex.prefill.store.n_layers(); ++l) {
     ex.sparsity_prefill.push_back(prefill_sparsity(pv, l, opt.sparsity_p));
     double s = 0;
@@ -77,7 +77,7 @@ nlohmann::json experiment_json(const LlavaModel& model, const Experiment& ex, co
   j["n_visual_tokens"] = ex.prefill.n_visual;
   j["timings_ms"] = {{"vision", ex.prefill.vision_ms}, {"prefill", ex.prefill.prefill_ms}, {"decode", ex.full.decode_ms}};
   j["options"] = {{"max_new_tokens", opt.max_new_tokens}, {"diag_steps", opt.diag_steps},
-                  {"sparsity_p", opt.sparsity_p}, {"hit_budget", opt.hit_budget}, {"hist_bins", opt.hist_bins}};
+                  {"sparsity_p", opt.sparsity_p}, {"hit_budget", opt.hit_budget}, {"hit_window", opt.hit_window}, {"hist_bins", opt.hist_bins}};
   j["full"] = {{"caption", ex.full.text},
                {"generated_ids", ex.full.generated_ids},
                {"bytes_fp32", to_json(ex.full.bytes_after_prefill)},

@@ -21,6 +21,7 @@ struct ExperimentOptions {
   int diag_steps = 4;              // decode steps whose attention the diagnostics compare
   double sparsity_p = 0.01;        // ThresholdFilter: keep A_ij >= p · max_j A_ij
   double hit_budget = 0.1;         // CacheHitRate k = budget · prompt length
+  int hit_window = 32;             // queries of the sliding-window scoring strategy
   std::vector<int> hit_steps{0, 2, 4, 8};
   int hist_bins = 40;
 };

@@ -110,7 +110,7 @@ TEST(Experiment, EveryMethodRunsWithEveryDiagnostic) {
           EXPECT_TRUE(l.contains(key)) << m["method"] << " layer lacks " << key;
     }
     for (const char* key : {"sparsity_prefill", "sparsity_decode"}) EXPECT_TRUE(j["full"].contains(key));
-    EXPECT_EQ(j["cache_hit_rate"]["rates"].size(), 4u);
+    EXPECT_EQ(j["cache_hit_rate"]["rates"].size(), 5u);
   }
 }
 
@@ -180,12 +180,12 @@ TEST(Diagnostics, FirstDivergence) {
   EXPECT_EQ(first_divergence({1, 2}, {1, 1}, {1}, {1}).position, 1);
 }
 
-TEST(Diagnostics, SlidingWindowHitRateMatchesDirectCount) {
+TEST(Diagnostics, RecencyHitRateMatchesDirectCount) {
   const Fixture& f = fixture("mha_fp32_hub");
   const ExperimentOptions opt = small_options();
   const Experiment ex = start_experiment(f.model, f.image, opt);
   const HitRates& h = ex.hit_rates;
-  ASSERT_EQ(h.strategies[2], "sliding_window");
+  ASSERT_EQ(h.strategies[4], "recency");
   const int T = static_cast<int>(ex.prefill.ids.size());
   for (size_t si = 0; si < h.steps.size(); ++si)
     for (int l = 0; l < ex.prefill.store.n_layers(); ++l) {
@@ -205,7 +205,7 @@ TEST(Diagnostics, SlidingWindowHitRateMatchesDirectCount) {
       std::stable_sort(idx.begin(), idx.end(), [&](int x, int y) { return a[x] > a[y] || (a[x] == a[y] && x > y); });
       int hits = 0;
       for (int i = 0; i < h.k; ++i) hits += idx[i] >= T - h.k ? 1 : 0;
-      EXPECT_DOUBLE_EQ(h.rates[2][si][l], static_cast<double>(hits) / h.k);
+      EXPECT_DOUBLE_EQ(h.rates[4][si][l], static_cast<double>(hits) / h.k);
     }
 }
 
@@ -246,4 +246,20 @@ TEST(Experiment, SeededSampling) {
   greedy.max_new_tokens = 12;
   greedy.stop_at_eos = false;
   EXPECT_EQ(f.model.decode(st, nullptr, g).generated_ids, f.model.decode(st, nullptr, greedy).generated_ids);
+}
+
+TEST(Diagnostics, WindowStrategiesAgreeWhereTheyCoincide) {
+  // A window of every prompt query is the accumulated strategy; a window of just the queries
+  // after the last visual token is the post-vision strategy.
+  const Fixture& f = fixture("mha_fp32_hub");
+  const ExperimentOptions opt = small_options();
+  const Experiment ex = start_experiment(f.model, f.image, opt);
+  const int T = static_cast<int>(ex.prefill.ids.size());
+  int last_visual = 0;
+  for (int t = 0; t < T; ++t)
+    if (ex.prefill.kinds[t] == SegmentKind::Visual) last_visual = t;
+  const HitRates all = cache_hit_rates(ex.view(), *ex.full_recorder, 0.2, {0, 2}, T);
+  const HitRates post = cache_hit_rates(ex.view(), *ex.full_recorder, 0.2, {0, 2}, T - 1 - last_visual);
+  EXPECT_EQ(all.rates[2], all.rates[0]);
+  EXPECT_EQ(post.rates[2], post.rates[3]);
 }
