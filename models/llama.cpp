@@ -212,6 +212,7 @@ std::vector<float> LlamaDecoder::decode(const float* x0, int position, int step,
       for (int j = 0; j < n; ++j) {
         const float* kj = K[kv].data() + static_cast<size_t>(j) * D;
         float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
         for (int d = 0; d < D; ++d) dot += qh[d] * kj[d];
         s[j] = dot * scale;
       }
@@ -223,6 +224,7 @@ std::vector<float> LlamaDecoder::decode(const float* x0, int position, int step,
       std::fill(o, o + D, 0.0f);
       for (int j = 0; j < n; ++j) {
         const float* vj = Vv[kv].data() + static_cast<size_t>(j) * D;
+#pragma omp simd
         for (int d = 0; d < D; ++d) o[d] += s[j] * vj[d];
       }
     }
