@@ -4,6 +4,7 @@
 #include <fstream>
 
 #include "core/errors.h"
+#include "core/json_file.h"
 
 namespace kvlens {
 
@@ -75,15 +76,7 @@ Session session_from_json(const nlohmann::json& j, const std::string& where) {
 }
 
 Session load_session(const std::string& path) {
-  std::ifstream f(path);
-  if (!f) throw InputError(path + ": cannot open session file");
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(f);
-  } catch (const std::exception& e) {
-    throw InputError(path + ": not valid JSON (" + e.what() + ")");
-  }
-  return session_from_json(j, path);
+  return session_from_json(read_json_file(path, "session file"), path);
 }
 
 nlohmann::json session_to_json(const Session& s) {

@@ -4,6 +4,7 @@
 #include <fstream>
 
 #include "core/errors.h"
+#include "core/json_file.h"
 
 namespace kvlens {
 
@@ -190,15 +191,7 @@ static LlavaConfig parse_llava_config_checked(const nlohmann::json& j, const std
 }
 
 LlavaConfig load_llava_config(const std::string& path) {
-  std::ifstream f(path);
-  if (!f) throw InputError(path + ": cannot open config");
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(f);
-  } catch (const std::exception& e) {
-    throw InputError(path + ": not valid JSON (" + e.what() + ")");
-  }
-  return parse_llava_config(j, path);
+  return parse_llava_config(read_json_file(path, "config"), path);
 }
 
 }  // namespace kvlens

@@ -4,6 +4,7 @@
 #include <fstream>
 
 #include "core/errors.h"
+#include "core/json_file.h"
 #include "core/method.h"
 
 namespace kvlens {
@@ -19,14 +20,8 @@ std::string trim(const std::string& s) {
 
 SceneSet load_scene_set(const std::string& dir) {
   const std::string path = dir + "/annotations.json";
-  std::ifstream f(path);
-  if (!f) throw InputError(path + ": cannot open scene annotations (expected a folder written by kvlens scenes)");
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(f);
-  } catch (const std::exception& e) {
-    throw InputError(path + ": not valid JSON (" + e.what() + ")");
-  }
+  const nlohmann::json j =
+      read_json_file(path, "scene annotations (expected a folder written by kvlens scenes)");
   for (const char* key : {"images", "annotations"})
     if (!j.contains(key) || !j[key].is_array()) throw InputError(path + ": missing '" + key + "' list");
   SceneSet s;

@@ -9,6 +9,7 @@
 #include <random>
 
 #include "core/errors.h"
+#include "core/json_file.h"
 #include "kernels/cpu/ops.h"
 #include "models/activations.h"
 
@@ -85,18 +86,9 @@ LlavaModel LlavaModel::load_checked(const std::string& dir) {
     throw InputError(dir + ": <image> token id " + std::to_string(m.tok_.image_token_id()) +
                      " is outside the text vocabulary");
   const std::string pp = dir + "/preprocessor_config.json";
-  if (::stat(pp.c_str(), &st) == 0) {
-    std::ifstream f(pp);
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(f);
-    } catch (const std::exception& e) {
-      throw InputError(pp + ": not valid JSON (" + e.what() + ")");
-    }
-    m.pre_ = preprocess_config_from_json(j, m.cfg_.vision.image_size);
-  } else {
-    m.pre_ = preprocess_config_from_json(nlohmann::json::object(), m.cfg_.vision.image_size);
-  }
+  m.pre_ = preprocess_config_from_json(
+      file_exists(pp) ? read_json_file(pp, "preprocessor config") : nlohmann::json::object(),
+      m.cfg_.vision.image_size);
   if (m.pre_.crop_height != m.cfg_.vision.image_size || m.pre_.crop_width != m.cfg_.vision.image_size)
     throw InputError(pp + ": crop size " + std::to_string(m.pre_.crop_width) + "x" +
                      std::to_string(m.pre_.crop_height) + " differs from vision_config.image_size " +

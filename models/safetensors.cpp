@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/errors.h"
+#include "core/json_file.h"
 
 namespace kvlens {
 
@@ -207,23 +208,18 @@ WeightStore WeightStore::open_dir(const std::string& dir) {
   ws.dir_ = dir;
   const std::string single = dir + "/model.safetensors";
   const std::string index = dir + "/model.safetensors.index.json";
-  struct stat st {};
-  if (::stat(index.c_str(), &st) == 0) {
-    std::ifstream f(index);
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(f);
-    } catch (const std::exception& e) {
-      throw InputError(index + ": not valid JSON (" + e.what() + ")");
-    }
+  if (file_exists(index)) {
+    const nlohmann::json j = read_json_file(index, "shard index");
     if (!j.contains("weight_map") || !j["weight_map"].is_object())
       throw InputError(index + ": missing 'weight_map' object");
     std::map<std::string, std::shared_ptr<SafetensorsFile>> shards;
     for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
+      if (!it.value().is_string())
+        throw InputError(index + ": shard of tensor '" + it.key() + "' is not a file name");
       const std::string shard = it.value().get<std::string>();
       if (!shards.count(shard)) {
         const std::string p = dir + "/" + shard;
-        if (::stat(p.c_str(), &st) != 0)
+        if (!file_exists(p))
           throw InputError(index + ": shard '" + shard + "' (for tensor '" + it.key() +
                            "') is missing");
         shards[shard] = std::make_shared<SafetensorsFile>(p);
@@ -235,7 +231,7 @@ WeightStore WeightStore::open_dir(const std::string& dir) {
       ws.index_[it.key()] = &t->second;
     }
     for (auto& kv : shards) ws.files_.push_back(kv.second);
-  } else if (::stat(single.c_str(), &st) == 0) {
+  } else if (file_exists(single)) {
     auto f = std::make_shared<SafetensorsFile>(single);
     for (const auto& kv : f->tensors()) ws.index_[kv.first] = &kv.second;
     ws.files_.push_back(f);

@@ -1,30 +1,16 @@
 #include "models/tokenizer.h"
 
 #include <sentencepiece_processor.h>
-#include <sys/stat.h>
 
 #include <fstream>
 
 #include <nlohmann/json.hpp>
 
 #include "core/errors.h"
+#include "core/json_file.h"
 
 namespace kvlens {
 
-namespace {
-bool exists(const std::string& p) {
-  struct stat st {};
-  return ::stat(p.c_str(), &st) == 0;
-}
-nlohmann::json read_json(const std::string& path) {
-  std::ifstream f(path);
-  try {
-    return nlohmann::json::parse(f);
-  } catch (const std::exception& e) {
-    throw InputError(path + ": not valid JSON (" + e.what() + ")");
-  }
-}
-}  // namespace
 
 Tokenizer::Tokenizer() = default;
 Tokenizer::~Tokenizer() = default;
@@ -34,7 +20,7 @@ Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
 Tokenizer Tokenizer::load(const std::string& dir, int image_token_index) {
   Tokenizer t;
   const std::string model = dir + "/tokenizer.model";
-  if (!exists(model)) throw InputError(model + ": missing (kvlens needs a SentencePiece tokenizer.model)");
+  if (!file_exists(model)) throw InputError(model + ": missing (kvlens needs a SentencePiece tokenizer.model)");
   t.sp_ = std::make_unique<sentencepiece::SentencePieceProcessor>();
   const auto status = t.sp_->Load(model);
   if (!status.ok()) throw InputError(model + ": not a SentencePiece model (" + status.ToString() + ")");
@@ -42,14 +28,14 @@ Tokenizer Tokenizer::load(const std::string& dir, int image_token_index) {
   t.eos_ = t.sp_->eos_id();
   t.image_token_ = image_token_index;
   const std::string tc = dir + "/tokenizer_config.json";
-  if (exists(tc)) {
-    const auto j = read_json(tc);
+  if (file_exists(tc)) {
+    const auto j = read_json_file(tc, "tokenizer config");
     if (j.contains("add_bos_token") && j["add_bos_token"].is_boolean())
       t.add_bos_ = j["add_bos_token"].get<bool>();
   }
   const std::string at = dir + "/added_tokens.json";
-  if (exists(at)) {
-    const auto j = read_json(at);
+  if (file_exists(at)) {
+    const auto j = read_json_file(at, "added tokens");
     if (j.contains("<image>") && j["<image>"].is_number_integer()) t.image_token_ = j["<image>"].get<int>();
   }
   const int piece_id = t.sp_->PieceToId("<image>");

@@ -136,6 +136,11 @@ TEST(Safetensors, ShardsWithIndex) {
   write_file(dir + "/model.safetensors.index.json", idx.dump());
   expect_input_error([&] { WeightStore::open_dir(dir); }, "shard 'model-00003-of-00003.safetensors'");
   expect_input_error([&] { WeightStore::open_dir(make_temp_dir("empty")); }, "no model.safetensors");
+  idx["weight_map"]["z"] = 3;
+  write_file(dir + "/model.safetensors.index.json", idx.dump());
+  expect_input_error([&] { WeightStore::open_dir(dir); }, "shard of tensor 'z' is not a file name");
+  write_file(dir + "/model.safetensors.index.json", "{oops");
+  expect_input_error([&] { WeightStore::open_dir(dir); }, "model.safetensors.index.json: not valid JSON");
 }
 
 TEST(Config, DefaultsFollowHF) {

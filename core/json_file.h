@@ -1,0 +1,14 @@
+// Reading the JSON files kvlens takes as input (configs, indexes, sessions, annotations):
+// one place for the "cannot open" and "not valid JSON" messages, each naming the file.
+#pragma once
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+namespace kvlens {
+
+bool file_exists(const std::string& path);
+// Parses `path`; throws InputError "<path>: cannot open <what>" or "<path>: not valid JSON (...)".
+nlohmann::json read_json_file(const std::string& path, const std::string& what);
+
+}  // namespace kvlens
