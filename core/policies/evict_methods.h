@@ -41,6 +41,9 @@ enum class Pooling { Max, Avg };
 // keys score +inf, since the window is always kept.
 std::vector<double> snapkv_scores(const PrefillContext& c, int kv_head, int window, int kernel,
                                   Pooling pooling);
+// The parameters of SnapKV's selection (window, kernel, pooling), shared with PyramidKV.
+std::vector<ParamSpec> snapkv_selection_params();
+Pooling parse_pooling(const std::string& s);
 
 // ---- PyramidKV (core/policies/pyramidkv.cpp) ----
 // Layer budgets for L layers with mean α: the last layer keeps α/β, the first 2α − α/β, linear in

@@ -84,17 +84,12 @@ MethodSpec pyramidkv_method() {
        "mean budget alpha over layers; layer l keeps floor(beta_l*T) rows per KV head"},
       {"beta", ParamSpec::Type::Float, 1.0, 1000.0, {}, "20",
        "last layer alpha/beta, first 2*alpha - alpha/beta, linear between (first/last = 2*beta-1)"},
-      {"window", ParamSpec::Type::Int, 1, 4096, {}, "32",
-       "SnapKV observation window: the last `window` prompt queries vote, always kept"},
-      {"kernel", ParamSpec::Type::Int, 1, 63, {}, "7",
-       "pooling kernel over keys (odd, stride 1, same padding)"},
-      {"pooling", ParamSpec::Type::Choice, 0, 0, {"max", "avg"}, "max",
-       "max: max over the kernel; avg: sum over the kernel / kernel (padding counts as 0)"},
   };
+  for (ParamSpec& p : snapkv_selection_params()) m.params.push_back(std::move(p));
   m.make = [](const Params& p) -> std::unique_ptr<KVPolicy> {
     return std::make_unique<PyramidKVPolicy>(
         p.num("budget"), p.num("beta"), p.integer("window"), p.integer("kernel"),
-        p.str("pooling") == "avg" ? Pooling::Avg : Pooling::Max);
+        parse_pooling(p.str("pooling")));
   };
   return m;
 }

@@ -40,7 +40,7 @@ std::vector<double> snapkv_scores(const PrefillContext& c, int kv_head, int wind
 
 namespace {
 
-Pooling parse_pooling(const std::string& s) { return s == "avg" ? Pooling::Avg : Pooling::Max; }
+
 
 class SnapKVPolicy : public ScoreEvictPolicy {
  public:
@@ -73,6 +73,19 @@ class SnapKVPolicy : public ScoreEvictPolicy {
 
 }  // namespace
 
+Pooling parse_pooling(const std::string& s) { return s == "avg" ? Pooling::Avg : Pooling::Max; }
+
+std::vector<ParamSpec> snapkv_selection_params() {
+  return {
+      {"window", ParamSpec::Type::Int, 1, 4096, {}, "32",
+       "observation window: the last `window` prompt queries vote, votes_j = sum_i A_ij; always kept"},
+      {"kernel", ParamSpec::Type::Int, 1, 63, {}, "7",
+       "pooling kernel over keys (odd, stride 1, same padding): score_j = pool(votes)[j]"},
+      {"pooling", ParamSpec::Type::Choice, 0, 0, {"max", "avg"}, "max",
+       "max: max over the kernel; avg: sum over the kernel / kernel (padding counts as 0)"},
+  };
+}
+
 MethodSpec snapkv_method() {
   MethodSpec m;
   m.name = "snapkv";
@@ -81,13 +94,8 @@ MethodSpec snapkv_method() {
   m.params = {
       {"budget", ParamSpec::Type::Float, 0.0, 1.0, {}, "0.1",
        "each layer keeps floor(budget*T) rows per KV head, the observation window included"},
-      {"window", ParamSpec::Type::Int, 1, 4096, {}, "32",
-       "observation window: the last `window` prompt queries vote, votes_j = sum_i A_ij"},
-      {"kernel", ParamSpec::Type::Int, 1, 63, {}, "7",
-       "pooling kernel over keys (odd, stride 1, same padding): score_j = pool(votes)[j]"},
-      {"pooling", ParamSpec::Type::Choice, 0, 0, {"max", "avg"}, "max",
-       "max: max over the kernel; avg: sum over the kernel / kernel (padding counts as 0)"},
   };
+  for (ParamSpec& p : snapkv_selection_params()) m.params.push_back(std::move(p));
   m.make = [](const Params& p) -> std::unique_ptr<KVPolicy> {
     return std::make_unique<SnapKVPolicy>(p.num("budget"), p.integer("window"), p.integer("kernel"),
                                           parse_pooling(p.str("pooling")));
