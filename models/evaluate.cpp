@@ -55,11 +55,10 @@ EvalResult evaluate_scenes(const LlavaModel& model, const SceneSet& set, const E
   for (size_t i = 0; i < n; ++i) wanted[set.images[i].id] = &set.images[i];
   GenerateOptions g;
   g.max_new_tokens = opt.max_new_tokens;
-  std::unique_ptr<KVPolicy> policy;
-  if (!opt.method.empty()) policy = make_policy(opt.method);
-  const bool keep = policy && policy->needs_prefill_attention();
+  const bool keep = !opt.method.empty() && make_policy(opt.method)->needs_prefill_attention();
   auto answer = [&](const Tensor& feats, const std::string& prompt, double* bytes) {
-    if (!opt.method.empty()) policy = make_policy(opt.method);  // fresh state per sequence
+    // A fresh policy per sequence: policies keep per-sequence state (decode probes, counts).
+    const std::unique_ptr<KVPolicy> policy = opt.method.empty() ? nullptr : make_policy(opt.method);
     const PrefillState st = model.prefill_features(feats, prompt, kDefaultTemplate, keep);
     const DecodeResult d = model.decode(st, policy.get(), g);
     if (bytes) *bytes = static_cast<double>(d.bytes_after_prefill.total());
