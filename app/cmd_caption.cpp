@@ -1,12 +1,12 @@
 // kvlens caption: one image through the full-cache model, as a researcher's baseline.
 #include <cstdio>
-#include <fstream>
 
 #include <nlohmann/json.hpp>
 
 #include "app/commands.h"
 #include "app/defaults.h"
 #include "core/errors.h"
+#include "core/files.h"
 #include "models/llava.h"
 
 namespace kvlens::app {
@@ -56,15 +56,13 @@ void run_caption(const CaptionArgs& a) {
                        {"decode", r.decode_ms},
                        {"decode_per_token", n_steps > 1 ? r.decode_ms / (n_steps - 1) : 0.0}};
     j["kv_bytes"] = r.bytes_final.total();
-    std::ofstream f(a.json_out);
-    if (!f) throw InputError(a.json_out + ": cannot write JSON report");
-    f << j.dump(2) << "\n";
+    write_file_atomic(a.json_out, j.dump(2) + "\n", "caption JSON");
   }
   if (!a.logits_out.empty()) {
-    std::ofstream f(a.logits_out, std::ios::binary);
-    if (!f) throw InputError(a.logits_out + ": cannot write logits");
-    f.write(reinterpret_cast<const char*>(r.first_logits.data()),
-            static_cast<std::streamsize>(r.first_logits.size() * sizeof(float)));
+    write_file_atomic(a.logits_out,
+                      std::string_view(reinterpret_cast<const char*>(r.first_logits.data()),
+                                       r.first_logits.size() * sizeof(float)),
+                      "logits");
   }
 }
 

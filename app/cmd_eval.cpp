@@ -1,11 +1,11 @@
 // kvlens eval: caption exact-match and VQA accuracy on a scene set, for the full cache and
 // any number of compression methods (a paper-style table).
 #include <cstdio>
-#include <fstream>
 
 #include "app/commands.h"
 #include "app/defaults.h"
 #include "core/errors.h"
+#include "core/files.h"
 #include "core/method.h"
 #include "models/evaluate.h"
 
@@ -41,9 +41,7 @@ void run_eval(const EvalArgs& a) {
     out.push_back(r.to_json());
   }
   if (!a.json_out.empty()) {
-    std::ofstream f(a.json_out);
-    if (!f) throw InputError(a.json_out + ": cannot write JSON");
-    f << out.dump(1) << "\n";
+    write_file_atomic(a.json_out, out.dump(1) + "\n", "eval JSON");
   }
 }
 

@@ -1,10 +1,10 @@
 // kvlens methods / run / calibrate: compression methods on one shared prefill.
 #include <cstdio>
-#include <fstream>
 
 #include "app/commands.h"
 #include "app/defaults.h"
 #include "core/errors.h"
+#include "core/files.h"
 #include "core/session.h"
 #include "models/experiment.h"
 
@@ -44,9 +44,7 @@ void check_options(const ExperimentOptions& o) {
 }
 
 void write_json(const std::string& path, const nlohmann::json& j) {
-  std::ofstream f(path);
-  if (!f) throw InputError(path + ": cannot write report");
-  f << j.dump(1) << "\n";
+  write_file_atomic(path, j.dump(1) + "\n", "report");
 }
 
 // A session file fills what the command line left unset; --method adds to its methods.

@@ -10,11 +10,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <limits>
 
 #include "core/errors.h"
+#include "core/files.h"
 
 // Formats that PIL also opens; TGA (weak signature), PSD, HDR and PIC are left out so that
 // arbitrary bytes are not mistaken for an image.
@@ -115,29 +114,26 @@ RGBImage decode_image(const uint8_t* bytes, size_t n, const std::string& name) {
 }
 
 RGBImage load_image(const std::string& path) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  const fs::file_status st = fs::status(path, ec);
-  if (ec && ec != std::errc::no_such_file_or_directory && ec != std::errc::not_a_directory)
-    throw InputError("cannot access image file " + path + ": " + ec.message());
-  if (!fs::exists(st)) throw InputError("image file not found: " + path);
-  if (fs::is_directory(st)) throw InputError(path + " is a directory, expected an image file");
-  std::ifstream f(path, std::ios::binary | std::ios::ate);
-  if (!f) throw InputError("cannot open image file for reading: " + path);
-  const std::streamoff size = f.tellg();
-  if (size < 0) throw InputError("cannot read image file: " + path);
-  if (size == 0) throw InputError("image file is empty (0 bytes): " + path);
-  std::vector<uint8_t> bytes(static_cast<size_t>(size));
-  f.seekg(0);
-  if (!f.read(reinterpret_cast<char*>(bytes.data()), size))
-    throw InputError("cannot read image file: " + path);
-  return decode_image(bytes.data(), bytes.size(), path);
+  const std::string bytes = read_input_file(path, "image file", std::numeric_limits<int>::max());
+  if (bytes.empty()) throw InputError(path + ": image file is empty (0 bytes)");
+  return decode_image(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), path);
+}
+
+std::string encode_png(const RGBImage& img) {
+  check_image(img, "encode_png");
+  std::string out;
+  auto sink = [](void* ctx, void* data, int size) {
+    static_cast<std::string*>(ctx)->append(static_cast<const char*>(data), static_cast<size_t>(size));
+  };
+  if (!stbi_write_png_to_func(sink, &out, img.width, img.height, 3, img.data.data(), img.width * 3))
+    throw InternalError("stb_image_write could not encode a " + std::to_string(img.width) + "x" +
+                        std::to_string(img.height) + " PNG");
+  return out;
 }
 
 void write_png(const std::string& path, const RGBImage& img) {
   check_image(img, ("write_png " + path).c_str());
-  if (!stbi_write_png(path.c_str(), img.width, img.height, 3, img.data.data(), img.width * 3))
-    throw InputError("cannot write PNG file: " + path);
+  write_file_atomic(path, encode_png(img), "PNG image");
 }
 
 // ---------------------------------------------------------------------------------------------

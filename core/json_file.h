@@ -1,13 +1,15 @@
 // Reading the JSON files kvlens takes as input (configs, indexes, sessions, annotations):
-// one place for the "cannot open" and "not valid JSON" messages, each naming the file.
+// one place for the "cannot open" and "not valid JSON" messages, each naming the file. Only
+// regular files are read (core/files.h).
 #pragma once
 #include <string>
 
 #include <nlohmann/json.hpp>
 
+#include "core/files.h"
+
 namespace kvlens {
 
-bool file_exists(const std::string& path);
 // Parses `path`; throws InputError "<path>: cannot open <what>" or "<path>: not valid JSON (...)".
 nlohmann::json read_json_file(const std::string& path, const std::string& what);
 

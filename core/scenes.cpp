@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/errors.h"
+#include "core/files.h"
 
 namespace kvlens {
 namespace fs = std::filesystem;
@@ -574,7 +575,7 @@ std::string image_file_name(int64_t i) {
 fs::path make_sibling_dir(const fs::path& target, const std::string& tag) {
   const fs::path parent = target.parent_path();
   for (int k = 0; k < 1000; ++k) {
-    const fs::path p = parent / ("." + target.filename().string() + "." + tag + "-" +
+    const fs::path p = parent / ("." + target.filename().string() + ".kvlens-" + tag + "-" +
                                  std::to_string(getpid()) + "-" + std::to_string(k));
     std::error_code ec;
     if (fs::create_directory(p, ec)) return p;
@@ -633,11 +634,7 @@ void fill_scene_set(const fs::path& dir, int64_t n, uint64_t seed, const SceneOp
   j["annotations"] = std::move(anns);
   j["questions"] = std::move(qs);
   const fs::path ann = dir / "annotations.json";
-  std::ofstream f(ann, std::ios::binary);
-  if (!f) throw InputError("cannot write '" + ann.string() + "'");
-  f << j.dump(1) << "\n";
-  f.close();
-  if (!f) throw InputError("cannot write '" + ann.string() + "' (disk full?)");
+  write_file_atomic(ann.string(), j.dump(1) + "\n", "scene annotations");
 }
 
 }  // namespace
@@ -684,6 +681,9 @@ void write_scene_set(const std::string& out_dir, int64_t n, uint64_t seed, bool 
   } else if (!fs::is_directory(parent, ec)) {
     throw InputError("cannot create output folder '" + out_dir + "': '" + parent.string() + "' is not a folder");
   }
+
+  // Folders left by an earlier run that was killed mid-way (its process is gone).
+  remove_stale_temporaries(parent.string());
 
   fs::path tmp;
   auto clean_up = [&] {

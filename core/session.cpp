@@ -1,7 +1,6 @@
 #include "core/session.h"
 
 #include <algorithm>
-#include <fstream>
 
 #include "core/errors.h"
 #include "core/json_file.h"
@@ -101,9 +100,7 @@ nlohmann::json session_to_json(const Session& s) {
 }
 
 void save_session(const std::string& path, const Session& s) {
-  std::ofstream f(path);
-  if (!f) throw InputError(path + ": cannot write session file");
-  f << session_to_json(s).dump(2) << "\n";
+  write_file_atomic(path, session_to_json(s).dump(2) + "\n", "session file");
 }
 
 }  // namespace kvlens

@@ -82,14 +82,7 @@ int64_t TensorView::numel() const {
 }
 
 SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
-  const int fd = ::open(path.c_str(), O_RDONLY);
-  if (fd < 0) throw InputError(path + ": cannot open safetensors file (" + std::strerror(errno) + ")");
-  struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    ::close(fd);
-    throw InputError(path + ": not a regular file");
-  }
-  size_ = static_cast<uint64_t>(st.st_size);
+  const int fd = open_input_file(path, "safetensors file", &size_);
   if (size_ < 8) {
     ::close(fd);
     throw InputError(path + ": truncated safetensors file (" + std::to_string(size_) +

@@ -22,7 +22,7 @@ Tokenizer Tokenizer::load(const std::string& dir, int image_token_index) {
   const std::string model = dir + "/tokenizer.model";
   if (!file_exists(model)) throw InputError(model + ": missing (kvlens needs a SentencePiece tokenizer.model)");
   t.sp_ = std::make_unique<sentencepiece::SentencePieceProcessor>();
-  const auto status = t.sp_->Load(model);
+  const auto status = t.sp_->LoadFromSerializedProto(read_input_file(model, "SentencePiece tokenizer.model", uint64_t{1} << 30));
   if (!status.ok()) throw InputError(model + ": not a SentencePiece model (" + status.ToString() + ")");
   t.bos_ = t.sp_->bos_id();
   t.eos_ = t.sp_->eos_id();
