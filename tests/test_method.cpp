@@ -28,9 +28,14 @@ std::string error_of(F f) {
   return "";
 }
 
-// The shortest decimal text that reads back as x (how messages and specs print numbers).
+// How messages and specs print numbers: integers as integers, others as the shortest decimal
+// text that reads back as x.
 std::string num_text(double x) {
   char buf[64];
+  if (x == static_cast<double>(static_cast<long long>(x))) {
+    std::snprintf(buf, sizeof buf, "%lld", static_cast<long long>(x));
+    return buf;
+  }
   for (int prec = 1; prec <= 17; ++prec) {
     std::snprintf(buf, sizeof buf, "%.*g", prec, x);
     if (std::strtod(buf, nullptr) == x) break;
