@@ -336,13 +336,24 @@ HitRates cache_hit_rates(const PrefillView& pv, const DecodeRecorder& full, doub
                                                  top_k(post, hr.k), top_k(recent, hr.k)};
     for (size_t si = 0; si < hr.steps.size(); ++si) {
       const auto* E = full.find(hr.steps[si], l);
+      // A_{m+1} = softmax(q K_{:m}ᵀ/√d) over the prompt keys alone: each head's probabilities of
+      // the prompt keys renormalised to sum to 1 (the decode query also sees the generated
+      // keys), then averaged over heads.
       std::vector<double> truth(T, 0.0);
       const int G = E->n_heads / E->n_kv_heads;
-      for (int h = 0; h < E->n_heads; ++h)
-        for (int j = 0; j < E->n_k; ++j) {
-          const int32_t pos = E->key_pos[static_cast<size_t>(h / G) * E->n_k + j];
-          if (pos >= 0 && pos < T) truth[pos] += E->probs[static_cast<size_t>(h) * E->n_k + j] / E->n_heads;
-        }
+      for (int h = 0; h < E->n_heads; ++h) {
+        double mass = 0.0;
+        for (int pass = 0; pass < 2; ++pass)
+          for (int j = 0; j < E->n_k; ++j) {
+            const int32_t pos = E->key_pos[static_cast<size_t>(h / G) * E->n_k + j];
+            if (pos < 0 || pos >= T) continue;
+            const double p = E->probs[static_cast<size_t>(h) * E->n_k + j];
+            if (pass == 0)
+              mass += p;
+            else if (mass > 0.0)
+              truth[pos] += p / mass / E->n_heads;
+          }
+      }
       const auto want = top_k(truth, hr.k);
       for (size_t st = 0; st < picks.size(); ++st) {
         std::vector<int> both;

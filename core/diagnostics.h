@@ -78,11 +78,13 @@ FirstDivergence first_divergence(const std::vector<int>& full_ids, const std::ve
                                  const std::vector<int>& ids, const std::vector<float>& probs);
 
 // CacheHitRate of each scoring strategy per layer (VL-Cache §3.2): |top-k by strategy ∩ top-k by
-// the true decode attention at `step`| / k, with k = budget · prompt_len. Strategies score a key
-// by the prefill attention it receives: accumulated (all queries), normalized (all queries,
-// divided by how many can see it), sliding_window (the last `window_queries` queries),
-// post_vision (the queries after the last visual token), and recency (position only, as
-// StreamingLLM keeps tokens). rates[strategy][step index][layer].
+// the true decode attention at `step`| / k, with k = budget · prompt_len. The truth is the
+// decode query's attention over the prompt keys, A_{m+1} = softmax(q K_{:m}ᵀ/√d): each head's
+// probabilities of the prompt keys renormalised to sum to 1, averaged over heads. Strategies
+// score a key by the head-mean prefill attention it receives: accumulated (all queries),
+// normalized (all queries, divided by the n_j = T − j queries that can see key j), sliding_window
+// (the last `window_queries` queries), post_vision (the queries after the last visual token),
+// and recency (position only, as StreamingLLM keeps tokens). rates[strategy][step index][layer].
 struct HitRates {
   std::vector<std::string> strategies;
   std::vector<int> steps;
