@@ -365,6 +365,26 @@ HitRates cache_hit_rates(const PrefillView& pv, const DecodeRecorder& full, doub
   return hr;
 }
 
+nlohmann::json diagnostic_definitions() {
+  return {
+      {"softmax_mse", "mean over the exact keys j of (P_full(j) - P_method(j))^2, P = decode attention "
+                      "probabilities (P_method(j) = 0 for an evicted key); mean over query heads and steps"},
+      {"softmax_kl", "KL(full || method) = sum_j P_full(j) * ln(P_full(j) / max(P_method(j), 1e-10)): the "
+                     "full cache is the reference distribution; mean over query heads and steps"},
+      {"attn_output_rel_error", "||o_method - o_full||_2 / ||o_full||_2 (norm ratio), o = sum_j P(j) v_j; "
+                                "mean over query heads and steps"},
+      {"sparsity_decode", "share of the method's decode attention entries below p * (row max), p = options.sparsity_p"},
+      {"visual_score_histogram", "first decode step, pre-softmax scores q.k/sqrt(d) of the visual keys: exact "
+                                 "(full keys), quantized (method keys), calibrated (after the method's score "
+                                 "transform); bins of one shared [lo, hi]"},
+      {"cache_hit_rate", "|top-k by strategy & top-k by truth| / k, k = round(hit_budget * prompt length); truth = "
+                         "decode attention over the prompt keys, each head renormalised to sum 1, mean over heads; "
+                         "strategies score keys by head-mean prefill attention: accumulated sum_i A_ij, normalized "
+                         "sum_i A_ij / (T - j), sliding_window over the last hit_window queries, post_vision over "
+                         "the queries after the last visual token, recency = position"},
+  };
+}
+
 nlohmann::json to_json(const KVBytes& b) {
   return {{"codes", b.codes}, {"scales", b.scales}, {"zeros", b.zeros}, {"indices", b.indices},
           {"meta", b.meta}, {"total", b.total()}};
