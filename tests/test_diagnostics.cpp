@@ -326,6 +326,10 @@ TEST(DiagnosticsByHand, SparsityThresholdAndCausalMask) {
   std::copy(P, P + 16, P2);
   for (int i = 0; i < 16; ++i) P2[16 + i] = (i % 4 <= i / 4) ? 1.0f / (i / 4 + 1) : 0.0f;  // uniform rows: no zeros
   EXPECT_DOUBLE_EQ(sparsity(P2, 2, 4, 4, 0.3), (4.0 / 10.0 + 0.0) / 2);
+  // ThresholdFilter keeps A_ij >= p · max: entries exactly at the threshold are not zeros.
+  const float at[3] = {0.5f, 0.25f, 0.25f};
+  EXPECT_DOUBLE_EQ(sparsity(at, 1, 1, 3, 0.5), 0.0);
+  EXPECT_DOUBLE_EQ(sparsity(at, 1, 1, 3, 0.51), 2.0 / 3.0);
 }
 
 // The report states each formula next to the numbers, KL's reference distribution included.
