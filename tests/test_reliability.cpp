@@ -34,14 +34,7 @@ namespace {
 const std::string kFix = kt::source_dir() + "/tests/fixtures/hf/";
 const std::string kModel = kt::source_dir() + "/assets/models/kvlens-scenes-6m";
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const InputError& e) {
-    return e.what();
-  }
-  return "";
-}
+using kvlens::testing::error_of;
 
 // Runs the CLI (with a time limit, so a hang fails instead of blocking the suite).
 kt::RunResult cli(const std::string& args, int seconds = 60) {
