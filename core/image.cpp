@@ -17,24 +17,10 @@
 #include "core/files.h"
 #include "core/numbers.h"
 
-// Formats that PIL also opens; TGA (weak signature), PSD, HDR and PIC are left out so that
-// arbitrary bytes are not mistaken for an image.
-#define STBI_ONLY_PNG
-#define STBI_ONLY_JPEG
-#define STBI_ONLY_BMP
-#define STBI_ONLY_GIF
-#define STBI_ONLY_PNM
-#define STBI_NO_STDIO  // files are read here, so that each failure gets its own message
-#define STB_IMAGE_IMPLEMENTATION
-#define STB_IMAGE_WRITE_IMPLEMENTATION
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wunused-function"
-#pragma GCC diagnostic ignored "-Wmissing-field-initializers"
-#pragma GCC diagnostic ignored "-Wsign-compare"
-#pragma GCC diagnostic ignored "-Wimplicit-fallthrough"
+// The stb implementations are compiled in core/stb_impl.cpp.
+#define STBI_NO_STDIO
 #include "stb_image.h"
 #include "stb_image_write.h"
-#pragma GCC diagnostic pop
 
 #ifdef KVLENS_HAVE_LIBJPEG
 #include <jpeglib.h>
