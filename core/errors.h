@@ -13,6 +13,13 @@ class InputError : public std::runtime_error {
   explicit InputError(const std::string& what) : std::runtime_error(what) {}
 };
 
+// A computation stopped because its caller asked it to (a newer request replaced it). Not a
+// failure to show: the caller that cancelled expects it.
+class Cancelled : public std::runtime_error {
+ public:
+  explicit Cancelled(const std::string& what) : std::runtime_error(what) {}
+};
+
 // A broken invariant inside kvlens (a bug, not bad input).
 class InternalError : public std::logic_error {
  public:
