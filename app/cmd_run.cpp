@@ -16,6 +16,7 @@ struct RunArgs {
   std::string model, image, report, session, save_session;
   std::vector<std::string> methods;
   ExperimentOptions opt;
+  FigureArgs figures;
 };
 
 void add_common(CLI::App* c, RunArgs& a) {
@@ -70,8 +71,11 @@ RunArgs with_session(const RunArgs& in, std::vector<Params>& specs) {
 void run_methods(const RunArgs& args) {
   // Validate every spec before any model work.
   std::vector<Params> specs;
-  const RunArgs a = with_session(args, specs);
+  RunArgs a = with_session(args, specs);
   check_options(a.opt);
+  check_figure_args(a.figures);
+  if (!a.report.empty()) check_writable(a.report, "report");
+  a.opt.attention_maps = a.figures.attention_maps || !a.figures.dir.empty();
   if (!a.save_session.empty()) {
     Session s;
     s.model = a.model;
@@ -99,7 +103,11 @@ void run_methods(const RunArgs& args) {
                 static_cast<long long>(r.result.bytes_after_prefill.total()), r.compression_vs_fp16,
                 r.mean_softmax_mse, div.c_str(), r.result.text.c_str());
   }
-  if (!a.report.empty()) write_json(a.report, experiment_json(model, ex, a.opt));
+  if (!a.report.empty() || !a.figures.dir.empty()) {
+    const nlohmann::json report = experiment_json(model, ex, a.opt);
+    if (!a.report.empty()) write_json(a.report, report);
+    write_report_figures(report, a.figures);
+  }
 }
 
 void list_methods() {
@@ -165,6 +173,7 @@ void add_run_commands(CLI::App& root) {
   add_session_options(r, *ra);
   r->add_option("--method", ra->methods, "Method spec, e.g. 'calibquant:bits=1,tau1=0,tau2=3' (repeatable)");
   r->add_option("--report", ra->report, "Write captions, ids, bytes, timings and every diagnostic as JSON");
+  add_figure_options(r, ra->figures);
   r->callback([ra] { run_methods(*ra); });
 
   auto da = std::make_shared<RunArgs>();
@@ -175,6 +184,7 @@ void add_run_commands(CLI::App& root) {
   add_session_options(d, *da);
   d->add_option("--method", da->methods, "Method specs to compare")->capture_default_str();
   d->add_option("--report", da->report, "Write the JSON report here");
+  add_figure_options(d, da->figures);
   d->callback([da] { run_methods(*da); });
 
   auto ca = std::make_shared<RunArgs>();

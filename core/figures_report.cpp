@@ -426,19 +426,13 @@ Figure score_histogram_figure(const nlohmann::json& report, int method, int laye
     for (double c : hj.at(key).nums()) out->push_back(static_cast<int64_t>(c));
   if (h.exact.size() != h.quantized.size() || h.exact.size() != h.calibrated.size())
     throw InputError(hj.where + ": exact, quantized and calibrated must have the same number of bins");
-  double gamma = 0, delta = 0;
-  if (l.has("visual_score_range_by_head")) {
-    const std::vector<double> g = l.at("visual_score_range_by_head").at("gamma").nums();
-    const std::vector<double> d = l.at("visual_score_range_by_head").at("delta").nums();
-    if (!g.empty() && !d.empty()) {
-      gamma = *std::min_element(g.begin(), g.end());
-      delta = *std::max_element(d.begin(), d.end());
-    }
-  }
   const std::string name = method_labels(report)[method];
-  return score_histogram_figure(h, "score_histogram_" + method_id(report, method) + "_l" + std::to_string(layer),
-                                "Visual score histogram: " + name + ", layer " + std::to_string(layer) + ", all heads",
-                                report_calibration(m), gamma, delta);
+  Figure f = score_histogram_figure(h, "score_histogram_" + method_id(report, method) + "_l" + std::to_string(layer),
+                                    "Visual score histogram: " + name + ", layer " + std::to_string(layer) + ", all heads");
+  // g(x) maps each head's own [γ, δ]; pooled over heads there is no one range to mark.
+  if (const auto c = report_calibration(m))
+    f.note += "; calibrated per head with τ1 = " + format_value(c->tau1) + ", τ2 = " + format_value(c->tau2);
+  return f;
 }
 
 Figure transfer_curve_figure(double gamma, double delta, Calibration c, const std::string& id, const std::string& title) {
@@ -518,6 +512,9 @@ Figure attention_heatmap_figure(const nlohmann::json& report, int layer, int met
   }
   double zmax = 0;
   for (double v : s.z) zmax = std::max(zmax, v);
+  // Keys after the query (causal mask) are not attention at all: drawn as missing, not as 0.
+  for (int i = 0; i < n; ++i)
+    for (int j = i + 1; j < n; ++j) s.z[static_cast<size_t>(i) * n + j] = std::nan("");
   s.x0 = s.y0 = 0;
   s.x1 = s.y1 = n;
   s.z_log = true;
@@ -545,7 +542,7 @@ Figure attention_heatmap_figure(const nlohmann::json& report, int layer, int met
     return k;
   }();
   const std::map<std::string, std::pair<std::string, Color>> begins = {
-      {"visual", {"visual tokens begin", Color{1, 1, 1, 0.9f}}},
+      {"visual", {"visual tokens begin", Color{0.55f, 0.8f, 1.0f, 0.95f}}},
       {"post_vision_text", {"post-vision text begins", Color{1.0f, 0.55f, 0.2f, 0.95f}}},
       {"generated", {"generated tokens begin", Color{0.95f, 0.25f, 0.3f, 0.95f}}}};
   auto mark = [&](const std::string& kind, int at) {

@@ -54,6 +54,7 @@ std::optional<Calibration> method_calibration(const Params& p);
 // score range [gamma, delta], marks γ and δ and shades the calibrated range [γ−τ1, δ−τ2].
 Figure score_histogram_figure(const ScoreHistogram& h, const std::string& id, const std::string& title,
                               std::optional<Calibration> calib = {}, double gamma = 0, double delta = 0);
+// All heads of one layer of a method in the report (no γ/δ marks: each head has its own).
 Figure score_histogram_figure(const nlohmann::json& report, int method, int layer);
 // g(x) = (δ−γ+τ1−τ2)/(δ−γ)·(x−γ)+γ−τ1 drawn from [γ, δ] onto [γ−τ1, δ−τ2], with the identity.
 Figure transfer_curve_figure(double gamma, double delta, Calibration c, const std::string& id, const std::string& title);

@@ -125,18 +125,27 @@ TEST(Figures, ScoreHistogramAndCalibrationMarks) {
   for (size_t i = 0; i < cal.x.size(); ++i) EXPECT_NEAR(cal.x[i], lo + (hi - lo) * i / (cal.x.size() - 1), 1e-9);
   EXPECT_EQ(cal.y, hj["calibrated"].get<std::vector<double>>());
   EXPECT_EQ(by_label(f, "exact").y, hj["exact"].get<std::vector<double>>());
-  // calibquant with tau1 = 0.5, tau2 = 2: γ, δ are the heads' extreme quantized scores.
+  // Pooled over heads: the taus in the note, no γ/δ marks (each head has its own range).
+  EXPECT_TRUE(f.markers.empty());
+  EXPECT_NE(f.note.find("τ1 = 0.5, τ2 = 2"), std::string::npos) << f.note;
+  // One head's histogram with its calibration: γ, δ marked, [γ−τ1, δ−τ2] shaded.
+  ScoreHistogram one;
+  one.lo = -4;
+  one.hi = 6;
+  one.exact = one.quantized = one.calibrated = {1, 2, 3, 4, 5};
+  const Figure hf = score_histogram_figure(one, "h", "one head", Calibration{0.5, 2}, -3, 5);
+  ASSERT_EQ(hf.markers.size(), 2u);
+  EXPECT_DOUBLE_EQ(hf.markers[0].at, -3);
+  EXPECT_DOUBLE_EQ(hf.markers[1].at, 5);
+  ASSERT_EQ(hf.bands.size(), 1u);
+  EXPECT_DOUBLE_EQ(hf.bands[0].from, -3.5);
+  EXPECT_DOUBLE_EQ(hf.bands[0].to, 3);
+  EXPECT_EQ(hf.series[2].x, (std::vector<double>{-4, -2, 0, 2, 4, 6}));
+  // A method that does not calibrate: no taus.
+  EXPECT_EQ(score_histogram_figure(r, 1, 1).note.find("τ1"), std::string::npos);
   const auto g = r["methods"][0]["layers"][1]["visual_score_range_by_head"]["gamma"].get<std::vector<double>>();
   const auto d = r["methods"][0]["layers"][1]["visual_score_range_by_head"]["delta"].get<std::vector<double>>();
   const double gamma = *std::min_element(g.begin(), g.end()), delta = *std::max_element(d.begin(), d.end());
-  ASSERT_EQ(f.markers.size(), 2u);
-  EXPECT_DOUBLE_EQ(f.markers[0].at, gamma);
-  EXPECT_DOUBLE_EQ(f.markers[1].at, delta);
-  ASSERT_EQ(f.bands.size(), 1u);
-  EXPECT_DOUBLE_EQ(f.bands[0].from, gamma - 0.5);
-  EXPECT_DOUBLE_EQ(f.bands[0].to, delta - 2);
-  // A method that does not calibrate gets no marks.
-  EXPECT_TRUE(score_histogram_figure(r, 1, 1).bands.empty());
 
   const Figure t = transfer_curve_figure(r, 0, 1);
   const Series& gx = by_label(t, "g(x)");
@@ -155,11 +164,12 @@ TEST(Figures, AttentionHeatmapAndTokenFate) {
   const Series& h = full.series[0];
   ASSERT_EQ(h.rows, n);
   EXPECT_DOUBLE_EQ(h.z[static_cast<size_t>(n - 1) * n + 3], r["attention"]["layers"][1][n - 1][3].get<double>());
+  EXPECT_TRUE(std::isnan(h.z[static_cast<size_t>(3) * n + 4]));  // after the query: masked
   EXPECT_THROW(attention_heatmap_figure(r, layer_count(r), -1), InputError);
   const Figure m = attention_heatmap_figure(r, 1, 1);  // streamingllm's decode rows
   const int T = n - S;
   EXPECT_DOUBLE_EQ(m.series[0].z[static_cast<size_t>(T) * n + 5], r["methods"][1]["decode_attention"][1][0][5].get<double>());
-  EXPECT_EQ(m.series[0].z[0], h.z[0]);  // prompt rows are shared
+  EXPECT_EQ(m.series[0].z[static_cast<size_t>(T - 1) * n + 2], h.z[static_cast<size_t>(T - 1) * n + 2]);  // prompt rows are shared
   // A boundary is marked at every position where the segment changes, and at the first generated row.
   std::set<double> want;
   const auto kinds = r["token_kinds"].get<std::vector<std::string>>();
