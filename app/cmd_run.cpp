@@ -41,8 +41,25 @@ void write_json(const std::string& path, const nlohmann::json& j) {
   write_file_atomic(path, j.dump(1) + "\n", "report");
 }
 
-// A session file fills what the command line left unset; --method adds to its methods.
-RunArgs with_session(const RunArgs& in, std::vector<Params>& specs) {
+struct RunMethod {
+  Params params;
+  std::string label;
+};
+
+// Tells (on stderr) when the model or image differs from the one a session was saved with.
+void note_changed_inputs(const Session& s, const std::string& model, const std::string& image) {
+  auto check = [](const std::string& saved, const std::string& now, const std::string& what) {
+    if (!saved.empty() && saved != now)
+      std::fprintf(stderr, "kvlens: note: %s differs from the one the session was saved with (%s, now %s)\n",
+                   what.c_str(), saved.c_str(), now.c_str());
+  };
+  if (!s.model_hash.empty()) check(s.model_hash, folder_content_hash(model, "model folder"), "model folder " + model);
+  if (!s.image_hash.empty()) check(s.image_hash, file_content_hash(image, "image"), "image " + image);
+}
+
+// A session file fills what the command line left unset; --method adds to its methods. A
+// session's disabled methods do not run.
+RunArgs with_session(const RunArgs& in, std::vector<RunMethod>& specs) {
   RunArgs a = in;
   if (!a.session.empty()) {
     const Session s = load_session(a.session);
@@ -54,16 +71,18 @@ RunArgs with_session(const RunArgs& in, std::vector<Params>& specs) {
     a.opt.diag_steps = s.diag_steps;
     a.opt.sparsity_p = s.sparsity_p;
     a.opt.hit_budget = s.hit_budget;
-    specs = s.methods;
+    for (size_t i = 0; i < s.methods.size(); ++i)
+      if (s.method_enabled(i)) specs.push_back({s.methods[i], s.method_label(i)});
+    note_changed_inputs(s, a.model.empty() ? default_model_dir() : a.model, a.image.empty() ? default_image() : a.image);
   }
-  for (const auto& m : a.methods) specs.push_back(parse_method_spec(m));
+  for (const auto& m : a.methods) specs.push_back({parse_method_spec(m), ""});
   if (specs.empty()) throw InputError("no method to run: give --method SPEC or --session FILE");
   return a;
 }
 
 void run_methods(const RunArgs& args) {
   // Validate every spec before any model work.
-  std::vector<Params> specs;
+  std::vector<RunMethod> specs;
   RunArgs a = with_session(args, specs);
   check_figure_args(a.figures);
   a.opt.attention_maps = a.figures.attention_maps || !a.figures.dir.empty();
@@ -83,18 +102,25 @@ void run_methods(const RunArgs& args) {
     s.diag_steps = a.opt.diag_steps;
     s.sparsity_p = a.opt.sparsity_p;
     s.hit_budget = a.opt.hit_budget;
-    s.methods = specs;
+    for (const RunMethod& m : specs) {
+      s.methods.push_back(m.params);
+      s.labels.push_back(m.label);
+    }
+    s.model_hash = folder_content_hash(a.model.empty() ? default_model_dir() : a.model, "model folder");
+    s.image_hash = file_content_hash(a.image.empty() ? default_image() : a.image, "image");
     save_session(a.save_session, s);
   }
   Experiment ex = start_experiment(model, img, a.opt);
   std::printf("%-44s %10s %7s %10s %9s  %s\n", "method", "KV bytes", "ratio", "softmaxMSE", "diverges", "caption");
   std::printf("%-44s %10lld %7.2f %10s %9s  %s\n", "full (fp16 reference)",
               static_cast<long long>(ex.full_fp16_bytes.total()), 1.0, "-", "-", ex.full.text.c_str());
-  for (const Params& p : specs) {
+  for (const RunMethod& m : specs) {
+    const Params& p = m.params;
     ex.runs.push_back(run_method(model, ex, p, a.opt));
+    ex.runs.back().label = m.label;
     const MethodRun& r = ex.runs.back();
     const std::string div = r.divergence.position < 0 ? "never" : "@" + std::to_string(r.divergence.position);
-    std::printf("%-44s %10lld %7.2f %10.3g %9s  %s\n", p.short_spec().c_str(),
+    std::printf("%-44s %10lld %7.2f %10.3g %9s  %s\n", (m.label.empty() ? p.short_spec() : m.label).c_str(),
                 static_cast<long long>(r.result.bytes_after_prefill.total()), r.compression_vs_fp16,
                 r.mean_softmax_mse, div.c_str(), r.result.text.c_str());
   }

@@ -18,7 +18,7 @@ Color hex(uint32_t v) {
   return {((v >> 16) & 255) / 255.0f, ((v >> 8) & 255) / 255.0f, (v & 255) / 255.0f, 1};
 }
 
-uint64_t fnv1a(const std::vector<uint8_t>& b, uint64_t h = 1469598103934665603ull) {
+uint64_t fnv1a(const std::vector<uint8_t>& b, uint64_t h = 0xcbf29ce484222325ull) {
   for (uint8_t c : b) h = (h ^ c) * 1099511628211ull;
   return h;
 }

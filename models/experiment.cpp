@@ -152,6 +152,7 @@ nlohmann::json experiment_json(const LlavaModel& model, const Experiment& ex,
     nlohmann::json m;
     m["spec"] = r.params.spec();
     m["short_spec"] = r.params.short_spec();
+    if (!r.label.empty()) m["label"] = r.label;
     m["method"] = r.params.method();
     m["params"] = r.params.to_json();
     m["caption"] = r.result.text;

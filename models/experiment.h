@@ -34,6 +34,7 @@ struct ExperimentOptions {
 
 struct MethodRun {
   Params params;
+  std::string label;  // display name from a session or the app ("" = the short spec)
   DecodeResult result;
   std::vector<LayerDiagnostics> layers;
   FirstDivergence divergence;
