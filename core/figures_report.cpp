@@ -379,7 +379,7 @@ Figure score_histogram_figure(const ScoreHistogram& h, const std::string& id, co
   Figure f;
   f.id = id;
   f.title = title;
-  f.note = "pre-softmax scores q·k/√d of the visual keys at the first decode step, shared bins";
+  f.note = "scores q·k/√d of the visual keys at the first decode step, shared bins";
   const size_t n = h.exact.size();
   std::vector<double> edges;
   for (size_t i = 0; i <= n; ++i) edges.push_back(h.lo + (h.hi - h.lo) * i / std::max<size_t>(n, 1));
@@ -431,7 +431,7 @@ Figure score_histogram_figure(const nlohmann::json& report, int method, int laye
                                     "Visual score histogram: " + name + ", layer " + std::to_string(layer) + ", all heads");
   // g(x) maps each head's own [γ, δ]; pooled over heads there is no one range to mark.
   if (const auto c = report_calibration(m))
-    f.note += "; calibrated per head with τ1 = " + format_value(c->tau1) + ", τ2 = " + format_value(c->tau2);
+    f.note += "; g(x) per head, τ1 = " + format_value(c->tau1) + ", τ2 = " + format_value(c->tau2);
   return f;
 }
 

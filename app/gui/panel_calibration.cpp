@@ -1,0 +1,164 @@
+// Calibration panel (tuning τ1/τ2 by eye): for one method instance, layer and head, the
+// pre-softmax score histograms of the visual keys (exact, quantized, quantized + calibrated) on
+// shared bins, and CalibQuant's map g(x) as a transfer curve from [γ, δ] to [γ−τ1, δ−τ2].
+// Moving τ1/τ2 recomputes the calibrated histogram at once from the stored quantized scores
+// (no decode); the caption and softmax MSE follow when the worker's re-decode finishes.
+#include <cmath>
+#include <cstdio>
+
+#include "app/gui/panels.h"
+#include "core/errors.h"
+#include "core/figures_report.h"
+#include "core/numbers.h"
+
+namespace kvlens::gui {
+
+namespace {
+
+// τ1/τ2 of an instance that calibrates with CalibQuant: calibquant itself, or a stack whose
+// quantization stage is calibquant (its values, else its preset's, else calibquant's defaults).
+std::optional<fig::Calibration> calibration_of(const Params& p) {
+  if (p.method() == "calibquant") return fig::method_calibration(p);
+  if (p.method() != "stack" || p.str("quant") != "calibquant") return std::nullopt;
+  std::map<std::string, std::string> given;
+  for (const char* k : {"bits", "tau1", "tau2", "calibrate"})
+    if (p.has(k) && p.str(k) != "default") given[k] = p.str(k);
+  const std::string preset = p.str("quant_preset") == "none" ? "" : p.str("quant_preset");
+  return fig::method_calibration(make_params("calibquant", preset, given));
+}
+
+bool tau_slider(App& app, int id, const char* name, const Params& p) {
+  const ParamSpec* spec = nullptr;
+  for (const ParamSpec& s : find_method("calibquant").params)
+    if (s.name == name) spec = &s;
+  if (!spec || !p.has(name)) return false;
+  std::string text = p.str(name);
+  if (text == "default") text = spec->def;
+  float v = static_cast<float>(parse_real(text, name, -1e9, 1e9));
+  const std::string label = std::string(name[3] == '1' ? "τ1" : "τ2") + "##calib";
+  ImGui::SetNextItemWidth(ImGui::GetContentRegionAvail().x * 0.42f);
+  const bool changed = ImGui::SliderFloat(label.c_str(), &v, static_cast<float>(spec->min), static_cast<float>(spec->max), "%.2f");
+  if (ImGui::IsItemHovered()) ImGui::SetTooltip("%s", spec->help.c_str());
+  if (ImGui::IsItemActivated()) app.begin_edit();
+  if (changed) {
+    char b[32];
+    std::snprintf(b, sizeof b, "%.6g", v);
+    app.set_param(id, name, b);
+  }
+  if (ImGui::IsItemDeactivated()) app.end_edit();
+  return changed;
+}
+
+}  // namespace
+
+void calibration_panel(App& app, Ui& ui, const PanelRect& rect) {
+  if (!begin_panel("Calibration", rect)) {
+    ImGui::End();
+    return;
+  }
+  State& st = app.st;
+  Views& v = st.views;
+  if (!app.find(v.calib_method)) {
+    v.calib_method = -1;
+    for (const MethodInstance& m : st.methods)
+      if (v.calib_method < 0 && m.enabled && calibration_of(m.params)) v.calib_method = m.id;
+    if (v.calib_method < 0 && !st.methods.empty()) v.calib_method = st.methods.front().id;
+  }
+  ImGui::SetNextItemWidth(ImGui::GetContentRegionAvail().x * 0.42f);
+  instance_combo("method##calib", app, v.calib_method, nullptr, true);
+  const Snapshot* s = st.results.get();
+  const int layers = s && s->model ? s->model->layers : 1, heads = s && s->model ? s->model->heads : 1;
+  ImGui::SameLine();
+  ImGui::SetNextItemWidth(ImGui::GetContentRegionAvail().x * 0.45f);
+  ImGui::SliderInt("##clayer", &v.layer, 0, std::max(0, layers - 1), "layer %d");
+  ImGui::SameLine();
+  ImGui::SetNextItemWidth(-1);
+  ImGui::SliderInt("##chead", &v.head, -1, std::max(0, heads - 1), v.head < 0 ? "all heads" : "head %d");
+  v.layer = std::clamp(v.layer, 0, std::max(0, layers - 1));
+  v.head = std::clamp(v.head, -1, std::max(0, heads - 1));
+  const MethodInstance* m = app.find(v.calib_method);
+  if (!m) {
+    ImGui::TextDisabled("add a method (calibquant) to tune its calibration");
+    ImGui::End();
+    return;
+  }
+  const std::optional<fig::Calibration> calib = calibration_of(m->params);
+  if (calib) {
+    tau_slider(app, m->id, "tau1", m->params);
+    ImGui::SameLine();
+    tau_slider(app, m->id, "tau2", m->params);
+  } else {
+    ImGui::TextDisabled("%s does not calibrate its scores (no g(x)); its histograms are shown as they are",
+                        app.display_name(*m).c_str());
+  }
+  const RunResult* r = app.any_result(m->id);
+  if (!r || v.layer >= static_cast<int>(r->run->layers.size())) {
+    ImGui::TextDisabled("%s", app.busy() ? "waiting for the first run of this method…" : "no result for this method");
+    ImGui::End();
+    return;
+  }
+  // Recompute the figures when their inputs change.
+  char keybuf[64];
+  std::snprintf(keybuf, sizeof keybuf, "%p/%d/%d/", static_cast<const void*>(r->run.get()), v.layer, v.head);
+  const std::string key = keybuf + m->params.spec() + "/" + app.display_name(*m);
+  CalibrationView& cv = st.calibration;
+  if (cv.key != key) {
+    cv.key = key;
+    const VisualScores& stored = r->run->layers[v.layer].visual_score_samples;
+    VisualScores now = stored;
+    try {
+      now = retransform_visual_scores(stored, v.layer, *make_policy(m->params));
+    } catch (const InputError& e) {
+      app.error(e.what());
+    }
+    const ScoreHistogram h = visual_score_histogram(now, v.head, 40);
+    cv.calibrated = h.calibrated;
+    double g = 1e300, d = -1e300;
+    for (size_t hd = 0; hd < now.quantized.size(); ++hd) {
+      if (v.head >= 0 && static_cast<int>(hd) != v.head) continue;
+      for (float x : now.quantized[hd]) {
+        g = std::min(g, static_cast<double>(x));
+        d = std::max(d, static_cast<double>(x));
+      }
+    }
+    cv.gamma = g;
+    cv.delta = d;
+    const std::string where = app.display_name(*m) + ", layer " + std::to_string(v.layer) + ", " +
+                              (v.head < 0 ? std::string("all heads") : "head " + std::to_string(v.head));
+    const std::string id = "calibration_histogram_l" + std::to_string(v.layer) + (v.head < 0 ? "" : "_h" + std::to_string(v.head));
+    cv.histogram = fig::score_histogram_figure(h, id, "Visual scores: " + where,
+                                               v.head >= 0 ? calib : std::nullopt, g, d);
+    if (v.head < 0 && calib)
+      cv.histogram.note += "; g(x) per head, τ1 = " + fig::format_value(calib->tau1) + ", τ2 = " +
+                           fig::format_value(calib->tau2);
+    cv.has_transfer = calib.has_value() && d > g;
+    if (cv.has_transfer)
+      cv.transfer = fig::transfer_curve_figure(g, d, *calib, "calibration_transfer_l" + std::to_string(v.layer) +
+                                                                 (v.head < 0 ? "" : "_h" + std::to_string(v.head)),
+                                               "g(x): " + where);
+  }
+  // What the re-decode gives, once it is back.
+  const RunResult* now = app.result(m->id);
+  const int ri = app.report_index(m->id);
+  if (now && ri >= 0 && s->report) {
+    const auto& mj = (*s->report)["methods"][ri];
+    ImGui::Text("softmax MSE: layer %d %s · mean %s · caption %s", v.layer,
+                fig::format_value(mj["layers"][v.layer]["softmax_mse"].get<double>()).c_str(),
+                fig::format_value(mj["mean_softmax_mse"].get<double>()).c_str(),
+                mj["same_as_full"].get<bool>() ? "= full cache" : "≠ full cache");
+  } else {
+    ImGui::TextColored(ImVec4(0.55f, 0.4f, 0.05f, 1), "histogram recalibrated from stored scores; re-decoding for caption and MSE…");
+  }
+  const ImVec2 avail = ImGui::GetContentRegionAvail();
+  const float hh = cv.has_transfer ? avail.y * 0.58f : avail.y;
+  draw_figure("##calibhist", cv.histogram, ImVec2(avail.x, hh), st.zoom[cv.histogram.id], ui.textures);
+  st.figures.shown_live.push_back(cv.histogram);
+  if (cv.has_transfer) {
+    draw_figure("##calibtransfer", cv.transfer, ImVec2(avail.x, avail.y - hh - ImGui::GetStyle().ItemSpacing.y),
+                st.zoom[cv.transfer.id], ui.textures);
+    st.figures.shown_live.push_back(cv.transfer);
+  }
+  ImGui::End();
+}
+
+}  // namespace kvlens::gui
