@@ -219,7 +219,7 @@ Prim heatmap_image(const Series& s) {
   const double hi = s.z_log ? std::log10(std::max(s.z_max, 1e-300)) : s.z_max;
   for (size_t i = 0; i < s.z.size() && i < p.rgba.size() / 4; ++i) {
     double v = s.z[i];
-    if (s.z_log) v = v > 0 ? std::log10(v) : lo;
+    if (s.z_log && !std::isnan(v)) v = v > 0 ? std::log10(v) : lo;
     const Color c = std::isfinite(v) ? colormap(hi > lo ? (v - lo) / (hi - lo) : 0.5) : kMissing;
     p.rgba[i * 4 + 0] = static_cast<uint8_t>(std::lround(c.r * 255));
     p.rgba[i * 4 + 1] = static_cast<uint8_t>(std::lround(c.g * 255));

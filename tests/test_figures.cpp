@@ -165,6 +165,14 @@ TEST(Figures, AttentionHeatmapAndTokenFate) {
   ASSERT_EQ(h.rows, n);
   EXPECT_DOUBLE_EQ(h.z[static_cast<size_t>(n - 1) * n + 3], r["attention"]["layers"][1][n - 1][3].get<double>());
   EXPECT_TRUE(std::isnan(h.z[static_cast<size_t>(3) * n + 4]));  // after the query: masked
+  // ... and drawn as missing (light grey), not as the bottom of the colour map.
+  const Frame fr = draw(full, 640, 640, measure);
+  const auto img = std::find_if(fr.prims.begin(), fr.prims.end(), [](const Prim& p) { return p.type == Prim::Type::Image && p.image_w > 1; });
+  ASSERT_NE(img, fr.prims.end());
+  const uint8_t* masked = &img->rgba[(static_cast<size_t>(3) * n + 4) * 4];
+  EXPECT_EQ(masked[0], masked[1]);
+  EXPECT_EQ(masked[1], masked[2]);
+  EXPECT_GT(masked[0], 200);
   EXPECT_THROW(attention_heatmap_figure(r, layer_count(r), -1), InputError);
   const Figure m = attention_heatmap_figure(r, 1, 1);  // streamingllm's decode rows
   const int T = n - S;

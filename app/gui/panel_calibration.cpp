@@ -151,6 +151,8 @@ void calibration_panel(App& app, Ui& ui, const PanelRect& rect) {
   }
   const ImVec2 avail = ImGui::GetContentRegionAvail();
   const float hh = cv.has_transfer ? avail.y * 0.58f : avail.y;
+  const ImVec2 at = ImGui::GetCursorScreenPos();
+  st.drawn["calibration_histogram"] = {at.x, at.y, avail.x, hh};
   draw_figure("##calibhist", cv.histogram, ImVec2(avail.x, hh), st.zoom[cv.histogram.id], ui.textures);
   st.figures.shown_live.push_back(cv.histogram);
   if (cv.has_transfer) {

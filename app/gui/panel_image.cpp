@@ -178,6 +178,7 @@ void image_panel(App& app, Ui& ui, const PanelRect& rect) {
         dl->AddLine(ImVec2(p0.x, p0.y + i * cell), ImVec2(p0.x + side, p0.y + i * cell), IM_COL32(255, 255, 255, 70));
       }
     ImGui::InvisibleButton("##imagearea", ImVec2(side, side));
+    st.drawn["image"] = {p0.x, p0.y, side, side};
     if (ImGui::IsItemHovered() && R > 0) {
       const ImVec2 m = ImGui::GetIO().MousePos;
       hover_c = std::clamp(static_cast<int>((m.x - p0.x) / cell), 0, R - 1);

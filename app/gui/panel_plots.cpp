@@ -49,6 +49,8 @@ void plots_panel(App& app, Ui& ui, const PanelRect& rect) {
   }
   const ImVec2 avail = ImGui::GetContentRegionAvail();
   if (const fig::Figure* f = app.figure(key)) {
+    const ImVec2 at = ImGui::GetCursorScreenPos();
+    st.drawn["plot"] = {at.x, at.y, avail.x, avail.y};
     draw_figure("##plot", *f, avail, st.zoom[f->id], ui.textures);
     st.figures.shown_keys.push_back(key);
   } else {

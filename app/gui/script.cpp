@@ -248,6 +248,7 @@ void Script::run(App& app, const nlohmann::json& st) {
     d["views"] = app.views_json();
     d["session_path"] = app.st.session_path;
     d["up_to_date"] = app.up_to_date();
+    d["drawn"] = app.st.drawn;
     d["messages"] = nlohmann::json::array();
     for (const Message& m : app.st.messages) d["messages"].push_back({{"error", m.error}, {"text", m.text}});
     const CalibrationView& c = app.st.calibration;
@@ -259,9 +260,12 @@ void Script::run(App& app, const nlohmann::json& st) {
     write_file_atomic(path("path"), d.dump(1) + "\n", "state dump");
   } else if (op == "expect_message") {
     const std::string want = path("contains");
-    if (app.st.messages.empty() || app.st.messages.back().text.find(want) == std::string::npos)
-      throw InputError("expected a message containing '" + want + "', the newest is '" +
+    bool found = false;
+    for (size_t i = messages_seen_; i < app.st.messages.size(); ++i) found = found || app.st.messages[i].text.find(want) != std::string::npos;
+    if (!found)
+      throw InputError("expected a message containing '" + want + "' since the last check, the newest is '" +
                        (app.st.messages.empty() ? std::string() : app.st.messages.back().text) + "'");
+    messages_seen_ = app.st.messages.size();
   } else if (op == "timing") {
     const Timing& t = app.st.timing;
     const double mx = t.latencies_ms.empty() ? 0 : *std::max_element(t.latencies_ms.begin(), t.latencies_ms.end());

@@ -13,7 +13,7 @@
 //   screenshot {path}            the window as PNG, after the frame settles
 //   export_figures {dir, formats?, csv?, all?}
 //   dump_state {path}            the app's state and results as JSON (for checks)
-//   expect_message {contains}    the newest message must contain the text (else exit 1)
+//   expect_message {contains}    a message since the last check must contain the text (else exit 1)
 //   timing {label}               prints "kvlens-gui timing: ..." (edit → result latency, frame rates)
 //   quit
 //
@@ -64,6 +64,7 @@ class Script {
   // drag_param in progress
   nlohmann::json drag_;
   int drag_frame_ = 0;
+  size_t messages_seen_ = 0;
   bool failed_ = false;
   std::string failure_;
 };

@@ -150,6 +150,9 @@ struct State {
   FigureCache figures;
   CalibrationView calibration;
   Timing timing;
+  // Where the image and the figures were drawn in the last frame (x, y, width, height), for
+  // scripted checks of screenshots.
+  std::map<std::string, std::vector<float>> drawn;
   bool quit = false;
 };
 
