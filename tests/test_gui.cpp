@@ -93,8 +93,7 @@ TEST(Gui, ScriptedSessionScreenshotsExportsAndLiveCalibration) {
                         {{"do", "screenshot"}, {"path", "main.png"}},
                         {{"do", "dump_state"}, {"path", "before.json"}},
                         {{"do", "set_param"}, {"method", 0}, {"name", "tau2"}, {"value", 1}},
-                        {{"do", "frames"}, {"n", 2}},
-                        {{"do", "dump_state"}, {"path", "moved.json"}},
+                        {{"do", "dump_state"}, {"path", "moved.json"}},  // same frame: no new result yet
                         {{"do", "wait_results"}},
                         {{"do", "dump_state"}, {"path", "after.json"}},
                         {{"do", "export_figures"}, {"dir", "figs"}, {"formats", "png,svg,pdf"}, {"all", false}},
@@ -130,11 +129,14 @@ TEST(Gui, ScriptedSessionScreenshotsExportsAndLiveCalibration) {
   const Pixels hist = region(shot, before["drawn"]["calibration_histogram"], white, 40);
   EXPECT_GT(hist.differing, hist.total / 50) << "the calibration histogram is empty";
 
-  // τ2 moved: the calibrated histogram changes at once (from stored scores), the MSE of that
-  // method once it is re-decoded; the other methods keep theirs.
+  // τ2 moved: the calibrated histogram changes at once, recomputed from the stored quantized
+  // scores before any re-decode came back; the MSE of that method changes once it is
+  // re-decoded; the other methods keep theirs.
   const json moved = load(dir + "/moved.json"), after = load(dir + "/after.json");
+  EXPECT_FALSE(moved["up_to_date"].get<bool>());
+  EXPECT_EQ(moved["results"], before["results"]);  // the old results are still the ones shown
   EXPECT_NE(moved["calibration"]["calibrated"], before["calibration"]["calibrated"]);
-  EXPECT_EQ(moved["calibration"]["gamma"], before["calibration"]["gamma"]);  // quantized scores unchanged
+  EXPECT_EQ(moved["calibration"]["gamma"], before["calibration"]["gamma"]);  // same stored quantized scores
   ASSERT_EQ(after["results"].size(), 4u);
   EXPECT_NE(after["results"][0]["mean_softmax_mse"], before["results"][0]["mean_softmax_mse"]);
   EXPECT_NE(after["results"][0]["spec"], before["results"][0]["spec"]);

@@ -10,6 +10,7 @@
 
 #include "app/gui/state.h"
 #include "core/figures.h"
+#include "core/figures_report.h"
 #include "core/session.h"
 
 namespace kvlens::gui {
@@ -72,6 +73,10 @@ class App {
   const fig::Figure* figure(const std::string& key);
   std::vector<fig::Figure> report_figures_all() const;
   std::vector<fig::Figure> shown_figures();  // the figures on screen now
+  // The Calibration panel's figures for the chosen instance, layer and head, recalibrated from
+  // the stored quantized scores with the instance's current values (recomputed when those
+  // change; app/gui/calibration.cpp).
+  const CalibrationView& calibration_view();
 
   // ----- sessions -------------------------------------------------------------------------
   Session to_session() const;
@@ -96,6 +101,10 @@ class App {
   std::string source_dir_;
   std::chrono::steady_clock::time_point t0_;
 };
+
+// CalibQuant's τ1/τ2 of an instance that calibrates with it (calibquant itself, or a stack whose
+// quantization stage is calibquant); nothing when it does not calibrate.
+std::optional<fig::Calibration> calibration_of(const Params& p);
 
 // The figures shown in the Plots panel, in order: key and name.
 struct PlotEntry {

@@ -28,6 +28,7 @@
 #include "core/errors.h"
 #include "core/files.h"
 #include "core/image.h"
+#include "core/numbers.h"
 
 namespace {
 
@@ -120,16 +121,24 @@ int main(int argc, char** argv) {
   cli.add_option("--model", model_dir, "Model folder (default: the embedded model)");
   cli.add_option("--size", size_text, "Window size WIDTHxHEIGHT")->capture_default_str();
   cli.add_flag("--no-seed-methods", no_seed, "Start without the four seed methods (calibquant, zipcache, vlcache, lookm)");
+  int width = 1680, height = 1050;
   try {
     cli.parse(argc, argv);
+    const size_t x = size_text.find('x');
+    if (x == std::string::npos) throw kvlens::InputError("--size must be WIDTHxHEIGHT, got '" + size_text + "'");
+    width = static_cast<int>(kvlens::parse_integer(size_text.substr(0, x), "--size width", 640, 8192));
+    height = static_cast<int>(kvlens::parse_integer(size_text.substr(x + 1), "--size height", 480, 8192));
+  } catch (const CLI::CallForHelp& e) {
+    return cli.exit(e);
   } catch (const CLI::ParseError& e) {
-    const int rc = cli.exit(e);
-    return rc == 0 ? 0 : 2;
-  }
-  int width = 1680, height = 1050;
-  if (std::sscanf(size_text.c_str(), "%dx%d", &width, &height) != 2 || width < 640 || height < 480 || width > 8192 ||
-      height > 8192) {
-    std::fprintf(stderr, "kvlens-gui: error: --size must be WIDTHxHEIGHT, at least 640x480, got '%s'\n", size_text.c_str());
+    std::string what = e.what();
+    while (!what.empty() && (what.back() == '\n' || what.back() == ' ')) what.pop_back();
+    for (char& c : what)
+      if (c == '\n') c = ' ';
+    std::fprintf(stderr, "kvlens-gui: error: %s (see kvlens-gui --help)\n", what.c_str());
+    return 2;
+  } catch (const kvlens::InputError& e) {
+    std::fprintf(stderr, "kvlens-gui: error: %s\n", e.what());
     return 2;
   }
   kvlens::gui::Script script;

@@ -15,18 +15,6 @@ namespace kvlens::gui {
 
 namespace {
 
-// τ1/τ2 of an instance that calibrates with CalibQuant: calibquant itself, or a stack whose
-// quantization stage is calibquant (its values, else its preset's, else calibquant's defaults).
-std::optional<fig::Calibration> calibration_of(const Params& p) {
-  if (p.method() == "calibquant") return fig::method_calibration(p);
-  if (p.method() != "stack" || p.str("quant") != "calibquant") return std::nullopt;
-  std::map<std::string, std::string> given;
-  for (const char* k : {"bits", "tau1", "tau2", "calibrate"})
-    if (p.has(k) && p.str(k) != "default") given[k] = p.str(k);
-  const std::string preset = p.str("quant_preset") == "none" ? "" : p.str("quant_preset");
-  return fig::method_calibration(make_params("calibquant", preset, given));
-}
-
 bool tau_slider(App& app, int id, const char* name, const Params& p) {
   const ParamSpec* spec = nullptr;
   for (const ParamSpec& s : find_method("calibquant").params)
@@ -58,12 +46,7 @@ void calibration_panel(App& app, Ui& ui, const PanelRect& rect) {
   }
   State& st = app.st;
   Views& v = st.views;
-  if (!app.find(v.calib_method)) {
-    v.calib_method = -1;
-    for (const MethodInstance& m : st.methods)
-      if (v.calib_method < 0 && m.enabled && calibration_of(m.params)) v.calib_method = m.id;
-    if (v.calib_method < 0 && !st.methods.empty()) v.calib_method = st.methods.front().id;
-  }
+  app.calibration_view();  // picks the instance when none is chosen
   ImGui::SetNextItemWidth(ImGui::GetContentRegionAvail().x * 0.42f);
   instance_combo("method##calib", app, v.calib_method, nullptr, true);
   const Snapshot* s = st.results.get();
@@ -97,46 +80,7 @@ void calibration_panel(App& app, Ui& ui, const PanelRect& rect) {
     ImGui::End();
     return;
   }
-  // Recompute the figures when their inputs change.
-  char keybuf[64];
-  std::snprintf(keybuf, sizeof keybuf, "%p/%d/%d/", static_cast<const void*>(r->run.get()), v.layer, v.head);
-  const std::string key = keybuf + m->params.spec() + "/" + app.display_name(*m);
-  CalibrationView& cv = st.calibration;
-  if (cv.key != key) {
-    cv.key = key;
-    const VisualScores& stored = r->run->layers[v.layer].visual_score_samples;
-    VisualScores now = stored;
-    try {
-      now = retransform_visual_scores(stored, v.layer, *make_policy(m->params));
-    } catch (const InputError& e) {
-      app.error(e.what());
-    }
-    const ScoreHistogram h = visual_score_histogram(now, v.head, 40);
-    cv.calibrated = h.calibrated;
-    double g = 1e300, d = -1e300;
-    for (size_t hd = 0; hd < now.quantized.size(); ++hd) {
-      if (v.head >= 0 && static_cast<int>(hd) != v.head) continue;
-      for (float x : now.quantized[hd]) {
-        g = std::min(g, static_cast<double>(x));
-        d = std::max(d, static_cast<double>(x));
-      }
-    }
-    cv.gamma = g;
-    cv.delta = d;
-    const std::string where = app.display_name(*m) + ", layer " + std::to_string(v.layer) + ", " +
-                              (v.head < 0 ? std::string("all heads") : "head " + std::to_string(v.head));
-    const std::string id = "calibration_histogram_l" + std::to_string(v.layer) + (v.head < 0 ? "" : "_h" + std::to_string(v.head));
-    cv.histogram = fig::score_histogram_figure(h, id, "Visual scores: " + where,
-                                               v.head >= 0 ? calib : std::nullopt, g, d);
-    if (v.head < 0 && calib)
-      cv.histogram.note += "; g(x) per head, τ1 = " + fig::format_value(calib->tau1) + ", τ2 = " +
-                           fig::format_value(calib->tau2);
-    cv.has_transfer = calib.has_value() && d > g;
-    if (cv.has_transfer)
-      cv.transfer = fig::transfer_curve_figure(g, d, *calib, "calibration_transfer_l" + std::to_string(v.layer) +
-                                                                 (v.head < 0 ? "" : "_h" + std::to_string(v.head)),
-                                               "g(x): " + where);
-  }
+  const CalibrationView& cv = app.calibration_view();
   // What the re-decode gives, once it is back.
   const RunResult* now = app.result(m->id);
   const int ri = app.report_index(m->id);

@@ -251,7 +251,7 @@ void Script::run(App& app, const nlohmann::json& st) {
     d["drawn"] = app.st.drawn;
     d["messages"] = nlohmann::json::array();
     for (const Message& m : app.st.messages) d["messages"].push_back({{"error", m.error}, {"text", m.text}});
-    const CalibrationView& c = app.st.calibration;
+    const CalibrationView& c = app.calibration_view();
     d["calibration"] = {{"key", c.key}, {"calibrated", c.calibrated}, {"gamma", c.gamma}, {"delta", c.delta}};
     d["results"] = nlohmann::json::array();
     if (app.st.results && app.st.results->report)

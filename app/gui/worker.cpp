@@ -113,6 +113,8 @@ void Worker::publish(bool busy, const std::string& stage) {
   s->runs = ordered_;
   for (const auto& [id, e] : run_errors_) s->run_errors[id] = e.second;
   s->report = report_;
+  s->runs_done = runs_done_;
+  s->runs_cancelled = runs_cancelled_;
   busy_ = busy;
   std::function<void()> wake;
   {
@@ -304,6 +306,7 @@ void Worker::loop() {
           rr.ms = ms_since(t0);
           runs_[id] = rr;
           run_errors_.erase(id);
+          ++runs_done_;
         } catch (const InputError& e) {
           run_errors_[id] = {spec, e.what()};
         }
@@ -321,6 +324,7 @@ void Worker::loop() {
       publish(false, "");
     } catch (const Cancelled&) {
       // A newer setup replaced this work; the loop picks it up.
+      ++runs_cancelled_;
     } catch (const std::exception& e) {
       run_errors_[-1] = {"", std::string("internal error: ") + e.what()};
       {

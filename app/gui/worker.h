@@ -80,6 +80,7 @@ struct Snapshot {
   std::vector<RunResult> runs;                 // computed instances of the setup, in its order
   std::map<int, std::string> run_errors;       // instance id → message
   std::shared_ptr<const nlohmann::json> report;  // experiment_json of base + runs
+  int runs_done = 0, runs_cancelled = 0;         // since the worker started
 };
 
 struct Progress {
@@ -131,6 +132,7 @@ class Worker {
   std::shared_ptr<const nlohmann::json> report_;
   std::vector<RunResult> ordered_;
   uint64_t computing_version_ = 0;
+  int runs_done_ = 0, runs_cancelled_ = 0;
 
   std::thread thread_;
 };
