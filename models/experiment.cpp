@@ -146,6 +146,7 @@ nlohmann::json experiment_json(const LlavaModel& model, const Experiment& ex,
     j["attention"] = {{"steps", ex.attention_steps}, {"size", n_att}, {"layers", nlohmann::json::array()}};
     for (const auto& m : ex.attention) j["attention"]["layers"].push_back(attention_rows(m, n_att, n_att));
   }
+  j["definitions"] = diagnostic_definitions();
   j["methods"] = nlohmann::json::array();
   for (const MethodRun* rp : runs) {
     const MethodRun& r = *rp;

@@ -32,6 +32,7 @@ struct GenerateOptions {
   // Asked before compression (0) and after each generated token (tokens so far); returning
   // false stops decode with kvlens::Cancelled. Lets a caller drop a run a newer one replaced.
   std::function<bool(int tokens_done)> keep_going;
+  bool keep_step_logits = false;  // keep the logits of every step in DecodeResult::step_logits
 };
 
 // The prompt after prefill at full precision. Kept so that compression + decode can re-run
@@ -50,6 +51,7 @@ struct DecodeResult {
   std::vector<int> generated_ids;
   std::string text;
   std::vector<float> first_logits;     // logits that chose the first generated token
+  std::vector<std::vector<float>> step_logits;  // logits that chose each token (keep_step_logits)
   std::vector<float> chosen_probs;     // softmax probability of each chosen token
   KVBytes bytes_after_prefill;         // store bytes right after the policy compressed it
   KVBytes bytes_final;
@@ -86,6 +88,7 @@ class LlavaModel {
 
  private:
   static LlavaModel load_checked(const std::string& dir);
+  Tensor encode_image_unnamed(const Tensor& pixel_values) const;
 
   std::string dir_;
   LlavaConfig cfg_;
