@@ -118,7 +118,12 @@ nlohmann::json experiment_json(const LlavaModel& model, const Experiment& ex, co
 
 nlohmann::json experiment_json(const LlavaModel& model, const Experiment& ex,
                                const std::vector<const MethodRun*>& runs, const ExperimentOptions& opt) {
-  const Tokenizer& tok = model.tokenizer();
+  nlohmann::json j = experiment_base_json(model, ex, opt);
+  for (const MethodRun* r : runs) j["methods"].push_back(method_run_json(model, ex, *r));
+  return j;
+}
+
+nlohmann::json experiment_base_json(const LlavaModel& model, const Experiment& ex, const ExperimentOptions& opt) {
   nlohmann::json j;
   j["model"] = model.dir();
   j["prompt"] = opt.prompt;
@@ -148,9 +153,14 @@ nlohmann::json experiment_json(const LlavaModel& model, const Experiment& ex,
   }
   j["definitions"] = diagnostic_definitions();
   j["methods"] = nlohmann::json::array();
-  for (const MethodRun* rp : runs) {
-    const MethodRun& r = *rp;
-    nlohmann::json m;
+  return j;
+}
+
+nlohmann::json method_run_json(const LlavaModel& model, const Experiment& ex, const MethodRun& r) {
+  const Tokenizer& tok = model.tokenizer();
+  const int n_att = static_cast<int>(ex.prefill.ids.size()) + ex.attention_steps;
+  nlohmann::json m;
+  {
     m["spec"] = r.params.spec();
     m["short_spec"] = r.params.short_spec();
     if (!r.label.empty()) m["label"] = r.label;
@@ -180,9 +190,8 @@ nlohmann::json experiment_json(const LlavaModel& model, const Experiment& ex,
       m["decode_attention"] = nlohmann::json::array();
       for (const auto& a : r.decode_attention) m["decode_attention"].push_back(attention_rows(a, ex.attention_steps, n_att));
     }
-    j["methods"].push_back(m);
   }
-  return j;
+  return m;
 }
 
 std::vector<CalibrationPoint> calibrate_grid(const LlavaModel& model, const Experiment& ex,

@@ -74,6 +74,11 @@ MethodRun run_method(const LlavaModel& model, const Experiment& ex, const Params
 nlohmann::json experiment_json(const LlavaModel& model, const Experiment& ex, const ExperimentOptions& opt);
 nlohmann::json experiment_json(const LlavaModel& model, const Experiment& ex,
                                const std::vector<const MethodRun*>& runs, const ExperimentOptions& opt);
+// Its two parts: everything but the methods ("methods" an empty list), and one method's entry;
+// experiment_json appends the second to the first for each run. The desktop app builds each
+// part once and assembles reports from them.
+nlohmann::json experiment_base_json(const LlavaModel& model, const Experiment& ex, const ExperimentOptions& opt);
+nlohmann::json method_run_json(const LlavaModel& model, const Experiment& ex, const MethodRun& r);
 
 // CalibQuant τ1/τ2 grid search by mean softmax MSE against the full cache.
 struct CalibrationPoint {

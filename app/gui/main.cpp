@@ -213,13 +213,14 @@ int main(int argc, char** argv) {
     auto frame_start = std::chrono::steady_clock::now();
     while (!glfwWindowShouldClose(window)) {
       // Power saving: with nothing to do the loop sleeps until input arrives or the worker
-      // reports (it posts an empty event), redrawing four times a second for the progress bar
-      // while it computes. A script paces its frames as a 60 Hz display would.
+      // reports (it posts an empty event at every stage), and redraws twice a second for the
+      // progress bar. The CPU stays with the worker, which matters where the frames are
+      // rasterized in software. A script paces its frames as a 60 Hz display would.
       if (scripted && !script.idle()) {
         std::this_thread::sleep_until(frame_start + std::chrono::microseconds(16667));
         glfwPollEvents();
       } else {
-        glfwWaitEventsTimeout(app.busy() ? 0.25 : 0.5);
+        glfwWaitEventsTimeout(0.5);
       }
       frame_start = std::chrono::steady_clock::now();
       app.poll();

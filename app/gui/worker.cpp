@@ -134,8 +134,6 @@ void Worker::set_on_publish(std::function<void()> f) {
 
 void Worker::build_report(const Setup& s) {
   ordered_.clear();
-  std::vector<MethodRun> labelled;
-  labelled.reserve(s.methods.size());
   for (const Setup::Method& m : s.methods) {
     auto it = runs_.find(m.id);
     if (it == runs_.end() || it->second.spec != m.params.spec()) continue;
@@ -146,16 +144,14 @@ void Worker::build_report(const Setup& s) {
     report_.reset();
     return;
   }
-  std::vector<MethodRun> copies;
-  copies.reserve(ordered_.size());
-  std::vector<const MethodRun*> ptrs;
+  // From the parts built once: the base, and each run's entry with its current label.
+  auto report = std::make_shared<nlohmann::json>(*base_->json);
   for (const RunResult& r : ordered_) {
-    // The label goes into the report; the run itself stays shared and unchanged.
-    copies.push_back(*r.run);
-    copies.back().label = r.label;
+    nlohmann::json m = *r.json;
+    if (!r.label.empty()) m["label"] = r.label;
+    (*report)["methods"].push_back(std::move(m));
   }
-  for (const MethodRun& r : copies) ptrs.push_back(&r);
-  report_ = std::make_shared<const nlohmann::json>(experiment_json(*model_, *base_->ex, ptrs, s.opt));
+  report_ = report;
 }
 
 void Worker::loop() {
@@ -244,6 +240,7 @@ void Worker::loop() {
           auto ex = std::make_shared<Experiment>(start_experiment(*model_, img, opt, {rec.get()}));
           b->patches = rec;
           b->pieces = pieces_of(*model_, ex->full.generated_ids);
+          b->json = std::make_shared<const nlohmann::json>(experiment_base_json(*model_, *ex, opt));
           b->ex = ex;
           b->ms = ms_since(t0);
           base_ = b;
@@ -301,6 +298,7 @@ void Worker::loop() {
           rr.spec = spec;
           auto run = std::make_shared<MethodRun>(run_method(*model_, *base_->ex, next->params, opt, {rec.get()}));
           rr.pieces = pieces_of(*model_, run->result.generated_ids);
+          rr.json = std::make_shared<const nlohmann::json>(method_run_json(*model_, *base_->ex, *run));
           rr.run = run;
           rr.patches = rec;
           rr.ms = ms_since(t0);

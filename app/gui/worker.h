@@ -56,6 +56,7 @@ struct BaseResult {
   std::string image_hash;
   int first_visual = 0;
   double ms = 0;
+  std::shared_ptr<const nlohmann::json> json;  // experiment_base_json, built once
 };
 
 struct RunResult {
@@ -66,6 +67,7 @@ struct RunResult {
   std::shared_ptr<const VisualAttentionRecorder> patches;
   std::vector<std::string> pieces;
   double ms = 0;  // compression + decode + diagnostics
+  std::shared_ptr<const nlohmann::json> json;  // method_run_json (without label), built once
 };
 
 struct Snapshot {
