@@ -402,8 +402,9 @@ Figure score_histogram_figure(const ScoreHistogram& h, const std::string& id, co
     f.series.push_back(s);
   }
   f.x.label = "score";
-  f.x.min = h.lo;
-  f.x.max = h.hi > h.lo ? h.hi : h.lo + 1;
+  const double span = h.hi > h.lo ? h.hi - h.lo : 1;  // a margin, so marks at the ends show
+  f.x.min = h.lo - 0.02 * span;
+  f.x.max = h.lo + 1.02 * span;
   f.y.label = "keys";
   f.y.min = 0;
   f.y.max = ymax * 1.1;

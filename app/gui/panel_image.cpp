@@ -93,8 +93,7 @@ void image_panel(App& app, Ui& ui, const PanelRect& rect) {
   if (s && !s->base_error.empty()) ImGui::TextColored(ImVec4(0.75f, 0.1f, 0.1f, 1), "%s", s->base_error.c_str());
 
   // Overlay controls.
-  const char* overlays[] = {"no overlay", "attention of a generated token", "token fate: kept share", "token fate: bits",
-                            "token fate: rows merged"};
+  const char* overlays[] = {"no overlay", "attention of a token", "fate: kept share", "fate: bits", "fate: rows merged"};
   int ov = static_cast<int>(v.overlay);
   const float w = ImGui::GetContentRegionAvail().x;
   ImGui::SetNextItemWidth(w * 0.5f);
