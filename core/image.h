@@ -29,7 +29,9 @@ constexpr int64_t kMaxImagePixels = 64LL * 1024 * 1024;
 // clips 16-bit grey to 255 instead). Throws InputError naming `path` (or `name`) for missing,
 // unreadable, empty, non-image or oversized files; the size is checked from the header first.
 RGBImage load_image(const std::string& path);
-RGBImage decode_image(const uint8_t* bytes, size_t n, const std::string& name);
+// `max_pixels` lowers the size limit (the fuzzer uses it to stay fast).
+RGBImage decode_image(const uint8_t* bytes, size_t n, const std::string& name,
+                      int64_t max_pixels = kMaxImagePixels);
 // PNG bytes of `img` (stb_image_write), and the same written through the atomic writer.
 std::string encode_png(const RGBImage& img);
 void write_png(const std::string& path, const RGBImage& img);  // throws InputError
