@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian packages kvlens needs (only those missing) and builds it into build/.
 #   ./setup.sh            CPU build (+ the GUI when its packages are present)
-#   KVLENS_CUDA=ON ./setup.sh   also builds the CUDA backend (needs nvcc)
+#   KVLENS_CUDA=OFF ./setup.sh  skips the CUDA backend (default AUTO: built when nvcc is found)
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -20,5 +20,5 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 jobs=$(nproc 2>/dev/null || echo 2)
-cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DKVLENS_CUDA="${KVLENS_CUDA:-OFF}" >/dev/null
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DKVLENS_CUDA="${KVLENS_CUDA:-AUTO}" >/dev/null
 cmake --build build -j"$jobs"
