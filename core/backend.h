@@ -176,8 +176,9 @@ class Backend {
                                 int n_max) = 0;
   // Fills the host store with the device cache's rows (structure and values).
   virtual void kv_hydrate(const DeviceKV& dev, KVStore& host) {}
-  // Makes the device cache mirror the host store after a policy changed it (layer < 0: all).
-  virtual void kv_sync(DeviceKV& dev, const KVStore& host, int layer) {}
+  // Makes the device cache mirror the host store after a policy changed it (layer < 0: all);
+  // the host segments' byte counts then read what the device holds.
+  virtual void kv_sync(DeviceKV& dev, KVStore& host, int layer) {}
   // Room for `rows` more decode rows per layer without reallocation.
   virtual void kv_reserve(DeviceKV& dev, int rows) {}
 

@@ -1,0 +1,62 @@
+// KV cache kernels: append rows (fp32 projections → fp16 cache rows) and gather rows (the
+// compaction after eviction). CPU twins: KVStore::append (with fp16 rounding) and
+// keep_rows/gather_head in core/policies/select.cpp.
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/kernels.h"
+
+namespace kvlens::cuda {
+
+namespace {
+
+// One block: every thread reads the row counter first, the block waits, writes its values,
+// waits again, then thread 0 advances the counter, so the next kernel sees the new rows.
+__global__ void kv_append_kernel(const float* qkv, int64_t stride, int64_t k_col, int64_t v_col, int T, int NKV,
+                                 int D, const int32_t* pos_in, __half* k, __half* v, int32_t* pos, int cap, int row0,
+                                 int32_t* counter) {
+  const int base = row0 + (counter ? *counter : 0);
+  __syncthreads();
+  const int64_t n = static_cast<int64_t>(T) * NKV * D;
+  for (int64_t i = threadIdx.x + static_cast<int64_t>(blockIdx.x) * blockDim.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int d = static_cast<int>(i % D), h = static_cast<int>((i / D) % NKV), t = static_cast<int>(i / (static_cast<int64_t>(D) * NKV));
+    const int row = base + t;
+    if (row >= cap) continue;  // the host reserves room; never write past it
+    const float* src = qkv + t * stride;
+    const int64_t at = (static_cast<int64_t>(h) * cap + row) * D + d;
+    k[at] = __float2half_rn(src[k_col + static_cast<int64_t>(h) * D + d]);
+    v[at] = __float2half_rn(src[v_col + static_cast<int64_t>(h) * D + d]);
+    if (d == 0) pos[static_cast<int64_t>(h) * cap + row] = pos_in[t];
+  }
+  __syncthreads();
+  if (counter && threadIdx.x == 0 && blockIdx.x == 0) *counter = base - row0 + T;
+}
+
+__global__ void gather_rows_kernel(const __half* const* src, __half* dst, int n, int D) {
+  const int64_t total = static_cast<int64_t>(n) * D;
+  for (int64_t i = threadIdx.x + static_cast<int64_t>(blockIdx.x) * blockDim.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    dst[i] = src[i / D][i % D];
+}
+
+}  // namespace
+
+void kv_append(const float* qkv, int64_t stride, int64_t k_col, int64_t v_col, int T, int NKV, int D,
+               const int32_t* pos_in, __half* k, __half* v, int32_t* pos, int cap, int row0, int32_t* counter,
+               cudaStream_t s) {
+  if (T == 0) return;
+  // With a device counter the kernel must be one block (the counter is read once, then advanced).
+  const int64_t n = static_cast<int64_t>(T) * NKV * D;
+  const int blocks = counter ? 1 : static_cast<int>(std::min<int64_t>((n + 255) / 256, 4096));
+  kv_append_kernel<<<blocks, counter ? 1024 : 256, 0, s>>>(qkv, stride, k_col, v_col, T, NKV, D, pos_in, k, v, pos,
+                                                            cap, row0, counter);
+  KV_LAUNCH("kv_append_kernel", std::to_string(T) + " rows x " + std::to_string(NKV) + " heads");
+}
+
+void gather_rows(const __half* const* src, __half* dst, int n, int D, cudaStream_t s) {
+  if (n == 0) return;
+  const int64_t total = static_cast<int64_t>(n) * D;
+  gather_rows_kernel<<<static_cast<int>(std::min<int64_t>((total + 255) / 256, 4096)), 256, 0, s>>>(src, dst, n, D);
+  KV_LAUNCH("gather_rows_kernel", std::to_string(n) + " rows");
+}
+
+}  // namespace kvlens::cuda
