@@ -1,24 +1,39 @@
-// kvlens bench: caption latency on this machine (vision, prefill, per-token decode), median of
-// repeated runs, with the full cache or under a method.
+// kvlens bench: speed on this machine, as a table and (with --json) a JSON file.
+//   kvlens bench             caption latency of a model (vision, prefill, per-token decode, median
+//                            of repeated runs) with decode tokens/s against the roofline: copy
+//                            bandwidth measured in the same run ÷ language-model weight bytes
+//   kvlens bench attention   decode attention alone (CUDA): fp16 and 4/2/1-bit caches, contexts,
+//                            batch sizes; achieved bandwidth as a share of the copy bandwidth
+//   kvlens bench throughput  CalibQuant's Fig. 3 (CUDA): largest batch under a KV memory budget
+//                            and decode tokens/s, fp16 against 2-bit and 1-bit visual tokens
 #include <cblas.h>
 #include <omp.h>
 
 #include <algorithm>
 #include <cstdio>
 
+#include <nlohmann/json.hpp>
+
+#include "app/backend_option.h"
 #include "app/commands.h"
 #include "app/defaults.h"
 #include "core/errors.h"
+#include "core/files.h"
 #include "core/method.h"
+#include "kernels/backends.h"
 #include "models/llava.h"
+#ifdef KVLENS_HAVE_CUDA
+#include "kernels/cuda/bench.h"
+#endif
 
 namespace kvlens::app {
 
 namespace {
 
 struct BenchArgs {
-  std::string model, image, method;
+  std::string model, image, method, prompt = kDefaultPrompt, json;
   int repeat = 5, max_new_tokens = 32, threads = 0;
+  BackendOptions backend;
 };
 
 double median(std::vector<double> v) {
@@ -26,25 +41,31 @@ double median(std::vector<double> v) {
   return v.empty() ? 0.0 : v[v.size() / 2];
 }
 
+void write_json(const std::string& path, const nlohmann::json& j) {
+  if (!path.empty()) write_file_atomic(path, j.dump(1) + "\n", "benchmark JSON");
+}
+
 void run_bench(const BenchArgs& a) {
   if (a.repeat < 1) throw InputError("--repeat must be at least 1, got " + std::to_string(a.repeat));
   if (a.threads < 0) throw InputError("--threads must be >= 0, got " + std::to_string(a.threads));
+  if (a.max_new_tokens < 2) throw InputError("--max-new-tokens must be at least 2, got " + std::to_string(a.max_new_tokens));
   if (a.threads > 0) {
     omp_set_num_threads(a.threads);
     openblas_set_num_threads(a.threads);
   }
   if (!a.method.empty()) parse_method_spec(a.method);
-  const LlavaModel model = LlavaModel::load(a.model.empty() ? default_model_dir() : a.model);
+  const LlavaModel model = LlavaModel::load(a.model.empty() ? default_model_dir() : a.model, a.backend);
   const RGBImage img = load_image(a.image.empty() ? default_image() : a.image);
   std::vector<double> vision, prefill, compress, per_token, total;
-  int tokens = 0;
+  int tokens = 0, prompt_tokens = 0;
   long long bytes = 0;
-  for (int i = 0; i < a.repeat + 1; ++i) {  // the first run warms caches and thread pools
+  for (int i = 0; i < a.repeat + 1; ++i) {  // the first run warms caches, thread pools, kernels
     std::unique_ptr<KVPolicy> policy = a.method.empty() ? nullptr : make_policy(a.method);
     const bool keep = policy && policy->needs_prefill_attention();
-    const PrefillState st = model.prefill(img, kDefaultPrompt, kDefaultTemplate, keep);
+    const PrefillState st = model.prefill(img, a.prompt, kDefaultTemplate, keep);
     GenerateOptions g;
     g.max_new_tokens = a.max_new_tokens;
+    g.stop_at_eos = false;  // every run decodes the same number of tokens
     const DecodeResult r = model.decode(st, policy.get(), g);
     if (i == 0) continue;
     const int steps = std::max(1, static_cast<int>(r.generated_ids.size()) - 1);
@@ -54,30 +75,192 @@ void run_bench(const BenchArgs& a) {
     per_token.push_back(r.decode_ms / steps);
     total.push_back(st.vision_ms + st.prefill_ms + r.compress_ms + r.decode_ms);
     tokens = static_cast<int>(r.generated_ids.size());
+    prompt_tokens = static_cast<int>(st.ids.size());
     bytes = r.bytes_after_prefill.total();
   }
-  std::printf("model %s\nthreads %d, %d runs, %d tokens, KV bytes after prefill %lld\n", model.dir().c_str(),
-              omp_get_max_threads(), a.repeat, tokens, bytes);
-  std::printf("%-22s %10s\n", "stage (median)", "ms");
-  std::printf("%-22s %10.2f\n", "vision", median(vision));
-  std::printf("%-22s %10.2f\n", "prefill", median(prefill));
-  std::printf("%-22s %10.2f\n", "compress", median(compress));
-  std::printf("%-22s %10.3f\n", "decode per token", median(per_token));
-  std::printf("%-22s %10.2f\n", "caption total", median(total));
+  Backend& be = model.backend();
+  const double copy = be.copy_bandwidth();
+  const double wbytes = static_cast<double>(model.decode_weight_bytes());
+  const double tps = 1000.0 / median(per_token), roof = copy / wbytes;
+  std::printf("model %s\nbackend %s: %s\n", model.dir().c_str(), be.name().c_str(), be.device().c_str());
+  std::printf("%d runs, prompt %d tokens (%d visual), %d tokens generated, KV bytes after prefill %lld\n", a.repeat,
+              prompt_tokens, model.config().n_visual_tokens(), tokens, bytes);
+  std::printf("%-26s %12s\n", "stage (median)", "value");
+  std::printf("%-26s %12.2f ms\n", "vision", median(vision));
+  std::printf("%-26s %12.2f ms\n", "prefill", median(prefill));
+  std::printf("%-26s %12.2f ms\n", "vision + prefill", median(vision) + median(prefill));
+  std::printf("%-26s %12.2f ms\n", "compress", median(compress));
+  std::printf("%-26s %12.3f ms\n", "decode per token", median(per_token));
+  std::printf("%-26s %12.1f tokens/s\n", "decode", tps);
+  std::printf("%-26s %12.1f GB/s\n", "copy bandwidth", copy / 1e9);
+  std::printf("%-26s %12.3f GB\n", "LM weights read per token", wbytes / 1e9);
+  std::printf("%-26s %12.1f tokens/s\n", "roofline (copy / weights)", roof);
+  std::printf("%-26s %12.1f %%\n", "decode / roofline", 100.0 * tps / roof);
+  std::printf("%-26s %12.2f ms\n", "caption total", median(total));
+  write_json(a.json, {{"model", model.dir()},
+                      {"backend", be.name()},
+                      {"device", be.device()},
+                      {"method", a.method.empty() ? "full" : a.method},
+                      {"runs", a.repeat},
+                      {"prompt_tokens", prompt_tokens},
+                      {"visual_tokens", model.config().n_visual_tokens()},
+                      {"generated_tokens", tokens},
+                      {"kv_bytes_after_prefill", bytes},
+                      {"vision_ms", median(vision)},
+                      {"prefill_ms", median(prefill)},
+                      {"compress_ms", median(compress)},
+                      {"decode_ms_per_token", median(per_token)},
+                      {"decode_tokens_per_s", tps},
+                      {"copy_bandwidth_gbs", copy / 1e9},
+                      {"lm_weight_bytes", wbytes},
+                      {"roofline_tokens_per_s", roof},
+                      {"share_of_roofline", tps / roof},
+                      {"caption_total_ms", median(total)}});
+}
+
+void need_cuda(const std::string& what) {
+  const std::string why = cuda_unavailable_reason();
+  if (!why.empty()) throw InputError("kvlens bench " + what + " needs the CUDA backend: " + why);
+}
+
+struct AttnArgs {
+  std::vector<int> contexts{4096, 16384, 65536}, batches{1, 16}, bits{16, 4, 2, 1};
+  int heads = 32, head_dim = 128, device = 0, reps = 30;
+  bool no_calib = false;
+  std::string json;
+};
+
+void run_attention(const AttnArgs& a) {
+  need_cuda("attention");
+  for (int b : a.bits)
+    if (b != 16 && (b < 1 || b > 8)) throw InputError("--bits: each must be 16 (fp16) or in [1, 8], got " + std::to_string(b));
+  if (a.head_dim % 8 || a.head_dim > 256) throw InputError("--head-dim must be a multiple of 8, at most 256");
+#ifdef KVLENS_HAVE_CUDA
+  BackendOptions o;
+  o.kind = "cuda";
+  o.device = a.device;
+  auto be = make_backend(o);
+  const double copy = be->copy_bandwidth();
+  cuda::AttnBenchConfig c;
+  c.device = a.device;
+  c.heads = a.heads;
+  c.head_dim = a.head_dim;
+  c.contexts = a.contexts;
+  c.batches = a.batches;
+  c.bits = a.bits;
+  c.calibrate_1bit = !a.no_calib;
+  c.reps = a.reps;
+  const auto rows = cuda::bench_decode_attention(c, copy / 1e9);
+  std::printf("decode attention, %d heads x %d, %s; copy bandwidth %.1f GB/s\n", a.heads, a.head_dim,
+              be->device().c_str(), copy / 1e9);
+  std::printf("%-9s %6s %8s %10s %10s %9s %8s %9s\n", "format", "batch", "context", "ms", "MB read", "GB/s", "of copy",
+              "vs fp16");
+  nlohmann::json j = nlohmann::json::array();
+  for (const auto& r : rows) {
+    std::printf("%-9s %6d %8d %10.4f %10.1f %9.1f %7.1f%% %8.2fx\n", r.format.c_str(), r.batch, r.context, r.ms,
+                r.bytes / 1e6, r.gbs, 100 * r.share_of_copy, r.speedup_vs_fp16);
+    j.push_back({{"format", r.format}, {"bits", r.bits}, {"batch", r.batch}, {"context", r.context}, {"ms", r.ms},
+                 {"bytes", r.bytes}, {"gbs", r.gbs}, {"share_of_copy", r.share_of_copy},
+                 {"speedup_vs_fp16", r.speedup_vs_fp16}});
+  }
+  write_json(a.json, {{"device", be->device()}, {"copy_bandwidth_gbs", copy / 1e9}, {"heads", a.heads},
+                      {"head_dim", a.head_dim}, {"rows", j}});
+#endif
+}
+
+struct ThroughputArgs {
+  std::vector<double> budgets{5, 10, 15, 20, 25, 30};
+  std::vector<int> bits{16, 2, 1};
+  int visual = 3328, text = 40, steps = 16, device = 0, max_batch = 1024;
+  std::string json;
+};
+
+void run_throughput(const ThroughputArgs& a) {
+  need_cuda("throughput");
+  for (int b : a.bits)
+    if (b != 16 && (b < 1 || b > 8)) throw InputError("--bits: each must be 16 (fp16) or in [1, 8], got " + std::to_string(b));
+  for (double b : a.budgets)
+    if (!(b > 0)) throw InputError("--budgets: each must be > 0 GB");
+  if (a.visual < 1 || a.text < 0 || a.steps < 1) throw InputError("--visual and --steps must be >= 1, --text >= 0");
+#ifdef KVLENS_HAVE_CUDA
+  BackendOptions o;
+  o.kind = "cuda";
+  o.device = a.device;
+  auto be = make_backend(o);
+  cuda::ThroughputConfig c;
+  c.device = a.device;
+  c.visual = a.visual;
+  c.text = a.text;
+  c.steps = a.steps;
+  c.budgets_gb = a.budgets;
+  c.bits = a.bits;
+  c.max_batch = a.max_batch;
+  const auto rows = cuda::bench_throughput(c);
+  std::printf("decode throughput under a KV budget: LLaVA-1.5-7B-shaped decoder (random fp16 weights), %d visual + %d "
+              "text tokens, %s\n",
+              a.visual, a.text, be->device().c_str());
+  std::printf("%-7s %10s %8s %14s %10s %12s %9s\n", "format", "budget GB", "batch", "MB/sequence", "step ms", "tokens/s",
+              "vs fp16");
+  nlohmann::json j = nlohmann::json::array();
+  for (const auto& r : rows) {
+    double base = 0;
+    for (const auto& f : rows)
+      if (f.bits == 16 && f.budget_gb == r.budget_gb) base = f.tokens_per_s;
+    const double speed = base > 0 ? r.tokens_per_s / base : 0;
+    std::printf("%-7s %10.0f %8d %14.1f %10.3f %12.1f %8.2fx\n", r.format.c_str(), r.budget_gb, r.batch,
+                r.kv_bytes_per_sequence / 1e6, r.step_ms, r.tokens_per_s, speed);
+    j.push_back({{"format", r.format}, {"bits", r.bits}, {"budget_gb", r.budget_gb}, {"batch", r.batch},
+                 {"kv_bytes_per_sequence", r.kv_bytes_per_sequence}, {"step_ms", r.step_ms},
+                 {"tokens_per_s", r.tokens_per_s}, {"speedup_vs_fp16", speed}});
+  }
+  write_json(a.json, {{"device", be->device()}, {"visual_tokens", a.visual}, {"text_tokens", a.text}, {"rows", j}});
+#endif
 }
 
 }  // namespace
 
 void add_bench_command(CLI::App& root) {
   auto a = std::make_shared<BenchArgs>();
-  CLI::App* c = root.add_subcommand("bench", "Caption latency: vision, prefill, per-token decode (median of runs)");
+  CLI::App* c = root.add_subcommand("bench", "Speed: caption latency and decode roofline; 'attention' and 'throughput' on CUDA");
+  c->require_subcommand(0, 1);
   c->add_option("--model", a->model, "Model directory (default: the embedded model)");
+  add_backend_options(c, a->backend);
   c->add_option("--image", a->image, "Image (default: the embedded sample image)");
+  c->add_option("--prompt", a->prompt, "Text in place of {prompt} in the default template")->capture_default_str();
   c->add_option("--method", a->method, "Compression method spec (default: full cache)");
   c->add_option("--repeat", a->repeat, "Timed runs after one warm-up")->capture_default_str();
-  c->add_option("--max-new-tokens", a->max_new_tokens, "Most tokens per caption")->capture_default_str();
+  c->add_option("--max-new-tokens", a->max_new_tokens, "Tokens per caption (no stop at EOS)")->capture_default_str();
   c->add_option("--threads", a->threads, "CPU threads for kvlens loops and OpenBLAS (0 = OMP_NUM_THREADS, else 1, and OpenBLAS's default)")->capture_default_str();
-  c->callback([a] { run_bench(*a); });
+  c->add_option("--json", a->json, "Also write the numbers as JSON here");
+
+  auto t = std::make_shared<AttnArgs>();
+  CLI::App* at = c->add_subcommand("attention", "Decode attention alone (CUDA): fp16 and packed caches vs copy bandwidth");
+  at->add_option("--contexts", t->contexts, "Cached rows per sequence")->capture_default_str();
+  at->add_option("--batches", t->batches, "Sequences per call")->capture_default_str();
+  at->add_option("--bits", t->bits, "16 = fp16, else b-bit channel-wise codes")->capture_default_str();
+  at->add_option("--heads", t->heads, "Query (= KV) heads")->capture_default_str();
+  at->add_option("--head-dim", t->head_dim, "Head dimension")->capture_default_str();
+  at->add_option("--reps", t->reps, "Timed calls per point (median)")->capture_default_str();
+  at->add_option("--device", t->device, "CUDA device ordinal")->capture_default_str();
+  at->add_flag("--no-calibration", t->no_calib, "Skip the 1-bit row with in-kernel calibration");
+  at->add_option("--json", t->json, "Also write the rows as JSON here");
+  at->callback([t] { run_attention(*t); });
+
+  auto u = std::make_shared<ThroughputArgs>();
+  CLI::App* th = c->add_subcommand("throughput", "CalibQuant Fig. 3 (CUDA): largest batch under a KV budget and tokens/s");
+  th->add_option("--budgets", u->budgets, "KV memory budgets in GB")->capture_default_str();
+  th->add_option("--bits", u->bits, "16 = fp16, else b-bit channel-wise visual tokens")->capture_default_str();
+  th->add_option("--visual", u->visual, "Visual tokens per sequence")->capture_default_str();
+  th->add_option("--text", u->text, "Text tokens per sequence (fp16)")->capture_default_str();
+  th->add_option("--steps", u->steps, "Decode steps timed per point")->capture_default_str();
+  th->add_option("--max-batch", u->max_batch, "Largest batch tried")->capture_default_str();
+  th->add_option("--device", u->device, "CUDA device ordinal")->capture_default_str();
+  th->add_option("--json", u->json, "Also write the rows as JSON here");
+  th->callback([u] { run_throughput(*u); });
+
+  c->callback([a, c] {
+    if (c->get_subcommands().empty()) run_bench(*a);
+  });
 }
 
 }  // namespace kvlens::app

@@ -1,6 +1,7 @@
 // kvlens methods / run / calibrate: compression methods on one shared prefill.
 #include <cstdio>
 
+#include "app/backend_option.h"
 #include "app/commands.h"
 #include "app/defaults.h"
 #include "core/errors.h"
@@ -16,10 +17,12 @@ struct RunArgs {
   std::string model, image, report, session, save_session;
   std::vector<std::string> methods;
   ExperimentOptions opt;
+  BackendOptions backend;
 };
 
 void add_common(CLI::App* c, RunArgs& a) {
   c->add_option("--model", a.model, "HF-format LLaVA-1.5 model directory (default: the embedded model)");
+  add_backend_options(c, a.backend);
   c->add_option("--image", a.image, "Image file (default: the embedded sample image)");
   c->add_option("--prompt", a.opt.prompt, "Text in place of {prompt} in the template")->capture_default_str();
   c->add_option("--template", a.opt.templ, "Prompt template with <image> and {prompt}")->capture_default_str();
@@ -85,7 +88,7 @@ void run_methods(const RunArgs& args) {
     s.methods = specs;
     save_session(a.save_session, s);
   }
-  const LlavaModel model = LlavaModel::load(a.model.empty() ? default_model_dir() : a.model);
+  const LlavaModel model = LlavaModel::load(a.model.empty() ? default_model_dir() : a.model, a.backend);
   const RGBImage img = load_image(a.image.empty() ? default_image() : a.image);
   Experiment ex = start_experiment(model, img, a.opt);
   std::printf("%-44s %10s %7s %10s %9s  %s\n", "method", "KV bytes", "ratio", "softmaxMSE", "diverges", "caption");
@@ -136,7 +139,7 @@ void run_calibrate(const RunArgs& a, const std::string& base, const std::vector<
   check_options(a.opt);
   if (taus.empty()) throw InputError("--taus needs at least one value");
   parse_method_spec(base);  // validate before loading
-  const LlavaModel model = LlavaModel::load(a.model.empty() ? default_model_dir() : a.model);
+  const LlavaModel model = LlavaModel::load(a.model.empty() ? default_model_dir() : a.model, a.backend);
   const RGBImage img = load_image(a.image.empty() ? default_image() : a.image);
   const Experiment ex = start_experiment(model, img, a.opt);
   const auto pts = calibrate_grid(model, ex, base, taus, a.opt);

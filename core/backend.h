@@ -126,6 +126,9 @@ class Backend {
   virtual Buffer vector(const HostTensor& t) = 0;
   // Waits for queued work (timings).
   virtual void synchronize() {}
+  // Copy bandwidth of the backend's memory in bytes per second (bytes read + bytes written
+  // over the time of a large copy, median of several): the roofline benchmarks measure against.
+  virtual double copy_bandwidth() = 0;
   // Device memory in use and free, when the backend has a device (0, 0 otherwise).
   virtual void memory_info(int64_t& used, int64_t& free_bytes) { used = free_bytes = 0; }
 

@@ -71,6 +71,8 @@ nlohmann::json experiment_json(const LlavaModel& model, const Experiment& ex, co
   const Tokenizer& tok = model.tokenizer();
   nlohmann::json j;
   j["model"] = model.dir();
+  j["backend"] = model.backend().name();
+  j["device"] = model.backend().device();
   j["prompt"] = opt.prompt;
   j["template"] = opt.templ;
   j["prompt_ids"] = ex.prefill.ids;

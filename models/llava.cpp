@@ -128,6 +128,14 @@ LlavaModel LlavaModel::load_checked(const std::string& dir, const BackendOptions
 
 Tensor LlavaModel::pixel_values(const RGBImage& img) const { return preprocess(img, pre_); }
 
+int64_t LlavaModel::decode_weight_bytes() const {
+  int64_t b = text_.norm.bytes() + text_.lm_head.bytes() + text_.embed.bytes() / std::max<int64_t>(text_.embed.rows(), 1);
+  for (const LlamaLayer& L : text_.layers)
+    for (const Buffer* x : {&L.ln1, &L.ln2, &L.qkv_w, &L.qkv_b, &L.o_w, &L.o_b, &L.gate_up_w, &L.down_w})
+      b += x->empty() ? 0 : x->bytes();
+  return b;
+}
+
 Buffer LlavaModel::encode_image(const Tensor& px) const {
   const auto states = vision_.forward(px, cfg_.feature_layer_indices());
   const int VH = cfg_.vision.hidden_size, H = cfg_.text.hidden_size;

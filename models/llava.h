@@ -67,6 +67,9 @@ class LlavaModel {
   PreprocessConfig& preprocess_config() { return pre_; }
   const std::string& dir() const { return dir_; }
   Backend& backend() const { return *be_; }
+  // Bytes of language-model weights one decode step reads: every layer's matrices, norms and
+  // biases, the final norm, lm_head and one embedding row (the decode roofline's denominator).
+  int64_t decode_weight_bytes() const;
 
   Tensor pixel_values(const RGBImage& img) const;
   // pixel values → projected image features [n_visual][text_hidden] (fp32, backend memory).

@@ -1,6 +1,7 @@
 #include "kernels/cpu/backend_cpu.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -91,6 +92,20 @@ class CpuBackend : public Backend {
     Buffer b = alloc(t.name, t.shape, Dt::F32);
     to_f32(t, b.as<float>());
     return b;
+  }
+
+  double copy_bandwidth() override {
+    const size_t n = size_t{256} << 20;
+    std::vector<char> a(n, 1), b(n, 0);
+    std::vector<double> t;
+    for (int i = 0; i < 7; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      std::memcpy(b.data(), a.data(), n);
+      t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      a[i] = b[n - 1 - i];  // keep the copies observable
+    }
+    std::sort(t.begin(), t.end());
+    return 2.0 * n / t[t.size() / 2];
   }
 
   void linear(const Buffer& x, const Buffer& W, const Buffer* bias, Buffer& y, bool accumulate) override {

@@ -5,8 +5,8 @@
 // for each tile of 64 keys it stages K and V as fp16 in shared memory, each warp computes its
 // 16×64 scores with WMMA (fp16 in, fp32 out), applies the mask and the online softmax update
 // row by row, and adds P·V (WMMA again) into an fp32 output tile kept in shared memory, which
-// the running-max rescale multiplies first. Other head sizes use the simple kernel: one warp per
-// query row, fp32 throughout.
+// the running-max rescale multiplies first. Other head sizes, and fp32 models, use the simple
+// kernel: one warp per query row, fp32 throughout.
 #include <mma.h>
 
 #include "kernels/cuda/common.cuh"
@@ -279,7 +279,8 @@ void attention_prefill_simple(const float* qkv, const AttnLayout& l, void* out, 
 void attention_prefill(const float* qkv, const AttnLayout& l, void* out, Dt odt, cudaStream_t s) {
   if (l.T == 0) return;
   const int D = l.head_dim;
-  if (D != 32 && D != 64 && D != 128) return attention_prefill_simple(qkv, l, out, odt, s);
+  // fp16 tiles for fp16 / bf16 models; an fp32 model keeps fp32 throughout.
+  if ((D != 32 && D != 64 && D != 128) || odt == Dt::F32) return attention_prefill_simple(qkv, l, out, odt, s);
   const Args a = make_args(qkv, l);
   dispatch_float(odt, [&](auto t) {
     using OT = decltype(t);

@@ -2,6 +2,7 @@
 // in the checkpoint's dtype (f16 / bf16; f32 as f32, or f16 on request); matrix products go
 // through cuBLAS (fp32 accumulation; the one-token case through the own gemv kernel); every
 // other op is an own kernel. One stream; memory from the device's stream-ordered pool.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -162,6 +163,29 @@ class CudaBackend : public Backend {
     return b;
   }
   void synchronize() override { ctx_->sync("synchronize"); }
+  double copy_bandwidth() override {
+    // 1 GiB device to device, median of 20 after 3 warm-ups, bytes read + written.
+    const int64_t n = int64_t{1} << 30;
+    auto a = ctx_->alloc(n, "copy bandwidth source"), b = ctx_->alloc(n, "copy bandwidth target");
+    KV_CUDA(cudaMemsetAsync(a.get(), 1, n, ctx_->stream), "copy bandwidth source");
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    std::vector<float> ms;
+    for (int i = 0; i < 23; ++i) {
+      cudaEventRecord(e0, ctx_->stream);
+      KV_CUDA(cudaMemcpyAsync(b.get(), a.get(), n, cudaMemcpyDeviceToDevice, ctx_->stream), "copy bandwidth (1 GiB)");
+      cudaEventRecord(e1, ctx_->stream);
+      cudaEventSynchronize(e1);
+      float t = 0;
+      cudaEventElapsedTime(&t, e0, e1);
+      if (i >= 3) ms.push_back(t);
+    }
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    std::sort(ms.begin(), ms.end());
+    return 2.0 * static_cast<double>(n) / (ms[ms.size() / 2] * 1e-3);
+  }
   void memory_info(int64_t& used, int64_t& free_bytes) override {
     int64_t total = 0;
     ctx_->free_memory(free_bytes, total);

@@ -112,6 +112,12 @@ int decode_splits(int B, int NH, int rows, int n_sm);
 void kv_append(const float* qkv, int64_t stride, int64_t k_col, int64_t v_col, int T, int NKV, int D,
                const int32_t* pos_in, __half* k, __half* v, int32_t* pos, int cap, int row0,
                int32_t* counter, cudaStream_t s);
+// The same for a batch of sequences (batched decode): row t of qkv is sequence t's new token,
+// written at row (row0 + *counter) of that sequence's arrays, which start seq_stride rows of
+// [cap][D] further on (k/v at t·NKV·cap·D, pos at t·NKV·cap); *counter advances by one.
+void kv_append_batch(const float* qkv, int64_t stride, int64_t k_col, int64_t v_col, int B, int NKV, int D,
+                     const int32_t* pos_in, __half* k, __half* v, int32_t* pos, int cap, int row0,
+                     int32_t* counter, cudaStream_t s);
 // dst row i (D halves) = *src[i] for n rows (src pointers in device memory).
 void gather_rows(const __half* const* src, __half* dst, int n, int D, cudaStream_t s);
 

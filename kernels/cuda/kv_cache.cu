@@ -796,6 +796,7 @@ void kv_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, S
   for (int hd = 0; hd < NH; ++hd) {
     const auto& m = dev2host[hd / G];
     for (size_t i = 0; i < m.size(); ++i) sd[static_cast<size_t>(hd) * stride + i] = sh[static_cast<size_t>(hd) * stride + m[i]];
+    for (size_t i = m.size(); i < static_cast<size_t>(stride); ++i) sd[static_cast<size_t>(hd) * stride + i] = -INFINITY;
   }
   ctx.upload(S.mem.get(), sd.data(), sb, "decode scores");
   p.scores_out = nullptr;

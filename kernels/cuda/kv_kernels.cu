@@ -31,6 +31,27 @@ __global__ void kv_append_kernel(const float* qkv, int64_t stride, int64_t k_col
   if (counter && threadIdx.x == 0 && blockIdx.x == 0) *counter = base - row0 + T;
 }
 
+// Batched decode: row t to sequence t (arrays [B][NKV][cap][D]); every block reads the counter,
+// a second kernel advances it once all have written.
+__global__ void kv_append_batch_kernel(const float* qkv, int64_t stride, int64_t k_col, int64_t v_col, int B, int NKV,
+                                       int D, const int32_t* pos_in, __half* k, __half* v, int32_t* pos, int cap,
+                                       int row0, const int32_t* counter) {
+  const int row = row0 + (counter ? *counter : 0);
+  if (row >= cap) return;
+  const int64_t n = static_cast<int64_t>(B) * NKV * D;
+  for (int64_t i = threadIdx.x + static_cast<int64_t>(blockIdx.x) * blockDim.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int d = static_cast<int>(i % D), h = static_cast<int>((i / D) % NKV), t = static_cast<int>(i / (static_cast<int64_t>(D) * NKV));
+    const float* src = qkv + t * stride;
+    const int64_t at = ((static_cast<int64_t>(t) * NKV + h) * cap + row) * D + d;
+    k[at] = __float2half_rn(src[k_col + static_cast<int64_t>(h) * D + d]);
+    v[at] = __float2half_rn(src[v_col + static_cast<int64_t>(h) * D + d]);
+    if (d == 0) pos[(static_cast<int64_t>(t) * NKV + h) * cap + row] = pos_in[t];
+  }
+}
+
+__global__ void counter_add_kernel(int32_t* counter, int n) { *counter += n; }
+
 __global__ void gather_rows_kernel(const __half* const* src, __half* dst, int n, int D) {
   const int64_t total = static_cast<int64_t>(n) * D;
   for (int64_t i = threadIdx.x + static_cast<int64_t>(blockIdx.x) * blockDim.x; i < total;
@@ -50,6 +71,20 @@ void kv_append(const float* qkv, int64_t stride, int64_t k_col, int64_t v_col, i
   kv_append_kernel<<<blocks, counter ? 1024 : 256, 0, s>>>(qkv, stride, k_col, v_col, T, NKV, D, pos_in, k, v, pos,
                                                             cap, row0, counter);
   KV_LAUNCH("kv_append_kernel", std::to_string(T) + " rows x " + std::to_string(NKV) + " heads");
+}
+
+void kv_append_batch(const float* qkv, int64_t stride, int64_t k_col, int64_t v_col, int B, int NKV, int D,
+                     const int32_t* pos_in, __half* k, __half* v, int32_t* pos, int cap, int row0, int32_t* counter,
+                     cudaStream_t s) {
+  if (B == 0) return;
+  const int64_t n = static_cast<int64_t>(B) * NKV * D;
+  kv_append_batch_kernel<<<static_cast<int>(std::min<int64_t>((n + 255) / 256, 8192)), 256, 0, s>>>(
+      qkv, stride, k_col, v_col, B, NKV, D, pos_in, k, v, pos, cap, row0, counter);
+  KV_LAUNCH("kv_append_batch_kernel", std::to_string(B) + " sequences x " + std::to_string(NKV) + " heads");
+  if (counter) {
+    counter_add_kernel<<<1, 1, 0, s>>>(counter, 1);
+    KV_LAUNCH("counter_add_kernel", "KV row counter");
+  }
 }
 
 void gather_rows(const __half* const* src, __half* dst, int n, int D, cudaStream_t s) {
