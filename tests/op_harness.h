@@ -24,15 +24,16 @@ struct OpBackends {
   std::string why;  // why there is no gpu backend
 };
 
+// Kept for the whole process (never destroyed: no GPU teardown after the runtime's own).
 inline OpBackends& op_backends() {
-  static OpBackends b = [] {
-    OpBackends r;
-    r.cpu = make_backend({"cpu"});
-    r.why = cuda_unavailable_reason();
-    if (r.why.empty()) r.gpu = make_backend({"cuda"});
+  static OpBackends* b = [] {
+    auto* r = new OpBackends;
+    r->cpu = make_backend({"cpu"});
+    r->why = cuda_unavailable_reason();
+    if (r->why.empty()) r->gpu = make_backend({"cuda"});
     return r;
   }();
-  return b;
+  return *b;
 }
 
 #define KVLENS_NEED_GPU()                                                                  \

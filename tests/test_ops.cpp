@@ -19,9 +19,9 @@ namespace {
 
 // One CUDA backend per matrix dtype (a backend keeps all its matrices in one dtype).
 std::shared_ptr<Backend> gpu_for(Dt dt) {
-  static std::map<Dt, std::shared_ptr<Backend>> m;
+  static auto* m = new std::map<Dt, std::shared_ptr<Backend>>;  // kept for the whole process
   if (!op_backends().gpu) return nullptr;
-  auto& b = m[dt];
+  auto& b = (*m)[dt];
   if (!b) b = make_backend({"cuda"});
   return b;
 }
