@@ -33,6 +33,7 @@ namespace {
 struct BenchArgs {
   std::string model, image, method, prompt = kDefaultPrompt, json;
   int repeat = 5, max_new_tokens = 32, threads = 0;
+  bool profile = false;
   BackendOptions backend;
 };
 
@@ -54,26 +55,32 @@ void run_bench(const BenchArgs& a) {
     openblas_set_num_threads(a.threads);
   }
   if (!a.method.empty()) parse_method_spec(a.method);
+  if (a.profile) setenv("KVLENS_CUDA_PROFILE", "1", 1);  // read when the CUDA backend starts
   const LlavaModel model = LlavaModel::load(a.model.empty() ? default_model_dir() : a.model, a.backend);
   const RGBImage img = load_image(a.image.empty() ? default_image() : a.image);
-  std::vector<double> vision, prefill, compress, per_token, total;
+  std::vector<double> preprocess, vision, prefill, compress, per_token, total;
+  std::vector<std::pair<std::string, double>> prof_prefill, prof_decode;
   int tokens = 0, prompt_tokens = 0;
   long long bytes = 0;
   for (int i = 0; i < a.repeat + 1; ++i) {  // the first run warms caches, thread pools, kernels
     std::unique_ptr<KVPolicy> policy = a.method.empty() ? nullptr : make_policy(a.method);
     const bool keep = policy && policy->needs_prefill_attention();
+    model.backend().profile_report();  // per-op times of the last run only
     const PrefillState st = model.prefill(img, a.prompt, kDefaultTemplate, keep);
+    prof_prefill = model.backend().profile_report();
     GenerateOptions g;
     g.max_new_tokens = a.max_new_tokens;
     g.stop_at_eos = false;  // every run decodes the same number of tokens
     const DecodeResult r = model.decode(st, policy.get(), g);
+    prof_decode = model.backend().profile_report();
     if (i == 0) continue;
+    preprocess.push_back(st.preprocess_ms);
     const int steps = std::max(1, static_cast<int>(r.generated_ids.size()) - 1);
     vision.push_back(st.vision_ms);
     prefill.push_back(st.prefill_ms);
     compress.push_back(r.compress_ms);
     per_token.push_back(r.decode_ms / steps);
-    total.push_back(st.vision_ms + st.prefill_ms + r.compress_ms + r.decode_ms);
+    total.push_back(st.preprocess_ms + st.vision_ms + st.prefill_ms + r.compress_ms + r.decode_ms);
     tokens = static_cast<int>(r.generated_ids.size());
     prompt_tokens = static_cast<int>(st.ids.size());
     bytes = r.bytes_after_prefill.total();
@@ -86,6 +93,7 @@ void run_bench(const BenchArgs& a) {
   std::printf("%d runs, prompt %d tokens (%d visual), %d tokens generated, KV bytes after prefill %lld\n", a.repeat,
               prompt_tokens, model.config().n_visual_tokens(), tokens, bytes);
   std::printf("%-26s %12s\n", "stage (median)", "value");
+  std::printf("%-26s %12.2f ms\n", "image preprocessing (host)", median(preprocess));
   std::printf("%-26s %12.2f ms\n", "vision", median(vision));
   std::printf("%-26s %12.2f ms\n", "prefill", median(prefill));
   std::printf("%-26s %12.2f ms\n", "vision + prefill", median(vision) + median(prefill));
@@ -97,6 +105,21 @@ void run_bench(const BenchArgs& a) {
   std::printf("%-26s %12.1f tokens/s\n", "roofline (copy / weights)", roof);
   std::printf("%-26s %12.1f %%\n", "decode / roofline", 100.0 * tps / roof);
   std::printf("%-26s %12.2f ms\n", "caption total", median(total));
+  const int steps = std::max(1, tokens - 1);
+  if (!prof_prefill.empty() || !prof_decode.empty()) {
+    std::printf("\nper-op device time of the last run (no step replay while profiling)\n%-22s %12s %16s\n", "op",
+                "vision+prefill ms", "decode ms/token");
+    std::vector<std::string> names;
+    for (const auto* v : {&prof_prefill, &prof_decode})
+      for (const auto& x : *v)
+        if (std::find(names.begin(), names.end(), x.first) == names.end()) names.push_back(x.first);
+    for (const auto& n : names) {
+      double p = 0, d = 0;
+      for (const auto& x : prof_prefill) p += x.first == n ? x.second : 0;
+      for (const auto& x : prof_decode) d += x.first == n ? x.second : 0;
+      std::printf("%-22s %12.3f %16.4f\n", n.c_str(), p, d / steps);
+    }
+  }
   write_json(a.json, {{"model", model.dir()},
                       {"backend", be.name()},
                       {"device", be.device()},
@@ -106,6 +129,7 @@ void run_bench(const BenchArgs& a) {
                       {"visual_tokens", model.config().n_visual_tokens()},
                       {"generated_tokens", tokens},
                       {"kv_bytes_after_prefill", bytes},
+                      {"preprocess_ms", median(preprocess)},
                       {"vision_ms", median(vision)},
                       {"prefill_ms", median(prefill)},
                       {"compress_ms", median(compress)},
@@ -232,6 +256,7 @@ void add_bench_command(CLI::App& root) {
   c->add_option("--max-new-tokens", a->max_new_tokens, "Tokens per caption (no stop at EOS)")->capture_default_str();
   c->add_option("--threads", a->threads, "CPU threads for kvlens loops and OpenBLAS (0 = OMP_NUM_THREADS, else 1, and OpenBLAS's default)")->capture_default_str();
   c->add_option("--json", a->json, "Also write the numbers as JSON here");
+  c->add_flag("--profile", a->profile, "CUDA: per-op device times of the last run (steps are not replayed from graphs)");
 
   auto t = std::make_shared<AttnArgs>();
   CLI::App* at = c->add_subcommand("attention", "Decode attention alone (CUDA): fp16 and packed caches vs copy bandwidth");

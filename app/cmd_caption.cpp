@@ -55,7 +55,8 @@ void run_caption(const CaptionArgs& a) {
     j["generated_ids"] = r.generated_ids;
     j["n_visual_tokens"] = st.n_visual;
     j["n_prompt_tokens"] = st.ids.size();
-    j["timings_ms"] = {{"vision", st.vision_ms},
+    j["timings_ms"] = {{"preprocess", st.preprocess_ms},
+                       {"vision", st.vision_ms},
                        {"prefill", st.prefill_ms},
                        {"decode", r.decode_ms},
                        {"decode_per_token", n_steps > 1 ? r.decode_ms / (n_steps - 1) : 0.0}};

@@ -129,6 +129,10 @@ class Backend {
   // Copy bandwidth of the backend's memory in bytes per second (bytes read + bytes written
   // over the time of a large copy, median of several): the roofline benchmarks measure against.
   virtual double copy_bandwidth() = 0;
+  // Time spent in each op since the last call (ms, in call order of first use), when the
+  // backend was asked to profile (CUDA: KVLENS_CUDA_PROFILE=1, which also turns off the replay
+  // of captured decode steps so every op is timed); empty otherwise.
+  virtual std::vector<std::pair<std::string, double>> profile_report() { return {}; }
   // Device memory in use and free, when the backend has a device (0, 0 otherwise).
   virtual void memory_info(int64_t& used, int64_t& free_bytes) { used = free_bytes = 0; }
 

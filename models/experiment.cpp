@@ -77,7 +77,8 @@ nlohmann::json experiment_json(const LlavaModel& model, const Experiment& ex, co
   j["template"] = opt.templ;
   j["prompt_ids"] = ex.prefill.ids;
   j["n_visual_tokens"] = ex.prefill.n_visual;
-  j["timings_ms"] = {{"vision", ex.prefill.vision_ms}, {"prefill", ex.prefill.prefill_ms}, {"decode", ex.full.decode_ms}};
+  j["timings_ms"] = {{"preprocess", ex.prefill.preprocess_ms}, {"vision", ex.prefill.vision_ms},
+                     {"prefill", ex.prefill.prefill_ms}, {"decode", ex.full.decode_ms}};
   j["options"] = {{"max_new_tokens", opt.max_new_tokens}, {"diag_steps", opt.diag_steps},
                   {"sparsity_p", opt.sparsity_p}, {"hit_budget", opt.hit_budget}, {"hit_window", opt.hit_window}, {"hist_bins", opt.hist_bins}};
   j["full"] = {{"caption", ex.full.text},

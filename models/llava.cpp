@@ -162,10 +162,14 @@ Buffer LlavaModel::encode_image(const Tensor& px) const {
 PrefillState LlavaModel::prefill(const RGBImage& img, const std::string& prompt, const std::string& templ,
                                  bool keep_attention, const std::vector<AttentionObserver*>& observers) const {
   const auto t0 = std::chrono::steady_clock::now();
-  const Buffer feats = encode_image(pixel_values(img));
+  const Tensor px = pixel_values(img);
+  const double preprocess_ms = ms_since(t0);
+  const auto t1 = std::chrono::steady_clock::now();
+  const Buffer feats = encode_image(px);
   be_->synchronize();
-  const double vision_ms = ms_since(t0);
+  const double vision_ms = ms_since(t1);
   PrefillState st = prefill_features(feats, prompt, templ, keep_attention, observers);
+  st.preprocess_ms = preprocess_ms;
   st.vision_ms = vision_ms;
   return st;
 }

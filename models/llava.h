@@ -44,7 +44,8 @@ struct PrefillState {
   std::shared_ptr<const DeviceKV> device;  // the device cache (null on the CPU backend)
   std::vector<float> logits;  // last prompt position
   PrefillCapture capture;     // per-layer q / scores / probs when kept
-  double vision_ms = 0, prefill_ms = 0;
+  double preprocess_ms = 0;  // image decode-to-tensor on the host (resize, crop, normalize)
+  double vision_ms = 0, prefill_ms = 0;  // vision tower + projector; language-model prefill
 };
 
 struct DecodeResult {

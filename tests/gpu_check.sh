@@ -44,6 +44,9 @@ if has bench; then
   PROMPT=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['prompt'])" "$OUT/hf_bench.json" 2>/dev/null)
   run bench_7b 200 "$BUILD/kvlens" bench --backend cuda --model "$CK" --prompt "${PROMPT:-Describe the image.}" \
     --repeat 3 --json "$OUT/bench_7b.json"
+  run bench_7b_profile 200 "$BUILD/kvlens" bench --backend cuda --model "$CK" --prompt "${PROMPT:-Describe the image.}" \
+    --repeat 1 --max-new-tokens 8 --profile
+  run bench_embedded_profile 120 "$BUILD/kvlens" bench --backend cuda --repeat 1 --max-new-tokens 8 --profile
 fi
 if has throughput; then
   run bench_throughput 300 "$BUILD/kvlens" bench throughput --json "$OUT/bench_throughput.json"

@@ -66,11 +66,15 @@ __global__ void __launch_bounds__(128) attn_wmma_kernel(Args a, OT* __restrict__
   const float* kbase = a.qkv + a.k_col + static_cast<int64_t>(kvh) * D;
   const float* vbase = a.qkv + a.v_col + static_cast<int64_t>(kvh) * D;
 
-  for (int i = tid; i < BQ * D; i += blockDim.x) {
-    const int r = i / D, c = i % D;
+  // Tiles are read as float4 (rows of q/k/v are 16-byte aligned: D and the columns are
+  // multiples of 4) and stored as fp16 pairs.
+  for (int i = tid; i < BQ * D / 4; i += blockDim.x) {
+    const int r = i / (D / 4), c = (i % (D / 4)) * 4;
     const int t = q0 + r;
-    Qs[r * LDH + c] = __float2half_rn(t < a.T ? qbase[t * a.stride + c] : 0.0f);
-    Os[r * LDO + c] = 0.0f;
+    const float4 v = t < a.T ? *reinterpret_cast<const float4*>(qbase + t * a.stride + c) : make_float4(0, 0, 0, 0);
+    *reinterpret_cast<__half2*>(Qs + r * LDH + c) = __floats2half2_rn(v.x, v.y);
+    *reinterpret_cast<__half2*>(Qs + r * LDH + c + 2) = __floats2half2_rn(v.z, v.w);
+    *reinterpret_cast<float4*>(Os + r * LDO + c) = make_float4(0, 0, 0, 0);
   }
   if (tid < BQ) {
     mrow[tid] = -INFINITY;
@@ -80,12 +84,16 @@ __global__ void __launch_bounds__(128) attn_wmma_kernel(Args a, OT* __restrict__
 
   const int kend = a.causal ? min(a.T, q0 + BQ) : a.T;
   for (int k0 = 0; k0 < kend; k0 += BK) {
-    for (int i = tid; i < BK * D; i += blockDim.x) {
-      const int r = i / D, c = i % D;
+    for (int i = tid; i < BK * D / 4; i += blockDim.x) {
+      const int r = i / (D / 4), c = (i % (D / 4)) * 4;
       const int t = k0 + r;
       const bool ok = t < a.T;
-      Ks[r * LDH + c] = __float2half_rn(ok ? kbase[t * a.stride + c] : 0.0f);
-      Vs[r * LDH + c] = __float2half_rn(ok ? vbase[t * a.stride + c] : 0.0f);
+      const float4 k = ok ? *reinterpret_cast<const float4*>(kbase + t * a.stride + c) : make_float4(0, 0, 0, 0);
+      const float4 v = ok ? *reinterpret_cast<const float4*>(vbase + t * a.stride + c) : make_float4(0, 0, 0, 0);
+      *reinterpret_cast<__half2*>(Ks + r * LDH + c) = __floats2half2_rn(k.x, k.y);
+      *reinterpret_cast<__half2*>(Ks + r * LDH + c + 2) = __floats2half2_rn(k.z, k.w);
+      *reinterpret_cast<__half2*>(Vs + r * LDH + c) = __floats2half2_rn(v.x, v.y);
+      *reinterpret_cast<__half2*>(Vs + r * LDH + c + 2) = __floats2half2_rn(v.z, v.w);
     }
     __syncthreads();
     // S = Q·Kᵀ for this warp's 16 rows.
@@ -280,7 +288,10 @@ void attention_prefill(const float* qkv, const AttnLayout& l, void* out, Dt odt,
   if (l.T == 0) return;
   const int D = l.head_dim;
   // fp16 tiles for fp16 / bf16 models; an fp32 model keeps fp32 throughout.
-  if ((D != 32 && D != 64 && D != 128) || odt == Dt::F32) return attention_prefill_simple(qkv, l, out, odt, s);
+  const bool aligned = (reinterpret_cast<uintptr_t>(qkv) & 15) == 0 && l.row_stride % 4 == 0 && l.q_col % 4 == 0 &&
+                       l.k_col % 4 == 0 && l.v_col % 4 == 0;
+  if ((D != 32 && D != 64 && D != 128) || odt == Dt::F32 || !aligned)
+    return attention_prefill_simple(qkv, l, out, odt, s);
   const Args a = make_args(qkv, l);
   dispatch_float(odt, [&](auto t) {
     using OT = decltype(t);

@@ -87,9 +87,59 @@ struct CudaStep : StepCache {
   }
 };
 
+// Per-op timing with CUDA events (KVLENS_CUDA_PROFILE=1): each op records an event before and
+// after its launches; the report sums them per op name.
+class Profiler {
+ public:
+  Profiler() : on_(std::getenv("KVLENS_CUDA_PROFILE") != nullptr) {}
+  bool on() const { return on_; }
+  struct Scope {
+    Profiler* p;
+    size_t i;
+    cudaStream_t s;
+    ~Scope() {
+      if (p) cudaEventRecord(p->recs_[i].b, s);
+    }
+  };
+  Scope scope(const char* name, const Context& ctx) {
+    if (!on_ || ctx.replay || ctx.capturing) return {nullptr, 0, nullptr};
+    Rec r;
+    r.name = name;
+    cudaEventCreate(&r.a);
+    cudaEventCreate(&r.b);
+    cudaEventRecord(r.a, ctx.stream);
+    recs_.push_back(r);
+    return {this, recs_.size() - 1, ctx.stream};
+  }
+  std::vector<std::pair<std::string, double>> report() {
+    std::vector<std::pair<std::string, double>> out;
+    for (Rec& r : recs_) {
+      cudaEventSynchronize(r.b);
+      float ms = 0;
+      cudaEventElapsedTime(&ms, r.a, r.b);
+      auto it = std::find_if(out.begin(), out.end(), [&](const auto& x) { return x.first == r.name; });
+      if (it == out.end()) out.push_back({r.name, ms});
+      else it->second += ms;
+      cudaEventDestroy(r.a);
+      cudaEventDestroy(r.b);
+    }
+    recs_.clear();
+    return out;
+  }
+
+ private:
+  struct Rec {
+    std::string name;
+    cudaEvent_t a, b;
+  };
+  bool on_;
+  std::vector<Rec> recs_;
+};
+
 class CudaBackend : public Backend {
  public:
   CudaBackend(std::shared_ptr<Context> ctx, bool fp32_as_fp16) : ctx_(std::move(ctx)), fp32_as_fp16_(fp32_as_fp16) {}
+  std::vector<std::pair<std::string, double>> profile_report() override { return prof_.report(); }
 
   std::string name() const override { return "cuda"; }
   std::string device() const override {
@@ -199,6 +249,7 @@ class CudaBackend : public Backend {
              "ᵀ → " + y.name + y.shape_str() + dt_name(y.dt));
     if (bias) need(bias->numel() == N && bias->dt == Dt::F32, "linear: bias " + bias->name);
     if (ctx_->replay) return;
+    auto prof_scope = prof_.scope("linear", *ctx_);
     const bool aligned = (reinterpret_cast<uintptr_t>(x.data) & 15) == 0 && (reinterpret_cast<uintptr_t>(W.data) & 15) == 0;
     if (M == 1 && (W.dt == Dt::F16 || W.dt == Dt::BF16) && K % 8 == 0 && aligned) {
       gemv(W.data, x.data, W.dt, static_cast<int>(N), static_cast<int>(K), bias ? bias->as<float>() : nullptr,
@@ -216,35 +267,41 @@ class CudaBackend : public Backend {
   void rms_norm(const Buffer& x, const Buffer& g, float eps, Buffer& y) override {
     need(x.dt == Dt::F32 && x.numel() == y.numel() && g.numel() == x.cols(), "rms_norm: " + x.name + " → " + y.name);
     if (ctx_->replay) return;
+    auto prof_scope = prof_.scope("rms_norm", *ctx_);
     cuda::rms_norm(x.as<float>(), y.data, y.dt, static_cast<int>(x.rows()), static_cast<int>(x.cols()), g.as<float>(),
                    eps, ctx_->stream);
   }
   void layer_norm(const Buffer& x, const Buffer& g, const Buffer* b, float eps, Buffer& y) override {
     need(x.dt == Dt::F32 && x.numel() == y.numel() && g.numel() == x.cols(), "layer_norm: " + x.name + " → " + y.name);
     if (ctx_->replay) return;
+    auto prof_scope = prof_.scope("layer_norm", *ctx_);
     cuda::layer_norm(x.as<float>(), y.data, y.dt, static_cast<int>(x.rows()), static_cast<int>(x.cols()),
                      g.as<float>(), b ? b->as<float>() : nullptr, eps, ctx_->stream);
   }
   void add(Buffer& x, const Buffer& y) override {
     need(x.dt == Dt::F32 && y.dt == Dt::F32 && x.numel() == y.numel(), "add: " + x.name + " + " + y.name);
     if (ctx_->replay) return;
+    auto prof_scope = prof_.scope("add", *ctx_);
     cuda::add(x.as<float>(), y.as<float>(), x.numel(), ctx_->stream);
   }
   void bias_act(const Buffer& y, const Buffer* bias, cpu::Act act, bool apply_act, Buffer& out) override {
     need(y.dt == Dt::F32 && y.numel() == out.numel(), "bias_act: " + y.name + " → " + out.name);
     if (ctx_->replay) return;
+    auto prof_scope = prof_.scope("bias_act", *ctx_);
     cuda::bias_act(y.as<float>(), bias ? bias->as<float>() : nullptr, y.rows(), y.cols(),
                    apply_act ? static_cast<int>(act) : -1, out.data, out.dt, ctx_->stream);
   }
   void gated_act(const Buffer& gu, cpu::Act act, Buffer& out) override {
     need(gu.dt == Dt::F32 && out.rows() == gu.rows() && out.cols() * 2 == gu.cols(), "gated_act: " + gu.name);
     if (ctx_->replay) return;
+    auto prof_scope = prof_.scope("gated_act", *ctx_);
     cuda::gated_act(gu.as<float>(), gu.rows(), out.cols(), static_cast<int>(act), out.data, out.dt, ctx_->stream);
   }
   void rope(Buffer& qkv, const AttnLayout& l, const Buffer& pos, float theta) override {
     need(qkv.dt == Dt::F32 && pos.dt == Dt::I32 && pos.numel() >= l.T && l.head_dim % 2 == 0, "rope: " + qkv.name);
     const float* inv = inv_freq(l.head_dim, theta);
     if (ctx_->replay) return;
+    auto prof_scope = prof_.scope("rope", *ctx_);
     cuda::rope(qkv.as<float>(), l.T, l.row_stride, l.q_col, l.n_heads, l.k_col, l.n_kv_heads, l.head_dim,
                pos.as<int32_t>(), inv, ctx_->stream);
   }
@@ -252,6 +309,7 @@ class CudaBackend : public Backend {
     need(ids.dt == Dt::I32 && out.dt == Dt::F32 && out.cols() == table.cols() && out.rows() == ids.numel(),
          "embed: " + out.name);
     if (ctx_->replay) return;
+    auto prof_scope = prof_.scope("embed", *ctx_);
     cuda::embed(table.data, table.dt, table.rows(), table.cols(), ids.as<int32_t>(), static_cast<int>(ids.numel()),
                 out.as<float>(), ctx_->stream);
   }
@@ -261,6 +319,7 @@ class CudaBackend : public Backend {
              dr + n <= dst.rows() && dc + cols <= dst.cols(),
          "copy_block: " + src.name + " → " + dst.name + " out of range");
     if (ctx_->replay || n == 0 || cols == 0) return;
+    auto prof_scope = prof_.scope("copy_block", *ctx_);
     KV_CUDA(cudaMemcpy2DAsync(dst.as<float>() + dr * dst.cols() + dc, dst.cols() * 4, src.as<float>() + sr * src.cols() + sc,
                               src.cols() * 4, cols * 4, n, cudaMemcpyDeviceToDevice, ctx_->stream),
             src.name + " → " + dst.name + " (" + std::to_string(n) + "x" + std::to_string(cols) + ")");
@@ -269,6 +328,7 @@ class CudaBackend : public Backend {
     need(qkv.dt == Dt::F32 && out.rows() == l.T && out.cols() == static_cast<int64_t>(l.n_heads) * l.head_dim,
          "attention: " + qkv.name + " → " + out.name);
     if (ctx_->replay) return;
+    auto prof_scope = prof_.scope("attention", *ctx_);
     attention_prefill(qkv.as<float>(), l, out.data, out.dt, ctx_->stream);
     if (!scores && !probs) return;
     // Capture on request: the T×T scores and probabilities, computed in fp32 and copied out.
@@ -285,10 +345,12 @@ class CudaBackend : public Backend {
   }
   void kv_append(SeqKV& kv, int layer, const Buffer& qkv, const AttnLayout& l, const Buffer& pos,
                  const int32_t* pos_host, const SegmentKind* kinds, int T) override {
+    auto prof_scope = prof_.scope("kv_append", *ctx_);
     cuda::kv_append(*ctx_, kv, layer, qkv, l, pos, pos_host, kinds, T);
   }
   void decode_attention(const Buffer& qkv, const AttnLayout& l, SeqKV& kv, int layer, const KVPolicy* policy,
                         Buffer& out, float* scores, float* probs, int n_max) override {
+    auto prof_scope = prof_.scope("decode_attention", *ctx_);
     kv_decode_attention(*ctx_, qkv, l, kv, layer, policy, out, scores, probs, n_max);
   }
   void kv_hydrate(const DeviceKV& dev, KVStore& host) override { cuda::kv_hydrate(*ctx_, dev, host); }
@@ -299,7 +361,7 @@ class CudaBackend : public Backend {
   // up then), captured as a CUDA graph the second time, and replayed after that: the graph is
   // launched first and the body then runs with launches off, for its host bookkeeping.
   void run_step(std::unique_ptr<StepCache>& cache, uint64_t key, const std::function<void()>& body) override {
-    if (key == 0) {
+    if (key == 0 || prof_.on()) {  // profiling times every op: no replay
       body();
       return;
     }
@@ -367,6 +429,7 @@ class CudaBackend : public Backend {
   }
 
   std::shared_ptr<Context> ctx_;
+  Profiler prof_;
   bool fp32_as_fp16_ = false;
   bool have_mdt_ = false;
   Dt mdt_ = Dt::F32;

@@ -262,6 +262,192 @@ __device__ void run_part(const PartDesc& P, int n, int a, int e, int base, const
   }
 }
 
+// ---- fast paths: one storage per side known at compile time, every row's loads issued before
+// any of them is used, exp through the special-function unit. --------------------------------
+
+template <int BITS>
+__device__ __forceinline__ uint64_t load_bits(const uint8_t* p) {
+  if constexpr (BITS == 1) return __ldg(p);
+  else if constexpr (BITS == 2) return __ldg(reinterpret_cast<const uint16_t*>(p));
+  else if constexpr (BITS == 4) return __ldg(reinterpret_cast<const uint32_t*>(p));
+  else return __ldg(reinterpret_cast<const unsigned long long*>(p));
+}
+
+__device__ __forceinline__ float calibrated(float s, bool cal, float t, float gam, float tau1) {
+  return cal && isfinite(s) ? (t == 0.0f ? gam - tau1 : t * (s - gam) + gam - tau1) : s;
+}
+
+// fp16 keys and values.
+template <int L, int U>
+__device__ void fp16_rows(const PartDesc& P, int a, int e, const float* q, const Lane& ln, int g, bool cal, float cal_t,
+                          float cal_g, float tau1, State& st) {
+  constexpr int G = kThreads / L;
+  const __half* K = static_cast<const __half*>(P.k.data);
+  const __half* V = static_cast<const __half*>(P.v.data);
+  for (int j0 = a; j0 < e; j0 += G * U) {
+    uint4 kr[U], vr[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int j = j0 + u * G + g;
+      if (j < e && ln.active) {
+        kr[u] = __ldg(reinterpret_cast<const uint4*>(K + static_cast<int64_t>(j) * ln.D + ln.c0));
+        vr[u] = __ldg(reinterpret_cast<const uint4*>(V + static_cast<int64_t>(j) * ln.D + ln.c0));
+      } else {
+        kr[u] = vr[u] = make_uint4(0, 0, 0, 0);
+      }
+    }
+    float sc[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float f[8];
+      unpack8<__half>(kr[u], f);
+      float d = 0.0f;
+#pragma unroll
+      for (int c = 0; c < 8; ++c) d = fmaf(q[c], f[c], d);
+      d = group_sum<L>(d);
+      sc[u] = j0 + u * G + g < e ? calibrated(d, cal, cal_t, cal_g, tau1) : -INFINITY;
+    }
+    float mx = st.m;
+#pragma unroll
+    for (int u = 0; u < U; ++u) mx = fmaxf(mx, sc[u]);
+    if (mx > st.m) {
+      const float alpha = __expf(st.m - mx);
+      st.d *= alpha;
+#pragma unroll
+      for (int c = 0; c < 8; ++c) st.o[c] *= alpha;
+      st.m = mx;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const float p = sc[u] == -INFINITY ? 0.0f : __expf(sc[u] - st.m);
+      st.d += p;
+      float f[8];
+      unpack8<__half>(vr[u], f);
+#pragma unroll
+      for (int c = 0; c < 8; ++c) st.o[c] = fmaf(p, f[c], st.o[c]);
+    }
+  }
+}
+
+// Channel-wise BITS-bit keys and values with one range per channel over the part: CalibQuant's
+// post-scaling (q⊙scale folded into q, q·zero added; values scaled once per part). RANGE: only
+// the min / max of the scores (the first pass of calibration).
+template <int L, int BITS, int U, bool RANGE>
+__device__ void packed_rows(const PartDesc& P, int a, int e, const float* q, const Lane& ln, int g, bool cal,
+                            float cal_t, float cal_g, float tau1, State& st, float& lo, float& hi) {
+  constexpr int G = kThreads / L;
+  constexpr uint32_t mask = (1u << BITS) - 1u;
+  const int rowb = ln.D * BITS / 8;
+  const uint8_t* K = static_cast<const uint8_t*>(P.k.data) + (ln.c0 / 8) * BITS;
+  const uint8_t* V = static_cast<const uint8_t*>(P.v.data) + (ln.c0 / 8) * BITS;
+  float qk[8], qa = 0.0f;
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    const int ch = P.k.chan_stride ? ln.c0 + c : 0;
+    qk[c] = ln.active ? q[c] * __half2float(P.k.scale[ch]) : 0.0f;
+    if (ln.active) qa = fmaf(q[c], __half2float(P.k.zero[ch]), qa);
+  }
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  float psum = 0.0f;
+  for (int j0 = a; j0 < e; j0 += G * U) {
+    uint64_t kc[U], vc[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int j = j0 + u * G + g;
+      const bool ok = j < e && ln.active;
+      kc[u] = ok ? load_bits<BITS>(K + static_cast<int64_t>(j) * rowb) : 0;
+      if constexpr (!RANGE) vc[u] = ok ? load_bits<BITS>(V + static_cast<int64_t>(j) * rowb) : 0;
+    }
+    float sc[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float d = qa;
+#pragma unroll
+      for (int c = 0; c < 8; ++c) d = fmaf(qk[c], code_f(static_cast<uint32_t>(kc[u] >> (c * BITS)) & mask), d);
+      if (!ln.active) d = 0.0f;
+      d = group_sum<L>(d);
+      sc[u] = j0 + u * G + g < e ? d : -INFINITY;
+    }
+    if constexpr (RANGE) {
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (sc[u] != -INFINITY) {
+          lo = fminf(lo, sc[u]);
+          hi = fmaxf(hi, sc[u]);
+        }
+    } else {
+#pragma unroll
+      for (int u = 0; u < U; ++u) sc[u] = calibrated(sc[u], cal, cal_t, cal_g, tau1);
+      float mx = st.m;
+#pragma unroll
+      for (int u = 0; u < U; ++u) mx = fmaxf(mx, sc[u]);
+      if (mx > st.m) {
+        const float alpha = __expf(st.m - mx);
+        st.d *= alpha;
+        psum *= alpha;
+#pragma unroll
+        for (int c = 0; c < 8; ++c) {
+          st.o[c] *= alpha;
+          acc[c] *= alpha;
+        }
+        st.m = mx;
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const float p = sc[u] == -INFINITY ? 0.0f : __expf(sc[u] - st.m);
+        st.d += p;
+        psum += p;
+#pragma unroll
+        for (int c = 0; c < 8; ++c) acc[c] = fmaf(p, code_f(static_cast<uint32_t>(vc[u] >> (c * BITS)) & mask), acc[c]);
+      }
+    }
+  }
+  if constexpr (RANGE) return;
+  if (!ln.active) return;
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    const int ch = P.v.chan_stride ? ln.c0 + c : 0;
+    st.o[c] += __half2float(P.v.scale[ch]) * acc[c] + __half2float(P.v.zero[ch]) * psum;
+  }
+}
+
+// Which fast path a part can take (0: the general one).
+__device__ __forceinline__ int fast_kind(const PartDesc& P, int n, int mode, bool materialized) {
+  if (materialized || mode == kScores) return 0;
+  if (P.k.fmt == kF16 && P.v.fmt == kF16) return mode == kAttend ? 16 : 0;
+  const bool whole = (P.k.group <= 0 || P.k.group >= n) && (P.v.group <= 0 || P.v.group >= n);
+  if (P.k.fmt != kChannel || P.v.fmt != kChannel || !whole || P.k.bits != P.v.bits) return 0;
+  const int b = P.k.bits;
+  if (b != 1 && b != 2 && b != 4 && b != 8) return 0;
+  if ((reinterpret_cast<uintptr_t>(P.k.data) | reinterpret_cast<uintptr_t>(P.v.data)) & (b - 1)) return 0;
+  return b;
+}
+
+template <int L>
+__device__ void run_fast(int kind, const PartDesc& P, int a, int e, const float* q, const Lane& ln, int g, int mode,
+                         bool cal, float cal_t, float cal_g, float tau1, State& st, float& lo, float& hi) {
+  const bool range = mode == kRange;
+  switch (kind) {
+    case 16: fp16_rows<L, 4>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st); break;
+    case 1:
+      if (range) packed_rows<L, 1, 8, true>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st, lo, hi);
+      else packed_rows<L, 1, 8, false>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st, lo, hi);
+      break;
+    case 2:
+      if (range) packed_rows<L, 2, 8, true>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st, lo, hi);
+      else packed_rows<L, 2, 8, false>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st, lo, hi);
+      break;
+    case 4:
+      if (range) packed_rows<L, 4, 8, true>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st, lo, hi);
+      else packed_rows<L, 4, 8, false>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st, lo, hi);
+      break;
+    default:
+      if (range) packed_rows<L, 8, 4, true>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st, lo, hi);
+      else packed_rows<L, 8, 4, false>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st, lo, hi);
+      break;
+  }
+}
+
 template <int L>
 __global__ void __launch_bounds__(kThreads) decode_kernel(DecodeParams p, int mode) {
   constexpr int G = kThreads / L;
@@ -310,7 +496,14 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(DecodeParams p, int mo
     const int n = part_rows(P);
     const int a = max(r0 - base, 0), e = min(r1 - base, n);
     const bool take = a < e && (mode != kRange || P.visual);
-    if (take) run_part<L>(P, n, a, e, base, q, ln, g, mode, cal && P.visual, cal_t, cal_g, p.tau1, sin, sout, st, lo, hi);
+    if (take) {
+      // Head sizes 64 and 128 (8 and 16 lanes a row) have fast paths for fp16 and for
+      // channel-wise codes; everything else takes the general path.
+      int kind = 0;
+      if constexpr (L == 8 || L == 16) kind = fast_kind(P, n, mode, sin != nullptr);
+      if (kind) run_fast<L>(kind, P, a, e, q, ln, g, mode, cal && P.visual, cal_t, cal_g, p.tau1, st, lo, hi);
+      else run_part<L>(P, n, a, e, base, q, ln, g, mode, cal && P.visual, cal_t, cal_g, p.tau1, sin, sout, st, lo, hi);
+    }
     base += n;
   }
   if (mode == kScores) return;
@@ -353,13 +546,13 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(DecodeParams p, int mo
   for (int c = tid; c < p.D; c += kThreads) {
     float v = 0.0f;
     for (int i = 0; i < G; ++i)
-      if (sh_m[i] != -INFINITY) v += sh_o[i][c] * expf(sh_m[i] - M);
+      if (sh_m[i] != -INFINITY) v += sh_o[i][c] * __expf(sh_m[i] - M);
     po[c] = v;
   }
   if (tid == 0) {
     float dsum = 0.0f;
     for (int i = 0; i < G; ++i)
-      if (sh_m[i] != -INFINITY) dsum += sh_d[i] * expf(sh_m[i] - M);
+      if (sh_m[i] != -INFINITY) dsum += sh_d[i] * __expf(sh_m[i] - M);
     p.part_md[(bh * p.splits + s) * 2] = M;
     p.part_md[(bh * p.splits + s) * 2 + 1] = dsum;
   }

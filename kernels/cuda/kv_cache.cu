@@ -624,7 +624,8 @@ void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l) {
   DevLayer& d = C.layers[l];
   const LayerKV& H = host.layer(l);
   const RowMap have = device_rows(C, d);
-  std::vector<DevSeg> segs;
+  // Which host segments keep their device copy as it is.
+  std::vector<const DevSeg*> same(H.segments.size(), nullptr);
   bool keep_tail = false;
   for (size_t i = 0; i < H.segments.size(); ++i) {
     const KVSegment& s = H.segments[i];
@@ -632,11 +633,26 @@ void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l) {
       keep_tail = true;
       continue;
     }
-    const DevSeg* same = nullptr;
     for (const DevSeg& x : d.segs)
-      if (same_rows(s, x)) same = &x;
-    if (same) {
-      segs.push_back(*same);
+      if (same_rows(s, x)) same[i] = &x;
+  }
+  // A kept segment that shares an allocation with a dropped one (the prompt's segments share
+  // one per layer) is gathered into its own, so that the dropped rows' memory is freed.
+  std::unordered_map<const void*, int> dropped;
+  for (const DevSeg& x : d.segs)
+    if (std::find(same.begin(), same.end(), &x) == same.end())
+      for (const DevMem& m : x.mem) dropped[m.mem.get()] = 1;
+  for (auto& p : same) {
+    if (!p) continue;
+    for (const DevMem& m : p->mem)
+      if (dropped.count(m.mem.get())) p = nullptr;
+  }
+  std::vector<DevSeg> segs;
+  for (size_t i = 0; i < H.segments.size(); ++i) {
+    const KVSegment& s = H.segments[i];
+    if (keep_tail && i + 1 == H.segments.size()) continue;
+    if (same[i]) {
+      segs.push_back(*same[i]);
       continue;
     }
     const auto* p = dynamic_cast<const quant::QuantPayload*>(s.payload.get());
