@@ -145,6 +145,13 @@ class Backend {
   // y = LayerNorm(x)·g + b (biased variance); y may alias x when both are fp32.
   virtual void layer_norm(const Buffer& x, const Buffer& g, const Buffer* b, float eps,
                           Buffer& y) = 0;
+  // x = rms_norm(h)·g, then y = x·Wᵀ (+ bias): one op, so a device can fuse the norm into the
+  // product (x is scratch afterwards). The default runs the two ops.
+  virtual void norm_linear(const Buffer& h, const Buffer& g, float eps, Buffer& x, const Buffer& W,
+                           const Buffer* bias, Buffer& y) {
+    rms_norm(h, g, eps, x);
+    linear(x, W, bias, y, false);
+  }
   // x += y (fp32, same shape).
   virtual void add(Buffer& x, const Buffer& y) = 0;
   // out = act(y + bias) with y fp32 [M][N]; act None is a plain copy / dtype conversion.
@@ -175,6 +182,12 @@ class Backend {
   virtual void kv_append(SeqKV& kv, int layer, const Buffer& qkv, const AttnLayout& l,
                          const Buffer& pos, const int32_t* pos_host, const SegmentKind* kinds,
                          int T) = 0;
+  // RoPE on qkv, then kv_append: one op, so a device can fuse them for a decode step.
+  virtual void rope_append(SeqKV& kv, int layer, Buffer& qkv, const AttnLayout& l, const Buffer& pos,
+                           const int32_t* pos_host, const SegmentKind* kinds, int T, float theta) {
+    rope(qkv, l, pos, theta);
+    kv_append(kv, layer, qkv, l, pos, pos_host, kinds, T);
+  }
   // Decode attention of the one query in qkv against layer `layer` of the cache. `policy` (may
   // be null) transforms scores; scores / probs (host, [n_heads][n_max], padding -inf / 0) are
   // written when not null.

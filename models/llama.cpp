@@ -97,8 +97,7 @@ Buffer LlamaDecoder::embed_tokens(const std::vector<int>& ids) const {
 
 void LlamaDecoder::mlp(const LlamaLayer& L, Buffer& h, Buffer& x, Buffer& gu, Buffer& g) const {
   const float eps = static_cast<float>(cfg.rms_norm_eps);
-  be->rms_norm(h, L.ln2, eps, x);
-  be->linear(x, L.gate_up_w, nullptr, gu, false);
+  be->norm_linear(h, L.ln2, eps, x, L.gate_up_w, nullptr, gu);
   be->gated_act(gu, activation_from_name(cfg.hidden_act, "text_config.hidden_act"), g);
   be->linear(g, L.down_w, nullptr, h, true);
 }
@@ -227,10 +226,8 @@ std::vector<float> LlamaDecoder::decode(int token, int position, int step, SeqKV
     be->embed(embed, w.ids, w.h);
     for (int l = 0; l < cfg.num_hidden_layers; ++l) {
       const LlamaLayer& L = layers[l];
-      be->rms_norm(w.h, L.ln1, eps, w.x);
-      be->linear(w.x, L.qkv_w, or_null(L.qkv_b), w.qkv, false);
-      be->rope(w.qkv, lay, w.pos, static_cast<float>(cfg.rope_theta));
-      be->kv_append(kv, l, w.qkv, lay, w.pos, &pos, &gen, 1);
+      be->norm_linear(w.h, L.ln1, eps, w.x, L.qkv_w, or_null(L.qkv_b), w.qkv);
+      be->rope_append(kv, l, w.qkv, lay, w.pos, &pos, &gen, 1, static_cast<float>(cfg.rope_theta));
       if (policy) {
         w.qkv_host.resize(static_cast<size_t>(w.qkv.numel()));
         be->download(w.qkv, w.qkv_host.data());
@@ -275,8 +272,7 @@ std::vector<float> LlamaDecoder::decode(int token, int position, int step, SeqKV
       be->linear(w.a, L.o_w, or_null(L.o_b), w.h, true);
       mlp(L, w.h, w.x, w.gu, w.g);
     }
-    be->rms_norm(w.h, norm, eps, w.x);
-    be->linear(w.x, lm_head, nullptr, w.logits, false);
+    be->norm_linear(w.h, norm, eps, w.x, lm_head, nullptr, w.logits);
   };
   // Replay is allowed only for steps with no host-side work; the key changes whenever the
   // device cache is laid out anew.

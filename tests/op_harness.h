@@ -70,6 +70,10 @@ inline double unit(Dt d) {
   }
 }
 
+// Absolute rounding error of a value near zero stored in dtype d: half the smallest subnormal
+// step (fp16 subnormals are 2^-24 apart; bf16 and fp32 reach far smaller values first).
+inline double tiny(Dt d) { return d == Dt::F16 ? std::ldexp(1.0, -25) : 0.0; }
+
 inline float round_to(Dt d, float x) {
   if (d == Dt::F16) return quant::round_half(x);
   if (d == Dt::BF16) {

@@ -280,6 +280,60 @@ void run_case(const DecodeCase& c) {
   }
 }
 
+// A plain decode step's fused RoPE + append (no host rows): the new K/V row in the device tail
+// and the rotated query equal the CPU's rope on the same projections, rounded to fp16.
+TEST(DecodeOps, RopeAppendFused) {
+  KVLENS_NEED_GPU();
+  DecodeCase c;
+  c.NH = 6;
+  c.NKV = 2;
+  const int T = 37;
+  const AttnLayout lp = layout_of(c, T), l1 = layout_of(c, 1);
+  Backend& cpu = *op_backends().cpu;
+  Backend& gpu = *op_backends().gpu;
+  std::vector<int32_t> pos(T);
+  std::vector<SegmentKind> kinds(T, SegmentKind::System);
+  for (int t = 0; t < T; ++t) pos[t] = t;
+  KVStore host(1, c.NKV, c.D);
+  auto dev = gpu.kv_create(1, c.NKV, c.D);
+  SeqKV kv{&host, dev.get(), false};
+  {
+    Buffer X = make(gpu, "qkv", {T, lp.row_stride}, Dt::F32, projections(c, lp, T));
+    Buffer P = make_ids(gpu, "pos", pos);
+    gpu.kv_append(kv, 0, X, lp, P, pos.data(), kinds.data(), T);
+  }
+  gpu.kv_reserve(*dev, 4);
+  const auto row = randn(static_cast<size_t>(l1.row_stride));
+  const int32_t p = 1234;
+  const SegmentKind gen = SegmentKind::Generated;
+  Buffer Xg = make(gpu, "qkv1", {1, l1.row_stride}, Dt::F32, row), Pg = make_ids(gpu, "pos1", {p});
+  gpu.rope_append(kv, 0, Xg, l1, Pg, &p, &gen, 1, 10000.0f);
+  Buffer Xc = make(cpu, "qkv1", {1, l1.row_stride}, Dt::F32, row), Pc = make_ids(cpu, "pos1", {p});
+  cpu.rope(Xc, l1, Pc, 10000.0f);
+  const auto got = read(gpu, Xg), want = read(cpu, Xc);
+  std::vector<double> bound(want.size());
+  for (size_t i = 0; i < want.size(); ++i) bound[i] = 16 * unit(Dt::F32) * (std::abs(want[i]) + 1);
+  expect_within(got, want, bound, "rope_append: rotated q and k in place");
+  KVStore back;
+  gpu.kv_hydrate(*dev, back);
+  ASSERT_EQ(back.layer(0).segments.size(), 2u);
+  const KVSegment& tail = back.layer(0).segments.back();
+  EXPECT_EQ(tail.kind, SegmentKind::Generated);
+  for (int h = 0; h < c.NKV; ++h) {
+    ASSERT_EQ(tail.heads[h].n(), 1);
+    EXPECT_EQ(tail.heads[h].pos[0], p);
+    std::vector<float> k(c.D), v(c.D);
+    std::vector<double> kb(c.D);
+    for (int d = 0; d < c.D; ++d) {
+      k[d] = quant::round_half(want[l1.k_col + h * c.D + d]);
+      v[d] = quant::round_half(row[l1.v_col + h * c.D + d]);
+      kb[d] = 16 * unit(Dt::F32) * (std::abs(k[d]) + 1) + unit(Dt::F16) * std::abs(k[d]);
+    }
+    expect_within(tail.heads[h].k, k, kb, "rope_append: appended key");
+    EXPECT_EQ(tail.heads[h].v, v) << "rope_append: appended value";
+  }
+}
+
 TEST(DecodeOps, FullCacheFp16) {
   run_case({});
   KVLENS_GPU_HALF_SKIPPED();

@@ -111,6 +111,48 @@ TEST(Ops, Linear) {
   KVLENS_GPU_HALF_SKIPPED();
 }
 
+// The decode step's fused norm + projection against fp64 on the same inputs: x = g·h/rms(h)
+// rounded to the matrix dtype (as rms_norm stores it), then x·Wᵀ + bias.
+void norm_linear_case(Dt dt, int K, int N) {
+  const auto h = randn(K, 2.0f), g = randn(K), b = randn(N);
+  const auto w = rounded(dt, randn(static_cast<size_t>(N) * K, 1.0f / std::sqrt(static_cast<float>(K))));
+  double ss = 0;
+  for (float v : h) ss += static_cast<double>(v) * v;
+  const double inv = 1.0 / std::sqrt(ss / K + 1e-5);
+  const Backends2 B = both(dt);
+  for (int i = 0; i < 2; ++i) {
+    Backend* be = B.be[i];
+    if (!be) continue;
+    const Dt xdt = i == 0 ? Dt::F32 : dt;  // the CPU keeps x in fp32
+    std::vector<float> ref(N);
+    std::vector<double> bound(N);
+    for (int n = 0; n < N; ++n) {
+      double s = b[n], mag = std::abs(b[n]);
+      for (int k = 0; k < K; ++k) {
+        const double x = round_to(xdt, static_cast<float>(g[k] * (h[k] * inv)));
+        s += x * w[static_cast<size_t>(n) * K + k];
+        mag += std::abs(x * w[static_cast<size_t>(n) * K + k]);
+      }
+      ref[n] = static_cast<float>(s);
+      // fp32 accumulation, the fp32 norm and one rounding step of x either way
+      bound[n] = (dot_rel(K + 1) + 2 * dot_rel(K) + 2 * unit(xdt)) * mag;
+    }
+    const Raw rw = raw("w", dt, {N, K}, w);
+    Buffer W = be->matrix("w", {rw.t});
+    Buffer H = make(*be, "h", {1, K}, Dt::F32, h), G = make(*be, "g", {K}, Dt::F32, g), Bv = make(*be, "b", {N}, Dt::F32, b);
+    Buffer X = be->alloc("x", {1, K}, W.dt);
+    Buffer Y = poisoned(*be, "y", {1, N}, Dt::F32);
+    be->norm_linear(H, G, 1e-5f, X, W, &Bv, Y);
+    expect_within(read(*be, Y), ref, bound, std::string(B.name[i]) + " norm_linear " + dt_name(dt));
+  }
+}
+
+TEST(Ops, NormLinear) {
+  norm_linear_case(Dt::F16, 1032, 4103);
+  norm_linear_case(Dt::BF16, 264, 77);
+  KVLENS_GPU_HALF_SKIPPED();
+}
+
 TEST(Ops, NormsActivations) {
   for (Dt odt : {Dt::F32, Dt::F16, Dt::BF16}) {
     const int M = 13, D = 517;
@@ -131,8 +173,8 @@ TEST(Ops, NormsActivations) {
         const size_t at = static_cast<size_t>(m) * D + i;
         rms[at] = static_cast<float>(g[i] * r[i] * inv_r);
         ln[at] = static_cast<float>((r[i] - mean) * inv_l * g[i] + bvec[i]);
-        brms[at] = (dot_rel(D) + 8 * unit(Dt::F32) + unit(odt)) * std::abs(rms[at]) + 1e-30;
-        bln[at] = (2 * dot_rel(D) + 8 * unit(Dt::F32) + unit(odt)) * std::abs(ln[at]) +
+        brms[at] = (dot_rel(D) + 8 * unit(Dt::F32) + unit(odt)) * std::abs(rms[at]) + tiny(odt);
+        bln[at] = (2 * dot_rel(D) + 8 * unit(Dt::F32) + unit(odt)) * std::abs(ln[at]) + tiny(odt) +
                   4 * dot_rel(D) * (mx * inv_l) * std::abs(g[i]) + 2 * unit(Dt::F32) * std::abs(bvec[i]);
       }
     }
@@ -178,10 +220,12 @@ TEST(Ops, NormsActivations) {
         const double v = static_cast<double>(y[at]) + bias[n];
         r1[at] = static_cast<float>(f(v));
         // float evaluation of the formula: a few ulps of |v|-sized intermediates.
-        b1[at] = 16 * unit(Dt::F32) * (std::abs(v) + 1) * (std::abs(r1[at]) + 1) + unit(Dt::F16) * std::abs(r1[at]);
+        b1[at] = 16 * unit(Dt::F32) * (std::abs(v) + 1) * (std::abs(r1[at]) + 1) + unit(Dt::F16) * std::abs(r1[at]) +
+                 tiny(Dt::F16);
         const double g = gu[static_cast<size_t>(m) * 2 * N + n], u = gu[static_cast<size_t>(m) * 2 * N + N + n];
         r2[at] = static_cast<float>(f(g) * u);
-        b2[at] = 16 * unit(Dt::F32) * (std::abs(g) + 1) * (std::abs(f(g)) + 1) * std::abs(u) + unit(Dt::F16) * std::abs(r2[at]);
+        b2[at] = 16 * unit(Dt::F32) * (std::abs(g) + 1) * (std::abs(f(g)) + 1) * std::abs(u) +
+                 unit(Dt::F16) * std::abs(r2[at]) + tiny(Dt::F16);
       }
     const Backends2 B = both(Dt::F16);
     for (int i = 0; i < 2; ++i) {
@@ -342,7 +386,7 @@ void attention_case(int T, int NH, int NKV, int D, bool causal, Dt odt) {
   double worst = 0;
   for (size_t i = 0; i < ref.size(); ++i) worst = std::max(worst, std::abs(double(nv[i]) - ref[i]));
   std::vector<double> bound(ref.size());
-  for (size_t i = 0; i < ref.size(); ++i) bound[i] = 2 * worst + unit(odt) * std::abs(ref[i]) + 1e-7;
+  for (size_t i = 0; i < ref.size(); ++i) bound[i] = 2 * worst + unit(odt) * std::abs(ref[i]) + tiny(odt) + 1e-7;
   const Backends2 B = both(Dt::F16);
   const std::string what = "attention T=" + std::to_string(T) + " D=" + std::to_string(D) + (causal ? " causal" : "");
   for (int i = 0; i < 2; ++i) {

@@ -1,12 +1,13 @@
 // Prefill / vision attention: tiled, one online softmax per query row, never materializing the
 // T×T scores. CPU twin: cpu::attention_head.
 //
-// Tensor-core kernel (head_dim 32, 64, 128): a block of 4 warps takes 64 query rows of one head;
-// for each tile of 64 keys it stages K and V as fp16 in shared memory, each warp computes its
-// 16×64 scores with WMMA (fp16 in, fp32 out), applies the mask and the online softmax update
-// row by row, and adds P·V (WMMA again) into an fp32 output tile kept in shared memory, which
-// the running-max rescale multiplies first. Other head sizes, and fp32 models, use the simple
-// kernel: one warp per query row, fp32 throughout.
+// Tensor-core kernel (head_dim 32, 64, 128): K and V are first staged once as fp16, head-major;
+// then a block of 4 warps takes 64 query rows of one head and walks the key tiles (64 keys)
+// twice: the first pass finds each row's maximum score, the second forms P = exp(S − max) (so
+// no running rescale of the output is needed) and accumulates P·V in tensor-core fragments
+// (fp16 operands, fp32 accumulation) and the row sums. Scores are WMMA products (fp16 in, fp32
+// out). Other head sizes, and fp32 models, use the simple kernel: one warp per query row, fp32
+// throughout.
 #include <mma.h>
 
 #include "kernels/cuda/common.cuh"
@@ -32,76 +33,61 @@ struct Tile {
   static constexpr int LDH = D + 8;   // halves
   static constexpr int LDS = BK + 4;  // floats
   static constexpr int LDP = BK + 8;  // halves
-  static constexpr int LDO = D + 4;   // floats
+  static constexpr int LDO = D + 4;   // floats (the output tile, over the K and V tiles at the end)
   static constexpr size_t q_off = 0;
   static constexpr size_t k_off = q_off + sizeof(__half) * BQ * LDH;
   static constexpr size_t v_off = k_off + sizeof(__half) * BK * LDH;
   static constexpr size_t s_off = v_off + sizeof(__half) * BK * LDH;
   static constexpr size_t p_off = s_off + sizeof(float) * BQ * LDS;
-  static constexpr size_t o_off = p_off + sizeof(__half) * BQ * LDP;
-  static constexpr size_t t_off = o_off + sizeof(float) * BQ * LDO;
-  static constexpr size_t r_off = t_off + sizeof(float) * BQ * LDO;
-  static constexpr size_t bytes = r_off + sizeof(float) * 3 * BQ;
+  static constexpr size_t bytes = p_off + sizeof(__half) * BQ * LDP;
+  static_assert(sizeof(float) * BQ * LDO <= 2 * sizeof(__half) * BK * LDH, "output tile fits over K and V");
 };
 
+// kv16: K and V of every KV head as fp16, [2][n_kv_heads][T][D] (made once per call).
 template <int D, class OT>
-__global__ void __launch_bounds__(128) attn_wmma_kernel(Args a, OT* __restrict__ out) {
+__global__ void __launch_bounds__(128) attn_wmma_kernel(Args a, const __half* __restrict__ kv16, OT* __restrict__ out) {
   using TL = Tile<D>;
   constexpr int BQ = TL::BQ, BK = TL::BK, LDH = TL::LDH, LDS = TL::LDS, LDP = TL::LDP, LDO = TL::LDO;
+  constexpr int NF = D / 16;
   extern __shared__ __align__(128) unsigned char smem[];
   __half* Qs = reinterpret_cast<__half*>(smem + TL::q_off);
   __half* Ks = reinterpret_cast<__half*>(smem + TL::k_off);
   __half* Vs = reinterpret_cast<__half*>(smem + TL::v_off);
   float* Ss = reinterpret_cast<float*>(smem + TL::s_off);
   __half* Ps = reinterpret_cast<__half*>(smem + TL::p_off);
-  float* Os = reinterpret_cast<float*>(smem + TL::o_off);
-  float* Ts = reinterpret_cast<float*>(smem + TL::t_off);
-  float* mrow = reinterpret_cast<float*>(smem + TL::r_off);
-  float* lrow = mrow + BQ;
-  float* arow = lrow + BQ;
+  float* Os = reinterpret_cast<float*>(smem + TL::k_off);
 
   const int q0 = blockIdx.x * BQ, h = blockIdx.y, kvh = h / a.G;
   const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31;
   const float* qbase = a.qkv + a.q_col + static_cast<int64_t>(h) * D;
-  const float* kbase = a.qkv + a.k_col + static_cast<int64_t>(kvh) * D;
-  const float* vbase = a.qkv + a.v_col + static_cast<int64_t>(kvh) * D;
+  const int NKV = a.NH / a.G;
+  const __half* kg = kv16 + static_cast<int64_t>(kvh) * a.T * D;
+  const __half* vg = kv16 + (static_cast<int64_t>(NKV) + kvh) * a.T * D;
 
-  // Tiles are read as float4 (rows of q/k/v are 16-byte aligned: D and the columns are
-  // multiples of 4) and stored as fp16 pairs.
+  // Q tile: float4 reads (rows are 16-byte aligned), fp16 pairs in shared memory.
   for (int i = tid; i < BQ * D / 4; i += blockDim.x) {
     const int r = i / (D / 4), c = (i % (D / 4)) * 4;
     const int t = q0 + r;
     const float4 v = t < a.T ? *reinterpret_cast<const float4*>(qbase + t * a.stride + c) : make_float4(0, 0, 0, 0);
     *reinterpret_cast<__half2*>(Qs + r * LDH + c) = __floats2half2_rn(v.x, v.y);
     *reinterpret_cast<__half2*>(Qs + r * LDH + c + 2) = __floats2half2_rn(v.z, v.w);
-    *reinterpret_cast<float4*>(Os + r * LDO + c) = make_float4(0, 0, 0, 0);
   }
-  if (tid < BQ) {
-    mrow[tid] = -INFINITY;
-    lrow[tid] = 0.0f;
-  }
-  __syncthreads();
-
-  const int kend = a.causal ? min(a.T, q0 + BQ) : a.T;
-  for (int k0 = 0; k0 < kend; k0 += BK) {
-    for (int i = tid; i < BK * D / 4; i += blockDim.x) {
-      const int r = i / (D / 4), c = (i % (D / 4)) * 4;
+  auto load_tile = [&](__half* dst, const __half* src, int k0) {
+    for (int i = tid; i < BK * D / 8; i += blockDim.x) {
+      const int r = i / (D / 8), c = (i % (D / 8)) * 8;
       const int t = k0 + r;
-      const bool ok = t < a.T;
-      const float4 k = ok ? *reinterpret_cast<const float4*>(kbase + t * a.stride + c) : make_float4(0, 0, 0, 0);
-      const float4 v = ok ? *reinterpret_cast<const float4*>(vbase + t * a.stride + c) : make_float4(0, 0, 0, 0);
-      *reinterpret_cast<__half2*>(Ks + r * LDH + c) = __floats2half2_rn(k.x, k.y);
-      *reinterpret_cast<__half2*>(Ks + r * LDH + c + 2) = __floats2half2_rn(k.z, k.w);
-      *reinterpret_cast<__half2*>(Vs + r * LDH + c) = __floats2half2_rn(v.x, v.y);
-      *reinterpret_cast<__half2*>(Vs + r * LDH + c + 2) = __floats2half2_rn(v.z, v.w);
+      *reinterpret_cast<uint4*>(dst + r * LDH + c) =
+          t < a.T ? *reinterpret_cast<const uint4*>(src + static_cast<int64_t>(t) * D + c) : make_uint4(0, 0, 0, 0);
     }
-    __syncthreads();
-    // S = Q·Kᵀ for this warp's 16 rows.
+  };
+  // This warp's 16×64 scores of the tile at k0 into Ss.
+  auto scores = [&]() {
+#pragma unroll
     for (int n = 0; n < BK / 16; ++n) {
       wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
       wmma::fill_fragment(acc, 0.0f);
 #pragma unroll
-      for (int kd = 0; kd < D / 16; ++kd) {
+      for (int kd = 0; kd < NF; ++kd) {
         wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> fa;
         wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major> fb;
         wmma::load_matrix_sync(fa, Qs + (16 * w) * LDH + 16 * kd, LDH);
@@ -110,75 +96,83 @@ __global__ void __launch_bounds__(128) attn_wmma_kernel(Args a, OT* __restrict__
       }
       wmma::store_matrix_sync(Ss + (16 * w) * LDS + 16 * n, acc, LDS, wmma::mem_row_major);
     }
+  };
+  // Two lanes per row, 32 columns each.
+  const int r = 16 * w + (lane >> 1), half_ = lane & 1, qi = q0 + r;
+  const int kend = a.causal ? min(a.T, q0 + BQ) : a.T;
+  auto valid = [&](int kj) { return qi < a.T && kj < a.T && (!a.causal || kj <= qi); };
+
+  // Pass 1: the row maxima.
+  float m = -INFINITY;
+  for (int k0 = 0; k0 < kend; k0 += BK) {
+    __syncthreads();
+    load_tile(Ks, kg, k0);
+    __syncthreads();
+    scores();
     __syncwarp();
-    // Online softmax: two lanes per row, 32 columns each.
-    {
-      const int r = 16 * w + (lane >> 1), half_ = lane & 1;
-      const int qi = q0 + r;
-      float* srow = Ss + r * LDS + 32 * half_;
-      float mx = -INFINITY;
-      float sv[32];
-#pragma unroll
-      for (int c = 0; c < 32; ++c) {
-        const int kj = k0 + 32 * half_ + c;
-        const bool valid = qi < a.T && kj < a.T && (!a.causal || kj <= qi);
-        sv[c] = valid ? srow[c] * a.scale : -INFINITY;
-        mx = fmaxf(mx, sv[c]);
-      }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      const float m_old = mrow[r];
-      const float m_new = fmaxf(m_old, mx);
-      float alpha = 1.0f, sum = 0.0f;
-      __half* prow = Ps + r * LDP + 32 * half_;
-      if (m_new == -INFINITY) {
-#pragma unroll
-        for (int c = 0; c < 32; ++c) prow[c] = __float2half_rn(0.0f);
-      } else {
-        alpha = expf(m_old - m_new);
-#pragma unroll
-        for (int c = 0; c < 32; ++c) {
-          const float p = expf(sv[c] - m_new);
-          sum += p;
-          prow[c] = __float2half_rn(p);
-        }
-      }
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      __syncwarp();
-      if (half_ == 0) {
-        mrow[r] = m_new;
-        lrow[r] = lrow[r] * alpha + sum;
-        arow[r] = alpha;
-      }
-    }
-    __syncwarp();
-    // T = P·V for this warp's rows, then O = O·alpha + T.
-    for (int dn = 0; dn < D / 16; ++dn) {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-      wmma::fill_fragment(acc, 0.0f);
-#pragma unroll
-      for (int kk = 0; kk < BK / 16; ++kk) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> fa;
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::row_major> fb;
-        wmma::load_matrix_sync(fa, Ps + (16 * w) * LDP + 16 * kk, LDP);
-        wmma::load_matrix_sync(fb, Vs + (16 * kk) * LDH + 16 * dn, LDH);
-        wmma::mma_sync(acc, fa, fb, acc);
-      }
-      wmma::store_matrix_sync(Ts + (16 * w) * LDO + 16 * dn, acc, LDO, wmma::mem_row_major);
-    }
-    __syncwarp();
-    for (int i = lane; i < 16 * D; i += 32) {
-      const int r = 16 * w + i / D, c = i % D;
-      Os[r * LDO + c] = Os[r * LDO + c] * arow[r] + Ts[r * LDO + c];
-    }
-    __syncthreads();  // Ks / Vs are overwritten next
+    const float* srow = Ss + r * LDS + 32 * half_;
+#pragma unroll 8
+    for (int c = 0; c < 32; ++c)
+      if (valid(k0 + 32 * half_ + c)) m = fmaxf(m, srow[c] * a.scale);
   }
-  for (int i = tid; i < BQ * D; i += blockDim.x) {
-    const int r = i / D, c = i % D;
-    const int t = q0 + r;
-    if (t >= a.T) continue;
-    const float l = lrow[r];
-    out[static_cast<int64_t>(t) * a.NH * D + static_cast<int64_t>(h) * D + c] =
-        from_f<OT>(l > 0.0f ? Os[r * LDO + c] / l : 0.0f);
+  m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+
+  // Pass 2: P = exp(S − m) (no rescaling needed), O += P·V in fragments, l += Σ P.
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> o[NF];
+#pragma unroll
+  for (int f = 0; f < NF; ++f) wmma::fill_fragment(o[f], 0.0f);
+  float l = 0.0f;
+  for (int k0 = 0; k0 < kend; k0 += BK) {
+    __syncthreads();
+    load_tile(Ks, kg, k0);
+    load_tile(Vs, vg, k0);
+    __syncthreads();
+    scores();
+    __syncwarp();
+    const float* srow = Ss + r * LDS + 32 * half_;
+    __half* prow = Ps + r * LDP + 32 * half_;
+#pragma unroll 8
+    for (int c = 0; c < 32; ++c) {
+      const float p = valid(k0 + 32 * half_ + c) ? __expf(srow[c] * a.scale - m) : 0.0f;
+      l += p;
+      prow[c] = __float2half_rn(p);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> fa;
+      wmma::load_matrix_sync(fa, Ps + (16 * w) * LDP + 16 * kk, LDP);
+#pragma unroll
+      for (int f = 0; f < NF; ++f) {
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::row_major> fb;
+        wmma::load_matrix_sync(fb, Vs + (16 * kk) * LDH + 16 * f, LDH);
+        wmma::mma_sync(o[f], fa, fb, o[f]);
+      }
+    }
+  }
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  __syncthreads();  // the K and V tiles become the output tile
+#pragma unroll
+  for (int f = 0; f < NF; ++f) wmma::store_matrix_sync(Os + (16 * w) * LDO + 16 * f, o[f], LDO, wmma::mem_row_major);
+  __syncwarp();
+  if (qi < a.T) {
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    OT* orow = out + static_cast<int64_t>(qi) * a.NH * D + static_cast<int64_t>(h) * D;
+    for (int c = half_; c < D; c += 2) orow[c] = from_f<OT>(Os[r * LDO + c] * inv);
+  }
+}
+
+// K and V of qkv (fp32) as fp16, head-major: kv16[s][h][t][d].
+__global__ void stage_kv_kernel(Args a, __half* kv16) {
+  const int NKV = a.NH / a.G;
+  const int64_t n = static_cast<int64_t>(2) * NKV * a.T * a.D;
+  for (int64_t i = threadIdx.x + static_cast<int64_t>(blockIdx.x) * blockDim.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int d = static_cast<int>(i % a.D);
+    const int t = static_cast<int>((i / a.D) % a.T);
+    const int hh = static_cast<int>((i / (static_cast<int64_t>(a.D) * a.T)) % NKV);
+    const int sd = static_cast<int>(i / (static_cast<int64_t>(a.D) * a.T * NKV));
+    kv16[i] = __float2half_rn(a.qkv[t * a.stride + (sd ? a.v_col : a.k_col) + static_cast<int64_t>(hh) * a.D + d]);
   }
 }
 
@@ -257,7 +251,7 @@ Args make_args(const float* qkv, const AttnLayout& l) {
 }
 
 template <int D, class OT>
-void launch_wmma(const Args& a, OT* out, cudaStream_t s) {
+void launch_wmma(const Args& a, const __half* kv16, OT* out, cudaStream_t s) {
   const size_t bytes = Tile<D>::bytes;
   static bool configured = false;  // the attribute is per kernel and process
   if (!configured) {
@@ -267,7 +261,7 @@ void launch_wmma(const Args& a, OT* out, cudaStream_t s) {
     configured = true;
   }
   dim3 grid((a.T + Tile<D>::BQ - 1) / Tile<D>::BQ, a.NH);
-  attn_wmma_kernel<D, OT><<<grid, 128, bytes, s>>>(a, out);
+  attn_wmma_kernel<D, OT><<<grid, 128, bytes, s>>>(a, kv16, out);
 }
 
 }  // namespace
@@ -293,12 +287,18 @@ void attention_prefill(const float* qkv, const AttnLayout& l, void* out, Dt odt,
   if ((D != 32 && D != 64 && D != 128) || odt == Dt::F32 || !aligned)
     return attention_prefill_simple(qkv, l, out, odt, s);
   const Args a = make_args(qkv, l);
+  const int64_t n = static_cast<int64_t>(2) * l.n_kv_heads * l.T * D;
+  void* kv16 = nullptr;
+  KV_CUDA(cudaMallocAsync(&kv16, static_cast<size_t>(n) * 2, s), "attention K/V staging (" + mib(n * 2) + ")");
+  stage_kv_kernel<<<static_cast<int>(std::min<int64_t>((n + 255) / 256, 8192)), 256, 0, s>>>(a, static_cast<__half*>(kv16));
+  KV_LAUNCH("stage_kv_kernel", std::to_string(l.T) + " tokens");
   dispatch_float(odt, [&](auto t) {
     using OT = decltype(t);
-    if (D == 32) launch_wmma<32>(a, static_cast<OT*>(out), s);
-    else if (D == 64) launch_wmma<64>(a, static_cast<OT*>(out), s);
-    else launch_wmma<128>(a, static_cast<OT*>(out), s);
+    if (D == 32) launch_wmma<32>(a, static_cast<const __half*>(kv16), static_cast<OT*>(out), s);
+    else if (D == 64) launch_wmma<64>(a, static_cast<const __half*>(kv16), static_cast<OT*>(out), s);
+    else launch_wmma<128>(a, static_cast<const __half*>(kv16), static_cast<OT*>(out), s);
   });
+  cudaFreeAsync(kv16, s);
   KV_LAUNCH("attn_wmma_kernel", std::to_string(l.T) + " tokens x " + std::to_string(l.n_heads) + " heads, D=" +
                                     std::to_string(D));
 }

@@ -264,6 +264,20 @@ class CudaBackend : public Backend {
                          &beta, y.data, CUDA_R_32F, static_cast<int>(N), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
             W.name + " " + std::to_string(M) + "x" + std::to_string(N) + "x" + std::to_string(K));
   }
+  void norm_linear(const Buffer& h, const Buffer& g, float eps, Buffer& x, const Buffer& W, const Buffer* bias,
+                   Buffer& y) override {
+    const int64_t K = h.cols();
+    const bool fused = h.rows() == 1 && h.dt == Dt::F32 && (W.dt == Dt::F16 || W.dt == Dt::BF16) && K % 8 == 0 &&
+                       W.cols() == K && y.dt == Dt::F32 && y.cols() == W.rows() && g.numel() == K &&
+                       ((reinterpret_cast<uintptr_t>(h.data) | reinterpret_cast<uintptr_t>(g.data) |
+                         reinterpret_cast<uintptr_t>(W.data)) & 15) == 0;
+    if (!fused) return Backend::norm_linear(h, g, eps, x, W, bias, y);
+    if (bias) need(bias->numel() == W.rows() && bias->dt == Dt::F32, "norm_linear: bias " + bias->name);
+    if (ctx_->replay) return;
+    auto prof_scope = prof_.scope("norm_linear", *ctx_);
+    gemv_norm(W.data, W.dt, static_cast<int>(W.rows()), static_cast<int>(K), h.as<float>(), g.as<float>(), eps,
+              bias ? bias->as<float>() : nullptr, y.as<float>(), ctx_->n_sm, ctx_->stream);
+  }
   void rms_norm(const Buffer& x, const Buffer& g, float eps, Buffer& y) override {
     need(x.dt == Dt::F32 && x.numel() == y.numel() && g.numel() == x.cols(), "rms_norm: " + x.name + " → " + y.name);
     if (ctx_->replay) return;
@@ -347,6 +361,16 @@ class CudaBackend : public Backend {
                  const int32_t* pos_host, const SegmentKind* kinds, int T) override {
     auto prof_scope = prof_.scope("kv_append", *ctx_);
     cuda::kv_append(*ctx_, kv, layer, qkv, l, pos, pos_host, kinds, T);
+  }
+  void rope_append(SeqKV& kv, int layer, Buffer& qkv, const AttnLayout& l, const Buffer& pos, const int32_t* pos_host,
+                   const SegmentKind* kinds, int T, float theta) override {
+    need(qkv.dt == Dt::F32 && pos.dt == Dt::I32 && l.head_dim % 2 == 0, "rope_append: " + qkv.name);
+    const float* inv = inv_freq(l.head_dim, theta);
+    {
+      auto prof_scope = prof_.scope("rope_append", *ctx_);
+      if (cuda::kv_rope_append(*ctx_, kv, layer, qkv, l, pos, pos_host, kinds, T, inv)) return;
+    }
+    Backend::rope_append(kv, layer, qkv, l, pos, pos_host, kinds, T, theta);
   }
   void decode_attention(const Buffer& qkv, const AttnLayout& l, SeqKV& kv, int layer, const KVPolicy* policy,
                         Buffer& out, float* scores, float* probs, int n_max) override {

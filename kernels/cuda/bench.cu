@@ -142,7 +142,8 @@ std::vector<AttnBenchRow> bench_decode_attention(const AttnBenchConfig& c, doubl
         const int splits = decode_splits(B, NH, n, SM);
         Mem po(heads * splits * D * 4, "partial outputs"), pm(heads * splits * 2 * 4, "partial states"),
             vr(heads * splits * 2 * 4, "visual ranges");
-        Mem np(heads * 4, "part counts");
+        Mem np(heads * 4, "part counts"), sem(heads * 4, "merge counters");
+        KV_CUDA(cudaMemsetAsync(sem.p, 0, heads * 4, st.s), "merge counters");
         std::vector<int32_t> ones(static_cast<size_t>(heads), 1);
         KV_CUDA(cudaMemcpyAsync(np.p, ones.data(), heads * 4, cudaMemcpyHostToDevice, st.s), "part counts");
         std::vector<std::unique_ptr<Mem>> tables;
@@ -185,6 +186,8 @@ std::vector<AttnBenchRow> bench_decode_attention(const AttnBenchConfig& c, doubl
         p.out = out.p;
         p.odt = Dt::F16;
         p.out_stride = static_cast<int64_t>(NH) * D;
+        p.sem = sem.as<int>();
+        p.lut_bits = bits <= 4 ? bits : 0;
         if (calib) {
           p.calibrate = 1;
           p.tau1 = 0.0f;
@@ -347,7 +350,8 @@ std::vector<ThroughputRow> bench_throughput(const ThroughputConfig& c) {
                                                                             -1.0f, 1.0f, 99);
       const int splits = decode_splits(B, NH, c.visual + c.text + cap, SM);
       Mem po(static_cast<int64_t>(B) * NH * splits * D * 4, "partial outputs"),
-          pm(static_cast<int64_t>(B) * NH * splits * 2 * 4, "partial states");
+          pm(static_cast<int64_t>(B) * NH * splits * 2 * 4, "partial states"), sem(static_cast<int64_t>(B) * NH * 4, "merge counters");
+      KV_CUDA(cudaMemsetAsync(sem.p, 0, static_cast<size_t>(B) * NH * 4, st.s), "merge counters");
       const float one = 1.0f, zero = 0.0f;
       auto gemm = [&](const __half* Wt, int N, int K, const void* in, float* y, bool acc) {
         cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, N, B, K, &one, Wt, CUDA_R_16F, K, in, CUDA_R_16F, K,
@@ -378,6 +382,8 @@ std::vector<ThroughputRow> bench_throughput(const ThroughputConfig& c) {
           p.out = a.p;
           p.odt = Dt::F16;
           p.out_stride = QD;
+          p.sem = sem.as<int>();
+          p.lut_bits = bits <= 4 ? bits : 0;
           decode_attention(p, st.s);
           gemm(w.o, H, static_cast<int>(QD), a.p, h.as<float>(), true);
           rms_norm(h.as<float>(), x.p, Dt::F16, B, H, norm.as<float>(), 1e-5f, st.s);

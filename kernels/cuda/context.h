@@ -55,6 +55,10 @@ struct DevMem {
 std::unique_ptr<DeviceKV> kv_create(const std::shared_ptr<Context>& ctx, int n_layers, int n_kv_heads, int head_dim);
 void kv_append(Context& ctx, SeqKV& kv, int layer, const Buffer& qkv, const AttnLayout& l, const Buffer& pos,
                const int32_t* pos_host, const SegmentKind* kinds, int T);
+// RoPE and the decode row's append in one kernel (a plain decode step); false when the step
+// needs the general path (prompt rows, or host rows kept in step).
+bool kv_rope_append(Context& ctx, SeqKV& kv, int layer, Buffer& qkv, const AttnLayout& l, const Buffer& pos,
+                    const int32_t* pos_host, const SegmentKind* kinds, int T, const float* inv_freq);
 void kv_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, SeqKV& kv, int layer,
                          const KVPolicy* policy, Buffer& out, float* scores, float* probs, int n_max);
 void kv_hydrate(Context& ctx, const DeviceKV& dev, KVStore& host);

@@ -332,11 +332,18 @@ __device__ void fp16_rows(const PartDesc& P, int a, int e, const float* q, const
 // Channel-wise BITS-bit keys and values with one range per channel over the part: CalibQuant's
 // post-scaling (q⊙scale folded into q, q·zero added; values scaled once per part). RANGE: only
 // the min / max of the scores (the first pass of calibration).
+//
+// For BITS ≤ 4 the keys go through a table in shared memory built once per part: entry
+// [byte position][byte value] = Σ over the byte's 8/BITS channels of (q⊙scale)_c · code_c, so a
+// row's dot product is one lookup per byte of codes instead of a multiply-add per channel.
+// Values: 1-bit codes add p to the channels whose bit is set; wider codes multiply-add.
 template <int L, int BITS, int U, bool RANGE>
 __device__ void packed_rows(const PartDesc& P, int a, int e, const float* q, const Lane& ln, int g, bool cal,
-                            float cal_t, float cal_g, float tau1, State& st, float& lo, float& hi) {
+                            float cal_t, float cal_g, float tau1, State& st, float& lo, float& hi, float* lut) {
   constexpr int G = kThreads / L;
   constexpr uint32_t mask = (1u << BITS) - 1u;
+  constexpr bool LUT = BITS <= 4;
+  using Word = typename std::conditional<(BITS <= 4), uint32_t, uint64_t>::type;
   const int rowb = ln.D * BITS / 8;
   const uint8_t* K = static_cast<const uint8_t*>(P.k.data) + (ln.c0 / 8) * BITS;
   const uint8_t* V = static_cast<const uint8_t*>(P.v.data) + (ln.c0 / 8) * BITS;
@@ -347,23 +354,49 @@ __device__ void packed_rows(const PartDesc& P, int a, int e, const float* q, con
     qk[c] = ln.active ? q[c] * __half2float(P.k.scale[ch]) : 0.0f;
     if (ln.active) qa = fmaf(q[c], __half2float(P.k.zero[ch]), qa);
   }
+  if constexpr (LUT) {
+    // qk of every channel into the table's tail, then the table itself.
+    constexpr int per = 8 / BITS;  // channels per byte
+    const int npos = rowb, tab = npos * 256;
+    float* qs = lut + tab;
+    __syncthreads();  // the previous part's table is no longer read
+    if (ln.active) {
+#pragma unroll
+      for (int c = 0; c < 8; ++c) qs[ln.c0 + c] = qk[c];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < tab; i += kThreads) {
+      const int pos = i >> 8, v = i & 255;
+      float t = 0.0f;
+#pragma unroll
+      for (int k = 0; k < per; ++k) t = fmaf(qs[pos * per + k], code_f((v >> (k * BITS)) & mask), t);
+      lut[i] = t;
+    }
+    __syncthreads();
+  }
+  const float* mylut = lut + (ln.c0 / 8) * BITS * 256;
   float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   float psum = 0.0f;
   for (int j0 = a; j0 < e; j0 += G * U) {
-    uint64_t kc[U], vc[U];
+    Word kc[U], vc[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int j = j0 + u * G + g;
       const bool ok = j < e && ln.active;
-      kc[u] = ok ? load_bits<BITS>(K + static_cast<int64_t>(j) * rowb) : 0;
-      if constexpr (!RANGE) vc[u] = ok ? load_bits<BITS>(V + static_cast<int64_t>(j) * rowb) : 0;
+      kc[u] = ok ? static_cast<Word>(load_bits<BITS>(K + static_cast<int64_t>(j) * rowb)) : 0;
+      if constexpr (!RANGE) vc[u] = ok ? static_cast<Word>(load_bits<BITS>(V + static_cast<int64_t>(j) * rowb)) : 0;
     }
     float sc[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       float d = qa;
+      if constexpr (LUT) {
 #pragma unroll
-      for (int c = 0; c < 8; ++c) d = fmaf(qk[c], code_f(static_cast<uint32_t>(kc[u] >> (c * BITS)) & mask), d);
+        for (int b = 0; b < BITS; ++b) d += mylut[b * 256 + ((kc[u] >> (8 * b)) & 255u)];
+      } else {
+#pragma unroll
+        for (int c = 0; c < 8; ++c) d = fmaf(qk[c], code_f(static_cast<uint32_t>(kc[u] >> (c * BITS)) & mask), d);
+      }
       if (!ln.active) d = 0.0f;
       d = group_sum<L>(d);
       sc[u] = j0 + u * G + g < e ? d : -INFINITY;
@@ -397,8 +430,14 @@ __device__ void packed_rows(const PartDesc& P, int a, int e, const float* q, con
         const float p = sc[u] == -INFINITY ? 0.0f : __expf(sc[u] - st.m);
         st.d += p;
         psum += p;
+        if constexpr (BITS == 1) {
 #pragma unroll
-        for (int c = 0; c < 8; ++c) acc[c] = fmaf(p, code_f(static_cast<uint32_t>(vc[u] >> (c * BITS)) & mask), acc[c]);
+          for (int c = 0; c < 8; ++c)
+            if ((vc[u] >> c) & 1u) acc[c] += p;
+        } else {
+#pragma unroll
+          for (int c = 0; c < 8; ++c) acc[c] = fmaf(p, code_f(static_cast<uint32_t>(vc[u] >> (c * BITS)) & mask), acc[c]);
+        }
       }
     }
   }
@@ -412,7 +451,7 @@ __device__ void packed_rows(const PartDesc& P, int a, int e, const float* q, con
 }
 
 // Which fast path a part can take (0: the general one).
-__device__ __forceinline__ int fast_kind(const PartDesc& P, int n, int mode, bool materialized) {
+__device__ __forceinline__ int fast_kind(const PartDesc& P, int n, int mode, bool materialized, int lut_bits) {
   if (materialized || mode == kScores) return 0;
   if (P.k.fmt == kF16 && P.v.fmt == kF16) return mode == kAttend ? 16 : 0;
   const bool whole = (P.k.group <= 0 || P.k.group >= n) && (P.v.group <= 0 || P.v.group >= n);
@@ -420,31 +459,64 @@ __device__ __forceinline__ int fast_kind(const PartDesc& P, int n, int mode, boo
   const int b = P.k.bits;
   if (b != 1 && b != 2 && b != 4 && b != 8) return 0;
   if ((reinterpret_cast<uintptr_t>(P.k.data) | reinterpret_cast<uintptr_t>(P.v.data)) & (b - 1)) return 0;
+  if (b <= 4 && b > lut_bits) return 0;  // no room for its table
   return b;
 }
 
 template <int L>
 __device__ void run_fast(int kind, const PartDesc& P, int a, int e, const float* q, const Lane& ln, int g, int mode,
-                         bool cal, float cal_t, float cal_g, float tau1, State& st, float& lo, float& hi) {
+                         bool cal, float cal_t, float cal_g, float tau1, State& st, float& lo, float& hi, float* lut) {
   const bool range = mode == kRange;
   switch (kind) {
     case 16: fp16_rows<L, 4>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st); break;
     case 1:
-      if (range) packed_rows<L, 1, 8, true>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st, lo, hi);
-      else packed_rows<L, 1, 8, false>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st, lo, hi);
+      if (range) packed_rows<L, 1, 16, true>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st, lo, hi, lut);
+      else packed_rows<L, 1, 16, false>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st, lo, hi, lut);
       break;
     case 2:
-      if (range) packed_rows<L, 2, 8, true>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st, lo, hi);
-      else packed_rows<L, 2, 8, false>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st, lo, hi);
+      if (range) packed_rows<L, 2, 16, true>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st, lo, hi, lut);
+      else packed_rows<L, 2, 16, false>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st, lo, hi, lut);
       break;
     case 4:
-      if (range) packed_rows<L, 4, 8, true>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st, lo, hi);
-      else packed_rows<L, 4, 8, false>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st, lo, hi);
+      if (range) packed_rows<L, 4, 8, true>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st, lo, hi, lut);
+      else packed_rows<L, 4, 8, false>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st, lo, hi, lut);
       break;
     default:
-      if (range) packed_rows<L, 8, 4, true>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st, lo, hi);
-      else packed_rows<L, 8, 4, false>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st, lo, hi);
+      if (range) packed_rows<L, 8, 4, true>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st, lo, hi, lut);
+      else packed_rows<L, 8, 4, false>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st, lo, hi, lut);
       break;
+  }
+}
+
+// Merges the splits' states (m, d, o) of head h of sequence b into its output (L2 reads: the
+// other blocks' states may have been written moments ago).
+__device__ void merge_head(const DecodeParams& p, int b, int h) {
+  const int64_t bh = static_cast<int64_t>(b) * p.NH + h;
+  const float* md = p.part_md + bh * p.splits * 2;
+  float M = -INFINITY;
+  for (int i = 0; i < p.splits; ++i) M = fmaxf(M, __ldcg(md + 2 * i));
+  float dsum = 0.0f;
+  for (int i = 0; i < p.splits; ++i) {
+    const float mi = __ldcg(md + 2 * i);
+    if (mi != -INFINITY) dsum += __ldcg(md + 2 * i + 1) * __expf(mi - M);
+  }
+  for (int c = threadIdx.x; c < p.D; c += blockDim.x) {
+    float v = 0.0f;
+    for (int i = 0; i < p.splits; ++i) {
+      const float mi = __ldcg(md + 2 * i);
+      if (mi != -INFINITY) v += __ldcg(p.part_o + (bh * p.splits + i) * p.D + c) * __expf(mi - M);
+    }
+    const float o = dsum > 0.0f ? v / dsum : 0.0f;
+    const int64_t at = b * p.out_stride + static_cast<int64_t>(h) * p.D + c;
+    switch (p.odt) {
+      case Dt::F16: static_cast<__half*>(p.out)[at] = __float2half_rn(o); break;
+      case Dt::BF16: static_cast<__nv_bfloat16*>(p.out)[at] = __float2bfloat16_rn(o); break;
+      default: static_cast<float*>(p.out)[at] = o; break;
+    }
+  }
+  if (p.md_out && threadIdx.x == 0) {
+    p.md_out[bh * 2] = M;
+    p.md_out[bh * 2 + 1] = dsum;
   }
 }
 
@@ -453,6 +525,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(DecodeParams p, int mo
   constexpr int G = kThreads / L;
   __shared__ float sh_m[G], sh_d[G];
   __shared__ float sh_o[G][8 * L + 1];
+  extern __shared__ float lut[];  // packed keys' tables (lut_bytes(D, lut_bits))
   const int s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int kvh = h / (p.NH / p.NKV);
   const int tid = threadIdx.x, g = tid / L, li = tid % L;
@@ -500,8 +573,9 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(DecodeParams p, int mo
       // Head sizes 64 and 128 (8 and 16 lanes a row) have fast paths for fp16 and for
       // channel-wise codes; everything else takes the general path.
       int kind = 0;
-      if constexpr (L == 8 || L == 16) kind = fast_kind(P, n, mode, sin != nullptr);
-      if (kind) run_fast<L>(kind, P, a, e, q, ln, g, mode, cal && P.visual, cal_t, cal_g, p.tau1, st, lo, hi);
+      if constexpr (L == 8 || L == 16)
+        if (p.D == 8 * L) kind = fast_kind(P, n, mode, sin != nullptr, p.lut_bits);  // every lane busy
+      if (kind) run_fast<L>(kind, P, a, e, q, ln, g, mode, cal && P.visual, cal_t, cal_g, p.tau1, st, lo, hi, lut);
       else run_part<L>(P, n, a, e, base, q, ln, g, mode, cal && P.visual, cal_t, cal_g, p.tau1, sin, sout, st, lo, hi);
     }
     base += n;
@@ -556,29 +630,22 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(DecodeParams p, int mo
     p.part_md[(bh * p.splits + s) * 2] = M;
     p.part_md[(bh * p.splits + s) * 2 + 1] = dsum;
   }
+  if (!p.sem) return;
+  // The last block of this head to finish merges every split's state.
+  __shared__ int last;
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) last = atomicAdd(p.sem + bh, 1) == p.splits - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  merge_head(p, b, h);
+  if (tid == 0) p.sem[bh] = 0;
 }
 
 template <class OT>
 __global__ void merge_kernel(DecodeParams p) {
-  const int h = blockIdx.x, b = blockIdx.y;
-  const int64_t bh = static_cast<int64_t>(b) * p.NH + h;
-  const float* md = p.part_md + bh * p.splits * 2;
-  float M = -INFINITY;
-  for (int i = 0; i < p.splits; ++i) M = fmaxf(M, md[2 * i]);
-  float dsum = 0.0f;
-  for (int i = 0; i < p.splits; ++i)
-    if (md[2 * i] != -INFINITY) dsum += md[2 * i + 1] * expf(md[2 * i] - M);
-  OT* out = static_cast<OT*>(p.out) + b * p.out_stride + static_cast<int64_t>(h) * p.D;
-  for (int c = threadIdx.x; c < p.D; c += blockDim.x) {
-    float v = 0.0f;
-    for (int i = 0; i < p.splits; ++i)
-      if (md[2 * i] != -INFINITY) v += p.part_o[(bh * p.splits + i) * p.D + c] * expf(md[2 * i] - M);
-    out[c] = from_f<OT>(dsum > 0.0f ? v / dsum : 0.0f);
-  }
-  if (p.md_out && threadIdx.x == 0) {
-    p.md_out[bh * 2] = M;
-    p.md_out[bh * 2 + 1] = dsum;
-  }
+  merge_head(p, blockIdx.y, blockIdx.x);
 }
 
 __global__ void probs_kernel(DecodeParams p, float* probs) {
@@ -593,8 +660,15 @@ __global__ void probs_kernel(DecodeParams p, float* probs) {
 
 template <int L>
 void launch_l(const DecodeParams& p, int mode, cudaStream_t s) {
+  const int bytes = decode_lut_bytes(p.D, p.lut_bits);
+  static int allowed = 48 << 10;  // dynamic shared memory the kernel may take without opting in
+  if (bytes > allowed) {
+    KV_CUDA(cudaFuncSetAttribute(decode_kernel<L>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+            "decode attention table of " + std::to_string(bytes) + " bytes");
+    allowed = bytes;
+  }
   dim3 grid(p.splits, p.NH, p.B);
-  decode_kernel<L><<<grid, kThreads, 0, s>>>(p, mode);
+  decode_kernel<L><<<grid, kThreads, bytes, s>>>(p, mode);
 }
 
 void launch(const DecodeParams& p, int mode, cudaStream_t s) {
@@ -613,6 +687,12 @@ void launch(const DecodeParams& p, int mode, cudaStream_t s) {
 
 }  // namespace
 
+int decode_lut_bytes(int D, int lut_bits) {
+  if (lut_bits <= 0) return 0;
+  const int b = std::min(lut_bits, 4);
+  return (D * b / 8 * 256 + D) * 4;  // the table and q⊙scale
+}
+
 int decode_splits(int B, int NH, int rows, int n_sm) {
   const int want = (8 * n_sm + B * NH - 1) / (B * NH);
   const int most = std::max(1, (rows + 63) / 64);
@@ -622,6 +702,7 @@ int decode_splits(int B, int NH, int rows, int n_sm) {
 void decode_attention(const DecodeParams& p, cudaStream_t s) {
   if (p.calibrate) launch(p, kRange, s);
   launch(p, kAttend, s);
+  if (p.sem) return;  // merged by each head's last block
   dim3 grid(p.NH, p.B);
   dispatch_float(p.odt, [&](auto t) {
     using OT = decltype(t);

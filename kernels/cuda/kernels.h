@@ -35,6 +35,10 @@ void softmax_rows(float* x, int64_t rows, int n, cudaStream_t s);
 // y[N] = W[N][K]·x[K] (+ bias) (+ y when accumulate); W and x f16 or bf16, K a multiple of 8.
 void gemv(const void* W, const void* x, Dt dt, int N, int K, const float* bias, float* y, bool accumulate,
           int n_sm, cudaStream_t s);
+// The same with x = RMSNorm(h)·g computed inside (h, g fp32 [K]), rounded to the weights' dtype
+// as rms_norm stores it: the decode step's norm and projection in one kernel.
+void gemv_norm(const void* W, Dt dt, int N, int K, const float* h, const float* g, float eps, const float* bias,
+               float* y, int n_sm, cudaStream_t s);
 
 // ---- prefill attention (attention.cu) ---------------------------------------------------------
 // out[T][n_heads·D] (dtype odt) from q/k/v in qkv (fp32); tiled with an online softmax.
@@ -95,6 +99,12 @@ struct DecodeParams {
   float* scores_out = nullptr;
   int64_t scores_stride = 0;  // per (b, h)
   float* md_out = nullptr;
+  // When set ([B][NH] ints, zero, reset after use): the last block of each head merges the
+  // splits itself, so no second kernel is launched.
+  int* sem = nullptr;
+  // Largest code width (1, 2 or 4) of channel-wise packed parts whose keys use a lookup table;
+  // the launch gives each block decode_lut_bytes(D, lut_bits) of shared memory for it.
+  int lut_bits = 0;
 };
 // Fused split-KV attention (with calibration when asked) and the merge of partial states.
 void decode_attention(const DecodeParams& p, cudaStream_t s);
@@ -104,6 +114,7 @@ void decode_scores(const DecodeParams& p, cudaStream_t s);
 void decode_probs(const DecodeParams& p, float* probs, cudaStream_t s);
 // Blocks per (b, head) for `rows` rows on a device of n_sm multiprocessors.
 int decode_splits(int B, int NH, int rows, int n_sm);
+int decode_lut_bytes(int D, int lut_bits);
 
 // ---- KV cache (kv_cache.cu) -------------------------------------------------------------------
 // Appends T rows (k and v columns of qkv, fp32) as fp16 into per-head arrays k/v [NKV][cap][D]
@@ -118,6 +129,12 @@ void kv_append(const float* qkv, int64_t stride, int64_t k_col, int64_t v_col, i
 void kv_append_batch(const float* qkv, int64_t stride, int64_t k_col, int64_t v_col, int B, int NKV, int D,
                      const int32_t* pos_in, __half* k, __half* v, int32_t* pos, int cap, int row0,
                      int32_t* counter, cudaStream_t s);
+// A decode step's RoPE (q and k heads of one token, in place in qkv) and its K/V row appended as
+// fp16 at row *counter of k/v [NKV][cap][D] (positions at pos [NKV][cap]); the last block to
+// finish advances *counter (done: a zero int the kernel resets).
+void rope_append(float* qkv, int64_t q_col, int nq, int64_t k_col, int64_t v_col, int nk, int D,
+                 const int32_t* pos_in, const float* inv_freq, __half* k, __half* v, int32_t* pos, int cap,
+                 int32_t* counter, int32_t* done, cudaStream_t s);
 // dst row i (D halves) = *src[i] for n rows (src pointers in device memory).
 void gather_rows(const __half* const* src, __half* dst, int n, int D, cudaStream_t s);
 

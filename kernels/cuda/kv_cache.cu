@@ -65,6 +65,8 @@ class CudaKV : public DeviceKV {
   CudaKV(std::shared_ptr<Context> c, int L, int NKV, int D) : ctx(std::move(c)), L(L), NKV(NKV), D(D), layers(L) {
     counters = {ctx->alloc(static_cast<int64_t>(L) * 4, "KV tail counters"), static_cast<int64_t>(L) * 4};
     KV_CUDA(cudaMemsetAsync(counters.mem.get(), 0, static_cast<size_t>(L) * 4, ctx->stream), "KV tail counters");
+    done = {ctx->alloc(static_cast<int64_t>(L) * 4, "KV append counters"), static_cast<int64_t>(L) * 4};
+    KV_CUDA(cudaMemsetAsync(done.mem.get(), 0, static_cast<size_t>(L) * 4, ctx->stream), "KV append counters");
   }
 
   std::unique_ptr<DeviceKV> clone() const override {
@@ -170,7 +172,13 @@ class CudaKV : public DeviceKV {
     if (ctx->replay || ctx->capturing) throw InternalError("KV cache: layout changed inside a captured step");
     nh = n_heads;
     max_parts = 1;
+    lut_bits = 0;
     int rows = 1;
+    for (const DevLayer& d : layers)
+      for (const DevSeg& sg : d.segs)
+        for (const auto& hp : sg.heads)
+          for (const DevPart& pt : hp)
+            if (pt.d.k.fmt == kChannel && pt.d.k.bits <= 4) lut_bits = std::max(lut_bits, pt.d.k.bits);
     for (const DevLayer& d : layers)
       for (int h = 0; h < NKV; ++h) {
         int np = d.tail.cap ? 1 : 0, r = d.tail.cap;
@@ -210,15 +218,19 @@ class CudaKV : public DeviceKV {
     if (part_md.bytes < pm) part_md = {ctx->alloc(pm, "decode attention partial states"), pm};
     if (vis_range.bytes < pm) vis_range = {ctx->alloc(pm, "decode attention visual ranges"), pm};
     if (md_out.bytes < nh * 8) md_out = {ctx->alloc(nh * 8, "decode attention states"), nh * 8};
+    if (sem.bytes < nh * 4) {
+      sem = {ctx->alloc(nh * 4, "decode attention merge counters"), nh * 4};
+      KV_CUDA(cudaMemsetAsync(sem.mem.get(), 0, static_cast<size_t>(nh) * 4, ctx->stream), "merge counters");
+    }
     dirty = false;
   }
 
   std::shared_ptr<Context> ctx;
   int L, NKV, D;
   std::vector<DevLayer> layers;
-  DevMem counters;
-  DevMem table, nparts, part_o, part_md, vis_range, md_out;
-  int max_parts = 1, splits = 1, nh = 0;
+  DevMem counters, done;
+  DevMem table, nparts, part_o, part_md, vis_range, md_out, sem;
+  int max_parts = 1, splits = 1, nh = 0, lut_bits = 0;
   bool dirty = true;
   uint64_t ver = 1;
 };
@@ -257,6 +269,21 @@ std::unique_ptr<DeviceKV> kv_create(const std::shared_ptr<Context>& ctx, int n_l
   if (head_dim % 8 != 0 || head_dim > 256)
     throw InputError("the CUDA backend needs head_dim a multiple of 8 and at most 256, got " + std::to_string(head_dim));
   return std::make_unique<CudaKV>(ctx, n_layers, n_kv_heads, head_dim);
+}
+
+bool kv_rope_append(Context& ctx, SeqKV& kv, int layer, Buffer& qkv, const AttnLayout& l, const Buffer& pos,
+                    const int32_t* pos_host, const SegmentKind* kinds, int T, const float* inv_freq) {
+  if (T != 1 || kinds[0] != SegmentKind::Generated || kv.mirror) return false;
+  CudaKV& C = as_cuda(kv.dev);
+  Tail& t = C.layers.at(layer).tail;
+  if (t.n + 1 > t.cap) C.grow_tail(layer, std::max(16, 2 * t.cap));
+  if (!ctx.replay)
+    cuda::rope_append(qkv.as<float>(), l.q_col, l.n_heads, l.k_col, l.v_col, C.NKV, C.D, pos.as<int32_t>(), inv_freq,
+                      t.k.as<__half>(), t.v.as<__half>(), t.pos.as<int32_t>(), t.cap, C.counters.as<int32_t>() + layer,
+                      C.done.as<int32_t>() + layer, ctx.stream);
+  ++t.n;
+  t.host_pos.push_back(pos_host[0]);
+  return true;
 }
 
 void kv_append(Context& ctx, SeqKV& kv, int layer, const Buffer& qkv, const AttnLayout& l, const Buffer& pos,
@@ -751,6 +778,8 @@ void kv_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, S
   p.part_md = C.part_md.as<float>();
   p.out = out.data;
   p.odt = out.dt;
+  p.sem = C.sem.as<int>();
+  p.lut_bits = C.lut_bits;
   const bool transform = policy && policy->has_score_transform();
   float tau1 = 0, tau2 = 0;
   const bool in_kernel = transform && policy->visual_calibration(tau1, tau2);

@@ -52,6 +52,40 @@ __global__ void kv_append_batch_kernel(const float* qkv, int64_t stride, int64_t
 
 __global__ void counter_add_kernel(int32_t* counter, int n) { *counter += n; }
 
+__global__ void rope_append_kernel(float* qkv, int64_t q_col, int nq, int64_t k_col, int64_t v_col, int nk, int D,
+                                   const int32_t* pos_in, const float* inv_freq, __half* k, __half* v, int32_t* kpos,
+                                   int cap, int32_t* counter, int32_t* done) {
+  const int row = *counter;
+  const int half = D / 2, n_rope = (nq + nk) * half, n_v = nk * D;
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n_rope) {
+    const int hh = i / half, j = i % half;
+    float* r = qkv + (hh < nq ? q_col + static_cast<int64_t>(hh) * D : k_col + static_cast<int64_t>(hh - nq) * D);
+    const float ang = static_cast<float>(pos_in[0]) * inv_freq[j];
+    float sn, cs;
+    sincosf(ang, &sn, &cs);
+    const float a = r[j], b = r[j + half];
+    const float na = a * cs - b * sn, nb = b * cs + a * sn;
+    r[j] = na;
+    r[j + half] = nb;
+    if (hh >= nq && row < cap) {
+      const int64_t at = (static_cast<int64_t>(hh - nq) * cap + row) * D;
+      k[at + j] = __float2half_rn(na);
+      k[at + j + half] = __float2half_rn(nb);
+      if (j == 0) kpos[static_cast<int64_t>(hh - nq) * cap + row] = pos_in[0];
+    }
+  } else if (i < n_rope + n_v) {
+    const int t = i - n_rope, kh = t / D, d = t % D;
+    if (row < cap) v[(static_cast<int64_t>(kh) * cap + row) * D + d] = __float2half_rn(qkv[v_col + t]);
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0 && atomicAdd(done, 1) == static_cast<int>(gridDim.x) - 1) {
+    *counter = row + 1;
+    *done = 0;
+  }
+}
+
 __global__ void gather_rows_kernel(const __half* const* src, __half* dst, int n, int D) {
   const int64_t total = static_cast<int64_t>(n) * D;
   for (int64_t i = threadIdx.x + static_cast<int64_t>(blockIdx.x) * blockDim.x; i < total;
@@ -85,6 +119,15 @@ void kv_append_batch(const float* qkv, int64_t stride, int64_t k_col, int64_t v_
     counter_add_kernel<<<1, 1, 0, s>>>(counter, 1);
     KV_LAUNCH("counter_add_kernel", "KV row counter");
   }
+}
+
+void rope_append(float* qkv, int64_t q_col, int nq, int64_t k_col, int64_t v_col, int nk, int D,
+                 const int32_t* pos_in, const float* inv_freq, __half* k, __half* v, int32_t* pos, int cap,
+                 int32_t* counter, int32_t* done, cudaStream_t s) {
+  const int n = (nq + nk) * (D / 2) + nk * D;
+  rope_append_kernel<<<(n + 255) / 256, 256, 0, s>>>(qkv, q_col, nq, k_col, v_col, nk, D, pos_in, inv_freq, k, v, pos,
+                                                      cap, counter, done);
+  KV_LAUNCH("rope_append_kernel", std::to_string(nk) + " KV heads");
 }
 
 void gather_rows(const __half* const* src, __half* dst, int n, int D, cudaStream_t s) {
