@@ -65,19 +65,38 @@ __global__ void __launch_bounds__(128) attn_wmma_kernel(Args a, const __half* __
   const __half* vg = kv16 + (static_cast<int64_t>(NKV) + kvh) * a.T * D;
 
   // Q tile: float4 reads (rows are 16-byte aligned), fp16 pairs in shared memory.
-  for (int i = tid; i < BQ * D / 4; i += blockDim.x) {
-    const int r = i / (D / 4), c = (i % (D / 4)) * 4;
-    const int t = q0 + r;
-    const float4 v = t < a.T ? *reinterpret_cast<const float4*>(qbase + t * a.stride + c) : make_float4(0, 0, 0, 0);
-    *reinterpret_cast<__half2*>(Qs + r * LDH + c) = __floats2half2_rn(v.x, v.y);
-    *reinterpret_cast<__half2*>(Qs + r * LDH + c + 2) = __floats2half2_rn(v.z, v.w);
+  {
+    constexpr int QP = BQ * D / 4 / 128;
+    float4 qv[QP];
+#pragma unroll
+    for (int u = 0; u < QP; ++u) {
+      const int i = tid + u * 128, r = i / (D / 4), c = (i % (D / 4)) * 4, t = q0 + r;
+      qv[u] = t < a.T ? __ldg(reinterpret_cast<const float4*>(qbase + t * a.stride + c)) : make_float4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < QP; ++u) {
+      const int i = tid + u * 128, r = i / (D / 4), c = (i % (D / 4)) * 4;
+      *reinterpret_cast<__half2*>(Qs + r * LDH + c) = __floats2half2_rn(qv[u].x, qv[u].y);
+      *reinterpret_cast<__half2*>(Qs + r * LDH + c + 2) = __floats2half2_rn(qv[u].z, qv[u].w);
+    }
   }
-  auto load_tile = [&](__half* dst, const __half* src, int k0) {
-    for (int i = tid; i < BK * D / 8; i += blockDim.x) {
-      const int r = i / (D / 8), c = (i % (D / 8)) * 8;
-      const int t = k0 + r;
-      *reinterpret_cast<uint4*>(dst + r * LDH + c) =
-          t < a.T ? *reinterpret_cast<const uint4*>(src + static_cast<int64_t>(t) * D + c) : make_uint4(0, 0, 0, 0);
+  // A K or V tile: every thread's loads are issued before any store, so one round trip to
+  // L2 / memory per tile instead of one per load.
+  constexpr int PER = BK * D / 8 / 128;
+  auto load_tiles = [&](__half* dk, const __half* sk, __half* dv, const __half* sv, int k0) {
+    uint4 tk[PER], tv[PER];
+#pragma unroll
+    for (int u = 0; u < PER; ++u) {
+      const int i = tid + u * 128, r = i / (D / 8), c = (i % (D / 8)) * 8, t = k0 + r;
+      const bool ok = t < a.T;
+      tk[u] = ok ? __ldg(reinterpret_cast<const uint4*>(sk + static_cast<int64_t>(t) * D + c)) : make_uint4(0, 0, 0, 0);
+      if (dv) tv[u] = ok ? __ldg(reinterpret_cast<const uint4*>(sv + static_cast<int64_t>(t) * D + c)) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < PER; ++u) {
+      const int i = tid + u * 128, r = i / (D / 8), c = (i % (D / 8)) * 8;
+      *reinterpret_cast<uint4*>(dk + r * LDH + c) = tk[u];
+      if (dv) *reinterpret_cast<uint4*>(dv + r * LDH + c) = tv[u];
     }
   };
   // This warp's 16×64 scores of the tile at k0 into Ss.
@@ -106,7 +125,7 @@ __global__ void __launch_bounds__(128) attn_wmma_kernel(Args a, const __half* __
   float m = -INFINITY;
   for (int k0 = 0; k0 < kend; k0 += BK) {
     __syncthreads();
-    load_tile(Ks, kg, k0);
+    load_tiles(Ks, kg, nullptr, nullptr, k0);
     __syncthreads();
     scores();
     __syncwarp();
@@ -124,8 +143,7 @@ __global__ void __launch_bounds__(128) attn_wmma_kernel(Args a, const __half* __
   float l = 0.0f;
   for (int k0 = 0; k0 < kend; k0 += BK) {
     __syncthreads();
-    load_tile(Ks, kg, k0);
-    load_tile(Vs, vg, k0);
+    load_tiles(Ks, kg, Vs, vg, k0);
     __syncthreads();
     scores();
     __syncwarp();
