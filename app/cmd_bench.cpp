@@ -17,9 +17,12 @@
 #include "app/backend_option.h"
 #include "app/commands.h"
 #include "app/defaults.h"
+#include "app/options.h"
+#include "core/session.h"
 #include "core/errors.h"
 #include "core/files.h"
 #include "core/method.h"
+#include "core/numbers.h"
 #include "kernels/backends.h"
 #include "models/llava.h"
 #ifdef KVLENS_HAVE_CUDA
@@ -42,14 +45,28 @@ double median(std::vector<double> v) {
   return v.empty() ? 0.0 : v[v.size() / 2];
 }
 
+// A list of integers, each parsed strictly (core/numbers) and checked against [lo, hi].
+CLI::Option* add_ints(CLI::App* app, const std::string& name, std::vector<int>& var, int lo, int hi,
+                      const std::string& help) {
+  std::string def;
+  for (int x : var) def += (def.empty() ? "" : " ") + std::to_string(x);
+  return app
+      ->add_option_function<std::vector<std::string>>(
+          name,
+          [&var, name, lo, hi](const std::vector<std::string>& v) {
+            var.clear();
+            for (const std::string& x : v) var.push_back(static_cast<int>(parse_integer(x, name, lo, hi)));
+          },
+          help + " (each in [" + std::to_string(lo) + ", " + std::to_string(hi) + "])")
+      ->type_name("INT ...")
+      ->default_str(def);
+}
+
 void write_json(const std::string& path, const nlohmann::json& j) {
   if (!path.empty()) write_file_atomic(path, j.dump(1) + "\n", "benchmark JSON");
 }
 
 void run_bench(const BenchArgs& a) {
-  if (a.repeat < 1) throw InputError("--repeat must be at least 1, got " + std::to_string(a.repeat));
-  if (a.threads < 0) throw InputError("--threads must be >= 0, got " + std::to_string(a.threads));
-  if (a.max_new_tokens < 2) throw InputError("--max-new-tokens must be at least 2, got " + std::to_string(a.max_new_tokens));
   if (a.threads > 0) {
     omp_set_num_threads(a.threads);
     openblas_set_num_threads(a.threads);
@@ -75,11 +92,11 @@ void run_bench(const BenchArgs& a) {
     prof_decode = model.backend().profile_report();
     if (i == 0) continue;
     preprocess.push_back(st.preprocess_ms);
-    const int steps = std::max(1, static_cast<int>(r.generated_ids.size()) - 1);
+    const int steps = static_cast<int>(r.generated_ids.size()) - 1;  // decode forwards
     vision.push_back(st.vision_ms);
     prefill.push_back(st.prefill_ms);
     compress.push_back(r.compress_ms);
-    per_token.push_back(r.decode_ms / steps);
+    per_token.push_back(steps > 0 ? r.decode_ms / steps : 0.0);
     total.push_back(st.preprocess_ms + st.vision_ms + st.prefill_ms + r.compress_ms + r.decode_ms);
     tokens = static_cast<int>(r.generated_ids.size());
     prompt_tokens = static_cast<int>(st.ids.size());
@@ -88,7 +105,8 @@ void run_bench(const BenchArgs& a) {
   Backend& be = model.backend();
   const double copy = be.copy_bandwidth();
   const double wbytes = static_cast<double>(model.decode_weight_bytes());
-  const double tps = 1000.0 / median(per_token), roof = copy / wbytes;
+  // With one token there is no decode step to time.
+  const double tps = median(per_token) > 0 ? 1000.0 / median(per_token) : 0.0, roof = copy / wbytes;
   std::printf("model %s\nbackend %s: %s\n", model.dir().c_str(), be.name().c_str(), be.device().c_str());
   std::printf("%d runs, prompt %d tokens (%d visual), %d tokens generated, KV bytes after prefill %lld\n", a.repeat,
               prompt_tokens, model.config().n_visual_tokens(), tokens, bytes);
@@ -252,34 +270,34 @@ void add_bench_command(CLI::App& root) {
   c->add_option("--image", a->image, "Image (default: the embedded sample image)");
   c->add_option("--prompt", a->prompt, "Text in place of {prompt} in the default template")->capture_default_str();
   c->add_option("--method", a->method, "Compression method spec (default: full cache)");
-  c->add_option("--repeat", a->repeat, "Timed runs after one warm-up")->capture_default_str();
-  c->add_option("--max-new-tokens", a->max_new_tokens, "Tokens per caption (no stop at EOS)")->capture_default_str();
-  c->add_option("--threads", a->threads, "CPU threads for kvlens loops and OpenBLAS (0 = OMP_NUM_THREADS, else 1, and OpenBLAS's default)")->capture_default_str();
+  add_int(c, "--repeat", a->repeat, 1, 10000, "Timed runs after one warm-up");
+  add_int(c, "--max-new-tokens", a->max_new_tokens, 1, kMaxNewTokensLimit, "Tokens per caption (no stop at EOS)");
+  add_int(c, "--threads", a->threads, 0, 256, "CPU threads for kvlens loops and OpenBLAS (0 = OMP_NUM_THREADS, else 1, and OpenBLAS's default)");
   c->add_option("--json", a->json, "Also write the numbers as JSON here");
   c->add_flag("--profile", a->profile, "CUDA: per-op device times of the last run (steps are not replayed from graphs)");
 
   auto t = std::make_shared<AttnArgs>();
   CLI::App* at = c->add_subcommand("attention", "Decode attention alone (CUDA): fp16 and packed caches vs copy bandwidth");
-  at->add_option("--contexts", t->contexts, "Cached rows per sequence")->capture_default_str();
-  at->add_option("--batches", t->batches, "Sequences per call")->capture_default_str();
-  at->add_option("--bits", t->bits, "16 = fp16, else b-bit channel-wise codes")->capture_default_str();
-  at->add_option("--heads", t->heads, "Query (= KV) heads")->capture_default_str();
-  at->add_option("--head-dim", t->head_dim, "Head dimension")->capture_default_str();
-  at->add_option("--reps", t->reps, "Timed calls per point (median)")->capture_default_str();
-  at->add_option("--device", t->device, "CUDA device ordinal")->capture_default_str();
+  add_ints(at, "--contexts", t->contexts, 1, 1 << 24, "Cached rows per sequence");
+  add_ints(at, "--batches", t->batches, 1, 4096, "Sequences per call");
+  add_ints(at, "--bits", t->bits, 1, 16, "16 = fp16, else b-bit channel-wise codes");
+  add_int(at, "--heads", t->heads, 1, 1024, "Query (= KV) heads");
+  add_int(at, "--head-dim", t->head_dim, 8, 256, "Head dimension (a multiple of 8)");
+  add_int(at, "--reps", t->reps, 1, 100000, "Timed calls per point (median)");
+  add_int(at, "--device", t->device, 0, 1024, "CUDA device ordinal");
   at->add_flag("--no-calibration", t->no_calib, "Skip the 1-bit row with in-kernel calibration");
   at->add_option("--json", t->json, "Also write the rows as JSON here");
   at->callback([t] { run_attention(*t); });
 
   auto u = std::make_shared<ThroughputArgs>();
   CLI::App* th = c->add_subcommand("throughput", "CalibQuant Fig. 3 (CUDA): largest batch under a KV budget and tokens/s");
-  th->add_option("--budgets", u->budgets, "KV memory budgets in GB")->capture_default_str();
-  th->add_option("--bits", u->bits, "16 = fp16, else b-bit channel-wise visual tokens")->capture_default_str();
-  th->add_option("--visual", u->visual, "Visual tokens per sequence")->capture_default_str();
-  th->add_option("--text", u->text, "Text tokens per sequence (fp16)")->capture_default_str();
-  th->add_option("--steps", u->steps, "Decode steps timed per point")->capture_default_str();
-  th->add_option("--max-batch", u->max_batch, "Largest batch tried")->capture_default_str();
-  th->add_option("--device", u->device, "CUDA device ordinal")->capture_default_str();
+  add_reals(th, "--budgets", u->budgets, 0.001, 1e6, "KV memory budgets in GB");
+  add_ints(th, "--bits", u->bits, 1, 16, "16 = fp16, else b-bit channel-wise visual tokens");
+  add_int(th, "--visual", u->visual, 1, 1 << 24, "Visual tokens per sequence");
+  add_int(th, "--text", u->text, 0, 1 << 24, "Text tokens per sequence (fp16)");
+  add_int(th, "--steps", u->steps, 1, 100000, "Decode steps timed per point");
+  add_int(th, "--max-batch", u->max_batch, 1, 1 << 20, "Largest batch tried");
+  add_int(th, "--device", u->device, 0, 1024, "CUDA device ordinal");
   th->add_option("--json", u->json, "Also write the rows as JSON here");
   th->callback([u] { run_throughput(*u); });
 

@@ -5,6 +5,8 @@
 #include "app/backend_option.h"
 #include "app/commands.h"
 #include "app/defaults.h"
+#include "app/options.h"
+#include "core/session.h"
 #include "core/errors.h"
 #include "core/files.h"
 #include "core/method.h"
@@ -23,8 +25,8 @@ struct EvalArgs {
 };
 
 void run_eval(const EvalArgs& a) {
-  if (a.opt.max_images < 0) throw InputError("--n must be >= 0, got " + std::to_string(a.opt.max_images));
   for (const auto& m : a.methods) parse_method_spec(m);
+  if (!a.json_out.empty()) check_writable(a.json_out, "eval JSON");
   const SceneSet set = load_scene_set(a.scenes);
   const LlavaModel model = LlavaModel::load(a.model.empty() ? default_model_dir() : a.model, a.backend);
   std::vector<std::string> runs{""};
@@ -55,9 +57,9 @@ void add_eval_command(CLI::App& root) {
   c->add_option("--scenes", a->scenes, "Folder written by kvlens scenes")->required();
   c->add_option("--model", a->model, "Model directory (default: the embedded model)");
   add_backend_options(c, a->backend);
-  c->add_option("--n", a->opt.max_images, "Images to evaluate (0 = all)")->capture_default_str();
+  add_int(c, "--n", a->opt.max_images, 0, 10000000, "Images to evaluate (0 = all)");
   c->add_option("--method", a->methods, "Also evaluate under these method specs (repeatable)");
-  c->add_option("--max-new-tokens", a->opt.max_new_tokens, "Most tokens per answer")->capture_default_str();
+  add_int(c, "--max-new-tokens", a->opt.max_new_tokens, 1, kMaxNewTokensLimit, "Most tokens per answer");
   c->add_flag("--no-vqa", a->no_vqa, "Captions only");
   c->add_option("--json", a->json_out, "Write the results as JSON");
   c->callback([a] { run_eval(*a); });

@@ -154,6 +154,11 @@ class Backend {
   }
   // x += y (fp32, same shape).
   virtual void add(Buffer& x, const Buffer& y) = 0;
+  // NonFiniteError naming `tensor` when fp32 x holds NaN or Inf: thrown at once by the CPU; a
+  // device records the check and finish_checks() throws for the first recorded tensor that
+  // failed (the model calls it where it reads results back anyway, so checks cost no sync).
+  virtual void check_finite(const Buffer& x, const std::string& tensor) = 0;
+  virtual void finish_checks() {}
   // out = act(y + bias) with y fp32 [M][N]; act None is a plain copy / dtype conversion.
   virtual void bias_act(const Buffer& y, const Buffer* bias, cpu::Act act, bool apply_act,
                         Buffer& out) = 0;

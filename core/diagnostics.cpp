@@ -336,13 +336,24 @@ HitRates cache_hit_rates(const PrefillView& pv, const DecodeRecorder& full, doub
                                                  top_k(post, hr.k), top_k(recent, hr.k)};
     for (size_t si = 0; si < hr.steps.size(); ++si) {
       const auto* E = full.find(hr.steps[si], l);
+      // A_{m+1} = softmax(q K_{:m}ᵀ/√d) over the prompt keys alone: each head's probabilities of
+      // the prompt keys renormalised to sum to 1 (the decode query also sees the generated
+      // keys), then averaged over heads.
       std::vector<double> truth(T, 0.0);
       const int G = E->n_heads / E->n_kv_heads;
-      for (int h = 0; h < E->n_heads; ++h)
-        for (int j = 0; j < E->n_k; ++j) {
-          const int32_t pos = E->key_pos[static_cast<size_t>(h / G) * E->n_k + j];
-          if (pos >= 0 && pos < T) truth[pos] += E->probs[static_cast<size_t>(h) * E->n_k + j] / E->n_heads;
-        }
+      for (int h = 0; h < E->n_heads; ++h) {
+        double mass = 0.0;
+        for (int pass = 0; pass < 2; ++pass)
+          for (int j = 0; j < E->n_k; ++j) {
+            const int32_t pos = E->key_pos[static_cast<size_t>(h / G) * E->n_k + j];
+            if (pos < 0 || pos >= T) continue;
+            const double p = E->probs[static_cast<size_t>(h) * E->n_k + j];
+            if (pass == 0)
+              mass += p;
+            else if (mass > 0.0)
+              truth[pos] += p / mass / E->n_heads;
+          }
+      }
       const auto want = top_k(truth, hr.k);
       for (size_t st = 0; st < picks.size(); ++st) {
         std::vector<int> both;
@@ -352,6 +363,26 @@ HitRates cache_hit_rates(const PrefillView& pv, const DecodeRecorder& full, doub
     }
   }
   return hr;
+}
+
+nlohmann::json diagnostic_definitions() {
+  return {
+      {"softmax_mse", "mean over the exact keys j of (P_full(j) - P_method(j))^2, P = decode attention "
+                      "probabilities (P_method(j) = 0 for an evicted key); mean over query heads and steps"},
+      {"softmax_kl", "KL(full || method) = sum_j P_full(j) * ln(P_full(j) / max(P_method(j), 1e-10)): the "
+                     "full cache is the reference distribution; mean over query heads and steps"},
+      {"attn_output_rel_error", "||o_method - o_full||_2 / ||o_full||_2 (norm ratio), o = sum_j P(j) v_j; "
+                                "mean over query heads and steps"},
+      {"sparsity_decode", "share of the method's decode attention entries below p * (row max), p = options.sparsity_p"},
+      {"visual_score_histogram", "first decode step, pre-softmax scores q.k/sqrt(d) of the visual keys: exact "
+                                 "(full keys), quantized (method keys), calibrated (after the method's score "
+                                 "transform); bins of one shared [lo, hi]"},
+      {"cache_hit_rate", "|top-k by strategy & top-k by truth| / k, k = round(hit_budget * prompt length); truth = "
+                         "decode attention over the prompt keys, each head renormalised to sum 1, mean over heads; "
+                         "strategies score keys by head-mean prefill attention: accumulated sum_i A_ij, normalized "
+                         "sum_i A_ij / (T - j), sliding_window over the last hit_window queries, post_vision over "
+                         "the queries after the last visual token, recency = position"},
+  };
 }
 
 nlohmann::json to_json(const KVBytes& b) {

@@ -50,6 +50,20 @@ struct ScoreHistogram {
   std::vector<int64_t> exact, quantized, calibrated;  // same bin edges
 };
 
+// Each decode query of the method is compared with the exact attention of the same query over
+// the full-precision prompt (and the method's generated rows): P_full over those keys, P_method
+// the method's probabilities summed by position (0 for an evicted key). Means over query heads
+// and the recorded decode steps:
+//   softmax_mse      = mean_j (P_full(j) − P_method(j))², j over the exact keys
+//   softmax_kl       = KL(P_full ‖ P_method) = Σ_j P_full(j) · ln(P_full(j) / max(P_method(j), 1e-10)):
+//                      the full cache is the reference distribution; an evicted key counts with
+//                      P_method clamped at 1e-10
+//   output_rel_error = ‖o_method − o_full‖₂ / ‖o_full‖₂ (a norm ratio), o = Σ_j P(j) v_j with the
+//                      method's stored values for o_method and the exact values for o_full
+//   sparsity_decode  = share of the method's attention entries below p · (row max)
+// The histogram uses the first decode step: pre-softmax scores q·k/√d of the visual keys,
+// exact (full keys), quantized (the method's keys) and calibrated (the scores the method's
+// attention used, after any score transform), counted in bins over one shared [lo, hi].
 struct LayerDiagnostics {
   int layer = 0;
   double softmax_mse = 0, softmax_kl = 0, output_rel_error = 0;  // mean over heads and steps
@@ -78,11 +92,13 @@ FirstDivergence first_divergence(const std::vector<int>& full_ids, const std::ve
                                  const std::vector<int>& ids, const std::vector<float>& probs);
 
 // CacheHitRate of each scoring strategy per layer (VL-Cache §3.2): |top-k by strategy ∩ top-k by
-// the true decode attention at `step`| / k, with k = budget · prompt_len. Strategies score a key
-// by the prefill attention it receives: accumulated (all queries), normalized (all queries,
-// divided by how many can see it), sliding_window (the last `window_queries` queries),
-// post_vision (the queries after the last visual token), and recency (position only, as
-// StreamingLLM keeps tokens). rates[strategy][step index][layer].
+// the true decode attention at `step`| / k, with k = budget · prompt_len. The truth is the
+// decode query's attention over the prompt keys, A_{m+1} = softmax(q K_{:m}ᵀ/√d): each head's
+// probabilities of the prompt keys renormalised to sum to 1, averaged over heads. Strategies
+// score a key by the head-mean prefill attention it receives: accumulated (all queries),
+// normalized (all queries, divided by the n_j = T − j queries that can see key j), sliding_window
+// (the last `window_queries` queries), post_vision (the queries after the last visual token),
+// and recency (position only, as StreamingLLM keeps tokens). rates[strategy][step index][layer].
 struct HitRates {
   std::vector<std::string> strategies;
   std::vector<int> steps;
@@ -91,6 +107,10 @@ struct HitRates {
 };
 HitRates cache_hit_rates(const PrefillView& pv, const DecodeRecorder& full, double budget,
                          const std::vector<int>& steps, int window_queries = 32);
+
+// The definitions above as one line each, keyed like the report's fields (the report carries
+// them, so a reader of the JSON knows e.g. which distribution KL takes as reference).
+nlohmann::json diagnostic_definitions();
 
 nlohmann::json to_json(const LayerDiagnostics& d);
 nlohmann::json to_json(const HitRates& h);

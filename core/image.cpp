@@ -8,12 +8,14 @@
 #include "core/image.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstring>
 #include <limits>
 
 #include "core/errors.h"
 #include "core/files.h"
+#include "core/numbers.h"
 
 // Formats that PIL also opens; TGA (weak signature), PSD, HDR and PIC are left out so that
 // arbitrary bytes are not mistaken for an image.
@@ -33,6 +35,12 @@
 #include "stb_image.h"
 #include "stb_image_write.h"
 #pragma GCC diagnostic pop
+
+#ifdef KVLENS_HAVE_LIBJPEG
+#include <jpeglib.h>
+
+#include <csetjmp>
+#endif
 
 namespace kvlens {
 
@@ -66,33 +74,176 @@ bool png_header_size(const uint8_t* b, size_t n, int64_t* w, int64_t* h) {
   return true;
 }
 
-std::string too_large(const std::string& name, int64_t w, int64_t h) {
+std::string too_large(const std::string& name, int64_t w, int64_t h, int64_t max_pixels) {
   return name + ": image is " + std::to_string(w) + "x" + std::to_string(h) +
-         " pixels, expected at most " + std::to_string(kMaxImagePixels) + " pixels in all";
+         " pixels, expected at most " + std::to_string(max_pixels) + " pixels in all";
 }
+
+// stb_image trusts a JPEG's Huffman table sizes: a DHT segment whose 16 code counts add up to
+// more than 256 symbols makes it write past its tables. Such tables are invalid JPEG, so the
+// markers are walked here first, the way the decoder walks them (skipping junk between
+// segments), and the file is refused naming it.
+void check_jpeg_tables(const uint8_t* b, size_t n, const std::string& name) {
+  if (n < 4 || b[0] != 0xFF || b[1] != 0xD8) return;
+  size_t i = 2;
+  while (i + 4 <= n) {
+    if (b[i] != 0xFF) {  // junk between segments: the decoder skips it byte by byte, so do we
+      ++i;
+      continue;
+    }
+    while (i < n && b[i] == 0xFF) ++i;  // fill bytes
+    if (i >= n) return;
+    const uint8_t m = b[i++];
+    if (m == 0xD9) return;                                  // end of image
+    if (m == 0x01 || (m >= 0xD0 && m <= 0xD8)) continue;   // markers without a length
+    if (i + 2 > n) return;
+    const size_t len = size_t{b[i]} << 8 | b[i + 1];
+    if (len < 2) return;
+    if (m == 0xC4) {
+      // The decoder reads tables while its length count says so, even past the end of the
+      // file's bytes that remain, so each table header present is checked.
+      size_t p = i + 2;
+      while (p < i + len) {
+        if (p + 17 > n) return;
+        size_t symbols = 0;
+        for (int k = 1; k <= 16; ++k) symbols += b[p + k];
+        if (symbols > 256)
+          throw InputError(name + ": corrupt JPEG (a Huffman table lists " + std::to_string(symbols) +
+                           " codes, at most 256 are possible)");
+        p += 17 + symbols;
+      }
+    }
+    if (i + len > n) return;
+    i += len;
+    if (m == 0xDA) {  // entropy-coded data runs to the next marker that is not stuffing or RST
+      while (i + 1 < n && !(b[i] == 0xFF && b[i + 1] != 0x00 && !(b[i + 1] >= 0xD0 && b[i + 1] <= 0xD7))) ++i;
+    }
+  }
+}
+
+// stb_image's 16-bit PNM path reads past its buffer; 16-bit PNM (maxval > 255) is refused
+// before decoding. The header is "P5"/"P6", whitespace and comments, width, height, maxval.
+void check_pnm_depth(const uint8_t* b, size_t n, const std::string& name) {
+  if (n < 2 || b[0] != 'P' || (b[1] != '5' && b[1] != '6')) return;
+  size_t i = 2;
+  long fields[3] = {0, 0, 0};
+  for (long& f : fields) {
+    for (;;) {  // whitespace and # comments
+      while (i < n && std::isspace(b[i])) ++i;
+      if (i < n && b[i] == '#') {
+        while (i < n && b[i] != '\n' && b[i] != '\r') ++i;
+        continue;
+      }
+      break;
+    }
+    if (i >= n || !std::isdigit(b[i])) return;
+    while (i < n && std::isdigit(b[i]) && f < 1000000) f = f * 10 + (b[i++] - '0');
+  }
+  if (fields[2] > 255)
+    throw InputError(name + ": 16-bit PNM (maxval " + std::to_string(fields[2]) +
+                     ") is not supported; expected 8-bit PNM, PNG, JPEG, BMP or GIF");
+}
+
+#ifdef KVLENS_HAVE_LIBJPEG
+// JPEG through libjpeg-turbo, the decoder PIL uses (default settings: islow IDCT, fancy
+// upsampling), so pixels match PIL's. Grey becomes RGB; CMYK becomes RGB as PIL converts it,
+// r = (255 − c)(255 − k) / 255 rounded, with Adobe files' inverted CMYK undone first.
+struct JpegError {
+  jpeg_error_mgr mgr;
+  std::jmp_buf jump;
+  char message[JMSG_LENGTH_MAX] = {0};
+};
+
+RGBImage decode_jpeg(const uint8_t* bytes, size_t n, const std::string& name, int64_t max_pixels) {
+  jpeg_decompress_struct cinfo;
+  JpegError err;
+  cinfo.err = jpeg_std_error(&err.mgr);
+  err.mgr.error_exit = [](j_common_ptr c) {
+    auto* e = reinterpret_cast<JpegError*>(c->err);
+    e->mgr.format_message(c, e->message);
+    std::longjmp(e->jump, 1);
+  };
+  err.mgr.emit_message = [](j_common_ptr, int) {};  // warnings (corrupt data recovered) stay quiet, as in PIL
+  RGBImage img;
+  std::vector<uint8_t> row;
+  // Nothing with a destructor may be created between setjmp and a longjmp back to it.
+  if (setjmp(err.jump)) {
+    jpeg_destroy_decompress(&cinfo);
+    throw InputError(name + ": cannot decode JPEG (libjpeg: " + std::string(err.message) + ")");
+  }
+  jpeg_create_decompress(&cinfo);
+  jpeg_mem_src(&cinfo, bytes, static_cast<unsigned long>(n));
+  jpeg_read_header(&cinfo, TRUE);
+  const int64_t w = cinfo.image_width, h = cinfo.image_height;
+  if (w <= 0 || h <= 0 || w * h > max_pixels) {
+    jpeg_destroy_decompress(&cinfo);
+    throw InputError(too_large(name, w, h, max_pixels));
+  }
+  const bool cmyk = cinfo.jpeg_color_space == JCS_CMYK || cinfo.jpeg_color_space == JCS_YCCK;
+  cinfo.out_color_space = cmyk ? JCS_CMYK : JCS_RGB;
+  jpeg_start_decompress(&cinfo);
+  const int nc = cinfo.output_components;
+  img.width = static_cast<int>(w);
+  img.height = static_cast<int>(h);
+  img.source = name;
+  img.data.resize(static_cast<size_t>(w) * h * 3);
+  row.resize(static_cast<size_t>(w) * nc);
+  const bool inverted = cmyk && cinfo.saw_Adobe_marker;
+  while (cinfo.output_scanline < cinfo.output_height) {
+    const size_t y = cinfo.output_scanline;
+    JSAMPROW r = row.data();
+    jpeg_read_scanlines(&cinfo, &r, 1);
+    uint8_t* dst = &img.data[y * static_cast<size_t>(w) * 3];
+    if (!cmyk) {
+      std::memcpy(dst, row.data(), static_cast<size_t>(w) * 3);
+      continue;
+    }
+    for (int64_t x = 0; x < w; ++x) {
+      const uint8_t* px = &row[static_cast<size_t>(x) * 4];
+      const int k = inverted ? px[3] : 255 - px[3];
+      for (int c = 0; c < 3; ++c) {
+        const int v = (inverted ? px[c] : 255 - px[c]) * k + 128;  // (255 − c)(255 − k) / 255
+        dst[x * 3 + c] = static_cast<uint8_t>((v + (v >> 8)) >> 8);
+      }
+    }
+  }
+  jpeg_finish_decompress(&cinfo);
+  jpeg_destroy_decompress(&cinfo);
+  return img;
+}
+#endif
 
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
 // Decoding and writing
 
-RGBImage decode_image(const uint8_t* bytes, size_t n, const std::string& name) {
+RGBImage decode_image(const uint8_t* bytes, size_t n, const std::string& name, int64_t max_pixels) {
   if (bytes == nullptr || n == 0)
     throw InputError(name + ": empty input (0 bytes), expected an image");
   if (n > static_cast<size_t>(std::numeric_limits<int>::max()))
     throw InputError(name + ": " + std::to_string(n) + " bytes is too large for an image file");
   const int len = static_cast<int>(n);
+#ifdef KVLENS_HAVE_LIBJPEG
+  if (n >= 3 && bytes[0] == 0xFF && bytes[1] == 0xD8 && bytes[2] == 0xFF) return decode_jpeg(bytes, n, name, max_pixels);
+#endif
+  check_jpeg_tables(bytes, n, name);
+  check_pnm_depth(bytes, n, name);
   int w = 0, h = 0, comp = 0;
-  if (!stbi_info_from_memory(bytes, len, &w, &h, &comp)) {
+  const bool known = stbi_info_from_memory(bytes, len, &w, &h, &comp);
+  // A top-down BMP stores a negative height; stb_image's info call passes it on as is (the
+  // decoder itself flips such images correctly).
+  if (known && h < 0 && h != std::numeric_limits<int>::min()) h = -h;
+  if (!known) {
     const std::string reason = stb_reason();
     int64_t pw = 0, ph = 0;
-    if (png_header_size(bytes, n, &pw, &ph) && pw * ph > kMaxImagePixels)
-      throw InputError(too_large(name, pw, ph));
+    if (png_header_size(bytes, n, &pw, &ph) && pw * ph > max_pixels)
+      throw InputError(too_large(name, pw, ph, max_pixels));
     throw InputError(name + ": not a readable image (stb_image: " + reason +
                      "); expected PNG, JPEG, BMP, GIF or PNM");
   }
   const int64_t pixels = static_cast<int64_t>(w) * h;
-  if (w <= 0 || h <= 0 || pixels > kMaxImagePixels) throw InputError(too_large(name, w, h));
+  if (w <= 0 || h <= 0 || pixels > max_pixels) throw InputError(too_large(name, w, h, max_pixels));
   int dw = 0, dh = 0, dc = 0;
   // 16-bit images come back as 8 bits by keeping the high byte of each sample (v >> 8). PIL
   // does the same for 16-bit RGB / RGBA PNGs; for 16-bit grey PIL clips v to 255 instead.
@@ -108,6 +259,7 @@ RGBImage decode_image(const uint8_t* bytes, size_t n, const std::string& name) {
   RGBImage img;
   img.width = w;
   img.height = h;
+  img.source = name;
   img.data.assign(px, px + static_cast<size_t>(pixels) * 3);
   stbi_image_free(px);
   return img;
@@ -159,17 +311,19 @@ struct Coeffs {
   std::vector<int32_t> k;
 };
 
-Coeffs precompute_coeffs(int in_size, int out_size) {
+// Coefficients of output pixels [from, from + n) of a resize from in_size to out_size.
+Coeffs precompute_coeffs(int in_size, int out_size, int from, int n_out) {
   const double scale = static_cast<double>(in_size) / out_size;
   const double filterscale = std::max(scale, 1.0);
   const double support = 2.0 * filterscale;
   Coeffs c;
   c.ksize = static_cast<int>(std::ceil(support)) * 2 + 1;
-  c.first.resize(out_size);
-  c.count.resize(out_size);
-  c.k.assign(static_cast<size_t>(out_size) * c.ksize, 0);
+  c.first.resize(n_out);
+  c.count.resize(n_out);
+  c.k.assign(static_cast<size_t>(n_out) * c.ksize, 0);
   std::vector<double> w(c.ksize);
-  for (int xx = 0; xx < out_size; ++xx) {
+  for (int i = 0; i < n_out; ++i) {
+    const int xx = from + i;
     const double center = (xx + 0.5) * scale;
     const double ss = 1.0 / filterscale;
     // Truncation toward zero, then clipping to the image, as PIL rounds the window ends.
@@ -183,14 +337,14 @@ Coeffs precompute_coeffs(int in_size, int out_size) {
       w[x] = cubic((x + xmin - center + 0.5) * ss);
       sum += w[x];
     }
-    int32_t* k = &c.k[static_cast<size_t>(xx) * c.ksize];
+    int32_t* k = &c.k[static_cast<size_t>(i) * c.ksize];
     for (int x = 0; x < n; ++x) {
       const double v = sum != 0.0 ? w[x] / sum : w[x];
       const double f = v * (1 << kPrecisionBits);
       k[x] = static_cast<int32_t>(v < 0 ? f - 0.5 : f + 0.5);
     }
-    c.first[xx] = xmin;
-    c.count[xx] = std::max(n, 0);
+    c.first[i] = xmin;
+    c.count[i] = std::max(n, 0);
   }
   return c;
 }
@@ -200,8 +354,10 @@ inline uint8_t clip8(int64_t acc) {
   return static_cast<uint8_t>(v < 0 ? 0 : (v > 255 ? 255 : v));
 }
 
-RGBImage resample_horizontal(const RGBImage& in, int out_w) {
-  const Coeffs c = precompute_coeffs(in.width, out_w);
+// Columns [x0, x0 + cw) of the horizontal pass to width full_w.
+RGBImage resample_horizontal(const RGBImage& in, int full_w, int x0, int cw) {
+  const Coeffs c = precompute_coeffs(in.width, full_w, x0, cw);
+  const int out_w = cw;
   RGBImage out;
   out.width = out_w;
   out.height = in.height;
@@ -222,8 +378,10 @@ RGBImage resample_horizontal(const RGBImage& in, int out_w) {
   return out;
 }
 
-RGBImage resample_vertical(const RGBImage& in, int out_h) {
-  const Coeffs c = precompute_coeffs(in.height, out_h);
+// Rows [y0, y0 + ch) of the vertical pass to height full_h.
+RGBImage resample_vertical(const RGBImage& in, int full_h, int y0, int ch) {
+  const Coeffs c = precompute_coeffs(in.height, full_h, y0, ch);
+  const int out_h = ch;
   RGBImage out;
   out.width = in.width;
   out.height = out_h;
@@ -245,21 +403,49 @@ RGBImage resample_vertical(const RGBImage& in, int out_h) {
 }  // namespace
 
 RGBImage resize_bicubic(const RGBImage& img, int w, int h) {
+  return resize_bicubic_window(img, w, h, 0, 0, w, h);
+}
+
+RGBImage resize_bicubic_window(const RGBImage& img, int w, int h, int x0, int y0, int cw, int ch) {
   check_image(img, "resize_bicubic");
-  if (w <= 0 || h <= 0 || static_cast<int64_t>(w) * h > kMaxImagePixels)
-    throw InputError("resize_bicubic: target size must be positive and at most " +
-                     std::to_string(kMaxImagePixels) + " pixels, got " + std::to_string(w) +
-                     "x" + std::to_string(h));
-  if (w == img.width && h == img.height) return img;
-  if (h == img.height) return resample_horizontal(img, w);
-  if (w == img.width) return resample_vertical(img, h);
+  if (w <= 0 || h <= 0 || cw <= 0 || ch <= 0 || x0 < 0 || y0 < 0 || x0 > w - cw || y0 > h - ch ||
+      static_cast<int64_t>(cw) * ch > kMaxImagePixels)
+    throw InputError("resize_bicubic: the window " + std::to_string(cw) + "x" + std::to_string(ch) + "+" +
+                     std::to_string(x0) + "+" + std::to_string(y0) + " of a " + std::to_string(w) + "x" +
+                     std::to_string(h) + " resize must lie inside it and hold at most " +
+                     std::to_string(kMaxImagePixels) + " pixels");
+  // Each pass computes only the window along its own axis: the second pass reads nothing the
+  // first one skipped, so the window equals the same pixels of the full resize, bit for bit.
+  auto crop_rows = [&](const RGBImage& in) {  // rows [y0, y0 + ch) of an image of height h
+    if (y0 == 0 && ch == in.height) return in;
+    RGBImage out;
+    out.width = in.width;
+    out.height = ch;
+    const size_t stride = static_cast<size_t>(in.width) * 3;
+    out.data.assign(in.data.begin() + y0 * stride, in.data.begin() + (y0 + ch) * stride);
+    return out;
+  };
+  auto crop_cols = [&](const RGBImage& in) {  // columns [x0, x0 + cw)
+    if (x0 == 0 && cw == in.width) return in;
+    RGBImage out;
+    out.width = cw;
+    out.height = in.height;
+    out.data.resize(static_cast<size_t>(cw) * in.height * 3);
+    for (int y = 0; y < in.height; ++y)
+      std::memcpy(&out.data[static_cast<size_t>(y) * cw * 3],
+                  &in.data[(static_cast<size_t>(y) * in.width + x0) * 3], static_cast<size_t>(cw) * 3);
+    return out;
+  };
+  if (w == img.width && h == img.height) return crop_cols(crop_rows(img));
+  if (h == img.height) return crop_rows(resample_horizontal(img, w, x0, cw));
+  if (w == img.width) return crop_cols(resample_vertical(img, h, y0, ch));
   // Pillow 13 runs the vertical pass first when the height shrinks by more than twice what the
   // width shrinks (always when the width grows while the height shrinks); Pillow 12 and older
   // always ran the horizontal pass first. The order changes the intermediate rounding, so it
   // is followed to stay bit-exact with the Pillow that the reference processor uses.
   const bool vertical_first = h < img.height && (img.height - h) > 2 * (img.width - w);
-  if (vertical_first) return resample_horizontal(resample_vertical(img, h), w);
-  return resample_vertical(resample_horizontal(img, w), h);
+  if (vertical_first) return resample_horizontal(resample_vertical(img, h, y0, ch), w, x0, cw);
+  return resample_vertical(resample_horizontal(img, w, x0, cw), h, y0, ch);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -269,6 +455,11 @@ RGBImage pad_to_square(const RGBImage& img, std::array<uint8_t, 3> colour) {
   check_image(img, "pad_to_square");
   if (img.width == img.height) return img;
   const int side = std::max(img.width, img.height);
+  if (static_cast<int64_t>(side) * side > kMaxImagePixels)
+    throw InputError((img.source.empty() ? std::string("image") : img.source) + ": padding the " +
+                     std::to_string(img.width) + "x" + std::to_string(img.height) + " image to a square gives " +
+                     std::to_string(side) + "x" + std::to_string(side) + " pixels, more than the " +
+                     std::to_string(kMaxImagePixels) + " kvlens accepts; turn padding off or crop the image");
   RGBImage out;
   out.width = out.height = side;
   out.data.resize(static_cast<size_t>(side) * side * 3);
@@ -345,13 +536,28 @@ Tensor preprocess(const RGBImage& img, const PreprocessConfig& cfg) {
       const int shrt = std::min(base.width, base.height), lng = std::max(base.width, base.height);
       const int64_t new_long = static_cast<int64_t>(static_cast<double>(s * lng) / shrt);
       if (new_long > std::numeric_limits<int>::max())
-        throw InputError("preprocess: resized image would be too large");
+        throw InputError((img.source.empty() ? std::string("image") : img.source) + ": " +
+                         std::to_string(base.width) + "x" + std::to_string(base.height) +
+                         " pixels is too elongated to resize its shortest edge to " + std::to_string(s));
       if (base.width <= base.height)
         tw = static_cast<int>(s), th = static_cast<int>(new_long);
       else
         tw = static_cast<int>(new_long), th = static_cast<int>(s);
     }
-    resized = resize_bicubic(base, tw, th);
+    if (cfg.do_center_crop) {
+      // Only the part the centre crop keeps is resized (the same pixels, bit for bit), so
+      // extreme aspect ratios (1×2000 → 224×448000) cost no more than square images.
+      auto window = [](int size, int crop, int* start, int* len) {
+        if (crop <= size) *start = (size - crop) / 2, *len = crop;
+        else *start = 0, *len = size;
+      };
+      int x0, cw, y0, ch;
+      window(tw, cfg.crop_width, &x0, &cw);
+      window(th, cfg.crop_height, &y0, &ch);
+      resized = resize_bicubic_window(base, tw, th, x0, y0, cw, ch);
+    } else {
+      resized = resize_bicubic(base, tw, th);
+    }
   }
   const RGBImage& sized = cfg.do_resize ? resized : base;
 
@@ -389,10 +595,7 @@ namespace {
 constexpr int kMaxEdge = 16384;
 
 int positive_int(const nlohmann::json& v, const std::string& key) {
-  if (!v.is_number_integer() || v.get<int64_t>() <= 0 || v.get<int64_t>() > kMaxEdge)
-    throw InputError("preprocessor config: '" + key + "' must be an integer in [1, " +
-                     std::to_string(kMaxEdge) + "], got " + v.dump());
-  return static_cast<int>(v.get<int64_t>());
+  return json_int(v, "preprocessor config: '" + key + "'", 1, kMaxEdge);
 }
 
 bool boolean(const nlohmann::json& v, const std::string& key) {
@@ -402,18 +605,19 @@ bool boolean(const nlohmann::json& v, const std::string& key) {
 }
 
 std::array<float, 3> three(const nlohmann::json& v, const std::string& key, bool positive) {
+  // Finite floats (positive ones for the std); 1e300 would become inf as a float.
   auto ok = [&](const nlohmann::json& x) {
     if (!x.is_number()) return false;
     const double d = x.get<double>();
-    return std::isfinite(d) && (!positive || d > 0.0);
+    return std::isfinite(d) && std::fabs(d) <= 1e30 && (!positive || d > 0.0);
   };
   std::array<float, 3> r{};
   if (ok(v)) {
-    r.fill(v.get<float>());
+    r.fill(static_cast<float>(v.get<double>()));
     return r;
   }
   if (v.is_array() && v.size() == 3 && ok(v[0]) && ok(v[1]) && ok(v[2])) {
-    for (int c = 0; c < 3; ++c) r[c] = v[c].get<float>();
+    for (int c = 0; c < 3; ++c) r[c] = static_cast<float>(v[c].get<double>());
     return r;
   }
   throw InputError("preprocessor config: '" + key + "' must be 3 " +
@@ -474,17 +678,15 @@ PreprocessConfig preprocess_config_from_json(const nlohmann::json& j, int image_
   if (j.contains("do_rescale")) cfg.do_rescale = boolean(j["do_rescale"], "do_rescale");
   if (j.contains("do_normalize")) cfg.do_normalize = boolean(j["do_normalize"], "do_normalize");
   if (j.contains("rescale_factor")) {
-    const auto& v = j["rescale_factor"];
-    if (!v.is_number() || !std::isfinite(v.get<double>()) || v.get<double>() <= 0.0)
-      throw InputError("preprocessor config: 'rescale_factor' must be a positive number, got " +
-                       v.dump());
-    cfg.rescale_factor = v.get<float>();
+    const double r = json_real(j["rescale_factor"], "preprocessor config: 'rescale_factor'", 0, 1e6);
+    if (!(r > 0)) throw InputError("preprocessor config: 'rescale_factor' must be a positive number, got 0");
+    cfg.rescale_factor = static_cast<float>(r);
   }
   if (j.contains("image_mean")) cfg.mean = three(j["image_mean"], "image_mean", false);
   if (j.contains("image_std")) cfg.std = three(j["image_std"], "image_std", true);
   if (j.contains("resample")) {
     const auto& v = j["resample"];
-    if (!v.is_number_integer() || v.get<int>() != 3)
+    if (!v.is_number_integer() || v != 3)
       throw InputError("preprocessor config: 'resample' must be 3 (bicubic, the only filter "
                        "kvlens implements), got " + v.dump());
   }

@@ -16,19 +16,24 @@ namespace kvlens {
 struct RGBImage {
   int width = 0, height = 0;
   std::vector<uint8_t> data;  // [height][width][3]
+  std::string source;         // the file it was decoded from, for messages ("" = made in memory)
 };
 
 // Largest image accepted, in pixels (width × height); larger ones are refused with a clear
 // InputError before any pixel is decoded.
 constexpr int64_t kMaxImagePixels = 64LL * 1024 * 1024;
 
-// Decodes PNG, JPEG, BMP, GIF (first frame) and PNM with stb_image: grey, grey+alpha, RGB, RGBA
+// Decodes JPEG with libjpeg-turbo (PIL's decoder: the same pixels, CMYK converted as PIL does;
+// stb_image when kvlens is built without libjpeg), and PNG, BMP (also top-down), GIF (first
+// frame) and 8-bit PNM with stb_image: grey, grey+alpha, RGB, RGBA
 // and 16-bit inputs become 8-bit RGB (alpha is dropped, as PIL's convert("RGB") does; 16-bit
 // samples keep their high byte, v >> 8, which is what PIL does for 16-bit RGB/RGBA PNGs; PIL
 // clips 16-bit grey to 255 instead). Throws InputError naming `path` (or `name`) for missing,
 // unreadable, empty, non-image or oversized files; the size is checked from the header first.
 RGBImage load_image(const std::string& path);
-RGBImage decode_image(const uint8_t* bytes, size_t n, const std::string& name);
+// `max_pixels` lowers the size limit (the fuzzer uses it to stay fast).
+RGBImage decode_image(const uint8_t* bytes, size_t n, const std::string& name,
+                      int64_t max_pixels = kMaxImagePixels);
 // PNG bytes of `img` (stb_image_write), and the same written through the atomic writer.
 std::string encode_png(const RGBImage& img);
 void write_png(const std::string& path, const RGBImage& img);  // throws InputError
@@ -58,6 +63,9 @@ PreprocessConfig preprocess_config_from_json(const nlohmann::json& j, int image_
 // bit-exact with Pillow 13, whose pass order it follows (Pillow ≤ 12 always resized
 // horizontally first, which differs only when the height shrinks by more than twice the width).
 RGBImage resize_bicubic(const RGBImage& img, int w, int h);
+// The window [x0, x0 + cw) × [y0, y0 + ch) of resize_bicubic(img, w, h), computed without
+// the rest (bit-exact with cropping the full resize).
+RGBImage resize_bicubic_window(const RGBImage& img, int w, int h, int x0, int y0, int cw, int ch);
 // Centers `img` on a square canvas of the given colour (LLaVA expand2square: offset
 // ((side - w) / 2, (side - h) / 2)).
 RGBImage pad_to_square(const RGBImage& img, std::array<uint8_t, 3> colour);

@@ -93,6 +93,7 @@ std::vector<Buffer> ClipVision::forward(const Tensor& px, const std::vector<int>
         be->copy_block(h, 0, 0, out[i], 0, 0, T, H);
       }
   };
+  be->check_finite(h, "vision embeddings (after pre_layrnorm)");
   capture(0);
   const int last = *std::max_element(state_indices.begin(), state_indices.end());
   AttnLayout lay;
@@ -115,6 +116,7 @@ std::vector<Buffer> ClipVision::forward(const Tensor& px, const std::vector<int>
     be->linear(x, L.fc1_w, &L.fc1_b, mlp32, false);
     be->bias_act(mlp32, nullptr, act, true, mlp);
     be->linear(mlp, L.fc2_w, &L.fc2_b, h, true);
+    be->check_finite(h, "vision layer " + std::to_string(l) + " output");
     capture(l + 1);
   }
   return out;

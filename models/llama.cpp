@@ -178,6 +178,7 @@ std::vector<float> LlamaDecoder::prefill(const Buffer& x0, const std::vector<Seg
     }
     be->linear(a, L.o_w, or_null(L.o_b), h, true);
     mlp(L, h, x, gu, g);
+    be->check_finite(h, "text layer " + std::to_string(l) + " output (prefill)");
   }
   Buffer last = h.row_view(T - 1, 1);
   Buffer xl = be->alloc("text.final_norm", {1, H}, mdt);
@@ -186,6 +187,7 @@ std::vector<float> LlamaDecoder::prefill(const Buffer& x0, const std::vector<Seg
   be->linear(xl, lm_head, nullptr, logits, false);
   std::vector<float> out(static_cast<size_t>(cfg.vocab_size));
   be->download(logits, out.data());
+  be->finish_checks();
   return out;
 }
 
@@ -271,6 +273,7 @@ std::vector<float> LlamaDecoder::decode(int token, int position, int step, SeqKV
       }
       be->linear(w.a, L.o_w, or_null(L.o_b), w.h, true);
       mlp(L, w.h, w.x, w.gu, w.g);
+      be->check_finite(w.h, "text layer " + std::to_string(l) + " output (decode step " + std::to_string(step) + ")");
     }
     be->norm_linear(w.h, norm, eps, w.x, lm_head, nullptr, w.logits);
   };
@@ -280,6 +283,7 @@ std::vector<float> LlamaDecoder::decode(int token, int position, int step, SeqKV
   if (!host_side && kv.dev) key = kv.dev->version();
   be->run_step(w.step, key, body);
   be->download(w.logits, w.logits_host.data());
+  be->finish_checks();
   return w.logits_host;
 }
 

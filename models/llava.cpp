@@ -67,6 +67,20 @@ int sample(const std::vector<float>& logits, const GenerateOptions& opt, std::mt
 
 }  // namespace
 
+namespace {
+
+// Runs f, naming the model folder in a non-finite activation's message.
+template <class F>
+auto in_model(const std::string& dir, F f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const NonFiniteError& e) {
+    throw NonFiniteError(dir + ": " + e.what());
+  }
+}
+
+}  // namespace
+
 LlavaModel LlavaModel::load(const std::string& dir, const BackendOptions& backend) {
   try {
     return load_checked(dir, backend);
@@ -137,6 +151,10 @@ int64_t LlavaModel::decode_weight_bytes() const {
 }
 
 Buffer LlavaModel::encode_image(const Tensor& px) const {
+  return in_model(dir_, [&] { return encode_image_unnamed(px); });
+}
+
+Buffer LlavaModel::encode_image_unnamed(const Tensor& px) const {
   const auto states = vision_.forward(px, cfg_.feature_layer_indices());
   const int VH = cfg_.vision.hidden_size, H = cfg_.text.hidden_size;
   const int skip = cfg_.vision_feature_select_strategy == "default" ? 1 : 0;
@@ -156,6 +174,8 @@ Buffer LlavaModel::encode_image(const Tensor& px) const {
   be_->bias_act(mid, nullptr, activation_from_name(cfg_.projector_hidden_act, "projector_hidden_act"), true, midm);
   Buffer out = be_->alloc("image_features", {N, H}, Dt::F32);
   be_->linear(midm, proj_.w2, proj_.b2.empty() ? nullptr : &proj_.b2, out, false);
+  be_->check_finite(out, "multi_modal_projector output");
+  be_->finish_checks();
   return out;
 }
 
@@ -228,7 +248,7 @@ PrefillState LlavaModel::prefill_features(const Buffer& feats, const std::string
   st.capture.keep = keep_attention;
   st.store_rows = !dev || keep_attention || !observers.empty();
   SeqKV kv{&st.store, dev.get(), st.store_rows};
-  st.logits = text_.prefill(x, st.kinds, kv, observers, &st.capture);
+  st.logits = in_model(dir_, [&] { return text_.prefill(x, st.kinds, kv, observers, &st.capture); });
   st.device = std::move(dev);
   st.prefill_ms = ms_since(t1);
   return st;
@@ -286,6 +306,7 @@ DecodeResult LlavaModel::decode(const PrefillState& st, KVPolicy* policy, const 
   const auto& eos = cfg_.text.eos_token_ids;
   LlamaWorkspace ws = text_.workspace();
   for (int step = 0; step < opt.max_new_tokens; ++step) {
+    if (opt.keep_step_logits) r.step_logits.push_back(logits);
     const int tok = sample(logits, opt, rng);
     std::vector<float> p(logits);
     cpu::softmax_rows(p.data(), 1, static_cast<int>(p.size()));
@@ -294,7 +315,7 @@ DecodeResult LlavaModel::decode(const PrefillState& st, KVPolicy* policy, const 
     const bool is_eos = std::find(eos.begin(), eos.end(), tok) != eos.end() || tok == tok_.eos_id();
     if ((opt.stop_at_eos && is_eos) || step + 1 == opt.max_new_tokens) break;
     if (pos + 1 > cfg_.text.max_position_embeddings) break;
-    logits = text_.decode(tok, pos, step, kv, policy, observers, ws);
+    logits = in_model(dir_, [&] { return text_.decode(tok, pos, step, kv, policy, observers, ws); });
     ++pos;
   }
   r.decode_ms = ms_since(t1);

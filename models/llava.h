@@ -29,6 +29,7 @@ struct GenerateOptions {
   float temperature = 0.0f;   // 0 = greedy
   float top_p = 1.0f;
   uint64_t seed = 0;
+  bool keep_step_logits = false;  // keep the logits of every step in DecodeResult::step_logits
 };
 
 // The prompt after prefill at full precision. Kept so that compression + decode can re-run
@@ -52,6 +53,7 @@ struct DecodeResult {
   std::vector<int> generated_ids;
   std::string text;
   std::vector<float> first_logits;     // logits that chose the first generated token
+  std::vector<std::vector<float>> step_logits;  // logits that chose each token (keep_step_logits)
   std::vector<float> chosen_probs;     // softmax probability of each chosen token
   KVBytes bytes_after_prefill;         // cache bytes right after the policy compressed it
   KVBytes bytes_final;                 // (on a device backend: the device cache's bytes)
@@ -92,6 +94,7 @@ class LlavaModel {
 
  private:
   static LlavaModel load_checked(const std::string& dir, const BackendOptions& backend);
+  Buffer encode_image_unnamed(const Tensor& pixel_values) const;
 
   std::string dir_;
   std::shared_ptr<Backend> be_;

@@ -109,11 +109,12 @@ std::vector<K> layout(int sys, int vis, int post) {
 std::unique_ptr<KVPolicy> make(const MethodSpec& m, std::map<std::string, std::string> set = {}) {
   std::map<std::string, std::string> v;
   for (const ParamSpec& p : m.params) v[p.name] = validate_param(m.name, p, p.def);
-  for (const auto& [k, x] : set) {
+  for (const auto& kx : set) {
+    const std::string& k = kx.first;
     EXPECT_TRUE(v.count(k)) << m.name << " has no " << k;
     v[k] = validate_param(m.name, *std::find_if(m.params.begin(), m.params.end(),
                                                 [&](const ParamSpec& p) { return p.name == k; }),
-                          x);
+                          kx.second);
   }
   return m.make(Params(m.name, v));
 }
@@ -459,7 +460,8 @@ TEST(SnapKV, MaxPoolSpreadsTheVoteToNeighbours) {
   // The pooled scores themselves: max ignores the padding, avg divides by the kernel (padding
   // counts as 0); window keys are always kept (+inf). Votes are sums of 4 float probabilities,
   // each rounded once (relative 2^-24), so 8·2^-24 bounds their error.
-  const PrefillContext c = build()->contexts()[0];
+  const auto C = build();  // the contexts point into it: keep it alive
+  const PrefillContext c = C->contexts()[0];
   double r = 0;  // what a column other than 3, 7, 12 receives from the window
   for (int i = 16; i < 20; ++i) r += 0.1 / (i + 1 - 3);
   const std::vector<double> mx = snapkv_scores(c, 0, 4, 3, Pooling::Max);

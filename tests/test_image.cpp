@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
+#include <random>
 #include <cfloat>
 #include <cmath>
 #include <cstdlib>
@@ -119,6 +121,22 @@ TEST(ImageDecode, LosslessFormatsMatchPil) {
   }
 }
 
+#ifdef KVLENS_HAVE_LIBJPEG
+TEST(ImageDecode, JpegMatchesPilExactly) {
+  // libjpeg-turbo decodes as PIL does: baseline 4:4:4 and 4:2:0, progressive, grey, and Adobe
+  // CMYK converted to RGB by PIL's rule.
+  for (const std::string name : {"rgb", "rgb420", "progressive", "grey", "cmyk"}) {
+    SCOPED_TRACE(name);
+    const Diff d = compare(load_image(kDir + name + ".jpg"), raw_image(name + "_jpg.rgb"));
+    EXPECT_EQ(d.max, 0);
+  }
+}
+#else
+TEST(ImageDecode, JpegMatchesPilExactly) {
+  GTEST_SKIP() << "built without libjpeg: JPEG goes through stb_image, which is within a few levels of PIL (JpegCloseToPil)";
+}
+#endif
+
 TEST(ImageDecode, DecodeFromMemoryMatchesFile) {
   const std::vector<uint8_t> bytes = read_bytes("rgba.png");
   const RGBImage a = decode_image(bytes.data(), bytes.size(), "in-memory rgba");
@@ -220,7 +238,7 @@ TEST(ImageResize, IdentityConstantAndErrors) {
   EXPECT_EQ(compare(resize_bicubic(src, src.width, src.height), src).max, 0);
   // Normalized weights keep a flat image flat, at both ends of the range.
   for (uint8_t v : {uint8_t{0}, uint8_t{255}, uint8_t{77}}) {
-    RGBImage flat{13, 9, std::vector<uint8_t>(13 * 9 * 3, v)};
+    RGBImage flat{13, 9, std::vector<uint8_t>(13 * 9 * 3, v), ""};
     for (const auto& [w, h] : std::vector<std::pair<int, int>>{{5, 4}, {31, 17}, {13, 2}}) {
       const RGBImage r = resize_bicubic(flat, w, h);
       for (uint8_t p : r.data) ASSERT_EQ(p, v) << w << "x" << h;
@@ -251,7 +269,7 @@ TEST(ImageGeometry, PadToSquare) {
   EXPECT_EQ(compare(sq, raw_image("pp_pad_square.rgb")).max, 0);
 
   // Tall, odd difference: 3 x 6 → 6 x 6 with the image in columns [1, 4).
-  RGBImage tall{3, 6, {}};
+  RGBImage tall{3, 6, {}, ""};
   for (int i = 0; i < 3 * 6 * 3; ++i) tall.data.push_back(static_cast<uint8_t>(i));
   const RGBImage t = pad_to_square(tall, colour);
   ASSERT_EQ(t.width, 6);
@@ -265,7 +283,7 @@ TEST(ImageGeometry, PadToSquare) {
         ASSERT_EQ(got, want) << x << "," << y << "," << c;
       }
   // Already square: unchanged.
-  RGBImage s{4, 4, std::vector<uint8_t>(48, 9)};
+  RGBImage s{4, 4, std::vector<uint8_t>(48, 9), ""};
   EXPECT_EQ(compare(pad_to_square(s, colour), s).max, 0);
 }
 
@@ -309,6 +327,58 @@ TEST(ImagePreprocess, Clip224MatchesPilProcessor) {
   RecordProperty("clip224_max_levels", worst);
 }
 
+TEST(ImageDecode, TopDownBmpMatchesPil) {
+  // A BMP with a negative height stores its rows top-down; it decodes to the same pixels.
+  const RGBImage img = load_image(kDir + "topdown.bmp");
+  const Diff d = compare(img, raw_image("topdown.rgb"));
+  EXPECT_EQ(d.max, 0);
+  EXPECT_EQ(img.source, kDir + "topdown.bmp");
+}
+
+TEST(ImageResize, WindowEqualsTheSamePixelsOfTheFullResize) {
+  std::mt19937 rng(5);
+  RGBImage img;
+  img.width = 37, img.height = 23;
+  img.data.resize(static_cast<size_t>(img.width) * img.height * 3);
+  for (auto& v : img.data) v = static_cast<uint8_t>(rng() & 0xff);
+  // Both pass orders (the vertical pass first when the height shrinks much more), growth,
+  // shrinking, one axis unchanged.
+  for (auto [w, h] : std::vector<std::pair<int, int>>{{50, 40}, {30, 7}, {37, 60}, {90, 23}, {5, 3}}) {
+    const RGBImage full = resize_bicubic(img, w, h);
+    for (auto [x0, y0, cw, ch] : std::vector<std::array<int, 4>>{{0, 0, w, h}, {1, 2, w - 2, h - 2}, {w / 2, h / 3, 1, 1}}) {
+      SCOPED_TRACE(std::to_string(w) + "x" + std::to_string(h) + " window " + std::to_string(x0) + "," + std::to_string(y0));
+      const RGBImage win = resize_bicubic_window(img, w, h, x0, y0, cw, ch);
+      ASSERT_EQ(win.width, cw);
+      ASSERT_EQ(win.height, ch);
+      for (int y = 0; y < ch; ++y)
+        for (int x = 0; x < cw; ++x)
+          for (int c = 0; c < 3; ++c)
+            ASSERT_EQ(win.data[(static_cast<size_t>(y) * cw + x) * 3 + c],
+                      full.data[(static_cast<size_t>(y + y0) * w + x + x0) * 3 + c]);
+    }
+  }
+  EXPECT_THROW(resize_bicubic_window(img, 10, 10, 5, 5, 6, 1), InputError);
+}
+
+TEST(ImagePreprocess, ExtremeAspectRatiosMatchPil) {
+  // 1x2000 and 3000x1: the shortest edge goes to 224 (a 224x448000 / 672000x224 resize in PIL);
+  // the centre crop is the same, bit for bit.
+  for (const std::string name : {"tall_1x2000", "wide_3000x1"}) {
+    SCOPED_TRACE(name);
+    PreprocessConfig cfg;
+    cfg.do_rescale = cfg.do_normalize = false;
+    const Tensor t = preprocess(load_image(kDir + name + ".png"), cfg);
+    ASSERT_EQ(t.shape, (std::vector<int64_t>{3, 224, 224}));
+    const RGBImage want = raw_image(name + "_crop224.rgb");
+    int worst = 0;
+    for (int c = 0; c < 3; ++c)
+      for (int i = 0; i < 224 * 224; ++i)
+        worst = std::max(worst, std::abs(static_cast<int>(t.data[static_cast<size_t>(c) * 224 * 224 + i]) -
+                                         static_cast<int>(want.data[static_cast<size_t>(i) * 3 + c])));
+    EXPECT_EQ(worst, 0);
+  }
+}
+
 TEST(ImagePreprocess, SmallConfigMatchesPilProcessor) {
   const PreprocessConfig cfg =
       preprocess_config_from_json(read_json("clip_small/preprocessor_config.json"), 224);
@@ -347,7 +417,7 @@ TEST(ImagePreprocess, ShapesWithoutCropAndFixedSize) {
   cfg.do_center_crop = false;
   const RGBImage wide = raw_image("pp_src.rgb");  // 61 x 43 → int(40 · 61 / 43) = 56
   EXPECT_EQ(preprocess(wide, cfg).shape, (std::vector<int64_t>{3, 40, 56}));
-  RGBImage tall{43, 61, wide.data};  // same bytes seen as 43 x 61
+  RGBImage tall{43, 61, wide.data, ""};  // same bytes seen as 43 x 61
   EXPECT_EQ(preprocess(tall, cfg).shape, (std::vector<int64_t>{3, 56, 40}));
   cfg.resize_height = 30;
   cfg.resize_width = 50;
@@ -416,9 +486,11 @@ TEST(ImageConfig, BadValuesNameTheKey) {
       {R"({"resample": 2})", "resample"},
       {R"({"do_pad": "no"})", "do_pad"},
   };
-  for (const auto& [text, key] : cases)
+  for (const auto& c : cases) {
+    const auto& text = c.first;
     expect_input_error([&] { preprocess_config_from_json(nlohmann::json::parse(text), 224); },
-                       {"'" + key + "'"});
+                       {"'" + std::string(c.second) + "'"});
+  }
   expect_input_error([] { preprocess_config_from_json(nlohmann::json::array(), 224); },
                      {"object"});
 }

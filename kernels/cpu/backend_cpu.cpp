@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "core/errors.h"
+#include "core/tensor.h"
 #include "core/policy.h"
 #include "core/policies/quantize.h"
 #include "kernels/cpu/ops.h"
@@ -131,6 +132,10 @@ class CpuBackend : public Backend {
     need(x.numel() == y.numel() && g.numel() == x.cols(), "layer_norm: " + x.name + " / " + y.name);
     cpu::layer_norm(x.as<float>(), y.as<float>(), static_cast<int>(x.rows()), static_cast<int>(x.cols()),
                     g.as<float>(), b ? b->as<float>() : nullptr, eps);
+  }
+  void check_finite(const Buffer& x, const std::string& tensor) override {
+    need_f32(x, "check_finite");
+    kvlens::check_finite(x.as<float>(), x.numel(), tensor);
   }
   void add(Buffer& x, const Buffer& y) override {
     need(x.numel() == y.numel(), "add: " + x.name + x.shape_str() + " + " + y.name + y.shape_str());

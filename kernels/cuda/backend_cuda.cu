@@ -9,6 +9,7 @@
 
 #include "core/errors.h"
 #include "core/policies/quantize.h"
+#include "core/tensor.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/context.h"
 #include "kernels/cuda/kernels.h"
@@ -292,6 +293,38 @@ class CudaBackend : public Backend {
     cuda::layer_norm(x.as<float>(), y.data, y.dt, static_cast<int>(x.rows()), static_cast<int>(x.cols()),
                      g.as<float>(), b ? b->as<float>() : nullptr, eps, ctx_->stream);
   }
+  void check_finite(const Buffer& x, const std::string& tensor) override {
+    need(x.dt == Dt::F32, "check_finite: " + x.name + " must be f32");
+    if (!checks_.mem) {
+      if (ctx_->replay || ctx_->capturing) throw InternalError("check_finite: first check inside a captured step");
+      checks_ = {ctx_->alloc(kChecks * 8, "finiteness checks"), kChecks * 8};
+      KV_CUDA(cudaMemsetAsync(checks_.mem.get(), 0xff, kChecks * 8, ctx_->stream), "finiteness checks");
+    }
+    if (static_cast<int64_t>(check_names_.size()) >= kChecks) finish_checks();
+    const size_t slot = check_names_.size();
+    check_names_.push_back(tensor);
+    if (ctx_->replay) return;
+    first_nonfinite(x.as<float>(), x.numel(), checks_.as<unsigned long long>() + slot, ctx_->stream);
+  }
+  void finish_checks() override {
+    if (check_names_.empty()) return;
+    const size_t n = check_names_.size();
+    std::vector<unsigned long long> v(n);
+    ctx_->download(v.data(), checks_.mem.get(), static_cast<int64_t>(n) * 8, "finiteness checks");
+    KV_CUDA(cudaMemsetAsync(checks_.mem.get(), 0xff, n * 8, ctx_->stream), "finiteness checks");
+    std::vector<std::string> names;
+    names.swap(check_names_);
+    for (size_t i = 0; i < n; ++i) {
+      if (v[i] == ~0ull) continue;
+      const uint32_t bits = static_cast<uint32_t>(v[i] & 0xffffffffu);
+      float x;
+      std::memcpy(&x, &bits, 4);
+      // The message core/tensor.h's check_finite gives on the host.
+      throw NonFiniteError(names[i] + " is not finite (value " + std::to_string(x) + " at index " +
+                           std::to_string(v[i] >> 32) +
+                           "): the checkpoint's weights hold NaN or Inf, or the activations overflow");
+    }
+  }
   void add(Buffer& x, const Buffer& y) override {
     need(x.dt == Dt::F32 && y.dt == Dt::F32 && x.numel() == y.numel(), "add: " + x.name + " + " + y.name);
     if (ctx_->replay) return;
@@ -452,8 +485,11 @@ class CudaBackend : public Backend {
     return static_cast<const float*>(p);
   }
 
+  static constexpr int64_t kChecks = 4096;
   std::shared_ptr<Context> ctx_;
   Profiler prof_;
+  DevMem checks_;
+  std::vector<std::string> check_names_;
   bool fp32_as_fp16_ = false;
   bool have_mdt_ = false;
   Dt mdt_ = Dt::F32;

@@ -156,6 +156,13 @@ __global__ void softmax_rows_kernel(float* x, int n) {
   for (int j = threadIdx.x; j < n; j += blockDim.x) row[j] *= inv;
 }
 
+__global__ void first_nonfinite_kernel(const float* x, int64_t n, unsigned long long* slot) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    if (!isfinite(x[i]))
+      atomicMin(slot, (static_cast<unsigned long long>(i) << 32) | __float_as_uint(x[i]));
+}
+
 int grid_for(int64_t n) { return static_cast<int>(std::min<int64_t>((n + 255) / 256, 65535)); }
 
 }  // namespace
@@ -224,6 +231,12 @@ void embed(const void* table, Dt tdt, int64_t V, int64_t H, const int32_t* ids, 
     embed_kernel<TT><<<grid_for(T * H), 256, 0, s>>>(static_cast<const TT*>(table), V, H, ids, T, out);
   });
   KV_LAUNCH("embed_kernel", std::to_string(T) + " tokens");
+}
+
+void first_nonfinite(const float* x, int64_t n, unsigned long long* slot, cudaStream_t s) {
+  if (n == 0) return;
+  first_nonfinite_kernel<<<grid_for(n), 256, 0, s>>>(x, n, slot);
+  KV_LAUNCH("first_nonfinite_kernel", std::to_string(n) + " values");
 }
 
 void softmax_rows(float* x, int64_t rows, int n, cudaStream_t s) {

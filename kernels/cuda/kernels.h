@@ -30,6 +30,8 @@ void rope(float* x, int T, int64_t stride, int64_t q_col, int nq, int64_t k_col,
 void embed(const void* table, Dt tdt, int64_t V, int64_t H, const int32_t* ids, int T, float* out,
            cudaStream_t s);
 void softmax_rows(float* x, int64_t rows, int n, cudaStream_t s);
+// slot = min over non-finite x[i] of (i << 32 | bits of x[i]) (atomicMin; UINT64_MAX = all finite).
+void first_nonfinite(const float* x, int64_t n, unsigned long long* slot, cudaStream_t s);
 
 // ---- matrix-vector product for one token (gemv.cu) ---------------------------------------------
 // y[N] = W[N][K]·x[K] (+ bias) (+ y when accumulate); W and x f16 or bf16, K a multiple of 8.
