@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Installs the Debian packages kvlens needs (only those missing) and builds it into build/.
-#   ./setup.sh            the CLI and the desktop app (kvlens-gui)
+#   ./setup.sh            the CLI and the desktop app (kvlens-gui); the CUDA backend too where
+#                         nvcc is found (KVLENS_CUDA=AUTO, the default)
 #   ./setup.sh --tests    also what the tests need: Xvfb and Mesa for the headless app tests,
 #                         poppler-utils (pdftoppm) and expat for the figure export checks
-#   KVLENS_CUDA=ON ./setup.sh   also builds the CUDA backend (needs nvcc)
+#   KVLENS_CUDA=OFF ./setup.sh  skips the CUDA backend
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -35,5 +36,5 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 jobs=$(nproc 2>/dev/null || echo 2)
-cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DKVLENS_CUDA="${KVLENS_CUDA:-OFF}" >/dev/null
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DKVLENS_CUDA="${KVLENS_CUDA:-AUTO}" >/dev/null
 cmake --build build -j"$jobs"

@@ -3,6 +3,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "app/backend_option.h"
 #include "app/commands.h"
 #include "app/defaults.h"
 #include "app/options.h"
@@ -21,13 +22,14 @@ struct CaptionArgs {
   float temperature = 0.0f, top_p = 1.0f;
   uint64_t seed = 0;
   bool pad_to_square = false;
+  BackendOptions backend;
 };
 
 void run_caption(const CaptionArgs& a) {
   if (!a.json_out.empty()) check_writable(a.json_out, "caption JSON");
   if (!a.logits_out.empty()) check_writable(a.logits_out, "logits");
   const LlavaModel model = [&] {
-    LlavaModel m = LlavaModel::load(a.model.empty() ? default_model_dir() : a.model);
+    LlavaModel m = LlavaModel::load(a.model.empty() ? default_model_dir() : a.model, a.backend);
     if (a.pad_to_square) m.preprocess_config().pad_to_square = true;
     return m;
   }();
@@ -44,6 +46,8 @@ void run_caption(const CaptionArgs& a) {
   if (!a.json_out.empty()) {
     nlohmann::json j;
     j["model"] = model.dir();
+    j["backend"] = model.backend().name();
+    j["device"] = model.backend().device();
     j["image"] = a.image.empty() ? default_image() : a.image;
     j["prompt"] = a.prompt;
     j["template"] = a.templ;
@@ -52,7 +56,8 @@ void run_caption(const CaptionArgs& a) {
     j["generated_ids"] = r.generated_ids;
     j["n_visual_tokens"] = st.n_visual;
     j["n_prompt_tokens"] = st.ids.size();
-    j["timings_ms"] = {{"vision", st.vision_ms},
+    j["timings_ms"] = {{"preprocess", st.preprocess_ms},
+                       {"vision", st.vision_ms},
                        {"prefill", st.prefill_ms},
                        {"decode", r.decode_ms},
                        {"decode_per_token", n_steps > 1 ? r.decode_ms / (n_steps - 1) : 0.0}};
@@ -73,6 +78,7 @@ void add_caption_command(CLI::App& root) {
   auto args = std::make_shared<CaptionArgs>();
   CLI::App* c = root.add_subcommand("caption", "Caption one image with the full KV cache");
   c->add_option("--model", args->model, "HF-format LLaVA-1.5 model directory (default: the embedded model)");
+  add_backend_options(c, args->backend);
   c->add_option("--image", args->image, "PNG, JPEG or BMP image (default: the embedded sample image)");
   c->add_option("--prompt", args->prompt, "Text in place of {prompt} in the template")->capture_default_str();
   c->add_option("--template", args->templ, "Prompt template with <image> and {prompt}")->capture_default_str();

@@ -2,6 +2,7 @@
 // any number of compression methods (a paper-style table).
 #include <cstdio>
 
+#include "app/backend_option.h"
 #include "app/commands.h"
 #include "app/defaults.h"
 #include "app/options.h"
@@ -20,13 +21,14 @@ struct EvalArgs {
   std::vector<std::string> methods;
   EvalOptions opt;
   bool no_vqa = false;
+  BackendOptions backend;
 };
 
 void run_eval(const EvalArgs& a) {
   for (const auto& m : a.methods) parse_method_spec(m);
   if (!a.json_out.empty()) check_writable(a.json_out, "eval JSON");
   const SceneSet set = load_scene_set(a.scenes);
-  const LlavaModel model = LlavaModel::load(a.model.empty() ? default_model_dir() : a.model);
+  const LlavaModel model = LlavaModel::load(a.model.empty() ? default_model_dir() : a.model, a.backend);
   std::vector<std::string> runs{""};
   runs.insert(runs.end(), a.methods.begin(), a.methods.end());
   nlohmann::json out = nlohmann::json::array();
@@ -54,6 +56,7 @@ void add_eval_command(CLI::App& root) {
   CLI::App* c = root.add_subcommand("eval", "Caption exact-match and VQA accuracy on a scene set (full cache and methods)");
   c->add_option("--scenes", a->scenes, "Folder written by kvlens scenes")->required();
   c->add_option("--model", a->model, "Model directory (default: the embedded model)");
+  add_backend_options(c, a->backend);
   add_int(c, "--n", a->opt.max_images, 0, 10000000, "Images to evaluate (0 = all)");
   c->add_option("--method", a->methods, "Also evaluate under these method specs (repeatable)");
   add_int(c, "--max-new-tokens", a->opt.max_new_tokens, 1, kMaxNewTokensLimit, "Most tokens per answer");

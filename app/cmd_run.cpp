@@ -1,6 +1,7 @@
 // kvlens methods / run / calibrate: compression methods on one shared prefill.
 #include <cstdio>
 
+#include "app/backend_option.h"
 #include "app/commands.h"
 #include "app/defaults.h"
 #include "app/options.h"
@@ -18,10 +19,12 @@ struct RunArgs {
   std::vector<std::string> methods;
   ExperimentOptions opt;
   FigureArgs figures;
+  BackendOptions backend;
 };
 
 void add_common(CLI::App* c, RunArgs& a) {
   c->add_option("--model", a.model, "HF-format LLaVA-1.5 model directory (default: the embedded model)");
+  add_backend_options(c, a.backend);
   c->add_option("--image", a.image, "Image file (default: the embedded sample image)");
   c->add_option("--prompt", a.opt.prompt, "Text in place of {prompt} in the template")->capture_default_str();
   c->add_option("--template", a.opt.templ, "Prompt template with <image> and {prompt}")->capture_default_str();
@@ -90,7 +93,7 @@ void run_methods(const RunArgs& args) {
   // model and the image are refused first.
   if (!a.report.empty()) check_writable(a.report, "report");
   if (!a.save_session.empty()) check_writable(a.save_session, "session file");
-  const LlavaModel model = LlavaModel::load(a.model.empty() ? default_model_dir() : a.model);
+  const LlavaModel model = LlavaModel::load(a.model.empty() ? default_model_dir() : a.model, a.backend);
   const RGBImage img = load_image(a.image.empty() ? default_image() : a.image);
   if (!a.save_session.empty()) {
     Session s;
@@ -165,7 +168,7 @@ void run_calibrate(const RunArgs& a, const std::string& base, const std::vector<
   if (taus.empty()) throw InputError("--taus needs at least one value");
   parse_method_spec(base);  // validate before loading
   if (!a.report.empty()) check_writable(a.report, "report");
-  const LlavaModel model = LlavaModel::load(a.model.empty() ? default_model_dir() : a.model);
+  const LlavaModel model = LlavaModel::load(a.model.empty() ? default_model_dir() : a.model, a.backend);
   const RGBImage img = load_image(a.image.empty() ? default_image() : a.image);
   const Experiment ex = start_experiment(model, img, a.opt);
   const auto pts = calibrate_grid(model, ex, base, taus, a.opt);

@@ -41,6 +41,9 @@ int main(int argc, char** argv) {
   } catch (const kvlens::InputError& e) {
     std::fprintf(stderr, "kvlens: error: %s\n", e.what());
     return 2;
+  } catch (const kvlens::DeviceError& e) {
+    std::fprintf(stderr, "kvlens: device error: %s\n", e.what());
+    return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kvlens: internal error: %s\n", e.what());
     return 1;

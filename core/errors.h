@@ -20,6 +20,20 @@ class Cancelled : public std::runtime_error {
   explicit Cancelled(const std::string& what) : std::runtime_error(what) {}
 };
 
+// Not enough memory on the device for what was asked (the message names what was being
+// allocated, its size and how much was free). Treated like bad input: the request was too big.
+class OutOfMemory : public InputError {
+ public:
+  explicit OutOfMemory(const std::string& what) : InputError(what) {}
+};
+
+// A failure reported by the GPU runtime or a GPU library (the message names the call, the
+// size involved and where it was made).
+class DeviceError : public std::runtime_error {
+ public:
+  explicit DeviceError(const std::string& what) : std::runtime_error(what) {}
+};
+
 // A model's activations went NaN or infinite: bad weights (or an overflow) in the checkpoint.
 // The message names the first tensor that did.
 class NonFiniteError : public InputError {

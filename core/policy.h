@@ -55,6 +55,9 @@ class KVPolicy {
   virtual bool has_score_transform() const { return false; }
   virtual void transform_scores(int layer, int head, float* scores, const SegmentKind* kinds,
                                 int n_k) const {}
+  // When transform_scores is exactly calibquant::calibrate_visual(τ1, τ2), those two values: a
+  // device backend then calibrates inside its attention kernel instead of on the host.
+  virtual bool visual_calibration(float& tau1, float& tau2) const { return false; }
 };
 
 }  // namespace kvlens

@@ -1,9 +1,12 @@
 // CLIP vision transformer (HF CLIPVisionModel): class + patch + position embeddings,
-// pre_layrnorm, pre-LN encoder layers. Produces the hidden states LLaVA selects features from.
+// pre_layrnorm, pre-LN encoder layers, built on the backend interface. Produces the hidden
+// states LLaVA selects features from.
 #pragma once
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "core/backend.h"
 #include "core/tensor.h"
 #include "models/config.h"
 #include "models/safetensors.h"
@@ -11,20 +14,24 @@
 namespace kvlens {
 
 struct ClipLayer {
-  Tensor ln1_w, ln1_b, q_w, q_b, k_w, k_b, v_w, v_b, o_w, o_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b;
+  Buffer ln1_w, ln1_b, qkv_w, qkv_b, o_w, o_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b;
 };
 
 struct ClipVision {
   ClipVisionConfig cfg;
-  Tensor class_embedding, patch_embedding, position_embedding, pre_ln_w, pre_ln_b;
+  std::shared_ptr<Backend> be;
+  Buffer class_embedding;     // fp32 [1][hidden]
+  Buffer patch_embedding;     // [hidden][3·P·P] (the conv weight [hidden][3][P][P] as rows)
+  Buffer position_embedding;  // fp32 [n_patches + 1][hidden]
+  Buffer pre_ln_w, pre_ln_b;
   std::vector<ClipLayer> layers;  // only the layers LLaVA's feature selection needs
 
   // prefix: e.g. "vision_tower.vision_model."
   static ClipVision load(const WeightStore& ws, const std::string& prefix, const ClipVisionConfig& cfg,
-                         int n_layers);
+                         int n_layers, std::shared_ptr<Backend> be);
   // pixel_values [3][S][S] → hidden states at each requested index (0 = embeddings after
-  // pre_layrnorm), each [n_patches + 1][hidden].
-  std::vector<Tensor> forward(const Tensor& pixel_values, const std::vector<int>& state_indices) const;
+  // pre_layrnorm), each fp32 [n_patches + 1][hidden] in the backend's memory.
+  std::vector<Buffer> forward(const Tensor& pixel_values, const std::vector<int>& state_indices) const;
 };
 
 }  // namespace kvlens

@@ -59,7 +59,7 @@ EvalResult evaluate_scenes(const LlavaModel& model, const SceneSet& set, const E
   GenerateOptions g;
   g.max_new_tokens = opt.max_new_tokens;
   const bool keep = !opt.method.empty() && make_policy(opt.method)->needs_prefill_attention();
-  auto answer = [&](const Tensor& feats, const std::string& prompt, double* bytes) {
+  auto answer = [&](const Buffer& feats, const std::string& prompt, double* bytes) {
     // A fresh policy per sequence: policies keep per-sequence state (decode probes, counts).
     const std::unique_ptr<KVPolicy> policy = opt.method.empty() ? nullptr : make_policy(opt.method);
     const PrefillState st = model.prefill_features(feats, prompt, kDefaultTemplate, keep);
@@ -75,7 +75,7 @@ EvalResult evaluate_scenes(const LlavaModel& model, const SceneSet& set, const E
   for (size_t i = 0; i < n; ++i) {
     const SceneSet::Image& im = set.images[i];
     const auto t0 = std::chrono::steady_clock::now();
-    const Tensor feats = model.encode_image(model.pixel_values(load_image(set.dir + "/" + im.file)));
+    const Buffer feats = model.encode_image(model.pixel_values(load_image(set.dir + "/" + im.file)));
     double bytes = 0;
     const std::string cap = answer(feats, kDefaultPrompt, &bytes);
     total_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();

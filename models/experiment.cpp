@@ -126,6 +126,8 @@ nlohmann::json experiment_json(const LlavaModel& model, const Experiment& ex,
 nlohmann::json experiment_base_json(const LlavaModel& model, const Experiment& ex, const ExperimentOptions& opt) {
   nlohmann::json j;
   j["model"] = model.dir();
+  j["backend"] = model.backend().name();
+  j["device"] = model.backend().device();
   j["prompt"] = opt.prompt;
   j["template"] = opt.templ;
   j["prompt_ids"] = ex.prefill.ids;
@@ -136,7 +138,8 @@ nlohmann::json experiment_base_json(const LlavaModel& model, const Experiment& e
   // (CLS, with the "full" feature strategy) not on it.
   const int side = model.config().vision.image_size / model.config().vision.patch_size;
   j["patch_grid"] = {{"rows", side}, {"cols", side}, {"first", ex.prefill.n_visual - side * side}};
-  j["timings_ms"] = {{"vision", ex.prefill.vision_ms}, {"prefill", ex.prefill.prefill_ms}, {"decode", ex.full.decode_ms}};
+  j["timings_ms"] = {{"preprocess", ex.prefill.preprocess_ms}, {"vision", ex.prefill.vision_ms},
+                     {"prefill", ex.prefill.prefill_ms}, {"decode", ex.full.decode_ms}};
   j["options"] = {{"max_new_tokens", opt.max_new_tokens}, {"diag_steps", opt.diag_steps},
                   {"sparsity_p", opt.sparsity_p}, {"hit_budget", opt.hit_budget}, {"hit_window", opt.hit_window}, {"hist_bins", opt.hist_bins}};
   j["full"] = {{"caption", ex.full.text},

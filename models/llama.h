@@ -1,21 +1,28 @@
-// Llama decoder (HF LlamaForCausalLM): RMSNorm, RoPE, GQA attention, SiLU-gated MLP, lm_head.
-// Attention in decode reads the KV store as it is; the policy and observers are called at one
+// Llama decoder (HF LlamaForCausalLM): RMSNorm, RoPE, GQA attention, SiLU-gated MLP, lm_head,
+// built once on the backend interface (core/backend.h). q/k/v and gate/up are one matrix each
+// ([q; k; v] and [gate; up] stacked along rows), so a layer is four matrix products.
+// Attention in decode reads the KV cache as it is; the policy and observers are called at one
 // hook point each.
 #pragma once
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "core/backend.h"
 #include "core/kv_store.h"
 #include "core/observer.h"
 #include "core/policy.h"
-#include "core/tensor.h"
 #include "models/config.h"
 #include "models/safetensors.h"
 
 namespace kvlens {
 
 struct LlamaLayer {
-  Tensor ln1, q_w, k_w, v_w, o_w, q_b, k_b, v_b, o_b, ln2, gate_w, up_w, down_w;
+  Buffer ln1, ln2;      // fp32 [hidden]
+  Buffer qkv_w, qkv_b;  // [q_dim + 2·kv_dim][hidden] (bias empty unless attention_bias)
+  Buffer o_w, o_b;      // [hidden][q_dim]
+  Buffer gate_up_w;     // [2·intermediate][hidden]
+  Buffer down_w;        // [hidden][intermediate]
 };
 
 // What prefill may keep per layer for policies and diagnostics.
@@ -26,30 +33,45 @@ struct PrefillCapture {
   std::vector<std::vector<float>> probs;   // [layer][n_heads][T][T]
 };
 
+// The buffers of one sequence's decode steps, allocated once: every step runs on the same
+// buffers, so a device backend can capture a step once and replay it.
+struct LlamaWorkspace {
+  Buffer h, x, qkv, a, gu, g, ids, pos, logits;
+  std::vector<float> qkv_host, logits_host;
+  std::unique_ptr<StepCache> step;
+};
+
 class LlamaDecoder {
  public:
   LlamaConfig cfg;
-  Tensor embed, norm, lm_head;  // lm_head may alias embed (tied)
-  bool tied = false;
+  std::shared_ptr<Backend> be;
+  Buffer embed, norm, lm_head;  // lm_head shares embed's memory when tied
   std::vector<LlamaLayer> layers;
 
   static LlamaDecoder load(const WeightStore& ws, const std::string& prefix,
-                           const std::string& lm_head_name, bool tie, const LlamaConfig& cfg);
+                           const std::string& lm_head_name, bool tie, const LlamaConfig& cfg,
+                           std::shared_ptr<Backend> be);
 
-  // Writes token embeddings of ids into out [n][hidden]; ids must be < vocab_size.
-  void embed_tokens(const std::vector<int>& ids, float* out) const;
-  // Runs the prompt x [T][hidden] (positions 0..T-1), appends every layer's K/V to `store`
+  // Token embeddings of ids as a [n][hidden] fp32 buffer; ids must be < vocab_size.
+  Buffer embed_tokens(const std::vector<int>& ids) const;
+  // Runs the prompt x [T][hidden] (positions 0..T-1), appends every layer's K/V to `kv`
   // tagged by `kinds`, and returns the logits of the last position.
-  std::vector<float> prefill(const Tensor& x, const std::vector<SegmentKind>& kinds, KVStore& store,
+  std::vector<float> prefill(const Buffer& x, const std::vector<SegmentKind>& kinds, SeqKV& kv,
                              const std::vector<AttentionObserver*>& observers,
                              PrefillCapture* capture) const;
-  // One decode step for token embedding x [hidden] at position `pos` (step = 0 for the first
-  // generated token's forward); returns logits.
-  std::vector<float> decode(const float* x, int pos, int step, KVStore& store, KVPolicy* policy,
-                            const std::vector<AttentionObserver*>& observers) const;
+  LlamaWorkspace workspace() const;
+  // One decode step for `token` at position `pos` (step = 0 for the first generated token's
+  // forward); returns logits.
+  std::vector<float> decode(int token, int pos, int step, SeqKV& kv, KVPolicy* policy,
+                            const std::vector<AttentionObserver*>& observers,
+                            LlamaWorkspace& ws) const;
 
  private:
-  std::vector<float> logits_of(const float* h) const;
+  AttnLayout layout(int T) const;
+  void check_ids(const std::vector<int>& ids) const;
+  // h += attention block and MLP block of layer l for the T tokens in `w` (the part shared by
+  // prefill and decode after attention).
+  void mlp(const LlamaLayer& L, Buffer& h, Buffer& x, Buffer& gu, Buffer& g) const;
 };
 
 }  // namespace kvlens

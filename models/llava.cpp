@@ -10,6 +10,7 @@
 
 #include "core/errors.h"
 #include "core/json_file.h"
+#include "kernels/backends.h"
 #include "kernels/cpu/ops.h"
 #include "models/activations.h"
 
@@ -80,15 +81,15 @@ auto in_model(const std::string& dir, F f) -> decltype(f()) {
 
 }  // namespace
 
-LlavaModel LlavaModel::load(const std::string& dir) {
+LlavaModel LlavaModel::load(const std::string& dir, const BackendOptions& backend) {
   try {
-    return load_checked(dir);
+    return load_checked(dir, backend);
   } catch (const nlohmann::json::exception& e) {
     throw InputError(dir + ": a JSON file holds a value of the wrong type (" + e.what() + ")");
   }
 }
 
-LlavaModel LlavaModel::load_checked(const std::string& dir) {
+LlavaModel LlavaModel::load_checked(const std::string& dir, const BackendOptions& backend) {
   struct stat st {};
   if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
     throw InputError(dir + ": model directory does not exist");
@@ -109,6 +110,11 @@ LlavaModel LlavaModel::load_checked(const std::string& dir) {
                      std::to_string(m.cfg_.vision.image_size));
 
   const WeightStore ws = WeightStore::open_dir(dir);
+  m.be_ = make_backend(backend);
+  for (Op op : {Op::Linear, Op::RmsNorm, Op::LayerNorm, Op::Add, Op::BiasAct, Op::GatedAct, Op::Rope,
+                Op::Embed, Op::CopyRows, Op::Attention, Op::KVAppend, Op::DecodeAttention})
+    if (!m.be_->supports(op))
+      throw InputError("backend " + m.be_->name() + " has no " + op_name(op) + " op, which the model needs");
   const std::string vp = need_prefix(ws,
       {"vision_tower.vision_model.", "model.vision_tower.vision_model.", "vision_tower.", "model.vision_tower."},
       "embeddings.patch_embedding.weight", "vision tower");
@@ -120,15 +126,15 @@ LlavaModel LlavaModel::load_checked(const std::string& dir) {
   std::string lm_head;
   for (const char* n : {"language_model.lm_head.weight", "lm_head.weight", "model.lm_head.weight"})
     if (ws.has(n)) lm_head = n;
-  m.vision_ = ClipVision::load(ws, vp, m.cfg_.vision, m.cfg_.encoder_layers_needed());
-  m.text_ = LlamaDecoder::load(ws, tp, lm_head, m.cfg_.tie_word_embeddings, m.cfg_.text);
+  m.vision_ = ClipVision::load(ws, vp, m.cfg_.vision, m.cfg_.encoder_layers_needed(), m.be_);
+  m.text_ = LlamaDecoder::load(ws, tp, lm_head, m.cfg_.tie_word_embeddings, m.cfg_.text, m.be_);
   const int64_t in = static_cast<int64_t>(m.cfg_.vision.hidden_size) * m.cfg_.vision_feature_layers.size();
   const int64_t H = m.cfg_.text.hidden_size;
-  m.proj_.w1 = ws.load(pj + "linear_1.weight", {H, in});
-  m.proj_.w2 = ws.load(pj + "linear_2.weight", {H, H});
+  m.proj_.w1 = m.be_->matrix("projector.linear_1", {ws.host(pj + "linear_1.weight", {H, in})});
+  m.proj_.w2 = m.be_->matrix("projector.linear_2", {ws.host(pj + "linear_2.weight", {H, H})});
   if (m.cfg_.multimodal_projector_bias) {
-    m.proj_.b1 = ws.load(pj + "linear_1.bias", {H});
-    m.proj_.b2 = ws.load(pj + "linear_2.bias", {H});
+    m.proj_.b1 = m.be_->vector(ws.host(pj + "linear_1.bias", {H}));
+    m.proj_.b2 = m.be_->vector(ws.host(pj + "linear_2.bias", {H}));
   }
   activation_from_name(m.cfg_.projector_hidden_act, "projector_hidden_act");
   return m;
@@ -136,42 +142,59 @@ LlavaModel LlavaModel::load_checked(const std::string& dir) {
 
 Tensor LlavaModel::pixel_values(const RGBImage& img) const { return preprocess(img, pre_); }
 
-Tensor LlavaModel::encode_image(const Tensor& px) const {
+int64_t LlavaModel::decode_weight_bytes() const {
+  int64_t b = text_.norm.bytes() + text_.lm_head.bytes() + text_.embed.bytes() / std::max<int64_t>(text_.embed.rows(), 1);
+  for (const LlamaLayer& L : text_.layers)
+    for (const Buffer* x : {&L.ln1, &L.ln2, &L.qkv_w, &L.qkv_b, &L.o_w, &L.o_b, &L.gate_up_w, &L.down_w})
+      b += x->empty() ? 0 : x->bytes();
+  return b;
+}
+
+Buffer LlavaModel::encode_image(const Tensor& px) const {
   return in_model(dir_, [&] { return encode_image_unnamed(px); });
 }
 
-Tensor LlavaModel::encode_image_unnamed(const Tensor& px) const {
+Buffer LlavaModel::encode_image_unnamed(const Tensor& px) const {
   const auto states = vision_.forward(px, cfg_.feature_layer_indices());
   const int VH = cfg_.vision.hidden_size, H = cfg_.text.hidden_size;
   const int skip = cfg_.vision_feature_select_strategy == "default" ? 1 : 0;
   const int N = cfg_.n_visual_tokens(), L = static_cast<int>(states.size());
+  const Dt mdt = proj_.w1.dt;
   // Selected features of every feature layer, concatenated along the hidden dimension.
-  std::vector<float> feat(static_cast<size_t>(N) * VH * L);
-  for (int i = 0; i < N; ++i)
-    for (int s = 0; s < L; ++s)
-      std::copy_n(states[s].ptr() + static_cast<size_t>(i + skip) * VH, VH,
-                  feat.data() + (static_cast<size_t>(i) * L + s) * VH);
-  std::vector<float> mid(static_cast<size_t>(N) * H);
-  cpu::linear(feat.data(), N, VH * L, proj_.w1.ptr(), H, proj_.b1.data.empty() ? nullptr : proj_.b1.ptr(), mid.data());
-  cpu::activate(mid.data(), static_cast<int64_t>(mid.size()),
-                activation_from_name(cfg_.projector_hidden_act, "projector_hidden_act"));
-  Tensor out("image_features", {N, H});
-  cpu::linear(mid.data(), N, H, proj_.w2.ptr(), H, proj_.b2.data.empty() ? nullptr : proj_.b2.ptr(), out.ptr());
-  check_finite(out.ptr(), out.numel(), "multi_modal_projector output");
+  Buffer feat = be_->alloc("projector.in", {N, static_cast<int64_t>(VH) * L}, Dt::F32);
+  for (int s = 0; s < L; ++s) be_->copy_block(states[s], skip, 0, feat, 0, static_cast<int64_t>(s) * VH, N, VH);
+  Buffer featm = feat;
+  if (mdt != Dt::F32) {
+    featm = be_->alloc("projector.in_m", feat.shape, mdt);
+    be_->bias_act(feat, nullptr, cpu::Act::Relu, false, featm);
+  }
+  Buffer mid = be_->alloc("projector.mid", {N, H}, Dt::F32);
+  be_->linear(featm, proj_.w1, proj_.b1.empty() ? nullptr : &proj_.b1, mid, false);
+  Buffer midm = be_->alloc("projector.mid_act", {N, H}, mdt);
+  be_->bias_act(mid, nullptr, activation_from_name(cfg_.projector_hidden_act, "projector_hidden_act"), true, midm);
+  Buffer out = be_->alloc("image_features", {N, H}, Dt::F32);
+  be_->linear(midm, proj_.w2, proj_.b2.empty() ? nullptr : &proj_.b2, out, false);
+  be_->check_finite(out, "multi_modal_projector output");
+  be_->finish_checks();
   return out;
 }
 
 PrefillState LlavaModel::prefill(const RGBImage& img, const std::string& prompt, const std::string& templ,
                                  bool keep_attention, const std::vector<AttentionObserver*>& observers) const {
   const auto t0 = std::chrono::steady_clock::now();
-  const Tensor feats = encode_image(pixel_values(img));
-  const double vision_ms = ms_since(t0);
+  const Tensor px = pixel_values(img);
+  const double preprocess_ms = ms_since(t0);
+  const auto t1 = std::chrono::steady_clock::now();
+  const Buffer feats = encode_image(px);
+  be_->synchronize();
+  const double vision_ms = ms_since(t1);
   PrefillState st = prefill_features(feats, prompt, templ, keep_attention, observers);
+  st.preprocess_ms = preprocess_ms;
   st.vision_ms = vision_ms;
   return st;
 }
 
-PrefillState LlavaModel::prefill_features(const Tensor& feats, const std::string& prompt, const std::string& templ,
+PrefillState LlavaModel::prefill_features(const Buffer& feats, const std::string& prompt, const std::string& templ,
                                           bool keep_attention, const std::vector<AttentionObserver*>& observers) const {
   PrefillState st;
   const auto t1 = std::chrono::steady_clock::now();
@@ -192,22 +215,41 @@ PrefillState LlavaModel::prefill_features(const Tensor& feats, const std::string
   if (n_image_ids != st.n_visual)
     throw InputError("prompt holds " + std::to_string(n_image_ids) + " image tokens, the image gives " +
                      std::to_string(st.n_visual) + " features (one <image> marker is expected, in the template)");
-  Tensor x("prompt_embeds", {T, H});
+  // Text tokens through the embedding table, then each run of image tokens replaced by the
+  // next image features.
   st.kinds.resize(T);
+  std::vector<int> text_ids(st.ids);
   int seen = 0;
   for (int t = 0; t < T; ++t) {
     if (st.ids[t] == img_id) {
-      std::copy_n(feats.ptr() + static_cast<size_t>(seen) * H, H, x.ptr() + static_cast<size_t>(t) * H);
       st.kinds[t] = SegmentKind::Visual;
       ++seen;
     } else {
-      text_.embed_tokens({st.ids[t]}, x.ptr() + static_cast<size_t>(t) * H);
       st.kinds[t] = seen ? SegmentKind::PostVisionText : SegmentKind::System;
     }
   }
-  st.store = KVStore(cfg_.text.num_hidden_layers, cfg_.text.num_key_value_heads, cfg_.text.head_dim);
+  Buffer x = text_.embed_tokens(text_ids);
+  x.name = "prompt_embeds";
+  int used = 0;
+  for (int t = 0; t < T;) {
+    if (st.ids[t] != img_id) {
+      ++t;
+      continue;
+    }
+    int e = t;
+    while (e < T && st.ids[e] == img_id) ++e;
+    be_->copy_block(feats, used, 0, x, t, 0, e - t, H);
+    used += e - t;
+    t = e;
+  }
+  const int L = cfg_.text.num_hidden_layers, NKV = cfg_.text.num_key_value_heads, D = cfg_.text.head_dim;
+  st.store = KVStore(L, NKV, D);
+  std::unique_ptr<DeviceKV> dev = be_->kv_create(L, NKV, D);
   st.capture.keep = keep_attention;
-  st.logits = in_model(dir_, [&] { return text_.prefill(x, st.kinds, st.store, observers, &st.capture); });
+  st.store_rows = !dev || keep_attention || !observers.empty();
+  SeqKV kv{&st.store, dev.get(), st.store_rows};
+  st.logits = in_model(dir_, [&] { return text_.prefill(x, st.kinds, kv, observers, &st.capture); });
+  st.device = std::move(dev);
   st.prefill_ms = ms_since(t1);
   return st;
 }
@@ -244,22 +286,30 @@ DecodeResult LlavaModel::decode(const PrefillState& st, KVPolicy* policy, const 
   };
   check(0);
   KVStore store = st.store;
+  std::unique_ptr<DeviceKV> dev = st.device ? st.device->clone() : nullptr;
+  // The host store carries rows when anything on the host reads them.
+  const bool mirror = !dev || policy || !observers.empty() || compressed;
+  if (dev && mirror && !st.store_rows) be_->kv_hydrate(*dev, store);
+  SeqKV kv{&store, dev.get(), mirror};
+  auto cache_bytes = [&] { return dev ? dev->bytes() : store.bytes(); };
   const auto t0 = std::chrono::steady_clock::now();
   if (policy) {
     if (policy->needs_prefill_attention() && !st.capture.keep)
       throw InternalError("policy '" + policy->name() + "' needs the prefill attention, which was not kept");
     policy->on_prefill(prefill_contexts(st), store);
+    if (dev) be_->kv_sync(*dev, store, -1);
   }
   r.compress_ms = ms_since(t0);
-  r.bytes_after_prefill = store.bytes();
+  r.bytes_after_prefill = cache_bytes();
   if (compressed) *compressed = store;
+  if (dev) be_->kv_reserve(*dev, opt.max_new_tokens);
   const auto t1 = std::chrono::steady_clock::now();
   std::mt19937_64 rng(opt.seed);
   std::vector<float> logits = st.logits;
   r.first_logits = logits;
   int pos = static_cast<int>(st.ids.size());
   const auto& eos = cfg_.text.eos_token_ids;
-  std::vector<float> emb(cfg_.text.hidden_size);
+  LlamaWorkspace ws = text_.workspace();
   for (int step = 0; step < opt.max_new_tokens; ++step) {
     if (opt.keep_step_logits) r.step_logits.push_back(logits);
     const int tok = sample(logits, opt, rng);
@@ -271,12 +321,11 @@ DecodeResult LlavaModel::decode(const PrefillState& st, KVPolicy* policy, const 
     if ((opt.stop_at_eos && is_eos) || step + 1 == opt.max_new_tokens) break;
     if (pos + 1 > cfg_.text.max_position_embeddings) break;
     check(step + 1);
-    text_.embed_tokens({tok}, emb.data());
-    logits = in_model(dir_, [&] { return text_.decode(emb.data(), pos, step, store, policy, observers); });
+    logits = in_model(dir_, [&] { return text_.decode(tok, pos, step, kv, policy, observers, ws); });
     ++pos;
   }
   r.decode_ms = ms_since(t1);
-  r.bytes_final = store.bytes();
+  r.bytes_final = cache_bytes();
   r.text = tok_.decode(r.generated_ids);
   return r;
 }

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "core/backend.h"
 #include "core/image.h"
 #include "core/kv_store.h"
 #include "core/observer.h"
@@ -20,7 +21,7 @@
 namespace kvlens {
 
 struct Projector {
-  Tensor w1, b1, w2, b2;
+  Buffer w1, b1, w2, b2;
 };
 
 struct GenerateOptions {
@@ -41,10 +42,15 @@ struct PrefillState {
   std::vector<int> ids;
   std::vector<SegmentKind> kinds;
   int n_visual = 0;
+  // The host store: structure and rows when `store_rows` (always on the CPU; on a device
+  // backend when attention was kept or observed), otherwise empty.
   KVStore store;
+  bool store_rows = true;
+  std::shared_ptr<const DeviceKV> device;  // the device cache (null on the CPU backend)
   std::vector<float> logits;  // last prompt position
   PrefillCapture capture;     // per-layer q / scores / probs when kept
-  double vision_ms = 0, prefill_ms = 0;
+  double preprocess_ms = 0;  // image decode-to-tensor on the host (resize, crop, normalize)
+  double vision_ms = 0, prefill_ms = 0;  // vision tower + projector; language-model prefill
 };
 
 struct DecodeResult {
@@ -53,30 +59,34 @@ struct DecodeResult {
   std::vector<float> first_logits;     // logits that chose the first generated token
   std::vector<std::vector<float>> step_logits;  // logits that chose each token (keep_step_logits)
   std::vector<float> chosen_probs;     // softmax probability of each chosen token
-  KVBytes bytes_after_prefill;         // store bytes right after the policy compressed it
-  KVBytes bytes_final;
+  KVBytes bytes_after_prefill;         // cache bytes right after the policy compressed it
+  KVBytes bytes_final;                 // (on a device backend: the device cache's bytes)
   double compress_ms = 0, decode_ms = 0;
 };
 
 class LlavaModel {
  public:
-  static LlavaModel load(const std::string& dir);
+  static LlavaModel load(const std::string& dir, const BackendOptions& backend = {});
 
   const LlavaConfig& config() const { return cfg_; }
   const Tokenizer& tokenizer() const { return tok_; }
   const PreprocessConfig& preprocess_config() const { return pre_; }
   PreprocessConfig& preprocess_config() { return pre_; }
   const std::string& dir() const { return dir_; }
+  Backend& backend() const { return *be_; }
+  // Bytes of language-model weights one decode step reads: every layer's matrices, norms and
+  // biases, the final norm, lm_head and one embedding row (the decode roofline's denominator).
+  int64_t decode_weight_bytes() const;
 
   Tensor pixel_values(const RGBImage& img) const;
-  // pixel values → projected image features [n_visual][text_hidden].
-  Tensor encode_image(const Tensor& pixel_values) const;
+  // pixel values → projected image features [n_visual][text_hidden] (fp32, backend memory).
+  Buffer encode_image(const Tensor& pixel_values) const;
   // Tokenizes and runs the prompt; `keep_attention` keeps per-layer q/scores/probs (policies
   // that score tokens need them).
   PrefillState prefill(const RGBImage& img, const std::string& prompt, const std::string& templ,
                        bool keep_attention, const std::vector<AttentionObserver*>& observers = {}) const;
   // The same from image features already computed by encode_image (several prompts, one image).
-  PrefillState prefill_features(const Tensor& features, const std::string& prompt, const std::string& templ,
+  PrefillState prefill_features(const Buffer& features, const std::string& prompt, const std::string& templ,
                                 bool keep_attention, const std::vector<AttentionObserver*>& observers = {}) const;
   // Copies the prefill store, lets `policy` compress it (null = full cache), then decodes.
   // `compressed`, when given, receives the store as the policy left it after prefill.
@@ -87,10 +97,11 @@ class LlavaModel {
   std::vector<PrefillContext> prefill_contexts(const PrefillState& st) const;
 
  private:
-  static LlavaModel load_checked(const std::string& dir);
-  Tensor encode_image_unnamed(const Tensor& pixel_values) const;
+  static LlavaModel load_checked(const std::string& dir, const BackendOptions& backend);
+  Buffer encode_image_unnamed(const Tensor& pixel_values) const;
 
   std::string dir_;
+  std::shared_ptr<Backend> be_;
   LlavaConfig cfg_;
   Tokenizer tok_;
   PreprocessConfig pre_;

@@ -291,6 +291,26 @@ Tensor WeightStore::load(const std::string& name, const std::vector<int64_t>& sh
   return t;
 }
 
+HostTensor WeightStore::host(const std::string& name, const std::vector<int64_t>& shape) const {
+  const TensorView& v = view(name);
+  if (!shape.empty() && shape != v.shape)
+    throw InputError(v.file + ": tensor '" + name + "' has shape " + shape_str(v.shape) +
+                     ", the config needs " + shape_str(shape));
+  HostTensor t;
+  t.name = name;
+  t.shape = v.shape;
+  t.data = v.data;
+  switch (v.dtype) {
+    case DType::F32: t.dt = Dt::F32; break;
+    case DType::F16: t.dt = Dt::F16; break;
+    case DType::BF16: t.dt = Dt::BF16; break;
+    default:
+      throw InputError(v.file + ": tensor '" + name + "' has dtype " + dtype_name(v.dtype) +
+                       "; kvlens computes from F32, F16 or BF16 weights");
+  }
+  return t;
+}
+
 std::vector<std::string> WeightStore::names() const {
   std::vector<std::string> r;
   for (const auto& kv : index_) r.push_back(kv.first);

@@ -10,6 +10,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/backend.h"
 #include "core/tensor.h"
 
 namespace kvlens {
@@ -66,6 +67,9 @@ class WeightStore {
   const TensorView& view(const std::string& name) const;
   // Converts to fp32. When `shape` is not empty, it must match the stored shape.
   Tensor load(const std::string& name, const std::vector<int64_t>& shape = {}) const;
+  // The stored bytes (F32, F16 or BF16) for a backend to upload, shape checked as by load().
+  // The view lives as long as this store.
+  HostTensor host(const std::string& name, const std::vector<int64_t>& shape = {}) const;
   std::vector<std::string> names() const;
   const std::string& dir() const { return dir_; }
 

@@ -34,7 +34,8 @@ double rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
 }
 
 // The checks every run report must pass against itself and against an in-process run of the
-// same methods with the same options.
+// same methods with the same options (both on the CPU backend: a GPU's report holds the GPU's
+// numbers, compared with the CPU's in test_cuda_model).
 void check_report(const nlohmann::json& j, const std::vector<Params>& specs, const ExperimentOptions& opt) {
   const LlavaModel model = LlavaModel::load(kFix);
   const auto hf = read_json(kFix + "/expected.json");
@@ -116,7 +117,7 @@ void check_report(const nlohmann::json& j, const std::vector<Params>& specs, con
 // the parity criterion and to the in-process prefill's.
 TEST(CliOutputs, DumpLogitsHoldsTheFirstStepLogits) {
   const std::string tmp = kt::make_temp_dir("dump");
-  const auto r = kt::run(kt::cli() + " caption --model " + kFix + " --image " + kFix + "/image.png --max-new-tokens 2 --dump-logits " +
+  const auto r = kt::run(kt::cli() + " caption --backend cpu --model " + kFix + " --image " + kFix + "/image.png --max-new-tokens 2 --dump-logits " +
                          tmp + "/l.f32");
   ASSERT_EQ(r.code, 0) << r.output;
   const auto got = kt::read_f32(tmp + "/l.f32");
@@ -134,7 +135,7 @@ TEST(CliOutputs, DumpLogitsHoldsTheFirstStepLogits) {
 TEST(CliOutputs, RunReportReadsBack) {
   const std::string tmp = kt::make_temp_dir("report");
   const std::vector<std::string> specs = {"calibquant:bits=1", "streamingllm:budget=0.3", "stack:evict=h2o,quant=kivi,budget=0.5,residual=4,group=8"};
-  std::string cmd = kt::cli() + " run --model " + kFix + " --image " + kFix +
+  std::string cmd = kt::cli() + " run --backend cpu --model " + kFix + " --image " + kFix +
                     "/image.png --max-new-tokens 5 --diag-steps 2 --sparsity-p 0.05 --hit-budget 0.25 --report " + tmp + "/r.json";
   for (const auto& s : specs) cmd += " --method '" + s + "'";
   const auto r = kt::run(cmd);
@@ -151,7 +152,7 @@ TEST(CliOutputs, SessionRunReportAndSavedSessionReadBack) {
   const std::string tmp = kt::make_temp_dir("sessrep");
   kt::write_file(tmp + "/s.json", R"({"name": "t", "max_new_tokens": 4, "diag_steps": 3, "sparsity_p": 0.02,
     "hit_budget": 0.2, "methods": ["zipcache:saliency_ratio=0.3", {"method": "lookm", "params": {"merge": "average"}}]})");
-  const auto r = kt::run(kt::cli() + " run --model " + kFix + " --image " + kFix + "/image.png --session " + tmp +
+  const auto r = kt::run(kt::cli() + " run --backend cpu --model " + kFix + " --image " + kFix + "/image.png --session " + tmp +
                          "/s.json --save-session " + tmp + "/saved.json --report " + tmp + "/r.json");
   ASSERT_EQ(r.code, 0) << r.output;
   const Session in = load_session(tmp + "/s.json");

@@ -95,11 +95,19 @@ class CalibQuantPolicy : public KVPolicy {
         quant::quantize_block(r.k.data(), r.n(), D, {bits_, quant::Axis::PerChannel, k_shrink_, about_zero_}, p->k[h]);
         quant::quantize_block(r.v.data(), r.n(), D, {bits_, quant::Axis::PerChannel, v_shrink_, about_zero_}, p->v[h]);
       }
+      p->layout.kind = quant::CodeLayout::Kind::Blocks;
+      p->layout.k_bits = p->layout.v_bits = bits_;
+      p->layout.k_axis = p->layout.v_axis = quant::Axis::PerChannel;
       quant::set_quantized(s, p, "q" + std::to_string(bits_) + "-channel", bits_);
     }
   }
 
   bool has_score_transform() const override { return calibrate_; }
+  bool visual_calibration(float& tau1, float& tau2) const override {
+    tau1 = tau1_;
+    tau2 = tau2_;
+    return calibrate_;
+  }
   void transform_scores(int layer, int head, float* scores, const SegmentKind* kinds,
                         int n_k) const override {
     if (calibrate_) calibquant::calibrate_visual(scores, kinds, n_k, tau1_, tau2_);

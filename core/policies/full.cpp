@@ -22,6 +22,7 @@ void round_segment_to_fp16(KVSegment& s) {
         out.push_back(static_cast<uint8_t>(b >> 8));
       }
     }
+  p->layout.kind = quant::CodeLayout::Kind::Fp16;
   quant::set_quantized(s, p, "fp16", 16);
 }
 

@@ -84,6 +84,11 @@ class KiviPolicy : public KVPolicy {
                               {bits_, quant::Axis::PerChannel}, p->k[h]);
       quant::quantize_block(r.v.data(), r.n(), D, {bits_, quant::Axis::PerToken}, p->v[h]);
     }
+    p->layout.kind = quant::CodeLayout::Kind::Blocks;
+    p->layout.k_bits = p->layout.v_bits = bits_;
+    p->layout.k_axis = quant::Axis::PerChannel;
+    p->layout.k_group = G_;
+    p->layout.v_axis = quant::Axis::PerToken;
     quant::set_quantized(s, p, "kivi q" + std::to_string(bits_), bits_);
   }
 

@@ -77,11 +77,29 @@ struct QuantBlock {
   KVBytes allocated() const;  // from capacities: codes, scales, zeros, meta (fp16 meta + flags)
 };
 
+// How a payload's blocks are laid out, for a backend that reads the codes directly
+// (kernels/cuda packs and reads the same bytes). Kind None: a format only the host decodes.
+//   Fp16:     codes hold the rows as fp16 halves, [n][d] per head.
+//   Blocks:   K and V each quantize_block'ed with (bits, axis); PerChannel / Global ranges are
+//             taken over groups of `group` rows (0 = the whole block), each group packed on its
+//             own, so scales hold [groups][d] (PerChannel) or [groups] (Global) values.
+//   ZipMixed: per head, the rows flagged salient (k.flags, 1 bit per row) then the others,
+//             K PerChannel over each subset with hi_bits / lo_bits, V cst_quantize'd likewise.
+struct CodeLayout {
+  enum class Kind : uint8_t { None, Fp16, Blocks, ZipMixed };
+  Kind kind = Kind::None;
+  int k_bits = 0, v_bits = 0;
+  Axis k_axis = Axis::PerToken, v_axis = Axis::PerToken;
+  int k_group = 0, v_group = 0;
+  int hi_bits = 0, lo_bits = 0;
+};
+
 // One K block and one V block per KV head.
 class QuantPayload : public SegmentPayload {
  public:
   explicit QuantPayload(int n_heads) : k(n_heads), v(n_heads) {}
   std::vector<QuantBlock> k, v;
+  CodeLayout layout;
   KVBytes allocated() const override;
   void shrink_to_fit();
 };

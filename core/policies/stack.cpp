@@ -54,6 +54,10 @@ class StackPolicy : public KVPolicy {
     if (evict_) evict_->on_decode_step(ctx, layer);
     if (quant_) quant_->on_decode_step(ctx, layer);
   }
+  bool visual_calibration(float& tau1, float& tau2) const override {
+    if (evict_ && evict_->has_score_transform()) return false;
+    return quant_ && quant_->visual_calibration(tau1, tau2);
+  }
   bool has_score_transform() const override {
     return (evict_ && evict_->has_score_transform()) || (quant_ && quant_->has_score_transform());
   }

@@ -43,6 +43,10 @@ class UniformPolicy : public KVPolicy {
       quant::quantize_block(r.k.data(), r.n(), D, {bits_, k_axis_}, p->k[h]);
       quant::quantize_block(r.v.data(), r.n(), D, {bits_, v_axis_}, p->v[h]);
     }
+    p->layout.kind = quant::CodeLayout::Kind::Blocks;
+    p->layout.k_bits = p->layout.v_bits = bits_;
+    p->layout.k_axis = k_axis_;
+    p->layout.v_axis = v_axis_;
     quant::set_quantized(s, p, storage_, bits_);
   }
 

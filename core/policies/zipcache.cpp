@@ -322,6 +322,9 @@ class ZipCachePolicy : public KVPolicy {
       }
       quant::pack(bits.data(), r.n(), 1, p->k[h].flags);
     }
+    p->layout.kind = quant::CodeLayout::Kind::ZipMixed;
+    p->layout.hi_bits = o_.hi;
+    p->layout.lo_bits = o_.lo;
     // Per-row bits written above (salient rows k_h, the rest k_l).
     quant::set_quantized(s, p, "zipcache q" + std::to_string(o_.hi) + "/q" + std::to_string(o_.lo), 0);
   }

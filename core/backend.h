@@ -1,0 +1,222 @@
+// The backend interface: the ops the LLaVA graph uses, as one narrow table with two
+// implementations — kernels/cpu (the fp32 reference, today's loops) and kernels/cuda (the GPU).
+// models/ builds the graph once against this interface and never knows which backend runs it.
+//
+// Tensors live in the backend's memory (host memory for the CPU, device memory for CUDA) as
+// Buffers: a name, a shape and a dtype written beside the pointer, so activations of the two
+// backends can be compared by name. Matrices keep the checkpoint's dtype (fp16 / bf16 / fp32);
+// an activation that feeds a matrix product has the matrix's dtype; everything else is fp32.
+//
+// The KV cache of a sequence is the host KVStore (what policies, observers and diagnostics
+// read) plus, on a device backend, a DeviceKV that attention reads. The host store keeps its
+// rows in step with the device only when asked (SeqKV::mirror): a plain caption pays nothing.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/kv_store.h"
+#include "kernels/cpu/ops.h"
+
+namespace kvlens {
+
+class KVPolicy;
+
+enum class Dt : uint8_t { F32, F16, BF16, I32 };
+int dt_size(Dt d);
+const char* dt_name(Dt d);
+
+struct Buffer {
+  std::string name;
+  std::vector<int64_t> shape;
+  Dt dt = Dt::F32;
+  void* data = nullptr;
+  std::shared_ptr<void> hold;  // owns the memory (shared by views)
+
+  int64_t numel() const;
+  int64_t bytes() const { return numel() * dt_size(dt); }
+  int64_t rows() const { return shape.empty() ? 0 : shape[0]; }
+  int64_t cols() const { return rows() ? numel() / rows() : 0; }
+  bool empty() const { return data == nullptr; }
+  std::string shape_str() const;
+  // Rows [r0, r0 + n) along the first dimension, sharing the memory.
+  Buffer row_view(int64_t r0, int64_t n) const;
+  template <class T>
+  T* as() const { return static_cast<T*>(data); }
+};
+
+// Checkpoint bytes handed to a backend (row-major, dtype F32, F16 or BF16).
+struct HostTensor {
+  std::string name;
+  Dt dt = Dt::F32;
+  std::vector<int64_t> shape;
+  const void* data = nullptr;
+  int64_t numel() const;
+};
+
+// The op table. A backend answers supports(op) for each; the model checks the ops it needs
+// when it is loaded, so a missing op is a load-time error, not a crash mid-run.
+enum class Op {
+  Linear, RmsNorm, LayerNorm, Add, BiasAct, GatedAct, Rope, Embed, CopyRows, Attention,
+  KVAppend, DecodeAttention, DecodeAttentionCapture, PackedKV, Count
+};
+const char* op_name(Op op);
+
+// Where q, k and v of each token sit in a projection output [T][row_stride] (fp32).
+struct AttnLayout {
+  int T = 0;  // tokens in this buffer
+  int n_heads = 0, n_kv_heads = 0, head_dim = 0;
+  int64_t row_stride = 0;
+  int64_t q_col = 0, k_col = 0, v_col = 0;
+  bool causal = false;  // token i sees tokens j <= i (positions 0..T-1)
+  float scale = 1.0f;
+};
+
+// A sequence's KV cache on a device backend. Bytes are what its segments hold; allocated() is
+// the device memory it holds (they agree except for capacity reserved ahead for decode rows).
+class DeviceKV {
+ public:
+  virtual ~DeviceKV() = default;
+  virtual std::unique_ptr<DeviceKV> clone() const = 0;
+  virtual KVBytes bytes() const = 0;
+  virtual KVBytes bytes(int layer) const = 0;
+  virtual int64_t allocated() const = 0;
+  // Changes whenever the layout the kernels read changes (a captured decode step is stale).
+  virtual uint64_t version() const = 0;
+  // Human-readable storage of each segment of a layer (e.g. "fp16", "packed q1-channel").
+  virtual std::vector<std::string> storage(int layer) const = 0;
+};
+
+struct SeqKV {
+  KVStore* host = nullptr;
+  DeviceKV* dev = nullptr;  // null on the CPU backend (the host store is the cache)
+  bool mirror = true;       // the host store holds the rows too (policies, observers)
+};
+
+struct BackendOptions {
+  std::string kind = "cpu";   // cpu | cuda | auto
+  bool fp32_as_fp16 = false;  // CUDA: store fp32 checkpoints' matrices as fp16
+  int device = 0;             // CUDA device ordinal
+};
+
+// Opaque per-sequence state a backend keeps between decode steps (CUDA: a captured graph).
+struct StepCache {
+  virtual ~StepCache() = default;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;    // "cpu" / "cuda"
+  virtual std::string device() const = 0;  // what runs it, in words
+  virtual bool supports(Op op) const = 0;
+
+  // ---- memory ------------------------------------------------------------------------------
+  virtual Buffer alloc(const std::string& name, std::vector<int64_t> shape, Dt dt) = 0;
+  // Host values (fp32 for float buffers, int32 for I32) into the whole buffer, converted.
+  virtual void upload(const void* host, Buffer& dst) = 0;
+  // The whole buffer to host fp32 (I32 buffers to int32).
+  virtual void download(const Buffer& src, void* host) = 0;
+  // A matrix [sum of rows][cols] made of `parts` stacked along rows (e.g. q, k, v), kept in the
+  // checkpoint's dtype. Every part must have the same number of columns.
+  virtual Buffer matrix(const std::string& name, const std::vector<HostTensor>& parts) = 0;
+  // A vector or small table kept in fp32 (norm weights, biases, embedding rows...).
+  virtual Buffer vector(const HostTensor& t) = 0;
+  // Waits for queued work (timings).
+  virtual void synchronize() {}
+  // Copy bandwidth of the backend's memory in bytes per second (bytes read + bytes written
+  // over the time of a large copy, median of several): the roofline benchmarks measure against.
+  virtual double copy_bandwidth() = 0;
+  // Time spent in each op since the last call (ms, in call order of first use), when the
+  // backend was asked to profile (CUDA: KVLENS_CUDA_PROFILE=1, which also turns off the replay
+  // of captured decode steps so every op is timed); empty otherwise.
+  virtual std::vector<std::pair<std::string, double>> profile_report() { return {}; }
+  // Device memory in use and free, when the backend has a device (0, 0 otherwise).
+  virtual void memory_info(int64_t& used, int64_t& free_bytes) { used = free_bytes = 0; }
+
+  // ---- ops (shapes are checked; Buffers name what failed) ------------------------------------
+  // y[M][N] = x[M][K]·Wᵀ (+ bias) (+ y when accumulate). x.dt == W.dt, y fp32.
+  virtual void linear(const Buffer& x, const Buffer& W, const Buffer* bias, Buffer& y,
+                      bool accumulate) = 0;
+  // y = x / sqrt(mean(x²) + eps) · g over rows; x fp32, y fp32 or a matrix dtype.
+  virtual void rms_norm(const Buffer& x, const Buffer& g, float eps, Buffer& y) = 0;
+  // y = LayerNorm(x)·g + b (biased variance); y may alias x when both are fp32.
+  virtual void layer_norm(const Buffer& x, const Buffer& g, const Buffer* b, float eps,
+                          Buffer& y) = 0;
+  // x = rms_norm(h)·g, then y = x·Wᵀ (+ bias): one op, so a device can fuse the norm into the
+  // product (x is scratch afterwards). The default runs the two ops.
+  virtual void norm_linear(const Buffer& h, const Buffer& g, float eps, Buffer& x, const Buffer& W,
+                           const Buffer* bias, Buffer& y) {
+    rms_norm(h, g, eps, x);
+    linear(x, W, bias, y, false);
+  }
+  // x += y (fp32, same shape).
+  virtual void add(Buffer& x, const Buffer& y) = 0;
+  // NonFiniteError naming `tensor` when fp32 x holds NaN or Inf: thrown at once by the CPU; a
+  // device records the check and finish_checks() throws for the first recorded tensor that
+  // failed (the model calls it where it reads results back anyway, so checks cost no sync).
+  virtual void check_finite(const Buffer& x, const std::string& tensor) = 0;
+  virtual void finish_checks() {}
+  // out = act(y + bias) with y fp32 [M][N]; act None is a plain copy / dtype conversion.
+  virtual void bias_act(const Buffer& y, const Buffer* bias, cpu::Act act, bool apply_act,
+                        Buffer& out) = 0;
+  // out[M][I] = act(gu[:, :I]) ⊙ gu[:, I:] with gu fp32 [M][2I].
+  virtual void gated_act(const Buffer& gu, cpu::Act act, Buffer& out) = 0;
+  // Rotary embedding ("rotate half") of the q and k heads of qkv, in place; pos I32 [T].
+  virtual void rope(Buffer& qkv, const AttnLayout& l, const Buffer& pos, float theta) = 0;
+  // out[t] = table[ids[t]] (ids I32 [T], every id < table rows; out fp32).
+  virtual void embed(const Buffer& table, const Buffer& ids, Buffer& out) = 0;
+  // dst[dst_row0 + i][dst_col0 ..] = src[src_row0 + i][src_col0 ..] for i < n, `cols` values
+  // (fp32 buffers).
+  virtual void copy_block(const Buffer& src, int64_t src_row0, int64_t src_col0, Buffer& dst,
+                          int64_t dst_row0, int64_t dst_col0, int64_t n, int64_t cols) = 0;
+  // Prefill / vision attention of the T tokens of qkv among themselves; out [T][n_heads·D]
+  // (fp32 or a matrix dtype). scores / probs (host, [n_heads][T][T], masked = -inf / 0) are
+  // written when not null.
+  virtual void attention(const Buffer& qkv, const AttnLayout& l, Buffer& out, float* scores,
+                         float* probs) = 0;
+
+  // ---- KV cache ------------------------------------------------------------------------------
+  virtual std::unique_ptr<DeviceKV> kv_create(int n_layers, int n_kv_heads, int head_dim) {
+    return nullptr;
+  }
+  // Appends the T tokens of qkv (k and v columns, after RoPE) to layer `layer`; pos: I32
+  // buffer [T] (device side) and host copies of positions and kinds.
+  virtual void kv_append(SeqKV& kv, int layer, const Buffer& qkv, const AttnLayout& l,
+                         const Buffer& pos, const int32_t* pos_host, const SegmentKind* kinds,
+                         int T) = 0;
+  // RoPE on qkv, then kv_append: one op, so a device can fuse them for a decode step.
+  virtual void rope_append(SeqKV& kv, int layer, Buffer& qkv, const AttnLayout& l, const Buffer& pos,
+                           const int32_t* pos_host, const SegmentKind* kinds, int T, float theta) {
+    rope(qkv, l, pos, theta);
+    kv_append(kv, layer, qkv, l, pos, pos_host, kinds, T);
+  }
+  // Decode attention of the one query in qkv against layer `layer` of the cache. `policy` (may
+  // be null) transforms scores; scores / probs (host, [n_heads][n_max], padding -inf / 0) are
+  // written when not null.
+  virtual void decode_attention(const Buffer& qkv, const AttnLayout& l, SeqKV& kv, int layer,
+                                const KVPolicy* policy, Buffer& out, float* scores, float* probs,
+                                int n_max) = 0;
+  // Fills the host store with the device cache's rows (structure and values).
+  virtual void kv_hydrate(const DeviceKV& dev, KVStore& host) {}
+  // Makes the device cache mirror the host store after a policy changed it (layer < 0: all);
+  // the host segments' byte counts then read what the device holds.
+  virtual void kv_sync(DeviceKV& dev, KVStore& host, int layer) {}
+  // Room for `rows` more decode rows per layer without reallocation.
+  virtual void kv_reserve(DeviceKV& dev, int rows) {}
+
+  // ---- decode steps --------------------------------------------------------------------------
+  // Runs `body` (a decode step's ops on fixed buffers). A device backend may capture it once
+  // and replay it while `key` stays the same; the CPU runs it.
+  virtual void run_step(std::unique_ptr<StepCache>& cache, uint64_t key,
+                        const std::function<void()>& body) {
+    body();
+  }
+};
+
+// Parses "cpu" | "cuda" | "auto"; throws InputError naming `what`.
+std::string parse_backend_kind(const std::string& s, const std::string& what);
+
+}  // namespace kvlens

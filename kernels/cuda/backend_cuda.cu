@@ -1,0 +1,588 @@
+// The CUDA backend: the op table of core/backend.h on kernels/cuda. Weights are uploaded once
+// in the checkpoint's dtype (f16 / bf16; f32 as f32, or f16 on request); matrix products go
+// through cuBLAS (fp32 accumulation; the one-token case through the own gemv kernel); every
+// other op is an own kernel. One stream; memory from the device's stream-ordered pool.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "core/errors.h"
+#include "core/policies/quantize.h"
+#include "core/tensor.h"
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/context.h"
+#include "kernels/cuda/kernels.h"
+
+namespace kvlens::cuda {
+
+namespace {
+
+void check_blas(cublasStatus_t st, const char* call, const std::string& what, const char* file, int line) {
+  if (st == CUBLAS_STATUS_SUCCESS) return;
+  throw DeviceError(std::string(call) + " failed for " + what + ": " + cublasGetStatusString(st) + " at " + file +
+                    ":" + std::to_string(line));
+}
+#define KV_BLAS(call, what) check_blas((call), #call, (what), __FILE__, __LINE__)
+
+uint16_t f32_to_bf16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  if ((x & 0x7f800000u) == 0x7f800000u && (x & 0x7fffffu)) return static_cast<uint16_t>((x >> 16) | 0x40u);
+  x += 0x7fffu + ((x >> 16) & 1u);  // round to nearest even
+  return static_cast<uint16_t>(x >> 16);
+}
+float bf16_to_f32(uint16_t b) {
+  const uint32_t x = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &x, 4);
+  return f;
+}
+
+// Checkpoint values of `t` converted to dtype `to` into out (host).
+void convert_host(const HostTensor& t, Dt to, void* out) {
+  const int64_t n = t.numel();
+  if (t.dt == to) {
+    std::memcpy(out, t.data, static_cast<size_t>(n * dt_size(to)));
+    return;
+  }
+  const auto* src = static_cast<const unsigned char*>(t.data);
+  for (int64_t i = 0; i < n; ++i) {
+    float f;
+    if (t.dt == Dt::F32) {
+      std::memcpy(&f, src + 4 * i, 4);
+    } else {
+      uint16_t h;
+      std::memcpy(&h, src + 2 * i, 2);
+      f = t.dt == Dt::F16 ? quant::from_half(h) : bf16_to_f32(h);
+    }
+    if (to == Dt::F32) {
+      std::memcpy(static_cast<unsigned char*>(out) + 4 * i, &f, 4);
+    } else {
+      const uint16_t h = to == Dt::F16 ? quant::to_half(f) : f32_to_bf16(f);
+      std::memcpy(static_cast<unsigned char*>(out) + 2 * i, &h, 2);
+    }
+  }
+}
+
+cudaDataType blas_type(Dt d) {
+  switch (d) {
+    case Dt::F32: return CUDA_R_32F;
+    case Dt::F16: return CUDA_R_16F;
+    case Dt::BF16: return CUDA_R_16BF;
+    case Dt::I32: break;
+  }
+  throw InternalError("cuda: no cuBLAS type for i32");
+}
+
+void need(bool ok, const std::string& what) {
+  if (!ok) throw InternalError("cuda backend: " + what);
+}
+
+struct CudaStep : StepCache {
+  cudaGraphExec_t exec = nullptr;
+  uint64_t key = 0;
+  bool warmed = false;
+  ~CudaStep() override {
+    if (exec) cudaGraphExecDestroy(exec);
+  }
+};
+
+// Per-op timing with CUDA events (KVLENS_CUDA_PROFILE=1): each op records an event before and
+// after its launches; the report sums them per op name.
+class Profiler {
+ public:
+  Profiler() : on_(std::getenv("KVLENS_CUDA_PROFILE") != nullptr) {}
+  bool on() const { return on_; }
+  struct Scope {
+    Profiler* p;
+    size_t i;
+    cudaStream_t s;
+    ~Scope() {
+      if (p) cudaEventRecord(p->recs_[i].b, s);
+    }
+  };
+  Scope scope(const char* name, const Context& ctx) {
+    if (!on_ || ctx.replay || ctx.capturing) return {nullptr, 0, nullptr};
+    Rec r;
+    r.name = name;
+    cudaEventCreate(&r.a);
+    cudaEventCreate(&r.b);
+    cudaEventRecord(r.a, ctx.stream);
+    recs_.push_back(r);
+    return {this, recs_.size() - 1, ctx.stream};
+  }
+  std::vector<std::pair<std::string, double>> report() {
+    std::vector<std::pair<std::string, double>> out;
+    for (Rec& r : recs_) {
+      cudaEventSynchronize(r.b);
+      float ms = 0;
+      cudaEventElapsedTime(&ms, r.a, r.b);
+      auto it = std::find_if(out.begin(), out.end(), [&](const auto& x) { return x.first == r.name; });
+      if (it == out.end()) out.push_back({r.name, ms});
+      else it->second += ms;
+      cudaEventDestroy(r.a);
+      cudaEventDestroy(r.b);
+    }
+    recs_.clear();
+    return out;
+  }
+
+ private:
+  struct Rec {
+    std::string name;
+    cudaEvent_t a, b;
+  };
+  bool on_;
+  std::vector<Rec> recs_;
+};
+
+class CudaBackend : public Backend {
+ public:
+  CudaBackend(std::shared_ptr<Context> ctx, bool fp32_as_fp16) : ctx_(std::move(ctx)), fp32_as_fp16_(fp32_as_fp16) {}
+  std::vector<std::pair<std::string, double>> profile_report() override { return prof_.report(); }
+
+  std::string name() const override { return "cuda"; }
+  std::string device() const override {
+    return ctx_->name + " (" + std::to_string(ctx_->n_sm) + " SMs, " + mib(ctx_->total_mem) + ")";
+  }
+  bool supports(Op op) const override { return op != Op::Count; }
+
+  Buffer alloc(const std::string& name, std::vector<int64_t> shape, Dt dt) override {
+    Buffer b;
+    b.name = name;
+    b.shape = std::move(shape);
+    b.dt = dt;
+    b.hold = ctx_->alloc(std::max<int64_t>(b.bytes(), 1), name + " " + b.shape_str() + " " + dt_name(dt));
+    b.data = b.hold.get();
+    return b;
+  }
+  void upload(const void* host, Buffer& dst) override {
+    const std::string what = dst.name + " " + dst.shape_str();
+    if (dst.numel() == 0) return;
+    if (dst.dt == Dt::F32 || dst.dt == Dt::I32) {
+      ctx_->upload(dst.data, host, dst.bytes(), what);
+      return;
+    }
+    std::vector<unsigned char> tmp(static_cast<size_t>(dst.bytes()));
+    convert_host({dst.name, Dt::F32, dst.shape, host}, dst.dt, tmp.data());
+    ctx_->upload(dst.data, tmp.data(), dst.bytes(), what);
+  }
+  void download(const Buffer& src, void* host) override {
+    const std::string what = src.name + " " + src.shape_str();
+    if (src.numel() == 0) return;
+    if (src.dt == Dt::F32 || src.dt == Dt::I32) {
+      ctx_->download(host, src.data, src.bytes(), what);
+      return;
+    }
+    std::vector<unsigned char> tmp(static_cast<size_t>(src.bytes()));
+    ctx_->download(tmp.data(), src.data, src.bytes(), what);
+    convert_host({src.name, src.dt, src.shape, tmp.data()}, Dt::F32, host);
+  }
+  Buffer matrix(const std::string& name, const std::vector<HostTensor>& parts) override {
+    need(!parts.empty(), name + ": no parts");
+    if (!have_mdt_) {
+      mdt_ = parts[0].dt == Dt::F32 && fp32_as_fp16_ ? Dt::F16 : parts[0].dt;
+      have_mdt_ = true;
+    }
+    const int64_t cols = parts[0].numel() / parts[0].shape[0];
+    int64_t rows = 0;
+    for (const HostTensor& p : parts) {
+      need(p.numel() == p.shape[0] * cols, name + ": parts differ in columns");
+      rows += p.shape[0];
+    }
+    Buffer b = alloc(name, {rows, cols}, mdt_);
+    char* at = static_cast<char*>(b.data);
+    for (const HostTensor& p : parts) {
+      const int64_t bytes = p.numel() * dt_size(mdt_);
+      if (p.dt == mdt_) {
+        ctx_->upload(at, p.data, bytes, name + " (" + p.name + ")");
+      } else {
+        std::vector<unsigned char> tmp(static_cast<size_t>(bytes));
+        convert_host(p, mdt_, tmp.data());
+        ctx_->upload(at, tmp.data(), bytes, name + " (" + p.name + ")");
+      }
+      at += bytes;
+    }
+    return b;
+  }
+  Buffer vector(const HostTensor& t) override {
+    Buffer b = alloc(t.name, t.shape, Dt::F32);
+    std::vector<float> tmp(static_cast<size_t>(t.numel()));
+    convert_host(t, Dt::F32, tmp.data());
+    ctx_->upload(b.data, tmp.data(), b.bytes(), t.name);
+    return b;
+  }
+  void synchronize() override { ctx_->sync("synchronize"); }
+  double copy_bandwidth() override {
+    // 1 GiB device to device, median of 20 after 3 warm-ups, bytes read + written.
+    const int64_t n = int64_t{1} << 30;
+    auto a = ctx_->alloc(n, "copy bandwidth source"), b = ctx_->alloc(n, "copy bandwidth target");
+    KV_CUDA(cudaMemsetAsync(a.get(), 1, n, ctx_->stream), "copy bandwidth source");
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    std::vector<float> ms;
+    for (int i = 0; i < 23; ++i) {
+      cudaEventRecord(e0, ctx_->stream);
+      KV_CUDA(cudaMemcpyAsync(b.get(), a.get(), n, cudaMemcpyDeviceToDevice, ctx_->stream), "copy bandwidth (1 GiB)");
+      cudaEventRecord(e1, ctx_->stream);
+      cudaEventSynchronize(e1);
+      float t = 0;
+      cudaEventElapsedTime(&t, e0, e1);
+      if (i >= 3) ms.push_back(t);
+    }
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    std::sort(ms.begin(), ms.end());
+    return 2.0 * static_cast<double>(n) / (ms[ms.size() / 2] * 1e-3);
+  }
+  void memory_info(int64_t& used, int64_t& free_bytes) override {
+    int64_t total = 0;
+    ctx_->free_memory(free_bytes, total);
+    used = total - free_bytes;
+  }
+
+  void linear(const Buffer& x, const Buffer& W, const Buffer* bias, Buffer& y, bool accumulate) override {
+    const int64_t M = x.rows(), K = x.cols(), N = W.rows();
+    need(x.dt == W.dt && y.dt == Dt::F32 && W.cols() == K && y.rows() == M && y.cols() == N,
+         "linear: " + x.name + x.shape_str() + dt_name(x.dt) + " · " + W.name + W.shape_str() + dt_name(W.dt) +
+             "ᵀ → " + y.name + y.shape_str() + dt_name(y.dt));
+    if (bias) need(bias->numel() == N && bias->dt == Dt::F32, "linear: bias " + bias->name);
+    if (ctx_->replay) return;
+    auto prof_scope = prof_.scope("linear", *ctx_);
+    const bool aligned = (reinterpret_cast<uintptr_t>(x.data) & 15) == 0 && (reinterpret_cast<uintptr_t>(W.data) & 15) == 0;
+    if (M == 1 && (W.dt == Dt::F16 || W.dt == Dt::BF16) && K % 8 == 0 && aligned) {
+      gemv(W.data, x.data, W.dt, static_cast<int>(N), static_cast<int>(K), bias ? bias->as<float>() : nullptr,
+           y.as<float>(), accumulate, ctx_->n_sm, ctx_->stream);
+      return;
+    }
+    if (bias) add_bias_rows(y.as<float>(), bias->as<float>(), M, N, accumulate, ctx_->stream);
+    const float alpha = 1.0f, beta = (bias || accumulate) ? 1.0f : 0.0f;
+    const cudaDataType t = blas_type(W.dt);
+    KV_BLAS(cublasGemmEx(ctx_->blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(M),
+                         static_cast<int>(K), &alpha, W.data, t, static_cast<int>(K), x.data, t, static_cast<int>(K),
+                         &beta, y.data, CUDA_R_32F, static_cast<int>(N), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+            W.name + " " + std::to_string(M) + "x" + std::to_string(N) + "x" + std::to_string(K));
+  }
+  void norm_linear(const Buffer& h, const Buffer& g, float eps, Buffer& x, const Buffer& W, const Buffer* bias,
+                   Buffer& y) override {
+    const int64_t K = h.cols();
+    const bool fused = h.rows() == 1 && h.dt == Dt::F32 && (W.dt == Dt::F16 || W.dt == Dt::BF16) && K % 8 == 0 &&
+                       W.cols() == K && y.dt == Dt::F32 && y.cols() == W.rows() && g.numel() == K &&
+                       ((reinterpret_cast<uintptr_t>(h.data) | reinterpret_cast<uintptr_t>(g.data) |
+                         reinterpret_cast<uintptr_t>(W.data)) & 15) == 0;
+    if (!fused) return Backend::norm_linear(h, g, eps, x, W, bias, y);
+    if (bias) need(bias->numel() == W.rows() && bias->dt == Dt::F32, "norm_linear: bias " + bias->name);
+    if (ctx_->replay) return;
+    auto prof_scope = prof_.scope("norm_linear", *ctx_);
+    gemv_norm(W.data, W.dt, static_cast<int>(W.rows()), static_cast<int>(K), h.as<float>(), g.as<float>(), eps,
+              bias ? bias->as<float>() : nullptr, y.as<float>(), ctx_->n_sm, ctx_->stream);
+  }
+  void rms_norm(const Buffer& x, const Buffer& g, float eps, Buffer& y) override {
+    need(x.dt == Dt::F32 && x.numel() == y.numel() && g.numel() == x.cols(), "rms_norm: " + x.name + " → " + y.name);
+    if (ctx_->replay) return;
+    auto prof_scope = prof_.scope("rms_norm", *ctx_);
+    cuda::rms_norm(x.as<float>(), y.data, y.dt, static_cast<int>(x.rows()), static_cast<int>(x.cols()), g.as<float>(),
+                   eps, ctx_->stream);
+  }
+  void layer_norm(const Buffer& x, const Buffer& g, const Buffer* b, float eps, Buffer& y) override {
+    need(x.dt == Dt::F32 && x.numel() == y.numel() && g.numel() == x.cols(), "layer_norm: " + x.name + " → " + y.name);
+    if (ctx_->replay) return;
+    auto prof_scope = prof_.scope("layer_norm", *ctx_);
+    cuda::layer_norm(x.as<float>(), y.data, y.dt, static_cast<int>(x.rows()), static_cast<int>(x.cols()),
+                     g.as<float>(), b ? b->as<float>() : nullptr, eps, ctx_->stream);
+  }
+  void check_finite(const Buffer& x, const std::string& tensor) override {
+    need(x.dt == Dt::F32, "check_finite: " + x.name + " must be f32");
+    if (!checks_.mem) {
+      if (ctx_->replay || ctx_->capturing) throw InternalError("check_finite: first check inside a captured step");
+      checks_ = {ctx_->alloc(kChecks * 8, "finiteness checks"), kChecks * 8};
+      KV_CUDA(cudaMemsetAsync(checks_.mem.get(), 0xff, kChecks * 8, ctx_->stream), "finiteness checks");
+    }
+    if (static_cast<int64_t>(check_names_.size()) >= kChecks) finish_checks();
+    const size_t slot = check_names_.size();
+    check_names_.push_back(tensor);
+    if (ctx_->replay) return;
+    first_nonfinite(x.as<float>(), x.numel(), checks_.as<unsigned long long>() + slot, ctx_->stream);
+  }
+  void finish_checks() override {
+    if (check_names_.empty()) return;
+    const size_t n = check_names_.size();
+    std::vector<unsigned long long> v(n);
+    ctx_->download(v.data(), checks_.mem.get(), static_cast<int64_t>(n) * 8, "finiteness checks");
+    KV_CUDA(cudaMemsetAsync(checks_.mem.get(), 0xff, n * 8, ctx_->stream), "finiteness checks");
+    std::vector<std::string> names;
+    names.swap(check_names_);
+    for (size_t i = 0; i < n; ++i) {
+      if (v[i] == ~0ull) continue;
+      const uint32_t bits = static_cast<uint32_t>(v[i] & 0xffffffffu);
+      float x;
+      std::memcpy(&x, &bits, 4);
+      // The message core/tensor.h's check_finite gives on the host.
+      throw NonFiniteError(names[i] + " is not finite (value " + std::to_string(x) + " at index " +
+                           std::to_string(v[i] >> 32) +
+                           "): the checkpoint's weights hold NaN or Inf, or the activations overflow");
+    }
+  }
+  void add(Buffer& x, const Buffer& y) override {
+    need(x.dt == Dt::F32 && y.dt == Dt::F32 && x.numel() == y.numel(), "add: " + x.name + " + " + y.name);
+    if (ctx_->replay) return;
+    auto prof_scope = prof_.scope("add", *ctx_);
+    cuda::add(x.as<float>(), y.as<float>(), x.numel(), ctx_->stream);
+  }
+  void bias_act(const Buffer& y, const Buffer* bias, cpu::Act act, bool apply_act, Buffer& out) override {
+    need(y.dt == Dt::F32 && y.numel() == out.numel(), "bias_act: " + y.name + " → " + out.name);
+    if (ctx_->replay) return;
+    auto prof_scope = prof_.scope("bias_act", *ctx_);
+    cuda::bias_act(y.as<float>(), bias ? bias->as<float>() : nullptr, y.rows(), y.cols(),
+                   apply_act ? static_cast<int>(act) : -1, out.data, out.dt, ctx_->stream);
+  }
+  void gated_act(const Buffer& gu, cpu::Act act, Buffer& out) override {
+    need(gu.dt == Dt::F32 && out.rows() == gu.rows() && out.cols() * 2 == gu.cols(), "gated_act: " + gu.name);
+    if (ctx_->replay) return;
+    auto prof_scope = prof_.scope("gated_act", *ctx_);
+    cuda::gated_act(gu.as<float>(), gu.rows(), out.cols(), static_cast<int>(act), out.data, out.dt, ctx_->stream);
+  }
+  void rope(Buffer& qkv, const AttnLayout& l, const Buffer& pos, float theta) override {
+    need(qkv.dt == Dt::F32 && pos.dt == Dt::I32 && pos.numel() >= l.T && l.head_dim % 2 == 0, "rope: " + qkv.name);
+    const float* inv = inv_freq(l.head_dim, theta);
+    if (ctx_->replay) return;
+    auto prof_scope = prof_.scope("rope", *ctx_);
+    cuda::rope(qkv.as<float>(), l.T, l.row_stride, l.q_col, l.n_heads, l.k_col, l.n_kv_heads, l.head_dim,
+               pos.as<int32_t>(), inv, ctx_->stream);
+  }
+  void embed(const Buffer& table, const Buffer& ids, Buffer& out) override {
+    need(ids.dt == Dt::I32 && out.dt == Dt::F32 && out.cols() == table.cols() && out.rows() == ids.numel(),
+         "embed: " + out.name);
+    if (ctx_->replay) return;
+    auto prof_scope = prof_.scope("embed", *ctx_);
+    cuda::embed(table.data, table.dt, table.rows(), table.cols(), ids.as<int32_t>(), static_cast<int>(ids.numel()),
+                out.as<float>(), ctx_->stream);
+  }
+  void copy_block(const Buffer& src, int64_t sr, int64_t sc, Buffer& dst, int64_t dr, int64_t dc, int64_t n,
+                  int64_t cols) override {
+    need(src.dt == Dt::F32 && dst.dt == Dt::F32 && sr + n <= src.rows() && sc + cols <= src.cols() &&
+             dr + n <= dst.rows() && dc + cols <= dst.cols(),
+         "copy_block: " + src.name + " → " + dst.name + " out of range");
+    if (ctx_->replay || n == 0 || cols == 0) return;
+    auto prof_scope = prof_.scope("copy_block", *ctx_);
+    KV_CUDA(cudaMemcpy2DAsync(dst.as<float>() + dr * dst.cols() + dc, dst.cols() * 4, src.as<float>() + sr * src.cols() + sc,
+                              src.cols() * 4, cols * 4, n, cudaMemcpyDeviceToDevice, ctx_->stream),
+            src.name + " → " + dst.name + " (" + std::to_string(n) + "x" + std::to_string(cols) + ")");
+  }
+  void attention(const Buffer& qkv, const AttnLayout& l, Buffer& out, float* scores, float* probs) override {
+    need(qkv.dt == Dt::F32 && out.rows() == l.T && out.cols() == static_cast<int64_t>(l.n_heads) * l.head_dim,
+         "attention: " + qkv.name + " → " + out.name);
+    if (ctx_->replay) return;
+    auto prof_scope = prof_.scope("attention", *ctx_);
+    attention_prefill(qkv.as<float>(), l, out.data, out.dt, ctx_->stream);
+    if (!scores && !probs) return;
+    // Capture on request: the T×T scores and probabilities, computed in fp32 and copied out.
+    const int64_t n = static_cast<int64_t>(l.n_heads) * l.T * l.T;
+    const auto s = ctx_->alloc(n * 4, "attention capture scores");
+    attention_scores(qkv.as<float>(), l, static_cast<float*>(s.get()), ctx_->stream);
+    if (scores) ctx_->download(scores, s.get(), n * 4, "attention scores");
+    softmax_rows(static_cast<float*>(s.get()), static_cast<int64_t>(l.n_heads) * l.T, l.T, ctx_->stream);
+    if (probs) ctx_->download(probs, s.get(), n * 4, "attention probabilities");
+  }
+
+  std::unique_ptr<DeviceKV> kv_create(int n_layers, int n_kv_heads, int head_dim) override {
+    return cuda::kv_create(ctx_, n_layers, n_kv_heads, head_dim);
+  }
+  void kv_append(SeqKV& kv, int layer, const Buffer& qkv, const AttnLayout& l, const Buffer& pos,
+                 const int32_t* pos_host, const SegmentKind* kinds, int T) override {
+    auto prof_scope = prof_.scope("kv_append", *ctx_);
+    cuda::kv_append(*ctx_, kv, layer, qkv, l, pos, pos_host, kinds, T);
+  }
+  void rope_append(SeqKV& kv, int layer, Buffer& qkv, const AttnLayout& l, const Buffer& pos, const int32_t* pos_host,
+                   const SegmentKind* kinds, int T, float theta) override {
+    need(qkv.dt == Dt::F32 && pos.dt == Dt::I32 && l.head_dim % 2 == 0, "rope_append: " + qkv.name);
+    const float* inv = inv_freq(l.head_dim, theta);
+    {
+      auto prof_scope = prof_.scope("rope_append", *ctx_);
+      if (cuda::kv_rope_append(*ctx_, kv, layer, qkv, l, pos, pos_host, kinds, T, inv)) return;
+    }
+    Backend::rope_append(kv, layer, qkv, l, pos, pos_host, kinds, T, theta);
+  }
+  void decode_attention(const Buffer& qkv, const AttnLayout& l, SeqKV& kv, int layer, const KVPolicy* policy,
+                        Buffer& out, float* scores, float* probs, int n_max) override {
+    auto prof_scope = prof_.scope("decode_attention", *ctx_);
+    kv_decode_attention(*ctx_, qkv, l, kv, layer, policy, out, scores, probs, n_max);
+  }
+  void kv_hydrate(const DeviceKV& dev, KVStore& host) override { cuda::kv_hydrate(*ctx_, dev, host); }
+  void kv_sync(DeviceKV& dev, KVStore& host, int layer) override { cuda::kv_sync(*ctx_, dev, host, layer); }
+  void kv_reserve(DeviceKV& dev, int rows) override { cuda::kv_reserve(*ctx_, dev, rows); }
+
+  // A step is run eagerly the first time its key is seen (library handles and scratch are set
+  // up then), captured as a CUDA graph the second time, and replayed after that: the graph is
+  // launched first and the body then runs with launches off, for its host bookkeeping.
+  void run_step(std::unique_ptr<StepCache>& cache, uint64_t key, const std::function<void()>& body) override {
+    if (key == 0 || prof_.on()) {  // profiling times every op: no replay
+      body();
+      return;
+    }
+    if (!cache) cache = std::make_unique<CudaStep>();
+    auto* st = dynamic_cast<CudaStep*>(cache.get());
+    if (!st) throw InternalError("run_step: a step cache of another backend");
+    if (st->exec && st->key == key) {
+      KV_CUDA(cudaGraphLaunch(st->exec, ctx_->stream), "decode step graph");
+      ctx_->replay = true;
+      try {
+        body();
+      } catch (...) {
+        ctx_->replay = false;
+        throw;
+      }
+      ctx_->replay = false;
+      return;
+    }
+    if (st->key != key) {
+      if (st->exec) cudaGraphExecDestroy(st->exec);
+      st->exec = nullptr;
+      st->key = key;
+      st->warmed = false;
+    }
+    if (!st->warmed) {
+      body();
+      st->warmed = true;
+      return;
+    }
+    cudaGraph_t graph = nullptr;
+    KV_CUDA(cudaStreamBeginCapture(ctx_->stream, cudaStreamCaptureModeThreadLocal), "decode step capture");
+    ctx_->capturing = true;
+    try {
+      body();
+    } catch (...) {
+      ctx_->capturing = false;
+      cudaStreamEndCapture(ctx_->stream, &graph);
+      if (graph) cudaGraphDestroy(graph);
+      throw;
+    }
+    ctx_->capturing = false;
+    KV_CUDA(cudaStreamEndCapture(ctx_->stream, &graph), "decode step capture");
+    const cudaError_t e = cudaGraphInstantiate(&st->exec, graph, 0);
+    cudaGraphDestroy(graph);
+    KV_CUDA(e, "decode step graph instantiation");
+    KV_CUDA(cudaGraphLaunch(st->exec, ctx_->stream), "decode step graph");
+  }
+
+ private:
+  const float* inv_freq(int D, float theta) {
+    auto key = std::make_pair(D, theta);
+    auto it = ctx_->inv_freq.find(key);
+    if (it != ctx_->inv_freq.end()) return static_cast<const float*>(it->second.get());
+    if (ctx_->capturing || ctx_->replay) throw InternalError("rope: table created inside a captured step");
+    std::vector<float> t(D / 2);
+    for (int i = 0; i < D / 2; ++i)  // as kernels/cpu computes it (and HF): 1 / theta^(2i/D) in fp32
+      t[i] = 1.0f / std::pow(theta, static_cast<float>(2 * i) / static_cast<float>(D));
+    void* p = nullptr;
+    KV_CUDA(cudaMalloc(&p, t.size() * 4), "rope table");
+    std::shared_ptr<void> mem(p, [](void* q) { cudaFree(q); });
+    ctx_->upload(p, t.data(), static_cast<int64_t>(t.size()) * 4, "rope table");
+    ctx_->sync("rope table");
+    ctx_->inv_freq[key] = mem;
+    return static_cast<const float*>(p);
+  }
+
+  static constexpr int64_t kChecks = 4096;
+  std::shared_ptr<Context> ctx_;
+  Profiler prof_;
+  DevMem checks_;
+  std::vector<std::string> check_names_;
+  bool fp32_as_fp16_ = false;
+  bool have_mdt_ = false;
+  Dt mdt_ = Dt::F32;
+};
+
+}  // namespace
+
+Context::Context(int dev) : device(dev) {
+  KV_CUDA(cudaSetDevice(dev), "device " + std::to_string(dev));
+  cudaDeviceProp p{};
+  KV_CUDA(cudaGetDeviceProperties(&p, dev), "device " + std::to_string(dev));
+  name = p.name;
+  n_sm = p.multiProcessorCount;
+  total_mem = static_cast<int64_t>(p.totalGlobalMem);
+  KV_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "the run's stream");
+  cudaMemPool_t pool;
+  KV_CUDA(cudaDeviceGetDefaultMemPool(&pool, dev), "memory pool");
+  uint64_t keep = std::numeric_limits<uint64_t>::max();
+  KV_CUDA(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep), "memory pool");
+  KV_BLAS(cublasCreate(&blas), "cuBLAS handle");
+  KV_BLAS(cublasSetStream(blas, stream), "cuBLAS stream");
+  constexpr size_t kWs = 32u << 20;  // a fixed workspace lets cuBLAS calls be captured in graphs
+  KV_CUDA(cudaMalloc(&blas_workspace, kWs), "cuBLAS workspace (32 MiB)");
+  KV_BLAS(cublasSetWorkspace(blas, blas_workspace, kWs), "cuBLAS workspace");
+}
+
+Context::~Context() {
+  if (stream) cudaStreamSynchronize(stream);
+  if (blas) cublasDestroy(blas);
+  if (blas_workspace) cudaFree(blas_workspace);
+  inv_freq.clear();
+  if (stream) cudaStreamDestroy(stream);
+}
+
+void Context::free_memory(int64_t& free_bytes, int64_t& total) const {
+  size_t f = 0, t = 0;
+  cudaMemGetInfo(&f, &t);
+  free_bytes = static_cast<int64_t>(f);
+  total = static_cast<int64_t>(t);
+}
+
+std::shared_ptr<void> Context::alloc(int64_t bytes, const std::string& what) {
+  if (capturing) throw InternalError("cuda: allocation of " + what + " inside a captured step");
+  void* p = nullptr;
+  const cudaError_t e = cudaMallocAsync(&p, static_cast<size_t>(std::max<int64_t>(bytes, 1)), stream);
+  if (e == cudaErrorMemoryAllocation) {
+    cudaGetLastError();
+    int64_t f = 0, t = 0;
+    free_memory(f, t);
+    throw OutOfMemory("out of GPU memory allocating " + what + " (" + mib(bytes) + "): " + mib(f) + " free of " +
+                      mib(t) + " on " + name);
+  }
+  KV_CUDA(e, what + " (" + mib(bytes) + ")");
+  std::shared_ptr<Context> self = shared_from_this();
+  return std::shared_ptr<void>(p, [self](void* q) { cudaFreeAsync(q, self->stream); });
+}
+
+void Context::upload(void* dst, const void* src, int64_t bytes, const std::string& what) {
+  if (bytes == 0) return;
+  KV_CUDA(cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyHostToDevice, stream),
+          what + " (" + std::to_string(bytes) + " bytes to the device)");
+}
+
+void Context::download(void* dst, const void* src, int64_t bytes, const std::string& what) {
+  if (bytes == 0) return;
+  KV_CUDA(cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyDeviceToHost, stream),
+          what + " (" + std::to_string(bytes) + " bytes from the device)");
+  KV_CUDA(cudaStreamSynchronize(stream), what + " (" + std::to_string(bytes) + " bytes from the device)");
+}
+
+void Context::sync(const std::string& what) { KV_CUDA(cudaStreamSynchronize(stream), what); }
+
+std::string unavailable_reason(int device) {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return std::string("no usable CUDA device (") + cudaGetErrorString(e) + ")";
+  }
+  if (n == 0) return "no CUDA device";
+  if (device < 0 || device >= n)
+    return "CUDA device " + std::to_string(device) + " does not exist (" + std::to_string(n) + " present)";
+  cudaDeviceProp p{};
+  if (cudaGetDeviceProperties(&p, device) != cudaSuccess) return "cannot query CUDA device " + std::to_string(device);
+  if (p.major < 8)
+    return std::string(p.name) + " is compute capability " + std::to_string(p.major) + "." + std::to_string(p.minor) +
+           "; kvlens's kernels need 8.0 or newer";
+  return "";
+}
+
+std::shared_ptr<Backend> make_backend(const BackendOptions& opt) {
+  auto ctx = std::make_shared<Context>(opt.device);
+  return std::make_shared<CudaBackend>(ctx, opt.fp32_as_fp16);
+}
+
+}  // namespace kvlens::cuda

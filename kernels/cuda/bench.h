@@ -1,0 +1,56 @@
+// GPU benchmarks behind `kvlens bench attention` and `kvlens bench throughput`: the shipped
+// kernels (decode attention over fp16 and packed caches, the decode step's matrix products,
+// norms, RoPE and cache appends) timed with CUDA events on synthetic caches and weights.
+#pragma once
+#include <string>
+#include <vector>
+
+namespace kvlens::cuda {
+
+// Decode attention alone: one query per head against `context` cached rows, for a batch of
+// sequences; bits 16 = fp16 rows, else channel-wise b-bit codes for K and V (CalibQuant's
+// layout and post-scaling), `calibrate` adds the two-pass in-kernel calibration.
+struct AttnBenchConfig {
+  int device = 0;
+  int heads = 32, head_dim = 128;
+  std::vector<int> contexts{4096, 16384, 65536};
+  std::vector<int> batches{1, 16};
+  std::vector<int> bits{16, 4, 2, 1};
+  bool calibrate_1bit = true;  // also time 1-bit with calibration
+  int reps = 30;
+};
+struct AttnBenchRow {
+  std::string format;  // "fp16", "q4", "q2", "q1", "q1+calib"
+  int bits = 16, batch = 1, context = 0;
+  double ms = 0;              // median per call
+  double bytes = 0;           // the kernel must read (K, V, ranges, queries) and write (outputs)
+  double gbs = 0;             // bytes / time, GB/s
+  double share_of_copy = 0;   // gbs / copy bandwidth
+  double speedup_vs_fp16 = 0;
+};
+std::vector<AttnBenchRow> bench_decode_attention(const AttnBenchConfig& c, double copy_gbs);
+
+// CalibQuant's Fig. 3: a LLaVA-1.5-7B-shaped decoder (random fp16 weights) decoding a batch of
+// sequences of `visual` visual tokens (fp16, or channel-wise b-bit) plus `text` fp16 text
+// tokens; for each KV memory budget the largest batch that fits, and its tokens per second.
+struct ThroughputConfig {
+  int device = 0;
+  int layers = 32, hidden = 4096, heads = 32, kv_heads = 32, head_dim = 128, intermediate = 11008, vocab = 32064;
+  int visual = 3328, text = 40;
+  int steps = 16;  // decode steps timed per point (after a warm-up and a captured step)
+  std::vector<double> budgets_gb{5, 10, 15, 20, 25, 30};
+  std::vector<int> bits{16, 2, 1};
+  int max_batch = 1024;
+};
+struct ThroughputRow {
+  std::string format;
+  int bits = 16;
+  double budget_gb = 0;
+  int batch = 0;
+  double kv_bytes_per_sequence = 0;
+  double step_ms = 0;
+  double tokens_per_s = 0;
+};
+std::vector<ThroughputRow> bench_throughput(const ThroughputConfig& c);
+
+}  // namespace kvlens::cuda

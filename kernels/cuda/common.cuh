@@ -1,0 +1,100 @@
+// Shared pieces of the CUDA kernels: error checks that name the call, the size and the place,
+// dtype conversions, vector loads and warp reductions.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "core/backend.h"
+#include "core/errors.h"
+
+namespace kvlens::cuda {
+
+// Throws DeviceError naming the call, what it was for (a buffer name and size) and where.
+inline void check(cudaError_t e, const char* call, const std::string& what, const char* file, int line) {
+  if (e == cudaSuccess) return;
+  cudaGetLastError();  // clear a sticky-free error so later calls report their own
+  throw DeviceError(std::string(call) + " failed for " + what + ": " + cudaGetErrorString(e) + " (" +
+                    cudaGetErrorName(e) + ") at " + file + ":" + std::to_string(line));
+}
+#define KV_CUDA(call, what) ::kvlens::cuda::check((call), #call, (what), __FILE__, __LINE__)
+// After a kernel launch: launch-configuration errors surface here, execution errors at the
+// next synchronizing call.
+#define KV_LAUNCH(kernel, what) ::kvlens::cuda::check(cudaGetLastError(), "launch of " kernel, (what), __FILE__, __LINE__)
+
+inline std::string mib(int64_t bytes) {
+  char b[64];
+  std::snprintf(b, sizeof b, "%.1f MiB", static_cast<double>(bytes) / (1024.0 * 1024.0));
+  return b;
+}
+
+// ---- conversions ------------------------------------------------------------------------------
+template <class T>
+__device__ __forceinline__ float to_f(T x);
+template <>
+__device__ __forceinline__ float to_f<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ float to_f<__half>(__half x) { return __half2float(x); }
+template <>
+__device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <class T>
+__device__ __forceinline__ T from_f(float x);
+template <>
+__device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// 8 consecutive 16-bit values (one 16-byte load) as floats.
+template <class T>
+__device__ __forceinline__ void unpack8(const uint4& u, float* f) {
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (std::is_same_v<T, __half>) {
+      __half2 h;
+      *reinterpret_cast<uint32_t*>(&h) = w[i];
+      const float2 p = __half22float2(h);
+      f[2 * i] = p.x;
+      f[2 * i + 1] = p.y;
+    } else {
+      __nv_bfloat162 h;
+      *reinterpret_cast<uint32_t*>(&h) = w[i];
+      const float2 p = __bfloat1622float2(h);
+      f[2 * i] = p.x;
+      f[2 * i + 1] = p.y;
+    }
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Calls f with the C++ type of a float-like dtype (f32 / f16 / bf16).
+template <class F>
+void dispatch_float(Dt dt, F&& f) {
+  switch (dt) {
+    case Dt::F32: f(float{}); return;
+    case Dt::F16: f(__half{}); return;
+    case Dt::BF16: f(__nv_bfloat16{}); return;
+    case Dt::I32: break;
+  }
+  throw InternalError("cuda: an integer buffer where a float one is needed");
+}
+
+inline int blocks_for(int64_t n, int threads) { return static_cast<int>((n + threads - 1) / threads); }
+
+}  // namespace kvlens::cuda

@@ -1,0 +1,68 @@
+// The CUDA backend's shared state: one device, one stream, one cuBLAS handle, allocations from
+// the device's stream-ordered memory pool. Buffers and caches keep a reference to it, so memory
+// is freed on the right stream even after the backend object is gone.
+#pragma once
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/backend.h"
+#include "kernels/cuda/backend_cuda.h"
+
+namespace kvlens::cuda {
+
+struct Context : std::enable_shared_from_this<Context> {
+  int device = 0;
+  std::string name;
+  int n_sm = 0;
+  int64_t total_mem = 0;
+  cudaStream_t stream = nullptr;
+  cublasHandle_t blas = nullptr;
+  void* blas_workspace = nullptr;
+  // While a captured decode step is replayed, ops do their host bookkeeping only.
+  bool replay = false;
+  bool capturing = false;
+  std::map<std::pair<int, float>, std::shared_ptr<void>> inv_freq;  // RoPE tables by (D, theta)
+
+  explicit Context(int dev);
+  ~Context();
+  Context(const Context&) = delete;
+  Context& operator=(const Context&) = delete;
+
+  // `bytes` of device memory for `what`; OutOfMemory names what, the size and the free memory.
+  std::shared_ptr<void> alloc(int64_t bytes, const std::string& what);
+  void upload(void* dst, const void* src, int64_t bytes, const std::string& what);
+  void download(void* dst, const void* src, int64_t bytes, const std::string& what);
+  void sync(const std::string& what);
+  void free_memory(int64_t& free_bytes, int64_t& total) const;
+};
+
+// A device allocation of exactly `bytes` (what a cache reports as allocated).
+struct DevMem {
+  std::shared_ptr<void> mem;
+  int64_t bytes = 0;
+  template <class T>
+  T* as() const { return static_cast<T*>(mem.get()); }
+};
+
+// The KV cache half of the backend (kv_cache.cu).
+std::unique_ptr<DeviceKV> kv_create(const std::shared_ptr<Context>& ctx, int n_layers, int n_kv_heads, int head_dim);
+void kv_append(Context& ctx, SeqKV& kv, int layer, const Buffer& qkv, const AttnLayout& l, const Buffer& pos,
+               const int32_t* pos_host, const SegmentKind* kinds, int T);
+// RoPE and the decode row's append in one kernel (a plain decode step); false when the step
+// needs the general path (prompt rows, or host rows kept in step).
+bool kv_rope_append(Context& ctx, SeqKV& kv, int layer, Buffer& qkv, const AttnLayout& l, const Buffer& pos,
+                    const int32_t* pos_host, const SegmentKind* kinds, int T, const float* inv_freq);
+void kv_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, SeqKV& kv, int layer,
+                         const KVPolicy* policy, Buffer& out, float* scores, float* probs, int n_max);
+void kv_hydrate(Context& ctx, const DeviceKV& dev, KVStore& host);
+void kv_sync(Context& ctx, DeviceKV& dev, KVStore& host, int layer);
+void kv_reserve(Context& ctx, DeviceKV& dev, int rows);
+
+}  // namespace kvlens::cuda

@@ -1,0 +1,722 @@
+// Decode attention over a segmented KV cache: fp16 parts and packed parts (1–8-bit codes with
+// channel-wise or token-wise ranges) read in one pass with one online softmax. CPU twins: the
+// CPU backend's decode attention (kernels/cpu/backend_cpu.cpp) on the dequantized rows, and
+// calibquant::post_scaled_scores / post_scaled_values / calibrate_visual.
+//
+// Grid: (split, query head, sequence). Each block takes a contiguous range of the head's rows
+// (all parts concatenated in order). Threads work in groups of L lanes, one row per group and
+// 8 channels per lane (L = the next power of two ≥ D/8): a lane reads its 8 channels of K (16
+// bytes of fp16, or `bits` bytes of codes), the group reduces the dot product with shuffles,
+// and each lane updates its 8 output channels. Rows are taken 4 at a time per group so that
+// several loads are in flight. The block then combines its groups and writes the partial state
+// (max m, sum d, unnormalized output o); a second kernel merges the splits.
+//
+// Packed parts never produce dequantized rows in memory. Channel-wise parts with one range per
+// channel over the part use CalibQuant's post-scaling: q⊙scale is folded into q once per part and
+// q·zero is added to each score; for values Σ_j p_j·code_j is accumulated and scale_c·Σ + zero_c·Σp
+// is added once per part. Token-wise parts scale each row's dot product by its own scale and add
+// zero·Σq; values accumulate (p·scale_j)·code + p·zero_j and are multiplied by the CST factor
+// once per part. Channel-wise parts with several range groups (KIVI keys) dequantize in registers.
+//
+// Calibration (CalibQuant g(x) on visual scores): γ and δ are the min and max of a head's visual
+// scores over all its rows, which a split alone cannot know. A first pass (calibrate = 1) runs
+// the same kernel computing only the visual scores' min and max per split; the attention pass
+// reduces those over the splits in its prologue and applies g to every visual score before the
+// softmax. The visual keys are thus read twice (their K codes, not V).
+#include <cfloat>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/kernels.h"
+
+namespace kvlens::cuda {
+
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kUnroll = 4;
+
+enum Mode { kAttend = 0, kRange = 1, kScores = 2 };
+
+__device__ __forceinline__ int part_rows(const PartDesc& p) { return p.n + (p.counter ? *p.counter : 0); }
+
+__device__ __forceinline__ float code_f(uint32_t c) {
+  // c < 2^23: exact, without the slower integer-to-float conversion.
+  return __int_as_float(0x4b000000u | c) - 8388608.0f;
+}
+
+// The `bits` bytes holding one lane's 8 codes of a row (bits·8 bits), as an integer.
+__device__ __forceinline__ uint64_t load_codes(const uint8_t* p, int bits) {
+  switch (bits) {
+    case 1: return *p;
+    case 2: return (reinterpret_cast<uintptr_t>(p) & 1) ? (p[0] | (uint32_t(p[1]) << 8)) : *reinterpret_cast<const uint16_t*>(p);
+    case 4:
+      if ((reinterpret_cast<uintptr_t>(p) & 3) == 0) return *reinterpret_cast<const uint32_t*>(p);
+      break;
+    case 8:
+      if ((reinterpret_cast<uintptr_t>(p) & 7) == 0) return *reinterpret_cast<const uint64_t*>(p);
+      break;
+    default: break;
+  }
+  uint64_t w = 0;
+  for (int i = 0; i < bits; ++i) w |= static_cast<uint64_t>(p[i]) << (8 * i);
+  return w;
+}
+
+__device__ __forceinline__ void codes8(uint64_t w, int bits, float* f) {
+  const uint32_t mask = (1u << bits) - 1u;
+#pragma unroll
+  for (int c = 0; c < 8; ++c) f[c] = code_f(static_cast<uint32_t>(w >> (c * bits)) & mask);
+}
+
+// One side's 8 values of row j for this lane, in the side's own terms: fp16 values, or codes.
+__device__ __forceinline__ void load_side(const KvSide& s, int j, int D, int c0, float* f) {
+  if (s.fmt == kF16) {
+    const uint4 u = *reinterpret_cast<const uint4*>(static_cast<const __half*>(s.data) + static_cast<int64_t>(j) * D + c0);
+    unpack8<__half>(u, f);
+  } else {
+    const uint8_t* row = static_cast<const uint8_t*>(s.data) + static_cast<int64_t>(j) * (D * s.bits / 8);
+    codes8(load_codes(row + (c0 / 8) * s.bits, s.bits), s.bits, f);
+  }
+}
+
+template <int L>
+__device__ __forceinline__ float group_sum(float v) {
+#pragma unroll
+  for (int o = L / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+struct Lane {
+  int D, c0;
+  bool active;
+};
+
+// Per-part precomputation of the K side for this lane: qk (q in the side's terms) and qa (the
+// lane's share of the additive term).
+__device__ __forceinline__ void k_prep(const KvSide& k, int n, const float* q, const Lane& ln, float* qk, float& qa,
+                                       bool& grouped) {
+  qa = 0.0f;
+  grouped = k.fmt == kChannel && k.group > 0 && k.group < n;
+#pragma unroll
+  for (int c = 0; c < 8; ++c) qk[c] = q[c];
+  if (!ln.active) return;
+  if (k.fmt == kChannel && !grouped) {
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      const int ch = k.chan_stride ? ln.c0 + c : 0;
+      qk[c] = q[c] * __half2float(k.scale[ch]);
+      qa = fmaf(q[c], __half2float(k.zero[ch]), qa);
+    }
+  } else if (k.fmt == kToken) {
+#pragma unroll
+    for (int c = 0; c < 8; ++c) qa += q[c];  // Σq, multiplied by each row's zero
+  }
+}
+
+// This lane's share of row j's score (before the group reduction).
+__device__ __forceinline__ float k_partial(const KvSide& k, bool grouped, int j, const float* q, const float* qk,
+                                           float qa, const Lane& ln) {
+  if (!ln.active) return 0.0f;
+  float f[8];
+  load_side(k, j, ln.D, ln.c0, f);
+  float s = 0.0f;
+  if (k.fmt == kF16) {
+#pragma unroll
+    for (int c = 0; c < 8; ++c) s = fmaf(qk[c], f[c], s);
+  } else if (k.fmt == kChannel) {
+    if (!grouped) {
+#pragma unroll
+      for (int c = 0; c < 8; ++c) s = fmaf(qk[c], f[c], s);
+      s += qa;
+    } else {
+      const int g = j / k.group;
+      const int nr = k.chan_stride ? ln.D : 1;
+#pragma unroll
+      for (int c = 0; c < 8; ++c) {
+        const int ch = g * nr + (k.chan_stride ? ln.c0 + c : 0);
+        s = fmaf(q[c], fmaf(f[c], __half2float(k.scale[ch]), __half2float(k.zero[ch])), s);
+      }
+    }
+  } else {
+    float d = 0.0f;
+#pragma unroll
+    for (int c = 0; c < 8; ++c) d = fmaf(qk[c], f[c], d);
+    s = d * __half2float(k.scale[j]) + qa * __half2float(k.zero[j]);
+  }
+  return s;
+}
+
+// Online-softmax state of one group (per lane: its 8 channels).
+struct State {
+  float m = -INFINITY, d = 0.0f;
+  float o[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+};
+
+// Rows [a, e) of one part for every group of the block. mode kAttend: softmax + values; kRange:
+// min/max of visual scores into lo/hi; kScores: raw scores to srow (index base + row).
+template <int L>
+__device__ void run_part(const PartDesc& P, int n, int a, int e, int base, const float* q, const Lane& ln, int g,
+                         int mode, bool cal, float cal_t, float cal_g, float tau1, const float* sin, float* sout,
+                         State& st, float& lo, float& hi) {
+  constexpr int G = kThreads / L;
+  float qk[8], qa;
+  bool kgrouped;
+  const bool need_k = sin == nullptr;
+  if (need_k) k_prep(P.k, n, q, ln, qk, qa, kgrouped);
+  const KvSide& V = P.v;
+  const bool vgrouped = V.fmt == kChannel && V.group > 0 && V.group < n;
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  float psum = 0.0f;
+  for (int j0 = a; j0 < e; j0 += G * kUnroll) {
+    float sc[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int j = j0 + u * G + g;
+      float part = 0.0f;
+      if (j < e && need_k) part = k_partial(P.k, kgrouped, j, q, qk, qa, ln);
+      if (need_k) part = group_sum<L>(part);
+      sc[u] = j < e ? (need_k ? part : sin[base + j]) : -INFINITY;
+    }
+    if (mode == kScores) {
+      if (ln.c0 == 0) {
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int j = j0 + u * G + g;
+          if (j < e) sout[base + j] = sc[u];
+        }
+      }
+      continue;
+    }
+    if (mode == kRange) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (isfinite(sc[u])) {
+          lo = fminf(lo, sc[u]);
+          hi = fmaxf(hi, sc[u]);
+        }
+      continue;
+    }
+    if (cal) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (isfinite(sc[u])) sc[u] = cal_t == 0.0f ? cal_g - tau1 : cal_t * (sc[u] - cal_g) + cal_g - tau1;
+    }
+    float mx = st.m;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) mx = fmaxf(mx, sc[u]);
+    if (mx > st.m) {  // (no valid row in this batch leaves mx = st.m)
+      const float alpha = expf(st.m - mx);
+      st.d *= alpha;
+      psum *= alpha;
+#pragma unroll
+      for (int c = 0; c < 8; ++c) {
+        st.o[c] *= alpha;
+        acc[c] *= alpha;
+      }
+      st.m = mx;
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int j = j0 + u * G + g;
+      if (j >= e || sc[u] == -INFINITY) continue;
+      const float p = expf(sc[u] - st.m);
+      st.d += p;
+      if (!ln.active) continue;
+      float f[8];
+      load_side(V, j, ln.D, ln.c0, f);
+      if (V.fmt == kF16) {
+#pragma unroll
+        for (int c = 0; c < 8; ++c) acc[c] = fmaf(p, f[c], acc[c]);
+      } else if (V.fmt == kChannel && !vgrouped) {
+        psum += p;
+#pragma unroll
+        for (int c = 0; c < 8; ++c) acc[c] = fmaf(p, f[c], acc[c]);
+      } else if (V.fmt == kChannel) {
+        const int gr = j / V.group, nr = V.chan_stride ? ln.D : 1;
+#pragma unroll
+        for (int c = 0; c < 8; ++c) {
+          const int ch = gr * nr + (V.chan_stride ? ln.c0 + c : 0);
+          acc[c] = fmaf(p, fmaf(f[c], __half2float(V.scale[ch]), __half2float(V.zero[ch])), acc[c]);
+        }
+      } else {
+        const float ps = p * __half2float(V.scale[j]), pz = p * __half2float(V.zero[j]);
+#pragma unroll
+        for (int c = 0; c < 8; ++c) acc[c] = fmaf(ps, f[c], acc[c]) + pz;
+      }
+    }
+  }
+  if (mode != kAttend || !ln.active) return;
+  // Fold the part's accumulators into the output (post-scaling / CST factors).
+  if (V.fmt == kChannel && !vgrouped) {
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      const int ch = V.chan_stride ? ln.c0 + c : 0;
+      st.o[c] += __half2float(V.scale[ch]) * acc[c] + __half2float(V.zero[ch]) * psum;
+    }
+  } else if (V.fmt == kToken && V.factor) {
+#pragma unroll
+    for (int c = 0; c < 8; ++c) st.o[c] += __half2float(V.factor[ln.c0 + c]) * acc[c];
+  } else {
+#pragma unroll
+    for (int c = 0; c < 8; ++c) st.o[c] += acc[c];
+  }
+}
+
+// ---- fast paths: one storage per side known at compile time, every row's loads issued before
+// any of them is used, exp through the special-function unit. --------------------------------
+
+template <int BITS>
+__device__ __forceinline__ uint64_t load_bits(const uint8_t* p) {
+  if constexpr (BITS == 1) return __ldg(p);
+  else if constexpr (BITS == 2) return __ldg(reinterpret_cast<const uint16_t*>(p));
+  else if constexpr (BITS == 4) return __ldg(reinterpret_cast<const uint32_t*>(p));
+  else return __ldg(reinterpret_cast<const unsigned long long*>(p));
+}
+
+__device__ __forceinline__ float calibrated(float s, bool cal, float t, float gam, float tau1) {
+  return cal && isfinite(s) ? (t == 0.0f ? gam - tau1 : t * (s - gam) + gam - tau1) : s;
+}
+
+// fp16 keys and values.
+template <int L, int U>
+__device__ void fp16_rows(const PartDesc& P, int a, int e, const float* q, const Lane& ln, int g, bool cal, float cal_t,
+                          float cal_g, float tau1, State& st) {
+  constexpr int G = kThreads / L;
+  const __half* K = static_cast<const __half*>(P.k.data);
+  const __half* V = static_cast<const __half*>(P.v.data);
+  for (int j0 = a; j0 < e; j0 += G * U) {
+    uint4 kr[U], vr[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int j = j0 + u * G + g;
+      if (j < e && ln.active) {
+        kr[u] = __ldg(reinterpret_cast<const uint4*>(K + static_cast<int64_t>(j) * ln.D + ln.c0));
+        vr[u] = __ldg(reinterpret_cast<const uint4*>(V + static_cast<int64_t>(j) * ln.D + ln.c0));
+      } else {
+        kr[u] = vr[u] = make_uint4(0, 0, 0, 0);
+      }
+    }
+    float sc[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float f[8];
+      unpack8<__half>(kr[u], f);
+      float d = 0.0f;
+#pragma unroll
+      for (int c = 0; c < 8; ++c) d = fmaf(q[c], f[c], d);
+      d = group_sum<L>(d);
+      sc[u] = j0 + u * G + g < e ? calibrated(d, cal, cal_t, cal_g, tau1) : -INFINITY;
+    }
+    float mx = st.m;
+#pragma unroll
+    for (int u = 0; u < U; ++u) mx = fmaxf(mx, sc[u]);
+    if (mx > st.m) {
+      const float alpha = __expf(st.m - mx);
+      st.d *= alpha;
+#pragma unroll
+      for (int c = 0; c < 8; ++c) st.o[c] *= alpha;
+      st.m = mx;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const float p = sc[u] == -INFINITY ? 0.0f : __expf(sc[u] - st.m);
+      st.d += p;
+      float f[8];
+      unpack8<__half>(vr[u], f);
+#pragma unroll
+      for (int c = 0; c < 8; ++c) st.o[c] = fmaf(p, f[c], st.o[c]);
+    }
+  }
+}
+
+// Channel-wise BITS-bit keys and values with one range per channel over the part: CalibQuant's
+// post-scaling (q⊙scale folded into q, q·zero added; values scaled once per part). RANGE: only
+// the min / max of the scores (the first pass of calibration).
+//
+// For BITS ≤ 4 the keys go through a table in shared memory built once per part: entry
+// [byte position][byte value] = Σ over the byte's 8/BITS channels of (q⊙scale)_c · code_c, so a
+// row's dot product is one lookup per byte of codes instead of a multiply-add per channel.
+// Values: 1-bit codes add p to the channels whose bit is set; wider codes multiply-add.
+template <int L, int BITS, int U, bool RANGE>
+__device__ void packed_rows(const PartDesc& P, int a, int e, const float* q, const Lane& ln, int g, bool cal,
+                            float cal_t, float cal_g, float tau1, State& st, float& lo, float& hi, float* lut) {
+  constexpr int G = kThreads / L;
+  constexpr uint32_t mask = (1u << BITS) - 1u;
+  constexpr bool LUT = BITS <= 4;
+  using Word = typename std::conditional<(BITS <= 4), uint32_t, uint64_t>::type;
+  const int rowb = ln.D * BITS / 8;
+  const uint8_t* K = static_cast<const uint8_t*>(P.k.data) + (ln.c0 / 8) * BITS;
+  const uint8_t* V = static_cast<const uint8_t*>(P.v.data) + (ln.c0 / 8) * BITS;
+  float qk[8], qa = 0.0f;
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    const int ch = P.k.chan_stride ? ln.c0 + c : 0;
+    qk[c] = ln.active ? q[c] * __half2float(P.k.scale[ch]) : 0.0f;
+    if (ln.active) qa = fmaf(q[c], __half2float(P.k.zero[ch]), qa);
+  }
+  if constexpr (LUT) {
+    // qk of every channel into the table's tail, then the table itself.
+    constexpr int per = 8 / BITS;  // channels per byte
+    const int npos = rowb, tab = npos * 256;
+    float* qs = lut + tab;
+    __syncthreads();  // the previous part's table is no longer read
+    if (ln.active) {
+#pragma unroll
+      for (int c = 0; c < 8; ++c) qs[ln.c0 + c] = qk[c];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < tab; i += kThreads) {
+      const int pos = i >> 8, v = i & 255;
+      float t = 0.0f;
+#pragma unroll
+      for (int k = 0; k < per; ++k) t = fmaf(qs[pos * per + k], code_f((v >> (k * BITS)) & mask), t);
+      lut[i] = t;
+    }
+    __syncthreads();
+  }
+  const float* mylut = lut + (ln.c0 / 8) * BITS * 256;
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  float psum = 0.0f;
+  for (int j0 = a; j0 < e; j0 += G * U) {
+    Word kc[U], vc[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int j = j0 + u * G + g;
+      const bool ok = j < e && ln.active;
+      kc[u] = ok ? static_cast<Word>(load_bits<BITS>(K + static_cast<int64_t>(j) * rowb)) : 0;
+      if constexpr (!RANGE) vc[u] = ok ? static_cast<Word>(load_bits<BITS>(V + static_cast<int64_t>(j) * rowb)) : 0;
+    }
+    float sc[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float d = qa;
+      if constexpr (LUT) {
+#pragma unroll
+        for (int b = 0; b < BITS; ++b) d += mylut[b * 256 + ((kc[u] >> (8 * b)) & 255u)];
+      } else {
+#pragma unroll
+        for (int c = 0; c < 8; ++c) d = fmaf(qk[c], code_f(static_cast<uint32_t>(kc[u] >> (c * BITS)) & mask), d);
+      }
+      if (!ln.active) d = 0.0f;
+      d = group_sum<L>(d);
+      sc[u] = j0 + u * G + g < e ? d : -INFINITY;
+    }
+    if constexpr (RANGE) {
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (sc[u] != -INFINITY) {
+          lo = fminf(lo, sc[u]);
+          hi = fmaxf(hi, sc[u]);
+        }
+    } else {
+#pragma unroll
+      for (int u = 0; u < U; ++u) sc[u] = calibrated(sc[u], cal, cal_t, cal_g, tau1);
+      float mx = st.m;
+#pragma unroll
+      for (int u = 0; u < U; ++u) mx = fmaxf(mx, sc[u]);
+      if (mx > st.m) {
+        const float alpha = __expf(st.m - mx);
+        st.d *= alpha;
+        psum *= alpha;
+#pragma unroll
+        for (int c = 0; c < 8; ++c) {
+          st.o[c] *= alpha;
+          acc[c] *= alpha;
+        }
+        st.m = mx;
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const float p = sc[u] == -INFINITY ? 0.0f : __expf(sc[u] - st.m);
+        st.d += p;
+        psum += p;
+        if constexpr (BITS == 1) {
+#pragma unroll
+          for (int c = 0; c < 8; ++c)
+            if ((vc[u] >> c) & 1u) acc[c] += p;
+        } else {
+#pragma unroll
+          for (int c = 0; c < 8; ++c) acc[c] = fmaf(p, code_f(static_cast<uint32_t>(vc[u] >> (c * BITS)) & mask), acc[c]);
+        }
+      }
+    }
+  }
+  if constexpr (RANGE) return;
+  if (!ln.active) return;
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    const int ch = P.v.chan_stride ? ln.c0 + c : 0;
+    st.o[c] += __half2float(P.v.scale[ch]) * acc[c] + __half2float(P.v.zero[ch]) * psum;
+  }
+}
+
+// Which fast path a part can take (0: the general one).
+__device__ __forceinline__ int fast_kind(const PartDesc& P, int n, int mode, bool materialized, int lut_bits) {
+  if (materialized || mode == kScores) return 0;
+  if (P.k.fmt == kF16 && P.v.fmt == kF16) return mode == kAttend ? 16 : 0;
+  const bool whole = (P.k.group <= 0 || P.k.group >= n) && (P.v.group <= 0 || P.v.group >= n);
+  if (P.k.fmt != kChannel || P.v.fmt != kChannel || !whole || P.k.bits != P.v.bits) return 0;
+  const int b = P.k.bits;
+  if (b != 1 && b != 2 && b != 4 && b != 8) return 0;
+  if ((reinterpret_cast<uintptr_t>(P.k.data) | reinterpret_cast<uintptr_t>(P.v.data)) & (b - 1)) return 0;
+  if (b <= 4 && b > lut_bits) return 0;  // no room for its table
+  return b;
+}
+
+template <int L>
+__device__ void run_fast(int kind, const PartDesc& P, int a, int e, const float* q, const Lane& ln, int g, int mode,
+                         bool cal, float cal_t, float cal_g, float tau1, State& st, float& lo, float& hi, float* lut) {
+  const bool range = mode == kRange;
+  switch (kind) {
+    case 16: fp16_rows<L, 4>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st); break;
+    case 1:
+      if (range) packed_rows<L, 1, 16, true>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st, lo, hi, lut);
+      else packed_rows<L, 1, 16, false>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st, lo, hi, lut);
+      break;
+    case 2:
+      if (range) packed_rows<L, 2, 16, true>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st, lo, hi, lut);
+      else packed_rows<L, 2, 16, false>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st, lo, hi, lut);
+      break;
+    case 4:
+      if (range) packed_rows<L, 4, 8, true>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st, lo, hi, lut);
+      else packed_rows<L, 4, 8, false>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st, lo, hi, lut);
+      break;
+    default:
+      if (range) packed_rows<L, 8, 4, true>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st, lo, hi, lut);
+      else packed_rows<L, 8, 4, false>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st, lo, hi, lut);
+      break;
+  }
+}
+
+// Merges the splits' states (m, d, o) of head h of sequence b into its output (L2 reads: the
+// other blocks' states may have been written moments ago).
+__device__ void merge_head(const DecodeParams& p, int b, int h) {
+  const int64_t bh = static_cast<int64_t>(b) * p.NH + h;
+  const float* md = p.part_md + bh * p.splits * 2;
+  float M = -INFINITY;
+  for (int i = 0; i < p.splits; ++i) M = fmaxf(M, __ldcg(md + 2 * i));
+  float dsum = 0.0f;
+  for (int i = 0; i < p.splits; ++i) {
+    const float mi = __ldcg(md + 2 * i);
+    if (mi != -INFINITY) dsum += __ldcg(md + 2 * i + 1) * __expf(mi - M);
+  }
+  for (int c = threadIdx.x; c < p.D; c += blockDim.x) {
+    float v = 0.0f;
+    for (int i = 0; i < p.splits; ++i) {
+      const float mi = __ldcg(md + 2 * i);
+      if (mi != -INFINITY) v += __ldcg(p.part_o + (bh * p.splits + i) * p.D + c) * __expf(mi - M);
+    }
+    const float o = dsum > 0.0f ? v / dsum : 0.0f;
+    const int64_t at = b * p.out_stride + static_cast<int64_t>(h) * p.D + c;
+    switch (p.odt) {
+      case Dt::F16: static_cast<__half*>(p.out)[at] = __float2half_rn(o); break;
+      case Dt::BF16: static_cast<__nv_bfloat16*>(p.out)[at] = __float2bfloat16_rn(o); break;
+      default: static_cast<float*>(p.out)[at] = o; break;
+    }
+  }
+  if (p.md_out && threadIdx.x == 0) {
+    p.md_out[bh * 2] = M;
+    p.md_out[bh * 2 + 1] = dsum;
+  }
+}
+
+template <int L>
+__global__ void __launch_bounds__(kThreads) decode_kernel(DecodeParams p, int mode) {
+  constexpr int G = kThreads / L;
+  __shared__ float sh_m[G], sh_d[G];
+  __shared__ float sh_o[G][8 * L + 1];
+  extern __shared__ float lut[];  // packed keys' tables (lut_bytes(D, lut_bits))
+  const int s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int kvh = h / (p.NH / p.NKV);
+  const int tid = threadIdx.x, g = tid / L, li = tid % L;
+  Lane ln{p.D, li * 8, li * 8 < p.D};
+  const PartDesc* parts = p.parts + (static_cast<int64_t>(b) * p.NKV + kvh) * p.max_parts;
+  const int np = p.n_parts[b * p.NKV + kvh];
+  int N = 0;
+  for (int i = 0; i < np; ++i) N += part_rows(parts[i]);
+  const int chunk = (N + p.splits - 1) / p.splits;
+  const int r0 = min(N, s * chunk), r1 = min(N, r0 + chunk);
+  const int64_t bh = static_cast<int64_t>(b) * p.NH + h;
+
+  float q[8];
+  const float* qrow = p.q + b * p.q_stride + static_cast<int64_t>(h) * p.D;
+#pragma unroll
+  for (int c = 0; c < 8; ++c) q[c] = ln.active ? qrow[ln.c0 + c] * p.scale : 0.0f;
+
+  // Calibration coefficients from the first pass's per-split visual ranges.
+  bool cal = false;
+  float cal_t = 1.0f, cal_g = 0.0f;
+  if (mode == kAttend && p.calibrate) {
+    float gamma = INFINITY, delta = -INFINITY;
+    for (int i = 0; i < p.splits; ++i) {
+      gamma = fminf(gamma, p.vis_range[(bh * p.splits + i) * 2]);
+      delta = fmaxf(delta, p.vis_range[(bh * p.splits + i) * 2 + 1]);
+    }
+    if (gamma <= delta) {
+      cal = true;
+      cal_g = gamma;
+      cal_t = delta > gamma ? (delta - gamma + p.tau1 - p.tau2) / (delta - gamma) : 0.0f;
+    }
+  }
+  const float* sin = p.scores_in ? p.scores_in + bh * p.scores_stride : nullptr;
+  float* sout = p.scores_out ? p.scores_out + bh * p.scores_stride : nullptr;
+
+  State st;
+  float lo = INFINITY, hi = -INFINITY;
+  int base = 0;
+  for (int i = 0; i < np; ++i) {
+    const PartDesc& P = parts[i];
+    const int n = part_rows(P);
+    const int a = max(r0 - base, 0), e = min(r1 - base, n);
+    const bool take = a < e && (mode != kRange || P.visual);
+    if (take) {
+      // Head sizes 64 and 128 (8 and 16 lanes a row) have fast paths for fp16 and for
+      // channel-wise codes; everything else takes the general path.
+      int kind = 0;
+      if constexpr (L == 8 || L == 16)
+        if (p.D == 8 * L) kind = fast_kind(P, n, mode, sin != nullptr, p.lut_bits);  // every lane busy
+      if (kind) run_fast<L>(kind, P, a, e, q, ln, g, mode, cal && P.visual, cal_t, cal_g, p.tau1, st, lo, hi, lut);
+      else run_part<L>(P, n, a, e, base, q, ln, g, mode, cal && P.visual, cal_t, cal_g, p.tau1, sin, sout, st, lo, hi);
+    }
+    base += n;
+  }
+  if (mode == kScores) return;
+  if (mode == kRange) {
+    // Min / max over the block.
+    lo = -lo;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      lo = fmaxf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+      hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+    }
+    __shared__ float rlo[kThreads / 32], rhi[kThreads / 32];
+    if ((tid & 31) == 0) {
+      rlo[tid >> 5] = lo;
+      rhi[tid >> 5] = hi;
+    }
+    __syncthreads();
+    if (tid == 0) {
+      float a = -INFINITY, c = -INFINITY;
+      for (int w = 0; w < kThreads / 32; ++w) {
+        a = fmaxf(a, rlo[w]);
+        c = fmaxf(c, rhi[w]);
+      }
+      p.vis_range[(bh * p.splits + s) * 2] = -a;
+      p.vis_range[(bh * p.splits + s) * 2 + 1] = c;
+    }
+    return;
+  }
+  // Combine the groups of the block.
+  if (li == 0) {
+    sh_m[g] = st.m;
+    sh_d[g] = st.d;
+  }
+#pragma unroll
+  for (int c = 0; c < 8; ++c) sh_o[g][li * 8 + c] = st.o[c];
+  __syncthreads();
+  float M = -INFINITY;
+  for (int i = 0; i < G; ++i) M = fmaxf(M, sh_m[i]);
+  float* po = p.part_o + (bh * p.splits + s) * p.D;
+  for (int c = tid; c < p.D; c += kThreads) {
+    float v = 0.0f;
+    for (int i = 0; i < G; ++i)
+      if (sh_m[i] != -INFINITY) v += sh_o[i][c] * __expf(sh_m[i] - M);
+    po[c] = v;
+  }
+  if (tid == 0) {
+    float dsum = 0.0f;
+    for (int i = 0; i < G; ++i)
+      if (sh_m[i] != -INFINITY) dsum += sh_d[i] * __expf(sh_m[i] - M);
+    p.part_md[(bh * p.splits + s) * 2] = M;
+    p.part_md[(bh * p.splits + s) * 2 + 1] = dsum;
+  }
+  if (!p.sem) return;
+  // The last block of this head to finish merges every split's state.
+  __shared__ int last;
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) last = atomicAdd(p.sem + bh, 1) == p.splits - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  merge_head(p, b, h);
+  if (tid == 0) p.sem[bh] = 0;
+}
+
+template <class OT>
+__global__ void merge_kernel(DecodeParams p) {
+  merge_head(p, blockIdx.y, blockIdx.x);
+}
+
+__global__ void probs_kernel(DecodeParams p, float* probs) {
+  const int h = blockIdx.x, b = blockIdx.y;
+  const int64_t bh = static_cast<int64_t>(b) * p.NH + h;
+  const float M = p.md_out[bh * 2], dsum = p.md_out[bh * 2 + 1];
+  const float* s = p.scores_in + bh * p.scores_stride;
+  float* o = probs + bh * p.scores_stride;
+  for (int j = threadIdx.x; j < p.scores_stride; j += blockDim.x)
+    o[j] = (s[j] == -INFINITY || !(dsum > 0.0f)) ? 0.0f : expf(s[j] - M) / dsum;
+}
+
+template <int L>
+void launch_l(const DecodeParams& p, int mode, cudaStream_t s) {
+  const int bytes = decode_lut_bytes(p.D, p.lut_bits);
+  static int allowed = 48 << 10;  // dynamic shared memory the kernel may take without opting in
+  if (bytes > allowed) {
+    KV_CUDA(cudaFuncSetAttribute(decode_kernel<L>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+            "decode attention table of " + std::to_string(bytes) + " bytes");
+    allowed = bytes;
+  }
+  dim3 grid(p.splits, p.NH, p.B);
+  decode_kernel<L><<<grid, kThreads, bytes, s>>>(p, mode);
+}
+
+void launch(const DecodeParams& p, int mode, cudaStream_t s) {
+  const int chunks = (p.D + 7) / 8;
+  if (p.D % 8 != 0 || p.D > 256) throw InternalError("decode attention: head_dim must be a multiple of 8, at most 256");
+  if (p.NKV <= 0 || p.NH % p.NKV != 0) throw InternalError("decode attention: n_heads must be a multiple of n_kv_heads");
+  if (chunks <= 1) launch_l<1>(p, mode, s);
+  else if (chunks <= 2) launch_l<2>(p, mode, s);
+  else if (chunks <= 4) launch_l<4>(p, mode, s);
+  else if (chunks <= 8) launch_l<8>(p, mode, s);
+  else if (chunks <= 16) launch_l<16>(p, mode, s);
+  else launch_l<32>(p, mode, s);
+  KV_LAUNCH("decode_kernel", std::to_string(p.B) + "x" + std::to_string(p.NH) + " heads, " +
+                                 std::to_string(p.splits) + " splits");
+}
+
+}  // namespace
+
+int decode_lut_bytes(int D, int lut_bits) {
+  if (lut_bits <= 0) return 0;
+  const int b = std::min(lut_bits, 4);
+  return (D * b / 8 * 256 + D) * 4;  // the table and q⊙scale
+}
+
+int decode_splits(int B, int NH, int rows, int n_sm) {
+  const int want = (8 * n_sm + B * NH - 1) / (B * NH);
+  const int most = std::max(1, (rows + 63) / 64);
+  return std::max(1, std::min(want, most));
+}
+
+void decode_attention(const DecodeParams& p, cudaStream_t s) {
+  if (p.calibrate) launch(p, kRange, s);
+  launch(p, kAttend, s);
+  if (p.sem) return;  // merged by each head's last block
+  dim3 grid(p.NH, p.B);
+  dispatch_float(p.odt, [&](auto t) {
+    using OT = decltype(t);
+    merge_kernel<OT><<<grid, 128, 0, s>>>(p);
+  });
+  KV_LAUNCH("merge_kernel", std::to_string(p.B) + "x" + std::to_string(p.NH) + " heads");
+}
+
+void decode_scores(const DecodeParams& p, cudaStream_t s) { launch(p, kScores, s); }
+
+void decode_probs(const DecodeParams& p, float* probs, cudaStream_t s) {
+  dim3 grid(p.NH, p.B);
+  probs_kernel<<<grid, 256, 0, s>>>(p, probs);
+  KV_LAUNCH("probs_kernel", std::to_string(p.B) + "x" + std::to_string(p.NH) + " heads");
+}
+
+}  // namespace kvlens::cuda

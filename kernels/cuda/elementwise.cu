@@ -1,0 +1,248 @@
+// Norms, activations, RoPE, embedding gather and softmax. CPU twins: kernels/cpu/ops.cpp.
+#include <cmath>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/kernels.h"
+
+namespace kvlens::cuda {
+
+namespace {
+
+__device__ __forceinline__ float activate(float v, int act) {
+  switch (act) {
+    case static_cast<int>(cpu::Act::Gelu): return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
+    case static_cast<int>(cpu::Act::GeluTanh):
+      return 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+    case static_cast<int>(cpu::Act::QuickGelu): return v / (1.0f + expf(-1.702f * v));
+    case static_cast<int>(cpu::Act::Silu): return v / (1.0f + expf(-v));
+    case static_cast<int>(cpu::Act::Relu): return v > 0.0f ? v : 0.0f;
+  }
+  return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
+__device__ float block_sum(float v, float* sh) {
+  v = warp_sum(v);
+  const int w = threadIdx.x >> 5, l = threadIdx.x & 31, nw = blockDim.x >> 5;
+  __syncthreads();
+  if (l == 0) sh[w] = v;
+  __syncthreads();
+  float t = l < nw ? sh[l] : 0.0f;
+  t = warp_sum(t);
+  return t;
+}
+
+template <class T>
+__global__ void rms_norm_kernel(const float* __restrict__ x, T* __restrict__ y, int D, const float* __restrict__ g,
+                                float eps) {
+  __shared__ float sh[32];
+  const float* xr = x + static_cast<int64_t>(blockIdx.x) * D;
+  T* yr = y + static_cast<int64_t>(blockIdx.x) * D;
+  float ss = 0.0f;
+  for (int i = threadIdx.x; i < D; i += blockDim.x) ss += xr[i] * xr[i];
+  ss = block_sum(ss, sh);
+  const float inv = rsqrtf(ss / D + eps);
+  for (int i = threadIdx.x; i < D; i += blockDim.x) yr[i] = from_f<T>(g[i] * (xr[i] * inv));
+}
+
+template <class T>
+__global__ void layer_norm_kernel(const float* x, T* y, int D, const float* __restrict__ g,
+                                  const float* __restrict__ b, float eps) {
+  __shared__ float sh[32];
+  const float* xr = x + static_cast<int64_t>(blockIdx.x) * D;
+  T* yr = y + static_cast<int64_t>(blockIdx.x) * D;
+  float s = 0.0f;
+  for (int i = threadIdx.x; i < D; i += blockDim.x) s += xr[i];
+  const float mean = block_sum(s, sh) / D;
+  float v = 0.0f;
+  for (int i = threadIdx.x; i < D; i += blockDim.x) v += (xr[i] - mean) * (xr[i] - mean);
+  const float inv = rsqrtf(block_sum(v, sh) / D + eps);
+  __syncthreads();  // every read of the row is done before an in-place write
+  for (int i = threadIdx.x; i < D; i += blockDim.x)
+    yr[i] = from_f<T>((xr[i] - mean) * inv * g[i] + (b ? b[i] : 0.0f));
+}
+
+__global__ void add_kernel(float* x, const float* y, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    x[i] += y[i];
+}
+
+template <class T>
+__global__ void bias_act_kernel(const float* y, const float* bias, int64_t M, int64_t N, int act, T* out) {
+  const int64_t n = M * N;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float v = y[i];
+    if (bias) v += bias[i % N];
+    if (act >= 0) v = activate(v, act);
+    out[i] = from_f<T>(v);
+  }
+}
+
+__global__ void add_bias_rows_kernel(float* y, const float* bias, int64_t M, int64_t N, int accumulate) {
+  const int64_t n = M * N;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    y[i] = accumulate ? y[i] + bias[i % N] : bias[i % N];
+}
+
+template <class T>
+__global__ void gated_act_kernel(const float* gu, int64_t M, int64_t I, int act, T* out) {
+  const int64_t n = M * I;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t m = i / I, c = i % I;
+    const float* r = gu + m * 2 * I;
+    out[i] = from_f<T>(activate(r[c], act) * r[I + c]);
+  }
+}
+
+__global__ void rope_kernel(float* x, int T, int64_t stride, int64_t q_col, int nq, int64_t k_col, int nk, int D,
+                            const int32_t* pos, const float* inv_freq) {
+  const int half = D / 2;
+  const int64_t n = static_cast<int64_t>(T) * (nq + nk) * half;
+  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < n;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int i = static_cast<int>(idx % half);
+    const int hh = static_cast<int>((idx / half) % (nq + nk));
+    const int t = static_cast<int>(idx / (static_cast<int64_t>(half) * (nq + nk)));
+    float* r = x + t * stride + (hh < nq ? q_col + static_cast<int64_t>(hh) * D : k_col + static_cast<int64_t>(hh - nq) * D);
+    const float ang = static_cast<float>(pos[t]) * inv_freq[i];
+    float s, c;
+    sincosf(ang, &s, &c);
+    const float a = r[i], b = r[i + half];
+    r[i] = a * c - b * s;
+    r[i + half] = b * c + a * s;
+  }
+}
+
+template <class T>
+__global__ void embed_kernel(const T* table, int64_t V, int64_t H, const int32_t* ids, int T_, float* out) {
+  const int64_t n = static_cast<int64_t>(T_) * H;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int t = static_cast<int>(i / H);
+    int id = ids[t];
+    id = id < 0 ? 0 : (id >= V ? static_cast<int>(V - 1) : id);  // ids are checked on the host
+    out[i] = to_f<T>(table[static_cast<int64_t>(id) * H + i % H]);
+  }
+}
+
+__global__ void softmax_rows_kernel(float* x, int n) {
+  __shared__ float sh[32];
+  float* row = x + static_cast<int64_t>(blockIdx.x) * n;
+  float mx = -INFINITY;
+  for (int j = threadIdx.x; j < n; j += blockDim.x) mx = fmaxf(mx, row[j]);
+  mx = warp_max(mx);
+  const int w = threadIdx.x >> 5, l = threadIdx.x & 31, nw = blockDim.x >> 5;
+  if (l == 0) sh[w] = mx;
+  __syncthreads();
+  mx = l < nw ? sh[l] : -INFINITY;
+  mx = warp_max(mx);
+  __syncthreads();
+  if (!isfinite(mx)) {
+    for (int j = threadIdx.x; j < n; j += blockDim.x) row[j] = 0.0f;
+    return;
+  }
+  float s = 0.0f;
+  for (int j = threadIdx.x; j < n; j += blockDim.x) {
+    const float e = expf(row[j] - mx);
+    row[j] = e;
+    s += e;
+  }
+  s = block_sum(s, sh);
+  const float inv = 1.0f / s;
+  for (int j = threadIdx.x; j < n; j += blockDim.x) row[j] *= inv;
+}
+
+__global__ void first_nonfinite_kernel(const float* x, int64_t n, unsigned long long* slot) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    if (!isfinite(x[i]))
+      atomicMin(slot, (static_cast<unsigned long long>(i) << 32) | __float_as_uint(x[i]));
+}
+
+int grid_for(int64_t n) { return static_cast<int>(std::min<int64_t>((n + 255) / 256, 65535)); }
+
+}  // namespace
+
+void rms_norm(const float* x, void* y, Dt ydt, int M, int D, const float* g, float eps, cudaStream_t s) {
+  if (M == 0) return;
+  dispatch_float(ydt, [&](auto t) {
+    using T = decltype(t);
+    rms_norm_kernel<T><<<M, 256, 0, s>>>(x, static_cast<T*>(y), D, g, eps);
+  });
+  KV_LAUNCH("rms_norm_kernel", std::to_string(M) + "x" + std::to_string(D));
+}
+
+void layer_norm(const float* x, void* y, Dt ydt, int M, int D, const float* g, const float* b, float eps,
+                cudaStream_t s) {
+  if (M == 0) return;
+  dispatch_float(ydt, [&](auto t) {
+    using T = decltype(t);
+    layer_norm_kernel<T><<<M, 256, 0, s>>>(x, static_cast<T*>(y), D, g, b, eps);
+  });
+  KV_LAUNCH("layer_norm_kernel", std::to_string(M) + "x" + std::to_string(D));
+}
+
+void add(float* x, const float* y, int64_t n, cudaStream_t s) {
+  if (n == 0) return;
+  add_kernel<<<grid_for(n), 256, 0, s>>>(x, y, n);
+  KV_LAUNCH("add_kernel", std::to_string(n) + " values");
+}
+
+void bias_act(const float* y, const float* bias, int64_t M, int64_t N, int act, void* out, Dt odt, cudaStream_t s) {
+  if (M * N == 0) return;
+  dispatch_float(odt, [&](auto t) {
+    using T = decltype(t);
+    bias_act_kernel<T><<<grid_for(M * N), 256, 0, s>>>(y, bias, M, N, act, static_cast<T*>(out));
+  });
+  KV_LAUNCH("bias_act_kernel", std::to_string(M) + "x" + std::to_string(N));
+}
+
+void add_bias_rows(float* y, const float* bias, int64_t M, int64_t N, bool accumulate, cudaStream_t s) {
+  if (M * N == 0) return;
+  add_bias_rows_kernel<<<grid_for(M * N), 256, 0, s>>>(y, bias, M, N, accumulate ? 1 : 0);
+  KV_LAUNCH("add_bias_rows_kernel", std::to_string(M) + "x" + std::to_string(N));
+}
+
+void gated_act(const float* gu, int64_t M, int64_t I, int act, void* out, Dt odt, cudaStream_t s) {
+  if (M * I == 0) return;
+  dispatch_float(odt, [&](auto t) {
+    using T = decltype(t);
+    gated_act_kernel<T><<<grid_for(M * I), 256, 0, s>>>(gu, M, I, act, static_cast<T*>(out));
+  });
+  KV_LAUNCH("gated_act_kernel", std::to_string(M) + "x" + std::to_string(I));
+}
+
+void rope(float* x, int T, int64_t stride, int64_t q_col, int nq, int64_t k_col, int nk, int D, const int32_t* pos,
+          const float* inv_freq, cudaStream_t s) {
+  const int64_t n = static_cast<int64_t>(T) * (nq + nk) * (D / 2);
+  if (n == 0) return;
+  rope_kernel<<<grid_for(n), 256, 0, s>>>(x, T, stride, q_col, nq, k_col, nk, D, pos, inv_freq);
+  KV_LAUNCH("rope_kernel", std::to_string(T) + " tokens");
+}
+
+void embed(const void* table, Dt tdt, int64_t V, int64_t H, const int32_t* ids, int T, float* out, cudaStream_t s) {
+  if (T == 0) return;
+  dispatch_float(tdt, [&](auto t) {
+    using TT = decltype(t);
+    embed_kernel<TT><<<grid_for(T * H), 256, 0, s>>>(static_cast<const TT*>(table), V, H, ids, T, out);
+  });
+  KV_LAUNCH("embed_kernel", std::to_string(T) + " tokens");
+}
+
+void first_nonfinite(const float* x, int64_t n, unsigned long long* slot, cudaStream_t s) {
+  if (n == 0) return;
+  first_nonfinite_kernel<<<grid_for(n), 256, 0, s>>>(x, n, slot);
+  KV_LAUNCH("first_nonfinite_kernel", std::to_string(n) + " values");
+}
+
+void softmax_rows(float* x, int64_t rows, int n, cudaStream_t s) {
+  if (rows == 0 || n == 0) return;
+  softmax_rows_kernel<<<static_cast<unsigned>(rows), 256, 0, s>>>(x, n);
+  KV_LAUNCH("softmax_rows_kernel", std::to_string(rows) + "x" + std::to_string(n));
+}
+
+}  // namespace kvlens::cuda

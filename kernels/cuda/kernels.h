@@ -1,0 +1,154 @@
+// Host-callable launchers of the CUDA kernels, one plain parameter list (or Params struct) per
+// kernel. Each launches on the given stream and throws DeviceError when the launch fails. Every
+// kernel has its CPU twin in kernels/cpu (or core/policies for the packed formats) and a case
+// in tests/test_ops.cpp.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/backend.h"
+#include "kernels/cpu/ops.h"
+
+namespace kvlens::cuda {
+
+// ---- elementwise (elementwise.cu) --------------------------------------------------------------
+void rms_norm(const float* x, void* y, Dt ydt, int M, int D, const float* g, float eps, cudaStream_t s);
+void layer_norm(const float* x, void* y, Dt ydt, int M, int D, const float* g, const float* b, float eps,
+                cudaStream_t s);
+void add(float* x, const float* y, int64_t n, cudaStream_t s);
+// out[m][n] = act(y[m][n] + bias[n]) (act < 0: none), out of dtype odt.
+void bias_act(const float* y, const float* bias, int64_t M, int64_t N, int act, void* out, Dt odt, cudaStream_t s);
+// y[m][n] = bias[n] (+ y[m][n] when accumulate).
+void add_bias_rows(float* y, const float* bias, int64_t M, int64_t N, bool accumulate, cudaStream_t s);
+void gated_act(const float* gu, int64_t M, int64_t I, int act, void* out, Dt odt, cudaStream_t s);
+// RoPE ("rotate half") in place on nq heads at column q_col and nk heads at k_col of each of
+// the T rows of x (row stride `stride`); inv_freq[D/2] as the CPU computes it.
+void rope(float* x, int T, int64_t stride, int64_t q_col, int nq, int64_t k_col, int nk, int D,
+          const int32_t* pos, const float* inv_freq, cudaStream_t s);
+void embed(const void* table, Dt tdt, int64_t V, int64_t H, const int32_t* ids, int T, float* out,
+           cudaStream_t s);
+void softmax_rows(float* x, int64_t rows, int n, cudaStream_t s);
+// slot = min over non-finite x[i] of (i << 32 | bits of x[i]) (atomicMin; UINT64_MAX = all finite).
+void first_nonfinite(const float* x, int64_t n, unsigned long long* slot, cudaStream_t s);
+
+// ---- matrix-vector product for one token (gemv.cu) ---------------------------------------------
+// y[N] = W[N][K]·x[K] (+ bias) (+ y when accumulate); W and x f16 or bf16, K a multiple of 8.
+void gemv(const void* W, const void* x, Dt dt, int N, int K, const float* bias, float* y, bool accumulate,
+          int n_sm, cudaStream_t s);
+// The same with x = RMSNorm(h)·g computed inside (h, g fp32 [K]), rounded to the weights' dtype
+// as rms_norm stores it: the decode step's norm and projection in one kernel.
+void gemv_norm(const void* W, Dt dt, int N, int K, const float* h, const float* g, float eps, const float* bias,
+               float* y, int n_sm, cudaStream_t s);
+
+// ---- prefill attention (attention.cu) ---------------------------------------------------------
+// out[T][n_heads·D] (dtype odt) from q/k/v in qkv (fp32); tiled with an online softmax.
+void attention_prefill(const float* qkv, const AttnLayout& l, void* out, Dt odt, cudaStream_t s);
+// The same through the simple kernel (one warp per query row), any D ≤ 256.
+void attention_prefill_simple(const float* qkv, const AttnLayout& l, void* out, Dt odt, cudaStream_t s);
+// scores[h][i][j] = scale·q_i·k_j (masked = -inf), fp32 from qkv.
+void attention_scores(const float* qkv, const AttnLayout& l, float* scores, cudaStream_t s);
+
+// ---- decode attention over a segmented, possibly packed cache (decode_attention.cu) ----------
+// Storage of one side (K or V) of a part. Codes: row j starts at byte j·D·bits/8 and code c of a
+// row occupies bits [c·bits, (c+1)·bits) of the row, least significant bit first (the layout
+// core/policies/quantize.h packs). F16 rows are [n][D] halves.
+enum KvFormat : int32_t {
+  kF16 = 0,       // fp16 rows
+  kChannel = 1,   // codes with fp16 scale/zero per (range group, channel) — or per group when
+                  // chan_stride = 0 (one range for the whole group)
+  kToken = 2,     // codes with fp16 scale/zero per row; optional fp16 per-channel factor (CST)
+};
+struct KvSide {
+  int32_t fmt = kF16;
+  int32_t bits = 16;
+  int32_t group = 0;        // kChannel: rows per range group (0 or >= n: the whole part)
+  int32_t chan_stride = 1;  // kChannel: 1 = a range per channel, 0 = one per group
+  const void* data = nullptr;
+  const __half* scale = nullptr;
+  const __half* zero = nullptr;
+  const __half* factor = nullptr;  // kToken: x = factor_c·(code·scale_j + zero_j)
+};
+// A run of rows of one KV head in one storage.
+struct PartDesc {
+  int32_t n = 0;                    // rows (plus *counter when counter is set)
+  int32_t visual = 0;               // 1: keys of visual tokens (calibration applies)
+  const int32_t* counter = nullptr;  // rows appended during decode
+  KvSide k, v;
+};
+struct DecodeParams {
+  int B = 1, NH = 0, NKV = 0, D = 0;
+  float scale = 1;
+  const float* q = nullptr;   // q[b][h][D] at q + b·q_stride + h·D
+  int64_t q_stride = 0;
+  const PartDesc* parts = nullptr;  // [B][NKV][max_parts]
+  const int32_t* n_parts = nullptr; // [B][NKV]
+  int max_parts = 0;
+  int splits = 1;
+  float* part_o = nullptr;    // scratch [B][NH][splits][D]
+  float* part_md = nullptr;   // scratch [B][NH][splits][2]
+  void* out = nullptr;        // out[b][h][D] at out + b·out_stride + h·D
+  Dt odt = Dt::F32;
+  int64_t out_stride = 0;
+  // CalibQuant calibration of visual scores (τ1, τ2), with range scratch [B][NH][splits][2].
+  int calibrate = 0;
+  float tau1 = 0, tau2 = 0;
+  float* vis_range = nullptr;
+  // Materialized scores: read scores_in[b][h][row] instead of q·k (already transformed), or
+  // write raw scores to scores_out; final (max, sum) per (b, h) to md_out.
+  const float* scores_in = nullptr;
+  float* scores_out = nullptr;
+  int64_t scores_stride = 0;  // per (b, h)
+  float* md_out = nullptr;
+  // When set ([B][NH] ints, zero, reset after use): the last block of each head merges the
+  // splits itself, so no second kernel is launched.
+  int* sem = nullptr;
+  // Largest code width (1, 2 or 4) of channel-wise packed parts whose keys use a lookup table;
+  // the launch gives each block decode_lut_bytes(D, lut_bits) of shared memory for it.
+  int lut_bits = 0;
+};
+// Fused split-KV attention (with calibration when asked) and the merge of partial states.
+void decode_attention(const DecodeParams& p, cudaStream_t s);
+// Raw scaled scores of every row into p.scores_out (no softmax).
+void decode_scores(const DecodeParams& p, cudaStream_t s);
+// probs[b][h][row] = exp(scores_in − max) / sum from p.md_out (after decode_attention).
+void decode_probs(const DecodeParams& p, float* probs, cudaStream_t s);
+// Blocks per (b, head) for `rows` rows on a device of n_sm multiprocessors.
+int decode_splits(int B, int NH, int rows, int n_sm);
+int decode_lut_bytes(int D, int lut_bits);
+
+// ---- KV cache (kv_cache.cu) -------------------------------------------------------------------
+// Appends T rows (k and v columns of qkv, fp32) as fp16 into per-head arrays k/v [NKV][cap][D]
+// at row row0 (+ *counter when counter is not null; the kernel then adds T to *counter), and
+// positions into pos [NKV][cap].
+void kv_append(const float* qkv, int64_t stride, int64_t k_col, int64_t v_col, int T, int NKV, int D,
+               const int32_t* pos_in, __half* k, __half* v, int32_t* pos, int cap, int row0,
+               int32_t* counter, cudaStream_t s);
+// The same for a batch of sequences (batched decode): row t of qkv is sequence t's new token,
+// written at row (row0 + *counter) of that sequence's arrays, which start seq_stride rows of
+// [cap][D] further on (k/v at t·NKV·cap·D, pos at t·NKV·cap); *counter advances by one.
+void kv_append_batch(const float* qkv, int64_t stride, int64_t k_col, int64_t v_col, int B, int NKV, int D,
+                     const int32_t* pos_in, __half* k, __half* v, int32_t* pos, int cap, int row0,
+                     int32_t* counter, cudaStream_t s);
+// A decode step's RoPE (q and k heads of one token, in place in qkv) and its K/V row appended as
+// fp16 at row *counter of k/v [NKV][cap][D] (positions at pos [NKV][cap]); the last block to
+// finish advances *counter (done: a zero int the kernel resets).
+void rope_append(float* qkv, int64_t q_col, int nq, int64_t k_col, int64_t v_col, int nk, int D,
+                 const int32_t* pos_in, const float* inv_freq, __half* k, __half* v, int32_t* pos, int cap,
+                 int32_t* counter, int32_t* done, cudaStream_t s);
+// dst row i (D halves) = *src[i] for n rows (src pointers in device memory).
+void gather_rows(const __half* const* src, __half* dst, int n, int D, cudaStream_t s);
+
+// ---- quantize-and-pack (quant_pack.cu): the device twins of core/policies/quantize.h ---------
+// x[n][D] (fp16 rows) → codes and fp16 scale/zero as quantize_block packs them. Channel axis:
+// one range per channel over the n rows (chan_stride 1) or one for all (0); token axis: one
+// per row. Ranges shrink by `shrink` about zero or the centre first.
+void quantize_channel(const __half* x, int n, int D, int bits, int chan_stride, float shrink, bool about_zero,
+                      uint8_t* codes, __half* scale, __half* zero, cudaStream_t s);
+void quantize_token(const __half* x, int n, int D, int bits, const __half* factor, uint8_t* codes,
+                    __half* scale, __half* zero, cudaStream_t s);
+// ZipCache's CST factors c_j = half(sqrt(max_t |x_tj|)) (1 where 0 or not finite).
+void cst_factors(const __half* x, int n, int D, __half* factor, cudaStream_t s);
+
+}  // namespace kvlens::cuda

@@ -1,0 +1,555 @@
+// The KV cache on the GPU: per layer, segments tagged by modality as on the host, each KV head's
+// rows held as fp16 or as the packed codes a quantizing policy produced (never dequantized in
+// device memory), plus a growing fp16 tail for generated tokens whose row count lives on the
+// device (so a captured decode step can be replayed). Bytes reported are the bytes allocated.
+//
+// The host KVStore stays what policies edit. After a policy ran, kv_sync makes the device
+// mirror it: a segment that still equals its device copy (kind, storage, payload, positions,
+// merge counts) is kept; kept rows of an evicted segment are gathered on the device from the
+// rows already there (the compaction); merged rows and rows a host-only format holds are
+// uploaded as fp16; packed payloads are uploaded as they are.
+#include <algorithm>
+#include <cstring>
+#include <unordered_map>
+
+#include "core/errors.h"
+#include "core/policies/quantize.h"
+#include "core/policy.h"
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/context.h"
+#include "kernels/cuda/kernels.h"
+#include "kernels/cuda/kv_cache.h"
+
+namespace kvlens::cuda {
+
+namespace kv {
+
+CudaKV& as_cuda(DeviceKV* d) {
+  auto* c = dynamic_cast<CudaKV*>(d);
+  if (!c) throw InternalError("cuda backend: a KV cache of another backend");
+  return *c;
+}
+const CudaKV& as_cuda(const DeviceKV& d) {
+  auto* c = dynamic_cast<const CudaKV*>(&d);
+  if (!c) throw InternalError("cuda backend: a KV cache of another backend");
+  return *c;
+}
+
+}  // namespace kv
+
+using namespace kv;
+
+namespace {
+
+// The k and v columns of qkv's T rows on the host, rounded to fp16 as the device stores them.
+void host_rows(Context& ctx, const Buffer& qkv, const AttnLayout& l, int T, std::vector<float>& k,
+               std::vector<float>& v) {
+  std::vector<float> all(static_cast<size_t>(qkv.rows()) * qkv.cols());
+  ctx.download(all.data(), qkv.data, qkv.bytes(), qkv.name);
+  const int KD = l.n_kv_heads * l.head_dim;
+  k.resize(static_cast<size_t>(T) * KD);
+  v.resize(k.size());
+  for (int t = 0; t < T; ++t)
+    for (int i = 0; i < KD; ++i) {
+      k[static_cast<size_t>(t) * KD + i] = quant::round_half(all[static_cast<size_t>(t) * l.row_stride + l.k_col + i]);
+      v[static_cast<size_t>(t) * KD + i] = quant::round_half(all[static_cast<size_t>(t) * l.row_stride + l.v_col + i]);
+    }
+}
+
+void set_host_bytes(CudaKV& C, KVStore& host, int l);
+
+}  // namespace
+
+std::unique_ptr<DeviceKV> kv_create(const std::shared_ptr<Context>& ctx, int n_layers, int n_kv_heads, int head_dim) {
+  if (head_dim % 8 != 0 || head_dim > 256)
+    throw InputError("the CUDA backend needs head_dim a multiple of 8 and at most 256, got " + std::to_string(head_dim));
+  return std::make_unique<CudaKV>(ctx, n_layers, n_kv_heads, head_dim);
+}
+
+bool kv_rope_append(Context& ctx, SeqKV& kv, int layer, Buffer& qkv, const AttnLayout& l, const Buffer& pos,
+                    const int32_t* pos_host, const SegmentKind* kinds, int T, const float* inv_freq) {
+  if (T != 1 || kinds[0] != SegmentKind::Generated || kv.mirror) return false;
+  CudaKV& C = as_cuda(kv.dev);
+  Tail& t = C.layers.at(layer).tail;
+  if (t.n + 1 > t.cap) C.grow_tail(layer, std::max(16, 2 * t.cap));
+  if (!ctx.replay)
+    cuda::rope_append(qkv.as<float>(), l.q_col, l.n_heads, l.k_col, l.v_col, C.NKV, C.D, pos.as<int32_t>(), inv_freq,
+                      t.k.as<__half>(), t.v.as<__half>(), t.pos.as<int32_t>(), t.cap, C.counters.as<int32_t>() + layer,
+                      C.done.as<int32_t>() + layer, ctx.stream);
+  ++t.n;
+  t.host_pos.push_back(pos_host[0]);
+  return true;
+}
+
+void kv_append(Context& ctx, SeqKV& kv, int layer, const Buffer& qkv, const AttnLayout& l, const Buffer& pos,
+               const int32_t* pos_host, const SegmentKind* kinds, int T) {
+  CudaKV& C = as_cuda(kv.dev);
+  DevLayer& d = C.layers.at(layer);
+  const int NKV = C.NKV, D = C.D;
+  if (T == 1 && kinds[0] == SegmentKind::Generated) {
+    Tail& t = d.tail;
+    if (t.n + 1 > t.cap) C.grow_tail(layer, std::max(16, 2 * t.cap));
+    if (!ctx.replay)
+      cuda::kv_append(qkv.as<float>(), l.row_stride, l.k_col, l.v_col, 1, NKV, D, pos.as<int32_t>(), t.k.as<__half>(),
+                      t.v.as<__half>(), t.pos.as<int32_t>(), t.cap, 0, C.counters.as<int32_t>() + layer, ctx.stream);
+    ++t.n;
+    t.host_pos.push_back(pos_host[0]);
+  } else {
+    const int64_t rows = static_cast<int64_t>(NKV) * T;
+    const std::string what = "layer " + std::to_string(layer) + " prompt rows (" + std::to_string(T) + " per head)";
+    DevMem K{ctx.alloc(rows * D * 2, what + " K"), rows * D * 2};
+    DevMem V{ctx.alloc(rows * D * 2, what + " V"), rows * D * 2};
+    DevMem P{ctx.alloc(rows * 4, what + " positions"), rows * 4};
+    cuda::kv_append(qkv.as<float>(), l.row_stride, l.k_col, l.v_col, T, NKV, D, pos.as<int32_t>(), K.as<__half>(),
+                    V.as<__half>(), P.as<int32_t>(), T, 0, nullptr, ctx.stream);
+    for (int t0 = 0; t0 < T;) {
+      int t1 = t0 + 1;
+      while (t1 < T && kinds[t1] == kinds[t0]) ++t1;
+      DevSeg s;
+      s.kind = kinds[t0];
+      s.heads.resize(NKV);
+      s.pos.resize(NKV);
+      s.mem = {K, V, P};
+      for (int h = 0; h < NKV; ++h) {
+        DevPart p;
+        p.d.n = t1 - t0;
+        p.d.visual = s.kind == SegmentKind::Visual;
+        p.d.k.data = K.as<__half>() + (static_cast<int64_t>(h) * T + t0) * D;
+        p.d.v.data = V.as<__half>() + (static_cast<int64_t>(h) * T + t0) * D;
+        s.heads[h].push_back(p);
+        s.pos[h].assign(pos_host + t0, pos_host + t1);
+      }
+      s.bytes = fp16_bytes(static_cast<int64_t>(NKV) * (t1 - t0), D);
+      s.merged.assign(NKV, {});
+      d.segs.push_back(std::move(s));
+      t0 = t1;
+    }
+    C.changed();
+  }
+  if (kv.mirror) {
+    std::vector<float> k, v;
+    host_rows(ctx, qkv, l, T, k, v);
+    kv.host->append(layer, k.data(), v.data(), pos_host, kinds, T);
+    set_host_bytes(C, *kv.host, layer);
+  }
+}
+
+namespace {
+
+// Host segment i of layer l ↔ device segment i (or the tail for the last host segment): the
+// host reports what the device holds.
+void set_host_bytes(CudaKV& C, KVStore& host, int l) {
+  LayerKV& H = host.layer(l);
+  const DevLayer& d = C.layers[l];
+  const size_t ns = d.segs.size();
+  for (size_t i = 0; i < H.segments.size(); ++i) {
+    if (i < ns) H.segments[i].bytes = d.segs[i].bytes;
+    else if (i == ns && d.tail.n) H.segments[i].bytes = fp16_bytes(static_cast<int64_t>(d.tail.n) * C.NKV, C.D);
+  }
+}
+
+bool same_rows(const KVSegment& s, const DevSeg& d) {
+  if (s.kind != d.kind || s.storage != d.host_storage || s.payload.get() != d.payload || s.heads.size() != d.pos.size())
+    return false;
+  for (size_t h = 0; h < s.heads.size(); ++h) {
+    if (s.heads[h].pos != d.pos[h]) return false;
+    if (s.heads[h].merged != d.merged[h]) return false;
+  }
+  return true;
+}
+
+bool is_tail(const KVSegment& s, const Tail& t) {
+  if (s.kind != SegmentKind::Generated || s.storage != "fp32" || s.payload || t.n == 0) return false;
+  for (const HeadRows& r : s.heads) {
+    if (r.pos != t.host_pos) return false;
+    for (uint16_t m : r.merged)
+      if (m) return false;
+  }
+  return true;
+}
+
+using RowMap = std::unordered_map<int64_t, std::pair<const __half*, const __half*>>;
+int64_t row_key(int h, int32_t pos) { return (static_cast<int64_t>(h) << 32) | static_cast<uint32_t>(pos); }
+
+// fp16 rows already on the device, by (head, position), for gathering.
+RowMap device_rows(const CudaKV& C, const DevLayer& d) {
+  RowMap m;
+  for (const DevSeg& s : d.segs) {
+    if (!s.fp16_rows || s.host_storage != "fp32") continue;
+    for (int h = 0; h < C.NKV; ++h) {
+      const PartDesc& p = s.heads[h].at(0).d;
+      bool merged = false;
+      for (uint16_t x : s.merged[h]) merged = merged || x;
+      if (merged) continue;
+      for (size_t i = 0; i < s.pos[h].size(); ++i)
+        m[row_key(h, s.pos[h][i])] = {static_cast<const __half*>(p.k.data) + i * C.D,
+                                      static_cast<const __half*>(p.v.data) + i * C.D};
+    }
+  }
+  const Tail& t = d.tail;
+  for (int h = 0; h < C.NKV; ++h)
+    for (int i = 0; i < t.n; ++i)
+      m[row_key(h, t.host_pos[i])] = {t.k.as<__half>() + (static_cast<int64_t>(h) * t.cap + i) * C.D,
+                                      t.v.as<__half>() + (static_cast<int64_t>(h) * t.cap + i) * C.D};
+  return m;
+}
+
+// A segment of fp16 rows: rows found on the device are gathered there, the others uploaded.
+DevSeg build_fp16(Context& ctx, const CudaKV& C, const KVSegment& s, const RowMap& have, const std::string& label,
+                  bool from_host_only) {
+  const int NKV = C.NKV, D = C.D;
+  DevSeg d;
+  d.kind = s.kind;
+  d.storage = label;
+  d.host_storage = s.storage;
+  d.payload = s.payload.get();
+  d.heads.resize(NKV);
+  d.pos.resize(NKV);
+  d.merged.resize(NKV);
+  int64_t rows = 0;
+  for (int h = 0; h < NKV; ++h) rows += s.heads[h].n();
+  const std::string what = std::string("KV ") + segment_kind_name(s.kind) + " segment (" + std::to_string(rows) + " rows)";
+  DevMem K{ctx.alloc(rows * D * 2, what + " K"), rows * D * 2};
+  DevMem V{ctx.alloc(rows * D * 2, what + " V"), rows * D * 2};
+  DevMem P{ctx.alloc(rows * 4, what + " positions"), rows * 4};
+  std::vector<const __half*> srck, srcv;
+  std::vector<uint16_t> upk, upv;
+  std::vector<int64_t> up_at;  // index into srck of each uploaded row
+  std::vector<int32_t> pos;
+  int64_t off = 0;
+  for (int h = 0; h < NKV; ++h) {
+    const HeadRows& r = s.heads[h];
+    for (int i = 0; i < r.n(); ++i) {
+      const bool merged = i < static_cast<int>(r.merged.size()) && r.merged[i];
+      auto it = from_host_only || merged ? have.end() : have.find(row_key(h, r.pos[i]));
+      if (it != have.end()) {
+        srck.push_back(it->second.first);
+        srcv.push_back(it->second.second);
+      } else {
+        up_at.push_back(static_cast<int64_t>(srck.size()));
+        srck.push_back(nullptr);
+        srcv.push_back(nullptr);
+        for (int c = 0; c < D; ++c) {
+          upk.push_back(quant::to_half(r.k[static_cast<size_t>(i) * D + c]));
+          upv.push_back(quant::to_half(r.v[static_cast<size_t>(i) * D + c]));
+        }
+      }
+      pos.push_back(r.pos[i]);
+    }
+    DevPart p;
+    p.d.n = r.n();
+    p.d.visual = s.kind == SegmentKind::Visual;
+    p.d.k.data = K.as<__half>() + off * D;
+    p.d.v.data = V.as<__half>() + off * D;
+    d.heads[h].push_back(p);
+    d.pos[h] = r.pos;
+    d.merged[h] = r.merged;
+    off += r.n();
+  }
+  DevMem staging;
+  if (!up_at.empty()) {
+    const int64_t n = static_cast<int64_t>(up_at.size());
+    staging = {ctx.alloc(n * D * 2 * 2, what + " upload"), n * D * 2 * 2};
+    __half* sk = staging.as<__half>();
+    __half* sv = sk + n * D;
+    ctx.upload(sk, upk.data(), n * D * 2, what + " K upload");
+    ctx.upload(sv, upv.data(), n * D * 2, what + " V upload");
+    for (int64_t i = 0; i < n; ++i) {
+      srck[static_cast<size_t>(up_at[i])] = sk + i * D;
+      srcv[static_cast<size_t>(up_at[i])] = sv + i * D;
+    }
+  }
+  if (rows) {
+    DevMem ptrs{ctx.alloc(rows * 2 * static_cast<int64_t>(sizeof(void*)), what + " gather list"),
+                rows * 2 * static_cast<int64_t>(sizeof(void*))};
+    auto** pk = static_cast<const __half**>(ptrs.mem.get());
+    ctx.upload(pk, srck.data(), rows * static_cast<int64_t>(sizeof(void*)), what + " gather list");
+    ctx.upload(pk + rows, srcv.data(), rows * static_cast<int64_t>(sizeof(void*)), what + " gather list");
+    gather_rows(pk, K.as<__half>(), static_cast<int>(rows), D, ctx.stream);
+    gather_rows(pk + rows, V.as<__half>(), static_cast<int>(rows), D, ctx.stream);
+    ctx.upload(P.mem.get(), pos.data(), rows * 4, what + " positions");
+    ctx.sync(what);  // the staging and gather lists are freed on return
+  }
+  d.mem = {K, V, P};
+  d.bytes = fp16_bytes(rows, D);
+  return d;
+}
+
+// Whether the payload's arrays have the sizes its layout implies (else it is read on the host).
+bool packed_ok(const quant::QuantPayload& p, const KVSegment& s, int D) {
+  using K = quant::CodeLayout::Kind;
+  const auto& L = p.layout;
+  auto bits_ok = [](int b) { return b >= 1 && b <= 8; };
+  for (size_t h = 0; h < s.heads.size(); ++h) {
+    const int64_t n = s.heads[h].n();
+    const quant::QuantBlock &k = p.k[h], &v = p.v[h];
+    if (L.kind == K::Fp16) {
+      if (static_cast<int64_t>(k.codes.size()) != n * D * 2 || static_cast<int64_t>(v.codes.size()) != n * D * 2) return false;
+    } else if (L.kind == K::Blocks) {
+      if (!bits_ok(L.k_bits) || !bits_ok(L.v_bits)) return false;
+      if (static_cast<int64_t>(k.codes.size()) != n * D * L.k_bits / 8) return false;
+      if (static_cast<int64_t>(v.codes.size()) != n * D * L.v_bits / 8) return false;
+      auto ranges = [&](quant::Axis a, int group) -> int64_t {
+        if (n == 0) return 0;
+        if (a == quant::Axis::PerToken) return n;
+        const int64_t g = group > 0 ? (n + group - 1) / group : 1;
+        return a == quant::Axis::Global ? g : g * D;
+      };
+      if (static_cast<int64_t>(k.scales.size()) != ranges(L.k_axis, L.k_group) ||
+          static_cast<int64_t>(v.scales.size()) != ranges(L.v_axis, L.v_group))
+        return false;
+    } else if (L.kind == K::ZipMixed) {
+      if (!bits_ok(L.hi_bits) || !bits_ok(L.lo_bits) || k.flags.size() != static_cast<size_t>((n + 7) / 8)) return false;
+      int64_t nh = 0;
+      for (int64_t i = 0; i < n; ++i) nh += quant::unpack_one(k.flags.data(), i, 1);
+      const int64_t nl = n - nh;
+      if (static_cast<int64_t>(k.codes.size()) != (nh * D * L.hi_bits + nl * D * L.lo_bits) / 8) return false;
+      if (static_cast<int64_t>(v.codes.size()) != (nh * D * L.hi_bits + nl * D * L.lo_bits) / 8) return false;
+      if (static_cast<int64_t>(k.scales.size()) != (nh ? D : 0) + (nl ? D : 0)) return false;
+      if (static_cast<int64_t>(v.scales.size()) != n || static_cast<int64_t>(v.meta.size()) != (nh ? D : 0) + (nl ? D : 0))
+        return false;
+    } else {
+      return false;
+    }
+  }
+  return true;
+}
+
+// A segment whose payload the decode kernel reads as it is: every array uploaded once.
+DevSeg build_packed(Context& ctx, const CudaKV& C, const KVSegment& s, const quant::QuantPayload& p) {
+  using K = quant::CodeLayout::Kind;
+  const int NKV = C.NKV, D = C.D;
+  const auto& L = p.layout;
+  DevSeg d;
+  d.kind = s.kind;
+  d.storage = "packed " + s.storage;
+  d.host_storage = s.storage;
+  d.payload = s.payload.get();
+  d.fp16_rows = false;
+  d.heads.resize(NKV);
+  d.pos.resize(NKV);
+  d.merged.resize(NKV);
+  const std::string what = std::string("KV ") + segment_kind_name(s.kind) + " segment " + s.storage;
+  // One allocation per array kind (all heads concatenated), exactly the payload's bytes.
+  struct Arr {
+    std::vector<int64_t> off;
+    DevMem mem;
+  };
+  auto upload_all = [&](auto get, int elem, const std::string& name) {
+    Arr a;
+    int64_t total = 0;
+    for (int h = 0; h < NKV; ++h) {
+      a.off.push_back(total);
+      total += static_cast<int64_t>(get(h).size()) * elem;
+    }
+    if (total == 0) return a;
+    a.mem = {ctx.alloc(total, what + " " + name), total};
+    for (int h = 0; h < NKV; ++h)
+      ctx.upload(static_cast<char*>(a.mem.mem.get()) + a.off[h], get(h).data(),
+                 static_cast<int64_t>(get(h).size()) * elem, what + " " + name);
+    return a;
+  };
+  Arr kc = upload_all([&](int h) -> const std::vector<uint8_t>& { return p.k[h].codes; }, 1, "K codes");
+  Arr vc = upload_all([&](int h) -> const std::vector<uint8_t>& { return p.v[h].codes; }, 1, "V codes");
+  Arr ks = upload_all([&](int h) -> const std::vector<uint16_t>& { return p.k[h].scales; }, 2, "K scales");
+  Arr kz = upload_all([&](int h) -> const std::vector<uint16_t>& { return p.k[h].zeros; }, 2, "K zeros");
+  Arr vs = upload_all([&](int h) -> const std::vector<uint16_t>& { return p.v[h].scales; }, 2, "V scales");
+  Arr vz = upload_all([&](int h) -> const std::vector<uint16_t>& { return p.v[h].zeros; }, 2, "V zeros");
+  Arr km = upload_all([&](int h) -> const std::vector<uint16_t>& { return p.k[h].meta; }, 2, "K factors");
+  Arr vm = upload_all([&](int h) -> const std::vector<uint16_t>& { return p.v[h].meta; }, 2, "V factors");
+  Arr kf = upload_all([&](int h) -> const std::vector<uint8_t>& { return p.k[h].flags; }, 1, "K flags");
+  Arr vf = upload_all([&](int h) -> const std::vector<uint8_t>& { return p.v[h].flags; }, 1, "V flags");
+  std::vector<int32_t> pos;
+  for (int h = 0; h < NKV; ++h) pos.insert(pos.end(), s.heads[h].pos.begin(), s.heads[h].pos.end());
+  DevMem P;
+  if (!pos.empty()) {
+    P = {ctx.alloc(static_cast<int64_t>(pos.size()) * 4, what + " positions"), static_cast<int64_t>(pos.size()) * 4};
+    ctx.upload(P.mem.get(), pos.data(), P.bytes, what + " positions");
+  }
+  auto ptr = [](const Arr& a, int h, int64_t extra = 0) -> const void* {
+    return a.mem.mem ? static_cast<const char*>(a.mem.mem.get()) + a.off[h] + extra : nullptr;
+  };
+  auto half_ptr = [&](const Arr& a, int h, int64_t elems = 0) {
+    return static_cast<const __half*>(ptr(a, h, elems * 2));
+  };
+  for (int h = 0; h < NKV; ++h) {
+    const int n = s.heads[h].n();
+    d.pos[h] = s.heads[h].pos;
+    d.merged[h] = s.heads[h].merged;
+    if (n == 0) continue;
+    const bool vis = s.kind == SegmentKind::Visual;
+    if (L.kind == K::Fp16) {
+      DevPart q;
+      q.d.n = n;
+      q.d.visual = vis;
+      q.d.k.data = ptr(kc, h);
+      q.d.v.data = ptr(vc, h);
+      d.heads[h].push_back(q);
+    } else if (L.kind == K::Blocks) {
+      auto side = [&](int bits, quant::Axis a, int group, const Arr& c, const Arr& sc, const Arr& z) {
+        KvSide k;
+        k.fmt = a == quant::Axis::PerToken ? kToken : kChannel;
+        k.bits = bits;
+        k.group = group;
+        k.chan_stride = a == quant::Axis::Global ? 0 : 1;
+        k.data = ptr(c, h);
+        k.scale = half_ptr(sc, h);
+        k.zero = half_ptr(z, h);
+        return k;
+      };
+      DevPart q;
+      q.d.n = n;
+      q.d.visual = vis;
+      q.d.k = side(L.k_bits, L.k_axis, L.k_group, kc, ks, kz);
+      q.d.v = side(L.v_bits, L.v_axis, L.v_group, vc, vs, vz);
+      d.heads[h].push_back(q);
+    } else {  // ZipMixed: salient rows, then the others
+      std::vector<int32_t> hi, lo;
+      for (int i = 0; i < n; ++i) (quant::unpack_one(p.k[h].flags.data(), i, 1) ? hi : lo).push_back(i);
+      int64_t kcode = 0, vcode = 0, ranges = 0, rows = 0;
+      for (int sal = 1; sal >= 0; --sal) {
+        const std::vector<int32_t>& idx = sal ? hi : lo;
+        const int bits = sal ? L.hi_bits : L.lo_bits;
+        if (idx.empty()) continue;
+        DevPart q;
+        q.d.n = static_cast<int32_t>(idx.size());
+        q.d.visual = vis;
+        q.d.k.fmt = kChannel;
+        q.d.k.bits = bits;
+        q.d.k.data = ptr(kc, h, kcode);
+        q.d.k.scale = half_ptr(ks, h, ranges);
+        q.d.k.zero = half_ptr(kz, h, ranges);
+        q.d.v.fmt = kToken;
+        q.d.v.bits = bits;
+        q.d.v.data = ptr(vc, h, vcode);
+        q.d.v.scale = half_ptr(vs, h, rows);
+        q.d.v.zero = half_ptr(vz, h, rows);
+        q.d.v.factor = half_ptr(vm, h, ranges);
+        q.order = idx;
+        d.heads[h].push_back(q);
+        kcode += static_cast<int64_t>(idx.size()) * D * bits / 8;
+        vcode += static_cast<int64_t>(idx.size()) * D * bits / 8;
+        ranges += D;
+        rows += static_cast<int64_t>(idx.size());
+      }
+    }
+  }
+  for (const Arr* a : {&kc, &vc, &ks, &kz, &vs, &vz, &km, &vm, &kf, &vf})
+    if (a->mem.mem) d.mem.push_back(a->mem);
+  if (P.mem) d.mem.push_back(P);
+  d.bytes = p.allocated();
+  d.bytes.indices += static_cast<int64_t>(pos.size()) * 4;
+  return d;
+}
+
+void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l) {
+  DevLayer& d = C.layers[l];
+  const LayerKV& H = host.layer(l);
+  const RowMap have = device_rows(C, d);
+  // Which host segments keep their device copy as it is.
+  std::vector<const DevSeg*> same(H.segments.size(), nullptr);
+  bool keep_tail = false;
+  for (size_t i = 0; i < H.segments.size(); ++i) {
+    const KVSegment& s = H.segments[i];
+    if (i + 1 == H.segments.size() && is_tail(s, d.tail)) {
+      keep_tail = true;
+      continue;
+    }
+    for (const DevSeg& x : d.segs)
+      if (same_rows(s, x)) same[i] = &x;
+  }
+  // A kept segment that shares an allocation with a dropped one (the prompt's segments share
+  // one per layer) is gathered into its own, so that the dropped rows' memory is freed.
+  std::unordered_map<const void*, int> dropped;
+  for (const DevSeg& x : d.segs)
+    if (std::find(same.begin(), same.end(), &x) == same.end())
+      for (const DevMem& m : x.mem) dropped[m.mem.get()] = 1;
+  for (auto& p : same) {
+    if (!p) continue;
+    for (const DevMem& m : p->mem)
+      if (dropped.count(m.mem.get())) p = nullptr;
+  }
+  std::vector<DevSeg> segs;
+  for (size_t i = 0; i < H.segments.size(); ++i) {
+    const KVSegment& s = H.segments[i];
+    if (keep_tail && i + 1 == H.segments.size()) continue;
+    if (same[i]) {
+      segs.push_back(*same[i]);
+      continue;
+    }
+    const auto* p = dynamic_cast<const quant::QuantPayload*>(s.payload.get());
+    if (p && p->layout.kind != quant::CodeLayout::Kind::None && packed_ok(*p, s, C.D)) {
+      segs.push_back(build_packed(ctx, C, s, *p));
+    } else if (s.payload) {
+      segs.push_back(build_fp16(ctx, C, s, have, "fp16 (dequantized " + s.storage + ")", true));
+    } else {
+      segs.push_back(build_fp16(ctx, C, s, have, "fp16", false));
+    }
+  }
+  // The new layout must be in place before the old rows can go: segments first, then the tail.
+  d.segs = std::move(segs);
+  if (!keep_tail) C.reset_tail(l);
+  C.changed();
+  set_host_bytes(C, host, l);
+}
+
+}  // namespace
+
+void kv_sync(Context& ctx, DeviceKV& dev, KVStore& host, int layer) {
+  CudaKV& C = as_cuda(&dev);
+  if (host.n_layers() != C.L || host.n_kv_heads() != C.NKV || host.head_dim() != C.D)
+    throw InternalError("kv_sync: the host store and the device cache differ in shape");
+  if (layer >= 0) return sync_layer(ctx, C, host, layer);
+  for (int l = 0; l < C.L; ++l) sync_layer(ctx, C, host, l);
+}
+
+void kv_hydrate(Context& ctx, const DeviceKV& dev, KVStore& host) {
+  const CudaKV& C = as_cuda(dev);
+  host = KVStore(C.L, C.NKV, C.D);
+  std::vector<uint16_t> tmp;
+  for (int l = 0; l < C.L; ++l) {
+    LayerKV& H = host.layer(l);
+    const DevLayer& d = C.layers[l];
+    auto rows_of = [&](const __half* p, int n, std::vector<float>& out) {
+      tmp.resize(static_cast<size_t>(n) * C.D);
+      ctx.download(tmp.data(), p, static_cast<int64_t>(tmp.size()) * 2, "KV rows");
+      out.resize(tmp.size());
+      for (size_t i = 0; i < tmp.size(); ++i) out[i] = quant::from_half(tmp[i]);
+    };
+    for (const DevSeg& s : d.segs) {
+      if (!s.fp16_rows || s.host_storage != "fp32")
+        throw InternalError("kv_hydrate: only a cache of fp16 rows can be read back");
+      KVSegment h;
+      h.kind = s.kind;
+      h.heads.resize(C.NKV);
+      for (int k = 0; k < C.NKV; ++k) {
+        const PartDesc& p = s.heads[k].at(0).d;
+        rows_of(static_cast<const __half*>(p.k.data), p.n, h.heads[k].k);
+        rows_of(static_cast<const __half*>(p.v.data), p.n, h.heads[k].v);
+        h.heads[k].pos = s.pos[k];
+        h.heads[k].merged = s.merged[k];
+      }
+      h.bytes = s.bytes;
+      H.segments.push_back(std::move(h));
+    }
+    if (d.tail.n) {
+      KVSegment h;
+      h.kind = SegmentKind::Generated;
+      h.heads.resize(C.NKV);
+      for (int k = 0; k < C.NKV; ++k) {
+        rows_of(d.tail.k.as<__half>() + static_cast<int64_t>(k) * d.tail.cap * C.D, d.tail.n, h.heads[k].k);
+        rows_of(d.tail.v.as<__half>() + static_cast<int64_t>(k) * d.tail.cap * C.D, d.tail.n, h.heads[k].v);
+        h.heads[k].pos = d.tail.host_pos;
+      }
+      h.bytes = fp16_bytes(static_cast<int64_t>(d.tail.n) * C.NKV, C.D);
+      H.segments.push_back(std::move(h));
+    }
+  }
+}
+
+void kv_reserve(Context& ctx, DeviceKV& dev, int rows) {
+  CudaKV& C = as_cuda(&dev);
+  for (int l = 0; l < C.L; ++l) C.grow_tail(l, C.layers[l].tail.n + rows);
+}
+
+}  // namespace kvlens::cuda

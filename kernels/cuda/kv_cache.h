@@ -1,0 +1,232 @@
+// The GPU KV cache's data structures, shared by kv_cache.cu (append, mirroring, hydration) and
+// kv_decode.cu (decode attention over it). See kv_cache.cu for what the cache holds.
+#pragma once
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "core/errors.h"
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/context.h"
+#include "kernels/cuda/kernels.h"
+
+namespace kvlens::cuda::kv {
+
+struct DevPart {
+  PartDesc d;
+  std::vector<int32_t> order;  // host row (within the segment's head) of each device row; empty = same
+};
+
+struct DevSeg {
+  SegmentKind kind = SegmentKind::System;
+  std::string storage = "fp16";
+  std::vector<std::vector<DevPart>> heads;  // [kv head][part]
+  std::vector<std::vector<int32_t>> pos;    // [kv head] positions, host order
+  std::vector<DevMem> mem;
+  KVBytes bytes;
+  bool fp16_rows = true;  // one kF16 part per head in host order (rows can be gathered)
+  // The host segment it mirrors.
+  std::string host_storage = "fp32";
+  const void* payload = nullptr;
+  std::vector<std::vector<uint16_t>> merged;
+};
+
+struct Tail {
+  DevMem k, v, pos;  // [kv head][cap][D] halves, [kv head][cap] positions
+  int cap = 0, n = 0;
+  std::vector<int32_t> host_pos;
+};
+
+struct DevLayer {
+  std::vector<DevSeg> segs;
+  Tail tail;
+};
+
+inline KVBytes fp16_bytes(int64_t rows, int D) {
+  KVBytes b;
+  b.codes = rows * D * 2 * 2;
+  b.indices = rows * 4;
+  return b;
+}
+
+class CudaKV : public DeviceKV {
+ public:
+  CudaKV(std::shared_ptr<Context> c, int L, int NKV, int D) : ctx(std::move(c)), L(L), NKV(NKV), D(D), layers(L) {
+    counters = {ctx->alloc(static_cast<int64_t>(L) * 4, "KV tail counters"), static_cast<int64_t>(L) * 4};
+    KV_CUDA(cudaMemsetAsync(counters.mem.get(), 0, static_cast<size_t>(L) * 4, ctx->stream), "KV tail counters");
+    done = {ctx->alloc(static_cast<int64_t>(L) * 4, "KV append counters"), static_cast<int64_t>(L) * 4};
+    KV_CUDA(cudaMemsetAsync(done.mem.get(), 0, static_cast<size_t>(L) * 4, ctx->stream), "KV append counters");
+  }
+
+  std::unique_ptr<DeviceKV> clone() const override {
+    auto c = std::make_unique<CudaKV>(ctx, L, NKV, D);
+    std::vector<int32_t> n(L);
+    for (int l = 0; l < L; ++l) {
+      c->layers[l].segs = layers[l].segs;  // immutable: shared
+      const Tail& t = layers[l].tail;
+      n[l] = t.n;
+      if (t.cap == 0) continue;
+      Tail& u = c->layers[l].tail;
+      c->alloc_tail(u, t.cap, l);
+      copy_tail(t, u);
+      u.n = t.n;
+      u.host_pos = t.host_pos;
+    }
+    ctx->upload(c->counters.mem.get(), n.data(), static_cast<int64_t>(L) * 4, "KV tail counters");
+    return c;
+  }
+  KVBytes bytes(int l) const override {
+    KVBytes b;
+    for (const DevSeg& s : layers.at(l).segs) b += s.bytes;
+    b += fp16_bytes(static_cast<int64_t>(layers[l].tail.n) * NKV, D);
+    return b;
+  }
+  KVBytes bytes() const override {
+    KVBytes b;
+    for (int l = 0; l < L; ++l) b += bytes(l);
+    return b;
+  }
+  int64_t allocated() const override {
+    std::unordered_map<const void*, int64_t> seen;
+    for (const DevLayer& d : layers) {
+      for (const DevSeg& s : d.segs)
+        for (const DevMem& m : s.mem) seen[m.mem.get()] = m.bytes;
+      for (const DevMem* m : {&d.tail.k, &d.tail.v, &d.tail.pos})
+        if (m->mem) seen[m->mem.get()] = m->bytes;
+    }
+    int64_t t = 0;
+    for (const auto& kv : seen) t += kv.second;
+    return t;
+  }
+  uint64_t version() const override { return ver; }
+  std::vector<std::string> storage(int l) const override {
+    std::vector<std::string> r;
+    for (const DevSeg& s : layers.at(l).segs) r.push_back(s.storage);
+    if (layers[l].tail.n) r.push_back("fp16 (decode tail)");
+    return r;
+  }
+
+  void changed() {
+    dirty = true;
+    ++ver;
+  }
+  void alloc_tail(Tail& t, int cap, int l) {
+    const int64_t rows = static_cast<int64_t>(NKV) * cap;
+    const std::string what = "layer " + std::to_string(l) + " decode rows (" + std::to_string(cap) + " per head)";
+    t.k = {ctx->alloc(rows * D * 2, what + " K"), rows * D * 2};
+    t.v = {ctx->alloc(rows * D * 2, what + " V"), rows * D * 2};
+    t.pos = {ctx->alloc(rows * 4, what + " positions"), rows * 4};
+    t.cap = cap;
+  }
+  // Copies the first t.n rows of every head of t into u (u.cap >= t.n).
+  void copy_tail(const Tail& t, Tail& u) const {
+    if (t.n == 0) return;
+    KV_CUDA(cudaMemcpy2DAsync(u.k.mem.get(), static_cast<size_t>(u.cap) * D * 2, t.k.mem.get(),
+                              static_cast<size_t>(t.cap) * D * 2, static_cast<size_t>(t.n) * D * 2, NKV,
+                              cudaMemcpyDeviceToDevice, ctx->stream),
+            "decode rows K");
+    KV_CUDA(cudaMemcpy2DAsync(u.v.mem.get(), static_cast<size_t>(u.cap) * D * 2, t.v.mem.get(),
+                              static_cast<size_t>(t.cap) * D * 2, static_cast<size_t>(t.n) * D * 2, NKV,
+                              cudaMemcpyDeviceToDevice, ctx->stream),
+            "decode rows V");
+    KV_CUDA(cudaMemcpy2DAsync(u.pos.mem.get(), static_cast<size_t>(u.cap) * 4, t.pos.mem.get(),
+                              static_cast<size_t>(t.cap) * 4, static_cast<size_t>(t.n) * 4, NKV,
+                              cudaMemcpyDeviceToDevice, ctx->stream),
+            "decode rows positions");
+  }
+  void grow_tail(int l, int cap) {
+    Tail& t = layers[l].tail;
+    if (cap <= t.cap) return;
+    if (ctx->replay || ctx->capturing) throw InternalError("KV cache: decode rows grew inside a captured step");
+    Tail u;
+    alloc_tail(u, cap, l);
+    copy_tail(t, u);
+    u.n = t.n;
+    u.host_pos = t.host_pos;
+    t = std::move(u);
+    changed();
+  }
+  void reset_tail(int l) {
+    Tail& t = layers[l].tail;
+    if (t.n == 0) return;
+    t.n = 0;
+    t.host_pos.clear();
+    KV_CUDA(cudaMemsetAsync(counters.as<int32_t>() + l, 0, 4, ctx->stream), "KV tail counter");
+    changed();
+  }
+
+  // Decode tables: parts of every (layer, kv head), uploaded when the layout changed.
+  void build_tables(int n_heads) {
+    if (!dirty && n_heads == nh) return;
+    if (ctx->replay || ctx->capturing) throw InternalError("KV cache: layout changed inside a captured step");
+    nh = n_heads;
+    max_parts = 1;
+    lut_bits = 0;
+    int rows = 1;
+    for (const DevLayer& d : layers)
+      for (const DevSeg& sg : d.segs)
+        for (const auto& hp : sg.heads)
+          for (const DevPart& pt : hp)
+            if (pt.d.k.fmt == kChannel && pt.d.k.bits <= 4) lut_bits = std::max(lut_bits, pt.d.k.bits);
+    for (const DevLayer& d : layers)
+      for (int h = 0; h < NKV; ++h) {
+        int np = d.tail.cap ? 1 : 0, r = d.tail.cap;
+        for (const DevSeg& s : d.segs) {
+          np += static_cast<int>(s.heads[h].size());
+          r += static_cast<int>(s.pos[h].size());
+        }
+        max_parts = std::max(max_parts, np);
+        rows = std::max(rows, r);
+      }
+    std::vector<PartDesc> t(static_cast<size_t>(L) * NKV * max_parts);
+    std::vector<int32_t> np(static_cast<size_t>(L) * NKV, 0);
+    for (int l = 0; l < L; ++l)
+      for (int h = 0; h < NKV; ++h) {
+        PartDesc* row = t.data() + (static_cast<size_t>(l) * NKV + h) * max_parts;
+        int& k = np[static_cast<size_t>(l) * NKV + h];
+        for (const DevSeg& s : layers[l].segs)
+          for (const DevPart& p : s.heads[h]) row[k++] = p.d;
+        const Tail& tl = layers[l].tail;
+        if (tl.cap) {
+          PartDesc d;
+          d.n = 0;
+          d.counter = counters.as<int32_t>() + l;
+          d.k.data = tl.k.as<__half>() + static_cast<int64_t>(h) * tl.cap * D;
+          d.v.data = tl.v.as<__half>() + static_cast<int64_t>(h) * tl.cap * D;
+          row[k++] = d;
+        }
+      }
+    const int64_t tb = static_cast<int64_t>(t.size() * sizeof(PartDesc)), nb = static_cast<int64_t>(np.size() * 4);
+    if (table.bytes < tb) table = {ctx->alloc(tb, "KV decode table"), tb};
+    if (nparts.bytes < nb) nparts = {ctx->alloc(nb, "KV decode table"), nb};
+    ctx->upload(table.mem.get(), t.data(), tb, "KV decode table");
+    ctx->upload(nparts.mem.get(), np.data(), nb, "KV decode table");
+    splits = decode_splits(1, nh, rows, ctx->n_sm);
+    const int64_t po = static_cast<int64_t>(nh) * splits * D * 4, pm = static_cast<int64_t>(nh) * splits * 2 * 4;
+    if (part_o.bytes < po) part_o = {ctx->alloc(po, "decode attention partial outputs"), po};
+    if (part_md.bytes < pm) part_md = {ctx->alloc(pm, "decode attention partial states"), pm};
+    if (vis_range.bytes < pm) vis_range = {ctx->alloc(pm, "decode attention visual ranges"), pm};
+    if (md_out.bytes < nh * 8) md_out = {ctx->alloc(nh * 8, "decode attention states"), nh * 8};
+    if (sem.bytes < nh * 4) {
+      sem = {ctx->alloc(nh * 4, "decode attention merge counters"), nh * 4};
+      KV_CUDA(cudaMemsetAsync(sem.mem.get(), 0, static_cast<size_t>(nh) * 4, ctx->stream), "merge counters");
+    }
+    dirty = false;
+  }
+
+  std::shared_ptr<Context> ctx;
+  int L, NKV, D;
+  std::vector<DevLayer> layers;
+  DevMem counters, done;
+  DevMem table, nparts, part_o, part_md, vis_range, md_out, sem;
+  int max_parts = 1, splits = 1, nh = 0, lut_bits = 0;
+  bool dirty = true;
+  uint64_t ver = 1;
+};
+
+CudaKV& as_cuda(DeviceKV* d);
+const CudaKV& as_cuda(const DeviceKV& d);
+
+}  // namespace kvlens::cuda::kv

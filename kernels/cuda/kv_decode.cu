@@ -1,0 +1,126 @@
+// Decode attention over the GPU KV cache: the fused kernel on the device's parts, or (for
+// observers, and for score transforms other than CalibQuant's calibration) scores to the host,
+// transformed there in the host store's row order, and back for the softmax and values.
+#include "core/policy.h"
+#include "kernels/cuda/kv_cache.h"
+
+namespace kvlens::cuda {
+
+using namespace kv;
+
+void kv_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, SeqKV& kv, int layer,
+                         const KVPolicy* policy, Buffer& out, float* scores, float* probs, int n_max) {
+  CudaKV& C = as_cuda(kv.dev);
+  if (l.n_kv_heads != C.NKV || l.head_dim != C.D) throw InternalError("decode_attention: cache shape differs");
+  C.build_tables(l.n_heads);
+  const int NH = l.n_heads, NKV = C.NKV, D = C.D, G = NH / NKV;
+  DecodeParams p;
+  p.B = 1;
+  p.NH = NH;
+  p.NKV = NKV;
+  p.D = D;
+  p.scale = l.scale;
+  p.q = qkv.as<float>() + l.q_col;
+  p.parts = static_cast<const PartDesc*>(C.table.mem.get()) + static_cast<int64_t>(layer) * NKV * C.max_parts;
+  p.n_parts = C.nparts.as<int32_t>() + static_cast<int64_t>(layer) * NKV;
+  p.max_parts = C.max_parts;
+  p.splits = C.splits;
+  p.part_o = C.part_o.as<float>();
+  p.part_md = C.part_md.as<float>();
+  p.out = out.data;
+  p.odt = out.dt;
+  p.sem = C.sem.as<int>();
+  p.lut_bits = C.lut_bits;
+  const bool transform = policy && policy->has_score_transform();
+  float tau1 = 0, tau2 = 0;
+  const bool in_kernel = transform && policy->visual_calibration(tau1, tau2);
+  if (!scores && !probs && (!transform || in_kernel)) {
+    if (ctx.replay) return;
+    if (in_kernel) {
+      p.calibrate = 1;
+      p.tau1 = tau1;
+      p.tau2 = tau2;
+      p.vis_range = C.vis_range.as<float>();
+    }
+    decode_attention(p, ctx.stream);
+    return;
+  }
+  // Materialized: scores to the host (transform, observers), back, then softmax and values.
+  if (!kv.mirror) throw InternalError("decode_attention: scores on the host need the host rows");
+  const DevLayer& d = C.layers[layer];
+  // Device row order per kv head → host row index.
+  std::vector<std::vector<int32_t>> dev2host(NKV);
+  int n_dev = 0;
+  for (int h = 0; h < NKV; ++h) {
+    int base = 0;
+    for (const DevSeg& s : d.segs) {
+      for (const DevPart& q : s.heads[h])
+        for (int i = 0; i < q.d.n; ++i) dev2host[h].push_back(base + (q.order.empty() ? i : q.order[i]));
+      base += static_cast<int>(s.pos[h].size());
+    }
+    for (int i = 0; i < d.tail.n; ++i) dev2host[h].push_back(base + i);
+    if (static_cast<int>(dev2host[h].size()) != kv.host->n_rows(layer, h))
+      throw InternalError("decode_attention: device and host rows differ in layer " + std::to_string(layer));
+    n_dev = std::max(n_dev, static_cast<int>(dev2host[h].size()));
+  }
+  const int64_t stride = std::max(n_dev, 1);
+  const int64_t sb = static_cast<int64_t>(NH) * stride * 4;
+  DevMem S{ctx.alloc(sb, "decode scores"), sb};
+  DevMem Pb{ctx.alloc(sb, "decode probabilities"), sb};
+  p.scores_out = S.as<float>();
+  p.scores_stride = stride;
+  decode_scores(p, ctx.stream);
+  std::vector<float> sd(static_cast<size_t>(NH) * stride);
+  ctx.download(sd.data(), S.mem.get(), sb, "decode scores");
+  // To host order, transform there, back to device order.
+  std::vector<float> sh(sd.size(), -INFINITY);
+  for (int hd = 0; hd < NH; ++hd) {
+    const auto& m = dev2host[hd / G];
+    for (size_t i = 0; i < m.size(); ++i) sh[static_cast<size_t>(hd) * stride + m[i]] = sd[static_cast<size_t>(hd) * stride + i];
+  }
+  if (transform) {
+    std::vector<float> K, V;
+    std::vector<int32_t> P;
+    std::vector<SegmentKind> kinds;
+    for (int h = 0; h < NKV; ++h) {
+      kv.host->gather(layer, h, K, V, P, &kinds);
+      for (int hd = h * G; hd < (h + 1) * G; ++hd)
+        policy->transform_scores(layer, hd, sh.data() + static_cast<size_t>(hd) * stride, kinds.data(),
+                                 static_cast<int>(P.size()));
+    }
+  }
+  for (int hd = 0; hd < NH; ++hd) {
+    const auto& m = dev2host[hd / G];
+    for (size_t i = 0; i < m.size(); ++i) sd[static_cast<size_t>(hd) * stride + i] = sh[static_cast<size_t>(hd) * stride + m[i]];
+    for (size_t i = m.size(); i < static_cast<size_t>(stride); ++i) sd[static_cast<size_t>(hd) * stride + i] = -INFINITY;
+  }
+  ctx.upload(S.mem.get(), sd.data(), sb, "decode scores");
+  p.scores_out = nullptr;
+  p.scores_in = S.as<float>();
+  p.md_out = C.md_out.as<float>();
+  decode_attention(p, ctx.stream);
+  std::vector<float> pd;
+  if (probs) {
+    decode_probs(p, Pb.as<float>(), ctx.stream);
+    pd.resize(sd.size());
+    ctx.download(pd.data(), Pb.mem.get(), sb, "decode probabilities");
+  }
+  for (int hd = 0; hd < NH; ++hd) {
+    const auto& m = dev2host[hd / G];
+    const int n = static_cast<int>(m.size());
+    if (scores) {
+      float* o = scores + static_cast<size_t>(hd) * n_max;
+      std::fill(o, o + n_max, -INFINITY);
+      std::copy_n(sh.data() + static_cast<size_t>(hd) * stride, n, o);
+    }
+    if (probs) {
+      float* o = probs + static_cast<size_t>(hd) * n_max;
+      std::fill(o, o + n_max, 0.0f);
+      for (int i = 0; i < n; ++i) o[m[i]] = pd[static_cast<size_t>(hd) * stride + i];
+    }
+  }
+  ctx.sync("decode attention");
+}
+
+
+}  // namespace kvlens::cuda

@@ -1,0 +1,140 @@
+// KV cache kernels: append rows (fp32 projections → fp16 cache rows) and gather rows (the
+// compaction after eviction). CPU twins: KVStore::append (with fp16 rounding) and
+// keep_rows/gather_head in core/policies/select.cpp.
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/kernels.h"
+
+namespace kvlens::cuda {
+
+namespace {
+
+// One block: every thread reads the row counter first, the block waits, writes its values,
+// waits again, then thread 0 advances the counter, so the next kernel sees the new rows.
+__global__ void kv_append_kernel(const float* qkv, int64_t stride, int64_t k_col, int64_t v_col, int T, int NKV,
+                                 int D, const int32_t* pos_in, __half* k, __half* v, int32_t* pos, int cap, int row0,
+                                 int32_t* counter) {
+  const int base = row0 + (counter ? *counter : 0);
+  __syncthreads();
+  const int64_t n = static_cast<int64_t>(T) * NKV * D;
+  for (int64_t i = threadIdx.x + static_cast<int64_t>(blockIdx.x) * blockDim.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int d = static_cast<int>(i % D), h = static_cast<int>((i / D) % NKV), t = static_cast<int>(i / (static_cast<int64_t>(D) * NKV));
+    const int row = base + t;
+    if (row >= cap) continue;  // the host reserves room; never write past it
+    const float* src = qkv + t * stride;
+    const int64_t at = (static_cast<int64_t>(h) * cap + row) * D + d;
+    k[at] = __float2half_rn(src[k_col + static_cast<int64_t>(h) * D + d]);
+    v[at] = __float2half_rn(src[v_col + static_cast<int64_t>(h) * D + d]);
+    if (d == 0) pos[static_cast<int64_t>(h) * cap + row] = pos_in[t];
+  }
+  __syncthreads();
+  if (counter && threadIdx.x == 0 && blockIdx.x == 0) *counter = base - row0 + T;
+}
+
+// Batched decode: row t to sequence t (arrays [B][NKV][cap][D]); every block reads the counter,
+// a second kernel advances it once all have written.
+__global__ void kv_append_batch_kernel(const float* qkv, int64_t stride, int64_t k_col, int64_t v_col, int B, int NKV,
+                                       int D, const int32_t* pos_in, __half* k, __half* v, int32_t* pos, int cap,
+                                       int row0, const int32_t* counter) {
+  const int row = row0 + (counter ? *counter : 0);
+  if (row >= cap) return;
+  const int64_t n = static_cast<int64_t>(B) * NKV * D;
+  for (int64_t i = threadIdx.x + static_cast<int64_t>(blockIdx.x) * blockDim.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int d = static_cast<int>(i % D), h = static_cast<int>((i / D) % NKV), t = static_cast<int>(i / (static_cast<int64_t>(D) * NKV));
+    const float* src = qkv + t * stride;
+    const int64_t at = ((static_cast<int64_t>(t) * NKV + h) * cap + row) * D + d;
+    k[at] = __float2half_rn(src[k_col + static_cast<int64_t>(h) * D + d]);
+    v[at] = __float2half_rn(src[v_col + static_cast<int64_t>(h) * D + d]);
+    if (d == 0) pos[(static_cast<int64_t>(t) * NKV + h) * cap + row] = pos_in[t];
+  }
+}
+
+__global__ void counter_add_kernel(int32_t* counter, int n) { *counter += n; }
+
+__global__ void rope_append_kernel(float* qkv, int64_t q_col, int nq, int64_t k_col, int64_t v_col, int nk, int D,
+                                   const int32_t* pos_in, const float* inv_freq, __half* k, __half* v, int32_t* kpos,
+                                   int cap, int32_t* counter, int32_t* done) {
+  const int row = *counter;
+  const int half = D / 2, n_rope = (nq + nk) * half, n_v = nk * D;
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n_rope) {
+    const int hh = i / half, j = i % half;
+    float* r = qkv + (hh < nq ? q_col + static_cast<int64_t>(hh) * D : k_col + static_cast<int64_t>(hh - nq) * D);
+    const float ang = static_cast<float>(pos_in[0]) * inv_freq[j];
+    float sn, cs;
+    sincosf(ang, &sn, &cs);
+    const float a = r[j], b = r[j + half];
+    const float na = a * cs - b * sn, nb = b * cs + a * sn;
+    r[j] = na;
+    r[j + half] = nb;
+    if (hh >= nq && row < cap) {
+      const int64_t at = (static_cast<int64_t>(hh - nq) * cap + row) * D;
+      k[at + j] = __float2half_rn(na);
+      k[at + j + half] = __float2half_rn(nb);
+      if (j == 0) kpos[static_cast<int64_t>(hh - nq) * cap + row] = pos_in[0];
+    }
+  } else if (i < n_rope + n_v) {
+    const int t = i - n_rope, kh = t / D, d = t % D;
+    if (row < cap) v[(static_cast<int64_t>(kh) * cap + row) * D + d] = __float2half_rn(qkv[v_col + t]);
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0 && atomicAdd(done, 1) == static_cast<int>(gridDim.x) - 1) {
+    *counter = row + 1;
+    *done = 0;
+  }
+}
+
+__global__ void gather_rows_kernel(const __half* const* src, __half* dst, int n, int D) {
+  const int64_t total = static_cast<int64_t>(n) * D;
+  for (int64_t i = threadIdx.x + static_cast<int64_t>(blockIdx.x) * blockDim.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    dst[i] = src[i / D][i % D];
+}
+
+}  // namespace
+
+void kv_append(const float* qkv, int64_t stride, int64_t k_col, int64_t v_col, int T, int NKV, int D,
+               const int32_t* pos_in, __half* k, __half* v, int32_t* pos, int cap, int row0, int32_t* counter,
+               cudaStream_t s) {
+  if (T == 0) return;
+  // With a device counter the kernel must be one block (the counter is read once, then advanced).
+  const int64_t n = static_cast<int64_t>(T) * NKV * D;
+  const int blocks = counter ? 1 : static_cast<int>(std::min<int64_t>((n + 255) / 256, 4096));
+  kv_append_kernel<<<blocks, counter ? 1024 : 256, 0, s>>>(qkv, stride, k_col, v_col, T, NKV, D, pos_in, k, v, pos,
+                                                            cap, row0, counter);
+  KV_LAUNCH("kv_append_kernel", std::to_string(T) + " rows x " + std::to_string(NKV) + " heads");
+}
+
+void kv_append_batch(const float* qkv, int64_t stride, int64_t k_col, int64_t v_col, int B, int NKV, int D,
+                     const int32_t* pos_in, __half* k, __half* v, int32_t* pos, int cap, int row0, int32_t* counter,
+                     cudaStream_t s) {
+  if (B == 0) return;
+  const int64_t n = static_cast<int64_t>(B) * NKV * D;
+  kv_append_batch_kernel<<<static_cast<int>(std::min<int64_t>((n + 255) / 256, 8192)), 256, 0, s>>>(
+      qkv, stride, k_col, v_col, B, NKV, D, pos_in, k, v, pos, cap, row0, counter);
+  KV_LAUNCH("kv_append_batch_kernel", std::to_string(B) + " sequences x " + std::to_string(NKV) + " heads");
+  if (counter) {
+    counter_add_kernel<<<1, 1, 0, s>>>(counter, 1);
+    KV_LAUNCH("counter_add_kernel", "KV row counter");
+  }
+}
+
+void rope_append(float* qkv, int64_t q_col, int nq, int64_t k_col, int64_t v_col, int nk, int D,
+                 const int32_t* pos_in, const float* inv_freq, __half* k, __half* v, int32_t* pos, int cap,
+                 int32_t* counter, int32_t* done, cudaStream_t s) {
+  const int n = (nq + nk) * (D / 2) + nk * D;
+  rope_append_kernel<<<(n + 255) / 256, 256, 0, s>>>(qkv, q_col, nq, k_col, v_col, nk, D, pos_in, inv_freq, k, v, pos,
+                                                      cap, counter, done);
+  KV_LAUNCH("rope_append_kernel", std::to_string(nk) + " KV heads");
+}
+
+void gather_rows(const __half* const* src, __half* dst, int n, int D, cudaStream_t s) {
+  if (n == 0) return;
+  const int64_t total = static_cast<int64_t>(n) * D;
+  gather_rows_kernel<<<static_cast<int>(std::min<int64_t>((total + 255) / 256, 4096)), 256, 0, s>>>(src, dst, n, D);
+  KV_LAUNCH("gather_rows_kernel", std::to_string(n) + " rows");
+}
+
+}  // namespace kvlens::cuda

@@ -1,0 +1,152 @@
+// Quantize-and-pack on the device: the twins of quant::quantize_block (channel-wise / global and
+// token-wise ranges) and zipcache::cst_quantize, producing the same bytes in the same layout
+// (row j of codes at byte j·D·bits/8, code c at bits [c·bits, (c+1)·bits), LSB first) and the
+// same fp16 scales and zero points, so a cache packed here is read by the same decode kernel.
+// The arithmetic follows the host step by step: range (min/max, optional shrink), scale =
+// half((β − α)/(2^b − 1)), α = half(α), code = clamp(rint((x − α)/scale), 0, 2^b − 1).
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/kernels.h"
+
+namespace kvlens::cuda {
+
+namespace {
+
+__device__ __forceinline__ void affine(float lo, float hi, int bits, float shrink, bool about_zero, __half* scale,
+                                       __half* zero) {
+  if (shrink != 1.0f) {
+    const float c = about_zero ? 0.0f : 0.5f * (lo + hi);
+    lo = fmaf(shrink, lo - c, c);
+    hi = fmaf(shrink, hi - c, c);
+  }
+  const float L = static_cast<float>((1u << bits) - 1u);
+  *zero = __float2half_rn(lo);
+  *scale = hi > lo ? __float2half_rn(__fdiv_rn(hi - lo, L)) : __float2half_rn(0.0f);
+}
+
+__device__ __forceinline__ uint32_t encode(float x, float alpha, float scale, int bits) {
+  if (!(scale > 0.0f)) return 0;
+  const float c = rintf(__fdiv_rn(x - alpha, scale));
+  return static_cast<uint32_t>(fminf(fmaxf(c, 0.0f), static_cast<float>((1u << bits) - 1u)));
+}
+
+// Ranges over rows: one block per channel (chan_stride 1) or one block for all (0).
+__global__ void channel_range_kernel(const __half* x, int n, int D, int bits, int chan_stride, float shrink,
+                                     int about_zero, __half* scale, __half* zero) {
+  __shared__ float slo[32], shi[32];
+  const int ch = blockIdx.x;
+  float lo = INFINITY, hi = -INFINITY;
+  const int64_t total = chan_stride ? n : static_cast<int64_t>(n) * D;
+  for (int64_t i = threadIdx.x; i < total; i += blockDim.x) {
+    const float v = __half2float(chan_stride ? x[i * D + ch] : x[i]);
+    lo = fminf(lo, v);
+    hi = fmaxf(hi, v);
+  }
+  lo = -warp_max(-lo);
+  hi = warp_max(hi);
+  const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+  if (l == 0) {
+    slo[w] = lo;
+    shi[w] = hi;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int i = 1; i < static_cast<int>(blockDim.x >> 5); ++i) {
+      lo = fminf(lo, slo[i]);
+      hi = fmaxf(hi, shi[i]);
+    }
+    affine(lo, hi, bits, shrink, about_zero != 0, scale + ch, zero + ch);
+  }
+}
+
+// One warp per row: the row's range of x (divided by the CST factors when given).
+__global__ void token_range_kernel(const __half* x, int n, int D, int bits, const __half* factor, __half* scale,
+                                   __half* zero) {
+  const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  if (row >= n) return;
+  float lo = INFINITY, hi = -INFINITY;
+  for (int c = lane; c < D; c += 32) {
+    float v = __half2float(x[static_cast<int64_t>(row) * D + c]);
+    if (factor) v = __fdiv_rn(v, __half2float(factor[c]));
+    lo = fminf(lo, v);
+    hi = fmaxf(hi, v);
+  }
+  lo = -warp_max(-lo);
+  hi = warp_max(hi);
+  if (lane == 0) affine(lo, hi, bits, 1.0f, true, scale + row, zero + row);
+}
+
+// One thread per (row, 8 channels): 8 codes packed into `bits` bytes.
+__global__ void pack_kernel(const __half* x, int n, int D, int bits, int token, int chan_stride, const __half* factor,
+                            const __half* scale, const __half* zero, uint8_t* codes) {
+  const int chunks = D / 8;
+  const int64_t total = static_cast<int64_t>(n) * chunks;
+  for (int64_t i = threadIdx.x + static_cast<int64_t>(blockIdx.x) * blockDim.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int row = static_cast<int>(i / chunks), c0 = static_cast<int>(i % chunks) * 8;
+    uint64_t w = 0;
+    for (int c = 0; c < 8; ++c) {
+      float v = __half2float(x[static_cast<int64_t>(row) * D + c0 + c]);
+      int r;
+      if (token) {
+        r = row;
+        if (factor) v = __fdiv_rn(v, __half2float(factor[c0 + c]));
+      } else {
+        r = chan_stride ? c0 + c : 0;
+      }
+      const uint32_t code = encode(v, __half2float(zero[r]), __half2float(scale[r]), bits);
+      w |= static_cast<uint64_t>(code) << (c * bits);
+    }
+    uint8_t* out = codes + static_cast<int64_t>(row) * (D * bits / 8) + (c0 / 8) * bits;
+    for (int b = 0; b < bits; ++b) out[b] = static_cast<uint8_t>(w >> (8 * b));
+  }
+}
+
+__global__ void cst_factor_kernel(const __half* x, int n, int D, __half* factor) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= D) return;
+  float m = 0.0f;
+  for (int r = 0; r < n; ++r) m = fmaxf(m, fabsf(__half2float(x[static_cast<int64_t>(r) * D + c])));
+  const float f = __half2float(__float2half_rn(sqrtf(m)));
+  factor[c] = (f > 0.0f && isfinite(f)) ? __float2half_rn(f) : __float2half_rn(1.0f);
+}
+
+void check_shape(int D, int bits) {
+  if (D % 8 != 0 || bits < 1 || bits > 8)
+    throw InternalError("quantize: head_dim must be a multiple of 8 and bits in [1, 8], got D=" + std::to_string(D) +
+                        " bits=" + std::to_string(bits));
+}
+
+}  // namespace
+
+void quantize_channel(const __half* x, int n, int D, int bits, int chan_stride, float shrink, bool about_zero,
+                      uint8_t* codes, __half* scale, __half* zero, cudaStream_t s) {
+  check_shape(D, bits);
+  if (n == 0) return;
+  channel_range_kernel<<<chan_stride ? D : 1, 256, 0, s>>>(x, n, D, bits, chan_stride, shrink, about_zero ? 1 : 0,
+                                                           scale, zero);
+  KV_LAUNCH("channel_range_kernel", std::to_string(n) + "x" + std::to_string(D));
+  const int64_t total = static_cast<int64_t>(n) * (D / 8);
+  pack_kernel<<<static_cast<int>(std::min<int64_t>((total + 255) / 256, 8192)), 256, 0, s>>>(
+      x, n, D, bits, 0, chan_stride, nullptr, scale, zero, codes);
+  KV_LAUNCH("pack_kernel", std::to_string(n) + "x" + std::to_string(D));
+}
+
+void quantize_token(const __half* x, int n, int D, int bits, const __half* factor, uint8_t* codes, __half* scale,
+                    __half* zero, cudaStream_t s) {
+  check_shape(D, bits);
+  if (n == 0) return;
+  token_range_kernel<<<(n + 7) / 8, 256, 0, s>>>(x, n, D, bits, factor, scale, zero);
+  KV_LAUNCH("token_range_kernel", std::to_string(n) + "x" + std::to_string(D));
+  const int64_t total = static_cast<int64_t>(n) * (D / 8);
+  pack_kernel<<<static_cast<int>(std::min<int64_t>((total + 255) / 256, 8192)), 256, 0, s>>>(
+      x, n, D, bits, 1, 1, factor, scale, zero, codes);
+  KV_LAUNCH("pack_kernel", std::to_string(n) + "x" + std::to_string(D));
+}
+
+void cst_factors(const __half* x, int n, int D, __half* factor, cudaStream_t s) {
+  if (D == 0) return;
+  cst_factor_kernel<<<(D + 127) / 128, 128, 0, s>>>(x, n, D, factor);
+  KV_LAUNCH("cst_factor_kernel", std::to_string(n) + "x" + std::to_string(D));
+}
+
+}  // namespace kvlens::cuda

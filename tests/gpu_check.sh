@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# On a GPU host, in one call: build kvlens with CUDA, run every test (the GPU ones included),
+# make a LLaVA-1.5-7B-shaped random fp16 checkpoint, benchmark (the embedded model, the 7B
+# shape against HF transformers, decode attention against PyTorch SDPA, CalibQuant's Fig. 3
+# throughput) and print a short table last. Logs and JSON go to $KVLENS_GPU_OUT (./gpu_out).
+#
+#   tests/gpu_check.sh            everything
+#   tests/gpu_check.sh build test only some stages (build, test, bench, throughput, summary)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${KVLENS_GPU_OUT:-$PWD/gpu_out}
+BUILD=${KVLENS_GPU_BUILD:-build-gpu}
+CK=${KVLENS_7B_DIR:-/tmp/kvlens-llava7b}
+STAGES=${*:-build test bench throughput summary}
+mkdir -p "$OUT"
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+step() { echo "== $(date +%T) $*" | tee -a "$OUT/steps.log"; }
+run() {  # run NAME SECONDS CMD...: output to $OUT/NAME.txt, status to steps.log
+  local name=$1 limit=$2; shift 2
+  step "$name: $*"
+  timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
+  local rc=$?
+  echo "   $name exit $rc" | tee -a "$OUT/steps.log"
+  return $rc
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
+nvcc --version | tail -2 >> "$OUT/gpu.txt" 2>&1
+
+if has build; then
+  run cmake 120 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DKVLENS_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 &&
+    run build 600 cmake --build "$BUILD" -j"$(nproc)" || { tail -40 "$OUT/build.txt"; exit 1; }
+fi
+if has test; then
+  run ctest 400 ctest --test-dir "$BUILD" -j8 --output-on-failure --timeout 300
+fi
+if has bench; then
+  run bench_embedded 120 "$BUILD/kvlens" bench --backend cuda --repeat 5 --json "$OUT/bench_embedded.json"
+  run bench_attention 180 "$BUILD/kvlens" bench attention --json "$OUT/bench_attention.json"
+  run sdpa 120 python3 tests/sdpa_bench.py --json "$OUT/sdpa.json"
+  if [ ! -f "$CK/config.json" ] || [ ! -f "$OUT/hf_bench.json" ]; then
+    run make_llava7b 300 python3 tests/make_llava7b.py --out "$CK" --json "$OUT/hf_bench.json"
+  fi
+  PROMPT=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['prompt'])" "$OUT/hf_bench.json" 2>/dev/null)
+  run bench_7b 200 "$BUILD/kvlens" bench --backend cuda --model "$CK" --prompt "${PROMPT:-Describe the image.}" \
+    --repeat 3 --json "$OUT/bench_7b.json"
+  run bench_7b_profile 200 "$BUILD/kvlens" bench --backend cuda --model "$CK" --prompt "${PROMPT:-Describe the image.}" \
+    --repeat 1 --max-new-tokens 8 --profile
+  run bench_embedded_profile 120 "$BUILD/kvlens" bench --backend cuda --repeat 1 --max-new-tokens 8 --profile
+fi
+if has throughput; then
+  run bench_throughput 300 "$BUILD/kvlens" bench throughput --json "$OUT/bench_throughput.json"
+fi
+if has summary; then
+  python3 tests/gpu_summary.py "$OUT"
+fi

@@ -1,0 +1,205 @@
+// The model end to end on the CUDA backend against the CPU backend (the reference): the HF
+// parity fixtures and the embedded model give the same greedy ids and first-step logits within
+// 2e-2 relative; a run report's diagnostics agree within the tolerances stated below; the GPU
+// KV cache holds exactly the bytes it reports; the CLI runs with --backend cuda and refuses it
+// with a clear message where no device is usable.
+#include <gtest/gtest.h>
+
+#include <dirent.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "core/scenes.h"
+#include "kernels/backends.h"
+#include "models/experiment.h"
+#include "models/llava.h"
+#include "tests/test_util.h"
+
+using namespace kvlens;
+namespace kt = kvlens::testing;
+
+namespace {
+
+const std::string kEmbedded = kt::source_dir() + "/assets/models/kvlens-scenes-6m";
+
+std::string no_gpu() { return cuda_unavailable_reason(); }
+#define NEED_GPU()                                                 \
+  do {                                                             \
+    const std::string why = no_gpu();                              \
+    if (!why.empty()) GTEST_SKIP() << "no CUDA device: " << why;   \
+  } while (0)
+
+std::vector<std::string> fixture_dirs() {
+  std::vector<std::string> r;
+  const std::string root = kt::source_dir() + "/tests/fixtures/hf";
+  if (DIR* d = opendir(root.c_str())) {
+    while (dirent* e = readdir(d)) {
+      const std::string p = root + "/" + e->d_name;
+      if (e->d_name[0] != '.' && std::ifstream(p + "/expected.json").good()) r.push_back(p);
+    }
+    closedir(d);
+  }
+  std::sort(r.begin(), r.end());
+  return r;
+}
+
+double max_rel(const std::vector<float>& a, const std::vector<float>& ref) {
+  double d = 0, m = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    d = std::max(d, std::abs(static_cast<double>(a[i]) - ref[i]));
+    m = std::max(m, std::abs(static_cast<double>(ref[i])));
+  }
+  return m > 0 ? d / m : d;
+}
+
+TEST(CudaModel, FixturesMatchCpuAndTransformers) {
+  NEED_GPU();
+  const auto dirs = fixture_dirs();
+  ASSERT_GE(dirs.size(), 3u);
+  for (const std::string& dir : dirs) {
+    std::ifstream f(dir + "/expected.json");
+    const auto exp = nlohmann::json::parse(f);
+    const RGBImage img = load_image(dir + "/image.png");
+    const std::string templ = exp.value("template", std::string(kDefaultTemplate));
+    const std::string prompt = exp["prompt"].get<std::string>();
+    const LlavaModel cpu = LlavaModel::load(dir, {"cpu"});
+    const LlavaModel gpu = LlavaModel::load(dir, {"cuda"});
+    ASSERT_EQ(gpu.backend().name(), "cuda");
+    const PrefillState a = cpu.prefill(img, prompt, templ, false);
+    const PrefillState b = gpu.prefill(img, prompt, templ, false);
+    ASSERT_EQ(a.ids, b.ids) << dir;
+    EXPECT_LE(max_rel(b.logits, a.logits), 2e-2) << dir << ": first-step logits vs the CPU backend";
+    const auto hf = kt::read_f32(dir + "/" + exp["logits_file"].get<std::string>());
+    EXPECT_LE(max_rel(b.logits, hf), 2e-2) << dir << ": first-step logits vs HF transformers";
+    GenerateOptions g;
+    const auto greedy = exp["greedy_ids"].get<std::vector<int>>();
+    g.max_new_tokens = static_cast<int>(greedy.size());
+    g.stop_at_eos = false;
+    const DecodeResult ra = cpu.decode(a, nullptr, g), rb = gpu.decode(b, nullptr, g);
+    EXPECT_EQ(rb.generated_ids, ra.generated_ids) << dir;
+    EXPECT_EQ(rb.generated_ids, greedy) << dir << ": greedy ids vs HF transformers";
+    // Every step's chosen-token probability (the decode steps replayed from a CUDA graph).
+    ASSERT_EQ(ra.chosen_probs.size(), rb.chosen_probs.size());
+    for (size_t i = 0; i < ra.chosen_probs.size(); ++i)
+      EXPECT_NEAR(rb.chosen_probs[i], ra.chosen_probs[i], 2e-2) << dir << " step " << i;
+  }
+}
+
+TEST(CudaModel, EmbeddedModelMatchesTransformersOnHeldOutScenes) {
+  NEED_GPU();
+  const LlavaModel gpu = LlavaModel::load(kEmbedded, {"cuda"});
+  std::ifstream f(kt::source_dir() + "/tests/fixtures/embedded/hf_greedy.json");
+  const auto j = nlohmann::json::parse(f);
+  int same = 0, n = 0;
+  for (const char* kind : {"captions", "questions"})
+    for (int i = 0; i < 16; ++i) {
+      const auto& e = j[kind][i];
+      const Scene sc = generate_scene(1000001, e["image_id"].get<int64_t>());
+      const PrefillState st = gpu.prefill(sc.image, e["prompt"].get<std::string>(), kDefaultTemplate, false);
+      GenerateOptions g;
+      g.max_new_tokens = j["max_new_tokens"].get<int>();
+      const DecodeResult r = gpu.decode(st, nullptr, g);
+      const auto want = e["generated_ids"].get<std::vector<int>>();
+      EXPECT_EQ(r.generated_ids, want) << kind << " " << i << ": '" << r.text << "'";
+      same += r.generated_ids == want;
+      ++n;
+    }
+  EXPECT_EQ(same, n);
+}
+
+TEST(CudaModel, KvCacheBytesAreDeviceBytes) {
+  NEED_GPU();
+  const LlavaModel gpu = LlavaModel::load(kEmbedded, {"cuda"});
+  const RGBImage img = load_image(kt::source_dir() + "/assets/images/scene_000.png");
+  const PrefillState st = gpu.prefill(img, kDefaultPrompt, kDefaultTemplate, false);
+  ASSERT_TRUE(st.device);
+  const auto& c = gpu.config().text;
+  const int64_t T = static_cast<int64_t>(st.ids.size());
+  // fp16 K and V plus int32 positions, per layer and KV head: exactly what was allocated.
+  const int64_t want = static_cast<int64_t>(c.num_hidden_layers) * c.num_key_value_heads * T * (2 * c.head_dim * 2 + 4);
+  EXPECT_EQ(st.device->bytes().total(), want);
+  EXPECT_EQ(st.device->allocated(), want);
+  // After a 1-bit CalibQuant compression the packed visual rows are on the device as reported.
+  auto policy = make_policy("calibquant:bits=1");
+  KVStore compressed;
+  GenerateOptions g;
+  g.max_new_tokens = 4;
+  const DecodeResult r = gpu.decode(st, policy.get(), g, {}, &compressed);
+  EXPECT_EQ(r.bytes_after_prefill.total(), compressed.bytes().total());
+  EXPECT_LT(r.bytes_after_prefill.total(), want / 4);
+}
+
+// Diagnostics of `kvlens run` on both backends: captions (same greedy ids for the methods the
+// issue names), softmax MSE within 25% (or 1e-6 absolute), score histograms within an L1
+// distance of 0.05 of the counts, cache hit rates and sparsities within 0.05.
+TEST(CudaModel, RunReportDiagnosticsAgreeWithCpu) {
+  NEED_GPU();
+  const RGBImage img = load_image(kt::source_dir() + "/assets/images/scene_000.png");
+  ExperimentOptions opt;
+  opt.max_new_tokens = 16;
+  const LlavaModel cpu = LlavaModel::load(kEmbedded, {"cpu"});
+  const LlavaModel gpu = LlavaModel::load(kEmbedded, {"cuda"});
+  Experiment a = start_experiment(cpu, img, opt), b = start_experiment(gpu, img, opt);
+  EXPECT_EQ(a.full.generated_ids, b.full.generated_ids);
+  for (size_t l = 0; l < a.sparsity_prefill.size(); ++l) {
+    EXPECT_NEAR(a.sparsity_prefill[l], b.sparsity_prefill[l], 0.05) << "layer " << l;
+    EXPECT_NEAR(a.sparsity_decode_full[l], b.sparsity_decode_full[l], 0.05) << "layer " << l;
+  }
+  ASSERT_EQ(a.hit_rates.rates.size(), b.hit_rates.rates.size());
+  for (size_t s = 0; s < a.hit_rates.rates.size(); ++s)
+    for (size_t t = 0; t < a.hit_rates.rates[s].size(); ++t)
+      for (size_t l = 0; l < a.hit_rates.rates[s][t].size(); ++l)
+        EXPECT_NEAR(a.hit_rates.rates[s][t][l], b.hit_rates.rates[s][t][l], 0.05)
+            << a.hit_rates.strategies[s] << " step " << t << " layer " << l;
+  for (const char* m : {"calibquant:bits=1", "calibquant:bits=2", "kivi:bits=2", "zipcache", "snapkv:budget=0.3",
+                        "lookm", "uniform:bits=4"}) {
+    const Params p = parse_method_spec(m);
+    const MethodRun ra = run_method(cpu, a, p, opt), rb = run_method(gpu, b, p, opt);
+    const bool must_match = std::string(m).rfind("calibquant", 0) == 0 || std::string(m) == "kivi:bits=2" ||
+                            std::string(m) == "zipcache";
+    if (must_match) {
+      EXPECT_EQ(ra.result.generated_ids, rb.result.generated_ids) << m;
+    }
+    EXPECT_LE(std::abs(ra.mean_softmax_mse - rb.mean_softmax_mse), 0.25 * ra.mean_softmax_mse + 1e-6) << m;
+    ASSERT_EQ(ra.layers.size(), rb.layers.size());
+    for (size_t l = 0; l < ra.layers.size(); ++l) {
+      const auto &ha = ra.layers[l].visual_scores, &hb = rb.layers[l].visual_scores;
+      for (const auto* pair : {&ha.exact, &ha.quantized, &ha.calibrated}) {
+        const auto& x = *pair;
+        const auto& y = pair == &ha.exact ? hb.exact : pair == &ha.quantized ? hb.quantized : hb.calibrated;
+        ASSERT_EQ(x.size(), y.size()) << m;
+        double tot = 0, d = 0;
+        for (size_t i = 0; i < x.size(); ++i) tot += x[i], d += std::abs(double(x[i]) - y[i]);
+        if (tot > 0) {
+          EXPECT_LE(d / tot, 0.05) << m << " layer " << l << " histogram";
+        }
+      }
+      EXPECT_NEAR(ra.layers[l].sparsity_decode, rb.layers[l].sparsity_decode, 0.05) << m << " layer " << l;
+    }
+  }
+}
+
+TEST(CudaModel, CliCaptionOnCudaEqualsCpu) {
+  NEED_GPU();
+  const auto c = kt::run(kt::cli() + " caption --backend cpu --max-new-tokens 12");
+  const auto g = kt::run(kt::cli() + " caption --backend cuda --max-new-tokens 12");
+  ASSERT_EQ(c.code, 0) << c.output;
+  ASSERT_EQ(g.code, 0) << g.output;
+  EXPECT_EQ(c.output, g.output);
+}
+
+TEST(CudaModel, CliRefusesCudaWithoutADevice) {
+  if (no_gpu().empty()) GTEST_SKIP() << "a CUDA device is usable here; the refusal is for machines without one";
+  const auto r = kt::run(kt::cli() + " caption --backend cuda --max-new-tokens 2");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("--backend cuda"), std::string::npos) << r.output;
+  // auto falls back to the CPU.
+  const auto a = kt::run(kt::cli() + " caption --backend auto --max-new-tokens 2");
+  EXPECT_EQ(a.code, 0) << a.output;
+}
+
+}  // namespace
