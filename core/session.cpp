@@ -20,7 +20,7 @@ std::string param_text(const nlohmann::json& v) {
 Session session_from_json(const nlohmann::json& j, const std::string& where) {
   if (!j.is_object()) throw InputError(where + ": a session is a JSON object");
   static const char* known[] = {"name", "description", "model", "image", "prompt", "template", "max_new_tokens",
-                                "diag_steps", "sparsity_p", "hit_budget", "methods", "kvlens_session"};
+                                "kv_storage", "diag_steps", "sparsity_p", "hit_budget", "methods", "kvlens_session"};
   for (auto it = j.begin(); it != j.end(); ++it)
     if (std::find(std::begin(known), std::end(known), it.key()) == std::end(known))
       throw InputError(where + ": unknown key '" + it.key() + "'");
@@ -33,6 +33,7 @@ Session session_from_json(const nlohmann::json& j, const std::string& where) {
     s.prompt = j.value("prompt", std::string());
     s.templ = j.value("template", std::string());
     s.max_new_tokens = j.value("max_new_tokens", s.max_new_tokens);
+    s.kv_storage = j.value("kv_storage", s.kv_storage);
     s.diag_steps = j.value("diag_steps", s.diag_steps);
     s.sparsity_p = j.value("sparsity_p", s.sparsity_p);
     s.hit_budget = j.value("hit_budget", s.hit_budget);
@@ -40,6 +41,7 @@ Session session_from_json(const nlohmann::json& j, const std::string& where) {
     throw InputError(where + ": a value has the wrong type (" + e.what() + ")");
   }
   if (s.max_new_tokens < 1) throw InputError(where + ": max_new_tokens must be at least 1");
+  parse_row_storage(s.kv_storage, where + ": kv_storage");
   if (s.diag_steps < 1) throw InputError(where + ": diag_steps must be at least 1");
   if (s.sparsity_p < 0 || s.sparsity_p > 1) throw InputError(where + ": sparsity_p must be in [0, 1]");
   if (s.hit_budget <= 0 || s.hit_budget > 1) throw InputError(where + ": hit_budget must be in (0, 1]");
@@ -88,6 +90,7 @@ nlohmann::json session_to_json(const Session& s) {
   j["prompt"] = s.prompt;
   j["template"] = s.templ;
   j["max_new_tokens"] = s.max_new_tokens;
+  j["kv_storage"] = s.kv_storage;
   j["diag_steps"] = s.diag_steps;
   j["sparsity_p"] = s.sparsity_p;
   j["hit_budget"] = s.hit_budget;

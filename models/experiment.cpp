@@ -25,6 +25,7 @@ Experiment start_experiment(const LlavaModel& model, const RGBImage& img, const 
   ex.full_recorder = std::make_unique<DecodeRecorder>(max_step);
   GenerateOptions g;
   g.max_new_tokens = opt.max_new_tokens;
+  g.kv_storage = opt.kv_storage;
   ex.full = model.decode(ex.prefill, nullptr, g, {ex.full_recorder.get()});
   const PrefillView pv = ex.view();
   ex.hit_rates = cache_hit_rates(pv, *ex.full_recorder, opt.hit_budget, opt.hit_steps, opt.hit_window);
@@ -53,6 +54,7 @@ MethodRun run_method(const LlavaModel& model, const Experiment& ex, const Params
   KVStore compressed;
   GenerateOptions g;
   g.max_new_tokens = opt.max_new_tokens;
+  g.kv_storage = opt.kv_storage;
   r.result = model.decode(ex.prefill, policy.get(), g, {&rec}, &compressed);
   r.layers = compare_layers(ex.view(), rec, compressed, opt.hist_bins, opt.sparsity_p);
   r.divergence = first_divergence(ex.full.generated_ids, ex.full.chosen_probs, r.result.generated_ids,
@@ -76,12 +78,16 @@ nlohmann::json experiment_json(const LlavaModel& model, const Experiment& ex, co
   j["prompt_ids"] = ex.prefill.ids;
   j["n_visual_tokens"] = ex.prefill.n_visual;
   j["timings_ms"] = {{"vision", ex.prefill.vision_ms}, {"prefill", ex.prefill.prefill_ms}, {"decode", ex.full.decode_ms}};
-  j["options"] = {{"max_new_tokens", opt.max_new_tokens}, {"diag_steps", opt.diag_steps},
+  j["options"] = {{"max_new_tokens", opt.max_new_tokens}, {"kv_storage", row_storage_name(opt.kv_storage)},
+                  {"diag_steps", opt.diag_steps},
                   {"sparsity_p", opt.sparsity_p}, {"hit_budget", opt.hit_budget}, {"hit_window", opt.hit_window}, {"hist_bins", opt.hist_bins}};
   j["full"] = {{"caption", ex.full.text},
                {"generated_ids", ex.full.generated_ids},
-               {"bytes_fp32", to_json(ex.full.bytes_after_prefill)},
+               {"bytes", to_json(ex.full.bytes_after_prefill)},
                {"bytes_fp16", to_json(ex.full_fp16_bytes)},
+               {"compression_vs_fp16", ex.full.bytes_after_prefill.total() > 0
+                                           ? static_cast<double>(ex.full_fp16_bytes.total()) / ex.full.bytes_after_prefill.total()
+                                           : 0.0},
                {"sparsity_prefill", ex.sparsity_prefill},
                {"sparsity_decode", ex.sparsity_decode_full}};
   j["cache_hit_rate"] = to_json(ex.hit_rates);

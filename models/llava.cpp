@@ -220,6 +220,7 @@ DecodeResult LlavaModel::decode(const PrefillState& st, KVPolicy* policy, const 
                                 const std::vector<AttentionObserver*>& observers, KVStore* compressed) const {
   DecodeResult r;
   KVStore store = st.store;
+  store.set_row_storage(decode_row_storage(policy, opt.kv_storage));
   const auto t0 = std::chrono::steady_clock::now();
   if (policy) {
     if (policy->needs_prefill_attention() && !st.capture.keep)

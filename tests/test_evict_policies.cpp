@@ -16,6 +16,7 @@
 #include "core/errors.h"
 #include "core/method.h"
 #include "core/policies/evict_methods.h"
+#include "core/half.h"
 #include "core/policies/select.h"
 
 using namespace kvlens;
@@ -126,7 +127,8 @@ std::vector<int32_t> kept_pos(const KVStore& s, int l, int h) {
 }
 
 // Invariants after any eviction: rows aligned and ascending, kinds preserved, kept rows exact
-// copies (when `exact`), segment bytes = dense fp32 bytes of the rows it holds.
+// copies (when `exact`), segment bytes = dense bytes (4 B per fp32 value, 2 B per fp16 value) of
+// the rows it holds.
 void expect_consistent(const KVStore& before, const KVStore& after, bool exact) {
   const int D = before.head_dim();
   for (int l = 0; l < before.n_layers(); ++l) {
@@ -157,9 +159,11 @@ void expect_consistent(const KVStore& before, const KVStore& after, bool exact) 
       int64_t rows = 0;
       for (const HeadRows& r : s.heads) rows += r.n();
       EXPECT_GT(rows, 0) << "a segment empty in every head should be dropped";
-      EXPECT_EQ(s.bytes.codes, rows * 2 * D * 4);
+      ASSERT_TRUE(s.dense()) << s.storage;
+      const int bpv = s.storage == "fp16" ? 2 : 4;
+      EXPECT_EQ(s.bytes.codes, rows * 2 * D * bpv);
       EXPECT_EQ(s.bytes.indices, rows * 4);
-      EXPECT_EQ(s.bytes.total(), rows * (2 * D * 4 + 4));
+      EXPECT_EQ(s.bytes.total(), rows * (2 * D * bpv + 4));
     }
   }
 }
@@ -417,6 +421,39 @@ TEST(LookM, PolicyMergesIntoKeptRows) {
     }
 }
 
+TEST(Eviction, Fp16StoresKeepHalfRowsAndCountTwoBytes) {
+  // The decode cache stores dense rows as fp16 by default: eviction keeps them (2 B a value)
+  // and a merged row is rounded to half precision again, as the segment stores rows.
+  Prompt P(2, 4, 2, 8, layout(3, 30, 7), 41);
+  P.random_logits(42, 1.0, 3.0);
+  Prompt E = P, M = P, R = P;
+  for (Prompt* x : {&E, &M, &R}) x->store.set_row_storage(RowStorage::Fp16);
+  make(h2o_method(), {{"budget", "0.3"}})->on_prefill(E.contexts(), E.store);
+  expect_consistent(R.store, E.store, true);
+  make(lookm_method(), {{"merge", "pivotal"}})->on_prefill(M.contexts(), M.store);
+  expect_consistent(R.store, M.store, false);
+  int merged_rows = 0;
+  for (int l = 0; l < P.L; ++l)
+    for (int h = 0; h < P.Hkv; ++h) {
+      std::vector<float> k, v, km, vm;
+      std::vector<int32_t> pos, pm;
+      R.store.gather(l, h, k, v, pos);
+      M.store.gather(l, h, km, vm, pm);
+      const std::vector<int> keep(pm.begin(), pm.end());
+      lookm_merge(MergeKind::Pivotal, P.D, keep, k, v);  // on the fp16 rows, in fp32
+      for (size_t r = 0; r < keep.size(); ++r)
+        for (int t = 0; t < P.D; ++t) {
+          EXPECT_EQ(km[r * P.D + t], round_half(k[keep[r] * P.D + t]));
+          EXPECT_EQ(vm[r * P.D + t], round_half(v[keep[r] * P.D + t]));
+          merged_rows += km[r * P.D + t] != k[keep[r] * P.D + t];
+        }
+    }
+  EXPECT_GT(merged_rows, 0) << "some merged values are not half-representable before rounding";
+  for (const KVStore* s : {&E.store, &M.store})
+    for (int l = 0; l < P.L; ++l)
+      for (const KVSegment& seg : s->layer(l).segments) EXPECT_EQ(seg.storage, "fp16");
+}
+
 TEST(H2O, KeepsHeavyHittersAndRecentOnDesignedMatrix) {
   // Every query puts logit 5 on columns 2 and 5 (once visible): column sums rank 2 (≈5.4),
   // then 5 (≈2.5), then 0 (≈1.5).
@@ -579,7 +616,7 @@ TEST(Stack, EvictsThenQuantizesAndRoutesParameters) {
   expect_consistent(P.store, B.store, true);
   bool quantized = false;
   for (int l = 0; l < P.L; ++l)
-    for (const KVSegment& s : C.store.layer(l).segments) quantized = quantized || s.storage != "fp32";
+    for (const KVSegment& s : C.store.layer(l).segments) quantized = quantized || !s.dense();
   EXPECT_TRUE(quantized);
   EXPECT_LT(C.store.bytes().total(), A.store.bytes().total()) << "1-bit visual rows are smaller";
   // Parameters reach the inner method that declares them, validated by its own schema.

@@ -41,17 +41,7 @@ ExperimentOptions small_options() {
 
 }  // namespace
 
-TEST(Experiment, FullPolicyIsBitIdenticalToNoPolicy) {
-  const Fixture& f = fixture("gqa_fp16_save");
-  const PrefillState st = f.model.prefill(f.image, kDefaultPrompt, kDefaultTemplate, false);
-  GenerateOptions g;
-  g.max_new_tokens = 6;
-  g.stop_at_eos = false;
-  DecodeRecorder a(6), b(6);
-  const DecodeResult none = f.model.decode(st, nullptr, g, {&a});
-  auto full = make_policy("full:storage=fp32");
-  const DecodeResult with = f.model.decode(st, full.get(), g, {&b});
-  EXPECT_EQ(none.generated_ids, with.generated_ids);
+void expect_same_attention(const DecodeRecorder& a, const DecodeRecorder& b) {
   ASSERT_EQ(a.entries().size(), b.entries().size());
   for (size_t i = 0; i < a.entries().size(); ++i) {
     EXPECT_EQ(a.entries()[i].probs, b.entries()[i].probs);  // bit-identical
@@ -59,9 +49,40 @@ TEST(Experiment, FullPolicyIsBitIdenticalToNoPolicy) {
   }
 }
 
+TEST(Experiment, FullPolicyIsBitIdenticalToNoPolicy) {
+  const Fixture& f = fixture("gqa_fp16_save");
+  const PrefillState st = f.model.prefill(f.image, kDefaultPrompt, kDefaultTemplate, false);
+  GenerateOptions g;  // the run's row storage: fp16 (the default)
+  g.max_new_tokens = 6;
+  g.stop_at_eos = false;
+  ASSERT_EQ(g.kv_storage, RowStorage::Fp16);
+  DecodeRecorder a(6), b(6), c(6), d(6);
+  // `full` stores rows as the run does.
+  const DecodeResult none16 = f.model.decode(st, nullptr, g, {&a});
+  const DecodeResult full16 = f.model.decode(st, make_policy("full").get(), g, {&b});
+  EXPECT_EQ(none16.generated_ids, full16.generated_ids);
+  expect_same_attention(a, b);
+  // full:storage=fp32 asks for exact rows in an fp16 run: the same as an fp32 run.
+  const DecodeResult full32 = f.model.decode(st, make_policy("full:storage=fp32").get(), g, {&c});
+  GenerateOptions e = g;
+  e.kv_storage = RowStorage::Fp32;
+  const DecodeResult none32 = f.model.decode(st, nullptr, e, {&d});
+  EXPECT_EQ(none32.generated_ids, full32.generated_ids);
+  expect_same_attention(c, d);
+  // 2 bytes a value against 4, the same int32 positions.
+  KVBytes fp16;
+  for (int l = 0; l < st.store.n_layers(); ++l)
+    for (const KVSegment& s : st.store.layer(l).segments) fp16 += s.dense_bytes(st.store.head_dim(), 2);
+  EXPECT_EQ(full16.bytes_after_prefill.total(), fp16.total());
+  EXPECT_EQ(full32.bytes_after_prefill.codes, 2 * full16.bytes_after_prefill.codes);
+  EXPECT_EQ(full32.bytes_after_prefill.indices, full16.bytes_after_prefill.indices);
+}
+
 TEST(Experiment, FullCacheHasZeroErrorAndIdenticalHistograms) {
+  // With exact (fp32) rows the full cache is the prefill the diagnostics compare against.
   const Fixture& f = fixture("mha_fp32_hub");
-  const ExperimentOptions opt = small_options();
+  ExperimentOptions opt = small_options();
+  opt.kv_storage = RowStorage::Fp32;
   const Experiment ex = start_experiment(f.model, f.image, opt);
   const MethodRun r = run_method(f.model, ex, parse_method_spec("full"), opt);
   EXPECT_EQ(r.result.generated_ids, ex.full.generated_ids);
@@ -78,6 +99,34 @@ TEST(Experiment, FullCacheHasZeroErrorAndIdenticalHistograms) {
     for (float k : d.fate_kept) EXPECT_EQ(k, 1.0f);
     for (float b : d.fate_bits) EXPECT_EQ(b, 32.0f);
   }
+}
+
+TEST(Experiment, Fp16FullCacheIsTheRatioOneReference) {
+  // The default run stores rows as fp16: the reference and `full` are the same decode, at
+  // compression 1.00 against the fp16 full cache, and differ from the exact prefill only by
+  // half-precision rounding (relative error ≤ 2^-11 per key, so scores move by a few 1e-3).
+  const Fixture& f = fixture("mha_fp32_hub");
+  const ExperimentOptions opt = small_options();
+  ASSERT_EQ(opt.kv_storage, RowStorage::Fp16);
+  const Experiment ex = start_experiment(f.model, f.image, opt);
+  const MethodRun r = run_method(f.model, ex, parse_method_spec("full"), opt);
+  EXPECT_EQ(r.result.generated_ids, ex.full.generated_ids);
+  EXPECT_EQ(ex.full.bytes_after_prefill.total(), ex.full_fp16_bytes.total());
+  EXPECT_DOUBLE_EQ(r.compression_vs_fp16, 1.0);
+  const nlohmann::json j = experiment_json(f.model, ex, opt);
+  EXPECT_DOUBLE_EQ(j["full"]["compression_vs_fp16"].get<double>(), 1.0);
+  EXPECT_EQ(j["options"]["kv_storage"], "fp16");
+  for (const auto& d : r.layers) {
+    EXPECT_GT(d.softmax_mse, 0.0);   // rounded keys: not the exact prefill
+    EXPECT_LT(d.softmax_mse, 1e-6);
+    EXPECT_LT(d.output_rel_error, 1e-2);
+    for (float b : d.fate_bits) EXPECT_EQ(b, 16.0f);
+  }
+  const MethodRun e = run_method(f.model, ex, parse_method_spec("full:storage=fp32"), opt);
+  EXPECT_DOUBLE_EQ(e.compression_vs_fp16, ex.full_fp16_bytes.total() /
+                                              static_cast<double>(e.result.bytes_after_prefill.total()));
+  EXPECT_LT(e.compression_vs_fp16, 0.6);  // fp32 codes are twice the fp16 ones
+  for (const auto& d : e.layers) EXPECT_LT(d.softmax_mse, 1e-12);
 }
 
 TEST(Experiment, EveryMethodRunsWithEveryDiagnostic) {
@@ -156,7 +205,7 @@ TEST(Experiment, TokenFateReadsRowBitsAndMergeCounts) {
     for (float x : d.fate_merged) sum += x;
     for (float x : d.fate_kept) kept += x;
     max_mean = std::max(max_mean, sum / std::max<size_t>(d.fate_merged.size(), 1));
-    for (float b : d.fate_bits) EXPECT_TRUE(b == 0.0f || b == 32.0f) << b;  // 0: evicted everywhere
+    for (float b : d.fate_bits) EXPECT_TRUE(b == 0.0f || b == 16.0f) << b;  // 0: evicted everywhere; fp16 rows
   }
   EXPECT_GT(kept, 0.0);
   EXPECT_GT(max_mean, 0.0);

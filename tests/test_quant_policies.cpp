@@ -32,6 +32,7 @@ struct Fixture {
   std::vector<float> k, v, q, probs, scores;  // k, v: [T][KH][D]; q: [T][H][D]; probs: [H][T][T]
   std::vector<float> dq;                      // decode queries [step][H][D]
   KVStore store;
+  RowStorage rows = RowStorage::Fp32;  // the run's dense-row storage (decode's kv_storage)
   std::mt19937_64 rng;
   float normal() { return std::normal_distribution<float>(0.0f, 1.0f)(rng); }
 
@@ -67,7 +68,11 @@ struct Fixture {
     c.token_kinds = &kinds, c.token_ids = &ids;
     return c;
   }
-  void prefill(KVPolicy& p) { p.on_prefill({ctx()}, store); }
+  // As the decode loop does: dense rows stored as the policy or the run says, then on_prefill.
+  void prefill(KVPolicy& p) {
+    store.set_row_storage(decode_row_storage(&p, rows));
+    p.on_prefill({ctx()}, store);
+  }
   // Appends `steps` generated tokens, calling the decode hook after each; originals are kept.
   void decode(KVPolicy& p, int steps) {
     for (int s = 0; s < steps; ++s) {
@@ -96,7 +101,7 @@ double affine_bound(double lo, double hi, int bits) {
 }
 
 // Every segment reports what it holds: payload bytes as allocated, 4-byte positions, and dense
-// bytes for plain fp32 rows.
+// bytes for plain rows (4 B per fp32 value, 2 B per fp16 value).
 void expect_accounting(const KVStore& st) {
   for (int l = 0; l < st.n_layers(); ++l)
     for (const KVSegment& s : st.layer(l).segments) {
@@ -107,8 +112,8 @@ void expect_accounting(const KVStore& st) {
         ASSERT_EQ(r.v.size(), r.k.size());
       }
       if (!s.payload) {
-        EXPECT_EQ(s.storage, "fp32");
-        EXPECT_EQ(s.bytes.total(), s.dense_bytes(st.head_dim(), 4).total());
+        EXPECT_TRUE(s.storage == "fp32" || s.storage == "fp16") << s.storage;
+        EXPECT_EQ(s.bytes.total(), s.dense_bytes(st.head_dim(), s.storage == "fp16" ? 2 : 4).total());
         continue;
       }
       const KVBytes a = s.payload->allocated(), b = s.bytes;
@@ -217,23 +222,110 @@ TEST(Uniform, GranularitiesAndScope) {
     EXPECT_EQ(same_rows(f.store.layer(0).segments[i], ref.store.layer(0).segments[i]), i != 1) << i;
 }
 
-TEST(Full, Fp32IsUntouchedAndFp16RoundsRows) {
+TEST(KVStore, Fp16RowsAreHalfRoundedAndCountTwoBytesAValue) {
+  // Values chosen so that half precision rounds them (1 + 2^-12 lies between two halves) or
+  // keeps them exactly (0.5, 2048), and one that overflows half to infinity.
+  const int KH = 1, D = 4;
+  const float k0[D] = {1.0f + 1.0f / 4096, 0.5f, 2048.0f, 3.14159265f};
+  const float v0[D] = {-1.0f - 3.0f / 4096, 1e-8f, 70000.0f, 0.1f};
+  const SegmentKind kinds[2] = {kV, kV};
+  const int32_t pos[2] = {0, 1};
+  std::vector<float> k(k0, k0 + D), v(v0, v0 + D);
+  k.insert(k.end(), k0, k0 + D), v.insert(v.end(), v0, v0 + D);
+  KVStore exact(1, KH, D), half(1, KH, D, RowStorage::Fp16);
+  exact.append(0, k.data(), v.data(), pos, kinds, 2);
+  half.append(0, k.data(), v.data(), pos, kinds, 2);
+  const KVSegment& e = exact.layer(0).segments.at(0);
+  const KVSegment& h = half.layer(0).segments.at(0);
+  EXPECT_EQ(e.storage, "fp32");
+  EXPECT_EQ(h.storage, "fp16");
+  EXPECT_TRUE(e.dense() && h.dense());
+  EXPECT_EQ(e.bytes.codes, 2 * 2 * D * 4);
+  EXPECT_EQ(h.bytes.codes, 2 * 2 * D * 2);
+  EXPECT_EQ(h.bytes.indices, e.bytes.indices);
+  for (int t = 0; t < 2; ++t)
+    for (int c = 0; c < D; ++c) {
+      EXPECT_EQ(e.heads[0].k[t * D + c], k0[c]);
+      EXPECT_EQ(h.heads[0].k[t * D + c], round_half(k0[c]));
+      EXPECT_EQ(h.heads[0].v[t * D + c], round_half(v0[c]));
+    }
+  EXPECT_EQ(h.heads[0].k[0], 1.0f);  // ties to even
+  EXPECT_EQ(h.heads[0].k[2], 2048.0f);
+  EXPECT_TRUE(std::isinf(h.heads[0].v[2]));
+  // Switching an exact store to fp16 rounds its rows the same way; a new row extends the segment.
+  exact.set_row_storage(RowStorage::Fp16);
+  EXPECT_EQ(exact.layer(0).segments.at(0).storage, "fp16");
+  EXPECT_EQ(exact.layer(0).segments.at(0).heads[0].k, h.heads[0].k);
+  EXPECT_EQ(exact.layer(0).segments.at(0).bytes.total(), h.bytes.total());
+  const int32_t p2 = 2;
+  exact.append(0, k0, v0, &p2, kinds, 1);
+  ASSERT_EQ(exact.layer(0).segments.size(), 1u);
+  EXPECT_EQ(exact.layer(0).segments[0].heads[0].n(), 3);
+  EXPECT_EQ(exact.layer(0).segments[0].bytes.codes, 3 * 2 * D * 2);
+  // Back to fp32: the fp16 segment stays as it is, new rows start an exact segment.
+  exact.set_row_storage(RowStorage::Fp32);
+  exact.append(0, k0, v0, &p2, kinds, 1);
+  ASSERT_EQ(exact.layer(0).segments.size(), 2u);
+  EXPECT_EQ(exact.layer(0).segments[1].storage, "fp32");
+  EXPECT_EQ(exact.layer(0).segments[1].heads[0].k[0], k0[0]);
+  EXPECT_THROW(parse_row_storage("bf16", "--kv-storage"), InputError);
+}
+
+TEST(Quantizers, WorkOnFp16Stores) {
+  // Each quantizer takes the fp16 rows of the default decode cache as its input and leaves
+  // what it does not quantize as fp16.
+  for (const char* spec : {"uniform:bits=4", "kivi:bits=2,group=4,residual=6", "calibquant:bits=1",
+                           "zipcache", "turboquant", "hadamard_int4:quantize_v=off"}) {
+    SCOPED_TRACE(spec);
+    Fixture f(4, 20, 6, 16, 57), g(4, 20, 6, 16, 57);
+    f.rows = RowStorage::Fp16;
+    g.store.set_row_storage(RowStorage::Fp16);  // the same fp16 rows, quantized by hand below
+    auto p = make_policy(spec);
+    f.prefill(*p), f.decode(*p, 7), expect_accounting(f.store);
+    for (const KVSegment& s : f.store.layer(0).segments) EXPECT_NE(s.storage, "fp32");
+    if (std::string(spec) == "uniform:bits=4") {  // the codes come from the half-rounded rows
+      auto q = make_policy(spec);
+      q->on_prefill({g.ctx()}, g.store);
+      for (size_t i = 0; i < 3; ++i) EXPECT_TRUE(same_rows(f.store.layer(0).segments[i], g.store.layer(0).segments[i]));
+    }
+  }
+}
+
+TEST(Full, RowsAreStoredAsTheRunOrThePolicySays) {
+  // full follows the run's row storage: fp32 leaves the store bit-identical to no policy.
   Fixture f(4, 12, 5, 16, 31), ref(4, 12, 5, 16, 31);
-  auto p32 = make_policy("full");
-  f.prefill(*p32), f.decode(*p32, 3), ref.decode(*p32, 3);
+  auto full = make_policy("full");
+  f.prefill(*full), f.decode(*full, 3), ref.decode(*full, 3);
   ASSERT_EQ(f.store.layer(0).segments.size(), ref.store.layer(0).segments.size());
-  for (size_t i = 0; i < f.store.layer(0).segments.size(); ++i)  // bit-identical to no policy
+  for (size_t i = 0; i < f.store.layer(0).segments.size(); ++i)
     EXPECT_TRUE(same_rows(f.store.layer(0).segments[i], ref.store.layer(0).segments[i]));
-  Fixture h(4, 12, 5, 16, 32);
-  auto p16 = make_policy("full:storage=fp16");
-  h.prefill(*p16), h.decode(*p16, 4), expect_accounting(h.store);
-  ASSERT_EQ(h.store.layer(0).segments.size(), 4u);  // system, visual, text, one merged generated segment
-  for (const KVSegment& s : h.store.layer(0).segments) {
-    EXPECT_TRUE(s.storage == "fp16" && s.bytes.total() == s.dense_bytes(h.D, 2).total()) << s.storage;
-    for (int kh = 0; kh < h.KH; ++kh)
-      for (int t = 0; t < s.heads[kh].n(); ++t)
-        for (int c = 0; c < h.D; ++c)
-          EXPECT_EQ(s.heads[kh].k[t * h.D + c], round_half(h.key(s.heads[kh].pos[t], kh)[c]));
+  // fp16 (the run's, or asked by full:storage=fp16 in an fp32 run): every row half(x), 2 B a value.
+  for (const char* spec : {"full", "full:storage=fp16"}) {
+    SCOPED_TRACE(spec);
+    Fixture h(4, 12, 5, 16, 32);
+    if (std::string(spec) == "full") h.rows = RowStorage::Fp16;
+    auto p = make_policy(spec);
+    h.prefill(*p), h.decode(*p, 4), expect_accounting(h.store);
+    ASSERT_EQ(h.store.layer(0).segments.size(), 4u);  // system, visual, text, one generated segment
+    for (const KVSegment& s : h.store.layer(0).segments) {
+      EXPECT_TRUE(s.storage == "fp16" && s.bytes.total() == s.dense_bytes(h.D, 2).total()) << s.storage;
+      EXPECT_EQ(s.bytes.codes, 2LL * 2 * s.heads[0].n() * h.KH * h.D);
+      for (int kh = 0; kh < h.KH; ++kh)
+        for (int t = 0; t < s.heads[kh].n(); ++t)
+          for (int c = 0; c < h.D; ++c) {
+            EXPECT_EQ(s.heads[kh].k[t * h.D + c], round_half(h.key(s.heads[kh].pos[t], kh)[c]));
+            EXPECT_EQ(s.heads[kh].v[t * h.D + c], round_half(h.val(s.heads[kh].pos[t], kh)[c]));
+          }
+    }
+  }
+  // full:storage=fp32 in an fp16 run keeps the exact rows.
+  Fixture e(4, 12, 5, 16, 33), exact(4, 12, 5, 16, 33);
+  e.rows = RowStorage::Fp16;
+  auto p32 = make_policy("full:storage=fp32");
+  e.prefill(*p32), e.decode(*p32, 2), exact.decode(*p32, 2);
+  for (size_t i = 0; i < e.store.layer(0).segments.size(); ++i) {
+    EXPECT_EQ(e.store.layer(0).segments[i].storage, "fp32");
+    EXPECT_TRUE(same_rows(e.store.layer(0).segments[i], exact.store.layer(0).segments[i]));
   }
 }
 
@@ -668,9 +760,9 @@ TEST(TokenFate, KiviCalibQuantAndUniformRowBits) {
       int fp32 = 0, q = 0;
       for (const KVSegment& s : f.store.layer(0).segments)
         for (int i = 0; i < s.heads[kh].n(); ++i) {
-          const int b = quant::row_bits(s.heads[kh], i, s.storage == "fp32" ? 32 : -1);
-          EXPECT_EQ(b, s.storage == "fp32" ? 32 : 2) << s.storage;
-          (s.storage == "fp32" ? fp32 : q)++;
+          const int b = quant::row_bits(s.heads[kh], i, s.dense() ? 32 : -1);
+          EXPECT_EQ(b, s.dense() ? 32 : 2) << s.storage;
+          (s.dense() ? fp32 : q)++;
         }
       EXPECT_TRUE(fp32 >= 10 && fp32 < 18) << fp32;
       EXPECT_EQ(q + fp32, f.T + 13);

@@ -63,13 +63,14 @@ TEST(Session, BadSessionsNameTheProblem) {
   expect(R"({"method": []})", "unknown key 'method'");
   expect(R"({"max_new_tokens": 0})", "max_new_tokens");
   expect(R"({"max_new_tokens": "many"})", "wrong type");
+  expect(R"({"kv_storage": "bf16"})", "s.json: kv_storage must be fp16 or fp32, got 'bf16'");
   EXPECT_THROW(load_session("/nonexistent/session.json"), InputError);
 }
 
 TEST(Session, CliRunsASessionAndSavesOne) {
   const std::string tmp = kt::make_temp_dir("sess");
   const std::string fix = kt::source_dir() + "/tests/fixtures/hf/mha_fp32_hub";
-  kt::write_file(tmp + "/s.json", R"({"name": "t", "max_new_tokens": 3, "methods": ["calibquant:bits=1", "vlcache:budget=0.5"]})");
+  kt::write_file(tmp + "/s.json", R"({"name": "t", "max_new_tokens": 3, "kv_storage": "fp32", "methods": ["calibquant:bits=1", "vlcache:budget=0.5"]})");
   const auto r = kt::run(kt::cli() + " run --model " + fix + " --image " + fix + "/image.png --session " + tmp +
                          "/s.json --save-session " + tmp + "/saved.json --report " + tmp + "/r.json");
   ASSERT_EQ(r.code, 0) << r.output;
@@ -77,6 +78,11 @@ TEST(Session, CliRunsASessionAndSavesOne) {
   ASSERT_EQ(saved.methods.size(), 2u);
   EXPECT_EQ(saved.methods[0].method(), "calibquant");
   EXPECT_EQ(saved.max_new_tokens, 3);
+  EXPECT_EQ(saved.kv_storage, "fp32");  // from the session, into the report and the saved one
+  std::ifstream rf(tmp + "/r.json");
+  const auto report = nlohmann::json::parse(rf);
+  EXPECT_EQ(report["options"]["kv_storage"], "fp32");
+  EXPECT_LT(report["full"]["compression_vs_fp16"].get<double>(), 0.6);
   kt::write_file(tmp + "/bad.json", R"({"methods": ["lookm:merge=blend"]})");
   const auto bad = kt::run(kt::cli() + " run --model " + fix + " --image " + fix + "/image.png --session " + tmp + "/bad.json");
   EXPECT_EQ(bad.code, 2);

@@ -1,4 +1,5 @@
-// `calibquant` (CalibQuant): visual tokens only (system, text and generated tokens stay fp32).
+// `calibquant` (CalibQuant): visual tokens only (system, text and generated tokens stay dense,
+// in the cache's row storage: fp16 by default).
 // K and V are both quantized channel-wise: α_i, β_i = min/max over the visual tokens of one
 // segment, KV head and channel (Eq. 5), b bits (Eq. 3/4). Attention reads the dequantized rows;
 // post_scaled_scores/values compute the same products from the codes (Eq. 6).
@@ -85,7 +86,7 @@ class CalibQuantPolicy : public KVPolicy {
   void on_prefill_layer(const PrefillContext& ctx, LayerKV& layer) override {
     const int D = ctx.head_dim;
     for (KVSegment& s : layer.segments) {
-      if (s.kind != SegmentKind::Visual || s.storage != "fp32") continue;
+      if (s.kind != SegmentKind::Visual || !s.dense()) continue;
       auto p = std::make_shared<quant::QuantPayload>(static_cast<int>(s.heads.size()));
       for (size_t h = 0; h < s.heads.size(); ++h) {
         HeadRows& r = s.heads[h];

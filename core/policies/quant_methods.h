@@ -51,9 +51,9 @@ inline ParamSpec flag(std::string name, std::string def, std::string help) {
 }
 }  // namespace param
 
-MethodSpec full_method();           // reference: fp32 (untouched) or fp16 rows
+MethodSpec full_method();           // reference: rows as the cache stores them (fp16 / fp32)
 MethodSpec uniform_method();        // uniform b-bit, global / per-token / per-channel ranges
-MethodSpec kivi_method();           // KIVI: K per-channel in token groups, V per-token, fp32 window
+MethodSpec kivi_method();           // KIVI: K per-channel in token groups, V per-token, dense window
 MethodSpec calibquant_method();     // CalibQuant: channel-wise visual K/V + score calibration
 MethodSpec zipcache_method();       // ZipCache: saliency-driven mixed precision
 MethodSpec turboquant_method();     // TurboQuant: randomized Hadamard + Lloyd-Max (+ QJL)

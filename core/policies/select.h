@@ -11,9 +11,10 @@
 // - A KV head's score is the mean over the query heads that share it (GQA: query head h uses
 //   KV head h / (n_heads / n_kv_heads)).
 // - Ties in a score go to the earlier token, so selection is deterministic.
-// - Kept rows are exact copies of the originals unless a method merges into them. A segment
-//   left with no rows in every KV head is dropped; one that still has rows in some head stays
-//   (with empty HeadRows where a head kept nothing of it). Bytes are recomputed as dense rows.
+// - Kept rows are exact copies of the originals unless a method merges into them (a merged row
+//   of an fp16 segment is rounded to half precision again). A segment left with no rows in
+//   every KV head is dropped; one that still has rows in some head stays (with empty HeadRows
+//   where a head kept nothing of it). Bytes are recomputed as dense rows (2 or 4 B per value).
 #pragma once
 #include <string>
 #include <vector>

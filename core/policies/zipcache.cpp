@@ -181,24 +181,24 @@ class ZipCachePolicy : public KVPolicy {
     for (int kh = 0; kh < KH; ++kh) {
       std::vector<double> rs;
       for (const KVSegment& s : layer.segments) {
-        if (s.storage != "fp32") continue;
+        if (!s.dense()) continue;
         for (int32_t p : s.heads.at(kh).pos) rs.push_back(p >= 0 && p < T ? score[kh][p] : 0.0);
       }
       const std::vector<char> f = top_flags(rs, o_.ratio);
       size_t at = 0;
       for (size_t i = 0; i < layer.segments.size(); ++i) {
-        if (layer.segments[i].storage != "fp32") continue;
+        if (!layer.segments[i].dense()) continue;
         const int n = layer.segments[i].heads[kh].n();
         flags[i][kh].assign(f.begin() + static_cast<std::ptrdiff_t>(at), f.begin() + static_cast<std::ptrdiff_t>(at + n));
         at += n;
       }
     }
     for (size_t i = 0; i < layer.segments.size(); ++i)
-      if (layer.segments[i].storage == "fp32") quantize_mixed(layer.segments[i], flags[i], D);
+      if (layer.segments[i].dense()) quantize_mixed(layer.segments[i], flags[i], D);
   }
 
   void on_decode_step(const DecodeContext& ctx, LayerKV& layer) override {
-    if (layer.segments.empty() || layer.segments.back().storage != "fp32") return;
+    if (layer.segments.empty() || !layer.segments.back().dense()) return;
     if (ctx.layer >= static_cast<int>(streams_.size())) streams_.resize(ctx.layer + 1);
     Stream& st = streams_[ctx.layer];
     if (!st.started) {
