@@ -8,6 +8,8 @@
 
 #include "app/commands.h"
 #include "app/defaults.h"
+#include "app/options.h"
+#include "core/session.h"
 #include "core/errors.h"
 #include "core/method.h"
 #include "models/llava.h"
@@ -27,8 +29,6 @@ double median(std::vector<double> v) {
 }
 
 void run_bench(const BenchArgs& a) {
-  if (a.repeat < 1) throw InputError("--repeat must be at least 1, got " + std::to_string(a.repeat));
-  if (a.threads < 0) throw InputError("--threads must be >= 0, got " + std::to_string(a.threads));
   if (a.threads > 0) {
     omp_set_num_threads(a.threads);
     openblas_set_num_threads(a.threads);
@@ -74,9 +74,9 @@ void add_bench_command(CLI::App& root) {
   c->add_option("--model", a->model, "Model directory (default: the embedded model)");
   c->add_option("--image", a->image, "Image (default: the embedded sample image)");
   c->add_option("--method", a->method, "Compression method spec (default: full cache)");
-  c->add_option("--repeat", a->repeat, "Timed runs after one warm-up")->capture_default_str();
-  c->add_option("--max-new-tokens", a->max_new_tokens, "Most tokens per caption")->capture_default_str();
-  c->add_option("--threads", a->threads, "CPU threads for kvlens loops and OpenBLAS (0 = OMP_NUM_THREADS, else 1, and OpenBLAS's default)")->capture_default_str();
+  add_int(c, "--repeat", a->repeat, 1, 10000, "Timed runs after one warm-up");
+  add_int(c, "--max-new-tokens", a->max_new_tokens, 1, kMaxNewTokensLimit, "Most tokens per caption");
+  add_int(c, "--threads", a->threads, 0, 256, "CPU threads for kvlens loops and OpenBLAS (0 = OMP_NUM_THREADS, else 1, and OpenBLAS's default)");
   c->callback([a] { run_bench(*a); });
 }
 

@@ -5,6 +5,8 @@
 
 #include "app/commands.h"
 #include "app/defaults.h"
+#include "app/options.h"
+#include "core/session.h"
 #include "core/errors.h"
 #include "core/files.h"
 #include "models/llava.h"
@@ -24,14 +26,13 @@ struct CaptionArgs {
 
 void run_caption(const CaptionArgs& a) {
   const RowStorage rows = parse_row_storage(a.kv_storage, "--kv-storage");
+  if (!a.json_out.empty()) check_writable(a.json_out, "caption JSON");
+  if (!a.logits_out.empty()) check_writable(a.logits_out, "logits");
   const LlavaModel model = [&] {
     LlavaModel m = LlavaModel::load(a.model.empty() ? default_model_dir() : a.model);
     if (a.pad_to_square) m.preprocess_config().pad_to_square = true;
     return m;
   }();
-  if (a.max_new_tokens < 1) throw InputError("--max-new-tokens must be at least 1, got " + std::to_string(a.max_new_tokens));
-  if (a.temperature < 0) throw InputError("--temperature must be >= 0");
-  if (a.top_p <= 0 || a.top_p > 1) throw InputError("--top-p must be in (0, 1]");
   const RGBImage img = load_image(a.image.empty() ? default_image() : a.image);
   const PrefillState st = model.prefill(img, a.prompt, a.templ, false);
   GenerateOptions opt;
@@ -79,10 +80,10 @@ void add_caption_command(CLI::App& root) {
   c->add_option("--image", args->image, "PNG, JPEG or BMP image (default: the embedded sample image)");
   c->add_option("--prompt", args->prompt, "Text in place of {prompt} in the template")->capture_default_str();
   c->add_option("--template", args->templ, "Prompt template with <image> and {prompt}")->capture_default_str();
-  c->add_option("--max-new-tokens", args->max_new_tokens, "Most tokens to generate")->capture_default_str();
-  c->add_option("--temperature", args->temperature, "0 = greedy; > 0 samples (seeded)")->capture_default_str();
-  c->add_option("--top-p", args->top_p, "Nucleus sampling mass when sampling")->capture_default_str();
-  c->add_option("--seed", args->seed, "Sampling seed")->capture_default_str();
+  add_int(c, "--max-new-tokens", args->max_new_tokens, 1, kMaxNewTokensLimit, "Most tokens to generate");
+  add_real(c, "--temperature", args->temperature, 0, 100, "0 = greedy; > 0 samples (seeded)");
+  add_real(c, "--top-p", args->top_p, 0, 1, "Nucleus sampling mass when sampling", true);
+  add_seed(c, "--seed", args->seed, "Sampling seed");
   c->add_option("--kv-storage", args->kv_storage,
                 "Storage of the KV cache rows: fp16 (rounded to half precision, 2 B/value) or fp32 (exact)")
       ->capture_default_str();

@@ -4,6 +4,8 @@
 
 #include "app/commands.h"
 #include "app/defaults.h"
+#include "app/options.h"
+#include "core/session.h"
 #include "core/errors.h"
 #include "core/files.h"
 #include "core/method.h"
@@ -21,9 +23,9 @@ struct EvalArgs {
 };
 
 void run_eval(const EvalArgs& a) {
-  if (a.opt.max_images < 0) throw InputError("--n must be >= 0, got " + std::to_string(a.opt.max_images));
   for (const auto& m : a.methods) parse_method_spec(m);
   const RowStorage rows = parse_row_storage(a.kv_storage, "--kv-storage");
+  if (!a.json_out.empty()) check_writable(a.json_out, "eval JSON");
   const SceneSet set = load_scene_set(a.scenes);
   const LlavaModel model = LlavaModel::load(a.model.empty() ? default_model_dir() : a.model);
   std::vector<std::string> runs{""};
@@ -54,9 +56,9 @@ void add_eval_command(CLI::App& root) {
   CLI::App* c = root.add_subcommand("eval", "Caption exact-match and VQA accuracy on a scene set (full cache and methods)");
   c->add_option("--scenes", a->scenes, "Folder written by kvlens scenes")->required();
   c->add_option("--model", a->model, "Model directory (default: the embedded model)");
-  c->add_option("--n", a->opt.max_images, "Images to evaluate (0 = all)")->capture_default_str();
+  add_int(c, "--n", a->opt.max_images, 0, 10000000, "Images to evaluate (0 = all)");
   c->add_option("--method", a->methods, "Also evaluate under these method specs (repeatable)");
-  c->add_option("--max-new-tokens", a->opt.max_new_tokens, "Most tokens per answer")->capture_default_str();
+  add_int(c, "--max-new-tokens", a->opt.max_new_tokens, 1, kMaxNewTokensLimit, "Most tokens per answer");
   c->add_option("--kv-storage", a->kv_storage,
                 "Storage of uncompressed KV rows: fp16 (rounded to half precision) or fp32 (exact)")->capture_default_str();
   c->add_flag("--no-vqa", a->no_vqa, "Captions only");

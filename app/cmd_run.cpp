@@ -3,6 +3,7 @@
 
 #include "app/commands.h"
 #include "app/defaults.h"
+#include "app/options.h"
 #include "core/errors.h"
 #include "core/files.h"
 #include "core/session.h"
@@ -24,27 +25,19 @@ void add_common(CLI::App* c, RunArgs& a) {
   c->add_option("--image", a.image, "Image file (default: the embedded sample image)");
   c->add_option("--prompt", a.opt.prompt, "Text in place of {prompt} in the template")->capture_default_str();
   c->add_option("--template", a.opt.templ, "Prompt template with <image> and {prompt}")->capture_default_str();
-  c->add_option("--max-new-tokens", a.opt.max_new_tokens, "Most tokens to generate")->capture_default_str();
+  add_int(c, "--max-new-tokens", a.opt.max_new_tokens, 1, kMaxNewTokensLimit, "Most tokens to generate");
   c->add_option("--kv-storage", a.kv_storage,
                 "Storage of uncompressed KV rows: fp16 (rounded to half precision, 2 B/value; default) or fp32 "
                 "(exact, 4 B/value). Diagnostics compare against the exact prefill either way");
-  c->add_option("--diag-steps", a.opt.diag_steps, "Decode steps compared against the full cache")->capture_default_str();
-  c->add_option("--sparsity-p", a.opt.sparsity_p, "Sparsity threshold p (A_ij < p·max_j A_ij counts as zero)")->capture_default_str();
-  c->add_option("--hit-budget", a.opt.hit_budget, "CacheHitRate k as a share of the prompt")->capture_default_str();
-  c->add_option("--hit-window", a.opt.hit_window, "Queries of the sliding-window scoring strategy")->capture_default_str();
+  add_int(c, "--diag-steps", a.opt.diag_steps, 1, kMaxDiagSteps, "Decode steps compared against the full cache");
+  add_real(c, "--sparsity-p", a.opt.sparsity_p, 0, 1, "Sparsity threshold p (A_ij < p·max_j A_ij counts as zero)");
+  add_real(c, "--hit-budget", a.opt.hit_budget, kMinHitBudget, 1, "CacheHitRate k as a share of the prompt");
+  add_int(c, "--hit-window", a.opt.hit_window, 1, 1 << 16, "Queries of the sliding-window scoring strategy");
 }
 
 void add_session_options(CLI::App* c, RunArgs& a) {
   c->add_option("--session", a.session, "Session JSON (sessions/*.json): model, image, prompt, methods, options");
   c->add_option("--save-session", a.save_session, "Write this run's setup as a session JSON");
-}
-
-void check_options(const ExperimentOptions& o) {
-  if (o.max_new_tokens < 1) throw InputError("--max-new-tokens must be at least 1, got " + std::to_string(o.max_new_tokens));
-  if (o.diag_steps < 1) throw InputError("--diag-steps must be at least 1, got " + std::to_string(o.diag_steps));
-  if (o.sparsity_p < 0 || o.sparsity_p > 1) throw InputError("--sparsity-p must be in [0, 1]");
-  if (o.hit_budget <= 0 || o.hit_budget > 1) throw InputError("--hit-budget must be in (0, 1]");
-  if (o.hit_window < 1) throw InputError("--hit-window must be at least 1, got " + std::to_string(o.hit_window));
 }
 
 void write_json(const std::string& path, const nlohmann::json& j) {
@@ -77,7 +70,12 @@ void run_methods(const RunArgs& args) {
   // Validate every spec before any model work.
   std::vector<Params> specs;
   const RunArgs a = with_session(args, specs);
-  check_options(a.opt);
+  // Everything is validated before anything is written: outputs that cannot be written, the
+  // model and the image are refused first.
+  if (!a.report.empty()) check_writable(a.report, "report");
+  if (!a.save_session.empty()) check_writable(a.save_session, "session file");
+  const LlavaModel model = LlavaModel::load(a.model.empty() ? default_model_dir() : a.model);
+  const RGBImage img = load_image(a.image.empty() ? default_image() : a.image);
   if (!a.save_session.empty()) {
     Session s;
     s.model = a.model;
@@ -92,8 +90,6 @@ void run_methods(const RunArgs& args) {
     s.methods = specs;
     save_session(a.save_session, s);
   }
-  const LlavaModel model = LlavaModel::load(a.model.empty() ? default_model_dir() : a.model);
-  const RGBImage img = load_image(a.image.empty() ? default_image() : a.image);
   Experiment ex = start_experiment(model, img, a.opt);
   std::printf("%-44s %10s %7s %10s %9s  %s\n", "method", "KV bytes", "ratio", "softmaxMSE", "diverges", "caption");
   const std::string ref = std::string("full (") + row_storage_name(a.opt.kv_storage) + " reference)";
@@ -145,9 +141,9 @@ void list_methods() {
 void run_calibrate(const RunArgs& args, const std::string& base, const std::vector<double>& taus) {
   RunArgs a = args;
   a.opt.kv_storage = parse_row_storage(a.kv_storage.empty() ? "fp16" : a.kv_storage, "--kv-storage");
-  check_options(a.opt);
   if (taus.empty()) throw InputError("--taus needs at least one value");
   parse_method_spec(base);  // validate before loading
+  if (!a.report.empty()) check_writable(a.report, "report");
   const LlavaModel model = LlavaModel::load(a.model.empty() ? default_model_dir() : a.model);
   const RGBImage img = load_image(a.image.empty() ? default_image() : a.image);
   const Experiment ex = start_experiment(model, img, a.opt);
@@ -195,7 +191,7 @@ void add_run_commands(CLI::App& root) {
   CLI::App* c = root.add_subcommand("calibrate", "Grid-search CalibQuant tau1/tau2 by softmax MSE against the full cache");
   add_common(c, *ca);
   c->add_option("--base", *base, "CalibQuant spec the grid starts from")->capture_default_str();
-  c->add_option("--taus", *taus, "Values tried for both tau1 and tau2")->capture_default_str();
+  add_reals(c, "--taus", *taus, 0, 8, "Values tried for both tau1 and tau2");
   c->add_option("--report", ca->report, "Write the grid as JSON");
   c->callback([ca, base, taus] { run_calibrate(*ca, *base, *taus); });
 }

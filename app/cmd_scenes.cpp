@@ -4,6 +4,7 @@
 #include <string>
 
 #include "app/commands.h"
+#include "app/options.h"
 #include "core/scenes.h"
 
 namespace kvlens::app {
@@ -24,15 +25,12 @@ void add_scenes_command(CLI::App& root) {
       "scenes",
       "Generate a procedural scene set: images of 1-4 coloured shapes on a grey background, "
       "5 reference captions and 3-6 VQA pairs each");
-  cmd->add_option("--n", args->n, "Number of scenes to generate (> 0)")->required();
-  cmd->add_option("--seed", args->seed,
-                  "Seed; the same seed and index always give the same scene")
-      ->capture_default_str();
+  add_int64(cmd, "--n", args->n, 1, kMaxScenes, "Number of scenes to generate")->required();
+  add_seed(cmd, "--seed", args->seed, "Seed; the same seed and index always give the same scene");
   cmd->add_option("--out", args->out,
                   "Output folder; receives images/000000.png ... and annotations.json")
       ->required();
-  cmd->add_option("--size", args->size, "Image side in pixels, in [64, 4096]")
-      ->capture_default_str();
+  add_int(cmd, "--size", args->size, kMinSceneSize, kMaxSceneSize, "Image side in pixels");
   cmd->add_flag("--force", args->force,
                 "Replace the output folder if it is not empty (only an earlier scene set)");
   cmd->footer(

@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <string>
 
 #include "app/commands.h"
 #include "core/errors.h"
@@ -22,9 +23,20 @@ int main(int argc, char** argv) {
   kvlens::app::add_bench_command(root);
   try {
     root.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return root.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return root.exit(e);
   } catch (const CLI::ParseError& e) {
-    const int rc = root.exit(e);
-    return rc == 0 ? 0 : 2;
+    // One line: what was wrong, and where the expected forms are listed.
+    std::string what = e.what();
+    while (!what.empty() && (what.back() == '\n' || what.back() == ' ')) what.pop_back();
+    for (char& c : what)
+      if (c == '\n') c = ' ';
+    std::string cmd = "kvlens";
+    for (const CLI::App* sub : root.get_subcommands()) cmd += " " + sub->get_name();
+    std::fprintf(stderr, "kvlens: error: %s (see %s --help)\n", what.c_str(), cmd.c_str());
+    return 2;
   } catch (const kvlens::InputError& e) {
     std::fprintf(stderr, "kvlens: error: %s\n", e.what());
     return 2;

@@ -118,6 +118,16 @@ void check_writable(const std::string& path, const std::string& what) {
   check_target(path, dir, what);
   if (name.empty() || name == "." || name == "..")
     throw InputError(path + ": cannot write " + what + ": the path names a folder, expected a file");
+  // Permission bits do not tell everything (root, read-only mounts, /proc): create and remove
+  // an empty temporary file where the real one will be written.
+  const std::string probe = dir + "/" + temp_name(name);
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    const std::string e = err();
+    throw InputError(path + ": cannot write " + what + ": cannot create a file in " + dir + " (" + e + ")");
+  }
+  ::close(fd);
+  ::unlink(probe.c_str());
 }
 
 void write_file_atomic(const std::string& path, std::string_view data, const std::string& what) {

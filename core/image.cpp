@@ -83,7 +83,11 @@ RGBImage decode_image(const uint8_t* bytes, size_t n, const std::string& name) {
     throw InputError(name + ": " + std::to_string(n) + " bytes is too large for an image file");
   const int len = static_cast<int>(n);
   int w = 0, h = 0, comp = 0;
-  if (!stbi_info_from_memory(bytes, len, &w, &h, &comp)) {
+  const bool known = stbi_info_from_memory(bytes, len, &w, &h, &comp);
+  // A top-down BMP stores a negative height; stb_image's info call passes it on as is (the
+  // decoder itself flips such images correctly).
+  if (known && h < 0 && h != std::numeric_limits<int>::min()) h = -h;
+  if (!known) {
     const std::string reason = stb_reason();
     int64_t pw = 0, ph = 0;
     if (png_header_size(bytes, n, &pw, &ph) && pw * ph > kMaxImagePixels)
@@ -108,6 +112,7 @@ RGBImage decode_image(const uint8_t* bytes, size_t n, const std::string& name) {
   RGBImage img;
   img.width = w;
   img.height = h;
+  img.source = name;
   img.data.assign(px, px + static_cast<size_t>(pixels) * 3);
   stbi_image_free(px);
   return img;
@@ -159,17 +164,19 @@ struct Coeffs {
   std::vector<int32_t> k;
 };
 
-Coeffs precompute_coeffs(int in_size, int out_size) {
+// Coefficients of output pixels [from, from + n) of a resize from in_size to out_size.
+Coeffs precompute_coeffs(int in_size, int out_size, int from, int n_out) {
   const double scale = static_cast<double>(in_size) / out_size;
   const double filterscale = std::max(scale, 1.0);
   const double support = 2.0 * filterscale;
   Coeffs c;
   c.ksize = static_cast<int>(std::ceil(support)) * 2 + 1;
-  c.first.resize(out_size);
-  c.count.resize(out_size);
-  c.k.assign(static_cast<size_t>(out_size) * c.ksize, 0);
+  c.first.resize(n_out);
+  c.count.resize(n_out);
+  c.k.assign(static_cast<size_t>(n_out) * c.ksize, 0);
   std::vector<double> w(c.ksize);
-  for (int xx = 0; xx < out_size; ++xx) {
+  for (int i = 0; i < n_out; ++i) {
+    const int xx = from + i;
     const double center = (xx + 0.5) * scale;
     const double ss = 1.0 / filterscale;
     // Truncation toward zero, then clipping to the image, as PIL rounds the window ends.
@@ -183,14 +190,14 @@ Coeffs precompute_coeffs(int in_size, int out_size) {
       w[x] = cubic((x + xmin - center + 0.5) * ss);
       sum += w[x];
     }
-    int32_t* k = &c.k[static_cast<size_t>(xx) * c.ksize];
+    int32_t* k = &c.k[static_cast<size_t>(i) * c.ksize];
     for (int x = 0; x < n; ++x) {
       const double v = sum != 0.0 ? w[x] / sum : w[x];
       const double f = v * (1 << kPrecisionBits);
       k[x] = static_cast<int32_t>(v < 0 ? f - 0.5 : f + 0.5);
     }
-    c.first[xx] = xmin;
-    c.count[xx] = std::max(n, 0);
+    c.first[i] = xmin;
+    c.count[i] = std::max(n, 0);
   }
   return c;
 }
@@ -200,8 +207,10 @@ inline uint8_t clip8(int64_t acc) {
   return static_cast<uint8_t>(v < 0 ? 0 : (v > 255 ? 255 : v));
 }
 
-RGBImage resample_horizontal(const RGBImage& in, int out_w) {
-  const Coeffs c = precompute_coeffs(in.width, out_w);
+// Columns [x0, x0 + cw) of the horizontal pass to width full_w.
+RGBImage resample_horizontal(const RGBImage& in, int full_w, int x0, int cw) {
+  const Coeffs c = precompute_coeffs(in.width, full_w, x0, cw);
+  const int out_w = cw;
   RGBImage out;
   out.width = out_w;
   out.height = in.height;
@@ -222,8 +231,10 @@ RGBImage resample_horizontal(const RGBImage& in, int out_w) {
   return out;
 }
 
-RGBImage resample_vertical(const RGBImage& in, int out_h) {
-  const Coeffs c = precompute_coeffs(in.height, out_h);
+// Rows [y0, y0 + ch) of the vertical pass to height full_h.
+RGBImage resample_vertical(const RGBImage& in, int full_h, int y0, int ch) {
+  const Coeffs c = precompute_coeffs(in.height, full_h, y0, ch);
+  const int out_h = ch;
   RGBImage out;
   out.width = in.width;
   out.height = out_h;
@@ -245,21 +256,49 @@ RGBImage resample_vertical(const RGBImage& in, int out_h) {
 }  // namespace
 
 RGBImage resize_bicubic(const RGBImage& img, int w, int h) {
+  return resize_bicubic_window(img, w, h, 0, 0, w, h);
+}
+
+RGBImage resize_bicubic_window(const RGBImage& img, int w, int h, int x0, int y0, int cw, int ch) {
   check_image(img, "resize_bicubic");
-  if (w <= 0 || h <= 0 || static_cast<int64_t>(w) * h > kMaxImagePixels)
-    throw InputError("resize_bicubic: target size must be positive and at most " +
-                     std::to_string(kMaxImagePixels) + " pixels, got " + std::to_string(w) +
-                     "x" + std::to_string(h));
-  if (w == img.width && h == img.height) return img;
-  if (h == img.height) return resample_horizontal(img, w);
-  if (w == img.width) return resample_vertical(img, h);
+  if (w <= 0 || h <= 0 || cw <= 0 || ch <= 0 || x0 < 0 || y0 < 0 || x0 > w - cw || y0 > h - ch ||
+      static_cast<int64_t>(cw) * ch > kMaxImagePixels)
+    throw InputError("resize_bicubic: the window " + std::to_string(cw) + "x" + std::to_string(ch) + "+" +
+                     std::to_string(x0) + "+" + std::to_string(y0) + " of a " + std::to_string(w) + "x" +
+                     std::to_string(h) + " resize must lie inside it and hold at most " +
+                     std::to_string(kMaxImagePixels) + " pixels");
+  // Each pass computes only the window along its own axis: the second pass reads nothing the
+  // first one skipped, so the window equals the same pixels of the full resize, bit for bit.
+  auto crop_rows = [&](const RGBImage& in) {  // rows [y0, y0 + ch) of an image of height h
+    if (y0 == 0 && ch == in.height) return in;
+    RGBImage out;
+    out.width = in.width;
+    out.height = ch;
+    const size_t stride = static_cast<size_t>(in.width) * 3;
+    out.data.assign(in.data.begin() + y0 * stride, in.data.begin() + (y0 + ch) * stride);
+    return out;
+  };
+  auto crop_cols = [&](const RGBImage& in) {  // columns [x0, x0 + cw)
+    if (x0 == 0 && cw == in.width) return in;
+    RGBImage out;
+    out.width = cw;
+    out.height = in.height;
+    out.data.resize(static_cast<size_t>(cw) * in.height * 3);
+    for (int y = 0; y < in.height; ++y)
+      std::memcpy(&out.data[static_cast<size_t>(y) * cw * 3],
+                  &in.data[(static_cast<size_t>(y) * in.width + x0) * 3], static_cast<size_t>(cw) * 3);
+    return out;
+  };
+  if (w == img.width && h == img.height) return crop_cols(crop_rows(img));
+  if (h == img.height) return crop_rows(resample_horizontal(img, w, x0, cw));
+  if (w == img.width) return crop_cols(resample_vertical(img, h, y0, ch));
   // Pillow 13 runs the vertical pass first when the height shrinks by more than twice what the
   // width shrinks (always when the width grows while the height shrinks); Pillow 12 and older
   // always ran the horizontal pass first. The order changes the intermediate rounding, so it
   // is followed to stay bit-exact with the Pillow that the reference processor uses.
   const bool vertical_first = h < img.height && (img.height - h) > 2 * (img.width - w);
-  if (vertical_first) return resample_horizontal(resample_vertical(img, h), w);
-  return resample_vertical(resample_horizontal(img, w), h);
+  if (vertical_first) return resample_horizontal(resample_vertical(img, h, y0, ch), w, x0, cw);
+  return resample_vertical(resample_horizontal(img, w, x0, cw), h, y0, ch);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -345,13 +384,28 @@ Tensor preprocess(const RGBImage& img, const PreprocessConfig& cfg) {
       const int shrt = std::min(base.width, base.height), lng = std::max(base.width, base.height);
       const int64_t new_long = static_cast<int64_t>(static_cast<double>(s * lng) / shrt);
       if (new_long > std::numeric_limits<int>::max())
-        throw InputError("preprocess: resized image would be too large");
+        throw InputError((img.source.empty() ? std::string("image") : img.source) + ": " +
+                         std::to_string(base.width) + "x" + std::to_string(base.height) +
+                         " pixels is too elongated to resize its shortest edge to " + std::to_string(s));
       if (base.width <= base.height)
         tw = static_cast<int>(s), th = static_cast<int>(new_long);
       else
         tw = static_cast<int>(new_long), th = static_cast<int>(s);
     }
-    resized = resize_bicubic(base, tw, th);
+    if (cfg.do_center_crop) {
+      // Only the part the centre crop keeps is resized (the same pixels, bit for bit), so
+      // extreme aspect ratios (1×2000 → 224×448000) cost no more than square images.
+      auto window = [](int size, int crop, int* start, int* len) {
+        if (crop <= size) *start = (size - crop) / 2, *len = crop;
+        else *start = 0, *len = size;
+      };
+      int x0, cw, y0, ch;
+      window(tw, cfg.crop_width, &x0, &cw);
+      window(th, cfg.crop_height, &y0, &ch);
+      resized = resize_bicubic_window(base, tw, th, x0, y0, cw, ch);
+    } else {
+      resized = resize_bicubic(base, tw, th);
+    }
   }
   const RGBImage& sized = cfg.do_resize ? resized : base;
 

@@ -16,6 +16,7 @@ namespace kvlens {
 struct RGBImage {
   int width = 0, height = 0;
   std::vector<uint8_t> data;  // [height][width][3]
+  std::string source;         // the file it was decoded from, for messages ("" = made in memory)
 };
 
 // Largest image accepted, in pixels (width × height); larger ones are refused with a clear
@@ -58,6 +59,9 @@ PreprocessConfig preprocess_config_from_json(const nlohmann::json& j, int image_
 // bit-exact with Pillow 13, whose pass order it follows (Pillow ≤ 12 always resized
 // horizontally first, which differs only when the height shrinks by more than twice the width).
 RGBImage resize_bicubic(const RGBImage& img, int w, int h);
+// The window [x0, x0 + cw) × [y0, y0 + ch) of resize_bicubic(img, w, h), computed without
+// the rest (bit-exact with cropping the full resize).
+RGBImage resize_bicubic_window(const RGBImage& img, int w, int h, int x0, int y0, int cw, int ch);
 // Centers `img` on a square canvas of the given colour (LLaVA expand2square: offset
 // ((side - w) / 2, (side - h) / 2)).
 RGBImage pad_to_square(const RGBImage& img, std::array<uint8_t, 3> colour);

@@ -7,6 +7,7 @@
 #include <set>
 
 #include "core/errors.h"
+#include "core/numbers.h"
 #include "core/policies/registry.h"
 
 namespace kvlens {
@@ -27,22 +28,14 @@ std::string join(const std::vector<std::string>& v, const char* sep) {
   return out;
 }
 
-// Shortest text that reads back as the same double.
-std::string format_number(double x) {
-  char buf[64];
-  for (int prec = 1; prec <= 17; ++prec) {
-    std::snprintf(buf, sizeof buf, "%.*g", prec, x);
-    if (std::strtod(buf, nullptr) == x) break;
-  }
-  return buf;
-}
-
+// Stored values were validated when the Params were made; reading them back cannot fail.
 bool parse_double(const std::string& s, double& out) {
-  if (s.empty()) return false;
-  errno = 0;
-  char* end = nullptr;
-  out = std::strtod(s.c_str(), &end);
-  return errno == 0 && end == s.c_str() + s.size() && std::isfinite(out);
+  try {
+    out = parse_real(s, "value", -HUGE_VAL, HUGE_VAL);
+    return true;
+  } catch (const InputError&) {
+    return false;
+  }
 }
 
 bool parse_bool(const std::string& s, bool& out) {
@@ -51,9 +44,7 @@ bool parse_bool(const std::string& s, bool& out) {
   return false;
 }
 
-std::string range_text(const ParamSpec& p) {
-  return "[" + format_number(p.min) + ", " + format_number(p.max) + "]";
-}
+std::string range_text(const ParamSpec& p) { return kvlens::range_text(p.min, p.max); }
 
 // Splits on `sep` outside brackets, so a nested value such as quant=(calibquant:bits=1,tau2=3)
 // stays one item.
@@ -206,22 +197,10 @@ std::string validate_param(const std::string& method, const ParamSpec& p, const 
   const std::string value = trim(raw);
   const std::string head = method + ": " + p.name;
   switch (p.type) {
-    case ParamSpec::Type::Int: {
-      double x;
-      if (!parse_double(value, x) || x != std::floor(x))
-        throw InputError(head + " must be an integer in " + range_text(p) + ", got '" + value + "'");
-      if (x < p.min || x > p.max)
-        throw InputError(head + " must be in " + range_text(p) + ", got " + value);
-      return format_number(x);
-    }
-    case ParamSpec::Type::Float: {
-      double x;
-      if (!parse_double(value, x))
-        throw InputError(head + " must be a number in " + range_text(p) + ", got '" + value + "'");
-      if (x < p.min || x > p.max)
-        throw InputError(head + " must be in " + range_text(p) + ", got " + value);
-      return format_number(x);
-    }
+    case ParamSpec::Type::Int:
+      return std::to_string(parse_integer(value, head, static_cast<int64_t>(p.min), static_cast<int64_t>(p.max)));
+    case ParamSpec::Type::Float:
+      return format_number(parse_real(value, head, p.min, p.max));
     case ParamSpec::Type::Bool: {
       bool b;
       if (!parse_bool(value, b))
@@ -245,35 +224,44 @@ Params parse_method_spec(const std::string& text) {
   const size_t colon = spec.find(':');
   const std::string name = trim(spec.substr(0, colon));
   if (name.empty()) throw InputError("method spec '" + spec + "' names no method");
-  const MethodSpec& m = find_method(name);
+  find_method(name);  // an unknown method is named before its parameters are read
 
-  std::map<std::string, std::string> given;  // explicit name=value pairs, in the order seen
+  std::map<std::string, std::string> given;  // explicit name=value pairs
   std::string preset;
   if (colon != std::string::npos) {
     const std::string rest = spec.substr(colon + 1);
+    if (trim(rest).empty())
+      throw InputError(name + ": ':' must be followed by name=value pairs, e.g. '" + name + ":preset=paper'");
     for (const std::string& item_raw : split_top(rest, ',')) {
       const std::string item = trim(item_raw);
-      if (item.empty()) continue;
+      if (item.empty()) throw InputError(name + ": empty item in '" + rest + "' (a stray comma?)");
       const size_t eq = item.find('=');
       if (eq == std::string::npos)
         throw InputError(name + ": expected name=value, got '" + item + "'");
       const std::string key = trim(item.substr(0, eq)), value = trim(item.substr(eq + 1));
       if (key == "preset") {
         if (!preset.empty()) throw InputError(name + ": preset given twice");
+        if (value.empty()) throw InputError(name + ": preset must name a preset");
         preset = value;
         continue;
-      }
-      if (!find_param(m, key)) {
-        const std::vector<std::string> valid = param_names(m);
-        throw InputError(name + ": unknown parameter '" + key + "'; valid parameters: " +
-                         (valid.empty() ? std::string("none") : join(valid, ", ")) +
-                         (m.presets.empty() ? "" : ", preset"));
       }
       if (given.count(key)) throw InputError(name + ": parameter " + key + " given twice");
       given[key] = value;
     }
   }
+  return make_params(name, preset, given);
+}
 
+Params make_params(const std::string& name, const std::string& preset,
+                   const std::map<std::string, std::string>& given) {
+  const MethodSpec& m = find_method(name);
+  for (const auto& kv : given)
+    if (!find_param(m, kv.first)) {
+      const std::vector<std::string> valid = param_names(m);
+      throw InputError(name + ": unknown parameter '" + kv.first + "'; valid parameters: " +
+                       (valid.empty() ? std::string("none") : join(valid, ", ")) +
+                       (m.presets.empty() ? "" : ", preset"));
+    }
   std::map<std::string, std::string> values;
   for (const ParamSpec& p : m.params) values[p.name] = validate_param(name, p, p.def);
   if (!preset.empty()) {
@@ -291,7 +279,9 @@ Params parse_method_spec(const std::string& text) {
     }
   }
   for (const auto& kv : given) values[kv.first] = validate_param(name, *find_param(m, kv.first), kv.second);
-  return Params(name, std::move(values));
+  Params out(name, std::move(values));
+  if (m.check) m.check(out);
+  return out;
 }
 
 std::unique_ptr<KVPolicy> make_policy(const Params& params) {

@@ -57,6 +57,9 @@ struct MethodSpec {
   // spec applies one before the explicit values.
   std::map<std::string, std::map<std::string, std::string>> presets;
   std::function<std::unique_ptr<KVPolicy>(const Params&)> make;
+  // Optional check across values (e.g. a stack's values validated by its inner methods), run
+  // when Params are made, so a bad value is refused before any model work.
+  std::function<void(const Params&)> check;
 };
 
 // All registered methods, in a stable order.
@@ -66,6 +69,12 @@ const MethodSpec& find_method(const std::string& name);  // throws InputError na
 // Parses and validates a spec string; throws InputError such as
 //   "calibquant: tau2 must be in [0, 8], got -1".
 Params parse_method_spec(const std::string& spec);
+// The same from values already parsed (session JSON, GUI widgets, a stack's inner methods):
+// `preset` ("" = none) applies first, then each explicit value, each validated by the method's
+// schema on its own. Values are never joined into a spec string, so a value cannot carry
+// other parameters ("1,tau1=5" is refused as an integer).
+Params make_params(const std::string& method, const std::string& preset,
+                   const std::map<std::string, std::string>& given);
 // Validates one value against its schema (used by parse_method_spec, session JSON and GUI).
 std::string validate_param(const std::string& method, const ParamSpec& p, const std::string& value);
 std::unique_ptr<KVPolicy> make_policy(const std::string& spec);

@@ -27,6 +27,7 @@ std::string int_range(int64_t lo, int64_t hi) { return "[" + std::to_string(lo) 
 }  // namespace
 
 std::string format_number(double x) {
+  if (x == std::floor(x) && std::fabs(x) < 1e15) return std::to_string(static_cast<long long>(x));
   char buf[64];
   for (int prec = 1; prec <= 17; ++prec) {
     std::snprintf(buf, sizeof buf, "%.*g", prec, x);

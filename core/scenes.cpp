@@ -641,7 +641,8 @@ void fill_scene_set(const fs::path& dir, int64_t n, uint64_t seed, const SceneOp
 
 void write_scene_set(const std::string& out_dir, int64_t n, uint64_t seed, bool force,
                      const SceneOptions& opts) {
-  if (n <= 0) throw InputError("number of scenes must be > 0, got " + std::to_string(n));
+  if (n <= 0 || n > kMaxScenes)
+    throw InputError("number of scenes must be in [1, " + std::to_string(kMaxScenes) + "], got " + std::to_string(n));
   check_size(opts.size);
   if (out_dir.empty()) throw InputError("output folder must not be empty");
 

@@ -39,6 +39,8 @@ constexpr int kNumSizeClasses = 3;
 constexpr int kGridSide = 3;  // the image is a kGridSide × kGridSide grid of cells
 constexpr int kMinObjects = 1, kMaxObjects = 4;
 constexpr int kMinSceneSize = 64, kMaxSceneSize = 4096;
+// Most scenes one set holds (their records are kept in memory while the set is written).
+constexpr int64_t kMaxScenes = 1000000;
 
 // Canonical lower-case names, as used in captions, questions and annotations.json.
 const char* shape_name(Shape s);

@@ -4,15 +4,51 @@
 
 #include "core/errors.h"
 #include "core/json_file.h"
+#include "core/numbers.h"
 
 namespace kvlens {
 
 namespace {
 
-std::string param_text(const nlohmann::json& v) {
+// A method parameter's JSON value as the text the schema validates: strings as they are,
+// numbers in their shortest form, booleans as on/off. Lists and objects are not values.
+std::string param_text(const nlohmann::json& v, const std::string& at) {
   if (v.is_string()) return v.get<std::string>();
   if (v.is_boolean()) return v.get<bool>() ? "on" : "off";
-  return v.dump();
+  if (v.is_number_integer() || v.is_number_unsigned()) return v.dump();
+  if (v.is_number_float()) return format_number(v.get<double>());
+  throw InputError(at + " must be a string, number or boolean, got " + v.dump());
+}
+
+std::string text_field(const nlohmann::json& j, const char* key, const std::string& where) {
+  if (!j.contains(key)) return {};
+  if (!j[key].is_string()) throw InputError(where + ": '" + key + "' must be a string, got " + j[key].dump());
+  return j[key].get<std::string>();
+}
+
+Params method_from_json(const nlohmann::json& m, const std::string& at) {
+  if (m.is_string()) return parse_method_spec(m.get<std::string>());
+  if (!m.is_object() || !m.contains("method") || !m["method"].is_string())
+    throw InputError("expected a spec string or {\"method\": ..., \"params\": {...}}");
+  for (auto it = m.begin(); it != m.end(); ++it)
+    if (it.key() != "method" && it.key() != "params" && it.key() != "preset")
+      throw InputError("unknown key '" + it.key() + "' (expected method, params, preset)");
+  const std::string name = m["method"].get<std::string>();
+  std::string preset = text_field(m, "preset", at);
+  std::map<std::string, std::string> given;
+  if (m.contains("params")) {
+    if (!m["params"].is_object()) throw InputError("'params' must be an object");
+    for (auto it = m["params"].begin(); it != m["params"].end(); ++it) {
+      const std::string value = param_text(it.value(), name + ": " + it.key());
+      if (it.key() == "preset") {
+        if (!preset.empty()) throw InputError(name + ": preset given twice");
+        preset = value;
+      } else {
+        given[it.key()] = value;
+      }
+    }
+  }
+  return make_params(name, preset, given);
 }
 
 }  // namespace
@@ -24,50 +60,35 @@ Session session_from_json(const nlohmann::json& j, const std::string& where) {
   for (auto it = j.begin(); it != j.end(); ++it)
     if (std::find(std::begin(known), std::end(known), it.key()) == std::end(known))
       throw InputError(where + ": unknown key '" + it.key() + "'");
+  // A hand-written session may leave the version out: it then reads as version 1.
+  const nlohmann::json ver = j.contains("kvlens_session") ? j["kvlens_session"] : nlohmann::json(1);
+  if (!(ver.is_number_integer() || ver.is_number_unsigned()) || ver.get<int64_t>() < 1)
+    throw InputError(where + ": 'kvlens_session' must be a version number >= 1, got " + ver.dump());
+  if (ver.get<int64_t>() > kSessionVersion)
+    throw InputError(where + ": session version " + ver.dump() + " is newer than this kvlens reads (version " +
+                     std::to_string(kSessionVersion) + "); open it with a newer kvlens");
   Session s;
-  try {
-    s.name = j.value("name", std::string());
-    s.description = j.value("description", std::string());
-    s.model = j.value("model", std::string());
-    s.image = j.value("image", std::string());
-    s.prompt = j.value("prompt", std::string());
-    s.templ = j.value("template", std::string());
-    s.max_new_tokens = j.value("max_new_tokens", s.max_new_tokens);
-    s.kv_storage = j.value("kv_storage", s.kv_storage);
-    s.diag_steps = j.value("diag_steps", s.diag_steps);
-    s.sparsity_p = j.value("sparsity_p", s.sparsity_p);
-    s.hit_budget = j.value("hit_budget", s.hit_budget);
-  } catch (const nlohmann::json::exception& e) {
-    throw InputError(where + ": a value has the wrong type (" + e.what() + ")");
+  s.name = text_field(j, "name", where);
+  s.description = text_field(j, "description", where);
+  s.model = text_field(j, "model", where);
+  s.image = text_field(j, "image", where);
+  s.prompt = text_field(j, "prompt", where);
+  s.templ = text_field(j, "template", where);
+  if (j.contains("kv_storage")) {
+    s.kv_storage = text_field(j, "kv_storage", where);
+    parse_row_storage(s.kv_storage, where + ": kv_storage");
   }
-  if (s.max_new_tokens < 1) throw InputError(where + ": max_new_tokens must be at least 1");
-  parse_row_storage(s.kv_storage, where + ": kv_storage");
-  if (s.diag_steps < 1) throw InputError(where + ": diag_steps must be at least 1");
-  if (s.sparsity_p < 0 || s.sparsity_p > 1) throw InputError(where + ": sparsity_p must be in [0, 1]");
-  if (s.hit_budget <= 0 || s.hit_budget > 1) throw InputError(where + ": hit_budget must be in (0, 1]");
+  const std::string w = where + ": ";
+  if (j.contains("max_new_tokens")) s.max_new_tokens = json_int(j["max_new_tokens"], w + "max_new_tokens", 1, kMaxNewTokensLimit);
+  if (j.contains("diag_steps")) s.diag_steps = json_int(j["diag_steps"], w + "diag_steps", 1, kMaxDiagSteps);
+  if (j.contains("sparsity_p")) s.sparsity_p = json_real(j["sparsity_p"], w + "sparsity_p", 0, 1);
+  if (j.contains("hit_budget")) s.hit_budget = json_real(j["hit_budget"], w + "hit_budget", kMinHitBudget, 1);
   if (j.contains("methods")) {
     if (!j["methods"].is_array()) throw InputError(where + ": 'methods' must be a list");
     for (size_t i = 0; i < j["methods"].size(); ++i) {
-      const auto& m = j["methods"][i];
       const std::string at = where + ": methods[" + std::to_string(i) + "]";
-      std::string spec;
-      if (m.is_string()) {
-        spec = m.get<std::string>();
-      } else if (m.is_object() && m.contains("method") && m["method"].is_string()) {
-        spec = m["method"].get<std::string>();
-        if (m.contains("params")) {
-          if (!m["params"].is_object()) throw InputError(at + ": 'params' must be an object");
-          bool first = true;
-          for (auto it = m["params"].begin(); it != m["params"].end(); ++it) {
-            spec += (first ? ":" : ",") + it.key() + "=" + param_text(it.value());
-            first = false;
-          }
-        }
-      } else {
-        throw InputError(at + ": expected a spec string or {\"method\": ..., \"params\": {...}}");
-      }
       try {
-        s.methods.push_back(parse_method_spec(spec));
+        s.methods.push_back(method_from_json(j["methods"][i], at));
       } catch (const InputError& e) {
         throw InputError(at + ": " + e.what());
       }
@@ -82,7 +103,7 @@ Session load_session(const std::string& path) {
 
 nlohmann::json session_to_json(const Session& s) {
   nlohmann::json j;
-  j["kvlens_session"] = 1;
+  j["kvlens_session"] = kSessionVersion;
   j["name"] = s.name;
   j["description"] = s.description;
   j["model"] = s.model;

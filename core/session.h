@@ -11,6 +11,13 @@
 
 namespace kvlens {
 
+// The session schema this kvlens writes and the newest it reads.
+constexpr int kSessionVersion = 1;
+// Ranges of the run options, shared by sessions and the command line.
+constexpr int kMaxNewTokensLimit = 4096;
+constexpr int kMaxDiagSteps = 256;
+constexpr double kMinHitBudget = 1e-4;
+
 struct Session {
   std::string name, description;
   std::string model, image;            // empty = the embedded defaults

@@ -1,27 +1,47 @@
 #include "models/config.h"
 
 #include <algorithm>
-#include <fstream>
+#include <type_traits>
 
 #include "core/errors.h"
 #include "core/json_file.h"
+#include "core/numbers.h"
 
 namespace kvlens {
 
 namespace {
 
+// Bounds of the architecture numbers kvlens accepts: far beyond any LLaVA checkpoint, small
+// enough that no size computed from them overflows.
+constexpr int kMaxWidth = 1 << 16;        // hidden / head sizes
+constexpr int kMaxMlp = 1 << 18;          // intermediate sizes
+constexpr int kMaxLayers = 512;
+constexpr int kMaxHeads = 1024;
+constexpr int kMaxVocab = 1 << 24;
+constexpr int kMaxImageSide = 8192;
+constexpr int kMaxPositions = 1 << 24;
+
+// Strings and booleans: the JSON type must match.
 template <typename T>
 void get(const nlohmann::json& j, const char* key, T& out, const std::string& where) {
   if (!j.contains(key) || j[key].is_null()) return;
-  try {
-    out = j[key].get<T>();
-  } catch (const std::exception&) {
-    throw InputError(where + ": '" + key + "' has the wrong type (" + j[key].dump() + ")");
+  if constexpr (std::is_same_v<T, bool>) {
+    if (!j[key].is_boolean()) throw InputError(where + ": '" + key + "' must be true or false, got " + j[key].dump());
+  } else {
+    if (!j[key].is_string()) throw InputError(where + ": '" + key + "' must be a string, got " + j[key].dump());
   }
+  out = j[key].get<T>();
 }
 
-void positive(int v, const char* key, const std::string& where) {
-  if (v <= 0) throw InputError(where + ": '" + key + "' must be positive, got " + std::to_string(v));
+// Integers and reals: parsed strictly (core/numbers.h), in [lo, hi].
+void get_int(const nlohmann::json& j, const char* key, int& out, const std::string& where, int lo, int hi) {
+  if (!j.contains(key) || j[key].is_null()) return;
+  out = json_int(j[key], where + ": " + key, lo, hi);
+}
+
+void get_real(const nlohmann::json& j, const char* key, double& out, const std::string& where, double lo, double hi) {
+  if (!j.contains(key) || j[key].is_null()) return;
+  out = json_real(j[key], where + ": " + key, lo, hi);
 }
 
 ClipVisionConfig parse_vision(const nlohmann::json* jp, const std::string& where) {
@@ -41,25 +61,19 @@ ClipVisionConfig parse_vision(const nlohmann::json* jp, const std::string& where
   if (j.contains("model_type") && j["model_type"] != "clip_vision_model" && j["model_type"] != "clip")
     throw InputError(w + ": model_type '" + j["model_type"].get<std::string>() +
                      "' is not supported (expected clip_vision_model)");
-  get(j, "hidden_size", c.hidden_size, w);
-  get(j, "intermediate_size", c.intermediate_size, w);
-  get(j, "num_hidden_layers", c.num_hidden_layers, w);
-  get(j, "num_attention_heads", c.num_attention_heads, w);
-  get(j, "num_channels", c.num_channels, w);
-  get(j, "image_size", c.image_size, w);
-  get(j, "patch_size", c.patch_size, w);
+  get_int(j, "hidden_size", c.hidden_size, w, 1, kMaxWidth);
+  get_int(j, "intermediate_size", c.intermediate_size, w, 1, kMaxMlp);
+  get_int(j, "num_hidden_layers", c.num_hidden_layers, w, 1, kMaxLayers);
+  get_int(j, "num_attention_heads", c.num_attention_heads, w, 1, kMaxHeads);
+  get_int(j, "num_channels", c.num_channels, w, 3, 3);
+  get_int(j, "image_size", c.image_size, w, 1, kMaxImageSide);
+  get_int(j, "patch_size", c.patch_size, w, 1, c.image_size);
   get(j, "hidden_act", c.hidden_act, w);
-  get(j, "layer_norm_eps", c.layer_norm_eps, w);
-  positive(c.hidden_size, "hidden_size", w);
-  positive(c.num_hidden_layers, "num_hidden_layers", w);
-  positive(c.num_attention_heads, "num_attention_heads", w);
-  positive(c.image_size, "image_size", w);
-  positive(c.patch_size, "patch_size", w);
+  get_real(j, "layer_norm_eps", c.layer_norm_eps, w, 0, 1);
   if (c.hidden_size % c.num_attention_heads != 0)
     throw InputError(w + ": hidden_size " + std::to_string(c.hidden_size) +
                      " is not divisible by num_attention_heads " +
                      std::to_string(c.num_attention_heads));
-  if (c.num_channels != 3) throw InputError(w + ": num_channels must be 3");
   return c;
 }
 
@@ -71,34 +85,28 @@ LlamaConfig parse_text(const nlohmann::json* jp, const std::string& where) {
   if (j.contains("model_type") && j["model_type"] != "llama")
     throw InputError(w + ": model_type '" + j["model_type"].get<std::string>() +
                      "' is not supported (expected llama)");
-  get(j, "vocab_size", c.vocab_size, w);
-  get(j, "hidden_size", c.hidden_size, w);
-  get(j, "intermediate_size", c.intermediate_size, w);
-  get(j, "num_hidden_layers", c.num_hidden_layers, w);
-  get(j, "num_attention_heads", c.num_attention_heads, w);
+  get_int(j, "vocab_size", c.vocab_size, w, 1, kMaxVocab);
+  get_int(j, "hidden_size", c.hidden_size, w, 1, kMaxWidth);
+  get_int(j, "intermediate_size", c.intermediate_size, w, 1, kMaxMlp);
+  get_int(j, "num_hidden_layers", c.num_hidden_layers, w, 1, kMaxLayers);
+  get_int(j, "num_attention_heads", c.num_attention_heads, w, 1, kMaxHeads);
   c.num_key_value_heads = c.num_attention_heads;
-  get(j, "num_key_value_heads", c.num_key_value_heads, w);
-  positive(c.hidden_size, "hidden_size", w);
-  positive(c.num_attention_heads, "num_attention_heads", w);
-  positive(c.num_key_value_heads, "num_key_value_heads", w);
-  positive(c.num_hidden_layers, "num_hidden_layers", w);
-  positive(c.vocab_size, "vocab_size", w);
-  c.head_dim = c.hidden_size / c.num_attention_heads;
-  get(j, "head_dim", c.head_dim, w);
-  positive(c.head_dim, "head_dim", w);
+  get_int(j, "num_key_value_heads", c.num_key_value_heads, w, 1, c.num_attention_heads);
+  c.head_dim = std::max(1, c.hidden_size / c.num_attention_heads);
+  get_int(j, "head_dim", c.head_dim, w, 1, kMaxWidth);
   if (c.head_dim % 2) throw InputError(w + ": head_dim must be even for rotary embeddings");
   if (c.num_attention_heads % c.num_key_value_heads != 0)
     throw InputError(w + ": num_attention_heads " + std::to_string(c.num_attention_heads) +
                      " is not a multiple of num_key_value_heads " +
                      std::to_string(c.num_key_value_heads));
   get(j, "hidden_act", c.hidden_act, w);
-  get(j, "max_position_embeddings", c.max_position_embeddings, w);
-  get(j, "rms_norm_eps", c.rms_norm_eps, w);
-  get(j, "rope_theta", c.rope_theta, w);
+  get_int(j, "max_position_embeddings", c.max_position_embeddings, w, 1, kMaxPositions);
+  get_real(j, "rms_norm_eps", c.rms_norm_eps, w, 0, 1);
+  get_real(j, "rope_theta", c.rope_theta, w, 1, 1e12);
   for (const char* key : {"rope_parameters", "rope_scaling"}) {
     if (j.contains(key) && j[key].is_object()) {
       const auto& rp = j[key];
-      get(rp, "rope_theta", c.rope_theta, w + "." + key);
+      get_real(rp, "rope_theta", c.rope_theta, w + "." + key, 1, 1e12);
       std::string type = "default";
       get(rp, "rope_type", type, w + "." + key);
       if (rp.contains("type") && rp["type"].is_string()) type = rp["type"].get<std::string>();
@@ -110,13 +118,17 @@ LlamaConfig parse_text(const nlohmann::json* jp, const std::string& where) {
   get(j, "attention_bias", c.attention_bias, w);
   get(j, "mlp_bias", c.mlp_bias, w);
   get(j, "tie_word_embeddings", c.tie_word_embeddings, w);
-  get(j, "bos_token_id", c.bos_token_id, w);
+  // Token ids are checked against the vocabulary; -1 is how some configs say "none".
+  get_int(j, "bos_token_id", c.bos_token_id, w, -1, c.vocab_size - 1);
   if (j.contains("eos_token_id") && !j["eos_token_id"].is_null()) {
     c.eos_token_ids.clear();
-    if (j["eos_token_id"].is_array())
-      for (const auto& e : j["eos_token_id"]) c.eos_token_ids.push_back(e.get<int>());
-    else
-      c.eos_token_ids.push_back(j["eos_token_id"].get<int>());
+    const auto& e = j["eos_token_id"];
+    if (e.is_array()) {
+      for (size_t i = 0; i < e.size(); ++i)
+        c.eos_token_ids.push_back(json_int(e[i], w + ": eos_token_id[" + std::to_string(i) + "]", 0, c.vocab_size - 1));
+    } else {
+      c.eos_token_ids.push_back(json_int(e, w + ": eos_token_id", 0, c.vocab_size - 1));
+    }
   }
   return c;
 }
@@ -159,8 +171,8 @@ static LlavaConfig parse_llava_config_checked(const nlohmann::json& j, const std
                               ? &j["vision_config"] : nullptr, where);
   c.text = parse_text(j.contains("text_config") && j["text_config"].is_object()
                           ? &j["text_config"] : nullptr, where);
-  get(j, "image_token_index", c.image_token_index, where);
-  get(j, "image_token_id", c.image_token_index, where);
+  get_int(j, "image_token_index", c.image_token_index, where, 0, c.text.vocab_size - 1);
+  get_int(j, "image_token_id", c.image_token_index, where, 0, c.text.vocab_size - 1);
   get(j, "projector_hidden_act", c.projector_hidden_act, where);
   get(j, "multimodal_projector_bias", c.multimodal_projector_bias, where);
   get(j, "vision_feature_select_strategy", c.vision_feature_select_strategy, where);
@@ -169,18 +181,23 @@ static LlavaConfig parse_llava_config_checked(const nlohmann::json& j, const std
                      c.vision_feature_select_strategy + "' is not 'default' or 'full'");
   if (j.contains("vision_feature_layer") && !j["vision_feature_layer"].is_null()) {
     const auto& fl = j["vision_feature_layer"];
+    // Hidden states are 0 (embeddings) .. L; negative indices count from the end (-1 = L).
+    const int L = c.vision.num_hidden_layers;
     c.vision_feature_layers.clear();
-    if (fl.is_array())
-      for (const auto& e : fl) c.vision_feature_layers.push_back(e.get<int>());
-    else if (fl.is_number_integer())
-      c.vision_feature_layers.push_back(fl.get<int>());
-    else
-      throw InputError(where + ": 'vision_feature_layer' must be an integer or a list");
+    if (fl.is_array()) {
+      if (fl.empty()) throw InputError(where + ": 'vision_feature_layer' is an empty list, expected at least one layer");
+      if (fl.size() > static_cast<size_t>(L + 1))
+        throw InputError(where + ": 'vision_feature_layer' lists " + std::to_string(fl.size()) +
+                         " layers, the vision tower has " + std::to_string(L + 1) + " hidden states");
+      for (size_t i = 0; i < fl.size(); ++i)
+        c.vision_feature_layers.push_back(
+            json_int(fl[i], where + ": vision_feature_layer[" + std::to_string(i) + "]", -(L + 1), L));
+    } else if (fl.is_number()) {
+      c.vision_feature_layers.push_back(json_int(fl, where + ": vision_feature_layer", -(L + 1), L));
+    } else {
+      throw InputError(where + ": 'vision_feature_layer' must be an integer or a list, got " + fl.dump());
+    }
   }
-  for (int idx : c.feature_layer_indices())
-    if (idx < 0 || idx > c.vision.num_hidden_layers)
-      throw InputError(where + ": vision_feature_layer selects hidden state " + std::to_string(idx) +
-                       ", outside [0, " + std::to_string(c.vision.num_hidden_layers) + "]");
   // tie_word_embeddings may sit at the top level or in text_config.
   c.tie_word_embeddings = c.text.tie_word_embeddings;
   get(j, "tie_word_embeddings", c.tie_word_embeddings, where);

@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
+#include <random>
 #include <cfloat>
 #include <cmath>
 #include <cstdlib>
@@ -307,6 +309,58 @@ TEST(ImagePreprocess, Clip224MatchesPilProcessor) {
     worst = std::max(worst, static_cast<int>(std::abs(t.data[i] - want[i])));
   EXPECT_LE(worst, 1);
   RecordProperty("clip224_max_levels", worst);
+}
+
+TEST(ImageDecode, TopDownBmpMatchesPil) {
+  // A BMP with a negative height stores its rows top-down; it decodes to the same pixels.
+  const RGBImage img = load_image(kDir + "topdown.bmp");
+  const Diff d = compare(img, raw_image("topdown.rgb"));
+  EXPECT_EQ(d.max, 0);
+  EXPECT_EQ(img.source, kDir + "topdown.bmp");
+}
+
+TEST(ImageResize, WindowEqualsTheSamePixelsOfTheFullResize) {
+  std::mt19937 rng(5);
+  RGBImage img;
+  img.width = 37, img.height = 23;
+  img.data.resize(static_cast<size_t>(img.width) * img.height * 3);
+  for (auto& v : img.data) v = static_cast<uint8_t>(rng() & 0xff);
+  // Both pass orders (the vertical pass first when the height shrinks much more), growth,
+  // shrinking, one axis unchanged.
+  for (auto [w, h] : std::vector<std::pair<int, int>>{{50, 40}, {30, 7}, {37, 60}, {90, 23}, {5, 3}}) {
+    const RGBImage full = resize_bicubic(img, w, h);
+    for (auto [x0, y0, cw, ch] : std::vector<std::array<int, 4>>{{0, 0, w, h}, {1, 2, w - 2, h - 2}, {w / 2, h / 3, 1, 1}}) {
+      SCOPED_TRACE(std::to_string(w) + "x" + std::to_string(h) + " window " + std::to_string(x0) + "," + std::to_string(y0));
+      const RGBImage win = resize_bicubic_window(img, w, h, x0, y0, cw, ch);
+      ASSERT_EQ(win.width, cw);
+      ASSERT_EQ(win.height, ch);
+      for (int y = 0; y < ch; ++y)
+        for (int x = 0; x < cw; ++x)
+          for (int c = 0; c < 3; ++c)
+            ASSERT_EQ(win.data[(static_cast<size_t>(y) * cw + x) * 3 + c],
+                      full.data[(static_cast<size_t>(y + y0) * w + x + x0) * 3 + c]);
+    }
+  }
+  EXPECT_THROW(resize_bicubic_window(img, 10, 10, 5, 5, 6, 1), InputError);
+}
+
+TEST(ImagePreprocess, ExtremeAspectRatiosMatchPil) {
+  // 1x2000 and 3000x1: the shortest edge goes to 224 (a 224x448000 / 672000x224 resize in PIL);
+  // the centre crop is the same, bit for bit.
+  for (const std::string name : {"tall_1x2000", "wide_3000x1"}) {
+    SCOPED_TRACE(name);
+    PreprocessConfig cfg;
+    cfg.do_rescale = cfg.do_normalize = false;
+    const Tensor t = preprocess(load_image(kDir + name + ".png"), cfg);
+    ASSERT_EQ(t.shape, (std::vector<int64_t>{3, 224, 224}));
+    const RGBImage want = raw_image(name + "_crop224.rgb");
+    int worst = 0;
+    for (int c = 0; c < 3; ++c)
+      for (int i = 0; i < 224 * 224; ++i)
+        worst = std::max(worst, std::abs(static_cast<int>(t.data[static_cast<size_t>(c) * 224 * 224 + i]) -
+                                         static_cast<int>(want.data[static_cast<size_t>(i) * 3 + c])));
+    EXPECT_EQ(worst, 0);
+  }
 }
 
 TEST(ImagePreprocess, SmallConfigMatchesPilProcessor) {

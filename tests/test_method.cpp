@@ -2,6 +2,7 @@
 // gets one line naming the method, the parameter and what is valid, specs round-trip.
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <set>
 #include <string>
 #include <vector>
@@ -27,9 +28,14 @@ std::string error_of(F f) {
   return "";
 }
 
-// The shortest decimal text that reads back as x (how messages and specs print numbers).
+// How messages and specs print numbers: integers as integers, others as the shortest decimal
+// text that reads back as x.
 std::string num_text(double x) {
   char buf[64];
+  if (x == static_cast<double>(static_cast<long long>(x))) {
+    std::snprintf(buf, sizeof buf, "%lld", static_cast<long long>(x));
+    return buf;
+  }
   for (int prec = 1; prec <= 17; ++prec) {
     std::snprintf(buf, sizeof buf, "%.*g", prec, x);
     if (std::strtod(buf, nullptr) == x) break;
@@ -125,7 +131,10 @@ TEST(Registry, EveryValidationErrorNamesMethodParameterAndRange) {
         case ParamSpec::Type::Float:
           bad = {num_text(p.max + 1), num_text(p.min - 1), "abc", ""};
           must = {num_text(p.min), num_text(p.max)};
-          if (p.type == ParamSpec::Type::Int) bad.push_back(num_text(p.min + 0.5));
+          if (p.type == ParamSpec::Type::Int) {
+            bad.push_back(num_text(p.min + 0.5));
+            must = {std::to_string(static_cast<long long>(p.min)), std::to_string(static_cast<long long>(p.max))};
+          }
           break;
         case ParamSpec::Type::Choice:
           bad = {"no-such-choice", ""};
@@ -163,6 +172,54 @@ TEST(Registry, SpecSyntaxErrors) {
   EXPECT_FALSE(error_of([] { parse_method_spec(""); }).empty());
   e = error_of([] { find_method("nope"); });
   EXPECT_NE(e.find("calibquant"), std::string::npos) << e;
+  // A colon promises parameters; empty items are typos, not defaults.
+  EXPECT_EQ(error_of([] { parse_method_spec("calibquant:"); }),
+            "calibquant: ':' must be followed by name=value pairs, e.g. 'calibquant:preset=paper'");
+  EXPECT_EQ(error_of([] { parse_method_spec("calibquant: "); }),
+            "calibquant: ':' must be followed by name=value pairs, e.g. 'calibquant:preset=paper'");
+  EXPECT_EQ(error_of([] { parse_method_spec("calibquant:bits=1,,tau2=3"); }),
+            "calibquant: empty item in 'bits=1,,tau2=3' (a stray comma?)");
+  EXPECT_EQ(error_of([] { parse_method_spec("calibquant:preset="); }), "calibquant: preset must name a preset");
+  // Numbers are whole, finite and in range: no trailing text, no NaN, no hex, no rounding.
+  EXPECT_EQ(error_of([] { parse_method_spec("calibquant:tau2=nan"); }),
+            "calibquant: tau2 must be a finite number in [0, 8], got 'nan'");
+  EXPECT_EQ(error_of([] { parse_method_spec("calibquant:tau2=inf"); }),
+            "calibquant: tau2 must be a finite number in [0, 8], got 'inf'");
+  EXPECT_EQ(error_of([] { parse_method_spec("calibquant:tau2=0x2"); }),
+            "calibquant: tau2 must be a finite number in [0, 8], got '0x2'");
+  EXPECT_EQ(error_of([] { parse_method_spec("kivi:group=32.0"); }),
+            "kivi: group must be an integer in [1, 4096], got '32.0'");
+  EXPECT_EQ(error_of([] { parse_method_spec("kivi:group=4294967328"); }),
+            "kivi: group must be an integer in [1, 4096], got 4294967328");
+}
+
+TEST(Registry, BudgetsKeepAtLeastOneRowAndZeroIsRefused) {
+  for (const char* m : {"vlcache", "h2o", "snapkv", "pyramidkv", "streamingllm"}) {
+    SCOPED_TRACE(m);
+    const std::string name = m;
+    EXPECT_EQ(error_of([&] { parse_method_spec(name + ":budget=0"); }),
+              name + ": budget must be in [0.001, 1], got 0");
+    EXPECT_EQ(error_of([&] { parse_method_spec(name + ":budget=1e-300"); }),
+              name + ": budget must be in [0.001, 1], got 1e-300");
+    EXPECT_EQ(parse_method_spec(name + ":budget=0.001").num("budget"), 0.001);
+  }
+  // The stack hands the budget to its eviction method, which refuses it the same way.
+  EXPECT_EQ(error_of([] { parse_method_spec("stack:evict=vlcache,budget=0"); }),
+            "vlcache: budget must be in [0.001, 1], got 0");
+}
+
+TEST(Registry, StackValuesAreValidatedWhenParsedAndCannotInjectParameters) {
+  // Inner values are handed over as values: "1,tau2=0" is one (bad) value of tau1.
+  EXPECT_EQ(error_of([] { parse_method_spec("stack:evict=vlcache,quant=calibquant,tau1=(1,tau2=0)"); }),
+            "calibquant: tau1 must be a finite number in [0, 8], got '(1,tau2=0)'");
+  std::map<std::string, std::string> given{{"quant", "calibquant"}, {"tau1", "1,tau2=0"}};
+  EXPECT_EQ(error_of([&] { make_params("stack", "", given); }),
+            "calibquant: tau1 must be a finite number in [0, 8], got '1,tau2=0'");
+  given["tau1"] = "1";
+  const Params ok = make_params("stack", "", given);
+  EXPECT_EQ(ok.str("tau1"), "1");
+  EXPECT_EQ(ok.str("tau2"), "default");
+  EXPECT_NE(make_policy(ok), nullptr);
 }
 
 TEST(Registry, ParamsAccessorsSpecAndJson) {

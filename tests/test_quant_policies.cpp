@@ -386,6 +386,22 @@ TEST(CalibQuant, CalibrationMapsTheVisualRangeAndTouchesOnlyVisualKeys) {
               !make_policy("calibquant:bits=1,calibrate=off")->has_score_transform());  // auto: only when bits ≤ 2
 }
 
+TEST(CalibQuant, TauOrderWidensOrReversesAsEquationSevenSays) {
+  // τ1 > τ2 is allowed: the calibrated range [γ−τ1, δ−τ2] is wider, and order is kept.
+  const float g = -1.0f, d = 2.0f;
+  const float lo = calibquant::calibrate(g, g, d, 3.0f, 1.0f), hi = calibquant::calibrate(d, g, d, 3.0f, 1.0f);
+  EXPECT_FLOAT_EQ(lo, g - 3.0f);
+  EXPECT_FLOAT_EQ(hi, d - 1.0f);
+  EXPECT_GT(hi - lo, d - g);
+  EXPECT_LT(calibquant::calibrate(0.0f, g, d, 3.0f, 1.0f), calibquant::calibrate(1.0f, g, d, 3.0f, 1.0f));
+  // τ2 − τ1 larger than the range δ − γ = 3: the slope (3 + 0 − 4) / 3 is negative and the
+  // visual scores reverse order, as Eq. 7 defines; kvlens applies the equation as written.
+  EXPECT_GT(calibquant::calibrate(0.0f, g, d, 0.0f, 4.0f), calibquant::calibrate(1.0f, g, d, 0.0f, 4.0f));
+  EXPECT_NEAR(calibquant::calibrate(1.0f, g, d, 0.0f, 4.0f) - calibquant::calibrate(0.0f, g, d, 0.0f, 4.0f),
+              -1.0f / 3.0f, 1e-6);
+  EXPECT_NO_THROW(parse_method_spec("calibquant:tau1=5,tau2=1"));
+}
+
 TEST(CalibQuant, VisualOnlyChannelWiseWithOptionalShrink) {
   for (const char* spec : {"calibquant:preset=paper", "calibquant:preset=official"}) {
     Fixture f(6, 50, 7, 16, 60), ref(6, 50, 7, 16, 60);

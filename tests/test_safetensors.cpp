@@ -192,6 +192,48 @@ TEST(Config, VariantsAndErrors) {
   expect_input_error([&] { parse_llava_config(bad, "cfg"); }, "vision_feature_layer");
   bad = j;
   bad["image_token_index"] = 64;
-  expect_input_error([&] { parse_llava_config(bad, "cfg"); }, "image_token_index 64");
+  expect_input_error([&] { parse_llava_config(bad, "cfg"); }, "image_token_index must be an integer in [0, 63], got 64");
   expect_input_error([&] { load_llava_config("/nonexistent/config.json"); }, "/nonexistent/config.json");
+}
+
+TEST(Config, IntegersAreStrictAndArchitectureNumbersBounded) {
+  const auto j = nlohmann::json::parse(R"({
+    "model_type": "llava", "image_token_index": 5,
+    "text_config": {"vocab_size": 64, "hidden_size": 32, "num_attention_heads": 4},
+    "vision_config": {"hidden_size": 16, "num_attention_heads": 2, "num_hidden_layers": 3,
+                      "image_size": 32, "patch_size": 8}})");
+  ASSERT_NO_THROW(parse_llava_config(j, "cfg"));
+  auto with = [&](const std::string& path, const nlohmann::json& v) {
+    auto b = j;
+    b[nlohmann::json::json_pointer(path)] = v;
+    return b;
+  };
+  auto refused = [&](const std::string& path, const nlohmann::json& v, const std::string& msg) {
+    SCOPED_TRACE(path + " = " + v.dump());
+    expect_input_error([&] { parse_llava_config(with(path, v), "cfg"); }, msg);
+  };
+  // No wrap-around, truncation or rounding of integers.
+  refused("/text_config/num_attention_heads", 4294967304LL,
+          "cfg: text_config: num_attention_heads must be an integer in [1, 1024], got 4294967304");
+  refused("/text_config/num_attention_heads", 8.5, "num_attention_heads must be an integer in [1, 1024], got 8.5");
+  refused("/text_config/num_attention_heads", 1e30, "num_attention_heads must be an integer in [1, 1024], got 1e+30");
+  refused("/image_token_index", 40.5, "cfg: image_token_index must be an integer in [0, 63], got 40.5");
+  refused("/text_config/vocab_size", "64", "vocab_size must be an integer in");
+  refused("/text_config/rms_norm_eps", "tiny", "rms_norm_eps must be a finite number in [0, 1]");
+  // Architecture numbers are bounded: sizes computed from them cannot overflow.
+  refused("/vision_config/num_hidden_layers", 2147483647, "num_hidden_layers must be an integer in [1, 512], got 2147483647");
+  refused("/vision_config/hidden_size", 1 << 20, "vision_config: hidden_size must be an integer in [1, 65536]");
+  refused("/vision_config/image_size", 0, "image_size must be an integer in [1, 8192], got 0");
+  refused("/vision_config/patch_size", 33, "patch_size must be an integer in [1, 32], got 33");
+  refused("/text_config/num_key_value_heads", 8, "num_key_value_heads must be an integer in [1, 4], got 8");
+  refused("/text_config/eos_token_id", nlohmann::json::array({2, 99}), "eos_token_id[1] must be an integer in [0, 63], got 99");
+  refused("/text_config/tie_word_embeddings", 1, "'tie_word_embeddings' must be true or false, got 1");
+  // vision_feature_layer: an empty list, an index past either end, a non-integer.
+  refused("/vision_feature_layer", nlohmann::json::array(), "'vision_feature_layer' is an empty list");
+  refused("/vision_feature_layer", -5, "vision_feature_layer must be an integer in [-4, 3], got -5");
+  refused("/vision_feature_layer", nlohmann::json::array({-2, 4}), "vision_feature_layer[1] must be an integer in [-4, 3], got 4");
+  refused("/vision_feature_layer", "last", "'vision_feature_layer' must be an integer or a list");
+  // Integral floats are integers.
+  EXPECT_EQ(parse_llava_config(with("/text_config/num_attention_heads", 4.0), "cfg").text.num_attention_heads, 4);
+  EXPECT_EQ(parse_llava_config(with("/vision_feature_layer", -4), "cfg").feature_layer_indices(), std::vector<int>{0});
 }

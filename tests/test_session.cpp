@@ -4,6 +4,8 @@
 
 #include <dirent.h>
 
+#include <fstream>
+
 #include "core/errors.h"
 #include "core/session.h"
 #include "tests/test_util.h"
@@ -48,6 +50,17 @@ TEST(Session, ObjectAndStringFormsAgree) {
   EXPECT_EQ(a.methods.at(0).num("tau2"), 2.0);
 }
 
+TEST(Session, PresetInObjectForm) {
+  const auto a = session_from_json(nlohmann::json::parse(R"({"methods": ["calibquant:preset=official"]})"), "a");
+  const auto b = session_from_json(
+      nlohmann::json::parse(R"({"methods": [{"method": "calibquant", "preset": "official"}]})"), "b");
+  const auto c = session_from_json(
+      nlohmann::json::parse(R"({"methods": [{"method": "calibquant", "params": {"preset": "official"}}]})"), "c");
+  EXPECT_EQ(a.methods.at(0).num("k_shrink"), 0.5);
+  EXPECT_EQ(a.methods.at(0).spec(), b.methods.at(0).spec());
+  EXPECT_EQ(a.methods.at(0).spec(), c.methods.at(0).spec());
+}
+
 TEST(Session, BadSessionsNameTheProblem) {
   auto expect = [](const char* text, const std::string& needle) {
     try {
@@ -62,8 +75,29 @@ TEST(Session, BadSessionsNameTheProblem) {
   expect(R"({"methods": [42]})", "methods[0]");
   expect(R"({"method": []})", "unknown key 'method'");
   expect(R"({"max_new_tokens": 0})", "max_new_tokens");
-  expect(R"({"max_new_tokens": "many"})", "wrong type");
+  expect(R"({"max_new_tokens": "many"})", "max_new_tokens must be an integer in [1, 4096], got \"many\"");
   expect(R"({"kv_storage": "bf16"})", "s.json: kv_storage must be fp16 or fp32, got 'bf16'");
+  // Integers are integers: no silent truncation or wrap-around.
+  expect(R"({"max_new_tokens": 4294967297})", "max_new_tokens must be an integer in [1, 4096], got 4294967297");
+  expect(R"({"max_new_tokens": 8.5})", "max_new_tokens must be an integer");
+  expect(R"({"max_new_tokens": 1e30})", "max_new_tokens must be an integer");
+  expect(R"({"diag_steps": -1})", "diag_steps must be an integer");
+  expect(R"({"hit_budget": 0})", "hit_budget must be in");
+  expect(R"({"name": 3})", "'name' must be a string");
+  // The version field: newer versions are refused naming both, nonsense is refused.
+  expect(R"({"kvlens_session": 2})", "session version 2 is newer than this kvlens reads (version 1)");
+  expect(R"({"kvlens_session": 999})", "session version 999 is newer");
+  expect(R"({"kvlens_session": 0})", "'kvlens_session' must be a version number >= 1, got 0");
+  expect(R"({"kvlens_session": "x"})", "'kvlens_session' must be a version number >= 1, got \"x\"");
+  expect(R"({"kvlens_session": 1.5})", "'kvlens_session' must be a version number");
+  // A parameter value cannot smuggle in other parameters.
+  expect(R"({"methods": [{"method": "calibquant", "params": {"bits": "1,tau1=5"}}]})",
+         "methods[0]: calibquant: bits must be one of 1|2|4|8, got '1,tau1=5'");
+  expect(R"({"methods": [{"method": "vlcache", "params": {"budget": "0.1,p=0.5"}}]})",
+         "vlcache: budget must be a finite number");
+  expect(R"({"methods": [{"method": "stack", "params": {"tau1": "1,tau2=0"}}]})", "calibquant: tau1 must be a finite number");
+  expect(R"({"methods": [{"method": "calibquant", "params": {"tau1": [1]}}]})", "calibquant: tau1 must be a string, number or boolean");
+  expect(R"({"methods": [{"method": "calibquant", "params": {}, "extra": 1}]})", "unknown key 'extra'");
   EXPECT_THROW(load_session("/nonexistent/session.json"), InputError);
 }
 

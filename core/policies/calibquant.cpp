@@ -7,7 +7,10 @@
 // Calibration (Eq. 7/8): for each query head and query, γ and δ are the min and max of its
 // pre-softmax scores over the visual keys; g maps them from [γ, δ] onto [γ − τ1, δ − τ2]
 // before the softmax. `calibrate=auto` applies it when b ≤ 2 (as the authors' code does),
-// `force` always, `off` never.
+// `force` always, `off` never. The slope (δ−γ+τ1−τ2)/(δ−γ) is applied as Eq. 7 defines it:
+// τ1 > τ2 widens the visual range (order kept); a query whose visual range δ−γ is narrower
+// than τ2−τ1 gets a negative slope, which reverses the order of its visual scores (the
+// Calibration view draws g as a transfer curve, so this is visible).
 //
 // Range shrinking (the authors' code, 1 bit: K 0.5, V 0.3): before quantizing, each channel's
 // bounds are multiplied by the factor s (shrink_about=zero: [s·α, s·β], what the code does) or
@@ -120,9 +123,9 @@ MethodSpec calibquant_method() {
       param::choice("bits", {"1", "2", "4", "8"}, "1",
                     "bits b for visual K and V, channel-wise: α_i, β_i = min/max over visual tokens (Eq. 5)"),
       param::real("tau1", 0, 8, "0",
-                  "τ1: calibration lowers the visual score minimum γ to γ−τ1 (Eq. 7)"),
+                  "τ1: calibration lowers the visual score minimum γ to γ−τ1 (Eq. 7); τ1 > τ2 widens the range, order kept"),
       param::real("tau2", 0, 8, "3",
-                  "τ2: calibration lowers the visual score maximum δ to δ−τ2 (Eq. 7)"),
+                  "τ2: calibration lowers the visual score maximum δ to δ−τ2 (Eq. 7); where τ2−τ1 > δ−γ the slope is negative and that query's visual scores reverse order, as Eq. 7 defines"),
       param::choice("calibrate", {"auto", "force", "off"}, "auto",
                     "apply g(x) = (δ−γ+τ1−τ2)/(δ−γ)·(x−γ)+γ−τ1: auto = when bits ≤ 2, force, off"),
       param::real("k_shrink", 0.01, 1, "1",

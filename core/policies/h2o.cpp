@@ -48,7 +48,7 @@ MethodSpec h2o_method() {
   m.family = "eviction";
   m.summary = "H2O: accumulated-attention heavy hitters + recent window";
   m.params = {
-      {"budget", ParamSpec::Type::Float, 0.0, 1.0, {}, "0.1",
+      {"budget", ParamSpec::Type::Float, kMinBudget, 1.0, {}, "0.1",
        "each layer keeps floor(budget*T) rows per KV head"},
       {"recent_ratio", ParamSpec::Type::Float, 0.0, 1.0, {}, "0.5",
        "recent window = floor(recent_ratio*kept) last tokens; the rest top by psi_j = sum_i A_ij "

@@ -80,7 +80,7 @@ MethodSpec pyramidkv_method() {
   m.family = "eviction";
   m.summary = "PyramidKV: layer budgets decreasing linearly with depth, SnapKV selection";
   m.params = {
-      {"budget", ParamSpec::Type::Float, 0.0, 1.0, {}, "0.1",
+      {"budget", ParamSpec::Type::Float, kMinBudget, 1.0, {}, "0.1",
        "mean budget alpha over layers; layer l keeps floor(beta_l*T) rows per KV head"},
       {"beta", ParamSpec::Type::Float, 1.0, 1000.0, {}, "20",
        "last layer alpha/beta, first 2*alpha - alpha/beta, linear between (first/last = 2*beta-1)"},

@@ -31,6 +31,11 @@ struct LayerPlan {
   int recent = 0;
 };
 
+// Budgets are fractions of the prompt in [kMinBudget, 1]: a budget of 0 is refused (it would
+// keep nothing), and a positive budget whose floor(budget · T) is 0 keeps the minimum, one row
+// per KV head and layer.
+constexpr double kMinBudget = 0.001;
+
 // floor(fraction · n) clamped to [1, n] (n ≥ 1). Throws InputError on a fraction outside
 // [0, 1] or a non-finite one.
 int budget_rows(double fraction, int n);

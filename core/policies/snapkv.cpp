@@ -92,7 +92,7 @@ MethodSpec snapkv_method() {
   m.family = "eviction";
   m.summary = "SnapKV: observation-window votes pooled over keys + the window";
   m.params = {
-      {"budget", ParamSpec::Type::Float, 0.0, 1.0, {}, "0.1",
+      {"budget", ParamSpec::Type::Float, kMinBudget, 1.0, {}, "0.1",
        "each layer keeps floor(budget*T) rows per KV head, the observation window included"},
   };
   for (ParamSpec& p : snapkv_selection_params()) m.params.push_back(std::move(p));

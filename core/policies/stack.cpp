@@ -18,6 +18,7 @@
 // attention still covers the whole prompt, so it must find its rows by position (HeadRows::pos).
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 
 #include "core/errors.h"
@@ -76,15 +77,18 @@ bool declares(const MethodSpec& m, const std::string& param) {
 
 const char* kControl[] = {"evict", "quant", "evict_preset", "quant_preset"};
 
-std::unique_ptr<KVPolicy> build_stack(const Params& p) {
+struct InnerParams {
+  std::optional<Params> evict, quant;
+};
+
+// The two inner methods' Params, each value validated by its own method's schema.
+InnerParams inner_params(const Params& p) {
   const std::string ev = p.str("evict"), qu = p.str("quant");
-  std::map<std::string, std::string> spec;  // inner method -> "k=v,k=v"
-  auto add = [&](const std::string& method, const std::string& kv) {
-    std::string& s = spec[method];
-    s += (s.empty() ? "" : ",") + kv;
-  };
-  if (ev != kNone && p.str("evict_preset") != kNone) add(ev, "preset=" + p.str("evict_preset"));
-  if (qu != kNone && p.str("quant_preset") != kNone) add(qu, "preset=" + p.str("quant_preset"));
+  // Inner methods get their values as parsed values, never joined into a spec string.
+  std::map<std::string, std::map<std::string, std::string>> given;  // inner method -> values
+  std::map<std::string, std::string> preset;
+  if (ev != kNone && p.str("evict_preset") != kNone) preset[ev] = p.str("evict_preset");
+  if (qu != kNone && p.str("quant_preset") != kNone) preset[qu] = p.str("quant_preset");
   for (const auto& [key, value] : p.values()) {
     bool control = false;
     for (const char* c : kControl) control = control || key == c;
@@ -100,19 +104,23 @@ std::unique_ptr<KVPolicy> build_stack(const Params& p) {
     bool used = false;
     for (const std::string& m : targets) {
       if (m == kNone || !declares(find_method(m), name)) continue;
-      add(m, name + "=" + value);
+      given[m][name] = value;
       used = true;
     }
     if (!used)
       throw InputError("stack: parameter '" + key + "' belongs to neither evict=" + ev +
                        " nor quant=" + qu);
   }
-  auto inner = [&](const std::string& m) -> std::unique_ptr<KVPolicy> {
-    if (m == kNone) return nullptr;
-    const std::string& kv = spec[m];
-    return make_policy(parse_method_spec(kv.empty() ? m : m + ":" + kv));
-  };
-  return std::make_unique<StackPolicy>(inner(ev), inner(qu));
+  InnerParams r;
+  if (ev != kNone) r.evict = make_params(ev, preset[ev], given[ev]);
+  if (qu != kNone) r.quant = make_params(qu, preset[qu], given[qu]);
+  return r;
+}
+
+std::unique_ptr<KVPolicy> build_stack(const Params& p) {
+  const InnerParams in = inner_params(p);
+  return std::make_unique<StackPolicy>(in.evict ? make_policy(*in.evict) : nullptr,
+                                       in.quant ? make_policy(*in.quant) : nullptr);
 }
 
 }  // namespace
@@ -176,6 +184,7 @@ MethodSpec stack_method() {
       pass("quant." + name, "the quantization method", family_help[2][name]);
     }
   s.make = build_stack;
+  s.check = [](const Params& p) { inner_params(p); };
   return s;
 }
 

@@ -47,7 +47,7 @@ MethodSpec streamingllm_method() {
   m.family = "eviction";
   m.summary = "StreamingLLM: attention-sink tokens + recent window";
   m.params = {
-      {"budget", ParamSpec::Type::Float, 0.0, 1.0, {}, "0.1",
+      {"budget", ParamSpec::Type::Float, kMinBudget, 1.0, {}, "0.1",
        "each layer keeps floor(budget*T) rows per KV head: sinks + the most recent tokens"},
       {"sinks", ParamSpec::Type::Int, 0, 1024, {}, "4",
        "initial tokens always kept (attention sinks); recent window = kept - sinks"},

@@ -114,7 +114,7 @@ MethodSpec vlcache_method() {
   m.family = "eviction";
   m.summary = "VL-Cache: sparsity-aware layer budgets + post-vision attention token scores";
   m.params = {
-      {"budget", ParamSpec::Type::Float, 0.0, 1.0, {}, "0.1",
+      {"budget", ParamSpec::Type::Float, kMinBudget, 1.0, {}, "0.1",
        "overall budget alpha: layer l keeps floor(beta(l)*T) rows, "
        "beta(l) = clip((1-gamma(l))/Z*alpha*L, 0.01, 1), Z = sum_l (1-gamma(l))"},
       {"p", ParamSpec::Type::Float, 0.0, 1.0, {}, "0.01",
