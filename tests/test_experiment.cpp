@@ -163,6 +163,33 @@ TEST(Experiment, EveryMethodRunsWithEveryDiagnostic) {
   }
 }
 
+TEST(Experiment, ZipCacheRequantizesEveryGapGeneratedTokens) {
+  // Algorithm 3 with a small gap: every 3 generated tokens are quantized (1 of 3 salient at 4
+  // bits, 2 at 2 bits) once the next one arrives; with gap 100 they stay fp16 rows.
+  const Fixture& f = fixture("mha_fp32_hub");
+  ExperimentOptions opt = small_options();
+  opt.max_new_tokens = 14;
+  const Experiment ex = start_experiment(f.model, f.image, opt);
+  const MethodRun slow = run_method(f.model, ex, parse_method_spec("zipcache"), opt);
+  const MethodRun fast = run_method(f.model, ex, parse_method_spec("zipcache:gap=3"), opt);
+  EXPECT_EQ(fast.result.bytes_after_prefill.total(), slow.result.bytes_after_prefill.total());
+  const auto& c = f.model.config().text;
+  const int64_t KH = c.num_key_value_heads, D = c.head_dim, L = c.num_hidden_layers;
+  const int appended = static_cast<int>(fast.result.generated_ids.size()) - 1;  // the last token is not fed back
+  ASSERT_EQ(appended, static_cast<int>(slow.result.generated_ids.size()) - 1) << "compare equal decode lengths";
+  ASSERT_GE(appended, 7) << "needs at least two gaps";
+  const int64_t gaps = (appended - 1) / 3;
+  const int64_t dense = 3 * KH * (2 * D * 2);  // a gap's fp16 K and V codes (positions stay)
+  auto packed = [](int64_t n, int b) { return (n * b + 7) / 8; };
+  const int64_t per_head = packed(D, 4) + packed(2 * D, 2) + 8 * D +  // K streams + ranges per subset
+                           packed(D, 4) + 2 * packed(D, 2) + 4 * D + 1;  // V codes, c per subset, flags
+  // V token ranges (4 B each): one per token when the heads agree, up to two when they do not.
+  const int64_t lo = per_head * KH + 4 * 3, hi = per_head * KH + 4 * 6;
+  const int64_t saved = slow.result.bytes_final.total() - fast.result.bytes_final.total();
+  EXPECT_GE(saved, L * gaps * (dense - hi)) << gaps << " gaps";
+  EXPECT_LE(saved, L * gaps * (dense - lo)) << gaps << " gaps";
+}
+
 TEST(Experiment, EvictionShrinksBytesAndMarksFate) {
   const Fixture& f = fixture("mha_fp32_hub");
   const ExperimentOptions opt = small_options();
