@@ -13,6 +13,13 @@ class InputError : public std::runtime_error {
   explicit InputError(const std::string& what) : std::runtime_error(what) {}
 };
 
+// A model's activations went NaN or infinite: bad weights (or an overflow) in the checkpoint.
+// The message names the first tensor that did.
+class NonFiniteError : public InputError {
+ public:
+  explicit NonFiniteError(const std::string& what) : InputError(what) {}
+};
+
 // A broken invariant inside kvlens (a bug, not bad input).
 class InternalError : public std::logic_error {
  public:

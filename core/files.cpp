@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 
 #include "core/errors.h"
 
@@ -55,6 +56,16 @@ void check_target(const std::string& path, const std::string& dir, const std::st
   if (!S_ISDIR(ds.st_mode)) throw InputError(path + ": cannot write " + what + ": " + dir + " is not a folder");
   if (::access(dir.c_str(), W_OK | X_OK) != 0)
     throw InputError(path + ": cannot write " + what + ": folder " + dir + " is not writable (" + err() + ")");
+}
+
+// Whether process `pid` runs (a zombie, killed but not yet reaped, does not).
+bool process_alive(long pid) {
+  if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno != EPERM) return false;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return true;  // no /proc: trust kill()
+  const size_t paren = line.rfind(')');
+  return !(paren != std::string::npos && paren + 2 < line.size() && line[paren + 2] == 'Z');
 }
 
 }  // namespace
@@ -128,12 +139,15 @@ void check_writable(const std::string& path, const std::string& what) {
   }
   ::close(fd);
   ::unlink(probe.c_str());
+  remove_stale_temporaries(dir, name);
 }
 
 void write_file_atomic(const std::string& path, std::string_view data, const std::string& what) {
   std::string dir, name;
   split_target(path, dir, name);
-  check_writable(path, what);
+  check_target(path, dir, what);
+  if (name.empty() || name == "." || name == "..")
+    throw InputError(path + ": cannot write " + what + ": the path names a folder, expected a file");
   const std::string target = dir + "/" + name;
   const std::string tmp = dir + "/" + temp_name(name);
   auto fail = [&](const std::string& step, int fd) {
@@ -176,11 +190,12 @@ bool is_temporary_name(const std::string& n) {
   return n.size() > 1 && n[0] == '.' && n.find(".kvlens-") != std::string::npos;
 }
 
-void remove_stale_temporaries(const std::string& dir) {
+void remove_stale_temporaries(const std::string& dir, const std::string& target_name) {
+  const std::string prefix = target_name.empty() ? std::string(".") : "." + target_name + ".kvlens-";
   std::error_code ec;
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string n = it->path().filename().string();
-    if (!is_temporary_name(n)) continue;
+    if (!is_temporary_name(n) || n.rfind(prefix, 0) != 0) continue;
     // ".NAME.kvlens-TAG-PID-N": the PID sits between the last two dashes.
     const size_t b = n.rfind('-');
     const size_t a = b == std::string::npos || b == 0 ? std::string::npos : n.rfind('-', b - 1);
@@ -189,7 +204,7 @@ void remove_stale_temporaries(const std::string& dir) {
     if (pid_text.empty() || pid_text.find_first_not_of("0123456789") != std::string::npos) continue;
     const long pid = std::strtol(pid_text.c_str(), nullptr, 10);
     if (pid <= 0 || pid == ::getpid()) continue;
-    if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM) continue;  // its writer still runs
+    if (process_alive(pid)) continue;  // its writer still runs
     std::error_code rm;
     fs::remove_all(it->path(), rm);
   }

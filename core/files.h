@@ -34,9 +34,11 @@ void write_file_atomic(const std::string& path, std::string_view data, const std
 // writable and the target is absent or a regular file. Throws InputError as write_file_atomic.
 void check_writable(const std::string& path, const std::string& what);
 
-// Temporary names the atomic writer uses in a folder: ".NAME.kvlens-tmp-PID-N". Stale ones
-// (left by a killed process that no longer runs) are removed by remove_stale_temporaries.
+// Temporary names in a folder: ".NAME.kvlens-TAG-PID-N" (TAG "tmp" for the atomic writer,
+// "partial" / "old" for scene sets). Stale ones, left by a killed process that no longer
+// runs, are removed by remove_stale_temporaries (those of one target when `target_name` is
+// given); check_writable does it for its target.
 bool is_temporary_name(const std::string& file_name);
-void remove_stale_temporaries(const std::string& dir);
+void remove_stale_temporaries(const std::string& dir, const std::string& target_name = "");
 
 }  // namespace kvlens

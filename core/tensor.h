@@ -1,9 +1,12 @@
 // A plain fp32 tensor: row-major data with its shape written beside it. Intermediates are
 // named with their layer ("l3.attn.scores") so CPU and CUDA activations can be compared.
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
+
+#include "core/errors.h"
 
 namespace kvlens {
 
@@ -30,5 +33,15 @@ struct Tensor {
     return s + "]";
   }
 };
+
+// Throws NonFiniteError naming `tensor` when one of the n values is NaN or ±Inf. The models
+// check each layer's output once (one pass over it), so a checkpoint whose weights hold NaN is
+// reported at the first tensor it reaches instead of producing a garbage caption.
+inline void check_finite(const float* x, int64_t n, const std::string& tensor) {
+  for (int64_t i = 0; i < n; ++i)
+    if (!std::isfinite(x[i]))
+      throw NonFiniteError(tensor + " is not finite (value " + std::to_string(x[i]) + " at index " +
+                           std::to_string(i) + "): the checkpoint's weights hold NaN or Inf, or the activations overflow");
+}
 
 }  // namespace kvlens

@@ -75,6 +75,7 @@ std::vector<Tensor> ClipVision::forward(const Tensor& px, const std::vector<int>
         out[i].name = "vision.hidden_states." + std::to_string(idx);
       }
   };
+  check_finite(h.ptr(), static_cast<int64_t>(T) * H, "vision embeddings (after pre_layrnorm)");
   capture(0);
   const int last = *std::max_element(state_indices.begin(), state_indices.end());
   std::vector<float> x(static_cast<size_t>(T) * H), q(x.size()), k(x.size()), v(x.size()), a(x.size()),
@@ -102,6 +103,7 @@ std::vector<Tensor> ClipVision::forward(const Tensor& px, const std::vector<int>
     cpu::activate(mlp.data(), static_cast<int64_t>(T) * I, act);
     cpu::linear(mlp.data(), T, I, L.fc2_w.ptr(), H, L.fc2_b.ptr(), x.data());
     cpu::add(h.ptr(), x.data(), static_cast<int64_t>(T) * H);
+    check_finite(h.ptr(), static_cast<int64_t>(T) * H, "vision layer " + std::to_string(l) + " output");
     capture(l + 1);
   }
   return out;

@@ -157,6 +157,7 @@ std::vector<float> LlamaDecoder::prefill(const Tensor& x0, const std::vector<Seg
     cpu::mul(g.data(), u.data(), static_cast<int64_t>(T) * I);
     cpu::linear(g.data(), T, I, L.down_w.ptr(), H, nullptr, x.data());
     cpu::add(h.data(), x.data(), static_cast<int64_t>(T) * H);
+    check_finite(h.data(), static_cast<int64_t>(T) * H, "text layer " + std::to_string(l) + " output (prefill)");
   }
   return logits_of(h.data() + static_cast<size_t>(T - 1) * H);
 }
@@ -254,6 +255,7 @@ std::vector<float> LlamaDecoder::decode(const float* x0, int position, int step,
     cpu::mul(g.data(), u.data(), I);
     cpu::linear(g.data(), 1, I, L.down_w.ptr(), H, nullptr, x.data());
     cpu::add(h.data(), x.data(), H);
+    check_finite(h.data(), H, "text layer " + std::to_string(l) + " output (decode step " + std::to_string(step) + ")");
   }
   return logits_of(h.data());
 }

@@ -66,6 +66,20 @@ int sample(const std::vector<float>& logits, const GenerateOptions& opt, std::mt
 
 }  // namespace
 
+namespace {
+
+// Runs f, naming the model folder in a non-finite activation's message.
+template <class F>
+auto in_model(const std::string& dir, F f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const NonFiniteError& e) {
+    throw NonFiniteError(dir + ": " + e.what());
+  }
+}
+
+}  // namespace
+
 LlavaModel LlavaModel::load(const std::string& dir) {
   try {
     return load_checked(dir);
@@ -123,6 +137,10 @@ LlavaModel LlavaModel::load_checked(const std::string& dir) {
 Tensor LlavaModel::pixel_values(const RGBImage& img) const { return preprocess(img, pre_); }
 
 Tensor LlavaModel::encode_image(const Tensor& px) const {
+  return in_model(dir_, [&] { return encode_image_unnamed(px); });
+}
+
+Tensor LlavaModel::encode_image_unnamed(const Tensor& px) const {
   const auto states = vision_.forward(px, cfg_.feature_layer_indices());
   const int VH = cfg_.vision.hidden_size, H = cfg_.text.hidden_size;
   const int skip = cfg_.vision_feature_select_strategy == "default" ? 1 : 0;
@@ -139,6 +157,7 @@ Tensor LlavaModel::encode_image(const Tensor& px) const {
                 activation_from_name(cfg_.projector_hidden_act, "projector_hidden_act"));
   Tensor out("image_features", {N, H});
   cpu::linear(mid.data(), N, H, proj_.w2.ptr(), H, proj_.b2.data.empty() ? nullptr : proj_.b2.ptr(), out.ptr());
+  check_finite(out.ptr(), out.numel(), "multi_modal_projector output");
   return out;
 }
 
@@ -188,7 +207,7 @@ PrefillState LlavaModel::prefill_features(const Tensor& feats, const std::string
   }
   st.store = KVStore(cfg_.text.num_hidden_layers, cfg_.text.num_key_value_heads, cfg_.text.head_dim);
   st.capture.keep = keep_attention;
-  st.logits = text_.prefill(x, st.kinds, st.store, observers, &st.capture);
+  st.logits = in_model(dir_, [&] { return text_.prefill(x, st.kinds, st.store, observers, &st.capture); });
   st.prefill_ms = ms_since(t1);
   return st;
 }
@@ -247,7 +266,7 @@ DecodeResult LlavaModel::decode(const PrefillState& st, KVPolicy* policy, const 
     if ((opt.stop_at_eos && is_eos) || step + 1 == opt.max_new_tokens) break;
     if (pos + 1 > cfg_.text.max_position_embeddings) break;
     text_.embed_tokens({tok}, emb.data());
-    logits = text_.decode(emb.data(), pos, step, store, policy, observers);
+    logits = in_model(dir_, [&] { return text_.decode(emb.data(), pos, step, store, policy, observers); });
     ++pos;
   }
   r.decode_ms = ms_since(t1);

@@ -88,6 +88,7 @@ class LlavaModel {
 
  private:
   static LlavaModel load_checked(const std::string& dir);
+  Tensor encode_image_unnamed(const Tensor& pixel_values) const;
 
   std::string dir_;
   LlavaConfig cfg_;
