@@ -235,7 +235,6 @@ void ScoreEvictPolicy::compress_layer(const PrefillContext& c, const LayerPlan& 
       if (merging) {
         std::vector<int32_t> pos;
         gather_head(layer, h, c.head_dim, K[h], V[h], pos);
-        merge(c, h, keep[h], K[h], V[h]);
       }
     } catch (...) {
 #pragma omp critical(kvlens_evict_error)
@@ -243,7 +242,24 @@ void ScoreEvictPolicy::compress_layer(const PrefillContext& c, const LayerPlan& 
     }
   }
   if (err) std::rethrow_exception(err);
+  if (merging) merge_layer(c, keep, K, V);
   keep_rows(name_, layer, c.head_dim, keep, merging ? &K : nullptr, merging ? &V : nullptr);
+}
+
+void ScoreEvictPolicy::merge_layer(const PrefillContext& c, const std::vector<std::vector<int>>& keep,
+                                   std::vector<std::vector<float>>& k, std::vector<std::vector<float>>& v) const {
+  const int H = static_cast<int>(keep.size());
+  std::exception_ptr err;
+#pragma omp parallel for schedule(dynamic)
+  for (int h = 0; h < H; ++h) {
+    try {
+      merge(c, h, keep[h], k[h], v[h]);
+    } catch (...) {
+#pragma omp critical(kvlens_merge_error)
+      if (!err) err = std::current_exception();
+    }
+  }
+  if (err) std::rethrow_exception(err);
 }
 
 void ScoreEvictPolicy::on_prefill(const std::vector<PrefillContext>& layers, KVStore& store) {

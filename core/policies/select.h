@@ -109,6 +109,11 @@ class ScoreEvictPolicy : public KVPolicy {
   // `keep` the kept indices; edit only kept rows.
   virtual void merge(const PrefillContext& c, int kv_head, const std::vector<int>& keep,
                      std::vector<float>& k, std::vector<float>& v) const {}
+  // Merging of a whole layer once every KV head has selected (keep[h], k[h], v[h] as for
+  // merge()); the default merges each head on its own. A method whose merge looks across heads
+  // (LOOK-M's official similarity filter) overrides this.
+  virtual void merge_layer(const PrefillContext& c, const std::vector<std::vector<int>>& keep,
+                           std::vector<std::vector<float>>& k, std::vector<std::vector<float>>& v) const;
 
  private:
   void compress_layer(const PrefillContext& c, const LayerPlan& plan, LayerKV& layer) const;
