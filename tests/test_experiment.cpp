@@ -160,6 +160,8 @@ TEST(Experiment, EveryMethodRunsWithEveryDiagnostic) {
     }
     for (const char* key : {"sparsity_prefill", "sparsity_decode"}) EXPECT_TRUE(j["full"].contains(key));
     EXPECT_EQ(j["cache_hit_rate"]["rates"].size(), 5u);
+    EXPECT_EQ(j["cache_hit_rate"]["rates_per_kv_head"].size(), 5u);
+    EXPECT_TRUE(j["cache_hit_rate"].contains("definitions"));
   }
 }
 
@@ -278,10 +280,26 @@ TEST(Diagnostics, RecencyHitRateMatchesDirectCount) {
         }
       std::vector<int> idx(T);
       std::iota(idx.begin(), idx.end(), 0);
-      std::stable_sort(idx.begin(), idx.end(), [&](int x, int y) { return a[x] > a[y] || (a[x] == a[y] && x > y); });
+      std::stable_sort(idx.begin(), idx.end(), [&](int x, int y) { return a[x] > a[y]; });  // ties: earlier
       int hits = 0;
       for (int i = 0; i < h.k; ++i) hits += idx[i] >= T - h.k ? 1 : 0;
       EXPECT_DOUBLE_EQ(h.rates[4][si][l], static_cast<double>(hits) / h.k);
+      // Per KV head: the same count on each head's group-mean attention, averaged over heads.
+      double per_head = 0;
+      for (int g = 0; g < e->n_kv_heads; ++g) {
+        std::vector<double> b(T, 0.0);
+        for (int hd = g * G; hd < (g + 1) * G; ++hd)
+          for (int j = 0; j < e->n_k; ++j) {
+            const int p = e->key_pos[g * e->n_k + j];
+            if (p >= 0 && p < T) b[p] += e->probs[hd * e->n_k + j] / G;
+          }
+        std::iota(idx.begin(), idx.end(), 0);
+        std::stable_sort(idx.begin(), idx.end(), [&](int x, int y) { return b[x] > b[y]; });
+        int hg = 0;
+        for (int i = 0; i < h.k; ++i) hg += idx[i] >= T - h.k ? 1 : 0;
+        per_head += static_cast<double>(hg) / h.k / e->n_kv_heads;
+      }
+      EXPECT_NEAR(h.rates_head[4][si][l], per_head, 1e-12);
     }
 }
 
