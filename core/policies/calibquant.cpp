@@ -127,7 +127,7 @@ MethodSpec calibquant_method() {
       param::real("tau2", 0, 8, "3",
                   "τ2: calibration lowers the visual score maximum δ to δ−τ2 (Eq. 7); where τ2−τ1 > δ−γ the slope is negative and that query's visual scores reverse order, as Eq. 7 defines"),
       param::choice("calibrate", {"auto", "force", "off"}, "auto",
-                    "apply g(x) = (δ−γ+τ1−τ2)/(δ−γ)·(x−γ)+γ−τ1: auto = when bits ≤ 2, force, off"),
+                    "apply g(x) = (δ−γ+τ1−τ2)/(δ−γ)·(x−γ)+γ−τ1 (Eq. 7/8): auto = when bits ≤ 2 (the authors' code), force, off"),
       param::real("k_shrink", 0.01, 1, "1",
                   "K range factor s: [α, β] → [c+s(α−c), c+s(β−c)] before quantizing (1 = none; code: 0.5)"),
       param::real("v_shrink", 0.01, 1, "1",

@@ -351,8 +351,8 @@ MethodSpec lookm_method() {
        "average merge sources: assigned = each merged row itself (Eq. 10); prefix = the f-th merged "
        "assignment takes the f-th evicted row in order (authors' avg-merge scatter of unfiltered rows)"},
       {"sinks", ParamSpec::Type::Int, 0, 1000000, {}, "0",
-       "first n prompt tokens always in the top N (score +inf); not in the paper; the authors' no-prior "
-       "classes force 4, the text-prior ones none"},
+       "first n prompt tokens always in the top N (score +inf); not in the paper; the authors' code forces 4 "
+       "in its no-prior classes, none with the text prior"},
   };
   m.presets = {
       {"paper", {{"text_keep", "budget"}, {"merge_filter", "all"}, {"average_source", "assigned"}, {"sinks", "0"}}},

@@ -403,7 +403,7 @@ MethodSpec zipcache_method() {
                     "probe queries whose attention rows A_probe = softmax(Q_probe Kᵀ/√d) measure saliency (Eq. 9, Table 2)"),
       param::real("recent_ratio", 0, 1, "0.05", "recent probes: the last round(ratio·T) tokens (≥ 1); decode: last ratio·gap of each gap (Alg. 3)"),
       param::real("random_ratio", 0, 1, "0.05", "random probes: round(ratio·T) tokens (≥ 1), seeded; decode: each token with this probability (Alg. 3)"),
-      param::integer("seed", 0, 2147483647, "0", "seed of the random probes"),
+      param::integer("seed", 0, 2147483647, "0", "seed of the random probes (Sec. 4.3 draws them at random)"),
       param::choice("saliency_heads", {"per-head", "shared"}, "per-head",
                     "saliency per KV head (mean over its query heads; the authors' code) or one per layer (mean over all heads)"),
       param::integer("gap", 1, 1000000, "100", "streaming: quantize decode tokens every `gap` new tokens (Algorithm 3: 100)"),
