@@ -340,17 +340,28 @@ HitRates cache_hit_rates(const PrefillView& pv, const DecodeRecorder& full, doub
     for (size_t si = 0; si < hr.steps.size(); ++si) {
       const auto* E = full.find(hr.steps[si], l);
       if (!E) throw InternalError("cache_hit_rates: no decode attention for step " + std::to_string(hr.steps[si]));
+      // A_{m+1} = softmax(q K_{:m}ᵀ/√d) over the prompt keys alone: each query head's
+      // probabilities of the prompt keys renormalised to sum to 1 (the decode query also sees the
+      // generated keys), then averaged over the layer's heads (layer level) or over the query
+      // heads of each KV head (per KV head).
       const int GE = E->n_heads / E->n_kv_heads;
       std::vector<std::vector<double>> truth(E->n_kv_heads, std::vector<double>(T, 0.0));
       std::vector<double> truth_layer(T, 0.0);
-      for (int h = 0; h < E->n_heads; ++h)
-        for (int j = 0; j < E->n_k; ++j) {
-          const int32_t pos = E->key_pos[static_cast<size_t>(h / GE) * E->n_k + j];
-          if (pos < 0 || pos >= T) continue;
-          const double a = E->probs[static_cast<size_t>(h) * E->n_k + j];
-          truth[h / GE][pos] += a / GE;
-          truth_layer[pos] += a / E->n_heads;
-        }
+      for (int h = 0; h < E->n_heads; ++h) {
+        double mass = 0.0;
+        for (int pass = 0; pass < 2; ++pass)
+          for (int j = 0; j < E->n_k; ++j) {
+            const int32_t pos = E->key_pos[static_cast<size_t>(h / GE) * E->n_k + j];
+            if (pos < 0 || pos >= T) continue;
+            const double p = E->probs[static_cast<size_t>(h) * E->n_k + j];
+            if (pass == 0) {
+              mass += p;
+            } else if (mass > 0.0) {
+              truth[h / GE][pos] += p / mass / GE;
+              truth_layer[pos] += p / mass / E->n_heads;
+            }
+          }
+      }
       for (size_t st = 0; st < S; ++st) {
         hr.rates[st][si][l] = hit(layer[st], truth_layer);
         double sum = 0.0;
@@ -360,6 +371,28 @@ HitRates cache_hit_rates(const PrefillView& pv, const DecodeRecorder& full, doub
     }
   }
   return hr;
+}
+
+nlohmann::json diagnostic_definitions() {
+  return {
+      {"softmax_mse", "mean over the exact keys j of (P_full(j) - P_method(j))^2, P = decode attention "
+                      "probabilities (P_method(j) = 0 for an evicted key); mean over query heads and steps"},
+      {"softmax_kl", "KL(full || method) = sum_j P_full(j) * ln(P_full(j) / max(P_method(j), 1e-10)): the "
+                     "full cache is the reference distribution; mean over query heads and steps"},
+      {"attn_output_rel_error", "||o_method - o_full||_2 / ||o_full||_2 (norm ratio), o = sum_j P(j) v_j; "
+                                "mean over query heads and steps"},
+      {"sparsity_decode", "share of the method's decode attention entries below p * (row max), p = options.sparsity_p"},
+      {"visual_score_histogram", "first decode step, pre-softmax scores q.k/sqrt(d) of the visual keys: exact "
+                                 "(full keys), quantized (method keys), calibrated (after the method's score "
+                                 "transform); bins of one shared [lo, hi]"},
+      {"cache_hit_rate", "|top-k by strategy & top-k by truth| / k, k = floor(hit_budget * prompt length), at least "
+                         "1, ties to the earlier token; truth = decode attention over the prompt keys, each head "
+                         "renormalised to sum 1; strategies score keys by prefill attention: accumulated sum_i A_ij, "
+                         "normalized sum_i A_ij / (T - j), sliding_window over the last hit_window queries, "
+                         "post_vision over the queries after the last visual token, recency = position; rates: "
+                         "strategy and truth the mean over every query head of the layer; rates_per_kv_head: the "
+                         "mean over the query heads of one KV head, ranked per KV head, averaged over KV heads"},
+  };
 }
 
 nlohmann::json to_json(const KVBytes& b) {

@@ -50,6 +50,20 @@ struct ScoreHistogram {
   std::vector<int64_t> exact, quantized, calibrated;  // same bin edges
 };
 
+// Each decode query of the method is compared with the exact attention of the same query over
+// the full-precision prompt (and the method's generated rows): P_full over those keys, P_method
+// the method's probabilities summed by position (0 for an evicted key). Means over query heads
+// and the recorded decode steps:
+//   softmax_mse      = mean_j (P_full(j) − P_method(j))², j over the exact keys
+//   softmax_kl       = KL(P_full ‖ P_method) = Σ_j P_full(j) · ln(P_full(j) / max(P_method(j), 1e-10)):
+//                      the full cache is the reference distribution; an evicted key counts with
+//                      P_method clamped at 1e-10
+//   output_rel_error = ‖o_method − o_full‖₂ / ‖o_full‖₂ (a norm ratio), o = Σ_j P(j) v_j with the
+//                      method's stored values for o_method and the exact values for o_full
+//   sparsity_decode  = share of the method's attention entries below p · (row max)
+// The histogram uses the first decode step: pre-softmax scores q·k/√d of the visual keys,
+// exact (full keys), quantized (the method's keys) and calibrated (the scores the method's
+// attention used, after any score transform), counted in bins over one shared [lo, hi].
 struct LayerDiagnostics {
   int layer = 0;
   double softmax_mse = 0, softmax_kl = 0, output_rel_error = 0;  // mean over heads and steps
@@ -79,12 +93,14 @@ FirstDivergence first_divergence(const std::vector<int>& full_ids, const std::ve
 
 // CacheHitRate of each scoring strategy (VL-Cache §3.2): |S_ψ,k ∩ S_ψ*,k| / k, where S_ψ,k is
 // the top k prompt tokens by the strategy's score ψ and S_ψ*,k the top k by the true attention
-// A_{m+1+s} of the full cache's decode query at step s, k = budget_rows(budget, prompt_len)
-// (floor, at least 1: the rows an eviction policy at that budget keeps). Strategies score a key
-// by the prefill attention it receives: accumulated (all queries), normalized (all queries,
-// divided by how many can see it), sliding_window (the last `window_queries` queries),
-// post_vision (the queries after the last visual token), and recency (position only, as
-// StreamingLLM keeps tokens). Top-k ties go to the earlier token, as the selection code's top_k.
+// of the full cache's decode query at step s over the prompt keys, A_{m+1} = softmax(q K_{:m}ᵀ/√d):
+// each query head's probabilities of the prompt keys renormalised to sum to 1 (the decode query
+// also sees the generated keys). k = budget_rows(budget, prompt_len) (floor, at least 1: the rows
+// an eviction policy at that budget keeps). Strategies score a key by the prefill attention it
+// receives: accumulated (all queries), normalized (all queries, divided by the n_j = T − j
+// queries that can see key j), sliding_window (the last `window_queries` queries), post_vision
+// (the queries after the last visual token), and recency (position only, as StreamingLLM keeps
+// tokens). Top-k ties go to the earlier token, as the selection code's top_k.
 // Two rates, each [strategy][step index][layer]:
 // - rates (layer level, VL-Cache's definition, whose formulas omit heads): ψ and ψ* are the means
 //   over every query head of the layer; one top-k each.
@@ -99,6 +115,10 @@ struct HitRates {
 };
 HitRates cache_hit_rates(const PrefillView& pv, const DecodeRecorder& full, double budget,
                          const std::vector<int>& steps, int window_queries = 32);
+
+// The definitions above as one line each, keyed like the report's fields (the report carries
+// them, so a reader of the JSON knows e.g. which distribution KL takes as reference).
+nlohmann::json diagnostic_definitions();
 
 nlohmann::json to_json(const LayerDiagnostics& d);
 nlohmann::json to_json(const HitRates& h);

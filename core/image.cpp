@@ -8,6 +8,7 @@
 #include "core/image.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -71,6 +72,65 @@ std::string too_large(const std::string& name, int64_t w, int64_t h) {
          " pixels, expected at most " + std::to_string(kMaxImagePixels) + " pixels in all";
 }
 
+// stb_image trusts a JPEG's Huffman table sizes: a DHT segment whose 16 code counts add up to
+// more than 256 symbols makes it write past its tables. Such tables are invalid JPEG, so the
+// markers are walked here first and the file is refused naming it. (Walking stops quietly at
+// anything malformed; the decoder then reports that itself.)
+void check_jpeg_tables(const uint8_t* b, size_t n, const std::string& name) {
+  if (n < 4 || b[0] != 0xFF || b[1] != 0xD8) return;
+  size_t i = 2;
+  while (i + 4 <= n) {
+    if (b[i] != 0xFF) return;
+    while (i < n && b[i] == 0xFF) ++i;  // fill bytes
+    if (i >= n) return;
+    const uint8_t m = b[i++];
+    if (m == 0xD9) return;                                  // end of image
+    if (m == 0x01 || (m >= 0xD0 && m <= 0xD8)) continue;   // markers without a length
+    if (i + 2 > n) return;
+    const size_t len = size_t{b[i]} << 8 | b[i + 1];
+    if (len < 2 || i + len > n) return;
+    if (m == 0xC4) {
+      size_t p = i + 2;
+      while (p < i + len) {
+        if (p + 17 > i + len) return;
+        size_t symbols = 0;
+        for (int k = 1; k <= 16; ++k) symbols += b[p + k];
+        if (symbols > 256)
+          throw InputError(name + ": corrupt JPEG (a Huffman table lists " + std::to_string(symbols) +
+                           " codes, at most 256 are possible)");
+        p += 17 + symbols;
+      }
+    }
+    i += len;
+    if (m == 0xDA) {  // entropy-coded data runs to the next marker that is not stuffing or RST
+      while (i + 1 < n && !(b[i] == 0xFF && b[i + 1] != 0x00 && !(b[i + 1] >= 0xD0 && b[i + 1] <= 0xD7))) ++i;
+    }
+  }
+}
+
+// stb_image's 16-bit PNM path reads past its buffer; 16-bit PNM (maxval > 255) is refused
+// before decoding. The header is "P5"/"P6", whitespace and comments, width, height, maxval.
+void check_pnm_depth(const uint8_t* b, size_t n, const std::string& name) {
+  if (n < 2 || b[0] != 'P' || (b[1] != '5' && b[1] != '6')) return;
+  size_t i = 2;
+  long fields[3] = {0, 0, 0};
+  for (long& f : fields) {
+    for (;;) {  // whitespace and # comments
+      while (i < n && std::isspace(b[i])) ++i;
+      if (i < n && b[i] == '#') {
+        while (i < n && b[i] != '\n' && b[i] != '\r') ++i;
+        continue;
+      }
+      break;
+    }
+    if (i >= n || !std::isdigit(b[i])) return;
+    while (i < n && std::isdigit(b[i]) && f < 1000000) f = f * 10 + (b[i++] - '0');
+  }
+  if (fields[2] > 255)
+    throw InputError(name + ": 16-bit PNM (maxval " + std::to_string(fields[2]) +
+                     ") is not supported; expected 8-bit PNM, PNG, JPEG, BMP or GIF");
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -82,6 +142,8 @@ RGBImage decode_image(const uint8_t* bytes, size_t n, const std::string& name) {
   if (n > static_cast<size_t>(std::numeric_limits<int>::max()))
     throw InputError(name + ": " + std::to_string(n) + " bytes is too large for an image file");
   const int len = static_cast<int>(n);
+  check_jpeg_tables(bytes, n, name);
+  check_pnm_depth(bytes, n, name);
   int w = 0, h = 0, comp = 0;
   const bool known = stbi_info_from_memory(bytes, len, &w, &h, &comp);
   // A top-down BMP stores a negative height; stb_image's info call passes it on as is (the

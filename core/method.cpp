@@ -44,7 +44,6 @@ bool parse_bool(const std::string& s, bool& out) {
   return false;
 }
 
-std::string range_text(const ParamSpec& p) { return kvlens::range_text(p.min, p.max); }
 
 // Splits on `sep` outside brackets, so a nested value such as quant=(calibquant:bits=1,tau2=3)
 // stays one item.

@@ -91,6 +91,7 @@ nlohmann::json experiment_json(const LlavaModel& model, const Experiment& ex, co
                {"sparsity_prefill", ex.sparsity_prefill},
                {"sparsity_decode", ex.sparsity_decode_full}};
   j["cache_hit_rate"] = to_json(ex.hit_rates);
+  j["definitions"] = diagnostic_definitions();
   j["methods"] = nlohmann::json::array();
   for (const MethodRun& r : ex.runs) {
     nlohmann::json m;

@@ -257,6 +257,7 @@ DecodeResult LlavaModel::decode(const PrefillState& st, KVPolicy* policy, const 
   const auto& eos = cfg_.text.eos_token_ids;
   std::vector<float> emb(cfg_.text.hidden_size);
   for (int step = 0; step < opt.max_new_tokens; ++step) {
+    if (opt.keep_step_logits) r.step_logits.push_back(logits);
     const int tok = sample(logits, opt, rng);
     std::vector<float> p(logits);
     cpu::softmax_rows(p.data(), 1, static_cast<int>(p.size()));

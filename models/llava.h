@@ -33,6 +33,7 @@ struct GenerateOptions {
   // papers' full cache and the GPU backend store them; fp32 keeps them exact. The prefill
   // snapshot (PrefillState::store) stays exact either way.
   RowStorage kv_storage = RowStorage::Fp16;
+  bool keep_step_logits = false;  // keep the logits of every step in DecodeResult::step_logits
 };
 
 // The prompt after prefill at full precision. Kept so that compression + decode can re-run
@@ -51,6 +52,7 @@ struct DecodeResult {
   std::vector<int> generated_ids;
   std::string text;
   std::vector<float> first_logits;     // logits that chose the first generated token
+  std::vector<std::vector<float>> step_logits;  // logits that chose each token (keep_step_logits)
   std::vector<float> chosen_probs;     // softmax probability of each chosen token
   KVBytes bytes_after_prefill;         // store bytes right after the policy compressed it
   KVBytes bytes_final;

@@ -85,8 +85,7 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
   const int fd = open_input_file(path, "safetensors file", &size_);
   if (size_ < 8) {
     ::close(fd);
-    throw InputError(path + ": truncated safetensors file (" + std::to_string(size_) +
-                     " bytes, expected at least the 8-byte header length)");
+    parse_safetensors(nullptr, size_, path);  // throws: too short for the header length
   }
   map_ = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
   ::close(fd);
@@ -104,8 +103,14 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
 }
 
 void SafetensorsFile::parse_header() {
-  const std::string& path = path_;
-  const auto* base = static_cast<const uint8_t*>(map_);
+  tensors_ = parse_safetensors(static_cast<const uint8_t*>(map_), size_, path_);
+}
+
+std::map<std::string, TensorView> parse_safetensors(const uint8_t* base, uint64_t size_, const std::string& path) {
+  std::map<std::string, TensorView> tensors_;
+  if (size_ < 8)
+    throw InputError(path + ": truncated safetensors file (" + std::to_string(size_) +
+                     " bytes, expected at least the 8-byte header length)");
   uint64_t hlen = 0;
   for (int i = 0; i < 8; ++i) hlen |= static_cast<uint64_t>(base[i]) << (8 * i);
   if (hlen > kMaxSafetensorsHeader)
@@ -190,6 +195,25 @@ void SafetensorsFile::parse_header() {
     if (ranges[i].first < ranges[i - 1].second)
       throw InputError(path + ": tensor byte ranges overlap at offset " +
                        std::to_string(ranges[i].first));
+  return tensors_;
+}
+
+std::map<std::string, std::string> parse_shard_index(const nlohmann::json& j, const std::string& index) {
+  if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
+    throw InputError(index + ": missing 'weight_map' object");
+  std::map<std::string, std::string> shard_of;
+  for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
+    if (!it.value().is_string())
+      throw InputError(index + ": shard of tensor '" + it.key() + "' is not a file name");
+    const std::string shard = it.value().get<std::string>();
+    // Shards sit beside the index: a plain file name, never a path out of the folder.
+    if (shard.empty() || shard == "." || shard == ".." || shard.find('/') != std::string::npos ||
+        shard.find('\0') != std::string::npos)
+      throw InputError(index + ": shard of tensor '" + it.key() + "' must be a file name in the model folder, got '" +
+                       shard + "'");
+    shard_of[it.key()] = shard;
+  }
+  return shard_of;
 }
 
 SafetensorsFile::~SafetensorsFile() {
@@ -202,26 +226,21 @@ WeightStore WeightStore::open_dir(const std::string& dir) {
   const std::string single = dir + "/model.safetensors";
   const std::string index = dir + "/model.safetensors.index.json";
   if (file_exists(index)) {
-    const nlohmann::json j = read_json_file(index, "shard index");
-    if (!j.contains("weight_map") || !j["weight_map"].is_object())
-      throw InputError(index + ": missing 'weight_map' object");
+    const std::map<std::string, std::string> shard_of = parse_shard_index(read_json_file(index, "shard index"), index);
     std::map<std::string, std::shared_ptr<SafetensorsFile>> shards;
-    for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
-      if (!it.value().is_string())
-        throw InputError(index + ": shard of tensor '" + it.key() + "' is not a file name");
-      const std::string shard = it.value().get<std::string>();
+    for (const auto& [tensor, shard] : shard_of) {
       if (!shards.count(shard)) {
         const std::string p = dir + "/" + shard;
         if (!file_exists(p))
-          throw InputError(index + ": shard '" + shard + "' (for tensor '" + it.key() +
+          throw InputError(index + ": shard '" + shard + "' (for tensor '" + tensor +
                            "') is missing");
         shards[shard] = std::make_shared<SafetensorsFile>(p);
       }
       const auto& tensors = shards[shard]->tensors();
-      auto t = tensors.find(it.key());
+      auto t = tensors.find(tensor);
       if (t == tensors.end())
-        throw InputError(index + ": tensor '" + it.key() + "' is not in shard '" + shard + "'");
-      ws.index_[it.key()] = &t->second;
+        throw InputError(index + ": tensor '" + tensor + "' is not in shard '" + shard + "'");
+      ws.index_[tensor] = &t->second;
     }
     for (auto& kv : shards) ws.files_.push_back(kv.second);
   } else if (file_exists(single)) {

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "core/tensor.h"
 
 namespace kvlens {
@@ -28,6 +30,14 @@ struct TensorView {
 
 // Largest header accepted (the reference implementation uses the same cap).
 constexpr uint64_t kMaxSafetensorsHeader = 100ULL * 1024 * 1024;
+
+// Validates a safetensors file's bytes (header length, JSON, dtypes, shapes against byte
+// ranges, ranges inside the data and not overlapping) and returns its tensors, pointing into
+// `base`. `path` names the file in messages. SafetensorsFile maps a file and calls this.
+std::map<std::string, TensorView> parse_safetensors(const uint8_t* base, uint64_t size, const std::string& path);
+
+// model.safetensors.index.json: tensor name → shard file name (a plain name in the folder).
+std::map<std::string, std::string> parse_shard_index(const nlohmann::json& index, const std::string& path);
 
 class SafetensorsFile {
  public:

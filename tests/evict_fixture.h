@@ -105,11 +105,12 @@ inline std::vector<K> layout(int sys, int vis, int post) {
 inline std::unique_ptr<KVPolicy> make(const MethodSpec& m, std::map<std::string, std::string> set = {}) {
   std::map<std::string, std::string> v;
   for (const ParamSpec& p : m.params) v[p.name] = validate_param(m.name, p, p.def);
-  for (const auto& [k, x] : set) {
+  for (const auto& kx : set) {
+    const std::string& k = kx.first;
     EXPECT_TRUE(v.count(k)) << m.name << " has no " << k;
     v[k] = validate_param(m.name, *std::find_if(m.params.begin(), m.params.end(),
                                                 [&](const ParamSpec& p) { return p.name == k; }),
-                          x);
+                          kx.second);
   }
   return m.make(Params(m.name, v));
 }

@@ -199,7 +199,8 @@ TEST(SnapKV, MaxPoolSpreadsTheVoteToNeighbours) {
   // The pooled scores themselves: max ignores the padding, avg divides by the kernel (padding
   // counts as 0); window keys are always kept (+inf). Votes are sums of 4 float probabilities,
   // each rounded once (relative 2^-24), so 8·2^-24 bounds their error.
-  const PrefillContext c = build()->contexts()[0];
+  const auto C = build();  // the contexts point into it: keep it alive
+  const PrefillContext c = C->contexts()[0];
   double r = 0;  // what a column other than 3, 7, 12 receives from the window
   for (int i = 16; i < 20; ++i) r += 0.1 / (i + 1 - 3);
   const std::vector<double> mx = snapkv_scores(c, 0, 4, 3, Pooling::Max);

@@ -267,17 +267,22 @@ TEST(Diagnostics, RecencyHitRateMatchesDirectCount) {
   const int T = static_cast<int>(ex.prefill.ids.size());
   for (size_t si = 0; si < h.steps.size(); ++si)
     for (int l = 0; l < ex.prefill.store.n_layers(); ++l) {
-      // Direct: head-mean attention over the prompt at this step, its top-k, and how many of
-      // them are among the last k prompt positions.
+      // Direct: each head's attention over the prompt keys at this step (renormalised to sum
+      // to 1), averaged over heads, its top-k, and how many of them are among the last k prompt
+      // positions.
       const auto* e = ex.full_recorder->find(h.steps[si], l);
       ASSERT_NE(e, nullptr);
       std::vector<double> a(T, 0.0);
       const int G = e->n_heads / e->n_kv_heads;
-      for (int hd = 0; hd < e->n_heads; ++hd)
+      for (int hd = 0; hd < e->n_heads; ++hd) {
+        double mass = 0;
+        for (int j = 0; j < e->n_k; ++j)
+          if (e->key_pos[(hd / G) * e->n_k + j] < T) mass += e->probs[hd * e->n_k + j];
         for (int j = 0; j < e->n_k; ++j) {
           const int p = e->key_pos[(hd / G) * e->n_k + j];
-          if (p < T) a[p] += e->probs[hd * e->n_k + j] / e->n_heads;
+          if (p < T) a[p] += e->probs[hd * e->n_k + j] / mass / e->n_heads;
         }
+      }
       std::vector<int> idx(T);
       std::iota(idx.begin(), idx.end(), 0);
       std::stable_sort(idx.begin(), idx.end(), [&](int x, int y) { return a[x] > a[y]; });  // ties: earlier

@@ -222,7 +222,7 @@ TEST(ImageResize, IdentityConstantAndErrors) {
   EXPECT_EQ(compare(resize_bicubic(src, src.width, src.height), src).max, 0);
   // Normalized weights keep a flat image flat, at both ends of the range.
   for (uint8_t v : {uint8_t{0}, uint8_t{255}, uint8_t{77}}) {
-    RGBImage flat{13, 9, std::vector<uint8_t>(13 * 9 * 3, v)};
+    RGBImage flat{13, 9, std::vector<uint8_t>(13 * 9 * 3, v), ""};
     for (const auto& [w, h] : std::vector<std::pair<int, int>>{{5, 4}, {31, 17}, {13, 2}}) {
       const RGBImage r = resize_bicubic(flat, w, h);
       for (uint8_t p : r.data) ASSERT_EQ(p, v) << w << "x" << h;
@@ -253,7 +253,7 @@ TEST(ImageGeometry, PadToSquare) {
   EXPECT_EQ(compare(sq, raw_image("pp_pad_square.rgb")).max, 0);
 
   // Tall, odd difference: 3 x 6 → 6 x 6 with the image in columns [1, 4).
-  RGBImage tall{3, 6, {}};
+  RGBImage tall{3, 6, {}, ""};
   for (int i = 0; i < 3 * 6 * 3; ++i) tall.data.push_back(static_cast<uint8_t>(i));
   const RGBImage t = pad_to_square(tall, colour);
   ASSERT_EQ(t.width, 6);
@@ -267,7 +267,7 @@ TEST(ImageGeometry, PadToSquare) {
         ASSERT_EQ(got, want) << x << "," << y << "," << c;
       }
   // Already square: unchanged.
-  RGBImage s{4, 4, std::vector<uint8_t>(48, 9)};
+  RGBImage s{4, 4, std::vector<uint8_t>(48, 9), ""};
   EXPECT_EQ(compare(pad_to_square(s, colour), s).max, 0);
 }
 
@@ -401,7 +401,7 @@ TEST(ImagePreprocess, ShapesWithoutCropAndFixedSize) {
   cfg.do_center_crop = false;
   const RGBImage wide = raw_image("pp_src.rgb");  // 61 x 43 → int(40 · 61 / 43) = 56
   EXPECT_EQ(preprocess(wide, cfg).shape, (std::vector<int64_t>{3, 40, 56}));
-  RGBImage tall{43, 61, wide.data};  // same bytes seen as 43 x 61
+  RGBImage tall{43, 61, wide.data, ""};  // same bytes seen as 43 x 61
   EXPECT_EQ(preprocess(tall, cfg).shape, (std::vector<int64_t>{3, 56, 40}));
   cfg.resize_height = 30;
   cfg.resize_width = 50;
@@ -470,9 +470,11 @@ TEST(ImageConfig, BadValuesNameTheKey) {
       {R"({"resample": 2})", "resample"},
       {R"({"do_pad": "no"})", "do_pad"},
   };
-  for (const auto& [text, key] : cases)
+  for (const auto& c : cases) {
+    const auto& text = c.first;
     expect_input_error([&] { preprocess_config_from_json(nlohmann::json::parse(text), 224); },
-                       {"'" + key + "'"});
+                       {"'" + std::string(c.second) + "'"});
+  }
   expect_input_error([] { preprocess_config_from_json(nlohmann::json::array(), 224); },
                      {"object"});
 }

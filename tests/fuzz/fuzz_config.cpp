@@ -1,0 +1,27 @@
+// libFuzzer harness: config.json → LLaVA model config, and preprocessor_config.json → image
+// preprocessing config. Bad input may only ever throw InputError; an accepted config keeps
+// the invariants the models rely on.
+#include <cstddef>
+#include <cstdint>
+
+#include "core/errors.h"
+#include "core/image.h"
+#include "models/config.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  const nlohmann::json j = nlohmann::json::parse(data, data + size, nullptr, false);
+  if (j.is_discarded()) return 0;
+  try {
+    const kvlens::LlavaConfig c = kvlens::parse_llava_config(j, "fuzz/config.json");
+    const int needed = c.encoder_layers_needed();
+    if (needed < 0 || needed > c.vision.num_hidden_layers) __builtin_trap();
+    if (c.text.num_attention_heads % c.text.num_key_value_heads != 0) __builtin_trap();
+    if (c.n_visual_tokens() <= 0) __builtin_trap();
+  } catch (const kvlens::InputError&) {
+  }
+  try {
+    kvlens::preprocess_config_from_json(j, 224);
+  } catch (const kvlens::InputError&) {
+  }
+  return 0;
+}

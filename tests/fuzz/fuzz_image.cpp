@@ -1,0 +1,23 @@
+// libFuzzer harness: image bytes → decoded RGB → CLIP preprocessing (and LLaVA's pad to
+// square). Bad input may only ever throw InputError.
+#include <cstddef>
+#include <cstdint>
+
+#include "core/errors.h"
+#include "core/image.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  try {
+    const kvlens::RGBImage img = kvlens::decode_image(data, size, "fuzz.img");
+    if (img.data.size() != static_cast<size_t>(img.width) * img.height * 3) __builtin_trap();
+    if (static_cast<int64_t>(img.width) * img.height > (1 << 22)) return 0;  // decoding was the test
+    kvlens::PreprocessConfig cfg;
+    cfg.shortest_edge = cfg.crop_width = cfg.crop_height = 32;
+    const kvlens::Tensor t = kvlens::preprocess(img, cfg);
+    if (t.numel() != 3 * 32 * 32) __builtin_trap();
+    cfg.pad_to_square = true;
+    kvlens::preprocess(img, cfg);
+  } catch (const kvlens::InputError&) {
+  }
+  return 0;
+}

@@ -1,0 +1,38 @@
+// Every skip in the suite says why: each GTEST_SKIP in tests/ streams a reason. (The count and
+// the reasons of the skips of a run are printed by tests/skipped.sh, which CI runs after ctest.)
+#include <gtest/gtest.h>
+
+#include <dirent.h>
+
+#include <string>
+
+#include "tests/test_util.h"
+
+namespace kt = kvlens::testing;
+
+TEST(SuiteHygiene, EverySkipGivesAReason) {
+  const std::string dir = kt::source_dir() + "/tests";
+  const std::string macro = std::string("GTEST_") + "SKIP()";
+  int files = 0, skips = 0;
+  DIR* d = opendir(dir.c_str());
+  ASSERT_NE(d, nullptr) << dir;
+  while (dirent* e = readdir(d)) {
+    const std::string name = e->d_name;
+    if (name.size() < 4 || (name.substr(name.size() - 4) != ".cpp" && name.substr(name.size() - 2) != ".h")) continue;
+    const std::string src = kt::read_file(dir + "/" + name);
+    ++files;
+    for (size_t at = src.find(macro); at != std::string::npos; at = src.find(macro, at + 1)) {
+      ++skips;
+      size_t i = at + macro.size();
+      while (i < src.size() && isspace(static_cast<unsigned char>(src[i]))) ++i;
+      EXPECT_EQ(src.compare(i, 2, "<<"), 0) << name << ": a skip at offset " << at << " gives no reason";
+      // The reason is more than an empty string.
+      size_t j = i + 2;
+      while (j < src.size() && isspace(static_cast<unsigned char>(src[j]))) ++j;
+      EXPECT_NE(src.compare(j, 3, "\"\";"), 0) << name << ": empty skip reason";
+    }
+  }
+  closedir(d);
+  EXPECT_GT(files, 10);
+  EXPECT_GE(skips, 1);  // tests/test_image.cpp skips where file permissions do not bind
+}
