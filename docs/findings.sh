@@ -5,7 +5,7 @@
 #   docs/findings.sh [OUT]        (OUT defaults to out/findings; build/kvlens must be built)
 #
 # Reports already in OUT are kept, so an interrupted run resumes; a fresh OUT regenerates all.
-# About 20 minutes with JOBS=2 on two cores. JOBS=N runs N images at a time (default 1).
+# About half an hour with JOBS=2 on two cores. JOBS=N runs N images at a time (default 1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 K=${KVLENS:-build/kvlens}
