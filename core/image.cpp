@@ -15,25 +15,18 @@
 
 #include "core/errors.h"
 #include "core/files.h"
+#include "core/numbers.h"
 
-// Formats that PIL also opens; TGA (weak signature), PSD, HDR and PIC are left out so that
-// arbitrary bytes are not mistaken for an image.
-#define STBI_ONLY_PNG
-#define STBI_ONLY_JPEG
-#define STBI_ONLY_BMP
-#define STBI_ONLY_GIF
-#define STBI_ONLY_PNM
-#define STBI_NO_STDIO  // files are read here, so that each failure gets its own message
-#define STB_IMAGE_IMPLEMENTATION
-#define STB_IMAGE_WRITE_IMPLEMENTATION
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wunused-function"
-#pragma GCC diagnostic ignored "-Wmissing-field-initializers"
-#pragma GCC diagnostic ignored "-Wsign-compare"
-#pragma GCC diagnostic ignored "-Wimplicit-fallthrough"
+// The stb implementations are compiled in core/stb_impl.cpp.
+#define STBI_NO_STDIO
 #include "stb_image.h"
 #include "stb_image_write.h"
-#pragma GCC diagnostic pop
+
+#ifdef KVLENS_HAVE_LIBJPEG
+#include <jpeglib.h>
+
+#include <csetjmp>
+#endif
 
 namespace kvlens {
 
@@ -67,20 +60,23 @@ bool png_header_size(const uint8_t* b, size_t n, int64_t* w, int64_t* h) {
   return true;
 }
 
-std::string too_large(const std::string& name, int64_t w, int64_t h) {
+std::string too_large(const std::string& name, int64_t w, int64_t h, int64_t max_pixels) {
   return name + ": image is " + std::to_string(w) + "x" + std::to_string(h) +
-         " pixels, expected at most " + std::to_string(kMaxImagePixels) + " pixels in all";
+         " pixels, expected at most " + std::to_string(max_pixels) + " pixels in all";
 }
 
 // stb_image trusts a JPEG's Huffman table sizes: a DHT segment whose 16 code counts add up to
 // more than 256 symbols makes it write past its tables. Such tables are invalid JPEG, so the
-// markers are walked here first and the file is refused naming it. (Walking stops quietly at
-// anything malformed; the decoder then reports that itself.)
+// markers are walked here first, the way the decoder walks them (skipping junk between
+// segments), and the file is refused naming it.
 void check_jpeg_tables(const uint8_t* b, size_t n, const std::string& name) {
   if (n < 4 || b[0] != 0xFF || b[1] != 0xD8) return;
   size_t i = 2;
   while (i + 4 <= n) {
-    if (b[i] != 0xFF) return;
+    if (b[i] != 0xFF) {  // junk between segments: the decoder skips it byte by byte, so do we
+      ++i;
+      continue;
+    }
     while (i < n && b[i] == 0xFF) ++i;  // fill bytes
     if (i >= n) return;
     const uint8_t m = b[i++];
@@ -88,11 +84,13 @@ void check_jpeg_tables(const uint8_t* b, size_t n, const std::string& name) {
     if (m == 0x01 || (m >= 0xD0 && m <= 0xD8)) continue;   // markers without a length
     if (i + 2 > n) return;
     const size_t len = size_t{b[i]} << 8 | b[i + 1];
-    if (len < 2 || i + len > n) return;
+    if (len < 2) return;
     if (m == 0xC4) {
+      // The decoder reads tables while its length count says so, even past the end of the
+      // file's bytes that remain, so each table header present is checked.
       size_t p = i + 2;
       while (p < i + len) {
-        if (p + 17 > i + len) return;
+        if (p + 17 > n) return;
         size_t symbols = 0;
         for (int k = 1; k <= 16; ++k) symbols += b[p + k];
         if (symbols > 256)
@@ -101,6 +99,7 @@ void check_jpeg_tables(const uint8_t* b, size_t n, const std::string& name) {
         p += 17 + symbols;
       }
     }
+    if (i + len > n) return;
     i += len;
     if (m == 0xDA) {  // entropy-coded data runs to the next marker that is not stuffing or RST
       while (i + 1 < n && !(b[i] == 0xFF && b[i + 1] != 0x00 && !(b[i + 1] >= 0xD0 && b[i + 1] <= 0xD7))) ++i;
@@ -131,17 +130,89 @@ void check_pnm_depth(const uint8_t* b, size_t n, const std::string& name) {
                      ") is not supported; expected 8-bit PNM, PNG, JPEG, BMP or GIF");
 }
 
+#ifdef KVLENS_HAVE_LIBJPEG
+// JPEG through libjpeg-turbo, the decoder PIL uses (default settings: islow IDCT, fancy
+// upsampling), so pixels match PIL's. Grey becomes RGB; CMYK becomes RGB as PIL converts it,
+// r = (255 − c)(255 − k) / 255 rounded, with Adobe files' inverted CMYK undone first.
+struct JpegError {
+  jpeg_error_mgr mgr;
+  std::jmp_buf jump;
+  char message[JMSG_LENGTH_MAX] = {0};
+};
+
+RGBImage decode_jpeg(const uint8_t* bytes, size_t n, const std::string& name, int64_t max_pixels) {
+  jpeg_decompress_struct cinfo;
+  JpegError err;
+  cinfo.err = jpeg_std_error(&err.mgr);
+  err.mgr.error_exit = [](j_common_ptr c) {
+    auto* e = reinterpret_cast<JpegError*>(c->err);
+    e->mgr.format_message(c, e->message);
+    std::longjmp(e->jump, 1);
+  };
+  err.mgr.emit_message = [](j_common_ptr, int) {};  // warnings (corrupt data recovered) stay quiet, as in PIL
+  RGBImage img;
+  std::vector<uint8_t> row;
+  // Nothing with a destructor may be created between setjmp and a longjmp back to it.
+  if (setjmp(err.jump)) {
+    jpeg_destroy_decompress(&cinfo);
+    throw InputError(name + ": cannot decode JPEG (libjpeg: " + std::string(err.message) + ")");
+  }
+  jpeg_create_decompress(&cinfo);
+  jpeg_mem_src(&cinfo, bytes, static_cast<unsigned long>(n));
+  jpeg_read_header(&cinfo, TRUE);
+  const int64_t w = cinfo.image_width, h = cinfo.image_height;
+  if (w <= 0 || h <= 0 || w * h > max_pixels) {
+    jpeg_destroy_decompress(&cinfo);
+    throw InputError(too_large(name, w, h, max_pixels));
+  }
+  const bool cmyk = cinfo.jpeg_color_space == JCS_CMYK || cinfo.jpeg_color_space == JCS_YCCK;
+  cinfo.out_color_space = cmyk ? JCS_CMYK : JCS_RGB;
+  jpeg_start_decompress(&cinfo);
+  const int nc = cinfo.output_components;
+  img.width = static_cast<int>(w);
+  img.height = static_cast<int>(h);
+  img.source = name;
+  img.data.resize(static_cast<size_t>(w) * h * 3);
+  row.resize(static_cast<size_t>(w) * nc);
+  const bool inverted = cmyk && cinfo.saw_Adobe_marker;
+  while (cinfo.output_scanline < cinfo.output_height) {
+    const size_t y = cinfo.output_scanline;
+    JSAMPROW r = row.data();
+    jpeg_read_scanlines(&cinfo, &r, 1);
+    uint8_t* dst = &img.data[y * static_cast<size_t>(w) * 3];
+    if (!cmyk) {
+      std::memcpy(dst, row.data(), static_cast<size_t>(w) * 3);
+      continue;
+    }
+    for (int64_t x = 0; x < w; ++x) {
+      const uint8_t* px = &row[static_cast<size_t>(x) * 4];
+      const int k = inverted ? px[3] : 255 - px[3];
+      for (int c = 0; c < 3; ++c) {
+        const int v = (inverted ? px[c] : 255 - px[c]) * k + 128;  // (255 − c)(255 − k) / 255
+        dst[x * 3 + c] = static_cast<uint8_t>((v + (v >> 8)) >> 8);
+      }
+    }
+  }
+  jpeg_finish_decompress(&cinfo);
+  jpeg_destroy_decompress(&cinfo);
+  return img;
+}
+#endif
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
 // Decoding and writing
 
-RGBImage decode_image(const uint8_t* bytes, size_t n, const std::string& name) {
+RGBImage decode_image(const uint8_t* bytes, size_t n, const std::string& name, int64_t max_pixels) {
   if (bytes == nullptr || n == 0)
     throw InputError(name + ": empty input (0 bytes), expected an image");
   if (n > static_cast<size_t>(std::numeric_limits<int>::max()))
     throw InputError(name + ": " + std::to_string(n) + " bytes is too large for an image file");
   const int len = static_cast<int>(n);
+#ifdef KVLENS_HAVE_LIBJPEG
+  if (n >= 3 && bytes[0] == 0xFF && bytes[1] == 0xD8 && bytes[2] == 0xFF) return decode_jpeg(bytes, n, name, max_pixels);
+#endif
   check_jpeg_tables(bytes, n, name);
   check_pnm_depth(bytes, n, name);
   int w = 0, h = 0, comp = 0;
@@ -152,13 +223,13 @@ RGBImage decode_image(const uint8_t* bytes, size_t n, const std::string& name) {
   if (!known) {
     const std::string reason = stb_reason();
     int64_t pw = 0, ph = 0;
-    if (png_header_size(bytes, n, &pw, &ph) && pw * ph > kMaxImagePixels)
-      throw InputError(too_large(name, pw, ph));
+    if (png_header_size(bytes, n, &pw, &ph) && pw * ph > max_pixels)
+      throw InputError(too_large(name, pw, ph, max_pixels));
     throw InputError(name + ": not a readable image (stb_image: " + reason +
                      "); expected PNG, JPEG, BMP, GIF or PNM");
   }
   const int64_t pixels = static_cast<int64_t>(w) * h;
-  if (w <= 0 || h <= 0 || pixels > kMaxImagePixels) throw InputError(too_large(name, w, h));
+  if (w <= 0 || h <= 0 || pixels > max_pixels) throw InputError(too_large(name, w, h, max_pixels));
   int dw = 0, dh = 0, dc = 0;
   // 16-bit images come back as 8 bits by keeping the high byte of each sample (v >> 8). PIL
   // does the same for 16-bit RGB / RGBA PNGs; for 16-bit grey PIL clips v to 255 instead.
@@ -370,6 +441,11 @@ RGBImage pad_to_square(const RGBImage& img, std::array<uint8_t, 3> colour) {
   check_image(img, "pad_to_square");
   if (img.width == img.height) return img;
   const int side = std::max(img.width, img.height);
+  if (static_cast<int64_t>(side) * side > kMaxImagePixels)
+    throw InputError((img.source.empty() ? std::string("image") : img.source) + ": padding the " +
+                     std::to_string(img.width) + "x" + std::to_string(img.height) + " image to a square gives " +
+                     std::to_string(side) + "x" + std::to_string(side) + " pixels, more than the " +
+                     std::to_string(kMaxImagePixels) + " kvlens accepts; turn padding off or crop the image");
   RGBImage out;
   out.width = out.height = side;
   out.data.resize(static_cast<size_t>(side) * side * 3);
@@ -505,10 +581,7 @@ namespace {
 constexpr int kMaxEdge = 16384;
 
 int positive_int(const nlohmann::json& v, const std::string& key) {
-  if (!v.is_number_integer() || v.get<int64_t>() <= 0 || v.get<int64_t>() > kMaxEdge)
-    throw InputError("preprocessor config: '" + key + "' must be an integer in [1, " +
-                     std::to_string(kMaxEdge) + "], got " + v.dump());
-  return static_cast<int>(v.get<int64_t>());
+  return json_int(v, "preprocessor config: '" + key + "'", 1, kMaxEdge);
 }
 
 bool boolean(const nlohmann::json& v, const std::string& key) {
@@ -518,18 +591,19 @@ bool boolean(const nlohmann::json& v, const std::string& key) {
 }
 
 std::array<float, 3> three(const nlohmann::json& v, const std::string& key, bool positive) {
+  // Finite floats (positive ones for the std); 1e300 would become inf as a float.
   auto ok = [&](const nlohmann::json& x) {
     if (!x.is_number()) return false;
     const double d = x.get<double>();
-    return std::isfinite(d) && (!positive || d > 0.0);
+    return std::isfinite(d) && std::fabs(d) <= 1e30 && (!positive || d > 0.0);
   };
   std::array<float, 3> r{};
   if (ok(v)) {
-    r.fill(v.get<float>());
+    r.fill(static_cast<float>(v.get<double>()));
     return r;
   }
   if (v.is_array() && v.size() == 3 && ok(v[0]) && ok(v[1]) && ok(v[2])) {
-    for (int c = 0; c < 3; ++c) r[c] = v[c].get<float>();
+    for (int c = 0; c < 3; ++c) r[c] = static_cast<float>(v[c].get<double>());
     return r;
   }
   throw InputError("preprocessor config: '" + key + "' must be 3 " +
@@ -590,17 +664,15 @@ PreprocessConfig preprocess_config_from_json(const nlohmann::json& j, int image_
   if (j.contains("do_rescale")) cfg.do_rescale = boolean(j["do_rescale"], "do_rescale");
   if (j.contains("do_normalize")) cfg.do_normalize = boolean(j["do_normalize"], "do_normalize");
   if (j.contains("rescale_factor")) {
-    const auto& v = j["rescale_factor"];
-    if (!v.is_number() || !std::isfinite(v.get<double>()) || v.get<double>() <= 0.0)
-      throw InputError("preprocessor config: 'rescale_factor' must be a positive number, got " +
-                       v.dump());
-    cfg.rescale_factor = v.get<float>();
+    const double r = json_real(j["rescale_factor"], "preprocessor config: 'rescale_factor'", 0, 1e6);
+    if (!(r > 0)) throw InputError("preprocessor config: 'rescale_factor' must be a positive number, got 0");
+    cfg.rescale_factor = static_cast<float>(r);
   }
   if (j.contains("image_mean")) cfg.mean = three(j["image_mean"], "image_mean", false);
   if (j.contains("image_std")) cfg.std = three(j["image_std"], "image_std", true);
   if (j.contains("resample")) {
     const auto& v = j["resample"];
-    if (!v.is_number_integer() || v.get<int>() != 3)
+    if (!v.is_number_integer() || v != 3)
       throw InputError("preprocessor config: 'resample' must be 3 (bicubic, the only filter "
                        "kvlens implements), got " + v.dump());
   }

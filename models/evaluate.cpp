@@ -6,6 +6,7 @@
 #include "core/errors.h"
 #include "core/json_file.h"
 #include "core/method.h"
+#include "core/numbers.h"
 
 namespace kvlens {
 
@@ -29,17 +30,19 @@ SceneSet load_scene_set(const std::string& dir) {
   std::map<int64_t, size_t> index;
   try {
     for (const auto& im : j["images"]) {
-      index[im.at("id").get<int64_t>()] = s.images.size();
-      s.images.push_back({im.at("id").get<int64_t>(), im.at("file_name").get<std::string>(), {}});
+      const int64_t id = json_integer(im.at("id"), path + ": image id", 0, INT64_MAX);
+      index[id] = s.images.size();
+      s.images.push_back({id, im.at("file_name").get<std::string>(), {}});
     }
     for (const auto& a : j["annotations"]) {
-      const auto it = index.find(a.at("image_id").get<int64_t>());
+      const auto it = index.find(json_integer(a.at("image_id"), path + ": annotation image_id", 0, INT64_MAX));
       if (it == index.end()) throw InputError(path + ": annotation for unknown image_id " + a.at("image_id").dump());
       s.images[it->second].captions.push_back(a.at("caption").get<std::string>());
     }
     if (j.contains("questions"))
       for (const auto& q : j["questions"])
-        s.questions.push_back({q.at("image_id").get<int64_t>(), q.at("question").get<std::string>(),
+        s.questions.push_back({json_integer(q.at("image_id"), path + ": question image_id", 0, INT64_MAX),
+                               q.at("question").get<std::string>(),
                                q.at("answer").get<std::string>(), q.value("type", std::string("other"))});
   } catch (const nlohmann::json::exception& e) {
     throw InputError(path + ": malformed entry (" + e.what() + ")");

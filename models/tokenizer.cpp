@@ -8,6 +8,7 @@
 
 #include "core/errors.h"
 #include "core/json_file.h"
+#include "core/numbers.h"
 
 namespace kvlens {
 
@@ -36,7 +37,7 @@ Tokenizer Tokenizer::load(const std::string& dir, int image_token_index) {
   const std::string at = dir + "/added_tokens.json";
   if (file_exists(at)) {
     const auto j = read_json_file(at, "added tokens");
-    if (j.contains("<image>") && j["<image>"].is_number_integer()) t.image_token_ = j["<image>"].get<int>();
+    if (j.contains("<image>")) t.image_token_ = json_int(j["<image>"], at + ": '<image>'", 0, (1 << 24) - 1);
   }
   const int piece_id = t.sp_->PieceToId("<image>");
   if (t.image_token_ < 0 && piece_id != t.sp_->unk_id()) t.image_token_ = piece_id;
