@@ -122,7 +122,9 @@ inline void expect_accounting(const KVStore& st) {
       }
       const bool first = sums.count(s.payload.get()) == 0;
       KVBytes& sum = sums[s.payload.get()];
-      if (!first) EXPECT_EQ(s.bytes.total(), idx) << s.storage << ": a shared payload counts on its first segment";
+      if (!first) {
+        EXPECT_EQ(s.bytes.total(), idx) << s.storage << ": a shared payload counts on its first segment";
+      }
       sum += s.bytes;
       sum.indices -= idx;
     }

@@ -352,8 +352,11 @@ TEST(LookM, SinksKeepTheFirstTokens) {
       const std::vector<int32_t> pos = kept_pos(M.store, 0, h);
       EXPECT_EQ(pos, ref_keep(s, 2 + 7, 2));  // M = floor(2.6) = 2, N = floor(7.8) = 7
       const int first = static_cast<int>(std::count_if(pos.begin(), pos.end(), [](int32_t p) { return p < 4; }));
-      if (sinks) EXPECT_EQ(first, 4) << "head " << h;
-      else first_without += first;
+      if (sinks) {
+        EXPECT_EQ(first, 4) << "head " << h;
+      } else {
+        first_without += first;
+      }
     }
   }
   EXPECT_LT(first_without, 2 * 4) << "without sinks some first tokens should be evicted here";

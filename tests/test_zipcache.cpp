@@ -313,8 +313,11 @@ TEST(ZipCache, LayerSubsetsAndHeadSpanningTokenRangesMatchDirectComputation) {
       }
     }
     // One range per token when every head ranks alike (hd + 2bl parameters); more otherwise.
-    if (shared) EXPECT_EQ(ranges, f.T);
-    else EXPECT_GT(ranges, f.T);
+    if (shared) {
+      EXPECT_EQ(ranges, f.T);
+    } else {
+      EXPECT_GT(ranges, f.T);
+    }
     EXPECT_EQ(payload_bytes(L), expected_bytes(L, {{0, 1, 2}}, D, 4, 2, true, false));
   }
 }
