@@ -18,6 +18,7 @@ namespace {
 
 struct CaptionArgs {
   std::string model, image, prompt = kDefaultPrompt, templ = kDefaultTemplate, json_out, logits_out;
+  std::string kv_storage = "fp16";
   int max_new_tokens = 32;
   float temperature = 0.0f, top_p = 1.0f;
   uint64_t seed = 0;
@@ -26,6 +27,7 @@ struct CaptionArgs {
 };
 
 void run_caption(const CaptionArgs& a) {
+  const RowStorage rows = parse_row_storage(a.kv_storage, "--kv-storage");
   if (!a.json_out.empty()) check_writable(a.json_out, "caption JSON");
   if (!a.logits_out.empty()) check_writable(a.logits_out, "logits");
   const LlavaModel model = [&] {
@@ -40,6 +42,7 @@ void run_caption(const CaptionArgs& a) {
   opt.temperature = a.temperature;
   opt.top_p = a.top_p;
   opt.seed = a.seed;
+  opt.kv_storage = rows;
   const DecodeResult r = model.decode(st, nullptr, opt);
   std::printf("%s\n", r.text.c_str());
   const int n_steps = static_cast<int>(r.generated_ids.size());
@@ -62,6 +65,7 @@ void run_caption(const CaptionArgs& a) {
                        {"decode", r.decode_ms},
                        {"decode_per_token", n_steps > 1 ? r.decode_ms / (n_steps - 1) : 0.0}};
     j["kv_bytes"] = r.bytes_final.total();
+    j["kv_storage"] = a.kv_storage;
     write_file_atomic(a.json_out, j.dump(2) + "\n", "caption JSON");
   }
   if (!a.logits_out.empty()) {
@@ -86,6 +90,9 @@ void add_caption_command(CLI::App& root) {
   add_real(c, "--temperature", args->temperature, 0, 100, "0 = greedy; > 0 samples (seeded)");
   add_real(c, "--top-p", args->top_p, 0, 1, "Nucleus sampling mass when sampling", true);
   add_seed(c, "--seed", args->seed, "Sampling seed");
+  c->add_option("--kv-storage", args->kv_storage,
+                "Storage of the KV cache rows: fp16 (rounded to half precision, 2 B/value) or fp32 (exact)")
+      ->capture_default_str();
   c->add_flag("--pad-to-square", args->pad_to_square, "LLaVA-1.5: pad the image to a square with the mean colour");
   c->add_option("--json", args->json_out, "Write caption, ids, n_visual_tokens and timings_ms here");
   c->add_option("--dump-logits", args->logits_out, "Write the first generated step's logits (little-endian float32)");

@@ -17,7 +17,7 @@ namespace kvlens::app {
 namespace {
 
 struct EvalArgs {
-  std::string model, scenes, json_out;
+  std::string model, scenes, json_out, kv_storage = "fp16";
   std::vector<std::string> methods;
   EvalOptions opt;
   bool no_vqa = false;
@@ -26,6 +26,7 @@ struct EvalArgs {
 
 void run_eval(const EvalArgs& a) {
   for (const auto& m : a.methods) parse_method_spec(m);
+  const RowStorage rows = parse_row_storage(a.kv_storage, "--kv-storage");
   if (!a.json_out.empty()) check_writable(a.json_out, "eval JSON");
   const SceneSet set = load_scene_set(a.scenes);
   const LlavaModel model = LlavaModel::load(a.model.empty() ? default_model_dir() : a.model, a.backend);
@@ -36,6 +37,7 @@ void run_eval(const EvalArgs& a) {
   for (const auto& m : runs) {
     EvalOptions o = a.opt;
     o.method = m;
+    o.kv_storage = rows;
     o.vqa = !a.no_vqa;
     const EvalResult r = evaluate_scenes(model, set, o);
     const std::string label = m.empty() ? "full" : parse_method_spec(m).short_spec();
@@ -60,6 +62,8 @@ void add_eval_command(CLI::App& root) {
   add_int(c, "--n", a->opt.max_images, 0, 10000000, "Images to evaluate (0 = all)");
   c->add_option("--method", a->methods, "Also evaluate under these method specs (repeatable)");
   add_int(c, "--max-new-tokens", a->opt.max_new_tokens, 1, kMaxNewTokensLimit, "Most tokens per answer");
+  c->add_option("--kv-storage", a->kv_storage,
+                "Storage of uncompressed KV rows: fp16 (rounded to half precision) or fp32 (exact)")->capture_default_str();
   c->add_flag("--no-vqa", a->no_vqa, "Captions only");
   c->add_option("--json", a->json_out, "Write the results as JSON");
   c->callback([a] { run_eval(*a); });

@@ -16,6 +16,7 @@ namespace {
 
 struct RunArgs {
   std::string model, image, report, session, save_session;
+  std::string kv_storage;  // empty = the session's, else fp16
   std::vector<std::string> methods;
   ExperimentOptions opt;
   FigureArgs figures;
@@ -29,6 +30,9 @@ void add_common(CLI::App* c, RunArgs& a) {
   c->add_option("--prompt", a.opt.prompt, "Text in place of {prompt} in the template")->capture_default_str();
   c->add_option("--template", a.opt.templ, "Prompt template with <image> and {prompt}")->capture_default_str();
   add_int(c, "--max-new-tokens", a.opt.max_new_tokens, 1, kMaxNewTokensLimit, "Most tokens to generate");
+  c->add_option("--kv-storage", a.kv_storage,
+                "Storage of uncompressed KV rows: fp16 (rounded to half precision, 2 B/value; default) or fp32 "
+                "(exact, 4 B/value). Diagnostics compare against the exact prefill either way");
   add_int(c, "--diag-steps", a.opt.diag_steps, 1, kMaxDiagSteps, "Decode steps compared against the full cache");
   add_real(c, "--sparsity-p", a.opt.sparsity_p, 0, 1, "Sparsity threshold p (A_ij < p·max_j A_ij counts as zero)");
   add_real(c, "--hit-budget", a.opt.hit_budget, kMinHitBudget, 1, "CacheHitRate k as a share of the prompt");
@@ -71,6 +75,7 @@ RunArgs with_session(const RunArgs& in, std::vector<RunMethod>& specs) {
     if (!s.prompt.empty() && a.opt.prompt == kDefaultPrompt) a.opt.prompt = s.prompt;
     if (!s.templ.empty() && a.opt.templ == kDefaultTemplate) a.opt.templ = s.templ;
     a.opt.max_new_tokens = s.max_new_tokens;
+    if (a.kv_storage.empty()) a.kv_storage = s.kv_storage;
     a.opt.diag_steps = s.diag_steps;
     a.opt.sparsity_p = s.sparsity_p;
     a.opt.hit_budget = s.hit_budget;
@@ -80,6 +85,7 @@ RunArgs with_session(const RunArgs& in, std::vector<RunMethod>& specs) {
   }
   for (const auto& m : a.methods) specs.push_back({parse_method_spec(m), ""});
   if (specs.empty()) throw InputError("no method to run: give --method SPEC or --session FILE");
+  a.opt.kv_storage = parse_row_storage(a.kv_storage.empty() ? "fp16" : a.kv_storage, "--kv-storage");
   return a;
 }
 
@@ -102,6 +108,7 @@ void run_methods(const RunArgs& args) {
     s.prompt = a.opt.prompt;
     s.templ = a.opt.templ;
     s.max_new_tokens = a.opt.max_new_tokens;
+    s.kv_storage = row_storage_name(a.opt.kv_storage);
     s.diag_steps = a.opt.diag_steps;
     s.sparsity_p = a.opt.sparsity_p;
     s.hit_budget = a.opt.hit_budget;
@@ -115,8 +122,11 @@ void run_methods(const RunArgs& args) {
   }
   Experiment ex = start_experiment(model, img, a.opt);
   std::printf("%-44s %10s %7s %10s %9s  %s\n", "method", "KV bytes", "ratio", "softmaxMSE", "diverges", "caption");
-  std::printf("%-44s %10lld %7.2f %10s %9s  %s\n", "full (fp16 reference)",
-              static_cast<long long>(ex.full_fp16_bytes.total()), 1.0, "-", "-", ex.full.text.c_str());
+  const std::string ref = std::string("full (") + row_storage_name(a.opt.kv_storage) + " reference)";
+  const double full_bytes = static_cast<double>(ex.full.bytes_after_prefill.total());
+  std::printf("%-44s %10lld %7.2f %10s %9s  %s\n", ref.c_str(),
+              static_cast<long long>(ex.full.bytes_after_prefill.total()),
+              full_bytes > 0 ? ex.full_fp16_bytes.total() / full_bytes : 0.0, "-", "-", ex.full.text.c_str());
   for (const RunMethod& m : specs) {
     const Params& p = m.params;
     ex.runs.push_back(run_method(model, ex, p, a.opt));
@@ -164,7 +174,9 @@ void list_methods() {
   }
 }
 
-void run_calibrate(const RunArgs& a, const std::string& base, const std::vector<double>& taus) {
+void run_calibrate(const RunArgs& args, const std::string& base, const std::vector<double>& taus) {
+  RunArgs a = args;
+  a.opt.kv_storage = parse_row_storage(a.kv_storage.empty() ? "fp16" : a.kv_storage, "--kv-storage");
   if (taus.empty()) throw InputError("--taus needs at least one value");
   parse_method_spec(base);  // validate before loading
   if (!a.report.empty()) check_writable(a.report, "report");

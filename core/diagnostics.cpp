@@ -6,6 +6,7 @@
 #include <numeric>
 
 #include "core/errors.h"
+#include "core/policies/select.h"
 
 namespace kvlens {
 
@@ -352,77 +353,84 @@ FirstDivergence first_divergence(const std::vector<int>& full_ids, const std::ve
   return f;
 }
 
-namespace {
-std::vector<int> top_k(const std::vector<double>& score, int k) {
-  std::vector<int> idx(score.size());
-  std::iota(idx.begin(), idx.end(), 0);
-  k = std::min<int>(k, static_cast<int>(idx.size()));
-  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), [&](int a, int b) {
-    return score[a] > score[b] || (score[a] == score[b] && a > b);
-  });
-  idx.resize(k);
-  std::sort(idx.begin(), idx.end());
-  return idx;
-}
-}  // namespace
-
 HitRates cache_hit_rates(const PrefillView& pv, const DecodeRecorder& full, double budget,
                          const std::vector<int>& steps, int window_queries) {
   HitRates hr;
   hr.strategies = {"accumulated", "normalized", "sliding_window", "post_vision", "recency"};
-  const int T = pv.prompt_len, H = pv.n_heads, L = pv.full->n_layers();
-  hr.k = std::max(1, static_cast<int>(std::lround(budget * T)));
+  const int T = pv.prompt_len, H = pv.n_heads, L = pv.full->n_layers(), KH = pv.full->n_kv_heads();
+  const int G = KH > 0 ? H / KH : 1;
+  const size_t S = hr.strategies.size();
+  hr.k = budget_rows(budget, T);
   int last_visual = -1;
   for (int t = 0; t < T; ++t)
     if ((*pv.kinds)[t] == SegmentKind::Visual) last_visual = t;
   for (int s : steps)
     if (full.find(s, 0)) hr.steps.push_back(s);
-  hr.rates.assign(hr.strategies.size(), std::vector<std::vector<double>>(hr.steps.size(), std::vector<double>(L, 0.0)));
+  const auto zeros = std::vector<std::vector<double>>(hr.steps.size(), std::vector<double>(L, 0.0));
+  hr.rates.assign(S, zeros);
+  hr.rates_head.assign(S, zeros);
+  auto hit = [&](const std::vector<double>& a, const std::vector<double>& b) {
+    const std::vector<int> x = top_k(a, hr.k), y = top_k(b, hr.k);  // ascending
+    std::vector<int> both;
+    std::set_intersection(x.begin(), x.end(), y.begin(), y.end(), std::back_inserter(both));
+    return static_cast<double>(both.size()) / hr.k;
+  };
+  const int post_from = (last_visual >= 0 && last_visual + 1 < T) ? last_visual + 1 : T - 1;
+  const int window_from = std::max(0, T - window_queries);
   for (int l = 0; l < L; ++l) {
     const auto& P = pv.probs->at(l);
-    std::vector<double> acc(T, 0.0), post(T, 0.0), window(T, 0.0), recent(T);
-    const int post_from = (last_visual >= 0 && last_visual + 1 < T) ? last_visual + 1 : T - 1;
-    const int window_from = std::max(0, T - window_queries);
-    for (int h = 0; h < H; ++h)
+    // score[g][strategy][j]: the strategies of KV head g (mean over its query heads).
+    std::vector<std::vector<std::vector<double>>> score(KH, std::vector<std::vector<double>>(S, std::vector<double>(T, 0.0)));
+    for (int h = 0; h < H; ++h) {
+      std::vector<std::vector<double>>& sc = score[h / G];
       for (int i = 0; i < T; ++i)
         for (int j = 0; j <= i; ++j) {
-          const double a = P[(static_cast<size_t>(h) * T + i) * T + j] / H;
-          acc[j] += a;
-          if (i >= post_from) post[j] += a;
-          if (i >= window_from) window[j] += a;
+          const double a = P[(static_cast<size_t>(h) * T + i) * T + j] / G;
+          sc[0][j] += a;
+          if (i >= window_from) sc[2][j] += a;
+          if (i >= post_from) sc[3][j] += a;
         }
-    std::vector<double> norm(T);
-    for (int j = 0; j < T; ++j) {
-      norm[j] = acc[j] / (T - j);
-      recent[j] = j;
     }
-    const std::vector<std::vector<int>> picks = {top_k(acc, hr.k), top_k(norm, hr.k), top_k(window, hr.k),
-                                                 top_k(post, hr.k), top_k(recent, hr.k)};
+    for (int g = 0; g < KH; ++g)
+      for (int j = 0; j < T; ++j) {
+        score[g][1][j] = score[g][0][j] / (T - j);
+        score[g][4][j] = j;
+      }
+    // The layer level: the mean over KV heads of the group means is the mean over query heads.
+    std::vector<std::vector<double>> layer(S, std::vector<double>(T, 0.0));
+    for (int g = 0; g < KH; ++g)
+      for (size_t st = 0; st < S; ++st)
+        for (int j = 0; j < T; ++j) layer[st][j] += score[g][st][j] / KH;
     for (size_t si = 0; si < hr.steps.size(); ++si) {
       const auto* E = full.find(hr.steps[si], l);
-      // A_{m+1} = softmax(q K_{:m}ᵀ/√d) over the prompt keys alone: each head's probabilities of
-      // the prompt keys renormalised to sum to 1 (the decode query also sees the generated
-      // keys), then averaged over heads.
-      std::vector<double> truth(T, 0.0);
-      const int G = E->n_heads / E->n_kv_heads;
+      if (!E) throw InternalError("cache_hit_rates: no decode attention for step " + std::to_string(hr.steps[si]));
+      // A_{m+1} = softmax(q K_{:m}ᵀ/√d) over the prompt keys alone: each query head's
+      // probabilities of the prompt keys renormalised to sum to 1 (the decode query also sees the
+      // generated keys), then averaged over the layer's heads (layer level) or over the query
+      // heads of each KV head (per KV head).
+      const int GE = E->n_heads / E->n_kv_heads;
+      std::vector<std::vector<double>> truth(E->n_kv_heads, std::vector<double>(T, 0.0));
+      std::vector<double> truth_layer(T, 0.0);
       for (int h = 0; h < E->n_heads; ++h) {
         double mass = 0.0;
         for (int pass = 0; pass < 2; ++pass)
           for (int j = 0; j < E->n_k; ++j) {
-            const int32_t pos = E->key_pos[static_cast<size_t>(h / G) * E->n_k + j];
+            const int32_t pos = E->key_pos[static_cast<size_t>(h / GE) * E->n_k + j];
             if (pos < 0 || pos >= T) continue;
             const double p = E->probs[static_cast<size_t>(h) * E->n_k + j];
-            if (pass == 0)
+            if (pass == 0) {
               mass += p;
-            else if (mass > 0.0)
-              truth[pos] += p / mass / E->n_heads;
+            } else if (mass > 0.0) {
+              truth[h / GE][pos] += p / mass / GE;
+              truth_layer[pos] += p / mass / E->n_heads;
+            }
           }
       }
-      const auto want = top_k(truth, hr.k);
-      for (size_t st = 0; st < picks.size(); ++st) {
-        std::vector<int> both;
-        std::set_intersection(picks[st].begin(), picks[st].end(), want.begin(), want.end(), std::back_inserter(both));
-        hr.rates[st][si][l] = static_cast<double>(both.size()) / hr.k;
+      for (size_t st = 0; st < S; ++st) {
+        hr.rates[st][si][l] = hit(layer[st], truth_layer);
+        double sum = 0.0;
+        for (int g = 0; g < KH; ++g) sum += hit(score[g][st], truth.at(g));
+        hr.rates_head[st][si][l] = sum / KH;
       }
     }
   }
@@ -441,11 +449,13 @@ nlohmann::json diagnostic_definitions() {
       {"visual_score_histogram", "first decode step, pre-softmax scores q.k/sqrt(d) of the visual keys: exact "
                                  "(full keys), quantized (method keys), calibrated (after the method's score "
                                  "transform); bins of one shared [lo, hi]"},
-      {"cache_hit_rate", "|top-k by strategy & top-k by truth| / k, k = round(hit_budget * prompt length); truth = "
-                         "decode attention over the prompt keys, each head renormalised to sum 1, mean over heads; "
-                         "strategies score keys by head-mean prefill attention: accumulated sum_i A_ij, normalized "
-                         "sum_i A_ij / (T - j), sliding_window over the last hit_window queries, post_vision over "
-                         "the queries after the last visual token, recency = position"},
+      {"cache_hit_rate", "|top-k by strategy & top-k by truth| / k, k = floor(hit_budget * prompt length), at least "
+                         "1, ties to the earlier token; truth = decode attention over the prompt keys, each head "
+                         "renormalised to sum 1; strategies score keys by prefill attention: accumulated sum_i A_ij, "
+                         "normalized sum_i A_ij / (T - j), sliding_window over the last hit_window queries, "
+                         "post_vision over the queries after the last visual token, recency = position; rates: "
+                         "strategy and truth the mean over every query head of the layer; rates_per_kv_head: the "
+                         "mean over the query heads of one KV head, ranked per KV head, averaged over KV heads"},
   };
 }
 
@@ -481,7 +491,16 @@ nlohmann::json to_json(const HitRates& h) {
   nlohmann::json j;
   j["k"] = h.k;
   j["steps"] = h.steps;
-  for (size_t s = 0; s < h.strategies.size(); ++s) j["rates"][h.strategies[s]] = h.rates[s];
+  for (size_t s = 0; s < h.strategies.size(); ++s) {
+    j["rates"][h.strategies[s]] = h.rates[s];
+    j["rates_per_kv_head"][h.strategies[s]] = h.rates_head[s];
+  }
+  j["definitions"] = {
+      {"rates", "layer level (VL-Cache 3.2): top-k of the strategy score vs top-k of the decode attention, "
+                "both the mean over every query head of the layer; |both| / k"},
+      {"rates_per_kv_head", "per KV head: strategy score and decode attention both the mean over the query "
+                            "heads of one KV head, top-k each per KV head, |both| / k averaged over KV heads"},
+      {"k", "floor(hit_budget * prompt length), at least 1; ties go to the earlier token"}};
   return j;
 }
 

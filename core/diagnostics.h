@@ -133,19 +133,27 @@ std::vector<LayerDiagnostics> compare_layers(const PrefillView& pv, const Decode
 FirstDivergence first_divergence(const std::vector<int>& full_ids, const std::vector<float>& full_probs,
                                  const std::vector<int>& ids, const std::vector<float>& probs);
 
-// CacheHitRate of each scoring strategy per layer (VL-Cache §3.2): |top-k by strategy ∩ top-k by
-// the true decode attention at `step`| / k, with k = budget · prompt_len. The truth is the
-// decode query's attention over the prompt keys, A_{m+1} = softmax(q K_{:m}ᵀ/√d): each head's
-// probabilities of the prompt keys renormalised to sum to 1, averaged over heads. Strategies
-// score a key by the head-mean prefill attention it receives: accumulated (all queries),
-// normalized (all queries, divided by the n_j = T − j queries that can see key j), sliding_window
-// (the last `window_queries` queries), post_vision (the queries after the last visual token),
-// and recency (position only, as StreamingLLM keeps tokens). rates[strategy][step index][layer].
+// CacheHitRate of each scoring strategy (VL-Cache §3.2): |S_ψ,k ∩ S_ψ*,k| / k, where S_ψ,k is
+// the top k prompt tokens by the strategy's score ψ and S_ψ*,k the top k by the true attention
+// of the full cache's decode query at step s over the prompt keys, A_{m+1} = softmax(q K_{:m}ᵀ/√d):
+// each query head's probabilities of the prompt keys renormalised to sum to 1 (the decode query
+// also sees the generated keys). k = budget_rows(budget, prompt_len) (floor, at least 1: the rows
+// an eviction policy at that budget keeps). Strategies score a key by the prefill attention it
+// receives: accumulated (all queries), normalized (all queries, divided by the n_j = T − j
+// queries that can see key j), sliding_window (the last `window_queries` queries), post_vision
+// (the queries after the last visual token), and recency (position only, as StreamingLLM keeps
+// tokens). Top-k ties go to the earlier token, as the selection code's top_k.
+// Two rates, each [strategy][step index][layer]:
+// - rates (layer level, VL-Cache's definition, whose formulas omit heads): ψ and ψ* are the means
+//   over every query head of the layer; one top-k each.
+// - rates_head (per KV head): ψ and ψ* are the means over the query heads sharing one KV head
+//   (what an eviction policy ranks when it keeps rows per KV head); one top-k each per KV head,
+//   the rate averaged over the KV heads.
 struct HitRates {
   std::vector<std::string> strategies;
   std::vector<int> steps;
   int k = 0;
-  std::vector<std::vector<std::vector<double>>> rates;
+  std::vector<std::vector<std::vector<double>>> rates, rates_head;
 };
 HitRates cache_hit_rates(const PrefillView& pv, const DecodeRecorder& full, double budget,
                          const std::vector<int>& steps, int window_queries = 32);

@@ -1,6 +1,7 @@
 #include "core/kv_store.h"
 
 #include "core/errors.h"
+#include "core/half.h"
 
 namespace kvlens {
 
@@ -14,6 +15,16 @@ const char* segment_kind_name(SegmentKind k) {
   return "?";
 }
 
+const char* row_storage_name(RowStorage s) { return s == RowStorage::Fp16 ? "fp16" : "fp32"; }
+
+RowStorage parse_row_storage(const std::string& s, const std::string& what) {
+  if (s == "fp16") return RowStorage::Fp16;
+  if (s == "fp32") return RowStorage::Fp32;
+  throw InputError(what + " must be fp16 or fp32, got '" + s + "'");
+}
+
+int row_storage_bytes(RowStorage s) { return s == RowStorage::Fp16 ? 2 : 4; }
+
 KVBytes KVSegment::dense_bytes(int head_dim, int bytes_per_value) const {
   KVBytes b;
   for (const HeadRows& h : heads) {
@@ -23,18 +34,36 @@ KVBytes KVSegment::dense_bytes(int head_dim, int bytes_per_value) const {
   return b;
 }
 
-KVStore::KVStore(int n_layers, int n_kv_heads, int head_dim)
-    : n_kv_heads_(n_kv_heads), head_dim_(head_dim), layers_(n_layers) {}
+KVStore::KVStore(int n_layers, int n_kv_heads, int head_dim, RowStorage rows)
+    : n_kv_heads_(n_kv_heads), head_dim_(head_dim), rows_(rows), layers_(n_layers) {}
+
+void KVStore::set_row_storage(RowStorage rows) {
+  rows_ = rows;
+  if (rows != RowStorage::Fp16) return;
+  for (LayerKV& L : layers_)
+    for (KVSegment& s : L.segments) {
+      if (!s.dense() || s.storage == "fp16") continue;
+      for (HeadRows& r : s.heads) {
+        for (float& x : r.k) x = round_half(x);
+        for (float& x : r.v) x = round_half(x);
+      }
+      s.storage = "fp16";
+      s.bytes = s.dense_bytes(head_dim_, 2);
+    }
+}
 
 void KVStore::append(int l, const float* k, const float* v, const int32_t* pos,
                      const SegmentKind* kinds, int T) {
   LayerKV& L = layers_.at(l);
   const int H = n_kv_heads_, D = head_dim_;
+  const char* label = row_storage_name(rows_);
+  const bool half = rows_ == RowStorage::Fp16;
   for (int t = 0; t < T; ++t) {
-    if (L.segments.empty() || L.segments.back().kind != kinds[t] ||
-        L.segments.back().storage != "fp32") {
+    if (L.segments.empty() || L.segments.back().kind != kinds[t] || !L.segments.back().dense() ||
+        L.segments.back().storage != label) {
       KVSegment s;
       s.kind = kinds[t];
+      s.storage = label;
       s.heads.resize(H);
       L.segments.push_back(std::move(s));
     }
@@ -45,9 +74,13 @@ void KVStore::append(int l, const float* k, const float* v, const int32_t* pos,
       HeadRows& r = s.heads[h];
       r.k.insert(r.k.end(), kr, kr + D);
       r.v.insert(r.v.end(), vr, vr + D);
+      if (half) {
+        for (auto it = r.k.end() - D; it != r.k.end(); ++it) *it = round_half(*it);
+        for (auto it = r.v.end() - D; it != r.v.end(); ++it) *it = round_half(*it);
+      }
       r.pos.push_back(pos[t]);
     }
-    s.bytes = s.dense_bytes(D, 4);
+    s.bytes = s.dense_bytes(D, row_storage_bytes(rows_));
   }
 }
 

@@ -3,9 +3,14 @@
 // position per KV head, and its exact byte count. Attention reads the store as it is.
 //
 // Rows are kept per KV head so that eviction policies may keep a different token set in each
-// head (SnapKV, PyramidKV do). `k`/`v` always hold the rows attention computes with (fp32,
+// head (SnapKV, PyramidKV do). `k`/`v` always hold the rows attention computes with (floats,
 // already dequantized when the storage is quantized); `bytes` is what the storage would take
 // in memory as compressed, and `payload` owns the packed codes when a policy quantizes.
+//
+// Dense rows (those no policy quantized) are stored as the store's RowStorage says: fp16 rows
+// hold values rounded to half precision (round to nearest even) and count 2 bytes per value,
+// fp32 rows hold the exact values and count 4. A segment of dense rows is labelled "fp16" or
+// "fp32" and has no payload; its floats are exactly what a half (or float) buffer would hold.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -16,6 +21,15 @@ namespace kvlens {
 
 enum class SegmentKind { System, Visual, PostVisionText, Generated };
 const char* segment_kind_name(SegmentKind k);
+
+// Storage of dense (uncompressed) rows. fp16 is what the papers' full cache and the GPU
+// backend hold; fp32 keeps the exact values (the prefill snapshot that diagnostics compare
+// against is fp32).
+enum class RowStorage { Fp16, Fp32 };
+const char* row_storage_name(RowStorage s);  // "fp16" / "fp32"
+// "fp16" | "fp32"; throws InputError naming `what` otherwise.
+RowStorage parse_row_storage(const std::string& s, const std::string& what);
+int row_storage_bytes(RowStorage s);          // 2 / 4 bytes per value
 
 // Byte accounting for one segment (or a sum of them).
 struct KVBytes {
@@ -57,6 +71,11 @@ struct KVSegment {
   std::shared_ptr<SegmentPayload> payload;
 
   int n_tokens(int head = 0) const { return heads.empty() ? 0 : heads[head].n(); }
+  // Whether the rows are plain floats as the store keeps them ("fp32" or "fp16", no payload):
+  // the segments a compression policy may still evict, merge, split or quantize.
+  bool dense() const { return !payload && (storage == "fp32" || storage == "fp16"); }
+  // Bytes per value of a dense segment (4 or 2); 0 otherwise.
+  int dense_value_bytes() const { return !dense() ? 0 : storage == "fp16" ? 2 : 4; }
   // Bytes of this segment stored as plain floats of `bytes_per_value` (4 = fp32, 2 = fp16),
   // positions as int32.
   KVBytes dense_bytes(int head_dim, int bytes_per_value) const;
@@ -69,7 +88,8 @@ struct LayerKV {
 class KVStore {
  public:
   KVStore() = default;
-  KVStore(int n_layers, int n_kv_heads, int head_dim);
+  // Dense rows stored as `rows` (fp32 by default: the exact prefill snapshot).
+  KVStore(int n_layers, int n_kv_heads, int head_dim, RowStorage rows = RowStorage::Fp32);
 
   int n_layers() const { return static_cast<int>(layers_.size()); }
   int n_kv_heads() const { return n_kv_heads_; }
@@ -77,10 +97,17 @@ class KVStore {
   LayerKV& layer(int l) { return layers_.at(l); }
   const LayerKV& layer(int l) const { return layers_.at(l); }
 
+  RowStorage row_storage() const { return rows_; }
+  // Sets the storage of dense rows from now on. Switching to fp16 rounds the rows of every
+  // dense fp32 segment to half precision and relabels it; switching to fp32 leaves existing
+  // fp16 segments as they are (their values are exact in fp32) and new rows are kept exact.
+  void set_row_storage(RowStorage rows);
+
   // Appends T tokens of layer l: k/v laid out [T][n_kv_heads][head_dim] (as the projections
-  // produce them), positions pos[T], kinds[T]. Consecutive tokens of one kind go to one
-  // segment; a token whose kind equals the last segment's kind extends that segment when
-  // that segment is still stored as fp32 (otherwise a new fp32 segment starts).
+  // produce them), positions pos[T], kinds[T], stored as row_storage() says (fp16: rounded to
+  // half precision). Consecutive tokens of one kind go to one segment; a token whose kind
+  // equals the last segment's kind extends that segment when that segment is still dense in
+  // the store's row storage (otherwise a new dense segment starts).
   void append(int l, const float* k, const float* v, const int32_t* pos, const SegmentKind* kinds,
               int T);
 
@@ -95,6 +122,7 @@ class KVStore {
 
  private:
   int n_kv_heads_ = 0, head_dim_ = 0;
+  RowStorage rows_ = RowStorage::Fp32;
   std::vector<LayerKV> layers_;
 };
 

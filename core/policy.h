@@ -1,6 +1,7 @@
 // The one hook point between the model and KV-cache compression. The model calls these and
 // nothing else; policies never edit model code.
 #pragma once
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -41,6 +42,9 @@ class KVPolicy {
   virtual std::string name() const = 0;
   // Whether on_prefill needs the layer's prompt attention (probs/scores in PrefillContext).
   virtual bool needs_prefill_attention() const { return false; }
+  // The storage of dense rows this policy asks for instead of the run's (the decode option
+  // kv_storage, fp16 by default); nullopt = the run's. `full:storage=fp32` keeps exact rows.
+  virtual std::optional<RowStorage> row_storage() const { return std::nullopt; }
   // Called once the whole prompt is in the store, with one context per layer (so layer
   // budgets may depend on every layer, as VL-Cache and PyramidKV need). The default compresses
   // each layer on its own through on_prefill_layer.
@@ -59,5 +63,13 @@ class KVPolicy {
   // device backend then calibrates inside its attention kernel instead of on the host.
   virtual bool visual_calibration(float& tau1, float& tau2) const { return false; }
 };
+
+// The storage of dense rows a decode with `policy` (null = none) uses: what the policy asks
+// for, else the run's `run` setting. The decode loop calls KVStore::set_row_storage with it
+// before the policy's on_prefill.
+inline RowStorage decode_row_storage(const KVPolicy* policy, RowStorage run) {
+  const std::optional<RowStorage> asked = policy ? policy->row_storage() : std::nullopt;
+  return asked ? *asked : run;
+}
 
 }  // namespace kvlens

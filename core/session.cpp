@@ -57,9 +57,9 @@ Params method_from_json(const nlohmann::json& m, const std::string& at) {
 Session session_from_json(const nlohmann::json& j, const std::string& where) {
   if (!j.is_object()) throw InputError(where + ": a session is a JSON object");
   static const char* known[] = {"name",       "description", "model",          "image",      "prompt",
-                                "template",   "max_new_tokens", "diag_steps",   "sparsity_p", "hit_budget",
-                                "methods",    "kvlens_session", "model_hash",   "image_hash", "views",
-                                "results"};
+                                "template",   "max_new_tokens", "kv_storage",   "diag_steps", "sparsity_p",
+                                "hit_budget", "methods",     "kvlens_session", "model_hash", "image_hash",
+                                "views",      "results"};
   for (auto it = j.begin(); it != j.end(); ++it)
     if (std::find(std::begin(known), std::end(known), it.key()) == std::end(known))
       throw InputError(where + ": unknown key '" + it.key() + "'");
@@ -77,6 +77,10 @@ Session session_from_json(const nlohmann::json& j, const std::string& where) {
   s.image = text_field(j, "image", where);
   s.prompt = text_field(j, "prompt", where);
   s.templ = text_field(j, "template", where);
+  if (j.contains("kv_storage")) {
+    s.kv_storage = text_field(j, "kv_storage", where);
+    parse_row_storage(s.kv_storage, where + ": kv_storage");
+  }
   s.model_hash = text_field(j, "model_hash", where);
   s.image_hash = text_field(j, "image_hash", where);
   for (auto [key, out] : {std::pair{"views", &s.views}, {"results", &s.results}})
@@ -125,6 +129,7 @@ nlohmann::json session_to_json(const Session& s) {
   j["prompt"] = s.prompt;
   j["template"] = s.templ;
   j["max_new_tokens"] = s.max_new_tokens;
+  j["kv_storage"] = s.kv_storage;
   j["diag_steps"] = s.diag_steps;
   j["sparsity_p"] = s.sparsity_p;
   j["hit_budget"] = s.hit_budget;

@@ -25,6 +25,7 @@ struct Session {
   std::string model, image;            // empty = the embedded defaults
   std::string prompt, templ;           // empty = the defaults
   int max_new_tokens = 32;
+  std::string kv_storage = "fp16";     // dense rows of the decode cache: "fp16" | "fp32"
   int diag_steps = 4;
   double sparsity_p = 0.01;
   double hit_budget = 0.1;

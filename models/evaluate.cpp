@@ -53,11 +53,13 @@ SceneSet load_scene_set(const std::string& dir) {
 EvalResult evaluate_scenes(const LlavaModel& model, const SceneSet& set, const EvalOptions& opt) {
   EvalResult r;
   r.method = opt.method.empty() ? "full" : parse_method_spec(opt.method).spec();
+  r.kv_storage = row_storage_name(opt.kv_storage);
   const size_t n = opt.max_images > 0 ? std::min<size_t>(opt.max_images, set.images.size()) : set.images.size();
   std::map<int64_t, const SceneSet::Image*> wanted;
   for (size_t i = 0; i < n; ++i) wanted[set.images[i].id] = &set.images[i];
   GenerateOptions g;
   g.max_new_tokens = opt.max_new_tokens;
+  g.kv_storage = opt.kv_storage;
   const bool keep = !opt.method.empty() && make_policy(opt.method)->needs_prefill_attention();
   auto answer = [&](const Buffer& feats, const std::string& prompt, double* bytes) {
     // A fresh policy per sequence: policies keep per-sequence state (decode probes, counts).
@@ -103,6 +105,7 @@ EvalResult evaluate_scenes(const LlavaModel& model, const SceneSet& set, const E
 nlohmann::json EvalResult::to_json() const {
   nlohmann::json j;
   j["method"] = method;
+  j["kv_storage"] = kv_storage;
   j["images"] = images;
   j["caption_exact"] = caption_exact;
   j["caption_accuracy"] = caption_accuracy();

@@ -36,10 +36,12 @@ struct EvalOptions {
   bool vqa = true;
   int max_new_tokens = 40;
   std::string method;          // empty = full cache
+  RowStorage kv_storage = RowStorage::Fp16;  // dense rows of the decode cache
 };
 
 struct EvalResult {
   std::string method;
+  std::string kv_storage;      // dense rows of the decode cache ("fp16" / "fp32")
   int images = 0, caption_exact = 0;
   int questions = 0, vqa_correct = 0;
   std::map<std::string, std::pair<int, int>> vqa_by_type;  // type → (correct, total)

@@ -27,6 +27,7 @@ Experiment start_experiment(const LlavaModel& model, const RGBImage& img, const 
   ex.full_recorder = std::make_unique<DecodeRecorder>(max_step);
   GenerateOptions g;
   g.max_new_tokens = opt.max_new_tokens;
+  g.kv_storage = opt.kv_storage;
   g.keep_going = opt.keep_going;
   std::vector<AttentionObserver*> obs{ex.full_recorder.get()};
   obs.insert(obs.end(), observers.begin(), observers.end());
@@ -73,6 +74,7 @@ MethodRun run_method(const LlavaModel& model, const Experiment& ex, const Params
   KVStore compressed;
   GenerateOptions g;
   g.max_new_tokens = opt.max_new_tokens;
+  g.kv_storage = opt.kv_storage;
   g.keep_going = opt.keep_going;
   std::vector<AttentionObserver*> obs{&rec};
   obs.insert(obs.end(), observers.begin(), observers.end());
@@ -140,12 +142,16 @@ nlohmann::json experiment_base_json(const LlavaModel& model, const Experiment& e
   j["patch_grid"] = {{"rows", side}, {"cols", side}, {"first", ex.prefill.n_visual - side * side}};
   j["timings_ms"] = {{"preprocess", ex.prefill.preprocess_ms}, {"vision", ex.prefill.vision_ms},
                      {"prefill", ex.prefill.prefill_ms}, {"decode", ex.full.decode_ms}};
-  j["options"] = {{"max_new_tokens", opt.max_new_tokens}, {"diag_steps", opt.diag_steps},
+  j["options"] = {{"max_new_tokens", opt.max_new_tokens}, {"kv_storage", row_storage_name(opt.kv_storage)},
+                  {"diag_steps", opt.diag_steps},
                   {"sparsity_p", opt.sparsity_p}, {"hit_budget", opt.hit_budget}, {"hit_window", opt.hit_window}, {"hist_bins", opt.hist_bins}};
   j["full"] = {{"caption", ex.full.text},
                {"generated_ids", ex.full.generated_ids},
-               {"bytes_fp32", to_json(ex.full.bytes_after_prefill)},
+               {"bytes", to_json(ex.full.bytes_after_prefill)},
                {"bytes_fp16", to_json(ex.full_fp16_bytes)},
+               {"compression_vs_fp16", ex.full.bytes_after_prefill.total() > 0
+                                           ? static_cast<double>(ex.full_fp16_bytes.total()) / ex.full.bytes_after_prefill.total()
+                                           : 0.0},
                {"sparsity_prefill", ex.sparsity_prefill},
                {"sparsity_decode", ex.sparsity_decode_full}};
   j["cache_hit_rate"] = to_json(ex.hit_rates);

@@ -19,6 +19,7 @@ struct ExperimentOptions {
   std::string prompt = kDefaultPrompt;
   std::string templ = kDefaultTemplate;
   int max_new_tokens = 32;
+  RowStorage kv_storage = RowStorage::Fp16;  // dense rows of the decode cache (reference included)
   int diag_steps = 4;              // decode steps whose attention the diagnostics compare
   double sparsity_p = 0.01;        // ThresholdFilter: keep A_ij >= p · max_j A_ij
   double hit_budget = 0.1;         // CacheHitRate k = budget · prompt length
@@ -45,6 +46,10 @@ struct MethodRun {
   std::vector<std::vector<float>> decode_attention;
 };
 
+// The reference ("full") decodes the uncompressed cache with opt.kv_storage rows (fp16 by
+// default, like the papers' full cache); its caption and ids are what `same_as_full` and the
+// first divergence compare against. The diagnostics compare attention against the exact
+// (fp32) prefill rows, prefill.store.
 struct Experiment {
   PrefillState prefill;
   DecodeResult full;

@@ -286,6 +286,7 @@ DecodeResult LlavaModel::decode(const PrefillState& st, KVPolicy* policy, const 
   };
   check(0);
   KVStore store = st.store;
+  store.set_row_storage(decode_row_storage(policy, opt.kv_storage));
   std::unique_ptr<DeviceKV> dev = st.device ? st.device->clone() : nullptr;
   // The host store carries rows when anything on the host reads them.
   const bool mirror = !dev || policy || !observers.empty() || compressed;

@@ -30,6 +30,11 @@ struct GenerateOptions {
   float temperature = 0.0f;   // 0 = greedy
   float top_p = 1.0f;
   uint64_t seed = 0;
+  // Storage of the decode cache's dense rows (a policy may ask for another, KVPolicy::
+  // row_storage): fp16 rounds the prefill rows and every new row to half precision, as the
+  // papers' full cache and the GPU backend store them; fp32 keeps them exact. The prefill
+  // snapshot (PrefillState::store) stays exact either way.
+  RowStorage kv_storage = RowStorage::Fp16;
   // Asked before compression (0) and after each generated token (tokens so far); returning
   // false stops decode with kvlens::Cancelled. Lets a caller drop a run a newer one replaced.
   std::function<bool(int tokens_done)> keep_going;
@@ -88,7 +93,8 @@ class LlavaModel {
   // The same from image features already computed by encode_image (several prompts, one image).
   PrefillState prefill_features(const Buffer& features, const std::string& prompt, const std::string& templ,
                                 bool keep_attention, const std::vector<AttentionObserver*>& observers = {}) const;
-  // Copies the prefill store, lets `policy` compress it (null = full cache), then decodes.
+  // Copies the prefill store, stores its rows as opt.kv_storage says (or as the policy asks),
+  // lets `policy` compress it (null = full cache), then decodes.
   // `compressed`, when given, receives the store as the policy left it after prefill.
   DecodeResult decode(const PrefillState& st, KVPolicy* policy, const GenerateOptions& opt,
                       const std::vector<AttentionObserver*>& observers = {},

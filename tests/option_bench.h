@@ -119,6 +119,11 @@ inline Outcome run_methods(const Bench& b, const std::vector<std::string>& specs
   const Scene& s = b.sc;
   Outcome o;
   KVStore st = b.store;
+  // Dense rows as a decode stores them: exact (fp32, the bench's store) unless a method asks
+  // for other (the last one that asks wins, as in a stack).
+  RowStorage rows = RowStorage::Fp32;
+  for (auto& p : ps) rows = decode_row_storage(p.get(), rows);
+  st.set_row_storage(rows);
   const std::vector<PrefillContext> cs = b.contexts();
   for (auto& p : ps) p->on_prefill(cs, st);
   o.prefill = st;

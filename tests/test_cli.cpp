@@ -66,8 +66,28 @@ TEST(Cli, CaptionWritesJsonAndLogits) {
 TEST(Cli, HelpDocumentsCaption) {
   const auto r = kt::run(kt::cli() + " caption --help");
   EXPECT_EQ(r.code, 0);
-  for (const char* opt : {"--model", "--image", "--prompt", "--max-new-tokens", "--json", "--dump-logits"})
+  for (const char* opt : {"--model", "--image", "--prompt", "--max-new-tokens", "--json", "--dump-logits", "--kv-storage"})
     EXPECT_NE(r.output.find(opt), std::string::npos) << opt;
+}
+
+TEST(Cli, KvStorageChoosesTheRowStorage) {
+  const std::string dir = kFix + "mha_fp32_hub";
+  const std::string tmp = kt::make_temp_dir("kvs");
+  int64_t bytes[2] = {0, 0};
+  int i = 0;
+  for (const char* s : {"fp16", "fp32"}) {
+    const auto r = kt::run(kt::cli() + " caption --model " + dir + " --image " + dir + "/image.png --max-new-tokens 3" +
+                           " --kv-storage " + s + " --json " + tmp + "/" + s + ".json");
+    ASSERT_EQ(r.code, 0) << r.output;
+    std::ifstream f(tmp + "/" + s + ".json");
+    const auto j = nlohmann::json::parse(f);
+    EXPECT_EQ(j["kv_storage"], s);
+    bytes[i++] = j["kv_bytes"].get<int64_t>();
+  }
+  EXPECT_GT(bytes[1], bytes[0]);  // 4 B a value against 2
+  const std::string img = " --image " + dir + "/image.png";
+  for (const std::string& cmd : std::vector<std::string>{"caption" + img, "run --method full" + img, "eval --scenes /nonexistent"})
+    expect_exit2(cmd + " --model " + dir + " --kv-storage bf16", "--kv-storage must be fp16 or fp32, got 'bf16'");
 }
 
 TEST(Cli, BadFiles) {

@@ -531,13 +531,15 @@ TEST(CacheHitRate, TruthRenormalisesEachHeadOverThePromptKeys) {
   }
 }
 
-// Steps that were not recorded are dropped from the report; k rounds budget · T, at least 1.
+// Steps that were not recorded are dropped from the report; k = floor(budget · T), at least 1
+// (the rows an eviction policy at that budget keeps).
 TEST(CacheHitRate, StepsAndK) {
   const HitRun run(5);
   const HitRates hr = cache_hit_rates(run.view(), run.rec, 0.2, {0, 1, 2, 9}, 4);
   EXPECT_EQ(hr.steps, (std::vector<int>{0, 2}));
-  EXPECT_EQ(hr.k, 3);  // round(0.2 · 16) = 3
+  EXPECT_EQ(hr.k, 3);  // floor(0.2 · 16) = 3
   EXPECT_EQ(cache_hit_rates(run.view(), run.rec, 0.001, {0}, 4).k, 1);
+  EXPECT_EQ(cache_hit_rates(run.view(), run.rec, 0.22, {0}, 4).k, 3);  // floor(3.52); rounding gives 4
   ASSERT_EQ(hr.rates.size(), 5u);
   for (const auto& s : hr.rates) {
     ASSERT_EQ(s.size(), 2u);

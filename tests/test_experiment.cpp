@@ -41,17 +41,7 @@ ExperimentOptions small_options() {
 
 }  // namespace
 
-TEST(Experiment, FullPolicyIsBitIdenticalToNoPolicy) {
-  const Fixture& f = fixture("gqa_fp16_save");
-  const PrefillState st = f.model.prefill(f.image, kDefaultPrompt, kDefaultTemplate, false);
-  GenerateOptions g;
-  g.max_new_tokens = 6;
-  g.stop_at_eos = false;
-  DecodeRecorder a(6), b(6);
-  const DecodeResult none = f.model.decode(st, nullptr, g, {&a});
-  auto full = make_policy("full:storage=fp32");
-  const DecodeResult with = f.model.decode(st, full.get(), g, {&b});
-  EXPECT_EQ(none.generated_ids, with.generated_ids);
+void expect_same_attention(const DecodeRecorder& a, const DecodeRecorder& b) {
   ASSERT_EQ(a.entries().size(), b.entries().size());
   for (size_t i = 0; i < a.entries().size(); ++i) {
     EXPECT_EQ(a.entries()[i].probs, b.entries()[i].probs);  // bit-identical
@@ -59,9 +49,40 @@ TEST(Experiment, FullPolicyIsBitIdenticalToNoPolicy) {
   }
 }
 
+TEST(Experiment, FullPolicyIsBitIdenticalToNoPolicy) {
+  const Fixture& f = fixture("gqa_fp16_save");
+  const PrefillState st = f.model.prefill(f.image, kDefaultPrompt, kDefaultTemplate, false);
+  GenerateOptions g;  // the run's row storage: fp16 (the default)
+  g.max_new_tokens = 6;
+  g.stop_at_eos = false;
+  ASSERT_EQ(g.kv_storage, RowStorage::Fp16);
+  DecodeRecorder a(6), b(6), c(6), d(6);
+  // `full` stores rows as the run does.
+  const DecodeResult none16 = f.model.decode(st, nullptr, g, {&a});
+  const DecodeResult full16 = f.model.decode(st, make_policy("full").get(), g, {&b});
+  EXPECT_EQ(none16.generated_ids, full16.generated_ids);
+  expect_same_attention(a, b);
+  // full:storage=fp32 asks for exact rows in an fp16 run: the same as an fp32 run.
+  const DecodeResult full32 = f.model.decode(st, make_policy("full:storage=fp32").get(), g, {&c});
+  GenerateOptions e = g;
+  e.kv_storage = RowStorage::Fp32;
+  const DecodeResult none32 = f.model.decode(st, nullptr, e, {&d});
+  EXPECT_EQ(none32.generated_ids, full32.generated_ids);
+  expect_same_attention(c, d);
+  // 2 bytes a value against 4, the same int32 positions.
+  KVBytes fp16;
+  for (int l = 0; l < st.store.n_layers(); ++l)
+    for (const KVSegment& s : st.store.layer(l).segments) fp16 += s.dense_bytes(st.store.head_dim(), 2);
+  EXPECT_EQ(full16.bytes_after_prefill.total(), fp16.total());
+  EXPECT_EQ(full32.bytes_after_prefill.codes, 2 * full16.bytes_after_prefill.codes);
+  EXPECT_EQ(full32.bytes_after_prefill.indices, full16.bytes_after_prefill.indices);
+}
+
 TEST(Experiment, FullCacheHasZeroErrorAndIdenticalHistograms) {
+  // With exact (fp32) rows the full cache is the prefill the diagnostics compare against.
   const Fixture& f = fixture("mha_fp32_hub");
-  const ExperimentOptions opt = small_options();
+  ExperimentOptions opt = small_options();
+  opt.kv_storage = RowStorage::Fp32;
   const Experiment ex = start_experiment(f.model, f.image, opt);
   const MethodRun r = run_method(f.model, ex, parse_method_spec("full"), opt);
   EXPECT_EQ(r.result.generated_ids, ex.full.generated_ids);
@@ -78,6 +99,34 @@ TEST(Experiment, FullCacheHasZeroErrorAndIdenticalHistograms) {
     for (float k : d.fate_kept) EXPECT_EQ(k, 1.0f);
     for (float b : d.fate_bits) EXPECT_EQ(b, 32.0f);
   }
+}
+
+TEST(Experiment, Fp16FullCacheIsTheRatioOneReference) {
+  // The default run stores rows as fp16: the reference and `full` are the same decode, at
+  // compression 1.00 against the fp16 full cache, and differ from the exact prefill only by
+  // half-precision rounding (relative error ≤ 2^-11 per key, so scores move by a few 1e-3).
+  const Fixture& f = fixture("mha_fp32_hub");
+  const ExperimentOptions opt = small_options();
+  ASSERT_EQ(opt.kv_storage, RowStorage::Fp16);
+  const Experiment ex = start_experiment(f.model, f.image, opt);
+  const MethodRun r = run_method(f.model, ex, parse_method_spec("full"), opt);
+  EXPECT_EQ(r.result.generated_ids, ex.full.generated_ids);
+  EXPECT_EQ(ex.full.bytes_after_prefill.total(), ex.full_fp16_bytes.total());
+  EXPECT_DOUBLE_EQ(r.compression_vs_fp16, 1.0);
+  const nlohmann::json j = experiment_json(f.model, ex, opt);
+  EXPECT_DOUBLE_EQ(j["full"]["compression_vs_fp16"].get<double>(), 1.0);
+  EXPECT_EQ(j["options"]["kv_storage"], "fp16");
+  for (const auto& d : r.layers) {
+    EXPECT_GT(d.softmax_mse, 0.0);   // rounded keys: not the exact prefill
+    EXPECT_LT(d.softmax_mse, 1e-6);
+    EXPECT_LT(d.output_rel_error, 1e-2);
+    for (float b : d.fate_bits) EXPECT_EQ(b, 16.0f);
+  }
+  const MethodRun e = run_method(f.model, ex, parse_method_spec("full:storage=fp32"), opt);
+  EXPECT_DOUBLE_EQ(e.compression_vs_fp16, ex.full_fp16_bytes.total() /
+                                              static_cast<double>(e.result.bytes_after_prefill.total()));
+  EXPECT_LT(e.compression_vs_fp16, 0.6);  // fp32 codes are twice the fp16 ones
+  for (const auto& d : e.layers) EXPECT_LT(d.softmax_mse, 1e-12);
 }
 
 TEST(Experiment, EveryMethodRunsWithEveryDiagnostic) {
@@ -111,7 +160,36 @@ TEST(Experiment, EveryMethodRunsWithEveryDiagnostic) {
     }
     for (const char* key : {"sparsity_prefill", "sparsity_decode"}) EXPECT_TRUE(j["full"].contains(key));
     EXPECT_EQ(j["cache_hit_rate"]["rates"].size(), 5u);
+    EXPECT_EQ(j["cache_hit_rate"]["rates_per_kv_head"].size(), 5u);
+    EXPECT_TRUE(j["cache_hit_rate"].contains("definitions"));
   }
+}
+
+TEST(Experiment, ZipCacheRequantizesEveryGapGeneratedTokens) {
+  // Algorithm 3 with a small gap: every 3 generated tokens are quantized (1 of 3 salient at 4
+  // bits, 2 at 2 bits) once the next one arrives; with gap 100 they stay fp16 rows.
+  const Fixture& f = fixture("mha_fp32_hub");
+  ExperimentOptions opt = small_options();
+  opt.max_new_tokens = 14;
+  const Experiment ex = start_experiment(f.model, f.image, opt);
+  const MethodRun slow = run_method(f.model, ex, parse_method_spec("zipcache"), opt);
+  const MethodRun fast = run_method(f.model, ex, parse_method_spec("zipcache:gap=3"), opt);
+  EXPECT_EQ(fast.result.bytes_after_prefill.total(), slow.result.bytes_after_prefill.total());
+  const auto& c = f.model.config().text;
+  const int64_t KH = c.num_key_value_heads, D = c.head_dim, L = c.num_hidden_layers;
+  const int appended = static_cast<int>(fast.result.generated_ids.size()) - 1;  // the last token is not fed back
+  ASSERT_EQ(appended, static_cast<int>(slow.result.generated_ids.size()) - 1) << "compare equal decode lengths";
+  ASSERT_GE(appended, 7) << "needs at least two gaps";
+  const int64_t gaps = (appended - 1) / 3;
+  const int64_t dense = 3 * KH * (2 * D * 2);  // a gap's fp16 K and V codes (positions stay)
+  auto packed = [](int64_t n, int b) { return (n * b + 7) / 8; };
+  const int64_t per_head = packed(D, 4) + packed(2 * D, 2) + 8 * D +  // K streams + ranges per subset
+                           packed(D, 4) + 2 * packed(D, 2) + 4 * D + 1;  // V codes, c per subset, flags
+  // V token ranges (4 B each): one per token when the heads agree, up to two when they do not.
+  const int64_t lo = per_head * KH + 4 * 3, hi = per_head * KH + 4 * 6;
+  const int64_t saved = slow.result.bytes_final.total() - fast.result.bytes_final.total();
+  EXPECT_GE(saved, L * gaps * (dense - hi)) << gaps << " gaps";
+  EXPECT_LE(saved, L * gaps * (dense - lo)) << gaps << " gaps";
 }
 
 TEST(Experiment, EvictionShrinksBytesAndMarksFate) {
@@ -156,7 +234,7 @@ TEST(Experiment, TokenFateReadsRowBitsAndMergeCounts) {
     for (float x : d.fate_merged) sum += x;
     for (float x : d.fate_kept) kept += x;
     max_mean = std::max(max_mean, sum / std::max<size_t>(d.fate_merged.size(), 1));
-    for (float b : d.fate_bits) EXPECT_TRUE(b == 0.0f || b == 32.0f) << b;  // 0: evicted everywhere
+    for (float b : d.fate_bits) EXPECT_TRUE(b == 0.0f || b == 16.0f) << b;  // 0: evicted everywhere; fp16 rows
   }
   EXPECT_GT(kept, 0.0);
   EXPECT_GT(max_mean, 0.0);
@@ -207,10 +285,26 @@ TEST(Diagnostics, RecencyHitRateMatchesDirectCount) {
       }
       std::vector<int> idx(T);
       std::iota(idx.begin(), idx.end(), 0);
-      std::stable_sort(idx.begin(), idx.end(), [&](int x, int y) { return a[x] > a[y] || (a[x] == a[y] && x > y); });
+      std::stable_sort(idx.begin(), idx.end(), [&](int x, int y) { return a[x] > a[y]; });  // ties: earlier
       int hits = 0;
       for (int i = 0; i < h.k; ++i) hits += idx[i] >= T - h.k ? 1 : 0;
       EXPECT_DOUBLE_EQ(h.rates[4][si][l], static_cast<double>(hits) / h.k);
+      // Per KV head: the same count on each head's group-mean attention, averaged over heads.
+      double per_head = 0;
+      for (int g = 0; g < e->n_kv_heads; ++g) {
+        std::vector<double> b(T, 0.0);
+        for (int hd = g * G; hd < (g + 1) * G; ++hd)
+          for (int j = 0; j < e->n_k; ++j) {
+            const int p = e->key_pos[g * e->n_k + j];
+            if (p >= 0 && p < T) b[p] += e->probs[hd * e->n_k + j] / G;
+          }
+        std::iota(idx.begin(), idx.end(), 0);
+        std::stable_sort(idx.begin(), idx.end(), [&](int x, int y) { return b[x] > b[y]; });
+        int hg = 0;
+        for (int i = 0; i < h.k; ++i) hg += idx[i] >= T - h.k ? 1 : 0;
+        per_head += static_cast<double>(hg) / h.k / e->n_kv_heads;
+      }
+      EXPECT_NEAR(h.rates_head[4][si][l], per_head, 1e-12);
     }
 }
 

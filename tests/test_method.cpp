@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <regex>
 #include <set>
 #include <string>
 #include <vector>
@@ -63,6 +64,22 @@ TEST(Registry, UniqueNamesHelpTextAndOrder) {
   ASSERT_GE(all.size(), quant.size());
   for (size_t i = 0; i < quant.size(); ++i) EXPECT_EQ(all[i].name, quant[i]);
   EXPECT_EQ(all.size(), quantization_methods().size() + eviction_methods().size());
+}
+
+TEST(Registry, SeedMethodOptionsNameTheirSource) {
+  // Every option of the four papers' methods says which equation, algorithm, section or
+  // authors' code path it follows (`kvlens methods` prints these lines).
+  const std::regex source(R"((Eq\. ?[0-9]|Algorithm|Alg\. ?[0-9]|Sec\. ?[0-9]|Table|code))");
+  for (const char* name : {"calibquant", "zipcache", "vlcache", "lookm"}) {
+    const MethodSpec& m = find_method(name);
+    for (const ParamSpec& p : m.params)
+      EXPECT_TRUE(std::regex_search(p.help, source)) << name << "." << p.name << ": " << p.help;
+    // Each has a paper preset and an official (authors' code) preset or says the code agrees.
+    if (std::string(name) != "vlcache") {
+      EXPECT_TRUE(m.presets.count("paper")) << name;
+      EXPECT_TRUE(m.presets.count("official")) << name;
+    }
+  }
 }
 
 TEST(Registry, DefaultsParseAndBuildAPolicy) {

@@ -299,6 +299,16 @@ std::vector<Case> cases() {
           for (int x = 0; x < b.sc.D; ++x) ASSERT_EQ(r.k[x], round_half(b.key(l, r.pos, kh)[x]));
         }
   });
+  // The bench's rows are exact, as a decode with --kv-storage fp32 keeps them: asking for fp32
+  // is what the default (the run's storage) resolves to here.
+  add("full", "storage", "fp32", [](const Bench& b, const Outcome&, const Outcome& got) {
+    for (int l = 0; l < b.sc.L; ++l)
+      for (int kh = 0; kh < b.sc.KH; ++kh)
+        for (const RowView& r : rows_of(got.final, l, kh)) {
+          ASSERT_EQ(r.storage, "fp32");
+          ASSERT_TRUE(std::equal(r.k, r.k + b.sc.D, b.key(l, r.pos, kh)));
+        }
+  }, "", Scene{}, true);
   // ---- uniform (default 4 bits, per-token K and V)
   for (int bits : {1, 2, 3, 8})
     add("uniform", "bits", std::to_string(bits), [bits](const Bench& b, const Outcome& d, const Outcome& g) {
@@ -403,6 +413,38 @@ std::vector<Case> cases() {
     }
     EXPECT_TRUE(default_differs);
   });
+  // Range granularity: a payload per layer (default) or per segment; V token ranges per token
+  // over the heads (default, in the payload's shared block) or per head and token; channel
+  // factors per subset (default) or per layer.
+  auto zip_payloads = [](const KVStore& s, int l) {
+    std::vector<std::shared_ptr<quant::QuantPayload>> out;
+    for (const KVSegment& seg : s.layer(l).segments)
+      if (auto q = std::dynamic_pointer_cast<quant::QuantPayload>(seg.payload)) out.push_back(q);
+    return out;
+  };
+  add("zipcache", "ranges", "segment", [zip_payloads](const Bench& b, const Outcome& d, const Outcome& g) {
+    for (int l = 0; l < b.sc.L; ++l) {
+      const auto pg = zip_payloads(g.prefill, l), pd = zip_payloads(d.prefill, l);
+      ASSERT_EQ(pg.size(), 3u);
+      EXPECT_TRUE(pg[0] != pg[1] && pg[1] != pg[2]) << "one payload per segment";
+      ASSERT_EQ(pd.size(), 3u);
+      EXPECT_TRUE(pd[0] == pd[1] && pd[1] == pd[2]) << "the default: one payload per layer";
+    }
+  });
+  add("zipcache", "value_token_range", "head", [zip_payloads](const Bench& b, const Outcome& d, const Outcome& g) {
+    for (int l = 0; l < b.sc.L; ++l)
+      for (int kh = 0; kh < b.sc.KH; ++kh) {
+        EXPECT_EQ(zip_payloads(g.prefill, l)[0]->v[kh].scales.size(), static_cast<size_t>(b.T)) << "a range per row";
+        EXPECT_TRUE(zip_payloads(d.prefill, l)[0]->v[kh].scales.empty()) << "the default's ranges span heads";
+      }
+  });
+  add("zipcache", "channel_scales", "layer", [zip_payloads](const Bench& b, const Outcome& d, const Outcome& g) {
+    for (int l = 0; l < b.sc.L; ++l)
+      for (int kh = 0; kh < b.sc.KH; ++kh) {
+        EXPECT_EQ(zip_payloads(g.prefill, l)[0]->v[kh].meta.size(), static_cast<size_t>(b.sc.D));
+        EXPECT_EQ(zip_payloads(d.prefill, l)[0]->v[kh].meta.size(), static_cast<size_t>(2 * b.sc.D));
+      }
+  });
   add("zipcache", "gap", "2", [](const Bench& b, const Outcome& d, const Outcome& g) {
     // 5 generated tokens, gap 2: the first 4 are quantized as two gaps, the last stays fp32.
     for (int l = 0; l < b.sc.L; ++l) {
@@ -482,6 +524,45 @@ std::vector<Case> cases() {
           }
         }
     });
+  // Merge filter: above-mean similarity only (every merge kind), or as the authors' code paths
+  // (average and weighted filter, pivotal does not); average sources paired by position.
+  auto merged_total = [](const Bench& b, const Outcome& o, int l, int kh) {
+    int m = 0, kept = 0;
+    for (const RowView& r : rows_of(o.prefill, l, kh)) m += r.merged, ++kept;
+    return std::make_pair(m, b.T - kept);  // (rows merged, rows evicted)
+  };
+  auto filtered = [merged_total](const Bench& b, const Outcome&, const Outcome& g) {
+    for (int l = 0; l < b.sc.L; ++l)
+      for (int kh = 0; kh < b.sc.KH; ++kh) {
+        const auto [m, e] = merged_total(b, g, l, kh);
+        EXPECT_GT(m, 0);
+        EXPECT_LT(m, e) << "some evicted rows are below the mean similarity";
+      }
+  };
+  add("lookm", "merge_filter", "above_mean", filtered, "merge=pivotal");
+  add("lookm", "merge_filter", "code", filtered, "merge=weighted");
+  add("lookm", "merge_filter", "code", [merged_total](const Bench& b, const Outcome&, const Outcome& g) {
+    for (int l = 0; l < b.sc.L; ++l)
+      for (int kh = 0; kh < b.sc.KH; ++kh) {
+        const auto [m, e] = merged_total(b, g, l, kh);
+        EXPECT_EQ(m, e) << "the pivotal code path merges every evicted row";
+      }
+  }, "merge=pivotal", Scene{}, true);
+  add("lookm", "average_source", "prefix", [](const Bench& b, const Outcome& d, const Outcome& g) {
+    // The same rows receive merges (the assignments are the same), from other source rows.
+    bool values_differ = false;
+    for (int l = 0; l < b.sc.L; ++l)
+      for (int kh = 0; kh < b.sc.KH; ++kh) {
+        const auto rg = rows_of(g.prefill, l, kh), rd = rows_of(d.prefill, l, kh);
+        ASSERT_EQ(rg.size(), rd.size());
+        for (size_t i = 0; i < rg.size(); ++i) {
+          ASSERT_EQ(rg[i].merged, rd[i].merged);
+          values_differ = values_differ || !std::equal(rg[i].k, rg[i].k + b.sc.D, rd[i].k);
+        }
+      }
+    EXPECT_TRUE(values_differ);
+  }, "merge=average,merge_filter=above_mean");
+  add("lookm", "sinks", "4", kept_positions([](const Bench&, int) { return range(0, 4); }), "text_prior=false");
   // ---- h2o (default budget 0.1: 6 rows, recent half)
   add("h2o", "budget", "0.3", kept_count([](const Bench&, int) { return 18; }));
   add("h2o", "recent_ratio", "1", kept_positions([](const Bench& b, int) { return range(b.T - 6, b.T); }));

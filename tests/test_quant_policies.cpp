@@ -16,128 +16,12 @@
 #include "core/policies/quant_methods.h"
 #include "core/policies/quantize.h"
 #include "kernels/cpu/ops.h"
+#include "tests/quant_fixture.h"
 
 using namespace kvlens;
+using namespace kvlens::testing;
 using quant::round_half;
 
-namespace {
-
-const SegmentKind kS = SegmentKind::System, kV = SegmentKind::Visual, kT = SegmentKind::PostVisionText;
-// A one-layer store of n_sys system, n_vis visual and n_txt text tokens with H query heads over
-// KH KV heads, its original rows, prompt queries and causal attention of every query head.
-struct Fixture {
-  int H = 4, KH = 2, D = 16, T = 0;
-  std::vector<SegmentKind> kinds;
-  std::vector<int> ids;
-  std::vector<float> k, v, q, probs, scores;  // k, v: [T][KH][D]; q: [T][H][D]; probs: [H][T][T]
-  std::vector<float> dq;                      // decode queries [step][H][D]
-  KVStore store;
-  std::mt19937_64 rng;
-  float normal() { return std::normal_distribution<float>(0.0f, 1.0f)(rng); }
-
-  Fixture(int n_sys, int n_vis, int n_txt, int d, uint64_t seed, int kv_heads = 2)
-      : KH(kv_heads), D(d), rng(seed) {
-    T = n_sys + n_vis + n_txt;
-    for (int i = 0; i < T; ++i) {
-      kinds.push_back(i < n_sys ? kS : i < n_sys + n_vis ? kV : kT);
-      ids.push_back(i == 0 ? 1 : 100 + i);
-    }
-    k.resize(static_cast<size_t>(T) * KH * D), v.resize(k.size()), q.resize(static_cast<size_t>(T) * H * D);
-    for (size_t i = 0; i < k.size(); ++i)  // keys with outlier channels
-      k[i] = normal() * (i % D % 5 == 0 ? 6.0f : 1.0f) + (i % D % 3 == 0 ? 2.0f : 0.0f), v[i] = normal();
-    for (float& x : q) x = normal();
-    std::vector<int32_t> pos(T);
-    std::iota(pos.begin(), pos.end(), 0), store = KVStore(1, KH, D);
-    store.append(0, k.data(), v.data(), pos.data(), kinds.data(), T);
-    scores.assign(static_cast<size_t>(H) * T * T, -INFINITY);  // causal: keys j ≤ query i
-    for (int h = 0; h < H; ++h)
-      for (int i = 0; i < T; ++i)
-        for (int j = 0; j <= i; ++j)
-          scores[(static_cast<size_t>(h) * T + i) * T + j] = static_cast<float>(
-              std::inner_product(key(j, h / (H / KH)), key(j, h / (H / KH)) + D, &q[(static_cast<size_t>(i) * H + h) * D], 0.0) / std::sqrt(D));
-    probs = scores;
-    cpu::softmax_rows(probs.data(), static_cast<int64_t>(H) * T, T);
-  }
-  const float* key(int t, int kh) const { return &k[(static_cast<size_t>(t) * KH + kh) * D]; }
-  const float* val(int t, int kh) const { return &v[(static_cast<size_t>(t) * KH + kh) * D]; }
-  PrefillContext ctx() const {
-    PrefillContext c;
-    c.n_layers = 1, c.n_heads = H, c.n_kv_heads = KH, c.head_dim = D, c.prompt_len = T;
-    c.q = q.data(), c.probs = probs.data(), c.scores = scores.data();
-    c.token_kinds = &kinds, c.token_ids = &ids;
-    return c;
-  }
-  void prefill(KVPolicy& p) { p.on_prefill({ctx()}, store); }
-  // Appends `steps` generated tokens, calling the decode hook after each; originals are kept.
-  void decode(KVPolicy& p, int steps) {
-    for (int s = 0; s < steps; ++s) {
-      std::vector<float> nk(static_cast<size_t>(KH) * D), nv(nk.size()), nq(static_cast<size_t>(H) * D);
-      for (std::vector<float>* x : {&nk, &nv, &nq}) std::generate(x->begin(), x->end(), [this] { return normal(); });
-      DecodeContext d;  // the new token's position follows every token so far
-      d.position = static_cast<int>(k.size() / (static_cast<size_t>(KH) * D));
-      d.step = d.position - T, d.n_heads = H, d.n_kv_heads = KH, d.head_dim = D, d.q = nq.data();
-      k.insert(k.end(), nk.begin(), nk.end()), v.insert(v.end(), nv.begin(), nv.end()), dq.insert(dq.end(), nq.begin(), nq.end());
-      const SegmentKind g = SegmentKind::Generated;
-      store.append(0, nk.data(), nv.data(), &d.position, &g, 1);
-      p.on_decode_step(d, store.layer(0));
-    }
-  }
-};
-
-// The largest error of the stored affine format on values in [lo, hi] at b bits: half the
-// fp16 step, the fp16 rounding of α, the part of the range the rounded step no longer covers,
-// and float rounding of the arithmetic.
-double affine_bound(double lo, double hi, int bits) {
-  const double L = quant::max_code(bits);
-  const double a = round_half(static_cast<float>(lo));
-  const double s = hi > lo ? round_half(static_cast<float>((hi - lo) / L)) : 0.0;
-  return s / 2 + std::fabs(a - lo) + std::max(0.0, hi - (a + L * s)) +
-         8 * FLT_EPSILON * (std::fabs(lo) + std::fabs(hi) + L * s);
-}
-
-// Every segment reports what it holds: payload bytes as allocated, 4-byte positions, and dense
-// bytes for plain fp32 rows.
-void expect_accounting(const KVStore& st) {
-  for (int l = 0; l < st.n_layers(); ++l)
-    for (const KVSegment& s : st.layer(l).segments) {
-      int64_t idx = 0;
-      for (const HeadRows& r : s.heads) {
-        idx += 4LL * r.n();
-        ASSERT_EQ(r.k.size(), static_cast<size_t>(r.n()) * st.head_dim());
-        ASSERT_EQ(r.v.size(), r.k.size());
-      }
-      if (!s.payload) {
-        EXPECT_EQ(s.storage, "fp32");
-        EXPECT_EQ(s.bytes.total(), s.dense_bytes(st.head_dim(), 4).total());
-        continue;
-      }
-      const KVBytes a = s.payload->allocated(), b = s.bytes;
-      EXPECT_TRUE(b.codes == a.codes && b.scales == a.scales && b.zeros == a.zeros && b.meta == a.meta) << s.storage;
-      EXPECT_EQ(b.indices, idx) << s.storage;
-    }
-}
-
-const quant::QuantPayload& payload(const KVSegment& s) {
-  if (auto p = std::dynamic_pointer_cast<quant::QuantPayload>(s.payload)) return *p;
-  throw std::runtime_error("segment has no QuantPayload: " + s.storage);
-}
-
-// Indices by descending score, ties to the earlier index.
-std::vector<int> ranked(const std::vector<double>& score) {
-  std::vector<int> idx(score.size());
-  std::iota(idx.begin(), idx.end(), 0);
-  std::stable_sort(idx.begin(), idx.end(), [&](int a, int b) { return score[a] > score[b]; });
-  return idx;
-}
-
-bool same_rows(const KVSegment& a, const KVSegment& b) {
-  if (a.heads.size() != b.heads.size() || a.storage != b.storage || a.bytes.total() != b.bytes.total()) return false;
-  for (size_t h = 0; h < a.heads.size(); ++h)
-    if (a.heads[h].k != b.heads[h].k || a.heads[h].v != b.heads[h].v || a.heads[h].pos != b.heads[h].pos) return false;
-  return true;
-}
-
-}  // namespace
 
 TEST(Quantize, EqThreeAndFourDirectly) {
   std::mt19937_64 rng(11);
@@ -217,23 +101,110 @@ TEST(Uniform, GranularitiesAndScope) {
     EXPECT_EQ(same_rows(f.store.layer(0).segments[i], ref.store.layer(0).segments[i]), i != 1) << i;
 }
 
-TEST(Full, Fp32IsUntouchedAndFp16RoundsRows) {
+TEST(KVStore, Fp16RowsAreHalfRoundedAndCountTwoBytesAValue) {
+  // Values chosen so that half precision rounds them (1 + 2^-12 lies between two halves) or
+  // keeps them exactly (0.5, 2048), and one that overflows half to infinity.
+  const int KH = 1, D = 4;
+  const float k0[D] = {1.0f + 1.0f / 4096, 0.5f, 2048.0f, 3.14159265f};
+  const float v0[D] = {-1.0f - 3.0f / 4096, 1e-8f, 70000.0f, 0.1f};
+  const SegmentKind kinds[2] = {kV, kV};
+  const int32_t pos[2] = {0, 1};
+  std::vector<float> k(k0, k0 + D), v(v0, v0 + D);
+  k.insert(k.end(), k0, k0 + D), v.insert(v.end(), v0, v0 + D);
+  KVStore exact(1, KH, D), half(1, KH, D, RowStorage::Fp16);
+  exact.append(0, k.data(), v.data(), pos, kinds, 2);
+  half.append(0, k.data(), v.data(), pos, kinds, 2);
+  const KVSegment& e = exact.layer(0).segments.at(0);
+  const KVSegment& h = half.layer(0).segments.at(0);
+  EXPECT_EQ(e.storage, "fp32");
+  EXPECT_EQ(h.storage, "fp16");
+  EXPECT_TRUE(e.dense() && h.dense());
+  EXPECT_EQ(e.bytes.codes, 2 * 2 * D * 4);
+  EXPECT_EQ(h.bytes.codes, 2 * 2 * D * 2);
+  EXPECT_EQ(h.bytes.indices, e.bytes.indices);
+  for (int t = 0; t < 2; ++t)
+    for (int c = 0; c < D; ++c) {
+      EXPECT_EQ(e.heads[0].k[t * D + c], k0[c]);
+      EXPECT_EQ(h.heads[0].k[t * D + c], round_half(k0[c]));
+      EXPECT_EQ(h.heads[0].v[t * D + c], round_half(v0[c]));
+    }
+  EXPECT_EQ(h.heads[0].k[0], 1.0f);  // ties to even
+  EXPECT_EQ(h.heads[0].k[2], 2048.0f);
+  EXPECT_TRUE(std::isinf(h.heads[0].v[2]));
+  // Switching an exact store to fp16 rounds its rows the same way; a new row extends the segment.
+  exact.set_row_storage(RowStorage::Fp16);
+  EXPECT_EQ(exact.layer(0).segments.at(0).storage, "fp16");
+  EXPECT_EQ(exact.layer(0).segments.at(0).heads[0].k, h.heads[0].k);
+  EXPECT_EQ(exact.layer(0).segments.at(0).bytes.total(), h.bytes.total());
+  const int32_t p2 = 2;
+  exact.append(0, k0, v0, &p2, kinds, 1);
+  ASSERT_EQ(exact.layer(0).segments.size(), 1u);
+  EXPECT_EQ(exact.layer(0).segments[0].heads[0].n(), 3);
+  EXPECT_EQ(exact.layer(0).segments[0].bytes.codes, 3 * 2 * D * 2);
+  // Back to fp32: the fp16 segment stays as it is, new rows start an exact segment.
+  exact.set_row_storage(RowStorage::Fp32);
+  exact.append(0, k0, v0, &p2, kinds, 1);
+  ASSERT_EQ(exact.layer(0).segments.size(), 2u);
+  EXPECT_EQ(exact.layer(0).segments[1].storage, "fp32");
+  EXPECT_EQ(exact.layer(0).segments[1].heads[0].k[0], k0[0]);
+  EXPECT_THROW(parse_row_storage("bf16", "--kv-storage"), InputError);
+}
+
+TEST(Quantizers, WorkOnFp16Stores) {
+  // Each quantizer takes the fp16 rows of the default decode cache as its input and leaves
+  // what it does not quantize as fp16.
+  for (const char* spec : {"uniform:bits=4", "kivi:bits=2,group=4,residual=6", "calibquant:bits=1",
+                           "zipcache", "turboquant", "hadamard_int4:quantize_v=off"}) {
+    SCOPED_TRACE(spec);
+    Fixture f(4, 20, 6, 16, 57), g(4, 20, 6, 16, 57);
+    f.rows = RowStorage::Fp16;
+    g.store.set_row_storage(RowStorage::Fp16);  // the same fp16 rows, quantized by hand below
+    auto p = make_policy(spec);
+    f.prefill(*p), f.decode(*p, 7), expect_accounting(f.store);
+    for (const KVSegment& s : f.store.layer(0).segments) EXPECT_NE(s.storage, "fp32");
+    if (std::string(spec) == "uniform:bits=4") {  // the codes come from the half-rounded rows
+      auto q = make_policy(spec);
+      q->on_prefill({g.ctx()}, g.store);
+      for (size_t i = 0; i < 3; ++i) EXPECT_TRUE(same_rows(f.store.layer(0).segments[i], g.store.layer(0).segments[i]));
+    }
+  }
+}
+
+TEST(Full, RowsAreStoredAsTheRunOrThePolicySays) {
+  // full follows the run's row storage: fp32 leaves the store bit-identical to no policy.
   Fixture f(4, 12, 5, 16, 31), ref(4, 12, 5, 16, 31);
-  auto p32 = make_policy("full");
-  f.prefill(*p32), f.decode(*p32, 3), ref.decode(*p32, 3);
+  auto full = make_policy("full");
+  f.prefill(*full), f.decode(*full, 3), ref.decode(*full, 3);
   ASSERT_EQ(f.store.layer(0).segments.size(), ref.store.layer(0).segments.size());
-  for (size_t i = 0; i < f.store.layer(0).segments.size(); ++i)  // bit-identical to no policy
+  for (size_t i = 0; i < f.store.layer(0).segments.size(); ++i)
     EXPECT_TRUE(same_rows(f.store.layer(0).segments[i], ref.store.layer(0).segments[i]));
-  Fixture h(4, 12, 5, 16, 32);
-  auto p16 = make_policy("full:storage=fp16");
-  h.prefill(*p16), h.decode(*p16, 4), expect_accounting(h.store);
-  ASSERT_EQ(h.store.layer(0).segments.size(), 4u);  // system, visual, text, one merged generated segment
-  for (const KVSegment& s : h.store.layer(0).segments) {
-    EXPECT_TRUE(s.storage == "fp16" && s.bytes.total() == s.dense_bytes(h.D, 2).total()) << s.storage;
-    for (int kh = 0; kh < h.KH; ++kh)
-      for (int t = 0; t < s.heads[kh].n(); ++t)
-        for (int c = 0; c < h.D; ++c)
-          EXPECT_EQ(s.heads[kh].k[t * h.D + c], round_half(h.key(s.heads[kh].pos[t], kh)[c]));
+  // fp16 (the run's, or asked by full:storage=fp16 in an fp32 run): every row half(x), 2 B a value.
+  for (const char* spec : {"full", "full:storage=fp16"}) {
+    SCOPED_TRACE(spec);
+    Fixture h(4, 12, 5, 16, 32);
+    if (std::string(spec) == "full") h.rows = RowStorage::Fp16;
+    auto p = make_policy(spec);
+    h.prefill(*p), h.decode(*p, 4), expect_accounting(h.store);
+    ASSERT_EQ(h.store.layer(0).segments.size(), 4u);  // system, visual, text, one generated segment
+    for (const KVSegment& s : h.store.layer(0).segments) {
+      EXPECT_TRUE(s.storage == "fp16" && s.bytes.total() == s.dense_bytes(h.D, 2).total()) << s.storage;
+      EXPECT_EQ(s.bytes.codes, 2LL * 2 * s.heads[0].n() * h.KH * h.D);
+      for (int kh = 0; kh < h.KH; ++kh)
+        for (int t = 0; t < s.heads[kh].n(); ++t)
+          for (int c = 0; c < h.D; ++c) {
+            EXPECT_EQ(s.heads[kh].k[t * h.D + c], round_half(h.key(s.heads[kh].pos[t], kh)[c]));
+            EXPECT_EQ(s.heads[kh].v[t * h.D + c], round_half(h.val(s.heads[kh].pos[t], kh)[c]));
+          }
+    }
+  }
+  // full:storage=fp32 in an fp16 run keeps the exact rows.
+  Fixture e(4, 12, 5, 16, 33), exact(4, 12, 5, 16, 33);
+  e.rows = RowStorage::Fp16;
+  auto p32 = make_policy("full:storage=fp32");
+  e.prefill(*p32), e.decode(*p32, 2), exact.decode(*p32, 2);
+  for (size_t i = 0; i < e.store.layer(0).segments.size(); ++i) {
+    EXPECT_EQ(e.store.layer(0).segments[i].storage, "fp32");
+    EXPECT_TRUE(same_rows(e.store.layer(0).segments[i], exact.store.layer(0).segments[i]));
   }
 }
 
@@ -395,121 +366,6 @@ TEST(Kivi, RecentWindowExactAndGroupRangesPerChannel) {
   }
 }
 
-TEST(ZipCache, SaliencyOnAHandMadeLowerTriangularMatrix) {
-  // Rows are queries, columns keys. Column sums: 2.3, 0.8, 0.5, 0.4; visible to 4, 3, 2, 1 rows.
-  const std::vector<float> A = {1.0f, 0, 0, 0,  0.5f, 0.5f, 0, 0,  0.4f, 0.2f, 0.4f, 0,  0.4f, 0.1f, 0.1f, 0.4f};
-  const auto acc = zipcache::saliency(A.data(), 4, {0, 1, 2, 3}, zipcache::Saliency::Accumulated);
-  const auto nor = zipcache::saliency(A.data(), 4, {0, 1, 2, 3}, zipcache::Saliency::Normalized);
-  const std::vector<double> want_acc = {2.3, 0.8, 0.5, 0.4}, want_nor = {2.3 / 4, 0.8 / 3, 0.5 / 2, 0.4 / 1};
-  for (int i = 0; i < 4; ++i) {
-    EXPECT_NEAR(acc[i], want_acc[i], 1e-6);
-    EXPECT_NEAR(nor[i], want_nor[i], 1e-6);
-  }
-  // Accumulated ranks the last token last; normalized ranks it second (the paper's point).
-  EXPECT_LT(acc[3], acc[2]);
-  EXPECT_GT(nor[3], nor[1]);
-  // Probes {2, 3} only: nnz = 2, 2, 2, 1.
-  const auto pn = zipcache::saliency(A.data(), 4, {2, 3}, zipcache::Saliency::Normalized);
-  for (int i = 0; i < 4; ++i) EXPECT_NEAR(pn[i], (std::vector<double>{0.8 / 2, 0.3 / 2, 0.5 / 2, 0.4 / 1}[i]), 1e-6);
-}
-
-TEST(ZipCache, ProbeSelection) {
-  const int T = 200;
-  auto rr = zipcache::select_probes(zipcache::Probe::RandomRecent, T, nullptr, nullptr, 0.05, 0.05, 7);
-  EXPECT_EQ(rr.size(), 20u);
-  for (int i = T - 10; i < T; ++i) EXPECT_TRUE(std::binary_search(rr.begin(), rr.end(), i));
-  for (uint64_t seed : {7, 8})  // seeded: the same seed draws the same probes
-    EXPECT_EQ(rr == zipcache::select_probes(zipcache::Probe::RandomRecent, T, nullptr, nullptr, 0.05, 0.05, seed), seed == 7);
-  EXPECT_TRUE(zipcache::select_probes(zipcache::Probe::Random, T, nullptr, nullptr, 0.05, 0.1, 1).size() == 20u &&
-              zipcache::select_probes(zipcache::Probe::All, T, nullptr, nullptr, 0, 0, 1).size() == 200u);
-  Fixture f(4, 10, 5, 8, 90);
-  const auto sp = zipcache::select_probes(zipcache::Probe::Special, f.T, &f.kinds, &f.ids, 0, 0, 0);
-  EXPECT_EQ(sp, (std::vector<int>{0, 3, 14, 18}));  // BOS, before / after the visual run, last
-}
-
-TEST(ZipCache, ChannelSeparableTokenWiseMatchesDirectComputation) {
-  std::mt19937_64 rng(100);
-  const int n = 9, d = 12, bits = 2;
-  std::vector<float> x(n * d);
-  for (size_t i = 0; i < x.size(); ++i) x[i] = std::normal_distribution<float>(0, 1)(rng) * (i % d == 4 ? 20.f : 1.f);
-  std::vector<float> got = x;  // channel 4 is an outlier
-  quant::QuantBlock blk;
-  zipcache::cst_quantize(got.data(), n, d, bits, blk);
-  std::vector<float> c(d, 0);  // c_j = sqrt(max_t |x_tj|), stored as fp16
-  for (int t = 0; t < n * d; ++t) c[t % d] = std::max(c[t % d], std::fabs(x[t]));
-  for (float& cj : c) cj = round_half(std::sqrt(cj));
-  for (int t = 0; t < n; ++t) {
-    float lo = INFINITY, hi = -INFINITY;
-    for (int j = 0; j < d; ++j) lo = std::min(lo, x[t * d + j] / c[j]), hi = std::max(hi, x[t * d + j] / c[j]);
-    const float a = round_half(lo), s = round_half((hi - lo) / 3);
-    for (int j = 0; j < d; ++j) {
-      const float code = std::clamp(std::nearbyint((x[t * d + j] / c[j] - a) / s), 0.0f, 3.0f);
-      EXPECT_EQ(got[t * d + j], (code * s + a) * c[j]);
-    }
-  }
-  EXPECT_TRUE(blk.meta.size() == static_cast<size_t>(d) && blk.scales.size() == static_cast<size_t>(n));
-  EXPECT_EQ(blk.codes.size(), static_cast<size_t>(n * ((d * bits + 7) / 8)));
-}
-
-TEST(ZipCache, SalientTokensFollowProbeSaliencyAndBytesFollowTheFormat) {
-  Fixture f(5, 30, 6, 16, 110);
-  auto p = make_policy("zipcache:probe=all,saliency_ratio=0.4,gap=4,recent_ratio=1,random_ratio=0");
-  f.prefill(*p), expect_accounting(f.store);
-  const LayerKV& L = f.store.layer(0);
-  const int group = f.H / f.KH;
-  for (int kh = 0; kh < f.KH; ++kh) {
-    std::vector<double> sal(f.T, 0);  // Eq. 8 with every query as probe, mean over the group
-    for (int h = kh * group; h < (kh + 1) * group; ++h)
-      for (int i = 0; i < f.T; ++i)
-        for (int r = i; r < f.T; ++r) sal[i] += f.probs[(static_cast<size_t>(h) * f.T + r) * f.T + i] / (f.T - i) / group;
-    const std::vector<int> idx = ranked(sal);  // top round(0.4·T), ties to the earlier token
-    std::set<int> want(idx.begin(), idx.begin() + std::llround(0.4 * f.T)), got;
-    for (const KVSegment& s : L.segments) {
-      const quant::QuantPayload& q = payload(s);
-      const int n = s.heads[kh].n();
-      int n_sal = 0;
-      for (int t = 0; t < n; ++t)
-        if (quant::unpack_one(q.k[kh].flags.data(), t, 1)) got.insert(s.heads[kh].pos[t]), ++n_sal;
-      // K: codes of each subset as one stream + fp16 scale/zero per channel and subset; V: codes
-      // row by row + fp16 scale/zero per token + fp16 c per channel and subset; 1 flag bit per row.
-      const int64_t nr = n - n_sal, D = f.D, subsets = (n_sal > 0) + (nr > 0);
-      EXPECT_EQ(q.k[kh].allocated().total() + q.v[kh].allocated().total(),
-                (n_sal * D * 4 + 7) / 8 + (nr * D * 2 + 7) / 8 + 4 * D * subsets + n_sal * ((D * 4 + 7) / 8) +
-                    nr * ((D * 2 + 7) / 8) + 4 * n + 2 * D * subsets + (n + 7) / 8);
-    }
-    EXPECT_EQ(got, want);
-  }
-  // Streaming: each gap of 4 tokens is quantized when the 5th arrives, ranked by Eq. 8 over the
-  // attention of its own tokens' queries (all probes here) on the rows as they were at each step.
-  f.decode(*p, 9), expect_accounting(f.store);
-  ASSERT_EQ(L.segments.size(), 6u);
-  EXPECT_TRUE(L.segments[5].storage == "fp32" && L.segments[5].heads[0].n() == 1);
-  for (int gi = 0; gi < 2; ++gi)
-    for (int kh = 0; kh < f.KH; ++kh) {
-      std::vector<double> sal(4, 0.0);
-      for (int h = kh * group; h < (kh + 1) * group; ++h)
-        for (int k = 0; k < 4; ++k) {
-          const int pk = f.T + 4 * gi + k;  // the probe's position; it saw rows up to pk
-          std::vector<double> e(4, 0.0);  // exp(q·k/√D) of the gap rows, z over every visible row
-          double z = 0;
-          for (const KVSegment& s : L.segments)
-            for (int t = 0; t < s.heads[kh].n(); ++t) {
-              const int ps = s.heads[kh].pos[t];  // rows after the probe were not there yet
-              if (ps > pk) continue;
-              const float* row = ps >= f.T + 4 * gi ? f.key(ps, kh) : &s.heads[kh].k[t * f.D];  // fp32 then
-              const double x = std::exp(std::inner_product(row, row + f.D, &f.dq[((pk - f.T) * f.H + h) * f.D], 0.0) / std::sqrt(f.D));
-              z += x;
-              if (ps >= f.T + 4 * gi) e[ps - f.T - 4 * gi] = x;
-            }
-          for (int j = 0; j <= k; ++j) sal[j] += e[j] / z / (4 - j) / group;
-        }
-      const std::vector<int> idx = ranked(sal);
-      const quant::QuantPayload& q = payload(L.segments[3 + gi]);
-      for (int j = 0; j < 4; ++j)  // round(0.4·4) = 2 salient
-        EXPECT_EQ(quant::unpack_one(q.k[kh].flags.data(), j, 1), idx[0] == j || idx[1] == j ? 1u : 0u) << gi << " " << j;
-    }
-}
-
 TEST(TurboQuant, RotationIsOrthonormalAndErrorFallsWithBits) {
   std::mt19937_64 rng(120);
   for (int d : {64, 80}) {  // 80 pads to 128
@@ -615,65 +471,6 @@ TEST(AllQuantMethods, BytesEqualAllocatedAfterPrefillAndDecode) {
 
 // ---- per-row annotations: what token fate reads --------------------------------------------------
 
-namespace {
-
-// The bits each row of head kh is stored with, over all segments in order (unannotated rows
-// read as the segment's plain storage: fp32 32, fp16 16).
-std::vector<int> row_bits_of(const LayerKV& L, int kh) {
-  std::vector<int> out;
-  for (const KVSegment& s : L.segments) {
-    const HeadRows& r = s.heads[kh];
-    if (!r.bits.empty()) {
-      EXPECT_EQ(r.bits.size(), static_cast<size_t>(r.n())) << s.storage;
-    } else {
-      EXPECT_TRUE(s.storage == "fp32" || s.storage == "fp16") << s.storage << " has no row bits";
-    }
-    for (int i = 0; i < r.n(); ++i) out.push_back(quant::row_bits(r, i, s.storage == "fp16" ? 16 : 32));
-  }
-  return out;
-}
-
-}  // namespace
-
-TEST(TokenFate, ZipCacheRowsCarryHighOrLowBitsWithTheSalientShareHigh) {
-  Fixture f(5, 30, 6, 16, 111);
-  auto p = make_policy("zipcache:high_bits=3,low_bits=1,saliency_ratio=0.4,gap=4");
-  f.prefill(*p);
-  const LayerKV& L = f.store.layer(0);
-  for (int kh = 0; kh < f.KH; ++kh) {
-    int high = 0;
-    for (const KVSegment& s : L.segments) {
-      const HeadRows& r = s.heads[kh];
-      ASSERT_EQ(r.bits.size(), static_cast<size_t>(r.n()));
-      for (int t = 0; t < r.n(); ++t) {
-        const bool salient = quant::unpack_one(payload(s).k[kh].flags.data(), t, 1) != 0;
-        EXPECT_EQ(r.bits[t], salient ? 3 : 1);
-        high += r.bits[t] == 3;
-      }
-    }
-    EXPECT_EQ(high, std::llround(0.4 * f.T));
-  }
-  f.decode(*p, 9);  // two gaps of 4 quantized, round(0.4·4) = 2 salient each; the last row fp32
-  ASSERT_EQ(L.segments.size(), 6u);
-  for (int kh = 0; kh < f.KH; ++kh) {
-    for (int gi = 3; gi < 5; ++gi) {
-      const HeadRows& r = L.segments[gi].heads[kh];
-      ASSERT_EQ(r.bits.size(), 4u);
-      EXPECT_EQ(std::count(r.bits.begin(), r.bits.end(), uint8_t{3}), 2);
-      EXPECT_EQ(std::count(r.bits.begin(), r.bits.end(), uint8_t{1}), 2);
-    }
-    EXPECT_EQ(row_bits_of(L, kh).back(), 32);
-  }
-  try {
-    make_policy("zipcache:high_bits=2,low_bits=4");
-    ADD_FAILURE() << "high_bits < low_bits accepted";
-  } catch (const InputError& e) {
-    const std::string w = e.what();
-    EXPECT_NE(w.find("high_bits"), std::string::npos) << w;
-    EXPECT_NE(w.find("low_bits"), std::string::npos) << w;
-  }
-  EXPECT_NO_THROW(make_policy("zipcache:high_bits=2,low_bits=2"));
-}
 
 TEST(TokenFate, KiviCalibQuantAndUniformRowBits) {
   {  // KIVI: quantized rows b bits, the fp32 residual window 32, through decode
@@ -684,9 +481,9 @@ TEST(TokenFate, KiviCalibQuantAndUniformRowBits) {
       int fp32 = 0, q = 0;
       for (const KVSegment& s : f.store.layer(0).segments)
         for (int i = 0; i < s.heads[kh].n(); ++i) {
-          const int b = quant::row_bits(s.heads[kh], i, s.storage == "fp32" ? 32 : -1);
-          EXPECT_EQ(b, s.storage == "fp32" ? 32 : 2) << s.storage;
-          (s.storage == "fp32" ? fp32 : q)++;
+          const int b = quant::row_bits(s.heads[kh], i, s.dense() ? 32 : -1);
+          EXPECT_EQ(b, s.dense() ? 32 : 2) << s.storage;
+          (s.dense() ? fp32 : q)++;
         }
       EXPECT_TRUE(fp32 >= 10 && fp32 < 18) << fp32;
       EXPECT_EQ(q + fp32, f.T + 13);

@@ -4,6 +4,8 @@
 
 #include <dirent.h>
 
+#include <fstream>
+
 #include "core/errors.h"
 #include "core/files.h"
 #include "core/session.h"
@@ -75,6 +77,7 @@ TEST(Session, BadSessionsNameTheProblem) {
   expect(R"({"method": []})", "unknown key 'method'");
   expect(R"({"max_new_tokens": 0})", "max_new_tokens");
   expect(R"({"max_new_tokens": "many"})", "max_new_tokens must be an integer in [1, 4096], got \"many\"");
+  expect(R"({"kv_storage": "bf16"})", "s.json: kv_storage must be fp16 or fp32, got 'bf16'");
   // Integers are integers: no silent truncation or wrap-around.
   expect(R"({"max_new_tokens": 4294967297})", "max_new_tokens must be an integer in [1, 4096], got 4294967297");
   expect(R"({"max_new_tokens": 8.5})", "max_new_tokens must be an integer");
@@ -150,7 +153,7 @@ TEST(Session, ContentHashesChangeWithTheBytes) {
 TEST(Session, CliRunsASessionAndSavesOne) {
   const std::string tmp = kt::make_temp_dir("sess");
   const std::string fix = kt::source_dir() + "/tests/fixtures/hf/mha_fp32_hub";
-  kt::write_file(tmp + "/s.json", R"({"name": "t", "max_new_tokens": 3, "methods": ["calibquant:bits=1", "vlcache:budget=0.5"]})");
+  kt::write_file(tmp + "/s.json", R"({"name": "t", "max_new_tokens": 3, "kv_storage": "fp32", "methods": ["calibquant:bits=1", "vlcache:budget=0.5"]})");
   const auto r = kt::run(kt::cli() + " run --model " + fix + " --image " + fix + "/image.png --session " + tmp +
                          "/s.json --save-session " + tmp + "/saved.json --report " + tmp + "/r.json");
   ASSERT_EQ(r.code, 0) << r.output;
@@ -158,6 +161,11 @@ TEST(Session, CliRunsASessionAndSavesOne) {
   ASSERT_EQ(saved.methods.size(), 2u);
   EXPECT_EQ(saved.methods[0].method(), "calibquant");
   EXPECT_EQ(saved.max_new_tokens, 3);
+  EXPECT_EQ(saved.kv_storage, "fp32");  // from the session, into the report and the saved one
+  std::ifstream rf(tmp + "/r.json");
+  const auto report = nlohmann::json::parse(rf);
+  EXPECT_EQ(report["options"]["kv_storage"], "fp32");
+  EXPECT_LT(report["full"]["compression_vs_fp16"].get<double>(), 0.6);
   EXPECT_EQ(saved.model_hash, folder_content_hash(fix, "model"));
   EXPECT_EQ(saved.image_hash, file_content_hash(fix + "/image.png", "image"));
   // Disabled methods do not run; labels name the methods in the report.

@@ -1,4 +1,5 @@
-// `calibquant` (CalibQuant): visual tokens only (system, text and generated tokens stay fp32).
+// `calibquant` (CalibQuant): visual tokens only (system, text and generated tokens stay dense,
+// in the cache's row storage: fp16 by default).
 // K and V are both quantized channel-wise: α_i, β_i = min/max over the visual tokens of one
 // segment, KV head and channel (Eq. 5), b bits (Eq. 3/4). Attention reads the dequantized rows;
 // post_scaled_scores/values compute the same products from the codes (Eq. 6).
@@ -88,7 +89,7 @@ class CalibQuantPolicy : public KVPolicy {
   void on_prefill_layer(const PrefillContext& ctx, LayerKV& layer) override {
     const int D = ctx.head_dim;
     for (KVSegment& s : layer.segments) {
-      if (s.kind != SegmentKind::Visual || s.storage != "fp32") continue;
+      if (s.kind != SegmentKind::Visual || !s.dense()) continue;
       auto p = std::make_shared<quant::QuantPayload>(static_cast<int>(s.heads.size()));
       for (size_t h = 0; h < s.heads.size(); ++h) {
         HeadRows& r = s.heads[h];
@@ -134,7 +135,7 @@ MethodSpec calibquant_method() {
       param::real("tau2", 0, 8, "3",
                   "τ2: calibration lowers the visual score maximum δ to δ−τ2 (Eq. 7); where τ2−τ1 > δ−γ the slope is negative and that query's visual scores reverse order, as Eq. 7 defines"),
       param::choice("calibrate", {"auto", "force", "off"}, "auto",
-                    "apply g(x) = (δ−γ+τ1−τ2)/(δ−γ)·(x−γ)+γ−τ1: auto = when bits ≤ 2, force, off"),
+                    "apply g(x) = (δ−γ+τ1−τ2)/(δ−γ)·(x−γ)+γ−τ1 (Eq. 7/8): auto = when bits ≤ 2 (the authors' code), force, off"),
       param::real("k_shrink", 0.01, 1, "1",
                   "K range factor s: [α, β] → [c+s(α−c), c+s(β−c)] before quantizing (1 = none; code: 0.5)"),
       param::real("v_shrink", 0.01, 1, "1",

@@ -63,5 +63,9 @@ enum class MergeKind { None, Average, Pivotal, Weighted };
 // for x = k and x = v (the assignment and weights come from the keys only).
 void lookm_merge(MergeKind kind, int d, const std::vector<int>& keep, std::vector<float>& k,
                  std::vector<float>& v);
+// The authors' similarity filter (merge_filter=above_mean / code): s[h][j] is the best cosine of
+// KV head h's j-th evicted row (ascending); index j passes when the mean of s[·][j] over the
+// heads that have a j-th row is ≥ the mean of every s[h][j].
+std::vector<char> lookm_above_mean(const std::vector<std::vector<double>>& s);
 
 }  // namespace kvlens

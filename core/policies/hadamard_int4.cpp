@@ -41,6 +41,7 @@ class HadamardInt4Policy : public quant::SegmentQuantPolicy {
     if (D % block_ != 0)
       throw InputError("hadamard_int4: block must divide head_dim " + std::to_string(D) + ", got " +
                        std::to_string(block_));
+    const bool v_half = s.storage == "fp16";  // how unquantized values stay stored
     auto p = std::make_shared<quant::QuantPayload>(static_cast<int>(s.heads.size()));
     for (size_t h = 0; h < s.heads.size(); ++h) {
       HeadRows& r = s.heads[h];
@@ -49,9 +50,18 @@ class HadamardInt4Policy : public quant::SegmentQuantPolicy {
       quant::quantize_block(r.k.data(), n, D, {4, quant::Axis::PerToken}, p->k[h]);
       for (int j = 0; j < n; ++j) hadamard_int4::block_hadamard(r.k.data() + static_cast<size_t>(j) * D, D, block_);
       if (!quantize_v_) {
-        // fp32 values kept as they are: count them as 4-byte codes.
-        p->v[h].codes.resize(r.v.size() * sizeof(float));
-        std::memcpy(p->v[h].codes.data(), r.v.data(), p->v[h].codes.size());
+        // Values kept as the segment stored them: their halves (fp16) or floats (fp32) as codes.
+        if (v_half) {
+          p->v[h].codes.reserve(r.v.size() * 2);
+          for (float x : r.v) {
+            const uint16_t b = quant::to_half(x);
+            p->v[h].codes.push_back(static_cast<uint8_t>(b & 0xffu));
+            p->v[h].codes.push_back(static_cast<uint8_t>(b >> 8));
+          }
+        } else {
+          p->v[h].codes.resize(r.v.size() * sizeof(float));
+          std::memcpy(p->v[h].codes.data(), r.v.data(), p->v[h].codes.size());
+        }
         continue;
       }
       if (rotate_v_)
@@ -60,7 +70,7 @@ class HadamardInt4Policy : public quant::SegmentQuantPolicy {
       if (rotate_v_)
         for (int j = 0; j < n; ++j) hadamard_int4::block_hadamard(r.v.data() + static_cast<size_t>(j) * D, D, block_);
     }
-    quant::set_quantized(s, p, quantize_v_ ? "hadamard-int4" : "hadamard-int4 k, fp32 v", 4);
+    quant::set_quantized(s, p, quantize_v_ ? "hadamard-int4" : v_half ? "hadamard-int4 k, fp16 v" : "hadamard-int4 k, fp32 v", 4);
   }
 
   int block_;
@@ -77,7 +87,7 @@ MethodSpec hadamard_int4_method() {
   m.params = {
       param::choice("block", {"auto", "8", "16", "32", "64", "128", "256"}, "auto",
                     "Hadamard block size B (divides head_dim; auto = 16 halved until it divides): k_rot = blockdiag(H_B/√B)·k"),
-      param::flag("quantize_v", "on", "quantize V per token to INT4 too (off: V stays fp32)"),
+      param::flag("quantize_v", "on", "quantize V per token to INT4 too (off: V stays in the row storage, fp16 or fp32)"),
       param::flag("rotate_v", "off", "rotate V blocks before quantizing as well (rotated back after)"),
       param::choice("scope", {"all", "visual"}, "all", "which tokens to quantize: every kind, or visual only"),
   };

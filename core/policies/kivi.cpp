@@ -1,10 +1,11 @@
 // `kivi` (KIVI): keys quantized per channel within groups of G consecutive tokens, values per
-// token, both with b bits; the R most recent tokens stay fp32.
+// token, both with b bits; the R most recent tokens stay dense (the cache's row storage, fp16
+// by default).
 //
 // Layout in the store, per KV head: the first n_q = floor((n − R)/G)·G rows of the layer are
-// quantized at prefill and the rest (R ≤ rest < R + G) stay fp32. During decode new tokens stay
-// fp32 until the fp32 tail holds R + G rows; then its oldest G rows are quantized (streaming),
-// so the last R tokens are always exact. Groups never cross a segment boundary (a segment has
+// quantized at prefill and the rest (R ≤ rest < R + G) stay dense. During decode new tokens stay
+// dense until the dense tail holds R + G rows; then its oldest G rows are quantized (streaming),
+// so the last R tokens are never quantized. Groups never cross a segment boundary (a segment has
 // one token kind): where the quantized span crosses one, the group is cut there and the piece
 // gets its own per-channel range. Each group is packed on its own (byte-aligned); V rows are
 // packed row by row.
@@ -32,7 +33,7 @@ class KiviPolicy : public KVPolicy {
   void on_decode_step(const DecodeContext& ctx, LayerKV& layer) override {
     if (layer.segments.empty()) return;
     size_t from = layer.segments.size();
-    while (from > 0 && layer.segments[from - 1].storage == "fp32") --from;
+    while (from > 0 && layer.segments[from - 1].dense()) --from;
     if (from == layer.segments.size()) return;
     const int H = static_cast<int>(layer.segments.front().heads.size());
     std::vector<int> take(H, 0);
@@ -47,13 +48,13 @@ class KiviPolicy : public KVPolicy {
   }
 
  private:
-  // Rows of n that leave at least R fp32 rows, in whole groups.
+  // Rows of n that leave at least R dense rows, in whole groups.
   int quantizable(int n) const { return n > R_ ? (n - R_) / G_ * G_ : 0; }
 
-  // Quantizes the first take[h] fp32 rows of each head, walking segments from `from`.
+  // Quantizes the first take[h] dense rows of each head, walking segments from `from`.
   void quantize_prefix(LayerKV& layer, size_t from, std::vector<int> take, int D) const {
     for (size_t i = from; i < layer.segments.size(); ++i) {
-      if (layer.segments[i].storage != "fp32") continue;
+      if (!layer.segments[i].dense()) continue;
       const size_t H = layer.segments[i].heads.size();
       std::vector<int> cut(H);
       bool any = false, partial = false;
@@ -101,14 +102,14 @@ MethodSpec kivi_method() {
   MethodSpec m;
   m.name = "kivi";
   m.family = "quantization";
-  m.summary = "KIVI: K per-channel in groups of G tokens, V per-token, last R tokens fp32";
+  m.summary = "KIVI: K per-channel in groups of G tokens, V per-token, last R tokens unquantized";
   m.params = {
       param::choice("bits", {"2", "4"}, "2",
                     "bits b: x_dis = round((x−α)(2^b−1)/(β−α)); K ranges per channel and group, V per token"),
       param::integer("group", 1, 4096, "32",
                      "G: tokens per key group; each group has its own per-channel [α, β]"),
       param::integer("residual", 0, 4096, "32",
-                     "R: the most recent R tokens stay fp32; quantized = floor((n−R)/G)·G oldest"),
+                     "R: the most recent R tokens stay unquantized (row storage); quantized = floor((n−R)/G)·G oldest"),
   };
   m.make = [](const Params& p) -> std::unique_ptr<KVPolicy> {
     return std::make_unique<KiviPolicy>(p.integer("bits"), p.integer("group"), p.integer("residual"));

@@ -51,9 +51,9 @@ inline ParamSpec flag(std::string name, std::string def, std::string help) {
 }
 }  // namespace param
 
-MethodSpec full_method();           // reference: fp32 (untouched) or fp16 rows
+MethodSpec full_method();           // reference: rows as the cache stores them (fp16 / fp32)
 MethodSpec uniform_method();        // uniform b-bit, global / per-token / per-channel ranges
-MethodSpec kivi_method();           // KIVI: K per-channel in token groups, V per-token, fp32 window
+MethodSpec kivi_method();           // KIVI: K per-channel in token groups, V per-token, dense window
 MethodSpec calibquant_method();     // CalibQuant: channel-wise visual K/V + score calibration
 MethodSpec zipcache_method();       // ZipCache: saliency-driven mixed precision
 MethodSpec turboquant_method();     // TurboQuant: randomized Hadamard + Lloyd-Max (+ QJL)
@@ -97,11 +97,14 @@ std::vector<double> saliency(const float* A, int T, const std::vector<int>& prob
 std::vector<int> select_probes(Probe strategy, int T, const std::vector<SegmentKind>* kinds,
                                const std::vector<int>* ids, double recent_ratio,
                                double random_ratio, uint64_t seed);
-// Channel-separable token-wise quantization (Algorithm 1) of x[n][d] in place:
-// c_i = sqrt(max_t |x_ti|) per channel (fp16; 1 where the channel is all zero), x/c quantized
-// per token with b bits, multiplied back by c. Appends row-aligned codes, per-token fp16
-// scale/zero and the d factors c (meta) to `out`.
-void cst_quantize(float* x, int n, int d, int bits, quant::QuantBlock& out);
+// The channel factors of CSTQuant (Eq. 6): c_i = sqrt(max_t |x_ti|) over the n rows of x[n][d],
+// rounded to fp16; 1 where a channel is all zero (or not finite).
+std::vector<float> channel_factors(const float* x, int n, int d);
+// Channel-separable token-wise quantization (Algorithm 1) of x[n][d] in place: x/c quantized
+// per token with b bits, multiplied back by c. c = channel_factors(x) unless `factors` (d
+// values, already fp16) are given. Appends row-aligned codes and per-token fp16 scale/zero to
+// `out`, and the d factors c (meta) when it computed them.
+void cst_quantize(float* x, int n, int d, int bits, quant::QuantBlock& out, const float* factors = nullptr);
 }  // namespace zipcache
 
 // ---- TurboQuant (core/policies/turboquant.cpp) ----

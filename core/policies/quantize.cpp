@@ -8,54 +8,6 @@
 
 namespace kvlens::quant {
 
-// ---- fp16 -------------------------------------------------------------------------------------
-
-uint16_t to_half(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
-  const uint32_t sign = (x >> 16) & 0x8000u;
-  uint32_t mant = x & 0x7fffffu;
-  const int exp = static_cast<int>((x >> 23) & 0xffu);
-  if (exp == 255) return static_cast<uint16_t>(sign | 0x7c00u | (mant ? 0x200u : 0u));
-  const int e = exp - 127 + 15;
-  if (e >= 31) return static_cast<uint16_t>(sign | 0x7c00u);
-  if (e <= 0) {  // half subnormal: value = m · 2^-24
-    if (e < -10) return static_cast<uint16_t>(sign);
-    mant |= 0x800000u;
-    const int shift = 14 - e;
-    uint32_t m = mant >> shift;
-    const uint32_t rem = mant & ((1u << shift) - 1u), halfway = 1u << (shift - 1);
-    if (rem > halfway || (rem == halfway && (m & 1u))) ++m;
-    return static_cast<uint16_t>(sign | m);
-  }
-  uint32_t h = sign | (static_cast<uint32_t>(e) << 10) | (mant >> 13);
-  const uint32_t rem = mant & 0x1fffu;
-  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  // a carry rounds up the exponent
-  return static_cast<uint16_t>(h);
-}
-
-float from_half(uint16_t h) {
-  const uint32_t sign = (static_cast<uint32_t>(h) & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
-  uint32_t x;
-  if (exp == 0) {
-    if (mant == 0) {
-      x = sign;
-    } else {
-      const float v = std::ldexp(static_cast<float>(mant), -24);
-      std::memcpy(&x, &v, 4);
-      x |= sign;
-    }
-  } else if (exp == 31) {
-    x = sign | 0x7f800000u | (mant << 13);
-  } else {
-    x = sign | ((exp - 15 + 127) << 23) | (mant << 13);
-  }
-  float f;
-  std::memcpy(&f, &x, 4);
-  return f;
-}
-
 // ---- Eq. 3/4 ----------------------------------------------------------------------------------
 
 uint32_t quantize(float x, float alpha, float beta, int bits) {
@@ -319,14 +271,16 @@ void set_quantized(KVSegment& s, std::shared_ptr<QuantPayload> p, const std::str
 
 void split_segment(LayerKV& layer, size_t i, const std::vector<int>& cut, int head_dim) {
   KVSegment& s = layer.segments.at(i);
-  if (s.storage != "fp32" || s.payload)
-    throw InternalError("split_segment: only fp32 segments can be split, got " + s.storage);
+  if (!s.dense())
+    throw InternalError("split_segment: only dense (fp32/fp16) segments can be split, got " + s.storage);
+  const int bpv = s.dense_value_bytes();
   KVSegment tail;
   tail.kind = s.kind;
+  tail.storage = s.storage;
   tail.heads.resize(s.heads.size());
   for (size_t h = 0; h < s.heads.size(); ++h) {
     HeadRows& r = s.heads[h];
-    pad_annotations(r, 32);
+    pad_annotations(r, 8 * bpv);
     const int c = std::clamp(cut.at(h), 0, r.n());
     const size_t off = static_cast<size_t>(c) * head_dim;
     HeadRows& t = tail.heads[h];
@@ -339,8 +293,8 @@ void split_segment(LayerKV& layer, size_t i, const std::vector<int>& cut, int he
     r.v.resize(off);
     r.pos.resize(c);
   }
-  s.bytes = s.dense_bytes(head_dim, 4);
-  tail.bytes = tail.dense_bytes(head_dim, 4);
+  s.bytes = s.dense_bytes(head_dim, bpv);
+  tail.bytes = tail.dense_bytes(head_dim, bpv);
   layer.segments.insert(layer.segments.begin() + static_cast<std::ptrdiff_t>(i) + 1, std::move(tail));
 }
 

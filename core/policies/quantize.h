@@ -4,7 +4,7 @@
 // standard normal, and the payload that owns a quantized segment's packed bytes.
 //
 // Conventions every quantizing policy follows:
-// - HeadRows.k/v of a quantized segment hold the dequantized fp32 rows (what attention reads);
+// - HeadRows.k/v of a quantized segment hold the dequantized rows as floats (what attention reads);
 //   they equal, bit for bit, what decoding the payload gives.
 // - Scales, zero points (α), norms and per-channel factors are stored as fp16 and the policy
 //   quantizes with the fp16-rounded values, so the rows are exactly what the payload encodes.
@@ -16,15 +16,16 @@
 #include <string>
 #include <vector>
 
+#include "core/half.h"
 #include "core/kv_store.h"
 #include "core/policy.h"
 
 namespace kvlens::quant {
 
-// ---- fp16 (IEEE binary16, round to nearest even) -------------------------------------------
-uint16_t to_half(float x);
-float from_half(uint16_t h);
-inline float round_half(float x) { return from_half(to_half(x)); }
+// ---- fp16 (IEEE binary16, round to nearest even; core/half.h) ------------------------------
+using kvlens::from_half;
+using kvlens::round_half;
+using kvlens::to_half;
 
 // ---- uniform affine quantization (Eq. 3/4) ---------------------------------------------------
 inline uint32_t max_code(int bits) { return (1u << bits) - 1u; }
@@ -133,9 +134,9 @@ uint32_t nearest_level(const std::vector<float>& levels, float x);
 
 // ---- per-row annotations (HeadRows::bits / merged) -----------------------------------------
 // Every quantizing policy writes, for each row of a segment it quantizes, the bits its keys are
-// stored with (32 fp32, 16 fp16, b for b-bit codes); fp32 segments a policy leaves alone stay
-// unannotated (they read as fp32). `merged` is written by merging eviction (LOOK-M) and is only
-// carried along here. An annotation is either empty or has one entry per row: the helpers below
+// stored with (32 fp32, 16 fp16, b for b-bit codes); dense segments a policy leaves alone stay
+// unannotated (they read as their storage: fp32 32, fp16 16). `merged` is written by merging
+// eviction (LOOK-M) and is only carried along here. An annotation is either empty or has one entry per row: the helpers below
 // keep it so when they split, merge or quantize segments.
 //
 // The bits of row i: r.bits[i] when set (0 reads as 32), else `fallback` (the segment's).
@@ -156,9 +157,9 @@ void pad_annotations(HeadRows& r, int bits);
 // wrote r.bits itself (one entry per row, else InternalError). `merged` is kept (padded with 0).
 void set_quantized(KVSegment& s, std::shared_ptr<QuantPayload> p, const std::string& storage,
                    int bits);
-// Splits layer.segments[i] (stored fp32) after cut[h] rows of each head h: rows [0, cut[h])
-// stay at i, the rest go to a new fp32 segment of the same kind at i + 1. Row annotations are
-// split with the rows.
+// Splits layer.segments[i] (dense: fp32 or fp16) after cut[h] rows of each head h: rows
+// [0, cut[h]) stay at i, the rest go to a new dense segment of the same kind and storage at
+// i + 1. Row annotations are split with the rows.
 void split_segment(LayerKV& layer, size_t i, const std::vector<int>& cut, int head_dim);
 // Moves the last segment's rows, row annotations and payload onto the segment before it when
 // both have the same kind and storage and both payloads are QuantPayload with row-aligned
@@ -168,7 +169,7 @@ bool merge_last_into_previous(LayerKV& layer);
 // Number of rows KV head h holds over all segments of `layer`.
 int rows_in_head(const LayerKV& layer, int h);
 
-// A policy that quantizes every fp32 segment in scope (all kinds, or visual only) at prefill,
+// A policy that quantizes every dense segment in scope (all kinds, or visual only) at prefill,
 // and each generated token as it arrives (scope "all"), appending it to the previous generated
 // segment. Methods only write quantize_segment.
 class SegmentQuantPolicy : public KVPolicy {
@@ -187,7 +188,7 @@ class SegmentQuantPolicy : public KVPolicy {
  protected:
   virtual void quantize_segment(KVSegment& s, int head_dim) = 0;
   bool in_scope(const KVSegment& s) const {
-    return s.storage == "fp32" && (!visual_only_ || s.kind == SegmentKind::Visual);
+    return s.dense() && (!visual_only_ || s.kind == SegmentKind::Visual);
   }
   bool visual_only_;
 };

@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "core/errors.h"
+#include "core/half.h"
 #include "core/policies/quantize.h"
 
 namespace kvlens {
@@ -17,8 +18,7 @@ std::string where(const std::string& method, int layer) {
 }
 
 int bytes_per_value(const std::string& method, const KVSegment& s) {
-  if (s.storage == "fp32") return 4;
-  if (s.storage == "fp16") return 2;
+  if (s.dense()) return s.dense_value_bytes();
   throw InputError(method + ": cannot evict rows of a segment stored as '" + s.storage +
                    "'; evict before quantizing");
 }
@@ -184,6 +184,11 @@ void keep_rows(const std::string& method, LayerKV& layer, int head_dim,
         const float* vr = v ? (*v)[h].data() + g * D : r.v.data() + i * D;
         out.k.insert(out.k.end(), kr, kr + D);
         out.v.insert(out.v.end(), vr, vr + D);
+        if (k && seg_bits == 16)  // a merged row is stored as the segment stores rows
+          for (size_t x = out.k.size() - D; x < out.k.size(); ++x) {
+            out.k[x] = round_half(out.k[x]);
+            out.v[x] = round_half(out.v[x]);
+          }
         out.pos.push_back(r.pos[i]);
         if (has_bits) out.bits.push_back(static_cast<uint8_t>(quant::row_bits(r, i, seg_bits)));
         if (has_merged) out.merged.push_back(static_cast<uint16_t>(quant::row_merged(r, i)));
@@ -230,7 +235,6 @@ void ScoreEvictPolicy::compress_layer(const PrefillContext& c, const LayerPlan& 
       if (merging) {
         std::vector<int32_t> pos;
         gather_head(layer, h, c.head_dim, K[h], V[h], pos);
-        merge(c, h, keep[h], K[h], V[h]);
       }
     } catch (...) {
 #pragma omp critical(kvlens_evict_error)
@@ -238,7 +242,24 @@ void ScoreEvictPolicy::compress_layer(const PrefillContext& c, const LayerPlan& 
     }
   }
   if (err) std::rethrow_exception(err);
+  if (merging) merge_layer(c, keep, K, V);
   keep_rows(name_, layer, c.head_dim, keep, merging ? &K : nullptr, merging ? &V : nullptr);
+}
+
+void ScoreEvictPolicy::merge_layer(const PrefillContext& c, const std::vector<std::vector<int>>& keep,
+                                   std::vector<std::vector<float>>& k, std::vector<std::vector<float>>& v) const {
+  const int H = static_cast<int>(keep.size());
+  std::exception_ptr err;
+#pragma omp parallel for schedule(dynamic)
+  for (int h = 0; h < H; ++h) {
+    try {
+      merge(c, h, keep[h], k[h], v[h]);
+    } catch (...) {
+#pragma omp critical(kvlens_merge_error)
+      if (!err) err = std::current_exception();
+    }
+  }
+  if (err) std::rethrow_exception(err);
 }
 
 void ScoreEvictPolicy::on_prefill(const std::vector<PrefillContext>& layers, KVStore& store) {

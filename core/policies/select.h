@@ -11,9 +11,10 @@
 // - A KV head's score is the mean over the query heads that share it (GQA: query head h uses
 //   KV head h / (n_heads / n_kv_heads)).
 // - Ties in a score go to the earlier token, so selection is deterministic.
-// - Kept rows are exact copies of the originals unless a method merges into them. A segment
-//   left with no rows in every KV head is dropped; one that still has rows in some head stays
-//   (with empty HeadRows where a head kept nothing of it). Bytes are recomputed as dense rows.
+// - Kept rows are exact copies of the originals unless a method merges into them (a merged row
+//   of an fp16 segment is rounded to half precision again). A segment left with no rows in
+//   every KV head is dropped; one that still has rows in some head stays (with empty HeadRows
+//   where a head kept nothing of it). Bytes are recomputed as dense rows (2 or 4 B per value).
 #pragma once
 #include <string>
 #include <vector>
@@ -108,6 +109,11 @@ class ScoreEvictPolicy : public KVPolicy {
   // `keep` the kept indices; edit only kept rows.
   virtual void merge(const PrefillContext& c, int kv_head, const std::vector<int>& keep,
                      std::vector<float>& k, std::vector<float>& v) const {}
+  // Merging of a whole layer once every KV head has selected (keep[h], k[h], v[h] as for
+  // merge()); the default merges each head on its own. A method whose merge looks across heads
+  // (LOOK-M's official similarity filter) overrides this.
+  virtual void merge_layer(const PrefillContext& c, const std::vector<std::vector<int>>& keep,
+                           std::vector<std::vector<float>>& k, std::vector<std::vector<float>>& v) const;
 
  private:
   void compress_layer(const PrefillContext& c, const LayerPlan& plan, LayerKV& layer) const;

@@ -58,6 +58,11 @@ class StackPolicy : public KVPolicy {
     if (evict_ && evict_->has_score_transform()) return false;
     return quant_ && quant_->visual_calibration(tau1, tau2);
   }
+  // The row storage the inner methods ask for (the quantization side's ask wins).
+  std::optional<RowStorage> row_storage() const override {
+    const std::optional<RowStorage> q = quant_ ? quant_->row_storage() : std::nullopt;
+    return q ? q : evict_ ? evict_->row_storage() : std::nullopt;
+  }
   bool has_score_transform() const override {
     return (evict_ && evict_->has_score_transform()) || (quant_ && quant_->has_score_transform());
   }

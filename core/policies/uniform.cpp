@@ -4,7 +4,8 @@
 //
 // Ranges are taken per segment and KV head (a segment is one run of tokens of one kind).
 // Decode-time tokens are quantized as they arrive when both K and V are per-token (a new row
-// needs no statistics over other rows) and the scope is `all`; otherwise they stay fp32.
+// needs no statistics over other rows) and the scope is `all`; otherwise they stay dense (the
+// cache's row storage).
 #include "core/policies/quant_methods.h"
 
 namespace kvlens {
@@ -34,7 +35,7 @@ class UniformPolicy : public KVPolicy {
 
  private:
   bool in_scope(const KVSegment& s) const {
-    return s.storage == "fp32" && (!visual_only_ || s.kind == SegmentKind::Visual);
+    return s.dense() && (!visual_only_ || s.kind == SegmentKind::Visual);
   }
   void quantize_segment(KVSegment& s, int D) const {
     auto p = std::make_shared<quant::QuantPayload>(static_cast<int>(s.heads.size()));

@@ -116,15 +116,15 @@ MethodSpec vlcache_method() {
   m.params = {
       {"budget", ParamSpec::Type::Float, kMinBudget, 1.0, {}, "0.1",
        "overall budget alpha: layer l keeps floor(beta(l)*T) rows, "
-       "beta(l) = clip((1-gamma(l))/Z*alpha*L, 0.01, 1), Z = sum_l (1-gamma(l))"},
+       "beta(l) = clip((1-gamma(l))/Z*alpha*L, 0.01, 1), Z = sum_l (1-gamma(l)) (Algorithm 1)"},
       {"p", ParamSpec::Type::Float, 0.0, 1.0, {}, "0.01",
        "ThresholdFilter keeps A'_ij >= p*max_j A'_ij; gamma(l) = share of zeros among unmasked "
-       "post-vision entries, mean over heads"},
+       "post-vision entries, mean over heads (Sec. 3.1; Algorithm 1 lines 5-7, p = 1%)"},
       {"recent_ratio", ParamSpec::Type::Float, 0.0, 1.0, {}, "0.1",
-       "recent window = floor(recent_ratio*kept) last tokens; the rest top by "
-       "psi_j = sum_{i post-vision} A'_ij"},
+       "recent window = floor(recent_ratio*kept) last tokens (Sec. 5: 10% of the budget for every "
+       "method); the rest top by psi_j = sum_{i post-vision} A'_ij (Sec. 3.2)"},
       {"budget_mode", ParamSpec::Type::Choice, 0, 0, {"sparsity", "uniform"}, "sparsity",
-       "sparsity: beta(l) from Algorithm 1; uniform: beta(l) = alpha in every layer"},
+       "sparsity: beta(l) from Algorithm 1; uniform: beta(l) = alpha in every layer (the paper's ablation baseline)"},
   };
   m.make = [](const Params& p) -> std::unique_ptr<KVPolicy> {
     return std::make_unique<VLCachePolicy>(p.num("budget"), p.num("p"), p.num("recent_ratio"),

@@ -3,27 +3,50 @@
 // Prefill (Algorithm 2): probe queries are chosen (Sec. 4.3; default 5 % recent + 5 % random),
 // their causal attention rows A_probe give each token's saliency, normalized p̃_i = Σ_k A_{k,i} /
 // nnz(A_{:,i}) (Eq. 8) or accumulated p_i = Σ_k A_{k,i} (Eq. 7, H2O/MiKV); the top r of the rows
-// of each KV head (ties to the earlier row) are salient and get k_h bits, the rest k_l bits. Keys
-// are quantized channel-wise, values with channel-separable token-wise quantization (CSTQuant,
-// Algorithm 1), each subset (salient / regular) with its own ranges.
-// Saliency per KV head is the mean over the query heads that share it (per-head), or the mean
-// over all query heads of the layer, one ranking for every KV head (shared).
+// of each KV head (ties to the earlier row) are salient and get k_h bits, the rest k_l bits.
+// Saliency per KV head is the mean over the query heads that share it (per-head, as the
+// authors' code ranks), or the mean over all query heads of the layer, one ranking for every
+// KV head (shared).
 //
-// Decode (Algorithm 3, streaming): new tokens stay fp32; the queries of probe tokens are kept
-// (the last round(recent_ratio·gap) of each gap, plus each other token with probability
-// random_ratio, seeded). When `gap` new tokens have accumulated (at the step of the next one),
-// the probes' attention over the store rows is recomputed (it equals what attention saw: older
-// rows did not change since) and those gap tokens are quantized like the prompt, ranked among
-// themselves. The authors' code re-compresses the whole cache at that point; kvlens quantizes
-// only the new tokens, since the older rows are already dequantized values and quantizing them
-// again would add error a real cache (which keeps the codes) would not have.
+// Quantization (Algorithm 2, `ranges=layer`, the default): each layer's salient rows and its
+// regular rows are quantized as two wholes, whatever their token kind. Keys: ChannelQuant, one
+// [α, β] per KV head and channel over the subset's rows. Values: CSTQuant (Algorithm 1) —
+// channels normalised by c_i = sqrt(max|X_i|) (per KV head and channel, fp16; over each subset,
+// `channel_scales=subset`, as Algorithm 2 calls CSTQuant per subset, or over the layer's rows
+// before the split, `channel_scales=layer`, the authors' channel_separate_mixed_tokenwiseQ),
+// then one range per token over the normalised values of every KV head that holds the token in
+// that subset (`value_token_range=heads`: X ∈ R^{l×hd}, the paper's hd + 2bl parameters; with
+// one ranking per layer that is exactly one range per token), or one range per token and KV head
+// (`value_token_range=head`, head_dim values). `ranges=segment` quantizes each segment (system /
+// visual / post-vision text) on its own, with its own subsets' ranges (finer than the paper).
 //
-// Ranges are per segment and KV head (segments have one token kind), finer than the paper's
-// per-layer ranges; their bytes are counted. Storage per head: K codes of the salient rows
-// (one channel-wise stream) then of the regular rows, V codes row by row in the same order, a
-// 1-bit salient flag per row.
+// Storage of one quantized group (a layer's prompt, or a streaming gap), one payload shared by
+// its segments: per KV head the K codes of the salient rows (one channel-wise stream) then of the
+// regular rows, with fp16 scale/zero per channel and subset; V codes row by row in the same order
+// (packed per row); the fp16 factors c per channel (and subset); a 1-bit salient flag per row in
+// segment order; the V token ranges (fp16 scale/zero) per KV head, or once for all heads in
+// `tokens` (salient tokens then regular, ascending positions). The payload's bytes are counted on
+// the group's first segment; every segment counts its int32 positions.
+//
+// Decode (Algorithm 3, streaming): new tokens stay dense (the cache's row storage); the queries of
+// probe tokens are kept (the last round(recent_ratio·gap) of each gap, plus each other token with
+// probability random_ratio, seeded). When `gap` new tokens have accumulated (at the step of the
+// next one), the probes' attention over the store rows is recomputed (it equals what attention saw:
+// older rows did not change since) and those gap tokens are quantized like the prompt, ranked among
+// themselves. The authors' code re-compresses the whole cache at that point; kvlens quantizes only
+// the new tokens, since the older rows are already dequantized values and quantizing them again
+// would add error a real cache (which keeps the codes) would not have.
+//
+// The authors' code also differs in ways kvlens does not model: it normalises the probes' column
+// sums by T − i (every query that can see token i) rather than by the probes that see it, draws
+// its random probes with replacement, and at a streaming step ranks the gap's tokens by the
+// current query's attention alone, unnormalised. With per-head rankings its token-wise value
+// ranges span the j-th salient row of every head (rows of different tokens); kvlens groups a
+// token's rows across heads by position instead.
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <map>
 #include <numeric>
 #include <random>
 
@@ -31,97 +54,6 @@
 #include "core/policies/quant_methods.h"
 
 namespace kvlens {
-
-namespace zipcache {
-
-std::vector<double> saliency(const float* A, int T, const std::vector<int>& probes, Saliency s) {
-  std::vector<double> sum(T, 0.0), cnt(T, 0.0);
-  for (int k : probes)
-    for (int i = 0; i <= k && i < T; ++i) {
-      sum[i] += A[static_cast<int64_t>(k) * T + i];
-      cnt[i] += 1;
-    }
-  if (s == Saliency::Normalized)
-    for (int i = 0; i < T; ++i) sum[i] = cnt[i] > 0 ? sum[i] / cnt[i] : 0.0;
-  return sum;
-}
-
-namespace {
-// Fisher–Yates with mt19937_64 (specified by the standard), so draws match on every platform.
-std::vector<int> sample(std::vector<int> pool, int k, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  k = std::min<int>(k, static_cast<int>(pool.size()));
-  for (int i = 0; i < k; ++i) {
-    const int j = i + static_cast<int>(rng() % static_cast<uint64_t>(pool.size() - i));
-    std::swap(pool[i], pool[j]);
-  }
-  pool.resize(k);
-  return pool;
-}
-int at_least_one(double ratio, int T) {
-  return std::clamp(static_cast<int>(std::llround(ratio * T)), 1, T);
-}
-}  // namespace
-
-std::vector<int> select_probes(Probe strategy, int T, const std::vector<SegmentKind>* kinds,
-                               const std::vector<int>* ids, double recent_ratio,
-                               double random_ratio, uint64_t seed) {
-  std::vector<int> out;
-  if (T <= 0) return out;
-  const int n_recent = at_least_one(recent_ratio, T);
-  std::vector<int> all(T);
-  std::iota(all.begin(), all.end(), 0);
-  switch (strategy) {
-    case Probe::All: out = all; break;
-    case Probe::Recent:
-      for (int i = T - n_recent; i < T; ++i) out.push_back(i);
-      break;
-    case Probe::Random: out = sample(all, at_least_one(random_ratio, T), seed); break;
-    case Probe::RandomRecent: {
-      std::vector<int> rest(all.begin(), all.end() - n_recent);
-      out = sample(rest, at_least_one(random_ratio, T), seed);
-      for (int i = T - n_recent; i < T; ++i) out.push_back(i);
-      break;
-    }
-    case Probe::Special: {
-      out.push_back(0);
-      out.push_back(T - 1);
-      if (ids)
-        for (int i = 0; i < T && i < static_cast<int>(ids->size()); ++i)
-          if ((*ids)[i] >= 0 && (*ids)[i] <= 2) out.push_back(i);
-      if (kinds)
-        for (int i = 0; i < T && i < static_cast<int>(kinds->size()); ++i) {
-          const bool vis = (*kinds)[i] == SegmentKind::Visual;
-          const bool prev = i > 0 && (*kinds)[i - 1] == SegmentKind::Visual;
-          if (vis && !prev && i > 0) out.push_back(i - 1);  // just before a visual run
-          if (!vis && prev) out.push_back(i);               // just after it
-        }
-      break;
-    }
-  }
-  std::sort(out.begin(), out.end());
-  out.erase(std::unique(out.begin(), out.end()), out.end());
-  return out;
-}
-
-void cst_quantize(float* x, int n, int d, int bits, quant::QuantBlock& out) {
-  if (n <= 0 || d <= 0) return;
-  std::vector<float> c(d, 0.0f);
-  for (int i = 0; i < n; ++i)
-    for (int j = 0; j < d; ++j) c[j] = std::max(c[j], std::fabs(x[static_cast<int64_t>(i) * d + j]));
-  for (int j = 0; j < d; ++j) {
-    c[j] = quant::round_half(std::sqrt(c[j]));
-    if (!(c[j] > 0) || !std::isfinite(c[j])) c[j] = 1.0f;
-  }
-  for (int i = 0; i < n; ++i)
-    for (int j = 0; j < d; ++j) x[static_cast<int64_t>(i) * d + j] /= c[j];
-  quant::quantize_block(x, n, d, {bits, quant::Axis::PerToken}, out);
-  for (int i = 0; i < n; ++i)
-    for (int j = 0; j < d; ++j) x[static_cast<int64_t>(i) * d + j] *= c[j];
-  for (int j = 0; j < d; ++j) out.meta.push_back(quant::to_half(c[j]));
-}
-
-}  // namespace zipcache
 
 namespace {
 
@@ -137,6 +69,21 @@ struct ZipOptions {
   uint64_t seed = 0;
   bool shared = false;
   int gap = 100;
+  bool segment_ranges = false;         // ranges=segment
+  bool head_token_ranges = false;      // value_token_range=head
+  bool layer_channel_scales = false;   // channel_scales=layer
+};
+
+// The payload of one group: QuantPayload's per-head blocks plus the V token ranges shared by
+// every KV head (value_token_range=heads).
+struct ZipPayload : quant::QuantPayload {
+  explicit ZipPayload(int n_heads) : QuantPayload(n_heads) {}
+  quant::QuantBlock tokens;
+  KVBytes allocated() const override {
+    KVBytes b = QuantPayload::allocated();
+    b += tokens.allocated();
+    return b;
+  }
 };
 
 // Salient flags of n rows: the top round(ratio·n) scores, ties to the earlier row.
@@ -150,6 +97,9 @@ std::vector<char> top_flags(const std::vector<double>& score, double ratio) {
   for (int i = 0; i < k; ++i) f[idx[i]] = 1;
   return f;
 }
+
+// Flags of a layer: [segment][KV head][row] (segments not quantized have empty entries).
+using Flags = std::vector<std::vector<std::vector<char>>>;
 
 class ZipCachePolicy : public KVPolicy {
  public:
@@ -175,30 +125,33 @@ class ZipCachePolicy : public KVPolicy {
         for (int i = 0; i < T; ++i) score[kh][i] += w * s[i];
       }
     }
-    // Rank every fp32 row of each KV head over all segments, by the saliency of its token.
-    std::vector<std::vector<std::vector<char>>> flags(layer.segments.size(),
-                                                      std::vector<std::vector<char>>(KH));
+    // Rank every dense row of each KV head over all segments, by the saliency of its token.
+    Flags flags(layer.segments.size(), std::vector<std::vector<char>>(KH));
+    std::vector<size_t> dense;
+    for (size_t i = 0; i < layer.segments.size(); ++i)
+      if (layer.segments[i].dense()) dense.push_back(i);
     for (int kh = 0; kh < KH; ++kh) {
       std::vector<double> rs;
-      for (const KVSegment& s : layer.segments) {
-        if (s.storage != "fp32") continue;
-        for (int32_t p : s.heads.at(kh).pos) rs.push_back(p >= 0 && p < T ? score[kh][p] : 0.0);
-      }
+      for (size_t i : dense)
+        for (int32_t p : layer.segments[i].heads.at(kh).pos) rs.push_back(p >= 0 && p < T ? score[kh][p] : 0.0);
       const std::vector<char> f = top_flags(rs, o_.ratio);
       size_t at = 0;
-      for (size_t i = 0; i < layer.segments.size(); ++i) {
-        if (layer.segments[i].storage != "fp32") continue;
+      for (size_t i : dense) {
         const int n = layer.segments[i].heads[kh].n();
         flags[i][kh].assign(f.begin() + static_cast<std::ptrdiff_t>(at), f.begin() + static_cast<std::ptrdiff_t>(at + n));
         at += n;
       }
     }
-    for (size_t i = 0; i < layer.segments.size(); ++i)
-      if (layer.segments[i].storage == "fp32") quantize_mixed(layer.segments[i], flags[i], D);
+    if (dense.empty()) return;
+    if (o_.segment_ranges) {
+      for (size_t i : dense) quantize_group(layer, {i}, flags, D);
+    } else {
+      quantize_group(layer, dense, flags, D);
+    }
   }
 
   void on_decode_step(const DecodeContext& ctx, LayerKV& layer) override {
-    if (layer.segments.empty() || layer.segments.back().storage != "fp32") return;
+    if (layer.segments.empty() || !layer.segments.back().dense()) return;
     if (ctx.layer >= static_cast<int>(streams_.size())) streams_.resize(ctx.layer + 1);
     Stream& st = streams_[ctx.layer];
     if (!st.started) {
@@ -237,7 +190,7 @@ class ZipCachePolicy : public KVPolicy {
     const int H = ctx.n_heads, KH = ctx.n_kv_heads, D = ctx.head_dim, group = H / KH;
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
     KVSegment& g = layer.segments[gi];
-    std::vector<std::vector<char>> flags(KH);
+    Flags flags(layer.segments.size(), std::vector<std::vector<char>>(KH));
     std::vector<double> shared_sum;
     const int n_probes = static_cast<int>(st.pos.size());
     for (int kh = 0; kh < KH; ++kh) {
@@ -283,50 +236,142 @@ class ZipCachePolicy : public KVPolicy {
         shared_sum.resize(ng, 0.0);
         for (int j = 0; j < ng; ++j) shared_sum[j] += sal[j];
       } else {
-        flags[kh] = top_flags(sal, o_.ratio);
+        flags[gi][kh] = top_flags(sal, o_.ratio);
       }
     }
     if (o_.shared)
-      for (int kh = 0; kh < KH; ++kh) flags[kh] = top_flags(shared_sum, o_.ratio);
-    quantize_mixed(g, flags, D);
+      for (int kh = 0; kh < KH; ++kh) flags[gi][kh] = top_flags(shared_sum, o_.ratio);
+    quantize_group(layer, {gi}, flags, D);
   }
 
-  // K channel-wise and V CSTQuant, each subset with its own ranges; flags[h][row] = salient.
-  void quantize_mixed(KVSegment& s, const std::vector<std::vector<char>>& flags, int D) const {
-    auto p = std::make_shared<quant::QuantPayload>(static_cast<int>(s.heads.size()));
-    for (size_t h = 0; h < s.heads.size(); ++h) {
-      HeadRows& r = s.heads[h];
-      const std::vector<char>& f = flags.at(h);
-      std::vector<uint32_t> bits(r.n());
-      for (int sal = 1; sal >= 0; --sal) {
-        std::vector<int> idx;
-        for (int j = 0; j < r.n(); ++j)
-          if ((f[j] != 0) == (sal == 1)) idx.push_back(j);
-        const int m = static_cast<int>(idx.size()), b = sal ? o_.hi : o_.lo;
-        std::vector<float> k(static_cast<size_t>(m) * D), v(static_cast<size_t>(m) * D);
-        for (int t = 0; t < m; ++t) {
-          std::copy_n(r.k.data() + static_cast<size_t>(idx[t]) * D, D, k.data() + static_cast<size_t>(t) * D);
-          std::copy_n(r.v.data() + static_cast<size_t>(idx[t]) * D, D, v.data() + static_cast<size_t>(t) * D);
-        }
-        quant::quantize_block(k.data(), m, D, {b, quant::Axis::PerChannel}, p->k[h]);
-        zipcache::cst_quantize(v.data(), m, D, b, p->v[h]);
-        for (int t = 0; t < m; ++t) {
-          std::copy_n(k.data() + static_cast<size_t>(t) * D, D, r.k.data() + static_cast<size_t>(idx[t]) * D);
-          std::copy_n(v.data() + static_cast<size_t>(t) * D, D, r.v.data() + static_cast<size_t>(idx[t]) * D);
-        }
+  // One row of a group: segment index and row within the segment's head.
+  struct Row {
+    size_t seg;
+    int i;
+  };
+
+  // Quantizes the dense segments `group` of `layer` together: flags[seg][h][row] = salient.
+  // K: ChannelQuant per KV head and subset; V: CSTQuant (see the file comment).
+  void quantize_group(LayerKV& layer, const std::vector<size_t>& group, const Flags& flags, int D) const {
+    const int KH = static_cast<int>(layer.segments.at(group.front()).heads.size());
+    auto p = std::make_shared<ZipPayload>(KH);
+    auto hr = [&](int h, const Row& r) -> HeadRows& { return layer.segments[r.seg].heads[h]; };
+    // rows[h][s]: the rows of head h in subset s (1 salient, 0 regular), in group order.
+    std::vector<std::array<std::vector<Row>, 2>> rows(KH);
+    for (int h = 0; h < KH; ++h)
+      for (size_t g : group)
+        for (int i = 0; i < layer.segments[g].heads[h].n(); ++i)
+          rows[h][flags.at(g).at(h).at(i) ? 1 : 0].push_back({g, i});
+    const int bits[2] = {o_.lo, o_.hi};
+    // Keys: one channel-wise block per head and subset.
+    for (int h = 0; h < KH; ++h)
+      for (int s = 1; s >= 0; --s) {
+        const std::vector<Row>& R = rows[h][s];
+        std::vector<float> k(R.size() * D);
+        for (size_t t = 0; t < R.size(); ++t) std::copy_n(hr(h, R[t]).k.data() + static_cast<size_t>(R[t].i) * D, D, &k[t * D]);
+        quant::quantize_block(k.data(), static_cast<int>(R.size()), D, {bits[s], quant::Axis::PerChannel}, p->k[h]);
+        for (size_t t = 0; t < R.size(); ++t) std::copy_n(&k[t * D], D, hr(h, R[t]).k.data() + static_cast<size_t>(R[t].i) * D);
       }
-      r.bits.resize(static_cast<size_t>(r.n()));
-      for (int j = 0; j < r.n(); ++j) {
-        bits[j] = f[j] ? 1u : 0u;
-        r.bits[static_cast<size_t>(j)] = static_cast<uint8_t>(f[j] ? o_.hi : o_.lo);
+    // Values: channel factors c[h][s][j] = sqrt(max |v_j|) over the subset (or the layer), fp16.
+    std::vector<std::array<std::vector<float>, 2>> c(KH);
+    for (int h = 0; h < KH; ++h) {
+      auto factors = [&](std::initializer_list<int> subsets) {
+        std::vector<float> v;
+        for (int s : subsets)
+          for (const Row& r : rows[h][s])
+            v.insert(v.end(), hr(h, r).v.data() + static_cast<size_t>(r.i) * D, hr(h, r).v.data() + static_cast<size_t>(r.i + 1) * D);
+        const std::vector<float> m = zipcache::channel_factors(v.data(), static_cast<int>(v.size() / D), D);
+        for (float x : m) p->v[h].meta.push_back(quant::to_half(x));
+        return m;
+      };
+      if (o_.layer_channel_scales) {
+        if (rows[h][0].empty() && rows[h][1].empty()) continue;
+        c[h][0] = c[h][1] = factors({0, 1});
+      } else {
+        for (int s = 1; s >= 0; --s)
+          if (!rows[h][s].empty()) c[h][s] = factors({s});
       }
-      quant::pack(bits.data(), r.n(), 1, p->k[h].flags);
     }
-    p->layout.kind = quant::CodeLayout::Kind::ZipMixed;
-    p->layout.hi_bits = o_.hi;
-    p->layout.lo_bits = o_.lo;
-    // Per-row bits written above (salient rows k_h, the rest k_l).
-    quant::set_quantized(s, p, "zipcache q" + std::to_string(o_.hi) + "/q" + std::to_string(o_.lo), 0);
+    // The normalised row y = v / c of row r in head h, subset s.
+    auto normalised = [&](int h, int s, const Row& r) {
+      std::vector<float> y(D);
+      const float* v = hr(h, r).v.data() + static_cast<size_t>(r.i) * D;
+      for (int j = 0; j < D; ++j) y[j] = v[j] / c[h][s][j];
+      return y;
+    };
+    // Token ranges: per KV head (each row its own range), or one per (subset, position) over
+    // the rows of every head that holds the token in that subset.
+    std::map<std::pair<int, int32_t>, quant::Affine> shared;
+    if (!o_.head_token_ranges) {
+      for (int s = 1; s >= 0; --s) {
+        std::map<int32_t, std::pair<float, float>> mm;  // position → (min, max)
+        for (int h = 0; h < KH; ++h)
+          for (const Row& r : rows[h][s]) {
+            const std::vector<float> y = normalised(h, s, r);
+            auto it = mm.emplace(hr(h, r).pos[r.i], std::make_pair(INFINITY, -INFINITY)).first;
+            for (float x : y) it->second.first = std::min(it->second.first, x), it->second.second = std::max(it->second.second, x);
+          }
+        for (const auto& [pos, lohi] : mm) {
+          const quant::Affine a = quant::make_affine(lohi.first, lohi.second, bits[s]);
+          shared[{s, pos}] = a;
+          p->tokens.scales.push_back(quant::to_half(a.scale));
+          p->tokens.zeros.push_back(quant::to_half(a.alpha));
+        }
+      }
+    }
+    for (int h = 0; h < KH; ++h)
+      for (int s = 1; s >= 0; --s) {
+        const std::vector<Row>& R = rows[h][s];
+        if (o_.head_token_ranges) {  // Algorithm 1 on this head's rows of the subset
+          if (R.empty()) continue;
+          std::vector<float> v(R.size() * D);
+          for (size_t t = 0; t < R.size(); ++t) std::copy_n(hr(h, R[t]).v.data() + static_cast<size_t>(R[t].i) * D, D, &v[t * D]);
+          zipcache::cst_quantize(v.data(), static_cast<int>(R.size()), D, bits[s], p->v[h], c[h][s].data());
+          for (size_t t = 0; t < R.size(); ++t) std::copy_n(&v[t * D], D, hr(h, R[t]).v.data() + static_cast<size_t>(R[t].i) * D);
+          continue;
+        }
+        std::vector<uint32_t> codes(D);
+        for (const Row& r : R) {
+          const std::vector<float> y = normalised(h, s, r);
+          const quant::Affine& a = shared.at({s, hr(h, r).pos[r.i]});
+          float* v = hr(h, r).v.data() + static_cast<size_t>(r.i) * D;
+          for (int j = 0; j < D; ++j) {
+            codes[j] = quant::encode(y[j], a, bits[s]);
+            v[j] = quant::decode(codes[j], a) * c[h][s][j];
+          }
+          quant::pack(codes.data(), D, bits[s], p->v[h].codes);
+        }
+      }
+    // Salient flags (1 bit per row, segment order) and per-row bits.
+    for (int h = 0; h < KH; ++h) {
+      std::vector<uint32_t> f;
+      for (size_t g : group) {
+        HeadRows& r = layer.segments[g].heads[h];
+        r.bits.resize(static_cast<size_t>(r.n()));
+        for (int i = 0; i < r.n(); ++i) {
+          const bool sal = flags[g][h][i] != 0;
+          f.push_back(sal ? 1u : 0u);
+          r.bits[static_cast<size_t>(i)] = static_cast<uint8_t>(sal ? o_.hi : o_.lo);
+        }
+      }
+      quant::pack(f.data(), static_cast<int64_t>(f.size()), 1, p->k[h].flags);
+    }
+    install(layer, group, p);
+  }
+
+  // The group's segments share the payload; its bytes count on the first of them.
+  void install(LayerKV& layer, const std::vector<size_t>& group, const std::shared_ptr<ZipPayload>& p) const {
+    p->shrink_to_fit();
+    p->tokens.shrink_to_fit();
+    const std::string label = "zipcache q" + std::to_string(o_.hi) + "/q" + std::to_string(o_.lo);
+    for (size_t gi = 0; gi < group.size(); ++gi) {
+      KVSegment& s = layer.segments[group[gi]];
+      for (HeadRows& h : s.heads) quant::pad_annotations(h, 0);
+      s.storage = label;
+      s.payload = p;
+      s.bytes = gi == 0 ? p->allocated() : KVBytes{};
+      for (const HeadRows& h : s.heads) s.bytes.indices += 4LL * h.n();
+    }
   }
 
   ZipOptions o_;
@@ -349,19 +394,32 @@ MethodSpec zipcache_method() {
   m.family = "quantization";
   m.summary = "ZipCache: salient tokens (normalized attention of probe queries) at k_h bits, the rest at k_l";
   m.params = {
-      param::choice("high_bits", {"2", "3", "4", "8"}, "4", "k_h: bits of salient tokens"),
-      param::choice("low_bits", {"1", "2", "3", "4"}, "2", "k_l: bits of the other tokens"),
-      param::real("saliency_ratio", 0, 1, "0.4", "r: share of each KV head's tokens that are salient (top r by saliency)"),
+      param::choice("high_bits", {"2", "3", "4", "8"}, "4", "k_h: bits of salient tokens (Algorithm 2)"),
+      param::choice("low_bits", {"1", "2", "3", "4"}, "2", "k_l: bits of the other tokens (Algorithm 2)"),
+      param::real("saliency_ratio", 0, 1, "0.4", "r: share of each KV head's tokens that are salient (top r by saliency, Algorithm 2 Split)"),
       param::choice("saliency", {"normalized", "accumulated"}, "normalized",
-                    "normalized p̃_i = Σ_k A_ki / nnz(A_:i) (Eq. 8) or accumulated p_i = Σ_k A_ki (H2O/MiKV), k over probes"),
+                    "normalized p̃_i = Σ_k A_ki / nnz(A_:i) (Eq. 8) or accumulated p_i = Σ_k A_ki (Eq. 7, H2O/MiKV), k over probes"),
       param::choice("probe", {"all", "random", "special", "recent", "random+recent"}, "random+recent",
-                    "probe queries whose attention rows A_probe = softmax(Q_probe Kᵀ/√d) measure saliency"),
-      param::real("recent_ratio", 0, 1, "0.05", "recent probes: the last round(ratio·T) tokens (≥ 1); decode: last ratio·gap of each gap"),
-      param::real("random_ratio", 0, 1, "0.05", "random probes: round(ratio·T) tokens (≥ 1), seeded; decode: each token with this probability"),
-      param::integer("seed", 0, 2147483647, "0", "seed of the random probes"),
+                    "probe queries whose attention rows A_probe = softmax(Q_probe Kᵀ/√d) measure saliency (Eq. 9, Table 2)"),
+      param::real("recent_ratio", 0, 1, "0.05", "recent probes: the last round(ratio·T) tokens (≥ 1); decode: last ratio·gap of each gap (Alg. 3)"),
+      param::real("random_ratio", 0, 1, "0.05", "random probes: round(ratio·T) tokens (≥ 1), seeded; decode: each token with this probability (Alg. 3)"),
+      param::integer("seed", 0, 2147483647, "0", "seed of the random probes (Sec. 4.3 draws them at random)"),
       param::choice("saliency_heads", {"per-head", "shared"}, "per-head",
-                    "saliency per KV head (mean over its query heads) or one per layer (mean over all heads)"),
-      param::integer("gap", 1, 1000000, "100", "streaming: quantize decode tokens every `gap` new tokens"),
+                    "saliency per KV head (mean over its query heads; the authors' code) or one per layer (mean over all heads)"),
+      param::integer("gap", 1, 1000000, "100", "streaming: quantize decode tokens every `gap` new tokens (Algorithm 3: 100)"),
+      param::choice("ranges", {"layer", "segment"}, "layer",
+                    "layer: the layer's salient and regular subsets quantized as wholes (Algorithm 2); segment: "
+                    "each token kind (system/visual/text) with its own subsets' ranges (finer than the paper)"),
+      param::choice("value_token_range", {"heads", "head"}, "heads",
+                    "CSTQuant token range: heads = one [α, β] per token over every KV head's normalised values "
+                    "(Alg. 1 on X ∈ R^{l×hd}, hd + 2bl parameters; authors' code); head = one per token and KV head"),
+      param::choice("channel_scales", {"subset", "layer"}, "subset",
+                    "CSTQuant c_i = sqrt(max|X_i|) (Eq. 6) over each subset (Algorithm 2 calls CSTQuant per subset) "
+                    "or over the layer before the split (authors' channel_separate_mixed_tokenwiseQ)"),
+  };
+  m.presets = {
+      {"paper", {{"ranges", "layer"}, {"value_token_range", "heads"}, {"channel_scales", "subset"}}},
+      {"official", {{"ranges", "layer"}, {"value_token_range", "heads"}, {"channel_scales", "layer"}}},
   };
   m.make = [](const Params& p) -> std::unique_ptr<KVPolicy> {
     ZipOptions o;
@@ -378,6 +436,9 @@ MethodSpec zipcache_method() {
     o.seed = static_cast<uint64_t>(p.integer("seed"));
     o.shared = p.str("saliency_heads") == "shared";
     o.gap = p.integer("gap");
+    o.segment_ranges = p.str("ranges") == "segment";
+    o.head_token_ranges = p.str("value_token_range") == "head";
+    o.layer_channel_scales = p.str("channel_scales") == "layer";
     return std::make_unique<ZipCachePolicy>(o);
   };
   return m;

@@ -158,8 +158,11 @@ bool same_rows(const KVSegment& s, const DevSeg& d) {
   return true;
 }
 
+// Dense rows as the host store keeps them (fp32, or fp16 values: the store's row storage), no payload.
+bool dense_host(const std::string& storage) { return storage == "fp32" || storage == "fp16"; }
+
 bool is_tail(const KVSegment& s, const Tail& t) {
-  if (s.kind != SegmentKind::Generated || s.storage != "fp32" || s.payload || t.n == 0) return false;
+  if (s.kind != SegmentKind::Generated || !dense_host(s.storage) || s.payload || t.n == 0) return false;
   for (const HeadRows& r : s.heads) {
     if (r.pos != t.host_pos) return false;
     for (uint16_t m : r.merged)
@@ -175,7 +178,7 @@ int64_t row_key(int h, int32_t pos) { return (static_cast<int64_t>(h) << 32) | s
 RowMap device_rows(const CudaKV& C, const DevLayer& d) {
   RowMap m;
   for (const DevSeg& s : d.segs) {
-    if (!s.fp16_rows || s.host_storage != "fp32") continue;
+    if (!s.fp16_rows || !dense_host(s.host_storage) || s.payload) continue;
     for (int h = 0; h < C.NKV; ++h) {
       const PartDesc& p = s.heads[h].at(0).d;
       bool merged = false;
@@ -517,10 +520,11 @@ void kv_hydrate(Context& ctx, const DeviceKV& dev, KVStore& host) {
       for (size_t i = 0; i < tmp.size(); ++i) out[i] = quant::from_half(tmp[i]);
     };
     for (const DevSeg& s : d.segs) {
-      if (!s.fp16_rows || s.host_storage != "fp32")
+      if (!s.fp16_rows || !dense_host(s.host_storage) || s.payload)
         throw InternalError("kv_hydrate: only a cache of fp16 rows can be read back");
       KVSegment h;
       h.kind = s.kind;
+      h.storage = s.host_storage;  // as the host segment it was built from was labelled
       h.heads.resize(C.NKV);
       for (int k = 0; k < C.NKV; ++k) {
         const PartDesc& p = s.heads[k].at(0).d;
