@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-pkgs=(build-essential cmake pkg-config nlohmann-json3-dev libsentencepiece-dev libstb-dev
+pkgs=(build-essential cmake pkg-config nlohmann-json3-dev libsentencepiece-dev libstb-dev libjpeg-dev
       libopenblas-dev libcli11-dev libgtest-dev)
 missing=()
 for p in "${pkgs[@]}"; do

@@ -17,24 +17,16 @@
 #include "core/files.h"
 #include "core/numbers.h"
 
-// Formats that PIL also opens; TGA (weak signature), PSD, HDR and PIC are left out so that
-// arbitrary bytes are not mistaken for an image.
-#define STBI_ONLY_PNG
-#define STBI_ONLY_JPEG
-#define STBI_ONLY_BMP
-#define STBI_ONLY_GIF
-#define STBI_ONLY_PNM
-#define STBI_NO_STDIO  // files are read here, so that each failure gets its own message
-#define STB_IMAGE_IMPLEMENTATION
-#define STB_IMAGE_WRITE_IMPLEMENTATION
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wunused-function"
-#pragma GCC diagnostic ignored "-Wmissing-field-initializers"
-#pragma GCC diagnostic ignored "-Wsign-compare"
-#pragma GCC diagnostic ignored "-Wimplicit-fallthrough"
+// The stb implementations are compiled in core/stb_impl.cpp.
+#define STBI_NO_STDIO
 #include "stb_image.h"
 #include "stb_image_write.h"
-#pragma GCC diagnostic pop
+
+#ifdef KVLENS_HAVE_LIBJPEG
+#include <jpeglib.h>
+
+#include <csetjmp>
+#endif
 
 namespace kvlens {
 
@@ -138,6 +130,75 @@ void check_pnm_depth(const uint8_t* b, size_t n, const std::string& name) {
                      ") is not supported; expected 8-bit PNM, PNG, JPEG, BMP or GIF");
 }
 
+#ifdef KVLENS_HAVE_LIBJPEG
+// JPEG through libjpeg-turbo, the decoder PIL uses (default settings: islow IDCT, fancy
+// upsampling), so pixels match PIL's. Grey becomes RGB; CMYK becomes RGB as PIL converts it,
+// r = (255 − c)(255 − k) / 255 rounded, with Adobe files' inverted CMYK undone first.
+struct JpegError {
+  jpeg_error_mgr mgr;
+  std::jmp_buf jump;
+  char message[JMSG_LENGTH_MAX] = {0};
+};
+
+RGBImage decode_jpeg(const uint8_t* bytes, size_t n, const std::string& name, int64_t max_pixels) {
+  jpeg_decompress_struct cinfo;
+  JpegError err;
+  cinfo.err = jpeg_std_error(&err.mgr);
+  err.mgr.error_exit = [](j_common_ptr c) {
+    auto* e = reinterpret_cast<JpegError*>(c->err);
+    e->mgr.format_message(c, e->message);
+    std::longjmp(e->jump, 1);
+  };
+  err.mgr.emit_message = [](j_common_ptr, int) {};  // warnings (corrupt data recovered) stay quiet, as in PIL
+  RGBImage img;
+  std::vector<uint8_t> row;
+  // Nothing with a destructor may be created between setjmp and a longjmp back to it.
+  if (setjmp(err.jump)) {
+    jpeg_destroy_decompress(&cinfo);
+    throw InputError(name + ": cannot decode JPEG (libjpeg: " + std::string(err.message) + ")");
+  }
+  jpeg_create_decompress(&cinfo);
+  jpeg_mem_src(&cinfo, bytes, static_cast<unsigned long>(n));
+  jpeg_read_header(&cinfo, TRUE);
+  const int64_t w = cinfo.image_width, h = cinfo.image_height;
+  if (w <= 0 || h <= 0 || w * h > max_pixels) {
+    jpeg_destroy_decompress(&cinfo);
+    throw InputError(too_large(name, w, h, max_pixels));
+  }
+  const bool cmyk = cinfo.jpeg_color_space == JCS_CMYK || cinfo.jpeg_color_space == JCS_YCCK;
+  cinfo.out_color_space = cmyk ? JCS_CMYK : JCS_RGB;
+  jpeg_start_decompress(&cinfo);
+  const int nc = cinfo.output_components;
+  img.width = static_cast<int>(w);
+  img.height = static_cast<int>(h);
+  img.source = name;
+  img.data.resize(static_cast<size_t>(w) * h * 3);
+  row.resize(static_cast<size_t>(w) * nc);
+  const bool inverted = cmyk && cinfo.saw_Adobe_marker;
+  while (cinfo.output_scanline < cinfo.output_height) {
+    const size_t y = cinfo.output_scanline;
+    JSAMPROW r = row.data();
+    jpeg_read_scanlines(&cinfo, &r, 1);
+    uint8_t* dst = &img.data[y * static_cast<size_t>(w) * 3];
+    if (!cmyk) {
+      std::memcpy(dst, row.data(), static_cast<size_t>(w) * 3);
+      continue;
+    }
+    for (int64_t x = 0; x < w; ++x) {
+      const uint8_t* px = &row[static_cast<size_t>(x) * 4];
+      const int k = inverted ? px[3] : 255 - px[3];
+      for (int c = 0; c < 3; ++c) {
+        const int v = (inverted ? px[c] : 255 - px[c]) * k + 128;  // (255 − c)(255 − k) / 255
+        dst[x * 3 + c] = static_cast<uint8_t>((v + (v >> 8)) >> 8);
+      }
+    }
+  }
+  jpeg_finish_decompress(&cinfo);
+  jpeg_destroy_decompress(&cinfo);
+  return img;
+}
+#endif
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -149,6 +210,9 @@ RGBImage decode_image(const uint8_t* bytes, size_t n, const std::string& name, i
   if (n > static_cast<size_t>(std::numeric_limits<int>::max()))
     throw InputError(name + ": " + std::to_string(n) + " bytes is too large for an image file");
   const int len = static_cast<int>(n);
+#ifdef KVLENS_HAVE_LIBJPEG
+  if (n >= 3 && bytes[0] == 0xFF && bytes[1] == 0xD8 && bytes[2] == 0xFF) return decode_jpeg(bytes, n, name, max_pixels);
+#endif
   check_jpeg_tables(bytes, n, name);
   check_pnm_depth(bytes, n, name);
   int w = 0, h = 0, comp = 0;

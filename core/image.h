@@ -23,7 +23,9 @@ struct RGBImage {
 // InputError before any pixel is decoded.
 constexpr int64_t kMaxImagePixels = 64LL * 1024 * 1024;
 
-// Decodes PNG, JPEG, BMP, GIF (first frame) and PNM with stb_image: grey, grey+alpha, RGB, RGBA
+// Decodes JPEG with libjpeg-turbo (PIL's decoder: the same pixels, CMYK converted as PIL does;
+// stb_image when kvlens is built without libjpeg), and PNG, BMP (also top-down), GIF (first
+// frame) and 8-bit PNM with stb_image: grey, grey+alpha, RGB, RGBA
 // and 16-bit inputs become 8-bit RGB (alpha is dropped, as PIL's convert("RGB") does; 16-bit
 // samples keep their high byte, v >> 8, which is what PIL does for 16-bit RGB/RGBA PNGs; PIL
 // clips 16-bit grey to 255 instead). Throws InputError naming `path` (or `name`) for missing,

@@ -21,10 +21,7 @@ namespace {
 
 const std::string kFix = kt::source_dir() + "/tests/fixtures/hf/mha_fp32_hub";
 
-nlohmann::json read_json(const std::string& p) {
-  std::ifstream f(p);
-  return nlohmann::json::parse(f);
-}
+using kt::read_json;
 
 // max |a − b| / max |b|
 double rel_diff(const std::vector<float>& a, const std::vector<float>& b) {

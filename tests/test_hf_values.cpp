@@ -20,19 +20,6 @@ namespace kt = kvlens::testing;
 
 namespace {
 
-std::vector<std::string> fixture_dirs() {
-  std::vector<std::string> r;
-  const std::string root = kt::source_dir() + "/tests/fixtures/hf";
-  if (DIR* d = opendir(root.c_str())) {
-    while (dirent* e = readdir(d)) {
-      const std::string p = root + "/" + e->d_name;
-      if (e->d_name[0] != '.' && std::ifstream(p + "/expected.json").good()) r.push_back(p);
-    }
-    closedir(d);
-  }
-  std::sort(r.begin(), r.end());
-  return r;
-}
 
 nlohmann::json expected(const std::string& dir) {
   std::ifstream f(dir + "/expected.json");
@@ -134,7 +121,7 @@ TEST_P(HfValues, DecodeStepLogits) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, HfValues, ::testing::ValuesIn(fixture_dirs()),
+INSTANTIATE_TEST_SUITE_P(Fixtures, HfValues, ::testing::ValuesIn(kt::hf_fixture_dirs()),
                          [](const ::testing::TestParamInfo<std::string>& i) {
                            return i.param.substr(i.param.rfind('/') + 1);
                          });

@@ -121,6 +121,22 @@ TEST(ImageDecode, LosslessFormatsMatchPil) {
   }
 }
 
+#ifdef KVLENS_HAVE_LIBJPEG
+TEST(ImageDecode, JpegMatchesPilExactly) {
+  // libjpeg-turbo decodes as PIL does: baseline 4:4:4 and 4:2:0, progressive, grey, and Adobe
+  // CMYK converted to RGB by PIL's rule.
+  for (const std::string name : {"rgb", "rgb420", "progressive", "grey", "cmyk"}) {
+    SCOPED_TRACE(name);
+    const Diff d = compare(load_image(kDir + name + ".jpg"), raw_image(name + "_jpg.rgb"));
+    EXPECT_EQ(d.max, 0);
+  }
+}
+#else
+TEST(ImageDecode, JpegMatchesPilExactly) {
+  GTEST_SKIP() << "built without libjpeg: JPEG goes through stb_image, which is within a few levels of PIL (JpegCloseToPil)";
+}
+#endif
+
 TEST(ImageDecode, DecodeFromMemoryMatchesFile) {
   const std::vector<uint8_t> bytes = read_bytes("rgba.png");
   const RGBImage a = decode_image(bytes.data(), bytes.size(), "in-memory rgba");

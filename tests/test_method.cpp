@@ -12,21 +12,13 @@
 #include "core/errors.h"
 #include "core/method.h"
 #include "core/policies/registry.h"
+#include "tests/test_util.h"
 
 using namespace kvlens;
 
 namespace {
 
-// The message of the InputError `f` throws ("" when it throws none).
-template <class F>
-std::string error_of(F f) {
-  try {
-    f();
-  } catch (const InputError& e) {
-    return e.what();
-  }
-  return "";
-}
+using kvlens::testing::error_of;
 
 // How messages and specs print numbers: integers as integers, others as the shortest decimal
 // text that reads back as x.

@@ -58,26 +58,9 @@ uint32_t expected_bf16(uint16_t h) {
   return bits_of(static_cast<float>(neg ? -mag : mag)) | (neg ? 0x80000000u : 0u);
 }
 
-std::string le64(uint64_t v) {
-  std::string s(8, '\0');
-  for (int i = 0; i < 8; ++i) s[i] = static_cast<char>((v >> (8 * i)) & 0xff);
-  return s;
-}
 
-std::string st_file(const nlohmann::json& header, const std::string& data) {
-  const std::string h = header.dump();
-  return le64(h.size()) + h + data;
-}
 
-template <typename F>
-std::string error_of(F f) {
-  try {
-    f();
-  } catch (const InputError& e) {
-    return e.what();
-  }
-  return "";
-}
+using kvlens::testing::error_of;
 
 }  // namespace
 
@@ -92,7 +75,7 @@ TEST(HalfDecoding, EveryF16AndBf16PatternBitForBit) {
   h["f16"] = {{"dtype", "F16"}, {"shape", {256, 256}}, {"data_offsets", {0, 131072}}};
   h["bf16"] = {{"dtype", "BF16"}, {"shape", {65536}}, {"data_offsets", {131072, 262144}}};
   const std::string dir = kt::make_temp_dir("half");
-  kt::write_file(dir + "/model.safetensors", st_file(h, data));
+  kt::write_file(dir + "/model.safetensors", kvlens::testing::safetensors_bytes(h, data));
   const WeightStore ws = WeightStore::open_dir(dir);
   const Tensor f16 = ws.load("f16"), bf16 = ws.load("bf16");
   ASSERT_EQ(f16.data.size(), 65536u);
@@ -150,7 +133,7 @@ TEST(SafetensorsShapes, ByteCountThatWrapsIsRefused) {
     nlohmann::json h;
     h["w"] = {{"dtype", c.dtype}, {"shape", c.shape}, {"data_offsets", {0, 0}}};
     h["ok"] = {{"dtype", "F32"}, {"shape", {1}}, {"data_offsets", {0, 4}}};
-    kt::write_file(p, st_file(h, four));
+    kt::write_file(p, kvlens::testing::safetensors_bytes(h, four));
     const std::string e = error_of([&] { SafetensorsFile f(p); });
     EXPECT_NE(e.find("tensor 'w'"), std::string::npos) << c.dtype << ": " << e;
     EXPECT_NE(e.find("overflows 64-bit byte counts"), std::string::npos) << c.dtype << ": " << e;
@@ -159,7 +142,7 @@ TEST(SafetensorsShapes, ByteCountThatWrapsIsRefused) {
   // The largest byte counts that fit are not refused for overflow (they fail on the offsets).
   nlohmann::json h;
   h["w"] = {{"dtype", "F32"}, {"shape", {(int64_t{1} << 61) - 1}}, {"data_offsets", {0, 4}}};
-  kt::write_file(p, st_file(h, four));
+  kt::write_file(p, kvlens::testing::safetensors_bytes(h, four));
   const std::string e = error_of([&] { SafetensorsFile f(p); });
   EXPECT_EQ(e.find("overflows"), std::string::npos) << e;
   EXPECT_NE(e.find("needs 9223372036854775804 bytes"), std::string::npos) << e;

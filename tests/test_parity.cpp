@@ -21,24 +21,8 @@ namespace kt = kvlens::testing;
 
 namespace {
 
-std::vector<std::string> fixture_dirs() {
-  std::vector<std::string> r;
-  const std::string root = kt::source_dir() + "/tests/fixtures/hf";
-  if (DIR* d = opendir(root.c_str())) {
-    while (dirent* e = readdir(d)) {
-      const std::string p = root + "/" + e->d_name;
-      if (e->d_name[0] != '.' && std::ifstream(p + "/expected.json").good()) r.push_back(p);
-    }
-    closedir(d);
-  }
-  std::sort(r.begin(), r.end());
-  return r;
-}
 
-nlohmann::json read_json(const std::string& p) {
-  std::ifstream f(p);
-  return nlohmann::json::parse(f);
-}
+using kt::read_json;
 
 class HfParity : public ::testing::TestWithParam<std::string> {};
 
@@ -46,7 +30,7 @@ class HfParity : public ::testing::TestWithParam<std::string> {};
 
 TEST(HfFixtures, Present) {
   // The fixtures are committed; their absence is a failure, not a skip.
-  EXPECT_GE(fixture_dirs().size(), 3u);
+  EXPECT_GE(kt::hf_fixture_dirs().size(), 3u);
 }
 
 TEST_P(HfParity, MatchesTransformers) {
@@ -87,7 +71,7 @@ TEST_P(HfParity, MatchesTransformers) {
   EXPECT_EQ(r.generated_ids, greedy) << dir;
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, HfParity, ::testing::ValuesIn(fixture_dirs()),
+INSTANTIATE_TEST_SUITE_P(Fixtures, HfParity, ::testing::ValuesIn(kt::hf_fixture_dirs()),
                          [](const ::testing::TestParamInfo<std::string>& i) {
                            return i.param.substr(i.param.rfind('/') + 1);
                          });

@@ -34,14 +34,7 @@ namespace {
 const std::string kFix = kt::source_dir() + "/tests/fixtures/hf/";
 const std::string kModel = kt::source_dir() + "/assets/models/kvlens-scenes-6m";
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const InputError& e) {
-    return e.what();
-  }
-  return "";
-}
+using kvlens::testing::error_of;
 
 // Runs the CLI (with a time limit, so a hang fails instead of blocking the suite).
 kt::RunResult cli(const std::string& args, int seconds = 60) {
@@ -388,7 +381,9 @@ TEST(ReliableModels, NanWeightsAreReportedAtTheFirstNonFiniteTensor) {
 TEST(ReliableImages, FuzzerFindingsAreRefusedBeforeDecoding) {
   const std::string dir = kt::source_dir() + "/tests/fuzz/corpus/fuzz_image/";
   const std::string jpeg = dir + "regress_jpeg_huffman_257.jpg", pnm = dir + "regress_pnm16.pnm";
-  expect_exit2("caption --image " + jpeg, jpeg + ": corrupt JPEG (a Huffman table lists 299 codes, at most 256 are possible)");
+  // libjpeg says "Bogus Huffman table definition"; without it, kvlens's own check before stb_image
+  // says how many codes the table lists.
+  expect_exit2("caption --image " + jpeg, "Huffman table");
   expect_exit2("caption --image " + pnm, pnm + ": 16-bit PNM (maxval 789) is not supported");
   // Every regression input kept in the corpus is refused in one line naming it.
   int n = 0;

@@ -12,21 +12,12 @@
 
 using namespace kvlens;
 using kvlens::testing::make_temp_dir;
+using kvlens::testing::le64;
 using kvlens::testing::write_file;
 
 namespace {
 
-std::string le64(uint64_t v) {
-  std::string s(8, '\0');
-  for (int i = 0; i < 8; ++i) s[i] = static_cast<char>((v >> (8 * i)) & 0xff);
-  return s;
-}
 
-// A safetensors file from a header object and a raw data section.
-std::string st_file(const nlohmann::json& header, const std::string& data) {
-  const std::string h = header.dump();
-  return le64(h.size()) + h + data;
-}
 
 std::string f32_bytes(const std::vector<float>& v) {
   return std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4);
@@ -55,7 +46,7 @@ TEST(Safetensors, ReadsF32F16Bf16) {
   h["b"] = {{"dtype", "F16"}, {"shape", {3}}, {"data_offsets", {16, 22}}};
   h["c"] = {{"dtype", "BF16"}, {"shape", {1}}, {"data_offsets", {22, 24}}};
   h["__metadata__"] = {{"format", "pt"}};
-  write_file(dir + "/model.safetensors", st_file(h, f32 + f16 + bf16));
+  write_file(dir + "/model.safetensors", kvlens::testing::safetensors_bytes(h, f32 + f16 + bf16));
   const WeightStore ws = WeightStore::open_dir(dir);
   EXPECT_EQ(ws.names().size(), 3u);
   const Tensor a = ws.load("a", {2, 2});
@@ -74,7 +65,7 @@ TEST(Safetensors, RejectsBadFiles) {
   const std::string p = dir + "/model.safetensors";
   nlohmann::json h;
   h["a"] = {{"dtype", "F32"}, {"shape", {2}}, {"data_offsets", {0, 8}}};
-  const std::string good = st_file(h, f32_bytes({1, 2}));
+  const std::string good = kvlens::testing::safetensors_bytes(h, f32_bytes({1, 2}));
 
   write_file(p, good.substr(0, 5));
   expect_input_error([&] { SafetensorsFile f(p); }, "truncated");
@@ -89,30 +80,30 @@ TEST(Safetensors, RejectsBadFiles) {
 
   nlohmann::json bad = h;
   bad["a"]["shape"] = {3};
-  write_file(p, st_file(bad, f32_bytes({1, 2})));
+  write_file(p, kvlens::testing::safetensors_bytes(bad, f32_bytes({1, 2})));
   expect_input_error([&] { SafetensorsFile f(p); }, "needs 12 bytes");
   bad = h;
   bad["a"]["dtype"] = "F4";
-  write_file(p, st_file(bad, f32_bytes({1, 2})));
+  write_file(p, kvlens::testing::safetensors_bytes(bad, f32_bytes({1, 2})));
   expect_input_error([&] { SafetensorsFile f(p); }, "unknown dtype 'F4'");
   bad = h;
   bad["b"] = {{"dtype", "F32"}, {"shape", {1}}, {"data_offsets", {4, 8}}};
-  write_file(p, st_file(bad, f32_bytes({1, 2})));
+  write_file(p, kvlens::testing::safetensors_bytes(bad, f32_bytes({1, 2})));
   expect_input_error([&] { SafetensorsFile f(p); }, "overlap");
   // 2^62 × 4 elements × 4 bytes wraps to 0 in 64 bits: must not pass as an empty tensor.
   bad = h;
   bad["a"]["shape"] = {int64_t{1} << 62, 4};
   bad["a"]["data_offsets"] = {0, 0};
-  write_file(p, st_file(bad, f32_bytes({1, 2})));
+  write_file(p, kvlens::testing::safetensors_bytes(bad, f32_bytes({1, 2})));
   expect_input_error([&] { SafetensorsFile f(p); }, "tensor 'a': shape");
   expect_input_error([&] { SafetensorsFile f(p); }, "overflows 64-bit byte counts");
   bad["a"]["shape"] = {int64_t{1} << 62, 0};  // a zero dimension: empty, whatever the rest
-  write_file(p, st_file(bad, f32_bytes({1, 2})));
+  write_file(p, kvlens::testing::safetensors_bytes(bad, f32_bytes({1, 2})));
   EXPECT_NO_THROW({ SafetensorsFile f(p); });
 
   nlohmann::json ints;
   ints["i"] = {{"dtype", "I32"}, {"shape", {2}}, {"data_offsets", {0, 8}}};
-  write_file(p, st_file(ints, f32_bytes({1, 2})));
+  write_file(p, kvlens::testing::safetensors_bytes(ints, f32_bytes({1, 2})));
   const WeightStore ws = WeightStore::open_dir(dir);
   expect_input_error([&] { ws.load("i"); }, "dtype I32");
 
@@ -124,8 +115,8 @@ TEST(Safetensors, ShardsWithIndex) {
   nlohmann::json h1, h2, idx;
   h1["x"] = {{"dtype", "F32"}, {"shape", {1}}, {"data_offsets", {0, 4}}};
   h2["y"] = {{"dtype", "F32"}, {"shape", {1}}, {"data_offsets", {0, 4}}};
-  write_file(dir + "/model-00001-of-00002.safetensors", st_file(h1, f32_bytes({7})));
-  write_file(dir + "/model-00002-of-00002.safetensors", st_file(h2, f32_bytes({9})));
+  write_file(dir + "/model-00001-of-00002.safetensors", kvlens::testing::safetensors_bytes(h1, f32_bytes({7})));
+  write_file(dir + "/model-00002-of-00002.safetensors", kvlens::testing::safetensors_bytes(h2, f32_bytes({9})));
   idx["weight_map"] = {{"x", "model-00001-of-00002.safetensors"}, {"y", "model-00002-of-00002.safetensors"}};
   write_file(dir + "/model.safetensors.index.json", idx.dump());
   const WeightStore ws = WeightStore::open_dir(dir);

@@ -1,13 +1,20 @@
 // Small helpers shared by the test suites: temporary folders, files, running the CLI.
 #pragma once
+#include <dirent.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <string>
 #include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/errors.h"
 
 namespace kvlens::testing {
 
@@ -55,6 +62,50 @@ inline RunResult run(const std::string& cmd) {
   const int st = pclose(p);
   r.code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
   return r;
+}
+
+// The message of the InputError `f` throws ("" when it throws none).
+template <class F>
+std::string error_of(F f) {
+  try {
+    f();
+  } catch (const kvlens::InputError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+inline nlohmann::json read_json(const std::string& path) {
+  std::ifstream f(path);
+  return nlohmann::json::parse(f);
+}
+
+// The HF parity fixture folders (tests/fixtures/hf/*, those with an expected.json), sorted.
+inline std::vector<std::string> hf_fixture_dirs() {
+  std::vector<std::string> r;
+  const std::string root = source_dir() + "/tests/fixtures/hf";
+  if (DIR* d = opendir(root.c_str())) {
+    while (dirent* e = readdir(d)) {
+      const std::string p = root + "/" + e->d_name;
+      if (e->d_name[0] != '.' && std::ifstream(p + "/expected.json").good()) r.push_back(p);
+    }
+    closedir(d);
+  }
+  std::sort(r.begin(), r.end());
+  return r;
+}
+
+// 8 little-endian bytes (a safetensors header length).
+inline std::string le64(uint64_t v) {
+  std::string s(8, '\0');
+  for (int i = 0; i < 8; ++i) s[i] = static_cast<char>((v >> (8 * i)) & 0xff);
+  return s;
+}
+
+// A safetensors file from a header object and a raw data section.
+inline std::string safetensors_bytes(const nlohmann::json& header, const std::string& data) {
+  const std::string h = header.dump();
+  return le64(h.size()) + h + data;
 }
 
 }  // namespace kvlens::testing
