@@ -49,6 +49,8 @@ struct Experiment {
 
 // Prefill once (attention kept) and decode with the full cache.
 Experiment start_experiment(const LlavaModel& model, const RGBImage& img, const ExperimentOptions& opt);
+// The same from a prefill already made (with keep_attention) of opt.prompt.
+Experiment start_experiment(const LlavaModel& model, PrefillState prefill, const ExperimentOptions& opt);
 // Compress the shared prefill with one method, decode, and compare against the reference.
 MethodRun run_method(const LlavaModel& model, const Experiment& ex, const Params& params,
                      const ExperimentOptions& opt);

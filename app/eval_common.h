@@ -1,0 +1,74 @@
+// What `kvlens eval`, `merge`, `sweep` and `calibrate --by cider` share: the dataset and
+// generation options, the output folder's manifest, the progress line, and the last step that
+// turns per-image records into the results table.
+#pragma once
+#include <map>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "app/commands.h"
+#include "core/eval_dataset.h"
+#include "core/eval_table.h"
+#include "models/eval_runner.h"
+
+namespace kvlens::app {
+
+struct DatasetArgs {
+  std::string dir, annotations, images, questions;
+  int limit = 0;
+  std::string shard;  // "I/N"; empty = all (or one shard per rank under mpirun)
+  std::string model;
+  EvalSettings settings;
+  bool no_vqa = false;
+  MeteorOptions meteor;
+};
+
+// The generation settings with the flags applied (--no-vqa).
+EvalSettings effective_settings(const DatasetArgs& a);
+
+// --dataset (alias --scenes), --annotations, --images, --questions, --limit (alias --n),
+// --shard, --model, --prompt, --max-new-tokens, --no-vqa, METEOR options.
+void add_dataset_options(CLI::App* c, DatasetArgs& a);
+
+// The manifest (out/manifest.json) of a run: what `merge` and a resumed run check.
+nlohmann::json eval_manifest(const DatasetArgs& a, const std::string& model_dir, const std::string& fingerprint,
+                             const std::vector<EvalVariant>& variants, const std::vector<std::string>& skipped,
+                             const std::string& shard_text);
+std::vector<EvalVariant> variants_from_manifest(const nlohmann::json& m, const std::string& where);
+
+// A progress line on stderr with the rate and the time left.
+class ProgressLine {
+ public:
+  explicit ProgressLine(std::string what);
+  void operator()(const EvalProgress& p);
+
+ private:
+  std::string what_;
+  bool tty_;
+  double last_print_ = -1;
+};
+
+struct EvalOutcome {
+  const EvalDataset* ds = nullptr;
+  std::vector<size_t> positions;
+  bool vqa = true;
+  std::vector<EvalVariant> variants;
+  std::vector<std::string> notes;
+  std::map<int64_t, ImageRecord> records;
+};
+
+// Evaluates (one shard per MPI rank under mpirun); on rank 0 returns every image's record,
+// on other ranks returns with `records` empty and `positions` empty.
+EvalOutcome run_dataset(const DatasetArgs& a, const LlavaModel& model, const EvalDataset& ds,
+                        const std::vector<EvalVariant>& variants, const std::string& out_dir,
+                        const std::vector<std::string>& skipped);
+
+// Scores the records into the table (METEOR per --meteor options), writes it under out_dir
+// (when given) and to json_out (when given), and prints the Markdown table.
+EvalTable finish_table(const EvalOutcome& o, const MeteorOptions& meteor, const std::string& out_dir,
+                       const std::string& json_out);
+
+}  // namespace kvlens::app
