@@ -18,6 +18,7 @@ void add_run_commands(CLI::App& root);  // methods, run, calibrate, demo
 void add_eval_command(CLI::App& root);
 void add_bench_command(CLI::App& root);
 void add_score_command(CLI::App& root);
+void add_sweep_command(CLI::App& root);
 
 // METEOR for the commands that score captions (score, eval, merge, sweep, calibrate).
 struct MeteorOptions {

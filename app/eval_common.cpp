@@ -37,19 +37,21 @@ EvalSettings effective_settings(const DatasetArgs& a) {
   return s;
 }
 
-void add_dataset_options(CLI::App* c, DatasetArgs& a) {
-  c->add_option("--dataset,--scenes", a.dir,
-                "Dataset folder: a scene set (kvlens scenes) or a COCO caption split (captions_*.json + images)")
-      ->required();
+void add_dataset_options(CLI::App* c, DatasetArgs& a, bool standalone) {
+  CLI::Option* d = c->add_option("--dataset,--scenes", a.dir,
+                                 "Dataset folder: a scene set (kvlens scenes) or a COCO caption split (captions_*.json + images)");
+  if (standalone) d->required();
   c->add_option("--annotations", a.annotations, "Caption annotations file (default: found in the dataset folder)");
   c->add_option("--images", a.images, "Image folder (default: the dataset folder, its images/ or its split folder)");
   c->add_option("--questions", a.questions,
                 "Questions file [{\"image_id\", \"question\", \"answer\"}] (default: the annotations' \"questions\")");
   add_int(c, "--limit,--n", a.limit, 0, 10000000, "Evaluate the first N images only (0 = all)");
   c->add_option("--shard", a.shard, "Evaluate shard I of N (every N-th image from the I-th), e.g. 0/4; join with kvlens merge");
-  c->add_option("--model", a.model, "Model directory (default: the embedded model)");
-  c->add_option("--prompt", a.settings.prompt, "Caption prompt")->capture_default_str();
-  add_int(c, "--max-new-tokens", a.settings.max_new_tokens, 1, kMaxNewTokensLimit, "Most tokens per caption or answer");
+  if (standalone) {
+    c->add_option("--model", a.model, "Model directory (default: the embedded model)");
+    c->add_option("--prompt", a.settings.prompt, "Caption prompt")->capture_default_str();
+    add_int(c, "--max-new-tokens", a.settings.max_new_tokens, 1, kMaxNewTokensLimit, "Most tokens per caption or answer");
+  }
   c->add_flag("--no-vqa", a.no_vqa, "Captions only (skip the dataset's questions)");
   add_meteor_options(c, a.meteor);
 }

@@ -30,8 +30,15 @@ struct DatasetArgs {
 EvalSettings effective_settings(const DatasetArgs& a);
 
 // --dataset (alias --scenes), --annotations, --images, --questions, --limit (alias --n),
-// --shard, --model, --prompt, --max-new-tokens, --no-vqa, METEOR options.
-void add_dataset_options(CLI::App* c, DatasetArgs& a);
+// --shard, --no-vqa, METEOR options, and with `standalone` a required --dataset and --model,
+// --prompt, --max-new-tokens (commands that have their own leave standalone false).
+void add_dataset_options(CLI::App* c, DatasetArgs& a, bool standalone = true);
+
+// kvlens calibrate with --dataset: the τ1/τ2 grid of `base` evaluated on the dataset (captions,
+// metrics, softmax MSE against the full cache), the grid as a table and heatmaps, and the best
+// pair by CIDEr-D and by softmax MSE; `by` ("cider" or "mse") names the one reported as best.
+void run_calibrate_dataset(const DatasetArgs& a, const std::string& base, const std::vector<double>& taus,
+                           const std::string& by, const std::string& out, const std::string& report);
 
 // The manifest (out/manifest.json) of a run: what `merge` and a resumed run check.
 nlohmann::json eval_manifest(const DatasetArgs& a, const std::string& model_dir, const std::string& fingerprint,

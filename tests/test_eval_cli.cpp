@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <sstream>
@@ -141,6 +142,54 @@ TEST(EvalCli, ShardsMergedAndMpiRanksGiveTheUnshardedTable) {
 #else
   GTEST_SKIP() << "kvlens was built without MPI (libopenmpi-dev and openmpi-bin; ./setup.sh --tests installs them)";
 #endif
+}
+
+TEST(SweepCli, OneCsvLinePerGridPointAfterTheFullCache) {
+  const std::string out = kt::make_temp_dir("sweep");
+  const kt::RunResult r = kt::run(kt::cli() + " sweep --dataset " + scenes() +
+                                  " --method vlcache --param budget=0.1:0.4:3:log --max-new-tokens 12 --no-vqa --no-meteor"
+                                  " --out " + out);
+  ASSERT_EQ(r.code, 0) << r.output;
+  const std::vector<std::string> csv = lines(kt::read_file(out + "/sweep.csv"));
+  ASSERT_EQ(csv.size(), 5u);  // header, full, 0.1, 0.2, 0.4
+  EXPECT_EQ(csv[0].substr(0, 14), "budget,BLEU-1,");
+  EXPECT_EQ(csv[1].substr(0, 1), ",");  // the full cache: no parameter value
+  EXPECT_EQ(csv[2].substr(0, 4), "0.1,");
+  EXPECT_EQ(csv[3].substr(0, 4), "0.2,");  // 0.1·4^(1/2), rounded to 12 digits
+  EXPECT_EQ(csv[4].substr(0, 4), "0.4,");
+  // KV bytes grow with the budget.
+  const nlohmann::json t = kt::read_json(out + "/table.json");
+  ASSERT_EQ(t.at("rows").size(), 4u);
+  EXPECT_LT(t["rows"][1]["kv_bytes"].get<double>(), t["rows"][2]["kv_bytes"].get<double>());
+  EXPECT_LT(t["rows"][2]["kv_bytes"].get<double>(), t["rows"][3]["kv_bytes"].get<double>());
+  const kt::RunResult bad = kt::run(kt::cli() + " sweep --dataset " + scenes() + " --method vlcache --param budget=0.1:2:3 --out " + out);
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_NE(bad.output.find("vlcache: budget must be in"), std::string::npos) << bad.output;
+}
+
+TEST(CalibrateCli, GridByCiderAndBySoftmaxMse) {
+  const std::string out = kt::make_temp_dir("calib");
+  const kt::RunResult r = kt::run(kt::cli() + " calibrate --by cider --dataset " + scenes() +
+                                  " --taus 0 3 --max-new-tokens 12 --no-vqa --no-meteor --out " + out);
+  ASSERT_EQ(r.code, 0) << r.output;
+  const nlohmann::json j = kt::read_json(out + "/calibration.json");
+  ASSERT_EQ(j.at("grid").size(), 4u);
+  double best_cider = -1, best_mse = 1e30;
+  for (const auto& p : j["grid"]) {
+    best_cider = std::max(best_cider, p.at("CIDEr-D").get<double>());
+    best_mse = std::min(best_mse, p.at("softmax_mse").get<double>());
+    EXPECT_GT(p.at("softmax_mse").get<double>(), 0.0);
+  }
+  EXPECT_EQ(j["best_by_cider"]["CIDEr-D"].get<double>(), best_cider);
+  EXPECT_EQ(j["best_by_mse"]["softmax_mse"].get<double>(), best_mse);
+  EXPECT_EQ(j["best"], j["best_by_cider"]);
+  const std::vector<std::string> heat = lines(kt::read_file(out + "/cider_heatmap.csv"));
+  ASSERT_EQ(heat.size(), 3u);
+  EXPECT_EQ(heat[0], "tau1\\tau2,0,3");
+  EXPECT_NE(r.output.find("best by softmax MSE: tau1="), std::string::npos);
+  const kt::RunResult bad = kt::run(kt::cli() + " calibrate --by cider --taus 0 3");
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_NE(bad.output.find("--by cider needs --dataset"), std::string::npos) << bad.output;
 }
 
 TEST(EvalCli, BadInputsAreOneLineErrors) {
