@@ -1,12 +1,27 @@
 #!/usr/bin/env bash
 # Installs the Debian packages kvlens needs (only those missing) and builds it into build/.
-#   ./setup.sh            CPU build (+ the GUI when its packages are present)
+#   ./setup.sh            the CLI and the desktop app (kvlens-gui)
+#   ./setup.sh --tests    also what the tests need: Xvfb and Mesa for the headless app tests,
+#                         poppler-utils (pdftoppm) and expat for the figure export checks
 #   KVLENS_CUDA=ON ./setup.sh   also builds the CUDA backend (needs nvcc)
 set -euo pipefail
 cd "$(dirname "$0")"
 
+tests=0
+for a in "$@"; do
+  case "$a" in
+    --tests) tests=1 ;;
+    *) echo "usage: ./setup.sh [--tests]" >&2; exit 2 ;;
+  esac
+done
+
 pkgs=(build-essential cmake pkg-config nlohmann-json3-dev libsentencepiece-dev libstb-dev libjpeg-dev
       libopenblas-dev libcli11-dev libgtest-dev)
+# The desktop app and figure export: Dear ImGui, GLFW, Cairo, DejaVu fonts (Greek, math).
+pkgs+=(libimgui-dev libglfw3-dev libcairo2-dev fonts-dejavu-core)
+if [ "$tests" = 1 ]; then
+  pkgs+=(xvfb xauth libgl1-mesa-dri poppler-utils libexpat1-dev)
+fi
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

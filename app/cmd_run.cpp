@@ -18,6 +18,7 @@ struct RunArgs {
   std::string model, image, report, session, save_session;
   std::vector<std::string> methods;
   ExperimentOptions opt;
+  FigureArgs figures;
 };
 
 void add_common(CLI::App* c, RunArgs& a) {
@@ -41,8 +42,25 @@ void write_json(const std::string& path, const nlohmann::json& j) {
   write_file_atomic(path, j.dump(1) + "\n", "report");
 }
 
-// A session file fills what the command line left unset; --method adds to its methods.
-RunArgs with_session(const RunArgs& in, std::vector<Params>& specs) {
+struct RunMethod {
+  Params params;
+  std::string label;
+};
+
+// Tells (on stderr) when the model or image differs from the one a session was saved with.
+void note_changed_inputs(const Session& s, const std::string& model, const std::string& image) {
+  auto check = [](const std::string& saved, const std::string& now, const std::string& what) {
+    if (!saved.empty() && saved != now)
+      std::fprintf(stderr, "kvlens: note: %s differs from the one the session was saved with (%s, now %s)\n",
+                   what.c_str(), saved.c_str(), now.c_str());
+  };
+  if (!s.model_hash.empty()) check(s.model_hash, folder_content_hash(model, "model folder"), "model folder " + model);
+  if (!s.image_hash.empty()) check(s.image_hash, file_content_hash(image, "image"), "image " + image);
+}
+
+// A session file fills what the command line left unset; --method adds to its methods. A
+// session's disabled methods do not run.
+RunArgs with_session(const RunArgs& in, std::vector<RunMethod>& specs) {
   RunArgs a = in;
   if (!a.session.empty()) {
     const Session s = load_session(a.session);
@@ -54,17 +72,21 @@ RunArgs with_session(const RunArgs& in, std::vector<Params>& specs) {
     a.opt.diag_steps = s.diag_steps;
     a.opt.sparsity_p = s.sparsity_p;
     a.opt.hit_budget = s.hit_budget;
-    specs = s.methods;
+    for (size_t i = 0; i < s.methods.size(); ++i)
+      if (s.method_enabled(i)) specs.push_back({s.methods[i], s.method_label(i)});
+    note_changed_inputs(s, a.model.empty() ? default_model_dir() : a.model, a.image.empty() ? default_image() : a.image);
   }
-  for (const auto& m : a.methods) specs.push_back(parse_method_spec(m));
+  for (const auto& m : a.methods) specs.push_back({parse_method_spec(m), ""});
   if (specs.empty()) throw InputError("no method to run: give --method SPEC or --session FILE");
   return a;
 }
 
 void run_methods(const RunArgs& args) {
   // Validate every spec before any model work.
-  std::vector<Params> specs;
-  const RunArgs a = with_session(args, specs);
+  std::vector<RunMethod> specs;
+  RunArgs a = with_session(args, specs);
+  check_figure_args(a.figures);
+  a.opt.attention_maps = a.figures.attention_maps || !a.figures.dir.empty();
   // Everything is validated before anything is written: outputs that cannot be written, the
   // model and the image are refused first.
   if (!a.report.empty()) check_writable(a.report, "report");
@@ -81,22 +103,33 @@ void run_methods(const RunArgs& args) {
     s.diag_steps = a.opt.diag_steps;
     s.sparsity_p = a.opt.sparsity_p;
     s.hit_budget = a.opt.hit_budget;
-    s.methods = specs;
+    for (const RunMethod& m : specs) {
+      s.methods.push_back(m.params);
+      s.labels.push_back(m.label);
+    }
+    s.model_hash = folder_content_hash(a.model.empty() ? default_model_dir() : a.model, "model folder");
+    s.image_hash = file_content_hash(a.image.empty() ? default_image() : a.image, "image");
     save_session(a.save_session, s);
   }
   Experiment ex = start_experiment(model, img, a.opt);
   std::printf("%-44s %10s %7s %10s %9s  %s\n", "method", "KV bytes", "ratio", "softmaxMSE", "diverges", "caption");
   std::printf("%-44s %10lld %7.2f %10s %9s  %s\n", "full (fp16 reference)",
               static_cast<long long>(ex.full_fp16_bytes.total()), 1.0, "-", "-", ex.full.text.c_str());
-  for (const Params& p : specs) {
+  for (const RunMethod& m : specs) {
+    const Params& p = m.params;
     ex.runs.push_back(run_method(model, ex, p, a.opt));
+    ex.runs.back().label = m.label;
     const MethodRun& r = ex.runs.back();
     const std::string div = r.divergence.position < 0 ? "never" : "@" + std::to_string(r.divergence.position);
-    std::printf("%-44s %10lld %7.2f %10.3g %9s  %s\n", p.short_spec().c_str(),
+    std::printf("%-44s %10lld %7.2f %10.3g %9s  %s\n", (m.label.empty() ? p.short_spec() : m.label).c_str(),
                 static_cast<long long>(r.result.bytes_after_prefill.total()), r.compression_vs_fp16,
                 r.mean_softmax_mse, div.c_str(), r.result.text.c_str());
   }
-  if (!a.report.empty()) write_json(a.report, experiment_json(model, ex, a.opt));
+  if (!a.report.empty() || !a.figures.dir.empty()) {
+    const nlohmann::json report = experiment_json(model, ex, a.opt);
+    if (!a.report.empty()) write_json(a.report, report);
+    write_report_figures(report, a.figures);
+  }
 }
 
 void list_methods() {
@@ -162,6 +195,7 @@ void add_run_commands(CLI::App& root) {
   add_session_options(r, *ra);
   r->add_option("--method", ra->methods, "Method spec, e.g. 'calibquant:bits=1,tau1=0,tau2=3' (repeatable)");
   r->add_option("--report", ra->report, "Write captions, ids, bytes, timings and every diagnostic as JSON");
+  add_figure_options(r, ra->figures);
   r->callback([ra] { run_methods(*ra); });
 
   auto da = std::make_shared<RunArgs>();
@@ -172,6 +206,7 @@ void add_run_commands(CLI::App& root) {
   add_session_options(d, *da);
   d->add_option("--method", da->methods, "Method specs to compare")->capture_default_str();
   d->add_option("--report", da->report, "Write the JSON report here");
+  add_figure_options(d, da->figures);
   d->callback([da] { run_methods(*da); });
 
   auto ca = std::make_shared<RunArgs>();

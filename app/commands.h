@@ -6,6 +6,7 @@
 #include <string>
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
 #include "core/coco.h"
 #include "core/meteor.h"
@@ -30,5 +31,16 @@ void add_meteor_options(CLI::App* c, MeteorOptions& o);
 std::unique_ptr<MeteorScorer> start_meteor(const MeteorOptions& o, std::string& status);
 // The metric lines of `kvlens score` (stdout) and its warnings (stderr).
 void print_scores(const CaptionScores& s);
+
+void add_figures_command(CLI::App& root);
+
+// --figures DIR / --figure-formats / --attention-maps of run and demo (app/cmd_figures.cpp).
+struct FigureArgs {
+  std::string dir, formats = "png,svg,pdf";
+  bool attention_maps = false;
+};
+void add_figure_options(CLI::App* c, FigureArgs& a);
+void check_figure_args(const FigureArgs& a);  // before any work: formats, the folder, Cairo
+void write_report_figures(const nlohmann::json& report, const FigureArgs& a);
 
 }  // namespace kvlens::app

@@ -25,6 +25,7 @@ int main(int argc, char** argv) {
   kvlens::app::add_bench_command(root);
   kvlens::app::add_score_command(root);
   kvlens::app::add_sweep_command(root);
+  kvlens::app::add_figures_command(root);
   try {
     root.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

@@ -37,6 +37,52 @@ int DecodeRecorder::steps() const {
   return s;
 }
 
+void VisualAttentionRecorder::on_attention(const AttentionEvent& e) {
+  if (e.phase != Phase::Decode) return;
+  if (rows_.size() <= static_cast<size_t>(e.step)) rows_.resize(e.step + 1);
+  auto& by_layer = rows_[e.step];
+  if (by_layer.size() <= static_cast<size_t>(e.layer)) by_layer.resize(e.layer + 1);
+  n_heads_ = e.n_heads;
+  std::vector<float>& out = by_layer[e.layer];
+  out.assign(static_cast<size_t>(e.n_heads) * n_visual_, 0.0f);
+  const int G = e.n_heads / e.n_kv_heads;
+  for (int h = 0; h < e.n_heads; ++h) {
+    const int32_t* kp = e.key_pos + static_cast<size_t>(h / G) * e.n_k;
+    const float* p = e.probs + static_cast<size_t>(h) * e.n_k;
+    for (int j = 0; j < e.n_k; ++j) {
+      const int vi = kp[j] - first_;
+      if (kp[j] >= 0 && vi >= 0 && vi < n_visual_) out[static_cast<size_t>(h) * n_visual_ + vi] += p[j];
+    }
+  }
+}
+
+std::vector<float> VisualAttentionRecorder::attention(int step, int layer, int head) const {
+  if (step < 0 || step >= steps() || layer < 0 || layer >= static_cast<int>(rows_[step].size())) return {};
+  const std::vector<float>& r = rows_[step][layer];
+  if (r.empty() || head >= n_heads_) return {};
+  std::vector<float> out(n_visual_, 0.0f);
+  for (int h = head < 0 ? 0 : head; h < (head < 0 ? n_heads_ : head + 1); ++h)
+    for (int i = 0; i < n_visual_; ++i) out[i] += r[static_cast<size_t>(h) * n_visual_ + i];
+  if (head < 0 && n_heads_ > 0)
+    for (float& x : out) x /= n_heads_;
+  return out;
+}
+
+std::vector<float> decode_attention_rows(const DecodeRecorder& rec, int layer, int steps, int n_cols) {
+  std::vector<float> out(static_cast<size_t>(steps) * n_cols, 0.0f);
+  for (const auto& e : rec.entries()) {
+    if (e.layer != layer || e.step >= steps) continue;
+    const int G = e.n_heads / e.n_kv_heads;
+    for (int h = 0; h < e.n_heads; ++h)
+      for (int j = 0; j < e.n_k; ++j) {
+        const int32_t pos = e.key_pos[static_cast<size_t>(h / G) * e.n_k + j];
+        if (pos >= 0 && pos < n_cols)
+          out[static_cast<size_t>(e.step) * n_cols + pos] += e.probs[static_cast<size_t>(h) * e.n_k + j] / e.n_heads;
+      }
+  }
+  return out;
+}
+
 double sparsity(const float* probs, int n_heads, int n_q, int n_k, double p) {
   double total = 0.0;
   for (int h = 0; h < n_heads; ++h) {
@@ -97,35 +143,51 @@ float storage_bits(const std::string& s) {
   return 32.0f;
 }
 
-struct Histo {
-  std::vector<float> exact, quant, calib;
-};
+}  // namespace
 
-void fill_histogram(const Histo& h, int bins, ScoreHistogram& out) {
+ScoreHistogram visual_score_histogram(const VisualScores& s, int head, int bins) {
+  ScoreHistogram out;
+  const size_t H = s.exact.size();
+  if (head >= static_cast<int>(H) || s.quantized.size() != H || s.calibrated.size() != H)
+    throw InternalError("visual_score_histogram: head " + std::to_string(head) + " of " + std::to_string(H));
+  const size_t h0 = head < 0 ? 0 : static_cast<size_t>(head), h1 = head < 0 ? H : h0 + 1;
+  const std::vector<std::vector<float>>* kinds[3] = {&s.exact, &s.quantized, &s.calibrated};
   float lo = std::numeric_limits<float>::infinity(), hi = -lo;
-  for (const auto* v : {&h.exact, &h.quant, &h.calib})
-    for (float x : *v) {
-      lo = std::min(lo, x);
-      hi = std::max(hi, x);
-    }
-  if (!std::isfinite(lo)) return;
+  for (const auto* k : kinds)
+    for (size_t h = h0; h < h1; ++h)
+      for (float x : (*k)[h]) {
+        lo = std::min(lo, x);
+        hi = std::max(hi, x);
+      }
+  if (!std::isfinite(lo) || bins < 1) return out;
   if (hi <= lo) hi = lo + 1.0f;
   out.lo = lo;
   out.hi = hi;
-  auto count = [&](const std::vector<float>& v) {
-    std::vector<int64_t> c(bins, 0);
-    for (float x : v) {
-      int b = static_cast<int>((x - lo) / (hi - lo) * bins);
-      c[std::clamp(b, 0, bins - 1)]++;
-    }
-    return c;
-  };
-  out.exact = count(h.exact);
-  out.quantized = count(h.quant);
-  out.calibrated = count(h.calib);
+  std::vector<int64_t>* counts[3] = {&out.exact, &out.quantized, &out.calibrated};
+  for (int i = 0; i < 3; ++i) {
+    counts[i]->assign(bins, 0);
+    for (size_t h = h0; h < h1; ++h)
+      for (float x : (*kinds[i])[h]) {
+        const int b = static_cast<int>((x - lo) / (hi - lo) * bins);
+        (*counts[i])[std::clamp(b, 0, bins - 1)]++;
+      }
+  }
+  return out;
 }
 
-}  // namespace
+VisualScores retransform_visual_scores(const VisualScores& s, int layer, const KVPolicy& policy) {
+  VisualScores r;
+  r.exact = s.exact;
+  r.quantized = s.quantized;
+  r.calibrated = s.quantized;
+  if (!policy.has_score_transform()) return r;
+  for (size_t h = 0; h < r.calibrated.size(); ++h) {
+    std::vector<float>& v = r.calibrated[h];
+    const std::vector<SegmentKind> kinds(v.size(), SegmentKind::Visual);
+    policy.transform_scores(layer, static_cast<int>(h), v.data(), kinds.data(), static_cast<int>(v.size()));
+  }
+  return r;
+}
 
 std::vector<LayerDiagnostics> compare_layers(const PrefillView& pv, const DecodeRecorder& method,
                                              const KVStore& compressed, int hist_bins, double p) {
@@ -149,11 +211,13 @@ std::vector<LayerDiagnostics> compare_layers(const PrefillView& pv, const Decode
     std::vector<std::vector<float>> FK(NKV), FV(NKV);
     std::vector<int32_t> fpos;
     for (int kv = 0; kv < NKV; ++kv) full.gather(l, kv, FK[kv], FV[kv], fpos);
-    Histo histo;
+    VisualScores& histo = d.visual_score_samples;
     int n_terms = 0, n_sparse = 0;
     for (const auto& E : method.entries()) {
       if (E.layer != l) continue;
       const int H = E.n_heads, G = H / E.n_kv_heads, n_k = E.n_k;
+      for (auto* k : {&histo.exact, &histo.quantized, &histo.calibrated})
+        if (k->size() < static_cast<size_t>(H)) k->resize(H);
       for (int h = 0; h < H; ++h) {
         const int kv = h / G;
         const float* q = E.q.data() + static_cast<size_t>(h) * D;
@@ -192,7 +256,7 @@ std::vector<LayerDiagnostics> compare_layers(const PrefillView& pv, const Decode
         }
         if (E.step == 0)
           for (int j = 0; j < T; ++j)
-            if (kinds[j] == SegmentKind::Visual) histo.exact.push_back(pe[j]);
+            if (kinds[j] == SegmentKind::Visual) histo.exact.at(h).push_back(pe[j]);
         const float mx = *std::max_element(pe.begin(), pe.end());
         double sum = 0.0;
         for (float& x : pe) {
@@ -214,8 +278,8 @@ std::vector<LayerDiagnostics> compare_layers(const PrefillView& pv, const Decode
           if (E.step == 0 && kk[j] == SegmentKind::Visual) {
             float dot = 0.0f;
             for (int x = 0; x < D; ++x) dot += q[x] * mk[static_cast<size_t>(j) * D + x];
-            histo.quant.push_back(dot * scale);
-            histo.calib.push_back(ms[j]);
+            histo.quantized.at(h).push_back(dot * scale);
+            histo.calibrated.at(h).push_back(ms[j]);
           }
         }
         double num = 0.0, den = 0.0;
@@ -240,7 +304,7 @@ std::vector<LayerDiagnostics> compare_layers(const PrefillView& pv, const Decode
       d.output_rel_error /= n_terms;
     }
     if (n_sparse) d.sparsity_decode /= n_sparse;
-    fill_histogram(histo, hist_bins, d.visual_scores);
+    d.visual_scores = visual_score_histogram(histo, -1, hist_bins);
     // Token fate over the visual tokens.
     d.fate_kept.assign(n_visual, 0.0f);
     d.fate_bits.assign(n_visual, 0.0f);
@@ -400,6 +464,14 @@ nlohmann::json to_json(const LayerDiagnostics& d) {
   j["visual_score_histogram"] = {{"lo", d.visual_scores.lo}, {"hi", d.visual_scores.hi},
                                  {"exact", d.visual_scores.exact}, {"quantized", d.visual_scores.quantized},
                                  {"calibrated", d.visual_scores.calibrated}};
+  // γ and δ of each query head: the range of its quantized visual scores, which CalibQuant's
+  // g(x) maps onto [γ − τ1, δ − τ2].
+  std::vector<double> gamma, delta;
+  for (const auto& v : d.visual_score_samples.quantized) {
+    gamma.push_back(v.empty() ? 0.0 : *std::min_element(v.begin(), v.end()));
+    delta.push_back(v.empty() ? 0.0 : *std::max_element(v.begin(), v.end()));
+  }
+  j["visual_score_range_by_head"] = {{"gamma", gamma}, {"delta", delta}};
   j["token_fate"] = {{"kept", d.fate_kept}, {"bits", d.fate_bits}, {"merged", d.fate_merged}};
   j["bytes"] = to_json(d.bytes);
   return j;

@@ -10,6 +10,7 @@
 
 #include "core/kv_store.h"
 #include "core/observer.h"
+#include "core/policy.h"
 
 namespace kvlens {
 
@@ -36,6 +37,29 @@ class DecodeRecorder : public AttentionObserver {
   std::vector<Entry> entries_;
 };
 
+// Keeps, for every decode step, each query head's attention over the visual tokens, indexed by
+// visual token (0 where the store no longer holds the token): the overlay of one generated
+// token's attention on the patch grid.
+class VisualAttentionRecorder : public AttentionObserver {
+ public:
+  VisualAttentionRecorder(int first_visual, int n_visual) : first_(first_visual), n_visual_(n_visual) {}
+  void on_attention(const AttentionEvent& e) override;
+  int steps() const { return static_cast<int>(rows_.size()); }
+  int n_visual() const { return n_visual_; }
+  // [n_visual] for one step, layer and head; head = -1 gives the mean over heads. Empty when
+  // that step or layer was not seen.
+  std::vector<float> attention(int step, int layer, int head) const;
+
+ private:
+  int first_, n_visual_;
+  int n_heads_ = 0;
+  std::vector<std::vector<std::vector<float>>> rows_;  // [step][layer][head × n_visual]
+};
+
+// Mean over query heads of the decode attention of steps < `steps` at `layer`, by key position:
+// [steps][n_cols] (keys at positions >= n_cols, and padding, are dropped).
+std::vector<float> decode_attention_rows(const DecodeRecorder& rec, int layer, int steps, int n_cols);
+
 // What the prefill left behind that diagnostics compare against.
 struct PrefillView {
   const KVStore* full = nullptr;                          // full-precision store after prefill
@@ -49,6 +73,23 @@ struct ScoreHistogram {
   double lo = 0, hi = 0;
   std::vector<int64_t> exact, quantized, calibrated;  // same bin edges
 };
+
+// The first decode step's pre-softmax scores of one layer's visual keys, per query head: exact
+// (the full-precision keys), quantized (the keys the method stores, before any score transform)
+// and calibrated (after the method's score transform: what the softmax saw). [head][key]; the
+// keys of a head are those its KV head kept.
+struct VisualScores {
+  std::vector<std::vector<float>> exact, quantized, calibrated;
+};
+
+// Histograms of the visual scores on shared bins over all three kinds: one query head
+// (head >= 0) or all heads pooled (head = -1).
+ScoreHistogram visual_score_histogram(const VisualScores& s, int head, int bins);
+// The same scores with the calibrated ones recomputed by `policy`'s score transform from the
+// stored quantized scores, without decoding again (exact and quantized are kept). Holds for
+// transforms that read only the visual keys' scores, as CalibQuant's g(x) does; a policy with no
+// transform gives calibrated = quantized.
+VisualScores retransform_visual_scores(const VisualScores& s, int layer, const KVPolicy& policy);
 
 // Each decode query of the method is compared with the exact attention of the same query over
 // the full-precision prompt (and the method's generated rows): P_full over those keys, P_method
@@ -69,6 +110,7 @@ struct LayerDiagnostics {
   double softmax_mse = 0, softmax_kl = 0, output_rel_error = 0;  // mean over heads and steps
   double sparsity_decode = 0;                                     // this method's decode attention
   ScoreHistogram visual_scores;                                   // first decode step, visual keys
+  VisualScores visual_score_samples;                              // the scores behind it, per head
   std::vector<float> fate_kept;   // per visual token: share of KV heads that keep it
   std::vector<float> fate_bits;   // per visual token: mean bits of kept rows (32 = fp32; 0 = no head keeps it)
   std::vector<float> fate_merged; // per visual token: mean rows merged into it

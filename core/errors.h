@@ -13,6 +13,13 @@ class InputError : public std::runtime_error {
   explicit InputError(const std::string& what) : std::runtime_error(what) {}
 };
 
+// A computation stopped because its caller asked it to (a newer request replaced it). Not a
+// failure to show: the caller that cancelled expects it.
+class Cancelled : public std::runtime_error {
+ public:
+  explicit Cancelled(const std::string& what) : std::runtime_error(what) {}
+};
+
 // A model's activations went NaN or infinite: bad weights (or an overflow) in the checkpoint.
 // The message names the first tensor that did.
 class NonFiniteError : public InputError {

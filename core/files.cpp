@@ -6,10 +6,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <vector>
 #include <fstream>
 
 #include "core/errors.h"
@@ -184,6 +187,63 @@ void write_file_atomic(const std::string& path, std::string_view data, const std
     ::fsync(dfd);
     ::close(dfd);
   }
+}
+
+namespace {
+
+constexpr uint64_t kFnvOffset = 0xcbf29ce484222325ull, kFnvPrime = 1099511628211ull;
+
+void fnv(uint64_t& h, const char* p, size_t n) {
+  for (size_t i = 0; i < n; ++i) h = (h ^ static_cast<unsigned char>(p[i])) * kFnvPrime;
+}
+
+void hash_file_into(uint64_t& h, const std::string& path, const std::string& what) {
+  const int fd = open_input_file(path, what);
+  std::vector<char> buf(1 << 20);
+  for (;;) {
+    const ssize_t n = ::read(fd, buf.data(), buf.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const std::string e = std::strerror(errno);
+      ::close(fd);
+      throw InputError(path + ": cannot read " + what + " (" + e + ")");
+    }
+    if (n == 0) break;
+    fnv(h, buf.data(), static_cast<size_t>(n));
+  }
+  ::close(fd);
+}
+
+std::string hash_text(uint64_t h) {
+  char out[40];
+  std::snprintf(out, sizeof out, "fnv1a64:%016llx", static_cast<unsigned long long>(h));
+  return out;
+}
+
+}  // namespace
+
+std::string file_content_hash(const std::string& path, const std::string& what) {
+  uint64_t h = kFnvOffset;
+  hash_file_into(h, path, what);
+  return hash_text(h);
+}
+
+std::string folder_content_hash(const std::string& dir, const std::string& what) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) throw InputError(dir + ": not a folder, expected " + what);
+  std::vector<std::string> names;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string n = it->path().filename().string();
+    if (!is_temporary_name(n) && it->is_regular_file(ec)) names.push_back(n);
+  }
+  if (ec) throw InputError(dir + ": cannot list " + what + " (" + ec.message() + ")");
+  std::sort(names.begin(), names.end());
+  uint64_t h = kFnvOffset;
+  for (const std::string& n : names) {
+    fnv(h, n.c_str(), n.size() + 1);
+    hash_file_into(h, dir + "/" + n, what);
+  }
+  return hash_text(h);
 }
 
 bool is_temporary_name(const std::string& n) {

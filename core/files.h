@@ -26,6 +26,12 @@ int open_input_file(const std::string& path, const std::string& what, uint64_t* 
 std::string read_input_file(const std::string& path, const std::string& what,
                             uint64_t max_bytes = uint64_t{1} << 32);
 
+// Content hashes, "fnv1a64:<16 hex digits>": of a file's bytes, and of a folder (every regular
+// file directly in it, in name order: its name, then its bytes; temporaries skipped). Sessions
+// record them to tell whether a model or image changed since. Throws InputError naming the path.
+std::string file_content_hash(const std::string& path, const std::string& what);
+std::string folder_content_hash(const std::string& dir, const std::string& what);
+
 // Replaces `path` with `data` atomically; throws InputError "<path>: cannot write <what>: ..."
 // and leaves the previous file untouched when any step fails.
 void write_file_atomic(const std::string& path, std::string_view data, const std::string& what);

@@ -223,7 +223,8 @@ RGBImage decode_image(const uint8_t* bytes, size_t n, const std::string& name, i
   if (!known) {
     const std::string reason = stb_reason();
     int64_t pw = 0, ph = 0;
-    if (png_header_size(bytes, n, &pw, &ph) && pw * ph > max_pixels)
+    // Each side is at most 2^32 - 1, so the product is taken in unsigned 64 bits.
+    if (png_header_size(bytes, n, &pw, &ph) && static_cast<uint64_t>(pw) * static_cast<uint64_t>(ph) > static_cast<uint64_t>(max_pixels))
       throw InputError(too_large(name, pw, ph, max_pixels));
     throw InputError(name + ": not a readable image (stb_image: " + reason +
                      "); expected PNG, JPEG, BMP, GIF or PNM");

@@ -31,8 +31,9 @@ Params method_from_json(const nlohmann::json& m, const std::string& at) {
   if (!m.is_object() || !m.contains("method") || !m["method"].is_string())
     throw InputError("expected a spec string or {\"method\": ..., \"params\": {...}}");
   for (auto it = m.begin(); it != m.end(); ++it)
-    if (it.key() != "method" && it.key() != "params" && it.key() != "preset")
-      throw InputError("unknown key '" + it.key() + "' (expected method, params, preset)");
+    if (it.key() != "method" && it.key() != "params" && it.key() != "preset" && it.key() != "label" &&
+        it.key() != "enabled")
+      throw InputError("unknown key '" + it.key() + "' (expected method, params, preset, label, enabled)");
   const std::string name = m["method"].get<std::string>();
   std::string preset = text_field(m, "preset", at);
   std::map<std::string, std::string> given;
@@ -55,8 +56,10 @@ Params method_from_json(const nlohmann::json& m, const std::string& at) {
 
 Session session_from_json(const nlohmann::json& j, const std::string& where) {
   if (!j.is_object()) throw InputError(where + ": a session is a JSON object");
-  static const char* known[] = {"name", "description", "model", "image", "prompt", "template", "max_new_tokens",
-                                "diag_steps", "sparsity_p", "hit_budget", "methods", "kvlens_session"};
+  static const char* known[] = {"name",       "description", "model",          "image",      "prompt",
+                                "template",   "max_new_tokens", "diag_steps",   "sparsity_p", "hit_budget",
+                                "methods",    "kvlens_session", "model_hash",   "image_hash", "views",
+                                "results"};
   for (auto it = j.begin(); it != j.end(); ++it)
     if (std::find(std::begin(known), std::end(known), it.key()) == std::end(known))
       throw InputError(where + ": unknown key '" + it.key() + "'");
@@ -74,6 +77,13 @@ Session session_from_json(const nlohmann::json& j, const std::string& where) {
   s.image = text_field(j, "image", where);
   s.prompt = text_field(j, "prompt", where);
   s.templ = text_field(j, "template", where);
+  s.model_hash = text_field(j, "model_hash", where);
+  s.image_hash = text_field(j, "image_hash", where);
+  for (auto [key, out] : {std::pair{"views", &s.views}, {"results", &s.results}})
+    if (j.contains(key) && !j[key].is_null()) {
+      if (!j[key].is_object()) throw InputError(where + ": '" + key + "' must be an object, got " + j[key].dump());
+      *out = j[key];
+    }
   const std::string w = where + ": ";
   if (j.contains("max_new_tokens")) s.max_new_tokens = json_int(j["max_new_tokens"], w + "max_new_tokens", 1, kMaxNewTokensLimit);
   if (j.contains("diag_steps")) s.diag_steps = json_int(j["diag_steps"], w + "diag_steps", 1, kMaxDiagSteps);
@@ -83,11 +93,19 @@ Session session_from_json(const nlohmann::json& j, const std::string& where) {
     if (!j["methods"].is_array()) throw InputError(where + ": 'methods' must be a list");
     for (size_t i = 0; i < j["methods"].size(); ++i) {
       const std::string at = where + ": methods[" + std::to_string(i) + "]";
+      const nlohmann::json& m = j["methods"][i];
       try {
-        s.methods.push_back(method_from_json(j["methods"][i], at));
+        s.methods.push_back(method_from_json(m, at));
       } catch (const InputError& e) {
         throw InputError(at + ": " + e.what());
       }
+      s.labels.push_back(m.is_object() ? text_field(m, "label", at) : std::string());
+      bool on = true;
+      if (m.is_object() && m.contains("enabled")) {
+        if (!m["enabled"].is_boolean()) throw InputError(at + ": 'enabled' must be true or false, got " + m["enabled"].dump());
+        on = m["enabled"].get<bool>();
+      }
+      s.enabled.push_back(on);
     }
   }
   return s;
@@ -110,11 +128,19 @@ nlohmann::json session_to_json(const Session& s) {
   j["diag_steps"] = s.diag_steps;
   j["sparsity_p"] = s.sparsity_p;
   j["hit_budget"] = s.hit_budget;
+  if (!s.model_hash.empty()) j["model_hash"] = s.model_hash;
+  if (!s.image_hash.empty()) j["image_hash"] = s.image_hash;
   j["methods"] = nlohmann::json::array();
-  for (const Params& p : s.methods) {
+  for (size_t i = 0; i < s.methods.size(); ++i) {
+    const Params& p = s.methods[i];
     nlohmann::json pj = p.to_json();
-    j["methods"].push_back({{"method", p.method()}, {"params", pj.contains("params") ? pj["params"] : nlohmann::json::object()}});
+    nlohmann::json m = {{"method", p.method()}, {"params", pj.contains("params") ? pj["params"] : nlohmann::json::object()}};
+    if (!s.method_label(i).empty()) m["label"] = s.method_label(i);
+    if (!s.method_enabled(i)) m["enabled"] = false;
+    j["methods"].push_back(m);
   }
+  if (s.views.is_object()) j["views"] = s.views;
+  if (s.results.is_object()) j["results"] = s.results;
   return j;
 }
 

@@ -1,6 +1,8 @@
 // A session: what a researcher set up (model, image, prompt, methods with their parameters,
 // diagnostic options) as JSON, so it can be saved, shared and reopened. Method parameters are
-// validated by the same schema as CLI specs.
+// validated by the same schema as CLI specs. The desktop app and `kvlens run --session` share
+// it: version 2 adds content hashes of the model and image, a label and an enabled flag per
+// method, the app's selected views and a summary of the results (version 1 files still read).
 #pragma once
 #include <string>
 #include <vector>
@@ -12,7 +14,7 @@
 namespace kvlens {
 
 // The session schema this kvlens writes and the newest it reads.
-constexpr int kSessionVersion = 1;
+constexpr int kSessionVersion = 2;
 // Ranges of the run options, shared by sessions and the command line.
 constexpr int kMaxNewTokensLimit = 4096;
 constexpr int kMaxDiagSteps = 256;
@@ -27,6 +29,19 @@ struct Session {
   double sparsity_p = 0.01;
   double hit_budget = 0.1;
   std::vector<Params> methods;
+  // Per method (same length as methods, or empty = every method enabled, unlabelled): a display
+  // name for tables and legends ("" = its short spec), and whether it runs.
+  std::vector<std::string> labels;
+  std::vector<bool> enabled;
+  // Content hashes (file_content_hash / folder_content_hash) of the model folder and image when
+  // saved; empty = not recorded. Opening compares them with the files as they are now.
+  std::string model_hash, image_hash;
+  // What the desktop app shows (its own keys, read by the app) and a summary of the results at
+  // save time (full caption; per method caption, bytes, softmax MSE). JSON objects, or null.
+  nlohmann::json views, results;
+
+  bool method_enabled(size_t i) const { return i >= enabled.size() || enabled[i]; }
+  std::string method_label(size_t i) const { return i < labels.size() ? labels[i] : std::string(); }
 };
 
 // Each method is a spec string ("calibquant:bits=1") or an object {"method": ..., "params": {...}}.

@@ -1,5 +1,6 @@
 #include "models/experiment.h"
 
+#include <cmath>
 #include <sstream>
 
 #include "core/errors.h"
@@ -18,18 +19,23 @@ PrefillView Experiment::view() const {
   return v;
 }
 
-Experiment start_experiment(const LlavaModel& model, const RGBImage& img, const ExperimentOptions& opt) {
-  return start_experiment(model, model.prefill(img, opt.prompt, opt.templ, true), opt);
+Experiment start_experiment(const LlavaModel& model, const RGBImage& img, const ExperimentOptions& opt,
+                            const std::vector<AttentionObserver*>& observers) {
+  return start_experiment(model, model.prefill(img, opt.prompt, opt.templ, true), opt, observers);
 }
 
-Experiment start_experiment(const LlavaModel& model, PrefillState prefill, const ExperimentOptions& opt) {
+Experiment start_experiment(const LlavaModel& model, PrefillState prefill, const ExperimentOptions& opt,
+                            const std::vector<AttentionObserver*>& observers) {
   Experiment ex;
   ex.prefill = std::move(prefill);
   const int max_step = std::max(opt.diag_steps, *std::max_element(opt.hit_steps.begin(), opt.hit_steps.end()) + 1);
   ex.full_recorder = std::make_unique<DecodeRecorder>(max_step);
   GenerateOptions g;
   g.max_new_tokens = opt.max_new_tokens;
-  ex.full = model.decode(ex.prefill, nullptr, g, {ex.full_recorder.get()});
+  g.keep_going = opt.keep_going;
+  std::vector<AttentionObserver*> obs{ex.full_recorder.get()};
+  obs.insert(obs.end(), observers.begin(), observers.end());
+  ex.full = model.decode(ex.prefill, nullptr, g, obs);
   const PrefillView pv = ex.view();
   ex.hit_rates = cache_hit_rates(pv, *ex.full_recorder, opt.hit_budget, opt.hit_steps, opt.hit_window);
   for (int l = 0; l < ex.prefill.store.n_layers(); ++l) {
@@ -45,11 +51,26 @@ Experiment start_experiment(const LlavaModel& model, PrefillState prefill, const
     for (const KVSegment& seg : ex.prefill.store.layer(l).segments)
       ex.full_fp16_bytes += seg.dense_bytes(ex.prefill.store.head_dim(), 2);
   }
+  if (opt.attention_maps) {
+    const int T = pv.prompt_len, S = std::min(opt.diag_steps, ex.full_recorder->steps()), n = T + S;
+    ex.attention_steps = S;
+    for (int l = 0; l < ex.prefill.store.n_layers(); ++l) {
+      std::vector<float> m(static_cast<size_t>(n) * n, 0.0f);
+      const auto& P = ex.prefill.capture.probs[l];
+      for (int h = 0; h < pv.n_heads; ++h)
+        for (int i = 0; i < T; ++i)
+          for (int j = 0; j <= i; ++j)
+            m[static_cast<size_t>(i) * n + j] += P[(static_cast<size_t>(h) * T + i) * T + j] / pv.n_heads;
+      const std::vector<float> d = decode_attention_rows(*ex.full_recorder, l, S, n);
+      std::copy(d.begin(), d.end(), m.begin() + static_cast<size_t>(T) * n);
+      ex.attention.push_back(std::move(m));
+    }
+  }
   return ex;
 }
 
 MethodRun run_method(const LlavaModel& model, const Experiment& ex, const Params& params,
-                     const ExperimentOptions& opt) {
+                     const ExperimentOptions& opt, const std::vector<AttentionObserver*>& observers) {
   MethodRun r;
   r.params = params;
   auto policy = make_policy(params);
@@ -57,7 +78,15 @@ MethodRun run_method(const LlavaModel& model, const Experiment& ex, const Params
   KVStore compressed;
   GenerateOptions g;
   g.max_new_tokens = opt.max_new_tokens;
-  r.result = model.decode(ex.prefill, policy.get(), g, {&rec}, &compressed);
+  g.keep_going = opt.keep_going;
+  std::vector<AttentionObserver*> obs{&rec};
+  obs.insert(obs.end(), observers.begin(), observers.end());
+  r.result = model.decode(ex.prefill, policy.get(), g, obs, &compressed);
+  if (!ex.attention.empty()) {
+    const int n = static_cast<int>(ex.prefill.ids.size()) + ex.attention_steps;
+    for (int l = 0; l < ex.prefill.store.n_layers(); ++l)
+      r.decode_attention.push_back(decode_attention_rows(rec, l, ex.attention_steps, n));
+  }
   r.layers = compare_layers(ex.view(), rec, compressed, opt.hist_bins, opt.sparsity_p);
   r.divergence = first_divergence(ex.full.generated_ids, ex.full.chosen_probs, r.result.generated_ids,
                                   r.result.chosen_probs);
@@ -71,14 +100,47 @@ MethodRun run_method(const LlavaModel& model, const Experiment& ex, const Params
   return r;
 }
 
+namespace {
+
+// Attention probabilities to 1e-6: enough for a heatmap, and a third of the JSON.
+nlohmann::json attention_rows(const std::vector<float>& m, int rows, int cols) {
+  nlohmann::json out = nlohmann::json::array();
+  for (int i = 0; i < rows; ++i) {
+    nlohmann::json row = nlohmann::json::array();
+    for (int j = 0; j < cols; ++j) row.push_back(std::round(m[static_cast<size_t>(i) * cols + j] * 1e6) / 1e6);
+    out.push_back(std::move(row));
+  }
+  return out;
+}
+
+}  // namespace
+
 nlohmann::json experiment_json(const LlavaModel& model, const Experiment& ex, const ExperimentOptions& opt) {
-  const Tokenizer& tok = model.tokenizer();
+  std::vector<const MethodRun*> runs;
+  for (const MethodRun& r : ex.runs) runs.push_back(&r);
+  return experiment_json(model, ex, runs, opt);
+}
+
+nlohmann::json experiment_json(const LlavaModel& model, const Experiment& ex,
+                               const std::vector<const MethodRun*>& runs, const ExperimentOptions& opt) {
+  nlohmann::json j = experiment_base_json(model, ex, opt);
+  for (const MethodRun* r : runs) j["methods"].push_back(method_run_json(model, ex, *r));
+  return j;
+}
+
+nlohmann::json experiment_base_json(const LlavaModel& model, const Experiment& ex, const ExperimentOptions& opt) {
   nlohmann::json j;
   j["model"] = model.dir();
   j["prompt"] = opt.prompt;
   j["template"] = opt.templ;
   j["prompt_ids"] = ex.prefill.ids;
   j["n_visual_tokens"] = ex.prefill.n_visual;
+  j["token_kinds"] = nlohmann::json::array();
+  for (SegmentKind k : ex.prefill.kinds) j["token_kinds"].push_back(segment_kind_name(k));
+  // The patch grid of the visual tokens: rows × cols patches, the first `first` visual tokens
+  // (CLS, with the "full" feature strategy) not on it.
+  const int side = model.config().vision.image_size / model.config().vision.patch_size;
+  j["patch_grid"] = {{"rows", side}, {"cols", side}, {"first", ex.prefill.n_visual - side * side}};
   j["timings_ms"] = {{"vision", ex.prefill.vision_ms}, {"prefill", ex.prefill.prefill_ms}, {"decode", ex.full.decode_ms}};
   j["options"] = {{"max_new_tokens", opt.max_new_tokens}, {"diag_steps", opt.diag_steps},
                   {"sparsity_p", opt.sparsity_p}, {"hit_budget", opt.hit_budget}, {"hit_window", opt.hit_window}, {"hist_bins", opt.hist_bins}};
@@ -89,12 +151,24 @@ nlohmann::json experiment_json(const LlavaModel& model, const Experiment& ex, co
                {"sparsity_prefill", ex.sparsity_prefill},
                {"sparsity_decode", ex.sparsity_decode_full}};
   j["cache_hit_rate"] = to_json(ex.hit_rates);
+  const int n_att = static_cast<int>(ex.prefill.ids.size()) + ex.attention_steps;
+  if (!ex.attention.empty()) {
+    j["attention"] = {{"steps", ex.attention_steps}, {"size", n_att}, {"layers", nlohmann::json::array()}};
+    for (const auto& m : ex.attention) j["attention"]["layers"].push_back(attention_rows(m, n_att, n_att));
+  }
   j["definitions"] = diagnostic_definitions();
   j["methods"] = nlohmann::json::array();
-  for (const MethodRun& r : ex.runs) {
-    nlohmann::json m;
+  return j;
+}
+
+nlohmann::json method_run_json(const LlavaModel& model, const Experiment& ex, const MethodRun& r) {
+  const Tokenizer& tok = model.tokenizer();
+  const int n_att = static_cast<int>(ex.prefill.ids.size()) + ex.attention_steps;
+  nlohmann::json m;
+  {
     m["spec"] = r.params.spec();
     m["short_spec"] = r.params.short_spec();
+    if (!r.label.empty()) m["label"] = r.label;
     m["method"] = r.params.method();
     m["params"] = r.params.to_json();
     m["caption"] = r.result.text;
@@ -117,9 +191,12 @@ nlohmann::json experiment_json(const LlavaModel& model, const Experiment& ex, co
                              {"method_prob", d.method_prob}};
     m["layers"] = nlohmann::json::array();
     for (const auto& l : r.layers) m["layers"].push_back(to_json(l));
-    j["methods"].push_back(m);
+    if (!r.decode_attention.empty()) {
+      m["decode_attention"] = nlohmann::json::array();
+      for (const auto& a : r.decode_attention) m["decode_attention"].push_back(attention_rows(a, ex.attention_steps, n_att));
+    }
   }
-  return j;
+  return m;
 }
 
 std::vector<CalibrationPoint> calibrate_grid(const LlavaModel& model, const Experiment& ex,

@@ -238,6 +238,11 @@ std::vector<PrefillContext> LlavaModel::prefill_contexts(const PrefillState& st)
 DecodeResult LlavaModel::decode(const PrefillState& st, KVPolicy* policy, const GenerateOptions& opt,
                                 const std::vector<AttentionObserver*>& observers, KVStore* compressed) const {
   DecodeResult r;
+  auto check = [&](int done) {
+    if (opt.keep_going && !opt.keep_going(done))
+      throw Cancelled("decode cancelled after " + std::to_string(done) + " tokens");
+  };
+  check(0);
   KVStore store = st.store;
   const auto t0 = std::chrono::steady_clock::now();
   if (policy) {
@@ -265,6 +270,7 @@ DecodeResult LlavaModel::decode(const PrefillState& st, KVPolicy* policy, const 
     const bool is_eos = std::find(eos.begin(), eos.end(), tok) != eos.end() || tok == tok_.eos_id();
     if ((opt.stop_at_eos && is_eos) || step + 1 == opt.max_new_tokens) break;
     if (pos + 1 > cfg_.text.max_position_embeddings) break;
+    check(step + 1);
     text_.embed_tokens({tok}, emb.data());
     logits = in_model(dir_, [&] { return text_.decode(emb.data(), pos, step, store, policy, observers); });
     ++pos;

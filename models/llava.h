@@ -3,6 +3,7 @@
 //   load_image → preprocess → encode_image → prefill → compress (policy) → decode.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -28,6 +29,9 @@ struct GenerateOptions {
   float temperature = 0.0f;   // 0 = greedy
   float top_p = 1.0f;
   uint64_t seed = 0;
+  // Asked before compression (0) and after each generated token (tokens so far); returning
+  // false stops decode with kvlens::Cancelled. Lets a caller drop a run a newer one replaced.
+  std::function<bool(int tokens_done)> keep_going;
   bool keep_step_logits = false;  // keep the logits of every step in DecodeResult::step_logits
 };
 

@@ -27,6 +27,7 @@ cmake --build build-asan -j"$(nproc 2>/dev/null || echo 2)"
 
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:strict_string_checks=1
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+export LSAN_OPTIONS=suppressions=$PWD/tests/lsan.supp  # leaks inside system libraries
 echo "== the test suite under ASan + UBSan"
 ctest --test-dir build-asan --output-on-failure -j2
 

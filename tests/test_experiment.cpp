@@ -268,3 +268,114 @@ TEST(Diagnostics, WindowStrategiesAgreeWhereTheyCoincide) {
   EXPECT_EQ(all.rates[2], all.rates[0]);
   EXPECT_EQ(post.rates[2], post.rates[3]);
 }
+
+TEST(Diagnostics, CalibrationRecomputedFromStoredScoresMatchesADecode) {
+  // The calibrated scores recomputed from the stored quantized scores by the policy's transform
+  // equal what the softmax saw in the run; and at layer 0 (where the first decode step's query
+  // does not depend on the cache) they equal a real re-run with other taus.
+  const Fixture& f = fixture("mha_fp32_hub");
+  const ExperimentOptions opt = small_options();
+  const Experiment ex = start_experiment(f.model, f.image, opt);
+  const MethodRun a = run_method(f.model, ex, parse_method_spec("calibquant:bits=1,tau1=0,tau2=3"), opt);
+  const MethodRun b = run_method(f.model, ex, parse_method_spec("calibquant:bits=1,tau1=1,tau2=0.5"), opt);
+  auto expect_near = [](const VisualScores& x, const VisualScores& y, const char* what) {
+    ASSERT_EQ(x.calibrated.size(), y.calibrated.size()) << what;
+    for (size_t h = 0; h < x.calibrated.size(); ++h) {
+      ASSERT_EQ(x.calibrated[h].size(), y.calibrated[h].size()) << what;
+      for (size_t i = 0; i < x.calibrated[h].size(); ++i)
+        EXPECT_NEAR(x.calibrated[h][i], y.calibrated[h][i], 1e-4 + 1e-5 * std::abs(y.calibrated[h][i]))
+            << what << " head " << h << " key " << i;
+    }
+  };
+  const auto pa = make_policy("calibquant:bits=1,tau1=0,tau2=3");
+  const auto pb = make_policy("calibquant:bits=1,tau1=1,tau2=0.5");
+  for (const auto& d : a.layers)
+    expect_near(retransform_visual_scores(d.visual_score_samples, d.layer, *pa), d.visual_score_samples, "same taus");
+  const VisualScores moved = retransform_visual_scores(a.layers[0].visual_score_samples, 0, *pb);
+  expect_near(moved, b.layers[0].visual_score_samples, "layer 0, other taus");
+  EXPECT_NE(moved.calibrated, a.layers[0].visual_score_samples.calibrated);
+  // The histogram of the recomputed scores moves with the taus; exact and quantized stay.
+  const ScoreHistogram before = visual_score_histogram(a.layers[0].visual_score_samples, -1, 40);
+  const ScoreHistogram after = visual_score_histogram(moved, -1, 40);
+  EXPECT_NE(before.calibrated, after.calibrated);
+  EXPECT_EQ(before.exact, a.layers[0].visual_scores.exact);
+  // One head: its own keys only.
+  const ScoreHistogram h0 = visual_score_histogram(moved, 0, 40);
+  EXPECT_EQ(std::accumulate(h0.quantized.begin(), h0.quantized.end(), int64_t{0}),
+            static_cast<int64_t>(moved.quantized[0].size()));
+  // No transform: calibrated = quantized.
+  const auto none = make_policy("kivi");
+  const VisualScores plain = retransform_visual_scores(a.layers[1].visual_score_samples, 1, *none);
+  EXPECT_EQ(plain.calibrated, plain.quantized);
+}
+
+TEST(Experiment, KeepGoingCancelsBetweenDecodeSteps) {
+  const Fixture& f = fixture("mha_fp32_hub");
+  ExperimentOptions opt = small_options();
+  const Experiment ex = start_experiment(f.model, f.image, opt);
+  int asked = 0;
+  opt.keep_going = [&](int done) {
+    ++asked;
+    return done < 2;
+  };
+  EXPECT_THROW(run_method(f.model, ex, parse_method_spec("kivi"), opt), Cancelled);
+  EXPECT_EQ(asked, 3);  // before compression, after token 1, after token 2
+  opt.keep_going = [](int) { return true; };
+  const MethodRun r = run_method(f.model, ex, parse_method_spec("kivi"), opt);
+  opt.keep_going = nullptr;
+  EXPECT_EQ(r.result.generated_ids, run_method(f.model, ex, parse_method_spec("kivi"), opt).result.generated_ids);
+}
+
+TEST(Experiment, AttentionMapsAndPatchAttention) {
+  const Fixture& f = fixture("gqa_fp16_save");
+  ExperimentOptions opt = small_options();
+  opt.attention_maps = true;
+  const Experiment ex = start_experiment(f.model, f.image, opt);
+  const int T = static_cast<int>(ex.prefill.ids.size()), S = ex.attention_steps, n = T + S;
+  ASSERT_EQ(S, opt.diag_steps);
+  ASSERT_EQ(ex.attention.size(), static_cast<size_t>(f.model.config().text.num_hidden_layers));
+  for (const auto& m : ex.attention)
+    for (int i = 0; i < n; ++i) {
+      double sum = 0;
+      for (int j = 0; j < n; ++j) {
+        if (j > i) {
+          EXPECT_EQ(m[static_cast<size_t>(i) * n + j], 0.0f) << i << "," << j;  // causal
+        }
+        sum += m[static_cast<size_t>(i) * n + j];
+      }
+      EXPECT_NEAR(sum, 1.0, 1e-4) << "row " << i;
+    }
+  int first_visual = -1;
+  for (int t = 0; t < T && first_visual < 0; ++t)
+    if (ex.prefill.kinds[t] == SegmentKind::Visual) first_visual = t;
+  VisualAttentionRecorder va(first_visual, ex.prefill.n_visual);
+  const MethodRun r = run_method(f.model, ex, parse_method_spec("streamingllm:budget=0.3"), opt, {&va});
+  ASSERT_EQ(r.decode_attention.size(), ex.attention.size());
+  EXPECT_EQ(va.steps(), static_cast<int>(r.result.generated_ids.size()) - 1);
+  for (int l = 0; l < static_cast<int>(r.decode_attention.size()); ++l) {
+    const auto& d = r.decode_attention[l];
+    ASSERT_EQ(d.size(), static_cast<size_t>(S) * n);
+    for (int s = 0; s < S; ++s) {
+      // The decode row's visual part is the patch recorder's head mean; evicted keys hold 0.
+      const std::vector<float> mean = va.attention(s, l, -1);
+      ASSERT_EQ(mean.size(), static_cast<size_t>(ex.prefill.n_visual));
+      double row = 0;
+      for (int j = 0; j < n; ++j) row += d[static_cast<size_t>(s) * n + j];
+      EXPECT_NEAR(row, 1.0, 1e-4);
+      for (int v = 0; v < ex.prefill.n_visual; ++v)
+        EXPECT_NEAR(mean[v], d[static_cast<size_t>(s) * n + first_visual + v], 1e-5);
+      double heads = 0;
+      for (int h = 0; h < f.model.config().text.num_attention_heads; ++h) {
+        const auto one = va.attention(s, l, h);
+        heads += std::accumulate(one.begin(), one.end(), 0.0);
+      }
+      EXPECT_NEAR(heads / f.model.config().text.num_attention_heads, std::accumulate(mean.begin(), mean.end(), 0.0), 1e-5);
+    }
+  }
+  EXPECT_TRUE(va.attention(va.steps(), 0, -1).empty());
+  const nlohmann::json j = experiment_json(f.model, ex, {&r}, opt);
+  EXPECT_EQ(j["attention"]["size"], n);
+  EXPECT_EQ(j["token_kinds"].size(), static_cast<size_t>(T));
+  EXPECT_EQ(j["methods"][0]["decode_attention"].size(), ex.attention.size());
+  EXPECT_NEAR(j["attention"]["layers"][1][T][first_visual].get<double>(), ex.attention[1][static_cast<size_t>(T) * n + first_visual], 1e-6);
+}

@@ -338,8 +338,8 @@ TEST(ReliableNumbers, SessionNumbersAndVersionsThroughTheCli) {
   };
   expect_exit2(session(R"({"max_new_tokens": 4294967297, "methods": ["full"]})"),
                "max_new_tokens must be an integer in [1, 4096], got 4294967297");
-  expect_exit2(session(R"({"kvlens_session": 2, "methods": ["full"]})"),
-               "session version 2 is newer than this kvlens reads (version 1)");
+  expect_exit2(session(R"({"kvlens_session": 3, "methods": ["full"]})"),
+               "session version 3 is newer than this kvlens reads (version 2)");
   expect_exit2(session(R"({"kvlens_session": "x", "methods": ["full"]})"), "'kvlens_session' must be a version number");
   expect_exit2(session(R"({"methods": [{"method": "calibquant", "params": {"bits": "1,tau1=5"}}]})"),
                "calibquant: bits must be one of 1|2|4|8, got '1,tau1=5'");

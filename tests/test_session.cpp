@@ -5,6 +5,7 @@
 #include <dirent.h>
 
 #include "core/errors.h"
+#include "core/files.h"
 #include "core/session.h"
 #include "tests/test_util.h"
 
@@ -82,7 +83,7 @@ TEST(Session, BadSessionsNameTheProblem) {
   expect(R"({"hit_budget": 0})", "hit_budget must be in");
   expect(R"({"name": 3})", "'name' must be a string");
   // The version field: newer versions are refused naming both, nonsense is refused.
-  expect(R"({"kvlens_session": 2})", "session version 2 is newer than this kvlens reads (version 1)");
+  expect(R"({"kvlens_session": 3})", "session version 3 is newer than this kvlens reads (version 2)");
   expect(R"({"kvlens_session": 999})", "session version 999 is newer");
   expect(R"({"kvlens_session": 0})", "'kvlens_session' must be a version number >= 1, got 0");
   expect(R"({"kvlens_session": "x"})", "'kvlens_session' must be a version number >= 1, got \"x\"");
@@ -95,7 +96,55 @@ TEST(Session, BadSessionsNameTheProblem) {
   expect(R"({"methods": [{"method": "stack", "params": {"tau1": "1,tau2=0"}}]})", "calibquant: tau1 must be a finite number");
   expect(R"({"methods": [{"method": "calibquant", "params": {"tau1": [1]}}]})", "calibquant: tau1 must be a string, number or boolean");
   expect(R"({"methods": [{"method": "calibquant", "params": {}, "extra": 1}]})", "unknown key 'extra'");
+  expect(R"({"methods": [{"method": "kivi", "enabled": "yes"}]})", "methods[0]: 'enabled' must be true or false");
+  expect(R"({"methods": [{"method": "kivi", "label": 7}]})", "'label' must be a string");
+  expect(R"({"views": [1]})", "'views' must be an object");
+  expect(R"({"results": "fine"})", "'results' must be an object");
+  expect(R"({"model_hash": 12})", "'model_hash' must be a string");
   EXPECT_THROW(load_session("/nonexistent/session.json"), InputError);
+}
+
+TEST(Session, Version2KeepsLabelsEnabledHashesViewsAndResults) {
+  Session s;
+  s.methods = {parse_method_spec("calibquant:tau2=2"), parse_method_spec("kivi"), parse_method_spec("calibquant:tau2=2")};
+  s.labels = {"calib A", "", "calib B"};
+  s.enabled = {true, false, true};
+  s.model_hash = "fnv1a64:0123456789abcdef";
+  s.image_hash = "fnv1a64:fedcba9876543210";
+  s.views = {{"layer", 2}, {"plot", "softmax_mse"}};
+  s.results = {{"full_caption", "a cat"}};
+  const nlohmann::json j = session_to_json(s);
+  EXPECT_EQ(j["kvlens_session"], 2);
+  const Session b = session_from_json(j, "round trip");
+  EXPECT_EQ(b.labels, s.labels);
+  EXPECT_EQ(b.enabled, s.enabled);
+  EXPECT_FALSE(b.method_enabled(1));
+  EXPECT_EQ(b.method_label(2), "calib B");
+  EXPECT_EQ(b.model_hash, s.model_hash);
+  EXPECT_EQ(b.image_hash, s.image_hash);
+  EXPECT_EQ(b.views, s.views);
+  EXPECT_EQ(b.results, s.results);
+  EXPECT_EQ(session_to_json(b), j);
+  // A version 1 file (no new keys) reads with every method enabled.
+  const Session v1 = session_from_json(nlohmann::json::parse(R"({"kvlens_session": 1, "methods": ["kivi"]})"), "v1");
+  EXPECT_TRUE(v1.method_enabled(0));
+  EXPECT_EQ(v1.method_label(0), "");
+}
+
+TEST(Session, ContentHashesChangeWithTheBytes) {
+  const std::string d = kt::make_temp_dir("hash");
+  kt::write_file(d + "/a.bin", "a");
+  kt::write_file(d + "/b.bin", "world");
+  const std::string fa = file_content_hash(d + "/a.bin", "file"), fd = folder_content_hash(d, "folder");
+  EXPECT_EQ(fa, "fnv1a64:af63dc4c8601ec8c");  // FNV-1a 64 of "a", the published test vector
+  kt::write_file(d + "/b.bin", "worle");
+  EXPECT_NE(folder_content_hash(d, "folder"), fd);
+  kt::write_file(d + "/b.bin", "world");
+  EXPECT_EQ(folder_content_hash(d, "folder"), fd);
+  kt::write_file(d + "/.b.bin.kvlens-tmp-1-1", "junk");  // temporaries do not count
+  EXPECT_EQ(folder_content_hash(d, "folder"), fd);
+  EXPECT_THROW(file_content_hash(d + "/none", "image"), InputError);
+  EXPECT_THROW(folder_content_hash(d + "/a.bin", "model folder"), InputError);
 }
 
 TEST(Session, CliRunsASessionAndSavesOne) {
@@ -109,6 +158,22 @@ TEST(Session, CliRunsASessionAndSavesOne) {
   ASSERT_EQ(saved.methods.size(), 2u);
   EXPECT_EQ(saved.methods[0].method(), "calibquant");
   EXPECT_EQ(saved.max_new_tokens, 3);
+  EXPECT_EQ(saved.model_hash, folder_content_hash(fix, "model"));
+  EXPECT_EQ(saved.image_hash, file_content_hash(fix + "/image.png", "image"));
+  // Disabled methods do not run; labels name the methods in the report.
+  kt::write_file(tmp + "/l.json", R"({"kvlens_session": 2, "max_new_tokens": 3, "methods": [
+    {"method": "kivi", "label": "KIVI 2-bit"}, {"method": "vlcache", "enabled": false}]})");
+  const auto l = kt::run(kt::cli() + " run --model " + fix + " --image " + fix + "/image.png --session " + tmp +
+                         "/l.json --report " + tmp + "/l_report.json");
+  ASSERT_EQ(l.code, 0) << l.output;
+  const auto lr = nlohmann::json::parse(kt::read_file(tmp + "/l_report.json"));
+  ASSERT_EQ(lr["methods"].size(), 1u);
+  EXPECT_EQ(lr["methods"][0]["label"], "KIVI 2-bit");
+  // A session whose image changed since it was saved still runs, with a note naming the image.
+  kt::write_file(tmp + "/h.json", "{\"image_hash\": \"fnv1a64:0000000000000000\", \"max_new_tokens\": 2, \"methods\": [\"kivi\"]}");
+  const auto h = kt::run(kt::cli() + " run --model " + fix + " --image " + fix + "/image.png --session " + tmp + "/h.json");
+  EXPECT_EQ(h.code, 0) << h.output;
+  EXPECT_NE(h.output.find("note: image " + fix + "/image.png differs"), std::string::npos) << h.output;
   kt::write_file(tmp + "/bad.json", R"({"methods": ["lookm:merge=blend"]})");
   const auto bad = kt::run(kt::cli() + " run --model " + fix + " --image " + fix + "/image.png --session " + tmp + "/bad.json");
   EXPECT_EQ(bad.code, 2);

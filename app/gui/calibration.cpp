@@ -1,0 +1,75 @@
+// The Calibration panel's figures, computed from the state (so scripted checks see exactly what
+// the panel draws): the visual score histograms of one instance, layer and head, recalibrated
+// from the stored quantized scores with the instance's current values, and g(x).
+#include <cstdio>
+
+#include "app/gui/app.h"
+#include "core/errors.h"
+#include "core/figures_report.h"
+
+namespace kvlens::gui {
+
+std::optional<fig::Calibration> calibration_of(const Params& p) {
+  if (p.method() == "calibquant") return fig::method_calibration(p);
+  if (p.method() != "stack" || p.str("quant") != "calibquant") return std::nullopt;
+  std::map<std::string, std::string> given;
+  for (const char* k : {"bits", "tau1", "tau2", "calibrate"})
+    if (p.has(k) && p.str(k) != "default") given[k] = p.str(k);
+  const std::string preset = p.str("quant_preset") == "none" ? "" : p.str("quant_preset");
+  return fig::method_calibration(make_params("calibquant", preset, given));
+}
+
+const CalibrationView& App::calibration_view() {
+  Views& v = st.views;
+  if (!find(v.calib_method)) {
+    v.calib_method = -1;
+    for (const MethodInstance& m : st.methods)
+      if (v.calib_method < 0 && m.enabled && calibration_of(m.params)) v.calib_method = m.id;
+    if (v.calib_method < 0 && !st.methods.empty()) v.calib_method = st.methods.front().id;
+  }
+  CalibrationView& cv = st.calibration;
+  const MethodInstance* m = find(v.calib_method);
+  const RunResult* r = m ? any_result(m->id) : nullptr;
+  if (!m || !r || v.layer < 0 || v.layer >= static_cast<int>(r->run->layers.size())) {
+    cv = CalibrationView{};
+    return cv;
+  }
+  char keybuf[64];
+  std::snprintf(keybuf, sizeof keybuf, "%p/%d/%d/", static_cast<const void*>(r->run.get()), v.layer, v.head);
+  const std::string key = keybuf + m->params.spec() + "/" + display_name(*m);
+  if (cv.key == key) return cv;
+  cv.key = key;
+  const std::optional<fig::Calibration> calib = calibration_of(m->params);
+  const VisualScores& stored = r->run->layers[v.layer].visual_score_samples;
+  VisualScores now = stored;
+  try {
+    now = retransform_visual_scores(stored, v.layer, *make_policy(m->params));
+  } catch (const InputError& e) {
+    error(e.what());
+  }
+  const int head = v.head < static_cast<int>(now.quantized.size()) ? v.head : -1;
+  const ScoreHistogram h = visual_score_histogram(now, head, 40);
+  cv.calibrated = h.calibrated;
+  double g = 1e300, d = -1e300;
+  for (size_t hd = 0; hd < now.quantized.size(); ++hd) {
+    if (head >= 0 && static_cast<int>(hd) != head) continue;
+    for (float x : now.quantized[hd]) {
+      g = std::min(g, static_cast<double>(x));
+      d = std::max(d, static_cast<double>(x));
+    }
+  }
+  cv.gamma = g;
+  cv.delta = d;
+  const std::string where = display_name(*m) + ", layer " + std::to_string(v.layer) + ", " +
+                            (head < 0 ? std::string("all heads") : "head " + std::to_string(head));
+  const std::string tag = "_l" + std::to_string(v.layer) + (head < 0 ? "" : "_h" + std::to_string(head));
+  cv.histogram = fig::score_histogram_figure(h, "calibration_histogram" + tag, "Visual scores: " + where,
+                                             head >= 0 ? calib : std::nullopt, g, d);
+  if (head < 0 && calib)
+    cv.histogram.note += "; g(x) per head, τ1 = " + fig::format_value(calib->tau1) + ", τ2 = " + fig::format_value(calib->tau2);
+  cv.has_transfer = calib.has_value() && d > g;
+  if (cv.has_transfer) cv.transfer = fig::transfer_curve_figure(g, d, *calib, "calibration_transfer" + tag, "g(x): " + where);
+  return cv;
+}
+
+}  // namespace kvlens::gui

@@ -1,0 +1,45 @@
+// Figures on screen: executes the primitives of fig::draw (the same layout the Cairo exports
+// use) on an ImDrawList, with a read-out of the data under the pointer, mouse-wheel zoom and
+// drag pan of the x axis, and double-click to reset.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <vector>
+
+#include <imgui.h>
+
+#include "core/figures.h"
+
+namespace kvlens::gui {
+
+// OpenGL textures for figure images and the Image panel, keyed by content; textures unused for
+// a few seconds are deleted.
+class TextureCache {
+ public:
+  ~TextureCache();
+  // A texture of w × h RGBA pixels (nearest-neighbour sampling when `nearest`).
+  ImTextureID get(uint64_t key, int w, int h, const uint8_t* rgba, bool nearest = true);
+  bool has(uint64_t key) const { return entries_.count(key) > 0; }
+  void end_frame();  // frees what was not used recently
+
+ private:
+  struct Entry {
+    unsigned int tex = 0;
+    int last_used = 0;
+  };
+  std::map<uint64_t, Entry> entries_;
+  int frame_ = 0;
+};
+
+// Text width in the current ImGui font at `size` pixels (what fig::draw lays out with).
+double imgui_text_width(const std::string& text, double size);
+
+// Draws `f` as an item of `size` at the cursor. `view` keeps the x zoom between frames.
+// Returns true while the figure is hovered.
+bool draw_figure(const char* id, const fig::Figure& f, ImVec2 size, fig::View& view, TextureCache& textures);
+
+// Executes laid-out primitives with their origin at `origin` (also used for the screenshot
+// checks of exported figures).
+void draw_prims(ImDrawList* dl, const std::vector<fig::Prim>& prims, ImVec2 origin, TextureCache& textures);
+
+}  // namespace kvlens::gui

@@ -1,0 +1,159 @@
+// Captions panel: the full cache's caption, and each instance's with the words that differ from
+// it highlighted and the first divergence marked (both tokens and probabilities on hover), its
+// KV bytes and ratio to the fp16 full cache, softmax MSE, and compression and decode time.
+#include <algorithm>
+#include <sstream>
+
+#include "app/gui/panels.h"
+#include "core/figures.h"
+
+namespace kvlens::gui {
+
+namespace {
+
+std::vector<std::string> words_of(const std::string& s) {
+  std::istringstream in(s);
+  std::vector<std::string> w;
+  for (std::string x; in >> x;) w.push_back(x);
+  return w;
+}
+
+// Marks the words of `b` that are not in a longest common subsequence with `a`.
+std::vector<bool> differing(const std::vector<std::string>& a, const std::vector<std::string>& b) {
+  const size_t n = a.size(), m = b.size();
+  std::vector<std::vector<int>> L(n + 1, std::vector<int>(m + 1, 0));
+  for (size_t i = n; i-- > 0;)
+    for (size_t j = m; j-- > 0;) L[i][j] = a[i] == b[j] ? L[i + 1][j + 1] + 1 : std::max(L[i + 1][j], L[i][j + 1]);
+  std::vector<bool> diff(m, true);
+  for (size_t i = 0, j = 0; i < n && j < m;) {
+    if (a[i] == b[j]) {
+      diff[j] = false;
+      ++i, ++j;
+    } else if (L[i + 1][j] >= L[i][j + 1]) {
+      ++i;
+    } else {
+      ++j;
+    }
+  }
+  return diff;
+}
+
+// Wrapped words; differing ones on a red background, the one holding the first divergence
+// underlined, with `tip` shown when it is hovered.
+void draw_words(const std::vector<std::string>& words, const std::vector<bool>& diff, int diverge_word, const std::string& tip) {
+  ImDrawList* dl = ImGui::GetWindowDrawList();
+  const float right = ImGui::GetCursorScreenPos().x + ImGui::GetContentRegionAvail().x;
+  const float space = ImGui::CalcTextSize(" ").x;
+  for (size_t i = 0; i < words.size(); ++i) {
+    const ImVec2 sz = ImGui::CalcTextSize(words[i].c_str());
+    if (i > 0) {
+      ImGui::SameLine(0, space);
+      if (ImGui::GetCursorScreenPos().x + sz.x > right) ImGui::NewLine();
+    }
+    const ImVec2 p = ImGui::GetCursorScreenPos();
+    if (i < diff.size() && diff[i])
+      dl->AddRectFilled(ImVec2(p.x - 1, p.y), ImVec2(p.x + sz.x + 1, p.y + sz.y), IM_COL32(246, 180, 180, 255), 2);
+    ImGui::TextUnformatted(words[i].c_str());
+    if (static_cast<int>(i) == diverge_word) {
+      dl->AddLine(ImVec2(p.x, p.y + sz.y), ImVec2(p.x + sz.x, p.y + sz.y), IM_COL32(200, 30, 30, 255), 2);
+      if (ImGui::IsItemHovered()) ImGui::SetTooltip("%s", tip.c_str());
+    }
+  }
+}
+
+}  // namespace
+
+void captions_panel(App& app, Ui&, const PanelRect& rect) {
+  if (!begin_panel("Captions", rect)) {
+    ImGui::End();
+    return;
+  }
+  const Snapshot* s = app.st.results.get();
+  if (!s || !s->base || !s->report) {
+    ImGui::TextDisabled("%s", app.busy() ? "computing the full cache…" : "no results");
+    ImGui::End();
+    return;
+  }
+  const nlohmann::json& rep = *s->report;
+  const std::string full = rep["full"]["caption"].get<std::string>();
+  const std::vector<std::string> fw = words_of(full);
+  const double full_bytes = rep["full"]["bytes_fp16"]["total"].get<double>();
+  const ImGuiTableFlags flags = ImGuiTableFlags_RowBg | ImGuiTableFlags_BordersInnerH | ImGuiTableFlags_ScrollY |
+                                ImGuiTableFlags_SizingStretchProp | ImGuiTableFlags_Resizable;
+  if (ImGui::BeginTable("##captions", 3, flags)) {
+    ImGui::TableSetupScrollFreeze(0, 1);
+    ImGui::TableSetupColumn("method", ImGuiTableColumnFlags_WidthStretch, 0.2f);
+    ImGui::TableSetupColumn("caption (words that differ from the full cache highlighted)", ImGuiTableColumnFlags_WidthStretch, 0.56f);
+    ImGui::TableSetupColumn("KV bytes · MSE · time", ImGuiTableColumnFlags_WidthStretch, 0.24f);
+    ImGui::TableHeadersRow();
+    ImGui::TableNextRow();
+    ImGui::TableNextColumn();
+    ImGui::TextUnformatted("full cache");
+    ImGui::TableNextColumn();
+    draw_words(fw, {}, -1, "");
+    ImGui::TableNextColumn();
+    ImGui::Text("%.0f KiB fp16 (1×)", full_bytes / 1024);
+    ImGui::TextDisabled("decode %.0f ms", rep["timings_ms"]["decode"].get<double>());
+    for (size_t i = 0; i < s->runs.size(); ++i) {
+      const RunResult& r = s->runs[i];
+      const auto& m = rep["methods"][i];
+      const MethodInstance* inst = app.find(r.id);
+      ImGui::PushID(r.id);
+      ImGui::TableNextRow();
+      ImGui::TableNextColumn();
+      const bool stale = !app.result(r.id);
+      if (ImGui::Selectable((inst ? app.display_name(*inst) : m["short_spec"].get<std::string>()).c_str(),
+                            app.st.views.method == r.id))
+        app.st.views.method = r.id;
+      if (stale) ImGui::TextDisabled("updating…");
+      ImGui::TableNextColumn();
+      const std::string cap = m["caption"].get<std::string>();
+      const std::vector<std::string> mw = words_of(cap);
+      int dword = -1;
+      std::string tip;
+      const auto& d = m["first_divergence"];
+      const int pos = d["position"].get<int>();
+      if (pos >= 0) {
+        // The word that holds the first differing token: count the words before it, and
+        // whether that token starts a new word (SentencePiece marks word starts with "▁").
+        const std::string mark = "\xe2\x96\x81";
+        std::string prefix;
+        for (int t = 0; t < pos && t < static_cast<int>(r.pieces.size()); ++t) prefix += r.pieces[t];
+        for (size_t at; (at = prefix.find(mark)) != std::string::npos;) prefix.replace(at, mark.size(), " ");
+        const int before = static_cast<int>(words_of(prefix).size());
+        const bool starts_word = d["method_piece"].get<std::string>().rfind(mark, 0) == 0 || before == 0;
+        dword = std::clamp(starts_word ? before : before - 1, 0, std::max(0, static_cast<int>(mw.size()) - 1));
+        tip = "first divergence at generated token " + std::to_string(pos) + ":\nfull cache '" +
+              d["full_piece"].get<std::string>() + "' (p = " + fig::format_value(d["full_prob"].get<double>()) + ")\n" +
+              "this method '" + d["method_piece"].get<std::string>() + "' (p = " +
+              fig::format_value(d["method_prob"].get<double>()) + ")";
+      }
+      draw_words(mw, differing(fw, mw), dword, tip);
+      if (pos >= 0) {
+        ImGui::TextDisabled("↳ diverges at token %d", pos);
+        if (ImGui::IsItemHovered()) ImGui::SetTooltip("%s", tip.c_str());
+      }
+      ImGui::TableNextColumn();
+      ImGui::Text("%.0f KiB (%.2f×)", m["bytes_after_prefill"]["total"].get<double>() / 1024,
+                  m["compression_vs_fp16"].get<double>());
+      ImGui::Text("MSE %s", fig::format_value(m["mean_softmax_mse"].get<double>()).c_str());
+      ImGui::TextDisabled("compress %.1f ms", m["timings_ms"]["compress"].get<double>());
+      ImGui::TextDisabled("decode %.0f ms", m["timings_ms"]["decode"].get<double>());
+      ImGui::PopID();
+    }
+    for (const auto& [id, e] : s->run_errors) {
+      ImGui::TableNextRow();
+      ImGui::TableNextColumn();
+      const MethodInstance* inst = app.find(id);
+      ImGui::TextUnformatted(inst ? app.display_name(*inst).c_str() : "worker");
+      ImGui::TableNextColumn();
+      ImGui::PushTextWrapPos(0);
+      ImGui::TextColored(ImVec4(0.75f, 0.1f, 0.1f, 1), "%s", e.c_str());
+      ImGui::PopTextWrapPos();
+    }
+    ImGui::EndTable();
+  }
+  ImGui::End();
+}
+
+}  // namespace kvlens::gui

@@ -1,0 +1,184 @@
+// The window frame around the panels: layout, menu bar, keyboard shortcuts, status bar, and
+// small widgets the panels share.
+#include <GLFW/glfw3.h>
+
+#include <algorithm>
+
+#include "app/gui/panels.h"
+
+namespace kvlens::gui {
+
+PanelLayout layout_panels(ImVec2 size, float top) {
+  PanelLayout l;
+  const float status = 26;
+  const float W = size.x, H = size.y - top - status;
+  const float c1 = std::max(340.0f, W * 0.24f), c2 = std::max(420.0f, W * 0.42f), c3 = std::max(300.0f, W - c1 - c2);
+  const float x2 = c1, x3 = c1 + c2;
+  // Model and Session hold about eleven and ten lines of widgets; the image takes the rest.
+  const float line = ImGui::GetFrameHeightWithSpacing();
+  const float model_h = std::min(H * 0.3f, line * 9.4f), session_h = std::min(H * 0.28f, line * 8.6f);
+  const float image_h = H - model_h - session_h;
+  l.image = {{0, top}, {c1, image_h}};
+  l.model = {{0, top + image_h}, {c1, model_h}};
+  l.session = {{0, top + image_h + model_h}, {c1, session_h}};
+  const float plots_h = H * 0.58f;
+  l.plots = {{x2, top}, {c2, plots_h}};
+  l.captions = {{x2, top + plots_h}, {c2, H - plots_h}};
+  const float calib_h = H * 0.58f;
+  l.calibration = {{x3, top}, {c3, calib_h}};
+  l.methods = {{x3, top + calib_h}, {c3, H - calib_h}};
+  l.status_pos = ImVec2(0, top + H);
+  l.status_size = ImVec2(W, status);
+  return l;
+}
+
+bool begin_panel(const char* title, const PanelRect& r) {
+  ImGui::SetNextWindowPos(r.pos, ImGuiCond_Always);
+  ImGui::SetNextWindowSize(r.size, ImGuiCond_Always);
+  return ImGui::Begin(title, nullptr,
+                      ImGuiWindowFlags_NoMove | ImGuiWindowFlags_NoResize | ImGuiWindowFlags_NoCollapse |
+                          ImGuiWindowFlags_NoSavedSettings | ImGuiWindowFlags_NoBringToFrontOnFocus);
+}
+
+void help_marker(const char* text) {
+  ImGui::SameLine();
+  ImGui::TextDisabled("(?)");
+  if (ImGui::IsItemHovered()) {
+    ImGui::BeginTooltip();
+    ImGui::PushTextWrapPos(ImGui::GetFontSize() * 32.0f);
+    ImGui::TextUnformatted(text);
+    ImGui::PopTextWrapPos();
+    ImGui::EndTooltip();
+  }
+}
+
+bool instance_combo(const char* label, App& app, int& id, const char* none, bool only_enabled) {
+  std::string preview = none ? none : "";
+  if (const MethodInstance* m = app.find(id)) preview = app.display_name(*m);
+  bool changed = false;
+  if (ImGui::BeginCombo(label, preview.c_str())) {
+    if (none && ImGui::Selectable(none, id == -1)) {
+      id = -1;
+      changed = true;
+    }
+    for (const MethodInstance& m : app.st.methods) {
+      if (only_enabled && !m.enabled) continue;
+      ImGui::PushID(m.id);
+      if (ImGui::Selectable(app.display_name(m).c_str(), m.id == id)) {
+        id = m.id;
+        changed = true;
+      }
+      ImGui::PopID();
+    }
+    ImGui::EndCombo();
+  }
+  return changed;
+}
+
+void open_dialog(App& app, DialogPurpose purpose, const std::string& start) {
+  FileDialog& d = app.st.dialog;
+  d.purpose = purpose;
+  d.want_open = true;
+  d.error.clear();
+  const size_t slash = start.rfind('/');
+  if (start.empty()) {
+    d.dir = ".";
+    d.name.clear();
+  } else if (slash == std::string::npos) {
+    d.dir = ".";
+    d.name = start;
+  } else {
+    d.dir = slash == 0 ? "/" : start.substr(0, slash);
+    d.name = start.substr(slash + 1);
+  }
+}
+
+namespace {
+
+void save(App& app) {
+  if (app.st.session_path.empty()) open_dialog(app, DialogPurpose::SaveSession, "session.json");
+  else app.save_session(app.st.session_path);
+}
+
+}  // namespace
+
+void menu_bar(App& app, Ui& ui) {
+  if (!ImGui::BeginMainMenuBar()) return;
+  if (ImGui::BeginMenu("File")) {
+    if (ImGui::MenuItem("New session", "Ctrl+N")) app.new_session();
+    if (ImGui::MenuItem("Open session…", "Ctrl+O")) open_dialog(app, DialogPurpose::OpenSession, app.st.session_path);
+    if (ImGui::BeginMenu("Recent sessions", !app.st.recent_sessions.empty())) {
+      for (const std::string& p : std::vector<std::string>(app.st.recent_sessions))
+        if (ImGui::MenuItem(p.c_str())) app.open_session(p);
+      ImGui::EndMenu();
+    }
+    if (ImGui::MenuItem("Save session", "Ctrl+S")) save(app);
+    if (ImGui::MenuItem("Save session as…")) open_dialog(app, DialogPurpose::SaveSession, app.st.session_path);
+    ImGui::Separator();
+    if (ImGui::MenuItem("Open image…")) open_dialog(app, DialogPurpose::OpenImage, app.image_path());
+    if (ImGui::MenuItem("Open model folder…")) open_dialog(app, DialogPurpose::OpenModel, app.model_dir() + "/");
+    ImGui::Separator();
+    if (ImGui::MenuItem("Export figures…", "Ctrl+E")) open_dialog(app, DialogPurpose::ExportFigures, app.st.export_opt.dir);
+    if (ImGui::MenuItem("Export report JSON…")) open_dialog(app, DialogPurpose::ExportReport, app.st.export_opt.report_path);
+    ImGui::Separator();
+    if (ImGui::MenuItem("Quit", "Ctrl+Q")) app.st.quit = true;
+    ImGui::EndMenu();
+  }
+  if (ImGui::BeginMenu("Edit")) {
+    if (ImGui::MenuItem("Undo parameter change", "Ctrl+Z", false, !app.st.history.undo.empty())) app.undo();
+    if (ImGui::MenuItem("Redo parameter change", "Ctrl+Y", false, !app.st.history.redo.empty())) app.redo();
+    ImGui::EndMenu();
+  }
+  const std::string title = (app.st.session_path.empty() ? std::string("untitled session") : app.st.session_path) +
+                            (app.st.dirty ? " •" : "");
+  ImGui::SameLine(ImGui::GetWindowWidth() - ImGui::CalcTextSize(title.c_str()).x - 16);
+  ImGui::TextDisabled("%s", title.c_str());
+  ImGui::EndMainMenuBar();
+}
+
+void handle_shortcuts(App& app) {
+  const ImGuiIO& io = ImGui::GetIO();
+  if (!io.KeyCtrl) return;
+  // Text fields keep Ctrl+Z / Ctrl+Y for their own editing.
+  const bool typing = io.WantTextInput;
+  if (ImGui::IsKeyPressed(GLFW_KEY_O, false)) open_dialog(app, DialogPurpose::OpenSession, app.st.session_path);
+  if (ImGui::IsKeyPressed(GLFW_KEY_S, false)) save(app);
+  if (ImGui::IsKeyPressed(GLFW_KEY_E, false)) open_dialog(app, DialogPurpose::ExportFigures, app.st.export_opt.dir);
+  if (ImGui::IsKeyPressed(GLFW_KEY_N, false)) app.new_session();
+  if (ImGui::IsKeyPressed(GLFW_KEY_Q, false)) app.st.quit = true;
+  if (!typing && ImGui::IsKeyPressed(GLFW_KEY_Z, true)) app.undo();
+  if (!typing && ImGui::IsKeyPressed(GLFW_KEY_Y, true)) app.redo();
+}
+
+void status_bar(App& app, ImVec2 pos, ImVec2 size) {
+  ImGui::SetNextWindowPos(pos);
+  ImGui::SetNextWindowSize(size);
+  ImGui::PushStyleVar(ImGuiStyleVar_WindowPadding, ImVec2(8, 4));
+  ImGui::Begin("##status", nullptr,
+               ImGuiWindowFlags_NoDecoration | ImGuiWindowFlags_NoMove | ImGuiWindowFlags_NoSavedSettings |
+                   ImGuiWindowFlags_NoBringToFrontOnFocus);
+  const Snapshot* s = app.st.results.get();
+  const Progress p = app.worker.progress();
+  if (app.busy()) {
+    const std::string stage = s && !s->stage.empty() ? s->stage : "starting";
+    ImGui::Text("computing: %s", stage.c_str());
+    ImGui::SameLine();
+    const float frac = p.tokens_total > 0 ? static_cast<float>(p.tokens_done) / p.tokens_total : 0.0f;
+    ImGui::ProgressBar(frac, ImVec2(160, 0), (std::to_string(p.tokens_done) + "/" + std::to_string(p.tokens_total) + " tokens").c_str());
+  } else {
+    ImGui::TextUnformatted("ready");
+  }
+  ImGui::SameLine(260);
+  if (app.st.timing.last_latency_ms >= 0) ImGui::Text("edit → result %.0f ms", app.st.timing.last_latency_ms);
+  ImGui::SameLine(440);
+  ImGui::Text("%.0f frames/s", ImGui::GetIO().Framerate);
+  if (!app.st.messages.empty()) {
+    const Message& m = app.st.messages.back();
+    ImGui::SameLine(560);
+    ImGui::TextColored(m.error ? ImVec4(0.75f, 0.1f, 0.1f, 1) : ImVec4(0.2f, 0.35f, 0.2f, 1), "%s", m.text.c_str());
+  }
+  ImGui::End();
+  ImGui::PopStyleVar();
+}
+
+}  // namespace kvlens::gui

@@ -1,0 +1,84 @@
+// Session / export panel: the session's name and description; new, open, save, save as,
+// recent; exporting figures (all of the report, or those on screen) as PNG / SVG / PDF with
+// their data as CSV, and the report JSON; whether the reopened session reproduces its saved
+// results; and the message log (every refused input is listed here).
+#include <imgui.h>
+#include <imgui_stdlib.h>  // after imgui.h
+
+#include "app/gui/panels.h"
+
+namespace kvlens::gui {
+
+namespace {
+
+// Compares the saved results summary with the report now: same captions and MSE.
+std::string saved_vs_now(const App& app) {
+  const nlohmann::json& saved = app.st.saved_results;
+  if (!saved.is_object() || !saved.contains("methods") || !app.st.results || !app.st.results->report) return "";
+  if (!app.up_to_date()) return "saved results: recomputing…";
+  const nlohmann::json& rep = *app.st.results->report;
+  const auto& a = saved["methods"];
+  const auto& b = rep["methods"];
+  if (!a.is_array() || a.size() != b.size()) return "saved results: different method count";
+  int same = 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    same += a[i].value("caption", std::string()) == b[i]["caption"].get<std::string>() ? 1 : 0;
+  return "saved results: " + std::to_string(same) + " of " + std::to_string(a.size()) + " captions reproduced";
+}
+
+}  // namespace
+
+void session_panel(App& app, Ui&, const PanelRect& rect) {
+  if (!begin_panel("Session · export", rect)) {
+    ImGui::End();
+    return;
+  }
+  State& st = app.st;
+  ImGui::SetNextItemWidth(-90);
+  if (ImGui::InputTextWithHint("name", "session name", &st.session_name)) st.dirty = true;
+  if (ImGui::Button("New")) app.new_session();
+  ImGui::SameLine();
+  if (ImGui::Button("Open…")) open_dialog(app, DialogPurpose::OpenSession, st.session_path);
+  ImGui::SameLine();
+  if (ImGui::Button("Save")) {
+    if (st.session_path.empty()) open_dialog(app, DialogPurpose::SaveSession, "session.json");
+    else app.save_session(st.session_path);
+  }
+  ImGui::SameLine();
+  if (ImGui::Button("Save as…")) open_dialog(app, DialogPurpose::SaveSession, st.session_path);
+  ImGui::SameLine();
+  if (ImGui::BeginCombo("##recentsess", "recent", ImGuiComboFlags_NoPreview)) {
+    for (const std::string& p : std::vector<std::string>(st.recent_sessions))
+      if (ImGui::Selectable(p.c_str())) app.open_session(p);
+    ImGui::EndCombo();
+  }
+  const std::string cmp = saved_vs_now(app);
+  if (!cmp.empty()) ImGui::TextDisabled("%s", cmp.c_str());
+  ImGui::Separator();
+  ImGui::Checkbox("PNG", &st.export_opt.png);
+  ImGui::SameLine();
+  ImGui::Checkbox("SVG", &st.export_opt.svg);
+  ImGui::SameLine();
+  ImGui::Checkbox("PDF", &st.export_opt.pdf);
+  ImGui::SameLine();
+  ImGui::Checkbox("CSV", &st.export_opt.csv);
+  ImGui::SetNextItemWidth(-1);
+  ImGui::InputTextWithHint("##exportdir", "folder for figures", &st.export_opt.dir);
+  if (ImGui::Button("Export all figures")) app.export_figures(st.export_opt.dir, app.report_figures_all());
+  ImGui::SameLine();
+  if (ImGui::Button("Export shown")) app.export_figures(st.export_opt.dir, app.shown_figures());
+  ImGui::SameLine();
+  if (ImGui::Button("Report JSON…")) open_dialog(app, DialogPurpose::ExportReport, st.export_opt.report_path);
+  ImGui::Separator();
+  ImGui::BeginChild("##log", ImVec2(0, 0), false);
+  for (auto it = st.messages.rbegin(); it != st.messages.rend(); ++it) {
+    ImGui::PushTextWrapPos(0);
+    if (it->error) ImGui::TextColored(ImVec4(0.72f, 0.1f, 0.1f, 1), "%s", it->text.c_str());
+    else ImGui::TextDisabled("%s", it->text.c_str());
+    ImGui::PopTextWrapPos();
+  }
+  ImGui::EndChild();
+  ImGui::End();
+}
+
+}  // namespace kvlens::gui

@@ -1,0 +1,52 @@
+// The desktop app's panels, one function (and one file) each. A panel reads App::st and calls
+// App's methods to change it; none runs the model.
+#pragma once
+#include <string>
+
+#include <imgui.h>
+
+#include "app/gui/app.h"
+#include "app/gui/figure_imgui.h"
+
+namespace kvlens::gui {
+
+// What the panels share besides the state: GPU textures and the drop target of the window.
+struct Ui {
+  TextureCache textures;
+  ImFont* mono = nullptr;
+};
+
+struct PanelRect {
+  ImVec2 pos, size;
+};
+
+// Where each panel sits in a window of `size` below a menu bar of `top` pixels.
+struct PanelLayout {
+  PanelRect image, model, session, plots, captions, calibration, methods;
+  ImVec2 status_pos, status_size;
+};
+PanelLayout layout_panels(ImVec2 size, float top);
+
+// Begins a fixed panel window; call ImGui::End() after (also when it returns false).
+bool begin_panel(const char* title, const PanelRect& r);
+
+void menu_bar(App& app, Ui& ui);
+void image_panel(App& app, Ui& ui, const PanelRect& r);
+void model_panel(App& app, Ui& ui, const PanelRect& r);
+void session_panel(App& app, Ui& ui, const PanelRect& r);
+void methods_panel(App& app, Ui& ui, const PanelRect& r);
+void calibration_panel(App& app, Ui& ui, const PanelRect& r);
+void plots_panel(App& app, Ui& ui, const PanelRect& r);
+void captions_panel(App& app, Ui& ui, const PanelRect& r);
+void status_bar(App& app, ImVec2 pos, ImVec2 size);
+void file_dialog(App& app);
+// Ctrl+O, Ctrl+S, Ctrl+E, Ctrl+Z, Ctrl+Y, Ctrl+N, Ctrl+Q.
+void handle_shortcuts(App& app);
+
+// Small shared widgets.
+void help_marker(const char* text);
+void open_dialog(App& app, DialogPurpose purpose, const std::string& start);
+// A combo over the method instances; `none` (may be null) adds a first entry for id -1.
+bool instance_combo(const char* label, App& app, int& id, const char* none, bool only_enabled);
+
+}  // namespace kvlens::gui

@@ -1,0 +1,283 @@
+#include "app/gui/script.h"
+
+#include <imgui.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <set>
+
+#include "core/errors.h"
+#include "core/files.h"
+#include "core/json_file.h"
+#include "core/numbers.h"
+
+namespace kvlens::gui {
+
+namespace {
+
+// Each step and its arguments: name → (required, optional).
+const std::map<std::string, std::pair<std::vector<std::string>, std::vector<std::string>>>& step_table() {
+  static const std::map<std::string, std::pair<std::vector<std::string>, std::vector<std::string>>> t = {
+      {"open_image", {{"path"}, {}}},
+      {"open_model", {{"path"}, {}}},
+      {"open_session", {{"path"}, {}}},
+      {"save_session", {{"path"}, {}}},
+      {"new_session", {{}, {}}},
+      {"export_report", {{"path"}, {}}},
+      {"add_method", {{"spec"}, {"label"}}},
+      {"remove_method", {{"method"}, {}}},
+      {"set_enabled", {{"method", "enabled"}, {}}},
+      {"set_param", {{"method", "name", "value"}, {}}},
+      {"drag_param", {{"method", "name", "from", "to"}, {"frames"}}},
+      {"undo", {{}, {}}},
+      {"redo", {{}, {}}},
+      {"select",
+       {{},
+        {"plot", "layer", "head", "method", "calib_method", "heatmap_method", "overlay", "overlay_opacity", "token",
+         "hit_step", "overlay_source", "patch_grid"}}},
+      {"wait_results", {{}, {"timeout_s"}}},
+      {"frames", {{"n"}, {}}},
+      {"screenshot", {{"path"}, {}}},
+      {"export_figures", {{"dir"}, {"formats", "csv", "all"}}},
+      {"dump_state", {{"path"}, {}}},
+      {"expect_message", {{"contains"}, {}}},
+      {"timing", {{}, {"label"}}},
+      {"quit", {{}, {}}},
+  };
+  return t;
+}
+
+std::string text_arg(const nlohmann::json& step, const char* key, const std::string& where) {
+  if (!step[key].is_string()) throw InputError(where + ": '" + key + "' must be a string, got " + step[key].dump());
+  return step[key].get<std::string>();
+}
+
+// A parameter value from JSON: strings as they are, numbers shortest, booleans as on/off.
+std::string value_text(const nlohmann::json& v, const std::string& where) {
+  if (v.is_string()) return v.get<std::string>();
+  if (v.is_boolean()) return v.get<bool>() ? "on" : "off";
+  if (v.is_number()) return format_number(json_real(v, where, -1e300, 1e300));
+  throw InputError(where + " must be a string, number or boolean, got " + v.dump());
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+Script Script::load(const std::string& path) {
+  Script s;
+  s.file_ = path;
+  const nlohmann::json j = read_json_file(path, "script");
+  if (!j.is_object() || !j.contains("steps") || !j["steps"].is_array())
+    throw InputError(path + ": a script is {\"steps\": [{\"do\": ...}, ...]}");
+  for (size_t i = 0; i < j["steps"].size(); ++i) {
+    const nlohmann::json& st = j["steps"][i];
+    const std::string where = path + ": steps[" + std::to_string(i) + "]";
+    if (!st.is_object() || !st.contains("do") || !st["do"].is_string())
+      throw InputError(where + ": a step is an object with \"do\"");
+    const std::string op = st["do"].get<std::string>();
+    auto it = step_table().find(op);
+    if (it == step_table().end()) throw InputError(where + ": unknown step '" + op + "'");
+    for (const std::string& k : it->second.first)
+      if (!st.contains(k)) throw InputError(where + ": '" + op + "' needs '" + k + "'");
+    for (auto a = st.begin(); a != st.end(); ++a) {
+      const auto& req = it->second.first;
+      const auto& opt = it->second.second;
+      if (a.key() != "do" && std::find(req.begin(), req.end(), a.key()) == req.end() &&
+          std::find(opt.begin(), opt.end(), a.key()) == opt.end())
+        throw InputError(where + ": '" + op + "' takes no '" + a.key() + "'");
+    }
+    for (const char* k : {"path", "dir", "spec", "name", "label", "contains"})
+      if (st.contains(k)) text_arg(st, k, where);
+    if (st.contains("n")) json_int(st["n"], where + ": n", 0, 100000);
+    if (st.contains("frames")) json_int(st["frames"], where + ": frames", 1, 100000);
+    if (st.contains("timeout_s")) json_real(st["timeout_s"], where + ": timeout_s", 0, 3600);
+    if (op == "add_method") parse_method_spec(st["spec"].get<std::string>());
+    s.steps_.push_back(st);
+  }
+  return s;
+}
+
+Script Script::screenshot_only(const std::string& path) {
+  Script s;
+  s.file_ = "--screenshot";
+  s.steps_ = {{{"do", "wait_results"}}, {{"do", "screenshot"}, {"path", path}}, {{"do", "quit"}}};
+  return s;
+}
+
+void Script::fail(const std::string& what) {
+  failed_ = true;
+  failure_ = what;
+  pc_ = steps_.size();
+  wait_frames_ = 0;
+  shot_path_.clear();
+  shot_ready_ = false;
+}
+
+void Script::screenshot_taken() {
+  shot_path_.clear();
+  shot_ready_ = false;
+}
+
+int Script::method_id(App& app, const nlohmann::json& ref) {
+  if (ref.is_string()) {
+    for (const MethodInstance& m : app.st.methods)
+      if (m.label == ref.get<std::string>() || app.display_name(m) == ref.get<std::string>()) return m.id;
+    throw InputError("no method labelled '" + ref.get<std::string>() + "'");
+  }
+  const int i = json_int(ref, "method", 0, 100000);
+  if (i >= static_cast<int>(app.st.methods.size()))
+    throw InputError("method " + std::to_string(i) + " does not exist (" + std::to_string(app.st.methods.size()) + " methods)");
+  return app.st.methods[i].id;
+}
+
+void Script::before_frame(App& app) {
+  if (failed_) return;
+  Timing& t = app.st.timing;
+  t.measuring = !drag_.is_null() && app.busy();
+  if (t.measuring) {
+    ++t.busy_frames;
+    t.busy_seconds += ImGui::GetIO().DeltaTime;
+  }
+  ++t.frames;
+  if (!drag_.is_null()) {  // one slider value per frame, then release
+    const int n = drag_.value("frames", 10);
+    const double a = drag_["from"].get<double>(), b = drag_["to"].get<double>();
+    const int id = method_id(app, drag_["method"]);
+    if (drag_frame_ == 0) app.begin_edit();
+    app.set_param(id, drag_["name"].get<std::string>(), format_number(a + (b - a) * (drag_frame_ + 1) / n));
+    if (++drag_frame_ >= n) {
+      app.end_edit();
+      drag_ = nullptr;
+    }
+    return;
+  }
+  if (wait_frames_ > 0) {
+    --wait_frames_;
+    return;
+  }
+  if (!shot_path_.empty()) {  // a screenshot waits for the frame to settle
+    if (++settled_frames_ >= 2) shot_ready_ = true;
+    return;
+  }
+  if (waiting_results_) {
+    if (app.up_to_date()) {
+      if (++settled_frames_ < 3) return;  // let the panels show the results
+      waiting_results_ = false;
+    } else {
+      settled_frames_ = 0;
+      if (app.now() > wait_deadline_) fail(file_ + ": wait_results timed out");
+      return;
+    }
+  }
+  while (pc_ < steps_.size() && !failed_) {
+    const nlohmann::json step = steps_[pc_++];
+    try {
+      run(app, step);
+    } catch (const InputError& e) {
+      fail(file_ + ": steps[" + std::to_string(pc_ - 1) + "] (" + step["do"].get<std::string>() + "): " + e.what());
+      return;
+    }
+    if (waiting_results_ || wait_frames_ > 0 || !shot_path_.empty() || !drag_.is_null()) return;
+  }
+}
+
+void Script::run(App& app, const nlohmann::json& st) {
+  const std::string op = st["do"].get<std::string>();
+  auto path = [&](const char* k) { return st[k].get<std::string>(); };
+  if (op == "open_image") app.open_image(path("path"));
+  else if (op == "open_model") app.open_model(path("path"));
+  else if (op == "open_session") app.open_session(path("path"));
+  else if (op == "save_session") app.save_session(path("path"));
+  else if (op == "new_session") app.new_session();
+  else if (op == "export_report") app.export_report(path("path"));
+  else if (op == "add_method") {
+    app.begin_edit();
+    app.add_method(parse_method_spec(path("spec")), st.value("label", std::string()));
+    app.end_edit();
+  } else if (op == "remove_method") app.remove_method(method_id(app, st["method"]));
+  else if (op == "set_enabled") {
+    if (!st["enabled"].is_boolean()) throw InputError("'enabled' must be true or false");
+    app.set_enabled(method_id(app, st["method"]), st["enabled"].get<bool>());
+  } else if (op == "set_param") {
+    app.begin_edit();
+    app.set_param(method_id(app, st["method"]), path("name"), value_text(st["value"], "value"));
+    app.end_edit();
+  } else if (op == "drag_param") {
+    json_real(st["from"], "from", -1e300, 1e300);
+    json_real(st["to"], "to", -1e300, 1e300);
+    method_id(app, st["method"]);
+    drag_ = st;
+    drag_frame_ = 0;
+  } else if (op == "undo") app.undo();
+  else if (op == "redo") app.redo();
+  else if (op == "select") {
+    nlohmann::json v = st;
+    v.erase("do");
+    app.apply_views_json(v, "script");
+  } else if (op == "wait_results") {
+    waiting_results_ = true;
+    settled_frames_ = 0;
+    wait_deadline_ = app.now() + st.value("timeout_s", 120.0);
+  } else if (op == "frames") wait_frames_ = st["n"].get<int>();
+  else if (op == "screenshot") {
+    shot_path_ = path("path");
+    settled_frames_ = 0;
+  } else if (op == "export_figures") {
+    ExportOptions& e = app.st.export_opt;
+    if (st.contains("formats")) {
+      const std::string f = text_arg(st, "formats", "export_figures");
+      e.png = f.find("png") != std::string::npos;
+      e.svg = f.find("svg") != std::string::npos;
+      e.pdf = f.find("pdf") != std::string::npos;
+    }
+    if (st.contains("csv")) e.csv = st["csv"].get<bool>();
+    const bool all = st.value("all", true);
+    app.export_figures(path("dir"), all ? app.report_figures_all() : app.shown_figures());
+  } else if (op == "dump_state") {
+    nlohmann::json d;
+    d["methods"] = nlohmann::json::array();
+    for (const MethodInstance& m : app.st.methods)
+      d["methods"].push_back({{"label", m.label}, {"spec", m.params.spec()}, {"enabled", m.enabled}, {"error", m.error}});
+    d["inputs"] = {{"model_dir", app.st.inputs.model_dir}, {"image_path", app.st.inputs.image_path},
+                   {"prompt", app.st.inputs.prompt}, {"max_new_tokens", app.st.inputs.max_new_tokens}};
+    d["views"] = app.views_json();
+    d["session_path"] = app.st.session_path;
+    d["up_to_date"] = app.up_to_date();
+    d["drawn"] = app.st.drawn;
+    d["messages"] = nlohmann::json::array();
+    for (const Message& m : app.st.messages) d["messages"].push_back({{"error", m.error}, {"text", m.text}});
+    const CalibrationView& c = app.calibration_view();
+    d["calibration"] = {{"key", c.key}, {"calibrated", c.calibrated}, {"gamma", c.gamma}, {"delta", c.delta}};
+    d["results"] = nlohmann::json::array();
+    if (app.st.results && app.st.results->report)
+      for (const auto& m : (*app.st.results->report)["methods"])
+        d["results"].push_back({{"spec", m["spec"]}, {"caption", m["caption"]}, {"mean_softmax_mse", m["mean_softmax_mse"]}});
+    write_file_atomic(path("path"), d.dump(1) + "\n", "state dump");
+  } else if (op == "expect_message") {
+    const std::string want = path("contains");
+    bool found = false;
+    for (size_t i = messages_seen_; i < app.st.messages.size(); ++i) found = found || app.st.messages[i].text.find(want) != std::string::npos;
+    if (!found)
+      throw InputError("expected a message containing '" + want + "' since the last check, the newest is '" +
+                       (app.st.messages.empty() ? std::string() : app.st.messages.back().text) + "'");
+    messages_seen_ = app.st.messages.size();
+  } else if (op == "timing") {
+    const Timing& t = app.st.timing;
+    const double mx = t.latencies_ms.empty() ? 0 : *std::max_element(t.latencies_ms.begin(), t.latencies_ms.end());
+    const double build = median(t.build_ms);
+    std::printf("kvlens-gui timing: %s: release -> updated caption and plots: median %.0f ms, max %.0f ms over %zu edits; "
+                "while dragging with the worker computing: %.1f frames/s drawn (%d frames), UI thread %.1f ms per "
+                "frame (median; %.0f frames/s without rasterizing)\n",
+                st.value("label", std::string("run")).c_str(), median(t.latencies_ms), mx, t.latencies_ms.size(),
+                t.busy_seconds > 0 ? t.busy_frames / t.busy_seconds : 0.0, t.busy_frames, build,
+                build > 0 ? 1000.0 / build : 0.0);
+    std::fflush(stdout);
+  } else if (op == "quit") app.st.quit = true;
+}
+
+}  // namespace kvlens::gui

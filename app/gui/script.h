@@ -1,0 +1,72 @@
+// Headless runs: `kvlens-gui --script steps.json` drives the app without a person. A script is
+// {"steps": [{"do": "...", ...}, ...]}; every step is checked when the file is read (an unknown
+// step or a wrong argument is refused naming the step), then the steps run between frames:
+//
+//   open_image {path}            open_model {path}           open_session {path}
+//   save_session {path}          new_session                 export_report {path}
+//   add_method {spec, label?}    remove_method {method}      set_enabled {method, enabled}
+//   set_param {method, name, value}                          undo / redo
+//   drag_param {method, name, from, to, frames}   a slider drag: one value per frame, then release
+//   select {plot?, layer?, head?, method?, calib_method?, heatmap_method?, overlay?, token?, ...}
+//   wait_results {timeout_s?}    every enabled method computed for the current setup, shown
+//   frames {n}                   render n frames
+//   screenshot {path}            the window as PNG, after the frame settles
+//   export_figures {dir, formats?, csv?, all?}
+//   dump_state {path}            the app's state and results as JSON (for checks)
+//   expect_message {contains}    a message since the last check must contain the text (else exit 1)
+//   timing {label}               prints "kvlens-gui timing: ..." (edit → result latency, frame rates)
+//   quit
+//
+// "method" is an index into the method list or a method's label.
+#pragma once
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "app/gui/app.h"
+
+namespace kvlens::gui {
+
+class Script {
+ public:
+  // Reads and checks a script; throws InputError naming the file and step.
+  static Script load(const std::string& path);
+  // A script of one screenshot once results are in (for --screenshot without --script).
+  static Script screenshot_only(const std::string& path);
+
+  // Called once per frame before the UI is built: runs steps until one has to wait for frames.
+  void before_frame(App& app);
+  // The screenshot to take after this frame renders ("" = none).
+  std::string screenshot_path() const { return shot_ready_ ? shot_path_ : std::string(); }
+  void screenshot_taken();
+  bool done() const { return pc_ >= steps_.size() && !waiting(); }
+  // Waiting for the worker with nothing to draw in between: the app may sleep until it reports.
+  bool idle() const { return waiting_results_ && drag_.is_null() && wait_frames_ == 0 && shot_path_.empty(); }
+  bool failed() const { return failed_; }
+  const std::string& failure() const { return failure_; }
+
+ private:
+  bool waiting() const { return wait_frames_ > 0 || !shot_path_.empty(); }
+  void fail(const std::string& what);
+  int method_id(App& app, const nlohmann::json& ref);
+  void run(App& app, const nlohmann::json& step);
+
+  std::string file_;
+  std::vector<nlohmann::json> steps_;
+  size_t pc_ = 0;
+  int wait_frames_ = 0;
+  bool waiting_results_ = false;
+  double wait_deadline_ = 0;
+  int settled_frames_ = 0;
+  std::string shot_path_;
+  bool shot_ready_ = false;
+  // drag_param in progress
+  nlohmann::json drag_;
+  int drag_frame_ = 0;
+  size_t messages_seen_ = 0;
+  bool failed_ = false;
+  std::string failure_;
+};
+
+}  // namespace kvlens::gui

@@ -1,0 +1,258 @@
+// Sessions and exports of the desktop app: the state to and from the shared session schema
+// (core/session.h, the same file `kvlens run --session` runs), autosave, figure and report export.
+#include <sys/stat.h>
+
+#include "app/figure_cairo.h"
+#include "app/gui/app.h"
+#include "core/errors.h"
+#include "core/files.h"
+#include "core/numbers.h"
+
+namespace kvlens::gui {
+
+namespace {
+
+const char* overlay_name(Overlay o) {
+  switch (o) {
+    case Overlay::None: return "none";
+    case Overlay::Attention: return "attention";
+    case Overlay::FateKept: return "fate_kept";
+    case Overlay::FateBits: return "fate_bits";
+    case Overlay::FateMerged: return "fate_merged";
+  }
+  return "none";
+}
+
+int index_of(const std::vector<MethodInstance>& ms, int id) {
+  for (size_t i = 0; i < ms.size(); ++i)
+    if (ms[i].id == id) return static_cast<int>(i);
+  return -1;
+}
+
+}  // namespace
+
+nlohmann::json App::views_json() const {
+  const Views& v = st.views;
+  const auto entries = plot_entries(*this);
+  return {{"method", index_of(st.methods, v.method)},
+          {"layer", v.layer},
+          {"head", v.head},
+          {"plot", v.plot >= 0 && v.plot < static_cast<int>(entries.size()) ? entries[v.plot].key : "softmax_mse"},
+          {"hit_step", v.hit_step},
+          {"heatmap_method", index_of(st.methods, v.heatmap_method)},
+          {"calib_method", index_of(st.methods, v.calib_method)},
+          {"overlay", overlay_name(v.overlay)},
+          {"overlay_opacity", v.overlay_opacity},
+          {"patch_grid", v.patch_grid},
+          {"token", v.token},
+          {"overlay_source", index_of(st.methods, v.overlay_source)}};
+}
+
+bool App::apply_views_json(const nlohmann::json& j, const std::string& where) {
+  if (j.is_null()) return true;
+  bool ok = true;
+  Views v = st.views;
+  const int n = static_cast<int>(st.methods.size());
+  auto id_at = [&](int i) { return i >= 0 && i < n ? st.methods[i].id : -1; };
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    const std::string k = it.key(), at = where + ": views." + k;
+    try {
+      if (k == "method") v.method = id_at(json_int(*it, at, -1, n - 1));
+      else if (k == "layer") v.layer = json_int(*it, at, 0, 4096);
+      else if (k == "head") v.head = json_int(*it, at, -1, 4096);
+      else if (k == "hit_step") v.hit_step = json_int(*it, at, 0, 1024);
+      else if (k == "heatmap_method") v.heatmap_method = id_at(json_int(*it, at, -1, n - 1));
+      else if (k == "calib_method") v.calib_method = id_at(json_int(*it, at, -1, n - 1));
+      else if (k == "overlay_source") v.overlay_source = id_at(json_int(*it, at, -1, n - 1));
+      else if (k == "token") v.token = json_int(*it, at, 0, kMaxNewTokensLimit);
+      else if (k == "overlay_opacity") v.overlay_opacity = static_cast<float>(json_real(*it, at, 0, 1));
+      else if (k == "patch_grid") {
+        if (!it->is_boolean()) throw InputError(at + " must be true or false, got " + it->dump());
+        v.patch_grid = it->get<bool>();
+      } else if (k == "plot") {
+        const auto entries = plot_entries(*this);
+        int found = -1;
+        for (size_t i = 0; i < entries.size(); ++i)
+          if (it->is_string() && entries[i].key == it->get<std::string>()) found = static_cast<int>(i);
+        if (found < 0) throw InputError(at + " must name a plot (softmax_mse, kl, ...), got " + it->dump());
+        v.plot = found;
+      } else if (k == "overlay") {
+        bool known = false;
+        for (Overlay o : {Overlay::None, Overlay::Attention, Overlay::FateKept, Overlay::FateBits, Overlay::FateMerged})
+          if (it->is_string() && it->get<std::string>() == overlay_name(o)) {
+            v.overlay = o;
+            known = true;
+          }
+        if (!known) throw InputError(at + " must be none, attention, fate_kept, fate_bits or fate_merged, got " + it->dump());
+      } else {
+        throw InputError(where + ": unknown view '" + k + "'");
+      }
+    } catch (const InputError& e) {
+      error(e.what());
+      ok = false;
+    }
+  }
+  st.views = v;
+  return ok;
+}
+
+Session App::to_session() const {
+  Session s;
+  s.name = st.session_name;
+  s.description = st.session_description;
+  s.model = st.inputs.model_dir;
+  s.image = st.inputs.image_path;
+  s.prompt = st.inputs.prompt;
+  s.templ = st.inputs.templ;
+  s.max_new_tokens = st.inputs.max_new_tokens;
+  s.diag_steps = st.inputs.diag_steps;
+  s.sparsity_p = st.inputs.sparsity_p;
+  s.hit_budget = st.inputs.hit_budget;
+  for (const MethodInstance& m : st.methods) {
+    s.methods.push_back(m.params);
+    s.labels.push_back(m.label);
+    s.enabled.push_back(m.enabled);
+  }
+  const Snapshot* r = st.results.get();
+  if (r && r->model && r->model->dir == model_dir()) s.model_hash = r->model->hash;
+  if (r && r->base && r->base->key.rfind(model_dir() + '\n' + image_path() + '\n', 0) == 0) s.image_hash = r->base->image_hash;
+  s.views = views_json();
+  if (r && r->report) {
+    const nlohmann::json& rep = *r->report;
+    nlohmann::json res = {{"full_caption", rep["full"]["caption"]}, {"methods", nlohmann::json::array()}};
+    for (const auto& m : rep["methods"])
+      res["methods"].push_back({{"spec", m["spec"]},
+                                {"label", m.contains("label") ? m["label"] : m["short_spec"]},
+                                {"caption", m["caption"]},
+                                {"bytes_after_prefill", m["bytes_after_prefill"]["total"]},
+                                {"mean_softmax_mse", m["mean_softmax_mse"]},
+                                {"first_divergence", m["first_divergence"]["position"]}});
+    s.results = res;
+  }
+  return s;
+}
+
+bool App::save_session(const std::string& path) {
+  try {
+    kvlens::save_session(path, to_session());
+  } catch (const InputError& e) {
+    error(e.what());
+    return false;
+  }
+  st.session_path = path;
+  st.dirty = false;
+  remember(st.recent_sessions, path);
+  info("session saved to " + path);
+  return true;
+}
+
+bool App::open_session(const std::string& path) {
+  Session s;
+  try {
+    s = load_session(path);
+  } catch (const InputError& e) {
+    error(e.what());  // the open session stays as it was
+    return false;
+  }
+  st.inputs.model_dir = s.model;
+  st.inputs.image_path = s.image;
+  st.inputs.prompt = s.prompt.empty() ? kDefaultPrompt : s.prompt;
+  st.inputs.templ = s.templ.empty() ? kDefaultTemplate : s.templ;
+  st.inputs.max_new_tokens = s.max_new_tokens;
+  st.inputs.diag_steps = s.diag_steps;
+  st.inputs.sparsity_p = s.sparsity_p;
+  st.inputs.hit_budget = s.hit_budget;
+  st.methods.clear();
+  st.edit_order.clear();
+  st.timing.pending.clear();
+  st.history = History{};
+  for (size_t i = 0; i < s.methods.size(); ++i) {
+    MethodInstance m;
+    m.id = st.next_id++;
+    m.params = s.methods[i];
+    m.label = s.method_label(i);
+    m.enabled = s.method_enabled(i);
+    st.methods.push_back(m);
+  }
+  st.views = Views{};
+  st.views.method = st.methods.empty() ? -1 : st.methods.front().id;
+  apply_views_json(s.views, path);
+  st.session_path = path;
+  st.session_name = s.name;
+  st.session_description = s.description;
+  st.saved_results = s.results;
+  st.edits.image_path = st.inputs.image_path;
+  st.edits.model_dir = st.inputs.model_dir;
+  st.edits.prompt = st.inputs.prompt;
+  st.edits.max_new_tokens = st.inputs.max_new_tokens;
+  remember(st.recent_sessions, path);
+  // Missing or changed inputs: said once, the session stays open and editable.
+  struct stat sb {};
+  if (::stat(model_dir().c_str(), &sb) != 0)
+    error(path + ": model folder " + model_dir() + " not found; choose one in the Model panel");
+  if (!file_exists(image_path())) {
+    error(path + ": image " + image_path() + " not found; open another in the Image panel");
+  } else if (!s.image_hash.empty()) {
+    try {
+      if (file_content_hash(image_path(), "image") != s.image_hash)
+        info(path + ": image " + image_path() + " changed since the session was saved");
+    } catch (const InputError& e) {
+      error(e.what());
+    }
+  }
+  st.expect_model_hash = s.model_hash;
+  st.dirty = false;
+  info("session " + path + " opened");
+  submit();
+  return true;
+}
+
+void App::new_session() {
+  st.inputs = Inputs{};
+  st.inputs.prompt = kDefaultPrompt;
+  st.inputs.templ = kDefaultTemplate;
+  st.methods.clear();
+  st.edit_order.clear();
+  st.history = History{};
+  st.views = Views{};
+  st.session_path.clear();
+  st.session_name.clear();
+  st.session_description.clear();
+  st.saved_results = nullptr;
+  st.expect_model_hash.clear();
+  st.dirty = false;
+  submit();
+}
+
+void App::autosave() {
+  if (!st.dirty || now() - st.last_autosave < 30) return;
+  st.last_autosave = now();
+  const std::string dir = state_dir();
+  if (dir.empty() || !file_exists(dir)) return;
+  try {
+    kvlens::save_session(dir + "/autosave.json", to_session());
+  } catch (const InputError& e) {
+    error(e.what());
+  }
+}
+
+bool App::export_figures(const std::string& dir, const std::vector<fig::Figure>& figures) {
+  std::vector<app::FigureFormat> f;
+  if (st.export_opt.png) f.push_back(app::FigureFormat::Png);
+  if (st.export_opt.svg) f.push_back(app::FigureFormat::Svg);
+  if (st.export_opt.pdf) f.push_back(app::FigureFormat::Pdf);
+  if (figures.empty()) {
+    error("export: no figures yet");
+    return false;
+  }
+  try {
+    const auto written = app::export_figures(figures, dir, f, st.export_opt.csv);
+    info(std::to_string(figures.size()) + " figures (" + std::to_string(written.size()) + " files) written to " + dir);
+    return true;
+  } catch (const InputError& e) {
+    error(e.what());
+    return false;
+  }
+}
+
+}  // namespace kvlens::gui

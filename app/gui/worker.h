@@ -1,0 +1,147 @@
+// The recompute thread of the desktop app. The UI hands it the whole wanted setup (model,
+// image, prompt, options, the enabled method instances with their parameters); the worker loads
+// the model, runs vision + prefill + the full-cache decode once per model/image/prompt and keeps
+// that prefill, then re-runs compression + decode only for instances whose parameters changed,
+// the most recently edited first. A newer setup cancels a run it no longer wants (between
+// decode steps, by comparing the run's inputs with the newest setup). Results come back as
+// immutable snapshots; the UI never runs the model.
+#pragma once
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/diagnostics.h"
+#include "core/image.h"
+#include "core/method.h"
+#include "models/experiment.h"
+
+namespace kvlens::gui {
+
+struct Setup {
+  std::string model_dir;   // resolved path
+  std::string image_path;  // resolved path
+  ExperimentOptions opt;   // prompt, template, options (keep_going is the worker's)
+  struct Method {
+    int id = 0;
+    Params params;
+    std::string label;
+  };
+  std::vector<Method> methods;  // enabled instances, in display order
+  std::vector<int> priority;    // instance ids, most recently edited first
+};
+
+struct ModelFacts {
+  std::string dir, hash;
+  int layers = 0, heads = 0, kv_heads = 0, head_dim = 0, visual_tokens = 0, patch_rows = 0, patch_first = 0;
+  int64_t full_fp16_bytes = 0;  // per prompt, once a prefill ran
+  double load_ms = 0;
+};
+
+// One image + prompt through vision, prefill and the full-cache decode.
+struct BaseResult {
+  std::string key;  // the inputs it was computed from
+  std::shared_ptr<const Experiment> ex;
+  std::shared_ptr<const VisualAttentionRecorder> patches;  // full cache, every decode step
+  RGBImage shown;                                           // the preprocessed image, as the tower sees it
+  std::vector<std::string> pieces;                          // full cache's generated tokens as text
+  std::string image_hash;
+  int first_visual = 0;
+  double ms = 0;
+  std::shared_ptr<const nlohmann::json> json;  // experiment_base_json, built once
+};
+
+struct RunResult {
+  int id = 0;
+  std::string spec;  // Params::spec() it was computed with
+  std::string label;
+  std::shared_ptr<const MethodRun> run;
+  std::shared_ptr<const VisualAttentionRecorder> patches;
+  std::vector<std::string> pieces;
+  double ms = 0;  // compression + decode + diagnostics
+  std::shared_ptr<const nlohmann::json> json;  // method_run_json (without label), built once
+};
+
+struct Snapshot {
+  uint64_t serial = 0;         // grows with every snapshot
+  uint64_t setup_version = 0;  // the newest setup the worker had seen
+  bool busy = false;           // work left for that setup
+  std::string stage;           // what runs now ("prefill", "calibquant", ...)
+  std::shared_ptr<const ModelFacts> model;
+  std::string model_error;
+  std::shared_ptr<const BaseResult> base;
+  std::string base_error;
+  std::vector<RunResult> runs;                 // computed instances of the setup, in its order
+  std::map<int, std::string> run_errors;       // instance id → message
+  std::shared_ptr<const nlohmann::json> report;  // experiment_json of base + runs
+  int runs_done = 0, runs_cancelled = 0;         // since the worker started
+};
+
+struct Progress {
+  int tokens_done = 0, tokens_total = 0;
+  bool busy = false;
+};
+
+class Worker {
+ public:
+  Worker();
+  ~Worker();
+  Worker(const Worker&) = delete;
+  Worker& operator=(const Worker&) = delete;
+
+  // Replaces the wanted setup; returns its version.
+  uint64_t submit(Setup s);
+  // The newest snapshot (never null after construction).
+  std::shared_ptr<const Snapshot> latest() const;
+  Progress progress() const;
+  // Called on the worker thread after every snapshot (the app wakes its event loop with it).
+  void set_on_publish(std::function<void()> f);
+
+ private:
+  void loop();
+  void publish(bool busy, const std::string& stage);
+  bool base_wanted(const std::string& key);
+  bool run_wanted(int id, const std::string& spec, const std::string& base_key);
+  void build_report(const Setup& s);
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  Setup want_;
+  uint64_t want_version_ = 0, idle_version_ = 0;
+  bool stop_ = false;
+  std::shared_ptr<const Snapshot> published_;
+  std::function<void()> on_publish_;
+  uint64_t serial_ = 0;
+  std::atomic<int> tokens_done_{0}, tokens_total_{0};
+  std::atomic<bool> busy_{false};
+
+  // Worker-thread state (published through snapshots only).
+  std::shared_ptr<const LlavaModel> model_;
+  std::shared_ptr<const ModelFacts> facts_;
+  std::string model_key_, model_error_;
+  std::shared_ptr<const BaseResult> base_;
+  std::string base_key_, base_error_;
+  std::map<int, RunResult> runs_;
+  std::map<int, std::pair<std::string, std::string>> run_errors_;  // id → (spec, message)
+  std::shared_ptr<const nlohmann::json> report_;
+  std::vector<RunResult> ordered_;
+  uint64_t computing_version_ = 0;
+  int runs_done_ = 0, runs_cancelled_ = 0;
+
+  std::thread thread_;
+};
+
+// The key of everything a prefill depends on.
+std::string base_key(const Setup& s);
+// The preprocessed image (pixel values mapped back to 8-bit RGB): what the vision tower sees.
+RGBImage shown_image(const Tensor& pixel_values, const PreprocessConfig& cfg);
+
+}  // namespace kvlens::gui

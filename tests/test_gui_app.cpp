@@ -1,0 +1,176 @@
+// The desktop app's state and worker without a window: a newer change cancels the run it
+// replaces, values are validated by the schema, undo/redo treat a drag as one step, and a
+// session round-trips through the shared schema.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <functional>
+#include <thread>
+
+#include "tests/test_util.h"
+
+#ifndef KVLENS_HAVE_GUI_APP
+TEST(GuiApp, NeedsTheApp) { GTEST_SKIP() << "kvlens-gui is not built (KVLENS_GUI=OFF or its packages are missing)"; }
+#else
+#include "app/gui/app.h"
+#include "core/errors.h"
+#include "core/files.h"
+
+namespace kt = kvlens::testing;
+using namespace kvlens;
+using namespace kvlens::gui;
+
+namespace {
+
+bool wait_for(const std::function<bool()>& ok, double seconds = 120) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (std::chrono::steady_clock::now() < end) {
+    if (ok()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return false;
+}
+
+Setup base_setup() {
+  Setup s;
+  s.model_dir = kt::source_dir() + "/assets/models/kvlens-scenes-6m";
+  s.image_path = kt::source_dir() + "/assets/images/scene_000.png";
+  s.methods = {{1, parse_method_spec("kivi"), ""}};
+  return s;
+}
+
+bool idle_at(const Worker& w, uint64_t v) {
+  const auto s = w.latest();
+  return s->setup_version == v && !s->busy;
+}
+
+// An App whose recent files and autosave go to a temporary folder.
+struct TempHome {
+  TempHome() {
+    dir = kt::make_temp_dir("guiapp");
+    setenv("XDG_STATE_HOME", (dir + "/state").c_str(), 1);
+  }
+  std::string dir;
+};
+
+}  // namespace
+
+TEST(GuiWorker, ANewerChangeCancelsTheRunItReplaces) {
+  Worker w;
+  kvlens::gui::Setup s = base_setup();
+  uint64_t v = w.submit(s);
+  ASSERT_TRUE(wait_for([&] { return idle_at(w, v); }));
+  const auto first = w.latest();
+  ASSERT_EQ(first->runs.size(), 1u) << first->base_error << first->model_error;
+  const int done = first->runs_done;
+
+  // Two changes back to back: only the newer one is ever computed.
+  s.methods[0].params = parse_method_spec("kivi:bits=4");
+  w.submit(s);
+  s.methods[0].params = parse_method_spec("kivi:group=16");
+  v = w.submit(s);
+  ASSERT_TRUE(wait_for([&] { return idle_at(w, v); }));
+  auto snap = w.latest();
+  ASSERT_EQ(snap->runs.size(), 1u);
+  EXPECT_EQ(snap->runs[0].spec, parse_method_spec("kivi:group=16").spec());
+  EXPECT_EQ(snap->runs_done, done + 1);
+
+  // A change while a run decodes cancels it between decode steps.
+  const int cancelled = snap->runs_cancelled;
+  s.methods[0].params = parse_method_spec("kivi:bits=4,group=8");
+  w.submit(s);
+  ASSERT_TRUE(wait_for([&] { return w.latest()->stage == "kivi:bits=4,group=8" && w.progress().tokens_done >= 2; }));
+  s.methods[0].params = parse_method_spec("kivi:group=64");
+  v = w.submit(s);
+  ASSERT_TRUE(wait_for([&] { return idle_at(w, v); }));
+  snap = w.latest();
+  EXPECT_EQ(snap->runs[0].spec, parse_method_spec("kivi:group=64").spec());
+  EXPECT_EQ(snap->runs_done, done + 2);  // the run that was decoding never finished
+  EXPECT_EQ(snap->runs_cancelled, cancelled + 1);
+  // The report holds what the snapshot holds.
+  ASSERT_TRUE(snap->report);
+  EXPECT_EQ((*snap->report)["methods"][0]["spec"], snap->runs[0].spec);
+}
+
+TEST(GuiWorker, BadImageAndModelAreErrorsNotCrashes) {
+  Worker w;
+  kvlens::gui::Setup s = base_setup();
+  s.image_path = kt::source_dir() + "/README.md";
+  uint64_t v = w.submit(s);
+  ASSERT_TRUE(wait_for([&] { return idle_at(w, v); }));
+  EXPECT_NE(w.latest()->base_error.find("README.md"), std::string::npos) << w.latest()->base_error;
+  EXPECT_TRUE(w.latest()->runs.empty());
+  s.model_dir = kt::source_dir() + "/assets";
+  v = w.submit(s);
+  ASSERT_TRUE(wait_for([&] { return idle_at(w, v); }));
+  EXPECT_NE(w.latest()->model_error.find("config.json"), std::string::npos) << w.latest()->model_error;
+  // Back to good inputs: results again.
+  v = w.submit(base_setup());
+  ASSERT_TRUE(wait_for([&] { return idle_at(w, v); }));
+  EXPECT_EQ(w.latest()->runs.size(), 1u);
+}
+
+TEST(GuiApp, ValuesUndoRedoAndSessions) {
+  TempHome home;
+  App app(kt::source_dir());
+  app.add_seed_methods();
+  ASSERT_EQ(app.st.methods.size(), 4u);
+  const int id = app.st.methods[0].id;
+  // Refused by the schema: a message, nothing changes.
+  const std::string before = app.st.methods[0].params.spec();
+  EXPECT_FALSE(app.set_param(id, "tau2", "9"));
+  EXPECT_EQ(app.st.methods[0].params.spec(), before);
+  EXPECT_NE(app.st.messages.back().text.find("calibquant: tau2 must be in [0, 8], got 9"), std::string::npos);
+  EXPECT_FALSE(app.set_param(id, "bits", "1,tau1=5"));  // a value cannot carry other values
+  // A drag is one undo step; single changes are one each.
+  app.begin_edit();
+  app.set_param(id, "tau2", "2.5");
+  app.set_param(id, "tau2", "1.5");
+  app.end_edit();
+  app.begin_edit();
+  app.set_param(id, "tau1", "0.5");
+  app.end_edit();
+  EXPECT_EQ(app.st.methods[0].params.str("tau2"), "1.5");
+  app.undo();
+  EXPECT_EQ(app.st.methods[0].params.str("tau1"), "0");
+  EXPECT_EQ(app.st.methods[0].params.str("tau2"), "1.5");
+  app.undo();
+  EXPECT_EQ(app.st.methods[0].params.spec(), before);
+  app.redo();
+  EXPECT_EQ(app.st.methods[0].params.str("tau2"), "1.5");
+  // Session round trip through the shared schema.
+  app.set_label(app.st.methods[1].id, "ZipCache r=0.4");
+  app.set_enabled(app.st.methods[2].id, false);
+  app.st.views.layer = 2;
+  app.st.views.head = 5;
+  const std::string path = home.dir + "/s.json";
+  ASSERT_TRUE(app.save_session(path));
+  const Session saved = load_session(path);
+  EXPECT_EQ(saved.method_label(1), "ZipCache r=0.4");
+  EXPECT_FALSE(saved.method_enabled(2));
+  EXPECT_EQ(saved.views["layer"], 2);
+  App other(kt::source_dir());
+  ASSERT_TRUE(other.open_session(path));
+  ASSERT_EQ(other.st.methods.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(other.st.methods[i].params.spec(), app.st.methods[i].params.spec());
+    EXPECT_EQ(other.st.methods[i].label, app.st.methods[i].label);
+    EXPECT_EQ(other.st.methods[i].enabled, app.st.methods[i].enabled);
+  }
+  EXPECT_EQ(other.st.views.layer, 2);
+  EXPECT_EQ(other.st.views.head, 5);
+  EXPECT_EQ(other.views_json(), app.views_json());
+  // A newer session is refused and the open one stays as it was.
+  kt::write_file(home.dir + "/newer.json", "{\"kvlens_session\": 3}");
+  EXPECT_FALSE(other.open_session(home.dir + "/newer.json"));
+  EXPECT_EQ(other.st.methods.size(), 4u);
+  EXPECT_NE(other.st.messages.back().text.find("version 3 is newer"), std::string::npos);
+  // Bad views are named and skipped; the good ones apply.
+  EXPECT_FALSE(other.apply_views_json({{"layer", 1}, {"head", "all"}, {"zoom", 3}}, "v.json"));
+  EXPECT_EQ(other.st.views.layer, 1);
+  EXPECT_EQ(other.st.views.head, 5);
+  // Recent sessions are remembered in the state folder.
+  EXPECT_TRUE(file_exists(home.dir + "/state/kvlens/recent.json"));
+}
+#endif
