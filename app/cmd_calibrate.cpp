@@ -9,6 +9,7 @@
 #include "app/eval_common.h"
 #include "app/mpi_world.h"
 #include "core/errors.h"
+#include "core/figures_eval.h"
 #include "core/files.h"
 #include "core/numbers.h"
 #include "core/sweep.h"
@@ -111,6 +112,9 @@ void run_calibrate_dataset(const DatasetArgs& a0, const std::string& base_spec, 
   write_file_atomic(out + "/cider_heatmap.csv", heatmap_csv(taus, pts, true), "heatmap");
   write_file_atomic(out + "/mse_heatmap.csv", heatmap_csv(taus, pts, false), "heatmap");
   if (!report.empty()) write_file_atomic(report, j.dump(1) + "\n", "report");
+  write_eval_figures({fig::calibration_heatmap(taus, t, "CIDEr-D", false, best_cider->tau1, best_cider->tau2),
+                      fig::calibration_heatmap(taus, t, "softmax MSE", true, best_mse->tau1, best_mse->tau2)},
+                     out + "/figures", a.figure_formats);
   std::printf("\nCIDEr-D (tau1 down, tau2 across)\n%s", heatmap_csv(taus, pts, true).c_str());
   std::printf("best by CIDEr-D: tau1=%g tau2=%g (CIDEr-D %.4f, softmax MSE %.4g)\n", best_cider->tau1, best_cider->tau2,
               best_cider->cider, best_cider->mse);

@@ -8,6 +8,7 @@
 #include "app/eval_common.h"
 #include "app/mpi_world.h"
 #include "core/errors.h"
+#include "core/figures_eval.h"
 #include "core/files.h"
 #include "core/sweep.h"
 
@@ -17,12 +18,17 @@ namespace {
 
 struct SweepArgs {
   DatasetArgs data;
-  std::string method, out, json_out;
+  std::string method, out, json_out, metric = "CIDEr-D";
   std::vector<std::string> params;
 };
 
 void run_sweep(const SweepArgs& a) {
   const Params base = parse_method_spec(a.method);
+  if (a.metric != "VQA" && a.metric != "softmax MSE") {
+    bool known = false;
+    for (const std::string& m : caption_metric_names()) known = known || m == a.metric;
+    if (!known) throw InputError("--metric must be one of BLEU-1, BLEU-2, BLEU-3, BLEU-4, METEOR, ROUGE-L, CIDEr-D, VQA; got '" + a.metric + "'");
+  }
   std::vector<SweepAxis> axes;
   for (const std::string& p : a.params) axes.push_back(parse_sweep_axis(p, base));
   if (axes.empty()) throw InputError("sweep: give at least one --param NAME=START:STOP:STEPS[:log]");
@@ -38,6 +44,7 @@ void run_sweep(const SweepArgs& a) {
   const EvalTable t = finish_table(o, a.data.meteor, a.out, a.json_out);
   write_file_atomic(a.out + "/sweep.csv", sweep_csv(axes, t), "sweep CSV");
   std::printf("wrote %s/sweep.csv (%zu grid points)\n", a.out.c_str(), variants.size() - 1);
+  write_eval_figures(fig::sweep_figures(axes, t, a.metric), a.out + "/figures", a.data.figure_formats);
 }
 
 }  // namespace
@@ -52,6 +59,7 @@ void add_sweep_command(CLI::App& root) {
       ->required();
   c->add_option("--out", a->out, "Output folder: sweep.csv, the eval table of the grid, per-image records")->required();
   c->add_option("--json", a->json_out, "Also write the table as JSON to this file");
+  c->add_option("--metric", a->metric, "Metric of the figures (BLEU-1..4, METEOR, ROUGE-L, CIDEr-D, VQA)")->capture_default_str();
   c->callback([a] { run_sweep(*a); });
 }
 

@@ -11,6 +11,9 @@
 #include "core/errors.h"
 #include "core/files.h"
 #include "core/session.h"
+#ifdef KVLENS_HAVE_CAIRO
+#include "app/figure_cairo.h"
+#endif
 
 namespace kvlens::app {
 
@@ -54,6 +57,20 @@ void add_dataset_options(CLI::App* c, DatasetArgs& a, bool standalone) {
   }
   c->add_flag("--no-vqa", a.no_vqa, "Captions only (skip the dataset's questions)");
   add_meteor_options(c, a.meteor);
+  c->add_option("--figure-formats", a.figure_formats, "Figure formats of sweep and calibrate: png, svg, pdf")
+      ->capture_default_str();
+}
+
+void write_eval_figures(const std::vector<fig::Figure>& figs, const std::string& dir, const std::string& formats) {
+#ifdef KVLENS_HAVE_CAIRO
+  const auto written = export_figures(figs, dir, parse_figure_formats(formats, "--figure-formats"), true);
+  std::printf("%zu figures (%zu files) written to %s\n", figs.size(), written.size(), dir.c_str());
+#else
+  (void)figs;
+  (void)formats;
+  std::fprintf(stderr, "kvlens: figures not rendered into %s: this kvlens was built without Cairo (libcairo2-dev)\n",
+               dir.c_str());
+#endif
 }
 
 nlohmann::json eval_manifest(const DatasetArgs& a, const std::string& model_dir, const std::string& fingerprint,

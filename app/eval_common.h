@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "app/commands.h"
+#include "core/figures.h"
 #include "core/eval_dataset.h"
 #include "core/eval_table.h"
 #include "models/eval_runner.h"
@@ -24,6 +25,7 @@ struct DatasetArgs {
   EvalSettings settings;
   bool no_vqa = false;
   MeteorOptions meteor;
+  std::string figure_formats = "png,svg,pdf";
 };
 
 // The generation settings with the flags applied (--no-vqa).
@@ -33,6 +35,10 @@ EvalSettings effective_settings(const DatasetArgs& a);
 // --shard, --no-vqa, METEOR options, and with `standalone` a required --dataset and --model,
 // --prompt, --max-new-tokens (commands that have their own leave standalone false).
 void add_dataset_options(CLI::App* c, DatasetArgs& a, bool standalone = true);
+
+// Renders `figs` into `dir` (PNG/SVG/PDF per a.figure_formats, and each figure's data as CSV);
+// without Cairo says on stderr that figures were not rendered.
+void write_eval_figures(const std::vector<fig::Figure>& figs, const std::string& dir, const std::string& formats);
 
 // kvlens calibrate with --dataset: the τ1/τ2 grid of `base` evaluated on the dataset (captions,
 // metrics, softmax MSE against the full cache), the grid as a table and heatmaps, and the best

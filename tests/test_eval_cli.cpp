@@ -162,6 +162,12 @@ TEST(SweepCli, OneCsvLinePerGridPointAfterTheFullCache) {
   ASSERT_EQ(t.at("rows").size(), 4u);
   EXPECT_LT(t["rows"][1]["kv_bytes"].get<double>(), t["rows"][2]["kv_bytes"].get<double>());
   EXPECT_LT(t["rows"][2]["kv_bytes"].get<double>(), t["rows"][3]["kv_bytes"].get<double>());
+  // Figures: CIDEr-D against the budget and against KV bytes (Cairo builds; others say why not).
+  if (r.output.find("built without Cairo") == std::string::npos) {
+    EXPECT_NE(r.output.find("2 figures (8 files) written"), std::string::npos) << r.output;
+    EXPECT_TRUE(fs::exists(out + "/figures/sweep_cider_d_vs_budget.svg"));
+    EXPECT_TRUE(fs::exists(out + "/figures/sweep_cider_d_vs_kv_bytes.pdf"));
+  }
   const kt::RunResult bad = kt::run(kt::cli() + " sweep --dataset " + scenes() + " --method vlcache --param budget=0.1:2:3 --out " + out);
   EXPECT_EQ(bad.code, 2);
   EXPECT_NE(bad.output.find("vlcache: budget must be in"), std::string::npos) << bad.output;
@@ -187,6 +193,8 @@ TEST(CalibrateCli, GridByCiderAndBySoftmaxMse) {
   ASSERT_EQ(heat.size(), 3u);
   EXPECT_EQ(heat[0], "tau1\\tau2,0,3");
   EXPECT_NE(r.output.find("best by softmax MSE: tau1="), std::string::npos);
+  if (r.output.find("built without Cairo") == std::string::npos)
+    EXPECT_TRUE(fs::exists(out + "/figures/calibration_cider_d.png")) << r.output;
   const kt::RunResult bad = kt::run(kt::cli() + " calibrate --by cider --taus 0 3");
   EXPECT_EQ(bad.code, 2);
   EXPECT_NE(bad.output.find("--by cider needs --dataset"), std::string::npos) << bad.output;
