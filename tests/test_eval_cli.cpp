@@ -193,8 +193,9 @@ TEST(CalibrateCli, GridByCiderAndBySoftmaxMse) {
   ASSERT_EQ(heat.size(), 3u);
   EXPECT_EQ(heat[0], "tau1\\tau2,0,3");
   EXPECT_NE(r.output.find("best by softmax MSE: tau1="), std::string::npos);
-  if (r.output.find("built without Cairo") == std::string::npos)
+  if (r.output.find("built without Cairo") == std::string::npos) {
     EXPECT_TRUE(fs::exists(out + "/figures/calibration_cider_d.png")) << r.output;
+  }
   const kt::RunResult bad = kt::run(kt::cli() + " calibrate --by cider --taus 0 3");
   EXPECT_EQ(bad.code, 2);
   EXPECT_NE(bad.output.find("--by cider needs --dataset"), std::string::npos) << bad.output;
