@@ -22,14 +22,15 @@ namespace {
 struct EvalArgs {
   DatasetArgs data;
   std::vector<std::string> methods;
-  std::string bits, out, json_out;
+  std::string bits, budgets, out, json_out;
 };
 
 void run_eval_command(const EvalArgs& a) {
   if (a.out.empty() && a.json_out.empty()) throw InputError("give --out DIR (tables, results, per-image records) or --json FILE");
   std::vector<std::string> skipped;
   const std::vector<EvalVariant> variants =
-      expand_variants(a.methods, a.bits.empty() ? std::vector<int>{} : parse_bits_list(a.bits), &skipped);
+      expand_variants(a.methods, a.bits.empty() ? std::vector<int>{} : parse_bits_list(a.bits), &skipped,
+                      a.budgets.empty() ? std::vector<double>{} : parse_budget_list(a.budgets));
   if (!a.out.empty()) {
     std::error_code ec;
     std::filesystem::create_directories(a.out, ec);
@@ -116,6 +117,7 @@ void add_eval_command(CLI::App& root) {
   add_dataset_options(c, a->data);
   c->add_option("--method", a->methods, "Method spec to evaluate besides the full cache (repeatable)");
   c->add_option("--bits", a->bits, "Bit-widths for methods with a bits parameter, e.g. 8,4,2,1");
+  c->add_option("--budgets", a->budgets, "Budgets for methods with a budget parameter (evictors), e.g. 0.05,0.1,0.2,0.4");
   c->add_option("--out", a->out, "Output folder: table.md/.csv/.json, results/<row>.json, images/<id>.json, manifest");
   c->add_option("--json", a->json_out, "Also write the table as JSON to this file");
   c->footer(

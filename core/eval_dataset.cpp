@@ -114,51 +114,79 @@ std::vector<int> parse_bits_list(const std::string& text) {
   return bits;
 }
 
+std::vector<double> parse_budget_list(const std::string& text) {
+  std::vector<double> out;
+  size_t b = 0;
+  while (b <= text.size()) {
+    size_t e = text.find(',', b);
+    if (e == std::string::npos) e = text.size();
+    out.push_back(parse_real(text.substr(b, e - b), "--budgets", 0, 1));
+    b = e + 1;
+  }
+  return out;
+}
+
 std::vector<EvalVariant> expand_variants(const std::vector<std::string>& specs, const std::vector<int>& bits,
-                                         std::vector<std::string>* skipped) {
+                                         std::vector<std::string>* skipped, const std::vector<double>& budgets) {
   std::vector<EvalVariant> out;
   std::set<std::string> keys;
-  auto add = [&](EvalVariant v) {
-    if (keys.insert(v.key).second) out.push_back(std::move(v));
-  };
   EvalVariant full;
   full.key = full.label = full.method = "full";
-  add(full);
+  out.push_back(full);
+  keys.insert("full");
   for (const std::string& spec : specs) {
     const Params p = parse_method_spec(spec);
     const MethodSpec& m = find_method(p.method());
-    const auto has_bits = std::find_if(m.params.begin(), m.params.end(), [](const ParamSpec& s) { return s.name == "bits"; });
-    auto variant = [&](const Params& q) {
-      EvalVariant v;
-      v.key = q.method() == "full" ? "full" : q.spec();
-      v.method = q.method();
-      v.params = q;
-      std::map<std::string, std::string> no_bits = q.values();
-      if (has_bits != m.params.end()) {
-        // The label leaves the bit-width to its own column.
-        try {
-          v.bits = static_cast<int>(parse_integer(q.str("bits"), "bits", 0, 64));
-        } catch (const InputError&) {
-          v.bits = 0;  // a pass-through value ("default")
-        }
-        no_bits["bits"] = has_bits->def;
-      }
-      v.label = Params(q.method(), no_bits).short_spec();
-      return v;
+    auto param = [&](const char* name) -> const ParamSpec* {
+      for (const ParamSpec& s : m.params)
+        if (s.name == name) return &s;
+      return nullptr;
     };
-    if (has_bits == m.params.end() || bits.empty()) {
-      add(variant(p));
-      continue;
+    const ParamSpec* bits_p = param("bits");
+    const ParamSpec* budget_p = param("budget");
+    // Each axis: the values to set, or one "keep the spec's value" entry.
+    std::vector<std::string> bit_values{""}, budget_values{""};
+    if (bits_p && !bits.empty()) {
+      bit_values.clear();
+      for (int b : bits) bit_values.push_back(std::to_string(b));
     }
-    for (int b : bits) {
-      std::map<std::string, std::string> given = p.values();
-      given["bits"] = std::to_string(b);
-      try {
-        add(variant(make_params(p.method(), "", given)));
-      } catch (const InputError& e) {
-        if (skipped) skipped->push_back(p.method() + ": bits=" + std::to_string(b) + " not accepted (" + e.what() + ")");
+    if (budget_p && !budgets.empty()) {
+      budget_values.clear();
+      for (double b : budgets) budget_values.push_back(format_number(b));
+    }
+    for (const std::string& bv : bit_values)
+      for (const std::string& gv : budget_values) {
+        std::map<std::string, std::string> given = p.values();
+        if (!bv.empty()) given["bits"] = bv;
+        if (!gv.empty()) given["budget"] = gv;
+        Params q;
+        try {
+          q = make_params(p.method(), "", given);
+        } catch (const InputError& e) {
+          if (skipped)
+            skipped->push_back(p.method() + ": " + (bv.empty() ? "" : "bits=" + bv) + (!bv.empty() && !gv.empty() ? "," : "") +
+                               (gv.empty() ? "" : "budget=" + gv) + " not accepted (" + e.what() + ")");
+          continue;
+        }
+        EvalVariant v;
+        v.key = q.method() == "full" ? "full" : q.spec();
+        v.method = q.method();
+        v.params = q;
+        // The label leaves the bit-width to its own column and names a budget set here.
+        std::map<std::string, std::string> label_values = q.values();
+        if (bits_p) {
+          try {
+            v.bits = static_cast<int>(parse_integer(q.str("bits"), "bits", 0, 64));
+          } catch (const InputError&) {
+            v.bits = 0;  // a pass-through value ("default")
+          }
+          label_values["bits"] = bits_p->def;
+        }
+        if (!gv.empty()) label_values["budget"] = budget_p->def;
+        v.label = Params(q.method(), label_values).short_spec();
+        if (!gv.empty()) v.label += (v.label.find(':') == std::string::npos ? ":" : ",") + std::string("budget=") + gv;
+        if (keys.insert(v.key).second) out.push_back(std::move(v));
       }
-    }
   }
   return out;
 }

@@ -85,6 +85,31 @@ TEST(EvalCli, TableInTheLayoutOfCalibQuantTable1) {
   EXPECT_EQ(lines(kt::read_file(out + "/table.csv")).size(), 6u);  // header + 5 rows
 }
 
+TEST(EvalCli, CocoSplitFolderWithoutQuestions) {
+  // The scene images laid out as a COCO split: annotations/captions_val2014.json + val2014/.
+  const std::string d = kt::make_temp_dir("evalcoco"), out = d + "/out";
+  fs::create_directories(d + "/annotations");
+  fs::create_directories(d + "/val2014");
+  nlohmann::json a = kt::read_json(scenes() + "/annotations.json");
+  a.erase("questions");
+  for (auto& im : a["images"]) {
+    const std::string f = im["file_name"].get<std::string>();
+    const std::string name = "COCO_val2014_" + fs::path(f).filename().string();
+    fs::copy_file(scenes() + "/" + f, d + "/val2014/" + name);
+    im["file_name"] = name;
+  }
+  kt::write_file(d + "/annotations/captions_val2014.json", a.dump());
+  const kt::RunResult r = kt::run(kt::cli() + " eval --dataset " + d + " --limit 2 --method calibquant --max-new-tokens 12 "
+                                  "--no-meteor --out " + out);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(lines(kt::read_file(out + "/table.md"))[0],
+            "| Method | Bits | BLEU-1 | BLEU-2 | BLEU-3 | BLEU-4 | METEOR | ROUGE-L | CIDEr-D | KV bytes | Ratio |");
+  const nlohmann::json res = kt::read_json(out + "/results/full.json");
+  ASSERT_EQ(res.size(), 2u);
+  EXPECT_EQ(res[0]["image_id"], a["images"][0]["id"]);
+  EXPECT_EQ(res[1]["image_id"], a["images"][1]["id"]);
+}
+
 TEST(EvalCli, KilledRunResumesToTheSameTable) {
   const std::string ref = kt::make_temp_dir("evalref"), out = kt::make_temp_dir("evalkill");
   ASSERT_EQ(eval("--no-vqa --out " + ref).code, 0);
