@@ -172,21 +172,41 @@ std::vector<EvalVariant> expand_variants(const std::vector<std::string>& specs, 
         v.key = q.method() == "full" ? "full" : q.spec();
         v.method = q.method();
         v.params = q;
-        // The label leaves the bit-width to its own column and names a budget set here.
-        std::map<std::string, std::string> label_values = q.values();
         if (bits_p) {
           try {
             v.bits = static_cast<int>(parse_integer(q.str("bits"), "bits", 0, 64));
           } catch (const InputError&) {
             v.bits = 0;  // a pass-through value ("default")
           }
-          label_values["bits"] = bits_p->def;
         }
-        if (!gv.empty()) label_values["budget"] = budget_p->def;
-        v.label = Params(q.method(), label_values).short_spec();
-        if (!gv.empty()) v.label += (v.label.find(':') == std::string::npos ? ":" : ",") + std::string("budget=") + gv;
         if (keys.insert(v.key).second) out.push_back(std::move(v));
       }
+  }
+  // Labels: the method and the parameters that differ from its defaults or between the rows of
+  // the same method (so "lookm:alpha1=0.1,alpha2=0.1" beside "lookm:alpha1=0.2,alpha2=0.2");
+  // the bit-width has its own column.
+  std::map<std::string, std::map<std::string, std::set<std::string>>> seen;  // method → param → values
+  for (const EvalVariant& v : out)
+    if (v.params)
+      for (const auto& [k, val] : v.params->values()) seen[v.method][k].insert(val);
+  for (EvalVariant& v : out) {
+    if (!v.params) continue;
+    const MethodSpec& m = find_method(v.method);
+    std::string items;
+    for (const auto& [k, val] : v.params->values()) {
+      if (k == "bits") continue;
+      std::string def;
+      for (const ParamSpec& ps : m.params)
+        if (ps.name == k) {
+          try {
+            def = validate_param(v.method, ps, ps.def);
+          } catch (const InputError&) {
+            def = ps.def;  // pass-through defaults ("default") are not values of their own
+          }
+        }
+      if (val != def || seen[v.method][k].size() > 1) items += (items.empty() ? "" : ",") + k + "=" + val;
+    }
+    v.label = items.empty() ? v.method : v.method + ":" + items;
   }
   return out;
 }

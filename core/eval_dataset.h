@@ -55,9 +55,9 @@ struct EvalVariant {
 
 // "full" first, then each spec; a spec whose method has a `bits` parameter becomes one variant
 // per entry of `bits` (when `bits` is not empty) that the method accepts, and one whose method
-// has a `budget` parameter one per entry of `budgets` (its label then names the budget); values
-// a method refuses are listed in `skipped` ("kivi: bits=8 not accepted (...)"). Duplicates are
-// dropped.
+// has a `budget` parameter one per entry of `budgets`; values a method refuses are listed in
+// `skipped` ("kivi: bits=8 not accepted (...)"). Duplicates are dropped. A label names the
+// method and the parameters that differ from their defaults or between rows of the method.
 std::vector<EvalVariant> expand_variants(const std::vector<std::string>& specs, const std::vector<int>& bits,
                                          std::vector<std::string>* skipped, const std::vector<double>& budgets = {});
 std::vector<int> parse_bits_list(const std::string& text);        // "8,4,2,1"
