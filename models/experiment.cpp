@@ -1,9 +1,9 @@
 #include "models/experiment.h"
 
 #include <cmath>
-#include <sstream>
 
 #include "core/errors.h"
+#include "core/numbers.h"
 
 namespace kvlens {
 
@@ -212,18 +212,9 @@ std::vector<CalibrationPoint> calibrate_grid(const LlavaModel& model, const Expe
   for (double t1 : taus)
     for (double t2 : taus) {
       std::map<std::string, std::string> v = base.values();
-      std::ostringstream a, b;
-      a << t1;
-      b << t2;
-      v["tau1"] = a.str();
-      v["tau2"] = b.str();
-      std::string spec = "calibquant:";
-      bool first = true;
-      for (const auto& kv : v) {
-        spec += (first ? "" : ",") + kv.first + "=" + kv.second;
-        first = false;
-      }
-      const MethodRun r = run_method(model, ex, parse_method_spec(spec), opt);
+      v["tau1"] = format_number(t1);
+      v["tau2"] = format_number(t2);
+      const MethodRun r = run_method(model, ex, make_params("calibquant", "", v), opt);
       CalibrationPoint p;
       p.tau1 = t1;
       p.tau2 = t2;

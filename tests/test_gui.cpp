@@ -5,11 +5,17 @@
 // becomes a message while the app keeps running and nothing is lost.
 #include <gtest/gtest.h>
 
+#include <sys/wait.h>
+
+#include <chrono>
+#include <random>
 #include <set>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
 #include "core/image.h"
+#include "core/session.h"
 #include "tests/test_util.h"
 
 #ifdef KVLENS_HAVE_EXPAT
@@ -224,4 +230,45 @@ TEST(Gui, BadInputIsAMessageAndNothingIsLost) {
   const auto bad = kt::run(std::string(kGui) + " --script " + dir + "/bad_script.json");
   EXPECT_EQ(bad.code, 2);
   EXPECT_NE(bad.output.find("unknown step 'fly'"), std::string::npos) << bad.output;
+}
+
+// SIGKILL while the app saves its session over and over: the session file on disk is always
+// a complete session (the save goes through the atomic writer).
+TEST(Gui, KilledSessionSavesLeaveThePreviousSessionValid) {
+  const std::string dir = kt::make_temp_dir("guikill");
+  json first = {{"steps", {{{"do", "wait_results"}}, {{"do", "save_session"}, {"path", "s.json"}}, {{"do", "quit"}}}}};
+  kt::RunResult out;
+  RUN_GUI_OR_SKIP(dir, first, out);
+  ASSERT_EQ(out.code, 0) << out.output;
+  ASSERT_NO_THROW(kvlens::session_from_json(load(dir + "/s.json"), "s.json"));
+  // A script that alternates τ2 and saves after every change, for longer than we let it run.
+  json loop = {{"steps", {{{"do", "wait_results"}}}}};
+  for (int i = 0; i < 400; ++i) {
+    loop["steps"].push_back({{"do", "set_param"}, {"method", 0}, {"name", "tau2"}, {"value", i % 2 ? 3 : 2}});
+    loop["steps"].push_back({{"do", "save_session"}, {"path", "s.json"}});
+    loop["steps"].push_back({{"do", "frames"}, {"n", 3}});
+  }
+  loop["steps"].push_back({{"do", "quit"}});
+  kt::write_file(dir + "/loop.json", loop.dump());
+  std::mt19937 rng(3);
+  int changed = 0;  // kills that came after the app had saved something new
+  std::string previous = kt::read_file(dir + "/s.json");
+  for (int i = 0; i < 3; ++i) {
+    const pid_t pid = fork();
+    if (pid == 0) {
+      const std::string cmd = "cd " + dir + " && HOME=" + dir + " XDG_STATE_HOME=" + dir +
+                              "/state exec xvfb-run -a -s '-screen 0 1280x800x24' " + kGui + " --script loop.json >/dev/null 2>&1";
+      execl("/bin/sh", "sh", "-c", cmd.c_str(), nullptr);
+      _exit(127);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500 + rng() % 2500));
+    kt::run(std::string("pkill -KILL -f '") + kGui + " --script loop.json'");
+    waitpid(pid, nullptr, 0);
+    const std::string text = kt::read_file(dir + "/s.json");
+    ASSERT_TRUE(json::accept(text)) << "session file left half-written";
+    EXPECT_NO_THROW(kvlens::session_from_json(json::parse(text), "s.json"));
+    changed += text != previous;
+    previous = text;
+  }
+  EXPECT_GE(changed, 1) << "the app was killed before it saved anything: the test did not exercise a save";
 }
