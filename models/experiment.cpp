@@ -21,8 +21,13 @@ PrefillView Experiment::view() const {
 
 Experiment start_experiment(const LlavaModel& model, const RGBImage& img, const ExperimentOptions& opt,
                             const std::vector<AttentionObserver*>& observers) {
+  return start_experiment(model, model.prefill(img, opt.prompt, opt.templ, true), opt, observers);
+}
+
+Experiment start_experiment(const LlavaModel& model, PrefillState prefill, const ExperimentOptions& opt,
+                            const std::vector<AttentionObserver*>& observers) {
   Experiment ex;
-  ex.prefill = model.prefill(img, opt.prompt, opt.templ, true);
+  ex.prefill = std::move(prefill);
   const int max_step = std::max(opt.diag_steps, *std::max_element(opt.hit_steps.begin(), opt.hit_steps.end()) + 1);
   ex.full_recorder = std::make_unique<DecodeRecorder>(max_step);
   GenerateOptions g;

@@ -70,6 +70,9 @@ struct Experiment {
 // full-cache decode.
 Experiment start_experiment(const LlavaModel& model, const RGBImage& img, const ExperimentOptions& opt,
                             const std::vector<AttentionObserver*>& observers = {});
+// The same from a prefill already made (with keep_attention) of opt.prompt.
+Experiment start_experiment(const LlavaModel& model, PrefillState prefill, const ExperimentOptions& opt,
+                            const std::vector<AttentionObserver*>& observers = {});
 // Compress the shared prefill with one method, decode, and compare against the reference.
 // `observers` also watch this method's decode.
 MethodRun run_method(const LlavaModel& model, const Experiment& ex, const Params& params,
