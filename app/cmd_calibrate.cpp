@@ -7,6 +7,7 @@
 
 #include "app/defaults.h"
 #include "app/eval_common.h"
+#include "models/experiment.h"
 #include "app/mpi_world.h"
 #include "core/errors.h"
 #include "core/figures_eval.h"
@@ -56,12 +57,7 @@ void run_calibrate_dataset(const DatasetArgs& a0, const std::string& base_spec, 
                            const std::string& by, const std::string& out, const std::string& report) {
   if (out.empty()) throw InputError("calibrate --dataset needs --out DIR");
   if (taus0.empty()) throw InputError("--taus needs at least one value");
-  const Params base = parse_method_spec(base_spec);
-  if (base.method() != "calibquant")
-    throw InputError("calibrate: --base must be a calibquant spec, got '" + base.method() + "'");
-  if (base.str("calibrate") == "off" || (base.str("calibrate") == "auto" && base.integer("bits") > 2))
-    throw InputError("calibrate: the base spec '" + base.spec() +
-                     "' does not calibrate (calibration applies at bits <= 2, or with calibrate=force)");
+  const Params base = calibrating_base(base_spec);
   std::string list;
   for (double t : taus0) list += (list.empty() ? "" : ",") + format_number(t);
   const std::vector<SweepAxis> axes{parse_sweep_axis("tau1=" + list, base), parse_sweep_axis("tau2=" + list, base)};

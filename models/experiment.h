@@ -93,6 +93,10 @@ struct CalibrationPoint {
   double tau1 = 0, tau2 = 0, mse = 0, kl = 0;
   bool same_caption = false;
 };
+// The CalibQuant spec a τ1/τ2 grid starts from; refused (InputError naming it) unless it is a
+// calibquant spec that calibrates.
+Params calibrating_base(const std::string& base_spec);
+
 std::vector<CalibrationPoint> calibrate_grid(const LlavaModel& model, const Experiment& ex,
                                              const std::string& base_spec, const std::vector<double>& taus,
                                              const ExperimentOptions& opt);
