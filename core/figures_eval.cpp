@@ -111,7 +111,8 @@ std::vector<Figure> sweep_figures(const std::vector<SweepAxis>& axes, const Eval
         ys.push_back(s.y.back());
       }
       int c = 0;
-      for (auto& [key, s] : lines) {
+      for (auto& entry : lines) {
+        const Series& s = entry.second;  // (a structured binding cannot be captured by the lambda in C++17)
         std::vector<size_t> idx(s.x.size());
         for (size_t k = 0; k < idx.size(); ++k) idx[k] = k;
         std::sort(idx.begin(), idx.end(), [&](size_t p, size_t q) { return s.x[p] < s.x[q]; });
