@@ -217,7 +217,7 @@ __device__ __noinline__ void packed_mma(const PartDesc& P, int a, int e, const f
           mx = fmaxf(mx, sc[i][h]);
         }
       mx = warp_max(mx);
-      if (mx > mw) {  // the same in every lane
+      if (__any_sync(0xffffffffu, mx > mw)) {  // the same in every lane: a branch, not predication
         const float alpha = __expf(mw - mx);
         dsum *= alpha;
 #pragma unroll
