@@ -3,7 +3,9 @@
 #   ./setup.sh            the CLI and the desktop app (kvlens-gui); the CUDA backend too where
 #                         nvcc is found (KVLENS_CUDA=AUTO, the default)
 #   ./setup.sh --tests    also what the tests need: Xvfb and Mesa for the headless app tests,
-#                         poppler-utils (pdftoppm) and expat for the figure export checks
+#                         poppler-utils (pdftoppm) and expat for the figure export checks, Java
+#                         and pycocoevalcap (PyPI, for its METEOR jar) for the caption metrics,
+#                         OpenMPI for the sharded evaluation
 #   KVLENS_CUDA=OFF ./setup.sh  skips the CUDA backend
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -22,6 +24,8 @@ pkgs=(build-essential cmake pkg-config nlohmann-json3-dev libsentencepiece-dev l
 pkgs+=(libimgui-dev libglfw3-dev libcairo2-dev fonts-dejavu-core)
 if [ "$tests" = 1 ]; then
   pkgs+=(xvfb xauth libgl1-mesa-dri poppler-utils libexpat1-dev)
+  pkgs+=(libopenmpi-dev openmpi-bin python3-venv)
+  command -v java >/dev/null 2>&1 || pkgs+=(default-jre-headless)
 fi
 missing=()
 for p in "${pkgs[@]}"; do
@@ -33,6 +37,15 @@ if [ ${#missing[@]} -gt 0 ]; then
   [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+# pycocoevalcap's meteor-1.5.jar (METEOR is compared with pycocoevalcap's): pip into the user's
+# Python, or into .deps/venv where the system Python is externally managed.
+if [ "$tests" = 1 ] && ! python3 -c 'import importlib.util as u, sys; sys.exit(not u.find_spec("pycocoevalcap"))' 2>/dev/null \
+   && ! [ -x .deps/venv/bin/python3 ]; then
+  echo "kvlens setup: installing pycocoevalcap (PyPI)"
+  python3 -m pip install -q --no-deps pycocoevalcap 2>/dev/null ||
+    { python3 -m venv .deps/venv && .deps/venv/bin/python3 -m pip install -q --no-deps pycocoevalcap; }
 fi
 
 jobs=$(nproc 2>/dev/null || echo 2)

@@ -4,6 +4,7 @@
 #include "app/backend_option.h"
 #include "app/commands.h"
 #include "app/defaults.h"
+#include "app/eval_common.h"
 #include "app/options.h"
 #include "core/errors.h"
 #include "core/files.h"
@@ -226,12 +227,35 @@ void add_run_commands(CLI::App& root) {
   auto ca = std::make_shared<RunArgs>();
   auto base = std::make_shared<std::string>("calibquant:bits=1");
   auto taus = std::make_shared<std::vector<double>>(std::vector<double>{0, 1, 2, 3});
-  CLI::App* c = root.add_subcommand("calibrate", "Grid-search CalibQuant tau1/tau2 by softmax MSE against the full cache");
+  auto by = std::make_shared<std::string>("mse");
+  auto data = std::make_shared<DatasetArgs>();
+  auto out = std::make_shared<std::string>();
+  CLI::App* c = root.add_subcommand(
+      "calibrate", "Grid-search CalibQuant tau1/tau2: by softmax MSE on one image, or by CIDEr-D and softmax MSE on a dataset");
   add_common(c, *ca);
   c->add_option("--base", *base, "CalibQuant spec the grid starts from")->capture_default_str();
   add_reals(c, "--taus", *taus, 0, 8, "Values tried for both tau1 and tau2");
+  c->add_option("--by", *by, "Criterion of the best pair: mse (softmax MSE) or cider (CIDEr-D, needs --dataset)")
+      ->check(CLI::IsMember({"mse", "cider"}))
+      ->capture_default_str();
+  add_dataset_options(c, *data, false);
+  c->add_option("--out", *out, "With --dataset: folder for the grid table, heatmaps, eval table and per-image records");
   c->add_option("--report", ca->report, "Write the grid as JSON");
-  c->callback([ca, base, taus] { run_calibrate(*ca, *base, *taus); });
+  c->callback([ca, base, taus, by, data, out] {
+    if (data->dir.empty()) {
+      if (*by == "cider") throw InputError("calibrate --by cider needs --dataset DIR (CIDEr-D is a dataset metric)");
+      run_calibrate(*ca, *base, *taus);
+      return;
+    }
+    DatasetArgs d = *data;
+    d.model = ca->model;
+    d.backend = ca->backend;
+    if (!ca->kv_storage.empty()) d.kv_storage = ca->kv_storage;
+    d.settings.prompt = ca->opt.prompt;
+    d.settings.templ = ca->opt.templ;
+    d.settings.max_new_tokens = ca->opt.max_new_tokens;
+    run_calibrate_dataset(d, *base, *taus, *by, *out, ca->report);
+  });
 }
 
 }  // namespace kvlens::app

@@ -7,9 +7,11 @@
 #include <string>
 
 #include "app/commands.h"
+#include "app/mpi_world.h"
 #include "core/errors.h"
 
 int main(int argc, char** argv) {
+  kvlens::app::mpi_start(argc, argv);
   // kvlens's own loops run on one thread unless OMP_NUM_THREADS says otherwise: for models of
   // the embedded size, thread hand-offs cost more than they save, above all on a busy machine.
   // OpenBLAS keeps its own threading for the matrix products.
@@ -21,6 +23,8 @@ int main(int argc, char** argv) {
   kvlens::app::add_run_commands(root);
   kvlens::app::add_eval_command(root);
   kvlens::app::add_bench_command(root);
+  kvlens::app::add_score_command(root);
+  kvlens::app::add_sweep_command(root);
   kvlens::app::add_figures_command(root);
   try {
     root.parse(argc, argv);
@@ -37,16 +41,16 @@ int main(int argc, char** argv) {
     std::string cmd = "kvlens";
     for (const CLI::App* sub : root.get_subcommands()) cmd += " " + sub->get_name();
     std::fprintf(stderr, "kvlens: error: %s (see %s --help)\n", what.c_str(), cmd.c_str());
-    return 2;
+    return kvlens::app::mpi_exit(2);
   } catch (const kvlens::InputError& e) {
     std::fprintf(stderr, "kvlens: error: %s\n", e.what());
-    return 2;
+    return kvlens::app::mpi_exit(2);
   } catch (const kvlens::DeviceError& e) {
     std::fprintf(stderr, "kvlens: device error: %s\n", e.what());
-    return 1;
+    return kvlens::app::mpi_exit(1);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kvlens: internal error: %s\n", e.what());
-    return 1;
+    return kvlens::app::mpi_exit(1);
   }
-  return 0;
+  return kvlens::app::mpi_exit(0);
 }

@@ -37,11 +37,11 @@ run_images() {
   done | xargs -0 -r -P "$JOBS" -I{} "$K" run --image "$H/images/{}.png" "$@" --report "$dir/{}.json" > /dev/null
 }
 
-# eval_once NAME ARGS...: `kvlens eval --scenes H ARGS --json OUT/NAME.json` unless it exists.
+# eval_once NAME ARGS...: `kvlens eval --dataset H ARGS --no-meteor --json OUT/NAME.json` unless it exists.
 eval_once() {
   local name=$1
   shift
-  [ -f "$OUT/$name.json" ] || "$K" eval --scenes "$H" "$@" --json "$OUT/$name.json" > /dev/null
+  [ -f "$OUT/$name.json" ] || "$K" eval --dataset "$H" "$@" --no-meteor --json "$OUT/$name.json" > /dev/null
 }
 
 m() { for s in "$@"; do printf -- '--method\0%s\0' "$s"; done; }

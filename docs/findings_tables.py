@@ -251,8 +251,12 @@ def short(canonical):
 
 
 def evals(name):
+    """`kvlens eval --json` table: canonical spec -> caption exact-match share and VQA accuracy."""
     p = os.path.join(OUT, name + ".json")
-    return {e["method"]: e for e in json.load(open(p))} if os.path.exists(p) else {}
+    if not os.path.exists(p):
+        return {}
+    t = json.load(open(p))
+    return {r["spec"]: {"caption_accuracy": r["caption_exact"] / t["images"], "vqa_accuracy": r["VQA"]} for r in t["rows"]}
 
 
 def eval_of(ev, canonical_prefix):

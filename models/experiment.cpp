@@ -21,8 +21,13 @@ PrefillView Experiment::view() const {
 
 Experiment start_experiment(const LlavaModel& model, const RGBImage& img, const ExperimentOptions& opt,
                             const std::vector<AttentionObserver*>& observers) {
+  return start_experiment(model, model.prefill(img, opt.prompt, opt.templ, true), opt, observers);
+}
+
+Experiment start_experiment(const LlavaModel& model, PrefillState prefill, const ExperimentOptions& opt,
+                            const std::vector<AttentionObserver*>& observers) {
   Experiment ex;
-  ex.prefill = model.prefill(img, opt.prompt, opt.templ, true);
+  ex.prefill = std::move(prefill);
   const int max_step = std::max(opt.diag_steps, *std::max_element(opt.hit_steps.begin(), opt.hit_steps.end()) + 1);
   ex.full_recorder = std::make_unique<DecodeRecorder>(max_step);
   GenerateOptions g;
@@ -203,15 +208,20 @@ nlohmann::json method_run_json(const LlavaModel& model, const Experiment& ex, co
   return m;
 }
 
-std::vector<CalibrationPoint> calibrate_grid(const LlavaModel& model, const Experiment& ex,
-                                             const std::string& base_spec, const std::vector<double>& taus,
-                                             const ExperimentOptions& opt) {
+Params calibrating_base(const std::string& base_spec) {
   const Params base = parse_method_spec(base_spec);
   if (base.method() != "calibquant")
     throw InputError("calibrate: --base must be a calibquant spec, got '" + base.method() + "'");
   if (base.str("calibrate") == "off" || (base.str("calibrate") == "auto" && base.integer("bits") > 2))
     throw InputError("calibrate: the base spec '" + base.spec() +
                      "' does not calibrate (calibration applies at bits <= 2, or with calibrate=force)");
+  return base;
+}
+
+std::vector<CalibrationPoint> calibrate_grid(const LlavaModel& model, const Experiment& ex,
+                                             const std::string& base_spec, const std::vector<double>& taus,
+                                             const ExperimentOptions& opt) {
+  const Params base = calibrating_base(base_spec);
   std::vector<CalibrationPoint> pts;
   for (double t1 : taus)
     for (double t2 : taus) {

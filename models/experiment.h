@@ -70,6 +70,9 @@ struct Experiment {
 // full-cache decode.
 Experiment start_experiment(const LlavaModel& model, const RGBImage& img, const ExperimentOptions& opt,
                             const std::vector<AttentionObserver*>& observers = {});
+// The same from a prefill already made (with keep_attention) of opt.prompt.
+Experiment start_experiment(const LlavaModel& model, PrefillState prefill, const ExperimentOptions& opt,
+                            const std::vector<AttentionObserver*>& observers = {});
 // Compress the shared prefill with one method, decode, and compare against the reference.
 // `observers` also watch this method's decode.
 MethodRun run_method(const LlavaModel& model, const Experiment& ex, const Params& params,
@@ -90,6 +93,10 @@ struct CalibrationPoint {
   double tau1 = 0, tau2 = 0, mse = 0, kl = 0;
   bool same_caption = false;
 };
+// The CalibQuant spec a τ1/τ2 grid starts from; refused (InputError naming it) unless it is a
+// calibquant spec that calibrates.
+Params calibrating_base(const std::string& base_spec);
+
 std::vector<CalibrationPoint> calibrate_grid(const LlavaModel& model, const Experiment& ex,
                                              const std::string& base_spec, const std::vector<double>& taus,
                                              const ExperimentOptions& opt);

@@ -16,6 +16,7 @@ TEST(GuiApp, NeedsTheApp) { GTEST_SKIP() << "kvlens-gui is not built (KVLENS_GUI
 #include "app/gui/app.h"
 #include "core/errors.h"
 #include "core/files.h"
+#include "kernels/backends.h"
 
 namespace kt = kvlens::testing;
 using namespace kvlens;
@@ -111,6 +112,43 @@ TEST(GuiWorker, BadImageAndModelAreErrorsNotCrashes) {
   EXPECT_EQ(w.latest()->runs.size(), 1u);
 }
 
+// The Model panel's two choices reach the worker: fp32 rows recompute the prefill and every
+// method with exact rows (the full cache's bytes grow by the fp16 codes), and the backend choice
+// reloads the model on that backend, or names why it cannot.
+TEST(GuiWorker, KvRowsAndBackendReachTheRuns) {
+  Worker w;
+  kvlens::gui::Setup s = base_setup();
+  s.backend.kind = "cpu";
+  uint64_t v = w.submit(s);
+  ASSERT_TRUE(wait_for([&] { return idle_at(w, v); }));
+  auto snap = w.latest();
+  ASSERT_TRUE(snap->model && snap->base && snap->base->ex) << snap->model_error << snap->base_error;
+  EXPECT_EQ(snap->model->backend, "cpu");
+  const double b16 = static_cast<double>(snap->base->ex->full.bytes_after_prefill.total());
+  const int done = snap->runs_done;
+  s.opt.kv_storage = RowStorage::Fp32;
+  v = w.submit(s);
+  ASSERT_TRUE(wait_for([&] { return idle_at(w, v); }));
+  snap = w.latest();
+  ASSERT_TRUE(snap->base && snap->base->ex) << snap->base_error;
+  const double b32 = static_cast<double>(snap->base->ex->full.bytes_after_prefill.total());
+  // Per row and KV head: 2·D values at 2 or 4 B plus a 4 B position.
+  ASSERT_GT(2 * b16 - b32, 0);
+  EXPECT_DOUBLE_EQ((b32 - b16) / (2 * b16 - b32), snap->model->head_dim);
+  EXPECT_EQ(snap->runs_done, done + 1);  // the method ran again on the new prefill
+  s.backend.kind = "cuda";
+  v = w.submit(s);
+  ASSERT_TRUE(wait_for([&] { return idle_at(w, v) && (w.latest()->model || !w.latest()->model_error.empty()); }));
+  snap = w.latest();
+  if (cuda_unavailable_reason().empty()) {
+    ASSERT_TRUE(snap->model) << snap->model_error;
+    EXPECT_EQ(snap->model->backend, "cuda");
+  } else {
+    EXPECT_FALSE(snap->model);
+    EXPECT_NE(snap->model_error.find("cuda"), std::string::npos) << snap->model_error;
+  }
+}
+
 TEST(GuiApp, ValuesUndoRedoAndSessions) {
   TempHome home;
   App app(kt::source_dir());
@@ -144,12 +182,14 @@ TEST(GuiApp, ValuesUndoRedoAndSessions) {
   app.set_enabled(app.st.methods[2].id, false);
   app.st.views.layer = 2;
   app.st.views.head = 5;
+  app.st.inputs.kv_storage = "fp32";
   const std::string path = home.dir + "/s.json";
   ASSERT_TRUE(app.save_session(path));
   const Session saved = load_session(path);
   EXPECT_EQ(saved.method_label(1), "ZipCache r=0.4");
   EXPECT_FALSE(saved.method_enabled(2));
   EXPECT_EQ(saved.views["layer"], 2);
+  EXPECT_EQ(saved.kv_storage, "fp32");
   App other(kt::source_dir());
   ASSERT_TRUE(other.open_session(path));
   ASSERT_EQ(other.st.methods.size(), 4u);
@@ -160,6 +200,7 @@ TEST(GuiApp, ValuesUndoRedoAndSessions) {
   }
   EXPECT_EQ(other.st.views.layer, 2);
   EXPECT_EQ(other.st.views.head, 5);
+  EXPECT_EQ(other.st.inputs.kv_storage, "fp32");
   EXPECT_EQ(other.views_json(), app.views_json());
   // A newer session is refused and the open one stays as it was.
   kt::write_file(home.dir + "/newer.json", "{\"kvlens_session\": 3}");

@@ -82,6 +82,8 @@ void App::submit() {
   Setup s;
   s.model_dir = model_dir();
   s.image_path = image_path();
+  s.backend.kind = st.inputs.backend;
+  s.opt.kv_storage = parse_row_storage(st.inputs.kv_storage, "kv_storage");
   s.opt.prompt = st.inputs.prompt;
   s.opt.templ = st.inputs.templ;
   s.opt.max_new_tokens = st.inputs.max_new_tokens;

@@ -34,6 +34,27 @@ void model_panel(App& app, Ui&, const PanelRect& rect) {
       if (ImGui::Selectable(p.c_str())) app.open_model(p);
     ImGui::EndCombo();
   }
+  // Where the model runs and how uncompressed rows are stored: a change reloads the model or
+  // recomputes the prefill and every method.
+  auto choice = [&](const char* label, const char* tip, std::string& value, std::initializer_list<const char*> options) {
+    ImGui::SetNextItemWidth(90);
+    if (ImGui::BeginCombo(label, value.c_str())) {
+      for (const char* o : options)
+        if (ImGui::Selectable(o, value == o) && value != o) {
+          value = o;
+          st.dirty = true;
+          app.submit();
+        }
+      ImGui::EndCombo();
+    }
+    if (ImGui::IsItemHovered()) ImGui::SetTooltip("%s", tip);
+  };
+  choice("backend", "Where the model runs: auto (CUDA when a device is usable), cpu, cuda", st.inputs.backend,
+         {"auto", "cpu", "cuda"});
+  ImGui::SameLine();
+  choice("KV rows", "Storage of uncompressed KV rows: fp16 (rounded to half precision, 2 B/value; the papers' full "
+                    "cache) or fp32 (exact, 4 B/value). Diagnostics compare against the exact prefill either way",
+         st.inputs.kv_storage, {"fp16", "fp32"});
   const Snapshot* s = st.results.get();
   if (s && !s->model_error.empty()) {
     ImGui::PushTextWrapPos(0);
@@ -59,9 +80,9 @@ void model_panel(App& app, Ui&, const PanelRect& rect) {
       row("KV heads", std::to_string(f.kv_heads), "head_dim", std::to_string(f.head_dim));
       row("visual tokens", std::to_string(f.visual_tokens) + " (" + std::to_string(f.patch_rows) + "×" +
                                std::to_string(f.patch_rows) + ")",
-          "full cache, fp16", f.full_fp16_bytes > 0 ? std::to_string(f.full_fp16_bytes / 1024) + " KiB" : "…");
+          "full cache at fp16", f.full_fp16_bytes > 0 ? std::to_string(f.full_fp16_bytes / 1024) + " KiB" : "…");
       if (s->base && s->base->ex)
-        row("vision", std::to_string(static_cast<int>(s->base->ex->prefill.vision_ms)) + " ms", "prefill",
+        row("vision", std::to_string(static_cast<int>(s->base->ex->prefill.vision_ms)) + " ms on " + f.backend, "prefill",
             std::to_string(static_cast<int>(s->base->ex->prefill.prefill_ms)) + " ms");
       ImGui::EndTable();
     }

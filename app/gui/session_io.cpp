@@ -105,6 +105,7 @@ Session App::to_session() const {
   s.prompt = st.inputs.prompt;
   s.templ = st.inputs.templ;
   s.max_new_tokens = st.inputs.max_new_tokens;
+  s.kv_storage = st.inputs.kv_storage;
   s.diag_steps = st.inputs.diag_steps;
   s.sparsity_p = st.inputs.sparsity_p;
   s.hit_budget = st.inputs.hit_budget;
@@ -159,6 +160,7 @@ bool App::open_session(const std::string& path) {
   st.inputs.prompt = s.prompt.empty() ? kDefaultPrompt : s.prompt;
   st.inputs.templ = s.templ.empty() ? kDefaultTemplate : s.templ;
   st.inputs.max_new_tokens = s.max_new_tokens;
+  st.inputs.kv_storage = s.kv_storage;
   st.inputs.diag_steps = s.diag_steps;
   st.inputs.sparsity_p = s.sparsity_p;
   st.inputs.hit_budget = s.hit_budget;

@@ -46,6 +46,8 @@ struct Inputs {
   std::string model_dir, image_path;
   std::string prompt, templ;
   int max_new_tokens = 32;
+  std::string backend = "auto";      // where the model runs: auto | cpu | cuda (not saved in sessions)
+  std::string kv_storage = "fp16";   // uncompressed KV rows: fp16 | fp32
   int diag_steps = 4;
   double sparsity_p = 0.01;
   double hit_budget = 0.1;

@@ -32,7 +32,8 @@ const Setup::Method* find_method(const Setup& s, int id) {
 
 std::string base_key(const Setup& s) {
   const ExperimentOptions& o = s.opt;
-  std::string k = s.model_dir + '\n' + s.image_path + '\n' + o.prompt + '\n' + o.templ + '\n';
+  std::string k = s.model_dir + '\n' + s.image_path + '\n' + o.prompt + '\n' + o.templ + '\n' +
+                  row_storage_name(o.kv_storage) + '\n';
   for (double v : {static_cast<double>(o.max_new_tokens), static_cast<double>(o.diag_steps), o.sparsity_p, o.hit_budget,
                    static_cast<double>(o.hit_window), static_cast<double>(o.hist_bins)})
     k += format_number(v) + ',';
@@ -167,7 +168,8 @@ void Worker::loop() {
     const auto t0 = std::chrono::steady_clock::now();
     try {
       // 1. The model.
-      if (model_key_ != s.model_dir) {
+      const std::string model_key = s.model_dir + '\n' + s.backend.kind;
+      if (model_key_ != model_key) {
         publish(true, "loading model");
         model_.reset();
         facts_.reset();
@@ -175,13 +177,14 @@ void Worker::loop() {
         base_key_.clear();
         runs_.clear();
         run_errors_.clear();
-        model_key_ = s.model_dir;
+        model_key_ = model_key;
         model_error_.clear();
         try {
-          auto m = std::make_shared<const LlavaModel>(LlavaModel::load(s.model_dir));
+          auto m = std::make_shared<const LlavaModel>(LlavaModel::load(s.model_dir, s.backend));
           auto f = std::make_shared<ModelFacts>();
           const LlavaConfig& c = m->config();
           f->dir = s.model_dir;
+          f->backend = m->backend().name();
           f->layers = c.text.num_hidden_layers;
           f->heads = c.text.num_attention_heads;
           f->kv_heads = c.text.num_key_value_heads;
@@ -195,6 +198,8 @@ void Worker::loop() {
           facts_ = f;
         } catch (const InputError& e) {
           model_error_ = e.what();
+        } catch (const DeviceError& e) {
+          model_error_ = std::string("device error: ") + e.what();
         }
         build_report(s);
         publish(true, "model loaded");

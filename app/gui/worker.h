@@ -29,7 +29,8 @@ namespace kvlens::gui {
 struct Setup {
   std::string model_dir;   // resolved path
   std::string image_path;  // resolved path
-  ExperimentOptions opt;   // prompt, template, options (keep_going is the worker's)
+  BackendOptions backend;  // where the model runs (a change reloads the model)
+  ExperimentOptions opt;   // prompt, template, options incl. kv_storage (keep_going is the worker's)
   struct Method {
     int id = 0;
     Params params;
@@ -41,6 +42,7 @@ struct Setup {
 
 struct ModelFacts {
   std::string dir, hash;
+  std::string backend;  // the backend it runs on ("cpu" / "cuda")
   int layers = 0, heads = 0, kv_heads = 0, head_dim = 0, visual_tokens = 0, patch_rows = 0, patch_first = 0;
   int64_t full_fp16_bytes = 0;  // per prompt, once a prefill ran
   double load_ms = 0;
