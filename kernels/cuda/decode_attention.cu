@@ -3,13 +3,21 @@
 // CPU backend's decode attention (kernels/cpu/backend_cpu.cpp) on the dequantized rows, and
 // calibquant::post_scaled_scores / post_scaled_values / calibrate_visual.
 //
-// Grid: (split, query head, sequence). Each block takes a contiguous range of the head's rows
-// (all parts concatenated in order). Threads work in groups of L lanes, one row per group and
-// 8 channels per lane (L = the next power of two ≥ D/8): a lane reads its 8 channels of K (16
-// bytes of fp16, or `bits` bytes of codes), the group reduces the dot product with shuffles,
-// and each lane updates its 8 output channels. Rows are taken 4 at a time per group so that
-// several loads are in flight. The block then combines its groups and writes the partial state
-// (max m, sum d, unnormalized output o); a second kernel merges the splits.
+// Grid: (split, query head, sequence); decode_splits gives at least one full wave of blocks.
+// Each block takes a contiguous range of the head's rows (all parts concatenated in order).
+// Threads work in groups of L lanes, one row per group and 8 channels per lane (L = the next
+// power of two ≥ D/8): a lane reads its 8 channels of K (16 bytes of fp16, or `bits` bytes of
+// codes), the group reduces the dot product with shuffles, and each lane updates its 8 output
+// channels. Rows are taken 4 at a time per group so that several loads are in flight. The block
+// then combines its groups and writes the partial state (max m, sum d, unnormalized output o);
+// the last block of a head to finish merges the splits (their weights exp(m_i − M) computed in
+// parallel into shared memory).
+//
+// Head size 128, packed channel-wise parts (1/2/4/8-bit, one range per channel or one for all,
+// over the whole part): tensor cores instead, one warp per 16·TILES rows — see decode_mma.cuh.
+// Their state joins the groups' online softmax at the end of the part, so fp16 and packed parts
+// still share one softmax. Codes are read as core/policies/quantize.h packs them (row j at byte
+// j·D·b/8, code c at bits [c·b, (c+1)·b) least significant first).
 //
 // Packed parts never produce dequantized rows in memory. Channel-wise parts with one range per
 // channel over the part use CalibQuant's post-scaling: q⊙scale is folded into q once per part and
@@ -23,7 +31,9 @@
 // the same kernel computing only the visual scores' min and max per split; the attention pass
 // reduces those over the splits in its prologue and applies g to every visual score before the
 // softmax. The visual keys are thus read twice (their K codes, not V).
+#include <algorithm>
 #include <cfloat>
+#include <cmath>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/kernels.h"
@@ -33,6 +43,7 @@ namespace kvlens::cuda {
 namespace {
 
 constexpr int kThreads = 128;
+constexpr int kMinBlocks = 3;  // blocks resident per multiprocessor (the register budget follows)
 constexpr int kUnroll = 4;
 
 enum Mode { kAttend = 0, kRange = 1, kScores = 2 };
@@ -155,9 +166,9 @@ struct State {
 // Rows [a, e) of one part for every group of the block. mode kAttend: softmax + values; kRange:
 // min/max of visual scores into lo/hi; kScores: raw scores to srow (index base + row).
 template <int L>
-__device__ void run_part(const PartDesc& P, int n, int a, int e, int base, const float* q, const Lane& ln, int g,
-                         int mode, bool cal, float cal_t, float cal_g, float tau1, const float* sin, float* sout,
-                         State& st, float& lo, float& hi) {
+__device__ __forceinline__ void run_part_in(const PartDesc& P, int n, int a, int e, int base, const float* q,
+                                            const Lane& ln, int g, int mode, bool cal, float cal_t, float cal_g,
+                                            float tau1, const float* sin, float* sout, State& st, float& lo, float& hi) {
   constexpr int G = kThreads / L;
   float qk[8], qa;
   bool kgrouped;
@@ -262,6 +273,21 @@ __device__ void run_part(const PartDesc& P, int n, int a, int e, int base, const
   }
 }
 
+template <int L>
+__device__ __noinline__ void run_part(const PartDesc& P, int n, int a, int e, int base, const float* q_in,
+                                      const Lane& ln, int g, int mode, bool cal, float cal_t, float cal_g, float tau1,
+                                      const float* sin, float* sout, State& st_io, float& lo_io, float& hi_io) {
+  float q[8];
+#pragma unroll
+  for (int c = 0; c < 8; ++c) q[c] = q_in[c];
+  State st = st_io;
+  float lo = lo_io, hi = hi_io;
+  run_part_in<L>(P, n, a, e, base, q, ln, g, mode, cal, cal_t, cal_g, tau1, sin, sout, st, lo, hi);
+  st_io = st;
+  lo_io = lo;
+  hi_io = hi;
+}
+
 // ---- fast paths: one storage per side known at compile time, every row's loads issued before
 // any of them is used, exp through the special-function unit. --------------------------------
 
@@ -276,6 +302,12 @@ __device__ __forceinline__ uint64_t load_bits(const uint8_t* p) {
 __device__ __forceinline__ float calibrated(float s, bool cal, float t, float gam, float tau1) {
   return cal && isfinite(s) ? (t == 0.0f ? gam - tau1 : t * (s - gam) + gam - tau1) : s;
 }
+
+}  // namespace
+}  // namespace kvlens::cuda
+#include "kernels/cuda/decode_mma.cuh"
+namespace kvlens::cuda {
+namespace {
 
 // fp16 keys and values.
 template <int L, int U>
@@ -463,6 +495,43 @@ __device__ __forceinline__ int fast_kind(const PartDesc& P, int n, int mode, boo
   return b;
 }
 
+// Head size 128: channel-wise parts with one range per channel (or one in all) over the part and 1/2/4/8-bit
+// codes (rows aligned for the lanes' vector loads) take the tensor-core path (decode_mma.cuh).
+__device__ __forceinline__ int mma_kind(const PartDesc& P, int n, int mode, bool materialized) {
+  if (materialized || mode == kScores) return 0;
+  const bool whole = (P.k.group <= 0 || P.k.group >= n) && (P.v.group <= 0 || P.v.group >= n);
+  if (P.k.fmt != kChannel || P.v.fmt != kChannel || !whole || P.k.bits != P.v.bits) return 0;
+  const int b = P.k.bits;
+  if (b != 1 && b != 2 && b != 4 && b != 8) return 0;
+  if ((reinterpret_cast<uintptr_t>(P.k.data) | reinterpret_cast<uintptr_t>(P.v.data)) & (4 * b - 1)) return 0;
+  return b;
+}
+
+__device__ void run_mma(int bits, const PartDesc& P, int a, int e, const float* qs, int mode, bool cal, float cal_t,
+                        float cal_g, float tau1, State& st, float& lo, float& hi) {
+  using namespace mma_path;
+  const int w = threadIdx.x / 32, nw = kThreads / 32;
+  const bool r = mode == kRange;
+  switch (bits) {
+    case 1:
+      if (r) packed_mma<1, 3, true>(P, a, e, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi);
+      else packed_mma<1, 3, false>(P, a, e, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi);
+      break;
+    case 2:
+      if (r) packed_mma<2, 2, true>(P, a, e, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi);
+      else packed_mma<2, 2, false>(P, a, e, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi);
+      break;
+    case 4:
+      if (r) packed_mma<4, 1, true>(P, a, e, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi);
+      else packed_mma<4, 1, false>(P, a, e, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi);
+      break;
+    default:
+      if (r) packed_mma<8, 1, true>(P, a, e, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi);
+      else packed_mma<8, 1, false>(P, a, e, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi);
+      break;
+  }
+}
+
 template <int L>
 __device__ void run_fast(int kind, const PartDesc& P, int a, int e, const float* q, const Lane& ln, int g, int mode,
                          bool cal, float cal_t, float cal_g, float tau1, State& st, float& lo, float& hi, float* lut) {
@@ -488,40 +557,10 @@ __device__ void run_fast(int kind, const PartDesc& P, int a, int e, const float*
   }
 }
 
-// Merges the splits' states (m, d, o) of head h of sequence b into its output (L2 reads: the
-// other blocks' states may have been written moments ago).
-__device__ void merge_head(const DecodeParams& p, int b, int h) {
-  const int64_t bh = static_cast<int64_t>(b) * p.NH + h;
-  const float* md = p.part_md + bh * p.splits * 2;
-  float M = -INFINITY;
-  for (int i = 0; i < p.splits; ++i) M = fmaxf(M, __ldcg(md + 2 * i));
-  float dsum = 0.0f;
-  for (int i = 0; i < p.splits; ++i) {
-    const float mi = __ldcg(md + 2 * i);
-    if (mi != -INFINITY) dsum += __ldcg(md + 2 * i + 1) * __expf(mi - M);
-  }
-  for (int c = threadIdx.x; c < p.D; c += blockDim.x) {
-    float v = 0.0f;
-    for (int i = 0; i < p.splits; ++i) {
-      const float mi = __ldcg(md + 2 * i);
-      if (mi != -INFINITY) v += __ldcg(p.part_o + (bh * p.splits + i) * p.D + c) * __expf(mi - M);
-    }
-    const float o = dsum > 0.0f ? v / dsum : 0.0f;
-    const int64_t at = b * p.out_stride + static_cast<int64_t>(h) * p.D + c;
-    switch (p.odt) {
-      case Dt::F16: static_cast<__half*>(p.out)[at] = __float2half_rn(o); break;
-      case Dt::BF16: static_cast<__nv_bfloat16*>(p.out)[at] = __float2bfloat16_rn(o); break;
-      default: static_cast<float*>(p.out)[at] = o; break;
-    }
-  }
-  if (p.md_out && threadIdx.x == 0) {
-    p.md_out[bh * 2] = M;
-    p.md_out[bh * 2 + 1] = dsum;
-  }
-}
+#include "kernels/cuda/decode_merge.cuh"
 
 template <int L>
-__global__ void __launch_bounds__(kThreads) decode_kernel(DecodeParams p, int mode) {
+__global__ void __launch_bounds__(kThreads, kMinBlocks) decode_kernel(DecodeParams p, int mode) {
   constexpr int G = kThreads / L;
   __shared__ float sh_m[G], sh_d[G];
   __shared__ float sh_o[G][8 * L + 1];
@@ -542,6 +581,12 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(DecodeParams p, int mo
   const float* qrow = p.q + b * p.q_stride + static_cast<int64_t>(h) * p.D;
 #pragma unroll
   for (int c = 0; c < 8; ++c) q[c] = ln.active ? qrow[ln.c0 + c] * p.scale : 0.0f;
+  __shared__ float sh_q[8 * L];  // the scaled query, for the tensor-core path's operands
+  if (ln.active) {
+#pragma unroll
+    for (int c = 0; c < 8; ++c) sh_q[ln.c0 + c] = q[c];
+  }
+  __syncthreads();
 
   // Calibration coefficients from the first pass's per-split visual ranges.
   bool cal = false;
@@ -572,10 +617,13 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(DecodeParams p, int mo
     if (take) {
       // Head sizes 64 and 128 (8 and 16 lanes a row) have fast paths for fp16 and for
       // channel-wise codes; everything else takes the general path.
-      int kind = 0;
+      int kind = 0, mk = 0;
+      if constexpr (L == 16)
+        if (p.D == 128) mk = mma_kind(P, n, mode, sin != nullptr);
       if constexpr (L == 8 || L == 16)
-        if (p.D == 8 * L) kind = fast_kind(P, n, mode, sin != nullptr, p.lut_bits);  // every lane busy
-      if (kind) run_fast<L>(kind, P, a, e, q, ln, g, mode, cal && P.visual, cal_t, cal_g, p.tau1, st, lo, hi, lut);
+        if (p.D == 8 * L && !mk) kind = fast_kind(P, n, mode, sin != nullptr, p.lut_bits);  // every lane busy
+      if (mk) run_mma(mk, P, a, e, sh_q, mode, cal && P.visual, cal_t, cal_g, p.tau1, st, lo, hi);
+      else if (kind) run_fast<L>(kind, P, a, e, q, ln, g, mode, cal && P.visual, cal_t, cal_g, p.tau1, st, lo, hi, lut);
       else run_part<L>(P, n, a, e, base, q, ln, g, mode, cal && P.visual, cal_t, cal_g, p.tau1, sin, sout, st, lo, hi);
     }
     base += n;
@@ -660,7 +708,9 @@ __global__ void probs_kernel(DecodeParams p, float* probs) {
 
 template <int L>
 void launch_l(const DecodeParams& p, int mode, cudaStream_t s) {
-  const int bytes = decode_lut_bytes(p.D, p.lut_bits);
+  DecodeParams q = p;
+  if (q.D == 128) q.lut_bits = 0;  // packed parts of head size 128 take the tensor-core path
+  const int bytes = decode_lut_bytes(q.D, q.lut_bits);
   static int allowed = 48 << 10;  // dynamic shared memory the kernel may take without opting in
   if (bytes > allowed) {
     KV_CUDA(cudaFuncSetAttribute(decode_kernel<L>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
@@ -668,13 +718,14 @@ void launch_l(const DecodeParams& p, int mode, cudaStream_t s) {
     allowed = bytes;
   }
   dim3 grid(p.splits, p.NH, p.B);
-  decode_kernel<L><<<grid, kThreads, bytes, s>>>(p, mode);
+  decode_kernel<L><<<grid, kThreads, bytes, s>>>(q, mode);
 }
 
 void launch(const DecodeParams& p, int mode, cudaStream_t s) {
   const int chunks = (p.D + 7) / 8;
   if (p.D % 8 != 0 || p.D > 256) throw InternalError("decode attention: head_dim must be a multiple of 8, at most 256");
   if (p.NKV <= 0 || p.NH % p.NKV != 0) throw InternalError("decode attention: n_heads must be a multiple of n_kv_heads");
+  if (p.splits < 1 || p.splits > kMaxSplits) throw InternalError("decode attention: splits must be in [1, 1024]");
   if (chunks <= 1) launch_l<1>(p, mode, s);
   else if (chunks <= 2) launch_l<2>(p, mode, s);
   else if (chunks <= 4) launch_l<4>(p, mode, s);
@@ -688,15 +739,25 @@ void launch(const DecodeParams& p, int mode, cudaStream_t s) {
 }  // namespace
 
 int decode_lut_bytes(int D, int lut_bits) {
-  if (lut_bits <= 0) return 0;
+  if (lut_bits <= 0 || D == 128) return 0;
   const int b = std::min(lut_bits, 4);
   return (D * b / 8 * 256 + D) * 4;  // the table and q⊙scale
 }
 
 int decode_splits(int B, int NH, int rows, int n_sm) {
-  const int want = (8 * n_sm + B * NH - 1) / (B * NH);
-  const int most = std::max(1, (rows + 63) / 64);
-  return std::max(1, std::min(want, most));
+  // At least one wave of blocks (kMinBlocks resident on each multiprocessor), then the first
+  // count whose last wave is at least 90 % full; at most one split per 64 rows.
+  const int most = std::max(1, std::min((rows + 63) / 64, kMaxSplits));
+  const double resident = static_cast<double>(kMinBlocks) * n_sm, heads = static_cast<double>(B) * NH;
+  const int first = std::max(1, static_cast<int>(std::ceil(resident / heads)));
+  int best = first;
+  double best_fill = 0;
+  for (int s = first; s <= std::min(most, 4 * first); ++s) {
+    const double w = heads * s / resident, fill = w / std::ceil(w);
+    if (fill > best_fill + 1e-9) best = s, best_fill = fill;
+    if (fill >= 0.9) break;
+  }
+  return std::min(best, most);
 }
 
 void decode_attention(const DecodeParams& p, cudaStream_t s) {

@@ -105,7 +105,8 @@ struct DecodeParams {
   // splits itself, so no second kernel is launched.
   int* sem = nullptr;
   // Largest code width (1, 2 or 4) of channel-wise packed parts whose keys use a lookup table;
-  // the launch gives each block decode_lut_bytes(D, lut_bits) of shared memory for it.
+  // the launch gives each block decode_lut_bytes(D, lut_bits) of shared memory for it (none at
+  // head size 128, where such parts run on tensor cores and others take the general path).
   int lut_bits = 0;
 };
 // Fused split-KV attention (with calibration when asked) and the merge of partial states.
@@ -114,7 +115,8 @@ void decode_attention(const DecodeParams& p, cudaStream_t s);
 void decode_scores(const DecodeParams& p, cudaStream_t s);
 // probs[b][h][row] = exp(scores_in − max) / sum from p.md_out (after decode_attention).
 void decode_probs(const DecodeParams& p, float* probs, cudaStream_t s);
-// Blocks per (b, head) for `rows` rows on a device of n_sm multiprocessors.
+// Blocks per (b, head) for `rows` rows on a device of n_sm multiprocessors: at least one full
+// wave, the last wave at least 90 % full where possible, at most one per 64 rows (and 1024).
 int decode_splits(int B, int NH, int rows, int n_sm);
 int decode_lut_bytes(int D, int lut_bits);
 

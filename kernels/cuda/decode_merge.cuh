@@ -1,0 +1,58 @@
+// The merge of decode attention's split states (included by decode_attention.cu, inside its
+// anonymous namespace): the last block of each head to finish, or merge_kernel, combines the
+// splits' (m, d, o) into the head's output.
+#pragma once
+
+// Merges the splits' states (m, d, o) of head h of sequence b into its output (L2 reads: the
+// other blocks' states may have been written moments ago). Every split's weight exp(m_i − M) is
+// computed once, in parallel, into shared memory; the channels then sum with many loads in flight.
+constexpr int kMaxSplits = 1024;
+
+__device__ float block_reduce(float v, bool is_max, float* red) {
+  v = is_max ? warp_max(v) : warp_sum(v);
+  __syncthreads();  // red may still be read by a previous reduction
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = red[0];
+  for (int w = 1; w < static_cast<int>(blockDim.x >> 5); ++w) v = is_max ? fmaxf(v, red[w]) : v + red[w];
+  return v;
+}
+
+__device__ void merge_head(const DecodeParams& p, int b, int h) {
+  __shared__ float wsh[kMaxSplits];
+  __shared__ float red[32];
+  const int64_t bh = static_cast<int64_t>(b) * p.NH + h;
+  const float* md = p.part_md + bh * p.splits * 2;
+  float M = -INFINITY;
+  for (int i = threadIdx.x; i < p.splits; i += blockDim.x) {
+    wsh[i] = __ldcg(md + 2 * i);
+    M = fmaxf(M, wsh[i]);
+  }
+  M = block_reduce(M, true, red);
+  float dsum = 0.0f;
+  for (int i = threadIdx.x; i < p.splits; i += blockDim.x) {
+    const float mi = wsh[i];
+    const float w = mi == -INFINITY ? 0.0f : __expf(mi - M);
+    dsum += __ldcg(md + 2 * i + 1) * w;
+    wsh[i] = w;
+  }
+  dsum = block_reduce(dsum, false, red);  // (its barriers also publish wsh)
+  for (int c = threadIdx.x; c < p.D; c += blockDim.x) {
+    const float* po = p.part_o + bh * p.splits * p.D + c;
+    float v = 0.0f;
+#pragma unroll 8
+    for (int i = 0; i < p.splits; ++i) v += __ldcg(po + static_cast<int64_t>(i) * p.D) * wsh[i];
+    const float o = dsum > 0.0f ? v / dsum : 0.0f;
+    const int64_t at = b * p.out_stride + static_cast<int64_t>(h) * p.D + c;
+    switch (p.odt) {
+      case Dt::F16: static_cast<__half*>(p.out)[at] = __float2half_rn(o); break;
+      case Dt::BF16: static_cast<__nv_bfloat16*>(p.out)[at] = __float2bfloat16_rn(o); break;
+      default: static_cast<float*>(p.out)[at] = o; break;
+    }
+  }
+  if (p.md_out && threadIdx.x == 0) {
+    p.md_out[bh * 2] = M;
+    p.md_out[bh * 2 + 1] = dsum;
+  }
+}
+

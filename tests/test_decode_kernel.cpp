@@ -1,0 +1,257 @@
+// The fused decode-attention kernel called directly (kernels/cuda/kernels.h), where the model's
+// path does not reach: several sequences a launch, a chosen number of splits (so that one block's
+// warps walk many tiles of a long packed part and the running maximum moves between them), and
+// every (sequence, kv head) holding fp16 parts around a packed channel-wise part of 1/2/3/4/8-bit
+// random codes, with calibration of the visual scores on and off. Reference: fp64 attention over
+// the dequantized rows (code·scale + zero) with g(x) applied as calibrate_visual defines it.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "core/policies/quantize.h"
+#include "tests/op_harness.h"
+
+#ifdef KVLENS_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/kernels.h"
+#endif
+
+using namespace kvlens;
+using namespace kvlens::testing;
+
+namespace {
+
+#ifdef KVLENS_HAVE_CUDA
+struct Dev {
+  void* p = nullptr;
+  explicit Dev(size_t n) { EXPECT_EQ(cudaMalloc(&p, std::max<size_t>(n, 4)), cudaSuccess); }
+  template <class T>
+  Dev(const std::vector<T>& v) : Dev(v.size() * sizeof(T)) {
+    EXPECT_EQ(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  ~Dev() { cudaFree(p); }
+  Dev(const Dev&) = delete;
+  Dev& operator=(const Dev&) = delete;
+  template <class T>
+  T* as() const { return static_cast<T*>(p); }
+};
+
+struct KernelCase {
+  int B = 3, NH = 6, NKV = 2, D = 128;
+  int n_front = 7, n_packed = 1237, n_back = 29;  // fp16, packed (visual), fp16 rows
+  int bits = 1;
+  int chan_stride = 1;
+  int splits = 0;  // 0: decode_splits
+  bool calibrate = false;
+  float tau1 = 0.5f, tau2 = 2.0f;
+};
+
+std::vector<uint8_t> random_bytes(size_t n) {
+  std::uniform_int_distribution<int> d(0, 255);
+  std::vector<uint8_t> v(n);
+  for (auto& x : v) x = static_cast<uint8_t>(d(rng()));
+  return v;
+}
+
+std::vector<uint16_t> halves(const std::vector<float>& v) {
+  std::vector<uint16_t> h(v.size());
+  for (size_t i = 0; i < v.size(); ++i) h[i] = quant::to_half(v[i]);
+  return h;
+}
+
+void kernel_case(const KernelCase& c) {
+  const std::string what = "B=" + std::to_string(c.B) + " bits=" + std::to_string(c.bits) + " D=" + std::to_string(c.D) +
+                           " splits=" + std::to_string(c.splits) + (c.calibrate ? " calibrated" : "") +
+                           (c.chan_stride ? "" : " one range");
+  SCOPED_TRACE(what);
+  const int D = c.D, G = c.NH / c.NKV, seqs = c.B * c.NKV;
+  const int ranges = c.chan_stride ? D : 1;
+  const int64_t row_bytes = static_cast<int64_t>(D) * c.bits / 8;
+  // Host data per (sequence, kv head): fp16 rows (rounded), codes, fp16 scale / zero.
+  const int nf = c.n_front + c.n_back;
+  const auto f16 = rounded(Dt::F16, randn(static_cast<size_t>(seqs) * nf * D * 2));
+  const auto codes = random_bytes(static_cast<size_t>(seqs) * 2 * c.n_packed * row_bytes);
+  std::vector<float> scale(static_cast<size_t>(seqs) * 2 * ranges), zero(scale.size());
+  {
+    std::uniform_real_distribution<float> s(0.02f, 0.5f), z(-2.0f, 1.0f);
+    for (size_t i = 0; i < scale.size(); ++i) scale[i] = quant::from_half(quant::to_half(s(rng())));
+    for (size_t i = 0; i < zero.size(); ++i) zero[i] = quant::from_half(quant::to_half(z(rng())));
+  }
+  const auto q = randn(static_cast<size_t>(c.B) * c.NH * D);
+  Dev d_f16(halves(f16)), d_codes(codes), d_scale(halves(scale)), d_zero(halves(zero)), d_q(q);
+  // Parts: [fp16 front][packed][fp16 back] per (sequence, kv head).
+  auto f16_at = [&](int sq, int kv, int row) {  // index of row `row` of the sequence's fp16 rows
+    return ((static_cast<size_t>(sq) * 2 + kv) * nf + row) * D;
+  };
+  auto code_at = [&](int sq, int kv) { return (static_cast<size_t>(sq) * 2 + kv) * c.n_packed * row_bytes; };
+  auto range_at = [&](int sq, int kv) { return (static_cast<size_t>(sq) * 2 + kv) * ranges; };
+  std::vector<cuda::PartDesc> parts(static_cast<size_t>(seqs) * 3);
+  for (int sq = 0; sq < seqs; ++sq) {
+    cuda::PartDesc* P = &parts[static_cast<size_t>(sq) * 3];
+    const __half* base = d_f16.as<__half>();
+    P[0].n = c.n_front;
+    P[2].n = c.n_back;
+    for (int kv = 0; kv < 2; ++kv) {
+      (kv ? P[0].v : P[0].k).data = base + f16_at(sq, kv, 0);
+      (kv ? P[2].v : P[2].k).data = base + f16_at(sq, kv, c.n_front);
+      cuda::KvSide& s = kv ? P[1].v : P[1].k;
+      s.fmt = cuda::kChannel;
+      s.bits = c.bits;
+      s.chan_stride = c.chan_stride;
+      s.data = d_codes.as<uint8_t>() + code_at(sq, kv);
+      s.scale = d_scale.as<__half>() + range_at(sq, kv);
+      s.zero = d_zero.as<__half>() + range_at(sq, kv);
+    }
+    P[1].n = c.n_packed;
+    P[1].visual = 1;
+  }
+  const int N = c.n_front + c.n_packed + c.n_back;
+  const int splits = c.splits ? c.splits : cuda::decode_splits(c.B, c.NH, N, 132);
+  const int64_t heads = static_cast<int64_t>(c.B) * c.NH;
+  Dev d_parts(parts), d_np(std::vector<int32_t>(static_cast<size_t>(seqs), 3));
+  Dev po(heads * splits * D * 4), pm(heads * splits * 2 * 4), vr(heads * splits * 2 * 4);
+  Dev sem(std::vector<int32_t>(static_cast<size_t>(heads), 0));
+  Dev out(std::vector<float>(static_cast<size_t>(heads) * D, std::numeric_limits<float>::quiet_NaN()));
+  cuda::DecodeParams p;
+  p.B = c.B;
+  p.NH = c.NH;
+  p.NKV = c.NKV;
+  p.D = D;
+  p.scale = 1.0f / std::sqrt(static_cast<float>(D));
+  p.q = d_q.as<float>();
+  p.q_stride = static_cast<int64_t>(c.NH) * D;
+  p.parts = d_parts.as<cuda::PartDesc>();
+  p.n_parts = d_np.as<int32_t>();
+  p.max_parts = 3;
+  p.splits = splits;
+  p.part_o = po.as<float>();
+  p.part_md = pm.as<float>();
+  p.out = out.p;
+  p.odt = Dt::F32;
+  p.out_stride = static_cast<int64_t>(c.NH) * D;
+  p.sem = sem.as<int>();
+  p.lut_bits = c.bits <= 4 ? c.bits : 0;
+  if (c.calibrate) {
+    p.calibrate = 1;
+    p.tau1 = c.tau1;
+    p.tau2 = c.tau2;
+    p.vis_range = vr.as<float>();
+  }
+  cuda::decode_attention(p, nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<float> got(static_cast<size_t>(heads) * D);
+  ASSERT_EQ(cudaMemcpy(got.data(), out.p, got.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+
+  // fp64 reference over the dequantized rows.
+  std::vector<float> ref(got.size());
+  std::vector<double> bound(got.size());
+  for (int b = 0; b < c.B; ++b)
+    for (int h = 0; h < c.NH; ++h) {
+      const int sq = b * c.NKV + h / G;
+      std::vector<double> K(static_cast<size_t>(N) * D), V(K.size());
+      std::vector<bool> vis(N, false);
+      for (int j = 0; j < N; ++j)
+        for (int kv = 0; kv < 2; ++kv) {
+          std::vector<double>& X = kv ? V : K;
+          for (int e = 0; e < D; ++e) {
+            double x;
+            if (j < c.n_front || j >= c.n_front + c.n_packed) {
+              x = f16[f16_at(sq, kv, j < c.n_front ? j : j - c.n_packed) + e];
+            } else {
+              const int r = j - c.n_front;
+              vis[j] = true;
+              const uint32_t code = quant::unpack_one(codes.data() + code_at(sq, kv), static_cast<int64_t>(r) * D + e, c.bits);
+              const size_t ri = range_at(sq, kv) + (c.chan_stride ? e : 0);
+              x = static_cast<double>(code) * scale[ri] + zero[ri];
+            }
+            X[static_cast<size_t>(j) * D + e] = x;
+          }
+        }
+      const float* qh = q.data() + (static_cast<size_t>(b) * c.NH + h) * D;
+      std::vector<double> s(N);
+      double smag = 0, vmag = 0, lo = INFINITY, hi = -INFINITY;
+      for (int j = 0; j < N; ++j) {
+        double dot = 0, m = 0;
+        for (int e = 0; e < D; ++e) {
+          dot += static_cast<double>(qh[e]) * K[static_cast<size_t>(j) * D + e];
+          m += std::abs(static_cast<double>(qh[e]) * K[static_cast<size_t>(j) * D + e]);
+        }
+        s[j] = dot * p.scale;
+        smag = std::max(smag, m * p.scale);
+        for (int e = 0; e < D; ++e) vmag = std::max(vmag, std::abs(V[static_cast<size_t>(j) * D + e]));
+        if (vis[j]) lo = std::min(lo, s[j]), hi = std::max(hi, s[j]);
+      }
+      double amp = 1.0;
+      if (c.calibrate && hi > lo) {
+        const double t = (hi - lo + c.tau1 - c.tau2) / (hi - lo);
+        for (int j = 0; j < N; ++j)
+          if (vis[j]) s[j] = t * (s[j] - lo) + lo - c.tau1;
+        amp = 2 + 2 * std::abs(t) + 2 * std::abs(c.tau2 - c.tau1) / (hi - lo);
+      }
+      // Score error of fp32 dot products regrouped by post-scaling (×4), as in test_decode_ops.
+      const double ds = amp * 4 * dot_rel(D) * smag;
+      double mx = -INFINITY, z = 0;
+      for (double x : s) mx = std::max(mx, x);
+      for (double& x : s) z += (x = std::exp(x - mx));
+      for (int e = 0; e < D; ++e) {
+        double o = 0;
+        for (int j = 0; j < N; ++j) o += s[j] / z * V[static_cast<size_t>(j) * D + e];
+        const size_t i = (static_cast<size_t>(b) * c.NH + h) * D + e;
+        ref[i] = static_cast<float>(o);
+        bound[i] = (2.5 * ds + 2 * dot_rel(N)) * vmag + 4 * unit(Dt::F32) * vmag;
+      }
+    }
+  expect_within(got, ref, bound, "decode attention " + what);
+}
+#endif
+
+TEST(DecodeKernel, PackedPartsBetweenFp16PartsBatchedAndSplit) {
+#ifndef KVLENS_HAVE_CUDA
+  GTEST_SKIP() << "built without the CUDA backend";
+#else
+  KVLENS_NEED_GPU();
+  for (int bits : {1, 2, 4, 8, 3})
+    for (bool cal : {false, true}) {
+      KernelCase c;
+      c.bits = bits;
+      c.calibrate = cal;
+      c.splits = bits == 1 ? 2 : 0;  // 2: each block ~640 rows, several tiles a warp
+      kernel_case(c);
+    }
+#endif
+}
+
+TEST(DecodeKernel, LongPartFewSplitsOneRangeAndOtherHeadSizes) {
+#ifndef KVLENS_HAVE_CUDA
+  GTEST_SKIP() << "built without the CUDA backend";
+#else
+  KVLENS_NEED_GPU();
+  {
+    KernelCase c;  // one block per head walks 4099 packed rows
+    c.B = 2;
+    c.n_packed = 4099;
+    c.splits = 1;
+    c.calibrate = true;
+    kernel_case(c);
+  }
+  for (int bits : {1, 2}) {
+    KernelCase c;  // one scale / zero for every channel
+    c.bits = bits;
+    c.chan_stride = 0;
+    c.splits = 3;
+    kernel_case(c);
+  }
+  for (int bits : {1, 4}) {
+    KernelCase c;  // head size 64: the lookup-table path
+    c.D = 64;
+    c.bits = bits;
+    c.n_packed = 517;
+    kernel_case(c);
+  }
+#endif
+}
+
+}  // namespace
