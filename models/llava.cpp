@@ -286,7 +286,11 @@ DecodeResult LlavaModel::decode(const PrefillState& st, KVPolicy* policy, const 
   };
   check(0);
   KVStore store = st.store;
-  store.set_row_storage(decode_row_storage(policy, opt.kv_storage));
+  const RowStorage rows = decode_row_storage(policy, opt.kv_storage);
+  if (st.device && rows == RowStorage::Fp32)
+    throw InputError(std::string("fp32 KV rows (") + (policy && policy->row_storage() ? "full:storage=fp32" : "--kv-storage fp32") +
+                     ") need --backend cpu: the " + be_->name() + " backend's KV cache holds fp16 rows");
+  store.set_row_storage(rows);
   std::unique_ptr<DeviceKV> dev = st.device ? st.device->clone() : nullptr;
   // The host store carries rows when anything on the host reads them.
   const bool mirror = !dev || policy || !observers.empty() || compressed;

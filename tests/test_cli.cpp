@@ -76,7 +76,7 @@ TEST(Cli, KvStorageChoosesTheRowStorage) {
   int64_t bytes[2] = {0, 0};
   int i = 0;
   for (const char* s : {"fp16", "fp32"}) {
-    const auto r = kt::run(kt::cli() + " caption --model " + dir + " --image " + dir + "/image.png --max-new-tokens 3" +
+    const auto r = kt::run(kt::cli() + " caption --backend cpu --model " + dir + " --image " + dir + "/image.png --max-new-tokens 3" +
                            " --kv-storage " + s + " --json " + tmp + "/" + s + ".json");
     ASSERT_EQ(r.code, 0) << r.output;
     std::ifstream f(tmp + "/" + s + ".json");

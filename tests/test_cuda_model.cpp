@@ -5,7 +5,6 @@
 // with a clear message where no device is usable.
 #include <gtest/gtest.h>
 
-#include <dirent.h>
 
 #include <algorithm>
 #include <cmath>
@@ -33,20 +32,6 @@ std::string no_gpu() { return cuda_unavailable_reason(); }
     if (!why.empty()) GTEST_SKIP() << "no CUDA device: " << why;   \
   } while (0)
 
-std::vector<std::string> fixture_dirs() {
-  std::vector<std::string> r;
-  const std::string root = kt::source_dir() + "/tests/fixtures/hf";
-  if (DIR* d = opendir(root.c_str())) {
-    while (dirent* e = readdir(d)) {
-      const std::string p = root + "/" + e->d_name;
-      if (e->d_name[0] != '.' && std::ifstream(p + "/expected.json").good()) r.push_back(p);
-    }
-    closedir(d);
-  }
-  std::sort(r.begin(), r.end());
-  return r;
-}
-
 double max_rel(const std::vector<float>& a, const std::vector<float>& ref) {
   double d = 0, m = 0;
   for (size_t i = 0; i < ref.size(); ++i) {
@@ -58,7 +43,7 @@ double max_rel(const std::vector<float>& a, const std::vector<float>& ref) {
 
 TEST(CudaModel, FixturesMatchCpuAndTransformers) {
   NEED_GPU();
-  const auto dirs = fixture_dirs();
+  const auto dirs = kt::hf_fixture_dirs();
   ASSERT_GE(dirs.size(), 3u);
   for (const std::string& dir : dirs) {
     std::ifstream f(dir + "/expected.json");
@@ -190,6 +175,21 @@ TEST(CudaModel, CliCaptionOnCudaEqualsCpu) {
   ASSERT_EQ(c.code, 0) << c.output;
   ASSERT_EQ(g.code, 0) << g.output;
   EXPECT_EQ(c.output, g.output);
+}
+
+// The device KV cache holds fp16 rows: asking for exact fp32 rows on it is refused with a message
+// naming the setting and the backend that has them, never silently stored as fp16.
+TEST(CudaModel, Fp32RowsAreRefusedOnTheDevice) {
+  NEED_GPU();
+  const auto r = kt::run(kt::cli() + " caption --backend cuda --kv-storage fp32 --max-new-tokens 2");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("--kv-storage fp32"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("--backend cpu"), std::string::npos) << r.output;
+  const auto m = kt::run(kt::cli() + " run --backend cuda --method full:storage=fp32 --max-new-tokens 2");
+  EXPECT_EQ(m.code, 2) << m.output;
+  EXPECT_NE(m.output.find("full:storage=fp32"), std::string::npos) << m.output;
+  const auto c = kt::run(kt::cli() + " caption --backend cpu --kv-storage fp32 --max-new-tokens 2");
+  EXPECT_EQ(c.code, 0) << c.output;
 }
 
 TEST(CudaModel, CliRefusesCudaWithoutADevice) {

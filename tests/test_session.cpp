@@ -154,7 +154,8 @@ TEST(Session, CliRunsASessionAndSavesOne) {
   const std::string tmp = kt::make_temp_dir("sess");
   const std::string fix = kt::source_dir() + "/tests/fixtures/hf/mha_fp32_hub";
   kt::write_file(tmp + "/s.json", R"({"name": "t", "max_new_tokens": 3, "kv_storage": "fp32", "methods": ["calibquant:bits=1", "vlcache:budget=0.5"]})");
-  const auto r = kt::run(kt::cli() + " run --model " + fix + " --image " + fix + "/image.png --session " + tmp +
+  // fp32 rows are a CPU-backend storage (the CUDA KV cache holds fp16 rows).
+  const auto r = kt::run(kt::cli() + " run --backend cpu --model " + fix + " --image " + fix + "/image.png --session " + tmp +
                          "/s.json --save-session " + tmp + "/saved.json --report " + tmp + "/r.json");
   ASSERT_EQ(r.code, 0) << r.output;
   const Session saved = load_session(tmp + "/saved.json");
