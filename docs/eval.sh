@@ -54,6 +54,12 @@ best() { python3 -c "import json,sys; b=json.load(open('$OUT/calibrate/calibrati
   echo
   cat "$OUT/methods/table.md"
   echo
+  echo "METEOR is pycocoevalcap's corpus score (its meteor-1.5.jar), not a mean of per-caption scores:"
+  echo 'on these captions a row whose 100 captions all equal a reference word for word scores 1.000, and'
+  echo 'one caption with two objects swapped among 99 exact ones brings it to 0.816 (`full` against'
+  echo '`zipcache`, which differ in that one caption). pycocoevalcap gives the same numbers on the'
+  echo 'results files in `results/`.'
+  echo
   echo "## CalibQuant τ1/τ2 by CIDEr-D"
   echo
   echo '```'
