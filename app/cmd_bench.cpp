@@ -4,6 +4,7 @@
 //                            bandwidth measured in the same run ÷ language-model weight bytes
 //   kvlens bench attention   decode attention alone (CUDA): fp16 and 4/2/1-bit caches, contexts,
 //                            batch sizes; achieved bandwidth as a share of the copy bandwidth
+//   kvlens bench gemv        the decode step's one-token products alone (CUDA)
 //   kvlens bench throughput  CalibQuant's Fig. 3 (CUDA): largest batch under a KV memory budget
 //                            and decode tokens/s, fp16 against 2-bit and 1-bit visual tokens
 #include <cblas.h>
@@ -210,6 +211,44 @@ void run_attention(const AttnArgs& a) {
 #endif
 }
 
+struct GemvArgs {
+  std::vector<int> rows_per_warp{0, 1, 2, 4, 8};
+  int reps = 40, device = 0;
+  std::string json;
+};
+
+void run_gemv(const GemvArgs& a) {
+  need_cuda("gemv");
+  for (int r : a.rows_per_warp)
+    if (r != 0 && r != 1 && r != 2 && r != 4 && r != 8)
+      throw InputError("--rows-per-warp: each must be 0 (the kernel's choice), 1, 2, 4 or 8, got " + std::to_string(r));
+#ifdef KVLENS_HAVE_CUDA
+  BackendOptions o;
+  o.kind = "cuda";
+  o.device = a.device;
+  auto be = make_backend(o);
+  const double copy = be->copy_bandwidth();
+  cuda::GemvBenchConfig c;
+  c.device = a.device;
+  c.rows_per_warp = a.rows_per_warp;
+  c.reps = a.reps;
+  const auto rows = cuda::bench_gemv(c);
+  std::printf("one-token products (LLaVA-1.5-7B sizes, fp16 weights), %s; copy bandwidth %.1f GB/s\n",
+              be->device().c_str(), copy / 1e9);
+  std::printf("%-8s %-14s %6s %6s %5s %4s %9s %9s %8s\n", "product", "input", "N", "K", "rows", "pdl", "us", "GB/s",
+              "of copy");
+  nlohmann::json j = nlohmann::json::array();
+  for (const auto& r : rows) {
+    std::printf("%-8s %-14s %6d %6d %5s %4s %9.2f %9.1f %7.1f%%\n", r.name.c_str(), r.input.c_str(), r.N, r.K,
+                r.rows_per_warp ? std::to_string(r.rows_per_warp).c_str() : "auto", r.pdl ? "on" : "off", r.us, r.gbs,
+                100 * r.gbs * 1e9 / copy);
+    j.push_back({{"product", r.name}, {"input", r.input}, {"N", r.N}, {"K", r.K}, {"rows_per_warp", r.rows_per_warp},
+                 {"pdl", r.pdl}, {"us", r.us}, {"gbs", r.gbs}});
+  }
+  write_json(a.json, {{"device", be->device()}, {"copy_bandwidth_gbs", copy / 1e9}, {"rows", j}});
+#endif
+}
+
 struct ThroughputArgs {
   std::vector<double> budgets{5, 10, 15, 20, 25, 30};
   std::vector<int> bits{16, 2, 1};
@@ -263,7 +302,7 @@ void run_throughput(const ThroughputArgs& a) {
 
 void add_bench_command(CLI::App& root) {
   auto a = std::make_shared<BenchArgs>();
-  CLI::App* c = root.add_subcommand("bench", "Speed: caption latency and decode roofline; 'attention' and 'throughput' on CUDA");
+  CLI::App* c = root.add_subcommand("bench", "Speed: caption latency and decode roofline; 'attention', 'gemv' and 'throughput' on CUDA");
   c->require_subcommand(0, 1);
   c->add_option("--model", a->model, "Model directory (default: the embedded model)");
   add_backend_options(c, a->backend);
@@ -288,6 +327,14 @@ void add_bench_command(CLI::App& root) {
   at->add_flag("--no-calibration", t->no_calib, "Skip the 1-bit row with in-kernel calibration");
   at->add_option("--json", t->json, "Also write the rows as JSON here");
   at->callback([t] { run_attention(*t); });
+
+  auto gv = std::make_shared<GemvArgs>();
+  CLI::App* gm = c->add_subcommand("gemv", "One-token products alone (CUDA): decode-step sizes vs copy bandwidth");
+  add_ints(gm, "--rows-per-warp", gv->rows_per_warp, 0, 8, "0 = the kernel's choice, else 1, 2, 4 or 8");
+  add_int(gm, "--reps", gv->reps, 1, 100000, "Calls per timing (median of 5)");
+  add_int(gm, "--device", gv->device, 0, 1024, "CUDA device ordinal");
+  gm->add_option("--json", gv->json, "Also write the rows as JSON here");
+  gm->callback([gv] { run_gemv(*gv); });
 
   auto u = std::make_shared<ThroughputArgs>();
   CLI::App* th = c->add_subcommand("throughput", "CalibQuant Fig. 3 (CUDA): largest batch under a KV budget and tokens/s");

@@ -164,6 +164,13 @@ class Backend {
                         Buffer& out) = 0;
   // out[M][I] = act(gu[:, :I]) ⊙ gu[:, I:] with gu fp32 [M][2I].
   virtual void gated_act(const Buffer& gu, cpu::Act act, Buffer& out) = 0;
+  // x = gated_act(gu), then y = x·Wᵀ (+ y when accumulate): one op, so a device can fold the
+  // gate into the product's input read (x is scratch afterwards). The default runs the two ops.
+  virtual void gated_linear(const Buffer& gu, cpu::Act act, Buffer& x, const Buffer& W, Buffer& y,
+                            bool accumulate) {
+    gated_act(gu, act, x);
+    linear(x, W, nullptr, y, accumulate);
+  }
   // Rotary embedding ("rotate half") of the q and k heads of qkv, in place; pos I32 [T].
   virtual void rope(Buffer& qkv, const AttnLayout& l, const Buffer& pos, float theta) = 0;
   // out[t] = table[ids[t]] (ids I32 [T], every id < table rows; out fp32).

@@ -102,9 +102,13 @@ void linear_case(Dt dt, int M, int K, int N, bool bias, bool acc) {
 }
 
 TEST(Ops, Linear) {
-  linear_case(Dt::F16, 1, 264, 333, true, false);    // the gemv path
-  linear_case(Dt::F16, 1, 1032, 4101, false, true);  // gemv, accumulate (residual)
+  // The gemv path: its rows-per-warp choice grows with N (on an H100: 1 up to 2112 rows, 2 up to
+  // 4224, 4 up to 8448, else 8), so these sizes reach each, with K/8 chunks that fill no stage.
+  linear_case(Dt::F16, 1, 264, 333, true, false);
+  linear_case(Dt::F16, 1, 1032, 4101, false, true);  // accumulate (the residual)
   linear_case(Dt::BF16, 1, 520, 77, true, true);
+  linear_case(Dt::BF16, 1, 136, 6007, true, false);
+  linear_case(Dt::F16, 1, 264, 17011, false, true);
   linear_case(Dt::F16, 37, 200, 129, true, false);   // cuBLAS
   linear_case(Dt::BF16, 45, 96, 250, false, true);
   linear_case(Dt::F32, 3, 77, 61, true, true);       // fp32 checkpoint: cuBLAS fp32
@@ -151,6 +155,70 @@ void norm_linear_case(Dt dt, int K, int N) {
 TEST(Ops, NormLinear) {
   norm_linear_case(Dt::F16, 1032, 4103);
   norm_linear_case(Dt::BF16, 264, 77);
+  norm_linear_case(Dt::F16, 520, 9001);
+  norm_linear_case(Dt::BF16, 4104, 2049);
+  KVLENS_GPU_HALF_SKIPPED();
+}
+
+double act_ref(cpu::Act act, double v) {
+  switch (act) {
+    case cpu::Act::Gelu: return 0.5 * v * (1 + std::erf(v / std::sqrt(2.0)));
+    case cpu::Act::GeluTanh: return 0.5 * v * (1 + std::tanh(0.7978845608028654 * (v + 0.044715 * v * v * v)));
+    case cpu::Act::QuickGelu: return v / (1 + std::exp(-1.702 * v));
+    case cpu::Act::Silu: return v / (1 + std::exp(-v));
+    case cpu::Act::Relu: return v > 0 ? v : 0;
+  }
+  return v;
+}
+
+// The MLP's gate folded into the down projection: x = act(gate)·up rounded to the matrix dtype
+// (as gated_act stores it), then y (+)= x·Wᵀ, against fp64 on the same inputs.
+void gated_linear_case(Dt dt, cpu::Act act, int I, int N, bool acc) {
+  const auto gu = randn(static_cast<size_t>(2) * I, 2.0f), y0 = randn(N);
+  const auto w = rounded(dt, randn(static_cast<size_t>(N) * I, 1.0f / std::sqrt(static_cast<float>(I))));
+  const Backends2 B = both(dt);
+  for (int i = 0; i < 2; ++i) {
+    Backend* be = B.be[i];
+    if (!be) continue;
+    const Dt xdt = i == 0 ? Dt::F32 : dt;  // the CPU keeps x in fp32
+    std::vector<double> x(I), xerr(I);
+    for (int k = 0; k < I; ++k) {
+      const double g = gu[k], u = gu[I + k], a = act_ref(act, g);
+      x[k] = a * u;
+      // fp32 evaluation of the activation (a few ulps, as in NormsActivations), then one rounding
+      xerr[k] = 16 * unit(Dt::F32) * (std::abs(g) + 1) * (std::abs(a) + 1) * std::abs(u) + unit(xdt) * std::abs(x[k]) +
+                tiny(xdt);
+    }
+    std::vector<float> ref(N);
+    std::vector<double> bound(N);
+    for (int n = 0; n < N; ++n) {
+      double s = acc ? y0[n] : 0.0, mag = std::abs(s), xe = 0;
+      for (int k = 0; k < I; ++k) {
+        const double wk = w[static_cast<size_t>(n) * I + k];
+        s += x[k] * wk;
+        mag += std::abs(x[k] * wk);
+        xe += std::abs(wk) * xerr[k];
+      }
+      ref[n] = static_cast<float>(s);
+      bound[n] = dot_rel(I + 2) * mag + xe + 2 * unit(Dt::F32) * std::abs(s);
+    }
+    const Raw rw = raw("w", dt, {N, I}, w);
+    Buffer W = be->matrix("w", {rw.t});
+    Buffer GU = make(*be, "gu", {1, 2 * I}, Dt::F32, gu);
+    Buffer X = poisoned(*be, "x", {1, I}, W.dt);
+    Buffer Y = acc ? make(*be, "y", {1, N}, Dt::F32, y0) : poisoned(*be, "y", {1, N}, Dt::F32);
+    be->gated_linear(GU, act, X, W, Y, acc);
+    expect_within(read(*be, Y), ref, bound,
+                  std::string(B.name[i]) + " gated_linear " + dt_name(dt) + " " + std::to_string(I) + "x" +
+                      std::to_string(N));
+  }
+}
+
+TEST(Ops, GatedLinear) {
+  gated_linear_case(Dt::F16, cpu::Act::Silu, 1000, 515, true);   // K/8 = 125 chunks
+  gated_linear_case(Dt::BF16, cpu::Act::Silu, 2056, 4103, true);
+  gated_linear_case(Dt::F16, cpu::Act::Gelu, 88, 6007, false);
+  gated_linear_case(Dt::F16, cpu::Act::Silu, 36, 77, true);      // K not a multiple of 8: two ops
   KVLENS_GPU_HALF_SKIPPED();
 }
 

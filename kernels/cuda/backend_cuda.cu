@@ -252,9 +252,11 @@ class CudaBackend : public Backend {
     if (ctx_->replay) return;
     auto prof_scope = prof_.scope("linear", *ctx_);
     const bool aligned = (reinterpret_cast<uintptr_t>(x.data) & 15) == 0 && (reinterpret_cast<uintptr_t>(W.data) & 15) == 0;
-    if (M == 1 && (W.dt == Dt::F16 || W.dt == Dt::BF16) && K % 8 == 0 && aligned) {
-      gemv(W.data, x.data, W.dt, static_cast<int>(N), static_cast<int>(K), bias ? bias->as<float>() : nullptr,
-           y.as<float>(), accumulate, ctx_->n_sm, ctx_->stream);
+    if (M == 1 && gemv_supported(W.dt, static_cast<int>(K)) && aligned) {
+      GemvParams p;
+      p.W = W.data, p.dt = W.dt, p.N = static_cast<int>(N), p.K = static_cast<int>(K), p.x = x.data;
+      p.bias = bias ? bias->as<float>() : nullptr, p.y = y.as<float>(), p.accumulate = accumulate;
+      gemv(p, ctx_->n_sm, ctx_->stream);
       return;
     }
     if (bias) add_bias_rows(y.as<float>(), bias->as<float>(), M, N, accumulate, ctx_->stream);
@@ -268,7 +270,7 @@ class CudaBackend : public Backend {
   void norm_linear(const Buffer& h, const Buffer& g, float eps, Buffer& x, const Buffer& W, const Buffer* bias,
                    Buffer& y) override {
     const int64_t K = h.cols();
-    const bool fused = h.rows() == 1 && h.dt == Dt::F32 && (W.dt == Dt::F16 || W.dt == Dt::BF16) && K % 8 == 0 &&
+    const bool fused = h.rows() == 1 && h.dt == Dt::F32 && gemv_supported(W.dt, static_cast<int>(K)) &&
                        W.cols() == K && y.dt == Dt::F32 && y.cols() == W.rows() && g.numel() == K &&
                        ((reinterpret_cast<uintptr_t>(h.data) | reinterpret_cast<uintptr_t>(g.data) |
                          reinterpret_cast<uintptr_t>(W.data)) & 15) == 0;
@@ -276,8 +278,24 @@ class CudaBackend : public Backend {
     if (bias) need(bias->numel() == W.rows() && bias->dt == Dt::F32, "norm_linear: bias " + bias->name);
     if (ctx_->replay) return;
     auto prof_scope = prof_.scope("norm_linear", *ctx_);
-    gemv_norm(W.data, W.dt, static_cast<int>(W.rows()), static_cast<int>(K), h.as<float>(), g.as<float>(), eps,
-              bias ? bias->as<float>() : nullptr, y.as<float>(), ctx_->n_sm, ctx_->stream);
+    GemvParams p;
+    p.W = W.data, p.dt = W.dt, p.N = static_cast<int>(W.rows()), p.K = static_cast<int>(K);
+    p.h = h.as<float>(), p.g = g.as<float>(), p.eps = eps;
+    p.bias = bias ? bias->as<float>() : nullptr, p.y = y.as<float>();
+    gemv(p, ctx_->n_sm, ctx_->stream);
+  }
+  void gated_linear(const Buffer& gu, cpu::Act act, Buffer& x, const Buffer& W, Buffer& y, bool accumulate) override {
+    const int64_t I = W.cols();
+    const bool fused = gu.rows() == 1 && gu.dt == Dt::F32 && gu.cols() == 2 * I && x.numel() == I && x.dt == W.dt &&
+                       gemv_supported(W.dt, static_cast<int>(I)) && y.dt == Dt::F32 && y.numel() == W.rows() &&
+                       ((reinterpret_cast<uintptr_t>(gu.data) | reinterpret_cast<uintptr_t>(W.data)) & 15) == 0;
+    if (!fused) return Backend::gated_linear(gu, act, x, W, y, accumulate);
+    if (ctx_->replay) return;
+    auto prof_scope = prof_.scope("gated_linear", *ctx_);
+    GemvParams p;
+    p.W = W.data, p.dt = W.dt, p.N = static_cast<int>(W.rows()), p.K = static_cast<int>(I);
+    p.gu = gu.as<float>(), p.act = static_cast<int>(act), p.y = y.as<float>(), p.accumulate = accumulate;
+    gemv(p, ctx_->n_sm, ctx_->stream);
   }
   void rms_norm(const Buffer& x, const Buffer& g, float eps, Buffer& y) override {
     need(x.dt == Dt::F32 && x.numel() == y.numel() && g.numel() == x.cols(), "rms_norm: " + x.name + " → " + y.name);

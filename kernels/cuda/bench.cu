@@ -421,4 +421,75 @@ std::vector<ThroughputRow> bench_throughput(const ThroughputConfig& c) {
   return out;
 }
 
+std::vector<GemvBenchRow> bench_gemv(const GemvBenchConfig& c) {
+  Stream st(c.device);
+  const int SM = n_sm(c.device);
+  const int64_t L2 = l2_bytes(c.device);
+  const int H = c.hidden, I = c.intermediate;
+  struct Shape {
+    const char* name;
+    const char* input;
+    int N, K;
+  };
+  const Shape shapes[] = {{"q/k/v", "rmsnorm(h)", 3 * H, H},
+                          {"o", "x", H, H},
+                          {"gate/up", "rmsnorm(h)", 2 * I, H},
+                          {"down", "silu(gate)*up", H, I},
+                          {"lm head", "rmsnorm(h)", c.vocab, H}};
+  Mem x(static_cast<int64_t>(I) * 2, "gemv bench x"), h(static_cast<int64_t>(I) * 4, "gemv bench h"),
+      g(static_cast<int64_t>(I) * 4, "gemv bench g"), gu(static_cast<int64_t>(I) * 8, "gemv bench gate/up"),
+      y(static_cast<int64_t>(std::max(c.vocab, 2 * I)) * 4, "gemv bench y");
+  fill_half(x, -1.0f, 1.0f, 1, st.s);
+  fill_float_kernel<<<grid(I), 256, 0, st.s>>>(h.as<float>(), I, -2.0f, 2.0f, 2);
+  fill_float_kernel<<<grid(I), 256, 0, st.s>>>(g.as<float>(), I, 0.5f, 1.5f, 3);
+  fill_float_kernel<<<grid(2 * I), 256, 0, st.s>>>(gu.as<float>(), 2 * I, -2.0f, 2.0f, 4);
+  std::vector<GemvBenchRow> rows;
+  for (const Shape& sh : shapes) {
+    const int64_t wbytes = static_cast<int64_t>(sh.N) * sh.K * 2;
+    const int copies = static_cast<int>(std::clamp<int64_t>((3 * L2 + wbytes - 1) / wbytes, 2, 16));
+    std::vector<std::unique_ptr<Mem>> W;
+    for (int i = 0; i < copies; ++i) {
+      W.push_back(std::make_unique<Mem>(wbytes, std::string("gemv bench ") + sh.name));
+      fill_half(*W.back(), -0.05f, 0.05f, 100 + i, st.s);
+    }
+    KV_LAUNCH("fill_half_kernel", "gemv bench weights");
+    std::vector<std::pair<int, bool>> variants;
+    for (int r : c.rows_per_warp) variants.push_back({r, true});
+    variants.push_back({0, false});
+    for (auto [R, pdl] : variants) {
+      GemvParams p;
+      p.dt = Dt::F16, p.N = sh.N, p.K = sh.K, p.y = y.as<float>(), p.rows_per_warp = R, p.pdl = pdl;
+      const std::string in = sh.input;
+      if (in == "x") p.x = x.p, p.accumulate = true;
+      else if (in == "rmsnorm(h)") p.h = h.as<float>(), p.g = g.as<float>(), p.eps = 1e-5f;
+      else p.gu = gu.as<float>(), p.act = static_cast<int>(cpu::Act::Silu), p.accumulate = true;
+      auto calls = [&](int n) {
+        for (int i = 0; i < n; ++i) {
+          p.W = W[i % copies]->p;
+          gemv(p, SM, st.s);
+        }
+      };
+      calls(copies);  // warm-up
+      Events ev;
+      std::vector<float> ms;
+      for (int t = 0; t < 5; ++t) {
+        cudaEventRecord(ev.a, st.s);
+        calls(c.reps);
+        cudaEventRecord(ev.b, st.s);
+        KV_CUDA(cudaEventSynchronize(ev.b), "gemv bench");
+        float m = 0;
+        cudaEventElapsedTime(&m, ev.a, ev.b);
+        ms.push_back(m);
+      }
+      std::sort(ms.begin(), ms.end());
+      GemvBenchRow r;
+      r.name = sh.name, r.input = sh.input, r.N = sh.N, r.K = sh.K, r.rows_per_warp = R, r.pdl = pdl;
+      r.us = 1e3 * ms[2] / c.reps;
+      r.gbs = static_cast<double>(wbytes) / (r.us * 1e3);
+      rows.push_back(r);
+    }
+  }
+  return rows;
+}
+
 }  // namespace kvlens::cuda

@@ -53,4 +53,25 @@ struct ThroughputRow {
 };
 std::vector<ThroughputRow> bench_throughput(const ThroughputConfig& c);
 
+// The decode step's one-token products alone (gemv.cu) at a LLaVA-1.5-7B-shaped decoder's sizes,
+// random fp16 weights rotated among copies larger than L2: each shape as the step runs it (q/k/v
+// and gate/up with the RMSNorm folded in, the output projection plain, the down projection with
+// the SiLU gate folded in, the LM head) for each rows-per-warp choice (0 = the kernel's own),
+// launched back to back as in a replayed step; the kernel's own choice also without
+// programmatic dependent launch.
+struct GemvBenchConfig {
+  int device = 0;
+  int hidden = 4096, intermediate = 11008, vocab = 32064;
+  std::vector<int> rows_per_warp{0, 1, 2, 4, 8};
+  int reps = 40;  // calls per timing (median of 5 timings)
+};
+struct GemvBenchRow {
+  std::string name, input;  // "q/k/v", ...; "x", "rmsnorm(h)", "silu(gate)*up"
+  int N = 0, K = 0, rows_per_warp = 0;
+  bool pdl = true;
+  double us = 0;   // per call
+  double gbs = 0;  // weight bytes / time
+};
+std::vector<GemvBenchRow> bench_gemv(const GemvBenchConfig& c);
+
 }  // namespace kvlens::cuda

@@ -561,6 +561,11 @@ __device__ void run_fast(int kind, const PartDesc& P, int a, int e, const float*
 
 template <int L>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) decode_kernel(DecodeParams p, int mode) {
+#if __CUDA_ARCH__ >= 900
+  // Every block has started: the next product (launched as a programmatic dependent) may start
+  // its weight reads; it waits for this kernel to finish before reading the attention output.
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
   constexpr int G = kThreads / L;
   __shared__ float sh_m[G], sh_d[G];
   __shared__ float sh_o[G][8 * L + 1];

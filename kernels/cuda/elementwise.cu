@@ -8,18 +8,6 @@ namespace kvlens::cuda {
 
 namespace {
 
-__device__ __forceinline__ float activate(float v, int act) {
-  switch (act) {
-    case static_cast<int>(cpu::Act::Gelu): return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
-    case static_cast<int>(cpu::Act::GeluTanh):
-      return 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
-    case static_cast<int>(cpu::Act::QuickGelu): return v / (1.0f + expf(-1.702f * v));
-    case static_cast<int>(cpu::Act::Silu): return v / (1.0f + expf(-v));
-    case static_cast<int>(cpu::Act::Relu): return v > 0.0f ? v : 0.0f;
-  }
-  return v;
-}
-
 // Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
 __device__ float block_sum(float v, float* sh) {
   v = warp_sum(v);
@@ -157,6 +145,9 @@ __global__ void softmax_rows_kernel(float* x, int n) {
 }
 
 __global__ void first_nonfinite_kernel(const float* x, int64_t n, unsigned long long* slot) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");  // the next product may start its weight reads
+#endif
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
     if (!isfinite(x[i]))

@@ -34,13 +34,32 @@ void softmax_rows(float* x, int64_t rows, int n, cudaStream_t s);
 void first_nonfinite(const float* x, int64_t n, unsigned long long* slot, cudaStream_t s);
 
 // ---- matrix-vector product for one token (gemv.cu) ---------------------------------------------
-// y[N] = W[N][K]·x[K] (+ bias) (+ y when accumulate); W and x f16 or bf16, K a multiple of 8.
-void gemv(const void* W, const void* x, Dt dt, int N, int K, const float* bias, float* y, bool accumulate,
-          int n_sm, cudaStream_t s);
-// The same with x = RMSNorm(h)·g computed inside (h, g fp32 [K]), rounded to the weights' dtype
-// as rms_norm stores it: the decode step's norm and projection in one kernel.
-void gemv_norm(const void* W, Dt dt, int N, int K, const float* h, const float* g, float eps, const float* bias,
-               float* y, int n_sm, cudaStream_t s);
+// y[N] = W[N][K]·x[K] (+ bias) (+ y when accumulate); W f16 or bf16 [N][K], K a multiple of 8 up
+// to kGemvMaxK, 16-byte aligned pointers. The input x[K] is, by which pointer is set:
+//   x:     the vector itself (the weights' dtype);
+//   h, g:  RMSNorm(h)·g computed inside (h, g fp32 [K]), rounded to the weights' dtype as
+//          rms_norm stores it (the decode step's norm and projection in one kernel);
+//   gu:    act(gu[:K]) ⊙ gu[K:] (gu fp32 [2K]), rounded as gated_act stores it (the MLP's gate
+//          folded into the down projection).
+constexpr int kGemvMaxK = 16384;  // x is staged in 32 KiB of shared memory
+struct GemvParams {
+  const void* W = nullptr;
+  Dt dt = Dt::F16;
+  int N = 0, K = 0;
+  const void* x = nullptr;
+  const float* h = nullptr;
+  const float* g = nullptr;
+  float eps = 0.0f;
+  const float* gu = nullptr;
+  int act = 0;  // static_cast<int>(cpu::Act)
+  const float* bias = nullptr;
+  float* y = nullptr;
+  bool accumulate = false;
+  int rows_per_warp = 0;  // 1, 2, 4 or 8; 0 = the fewest that keep all warps resident at once
+  bool pdl = true;        // programmatic dependent launch (off also with KVLENS_CUDA_PDL=0)
+};
+bool gemv_supported(Dt dt, int K);
+void gemv(const GemvParams& p, int n_sm, cudaStream_t s);
 
 // ---- prefill attention (attention.cu) ---------------------------------------------------------
 // out[T][n_heads·D] (dtype odt) from q/k/v in qkv (fp32); tiled with an online softmax.
