@@ -256,7 +256,7 @@ class CudaBackend : public Backend {
       GemvParams p;
       p.W = W.data, p.dt = W.dt, p.N = static_cast<int>(N), p.K = static_cast<int>(K), p.x = x.data;
       p.bias = bias ? bias->as<float>() : nullptr, p.y = y.as<float>(), p.accumulate = accumulate;
-      gemv(p, ctx_->n_sm, ctx_->stream);
+      gemv(p, ctx_->stream);
       return;
     }
     if (bias) add_bias_rows(y.as<float>(), bias->as<float>(), M, N, accumulate, ctx_->stream);
@@ -282,7 +282,7 @@ class CudaBackend : public Backend {
     p.W = W.data, p.dt = W.dt, p.N = static_cast<int>(W.rows()), p.K = static_cast<int>(K);
     p.h = h.as<float>(), p.g = g.as<float>(), p.eps = eps;
     p.bias = bias ? bias->as<float>() : nullptr, p.y = y.as<float>();
-    gemv(p, ctx_->n_sm, ctx_->stream);
+    gemv(p, ctx_->stream);
   }
   void gated_linear(const Buffer& gu, cpu::Act act, Buffer& x, const Buffer& W, Buffer& y, bool accumulate) override {
     const int64_t I = W.cols();
@@ -295,7 +295,7 @@ class CudaBackend : public Backend {
     GemvParams p;
     p.W = W.data, p.dt = W.dt, p.N = static_cast<int>(W.rows()), p.K = static_cast<int>(I);
     p.gu = gu.as<float>(), p.act = static_cast<int>(act), p.y = y.as<float>(), p.accumulate = accumulate;
-    gemv(p, ctx_->n_sm, ctx_->stream);
+    gemv(p, ctx_->stream);
   }
   void rms_norm(const Buffer& x, const Buffer& g, float eps, Buffer& y) override {
     need(x.dt == Dt::F32 && x.numel() == y.numel() && g.numel() == x.cols(), "rms_norm: " + x.name + " → " + y.name);

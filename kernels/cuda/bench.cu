@@ -423,7 +423,6 @@ std::vector<ThroughputRow> bench_throughput(const ThroughputConfig& c) {
 
 std::vector<GemvBenchRow> bench_gemv(const GemvBenchConfig& c) {
   Stream st(c.device);
-  const int SM = n_sm(c.device);
   const int64_t L2 = l2_bytes(c.device);
   const int H = c.hidden, I = c.intermediate;
   struct Shape {
@@ -466,7 +465,7 @@ std::vector<GemvBenchRow> bench_gemv(const GemvBenchConfig& c) {
       auto calls = [&](int n) {
         for (int i = 0; i < n; ++i) {
           p.W = W[i % copies]->p;
-          gemv(p, SM, st.s);
+          gemv(p, st.s);
         }
       };
       calls(copies);  // warm-up

@@ -6,7 +6,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <string>
+#include <utility>
 
 #include "core/backend.h"
 #include "core/errors.h"
@@ -106,6 +108,46 @@ void dispatch_float(Dt dt, F&& f) {
     case Dt::I32: break;
   }
   throw InternalError("cuda: an integer buffer where a float one is needed");
+}
+
+// ---- programmatic dependent launch ----------------------------------------------------------
+// A kernel started by launch_dependent() may begin while the previous kernel in the stream is
+// still running: it calls pdl_wait() before it touches memory that earlier kernels write (it
+// may read constant data, such as weights, before). pdl_trigger() lets the next such kernel be
+// scheduled once every block of this one has called it or exited; the next kernel's pdl_wait()
+// still waits for this one to finish. Both are no-ops when the kernel was launched normally.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+// On unless KVLENS_CUDA_PDL=0 (to measure what it gains).
+inline bool pdl_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("KVLENS_CUDA_PDL");
+    return !(e && std::string(e) == "0");
+  }();
+  return on;
+}
+template <class... P, class... A>
+cudaError_t launch_dependent(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, bool pdl,
+                             A&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cudaLaunchAttribute at[1];
+  at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  at[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = at;
+  cfg.numAttrs = pdl && pdl_enabled() ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...);
 }
 
 inline int blocks_for(int64_t n, int threads) { return static_cast<int>((n + threads - 1) / threads); }

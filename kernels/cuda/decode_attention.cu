@@ -561,11 +561,10 @@ __device__ void run_fast(int kind, const PartDesc& P, int a, int e, const float*
 
 template <int L>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) decode_kernel(DecodeParams p, int mode) {
-#if __CUDA_ARCH__ >= 900
-  // Every block has started: the next product (launched as a programmatic dependent) may start
-  // its weight reads; it waits for this kernel to finish before reading the attention output.
-  asm volatile("griddepcontrol.launch_dependents;");
-#endif
+  pdl_wait();
+  // Every block has started: the next product may start its weight reads (it waits for this
+  // kernel to finish before it reads the attention output).
+  pdl_trigger();
   constexpr int G = kThreads / L;
   __shared__ float sh_m[G], sh_d[G];
   __shared__ float sh_o[G][8 * L + 1];
@@ -723,7 +722,8 @@ void launch_l(const DecodeParams& p, int mode, cudaStream_t s) {
     allowed = bytes;
   }
   dim3 grid(p.splits, p.NH, p.B);
-  decode_kernel<L><<<grid, kThreads, bytes, s>>>(q, mode);
+  KV_CUDA(launch_dependent(decode_kernel<L>, grid, kThreads, bytes, s, true, q, mode),
+          "decode_kernel for " + std::to_string(p.B) + "x" + std::to_string(p.NH) + " heads");
 }
 
 void launch(const DecodeParams& p, int mode, cudaStream_t s) {

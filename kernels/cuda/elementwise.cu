@@ -145,9 +145,8 @@ __global__ void softmax_rows_kernel(float* x, int n) {
 }
 
 __global__ void first_nonfinite_kernel(const float* x, int64_t n, unsigned long long* slot) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;");  // the next product may start its weight reads
-#endif
+  pdl_wait();
+  pdl_trigger();  // the next product may start its weight reads
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
     if (!isfinite(x[i]))
@@ -226,8 +225,8 @@ void embed(const void* table, Dt tdt, int64_t V, int64_t H, const int32_t* ids, 
 
 void first_nonfinite(const float* x, int64_t n, unsigned long long* slot, cudaStream_t s) {
   if (n == 0) return;
-  first_nonfinite_kernel<<<grid_for(n), 256, 0, s>>>(x, n, slot);
-  KV_LAUNCH("first_nonfinite_kernel", std::to_string(n) + " values");
+  KV_CUDA(launch_dependent(first_nonfinite_kernel, grid_for(n), 256, 0, s, true, x, n, slot),
+          "first_nonfinite_kernel over " + std::to_string(n) + " values");
 }
 
 void softmax_rows(float* x, int64_t rows, int n, cudaStream_t s) {

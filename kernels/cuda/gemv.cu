@@ -4,18 +4,16 @@
 //
 // Each block first stages the input vector x in shared memory in the weights' dtype — x itself,
 // RMSNorm(h)·g, or act(gate)·up, rounded exactly as rms_norm / gated_act store it — so each x
-// chunk is read once per warp and shared by its R rows. Each warp owns R consecutive rows and
-// walks K in stages of 8 loads a lane (R rows × 8/R chunks), double-buffered: the next stage's
-// weights are in flight while the current one is multiplied. The weights are streamed past L1
-// with L2 evict-first hints, the rows are reduced by warp shuffles, and each warp has exactly
-// one group of rows, so every warp finishes at about the same time.
+// chunk is read once per warp and shared by its R rows. Each warp owns R consecutive rows (one
+// group a warp; blocks past the first wave start as slots free up) and walks K in stages of 8
+// loads a lane (R rows × 8/R chunks), two stages in flight: the stage after next is loaded while
+// the current one is multiplied. The weights are streamed past L1 with L2 evict-first hints; the
+// rows are reduced by warp shuffles.
 //
-// Launch with programmatic dependent launch: the weights do not depend on earlier kernels, so a
-// block issues its first stage of weight loads before waiting for the previous kernel
-// (griddepcontrol.wait), then reads x; the previous kernel's tail and this kernel's start
-// overlap. Nothing produced upstream is read, and nothing is written, before the wait.
-#include <algorithm>
-#include <cstdlib>
+// Launched as a programmatic dependent (common.cuh): the weights do not depend on earlier
+// kernels, so a block issues its first two stages of weight loads before it waits for the
+// previous kernel, then reads x; the previous kernel's tail and this kernel's start overlap.
+// Nothing produced upstream is read, and nothing is written, before the wait.
 #include <cstring>
 
 #include "kernels/cuda/common.cuh"
@@ -70,51 +68,68 @@ __device__ __forceinline__ uint4 pack8(const float* f) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// x[K] into shared memory as T (K/8 chunks of 16 bytes).
+// x[K] into shared memory as T (K/8 chunks of 16 bytes). Each thread issues the loads of two of
+// its chunks before using them, so a block's staging takes few L2 round trips.
 template <class T, int MODE>
 __device__ __forceinline__ void stage_x(const Args& a, uint4* xs) {
   const int K8 = a.K >> 3;
   if constexpr (MODE == kPlain) {
     for (int c = threadIdx.x; c < K8; c += kThreads) xs[c] = a.x[c];
-  } else if constexpr (MODE == kNorm) {
-    // 1/rms of h, reduced as rms_norm_kernel reduces it
-    __shared__ float sh[kWarps];
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < a.K; i += kThreads) ss += a.h[i] * a.h[i];
-    ss = warp_sum(ss);
-    if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = ss;
-    __syncthreads();
-    float t = (threadIdx.x & 31) < kWarps ? sh[threadIdx.x & 31] : 0.0f;
-    t = warp_sum(t);
-    const float inv = rsqrtf(t / a.K + a.eps);
-    for (int c = threadIdx.x; c < K8; c += kThreads) {
-      const float4* h4 = reinterpret_cast<const float4*>(a.h) + 2 * c;
-      const float4* g4 = reinterpret_cast<const float4*>(a.g) + 2 * c;
-      const float4 h0 = h4[0], h1 = h4[1], g0 = g4[0], g1 = g4[1];
-      const float hv[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
-      const float gv[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
-      float f[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) f[i] = gv[i] * (hv[i] * inv);
-      xs[c] = pack8<T>(f);
-    }
   } else {
-    for (int c = threadIdx.x; c < K8; c += kThreads) {
-      const float4* g4 = reinterpret_cast<const float4*>(a.gu) + 2 * c;
-      const float4* u4 = reinterpret_cast<const float4*>(a.gu + a.K) + 2 * c;
-      const float4 g0 = g4[0], g1 = g4[1], u0 = u4[0], u1 = u4[1];
-      const float gv[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
-      const float uv[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
-      float f[8];
+    const float* p = MODE == kNorm ? a.h : a.gu;           // first operand
+    const float* q = MODE == kNorm ? a.g : a.gu + a.K;     // second
+    float inv = 0.0f;
+    if constexpr (MODE == kNorm) {
+      // 1/rms of h, summed in rms_norm_kernel's order (thread t: h[t], h[t + 256], ...)
+      __shared__ float sh[kWarps];
+      float ss = 0.0f;
+      int i = threadIdx.x;
+      for (; i + 7 * kThreads < a.K; i += 8 * kThreads) {
+        float v[8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) f[i] = activate(gv[i], a.act) * uv[i];
-      xs[c] = pack8<T>(f);
+        for (int j = 0; j < 8; ++j) v[j] = a.h[i + j * kThreads];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) ss += v[j] * v[j];
+      }
+      for (; i < a.K; i += kThreads) ss += a.h[i] * a.h[i];
+      ss = warp_sum(ss);
+      if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = ss;
+      __syncthreads();
+      float t = (threadIdx.x & 31) < kWarps ? sh[threadIdx.x & 31] : 0.0f;
+      t = warp_sum(t);
+      inv = rsqrtf(t / a.K + a.eps);
+    }
+    for (int c0 = threadIdx.x; c0 < K8; c0 += 2 * kThreads) {
+      float4 pv[2][2], qv[2][2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int c = c0 + j * kThreads;
+        if (c < K8) {
+          const float4* p4 = reinterpret_cast<const float4*>(p) + 2 * c;
+          const float4* q4 = reinterpret_cast<const float4*>(q) + 2 * c;
+          pv[j][0] = p4[0], pv[j][1] = p4[1], qv[j][0] = q4[0], qv[j][1] = q4[1];
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int c = c0 + j * kThreads;
+        if (c >= K8) break;
+        const float pf[8] = {pv[j][0].x, pv[j][0].y, pv[j][0].z, pv[j][0].w, pv[j][1].x, pv[j][1].y, pv[j][1].z, pv[j][1].w};
+        const float qf[8] = {qv[j][0].x, qv[j][0].y, qv[j][0].z, qv[j][0].w, qv[j][1].x, qv[j][1].y, qv[j][1].z, qv[j][1].w};
+        float f[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          if constexpr (MODE == kNorm) f[i] = qf[i] * (pf[i] * inv);  // g·(h/rms), as rms_norm
+          else f[i] = activate(pf[i], a.act) * qf[i];                 // act(gate)·up, as gated_act
+        }
+        xs[c] = pack8<T>(f);
+      }
     }
   }
 }
 
 template <class T, int R, int MODE>
-__global__ void __launch_bounds__(kThreads) gemv_kernel(const Args a) {
+__global__ void __launch_bounds__(kThreads, 2) gemv_kernel(const Args a) {
   constexpr int U = 8 / R;  // chunks of each row per stage
   extern __shared__ uint4 xs[];
   const int lane = threadIdx.x & 31;
@@ -158,20 +173,22 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const Args a) {
     }
   };
 
-  if (active) load(b0, 0);
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");  // the previous kernel's results are visible
-  asm volatile("griddepcontrol.launch_dependents;");
-#endif
+  // Two stages of weights in flight before the wait and while x is staged.
+  if (active) {
+    load(b0, 0);
+    if (stages > 1) load(b1, 1);
+  }
+  pdl_wait();  // the previous kernel's results are visible from here on
+  pdl_trigger();
   stage_x<T, MODE>(a, xs);
   __syncthreads();
   if (!active) return;
   for (int s = 0; s < stages; s += 2) {
-    if (s + 1 < stages) load(b1, s + 1);
     mul(b0, s);
-    if (s + 1 >= stages) break;
     if (s + 2 < stages) load(b0, s + 2);
+    if (s + 1 >= stages) break;
     mul(b1, s + 1);
+    if (s + 3 < stages) load(b1, s + 3);
   }
 #pragma unroll
   for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
@@ -186,62 +203,27 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const Args a) {
   }
 }
 
-bool pdl_enabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("KVLENS_CUDA_PDL");
-    return !(e && std::strcmp(e, "0") == 0);
-  }();
-  return on;
-}
-
 template <class T, int R, int MODE>
 void launch(const Args& a, bool pdl, cudaStream_t s) {
   const int groups = (a.N + R - 1) / R;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>((groups + kWarps - 1) / kWarps));
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = static_cast<size_t>(a.K) * sizeof(T);
-  cfg.stream = s;
-  cudaLaunchAttribute at[1];
-  at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  at[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = at;
-  cfg.numAttrs = pdl ? 1 : 0;
-  KV_CUDA(cudaLaunchKernelEx(&cfg, gemv_kernel<T, R, MODE>, a), std::to_string(a.N) + "x" + std::to_string(a.K));
-}
-
-// Resident warps of the R = 8 kernel on the whole GPU (the largest register budget of the four;
-// registers, not the staged x, bound the blocks a multiprocessor holds).
-template <class T, int MODE>
-int resident_warps(int K, int n_sm) {
-  static int per_sm = 0;
-  if (per_sm == 0) {
-    KV_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_kernel<T, 8, MODE>, kThreads,
-                                                          static_cast<size_t>(K) * sizeof(T)),
-            "gemv occupancy");
-    per_sm = std::max(per_sm, 1);
-  }
-  return per_sm * kWarps * n_sm;
+  KV_CUDA(launch_dependent(gemv_kernel<T, R, MODE>, (groups + kWarps - 1) / kWarps, kThreads,
+                           static_cast<size_t>(a.K) * sizeof(T), s, pdl, a),
+          "gemv_kernel " + std::to_string(a.N) + "x" + std::to_string(a.K));
 }
 
 template <class T, int MODE>
-void go(const GemvParams& p, const Args& a, int n_sm, cudaStream_t s) {
+void go(const GemvParams& p, const Args& a, cudaStream_t s) {
+  // Rows a warp, as measured by `kvlens bench gemv` on an H100 at the decode step's sizes: one
+  // (4 KB of one row a warp and stage; blocks in several waves, each starting as a slot frees)
+  // streamed fastest at K = 4096 (2.65-3.06 TB/s against 1.87-2.93 with eight); at K = 11008 each
+  // block's staging of x is long enough that two (one wave, one staging a slot) won.
   int R = p.rows_per_warp;
-  if (R == 0) {  // the fewest rows a warp that keep every warp resident at once
-    const int cap = resident_warps<T, MODE>(p.K, n_sm);
-    R = 8;
-    for (int r : {1, 2, 4})
-      if ((p.N + r - 1) / r <= cap) {
-        R = r;
-        break;
-      }
-  }
-  const bool pdl = p.pdl && pdl_enabled();
+  if (R == 0) R = p.K > 8192 ? 2 : 1;
   switch (R) {
-    case 1: return launch<T, 1, MODE>(a, pdl, s);
-    case 2: return launch<T, 2, MODE>(a, pdl, s);
-    case 4: return launch<T, 4, MODE>(a, pdl, s);
-    case 8: return launch<T, 8, MODE>(a, pdl, s);
+    case 1: return launch<T, 1, MODE>(a, p.pdl, s);
+    case 2: return launch<T, 2, MODE>(a, p.pdl, s);
+    case 4: return launch<T, 4, MODE>(a, p.pdl, s);
+    case 8: return launch<T, 8, MODE>(a, p.pdl, s);
   }
   throw InternalError("gemv: rows_per_warp must be 0, 1, 2, 4 or 8, got " + std::to_string(R));
 }
@@ -250,7 +232,7 @@ void go(const GemvParams& p, const Args& a, int n_sm, cudaStream_t s) {
 
 bool gemv_supported(Dt dt, int K) { return (dt == Dt::F16 || dt == Dt::BF16) && K > 0 && K % 8 == 0 && K <= kGemvMaxK; }
 
-void gemv(const GemvParams& p, int n_sm, cudaStream_t s) {
+void gemv(const GemvParams& p, cudaStream_t s) {
   if (p.N == 0) return;
   if (!gemv_supported(p.dt, p.K))
     throw InternalError("gemv: needs f16/bf16 and K a multiple of 8 up to " + std::to_string(kGemvMaxK) + ", got " +
@@ -261,9 +243,9 @@ void gemv(const GemvParams& p, int n_sm, cudaStream_t s) {
                p.y, p.N, p.K, p.accumulate ? 1 : 0};
   auto by_mode = [&](auto t) {
     using T = decltype(t);
-    if (mode == kNorm) go<T, kNorm>(p, a, n_sm, s);
-    else if (mode == kGated) go<T, kGated>(p, a, n_sm, s);
-    else go<T, kPlain>(p, a, n_sm, s);
+    if (mode == kNorm) go<T, kNorm>(p, a, s);
+    else if (mode == kGated) go<T, kGated>(p, a, s);
+    else go<T, kPlain>(p, a, s);
   };
   if (p.dt == Dt::F16) by_mode(__half{});
   else by_mode(__nv_bfloat16{});

@@ -55,11 +55,11 @@ struct GemvParams {
   const float* bias = nullptr;
   float* y = nullptr;
   bool accumulate = false;
-  int rows_per_warp = 0;  // 1, 2, 4 or 8; 0 = the fewest that keep all warps resident at once
+  int rows_per_warp = 0;  // 1, 2, 4 or 8; 0 = the kernel's choice for K
   bool pdl = true;        // programmatic dependent launch (off also with KVLENS_CUDA_PDL=0)
 };
 bool gemv_supported(Dt dt, int K);
-void gemv(const GemvParams& p, int n_sm, cudaStream_t s);
+void gemv(const GemvParams& p, cudaStream_t s);
 
 // ---- prefill attention (attention.cu) ---------------------------------------------------------
 // out[T][n_heads·D] (dtype odt) from q/k/v in qkv (fp32); tiled with an online softmax.

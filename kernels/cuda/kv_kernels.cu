@@ -55,6 +55,8 @@ __global__ void counter_add_kernel(int32_t* counter, int n) { *counter += n; }
 __global__ void rope_append_kernel(float* qkv, int64_t q_col, int nq, int64_t k_col, int64_t v_col, int nk, int D,
                                    const int32_t* pos_in, const float* inv_freq, __half* k, __half* v, int32_t* kpos,
                                    int cap, int32_t* counter, int32_t* done) {
+  pdl_wait();
+  pdl_trigger();
   const int row = *counter;
   const int half = D / 2, n_rope = (nq + nk) * half, n_v = nk * D;
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -125,9 +127,9 @@ void rope_append(float* qkv, int64_t q_col, int nq, int64_t k_col, int64_t v_col
                  const int32_t* pos_in, const float* inv_freq, __half* k, __half* v, int32_t* pos, int cap,
                  int32_t* counter, int32_t* done, cudaStream_t s) {
   const int n = (nq + nk) * (D / 2) + nk * D;
-  rope_append_kernel<<<(n + 255) / 256, 256, 0, s>>>(qkv, q_col, nq, k_col, v_col, nk, D, pos_in, inv_freq, k, v, pos,
-                                                      cap, counter, done);
-  KV_LAUNCH("rope_append_kernel", std::to_string(nk) + " KV heads");
+  KV_CUDA(launch_dependent(rope_append_kernel, (n + 255) / 256, 256, 0, s, true, qkv, q_col, nq, k_col, v_col, nk, D,
+                           pos_in, inv_freq, k, v, pos, cap, counter, done),
+          "rope_append_kernel for " + std::to_string(nk) + " KV heads");
 }
 
 void gather_rows(const __half* const* src, __half* dst, int n, int D, cudaStream_t s) {
