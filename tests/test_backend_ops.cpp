@@ -102,13 +102,14 @@ void linear_case(Dt dt, int M, int K, int N, bool bias, bool acc) {
 }
 
 TEST(Ops, Linear) {
-  // The gemv path: its rows-per-warp choice grows with N (on an H100: 1 up to 2112 rows, 2 up to
-  // 4224, 4 up to 8448, else 8), so these sizes reach each, with K/8 chunks that fill no stage.
+  // The gemv path: one row a warp up to K = 8192, two above (an odd N leaves the last warp one
+  // row past the end); K/8 chunk counts that fill no stage of 8 (or 4) chunks a lane.
   linear_case(Dt::F16, 1, 264, 333, true, false);
   linear_case(Dt::F16, 1, 1032, 4101, false, true);  // accumulate (the residual)
   linear_case(Dt::BF16, 1, 520, 77, true, true);
   linear_case(Dt::BF16, 1, 136, 6007, true, false);
-  linear_case(Dt::F16, 1, 264, 17011, false, true);
+  linear_case(Dt::F16, 1, 8200, 333, true, true);    // two rows a warp
+  linear_case(Dt::BF16, 1, 8264, 77, false, false);
   linear_case(Dt::F16, 37, 200, 129, true, false);   // cuBLAS
   linear_case(Dt::BF16, 45, 96, 250, false, true);
   linear_case(Dt::F32, 3, 77, 61, true, true);       // fp32 checkpoint: cuBLAS fp32
@@ -157,6 +158,7 @@ TEST(Ops, NormLinear) {
   norm_linear_case(Dt::BF16, 264, 77);
   norm_linear_case(Dt::F16, 520, 9001);
   norm_linear_case(Dt::BF16, 4104, 2049);
+  norm_linear_case(Dt::F16, 8200, 301);  // two rows a warp
   KVLENS_GPU_HALF_SKIPPED();
 }
 
@@ -218,6 +220,7 @@ TEST(Ops, GatedLinear) {
   gated_linear_case(Dt::F16, cpu::Act::Silu, 1000, 515, true);   // K/8 = 125 chunks
   gated_linear_case(Dt::BF16, cpu::Act::Silu, 2056, 4103, true);
   gated_linear_case(Dt::F16, cpu::Act::Gelu, 88, 6007, false);
+  gated_linear_case(Dt::F16, cpu::Act::Silu, 11000, 333, true);  // two rows a warp (the down projection's K)
   gated_linear_case(Dt::F16, cpu::Act::Silu, 36, 77, true);      // K not a multiple of 8: two ops
   KVLENS_GPU_HALF_SKIPPED();
 }

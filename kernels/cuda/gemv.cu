@@ -213,10 +213,11 @@ void launch(const Args& a, bool pdl, cudaStream_t s) {
 
 template <class T, int MODE>
 void go(const GemvParams& p, const Args& a, cudaStream_t s) {
-  // Rows a warp, as measured by `kvlens bench gemv` on an H100 at the decode step's sizes: one
-  // (4 KB of one row a warp and stage; blocks in several waves, each starting as a slot frees)
-  // streamed fastest at K = 4096 (2.65-3.06 TB/s against 1.87-2.93 with eight); at K = 11008 each
-  // block's staging of x is long enough that two (one wave, one staging a slot) won.
+  // Rows a warp, as measured by `kvlens bench gemv` on an H100 at the decode step's sizes: at
+  // K = 4096 one or two (4 or 2 KB of a row a warp and stage; blocks in several waves, each
+  // starting as a slot frees) streamed fastest, within 5 % of each other over two runs
+  // (2.5-3.07 TB/s, against 1.9-2.97 with eight); at K = 11008 each block's staging of x is long
+  // enough that two (one wave, one staging a slot) beat one by 12-15 %.
   int R = p.rows_per_warp;
   if (R == 0) R = p.K > 8192 ? 2 : 1;
   switch (R) {
