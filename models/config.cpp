@@ -67,7 +67,10 @@ ClipVisionConfig parse_vision(const nlohmann::json* jp, const std::string& where
   get_int(j, "num_attention_heads", c.num_attention_heads, w, 1, kMaxHeads);
   get_int(j, "num_channels", c.num_channels, w, 3, 3);
   get_int(j, "image_size", c.image_size, w, 1, kMaxImageSide);
-  get_int(j, "patch_size", c.patch_size, w, 1, c.image_size);
+  get_int(j, "patch_size", c.patch_size, w, 1, kMaxImageSide);
+  if (c.patch_size > c.image_size)  // also when one of the two is the default
+    throw InputError(w + ": patch_size " + std::to_string(c.patch_size) + " is larger than image_size " +
+                     std::to_string(c.image_size) + " (no patch would fit)");
   get(j, "hidden_act", c.hidden_act, w);
   get_real(j, "layer_norm_eps", c.layer_norm_eps, w, 0, 1);
   if (c.hidden_size % c.num_attention_heads != 0)

@@ -261,7 +261,12 @@ TEST(Gui, KilledSessionSavesLeaveThePreviousSessionValid) {
       execl("/bin/sh", "sh", "-c", cmd.c_str(), nullptr);
       _exit(127);
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(1500 + rng() % 2500));
+    // Kill while the app saves again and again: once its first save of this run has landed (so a
+    // loaded machine cannot make every kill come before any save), after a random delay.
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(90);
+    while (kt::read_file(dir + "/s.json") == previous && std::chrono::steady_clock::now() < give_up)
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 400));
     kt::run(std::string("pkill -KILL -f '") + kGui + " --script loop.json'");
     waitpid(pid, nullptr, 0);
     const std::string text = kt::read_file(dir + "/s.json");

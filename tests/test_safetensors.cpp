@@ -215,7 +215,12 @@ TEST(Config, IntegersAreStrictAndArchitectureNumbersBounded) {
   refused("/vision_config/num_hidden_layers", 2147483647, "num_hidden_layers must be an integer in [1, 512], got 2147483647");
   refused("/vision_config/hidden_size", 1 << 20, "vision_config: hidden_size must be an integer in [1, 65536]");
   refused("/vision_config/image_size", 0, "image_size must be an integer in [1, 8192], got 0");
-  refused("/vision_config/patch_size", 33, "patch_size must be an integer in [1, 32], got 33");
+  refused("/vision_config/patch_size", 33, "vision_config: patch_size 33 is larger than image_size 32");
+  refused("/vision_config/patch_size", 9000, "patch_size must be an integer in [1, 8192], got 9000");
+  // The default patch size (32, as in CLIPVisionConfig) against a given image size, found by
+  // fuzzing: no patch fits.
+  expect_input_error([] { parse_llava_config(nlohmann::json::parse(R"({"model_type": "llava", "image_token_index": 0, "vision_config": {"image_size": 5}})"), "cfg"); },
+                     "cfg: vision_config: patch_size 32 is larger than image_size 5");
   refused("/text_config/num_key_value_heads", 8, "num_key_value_heads must be an integer in [1, 4], got 8");
   refused("/text_config/eos_token_id", nlohmann::json::array({2, 99}), "eos_token_id[1] must be an integer in [0, 63], got 99");
   refused("/text_config/tie_word_embeddings", 1, "'tie_word_embeddings' must be true or false, got 1");
