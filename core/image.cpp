@@ -70,8 +70,12 @@ std::string too_large(const std::string& name, int64_t w, int64_t h, int64_t max
 // markers are walked here first, the way the decoder walks them (skipping junk between
 // segments), and the file is refused naming it.
 void check_jpeg_tables(const uint8_t* b, size_t n, const std::string& name) {
-  if (n < 4 || b[0] != 0xFF || b[1] != 0xD8) return;
-  size_t i = 2;
+  // The start-of-image marker may follow fill bytes (0xFF 0xFF 0xD8), as before any marker.
+  if (n < 4 || b[0] != 0xFF) return;
+  size_t i = 1;
+  while (i < n && b[i] == 0xFF) ++i;
+  if (i >= n || b[i] != 0xD8) return;
+  ++i;
   while (i + 4 <= n) {
     if (b[i] != 0xFF) {  // junk between segments: the decoder skips it byte by byte, so do we
       ++i;
