@@ -166,6 +166,16 @@ void need_cuda(const std::string& what) {
   if (!why.empty()) throw InputError("kvlens bench " + what + " needs the CUDA backend: " + why);
 }
 
+#ifdef KVLENS_HAVE_CUDA
+// The CUDA backend on `device`, for the benchmarks that run kernels alone.
+std::shared_ptr<Backend> cuda_backend(int device) {
+  BackendOptions o;
+  o.kind = "cuda";
+  o.device = device;
+  return make_backend(o);
+}
+#endif
+
 struct AttnArgs {
   std::vector<int> contexts{4096, 16384, 65536}, batches{1, 16}, bits{16, 4, 2, 1};
   int heads = 32, head_dim = 128, device = 0, reps = 30;
@@ -179,10 +189,7 @@ void run_attention(const AttnArgs& a) {
     if (b != 16 && (b < 1 || b > 8)) throw InputError("--bits: each must be 16 (fp16) or in [1, 8], got " + std::to_string(b));
   if (a.head_dim % 8 || a.head_dim > 256) throw InputError("--head-dim must be a multiple of 8, at most 256");
 #ifdef KVLENS_HAVE_CUDA
-  BackendOptions o;
-  o.kind = "cuda";
-  o.device = a.device;
-  auto be = make_backend(o);
+  auto be = cuda_backend(a.device);
   const double copy = be->copy_bandwidth();
   cuda::AttnBenchConfig c;
   c.device = a.device;
@@ -223,10 +230,7 @@ void run_gemv(const GemvArgs& a) {
     if (r != 0 && r != 1 && r != 2 && r != 4 && r != 8)
       throw InputError("--rows-per-warp: each must be 0 (the kernel's choice), 1, 2, 4 or 8, got " + std::to_string(r));
 #ifdef KVLENS_HAVE_CUDA
-  BackendOptions o;
-  o.kind = "cuda";
-  o.device = a.device;
-  auto be = make_backend(o);
+  auto be = cuda_backend(a.device);
   const double copy = be->copy_bandwidth();
   cuda::GemvBenchConfig c;
   c.device = a.device;
@@ -264,10 +268,7 @@ void run_throughput(const ThroughputArgs& a) {
     if (!(b > 0)) throw InputError("--budgets: each must be > 0 GB");
   if (a.visual < 1 || a.text < 0 || a.steps < 1) throw InputError("--visual and --steps must be >= 1, --text >= 0");
 #ifdef KVLENS_HAVE_CUDA
-  BackendOptions o;
-  o.kind = "cuda";
-  o.device = a.device;
-  auto be = make_backend(o);
+  auto be = cuda_backend(a.device);
   cuda::ThroughputConfig c;
   c.device = a.device;
   c.visual = a.visual;
