@@ -92,11 +92,12 @@ void check_jpeg_tables(const uint8_t* b, size_t n, const std::string& name) {
     if (m == 0xC4) {
       // The decoder reads tables while its length count says so, even past the end of the
       // file's bytes that remain, so each table header present is checked.
+      // Counts past the end of the file read as 0 there, so a cut-off header adds up the
+      // counts it holds.
       size_t p = i + 2;
-      while (p < i + len) {
-        if (p + 17 > n) return;
+      while (p < i + len && p + 1 < n) {
         size_t symbols = 0;
-        for (int k = 1; k <= 16; ++k) symbols += b[p + k];
+        for (size_t k = 1; k <= 16 && p + k < n; ++k) symbols += b[p + k];
         if (symbols > 256)
           throw InputError(name + ": corrupt JPEG (a Huffman table lists " + std::to_string(symbols) +
                            " codes, at most 256 are possible)");
