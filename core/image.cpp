@@ -217,6 +217,12 @@ RGBImage decode_image(const uint8_t* bytes, size_t n, const std::string& name, i
   const int len = static_cast<int>(n);
 #ifdef KVLENS_HAVE_LIBJPEG
   if (n >= 3 && bytes[0] == 0xFF && bytes[1] == 0xD8 && bytes[2] == 0xFF) return decode_jpeg(bytes, n, name, max_pixels);
+  // Of the formats read here only JPEG starts with 0xFF. Bytes that do without its FF D8 FF
+  // signature (fill bytes before the start marker, say) are refused, as libjpeg and PIL refuse
+  // them, rather than handed to stb_image's JPEG decoder.
+  if (bytes[0] == 0xFF)
+    throw InputError(name + ": not a readable image (it starts like a JPEG without the JPEG signature FF D8 FF); "
+                     "expected PNG, JPEG, BMP, GIF or PNM");
 #endif
   check_jpeg_tables(bytes, n, name);
   check_pnm_depth(bytes, n, name);
