@@ -112,8 +112,8 @@ void check_jpeg_tables(const uint8_t* b, size_t n, const std::string& name) {
   }
 }
 
-// stb_image's 16-bit PNM path reads past its buffer; 16-bit PNM (maxval > 255) is refused
-// before decoding. The header is "P5"/"P6", whitespace and comments, width, height, maxval.
+// stb_image's 16-bit PNM path reads past its buffer, and its header numbers overflow an int:
+// 16-bit PNM (maxval > 255) and header numbers past 2^31 - 1 are refused before decoding. The header is "P5"/"P6", whitespace and comments, width, height, maxval.
 void check_pnm_depth(const uint8_t* b, size_t n, const std::string& name) {
   if (n < 2 || b[0] != 'P' || (b[1] != '5' && b[1] != '6')) return;
   size_t i = 2;
@@ -128,7 +128,14 @@ void check_pnm_depth(const uint8_t* b, size_t n, const std::string& name) {
       break;
     }
     if (i >= n || !std::isdigit(b[i])) return;
-    while (i < n && std::isdigit(b[i]) && f < 1000000) f = f * 10 + (b[i++] - '0');
+    // stb_image reads each number into an int without a bound; one that does not fit is refused.
+    while (i < n && std::isdigit(b[i])) {
+      const int d = b[i++] - '0';
+      if (f > (std::numeric_limits<int>::max() - d) / 10)
+        throw InputError(name + ": PNM header holds a number larger than " +
+                         std::to_string(std::numeric_limits<int>::max()) + "; expected its width, height and maxval");
+      f = f * 10 + d;
+    }
   }
   if (fields[2] > 255)
     throw InputError(name + ": 16-bit PNM (maxval " + std::to_string(fields[2]) +

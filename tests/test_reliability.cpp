@@ -387,6 +387,7 @@ TEST(ReliableImages, FuzzerFindingsAreRefusedBeforeDecoding) {
   // says how many codes the table lists.
   expect_exit2("caption --image " + jpeg, "Huffman table");
   expect_exit2("caption --image " + pnm, pnm + ": 16-bit PNM (maxval 789) is not supported");
+  expect_exit2("caption --image " + dir + "regress_pnm_header_overflow.pgm", "PNM header holds a number larger than 2147483647");
   // Fill bytes before the start-of-image marker: no JPEG to libjpeg (and PIL), which needs FF D8 FF
   // at the start, so refused as such; a JPEG to stb_image, whose input is checked first (the
   // second file's Huffman header is cut off by the end of the file, its counts exceed 256).
