@@ -11,6 +11,17 @@ namespace kvlens::fig {
 
 namespace {
 
+// The axes of a heatmap of `rows` × `cols` cells: x from 0 to cols, y from 0 to rows, row 0 on top.
+void matrix_axes(Figure& f, const std::string& x_label, double cols, const std::string& y_label, double rows) {
+  f.x.label = x_label;
+  f.x.min = 0;
+  f.x.max = cols;
+  f.y.label = y_label;
+  f.y.min = 0;
+  f.y.max = rows;
+  f.y.inverted = true;
+}
+
 constexpr double kBig = 1e300;
 
 // A JSON value with the path that leads to it, for messages that name the key.
@@ -528,13 +539,7 @@ Figure attention_heatmap_figure(const nlohmann::json& report, int layer, int met
            (method >= 0 ? " decoded by this method" : "");
   f.series.push_back(s);
   f.colorbar = "attention (log)";
-  f.x.label = "key position";
-  f.x.min = 0;
-  f.x.max = n;
-  f.y.label = "query position";
-  f.y.min = 0;
-  f.y.max = n;
-  f.y.inverted = true;
+  matrix_axes(f, "key position", n, "query position", n);
   // Segment boundaries.
   const std::vector<std::string> kinds = [&] {
     std::vector<std::string> k;
@@ -590,13 +595,7 @@ Figure token_fate_figure(const nlohmann::json& report, int method, int layer, co
   f.note = what;
   f.series.push_back(s);
   f.colorbar = field == "kept" ? "kept share" : field == "bits" ? "bits (0 = evicted)" : "rows merged";
-  f.x.label = "patch column";
-  f.x.min = 0;
-  f.x.max = C;
-  f.y.label = "patch row";
-  f.y.min = 0;
-  f.y.max = R;
-  f.y.inverted = true;
+  matrix_axes(f, "patch column", C, "patch row", R);
   for (int c = 0; c < C; c += std::max(1, C / 7)) f.x.ticks.push_back({c + 0.5, std::to_string(c)});
   for (int r = 0; r < R; r += std::max(1, R / 7)) f.y.ticks.push_back({r + 0.5, std::to_string(r)});
   f.legend = false;
