@@ -4,6 +4,8 @@
 // every (sequence, kv head) holding fp16 parts around a packed channel-wise part of 1/2/3/4/8-bit
 // random codes, with calibration of the visual scores on and off. Reference: fp64 attention over
 // the dequantized rows (code·scale + zero) with g(x) applied as calibrate_visual defines it.
+// Caches whose parts are all fp16 (the fp16 kernel) are checked the same way, with the last
+// part's rows partly counted on the device as a decode tail's are.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -42,7 +44,7 @@ struct Dev {
 struct KernelCase {
   int B = 3, NH = 6, NKV = 2, D = 128;
   int n_front = 7, n_packed = 1237, n_back = 29;  // fp16, packed (visual), fp16 rows
-  int bits = 1;
+  int bits = 1;  // 16: the middle part holds fp16 rows too (every part fp16: the fp16 kernel)
   int chan_stride = 1;
   int splits = 0;  // 0: decode_splits
   bool calibrate = false;
@@ -71,7 +73,9 @@ void kernel_case(const KernelCase& c) {
   const int ranges = c.chan_stride ? D : 1;
   const int64_t row_bytes = static_cast<int64_t>(D) * c.bits / 8;
   // Host data per (sequence, kv head): fp16 rows (rounded), codes, fp16 scale / zero.
-  const int nf = c.n_front + c.n_back;
+  const bool all16 = c.bits == 16;
+  const int nf = c.n_front + c.n_back + (all16 ? c.n_packed : 0);
+  const int n_counted = all16 ? std::min(5, c.n_back) : 0;  // back rows counted on the device, as a tail's
   const auto f16 = rounded(Dt::F16, randn(static_cast<size_t>(seqs) * nf * D * 2));
   const auto codes = random_bytes(static_cast<size_t>(seqs) * 2 * c.n_packed * row_bytes);
   std::vector<float> scale(static_cast<size_t>(seqs) * 2 * ranges), zero(scale.size());
@@ -82,6 +86,7 @@ void kernel_case(const KernelCase& c) {
   }
   const auto q = randn(static_cast<size_t>(c.B) * c.NH * D);
   Dev d_f16(halves(f16)), d_codes(codes), d_scale(halves(scale)), d_zero(halves(zero)), d_q(q);
+  Dev d_count(std::vector<int32_t>{n_counted});
   // Parts: [fp16 front][packed][fp16 back] per (sequence, kv head).
   auto f16_at = [&](int sq, int kv, int row) {  // index of row `row` of the sequence's fp16 rows
     return ((static_cast<size_t>(sq) * 2 + kv) * nf + row) * D;
@@ -93,10 +98,15 @@ void kernel_case(const KernelCase& c) {
     cuda::PartDesc* P = &parts[static_cast<size_t>(sq) * 3];
     const __half* base = d_f16.as<__half>();
     P[0].n = c.n_front;
-    P[2].n = c.n_back;
+    P[2].n = c.n_back - n_counted;
+    if (n_counted) P[2].counter = d_count.as<int32_t>();
     for (int kv = 0; kv < 2; ++kv) {
       (kv ? P[0].v : P[0].k).data = base + f16_at(sq, kv, 0);
-      (kv ? P[2].v : P[2].k).data = base + f16_at(sq, kv, c.n_front);
+      (kv ? P[2].v : P[2].k).data = base + f16_at(sq, kv, c.n_front + (all16 ? c.n_packed : 0));
+      if (all16) {
+        (kv ? P[1].v : P[1].k).data = base + f16_at(sq, kv, c.n_front);
+        continue;
+      }
       cuda::KvSide& s = kv ? P[1].v : P[1].k;
       s.fmt = cuda::kChannel;
       s.bits = c.bits;
@@ -106,7 +116,7 @@ void kernel_case(const KernelCase& c) {
       s.zero = d_zero.as<__half>() + range_at(sq, kv);
     }
     P[1].n = c.n_packed;
-    P[1].visual = 1;
+    P[1].visual = all16 ? 0 : 1;
   }
   const int N = c.n_front + c.n_packed + c.n_back;
   const int splits = c.splits ? c.splits : cuda::decode_splits(c.B, c.NH, N, 132);
@@ -134,6 +144,7 @@ void kernel_case(const KernelCase& c) {
   p.out_stride = static_cast<int64_t>(c.NH) * D;
   p.sem = sem.as<int>();
   p.lut_bits = c.bits <= 4 ? c.bits : 0;
+  p.all_f16 = all16 ? 1 : 0;
   if (c.calibrate) {
     p.calibrate = 1;
     p.tau1 = c.tau1;
@@ -158,7 +169,9 @@ void kernel_case(const KernelCase& c) {
           std::vector<double>& X = kv ? V : K;
           for (int e = 0; e < D; ++e) {
             double x;
-            if (j < c.n_front || j >= c.n_front + c.n_packed) {
+            if (all16) {
+              x = f16[f16_at(sq, kv, j) + e];
+            } else if (j < c.n_front || j >= c.n_front + c.n_packed) {
               x = f16[f16_at(sq, kv, j < c.n_front ? j : j - c.n_packed) + e];
             } else {
               const int r = j - c.n_front;
@@ -249,6 +262,39 @@ TEST(DecodeKernel, LongPartFewSplitsOneRangeAndOtherHeadSizes) {
     c.D = 64;
     c.bits = bits;
     c.n_packed = 517;
+    kernel_case(c);
+  }
+#endif
+}
+
+TEST(DecodeKernel, Fp16PartsWithATailCounter) {
+#ifndef KVLENS_HAVE_CUDA
+  GTEST_SKIP() << "built without the CUDA backend";
+#else
+  KVLENS_NEED_GPU();
+  // Every part fp16 (the fp16 kernel), the last part's rows partly counted on the device.
+  for (int splits : {0, 1, 7}) {
+    KernelCase c;  // GQA 3:1, three sequences, 1273 rows
+    c.bits = 16;
+    c.splits = splits;
+    kernel_case(c);
+  }
+  {
+    KernelCase c;  // a captioning run's size: ~616 rows, one sequence, no GQA
+    c.bits = 16;
+    c.B = 1;
+    c.NH = c.NKV = 4;
+    c.n_front = 3;
+    c.n_packed = 600;
+    c.n_back = 13;
+    kernel_case(c);
+  }
+  {
+    KernelCase c;  // head size 64
+    c.bits = 16;
+    c.D = 64;
+    c.n_packed = 517;
+    c.splits = 5;
     kernel_case(c);
   }
 #endif

@@ -45,6 +45,8 @@ namespace {
 constexpr int kThreads = 128;
 constexpr int kMinBlocks = 3;  // blocks resident per multiprocessor (the register budget follows)
 constexpr int kUnroll = 4;
+constexpr int kSharedParts = 16;  // a head's part descriptors staged in shared memory (more: read from L2)
+static_assert(sizeof(PartDesc) % 8 == 0, "descriptors are staged in 8-byte words");
 
 enum Mode { kAttend = 0, kRange = 1, kScores = 2 };
 
@@ -559,24 +561,87 @@ __device__ void run_fast(int kind, const PartDesc& P, int a, int e, const float*
 
 #include "kernels/cuda/decode_merge.cuh"
 
+// The end of a block of either kernel: its groups' states combined into the split's partial
+// state (m, d, o); the last block of the head to finish merges every split's state.
 template <int L>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) decode_kernel(DecodeParams p, int mode) {
-  pdl_wait();
-  // Every block has started: the next product may start its weight reads (it waits for this
-  // kernel to finish before it reads the attention output).
-  pdl_trigger();
+__device__ void finish_block(const DecodeParams& p, const State& st, int b, int h, int s) {
   constexpr int G = kThreads / L;
   __shared__ float sh_m[G], sh_d[G];
   __shared__ float sh_o[G][8 * L + 1];
+  const int tid = threadIdx.x, g = tid / L, li = tid % L;
+  const int64_t bh = static_cast<int64_t>(b) * p.NH + h;
+  if (li == 0) {
+    sh_m[g] = st.m;
+    sh_d[g] = st.d;
+  }
+#pragma unroll
+  for (int c = 0; c < 8; ++c) sh_o[g][li * 8 + c] = st.o[c];
+  __syncthreads();
+  float M = -INFINITY;
+  for (int i = 0; i < G; ++i) M = fmaxf(M, sh_m[i]);
+  float* po = p.part_o + (bh * p.splits + s) * p.D;
+  for (int c = tid; c < p.D; c += kThreads) {
+    float v = 0.0f;
+    for (int i = 0; i < G; ++i)
+      if (sh_m[i] != -INFINITY) v += sh_o[i][c] * __expf(sh_m[i] - M);
+    po[c] = v;
+  }
+  if (tid == 0) {
+    float dsum = 0.0f;
+    for (int i = 0; i < G; ++i)
+      if (sh_m[i] != -INFINITY) dsum += sh_d[i] * __expf(sh_m[i] - M);
+    p.part_md[(bh * p.splits + s) * 2] = M;
+    p.part_md[(bh * p.splits + s) * 2 + 1] = dsum;
+  }
+  if (!p.sem) return;
+  __shared__ int last;
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) last = atomicAdd(p.sem + bh, 1) == p.splits - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  merge_head(p, b, h);
+  if (tid == 0) p.sem[bh] = 0;
+}
+
+#include "kernels/cuda/decode_f16.cuh"
+
+
+template <int L>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) decode_kernel(DecodeParams p, int mode) {
   extern __shared__ float lut[];  // packed keys' tables (lut_bytes(D, lut_bits))
   const int s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int kvh = h / (p.NH / p.NKV);
   const int tid = threadIdx.x, g = tid / L, li = tid % L;
   Lane ln{p.D, li * 8, li * 8 < p.D};
-  const PartDesc* parts = p.parts + (static_cast<int64_t>(b) * p.NKV + kvh) * p.max_parts;
+  // The head's part descriptors do not change within a step (kv_sync writes them between
+  // steps), so they are copied to shared memory before waiting for the previous kernel: every
+  // later read of a descriptor field is a shared-memory read, not a dependent trip to L2.
+  __shared__ __align__(16) PartDesc sh_parts[kSharedParts];
+  __shared__ int sh_rows[kSharedParts];
+  const PartDesc* gparts = p.parts + (static_cast<int64_t>(b) * p.NKV + kvh) * p.max_parts;
+  const bool staged = p.max_parts <= kSharedParts;
+  if (staged) {
+    constexpr int W = sizeof(PartDesc) / 8;
+    const uint2* src = reinterpret_cast<const uint2*>(gparts);
+    uint2* dst = reinterpret_cast<uint2*>(sh_parts);
+    for (int i = tid; i < p.max_parts * W; i += kThreads) dst[i] = src[i];
+  }
+  pdl_wait();
+  // Every block has started: the next product may start its weight reads (it waits for this
+  // kernel to finish before it reads the attention output).
+  pdl_trigger();
   const int np = p.n_parts[b * p.NKV + kvh];
+  const PartDesc* parts = staged ? sh_parts : gparts;
+  if (staged) {
+    __syncthreads();
+    // Rows appended during decode (the tail's counter) are read after the wait, once.
+    if (tid < np) sh_rows[tid] = part_rows(sh_parts[tid]);
+    __syncthreads();
+  }
   int N = 0;
-  for (int i = 0; i < np; ++i) N += part_rows(parts[i]);
+  for (int i = 0; i < np; ++i) N += staged ? sh_rows[i] : part_rows(parts[i]);
   const int chunk = (N + p.splits - 1) / p.splits;
   const int r0 = min(N, s * chunk), r1 = min(N, r0 + chunk);
   const int64_t bh = static_cast<int64_t>(b) * p.NH + h;
@@ -615,7 +680,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) decode_kernel(DecodePara
   int base = 0;
   for (int i = 0; i < np; ++i) {
     const PartDesc& P = parts[i];
-    const int n = part_rows(P);
+    const int n = staged ? sh_rows[i] : part_rows(P);
     const int a = max(r0 - base, 0), e = min(r1 - base, n);
     const bool take = a < e && (mode != kRange || P.visual);
     if (take) {
@@ -658,41 +723,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) decode_kernel(DecodePara
     }
     return;
   }
-  // Combine the groups of the block.
-  if (li == 0) {
-    sh_m[g] = st.m;
-    sh_d[g] = st.d;
-  }
-#pragma unroll
-  for (int c = 0; c < 8; ++c) sh_o[g][li * 8 + c] = st.o[c];
-  __syncthreads();
-  float M = -INFINITY;
-  for (int i = 0; i < G; ++i) M = fmaxf(M, sh_m[i]);
-  float* po = p.part_o + (bh * p.splits + s) * p.D;
-  for (int c = tid; c < p.D; c += kThreads) {
-    float v = 0.0f;
-    for (int i = 0; i < G; ++i)
-      if (sh_m[i] != -INFINITY) v += sh_o[i][c] * __expf(sh_m[i] - M);
-    po[c] = v;
-  }
-  if (tid == 0) {
-    float dsum = 0.0f;
-    for (int i = 0; i < G; ++i)
-      if (sh_m[i] != -INFINITY) dsum += sh_d[i] * __expf(sh_m[i] - M);
-    p.part_md[(bh * p.splits + s) * 2] = M;
-    p.part_md[(bh * p.splits + s) * 2 + 1] = dsum;
-  }
-  if (!p.sem) return;
-  // The last block of this head to finish merges every split's state.
-  __shared__ int last;
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) last = atomicAdd(p.sem + bh, 1) == p.splits - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  merge_head(p, b, h);
-  if (tid == 0) p.sem[bh] = 0;
+  finish_block<L>(p, st, b, h, s);
 }
 
 template <class OT>
@@ -712,6 +743,13 @@ __global__ void probs_kernel(DecodeParams p, float* probs) {
 
 template <int L>
 void launch_l(const DecodeParams& p, int mode, cudaStream_t s) {
+  dim3 grid(p.splits, p.NH, p.B);
+  if (mode == kAttend && p.all_f16 && !p.calibrate && !p.scores_in && !p.scores_out && p.D == 8 * L &&
+      p.max_parts <= kSharedParts) {
+    KV_CUDA(launch_dependent(decode_f16_kernel<L>, grid, kThreads, 0, s, true, p),
+            "decode_f16_kernel for " + std::to_string(p.B) + "x" + std::to_string(p.NH) + " heads");
+    return;
+  }
   DecodeParams q = p;
   if (q.D == 128) q.lut_bits = 0;  // packed parts of head size 128 take the tensor-core path
   const int bytes = decode_lut_bytes(q.D, q.lut_bits);
@@ -721,7 +759,6 @@ void launch_l(const DecodeParams& p, int mode, cudaStream_t s) {
             "decode attention table of " + std::to_string(bytes) + " bytes");
     allowed = bytes;
   }
-  dim3 grid(p.splits, p.NH, p.B);
   KV_CUDA(launch_dependent(decode_kernel<L>, grid, kThreads, bytes, s, true, q, mode),
           "decode_kernel for " + std::to_string(p.B) + "x" + std::to_string(p.NH) + " heads");
 }

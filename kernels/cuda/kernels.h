@@ -57,6 +57,9 @@ struct GemvParams {
   bool accumulate = false;
   int rows_per_warp = 0;  // 1, 2, 4 or 8; 0 = the kernel's choice for K
   bool pdl = true;        // programmatic dependent launch (off also with KVLENS_CUDA_PDL=0)
+  // Norm input only: the first block records h's first non-finite value here, as
+  // first_nonfinite does (the finiteness check of h folded into the product).
+  unsigned long long* check = nullptr;
 };
 bool gemv_supported(Dt dt, int K);
 void gemv(const GemvParams& p, cudaStream_t s);
@@ -127,6 +130,8 @@ struct DecodeParams {
   // the launch gives each block decode_lut_bytes(D, lut_bits) of shared memory for it (none at
   // head size 128, where such parts run on tensor cores and others take the general path).
   int lut_bits = 0;
+  // 1: every part of every head holds fp16 keys and values (the fp16 kernel may be used).
+  int all_f16 = 0;
 };
 // Fused split-KV attention (with calibration when asked) and the merge of partial states.
 void decode_attention(const DecodeParams& p, cudaStream_t s);

@@ -164,12 +164,15 @@ class CudaKV : public DeviceKV {
     nh = n_heads;
     max_parts = 1;
     lut_bits = 0;
+    all_f16 = 1;
     int rows = 1;
     for (const DevLayer& d : layers)
       for (const DevSeg& sg : d.segs)
         for (const auto& hp : sg.heads)
-          for (const DevPart& pt : hp)
+          for (const DevPart& pt : hp) {
             if (pt.d.k.fmt == kChannel && pt.d.k.bits <= 4) lut_bits = std::max(lut_bits, pt.d.k.bits);
+            if (pt.d.k.fmt != kF16 || pt.d.v.fmt != kF16) all_f16 = 0;
+          }
     for (const DevLayer& d : layers)
       for (int h = 0; h < NKV; ++h) {
         int np = d.tail.cap ? 1 : 0, r = d.tail.cap;
@@ -221,7 +224,7 @@ class CudaKV : public DeviceKV {
   std::vector<DevLayer> layers;
   DevMem counters, done;
   DevMem table, nparts, part_o, part_md, vis_range, md_out, sem;
-  int max_parts = 1, splits = 1, nh = 0, lut_bits = 0;
+  int max_parts = 1, splits = 1, nh = 0, lut_bits = 0, all_f16 = 1;
   bool dirty = true;
   uint64_t ver = 1;
 };

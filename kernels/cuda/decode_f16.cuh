@@ -1,0 +1,98 @@
+// Decode attention when every part of the cache holds fp16 rows (the full cache, and every
+// evicting or merging method): included by decode_attention.cu, inside its anonymous namespace.
+//
+// A kernel of its own, with none of the packed paths compiled in, so it needs few registers
+// (several blocks fit a multiprocessor) and a block's fixed work is short; at the contexts of a
+// captioning run (hundreds of rows a head) that fixed work, not the bytes, sets the time. The
+// head's part pointers are read before waiting for the previous kernel (they change only between
+// steps); each group of L = D/8 lanes then takes kF16Rows rows of the block's range at a time
+// (rows g, g + G, …), with every K and V load of those rows issued before the first is used.
+// The group's scores, softmax and P·V stay in registers; the block ends as the general kernel's
+// blocks do (finish_block: partial state, and the merge by the head's last block).
+#pragma once
+
+constexpr int kF16Rows = 8;
+
+template <int L>
+__global__ void __launch_bounds__(kThreads, 4) decode_f16_kernel(DecodeParams p) {
+  constexpr int G = kThreads / L, U = kF16Rows, D = 8 * L;
+  __shared__ const __half* sh_k[kSharedParts];
+  __shared__ const __half* sh_v[kSharedParts];
+  __shared__ const int32_t* sh_c[kSharedParts];
+  __shared__ int sh_end[kSharedParts];  // rows, then cumulative rows
+  const int s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, g = tid / L, c0 = (tid % L) * 8;
+  const int bk = b * p.NKV + h / (p.NH / p.NKV);
+  const PartDesc* gp = p.parts + static_cast<int64_t>(bk) * p.max_parts;
+  if (tid < p.max_parts) {
+    sh_k[tid] = static_cast<const __half*>(gp[tid].k.data);
+    sh_v[tid] = static_cast<const __half*>(gp[tid].v.data);
+    sh_c[tid] = gp[tid].counter;
+    sh_end[tid] = gp[tid].n;
+  }
+  pdl_wait();
+  pdl_trigger();  // the next product may start its weight reads
+  const int np = p.n_parts[bk];
+  float q[8];
+  const float* qrow = p.q + b * p.q_stride + static_cast<int64_t>(h) * D + c0;
+#pragma unroll
+  for (int c = 0; c < 8; ++c) q[c] = qrow[c] * p.scale;
+  __syncthreads();
+  if (tid < np && sh_c[tid]) sh_end[tid] += *sh_c[tid];  // rows appended during decode
+  __syncthreads();
+  if (tid == 0)
+    for (int i = 1; i < np; ++i) sh_end[i] += sh_end[i - 1];
+  __syncthreads();
+  const int N = np > 0 ? sh_end[np - 1] : 0;
+  const int chunk = (N + p.splits - 1) / p.splits;
+  const int r0 = min(N, s * chunk), r1 = min(N, r0 + chunk);
+
+  State st;
+  for (int j0 = r0; j0 < r1; j0 += G * U) {
+    uint4 kr[U], vr[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int j = j0 + u * G + g;
+      if (j < r1) {
+        int pi = 0;
+        while (j >= sh_end[pi]) ++pi;
+        const int64_t at = static_cast<int64_t>(j - (pi ? sh_end[pi - 1] : 0)) * D + c0;
+        kr[u] = __ldg(reinterpret_cast<const uint4*>(sh_k[pi] + at));
+        vr[u] = __ldg(reinterpret_cast<const uint4*>(sh_v[pi] + at));
+      } else {
+        kr[u] = vr[u] = make_uint4(0, 0, 0, 0);
+      }
+    }
+    float sc[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float f[8];
+      unpack8<__half>(kr[u], f);
+      float d = 0.0f;
+#pragma unroll
+      for (int c = 0; c < 8; ++c) d = fmaf(q[c], f[c], d);
+      d = group_sum<L>(d);
+      sc[u] = j0 + u * G + g < r1 ? d : -INFINITY;
+    }
+    float mx = st.m;
+#pragma unroll
+    for (int u = 0; u < U; ++u) mx = fmaxf(mx, sc[u]);
+    if (mx > st.m) {
+      const float alpha = __expf(st.m - mx);
+      st.d *= alpha;
+#pragma unroll
+      for (int c = 0; c < 8; ++c) st.o[c] *= alpha;
+      st.m = mx;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const float pu = sc[u] == -INFINITY ? 0.0f : __expf(sc[u] - st.m);
+      st.d += pu;
+      float f[8];
+      unpack8<__half>(vr[u], f);
+#pragma unroll
+      for (int c = 0; c < 8; ++c) st.o[c] = fmaf(pu, f[c], st.o[c]);
+    }
+  }
+  finish_block<L>(p, st, b, h, s);
+}
