@@ -146,9 +146,11 @@ class Backend {
   virtual void layer_norm(const Buffer& x, const Buffer& g, const Buffer* b, float eps,
                           Buffer& y) = 0;
   // x = rms_norm(h)·g, then y = x·Wᵀ (+ bias): one op, so a device can fuse the norm into the
-  // product (x is scratch afterwards). The default runs the two ops.
+  // product (x is scratch afterwards). The default runs the two ops. With `check` set, h is first
+  // checked as check_finite(h, *check) does (a device folds the check into the product).
   virtual void norm_linear(const Buffer& h, const Buffer& g, float eps, Buffer& x, const Buffer& W,
-                           const Buffer* bias, Buffer& y) {
+                           const Buffer* bias, Buffer& y, const std::string* check = nullptr) {
+    if (check) check_finite(h, *check);
     rms_norm(h, g, eps, x);
     linear(x, W, bias, y, false);
   }

@@ -225,9 +225,12 @@ std::vector<float> LlamaDecoder::decode(int token, int position, int step, SeqKV
 
   auto body = [&] {
     be->embed(embed, w.ids, w.h);
+    // Each layer's output is checked for NaN / Inf by the next norm_linear, which reads it whole
+    // anyway (a device folds the check into that product).
+    std::string check;
     for (int l = 0; l < cfg.num_hidden_layers; ++l) {
       const LlamaLayer& L = layers[l];
-      be->norm_linear(w.h, L.ln1, eps, w.x, L.qkv_w, or_null(L.qkv_b), w.qkv);
+      be->norm_linear(w.h, L.ln1, eps, w.x, L.qkv_w, or_null(L.qkv_b), w.qkv, check.empty() ? nullptr : &check);
       be->rope_append(kv, l, w.qkv, lay, w.pos, &pos, &gen, 1, static_cast<float>(cfg.rope_theta));
       if (policy) {
         w.qkv_host.resize(static_cast<size_t>(w.qkv.numel()));
@@ -272,9 +275,9 @@ std::vector<float> LlamaDecoder::decode(int token, int position, int step, SeqKV
       }
       be->linear(w.a, L.o_w, or_null(L.o_b), w.h, true);
       mlp(L, w.h, w.x, w.gu, w.g);
-      be->check_finite(w.h, "text layer " + std::to_string(l) + " output (decode step " + std::to_string(step) + ")");
+      check = "text layer " + std::to_string(l) + " output (decode step " + std::to_string(step) + ")";
     }
-    be->norm_linear(w.h, norm, eps, w.x, lm_head, nullptr, w.logits);
+    be->norm_linear(w.h, norm, eps, w.x, lm_head, nullptr, w.logits, check.empty() ? nullptr : &check);
   };
   // Replay is allowed only for steps with no host-side work; the key changes whenever the
   // device cache is laid out anew.

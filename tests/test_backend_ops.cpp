@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <map>
 
 #include "core/errors.h"
@@ -151,6 +152,52 @@ void norm_linear_case(Dt dt, int K, int N) {
     be->norm_linear(H, G, 1e-5f, X, W, &Bv, Y);
     expect_within(read(*be, Y), ref, bound, std::string(B.name[i]) + " norm_linear " + dt_name(dt));
   }
+}
+
+// norm_linear with a check of h: a planted NaN / Inf is reported under the check's name, with
+// the first bad index and its value, as check_finite reports it (the CPU at once, a device at
+// finish_checks); a finite h passes.
+void norm_linear_check_case(Dt dt, int K, int N, int bad, float value) {
+  const auto g = randn(K), w = rounded(dt, randn(static_cast<size_t>(N) * K, 0.05f));
+  auto h = randn(K, 2.0f);
+  if (bad >= 0) {
+    h[bad] = value;
+    if (bad + 7 < K) h[bad + 7] = std::numeric_limits<float>::quiet_NaN();  // a later one is not named
+  }
+  const Backends2 B = both(dt);
+  for (int i = 0; i < 2; ++i) {
+    Backend* be = B.be[i];
+    if (!be) continue;
+    SCOPED_TRACE(std::string(B.name[i]) + " K=" + std::to_string(K) + " bad=" + std::to_string(bad));
+    const Raw rw = raw("w", dt, {N, K}, w);
+    Buffer W = be->matrix("w", {rw.t});
+    Buffer H = make(*be, "h", {1, K}, Dt::F32, h), G = make(*be, "g", {K}, Dt::F32, g);
+    Buffer X = be->alloc("x", {1, K}, W.dt);
+    Buffer Y = poisoned(*be, "y", {1, N}, Dt::F32);
+    const std::string name = "layer 7 output";
+    std::string msg;
+    try {
+      be->norm_linear(H, G, 1e-5f, X, W, nullptr, Y, &name);
+      be->finish_checks();
+    } catch (const NonFiniteError& e) {
+      msg = e.what();
+    }
+    if (bad < 0) {
+      EXPECT_EQ(msg, "");
+      continue;
+    }
+    EXPECT_NE(msg.find(name + " is not finite"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("at index " + std::to_string(bad) + ")"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(std::isnan(value) ? "nan" : value > 0 ? "inf" : "-inf"), std::string::npos) << msg;
+  }
+}
+
+TEST(Ops, NormLinearChecksItsInput) {
+  norm_linear_check_case(Dt::F16, 4104, 301, 2051, std::numeric_limits<float>::infinity());  // the 8-wide loop
+  norm_linear_check_case(Dt::BF16, 1000, 77, 999, -std::numeric_limits<float>::infinity());   // the tail loop
+  norm_linear_check_case(Dt::F16, 264, 33, 5, std::numeric_limits<float>::quiet_NaN());
+  norm_linear_check_case(Dt::F16, 264, 33, -1, 0.0f);
+  KVLENS_GPU_HALF_SKIPPED();
 }
 
 TEST(Ops, NormLinear) {

@@ -268,17 +268,21 @@ class CudaBackend : public Backend {
             W.name + " " + std::to_string(M) + "x" + std::to_string(N) + "x" + std::to_string(K));
   }
   void norm_linear(const Buffer& h, const Buffer& g, float eps, Buffer& x, const Buffer& W, const Buffer* bias,
-                   Buffer& y) override {
+                   Buffer& y, const std::string* check) override {
     const int64_t K = h.cols();
     const bool fused = h.rows() == 1 && h.dt == Dt::F32 && gemv_supported(W.dt, static_cast<int>(K)) &&
                        W.cols() == K && y.dt == Dt::F32 && y.cols() == W.rows() && g.numel() == K &&
                        ((reinterpret_cast<uintptr_t>(h.data) | reinterpret_cast<uintptr_t>(g.data) |
                          reinterpret_cast<uintptr_t>(W.data)) & 15) == 0;
-    if (!fused) return Backend::norm_linear(h, g, eps, x, W, bias, y);
+    if (!fused) return Backend::norm_linear(h, g, eps, x, W, bias, y, check);
     if (bias) need(bias->numel() == W.rows() && bias->dt == Dt::F32, "norm_linear: bias " + bias->name);
+    // The check of h rides on the product: its first block looks at every value of h as it
+    // computes the norm, so the check costs no kernel of its own.
+    unsigned long long* slot = check ? check_slot(*check) : nullptr;
     if (ctx_->replay) return;
     auto prof_scope = prof_.scope("norm_linear", *ctx_);
     GemvParams p;
+    p.check = slot;
     p.W = W.data, p.dt = W.dt, p.N = static_cast<int>(W.rows()), p.K = static_cast<int>(K);
     p.h = h.as<float>(), p.g = g.as<float>(), p.eps = eps;
     p.bias = bias ? bias->as<float>() : nullptr, p.y = y.as<float>();
@@ -311,8 +315,8 @@ class CudaBackend : public Backend {
     cuda::layer_norm(x.as<float>(), y.data, y.dt, static_cast<int>(x.rows()), static_cast<int>(x.cols()),
                      g.as<float>(), b ? b->as<float>() : nullptr, eps, ctx_->stream);
   }
-  void check_finite(const Buffer& x, const std::string& tensor) override {
-    need(x.dt == Dt::F32, "check_finite: " + x.name + " must be f32");
+  // The device slot of a new check named `tensor` (in replay too, so names keep their slots).
+  unsigned long long* check_slot(const std::string& tensor) {
     if (!checks_.mem) {
       if (ctx_->replay || ctx_->capturing) throw InternalError("check_finite: first check inside a captured step");
       checks_ = {ctx_->alloc(kChecks * 8, "finiteness checks"), kChecks * 8};
@@ -321,8 +325,13 @@ class CudaBackend : public Backend {
     if (static_cast<int64_t>(check_names_.size()) >= kChecks) finish_checks();
     const size_t slot = check_names_.size();
     check_names_.push_back(tensor);
+    return checks_.as<unsigned long long>() + slot;
+  }
+  void check_finite(const Buffer& x, const std::string& tensor) override {
+    need(x.dt == Dt::F32, "check_finite: " + x.name + " must be f32");
+    unsigned long long* slot = check_slot(tensor);
     if (ctx_->replay) return;
-    first_nonfinite(x.as<float>(), x.numel(), checks_.as<unsigned long long>() + slot, ctx_->stream);
+    first_nonfinite(x.as<float>(), x.numel(), slot, ctx_->stream);
   }
   void finish_checks() override {
     if (check_names_.empty()) return;

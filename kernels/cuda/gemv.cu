@@ -37,6 +37,7 @@ struct Args {
   const float* bias;
   float* y;
   int N, K, accumulate;
+  unsigned long long* check;
 };
 
 // An L2 policy that evicts these lines first.
@@ -84,14 +85,25 @@ __device__ __forceinline__ void stage_x(const Args& a, uint4* xs) {
       __shared__ float sh[kWarps];
       float ss = 0.0f;
       int i = threadIdx.x;
+      const bool check = a.check && blockIdx.x == 0;
+      auto checked = [&](float v, int at) {
+        if (check && !isfinite(v))
+          atomicMin(a.check, (static_cast<unsigned long long>(at) << 32) | __float_as_uint(v));
+      };
       for (; i + 7 * kThreads < a.K; i += 8 * kThreads) {
         float v[8];
 #pragma unroll
         for (int j = 0; j < 8; ++j) v[j] = a.h[i + j * kThreads];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) ss += v[j] * v[j];
+        for (int j = 0; j < 8; ++j) {
+          ss += v[j] * v[j];
+          checked(v[j], i + j * kThreads);
+        }
       }
-      for (; i < a.K; i += kThreads) ss += a.h[i] * a.h[i];
+      for (; i < a.K; i += kThreads) {
+        ss += a.h[i] * a.h[i];
+        checked(a.h[i], i);
+      }
       ss = warp_sum(ss);
       if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = ss;
       __syncthreads();
@@ -241,7 +253,7 @@ void gemv(const GemvParams& p, cudaStream_t s) {
   const int mode = p.h ? kNorm : p.gu ? kGated : kPlain;
   if (mode == kPlain && !p.x) throw InternalError("gemv: no input (x, h or gu)");
   const Args a{static_cast<const uint4*>(p.W), static_cast<const uint4*>(p.x), p.h, p.g, p.eps, p.gu, p.act, p.bias,
-               p.y, p.N, p.K, p.accumulate ? 1 : 0};
+               p.y, p.N, p.K, p.accumulate ? 1 : 0, p.check};
   auto by_mode = [&](auto t) {
     using T = decltype(t);
     if (mode == kNorm) go<T, kNorm>(p, a, s);
