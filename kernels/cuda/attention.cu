@@ -479,14 +479,16 @@ void attention_prefill_simple(const float* qkv, const AttnLayout& l, void* out, 
   KV_LAUNCH("attn_simple_kernel", std::to_string(l.T) + " tokens x " + std::to_string(l.n_heads) + " heads");
 }
 
-void attention_prefill(const float* qkv, const AttnLayout& l, void* out, Dt odt, cudaStream_t s, int key_split) {
-  if (l.T == 0) return;
+int attention_prefill(const float* qkv, const AttnLayout& l, void* out, Dt odt, cudaStream_t s, int key_split) {
+  if (l.T == 0) return 0;
   const int D = l.head_dim;
   // fp16 tiles for fp16 / bf16 models; an fp32 model keeps fp32 throughout.
   const bool aligned = (reinterpret_cast<uintptr_t>(qkv) & 15) == 0 && l.row_stride % 4 == 0 && l.q_col % 4 == 0 &&
                        l.k_col % 4 == 0 && l.v_col % 4 == 0 && (reinterpret_cast<uintptr_t>(out) & 3) == 0;
-  if ((D != 32 && D != 64 && D != 128) || odt == Dt::F32 || !aligned)
-    return attention_prefill_simple(qkv, l, out, odt, s);
+  if ((D != 32 && D != 64 && D != 128) || odt == Dt::F32 || !aligned) {
+    attention_prefill_simple(qkv, l, out, odt, s);
+    return 0;
+  }
   if (key_split != 0 && key_split != 1 && key_split != 2)
     throw InternalError("attention: key_split must be 0 (by the device), 1 or 2");
   const Args a = make_args(qkv, l);
@@ -510,6 +512,7 @@ void attention_prefill(const float* qkv, const AttnLayout& l, void* out, Dt odt,
                            : flash<128>(a, kvh, Tp, out, odt, key_split, s);
   KV_LAUNCH("attn_flash_kernel", std::to_string(l.T) + " tokens x " + std::to_string(l.n_heads) + " heads, D=" +
                                      std::to_string(D) + ", key split " + std::to_string(ks));
+  return ks;
 }
 
 void attention_scores(const float* qkv, const AttnLayout& l, float* scores, cudaStream_t s) {
