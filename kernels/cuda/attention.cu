@@ -417,18 +417,21 @@ Args make_args(const float* qkv, const AttnLayout& l) {
           l.causal ? 1 : 0, l.scale};
 }
 
-// Blocks of attn_flash_kernel<D, KS, OT> that fit one SM (its shared-memory attribute is set on
-// the first call; the attribute is per kernel and process).
+// Blocks of attn_flash_kernel<D, KS, OT> that fit one SM, 0 where its shared memory exceeds
+// what a block may have on this device (the attribute is set on the first call; it is per
+// kernel and process).
 template <int D, int KS, class OT>
 int flash_resident() {
   using F = Flash<D, KS>;
   static const int n = [] {
-    KV_CUDA(cudaFuncSetAttribute(attn_flash_kernel<D, KS, OT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 static_cast<int>(F::bytes)),
-            "attention tiles of " + std::to_string(F::bytes) + " bytes");
     int r = 0;
-    KV_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&r, attn_flash_kernel<D, KS, OT>, F::THREADS, F::bytes),
-            "attention tiles of " + std::to_string(F::bytes) + " bytes");
+    if (cudaFuncSetAttribute(attn_flash_kernel<D, KS, OT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(F::bytes)) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&r, attn_flash_kernel<D, KS, OT>, F::THREADS, F::bytes) !=
+            cudaSuccess) {
+      cudaGetLastError();  // not sticky: this shape is just not used
+      return 0;
+    }
     return r;
   }();
   return n;
@@ -437,7 +440,10 @@ int flash_resident() {
 template <int D, int KS, class OT>
 void launch_flash(const Args& a, const __half* kv16, int Tp, OT* out, cudaStream_t s) {
   using F = Flash<D, KS>;
-  flash_resident<D, KS, OT>();
+  if (flash_resident<D, KS, OT>() == 0)
+    throw DeviceError("attention: blocks of " + std::to_string(F::THREADS) + " threads with " +
+                      std::to_string(F::bytes) + " bytes of shared memory do not fit this device (key split " +
+                      std::to_string(KS) + ", head_dim " + std::to_string(D) + ")");
   const dim3 grid(a.NH, (a.T + F::BQ - 1) / F::BQ);
   attn_flash_kernel<D, KS, OT><<<grid, F::THREADS, F::bytes, s>>>(a, kv16, Tp, out);
 }
