@@ -5,6 +5,7 @@
 //   kvlens bench attention   decode attention alone (CUDA): fp16 and 4/2/1-bit caches, contexts,
 //                            batch sizes; achieved bandwidth as a share of the copy bandwidth
 //   kvlens bench gemv        the decode step's one-token products alone (CUDA)
+//   kvlens bench prefill     prefill / vision attention alone (CUDA) at LLaVA-1.5-7B's shapes
 //   kvlens bench throughput  CalibQuant's Fig. 3 (CUDA): largest batch under a KV memory budget
 //                            and decode tokens/s, fp16 against 2-bit and 1-bit visual tokens
 #include <cblas.h>
@@ -253,6 +254,54 @@ void run_gemv(const GemvArgs& a) {
 #endif
 }
 
+struct PrefillArgs {
+  std::vector<int> key_splits{0, 1, 2};
+  int vision_tokens = 577, text_tokens = 616, reps = 50, device = 0;
+  std::string json;
+};
+
+void run_prefill(const PrefillArgs& a) {
+  need_cuda("prefill");
+  for (int k : a.key_splits)
+    if (k < 0 || k > 2) throw InputError("--key-splits: each must be 0 (the kernel's choice), 1 or 2, got " + std::to_string(k));
+#ifdef KVLENS_HAVE_CUDA
+  auto be = cuda_backend(a.device);
+  cuda::PrefillBenchConfig c;
+  c.device = a.device;
+  c.vision_tokens = a.vision_tokens;
+  c.text_tokens = a.text_tokens;
+  c.key_splits = a.key_splits;
+  c.reps = a.reps;
+  const auto rows = cuda::bench_prefill_attention(c);
+  std::printf("prefill / vision attention (LLaVA-1.5-7B shapes, fp16 output), %s\n", be->device().c_str());
+  std::printf("%-7s %6s %9s %4s %6s %5s %5s %10s %10s %8s %11s\n", "part", "tokens", "heads", "D", "causal", "split",
+              "ran", "eager us", "graph us", "TFLOP/s", "layers ms");
+  nlohmann::json j = nlohmann::json::array();
+  for (const auto& r : rows) {
+    const std::string heads = std::to_string(r.heads) + "/" + std::to_string(r.kv_heads);
+    std::printf("%-7s %6d %9s %4d %6s %5s %5d %10.2f %10.2f %8.1f %11.3f\n", r.part.c_str(), r.tokens, heads.c_str(),
+                r.head_dim, r.causal ? "yes" : "no", r.key_split ? std::to_string(r.key_split).c_str() : "auto",
+                r.key_split_used, r.eager_us, r.graph_us, r.tflops, r.graph_us * r.layers / 1e3);
+    j.push_back({{"part", r.part}, {"tokens", r.tokens}, {"heads", r.heads}, {"kv_heads", r.kv_heads},
+                 {"head_dim", r.head_dim}, {"causal", r.causal}, {"layers", r.layers}, {"key_split", r.key_split},
+                 {"key_split_used", r.key_split_used}, {"eager_us", r.eager_us}, {"graph_us", r.graph_us},
+                 {"tflops", r.tflops}});
+  }
+  // One image and prompt: every vision and text layer at the kernel's own choice.
+  double total = 0;
+  bool have_auto[2] = {false, false};
+  for (const auto& r : rows)
+    if (r.key_split == 0) {
+      total += r.graph_us * r.layers / 1e3;
+      have_auto[r.part == "text"] = true;
+    }
+  if (have_auto[0] && have_auto[1])
+    std::printf("all layers (%d vision + %d text), the kernel's choice: %.3f ms (graph)\n", c.vision_layers,
+                c.text_layers, total);
+  write_json(a.json, {{"device", be->device()}, {"rows", j}});
+#endif
+}
+
 struct ThroughputArgs {
   std::vector<double> budgets{5, 10, 15, 20, 25, 30};
   std::vector<int> bits{16, 2, 1};
@@ -303,7 +352,7 @@ void run_throughput(const ThroughputArgs& a) {
 
 void add_bench_command(CLI::App& root) {
   auto a = std::make_shared<BenchArgs>();
-  CLI::App* c = root.add_subcommand("bench", "Speed: caption latency and decode roofline; 'attention', 'gemv' and 'throughput' on CUDA");
+  CLI::App* c = root.add_subcommand("bench", "Speed: caption latency and decode roofline; 'attention', 'gemv', 'prefill' and 'throughput' on CUDA");
   c->require_subcommand(0, 1);
   c->add_option("--model", a->model, "Model directory (default: the embedded model)");
   add_backend_options(c, a->backend);
@@ -336,6 +385,16 @@ void add_bench_command(CLI::App& root) {
   add_int(gm, "--device", gv->device, 0, 1024, "CUDA device ordinal");
   gm->add_option("--json", gv->json, "Also write the rows as JSON here");
   gm->callback([gv] { run_gemv(*gv); });
+
+  auto pf = std::make_shared<PrefillArgs>();
+  CLI::App* pr = c->add_subcommand("prefill", "Prefill / vision attention alone (CUDA) at LLaVA-1.5-7B's shapes");
+  add_ints(pr, "--key-splits", pf->key_splits, 0, 2, "0 = the kernel's choice, else 1 or 2 warp groups a block");
+  add_int(pr, "--vision-tokens", pf->vision_tokens, 1, 1 << 20, "Tokens of the vision tower (16 heads x 64, no mask)");
+  add_int(pr, "--text-tokens", pf->text_tokens, 1, 1 << 20, "Prompt tokens of the language model (32 heads x 128, causal)");
+  add_int(pr, "--reps", pf->reps, 1, 100000, "Calls per timing (median of 5)");
+  add_int(pr, "--device", pf->device, 0, 1024, "CUDA device ordinal");
+  pr->add_option("--json", pf->json, "Also write the rows as JSON here");
+  pr->callback([pf] { run_prefill(*pf); });
 
   auto u = std::make_shared<ThroughputArgs>();
   CLI::App* th = c->add_subcommand("throughput", "CalibQuant Fig. 3 (CUDA): largest batch under a KV budget and tokens/s");

@@ -37,6 +37,7 @@ fi
 if has bench; then
   run bench_embedded 120 "$BUILD/kvlens" bench --backend cuda --repeat 5 --json "$OUT/bench_embedded.json"
   run bench_attention 180 "$BUILD/kvlens" bench attention --json "$OUT/bench_attention.json"
+  run bench_prefill 120 "$BUILD/kvlens" bench prefill --json "$OUT/bench_prefill.json"
   run sdpa 120 python3 tests/sdpa_bench.py --json "$OUT/sdpa.json"
   if [ ! -f "$CK/config.json" ] || [ ! -f "$OUT/hf_bench.json" ]; then
     run make_llava7b 300 python3 tests/make_llava7b.py --out "$CK" --json "$OUT/hf_bench.json"

@@ -60,6 +60,14 @@ def main():
                 r = next((r for r in a["rows"] if (r["batch"], r["context"]) == k and r["format"] == f), None)
                 row += f"{r['ms']:>9.4f} {100 * r['share_of_copy']:>4.0f}% {r['speedup_vs_fp16']:>4.1f}x" if r else f"{'-':>20}"
             print(row)
+    pf = load(d, "bench_prefill.json")
+    if pf:
+        print("\nprefill / vision attention alone (us a call, from a graph; TFLOP/s; ms for all layers)")
+        for r in pf["rows"]:
+            split = r["key_split"] or "auto"
+            print(f"{r['part']:>7} T={r['tokens']:<5} split {split!s:<4} ran {r['key_split_used']} "
+                  f"{r['graph_us']:>8.2f} us (eager {r['eager_us']:.2f}) {r['tflops']:>6.1f} TFLOP/s "
+                  f"{r['graph_us'] * r['layers'] / 1e3:>7.3f} ms")
     t = load(d, "bench_throughput.json")
     if t:
         print(f"\nthroughput, {t['visual_tokens']} visual tokens (tokens/s, batch): KV budget GB")

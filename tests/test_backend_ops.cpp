@@ -12,6 +12,7 @@
 #include <map>
 
 #include "core/errors.h"
+#include "tests/attention_ref.h"
 #include "tests/op_harness.h"
 
 using namespace kvlens;
@@ -439,54 +440,6 @@ TEST(Ops, AddRopeEmbedCopy) {
   KVLENS_GPU_HALF_SKIPPED();
 }
 
-// fp64 attention, and a naive implementation at a given precision: inputs rounded to `in`,
-// dot products, softmax and output accumulated in fp32 in order, probabilities rounded to `in`.
-void attention_refs(const std::vector<float>& qkv, const AttnLayout& l, Dt in, std::vector<float>& ref,
-                    std::vector<float>& naive) {
-  const int T = l.T, NH = l.n_heads, D = l.head_dim, G = NH / l.n_kv_heads;
-  ref.assign(static_cast<size_t>(T) * NH * D, 0.0f);
-  naive = ref;
-  auto Q = [&](int i, int h, int c) { return qkv[i * l.row_stride + l.q_col + h * D + c]; };
-  auto K = [&](int j, int h, int c) { return qkv[j * l.row_stride + l.k_col + (h / G) * D + c]; };
-  auto V = [&](int j, int h, int c) { return qkv[j * l.row_stride + l.v_col + (h / G) * D + c]; };
-  for (int h = 0; h < NH; ++h)
-    for (int i = 0; i < T; ++i) {
-      const int n = l.causal ? i + 1 : T;
-      std::vector<double> s(n);
-      std::vector<float> sn(n);
-      double mx = -INFINITY;
-      float mxn = -INFINITY;
-      for (int j = 0; j < n; ++j) {
-        double d = 0;
-        float dn = 0;
-        for (int c = 0; c < D; ++c) {
-          d += static_cast<double>(Q(i, h, c)) * K(j, h, c);
-          dn += round_to(in, Q(i, h, c)) * round_to(in, K(j, h, c));
-        }
-        s[j] = d * l.scale;
-        sn[j] = dn * l.scale;
-        mx = std::max(mx, s[j]);
-        mxn = std::max(mxn, sn[j]);
-      }
-      double z = 0;
-      float zn = 0;
-      for (int j = 0; j < n; ++j) {
-        z += (s[j] = std::exp(s[j] - mx));
-        zn += (sn[j] = std::exp(sn[j] - mxn));
-      }
-      for (int c = 0; c < D; ++c) {
-        double o = 0;
-        float on = 0;
-        for (int j = 0; j < n; ++j) {
-          o += s[j] / z * V(j, h, c);
-          on += round_to(in, sn[j]) * round_to(in, V(j, h, c));
-        }
-        ref[(static_cast<size_t>(i) * NH + h) * D + c] = static_cast<float>(o);
-        naive[(static_cast<size_t>(i) * NH + h) * D + c] = on / zn;
-      }
-    }
-}
-
 void attention_case(int T, int NH, int NKV, int D, bool causal, Dt odt) {
   AttnLayout l;
   l.T = T; l.n_heads = NH; l.n_kv_heads = NKV; l.head_dim = D;
@@ -501,11 +454,7 @@ void attention_case(int T, int NH, int NKV, int D, bool causal, Dt odt) {
   // Error allowed: twice the naive implementation's at the kernel's precision (f16 tiles for
   // head_dim 32/64/128, fp32 otherwise), against fp64, plus the output's rounding.
   const bool tiles = (D == 32 || D == 64 || D == 128) && odt != Dt::F32;
-  const std::vector<float>& nv = tiles ? naive16 : naive32;
-  double worst = 0;
-  for (size_t i = 0; i < ref.size(); ++i) worst = std::max(worst, std::abs(double(nv[i]) - ref[i]));
-  std::vector<double> bound(ref.size());
-  for (size_t i = 0; i < ref.size(); ++i) bound[i] = 2 * worst + unit(odt) * std::abs(ref[i]) + tiny(odt) + 1e-7;
+  const std::vector<double> bound = attention_bound(ref, tiles ? naive16 : naive32, odt);
   const Backends2 B = both(Dt::F16);
   const std::string what = "attention T=" + std::to_string(T) + " D=" + std::to_string(D) + (causal ? " causal" : "");
   for (int i = 0; i < 2; ++i) {
@@ -537,9 +486,15 @@ void attention_case(int T, int NH, int NKV, int D, bool causal, Dt odt) {
 }
 
 TEST(Ops, PrefillAttention) {
-  attention_case(77, 4, 4, 64, false, Dt::F16);    // vision: no mask, tensor-core tiles
+  // Tensor-core tiles (64 query rows a block, 64-key tiles); tests/test_prefill_kernel.cpp
+  // also forces each key split.
+  attention_case(77, 4, 4, 64, false, Dt::F16);    // vision: no mask
   attention_case(131, 4, 2, 128, true, Dt::F16);   // text: causal, GQA, two partial tiles
   attention_case(70, 3, 3, 32, true, Dt::BF16);
+  attention_case(200, 3, 1, 128, true, Dt::BF16);  // 4 key tiles, diagonal tiles, GQA 3:1, last block 8 rows
+  attention_case(261, 2, 2, 64, false, Dt::F16);   // T = 4·64 + 5: 5 key tiles, the last of 5 keys
+  attention_case(13, 2, 1, 32, true, Dt::F16);     // T < 16: one partial row group
+  attention_case(150, 2, 2, 32, false, Dt::BF16);
   attention_case(45, 4, 2, 24, true, Dt::F32);     // head_dim 24: the simple kernel
   attention_case(50, 2, 2, 64, true, Dt::F32);     // an fp32 model: the simple kernel too
   attention_case(33, 2, 1, 8, false, Dt::F16);

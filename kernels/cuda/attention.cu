@@ -1,14 +1,30 @@
 // Prefill / vision attention: tiled, one online softmax per query row, never materializing the
 // T×T scores. CPU twin: cpu::attention_head.
 //
-// Tensor-core kernel (head_dim 32, 64, 128): K and V are first staged once as fp16, head-major;
-// then a block of 4 warps takes 64 query rows of one head and walks the key tiles (64 keys)
-// twice: the first pass finds each row's maximum score, the second forms P = exp(S − max) (so
-// no running rescale of the output is needed) and accumulates P·V in tensor-core fragments
-// (fp16 operands, fp32 accumulation) and the row sums. Scores are WMMA products (fp16 in, fp32
-// out). Other head sizes, and fp32 models, use the simple kernel: one warp per query row, fp32
+// Tensor-core kernel (head_dim 32, 64, 128; fp16 / bf16 models), FlashAttention-2 style:
+// - K and V are staged once per call as fp16, head-major [2][n_kv_heads][Tp][D] (Tp: T rounded
+//   up to 128, the extra rows zero), one 16-byte store per thread from two float4 loads.
+// - A block takes 64 query rows of one head; each warp holds its 16 rows of Q for the whole
+//   call as mma.m16n8k16 A fragments (fp16) in registers.
+// - K/V tiles of 64 keys go to shared memory with cp.async, double-buffered: the next tile is
+//   in flight while the current one is computed. Rows are padded by 16 bytes, so the 8 row
+//   addresses of each ldmatrix phase fall in 8 different bank groups.
+// - S = Q·Kᵀ (16×64 a warp) stays in the mma's fp32 accumulators (K fragments by ldmatrix).
+//   Only tiles that need it are masked (keys ≥ T, the causal diagonal); a causal block stops
+//   at its diagonal, and blocks run heaviest first.
+// - Online softmax on the fragments: row maxima and sums over the four lanes that share a row
+//   (two shuffles), exp2 with scale·log2(e) folded in, running rescale of O.
+// - P is rounded to fp16 in registers: the accumulators of two adjacent 16×8 score blocks are
+//   exactly the A fragment of one 16×16 block, so P never goes through shared memory. O += P·V
+//   takes V fragments from ldmatrix.trans. Finally O / l is written in the output dtype.
+// - Where 64-row blocks would leave SMs with fewer than two blocks (the vision tower: 577
+//   tokens × 16 heads is 160 blocks for 132 SMs), a block has 8 warps: two groups of 4 take the
+//   two 64-key halves of each 128-key stage (the same bytes loaded per query row as with 4
+//   warps, twice the warps per SM) and merge their (max, sum, O) states through shared memory
+//   at the end.
+// Other head sizes, and fp32 models, use the simple kernel: one warp per query row, fp32
 // throughout.
-#include <mma.h>
+#include <type_traits>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/kernels.h"
@@ -16,8 +32,6 @@
 namespace kvlens::cuda {
 
 namespace {
-
-using namespace nvcuda;
 
 struct Args {
   const float* qkv;
@@ -27,171 +41,306 @@ struct Args {
   float scale;
 };
 
-template <int D>
-struct Tile {
-  static constexpr int BQ = 64, BK = 64;
-  static constexpr int LDH = D + 8;   // halves
-  static constexpr int LDS = BK + 4;  // floats
-  static constexpr int LDP = BK + 8;  // halves
-  static constexpr int LDO = D + 4;   // floats (the output tile, over the K and V tiles at the end)
-  static constexpr size_t q_off = 0;
-  static constexpr size_t k_off = q_off + sizeof(__half) * BQ * LDH;
-  static constexpr size_t v_off = k_off + sizeof(__half) * BK * LDH;
-  static constexpr size_t s_off = v_off + sizeof(__half) * BK * LDH;
-  static constexpr size_t p_off = s_off + sizeof(float) * BQ * LDS;
-  static constexpr size_t bytes = p_off + sizeof(__half) * BQ * LDP;
-  static_assert(sizeof(float) * BQ * LDO <= 2 * sizeof(__half) * BK * LDH, "output tile fits over K and V");
+// ---- tensor-core pieces -------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+// Four 8×8 fp16 matrices; lanes 8i..8i+7 give the row addresses of matrix i, and r[i] holds
+// (row lane/4, columns 2·(lane%4), +1) of matrix i — or with .trans (rows 2·(lane%4), +1, column
+// lane/4).
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+// c (16×8, fp32) += a (16×16, fp16, row-major) · b (16×8, fp16, column-major).
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+// Two floats as an f16x2 register (lo in the low half: the lower column of a fragment pair).
+__device__ __forceinline__ uint32_t half2_bits(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+template <class OT>
+__device__ __forceinline__ void store2(OT* p, float x, float y) {
+  if constexpr (std::is_same_v<OT, __half>) *reinterpret_cast<__half2*>(p) = __floats2half2_rn(x, y);
+  else *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);
+}
+
+constexpr int kStageRows = 128;  // staged K/V rows are padded to a multiple of the largest key stage
+
+// The tensor-core kernel's shape: 64 query rows a block, 4·KS warps; KS groups of 4 warps take
+// the KS 64-key halves of each key stage.
+template <int D, int KS>
+struct Flash {
+  static constexpr int BQ = 64, BK = 64, SK = BK * KS;
+  static constexpr int THREADS = 128 * KS;
+  static constexpr int LD = D + 8;              // halves per shared row (16 bytes of padding)
+  static constexpr int stage = SK * LD;         // halves of one K or V stage
+  static constexpr size_t bytes = sizeof(__half) * 4 * stage;  // K and V, two stages each
+  static constexpr int NV = D / 2 + 4;          // floats a lane hands over in the merge
+  static_assert(KS == 1 || sizeof(float) * 4 * 32 * NV <= bytes, "merge area fits over the stages");
+  static_assert(SK <= kStageRows && kStageRows % SK == 0, "stages end inside the padded rows");
 };
 
-// kv16: K and V of every KV head as fp16, [2][n_kv_heads][T][D] (made once per call).
-template <int D, class OT>
-__global__ void __launch_bounds__(128) attn_wmma_kernel(Args a, const __half* __restrict__ kv16, OT* __restrict__ out) {
-  using TL = Tile<D>;
-  constexpr int BQ = TL::BQ, BK = TL::BK, LDH = TL::LDH, LDS = TL::LDS, LDP = TL::LDP, LDO = TL::LDO;
-  constexpr int NF = D / 16;
-  extern __shared__ __align__(128) unsigned char smem[];
-  __half* Qs = reinterpret_cast<__half*>(smem + TL::q_off);
-  __half* Ks = reinterpret_cast<__half*>(smem + TL::k_off);
-  __half* Vs = reinterpret_cast<__half*>(smem + TL::v_off);
-  float* Ss = reinterpret_cast<float*>(smem + TL::s_off);
-  __half* Ps = reinterpret_cast<__half*>(smem + TL::p_off);
-  float* Os = reinterpret_cast<float*>(smem + TL::k_off);
-
-  const int q0 = blockIdx.x * BQ, h = blockIdx.y, kvh = h / a.G;
-  const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31;
-  const float* qbase = a.qkv + a.q_col + static_cast<int64_t>(h) * D;
-  const int NKV = a.NH / a.G;
-  const __half* kg = kv16 + static_cast<int64_t>(kvh) * a.T * D;
-  const __half* vg = kv16 + (static_cast<int64_t>(NKV) + kvh) * a.T * D;
-
-  // Q tile: float4 reads (rows are 16-byte aligned), fp16 pairs in shared memory.
-  {
-    constexpr int QP = BQ * D / 4 / 128;
-    float4 qv[QP];
-#pragma unroll
-    for (int u = 0; u < QP; ++u) {
-      const int i = tid + u * 128, r = i / (D / 4), c = (i % (D / 4)) * 4, t = q0 + r;
-      qv[u] = t < a.T ? __ldg(reinterpret_cast<const float4*>(qbase + t * a.stride + c)) : make_float4(0, 0, 0, 0);
+// K and V of qkv (fp32) as fp16, head-major: kv16[side][kv head][t][d] for t < Tp (rows ≥ T
+// zero). Thread = 8 consecutive values of one head row; blockIdx.y (strided) = token.
+template <int D>
+__global__ void stage_kv_kernel(Args a, int Tp, __half* __restrict__ kv16) {
+  constexpr int C8 = D / 8;
+  const int NKV = a.NH / a.G, per_side = NKV * C8;
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= 2 * per_side) return;
+  const int side = c >= per_side ? 1 : 0, cc = c - side * per_side, hh = cc / C8, d = (cc % C8) * 8;
+  const float* src = a.qkv + (side ? a.v_col : a.k_col) + static_cast<int64_t>(hh) * D + d;
+  __half* dst = kv16 + static_cast<int64_t>(side * NKV + hh) * Tp * D + d;
+  for (int t = blockIdx.y; t < Tp; t += gridDim.y) {
+    uint4 u = make_uint4(0u, 0u, 0u, 0u);
+    if (t < a.T) {
+      const float4* p = reinterpret_cast<const float4*>(src + t * a.stride);
+      const float4 x = __ldg(p), y = __ldg(p + 1);
+      u = make_uint4(half2_bits(x.x, x.y), half2_bits(x.z, x.w), half2_bits(y.x, y.y), half2_bits(y.z, y.w));
     }
-#pragma unroll
-    for (int u = 0; u < QP; ++u) {
-      const int i = tid + u * 128, r = i / (D / 4), c = (i % (D / 4)) * 4;
-      *reinterpret_cast<__half2*>(Qs + r * LDH + c) = __floats2half2_rn(qv[u].x, qv[u].y);
-      *reinterpret_cast<__half2*>(Qs + r * LDH + c + 2) = __floats2half2_rn(qv[u].z, qv[u].w);
-    }
-  }
-  // A K or V tile: every thread's loads are issued before any store, so one round trip to
-  // L2 / memory per tile instead of one per load.
-  constexpr int PER = BK * D / 8 / 128;
-  auto load_tiles = [&](__half* dk, const __half* sk, __half* dv, const __half* sv, int k0) {
-    uint4 tk[PER], tv[PER];
-#pragma unroll
-    for (int u = 0; u < PER; ++u) {
-      const int i = tid + u * 128, r = i / (D / 8), c = (i % (D / 8)) * 8, t = k0 + r;
-      const bool ok = t < a.T;
-      tk[u] = ok ? __ldg(reinterpret_cast<const uint4*>(sk + static_cast<int64_t>(t) * D + c)) : make_uint4(0, 0, 0, 0);
-      if (dv) tv[u] = ok ? __ldg(reinterpret_cast<const uint4*>(sv + static_cast<int64_t>(t) * D + c)) : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int u = 0; u < PER; ++u) {
-      const int i = tid + u * 128, r = i / (D / 8), c = (i % (D / 8)) * 8;
-      *reinterpret_cast<uint4*>(dk + r * LDH + c) = tk[u];
-      if (dv) *reinterpret_cast<uint4*>(dv + r * LDH + c) = tv[u];
-    }
-  };
-  // This warp's 16×64 scores of the tile at k0 into Ss.
-  auto scores = [&]() {
-#pragma unroll
-    for (int n = 0; n < BK / 16; ++n) {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-      wmma::fill_fragment(acc, 0.0f);
-#pragma unroll
-      for (int kd = 0; kd < NF; ++kd) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> fa;
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major> fb;
-        wmma::load_matrix_sync(fa, Qs + (16 * w) * LDH + 16 * kd, LDH);
-        wmma::load_matrix_sync(fb, Ks + (16 * n) * LDH + 16 * kd, LDH);
-        wmma::mma_sync(acc, fa, fb, acc);
-      }
-      wmma::store_matrix_sync(Ss + (16 * w) * LDS + 16 * n, acc, LDS, wmma::mem_row_major);
-    }
-  };
-  // Two lanes per row, 32 columns each.
-  const int r = 16 * w + (lane >> 1), half_ = lane & 1, qi = q0 + r;
-  const int kend = a.causal ? min(a.T, q0 + BQ) : a.T;
-  auto valid = [&](int kj) { return qi < a.T && kj < a.T && (!a.causal || kj <= qi); };
-
-  // Pass 1: the row maxima.
-  float m = -INFINITY;
-  for (int k0 = 0; k0 < kend; k0 += BK) {
-    __syncthreads();
-    load_tiles(Ks, kg, nullptr, nullptr, k0);
-    __syncthreads();
-    scores();
-    __syncwarp();
-    const float* srow = Ss + r * LDS + 32 * half_;
-#pragma unroll 8
-    for (int c = 0; c < 32; ++c)
-      if (valid(k0 + 32 * half_ + c)) m = fmaxf(m, srow[c] * a.scale);
-  }
-  m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-
-  // Pass 2: P = exp(S − m) (no rescaling needed), O += P·V in fragments, l += Σ P.
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> o[NF];
-#pragma unroll
-  for (int f = 0; f < NF; ++f) wmma::fill_fragment(o[f], 0.0f);
-  float l = 0.0f;
-  for (int k0 = 0; k0 < kend; k0 += BK) {
-    __syncthreads();
-    load_tiles(Ks, kg, Vs, vg, k0);
-    __syncthreads();
-    scores();
-    __syncwarp();
-    const float* srow = Ss + r * LDS + 32 * half_;
-    __half* prow = Ps + r * LDP + 32 * half_;
-#pragma unroll 8
-    for (int c = 0; c < 32; ++c) {
-      const float p = valid(k0 + 32 * half_ + c) ? __expf(srow[c] * a.scale - m) : 0.0f;
-      l += p;
-      prow[c] = __float2half_rn(p);
-    }
-    __syncwarp();
-#pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> fa;
-      wmma::load_matrix_sync(fa, Ps + (16 * w) * LDP + 16 * kk, LDP);
-#pragma unroll
-      for (int f = 0; f < NF; ++f) {
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::row_major> fb;
-        wmma::load_matrix_sync(fb, Vs + (16 * kk) * LDH + 16 * f, LDH);
-        wmma::mma_sync(o[f], fa, fb, o[f]);
-      }
-    }
-  }
-  l += __shfl_xor_sync(0xffffffffu, l, 1);
-  __syncthreads();  // the K and V tiles become the output tile
-#pragma unroll
-  for (int f = 0; f < NF; ++f) wmma::store_matrix_sync(Os + (16 * w) * LDO + 16 * f, o[f], LDO, wmma::mem_row_major);
-  __syncwarp();
-  if (qi < a.T) {
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    OT* orow = out + static_cast<int64_t>(qi) * a.NH * D + static_cast<int64_t>(h) * D;
-    for (int c = half_; c < D; c += 2) orow[c] = from_f<OT>(Os[r * LDO + c] * inv);
+    *reinterpret_cast<uint4*>(dst + static_cast<int64_t>(t) * D) = u;
   }
 }
 
-// K and V of qkv (fp32) as fp16, head-major: kv16[s][h][t][d].
-__global__ void stage_kv_kernel(Args a, __half* kv16) {
+// Block (head, query tile). kv16 from stage_kv_kernel, Tp rows a head. Blocks an SM must hold
+// (the register cap follows): 4-warp blocks 2 at head size 128, else 3; 8-warp blocks 2 below
+// head size 128 (so the vision tower's 160 blocks fit 132 SMs at once).
+template <int D, int KS>
+constexpr int flash_min_blocks() {
+  return KS == 1 ? (D == 128 ? 2 : 3) : (D == 128 ? 1 : 2);
+}
+template <int D, int KS, class OT>
+__global__ void __launch_bounds__(128 * KS, flash_min_blocks<D, KS>())
+    attn_flash_kernel(Args a, const __half* __restrict__ kv16, int Tp, OT* __restrict__ out) {
+  using F = Flash<D, KS>;
+  constexpr int LD = F::LD, SK = F::SK, BK = F::BK, NT = F::THREADS;
+  constexpr int KC = D / 16;  // 16-wide slices of the head dimension
+  constexpr int NB = D / 8;   // 8-wide column blocks of O
+  extern __shared__ __align__(128) unsigned char smem[];
+  __half* ks_all = reinterpret_cast<__half*>(smem);  // [2][SK][LD]
+  __half* vs_all = ks_all + 2 * F::stage;            // [2][SK][LD]
+
+  const int h = blockIdx.x, kvh = h / a.G;
+  const int q0 = (gridDim.y - 1 - blockIdx.y) * F::BQ;  // the longest causal rows first
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int rg = warp & 3, part = warp >> 2;  // 16-row group; which 64 keys of a stage
+  const int g = lane >> 2, t4 = lane & 3;     // fragment row group and column pair
+  const int qlo = q0 + 16 * rg;               // the warp's first row
   const int NKV = a.NH / a.G;
-  const int64_t n = static_cast<int64_t>(2) * NKV * a.T * a.D;
-  for (int64_t i = threadIdx.x + static_cast<int64_t>(blockIdx.x) * blockDim.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int d = static_cast<int>(i % a.D);
-    const int t = static_cast<int>((i / a.D) % a.T);
-    const int hh = static_cast<int>((i / (static_cast<int64_t>(a.D) * a.T)) % NKV);
-    const int sd = static_cast<int>(i / (static_cast<int64_t>(a.D) * a.T * NKV));
-    kv16[i] = __float2half_rn(a.qkv[t * a.stride + (sd ? a.v_col : a.k_col) + static_cast<int64_t>(hh) * a.D + d]);
+  const __half* kg = kv16 + static_cast<int64_t>(kvh) * Tp * D;
+  const __half* vg = kv16 + (static_cast<int64_t>(NKV) + kvh) * Tp * D;
+  const int kend = a.causal ? min(a.T, q0 + F::BQ) : a.T;
+  const int n_stages = (kend + SK - 1) / SK;
+
+  // Stage s (keys s·SK ..) of K and V into buffer s & 1: D/8 16-byte chunks a row, RP rows a
+  // pass of the block.
+  constexpr int C8 = D / 8, RP = NT / C8;
+  static_assert(NT % C8 == 0 && SK % RP == 0, "whole rows a pass");
+  const int ld_r = tid / C8, ld_c = (tid % C8) * 8;
+  const __half* kg_t = kg + static_cast<int64_t>(ld_r) * D + ld_c;
+  const __half* vg_t = vg + static_cast<int64_t>(ld_r) * D + ld_c;
+  const uint32_t ks_t = smem_addr(ks_all + ld_r * LD + ld_c), vs_t = smem_addr(vs_all + ld_r * LD + ld_c);
+  auto issue = [&](int s) {
+    const int64_t src = static_cast<int64_t>(s) * SK * D;
+    const uint32_t dst = static_cast<uint32_t>((s & 1) * F::stage) * 2u;
+#pragma unroll
+    for (int u = 0; u < SK / RP; ++u) {
+      cp_async16(ks_t + dst + u * RP * LD * 2, kg_t + src + u * RP * D);
+      cp_async16(vs_t + dst + u * RP * LD * 2, vg_t + src + u * RP * D);
+    }
+    cp_async_commit();
+  };
+  issue(0);
+
+  // Q rows qlo + g and qlo + g + 8 as A fragments (zero past T).
+  uint32_t qf[KC][4];
+  {
+    const int r0 = qlo + g;
+    const float* q0p = a.qkv + a.q_col + static_cast<int64_t>(h) * D + static_cast<int64_t>(r0) * a.stride + 2 * t4;
+    const float* q1p = q0p + 8 * a.stride;
+    const bool ok0 = r0 < a.T, ok1 = r0 + 8 < a.T;
+    const float2 z = make_float2(0.0f, 0.0f);
+#pragma unroll
+    for (int kc = 0; kc < KC; ++kc) {
+      const float2 x0 = ok0 ? __ldg(reinterpret_cast<const float2*>(q0p + 16 * kc)) : z;
+      const float2 x1 = ok1 ? __ldg(reinterpret_cast<const float2*>(q1p + 16 * kc)) : z;
+      const float2 x2 = ok0 ? __ldg(reinterpret_cast<const float2*>(q0p + 16 * kc + 8)) : z;
+      const float2 x3 = ok1 ? __ldg(reinterpret_cast<const float2*>(q1p + 16 * kc + 8)) : z;
+      qf[kc][0] = half2_bits(x0.x, x0.y);
+      qf[kc][1] = half2_bits(x1.x, x1.y);
+      qf[kc][2] = half2_bits(x2.x, x2.y);
+      qf[kc][3] = half2_bits(x3.x, x3.y);
+    }
   }
+
+  const float c2 = a.scale * 1.4426950408889634f;  // scores in log2 units
+  float o[NB][4];
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) o[nb][0] = o[nb][1] = o[nb][2] = o[nb][3] = 0.0f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // rows g, g + 8 (l: this lane's part)
+  // ldmatrix row addresses of this lane: K (non-transposed, B of S = Q·Kᵀ): keys (lane & 7) +
+  // 8·(lane / 16), dims 8·((lane / 8) & 1); V (transposed, B of O = P·V): keys (lane & 7) +
+  // 8·((lane / 8) & 1), dims 8·(lane / 16).
+  const int k_lane = ((lane & 7) + ((lane >> 4) << 3)) * LD + ((lane >> 3) & 1) * 8;
+  const int v_lane = ((lane & 7) + (((lane >> 3) & 1) << 3)) * LD + (lane >> 4) * 8;
+
+  for (int s = 0; s < n_stages; ++s) {
+    cp_async_wait_all();
+    __syncthreads();  // stage s visible to all; every warp is done with stage s − 1's buffer
+    if (s + 1 < n_stages) issue(s + 1);
+    const int kb = s * SK + part * BK;  // this warp's 64 keys
+    if (kb >= kend || qlo >= a.T || (a.causal && kb > qlo + 15)) continue;  // nothing to add for these rows
+    const uint32_t kaddr = smem_addr(ks_all + (s & 1) * F::stage + part * BK * LD + k_lane);
+    const uint32_t vaddr = smem_addr(vs_all + (s & 1) * F::stage + part * BK * LD + v_lane);
+
+    // S = Q·Kᵀ: sc[nb] is the 16×8 block of keys kb + 8·nb ...
+    float sc[8][4];
+#pragma unroll
+    for (int nb = 0; nb < 8; ++nb) sc[nb][0] = sc[nb][1] = sc[nb][2] = sc[nb][3] = 0.0f;
+#pragma unroll
+    for (int kc = 0; kc < KC; ++kc)
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {
+        uint32_t b[4];  // keys 16p.. (dims 16kc.., 16kc + 8..), keys 16p + 8.. (same dims)
+        ldsm_x4(b, kaddr + static_cast<uint32_t>(p * 16 * LD + kc * 16) * 2u);
+        mma16816(sc[2 * p], qf[kc], b[0], b[1]);
+        mma16816(sc[2 * p + 1], qf[kc], b[2], b[3]);
+      }
+
+    // Scale into log2 units; mask keys ≥ T and, on the diagonal, keys after the row.
+    const bool edge = kb + BK > a.T || (a.causal && kb + BK - 1 > qlo);
+#pragma unroll
+    for (int nb = 0; nb < 8; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float v = sc[nb][e] * c2;
+        if (edge) {
+          const int key = kb + 8 * nb + 2 * t4 + (e & 1), row = qlo + g + 8 * (e >> 1);
+          if (key >= a.T || (a.causal && key > row)) v = -INFINITY;
+        }
+        sc[nb][e] = v;
+      }
+
+    // Online softmax: new row maxima (the quad's four lanes hold a row), rescale, P = 2^(S − m).
+    float mx[2] = {m[0], m[1]};
+#pragma unroll
+    for (int nb = 0; nb < 8; ++nb) {
+      mx[0] = fmaxf(mx[0], fmaxf(sc[nb][0], sc[nb][1]));
+      mx[1] = fmaxf(mx[1], fmaxf(sc[nb][2], sc[nb][3]));
+    }
+    float base[2], alpha[2], rs[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+      base[r] = mx[r] == -INFINITY ? 0.0f : mx[r];  // a row with nothing seen yet stays at 0
+      alpha[r] = fast_exp2(m[r] - base[r]);
+      m[r] = mx[r];
+    }
+#pragma unroll
+    for (int nb = 0; nb < 8; ++nb) {
+      sc[nb][0] = fast_exp2(sc[nb][0] - base[0]);
+      sc[nb][1] = fast_exp2(sc[nb][1] - base[0]);
+      sc[nb][2] = fast_exp2(sc[nb][2] - base[1]);
+      sc[nb][3] = fast_exp2(sc[nb][3] - base[1]);
+      rs[0] += sc[nb][0] + sc[nb][1];
+      rs[1] += sc[nb][2] + sc[nb][3];
+    }
+    l[0] = l[0] * alpha[0] + rs[0];
+    l[1] = l[1] * alpha[1] + rs[1];
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      o[nb][0] *= alpha[0];
+      o[nb][1] *= alpha[0];
+      o[nb][2] *= alpha[1];
+      o[nb][3] *= alpha[1];
+    }
+
+    // O += P·V: the accumulators of score blocks 2kk, 2kk + 1 are the A fragment of keys 16kk...
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const uint32_t pa[4] = {half2_bits(sc[2 * kk][0], sc[2 * kk][1]), half2_bits(sc[2 * kk][2], sc[2 * kk][3]),
+                              half2_bits(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
+                              half2_bits(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+#pragma unroll
+      for (int np = 0; np < D / 16; ++np) {
+        uint32_t b[4];  // dims 16np.. (keys 16kk.., 16kk + 8..), dims 16np + 8.. (same keys)
+        ldsm_x4_trans(b, vaddr + static_cast<uint32_t>(kk * 16 * LD + np * 16) * 2u);
+        mma16816(o[2 * np], pa, b[0], b[1]);
+        mma16816(o[2 * np + 1], pa, b[2], b[3]);
+      }
+    }
+  }
+
+  if constexpr (KS == 2) {
+    // The second group hands its state to the first, lane by lane in fragment order.
+    __syncthreads();  // no copy in flight and every warp done with the stages
+    float* x = reinterpret_cast<float*>(smem) + rg * F::NV * 32 + lane;
+    if (part == 1) {
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) x[(4 * nb + e) * 32] = o[nb][e];
+      x[(4 * NB) * 32] = m[0];
+      x[(4 * NB + 1) * 32] = m[1];
+      x[(4 * NB + 2) * 32] = l[0];
+      x[(4 * NB + 3) * 32] = l[1];
+    }
+    __syncthreads();
+    if (part == 1) return;
+    float wa[2], wb[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float mo = x[(4 * NB + r) * 32], lo = x[(4 * NB + 2 + r) * 32];
+      const float mm = fmaxf(m[r], mo), b = mm == -INFINITY ? 0.0f : mm;
+      wa[r] = fast_exp2(m[r] - b);
+      wb[r] = fast_exp2(mo - b);
+      l[r] = l[r] * wa[r] + lo * wb[r];
+    }
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[nb][e] = o[nb][e] * wa[e >> 1] + x[(4 * nb + e) * 32] * wb[e >> 1];
+  }
+
+  // Row sums over the quad, then O / l for rows qlo + g and qlo + g + 8.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+  }
+  const float inv0 = l[0] > 0.0f ? 1.0f / l[0] : 0.0f, inv1 = l[1] > 0.0f ? 1.0f / l[1] : 0.0f;
+  const int r0 = qlo + g;
+  OT* o0 = out + static_cast<int64_t>(r0) * a.NH * D + static_cast<int64_t>(h) * D + 2 * t4;
+  OT* o1 = o0 + static_cast<int64_t>(8) * a.NH * D;
+  if (r0 < a.T)
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) store2(o0 + 8 * nb, o[nb][0] * inv0, o[nb][1] * inv0);
+  if (r0 + 8 < a.T)
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) store2(o1 + 8 * nb, o[nb][2] * inv1, o[nb][3] * inv1);
 }
 
 // One warp per (query row, head); lane holds dims lane, lane + 32, ... (D ≤ 256).
@@ -268,18 +417,58 @@ Args make_args(const float* qkv, const AttnLayout& l) {
           l.causal ? 1 : 0, l.scale};
 }
 
-template <int D, class OT>
-void launch_wmma(const Args& a, const __half* kv16, OT* out, cudaStream_t s) {
-  const size_t bytes = Tile<D>::bytes;
-  static bool configured = false;  // the attribute is per kernel and process
-  if (!configured) {
-    KV_CUDA(cudaFuncSetAttribute(attn_wmma_kernel<D, OT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 static_cast<int>(bytes)),
-            "attention tile of " + std::to_string(bytes) + " bytes");
-    configured = true;
-  }
-  dim3 grid((a.T + Tile<D>::BQ - 1) / Tile<D>::BQ, a.NH);
-  attn_wmma_kernel<D, OT><<<grid, 128, bytes, s>>>(a, kv16, out);
+// Blocks of attn_flash_kernel<D, KS, OT> that fit one SM, 0 where its shared memory exceeds
+// what a block may have on this device (the attribute is set on the first call; it is per
+// kernel and process).
+template <int D, int KS, class OT>
+int flash_resident() {
+  using F = Flash<D, KS>;
+  static const int n = [] {
+    int r = 0;
+    if (cudaFuncSetAttribute(attn_flash_kernel<D, KS, OT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(F::bytes)) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&r, attn_flash_kernel<D, KS, OT>, F::THREADS, F::bytes) !=
+            cudaSuccess) {
+      cudaGetLastError();  // not sticky: this shape is just not used
+      return 0;
+    }
+    return r;
+  }();
+  return n;
+}
+
+template <int D, int KS, class OT>
+void launch_flash(const Args& a, const __half* kv16, int Tp, OT* out, cudaStream_t s) {
+  using F = Flash<D, KS>;
+  if (flash_resident<D, KS, OT>() == 0)
+    throw DeviceError("attention: blocks of " + std::to_string(F::THREADS) + " threads with " +
+                      std::to_string(F::bytes) + " bytes of shared memory do not fit this device (key split " +
+                      std::to_string(KS) + ", head_dim " + std::to_string(D) + ")");
+  const dim3 grid(a.NH, (a.T + F::BQ - 1) / F::BQ);
+  attn_flash_kernel<D, KS, OT><<<grid, F::THREADS, F::bytes, s>>>(a, kv16, Tp, out);
+}
+
+// Launches the tensor-core kernel; returns the key split it used. With key_split 0: two key
+// halves a block when 64-row blocks would leave SMs with fewer than two blocks (8 warps) and
+// the 8-warp blocks all fit at once (and there is a second half to take).
+template <int D>
+int flash(const Args& a, const __half* kv16, int Tp, void* out, Dt odt, int key_split, cudaStream_t s) {
+  int ks = key_split;
+  dispatch_float(odt, [&](auto t) {
+    using OT = decltype(t);
+    if constexpr (!std::is_same_v<OT, float>) {  // fp32 outputs take the simple kernel
+      if (ks == 0) {
+        int dev = 0, n_sm = 0;
+        KV_CUDA(cudaGetDevice(&dev), "attention");
+        KV_CUDA(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev), "attention");
+        const int64_t blocks = static_cast<int64_t>(a.NH) * ((a.T + 63) / 64), sms = n_sm;
+        ks = a.T > 64 && blocks < 2 * sms && blocks <= flash_resident<D, 2, OT>() * sms ? 2 : 1;
+      }
+      if (ks == 2) launch_flash<D, 2>(a, kv16, Tp, static_cast<OT*>(out), s);
+      else launch_flash<D, 1>(a, kv16, Tp, static_cast<OT*>(out), s);
+    }
+  });
+  return ks;
 }
 
 }  // namespace
@@ -296,29 +485,40 @@ void attention_prefill_simple(const float* qkv, const AttnLayout& l, void* out, 
   KV_LAUNCH("attn_simple_kernel", std::to_string(l.T) + " tokens x " + std::to_string(l.n_heads) + " heads");
 }
 
-void attention_prefill(const float* qkv, const AttnLayout& l, void* out, Dt odt, cudaStream_t s) {
-  if (l.T == 0) return;
+int attention_prefill(const float* qkv, const AttnLayout& l, void* out, Dt odt, cudaStream_t s, int key_split) {
+  if (l.T == 0) return 0;
   const int D = l.head_dim;
   // fp16 tiles for fp16 / bf16 models; an fp32 model keeps fp32 throughout.
   const bool aligned = (reinterpret_cast<uintptr_t>(qkv) & 15) == 0 && l.row_stride % 4 == 0 && l.q_col % 4 == 0 &&
-                       l.k_col % 4 == 0 && l.v_col % 4 == 0;
-  if ((D != 32 && D != 64 && D != 128) || odt == Dt::F32 || !aligned)
-    return attention_prefill_simple(qkv, l, out, odt, s);
+                       l.k_col % 4 == 0 && l.v_col % 4 == 0 && (reinterpret_cast<uintptr_t>(out) & 3) == 0;
+  if ((D != 32 && D != 64 && D != 128) || odt == Dt::F32 || !aligned) {
+    attention_prefill_simple(qkv, l, out, odt, s);
+    return 0;
+  }
+  if (key_split != 0 && key_split != 1 && key_split != 2)
+    throw InternalError("attention: key_split must be 0 (by the device), 1 or 2");
   const Args a = make_args(qkv, l);
-  const int64_t n = static_cast<int64_t>(2) * l.n_kv_heads * l.T * D;
-  void* kv16 = nullptr;
-  KV_CUDA(cudaMallocAsync(&kv16, static_cast<size_t>(n) * 2, s), "attention K/V staging (" + mib(n * 2) + ")");
-  stage_kv_kernel<<<static_cast<int>(std::min<int64_t>((n + 255) / 256, 8192)), 256, 0, s>>>(a, static_cast<__half*>(kv16));
+  const int Tp = (l.T + kStageRows - 1) / kStageRows * kStageRows;
+  const int64_t n = static_cast<int64_t>(2) * l.n_kv_heads * Tp * D;
+  struct Staging {  // freed in stream order however this call ends
+    void* p = nullptr;
+    cudaStream_t s;
+    ~Staging() { if (p) cudaFreeAsync(p, s); }
+  } st{nullptr, s};
+  KV_CUDA(cudaMallocAsync(&st.p, static_cast<size_t>(n) * 2, s), "attention K/V staging (" + mib(n * 2) + ")");
+  const int chunks = 2 * l.n_kv_heads * D / 8;
+  const dim3 sgrid((chunks + 127) / 128, std::min(Tp, 65535));
+  auto* kvh = static_cast<__half*>(st.p);
+  if (D == 32) stage_kv_kernel<32><<<sgrid, 128, 0, s>>>(a, Tp, kvh);
+  else if (D == 64) stage_kv_kernel<64><<<sgrid, 128, 0, s>>>(a, Tp, kvh);
+  else stage_kv_kernel<128><<<sgrid, 128, 0, s>>>(a, Tp, kvh);
   KV_LAUNCH("stage_kv_kernel", std::to_string(l.T) + " tokens");
-  dispatch_float(odt, [&](auto t) {
-    using OT = decltype(t);
-    if (D == 32) launch_wmma<32>(a, static_cast<const __half*>(kv16), static_cast<OT*>(out), s);
-    else if (D == 64) launch_wmma<64>(a, static_cast<const __half*>(kv16), static_cast<OT*>(out), s);
-    else launch_wmma<128>(a, static_cast<const __half*>(kv16), static_cast<OT*>(out), s);
-  });
-  cudaFreeAsync(kv16, s);
-  KV_LAUNCH("attn_wmma_kernel", std::to_string(l.T) + " tokens x " + std::to_string(l.n_heads) + " heads, D=" +
-                                    std::to_string(D));
+  const int ks = D == 32 ? flash<32>(a, kvh, Tp, out, odt, key_split, s)
+                 : D == 64 ? flash<64>(a, kvh, Tp, out, odt, key_split, s)
+                           : flash<128>(a, kvh, Tp, out, odt, key_split, s);
+  KV_LAUNCH("attn_flash_kernel", std::to_string(l.T) + " tokens x " + std::to_string(l.n_heads) + " heads, D=" +
+                                     std::to_string(D) + ", key split " + std::to_string(ks));
+  return ks;
 }
 
 void attention_scores(const float* qkv, const AttnLayout& l, float* scores, cudaStream_t s) {

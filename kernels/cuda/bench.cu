@@ -493,4 +493,70 @@ std::vector<GemvBenchRow> bench_gemv(const GemvBenchConfig& c) {
   return rows;
 }
 
+std::vector<PrefillBenchRow> bench_prefill_attention(const PrefillBenchConfig& c) {
+  Stream st(c.device);
+  struct Shape {
+    const char* part;
+    int T, NH, NKV, D, layers;
+    bool causal;
+  };
+  const Shape shapes[] = {
+      {"vision", c.vision_tokens, c.vision_heads, c.vision_heads, c.vision_dim, c.vision_layers, false},
+      {"text", c.text_tokens, c.text_heads, c.text_kv_heads, c.text_dim, c.text_layers, true}};
+  std::vector<PrefillBenchRow> rows;
+  for (const Shape& sh : shapes) {
+    AttnLayout l;
+    l.T = sh.T, l.n_heads = sh.NH, l.n_kv_heads = sh.NKV, l.head_dim = sh.D, l.causal = sh.causal;
+    l.row_stride = static_cast<int64_t>(sh.NH + 2 * sh.NKV) * sh.D;
+    l.q_col = 0, l.k_col = static_cast<int64_t>(sh.NH) * sh.D, l.v_col = static_cast<int64_t>(sh.NH + sh.NKV) * sh.D;
+    l.scale = 1.0f / std::sqrt(static_cast<float>(sh.D));
+    const int64_t n_in = static_cast<int64_t>(sh.T) * l.row_stride;
+    Mem qkv(n_in * 4, "prefill bench q/k/v"), out(static_cast<int64_t>(sh.T) * sh.NH * sh.D * 2, "prefill bench out");
+    fill_float_kernel<<<grid(n_in), 256, 0, st.s>>>(qkv.as<float>(), n_in, -2.0f, 2.0f, 7);
+    KV_LAUNCH("fill_float_kernel", "prefill bench q/k/v");
+    // Unmasked (query, key) pairs, each 2·D flops in QKᵀ and 2·D in PV.
+    const double pairs = sh.causal ? 0.5 * sh.T * (sh.T + 1.0) : static_cast<double>(sh.T) * sh.T;
+    const double flops = 4.0 * sh.D * pairs * sh.NH;
+    for (int ks : c.key_splits) {
+      PrefillBenchRow r;
+      r.part = sh.part, r.tokens = sh.T, r.heads = sh.NH, r.kv_heads = sh.NKV, r.head_dim = sh.D;
+      r.layers = sh.layers, r.causal = sh.causal, r.key_split = ks;
+      auto call = [&] { return attention_prefill(qkv.as<float>(), l, out.p, Dt::F16, st.s, ks); };
+      r.key_split_used = call();  // warm-up (and the kernels' one-time attributes)
+      KV_CUDA(cudaStreamSynchronize(st.s), "prefill bench warm-up");
+      auto time = [&](auto&& body) {
+        Events ev;
+        std::vector<float> ms;
+        for (int t = 0; t < 5; ++t) {
+          cudaEventRecord(ev.a, st.s);
+          body();
+          cudaEventRecord(ev.b, st.s);
+          KV_CUDA(cudaEventSynchronize(ev.b), "prefill bench");
+          float m = 0;
+          cudaEventElapsedTime(&m, ev.a, ev.b);
+          ms.push_back(m);
+        }
+        std::sort(ms.begin(), ms.end());
+        return 1e3 * ms[2] / c.reps;
+      };
+      r.eager_us = time([&] {
+        for (int i = 0; i < c.reps; ++i) call();
+      });
+      cudaGraph_t graph;
+      cudaGraphExec_t exec;
+      KV_CUDA(cudaStreamBeginCapture(st.s, cudaStreamCaptureModeRelaxed), "prefill bench capture");
+      for (int i = 0; i < c.reps; ++i) call();
+      KV_CUDA(cudaStreamEndCapture(st.s, &graph), "prefill bench capture");
+      KV_CUDA(cudaGraphInstantiate(&exec, graph, 0), "prefill bench graph");
+      KV_CUDA(cudaGraphLaunch(exec, st.s), "prefill bench graph");  // warm-up
+      r.graph_us = time([&] { cudaGraphLaunch(exec, st.s); });
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+      r.tflops = flops / (r.graph_us * 1e6);
+      rows.push_back(r);
+    }
+  }
+  return rows;
+}
+
 }  // namespace kvlens::cuda

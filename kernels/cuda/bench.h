@@ -1,6 +1,7 @@
-// GPU benchmarks behind `kvlens bench attention` and `kvlens bench throughput`: the shipped
-// kernels (decode attention over fp16 and packed caches, the decode step's matrix products,
-// norms, RoPE and cache appends) timed with CUDA events on synthetic caches and weights.
+// GPU benchmarks behind `kvlens bench attention`, `gemv`, `prefill` and `throughput`: the
+// shipped kernels (decode attention over fp16 and packed caches, the decode step's matrix
+// products, norms, RoPE and cache appends, prefill attention) timed with CUDA events on
+// synthetic caches, weights and activations.
 #pragma once
 #include <string>
 #include <vector>
@@ -73,5 +74,28 @@ struct GemvBenchRow {
   double gbs = 0;  // weight bytes / time
 };
 std::vector<GemvBenchRow> bench_gemv(const GemvBenchConfig& c);
+
+// Prefill / vision attention alone (attention.cu: K/V staging and the tensor-core kernel, fp16
+// output) at LLaVA-1.5-7B's shapes: the vision tower (577 tokens, 16 heads × 64, no mask, 24
+// layers) and the language model's prompt (616 tokens, 32 heads × 128, causal, 32 layers), for
+// each key split (0 = the kernel's choice). Per call: calls issued back to back ("eager", host
+// overhead included where the GPU outruns it) and replayed from a captured graph (device time).
+struct PrefillBenchConfig {
+  int device = 0;
+  int vision_tokens = 577, vision_heads = 16, vision_dim = 64, vision_layers = 24;
+  int text_tokens = 616, text_heads = 32, text_kv_heads = 32, text_dim = 128, text_layers = 32;
+  std::vector<int> key_splits{0, 1, 2};
+  int reps = 50;  // calls per timing (median of 5)
+};
+struct PrefillBenchRow {
+  std::string part;  // "vision", "text"
+  int tokens = 0, heads = 0, kv_heads = 0, head_dim = 0, layers = 0;
+  bool causal = false;
+  int key_split = 0;       // asked for (0 = the kernel's choice)
+  int key_split_used = 0;  // what ran
+  double eager_us = 0, graph_us = 0;  // per call
+  double tflops = 0;                  // useful flops (QKᵀ and PV, unmasked pairs) / graph time
+};
+std::vector<PrefillBenchRow> bench_prefill_attention(const PrefillBenchConfig& c);
 
 }  // namespace kvlens::cuda

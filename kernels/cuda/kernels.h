@@ -66,7 +66,10 @@ void gemv(const GemvParams& p, cudaStream_t s);
 
 // ---- prefill attention (attention.cu) ---------------------------------------------------------
 // out[T][n_heads·D] (dtype odt) from q/k/v in qkv (fp32); tiled with an online softmax.
-void attention_prefill(const float* qkv, const AttnLayout& l, void* out, Dt odt, cudaStream_t s);
+// key_split: warp groups a block that share each key stage on the tensor-core path (1 or 2;
+// 0: chosen from the problem and the device's SM count). Returns the split used (0: the simple
+// kernel ran).
+int attention_prefill(const float* qkv, const AttnLayout& l, void* out, Dt odt, cudaStream_t s, int key_split = 0);
 // The same through the simple kernel (one warp per query row), any D ≤ 256.
 void attention_prefill_simple(const float* qkv, const AttnLayout& l, void* out, Dt odt, cudaStream_t s);
 // scores[h][i][j] = scale·q_i·k_j (masked = -inf), fp32 from qkv.
