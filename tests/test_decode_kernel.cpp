@@ -47,6 +47,7 @@ struct KernelCase {
   int bits = 1;  // 16: the middle part holds fp16 rows too (every part fp16: the fp16 kernel)
   int chan_stride = 1;
   int splits = 0;  // 0: decode_splits
+  bool mma_only = false;  // DecodeParams::all_mma: the kernel with only the fp16 and tensor-core paths
   bool calibrate = false;
   float tau1 = 0.5f, tau2 = 2.0f;
 };
@@ -67,7 +68,7 @@ std::vector<uint16_t> halves(const std::vector<float>& v) {
 void kernel_case(const KernelCase& c) {
   const std::string what = "B=" + std::to_string(c.B) + " bits=" + std::to_string(c.bits) + " D=" + std::to_string(c.D) +
                            " splits=" + std::to_string(c.splits) + (c.calibrate ? " calibrated" : "") +
-                           (c.chan_stride ? "" : " one range");
+                           (c.chan_stride ? "" : " one range") + (c.mma_only ? " mma-only kernel" : "");
   SCOPED_TRACE(what);
   const int D = c.D, G = c.NH / c.NKV, seqs = c.B * c.NKV;
   const int ranges = c.chan_stride ? D : 1;
@@ -145,6 +146,7 @@ void kernel_case(const KernelCase& c) {
   p.sem = sem.as<int>();
   p.lut_bits = c.bits <= 4 ? c.bits : 0;
   p.all_f16 = all16 ? 1 : 0;
+  p.all_mma = c.mma_only ? 1 : 0;
   if (c.calibrate) {
     p.calibrate = 1;
     p.tau1 = c.tau1;
@@ -227,13 +229,16 @@ TEST(DecodeKernel, PackedPartsBetweenFp16PartsBatchedAndSplit) {
 #else
   KVLENS_NEED_GPU();
   for (int bits : {1, 2, 4, 8, 3})
-    for (bool cal : {false, true}) {
-      KernelCase c;
-      c.bits = bits;
-      c.calibrate = cal;
-      c.splits = bits == 1 ? 2 : 0;  // 2: each block ~640 rows, several tiles a warp
-      kernel_case(c);
-    }
+    for (bool cal : {false, true})
+      for (bool mma_only : {false, true}) {
+        if (mma_only && bits == 3) continue;  // 3-bit parts are not the tensor-core path's
+        KernelCase c;
+        c.bits = bits;
+        c.calibrate = cal;
+        c.mma_only = mma_only;
+        c.splits = bits == 1 ? 2 : 0;  // 2: each block ~640 rows, several tiles a warp
+        kernel_case(c);
+      }
 #endif
 }
 
@@ -255,6 +260,8 @@ TEST(DecodeKernel, LongPartFewSplitsOneRangeAndOtherHeadSizes) {
     c.bits = bits;
     c.chan_stride = 0;
     c.splits = 3;
+    kernel_case(c);
+    c.mma_only = true;
     kernel_case(c);
   }
   for (int bits : {1, 4}) {

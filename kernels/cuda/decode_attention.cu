@@ -608,8 +608,11 @@ __device__ void finish_block(const DecodeParams& p, const State& st, int b, int 
 #include "kernels/cuda/decode_f16.cuh"
 
 
-template <int L>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) decode_kernel(DecodeParams p, int mode) {
+// MMA_ONLY: a cache of head size 128 whose parts are all fp16 or tensor-core packed parts
+// (DecodeParams::all_mma); only those two paths are compiled in, under a budget of 128 registers
+// (4 blocks a multiprocessor instead of 3).
+template <int L, bool MMA_ONLY>
+__global__ void __launch_bounds__(kThreads, MMA_ONLY ? 4 : kMinBlocks) decode_kernel(DecodeParams p, int mode) {
   extern __shared__ float lut[];  // packed keys' tables (lut_bytes(D, lut_bits))
   const int s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int kvh = h / (p.NH / p.NKV);
@@ -687,6 +690,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) decode_kernel(DecodePara
       // Head sizes 64 and 128 (8 and 16 lanes a row) have fast paths for fp16 and for
       // channel-wise codes; everything else takes the general path.
       int kind = 0, mk = 0;
+      if constexpr (MMA_ONLY) {
+        mk = mma_kind(P, n, mode, false);
+        if (mk) run_mma(mk, P, a, e, sh_q, mode, cal && P.visual, cal_t, cal_g, p.tau1, st, lo, hi);
+        else if (mode == kAttend) fp16_rows<L, 4>(P, a, e, q, ln, g, false, cal_t, cal_g, p.tau1, st);
+        base += n;
+        continue;
+      }
       if constexpr (L == 16)
         if (p.D == 128) mk = mma_kind(P, n, mode, sin != nullptr);
       if constexpr (L == 8 || L == 16)
@@ -753,13 +763,20 @@ void launch_l(const DecodeParams& p, int mode, cudaStream_t s) {
   DecodeParams q = p;
   if (q.D == 128) q.lut_bits = 0;  // packed parts of head size 128 take the tensor-core path
   const int bytes = decode_lut_bytes(q.D, q.lut_bits);
+  if constexpr (L == 16) {
+    if (p.all_mma && p.D == 128 && mode != kScores && !p.scores_in && !p.scores_out) {
+      KV_CUDA(launch_dependent(decode_kernel<16, true>, grid, kThreads, 0, s, true, q, mode),
+              "decode_kernel for " + std::to_string(p.B) + "x" + std::to_string(p.NH) + " heads");
+      return;
+    }
+  }
   static int allowed = 48 << 10;  // dynamic shared memory the kernel may take without opting in
   if (bytes > allowed) {
-    KV_CUDA(cudaFuncSetAttribute(decode_kernel<L>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+    KV_CUDA(cudaFuncSetAttribute(decode_kernel<L, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
             "decode attention table of " + std::to_string(bytes) + " bytes");
     allowed = bytes;
   }
-  KV_CUDA(launch_dependent(decode_kernel<L>, grid, kThreads, bytes, s, true, q, mode),
+  KV_CUDA(launch_dependent(decode_kernel<L, false>, grid, kThreads, bytes, s, true, q, mode),
           "decode_kernel for " + std::to_string(p.B) + "x" + std::to_string(p.NH) + " heads");
 }
 

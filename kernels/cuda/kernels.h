@@ -135,7 +135,22 @@ struct DecodeParams {
   int lut_bits = 0;
   // 1: every part of every head holds fp16 keys and values (the fp16 kernel may be used).
   int all_f16 = 0;
+  // 1: every part of every head is fp16 or a packed part of the tensor-core path (channel-wise
+  // 1/2/4/8-bit keys and values, one range per channel or one for all over the part, rows
+  // aligned to 4·bits bytes); at head size 128 a kernel with only those two paths is used.
+  int all_mma = 0;
 };
+// A part the tensor-core kernel takes as it is (DecodeParams::all_mma): fp16 rows of tokens other
+// than visual ones, or channel-wise 1/2/4/8-bit codes on both sides with one range per channel
+// (or one for all) over the whole part, rows aligned to 4·bits bytes.
+inline bool mma_part(const PartDesc& d) {
+  if (d.k.fmt == kF16 && d.v.fmt == kF16) return !d.visual;
+  const int b = d.k.bits;
+  const bool whole = (d.k.group <= 0 || d.k.group >= d.n) && (d.v.group <= 0 || d.v.group >= d.n);
+  return d.k.fmt == kChannel && d.v.fmt == kChannel && whole && d.v.bits == b && (b == 1 || b == 2 || b == 4 || b == 8) &&
+         ((reinterpret_cast<uintptr_t>(d.k.data) | reinterpret_cast<uintptr_t>(d.v.data)) & (4 * b - 1)) == 0 &&
+         !d.counter;
+}
 // Fused split-KV attention (with calibration when asked) and the merge of partial states.
 void decode_attention(const DecodeParams& p, cudaStream_t s);
 // Raw scaled scores of every row into p.scores_out (no softmax).

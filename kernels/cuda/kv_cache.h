@@ -165,6 +165,7 @@ class CudaKV : public DeviceKV {
     max_parts = 1;
     lut_bits = 0;
     all_f16 = 1;
+    all_mma = D == 128 ? 1 : 0;
     int rows = 1;
     for (const DevLayer& d : layers)
       for (const DevSeg& sg : d.segs)
@@ -172,6 +173,7 @@ class CudaKV : public DeviceKV {
           for (const DevPart& pt : hp) {
             if (pt.d.k.fmt == kChannel && pt.d.k.bits <= 4) lut_bits = std::max(lut_bits, pt.d.k.bits);
             if (pt.d.k.fmt != kF16 || pt.d.v.fmt != kF16) all_f16 = 0;
+            if (!mma_part(pt.d)) all_mma = 0;
           }
     for (const DevLayer& d : layers)
       for (int h = 0; h < NKV; ++h) {
@@ -224,7 +226,7 @@ class CudaKV : public DeviceKV {
   std::vector<DevLayer> layers;
   DevMem counters, done;
   DevMem table, nparts, part_o, part_md, vis_range, md_out, sem;
-  int max_parts = 1, splits = 1, nh = 0, lut_bits = 0, all_f16 = 1;
+  int max_parts = 1, splits = 1, nh = 0, lut_bits = 0, all_f16 = 1, all_mma = 0;
   bool dirty = true;
   uint64_t ver = 1;
 };

@@ -32,6 +32,7 @@ void kv_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, S
   p.sem = C.sem.as<int>();
   p.lut_bits = C.lut_bits;
   p.all_f16 = C.all_f16;
+  p.all_mma = C.all_mma;
   const bool transform = policy && policy->has_score_transform();
   float tau1 = 0, tau2 = 0;
   const bool in_kernel = transform && policy->visual_calibration(tau1, tau2);
