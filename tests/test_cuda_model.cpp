@@ -120,7 +120,8 @@ TEST(CudaModel, KvCacheBytesAreDeviceBytes) {
 
 // Diagnostics of `kvlens run` on both backends: captions (same greedy ids for the methods the
 // issue names), softmax MSE within 25% (or 1e-6 absolute), score histograms within an L1
-// distance of 0.05 of the counts, cache hit rates and sparsities within 0.05.
+// distance of 0.05 of the counts for exact scores and 0.08 for quantized ones (or 6 counts:
+// three scores crossing a bin edge), cache hit rates and sparsities within 0.05.
 TEST(CudaModel, RunReportDiagnosticsAgreeWithCpu) {
   NEED_GPU();
   const RGBImage img = load_image(kt::source_dir() + "/assets/images/scene_000.png");
@@ -159,8 +160,13 @@ TEST(CudaModel, RunReportDiagnosticsAgreeWithCpu) {
         ASSERT_EQ(x.size(), y.size()) << m;
         double tot = 0, d = 0;
         for (size_t i = 0; i < x.size(); ++i) tot += x[i], d += std::abs(double(x[i]) - y[i]);
+        // A score that crosses a bin edge moves two counts; at small totals three such
+        // crossings (6 counts) are allowed beyond the fraction. Quantized (and calibrated)
+        // scores may move further than exact ones: a last-bit difference in a key between the
+        // backends can flip one of its codes, which moves the score by a whole quantization step.
+        const double frac = pair == &ha.exact ? 0.05 : 0.08;
         if (tot > 0) {
-          EXPECT_LE(d / tot, 0.05) << m << " layer " << l << " histogram";
+          EXPECT_LE(d, std::max(frac * tot, 6.0)) << m << " layer " << l << " histogram (" << tot << " counts)";
         }
       }
       EXPECT_NEAR(ra.layers[l].sparsity_decode, rb.layers[l].sparsity_decode, 0.05) << m << " layer " << l;
