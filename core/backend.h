@@ -208,6 +208,14 @@ class Backend {
   virtual void decode_attention(const Buffer& qkv, const AttnLayout& l, SeqKV& kv, int layer,
                                 const KVPolicy* policy, Buffer& out, float* scores, float* probs,
                                 int n_max) = 0;
+  // rope_append of one generated token followed by decode_attention with no policy and no scores
+  // or probabilities asked for: one op, so a device can rotate q and k and append the token's
+  // row inside the attention kernel (a plain decode step). The default runs the two ops.
+  virtual void rope_append_attend(SeqKV& kv, int layer, Buffer& qkv, const AttnLayout& l, const Buffer& pos,
+                                  const int32_t* pos_host, const SegmentKind* kinds, float theta, Buffer& out) {
+    rope_append(kv, layer, qkv, l, pos, pos_host, kinds, 1, theta);
+    decode_attention(qkv, l, kv, layer, nullptr, out, nullptr, nullptr, 0);
+  }
   // Fills the host store with the device cache's rows (structure and values).
   virtual void kv_hydrate(const DeviceKV& dev, KVStore& host) {}
   // Makes the device cache mirror the host store after a policy changed it (layer < 0: all);

@@ -231,7 +231,13 @@ std::vector<float> LlamaDecoder::decode(int token, int position, int step, SeqKV
     for (int l = 0; l < cfg.num_hidden_layers; ++l) {
       const LlamaLayer& L = layers[l];
       be->norm_linear(w.h, L.ln1, eps, w.x, L.qkv_w, or_null(L.qkv_b), w.qkv, check.empty() ? nullptr : &check);
-      be->rope_append(kv, l, w.qkv, lay, w.pos, &pos, &gen, 1, static_cast<float>(cfg.rope_theta));
+      // A plain step (no policy, nothing captured) hands RoPE, the append and attention to the
+      // backend as one op, which a device runs as one kernel.
+      const bool plain = !policy && !want;
+      if (plain)
+        be->rope_append_attend(kv, l, w.qkv, lay, w.pos, &pos, &gen, static_cast<float>(cfg.rope_theta), w.a);
+      else
+        be->rope_append(kv, l, w.qkv, lay, w.pos, &pos, &gen, 1, static_cast<float>(cfg.rope_theta));
       if (policy) {
         w.qkv_host.resize(static_cast<size_t>(w.qkv.numel()));
         be->download(w.qkv, w.qkv_host.data());
@@ -248,8 +254,9 @@ std::vector<float> LlamaDecoder::decode(int token, int position, int step, SeqKV
         scores.resize(static_cast<size_t>(NH) * n_max);
         probs.resize(scores.size());
       }
-      be->decode_attention(w.qkv, lay, kv, l, policy, w.a, want ? scores.data() : nullptr,
-                           want ? probs.data() : nullptr, n_max);
+      if (!plain)
+        be->decode_attention(w.qkv, lay, kv, l, policy, w.a, want ? scores.data() : nullptr,
+                             want ? probs.data() : nullptr, n_max);
       if (want) {
         w.qkv_host.resize(static_cast<size_t>(w.qkv.numel()));
         be->download(w.qkv, w.qkv_host.data());

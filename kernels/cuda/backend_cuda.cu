@@ -422,6 +422,14 @@ class CudaBackend : public Backend {
     auto prof_scope = prof_.scope("kv_append", *ctx_);
     cuda::kv_append(*ctx_, kv, layer, qkv, l, pos, pos_host, kinds, T);
   }
+  void rope_append_attend(SeqKV& kv, int layer, Buffer& qkv, const AttnLayout& l, const Buffer& pos,
+                          const int32_t* pos_host, const SegmentKind* kinds, float theta, Buffer& out) override {
+    {
+      auto prof_scope = prof_.scope("rope_append_attend", *ctx_);
+      if (cuda::kv_rope_attend(*ctx_, kv, layer, qkv, l, pos, pos_host, kinds, inv_freq(l.head_dim, theta), out)) return;
+    }
+    Backend::rope_append_attend(kv, layer, qkv, l, pos, pos_host, kinds, theta, out);
+  }
   void rope_append(SeqKV& kv, int layer, Buffer& qkv, const AttnLayout& l, const Buffer& pos, const int32_t* pos_host,
                    const SegmentKind* kinds, int T, float theta) override {
     need(qkv.dt == Dt::F32 && pos.dt == Dt::I32 && l.head_dim % 2 == 0, "rope_append: " + qkv.name);

@@ -61,6 +61,12 @@ bool kv_rope_append(Context& ctx, SeqKV& kv, int layer, Buffer& qkv, const AttnL
                     const int32_t* pos_host, const SegmentKind* kinds, int T, const float* inv_freq);
 void kv_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, SeqKV& kv, int layer,
                          const KVPolicy* policy, Buffer& out, float* scores, float* probs, int n_max);
+// kv_rope_append and the plain kv_decode_attention in one kernel (the fp16 decode kernel rotates
+// q and the token's k, attends over the cache and the token's row, and appends the row); false
+// when the step needs the separate ops (prompt rows, host rows kept in step, a cache that is not
+// all fp16, or a head size the fp16 kernel does not take).
+bool kv_rope_attend(Context& ctx, SeqKV& kv, int layer, Buffer& qkv, const AttnLayout& l, const Buffer& pos,
+                    const int32_t* pos_host, const SegmentKind* kinds, const float* inv_freq, Buffer& out);
 void kv_hydrate(Context& ctx, const DeviceKV& dev, KVStore& host);
 void kv_sync(Context& ctx, DeviceKV& dev, KVStore& host, int layer);
 void kv_reserve(Context& ctx, DeviceKV& dev, int rows);

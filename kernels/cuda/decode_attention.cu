@@ -754,8 +754,10 @@ __global__ void probs_kernel(DecodeParams p, float* probs) {
 template <int L>
 void launch_l(const DecodeParams& p, int mode, cudaStream_t s) {
   dim3 grid(p.splits, p.NH, p.B);
-  if (mode == kAttend && p.all_f16 && !p.calibrate && !p.scores_in && !p.scores_out && p.D == 8 * L &&
-      p.max_parts <= kSharedParts) {
+  const bool f16 = mode == kAttend && p.all_f16 && !p.calibrate && !p.scores_in && !p.scores_out && p.D == 8 * L &&
+                   p.max_parts <= kSharedParts;
+  if (p.fresh_k && (!f16 || p.B != 1)) throw InternalError("decode attention: a fused token needs the fp16 kernel");
+  if (f16) {
     KV_CUDA(launch_dependent(decode_f16_kernel<L>, grid, kThreads, 0, s, true, p),
             "decode_f16_kernel for " + std::to_string(p.B) + "x" + std::to_string(p.NH) + " heads");
     return;
@@ -801,6 +803,10 @@ int decode_lut_bytes(int D, int lut_bits) {
   if (lut_bits <= 0 || D == 128) return 0;
   const int b = std::min(lut_bits, 4);
   return (D * b / 8 * 256 + D) * 4;  // the table and q⊙scale
+}
+
+bool decode_f16_supported(int D, int max_parts) {
+  return (D == 8 || D == 16 || D == 32 || D == 64 || D == 128 || D == 256) && max_parts <= kSharedParts;
 }
 
 int decode_splits(int B, int NH, int rows, int n_sm) {

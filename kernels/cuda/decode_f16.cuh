@@ -13,6 +13,39 @@
 
 constexpr int kF16Rows = 8;
 
+// RoPE of this lane's 8 channels c0.. of a D-wide row held by a group of L lanes (channel c pairs
+// with c ± D/2, held by lane li ^ L/2, or by the same lane when L = 1), as rope_append_kernel
+// computes it: angle pos·inv_freq[c mod D/2], a' = a·cos − b·sin, b' = b·cos + a·sin.
+template <int L>
+__device__ __forceinline__ void rope8(float* x, int c0, float pos, const float* inv_freq) {
+  constexpr int half = 4 * L;
+  float other[8];
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    if constexpr (L == 1) other[c] = x[c ^ 4];
+    else other[c] = __shfl_xor_sync(0xffffffffu, x[c], L / 2);
+  }
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    const int ch = c0 + c;
+    const bool first = ch < half;
+    float sn, cs;
+    sincosf(pos * inv_freq[first ? ch : ch - half], &sn, &cs);
+    x[c] = first ? x[c] * cs - other[c] * sn : x[c] * cs + other[c] * sn;
+  }
+}
+
+__device__ __forceinline__ uint4 pack8_f16(const float* f) {
+  uint4 u;
+  uint32_t* w = reinterpret_cast<uint32_t*>(&u);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __half2 h = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
+    w[i] = *reinterpret_cast<const uint32_t*>(&h);
+  }
+  return u;
+}
+
 template <int L>
 __global__ void __launch_bounds__(kThreads, 4) decode_f16_kernel(DecodeParams p) {
   constexpr int G = kThreads / L, U = kF16Rows, D = 8 * L;
@@ -33,17 +66,53 @@ __global__ void __launch_bounds__(kThreads, 4) decode_f16_kernel(DecodeParams p)
   pdl_wait();
   pdl_trigger();  // the next product may start its weight reads
   const int np = p.n_parts[bk];
+  const int kvh = h / (p.NH / p.NKV);
   float q[8];
   const float* qrow = p.q + b * p.q_stride + static_cast<int64_t>(h) * D + c0;
 #pragma unroll
-  for (int c = 0; c < 8; ++c) q[c] = qrow[c] * p.scale;
+  for (int c = 0; c < 8; ++c) q[c] = qrow[c];
+  // The step's token, when fused in: q and its k rotated, its K and V rows as fp16.
+  const bool fresh = p.fresh_k != nullptr;
+  uint4 fk = make_uint4(0, 0, 0, 0), fv = fk;
+  int tail_row = 0;
+  if (fresh) {
+    const float pos = static_cast<float>(*p.fresh_pos);
+    float k[8], v[8];
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      k[c] = p.fresh_k[kvh * D + c0 + c];
+      v[c] = p.fresh_v[kvh * D + c0 + c];
+    }
+    rope8<L>(q, c0, pos, p.inv_freq);
+    rope8<L>(k, c0, pos, p.inv_freq);
+    fk = pack8_f16(k);
+    fv = pack8_f16(v);
+    tail_row = *p.tail_counter;
+  }
+#pragma unroll
+  for (int c = 0; c < 8; ++c) q[c] *= p.scale;
   __syncthreads();
   if (tid < np && sh_c[tid]) sh_end[tid] += *sh_c[tid];  // rows appended during decode
   __syncthreads();
   if (tid == 0)
     for (int i = 1; i < np; ++i) sh_end[i] += sh_end[i - 1];
   __syncthreads();
-  const int N = np > 0 ? sh_end[np - 1] : 0;
+  const int n_cache = np > 0 ? sh_end[np - 1] : 0;  // the token's row, when fused, follows them
+  const int N = n_cache + (fresh ? 1 : 0);
+  if (fresh) {
+    // One block a KV head writes the token's row; the last block to have read the counter
+    // advances it (every block read it above, before its barrier).
+    if (s == 0 && h % (p.NH / p.NKV) == 0 && g == 0 && tail_row < p.tail_cap) {
+      const int64_t at = (static_cast<int64_t>(kvh) * p.tail_cap + tail_row) * D + c0;
+      *reinterpret_cast<uint4*>(p.tail_k + at) = fk;
+      *reinterpret_cast<uint4*>(p.tail_v + at) = fv;
+      if (c0 == 0) p.tail_pos[static_cast<int64_t>(kvh) * p.tail_cap + tail_row] = *p.fresh_pos;
+    }
+    if (tid == 0 && atomicAdd(p.tail_done, 1) == static_cast<int>(gridDim.x * gridDim.y * gridDim.z) - 1) {
+      *p.tail_counter = tail_row + 1;
+      *p.tail_done = 0;
+    }
+  }
   const int chunk = (N + p.splits - 1) / p.splits;
   const int r0 = min(N, s * chunk), r1 = min(N, r0 + chunk);
 
@@ -53,7 +122,10 @@ __global__ void __launch_bounds__(kThreads, 4) decode_f16_kernel(DecodeParams p)
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int j = j0 + u * G + g;
-      if (j < r1) {
+      if (j == n_cache) {  // the fused token's row (only when fresh: n_cache < N)
+        kr[u] = fk;
+        vr[u] = fv;
+      } else if (j < r1) {
         int pi = 0;
         while (j >= sh_end[pi]) ++pi;
         const int64_t at = static_cast<int64_t>(j - (pi ? sh_end[pi - 1] : 0)) * D + c0;

@@ -135,6 +135,22 @@ struct DecodeParams {
   int lut_bits = 0;
   // 1: every part of every head holds fp16 keys and values (the fp16 kernel may be used).
   int all_f16 = 0;
+  // The step's token fused in (fp16 kernel only, B = 1; fresh_k set): q is rotated in the kernel
+  // (RoPE at *fresh_pos with inv_freq[D/2]), the token's K row (fp32 at fresh_k + kv head·D,
+  // rotated) and V row (fresh_v) join each head's rows as its last row, rounded to fp16 as the
+  // cache stores them, and are written to the tail ([NKV][tail_cap][D], positions
+  // [NKV][tail_cap]) at row *tail_counter, which the last block to read it advances
+  // (tail_done: blocks done reading, zero, reset after use).
+  const float* fresh_k = nullptr;
+  const float* fresh_v = nullptr;
+  const int32_t* fresh_pos = nullptr;
+  const float* inv_freq = nullptr;
+  __half* tail_k = nullptr;
+  __half* tail_v = nullptr;
+  int32_t* tail_pos = nullptr;
+  int tail_cap = 0;
+  int32_t* tail_counter = nullptr;
+  int32_t* tail_done = nullptr;
   // 1: every part of every head is fp16 or a packed part of the tensor-core path (channel-wise
   // 1/2/4/8-bit keys and values, one range per channel or one for all over the part, rows
   // aligned to 4·bits bytes); at head size 128 a kernel with only those two paths is used.
@@ -161,6 +177,8 @@ void decode_probs(const DecodeParams& p, float* probs, cudaStream_t s);
 // wave, the last wave at least 90 % full where possible, at most one per 64 rows (and 1024).
 int decode_splits(int B, int NH, int rows, int n_sm);
 int decode_lut_bytes(int D, int lut_bits);
+// The fp16 decode kernel takes this head size and part count (all_f16 caches; fresh rows).
+bool decode_f16_supported(int D, int max_parts);
 
 // ---- KV cache (kv_cache.cu) -------------------------------------------------------------------
 // Appends T rows (k and v columns of qkv, fp32) as fp16 into per-head arrays k/v [NKV][cap][D]

@@ -8,12 +8,11 @@ namespace kvlens::cuda {
 
 using namespace kv;
 
-void kv_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, SeqKV& kv, int layer,
-                         const KVPolicy* policy, Buffer& out, float* scores, float* probs, int n_max) {
-  CudaKV& C = as_cuda(kv.dev);
-  if (l.n_kv_heads != C.NKV || l.head_dim != C.D) throw InternalError("decode_attention: cache shape differs");
-  C.build_tables(l.n_heads);
-  const int NH = l.n_heads, NKV = C.NKV, D = C.D, G = NH / NKV;
+namespace {
+
+// The launch parameters of one sequence's decode attention over layer `layer` of the cache.
+DecodeParams layer_params(CudaKV& C, const Buffer& qkv, const AttnLayout& l, int layer, Buffer& out) {
+  const int NH = l.n_heads, NKV = C.NKV, D = C.D;
   DecodeParams p;
   p.B = 1;
   p.NH = NH;
@@ -33,6 +32,18 @@ void kv_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, S
   p.lut_bits = C.lut_bits;
   p.all_f16 = C.all_f16;
   p.all_mma = C.all_mma;
+  return p;
+}
+
+}  // namespace
+
+void kv_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, SeqKV& kv, int layer,
+                         const KVPolicy* policy, Buffer& out, float* scores, float* probs, int n_max) {
+  CudaKV& C = as_cuda(kv.dev);
+  if (l.n_kv_heads != C.NKV || l.head_dim != C.D) throw InternalError("decode_attention: cache shape differs");
+  C.build_tables(l.n_heads);
+  const int NH = l.n_heads, NKV = C.NKV, G = NH / NKV;
+  DecodeParams p = layer_params(C, qkv, l, layer, out);
   const bool transform = policy && policy->has_score_transform();
   float tau1 = 0, tau2 = 0;
   const bool in_kernel = transform && policy->visual_calibration(tau1, tau2);
@@ -124,5 +135,35 @@ void kv_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, S
   ctx.sync("decode attention");
 }
 
+
+bool kv_rope_attend(Context& ctx, SeqKV& kv, int layer, Buffer& qkv, const AttnLayout& l, const Buffer& pos,
+                    const int32_t* pos_host, const SegmentKind* kinds, const float* inv_freq, Buffer& out) {
+  if (kinds[0] != SegmentKind::Generated || kv.mirror || !kv.dev) return false;
+  CudaKV& C = as_cuda(kv.dev);
+  if (l.n_kv_heads != C.NKV || l.head_dim != C.D || l.n_heads % C.NKV != 0) return false;
+  // The host side of rope_append: the tail's room, then its bookkeeping once the fused kernel is
+  // known to apply (else rope_append runs as a kernel of its own, with the room made here).
+  Tail& t = C.layers.at(layer).tail;
+  if (t.n + 1 > t.cap) C.grow_tail(layer, std::max(16, 2 * t.cap));
+  C.build_tables(l.n_heads);
+  if (!C.all_f16 || !decode_f16_supported(C.D, C.max_parts)) return false;
+  ++t.n;
+  t.host_pos.push_back(pos_host[0]);
+  if (ctx.replay) return true;
+  DecodeParams p = layer_params(C, qkv, l, layer, out);
+  const float* base = qkv.as<float>();
+  p.fresh_k = base + l.k_col;
+  p.fresh_v = base + l.v_col;
+  p.fresh_pos = pos.as<int32_t>();
+  p.inv_freq = inv_freq;
+  p.tail_k = t.k.as<__half>();
+  p.tail_v = t.v.as<__half>();
+  p.tail_pos = t.pos.as<int32_t>();
+  p.tail_cap = t.cap;
+  p.tail_counter = C.counters.as<int32_t>() + layer;
+  p.tail_done = C.done.as<int32_t>() + layer;
+  decode_attention(p, ctx.stream);
+  return true;
+}
 
 }  // namespace kvlens::cuda
