@@ -48,6 +48,7 @@ struct KernelCase {
   int chan_stride = 1;
   int splits = 0;  // 0: decode_splits
   bool mma_only = false;  // DecodeParams::all_mma: the kernel with only the fp16 and tensor-core paths
+  bool fresh = false;     // (bits 16, B 1) the step's token fused in: RoPE, its row attended and appended
   bool calibrate = false;
   float tau1 = 0.5f, tau2 = 2.0f;
 };
@@ -68,15 +69,18 @@ std::vector<uint16_t> halves(const std::vector<float>& v) {
 void kernel_case(const KernelCase& c) {
   const std::string what = "B=" + std::to_string(c.B) + " bits=" + std::to_string(c.bits) + " D=" + std::to_string(c.D) +
                            " splits=" + std::to_string(c.splits) + (c.calibrate ? " calibrated" : "") +
-                           (c.chan_stride ? "" : " one range") + (c.mma_only ? " mma-only kernel" : "");
+                           (c.chan_stride ? "" : " one range") + (c.mma_only ? " mma-only kernel" : "") +
+                           (c.fresh ? " fused token" : "");
   SCOPED_TRACE(what);
   const int D = c.D, G = c.NH / c.NKV, seqs = c.B * c.NKV;
   const int ranges = c.chan_stride ? D : 1;
   const int64_t row_bytes = static_cast<int64_t>(D) * c.bits / 8;
   // Host data per (sequence, kv head): fp16 rows (rounded), codes, fp16 scale / zero.
   const bool all16 = c.bits == 16;
-  const int nf = c.n_front + c.n_back + (all16 ? c.n_packed : 0);
-  const int n_counted = all16 ? std::min(5, c.n_back) : 0;  // back rows counted on the device, as a tail's
+  // (a fused token's row is written after the back rows: one spare row)
+  const int nf = c.n_front + c.n_back + (all16 ? c.n_packed : 0) + (c.fresh ? 1 : 0);
+  // Back rows counted on the device, as a tail's (with a fused token: all of them, as in a tail).
+  const int n_counted = c.fresh ? c.n_back : all16 ? std::min(5, c.n_back) : 0;
   const auto f16 = rounded(Dt::F16, randn(static_cast<size_t>(seqs) * nf * D * 2));
   const auto codes = random_bytes(static_cast<size_t>(seqs) * 2 * c.n_packed * row_bytes);
   std::vector<float> scale(static_cast<size_t>(seqs) * 2 * ranges), zero(scale.size());
@@ -88,6 +92,13 @@ void kernel_case(const KernelCase& c) {
   const auto q = randn(static_cast<size_t>(c.B) * c.NH * D);
   Dev d_f16(halves(f16)), d_codes(codes), d_scale(halves(scale)), d_zero(halves(zero)), d_q(q);
   Dev d_count(std::vector<int32_t>{n_counted});
+  // The fused token: fp32 k and v rows per kv head (before RoPE), its position, RoPE's table.
+  const auto fresh_k = randn(static_cast<size_t>(c.NKV) * D), fresh_v = randn(fresh_k.size());
+  const int fresh_pos = 777;
+  std::vector<float> inv_freq(static_cast<size_t>(D / 2));
+  for (int i = 0; i < D / 2; ++i) inv_freq[i] = 1.0f / std::pow(10000.0f, static_cast<float>(2 * i) / static_cast<float>(D));
+  Dev d_fk(fresh_k), d_fv(fresh_v), d_fpos(std::vector<int32_t>{fresh_pos}), d_inv(inv_freq);
+  Dev d_tpos(std::vector<int32_t>(static_cast<size_t>(c.NKV) * 2 * nf, -1)), d_done(std::vector<int32_t>{0});
   // Parts: [fp16 front][packed][fp16 back] per (sequence, kv head).
   auto f16_at = [&](int sq, int kv, int row) {  // index of row `row` of the sequence's fp16 rows
     return ((static_cast<size_t>(sq) * 2 + kv) * nf + row) * D;
@@ -147,6 +158,21 @@ void kernel_case(const KernelCase& c) {
   p.lut_bits = c.bits <= 4 ? c.bits : 0;
   p.all_f16 = all16 ? 1 : 0;
   p.all_mma = c.mma_only ? 1 : 0;
+  const int n_tail0 = c.n_front + c.n_packed;  // the back part's first row, per (sequence, kv head)
+  if (c.fresh) {
+    // The back part is the tail: rows of kv head h at tail + h·cap·D, cap = 2·nf (the test's K
+    // and V rows of one kv head interleave, so K rows step over V's).
+    p.fresh_k = d_fk.as<float>();
+    p.fresh_v = d_fv.as<float>();
+    p.fresh_pos = d_fpos.as<int32_t>();
+    p.inv_freq = d_inv.as<float>();
+    p.tail_k = d_f16.as<__half>() + f16_at(0, 0, n_tail0);
+    p.tail_v = d_f16.as<__half>() + f16_at(0, 1, n_tail0);
+    p.tail_cap = 2 * nf;
+    p.tail_pos = d_tpos.as<int32_t>();
+    p.tail_counter = d_count.as<int32_t>();
+    p.tail_done = d_done.as<int32_t>();
+  }
   if (c.calibrate) {
     p.calibrate = 1;
     p.tau1 = c.tau1;
@@ -158,20 +184,73 @@ void kernel_case(const KernelCase& c) {
   std::vector<float> got(static_cast<size_t>(heads) * D);
   ASSERT_EQ(cudaMemcpy(got.data(), out.p, got.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
 
+  // The fused token as the cache stores it: RoPE at fresh_pos (angles as fp32 products, as the
+  // kernels and kernels/cpu compute them), K and V rounded to fp16; q rotated the same way.
+  std::vector<double> qd(q.begin(), q.end());
+  std::vector<float> tok_k(fresh_k.size()), tok_v(fresh_v.size());
+  if (c.fresh) {
+    auto rotate = [&](const float* x, double* y) {
+      for (int i = 0; i < D / 2; ++i) {
+        const double a = std::cos(static_cast<double>(static_cast<float>(fresh_pos) * inv_freq[i]));
+        const double b = std::sin(static_cast<double>(static_cast<float>(fresh_pos) * inv_freq[i]));
+        y[i] = x[i] * a - x[i + D / 2] * b;
+        y[i + D / 2] = x[i + D / 2] * a + x[i] * b;
+      }
+    };
+    std::vector<double> t(static_cast<size_t>(D));
+    for (int h = 0; h < c.NH; ++h) rotate(q.data() + static_cast<size_t>(h) * D, qd.data() + static_cast<size_t>(h) * D);
+    for (int h = 0; h < c.NKV; ++h) {
+      rotate(fresh_k.data() + static_cast<size_t>(h) * D, t.data());
+      for (int e = 0; e < D; ++e) {
+        const size_t i = static_cast<size_t>(h) * D + e;
+        tok_k[i] = quant::from_half(quant::to_half(static_cast<float>(t[e])));
+        tok_v[i] = quant::from_half(quant::to_half(fresh_v[i]));
+      }
+    }
+  }
+  const int NR = N + (c.fresh ? 1 : 0);  // rows attended
+  if (c.fresh) {
+    // The row written to the tail: within one fp16 step of the reference rotation (the kernel
+    // rotates in fp32 before rounding), at row n_back of each kv head's tail, with its position;
+    // the counter advanced by one and the block counter back to zero.
+    std::vector<uint16_t> all(static_cast<size_t>(seqs) * nf * D * 2);
+    ASSERT_EQ(cudaMemcpy(all.data(), d_f16.p, all.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    std::vector<int32_t> tpos(static_cast<size_t>(c.NKV) * 2 * nf), cnt(1), done(1);
+    ASSERT_EQ(cudaMemcpy(tpos.data(), d_tpos.p, tpos.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(cnt.data(), d_count.p, 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(done.data(), d_done.p, 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(cnt[0], c.n_back + 1);
+    EXPECT_EQ(done[0], 0);
+    for (int h = 0; h < c.NKV; ++h) {
+      EXPECT_EQ(tpos[static_cast<size_t>(h) * 2 * nf + c.n_back], fresh_pos) << "kv head " << h;
+      for (int kv = 0; kv < 2; ++kv)
+        for (int e = 0; e < D; ++e) {
+          const size_t i = static_cast<size_t>(h) * D + e;
+          float& want = (kv ? tok_v : tok_k)[i];
+          const float dev = quant::from_half(all[f16_at(h, kv, n_tail0 + c.n_back) + e]);
+          ASSERT_LE(std::abs(dev - want), std::ldexp(std::abs(want), -10) + 1e-7f)
+              << (kv ? "V" : "K") << " of the fused token, kv head " << h << " channel " << e;
+          want = dev;  // the attention reference uses the row as stored
+        }
+    }
+  }
+
   // fp64 reference over the dequantized rows.
   std::vector<float> ref(got.size());
   std::vector<double> bound(got.size());
   for (int b = 0; b < c.B; ++b)
     for (int h = 0; h < c.NH; ++h) {
       const int sq = b * c.NKV + h / G;
-      std::vector<double> K(static_cast<size_t>(N) * D), V(K.size());
-      std::vector<bool> vis(N, false);
-      for (int j = 0; j < N; ++j)
+      std::vector<double> K(static_cast<size_t>(NR) * D), V(K.size());
+      std::vector<bool> vis(NR, false);
+      for (int j = 0; j < NR; ++j)
         for (int kv = 0; kv < 2; ++kv) {
           std::vector<double>& X = kv ? V : K;
           for (int e = 0; e < D; ++e) {
             double x;
-            if (all16) {
+            if (j == N) {
+              x = (kv ? tok_v : tok_k)[static_cast<size_t>(h / G) * D + e];
+            } else if (all16) {
               x = f16[f16_at(sq, kv, j) + e];
             } else if (j < c.n_front || j >= c.n_front + c.n_packed) {
               x = f16[f16_at(sq, kv, j < c.n_front ? j : j - c.n_packed) + e];
@@ -185,14 +264,14 @@ void kernel_case(const KernelCase& c) {
             X[static_cast<size_t>(j) * D + e] = x;
           }
         }
-      const float* qh = q.data() + (static_cast<size_t>(b) * c.NH + h) * D;
-      std::vector<double> s(N);
+      const double* qh = qd.data() + (static_cast<size_t>(b) * c.NH + h) * D;
+      std::vector<double> s(NR);
       double smag = 0, vmag = 0, lo = INFINITY, hi = -INFINITY;
-      for (int j = 0; j < N; ++j) {
+      for (int j = 0; j < NR; ++j) {
         double dot = 0, m = 0;
         for (int e = 0; e < D; ++e) {
-          dot += static_cast<double>(qh[e]) * K[static_cast<size_t>(j) * D + e];
-          m += std::abs(static_cast<double>(qh[e]) * K[static_cast<size_t>(j) * D + e]);
+          dot += qh[e] * K[static_cast<size_t>(j) * D + e];
+          m += std::abs(qh[e] * K[static_cast<size_t>(j) * D + e]);
         }
         s[j] = dot * p.scale;
         smag = std::max(smag, m * p.scale);
@@ -213,10 +292,10 @@ void kernel_case(const KernelCase& c) {
       for (double& x : s) z += (x = std::exp(x - mx));
       for (int e = 0; e < D; ++e) {
         double o = 0;
-        for (int j = 0; j < N; ++j) o += s[j] / z * V[static_cast<size_t>(j) * D + e];
+        for (int j = 0; j < NR; ++j) o += s[j] / z * V[static_cast<size_t>(j) * D + e];
         const size_t i = (static_cast<size_t>(b) * c.NH + h) * D + e;
         ref[i] = static_cast<float>(o);
-        bound[i] = (2.5 * ds + 2 * dot_rel(N)) * vmag + 4 * unit(Dt::F32) * vmag;
+        bound[i] = (2.5 * ds + 2 * dot_rel(NR)) * vmag + 4 * unit(Dt::F32) * vmag;
       }
     }
   expect_within(got, ref, bound, "decode attention " + what);
@@ -302,6 +381,35 @@ TEST(DecodeKernel, Fp16PartsWithATailCounter) {
     c.D = 64;
     c.n_packed = 517;
     c.splits = 5;
+    kernel_case(c);
+  }
+#endif
+}
+
+TEST(DecodeKernel, Fp16PartsWithTheStepsTokenFusedIn) {
+#ifndef KVLENS_HAVE_CUDA
+  GTEST_SKIP() << "built without the CUDA backend";
+#else
+  KVLENS_NEED_GPU();
+  // RoPE of q and the token's k, the token's row attended as the last row (its split decided as
+  // for any row) and appended to the tail: head sizes 128, 64 and 8, GQA 3:1 and 4:1, one split
+  // or several, the token's row alone in its split.
+  struct Shape {
+    int NH, NKV, D, front, mid, back, splits;
+  };
+  for (const Shape& x : {Shape{6, 2, 128, 7, 600, 9, 0}, Shape{4, 4, 64, 3, 250, 4, 3}, Shape{8, 2, 8, 2, 40, 1, 1},
+                         Shape{6, 2, 128, 1, 62, 0, 64}}) {
+    KernelCase c;
+    c.bits = 16;
+    c.fresh = true;
+    c.B = 1;
+    c.NH = x.NH;
+    c.NKV = x.NKV;
+    c.D = x.D;
+    c.n_front = x.front;
+    c.n_packed = x.mid;
+    c.n_back = x.back;
+    c.splits = x.splits;
     kernel_case(c);
   }
 #endif
