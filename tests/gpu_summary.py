@@ -24,8 +24,8 @@ def main():
     ct = os.path.join(d, "ctest.txt")
     if os.path.exists(ct):
         t = open(ct).read()
-        m = re.search(r"(\d+)% tests passed, (\d+) tests failed out of (\d+)", t)
-        skipped = len(re.findall(r"\(Skipped\)|\*\*\*Skipped", t))
+        m = re.search(r"(\d+)% tests passed(?:, (\d+) tests failed)? out of (\d+)", t)
+        skipped = len({a or b for a, b in re.findall(r"#\d+: (\S+) \.*\s*\*\*\*Skipped|\d+ - (\S+) \(Skipped\)", t)})
         print("tests:", m.group(0) if m else "no ctest summary", f"({skipped} skipped)")
         for line in t.splitlines():
             if "***Failed" in line or "(Failed)" in line:
