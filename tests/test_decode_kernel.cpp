@@ -19,6 +19,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/kernels.h"
+#include "tests/device_buffer.h"
 #endif
 
 using namespace kvlens;
@@ -27,19 +28,6 @@ using namespace kvlens::testing;
 namespace {
 
 #ifdef KVLENS_HAVE_CUDA
-struct Dev {
-  void* p = nullptr;
-  explicit Dev(size_t n) { EXPECT_EQ(cudaMalloc(&p, std::max<size_t>(n, 4)), cudaSuccess); }
-  template <class T>
-  Dev(const std::vector<T>& v) : Dev(v.size() * sizeof(T)) {
-    EXPECT_EQ(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
-  }
-  ~Dev() { cudaFree(p); }
-  Dev(const Dev&) = delete;
-  Dev& operator=(const Dev&) = delete;
-  template <class T>
-  T* as() const { return static_cast<T*>(p); }
-};
 
 struct KernelCase {
   int B = 3, NH = 6, NKV = 2, D = 128;

@@ -16,6 +16,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/kernels.h"
+#include "tests/device_buffer.h"
 #endif
 
 using namespace kvlens;
@@ -24,13 +25,6 @@ using namespace kvlens::testing;
 namespace {
 
 #ifdef KVLENS_HAVE_CUDA
-struct Dev {
-  void* p = nullptr;
-  explicit Dev(size_t n) { EXPECT_EQ(cudaMalloc(&p, std::max<size_t>(n, 4)), cudaSuccess); }
-  ~Dev() { cudaFree(p); }
-  Dev(const Dev&) = delete;
-  Dev& operator=(const Dev&) = delete;
-};
 
 float from_bits(Dt dt, uint16_t b) {
   if (dt == Dt::F16) return quant::from_half(b);

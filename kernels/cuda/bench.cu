@@ -91,6 +91,24 @@ struct Events {
   }
 };
 
+// The median over 5 runs of body() on stream s, timed by events around each run, in ms.
+template <class F>
+float median5_ms(cudaStream_t s, const char* what, F&& body) {
+  Events ev;
+  std::vector<float> ms;
+  for (int t = 0; t < 5; ++t) {
+    cudaEventRecord(ev.a, s);
+    body();
+    cudaEventRecord(ev.b, s);
+    KV_CUDA(cudaEventSynchronize(ev.b), what);
+    float m = 0;
+    cudaEventElapsedTime(&m, ev.a, ev.b);
+    ms.push_back(m);
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[2];
+}
+
 int n_sm(int device) {
   cudaDeviceProp p{};
   KV_CUDA(cudaGetDeviceProperties(&p, device), "device properties");
@@ -473,21 +491,10 @@ std::vector<GemvBenchRow> bench_gemv(const GemvBenchConfig& c) {
         }
       };
       calls(copies);  // warm-up
-      Events ev;
-      std::vector<float> ms;
-      for (int t = 0; t < 5; ++t) {
-        cudaEventRecord(ev.a, st.s);
-        calls(c.reps);
-        cudaEventRecord(ev.b, st.s);
-        KV_CUDA(cudaEventSynchronize(ev.b), "gemv bench");
-        float m = 0;
-        cudaEventElapsedTime(&m, ev.a, ev.b);
-        ms.push_back(m);
-      }
-      std::sort(ms.begin(), ms.end());
+      const float median = median5_ms(st.s, "gemv bench", [&] { calls(c.reps); });
       GemvBenchRow r;
       r.name = sh.name, r.input = sh.input, r.N = sh.N, r.K = sh.K, r.rows_per_warp = R, r.pdl = pdl;
-      r.us = 1e3 * ms[2] / c.reps;
+      r.us = 1e3 * median / c.reps;
       r.gbs = static_cast<double>(wbytes) / (r.us * 1e3);
       rows.push_back(r);
     }
@@ -526,21 +533,7 @@ std::vector<PrefillBenchRow> bench_prefill_attention(const PrefillBenchConfig& c
       auto call = [&] { return attention_prefill(qkv.as<float>(), l, out.p, Dt::F16, st.s, ks); };
       r.key_split_used = call();  // warm-up (and the kernels' one-time attributes)
       KV_CUDA(cudaStreamSynchronize(st.s), "prefill bench warm-up");
-      auto time = [&](auto&& body) {
-        Events ev;
-        std::vector<float> ms;
-        for (int t = 0; t < 5; ++t) {
-          cudaEventRecord(ev.a, st.s);
-          body();
-          cudaEventRecord(ev.b, st.s);
-          KV_CUDA(cudaEventSynchronize(ev.b), "prefill bench");
-          float m = 0;
-          cudaEventElapsedTime(&m, ev.a, ev.b);
-          ms.push_back(m);
-        }
-        std::sort(ms.begin(), ms.end());
-        return 1e3 * ms[2] / c.reps;
-      };
+      auto time = [&](auto&& body) { return 1e3 * median5_ms(st.s, "prefill bench", body) / c.reps; };
       r.eager_us = time([&] {
         for (int i = 0; i < c.reps; ++i) call();
       });

@@ -311,6 +311,44 @@ __device__ __forceinline__ float calibrated(float s, bool cal, float t, float ga
 namespace kvlens::cuda {
 namespace {
 
+// The scores, online-softmax update and P·V of U fp16 rows already loaded (this lane's 8
+// channels of K in kr, of V in vr): rows j, j + G, … of which those below `end` count; g(x)
+// applied to the scores when cal. Shared by the general kernel and the fp16 kernel.
+template <int L, int U>
+__device__ __forceinline__ void f16_update(const uint4 (&kr)[U], const uint4 (&vr)[U], const float* q, int j, int G,
+                                           int end, bool cal, float cal_t, float cal_g, float tau1, State& st) {
+  float sc[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    float f[8];
+    unpack8<__half>(kr[u], f);
+    float d = 0.0f;
+#pragma unroll
+    for (int c = 0; c < 8; ++c) d = fmaf(q[c], f[c], d);
+    d = group_sum<L>(d);
+    sc[u] = j + u * G < end ? calibrated(d, cal, cal_t, cal_g, tau1) : -INFINITY;
+  }
+  float mx = st.m;
+#pragma unroll
+  for (int u = 0; u < U; ++u) mx = fmaxf(mx, sc[u]);
+  if (mx > st.m) {
+    const float alpha = __expf(st.m - mx);
+    st.d *= alpha;
+#pragma unroll
+    for (int c = 0; c < 8; ++c) st.o[c] *= alpha;
+    st.m = mx;
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const float p = sc[u] == -INFINITY ? 0.0f : __expf(sc[u] - st.m);
+    st.d += p;
+    float f[8];
+    unpack8<__half>(vr[u], f);
+#pragma unroll
+    for (int c = 0; c < 8; ++c) st.o[c] = fmaf(p, f[c], st.o[c]);
+  }
+}
+
 // fp16 keys and values.
 template <int L, int U>
 __device__ void fp16_rows(const PartDesc& P, int a, int e, const float* q, const Lane& ln, int g, bool cal, float cal_t,
@@ -330,36 +368,7 @@ __device__ void fp16_rows(const PartDesc& P, int a, int e, const float* q, const
         kr[u] = vr[u] = make_uint4(0, 0, 0, 0);
       }
     }
-    float sc[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      float f[8];
-      unpack8<__half>(kr[u], f);
-      float d = 0.0f;
-#pragma unroll
-      for (int c = 0; c < 8; ++c) d = fmaf(q[c], f[c], d);
-      d = group_sum<L>(d);
-      sc[u] = j0 + u * G + g < e ? calibrated(d, cal, cal_t, cal_g, tau1) : -INFINITY;
-    }
-    float mx = st.m;
-#pragma unroll
-    for (int u = 0; u < U; ++u) mx = fmaxf(mx, sc[u]);
-    if (mx > st.m) {
-      const float alpha = __expf(st.m - mx);
-      st.d *= alpha;
-#pragma unroll
-      for (int c = 0; c < 8; ++c) st.o[c] *= alpha;
-      st.m = mx;
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const float p = sc[u] == -INFINITY ? 0.0f : __expf(sc[u] - st.m);
-      st.d += p;
-      float f[8];
-      unpack8<__half>(vr[u], f);
-#pragma unroll
-      for (int c = 0; c < 8; ++c) st.o[c] = fmaf(p, f[c], st.o[c]);
-    }
+    f16_update<L, U>(kr, vr, q, j0 + g, G, e, cal, cal_t, cal_g, tau1, st);
   }
 }
 

@@ -135,36 +135,7 @@ __global__ void __launch_bounds__(kThreads, 4) decode_f16_kernel(DecodeParams p)
         kr[u] = vr[u] = make_uint4(0, 0, 0, 0);
       }
     }
-    float sc[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      float f[8];
-      unpack8<__half>(kr[u], f);
-      float d = 0.0f;
-#pragma unroll
-      for (int c = 0; c < 8; ++c) d = fmaf(q[c], f[c], d);
-      d = group_sum<L>(d);
-      sc[u] = j0 + u * G + g < r1 ? d : -INFINITY;
-    }
-    float mx = st.m;
-#pragma unroll
-    for (int u = 0; u < U; ++u) mx = fmaxf(mx, sc[u]);
-    if (mx > st.m) {
-      const float alpha = __expf(st.m - mx);
-      st.d *= alpha;
-#pragma unroll
-      for (int c = 0; c < 8; ++c) st.o[c] *= alpha;
-      st.m = mx;
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const float pu = sc[u] == -INFINITY ? 0.0f : __expf(sc[u] - st.m);
-      st.d += pu;
-      float f[8];
-      unpack8<__half>(vr[u], f);
-#pragma unroll
-      for (int c = 0; c < 8; ++c) st.o[c] = fmaf(pu, f[c], st.o[c]);
-    }
+    f16_update<L, U>(kr, vr, q, j0 + g, G, r1, false, 1.0f, 0.0f, 0.0f, st);
   }
   finish_block<L>(p, st, b, h, s);
 }
