@@ -165,6 +165,20 @@ struct State {
   float o[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 };
 
+// Moves st to a new running maximum mx, given alpha = exp(st.m − mx): its sum and output, and a
+// part's own accumulators (acc[8] and psum) when given, are scaled by alpha.
+__device__ __forceinline__ void rescale(State& st, float mx, float alpha, float* acc = nullptr,
+                                        float* psum = nullptr) {
+  st.d *= alpha;
+  if (psum) *psum *= alpha;
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    st.o[c] *= alpha;
+    if (acc) acc[c] *= alpha;
+  }
+  st.m = mx;
+}
+
 // Rows [a, e) of one part for every group of the block. mode kAttend: softmax + values; kRange:
 // min/max of visual scores into lo/hi; kScores: raw scores to srow (index base + row).
 template <int L>
@@ -217,17 +231,7 @@ __device__ __forceinline__ void run_part_in(const PartDesc& P, int n, int a, int
     float mx = st.m;
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) mx = fmaxf(mx, sc[u]);
-    if (mx > st.m) {  // (no valid row in this batch leaves mx = st.m)
-      const float alpha = expf(st.m - mx);
-      st.d *= alpha;
-      psum *= alpha;
-#pragma unroll
-      for (int c = 0; c < 8; ++c) {
-        st.o[c] *= alpha;
-        acc[c] *= alpha;
-      }
-      st.m = mx;
-    }
+    if (mx > st.m) rescale(st, mx, expf(st.m - mx), acc, &psum);  // (no valid row in this batch leaves mx = st.m)
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int j = j0 + u * G + g;
@@ -331,13 +335,7 @@ __device__ __forceinline__ void f16_update(const uint4 (&kr)[U], const uint4 (&v
   float mx = st.m;
 #pragma unroll
   for (int u = 0; u < U; ++u) mx = fmaxf(mx, sc[u]);
-  if (mx > st.m) {
-    const float alpha = __expf(st.m - mx);
-    st.d *= alpha;
-#pragma unroll
-    for (int c = 0; c < 8; ++c) st.o[c] *= alpha;
-    st.m = mx;
-  }
+  if (mx > st.m) rescale(st, mx, __expf(st.m - mx));
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const float p = sc[u] == -INFINITY ? 0.0f : __expf(sc[u] - st.m);

@@ -89,17 +89,7 @@ __device__ void packed_rows(const PartDesc& P, int a, int e, const float* q, con
       float mx = st.m;
 #pragma unroll
       for (int u = 0; u < U; ++u) mx = fmaxf(mx, sc[u]);
-      if (mx > st.m) {
-        const float alpha = __expf(st.m - mx);
-        st.d *= alpha;
-        psum *= alpha;
-#pragma unroll
-        for (int c = 0; c < 8; ++c) {
-          st.o[c] *= alpha;
-          acc[c] *= alpha;
-        }
-        st.m = mx;
-      }
+      if (mx > st.m) rescale(st, mx, __expf(st.m - mx), acc, &psum);
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const float p = sc[u] == -INFINITY ? 0.0f : __expf(sc[u] - st.m);
