@@ -2,7 +2,8 @@
 // path does not reach: several sequences a launch, a chosen number of splits (so that one block's
 // warps walk many tiles of a long packed part and the running maximum moves between them), and
 // every (sequence, kv head) holding fp16 parts around a packed channel-wise part of 1/2/3/4/8-bit
-// random codes, with calibration of the visual scores on and off. Reference: fp64 attention over
+// random codes (1-bit values both as packed rows and channel-major by groups of 32 rows, the
+// binary tensor-core path's layout), with calibration of the visual scores on and off. Reference: fp64 attention over
 // the dequantized rows (code·scale + zero) with g(x) applied as calibrate_visual defines it.
 // Caches whose parts are all fp16 (the fp16 kernel) are checked the same way, with the last
 // part's rows partly counted on the device as a decode tail's are.
@@ -39,6 +40,9 @@ struct KernelCase {
   bool fresh = false;     // (bits 16, B 1) the step's token fused in: RoPE, its row attended and appended
   bool calibrate = false;
   float tau1 = 0.5f, tau2 = 2.0f;
+  // 1-bit values uploaded channel-major by groups of 32 rows (kChannelT: the binary tensor-core
+  // path at head size 128); false: as packed rows (the fp16-operand path).
+  bool blocked = true;
 };
 
 std::vector<uint8_t> random_bytes(size_t n) {
@@ -55,7 +59,9 @@ std::vector<uint16_t> halves(const std::vector<float>& v) {
 }
 
 void kernel_case(const KernelCase& c) {
+  const bool blocked = c.blocked && c.bits == 1;
   const std::string what = "B=" + std::to_string(c.B) + " bits=" + std::to_string(c.bits) + " D=" + std::to_string(c.D) +
+                           (blocked ? " channel-major values" : "") +
                            " splits=" + std::to_string(c.splits) + (c.calibrate ? " calibrated" : "") +
                            (c.chan_stride ? "" : " one range") + (c.mma_only ? " mma-only kernel" : "") +
                            (c.fresh ? " fused token" : "");
@@ -78,7 +84,14 @@ void kernel_case(const KernelCase& c) {
     for (size_t i = 0; i < zero.size(); ++i) zero[i] = quant::from_half(quant::to_half(z(rng())));
   }
   const auto q = randn(static_cast<size_t>(c.B) * c.NH * D);
-  Dev d_f16(halves(f16)), d_codes(codes), d_scale(halves(scale)), d_zero(halves(zero)), d_q(q);
+  auto code_at = [&](int sq, int kv) { return (static_cast<size_t>(sq) * 2 + kv) * c.n_packed * row_bytes; };
+  std::vector<uint8_t> dev_codes = codes;  // as uploaded: values regrouped when blocked
+  if (blocked)
+    for (int sq = 0; sq < seqs; ++sq) {
+      const auto g = quant::channel_major_1bit(codes.data() + code_at(sq, 1), c.n_packed, D);
+      std::copy(g.begin(), g.end(), dev_codes.begin() + static_cast<std::ptrdiff_t>(code_at(sq, 1)));
+    }
+  Dev d_f16(halves(f16)), d_codes(dev_codes), d_scale(halves(scale)), d_zero(halves(zero)), d_q(q);
   Dev d_count(std::vector<int32_t>{n_counted});
   // The fused token: fp32 k and v rows per kv head (before RoPE), its position, RoPE's table.
   const auto fresh_k = randn(static_cast<size_t>(c.NKV) * D), fresh_v = randn(fresh_k.size());
@@ -91,7 +104,6 @@ void kernel_case(const KernelCase& c) {
   auto f16_at = [&](int sq, int kv, int row) {  // index of row `row` of the sequence's fp16 rows
     return ((static_cast<size_t>(sq) * 2 + kv) * nf + row) * D;
   };
-  auto code_at = [&](int sq, int kv) { return (static_cast<size_t>(sq) * 2 + kv) * c.n_packed * row_bytes; };
   auto range_at = [&](int sq, int kv) { return (static_cast<size_t>(sq) * 2 + kv) * ranges; };
   std::vector<cuda::PartDesc> parts(static_cast<size_t>(seqs) * 3);
   for (int sq = 0; sq < seqs; ++sq) {
@@ -108,7 +120,7 @@ void kernel_case(const KernelCase& c) {
         continue;
       }
       cuda::KvSide& s = kv ? P[1].v : P[1].k;
-      s.fmt = cuda::kChannel;
+      s.fmt = kv && blocked ? cuda::kChannelT : cuda::kChannel;
       s.bits = c.bits;
       s.chan_stride = c.chan_stride;
       s.data = d_codes.as<uint8_t>() + code_at(sq, kv);
@@ -145,7 +157,7 @@ void kernel_case(const KernelCase& c) {
   p.sem = sem.as<int>();
   p.lut_bits = c.bits <= 4 ? c.bits : 0;
   p.all_f16 = all16 ? 1 : 0;
-  p.all_mma = c.mma_only ? 1 : 0;
+  p.all_mma = c.mma_only ? (blocked && D == 128 ? 2 : 1) : 0;
   const int n_tail0 = c.n_front + c.n_packed;  // the back part's first row, per (sequence, kv head)
   if (c.fresh) {
     // The back part is the tail: rows of kv head h at tail + h·cap·D, cap = 2·nf (the test's K
@@ -305,7 +317,19 @@ TEST(DecodeKernel, PackedPartsBetweenFp16PartsBatchedAndSplit) {
         c.mma_only = mma_only;
         c.splits = bits == 1 ? 2 : 0;  // 2: each block ~640 rows, several tiles a warp
         kernel_case(c);
+        if (bits == 1) {
+          c.blocked = false;  // 1-bit values as packed rows
+          kernel_case(c);
+        }
       }
+  for (int splits : {37, 97}) {
+    KernelCase c;  // 1-bit, splits of ~34 and ~13 rows: blocks start and end inside groups of 32
+    c.splits = splits;
+    c.calibrate = splits == 37;
+    kernel_case(c);
+    c.mma_only = true;
+    kernel_case(c);
+  }
 #endif
 }
 

@@ -69,6 +69,38 @@ TEST(Quantize, BitPackingRoundTrip) {
     }
 }
 
+TEST(Quantize, ChannelMajorGroupsOfOneBitCodes) {
+  // block_row is a permutation of 0..31; every code of a whole group is found at its word and
+  // bit, the rows past the last group are untouched, and the size is the packed rows' size.
+  std::set<int> rows;
+  for (int i = 0; i < 32; ++i) rows.insert(quant::block_row(i));
+  EXPECT_EQ(rows.size(), 32u);
+  EXPECT_EQ(*rows.begin(), 0);
+  EXPECT_EQ(*rows.rbegin(), 31);
+  std::mt19937_64 rng(17);
+  for (int d : {8, 64, 128})
+    for (int64_t n : {0, 5, 32, 77, 96}) {
+      std::vector<uint8_t> packed(static_cast<size_t>(n * d / 8));
+      for (uint8_t& b : packed) b = static_cast<uint8_t>(rng());
+      const auto g = quant::channel_major_1bit(packed.data(), n, d);
+      ASSERT_EQ(g.size(), packed.size()) << "d=" << d << " n=" << n;
+      for (int64_t j = 0; j < n; ++j)
+        for (int c = 0; c < d; ++c) {
+          const uint32_t want = quant::unpack_one(packed.data(), j * d + c, 1);
+          uint32_t got;
+          if (j < n / 32 * 32) {
+            int bit = -1;
+            for (int i = 0; i < 32; ++i)
+              if (quant::block_row(i) == j % 32) bit = i;
+            got = quant::unpack_one(g.data(), ((j / 32) * d + c) * 32 + bit, 1);
+          } else {
+            got = quant::unpack_one(g.data(), j * d + c, 1);
+          }
+          ASSERT_EQ(got, want) << "d=" << d << " n=" << n << " row " << j << " channel " << c;
+        }
+    }
+}
+
 TEST(Uniform, GranularitiesAndScope) {
   for (const char* g : {"global", "per-token", "per-channel"})
     for (int bits : {1, 3, 8}) {

@@ -38,6 +38,19 @@ uint32_t encode(float x, const Affine& a, int bits) {
 
 int64_t packed_size(int64_t count, int bits) { return (count * bits + 7) / 8; }
 
+std::vector<uint8_t> channel_major_1bit(const uint8_t* rows, int64_t n, int d) {
+  const int64_t row_bytes = d / 8, whole = n / 32 * 32;
+  std::vector<uint8_t> out(rows, rows + n * row_bytes);
+  for (int64_t b = 0; b < whole / 32; ++b)
+    for (int c = 0; c < d; ++c) {
+      uint32_t w = 0;
+      for (int i = 0; i < 32; ++i)
+        w |= unpack_one(rows, (32 * b + block_row(i)) * d + c, 1) << i;
+      for (int k = 0; k < 4; ++k) out[static_cast<size_t>((b * d + c) * 4 + k)] = static_cast<uint8_t>(w >> (8 * k));
+    }
+  return out;
+}
+
 void pack(const uint32_t* codes, int64_t count, int bits, std::vector<uint8_t>& out) {
   const size_t base = out.size();
   out.resize(base + static_cast<size_t>(packed_size(count, bits)), 0);

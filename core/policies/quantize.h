@@ -51,6 +51,12 @@ int64_t packed_size(int64_t count, int bits);
 void pack(const uint32_t* codes, int64_t count, int bits, std::vector<uint8_t>& out);
 void unpack(const uint8_t* packed, int64_t count, int bits, uint32_t* codes);
 uint32_t unpack_one(const uint8_t* packed, int64_t i, int bits);
+// 1-bit codes of n rows × d channels (d a multiple of 8) regrouped for the GPU's binary
+// tensor-core decode path: each whole group of 32 rows becomes d little-endian 32-bit words,
+// word c holding channel c's codes, the code of row 32b + block_row(i) at bit i; rows past the
+// last whole group stay as they are. The same number of bytes as the packed rows.
+inline int block_row(int bit) { return 16 * ((bit >> 1) & 1) + 8 * (bit & 1) + (bit >> 2); }
+std::vector<uint8_t> channel_major_1bit(const uint8_t* rows, int64_t n, int d);
 
 // ---- ranges ---------------------------------------------------------------------------------
 enum class Axis { Global, PerToken, PerChannel };

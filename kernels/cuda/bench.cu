@@ -176,6 +176,7 @@ std::vector<AttnBenchRow> bench_decode_attention(const AttnBenchConfig& c, doubl
             for (int kv = 0; kv < 2; ++kv) {
               KvSide& x = kv ? d.v : d.k;
               x.fmt = bits == 16 ? kF16 : kChannel;
+              if (kv && bits == 1 && D == 128) x.fmt = kChannelT;  // random codes: any layout will do
               x.bits = bits;
               x.data = base + kv * side + i * n * row_bytes;
               if (bits != 16) {
@@ -207,7 +208,7 @@ std::vector<AttnBenchRow> bench_decode_attention(const AttnBenchConfig& c, doubl
         p.sem = sem.as<int>();
         p.lut_bits = bits <= 4 ? bits : 0;
         p.all_f16 = bits == 16 ? 1 : 0;
-        p.all_mma = D == 128 && (bits == 1 || bits == 2 || bits == 4 || bits == 8) ? 1 : 0;
+        p.all_mma = D == 128 && (bits == 1 || bits == 2 || bits == 4 || bits == 8) ? (bits == 1 ? 2 : 1) : 0;
         if (calib) {
           p.calibrate = 1;
           p.tau1 = 0.0f;
@@ -335,6 +336,7 @@ std::vector<ThroughputRow> bench_throughput(const ThroughputConfig& c) {
           for (int kv = 0; kv < 2; ++kv) {
             KvSide& x = kv ? p[0].v : p[0].k;
             x.fmt = bits == 16 ? kF16 : kChannel;
+            if (kv && bits == 1 && D == 128) x.fmt = kChannelT;  // random codes: any layout will do
             x.bits = bits;
             x.data = (kv ? vv : vk) + i * c.visual * vis_row;
             if (bits != 16) {
@@ -405,7 +407,7 @@ std::vector<ThroughputRow> bench_throughput(const ThroughputConfig& c) {
           p.sem = sem.as<int>();
           p.lut_bits = bits <= 4 ? bits : 0;
           p.all_f16 = bits == 16 ? 1 : 0;
-          p.all_mma = D == 128 && (bits == 1 || bits == 2 || bits == 4 || bits == 8) ? 1 : 0;
+          p.all_mma = D == 128 && (bits == 1 || bits == 2 || bits == 4 || bits == 8) ? (bits == 1 ? 2 : 1) : 0;
           decode_attention(p, st.s);
           gemm(w.o, H, static_cast<int>(QD), a.p, h.as<float>(), true);
           rms_norm(h.as<float>(), x.p, Dt::F16, B, H, norm.as<float>(), 1e-5f, st.s);

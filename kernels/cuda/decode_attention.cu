@@ -17,7 +17,9 @@
 // over the whole part): tensor cores instead, one warp per 16·TILES rows — see decode_mma.cuh.
 // Their state joins the groups' online softmax at the end of the part, so fp16 and packed parts
 // still share one softmax. Codes are read as core/policies/quantize.h packs them (row j at byte
-// j·D·b/8, code c at bits [c·b, (c+1)·b) least significant first).
+// j·D·b/8, code c at bits [c·b, (c+1)·b) least significant first), except 1-bit values stored
+// channel-major by groups of 32 rows (kChannelT), whose whole groups take the binary tensor-core
+// path — see decode_b1.cuh.
 //
 // Packed parts never produce dequantized rows in memory. Channel-wise parts with one range per
 // channel over the part use CalibQuant's post-scaling: q⊙scale is folded into q once per part and
@@ -90,6 +92,19 @@ __device__ __forceinline__ void load_side(const KvSide& s, int j, int D, int c0,
     const uint8_t* row = static_cast<const uint8_t*>(s.data) + static_cast<int64_t>(j) * (D * s.bits / 8);
     codes8(load_codes(row + (c0 / 8) * s.bits, s.bits), s.bits, f);
   }
+}
+
+// The same for values stored channel-major by groups of 32 rows (kChannelT; n rows in the part,
+// the rows past the last whole group row-major).
+__device__ __forceinline__ void load_blocked(const KvSide& s, int j, int n, int D, int c0, float* f) {
+  if (j >= (n & ~31)) {
+    load_side(s, j, D, c0, f);
+    return;
+  }
+  const uint32_t* w = static_cast<const uint32_t*>(s.data) + static_cast<int64_t>(j >> 5) * D + c0;
+  const int o = j & 31, bit = 4 * (o & 7) + 2 * (o >> 4) + ((o >> 3) & 1);  // block_row's inverse
+#pragma unroll
+  for (int c = 0; c < 8; ++c) f[c] = static_cast<float>((w[c] >> bit) & 1u);
 }
 
 template <int L>
@@ -240,11 +255,12 @@ __device__ __forceinline__ void run_part_in(const PartDesc& P, int n, int a, int
       st.d += p;
       if (!ln.active) continue;
       float f[8];
-      load_side(V, j, ln.D, ln.c0, f);
+      if (V.fmt == kChannelT) load_blocked(V, j, n, ln.D, ln.c0, f);
+      else load_side(V, j, ln.D, ln.c0, f);
       if (V.fmt == kF16) {
 #pragma unroll
         for (int c = 0; c < 8; ++c) acc[c] = fmaf(p, f[c], acc[c]);
-      } else if (V.fmt == kChannel && !vgrouped) {
+      } else if ((V.fmt == kChannel || V.fmt == kChannelT) && !vgrouped) {
         psum += p;
 #pragma unroll
         for (int c = 0; c < 8; ++c) acc[c] = fmaf(p, f[c], acc[c]);
@@ -264,7 +280,7 @@ __device__ __forceinline__ void run_part_in(const PartDesc& P, int n, int a, int
   }
   if (mode != kAttend || !ln.active) return;
   // Fold the part's accumulators into the output (post-scaling / CST factors).
-  if (V.fmt == kChannel && !vgrouped) {
+  if ((V.fmt == kChannel || V.fmt == kChannelT) && !vgrouped) {
 #pragma unroll
     for (int c = 0; c < 8; ++c) {
       const int ch = V.chan_stride ? ln.c0 + c : 0;
@@ -312,6 +328,7 @@ __device__ __forceinline__ float calibrated(float s, bool cal, float t, float ga
 }  // namespace
 }  // namespace kvlens::cuda
 #include "kernels/cuda/decode_mma.cuh"
+#include "kernels/cuda/decode_b1.cuh"
 namespace kvlens::cuda {
 namespace {
 
@@ -387,10 +404,13 @@ __device__ __forceinline__ int fast_kind(const PartDesc& P, int n, int mode, boo
 
 // Head size 128: channel-wise parts with one range per channel (or one in all) over the part and 1/2/4/8-bit
 // codes (rows aligned for the lanes' vector loads) take the tensor-core path (decode_mma.cuh).
+// 1-bit parts whose values are stored channel-major by groups (kChannelT, 16-byte aligned) take
+// the binary tensor-core path for their whole groups (decode_b1.cuh).
 __device__ __forceinline__ int mma_kind(const PartDesc& P, int n, int mode, bool materialized) {
   if (materialized || mode == kScores) return 0;
   const bool whole = (P.k.group <= 0 || P.k.group >= n) && (P.v.group <= 0 || P.v.group >= n);
-  if (P.k.fmt != kChannel || P.v.fmt != kChannel || !whole || P.k.bits != P.v.bits) return 0;
+  const bool vt = P.v.fmt == kChannelT && P.k.bits == 1 && (reinterpret_cast<uintptr_t>(P.v.data) & 15) == 0;
+  if (P.k.fmt != kChannel || (P.v.fmt != kChannel && !vt) || !whole || P.k.bits != P.v.bits) return 0;
   const int b = P.k.bits;
   if (b != 1 && b != 2 && b != 4 && b != 8) return 0;
   if ((reinterpret_cast<uintptr_t>(P.k.data) | reinterpret_cast<uintptr_t>(P.v.data)) & (4 * b - 1)) return 0;
@@ -403,10 +423,22 @@ __device__ void run_mma(int bits, const PartDesc& P, int a, int e, const float* 
   const int w = threadIdx.x / 32, nw = kThreads / 32;
   const bool r = mode == kRange;
   switch (bits) {
-    case 1:
-      if (r) packed_mma<1, 3, true>(P, a, e, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi);
-      else packed_mma<1, 3, false>(P, a, e, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi);
+    case 1: {
+      int e1 = a;  // rows [a, e1) in whole channel-major groups: the binary path
+      if (P.v.fmt == kChannelT) {
+        e1 = min(e, P.n & ~31);
+        if (a < e1) {
+          if (r) b1_path::packed_b1<true>(P, a, e1, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi);
+          else b1_path::packed_b1<false>(P, a, e1, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi);
+        }
+      }
+      const int a1 = max(a, e1);  // the rest row-major
+      if (a1 < e) {
+        if (r) packed_mma<1, 3, true>(P, a1, e, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi);
+        else packed_mma<1, 3, false>(P, a1, e, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi);
+      }
       break;
+    }
     case 2:
       if (r) packed_mma<2, 2, true>(P, a, e, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi);
       else packed_mma<2, 2, false>(P, a, e, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi);
@@ -499,8 +531,11 @@ __device__ void finish_block(const DecodeParams& p, const State& st, int b, int 
 // MMA_ONLY: a cache of head size 128 whose parts are all fp16 or tensor-core packed parts
 // (DecodeParams::all_mma); only those two paths are compiled in, under a budget of 128 registers
 // (4 blocks a multiprocessor instead of 3).
-template <int L, bool MMA_ONLY>
-__global__ void __launch_bounds__(kThreads, MMA_ONLY ? 4 : kMinBlocks) decode_kernel(DecodeParams p, int mode) {
+// MMA = 2: the same for caches with channel-major 1-bit values (DecodeParams::all_mma = 2),
+// whose binary path needs more registers: 168, 3 blocks a multiprocessor.
+template <int L, int MMA>
+__global__ void __launch_bounds__(kThreads, MMA == 1 ? 4 : kMinBlocks) decode_kernel(DecodeParams p, int mode) {
+  constexpr bool MMA_ONLY = MMA != 0;
   extern __shared__ float lut[];  // packed keys' tables (lut_bytes(D, lut_bits))
   const int s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int kvh = h / (p.NH / p.NKV);
@@ -655,18 +690,19 @@ void launch_l(const DecodeParams& p, int mode, cudaStream_t s) {
   const int bytes = decode_lut_bytes(q.D, q.lut_bits);
   if constexpr (L == 16) {
     if (p.all_mma && p.D == 128 && mode != kScores && !p.scores_in && !p.scores_out) {
-      KV_CUDA(launch_dependent(decode_kernel<16, true>, grid, kThreads, 0, s, true, q, mode),
+      KV_CUDA(launch_dependent(p.all_mma == 2 ? decode_kernel<16, 2> : decode_kernel<16, 1>, grid, kThreads, 0, s, true, q,
+                               mode),
               "decode_kernel for " + std::to_string(p.B) + "x" + std::to_string(p.NH) + " heads");
       return;
     }
   }
   static int allowed = 48 << 10;  // dynamic shared memory the kernel may take without opting in
   if (bytes > allowed) {
-    KV_CUDA(cudaFuncSetAttribute(decode_kernel<L, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+    KV_CUDA(cudaFuncSetAttribute(decode_kernel<L, 0>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
             "decode attention table of " + std::to_string(bytes) + " bytes");
     allowed = bytes;
   }
-  KV_CUDA(launch_dependent(decode_kernel<L, false>, grid, kThreads, bytes, s, true, q, mode),
+  KV_CUDA(launch_dependent(decode_kernel<L, 0>, grid, kThreads, bytes, s, true, q, mode),
           "decode_kernel for " + std::to_string(p.B) + "x" + std::to_string(p.NH) + " heads");
 }
 

@@ -84,6 +84,11 @@ enum KvFormat : int32_t {
   kChannel = 1,   // codes with fp16 scale/zero per (range group, channel) — or per group when
                   // chan_stride = 0 (one range for the whole group)
   kToken = 2,     // codes with fp16 scale/zero per row; optional fp16 per-channel factor (CST)
+  kChannelT = 3,  // values only, 1-bit, ranges as kChannel over the whole part: rows in groups of
+                  // 32 stored channel-major — group b's D words, word c holding channel c's codes
+                  // of rows 32b + block_row(i) at bit i, block_row(4g + t) = 16(t >> 1) + 8(t & 1) + g
+                  // — and the rows past the last whole group as kChannel stores them (the layout
+                  // quant::channel_major_1bit builds; the same bytes)
 };
 struct KvSide {
   int32_t fmt = kF16;
@@ -154,16 +159,20 @@ struct DecodeParams {
   // 1: every part of every head is fp16 or a packed part of the tensor-core path (channel-wise
   // 1/2/4/8-bit keys and values, one range per channel or one for all over the part, rows
   // aligned to 4·bits bytes); at head size 128 a kernel with only those two paths is used.
+  // 2: the same, and some part's 1-bit values are channel-major (kChannelT).
   int all_mma = 0;
 };
 // A part the tensor-core kernel takes as it is (DecodeParams::all_mma): fp16 rows of tokens other
 // than visual ones, or channel-wise 1/2/4/8-bit codes on both sides with one range per channel
-// (or one for all) over the whole part, rows aligned to 4·bits bytes.
+// (or one for all) over the whole part, rows aligned to 4·bits bytes (1-bit values may be
+// kChannelT, 16-byte aligned).
 inline bool mma_part(const PartDesc& d) {
   if (d.k.fmt == kF16 && d.v.fmt == kF16) return !d.visual;
   const int b = d.k.bits;
   const bool whole = (d.k.group <= 0 || d.k.group >= d.n) && (d.v.group <= 0 || d.v.group >= d.n);
-  return d.k.fmt == kChannel && d.v.fmt == kChannel && whole && d.v.bits == b && (b == 1 || b == 2 || b == 4 || b == 8) &&
+  const bool vt = d.v.fmt == kChannelT && b == 1 && (reinterpret_cast<uintptr_t>(d.v.data) & 15) == 0;
+  return d.k.fmt == kChannel && (d.v.fmt == kChannel || vt) && whole && d.v.bits == b &&
+         (b == 1 || b == 2 || b == 4 || b == 8) &&
          ((reinterpret_cast<uintptr_t>(d.k.data) | reinterpret_cast<uintptr_t>(d.v.data)) & (4 * b - 1)) == 0 &&
          !d.counter;
 }

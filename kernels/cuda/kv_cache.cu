@@ -352,8 +352,21 @@ DevSeg build_packed(Context& ctx, const CudaKV& C, const KVSegment& s, const qua
                  static_cast<int64_t>(get(h).size()) * elem, what + " " + name);
     return a;
   };
+  // 1-bit channel-wise keys and values with ranges over the whole part (CalibQuant's visual
+  // segment) at head size 128: the values go up channel-major by groups of 32 rows, the layout
+  // of the binary tensor-core decode path (kChannelT, the same bytes).
+  auto whole = [&](int group, int h) { return group <= 0 || group >= s.heads[h].n(); };
+  const bool chan_k = L.k_axis != quant::Axis::PerToken, chan_v = L.v_axis != quant::Axis::PerToken;
+  std::vector<std::vector<uint8_t>> v_groups;
+  if (L.kind == K::Blocks && D == 128 && L.k_bits == 1 && L.v_bits == 1 && chan_k && chan_v) {
+    bool all_whole = true;
+    for (int h = 0; h < NKV; ++h) all_whole = all_whole && whole(L.k_group, h) && whole(L.v_group, h);
+    if (all_whole)
+      for (int h = 0; h < NKV; ++h) v_groups.push_back(quant::channel_major_1bit(p.v[h].codes.data(), s.heads[h].n(), D));
+  }
   Arr kc = upload_all([&](int h) -> const std::vector<uint8_t>& { return p.k[h].codes; }, 1, "K codes");
-  Arr vc = upload_all([&](int h) -> const std::vector<uint8_t>& { return p.v[h].codes; }, 1, "V codes");
+  Arr vc = upload_all([&](int h) -> const std::vector<uint8_t>& { return v_groups.empty() ? p.v[h].codes : v_groups[h]; },
+                      1, "V codes");
   Arr ks = upload_all([&](int h) -> const std::vector<uint16_t>& { return p.k[h].scales; }, 2, "K scales");
   Arr kz = upload_all([&](int h) -> const std::vector<uint16_t>& { return p.k[h].zeros; }, 2, "K zeros");
   Arr vs = upload_all([&](int h) -> const std::vector<uint16_t>& { return p.v[h].scales; }, 2, "V scales");
@@ -405,6 +418,7 @@ DevSeg build_packed(Context& ctx, const CudaKV& C, const KVSegment& s, const qua
       q.d.visual = vis;
       q.d.k = side(L.k_bits, L.k_axis, L.k_group, kc, ks, kz);
       q.d.v = side(L.v_bits, L.v_axis, L.v_group, vc, vs, vz);
+      if (!v_groups.empty()) q.d.v.fmt = kChannelT;
       d.heads[h].push_back(q);
     } else {  // ZipMixed: salient rows, then the others
       std::vector<int32_t> hi, lo;

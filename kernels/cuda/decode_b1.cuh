@@ -1,0 +1,265 @@
+// 1-bit channel-wise parts of decode attention on the binary tensor-core path (head size 128;
+// included by decode_attention.cu after decode_mma.cuh, whose fp16-operand path takes the rows
+// past a part's last whole group of 32).
+//
+// Layout (KvFormat kChannelT, kernels.h): keys as core/policies/quantize.h packs them (row j's
+// 128 codes in 4 words, channel 32w + i at bit i of word w); values in groups of 32 rows stored
+// channel-major — group b's 128 words, word c holding channel c's codes of the group's rows, row
+// 32b + block_row(i) at bit i, block_row(4g + t) = 16(t >> 1) + 8(t & 1) + g — and the rows past
+// the last whole group row-major (quant::channel_major_1bit builds it; same bytes).
+//
+// Keys: S = K·U on `mma.m16n8k128.b1` (AND + POPC), A = the codes exactly as they lie (lane (g, t)
+// reads word t of rows g and g+8 of a 16-row tile), B = bit planes of U = round(σ·q⊙scale), a
+// 24-bit two's-complement integer (σ a power of two that puts max |q⊙scale| at 2^22; CalibQuant's
+// post-scaling). Three mma (planes 0–7, 8–15, 16–23) give a popcount per row and plane; each lane
+// weighs its planes by 2^plane (−2^23 for the sign plane) in integer arithmetic, and three
+// shuffles per two tiles sum a quad's planes, leaving every lane one row's exact Σ U_c·code_c —
+// row 32c' + block_row(lane) of the tile pair c' — which 1/σ and q·zero turn into the score.
+// Softmax: one maximum per 128 rows and warp (g(x) applied first on calibrated parts); the weight
+// p = exp(s − m) becomes the 16-bit integer P = round(65535·p), used for both the values'
+// product and the part's sum, so each row's weight is the same in both.
+// Values: O^T = V^T·P on the same instruction. A = the channel-major words (lane (g, t) loads the
+// 16 words of channels 16g..16g+15 of group t of the 128 rows with four 16-byte loads); B = bit
+// planes of P, built by two 32×32 bit transposes across the warp (each lane's four P in two words,
+// five shuffle stages each), which leave plane m of group t in the lane the fragment wants after
+// one more shuffle. Two mma per 16 channels (planes 0–7 and 8–15); each lane weighs its planes'
+// counts (an exact integer below 2^23) and adds them to fp32 accumulators that the online
+// softmax rescales. At the end of the part scale_c·Σ P·code + zero_c·Σ P (÷ 65535) joins the
+// warp's state as in decode_mma.cuh.
+// Per 128 rows and warp: 16 four-byte key loads, 4 sixteen-byte value loads, 40 mma and about
+// 350 other instructions — about 3 a row, against about 14 on the fp16-operand path.
+#pragma once
+
+namespace kvlens::cuda::b1_path {
+
+__device__ __forceinline__ void bmma(int (&d)[4], uint32_t a0, uint32_t a1, uint32_t b) {
+  d[0] = d[1] = d[2] = d[3] = 0;
+  asm volatile("mma.sync.aligned.m16n8k128.row.col.s32.b1.b1.s32.and.popc {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+      : "r"(a0), "r"(a1), "r"(b));
+}
+
+// Lane L holds row L of a 32×32 bit matrix; returns column `lane` (bit i = bit lane of lane i's
+// row). Stage j swaps the off-diagonal j×j blocks: a rotation by j (or 32 − j) and one select.
+__device__ __forceinline__ uint32_t transpose32(uint32_t x, int lane) {
+#pragma unroll
+  for (int s = 0; s < 5; ++s) {
+    const int j = 16 >> s;
+    constexpr uint32_t kLow[5] = {0x0000ffffu, 0x00ff00ffu, 0x0f0f0f0fu, 0x33333333u, 0x55555555u};
+    const bool up = (lane & j) == 0;
+    const uint32_t m = up ? kLow[s] : ~kLow[s];
+    const uint32_t y = __shfl_xor_sync(0xffffffffu, x, j);
+    const uint32_t r = __funnelshift_l(y, y, up ? j : 32 - j);
+    x = (x & m) | (r & ~m);
+  }
+  return x;
+}
+
+// The end of a part: a quad's planes summed, channels handed to lanes 0..15 (8 each) and the
+// part's state (scale_c·Σ P·code + zero_c·Σ P, ÷ 65535) merged into theirs.
+__device__ __forceinline__ void merge_part(const PartDesc& P, float (&acc)[8][2], float dsum, float mw, State& st_io) {
+  const int lane = threadIdx.x & 31;
+  // The quad's planes summed: lane (g, 0) holds channels 16g + 2u + h in acc[u][h].
+#pragma unroll
+  for (int u = 0; u < 8; ++u)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      acc[u][h] += __shfl_xor_sync(0xffffffffu, acc[u][h], 1);
+      acc[u][h] += __shfl_xor_sync(0xffffffffu, acc[u][h], 2);
+    }
+  const float psum = warp_sum(dsum) * (1.0f / 65535.0f);
+  // Lane li of 0..15 takes channels 8li..8li+7 from lane 4(li >> 1).
+  const int src = 4 * ((lane & 15) >> 1), odd = lane & 1;
+  float raw[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const float v0 = __shfl_sync(0xffffffffu, acc[k >> 1][k & 1], src);
+    const float v1 = __shfl_sync(0xffffffffu, acc[4 + (k >> 1)][k & 1], src);
+    raw[k] = (odd ? v1 : v0) * (1.0f / 65535.0f);
+  }
+  if (lane >= 16 || mw == -INFINITY) return;
+  State st = st_io;
+  const float M = fmaxf(st.m, mw);
+  const float a_st = __expf(st.m - M), a_w = __expf(mw - M);  // st.m = −inf gives 0
+  st.d = st.d * a_st + psum * a_w;
+  const int vst = P.v.chan_stride;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const int c = (8 * lane + k) * vst;
+    const float o = __half2float(P.v.scale[c]) * raw[k] + __half2float(P.v.zero[c]) * psum;
+    st.o[k] = st.o[k] * a_st + o * a_w;
+  }
+  st.m = M;
+  st_io = st;
+}
+
+// Rows [a, e) of a kChannelT part (e at most its last whole group's end) for this warp: warp w of
+// nw takes the 128-row tiles w, w + nw, ... counted from a rounded down to a group. RANGE: min /
+// max of the scores into lo / hi only; otherwise the part's softmax state is merged into st_io of
+// lanes 0..15 (8 channels a lane). qs: the block's scaled query in shared memory.
+template <bool RANGE>
+__device__ __noinline__ void packed_b1(const PartDesc& P, int a, int e, const float* qs, int warp, int nw, bool cal,
+                                       float cal_t, float cal_g, float tau1, State& st_io, float& lo, float& hi) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, t0 = t & 1, t1 = t >> 1;
+  const uint32_t* K = static_cast<const uint32_t*>(P.k.data);
+  const uint4* V = static_cast<const uint4*>(P.v.data);
+  const int kst = P.k.chan_stride;
+
+  // q·zero and the largest |q⊙scale|, which sets σ.
+  float qa = 0.0f, umax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int c = lane * 4 + i;
+    qa = fmaf(qs[c], __half2float(P.k.zero[c * kst]), qa);
+    umax = fmaxf(umax, fabsf(qs[c] * __half2float(P.k.scale[c * kst])));
+  }
+  qa = warp_sum(qa);
+  umax = warp_max(umax);
+  int ex = 0;
+  frexpf(umax, &ex);  // umax < 2^ex
+  const float sigma = umax > 0.0f ? ldexpf(1.0f, 22 - ex) : 1.0f;
+  const float kfac = 1.0f / sigma;
+  // B of the keys: bit i of bq[j] = plane 8j + g of U for channel 32t + i.
+  uint32_t bq[3] = {0u, 0u, 0u};
+#pragma unroll 8
+  for (int i = 0; i < 32; ++i) {
+    const int c = 32 * t + i;
+    const int u = __float2int_rn(qs[c] * __half2float(P.k.scale[c * kst]) * sigma);
+    const uint32_t x = static_cast<uint32_t>(u) >> g;
+    bq[0] |= (x & 1u) << i;
+    bq[1] |= ((x >> 8) & 1u) << i;
+    bq[2] |= ((x >> 16) & 1u) << i;
+  }
+  // This lane's plane weights: column 2t + x of group j is plane 8j + 2t + x.
+  int wk[3][2];
+#pragma unroll
+  for (int j = 0; j < 3; ++j)
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      const int pl = 8 * j + 2 * t + x;
+      wk[j][x] = pl == 23 ? -(1 << 23) : (1 << pl);
+    }
+
+  float acc[8][2];
+#pragma unroll
+  for (int u = 0; u < 8; ++u) acc[u][0] = acc[u][1] = 0.0f;
+  float mw = -INFINITY, dsum = 0.0f;  // dsum in units of P
+  float lo_ = lo, hi_ = hi;
+
+  const int a32 = a & ~31;
+  const int tiles = (e - a32 + 127) >> 7;
+  // Loads of tile i: rows past e are read as row e − 1 (in bounds, no predicates; their scores
+  // are masked). Keys are reloaded as soon as a tile's scores are taken, values after its
+  // product, so one tile's codes are in flight while the other half is computed.
+  auto load_k = [&](int i, uint32_t (&kw)[8][2]) {
+    const int r0 = a32 + 128 * i;
+#pragma unroll
+    for (int x = 0; x < 8; ++x)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) kw[x][h] = __ldg(K + 4 * static_cast<int64_t>(min(r0 + 16 * x + g + 8 * h, e - 1)) + t);
+  };
+  auto load_v = [&](int i, uint4 (&vw)[4]) {
+    const int rb = min(a32 + 128 * i + 32 * t, e - 1) >> 5;  // this lane's group of value rows
+#pragma unroll
+    for (int k = 0; k < 4; ++k) vw[k] = __ldg(V + 32 * static_cast<int64_t>(rb) + 4 * g + k);
+  };
+
+  uint32_t kw[8][2];
+  uint4 vw[4];
+  if (warp < tiles) {
+    load_k(warp, kw);
+    if constexpr (!RANGE) load_v(warp, vw);
+  }
+  for (int i = warp; i < tiles; i += nw) {
+    const bool more = i + nw < tiles;
+    const int r0 = a32 + 128 * i;
+    float s[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      int v[2][2];  // [tile 2c + par][row g + 8h]
+#pragma unroll
+      for (int par = 0; par < 2; ++par) {
+        int d[3][4];
+#pragma unroll
+        for (int j = 0; j < 3; ++j) bmma(d[j], kw[2 * c + par][0], kw[2 * c + par][1], bq[j]);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          int x = 0;
+#pragma unroll
+          for (int j = 0; j < 3; ++j) x += d[j][2 * h] * wk[j][0] + d[j][2 * h + 1] * wk[j][1];
+          v[par][h] = x;
+        }
+      }
+      // Sum the quad's planes: keep row half t0 of both tiles, then tile t1.
+      int ka = t0 ? v[0][1] : v[0][0], sa = t0 ? v[0][0] : v[0][1];
+      int kb = t0 ? v[1][1] : v[1][0], sb = t0 ? v[1][0] : v[1][1];
+      ka += __shfl_xor_sync(0xffffffffu, sa, 1);
+      kb += __shfl_xor_sync(0xffffffffu, sb, 1);
+      int kk = t1 ? kb : ka;
+      kk += __shfl_xor_sync(0xffffffffu, t1 ? ka : kb, 2);
+      const int r = r0 + 32 * c + 16 * t1 + 8 * t0 + g;
+      s[c] = r >= a && r < e ? fmaf(static_cast<float>(kk), kfac, qa) : -INFINITY;
+    }
+    if (more) load_k(i + nw, kw);
+    if constexpr (RANGE) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        if (s[c] != -INFINITY) {
+          lo_ = fminf(lo_, s[c]);
+          hi_ = fmaxf(hi_, s[c]);
+        }
+    } else {
+      float mx = mw;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        s[c] = calibrated(s[c], cal, cal_t, cal_g, tau1);
+        mx = fmaxf(mx, s[c]);
+      }
+      mx = warp_max(mx);
+      if (mx > mw) {  // the same in every lane
+        const float alpha = __expf(mw - mx);
+        dsum *= alpha;
+#pragma unroll
+        for (int u = 0; u < 8; ++u) acc[u][0] *= alpha, acc[u][1] *= alpha;
+        mw = mx;
+      }
+      uint32_t pq[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const float p = s[c] == -INFINITY ? 0.0f : fminf(__expf(s[c] - mw), 1.0f);
+        pq[c] = __float2uint_rn(p * 65535.0f);
+        dsum += static_cast<float>(pq[c]);
+      }
+      // Bit planes of P: after the transposes lane M holds plane M & 15 of group 2·(which) + (M >> 4).
+      const uint32_t y1 = transpose32(pq[0] | (pq[1] << 16), lane);
+      const uint32_t y2 = transpose32(pq[2] | (pq[3] << 16), lane);
+      uint32_t bp[2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int src = 16 * t0 + 8 * j + g;  // plane 8j + g of group t
+        const uint32_t z1 = __shfl_sync(0xffffffffu, y1, src), z2 = __shfl_sync(0xffffffffu, y2, src);
+        bp[j] = t1 ? z2 : z1;
+      }
+      const uint32_t* vwl = reinterpret_cast<const uint32_t*>(vw);  // channel 16g + k of group t
+      const int w00 = 1 << (2 * t), w01 = 2 << (2 * t), w10 = 256 << (2 * t), w11 = 512 << (2 * t);
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        int d0[4], d1[4];
+        bmma(d0, vwl[2 * u], vwl[2 * u + 1], bp[0]);  // rows: channels 16g + 2u (+1)
+        bmma(d1, vwl[2 * u], vwl[2 * u + 1], bp[1]);
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          acc[u][h] += static_cast<float>(d0[2 * h] * w00 + d0[2 * h + 1] * w01 + d1[2 * h] * w10 + d1[2 * h + 1] * w11);
+      }
+      if (more) load_v(i + nw, vw);
+    }
+  }
+  if constexpr (RANGE) {
+    lo = lo_;
+    hi = hi_;
+  } else {
+    merge_part(P, acc, dsum, mw, st_io);
+  }
+}
+
+}  // namespace kvlens::cuda::b1_path
