@@ -42,14 +42,6 @@ struct Args {
 };
 
 // ---- tensor-core pieces -------------------------------------------------------------------------
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 // Four 8×8 fp16 matrices; lanes 8i..8i+7 give the row addresses of matrix i, and r[i] holds
 // (row lane/4, columns 2·(lane%4), +1) of matrix i — or with .trans (rows 2·(lane%4), +1, column
 // lane/4).

@@ -209,6 +209,7 @@ std::vector<AttnBenchRow> bench_decode_attention(const AttnBenchConfig& c, doubl
         p.lut_bits = bits <= 4 ? bits : 0;
         p.all_f16 = bits == 16 ? 1 : 0;
         p.all_mma = D == 128 && (bits == 1 || bits == 2 || bits == 4 || bits == 8) ? (bits == 1 ? 2 : 1) : 0;
+        p.b1 = D == 128 && bits == 1 ? 1 : 0;
         if (calib) {
           p.calibrate = 1;
           p.tau1 = 0.0f;
@@ -408,6 +409,7 @@ std::vector<ThroughputRow> bench_throughput(const ThroughputConfig& c) {
           p.lut_bits = bits <= 4 ? bits : 0;
           p.all_f16 = bits == 16 ? 1 : 0;
           p.all_mma = D == 128 && (bits == 1 || bits == 2 || bits == 4 || bits == 8) ? (bits == 1 ? 2 : 1) : 0;
+          p.b1 = D == 128 && bits == 1 ? 1 : 0;
           decode_attention(p, st.s);
           gemm(w.o, H, static_cast<int>(QD), a.p, h.as<float>(), true);
           rms_norm(h.as<float>(), x.p, Dt::F16, B, H, norm.as<float>(), 1e-5f, st.s);

@@ -110,6 +110,21 @@ void dispatch_float(Dt dt, F&& f) {
   throw InternalError("cuda: an integer buffer where a float one is needed");
 }
 
+// ---- asynchronous copies to shared memory (sm_80+) --------------------------------------------
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { cp_async_wait<0>(); }
+
 // ---- programmatic dependent launch ----------------------------------------------------------
 // A kernel started by launch_dependent() may begin while the previous kernel in the stream is
 // still running: it calls pdl_wait() before it touches memory that earlier kernels write (it

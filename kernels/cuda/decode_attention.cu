@@ -47,7 +47,8 @@ namespace {
 constexpr int kThreads = 128;
 constexpr int kMinBlocks = 3;  // blocks resident per multiprocessor (the register budget follows)
 constexpr int kUnroll = 4;
-constexpr int kSharedParts = 16;  // a head's part descriptors staged in shared memory (more: read from L2)
+constexpr int kSharedParts = 16;
+constexpr int kB1StageBytes = (kThreads / 32) * 2 * 4096;  // decode_b1.cuh: two 4 KiB stages a warp  // a head's part descriptors staged in shared memory (more: read from L2)
 static_assert(sizeof(PartDesc) % 8 == 0, "descriptors are staged in 8-byte words");
 
 enum Mode { kAttend = 0, kRange = 1, kScores = 2 };
@@ -406,10 +407,11 @@ __device__ __forceinline__ int fast_kind(const PartDesc& P, int n, int mode, boo
 // codes (rows aligned for the lanes' vector loads) take the tensor-core path (decode_mma.cuh).
 // 1-bit parts whose values are stored channel-major by groups (kChannelT, 16-byte aligned) take
 // the binary tensor-core path for their whole groups (decode_b1.cuh).
-__device__ __forceinline__ int mma_kind(const PartDesc& P, int n, int mode, bool materialized) {
+__device__ __forceinline__ int mma_kind(const PartDesc& P, int n, int mode, bool materialized, bool staged) {
   if (materialized || mode == kScores) return 0;
   const bool whole = (P.k.group <= 0 || P.k.group >= n) && (P.v.group <= 0 || P.v.group >= n);
-  const bool vt = P.v.fmt == kChannelT && P.k.bits == 1 && (reinterpret_cast<uintptr_t>(P.v.data) & 15) == 0;
+  const bool vt = P.v.fmt == kChannelT && P.k.bits == 1 && staged &&
+                  ((reinterpret_cast<uintptr_t>(P.k.data) | reinterpret_cast<uintptr_t>(P.v.data)) & 15) == 0;
   if (P.k.fmt != kChannel || (P.v.fmt != kChannel && !vt) || !whole || P.k.bits != P.v.bits) return 0;
   const int b = P.k.bits;
   if (b != 1 && b != 2 && b != 4 && b != 8) return 0;
@@ -418,7 +420,7 @@ __device__ __forceinline__ int mma_kind(const PartDesc& P, int n, int mode, bool
 }
 
 __device__ void run_mma(int bits, const PartDesc& P, int a, int e, const float* qs, int mode, bool cal, float cal_t,
-                        float cal_g, float tau1, State& st, float& lo, float& hi) {
+                        float cal_g, float tau1, State& st, float& lo, float& hi, uint4* stage) {
   using namespace mma_path;
   const int w = threadIdx.x / 32, nw = kThreads / 32;
   const bool r = mode == kRange;
@@ -428,8 +430,8 @@ __device__ void run_mma(int bits, const PartDesc& P, int a, int e, const float* 
       if (P.v.fmt == kChannelT) {
         e1 = min(e, P.n & ~31);
         if (a < e1) {
-          if (r) b1_path::packed_b1<true>(P, a, e1, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi);
-          else b1_path::packed_b1<false>(P, a, e1, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi);
+          if (r) b1_path::packed_b1<true>(P, a, e1, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi, stage);
+          else b1_path::packed_b1<false>(P, a, e1, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi, stage);
         }
       }
       const int a1 = max(a, e1);  // the rest row-major
@@ -536,7 +538,10 @@ __device__ void finish_block(const DecodeParams& p, const State& st, int b, int 
 template <int L, int MMA>
 __global__ void __launch_bounds__(kThreads, MMA == 1 ? 4 : kMinBlocks) decode_kernel(DecodeParams p, int mode) {
   constexpr bool MMA_ONLY = MMA != 0;
-  extern __shared__ float lut[];  // packed keys' tables (lut_bytes(D, lut_bits))
+  // Packed keys' tables (lut_bytes(D, lut_bits)), or at head size 128 the binary path's staging
+  // (kB1StageBytes, when p.b1).
+  extern __shared__ __align__(16) float lut[];
+  uint4* const stage = reinterpret_cast<uint4*>(lut);
   const int s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int kvh = h / (p.NH / p.NKV);
   const int tid = threadIdx.x, g = tid / L, li = tid % L;
@@ -614,17 +619,17 @@ __global__ void __launch_bounds__(kThreads, MMA == 1 ? 4 : kMinBlocks) decode_ke
       // channel-wise codes; everything else takes the general path.
       int kind = 0, mk = 0;
       if constexpr (MMA_ONLY) {
-        mk = mma_kind(P, n, mode, false);
-        if (mk) run_mma(mk, P, a, e, sh_q, mode, cal && P.visual, cal_t, cal_g, p.tau1, st, lo, hi);
+        mk = mma_kind(P, n, mode, false, p.b1);
+        if (mk) run_mma(mk, P, a, e, sh_q, mode, cal && P.visual, cal_t, cal_g, p.tau1, st, lo, hi, stage);
         else if (mode == kAttend) fp16_rows<L, 4>(P, a, e, q, ln, g, false, cal_t, cal_g, p.tau1, st);
         base += n;
         continue;
       }
       if constexpr (L == 16)
-        if (p.D == 128) mk = mma_kind(P, n, mode, sin != nullptr);
+        if (p.D == 128) mk = mma_kind(P, n, mode, sin != nullptr, p.b1);
       if constexpr (L == 8 || L == 16)
         if (p.D == 8 * L && !mk) kind = fast_kind(P, n, mode, sin != nullptr, p.lut_bits);  // every lane busy
-      if (mk) run_mma(mk, P, a, e, sh_q, mode, cal && P.visual, cal_t, cal_g, p.tau1, st, lo, hi);
+      if (mk) run_mma(mk, P, a, e, sh_q, mode, cal && P.visual, cal_t, cal_g, p.tau1, st, lo, hi, stage);
       else if (kind) run_fast<L>(kind, P, a, e, q, ln, g, mode, cal && P.visual, cal_t, cal_g, p.tau1, st, lo, hi, lut);
       else run_part<L>(P, n, a, e, base, q, ln, g, mode, cal && P.visual, cal_t, cal_g, p.tau1, sin, sout, st, lo, hi);
     }
@@ -687,11 +692,11 @@ void launch_l(const DecodeParams& p, int mode, cudaStream_t s) {
   }
   DecodeParams q = p;
   if (q.D == 128) q.lut_bits = 0;  // packed parts of head size 128 take the tensor-core path
-  const int bytes = decode_lut_bytes(q.D, q.lut_bits);
+  const int bytes = decode_lut_bytes(q.D, q.lut_bits) + (q.b1 && q.D == 128 ? kB1StageBytes : 0);
   if constexpr (L == 16) {
     if (p.all_mma && p.D == 128 && mode != kScores && !p.scores_in && !p.scores_out) {
-      KV_CUDA(launch_dependent(p.all_mma == 2 ? decode_kernel<16, 2> : decode_kernel<16, 1>, grid, kThreads, 0, s, true, q,
-                               mode),
+      KV_CUDA(launch_dependent(p.all_mma == 2 ? decode_kernel<16, 2> : decode_kernel<16, 1>, grid, kThreads, bytes, s, true,
+                               q, mode),
               "decode_kernel for " + std::to_string(p.B) + "x" + std::to_string(p.NH) + " heads");
       return;
     }

@@ -39,6 +39,12 @@ __device__ __forceinline__ void bmma(int (&d)[4], uint32_t a0, uint32_t a1, uint
       : "r"(a0), "r"(a1), "r"(b));
 }
 
+__device__ __forceinline__ void bmma_acc(int (&d)[4], uint32_t a0, uint32_t a1, uint32_t b) {
+  asm volatile("mma.sync.aligned.m16n8k128.row.col.s32.b1.b1.s32.and.popc {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+               : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+               : "r"(a0), "r"(a1), "r"(b));
+}
+
 // Lane L holds row L of a 32×32 bit matrix; returns column `lane` (bit i = bit lane of lane i's
 // row). Stage j swaps the off-diagonal j×j blocks: a rotation by j (or 32 − j) and one select.
 __device__ __forceinline__ uint32_t transpose32(uint32_t x, int lane) {
@@ -99,37 +105,42 @@ __device__ __forceinline__ void merge_part(const PartDesc& P, float (&acc)[8][2]
 // lanes 0..15 (8 channels a lane). qs: the block's scaled query in shared memory.
 template <bool RANGE>
 __device__ __noinline__ void packed_b1(const PartDesc& P, int a, int e, const float* qs, int warp, int nw, bool cal,
-                                       float cal_t, float cal_g, float tau1, State& st_io, float& lo, float& hi) {
+                                       float cal_t, float cal_g, float tau1, State& st_io, float& lo, float& hi,
+                                       uint4* stage) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, t0 = t & 1, t1 = t >> 1;
   const uint32_t* K = static_cast<const uint32_t*>(P.k.data);
   const uint4* V = static_cast<const uint4*>(P.v.data);
   const int kst = P.k.chan_stride;
 
-  // q·zero and the largest |q⊙scale|, which sets σ.
-  float qa = 0.0f, umax = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int c = lane * 4 + i;
-    qa = fmaf(qs[c], __half2float(P.k.zero[c * kst]), qa);
-    umax = fmaxf(umax, fabsf(qs[c] * __half2float(P.k.scale[c * kst])));
-  }
-  qa = warp_sum(qa);
-  umax = warp_max(umax);
+  // The block's 128 threads take a channel each (every warp of the block runs this part): q·zero
+  // and the largest |q⊙scale|, which sets σ, reduced over the block; then each warp's ballots
+  // give the 24 planes of U over its 32 channels, and lane (g, t) takes planes g, 8 + g and
+  // 16 + g of channels 32t..32t+31 as the keys' B operand (bit i: channel 32t + i).
+  __shared__ float sh_red[2][4];
+  __shared__ uint32_t sh_planes[4][24];
+  const int c = threadIdx.x;
+  const float u = qs[c] * __half2float(P.k.scale[c * kst]);
+  const float qa_w = warp_sum(qs[c] * __half2float(P.k.zero[c * kst])), umax_w = warp_max(fabsf(u));
+  if (lane == 0) sh_red[0][warp] = qa_w, sh_red[1][warp] = umax_w;
+  __syncthreads();
+  const float qa = sh_red[0][0] + sh_red[0][1] + sh_red[0][2] + sh_red[0][3];
+  const float umax = fmaxf(fmaxf(sh_red[1][0], sh_red[1][1]), fmaxf(sh_red[1][2], sh_red[1][3]));
   int ex = 0;
   frexpf(umax, &ex);  // umax < 2^ex
   const float sigma = umax > 0.0f ? ldexpf(1.0f, 22 - ex) : 1.0f;
   const float kfac = 1.0f / sigma;
-  // B of the keys: bit i of bq[j] = plane 8j + g of U for channel 32t + i.
-  uint32_t bq[3] = {0u, 0u, 0u};
-#pragma unroll 8
-  for (int i = 0; i < 32; ++i) {
-    const int c = 32 * t + i;
-    const int u = __float2int_rn(qs[c] * __half2float(P.k.scale[c * kst]) * sigma);
-    const uint32_t x = static_cast<uint32_t>(u) >> g;
-    bq[0] |= (x & 1u) << i;
-    bq[1] |= ((x >> 8) & 1u) << i;
-    bq[2] |= ((x >> 16) & 1u) << i;
+  {
+    const uint32_t U = static_cast<uint32_t>(__float2int_rn(u * sigma));
+    uint32_t mine = 0u;
+#pragma unroll
+    for (int pl = 0; pl < 24; ++pl) {
+      const uint32_t w = __ballot_sync(0xffffffffu, (U >> pl) & 1u);
+      if (lane == pl) mine = w;
+    }
+    if (lane < 24) sh_planes[warp][lane] = mine;
   }
+  __syncthreads();
+  const uint32_t bq[3] = {sh_planes[t][g], sh_planes[t][8 + g], sh_planes[t][16 + g]};
   // This lane's plane weights: column 2t + x of group j is plane 8j + 2t + x.
   int wk[3][2];
 #pragma unroll
@@ -140,38 +151,70 @@ __device__ __noinline__ void packed_b1(const PartDesc& P, int a, int e, const fl
       wk[j][x] = pl == 23 ? -(1 << 23) : (1 << pl);
     }
 
+  // Values: per-plane popcounts accumulate in the mma's integer accumulators (D[u][j]: channels
+  // 16g + 2u (+1), planes 8j + 2t (+1)) while the running maximum holds; when it moves, and at
+  // the end, they are weighed by 2^plane into this lane's fp32 partial sums acc[u][h].
   float acc[8][2];
+  int D[8][2][4];
 #pragma unroll
-  for (int u = 0; u < 8; ++u) acc[u][0] = acc[u][1] = 0.0f;
+  for (int u = 0; u < 8; ++u) {
+    acc[u][0] = acc[u][1] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) D[u][j][0] = D[u][j][1] = D[u][j][2] = D[u][j][3] = 0;
+  }
+  const float f4t = static_cast<float>(1 << (2 * t));  // 2^(plane of column 2t)
+  auto flush = [&](float alpha) {
+#pragma unroll
+    for (int u = 0; u < 8; ++u)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float x = fmaf(2.0f, static_cast<float>(D[u][0][2 * h + 1]), static_cast<float>(D[u][0][2 * h])) +
+                        256.0f * fmaf(2.0f, static_cast<float>(D[u][1][2 * h + 1]), static_cast<float>(D[u][1][2 * h]));
+        acc[u][h] = fmaf(x, f4t, acc[u][h]) * alpha;
+        D[u][0][2 * h] = D[u][0][2 * h + 1] = D[u][1][2 * h] = D[u][1][2 * h + 1] = 0;
+      }
+  };
   float mw = -INFINITY, dsum = 0.0f;  // dsum in units of P
   float lo_ = lo, hi_ = hi;
 
   const int a32 = a & ~31;
   const int tiles = (e - a32 + 127) >> 7;
-  // Loads of tile i: rows past e are read as row e − 1 (in bounds, no predicates; their scores
-  // are masked). Keys are reloaded as soon as a tile's scores are taken, values after its
-  // product, so one tile's codes are in flight while the other half is computed.
-  auto load_k = [&](int i, uint32_t (&kw)[8][2]) {
+  // A tile's codes are contiguous: 128 key rows of 16 bytes, and four value groups of 512 bytes.
+  // They are copied to this warp's two shared-memory stages with cp.async one tile ahead, so the
+  // copy of the next tile is in flight while this one is computed without holding registers.
+  // Rows past e are not copied (their stale bytes are masked: score −inf, weight 0).
+  uint4* const buf = stage + warp * (RANGE ? 2 * 128 : 2 * 256);
+  const uint4* K16 = reinterpret_cast<const uint4*>(K);
+  auto issue = [&](int i, int sg) {
     const int r0 = a32 + 128 * i;
+    uint4* sk = buf + sg * (RANGE ? 128 : 256);
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      if (r0 + lane + 32 * k < e) cp_async16(smem_addr(sk + lane + 32 * k), K16 + r0 + lane + 32 * k);
+    if constexpr (!RANGE) {
+      const uint4* vg = V + 32 * static_cast<int64_t>(r0 >> 5);
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        if (r0 + 32 * k < e) cp_async16(smem_addr(sk + 128 + 32 * k + (lane ^ k)), vg + lane + 32 * k);
+    }
+    cp_async_commit();
+  };
+
+  if (warp < tiles) issue(warp, 0);
+  for (int i = warp, sg = 0; i < tiles; i += nw, sg ^= 1) {
+    if (i + nw < tiles) {
+      issue(i + nw, sg ^ 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncwarp();
+    const uint32_t* sk = reinterpret_cast<const uint32_t*>(buf + sg * (RANGE ? 128 : 256));
+    uint32_t kw[8][2];
 #pragma unroll
     for (int x = 0; x < 8; ++x)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) kw[x][h] = __ldg(K + 4 * static_cast<int64_t>(min(r0 + 16 * x + g + 8 * h, e - 1)) + t);
-  };
-  auto load_v = [&](int i, uint4 (&vw)[4]) {
-    const int rb = min(a32 + 128 * i + 32 * t, e - 1) >> 5;  // this lane's group of value rows
-#pragma unroll
-    for (int k = 0; k < 4; ++k) vw[k] = __ldg(V + 32 * static_cast<int64_t>(rb) + 4 * g + k);
-  };
-
-  uint32_t kw[8][2];
-  uint4 vw[4];
-  if (warp < tiles) {
-    load_k(warp, kw);
-    if constexpr (!RANGE) load_v(warp, vw);
-  }
-  for (int i = warp; i < tiles; i += nw) {
-    const bool more = i + nw < tiles;
+      for (int h = 0; h < 2; ++h) kw[x][h] = sk[4 * (16 * x + g + 8 * h) + t];
     const int r0 = a32 + 128 * i;
     float s[4];
 #pragma unroll
@@ -200,7 +243,6 @@ __device__ __noinline__ void packed_b1(const PartDesc& P, int a, int e, const fl
       const int r = r0 + 32 * c + 16 * t1 + 8 * t0 + g;
       s[c] = r >= a && r < e ? fmaf(static_cast<float>(kk), kfac, qa) : -INFINITY;
     }
-    if (more) load_k(i + nw, kw);
     if constexpr (RANGE) {
 #pragma unroll
       for (int c = 0; c < 4; ++c)
@@ -219,8 +261,7 @@ __device__ __noinline__ void packed_b1(const PartDesc& P, int a, int e, const fl
       if (mx > mw) {  // the same in every lane
         const float alpha = __expf(mw - mx);
         dsum *= alpha;
-#pragma unroll
-        for (int u = 0; u < 8; ++u) acc[u][0] *= alpha, acc[u][1] *= alpha;
+        flush(alpha);
         mw = mx;
       }
       uint32_t pq[4];
@@ -240,24 +281,23 @@ __device__ __noinline__ void packed_b1(const PartDesc& P, int a, int e, const fl
         const uint32_t z1 = __shfl_sync(0xffffffffu, y1, src), z2 = __shfl_sync(0xffffffffu, y2, src);
         bp[j] = t1 ? z2 : z1;
       }
-      const uint32_t* vwl = reinterpret_cast<const uint32_t*>(vw);  // channel 16g + k of group t
-      const int w00 = 1 << (2 * t), w01 = 2 << (2 * t), w10 = 256 << (2 * t), w11 = 512 << (2 * t);
+      // Channels 16g..16g+15 of group t; chunk q of group t sits at 32t + (q ^ t) (no bank conflicts).
+      const uint4* sv = reinterpret_cast<const uint4*>(sk) + 128 + 32 * t + 4 * g;
+      const uint4 vw[4] = {sv[0 ^ t], sv[1 ^ t], sv[2 ^ t], sv[3 ^ t]};
+      const uint32_t* vwl = reinterpret_cast<const uint32_t*>(vw);
 #pragma unroll
       for (int u = 0; u < 8; ++u) {
-        int d0[4], d1[4];
-        bmma(d0, vwl[2 * u], vwl[2 * u + 1], bp[0]);  // rows: channels 16g + 2u (+1)
-        bmma(d1, vwl[2 * u], vwl[2 * u + 1], bp[1]);
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-          acc[u][h] += static_cast<float>(d0[2 * h] * w00 + d0[2 * h + 1] * w01 + d1[2 * h] * w10 + d1[2 * h + 1] * w11);
+        bmma_acc(D[u][0], vwl[2 * u], vwl[2 * u + 1], bp[0]);  // rows: channels 16g + 2u (+1)
+        bmma_acc(D[u][1], vwl[2 * u], vwl[2 * u + 1], bp[1]);
       }
-      if (more) load_v(i + nw, vw);
     }
+    __syncwarp();  // every lane has read this stage before it is refilled
   }
   if constexpr (RANGE) {
     lo = lo_;
     hi = hi_;
   } else {
+    flush(1.0f);
     merge_part(P, acc, dsum, mw, st_io);
   }
 }

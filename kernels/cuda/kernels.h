@@ -161,6 +161,9 @@ struct DecodeParams {
   // aligned to 4·bits bytes); at head size 128 a kernel with only those two paths is used.
   // 2: the same, and some part's 1-bit values are channel-major (kChannelT).
   int all_mma = 0;
+  // 1: some part's values are kChannelT; the launch gives each block shared memory to stage
+  // them for the binary tensor-core path (without it such parts take the general path).
+  int b1 = 0;
 };
 // A part the tensor-core kernel takes as it is (DecodeParams::all_mma): fp16 rows of tokens other
 // than visual ones, or channel-wise 1/2/4/8-bit codes on both sides with one range per channel

@@ -178,6 +178,7 @@ class CudaKV : public DeviceKV {
             if (pt.d.v.fmt == kChannelT) b1 = true;
           }
     if (all_mma && b1) all_mma = 2;
+    has_b1 = b1 ? 1 : 0;
     for (const DevLayer& d : layers)
       for (int h = 0; h < NKV; ++h) {
         int np = d.tail.cap ? 1 : 0, r = d.tail.cap;
@@ -229,7 +230,7 @@ class CudaKV : public DeviceKV {
   std::vector<DevLayer> layers;
   DevMem counters, done;
   DevMem table, nparts, part_o, part_md, vis_range, md_out, sem;
-  int max_parts = 1, splits = 1, nh = 0, lut_bits = 0, all_f16 = 1, all_mma = 0;
+  int max_parts = 1, splits = 1, nh = 0, lut_bits = 0, all_f16 = 1, all_mma = 0, has_b1 = 0;
   bool dirty = true;
   uint64_t ver = 1;
 };

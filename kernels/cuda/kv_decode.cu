@@ -32,6 +32,7 @@ DecodeParams layer_params(CudaKV& C, const Buffer& qkv, const AttnLayout& l, int
   p.lut_bits = C.lut_bits;
   p.all_f16 = C.all_f16;
   p.all_mma = C.all_mma;
+  p.b1 = C.has_b1;
   return p;
 }
 
