@@ -8,26 +8,32 @@
 // 32b + block_row(i) at bit i, block_row(4g + t) = 16(t >> 1) + 8(t & 1) + g — and the rows past
 // the last whole group row-major (quant::channel_major_1bit builds it; same bytes).
 //
+// Staging: a 128-row tile's codes are contiguous (2 KiB of keys, 2 KiB of values); each warp
+// copies the next tile into its second shared-memory stage with cp.async while it computes this
+// one, so nothing in flight occupies registers (DecodeParams::b1 gives the blocks the 32 KiB).
 // Keys: S = K·U on `mma.m16n8k128.b1` (AND + POPC), A = the codes exactly as they lie (lane (g, t)
-// reads word t of rows g and g+8 of a 16-row tile), B = bit planes of U = round(σ·q⊙scale), a
+// takes word t of rows g and g+8 of a 16-row tile), B = bit planes of U = round(σ·q⊙scale), a
 // 24-bit two's-complement integer (σ a power of two that puts max |q⊙scale| at 2^22; CalibQuant's
-// post-scaling). Three mma (planes 0–7, 8–15, 16–23) give a popcount per row and plane; each lane
-// weighs its planes by 2^plane (−2^23 for the sign plane) in integer arithmetic, and three
-// shuffles per two tiles sum a quad's planes, leaving every lane one row's exact Σ U_c·code_c —
-// row 32c' + block_row(lane) of the tile pair c' — which 1/σ and q·zero turn into the score.
+// post-scaling), built once per part by the block (one channel a thread, a ballot a plane).
+// Three mma (planes 0–7, 8–15, 16–23) give a popcount per row and plane; each lane weighs its
+// planes by 2^plane (−2^23 for the sign plane) in integer arithmetic, and three shuffles per two
+// tiles sum a quad's planes, leaving every lane one row's exact Σ U_c·code_c — row
+// 32c' + block_row(lane) of the tile pair c' — which 1/σ and q·zero turn into the score.
 // Softmax: one maximum per 128 rows and warp (g(x) applied first on calibrated parts); the weight
 // p = exp(s − m) becomes the 16-bit integer P = round(65535·p), used for both the values'
 // product and the part's sum, so each row's weight is the same in both.
-// Values: O^T = V^T·P on the same instruction. A = the channel-major words (lane (g, t) loads the
-// 16 words of channels 16g..16g+15 of group t of the 128 rows with four 16-byte loads); B = bit
-// planes of P, built by two 32×32 bit transposes across the warp (each lane's four P in two words,
-// five shuffle stages each), which leave plane m of group t in the lane the fragment wants after
-// one more shuffle. Two mma per 16 channels (planes 0–7 and 8–15); each lane weighs its planes'
-// counts (an exact integer below 2^23) and adds them to fp32 accumulators that the online
-// softmax rescales. At the end of the part scale_c·Σ P·code + zero_c·Σ P (÷ 65535) joins the
-// warp's state as in decode_mma.cuh.
-// Per 128 rows and warp: 16 four-byte key loads, 4 sixteen-byte value loads, 40 mma and about
-// 350 other instructions — about 3 a row, against about 14 on the fp16-operand path.
+// Values: O^T = V^T·P on the same instruction. A = the channel-major words (lane (g, t) takes
+// the 16 words of channels 16g..16g+15 of group t, stored with their 16-byte chunks rotated by t
+// so the four lanes of a quad hit different banks); B = bit planes of P, built by two 32×32 bit
+// transposes across the warp (each lane's four P in two words, five shuffle stages each), which
+// leave plane m of group t in the lane the fragment wants after one more shuffle. Two mma per 16
+// channels (planes 0–7 and 8–15) accumulate popcounts in the mma's integer accumulators for as
+// long as the running maximum stays; when it moves, and at the end, each lane weighs its planes'
+// counts by 2^plane into fp32 sums, which the move's factor rescales. At the end of the part
+// scale_c·Σ P·code + zero_c·Σ P (÷ 65535) joins the warp's state as in decode_mma.cuh.
+// Per 128 rows and warp: 24 + 16 mma and about 520 other instructions (4.4 a row in the H100
+// profile, against about 14 on the fp16-operand path); no register spills at 168 registers
+// (decode_kernel<16, 2>).
 #pragma once
 
 namespace kvlens::cuda::b1_path {
