@@ -3,7 +3,7 @@
 // CPU backend's decode attention (kernels/cpu/backend_cpu.cpp) on the dequantized rows, and
 // calibquant::post_scaled_scores / post_scaled_values / calibrate_visual.
 //
-// Grid: (split, query head, sequence); decode_splits gives at least one full wave of blocks.
+// Grid: (split, query head, sequence); decode_splits gives at least one wave of blocks 90 % full.
 // Each block takes a contiguous range of the head's rows (all parts concatenated in order).
 // Threads work in groups of L lanes, one row per group and 8 channels per lane (L = the next
 // power of two ≥ D/8): a lane reads its 8 channels of K (16 bytes of fp16, or `bits` bytes of
@@ -739,11 +739,12 @@ bool decode_f16_supported(int D, int max_parts) {
 }
 
 int decode_splits(int B, int NH, int rows, int n_sm) {
-  // At least one wave of blocks (kMinBlocks resident on each multiprocessor), then the first
-  // count whose last wave is at least 90 % full; at most one split per 64 rows.
+  // From the count that makes one wave (kMinBlocks resident on each multiprocessor) 90 % full,
+  // the first whose last wave is at least 90 % full (else the fullest up to four times that
+  // count); at most one split per 64 rows.
   const int most = std::max(1, std::min((rows + 63) / 64, kMaxSplits));
   const double resident = static_cast<double>(kMinBlocks) * n_sm, heads = static_cast<double>(B) * NH;
-  const int first = std::max(1, static_cast<int>(std::ceil(resident / heads)));
+  const int first = std::max(1, static_cast<int>(std::ceil(0.9 * resident / heads)));
   int best = first;
   double best_fill = 0;
   for (int s = first; s <= std::min(most, 4 * first); ++s) {
