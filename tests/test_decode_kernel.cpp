@@ -303,6 +303,31 @@ void kernel_case(const KernelCase& c) {
 }
 #endif
 
+TEST(DecodeKernel, SplitCountsFillTheirLastWave) {
+#ifndef KVLENS_HAVE_CUDA
+  GTEST_SKIP() << "built without the CUDA backend";
+#else
+  // Host arithmetic only (no device needed): 3 blocks resident per multiprocessor. At most one
+  // split per 64 rows; unless that cap binds, at least 90 % of a wave of blocks, and at batch 1
+  // (32 heads, 64k rows) one wave rather than one and a bit.
+  const int sm = 132, resident = 3 * sm;
+  for (int B : {1, 2, 16, 64})
+    for (int NH : {8, 32, 40})
+      for (int rows : {100, 616, 4096, 16384, 65536}) {
+        const int s = cuda::decode_splits(B, NH, rows, sm), most = (rows + 63) / 64;
+        SCOPED_TRACE("B=" + std::to_string(B) + " NH=" + std::to_string(NH) + " rows=" + std::to_string(rows));
+        ASSERT_GE(s, 1);
+        EXPECT_LE(s, std::max(1, most));
+        if (s < most) {
+          EXPECT_GE(static_cast<double>(B) * NH * s, 0.9 * resident - 1e-9) << s << " splits";
+        }
+      }
+  const int s1 = cuda::decode_splits(1, 32, 65536, sm);
+  EXPECT_LE(s1 * 32, resident);
+  EXPECT_GE(s1 * 32, 0.9 * resident);
+#endif
+}
+
 TEST(DecodeKernel, PackedPartsBetweenFp16PartsBatchedAndSplit) {
 #ifndef KVLENS_HAVE_CUDA
   GTEST_SKIP() << "built without the CUDA backend";
