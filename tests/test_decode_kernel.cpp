@@ -157,7 +157,7 @@ void kernel_case(const KernelCase& c) {
   p.sem = sem.as<int>();
   p.lut_bits = c.bits <= 4 ? c.bits : 0;
   p.all_f16 = all16 ? 1 : 0;
-  p.all_mma = c.mma_only ? (blocked && D == 128 ? 2 : 1) : 0;
+  p.all_mma = c.mma_only ? 1 : 0;
   p.b1 = blocked ? 1 : 0;
   const int n_tail0 = c.n_front + c.n_packed;  // the back part's first row, per (sequence, kv head)
   if (c.fresh) {

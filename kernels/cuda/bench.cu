@@ -208,7 +208,7 @@ std::vector<AttnBenchRow> bench_decode_attention(const AttnBenchConfig& c, doubl
         p.sem = sem.as<int>();
         p.lut_bits = bits <= 4 ? bits : 0;
         p.all_f16 = bits == 16 ? 1 : 0;
-        p.all_mma = D == 128 && (bits == 1 || bits == 2 || bits == 4 || bits == 8) ? (bits == 1 ? 2 : 1) : 0;
+        p.all_mma = D == 128 && (bits == 1 || bits == 2 || bits == 4 || bits == 8) ? 1 : 0;
         p.b1 = D == 128 && bits == 1 ? 1 : 0;
         if (calib) {
           p.calibrate = 1;
@@ -408,7 +408,7 @@ std::vector<ThroughputRow> bench_throughput(const ThroughputConfig& c) {
           p.sem = sem.as<int>();
           p.lut_bits = bits <= 4 ? bits : 0;
           p.all_f16 = bits == 16 ? 1 : 0;
-          p.all_mma = D == 128 && (bits == 1 || bits == 2 || bits == 4 || bits == 8) ? (bits == 1 ? 2 : 1) : 0;
+          p.all_mma = D == 128 && (bits == 1 || bits == 2 || bits == 4 || bits == 8) ? 1 : 0;
           p.b1 = D == 128 && bits == 1 ? 1 : 0;
           decode_attention(p, st.s);
           gemm(w.o, H, static_cast<int>(QD), a.p, h.as<float>(), true);

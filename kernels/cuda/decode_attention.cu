@@ -403,20 +403,9 @@ __device__ __forceinline__ int fast_kind(const PartDesc& P, int n, int mode, boo
   return b;
 }
 
-// Head size 128: channel-wise parts with one range per channel (or one in all) over the part and 1/2/4/8-bit
-// codes (rows aligned for the lanes' vector loads) take the tensor-core path (decode_mma.cuh).
-// 1-bit parts whose values are stored channel-major by groups (kChannelT, 16-byte aligned) take
-// the binary tensor-core path for their whole groups (decode_b1.cuh).
+// Head size 128: the tensor-core paths (mma_bits, kernels.h), except for materialized scores.
 __device__ __forceinline__ int mma_kind(const PartDesc& P, int n, int mode, bool materialized, bool staged) {
-  if (materialized || mode == kScores) return 0;
-  const bool whole = (P.k.group <= 0 || P.k.group >= n) && (P.v.group <= 0 || P.v.group >= n);
-  const bool vt = P.v.fmt == kChannelT && P.k.bits == 1 && staged &&
-                  ((reinterpret_cast<uintptr_t>(P.k.data) | reinterpret_cast<uintptr_t>(P.v.data)) & 15) == 0;
-  if (P.k.fmt != kChannel || (P.v.fmt != kChannel && !vt) || !whole || P.k.bits != P.v.bits) return 0;
-  const int b = P.k.bits;
-  if (b != 1 && b != 2 && b != 4 && b != 8) return 0;
-  if ((reinterpret_cast<uintptr_t>(P.k.data) | reinterpret_cast<uintptr_t>(P.v.data)) & (4 * b - 1)) return 0;
-  return b;
+  return materialized || mode == kScores ? 0 : mma_bits(P, n, staged);
 }
 
 __device__ void run_mma(int bits, const PartDesc& P, int a, int e, const float* qs, int mode, bool cal, float cal_t,
@@ -533,8 +522,8 @@ __device__ void finish_block(const DecodeParams& p, const State& st, int b, int 
 // MMA_ONLY: a cache of head size 128 whose parts are all fp16 or tensor-core packed parts
 // (DecodeParams::all_mma); only those two paths are compiled in, under a budget of 128 registers
 // (4 blocks a multiprocessor instead of 3).
-// MMA = 2: the same for caches with channel-major 1-bit values (DecodeParams::all_mma = 2),
-// whose binary path needs more registers: 168, 3 blocks a multiprocessor.
+// MMA = 2: the same for caches with channel-major 1-bit values (DecodeParams::b1), whose binary
+// path needs more registers: 168, 3 blocks a multiprocessor.
 template <int L, int MMA>
 __global__ void __launch_bounds__(kThreads, MMA == 1 ? 4 : kMinBlocks) decode_kernel(DecodeParams p, int mode) {
   constexpr bool MMA_ONLY = MMA != 0;
@@ -695,7 +684,7 @@ void launch_l(const DecodeParams& p, int mode, cudaStream_t s) {
   const int bytes = decode_lut_bytes(q.D, q.lut_bits) + (q.b1 && q.D == 128 ? kB1StageBytes : 0);
   if constexpr (L == 16) {
     if (p.all_mma && p.D == 128 && mode != kScores && !p.scores_in && !p.scores_out) {
-      KV_CUDA(launch_dependent(p.all_mma == 2 ? decode_kernel<16, 2> : decode_kernel<16, 1>, grid, kThreads, bytes, s, true,
+      KV_CUDA(launch_dependent(p.b1 ? decode_kernel<16, 2> : decode_kernel<16, 1>, grid, kThreads, bytes, s, true,
                                q, mode),
               "decode_kernel for " + std::to_string(p.B) + "x" + std::to_string(p.NH) + " heads");
       return;

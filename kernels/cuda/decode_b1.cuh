@@ -38,17 +38,15 @@
 
 namespace kvlens::cuda::b1_path {
 
-__device__ __forceinline__ void bmma(int (&d)[4], uint32_t a0, uint32_t a1, uint32_t b) {
-  d[0] = d[1] = d[2] = d[3] = 0;
-  asm volatile("mma.sync.aligned.m16n8k128.row.col.s32.b1.b1.s32.and.popc {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
-      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
-      : "r"(a0), "r"(a1), "r"(b));
-}
-
+// d += popcount(A AND B) (16 × 8 × 128 bits); bmma starts from zero.
 __device__ __forceinline__ void bmma_acc(int (&d)[4], uint32_t a0, uint32_t a1, uint32_t b) {
   asm volatile("mma.sync.aligned.m16n8k128.row.col.s32.b1.b1.s32.and.popc {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
                : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
                : "r"(a0), "r"(a1), "r"(b));
+}
+__device__ __forceinline__ void bmma(int (&d)[4], uint32_t a0, uint32_t a1, uint32_t b) {
+  d[0] = d[1] = d[2] = d[3] = 0;
+  bmma_acc(d, a0, a1, b);
 }
 
 // Lane L holds row L of a 32×32 bit matrix; returns column `lane` (bit i = bit lane of lane i's

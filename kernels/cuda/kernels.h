@@ -156,28 +156,33 @@ struct DecodeParams {
   int tail_cap = 0;
   int32_t* tail_counter = nullptr;
   int32_t* tail_done = nullptr;
-  // 1: every part of every head is fp16 or a packed part of the tensor-core path (channel-wise
-  // 1/2/4/8-bit keys and values, one range per channel or one for all over the part, rows
-  // aligned to 4·bits bytes); at head size 128 a kernel with only those two paths is used.
-  // 2: the same, and some part's 1-bit values are channel-major (kChannelT).
+  // 1: every part of every head is fp16 or a packed part of the tensor-core paths (mma_part); at
+  // head size 128 a kernel with only those paths is used — with 168 registers instead of 128
+  // when b1 is set too.
   int all_mma = 0;
   // 1: some part's values are kChannelT; the launch gives each block shared memory to stage
   // them for the binary tensor-core path (without it such parts take the general path).
   int b1 = 0;
 };
-// A part the tensor-core kernel takes as it is (DecodeParams::all_mma): fp16 rows of tokens other
-// than visual ones, or channel-wise 1/2/4/8-bit codes on both sides with one range per channel
-// (or one for all) over the whole part, rows aligned to 4·bits bytes (1-bit values may be
-// kChannelT, 16-byte aligned).
-inline bool mma_part(const PartDesc& d) {
-  if (d.k.fmt == kF16 && d.v.fmt == kF16) return !d.visual;
+// Head size 128: the code width (1, 2, 4 or 8) of a part the tensor-core paths take, or 0 —
+// channel-wise codes on both sides with one range per channel (or one for all) over its n rows,
+// rows aligned to 4·bits bytes (decode_mma.cuh); 1-bit values may be kChannelT when the blocks
+// have their staging memory (`staged`, DecodeParams::b1) and both sides are 16-byte aligned
+// (decode_b1.cuh). The host's choice of kernel and the kernel's choice of path both ask this.
+__host__ __device__ inline int mma_bits(const PartDesc& d, int n, bool staged) {
   const int b = d.k.bits;
-  const bool whole = (d.k.group <= 0 || d.k.group >= d.n) && (d.v.group <= 0 || d.v.group >= d.n);
-  const bool vt = d.v.fmt == kChannelT && b == 1 && (reinterpret_cast<uintptr_t>(d.v.data) & 15) == 0;
-  return d.k.fmt == kChannel && (d.v.fmt == kChannel || vt) && whole && d.v.bits == b &&
-         (b == 1 || b == 2 || b == 4 || b == 8) &&
-         ((reinterpret_cast<uintptr_t>(d.k.data) | reinterpret_cast<uintptr_t>(d.v.data)) & (4 * b - 1)) == 0 &&
-         !d.counter;
+  const bool whole = (d.k.group <= 0 || d.k.group >= n) && (d.v.group <= 0 || d.v.group >= n);
+  const uintptr_t at = reinterpret_cast<uintptr_t>(d.k.data) | reinterpret_cast<uintptr_t>(d.v.data);
+  const bool vt = d.v.fmt == kChannelT && b == 1 && staged && (at & 15) == 0;
+  if (d.k.fmt != kChannel || (d.v.fmt != kChannel && !vt) || !whole || d.v.bits != b) return 0;
+  if (b != 1 && b != 2 && b != 4 && b != 8) return 0;
+  return (at & (4 * b - 1)) == 0 ? b : 0;
+}
+// A part the tensor-core kernel takes as it is (DecodeParams::all_mma): fp16 rows of tokens other
+// than visual ones, or a packed part of the tensor-core paths (mma_bits) not growing on the device.
+inline bool mma_part(const PartDesc& d, bool staged) {
+  if (d.k.fmt == kF16 && d.v.fmt == kF16) return !d.visual;
+  return mma_bits(d, d.n, staged) != 0 && !d.counter;
 }
 // Fused split-KV attention (with calibration when asked) and the merge of partial states.
 void decode_attention(const DecodeParams& p, cudaStream_t s);

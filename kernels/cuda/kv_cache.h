@@ -166,7 +166,7 @@ class CudaKV : public DeviceKV {
     lut_bits = 0;
     all_f16 = 1;
     all_mma = D == 128 ? 1 : 0;
-    bool b1 = false;
+    has_b1 = 0;
     int rows = 1;
     for (const DevLayer& d : layers)
       for (const DevSeg& sg : d.segs)
@@ -174,11 +174,9 @@ class CudaKV : public DeviceKV {
           for (const DevPart& pt : hp) {
             if (pt.d.k.fmt == kChannel && pt.d.k.bits <= 4) lut_bits = std::max(lut_bits, pt.d.k.bits);
             if (pt.d.k.fmt != kF16 || pt.d.v.fmt != kF16) all_f16 = 0;
-            if (!mma_part(pt.d)) all_mma = 0;
-            if (pt.d.v.fmt == kChannelT) b1 = true;
+            if (!mma_part(pt.d, true)) all_mma = 0;
+            if (pt.d.v.fmt == kChannelT) has_b1 = 1;
           }
-    if (all_mma && b1) all_mma = 2;
-    has_b1 = b1 ? 1 : 0;
     for (const DevLayer& d : layers)
       for (int h = 0; h < NKV; ++h) {
         int np = d.tail.cap ? 1 : 0, r = d.tail.cap;
