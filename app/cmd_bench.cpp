@@ -38,7 +38,7 @@ namespace {
 struct BenchArgs {
   std::string model, image, method, prompt = kDefaultPrompt, json;
   int repeat = 5, max_new_tokens = 32, threads = 0;
-  bool profile = false;
+  bool profile = false, unchained = false;
   BackendOptions backend;
 };
 
@@ -90,6 +90,7 @@ void run_bench(const BenchArgs& a) {
     GenerateOptions g;
     g.max_new_tokens = a.max_new_tokens;
     g.stop_at_eos = false;  // every run decodes the same number of tokens
+    g.chain_steps = !a.unchained;
     const DecodeResult r = model.decode(st, policy.get(), g);
     prof_decode = model.backend().profile_report();
     if (i == 0) continue;
@@ -118,7 +119,9 @@ void run_bench(const BenchArgs& a) {
   std::printf("%-26s %12.2f ms\n", "prefill", median(prefill));
   std::printf("%-26s %12.2f ms\n", "vision + prefill", median(vision) + median(prefill));
   std::printf("%-26s %12.2f ms\n", "compress", median(compress));
-  std::printf("%-26s %12.3f ms\n", "decode per token", median(per_token));
+  // Steps are chained (GenerateOptions::chain_steps) on a chaining backend with no method.
+  const bool chained = be.chains_steps() && a.method.empty() && !a.unchained;
+  std::printf("%-26s %12.3f ms%s\n", "decode per token", median(per_token), chained ? " (steps chained)" : "");
   std::printf("%-26s %12.1f tokens/s\n", "decode", tps);
   std::printf("%-26s %12.1f GB/s\n", "copy bandwidth", copy / 1e9);
   std::printf("%-26s %12.3f GB\n", "LM weights read per token", wbytes / 1e9);
@@ -145,6 +148,7 @@ void run_bench(const BenchArgs& a) {
                       {"device", be.device()},
                       {"method", a.method.empty() ? "full" : a.method},
                       {"runs", a.repeat},
+                      {"chained_steps", chained},
                       {"prompt_tokens", prompt_tokens},
                       {"visual_tokens", model.config().n_visual_tokens()},
                       {"generated_tokens", tokens},
@@ -364,6 +368,8 @@ void add_bench_command(CLI::App& root) {
   add_int(c, "--threads", a->threads, 0, 256, "CPU threads for kvlens loops and OpenBLAS (0 = OMP_NUM_THREADS, else 1, and OpenBLAS's default)");
   c->add_option("--json", a->json, "Also write the numbers as JSON here");
   c->add_flag("--profile", a->profile, "CUDA: per-op device times of the last run (steps are not replayed from graphs)");
+  c->add_flag("--unchained", a->unchained,
+              "CUDA: launch each decode step only after the previous one's logits are back on the host");
 
   auto t = std::make_shared<AttnArgs>();
   CLI::App* at = c->add_subcommand("attention", "Decode attention alone (CUDA): fp16 and packed caches vs copy bandwidth");

@@ -75,6 +75,16 @@ const char* op_name(Op op) {
   return "?";
 }
 
+void Backend::next_token(const Buffer&, Buffer&, Buffer&) {
+  throw InternalError("next_token: the " + name() + " backend does not chain decode steps");
+}
+int Backend::start_readback(const Buffer&, const Buffer&) {
+  throw InternalError("start_readback: the " + name() + " backend does not chain decode steps");
+}
+void Backend::finish_readback(int, float*, int32_t*) {
+  throw InternalError("finish_readback: the " + name() + " backend does not chain decode steps");
+}
+
 std::string parse_backend_kind(const std::string& s, const std::string& what) {
   if (s == "cpu" || s == "cuda" || s == "auto") return s;
   throw InputError(what + " must be one of cpu|cuda|auto, got '" + s + "'");

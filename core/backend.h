@@ -231,6 +231,27 @@ class Backend {
                         const std::function<void()>& body) {
     body();
   }
+
+  // ---- chained greedy steps ------------------------------------------------------------------
+  // A device backend can run greedy decode steps back to back: a step's last op, next_token,
+  // leaves the next step's input on the device, so the host launches step s + 1 before step s
+  // has ended and reads step s's results through a readback. The host's work between steps
+  // (sampling, bookkeeping, the launch itself) then overlaps the device's. A backend that
+  // answers false here is never asked for the other four.
+  virtual bool chains_steps() const { return false; }
+  // ids[0] = the greedy token of logits fp32 [1][V]: the first index of the largest value, as
+  // std::max_element picks it; pos[0] += 1.
+  virtual void next_token(const Buffer& logits, Buffer& ids, Buffer& pos);
+  // Enqueues copies of logits (fp32 [1][V]) and ids[0] to the host, with the finiteness checks
+  // recorded since the last readback (finish_checks' work, deferred); returns a ticket.
+  virtual int start_readback(const Buffer& logits, const Buffer& ids);
+  // Waits for readback `ticket` (tickets are finished in the order they were started) and
+  // writes its logits and token; throws NonFiniteError as finish_checks does when one of its
+  // checks failed.
+  virtual void finish_readback(int ticket, float* logits, int32_t* token);
+  // Waits for the device, then forgets every unfinished readback and the checks recorded since
+  // the last one: the results of a step launched ahead that turned out not to be needed.
+  virtual void drop_readbacks() {}
 };
 
 // Parses "cpu" | "cuda" | "auto"; throws InputError naming `what`.

@@ -208,20 +208,48 @@ LlamaWorkspace LlamaDecoder::workspace() const {
   return w;
 }
 
-std::vector<float> LlamaDecoder::decode(int token, int position, int step, SeqKV& kv, KVPolicy* policy,
+std::vector<float> LlamaDecoder::decode(int token, int position, int step_no, SeqKV& kv, KVPolicy* policy,
                                         const std::vector<AttentionObserver*>& observers,
                                         LlamaWorkspace& w) const {
+  step_ops(token, position, step_no, kv, policy, observers, w);
+  be->download(w.logits, w.logits_host.data());
+  be->finish_checks();
+  return w.logits_host;
+}
+
+int LlamaDecoder::launch(int token, int position, int step_no, SeqKV& kv, LlamaWorkspace& w) const {
+  if (!be->chains_steps() || kv.mirror || !kv.dev)
+    throw InternalError("decode: chained steps need a chaining backend and a cache without host rows");
+  step_ops(token, position, step_no, kv, nullptr, {}, w);
+  return be->start_readback(w.logits, w.ids);
+}
+
+const std::vector<float>& LlamaDecoder::collect(int ticket, LlamaWorkspace& w, int& device_token) const {
+  int32_t t = -1;
+  be->finish_readback(ticket, w.logits_host.data(), &t);
+  device_token = t;
+  return w.logits_host;
+}
+
+void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPolicy* policy,
+                            const std::vector<AttentionObserver*>& observers, LlamaWorkspace& w) const {
   const int NH = cfg.num_attention_heads, NKV = cfg.num_key_value_heads, D = cfg.head_dim;
   const float eps = static_cast<float>(cfg.rms_norm_eps);
   const AttnLayout lay = layout(1);
-  check_ids({token});
-  const int32_t tok = token, pos = position;
-  be->upload(&tok, w.ids);
-  be->upload(&pos, w.pos);
+  const int32_t pos = position;
+  if (token >= 0) {
+    check_ids({token});
+    const int32_t tok = token;
+    be->upload(&tok, w.ids);
+    be->upload(&pos, w.pos);
+  }
   const SegmentKind gen = SegmentKind::Generated;
   const bool want = !observers.empty();
   const bool host_side = policy || want;  // per-layer work on the host: no replay
   if (host_side && !kv.mirror) throw InternalError("decode: a policy or observer needs the host KV rows");
+  // A chaining backend ends a plain step with the next step's input (its greedy token and
+  // position), so the next step can start on the device without the host.
+  const bool chain = !host_side && be->chains_steps();
 
   auto body = [&] {
     be->embed(embed, w.ids, w.h);
@@ -285,15 +313,13 @@ std::vector<float> LlamaDecoder::decode(int token, int position, int step, SeqKV
       check = "text layer " + std::to_string(l) + " output (decode step " + std::to_string(step) + ")";
     }
     be->norm_linear(w.h, norm, eps, w.x, lm_head, nullptr, w.logits, check.empty() ? nullptr : &check);
+    if (chain) be->next_token(w.logits, w.ids, w.pos);
   };
   // Replay is allowed only for steps with no host-side work; the key changes whenever the
   // device cache is laid out anew.
   uint64_t key = 0;
   if (!host_side && kv.dev) key = kv.dev->version();
   be->run_step(w.step, key, body);
-  be->download(w.logits, w.logits_host.data());
-  be->finish_checks();
-  return w.logits_host;
 }
 
 }  // namespace kvlens

@@ -65,10 +65,21 @@ class LlamaDecoder {
   std::vector<float> decode(int token, int pos, int step, SeqKV& kv, KVPolicy* policy,
                             const std::vector<AttentionObserver*>& observers,
                             LlamaWorkspace& ws) const;
+  // The chained form of decode (Backend::chains_steps), for steps with no policy and no
+  // observer over a cache without host rows: launch enqueues the step and the readback of its
+  // logits and returns before it has run; token < 0 takes the input the previous step left on
+  // the device (its greedy token, at position pos). collect waits for the readback `launch`
+  // returned (readbacks are collected in launch order), returns the step's logits and sets
+  // `device_token` to the greedy token the device chose from them.
+  int launch(int token, int pos, int step, SeqKV& kv, LlamaWorkspace& ws) const;
+  const std::vector<float>& collect(int ticket, LlamaWorkspace& ws, int& device_token) const;
 
  private:
   AttnLayout layout(int T) const;
   void check_ids(const std::vector<int>& ids) const;
+  // The ops of one decode step; token < 0: the input is already on the device.
+  void step_ops(int token, int pos, int step, SeqKV& kv, KVPolicy* policy,
+                const std::vector<AttentionObserver*>& observers, LlamaWorkspace& ws) const;
   // h += attention block and MLP block of layer l for the T tokens in `w` (the part shared by
   // prefill and decode after attention).
   void mlp(const LlamaLayer& L, Buffer& h, Buffer& x, Buffer& gu, Buffer& g) const;

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <fstream>
+#include <limits>
 #include <random>
 
 #include "core/errors.h"
@@ -63,6 +64,17 @@ int sample(const std::vector<float>& logits, const GenerateOptions& opt, std::mt
     if (u < acc) return order[i];
   }
   return order[keep - 1];
+}
+
+// softmax(logits)[tok], computed as cpu::softmax_rows computes it.
+float chosen_prob(const std::vector<float>& logits, int tok) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (float x : logits) mx = std::max(mx, x);
+  if (!std::isfinite(mx)) return 0.0f;
+  double sum = 0.0;
+  for (float x : logits) sum += std::exp(x - mx);
+  const float inv = static_cast<float>(1.0 / sum);
+  return std::exp(logits[static_cast<size_t>(tok)] - mx) * inv;
 }
 
 }  // namespace
@@ -315,22 +327,69 @@ DecodeResult LlavaModel::decode(const PrefillState& st, KVPolicy* policy, const 
   int pos = static_cast<int>(st.ids.size());
   const auto& eos = cfg_.text.eos_token_ids;
   LlamaWorkspace ws = text_.workspace();
-  for (int step = 0; step < opt.max_new_tokens; ++step) {
+  int tok = -1;
+  KVBytes before_ahead;  // the cache's bytes before the latest step launched ahead
+  bool dropped = false;
+  // Takes the token of generated position `step` from `logits`; true when the caption ends there.
+  auto take = [&](int step) {
     if (opt.keep_step_logits) r.step_logits.push_back(logits);
-    const int tok = sample(logits, opt, rng);
-    std::vector<float> p(logits);
-    cpu::softmax_rows(p.data(), 1, static_cast<int>(p.size()));
-    r.chosen_probs.push_back(p[tok]);
+    tok = sample(logits, opt, rng);
+    r.chosen_probs.push_back(chosen_prob(logits, tok));
     r.generated_ids.push_back(tok);
     const bool is_eos = std::find(eos.begin(), eos.end(), tok) != eos.end() || tok == tok_.eos_id();
-    if ((opt.stop_at_eos && is_eos) || step + 1 == opt.max_new_tokens) break;
-    if (pos + 1 > cfg_.text.max_position_embeddings) break;
-    check(step + 1);
-    logits = in_model(dir_, [&] { return text_.decode(tok, pos, step, kv, policy, observers, ws); });
-    ++pos;
+    return (opt.stop_at_eos && is_eos) || step + 1 == opt.max_new_tokens ||
+           pos + 1 > cfg_.text.max_position_embeddings;
+  };
+  const bool chain = opt.chain_steps && opt.temperature <= 0.0f && dev && !mirror && !policy &&
+                     observers.empty() && be_->chains_steps();
+  if (!chain) {
+    for (int step = 0; !take(step); ++step) {
+      check(step + 1);
+      logits = in_model(dir_, [&] { return text_.decode(tok, pos, step, kv, policy, observers, ws); });
+      ++pos;
+    }
+  } else if (!take(0)) {
+    // Forward `step` consumes generated token `step`. While the host waits for its logits, the
+    // next forward is already running on the device from the token the device chose itself; it
+    // is launched whenever the caption cannot end before it for a reason known in advance.
+    bool ahead = false;
+    try {
+      check(1);
+      int ticket = in_model(dir_, [&] { return text_.launch(tok, pos, 0, kv, ws); });
+      ++pos;
+      for (int step = 0;; ++step) {
+        ahead = step + 2 < opt.max_new_tokens && pos + 1 <= cfg_.text.max_position_embeddings;
+        int next = -1;
+        if (ahead) {
+          before_ahead = cache_bytes();
+          next = in_model(dir_, [&] { return text_.launch(-1, pos, step + 1, kv, ws); });
+        }
+        int device_tok = -1;
+        logits = in_model(dir_, [&] { return text_.collect(ticket, ws, device_tok); });
+        const bool end = take(step + 1);
+        if (device_tok != tok)
+          throw InternalError("decode: the device chose token " + std::to_string(device_tok) + " at step " +
+                              std::to_string(step + 1) + ", the host " + std::to_string(tok));
+        if (end) break;
+        if (next < 0) throw InternalError("decode: step " + std::to_string(step + 1) + " was not launched ahead");
+        check(step + 2);
+        ticket = next;
+        ++pos;
+      }
+    } catch (...) {
+      try {
+        be_->drop_readbacks();
+      } catch (...) {
+      }
+      throw;
+    }
+    if (ahead) {  // the caption ended at an EOS: the step launched past it is not part of it
+      be_->drop_readbacks();
+      dropped = true;
+    }
   }
   r.decode_ms = ms_since(t1);
-  r.bytes_final = cache_bytes();
+  r.bytes_final = dropped ? before_ahead : cache_bytes();
   r.text = tok_.decode(r.generated_ids);
   return r;
 }

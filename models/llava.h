@@ -39,6 +39,12 @@ struct GenerateOptions {
   // false stops decode with kvlens::Cancelled. Lets a caller drop a run a newer one replaced.
   std::function<bool(int tokens_done)> keep_going;
   bool keep_step_logits = false;  // keep the logits of every step in DecodeResult::step_logits
+  // Greedy decode with no policy and no observer on a backend that chains steps
+  // (Backend::chains_steps) launches each step before the previous one's logits are back, so
+  // the host's work between steps overlaps the device's; the results are the same either way
+  // (the device's greedy token is checked against the host's). At most one step past the
+  // caption's end (an EOS nobody could foresee) runs and is discarded.
+  bool chain_steps = true;
 };
 
 // The prompt after prefill at full precision. Kept so that compression + decode can re-run

@@ -209,3 +209,53 @@ TEST(CudaModel, CliRefusesCudaWithoutADevice) {
 }
 
 }  // namespace
+
+// Greedy decode with steps chained (each launched before the previous one's logits are back)
+// gives what the unchained loop gives: the same ids, the same bits of every step's logits and
+// chosen-token probability, and the same final cache bytes — also when the caption ends at an
+// EOS and the step launched past it is dropped.
+TEST(CudaModel, ChainedStepsEqualUnchainedSteps) {
+  NEED_GPU();
+  struct Case {
+    std::string dir;
+    int max_new;
+    bool stop_at_eos;
+  };
+  std::vector<Case> cases = {{kEmbedded, 64, true}, {kEmbedded, 9, false}};
+  for (const std::string& d : kt::hf_fixture_dirs()) cases.push_back({d, 6, false});
+  int ended_at_eos = 0;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.dir + " max_new_tokens " + std::to_string(c.max_new));
+    const LlavaModel gpu = LlavaModel::load(c.dir, {"cuda"});
+    ASSERT_TRUE(gpu.backend().chains_steps());
+    const RGBImage img = c.dir == kEmbedded ? load_image(kt::source_dir() + "/assets/images/scene_000.png")
+                                            : load_image(c.dir + "/image.png");
+    const PrefillState st = gpu.prefill(img, kDefaultPrompt, kDefaultTemplate, false);
+    GenerateOptions g;
+    g.max_new_tokens = c.max_new;
+    g.stop_at_eos = c.stop_at_eos;
+    g.keep_step_logits = true;
+    g.chain_steps = false;
+    const DecodeResult a = gpu.decode(st, nullptr, g);
+    g.chain_steps = true;
+    const DecodeResult b = gpu.decode(st, nullptr, g);
+    const DecodeResult b2 = gpu.decode(st, nullptr, g);  // replayed from the captured graph throughout
+    for (const DecodeResult* r : {&b, &b2}) {
+      EXPECT_EQ(r->generated_ids, a.generated_ids);
+      EXPECT_EQ(r->text, a.text);
+      EXPECT_EQ(r->chosen_probs, a.chosen_probs);
+      ASSERT_EQ(r->step_logits.size(), a.step_logits.size());
+      for (size_t i = 0; i < a.step_logits.size(); ++i) EXPECT_EQ(r->step_logits[i], a.step_logits[i]) << "step " << i;
+      EXPECT_EQ(r->bytes_final.total(), a.bytes_final.total());
+    }
+    if (c.stop_at_eos) {
+      ended_at_eos += static_cast<int>(a.generated_ids.size()) < c.max_new;
+      // The cache grew by one row per forward, the dropped step's excluded.
+      const auto& t = gpu.config().text;
+      const int64_t row = static_cast<int64_t>(t.num_hidden_layers) * t.num_key_value_heads * (2 * t.head_dim * 2 + 4);
+      EXPECT_EQ(b.bytes_final.total() - b.bytes_after_prefill.total(),
+                row * (static_cast<int64_t>(b.generated_ids.size()) - 1));
+    }
+  }
+  EXPECT_EQ(ended_at_eos, 1) << "the EOS case must end before max_new_tokens, so a step launched ahead is dropped";
+}

@@ -341,17 +341,79 @@ class CudaBackend : public Backend {
     KV_CUDA(cudaMemsetAsync(checks_.mem.get(), 0xff, n * 8, ctx_->stream), "finiteness checks");
     std::vector<std::string> names;
     names.swap(check_names_);
-    for (size_t i = 0; i < n; ++i) {
-      if (v[i] == ~0ull) continue;
-      const uint32_t bits = static_cast<uint32_t>(v[i] & 0xffffffffu);
-      float x;
-      std::memcpy(&x, &bits, 4);
-      // The message core/tensor.h's check_finite gives on the host.
-      throw NonFiniteError(names[i] + " is not finite (value " + std::to_string(x) + " at index " +
-                           std::to_string(v[i] >> 32) +
-                           "): the checkpoint's weights hold NaN or Inf, or the activations overflow");
+    raise_failed_check(names, v.data());
+  }
+
+  // ---- chained greedy steps ----
+  bool chains_steps() const override { return true; }
+  void next_token(const Buffer& logits, Buffer& ids, Buffer& pos) override {
+    need(logits.dt == Dt::F32 && logits.rows() == 1 && logits.numel() > 0 && ids.dt == Dt::I32 && ids.numel() >= 1 &&
+             pos.dt == Dt::I32 && pos.numel() >= 1,
+         "next_token: " + logits.name + logits.shape_str() + " → " + ids.name + ", " + pos.name);
+    if (ctx_->replay) return;
+    auto prof_scope = prof_.scope("next_token", *ctx_);
+    cuda::next_token(logits.as<float>(), static_cast<int>(logits.numel()), ids.as<int32_t>(), pos.as<int32_t>(),
+                     ctx_->stream);
+  }
+  // A readback's host side: logits, the token (at an 8-byte offset), then the check words.
+  int start_readback(const Buffer& logits, const Buffer& ids) override {
+    need(logits.dt == Dt::F32 && logits.rows() == 1 && ids.dt == Dt::I32 && ids.numel() >= 1,
+         "start_readback: " + logits.name + logits.shape_str() + ", " + ids.name);
+    Readback& r = rb_[tickets_ % kReadbacks];
+    if (r.ticket >= 0)
+      throw InternalError("start_readback: more than " + std::to_string(kReadbacks) + " decode steps in flight");
+    const int64_t nl = logits.numel(), nc = static_cast<int64_t>(check_names_.size());
+    const int64_t tok_at = (nl * 4 + 7) / 8 * 8, chk_at = tok_at + 8, bytes = chk_at + nc * 8;
+    if (r.cap < bytes) {
+      r.host = ctx_->pinned(bytes, "decode step readback");
+      r.cap = bytes;
+    }
+    if (!r.done) r.done = ctx_->event("decode step readback");
+    char* h = static_cast<char*>(r.host.get());
+    ctx_->download_async(h, logits.data, nl * 4, "step logits " + logits.name);
+    ctx_->download_async(h + tok_at, ids.data, 4, "step token " + ids.name);
+    if (nc) {
+      ctx_->download_async(h + chk_at, checks_.mem.get(), nc * 8, "finiteness checks");
+      KV_CUDA(cudaMemsetAsync(checks_.mem.get(), 0xff, static_cast<size_t>(nc) * 8, ctx_->stream), "finiteness checks");
+    }
+    KV_CUDA(cudaEventRecord(r.done.get(), ctx_->stream), "decode step readback");
+    r.names.swap(check_names_);
+    check_names_.clear();
+    r.n_logits = nl;
+    r.ticket = tickets_;
+    return tickets_++;
+  }
+  void finish_readback(int ticket, float* logits, int32_t* token) override {
+    Readback& r = rb_[ticket % kReadbacks];
+    if (ticket != finished_ || r.ticket != ticket)
+      throw InternalError("finish_readback: ticket " + std::to_string(ticket) + " is not the oldest in flight (" +
+                          std::to_string(finished_) + ")");
+    KV_CUDA(cudaEventSynchronize(r.done.get()), "decode step readback");
+    r.ticket = -1;
+    ++finished_;
+    const char* h = static_cast<const char*>(r.host.get());
+    const int64_t tok_at = (r.n_logits * 4 + 7) / 8 * 8;
+    std::memcpy(logits, h, static_cast<size_t>(r.n_logits) * 4);
+    std::memcpy(token, h + tok_at, 4);
+    std::vector<std::string> names;
+    names.swap(r.names);
+    std::vector<unsigned long long> v(names.size());
+    std::memcpy(v.data(), h + tok_at + 8, v.size() * 8);
+    raise_failed_check(names, v.data());
+  }
+  void drop_readbacks() override {
+    ctx_->sync("decode steps launched ahead");
+    for (Readback& r : rb_) {
+      r.ticket = -1;
+      r.names.clear();
+    }
+    finished_ = tickets_;
+    if (!check_names_.empty()) {
+      KV_CUDA(cudaMemsetAsync(checks_.mem.get(), 0xff, check_names_.size() * 8, ctx_->stream), "finiteness checks");
+      check_names_.clear();
     }
   }
+
   void add(Buffer& x, const Buffer& y) override {
     need(x.dt == Dt::F32 && y.dt == Dt::F32 && x.numel() == y.numel(), "add: " + x.name + " + " + y.name);
     if (ctx_->replay) return;
@@ -520,6 +582,34 @@ class CudaBackend : public Backend {
     return static_cast<const float*>(p);
   }
 
+  // NonFiniteError for the first of `names` whose check word (first bad index << 32 | value bits)
+  // was written.
+  static void raise_failed_check(const std::vector<std::string>& names, const unsigned long long* v) {
+    for (size_t i = 0; i < names.size(); ++i) {
+      if (v[i] == ~0ull) continue;
+      const uint32_t bits = static_cast<uint32_t>(v[i] & 0xffffffffu);
+      float x;
+      std::memcpy(&x, &bits, 4);
+      // The message core/tensor.h's check_finite gives on the host.
+      throw NonFiniteError(names[i] + " is not finite (value " + std::to_string(x) + " at index " +
+                           std::to_string(v[i] >> 32) +
+                           "): the checkpoint's weights hold NaN or Inf, or the activations overflow");
+    }
+  }
+
+  // Readbacks of chained decode steps: at most two in flight (the step the host waits for and
+  // the one launched ahead), finished in ticket order.
+  struct Readback {
+    std::shared_ptr<void> host;  // pinned
+    int64_t cap = 0, n_logits = 0;
+    std::shared_ptr<CUevent_st> done;
+    std::vector<std::string> names;
+    int ticket = -1;  // -1: free
+  };
+  static constexpr int kReadbacks = 2;
+  Readback rb_[kReadbacks];
+  int tickets_ = 0, finished_ = 0;
+
   static constexpr int64_t kChecks = 4096;
   std::shared_ptr<Context> ctx_;
   Profiler prof_;
@@ -580,6 +670,29 @@ std::shared_ptr<void> Context::alloc(int64_t bytes, const std::string& what) {
   KV_CUDA(e, what + " (" + mib(bytes) + ")");
   std::shared_ptr<Context> self = shared_from_this();
   return std::shared_ptr<void>(p, [self](void* q) { cudaFreeAsync(q, self->stream); });
+}
+
+std::shared_ptr<void> Context::pinned(int64_t bytes, const std::string& what) {
+  void* p = nullptr;
+  const cudaError_t e = cudaMallocHost(&p, static_cast<size_t>(std::max<int64_t>(bytes, 1)));
+  if (e == cudaErrorMemoryAllocation) {
+    cudaGetLastError();
+    throw OutOfMemory("out of page-locked host memory allocating " + what + " (" + mib(bytes) + ")");
+  }
+  KV_CUDA(e, what + " (" + mib(bytes) + " of page-locked host memory)");
+  return std::shared_ptr<void>(p, [](void* q) { cudaFreeHost(q); });
+}
+
+std::shared_ptr<CUevent_st> Context::event(const std::string& what) {
+  cudaEvent_t e = nullptr;
+  KV_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), what + " (event)");
+  return std::shared_ptr<CUevent_st>(e, [](cudaEvent_t q) { cudaEventDestroy(q); });
+}
+
+void Context::download_async(void* dst, const void* src, int64_t bytes, const std::string& what) {
+  if (bytes == 0) return;
+  KV_CUDA(cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyDeviceToHost, stream),
+          what + " (" + std::to_string(bytes) + " bytes from the device)");
 }
 
 void Context::upload(void* dst, const void* src, int64_t bytes, const std::string& what) {

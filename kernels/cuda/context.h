@@ -37,7 +37,13 @@ struct Context : std::enable_shared_from_this<Context> {
 
   // `bytes` of device memory for `what`; OutOfMemory names what, the size and the free memory.
   std::shared_ptr<void> alloc(int64_t bytes, const std::string& what);
+  // `bytes` of page-locked host memory for `what` (the target of copies that must not wait).
+  std::shared_ptr<void> pinned(int64_t bytes, const std::string& what);
+  // An event without timing, destroyed with its last reference.
+  std::shared_ptr<CUevent_st> event(const std::string& what);
   void upload(void* dst, const void* src, int64_t bytes, const std::string& what);
+  // Copies to the host in stream order without waiting (dst: pinned memory).
+  void download_async(void* dst, const void* src, int64_t bytes, const std::string& what);
   void download(void* dst, const void* src, int64_t bytes, const std::string& what);
   void sync(const std::string& what);
   void free_memory(int64_t& free_bytes, int64_t& total) const;

@@ -117,6 +117,55 @@ __global__ void embed_kernel(const T* table, int64_t V, int64_t H, const int32_t
   }
 }
 
+// The greedy token of one row of logits, as std::max_element picks it (the first index of the
+// largest value; NaN never compares larger, and a NaN first value is kept), then the position
+// advanced: the next decode step's input, left on the device. One block.
+constexpr int kNextTokenThreads = 1024;
+__global__ void __launch_bounds__(kNextTokenThreads) next_token_kernel(const float* x, int n, int32_t* ids, int32_t* pos) {
+  pdl_wait();
+  // (w, j) replaces (v, i) when larger, or equal at a smaller index: the order of visits does
+  // not matter.
+  auto take = [](float& v, int& i, float w, int j) {
+    if (j >= 0 && !isnan(w) && (i < 0 || v < w || (v == w && j < i))) v = w, i = j;
+  };
+  float bv = 0.0f;
+  int bi = -1;  // none yet
+  // 16-byte loads, eight of them in flight a thread; the rest one by one.
+  const int n4 = (reinterpret_cast<uintptr_t>(x) & 15) == 0 ? n / 4 : 0;
+  const float4* x4 = reinterpret_cast<const float4*>(x);
+  for (int i0 = threadIdx.x; i0 < n4; i0 += 8 * kNextTokenThreads) {
+    float4 v[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int i = i0 + u * kNextTokenThreads;
+      v[u] = i < n4 ? x4[i] : make_float4(NAN, NAN, NAN, NAN);
+    }
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int i = 4 * (i0 + u * kNextTokenThreads);
+      take(bv, bi, v[u].x, i), take(bv, bi, v[u].y, i + 1), take(bv, bi, v[u].z, i + 2), take(bv, bi, v[u].w, i + 3);
+    }
+  }
+  for (int i = 4 * n4 + threadIdx.x; i < n; i += kNextTokenThreads) take(bv, bi, x[i], i);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1)
+    take(bv, bi, __shfl_xor_sync(0xffffffffu, bv, o), __shfl_xor_sync(0xffffffffu, bi, o));
+  __shared__ float sv[32];
+  __shared__ int si[32];
+  const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+  if (l == 0) sv[w] = bv, si[w] = bi;
+  __syncthreads();
+  if (w != 0) return;
+  bv = sv[l], bi = si[l];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1)
+    take(bv, bi, __shfl_xor_sync(0xffffffffu, bv, o), __shfl_xor_sync(0xffffffffu, bi, o));
+  if (l == 0) {
+    ids[0] = bi < 0 || isnan(x[0]) ? 0 : bi;
+    pos[0] += 1;
+  }
+}
+
 __global__ void softmax_rows_kernel(float* x, int n) {
   __shared__ float sh[32];
   float* row = x + static_cast<int64_t>(blockIdx.x) * n;
@@ -227,6 +276,12 @@ void first_nonfinite(const float* x, int64_t n, unsigned long long* slot, cudaSt
   if (n == 0) return;
   KV_CUDA(launch_dependent(first_nonfinite_kernel, grid_for(n), 256, 0, s, true, x, n, slot),
           "first_nonfinite_kernel over " + std::to_string(n) + " values");
+}
+
+void next_token(const float* logits, int n, int32_t* ids, int32_t* pos, cudaStream_t s) {
+  if (n <= 0) throw InternalError("next_token: no logits");
+  KV_CUDA(launch_dependent(next_token_kernel, 1, kNextTokenThreads, 0, s, true, logits, n, ids, pos),
+          "next_token_kernel over " + std::to_string(n) + " logits");
 }
 
 void softmax_rows(float* x, int64_t rows, int n, cudaStream_t s) {

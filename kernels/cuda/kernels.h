@@ -29,6 +29,9 @@ void rope(float* x, int T, int64_t stride, int64_t q_col, int nq, int64_t k_col,
           const int32_t* pos, const float* inv_freq, cudaStream_t s);
 void embed(const void* table, Dt tdt, int64_t V, int64_t H, const int32_t* ids, int T, float* out,
            cudaStream_t s);
+// ids[0] = the first index of the largest of logits[0..n) (NaN never larger; a NaN first value
+// kept), pos[0] += 1: the next greedy decode step's input. CPU twin: std::max_element.
+void next_token(const float* logits, int n, int32_t* ids, int32_t* pos, cudaStream_t s);
 void softmax_rows(float* x, int64_t rows, int n, cudaStream_t s);
 // slot = min over non-finite x[i] of (i << 32 | bits of x[i]) (atomicMin; UINT64_MAX = all finite).
 void first_nonfinite(const float* x, int64_t n, unsigned long long* slot, cudaStream_t s);
