@@ -51,30 +51,61 @@ __global__ void __launch_bounds__(kThreads, 4) decode_f16_kernel(DecodeParams p)
   constexpr int G = kThreads / L, U = kF16Rows, D = 8 * L;
   __shared__ const __half* sh_k[kSharedParts];
   __shared__ const __half* sh_v[kSharedParts];
-  __shared__ const int32_t* sh_c[kSharedParts];
   __shared__ int sh_end[kSharedParts];  // rows, then cumulative rows
   const int s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, g = tid / L, c0 = (tid % L) * 8;
   const int bk = b * p.NKV + h / (p.NH / p.NKV);
+  const int kvh = h / (p.NH / p.NKV);
+  // Everything about the cached rows was written by earlier steps (the part table and the row
+  // counts between steps, the rows appended during decode by this layer's kernel of an earlier
+  // step), never by the kernel this one follows, so it is read — and the block's first rows
+  // loaded — before the wait: the rows' trip to memory overlaps the previous product's tail.
   const PartDesc* gp = p.parts + static_cast<int64_t>(bk) * p.max_parts;
-  if (tid < p.max_parts) {
+  const int np = p.n_parts[bk];
+  if (tid < np) {
     sh_k[tid] = static_cast<const __half*>(gp[tid].k.data);
     sh_v[tid] = static_cast<const __half*>(gp[tid].v.data);
-    sh_c[tid] = gp[tid].counter;
-    sh_end[tid] = gp[tid].n;
+    sh_end[tid] = gp[tid].n + (gp[tid].counter ? *gp[tid].counter : 0);  // rows appended during decode
   }
+  // The step's token, when fused in: its row's place in the tail. Every block reads the counter
+  // before any block can advance it (the last block to finish its read does, below).
+  const bool fresh = p.fresh_k != nullptr;
+  const int tail_row = fresh ? *p.tail_counter : 0;
+  __syncthreads();
+  if (tid == 0)
+    for (int i = 1; i < np; ++i) sh_end[i] += sh_end[i - 1];
+  __syncthreads();
+  const int n_cache = np > 0 ? sh_end[np - 1] : 0;  // the token's row, when fused, follows them
+  const int N = n_cache + (fresh ? 1 : 0);
+  const int chunk = (N + p.splits - 1) / p.splits;
+  const int r0 = min(N, s * chunk), r1 = min(N, r0 + chunk);
+  // Loads rows j0 + u·G + g of the cache (the fused token's row is filled in after the wait).
+  auto load = [&](int j0, uint4 (&kr)[U], uint4 (&vr)[U]) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int j = j0 + u * G + g;
+      if (j < r1 && j < n_cache) {
+        int pi = 0;
+        while (j >= sh_end[pi]) ++pi;
+        const int64_t at = static_cast<int64_t>(j - (pi ? sh_end[pi - 1] : 0)) * D + c0;
+        kr[u] = __ldg(reinterpret_cast<const uint4*>(sh_k[pi] + at));
+        vr[u] = __ldg(reinterpret_cast<const uint4*>(sh_v[pi] + at));
+      } else {
+        kr[u] = vr[u] = make_uint4(0, 0, 0, 0);
+      }
+    }
+  };
+  uint4 kr[U], vr[U];
+  load(r0, kr, vr);
+
   pdl_wait();
   pdl_trigger();  // the next product may start its weight reads
-  const int np = p.n_parts[bk];
-  const int kvh = h / (p.NH / p.NKV);
   float q[8];
   const float* qrow = p.q + b * p.q_stride + static_cast<int64_t>(h) * D + c0;
 #pragma unroll
   for (int c = 0; c < 8; ++c) q[c] = qrow[c];
-  // The step's token, when fused in: q and its k rotated, its K and V rows as fp16.
-  const bool fresh = p.fresh_k != nullptr;
+  // The step's token: q and its k rotated, its K and V rows as fp16.
   uint4 fk = make_uint4(0, 0, 0, 0), fv = fk;
-  int tail_row = 0;
   if (fresh) {
     const float pos = static_cast<float>(*p.fresh_pos);
     float k[8], v[8];
@@ -87,21 +118,8 @@ __global__ void __launch_bounds__(kThreads, 4) decode_f16_kernel(DecodeParams p)
     rope8<L>(k, c0, pos, p.inv_freq);
     fk = pack8_f16(k);
     fv = pack8_f16(v);
-    tail_row = *p.tail_counter;
-  }
-#pragma unroll
-  for (int c = 0; c < 8; ++c) q[c] *= p.scale;
-  __syncthreads();
-  if (tid < np && sh_c[tid]) sh_end[tid] += *sh_c[tid];  // rows appended during decode
-  __syncthreads();
-  if (tid == 0)
-    for (int i = 1; i < np; ++i) sh_end[i] += sh_end[i - 1];
-  __syncthreads();
-  const int n_cache = np > 0 ? sh_end[np - 1] : 0;  // the token's row, when fused, follows them
-  const int N = n_cache + (fresh ? 1 : 0);
-  if (fresh) {
     // One block a KV head writes the token's row; the last block to have read the counter
-    // advances it (every block read it above, before its barrier).
+    // advances it.
     if (s == 0 && h % (p.NH / p.NKV) == 0 && g == 0 && tail_row < p.tail_cap) {
       const int64_t at = (static_cast<int64_t>(kvh) * p.tail_cap + tail_row) * D + c0;
       *reinterpret_cast<uint4*>(p.tail_k + at) = fk;
@@ -113,27 +131,16 @@ __global__ void __launch_bounds__(kThreads, 4) decode_f16_kernel(DecodeParams p)
       *p.tail_done = 0;
     }
   }
-  const int chunk = (N + p.splits - 1) / p.splits;
-  const int r0 = min(N, s * chunk), r1 = min(N, r0 + chunk);
+#pragma unroll
+  for (int c = 0; c < 8; ++c) q[c] *= p.scale;
 
   State st;
   for (int j0 = r0; j0 < r1; j0 += G * U) {
-    uint4 kr[U], vr[U];
+    if (j0 != r0) load(j0, kr, vr);
+    if (fresh) {
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int j = j0 + u * G + g;
-      if (j == n_cache) {  // the fused token's row (only when fresh: n_cache < N)
-        kr[u] = fk;
-        vr[u] = fv;
-      } else if (j < r1) {
-        int pi = 0;
-        while (j >= sh_end[pi]) ++pi;
-        const int64_t at = static_cast<int64_t>(j - (pi ? sh_end[pi - 1] : 0)) * D + c0;
-        kr[u] = __ldg(reinterpret_cast<const uint4*>(sh_k[pi] + at));
-        vr[u] = __ldg(reinterpret_cast<const uint4*>(sh_v[pi] + at));
-      } else {
-        kr[u] = vr[u] = make_uint4(0, 0, 0, 0);
-      }
+      for (int u = 0; u < U; ++u)
+        if (j0 + u * G + g == n_cache) kr[u] = fk, vr[u] = fv;
     }
     f16_update<L, U>(kr, vr, q, j0 + g, G, r1, false, 1.0f, 0.0f, 0.0f, st);
   }
