@@ -3,10 +3,12 @@
 //
 // A kernel of its own, with none of the packed paths compiled in, so it needs few registers
 // (several blocks fit a multiprocessor) and a block's fixed work is short; at the contexts of a
-// captioning run (hundreds of rows a head) that fixed work, not the bytes, sets the time. The
-// head's part pointers are read before waiting for the previous kernel (they change only between
-// steps); each group of L = D/8 lanes then takes kF16Rows rows of the block's range at a time
-// (rows g, g + G, …), with every K and V load of those rows issued before the first is used.
+// captioning run (hundreds of rows a head) that fixed work, not the bytes, sets the time. Each
+// group of L = D/8 lanes takes kF16Rows rows of the block's range at a time (rows g, g + G, …),
+// with every K and V load of those rows issued before the first is used. The part table, the
+// row counts and the block's first rows are read before waiting for the previous kernel (none
+// of them is written by it), so at those contexts the whole cache is in flight while the q/k/v
+// product ends.
 // The group's scores, softmax and P·V stay in registers; the block ends as the general kernel's
 // blocks do (finish_block: partial state, and the merge by the head's last block).
 #pragma once
