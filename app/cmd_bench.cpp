@@ -254,6 +254,8 @@ void run_gemv(const GemvArgs& a) {
     j.push_back({{"product", r.name}, {"input", r.input}, {"N", r.N}, {"K", r.K}, {"rows_per_warp", r.rows_per_warp},
                  {"pdl", r.pdl}, {"us", r.us}, {"gbs", r.gbs}});
   }
+  std::printf("gate/up: a warp takes a gate row and its up row and writes SiLU(gate)*up in fp16 (rows per warp: auto\n"
+              "only); down reads that as its x\n");
   write_json(a.json, {{"device", be->device()}, {"copy_bandwidth_gbs", copy / 1e9}, {"rows", j}});
 #endif
 }

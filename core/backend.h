@@ -166,12 +166,14 @@ class Backend {
                         Buffer& out) = 0;
   // out[M][I] = act(gu[:, :I]) ⊙ gu[:, I:] with gu fp32 [M][2I].
   virtual void gated_act(const Buffer& gu, cpu::Act act, Buffer& out) = 0;
-  // x = gated_act(gu), then y = x·Wᵀ (+ y when accumulate): one op, so a device can fold the
-  // gate into the product's input read (x is scratch afterwards). The default runs the two ops.
-  virtual void gated_linear(const Buffer& gu, cpu::Act act, Buffer& x, const Buffer& W, Buffer& y,
-                            bool accumulate) {
-    gated_act(gu, act, x);
-    linear(x, W, nullptr, y, accumulate);
+  // out = gated_act(gu) with gu = norm_linear(h, g, eps, x, W) (W = [2I][K]: the I gate rows,
+  // then the I up rows; out [M][I] in its own dtype): one op, so a device can apply the gate in
+  // the product's epilogue and never write gu (x and gu are scratch afterwards). `check` as in
+  // norm_linear. The default runs norm_linear and gated_act.
+  virtual void norm_gate_up(const Buffer& h, const Buffer& g, float eps, Buffer& x, const Buffer& W, cpu::Act act,
+                            Buffer& gu, Buffer& out, const std::string* check = nullptr) {
+    norm_linear(h, g, eps, x, W, nullptr, gu, check);
+    gated_act(gu, act, out);
   }
   // Rotary embedding ("rotate half") of the q and k heads of qkv, in place; pos I32 [T].
   virtual void rope(Buffer& qkv, const AttnLayout& l, const Buffer& pos, float theta) = 0;

@@ -97,8 +97,8 @@ Buffer LlamaDecoder::embed_tokens(const std::vector<int>& ids) const {
 
 void LlamaDecoder::mlp(const LlamaLayer& L, Buffer& h, Buffer& x, Buffer& gu, Buffer& g) const {
   const float eps = static_cast<float>(cfg.rms_norm_eps);
-  be->norm_linear(h, L.ln2, eps, x, L.gate_up_w, nullptr, gu);
-  be->gated_linear(gu, activation_from_name(cfg.hidden_act, "text_config.hidden_act"), g, L.down_w, h, true);
+  be->norm_gate_up(h, L.ln2, eps, x, L.gate_up_w, activation_from_name(cfg.hidden_act, "text_config.hidden_act"), gu, g);
+  be->linear(g, L.down_w, nullptr, h, true);
 }
 
 std::vector<float> LlamaDecoder::prefill(const Buffer& x0, const std::vector<SegmentKind>& kinds, SeqKV& kv,

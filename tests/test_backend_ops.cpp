@@ -221,55 +221,89 @@ double act_ref(cpu::Act act, double v) {
   return v;
 }
 
-// The MLP's gate folded into the down projection: x = act(gate)·up rounded to the matrix dtype
-// (as gated_act stores it), then y (+)= x·Wᵀ, against fp64 on the same inputs.
-void gated_linear_case(Dt dt, cpu::Act act, int I, int N, bool acc) {
-  const auto gu = randn(static_cast<size_t>(2) * I, 2.0f), y0 = randn(N);
-  const auto w = rounded(dt, randn(static_cast<size_t>(N) * I, 1.0f / std::sqrt(static_cast<float>(I))));
+// The MLP's gate and up products with the gate applied (norm_gate_up): out = act(gate)·up
+// rounded to the matrix dtype, with [gate | up] = (g·h/rms(h) in the matrix dtype)·Wᵀ, against
+// fp64 on the same inputs. M = 1 is a device's paired one-token product, M > 1 the two-op
+// default; on a device the paired product must equal norm_linear + gated_act bit for bit (the
+// same sums in the same order, the same formula and rounding). A planted Inf in h is reported
+// under the check's name.
+void norm_gate_up_case(Dt dt, cpu::Act act, int M, int K, int I) {
+  const auto h = randn(static_cast<size_t>(M) * K, 2.0f), g = randn(K);
+  const auto w = rounded(dt, randn(static_cast<size_t>(2) * I * K, 1.0f / std::sqrt(static_cast<float>(K))));
   const Backends2 B = both(dt);
   for (int i = 0; i < 2; ++i) {
     Backend* be = B.be[i];
     if (!be) continue;
-    const Dt xdt = i == 0 ? Dt::F32 : dt;  // the CPU keeps x in fp32
-    std::vector<double> x(I), xerr(I);
-    for (int k = 0; k < I; ++k) {
-      const double g = gu[k], u = gu[I + k], a = act_ref(act, g);
-      x[k] = a * u;
-      // fp32 evaluation of the activation (a few ulps, as in NormsActivations), then one rounding
-      xerr[k] = 16 * unit(Dt::F32) * (std::abs(g) + 1) * (std::abs(a) + 1) * std::abs(u) + unit(xdt) * std::abs(x[k]) +
-                tiny(xdt);
-    }
-    std::vector<float> ref(N);
-    std::vector<double> bound(N);
-    for (int n = 0; n < N; ++n) {
-      double s = acc ? y0[n] : 0.0, mag = std::abs(s), xe = 0;
-      for (int k = 0; k < I; ++k) {
-        const double wk = w[static_cast<size_t>(n) * I + k];
-        s += x[k] * wk;
-        mag += std::abs(x[k] * wk);
-        xe += std::abs(wk) * xerr[k];
-      }
-      ref[n] = static_cast<float>(s);
-      bound[n] = dot_rel(I + 2) * mag + xe + 2 * unit(Dt::F32) * std::abs(s);
-    }
-    const Raw rw = raw("w", dt, {N, I}, w);
+    const std::string what = std::string(B.name[i]) + " norm_gate_up " + dt_name(dt) + " M=" + std::to_string(M) +
+                             " K=" + std::to_string(K) + " I=" + std::to_string(I);
+    const Raw rw = raw("w", dt, {2 * I, K}, w);
     Buffer W = be->matrix("w", {rw.t});
-    Buffer GU = make(*be, "gu", {1, 2 * I}, Dt::F32, gu);
-    Buffer X = poisoned(*be, "x", {1, I}, W.dt);
-    Buffer Y = acc ? make(*be, "y", {1, N}, Dt::F32, y0) : poisoned(*be, "y", {1, N}, Dt::F32);
-    be->gated_linear(GU, act, X, W, Y, acc);
-    expect_within(read(*be, Y), ref, bound,
-                  std::string(B.name[i]) + " gated_linear " + dt_name(dt) + " " + std::to_string(I) + "x" +
-                      std::to_string(N));
+    const Dt xdt = W.dt;  // the CPU keeps its matrices, and so x and out, in fp32
+    std::vector<float> ref(static_cast<size_t>(M) * I);
+    std::vector<double> bound(ref.size());
+    for (int m = 0; m < M; ++m) {
+      const float* hm = h.data() + static_cast<size_t>(m) * K;
+      double ss = 0;
+      for (int k = 0; k < K; ++k) ss += static_cast<double>(hm[k]) * hm[k];
+      const double inv = 1.0 / std::sqrt(ss / K + 1e-5);
+      std::vector<double> x(K);
+      for (int k = 0; k < K; ++k) x[k] = round_to(xdt, static_cast<float>(g[k] * (hm[k] * inv)));
+      for (int n = 0; n < I; ++n) {
+        double gs = 0, us = 0, gm = 0, um = 0;
+        for (int k = 0; k < K; ++k) {
+          const double a = x[k] * w[static_cast<size_t>(n) * K + k], b = x[k] * w[static_cast<size_t>(I + n) * K + k];
+          gs += a, us += b, gm += std::abs(a), um += std::abs(b);
+        }
+        const double rel = dot_rel(K + 1) + 2 * dot_rel(K) + 2 * unit(xdt);  // as norm_linear_case
+        const double eg = rel * gm, eu = rel * um, a = act_ref(act, gs), o = a * us;
+        const size_t at = static_cast<size_t>(m) * I + n;
+        ref[at] = static_cast<float>(o);
+        // |act'| ≤ 1.2 for the activations tested; fp32 evaluation of act (as gated_linear did);
+        // one rounding of out
+        bound[at] = 1.2 * eg * (std::abs(us) + eu) + (std::abs(a) + 1.2 * eg) * eu +
+                    16 * unit(Dt::F32) * (std::abs(gs) + 1) * (std::abs(a) + 1) * std::abs(us) +
+                    unit(xdt) * std::abs(o) + tiny(xdt);
+      }
+    }
+    Buffer H = make(*be, "h", {M, K}, Dt::F32, h), G = make(*be, "g", {K}, Dt::F32, g);
+    Buffer X = be->alloc("x", {M, K}, W.dt), GU = poisoned(*be, "gu", {M, 2 * I}, Dt::F32);
+    Buffer O = poisoned(*be, "out", {M, I}, W.dt);
+    be->norm_gate_up(H, G, 1e-5f, X, W, act, GU, O);
+    const auto got = read(*be, O);
+    expect_within(got, ref, bound, what);
+    if (i == 1 && M == 1) {  // the paired product against the two ops it replaces
+      Buffer O2 = poisoned(*be, "out2", {M, I}, W.dt);
+      be->norm_linear(H, G, 1e-5f, X, W, nullptr, GU);
+      be->gated_act(GU, act, O2);
+      const auto two = read(*be, O2);
+      size_t diff = 0;
+      for (size_t k = 0; k < two.size(); ++k) diff += std::memcmp(&got[k], &two[k], 4) != 0;
+      EXPECT_EQ(diff, 0u) << what << ": paired product against norm_linear + gated_act";
+    }
+    // The check of h rides along.
+    auto bad = h;
+    bad[static_cast<size_t>(K / 3)] = std::numeric_limits<float>::infinity();
+    Buffer HB = make(*be, "h bad", {M, K}, Dt::F32, bad);
+    const std::string name = "layer 3 output";
+    std::string msg;
+    try {
+      be->norm_gate_up(HB, G, 1e-5f, X, W, act, GU, O, &name);
+      be->finish_checks();
+    } catch (const NonFiniteError& e) {
+      msg = e.what();
+    }
+    EXPECT_NE(msg.find(name + " is not finite"), std::string::npos) << what << ": " << msg;
+    EXPECT_NE(msg.find("at index " + std::to_string(K / 3) + ")"), std::string::npos) << what << ": " << msg;
   }
 }
 
-TEST(Ops, GatedLinear) {
-  gated_linear_case(Dt::F16, cpu::Act::Silu, 1000, 515, true);   // K/8 = 125 chunks
-  gated_linear_case(Dt::BF16, cpu::Act::Silu, 2056, 4103, true);
-  gated_linear_case(Dt::F16, cpu::Act::Gelu, 88, 6007, false);
-  gated_linear_case(Dt::F16, cpu::Act::Silu, 11000, 333, true);  // two rows a warp (the down projection's K)
-  gated_linear_case(Dt::F16, cpu::Act::Silu, 36, 77, true);      // K not a multiple of 8: two ops
+TEST(Ops, NormGateUp) {
+  norm_gate_up_case(Dt::F16, cpu::Act::Silu, 1, 264, 1003);   // K/8 = 33 chunks; I not a multiple of 8 warps
+  norm_gate_up_case(Dt::BF16, cpu::Act::Silu, 1, 4104, 515);
+  norm_gate_up_case(Dt::F16, cpu::Act::Gelu, 1, 1032, 77);
+  norm_gate_up_case(Dt::F16, cpu::Act::Silu, 1, 8200, 33);     // K past one row's two stages
+  norm_gate_up_case(Dt::F16, cpu::Act::Silu, 3, 264, 101);     // M > 1: the two ops
+  norm_gate_up_case(Dt::BF16, cpu::Act::GeluTanh, 1, 36, 19);  // K not a multiple of 8: the two ops
   KVLENS_GPU_HALF_SKIPPED();
 }
 

@@ -288,17 +288,22 @@ class CudaBackend : public Backend {
     p.bias = bias ? bias->as<float>() : nullptr, p.y = y.as<float>();
     gemv(p, ctx_->stream);
   }
-  void gated_linear(const Buffer& gu, cpu::Act act, Buffer& x, const Buffer& W, Buffer& y, bool accumulate) override {
-    const int64_t I = W.cols();
-    const bool fused = gu.rows() == 1 && gu.dt == Dt::F32 && gu.cols() == 2 * I && x.numel() == I && x.dt == W.dt &&
-                       gemv_supported(W.dt, static_cast<int>(I)) && y.dt == Dt::F32 && y.numel() == W.rows() &&
-                       ((reinterpret_cast<uintptr_t>(gu.data) | reinterpret_cast<uintptr_t>(W.data)) & 15) == 0;
-    if (!fused) return Backend::gated_linear(gu, act, x, W, y, accumulate);
+  void norm_gate_up(const Buffer& h, const Buffer& g, float eps, Buffer& x, const Buffer& W, cpu::Act act, Buffer& gu,
+                    Buffer& out, const std::string* check) override {
+    const int64_t K = h.cols(), I = out.cols();
+    const bool fused = h.rows() == 1 && h.dt == Dt::F32 && gemv_supported(W.dt, static_cast<int>(K)) && W.cols() == K &&
+                       W.rows() == 2 * I && out.rows() == 1 && out.dt == W.dt && g.numel() == K &&
+                       ((reinterpret_cast<uintptr_t>(h.data) | reinterpret_cast<uintptr_t>(g.data) |
+                         reinterpret_cast<uintptr_t>(W.data)) & 15) == 0;
+    if (!fused) return Backend::norm_gate_up(h, g, eps, x, W, act, gu, out, check);
+    unsigned long long* slot = check ? check_slot(*check) : nullptr;
     if (ctx_->replay) return;
-    auto prof_scope = prof_.scope("gated_linear", *ctx_);
+    auto prof_scope = prof_.scope("norm_gate_up", *ctx_);
     GemvParams p;
-    p.W = W.data, p.dt = W.dt, p.N = static_cast<int>(W.rows()), p.K = static_cast<int>(I);
-    p.gu = gu.as<float>(), p.act = static_cast<int>(act), p.y = y.as<float>(), p.accumulate = accumulate;
+    p.check = slot;
+    p.W = W.data, p.dt = W.dt, p.N = static_cast<int>(I), p.K = static_cast<int>(K);
+    p.h = h.as<float>(), p.g = g.as<float>(), p.eps = eps;
+    p.act = static_cast<int>(act), p.out = out.data;
     gemv(p, ctx_->stream);
   }
   void rms_norm(const Buffer& x, const Buffer& g, float eps, Buffer& y) override {

@@ -455,19 +455,21 @@ std::vector<GemvBenchRow> bench_gemv(const GemvBenchConfig& c) {
     const char* name;
     const char* input;
     int N, K;
+    bool paired = false;
   };
+  // The decode step's products as it runs them: gate/up writes SiLU(gate)·up (paired rows), which
+  // the down product reads as its plain fp16 input.
   const Shape shapes[] = {{"q/k/v", "rmsnorm(h)", 3 * H, H},
                           {"o", "x", H, H},
-                          {"gate/up", "rmsnorm(h)", 2 * I, H},
-                          {"down", "silu(gate)*up", H, I},
+                          {"gate/up", "rmsnorm(h)", 2 * I, H, true},
+                          {"down", "x", H, I},
                           {"lm head", "rmsnorm(h)", c.vocab, H}};
   Mem x(static_cast<int64_t>(I) * 2, "gemv bench x"), h(static_cast<int64_t>(I) * 4, "gemv bench h"),
-      g(static_cast<int64_t>(I) * 4, "gemv bench g"), gu(static_cast<int64_t>(I) * 8, "gemv bench gate/up"),
+      g(static_cast<int64_t>(I) * 4, "gemv bench g"), act(static_cast<int64_t>(I) * 2, "gemv bench silu(gate)*up"),
       y(static_cast<int64_t>(std::max(c.vocab, 2 * I)) * 4, "gemv bench y");
   fill_half(x, -1.0f, 1.0f, 1, st.s);
   fill_float_kernel<<<grid(I), 256, 0, st.s>>>(h.as<float>(), I, -2.0f, 2.0f, 2);
   fill_float_kernel<<<grid(I), 256, 0, st.s>>>(g.as<float>(), I, 0.5f, 1.5f, 3);
-  fill_float_kernel<<<grid(2 * I), 256, 0, st.s>>>(gu.as<float>(), 2 * I, -2.0f, 2.0f, 4);
   std::vector<GemvBenchRow> rows;
   for (const Shape& sh : shapes) {
     const int64_t wbytes = static_cast<int64_t>(sh.N) * sh.K * 2;
@@ -479,15 +481,20 @@ std::vector<GemvBenchRow> bench_gemv(const GemvBenchConfig& c) {
     }
     KV_LAUNCH("fill_half_kernel", "gemv bench weights");
     std::vector<std::pair<int, bool>> variants;
-    for (int r : c.rows_per_warp) variants.push_back({r, true});
+    for (int r : c.rows_per_warp)
+      if (!sh.paired || r == 0) variants.push_back({r, true});  // a paired warp always owns two rows
     variants.push_back({0, false});
     for (auto [R, pdl] : variants) {
       GemvParams p;
       p.dt = Dt::F16, p.N = sh.N, p.K = sh.K, p.y = y.as<float>(), p.rows_per_warp = R, p.pdl = pdl;
       const std::string in = sh.input;
-      if (in == "x") p.x = x.p, p.accumulate = true;
-      else if (in == "rmsnorm(h)") p.h = h.as<float>(), p.g = g.as<float>(), p.eps = 1e-5f;
-      else p.gu = gu.as<float>(), p.act = static_cast<int>(cpu::Act::Silu), p.accumulate = true;
+      if (in == "x") {
+        p.x = x.p, p.accumulate = true;
+      } else {
+        p.h = h.as<float>(), p.g = g.as<float>(), p.eps = 1e-5f;
+        if (sh.paired)  // N outputs SiLU(gate)·up from 2N rows
+          p.N = sh.N / 2, p.y = nullptr, p.out = act.p, p.act = static_cast<int>(cpu::Act::Silu);
+      }
       auto calls = [&](int n) {
         for (int i = 0; i < n; ++i) {
           p.W = W[i % copies]->p;

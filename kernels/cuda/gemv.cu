@@ -1,14 +1,20 @@
 // Matrix-vector product for decode (one token): every weight is read once, 16 bytes per load,
-// fp32 accumulation. CPU twins: cpu::linear with M = 1, after rms_norm (norm input) or
-// gated_act (gated input).
+// fp32 accumulation. CPU twins: cpu::linear with M = 1, after rms_norm (norm input), and for the
+// paired mode gated_act after it.
 //
 // Each block first stages the input vector x in shared memory in the weights' dtype — x itself,
-// RMSNorm(h)·g, or act(gate)·up, rounded exactly as rms_norm / gated_act store it — so each x
-// chunk is read once per warp and shared by its R rows. Each warp owns R consecutive rows (one
-// group a warp; blocks past the first wave start as slots free up) and walks K in stages of 8
-// loads a lane (R rows × 8/R chunks), two stages in flight: the stage after next is loaded while
-// the current one is multiplied. The weights are streamed past L1 with L2 evict-first hints; the
-// rows are reduced by warp shuffles.
+// or RMSNorm(h)·g rounded exactly as rms_norm stores it — so each x chunk is read once per warp
+// and shared by its R rows. Each warp owns R consecutive rows (one group a warp; blocks past the
+// first wave start as slots free up) and walks K in stages of 8 loads a lane (R rows × 8/R
+// chunks), two stages in flight: the stage after next is loaded while the current one is
+// multiplied. The weights are streamed past L1 with L2 evict-first hints; the rows are reduced
+// by warp shuffles.
+//
+// Paired mode (the MLP's gate and up products of a decode step): W holds 2N rows, the N gate
+// rows then the N up rows; warp i owns rows i and N + i, with the same per-lane order of loads
+// and sums as one row a warp, and writes act(gate)·up rounded to the weights' dtype, as
+// gated_act computes it from the two fp32 sums — so the down product reads a plain fp16 input
+// and no fp32 gate/up vector is written or read.
 //
 // Launched as a programmatic dependent (common.cuh): the weights do not depend on earlier
 // kernels, so a block issues its first two stages of weight loads before it waits for the
@@ -24,7 +30,7 @@ namespace kvlens::cuda {
 namespace {
 
 constexpr int kThreads = 256, kWarps = kThreads / 32;
-enum Mode : int { kPlain = 0, kNorm = 1, kGated = 2 };
+enum Mode : int { kPlain = 0, kNorm = 1, kNormPair = 2 };
 
 struct Args {
   const uint4* W;
@@ -32,10 +38,10 @@ struct Args {
   const float* h;
   const float* g;
   float eps;
-  const float* gu;
   int act;
   const float* bias;
   float* y;
+  void* out;  // kNormPair: act(gate)·up, N values in the weights' dtype
   int N, K, accumulate;
   unsigned long long* check;
 };
@@ -77,48 +83,43 @@ __device__ __forceinline__ void stage_x(const Args& a, uint4* xs) {
   if constexpr (MODE == kPlain) {
     for (int c = threadIdx.x; c < K8; c += kThreads) xs[c] = a.x[c];
   } else {
-    const float* p = MODE == kNorm ? a.h : a.gu;           // first operand
-    const float* q = MODE == kNorm ? a.g : a.gu + a.K;     // second
-    float inv = 0.0f;
-    if constexpr (MODE == kNorm) {
-      // 1/rms of h, summed in rms_norm_kernel's order (thread t: h[t], h[t + 256], ...)
-      __shared__ float sh[kWarps];
-      float ss = 0.0f;
-      int i = threadIdx.x;
-      const bool check = a.check && blockIdx.x == 0;
-      auto checked = [&](float v, int at) {
-        if (check && !isfinite(v))
-          atomicMin(a.check, (static_cast<unsigned long long>(at) << 32) | __float_as_uint(v));
-      };
-      for (; i + 7 * kThreads < a.K; i += 8 * kThreads) {
-        float v[8];
+    // 1/rms of h, summed in rms_norm_kernel's order (thread t: h[t], h[t + 256], ...)
+    __shared__ float sh[kWarps];
+    float ss = 0.0f;
+    int i = threadIdx.x;
+    const bool check = a.check && blockIdx.x == 0;
+    auto checked = [&](float v, int at) {
+      if (check && !isfinite(v))
+        atomicMin(a.check, (static_cast<unsigned long long>(at) << 32) | __float_as_uint(v));
+    };
+    for (; i + 7 * kThreads < a.K; i += 8 * kThreads) {
+      float v[8];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] = a.h[i + j * kThreads];
+      for (int j = 0; j < 8; ++j) v[j] = a.h[i + j * kThreads];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          ss += v[j] * v[j];
-          checked(v[j], i + j * kThreads);
-        }
+      for (int j = 0; j < 8; ++j) {
+        ss += v[j] * v[j];
+        checked(v[j], i + j * kThreads);
       }
-      for (; i < a.K; i += kThreads) {
-        ss += a.h[i] * a.h[i];
-        checked(a.h[i], i);
-      }
-      ss = warp_sum(ss);
-      if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = ss;
-      __syncthreads();
-      float t = (threadIdx.x & 31) < kWarps ? sh[threadIdx.x & 31] : 0.0f;
-      t = warp_sum(t);
-      inv = rsqrtf(t / a.K + a.eps);
     }
+    for (; i < a.K; i += kThreads) {
+      ss += a.h[i] * a.h[i];
+      checked(a.h[i], i);
+    }
+    ss = warp_sum(ss);
+    if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    float t = (threadIdx.x & 31) < kWarps ? sh[threadIdx.x & 31] : 0.0f;
+    t = warp_sum(t);
+    const float inv = rsqrtf(t / a.K + a.eps);
     for (int c0 = threadIdx.x; c0 < K8; c0 += 2 * kThreads) {
       float4 pv[2][2], qv[2][2];
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int c = c0 + j * kThreads;
         if (c < K8) {
-          const float4* p4 = reinterpret_cast<const float4*>(p) + 2 * c;
-          const float4* q4 = reinterpret_cast<const float4*>(q) + 2 * c;
+          const float4* p4 = reinterpret_cast<const float4*>(a.h) + 2 * c;
+          const float4* q4 = reinterpret_cast<const float4*>(a.g) + 2 * c;
           pv[j][0] = p4[0], pv[j][1] = p4[1], qv[j][0] = q4[0], qv[j][1] = q4[1];
         }
       }
@@ -130,10 +131,7 @@ __device__ __forceinline__ void stage_x(const Args& a, uint4* xs) {
         const float qf[8] = {qv[j][0].x, qv[j][0].y, qv[j][0].z, qv[j][0].w, qv[j][1].x, qv[j][1].y, qv[j][1].z, qv[j][1].w};
         float f[8];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          if constexpr (MODE == kNorm) f[i] = qf[i] * (pf[i] * inv);  // g·(h/rms), as rms_norm
-          else f[i] = activate(pf[i], a.act) * qf[i];                 // act(gate)·up, as gated_act
-        }
+        for (int i = 0; i < 8; ++i) f[i] = qf[i] * (pf[i] * inv);  // g·(h/rms), as rms_norm
         xs[c] = pack8<T>(f);
       }
     }
@@ -143,16 +141,20 @@ __device__ __forceinline__ void stage_x(const Args& a, uint4* xs) {
 template <class T, int R, int MODE>
 __global__ void __launch_bounds__(kThreads, 2) gemv_kernel(const Args a) {
   constexpr int U = 8 / R;  // chunks of each row per stage
+  constexpr bool PAIR = MODE == kNormPair;
+  static_assert(!PAIR || R == 2, "a paired warp owns two rows");
   extern __shared__ uint4 xs[];
   const int lane = threadIdx.x & 31;
-  const int row0 = (blockIdx.x * kWarps + (threadIdx.x >> 5)) * R;
+  const int warp = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  const int row0 = PAIR ? warp : warp * R;
   const int K8 = a.K >> 3, stages = (K8 + 32 * U - 1) / (32 * U);
   const bool active = row0 < a.N;
   // Rows past N (the last group only) read row N-1 again; their sums are dropped.
   const uint4* w0 = a.W + static_cast<int64_t>(min(row0, a.N - 1)) * K8;
-  int roff[R];
+  int64_t roff[R];
 #pragma unroll
-  for (int r = 0; r < R; ++r) roff[r] = (min(row0 + r, a.N - 1) - min(row0, a.N - 1)) * K8;
+  for (int r = 0; r < R; ++r)
+    roff[r] = PAIR ? static_cast<int64_t>(r) * a.N * K8 : static_cast<int64_t>(min(row0 + r, a.N - 1) - min(row0, a.N - 1)) * K8;
 
   const uint64_t pol = evict_first_policy();
   uint4 b0[R][U], b1[R][U];
@@ -204,6 +206,10 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_kernel(const Args a) {
   }
 #pragma unroll
   for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
+  if constexpr (PAIR) {
+    if (lane == 0) static_cast<T*>(a.out)[row0] = from_f<T>(activate(acc[0], a.act) * acc[1]);  // as gated_act
+    return;
+  }
   float v = acc[0];
 #pragma unroll
   for (int r = 1; r < R; ++r)
@@ -217,7 +223,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_kernel(const Args a) {
 
 template <class T, int R, int MODE>
 void launch(const Args& a, bool pdl, cudaStream_t s) {
-  const int groups = (a.N + R - 1) / R;
+  const int groups = MODE == kNormPair ? a.N : (a.N + R - 1) / R;
   KV_CUDA(launch_dependent(gemv_kernel<T, R, MODE>, (groups + kWarps - 1) / kWarps, kThreads,
                            static_cast<size_t>(a.K) * sizeof(T), s, pdl, a),
           "gemv_kernel " + std::to_string(a.N) + "x" + std::to_string(a.K));
@@ -228,17 +234,22 @@ void go(const GemvParams& p, const Args& a, cudaStream_t s) {
   // Rows a warp, as measured by `kvlens bench gemv` on an H100 at the decode step's sizes: at
   // K = 4096 one or two (4 or 2 KB of a row a warp and stage; blocks in several waves, each
   // starting as a slot frees) streamed fastest, within 5 % of each other over two runs
-  // (2.5-3.07 TB/s, against 1.9-2.97 with eight); at K = 11008 each block's staging of x is long
-  // enough that two (one wave, one staging a slot) beat one by 12-15 %.
-  int R = p.rows_per_warp;
-  if (R == 0) R = p.K > 8192 ? 2 : 1;
-  switch (R) {
-    case 1: return launch<T, 1, MODE>(a, p.pdl, s);
-    case 2: return launch<T, 2, MODE>(a, p.pdl, s);
-    case 4: return launch<T, 4, MODE>(a, p.pdl, s);
-    case 8: return launch<T, 8, MODE>(a, p.pdl, s);
+  // (2.5-3.07 TB/s, against 1.9-2.97 with eight); at K = 11008 (the down product, measured when
+  // its blocks staged SiLU(gate)·up from fp32) each block's staging of x is long enough that two
+  // (one wave, one staging a slot) beat one by 12-15 %.
+  if constexpr (MODE == kNormPair) {
+    launch<T, 2, MODE>(a, p.pdl, s);
+  } else {
+    int R = p.rows_per_warp;
+    if (R == 0) R = p.K > 8192 ? 2 : 1;
+    switch (R) {
+      case 1: return launch<T, 1, MODE>(a, p.pdl, s);
+      case 2: return launch<T, 2, MODE>(a, p.pdl, s);
+      case 4: return launch<T, 4, MODE>(a, p.pdl, s);
+      case 8: return launch<T, 8, MODE>(a, p.pdl, s);
+    }
+    throw InternalError("gemv: rows_per_warp must be 0, 1, 2, 4 or 8, got " + std::to_string(R));
   }
-  throw InternalError("gemv: rows_per_warp must be 0, 1, 2, 4 or 8, got " + std::to_string(R));
 }
 
 }  // namespace
@@ -250,14 +261,16 @@ void gemv(const GemvParams& p, cudaStream_t s) {
   if (!gemv_supported(p.dt, p.K))
     throw InternalError("gemv: needs f16/bf16 and K a multiple of 8 up to " + std::to_string(kGemvMaxK) + ", got " +
                         std::string(dt_name(p.dt)) + " K=" + std::to_string(p.K));
-  const int mode = p.h ? kNorm : p.gu ? kGated : kPlain;
-  if (mode == kPlain && !p.x) throw InternalError("gemv: no input (x, h or gu)");
-  const Args a{static_cast<const uint4*>(p.W), static_cast<const uint4*>(p.x), p.h, p.g, p.eps, p.gu, p.act, p.bias,
-               p.y, p.N, p.K, p.accumulate ? 1 : 0, p.check};
+  const int mode = p.h ? (p.out ? kNormPair : kNorm) : kPlain;
+  if (mode == kPlain && !p.x) throw InternalError("gemv: no input (x or h)");
+  if (p.out && (p.bias || p.accumulate || p.y))
+    throw InternalError("gemv: the paired gate/up product writes act(gate)·up only (no bias, y or accumulate)");
+  const Args a{static_cast<const uint4*>(p.W), static_cast<const uint4*>(p.x), p.h, p.g, p.eps, p.act, p.bias,
+               p.y, p.out, p.N, p.K, p.accumulate ? 1 : 0, p.check};
   auto by_mode = [&](auto t) {
     using T = decltype(t);
     if (mode == kNorm) go<T, kNorm>(p, a, s);
-    else if (mode == kGated) go<T, kGated>(p, a, s);
+    else if (mode == kNormPair) go<T, kNormPair>(p, a, s);
     else go<T, kPlain>(p, a, s);
   };
   if (p.dt == Dt::F16) by_mode(__half{});

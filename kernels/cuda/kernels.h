@@ -48,17 +48,18 @@ constexpr int kGemvMaxK = 16384;  // x is staged in 32 KiB of shared memory
 struct GemvParams {
   const void* W = nullptr;
   Dt dt = Dt::F16;
-  int N = 0, K = 0;
+  int N = 0, K = 0;  // paired: N outputs, W holds 2N rows (gate rows, then up rows)
   const void* x = nullptr;
   const float* h = nullptr;
   const float* g = nullptr;
   float eps = 0.0f;
-  const float* gu = nullptr;
-  int act = 0;  // static_cast<int>(cpu::Act)
+  int act = 0;  // static_cast<int>(cpu::Act), paired mode
   const float* bias = nullptr;
   float* y = nullptr;
+  // Paired (norm input only): act(gate)·up written here in the weights' dtype instead of y.
+  void* out = nullptr;
   bool accumulate = false;
-  int rows_per_warp = 0;  // 1, 2, 4 or 8; 0 = the kernel's choice for K
+  int rows_per_warp = 0;  // 1, 2, 4 or 8; 0 = the kernel's choice for K (paired: always 2)
   bool pdl = true;        // programmatic dependent launch (off also with KVLENS_CUDA_PDL=0)
   // Norm input only: the first block records h's first non-finite value here, as
   // first_nonfinite does (the finiteness check of h folded into the product).
