@@ -182,9 +182,9 @@ std::shared_ptr<Backend> cuda_backend(int device) {
 #endif
 
 struct AttnArgs {
-  std::vector<int> contexts{4096, 16384, 65536}, batches{1, 16}, bits{16, 4, 2, 1};
+  std::vector<int> contexts{4096, 16384, 65536}, batches{1, 16}, bits{16, 4, 2, 1}, splits{0};
   int heads = 32, head_dim = 128, device = 0, reps = 30;
-  bool no_calib = false;
+  bool no_calib = false, back_to_back = false;
   std::string json;
 };
 
@@ -204,22 +204,26 @@ void run_attention(const AttnArgs& a) {
   c.batches = a.batches;
   c.bits = a.bits;
   c.calibrate_1bit = !a.no_calib;
+  c.splits = a.splits;
+  c.back_to_back = a.back_to_back;
   c.reps = a.reps;
   const auto rows = cuda::bench_decode_attention(c, copy / 1e9);
-  std::printf("decode attention, %d heads x %d, %s; copy bandwidth %.1f GB/s\n", a.heads, a.head_dim,
-              be->device().c_str(), copy / 1e9);
-  std::printf("%-9s %6s %8s %10s %10s %9s %8s %9s\n", "format", "batch", "context", "ms", "MB read", "GB/s", "of copy",
-              "vs fp16");
+  std::printf("decode attention, %d heads x %d, %s; copy bandwidth %.1f GB/s; ms per call, %s\n", a.heads,
+              a.head_dim, be->device().c_str(), copy / 1e9,
+              a.back_to_back ? "calls back to back (median of 5 runs)" : "each call timed alone (median)");
+  std::printf("%-9s %6s %8s %6s %10s %10s %9s %8s %9s\n", "format", "batch", "context", "splits", "ms", "MB read", "GB/s",
+              "of copy", "vs fp16");
   nlohmann::json j = nlohmann::json::array();
   for (const auto& r : rows) {
-    std::printf("%-9s %6d %8d %10.4f %10.1f %9.1f %7.1f%% %8.2fx\n", r.format.c_str(), r.batch, r.context, r.ms,
-                r.bytes / 1e6, r.gbs, 100 * r.share_of_copy, r.speedup_vs_fp16);
-    j.push_back({{"format", r.format}, {"bits", r.bits}, {"batch", r.batch}, {"context", r.context}, {"ms", r.ms},
+    std::printf("%-9s %6d %8d %6d %10.4f %10.1f %9.1f %7.1f%% %8.2fx\n", r.format.c_str(), r.batch, r.context, r.splits,
+                r.ms, r.bytes / 1e6, r.gbs, 100 * r.share_of_copy, r.speedup_vs_fp16);
+    j.push_back({{"format", r.format}, {"bits", r.bits}, {"batch", r.batch}, {"context", r.context},
+                 {"splits", r.splits}, {"ms", r.ms},
                  {"bytes", r.bytes}, {"gbs", r.gbs}, {"share_of_copy", r.share_of_copy},
                  {"speedup_vs_fp16", r.speedup_vs_fp16}});
   }
   write_json(a.json, {{"device", be->device()}, {"copy_bandwidth_gbs", copy / 1e9}, {"heads", a.heads},
-                      {"head_dim", a.head_dim}, {"rows", j}});
+                      {"head_dim", a.head_dim}, {"timing", a.back_to_back ? "back_to_back" : "isolated"}, {"rows", j}});
 #endif
 }
 
@@ -380,9 +384,12 @@ void add_bench_command(CLI::App& root) {
   add_ints(at, "--bits", t->bits, 1, 16, "16 = fp16, else b-bit channel-wise codes");
   add_int(at, "--heads", t->heads, 1, 1024, "Query (= KV) heads");
   add_int(at, "--head-dim", t->head_dim, 8, 256, "Head dimension (a multiple of 8)");
-  add_int(at, "--reps", t->reps, 1, 100000, "Timed calls per point (median)");
+  add_ints(at, "--splits", t->splits, 0, 1024, "Splits of each head's rows (0 = the kernel's choice)");
+  add_int(at, "--reps", t->reps, 1, 100000, "Timed calls per point (median), or calls per timing with --back-to-back");
   add_int(at, "--device", t->device, 0, 1024, "CUDA device ordinal");
   at->add_flag("--no-calibration", t->no_calib, "Skip the 1-bit row with in-kernel calibration");
+  at->add_flag("--back-to-back", t->back_to_back,
+               "Time calls in a row (median of 5 runs / --reps) instead of each call alone (events around it, launch included)");
   at->add_option("--json", t->json, "Also write the rows as JSON here");
   at->callback([t] { run_attention(*t); });
 

@@ -37,14 +37,18 @@ fi
 if has bench; then
   run bench_embedded 120 "$BUILD/kvlens" bench --backend cuda --repeat 5 --json "$OUT/bench_embedded.json"
   run bench_attention 180 "$BUILD/kvlens" bench attention --json "$OUT/bench_attention.json"
+  run bench_attention_b2b 180 "$BUILD/kvlens" bench attention --back-to-back --json "$OUT/bench_attention_b2b.json"
   run bench_prefill 120 "$BUILD/kvlens" bench prefill --json "$OUT/bench_prefill.json"
   run sdpa 120 python3 tests/sdpa_bench.py --json "$OUT/sdpa.json"
+  run sdpa_b2b 120 python3 tests/sdpa_bench.py --back-to-back --json "$OUT/sdpa_b2b.json"
   if [ ! -f "$CK/config.json" ] || [ ! -f "$OUT/hf_bench.json" ]; then
     run make_llava7b 300 python3 tests/make_llava7b.py --out "$CK" --json "$OUT/hf_bench.json"
   fi
   PROMPT=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['prompt'])" "$OUT/hf_bench.json" 2>/dev/null)
   run bench_7b 200 "$BUILD/kvlens" bench --backend cuda --model "$CK" --prompt "${PROMPT:-Describe the image.}" \
     --repeat 3 --json "$OUT/bench_7b.json"
+  run bench_7b_unchained 200 "$BUILD/kvlens" bench --backend cuda --model "$CK" --prompt "${PROMPT:-Describe the image.}" \
+    --repeat 3 --unchained --json "$OUT/bench_7b_unchained.json"
   run bench_7b_profile 200 "$BUILD/kvlens" bench --backend cuda --model "$CK" --prompt "${PROMPT:-Describe the image.}" \
     --repeat 1 --max-new-tokens 8 --profile
   run bench_embedded_profile 120 "$BUILD/kvlens" bench --backend cuda --repeat 1 --max-new-tokens 8 --profile

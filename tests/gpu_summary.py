@@ -34,7 +34,8 @@ def main():
     s7 = load(d, "bench_7b.json")
     hf = load(d, "hf_bench.json")
     print(f"\n{'model':<24}{'vision ms':>10}{'prefill ms':>11}{'decode tok/s':>13}{'roofline':>10}{'share':>8}")
-    for name, b in (("embedded 6M (cuda)", e), ("LLaVA-7B shape (cuda)", s7)):
+    s7u = load(d, "bench_7b_unchained.json")
+    for name, b in (("embedded 6M (cuda)", e), ("LLaVA-7B shape (cuda)", s7), ("7B, steps unchained", s7u)):
         if b:
             print(f"{name:<24}{b['vision_ms']:>10.2f}{b['prefill_ms']:>11.2f}{b['decode_tokens_per_s']:>13.1f}"
                   f"{b['roofline_tokens_per_s']:>10.1f}{100 * b['share_of_roofline']:>7.1f}%")
@@ -45,11 +46,14 @@ def main():
     if s7:
         print(f"7B: prompt {s7['prompt_tokens']} tokens, copy {s7['copy_bandwidth_gbs']:.0f} GB/s, "
               f"weights {s7['lm_weight_bytes'] / 1e9:.2f} GB/token, vision+prefill {s7['vision_ms'] + s7['prefill_ms']:.1f} ms")
-    a = load(d, "bench_attention.json")
-    sd = load(d, "sdpa.json")
-    if a:
+    for suffix, how in (("", "each call timed alone"), ("_b2b", "calls back to back")):
+        a = load(d, f"bench_attention{suffix}.json")
+        sd = load(d, f"sdpa{suffix}.json")
+        if not a:
+            continue
         sdpa = {(r["batch"], r["context"]): r for r in (sd or {}).get("rows", [])}
-        print(f"\ndecode attention 32x128 (copy {a['copy_bandwidth_gbs']:.0f} GB/s): ms / share of copy / speed-up vs fp16")
+        print(f"\ndecode attention 32x128, {how} (copy {a['copy_bandwidth_gbs']:.0f} GB/s): "
+              "ms / share of copy / speed-up vs fp16")
         print(f"{'batch':>5}{'context':>8}{'sdpa fp16':>11}" + "".join(f"{f:>20}" for f in ("fp16", "q4", "q2", "q1", "q1+calib")))
         keys = sorted({(r["batch"], r["context"]) for r in a["rows"]})
         for k in keys:

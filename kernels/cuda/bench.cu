@@ -128,121 +128,134 @@ std::vector<AttnBenchRow> bench_decode_attention(const AttnBenchConfig& c, doubl
   const int64_t L2 = l2_bytes(c.device);
   std::vector<AttnBenchRow> rows;
   for (int B : c.batches)
-    for (int n : c.contexts) {
-      double fp16_ms = 0;
-      std::vector<std::pair<int, bool>> fmts;
-      for (int b : c.bits) fmts.push_back({b, false});
-      if (c.calibrate_1bit) fmts.push_back({1, true});
-      for (auto [bits, calib] : fmts) {
-        const int64_t heads = static_cast<int64_t>(B) * NH;
-        const int64_t row_bytes = bits == 16 ? static_cast<int64_t>(D) * 2 : static_cast<int64_t>(D) * bits / 8;
-        const int64_t side = heads * n * row_bytes;                        // K or V data
-        const int64_t ranges = bits == 16 ? 0 : heads * D * 2 * 2;         // fp16 scale + zero per channel
-        const int64_t set_bytes = 2 * side + 2 * ranges;
-        const int sets = static_cast<int>(std::clamp<int64_t>((4 * L2 + set_bytes - 1) / set_bytes, 1, 8));
-        std::vector<std::unique_ptr<Mem>> data;
-        for (int s = 0; s < sets; ++s) {
-          data.push_back(std::make_unique<Mem>(set_bytes, "decode attention benchmark cache"));
-          if (bits == 16) fill_half(*data.back(), -1.0f, 1.0f, 1000 + s, st.s);
-          else fill_bytes(*data.back(), 1000 + s, st.s);
-          if (ranges) {
-            // scales in [0.01, 0.1), zero points in [-1, 0): overwrite the range arrays.
-            __half* r = reinterpret_cast<__half*>(data.back()->as<uint8_t>() + 2 * side);
-            fill_half_kernel<<<grid(heads * D * 2), 256, 0, st.s>>>(r, heads * D, 0.01f, 0.1f, 7 + s);
-            fill_half_kernel<<<grid(heads * D * 2), 256, 0, st.s>>>(r + heads * D, heads * D, -1.0f, 0.0f, 9 + s);
-            fill_half_kernel<<<grid(heads * D * 2), 256, 0, st.s>>>(r + 2 * heads * D, heads * D, 0.01f, 0.1f, 11 + s);
-            fill_half_kernel<<<grid(heads * D * 2), 256, 0, st.s>>>(r + 3 * heads * D, heads * D, -1.0f, 0.0f, 13 + s);
-          }
-        }
-        KV_LAUNCH("benchmark fill", "decode attention cache");
-        Mem q(heads * D * 4, "benchmark queries"), out(heads * D * 2, "benchmark outputs");
-        fill_float_kernel<<<grid(heads * D), 256, 0, st.s>>>(q.as<float>(), heads * D, -1.0f, 1.0f, 5);
-        const int splits = decode_splits(B, NH, n, SM);
-        Mem po(heads * splits * D * 4, "partial outputs"), pm(heads * splits * 2 * 4, "partial states"),
-            vr(heads * splits * 2 * 4, "visual ranges");
-        Mem np(heads * 4, "part counts"), sem(heads * 4, "merge counters");
-        KV_CUDA(cudaMemsetAsync(sem.p, 0, heads * 4, st.s), "merge counters");
-        std::vector<int32_t> ones(static_cast<size_t>(heads), 1);
-        KV_CUDA(cudaMemcpyAsync(np.p, ones.data(), heads * 4, cudaMemcpyHostToDevice, st.s), "part counts");
-        std::vector<std::unique_ptr<Mem>> tables;
-        for (int s = 0; s < sets; ++s) {
-          std::vector<PartDesc> t(static_cast<size_t>(heads));
-          uint8_t* base = data[s]->as<uint8_t>();
-          const __half* r = reinterpret_cast<const __half*>(base + 2 * side);
-          for (int64_t i = 0; i < heads; ++i) {
-            PartDesc& d = t[static_cast<size_t>(i)];
-            d.n = n;
-            d.visual = 1;
-            for (int kv = 0; kv < 2; ++kv) {
-              KvSide& x = kv ? d.v : d.k;
-              x.fmt = bits == 16 ? kF16 : kChannel;
-              if (kv && bits == 1 && D == 128) x.fmt = kChannelT;  // random codes: any layout will do
-              x.bits = bits;
-              x.data = base + kv * side + i * n * row_bytes;
-              if (bits != 16) {
-                x.scale = r + (2 * kv) * heads * D + i * D;
-                x.zero = r + (2 * kv + 1) * heads * D + i * D;
-              }
+    for (int n : c.contexts)
+      for (int split_arg : c.splits) {
+        double fp16_ms = 0;
+        std::vector<std::pair<int, bool>> fmts;
+        for (int b : c.bits) fmts.push_back({b, false});
+        if (c.calibrate_1bit) fmts.push_back({1, true});
+        for (auto [bits, calib] : fmts) {
+          const int64_t heads = static_cast<int64_t>(B) * NH;
+          const int64_t row_bytes = bits == 16 ? static_cast<int64_t>(D) * 2 : static_cast<int64_t>(D) * bits / 8;
+          const int64_t side = heads * n * row_bytes;                        // K or V data
+          const int64_t ranges = bits == 16 ? 0 : heads * D * 2 * 2;         // fp16 scale + zero per channel
+          const int64_t set_bytes = 2 * side + 2 * ranges;
+          const int sets = static_cast<int>(std::clamp<int64_t>((4 * L2 + set_bytes - 1) / set_bytes, 1, 8));
+          std::vector<std::unique_ptr<Mem>> data;
+          for (int s = 0; s < sets; ++s) {
+            data.push_back(std::make_unique<Mem>(set_bytes, "decode attention benchmark cache"));
+            if (bits == 16) fill_half(*data.back(), -1.0f, 1.0f, 1000 + s, st.s);
+            else fill_bytes(*data.back(), 1000 + s, st.s);
+            if (ranges) {
+              // scales in [0.01, 0.1), zero points in [-1, 0): overwrite the range arrays.
+              __half* r = reinterpret_cast<__half*>(data.back()->as<uint8_t>() + 2 * side);
+              fill_half_kernel<<<grid(heads * D * 2), 256, 0, st.s>>>(r, heads * D, 0.01f, 0.1f, 7 + s);
+              fill_half_kernel<<<grid(heads * D * 2), 256, 0, st.s>>>(r + heads * D, heads * D, -1.0f, 0.0f, 9 + s);
+              fill_half_kernel<<<grid(heads * D * 2), 256, 0, st.s>>>(r + 2 * heads * D, heads * D, 0.01f, 0.1f, 11 + s);
+              fill_half_kernel<<<grid(heads * D * 2), 256, 0, st.s>>>(r + 3 * heads * D, heads * D, -1.0f, 0.0f, 13 + s);
             }
           }
-          tables.push_back(std::make_unique<Mem>(heads * static_cast<int64_t>(sizeof(PartDesc)), "part table"));
-          KV_CUDA(cudaMemcpyAsync(tables.back()->p, t.data(), t.size() * sizeof(PartDesc), cudaMemcpyHostToDevice, st.s),
-                  "part table");
+          KV_LAUNCH("benchmark fill", "decode attention cache");
+          Mem q(heads * D * 4, "benchmark queries"), out(heads * D * 2, "benchmark outputs");
+          fill_float_kernel<<<grid(heads * D), 256, 0, st.s>>>(q.as<float>(), heads * D, -1.0f, 1.0f, 5);
+          const int splits = split_arg > 0 ? std::min(split_arg, n) : decode_splits(B, NH, n, SM);
+          Mem po(heads * splits * D * 4, "partial outputs"), pm(heads * splits * 2 * 4, "partial states"),
+              vr(heads * splits * 2 * 4, "visual ranges");
+          Mem np(heads * 4, "part counts"), sem(heads * 4, "merge counters");
+          KV_CUDA(cudaMemsetAsync(sem.p, 0, heads * 4, st.s), "merge counters");
+          std::vector<int32_t> ones(static_cast<size_t>(heads), 1);
+          KV_CUDA(cudaMemcpyAsync(np.p, ones.data(), heads * 4, cudaMemcpyHostToDevice, st.s), "part counts");
+          std::vector<std::unique_ptr<Mem>> tables;
+          for (int s = 0; s < sets; ++s) {
+            std::vector<PartDesc> t(static_cast<size_t>(heads));
+            uint8_t* base = data[s]->as<uint8_t>();
+            const __half* r = reinterpret_cast<const __half*>(base + 2 * side);
+            for (int64_t i = 0; i < heads; ++i) {
+              PartDesc& d = t[static_cast<size_t>(i)];
+              d.n = n;
+              d.visual = 1;
+              for (int kv = 0; kv < 2; ++kv) {
+                KvSide& x = kv ? d.v : d.k;
+                x.fmt = bits == 16 ? kF16 : kChannel;
+                if (kv && bits == 1 && D == 128) x.fmt = kChannelT;  // random codes: any layout will do
+                x.bits = bits;
+                x.data = base + kv * side + i * n * row_bytes;
+                if (bits != 16) {
+                  x.scale = r + (2 * kv) * heads * D + i * D;
+                  x.zero = r + (2 * kv + 1) * heads * D + i * D;
+                }
+              }
+            }
+            tables.push_back(std::make_unique<Mem>(heads * static_cast<int64_t>(sizeof(PartDesc)), "part table"));
+            KV_CUDA(cudaMemcpyAsync(tables.back()->p, t.data(), t.size() * sizeof(PartDesc), cudaMemcpyHostToDevice, st.s),
+                    "part table");
+          }
+          DecodeParams p;
+          p.B = B;
+          p.NH = NH;
+          p.NKV = NH;
+          p.D = D;
+          p.scale = 1.0f / std::sqrt(static_cast<float>(D));
+          p.q = q.as<float>();
+          p.q_stride = static_cast<int64_t>(NH) * D;
+          p.n_parts = np.as<int32_t>();
+          p.max_parts = 1;
+          p.splits = splits;
+          p.part_o = po.as<float>();
+          p.part_md = pm.as<float>();
+          p.out = out.p;
+          p.odt = Dt::F16;
+          p.out_stride = static_cast<int64_t>(NH) * D;
+          p.sem = sem.as<int>();
+          p.lut_bits = bits <= 4 ? bits : 0;
+          p.all_f16 = bits == 16 ? 1 : 0;
+          p.all_mma = D == 128 && (bits == 1 || bits == 2 || bits == 4 || bits == 8) ? 1 : 0;
+          p.b1 = D == 128 && bits == 1 ? 1 : 0;
+          if (calib) {
+            p.calibrate = 1;
+            p.tau1 = 0.0f;
+            p.tau2 = 3.0f;
+            p.vis_range = vr.as<float>();
+          }
+          auto call = [&](int r) {
+            p.parts = tables[r % sets]->as<PartDesc>();  // another cache set each call: none is in L2
+            decode_attention(p, st.s);
+          };
+          for (int r = 0; r < 3; ++r) call(r);  // warm-up
+          std::vector<float> ms;
+          if (!c.back_to_back) {
+            Events ev;
+            for (int r = 0; r < c.reps; ++r) {
+              cudaEventRecord(ev.a, st.s);
+              call(r);
+              cudaEventRecord(ev.b, st.s);
+              KV_CUDA(cudaEventSynchronize(ev.b), "decode attention benchmark");
+              float t = 0;
+              cudaEventElapsedTime(&t, ev.a, ev.b);
+              ms.push_back(t);
+            }
+            std::sort(ms.begin(), ms.end());
+          } else {
+            ms.push_back(median5_ms(st.s, "decode attention benchmark", [&] {
+                           for (int r = 0; r < c.reps; ++r) call(r);
+                         }) /
+                         c.reps);
+          }
+          AttnBenchRow row;
+          row.format = bits == 16 ? "fp16" : "q" + std::to_string(bits) + (calib ? "+calib" : "");
+          row.bits = bits;
+          row.batch = B;
+          row.context = n;
+          row.splits = splits;
+          row.ms = ms[ms.size() / 2];
+          row.bytes = static_cast<double>(set_bytes + heads * D * 4 + heads * D * 2);
+          row.gbs = row.bytes / (row.ms * 1e-3) / 1e9;
+          row.share_of_copy = copy_gbs > 0 ? row.gbs / copy_gbs : 0;
+          if (bits == 16) fp16_ms = row.ms;
+          row.speedup_vs_fp16 = fp16_ms > 0 ? fp16_ms / row.ms : 0;
+          rows.push_back(row);
         }
-        DecodeParams p;
-        p.B = B;
-        p.NH = NH;
-        p.NKV = NH;
-        p.D = D;
-        p.scale = 1.0f / std::sqrt(static_cast<float>(D));
-        p.q = q.as<float>();
-        p.q_stride = static_cast<int64_t>(NH) * D;
-        p.n_parts = np.as<int32_t>();
-        p.max_parts = 1;
-        p.splits = splits;
-        p.part_o = po.as<float>();
-        p.part_md = pm.as<float>();
-        p.out = out.p;
-        p.odt = Dt::F16;
-        p.out_stride = static_cast<int64_t>(NH) * D;
-        p.sem = sem.as<int>();
-        p.lut_bits = bits <= 4 ? bits : 0;
-        p.all_f16 = bits == 16 ? 1 : 0;
-        p.all_mma = D == 128 && (bits == 1 || bits == 2 || bits == 4 || bits == 8) ? 1 : 0;
-        p.b1 = D == 128 && bits == 1 ? 1 : 0;
-        if (calib) {
-          p.calibrate = 1;
-          p.tau1 = 0.0f;
-          p.tau2 = 3.0f;
-          p.vis_range = vr.as<float>();
-        }
-        Events ev;
-        std::vector<float> ms;
-        for (int r = 0; r < c.reps + 3; ++r) {
-          p.parts = tables[r % sets]->as<PartDesc>();
-          cudaEventRecord(ev.a, st.s);
-          decode_attention(p, st.s);
-          cudaEventRecord(ev.b, st.s);
-          KV_CUDA(cudaEventSynchronize(ev.b), "decode attention benchmark");
-          float t = 0;
-          cudaEventElapsedTime(&t, ev.a, ev.b);
-          if (r >= 3) ms.push_back(t);
-        }
-        std::sort(ms.begin(), ms.end());
-        AttnBenchRow row;
-        row.format = bits == 16 ? "fp16" : "q" + std::to_string(bits) + (calib ? "+calib" : "");
-        row.bits = bits;
-        row.batch = B;
-        row.context = n;
-        row.ms = ms[ms.size() / 2];
-        row.bytes = static_cast<double>(set_bytes + heads * D * 4 + heads * D * 2);
-        row.gbs = row.bytes / (row.ms * 1e-3) / 1e9;
-        row.share_of_copy = copy_gbs > 0 ? row.gbs / copy_gbs : 0;
-        if (bits == 16) fp16_ms = row.ms;
-        row.speedup_vs_fp16 = fp16_ms > 0 ? fp16_ms / row.ms : 0;
-        rows.push_back(row);
       }
-    }
   return rows;
 }
 
