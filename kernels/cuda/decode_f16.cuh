@@ -4,8 +4,8 @@
 // A kernel of its own, with none of the packed paths compiled in, so it needs few registers
 // (several blocks fit a multiprocessor) and a block's fixed work is short; at the contexts of a
 // captioning run (hundreds of rows a head) that fixed work, not the bytes, sets the time. Each
-// group of L = D/8 lanes takes kF16Rows rows of the block's range at a time (rows g, g + G, …),
-// with every K and V load of those rows issued before the first is used. The part table, the
+// group of L = D/8 lanes walks the block's range (rows g, g + G, …) in two register stages of
+// kF16Rows / 2 rows: while one stage's rows are used, the other's loads are in flight. The part table, the
 // row counts and the block's first rows are read before waiting for the previous kernel (none
 // of them is written by it), so at those contexts the whole cache is in flight while the q/k/v
 // product ends.
@@ -50,7 +50,7 @@ __device__ __forceinline__ uint4 pack8_f16(const float* f) {
 
 template <int L>
 __global__ void __launch_bounds__(kThreads, 4) decode_f16_kernel(DecodeParams p) {
-  constexpr int G = kThreads / L, U = kF16Rows, D = 8 * L;
+  constexpr int G = kThreads / L, U = kF16Rows / 2, D = 8 * L, step = U * G;
   __shared__ const __half* sh_k[kSharedParts];
   __shared__ const __half* sh_v[kSharedParts];
   __shared__ int sh_end[kSharedParts];  // rows, then cumulative rows
@@ -97,11 +97,19 @@ __global__ void __launch_bounds__(kThreads, 4) decode_f16_kernel(DecodeParams p)
       }
     }
   };
-  uint4 kr[U], vr[U];
-  load(r0, kr, vr);
+  // Two stages of U rows a group: one stage's loads are in flight while the other's rows are
+  // used.
+  uint4 ka[U], va[U], kb[U], vb[U];
+  load(r0, ka, va);
+  load(r0 + step, kb, vb);
 
   pdl_wait();
-  pdl_trigger();  // the next product may start its weight reads
+  // The next kernel (the o product, which starts its weight reads early) is let in at once when
+  // the block's rows are all in its two stages already (a captioning run's context), else once
+  // the block is at its last two stages, so that a block with many rows does not share its
+  // multiprocessor with waiting blocks for long.
+  const bool all_loaded = r1 - r0 <= 2 * step;
+  if (all_loaded) pdl_trigger();
   float q[8];
   const float* qrow = p.q + b * p.q_stride + static_cast<int64_t>(h) * D + c0;
 #pragma unroll
@@ -136,15 +144,23 @@ __global__ void __launch_bounds__(kThreads, 4) decode_f16_kernel(DecodeParams p)
 #pragma unroll
   for (int c = 0; c < 8; ++c) q[c] *= p.scale;
 
-  State st;
-  for (int j0 = r0; j0 < r1; j0 += G * U) {
-    if (j0 != r0) load(j0, kr, vr);
-    if (fresh) {
+  // The token's row, when it falls in a stage starting at row j0.
+  auto fill = [&](int j0, uint4 (&kr)[U], uint4 (&vr)[U]) {
+    if (!fresh) return;
 #pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (j0 + u * G + g == n_cache) kr[u] = fk, vr[u] = fv;
-    }
-    f16_update<L, U>(kr, vr, q, j0 + g, G, r1, false, 1.0f, 0.0f, 0.0f, st);
+    for (int u = 0; u < U; ++u)
+      if (j0 + u * G + g == n_cache) kr[u] = fk, vr[u] = fv;
+  };
+  State st;
+  for (int j0 = r0; j0 < r1; j0 += 2 * step) {
+    if (!all_loaded && j0 + 2 * step >= r1) pdl_trigger();
+    fill(j0, ka, va);
+    f16_update<L, U>(ka, va, q, j0 + g, G, r1, false, 1.0f, 0.0f, 0.0f, st);
+    if (j0 + 2 * step < r1) load(j0 + 2 * step, ka, va);
+    if (j0 + step >= r1) break;
+    fill(j0 + step, kb, vb);
+    f16_update<L, U>(kb, vb, q, j0 + step + g, G, r1, false, 1.0f, 0.0f, 0.0f, st);
+    if (j0 + 3 * step < r1) load(j0 + 3 * step, kb, vb);
   }
   finish_block<L>(p, st, b, h, s);
 }
