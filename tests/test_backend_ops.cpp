@@ -15,6 +15,10 @@
 #include "tests/attention_ref.h"
 #include "tests/op_harness.h"
 
+#ifdef KVLENS_HAVE_CUDA
+#include "kernels/cuda/kernels.h"
+#endif
+
 using namespace kvlens;
 using namespace kvlens::testing;
 
@@ -305,6 +309,60 @@ TEST(Ops, NormGateUp) {
   norm_gate_up_case(Dt::F16, cpu::Act::Silu, 3, 264, 101);     // M > 1: the two ops
   norm_gate_up_case(Dt::BF16, cpu::Act::GeluTanh, 1, 36, 19);  // K not a multiple of 8: the two ops
   KVLENS_GPU_HALF_SKIPPED();
+}
+
+// The one-token product's launcher refuses parameters that do not make one of its modes, before
+// anything reaches the device (so this runs wherever the CUDA code is built, GPU or not).
+TEST(Ops, GemvRefusesInconsistentParams) {
+#ifndef KVLENS_HAVE_CUDA
+  GTEST_SKIP() << "the CUDA backend is not built here";
+#else
+  alignas(16) static float host[64];  // addresses only: nothing is read or written
+  cuda::GemvParams base;
+  base.W = host, base.dt = Dt::F16, base.N = 5, base.K = 64;
+  auto refused = [&](const char* what, cuda::GemvParams p, const std::string& says) {
+    std::string msg;
+    try {
+      cuda::gemv(p, nullptr);
+    } catch (const InternalError& e) {
+      msg = e.what();
+    }
+    EXPECT_NE(msg.find(says), std::string::npos) << what << ": got \"" << msg << "\"";
+  };
+  cuda::GemvParams p = base;
+  p.y = host;
+  refused("no input", p, "one input needed");
+  p.x = host, p.h = host, p.g = host;
+  refused("x and h", p, "one input needed");
+  p = base, p.y = host, p.h = host;
+  refused("h without g", p, "needs its weight g");
+  p = base, p.y = host, p.x = host, p.check = reinterpret_cast<unsigned long long*>(host);
+  refused("a check on a plain input", p, "norm input (h) only");
+  p = base, p.x = host;
+  refused("no output", p, "no output (y)");
+  p = base, p.x = host, p.out = host;
+  refused("paired without the norm input", p, "needs the norm input");
+  cuda::GemvParams pair = base;
+  pair.h = host, pair.g = host, pair.out = host, pair.act = static_cast<int>(cpu::Act::Silu);
+  p = pair, p.y = host;
+  refused("paired with y", p, "act(gate)·up only");
+  p = pair, p.bias = host;
+  refused("paired with a bias", p, "act(gate)·up only");
+  p = pair, p.accumulate = true;
+  refused("paired, accumulating", p, "act(gate)·up only");
+  p = pair, p.rows_per_warp = 1;
+  refused("paired, one row a warp", p, "rows_per_warp 0 or 2");
+  p = pair, p.act = 9;
+  refused("paired, no activation", p, "is no cpu::Act");
+  p = base, p.x = host, p.y = host, p.rows_per_warp = 3;
+  refused("three rows a warp", p, "rows_per_warp must be 0, 1, 2, 4 or 8");
+  p = base, p.x = host, p.y = host, p.K = 36;
+  refused("K not a multiple of 8", p, "K a multiple of 8");
+  p = base, p.x = host, p.y = host, p.dt = Dt::F32;
+  refused("fp32 weights", p, "needs f16/bf16");
+  p = base, p.x = host, p.y = host, p.W = nullptr;
+  refused("no weights", p, "no weights");
+#endif
 }
 
 TEST(Ops, NormsActivations) {
