@@ -260,7 +260,7 @@ void norm_gate_up_case(Dt dt, cpu::Act act, int M, int K, int I) {
         const double eg = rel * gm, eu = rel * um, a = act_ref(act, gs), o = a * us;
         const size_t at = static_cast<size_t>(m) * I + n;
         ref[at] = static_cast<float>(o);
-        // |act'| ≤ 1.2 for the activations tested; fp32 evaluation of act (as gated_linear did);
+        // |act'| ≤ 1.2 for the activations tested; fp32 evaluation of act (as gated_act evaluates it);
         // one rounding of out
         bound[at] = 1.2 * eg * (std::abs(us) + eu) + (std::abs(a) + 1.2 * eg) * eu +
                     16 * unit(Dt::F32) * (std::abs(gs) + 1) * (std::abs(a) + 1) * std::abs(us) +
