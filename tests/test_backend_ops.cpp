@@ -15,6 +15,10 @@
 #include "tests/attention_ref.h"
 #include "tests/op_harness.h"
 
+#ifdef KVLENS_HAVE_CUDA
+#include "kernels/cuda/kernels.h"
+#endif
+
 using namespace kvlens;
 using namespace kvlens::testing;
 
@@ -224,9 +228,7 @@ double act_ref(cpu::Act act, double v) {
 // The MLP's gate and up products with the gate applied (norm_gate_up): out = act(gate)·up
 // rounded to the matrix dtype, with [gate | up] = (g·h/rms(h) in the matrix dtype)·Wᵀ, against
 // fp64 on the same inputs. M = 1 is a device's paired one-token product, M > 1 the two-op
-// default; on a device the paired product must equal norm_linear + gated_act bit for bit (the
-// same sums in the same order, the same formula and rounding). A planted Inf in h is reported
-// under the check's name.
+// default. A planted Inf in h is reported under the check's name, with its index and value.
 void norm_gate_up_case(Dt dt, cpu::Act act, int M, int K, int I) {
   const auto h = randn(static_cast<size_t>(M) * K, 2.0f), g = randn(K);
   const auto w = rounded(dt, randn(static_cast<size_t>(2) * I * K, 1.0f / std::sqrt(static_cast<float>(K))));
@@ -258,7 +260,7 @@ void norm_gate_up_case(Dt dt, cpu::Act act, int M, int K, int I) {
         const double eg = rel * gm, eu = rel * um, a = act_ref(act, gs), o = a * us;
         const size_t at = static_cast<size_t>(m) * I + n;
         ref[at] = static_cast<float>(o);
-        // |act'| ≤ 1.2 for the activations tested; fp32 evaluation of act (as gated_linear did);
+        // |act'| ≤ 1.2 for the activations tested; fp32 evaluation of act (as gated_act evaluates it);
         // one rounding of out
         bound[at] = 1.2 * eg * (std::abs(us) + eu) + (std::abs(a) + 1.2 * eg) * eu +
                     16 * unit(Dt::F32) * (std::abs(gs) + 1) * (std::abs(a) + 1) * std::abs(us) +
@@ -269,20 +271,11 @@ void norm_gate_up_case(Dt dt, cpu::Act act, int M, int K, int I) {
     Buffer X = be->alloc("x", {M, K}, W.dt), GU = poisoned(*be, "gu", {M, 2 * I}, Dt::F32);
     Buffer O = poisoned(*be, "out", {M, I}, W.dt);
     be->norm_gate_up(H, G, 1e-5f, X, W, act, GU, O);
-    const auto got = read(*be, O);
-    expect_within(got, ref, bound, what);
-    if (i == 1 && M == 1) {  // the paired product against the two ops it replaces
-      Buffer O2 = poisoned(*be, "out2", {M, I}, W.dt);
-      be->norm_linear(H, G, 1e-5f, X, W, nullptr, GU);
-      be->gated_act(GU, act, O2);
-      const auto two = read(*be, O2);
-      size_t diff = 0;
-      for (size_t k = 0; k < two.size(); ++k) diff += std::memcmp(&got[k], &two[k], 4) != 0;
-      EXPECT_EQ(diff, 0u) << what << ": paired product against norm_linear + gated_act";
-    }
+    expect_within(read(*be, O), ref, bound, what);
     // The check of h rides along.
     auto bad = h;
     bad[static_cast<size_t>(K / 3)] = std::numeric_limits<float>::infinity();
+    bad[static_cast<size_t>(K / 3 + 5)] = std::numeric_limits<float>::quiet_NaN();  // a later one is not named
     Buffer HB = make(*be, "h bad", {M, K}, Dt::F32, bad);
     const std::string name = "layer 3 output";
     std::string msg;
@@ -294,17 +287,111 @@ void norm_gate_up_case(Dt dt, cpu::Act act, int M, int K, int I) {
     }
     EXPECT_NE(msg.find(name + " is not finite"), std::string::npos) << what << ": " << msg;
     EXPECT_NE(msg.find("at index " + std::to_string(K / 3) + ")"), std::string::npos) << what << ": " << msg;
+    EXPECT_NE(msg.find("(value inf at"), std::string::npos) << what << ": " << msg;
   }
 }
 
 TEST(Ops, NormGateUp) {
   norm_gate_up_case(Dt::F16, cpu::Act::Silu, 1, 264, 1003);   // K/8 = 33 chunks; I not a multiple of 8 warps
-  norm_gate_up_case(Dt::BF16, cpu::Act::Silu, 1, 4104, 515);
-  norm_gate_up_case(Dt::F16, cpu::Act::Gelu, 1, 1032, 77);
+  norm_gate_up_case(Dt::BF16, cpu::Act::Silu, 1, 4104, 1003);  // the 8-wide loop of the norm, 3 stages
+  norm_gate_up_case(Dt::BF16, cpu::Act::Gelu, 1, 264, 1003);
+  norm_gate_up_case(Dt::F16, cpu::Act::Gelu, 1, 4104, 77);
   norm_gate_up_case(Dt::F16, cpu::Act::Silu, 1, 8200, 33);     // K past one row's two stages
-  norm_gate_up_case(Dt::F16, cpu::Act::Silu, 3, 264, 101);     // M > 1: the two ops
+  norm_gate_up_case(Dt::F16, cpu::Act::Silu, 3, 264, 1003);    // M > 1: the two ops
+  norm_gate_up_case(Dt::BF16, cpu::Act::Gelu, 3, 4104, 1003);
   norm_gate_up_case(Dt::BF16, cpu::Act::GeluTanh, 1, 36, 19);  // K not a multiple of 8: the two ops
   KVLENS_GPU_HALF_SKIPPED();
+}
+
+// On a device, the paired one-token product (norm_gate_up, M = 1) against the two ops it
+// replaces on the same backend, norm_linear then gated_act: bit for bit, for every activation —
+// the same sums in the same order, the same fp32 formula, the same rounding. Both outputs are
+// poisoned first and must be finite, so an unwritten output cannot pass as equal.
+TEST(Ops, NormGateUpIsNormLinearThenGatedActBitwise) {
+  KVLENS_NEED_GPU();
+  for (Dt dt : {Dt::F16, Dt::BF16})
+    for (auto [K, I] : {std::pair{264, 1003}, {4104, 1003}, {8200, 33}}) {
+      const auto h = randn(K, 2.0f), g = randn(K);
+      const auto w = rounded(dt, randn(static_cast<size_t>(2) * I * K, 1.0f / std::sqrt(static_cast<float>(K))));
+      Backend& be = *gpu_for(dt);
+      const Raw rw = raw("w", dt, {2 * I, K}, w);
+      Buffer W = be.matrix("w", {rw.t});
+      ASSERT_EQ(W.dt, dt);
+      Buffer H = make(be, "h", {1, K}, Dt::F32, h), G = make(be, "g", {K}, Dt::F32, g);
+      Buffer X = be.alloc("x", {1, K}, dt), GU = poisoned(be, "gu", {1, 2 * I}, Dt::F32);
+      for (cpu::Act act : {cpu::Act::Gelu, cpu::Act::GeluTanh, cpu::Act::QuickGelu, cpu::Act::Silu, cpu::Act::Relu}) {
+        const std::string what = std::string("norm_gate_up ") + dt_name(dt) + " K=" + std::to_string(K) +
+                                 " I=" + std::to_string(I) + " act " + std::to_string(static_cast<int>(act));
+        Buffer O = poisoned(be, "out", {1, I}, dt), O2 = poisoned(be, "out2", {1, I}, dt);
+        be.norm_gate_up(H, G, 1e-5f, X, W, act, GU, O);
+        be.norm_linear(H, G, 1e-5f, X, W, nullptr, GU);
+        be.gated_act(GU, act, O2);
+        const auto one = read(be, O), two = read(be, O2);
+        size_t diff = 0, bad = 0, first = one.size();
+        for (size_t k = 0; k < one.size(); ++k) {
+          bad += !std::isfinite(one[k]) || !std::isfinite(two[k]);
+          if (std::memcmp(&one[k], &two[k], 4) != 0 && diff++ == 0) first = k;
+        }
+        EXPECT_EQ(bad, 0u) << what << ": outputs not finite (unwritten)";
+        EXPECT_EQ(diff, 0u) << what << ": " << diff << " of " << I << " differ, first at " << first << ": "
+                            << (first < one.size() ? one[first] : 0.0f) << " against "
+                            << (first < one.size() ? two[first] : 0.0f);
+      }
+    }
+}
+
+// The one-token product's launcher refuses parameters that do not make one of its modes, before
+// anything reaches the device (so this runs wherever the CUDA code is built, GPU or not).
+TEST(Ops, GemvRefusesInconsistentParams) {
+#ifndef KVLENS_HAVE_CUDA
+  GTEST_SKIP() << "the CUDA backend is not built here";
+#else
+  alignas(16) static float host[64];  // addresses only: nothing is read or written
+  cuda::GemvParams base;
+  base.W = host, base.dt = Dt::F16, base.N = 5, base.K = 64;
+  auto refused = [&](const char* what, cuda::GemvParams p, const std::string& says) {
+    std::string msg;
+    try {
+      cuda::gemv(p, nullptr);
+    } catch (const InternalError& e) {
+      msg = e.what();
+    }
+    EXPECT_NE(msg.find(says), std::string::npos) << what << ": got \"" << msg << "\"";
+  };
+  cuda::GemvParams p = base;
+  p.y = host;
+  refused("no input", p, "one input needed");
+  p.x = host, p.h = host, p.g = host;
+  refused("x and h", p, "one input needed");
+  p = base, p.y = host, p.h = host;
+  refused("h without g", p, "needs its weight g");
+  p = base, p.y = host, p.x = host, p.check = reinterpret_cast<unsigned long long*>(host);
+  refused("a check on a plain input", p, "norm input (h) only");
+  p = base, p.x = host;
+  refused("no output", p, "no output (y)");
+  p = base, p.x = host, p.out = host;
+  refused("paired without the norm input", p, "needs the norm input");
+  cuda::GemvParams pair = base;
+  pair.h = host, pair.g = host, pair.out = host, pair.act = static_cast<int>(cpu::Act::Silu);
+  p = pair, p.y = host;
+  refused("paired with y", p, "act(gate)·up only");
+  p = pair, p.bias = host;
+  refused("paired with a bias", p, "act(gate)·up only");
+  p = pair, p.accumulate = true;
+  refused("paired, accumulating", p, "act(gate)·up only");
+  p = pair, p.rows_per_warp = 1;
+  refused("paired, one row a warp", p, "rows_per_warp 0 or 2");
+  p = pair, p.act = 9;
+  refused("paired, no activation", p, "is no cpu::Act");
+  p = base, p.x = host, p.y = host, p.rows_per_warp = 3;
+  refused("three rows a warp", p, "rows_per_warp must be 0, 1, 2, 4 or 8");
+  p = base, p.x = host, p.y = host, p.K = 36;
+  refused("K not a multiple of 8", p, "K a multiple of 8");
+  p = base, p.x = host, p.y = host, p.dt = Dt::F32;
+  refused("fp32 weights", p, "needs f16/bf16");
+  p = base, p.x = host, p.y = host, p.W = nullptr;
+  refused("no weights", p, "no weights");
+#endif
 }
 
 TEST(Ops, NormsActivations) {

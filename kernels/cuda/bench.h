@@ -61,10 +61,11 @@ std::vector<ThroughputRow> bench_throughput(const ThroughputConfig& c);
 
 // The decode step's one-token products alone (gemv.cu) at a LLaVA-1.5-7B-shaped decoder's sizes,
 // random fp16 weights rotated among copies larger than L2: each shape as the step runs it (q/k/v
-// and gate/up with the RMSNorm folded in, the output projection plain, the down projection with
-// the SiLU gate folded in, the LM head) for each rows-per-warp choice (0 = the kernel's own),
-// launched back to back as in a replayed step; the kernel's own choice also without
-// programmatic dependent launch.
+// with the RMSNorm folded in, the output projection plain, gate/up with the RMSNorm folded in and
+// SiLU(gate)·up written in fp16 from paired rows, the down projection plain on that fp16 vector,
+// the LM head with the RMSNorm folded in) for each rows-per-warp choice (0 = the kernel's own;
+// the paired gate/up product only its own), launched back to back as in a replayed step; the
+// kernel's own choice also without programmatic dependent launch.
 struct GemvBenchConfig {
   int device = 0;
   int hidden = 4096, intermediate = 11008, vocab = 32064;
@@ -72,7 +73,7 @@ struct GemvBenchConfig {
   int reps = 40;  // calls per timing (median of 5 timings)
 };
 struct GemvBenchRow {
-  std::string name, input;  // "q/k/v", ...; "x", "rmsnorm(h)", "silu(gate)*up"
+  std::string name, input;  // "q/k/v", ...; "x" or "rmsnorm(h)"
   int N = 0, K = 0, rows_per_warp = 0;
   bool pdl = true;
   double us = 0;   // per call

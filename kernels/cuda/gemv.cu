@@ -261,10 +261,23 @@ void gemv(const GemvParams& p, cudaStream_t s) {
   if (!gemv_supported(p.dt, p.K))
     throw InternalError("gemv: needs f16/bf16 and K a multiple of 8 up to " + std::to_string(kGemvMaxK) + ", got " +
                         std::string(dt_name(p.dt)) + " K=" + std::to_string(p.K));
+  if (!p.W) throw InternalError("gemv: no weights");
+  if (!p.x == !p.h) throw InternalError("gemv: one input needed, x or h (with g), not both or neither");
+  if (p.h && !p.g) throw InternalError("gemv: the norm input h needs its weight g");
+  if (p.check && !p.h) throw InternalError("gemv: the finiteness check rides on the norm input (h) only");
   const int mode = p.h ? (p.out ? kNormPair : kNorm) : kPlain;
-  if (mode == kPlain && !p.x) throw InternalError("gemv: no input (x or h)");
-  if (p.out && (p.bias || p.accumulate || p.y))
-    throw InternalError("gemv: the paired gate/up product writes act(gate)·up only (no bias, y or accumulate)");
+  if (p.out && !p.h) throw InternalError("gemv: the paired gate/up product (out) needs the norm input (h, g)");
+  if (mode == kNormPair) {
+    if (p.bias || p.accumulate || p.y)
+      throw InternalError("gemv: the paired gate/up product writes act(gate)·up only (no bias, y or accumulate)");
+    if (p.rows_per_warp != 0 && p.rows_per_warp != 2)
+      throw InternalError("gemv: a paired warp owns a gate row and its up row (rows_per_warp 0 or 2), got " +
+                          std::to_string(p.rows_per_warp));
+    if (p.act < static_cast<int>(cpu::Act::Gelu) || p.act > static_cast<int>(cpu::Act::Relu))
+      throw InternalError("gemv: act " + std::to_string(p.act) + " is no cpu::Act");
+  } else if (!p.y) {
+    throw InternalError("gemv: no output (y)");
+  }
   const Args a{static_cast<const uint4*>(p.W), static_cast<const uint4*>(p.x), p.h, p.g, p.eps, p.act, p.bias,
                p.y, p.out, p.N, p.K, p.accumulate ? 1 : 0, p.check};
   auto by_mode = [&](auto t) {

@@ -38,12 +38,15 @@ void first_nonfinite(const float* x, int64_t n, unsigned long long* slot, cudaSt
 
 // ---- matrix-vector product for one token (gemv.cu) ---------------------------------------------
 // y[N] = W[N][K]·x[K] (+ bias) (+ y when accumulate); W f16 or bf16 [N][K], K a multiple of 8 up
-// to kGemvMaxK, 16-byte aligned pointers. The input x[K] is, by which pointer is set:
+// to kGemvMaxK, 16-byte aligned pointers. The input x[K] is, by which pointer is set (one of
+// the two):
 //   x:     the vector itself (the weights' dtype);
 //   h, g:  RMSNorm(h)·g computed inside (h, g fp32 [K]), rounded to the weights' dtype as
-//          rms_norm stores it (the decode step's norm and projection in one kernel);
-//   gu:    act(gu[:K]) ⊙ gu[K:] (gu fp32 [2K]), rounded as gated_act stores it (the MLP's gate
-//          folded into the down projection).
+//          rms_norm stores it (the decode step's norm and projection in one kernel).
+// Paired (h, g and out set; no y, bias or accumulate): W holds 2N rows, the N gate rows then
+// the N up rows, and out[n] = act(gate_n)·up_n in the weights' dtype, computed from the two fp32
+// sums and rounded as gated_act does (the MLP's gate applied in the gate/up product's epilogue).
+// Inconsistent parameters throw InternalError.
 constexpr int kGemvMaxK = 16384;  // x is staged in 32 KiB of shared memory
 struct GemvParams {
   const void* W = nullptr;
@@ -53,10 +56,10 @@ struct GemvParams {
   const float* h = nullptr;
   const float* g = nullptr;
   float eps = 0.0f;
-  int act = 0;  // static_cast<int>(cpu::Act), paired mode
+  int act = 0;  // paired: static_cast<int>(cpu::Act)
   const float* bias = nullptr;
   float* y = nullptr;
-  // Paired (norm input only): act(gate)·up written here in the weights' dtype instead of y.
+  // Paired: act(gate)·up, N values in the weights' dtype (instead of y).
   void* out = nullptr;
   bool accumulate = false;
   int rows_per_warp = 0;  // 1, 2, 4 or 8; 0 = the kernel's choice for K (paired: always 2)
