@@ -211,6 +211,7 @@ std::vector<AttnBenchRow> bench_decode_attention(const AttnBenchConfig& c, doubl
           p.all_f16 = bits == 16 ? 1 : 0;
           p.all_mma = D == 128 && (bits == 1 || bits == 2 || bits == 4 || bits == 8) ? 1 : 0;
           p.b1 = D == 128 && bits == 1 ? 1 : 0;
+          p.rows_ready = 1;  // the caches are written once, before the timings
           if (calib) {
             p.calibrate = 1;
             p.tau1 = 0.0f;

@@ -5,10 +5,11 @@
 // (several blocks fit a multiprocessor) and a block's fixed work is short; at the contexts of a
 // captioning run (hundreds of rows a head) that fixed work, not the bytes, sets the time. Each
 // group of L = D/8 lanes walks the block's range (rows g, g + G, …) in two register stages of
-// kF16Rows / 2 rows: while one stage's rows are used, the other's loads are in flight. The part table, the
-// row counts and the block's first rows are read before waiting for the previous kernel (none
-// of them is written by it), so at those contexts the whole cache is in flight while the q/k/v
-// product ends.
+// kF16Rows / 2 rows: while one stage's rows are used, the other's loads are in flight. With
+// the step's token fused in (or DecodeParams::rows_ready), the part table, the row counts and
+// the block's first rows are read before waiting for the previous kernel (none of them is
+// written by it), so at those contexts the whole cache is in flight while the q/k/v product
+// ends; a launch after a kernel that may append rows waits first.
 // The group's scores, softmax and P·V stay in registers; the block ends as the general kernel's
 // blocks do (finish_block: partial state, and the merge by the head's last block).
 #pragma once
@@ -58,10 +59,15 @@ __global__ void __launch_bounds__(kThreads, 4) decode_f16_kernel(DecodeParams p)
   const int tid = threadIdx.x, g = tid / L, c0 = (tid % L) * 8;
   const int bk = b * p.NKV + h / (p.NH / p.NKV);
   const int kvh = h / (p.NH / p.NKV);
-  // Everything about the cached rows was written by earlier steps (the part table and the row
-  // counts between steps, the rows appended during decode by this layer's kernel of an earlier
-  // step), never by the kernel this one follows, so it is read — and the block's first rows
-  // loaded — before the wait: the rows' trip to memory overlaps the previous product's tail.
+  // With the token fused in (or rows_ready), everything about the cached rows was written by
+  // earlier steps (the part table and the row counts between steps, the rows appended during
+  // decode by this layer's kernel of an earlier step), never by the kernel this one follows, so
+  // it is read — and the block's first rows loaded — before the wait: the rows' trip to memory
+  // overlaps the previous kernel's tail. Otherwise that kernel may have appended rows (kv_append
+  // on a cache without the fused token), so the block waits for it first.
+  const bool fresh = p.fresh_k != nullptr;
+  const bool early = fresh || p.rows_ready;
+  if (!early) pdl_wait();
   const PartDesc* gp = p.parts + static_cast<int64_t>(bk) * p.max_parts;
   const int np = p.n_parts[bk];
   if (tid < np) {
@@ -71,7 +77,6 @@ __global__ void __launch_bounds__(kThreads, 4) decode_f16_kernel(DecodeParams p)
   }
   // The step's token, when fused in: its row's place in the tail. Every block reads the counter
   // before any block can advance it (the last block to finish its read does, below).
-  const bool fresh = p.fresh_k != nullptr;
   const int tail_row = fresh ? *p.tail_counter : 0;
   __syncthreads();
   if (tid == 0)
@@ -103,7 +108,7 @@ __global__ void __launch_bounds__(kThreads, 4) decode_f16_kernel(DecodeParams p)
   load(r0, ka, va);
   load(r0 + step, kb, vb);
 
-  pdl_wait();
+  if (early) pdl_wait();
   // The next kernel (the o product, which starts its weight reads early) is let in at once when
   // the block's rows are all in its two stages already (a captioning run's context), else once
   // the block is at its last two stages, so that a block with many rows does not share its

@@ -163,6 +163,11 @@ struct DecodeParams {
   int tail_cap = 0;
   int32_t* tail_counter = nullptr;
   int32_t* tail_done = nullptr;
+  // 1: the kernel this launch follows on the stream writes none of the cache's rows, row
+  // counters or part table (true of the fused token's launch, which follows the q/k/v product,
+  // and of attention called in a row); the fp16 kernel then reads them, and loads its first rows,
+  // before waiting on that kernel. Else (a launch after kv_append, say) it waits first.
+  int rows_ready = 0;
   // 1: every part of every head is fp16 or a packed part of the tensor-core paths (mma_part); at
   // head size 128 a kernel with only those paths is used — with 168 registers instead of 128
   // when b1 is set too.

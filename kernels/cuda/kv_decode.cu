@@ -163,6 +163,7 @@ bool kv_rope_attend(Context& ctx, SeqKV& kv, int layer, Buffer& qkv, const AttnL
   p.tail_cap = t.cap;
   p.tail_counter = C.counters.as<int32_t>() + layer;
   p.tail_done = C.done.as<int32_t>() + layer;
+  p.rows_ready = 1;  // follows the q/k/v product; the cache's rows were written by earlier steps
   decode_attention(p, ctx.stream);
   return true;
 }
