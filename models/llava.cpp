@@ -66,15 +66,11 @@ int sample(const std::vector<float>& logits, const GenerateOptions& opt, std::mt
   return order[keep - 1];
 }
 
-// softmax(logits)[tok], computed as cpu::softmax_rows computes it.
+// softmax(logits)[tok].
 float chosen_prob(const std::vector<float>& logits, int tok) {
-  float mx = -std::numeric_limits<float>::infinity();
-  for (float x : logits) mx = std::max(mx, x);
-  if (!std::isfinite(mx)) return 0.0f;
-  double sum = 0.0;
-  for (float x : logits) sum += std::exp(x - mx);
-  const float inv = static_cast<float>(1.0 / sum);
-  return std::exp(logits[static_cast<size_t>(tok)] - mx) * inv;
+  std::vector<float> p(logits);
+  cpu::softmax_rows(p.data(), 1, static_cast<int>(p.size()));
+  return p[static_cast<size_t>(tok)];
 }
 
 }  // namespace
@@ -337,12 +333,14 @@ DecodeResult LlavaModel::decode(const PrefillState& st, KVPolicy* policy, const 
     r.chosen_probs.push_back(chosen_prob(logits, tok));
     r.generated_ids.push_back(tok);
     const bool is_eos = std::find(eos.begin(), eos.end(), tok) != eos.end() || tok == tok_.eos_id();
-    return (opt.stop_at_eos && is_eos) || step + 1 == opt.max_new_tokens ||
+    return (opt.stop_at_eos && is_eos) || step + 1 >= opt.max_new_tokens ||
            pos + 1 > cfg_.text.max_position_embeddings;
   };
-  const bool chain = opt.chain_steps && opt.temperature <= 0.0f && dev && !mirror && !policy &&
-                     observers.empty() && be_->chains_steps();
-  if (!chain) {
+  // (!mirror: a device cache, and no policy, observer or copy of the compressed store to feed)
+  const bool chain = opt.chain_steps && opt.temperature <= 0.0f && !mirror && be_->chains_steps();
+  if (opt.max_new_tokens <= 0) {
+    // nothing to generate
+  } else if (!chain) {
     for (int step = 0; !take(step); ++step) {
       check(step + 1);
       logits = in_model(dir_, [&] { return text_.decode(tok, pos, step, kv, policy, observers, ws); });

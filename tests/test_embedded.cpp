@@ -76,6 +76,23 @@ TEST(Embedded, SampleImageCaptionIsTheCanonicalReference) {
   EXPECT_EQ(r.text, sc.captions[0]);
 }
 
+TEST(Embedded, NoNewTokensAskedGivesAnEmptyCaption) {
+  const RGBImage img = load_image(kt::source_dir() + "/assets/images/scene_000.png");
+  const PrefillState st = model().prefill(img, kDefaultPrompt, kDefaultTemplate, false);
+  for (int n : {0, -3}) {
+    GenerateOptions g;
+    g.max_new_tokens = n;
+    const DecodeResult r = model().decode(st, nullptr, g);
+    EXPECT_TRUE(r.generated_ids.empty()) << "max_new_tokens " << n;
+    EXPECT_TRUE(r.chosen_probs.empty()) << "max_new_tokens " << n;
+    EXPECT_EQ(r.text, "") << "max_new_tokens " << n;
+  }
+  GenerateOptions one;
+  one.max_new_tokens = 1;
+  one.stop_at_eos = false;
+  EXPECT_EQ(model().decode(st, nullptr, one).generated_ids.size(), 1u);
+}
+
 TEST(Embedded, HeldOutQuality) {
   // A slice of the held-out set; the model card reports the whole 500-image set.
   const std::string dir = kt::make_temp_dir("heldout") + "/set";
