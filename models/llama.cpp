@@ -211,7 +211,7 @@ LlamaWorkspace LlamaDecoder::workspace() const {
 std::vector<float> LlamaDecoder::decode(int token, int position, int step_no, SeqKV& kv, KVPolicy* policy,
                                         const std::vector<AttentionObserver*>& observers,
                                         LlamaWorkspace& w) const {
-  step_ops(token, position, step_no, kv, policy, observers, w);
+  step_ops(token, position, step_no, kv, policy, observers, false, w);
   be->download(w.logits, w.logits_host.data());
   be->finish_checks();
   return w.logits_host;
@@ -220,7 +220,7 @@ std::vector<float> LlamaDecoder::decode(int token, int position, int step_no, Se
 int LlamaDecoder::launch(int token, int position, int step_no, SeqKV& kv, LlamaWorkspace& w) const {
   if (!be->chains_steps() || kv.mirror || !kv.dev)
     throw InternalError("decode: chained steps need a chaining backend and a cache without host rows");
-  step_ops(token, position, step_no, kv, nullptr, {}, w);
+  step_ops(token, position, step_no, kv, nullptr, {}, true, w);
   return be->start_readback(w.logits, w.ids);
 }
 
@@ -232,7 +232,8 @@ const std::vector<float>& LlamaDecoder::collect(int ticket, LlamaWorkspace& w, i
 }
 
 void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPolicy* policy,
-                            const std::vector<AttentionObserver*>& observers, LlamaWorkspace& w) const {
+                            const std::vector<AttentionObserver*>& observers, bool chain,
+                            LlamaWorkspace& w) const {
   const int NH = cfg.num_attention_heads, NKV = cfg.num_key_value_heads, D = cfg.head_dim;
   const float eps = static_cast<float>(cfg.rms_norm_eps);
   const AttnLayout lay = layout(1);
@@ -247,9 +248,7 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
   const bool want = !observers.empty();
   const bool host_side = policy || want;  // per-layer work on the host: no replay
   if (host_side && !kv.mirror) throw InternalError("decode: a policy or observer needs the host KV rows");
-  // A chaining backend ends a plain step with the next step's input (its greedy token and
-  // position), so the next step can start on the device without the host.
-  const bool chain = !host_side && be->chains_steps();
+  if (chain && (host_side || !be->chains_steps())) throw InternalError("decode: a chained step with host-side work");
 
   auto body = [&] {
     be->embed(embed, w.ids, w.h);
@@ -316,9 +315,9 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
     if (chain) be->next_token(w.logits, w.ids, w.pos);
   };
   // Replay is allowed only for steps with no host-side work; the key changes whenever the
-  // device cache is laid out anew.
+  // device cache is laid out anew, and differs between chained and unchained steps.
   uint64_t key = 0;
-  if (!host_side && kv.dev) key = kv.dev->version();
+  if (!host_side && kv.dev) key = (kv.dev->version() << 1) | (chain ? 1u : 0u);
   be->run_step(w.step, key, body);
 }
 

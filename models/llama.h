@@ -77,9 +77,11 @@ class LlamaDecoder {
  private:
   AttnLayout layout(int T) const;
   void check_ids(const std::vector<int>& ids) const;
-  // The ops of one decode step; token < 0: the input is already on the device.
+  // The ops of one decode step; token < 0: the input is already on the device. A chained step
+  // (launch) ends with the next step's input, its greedy token and position (next_token), so
+  // the next step can start on the device without the host.
   void step_ops(int token, int pos, int step, SeqKV& kv, KVPolicy* policy,
-                const std::vector<AttentionObserver*>& observers, LlamaWorkspace& ws) const;
+                const std::vector<AttentionObserver*>& observers, bool chain, LlamaWorkspace& ws) const;
   // h += attention block and MLP block of layer l for the T tokens in `w` (the part shared by
   // prefill and decode after attention).
   void mlp(const LlamaLayer& L, Buffer& h, Buffer& x, Buffer& gu, Buffer& g) const;
