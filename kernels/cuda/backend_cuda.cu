@@ -407,16 +407,16 @@ class CudaBackend : public Backend {
     raise_failed_check(names, v.data());
   }
   void drop_readbacks() override {
-    ctx_->sync("decode steps launched ahead");
+    // The bookkeeping first, so that a failing sync leaves no step counted as in flight.
     for (Readback& r : rb_) {
       r.ticket = -1;
       r.names.clear();
     }
     finished_ = tickets_;
-    if (!check_names_.empty()) {
-      KV_CUDA(cudaMemsetAsync(checks_.mem.get(), 0xff, check_names_.size() * 8, ctx_->stream), "finiteness checks");
-      check_names_.clear();
-    }
+    const size_t nc = check_names_.size();
+    check_names_.clear();
+    if (nc) KV_CUDA(cudaMemsetAsync(checks_.mem.get(), 0xff, nc * 8, ctx_->stream), "finiteness checks");
+    ctx_->sync("decode steps launched ahead");
   }
 
   void add(Buffer& x, const Buffer& y) override {
