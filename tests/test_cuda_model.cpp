@@ -208,8 +208,6 @@ TEST(CudaModel, CliRefusesCudaWithoutADevice) {
   EXPECT_EQ(a.code, 0) << a.output;
 }
 
-}  // namespace
-
 // Greedy decode with steps chained (each launched before the previous one's logits are back)
 // gives what the unchained loop gives: the same ids, the same bits of every step's logits and
 // chosen-token probability, and the same final cache bytes — also when the caption ends at an
@@ -221,7 +219,7 @@ TEST(CudaModel, ChainedStepsEqualUnchainedSteps) {
     int max_new;
     bool stop_at_eos;
   };
-  std::vector<Case> cases = {{kEmbedded, 64, true}, {kEmbedded, 9, false}};
+  std::vector<Case> cases = {{kEmbedded, 64, true}, {kEmbedded, 9, false}, {kEmbedded, 1, false}, {kEmbedded, 0, false}};
   for (const std::string& d : kt::hf_fixture_dirs()) cases.push_back({d, 6, false});
   int ended_at_eos = 0;
   for (const Case& c : cases) {
@@ -239,7 +237,10 @@ TEST(CudaModel, ChainedStepsEqualUnchainedSteps) {
     const DecodeResult a = gpu.decode(st, nullptr, g);
     g.chain_steps = true;
     const DecodeResult b = gpu.decode(st, nullptr, g);
-    const DecodeResult b2 = gpu.decode(st, nullptr, g);  // replayed from the captured graph throughout
+    const DecodeResult b2 = gpu.decode(st, nullptr, g);  // chained again, from the same prefill state
+    if (!c.stop_at_eos) {
+      EXPECT_EQ(static_cast<int>(a.generated_ids.size()), c.max_new);
+    }
     for (const DecodeResult* r : {&b, &b2}) {
       EXPECT_EQ(r->generated_ids, a.generated_ids);
       EXPECT_EQ(r->text, a.text);
@@ -259,3 +260,5 @@ TEST(CudaModel, ChainedStepsEqualUnchainedSteps) {
   }
   EXPECT_EQ(ended_at_eos, 1) << "the EOS case must end before max_new_tokens, so a step launched ahead is dropped";
 }
+
+}  // namespace
