@@ -234,9 +234,10 @@ void go(const GemvParams& p, const Args& a, cudaStream_t s) {
   // Rows a warp, as measured by `kvlens bench gemv` on an H100 at the decode step's sizes: at
   // K = 4096 one or two (4 or 2 KB of a row a warp and stage; blocks in several waves, each
   // starting as a slot frees) streamed fastest, within 5 % of each other over two runs
-  // (2.5-3.07 TB/s, against 1.9-2.97 with eight); at K = 11008 (the down product, measured when
-  // its blocks staged SiLU(gate)·up from fp32) each block's staging of x is long enough that two
-  // (one wave, one staging a slot) beat one by 12-15 %.
+  // (2.5-3.07 TB/s, against 1.9-2.97 with eight); at K = 11008 (the down product) two beat one
+  // by 12-15 % while its blocks staged SiLU(gate)·up from fp32, and since it reads that vector
+  // as fp16 (the gate in the gate/up epilogue) the two are within 0.5 % (33.8 and 34.0 µs, 89.7
+  // and 89.3 % of copy; four 38.5 µs, eight 45.0 µs), so two stays.
   if constexpr (MODE == kNormPair) {
     launch<T, 2, MODE>(a, p.pdl, s);
   } else {
