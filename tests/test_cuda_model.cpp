@@ -116,6 +116,16 @@ TEST(CudaModel, KvCacheBytesAreDeviceBytes) {
   const DecodeResult r = gpu.decode(st, policy.get(), g, {}, &compressed);
   EXPECT_EQ(r.bytes_after_prefill.total(), compressed.bytes().total());
   EXPECT_LT(r.bytes_after_prefill.total(), want / 4);
+  // ZipCache's default groups (a layer's prompt, V token ranges shared by the KV heads) are
+  // packed on the device too: 4 bits for 40 % of the rows, 2 for the rest, under a third of fp16
+  // with their ranges (held as fp16 values they would take `want`).
+  auto zip = make_policy("zipcache");
+  KVStore zc;
+  const PrefillState kept = gpu.prefill(img, kDefaultPrompt, kDefaultTemplate, true);  // its saliency needs the attention
+  const DecodeResult z = gpu.decode(kept, zip.get(), g, {}, &zc);
+  EXPECT_EQ(z.bytes_after_prefill.total(), zc.bytes().total());
+  EXPECT_LT(z.bytes_after_prefill.total(), want / 3);
+  for (const KVSegment& s : zc.layer(0).segments) EXPECT_EQ(s.storage.rfind("zipcache", 0), 0u) << s.storage;
 }
 
 // Diagnostics of `kvlens run` on both backends: captions (same greedy ids for the methods the

@@ -26,6 +26,7 @@ struct DecodeCase {
   int steps = 5;
   bool capture = false;
   int reserve = 2;  // decode rows reserved up front (fewer than steps: the tail must grow)
+  bool packed = false;  // every quantized segment must be held packed on the device
 };
 
 AttnLayout layout_of(const DecodeCase& c, int T) {
@@ -143,7 +144,7 @@ std::vector<PrefillContext> contexts(const DecodeCase& c, const std::vector<floa
   return {p};
 }
 
-void check_bytes(const Side& g, const Side& cpu, int D, const std::string& what) {
+void check_bytes(const Side& g, const Side& cpu, int D, bool packed_only, const std::string& what) {
   // The device cache holds exactly what it reports, and the host store reports it too.
   EXPECT_EQ(g.dev->bytes().total(), g.store.bytes().total()) << what;
   const auto& sg = g.store.layer(0).segments;
@@ -154,8 +155,27 @@ void check_bytes(const Side& g, const Side& cpu, int D, const std::string& what)
       // A packed (or fp16-payload) segment: the same bytes as the CPU's simulated storage,
       // unless the device keeps it as dequantized fp16 (formats only the host decodes).
       const auto st = g.dev->storage(0);
-      if (i < st.size() && st[i].rfind("packed", 0) == 0) {
-        EXPECT_EQ(sg[i].bytes.total(), sc[i].bytes.total()) << what << " segment " << i << " " << sc[i].storage;
+      const bool packed = i < st.size() && st[i].rfind("packed", 0) == 0;
+      if (packed_only) {
+        EXPECT_TRUE(packed) << what << " segment " << i << " " << sc[i].storage << " held as "
+                            << (i < st.size() ? st[i] : "nothing");
+      }
+      if (packed) {
+        int64_t want = sc[i].bytes.total();
+        // ZipCache's V token ranges shared by the KV heads (fp16 scale and zero, 4 bytes each)
+        // are held per head on the device — one range a row of every head of the group (its
+        // payload's bytes count on its first segment) — unless every head flags the same rows
+        // salient (one ranking), when the shared table is what each head reads.
+        const auto* qp = dynamic_cast<const quant::QuantPayload*>(sc[i].payload.get());
+        bool same_flags = true;
+        for (size_t h = 1; qp && h < qp->k.size(); ++h) same_flags = same_flags && qp->k[h].flags == qp->k[0].flags;
+        if (qp && qp->layout.shared_token_ranges && !same_flags && (i == 0 || sc[i - 1].payload != sc[i].payload)) {
+          int64_t rows = 0;
+          for (size_t j = i; j < sc.size() && sc[j].payload == sc[i].payload; ++j)
+            for (const HeadRows& r : sc[j].heads) rows += r.n();
+          want += 4 * rows - 4 * static_cast<int64_t>(qp->tokens.scales.size());
+        }
+        EXPECT_EQ(sg[i].bytes.total(), want) << what << " segment " << i << " " << sc[i].storage;
       }
     } else {
       EXPECT_EQ(sg[i].bytes.total(), sc[i].dense_bytes(D, 2).total()) << what << " segment " << i;
@@ -224,7 +244,7 @@ void run_case(const DecodeCase& c) {
     }
   }
   if (g) {
-    check_bytes(gpu, cpu, c.D, what + " after prefill");
+    check_bytes(gpu, cpu, c.D, c.packed, what + " after prefill");
     gpu.be->kv_reserve(*gpu.dev, c.reserve);
   }
   for (int step = 0; step < c.steps; ++step) {
@@ -254,7 +274,7 @@ void run_case(const DecodeCase& c) {
                              c.capture ? pr[i].data() : nullptr, n_max);
       outs[i] = read(*s.be, O);
     }
-    if (g) check_bytes(gpu, cpu, c.D, what + " step " + std::to_string(step));
+    if (g) check_bytes(gpu, cpu, c.D, c.packed, what + " step " + std::to_string(step));
     std::vector<float> ref;
     std::vector<double> bound;
     std::vector<std::vector<float>> rs;
@@ -384,6 +404,23 @@ TEST(DecodeOps, UniformKiviZipCacheFull16) {
     DecodeCase c;
     c.method = m;
     c.steps = 12;
+    run_case(c);
+  }
+  KVLENS_GPU_HALF_SKIPPED();
+}
+// ZipCache's quantization groups held packed on the device: a layer's prompt as one group
+// (salient and regular subsets over every segment) with V token ranges shared by the KV heads
+// (the paper's default) or per head, channel factors per subset or per layer (official), one
+// ranking for every head, each segment its own group, and streaming gaps compressed during
+// decode; the decode output against the host store's dequantized rows, device bytes as reported.
+TEST(DecodeOps, ZipCacheGroupsPackedOnTheDevice) {
+  for (const char* m : {"zipcache:gap=4", "zipcache:preset=official,gap=5", "zipcache:value_token_range=head,gap=4",
+                        "zipcache:saliency_ratio=0.25,saliency_heads=shared,gap=4", "zipcache:ranges=segment,gap=4",
+                        "zipcache:ranges=segment,value_token_range=head,high_bits=8,low_bits=1,gap=3"}) {
+    DecodeCase c;
+    c.method = m;
+    c.steps = 11;
+    c.packed = true;
     run_case(c);
   }
   KVLENS_GPU_HALF_SKIPPED();

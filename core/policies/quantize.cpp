@@ -176,12 +176,14 @@ KVBytes QuantPayload::allocated() const {
   KVBytes b;
   for (const QuantBlock& q : k) b += q.allocated();
   for (const QuantBlock& q : v) b += q.allocated();
+  b += tokens.allocated();
   return b;
 }
 
 void QuantPayload::shrink_to_fit() {
   for (QuantBlock& q : k) q.shrink_to_fit();
   for (QuantBlock& q : v) q.shrink_to_fit();
+  tokens.shrink_to_fit();
 }
 
 // ---- rotations --------------------------------------------------------------------------------

@@ -90,8 +90,18 @@ struct QuantBlock {
 //   Blocks:   K and V each quantize_block'ed with (bits, axis); PerChannel / Global ranges are
 //             taken over groups of `group` rows (0 = the whole block), each group packed on its
 //             own, so scales hold [groups][d] (PerChannel) or [groups] (Global) values.
-//   ZipMixed: per head, the rows flagged salient (k.flags, 1 bit per row) then the others,
-//             K PerChannel over each subset with hi_bits / lo_bits, V cst_quantize'd likewise.
+//   ZipMixed: one payload for a group of consecutive segments of a layer (ZipCache's
+//             quantization group: a layer's prompt, one of its segments, or a streaming gap;
+//             shared by the group's segments, its bytes counted on the first). Per head, the
+//             group's rows in segment order carry a salient flag (k.flags, 1 bit per row); K
+//             codes of the salient rows then of the others, each subset PerChannel at hi_bits /
+//             lo_bits (k.scales / zeros: D per non-empty subset, salient first); V codes row by
+//             row in the same order, CSTQuant: x = c_j·(code·scale + zero) with the channel
+//             factors c in v.meta (D per non-empty subset, salient first; D for both when
+//             layer_factors) and one range per row in v.scales / zeros — or, when
+//             shared_token_ranges, one per (subset, position) in `tokens` over every head that
+//             holds the position in that subset: the salient subset's positions ascending,
+//             then the other subset's.
 struct CodeLayout {
   enum class Kind : uint8_t { None, Fp16, Blocks, ZipMixed };
   Kind kind = Kind::None;
@@ -99,6 +109,7 @@ struct CodeLayout {
   Axis k_axis = Axis::PerToken, v_axis = Axis::PerToken;
   int k_group = 0, v_group = 0;
   int hi_bits = 0, lo_bits = 0;
+  bool layer_factors = false, shared_token_ranges = false;
 };
 
 // One K block and one V block per KV head.
@@ -106,6 +117,7 @@ class QuantPayload : public SegmentPayload {
  public:
   explicit QuantPayload(int n_heads) : k(n_heads), v(n_heads) {}
   std::vector<QuantBlock> k, v;
+  QuantBlock tokens;  // ZipMixed with shared_token_ranges: the V token ranges (see CodeLayout)
   CodeLayout layout;
   KVBytes allocated() const override;
   void shrink_to_fit();

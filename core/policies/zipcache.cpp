@@ -74,18 +74,6 @@ struct ZipOptions {
   bool layer_channel_scales = false;   // channel_scales=layer
 };
 
-// The payload of one group: QuantPayload's per-head blocks plus the V token ranges shared by
-// every KV head (value_token_range=heads).
-struct ZipPayload : quant::QuantPayload {
-  explicit ZipPayload(int n_heads) : QuantPayload(n_heads) {}
-  quant::QuantBlock tokens;
-  KVBytes allocated() const override {
-    KVBytes b = QuantPayload::allocated();
-    b += tokens.allocated();
-    return b;
-  }
-};
-
 // Salient flags of n rows: the top round(ratio·n) scores, ties to the earlier row.
 std::vector<char> top_flags(const std::vector<double>& score, double ratio) {
   const int n = static_cast<int>(score.size());
@@ -254,7 +242,7 @@ class ZipCachePolicy : public KVPolicy {
   // K: ChannelQuant per KV head and subset; V: CSTQuant (see the file comment).
   void quantize_group(LayerKV& layer, const std::vector<size_t>& group, const Flags& flags, int D) const {
     const int KH = static_cast<int>(layer.segments.at(group.front()).heads.size());
-    auto p = std::make_shared<ZipPayload>(KH);
+    auto p = std::make_shared<quant::QuantPayload>(KH);
     auto hr = [&](int h, const Row& r) -> HeadRows& { return layer.segments[r.seg].heads[h]; };
     // rows[h][s]: the rows of head h in subset s (1 salient, 0 regular), in group order.
     std::vector<std::array<std::vector<Row>, 2>> rows(KH);
@@ -360,9 +348,13 @@ class ZipCachePolicy : public KVPolicy {
   }
 
   // The group's segments share the payload; its bytes count on the first of them.
-  void install(LayerKV& layer, const std::vector<size_t>& group, const std::shared_ptr<ZipPayload>& p) const {
+  void install(LayerKV& layer, const std::vector<size_t>& group, const std::shared_ptr<quant::QuantPayload>& p) const {
+    p->layout.kind = quant::CodeLayout::Kind::ZipMixed;
+    p->layout.hi_bits = o_.hi;
+    p->layout.lo_bits = o_.lo;
+    p->layout.layer_factors = o_.layer_channel_scales;
+    p->layout.shared_token_ranges = !o_.head_token_ranges;
     p->shrink_to_fit();
-    p->tokens.shrink_to_fit();
     const std::string label = "zipcache q" + std::to_string(o_.hi) + "/q" + std::to_string(o_.lo);
     for (size_t gi = 0; gi < group.size(); ++gi) {
       KVSegment& s = layer.segments[group[gi]];

@@ -9,7 +9,9 @@
 // rows already there (the compaction); merged rows and rows a host-only format holds are
 // uploaded as fp16; packed payloads are uploaded as they are.
 #include <algorithm>
+#include <array>
 #include <cstring>
+#include <map>
 #include <unordered_map>
 
 #include "core/errors.h"
@@ -301,21 +303,38 @@ bool packed_ok(const quant::QuantPayload& p, const KVSegment& s, int D) {
       if (static_cast<int64_t>(k.scales.size()) != ranges(L.k_axis, L.k_group) ||
           static_cast<int64_t>(v.scales.size()) != ranges(L.v_axis, L.v_group))
         return false;
-    } else if (L.kind == K::ZipMixed) {
-      if (!bits_ok(L.hi_bits) || !bits_ok(L.lo_bits) || k.flags.size() != static_cast<size_t>((n + 7) / 8)) return false;
-      int64_t nh = 0;
-      for (int64_t i = 0; i < n; ++i) nh += quant::unpack_one(k.flags.data(), i, 1);
-      const int64_t nl = n - nh;
-      if (static_cast<int64_t>(k.codes.size()) != (nh * D * L.hi_bits + nl * D * L.lo_bits) / 8) return false;
-      if (static_cast<int64_t>(v.codes.size()) != (nh * D * L.hi_bits + nl * D * L.lo_bits) / 8) return false;
-      if (static_cast<int64_t>(k.scales.size()) != (nh ? D : 0) + (nl ? D : 0)) return false;
-      if (static_cast<int64_t>(v.scales.size()) != n || static_cast<int64_t>(v.meta.size()) != (nh ? D : 0) + (nl ? D : 0))
-        return false;
     } else {
       return false;
     }
   }
   return true;
+}
+
+// One device allocation per array kind of a payload, every KV head's array concatenated.
+struct HeadArrays {
+  std::vector<int64_t> off;  // bytes
+  DevMem mem;
+  // Head h's array, `bytes` into it (null when nothing was uploaded).
+  const void* at(int h, int64_t bytes = 0) const {
+    return mem.mem ? static_cast<const char*>(mem.mem.get()) + off[static_cast<size_t>(h)] + bytes : nullptr;
+  }
+  const __half* half_at(int h, int64_t elems = 0) const { return static_cast<const __half*>(at(h, elems * 2)); }
+};
+// get(h): head h's vector (elements of `elem` bytes).
+template <class Get>
+HeadArrays upload_heads(Context& ctx, int NKV, Get get, int elem, const std::string& what) {
+  HeadArrays a;
+  int64_t total = 0;
+  for (int h = 0; h < NKV; ++h) {
+    a.off.push_back(total);
+    total += static_cast<int64_t>(get(h).size()) * elem;
+  }
+  if (total == 0) return a;
+  a.mem = {ctx.alloc(total, what), total};
+  for (int h = 0; h < NKV; ++h)
+    ctx.upload(static_cast<char*>(a.mem.mem.get()) + a.off[static_cast<size_t>(h)], get(h).data(),
+               static_cast<int64_t>(get(h).size()) * elem, what);
+  return a;
 }
 
 // A segment whose payload the decode kernel reads as it is: every array uploaded once.
@@ -334,24 +353,6 @@ DevSeg build_packed(Context& ctx, const CudaKV& C, const KVSegment& s, const qua
   d.merged.resize(NKV);
   const std::string what = std::string("KV ") + segment_kind_name(s.kind) + " segment " + s.storage;
   // One allocation per array kind (all heads concatenated), exactly the payload's bytes.
-  struct Arr {
-    std::vector<int64_t> off;
-    DevMem mem;
-  };
-  auto upload_all = [&](auto get, int elem, const std::string& name) {
-    Arr a;
-    int64_t total = 0;
-    for (int h = 0; h < NKV; ++h) {
-      a.off.push_back(total);
-      total += static_cast<int64_t>(get(h).size()) * elem;
-    }
-    if (total == 0) return a;
-    a.mem = {ctx.alloc(total, what + " " + name), total};
-    for (int h = 0; h < NKV; ++h)
-      ctx.upload(static_cast<char*>(a.mem.mem.get()) + a.off[h], get(h).data(),
-                 static_cast<int64_t>(get(h).size()) * elem, what + " " + name);
-    return a;
-  };
   // 1-bit channel-wise keys and values with ranges over the whole part (CalibQuant's visual
   // segment) at head size 128: the values go up channel-major by groups of 32 rows, the layout
   // of the binary tensor-core decode path (kChannelT, the same bytes).
@@ -364,17 +365,19 @@ DevSeg build_packed(Context& ctx, const CudaKV& C, const KVSegment& s, const qua
     if (all_whole)
       for (int h = 0; h < NKV; ++h) v_groups.push_back(quant::channel_major_1bit(p.v[h].codes.data(), s.heads[h].n(), D));
   }
-  Arr kc = upload_all([&](int h) -> const std::vector<uint8_t>& { return p.k[h].codes; }, 1, "K codes");
-  Arr vc = upload_all([&](int h) -> const std::vector<uint8_t>& { return v_groups.empty() ? p.v[h].codes : v_groups[h]; },
-                      1, "V codes");
-  Arr ks = upload_all([&](int h) -> const std::vector<uint16_t>& { return p.k[h].scales; }, 2, "K scales");
-  Arr kz = upload_all([&](int h) -> const std::vector<uint16_t>& { return p.k[h].zeros; }, 2, "K zeros");
-  Arr vs = upload_all([&](int h) -> const std::vector<uint16_t>& { return p.v[h].scales; }, 2, "V scales");
-  Arr vz = upload_all([&](int h) -> const std::vector<uint16_t>& { return p.v[h].zeros; }, 2, "V zeros");
-  Arr km = upload_all([&](int h) -> const std::vector<uint16_t>& { return p.k[h].meta; }, 2, "K factors");
-  Arr vm = upload_all([&](int h) -> const std::vector<uint16_t>& { return p.v[h].meta; }, 2, "V factors");
-  Arr kf = upload_all([&](int h) -> const std::vector<uint8_t>& { return p.k[h].flags; }, 1, "K flags");
-  Arr vf = upload_all([&](int h) -> const std::vector<uint8_t>& { return p.v[h].flags; }, 1, "V flags");
+  auto up = [&](auto get, int elem, const char* name) { return upload_heads(ctx, NKV, get, elem, what + " " + name); };
+  using B = const std::vector<uint8_t>&;
+  using H = const std::vector<uint16_t>&;
+  const HeadArrays kc = up([&](int h) -> B { return p.k[h].codes; }, 1, "K codes");
+  const HeadArrays vc = up([&](int h) -> B { return v_groups.empty() ? p.v[h].codes : v_groups[h]; }, 1, "V codes");
+  const HeadArrays ks = up([&](int h) -> H { return p.k[h].scales; }, 2, "K scales");
+  const HeadArrays kz = up([&](int h) -> H { return p.k[h].zeros; }, 2, "K zeros");
+  const HeadArrays vs = up([&](int h) -> H { return p.v[h].scales; }, 2, "V scales");
+  const HeadArrays vz = up([&](int h) -> H { return p.v[h].zeros; }, 2, "V zeros");
+  const HeadArrays km = up([&](int h) -> H { return p.k[h].meta; }, 2, "K factors");
+  const HeadArrays vm = up([&](int h) -> H { return p.v[h].meta; }, 2, "V factors");
+  const HeadArrays kf = up([&](int h) -> B { return p.k[h].flags; }, 1, "K flags");
+  const HeadArrays vf = up([&](int h) -> B { return p.v[h].flags; }, 1, "V flags");
   std::vector<int32_t> pos;
   for (int h = 0; h < NKV; ++h) pos.insert(pos.end(), s.heads[h].pos.begin(), s.heads[h].pos.end());
   DevMem P;
@@ -382,12 +385,6 @@ DevSeg build_packed(Context& ctx, const CudaKV& C, const KVSegment& s, const qua
     P = {ctx.alloc(static_cast<int64_t>(pos.size()) * 4, what + " positions"), static_cast<int64_t>(pos.size()) * 4};
     ctx.upload(P.mem.get(), pos.data(), P.bytes, what + " positions");
   }
-  auto ptr = [](const Arr& a, int h, int64_t extra = 0) -> const void* {
-    return a.mem.mem ? static_cast<const char*>(a.mem.mem.get()) + a.off[h] + extra : nullptr;
-  };
-  auto half_ptr = [&](const Arr& a, int h, int64_t elems = 0) {
-    return static_cast<const __half*>(ptr(a, h, elems * 2));
-  };
   for (int h = 0; h < NKV; ++h) {
     const int n = s.heads[h].n();
     d.pos[h] = s.heads[h].pos;
@@ -398,19 +395,19 @@ DevSeg build_packed(Context& ctx, const CudaKV& C, const KVSegment& s, const qua
       DevPart q;
       q.d.n = n;
       q.d.visual = vis;
-      q.d.k.data = ptr(kc, h);
-      q.d.v.data = ptr(vc, h);
+      q.d.k.data = kc.at(h);
+      q.d.v.data = vc.at(h);
       d.heads[h].push_back(q);
     } else if (L.kind == K::Blocks) {
-      auto side = [&](int bits, quant::Axis a, int group, const Arr& c, const Arr& sc, const Arr& z) {
+      auto side = [&](int bits, quant::Axis a, int group, const HeadArrays& c, const HeadArrays& sc, const HeadArrays& z) {
         KvSide k;
         k.fmt = a == quant::Axis::PerToken ? kToken : kChannel;
         k.bits = bits;
         k.group = group;
         k.chan_stride = a == quant::Axis::Global ? 0 : 1;
-        k.data = ptr(c, h);
-        k.scale = half_ptr(sc, h);
-        k.zero = half_ptr(z, h);
+        k.data = c.at(h);
+        k.scale = sc.half_at(h);
+        k.zero = z.half_at(h);
         return k;
       };
       DevPart q;
@@ -420,43 +417,164 @@ DevSeg build_packed(Context& ctx, const CudaKV& C, const KVSegment& s, const qua
       q.d.v = side(L.v_bits, L.v_axis, L.v_group, vc, vs, vz);
       if (!v_groups.empty()) q.d.v.fmt = kChannelT;
       d.heads[h].push_back(q);
-    } else {  // ZipMixed: salient rows, then the others
-      std::vector<int32_t> hi, lo;
-      for (int i = 0; i < n; ++i) (quant::unpack_one(p.k[h].flags.data(), i, 1) ? hi : lo).push_back(i);
-      int64_t kcode = 0, vcode = 0, ranges = 0, rows = 0;
-      for (int sal = 1; sal >= 0; --sal) {
-        const std::vector<int32_t>& idx = sal ? hi : lo;
-        const int bits = sal ? L.hi_bits : L.lo_bits;
-        if (idx.empty()) continue;
-        DevPart q;
-        q.d.n = static_cast<int32_t>(idx.size());
-        q.d.visual = vis;
-        q.d.k.fmt = kChannel;
-        q.d.k.bits = bits;
-        q.d.k.data = ptr(kc, h, kcode);
-        q.d.k.scale = half_ptr(ks, h, ranges);
-        q.d.k.zero = half_ptr(kz, h, ranges);
-        q.d.v.fmt = kToken;
-        q.d.v.bits = bits;
-        q.d.v.data = ptr(vc, h, vcode);
-        q.d.v.scale = half_ptr(vs, h, rows);
-        q.d.v.zero = half_ptr(vz, h, rows);
-        q.d.v.factor = half_ptr(vm, h, ranges);
-        q.order = idx;
-        d.heads[h].push_back(q);
-        kcode += static_cast<int64_t>(idx.size()) * D * bits / 8;
-        vcode += static_cast<int64_t>(idx.size()) * D * bits / 8;
-        ranges += D;
-        rows += static_cast<int64_t>(idx.size());
-      }
     }
   }
-  for (const Arr* a : {&kc, &vc, &ks, &kz, &vs, &vz, &km, &vm, &kf, &vf})
+  for (const HeadArrays* a : {&kc, &vc, &ks, &kz, &vs, &vz, &km, &vm, &kf, &vf})
     if (a->mem.mem) d.mem.push_back(a->mem);
   if (P.mem) d.mem.push_back(P);
   d.bytes = p.allocated();
   d.bytes.indices += static_cast<int64_t>(pos.size()) * 4;
   return d;
+}
+
+// ZipCache's payload (CodeLayout::ZipMixed) over its group of consecutive host segments, one
+// DevSeg per segment: the first holds every part of the group — per KV head its salient rows
+// across the group's segments, then the others, `order` indexing the group's rows in segment
+// order — and the others only their positions. With token ranges shared by the KV heads, the
+// kernel reads a range per row of each part: when every head holds each position in the same
+// subset (one ranking for all heads) the shared table is that, and every head reads it; else
+// each head gets its rows' ranges copied into its own array, and the device holds (and
+// reports) those copies instead of the shared table. Empty when the payload is not what the
+// layout says (the group is then held as fp16 values).
+std::vector<DevSeg> build_zip(Context& ctx, const CudaKV& C, const std::vector<const KVSegment*>& g,
+                              const quant::QuantPayload& p) {
+  const int NKV = C.NKV, D = C.D;
+  const auto& L = p.layout;
+  if (static_cast<int>(p.k.size()) != NKV || static_cast<int>(p.v.size()) != NKV || L.hi_bits < 1 || L.hi_bits > 8 ||
+      L.lo_bits < 1 || L.lo_bits > 8)
+    return {};
+  const int bits[2] = {L.lo_bits, L.hi_bits};
+  // sub[h][s]: head h's rows (indices into the group's rows) in subset s (1: salient).
+  std::vector<std::array<std::vector<int32_t>, 2>> sub(NKV);
+  std::vector<std::vector<int32_t>> gpos(NKV);
+  for (int h = 0; h < NKV; ++h) {
+    for (const KVSegment* s : g) gpos[h].insert(gpos[h].end(), s->heads[h].pos.begin(), s->heads[h].pos.end());
+    const int64_t n = static_cast<int64_t>(gpos[h].size());
+    const quant::QuantBlock &k = p.k[h], &v = p.v[h];
+    if (static_cast<int64_t>(k.flags.size()) != (n + 7) / 8) return {};
+    for (int64_t i = 0; i < n; ++i) sub[h][quant::unpack_one(k.flags.data(), i, 1)].push_back(static_cast<int32_t>(i));
+    const int64_t nh = static_cast<int64_t>(sub[h][1].size()), nl = n - nh;
+    const int64_t codes = (nh * D * bits[1] + nl * D * bits[0]) / 8, ranges = (nh ? D : 0) + (nl ? D : 0);
+    if (static_cast<int64_t>(k.codes.size()) != codes || static_cast<int64_t>(v.codes.size()) != codes) return {};
+    if (static_cast<int64_t>(k.scales.size()) != ranges || static_cast<int64_t>(k.zeros.size()) != ranges) return {};
+    if (static_cast<int64_t>(v.meta.size()) != (L.layer_factors ? (n ? D : 0) : ranges)) return {};
+    if (!L.shared_token_ranges && (static_cast<int64_t>(v.scales.size()) != n || static_cast<int64_t>(v.zeros.size()) != n))
+      return {};
+  }
+  std::vector<std::vector<uint16_t>> vs(NKV), vz(NKV);
+  bool one_table = false;
+  if (L.shared_token_ranges) {
+    std::array<std::map<int32_t, int64_t>, 2> index;  // [subset] position → range
+    for (int h = 0; h < NKV; ++h)
+      for (int s = 0; s < 2; ++s)
+        for (int32_t i : sub[h][s]) index[s][gpos[h][static_cast<size_t>(i)]] = 0;
+    int64_t t = 0;
+    for (int s = 1; s >= 0; --s)
+      for (auto& e : index[s]) e.second = t++;
+    if (static_cast<int64_t>(p.tokens.scales.size()) != t || static_cast<int64_t>(p.tokens.zeros.size()) != t) return {};
+    one_table = true;
+    for (int h = 0; h < NKV; ++h)
+      for (int s = 1; s >= 0; --s) {
+        const int64_t first = s ? 0 : static_cast<int64_t>(index[1].size());
+        one_table = one_table && sub[h][s].size() == index[s].size();
+        for (size_t k = 0; one_table && k < sub[h][s].size(); ++k)
+          one_table = index[s].at(gpos[h][static_cast<size_t>(sub[h][s][k])]) == first + static_cast<int64_t>(k);
+      }
+    for (int h = 0; h < NKV && !one_table; ++h)
+      for (int s = 1; s >= 0; --s)
+        for (int32_t i : sub[h][s]) {
+          const int64_t r = index[s].at(gpos[h][static_cast<size_t>(i)]);
+          vs[h].push_back(p.tokens.scales[static_cast<size_t>(r)]);
+          vz[h].push_back(p.tokens.zeros[static_cast<size_t>(r)]);
+        }
+  }
+  const KVSegment& s0 = *g.front();
+  const bool copies = L.shared_token_ranges && !one_table;
+  const std::string label = "packed " + s0.storage + (copies ? " (V token ranges per KV head)" : "");
+  const std::string what = "KV zipcache group of " + std::to_string(g.size()) + " segment(s) " + s0.storage;
+  auto up = [&](auto get, int elem, const char* name) { return upload_heads(ctx, NKV, get, elem, what + " " + name); };
+  using B = const std::vector<uint8_t>&;
+  using H = const std::vector<uint16_t>&;
+  const bool own = !L.shared_token_ranges;
+  // The shared table once, every head at its start.
+  auto shared = [&](const std::vector<uint16_t>& x, const char* name) {
+    HeadArrays a;
+    a.off.assign(static_cast<size_t>(NKV), 0);
+    const int64_t b = static_cast<int64_t>(x.size()) * 2;
+    if (b == 0) return a;
+    a.mem = {ctx.alloc(b, what + " " + name), b};
+    ctx.upload(a.mem.mem.get(), x.data(), b, what + " " + name);
+    return a;
+  };
+  const HeadArrays kc = up([&](int h) -> B { return p.k[h].codes; }, 1, "K codes");
+  const HeadArrays vc = up([&](int h) -> B { return p.v[h].codes; }, 1, "V codes");
+  const HeadArrays ks = up([&](int h) -> H { return p.k[h].scales; }, 2, "K scales");
+  const HeadArrays kz = up([&](int h) -> H { return p.k[h].zeros; }, 2, "K zeros");
+  const HeadArrays vsa = one_table ? shared(p.tokens.scales, "V token scales")
+                                   : up([&](int h) -> H { return own ? p.v[h].scales : vs[h]; }, 2, "V token scales");
+  const HeadArrays vza = one_table ? shared(p.tokens.zeros, "V token zeros")
+                                   : up([&](int h) -> H { return own ? p.v[h].zeros : vz[h]; }, 2, "V token zeros");
+  const HeadArrays vm = up([&](int h) -> H { return p.v[h].meta; }, 2, "V channel factors");
+  const HeadArrays kf = up([&](int h) -> B { return p.k[h].flags; }, 1, "salient flags");
+  std::vector<DevSeg> out(g.size());
+  for (size_t i = 0; i < g.size(); ++i) {
+    const KVSegment& s = *g[i];
+    DevSeg& d = out[i];
+    d.kind = s.kind;
+    d.storage = label;
+    d.host_storage = s.storage;
+    d.payload = s.payload.get();
+    d.fp16_rows = false;
+    d.heads.resize(NKV);
+    d.pos.resize(NKV);
+    d.merged.resize(NKV);
+    std::vector<int32_t> pos;
+    for (int h = 0; h < NKV; ++h) {
+      d.pos[h] = s.heads[h].pos;
+      d.merged[h] = s.heads[h].merged;
+      pos.insert(pos.end(), s.heads[h].pos.begin(), s.heads[h].pos.end());
+    }
+    if (!pos.empty()) {
+      const int64_t b = static_cast<int64_t>(pos.size()) * 4;
+      DevMem P{ctx.alloc(b, what + " positions"), b};
+      ctx.upload(P.mem.get(), pos.data(), b, what + " positions");
+      d.mem.push_back(P);
+    }
+    d.bytes.indices = static_cast<int64_t>(pos.size()) * 4;
+  }
+  DevSeg& first = out.front();
+  for (int h = 0; h < NKV; ++h) {
+    int64_t code = 0, ranges = 0, rows = 0;
+    for (int sal = 1; sal >= 0; --sal) {
+      const std::vector<int32_t>& idx = sub[h][sal];
+      if (idx.empty()) continue;
+      DevPart q;
+      q.d.n = static_cast<int32_t>(idx.size());
+      q.d.k.fmt = kChannel;
+      q.d.k.bits = bits[sal];
+      q.d.k.data = kc.at(h, code);
+      q.d.k.scale = ks.half_at(h, ranges);
+      q.d.k.zero = kz.half_at(h, ranges);
+      q.d.v.fmt = kToken;
+      q.d.v.bits = bits[sal];
+      q.d.v.data = vc.at(h, code);
+      q.d.v.scale = vsa.half_at(h, rows);
+      q.d.v.zero = vza.half_at(h, rows);
+      q.d.v.factor = vm.half_at(h, L.layer_factors ? 0 : ranges);
+      q.order = idx;
+      first.heads[h].push_back(q);
+      code += static_cast<int64_t>(idx.size()) * D * bits[sal] / 8;
+      ranges += D;
+      rows += static_cast<int64_t>(idx.size());
+    }
+  }
+  for (const HeadArrays* a : {&kc, &vc, &ks, &kz, &vsa, &vza, &vm, &kf})
+    if (a->mem.mem) first.mem.push_back(a->mem);
+  first.bytes.codes += kc.mem.bytes + vc.mem.bytes;
+  first.bytes.scales += ks.mem.bytes + vsa.mem.bytes;
+  first.bytes.zeros += kz.mem.bytes + vza.mem.bytes;
+  first.bytes.meta += vm.mem.bytes + kf.mem.bytes;
+  return out;
 }
 
 void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l) {
@@ -487,14 +605,35 @@ void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l) {
       if (dropped.count(m.mem.get())) p = nullptr;
   }
   std::vector<DevSeg> segs;
-  for (size_t i = 0; i < H.segments.size(); ++i) {
+  const size_t n_host = H.segments.size() - (keep_tail ? 1 : 0);
+  for (size_t i = 0; i < n_host; ++i) {
     const KVSegment& s = H.segments[i];
-    if (keep_tail && i + 1 == H.segments.size()) continue;
+    const auto* p = dynamic_cast<const quant::QuantPayload*>(s.payload.get());
+    if (p && p->layout.kind == quant::CodeLayout::Kind::ZipMixed) {
+      // ZipCache's group: this segment and the next ones that share its payload, kept whole or
+      // rebuilt whole.
+      size_t j = i + 1;
+      while (j < n_host && H.segments[j].payload == s.payload) ++j;
+      bool kept = true;
+      for (size_t x = i; x < j; ++x) kept = kept && same[x];
+      std::vector<DevSeg> built;
+      if (!kept) {
+        std::vector<const KVSegment*> g;
+        for (size_t x = i; x < j; ++x) g.push_back(&H.segments[x]);
+        built = build_zip(ctx, C, g, *p);
+      }
+      for (size_t x = i; x < j; ++x) {
+        if (kept) segs.push_back(*same[x]);
+        else if (!built.empty()) segs.push_back(std::move(built[x - i]));
+        else segs.push_back(build_fp16(ctx, C, H.segments[x], have, "fp16 (dequantized " + H.segments[x].storage + ")", true));
+      }
+      i = j - 1;
+      continue;
+    }
     if (same[i]) {
       segs.push_back(*same[i]);
       continue;
     }
-    const auto* p = dynamic_cast<const quant::QuantPayload*>(s.payload.get());
     if (p && p->layout.kind != quant::CodeLayout::Kind::None && packed_ok(*p, s, C.D)) {
       segs.push_back(build_packed(ctx, C, s, *p));
     } else if (s.payload) {
