@@ -377,3 +377,95 @@ TEST(ZipCache, LayerChannelScalesComeFromEveryRowOfTheHead) {
     }
   }
 }
+
+TEST(ZipCache, PayloadDecodesAsItsCodeLayoutSays) {
+  // A device reads ZipCache's payload as quant::CodeLayout::ZipMixed describes it (the CUDA cache
+  // holds it packed): decoding the codes, ranges and factors by that description alone gives
+  // every stored row of every group exactly — the prompt's group over three segments, one
+  // segment a group, shared or per-head token ranges, factors per subset or per layer, one
+  // ranking for every head, and streaming gaps quantized during decode.
+  for (const std::string spec :
+       {"zipcache:gap=4", "zipcache:preset=official,gap=5", "zipcache:value_token_range=head,gap=4",
+        "zipcache:saliency_heads=shared,saliency_ratio=0.3,gap=4", "zipcache:ranges=segment,gap=6",
+        "zipcache:ranges=segment,value_token_range=head,high_bits=8,low_bits=1,gap=3"}) {
+    SCOPED_TRACE(spec);
+    Fixture f(5, 30, 6, 16, 170);
+    auto pol = make_policy(spec);
+    f.prefill(*pol);
+    f.decode(*pol, 13);
+    const LayerKV& L = f.store.layer(0);
+    const int D = f.D;
+    int groups = 0;
+    for (size_t i = 0; i < L.segments.size();) {
+      size_t j = i + 1;
+      while (j < L.segments.size() && L.segments[j].payload == L.segments[i].payload) ++j;
+      const auto* p = dynamic_cast<const quant::QuantPayload*>(L.segments[i].payload.get());
+      if (!p) {
+        i = j;
+        continue;
+      }
+      ++groups;
+      const quant::CodeLayout& y = p->layout;
+      ASSERT_EQ(y.kind, quant::CodeLayout::Kind::ZipMixed);
+      const int bits[2] = {y.lo_bits, y.hi_bits};
+      // The shared token ranges: per subset (salient first) the positions some head holds in
+      // it, ascending.
+      std::array<std::map<int32_t, size_t>, 2> token;
+      std::vector<std::vector<const float*>> K(f.KH), V(f.KH);
+      std::vector<std::vector<int32_t>> P(f.KH);
+      for (int h = 0; h < f.KH; ++h)
+        for (size_t g = i; g < j; ++g)
+          for (int r = 0; r < L.segments[g].heads[h].n(); ++r) {
+            K[h].push_back(&L.segments[g].heads[h].k[static_cast<size_t>(r) * D]);
+            V[h].push_back(&L.segments[g].heads[h].v[static_cast<size_t>(r) * D]);
+            P[h].push_back(L.segments[g].heads[h].pos[r]);
+          }
+      auto flag = [&](int h, size_t r) { return static_cast<int>(quant::unpack_one(p->k[h].flags.data(), static_cast<int64_t>(r), 1)); };
+      for (int h = 0; h < f.KH; ++h)
+        for (size_t r = 0; r < P[h].size(); ++r) token[flag(h, r)][P[h][r]] = 0;
+      size_t t = 0;
+      for (int s = 1; s >= 0; --s)
+        for (auto& e : token[s]) e.second = t++;
+      if (y.shared_token_ranges) {
+        ASSERT_EQ(p->tokens.scales.size(), t);
+      }
+      for (int h = 0; h < f.KH; ++h) {
+        const quant::QuantBlock &kb = p->k[h], &vb = p->v[h];
+        ASSERT_EQ(kb.flags.size(), (P[h].size() + 7) / 8);
+        size_t kbyte = 0, vbyte = 0, ranges = 0, vrow = 0;
+        for (int s = 1; s >= 0; --s) {
+          std::vector<size_t> rows;
+          for (size_t r = 0; r < P[h].size(); ++r)
+            if (flag(h, r) == s) rows.push_back(r);
+          if (rows.empty()) continue;
+          const int b = bits[s];
+          ASSERT_LE(ranges + D, kb.scales.size());
+          for (size_t m = 0; m < rows.size(); ++m) {
+            const size_t r = rows[m];
+            const size_t tr = y.shared_token_ranges ? token[s].at(P[h][r]) : vrow;
+            const float vs = quant::from_half(y.shared_token_ranges ? p->tokens.scales[tr] : vb.scales.at(tr));
+            const float vz = quant::from_half(y.shared_token_ranges ? p->tokens.zeros[tr] : vb.zeros.at(tr));
+            for (int c = 0; c < D; ++c) {
+              const uint32_t kc = quant::unpack_one(kb.codes.data() + kbyte, static_cast<int64_t>(m) * D + c, b);
+              const float kx = static_cast<float>(kc) * quant::from_half(kb.scales[ranges + c]) + quant::from_half(kb.zeros[ranges + c]);
+              ASSERT_EQ(K[h][r][c], kx) << "K head " << h << " position " << P[h][r] << " channel " << c;
+              const uint32_t vc = quant::unpack_one(vb.codes.data() + vbyte + m * D * b / 8, c, b);
+              const float fac = quant::from_half(vb.meta.at((y.layer_factors ? 0 : ranges) + c));
+              ASSERT_EQ(V[h][r][c], (static_cast<float>(vc) * vs + vz) * fac)
+                  << "V head " << h << " position " << P[h][r] << " channel " << c;
+            }
+            ++vrow;
+          }
+          kbyte += rows.size() * D * b / 8;
+          vbyte += rows.size() * D * b / 8;
+          ranges += D;
+        }
+        EXPECT_EQ(kbyte, kb.codes.size());
+        EXPECT_EQ(vbyte, vb.codes.size());
+        EXPECT_EQ(ranges, kb.scales.size());
+      }
+      i = j;
+    }
+    EXPECT_GE(groups, 2) << "the prompt and at least one streaming gap";
+  }
+}
