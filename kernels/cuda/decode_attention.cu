@@ -47,8 +47,8 @@ namespace {
 constexpr int kThreads = 128;
 constexpr int kMinBlocks = 3;  // blocks resident per multiprocessor (the register budget follows)
 constexpr int kUnroll = 4;
-constexpr int kSharedParts = 16;
-constexpr int kB1StageBytes = (kThreads / 32) * 2 * 4096;  // decode_b1.cuh: two 4 KiB stages a warp  // a head's part descriptors staged in shared memory (more: read from L2)
+constexpr int kSharedParts = 16;  // a head's part descriptors staged in shared memory (more: read from L2)
+constexpr int kB1StageBytes = (kThreads / 32) * 2 * 4096;  // decode_b1.cuh: two 4 KiB stages a warp
 static_assert(sizeof(PartDesc) % 8 == 0, "descriptors are staged in 8-byte words");
 
 enum Mode { kAttend = 0, kRange = 1, kScores = 2 };
