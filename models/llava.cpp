@@ -66,11 +66,9 @@ int sample(const std::vector<float>& logits, const GenerateOptions& opt, std::mt
   return order[keep - 1];
 }
 
-// softmax(logits)[tok].
+// softmax(logits)[tok] (no copy of the row: this runs once a token on the host).
 float chosen_prob(const std::vector<float>& logits, int tok) {
-  std::vector<float> p(logits);
-  cpu::softmax_rows(p.data(), 1, static_cast<int>(p.size()));
-  return p[static_cast<size_t>(tok)];
+  return cpu::softmax_at(logits.data(), static_cast<int>(logits.size()), tok);
 }
 
 }  // namespace

@@ -184,6 +184,18 @@ TEST(CpuOps, RopeAgainstFp64) {
   }
 }
 
+TEST(CpuOps, SoftmaxAtIsSoftmaxRowsBitForBit) {
+  for (const int n : {1, 2, 31, 1000, 32064}) {
+    std::vector<float> x = randn(static_cast<size_t>(n), 90 + n, 4.0f);
+    if (n > 3) x[1] = -INFINITY, x[2] = 60.0f;
+    std::vector<float> p = x;
+    cpu::softmax_rows(p.data(), 1, n);
+    for (int j = 0; j < n; j += std::max(1, n / 97)) EXPECT_EQ(cpu::softmax_at(x.data(), n, j), p[j]) << "n=" << n << " j=" << j;
+  }
+  const std::vector<float> masked(5, -INFINITY);
+  EXPECT_EQ(cpu::softmax_at(masked.data(), 5, 2), 0.0f);
+}
+
 // softmax of rows with −inf entries (masked: probability 0) and a fully masked row (all 0).
 // x_j − max rounds once (u·|x_j − max|), exp ≤ 2 ulp, the fp64 sum and the scale once more:
 // |err_j| ≤ p_j·(|x_j − max|·u + 5u), plus one ulp of the smallest subnormal (2^-149) where p_j

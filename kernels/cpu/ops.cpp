@@ -97,23 +97,33 @@ void rope(float* x, int T, int H, int D, const int32_t* pos, float theta) {
   }
 }
 
+namespace {
+// A row's largest value and 1 / Σ exp(x_j − max) (summed in fp64, rounded to float).
+std::pair<float, float> softmax_scale(const float* row, int n) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int j = 0; j < n; ++j) mx = std::max(mx, row[j]);
+  if (!std::isfinite(mx)) return {mx, 0.0f};
+  double sum = 0.0;
+  for (int j = 0; j < n; ++j) sum += std::exp(row[j] - mx);
+  return {mx, static_cast<float>(1.0 / sum)};
+}
+}  // namespace
+
 void softmax_rows(float* x, int64_t rows, int n) {
   for (int64_t r = 0; r < rows; ++r) {
     float* row = x + r * n;
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int j = 0; j < n; ++j) mx = std::max(mx, row[j]);
+    const auto [mx, inv] = softmax_scale(row, n);
     if (!std::isfinite(mx)) {
       std::fill(row, row + n, 0.0f);
       continue;
     }
-    double sum = 0.0;
-    for (int j = 0; j < n; ++j) {
-      row[j] = std::exp(row[j] - mx);
-      sum += row[j];
-    }
-    const float inv = static_cast<float>(1.0 / sum);
-    for (int j = 0; j < n; ++j) row[j] *= inv;
+    for (int j = 0; j < n; ++j) row[j] = std::exp(row[j] - mx) * inv;
   }
+}
+
+float softmax_at(const float* x, int n, int i) {
+  const auto [mx, inv] = softmax_scale(x, n);
+  return std::isfinite(mx) ? std::exp(x[i] - mx) * inv : 0.0f;
 }
 
 void attention_head(const AttnHeadArgs& a) {

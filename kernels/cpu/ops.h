@@ -24,6 +24,8 @@ void rope(float* x, int T, int H, int D, const int32_t* pos, float theta);
 // In place, numerically stable softmax of each of `rows` rows of length n; entries equal to
 // -inf get probability 0.
 void softmax_rows(float* x, int64_t rows, int n);
+// softmax(x[0..n))[i] as softmax_rows computes it (the same bits), without writing the row.
+float softmax_at(const float* x, int n, int i);
 
 // Scaled dot-product attention of one query head against its key/value rows.
 //   q[Tq][D], k[Tk][D], v[Tk][D] (row strides q_stride, kv_stride), out[Tq][D] (stride o_stride).
