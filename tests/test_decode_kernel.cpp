@@ -348,6 +348,23 @@ TEST(DecodeKernel, SplitCountsFillTheirLastWave) {
   const int s1 = cuda::decode_splits(1, 32, 65536, sm);
   EXPECT_LE(s1 * 32, resident);
   EXPECT_GE(s1 * 32, 0.9 * resident);
+  // An all-fp16 cache (512 bytes a row at head size 128): never fewer splits than the wave rule,
+  // and no block holds more than kDecodeSplitBytes of rows unless the 64-row cap binds.
+  for (int B : {1, 16})
+    for (int rows : {100, 616, 4096, 16384, 65536, 1 << 20}) {
+      const int w = cuda::decode_splits(B, 32, rows, sm), s = cuda::decode_splits(B, 32, rows, sm, 512);
+      const int most = std::min((rows + 63) / 64, 1024);
+      SCOPED_TRACE("B=" + std::to_string(B) + " rows=" + std::to_string(rows));
+      EXPECT_GE(s, w);
+      EXPECT_LE(s, most);
+      if (s < most) {
+        EXPECT_LE(static_cast<int64_t>(rows) * 512, cuda::kDecodeSplitBytes * s);
+      }
+      if (s > w) {
+        EXPECT_GT(static_cast<int64_t>(rows) * 512, cuda::kDecodeSplitBytes * (s - 1));
+      }
+    }
+  EXPECT_EQ(cuda::decode_splits(1, 32, 616, sm, 512), cuda::decode_splits(1, 32, 616, sm));  // a captioning run's context
 #endif
 }
 

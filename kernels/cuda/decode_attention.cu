@@ -727,7 +727,7 @@ bool decode_f16_supported(int D, int max_parts) {
   return (D == 8 || D == 16 || D == 32 || D == 64 || D == 128 || D == 256) && max_parts <= kSharedParts;
 }
 
-int decode_splits(int B, int NH, int rows, int n_sm) {
+int decode_splits(int B, int NH, int rows, int n_sm, int64_t f16_row_bytes) {
   // From the count that makes one wave (kMinBlocks resident on each multiprocessor) 90 % full,
   // the first whose last wave is at least 90 % full (else the fullest up to four times that
   // count); at most one split per 64 rows.
@@ -740,6 +740,10 @@ int decode_splits(int B, int NH, int rows, int n_sm) {
     const double w = heads * s / resident, fill = w / std::ceil(w);
     if (fill > best_fill + 1e-9) best = s, best_fill = fill;
     if (fill >= 0.9) break;
+  }
+  if (f16_row_bytes > 0) {
+    const int64_t by_bytes = (static_cast<int64_t>(rows) * f16_row_bytes + kDecodeSplitBytes - 1) / kDecodeSplitBytes;
+    best = static_cast<int>(std::max<int64_t>(best, std::min<int64_t>(by_bytes, kMaxSplits)));
   }
   return std::min(best, most);
 }
