@@ -23,6 +23,17 @@ __device__ __forceinline__ uint32_t mix(uint64_t x) {
   x ^= x >> 33;
   return static_cast<uint32_t>(x);
 }
+// Keeps its stream busy for `ns` nanoseconds, so that work enqueued behind it meanwhile starts
+// as soon as the device reaches it: its timing is the device's, not the host's enqueueing.
+__global__ void hold_kernel(uint64_t ns) {
+  uint64_t t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    __nanosleep(1000);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < ns);
+}
+
 // Halves uniform in [lo, hi).
 __global__ void fill_half_kernel(__half* p, int64_t n, float lo, float hi, uint64_t seed) {
   for (int64_t i = threadIdx.x + static_cast<int64_t>(blockIdx.x) * blockDim.x; i < n;
@@ -227,6 +238,10 @@ std::vector<AttnBenchRow> bench_decode_attention(const AttnBenchConfig& c, doubl
           if (!c.back_to_back) {
             Events ev;
             for (int r = 0; r < c.reps; ++r) {
+              if (!c.host_paced) {
+                hold_kernel<<<1, 1, 0, st.s>>>(200000);  // 200 µs: far longer than enqueueing the call
+                KV_LAUNCH("hold_kernel", "decode attention benchmark");
+              }
               cudaEventRecord(ev.a, st.s);
               call(r);
               cudaEventRecord(ev.b, st.s);

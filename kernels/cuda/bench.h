@@ -19,10 +19,14 @@ struct AttnBenchConfig {
   std::vector<int> bits{16, 4, 2, 1};
   bool calibrate_1bit = true;  // also time 1-bit with calibration
   std::vector<int> splits{0};  // splits of each head's rows; 0 = decode_splits' choice
-  // Time per call: the median of `reps` calls each timed alone by events around it (the launch
-  // and the event round trip included), or, back to back, of `reps` calls in a row (median of 5
-  // runs ÷ reps; each call reads another copy of the cache).
+  // Time per call: the median of `reps` calls each timed alone by events around it, or, back to
+  // back, of `reps` calls in a row (median of 5 runs ÷ reps; each call reads another copy of the
+  // cache). Alone, the stream is first held by a short spin kernel while the events and the call
+  // are enqueued behind it, so the time is the device's (launch, kernel, merge) and not paced by
+  // the host's enqueueing; host_paced leaves the stream idle instead (the host's launch latency
+  // is then timed too).
   bool back_to_back = false;
+  bool host_paced = false;
   int reps = 30;
 };
 struct AttnBenchRow {
