@@ -84,6 +84,14 @@ __device__ __forceinline__ float warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
+// The warp's largest value in one `redux.sync` (sm_80+) instead of five dependent shuffles: a
+// float's bits, with a negative value's magnitude bits flipped, order as signed integers, −inf
+// included. For the decode loops' running maxima, whose values are never NaN.
+__device__ __forceinline__ float warp_max_redux(float v) {
+  const int i = __float_as_int(v);
+  const int m = __reduce_max_sync(0xffffffffu, i >= 0 ? i : i ^ 0x7fffffff);
+  return __int_as_float(m >= 0 ? m : m ^ 0x7fffffff);
+}
 
 // The activations of cpu::Act, as the CPU twins compute them in fp32.
 __device__ __forceinline__ float activate(float v, int act) {

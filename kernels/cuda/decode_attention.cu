@@ -48,7 +48,11 @@ constexpr int kThreads = 128;
 constexpr int kMinBlocks = 3;  // blocks resident per multiprocessor (the register budget follows)
 constexpr int kUnroll = 4;
 constexpr int kSharedParts = 16;  // a head's part descriptors staged in shared memory (more: read from L2)
-constexpr int kB1StageBytes = (kThreads / 32) * 2 * 4096;  // decode_b1.cuh: two 4 KiB stages a warp
+// decode_b1.cuh: 4 KiB stages a warp (tiles in flight + 1). Three and four stages (48 and 64 KiB a
+// block) were measured slower on an H100 at every shape but batch 16 / 16k: the loop is bound by
+// its own latency at 12 warps a multiprocessor, not by the copies in flight.
+constexpr int kB1Stages = 2;
+constexpr int kB1StageBytes = (kThreads / 32) * kB1Stages * 4096;
 static_assert(sizeof(PartDesc) % 8 == 0, "descriptors are staged in 8-byte words");
 
 enum Mode { kAttend = 0, kRange = 1, kScores = 2 };
@@ -684,13 +688,21 @@ void launch_l(const DecodeParams& p, int mode, cudaStream_t s) {
   const int bytes = decode_lut_bytes(q.D, q.lut_bits) + (q.b1 && q.D == 128 ? kB1StageBytes : 0);
   if constexpr (L == 16) {
     if (p.all_mma && p.D == 128 && mode != kScores && !p.scores_in && !p.scores_out) {
+      // Opted in once to the binary path's stages: with the static arrays they may pass the 48 KiB
+      // a block gets without it.
+      static int allowed_b1 = 0;
+      if (p.b1 && bytes > allowed_b1) {
+        KV_CUDA(cudaFuncSetAttribute(decode_kernel<16, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+                "decode attention stages of " + std::to_string(bytes) + " bytes");
+        allowed_b1 = bytes;
+      }
       KV_CUDA(launch_dependent(p.b1 ? decode_kernel<16, 2> : decode_kernel<16, 1>, grid, kThreads, bytes, s, true,
                                q, mode),
               "decode_kernel for " + std::to_string(p.B) + "x" + std::to_string(p.NH) + " heads");
       return;
     }
   }
-  static int allowed = 48 << 10;  // dynamic shared memory the kernel may take without opting in
+  static int allowed = 0;  // dynamic shared memory the kernel was opted in to (static arrays come on top)
   if (bytes > allowed) {
     KV_CUDA(cudaFuncSetAttribute(decode_kernel<L, 0>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
             "decode attention table of " + std::to_string(bytes) + " bytes");

@@ -9,8 +9,9 @@
 // the last whole group row-major (quant::channel_major_1bit builds it; same bytes).
 //
 // Staging: a 128-row tile's codes are contiguous (2 KiB of keys, 2 KiB of values); each warp
-// copies the next tile into its second shared-memory stage with cp.async while it computes this
-// one, so nothing in flight occupies registers (DecodeParams::b1 gives the blocks the 32 KiB).
+// keeps the next kB1Stages − 1 of its tiles in flight into its shared-memory stages with cp.async
+// while it computes this one, so nothing in flight occupies registers (DecodeParams::b1 gives the
+// blocks kB1StageBytes).
 // Keys: S = K·U on `mma.m16n8k128.b1` (AND + POPC), A = the codes exactly as they lie (lane (g, t)
 // takes word t of rows g and g+8 of a 16-row tile), B = bit planes of U = round(σ·q⊙scale), a
 // 24-bit two's-complement integer (σ a power of two that puts max |q⊙scale| at 2^22; CalibQuant's
@@ -31,9 +32,12 @@
 // long as the running maximum stays; when it moves, and at the end, each lane weighs its planes'
 // counts by 2^plane into fp32 sums, which the move's factor rescales. At the end of the part
 // scale_c·Σ P·code + zero_c·Σ P (÷ 65535) joins the warp's state as in decode_mma.cuh.
-// Per 128 rows and warp: 24 + 16 mma and about 520 other instructions (4.4 a row in the H100
-// profile, against about 14 on the fp16-operand path); no register spills at 168 registers
-// (decode_kernel<16, 2>).
+// Per 128 rows and warp: 24 + 16 mma and about 510 other instructions in an H100 profile at batch
+// 1 / 64k (4.3 a row, against about 14 on the fp16-operand path), ~110 of them issuing the tile's
+// copies before their addresses were made fixed offsets; no register spills at 168 registers
+// (decode_kernel<16, 2>). That loop is bound by its own latency (12 warps a multiprocessor, half
+// an eligible warp a scheduler): a fifth of the samples wait for the tile's copy, the rest for
+// the shuffles and mma of the scores, the maximum and the bit transposes.
 #pragma once
 
 namespace kvlens::cuda::b1_path {
@@ -184,36 +188,58 @@ __device__ __noinline__ void packed_b1(const PartDesc& P, int a, int e, const fl
   const int a32 = a & ~31;
   const int tiles = (e - a32 + 127) >> 7;
   // A tile's codes are contiguous: 128 key rows of 16 bytes, and four value groups of 512 bytes.
-  // They are copied to this warp's two shared-memory stages with cp.async one tile ahead, so the
-  // copy of the next tile is in flight while this one is computed without holding registers.
+  // They are copied to this warp's kB1Stages shared-memory stages with cp.async, kB1Stages − 1
+  // tiles ahead, so those copies are in flight while this tile is computed without holding
+  // registers. Every iteration commits one group (empty past the last tile), so waiting for all
+  // but the newest kB1Stages − 1 groups is waiting for this tile.
   // Rows past e are not copied (their stale bytes are masked: score −inf, weight 0).
-  uint4* const buf = stage + warp * (RANGE ? 2 * 128 : 2 * 256);
-  const uint4* K16 = reinterpret_cast<const uint4*>(K);
+  constexpr int SZ = RANGE ? 128 : 256;  // a stage's 16-byte chunks
+  uint4* const buf = stage + warp * (kB1Stages * SZ);
+  // Tile i's key chunk c is chunk a32 + 128i + c of the keys, and its value group's chunk c chunk
+  // a32 + 128i + c of the values (a group of 32 rows is 32 chunks): this lane's chunks lane + 32k
+  // are at fixed offsets from two pointers that advance 128 chunks a tile, and land at fixed
+  // offsets in the stage (values' chunk q of group k at 128 + 32k + (q ^ k)).
+  const uint4* const ksrc = reinterpret_cast<const uint4*>(K) + a32 + lane;
+  const uint4* const vsrc = V + a32 + lane;
+  const uint32_t sbase = smem_addr(buf);
+  uint32_t vdst[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) vdst[k] = 16u * static_cast<uint32_t>(128 + 32 * k + (lane ^ k));
   auto issue = [&](int i, int sg) {
-    const int r0 = a32 + 128 * i;
-    uint4* sk = buf + sg * (RANGE ? 128 : 256);
+    if (i < tiles) {
+      const int r0 = a32 + 128 * i;
+      const uint32_t sk = sbase + 16u * static_cast<uint32_t>(sg * SZ);
+      const uint4* kp = ksrc + 128 * static_cast<int64_t>(i);
+      const uint4* vp = vsrc + 128 * static_cast<int64_t>(i);
+      if (r0 + 128 <= e) {  // a whole tile: no row checks
 #pragma unroll
-    for (int k = 0; k < 4; ++k)
-      if (r0 + lane + 32 * k < e) cp_async16(smem_addr(sk + lane + 32 * k), K16 + r0 + lane + 32 * k);
-    if constexpr (!RANGE) {
-      const uint4* vg = V + 32 * static_cast<int64_t>(r0 >> 5);
+        for (int k = 0; k < 4; ++k) cp_async16(sk + 16u * (lane + 32 * k), kp + 32 * k);
+        if constexpr (!RANGE) {
 #pragma unroll
-      for (int k = 0; k < 4; ++k)
-        if (r0 + 32 * k < e) cp_async16(smem_addr(sk + 128 + 32 * k + (lane ^ k)), vg + lane + 32 * k);
+          for (int k = 0; k < 4; ++k) cp_async16(sk + vdst[k], vp + 32 * k);
+        }
+      } else {
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          if (r0 + lane + 32 * k < e) cp_async16(sk + 16u * (lane + 32 * k), kp + 32 * k);
+        if constexpr (!RANGE) {
+#pragma unroll
+          for (int k = 0; k < 4; ++k)
+            if (r0 + 32 * k < e) cp_async16(sk + vdst[k], vp + 32 * k);
+        }
+      }
     }
     cp_async_commit();
   };
 
-  if (warp < tiles) issue(warp, 0);
-  for (int i = warp, sg = 0; i < tiles; i += nw, sg ^= 1) {
-    if (i + nw < tiles) {
-      issue(i + nw, sg ^ 1);
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
+#pragma unroll
+  for (int k = 0; k + 1 < kB1Stages; ++k) issue(warp + k * nw, k);
+  for (int i = warp, sg = 0; i < tiles; i += nw, sg = sg + 1 == kB1Stages ? 0 : sg + 1) {
+    // The stage of the tile kB1Stages − 1 ahead is the one the previous iteration read.
+    issue(i + (kB1Stages - 1) * nw, sg == 0 ? kB1Stages - 1 : sg - 1);
+    cp_async_wait<kB1Stages - 1>();
     __syncwarp();
-    const uint32_t* sk = reinterpret_cast<const uint32_t*>(buf + sg * (RANGE ? 128 : 256));
+    const uint32_t* sk = reinterpret_cast<const uint32_t*>(buf + sg * SZ);
     uint32_t kw[8][2];
 #pragma unroll
     for (int x = 0; x < 8; ++x)
@@ -261,7 +287,7 @@ __device__ __noinline__ void packed_b1(const PartDesc& P, int a, int e, const fl
         s[c] = calibrated(s[c], cal, cal_t, cal_g, tau1);
         mx = fmaxf(mx, s[c]);
       }
-      mx = warp_max(mx);
+      mx = warp_max_redux(mx);
       if (mx > mw) {  // the same in every lane
         const float alpha = __expf(mw - mx);
         dsum *= alpha;

@@ -216,7 +216,7 @@ __device__ __noinline__ void packed_mma(const PartDesc& P, int a, int e, const f
           sc[i][h] = calibrated(sc[i][h], cal, cal_t, cal_g, tau1);
           mx = fmaxf(mx, sc[i][h]);
         }
-      mx = warp_max(mx);
+      mx = warp_max_redux(mx);
       if (__any_sync(0xffffffffu, mx > mw)) {  // the same in every lane: a branch, not predication
         const float alpha = __expf(mw - mx);
         dsum *= alpha;
