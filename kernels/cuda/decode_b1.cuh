@@ -34,10 +34,12 @@
 // scale_c·Σ P·code + zero_c·Σ P (÷ 65535) joins the warp's state as in decode_mma.cuh.
 // Per 128 rows and warp: 24 + 16 mma and about 510 other instructions in an H100 profile at batch
 // 1 / 64k (4.3 a row, against about 14 on the fp16-operand path), ~110 of them issuing the tile's
-// copies before their addresses were made fixed offsets; no register spills at 168 registers
-// (decode_kernel<16, 2>). That loop is bound by its own latency (12 warps a multiprocessor, half
-// an eligible warp a scheduler): a fifth of the samples wait for the tile's copy, the rest for
-// the shuffles and mma of the scores, the maximum and the bit transposes.
+// copies before their addresses were made fixed offsets; decode_kernel<16, 2> takes 168
+// registers, with 72 bytes spilled (ptxas -v; 28 before the fixed offsets and the one-instruction
+// maximum, which were faster nonetheless). That loop is bound by its own latency (12 warps a
+// multiprocessor, half an eligible warp a scheduler): a fifth of the samples wait for the tile's
+// copy, the rest for the shuffles and mma of the scores, the maximum and the bit transposes.
+// Forcing 128 registers (four blocks a multiprocessor) spills more and was 30–40 % slower.
 #pragma once
 
 namespace kvlens::cuda::b1_path {
@@ -202,9 +204,7 @@ __device__ __noinline__ void packed_b1(const PartDesc& P, int a, int e, const fl
   const uint4* const ksrc = reinterpret_cast<const uint4*>(K) + a32 + lane;
   const uint4* const vsrc = V + a32 + lane;
   const uint32_t sbase = smem_addr(buf);
-  uint32_t vdst[4];
-#pragma unroll
-  for (int k = 0; k < 4; ++k) vdst[k] = 16u * static_cast<uint32_t>(128 + 32 * k + (lane ^ k));
+  auto vdst = [&](int k) { return 16u * static_cast<uint32_t>(128 + 32 * k + (lane ^ k)); };
   auto issue = [&](int i, int sg) {
     if (i < tiles) {
       const int r0 = a32 + 128 * i;
@@ -216,7 +216,7 @@ __device__ __noinline__ void packed_b1(const PartDesc& P, int a, int e, const fl
         for (int k = 0; k < 4; ++k) cp_async16(sk + 16u * (lane + 32 * k), kp + 32 * k);
         if constexpr (!RANGE) {
 #pragma unroll
-          for (int k = 0; k < 4; ++k) cp_async16(sk + vdst[k], vp + 32 * k);
+          for (int k = 0; k < 4; ++k) cp_async16(sk + vdst(k), vp + 32 * k);
         }
       } else {
 #pragma unroll
@@ -225,7 +225,7 @@ __device__ __noinline__ void packed_b1(const PartDesc& P, int a, int e, const fl
         if constexpr (!RANGE) {
 #pragma unroll
           for (int k = 0; k < 4; ++k)
-            if (r0 + 32 * k < e) cp_async16(sk + vdst[k], vp + 32 * k);
+            if (r0 + 32 * k < e) cp_async16(sk + vdst(k), vp + 32 * k);
         }
       }
     }
