@@ -46,7 +46,7 @@ def main():
     if s7:
         print(f"7B: prompt {s7['prompt_tokens']} tokens, copy {s7['copy_bandwidth_gbs']:.0f} GB/s, "
               f"weights {s7['lm_weight_bytes'] / 1e9:.2f} GB/token, vision+prefill {s7['vision_ms'] + s7['prefill_ms']:.1f} ms")
-    for suffix, how in (("", "each call timed alone"), ("_b2b", "calls back to back")):
+    for suffix, how in (("", "each call timed alone on a held stream"), ("_b2b", "calls back to back")):
         a = load(d, f"bench_attention{suffix}.json")
         sd = load(d, f"sdpa{suffix}.json")
         if not a:
