@@ -51,6 +51,24 @@ struct KernelCase {
   bool blocked = true;
 };
 
+// A batch-1 case whose parts are all fp16: front, middle and back rows, splits (0: decode_splits).
+struct Fp16Shape {
+  int NH, NKV, D, front, mid, back, splits;
+};
+KernelCase fp16_case(const Fp16Shape& x) {
+  KernelCase c;
+  c.bits = 16;
+  c.B = 1;
+  c.NH = x.NH;
+  c.NKV = x.NKV;
+  c.D = x.D;
+  c.n_front = x.front;
+  c.n_packed = x.mid;
+  c.n_back = x.back;
+  c.splits = x.splits;
+  return c;
+}
+
 std::vector<uint8_t> random_bytes(size_t n) {
   std::uniform_int_distribution<int> d(0, 255);
   std::vector<uint8_t> v(n);
@@ -472,22 +490,10 @@ TEST(DecodeKernel, Fp16PartsWithTheStepsTokenFusedIn) {
   // RoPE of q and the token's k, the token's row attended as the last row (its split decided as
   // for any row) and appended to the tail: head sizes 128, 64 and 8, GQA 3:1 and 4:1, one split
   // or several, the token's row alone in its split.
-  struct Shape {
-    int NH, NKV, D, front, mid, back, splits;
-  };
-  for (const Shape& x : {Shape{6, 2, 128, 7, 600, 9, 0}, Shape{4, 4, 64, 3, 250, 4, 3}, Shape{8, 2, 8, 2, 40, 1, 1},
-                         Shape{6, 2, 128, 1, 62, 0, 64}}) {
-    KernelCase c;
-    c.bits = 16;
+  for (const Fp16Shape& x : {Fp16Shape{6, 2, 128, 7, 600, 9, 0}, Fp16Shape{4, 4, 64, 3, 250, 4, 3},
+                             Fp16Shape{8, 2, 8, 2, 40, 1, 1}, Fp16Shape{6, 2, 128, 1, 62, 0, 64}}) {
+    KernelCase c = fp16_case(x);
     c.fresh = true;
-    c.B = 1;
-    c.NH = x.NH;
-    c.NKV = x.NKV;
-    c.D = x.D;
-    c.n_front = x.front;
-    c.n_packed = x.mid;
-    c.n_back = x.back;
-    c.splits = x.splits;
     kernel_case(c);
   }
 #endif
@@ -503,23 +509,11 @@ TEST(DecodeKernel, Fp16PartsAfterAKernelThatAppendsTheRow) {
   // new row through the tail's counter. (Reading the counter before the wait did not fail here
   // on an H100 either, even with 512 heads: rope_append ends within the attention kernel's
   // launch latency. The test holds the path's result, not that timing.)
-  struct Shape {
-    int NH, NKV, D, front, mid, back, splits;
-  };
   for (int rep = 0; rep < 2; ++rep)
-    for (const Shape& x : {Shape{512, 512, 128, 3, 40, 2, 1}, Shape{6, 2, 128, 7, 600, 9, 0},
-                           Shape{32, 32, 128, 5, 611, 0, 0}, Shape{4, 4, 64, 3, 250, 4, 3}}) {
-      KernelCase c;
-      c.bits = 16;
+    for (const Fp16Shape& x : {Fp16Shape{512, 512, 128, 3, 40, 2, 1}, Fp16Shape{6, 2, 128, 7, 600, 9, 0},
+                               Fp16Shape{32, 32, 128, 5, 611, 0, 0}, Fp16Shape{4, 4, 64, 3, 250, 4, 3}}) {
+      KernelCase c = fp16_case(x);
       c.appended = true;
-      c.B = 1;
-      c.NH = x.NH;
-      c.NKV = x.NKV;
-      c.D = x.D;
-      c.n_front = x.front;
-      c.n_packed = x.mid;
-      c.n_back = x.back;
-      c.splits = x.splits;
       kernel_case(c);
       if (::testing::Test::HasFailure()) return;
     }

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <map>
 #include <unordered_map>
+#include <utility>
 
 #include "core/errors.h"
 #include "core/policies/quantize.h"
@@ -199,18 +200,26 @@ RowMap device_rows(const CudaKV& C, const DevLayer& d) {
   return m;
 }
 
+// The device segment that mirrors host segment s, labelled `storage`, with an empty slot per KV
+// head for its parts, positions and merge counts.
+DevSeg mirror(const KVSegment& s, std::string storage, int NKV, bool fp16_rows) {
+  DevSeg d;
+  d.kind = s.kind;
+  d.storage = std::move(storage);
+  d.host_storage = s.storage;
+  d.payload = s.payload.get();
+  d.fp16_rows = fp16_rows;
+  d.heads.resize(NKV);
+  d.pos.resize(NKV);
+  d.merged.resize(NKV);
+  return d;
+}
+
 // A segment of fp16 rows: rows found on the device are gathered there, the others uploaded.
 DevSeg build_fp16(Context& ctx, const CudaKV& C, const KVSegment& s, const RowMap& have, const std::string& label,
                   bool from_host_only) {
   const int NKV = C.NKV, D = C.D;
-  DevSeg d;
-  d.kind = s.kind;
-  d.storage = label;
-  d.host_storage = s.storage;
-  d.payload = s.payload.get();
-  d.heads.resize(NKV);
-  d.pos.resize(NKV);
-  d.merged.resize(NKV);
+  DevSeg d = mirror(s, label, NKV, true);
   int64_t rows = 0;
   for (int h = 0; h < NKV; ++h) rows += s.heads[h].n();
   const std::string what = std::string("KV ") + segment_kind_name(s.kind) + " segment (" + std::to_string(rows) + " rows)";
@@ -342,15 +351,7 @@ DevSeg build_packed(Context& ctx, const CudaKV& C, const KVSegment& s, const qua
   using K = quant::CodeLayout::Kind;
   const int NKV = C.NKV, D = C.D;
   const auto& L = p.layout;
-  DevSeg d;
-  d.kind = s.kind;
-  d.storage = "packed " + s.storage;
-  d.host_storage = s.storage;
-  d.payload = s.payload.get();
-  d.fp16_rows = false;
-  d.heads.resize(NKV);
-  d.pos.resize(NKV);
-  d.merged.resize(NKV);
+  DevSeg d = mirror(s, "packed " + s.storage, NKV, false);
   const std::string what = std::string("KV ") + segment_kind_name(s.kind) + " segment " + s.storage;
   // One allocation per array kind (all heads concatenated), exactly the payload's bytes.
   // 1-bit channel-wise keys and values with ranges over the whole part (CalibQuant's visual
@@ -520,14 +521,7 @@ std::vector<DevSeg> build_zip(Context& ctx, const CudaKV& C, const std::vector<c
   for (size_t i = 0; i < g.size(); ++i) {
     const KVSegment& s = *g[i];
     DevSeg& d = out[i];
-    d.kind = s.kind;
-    d.storage = label;
-    d.host_storage = s.storage;
-    d.payload = s.payload.get();
-    d.fp16_rows = false;
-    d.heads.resize(NKV);
-    d.pos.resize(NKV);
-    d.merged.resize(NKV);
+    d = mirror(s, label, NKV, false);
     std::vector<int32_t> pos;
     for (int h = 0; h < NKV; ++h) {
       d.pos[h] = s.heads[h].pos;
