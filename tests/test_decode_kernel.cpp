@@ -370,7 +370,7 @@ TEST(DecodeKernel, SplitCountsFillTheirLastWave) {
   // and no block holds more than kDecodeSplitBytes of rows unless the 64-row cap binds.
   for (int B : {1, 16})
     for (int rows : {100, 616, 4096, 16384, 65536, 1 << 20}) {
-      const int w = cuda::decode_splits(B, 32, rows, sm), s = cuda::decode_splits(B, 32, rows, sm, 512);
+      const int w = cuda::decode_splits(B, 32, rows, sm), s = cuda::decode_splits(B, 32, rows, sm, 128);
       const int most = std::min((rows + 63) / 64, 1024);
       SCOPED_TRACE("B=" + std::to_string(B) + " rows=" + std::to_string(rows));
       EXPECT_GE(s, w);
@@ -382,7 +382,7 @@ TEST(DecodeKernel, SplitCountsFillTheirLastWave) {
         EXPECT_GT(static_cast<int64_t>(rows) * 512, cuda::kDecodeSplitBytes * (s - 1));
       }
     }
-  EXPECT_EQ(cuda::decode_splits(1, 32, 616, sm, 512), cuda::decode_splits(1, 32, 616, sm));  // a captioning run's context
+  EXPECT_EQ(cuda::decode_splits(1, 32, 616, sm, 128), cuda::decode_splits(1, 32, 616, sm));  // a captioning run's context
 #endif
 }
 

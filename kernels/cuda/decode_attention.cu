@@ -672,6 +672,17 @@ __global__ void probs_kernel(DecodeParams p, float* probs) {
     o[j] = (s[j] == -INFINITY || !(dsum > 0.0f)) ? 0.0f : expf(s[j] - M) / dsum;
 }
 
+// Opts Kernel in to `bytes` of dynamic shared memory (its tables or stages) the first time a launch
+// needs more than before: with its static arrays a block may pass the 48 KiB it gets without.
+template <auto Kernel>
+void allow_dynamic_smem(int bytes) {
+  static int allowed = 0;
+  if (bytes <= allowed) return;
+  KV_CUDA(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+          "decode attention shared memory of " + std::to_string(bytes) + " bytes");
+  allowed = bytes;
+}
+
 template <int L>
 void launch_l(const DecodeParams& p, int mode, cudaStream_t s) {
   dim3 grid(p.splits, p.NH, p.B);
@@ -688,26 +699,14 @@ void launch_l(const DecodeParams& p, int mode, cudaStream_t s) {
   const int bytes = decode_lut_bytes(q.D, q.lut_bits) + (q.b1 && q.D == 128 ? kB1StageBytes : 0);
   if constexpr (L == 16) {
     if (p.all_mma && p.D == 128 && mode != kScores && !p.scores_in && !p.scores_out) {
-      // Opted in once to the binary path's stages: with the static arrays they may pass the 48 KiB
-      // a block gets without it.
-      static int allowed_b1 = 0;
-      if (p.b1 && bytes > allowed_b1) {
-        KV_CUDA(cudaFuncSetAttribute(decode_kernel<16, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
-                "decode attention stages of " + std::to_string(bytes) + " bytes");
-        allowed_b1 = bytes;
-      }
+      if (p.b1) allow_dynamic_smem<decode_kernel<16, 2>>(bytes);
       KV_CUDA(launch_dependent(p.b1 ? decode_kernel<16, 2> : decode_kernel<16, 1>, grid, kThreads, bytes, s, true,
                                q, mode),
               "decode_kernel for " + std::to_string(p.B) + "x" + std::to_string(p.NH) + " heads");
       return;
     }
   }
-  static int allowed = 0;  // dynamic shared memory the kernel was opted in to (static arrays come on top)
-  if (bytes > allowed) {
-    KV_CUDA(cudaFuncSetAttribute(decode_kernel<L, 0>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
-            "decode attention table of " + std::to_string(bytes) + " bytes");
-    allowed = bytes;
-  }
+  allow_dynamic_smem<decode_kernel<L, 0>>(bytes);
   KV_CUDA(launch_dependent(decode_kernel<L, 0>, grid, kThreads, bytes, s, true, q, mode),
           "decode_kernel for " + std::to_string(p.B) + "x" + std::to_string(p.NH) + " heads");
 }
@@ -739,7 +738,7 @@ bool decode_f16_supported(int D, int max_parts) {
   return (D == 8 || D == 16 || D == 32 || D == 64 || D == 128 || D == 256) && max_parts <= kSharedParts;
 }
 
-int decode_splits(int B, int NH, int rows, int n_sm, int64_t f16_row_bytes) {
+int decode_splits(int B, int NH, int rows, int n_sm, int f16_head_dim) {
   // From the count that makes one wave (kMinBlocks resident on each multiprocessor) 90 % full,
   // the first whose last wave is at least 90 % full (else the fullest up to four times that
   // count); at most one split per 64 rows.
@@ -753,8 +752,9 @@ int decode_splits(int B, int NH, int rows, int n_sm, int64_t f16_row_bytes) {
     if (fill > best_fill + 1e-9) best = s, best_fill = fill;
     if (fill >= 0.9) break;
   }
-  if (f16_row_bytes > 0) {
-    const int64_t by_bytes = (static_cast<int64_t>(rows) * f16_row_bytes + kDecodeSplitBytes - 1) / kDecodeSplitBytes;
+  if (f16_head_dim > 0) {
+    const int64_t row_bytes = 4LL * f16_head_dim;  // K and V, fp16
+    const int64_t by_bytes = (static_cast<int64_t>(rows) * row_bytes + kDecodeSplitBytes - 1) / kDecodeSplitBytes;
     best = static_cast<int>(std::max<int64_t>(best, std::min<int64_t>(by_bytes, kMaxSplits)));
   }
   return std::min(best, most);

@@ -204,11 +204,11 @@ void decode_scores(const DecodeParams& p, cudaStream_t s);
 void decode_probs(const DecodeParams& p, float* probs, cudaStream_t s);
 // Blocks per (b, head) for `rows` rows on a device of n_sm multiprocessors: at least one full
 // wave, the last wave at least 90 % full where possible, at most one per 64 rows (and 1024).
-// f16_row_bytes > 0 (an all-fp16 cache: K + V bytes of one row of a head) also gives a block at
-// most kDecodeSplitBytes of rows where the wave rule would give it more: long fp16 contexts are
-// then read in many waves of short blocks, whose last wave's idle share is small.
+// f16_head_dim > 0 (an all-fp16 cache of that head size: 4·D bytes of K and V a row) also gives
+// a block at most kDecodeSplitBytes of rows where the wave rule would give it more: long fp16
+// contexts are then read in many waves of short blocks, whose last wave's idle share is small.
 constexpr int64_t kDecodeSplitBytes = 512 << 10;
-int decode_splits(int B, int NH, int rows, int n_sm, int64_t f16_row_bytes = 0);
+int decode_splits(int B, int NH, int rows, int n_sm, int f16_head_dim = 0);
 int decode_lut_bytes(int D, int lut_bits);
 // The fp16 decode kernel takes this head size and part count (all_f16 caches; fresh rows).
 bool decode_f16_supported(int D, int max_parts);
