@@ -210,6 +210,7 @@ void run_attention(const AttnArgs& a) {
   c.host_paced = a.host_paced;
   c.reps = a.reps;
   const auto rows = cuda::bench_decode_attention(c, copy / 1e9);
+  const double floor_ms = cuda::bench_call_floor_ms(c);
   // The timing's JSON key and its description in the table's title.
   const auto [timing, timing_text] =
       a.back_to_back ? std::pair("back_to_back", "calls back to back (median of 5 runs)")
@@ -217,6 +218,7 @@ void run_attention(const AttnArgs& a) {
                      : std::pair("isolated", "each call timed alone on a held stream (median)");
   std::printf("decode attention, %d heads x %d, %s; copy bandwidth %.1f GB/s; ms per call, %s\n", a.heads,
               a.head_dim, be->device().c_str(), copy / 1e9, timing_text);
+  std::printf("an empty kernel launched and timed the same way: %.4f ms\n", floor_ms);
   std::printf("%-9s %6s %8s %6s %10s %10s %9s %8s %9s\n", "format", "batch", "context", "splits", "ms", "MB read", "GB/s",
               "of copy", "vs fp16");
   nlohmann::json j = nlohmann::json::array();
@@ -229,7 +231,7 @@ void run_attention(const AttnArgs& a) {
                  {"speedup_vs_fp16", r.speedup_vs_fp16}});
   }
   write_json(a.json, {{"device", be->device()}, {"copy_bandwidth_gbs", copy / 1e9}, {"heads", a.heads},
-                      {"head_dim", a.head_dim}, {"timing", timing}, {"rows", j}});
+                      {"head_dim", a.head_dim}, {"timing", timing}, {"empty_kernel_ms", floor_ms}, {"rows", j}});
 #endif
 }
 

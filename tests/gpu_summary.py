@@ -52,7 +52,8 @@ def main():
         if not a:
             continue
         sdpa = {(r["batch"], r["context"]): r for r in (sd or {}).get("rows", [])}
-        print(f"\ndecode attention 32x128, {how} (copy {a['copy_bandwidth_gbs']:.0f} GB/s): "
+        floor = f", an empty kernel {a['empty_kernel_ms']:.4f} ms" if "empty_kernel_ms" in a else ""
+        print(f"\ndecode attention 32x128, {how} (copy {a['copy_bandwidth_gbs']:.0f} GB/s{floor}): "
               "ms / share of copy / speed-up vs fp16")
         print(f"{'batch':>5}{'context':>8}{'sdpa fp16':>11}" + "".join(f"{f:>20}" for f in ("fp16", "q4", "q2", "q1", "q1+calib")))
         keys = sorted({(r["batch"], r["context"]) for r in a["rows"]})

@@ -131,7 +131,46 @@ int64_t l2_bytes(int device) {
   return p.l2CacheSize;
 }
 
+// One call's time as AttnBenchConfig says (alone on a held stream, alone host-paced, or back to
+// back), in ms.
+template <class F>
+double time_call_ms(const AttnBenchConfig& c, cudaStream_t s, F&& call) {
+  if (c.back_to_back)
+    return median5_ms(s, "decode attention benchmark", [&] {
+             for (int r = 0; r < c.reps; ++r) call(r);
+           }) /
+           c.reps;
+  Events ev;
+  std::vector<float> ms;
+  for (int r = 0; r < c.reps; ++r) {
+    if (!c.host_paced) {
+      hold_kernel<<<1, 1, 0, s>>>(200000);  // 200 µs: far longer than enqueueing the call
+      KV_LAUNCH("hold_kernel", "decode attention benchmark");
+    }
+    cudaEventRecord(ev.a, s);
+    call(r);
+    cudaEventRecord(ev.b, s);
+    KV_CUDA(cudaEventSynchronize(ev.b), "decode attention benchmark");
+    float t = 0;
+    cudaEventElapsedTime(&t, ev.a, ev.b);
+    ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+__global__ void empty_kernel() {}
+
 }  // namespace
+
+double bench_call_floor_ms(const AttnBenchConfig& c) {
+  Stream st(c.device);
+  auto call = [&](int) {
+    KV_CUDA(launch_dependent(empty_kernel, dim3(1), dim3(32), 0, st.s, true), "empty kernel");
+  };
+  for (int r = 0; r < 3; ++r) call(r);
+  return time_call_ms(c, st.s, call);
+}
 
 std::vector<AttnBenchRow> bench_decode_attention(const AttnBenchConfig& c, double copy_gbs) {
   Stream st(c.device);
@@ -234,36 +273,14 @@ std::vector<AttnBenchRow> bench_decode_attention(const AttnBenchConfig& c, doubl
             decode_attention(p, st.s);
           };
           for (int r = 0; r < 3; ++r) call(r);  // warm-up
-          std::vector<float> ms;
-          if (!c.back_to_back) {
-            Events ev;
-            for (int r = 0; r < c.reps; ++r) {
-              if (!c.host_paced) {
-                hold_kernel<<<1, 1, 0, st.s>>>(200000);  // 200 µs: far longer than enqueueing the call
-                KV_LAUNCH("hold_kernel", "decode attention benchmark");
-              }
-              cudaEventRecord(ev.a, st.s);
-              call(r);
-              cudaEventRecord(ev.b, st.s);
-              KV_CUDA(cudaEventSynchronize(ev.b), "decode attention benchmark");
-              float t = 0;
-              cudaEventElapsedTime(&t, ev.a, ev.b);
-              ms.push_back(t);
-            }
-            std::sort(ms.begin(), ms.end());
-          } else {
-            ms.push_back(median5_ms(st.s, "decode attention benchmark", [&] {
-                           for (int r = 0; r < c.reps; ++r) call(r);
-                         }) /
-                         c.reps);
-          }
+          const double call_ms = time_call_ms(c, st.s, call);
           AttnBenchRow row;
           row.format = bits == 16 ? "fp16" : "q" + std::to_string(bits) + (calib ? "+calib" : "");
           row.bits = bits;
           row.batch = B;
           row.context = n;
           row.splits = splits;
-          row.ms = ms[ms.size() / 2];
+          row.ms = call_ms;
           row.bytes = static_cast<double>(set_bytes + heads * D * 4 + heads * D * 2);
           row.gbs = row.bytes / (row.ms * 1e-3) / 1e9;
           row.share_of_copy = copy_gbs > 0 ? row.gbs / copy_gbs : 0;

@@ -39,6 +39,9 @@ struct AttnBenchRow {
   double speedup_vs_fp16 = 0;
 };
 std::vector<AttnBenchRow> bench_decode_attention(const AttnBenchConfig& c, double copy_gbs);
+// An empty one-block kernel launched and timed as bench_decode_attention times a call: the part of
+// a call's time that no kernel can avoid on this device and timing (launch, events).
+double bench_call_floor_ms(const AttnBenchConfig& c);
 
 // CalibQuant's Fig. 3: a LLaVA-1.5-7B-shaped decoder (random fp16 weights) decoding a batch of
 // sequences of `visual` visual tokens (fp16, or channel-wise b-bit) plus `text` fp16 text

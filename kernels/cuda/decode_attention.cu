@@ -505,8 +505,7 @@ __device__ void finish_block(const DecodeParams& p, const State& st, int b, int 
     float dsum = 0.0f;
     for (int i = 0; i < G; ++i)
       if (sh_m[i] != -INFINITY) dsum += sh_d[i] * __expf(sh_m[i] - M);
-    p.part_md[(bh * p.splits + s) * 2] = M;
-    p.part_md[(bh * p.splits + s) * 2 + 1] = dsum;
+    reinterpret_cast<float2*>(p.part_md)[bh * p.splits + s] = make_float2(M, dsum);
   }
   if (!p.sem) return;
   __shared__ int last;
@@ -552,11 +551,17 @@ __global__ void __launch_bounds__(kThreads, MMA == 1 ? 4 : kMinBlocks) decode_ke
     uint2* dst = reinterpret_cast<uint2*>(sh_parts);
     for (int i = tid; i < p.max_parts * W; i += kThreads) dst[i] = src[i];
   }
+  const int np = p.n_parts[b * p.NKV + kvh];  // written with the descriptors, between steps
   pdl_wait();
   // Every block has started: the next product may start its weight reads (it waits for this
   // kernel to finish before it reads the attention output).
   pdl_trigger();
-  const int np = p.n_parts[b * p.NKV + kvh];
+  // The query (the previous kernel's output) is loaded now, its trip to memory overlapping the
+  // row counts' below.
+  float q[8];
+  const float* qrow = p.q + b * p.q_stride + static_cast<int64_t>(h) * p.D;
+#pragma unroll
+  for (int c = 0; c < 8; ++c) q[c] = ln.active ? qrow[ln.c0 + c] * p.scale : 0.0f;
   const PartDesc* parts = staged ? sh_parts : gparts;
   if (staged) {
     __syncthreads();
@@ -570,10 +575,6 @@ __global__ void __launch_bounds__(kThreads, MMA == 1 ? 4 : kMinBlocks) decode_ke
   const int r0 = min(N, s * chunk), r1 = min(N, r0 + chunk);
   const int64_t bh = static_cast<int64_t>(b) * p.NH + h;
 
-  float q[8];
-  const float* qrow = p.q + b * p.q_stride + static_cast<int64_t>(h) * p.D;
-#pragma unroll
-  for (int c = 0; c < 8; ++c) q[c] = ln.active ? qrow[ln.c0 + c] * p.scale : 0.0f;
   __shared__ float sh_q[8 * L];  // the scaled query, for the tensor-core path's operands
   if (ln.active) {
 #pragma unroll

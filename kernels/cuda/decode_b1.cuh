@@ -72,8 +72,10 @@ __device__ __forceinline__ uint32_t transpose32(uint32_t x, int lane) {
 }
 
 // The end of a part: a quad's planes summed, channels handed to lanes 0..15 (8 each) and the
-// part's state (scale_c·Σ P·code + zero_c·Σ P, ÷ 65535) merged into theirs.
-__device__ __forceinline__ void merge_part(const PartDesc& P, float (&acc)[8][2], float dsum, float mw, State& st_io) {
+// part's state (scale_c·Σ P·code + zero_c·Σ P, ÷ 65535; vsz: the part's value scales and zeros by
+// channel) merged into theirs.
+__device__ __forceinline__ void merge_part(const float (&vsz)[2][128], float (&acc)[8][2], float dsum, float mw,
+                                           State& st_io) {
   const int lane = threadIdx.x & 31;
   // The quad's planes summed: lane (g, 0) holds channels 16g + 2u + h in acc[u][h].
 #pragma unroll
@@ -98,11 +100,10 @@ __device__ __forceinline__ void merge_part(const PartDesc& P, float (&acc)[8][2]
   const float M = fmaxf(st.m, mw);
   const float a_st = __expf(st.m - M), a_w = __expf(mw - M);  // st.m = −inf gives 0
   st.d = st.d * a_st + psum * a_w;
-  const int vst = P.v.chan_stride;
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
-    const int c = (8 * lane + k) * vst;
-    const float o = __half2float(P.v.scale[c]) * raw[k] + __half2float(P.v.zero[c]) * psum;
+    const int c = 8 * lane + k;
+    const float o = vsz[0][c] * raw[k] + vsz[1][c] * psum;
     st.o[k] = st.o[k] * a_st + o * a_w;
   }
   st.m = M;
@@ -122,6 +123,56 @@ __device__ __noinline__ void packed_b1(const PartDesc& P, int a, int e, const fl
   const uint4* V = static_cast<const uint4*>(P.v.data);
   const int kst = P.k.chan_stride;
 
+  const int a32 = a & ~31;
+  const int tiles = (e - a32 + 127) >> 7;
+  // A tile's codes are contiguous: 128 key rows of 16 bytes, and four value groups of 512 bytes.
+  // They are copied to this warp's kB1Stages shared-memory stages with cp.async, kB1Stages − 1
+  // tiles ahead, so those copies are in flight while this tile is computed without holding
+  // registers. Every iteration commits one group (empty past the last tile), so waiting for all
+  // but the newest kB1Stages − 1 groups is waiting for this tile.
+  // Rows past e are not copied (their stale bytes are masked: score −inf, weight 0).
+  constexpr int SZ = RANGE ? 128 : 256;  // a stage's 16-byte chunks
+  uint4* const buf = stage + warp * (kB1Stages * SZ);
+  // Tile i's key chunk c is chunk a32 + 128i + c of the keys, and its value group's chunk c chunk
+  // a32 + 128i + c of the values (a group of 32 rows is 32 chunks): this lane's chunks lane + 32k
+  // are at fixed offsets from two pointers that advance 128 chunks a tile, and land at fixed
+  // offsets in the stage (values' chunk q of group k at 128 + 32k + (q ^ k)).
+  const uint4* const ksrc = reinterpret_cast<const uint4*>(K) + a32 + lane;
+  const uint4* const vsrc = V + a32 + lane;
+  const uint32_t sbase = smem_addr(buf);
+  auto vdst = [&](int k) { return 16u * static_cast<uint32_t>(128 + 32 * k + (lane ^ k)); };
+  auto issue = [&](int i, int sg) {
+    if (i < tiles) {
+      const int r0 = a32 + 128 * i;
+      const uint32_t sk = sbase + 16u * static_cast<uint32_t>(sg * SZ);
+      const uint4* kp = ksrc + 128 * static_cast<int64_t>(i);
+      const uint4* vp = vsrc + 128 * static_cast<int64_t>(i);
+      if (r0 + 128 <= e) {  // a whole tile: no row checks
+#pragma unroll
+        for (int k = 0; k < 4; ++k) cp_async16(sk + 16u * (lane + 32 * k), kp + 32 * k);
+        if constexpr (!RANGE) {
+#pragma unroll
+          for (int k = 0; k < 4; ++k) cp_async16(sk + vdst(k), vp + 32 * k);
+        }
+      } else {
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          if (r0 + lane + 32 * k < e) cp_async16(sk + 16u * (lane + 32 * k), kp + 32 * k);
+        if constexpr (!RANGE) {
+#pragma unroll
+          for (int k = 0; k < 4; ++k)
+            if (r0 + 32 * k < e) cp_async16(sk + vdst(k), vp + 32 * k);
+        }
+      }
+    }
+    cp_async_commit();
+  };
+
+  // The first tiles' copies are issued before anything else, so that their trip to memory
+  // overlaps the query's preparation below.
+#pragma unroll
+  for (int k = 0; k + 1 < kB1Stages; ++k) issue(warp + k * nw, k);
+
   // The block's 128 threads take a channel each (every warp of the block runs this part): q·zero
   // and the largest |q⊙scale|, which sets σ, reduced over the block; then each warp's ballots
   // give the 24 planes of U over its 32 channels, and lane (g, t) takes planes g, 8 + g and
@@ -130,9 +181,18 @@ __device__ __noinline__ void packed_b1(const PartDesc& P, int a, int e, const fl
   __shared__ uint32_t sh_planes[4][24];
   const int c = threadIdx.x;
   const float u = qs[c] * __half2float(P.k.scale[c * kst]);
+  // The values' scale and zero of channel c, read now with the keys' (they are used at the
+  // part's end) and kept in shared memory once every warp is past the previous part's end.
+  __shared__ float sh_vsz[2][128];
+  float vsz[2] = {0.0f, 0.0f};
+  if constexpr (!RANGE) {
+    vsz[0] = __half2float(P.v.scale[c * P.v.chan_stride]);
+    vsz[1] = __half2float(P.v.zero[c * P.v.chan_stride]);
+  }
   const float qa_w = warp_sum(qs[c] * __half2float(P.k.zero[c * kst])), umax_w = warp_max(fabsf(u));
   if (lane == 0) sh_red[0][warp] = qa_w, sh_red[1][warp] = umax_w;
   __syncthreads();
+  if constexpr (!RANGE) sh_vsz[0][c] = vsz[0], sh_vsz[1][c] = vsz[1];
   const float qa = sh_red[0][0] + sh_red[0][1] + sh_red[0][2] + sh_red[0][3];
   const float umax = fmaxf(fmaxf(sh_red[1][0], sh_red[1][1]), fmaxf(sh_red[1][2], sh_red[1][3]));
   int ex = 0;
@@ -187,53 +247,6 @@ __device__ __noinline__ void packed_b1(const PartDesc& P, int a, int e, const fl
   float mw = -INFINITY, dsum = 0.0f;  // dsum in units of P
   float lo_ = lo, hi_ = hi;
 
-  const int a32 = a & ~31;
-  const int tiles = (e - a32 + 127) >> 7;
-  // A tile's codes are contiguous: 128 key rows of 16 bytes, and four value groups of 512 bytes.
-  // They are copied to this warp's kB1Stages shared-memory stages with cp.async, kB1Stages − 1
-  // tiles ahead, so those copies are in flight while this tile is computed without holding
-  // registers. Every iteration commits one group (empty past the last tile), so waiting for all
-  // but the newest kB1Stages − 1 groups is waiting for this tile.
-  // Rows past e are not copied (their stale bytes are masked: score −inf, weight 0).
-  constexpr int SZ = RANGE ? 128 : 256;  // a stage's 16-byte chunks
-  uint4* const buf = stage + warp * (kB1Stages * SZ);
-  // Tile i's key chunk c is chunk a32 + 128i + c of the keys, and its value group's chunk c chunk
-  // a32 + 128i + c of the values (a group of 32 rows is 32 chunks): this lane's chunks lane + 32k
-  // are at fixed offsets from two pointers that advance 128 chunks a tile, and land at fixed
-  // offsets in the stage (values' chunk q of group k at 128 + 32k + (q ^ k)).
-  const uint4* const ksrc = reinterpret_cast<const uint4*>(K) + a32 + lane;
-  const uint4* const vsrc = V + a32 + lane;
-  const uint32_t sbase = smem_addr(buf);
-  auto vdst = [&](int k) { return 16u * static_cast<uint32_t>(128 + 32 * k + (lane ^ k)); };
-  auto issue = [&](int i, int sg) {
-    if (i < tiles) {
-      const int r0 = a32 + 128 * i;
-      const uint32_t sk = sbase + 16u * static_cast<uint32_t>(sg * SZ);
-      const uint4* kp = ksrc + 128 * static_cast<int64_t>(i);
-      const uint4* vp = vsrc + 128 * static_cast<int64_t>(i);
-      if (r0 + 128 <= e) {  // a whole tile: no row checks
-#pragma unroll
-        for (int k = 0; k < 4; ++k) cp_async16(sk + 16u * (lane + 32 * k), kp + 32 * k);
-        if constexpr (!RANGE) {
-#pragma unroll
-          for (int k = 0; k < 4; ++k) cp_async16(sk + vdst(k), vp + 32 * k);
-        }
-      } else {
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-          if (r0 + lane + 32 * k < e) cp_async16(sk + 16u * (lane + 32 * k), kp + 32 * k);
-        if constexpr (!RANGE) {
-#pragma unroll
-          for (int k = 0; k < 4; ++k)
-            if (r0 + 32 * k < e) cp_async16(sk + vdst(k), vp + 32 * k);
-        }
-      }
-    }
-    cp_async_commit();
-  };
-
-#pragma unroll
-  for (int k = 0; k + 1 < kB1Stages; ++k) issue(warp + k * nw, k);
   for (int i = warp, sg = 0; i < tiles; i += nw, sg = sg + 1 == kB1Stages ? 0 : sg + 1) {
     // The stage of the tile kB1Stages − 1 ahead is the one the previous iteration read.
     issue(i + (kB1Stages - 1) * nw, sg == 0 ? kB1Stages - 1 : sg - 1);
@@ -328,7 +341,7 @@ __device__ __noinline__ void packed_b1(const PartDesc& P, int a, int e, const fl
     hi = hi_;
   } else {
     flush(1.0f);
-    merge_part(P, acc, dsum, mw, st_io);
+    merge_part(sh_vsz, acc, dsum, mw, st_io);
   }
 }
 

@@ -22,26 +22,44 @@ __device__ void merge_head(const DecodeParams& p, int b, int h) {
   __shared__ float wsh[kMaxSplits];
   __shared__ float red[32];
   const int64_t bh = static_cast<int64_t>(b) * p.NH + h;
-  const float* md = p.part_md + bh * p.splits * 2;
+  const float2* md = reinterpret_cast<const float2*>(p.part_md) + bh * p.splits;
+  const float* po = p.part_o + bh * p.splits * p.D;
+  const int tid = threadIdx.x, nt = blockDim.x;
+  // The merge is the last thing the kernel does, so its trips to L2 are the kernel's tail: they
+  // are made at once — each thread's splits' (m, d), and for its first channel the outputs of
+  // the first kPre splits — rather than one after another.
+  constexpr int kPre = 16;
+  float pre[kPre];
+#pragma unroll
+  for (int i = 0; i < kPre; ++i) pre[i] = tid < p.D && i < p.splits ? __ldcg(po + i * p.D + tid) : 0.0f;
   float M = -INFINITY;
-  for (int i = threadIdx.x; i < p.splits; i += blockDim.x) {
-    wsh[i] = __ldcg(md + 2 * i);
-    M = fmaxf(M, wsh[i]);
+  float2 own = make_float2(-INFINITY, 0.0f);  // split tid's (m, d)
+  for (int i = tid; i < p.splits; i += nt) {
+    const float2 v = __ldcg(md + i);
+    if (i == tid) own = v;
+    wsh[i] = v.x;
+    M = fmaxf(M, v.x);
   }
   M = block_reduce(M, true, red);
   float dsum = 0.0f;
-  for (int i = threadIdx.x; i < p.splits; i += blockDim.x) {
-    const float mi = wsh[i];
-    const float w = mi == -INFINITY ? 0.0f : __expf(mi - M);
-    dsum += __ldcg(md + 2 * i + 1) * w;
+  for (int i = tid; i < p.splits; i += nt) {
+    const float2 v = i == tid ? own : __ldcg(md + i);
+    const float w = v.x == -INFINITY ? 0.0f : __expf(v.x - M);
+    dsum += v.y * w;
     wsh[i] = w;
   }
   dsum = block_reduce(dsum, false, red);  // (its barriers also publish wsh)
-  for (int c = threadIdx.x; c < p.D; c += blockDim.x) {
-    const float* po = p.part_o + bh * p.splits * p.D + c;
+  for (int c = tid; c < p.D; c += nt) {
     float v = 0.0f;
+    int i0 = 0;
+    if (c == tid) {
+#pragma unroll
+      for (int i = 0; i < kPre; ++i)
+        if (i < p.splits) v += pre[i] * wsh[i];
+      i0 = kPre;
+    }
 #pragma unroll 8
-    for (int i = 0; i < p.splits; ++i) v += __ldcg(po + static_cast<int64_t>(i) * p.D) * wsh[i];
+    for (int i = i0; i < p.splits; ++i) v += __ldcg(po + static_cast<int64_t>(i) * p.D + c) * wsh[i];
     const float o = dsum > 0.0f ? v / dsum : 0.0f;
     const int64_t at = b * p.out_stride + static_cast<int64_t>(h) * p.D + c;
     switch (p.odt) {
@@ -50,9 +68,8 @@ __device__ void merge_head(const DecodeParams& p, int b, int h) {
       default: static_cast<float*>(p.out)[at] = o; break;
     }
   }
-  if (p.md_out && threadIdx.x == 0) {
+  if (p.md_out && tid == 0) {
     p.md_out[bh * 2] = M;
     p.md_out[bh * 2 + 1] = dsum;
   }
 }
-

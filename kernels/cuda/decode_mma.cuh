@@ -128,6 +128,10 @@ __device__ __noinline__ void packed_mma(const PartDesc& P, int a, int e, const f
   const uint8_t* K = static_cast<const uint8_t*>(P.k.data);
   const uint8_t* V = static_cast<const uint8_t*>(P.v.data);
 
+  // The first tile's loads are issued before the query's preparation, which they overlap.
+  uint32_t kw[TILES][2][BITS], vw[TILES][4][C::VW];
+  load_tile<BITS, TILES, RANGE>(K, V, a + warp * TR, e, g, t, kw, vw);
+
   // q⊙scale of this lane's 4 channels for q·zero and the largest |q⊙scale| (σ).
   float qa = 0.0f, qmax = 0.0f;
 #pragma unroll
@@ -166,8 +170,6 @@ __device__ __noinline__ void packed_mma(const PartDesc& P, int a, int e, const f
 
   // Each tile's codes are loaded one iteration ahead, while the previous tile is computed.
   float lo_ = lo, hi_ = hi;
-  uint32_t kw[TILES][2][BITS], vw[TILES][4][C::VW];
-  load_tile<BITS, TILES, RANGE>(K, V, a + warp * TR, e, g, t, kw, vw);
   for (int j0 = a + warp * TR; j0 < e; j0 += nw * TR) {
     uint32_t kn[TILES][2][BITS], vn[TILES][4][C::VW];
     load_tile<BITS, TILES, RANGE>(K, V, j0 + nw * TR, e, g, t, kn, vn);
