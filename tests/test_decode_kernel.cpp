@@ -370,7 +370,8 @@ TEST(DecodeKernel, SplitCountsFillTheirLastWave) {
   // and no block holds more than kDecodeSplitBytes of rows unless the 64-row cap binds.
   for (int B : {1, 16})
     for (int rows : {100, 616, 4096, 16384, 65536, 1 << 20}) {
-      const int w = cuda::decode_splits(B, 32, rows, sm), s = cuda::decode_splits(B, 32, rows, sm, 128);
+      const int w = cuda::decode_splits(B, 32, rows, sm),
+                s = cuda::decode_splits(B, 32, rows, sm, cuda::DecodePath::kF16, 128);
       const int most = std::min((rows + 63) / 64, 1024);
       SCOPED_TRACE("B=" + std::to_string(B) + " rows=" + std::to_string(rows));
       EXPECT_GE(s, w);
@@ -382,7 +383,37 @@ TEST(DecodeKernel, SplitCountsFillTheirLastWave) {
         EXPECT_GT(static_cast<int64_t>(rows) * 512, cuda::kDecodeSplitBytes * (s - 1));
       }
     }
-  EXPECT_EQ(cuda::decode_splits(1, 32, 616, sm, 128), cuda::decode_splits(1, 32, 616, sm));  // a captioning run's context
+  EXPECT_EQ(cuda::decode_splits(1, 32, 616, sm, cuda::DecodePath::kF16, 128),
+            cuda::decode_splits(1, 32, 616, sm));  // a captioning run's context
+  // The tensor-core-only kernel (4 blocks a multiprocessor): when every head fits one wave, the
+  // most splits that keep it one (one a head at batch 16 × 32 heads, 16 at batch 1); otherwise
+  // the wave rule at 4 blocks.
+  const int wave4 = 4 * sm;
+  for (int B : {1, 2, 3, 16, 17, 64})
+    for (int NH : {8, 32, 40})
+      for (int rows : {100, 616, 4096, 65536}) {
+        const int s = cuda::decode_splits(B, NH, rows, sm, cuda::DecodePath::kMma, 128), most = (rows + 63) / 64;
+        SCOPED_TRACE("kMma B=" + std::to_string(B) + " NH=" + std::to_string(NH) + " rows=" + std::to_string(rows));
+        ASSERT_GE(s, 1);
+        EXPECT_LE(s, std::max(1, most));
+        const int heads = B * NH;
+        if (heads <= wave4) {
+          EXPECT_LE(heads * s, wave4) << s << " splits";
+          if (s < most) {
+            EXPECT_GT(heads * (s + 1), wave4) << s << " splits";
+          }
+        } else if (s < most) {
+          EXPECT_GE(static_cast<double>(heads) * s, 0.9 * wave4 - 1e-9) << s << " splits";
+        }
+      }
+  EXPECT_EQ(cuda::decode_splits(16, 32, 4096, sm, cuda::DecodePath::kMma, 128), 1);
+  EXPECT_EQ(cuda::decode_splits(1, 32, 65536, sm, cuda::DecodePath::kMma, 128), 16);
+  // The path each kind of cache takes.
+  EXPECT_EQ(cuda::decode_path(128, true, true, false), cuda::DecodePath::kF16);
+  EXPECT_EQ(cuda::decode_path(128, false, true, false), cuda::DecodePath::kMma);
+  EXPECT_EQ(cuda::decode_path(128, false, true, true), cuda::DecodePath::kGeneral);
+  EXPECT_EQ(cuda::decode_path(64, false, true, false), cuda::DecodePath::kGeneral);
+  EXPECT_EQ(cuda::decode_path(128, false, false, false), cuda::DecodePath::kGeneral);
 #endif
 }
 

@@ -161,6 +161,12 @@ double time_call_ms(const AttnBenchConfig& c, cudaStream_t s, F&& call) {
 
 __global__ void empty_kernel() {}
 
+// decode_splits for a benchmark cache of `bits`-bit parts (16: fp16), as the model's cache asks it.
+int splits_for(int B, int NH, int rows, int n_sm, int D, int bits) {
+  const bool mma = D == 128 && (bits == 1 || bits == 2 || bits == 4 || bits == 8), b1 = D == 128 && bits == 1;
+  return decode_splits(B, NH, rows, n_sm, decode_path(D, bits == 16, mma, b1), D);
+}
+
 }  // namespace
 
 double bench_call_floor_ms(const AttnBenchConfig& c) {
@@ -208,7 +214,7 @@ std::vector<AttnBenchRow> bench_decode_attention(const AttnBenchConfig& c, doubl
           KV_LAUNCH("benchmark fill", "decode attention cache");
           Mem q(heads * D * 4, "benchmark queries"), out(heads * D * 2, "benchmark outputs");
           fill_float_kernel<<<grid(heads * D), 256, 0, st.s>>>(q.as<float>(), heads * D, -1.0f, 1.0f, 5);
-          const int splits = split_arg > 0 ? std::min(split_arg, n) : decode_splits(B, NH, n, SM, bits == 16 ? D : 0);
+          const int splits = split_arg > 0 ? std::min(split_arg, n) : splits_for(B, NH, n, SM, D, bits);
           Mem po(heads * splits * D * 4, "partial outputs"), pm(heads * splits * 2 * 4, "partial states"),
               vr(heads * splits * 2 * 4, "visual ranges");
           Mem np(heads * 4, "part counts"), sem(heads * 4, "merge counters");
@@ -417,7 +423,7 @@ std::vector<ThroughputRow> bench_throughput(const ThroughputConfig& c) {
           g(static_cast<int64_t>(B) * I * 2, "mlp act"), logits(static_cast<int64_t>(B) * V * 4, "logits");
       fill_float_kernel<<<grid(static_cast<int64_t>(B) * H), 256, 0, st.s>>>(h.as<float>(), static_cast<int64_t>(B) * H,
                                                                             -1.0f, 1.0f, 99);
-      const int splits = decode_splits(B, NH, c.visual + c.text + cap, SM, bits == 16 ? D : 0);
+      const int splits = splits_for(B, NH, c.visual + c.text + cap, SM, D, bits);
       Mem po(static_cast<int64_t>(B) * NH * splits * D * 4, "partial outputs"),
           pm(static_cast<int64_t>(B) * NH * splits * 2 * 4, "partial states"), sem(static_cast<int64_t>(B) * NH * 4, "merge counters");
       KV_CUDA(cudaMemsetAsync(sem.p, 0, static_cast<size_t>(B) * NH * 4, st.s), "merge counters");

@@ -3,7 +3,7 @@
 // CPU backend's decode attention (kernels/cpu/backend_cpu.cpp) on the dequantized rows, and
 // calibquant::post_scaled_scores / post_scaled_values / calibrate_visual.
 //
-// Grid: (split, query head, sequence); decode_splits gives at least one wave of blocks 90 % full.
+// Grid: (split, query head, sequence); decode_splits gives one wave, or waves whose last is 90 % full.
 // Each block takes a contiguous range of the head's rows (all parts concatenated in order).
 // Threads work in groups of L lanes, one row per group and 8 channels per lane (L = the next
 // power of two ≥ D/8): a lane reads its 8 channels of K (16 bytes of fp16, or `bits` bytes of
@@ -46,6 +46,7 @@ namespace {
 
 constexpr int kThreads = 128;
 constexpr int kMinBlocks = 3;  // blocks resident per multiprocessor (the register budget follows)
+constexpr int kMmaMinBlocks = 4;  // the same for the tensor-core-only kernel without the binary path
 constexpr int kUnroll = 4;
 constexpr int kSharedParts = 16;  // a head's part descriptors staged in shared memory (more: read from L2)
 // decode_b1.cuh: 4 KiB stages a warp (tiles in flight + 1). Three and four stages (48 and 64 KiB a
@@ -528,7 +529,7 @@ __device__ void finish_block(const DecodeParams& p, const State& st, int b, int 
 // MMA = 2: the same for caches with channel-major 1-bit values (DecodeParams::b1), whose binary
 // path needs more registers: 168, 3 blocks a multiprocessor.
 template <int L, int MMA>
-__global__ void __launch_bounds__(kThreads, MMA == 1 ? 4 : kMinBlocks) decode_kernel(DecodeParams p, int mode) {
+__global__ void __launch_bounds__(kThreads, MMA == 1 ? kMmaMinBlocks : kMinBlocks) decode_kernel(DecodeParams p, int mode) {
   constexpr bool MMA_ONLY = MMA != 0;
   // Packed keys' tables (lut_bytes(D, lut_bits)), or at head size 128 the binary path's staging
   // (kB1StageBytes, when p.b1).
@@ -739,26 +740,33 @@ bool decode_f16_supported(int D, int max_parts) {
   return (D == 8 || D == 16 || D == 32 || D == 64 || D == 128 || D == 256) && max_parts <= kSharedParts;
 }
 
-int decode_splits(int B, int NH, int rows, int n_sm, int f16_head_dim) {
-  // From the count that makes one wave (kMinBlocks resident on each multiprocessor) 90 % full,
-  // the first whose last wave is at least 90 % full (else the fullest up to four times that
-  // count); at most one split per 64 rows.
+int decode_splits(int B, int NH, int rows, int n_sm, DecodePath path, int head_dim) {
   const int most = std::max(1, std::min((rows + 63) / 64, kMaxSplits));
-  const double resident = static_cast<double>(kMinBlocks) * n_sm, heads = static_cast<double>(B) * NH;
-  const int first = std::max(1, static_cast<int>(std::ceil(0.9 * resident / heads)));
+  const int resident = path == DecodePath::kMma ? kMmaMinBlocks : kMinBlocks;
+  const double slots = static_cast<double>(resident) * n_sm, heads = static_cast<double>(B) * NH;
+  if (path == DecodePath::kMma && heads <= slots)  // every head in one wave: the most splits that keep it one
+    return std::min(most, std::max(1, static_cast<int>(slots / heads)));
+  // From the count that makes one wave 90 % full, the first whose last wave is at least 90 % full
+  // (else the fullest up to four times that count).
+  const int first = std::max(1, static_cast<int>(std::ceil(0.9 * slots / heads)));
   int best = first;
   double best_fill = 0;
   for (int s = first; s <= std::min(most, 4 * first); ++s) {
-    const double w = heads * s / resident, fill = w / std::ceil(w);
+    const double w = heads * s / slots, fill = w / std::ceil(w);
     if (fill > best_fill + 1e-9) best = s, best_fill = fill;
     if (fill >= 0.9) break;
   }
-  if (f16_head_dim > 0) {
-    const int64_t row_bytes = 4LL * f16_head_dim;  // K and V, fp16
+  if (path == DecodePath::kF16 && head_dim > 0) {
+    const int64_t row_bytes = 4LL * head_dim;  // K and V, fp16
     const int64_t by_bytes = (static_cast<int64_t>(rows) * row_bytes + kDecodeSplitBytes - 1) / kDecodeSplitBytes;
     best = static_cast<int>(std::max<int64_t>(best, std::min<int64_t>(by_bytes, kMaxSplits)));
   }
   return std::min(best, most);
+}
+
+DecodePath decode_path(int D, bool all_f16, bool all_mma, bool b1) {
+  if (all_f16) return DecodePath::kF16;
+  return D == 128 && all_mma && !b1 ? DecodePath::kMma : DecodePath::kGeneral;
 }
 
 void decode_attention(const DecodeParams& p, cudaStream_t s) {

@@ -202,13 +202,23 @@ void decode_attention(const DecodeParams& p, cudaStream_t s);
 void decode_scores(const DecodeParams& p, cudaStream_t s);
 // probs[b][h][row] = exp(scores_in − max) / sum from p.md_out (after decode_attention).
 void decode_probs(const DecodeParams& p, float* probs, cudaStream_t s);
-// Blocks per (b, head) for `rows` rows on a device of n_sm multiprocessors: at least one full
-// wave, the last wave at least 90 % full where possible, at most one per 64 rows (and 1024).
-// f16_head_dim > 0 (an all-fp16 cache of that head size: 4·D bytes of K and V a row) also gives
-// a block at most kDecodeSplitBytes of rows where the wave rule would give it more: long fp16
-// contexts are then read in many waves of short blocks, whose last wave's idle share is small.
+// The kernel decode attention runs for a cache, as far as decode_splits is concerned: all parts
+// fp16 (decode_f16_kernel), head size 128 with only fp16 and tensor-core packed parts and no
+// binary 1-bit path (the tensor-core-only kernel, 4 blocks a multiprocessor), or any other (the
+// general kernel and the binary path's, 3 blocks a multiprocessor).
+enum class DecodePath { kF16, kMma, kGeneral };
+DecodePath decode_path(int D, bool all_f16, bool all_mma, bool b1);
+// Blocks per (b, head) for `rows` rows on a device of n_sm multiprocessors; at most one per 64
+// rows (and 1024). kGeneral: at least one full wave of 3 blocks a multiprocessor, the last wave
+// at least 90 % full where possible. kMma: when every head fits one wave of 4 a multiprocessor,
+// the most splits that keep it one wave (fewer, longer blocks pay the query's preparation, the
+// partial state and the merge less often: at batch 16 one split a head was 3–22 % faster than
+// three on an H100), else the wave rule at 4. kF16 (head_dim: 4·D bytes of K and V a row): the
+// wave rule at 3, and a block at most kDecodeSplitBytes of rows where that would give it more:
+// long fp16 contexts are then read in many waves of short blocks, whose last wave's idle share
+// is small.
 constexpr int64_t kDecodeSplitBytes = 512 << 10;
-int decode_splits(int B, int NH, int rows, int n_sm, int f16_head_dim = 0);
+int decode_splits(int B, int NH, int rows, int n_sm, DecodePath path = DecodePath::kGeneral, int head_dim = 0);
 int decode_lut_bytes(int D, int lut_bits);
 // The fp16 decode kernel takes this head size and part count (all_f16 caches; fresh rows).
 bool decode_f16_supported(int D, int max_parts);
