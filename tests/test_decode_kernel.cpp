@@ -408,10 +408,29 @@ TEST(DecodeKernel, SplitCountsFillTheirLastWave) {
       }
   EXPECT_EQ(cuda::decode_splits(16, 32, 4096, sm, cuda::DecodePath::kMma, 128), 1);
   EXPECT_EQ(cuda::decode_splits(1, 32, 65536, sm, cuda::DecodePath::kMma, 128), 16);
+  // The binary path: within two blocks a multiprocessor when every head fits them (8 splits at
+  // batch 1 × 32 heads), else the wave rule at 3 (as kGeneral).
+  for (int B : {1, 2, 3, 16})
+    for (int NH : {8, 32, 40})
+      for (int rows : {100, 616, 4096, 65536}) {
+        const int s = cuda::decode_splits(B, NH, rows, sm, cuda::DecodePath::kB1, 128), most = (rows + 63) / 64;
+        SCOPED_TRACE("kB1 B=" + std::to_string(B) + " NH=" + std::to_string(NH) + " rows=" + std::to_string(rows));
+        const int heads = B * NH;
+        if (heads <= 2 * sm) {
+          EXPECT_LE(heads * s, 2 * sm) << s << " splits";
+          if (s < most) {
+            EXPECT_GT(heads * (s + 1), 2 * sm) << s << " splits";
+          }
+        } else {
+          EXPECT_EQ(s, cuda::decode_splits(B, NH, rows, sm)) << s << " splits";
+        }
+      }
+  EXPECT_EQ(cuda::decode_splits(1, 32, 65536, sm, cuda::DecodePath::kB1, 128), 8);
+  EXPECT_EQ(cuda::decode_splits(16, 32, 65536, sm, cuda::DecodePath::kB1, 128), cuda::decode_splits(16, 32, 65536, sm));
   // The path each kind of cache takes.
   EXPECT_EQ(cuda::decode_path(128, true, true, false), cuda::DecodePath::kF16);
   EXPECT_EQ(cuda::decode_path(128, false, true, false), cuda::DecodePath::kMma);
-  EXPECT_EQ(cuda::decode_path(128, false, true, true), cuda::DecodePath::kGeneral);
+  EXPECT_EQ(cuda::decode_path(128, false, true, true), cuda::DecodePath::kB1);
   EXPECT_EQ(cuda::decode_path(64, false, true, false), cuda::DecodePath::kGeneral);
   EXPECT_EQ(cuda::decode_path(128, false, false, false), cuda::DecodePath::kGeneral);
 #endif

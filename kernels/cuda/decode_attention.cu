@@ -744,8 +744,10 @@ int decode_splits(int B, int NH, int rows, int n_sm, DecodePath path, int head_d
   const int most = std::max(1, std::min((rows + 63) / 64, kMaxSplits));
   const int resident = path == DecodePath::kMma ? kMmaMinBlocks : kMinBlocks;
   const double slots = static_cast<double>(resident) * n_sm, heads = static_cast<double>(B) * NH;
-  if (path == DecodePath::kMma && heads <= slots)  // every head in one wave: the most splits that keep it one
-    return std::min(most, std::max(1, static_cast<int>(slots / heads)));
+  // The packed kernels at few heads: the most splits that keep every head within one wave of
+  // `one` blocks a multiprocessor.
+  const double one = path == DecodePath::kMma ? slots : path == DecodePath::kB1 ? 2.0 * n_sm : 0.0;
+  if (heads <= one) return std::min(most, std::max(1, static_cast<int>(one / heads)));
   // From the count that makes one wave 90 % full, the first whose last wave is at least 90 % full
   // (else the fullest up to four times that count).
   const int first = std::max(1, static_cast<int>(std::ceil(0.9 * slots / heads)));
@@ -766,7 +768,8 @@ int decode_splits(int B, int NH, int rows, int n_sm, DecodePath path, int head_d
 
 DecodePath decode_path(int D, bool all_f16, bool all_mma, bool b1) {
   if (all_f16) return DecodePath::kF16;
-  return D == 128 && all_mma && !b1 ? DecodePath::kMma : DecodePath::kGeneral;
+  if (D != 128 || !all_mma) return DecodePath::kGeneral;
+  return b1 ? DecodePath::kB1 : DecodePath::kMma;
 }
 
 void decode_attention(const DecodeParams& p, cudaStream_t s) {

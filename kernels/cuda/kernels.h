@@ -203,20 +203,22 @@ void decode_scores(const DecodeParams& p, cudaStream_t s);
 // probs[b][h][row] = exp(scores_in − max) / sum from p.md_out (after decode_attention).
 void decode_probs(const DecodeParams& p, float* probs, cudaStream_t s);
 // The kernel decode attention runs for a cache, as far as decode_splits is concerned: all parts
-// fp16 (decode_f16_kernel), head size 128 with only fp16 and tensor-core packed parts and no
-// binary 1-bit path (the tensor-core-only kernel, 4 blocks a multiprocessor), or any other (the
-// general kernel and the binary path's, 3 blocks a multiprocessor).
-enum class DecodePath { kF16, kMma, kGeneral };
+// fp16 (decode_f16_kernel); head size 128 with only fp16 and tensor-core packed parts, without
+// (kMma, 4 blocks a multiprocessor) or with (kB1, 3 blocks) the binary 1-bit path; or any other
+// (the general kernel, 3 blocks).
+enum class DecodePath { kF16, kMma, kB1, kGeneral };
 DecodePath decode_path(int D, bool all_f16, bool all_mma, bool b1);
 // Blocks per (b, head) for `rows` rows on a device of n_sm multiprocessors; at most one per 64
 // rows (and 1024). kGeneral: at least one full wave of 3 blocks a multiprocessor, the last wave
 // at least 90 % full where possible. kMma: when every head fits one wave of 4 a multiprocessor,
 // the most splits that keep it one wave (fewer, longer blocks pay the query's preparation, the
 // partial state and the merge less often: at batch 16 one split a head was 3–22 % faster than
-// three on an H100), else the wave rule at 4. kF16 (head_dim: 4·D bytes of K and V a row): the
-// wave rule at 3, and a block at most kDecodeSplitBytes of rows where that would give it more:
-// long fp16 contexts are then read in many waves of short blocks, whose last wave's idle share
-// is small.
+// three on an H100), else the wave rule at 4. kB1: when every head fits two blocks a
+// multiprocessor, the most splits that keep it so (batch 1: 8 rather than 12 was 2–8 % faster at
+// 2k–64k rows), else the wave rule at 3. kF16 (head_dim: 4·D bytes of K and V a row): the wave
+// rule at 3, and a block at most kDecodeSplitBytes of rows where that would give it more: long
+// fp16 contexts are then read in many waves of short blocks, whose last wave's idle share is
+// small.
 constexpr int64_t kDecodeSplitBytes = 512 << 10;
 int decode_splits(int B, int NH, int rows, int n_sm, DecodePath path = DecodePath::kGeneral, int head_dim = 0);
 int decode_lut_bytes(int D, int lut_bits);
