@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 
 #include <nlohmann/json.hpp>
@@ -272,3 +273,40 @@ TEST(CudaModel, ChainedStepsEqualUnchainedSteps) {
 }
 
 }  // namespace
+
+// `kvlens bench attention`'s JSON: each row's figures agree with each other (bytes ÷ time is the
+// GB/s, the GB/s ÷ the copy bandwidth the share, fp16's time ÷ the row's the speed-up, the bytes
+// those the kernel must read and write), and no call is timed faster than an empty kernel
+// launched and timed the same way, which itself takes a positive time.
+TEST(CudaModel, BenchAttentionRowsAreConsistent) {
+  NEED_GPU();
+  const std::string dir = kt::make_temp_dir("bench_attention");
+  const std::string out = dir + "/attention.json";
+  const auto r = kt::run(kt::cli() + " bench attention --contexts 1000 3000 --batches 1 2 --bits 16 2 1 --reps 5 --json " +
+                         out);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("an empty kernel launched and timed the same way"), std::string::npos) << r.output;
+  const auto j = kt::read_json(out);
+  const double copy = j.at("copy_bandwidth_gbs").get<double>(), floor = j.at("empty_kernel_ms").get<double>();
+  EXPECT_GT(copy, 0.0);
+  EXPECT_GT(floor, 0.0);
+  EXPECT_EQ(j.at("timing").get<std::string>(), "isolated");
+  const auto& rows = j.at("rows");
+  ASSERT_EQ(rows.size(), 2u * 2u * 4u);  // fp16, q2, q1 and q1 with calibration at each shape
+  double fp16_ms = 0;
+  for (const auto& row : rows) {
+    const int bits = row.at("bits").get<int>(), B = row.at("batch").get<int>(), n = row.at("context").get<int>();
+    const double ms = row.at("ms").get<double>(), bytes = row.at("bytes").get<double>();
+    SCOPED_TRACE(row.dump());
+    if (bits == 16) fp16_ms = ms;
+    EXPECT_GE(ms, floor);
+    EXPECT_NEAR(row.at("gbs").get<double>(), bytes / (ms * 1e-3) / 1e9, 1e-6 * bytes / (ms * 1e-3) / 1e9);
+    EXPECT_NEAR(row.at("share_of_copy").get<double>(), row.at("gbs").get<double>() / copy, 1e-9);
+    EXPECT_NEAR(row.at("speedup_vs_fp16").get<double>(), fp16_ms / ms, 1e-9 * fp16_ms / ms);
+    // K and V at `bits` a value (plus fp16 ranges for packed rows) for 32 heads × 128 channels.
+    const double kv = 2.0 * B * 32 * n * 128 * (bits == 16 ? 2.0 : bits / 8.0);
+    EXPECT_GE(bytes, kv);
+    EXPECT_LT(bytes, kv + 2.0 * B * 32 * 128 * 8 + 1);
+  }
+  std::filesystem::remove_all(dir);
+}
