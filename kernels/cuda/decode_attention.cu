@@ -749,14 +749,16 @@ int decode_splits(int B, int NH, int rows, int n_sm, DecodePath path, int head_d
   const double one = path == DecodePath::kMma ? slots : path == DecodePath::kB1 ? 2.0 * n_sm : 0.0;
   if (heads <= one) return std::min(most, std::max(1, static_cast<int>(one / heads)));
   // From the count that makes one wave 90 % full, the first whose last wave is at least 90 % full
-  // (else the fullest up to four times that count).
+  // (85 % on the binary path, whose short blocks cost more than a fuller last wave gains) — else
+  // the fullest up to four times that count.
+  const double enough = path == DecodePath::kB1 ? 0.85 : 0.9;
   const int first = std::max(1, static_cast<int>(std::ceil(0.9 * slots / heads)));
   int best = first;
   double best_fill = 0;
   for (int s = first; s <= std::min(most, 4 * first); ++s) {
     const double w = heads * s / slots, fill = w / std::ceil(w);
     if (fill > best_fill + 1e-9) best = s, best_fill = fill;
-    if (fill >= 0.9) break;
+    if (fill >= enough) break;
   }
   if (path == DecodePath::kF16 && head_dim > 0) {
     const int64_t row_bytes = 4LL * head_dim;  // K and V, fp16

@@ -215,7 +215,8 @@ DecodePath decode_path(int D, bool all_f16, bool all_mma, bool b1);
 // partial state and the merge less often: at batch 16 one split a head was 3–22 % faster than
 // three on an H100), else the wave rule at 4. kB1: when every head fits two blocks a
 // multiprocessor, the most splits that keep it so (batch 1: 8 rather than 12 was 2–8 % faster at
-// 2k–64k rows), else the wave rule at 3. kF16 (head_dim: 4·D bytes of K and V a row): the wave
+// 2k–64k rows), else the wave rule at 3 with a last wave at least 85 % full (batch 16: 2 rather
+// than 3 was 4–22 % faster at 2k–16k rows). kF16 (head_dim: 4·D bytes of K and V a row): the wave
 // rule at 3, and a block at most kDecodeSplitBytes of rows where that would give it more: long
 // fp16 contexts are then read in many waves of short blocks, whose last wave's idle share is
 // small.
