@@ -161,10 +161,18 @@ double time_call_ms(const AttnBenchConfig& c, cudaStream_t s, F&& call) {
 
 __global__ void empty_kernel() {}
 
-// decode_splits for a benchmark cache of `bits`-bit parts (16: fp16), as the model's cache asks it.
+// What a benchmark cache of `bits`-bit channel-wise parts (16: fp16) is, as DecodeParams says it.
+void set_cache_kind(DecodeParams& p, int D, int bits) {
+  p.all_f16 = bits == 16 ? 1 : 0;
+  p.all_mma = D == 128 && (bits == 1 || bits == 2 || bits == 4 || bits == 8) ? 1 : 0;
+  p.b1 = D == 128 && bits == 1 ? 1 : 0;
+}
+
+// decode_splits for such a cache, as the model's cache asks it.
 int splits_for(int B, int NH, int rows, int n_sm, int D, int bits) {
-  const bool mma = D == 128 && (bits == 1 || bits == 2 || bits == 4 || bits == 8), b1 = D == 128 && bits == 1;
-  return decode_splits(B, NH, rows, n_sm, decode_path(D, bits == 16, mma, b1), D);
+  DecodeParams p;
+  set_cache_kind(p, D, bits);
+  return decode_splits(B, NH, rows, n_sm, decode_path(D, p.all_f16, p.all_mma, p.b1), D);
 }
 
 }  // namespace
@@ -264,9 +272,7 @@ std::vector<AttnBenchRow> bench_decode_attention(const AttnBenchConfig& c, doubl
           p.out_stride = static_cast<int64_t>(NH) * D;
           p.sem = sem.as<int>();
           p.lut_bits = bits <= 4 ? bits : 0;
-          p.all_f16 = bits == 16 ? 1 : 0;
-          p.all_mma = D == 128 && (bits == 1 || bits == 2 || bits == 4 || bits == 8) ? 1 : 0;
-          p.b1 = D == 128 && bits == 1 ? 1 : 0;
+          set_cache_kind(p, D, bits);
           p.rows_ready = 1;  // the caches are written once, before the timings
           if (calib) {
             p.calibrate = 1;
@@ -459,9 +465,7 @@ std::vector<ThroughputRow> bench_throughput(const ThroughputConfig& c) {
           p.out_stride = QD;
           p.sem = sem.as<int>();
           p.lut_bits = bits <= 4 ? bits : 0;
-          p.all_f16 = bits == 16 ? 1 : 0;
-          p.all_mma = D == 128 && (bits == 1 || bits == 2 || bits == 4 || bits == 8) ? 1 : 0;
-          p.b1 = D == 128 && bits == 1 ? 1 : 0;
+          set_cache_kind(p, D, bits);
           decode_attention(p, st.s);
           gemm(w.o, H, static_cast<int>(QD), a.p, h.as<float>(), true);
           rms_norm(h.as<float>(), x.p, Dt::F16, B, H, norm.as<float>(), 1e-5f, st.s);

@@ -744,10 +744,10 @@ int decode_splits(int B, int NH, int rows, int n_sm, DecodePath path, int head_d
   const int most = std::max(1, std::min((rows + 63) / 64, kMaxSplits));
   const int resident = path == DecodePath::kMma ? kMmaMinBlocks : kMinBlocks;
   const double slots = static_cast<double>(resident) * n_sm, heads = static_cast<double>(B) * NH;
-  // The packed kernels at few heads: the most splits that keep every head within one wave of
-  // `one` blocks a multiprocessor.
-  const double one = path == DecodePath::kMma ? slots : path == DecodePath::kB1 ? 2.0 * n_sm : 0.0;
-  if (heads <= one) return std::min(most, std::max(1, static_cast<int>(one / heads)));
+  // The packed kernels at few heads: the most splits that keep every head's blocks within
+  // `wave` (4 a multiprocessor for kMma, 2 for kB1).
+  const double wave = path == DecodePath::kMma ? slots : path == DecodePath::kB1 ? 2.0 * n_sm : 0.0;
+  if (heads <= wave) return std::min(most, std::max(1, static_cast<int>(wave / heads)));
   // From the count that makes one wave 90 % full, the first whose last wave is at least 90 % full
   // (85 % on the binary path, whose short blocks cost more than a fuller last wave gains) — else
   // the fullest up to four times that count.
