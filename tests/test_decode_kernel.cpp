@@ -385,48 +385,39 @@ TEST(DecodeKernel, SplitCountsFillTheirLastWave) {
     }
   EXPECT_EQ(cuda::decode_splits(1, 32, 616, sm, cuda::DecodePath::kF16, 128),
             cuda::decode_splits(1, 32, 616, sm));  // a captioning run's context
-  // The tensor-core-only kernel (4 blocks a multiprocessor): when every head fits one wave, the
-  // most splits that keep it one (one a head at batch 16 × 32 heads, 16 at batch 1); otherwise
-  // the wave rule at 4 blocks.
-  const int wave4 = 4 * sm;
-  for (int B : {1, 2, 3, 16, 17, 64})
-    for (int NH : {8, 32, 40})
-      for (int rows : {100, 616, 4096, 65536}) {
-        const int s = cuda::decode_splits(B, NH, rows, sm, cuda::DecodePath::kMma, 128), most = (rows + 63) / 64;
-        SCOPED_TRACE("kMma B=" + std::to_string(B) + " NH=" + std::to_string(NH) + " rows=" + std::to_string(rows));
-        ASSERT_GE(s, 1);
-        EXPECT_LE(s, std::max(1, most));
-        const int heads = B * NH;
-        if (heads <= wave4) {
-          EXPECT_LE(heads * s, wave4) << s << " splits";
-          if (s < most) {
-            EXPECT_GT(heads * (s + 1), wave4) << s << " splits";
+  // The packed kernels: when every head fits `wave` blocks, the most splits that keep it within
+  // them; otherwise at least 90 % of a wave of `full` blocks. The tensor-core-only kernel: one
+  // wave of 4 blocks a multiprocessor (one split a head at batch 16 × 32 heads, 16 at batch 1),
+  // else the wave rule at 4. The binary path: two blocks a multiprocessor (8 splits at batch 1 ×
+  // 32 heads), else the wave rule at 3 with the first count whose last wave is 85 % full — never
+  // more than kGeneral's 90 % takes (2 at batch 16 × 32 heads, where kGeneral takes 3).
+  auto check_packed = [&](cuda::DecodePath path, const std::string& name, int wave, int full,
+                          std::initializer_list<int> batches) {
+    for (int B : batches)
+      for (int NH : {8, 32, 40})
+        for (int rows : {100, 616, 4096, 65536}) {
+          const int s = cuda::decode_splits(B, NH, rows, sm, path, 128), most = (rows + 63) / 64;
+          SCOPED_TRACE(name + " B=" + std::to_string(B) + " NH=" + std::to_string(NH) + " rows=" + std::to_string(rows));
+          ASSERT_GE(s, 1);
+          EXPECT_LE(s, std::max(1, most));
+          const int heads = B * NH;
+          if (heads <= wave) {
+            EXPECT_LE(heads * s, wave) << s << " splits";
+            if (s < most) {
+              EXPECT_GT(heads * (s + 1), wave) << s << " splits";
+            }
+          } else if (s < most) {
+            EXPECT_GE(static_cast<double>(heads) * s, 0.9 * full - 1e-9) << s << " splits";
+            if (path == cuda::DecodePath::kB1) {
+              EXPECT_LE(s, cuda::decode_splits(B, NH, rows, sm)) << s << " splits";
+            }
           }
-        } else if (s < most) {
-          EXPECT_GE(static_cast<double>(heads) * s, 0.9 * wave4 - 1e-9) << s << " splits";
         }
-      }
+  };
+  check_packed(cuda::DecodePath::kMma, "kMma", 4 * sm, 4 * sm, {1, 2, 3, 16, 17, 64});
+  check_packed(cuda::DecodePath::kB1, "kB1", 2 * sm, resident, {1, 2, 3, 16});
   EXPECT_EQ(cuda::decode_splits(16, 32, 4096, sm, cuda::DecodePath::kMma, 128), 1);
   EXPECT_EQ(cuda::decode_splits(1, 32, 65536, sm, cuda::DecodePath::kMma, 128), 16);
-  // The binary path: within two blocks a multiprocessor when every head fits them (8 splits at
-  // batch 1 × 32 heads), else at least 90 % of a wave of 3 and the first count from there whose
-  // last wave is 85 % full (2 at batch 16 × 32 heads, where kGeneral's 90 % takes 3).
-  for (int B : {1, 2, 3, 16})
-    for (int NH : {8, 32, 40})
-      for (int rows : {100, 616, 4096, 65536}) {
-        const int s = cuda::decode_splits(B, NH, rows, sm, cuda::DecodePath::kB1, 128), most = (rows + 63) / 64;
-        SCOPED_TRACE("kB1 B=" + std::to_string(B) + " NH=" + std::to_string(NH) + " rows=" + std::to_string(rows));
-        const int heads = B * NH;
-        if (heads <= 2 * sm) {
-          EXPECT_LE(heads * s, 2 * sm) << s << " splits";
-          if (s < most) {
-            EXPECT_GT(heads * (s + 1), 2 * sm) << s << " splits";
-          }
-        } else if (s < most) {
-          EXPECT_GE(static_cast<double>(heads) * s, 0.9 * resident - 1e-9) << s << " splits";
-          EXPECT_LE(s, cuda::decode_splits(B, NH, rows, sm)) << s << " splits";
-        }
-      }
   EXPECT_EQ(cuda::decode_splits(1, 32, 65536, sm, cuda::DecodePath::kB1, 128), 8);
   EXPECT_EQ(cuda::decode_splits(16, 32, 65536, sm, cuda::DecodePath::kB1, 128), 2);
   EXPECT_EQ(cuda::decode_splits(16, 32, 65536, sm), 3);
