@@ -14,8 +14,8 @@
 // parallel into shared memory).
 //
 // Head size 128, packed channel-wise parts (1/2/4/8-bit, one range per channel or one for all,
-// over the whole part): tensor cores instead, one warp per 16·TILES rows — see decode_mma.cuh.
-// Their state joins the groups' online softmax at the end of the part, so fp16 and packed parts
+// over the whole part): tensor cores instead, a warp per tile of rows — 1 and 2 bits with
+// integer operands (decode_i8.cuh), 4 and 8 bits with fp16 ones (decode_mma.cuh). Their state joins the groups' online softmax at the end of the part, so fp16 and packed parts
 // still share one softmax. Codes are read as core/policies/quantize.h packs them (row j at byte
 // j·D·b/8, code c at bits [c·b, (c+1)·b) least significant first), except 1-bit values stored
 // channel-major by groups of 32 rows (kChannelT), whose whole groups take the binary tensor-core
@@ -334,6 +334,7 @@ __device__ __forceinline__ float calibrated(float s, bool cal, float t, float ga
 }  // namespace
 }  // namespace kvlens::cuda
 #include "kernels/cuda/decode_mma.cuh"
+#include "kernels/cuda/decode_i8.cuh"
 #include "kernels/cuda/decode_b1.cuh"
 namespace kvlens::cuda {
 namespace {
@@ -413,9 +414,24 @@ __device__ __forceinline__ int mma_kind(const PartDesc& P, int n, int mode, bool
   return materialized || mode == kScores ? 0 : mma_bits(P, n, staged);
 }
 
+// A part of row-major codes: 1 and 2 bits on the integer tensor-core path (decode_i8.cuh), 4 and
+// 8 bits on the fp16-operand one (decode_mma.cuh; 16 rows a tile).
+template <int BITS>
+__device__ __forceinline__ void row_major_part(const PartDesc& P, int a, int e, const float* qs, int w, int nw, bool r,
+                                               bool cal, float cal_t, float cal_g, float tau1, State& st, float& lo,
+                                               float& hi) {
+  using namespace mma_path;
+  if constexpr (BITS <= 2) {
+    if (r) i8_path::packed_i8<BITS, true>(P, a, e, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi);
+    else i8_path::packed_i8<BITS, false>(P, a, e, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi);
+  } else {
+    if (r) packed_mma<BITS, 1, true>(P, a, e, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi);
+    else packed_mma<BITS, 1, false>(P, a, e, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi);
+  }
+}
+
 __device__ void run_mma(int bits, const PartDesc& P, int a, int e, const float* qs, int mode, bool cal, float cal_t,
                         float cal_g, float tau1, State& st, float& lo, float& hi, uint4* stage) {
-  using namespace mma_path;
   const int w = threadIdx.x / 32, nw = kThreads / 32;
   const bool r = mode == kRange;
   switch (bits) {
@@ -429,24 +445,12 @@ __device__ void run_mma(int bits, const PartDesc& P, int a, int e, const float* 
         }
       }
       const int a1 = max(a, e1);  // the rest row-major
-      if (a1 < e) {
-        if (r) packed_mma<1, 3, true>(P, a1, e, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi);
-        else packed_mma<1, 3, false>(P, a1, e, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi);
-      }
+      if (a1 < e) row_major_part<1>(P, a1, e, qs, w, nw, r, cal, cal_t, cal_g, tau1, st, lo, hi);
       break;
     }
-    case 2:
-      if (r) packed_mma<2, 2, true>(P, a, e, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi);
-      else packed_mma<2, 2, false>(P, a, e, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi);
-      break;
-    case 4:
-      if (r) packed_mma<4, 1, true>(P, a, e, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi);
-      else packed_mma<4, 1, false>(P, a, e, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi);
-      break;
-    default:
-      if (r) packed_mma<8, 1, true>(P, a, e, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi);
-      else packed_mma<8, 1, false>(P, a, e, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi);
-      break;
+    case 2: row_major_part<2>(P, a, e, qs, w, nw, r, cal, cal_t, cal_g, tau1, st, lo, hi); break;
+    case 4: row_major_part<4>(P, a, e, qs, w, nw, r, cal, cal_t, cal_g, tau1, st, lo, hi); break;
+    default: row_major_part<8>(P, a, e, qs, w, nw, r, cal, cal_t, cal_g, tau1, st, lo, hi); break;
   }
 }
 

@@ -1,8 +1,9 @@
 // Packed channel-wise parts of decode attention on tensor cores (head size 128; included by
 // decode_attention.cu, which holds the rest of the kernel and the description of the cache).
 //
-// A part of BITS-bit codes (1, 2, 4 or 8) with fp16 scale/zero per channel (or one for all) is read by each
-// warp in tiles of 16·TILES rows. Codes are never converted to floats one by one: a code at bit
+// A part of BITS-bit codes (4 or 8 here: 1 and 2 bits take the integer operands of decode_i8.cuh,
+// which need fewer instructions a row; the template takes 1 and 2 as well) with fp16 scale/zero
+// per channel (or one for all) is read by each warp in tiles of 16·TILES rows. Codes are never converted to floats one by one: a code at bit
 // position p' ≤ 9 of a 16-bit half, with every other bit of the half cleared by one AND, *is* the
 // fp16 subnormal code·2^(p'−24), so one logic operation turns two codes into an f16x2 operand of
 // `mma.sync.m16n8k16` (codes higher in a half are shifted down first, one shift per word). The
@@ -22,7 +23,8 @@
 // B = p. The accumulators stay in the mma's fp32 fragments for the whole part; at its end
 // scale_c·Σ p·code·2^(10−p') + zero_c·Σ p is folded into the warp's online-softmax state.
 // Per row and thread group this is ~64 logic operations, 16 mma for 16 rows and no shared
-// memory, so 1-bit codes stream at close to the memory's rate.
+// memory: 4-bit codes stream at close to the memory's rate; at 2 bits this path was bound by its
+// logic operations (77 % of copy bandwidth at batch 16 / 64k on an H100, 90 % on decode_i8.cuh).
 #pragma once
 
 namespace kvlens::cuda::mma_path {
