@@ -430,6 +430,9 @@ __device__ __forceinline__ void row_major_part(const PartDesc& P, int a, int e, 
   }
 }
 
+// PAIR: 128-row sub-tiles an iteration of the binary path (2 in the kernel of two blocks a
+// multiprocessor).
+template <int PAIR>
 __device__ void run_mma(int bits, const PartDesc& P, int a, int e, const float* qs, int mode, bool cal, float cal_t,
                         float cal_g, float tau1, State& st, float& lo, float& hi, uint4* stage) {
   const int w = threadIdx.x / 32, nw = kThreads / 32;
@@ -440,8 +443,8 @@ __device__ void run_mma(int bits, const PartDesc& P, int a, int e, const float* 
       if (P.v.fmt == kChannelT) {
         e1 = min(e, P.n & ~31);
         if (a < e1) {
-          if (r) b1_path::packed_b1<true>(P, a, e1, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi, stage);
-          else b1_path::packed_b1<false>(P, a, e1, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi, stage);
+          if (r) b1_path::packed_b1<true, PAIR>(P, a, e1, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi, stage);
+          else b1_path::packed_b1<false, PAIR>(P, a, e1, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi, stage);
         }
       }
       const int a1 = max(a, e1);  // the rest row-major
@@ -531,9 +534,12 @@ __device__ void finish_block(const DecodeParams& p, const State& st, int b, int 
 // (DecodeParams::all_mma); only those two paths are compiled in, under a budget of 128 registers
 // (4 blocks a multiprocessor instead of 3).
 // MMA = 2: the same for caches with channel-major 1-bit values (DecodeParams::b1), whose binary
-// path needs more registers: 168, 3 blocks a multiprocessor.
+// path needs more registers: 168, 3 blocks a multiprocessor. MMA = 3: the same where the grid
+// fits two blocks a multiprocessor (batch 1), with two 128-row sub-tiles an iteration of the
+// binary path, up to 255 registers and twice the stages.
 template <int L, int MMA>
-__global__ void __launch_bounds__(kThreads, MMA == 1 ? kMmaMinBlocks : kMinBlocks) decode_kernel(DecodeParams p, int mode) {
+__global__ void __launch_bounds__(kThreads, MMA == 1 ? kMmaMinBlocks : MMA == 3 ? 2 : kMinBlocks)
+    decode_kernel(DecodeParams p, int mode) {
   constexpr bool MMA_ONLY = MMA != 0;
   // Packed keys' tables (lut_bytes(D, lut_bits)), or at head size 128 the binary path's staging
   // (kB1StageBytes, when p.b1).
@@ -619,7 +625,7 @@ __global__ void __launch_bounds__(kThreads, MMA == 1 ? kMmaMinBlocks : kMinBlock
       int kind = 0, mk = 0;
       if constexpr (MMA_ONLY) {
         mk = mma_kind(P, n, mode, false, p.b1);
-        if (mk) run_mma(mk, P, a, e, sh_q, mode, cal && P.visual, cal_t, cal_g, p.tau1, st, lo, hi, stage);
+        if (mk) run_mma<MMA == 3 ? 2 : 1>(mk, P, a, e, sh_q, mode, cal && P.visual, cal_t, cal_g, p.tau1, st, lo, hi, stage);
         else if (mode == kAttend) fp16_rows<L, 4>(P, a, e, q, ln, g, false, cal_t, cal_g, p.tau1, st);
         base += n;
         continue;
@@ -628,7 +634,7 @@ __global__ void __launch_bounds__(kThreads, MMA == 1 ? kMmaMinBlocks : kMinBlock
         if (p.D == 128) mk = mma_kind(P, n, mode, sin != nullptr, p.b1);
       if constexpr (L == 8 || L == 16)
         if (p.D == 8 * L && !mk) kind = fast_kind(P, n, mode, sin != nullptr, p.lut_bits);  // every lane busy
-      if (mk) run_mma(mk, P, a, e, sh_q, mode, cal && P.visual, cal_t, cal_g, p.tau1, st, lo, hi, stage);
+      if (mk) run_mma<1>(mk, P, a, e, sh_q, mode, cal && P.visual, cal_t, cal_g, p.tau1, st, lo, hi, stage);
       else if (kind) run_fast<L>(kind, P, a, e, q, ln, g, mode, cal && P.visual, cal_t, cal_g, p.tau1, st, lo, hi, lut);
       else run_part<L>(P, n, a, e, base, q, ln, g, mode, cal && P.visual, cal_t, cal_g, p.tau1, sin, sout, st, lo, hi);
     }
@@ -689,6 +695,14 @@ void allow_dynamic_smem(int bytes) {
   allowed = bytes;
 }
 
+// The binary path's kernel of two blocks a multiprocessor (MMA = 3) when the grid fits them.
+bool b1_pairs(const DecodeParams& p) {
+  int dev = 0, n_sm = 0;
+  KV_CUDA(cudaGetDevice(&dev), "decode attention");
+  KV_CUDA(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev), "decode attention");
+  return static_cast<int64_t>(p.B) * p.NH * p.splits <= 2LL * n_sm;
+}
+
 template <int L>
 void launch_l(const DecodeParams& p, int mode, cudaStream_t s) {
   dim3 grid(p.splits, p.NH, p.B);
@@ -705,6 +719,12 @@ void launch_l(const DecodeParams& p, int mode, cudaStream_t s) {
   const int bytes = decode_lut_bytes(q.D, q.lut_bits) + (q.b1 && q.D == 128 ? kB1StageBytes : 0);
   if constexpr (L == 16) {
     if (p.all_mma && p.D == 128 && mode != kScores && !p.scores_in && !p.scores_out) {
+      if (p.b1 && b1_pairs(p)) {
+        allow_dynamic_smem<decode_kernel<16, 3>>(2 * bytes);
+        KV_CUDA(launch_dependent(decode_kernel<16, 3>, grid, kThreads, 2 * bytes, s, true, q, mode),
+                "decode_kernel for " + std::to_string(p.B) + "x" + std::to_string(p.NH) + " heads");
+        return;
+      }
       if (p.b1) allow_dynamic_smem<decode_kernel<16, 2>>(bytes);
       KV_CUDA(launch_dependent(p.b1 ? decode_kernel<16, 2> : decode_kernel<16, 1>, grid, kThreads, bytes, s, true,
                                q, mode),

@@ -111,10 +111,13 @@ __device__ __forceinline__ void merge_part(const float (&vsz)[2][128], float (&a
 }
 
 // Rows [a, e) of a kChannelT part (e at most its last whole group's end) for this warp: warp w of
-// nw takes the 128-row tiles w, w + nw, ... counted from a rounded down to a group. RANGE: min /
-// max of the scores into lo / hi only; otherwise the part's softmax state is merged into st_io of
-// lanes 0..15 (8 channels a lane). qs: the block's scaled query in shared memory.
-template <bool RANGE>
+// nw takes the 128·PAIR-row tiles w, w + nw, ... counted from a rounded down to a group. RANGE:
+// min / max of the scores into lo / hi only; otherwise the part's softmax state is merged into
+// st_io of lanes 0..15 (8 channels a lane). qs: the block's scaled query in shared memory.
+// PAIR = 2: two 128-row sub-tiles an iteration, their chains of scores, maximum, transposes and
+// value products independent until they meet in the accumulators, so one warp keeps twice the
+// work in flight (the kernel then runs two blocks a multiprocessor, with up to 255 registers).
+template <bool RANGE, int PAIR>
 __device__ __noinline__ void packed_b1(const PartDesc& P, int a, int e, const float* qs, int warp, int nw, bool cal,
                                        float cal_t, float cal_g, float tau1, State& st_io, float& lo, float& hi,
                                        uint4* stage) {
@@ -124,43 +127,44 @@ __device__ __noinline__ void packed_b1(const PartDesc& P, int a, int e, const fl
   const int kst = P.k.chan_stride;
 
   const int a32 = a & ~31;
-  const int tiles = (e - a32 + 127) >> 7;
+  constexpr int TR = 128 * PAIR;  // rows a tile
+  const int tiles = (e - a32 + TR - 1) / TR;
   // A tile's codes are contiguous: 128 key rows of 16 bytes, and four value groups of 512 bytes.
   // They are copied to this warp's kB1Stages shared-memory stages with cp.async, kB1Stages − 1
   // tiles ahead, so those copies are in flight while this tile is computed without holding
   // registers. Every iteration commits one group (empty past the last tile), so waiting for all
   // but the newest kB1Stages − 1 groups is waiting for this tile.
   // Rows past e are not copied (their stale bytes are masked: score −inf, weight 0).
-  constexpr int SZ = RANGE ? 128 : 256;  // a stage's 16-byte chunks
+  constexpr int SZ = (RANGE ? 128 : 256) * PAIR;  // a stage's 16-byte chunks
   uint4* const buf = stage + warp * (kB1Stages * SZ);
-  // Tile i's key chunk c is chunk a32 + 128i + c of the keys, and its value group's chunk c chunk
-  // a32 + 128i + c of the values (a group of 32 rows is 32 chunks): this lane's chunks lane + 32k
-  // are at fixed offsets from two pointers that advance 128 chunks a tile, and land at fixed
-  // offsets in the stage (values' chunk q of group k at 128 + 32k + (q ^ k)).
+  // Tile i's key chunk c is chunk a32 + TR·i + c of the keys, and its value group's chunk c chunk
+  // a32 + TR·i + c of the values (a group of 32 rows is 32 chunks): this lane's chunks lane + 32k
+  // are at fixed offsets from two pointers that advance TR chunks a tile, and land at fixed
+  // offsets in the stage (values' chunk q of group k at TR + 32k + (q ^ (k mod 4))).
   const uint4* const ksrc = reinterpret_cast<const uint4*>(K) + a32 + lane;
   const uint4* const vsrc = V + a32 + lane;
   const uint32_t sbase = smem_addr(buf);
-  auto vdst = [&](int k) { return 16u * static_cast<uint32_t>(128 + 32 * k + (lane ^ k)); };
+  auto vdst = [&](int k) { return 16u * static_cast<uint32_t>(TR + 32 * k + (lane ^ (k & 3))); };
   auto issue = [&](int i, int sg) {
     if (i < tiles) {
-      const int r0 = a32 + 128 * i;
+      const int r0 = a32 + TR * i;
       const uint32_t sk = sbase + 16u * static_cast<uint32_t>(sg * SZ);
-      const uint4* kp = ksrc + 128 * static_cast<int64_t>(i);
-      const uint4* vp = vsrc + 128 * static_cast<int64_t>(i);
-      if (r0 + 128 <= e) {  // a whole tile: no row checks
+      const uint4* kp = ksrc + TR * static_cast<int64_t>(i);
+      const uint4* vp = vsrc + TR * static_cast<int64_t>(i);
+      if (r0 + TR <= e) {  // a whole tile: no row checks
 #pragma unroll
-        for (int k = 0; k < 4; ++k) cp_async16(sk + 16u * (lane + 32 * k), kp + 32 * k);
+        for (int k = 0; k < 4 * PAIR; ++k) cp_async16(sk + 16u * (lane + 32 * k), kp + 32 * k);
         if constexpr (!RANGE) {
 #pragma unroll
-          for (int k = 0; k < 4; ++k) cp_async16(sk + vdst(k), vp + 32 * k);
+          for (int k = 0; k < 4 * PAIR; ++k) cp_async16(sk + vdst(k), vp + 32 * k);
         }
       } else {
 #pragma unroll
-        for (int k = 0; k < 4; ++k)
+        for (int k = 0; k < 4 * PAIR; ++k)
           if (r0 + lane + 32 * k < e) cp_async16(sk + 16u * (lane + 32 * k), kp + 32 * k);
         if constexpr (!RANGE) {
 #pragma unroll
-          for (int k = 0; k < 4; ++k)
+          for (int k = 0; k < 4 * PAIR; ++k)
             if (r0 + 32 * k < e) cp_async16(sk + vdst(k), vp + 32 * k);
         }
       }
@@ -253,53 +257,60 @@ __device__ __noinline__ void packed_b1(const PartDesc& P, int a, int e, const fl
     cp_async_wait<kB1Stages - 1>();
     __syncwarp();
     const uint32_t* sk = reinterpret_cast<const uint32_t*>(buf + sg * SZ);
-    uint32_t kw[8][2];
+    const int r0 = a32 + TR * i;
+    float s[PAIR][4];
 #pragma unroll
-    for (int x = 0; x < 8; ++x)
+    for (int pr = 0; pr < PAIR; ++pr) {
+      uint32_t kw[8][2];
 #pragma unroll
-      for (int h = 0; h < 2; ++h) kw[x][h] = sk[4 * (16 * x + g + 8 * h) + t];
-    const int r0 = a32 + 128 * i;
-    float s[4];
+      for (int x = 0; x < 8; ++x)
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      int v[2][2];  // [tile 2c + par][row g + 8h]
+        for (int h = 0; h < 2; ++h) kw[x][h] = sk[4 * (128 * pr + 16 * x + g + 8 * h) + t];
 #pragma unroll
-      for (int par = 0; par < 2; ++par) {
-        int d[3][4];
+      for (int c = 0; c < 4; ++c) {
+        int v[2][2];  // [tile 2c + par][row g + 8h]
 #pragma unroll
-        for (int j = 0; j < 3; ++j) bmma(d[j], kw[2 * c + par][0], kw[2 * c + par][1], bq[j]);
+        for (int par = 0; par < 2; ++par) {
+          int d[3][4];
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          int x = 0;
+          for (int j = 0; j < 3; ++j) bmma(d[j], kw[2 * c + par][0], kw[2 * c + par][1], bq[j]);
 #pragma unroll
-          for (int j = 0; j < 3; ++j) x += d[j][2 * h] * wk[j][0] + d[j][2 * h + 1] * wk[j][1];
-          v[par][h] = x;
+          for (int h = 0; h < 2; ++h) {
+            int x = 0;
+#pragma unroll
+            for (int j = 0; j < 3; ++j) x += d[j][2 * h] * wk[j][0] + d[j][2 * h + 1] * wk[j][1];
+            v[par][h] = x;
+          }
         }
+        // Sum the quad's planes: keep row half t0 of both tiles, then tile t1.
+        int ka = t0 ? v[0][1] : v[0][0], sa = t0 ? v[0][0] : v[0][1];
+        int kb = t0 ? v[1][1] : v[1][0], sb = t0 ? v[1][0] : v[1][1];
+        ka += __shfl_xor_sync(0xffffffffu, sa, 1);
+        kb += __shfl_xor_sync(0xffffffffu, sb, 1);
+        int kk = t1 ? kb : ka;
+        kk += __shfl_xor_sync(0xffffffffu, t1 ? ka : kb, 2);
+        const int r = r0 + 128 * pr + 32 * c + 16 * t1 + 8 * t0 + g;
+        s[pr][c] = r >= a && r < e ? fmaf(static_cast<float>(kk), kfac, qa) : -INFINITY;
       }
-      // Sum the quad's planes: keep row half t0 of both tiles, then tile t1.
-      int ka = t0 ? v[0][1] : v[0][0], sa = t0 ? v[0][0] : v[0][1];
-      int kb = t0 ? v[1][1] : v[1][0], sb = t0 ? v[1][0] : v[1][1];
-      ka += __shfl_xor_sync(0xffffffffu, sa, 1);
-      kb += __shfl_xor_sync(0xffffffffu, sb, 1);
-      int kk = t1 ? kb : ka;
-      kk += __shfl_xor_sync(0xffffffffu, t1 ? ka : kb, 2);
-      const int r = r0 + 32 * c + 16 * t1 + 8 * t0 + g;
-      s[c] = r >= a && r < e ? fmaf(static_cast<float>(kk), kfac, qa) : -INFINITY;
     }
     if constexpr (RANGE) {
 #pragma unroll
-      for (int c = 0; c < 4; ++c)
-        if (s[c] != -INFINITY) {
-          lo_ = fminf(lo_, s[c]);
-          hi_ = fmaxf(hi_, s[c]);
-        }
+      for (int pr = 0; pr < PAIR; ++pr)
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          if (s[pr][c] != -INFINITY) {
+            lo_ = fminf(lo_, s[pr][c]);
+            hi_ = fmaxf(hi_, s[pr][c]);
+          }
     } else {
       float mx = mw;
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        s[c] = calibrated(s[c], cal, cal_t, cal_g, tau1);
-        mx = fmaxf(mx, s[c]);
-      }
+      for (int pr = 0; pr < PAIR; ++pr)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          s[pr][c] = calibrated(s[pr][c], cal, cal_t, cal_g, tau1);
+          mx = fmaxf(mx, s[pr][c]);
+        }
       mx = warp_max_redux(mx);
       if (mx > mw) {  // the same in every lane
         const float alpha = __expf(mw - mx);
@@ -307,31 +318,35 @@ __device__ __noinline__ void packed_b1(const PartDesc& P, int a, int e, const fl
         flush(alpha);
         mw = mx;
       }
-      uint32_t pq[4];
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const float p = s[c] == -INFINITY ? 0.0f : fminf(__expf(s[c] - mw), 1.0f);
-        pq[c] = __float2uint_rn(p * 65535.0f);
-        dsum += static_cast<float>(pq[c]);
-      }
-      // Bit planes of P: after the transposes lane M holds plane M & 15 of group 2·(which) + (M >> 4).
-      const uint32_t y1 = transpose32(pq[0] | (pq[1] << 16), lane);
-      const uint32_t y2 = transpose32(pq[2] | (pq[3] << 16), lane);
-      uint32_t bp[2];
+      for (int pr = 0; pr < PAIR; ++pr) {
+        uint32_t pq[4];
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int src = 16 * t0 + 8 * j + g;  // plane 8j + g of group t
-        const uint32_t z1 = __shfl_sync(0xffffffffu, y1, src), z2 = __shfl_sync(0xffffffffu, y2, src);
-        bp[j] = t1 ? z2 : z1;
-      }
-      // Channels 16g..16g+15 of group t; chunk q of group t sits at 32t + (q ^ t) (no bank conflicts).
-      const uint4* sv = reinterpret_cast<const uint4*>(sk) + 128 + 32 * t + 4 * g;
-      const uint4 vw[4] = {sv[0 ^ t], sv[1 ^ t], sv[2 ^ t], sv[3 ^ t]};
-      const uint32_t* vwl = reinterpret_cast<const uint32_t*>(vw);
+        for (int c = 0; c < 4; ++c) {
+          const float p = s[pr][c] == -INFINITY ? 0.0f : fminf(__expf(s[pr][c] - mw), 1.0f);
+          pq[c] = __float2uint_rn(p * 65535.0f);
+          dsum += static_cast<float>(pq[c]);
+        }
+        // Bit planes of P: after the transposes lane M holds plane M & 15 of group 2·(which) + (M >> 4).
+        const uint32_t y1 = transpose32(pq[0] | (pq[1] << 16), lane);
+        const uint32_t y2 = transpose32(pq[2] | (pq[3] << 16), lane);
+        uint32_t bp[2];
 #pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        bmma_acc(D[u][0], vwl[2 * u], vwl[2 * u + 1], bp[0]);  // rows: channels 16g + 2u (+1)
-        bmma_acc(D[u][1], vwl[2 * u], vwl[2 * u + 1], bp[1]);
+        for (int j = 0; j < 2; ++j) {
+          const int src = 16 * t0 + 8 * j + g;  // plane 8j + g of group t
+          const uint32_t z1 = __shfl_sync(0xffffffffu, y1, src), z2 = __shfl_sync(0xffffffffu, y2, src);
+          bp[j] = t1 ? z2 : z1;
+        }
+        // Channels 16g..16g+15 of group 4·pr + t; chunk q of group k sits at TR + 32k + (q ^ t) (no
+        // bank conflicts).
+        const uint4* sv = reinterpret_cast<const uint4*>(sk) + TR + 32 * (4 * pr + t) + 4 * g;
+        const uint4 vw[4] = {sv[0 ^ t], sv[1 ^ t], sv[2 ^ t], sv[3 ^ t]};
+        const uint32_t* vwl = reinterpret_cast<const uint32_t*>(vw);
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          bmma_acc(D[u][0], vwl[2 * u], vwl[2 * u + 1], bp[0]);  // rows: channels 16g + 2u (+1)
+          bmma_acc(D[u][1], vwl[2 * u], vwl[2 * u + 1], bp[1]);
+        }
       }
     }
     __syncwarp();  // every lane has read this stage before it is refilled
