@@ -204,7 +204,8 @@ void decode_scores(const DecodeParams& p, cudaStream_t s);
 void decode_probs(const DecodeParams& p, float* probs, cudaStream_t s);
 // The kernel decode attention runs for a cache, as far as decode_splits is concerned: all parts
 // fp16 (decode_f16_kernel); head size 128 with only fp16 and tensor-core packed parts, without
-// (kMma, 4 blocks a multiprocessor) or with (kB1, 3 blocks) the binary 1-bit path; or any other
+// (kMma, 4 blocks a multiprocessor) or with (kB1, 3 blocks; 2 with twice the work a warp where the
+// grid fits them) the binary 1-bit path; or any other
 // (the general kernel, 3 blocks).
 enum class DecodePath { kF16, kMma, kB1, kGeneral };
 DecodePath decode_path(int D, bool all_f16, bool all_mma, bool b1);
