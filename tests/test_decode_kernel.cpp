@@ -49,6 +49,8 @@ struct KernelCase {
   // 1-bit values uploaded channel-major by groups of 32 rows (kChannelT: the binary tensor-core
   // path at head size 128); false: as packed rows (the fp16-operand path).
   bool blocked = true;
+  // (mma_only, blocked) DecodeParams::b1_pair: the binary path's kernel of two sub-tiles a warp.
+  bool b1_pair = false;
 };
 
 // A batch-1 case whose parts are all fp16: front, middle and back rows, splits (0: decode_splits).
@@ -189,6 +191,7 @@ void kernel_case(const KernelCase& c) {
   p.all_f16 = all16 ? 1 : 0;
   p.all_mma = c.mma_only ? 1 : 0;
   p.b1 = blocked ? 1 : 0;
+  p.b1_pair = blocked && c.b1_pair ? 1 : 0;
   const int n_tail0 = c.n_front + c.n_packed;  // the back part's first row, per (sequence, kv head)
   if (c.fresh) {
     // The back part is the tail: rows of kv head h at tail + h·cap·D, cap = 2·nf (the test's K
@@ -388,9 +391,10 @@ TEST(DecodeKernel, SplitCountsFillTheirLastWave) {
   // The packed kernels: when every head fits `wave` blocks, the most splits that keep it within
   // them; otherwise at least 90 % of a wave of `full` blocks. The tensor-core-only kernel: one
   // wave of 4 blocks a multiprocessor (one split a head at batch 16 × 32 heads, 16 at batch 1),
-  // else the wave rule at 4. The binary path: two blocks a multiprocessor (8 splits at batch 1 ×
-  // 32 heads), else the wave rule at 3 with the first count whose last wave is 85 % full — never
-  // more than kGeneral's 90 % takes (2 at batch 16 × 32 heads, where kGeneral takes 3).
+  // else the wave rule at 4. The binary path: one wave of two blocks a multiprocessor (8 splits
+  // at batch 1 × 32 heads), else the wave rule at 2 with the first count whose last wave is 85 %
+  // full — never more than kGeneral's 90 % takes (1 at batch 16 × 32 heads, where kGeneral
+  // takes 3).
   auto check_packed = [&](cuda::DecodePath path, const std::string& name, int wave, int full,
                           std::initializer_list<int> batches) {
     for (int B : batches)
@@ -415,12 +419,20 @@ TEST(DecodeKernel, SplitCountsFillTheirLastWave) {
         }
   };
   check_packed(cuda::DecodePath::kMma, "kMma", 4 * sm, 4 * sm, {1, 2, 3, 16, 17, 64});
-  check_packed(cuda::DecodePath::kB1, "kB1", 2 * sm, resident, {1, 2, 3, 16});
+  check_packed(cuda::DecodePath::kB1, "kB1", 2 * sm, 2 * sm, {1, 2, 3, 16});
   EXPECT_EQ(cuda::decode_splits(16, 32, 4096, sm, cuda::DecodePath::kMma, 128), 1);
   EXPECT_EQ(cuda::decode_splits(1, 32, 65536, sm, cuda::DecodePath::kMma, 128), 16);
   EXPECT_EQ(cuda::decode_splits(1, 32, 65536, sm, cuda::DecodePath::kB1, 128), 8);
-  EXPECT_EQ(cuda::decode_splits(16, 32, 65536, sm, cuda::DecodePath::kB1, 128), 2);
+  EXPECT_EQ(cuda::decode_splits(16, 32, 65536, sm, cuda::DecodePath::kB1, 128), 1);
   EXPECT_EQ(cuda::decode_splits(16, 32, 65536, sm), 3);
+  // The binary path in pairs: a grid within two blocks a multiprocessor, or blocks of 4096 rows.
+  EXPECT_TRUE(cuda::decode_b1_pair(1, 32, 65536, 8, sm));
+  EXPECT_TRUE(cuda::decode_b1_pair(1, 32, 2048, 8, sm));
+  EXPECT_TRUE(cuda::decode_b1_pair(16, 32, 4096, 1, sm));
+  EXPECT_TRUE(cuda::decode_b1_pair(16, 32, 65536, 1, sm));
+  EXPECT_FALSE(cuda::decode_b1_pair(16, 32, 4095, 1, sm));
+  EXPECT_FALSE(cuda::decode_b1_pair(193, 32, 3368, 1, sm));  // CalibQuant's Fig. 3 at 30 GB
+  EXPECT_FALSE(cuda::decode_b1_pair(16, 32, 16384, 5, sm));
   // The path each kind of cache takes.
   EXPECT_EQ(cuda::decode_path(128, true, true, false), cuda::DecodePath::kF16);
   EXPECT_EQ(cuda::decode_path(128, false, true, false), cuda::DecodePath::kMma);
@@ -445,6 +457,11 @@ TEST(DecodeKernel, PackedPartsBetweenFp16PartsBatchedAndSplit) {
         c.mma_only = mma_only;
         c.splits = bits == 1 ? 2 : 0;  // 2: each block ~640 rows, several tiles a warp
         kernel_case(c);
+        if (bits == 1 && mma_only) {
+          c.b1_pair = true;  // two 128-row sub-tiles a warp
+          kernel_case(c);
+          c.b1_pair = false;
+        }
         if (bits == 1) {
           c.blocked = false;  // 1-bit values as packed rows
           kernel_case(c);
@@ -456,6 +473,8 @@ TEST(DecodeKernel, PackedPartsBetweenFp16PartsBatchedAndSplit) {
     c.calibrate = splits == 37;
     kernel_case(c);
     c.mma_only = true;
+    kernel_case(c);
+    c.b1_pair = true;
     kernel_case(c);
   }
 #endif

@@ -273,6 +273,7 @@ std::vector<AttnBenchRow> bench_decode_attention(const AttnBenchConfig& c, doubl
           p.sem = sem.as<int>();
           p.lut_bits = bits <= 4 ? bits : 0;
           set_cache_kind(p, D, bits);
+          p.b1_pair = p.b1 && decode_b1_pair(B, NH, n, splits, SM) ? 1 : 0;
           p.rows_ready = 1;  // the caches are written once, before the timings
           if (calib) {
             p.calibrate = 1;
@@ -466,6 +467,7 @@ std::vector<ThroughputRow> bench_throughput(const ThroughputConfig& c) {
           p.sem = sem.as<int>();
           p.lut_bits = bits <= 4 ? bits : 0;
           set_cache_kind(p, D, bits);
+          p.b1_pair = p.b1 && decode_b1_pair(B, NH, c.visual + c.text + cap, splits, SM) ? 1 : 0;
           decode_attention(p, st.s);
           gemm(w.o, H, static_cast<int>(QD), a.p, h.as<float>(), true);
           rms_norm(h.as<float>(), x.p, Dt::F16, B, H, norm.as<float>(), 1e-5f, st.s);

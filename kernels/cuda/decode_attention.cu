@@ -47,6 +47,7 @@ namespace {
 constexpr int kThreads = 128;
 constexpr int kMinBlocks = 3;  // blocks resident per multiprocessor (the register budget follows)
 constexpr int kMmaMinBlocks = 4;  // the same for the tensor-core-only kernel without the binary path
+constexpr int kB1MinBlocks = 2;   // and with it in pairs (two 128-row sub-tiles a warp: 238 registers)
 constexpr int kUnroll = 4;
 constexpr int kSharedParts = 16;  // a head's part descriptors staged in shared memory (more: read from L2)
 // decode_b1.cuh: 4 KiB stages a warp (tiles in flight + 1). Three and four stages (48 and 64 KiB a
@@ -534,11 +535,11 @@ __device__ void finish_block(const DecodeParams& p, const State& st, int b, int 
 // (DecodeParams::all_mma); only those two paths are compiled in, under a budget of 128 registers
 // (4 blocks a multiprocessor instead of 3).
 // MMA = 2: the same for caches with channel-major 1-bit values (DecodeParams::b1), whose binary
-// path needs more registers: 168, 3 blocks a multiprocessor. MMA = 3: the same where the grid
-// fits two blocks a multiprocessor (batch 1), with two 128-row sub-tiles an iteration of the
-// binary path, up to 255 registers and twice the stages.
+// path needs more registers: 168, 3 blocks a multiprocessor. MMA = 3: the same with two 128-row
+// sub-tiles an iteration of the binary path (DecodeParams::b1_pair): 238 registers, 2 blocks a
+// multiprocessor, twice the stages.
 template <int L, int MMA>
-__global__ void __launch_bounds__(kThreads, MMA == 1 ? kMmaMinBlocks : MMA == 3 ? 2 : kMinBlocks)
+__global__ void __launch_bounds__(kThreads, MMA == 1 ? kMmaMinBlocks : MMA == 3 ? kB1MinBlocks : kMinBlocks)
     decode_kernel(DecodeParams p, int mode) {
   constexpr bool MMA_ONLY = MMA != 0;
   // Packed keys' tables (lut_bytes(D, lut_bits)), or at head size 128 the binary path's staging
@@ -695,14 +696,6 @@ void allow_dynamic_smem(int bytes) {
   allowed = bytes;
 }
 
-// The binary path's kernel of two blocks a multiprocessor (MMA = 3) when the grid fits them.
-bool b1_pairs(const DecodeParams& p) {
-  int dev = 0, n_sm = 0;
-  KV_CUDA(cudaGetDevice(&dev), "decode attention");
-  KV_CUDA(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev), "decode attention");
-  return static_cast<int64_t>(p.B) * p.NH * p.splits <= 2LL * n_sm;
-}
-
 template <int L>
 void launch_l(const DecodeParams& p, int mode, cudaStream_t s) {
   dim3 grid(p.splits, p.NH, p.B);
@@ -719,8 +712,8 @@ void launch_l(const DecodeParams& p, int mode, cudaStream_t s) {
   const int bytes = decode_lut_bytes(q.D, q.lut_bits) + (q.b1 && q.D == 128 ? kB1StageBytes : 0);
   if constexpr (L == 16) {
     if (p.all_mma && p.D == 128 && mode != kScores && !p.scores_in && !p.scores_out) {
-      if (p.b1 && b1_pairs(p)) {
-        allow_dynamic_smem<decode_kernel<16, 3>>(2 * bytes);
+      if (p.b1 && p.b1_pair) {
+        allow_dynamic_smem<decode_kernel<16, 3>>(2 * bytes);  // the paired sub-tiles' stages
         KV_CUDA(launch_dependent(decode_kernel<16, 3>, grid, kThreads, 2 * bytes, s, true, q, mode),
                 "decode_kernel for " + std::to_string(p.B) + "x" + std::to_string(p.NH) + " heads");
         return;
@@ -766,11 +759,11 @@ bool decode_f16_supported(int D, int max_parts) {
 
 int decode_splits(int B, int NH, int rows, int n_sm, DecodePath path, int head_dim) {
   const int most = std::max(1, std::min((rows + 63) / 64, kMaxSplits));
-  const int resident = path == DecodePath::kMma ? kMmaMinBlocks : kMinBlocks;
+  const int resident = path == DecodePath::kMma ? kMmaMinBlocks : path == DecodePath::kB1 ? kB1MinBlocks : kMinBlocks;
   const double slots = static_cast<double>(resident) * n_sm, heads = static_cast<double>(B) * NH;
-  // The packed kernels at few heads: the most splits that keep every head's blocks within
-  // `wave` (4 a multiprocessor for kMma, 2 for kB1).
-  const double wave = path == DecodePath::kMma ? slots : path == DecodePath::kB1 ? 2.0 * n_sm : 0.0;
+  // The packed kernels at few heads: the most splits that keep every head's blocks within one
+  // wave (4 a multiprocessor for kMma, 2 for kB1).
+  const double wave = path == DecodePath::kMma || path == DecodePath::kB1 ? slots : 0.0;
   if (heads <= wave) return std::min(most, std::max(1, static_cast<int>(wave / heads)));
   // From the count that makes one wave 90 % full, the first whose last wave is at least 90 % full
   // (85 % on the binary path, whose short blocks cost more than a fuller last wave gains) — else
@@ -790,6 +783,11 @@ int decode_splits(int B, int NH, int rows, int n_sm, DecodePath path, int head_d
     best = static_cast<int>(std::max<int64_t>(best, std::min<int64_t>(by_bytes, kMaxSplits)));
   }
   return std::min(best, most);
+}
+
+bool decode_b1_pair(int B, int NH, int rows, int splits, int n_sm) {
+  const int64_t grid = static_cast<int64_t>(B) * NH * std::max(splits, 1);
+  return grid <= static_cast<int64_t>(kB1MinBlocks) * n_sm || (rows + splits - 1) / std::max(splits, 1) >= 4096;
 }
 
 DecodePath decode_path(int D, bool all_f16, bool all_mma, bool b1) {

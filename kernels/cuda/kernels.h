@@ -175,6 +175,9 @@ struct DecodeParams {
   // 1: some part's values are kChannelT; the launch gives each block shared memory to stage
   // them for the binary tensor-core path (without it such parts take the general path).
   int b1 = 0;
+  // 1 (with all_mma and b1): the binary path's kernel of two 128-row sub-tiles a warp and two
+  // blocks a multiprocessor (decode_b1_pair says when).
+  int b1_pair = 0;
 };
 // Head size 128: the code width (1, 2, 4 or 8) of a part the tensor-core paths take, or 0 —
 // channel-wise codes on both sides with one range per channel (or one for all) over its n rows,
@@ -204,9 +207,8 @@ void decode_scores(const DecodeParams& p, cudaStream_t s);
 void decode_probs(const DecodeParams& p, float* probs, cudaStream_t s);
 // The kernel decode attention runs for a cache, as far as decode_splits is concerned: all parts
 // fp16 (decode_f16_kernel); head size 128 with only fp16 and tensor-core packed parts, without
-// (kMma, 4 blocks a multiprocessor) or with (kB1, 3 blocks; 2 with twice the work a warp where the
-// grid fits them) the binary 1-bit path; or any other
-// (the general kernel, 3 blocks).
+// (kMma, 4 blocks a multiprocessor) or with (kB1, 2 blocks of twice the work a warp) the binary
+// 1-bit path; or any other (the general kernel, 3 blocks).
 enum class DecodePath { kF16, kMma, kB1, kGeneral };
 DecodePath decode_path(int D, bool all_f16, bool all_mma, bool b1);
 // Blocks per (b, head) for `rows` rows on a device of n_sm multiprocessors; at most one per 64
@@ -214,15 +216,22 @@ DecodePath decode_path(int D, bool all_f16, bool all_mma, bool b1);
 // at least 90 % full where possible. kMma: when every head fits one wave of 4 a multiprocessor,
 // the most splits that keep it one wave (fewer, longer blocks pay the query's preparation, the
 // partial state and the merge less often: at batch 16 one split a head was 3–22 % faster than
-// three on an H100), else the wave rule at 4. kB1: when every head fits two blocks a
-// multiprocessor, the most splits that keep it so (batch 1: 8 rather than 12 was 2–8 % faster at
-// 2k–64k rows), else the wave rule at 3 with a last wave at least 85 % full (batch 16: 2 rather
-// than 3 was 4–22 % faster at 2k–16k rows). kF16 (head_dim: 4·D bytes of K and V a row): the wave
+// three on an H100), else the wave rule at 4. kB1: when every head fits one wave of 2 a
+// multiprocessor, the most splits that keep it so (batch 1: 8 splits a head), else the wave
+// rule at 2 with a last wave at least 85 % full (batch 16: one split a head, 6–18 % faster than
+// the one-sub-tile kernel's 2 or 3 at 4k–64k rows). kF16 (head_dim: 4·D bytes of K and V a row): the wave
 // rule at 3, and a block at most kDecodeSplitBytes of rows where that would give it more: long
 // fp16 contexts are then read in many waves of short blocks, whose last wave's idle share is
 // small.
 constexpr int64_t kDecodeSplitBytes = 512 << 10;
 int decode_splits(int B, int NH, int rows, int n_sm, DecodePath path = DecodePath::kGeneral, int head_dim = 0);
+// Whether a kB1 cache runs the kernel of two 128-row sub-tiles a warp (DecodeParams::b1_pair):
+// when its grid fits two blocks a multiprocessor, or its blocks are long (4096 rows or more).
+// Short blocks in several waves keep one sub-tile a warp and three blocks a multiprocessor: a
+// 3,368-row block of CalibQuant's Fig. 3 shape leaves a pair's sub-tiles idle at its end (1-bit
+// decode 4–6 % slower from 96 sequences on an H100), where batch 16 at 4k–64k rows was 6–18 %
+// faster in pairs.
+bool decode_b1_pair(int B, int NH, int rows, int splits, int n_sm);
 int decode_lut_bytes(int D, int lut_bits);
 // The fp16 decode kernel takes this head size and part count (all_f16 caches; fresh rows).
 bool decode_f16_supported(int D, int max_parts);

@@ -33,6 +33,7 @@ DecodeParams layer_params(CudaKV& C, const Buffer& qkv, const AttnLayout& l, int
   p.all_f16 = C.all_f16;
   p.all_mma = C.all_mma;
   p.b1 = C.has_b1;
+  p.b1_pair = C.b1_pair;
   return p;
 }
 
