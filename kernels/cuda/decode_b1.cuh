@@ -40,10 +40,11 @@
 // multiprocessor, half an eligible warp a scheduler): a fifth of the samples wait for the tile's
 // copy, the rest for the shuffles and mma of the scores, the maximum and the bit transposes.
 // Forcing 128 registers (four blocks a multiprocessor) spills more and was 30–40 % slower.
-// Where the grid fits two blocks a multiprocessor (batch 1), decode_kernel<16, 3> takes two
-// 128-row sub-tiles an iteration (PAIR = 2: 8 KiB a stage, one maximum and one flush test for
-// both) under 238 registers without spills: 6 % faster at batch 1 / 64k, 13 % with calibration;
-// three stages there were no faster.
+// Where the grid fits two blocks a multiprocessor (batch 1) or the blocks are long (4096 rows or
+// more: decode_b1_pair), decode_kernel<16, 3> takes two 128-row sub-tiles an iteration (PAIR = 2:
+// 8 KiB a stage, one maximum and one flush test for both) under 238 registers without spills:
+// 6 % faster at batch 1 / 64k (13 % with calibration), 7–17 % at batch 16 / 4k–64k with one
+// split a head; three stages were no faster.
 #pragma once
 
 namespace kvlens::cuda::b1_path {
