@@ -201,6 +201,19 @@ __device__ __forceinline__ void rescale(State& st, float mx, float alpha, float*
   st.m = mx;
 }
 
+// Joins a part's softmax state — its maximum mw, sum psum and this lane's 8 unnormalized outputs
+// o — into st_io (the tensor-core paths' lanes 0..15; mw = −inf: nothing to join).
+__device__ __forceinline__ void join_part(State& st_io, float mw, float psum, const float (&o)[8]) {
+  State st = st_io;
+  const float M = fmaxf(st.m, mw);
+  const float a_st = __expf(st.m - M), a_w = __expf(mw - M);  // st.m = −inf gives 0
+  st.d = st.d * a_st + psum * a_w;
+#pragma unroll
+  for (int c = 0; c < 8; ++c) st.o[c] = st.o[c] * a_st + o[c] * a_w;
+  st.m = M;
+  st_io = st;
+}
+
 // Rows [a, e) of one part for every group of the block. mode kAttend: softmax + values; kRange:
 // min/max of visual scores into lo/hi; kScores: raw scores to srow (index base + row).
 template <int L>

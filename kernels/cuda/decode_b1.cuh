@@ -101,18 +101,13 @@ __device__ __forceinline__ void merge_part(const float (&vsz)[2][128], float (&a
     raw[k] = (odd ? v1 : v0) * (1.0f / 65535.0f);
   }
   if (lane >= 16 || mw == -INFINITY) return;
-  State st = st_io;
-  const float M = fmaxf(st.m, mw);
-  const float a_st = __expf(st.m - M), a_w = __expf(mw - M);  // st.m = −inf gives 0
-  st.d = st.d * a_st + psum * a_w;
+  float o[8];
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
     const int c = 8 * lane + k;
-    const float o = vsz[0][c] * raw[k] + vsz[1][c] * psum;
-    st.o[k] = st.o[k] * a_st + o * a_w;
+    o[k] = vsz[0][c] * raw[k] + vsz[1][c] * psum;
   }
-  st.m = M;
-  st_io = st;
+  join_part(st_io, mw, psum, o);
 }
 
 // Rows [a, e) of a kChannelT part (e at most its last whole group's end) for this warp: warp w of

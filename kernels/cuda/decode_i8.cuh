@@ -9,8 +9,8 @@
 // 2^(BITS·m) is folded into the other operand (keys) or into the output channel (values).
 //
 // Keys: S = K·U per 32 channels, A = 16 rows × 32 channels: lane (g, t) takes its BITS words of
-// rows g and g+8 (words 4·P·c + P·t + k', P = min(BITS, 4), so a warp reads whole rows) and the
-// J = 8/BITS slot masks of each, eight operands a row for four mma. B = U'_c = round(σ·q_c·scale_c)
+// rows g and g+8 (words BITS·t.., so a quad reads whole rows) and the J = 8/BITS slot masks of
+// each, eight operands a row for four mma. B = U'_c = round(σ·q_c·scale_c)
 // · 2^(BITS·(J−1−m_c)) — CalibQuant's post-scaling with σ a power of two putting max |q⊙scale| at
 // 2^22, m_c channel c's slot in its byte — in four balanced base-256 digits (signed bytes), digit
 // d in column d: one mma gives four partial sums a row, and Σ_d 256^d·C_d (in fp32; the columns
@@ -50,7 +50,6 @@ __device__ __forceinline__ void imma(int (&d)[4], const uint32_t (&a)[4], uint32
 template <int BITS>
 struct Layout {
   static constexpr int J = 8 / BITS;                  // codes a byte
-  static constexpr int P = BITS < 4 ? BITS : 4;       // key words a lane reads at once
   static constexpr int NB = 2 * BITS;                 // value bytes a lane and row
   static constexpr int VW = BITS >= 2 ? BITS / 2 : 1;  // their words (1 bit: the low half of one)
   // The slot mask of code slot m of every byte.
@@ -65,19 +64,6 @@ struct Tile {
   uint32_t v[2][4][Layout<BITS>::VW];
 };
 
-template <int N>
-__device__ __forceinline__ void load_words(const uint8_t* p, uint32_t* w) {
-  if constexpr (N == 1) {
-    w[0] = __ldg(reinterpret_cast<const uint32_t*>(p));
-  } else if constexpr (N == 2) {
-    const uint2 u = __ldg(reinterpret_cast<const uint2*>(p));
-    w[0] = u.x, w[1] = u.y;
-  } else {
-    const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
-    w[0] = u.x, w[1] = u.y, w[2] = u.z, w[3] = u.w;
-  }
-}
-
 // Rows j0.. of a tile (zeros past e): the keys, and the values.
 template <int BITS>
 __device__ __forceinline__ void load_keys(const uint8_t* K, int j0, int e, int g, int t, Tile<BITS>& T) {
@@ -86,9 +72,7 @@ __device__ __forceinline__ void load_keys(const uint8_t* K, int j0, int e, int g
   for (int x = 0; x < 4; ++x) {
     const int r = j0 + g + 8 * x;
     if (r < e) {
-      const uint8_t* p = K + static_cast<int64_t>(r) * (16 * BITS) + 4 * L::P * t;
-#pragma unroll
-      for (int c = 0; c < BITS / L::P; ++c) load_words<L::P>(p + 16 * L::P * c, &T.k[x][L::P * c]);
+      mma_path::load_k<BITS>(K + static_cast<int64_t>(r) * (16 * BITS) + 4 * BITS * t, T.k[x]);
     } else {
 #pragma unroll
       for (int k = 0; k < BITS; ++k) T.k[x][k] = 0u;
@@ -105,8 +89,7 @@ __device__ __forceinline__ void load_values(const uint8_t* V, int j0, int e, int
       const int r = j0 + t + 4 * s + 8 * i;
       if (r < e) {
         const uint8_t* p = V + static_cast<int64_t>(r) * (16 * BITS) + L::NB * g;
-        if constexpr (BITS == 1) T.v[s][i][0] = __ldg(reinterpret_cast<const uint16_t*>(p));
-        else load_words<L::VW>(p, T.v[s][i]);
+        mma_path::load_v<BITS>(p, T.v[s][i]);
       } else {
 #pragma unroll
         for (int k = 0; k < L::VW; ++k) T.v[s][i][k] = 0u;
@@ -154,8 +137,7 @@ __device__ __noinline__ void packed_i8(const PartDesc& Pd, int a, int e, const f
   const float sigma = umax > 0.0f ? ldexpf(1.0f, 22 - ex) : 1.0f;
   const float kfac = 1.0f / (sigma * static_cast<float>(1 << (BITS * (J - 1))));
   {
-    const int m = c % J, i = (c / J) & 3, W = c / (4 * J);
-    const int rem = W % (4 * L::P), ct = rem / L::P, k = (W / (4 * L::P)) * L::P + rem % L::P;
+    const int m = c % J, i = (c / J) & 3, W = c / (4 * J), ct = W / BITS, k = W % BITS;  // word W = BITS·ct + k
     int x = __float2int_rn(u * sigma) * (1 << (BITS * (J - 1 - m)));  // |x| < 2^29
 #pragma unroll
     for (int d = 0; d < 4; ++d) {
@@ -315,18 +297,13 @@ __device__ __noinline__ void packed_i8(const PartDesc& Pd, int a, int e, const f
     raw[u2] = (half ? v1 : v0) * (1.0f / (65535.0f * static_cast<float>(1 << (BITS * (u2 % J)))));
   }
   if (lane >= 16 || mw == -INFINITY) return;
-  State st = st_io;
-  const float M = fmaxf(st.m, mw);
-  const float a_st = __expf(st.m - M), a_w = __expf(mw - M);  // st.m = −inf gives 0
-  st.d = st.d * a_st + psum * a_w;
+  float o[8];
 #pragma unroll
   for (int u2 = 0; u2 < 8; ++u2) {
     const int r = (8 * lane + u2) * Pd.v.chan_stride;
-    const float o = __half2float(Pd.v.scale[r]) * raw[u2] + __half2float(Pd.v.zero[r]) * psum;
-    st.o[u2] = st.o[u2] * a_st + o * a_w;
+    o[u2] = __half2float(Pd.v.scale[r]) * raw[u2] + __half2float(Pd.v.zero[r]) * psum;
   }
-  st.m = M;
-  st_io = st;
+  join_part(st_io, mw, psum, o);
 }
 
 }  // namespace kvlens::cuda::i8_path

@@ -299,20 +299,15 @@ __device__ __noinline__ void packed_mma(const PartDesc& P, int a, int e, const f
     raw[u] = half ? v1 : v0;
   }
   if (lane >= 16 || mw == -INFINITY) return;
-  State s = st_io;
-  const float M = fmaxf(s.m, mw);
-  const float a_st = __expf(s.m - M), a_w = __expf(mw - M);  // s.m = −inf gives 0
-  s.d = s.d * a_st + psum * a_w;
+  float o[8];
 #pragma unroll
   for (int u = 0; u < 8; ++u) {
     const int c = 8 * lane + u, code = 8 * half + u;
     const float w = ldexpf(1.0f / 16384.0f, 24 - C::pos(code % C::per));
     const int r = c * P.v.chan_stride;
-    const float o = __half2float(P.v.scale[r]) * raw[u] * w + __half2float(P.v.zero[r]) * psum;
-    s.o[u] = s.o[u] * a_st + o * a_w;
+    o[u] = __half2float(P.v.scale[r]) * raw[u] * w + __half2float(P.v.zero[r]) * psum;
   }
-  s.m = M;
-  st_io = s;
+  join_part(st_io, mw, psum, o);
 }
 
 }  // namespace kvlens::cuda::mma_path
