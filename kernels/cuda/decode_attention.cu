@@ -15,8 +15,9 @@
 //
 // Head size 128, packed channel-wise parts (1/2/4/8-bit, one range per channel or one for all,
 // over the whole part): tensor cores instead, a warp per tile of rows — 1 and 2 bits with
-// integer operands (decode_i8.cuh), 4 and 8 bits with fp16 ones (decode_mma.cuh). Their state joins the groups' online softmax at the end of the part, so fp16 and packed parts
-// still share one softmax. Codes are read as core/policies/quantize.h packs them (row j at byte
+// integer operands (decode_i8.cuh), 4 and 8 bits with fp16 ones (decode_mma.cuh). Their state
+// joins the groups' online softmax at the end of the part, so fp16 and packed parts still share
+// one softmax. Codes are read as core/policies/quantize.h packs them (row j at byte
 // j·D·b/8, code c at bits [c·b, (c+1)·b) least significant first), except 1-bit values stored
 // channel-major by groups of 32 rows (kChannelT), whose whole groups take the binary tensor-core
 // path — see decode_b1.cuh.
@@ -45,9 +46,9 @@ namespace kvlens::cuda {
 namespace {
 
 constexpr int kThreads = 128;
-constexpr int kMinBlocks = 3;  // blocks resident per multiprocessor (the register budget follows)
-constexpr int kMmaMinBlocks = 4;  // the same for the tensor-core-only kernel without the binary path
-constexpr int kB1MinBlocks = 2;   // and with it in pairs (two 128-row sub-tiles a warp: 238 registers)
+constexpr int kMinBlocks = kDecodeMinBlocks;  // blocks resident per multiprocessor (the register budget follows)
+constexpr int kMmaMinBlocks = kDecodeMmaMinBlocks;  // the tensor-core-only kernel without the binary path
+constexpr int kB1MinBlocks = kDecodeB1PairMinBlocks;  // and with it in pairs (two 128-row sub-tiles a warp)
 constexpr int kUnroll = 4;
 constexpr int kSharedParts = 16;  // a head's part descriptors staged in shared memory (more: read from L2)
 // decode_b1.cuh: 4 KiB stages a warp (tiles in flight + 1). Three and four stages (48 and 64 KiB a
@@ -639,7 +640,8 @@ __global__ void __launch_bounds__(kThreads, MMA == 1 ? kMmaMinBlocks : MMA == 3 
       int kind = 0, mk = 0;
       if constexpr (MMA_ONLY) {
         mk = mma_kind(P, n, mode, false, p.b1);
-        if (mk) run_mma<MMA == 3 ? 2 : 1>(mk, P, a, e, sh_q, mode, cal && P.visual, cal_t, cal_g, p.tau1, st, lo, hi, stage);
+        constexpr int kPair = MMA == 3 ? 2 : 1;
+        if (mk) run_mma<kPair>(mk, P, a, e, sh_q, mode, cal && P.visual, cal_t, cal_g, p.tau1, st, lo, hi, stage);
         else if (mode == kAttend) fp16_rows<L, 4>(P, a, e, q, ln, g, false, cal_t, cal_g, p.tau1, st);
         base += n;
         continue;
@@ -768,45 +770,6 @@ int decode_lut_bytes(int D, int lut_bits) {
 
 bool decode_f16_supported(int D, int max_parts) {
   return (D == 8 || D == 16 || D == 32 || D == 64 || D == 128 || D == 256) && max_parts <= kSharedParts;
-}
-
-int decode_splits(int B, int NH, int rows, int n_sm, DecodePath path, int head_dim) {
-  const int most = std::max(1, std::min((rows + 63) / 64, kMaxSplits));
-  const int resident = path == DecodePath::kMma ? kMmaMinBlocks : path == DecodePath::kB1 ? kB1MinBlocks : kMinBlocks;
-  const double slots = static_cast<double>(resident) * n_sm, heads = static_cast<double>(B) * NH;
-  // The packed kernels at few heads: the most splits that keep every head's blocks within one
-  // wave (4 a multiprocessor for kMma, 2 for kB1).
-  const double wave = path == DecodePath::kMma || path == DecodePath::kB1 ? slots : 0.0;
-  if (heads <= wave) return std::min(most, std::max(1, static_cast<int>(wave / heads)));
-  // From the count that makes one wave 90 % full, the first whose last wave is at least 90 % full
-  // (85 % on the binary path, whose short blocks cost more than a fuller last wave gains) — else
-  // the fullest up to four times that count.
-  const double enough = path == DecodePath::kB1 ? 0.85 : 0.9;
-  const int first = std::max(1, static_cast<int>(std::ceil(0.9 * slots / heads)));
-  int best = first;
-  double best_fill = 0;
-  for (int s = first; s <= std::min(most, 4 * first); ++s) {
-    const double w = heads * s / slots, fill = w / std::ceil(w);
-    if (fill > best_fill + 1e-9) best = s, best_fill = fill;
-    if (fill >= enough) break;
-  }
-  if (path == DecodePath::kF16 && head_dim > 0) {
-    const int64_t row_bytes = 4LL * head_dim;  // K and V, fp16
-    const int64_t by_bytes = (static_cast<int64_t>(rows) * row_bytes + kDecodeSplitBytes - 1) / kDecodeSplitBytes;
-    best = static_cast<int>(std::max<int64_t>(best, std::min<int64_t>(by_bytes, kMaxSplits)));
-  }
-  return std::min(best, most);
-}
-
-bool decode_b1_pair(int B, int NH, int rows, int splits, int n_sm) {
-  const int64_t grid = static_cast<int64_t>(B) * NH * std::max(splits, 1);
-  return grid <= static_cast<int64_t>(kB1MinBlocks) * n_sm || (rows + splits - 1) / std::max(splits, 1) >= 4096;
-}
-
-DecodePath decode_path(int D, bool all_f16, bool all_mma, bool b1) {
-  if (all_f16) return DecodePath::kF16;
-  if (D != 128 || !all_mma) return DecodePath::kGeneral;
-  return b1 ? DecodePath::kB1 : DecodePath::kMma;
 }
 
 void decode_attention(const DecodeParams& p, cudaStream_t s) {

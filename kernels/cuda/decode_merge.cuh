@@ -6,7 +6,7 @@
 // Merges the splits' states (m, d, o) of head h of sequence b into its output (L2 reads: the
 // other blocks' states may have been written moments ago). Every split's weight exp(m_i − M) is
 // computed once, in parallel, into shared memory; the channels then sum with many loads in flight.
-constexpr int kMaxSplits = 1024;
+constexpr int kMaxSplits = kDecodeMaxSplits;
 
 __device__ float block_reduce(float v, bool is_max, float* red) {
   v = is_max ? warp_max(v) : warp_sum(v);

@@ -210,6 +210,11 @@ void decode_probs(const DecodeParams& p, float* probs, cudaStream_t s);
 // (kMma, 4 blocks a multiprocessor) or with (kB1, 2 blocks of twice the work a warp) the binary
 // 1-bit path; or any other (the general kernel, 3 blocks).
 enum class DecodePath { kF16, kMma, kB1, kGeneral };
+// Blocks of decode attention resident a multiprocessor (each kernel's register budget follows):
+// the general kernel, the tensor-core-only one, the binary path's in pairs; and the most splits
+// of a head's rows.
+constexpr int kDecodeMinBlocks = 3, kDecodeMmaMinBlocks = 4, kDecodeB1PairMinBlocks = 2;
+constexpr int kDecodeMaxSplits = 1024;
 DecodePath decode_path(int D, bool all_f16, bool all_mma, bool b1);
 // Blocks per (b, head) for `rows` rows on a device of n_sm multiprocessors; at most one per 64
 // rows (and 1024). kGeneral: at least one full wave of 3 blocks a multiprocessor, the last wave

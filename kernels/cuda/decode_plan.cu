@@ -1,0 +1,54 @@
+// How decode attention is laid out on a device (kernels.h): the split count of each head's rows
+// for the kernel a cache runs, and which kernel that is. Host arithmetic only; the rules and the
+// sweeps behind them are in kernels.h and docs/cuda.md.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "kernels/cuda/kernels.h"
+
+namespace kvlens::cuda {
+
+int decode_splits(int B, int NH, int rows, int n_sm, DecodePath path, int head_dim) {
+  const int most = std::max(1, std::min((rows + 63) / 64, kDecodeMaxSplits));
+  const int resident = path == DecodePath::kMma  ? kDecodeMmaMinBlocks
+                       : path == DecodePath::kB1 ? kDecodeB1PairMinBlocks
+                                                 : kDecodeMinBlocks;
+  const double slots = static_cast<double>(resident) * n_sm, heads = static_cast<double>(B) * NH;
+  // The packed kernels at few heads: the most splits that keep every head's blocks within one
+  // wave (4 a multiprocessor for kMma, 2 for kB1).
+  const double wave = path == DecodePath::kMma || path == DecodePath::kB1 ? slots : 0.0;
+  if (heads <= wave) return std::min(most, std::max(1, static_cast<int>(wave / heads)));
+  // From the count that makes one wave 90 % full, the first whose last wave is at least 90 % full
+  // (85 % on the binary path, whose short blocks cost more than a fuller last wave gains) — else
+  // the fullest up to four times that count.
+  const double enough = path == DecodePath::kB1 ? 0.85 : 0.9;
+  const int first = std::max(1, static_cast<int>(std::ceil(0.9 * slots / heads)));
+  int best = first;
+  double best_fill = 0;
+  for (int s = first; s <= std::min(most, 4 * first); ++s) {
+    const double w = heads * s / slots, fill = w / std::ceil(w);
+    if (fill > best_fill + 1e-9) best = s, best_fill = fill;
+    if (fill >= enough) break;
+  }
+  if (path == DecodePath::kF16 && head_dim > 0) {
+    const int64_t row_bytes = 4LL * head_dim;  // K and V, fp16
+    const int64_t by_bytes = (static_cast<int64_t>(rows) * row_bytes + kDecodeSplitBytes - 1) / kDecodeSplitBytes;
+    best = static_cast<int>(std::max<int64_t>(best, std::min<int64_t>(by_bytes, kDecodeMaxSplits)));
+  }
+  return std::min(best, most);
+}
+
+bool decode_b1_pair(int B, int NH, int rows, int splits, int n_sm) {
+  const int64_t grid = static_cast<int64_t>(B) * NH * std::max(splits, 1);
+  return grid <= static_cast<int64_t>(kDecodeB1PairMinBlocks) * n_sm ||
+         (rows + splits - 1) / std::max(splits, 1) >= 4096;
+}
+
+DecodePath decode_path(int D, bool all_f16, bool all_mma, bool b1) {
+  if (all_f16) return DecodePath::kF16;
+  if (D != 128 || !all_mma) return DecodePath::kGeneral;
+  return b1 ? DecodePath::kB1 : DecodePath::kMma;
+}
+
+}  // namespace kvlens::cuda
