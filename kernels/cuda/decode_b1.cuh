@@ -129,7 +129,7 @@ __device__ __noinline__ void packed_b1(const PartDesc& P, int a, int e, const fl
   const int a32 = a & ~31;
   constexpr int TR = 128 * PAIR;  // rows a tile
   const int tiles = (e - a32 + TR - 1) / TR;
-  // A tile's codes are contiguous: 128 key rows of 16 bytes, and four value groups of 512 bytes.
+  // A tile's codes are contiguous: TR key rows of 16 bytes, and TR / 32 value groups of 512 bytes.
   // They are copied to this warp's kB1Stages shared-memory stages with cp.async, kB1Stages − 1
   // tiles ahead, so those copies are in flight while this tile is computed without holding
   // registers. Every iteration commits one group (empty past the last tile), so waiting for all
