@@ -557,7 +557,7 @@ __global__ void __launch_bounds__(kThreads, MMA == 1 ? kMmaMinBlocks : MMA == 3 
     decode_kernel(DecodeParams p, int mode) {
   constexpr bool MMA_ONLY = MMA != 0;
   // Packed keys' tables (lut_bytes(D, lut_bits)), or at head size 128 the binary path's staging
-  // (kB1StageBytes, when p.b1).
+  // (kB1StageBytes when p.b1, twice that in pairs).
   extern __shared__ __align__(16) float lut[];
   uint4* const stage = reinterpret_cast<uint4*>(lut);
   const int s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
