@@ -433,6 +433,23 @@ TEST(DecodeKernel, SplitCountsFillTheirLastWave) {
   EXPECT_FALSE(cuda::decode_b1_pair(16, 32, 4095, 1, sm));
   EXPECT_FALSE(cuda::decode_b1_pair(193, 32, 3368, 1, sm));  // CalibQuant's Fig. 3 at 30 GB
   EXPECT_FALSE(cuda::decode_b1_pair(16, 32, 16384, 5, sm));
+  // decode_launch: both choices for a cache's flags, or the given split count.
+  for (int B : {1, 16, 193})
+    for (int rows : {3368, 4096, 65536})
+      for (int bits : {16, 2, 1}) {
+        const bool f16 = bits == 16, b1 = bits == 1;
+        const auto path = cuda::decode_path(128, f16, true, b1);
+        const int s = cuda::decode_splits(B, 32, rows, sm, path, 128);
+        const cuda::DecodeLaunch l = cuda::decode_launch(B, 32, rows, sm, 128, f16, true, b1);
+        EXPECT_EQ(l.splits, s) << B << " x " << rows << " rows, " << bits << " bits";
+        EXPECT_EQ(l.b1_pair, b1 && cuda::decode_b1_pair(B, 32, rows, s, sm)) << B << " x " << rows << " rows";
+        const cuda::DecodeLaunch g = cuda::decode_launch(B, 32, rows, sm, 128, f16, true, b1, 5);
+        EXPECT_EQ(g.splits, 5);
+        EXPECT_EQ(g.b1_pair, b1 && cuda::decode_b1_pair(B, 32, rows, 5, sm));
+      }
+  EXPECT_TRUE(cuda::decode_launch(16, 32, 4096, sm, 128, false, true, true).b1_pair);
+  EXPECT_FALSE(cuda::decode_launch(193, 32, 3368, sm, 128, false, true, true).b1_pair);
+  EXPECT_FALSE(cuda::decode_launch(1, 32, 65536, sm, 128, false, true, false).b1_pair);
   // The path each kind of cache takes.
   EXPECT_EQ(cuda::decode_path(128, true, true, false), cuda::DecodePath::kF16);
   EXPECT_EQ(cuda::decode_path(128, false, true, false), cuda::DecodePath::kMma);

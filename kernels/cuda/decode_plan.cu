@@ -45,6 +45,14 @@ bool decode_b1_pair(int B, int NH, int rows, int splits, int n_sm) {
          (rows + splits - 1) / std::max(splits, 1) >= 4096;
 }
 
+DecodeLaunch decode_launch(int B, int NH, int rows, int n_sm, int D, bool all_f16, bool all_mma, bool b1,
+                           int splits) {
+  DecodeLaunch l;
+  l.splits = splits > 0 ? splits : decode_splits(B, NH, rows, n_sm, decode_path(D, all_f16, all_mma, b1), D);
+  l.b1_pair = b1 && decode_b1_pair(B, NH, rows, l.splits, n_sm);
+  return l;
+}
+
 DecodePath decode_path(int D, bool all_f16, bool all_mma, bool b1) {
   if (all_f16) return DecodePath::kF16;
   if (D != 128 || !all_mma) return DecodePath::kGeneral;

@@ -237,6 +237,14 @@ int decode_splits(int B, int NH, int rows, int n_sm, DecodePath path = DecodePat
 // decode 4–6 % slower from 96 sequences on an H100), where batch 16 at 4k–64k rows was 6–18 %
 // faster in pairs.
 bool decode_b1_pair(int B, int NH, int rows, int splits, int n_sm);
+// A cache's decode-attention launch, as DecodeParams takes it: the splits of each head's rows
+// (decode_splits for the kernel its flags choose, or `splits` when given) and b1_pair.
+struct DecodeLaunch {
+  int splits = 1;
+  bool b1_pair = false;
+};
+DecodeLaunch decode_launch(int B, int NH, int rows, int n_sm, int D, bool all_f16, bool all_mma, bool b1,
+                           int splits = 0);
 int decode_lut_bytes(int D, int lut_bits);
 // The fp16 decode kernel takes this head size and part count (all_f16 caches; fresh rows).
 bool decode_f16_supported(int D, int max_parts);

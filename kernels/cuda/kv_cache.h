@@ -210,8 +210,9 @@ class CudaKV : public DeviceKV {
     if (nparts.bytes < nb) nparts = {ctx->alloc(nb, "KV decode table"), nb};
     ctx->upload(table.mem.get(), t.data(), tb, "KV decode table");
     ctx->upload(nparts.mem.get(), np.data(), nb, "KV decode table");
-    splits = decode_splits(1, nh, rows, ctx->n_sm, decode_path(D, all_f16, all_mma, has_b1), D);
-    b1_pair = has_b1 && decode_b1_pair(1, nh, rows, splits, ctx->n_sm) ? 1 : 0;
+    const DecodeLaunch plan = decode_launch(1, nh, rows, ctx->n_sm, D, all_f16, all_mma, has_b1);
+    splits = plan.splits;
+    b1_pair = plan.b1_pair ? 1 : 0;
     const int64_t po = static_cast<int64_t>(nh) * splits * D * 4, pm = static_cast<int64_t>(nh) * splits * 2 * 4;
     if (part_o.bytes < po) part_o = {ctx->alloc(po, "decode attention partial outputs"), po};
     if (part_md.bytes < pm) part_md = {ctx->alloc(pm, "decode attention partial states"), pm};
