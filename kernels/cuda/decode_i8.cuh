@@ -115,6 +115,11 @@ __device__ __noinline__ void packed_i8(const PartDesc& Pd, int a, int e, const f
   // decode_mma.cuh). The first tile's loads are issued before the query's preparation, which
   // they overlap.
   static_assert(BITS == 1 || BITS == 2, "the integer path takes 1- and 2-bit codes");
+  // Channel c's key range (thread c of the block) is read before the first tile, which would
+  // otherwise queue it behind every multiprocessor's first tiles.
+  const int c = threadIdx.x;
+  const int kst = Pd.k.chan_stride;
+  const __half k_scale = Pd.k.scale[c * kst], k_zero = Pd.k.zero[c * kst];
   Tile<BITS> cur;
   load_keys<BITS>(K, a + 32 * warp, e, g, t, cur);
   if constexpr (!RANGE) load_values<BITS>(V, a + 32 * warp, e, g, t, cur);
@@ -124,10 +129,8 @@ __device__ __noinline__ void packed_i8(const PartDesc& Pd, int a, int e, const f
   // byte i, slot m of lane t's key word k (ρ = J·k + m).
   __shared__ float sh_red[2][4];
   __shared__ __align__(16) uint8_t sh_dig[4][4][8][4];
-  const int c = threadIdx.x;
-  const int kst = Pd.k.chan_stride;
-  const float u = qs[c] * __half2float(Pd.k.scale[c * kst]);
-  const float qa_w = warp_sum(qs[c] * __half2float(Pd.k.zero[c * kst])), umax_w = warp_max(fabsf(u));
+  const float u = qs[c] * __half2float(k_scale);
+  const float qa_w = warp_sum(qs[c] * __half2float(k_zero)), umax_w = warp_max(fabsf(u));
   if (lane == 0) sh_red[0][warp] = qa_w, sh_red[1][warp] = umax_w;
   __syncthreads();
   const float qa = sh_red[0][0] + sh_red[0][1] + sh_red[0][2] + sh_red[0][3];
