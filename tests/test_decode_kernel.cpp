@@ -503,11 +503,19 @@ TEST(DecodeKernel, LongPartFewSplitsOneRangeAndOtherHeadSizes) {
 #else
   KVLENS_NEED_GPU();
   {
-    KernelCase c;  // one block per head walks 4099 packed rows
+    KernelCase c;  // one block per head walks 4099 packed rows (and writes the output itself)
     c.B = 2;
     c.n_packed = 4099;
     c.splits = 1;
     c.calibrate = true;
+    kernel_case(c);
+    c.mma_only = true;
+    kernel_case(c);
+    c.b1_pair = true;
+    kernel_case(c);
+    c.calibrate = false;
+    kernel_case(c);
+    c.bits = 2;
     kernel_case(c);
   }
   for (int bits : {1, 2}) {

@@ -517,6 +517,24 @@ __device__ void finish_block(const DecodeParams& p, const State& st, int b, int 
   __syncthreads();
   float M = -INFINITY;
   for (int i = 0; i < G; ++i) M = fmaxf(M, sh_m[i]);
+  if (p.sem && p.splits == 1) {
+    // The block holds the head's whole state: its output is written here, without the partial
+    // state's trip through L2, the fence and the counter that a merge needs.
+    float dsum = 0.0f;
+    for (int i = 0; i < G; ++i)
+      if (sh_m[i] != -INFINITY) dsum += sh_d[i] * __expf(sh_m[i] - M);
+    for (int c = tid; c < p.D; c += kThreads) {
+      float v = 0.0f;
+      for (int i = 0; i < G; ++i)
+        if (sh_m[i] != -INFINITY) v += sh_o[i][c] * __expf(sh_m[i] - M);
+      store_out(p, b, h, c, dsum > 0.0f ? v / dsum : 0.0f);
+    }
+    if (p.md_out && tid == 0) {
+      p.md_out[bh * 2] = M;
+      p.md_out[bh * 2 + 1] = dsum;
+    }
+    return;
+  }
   float* po = p.part_o + (bh * p.splits + s) * p.D;
   for (int c = tid; c < p.D; c += kThreads) {
     float v = 0.0f;
@@ -565,17 +583,21 @@ __global__ void __launch_bounds__(kThreads, MMA == 1 ? kMmaMinBlocks : MMA == 3 
   const int tid = threadIdx.x, g = tid / L, li = tid % L;
   Lane ln{p.D, li * 8, li * 8 < p.D};
   // The head's part descriptors do not change within a step (kv_sync writes them between
-  // steps), so they are copied to shared memory before waiting for the previous kernel: every
-  // later read of a descriptor field is a shared-memory read, not a dependent trip to L2.
+  // steps), so they are read before waiting for the previous kernel and kept in shared memory:
+  // every later read of a descriptor field is a shared-memory read, not a dependent trip to L2.
   __shared__ __align__(16) PartDesc sh_parts[kSharedParts];
   __shared__ int sh_rows[kSharedParts];
   const PartDesc* gparts = p.parts + (static_cast<int64_t>(b) * p.NKV + kvh) * p.max_parts;
   const bool staged = p.max_parts <= kSharedParts;
+  // The descriptors are loaded into registers and stored after the query's loads are issued, so
+  // that the two trips to memory overlap.
+  constexpr int W = sizeof(PartDesc) / 8, kWords = (kSharedParts * W + kThreads - 1) / kThreads;
+  uint2 words[kWords];
   if (staged) {
-    constexpr int W = sizeof(PartDesc) / 8;
     const uint2* src = reinterpret_cast<const uint2*>(gparts);
-    uint2* dst = reinterpret_cast<uint2*>(sh_parts);
-    for (int i = tid; i < p.max_parts * W; i += kThreads) dst[i] = src[i];
+#pragma unroll
+    for (int k = 0; k < kWords; ++k)
+      if (tid + k * kThreads < p.max_parts * W) words[k] = src[tid + k * kThreads];
   }
   const int np = p.n_parts[b * p.NKV + kvh];  // written with the descriptors, between steps
   pdl_wait();
@@ -583,13 +605,17 @@ __global__ void __launch_bounds__(kThreads, MMA == 1 ? kMmaMinBlocks : MMA == 3 
   // kernel to finish before it reads the attention output).
   pdl_trigger();
   // The query (the previous kernel's output) is loaded now, its trip to memory overlapping the
-  // row counts' below.
+  // descriptors' and the row counts' below.
   float q[8];
   const float* qrow = p.q + b * p.q_stride + static_cast<int64_t>(h) * p.D;
 #pragma unroll
   for (int c = 0; c < 8; ++c) q[c] = ln.active ? qrow[ln.c0 + c] * p.scale : 0.0f;
   const PartDesc* parts = staged ? sh_parts : gparts;
   if (staged) {
+    uint2* dst = reinterpret_cast<uint2*>(sh_parts);
+#pragma unroll
+    for (int k = 0; k < kWords; ++k)
+      if (tid + k * kThreads < p.max_parts * W) dst[tid + k * kThreads] = words[k];
     __syncthreads();
     // Rows appended during decode (the tail's counter) are read after the wait, once.
     if (tid < np) sh_rows[tid] = part_rows(sh_parts[tid]);

@@ -18,6 +18,16 @@ __device__ float block_reduce(float v, bool is_max, float* red) {
   return v;
 }
 
+// Channel c of head h of sequence b's output, in the output's type.
+__device__ __forceinline__ void store_out(const DecodeParams& p, int b, int h, int c, float o) {
+  const int64_t at = b * p.out_stride + static_cast<int64_t>(h) * p.D + c;
+  switch (p.odt) {
+    case Dt::F16: static_cast<__half*>(p.out)[at] = __float2half_rn(o); break;
+    case Dt::BF16: static_cast<__nv_bfloat16*>(p.out)[at] = __float2bfloat16_rn(o); break;
+    default: static_cast<float*>(p.out)[at] = o; break;
+  }
+}
+
 __device__ void merge_head(const DecodeParams& p, int b, int h) {
   __shared__ float wsh[kMaxSplits];
   __shared__ float red[32];
@@ -60,13 +70,7 @@ __device__ void merge_head(const DecodeParams& p, int b, int h) {
     }
 #pragma unroll 8
     for (int i = i0; i < p.splits; ++i) v += __ldcg(po + static_cast<int64_t>(i) * p.D + c) * wsh[i];
-    const float o = dsum > 0.0f ? v / dsum : 0.0f;
-    const int64_t at = b * p.out_stride + static_cast<int64_t>(h) * p.D + c;
-    switch (p.odt) {
-      case Dt::F16: static_cast<__half*>(p.out)[at] = __float2half_rn(o); break;
-      case Dt::BF16: static_cast<__nv_bfloat16*>(p.out)[at] = __float2bfloat16_rn(o); break;
-      default: static_cast<float*>(p.out)[at] = o; break;
-    }
+    store_out(p, b, h, c, dsum > 0.0f ? v / dsum : 0.0f);
   }
   if (p.md_out && tid == 0) {
     p.md_out[bh * 2] = M;
