@@ -133,6 +133,13 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 __device__ __forceinline__ void cp_async_wait_all() { cp_async_wait<0>(); }
 
+// *p += v at device scope with acquire-release order; returns the old value.
+__device__ __forceinline__ int atomic_add_acq_rel(int* p, int v) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+
 // ---- programmatic dependent launch ----------------------------------------------------------
 // A kernel started by launch_dependent() may begin while the previous kernel in the stream is
 // still running: it calls pdl_wait() before it touches memory that earlier kernels write (it

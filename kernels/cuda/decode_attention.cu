@@ -549,13 +549,14 @@ __device__ void finish_block(const DecodeParams& p, const State& st, int b, int 
     reinterpret_cast<float2*>(p.part_md)[bh * p.splits + s] = make_float2(M, dsum);
   }
   if (!p.sem) return;
+  // The block's writes, ordered before thread 0's count by the barrier, are released by it at
+  // device scope; the last block's count acquires every other block's (PTX fences and barriers
+  // are cumulative), so no thread needs a sequentially consistent fence of its own.
   __shared__ int last;
-  __threadfence();
   __syncthreads();
-  if (tid == 0) last = atomicAdd(p.sem + bh, 1) == p.splits - 1;
+  if (tid == 0) last = atomic_add_acq_rel(p.sem + bh, 1) == p.splits - 1;
   __syncthreads();
   if (!last) return;
-  __threadfence();
   merge_head(p, b, h);
   if (tid == 0) p.sem[bh] = 0;
 }
