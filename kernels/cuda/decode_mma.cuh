@@ -1,9 +1,9 @@
 // Packed channel-wise parts of decode attention on tensor cores (head size 128; included by
 // decode_attention.cu, which holds the rest of the kernel and the description of the cache).
 //
-// A part of BITS-bit codes (4 or 8 here: 1 and 2 bits take the integer operands of decode_i8.cuh,
-// which need fewer instructions a row; the template takes 1 and 2 as well) with fp16 scale/zero
-// per channel (or one for all) is read by each warp in tiles of 16·TILES rows. Codes are never converted to floats one by one: a code at bit
+// A part of BITS-bit codes (4 or 8: 1 and 2 bits take the integer operands of decode_i8.cuh,
+// which need fewer instructions a row) with fp16 scale/zero per channel (or one for all) is read
+// by each warp in tiles of 16·TILES rows. Codes are never converted to floats one by one: a code at bit
 // position p' ≤ 9 of a 16-bit half, with every other bit of the half cleared by one AND, *is* the
 // fp16 subnormal code·2^(p'−24), so one logic operation turns two codes into an f16x2 operand of
 // `mma.sync.m16n8k16` (codes higher in a half are shifted down first, one shift per word). The
@@ -39,9 +39,10 @@ __device__ __forceinline__ void mma16816(float* c, const uint32_t* a, const uint
 
 template <int BITS>
 struct Codes {
-  static constexpr int per = 16 / BITS;             // codes per 16-bit half
-  static constexpr int shift = BITS >= 4 ? 8 : 6;   // for codes that end above bit 9
-  static constexpr int VW = BITS >= 2 ? BITS / 2 : 1;  // 32-bit words of a lane's 16 value codes
+  static_assert(BITS == 4 || BITS == 8, "the fp16-operand path takes 4- and 8-bit codes (1 and 2: decode_i8.cuh)");
+  static constexpr int per = 16 / BITS;  // codes per 16-bit half
+  static constexpr int shift = 8;        // for codes that end above bit 9
+  static constexpr int VW = BITS / 2;    // 32-bit words of a lane's 16 value codes
   // Position after the shift of code m of a half, and its AND mask over both halves.
   __host__ __device__ static constexpr bool direct(int m) { return m * BITS + BITS <= 10; }
   __host__ __device__ static constexpr int pos(int m) { return direct(m) ? m * BITS : m * BITS - shift; }
