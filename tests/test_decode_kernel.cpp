@@ -51,6 +51,8 @@ struct KernelCase {
   bool blocked = true;
   // (mma_only, blocked) DecodeParams::b1_pair: the binary path's kernel of two sub-tiles a warp.
   bool b1_pair = false;
+  // (bits 16, D 128, an sm_90 device) DecodeParams::f16_bulk: rows staged by bulk copies.
+  bool bulk = false;
 };
 
 // A batch-1 case whose parts are all fp16: front, middle and back rows, splits (0: decode_splits).
@@ -90,7 +92,8 @@ void kernel_case(const KernelCase& c) {
                            (blocked ? " channel-major values" : "") +
                            " splits=" + std::to_string(c.splits) + (c.calibrate ? " calibrated" : "") +
                            (c.chan_stride ? "" : " one range") + (c.mma_only ? " mma-only kernel" : "") +
-                           (c.fresh ? " fused token" : "") + (c.appended ? " token appended before" : "");
+                           (c.fresh ? " fused token" : "") + (c.appended ? " token appended before" : "") +
+                           (c.bulk ? " bulk copies" : "");
   SCOPED_TRACE(what);
   const int D = c.D, G = c.NH / c.NKV, seqs = c.B * c.NKV;
   const int ranges = c.chan_stride ? D : 1;
@@ -192,6 +195,7 @@ void kernel_case(const KernelCase& c) {
   p.all_mma = c.mma_only ? 1 : 0;
   p.b1 = blocked ? 1 : 0;
   p.b1_pair = blocked && c.b1_pair ? 1 : 0;
+  p.f16_bulk = c.bulk ? 1 : 0;
   const int n_tail0 = c.n_front + c.n_packed;  // the back part's first row, per (sequence, kv head)
   if (c.fresh) {
     // The back part is the tail: rows of kv head h at tail + h·cap·D, cap = 2·nf (the test's K
@@ -450,6 +454,33 @@ TEST(DecodeKernel, SplitCountsFillTheirLastWave) {
   EXPECT_TRUE(cuda::decode_launch(16, 32, 4096, sm, 128, false, true, true).b1_pair);
   EXPECT_FALSE(cuda::decode_launch(193, 32, 3368, sm, 128, false, true, true).b1_pair);
   EXPECT_FALSE(cuda::decode_launch(1, 32, 65536, sm, 128, false, true, false).b1_pair);
+  // The bulk-copy fp16 kernel: head size 128 on sm_90 from kDecodeBulkRows rows a head; one
+  // wave of two blocks a multiprocessor at batch 1 (8 splits of 32 heads), else the wave rule at
+  // two, and at most kDecodeBulkSplitBytes of rows a block.
+  EXPECT_TRUE(cuda::decode_f16_bulk(128, cuda::kDecodeBulkRows, true));
+  EXPECT_FALSE(cuda::decode_f16_bulk(128, cuda::kDecodeBulkRows - 1, true));
+  EXPECT_FALSE(cuda::decode_f16_bulk(128, 65536, false));
+  EXPECT_FALSE(cuda::decode_f16_bulk(64, 65536, true));
+  for (int B : {1, 16})
+    for (int rows : {4096, 16384, 65536, 1 << 20}) {
+      const int s = cuda::decode_splits(B, 32, rows, sm, cuda::DecodePath::kF16Bulk, 128);
+      SCOPED_TRACE("bulk B=" + std::to_string(B) + " rows=" + std::to_string(rows));
+      const int64_t bytes = static_cast<int64_t>(rows) * 512;
+      EXPECT_LE(bytes, cuda::kDecodeBulkSplitBytes * s);
+      if (B * 32 <= 2 * sm) {
+        EXPECT_GE(B * 32 * s, 2 * sm - B * 32 + 1);  // no further split fits the wave
+      }
+      const cuda::DecodeLaunch l = cuda::decode_launch(B, 32, rows, sm, 128, true, false, false, 0, true);
+      EXPECT_TRUE(l.f16_bulk);
+      EXPECT_EQ(l.splits, s);
+      EXPECT_FALSE(cuda::decode_launch(B, 32, rows, sm, 128, true, false, false, 0, false).f16_bulk);
+      EXPECT_FALSE(cuda::decode_launch(B, 32, rows, sm, 128, false, true, true, 0, true).f16_bulk);
+    }
+  EXPECT_EQ(cuda::decode_splits(1, 32, 65536, sm, cuda::DecodePath::kF16Bulk, 128), 8);
+  EXPECT_EQ(cuda::decode_splits(1, 32, 4096, sm, cuda::DecodePath::kF16Bulk, 128), 8);
+  EXPECT_EQ(cuda::decode_splits(16, 32, 4096, sm, cuda::DecodePath::kF16Bulk, 128), 1);
+  EXPECT_EQ(cuda::decode_splits(16, 32, 65536, sm, cuda::DecodePath::kF16Bulk, 128), 8);
+  EXPECT_FALSE(cuda::decode_launch(1, 32, 616, sm, 128, true, false, false, 0, true).f16_bulk);  // a captioning run
   // The path each kind of cache takes.
   EXPECT_EQ(cuda::decode_path(128, true, true, false), cuda::DecodePath::kF16);
   EXPECT_EQ(cuda::decode_path(128, false, true, false), cuda::DecodePath::kMma);
@@ -605,6 +636,49 @@ TEST(DecodeKernel, Fp16PartsAfterAKernelThatAppendsTheRow) {
       kernel_case(c);
       if (::testing::Test::HasFailure()) return;
     }
+#endif
+}
+
+TEST(DecodeKernel, Fp16PartsThroughBulkCopies) {
+#ifndef KVLENS_HAVE_CUDA
+  GTEST_SKIP() << "built without the CUDA backend";
+#else
+  KVLENS_NEED_GPU();
+  cudaDeviceProp prop{};
+  ASSERT_EQ(cudaGetDeviceProperties(&prop, 0), cudaSuccess);
+  if (prop.major < 9) GTEST_SKIP() << "the bulk-copy kernel needs an sm_90 device; this one is " << prop.major << "." << prop.minor;
+  // decode_f16_bulk_kernel: stages of 64 rows that start and end inside parts (7 + 1237 + 29
+  // rows, the last partly counted on the device), splits that cut stages short, GQA, the step's
+  // token fused in (alone in its split too) and a row appended by the kernel before.
+  for (int splits : {0, 1, 7, 37}) {
+    KernelCase c;
+    c.bits = 16;
+    c.splits = splits;
+    c.bulk = true;
+    kernel_case(c);
+  }
+  {
+    KernelCase c;  // batch 1, 32 heads, 5000 rows: several stages a block
+    c.bits = 16;
+    c.B = 1;
+    c.NH = c.NKV = 32;
+    c.n_front = 5;
+    c.n_packed = 4990;
+    c.n_back = 5;
+    c.splits = 8;
+    c.bulk = true;
+    kernel_case(c);
+  }
+  for (const Fp16Shape& x : {Fp16Shape{6, 2, 128, 7, 600, 9, 0}, Fp16Shape{6, 2, 128, 1, 62, 0, 64},
+                             Fp16Shape{6, 2, 128, 3, 200, 2, 3}}) {
+    KernelCase c = fp16_case(x);
+    c.bulk = true;
+    c.fresh = true;
+    kernel_case(c);
+    c.fresh = false;
+    c.appended = true;
+    kernel_case(c);
+  }
 #endif
 }
 

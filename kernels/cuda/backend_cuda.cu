@@ -633,6 +633,7 @@ Context::Context(int dev) : device(dev) {
   KV_CUDA(cudaGetDeviceProperties(&p, dev), "device " + std::to_string(dev));
   name = p.name;
   n_sm = p.multiProcessorCount;
+  sm90 = p.major >= 9;
   total_mem = static_cast<int64_t>(p.totalGlobalMem);
   KV_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "the run's stream");
   cudaMemPool_t pool;

@@ -169,10 +169,12 @@ void set_cache_kind(DecodeParams& p, int D, int bits) {
 }
 
 // decode_launch for such a cache, as the model's cache asks it (splits > 0: that many).
-DecodeLaunch launch_for(int B, int NH, int rows, int n_sm, int D, int bits, int splits = 0) {
+DecodeLaunch launch_for(int B, int NH, int rows, int device, int D, int bits, int splits = 0) {
+  cudaDeviceProp prop{};
+  KV_CUDA(cudaGetDeviceProperties(&prop, device), "device properties");
   DecodeParams p;
   set_cache_kind(p, D, bits);
-  return decode_launch(B, NH, rows, n_sm, D, p.all_f16, p.all_mma, p.b1, splits);
+  return decode_launch(B, NH, rows, prop.multiProcessorCount, D, p.all_f16, p.all_mma, p.b1, splits, prop.major >= 9);
 }
 
 }  // namespace
@@ -222,7 +224,7 @@ std::vector<AttnBenchRow> bench_decode_attention(const AttnBenchConfig& c, doubl
           KV_LAUNCH("benchmark fill", "decode attention cache");
           Mem q(heads * D * 4, "benchmark queries"), out(heads * D * 2, "benchmark outputs");
           fill_float_kernel<<<grid(heads * D), 256, 0, st.s>>>(q.as<float>(), heads * D, -1.0f, 1.0f, 5);
-          const DecodeLaunch plan = launch_for(B, NH, n, SM, D, bits, split_arg > 0 ? std::min(split_arg, n) : 0);
+          const DecodeLaunch plan = launch_for(B, NH, n, c.device, D, bits, split_arg > 0 ? std::min(split_arg, n) : 0);
           const int splits = plan.splits;
           Mem po(heads * splits * D * 4, "partial outputs"), pm(heads * splits * 2 * 4, "partial states"),
               vr(heads * splits * 2 * 4, "visual ranges");
@@ -275,6 +277,7 @@ std::vector<AttnBenchRow> bench_decode_attention(const AttnBenchConfig& c, doubl
           p.lut_bits = bits <= 4 ? bits : 0;
           set_cache_kind(p, D, bits);
           p.b1_pair = plan.b1_pair ? 1 : 0;
+          p.f16_bulk = plan.f16_bulk ? 1 : 0;
           p.rows_ready = 1;  // the caches are written once, before the timings
           if (calib) {
             p.calibrate = 1;
@@ -431,7 +434,7 @@ std::vector<ThroughputRow> bench_throughput(const ThroughputConfig& c) {
           g(static_cast<int64_t>(B) * I * 2, "mlp act"), logits(static_cast<int64_t>(B) * V * 4, "logits");
       fill_float_kernel<<<grid(static_cast<int64_t>(B) * H), 256, 0, st.s>>>(h.as<float>(), static_cast<int64_t>(B) * H,
                                                                             -1.0f, 1.0f, 99);
-      const DecodeLaunch plan = launch_for(B, NH, c.visual + c.text + cap, SM, D, bits);
+      const DecodeLaunch plan = launch_for(B, NH, c.visual + c.text + cap, c.device, D, bits);
       const int splits = plan.splits;
       Mem po(static_cast<int64_t>(B) * NH * splits * D * 4, "partial outputs"),
           pm(static_cast<int64_t>(B) * NH * splits * 2 * 4, "partial states"), sem(static_cast<int64_t>(B) * NH * 4, "merge counters");
@@ -470,6 +473,7 @@ std::vector<ThroughputRow> bench_throughput(const ThroughputConfig& c) {
           p.lut_bits = bits <= 4 ? bits : 0;
           set_cache_kind(p, D, bits);
           p.b1_pair = plan.b1_pair ? 1 : 0;
+          p.f16_bulk = plan.f16_bulk ? 1 : 0;
           decode_attention(p, st.s);
           gemm(w.o, H, static_cast<int>(QD), a.p, h.as<float>(), true);
           rms_norm(h.as<float>(), x.p, Dt::F16, B, H, norm.as<float>(), 1e-5f, st.s);

@@ -21,6 +21,7 @@ struct Context : std::enable_shared_from_this<Context> {
   int device = 0;
   std::string name;
   int n_sm = 0;
+  bool sm90 = false;  // compute capability 9.0 or later: the kernels that need sm_90 run
   int64_t total_mem = 0;
   cudaStream_t stream = nullptr;
   cublasHandle_t blas = nullptr;

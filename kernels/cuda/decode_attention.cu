@@ -562,6 +562,7 @@ __device__ void finish_block(const DecodeParams& p, const State& st, int b, int 
 }
 
 #include "kernels/cuda/decode_f16.cuh"
+#include "kernels/cuda/decode_bulk.cuh"
 
 
 // MMA_ONLY: a cache of head size 128 whose parts are all fp16 or tensor-core packed parts
@@ -744,6 +745,15 @@ void launch_l(const DecodeParams& p, int mode, cudaStream_t s) {
   const bool f16 = mode == kAttend && p.all_f16 && !p.calibrate && !p.scores_in && !p.scores_out && p.D == 8 * L &&
                    p.max_parts <= kSharedParts;
   if (p.fresh_k && (!f16 || p.B != 1)) throw InternalError("decode attention: a fused token needs the fp16 kernel");
+  if constexpr (L == 16) {
+    if (f16 && p.f16_bulk) {
+      const int bytes = kBulkStages * kBulkStageBytes;
+      allow_dynamic_smem<decode_f16_bulk_kernel>(bytes);
+      KV_CUDA(launch_dependent(decode_f16_bulk_kernel, grid, kThreads, bytes, s, true, p),
+              "decode_f16_bulk_kernel for " + std::to_string(p.B) + "x" + std::to_string(p.NH) + " heads");
+      return;
+    }
+  }
   if (f16) {
     KV_CUDA(launch_dependent(decode_f16_kernel<L>, grid, kThreads, 0, s, true, p),
             "decode_f16_kernel for " + std::to_string(p.B) + "x" + std::to_string(p.NH) + " heads");

@@ -61,6 +61,37 @@ __device__ __forceinline__ uint4 ld_row16(const __half* p) {
   return r;
 }
 
+// The step's token (DecodeParams::fresh_k) for this lane's 8 channels c0..: q and the token's k
+// rotated (RoPE at *fresh_pos), its K and V rows as fp16 in fk / fv. One block a KV head writes
+// the row to the tail at tail_row (the counter every block read before any could advance it);
+// the last block to get here advances the counter.
+template <int L>
+__device__ void fresh_token(const DecodeParams& p, float (&q)[8], int c0, int kvh, int s, int h, int g, int tid,
+                            int tail_row, uint4& fk, uint4& fv) {
+  constexpr int D = 8 * L;
+  const float pos = static_cast<float>(*p.fresh_pos);
+  float k[8], v[8];
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    k[c] = p.fresh_k[kvh * D + c0 + c];
+    v[c] = p.fresh_v[kvh * D + c0 + c];
+  }
+  rope8<L>(q, c0, pos, p.inv_freq);
+  rope8<L>(k, c0, pos, p.inv_freq);
+  fk = pack8_f16(k);
+  fv = pack8_f16(v);
+  if (s == 0 && h % (p.NH / p.NKV) == 0 && g == 0 && tail_row < p.tail_cap) {
+    const int64_t at = (static_cast<int64_t>(kvh) * p.tail_cap + tail_row) * D + c0;
+    *reinterpret_cast<uint4*>(p.tail_k + at) = fk;
+    *reinterpret_cast<uint4*>(p.tail_v + at) = fv;
+    if (c0 == 0) p.tail_pos[static_cast<int64_t>(kvh) * p.tail_cap + tail_row] = *p.fresh_pos;
+  }
+  if (tid == 0 && atomicAdd(p.tail_done, 1) == static_cast<int>(gridDim.x * gridDim.y * gridDim.z) - 1) {
+    *p.tail_counter = tail_row + 1;
+    *p.tail_done = 0;
+  }
+}
+
 template <int L>
 __global__ void __launch_bounds__(kThreads, 4) decode_f16_kernel(DecodeParams p) {
   constexpr int G = kThreads / L, U = kF16Rows / 2, D = 8 * L, step = U * G;
@@ -133,31 +164,7 @@ __global__ void __launch_bounds__(kThreads, 4) decode_f16_kernel(DecodeParams p)
   for (int c = 0; c < 8; ++c) q[c] = qrow[c];
   // The step's token: q and its k rotated, its K and V rows as fp16.
   uint4 fk = make_uint4(0, 0, 0, 0), fv = fk;
-  if (fresh) {
-    const float pos = static_cast<float>(*p.fresh_pos);
-    float k[8], v[8];
-#pragma unroll
-    for (int c = 0; c < 8; ++c) {
-      k[c] = p.fresh_k[kvh * D + c0 + c];
-      v[c] = p.fresh_v[kvh * D + c0 + c];
-    }
-    rope8<L>(q, c0, pos, p.inv_freq);
-    rope8<L>(k, c0, pos, p.inv_freq);
-    fk = pack8_f16(k);
-    fv = pack8_f16(v);
-    // One block a KV head writes the token's row; the last block to have read the counter
-    // advances it.
-    if (s == 0 && h % (p.NH / p.NKV) == 0 && g == 0 && tail_row < p.tail_cap) {
-      const int64_t at = (static_cast<int64_t>(kvh) * p.tail_cap + tail_row) * D + c0;
-      *reinterpret_cast<uint4*>(p.tail_k + at) = fk;
-      *reinterpret_cast<uint4*>(p.tail_v + at) = fv;
-      if (c0 == 0) p.tail_pos[static_cast<int64_t>(kvh) * p.tail_cap + tail_row] = *p.fresh_pos;
-    }
-    if (tid == 0 && atomicAdd(p.tail_done, 1) == static_cast<int>(gridDim.x * gridDim.y * gridDim.z) - 1) {
-      *p.tail_counter = tail_row + 1;
-      *p.tail_done = 0;
-    }
-  }
+  if (fresh) fresh_token<L>(p, q, c0, kvh, s, h, g, tid, tail_row, fk, fv);
 #pragma unroll
   for (int c = 0; c < 8; ++c) q[c] *= p.scale;
 

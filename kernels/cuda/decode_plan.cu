@@ -11,14 +11,21 @@ namespace kvlens::cuda {
 
 int decode_splits(int B, int NH, int rows, int n_sm, DecodePath path, int head_dim) {
   const int most = std::max(1, std::min((rows + 63) / 64, kDecodeMaxSplits));
-  const int resident = path == DecodePath::kMma  ? kDecodeMmaMinBlocks
-                       : path == DecodePath::kB1 ? kDecodeB1PairMinBlocks
-                                                 : kDecodeMinBlocks;
+  const int resident = path == DecodePath::kMma       ? kDecodeMmaMinBlocks
+                       : path == DecodePath::kB1      ? kDecodeB1PairMinBlocks
+                       : path == DecodePath::kF16Bulk ? kDecodeBulkMinBlocks
+                                                      : kDecodeMinBlocks;
   const double slots = static_cast<double>(resident) * n_sm, heads = static_cast<double>(B) * NH;
-  // The packed kernels at few heads: the most splits that keep every head's blocks within one
-  // wave (4 a multiprocessor for kMma, 2 for kB1).
-  const double wave = path == DecodePath::kMma || path == DecodePath::kB1 ? slots : 0.0;
-  if (heads <= wave) return std::min(most, std::max(1, static_cast<int>(wave / heads)));
+  // The packed kernels and the bulk-copy one at few heads: the most splits that keep every
+  // head's blocks within one wave (4 a multiprocessor for kMma, 2 for kB1 and kF16Bulk).
+  const double wave = path == DecodePath::kMma || path == DecodePath::kB1 || path == DecodePath::kF16Bulk ? slots : 0.0;
+  const int64_t cap = path == DecodePath::kF16Bulk ? kDecodeBulkSplitBytes : kDecodeSplitBytes;
+  const bool f16 = (path == DecodePath::kF16 || path == DecodePath::kF16Bulk) && head_dim > 0;
+  // Splits a block of at most `cap` bytes of fp16 K and V rows needs.
+  const int by_bytes = f16 ? static_cast<int>(std::min<int64_t>(
+                                 (static_cast<int64_t>(rows) * 4 * head_dim + cap - 1) / cap, kDecodeMaxSplits))
+                           : 1;
+  if (heads <= wave) return std::min(most, std::max({1, static_cast<int>(wave / heads), by_bytes}));
   // From the count that makes one wave 90 % full, the first whose last wave is at least 90 % full
   // (85 % on the binary path, whose short blocks cost more than a fuller last wave gains) — else
   // the fullest up to four times that count.
@@ -31,12 +38,7 @@ int decode_splits(int B, int NH, int rows, int n_sm, DecodePath path, int head_d
     if (fill > best_fill + 1e-9) best = s, best_fill = fill;
     if (fill >= enough) break;
   }
-  if (path == DecodePath::kF16 && head_dim > 0) {
-    const int64_t row_bytes = 4LL * head_dim;  // K and V, fp16
-    const int64_t by_bytes = (static_cast<int64_t>(rows) * row_bytes + kDecodeSplitBytes - 1) / kDecodeSplitBytes;
-    best = static_cast<int>(std::max<int64_t>(best, std::min<int64_t>(by_bytes, kDecodeMaxSplits)));
-  }
-  return std::min(best, most);
+  return std::min(std::max(best, by_bytes), most);
 }
 
 bool decode_b1_pair(int B, int NH, int rows, int splits, int n_sm) {
@@ -45,10 +47,14 @@ bool decode_b1_pair(int B, int NH, int rows, int splits, int n_sm) {
          (rows + splits - 1) / std::max(splits, 1) >= 4096;
 }
 
+bool decode_f16_bulk(int D, int rows, bool sm90) { return sm90 && D == 128 && rows >= kDecodeBulkRows; }
+
 DecodeLaunch decode_launch(int B, int NH, int rows, int n_sm, int D, bool all_f16, bool all_mma, bool b1,
-                           int splits) {
+                           int splits, bool sm90) {
   DecodeLaunch l;
-  l.splits = splits > 0 ? splits : decode_splits(B, NH, rows, n_sm, decode_path(D, all_f16, all_mma, b1), D);
+  l.f16_bulk = all_f16 && decode_f16_bulk(D, rows, sm90);
+  const DecodePath path = l.f16_bulk ? DecodePath::kF16Bulk : decode_path(D, all_f16, all_mma, b1);
+  l.splits = splits > 0 ? splits : decode_splits(B, NH, rows, n_sm, path, D);
   l.b1_pair = b1 && decode_b1_pair(B, NH, rows, l.splits, n_sm);
   return l;
 }

@@ -178,6 +178,9 @@ struct DecodeParams {
   // 1 (with all_mma and b1): the binary path's kernel of two 128-row sub-tiles a warp and two
   // blocks a multiprocessor (decode_b1_pair says when).
   int b1_pair = 0;
+  // 1 (all_f16, head size 128, sm_90): the fp16 kernel whose rows go to shared-memory stages by
+  // bulk copies (decode_f16_bulk says when).
+  int f16_bulk = 0;
 };
 // Head size 128: the code width (1, 2, 4 or 8) of a part the tensor-core paths take, or 0 —
 // channel-wise codes on both sides with one range per channel (or one for all) over its n rows,
@@ -209,11 +212,12 @@ void decode_probs(const DecodeParams& p, float* probs, cudaStream_t s);
 // fp16 (decode_f16_kernel); head size 128 with only fp16 and tensor-core packed parts, without
 // (kMma, 4 blocks a multiprocessor) or with (kB1, 2 blocks of twice the work a warp) the binary
 // 1-bit path; or any other (the general kernel, 3 blocks).
-enum class DecodePath { kF16, kMma, kB1, kGeneral };
+// kF16Bulk: the all-fp16 kernel with bulk copies into shared-memory stages (decode_f16_bulk).
+enum class DecodePath { kF16, kF16Bulk, kMma, kB1, kGeneral };
 // Blocks of decode attention resident a multiprocessor (each kernel's register budget follows):
 // the general kernel, the tensor-core-only one, the binary path's in pairs; and the most splits
 // of a head's rows.
-constexpr int kDecodeMinBlocks = 3, kDecodeMmaMinBlocks = 4, kDecodeB1PairMinBlocks = 2;
+constexpr int kDecodeMinBlocks = 3, kDecodeMmaMinBlocks = 4, kDecodeB1PairMinBlocks = 2, kDecodeBulkMinBlocks = 2;
 constexpr int kDecodeMaxSplits = 1024;
 DecodePath decode_path(int D, bool all_f16, bool all_mma, bool b1);
 // Blocks per (b, head) for `rows` rows on a device of n_sm multiprocessors; at most one per 64
@@ -229,6 +233,16 @@ DecodePath decode_path(int D, bool all_f16, bool all_mma, bool b1);
 // fp16 contexts are then read in many waves of short blocks, whose last wave's idle share is
 // small.
 constexpr int64_t kDecodeSplitBytes = 512 << 10;
+// kF16Bulk: when every head fits one wave of two blocks a multiprocessor, the most splits that
+// keep it one wave (batch 1 × 32 heads: 8), else the wave rule at two; and a block at most
+// kDecodeBulkSplitBytes of rows where that gives more (an H200 sweep: batch 16 / 64k 3.68 ms
+// at 8–32 splits against 3.72 at one; batch 16 / 4k and 16k best at one or two).
+constexpr int64_t kDecodeBulkSplitBytes = 4 << 20;
+// Rows a head from which an fp16 cache of head size 128 on sm_90 takes the bulk-copy kernel;
+// shorter contexts (a captioning run's hundreds of rows) keep the register-staged one, whose
+// fixed work a block is shorter.
+constexpr int kDecodeBulkRows = 4096;
+bool decode_f16_bulk(int D, int rows, bool sm90);
 int decode_splits(int B, int NH, int rows, int n_sm, DecodePath path = DecodePath::kGeneral, int head_dim = 0);
 // Whether a kB1 cache runs the kernel of two 128-row sub-tiles a warp (DecodeParams::b1_pair):
 // when its grid fits two blocks a multiprocessor, or its blocks are long (4096 rows or more).
@@ -238,13 +252,15 @@ int decode_splits(int B, int NH, int rows, int n_sm, DecodePath path = DecodePat
 // faster in pairs.
 bool decode_b1_pair(int B, int NH, int rows, int splits, int n_sm);
 // A cache's decode-attention launch, as DecodeParams takes it: the splits of each head's rows
-// (decode_splits for the kernel its flags choose, or `splits` when given) and b1_pair.
+// (decode_splits for the kernel its flags choose, or `splits` when given), b1_pair and f16_bulk.
 struct DecodeLaunch {
   int splits = 1;
   bool b1_pair = false;
+  bool f16_bulk = false;
 };
+// sm90: the device runs sm_90 code (the bulk-copy kernel).
 DecodeLaunch decode_launch(int B, int NH, int rows, int n_sm, int D, bool all_f16, bool all_mma, bool b1,
-                           int splits = 0);
+                           int splits = 0, bool sm90 = false);
 int decode_lut_bytes(int D, int lut_bits);
 // The fp16 decode kernel takes this head size and part count (all_f16 caches; fresh rows).
 bool decode_f16_supported(int D, int max_parts);

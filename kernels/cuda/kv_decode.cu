@@ -34,6 +34,7 @@ DecodeParams layer_params(CudaKV& C, const Buffer& qkv, const AttnLayout& l, int
   p.all_mma = C.all_mma;
   p.b1 = C.has_b1;
   p.b1_pair = C.b1_pair;
+  p.f16_bulk = C.f16_bulk;
   return p;
 }
 
