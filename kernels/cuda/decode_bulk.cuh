@@ -51,9 +51,10 @@ __global__ void __launch_bounds__(kThreads, kDecodeBulkMinBlocks) decode_f16_bul
   constexpr int L = 16, G = kThreads / L, U = kBulkRows / G, D = 128, R = kBulkRows, S = kBulkStages;
   extern __shared__ __align__(128) uint4 stg[];  // S stages: R K rows, then R V rows (16 uint4 a row)
   __shared__ __align__(8) uint64_t full[S];
-  __shared__ const __half* sh_k[kSharedParts];
-  __shared__ const __half* sh_v[kSharedParts];
-  __shared__ int sh_end[kSharedParts];  // rows, then cumulative rows
+  __shared__ F16Parts parts;
+  auto& sh_k = parts.k;
+  auto& sh_v = parts.v;
+  auto& sh_end = parts.end;  // rows, then cumulative rows
   const int s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, g = tid / L, li = tid % L, c0 = li * 8;
   const int bk = b * p.NKV + h / (p.NH / p.NKV), kvh = h / (p.NH / p.NKV);
@@ -63,13 +64,7 @@ __global__ void __launch_bounds__(kThreads, kDecodeBulkMinBlocks) decode_f16_bul
   const bool fresh = p.fresh_k != nullptr;
   const bool early = fresh || p.rows_ready;
   if (!early) pdl_wait();
-  const PartDesc* gp = p.parts + static_cast<int64_t>(bk) * p.max_parts;
-  const int np = p.n_parts[bk];
-  if (tid < np) {
-    sh_k[tid] = static_cast<const __half*>(gp[tid].k.data);
-    sh_v[tid] = static_cast<const __half*>(gp[tid].v.data);
-    sh_end[tid] = gp[tid].n + (gp[tid].counter ? *gp[tid].counter : 0);  // rows appended during decode
-  }
+  const int np = read_f16_parts(p, bk, tid, parts);
   const int tail_row = fresh ? *p.tail_counter : 0;
   if (tid == 0) {
     for (int i = 0; i < S; ++i) mbar_init(&full[i], 1);
@@ -107,13 +102,8 @@ __global__ void __launch_bounds__(kThreads, kDecodeBulkMinBlocks) decode_f16_bul
   if (!early && tid == 0)
     for (int k = 0; k < min(S, nst); ++k) issue(k);
   float q[8];
-  const float* qrow = p.q + b * p.q_stride + static_cast<int64_t>(h) * D + c0;
-#pragma unroll
-  for (int c = 0; c < 8; ++c) q[c] = qrow[c];
-  uint4 fk = make_uint4(0, 0, 0, 0), fv = fk;
-  if (fresh) fresh_token<L>(p, q, c0, kvh, s, h, g, tid, tail_row, fk, fv);
-#pragma unroll
-  for (int c = 0; c < 8; ++c) q[c] *= p.scale;
+  uint4 fk, fv;
+  load_query<L>(p, b, h, c0, kvh, s, g, tid, tail_row, q, fk, fv);
 
   State st;
   for (int k = 0; k < nst; ++k) {

@@ -11,7 +11,9 @@
 // written by it), so at those contexts the whole cache is in flight while the q/k/v product
 // ends; a launch after a kernel that may append rows waits first.
 // The group's scores, softmax and P·V stay in registers; the block ends as the general kernel's
-// blocks do (finish_block: partial state, and the merge by the head's last block).
+// blocks do (finish_block: partial state, and the merge by the head's last block). Long contexts
+// at head size 128 on sm_90 take decode_bulk.cuh instead (DecodeParams::f16_bulk), which shares
+// the part table, the query and the fused token's step (read_f16_parts, load_query) with this one.
 #pragma once
 
 // Rows a group has in its two register stages. 12 or 16 (four blocks a multiprocessor, or three
@@ -61,6 +63,26 @@ __device__ __forceinline__ uint4 ld_row16(const __half* p) {
   return r;
 }
 
+// A head's fp16 parts as the fp16 kernels keep them in shared memory: K and V rows, and each
+// part's rows (then cumulative rows).
+struct F16Parts {
+  const __half* k[kSharedParts];
+  const __half* v[kSharedParts];
+  int end[kSharedParts];
+};
+// Thread i reads part i of KV head bk (its rows with those appended during decode, through the
+// tail's counter); returns the part count.
+__device__ __forceinline__ int read_f16_parts(const DecodeParams& p, int bk, int tid, F16Parts& t) {
+  const PartDesc* gp = p.parts + static_cast<int64_t>(bk) * p.max_parts;
+  const int np = p.n_parts[bk];
+  if (tid < np) {
+    t.k[tid] = static_cast<const __half*>(gp[tid].k.data);
+    t.v[tid] = static_cast<const __half*>(gp[tid].v.data);
+    t.end[tid] = gp[tid].n + (gp[tid].counter ? *gp[tid].counter : 0);
+  }
+  return np;
+}
+
 // The step's token (DecodeParams::fresh_k) for this lane's 8 channels c0..: q and the token's k
 // rotated (RoPE at *fresh_pos), its K and V rows as fp16 in fk / fv. One block a KV head writes
 // the row to the tail at tail_row (the counter every block read before any could advance it);
@@ -92,12 +114,27 @@ __device__ void fresh_token(const DecodeParams& p, float (&q)[8], int c0, int kv
   }
 }
 
+// This lane's 8 channels c0.. of head h's query, scaled; with the step's token fused in, rotated
+// first, and the token's rows in fk / fv (fresh_token).
+template <int L>
+__device__ __forceinline__ void load_query(const DecodeParams& p, int b, int h, int c0, int kvh, int s, int g, int tid,
+                                           int tail_row, float (&q)[8], uint4& fk, uint4& fv) {
+  const float* qrow = p.q + b * p.q_stride + static_cast<int64_t>(h) * (8 * L) + c0;
+#pragma unroll
+  for (int c = 0; c < 8; ++c) q[c] = qrow[c];
+  fk = fv = make_uint4(0, 0, 0, 0);
+  if (p.fresh_k) fresh_token<L>(p, q, c0, kvh, s, h, g, tid, tail_row, fk, fv);
+#pragma unroll
+  for (int c = 0; c < 8; ++c) q[c] *= p.scale;
+}
+
 template <int L>
 __global__ void __launch_bounds__(kThreads, 4) decode_f16_kernel(DecodeParams p) {
   constexpr int G = kThreads / L, U = kF16Rows / 2, D = 8 * L, step = U * G;
-  __shared__ const __half* sh_k[kSharedParts];
-  __shared__ const __half* sh_v[kSharedParts];
-  __shared__ int sh_end[kSharedParts];  // rows, then cumulative rows
+  __shared__ F16Parts parts;
+  auto& sh_k = parts.k;
+  auto& sh_v = parts.v;
+  auto& sh_end = parts.end;  // rows, then cumulative rows
   const int s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, g = tid / L, c0 = (tid % L) * 8;
   const int bk = b * p.NKV + h / (p.NH / p.NKV);
@@ -111,13 +148,7 @@ __global__ void __launch_bounds__(kThreads, 4) decode_f16_kernel(DecodeParams p)
   const bool fresh = p.fresh_k != nullptr;
   const bool early = fresh || p.rows_ready;
   if (!early) pdl_wait();
-  const PartDesc* gp = p.parts + static_cast<int64_t>(bk) * p.max_parts;
-  const int np = p.n_parts[bk];
-  if (tid < np) {
-    sh_k[tid] = static_cast<const __half*>(gp[tid].k.data);
-    sh_v[tid] = static_cast<const __half*>(gp[tid].v.data);
-    sh_end[tid] = gp[tid].n + (gp[tid].counter ? *gp[tid].counter : 0);  // rows appended during decode
-  }
+  const int np = read_f16_parts(p, bk, tid, parts);
   // The step's token, when fused in: its row's place in the tail. Every block reads the counter
   // before any block can advance it (the last block to finish its read does, below).
   const int tail_row = fresh ? *p.tail_counter : 0;
@@ -159,14 +190,8 @@ __global__ void __launch_bounds__(kThreads, 4) decode_f16_kernel(DecodeParams p)
   const bool all_loaded = r1 - r0 <= 2 * step;
   if (all_loaded) pdl_trigger();
   float q[8];
-  const float* qrow = p.q + b * p.q_stride + static_cast<int64_t>(h) * D + c0;
-#pragma unroll
-  for (int c = 0; c < 8; ++c) q[c] = qrow[c];
-  // The step's token: q and its k rotated, its K and V rows as fp16.
-  uint4 fk = make_uint4(0, 0, 0, 0), fv = fk;
-  if (fresh) fresh_token<L>(p, q, c0, kvh, s, h, g, tid, tail_row, fk, fv);
-#pragma unroll
-  for (int c = 0; c < 8; ++c) q[c] *= p.scale;
+  uint4 fk, fv;  // the step's token's K and V rows, when fused in
+  load_query<L>(p, b, h, c0, kvh, s, g, tid, tail_row, q, fk, fv);
 
   // The token's row, when it falls in a stage starting at row j0.
   auto fill = [&](int j0, uint4 (&kr)[U], uint4 (&vr)[U]) {
