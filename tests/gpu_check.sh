@@ -5,7 +5,9 @@
 # throughput) and print a short table last. Logs and JSON go to $KVLENS_GPU_OUT (./gpu_out).
 #
 #   tests/gpu_check.sh            everything
-#   tests/gpu_check.sh build test only some stages (build, test, bench, throughput, summary)
+#   tests/gpu_check.sh build test only some stages (build, test, bench, throughput, summary;
+#                                 and, not in the default list, sanitize: compute-sanitizer's
+#                                 memcheck, synccheck and racecheck over the decode kernel tests)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${KVLENS_GPU_OUT:-$PWD/gpu_out}
@@ -52,6 +54,11 @@ if has bench; then
   run bench_7b_profile 200 "$BUILD/kvlens" bench --backend cuda --model "$CK" --prompt "${PROMPT:-Describe the image.}" \
     --repeat 1 --max-new-tokens 8 --profile
   run bench_embedded_profile 120 "$BUILD/kvlens" bench --backend cuda --repeat 1 --max-new-tokens 8 --profile
+fi
+if has sanitize; then
+  for tool in memcheck synccheck racecheck; do
+    run "sanitize_$tool" 600 compute-sanitizer --tool "$tool" --error-exitcode 9 "$BUILD/test_decode_kernel"
+  done
 fi
 if has throughput; then
   run bench_throughput 300 "$BUILD/kvlens" bench throughput --json "$OUT/bench_throughput.json"
