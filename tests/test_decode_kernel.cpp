@@ -455,8 +455,9 @@ TEST(DecodeKernel, SplitCountsFillTheirLastWave) {
   EXPECT_FALSE(cuda::decode_launch(193, 32, 3368, sm, 128, false, true, true).b1_pair);
   EXPECT_FALSE(cuda::decode_launch(1, 32, 65536, sm, 128, false, true, false).b1_pair);
   // The bulk-copy fp16 kernel: head size 128 on sm_90 from kDecodeBulkRows rows a head; one
-  // wave of two blocks a multiprocessor at batch 1 (8 splits of 32 heads), else the wave rule at
-  // two, and at most kDecodeBulkSplitBytes of rows a block.
+  // wave of two blocks a multiprocessor at batch 1 (8 splits of 32 heads, at any context), else
+  // the wave rule at two, and at most kDecodeBulkSplitBytes of rows a block where that takes
+  // kDecodeBulkMinSplits or more.
   EXPECT_TRUE(cuda::decode_f16_bulk(128, cuda::kDecodeBulkRows, true));
   EXPECT_FALSE(cuda::decode_f16_bulk(128, cuda::kDecodeBulkRows - 1, true));
   EXPECT_FALSE(cuda::decode_f16_bulk(128, 65536, false));
@@ -466,9 +467,13 @@ TEST(DecodeKernel, SplitCountsFillTheirLastWave) {
       const int s = cuda::decode_splits(B, 32, rows, sm, cuda::DecodePath::kF16Bulk, 128);
       SCOPED_TRACE("bulk B=" + std::to_string(B) + " rows=" + std::to_string(rows));
       const int64_t bytes = static_cast<int64_t>(rows) * 512;
-      EXPECT_LE(bytes, cuda::kDecodeBulkSplitBytes * s);
       if (B * 32 <= 2 * sm) {
-        EXPECT_GE(B * 32 * s, 2 * sm - B * 32 + 1);  // no further split fits the wave
+        EXPECT_LE(B * 32 * s, 2 * sm);
+        EXPECT_GT(B * 32 * (s + 1), 2 * sm);  // no further split fits the wave
+      } else if (bytes >= cuda::kDecodeBulkSplitBytes * cuda::kDecodeBulkMinSplits) {
+        EXPECT_LE(bytes, cuda::kDecodeBulkSplitBytes * s);
+      } else {
+        EXPECT_EQ(s, cuda::decode_splits(B, 32, rows, sm, cuda::DecodePath::kF16Bulk));  // the wave rule alone
       }
       const cuda::DecodeLaunch l = cuda::decode_launch(B, 32, rows, sm, 128, true, false, false, 0, true);
       EXPECT_TRUE(l.f16_bulk);
@@ -479,7 +484,9 @@ TEST(DecodeKernel, SplitCountsFillTheirLastWave) {
   EXPECT_EQ(cuda::decode_splits(1, 32, 65536, sm, cuda::DecodePath::kF16Bulk, 128), 8);
   EXPECT_EQ(cuda::decode_splits(1, 32, 4096, sm, cuda::DecodePath::kF16Bulk, 128), 8);
   EXPECT_EQ(cuda::decode_splits(16, 32, 4096, sm, cuda::DecodePath::kF16Bulk, 128), 1);
-  EXPECT_EQ(cuda::decode_splits(16, 32, 65536, sm, cuda::DecodePath::kF16Bulk, 128), 8);
+  EXPECT_EQ(cuda::decode_splits(16, 32, 8192, sm, cuda::DecodePath::kF16Bulk, 128), 1);
+  EXPECT_EQ(cuda::decode_splits(16, 32, 16384, sm, cuda::DecodePath::kF16Bulk, 128), 8);
+  EXPECT_EQ(cuda::decode_splits(16, 32, 65536, sm, cuda::DecodePath::kF16Bulk, 128), 32);
   EXPECT_FALSE(cuda::decode_launch(1, 32, 616, sm, 128, true, false, false, 0, true).f16_bulk);  // a captioning run
   // The path each kind of cache takes.
   EXPECT_EQ(cuda::decode_path(128, true, true, false), cuda::DecodePath::kF16);

@@ -22,10 +22,12 @@ int decode_splits(int B, int NH, int rows, int n_sm, DecodePath path, int head_d
   const int64_t cap = path == DecodePath::kF16Bulk ? kDecodeBulkSplitBytes : kDecodeSplitBytes;
   const bool f16 = (path == DecodePath::kF16 || path == DecodePath::kF16Bulk) && head_dim > 0;
   // Splits a block of at most `cap` bytes of fp16 K and V rows needs.
-  const int by_bytes = f16 ? static_cast<int>(std::min<int64_t>(
-                                 (static_cast<int64_t>(rows) * 4 * head_dim + cap - 1) / cap, kDecodeMaxSplits))
-                           : 1;
-  if (heads <= wave) return std::min(most, std::max({1, static_cast<int>(wave / heads), by_bytes}));
+  int by_bytes = f16 ? static_cast<int>(std::min<int64_t>(
+                           (static_cast<int64_t>(rows) * 4 * head_dim + cap - 1) / cap, kDecodeMaxSplits))
+                     : 1;
+  // The bulk-copy kernel: 2–4 splits a head were slower than one or eight (batch 16, both cards).
+  if (path == DecodePath::kF16Bulk && by_bytes < kDecodeBulkMinSplits) by_bytes = 1;
+  if (heads <= wave) return std::min(most, std::max(1, static_cast<int>(wave / heads)));
   // From the count that makes one wave 90 % full, the first whose last wave is at least 90 % full
   // (85 % on the binary path, whose short blocks cost more than a fuller last wave gains) — else
   // the fullest up to four times that count.

@@ -234,10 +234,14 @@ DecodePath decode_path(int D, bool all_f16, bool all_mma, bool b1);
 // small.
 constexpr int64_t kDecodeSplitBytes = 512 << 10;
 // kF16Bulk: when every head fits one wave of two blocks a multiprocessor, the most splits that
-// keep it one wave (batch 1 × 32 heads: 8), else the wave rule at two; and a block at most
-// kDecodeBulkSplitBytes of rows where that gives more (an H200 sweep: batch 16 / 64k 3.68 ms
-// at 8–32 splits against 3.72 at one; batch 16 / 4k and 16k best at one or two).
-constexpr int64_t kDecodeBulkSplitBytes = 4 << 20;
+// keep it one wave (batch 1 × 32 heads: 8, at any context: more were 1–3 % slower at 64k),
+// else the wave rule at two, and blocks of at most kDecodeBulkSplitBytes of rows where that
+// takes kDecodeBulkMinSplits or more. Sweeps at batch 16 (H100 / H200, ms): 4k 0.357 / 0.243
+// at one split, 0.360–0.362 / 0.250–0.253 at 2–8; 16k 1.399 / 0.939 at one, 1.407–1.414 /
+// 0.942–0.948 at 2–4, 1.383–1.392 / 0.940–0.941 at 8–32; 64k 5.543 / 3.719 at one, 5.587–5.665
+// / 3.769–3.809 at 2–4, 5.502–5.547 / 3.678–3.683 at 8–32.
+constexpr int64_t kDecodeBulkSplitBytes = 1 << 20;
+constexpr int kDecodeBulkMinSplits = 8;
 // Rows a head from which an fp16 cache of head size 128 on sm_90 takes the bulk-copy kernel;
 // shorter contexts (a captioning run's hundreds of rows) keep the register-staged one, whose
 // fixed work a block is shorter.
