@@ -665,14 +665,7 @@ TEST(DecodeKernel, Fp16PartsThroughBulkCopies) {
     kernel_case(c);
   }
   {
-    KernelCase c;  // batch 1, 32 heads, 5000 rows: several stages a block
-    c.bits = 16;
-    c.B = 1;
-    c.NH = c.NKV = 32;
-    c.n_front = 5;
-    c.n_packed = 4990;
-    c.n_back = 5;
-    c.splits = 8;
+    KernelCase c = fp16_case(Fp16Shape{32, 32, 128, 5, 4990, 5, 8});  // batch 1, 5000 rows: several stages a block
     c.bulk = true;
     kernel_case(c);
   }
