@@ -499,68 +499,6 @@ __device__ void run_fast(int kind, const PartDesc& P, int a, int e, const float*
 
 #include "kernels/cuda/decode_merge.cuh"
 
-// The end of a block of either kernel: its groups' states combined into the split's partial
-// state (m, d, o); the last block of the head to finish merges every split's state.
-template <int L>
-__device__ void finish_block(const DecodeParams& p, const State& st, int b, int h, int s) {
-  constexpr int G = kThreads / L;
-  __shared__ float sh_m[G], sh_d[G];
-  __shared__ float sh_o[G][8 * L + 1];
-  const int tid = threadIdx.x, g = tid / L, li = tid % L;
-  const int64_t bh = static_cast<int64_t>(b) * p.NH + h;
-  if (li == 0) {
-    sh_m[g] = st.m;
-    sh_d[g] = st.d;
-  }
-#pragma unroll
-  for (int c = 0; c < 8; ++c) sh_o[g][li * 8 + c] = st.o[c];
-  __syncthreads();
-  float M = -INFINITY;
-  for (int i = 0; i < G; ++i) M = fmaxf(M, sh_m[i]);
-  if (p.sem && p.splits == 1) {
-    // The block holds the head's whole state: its output is written here, without the partial
-    // state's trip through L2, the fence and the counter that a merge needs.
-    float dsum = 0.0f;
-    for (int i = 0; i < G; ++i)
-      if (sh_m[i] != -INFINITY) dsum += sh_d[i] * __expf(sh_m[i] - M);
-    for (int c = tid; c < p.D; c += kThreads) {
-      float v = 0.0f;
-      for (int i = 0; i < G; ++i)
-        if (sh_m[i] != -INFINITY) v += sh_o[i][c] * __expf(sh_m[i] - M);
-      store_out(p, b, h, c, dsum > 0.0f ? v / dsum : 0.0f);
-    }
-    if (p.md_out && tid == 0) {
-      p.md_out[bh * 2] = M;
-      p.md_out[bh * 2 + 1] = dsum;
-    }
-    return;
-  }
-  float* po = p.part_o + (bh * p.splits + s) * p.D;
-  for (int c = tid; c < p.D; c += kThreads) {
-    float v = 0.0f;
-    for (int i = 0; i < G; ++i)
-      if (sh_m[i] != -INFINITY) v += sh_o[i][c] * __expf(sh_m[i] - M);
-    po[c] = v;
-  }
-  if (tid == 0) {
-    float dsum = 0.0f;
-    for (int i = 0; i < G; ++i)
-      if (sh_m[i] != -INFINITY) dsum += sh_d[i] * __expf(sh_m[i] - M);
-    reinterpret_cast<float2*>(p.part_md)[bh * p.splits + s] = make_float2(M, dsum);
-  }
-  if (!p.sem) return;
-  // The block's writes, ordered before thread 0's count by the barrier, are released by it at
-  // device scope; the last block's count acquires every other block's (PTX fences and barriers
-  // are cumulative), so no thread needs a sequentially consistent fence of its own.
-  __shared__ int last;
-  __syncthreads();
-  if (tid == 0) last = atomic_add_acq_rel(p.sem + bh, 1) == p.splits - 1;
-  __syncthreads();
-  if (!last) return;
-  merge_head(p, b, h);
-  if (tid == 0) p.sem[bh] = 0;
-}
-
 #include "kernels/cuda/decode_f16.cuh"
 #include "kernels/cuda/decode_bulk.cuh"
 
