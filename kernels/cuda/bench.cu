@@ -120,15 +120,10 @@ float median5_ms(cudaStream_t s, const char* what, F&& body) {
   return ms[2];
 }
 
-int n_sm(int device) {
+cudaDeviceProp props(int device) {
   cudaDeviceProp p{};
   KV_CUDA(cudaGetDeviceProperties(&p, device), "device properties");
-  return p.multiProcessorCount;
-}
-int64_t l2_bytes(int device) {
-  cudaDeviceProp p{};
-  KV_CUDA(cudaGetDeviceProperties(&p, device), "device properties");
-  return p.l2CacheSize;
+  return p;
 }
 
 // One call's time as AttnBenchConfig says (alone on a held stream, alone host-paced, or back to
@@ -169,9 +164,7 @@ void set_cache_kind(DecodeParams& p, int D, int bits) {
 }
 
 // decode_launch for such a cache, as the model's cache asks it (splits > 0: that many).
-DecodeLaunch launch_for(int B, int NH, int rows, int device, int D, int bits, int splits = 0) {
-  cudaDeviceProp prop{};
-  KV_CUDA(cudaGetDeviceProperties(&prop, device), "device properties");
+DecodeLaunch launch_for(int B, int NH, int rows, const cudaDeviceProp& prop, int D, int bits, int splits = 0) {
   DecodeParams p;
   set_cache_kind(p, D, bits);
   return decode_launch(B, NH, rows, prop.multiProcessorCount, D, p.all_f16, p.all_mma, p.b1, splits, prop.major >= 9);
@@ -190,8 +183,9 @@ double bench_call_floor_ms(const AttnBenchConfig& c) {
 
 std::vector<AttnBenchRow> bench_decode_attention(const AttnBenchConfig& c, double copy_gbs) {
   Stream st(c.device);
-  const int SM = n_sm(c.device), NH = c.heads, D = c.head_dim;
-  const int64_t L2 = l2_bytes(c.device);
+  const cudaDeviceProp dev = props(c.device);
+  const int NH = c.heads, D = c.head_dim;
+  const int64_t L2 = dev.l2CacheSize;
   std::vector<AttnBenchRow> rows;
   for (int B : c.batches)
     for (int n : c.contexts)
@@ -224,7 +218,7 @@ std::vector<AttnBenchRow> bench_decode_attention(const AttnBenchConfig& c, doubl
           KV_LAUNCH("benchmark fill", "decode attention cache");
           Mem q(heads * D * 4, "benchmark queries"), out(heads * D * 2, "benchmark outputs");
           fill_float_kernel<<<grid(heads * D), 256, 0, st.s>>>(q.as<float>(), heads * D, -1.0f, 1.0f, 5);
-          const DecodeLaunch plan = launch_for(B, NH, n, c.device, D, bits, split_arg > 0 ? std::min(split_arg, n) : 0);
+          const DecodeLaunch plan = launch_for(B, NH, n, dev, D, bits, split_arg > 0 ? std::min(split_arg, n) : 0);
           const int splits = plan.splits;
           Mem po(heads * splits * D * 4, "partial outputs"), pm(heads * splits * 2 * 4, "partial states"),
               vr(heads * splits * 2 * 4, "visual ranges");
@@ -311,7 +305,7 @@ std::vector<AttnBenchRow> bench_decode_attention(const AttnBenchConfig& c, doubl
 
 std::vector<ThroughputRow> bench_throughput(const ThroughputConfig& c) {
   Stream st(c.device);
-  const int SM = n_sm(c.device);
+  const cudaDeviceProp dev = props(c.device);
   const int L = c.layers, H = c.hidden, NH = c.heads, NKV = c.kv_heads, D = c.head_dim, I = c.intermediate, V = c.vocab;
   const int64_t QD = static_cast<int64_t>(NH) * D, KD = static_cast<int64_t>(NKV) * D, RS = QD + 2 * KD;
   cublasHandle_t blas;
@@ -434,7 +428,7 @@ std::vector<ThroughputRow> bench_throughput(const ThroughputConfig& c) {
           g(static_cast<int64_t>(B) * I * 2, "mlp act"), logits(static_cast<int64_t>(B) * V * 4, "logits");
       fill_float_kernel<<<grid(static_cast<int64_t>(B) * H), 256, 0, st.s>>>(h.as<float>(), static_cast<int64_t>(B) * H,
                                                                             -1.0f, 1.0f, 99);
-      const DecodeLaunch plan = launch_for(B, NH, c.visual + c.text + cap, c.device, D, bits);
+      const DecodeLaunch plan = launch_for(B, NH, c.visual + c.text + cap, dev, D, bits);
       const int splits = plan.splits;
       Mem po(static_cast<int64_t>(B) * NH * splits * D * 4, "partial outputs"),
           pm(static_cast<int64_t>(B) * NH * splits * 2 * 4, "partial states"), sem(static_cast<int64_t>(B) * NH * 4, "merge counters");
@@ -513,7 +507,7 @@ std::vector<ThroughputRow> bench_throughput(const ThroughputConfig& c) {
 
 std::vector<GemvBenchRow> bench_gemv(const GemvBenchConfig& c) {
   Stream st(c.device);
-  const int64_t L2 = l2_bytes(c.device);
+  const int64_t L2 = props(c.device).l2CacheSize;
   const int H = c.hidden, I = c.intermediate;
   struct Shape {
     const char* name;
