@@ -346,6 +346,28 @@ __device__ __forceinline__ float calibrated(float s, bool cal, float t, float ga
   return cal && isfinite(s) ? (t == 0.0f ? gam - tau1 : t * (s - gam) + gam - tau1) : s;
 }
 
+// The tensor-core paths' per-tile score steps over a lane's N scores (a register array, passed
+// flattened): the range pass widens [lo, hi) by the valid ones; the attention pass calibrates
+// them in place and returns their maximum with mw (before the warp's reduction).
+template <int N>
+__device__ __forceinline__ void widen_range(const float* s, float& lo, float& hi) {
+#pragma unroll
+  for (int x = 0; x < N; ++x)
+    if (s[x] != -INFINITY) {
+      lo = fminf(lo, s[x]);
+      hi = fmaxf(hi, s[x]);
+    }
+}
+template <int N>
+__device__ __forceinline__ float calibrated_max(float* s, float mw, bool cal, float t, float gam, float tau1) {
+#pragma unroll
+  for (int x = 0; x < N; ++x) {
+    s[x] = calibrated(s[x], cal, t, gam, tau1);
+    mw = fmaxf(mw, s[x]);
+  }
+  return mw;
+}
+
 }  // namespace
 }  // namespace kvlens::cuda
 #include "kernels/cuda/decode_mma.cuh"

@@ -298,24 +298,9 @@ __device__ __noinline__ void packed_b1(const PartDesc& P, int a, int e, const fl
       }
     }
     if constexpr (RANGE) {
-#pragma unroll
-      for (int pr = 0; pr < PAIR; ++pr)
-#pragma unroll
-        for (int c = 0; c < 4; ++c)
-          if (s[pr][c] != -INFINITY) {
-            lo_ = fminf(lo_, s[pr][c]);
-            hi_ = fmaxf(hi_, s[pr][c]);
-          }
+      widen_range<4 * PAIR>(&s[0][0], lo_, hi_);
     } else {
-      float mx = mw;
-#pragma unroll
-      for (int pr = 0; pr < PAIR; ++pr)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          s[pr][c] = calibrated(s[pr][c], cal, cal_t, cal_g, tau1);
-          mx = fmaxf(mx, s[pr][c]);
-        }
-      mx = warp_max_redux(mx);
+      const float mx = warp_max_redux(calibrated_max<4 * PAIR>(&s[0][0], mw, cal, cal_t, cal_g, tau1));
       if (mx > mw) {  // the same in every lane
         const float alpha = __expf(mw - mx);
         dsum *= alpha;

@@ -210,20 +210,9 @@ __device__ __noinline__ void packed_i8(const PartDesc& Pd, int a, int e, const f
       }
     }
     if constexpr (RANGE) {
-#pragma unroll
-      for (int x = 0; x < 4; ++x)
-        if (s[x] != -INFINITY) {
-          lo_ = fminf(lo_, s[x]);
-          hi_ = fmaxf(hi_, s[x]);
-        }
+      widen_range<4>(s, lo_, hi_);
     } else {
-      float mx = mw;
-#pragma unroll
-      for (int x = 0; x < 4; ++x) {
-        s[x] = calibrated(s[x], cal, cal_t, cal_g, tau1);
-        mx = fmaxf(mx, s[x]);
-      }
-      mx = warp_max_redux(mx);
+      const float mx = warp_max_redux(calibrated_max<4>(s, mw, cal, cal_t, cal_g, tau1));
       if (mx > mw || held == 512) {  // the same in every lane
         const float alpha = mx > mw ? __expf(mw - mx) : 1.0f;
         dsum *= alpha;

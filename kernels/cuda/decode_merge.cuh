@@ -29,6 +29,14 @@ __device__ __forceinline__ void store_out(const DecodeParams& p, int b, int h, i
   }
 }
 
+// A head's softmax maximum and sum, for the callers that ask for them (decode_probs).
+__device__ __forceinline__ void store_md(const DecodeParams& p, int64_t bh, float M, float dsum) {
+  if (p.md_out && threadIdx.x == 0) {
+    p.md_out[bh * 2] = M;
+    p.md_out[bh * 2 + 1] = dsum;
+  }
+}
+
 __device__ void merge_head(const DecodeParams& p, int b, int h) {
   __shared__ float wsh[kMaxSplits];
   __shared__ float red[32];
@@ -73,10 +81,7 @@ __device__ void merge_head(const DecodeParams& p, int b, int h) {
     for (int i = i0; i < p.splits; ++i) v += __ldcg(po + static_cast<int64_t>(i) * p.D + c) * wsh[i];
     store_out(p, b, h, c, dsum > 0.0f ? v / dsum : 0.0f);
   }
-  if (p.md_out && tid == 0) {
-    p.md_out[bh * 2] = M;
-    p.md_out[bh * 2 + 1] = dsum;
-  }
+  store_md(p, bh, M, dsum);
 }
 
 // The end of a block of either kernel: its groups' states combined into the split's partial
@@ -95,39 +100,26 @@ __device__ void finish_block(const DecodeParams& p, const State& st, int b, int 
 #pragma unroll
   for (int c = 0; c < 8; ++c) sh_o[g][li * 8 + c] = st.o[c];
   __syncthreads();
+  // The groups' states combined: maximum M; c = −1: their sum, else channel c's unnormalized output.
   float M = -INFINITY;
   for (int i = 0; i < G; ++i) M = fmaxf(M, sh_m[i]);
+  auto combine = [&](int c) {
+    float v = 0.0f;
+    for (int i = 0; i < G; ++i)
+      if (sh_m[i] != -INFINITY) v += (c < 0 ? sh_d[i] : sh_o[i][c]) * __expf(sh_m[i] - M);
+    return v;
+  };
   if (p.sem && p.splits == 1) {
     // The block holds the head's whole state: its output is written here, without the partial
     // state's trip through L2, the fence and the counter that a merge needs.
-    float dsum = 0.0f;
-    for (int i = 0; i < G; ++i)
-      if (sh_m[i] != -INFINITY) dsum += sh_d[i] * __expf(sh_m[i] - M);
-    for (int c = tid; c < p.D; c += kThreads) {
-      float v = 0.0f;
-      for (int i = 0; i < G; ++i)
-        if (sh_m[i] != -INFINITY) v += sh_o[i][c] * __expf(sh_m[i] - M);
-      store_out(p, b, h, c, dsum > 0.0f ? v / dsum : 0.0f);
-    }
-    if (p.md_out && tid == 0) {
-      p.md_out[bh * 2] = M;
-      p.md_out[bh * 2 + 1] = dsum;
-    }
+    const float dsum = combine(-1);
+    for (int c = tid; c < p.D; c += kThreads) store_out(p, b, h, c, dsum > 0.0f ? combine(c) / dsum : 0.0f);
+    store_md(p, bh, M, dsum);
     return;
   }
   float* po = p.part_o + (bh * p.splits + s) * p.D;
-  for (int c = tid; c < p.D; c += kThreads) {
-    float v = 0.0f;
-    for (int i = 0; i < G; ++i)
-      if (sh_m[i] != -INFINITY) v += sh_o[i][c] * __expf(sh_m[i] - M);
-    po[c] = v;
-  }
-  if (tid == 0) {
-    float dsum = 0.0f;
-    for (int i = 0; i < G; ++i)
-      if (sh_m[i] != -INFINITY) dsum += sh_d[i] * __expf(sh_m[i] - M);
-    reinterpret_cast<float2*>(p.part_md)[bh * p.splits + s] = make_float2(M, dsum);
-  }
+  for (int c = tid; c < p.D; c += kThreads) po[c] = combine(c);
+  if (tid == 0) reinterpret_cast<float2*>(p.part_md)[bh * p.splits + s] = make_float2(M, combine(-1));
   if (!p.sem) return;
   // The block's writes, ordered before thread 0's count by the barrier, are released by it at
   // device scope; the last block's count acquires every other block's (PTX fences and barriers

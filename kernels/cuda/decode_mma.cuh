@@ -204,24 +204,9 @@ __device__ __noinline__ void packed_mma(const PartDesc& P, int a, int e, const f
       }
     }
     if constexpr (RANGE) {
-#pragma unroll
-      for (int i = 0; i < TILES; ++i)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-          if (sc[i][h] != -INFINITY) {
-            lo_ = fminf(lo_, sc[i][h]);
-            hi_ = fmaxf(hi_, sc[i][h]);
-          }
+      widen_range<2 * TILES>(&sc[0][0], lo_, hi_);
     } else {
-      float mx = mw;
-#pragma unroll
-      for (int i = 0; i < TILES; ++i)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          sc[i][h] = calibrated(sc[i][h], cal, cal_t, cal_g, tau1);
-          mx = fmaxf(mx, sc[i][h]);
-        }
-      mx = warp_max_redux(mx);
+      const float mx = warp_max_redux(calibrated_max<2 * TILES>(&sc[0][0], mw, cal, cal_t, cal_g, tau1));
       if (__any_sync(0xffffffffu, mx > mw)) {  // the same in every lane: a branch, not predication
         const float alpha = __expf(mw - mx);
         dsum *= alpha;
