@@ -351,6 +351,33 @@ void kernel_case(const KernelCase& c) {
 }
 #endif
 
+TEST(DecodeKernel, TensorCorePartsNeedTheirPathsAlignment) {
+#ifndef KVLENS_HAVE_CUDA
+  GTEST_SKIP() << "built without the CUDA backend";
+#else
+  // Host arithmetic only: the 1- and 2-bit paths copy rows to shared memory 16 bytes at a time
+  // (cp.async), so their codes must start 16-byte aligned; 4 and 8 bits read 4·bits-byte words.
+  // A part that is not so aligned takes the general kernel's paths (mma_bits 0), never a copy
+  // from a misaligned address.
+  alignas(64) static uint8_t codes[256];
+  for (int bits : {1, 2, 4, 8})
+    for (int off : {0, 4, 8, 16, 32}) {
+      cuda::PartDesc d;
+      d.n = 100;
+      for (cuda::KvSide* x : {&d.k, &d.v}) {
+        x->fmt = cuda::kChannel;
+        x->bits = bits;
+        x->data = codes + (x == &d.k ? 0 : off);
+      }
+      const int need = bits <= 2 ? 16 : 4 * bits;
+      EXPECT_EQ(cuda::mma_bits(d, d.n, false), off % need == 0 ? bits : 0) << bits << " bits, values at +" << off;
+      d.v.data = codes;
+      d.k.data = codes + off;
+      EXPECT_EQ(cuda::mma_bits(d, d.n, false), off % need == 0 ? bits : 0) << bits << " bits, keys at +" << off;
+    }
+#endif
+}
+
 TEST(DecodeKernel, SplitCountsFillTheirLastWave) {
 #ifndef KVLENS_HAVE_CUDA
   GTEST_SKIP() << "built without the CUDA backend";

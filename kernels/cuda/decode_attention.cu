@@ -56,6 +56,9 @@ constexpr int kSharedParts = 16;  // a head's part descriptors staged in shared 
 // its own latency at 12 warps a multiprocessor, not by the copies in flight.
 constexpr int kB1Stages = 2;
 constexpr int kB1StageBytes = (kThreads / 32) * kB1Stages * 4096;
+// The integer path's stages (decode_i8.cuh), in kernels of head size 128 without the binary
+// path; with it, the integer path takes the same per-warp regions as the binary path (run_mma).
+constexpr int kI8StageBytes = (kThreads / 32) * 3 * 2048;
 static_assert(sizeof(PartDesc) % 8 == 0, "descriptors are staged in 8-byte words");
 
 enum Mode { kAttend = 0, kRange = 1, kScores = 2 };
@@ -456,11 +459,11 @@ __device__ __forceinline__ int mma_kind(const PartDesc& P, int n, int mode, bool
 template <int BITS>
 __device__ __forceinline__ void row_major_part(const PartDesc& P, int a, int e, const float* qs, int w, int nw, bool r,
                                                bool cal, float cal_t, float cal_g, float tau1, State& st, float& lo,
-                                               float& hi) {
+                                               float& hi, uint4* wbuf) {
   using namespace mma_path;
   if constexpr (BITS <= 2) {
-    if (r) i8_path::packed_i8<BITS, true>(P, a, e, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi);
-    else i8_path::packed_i8<BITS, false>(P, a, e, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi);
+    if (r) i8_path::packed_i8<BITS, true>(P, a, e, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi, wbuf);
+    else i8_path::packed_i8<BITS, false>(P, a, e, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi, wbuf);
   } else {
     if (r) packed_mma<BITS, 1, true>(P, a, e, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi);
     else packed_mma<BITS, 1, false>(P, a, e, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi);
@@ -469,11 +472,18 @@ __device__ __forceinline__ void row_major_part(const PartDesc& P, int a, int e, 
 
 // PAIR: 128-row sub-tiles an iteration of the binary path (2 in the kernel of two blocks a
 // multiprocessor).
+// stage: the block's stages (kB1StageBytes, twice that in pairs, when b1; else kI8StageBytes).
 template <int PAIR>
 __device__ void run_mma(int bits, const PartDesc& P, int a, int e, const float* qs, int mode, bool cal, float cal_t,
-                        float cal_g, float tau1, State& st, float& lo, float& hi, uint4* stage) {
+                        float cal_g, float tau1, State& st, float& lo, float& hi, uint4* stage, bool b1) {
   const int w = threadIdx.x / 32, nw = kThreads / 32;
   const bool r = mode == kRange;
+  // The integer path's stages for this warp: in a kernel with the binary path, that path's region
+  // of the warp (kB1Stages, keys only in the range pass), so that no warp's copies land in
+  // another's; else the integer path's own.
+  static_assert(i8_path::kI8WarpChunks <= kB1Stages * 256, "the integer path's stages fit a warp's region");
+  static_assert(i8_path::kI8WarpChunks * 16 * (kThreads / 32) == kI8StageBytes, "a block's integer-path stages");
+  uint4* const wbuf = stage + w * (b1 ? kB1Stages * (r ? 128 : 256) * PAIR : i8_path::kI8WarpChunks);
   switch (bits) {
     case 1: {
       int e1 = a;  // rows [a, e1) in whole channel-major groups: the binary path
@@ -485,12 +495,12 @@ __device__ void run_mma(int bits, const PartDesc& P, int a, int e, const float* 
         }
       }
       const int a1 = max(a, e1);  // the rest row-major
-      if (a1 < e) row_major_part<1>(P, a1, e, qs, w, nw, r, cal, cal_t, cal_g, tau1, st, lo, hi);
+      if (a1 < e) row_major_part<1>(P, a1, e, qs, w, nw, r, cal, cal_t, cal_g, tau1, st, lo, hi, wbuf);
       break;
     }
-    case 2: row_major_part<2>(P, a, e, qs, w, nw, r, cal, cal_t, cal_g, tau1, st, lo, hi); break;
-    case 4: row_major_part<4>(P, a, e, qs, w, nw, r, cal, cal_t, cal_g, tau1, st, lo, hi); break;
-    default: row_major_part<8>(P, a, e, qs, w, nw, r, cal, cal_t, cal_g, tau1, st, lo, hi); break;
+    case 2: row_major_part<2>(P, a, e, qs, w, nw, r, cal, cal_t, cal_g, tau1, st, lo, hi, wbuf); break;
+    case 4: row_major_part<4>(P, a, e, qs, w, nw, r, cal, cal_t, cal_g, tau1, st, lo, hi, wbuf); break;
+    default: row_major_part<8>(P, a, e, qs, w, nw, r, cal, cal_t, cal_g, tau1, st, lo, hi, wbuf); break;
   }
 }
 
@@ -536,8 +546,8 @@ template <int L, int MMA>
 __global__ void __launch_bounds__(kThreads, MMA == 1 ? kMmaMinBlocks : MMA == 3 ? kB1MinBlocks : kMinBlocks)
     decode_kernel(DecodeParams p, int mode) {
   constexpr bool MMA_ONLY = MMA != 0;
-  // Packed keys' tables (lut_bytes(D, lut_bits)), or at head size 128 the binary path's staging
-  // (kB1StageBytes when p.b1, twice that in pairs).
+  // Packed keys' tables (lut_bytes(D, lut_bits)), or at head size 128 the binary and integer
+  // paths' stages (kB1StageBytes when p.b1, twice that in pairs; else kI8StageBytes).
   extern __shared__ __align__(16) float lut[];
   uint4* const stage = reinterpret_cast<uint4*>(lut);
   const int s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
@@ -629,7 +639,7 @@ __global__ void __launch_bounds__(kThreads, MMA == 1 ? kMmaMinBlocks : MMA == 3 
       if constexpr (MMA_ONLY) {
         mk = mma_kind(P, n, mode, false, p.b1);
         constexpr int kPair = MMA == 3 ? 2 : 1;
-        if (mk) run_mma<kPair>(mk, P, a, e, sh_q, mode, cal && P.visual, cal_t, cal_g, p.tau1, st, lo, hi, stage);
+        if (mk) run_mma<kPair>(mk, P, a, e, sh_q, mode, cal && P.visual, cal_t, cal_g, p.tau1, st, lo, hi, stage, p.b1);
         else if (mode == kAttend) fp16_rows<L, 4>(P, a, e, q, ln, g, false, cal_t, cal_g, p.tau1, st);
         base += n;
         continue;
@@ -638,7 +648,7 @@ __global__ void __launch_bounds__(kThreads, MMA == 1 ? kMmaMinBlocks : MMA == 3 
         if (p.D == 128) mk = mma_kind(P, n, mode, sin != nullptr, p.b1);
       if constexpr (L == 8 || L == 16)
         if (p.D == 8 * L && !mk) kind = fast_kind(P, n, mode, sin != nullptr, p.lut_bits);  // every lane busy
-      if (mk) run_mma<1>(mk, P, a, e, sh_q, mode, cal && P.visual, cal_t, cal_g, p.tau1, st, lo, hi, stage);
+      if (mk) run_mma<1>(mk, P, a, e, sh_q, mode, cal && P.visual, cal_t, cal_g, p.tau1, st, lo, hi, stage, p.b1);
       else if (kind) run_fast<L>(kind, P, a, e, q, ln, g, mode, cal && P.visual, cal_t, cal_g, p.tau1, st, lo, hi, lut);
       else run_part<L>(P, n, a, e, base, q, ln, g, mode, cal && P.visual, cal_t, cal_g, p.tau1, sin, sout, st, lo, hi);
     }
@@ -721,7 +731,7 @@ void launch_l(const DecodeParams& p, int mode, cudaStream_t s) {
   }
   DecodeParams q = p;
   if (q.D == 128) q.lut_bits = 0;  // packed parts of head size 128 take the tensor-core path
-  const int bytes = decode_lut_bytes(q.D, q.lut_bits) + (q.b1 && q.D == 128 ? kB1StageBytes : 0);
+  const int bytes = decode_lut_bytes(q.D, q.lut_bits) + (q.D == 128 ? (q.b1 ? kB1StageBytes : kI8StageBytes) : 0);
   if constexpr (L == 16) {
     if (p.all_mma && p.D == 128 && mode != kScores && !p.scores_in && !p.scores_out) {
       if (p.b1 && p.b1_pair) {
@@ -730,7 +740,8 @@ void launch_l(const DecodeParams& p, int mode, cudaStream_t s) {
                 "decode_kernel for " + std::to_string(p.B) + "x" + std::to_string(p.NH) + " heads");
         return;
       }
-      if (p.b1) allow_dynamic_smem<decode_kernel<16, 2>>(bytes);
+      if (p.b1) allow_dynamic_smem<decode_kernel<16, 2>>(bytes);  // stages and static arrays: past 48 KiB
+      else allow_dynamic_smem<decode_kernel<16, 1>>(bytes);
       KV_CUDA(launch_dependent(p.b1 ? decode_kernel<16, 2> : decode_kernel<16, 1>, grid, kThreads, bytes, s, true,
                                q, mode),
               "decode_kernel for " + std::to_string(p.B) + "x" + std::to_string(p.NH) + " heads");

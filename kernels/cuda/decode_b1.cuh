@@ -1,6 +1,6 @@
 // 1-bit channel-wise parts of decode attention on the binary tensor-core path (head size 128;
-// included by decode_attention.cu after decode_mma.cuh, whose fp16-operand path takes the rows
-// past a part's last whole group of 32).
+// included by decode_attention.cu after decode_i8.cuh, whose integer path takes the rows past a
+// part's last whole group of 32).
 //
 // Layout (KvFormat kChannelT, kernels.h): keys as core/policies/quantize.h packs them (row j's
 // 128 codes in 4 words, channel 32w + i at bit i of word w); values in groups of 32 rows stored

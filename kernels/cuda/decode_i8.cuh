@@ -30,6 +30,12 @@
 // Per 32 rows and warp: 8 + 8 mma and, at 2 bits, 32 ANDs for the keys' operands, 16 byte
 // permutes and 32 ANDs for the values' (the fp16-operand path needs 32 mma and about twice the
 // logic for the same rows).
+// Staging: a 32-row tile's codes are contiguous (16·BITS bytes a row and side); each warp copies
+// its next kI8Stages − 1 tiles into its shared-memory stages with cp.async (in a kernel with
+// the binary path, decode_b1.cuh, the same per-warp region as its) while it computes this one, and reads the tile's
+// operands from there: the copies in flight hold no registers. One tile ahead in registers (the
+// earlier scheme) left the loop waiting on memory at 4k rows a block (an H100 timeline: 81 % of
+// the copy bandwidth inside the loop, 95 % at 64k).
 #pragma once
 
 namespace kvlens::cuda::i8_path {
@@ -64,65 +70,84 @@ struct Tile {
   uint32_t v[2][4][Layout<BITS>::VW];
 };
 
-// Rows j0.. of a tile (zeros past e): the keys, and the values.
+// Stages a warp (tiles in flight + 1): 3 was 0.5–7 % faster than 4 at every shape on an H100.
+constexpr int kI8Stages = 3;
+// A warp's stages in 16-byte chunks (2 bits; 1 bit needs half), and a block's in bytes.
+constexpr int kI8WarpChunks = kI8Stages * 128;
+
+// A tile's rows j0.. (zeros from row e) from its stage: keys at the stage's start, values after
+// them (16·BITS bytes a row and side).
 template <int BITS>
-__device__ __forceinline__ void load_keys(const uint8_t* K, int j0, int e, int g, int t, Tile<BITS>& T) {
-  using L = Layout<BITS>;
+__device__ __forceinline__ void load_keys(const uint8_t* S, int j0, int e, int g, int t, Tile<BITS>& T) {
 #pragma unroll
   for (int x = 0; x < 4; ++x) {
-    const int r = j0 + g + 8 * x;
-    if (r < e) {
-      mma_path::load_k<BITS>(K + static_cast<int64_t>(r) * (16 * BITS) + 4 * BITS * t, T.k[x]);
+    const int r = g + 8 * x;
+    const uint8_t* p = S + r * (16 * BITS) + 4 * BITS * t;
+    if constexpr (BITS == 1) {
+      T.k[x][0] = j0 + r < e ? *reinterpret_cast<const uint32_t*>(p) : 0u;
     } else {
-#pragma unroll
-      for (int k = 0; k < BITS; ++k) T.k[x][k] = 0u;
+      const uint2 u = j0 + r < e ? *reinterpret_cast<const uint2*>(p) : make_uint2(0u, 0u);
+      T.k[x][0] = u.x, T.k[x][1] = u.y;
     }
   }
 }
 template <int BITS>
-__device__ __forceinline__ void load_values(const uint8_t* V, int j0, int e, int g, int t, Tile<BITS>& T) {
+__device__ __forceinline__ void load_values(const uint8_t* S, int j0, int e, int g, int t, Tile<BITS>& T) {
   using L = Layout<BITS>;
 #pragma unroll
   for (int s = 0; s < 2; ++s)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int r = j0 + t + 4 * s + 8 * i;
-      if (r < e) {
-        const uint8_t* p = V + static_cast<int64_t>(r) * (16 * BITS) + L::NB * g;
-        mma_path::load_v<BITS>(p, T.v[s][i]);
-      } else {
-#pragma unroll
-        for (int k = 0; k < L::VW; ++k) T.v[s][i][k] = 0u;
-      }
+      const int r = t + 4 * s + 8 * i;
+      const uint8_t* p = S + 32 * (16 * BITS) + r * (16 * BITS) + L::NB * g;
+      if constexpr (BITS == 1) T.v[s][i][0] = j0 + r < e ? *reinterpret_cast<const uint16_t*>(p) : 0u;
+      else T.v[s][i][0] = j0 + r < e ? *reinterpret_cast<const uint32_t*>(p) : 0u;
     }
 }
 
 // Rows [a, e) of one packed part for this warp (warp w of nw takes the 32-row tiles w, w + nw, ...
 // from a). RANGE: min / max of the scores into lo / hi only. Otherwise the part's softmax state is
-// merged into st of lanes 0..15 (8 channels a lane). qs: the block's scaled query in shared memory.
+// merged into st of lanes 0..15 (8 channels a lane). qs: the block's scaled query in shared memory;
+// buf: this warp's stages (kI8Stages of 64·BITS 16-byte chunks, keys only when RANGE: half that).
 // Every thread of the block calls it (the digits of U are built by the whole block).
 template <int BITS, bool RANGE>
 __device__ __noinline__ void packed_i8(const PartDesc& Pd, int a, int e, const float* qs, int warp, int nw, bool cal,
-                                       float cal_t, float cal_g, float tau1, State& st_io, float& lo, float& hi) {
+                                       float cal_t, float cal_g, float tau1, State& st_io, float& lo, float& hi,
+                                       uint4* buf) {
   using L = Layout<BITS>;
   constexpr int J = L::J;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const uint8_t* K = static_cast<const uint8_t*>(Pd.k.data);
   const uint8_t* V = static_cast<const uint8_t*>(Pd.v.data);
 
-  // Each tile's codes are loaded an iteration ahead, while the previous tile is computed (wider
-  // codes would need more than the kernels' 128 registers for that: 4-bit parts take
-  // decode_mma.cuh). The first tile's loads are issued before the query's preparation, which
-  // they overlap.
   static_assert(BITS == 1 || BITS == 2, "the integer path takes 1- and 2-bit codes");
-  // Channel c's key range (thread c of the block) is read before the first tile, which would
-  // otherwise queue it behind every multiprocessor's first tiles.
+  // Tile k of this warp (rows a + 32(warp + k·nw) ..) into stage k mod kI8Stages: chunk q of a
+  // side is row q / BITS; rows past e are not copied (their stale bytes are masked). Every call
+  // commits one group (empty past the warp's last tile), so waiting for all but the newest
+  // kI8Stages − 1 groups is waiting for the tile about to be computed.
+  constexpr int SIDE = 32 * BITS, SZ = (RANGE ? 1 : 2) * SIDE;  // a stage's 16-byte chunks
+  const uint32_t sbase = smem_addr(buf);
+  auto issue = [&](int k) {
+    const int j0 = a + 32 * (warp + k * nw);
+    if (j0 < e) {
+      const uint32_t dst = sbase + 16u * static_cast<uint32_t>((k % kI8Stages) * SZ);
+#pragma unroll
+      for (int q = lane; q < SZ; q += 32) {
+        const int side = q / SIDE, cq = q % SIDE;
+        if (j0 + cq / BITS < e)
+          cp_async16(dst + 16u * q, (side ? V : K) + static_cast<int64_t>(j0) * (16 * BITS) + 16 * cq);
+      }
+    }
+    cp_async_commit();
+  };
+  // Channel c's key range (thread c of the block) is read before the first tiles, which would
+  // otherwise queue it behind every multiprocessor's first tiles; the first tiles' copies are
+  // issued before the query's preparation, which they overlap.
   const int c = threadIdx.x;
   const int kst = Pd.k.chan_stride;
   const __half k_scale = Pd.k.scale[c * kst], k_zero = Pd.k.zero[c * kst];
-  Tile<BITS> cur;
-  load_keys<BITS>(K, a + 32 * warp, e, g, t, cur);
-  if constexpr (!RANGE) load_values<BITS>(V, a + 32 * warp, e, g, t, cur);
+#pragma unroll
+  for (int k = 0; k + 1 < kI8Stages; ++k) issue(k);
 
   // Thread c (one a channel): q⊙scale, q·zero and max |q⊙scale| over the block; then its U'
   // digits go to the bytes the B fragments read: lane (d, t) word ρ byte i, where channel c is
@@ -185,10 +210,15 @@ __device__ __noinline__ void packed_i8(const PartDesc& Pd, int a, int e, const f
   float lo_ = lo, hi_ = hi;
   int held = 0;  // iterations since the last flush
 
-  for (int j0 = a + 32 * warp; j0 < e; j0 += 32 * nw) {
-    Tile<BITS> nxt;
-    load_keys<BITS>(K, j0 + 32 * nw, e, g, t, nxt);
-    if constexpr (!RANGE) load_values<BITS>(V, j0 + 32 * nw, e, g, t, nxt);
+  for (int j0 = a + 32 * warp, k = 0; j0 < e; j0 += 32 * nw, ++k) {
+    __syncwarp();  // every lane is past the stage the next copy refills (read an iteration ago)
+    issue(k + kI8Stages - 1);
+    cp_async_wait<kI8Stages - 1>();
+    __syncwarp();
+    const uint8_t* stg = reinterpret_cast<const uint8_t*>(buf + (k % kI8Stages) * SZ);
+    Tile<BITS> cur;
+    load_keys<BITS>(stg, j0, e, g, t, cur);
+    if constexpr (!RANGE) load_values<BITS>(stg, j0, e, g, t, cur);
     // Scores of rows g + 8x (x = 2·tile + h), full in lanes t = 0 and 1.
     float s[4];
 #pragma unroll
@@ -258,18 +288,6 @@ __device__ __noinline__ void packed_i8(const PartDesc& Pd, int a, int e, const f
                                 Tb[1][sa / J] & L::mask(sa % J), Tb[1][sb / J] & L::mask(sb % J)};
         imma<false>(D[u2], af, b0, b1);
       }
-    }
-#pragma unroll
-    for (int x = 0; x < 4; ++x)
-#pragma unroll
-      for (int k = 0; k < BITS; ++k) cur.k[x][k] = nxt.k[x][k];
-    if constexpr (!RANGE) {
-#pragma unroll
-      for (int s2 = 0; s2 < 2; ++s2)
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-#pragma unroll
-          for (int k = 0; k < Layout<BITS>::VW; ++k) cur.v[s2][i][k] = nxt.v[s2][i][k];
     }
   }
   if constexpr (RANGE) {

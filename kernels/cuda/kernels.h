@@ -184,7 +184,7 @@ struct DecodeParams {
 };
 // Head size 128: the code width (1, 2, 4 or 8) of a part the tensor-core paths take, or 0 —
 // channel-wise codes on both sides with one range per channel (or one for all) over its n rows,
-// rows aligned to 4·bits bytes (decode_mma.cuh); 1-bit values may be kChannelT when the blocks
+// aligned to 4·bits bytes (decode_mma.cuh) or, at 1 and 2 bits, to 16 (decode_i8.cuh's copies); 1-bit values may be kChannelT when the blocks
 // have their staging memory (`staged`, DecodeParams::b1) and both sides are 16-byte aligned
 // (decode_b1.cuh). The host's choice of kernel and the kernel's choice of path both ask this.
 __host__ __device__ inline int mma_bits(const PartDesc& d, int n, bool staged) {
@@ -194,7 +194,7 @@ __host__ __device__ inline int mma_bits(const PartDesc& d, int n, bool staged) {
   const bool vt = d.v.fmt == kChannelT && b == 1 && staged && (at & 15) == 0;
   if (d.k.fmt != kChannel || (d.v.fmt != kChannel && !vt) || !whole || d.v.bits != b) return 0;
   if (b != 1 && b != 2 && b != 4 && b != 8) return 0;
-  return (at & (4 * b - 1)) == 0 ? b : 0;
+  return (at & (b <= 2 ? 15 : 4 * b - 1)) == 0 ? b : 0;  // 1 and 2 bits: cp.async's 16-byte copies
 }
 // A part the tensor-core kernel takes as it is (DecodeParams::all_mma): fp16 rows of tokens other
 // than visual ones, or a packed part of the tensor-core paths (mma_bits) not growing on the device.
