@@ -46,6 +46,9 @@ struct KernelCase {
   bool appended = false;
   bool calibrate = false;
   float tau1 = 0.5f, tau2 = 2.0f;
+  // (calibrate) DecodeParams::vis_scores given, poisoned with NaN: the binary path's range pass
+  // must write every visual row's score its attention pass reads; false: both read the keys.
+  bool keep_scores = true;
   // 1-bit values uploaded channel-major by groups of 32 rows (kChannelT: the binary tensor-core
   // path at head size 128); false: as packed rows (the fp16-operand path).
   bool blocked = true;
@@ -90,7 +93,8 @@ void kernel_case(const KernelCase& c) {
   const bool blocked = c.blocked && c.bits == 1;
   const std::string what = "B=" + std::to_string(c.B) + " bits=" + std::to_string(c.bits) + " D=" + std::to_string(c.D) +
                            (blocked ? " channel-major values" : "") +
-                           " splits=" + std::to_string(c.splits) + (c.calibrate ? " calibrated" : "") +
+                           " splits=" + std::to_string(c.splits) +
+                           (c.calibrate ? (c.keep_scores ? " calibrated (scores kept)" : " calibrated") : "") +
                            (c.chan_stride ? "" : " one range") + (c.mma_only ? " mma-only kernel" : "") +
                            (c.fresh ? " fused token" : "") + (c.appended ? " token appended before" : "") +
                            (c.bulk ? " bulk copies" : "");
@@ -172,6 +176,8 @@ void kernel_case(const KernelCase& c) {
   Dev po(heads * splits * D * 4), pm(heads * splits * 2 * 4), vr(heads * splits * 2 * 4);
   Dev sem(std::vector<int32_t>(static_cast<size_t>(heads), 0));
   Dev out(std::vector<float>(static_cast<size_t>(heads) * D, std::numeric_limits<float>::quiet_NaN()));
+  const int64_t vis_stride = c.calibrate && c.keep_scores ? N + cuda::kDecodeScorePad : 0;
+  Dev vs(std::vector<float>(static_cast<size_t>(heads * vis_stride), std::numeric_limits<float>::quiet_NaN()));
   cuda::DecodeParams p;
   p.B = c.B;
   p.NH = c.NH;
@@ -216,6 +222,8 @@ void kernel_case(const KernelCase& c) {
     p.tau1 = c.tau1;
     p.tau2 = c.tau2;
     p.vis_range = vr.as<float>();
+    p.vis_scores = vis_stride ? vs.as<float>() : nullptr;
+    p.vis_stride = vis_stride;
   }
   // A stream of its own (programmatic dependent launch needs one), ordered after the uploads
   // above, which ran on the legacy stream.
@@ -543,6 +551,11 @@ TEST(DecodeKernel, PackedPartsBetweenFp16PartsBatchedAndSplit) {
           c.b1_pair = true;  // two 128-row sub-tiles a warp
           kernel_case(c);
           c.b1_pair = false;
+        }
+        if (bits == 1 && cal) {
+          c.keep_scores = false;  // the attention pass reads the keys again
+          kernel_case(c);
+          c.keep_scores = true;
         }
         if (bits == 1) {
           c.blocked = false;  // 1-bit values as packed rows

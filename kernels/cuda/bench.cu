@@ -222,6 +222,8 @@ std::vector<AttnBenchRow> bench_decode_attention(const AttnBenchConfig& c, doubl
           const int splits = plan.splits;
           Mem po(heads * splits * D * 4, "partial outputs"), pm(heads * splits * 2 * 4, "partial states"),
               vr(heads * splits * 2 * 4, "visual ranges");
+          const int64_t vis_stride = calib ? n + kDecodeScorePad : 0;
+          Mem vs(heads * vis_stride * 4, "visual scores");
           Mem np(heads * 4, "part counts"), sem(heads * 4, "merge counters");
           KV_CUDA(cudaMemsetAsync(sem.p, 0, heads * 4, st.s), "merge counters");
           std::vector<int32_t> ones(static_cast<size_t>(heads), 1);
@@ -278,6 +280,8 @@ std::vector<AttnBenchRow> bench_decode_attention(const AttnBenchConfig& c, doubl
             p.tau1 = 0.0f;
             p.tau2 = 3.0f;
             p.vis_range = vr.as<float>();
+            p.vis_scores = vs.as<float>();
+            p.vis_stride = vis_stride;
           }
           auto call = [&](int r) {
             p.parts = tables[r % sets]->as<PartDesc>();  // another cache set each call: none is in L2

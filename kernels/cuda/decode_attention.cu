@@ -33,7 +33,9 @@
 // scores over all its rows, which a split alone cannot know. A first pass (calibrate = 1) runs
 // the same kernel computing only the visual scores' min and max per split; the attention pass
 // reduces those over the splits in its prologue and applies g to every visual score before the
-// softmax. The visual keys are thus read twice (their K codes, not V).
+// softmax. The visual keys are thus read twice (their K codes, not V) — except on the binary path
+// with DecodeParams::vis_scores, where the first pass writes each visual row's score (4 bytes
+// against the key's 16) and the second reads it instead of the keys.
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
@@ -473,9 +475,11 @@ __device__ __forceinline__ void row_major_part(const PartDesc& P, int a, int e, 
 // PAIR: 128-row sub-tiles an iteration of the binary path (2 in the kernel of two blocks a
 // multiprocessor).
 // stage: the block's stages (kB1StageBytes, twice that in pairs, when b1; else kI8StageBytes).
+// vsc: the part's visual scores (DecodeParams::vis_scores at its first row) for the binary path,
+// written by the range pass and read by the attention pass; null: neither.
 template <int PAIR>
 __device__ void run_mma(int bits, const PartDesc& P, int a, int e, const float* qs, int mode, bool cal, float cal_t,
-                        float cal_g, float tau1, State& st, float& lo, float& hi, uint4* stage, bool b1) {
+                        float cal_g, float tau1, State& st, float& lo, float& hi, uint4* stage, bool b1, float* vsc) {
   const int w = threadIdx.x / 32, nw = kThreads / 32;
   const bool r = mode == kRange;
   // The integer path's stages for this warp: in a kernel with the binary path, that path's region
@@ -490,8 +494,10 @@ __device__ void run_mma(int bits, const PartDesc& P, int a, int e, const float* 
       if (P.v.fmt == kChannelT) {
         e1 = min(e, P.n & ~31);
         if (a < e1) {
-          if (r) b1_path::packed_b1<true, PAIR>(P, a, e1, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi, stage);
-          else b1_path::packed_b1<false, PAIR>(P, a, e1, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi, stage);
+          if (r) b1_path::packed_b1<true, PAIR>(P, a, e1, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi, stage, vsc);
+          else if (vsc && cal)
+            b1_path::packed_b1<false, PAIR, true>(P, a, e1, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi, stage, vsc);
+          else b1_path::packed_b1<false, PAIR>(P, a, e1, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi, stage, nullptr);
         }
       }
       const int a1 = max(a, e1);  // the rest row-major
@@ -627,6 +633,11 @@ __global__ void __launch_bounds__(kThreads, MMA == 1 ? kMmaMinBlocks : MMA == 3 
   State st;
   float lo = INFINITY, hi = -INFINITY;
   int base = 0;
+  // A visual part's scores between the passes (DecodeParams::vis_scores), where they fit.
+  auto scores_of = [&](const PartDesc& P, int n) -> float* {
+    const bool on = p.vis_scores && p.calibrate && P.visual && base + n + kDecodeScorePad <= p.vis_stride;
+    return on ? p.vis_scores + bh * p.vis_stride + base : nullptr;
+  };
   for (int i = 0; i < np; ++i) {
     const PartDesc& P = parts[i];
     const int n = staged ? sh_rows[i] : part_rows(P);
@@ -639,7 +650,9 @@ __global__ void __launch_bounds__(kThreads, MMA == 1 ? kMmaMinBlocks : MMA == 3 
       if constexpr (MMA_ONLY) {
         mk = mma_kind(P, n, mode, false, p.b1);
         constexpr int kPair = MMA == 3 ? 2 : 1;
-        if (mk) run_mma<kPair>(mk, P, a, e, sh_q, mode, cal && P.visual, cal_t, cal_g, p.tau1, st, lo, hi, stage, p.b1);
+        if (mk)  // (the kernel without the binary path keeps no scores)
+          run_mma<kPair>(mk, P, a, e, sh_q, mode, cal && P.visual, cal_t, cal_g, p.tau1, st, lo, hi, stage, p.b1,
+                         MMA == 1 ? nullptr : scores_of(P, n));
         else if (mode == kAttend) fp16_rows<L, 4>(P, a, e, q, ln, g, false, cal_t, cal_g, p.tau1, st);
         base += n;
         continue;
@@ -648,7 +661,9 @@ __global__ void __launch_bounds__(kThreads, MMA == 1 ? kMmaMinBlocks : MMA == 3 
         if (p.D == 128) mk = mma_kind(P, n, mode, sin != nullptr, p.b1);
       if constexpr (L == 8 || L == 16)
         if (p.D == 8 * L && !mk) kind = fast_kind(P, n, mode, sin != nullptr, p.lut_bits);  // every lane busy
-      if (mk) run_mma<1>(mk, P, a, e, sh_q, mode, cal && P.visual, cal_t, cal_g, p.tau1, st, lo, hi, stage, p.b1);
+      if (mk)
+        run_mma<1>(mk, P, a, e, sh_q, mode, cal && P.visual, cal_t, cal_g, p.tau1, st, lo, hi, stage, p.b1,
+                   scores_of(P, n));
       else if (kind) run_fast<L>(kind, P, a, e, q, ln, g, mode, cal && P.visual, cal_t, cal_g, p.tau1, st, lo, hi, lut);
       else run_part<L>(P, n, a, e, base, q, ln, g, mode, cal && P.visual, cal_t, cal_g, p.tau1, sin, sout, st, lo, hi);
     }

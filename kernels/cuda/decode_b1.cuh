@@ -117,10 +117,15 @@ __device__ __forceinline__ void merge_part(const float (&vsz)[2][128], float (&a
 // PAIR = 2: two 128-row sub-tiles an iteration, their chains of scores, maximum, transposes and
 // value products independent until they meet in the accumulators, so one warp keeps twice the
 // work in flight (the kernel then runs two blocks a multiprocessor, with up to 255 registers).
-template <bool RANGE, int PAIR>
+// vsc (the part's row 0 in DecodeParams::vis_scores, or null): RANGE writes each row's raw
+// score there; SCORES (attention with calibration) reads them instead of the keys: a tile's
+// scores are copied into the stage's key chunks (from the 16-byte boundary at or before its
+// first row's, so one more chunk) and the key codes are neither copied nor multiplied.
+template <bool RANGE, int PAIR, bool SCORES = false>
 __device__ __noinline__ void packed_b1(const PartDesc& P, int a, int e, const float* qs, int warp, int nw, bool cal,
                                        float cal_t, float cal_g, float tau1, State& st_io, float& lo, float& hi,
-                                       uint4* stage) {
+                                       uint4* stage, float* vsc) {
+  static_assert(!(RANGE && SCORES), "the range pass computes the scores");
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, t0 = t & 1, t1 = t >> 1;
   const uint32_t* K = static_cast<const uint32_t*>(P.k.data);
   const uint4* V = static_cast<const uint4*>(P.v.data);
@@ -143,6 +148,9 @@ __device__ __noinline__ void packed_b1(const PartDesc& P, int a, int e, const fl
   // offsets in the stage (values' chunk q of group k at TR + 32k + (q ^ (k mod 4))).
   const uint4* const ksrc = reinterpret_cast<const uint4*>(K) + a32 + lane;
   const uint4* const vsrc = V + a32 + lane;
+  // SCORES: tile i's scores start `soff` floats into chunk 0 of the copy from ssrc + TR·i / 4.
+  const int soff = SCORES ? static_cast<int>((reinterpret_cast<uintptr_t>(vsc + a32) & 15) >> 2) : 0;
+  const uint4* const ssrc = SCORES ? reinterpret_cast<const uint4*>(vsc + a32 - soff) : nullptr;
   const uint32_t sbase = smem_addr(buf);
   auto vdst = [&](int k) { return 16u * static_cast<uint32_t>(TR + 32 * k + (lane ^ (k & 3))); };
   auto issue = [&](int i, int sg) {
@@ -151,7 +159,16 @@ __device__ __noinline__ void packed_b1(const PartDesc& P, int a, int e, const fl
       const uint32_t sk = sbase + 16u * static_cast<uint32_t>(sg * SZ);
       const uint4* kp = ksrc + TR * static_cast<int64_t>(i);
       const uint4* vp = vsrc + TR * static_cast<int64_t>(i);
-      if (r0 + TR <= e) {  // a whole tile: no row checks
+      if constexpr (SCORES) {
+        // TR / 4 + 1 chunks of scores (past e: stale, masked; kDecodeScorePad keeps them in bounds).
+        const uint4* sp = ssrc + (TR / 4) * static_cast<int64_t>(i);
+#pragma unroll
+        for (int k = 0; k < PAIR; ++k) cp_async16(sk + 16u * (lane + 32 * k), sp + lane + 32 * k);
+        if (lane == 0) cp_async16(sk + 16u * (TR / 4), sp + TR / 4);
+#pragma unroll
+        for (int k = 0; k < 4 * PAIR; ++k)
+          if (r0 + 32 * k < e) cp_async16(sk + vdst(k), vp + 32 * k);
+      } else if (r0 + TR <= e) {  // a whole tile: no row checks
 #pragma unroll
         for (int k = 0; k < 4 * PAIR; ++k) cp_async16(sk + 16u * (lane + 32 * k), kp + 32 * k);
         if constexpr (!RANGE) {
@@ -263,8 +280,18 @@ __device__ __noinline__ void packed_b1(const PartDesc& P, int a, int e, const fl
     const uint32_t* sk = reinterpret_cast<const uint32_t*>(buf + sg * SZ);
     const int r0 = a32 + TR * i;
     float s[PAIR][4];
+    if constexpr (SCORES) {
+      const float* ss = reinterpret_cast<const float*>(sk) + soff;
 #pragma unroll
-    for (int pr = 0; pr < PAIR; ++pr) {
+      for (int pr = 0; pr < PAIR; ++pr)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int x = 128 * pr + 32 * c + 16 * t1 + 8 * t0 + g;
+          s[pr][c] = r0 + x >= a && r0 + x < e ? ss[x] : -INFINITY;
+        }
+    }
+#pragma unroll
+    for (int pr = 0; pr < PAIR && !SCORES; ++pr) {
       uint32_t kw[8][2];
 #pragma unroll
       for (int x = 0; x < 8; ++x)
@@ -299,6 +326,15 @@ __device__ __noinline__ void packed_b1(const PartDesc& P, int a, int e, const fl
     }
     if constexpr (RANGE) {
       widen_range<4 * PAIR>(&s[0][0], lo_, hi_);
+      if (vsc) {
+#pragma unroll
+        for (int pr = 0; pr < PAIR; ++pr)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const int r = r0 + 128 * pr + 32 * c + 16 * t1 + 8 * t0 + g;
+            if (r >= a && r < e) vsc[r] = s[pr][c];
+          }
+      }
     } else {
       const float mx = warp_max_redux(calibrated_max<4 * PAIR>(&s[0][0], mw, cal, cal_t, cal_g, tau1));
       if (mx > mw) {  // the same in every lane

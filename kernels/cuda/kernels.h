@@ -132,6 +132,13 @@ struct DecodeParams {
   int calibrate = 0;
   float tau1 = 0, tau2 = 0;
   float* vis_range = nullptr;
+  // With calibration, for visual parts on the binary path (decode_b1.cuh): the range pass writes
+  // each row's raw score here and the attention pass reads it instead of the keys' codes —
+  // [B][NH][vis_stride] floats, a row at its index among its head's rows; a part is served only
+  // where its last index + kDecodeScorePad is within vis_stride (elsewhere, or when null, both
+  // passes read the keys).
+  float* vis_scores = nullptr;
+  int64_t vis_stride = 0;
   // Materialized scores: read scores_in[b][h][row] instead of q·k (already transformed), or
   // write raw scores to scores_out; final (max, sum) per (b, h) to md_out.
   const float* scores_in = nullptr;
@@ -219,6 +226,8 @@ enum class DecodePath { kF16, kF16Bulk, kMma, kB1, kGeneral };
 // of a head's rows.
 constexpr int kDecodeMinBlocks = 3, kDecodeMmaMinBlocks = 4, kDecodeB1PairMinBlocks = 2, kDecodeBulkMinBlocks = 2;
 constexpr int kDecodeMaxSplits = 1024;
+// Floats past a part's last row that DecodeParams::vis_scores must hold (a tile's aligned copy).
+constexpr int kDecodeScorePad = 260;
 DecodePath decode_path(int D, bool all_f16, bool all_mma, bool b1);
 // Blocks per (b, head) for `rows` rows on a device of n_sm multiprocessors; at most one per 64
 // rows (and 1024). kGeneral: at least one full wave of 3 blocks a multiprocessor, the last wave

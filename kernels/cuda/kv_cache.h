@@ -218,6 +218,10 @@ class CudaKV : public DeviceKV {
     if (part_o.bytes < po) part_o = {ctx->alloc(po, "decode attention partial outputs"), po};
     if (part_md.bytes < pm) part_md = {ctx->alloc(pm, "decode attention partial states"), pm};
     if (vis_range.bytes < pm) vis_range = {ctx->alloc(pm, "decode attention visual ranges"), pm};
+    // Calibrated visual parts on the binary path keep their scores between the two passes.
+    vis_stride = has_b1 ? rows + kDecodeScorePad : 0;
+    const int64_t vb = static_cast<int64_t>(nh) * vis_stride * 4;
+    if (vis_scores.bytes < vb) vis_scores = {ctx->alloc(vb, "decode attention visual scores"), vb};
     if (md_out.bytes < nh * 8) md_out = {ctx->alloc(nh * 8, "decode attention states"), nh * 8};
     if (sem.bytes < nh * 4) {
       sem = {ctx->alloc(nh * 4, "decode attention merge counters"), nh * 4};
@@ -230,7 +234,8 @@ class CudaKV : public DeviceKV {
   int L, NKV, D;
   std::vector<DevLayer> layers;
   DevMem counters, done;
-  DevMem table, nparts, part_o, part_md, vis_range, md_out, sem;
+  DevMem table, nparts, part_o, part_md, vis_range, vis_scores, md_out, sem;
+  int64_t vis_stride = 0;
   int max_parts = 1, splits = 1, nh = 0, lut_bits = 0, all_f16 = 1, all_mma = 0, has_b1 = 0, b1_pair = 0,
       f16_bulk = 0;
   bool dirty = true;

@@ -57,6 +57,8 @@ void kv_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, S
       p.tau1 = tau1;
       p.tau2 = tau2;
       p.vis_range = C.vis_range.as<float>();
+      p.vis_scores = C.vis_stride ? C.vis_scores.as<float>() : nullptr;
+      p.vis_stride = C.vis_stride;
     }
     decode_attention(p, ctx.stream);
     return;
