@@ -204,7 +204,7 @@ void run_attention(const AttnArgs& a) {
   c.contexts = a.contexts;
   c.batches = a.batches;
   c.bits = a.bits;
-  c.calibrate_1bit = !a.no_calib;
+  c.calibrated = !a.no_calib;
   c.splits = a.splits;
   c.back_to_back = a.back_to_back;
   c.host_paced = a.host_paced;
@@ -395,7 +395,7 @@ void add_bench_command(CLI::App& root) {
   add_ints(at, "--splits", t->splits, 0, 1024, "Splits of each head's rows (0 = the kernel's choice)");
   add_int(at, "--reps", t->reps, 1, 100000, "Timed calls per point (median), or calls per timing with --back-to-back");
   add_int(at, "--device", t->device, 0, 1024, "CUDA device ordinal");
-  at->add_flag("--no-calibration", t->no_calib, "Skip the 1-bit row with in-kernel calibration");
+  at->add_flag("--no-calibration", t->no_calib, "Skip the 2- and 1-bit rows with in-kernel calibration");
   at->add_flag("--back-to-back", t->back_to_back,
                "Time calls in a row (median of 5 runs / --reps) instead of each call alone (events around it)");
   at->add_flag("--host-paced", t->host_paced,

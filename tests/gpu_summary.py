@@ -55,13 +55,14 @@ def main():
         floor = f", an empty kernel {a['empty_kernel_ms']:.4f} ms" if "empty_kernel_ms" in a else ""
         print(f"\ndecode attention 32x128, {how} (copy {a['copy_bandwidth_gbs']:.0f} GB/s{floor}): "
               "ms / share of copy / speed-up vs fp16")
-        print(f"{'batch':>5}{'context':>8}{'sdpa fp16':>11}" + "".join(f"{f:>20}" for f in ("fp16", "q4", "q2", "q1", "q1+calib")))
+        formats = ("fp16", "q4", "q2", "q1", "q2+calib", "q1+calib")
+        print(f"{'batch':>5}{'context':>8}{'sdpa fp16':>11}" + "".join(f"{f:>20}" for f in formats))
         keys = sorted({(r["batch"], r["context"]) for r in a["rows"]})
         for k in keys:
             row = f"{k[0]:>5}{k[1]:>8}"
             s = sdpa.get(k)
             row += f"{s['ms']:>11.4f}" if s else f"{'-':>11}"
-            for f in ("fp16", "q4", "q2", "q1", "q1+calib"):
+            for f in formats:
                 r = next((r for r in a["rows"] if (r["batch"], r["context"]) == k and r["format"] == f), None)
                 row += f"{r['ms']:>9.4f} {100 * r['share_of_copy']:>4.0f}% {r['speedup_vs_fp16']:>4.1f}x" if r else f"{'-':>20}"
             print(row)

@@ -552,7 +552,7 @@ TEST(DecodeKernel, PackedPartsBetweenFp16PartsBatchedAndSplit) {
           kernel_case(c);
           c.b1_pair = false;
         }
-        if (bits == 1 && cal) {
+        if (bits <= 2 && cal) {
           c.keep_scores = false;  // the attention pass reads the keys again
           kernel_case(c);
           c.keep_scores = true;

@@ -193,7 +193,8 @@ std::vector<AttnBenchRow> bench_decode_attention(const AttnBenchConfig& c, doubl
         double fp16_ms = 0;
         std::vector<std::pair<int, bool>> fmts;
         for (int b : c.bits) fmts.push_back({b, false});
-        if (c.calibrate_1bit) fmts.push_back({1, true});
+        for (int b : {2, 1})
+          if (c.calibrated && std::find(c.bits.begin(), c.bits.end(), b) != c.bits.end()) fmts.push_back({b, true});
         for (auto [bits, calib] : fmts) {
           const int64_t heads = static_cast<int64_t>(B) * NH;
           const int64_t row_bytes = bits == 16 ? static_cast<int64_t>(D) * 2 : static_cast<int64_t>(D) * bits / 8;

@@ -17,7 +17,7 @@ struct AttnBenchConfig {
   std::vector<int> contexts{4096, 16384, 65536};
   std::vector<int> batches{1, 16};
   std::vector<int> bits{16, 4, 2, 1};
-  bool calibrate_1bit = true;  // also time 1-bit with calibration
+  bool calibrated = true;  // also time the 2- and 1-bit formats among `bits` with in-kernel calibration
   std::vector<int> splits{0};  // splits of each head's rows; 0 = decode_splits' choice
   // Time per call: the median of `reps` calls each timed alone by events around it, or, back to
   // back, of `reps` calls in a row (median of 5 runs ÷ reps; each call reads another copy of the
@@ -30,7 +30,7 @@ struct AttnBenchConfig {
   int reps = 30;
 };
 struct AttnBenchRow {
-  std::string format;  // "fp16", "q4", "q2", "q1", "q1+calib"
+  std::string format;  // "fp16", "q4", "q2", "q1", "q2+calib", "q1+calib"
   int bits = 16, batch = 1, context = 0, splits = 0;
   double ms = 0;              // median per call
   double bytes = 0;           // the kernel must read (K, V, ranges, queries) and write (outputs)

@@ -33,9 +33,10 @@
 // scores over all its rows, which a split alone cannot know. A first pass (calibrate = 1) runs
 // the same kernel computing only the visual scores' min and max per split; the attention pass
 // reduces those over the splits in its prologue and applies g to every visual score before the
-// softmax. The visual keys are thus read twice (their K codes, not V) — except on the binary path
-// with DecodeParams::vis_scores, where the first pass writes each visual row's score (4 bytes
-// against the key's 16) and the second reads it instead of the keys.
+// softmax. The visual keys are thus read twice (their K codes, not V) — except on the binary and
+// integer paths (1- and 2-bit codes) with DecodeParams::vis_scores, where the first pass writes
+// each visual row's score (4 bytes against the key's 16 or 32) and the second reads it instead
+// of the keys.
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
@@ -458,14 +459,17 @@ __device__ __forceinline__ int mma_kind(const PartDesc& P, int n, int mode, bool
 
 // A part of row-major codes: 1 and 2 bits on the integer tensor-core path (decode_i8.cuh), 4 and
 // 8 bits on the fp16-operand one (decode_mma.cuh; 16 rows a tile).
+// vsc: the part's kept scores (run_mma), on the integer path.
 template <int BITS>
 __device__ __forceinline__ void row_major_part(const PartDesc& P, int a, int e, const float* qs, int w, int nw, bool r,
                                                bool cal, float cal_t, float cal_g, float tau1, State& st, float& lo,
-                                               float& hi, uint4* wbuf) {
+                                               float& hi, uint4* wbuf, float* vsc) {
   using namespace mma_path;
   if constexpr (BITS <= 2) {
-    if (r) i8_path::packed_i8<BITS, true>(P, a, e, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi, wbuf);
-    else i8_path::packed_i8<BITS, false>(P, a, e, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi, wbuf);
+    if (r) i8_path::packed_i8<BITS, true>(P, a, e, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi, wbuf, vsc);
+    else if (vsc && cal)
+      i8_path::packed_i8<BITS, false, true>(P, a, e, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi, wbuf, vsc);
+    else i8_path::packed_i8<BITS, false>(P, a, e, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi, wbuf, nullptr);
   } else {
     if (r) packed_mma<BITS, 1, true>(P, a, e, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi);
     else packed_mma<BITS, 1, false>(P, a, e, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi);
@@ -475,9 +479,10 @@ __device__ __forceinline__ void row_major_part(const PartDesc& P, int a, int e, 
 // PAIR: 128-row sub-tiles an iteration of the binary path (2 in the kernel of two blocks a
 // multiprocessor).
 // stage: the block's stages (kB1StageBytes, twice that in pairs, when b1; else kI8StageBytes).
-// vsc: the part's visual scores (DecodeParams::vis_scores at its first row) for the binary path,
-// written by the range pass and read by the attention pass; null: neither.
-template <int PAIR>
+// vsc: the part's visual scores (DecodeParams::vis_scores at its first row) for the binary and
+// integer paths, written by the range pass and read by the attention pass; null: neither. HAS_B1:
+// the kernel may take the binary path (DecodeParams::b1; without it no part is kChannelT here).
+template <int PAIR, bool HAS_B1>
 __device__ void run_mma(int bits, const PartDesc& P, int a, int e, const float* qs, int mode, bool cal, float cal_t,
                         float cal_g, float tau1, State& st, float& lo, float& hi, uint4* stage, bool b1, float* vsc) {
   const int w = threadIdx.x / 32, nw = kThreads / 32;
@@ -491,7 +496,7 @@ __device__ void run_mma(int bits, const PartDesc& P, int a, int e, const float* 
   switch (bits) {
     case 1: {
       int e1 = a;  // rows [a, e1) in whole channel-major groups: the binary path
-      if (P.v.fmt == kChannelT) {
+      if (HAS_B1 && P.v.fmt == kChannelT) {
         e1 = min(e, P.n & ~31);
         if (a < e1) {
           if (r) b1_path::packed_b1<true, PAIR>(P, a, e1, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi, stage, vsc);
@@ -501,12 +506,12 @@ __device__ void run_mma(int bits, const PartDesc& P, int a, int e, const float* 
         }
       }
       const int a1 = max(a, e1);  // the rest row-major
-      if (a1 < e) row_major_part<1>(P, a1, e, qs, w, nw, r, cal, cal_t, cal_g, tau1, st, lo, hi, wbuf);
+      if (a1 < e) row_major_part<1>(P, a1, e, qs, w, nw, r, cal, cal_t, cal_g, tau1, st, lo, hi, wbuf, vsc);
       break;
     }
-    case 2: row_major_part<2>(P, a, e, qs, w, nw, r, cal, cal_t, cal_g, tau1, st, lo, hi, wbuf); break;
-    case 4: row_major_part<4>(P, a, e, qs, w, nw, r, cal, cal_t, cal_g, tau1, st, lo, hi, wbuf); break;
-    default: row_major_part<8>(P, a, e, qs, w, nw, r, cal, cal_t, cal_g, tau1, st, lo, hi, wbuf); break;
+    case 2: row_major_part<2>(P, a, e, qs, w, nw, r, cal, cal_t, cal_g, tau1, st, lo, hi, wbuf, vsc); break;
+    case 4: row_major_part<4>(P, a, e, qs, w, nw, r, cal, cal_t, cal_g, tau1, st, lo, hi, wbuf, nullptr); break;
+    default: row_major_part<8>(P, a, e, qs, w, nw, r, cal, cal_t, cal_g, tau1, st, lo, hi, wbuf, nullptr); break;
   }
 }
 
@@ -650,9 +655,9 @@ __global__ void __launch_bounds__(kThreads, MMA == 1 ? kMmaMinBlocks : MMA == 3 
       if constexpr (MMA_ONLY) {
         mk = mma_kind(P, n, mode, false, p.b1);
         constexpr int kPair = MMA == 3 ? 2 : 1;
-        if (mk)  // (the kernel without the binary path keeps no scores)
-          run_mma<kPair>(mk, P, a, e, sh_q, mode, cal && P.visual, cal_t, cal_g, p.tau1, st, lo, hi, stage, p.b1,
-                         MMA == 1 ? nullptr : scores_of(P, n));
+        if (mk)
+          run_mma<kPair, MMA != 1>(mk, P, a, e, sh_q, mode, cal && P.visual, cal_t, cal_g, p.tau1, st, lo, hi, stage,
+                                   p.b1, scores_of(P, n));
         else if (mode == kAttend) fp16_rows<L, 4>(P, a, e, q, ln, g, false, cal_t, cal_g, p.tau1, st);
         base += n;
         continue;
@@ -662,8 +667,8 @@ __global__ void __launch_bounds__(kThreads, MMA == 1 ? kMmaMinBlocks : MMA == 3 
       if constexpr (L == 8 || L == 16)
         if (p.D == 8 * L && !mk) kind = fast_kind(P, n, mode, sin != nullptr, p.lut_bits);  // every lane busy
       if (mk)
-        run_mma<1>(mk, P, a, e, sh_q, mode, cal && P.visual, cal_t, cal_g, p.tau1, st, lo, hi, stage, p.b1,
-                   scores_of(P, n));
+        run_mma<1, true>(mk, P, a, e, sh_q, mode, cal && P.visual, cal_t, cal_g, p.tau1, st, lo, hi, stage, p.b1,
+                         scores_of(P, n));
       else if (kind) run_fast<L>(kind, P, a, e, q, ln, g, mode, cal && P.visual, cal_t, cal_g, p.tau1, st, lo, hi, lut);
       else run_part<L>(P, n, a, e, base, q, ln, g, mode, cal && P.visual, cal_t, cal_g, p.tau1, sin, sout, st, lo, hi);
     }

@@ -109,11 +109,15 @@ __device__ __forceinline__ void load_values(const uint8_t* S, int j0, int e, int
 // from a). RANGE: min / max of the scores into lo / hi only. Otherwise the part's softmax state is
 // merged into st of lanes 0..15 (8 channels a lane). qs: the block's scaled query in shared memory;
 // buf: this warp's stages (kI8Stages of 64·BITS 16-byte chunks, keys only when RANGE: half that).
+// vsc (the part's row 0 in DecodeParams::vis_scores, or null): RANGE writes each row's raw score
+// there; SCORES (attention with calibration) stages a tile's scores in its keys' chunks (from
+// the 16-byte boundary at or before its first row's: nine chunks) and multiplies no keys.
 // Every thread of the block calls it (the digits of U are built by the whole block).
-template <int BITS, bool RANGE>
+template <int BITS, bool RANGE, bool SCORES = false>
 __device__ __noinline__ void packed_i8(const PartDesc& Pd, int a, int e, const float* qs, int warp, int nw, bool cal,
                                        float cal_t, float cal_g, float tau1, State& st_io, float& lo, float& hi,
-                                       uint4* buf) {
+                                       uint4* buf, float* vsc) {
+  static_assert(!(RANGE && SCORES), "the range pass computes the scores");
   using L = Layout<BITS>;
   constexpr int J = L::J;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -127,6 +131,11 @@ __device__ __noinline__ void packed_i8(const PartDesc& Pd, int a, int e, const f
   // kI8Stages − 1 groups is waiting for the tile about to be computed.
   constexpr int SIDE = 32 * BITS, SZ = (RANGE ? 1 : 2) * SIDE;  // a stage's 16-byte chunks
   const uint32_t sbase = smem_addr(buf);
+  // SCORES: a tile's 32 scores start `soff` floats into its first copied chunk (tiles start 32
+  // rows apart, so every tile has the same offset); past e they are stale and masked
+  // (kDecodeScorePad keeps the copies in bounds).
+  const int soff = SCORES ? static_cast<int>((reinterpret_cast<uintptr_t>(vsc + a) & 15) >> 2) : 0;
+  const uint4* const ssrc = SCORES ? reinterpret_cast<const uint4*>(vsc + a - soff) : nullptr;
   auto issue = [&](int k) {
     const int j0 = a + 32 * (warp + k * nw);
     if (j0 < e) {
@@ -134,8 +143,11 @@ __device__ __noinline__ void packed_i8(const PartDesc& Pd, int a, int e, const f
 #pragma unroll
       for (int q = lane; q < SZ; q += 32) {
         const int side = q / SIDE, cq = q % SIDE;
-        if (j0 + cq / BITS < e)
+        if (SCORES && side == 0) {
+          if (cq < 9) cp_async16(dst + 16u * q, ssrc + (j0 - a) / 4 + cq);
+        } else if (j0 + cq / BITS < e) {
           cp_async16(dst + 16u * q, (side ? V : K) + static_cast<int64_t>(j0) * (16 * BITS) + 16 * cq);
+        }
       }
     }
     cp_async_commit();
@@ -217,12 +229,17 @@ __device__ __noinline__ void packed_i8(const PartDesc& Pd, int a, int e, const f
     __syncwarp();
     const uint8_t* stg = reinterpret_cast<const uint8_t*>(buf + (k % kI8Stages) * SZ);
     Tile<BITS> cur;
-    load_keys<BITS>(stg, j0, e, g, t, cur);
+    if constexpr (!SCORES) load_keys<BITS>(stg, j0, e, g, t, cur);
     if constexpr (!RANGE) load_values<BITS>(stg, j0, e, g, t, cur);
     // Scores of rows g + 8x (x = 2·tile + h), full in lanes t = 0 and 1.
     float s[4];
+    if constexpr (SCORES) {
+      const float* ss = reinterpret_cast<const float*>(stg) + soff;
 #pragma unroll
-    for (int tile = 0; tile < 2; ++tile) {
+      for (int x = 0; x < 4; ++x) s[x] = t < 2 && j0 + 8 * x + g < e ? ss[8 * x + g] : -INFINITY;
+    }
+#pragma unroll
+    for (int tile = 0; tile < 2 && !SCORES; ++tile) {
       int C[4] = {0, 0, 0, 0};
 #pragma unroll
       for (int mm = 0; mm < 4; ++mm) {
@@ -241,6 +258,11 @@ __device__ __noinline__ void packed_i8(const PartDesc& Pd, int a, int e, const f
     }
     if constexpr (RANGE) {
       widen_range<4>(s, lo_, hi_);
+      if (vsc && t == 0) {
+#pragma unroll
+        for (int x = 0; x < 4; ++x)
+          if (j0 + 8 * x + g < e) vsc[j0 + 8 * x + g] = s[x];
+      }
     } else {
       const float mx = warp_max_redux(calibrated_max<4>(s, mw, cal, cal_t, cal_g, tau1));
       if (mx > mw || held == 512) {  // the same in every lane

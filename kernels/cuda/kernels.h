@@ -132,11 +132,11 @@ struct DecodeParams {
   int calibrate = 0;
   float tau1 = 0, tau2 = 0;
   float* vis_range = nullptr;
-  // With calibration, for visual parts on the binary path (decode_b1.cuh): the range pass writes
-  // each row's raw score here and the attention pass reads it instead of the keys' codes —
-  // [B][NH][vis_stride] floats, a row at its index among its head's rows; a part is served only
-  // where its last index + kDecodeScorePad is within vis_stride (elsewhere, or when null, both
-  // passes read the keys).
+  // With calibration, for visual parts of 1- and 2-bit codes at head size 128 (decode_b1.cuh,
+  // decode_i8.cuh): the range pass writes each row's raw score here and the attention pass reads
+  // it instead of the keys' codes — [B][NH][vis_stride] floats, a row at its index among its
+  // head's rows; a part is served only where its last index + kDecodeScorePad is within
+  // vis_stride (elsewhere, or when null, both passes read the keys).
   float* vis_scores = nullptr;
   int64_t vis_stride = 0;
   // Materialized scores: read scores_in[b][h][row] instead of q·k (already transformed), or
