@@ -493,6 +493,9 @@ __device__ void run_mma(int bits, const PartDesc& P, int a, int e, const float* 
   static_assert(i8_path::kI8WarpChunks <= kB1Stages * 256, "the integer path's stages fit a warp's region");
   static_assert(i8_path::kI8WarpChunks * 16 * (kThreads / 32) == kI8StageBytes, "a block's integer-path stages");
   uint4* const wbuf = stage + w * (b1 ? kB1Stages * (r ? 128 : 256) * PAIR : i8_path::kI8WarpChunks);
+  // The paired kernel's integer path keeps no scores: its instantiations made the binary path
+  // 1–3 % slower (H100), for rows past a part's last group of 32 or 2-bit parts beside 1-bit ones.
+  float* const vsc_i8 = PAIR == 2 ? nullptr : vsc;
   switch (bits) {
     case 1: {
       int e1 = a;  // rows [a, e1) in whole channel-major groups: the binary path
@@ -506,10 +509,10 @@ __device__ void run_mma(int bits, const PartDesc& P, int a, int e, const float* 
         }
       }
       const int a1 = max(a, e1);  // the rest row-major
-      if (a1 < e) row_major_part<1>(P, a1, e, qs, w, nw, r, cal, cal_t, cal_g, tau1, st, lo, hi, wbuf, vsc);
+      if (a1 < e) row_major_part<1>(P, a1, e, qs, w, nw, r, cal, cal_t, cal_g, tau1, st, lo, hi, wbuf, vsc_i8);
       break;
     }
-    case 2: row_major_part<2>(P, a, e, qs, w, nw, r, cal, cal_t, cal_g, tau1, st, lo, hi, wbuf, vsc); break;
+    case 2: row_major_part<2>(P, a, e, qs, w, nw, r, cal, cal_t, cal_g, tau1, st, lo, hi, wbuf, vsc_i8); break;
     case 4: row_major_part<4>(P, a, e, qs, w, nw, r, cal, cal_t, cal_g, tau1, st, lo, hi, wbuf, nullptr); break;
     default: row_major_part<8>(P, a, e, qs, w, nw, r, cal, cal_t, cal_g, tau1, st, lo, hi, wbuf, nullptr); break;
   }

@@ -70,7 +70,7 @@ struct Tile {
   uint32_t v[2][4][Layout<BITS>::VW];
 };
 
-// Stages a warp (tiles in flight + 1): 3 was 0.5–7 % faster than 4 at every shape on an H100.
+// Stages a warp (tiles in flight + 1): 3 was 0.3–7 % faster than 4 at every shape on an H100.
 constexpr int kI8Stages = 3;
 // A warp's stages in 16-byte chunks (2 bits; 1 bit needs half), and a block's in bytes.
 constexpr int kI8WarpChunks = kI8Stages * 128;
