@@ -53,29 +53,19 @@ struct Codes {
   }
 };
 
+// A lane's key words and value words of one row (4 and 8 bits; 1 and 2 bits take decode_i8.cuh).
 template <int BITS>
 __device__ __forceinline__ void load_k(const uint8_t* p, uint32_t* w) {
-  if constexpr (BITS == 1) {
-    w[0] = __ldg(reinterpret_cast<const uint32_t*>(p));
-  } else if constexpr (BITS == 2) {
-    const uint2 u = __ldg(reinterpret_cast<const uint2*>(p));
-    w[0] = u.x, w[1] = u.y;
-  } else {
 #pragma unroll
-    for (int i = 0; i < BITS / 4; ++i) {
-      const uint4 u = __ldg(reinterpret_cast<const uint4*>(p) + i);
-      w[4 * i] = u.x, w[4 * i + 1] = u.y, w[4 * i + 2] = u.z, w[4 * i + 3] = u.w;
-    }
+  for (int i = 0; i < BITS / 4; ++i) {
+    const uint4 u = __ldg(reinterpret_cast<const uint4*>(p) + i);
+    w[4 * i] = u.x, w[4 * i + 1] = u.y, w[4 * i + 2] = u.z, w[4 * i + 3] = u.w;
   }
 }
 
 template <int BITS>
 __device__ __forceinline__ void load_v(const uint8_t* p, uint32_t* w) {
-  if constexpr (BITS == 1) {
-    w[0] = __ldg(reinterpret_cast<const uint16_t*>(p));
-  } else if constexpr (BITS == 2) {
-    w[0] = __ldg(reinterpret_cast<const uint32_t*>(p));
-  } else if constexpr (BITS == 4) {
+  if constexpr (BITS == 4) {
     const uint2 u = __ldg(reinterpret_cast<const uint2*>(p));
     w[0] = u.x, w[1] = u.y;
   } else {
