@@ -32,8 +32,8 @@
 // logic for the same rows).
 // Staging: a 32-row tile's codes are contiguous (16·BITS bytes a row and side); each warp copies
 // its next kI8Stages − 1 tiles into its shared-memory stages with cp.async (in a kernel with
-// the binary path, decode_b1.cuh, the same per-warp region as its) while it computes this one, and reads the tile's
-// operands from there: the copies in flight hold no registers. One tile ahead in registers (the
+// the binary path, decode_b1.cuh, the same per-warp region as its) while it computes this one,
+// and reads the tile's operands from there: the copies in flight hold no registers. One tile ahead in registers (the
 // earlier scheme) left the loop waiting on memory at 4k rows a block (an H100 timeline: 81 % of
 // the copy bandwidth inside the loop, 95 % at 64k).
 #pragma once
@@ -70,9 +70,7 @@ struct Tile {
   uint32_t v[2][4][Layout<BITS>::VW];
 };
 
-// Stages a warp (tiles in flight + 1): 3 was 0.3–7 % faster than 4 at every shape on an H100.
-constexpr int kI8Stages = 3;
-// A warp's stages in 16-byte chunks (2 bits; 1 bit needs half), and a block's in bytes.
+// A warp's kI8Stages stages (decode_attention.cu) in 16-byte chunks (2 bits; 1 bit needs half).
 constexpr int kI8WarpChunks = kI8Stages * 128;
 
 // A tile's rows j0.. (zeros from row e) from its stage: keys at the stage's start, values after

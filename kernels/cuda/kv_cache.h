@@ -218,8 +218,9 @@ class CudaKV : public DeviceKV {
     if (part_o.bytes < po) part_o = {ctx->alloc(po, "decode attention partial outputs"), po};
     if (part_md.bytes < pm) part_md = {ctx->alloc(pm, "decode attention partial states"), pm};
     if (vis_range.bytes < pm) vis_range = {ctx->alloc(pm, "decode attention visual ranges"), pm};
-    // Calibrated visual parts of 1- and 2-bit codes keep their scores between the two passes.
-    vis_stride = D == 128 ? rows + kDecodeScorePad : 0;
+    // Calibrated visual parts of 1- and 2-bit codes keep their scores between the two passes
+    // (a cache of fp16 parts only has none).
+    vis_stride = D == 128 && !all_f16 ? rows + kDecodeScorePad : 0;
     const int64_t vb = static_cast<int64_t>(nh) * vis_stride * 4;
     if (vis_scores.bytes < vb) vis_scores = {ctx->alloc(vb, "decode attention visual scores"), vb};
     if (md_out.bytes < nh * 8) md_out = {ctx->alloc(nh * 8, "decode attention states"), nh * 8};
