@@ -235,22 +235,26 @@ DecodePath decode_path(int D, bool all_f16, bool all_mma, bool b1);
 // the most splits that keep it one wave (fewer, longer blocks pay the query's preparation, the
 // partial state and the merge less often: at batch 16 one split a head was 3–22 % faster than
 // three on an H100), else the wave rule at 4. kB1: when every head fits one wave of 2 a
-// multiprocessor, the most splits that keep it so (batch 1: 8 splits a head), else the wave
-// rule at 2 with a last wave at least 85 % full (batch 16: one split a head, 6–18 % faster than
+// multiprocessor, one block a multiprocessor (batch 1 × 32 heads on 132: 4 splits; H100, held,
+// ms: 4k 0.0121–0.0122 against 0.0125 at 8, 16k 0.0173 against 0.0175, 64k 0.0351–0.0354
+// against 0.0354–0.0358; 6, 12 and 16 slower), else the wave rule at 2 with a last wave at least 85 % full (batch 16: one split a head, 6–18 % faster than
 // the one-sub-tile kernel's 2 or 3 at 4k–64k rows). kF16 (head_dim: 4·D bytes of K and V a row): the wave
 // rule at 3, and a block at most kDecodeSplitBytes of rows where that would give it more: long
 // fp16 contexts are then read in many waves of short blocks, whose last wave's idle share is
 // small.
 constexpr int64_t kDecodeSplitBytes = 512 << 10;
-// kF16Bulk: when every head fits one wave of two blocks a multiprocessor, the most splits that
-// keep it one wave (batch 1 × 32 heads: 8, at any context: more were 1–3 % slower at 64k),
-// else the wave rule at two, and blocks of at most kDecodeBulkSplitBytes of rows where that
-// takes kDecodeBulkMinSplits or more. Sweeps at batch 16 (H100 / H200, ms): 4k 0.357 / 0.243
-// at one split, 0.360–0.362 / 0.250–0.253 at 2–8; 16k 1.399 / 0.939 at one, 1.407–1.414 /
-// 0.942–0.948 at 2–4, 1.383–1.392 / 0.940–0.941 at 8–32; 64k 5.543 / 3.719 at one, 5.587–5.665
-// / 3.769–3.809 at 2–4, 5.502–5.547 / 3.678–3.683 at 8–32.
-constexpr int64_t kDecodeBulkSplitBytes = 1 << 20;
-constexpr int kDecodeBulkMinSplits = 8;
+// kF16Bulk: when every head fits one wave of two blocks a multiprocessor, one block a
+// multiprocessor (batch 1 × 32 heads on 132: 4 splits; H100, held, ms: 4k 0.0322–0.0324 against
+// 0.0326–0.0328 at 8, 0.0336–0.0339 at 3; 16k 0.0972–0.0975 against 0.0979–0.0990 at 8; 64k
+// 0.3590–0.3594 against 0.3579–0.3608 at 8), else the wave rule at two, and blocks of at most
+// kDecodeBulkSplitBytes of rows where that takes kDecodeBulkMinSplits or more. Sweeps at batch
+// 16 (H100, ms): 4k 0.3570–0.3585 at one split, 0.3576–0.3583 at 8, 0.373 at 16; 16k
+// 1.3843–1.3848 at 32, 1.3876–1.3894 at 16–48, 1.392 at 8, 1.426–1.430 at 64; 64k
+// 5.4914–5.4919 at 128, 5.4930–5.4935 at 64, 5.500–5.504 at 32, 5.577 at 48. (H200, an earlier
+// kernel: 4k 0.243 at one split, 0.250–0.253 at 2–8; 16k 0.940–0.941 at 8–32; 64k 3.678–3.683
+// at 8–32, 3.719 at one.)
+constexpr int64_t kDecodeBulkSplitBytes = 256 << 10;
+constexpr int kDecodeBulkMinSplits = 16;
 // Rows a head from which an fp16 cache of head size 128 on sm_90 takes the bulk-copy kernel;
 // shorter contexts (a captioning run's hundreds of rows) keep the register-staged one, whose
 // fixed work a block is shorter.
