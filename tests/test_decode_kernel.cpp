@@ -435,13 +435,13 @@ TEST(DecodeKernel, SplitCountsFillTheirLastWave) {
   EXPECT_EQ(cuda::decode_splits(1, 32, 616, sm, cuda::DecodePath::kF16, 128),
             cuda::decode_splits(1, 32, 616, sm));  // a captioning run's context
   // The packed kernels: when every head fits `wave` blocks, the most splits that keep it within
-  // `fill` of them; otherwise at least 90 % of a wave of `full` blocks. The tensor-core-only
-  // kernel: one wave of 4 blocks a multiprocessor (one split a head at batch 16 × 32 heads, 16
-  // at batch 1), else the wave rule at 4. The binary path: where its heads fit one wave of two
-  // blocks a multiprocessor, one block a multiprocessor (4 splits at batch 1 × 32 heads), else the wave rule at 2 with the first count whose last wave is 85 %
+  // them; otherwise at least 90 % of a wave of `full` blocks. The tensor-core-only kernel: one
+  // wave of 4 blocks a multiprocessor (one split a head at batch 16 × 32 heads, 16 at batch 1),
+  // else the wave rule at 4. The binary path: one wave of two blocks a multiprocessor (8 splits
+  // at batch 1 × 32 heads), else the wave rule at 2 with the first count whose last wave is 85 %
   // full — never more than kGeneral's 90 % takes (1 at batch 16 × 32 heads, where kGeneral
   // takes 3).
-  auto check_packed = [&](cuda::DecodePath path, const std::string& name, int wave, int fill, int full,
+  auto check_packed = [&](cuda::DecodePath path, const std::string& name, int wave, int full,
                           std::initializer_list<int> batches) {
     for (int B : batches)
       for (int NH : {8, 32, 40})
@@ -452,9 +452,9 @@ TEST(DecodeKernel, SplitCountsFillTheirLastWave) {
           EXPECT_LE(s, std::max(1, most));
           const int heads = B * NH;
           if (heads <= wave) {
-            EXPECT_LE(heads * s, std::max(fill, heads)) << s << " splits";
+            EXPECT_LE(heads * s, wave) << s << " splits";
             if (s < most) {
-              EXPECT_GT(heads * (s + 1), fill) << s << " splits";
+              EXPECT_GT(heads * (s + 1), wave) << s << " splits";
             }
           } else if (s < most) {
             EXPECT_GE(static_cast<double>(heads) * s, 0.9 * full - 1e-9) << s << " splits";
@@ -464,11 +464,11 @@ TEST(DecodeKernel, SplitCountsFillTheirLastWave) {
           }
         }
   };
-  check_packed(cuda::DecodePath::kMma, "kMma", 4 * sm, 4 * sm, 4 * sm, {1, 2, 3, 16, 17, 64});
-  check_packed(cuda::DecodePath::kB1, "kB1", 2 * sm, sm, 2 * sm, {1, 2, 3, 6, 16});
+  check_packed(cuda::DecodePath::kMma, "kMma", 4 * sm, 4 * sm, {1, 2, 3, 16, 17, 64});
+  check_packed(cuda::DecodePath::kB1, "kB1", 2 * sm, 2 * sm, {1, 2, 3, 6, 16});
   EXPECT_EQ(cuda::decode_splits(16, 32, 4096, sm, cuda::DecodePath::kMma, 128), 1);
   EXPECT_EQ(cuda::decode_splits(1, 32, 65536, sm, cuda::DecodePath::kMma, 128), 16);
-  EXPECT_EQ(cuda::decode_splits(1, 32, 65536, sm, cuda::DecodePath::kB1, 128), 4);
+  EXPECT_EQ(cuda::decode_splits(1, 32, 65536, sm, cuda::DecodePath::kB1, 128), 8);
   EXPECT_EQ(cuda::decode_splits(6, 32, 65536, sm, cuda::DecodePath::kB1, 128), 1);
   EXPECT_EQ(cuda::decode_splits(16, 32, 65536, sm, cuda::DecodePath::kB1, 128), 1);
   EXPECT_EQ(cuda::decode_splits(16, 32, 65536, sm), 3);

@@ -235,9 +235,10 @@ DecodePath decode_path(int D, bool all_f16, bool all_mma, bool b1);
 // the most splits that keep it one wave (fewer, longer blocks pay the query's preparation, the
 // partial state and the merge less often: at batch 16 one split a head was 3–22 % faster than
 // three on an H100), else the wave rule at 4. kB1: when every head fits one wave of 2 a
-// multiprocessor, one block a multiprocessor (batch 1 × 32 heads on 132: 4 splits; H100, held,
-// ms: 4k 0.0121–0.0122 against 0.0125 at 8, 16k 0.0173 against 0.0175, 64k 0.0351–0.0354
-// against 0.0354–0.0358; 6, 12 and 16 slower), else the wave rule at 2 with a last wave at least 85 % full (batch 16: one split a head, 6–18 % faster than
+// multiprocessor, the most splits that keep it so (batch 1: 8 splits a head; one block a
+// multiprocessor, 4, was 1–3 % faster without calibration but 3–10 % slower with it at 16k and
+// 64k on an H100: q1 + calibration 0.0228 / 0.0478 ms against 0.0221 / 0.0436), else the wave
+// rule at 2 with a last wave at least 85 % full (batch 16: one split a head, 6–18 % faster than
 // the one-sub-tile kernel's 2 or 3 at 4k–64k rows). kF16 (head_dim: 4·D bytes of K and V a row): the wave
 // rule at 3, and a block at most kDecodeSplitBytes of rows where that would give it more: long
 // fp16 contexts are then read in many waves of short blocks, whose last wave's idle share is
