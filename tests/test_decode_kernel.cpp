@@ -498,7 +498,7 @@ TEST(DecodeKernel, SplitCountsFillTheirLastWave) {
   EXPECT_FALSE(cuda::decode_launch(193, 32, 3368, sm, 128, false, true, true).b1_pair);
   EXPECT_FALSE(cuda::decode_launch(1, 32, 65536, sm, 128, false, true, false).b1_pair);
   // The bulk-copy fp16 kernel: head size 128 on sm_90 from kDecodeBulkRows rows a head; one
-  // block a multiprocessor at batch 1 (4 splits of 32 heads on 132, at any context), else
+  // wave of two blocks a multiprocessor at batch 1 (8 splits of 32 heads, at any context), else
   // the wave rule at two, and at most kDecodeBulkSplitBytes of rows a block where that takes
   // kDecodeBulkMinSplits or more.
   EXPECT_TRUE(cuda::decode_f16_bulk(128, cuda::kDecodeBulkRows, true));
@@ -511,8 +511,8 @@ TEST(DecodeKernel, SplitCountsFillTheirLastWave) {
       SCOPED_TRACE("bulk B=" + std::to_string(B) + " rows=" + std::to_string(rows));
       const int64_t bytes = static_cast<int64_t>(rows) * 512;
       if (B * 32 <= 2 * sm) {
-        EXPECT_LE(B * 32 * s, sm);
-        EXPECT_GT(B * 32 * (s + 1), sm);  // no further split fits one block a multiprocessor
+        EXPECT_LE(B * 32 * s, 2 * sm);
+        EXPECT_GT(B * 32 * (s + 1), 2 * sm);  // no further split fits the wave
       } else if (bytes >= cuda::kDecodeBulkSplitBytes * cuda::kDecodeBulkMinSplits) {
         EXPECT_TRUE(bytes <= cuda::kDecodeBulkSplitBytes * s || s == cuda::kDecodeMaxSplits) << s << " splits";
       } else {
@@ -524,8 +524,8 @@ TEST(DecodeKernel, SplitCountsFillTheirLastWave) {
       EXPECT_FALSE(cuda::decode_launch(B, 32, rows, sm, 128, true, false, false, 0, false).f16_bulk);
       EXPECT_FALSE(cuda::decode_launch(B, 32, rows, sm, 128, false, true, true, 0, true).f16_bulk);
     }
-  EXPECT_EQ(cuda::decode_splits(1, 32, 65536, sm, cuda::DecodePath::kF16Bulk, 128), 4);
-  EXPECT_EQ(cuda::decode_splits(1, 32, 4096, sm, cuda::DecodePath::kF16Bulk, 128), 4);
+  EXPECT_EQ(cuda::decode_splits(1, 32, 65536, sm, cuda::DecodePath::kF16Bulk, 128), 8);
+  EXPECT_EQ(cuda::decode_splits(1, 32, 4096, sm, cuda::DecodePath::kF16Bulk, 128), 8);
   EXPECT_EQ(cuda::decode_splits(8, 32, 4096, sm, cuda::DecodePath::kF16Bulk, 128), 1);
   EXPECT_EQ(cuda::decode_splits(16, 32, 4096, sm, cuda::DecodePath::kF16Bulk, 128), 1);
   EXPECT_EQ(cuda::decode_splits(16, 32, 8192, sm, cuda::DecodePath::kF16Bulk, 128), 16);

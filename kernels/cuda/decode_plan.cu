@@ -16,9 +16,8 @@ int decode_splits(int B, int NH, int rows, int n_sm, DecodePath path, int head_d
                        : path == DecodePath::kF16Bulk ? kDecodeBulkMinBlocks
                                                       : kDecodeMinBlocks;
   const double slots = static_cast<double>(resident) * n_sm, heads = static_cast<double>(B) * NH;
-  // The packed kernels and the bulk-copy one where every head fits one wave of theirs (4 blocks
-  // a multiprocessor for kMma, 2 for kB1 and kF16Bulk): the most splits that keep it one wave,
-  // or for the bulk-copy kernel one block a multiprocessor.
+  // The packed kernels and the bulk-copy one at few heads: the most splits that keep every
+  // head's blocks within one wave (4 a multiprocessor for kMma, 2 for kB1 and kF16Bulk).
   const double wave = path == DecodePath::kMma || path == DecodePath::kB1 || path == DecodePath::kF16Bulk ? slots : 0.0;
   const int64_t cap = path == DecodePath::kF16Bulk ? kDecodeBulkSplitBytes : kDecodeSplitBytes;
   const bool f16 = (path == DecodePath::kF16 || path == DecodePath::kF16Bulk) && head_dim > 0;
@@ -28,8 +27,7 @@ int decode_splits(int B, int NH, int rows, int n_sm, DecodePath path, int head_d
                      : 1;
   // The bulk-copy kernel at batch 16: 2–8 splits a head were no faster than one (kernels.h).
   if (path == DecodePath::kF16Bulk && by_bytes < kDecodeBulkMinSplits) by_bytes = 1;
-  const double fill = path == DecodePath::kF16Bulk ? n_sm : wave;
-  if (heads <= wave) return std::min(most, std::max(1, static_cast<int>(fill / heads)));
+  if (heads <= wave) return std::min(most, std::max(1, static_cast<int>(wave / heads)));
   // From the count that makes one wave 90 % full, the first whose last wave is at least 90 % full
   // (85 % on the binary path, whose short blocks cost more than a fuller last wave gains) — else
   // the fullest up to four times that count.

@@ -244,16 +244,17 @@ DecodePath decode_path(int D, bool all_f16, bool all_mma, bool b1);
 // fp16 contexts are then read in many waves of short blocks, whose last wave's idle share is
 // small.
 constexpr int64_t kDecodeSplitBytes = 512 << 10;
-// kF16Bulk: when every head fits one wave of two blocks a multiprocessor, one block a
-// multiprocessor (batch 1 × 32 heads on 132: 4 splits; H100, held, ms: 4k 0.0322–0.0324 against
-// 0.0326–0.0328 at 8, 0.0336–0.0339 at 3; 16k 0.0972–0.0975 against 0.0979–0.0990 at 8; 64k
-// 0.3590–0.3594 against 0.3579–0.3608 at 8), else the wave rule at two, and blocks of at most
-// kDecodeBulkSplitBytes of rows where that takes kDecodeBulkMinSplits or more. Sweeps at batch
-// 16 (H100, ms): 4k 0.3570–0.3585 at one split, 0.3576–0.3583 at 8, 0.373 at 16; 16k
-// 1.3843–1.3848 at 32, 1.3876–1.3894 at 16–48, 1.392 at 8, 1.426–1.430 at 64; 64k
-// 5.4914–5.4919 at 128, 5.4930–5.4935 at 64, 5.500–5.504 at 32, 5.577 at 48. (H200, an earlier
-// kernel: 4k 0.243 at one split, 0.250–0.253 at 2–8; 16k 0.940–0.941 at 8–32; 64k 3.678–3.683
-// at 8–32, 3.719 at one.)
+// kF16Bulk: when every head fits one wave of two blocks a multiprocessor, the most splits that
+// keep it one wave (batch 1 × 32 heads: 8, at any context; more were 1–3 % slower at 64k; one
+// block a multiprocessor, 4, was 0.3–1.5 % faster held but slower in a row on an H100, ms:
+// 4k 0.0304 against 0.0265–0.0267, 16k 0.0954 against 0.0912, 64k 0.3548–0.3550 against
+// 0.3538–0.3542), else the wave rule at two, and blocks of at most kDecodeBulkSplitBytes of
+// rows where that takes kDecodeBulkMinSplits or more. Sweeps at batch 16 (H100, held, ms): 4k
+// 0.3570–0.3585 at one split, 0.3576–0.3583 at 8, 0.373 at 16; 16k 1.3843–1.3848 at 32,
+// 1.3876–1.3894 at 16–48, 1.392 at 8, 1.426–1.430 at 64; 64k 5.4914–5.4919 at 128,
+// 5.4930–5.4935 at 64, 5.500–5.504 at 32, 5.577 at 48. (H200, an earlier kernel: 4k 0.243 at
+// one split, 0.250–0.253 at 2–8; 16k 0.940–0.941 at 8–32; 64k 3.678–3.683 at 8–32, 3.719 at
+// one.)
 constexpr int64_t kDecodeBulkSplitBytes = 256 << 10;
 constexpr int kDecodeBulkMinSplits = 16;
 // Rows a head from which an fp16 cache of head size 128 on sm_90 takes the bulk-copy kernel;
