@@ -605,7 +605,8 @@ void attention_case(int T, int NH, int NKV, int D, bool causal, Dt odt) {
           double row_max = 0;
           const size_t at = (static_cast<size_t>(h) * T + t) * T;
           for (int j = 0; j < T; ++j) {
-            const float* k = qkv.data() + static_cast<size_t>(j) * l.row_stride + l.k_col + static_cast<size_t>(h / G) * D;
+            const float* k =
+                qkv.data() + static_cast<size_t>(j) * l.row_stride + l.k_col + static_cast<size_t>(h / G) * D;
             double mag = 0;
             for (int d = 0; d < D; ++d) mag += std::abs(static_cast<double>(q[d]) * k[d]);
             mag *= l.scale;
