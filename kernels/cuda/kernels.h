@@ -236,8 +236,9 @@ DecodePath decode_path(int D, bool all_f16, bool all_mma, bool b1);
 // partial state and the merge less often: at batch 16 one split a head was 3–22 % faster than
 // three on an H100), else the wave rule at 4. kB1: when every head fits one wave of 2 a
 // multiprocessor, the most splits that keep it so (batch 1: 8 splits a head; one block a
-// multiprocessor, 4, was 1–3 % faster without calibration but 3–10 % slower with it at 16k and
-// 64k on an H100: q1 + calibration 0.0228 / 0.0478 ms against 0.0221 / 0.0436), else the wave
+// multiprocessor, 4, was 0–3 % faster without calibration in one call and 0–2 % slower in
+// another, and 3–10 % slower with it at 16k and 64k on H100s: q1 + calibration 0.0226–0.0228 /
+// 0.0478–0.0479 ms against 0.0220–0.0222 / 0.0433–0.0438), else the wave
 // rule at 2 with a last wave at least 85 % full (batch 16: one split a head, 6–18 % faster than
 // the one-sub-tile kernel's 2 or 3 at 4k–64k rows). kF16 (head_dim: 4·D bytes of K and V a row): the wave
 // rule at 3, and a block at most kDecodeSplitBytes of rows where that would give it more: long
