@@ -17,13 +17,16 @@ namespace kvlens::testing {
 // plus its own rounding; an unnormalized weight then within E = twice the row's largest score
 // error, the subtraction's and exp's rounding; the output, Σ P_j·|v_j| times twice (E + the
 // sums' 2·γ_n + 2u) — rescaling steps and second-order terms inside the factor of two.
+// score_mag, when given: scale·Σ|q·k| of each score, [n_heads][T][T] (0 where masked).
 inline void attention_refs(const std::vector<float>& qkv, const AttnLayout& l, Dt in, std::vector<float>& ref,
-                           std::vector<float>& naive, std::vector<double>* err32 = nullptr) {
+                           std::vector<float>& naive, std::vector<double>* err32 = nullptr,
+                           std::vector<double>* score_mag = nullptr) {
   const int T = l.T, NH = l.n_heads, D = l.head_dim, G = NH / l.n_kv_heads;
   const double u = std::ldexp(1.0, -24);
   ref.assign(static_cast<size_t>(T) * NH * D, 0.0f);
   naive = ref;
   if (err32) err32->assign(ref.size(), 0.0);
+  if (score_mag) score_mag->assign(static_cast<size_t>(NH) * T * T, 0.0);
   auto Q = [&](int i, int h, int c) { return qkv[i * l.row_stride + l.q_col + h * D + c]; };
   auto K = [&](int j, int h, int c) { return qkv[j * l.row_stride + l.k_col + (h / G) * D + c]; };
   auto V = [&](int j, int h, int c) { return qkv[j * l.row_stride + l.v_col + (h / G) * D + c]; };
@@ -45,6 +48,7 @@ inline void attention_refs(const std::vector<float>& qkv, const AttnLayout& l, D
         s[j] = d * l.scale;
         sn[j] = dn * l.scale;
         ds = std::max(ds, dot_rel(D) * mag * l.scale + u * std::abs(s[j]));
+        if (score_mag) (*score_mag)[(static_cast<size_t>(h) * T + i) * T + j] = mag * l.scale;
         mx = std::max(mx, s[j]);
         mxn = std::max(mxn, sn[j]);
       }
