@@ -290,7 +290,8 @@ __device__ void run_mma(int bits, const PartDesc& P, int a, int e, const float* 
           if (r) b1_path::packed_b1<true, PAIR>(P, a, e1, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi, stage, vsc);
           else if (vsc && cal)
             b1_path::packed_b1<false, PAIR, true>(P, a, e1, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi, stage, vsc);
-          else b1_path::packed_b1<false, PAIR>(P, a, e1, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi, stage, nullptr);
+          else
+            b1_path::packed_b1<false, PAIR>(P, a, e1, qs, w, nw, cal, cal_t, cal_g, tau1, st, lo, hi, stage, nullptr);
         }
       }
       const int a1 = max(a, e1);  // the rest row-major

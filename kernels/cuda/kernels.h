@@ -193,7 +193,8 @@ struct DecodeParams {
 // channel-wise codes on both sides with one range per channel (or one for all) over its n rows,
 // aligned to 4·bits bytes (decode_mma.cuh) or, at 1 and 2 bits, to 16 (decode_i8.cuh's copies);
 // 1-bit values may be kChannelT when the blocks have their staging memory (`staged`,
-// DecodeParams::b1) and both sides are 16-byte aligned (decode_b1.cuh). The host's choice of kernel and the kernel's choice of path both ask this.
+// DecodeParams::b1) and both sides are 16-byte aligned (decode_b1.cuh). The host's choice of
+// kernel and the kernel's choice of path both ask this.
 __host__ __device__ inline int mma_bits(const PartDesc& d, int n, bool staged) {
   const int b = d.k.bits;
   const bool whole = (d.k.group <= 0 || d.k.group >= n) && (d.v.group <= 0 || d.v.group >= n);
