@@ -56,6 +56,9 @@ struct KernelCase {
   bool b1_pair = false;
   // (bits 16, D 128, an sm_90 device) DecodeParams::f16_bulk: rows staged by bulk copies.
   bool bulk = false;
+  // DecodeParams::claim given (zero): the bulk-copy kernel's blocks take their rows from the
+  // head's counter, which the last block must leave at zero.
+  bool claim = false;
 };
 
 // A batch-1 case whose parts are all fp16: front, middle and back rows, splits (0: decode_splits).
@@ -97,7 +100,7 @@ void kernel_case(const KernelCase& c) {
                            (c.calibrate ? (c.keep_scores ? " calibrated (scores kept)" : " calibrated") : "") +
                            (c.chan_stride ? "" : " one range") + (c.mma_only ? " mma-only kernel" : "") +
                            (c.fresh ? " fused token" : "") + (c.appended ? " token appended before" : "") +
-                           (c.bulk ? " bulk copies" : "");
+                           (c.bulk ? " bulk copies" : "") + (c.claim ? " rows claimed" : "");
   SCOPED_TRACE(what);
   const int D = c.D, G = c.NH / c.NKV, seqs = c.B * c.NKV;
   const int ranges = c.chan_stride ? D : 1;
@@ -174,7 +177,7 @@ void kernel_case(const KernelCase& c) {
   const int64_t heads = static_cast<int64_t>(c.B) * c.NH;
   Dev d_parts(parts), d_np(std::vector<int32_t>(static_cast<size_t>(seqs), 3));
   Dev po(heads * splits * D * 4), pm(heads * splits * 2 * 4), vr(heads * splits * 2 * 4);
-  Dev sem(std::vector<int32_t>(static_cast<size_t>(heads), 0));
+  Dev sem(std::vector<int32_t>(static_cast<size_t>(heads), 0)), claim(std::vector<int32_t>(static_cast<size_t>(heads), 0));
   Dev out(std::vector<float>(static_cast<size_t>(heads) * D, std::numeric_limits<float>::quiet_NaN()));
   const int64_t vis_stride = c.calibrate && c.keep_scores ? N + cuda::kDecodeScorePad : 0;
   Dev vs(std::vector<float>(static_cast<size_t>(heads * vis_stride), std::numeric_limits<float>::quiet_NaN()));
@@ -202,6 +205,7 @@ void kernel_case(const KernelCase& c) {
   p.b1 = blocked ? 1 : 0;
   p.b1_pair = blocked && c.b1_pair ? 1 : 0;
   p.f16_bulk = c.bulk ? 1 : 0;
+  if (c.claim) p.claim = claim.as<int>();
   const int n_tail0 = c.n_front + c.n_packed;  // the back part's first row, per (sequence, kv head)
   if (c.fresh) {
     // The back part is the tail: rows of kv head h at tail + h·cap·D, cap = 2·nf (the test's K
@@ -240,6 +244,12 @@ void kernel_case(const KernelCase& c) {
   ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
   std::vector<float> got(static_cast<size_t>(heads) * D);
   ASSERT_EQ(cudaMemcpy(got.data(), out.p, got.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  for (Dev* counter : {&sem, &claim}) {
+    std::vector<int32_t> left(static_cast<size_t>(heads));
+    ASSERT_EQ(cudaMemcpy(left.data(), counter->p, left.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    for (size_t i = 0; i < left.size(); ++i)
+      ASSERT_EQ(left[i], 0) << (counter == &sem ? "merge" : "row claim") << " counter of head " << i << " left set";
+  }
 
   // The fused token as the cache stores it: RoPE at fresh_pos (angles as fp32 products, as the
   // kernels and kernels/cpu compute them), K and V rounded to fp16; q rotated the same way.
@@ -706,27 +716,35 @@ TEST(DecodeKernel, Fp16PartsThroughBulkCopies) {
   // decode_f16_bulk_kernel: stages of 64 rows that start and end inside parts (7 + 1237 + 29
   // rows, the last partly counted on the device), splits that cut stages short, GQA, the step's
   // token fused in (alone in its split too) and a row appended by the kernel before.
-  for (int splits : {0, 1, 7, 37}) {
-    KernelCase c;
-    c.bits = 16;
-    c.splits = splits;
-    c.bulk = true;
-    kernel_case(c);
-  }
-  {
-    KernelCase c = fp16_case(Fp16Shape{32, 32, 128, 5, 4990, 5, 8});  // batch 1, 5000 rows: several stages a block
-    c.bulk = true;
-    kernel_case(c);
-  }
-  for (const Fp16Shape& x : {Fp16Shape{6, 2, 128, 7, 600, 9, 0}, Fp16Shape{6, 2, 128, 1, 62, 0, 64},
-                             Fp16Shape{6, 2, 128, 3, 200, 2, 3}}) {
-    KernelCase c = fp16_case(x);
-    c.bulk = true;
-    c.fresh = true;
-    kernel_case(c);
-    c.fresh = false;
-    c.appended = true;
-    kernel_case(c);
+  // Each with static row ranges and with rows claimed from the head's counter (in chunks of a
+  // stage: 5000 rows at 8 splits leave 79 chunks, 24 of them taken without a claim; 1273 rows
+  // at 7 or 37 splits leave fewer chunks than the first stages ask for, so blocks get none).
+  for (bool claim : {false, true}) {
+    for (int splits : {0, 1, 7, 37}) {
+      KernelCase c;
+      c.bits = 16;
+      c.splits = splits;
+      c.bulk = true;
+      c.claim = claim;
+      kernel_case(c);
+    }
+    for (int splits : {8, 3}) {
+      KernelCase c = fp16_case(Fp16Shape{32, 32, 128, 5, 4990, 5, splits});  // batch 1, 5000 rows: several stages a block
+      c.bulk = true;
+      c.claim = claim;
+      kernel_case(c);
+    }
+    for (const Fp16Shape& x : {Fp16Shape{6, 2, 128, 7, 600, 9, 0}, Fp16Shape{6, 2, 128, 1, 62, 0, 64},
+                               Fp16Shape{6, 2, 128, 3, 200, 2, 3}, Fp16Shape{4, 2, 128, 3, 3000, 2, 4}}) {
+      KernelCase c = fp16_case(x);
+      c.bulk = true;
+      c.claim = claim;
+      c.fresh = true;
+      kernel_case(c);
+      c.fresh = false;
+      c.appended = true;
+      kernel_case(c);
+    }
   }
 #endif
 }

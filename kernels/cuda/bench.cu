@@ -225,8 +225,9 @@ std::vector<AttnBenchRow> bench_decode_attention(const AttnBenchConfig& c, doubl
               vr(heads * splits * 2 * 4, "visual ranges");
           const int64_t vis_stride = calib ? n + kDecodeScorePad : 0;
           Mem vs(heads * vis_stride * 4, "visual scores");
-          Mem np(heads * 4, "part counts"), sem(heads * 4, "merge counters");
+          Mem np(heads * 4, "part counts"), sem(heads * 4, "merge counters"), claim(heads * 4, "row claims");
           KV_CUDA(cudaMemsetAsync(sem.p, 0, heads * 4, st.s), "merge counters");
+          KV_CUDA(cudaMemsetAsync(claim.p, 0, heads * 4, st.s), "row claims");
           std::vector<int32_t> ones(static_cast<size_t>(heads), 1);
           KV_CUDA(cudaMemcpyAsync(np.p, ones.data(), heads * 4, cudaMemcpyHostToDevice, st.s), "part counts");
           std::vector<std::unique_ptr<Mem>> tables;
@@ -271,6 +272,7 @@ std::vector<AttnBenchRow> bench_decode_attention(const AttnBenchConfig& c, doubl
           p.odt = Dt::F16;
           p.out_stride = static_cast<int64_t>(NH) * D;
           p.sem = sem.as<int>();
+          p.claim = claim.as<int>();
           p.lut_bits = bits <= 4 ? bits : 0;
           set_cache_kind(p, D, bits);
           p.b1_pair = plan.b1_pair ? 1 : 0;
@@ -436,8 +438,10 @@ std::vector<ThroughputRow> bench_throughput(const ThroughputConfig& c) {
       const DecodeLaunch plan = launch_for(B, NH, c.visual + c.text + cap, dev, D, bits);
       const int splits = plan.splits;
       Mem po(static_cast<int64_t>(B) * NH * splits * D * 4, "partial outputs"),
-          pm(static_cast<int64_t>(B) * NH * splits * 2 * 4, "partial states"), sem(static_cast<int64_t>(B) * NH * 4, "merge counters");
+          pm(static_cast<int64_t>(B) * NH * splits * 2 * 4, "partial states"), sem(static_cast<int64_t>(B) * NH * 4, "merge counters"),
+          claim(static_cast<int64_t>(B) * NH * 4, "row claims");
       KV_CUDA(cudaMemsetAsync(sem.p, 0, static_cast<size_t>(B) * NH * 4, st.s), "merge counters");
+      KV_CUDA(cudaMemsetAsync(claim.p, 0, static_cast<size_t>(B) * NH * 4, st.s), "row claims");
       const float one = 1.0f, zero = 0.0f;
       auto gemm = [&](const __half* Wt, int N, int K, const void* in, float* y, bool acc) {
         cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, N, B, K, &one, Wt, CUDA_R_16F, K, in, CUDA_R_16F, K,
@@ -469,6 +473,7 @@ std::vector<ThroughputRow> bench_throughput(const ThroughputConfig& c) {
           p.odt = Dt::F16;
           p.out_stride = QD;
           p.sem = sem.as<int>();
+          p.claim = claim.as<int>();
           p.lut_bits = bits <= 4 ? bits : 0;
           set_cache_kind(p, D, bits);
           p.b1_pair = plan.b1_pair ? 1 : 0;

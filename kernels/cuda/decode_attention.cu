@@ -527,8 +527,12 @@ void launch_l(const DecodeParams& p, int mode, cudaStream_t s) {
   if constexpr (L == 16) {
     if (f16 && p.f16_bulk) {
       const int bytes = kBulkStages * kBulkStageBytes;
-      allow_dynamic_smem<decode_f16_bulk_kernel>(bytes);
-      KV_CUDA(launch_dependent(decode_f16_bulk_kernel, grid, kThreads, bytes, s, true, p),
+      // Rows claimed from the head's counter where a head has several blocks (decode_bulk.cuh).
+      const bool claim = p.claim && p.sem && p.splits > 1;
+      if (claim) allow_dynamic_smem<decode_f16_bulk_kernel<true>>(bytes);
+      else allow_dynamic_smem<decode_f16_bulk_kernel<false>>(bytes);
+      KV_CUDA(launch_dependent(claim ? decode_f16_bulk_kernel<true> : decode_f16_bulk_kernel<false>, grid, kThreads,
+                               bytes, s, true, p),
               "decode_f16_bulk_kernel for " + std::to_string(p.B) + "x" + std::to_string(p.NH) + " heads");
       return;
     }

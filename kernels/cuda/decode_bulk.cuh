@@ -12,6 +12,10 @@
 // f16_update as the fp16 kernel; once every group is past a stage (one barrier) thread 0 refills
 // it. Two blocks a multiprocessor (96 KiB of stages each), split by the wave rule at two blocks
 // with at most kDecodeBulkSplitBytes of rows a block (decode_splits, DecodePath::kF16Bulk).
+// Where a head has several blocks and DecodeParams::claim is given, a block's stages after its
+// first kBulkStages are the head's next unread chunk of rows, claimed from a counter: blocks on
+// multiprocessors that stream faster read more of the head, and its blocks end together (at
+// batch 1 / 64k on an H100 the last block ended 12 µs after the median one with fixed ranges).
 // The step's token, when fused in, is not in memory: the stages stop before it, and group 0 of
 // the block whose range holds it takes it as one more row (fresh_token, as the fp16 kernel).
 #pragma once
@@ -46,6 +50,10 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
       : "memory");
 }
 
+// CLAIM: rows claimed from the head's counter (the launch asks for it where DecodeParams::claim
+// and sem are given and a head has several splits); else each block reads a fixed range, in
+// exactly nst stages.
+template <bool CLAIM>
 __global__ void __launch_bounds__(kThreads, kDecodeBulkMinBlocks) decode_f16_bulk_kernel(DecodeParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int L = 16, G = kThreads / L, U = kBulkRows / G, D = 128, R = kBulkRows, S = kBulkStages;
@@ -76,17 +84,41 @@ __global__ void __launch_bounds__(kThreads, kDecodeBulkMinBlocks) decode_f16_bul
   __syncthreads();
   const int n_cache = np > 0 ? sh_end[np - 1] : 0;
   const int N = n_cache + (fresh ? 1 : 0);
+  // Which rows a block reads. Static: a contiguous range of the head's rows. With p.claim: the
+  // head's cached rows in chunks of one stage; block s takes chunks s, s + splits, … for its
+  // first S stages and then, one claim ahead, the next unclaimed chunk past those from the head's
+  // counter — blocks on multiprocessors that stream faster read more, and the head's blocks end
+  // within about a stage of each other. (Static ranges left the last block of a batch-1 head up
+  // to 10 % of the call behind the median.) The first claim is made after the wait, when the
+  // previous call's last block has reset the counter.
+  constexpr bool dyn = CLAIM;
+  const int64_t bh = static_cast<int64_t>(b) * p.NH + h;
   const int chunk = (N + p.splits - 1) / p.splits;
-  const int r0 = min(N, s * chunk), r1 = min(N, r0 + chunk);
+  const int r0 = dyn ? 0 : min(N, s * chunk), r1 = dyn ? N : min(N, r0 + chunk);
   const int cached_end = min(r1, n_cache);  // the stages' rows end here
-  const int nst = (max(cached_end - r0, 0) + R - 1) / R;
-  // Thread 0: stage k's rows [r0 + kR, …) into buffer k mod S, a copy a side and part.
+  const int n_chunks = (n_cache + R - 1) / R;
+  const int nst = (max(cached_end - r0, 0) + R - 1) / R;  // (static) the block's stages
+  __shared__ int stage_row[S];  // (claims) first row of the stage in each buffer; −1: the rows end
+  int claimed = 0;              // (thread 0) the head's next chunk past the first S·splits, claimed
+  // Thread 0: stage k's first row (−1: none) — then its rows, a copy a side and part, into
+  // buffer k mod S, counted on that buffer's barrier.
+  auto first_row = [&](int k) {
+    if constexpr (!dyn) return r0 + k * R;
+    int c = s + k * p.splits;
+    if (k >= S) {
+      c = S * p.splits + claimed;
+      if (c < n_chunks) claimed = atomicAdd(p.claim + bh, 1);  // the next stage's, one ahead
+    }
+    return c < n_chunks ? c * R : -1;
+  };
   auto issue = [&](int k) {
-    const int j = r0 + k * R, je = min(j + R, cached_end);
+    const int j = first_row(k), je = j < 0 ? j : min(j + R, cached_end);
     uint4* dst = stg + (k % S) * (2 * R * 16);
+    if constexpr (dyn) stage_row[k % S] = j;  // published by the barrier's arrival (release) to its waiters
     mbar_expect(&full[k % S], 2u * 256u * static_cast<uint32_t>(je - j));
     int x = j, pi = 0;
-    while (x >= sh_end[pi]) ++pi;
+    if (j >= 0)
+      while (x >= sh_end[pi]) ++pi;
     for (; x < je; ++pi) {
       const int y = min(je, sh_end[pi]), base = pi ? sh_end[pi - 1] : 0;
       const uint32_t bytes = 256u * static_cast<uint32_t>(y - x);
@@ -95,20 +127,26 @@ __global__ void __launch_bounds__(kThreads, kDecodeBulkMinBlocks) decode_f16_bul
       x = y;
     }
   };
+  const int first = dyn ? S : min(S, nst);  // stages issued ahead (with claims: end markers too)
   if (early && tid == 0)
-    for (int k = 0; k < min(S, nst); ++k) issue(k);
+    for (int k = 0; k < first; ++k) issue(k);
   pdl_wait();
   pdl_trigger();
-  if (!early && tid == 0)
-    for (int k = 0; k < min(S, nst); ++k) issue(k);
+  if (tid == 0) {
+    if (!early)
+      for (int k = 0; k < first; ++k) issue(k);
+    if (dyn && S * p.splits < n_chunks) claimed = atomicAdd(p.claim + bh, 1);
+  }
   float q[8];
   uint4 fk, fv;
   load_query<L>(p, b, h, c0, kvh, s, g, tid, tail_row, q, fk, fv);
 
   State st;
-  for (int k = 0; k < nst; ++k) {
+  for (int k = 0; dyn || k < nst; ++k) {
     mbar_wait(&full[k % S], (k / S) & 1);
-    const int j = r0 + k * R, je = min(j + R, cached_end);
+    const int j = dyn ? stage_row[k % S] : r0 + k * R;
+    if (j < 0) break;
+    const int je = min(j + R, cached_end);
     const uint4* src = stg + (k % S) * (2 * R * 16);
     uint4 kr[U], vr[U];
 #pragma unroll
@@ -123,12 +161,14 @@ __global__ void __launch_bounds__(kThreads, kDecodeBulkMinBlocks) decode_f16_bul
     }
     f16_update<L, U>(kr, vr, q, j + g, G, je, false, 1.0f, 0.0f, 0.0f, st);
     __syncthreads();  // every group is past the buffer
-    if (tid == 0 && k + S < nst) {
+    if (tid == 0 && (dyn || k + S < nst)) {
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // its reads before the copy's writes
       issue(k + S);
     }
   }
-  if (fresh && r0 <= n_cache && n_cache < r1) {  // the token's row: group 0 (the others' masked)
+  // The step's token (its row is not in memory): the block whose range holds it, or block 0.
+  const bool token_here = fresh && (dyn ? s == 0 : r0 <= n_cache && n_cache < r1);
+  if (token_here) {  // the token's row: group 0 (the others' masked)
     const uint4 kr[1] = {g == 0 ? fk : make_uint4(0, 0, 0, 0)}, vr[1] = {g == 0 ? fv : make_uint4(0, 0, 0, 0)};
     f16_update<L, 1>(kr, vr, q, g == 0 ? n_cache : N, G, N, false, 1.0f, 0.0f, 0.0f, st);
   }

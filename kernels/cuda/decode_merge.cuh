@@ -130,5 +130,8 @@ __device__ void finish_block(const DecodeParams& p, const State& st, int b, int 
   __syncthreads();
   if (!last) return;
   merge_head(p, b, h);
-  if (tid == 0) p.sem[bh] = 0;
+  if (tid == 0) {
+    p.sem[bh] = 0;
+    if (p.claim) p.claim[bh] = 0;  // every block's last claim is ordered before its count
+  }
 }

@@ -148,6 +148,10 @@ struct DecodeParams {
   // When set ([B][NH] ints, zero, reset after use): the last block of each head merges the
   // splits itself, so no second kernel is launched.
   int* sem = nullptr;
+  // ([B][NH] ints, zero, reset after use; with sem and more than one split) the bulk-copy fp16
+  // kernel's blocks take their stages' rows from their head's counter, so that a block on a
+  // multiprocessor that streams faster reads more of the head (decode_bulk.cuh).
+  int* claim = nullptr;
   // Largest code width (1, 2 or 4) of channel-wise packed parts whose keys use a lookup table;
   // the launch gives each block decode_lut_bytes(D, lut_bits) of shared memory for it (none at
   // head size 128, where such parts run on tensor cores and others take the general path).

@@ -228,6 +228,10 @@ class CudaKV : public DeviceKV {
       sem = {ctx->alloc(nh * 4, "decode attention merge counters"), nh * 4};
       KV_CUDA(cudaMemsetAsync(sem.mem.get(), 0, static_cast<size_t>(nh) * 4, ctx->stream), "merge counters");
     }
+    if (claim.bytes < nh * 4) {
+      claim = {ctx->alloc(nh * 4, "decode attention row claims"), nh * 4};
+      KV_CUDA(cudaMemsetAsync(claim.mem.get(), 0, static_cast<size_t>(nh) * 4, ctx->stream), "row claims");
+    }
     dirty = false;
   }
 
@@ -235,7 +239,7 @@ class CudaKV : public DeviceKV {
   int L, NKV, D;
   std::vector<DevLayer> layers;
   DevMem counters, done;
-  DevMem table, nparts, part_o, part_md, vis_range, vis_scores, md_out, sem;
+  DevMem table, nparts, part_o, part_md, vis_range, vis_scores, md_out, sem, claim;
   int64_t vis_stride = 0;
   int max_parts = 1, splits = 1, nh = 0, lut_bits = 0, all_f16 = 1, all_mma = 0, has_b1 = 0, b1_pair = 0,
       f16_bulk = 0;

@@ -29,6 +29,7 @@ DecodeParams layer_params(CudaKV& C, const Buffer& qkv, const AttnLayout& l, int
   p.out = out.data;
   p.odt = out.dt;
   p.sem = C.sem.as<int>();
+  p.claim = C.claim.as<int>();
   p.lut_bits = C.lut_bits;
   p.all_f16 = C.all_f16;
   p.all_mma = C.all_mma;
