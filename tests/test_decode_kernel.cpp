@@ -56,9 +56,13 @@ struct KernelCase {
   bool b1_pair = false;
   // (bits 16, D 128, an sm_90 device) DecodeParams::f16_bulk: rows staged by bulk copies.
   bool bulk = false;
-  // DecodeParams::claim given (zero): the bulk-copy kernel's blocks take their rows from the
-  // head's counter, which the last block must leave at zero.
+  // DecodeParams::claim given: the bulk-copy kernel's blocks take their rows from the head's
+  // counter, which the last block must leave at zero. claim_start > 0: the counters start there
+  // instead, so the claiming kernel skips that many of each head's chunks and the output must
+  // miss the reference (the kernel with fixed ranges would ignore the counter, match it, and
+  // leave the counter set).
   bool claim = false;
+  int claim_start = 0;
 };
 
 // A batch-1 case whose parts are all fp16: front, middle and back rows, splits (0: decode_splits).
@@ -177,7 +181,8 @@ void kernel_case(const KernelCase& c) {
   const int64_t heads = static_cast<int64_t>(c.B) * c.NH;
   Dev d_parts(parts), d_np(std::vector<int32_t>(static_cast<size_t>(seqs), 3));
   Dev po(heads * splits * D * 4), pm(heads * splits * 2 * 4), vr(heads * splits * 2 * 4);
-  Dev sem(std::vector<int32_t>(static_cast<size_t>(heads), 0)), claim(std::vector<int32_t>(static_cast<size_t>(heads), 0));
+  Dev sem(std::vector<int32_t>(static_cast<size_t>(heads), 0));
+  Dev claim(std::vector<int32_t>(static_cast<size_t>(heads), c.claim_start));
   Dev out(std::vector<float>(static_cast<size_t>(heads) * D, std::numeric_limits<float>::quiet_NaN()));
   const int64_t vis_stride = c.calibrate && c.keep_scores ? N + cuda::kDecodeScorePad : 0;
   Dev vs(std::vector<float>(static_cast<size_t>(heads * vis_stride), std::numeric_limits<float>::quiet_NaN()));
@@ -372,6 +377,13 @@ void kernel_case(const KernelCase& c) {
         bound[i] = (2.5 * ds + 2 * dot_rel(NR)) * vmag + 4 * unit(Dt::F32) * vmag;
       }
     }
+  if (c.claim_start > 0) {
+    size_t off = 0;
+    for (size_t i = 0; i < got.size(); ++i) off += std::abs(static_cast<double>(got[i]) - ref[i]) > bound[i] ? 1 : 0;
+    EXPECT_GT(off, 0u) << what << ": counters started at " << c.claim_start
+                       << " yet every output is within its bound: no block claimed rows from them";
+    return;
+  }
   expect_within(got, ref, bound, "decode attention " + what);
 }
 #endif
@@ -716,9 +728,10 @@ TEST(DecodeKernel, Fp16PartsThroughBulkCopies) {
   // decode_f16_bulk_kernel: stages of 64 rows that start and end inside parts (7 + 1237 + 29
   // rows, the last partly counted on the device), splits that cut stages short, GQA, the step's
   // token fused in (alone in its split too) and a row appended by the kernel before.
-  // Each with static row ranges and with rows claimed from the head's counter (in chunks of a
+  // Each with fixed row ranges and with rows claimed from the head's counter (in chunks of a
   // stage: 5000 rows at 8 splits leave 79 chunks, 24 of them taken without a claim; 1273 rows
-  // at 7 or 37 splits leave fewer chunks than the first stages ask for, so blocks get none).
+  // make 20 chunks, fewer than the first stages of 7 or 37 splits ask for, so no block claims
+  // and at 37 splits blocks 20 to 36 get none).
   for (bool claim : {false, true}) {
     for (int splits : {0, 1, 7, 37}) {
       KernelCase c;
@@ -745,6 +758,15 @@ TEST(DecodeKernel, Fp16PartsThroughBulkCopies) {
       c.appended = true;
       kernel_case(c);
     }
+  }
+  {
+    // Counters that start at 1: each head's first claimed chunk is skipped, so the result must
+    // be wrong — and the counters back at zero — if the launch took the claiming kernel.
+    KernelCase c = fp16_case(Fp16Shape{32, 32, 128, 5, 4990, 5, 8});
+    c.bulk = true;
+    c.claim = true;
+    c.claim_start = 1;
+    kernel_case(c);
   }
 #endif
 }
