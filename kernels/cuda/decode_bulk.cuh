@@ -17,7 +17,8 @@
 // multiprocessors that stream faster read more of the head, and its blocks end together (at
 // batch 1 / 64k on an H100 the last block ended 12 µs after the median one with fixed ranges).
 // The step's token, when fused in, is not in memory: the stages stop before it, and group 0 of
-// the block whose range holds it takes it as one more row (fresh_token, as the fp16 kernel).
+// the block whose range holds it (with claims, block 0) takes it as one more row (fresh_token, as
+// the fp16 kernel).
 #pragma once
 
 constexpr int kBulkRows = 64, kBulkStages = 3;
@@ -87,10 +88,9 @@ __global__ void __launch_bounds__(kThreads, kDecodeBulkMinBlocks) decode_f16_bul
   // Which rows a block reads. Static: a contiguous range of the head's rows. With p.claim: the
   // head's cached rows in chunks of one stage; block s takes chunks s, s + splits, … for its
   // first S stages and then, one claim ahead, the next unclaimed chunk past those from the head's
-  // counter — blocks on multiprocessors that stream faster read more, and the head's blocks end
-  // within about a stage of each other. (Static ranges left the last block of a batch-1 head up
-  // to 10 % of the call behind the median.) The first claim is made after the wait, when the
-  // previous call's last block has reset the counter.
+  // counter, so the head's blocks end within about a stage of each other (the file's head says
+  // why). The first claim is made after the wait, when the previous call's last block has reset
+  // the counter.
   constexpr bool dyn = CLAIM;
   const int64_t bh = static_cast<int64_t>(b) * p.NH + h;
   const int chunk = (N + p.splits - 1) / p.splits;
