@@ -59,8 +59,8 @@ struct KernelCase {
   // DecodeParams::claim given: the bulk-copy kernel's blocks take their rows from the head's
   // counter, which the last block must leave at zero. claim_start > 0: the counters start there
   // instead, so the claiming kernel skips that many of each head's chunks and the output must
-  // miss the reference (the kernel with fixed ranges would ignore the counter, match it, and
-  // leave the counter set).
+  // match the reference without them (the kernel with fixed ranges would ignore the counter,
+  // read every row and leave the counter set).
   bool claim = false;
   int claim_start = 0;
 };
@@ -314,8 +314,11 @@ void kernel_case(const KernelCase& c) {
     }
   }
 
-  // fp64 reference over the dequantized rows.
-  std::vector<float> ref(got.size());
+  // fp64 reference over the dequantized rows. claim_start > 0: also one without the chunks the
+  // claiming kernel skips, the first claim_start past the kDecodeBulkStages · splits taken unclaimed.
+  const int skip_lo = c.claim_start > 0 ? cuda::kDecodeBulkStages * splits * cuda::kDecodeBulkChunkRows : N;
+  const int skip_hi = std::min(N, skip_lo + c.claim_start * cuda::kDecodeBulkChunkRows);
+  std::vector<float> ref(got.size()), ref_skip(got.size());
   std::vector<double> bound(got.size());
   for (int b = 0; b < c.B; ++b)
     for (int h = 0; h < c.NH; ++h) {
@@ -369,19 +372,30 @@ void kernel_case(const KernelCase& c) {
       double mx = -INFINITY, z = 0;
       for (double x : s) mx = std::max(mx, x);
       for (double& x : s) z += (x = std::exp(x - mx));
+      double z_skip = z;
+      for (int j = skip_lo; j < skip_hi; ++j) z_skip -= s[j];
       for (int e = 0; e < D; ++e) {
-        double o = 0;
-        for (int j = 0; j < NR; ++j) o += s[j] / z * V[static_cast<size_t>(j) * D + e];
+        double o = 0, o_skip = 0;
+        for (int j = 0; j < NR; ++j) {
+          const double sv = s[j] * V[static_cast<size_t>(j) * D + e];
+          o += sv;
+          if (j < skip_lo || j >= skip_hi) o_skip += sv;
+        }
         const size_t i = (static_cast<size_t>(b) * c.NH + h) * D + e;
-        ref[i] = static_cast<float>(o);
+        ref[i] = static_cast<float>(o / z);
+        ref_skip[i] = static_cast<float>(o_skip / z_skip);
         bound[i] = (2.5 * ds + 2 * dot_rel(NR)) * vmag + 4 * unit(Dt::F32) * vmag;
       }
     }
   if (c.claim_start > 0) {
-    size_t off = 0;
-    for (size_t i = 0; i < got.size(); ++i) off += std::abs(static_cast<double>(got[i]) - ref[i]) > bound[i] ? 1 : 0;
-    EXPECT_GT(off, 0u) << what << ": counters started at " << c.claim_start
-                       << " yet every output is within its bound: no block claimed rows from them";
+    // The case tells the two apart only where skipping the chunks moves an output past its bound.
+    size_t apart = 0;
+    for (size_t i = 0; i < got.size(); ++i) apart += std::abs(static_cast<double>(ref_skip[i]) - ref[i]) > bound[i] ? 1 : 0;
+    ASSERT_GT(apart, 0u) << what << ": skipping rows " << skip_lo << ".." << skip_hi
+                         << " moves no output past its bound; the case cannot tell claimed rows from fixed ranges";
+    expect_within(got, ref_skip, bound,
+                  "decode attention " + what + " without rows " + std::to_string(skip_lo) + ".." + std::to_string(skip_hi) +
+                      " (counters started at " + std::to_string(c.claim_start) + ")");
     return;
   }
   expect_within(got, ref, bound, "decode attention " + what);
@@ -760,12 +774,13 @@ TEST(DecodeKernel, Fp16PartsThroughBulkCopies) {
     }
   }
   {
-    // Counters that start at 1: each head's first claimed chunk is skipped, so the result must
-    // be wrong — and the counters back at zero — if the launch took the claiming kernel.
+    // Counters that start at 10: each head's first ten claimed chunks (640 of 5000 rows) are
+    // skipped, so the output must match the reference without them — and the counters end at
+    // zero. The kernel with fixed ranges would match the full reference and leave them at 10.
     KernelCase c = fp16_case(Fp16Shape{32, 32, 128, 5, 4990, 5, 8});
     c.bulk = true;
     c.claim = true;
-    c.claim_start = 1;
+    c.claim_start = 10;
     kernel_case(c);
   }
 #endif

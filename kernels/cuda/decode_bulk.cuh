@@ -21,7 +21,7 @@
 // the fp16 kernel).
 #pragma once
 
-constexpr int kBulkRows = 64, kBulkStages = 3;
+constexpr int kBulkRows = kDecodeBulkChunkRows, kBulkStages = kDecodeBulkStages;
 constexpr int kBulkStageBytes = 2 * kBulkRows * 256;  // K then V rows of head size 128, fp16
 
 __device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {

@@ -267,6 +267,11 @@ constexpr int kDecodeBulkMinSplits = 16;
 // shorter contexts (a captioning run's hundreds of rows) keep the register-staged one, whose
 // fixed work a block is shorter.
 constexpr int kDecodeBulkRows = 4096;
+// The bulk-copy kernel's stages: kDecodeBulkChunkRows rows of K and V each, kDecodeBulkStages in
+// flight. With DecodeParams::claim a head's rows go out in chunks of one stage: block s takes
+// chunks s, s + splits, … for its first kDecodeBulkStages stages, then claims the next from the
+// head's counter, which starts at zero (chunk kDecodeBulkStages · splits).
+constexpr int kDecodeBulkChunkRows = 64, kDecodeBulkStages = 3;
 bool decode_f16_bulk(int D, int rows, bool sm90);
 int decode_splits(int B, int NH, int rows, int n_sm, DecodePath path = DecodePath::kGeneral, int head_dim = 0);
 // Whether a kB1 cache runs the kernel of two 128-row sub-tiles a warp (DecodeParams::b1_pair):
