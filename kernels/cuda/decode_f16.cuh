@@ -71,14 +71,22 @@ struct F16Parts {
   int end[kSharedParts];
 };
 // Thread i reads part i of KV head bk (its rows with those appended during decode, through the
-// tail's counter); returns the part count.
+// tail's counter); returns the part count. Every one of the head's max_parts descriptors is in
+// the table, so thread i loads descriptor i alongside the count rather than after it: one trip
+// to memory fewer before the first rows can be asked for (a held call starts cold).
 __device__ __forceinline__ int read_f16_parts(const DecodeParams& p, int bk, int tid, F16Parts& t) {
   const PartDesc* gp = p.parts + static_cast<int64_t>(bk) * p.max_parts;
+  const bool mine = tid < p.max_parts;
+  const void* kd = nullptr;
+  const void* vd = nullptr;
+  const int* counter = nullptr;
+  int n = 0;
+  if (mine) kd = gp[tid].k.data, vd = gp[tid].v.data, n = gp[tid].n, counter = gp[tid].counter;
   const int np = p.n_parts[bk];
-  if (tid < np) {
-    t.k[tid] = static_cast<const __half*>(gp[tid].k.data);
-    t.v[tid] = static_cast<const __half*>(gp[tid].v.data);
-    t.end[tid] = gp[tid].n + (gp[tid].counter ? *gp[tid].counter : 0);
+  if (mine && tid < np) {
+    t.k[tid] = static_cast<const __half*>(kd);
+    t.v[tid] = static_cast<const __half*>(vd);
+    t.end[tid] = n + (counter ? *counter : 0);
   }
   return np;
 }
