@@ -63,6 +63,8 @@ struct KernelCase {
   // read every row and leave the counter set).
   bool claim = false;
   int claim_start = 0;
+  // (claim) DecodeParams::bulk_fine: stages of kDecodeBulkFineChunkRows rows.
+  bool fine = false;
 };
 
 // A batch-1 case whose parts are all fp16: front, middle and back rows, splits (0: decode_splits).
@@ -104,7 +106,8 @@ void kernel_case(const KernelCase& c) {
                            (c.calibrate ? (c.keep_scores ? " calibrated (scores kept)" : " calibrated") : "") +
                            (c.chan_stride ? "" : " one range") + (c.mma_only ? " mma-only kernel" : "") +
                            (c.fresh ? " fused token" : "") + (c.appended ? " token appended before" : "") +
-                           (c.bulk ? " bulk copies" : "") + (c.claim ? " rows claimed" : "");
+                           (c.bulk ? " bulk copies" : "") + (c.claim ? " rows claimed" : "") +
+                           (c.fine ? " in fine stages" : "");
   SCOPED_TRACE(what);
   const int D = c.D, G = c.NH / c.NKV, seqs = c.B * c.NKV;
   const int ranges = c.chan_stride ? D : 1;
@@ -210,6 +213,7 @@ void kernel_case(const KernelCase& c) {
   p.b1 = blocked ? 1 : 0;
   p.b1_pair = blocked && c.b1_pair ? 1 : 0;
   p.f16_bulk = c.bulk ? 1 : 0;
+  p.bulk_fine = c.bulk && c.fine ? 1 : 0;
   if (c.claim) p.claim = claim.as<int>();
   const int n_tail0 = c.n_front + c.n_packed;  // the back part's first row, per (sequence, kv head)
   if (c.fresh) {
@@ -316,8 +320,10 @@ void kernel_case(const KernelCase& c) {
 
   // fp64 reference over the dequantized rows. claim_start > 0: also one without the chunks the
   // claiming kernel skips, the first claim_start past the kDecodeBulkStages · splits taken unclaimed.
-  const int skip_lo = c.claim_start > 0 ? cuda::kDecodeBulkStages * splits * cuda::kDecodeBulkChunkRows : N;
-  const int skip_hi = std::min(N, skip_lo + c.claim_start * cuda::kDecodeBulkChunkRows);
+  const int chunk_rows = c.fine ? cuda::kDecodeBulkFineChunkRows : cuda::kDecodeBulkChunkRows;
+  const int stages = c.fine ? cuda::kDecodeBulkFineStages : cuda::kDecodeBulkStages;
+  const int skip_lo = c.claim_start > 0 ? stages * splits * chunk_rows : N;
+  const int skip_hi = std::min(N, skip_lo + c.claim_start * chunk_rows);
   std::vector<float> ref(got.size()), ref_skip(got.size());
   std::vector<double> bound(got.size());
   for (int b = 0; b < c.B; ++b)
@@ -557,6 +563,8 @@ TEST(DecodeKernel, SplitCountsFillTheirLastWave) {
       const cuda::DecodeLaunch l = cuda::decode_launch(B, 32, rows, sm, 128, true, false, false, 0, true);
       EXPECT_TRUE(l.f16_bulk);
       EXPECT_EQ(l.splits, s);
+      // Half-size stages where a head's blocks claim rows and average kDecodeBulkFineRows or more.
+      EXPECT_EQ(l.bulk_fine, s > 1 && (rows + s - 1) / s >= cuda::kDecodeBulkFineRows) << s << " splits";
       EXPECT_FALSE(cuda::decode_launch(B, 32, rows, sm, 128, true, false, false, 0, false).f16_bulk);
       EXPECT_FALSE(cuda::decode_launch(B, 32, rows, sm, 128, false, true, true, 0, true).f16_bulk);
     }
@@ -568,6 +576,11 @@ TEST(DecodeKernel, SplitCountsFillTheirLastWave) {
   EXPECT_EQ(cuda::decode_splits(16, 32, 16384, sm, cuda::DecodePath::kF16Bulk, 128), 32);
   EXPECT_EQ(cuda::decode_splits(16, 32, 65536, sm, cuda::DecodePath::kF16Bulk, 128), 128);
   EXPECT_FALSE(cuda::decode_launch(1, 32, 616, sm, 128, true, false, false, 0, true).f16_bulk);  // a captioning run
+  EXPECT_TRUE(cuda::decode_launch(1, 32, 65536, sm, 128, true, false, false, 0, true).bulk_fine);
+  EXPECT_TRUE(cuda::decode_launch(1, 32, 16384, sm, 128, true, false, false, 0, true).bulk_fine);
+  EXPECT_FALSE(cuda::decode_launch(1, 32, 4096, sm, 128, true, false, false, 0, true).bulk_fine);
+  EXPECT_FALSE(cuda::decode_launch(16, 32, 65536, sm, 128, true, false, false, 0, true).bulk_fine);
+  EXPECT_FALSE(cuda::decode_launch(1, 32, 65536, sm, 128, false, true, false, 0, true).bulk_fine);
   // The path each kind of cache takes.
   EXPECT_EQ(cuda::decode_path(128, true, true, false), cuda::DecodePath::kF16);
   EXPECT_EQ(cuda::decode_path(128, false, true, false), cuda::DecodePath::kMma);
@@ -781,6 +794,27 @@ TEST(DecodeKernel, Fp16PartsThroughBulkCopies) {
     c.bulk = true;
     c.claim = true;
     c.claim_start = 10;
+    kernel_case(c);
+  }
+  {
+    // Stages of half the rows (DecodeParams::bulk_fine, with claims): 5000 rows at 2, 3 and 8
+    // splits (157 chunks of 32 rows, the first 6 a block taken without a claim), the fused token
+    // and a row appended before at 3005 rows, and counters that start at 20 (640 rows skipped).
+    for (int splits : {2, 3, 8}) {
+      KernelCase c = fp16_case(Fp16Shape{32, 32, 128, 5, 4990, 5, splits});
+      c.bulk = c.claim = c.fine = true;
+      kernel_case(c);
+    }
+    KernelCase c = fp16_case(Fp16Shape{4, 2, 128, 3, 3000, 2, 4});
+    c.bulk = c.claim = c.fine = true;
+    c.fresh = true;
+    kernel_case(c);
+    c.fresh = false;
+    c.appended = true;
+    kernel_case(c);
+    c = fp16_case(Fp16Shape{32, 32, 128, 5, 4990, 5, 2});
+    c.bulk = c.claim = c.fine = true;
+    c.claim_start = 20;
     kernel_case(c);
   }
 #endif

@@ -280,6 +280,7 @@ std::vector<AttnBenchRow> bench_decode_attention(const AttnBenchConfig& c, doubl
           set_cache_kind(p, D, bits);
           p.b1_pair = plan.b1_pair ? 1 : 0;
           p.f16_bulk = plan.f16_bulk ? 1 : 0;
+          p.bulk_fine = plan.bulk_fine ? 1 : 0;
           p.rows_ready = 1;  // the caches are written once, before the timings
           if (calib) {
             p.calibrate = 1;
@@ -481,6 +482,7 @@ std::vector<ThroughputRow> bench_throughput(const ThroughputConfig& c) {
           set_cache_kind(p, D, bits);
           p.b1_pair = plan.b1_pair ? 1 : 0;
           p.f16_bulk = plan.f16_bulk ? 1 : 0;
+          p.bulk_fine = plan.bulk_fine ? 1 : 0;
           decode_attention(p, st.s);
           gemm(w.o, H, static_cast<int>(QD), a.p, h.as<float>(), true);
           rms_norm(h.as<float>(), x.p, Dt::F16, B, H, norm.as<float>(), 1e-5f, st.s);

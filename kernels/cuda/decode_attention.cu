@@ -518,6 +518,13 @@ void allow_dynamic_smem(int bytes) {
   allowed = bytes;
 }
 
+template <auto Kernel>
+void launch_bulk(const DecodeParams& p, dim3 grid, cudaStream_t s) {
+  allow_dynamic_smem<Kernel>(kBulkBytes);
+  KV_CUDA(launch_dependent(Kernel, grid, kThreads, kBulkBytes, s, true, p),
+          "decode_f16_bulk_kernel for " + std::to_string(p.B) + "x" + std::to_string(p.NH) + " heads");
+}
+
 template <int L>
 void launch_l(const DecodeParams& p, int mode, cudaStream_t s) {
   dim3 grid(p.splits, p.NH, p.B);
@@ -526,14 +533,12 @@ void launch_l(const DecodeParams& p, int mode, cudaStream_t s) {
   if (p.fresh_k && (!f16 || p.B != 1)) throw InternalError("decode attention: a fused token needs the fp16 kernel");
   if constexpr (L == 16) {
     if (f16 && p.f16_bulk) {
-      const int bytes = kBulkStages * kBulkStageBytes;
-      // Rows claimed from the head's counter where a head has several blocks (decode_bulk.cuh).
+      // Rows claimed from the head's counter where a head has several blocks (decode_bulk.cuh),
+      // in stages of half the rows where the blocks are long (DecodeParams::bulk_fine).
       const bool claim = p.claim && p.sem && p.splits > 1;
-      if (claim) allow_dynamic_smem<decode_f16_bulk_kernel<true>>(bytes);
-      else allow_dynamic_smem<decode_f16_bulk_kernel<false>>(bytes);
-      KV_CUDA(launch_dependent(claim ? decode_f16_bulk_kernel<true> : decode_f16_bulk_kernel<false>, grid, kThreads,
-                               bytes, s, true, p),
-              "decode_f16_bulk_kernel for " + std::to_string(p.B) + "x" + std::to_string(p.NH) + " heads");
+      if (!claim) launch_bulk<decode_f16_bulk_kernel<false, kDecodeBulkChunkRows>>(p, grid, s);
+      else if (p.bulk_fine) launch_bulk<decode_f16_bulk_kernel<true, kDecodeBulkFineChunkRows>>(p, grid, s);
+      else launch_bulk<decode_f16_bulk_kernel<true, kDecodeBulkChunkRows>>(p, grid, s);
       return;
     }
   }

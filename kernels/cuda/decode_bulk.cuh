@@ -7,13 +7,14 @@
 // H200 where PyTorch's SDPA (cuDNN: one block a head, shared-memory stages) reached 110 %. Here
 // the rows go to shared memory by bulk copies (`cp.async.bulk`, the copy engine), without
 // registers or per-thread addresses: thread 0 issues each stage's K and V rows (one copy a side
-// and part), kBulkStages stages of kBulkRows rows ahead, and an mbarrier a stage counts their
+// and part), kDecodeBulkStages stages of kDecodeBulkChunkRows rows ahead (twice as many of half
+// as many rows with DecodeParams::bulk_fine), and an mbarrier a stage counts their
 // bytes. A group of 16 lanes takes rows g, g + 8, … of a stage from shared memory into the same
 // f16_update as the fp16 kernel; once every group is past a stage (one barrier) thread 0 refills
 // it. Two blocks a multiprocessor (96 KiB of stages each), split by the wave rule at two blocks
 // with at most kDecodeBulkSplitBytes of rows a block (decode_splits, DecodePath::kF16Bulk).
 // Where a head has several blocks and DecodeParams::claim is given, a block's stages after its
-// first kBulkStages are the head's next unread chunk of rows, claimed from a counter: blocks on
+// first stages are the head's next unread chunk of rows, claimed from a counter: blocks on
 // multiprocessors that stream faster read more of the head, and its blocks end together (at
 // batch 1 / 64k on an H100 the last block ended 12 µs after the median one with fixed ranges).
 // The step's token, when fused in, is not in memory: the stages stop before it, and group 0 of
@@ -21,8 +22,9 @@
 // the fp16 kernel).
 #pragma once
 
-constexpr int kBulkRows = kDecodeBulkChunkRows, kBulkStages = kDecodeBulkStages;
-constexpr int kBulkStageBytes = 2 * kBulkRows * 256;  // K then V rows of head size 128, fp16
+constexpr int kBulkBytes = kDecodeBulkStages * kDecodeBulkChunkRows * 512;  // a block's stages
+static_assert(kDecodeBulkFineStages * kDecodeBulkFineChunkRows == kDecodeBulkStages * kDecodeBulkChunkRows,
+              "both stage sizes fill the same shared memory");
 
 __device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count));
@@ -53,11 +55,12 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
 
 // CLAIM: rows claimed from the head's counter (the launch asks for it where DecodeParams::claim
 // and sem are given and a head has several splits); else each block reads a fixed range, in
-// exactly nst stages.
-template <bool CLAIM>
+// exactly nst stages. R: rows a stage (kDecodeBulkChunkRows, or kDecodeBulkFineChunkRows for
+// DecodeParams::bulk_fine), in kBulkBytes of stages.
+template <bool CLAIM, int R>
 __global__ void __launch_bounds__(kThreads, kDecodeBulkMinBlocks) decode_f16_bulk_kernel(DecodeParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr int L = 16, G = kThreads / L, U = kBulkRows / G, D = 128, R = kBulkRows, S = kBulkStages;
+  constexpr int L = 16, G = kThreads / L, U = R / G, D = 128, S = kBulkBytes / (R * 512);
   extern __shared__ __align__(128) uint4 stg[];  // S stages: R K rows, then R V rows (16 uint4 a row)
   __shared__ __align__(8) uint64_t full[S];
   __shared__ F16Parts parts;

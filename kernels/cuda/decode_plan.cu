@@ -58,6 +58,7 @@ DecodeLaunch decode_launch(int B, int NH, int rows, int n_sm, int D, bool all_f1
   const DecodePath path = l.f16_bulk ? DecodePath::kF16Bulk : decode_path(D, all_f16, all_mma, b1);
   l.splits = splits > 0 ? splits : decode_splits(B, NH, rows, n_sm, path, D);
   l.b1_pair = b1 && decode_b1_pair(B, NH, rows, l.splits, n_sm);
+  l.bulk_fine = l.f16_bulk && l.splits > 1 && (rows + l.splits - 1) / l.splits >= kDecodeBulkFineRows;
   return l;
 }
 

@@ -192,6 +192,8 @@ struct DecodeParams {
   // 1 (all_f16, head size 128, sm_90): the fp16 kernel whose rows go to shared-memory stages by
   // bulk copies (decode_f16_bulk says when).
   int f16_bulk = 0;
+  // 1 (f16_bulk, with claim): stages of kDecodeBulkFineChunkRows rows (decode_launch says when).
+  int bulk_fine = 0;
 };
 // Head size 128: the code width (1, 2, 4 or 8) of a part the tensor-core paths take, or 0 —
 // channel-wise codes on both sides with one range per channel (or one for all) over its n rows,
@@ -268,10 +270,18 @@ constexpr int kDecodeBulkMinSplits = 16;
 // fixed work a block is shorter.
 constexpr int kDecodeBulkRows = 4096;
 // The bulk-copy kernel's stages: kDecodeBulkChunkRows rows of K and V each, kDecodeBulkStages in
-// flight. With DecodeParams::claim a head's rows go out in chunks of one stage: block s takes
-// chunks s, s + splits, … for its first kDecodeBulkStages stages, then claims the next from the
-// head's counter, which starts at zero (chunk kDecodeBulkStages · splits).
+// flight (96 KiB). With DecodeParams::claim a head's rows go out in chunks of one stage: block s
+// takes chunks s, s + splits, … for its first kDecodeBulkStages stages, then claims the next from
+// the head's counter, which starts at zero (chunk kDecodeBulkStages · splits).
 constexpr int kDecodeBulkChunkRows = 64, kDecodeBulkStages = 3;
+// DecodeParams::bulk_fine: blocks that claim rows and average kDecodeBulkFineRows or more take
+// stages of kDecodeBulkFineChunkRows rows, kDecodeBulkFineStages in flight (the same 96 KiB), so
+// the head's blocks end within half as many rows of each other. On an H100 (held / in a row, ms):
+// batch 1 / 64k (8192 rows a block) 0.3509–0.3516 / 0.3438–0.3443 against 0.3528–0.3559 /
+// 0.3470 with 64-row stages, 16k (2048) 0.0959–0.0964 / 0.0903–0.0904 against 0.0966–0.0969 /
+// 0.0904; but 4k (512) 0.0322 / 0.0268 against 0.0317 / 0.0259–0.0260, and at batch 16 (512
+// rows a block) 16k 1.385 against 1.380 and 64k 5.74–5.76 against 5.459.
+constexpr int kDecodeBulkFineChunkRows = 32, kDecodeBulkFineStages = 6, kDecodeBulkFineRows = 2048;
 bool decode_f16_bulk(int D, int rows, bool sm90);
 int decode_splits(int B, int NH, int rows, int n_sm, DecodePath path = DecodePath::kGeneral, int head_dim = 0);
 // Whether a kB1 cache runs the kernel of two 128-row sub-tiles a warp (DecodeParams::b1_pair):
@@ -287,6 +297,7 @@ struct DecodeLaunch {
   int splits = 1;
   bool b1_pair = false;
   bool f16_bulk = false;
+  bool bulk_fine = false;  // f16_bulk with several splits of kDecodeBulkFineRows rows or more on average
 };
 // sm90: the device runs sm_90 code (the bulk-copy kernel).
 DecodeLaunch decode_launch(int B, int NH, int rows, int n_sm, int D, bool all_f16, bool all_mma, bool b1,

@@ -214,6 +214,7 @@ class CudaKV : public DeviceKV {
     splits = plan.splits;
     b1_pair = plan.b1_pair ? 1 : 0;
     f16_bulk = plan.f16_bulk ? 1 : 0;
+    bulk_fine = plan.bulk_fine ? 1 : 0;
     const int64_t po = static_cast<int64_t>(nh) * splits * D * 4, pm = static_cast<int64_t>(nh) * splits * 2 * 4;
     if (part_o.bytes < po) part_o = {ctx->alloc(po, "decode attention partial outputs"), po};
     if (part_md.bytes < pm) part_md = {ctx->alloc(pm, "decode attention partial states"), pm};
@@ -242,7 +243,7 @@ class CudaKV : public DeviceKV {
   DevMem table, nparts, part_o, part_md, vis_range, vis_scores, md_out, sem, claim;
   int64_t vis_stride = 0;
   int max_parts = 1, splits = 1, nh = 0, lut_bits = 0, all_f16 = 1, all_mma = 0, has_b1 = 0, b1_pair = 0,
-      f16_bulk = 0;
+      f16_bulk = 0, bulk_fine = 0;
   bool dirty = true;
   uint64_t ver = 1;
 };

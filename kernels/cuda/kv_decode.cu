@@ -36,6 +36,7 @@ DecodeParams layer_params(CudaKV& C, const Buffer& qkv, const AttnLayout& l, int
   p.b1 = C.has_b1;
   p.b1_pair = C.b1_pair;
   p.f16_bulk = C.f16_bulk;
+  p.bulk_fine = C.bulk_fine;
   return p;
 }
 
