@@ -276,11 +276,15 @@ constexpr int kDecodeBulkRows = 4096;
 constexpr int kDecodeBulkChunkRows = 64, kDecodeBulkStages = 3;
 // DecodeParams::bulk_fine: blocks that claim rows and average kDecodeBulkFineRows or more take
 // stages of kDecodeBulkFineChunkRows rows, kDecodeBulkFineStages in flight (the same 96 KiB), so
-// the head's blocks end within half as many rows of each other. On an H100 (held / in a row, ms):
+// the head's blocks end within half as many rows of each other. Every bulk launch so built, on
+// an H100 (held / in a row, ms):
 // batch 1 / 64k (8192 rows a block) 0.3509–0.3516 / 0.3438–0.3443 against 0.3528–0.3559 /
 // 0.3470 with 64-row stages, 16k (2048) 0.0959–0.0964 / 0.0903–0.0904 against 0.0966–0.0969 /
 // 0.0904; but 4k (512) 0.0322 / 0.0268 against 0.0317 / 0.0259–0.0260, and at batch 16 (512
-// rows a block) 16k 1.385 against 1.380 and 64k 5.74–5.76 against 5.459.
+// rows a block) 16k 1.385 against 1.380 and 64k 5.74–5.76 against 5.459. As built (these blocks
+// only), against 64-row stages in one call: 64k 0.3512–0.3517 / 0.3444–0.3446 against
+// 0.3526–0.3529 / 0.3474–0.3482; 16k level (0.0963–0.0968 / 0.0906 against 0.0963–0.0967 /
+// 0.0902–0.0905).
 constexpr int kDecodeBulkFineChunkRows = 32, kDecodeBulkFineStages = 6, kDecodeBulkFineRows = 2048;
 bool decode_f16_bulk(int D, int rows, bool sm90);
 int decode_splits(int B, int NH, int rows, int n_sm, DecodePath path = DecodePath::kGeneral, int head_dim = 0);
