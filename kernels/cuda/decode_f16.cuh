@@ -81,7 +81,12 @@ __device__ __forceinline__ int read_f16_parts(const DecodeParams& p, int bk, int
   const void* vd = nullptr;
   const int* counter = nullptr;
   int n = 0;
-  if (mine) kd = gp[tid].k.data, vd = gp[tid].v.data, n = gp[tid].n, counter = gp[tid].counter;
+  if (mine) {
+    kd = gp[tid].k.data;
+    vd = gp[tid].v.data;
+    n = gp[tid].n;
+    counter = gp[tid].counter;
+  }
   const int np = p.n_parts[bk];
   if (mine && tid < np) {
     t.k[tid] = static_cast<const __half*>(kd);
