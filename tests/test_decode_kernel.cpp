@@ -202,6 +202,19 @@ TEST(DecodeKernel, SplitCountsFillTheirLastWave) {
   EXPECT_EQ(cuda::decode_splits(16, 32, 65536, sm, cuda::DecodePath::kF16Bulk, 128), 128);
   EXPECT_FALSE(cuda::decode_launch(1, 32, 616, sm, 128, true, false, false, 0, true).f16_bulk);  // a captioning run
   EXPECT_TRUE(cuda::decode_launch(1, 32, 65536, sm, 128, true, false, false, 0, true).bulk_fine);
+  {
+    // set_launch carries a plan into the kernel's parameters, as the model's cache and the
+    // benchmarks pass it.
+    for (const cuda::DecodeLaunch& l : {cuda::decode_launch(1, 32, 65536, sm, 128, true, false, false, 0, true),
+                                        cuda::decode_launch(1, 32, 65536, sm, 128, false, true, true, 0, true)}) {
+      cuda::DecodeParams q;
+      cuda::set_launch(q, l);
+      EXPECT_EQ(q.splits, l.splits);
+      EXPECT_EQ(q.b1_pair, l.b1_pair ? 1 : 0);
+      EXPECT_EQ(q.f16_bulk, l.f16_bulk ? 1 : 0);
+      EXPECT_EQ(q.bulk_fine, l.bulk_fine ? 1 : 0);
+    }
+  }
   EXPECT_TRUE(cuda::decode_launch(1, 32, 16384, sm, 128, true, false, false, 0, true).bulk_fine);
   EXPECT_FALSE(cuda::decode_launch(1, 32, 4096, sm, 128, true, false, false, 0, true).bulk_fine);
   EXPECT_FALSE(cuda::decode_launch(16, 32, 65536, sm, 128, true, false, false, 0, true).bulk_fine);

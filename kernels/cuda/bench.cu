@@ -268,7 +268,6 @@ std::vector<AttnBenchRow> bench_decode_attention(const AttnBenchConfig& c, doubl
           p.q_stride = static_cast<int64_t>(NH) * D;
           p.n_parts = np.as<int32_t>();
           p.max_parts = 1;
-          p.splits = splits;
           p.part_o = po.as<float>();
           p.part_md = pm.as<float>();
           p.out = out.p;
@@ -278,9 +277,7 @@ std::vector<AttnBenchRow> bench_decode_attention(const AttnBenchConfig& c, doubl
           p.claim = claim.as<int>();
           p.lut_bits = bits <= 4 ? bits : 0;
           set_cache_kind(p, D, bits);
-          p.b1_pair = plan.b1_pair ? 1 : 0;
-          p.f16_bulk = plan.f16_bulk ? 1 : 0;
-          p.bulk_fine = plan.bulk_fine ? 1 : 0;
+          set_launch(p, plan);
           p.rows_ready = 1;  // the caches are written once, before the timings
           if (calib) {
             p.calibrate = 1;
@@ -470,7 +467,6 @@ std::vector<ThroughputRow> bench_throughput(const ThroughputConfig& c) {
           p.parts = tab.as<PartDesc>() + static_cast<int64_t>(l) * B * NKV * 3;
           p.n_parts = np.as<int32_t>();
           p.max_parts = 3;
-          p.splits = splits;
           p.part_o = po.as<float>();
           p.part_md = pm.as<float>();
           p.out = a.p;
@@ -480,9 +476,7 @@ std::vector<ThroughputRow> bench_throughput(const ThroughputConfig& c) {
           p.claim = claim.as<int>();
           p.lut_bits = bits <= 4 ? bits : 0;
           set_cache_kind(p, D, bits);
-          p.b1_pair = plan.b1_pair ? 1 : 0;
-          p.f16_bulk = plan.f16_bulk ? 1 : 0;
-          p.bulk_fine = plan.bulk_fine ? 1 : 0;
+          set_launch(p, plan);
           decode_attention(p, st.s);
           gemm(w.o, H, static_cast<int>(QD), a.p, h.as<float>(), true);
           rms_norm(h.as<float>(), x.p, Dt::F16, B, H, norm.as<float>(), 1e-5f, st.s);

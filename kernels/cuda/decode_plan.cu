@@ -62,6 +62,13 @@ DecodeLaunch decode_launch(int B, int NH, int rows, int n_sm, int D, bool all_f1
   return l;
 }
 
+void set_launch(DecodeParams& p, const DecodeLaunch& l) {
+  p.splits = l.splits;
+  p.b1_pair = l.b1_pair ? 1 : 0;
+  p.f16_bulk = l.f16_bulk ? 1 : 0;
+  p.bulk_fine = l.bulk_fine ? 1 : 0;
+}
+
 DecodePath decode_path(int D, bool all_f16, bool all_mma, bool b1) {
   if (all_f16) return DecodePath::kF16;
   if (D != 128 || !all_mma) return DecodePath::kGeneral;

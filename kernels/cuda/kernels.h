@@ -306,6 +306,8 @@ struct DecodeLaunch {
 // sm90: the device runs sm_90 code (the bulk-copy kernel).
 DecodeLaunch decode_launch(int B, int NH, int rows, int n_sm, int D, bool all_f16, bool all_mma, bool b1,
                            int splits = 0, bool sm90 = false);
+// The plan's split count and kernel choices into p (splits, b1_pair, f16_bulk, bulk_fine).
+void set_launch(DecodeParams& p, const DecodeLaunch& l);
 int decode_lut_bytes(int D, int lut_bits);
 // The fp16 decode kernel takes this head size and part count (all_f16 caches; fresh rows).
 bool decode_f16_supported(int D, int max_parts);

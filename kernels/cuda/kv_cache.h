@@ -211,11 +211,8 @@ class CudaKV : public DeviceKV {
     ctx->upload(table.mem.get(), t.data(), tb, "KV decode table");
     ctx->upload(nparts.mem.get(), np.data(), nb, "KV decode table");
     const DecodeLaunch plan = decode_launch(1, nh, rows, ctx->n_sm, D, all_f16, all_mma, has_b1, 0, ctx->sm90);
-    splits = plan.splits;
-    b1_pair = plan.b1_pair ? 1 : 0;
-    f16_bulk = plan.f16_bulk ? 1 : 0;
-    bulk_fine = plan.bulk_fine ? 1 : 0;
-    const int64_t po = static_cast<int64_t>(nh) * splits * D * 4, pm = static_cast<int64_t>(nh) * splits * 2 * 4;
+    launch = plan;
+    const int64_t po = static_cast<int64_t>(nh) * plan.splits * D * 4, pm = static_cast<int64_t>(nh) * plan.splits * 2 * 4;
     if (part_o.bytes < po) part_o = {ctx->alloc(po, "decode attention partial outputs"), po};
     if (part_md.bytes < pm) part_md = {ctx->alloc(pm, "decode attention partial states"), pm};
     if (vis_range.bytes < pm) vis_range = {ctx->alloc(pm, "decode attention visual ranges"), pm};
@@ -242,8 +239,8 @@ class CudaKV : public DeviceKV {
   DevMem counters, done;
   DevMem table, nparts, part_o, part_md, vis_range, vis_scores, md_out, sem, claim;
   int64_t vis_stride = 0;
-  int max_parts = 1, splits = 1, nh = 0, lut_bits = 0, all_f16 = 1, all_mma = 0, has_b1 = 0, b1_pair = 0,
-      f16_bulk = 0, bulk_fine = 0;
+  DecodeLaunch launch;  // the decode kernel's split count and choices for the current layout
+  int max_parts = 1, nh = 0, lut_bits = 0, all_f16 = 1, all_mma = 0, has_b1 = 0;
   bool dirty = true;
   uint64_t ver = 1;
 };

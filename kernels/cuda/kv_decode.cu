@@ -23,7 +23,6 @@ DecodeParams layer_params(CudaKV& C, const Buffer& qkv, const AttnLayout& l, int
   p.parts = static_cast<const PartDesc*>(C.table.mem.get()) + static_cast<int64_t>(layer) * NKV * C.max_parts;
   p.n_parts = C.nparts.as<int32_t>() + static_cast<int64_t>(layer) * NKV;
   p.max_parts = C.max_parts;
-  p.splits = C.splits;
   p.part_o = C.part_o.as<float>();
   p.part_md = C.part_md.as<float>();
   p.out = out.data;
@@ -34,9 +33,7 @@ DecodeParams layer_params(CudaKV& C, const Buffer& qkv, const AttnLayout& l, int
   p.all_f16 = C.all_f16;
   p.all_mma = C.all_mma;
   p.b1 = C.has_b1;
-  p.b1_pair = C.b1_pair;
-  p.f16_bulk = C.f16_bulk;
-  p.bulk_fine = C.bulk_fine;
+  set_launch(p, C.launch);
   return p;
 }
 
