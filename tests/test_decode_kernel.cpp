@@ -139,14 +139,21 @@ TEST(DecodeKernel, SplitCountsFillTheirLastWave) {
   EXPECT_EQ(cuda::decode_splits(6, 32, 65536, sm, cuda::DecodePath::kB1, 128), 1);
   EXPECT_EQ(cuda::decode_splits(16, 32, 65536, sm, cuda::DecodePath::kB1, 128), 1);
   EXPECT_EQ(cuda::decode_splits(16, 32, 65536, sm), 3);
-  // The binary path in pairs: a grid within two blocks a multiprocessor, or blocks of 4096 rows.
+  // The binary path in pairs: a grid within two blocks a multiprocessor, blocks of 3072 rows or
+  // more, or waves of pairs (3/4 of a wave each) fewer than waves of three blocks.
   EXPECT_TRUE(cuda::decode_b1_pair(1, 32, 65536, 8, sm));
   EXPECT_TRUE(cuda::decode_b1_pair(1, 32, 2048, 8, sm));
   EXPECT_TRUE(cuda::decode_b1_pair(16, 32, 4096, 1, sm));
   EXPECT_TRUE(cuda::decode_b1_pair(16, 32, 65536, 1, sm));
-  EXPECT_FALSE(cuda::decode_b1_pair(16, 32, 4095, 1, sm));
-  EXPECT_FALSE(cuda::decode_b1_pair(193, 32, 3368, 1, sm));  // CalibQuant's Fig. 3 at 30 GB
-  EXPECT_FALSE(cuda::decode_b1_pair(16, 32, 16384, 5, sm));
+  EXPECT_TRUE(cuda::decode_b1_pair(193, 32, 3072, 1, sm));
+  EXPECT_TRUE(cuda::decode_b1_pair(193, 32, 3388, 1, sm));  // CalibQuant's Fig. 3 at 30 GB
+  EXPECT_TRUE(cuda::decode_b1_pair(16, 32, 16384, 5, sm));  // 3277 rows a block
+  EXPECT_FALSE(cuda::decode_b1_pair(193, 32, 3071, 1, sm));  // 24 waves of pairs against 16
+  EXPECT_FALSE(cuda::decode_b1_pair(64, 32, 2048, 1, sm));   // 8 against 6
+  EXPECT_FALSE(cuda::decode_b1_pair(32, 32, 1024, 1, sm));   // 4 against 3: 3 = 3, a tie
+  EXPECT_FALSE(cuda::decode_b1_pair(12, 32, 1024, 1, sm));   // 2 against one wave
+  EXPECT_TRUE(cuda::decode_b1_pair(16, 32, 576, 1, sm));     // 2 (1.94) against 2 (1.29)
+  EXPECT_FALSE(cuda::decode_b1_pair(16, 32, 16384, 6, sm));  // 2731 rows, 12 waves against 8
   // decode_launch: both choices for a cache's flags, or the given split count.
   for (int B : {1, 16, 193})
     for (int rows : {3368, 4096, 65536})
@@ -162,7 +169,8 @@ TEST(DecodeKernel, SplitCountsFillTheirLastWave) {
         EXPECT_EQ(g.b1_pair, b1 && cuda::decode_b1_pair(B, 32, rows, 5, sm));
       }
   EXPECT_TRUE(cuda::decode_launch(16, 32, 4096, sm, 128, false, true, true).b1_pair);
-  EXPECT_FALSE(cuda::decode_launch(193, 32, 3368, sm, 128, false, true, true).b1_pair);
+  EXPECT_TRUE(cuda::decode_launch(193, 32, 3388, sm, 128, false, true, true).b1_pair);
+  EXPECT_FALSE(cuda::decode_launch(193, 32, 1000, sm, 128, false, true, true).b1_pair);
   EXPECT_FALSE(cuda::decode_launch(1, 32, 65536, sm, 128, false, true, false).b1_pair);
   // The bulk-copy fp16 kernel: head size 128 on sm_90 from kDecodeBulkRows rows a head; one
   // wave of two blocks a multiprocessor at batch 1 (8 splits of 32 heads, at any context), else

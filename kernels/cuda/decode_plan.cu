@@ -45,8 +45,14 @@ int decode_splits(int B, int NH, int rows, int n_sm, DecodePath path, int head_d
 
 bool decode_b1_pair(int B, int NH, int rows, int splits, int n_sm) {
   const int64_t grid = static_cast<int64_t>(B) * NH * std::max(splits, 1);
-  return grid <= static_cast<int64_t>(kDecodeB1PairMinBlocks) * n_sm ||
-         (rows + splits - 1) / std::max(splits, 1) >= 4096;
+  const int64_t pair_slots = static_cast<int64_t>(kDecodeB1PairMinBlocks) * n_sm;
+  const int64_t single_slots = static_cast<int64_t>(kDecodeMinBlocks) * n_sm;
+  if (grid <= pair_slots || (rows + splits - 1) / std::max(splits, 1) >= kDecodeB1PairRows) return true;
+  // Shorter blocks: a wave of pairs takes about 3/4 of the time of a wave of three one-sub-tile
+  // blocks a multiprocessor; pairs where their waves, so weighed, take less.
+  const int64_t pair_waves = (grid + pair_slots - 1) / pair_slots;
+  const int64_t single_waves = (grid + single_slots - 1) / single_slots;
+  return 3 * pair_waves < 4 * single_waves;
 }
 
 bool decode_f16_bulk(int D, int rows, bool sm90) { return sm90 && D == 128 && rows >= kDecodeBulkRows; }

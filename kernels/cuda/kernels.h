@@ -289,11 +289,15 @@ constexpr int kDecodeBulkFineChunkRows = 32, kDecodeBulkFineStages = 6, kDecodeB
 bool decode_f16_bulk(int D, int rows, bool sm90);
 int decode_splits(int B, int NH, int rows, int n_sm, DecodePath path = DecodePath::kGeneral, int head_dim = 0);
 // Whether a kB1 cache runs the kernel of two 128-row sub-tiles a warp (DecodeParams::b1_pair):
-// when its grid fits two blocks a multiprocessor, or its blocks are long (4096 rows or more).
-// Short blocks in several waves keep one sub-tile a warp and three blocks a multiprocessor: a
-// 3,368-row block of CalibQuant's Fig. 3 shape leaves a pair's sub-tiles idle at its end (1-bit
-// decode 4–6 % slower from 96 sequences on an H100), where batch 16 at 4k–64k rows was 6–18 %
-// faster in pairs.
+// when its grid fits two blocks a multiprocessor, or its blocks hold kDecodeB1PairRows rows or
+// more, or its waves of two blocks a multiprocessor, each counted as 3/4 of a wave of three
+// one-sub-tile blocks, take fewer than that kernel's (batch 16 × 32 heads: 2 × 3/4 against 2).
+// Swept on an H100 (docs/cuda.md, run Q), 1-bit at batches 2–193 and 576–4096 rows, one split a
+// head: pairs were 4–22 % faster from 3072 rows and at batch 16 from 576 rows; at batches 32–193
+// below 2048 rows the one-sub-tile kernel was 0–10 % faster, and at 2048 rows the two were
+// within 5 % either way (calibration favouring one sub-tile). CalibQuant's Fig. 3 (3388 rows)
+// gained 2.4–3.8 % tokens/s in pairs.
+constexpr int kDecodeB1PairRows = 3072;
 bool decode_b1_pair(int B, int NH, int rows, int splits, int n_sm);
 // A cache's decode-attention launch, as DecodeParams takes it: the splits of each head's rows
 // (decode_splits for the kernel its flags choose, or `splits` when given), b1_pair and f16_bulk.
