@@ -296,7 +296,7 @@ int decode_splits(int B, int NH, int rows, int n_sm, DecodePath path = DecodePat
 // head: pairs were 4–22 % faster from 3072 rows and at batch 16 from 576 rows; at batches 32–193
 // below 2048 rows the one-sub-tile kernel was 0–10 % faster, and at 2048 rows the two were
 // within 5 % either way (calibration favouring one sub-tile). CalibQuant's Fig. 3 (3388 rows)
-// gained 2.4–3.8 % tokens/s in pairs.
+// gained 1.4–3.6 % tokens/s in pairs.
 constexpr int kDecodeB1PairRows = 3072;
 bool decode_b1_pair(int B, int NH, int rows, int splits, int n_sm);
 // A cache's decode-attention launch, as DecodeParams takes it: the splits of each head's rows
