@@ -88,16 +88,15 @@ __global__ void __launch_bounds__(kThreads, kDecodeBulkMinBlocks) decode_f16_bul
   __syncthreads();
   const int n_cache = np > 0 ? sh_end[np - 1] : 0;
   const int N = n_cache + (fresh ? 1 : 0);
-  // Which rows a block reads. Static: a contiguous range of the head's rows. With p.claim: the
+  // Which rows a block reads. Static: a contiguous range of the head's rows. With CLAIM: the
   // head's cached rows in chunks of one stage; block s takes chunks s, s + splits, … for its
   // first S stages and then, one claim ahead, the next unclaimed chunk past those from the head's
   // counter, so the head's blocks end within about a stage of each other (the file's head says
   // why). The first claim is made after the wait, when the previous call's last block has reset
   // the counter.
-  constexpr bool dyn = CLAIM;
   const int64_t bh = static_cast<int64_t>(b) * p.NH + h;
   const int chunk = (N + p.splits - 1) / p.splits;
-  const int r0 = dyn ? 0 : min(N, s * chunk), r1 = dyn ? N : min(N, r0 + chunk);
+  const int r0 = CLAIM ? 0 : min(N, s * chunk), r1 = CLAIM ? N : min(N, r0 + chunk);
   const int cached_end = min(r1, n_cache);  // the stages' rows end here
   const int n_chunks = (n_cache + R - 1) / R;
   const int nst = (max(cached_end - r0, 0) + R - 1) / R;  // (static) the block's stages
@@ -106,7 +105,7 @@ __global__ void __launch_bounds__(kThreads, kDecodeBulkMinBlocks) decode_f16_bul
   // Thread 0: stage k's first row (−1: none) — then its rows, a copy a side and part, into
   // buffer k mod S, counted on that buffer's barrier.
   auto first_row = [&](int k) {
-    if constexpr (!dyn) return r0 + k * R;
+    if constexpr (!CLAIM) return r0 + k * R;
     int c = s + k * p.splits;
     if (k >= S) {
       c = S * p.splits + claimed;
@@ -117,7 +116,7 @@ __global__ void __launch_bounds__(kThreads, kDecodeBulkMinBlocks) decode_f16_bul
   auto issue = [&](int k) {
     const int j = first_row(k), je = j < 0 ? j : min(j + R, cached_end);
     uint4* dst = stg + (k % S) * (2 * R * 16);
-    if constexpr (dyn) stage_row[k % S] = j;  // published by the barrier's arrival (release) to its waiters
+    if constexpr (CLAIM) stage_row[k % S] = j;  // published by the barrier's arrival (release) to its waiters
     mbar_expect(&full[k % S], 2u * 256u * static_cast<uint32_t>(je - j));
     int x = j, pi = 0;
     if (j >= 0)
@@ -130,7 +129,7 @@ __global__ void __launch_bounds__(kThreads, kDecodeBulkMinBlocks) decode_f16_bul
       x = y;
     }
   };
-  const int first = dyn ? S : min(S, nst);  // stages issued ahead (with claims: end markers too)
+  const int first = CLAIM ? S : min(S, nst);  // stages issued ahead (with claims: end markers too)
   if (early && tid == 0)
     for (int k = 0; k < first; ++k) issue(k);
   pdl_wait();
@@ -138,16 +137,16 @@ __global__ void __launch_bounds__(kThreads, kDecodeBulkMinBlocks) decode_f16_bul
   if (tid == 0) {
     if (!early)
       for (int k = 0; k < first; ++k) issue(k);
-    if (dyn && S * p.splits < n_chunks) claimed = atomicAdd(p.claim + bh, 1);
+    if (CLAIM && S * p.splits < n_chunks) claimed = atomicAdd(p.claim + bh, 1);
   }
   float q[8];
   uint4 fk, fv;
   load_query<L>(p, b, h, c0, kvh, s, g, tid, tail_row, q, fk, fv);
 
   State st;
-  for (int k = 0; dyn || k < nst; ++k) {
+  for (int k = 0; CLAIM || k < nst; ++k) {
     mbar_wait(&full[k % S], (k / S) & 1);
-    const int j = dyn ? stage_row[k % S] : r0 + k * R;
+    const int j = CLAIM ? stage_row[k % S] : r0 + k * R;
     if (j < 0) break;
     const int je = min(j + R, cached_end);
     const uint4* src = stg + (k % S) * (2 * R * 16);
@@ -164,13 +163,13 @@ __global__ void __launch_bounds__(kThreads, kDecodeBulkMinBlocks) decode_f16_bul
     }
     f16_update<L, U>(kr, vr, q, j + g, G, je, false, 1.0f, 0.0f, 0.0f, st);
     __syncthreads();  // every group is past the buffer
-    if (tid == 0 && (dyn || k + S < nst)) {
+    if (tid == 0 && (CLAIM || k + S < nst)) {
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // its reads before the copy's writes
       issue(k + S);
     }
   }
   // The step's token (its row is not in memory): the block whose range holds it, or block 0.
-  const bool token_here = fresh && (dyn ? s == 0 : r0 <= n_cache && n_cache < r1);
+  const bool token_here = fresh && (CLAIM ? s == 0 : r0 <= n_cache && n_cache < r1);
   if (token_here) {  // the token's row: group 0 (the others' masked)
     const uint4 kr[1] = {g == 0 ? fk : make_uint4(0, 0, 0, 0)}, vr[1] = {g == 0 ? fv : make_uint4(0, 0, 0, 0)};
     f16_update<L, 1>(kr, vr, q, g == 0 ? n_cache : N, G, N, false, 1.0f, 0.0f, 0.0f, st);
