@@ -4,20 +4,7 @@
 // each head to finish, or merge_kernel, combines the splits' (m, d, o) into the head's output.
 #pragma once
 
-// Merges the splits' states (m, d, o) of head h of sequence b into its output (L2 reads: the
-// other blocks' states may have been written moments ago). Every split's weight exp(m_i − M) is
-// computed once, in parallel, into shared memory; the channels then sum with many loads in flight.
 constexpr int kMaxSplits = kDecodeMaxSplits;
-
-__device__ float block_reduce(float v, bool is_max, float* red) {
-  v = is_max ? warp_max(v) : warp_sum(v);
-  __syncthreads();  // red may still be read by a previous reduction
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-  __syncthreads();
-  v = red[0];
-  for (int w = 1; w < static_cast<int>(blockDim.x >> 5); ++w) v = is_max ? fmaxf(v, red[w]) : v + red[w];
-  return v;
-}
 
 // Channel c of head h of sequence b's output, in the output's type.
 __device__ __forceinline__ void store_out(const DecodeParams& p, int b, int h, int c, float o) {
@@ -37,48 +24,54 @@ __device__ __forceinline__ void store_md(const DecodeParams& p, int64_t bh, floa
   }
 }
 
+// Merges the splits' states (m, d, o) of head h of sequence b into its output (L2 reads: the
+// other blocks' states may have been written moments ago).
 __device__ void merge_head(const DecodeParams& p, int b, int h) {
-  __shared__ float wsh[kMaxSplits];
-  __shared__ float red[32];
   const int64_t bh = static_cast<int64_t>(b) * p.NH + h;
   const float2* md = reinterpret_cast<const float2*>(p.part_md) + bh * p.splits;
   const float* po = p.part_o + bh * p.splits * p.D;
-  const int tid = threadIdx.x, nt = blockDim.x;
-  // The merge is the last thing the kernel does, so its trips to L2 are the kernel's tail: they
-  // are made at once — each thread's splits' (m, d), and for its first channel the outputs of
-  // the first kPre splits — rather than one after another.
+  const int tid = threadIdx.x, nt = blockDim.x, n = p.splits;
+  // The merge is the last thing the kernel does, so its steps are the kernel's tail. Each thread
+  // merges its channels on its own: it reads every split's (m, d) itself (the same words in every
+  // lane: one request a warp) at once with its first channel's outputs of the first kPre splits,
+  // so the merge is one trip to L2 and a short chain of arithmetic, with no barrier or shuffle
+  // (block-wide reductions of the maximum and the sum took most of a head's tail on an H100).
   constexpr int kPre = 16;
+  float2 mw[kPre];
   float pre[kPre];
 #pragma unroll
-  for (int i = 0; i < kPre; ++i) pre[i] = tid < p.D && i < p.splits ? __ldcg(po + i * p.D + tid) : 0.0f;
+  for (int i = 0; i < kPre; ++i) {
+    mw[i] = i < n ? __ldcg(md + i) : make_float2(-INFINITY, 0.0f);
+    pre[i] = tid < p.D && i < n ? __ldcg(po + i * p.D + tid) : 0.0f;
+  }
   float M = -INFINITY;
-  float2 own = make_float2(-INFINITY, 0.0f);  // split tid's (m, d)
-  for (int i = tid; i < p.splits; i += nt) {
-    const float2 v = __ldcg(md + i);
-    if (i == tid) own = v;
-    wsh[i] = v.x;
-    M = fmaxf(M, v.x);
-  }
-  M = block_reduce(M, true, red);
+#pragma unroll
+  for (int i = 0; i < kPre; ++i) M = fmaxf(M, mw[i].x);
+  for (int i = kPre; i < n; ++i) M = fmaxf(M, __ldcg(md + i).x);
+  // exp(m − M) without a branch: 0 for an empty split's m = −∞, and for every split when all are.
+  const float Mf = M == -INFINITY ? 0.0f : M;
+  auto weight = [&](float m) { return __expf(m - Mf); };
+  // Split i's weight exp(m_i − M) (mw[i].x from here on) and the weighted sum of the d_i.
   float dsum = 0.0f;
-  for (int i = tid; i < p.splits; i += nt) {
-    const float2 v = i == tid ? own : __ldcg(md + i);
-    const float w = v.x == -INFINITY ? 0.0f : __expf(v.x - M);
-    dsum += v.y * w;
-    wsh[i] = w;
+#pragma unroll
+  for (int i = 0; i < kPre; ++i) {
+    mw[i].x = weight(mw[i].x);
+    dsum += mw[i].y * mw[i].x;
   }
-  dsum = block_reduce(dsum, false, red);  // (its barriers also publish wsh)
+  for (int i = kPre; i < n; ++i) {
+    const float2 v = __ldcg(md + i);
+    dsum += v.y * weight(v.x);
+  }
   for (int c = tid; c < p.D; c += nt) {
     float v = 0.0f;
     int i0 = 0;
     if (c == tid) {
 #pragma unroll
-      for (int i = 0; i < kPre; ++i)
-        if (i < p.splits) v += pre[i] * wsh[i];
+      for (int i = 0; i < kPre; ++i) v += pre[i] * mw[i].x;
       i0 = kPre;
     }
 #pragma unroll 8
-    for (int i = i0; i < p.splits; ++i) v += __ldcg(po + static_cast<int64_t>(i) * p.D + c) * wsh[i];
+    for (int i = i0; i < n; ++i) v += __ldcg(po + static_cast<int64_t>(i) * p.D + c) * weight(__ldcg(md + i).x);
     store_out(p, b, h, c, dsum > 0.0f ? v / dsum : 0.0f);
   }
   store_md(p, bh, M, dsum);
@@ -100,26 +93,42 @@ __device__ void finish_block(const DecodeParams& p, const State& st, int b, int 
 #pragma unroll
   for (int c = 0; c < 8; ++c) sh_o[g][li * 8 + c] = st.o[c];
   __syncthreads();
-  // The groups' states combined: maximum M; c = −1: their sum, else channel c's unnormalized output.
+  // The groups' states combined: maximum M; channel c's unnormalized output and, in dsum, their
+  // sum (one exponential a group for both).
   float M = -INFINITY;
   for (int i = 0; i < G; ++i) M = fmaxf(M, sh_m[i]);
-  auto combine = [&](int c) {
-    float v = 0.0f;
-    for (int i = 0; i < G; ++i)
-      if (sh_m[i] != -INFINITY) v += (c < 0 ? sh_d[i] : sh_o[i][c]) * __expf(sh_m[i] - M);
+  // An empty group (m = −∞, d = 0, o = 0) gets weight exp(−∞) = 0 without a branch.
+  const float Mf = M == -INFINITY ? 0.0f : M;
+  auto combine = [&](int c, float& dsum) {
+    float v = 0.0f, d = 0.0f;
+    for (int i = 0; i < G; ++i) {
+      const float w = __expf(sh_m[i] - Mf);
+      v += sh_o[i][c] * w;
+      d += sh_d[i] * w;
+    }
+    dsum = d;
     return v;
   };
+  float dsum = 0.0f;  // (thread 0's, from its channel 0)
   if (p.sem && p.splits == 1) {
     // The block holds the head's whole state: its output is written here, without the partial
     // state's trip through L2, the fence and the counter that a merge needs.
-    const float dsum = combine(-1);
-    for (int c = tid; c < p.D; c += kThreads) store_out(p, b, h, c, dsum > 0.0f ? combine(c) / dsum : 0.0f);
+    for (int c = tid; c < p.D; c += kThreads) {
+      float d;
+      const float v = combine(c, d);
+      if (c == tid) dsum = d;
+      store_out(p, b, h, c, d > 0.0f ? v / d : 0.0f);
+    }
     store_md(p, bh, M, dsum);
     return;
   }
   float* po = p.part_o + (bh * p.splits + s) * p.D;
-  for (int c = tid; c < p.D; c += kThreads) po[c] = combine(c);
-  if (tid == 0) reinterpret_cast<float2*>(p.part_md)[bh * p.splits + s] = make_float2(M, combine(-1));
+  for (int c = tid; c < p.D; c += kThreads) {
+    float d;
+    po[c] = combine(c, d);
+    if (c == tid) dsum = d;
+  }
+  if (tid == 0) reinterpret_cast<float2*>(p.part_md)[bh * p.splits + s] = make_float2(M, dsum);
   if (!p.sem) return;
   // The block's writes, ordered before thread 0's count by the barrier, are released by it at
   // device scope; the last block's count acquires every other block's (PTX fences and barriers
