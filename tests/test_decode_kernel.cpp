@@ -309,13 +309,14 @@ TEST(DecodeKernel, LongPartFewSplitsOneRangeAndOtherHeadSizes) {
     c.mma_only = true;
     kernel_case(c);
   }
-  for (int bits : {1, 4}) {
-    KernelCase c;  // head size 64: the lookup-table path
-    c.D = 64;
-    c.bits = bits;
-    c.n_packed = 517;
-    kernel_case(c);
-  }
+  for (int D : {64, 256})
+    for (int bits : {1, 4}) {
+      KernelCase c;  // head sizes 64 and 256: the lookup-table path (at 256 a thread merges two channels)
+      c.D = D;
+      c.bits = bits;
+      c.n_packed = 517;
+      kernel_case(c);
+    }
 #endif
 }
 
@@ -341,14 +342,15 @@ TEST(DecodeKernel, Fp16PartsWithATailCounter) {
     c.n_back = 13;
     kernel_case(c);
   }
-  {
-    KernelCase c;  // head size 64
-    c.bits = 16;
-    c.D = 64;
-    c.n_packed = 517;
-    c.splits = 5;
-    kernel_case(c);
-  }
+  for (int D : {64, 256})
+    for (int splits : {5, 37}) {
+      KernelCase c;  // head sizes 64 and 256; 37 splits: more than the merge reads at once
+      c.bits = 16;
+      c.D = D;
+      c.n_packed = 517;
+      c.splits = splits;
+      kernel_case(c);
+    }
 #endif
 }
 
