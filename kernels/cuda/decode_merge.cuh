@@ -47,6 +47,7 @@ __device__ void merge_head(const DecodeParams& p, int b, int h) {
   float M = -INFINITY;
 #pragma unroll
   for (int i = 0; i < kPre; ++i) M = fmaxf(M, mw[i].x);
+#pragma unroll 16
   for (int i = kPre; i < n; ++i) M = fmaxf(M, __ldcg(md + i).x);
   // exp(m − M) without a branch: 0 for an empty split's m = −∞, and for every split when all are.
   const float Mf = M == -INFINITY ? 0.0f : M;
@@ -58,6 +59,7 @@ __device__ void merge_head(const DecodeParams& p, int b, int h) {
     mw[i].x = weight(mw[i].x);
     dsum += mw[i].y * mw[i].x;
   }
+#pragma unroll 16
   for (int i = kPre; i < n; ++i) {
     const float2 v = __ldcg(md + i);
     dsum += v.y * weight(v.x);
@@ -70,7 +72,7 @@ __device__ void merge_head(const DecodeParams& p, int b, int h) {
       for (int i = 0; i < kPre; ++i) v += pre[i] * mw[i].x;
       i0 = kPre;
     }
-#pragma unroll 8
+#pragma unroll 16
     for (int i = i0; i < n; ++i) v += __ldcg(po + static_cast<int64_t>(i) * p.D + c) * weight(__ldcg(md + i).x);
     store_out(p, b, h, c, dsum > 0.0f ? v / dsum : 0.0f);
   }
