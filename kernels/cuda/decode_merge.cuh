@@ -36,6 +36,8 @@ __device__ void merge_head(const DecodeParams& p, int b, int h) {
   // lane: one request a warp) at once with its first channel's outputs of the first kPre splits,
   // so the merge is one trip to L2 and a short chain of arithmetic, with no barrier or shuffle
   // (block-wide reductions of the maximum and the sum took most of a head's tail on an H100).
+  // Splits past the first kPre (fp16 at batch 16 and long contexts: 32 or 128) are read by loops
+  // unrolled by 16, so that their loads too are in flight together.
   constexpr int kPre = 16;
   float2 mw[kPre];
   float pre[kPre];
