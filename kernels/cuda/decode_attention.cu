@@ -575,7 +575,8 @@ void launch(const DecodeParams& p, int mode, cudaStream_t s) {
   const int chunks = (p.D + 7) / 8;
   if (p.D % 8 != 0 || p.D > 256) throw InternalError("decode attention: head_dim must be a multiple of 8, at most 256");
   if (p.NKV <= 0 || p.NH % p.NKV != 0) throw InternalError("decode attention: n_heads must be a multiple of n_kv_heads");
-  if (p.splits < 1 || p.splits > kMaxSplits) throw InternalError("decode attention: splits must be in [1, 1024]");
+  if (p.splits < 1 || p.splits > kDecodeMaxSplits)
+    throw InternalError("decode attention: splits must be in [1, " + std::to_string(kDecodeMaxSplits) + "]");
   if (chunks <= 1) launch_l<1>(p, mode, s);
   else if (chunks <= 2) launch_l<2>(p, mode, s);
   else if (chunks <= 4) launch_l<4>(p, mode, s);
