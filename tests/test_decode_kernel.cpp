@@ -104,24 +104,34 @@ TEST(DecodeKernel, SplitCountsFillTheirLastWave) {
   // The packed kernels: when every head fits `wave` blocks, the most splits that keep it within
   // them; otherwise at least 90 % of a wave of `full` blocks. The tensor-core-only kernel: one
   // wave of 4 blocks a multiprocessor (one split a head at batch 16 × 32 heads, 16 at batch 1),
-  // else the wave rule at 4. The binary path: one wave of two blocks a multiprocessor (8 splits
-  // at batch 1 × 32 heads), else the wave rule at 2 with the first count whose last wave is 85 %
-  // full — never more than kGeneral's 90 % takes (1 at batch 16 × 32 heads, where kGeneral
-  // takes 3).
+  // else the wave rule at 4; for calls of at most kDecodeMmaShortRows rows, half that wave and
+  // blocks of at least kDecodeMmaShortBlockRows rows. The binary path: one wave of two blocks a
+  // multiprocessor (8 splits at batch 1 × 32 heads), one split up to kDecodeB1OneSplitRows rows
+  // and a block a multiprocessor up to kDecodeB1OneBlockRows, else the wave rule at 2 with the
+  // first count whose last wave is 85 % full — never more than kGeneral's 90 % takes (1 at batch
+  // 16 × 32 heads, where kGeneral takes 3).
   auto check_packed = [&](cuda::DecodePath path, const std::string& name, int wave, int full,
                           std::initializer_list<int> batches) {
     for (int B : batches)
       for (int NH : {8, 32, 40})
-        for (int rows : {100, 616, 4096, 65536}) {
-          const int s = cuda::decode_splits(B, NH, rows, sm, path, 128), most = (rows + 63) / 64;
+        for (int rows : {100, 616, 2048, 2049, 4096, 8192, 8193, 65536}) {
+          const int s = cuda::decode_splits(B, NH, rows, sm, path, 128);
           SCOPED_TRACE(name + " B=" + std::to_string(B) + " NH=" + std::to_string(NH) + " rows=" + std::to_string(rows));
           ASSERT_GE(s, 1);
-          EXPECT_LE(s, std::max(1, most));
           const int heads = B * NH;
-          if (heads <= wave) {
-            EXPECT_LE(heads * s, wave) << s << " splits";
+          const bool b1_short = path == cuda::DecodePath::kB1 && rows <= cuda::kDecodeB1OneSplitRows;
+          const bool b1_block = path == cuda::DecodePath::kB1 && !b1_short && rows <= cuda::kDecodeB1OneBlockRows;
+          const bool mma_short = path == cuda::DecodePath::kMma && heads <= wave &&
+                                 static_cast<int64_t>(heads) * rows <= cuda::kDecodeMmaShortRows;
+          const int most = mma_short ? rows / cuda::kDecodeMmaShortBlockRows : (rows + 63) / 64;
+          const int w = mma_short ? wave / 2 : b1_block ? sm : wave;
+          EXPECT_LE(s, std::max(1, most));
+          if (heads <= wave && b1_short) {
+            EXPECT_EQ(s, 1);
+          } else if (heads <= wave) {
+            EXPECT_LE(heads * s, std::max(heads, w)) << s << " splits";
             if (s < most) {
-              EXPECT_GT(heads * (s + 1), wave) << s << " splits";
+              EXPECT_GT(heads * (s + 1), w) << s << " splits";
             }
           } else if (s < most) {
             EXPECT_GE(static_cast<double>(heads) * s, 0.9 * full - 1e-9) << s << " splits";
@@ -136,6 +146,14 @@ TEST(DecodeKernel, SplitCountsFillTheirLastWave) {
   EXPECT_EQ(cuda::decode_splits(16, 32, 4096, sm, cuda::DecodePath::kMma, 128), 1);
   EXPECT_EQ(cuda::decode_splits(1, 32, 65536, sm, cuda::DecodePath::kMma, 128), 16);
   EXPECT_EQ(cuda::decode_splits(1, 32, 65536, sm, cuda::DecodePath::kB1, 128), 8);
+  EXPECT_EQ(cuda::decode_splits(1, 32, 4096, sm, cuda::DecodePath::kB1, 128), 4);
+  EXPECT_EQ(cuda::decode_splits(1, 32, 8192, sm, cuda::DecodePath::kB1, 128), 8);
+  EXPECT_EQ(cuda::decode_splits(4, 32, 4096, sm, cuda::DecodePath::kB1, 128), 1);
+  EXPECT_EQ(cuda::decode_splits(1, 32, 616, sm, cuda::DecodePath::kB1, 128), 1);  // a captioning run's context
+  EXPECT_EQ(cuda::decode_splits(1, 32, 616, sm, cuda::DecodePath::kMma, 128), 4);
+  EXPECT_EQ(cuda::decode_splits(1, 32, 4096, sm, cuda::DecodePath::kMma, 128), 8);
+  EXPECT_EQ(cuda::decode_splits(1, 32, 16384, sm, cuda::DecodePath::kMma, 128), 16);
+  EXPECT_EQ(cuda::decode_splits(4, 32, 616, sm, cuda::DecodePath::kMma, 128), 2);
   EXPECT_EQ(cuda::decode_splits(6, 32, 65536, sm, cuda::DecodePath::kB1, 128), 1);
   EXPECT_EQ(cuda::decode_splits(16, 32, 65536, sm, cuda::DecodePath::kB1, 128), 1);
   EXPECT_EQ(cuda::decode_splits(16, 32, 65536, sm), 3);

@@ -27,7 +27,18 @@ int decode_splits(int B, int NH, int rows, int n_sm, DecodePath path, int head_d
                      : 1;
   // The bulk-copy kernel at batch 16: 2–8 splits a head were no faster than one (kernels.h).
   if (path == DecodePath::kF16Bulk && by_bytes < kDecodeBulkMinSplits) by_bytes = 1;
-  if (heads <= wave) return std::min(most, std::max(1, static_cast<int>(wave / heads)));
+  if (heads <= wave) {
+    // Short packed caches: on the binary path one split a head up to kDecodeB1OneSplitRows rows,
+    // then at most a block a multiprocessor up to kDecodeB1OneBlockRows; on the tensor-core one
+    // half a wave of blocks of at least kDecodeMmaShortBlockRows rows while the call's rows are
+    // at most kDecodeMmaShortRows (kernels.h).
+    if (path == DecodePath::kB1 && rows <= kDecodeB1OneSplitRows) return 1;
+    if (path == DecodePath::kB1 && rows <= kDecodeB1OneBlockRows)
+      return std::min(most, std::max(1, static_cast<int>(n_sm / heads)));
+    if (path == DecodePath::kMma && heads * rows <= static_cast<double>(kDecodeMmaShortRows))
+      return std::min(std::max(1, rows / kDecodeMmaShortBlockRows), std::max(1, static_cast<int>(wave / 2 / heads)));
+    return std::min(most, std::max(1, static_cast<int>(wave / heads)));
+  }
   // From the count that makes one wave 90 % full, the first whose last wave is at least 90 % full
   // (85 % on the binary path, whose short blocks cost more than a fuller last wave gains) — else
   // the fullest up to four times that count.

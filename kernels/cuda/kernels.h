@@ -239,19 +239,42 @@ DecodePath decode_path(int D, bool all_f16, bool all_mma, bool b1);
 // Blocks per (b, head) for `rows` rows on a device of n_sm multiprocessors; at most one per 64
 // rows (and 1024). kGeneral: at least one full wave of 3 blocks a multiprocessor, the last wave
 // at least 90 % full where possible. kMma: when every head fits one wave of 4 a multiprocessor,
-// the most splits that keep it one wave (fewer, longer blocks pay the query's preparation, the
-// partial state and the merge less often: at batch 16 one split a head was 3–22 % faster than
-// three on an H100), else the wave rule at 4. kB1: when every head fits one wave of 2 a
-// multiprocessor, the most splits that keep it so (batch 1: 8 splits a head; one block a
-// multiprocessor, 4, was 0–3 % faster without calibration in one call and 0–2 % slower in
-// another, and 3–10 % slower with it at 16k and 64k on H100s: q1 + calibration 0.0226–0.0228 /
-// 0.0478–0.0479 ms against 0.0220–0.0222 / 0.0433–0.0438), else the wave
-// rule at 2 with a last wave at least 85 % full (batch 16: one split a head, 6–18 % faster than
-// the one-sub-tile kernel's 2 or 3 at 4k–64k rows). kF16 (head_dim: 4·D bytes of K and V a row): the wave
-// rule at 3, and a block at most kDecodeSplitBytes of rows where that would give it more: long
-// fp16 contexts are then read in many waves of short blocks, whose last wave's idle share is
-// small.
+// the most splits that keep it one wave (short caches: below; fewer, longer blocks pay the
+// query's preparation, the partial state and the merge less often: at batch 16 one split a head
+// was 3–22 % faster than three on an H100), else the wave rule at 4. kB1: when every head fits
+// one wave of 2 a multiprocessor, the most splits that keep it so (short caches: below; batch 1
+// from 4096 rows: 8 splits a head; one block a multiprocessor, 4, was 0–3 % faster without
+// calibration in one call and 0–2 % slower in another, and 3–10 % slower with it at 16k and 64k
+// on H100s: q1 + calibration 0.0226–0.0228 / 0.0478–0.0479 ms against 0.0220–0.0222 /
+// 0.0433–0.0438), else the wave rule at 2 with a last wave at least 85 % full (batch 16: one
+// split a head, 6–18 % faster than the one-sub-tile kernel's 2 or 3 at 4k–64k rows). kF16
+// (head_dim: 4·D bytes of K and V a row): the wave rule at 3, and a block at most
+// kDecodeSplitBytes of rows where that would give it more: long fp16 contexts are then read in
+// many waves of short blocks, whose last wave's idle share is small.
 constexpr int64_t kDecodeSplitBytes = 512 << 10;
+// Short packed caches, where a split's fixed work (its prologue, first tile, partial state and
+// the head's merge) outweighs the rows it takes off the others. kB1: one split a head up to
+// kDecodeB1OneSplitRows rows, then at most one block a multiprocessor up to
+// kDecodeB1OneBlockRows. kMma: while a call holds at most kDecodeMmaShortRows rows (heads ×
+// rows), half a wave (2 blocks a multiprocessor) of blocks of at least kDecodeMmaShortBlockRows
+// rows. Swept on an H100 at 1, 2 and 4 sequences × 32 heads, 616–65536 rows, held (docs/cuda.md,
+// run T), µs, the new count against the old:
+// - 1-bit at batch 1: 616 rows 11.1 (1 split) against 13.3 (8), 1024 8.9 against 11.1, 2048
+//   10.2 against 11.0; with calibration 16.1 / 12.2 / 13.8 against 19.2 / 15.1 / 15.0. At 4096
+//   rows 4 splits against 8: 11.0 against 11.5 (15.2 against 15.9); batch 2: 2 against 4, 14.0
+//   against 13.7 (17.8 against 17.7); batch 4: 1 against 2, 14.3 against 16.4 (19.4 against
+//   20.5). From 8192 rows the full wave (8 at batch 1: 13.3 against 14.2 at 4).
+// - 2- and 4-bit at batch 1: 8 splits instead of 16 from 1024 to 8192 rows, 2-bit 10.3 / 11.4 /
+//   14.4 / 18.3 against 11.8 / 12.9 / 15.7 / 20.5, 4-bit 11.6 / 14.0 / 17.7 / 27.0 against 14.0 /
+//   15.7 / 18.3 / 27.0; at 616 rows 4 splits instead of 10 (2-bit 10.3 against 10.8, 4-bit 10.5
+//   against 11.8). From 16384 rows (half a million rows a call) 16 splits stayed the fastest or
+//   within 2 % of it.
+// - Batch 2 at 616 rows 4 splits instead of 8 (2-bit 11.0 against 12.2, 4-bit 12.7 against
+//   14.7), at 4096 rows 4 instead of 8 (2-bit 18.4 against 20.0, 4-bit 27.6 against 26.9);
+//   batch 4 at 616 rows 2 instead of 4 (2-bit 13.0 against 13.8, 4-bit 15.2 against 16.3).
+constexpr int kDecodeB1OneSplitRows = 2048, kDecodeB1OneBlockRows = 4096;
+constexpr int64_t kDecodeMmaShortRows = 1 << 18;
+constexpr int kDecodeMmaShortBlockRows = 128;
 // kF16Bulk: when every head fits one wave of two blocks a multiprocessor, the most splits that
 // keep it one wave (batch 1 × 32 heads: 8, at any context; more were 1–3 % slower at 64k; one
 // block a multiprocessor, 4, was 0.3–1.5 % faster held but slower in a row on an H100, ms:
