@@ -26,6 +26,7 @@
 #include "core/files.h"
 #include "core/method.h"
 #include "core/numbers.h"
+#include "core/policy.h"
 #include "kernels/backends.h"
 #include "models/llava.h"
 #ifdef KVLENS_HAVE_CUDA
@@ -120,8 +121,10 @@ void run_bench(const BenchArgs& a) {
   std::printf("%-26s %12.2f ms\n", "prefill", median(prefill));
   std::printf("%-26s %12.2f ms\n", "vision + prefill", median(vision) + median(prefill));
   std::printf("%-26s %12.2f ms\n", "compress", median(compress));
-  // Steps are chained (GenerateOptions::chain_steps) on a chaining backend with no method.
-  const bool chained = be.chains_steps() && a.method.empty() && !a.unchained;
+  // Steps are chained (GenerateOptions::chain_steps) on a chaining backend with no method or a
+  // method that needs no host rows while decoding (one that compresses at prefill only).
+  const bool chained = be.chains_steps() && !a.unchained &&
+                       (a.method.empty() || !decode_needs_host_rows(make_policy(a.method).get()));
   std::printf("%-26s %12.3f ms%s\n", "decode per token", median(per_token), chained ? " (steps chained)" : "");
   std::printf("%-26s %12.1f tokens/s\n", "decode", tps);
   std::printf("%-26s %12.1f GB/s\n", "copy bandwidth", copy / 1e9);

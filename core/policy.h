@@ -54,6 +54,10 @@ class KVPolicy {
   virtual void on_prefill_layer(const PrefillContext& ctx, LayerKV& layer) {}
   // Called after the new token's K/V were appended, before attention reads the store.
   virtual void on_decode_step(const DecodeContext& ctx, LayerKV& layer) {}
+  // Whether on_decode_step may change the store. A method that compresses only at prefill says
+  // false: its decode steps then never call it, and a device cache needs no host copy of the
+  // rows while decoding (the steps run on the device alone, replayed and chained).
+  virtual bool acts_on_decode() const { return true; }
   // Optional transform of one query head's pre-softmax scores over the keys [n_k] the store
   // holds (kinds[j] tells each key's segment). Calibration lives here.
   virtual bool has_score_transform() const { return false; }
@@ -63,6 +67,15 @@ class KVPolicy {
   // device backend then calibrates inside its attention kernel instead of on the host.
   virtual bool visual_calibration(float& tau1, float& tau2) const { return false; }
 };
+
+// Whether decode steps with `policy` (null = none) need the host store's rows: the policy edits
+// the store while decoding, or transforms scores other than by CalibQuant's calibration (which a
+// device applies inside its attention kernel).
+inline bool decode_needs_host_rows(const KVPolicy* policy) {
+  if (!policy) return false;
+  float tau1 = 0, tau2 = 0;
+  return policy->acts_on_decode() || (policy->has_score_transform() && !policy->visual_calibration(tau1, tau2));
+}
 
 // The storage of dense rows a decode with `policy` (null = none) uses: what the policy asks
 // for, else the run's `run` setting. The decode loop calls KVStore::set_row_storage with it

@@ -217,10 +217,11 @@ std::vector<float> LlamaDecoder::decode(int token, int position, int step_no, Se
   return w.logits_host;
 }
 
-int LlamaDecoder::launch(int token, int position, int step_no, SeqKV& kv, LlamaWorkspace& w) const {
-  if (!be->chains_steps() || kv.mirror || !kv.dev)
+int LlamaDecoder::launch(int token, int position, int step_no, SeqKV& kv, KVPolicy* policy,
+                         LlamaWorkspace& w) const {
+  if (!be->chains_steps() || kv.mirror || !kv.dev || decode_needs_host_rows(policy))
     throw InternalError("decode: chained steps need a chaining backend and a cache without host rows");
-  step_ops(token, position, step_no, kv, nullptr, {}, true, w);
+  step_ops(token, position, step_no, kv, policy, {}, true, w);
   return be->start_readback(w.logits, w.ids);
 }
 
@@ -246,7 +247,10 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
   }
   const SegmentKind gen = SegmentKind::Generated;
   const bool want = !observers.empty();
-  const bool host_side = policy || want;  // per-layer work on the host: no replay
+  // A policy that compresses only at prefill and calibrates (if at all) inside the device's
+  // kernel adds no host work to a step.
+  const bool acts = policy && policy->acts_on_decode();
+  const bool host_side = decode_needs_host_rows(policy) || want;  // per-layer work on the host: no replay
   if (host_side && !kv.mirror) throw InternalError("decode: a policy or observer needs the host KV rows");
   if (chain && (host_side || !be->chains_steps())) throw InternalError("decode: a chained step with host-side work");
 
@@ -258,14 +262,14 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
     for (int l = 0; l < cfg.num_hidden_layers; ++l) {
       const LlamaLayer& L = layers[l];
       be->norm_linear(w.h, L.ln1, eps, w.x, L.qkv_w, or_null(L.qkv_b), w.qkv, check.empty() ? nullptr : &check);
-      // A plain step (no policy, nothing captured) hands RoPE, the append and attention to the
-      // backend as one op, which a device runs as one kernel.
-      const bool plain = !policy && !want;
+      // A plain step (no host work, no score transform, nothing captured) hands RoPE, the append
+      // and attention to the backend as one op, which a device runs as one kernel.
+      const bool plain = !host_side && !(policy && policy->has_score_transform());
       if (plain)
         be->rope_append_attend(kv, l, w.qkv, lay, w.pos, &pos, &gen, static_cast<float>(cfg.rope_theta), w.a);
       else
         be->rope_append(kv, l, w.qkv, lay, w.pos, &pos, &gen, 1, static_cast<float>(cfg.rope_theta));
-      if (policy) {
+      if (acts) {
         w.qkv_host.resize(static_cast<size_t>(w.qkv.numel()));
         be->download(w.qkv, w.qkv_host.data());
         DecodeContext ctx;

@@ -298,9 +298,11 @@ DecodeResult LlavaModel::decode(const PrefillState& st, KVPolicy* policy, const 
                      ") need --backend cpu: the " + be_->name() + " backend's KV cache holds fp16 rows");
   store.set_row_storage(rows);
   std::unique_ptr<DeviceKV> dev = st.device ? st.device->clone() : nullptr;
-  // The host store carries rows when anything on the host reads them.
-  const bool mirror = !dev || policy || !observers.empty() || compressed;
-  if (dev && mirror && !st.store_rows) be_->kv_hydrate(*dev, store);
+  // The host store carries rows when anything on the host reads them: a policy's prefill
+  // compression and the copy of the compressed store, and while decoding a policy that edits the
+  // store or transforms scores on the host, or an observer (decode_needs_host_rows).
+  const bool mirror = !dev || decode_needs_host_rows(policy) || !observers.empty();
+  if (dev && (mirror || policy || compressed) && !st.store_rows) be_->kv_hydrate(*dev, store);
   SeqKV kv{&store, dev.get(), mirror};
   auto cache_bytes = [&] { return dev ? dev->bytes() : store.bytes(); };
   const auto t0 = std::chrono::steady_clock::now();
@@ -334,7 +336,7 @@ DecodeResult LlavaModel::decode(const PrefillState& st, KVPolicy* policy, const 
     return (opt.stop_at_eos && is_eos) || step + 1 >= opt.max_new_tokens ||
            pos + 1 > cfg_.text.max_position_embeddings;
   };
-  // (!mirror: a device cache, and no policy, observer or copy of the compressed store to feed)
+  // (!mirror: a device cache, and no observer or policy that needs the host rows)
   const bool chain = opt.chain_steps && opt.temperature <= 0.0f && !mirror && be_->chains_steps();
   if (opt.max_new_tokens <= 0) {
     // nothing to generate
@@ -351,14 +353,14 @@ DecodeResult LlavaModel::decode(const PrefillState& st, KVPolicy* policy, const 
     bool ahead = false;
     try {
       check(1);
-      int ticket = in_model(dir_, [&] { return text_.launch(tok, pos, 0, kv, ws); });
+      int ticket = in_model(dir_, [&] { return text_.launch(tok, pos, 0, kv, policy, ws); });
       ++pos;
       for (int step = 0;; ++step) {
         ahead = step + 2 < opt.max_new_tokens && pos + 1 <= cfg_.text.max_position_embeddings;
         int next = -1;
         if (ahead) {
           before_ahead = cache_bytes();
-          next = in_model(dir_, [&] { return text_.launch(-1, pos, step + 1, kv, ws); });
+          next = in_model(dir_, [&] { return text_.launch(-1, pos, step + 1, kv, policy, ws); });
         }
         int device_tok = -1;
         logits = in_model(dir_, [&] { return text_.collect(ticket, ws, device_tok); });

@@ -17,6 +17,7 @@
 #include "kernels/backends.h"
 #include "models/experiment.h"
 #include "models/llava.h"
+#include "tests/policy_probe.h"
 #include "tests/test_util.h"
 
 using namespace kvlens;
@@ -270,6 +271,47 @@ TEST(CudaModel, ChainedStepsEqualUnchainedSteps) {
     }
   }
   EXPECT_EQ(ended_at_eos, 1) << "the EOS case must end before max_new_tokens, so a step launched ahead is dropped";
+}
+
+// A prefill-only method decodes on the device alone — no host rows, no hook, steps replayed and
+// chained — to the same tokens and cache bytes as when the loop keeps the host rows and calls the
+// hook once a layer and forward, and to logits within 2^-11 of their largest magnitude: the
+// paths' kernels differ (the fp16 eviction methods' plain steps fuse RoPE, the append and
+// attention into one; with host rows the append takes its own kernel), so their fp32 sums differ
+// in order, which can move the fp16 rounding of an attention output by one step (2^-11
+// relative). Chained and unchained device-only steps agree exactly.
+TEST(CudaModel, PrefillOnlyMethodsDecodeOnTheDeviceAlone) {
+  NEED_GPU();
+  const LlavaModel gpu = LlavaModel::load(kEmbedded, {"cuda"});
+  ASSERT_TRUE(gpu.backend().chains_steps());
+  const RGBImage img = load_image(kt::source_dir() + "/assets/images/scene_000.png");
+  const PrefillState st = gpu.prefill(img, kDefaultPrompt, kDefaultTemplate, true);
+  GenerateOptions g;
+  g.max_new_tokens = 12;
+  g.stop_at_eos = false;
+  g.keep_step_logits = true;
+  const int layers = gpu.config().text.num_hidden_layers;
+  for (const char* spec : {"calibquant:bits=1", "calibquant:bits=2", "calibquant:bits=4", "snapkv", "stack"}) {
+    SCOPED_TRACE(spec);
+    kt::PolicyProbe host(make_policy(spec), true), inert(make_policy(spec), false), unchained(make_policy(spec), false);
+    const DecodeResult a = gpu.decode(st, &host, g);
+    const DecodeResult b = gpu.decode(st, &inert, g);
+    GenerateOptions u = g;
+    u.chain_steps = false;
+    const DecodeResult c = gpu.decode(st, &unchained, u);
+    EXPECT_EQ(host.decode_calls, layers * (g.max_new_tokens - 1));
+    EXPECT_EQ(inert.decode_calls + unchained.decode_calls, 0);
+    EXPECT_EQ(b.generated_ids, a.generated_ids);
+    EXPECT_EQ(c.generated_ids, a.generated_ids);
+    ASSERT_EQ(b.step_logits.size(), a.step_logits.size());
+    for (size_t i = 0; i < a.step_logits.size(); ++i) {
+      EXPECT_LE(max_rel(b.step_logits[i], a.step_logits[i]), std::ldexp(1.0, -11)) << "step " << i;
+      EXPECT_EQ(c.step_logits[i], b.step_logits[i]) << "step " << i;
+    }
+    EXPECT_EQ(b.bytes_after_prefill.total(), a.bytes_after_prefill.total());
+    EXPECT_EQ(b.bytes_final.total(), a.bytes_final.total());
+    EXPECT_EQ(c.bytes_final.total(), a.bytes_final.total());
+  }
 }
 
 }  // namespace

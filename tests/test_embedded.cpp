@@ -10,8 +10,10 @@
 
 #include "core/scenes.h"
 #include "core/eval_table.h"
+#include "core/method.h"
 #include "models/eval_runner.h"
 #include "models/llava.h"
+#include "tests/policy_probe.h"
 #include "tests/test_util.h"
 
 using namespace kvlens;
@@ -108,4 +110,29 @@ TEST(Embedded, HeldOutQuality) {
   EXPECT_GE(r.caption_exact, 26u) << t.to_json().dump();
   EXPECT_GT(r.questions, 60u);
   EXPECT_GE(r.vqa_accuracy().value_or(0), 0.85) << t.to_json().dump();
+}
+
+// A prefill-only method decodes without its decode hook and without host work a step, to the
+// same tokens, logits and cache bytes as when the loop keeps the host rows and calls the hook
+// once a layer and forward.
+TEST(Embedded, PrefillOnlyMethodsDecodeWithoutTheHookToTheSameResult) {
+  const RGBImage img = load_image(kt::source_dir() + "/assets/images/scene_000.png");
+  const PrefillState st = model().prefill(img, kDefaultPrompt, kDefaultTemplate, true);
+  GenerateOptions g;
+  g.max_new_tokens = 12;
+  g.stop_at_eos = false;
+  g.keep_step_logits = true;
+  const int layers = model().config().text.num_hidden_layers;
+  for (const char* spec : {"calibquant:bits=1", "calibquant:bits=2", "snapkv", "stack"}) {
+    SCOPED_TRACE(spec);
+    kt::PolicyProbe host(make_policy(spec), true), inert(make_policy(spec), false);
+    const DecodeResult a = model().decode(st, &host, g);
+    const DecodeResult b = model().decode(st, &inert, g);
+    EXPECT_EQ(host.decode_calls, layers * (g.max_new_tokens - 1));
+    EXPECT_EQ(inert.decode_calls, 0);
+    EXPECT_EQ(b.generated_ids, a.generated_ids);
+    EXPECT_EQ(b.step_logits, a.step_logits);
+    EXPECT_EQ(b.bytes_after_prefill.total(), a.bytes_after_prefill.total());
+    EXPECT_EQ(b.bytes_final.total(), a.bytes_final.total());
+  }
 }

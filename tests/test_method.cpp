@@ -12,6 +12,7 @@
 
 #include "core/errors.h"
 #include "core/method.h"
+#include "core/policy.h"
 #include "core/policies/registry.h"
 #include "tests/test_util.h"
 
@@ -259,4 +260,31 @@ TEST(Registry, ShortSpecKeepsOnlyValuesThatDifferFromDefaults) {
     const Params p = parse_method_spec(m.name);
     EXPECT_EQ(parse_method_spec(p.short_spec()).spec(), p.spec()) << m.name;
   }
+}
+
+// The methods that change the store while decoding keep the host rows then: KIVI (new keys
+// quantized group by group), ZipCache (streaming requantization), and uniform, TurboQuant and
+// Hadamard-INT4 over every segment (each new token quantized as it arrives; uniform only with
+// per-token ranges). Full, CalibQuant (visual rows at prefill) and every eviction / merge
+// method (prefill only) decode on a device alone; a stack needs the rows when either side does.
+TEST(Registry, OnlyMethodsThatEditTheStoreWhileDecodingNeedHostRows) {
+  const std::map<std::string, bool> want = {
+      {"full", false},     {"uniform", true},       {"kivi", true},    {"calibquant", false},
+      {"zipcache", true},  {"turboquant", true},    {"hadamard_int4", true},
+      {"vlcache", false},  {"lookm", false},        {"h2o", false},    {"snapkv", false},
+      {"streamingllm", false}, {"pyramidkv", false}, {"stack", false}};
+  for (const MethodSpec& m : methods()) {
+    SCOPED_TRACE(m.name);
+    ASSERT_TRUE(want.count(m.name)) << "a method this test does not know";
+    const auto p = make_policy(m.name);
+    EXPECT_EQ(decode_needs_host_rows(p.get()), want.at(m.name));
+    EXPECT_EQ(p->acts_on_decode(), want.at(m.name));
+  }
+  for (const char* spec : {"uniform:scope=visual", "uniform:k_granularity=per-channel", "turboquant:scope=visual",
+                           "hadamard_int4:scope=visual", "calibquant:bits=2,calibrate=force", "stack:evict=snapkv,quant=none",
+                           "stack:evict=none,quant=calibquant"})
+    EXPECT_FALSE(decode_needs_host_rows(make_policy(spec).get())) << spec;
+  for (const char* spec : {"stack:evict=snapkv,quant=kivi", "stack:evict=none,quant=zipcache", "kivi:bits=4"})
+    EXPECT_TRUE(decode_needs_host_rows(make_policy(spec).get())) << spec;
+  EXPECT_FALSE(decode_needs_host_rows(nullptr));
 }

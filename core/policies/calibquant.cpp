@@ -85,6 +85,7 @@ class CalibQuantPolicy : public KVPolicy {
     calibrate_ = calibrate == "force" || (calibrate == "auto" && bits <= 2);
   }
   std::string name() const override { return "calibquant"; }
+  bool acts_on_decode() const override { return false; }  // visual rows only, at prefill
 
   void on_prefill_layer(const PrefillContext& ctx, LayerKV& layer) override {
     const int D = ctx.head_dim;

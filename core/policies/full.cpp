@@ -13,6 +13,7 @@ class FullPolicy : public KVPolicy {
   explicit FullPolicy(std::optional<RowStorage> rows) : rows_(rows) {}
   std::string name() const override { return "full"; }
   std::optional<RowStorage> row_storage() const override { return rows_; }
+  bool acts_on_decode() const override { return false; }
 
  private:
   std::optional<RowStorage> rows_;

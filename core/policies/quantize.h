@@ -202,6 +202,7 @@ class SegmentQuantPolicy : public KVPolicy {
     quantize_segment(layer.segments.back(), ctx.head_dim);
     merge_last_into_previous(layer);
   }
+  bool acts_on_decode() const override { return !visual_only_; }
 
  protected:
   virtual void quantize_segment(KVSegment& s, int head_dim) = 0;

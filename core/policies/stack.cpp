@@ -54,6 +54,9 @@ class StackPolicy : public KVPolicy {
     if (evict_) evict_->on_decode_step(ctx, layer);
     if (quant_) quant_->on_decode_step(ctx, layer);
   }
+  bool acts_on_decode() const override {
+    return (evict_ && evict_->acts_on_decode()) || (quant_ && quant_->acts_on_decode());
+  }
   bool visual_calibration(float& tau1, float& tau2) const override {
     if (evict_ && evict_->has_score_transform()) return false;
     return quant_ && quant_->visual_calibration(tau1, tau2);

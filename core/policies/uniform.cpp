@@ -32,6 +32,9 @@ class UniformPolicy : public KVPolicy {
     quantize_segment(layer.segments.back(), ctx.head_dim);
     quant::merge_last_into_previous(layer);
   }
+  bool acts_on_decode() const override {
+    return !visual_only_ && k_axis_ == quant::Axis::PerToken && v_axis_ == quant::Axis::PerToken;
+  }
 
  private:
   bool in_scope(const KVSegment& s) const {

@@ -1,0 +1,38 @@
+// A method wrapped to count its decode hook's calls, and to claim that hook acts (so the decode
+// loop keeps the host rows and calls it) when `force_host` is set: the two ways a prefill-only
+// method can decode, side by side.
+#pragma once
+
+#include <memory>
+
+#include "core/policy.h"
+
+namespace kvlens::testing {
+
+class PolicyProbe : public KVPolicy {
+ public:
+  PolicyProbe(std::unique_ptr<KVPolicy> inner, bool force_host) : in_(std::move(inner)), force_(force_host) {}
+  std::string name() const override { return in_->name(); }
+  bool needs_prefill_attention() const override { return in_->needs_prefill_attention(); }
+  std::optional<RowStorage> row_storage() const override { return in_->row_storage(); }
+  void on_prefill(const std::vector<PrefillContext>& layers, KVStore& store) override { in_->on_prefill(layers, store); }
+  void on_prefill_layer(const PrefillContext& ctx, LayerKV& layer) override { in_->on_prefill_layer(ctx, layer); }
+  void on_decode_step(const DecodeContext& ctx, LayerKV& layer) override {
+    ++decode_calls;
+    in_->on_decode_step(ctx, layer);
+  }
+  bool acts_on_decode() const override { return force_ || in_->acts_on_decode(); }
+  bool has_score_transform() const override { return in_->has_score_transform(); }
+  void transform_scores(int layer, int head, float* scores, const SegmentKind* kinds, int n_k) const override {
+    in_->transform_scores(layer, head, scores, kinds, n_k);
+  }
+  bool visual_calibration(float& tau1, float& tau2) const override { return in_->visual_calibration(tau1, tau2); }
+
+  int decode_calls = 0;
+
+ private:
+  std::unique_ptr<KVPolicy> in_;
+  bool force_;
+};
+
+}  // namespace kvlens::testing
