@@ -265,7 +265,13 @@ void run_case(const DecodeCase& c) {
         d.layer = 0; d.step = step; d.position = p; d.n_heads = c.NH; d.n_kv_heads = c.NKV; d.head_dim = c.D;
         d.q = row.data();
         s.policy->on_decode_step(d, s.store.layer(0));
-        if (s.dev) s.be->kv_sync(*s.dev, s.store, 0);
+        if (s.dev) {
+          s.be->kv_sync(*s.dev, s.store, 0);
+          // Again with nothing changed since: the layout (and the decode tables) stay.
+          const uint64_t v = s.dev->version();
+          s.be->kv_sync(*s.dev, s.store, 0);
+          EXPECT_EQ(s.dev->version(), v) << what << ": a sync with nothing changed, step " << step;
+        }
       }
       Buffer O = poisoned(*s.be, "out", {1, static_cast<int64_t>(c.NH) * c.D}, Dt::F32);
       sc[i].assign(static_cast<size_t>(c.NH) * n_max, 0.0f);

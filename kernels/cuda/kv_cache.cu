@@ -574,7 +574,6 @@ std::vector<DevSeg> build_zip(Context& ctx, const CudaKV& C, const std::vector<c
 void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l) {
   DevLayer& d = C.layers[l];
   const LayerKV& H = host.layer(l);
-  const RowMap have = device_rows(C, d);
   // Which host segments keep their device copy as it is.
   std::vector<const DevSeg*> same(H.segments.size(), nullptr);
   bool keep_tail = false;
@@ -587,6 +586,16 @@ void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l) {
     for (const DevSeg& x : d.segs)
       if (same_rows(s, x)) same[i] = &x;
   }
+  // Nothing changed (a decode step whose method left the store as it was): the layout, and the
+  // decode tables built from it, stay.
+  const size_t n_host = H.segments.size() - (keep_tail ? 1 : 0);
+  bool unchanged = n_host == d.segs.size() && (keep_tail || d.tail.n == 0);
+  for (size_t i = 0; unchanged && i < n_host; ++i) unchanged = same[i] == &d.segs[i];
+  if (unchanged) {
+    set_host_bytes(C, host, l);
+    return;
+  }
+  const RowMap have = device_rows(C, d);
   // A kept segment that shares an allocation with a dropped one (the prompt's segments share
   // one per layer) is gathered into its own, so that the dropped rows' memory is freed.
   std::unordered_map<const void*, int> dropped;
@@ -599,7 +608,6 @@ void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l) {
       if (dropped.count(m.mem.get())) p = nullptr;
   }
   std::vector<DevSeg> segs;
-  const size_t n_host = H.segments.size() - (keep_tail ? 1 : 0);
   for (size_t i = 0; i < n_host; ++i) {
     const KVSegment& s = H.segments[i];
     const auto* p = dynamic_cast<const quant::QuantPayload*>(s.payload.get());
