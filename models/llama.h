@@ -67,9 +67,9 @@ class LlamaDecoder {
                             LlamaWorkspace& ws) const;
   // The chained form of decode (Backend::chains_steps), for steps with no observer and no
   // policy that needs host rows (decode_needs_host_rows) over a cache without host rows (a
-  // prefill-only method compressed it before the first step): launch enqueues the step and the readback of its
-  // logits and returns before it has run; token < 0 takes the input the previous step left on
-  // the device (its greedy token, at position pos). collect waits for the readback `launch`
+  // prefill-only method compressed it before the first step): launch enqueues the step and the
+  // readback of its logits and returns before it has run; token < 0 takes the input the
+  // previous step left on the device (its greedy token, at position pos). collect waits for the readback `launch`
   // returned (readbacks are collected in launch order), returns the step's logits and sets
   // `device_token` to the greedy token the device chose from them.
   int launch(int token, int pos, int step, SeqKV& kv, KVPolicy* policy, LlamaWorkspace& ws) const;
