@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "core/errors.h"
 #include "core/kv_store.h"
 #include "kernels/cpu/ops.h"
 
@@ -225,6 +226,13 @@ class Backend {
   virtual void kv_sync(DeviceKV& dev, KVStore& host, int layer) {}
   // Room for `rows` more decode rows per layer without reallocation.
   virtual void kv_reserve(DeviceKV& dev, int rows) {}
+  // Appends to the host store, for each of `layers`, the device cache's last T decode rows
+  // (appended while the host copy was put off: SeqKV::mirror off for that append), at
+  // positions pos_host with kinds `kinds`. Only a backend with a device cache has such rows.
+  virtual void kv_pull_rows(SeqKV& kv, const std::vector<int>& layers, const int32_t* pos_host,
+                            const SegmentKind* kinds, int T) {
+    throw InternalError(name() + " backend: no device rows to pull into the host store");
+  }
 
   // ---- decode steps --------------------------------------------------------------------------
   // Runs `body` (a decode step's ops on fixed buffers). A device backend may capture it once

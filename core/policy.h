@@ -58,6 +58,11 @@ class KVPolicy {
   // false: its decode steps then never call it, and a device cache needs no host copy of the
   // rows while decoding (the steps run on the device alone, replayed and chained).
   virtual bool acts_on_decode() const { return true; }
+  // Whether on_decode_step would change `layer` at this step, asked before the new token's row
+  // is appended (`layer` does not hold it yet). A method that answers exactly lets a device's
+  // decode loop skip a step's host work where it would not act (the host copy of the new row is
+  // then fetched after the step); the default answers acts_on_decode().
+  virtual bool acts_at_step(const DecodeContext& ctx, const LayerKV& layer) const { return acts_on_decode(); }
   // Optional transform of one query head's pre-softmax scores over the keys [n_k] the store
   // holds (kinds[j] tells each key's segment). Calibration lives here.
   virtual bool has_score_transform() const { return false; }

@@ -253,8 +253,15 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
   const bool host_side = decode_needs_host_rows(policy) || want;  // per-layer work on the host: no replay
   if (host_side && !kv.mirror) throw InternalError("decode: a policy or observer needs the host KV rows");
   if (chain && (host_side || !be->chains_steps())) throw InternalError("decode: a chained step with host-side work");
+  // On a device cache, a layer where the method would not act this step (acts_at_step), and
+  // nothing else reads the host rows, runs on the device alone; the host copies of those layers'
+  // new rows are fetched together once the step's layers are launched.
+  float tau1 = 0, tau2 = 0;
+  const bool may_defer = acts && kv.dev && !want &&
+                         !(policy->has_score_transform() && !policy->visual_calibration(tau1, tau2));
 
   auto body = [&] {
+    std::vector<int> deferred;
     be->embed(embed, w.ids, w.h);
     // Each layer's output is checked for NaN / Inf by the next norm_linear, which reads it whole
     // anyway (a device folds the check into that product).
@@ -265,16 +272,24 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
       // A plain step (no host work, no score transform, nothing captured) hands RoPE, the append
       // and attention to the backend as one op, which a device runs as one kernel.
       const bool plain = !host_side && !(policy && policy->has_score_transform());
-      if (plain)
+      DecodeContext ctx;
+      ctx.layer = l; ctx.step = step; ctx.position = position; ctx.n_heads = NH;
+      ctx.n_kv_heads = NKV; ctx.head_dim = D;
+      const bool acts_now = acts && (!may_defer || policy->acts_at_step(ctx, kv.host->layer(l)));
+      if (plain) {
         be->rope_append_attend(kv, l, w.qkv, lay, w.pos, &pos, &gen, static_cast<float>(cfg.rope_theta), w.a);
-      else
+      } else if (acts && !acts_now) {
+        SeqKV device_only = kv;
+        device_only.mirror = false;
+        be->rope_append(device_only, l, w.qkv, lay, w.pos, &pos, &gen, 1, static_cast<float>(cfg.rope_theta));
+        deferred.push_back(l);
+      } else {
         be->rope_append(kv, l, w.qkv, lay, w.pos, &pos, &gen, 1, static_cast<float>(cfg.rope_theta));
-      if (acts) {
+      }
+      if (acts_now) {
         w.qkv_host.resize(static_cast<size_t>(w.qkv.numel()));
         be->download(w.qkv, w.qkv_host.data());
-        DecodeContext ctx;
-        ctx.layer = l; ctx.step = step; ctx.position = position; ctx.n_heads = NH;
-        ctx.n_kv_heads = NKV; ctx.head_dim = D; ctx.q = w.qkv_host.data();
+        ctx.q = w.qkv_host.data();
         policy->on_decode_step(ctx, kv.host->layer(l));
         if (kv.dev) be->kv_sync(*kv.dev, *kv.host, l);
       }
@@ -317,6 +332,7 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
     }
     be->norm_linear(w.h, norm, eps, w.x, lm_head, nullptr, w.logits, check.empty() ? nullptr : &check);
     if (chain) be->next_token(w.logits, w.ids, w.pos);
+    if (!deferred.empty()) be->kv_pull_rows(kv, deferred, &pos, &gen, 1);
   };
   // Replay is allowed only for steps with no host-side work; the key changes whenever the
   // device cache is laid out anew, and differs between chained and unchained steps.

@@ -1,6 +1,6 @@
-// A method wrapped to count its decode hook's calls, and to claim that hook acts (so the decode
-// loop keeps the host rows and calls it) when `force_host` is set: the two ways a prefill-only
-// method can decode, side by side.
+// A method wrapped to count its decode hook's calls, and to claim that hook acts at every step
+// (so the decode loop keeps the host rows in step and calls it each layer and step) when
+// `force_host` is set: the ways a method can decode, side by side.
 #pragma once
 
 #include <memory>
@@ -22,6 +22,9 @@ class PolicyProbe : public KVPolicy {
     in_->on_decode_step(ctx, layer);
   }
   bool acts_on_decode() const override { return force_ || in_->acts_on_decode(); }
+  bool acts_at_step(const DecodeContext& ctx, const LayerKV& layer) const override {
+    return force_ || in_->acts_at_step(ctx, layer);
+  }
   bool has_score_transform() const override { return in_->has_score_transform(); }
   void transform_scores(int layer, int head, float* scores, const SegmentKind* kinds, int n_k) const override {
     in_->transform_scores(layer, head, scores, kinds, n_k);

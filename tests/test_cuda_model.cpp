@@ -314,6 +314,39 @@ TEST(CudaModel, PrefillOnlyMethodsDecodeOnTheDeviceAlone) {
   }
 }
 
+// A method that acts at some steps only (KIVI quantizing its oldest dense group) runs the other
+// steps' layers on the device alone, fetching the new rows' host copies after the step: the
+// same tokens and bytes as the loop that keeps the host rows in step at every layer, logits
+// within one fp16 rounding (2^-11 of their largest magnitude, as above), and its hook called at
+// the acting steps only.
+TEST(CudaModel, MethodsThatActAtSomeStepsSkipTheOthersHostWork) {
+  NEED_GPU();
+  const LlavaModel gpu = LlavaModel::load(kEmbedded, {"cuda"});
+  const RGBImage img = load_image(kt::source_dir() + "/assets/images/scene_000.png");
+  const PrefillState st = gpu.prefill(img, kDefaultPrompt, kDefaultTemplate, true);
+  GenerateOptions g;
+  g.max_new_tokens = 14;
+  g.stop_at_eos = false;
+  g.keep_step_logits = true;
+  const int layers = gpu.config().text.num_hidden_layers;
+  for (const char* spec : {"kivi:group=4,residual=8", "kivi:bits=4,group=3,residual=0",
+                           "stack:evict=snapkv,quant=kivi,group=4,residual=8"}) {
+    SCOPED_TRACE(spec);
+    kt::PolicyProbe host(make_policy(spec), true), some(make_policy(spec), false);
+    const DecodeResult a = gpu.decode(st, &host, g);
+    const DecodeResult b = gpu.decode(st, &some, g);
+    EXPECT_EQ(host.decode_calls, layers * (g.max_new_tokens - 1));
+    EXPECT_GT(some.decode_calls, 0);
+    EXPECT_LT(some.decode_calls, host.decode_calls);
+    EXPECT_EQ(b.generated_ids, a.generated_ids);
+    ASSERT_EQ(b.step_logits.size(), a.step_logits.size());
+    for (size_t i = 0; i < a.step_logits.size(); ++i)
+      EXPECT_LE(max_rel(b.step_logits[i], a.step_logits[i]), std::ldexp(1.0, -11)) << "step " << i;
+    EXPECT_EQ(b.bytes_after_prefill.total(), a.bytes_after_prefill.total());
+    EXPECT_EQ(b.bytes_final.total(), a.bytes_final.total());
+  }
+}
+
 }  // namespace
 
 // `kvlens bench attention`'s JSON: each row's figures agree with each other (bytes ÷ time is the

@@ -7,6 +7,8 @@
 #include <numeric>
 #include <random>
 #include <set>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -585,4 +587,51 @@ TEST(TokenFate, SegmentHelpersKeepAnnotationsAlignedAndPayloadsUnshared) {
   EXPECT_EQ(gen.payload->allocated().total(), held);
   EXPECT_EQ(payload(gen).k[0].codes.size(), codes);
   EXPECT_EQ(gen.bytes.total(), held + 4 * 2 * f.KH);
+}
+
+// KIVI's answer before a step (acts_at_step: the device's decode loop skips the host work where
+// it says no) is whether its hook then changes the store: over 3·G + 5 steps at several group
+// and window sizes, fp32 and fp16 rows, and prompts whose dense tail starts short, long or empty.
+TEST(Kivi, ActsAtStepSaysWhenTheHookChangesTheStore) {
+  struct Case {
+    int G, R, n_txt;
+    RowStorage rows;
+  };
+  auto signature = [](const LayerKV& L) {
+    std::vector<std::tuple<std::string, const void*, std::vector<int>>> s;
+    for (const KVSegment& seg : L.segments) {
+      std::vector<int> n;
+      for (const HeadRows& r : seg.heads) n.push_back(r.n());
+      s.emplace_back(seg.storage, seg.payload.get(), n);
+    }
+    return s;
+  };
+  for (const Case c : {Case{8, 10, 9, RowStorage::Fp32}, Case{4, 0, 1, RowStorage::Fp16},
+                       Case{16, 32, 40, RowStorage::Fp32}, Case{1, 3, 0, RowStorage::Fp16}, Case{5, 7, 2, RowStorage::Fp16}}) {
+    SCOPED_TRACE("G=" + std::to_string(c.G) + " R=" + std::to_string(c.R) + " text=" + std::to_string(c.n_txt));
+    Fixture f(5, 40, c.n_txt, 16, 90 + c.G);
+    f.rows = c.rows;
+    auto p = make_policy("kivi:bits=2,group=" + std::to_string(c.G) + ",residual=" + std::to_string(c.R));
+    f.prefill(*p);
+    const int steps = 3 * c.G + 5;
+    int acted = 0;
+    for (int step = 0; step < steps; ++step) {
+      DecodeContext d;
+      d.layer = 0, d.step = step, d.position = f.T + step, d.n_heads = f.H, d.n_kv_heads = f.KH, d.head_dim = f.D;
+      const bool asked = p->acts_at_step(d, f.store.layer(0));
+      std::vector<float> nk(static_cast<size_t>(f.KH) * f.D), nv(nk.size());
+      for (float& x : nk) x = f.normal();
+      for (float& x : nv) x = f.normal();
+      const SegmentKind g = SegmentKind::Generated;
+      f.store.append(0, nk.data(), nv.data(), &d.position, &g, 1);
+      const auto before = signature(f.store.layer(0));
+      p->on_decode_step(d, f.store.layer(0));
+      EXPECT_EQ(asked, signature(f.store.layer(0)) != before) << "step " << step;
+      acted += asked;
+    }
+    EXPECT_GT(acted, 0);
+    if (c.G > 1) {
+      EXPECT_LT(acted, steps);
+    }
+  }
 }

@@ -30,6 +30,19 @@ class KiviPolicy : public KVPolicy {
     quantize_prefix(layer, 0, take, ctx.head_dim);
   }
 
+  // Before the new row: the trailing dense rows of a head, plus that row, are on_decode_step's
+  // tail; it acts where some head's tail leaves more than R rows in whole groups.
+  bool acts_at_step(const DecodeContext& ctx, const LayerKV& layer) const override {
+    const size_t H = layer.segments.empty() ? 0 : layer.segments.front().heads.size();
+    for (size_t h = 0; h < H; ++h) {
+      int tail = 1;
+      for (size_t i = layer.segments.size(); i > 0 && layer.segments[i - 1].dense(); --i)
+        tail += layer.segments[i - 1].heads[h].n();
+      if (quantizable(tail) > 0) return true;
+    }
+    return false;
+  }
+
   void on_decode_step(const DecodeContext& ctx, LayerKV& layer) override {
     if (layer.segments.empty()) return;
     size_t from = layer.segments.size();

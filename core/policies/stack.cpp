@@ -57,6 +57,9 @@ class StackPolicy : public KVPolicy {
   bool acts_on_decode() const override {
     return (evict_ && evict_->acts_on_decode()) || (quant_ && quant_->acts_on_decode());
   }
+  bool acts_at_step(const DecodeContext& ctx, const LayerKV& layer) const override {
+    return (evict_ && evict_->acts_at_step(ctx, layer)) || (quant_ && quant_->acts_at_step(ctx, layer));
+  }
   bool visual_calibration(float& tau1, float& tau2) const override {
     if (evict_ && evict_->has_score_transform()) return false;
     return quant_ && quant_->visual_calibration(tau1, tau2);

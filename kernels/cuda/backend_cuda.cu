@@ -515,6 +515,10 @@ class CudaBackend : public Backend {
   void kv_hydrate(const DeviceKV& dev, KVStore& host) override { cuda::kv_hydrate(*ctx_, dev, host); }
   void kv_sync(DeviceKV& dev, KVStore& host, int layer) override { cuda::kv_sync(*ctx_, dev, host, layer); }
   void kv_reserve(DeviceKV& dev, int rows) override { cuda::kv_reserve(*ctx_, dev, rows); }
+  void kv_pull_rows(SeqKV& kv, const std::vector<int>& layers, const int32_t* pos_host, const SegmentKind* kinds,
+                    int T) override {
+    cuda::kv_pull_rows(*ctx_, kv, layers, pos_host, kinds, T);
+  }
 
   // A step is run eagerly the first time its key is seen (library handles and scratch are set
   // up then), captured as a CUDA graph the second time, and replayed after that: the graph is

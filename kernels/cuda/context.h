@@ -77,5 +77,7 @@ bool kv_rope_attend(Context& ctx, SeqKV& kv, int layer, Buffer& qkv, const AttnL
 void kv_hydrate(Context& ctx, const DeviceKV& dev, KVStore& host);
 void kv_sync(Context& ctx, DeviceKV& dev, KVStore& host, int layer);
 void kv_reserve(Context& ctx, DeviceKV& dev, int rows);
+void kv_pull_rows(Context& ctx, SeqKV& kv, const std::vector<int>& layers, const int32_t* pos_host,
+                  const SegmentKind* kinds, int T);
 
 }  // namespace kvlens::cuda

@@ -706,6 +706,42 @@ void kv_hydrate(Context& ctx, const DeviceKV& dev, KVStore& host) {
   }
 }
 
+void kv_pull_rows(Context& ctx, SeqKV& kv, const std::vector<int>& layers, const int32_t* pos_host,
+                  const SegmentKind* kinds, int T) {
+  CudaKV& C = as_cuda(kv.dev);
+  const int NKV = C.NKV, D = C.D;
+  const int64_t n = static_cast<int64_t>(NKV) * T * D;
+  std::vector<std::vector<uint16_t>> kh(layers.size(), std::vector<uint16_t>(n)), vh = kh;
+  // Rows t.n − T .. t.n − 1 of every head: one strided copy a side and layer, one wait.
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const Tail& t = C.layers.at(layers[i]).tail;
+    if (T < 1 || T > t.n)
+      throw InternalError("kv_pull_rows: layer " + std::to_string(layers[i]) + " holds " + std::to_string(t.n) +
+                          " decode rows, " + std::to_string(T) + " asked for");
+    const size_t pitch = static_cast<size_t>(t.cap) * D * 2, width = static_cast<size_t>(T) * D * 2;
+    const int64_t first = static_cast<int64_t>(t.n - T) * D;
+    KV_CUDA(cudaMemcpy2DAsync(kh[i].data(), width, t.k.as<__half>() + first, pitch, width, NKV, cudaMemcpyDeviceToHost,
+                              ctx.stream),
+            "layer " + std::to_string(layers[i]) + " decode rows K to the host");
+    KV_CUDA(cudaMemcpy2DAsync(vh[i].data(), width, t.v.as<__half>() + first, pitch, width, NKV, cudaMemcpyDeviceToHost,
+                              ctx.stream),
+            "layer " + std::to_string(layers[i]) + " decode rows V to the host");
+  }
+  ctx.sync("decode rows to the host");
+  std::vector<float> k(n), v(n);  // [T][NKV][D], as the projections lay rows out
+  for (size_t i = 0; i < layers.size(); ++i) {
+    for (int h = 0; h < NKV; ++h)
+      for (int r = 0; r < T; ++r)
+        for (int c = 0; c < D; ++c) {
+          const int64_t from = (static_cast<int64_t>(h) * T + r) * D + c, to = (static_cast<int64_t>(r) * NKV + h) * D + c;
+          k[to] = quant::from_half(kh[i][from]);
+          v[to] = quant::from_half(vh[i][from]);
+        }
+    kv.host->append(layers[i], k.data(), v.data(), pos_host, kinds, T);
+    set_host_bytes(C, *kv.host, layers[i]);
+  }
+}
+
 void kv_reserve(Context& ctx, DeviceKV& dev, int rows) {
   CudaKV& C = as_cuda(&dev);
   for (int l = 0; l < C.L; ++l) C.grow_tail(l, C.layers[l].tail.n + rows);
