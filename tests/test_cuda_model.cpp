@@ -273,6 +273,37 @@ TEST(CudaModel, ChainedStepsEqualUnchainedSteps) {
   EXPECT_EQ(ended_at_eos, 1) << "the EOS case must end before max_new_tokens, so a step launched ahead is dropped";
 }
 
+// The embedded model on the GPU with its sample image prefilled (the attention kept, as
+// eviction methods need it), and greedy options that run `new_tokens` tokens past any EOS and
+// keep every step's logits.
+struct SampleRun {
+  LlavaModel gpu;
+  PrefillState st;
+  GenerateOptions g;
+  int layers = 0;
+};
+SampleRun sample_run(int new_tokens) {
+  SampleRun r{LlavaModel::load(kEmbedded, {"cuda"}), {}, {}, 0};
+  r.st = r.gpu.prefill(load_image(kt::source_dir() + "/assets/images/scene_000.png"), kDefaultPrompt,
+                       kDefaultTemplate, true);
+  r.g.max_new_tokens = new_tokens;
+  r.g.stop_at_eos = false;
+  r.g.keep_step_logits = true;
+  r.layers = r.gpu.config().text.num_hidden_layers;
+  return r;
+}
+
+// `b` against `a`, decoded by two paths of the same method: the same tokens and cache bytes,
+// and every step's logits within one fp16 rounding (2^-11 of their largest magnitude).
+void expect_same_decode(const DecodeResult& b, const DecodeResult& a) {
+  EXPECT_EQ(b.generated_ids, a.generated_ids);
+  ASSERT_EQ(b.step_logits.size(), a.step_logits.size());
+  for (size_t i = 0; i < a.step_logits.size(); ++i)
+    EXPECT_LE(max_rel(b.step_logits[i], a.step_logits[i]), std::ldexp(1.0, -11)) << "step " << i;
+  EXPECT_EQ(b.bytes_after_prefill.total(), a.bytes_after_prefill.total());
+  EXPECT_EQ(b.bytes_final.total(), a.bytes_final.total());
+}
+
 // A prefill-only method decodes on the device alone — no host rows, no hook, steps replayed and
 // chained — to the same tokens and cache bytes as when the loop keeps the host rows and calls the
 // hook once a layer and forward, and to logits within 2^-11 of their largest magnitude: the
@@ -282,68 +313,42 @@ TEST(CudaModel, ChainedStepsEqualUnchainedSteps) {
 // relative). Chained and unchained device-only steps agree exactly.
 TEST(CudaModel, PrefillOnlyMethodsDecodeOnTheDeviceAlone) {
   NEED_GPU();
-  const LlavaModel gpu = LlavaModel::load(kEmbedded, {"cuda"});
-  ASSERT_TRUE(gpu.backend().chains_steps());
-  const RGBImage img = load_image(kt::source_dir() + "/assets/images/scene_000.png");
-  const PrefillState st = gpu.prefill(img, kDefaultPrompt, kDefaultTemplate, true);
-  GenerateOptions g;
-  g.max_new_tokens = 12;
-  g.stop_at_eos = false;
-  g.keep_step_logits = true;
-  const int layers = gpu.config().text.num_hidden_layers;
+  SampleRun r = sample_run(12);
+  ASSERT_TRUE(r.gpu.backend().chains_steps());
   for (const char* spec : {"calibquant:bits=1", "calibquant:bits=2", "calibquant:bits=4", "snapkv", "stack"}) {
     SCOPED_TRACE(spec);
     kt::PolicyProbe host(make_policy(spec), true), inert(make_policy(spec), false), unchained(make_policy(spec), false);
-    const DecodeResult a = gpu.decode(st, &host, g);
-    const DecodeResult b = gpu.decode(st, &inert, g);
-    GenerateOptions u = g;
+    const DecodeResult a = r.gpu.decode(r.st, &host, r.g);
+    const DecodeResult b = r.gpu.decode(r.st, &inert, r.g);
+    GenerateOptions u = r.g;
     u.chain_steps = false;
-    const DecodeResult c = gpu.decode(st, &unchained, u);
-    EXPECT_EQ(host.decode_calls, layers * (g.max_new_tokens - 1));
+    const DecodeResult c = r.gpu.decode(r.st, &unchained, u);
+    EXPECT_EQ(host.decode_calls, r.layers * (r.g.max_new_tokens - 1));
     EXPECT_EQ(inert.decode_calls + unchained.decode_calls, 0);
-    EXPECT_EQ(b.generated_ids, a.generated_ids);
-    EXPECT_EQ(c.generated_ids, a.generated_ids);
-    ASSERT_EQ(b.step_logits.size(), a.step_logits.size());
-    for (size_t i = 0; i < a.step_logits.size(); ++i) {
-      EXPECT_LE(max_rel(b.step_logits[i], a.step_logits[i]), std::ldexp(1.0, -11)) << "step " << i;
-      EXPECT_EQ(c.step_logits[i], b.step_logits[i]) << "step " << i;
-    }
-    EXPECT_EQ(b.bytes_after_prefill.total(), a.bytes_after_prefill.total());
-    EXPECT_EQ(b.bytes_final.total(), a.bytes_final.total());
-    EXPECT_EQ(c.bytes_final.total(), a.bytes_final.total());
+    expect_same_decode(b, a);
+    EXPECT_EQ(c.generated_ids, b.generated_ids);
+    EXPECT_EQ(c.step_logits, b.step_logits);
+    EXPECT_EQ(c.bytes_final.total(), b.bytes_final.total());
   }
 }
 
 // A method that acts at some steps only (KIVI quantizing its oldest dense group) runs the other
 // steps' layers on the device alone, fetching the new rows' host copies after the step: the
-// same tokens and bytes as the loop that keeps the host rows in step at every layer, logits
-// within one fp16 rounding (2^-11 of their largest magnitude, as above), and its hook called at
-// the acting steps only.
+// same tokens, bytes and logits (as above) as the loop that keeps the host rows in step at every
+// layer, and its hook called at the acting steps only.
 TEST(CudaModel, MethodsThatActAtSomeStepsSkipTheOthersHostWork) {
   NEED_GPU();
-  const LlavaModel gpu = LlavaModel::load(kEmbedded, {"cuda"});
-  const RGBImage img = load_image(kt::source_dir() + "/assets/images/scene_000.png");
-  const PrefillState st = gpu.prefill(img, kDefaultPrompt, kDefaultTemplate, true);
-  GenerateOptions g;
-  g.max_new_tokens = 14;
-  g.stop_at_eos = false;
-  g.keep_step_logits = true;
-  const int layers = gpu.config().text.num_hidden_layers;
+  SampleRun r = sample_run(14);
   for (const char* spec : {"kivi:group=4,residual=8", "kivi:bits=4,group=3,residual=0",
                            "stack:evict=snapkv,quant=kivi,group=4,residual=8"}) {
     SCOPED_TRACE(spec);
     kt::PolicyProbe host(make_policy(spec), true), some(make_policy(spec), false);
-    const DecodeResult a = gpu.decode(st, &host, g);
-    const DecodeResult b = gpu.decode(st, &some, g);
-    EXPECT_EQ(host.decode_calls, layers * (g.max_new_tokens - 1));
+    const DecodeResult a = r.gpu.decode(r.st, &host, r.g);
+    const DecodeResult b = r.gpu.decode(r.st, &some, r.g);
+    EXPECT_EQ(host.decode_calls, r.layers * (r.g.max_new_tokens - 1));
     EXPECT_GT(some.decode_calls, 0);
     EXPECT_LT(some.decode_calls, host.decode_calls);
-    EXPECT_EQ(b.generated_ids, a.generated_ids);
-    ASSERT_EQ(b.step_logits.size(), a.step_logits.size());
-    for (size_t i = 0; i < a.step_logits.size(); ++i)
-      EXPECT_LE(max_rel(b.step_logits[i], a.step_logits[i]), std::ldexp(1.0, -11)) << "step " << i;
-    EXPECT_EQ(b.bytes_after_prefill.total(), a.bytes_after_prefill.total());
-    EXPECT_EQ(b.bytes_final.total(), a.bytes_final.total());
+    expect_same_decode(b, a);
   }
 }
 
