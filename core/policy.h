@@ -73,13 +73,17 @@ class KVPolicy {
   virtual bool visual_calibration(float& tau1, float& tau2) const { return false; }
 };
 
-// Whether decode steps with `policy` (null = none) need the host store's rows: the policy edits
-// the store while decoding, or transforms scores other than by CalibQuant's calibration (which a
-// device applies inside its attention kernel).
-inline bool decode_needs_host_rows(const KVPolicy* policy) {
-  if (!policy) return false;
+// Whether `policy` (null = none) transforms scores other than by CalibQuant's calibration (which
+// a device applies inside its attention kernel): its decode attention then needs the scores and
+// the rows on the host.
+inline bool transforms_scores_on_host(const KVPolicy* policy) {
   float tau1 = 0, tau2 = 0;
-  return policy->acts_on_decode() || (policy->has_score_transform() && !policy->visual_calibration(tau1, tau2));
+  return policy && policy->has_score_transform() && !policy->visual_calibration(tau1, tau2);
+}
+// Whether decode steps with `policy` (null = none) need the host store's rows: the policy edits
+// the store while decoding, or transforms scores on the host.
+inline bool decode_needs_host_rows(const KVPolicy* policy) {
+  return policy && (policy->acts_on_decode() || transforms_scores_on_host(policy));
 }
 
 // The storage of dense rows a decode with `policy` (null = none) uses: what the policy asks

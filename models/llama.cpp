@@ -256,9 +256,7 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
   // On a device cache, a layer where the method would not act this step (acts_at_step), and
   // nothing else reads the host rows, runs on the device alone; the host copies of those layers'
   // new rows are fetched together once the step's layers are launched.
-  float tau1 = 0, tau2 = 0;
-  const bool may_defer = acts && kv.dev && !want &&
-                         !(policy->has_score_transform() && !policy->visual_calibration(tau1, tau2));
+  const bool may_defer = acts && kv.dev && !want && !transforms_scores_on_host(policy);
 
   auto body = [&] {
     std::vector<int> deferred;

@@ -338,6 +338,7 @@ DecodeResult LlavaModel::decode(const PrefillState& st, KVPolicy* policy, const 
   };
   // (!mirror: a device cache, and no observer or policy that needs the host rows)
   const bool chain = opt.chain_steps && opt.temperature <= 0.0f && !mirror && be_->chains_steps();
+  r.chained = chain && opt.max_new_tokens > 0;
   if (opt.max_new_tokens <= 0) {
     // nothing to generate
   } else if (!chain) {

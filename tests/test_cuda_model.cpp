@@ -253,7 +253,9 @@ TEST(CudaModel, ChainedStepsEqualUnchainedSteps) {
     if (!c.stop_at_eos) {
       EXPECT_EQ(static_cast<int>(a.generated_ids.size()), c.max_new);
     }
+    EXPECT_FALSE(a.chained);
     for (const DecodeResult* r : {&b, &b2}) {
+      EXPECT_EQ(r->chained, c.max_new > 0);
       EXPECT_EQ(r->generated_ids, a.generated_ids);
       EXPECT_EQ(r->text, a.text);
       EXPECT_EQ(r->chosen_probs, a.chosen_probs);
@@ -325,6 +327,8 @@ TEST(CudaModel, PrefillOnlyMethodsDecodeOnTheDeviceAlone) {
     const DecodeResult c = r.gpu.decode(r.st, &unchained, u);
     EXPECT_EQ(host.decode_calls, r.layers * (r.g.max_new_tokens - 1));
     EXPECT_EQ(inert.decode_calls + unchained.decode_calls, 0);
+    EXPECT_TRUE(b.chained);
+    EXPECT_FALSE(a.chained || c.chained);
     expect_same_decode(b, a);
     EXPECT_EQ(c.generated_ids, b.generated_ids);
     EXPECT_EQ(c.step_logits, b.step_logits);
