@@ -19,11 +19,9 @@
 
 #include "core/errors.h"
 #include "core/kv_store.h"
-#include "kernels/cpu/ops.h"
+#include "core/tensor.h"
 
 namespace kvlens {
-
-class KVPolicy;
 
 enum class Dt : uint8_t { F32, F16, BF16, I32 };
 int dt_size(Dt d);
@@ -88,6 +86,24 @@ class DeviceKV {
   virtual uint64_t version() const = 0;
   // Human-readable storage of each segment of a layer (e.g. "fp16", "packed q1-channel").
   virtual std::vector<std::string> storage(int layer) const = 0;
+};
+
+// How decode attention changes one query head's pre-softmax scores over the keys the cache
+// holds, before the softmax: the description a compression method returns
+// (KVPolicy::score_transform), so that a backend never sees the method.
+//   None:      scores as computed.
+//   Calibrate: the visual keys' scores go through the calibration g(x) with the head's range
+//              [γ, δ] of visual scores and τ1, τ2 (clamp to [γ − τ1, δ − τ2], stretched back to
+//              [γ, δ]); a device applies it inside its attention kernel.
+//   Host:      a transform only the host computes; the scores cross to the host and back.
+// `apply` is the transform on the host (both kinds): kinds[j] is key j's segment, in the host
+// store's row order, n_k keys.
+struct ScoreTransform {
+  enum class Kind : uint8_t { None, Calibrate, Host };
+  Kind kind = Kind::None;
+  float tau1 = 0, tau2 = 0;
+  std::function<void(int layer, int head, float* scores, const SegmentKind* kinds, int n_k)> apply;
+  bool any() const { return kind != Kind::None; }
 };
 
 struct SeqKV {
@@ -163,15 +179,15 @@ class Backend {
   virtual void check_finite(const Buffer& x, const std::string& tensor) = 0;
   virtual void finish_checks() {}
   // out = act(y + bias) with y fp32 [M][N]; act None is a plain copy / dtype conversion.
-  virtual void bias_act(const Buffer& y, const Buffer* bias, cpu::Act act, bool apply_act,
+  virtual void bias_act(const Buffer& y, const Buffer* bias, Act act, bool apply_act,
                         Buffer& out) = 0;
   // out[M][I] = act(gu[:, :I]) ⊙ gu[:, I:] with gu fp32 [M][2I].
-  virtual void gated_act(const Buffer& gu, cpu::Act act, Buffer& out) = 0;
+  virtual void gated_act(const Buffer& gu, Act act, Buffer& out) = 0;
   // out = gated_act(gu) with gu = norm_linear(h, g, eps, x, W) (W = [2I][K]: the I gate rows,
   // then the I up rows; out [M][I] in its own dtype): one op, so a device can apply the gate in
   // the product's epilogue and never write gu (x and gu are scratch afterwards). `check` as in
   // norm_linear. The default runs norm_linear and gated_act.
-  virtual void norm_gate_up(const Buffer& h, const Buffer& g, float eps, Buffer& x, const Buffer& W, cpu::Act act,
+  virtual void norm_gate_up(const Buffer& h, const Buffer& g, float eps, Buffer& x, const Buffer& W, Act act,
                             Buffer& gu, Buffer& out, const std::string* check = nullptr) {
     norm_linear(h, g, eps, x, W, nullptr, gu, check);
     gated_act(gu, act, out);
@@ -205,13 +221,13 @@ class Backend {
     rope(qkv, l, pos, theta);
     kv_append(kv, layer, qkv, l, pos, pos_host, kinds, T);
   }
-  // Decode attention of the one query in qkv against layer `layer` of the cache. `policy` (may
-  // be null) transforms scores; scores / probs (host, [n_heads][n_max], padding -inf / 0) are
-  // written when not null.
+  // Decode attention of the one query in qkv against layer `layer` of the cache. `transform`
+  // (null = none) changes the scores before the softmax; scores / probs (host,
+  // [n_heads][n_max], padding -inf / 0) are written when not null.
   virtual void decode_attention(const Buffer& qkv, const AttnLayout& l, SeqKV& kv, int layer,
-                                const KVPolicy* policy, Buffer& out, float* scores, float* probs,
+                                const ScoreTransform* transform, Buffer& out, float* scores, float* probs,
                                 int n_max) = 0;
-  // rope_append of one generated token followed by decode_attention with no policy and no scores
+  // rope_append of one generated token followed by decode_attention with no transform and no scores
   // or probabilities asked for: one op, so a device can rotate q and k and append the token's
   // row inside the attention kernel (a plain decode step). The default runs the two ops.
   virtual void rope_append_attend(SeqKV& kv, int layer, Buffer& qkv, const AttnLayout& l, const Buffer& pos,

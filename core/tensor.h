@@ -10,6 +10,10 @@
 
 namespace kvlens {
 
+// Activation functions of the graphs' MLPs, as the backend ops (core/backend.h) and the CPU
+// reference ops (kernels/cpu/ops.h) take them.
+enum class Act { Gelu, GeluTanh, QuickGelu, Silu, Relu };
+
 struct Tensor {
   std::string name;
   std::vector<int64_t> shape;

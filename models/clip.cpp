@@ -60,7 +60,7 @@ std::vector<Buffer> ClipVision::forward(const Tensor& px, const std::vector<int>
   if (px.shape != std::vector<int64_t>{3, S, S})
     throw InputError("pixel_values has shape " + px.shape_str() + ", the vision tower needs [3," +
                      std::to_string(S) + "," + std::to_string(S) + "]");
-  const cpu::Act act = activation_from_name(cfg.hidden_act, "vision_config.hidden_act");
+  const Act act = activation_from_name(cfg.hidden_act, "vision_config.hidden_act");
   const Dt mdt = patch_embedding.dt;
   const float eps = static_cast<float>(cfg.layer_norm_eps);
   // Patch embedding as im2col + matrix product: row n holds patch n in (channel, y, x) order,

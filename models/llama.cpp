@@ -256,7 +256,8 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
   // On a device cache, a layer where the method would not act this step (acts_at_step), and
   // nothing else reads the host rows, runs on the device alone; the host copies of those layers'
   // new rows are fetched together once the step's layers are launched.
-  const bool may_defer = acts && kv.dev && !want && !transforms_scores_on_host(policy);
+  const ScoreTransform transform = policy ? policy->score_transform() : ScoreTransform{};
+  const bool may_defer = acts && kv.dev && !want && transform.kind != ScoreTransform::Kind::Host;
 
   auto body = [&] {
     std::vector<int> deferred;
@@ -269,7 +270,7 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
       be->norm_linear(w.h, L.ln1, eps, w.x, L.qkv_w, or_null(L.qkv_b), w.qkv, check.empty() ? nullptr : &check);
       // A plain step (no host work, no score transform, nothing captured) hands RoPE, the append
       // and attention to the backend as one op, which a device runs as one kernel.
-      const bool plain = !host_side && !(policy && policy->has_score_transform());
+      const bool plain = !host_side && !transform.any();
       DecodeContext ctx;
       ctx.layer = l; ctx.step = step; ctx.position = position; ctx.n_heads = NH;
       ctx.n_kv_heads = NKV; ctx.head_dim = D;
@@ -299,7 +300,7 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
         probs.resize(scores.size());
       }
       if (!plain)
-        be->decode_attention(w.qkv, lay, kv, l, policy, w.a, want ? scores.data() : nullptr,
+        be->decode_attention(w.qkv, lay, kv, l, &transform, w.a, want ? scores.data() : nullptr,
                              want ? probs.data() : nullptr, n_max);
       if (want) {
         w.qkv_host.resize(static_cast<size_t>(w.qkv.numel()));

@@ -11,8 +11,9 @@
 #include "core/backend.h"
 #include "core/kv_store.h"
 #include "core/observer.h"
-#include "core/policy.h"
+#include "core/compress/policy.h"
 #include "models/config.h"
+#include "models/model.h"
 #include "models/safetensors.h"
 
 namespace kvlens {
@@ -23,14 +24,6 @@ struct LlamaLayer {
   Buffer o_w, o_b;      // [hidden][q_dim]
   Buffer gate_up_w;     // [2·intermediate][hidden]
   Buffer down_w;        // [hidden][intermediate]
-};
-
-// What prefill may keep per layer for policies and diagnostics.
-struct PrefillCapture {
-  bool keep = false;
-  std::vector<std::vector<float>> q;       // [layer][T][n_heads][head_dim]
-  std::vector<std::vector<float>> scores;  // [layer][n_heads][T][T]
-  std::vector<std::vector<float>> probs;   // [layer][n_heads][T][T]
 };
 
 // The buffers of one sequence's decode steps, allocated once: every step runs on the same

@@ -143,6 +143,17 @@ LlavaModel LlavaModel::load_checked(const std::string& dir, const BackendOptions
     m.proj_.b2 = m.be_->vector(ws.host(pj + "linear_2.bias", {H}));
   }
   activation_from_name(m.cfg_.projector_hidden_act, "projector_hidden_act");
+  ModelInfo& f = m.info_;
+  f.architecture = "llava";
+  f.n_layers = m.cfg_.text.num_hidden_layers;
+  f.n_heads = m.cfg_.text.num_attention_heads;
+  f.n_kv_heads = m.cfg_.text.num_key_value_heads;
+  f.head_dim = m.cfg_.text.head_dim;
+  f.hidden = m.cfg_.text.hidden_size;
+  f.vocab = m.cfg_.text.vocab_size;
+  f.n_visual = m.cfg_.n_visual_tokens();
+  f.patch_rows = f.patch_cols = m.cfg_.vision.image_size / m.cfg_.vision.patch_size;
+  f.patch_first = f.n_visual - f.patch_rows * f.patch_cols;
   return m;
 }
 
@@ -172,7 +183,7 @@ Buffer LlavaModel::encode_image_unnamed(const Tensor& px) const {
   Buffer featm = feat;
   if (mdt != Dt::F32) {
     featm = be_->alloc("projector.in_m", feat.shape, mdt);
-    be_->bias_act(feat, nullptr, cpu::Act::Relu, false, featm);
+    be_->bias_act(feat, nullptr, Act::Relu, false, featm);
   }
   Buffer mid = be_->alloc("projector.mid", {N, H}, Dt::F32);
   be_->linear(featm, proj_.w1, proj_.b1.empty() ? nullptr : &proj_.b1, mid, false);

@@ -1,5 +1,5 @@
 // One decode-attention case on the device (kernels/cuda/kernels.h called directly) against an
-// fp64 reference, for tests/test_decode_kernel.cpp: a cache of fp16 parts around a packed
+// fp64 reference, for tests/kernels/test_decode_kernel.cpp: a cache of fp16 parts around a packed
 // channel-wise part (or all fp16), its launch flags, and the checks every case makes (outputs
 // within bounds derived from the dtypes and reduction lengths, the merge and row-claim counters
 // back at zero, a fused token written to the tail). Include only where KVLENS_HAVE_CUDA is
@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "core/policies/quantize.h"
+#include "core/compress/quantize.h"
 #include "kernels/cuda/kernels.h"
 #include "tests/device_buffer.h"
 #include "tests/op_harness.h"

@@ -12,8 +12,8 @@
 
 #include <gtest/gtest.h>
 
-#include "core/method.h"
-#include "core/policy.h"
+#include "core/compress/method.h"
+#include "core/compress/policy.h"
 
 namespace kvlens::testing {
 

@@ -128,54 +128,36 @@ def preprocessor_config(image_size):
 # Checkpoint specs
 # ----------------------------------------------------------------------------
 
+def spec(name, layout, dtype, shards, config_style, seed, vision, text, llava):
+    """One fixture checkpoint: its tensor-name layout, dtype, shard count, config style and seed."""
+    return {"name": name, "layout": layout, "dtype": dtype, "shards": shards, "config_style": config_style,
+            "seed": seed, "init_std": 0.15, "vision": vision, "text": text, "llava": llava}
+
+
 SPECS = [
-    {
-        "name": "mha_fp32_hub",
-        "layout": "hub",
-        "dtype": "float32",
-        "shards": 1,
-        "config_style": "hub_pruned",
-        "seed": 1000,
-        "init_std": 0.15,
-        "vision": dict(hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                       image_size=32, patch_size=8, projection_dim=16),
-        "text": dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
-                     max_position_embeddings=256, rms_norm_eps=1e-5),
-        "llava": dict(vision_feature_layer=-2, vision_feature_select_strategy="default",
-                      projector_hidden_act="gelu", tie_word_embeddings=False),
-    },
-    {
-        "name": "gqa_fp16_save",
-        "layout": "save",
-        "dtype": "float16",
-        "shards": 1,
-        "config_style": "save",
-        "seed": 2000,
-        "init_std": 0.15,
-        "vision": dict(hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=3,
-                       image_size=48, patch_size=8, projection_dim=16, hidden_act="gelu"),
-        "text": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=24, max_position_embeddings=256,
-                     rope_parameters={"rope_type": "default", "rope_theta": 1000.0}),
-        "llava": dict(vision_feature_layer=2, vision_feature_select_strategy="full",
-                      multimodal_projector_bias=False, tie_word_embeddings=True),
-    },
-    {
-        "name": "bf16_sharded_inmem",
-        "layout": "inmem",
-        "dtype": "bfloat16",
-        "shards": 3,
-        "config_style": "legacy_rope",
-        "seed": 3000,
-        "init_std": 0.15,
-        "vision": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                       image_size=40, patch_size=8, projection_dim=16),
-        "text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-                     num_key_value_heads=2, max_position_embeddings=256,
-                     rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
-        "llava": dict(vision_feature_layer=-1, vision_feature_select_strategy="default",
-                      projector_hidden_act="gelu", tie_word_embeddings=False),
-    },
+    spec("mha_fp32_hub", "hub", "float32", 1, "hub_pruned", 1000,
+         vision=dict(hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                     image_size=32, patch_size=8, projection_dim=16),
+         text=dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
+                   max_position_embeddings=256, rms_norm_eps=1e-5),
+         llava=dict(vision_feature_layer=-2, vision_feature_select_strategy="default",
+                    projector_hidden_act="gelu", tie_word_embeddings=False)),
+    spec("gqa_fp16_save", "save", "float16", 1, "save", 2000,
+         vision=dict(hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=3,
+                     image_size=48, patch_size=8, projection_dim=16, hidden_act="gelu"),
+         text=dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=24, max_position_embeddings=256,
+                   rope_parameters={"rope_type": "default", "rope_theta": 1000.0}),
+         llava=dict(vision_feature_layer=2, vision_feature_select_strategy="full",
+                    multimodal_projector_bias=False, tie_word_embeddings=True)),
+    spec("bf16_sharded_inmem", "inmem", "bfloat16", 3, "legacy_rope", 3000,
+         vision=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     image_size=40, patch_size=8, projection_dim=16),
+         text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                   num_key_value_heads=2, max_position_embeddings=256,
+                   rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+         llava=dict(vision_feature_layer=-1, vision_feature_select_strategy="default",
+                    projector_hidden_act="gelu", tie_word_embeddings=False)),
 ]
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "core/backend.h"
-#include "core/policies/quantize.h"
+#include "core/compress/quantize.h"
 #include "kernels/backends.h"
 
 namespace kvlens::testing {

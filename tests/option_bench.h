@@ -2,7 +2,7 @@
 // L layers of GQA attention (seeded keys, values and queries, causal softmax), a system /
 // visual / post-vision text prompt, a few generated tokens fed through the decode hook, and a
 // final decode query whose scores go through the method's score transform. Used by the option
-// table (tests/test_options.cpp) to see what each parameter value changes.
+// table (tests/app/cli/test_options.cpp) to see what each parameter value changes.
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "core/kv_store.h"
-#include "core/method.h"
-#include "core/policy.h"
+#include "core/compress/method.h"
+#include "core/compress/policy.h"
 
 namespace kvlens::testing {
 

@@ -5,7 +5,7 @@
 
 #include <memory>
 
-#include "core/policy.h"
+#include "core/compress/policy.h"
 
 namespace kvlens::testing {
 
@@ -29,7 +29,7 @@ class PolicyProbe : public KVPolicy {
   void transform_scores(int layer, int head, float* scores, const SegmentKind* kinds, int n_k) const override {
     in_->transform_scores(layer, head, scores, kinds, n_k);
   }
-  bool visual_calibration(float& tau1, float& tau2) const override { return in_->visual_calibration(tau1, tau2); }
+  ScoreTransform score_transform() const override { return in_->score_transform(); }
 
   int decode_calls = 0;
 

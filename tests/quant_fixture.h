@@ -13,8 +13,8 @@
 
 #include <gtest/gtest.h>
 
-#include "core/policies/quant_methods.h"
-#include "core/policies/quantize.h"
+#include "core/compress/quant_methods.h"
+#include "core/compress/quantize.h"
 #include "kernels/cpu/ops.h"
 
 namespace kvlens::testing {

@@ -5,11 +5,11 @@
 #include <algorithm>
 #include <cstdlib>
 
-#include "app/defaults.h"
+#include "app/cli/defaults.h"
 #include "core/errors.h"
-#include "core/figures_report.h"
+#include "app/figures/figures_report.h"
 #include "core/files.h"
-#include "core/image.h"
+#include "core/data/image.h"
 #include "core/json_file.h"
 #include "core/numbers.h"
 
@@ -83,13 +83,7 @@ void App::submit() {
   s.model_dir = model_dir();
   s.image_path = image_path();
   s.backend.kind = st.inputs.backend;
-  s.opt.kv_storage = parse_row_storage(st.inputs.kv_storage, "kv_storage");
-  s.opt.prompt = st.inputs.prompt;
-  s.opt.templ = st.inputs.templ;
-  s.opt.max_new_tokens = st.inputs.max_new_tokens;
-  s.opt.diag_steps = st.inputs.diag_steps;
-  s.opt.sparsity_p = st.inputs.sparsity_p;
-  s.opt.hit_budget = st.inputs.hit_budget;
+  apply_session_run(st.inputs, s.opt);
   for (const MethodInstance& m : st.methods)
     if (m.enabled) s.methods.push_back({m.id, m.params, m.label});
   s.priority = st.edit_order;

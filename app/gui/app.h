@@ -9,9 +9,9 @@
 #include <vector>
 
 #include "app/gui/state.h"
-#include "core/figures.h"
-#include "core/figures_report.h"
-#include "core/session.h"
+#include "app/figures/figures.h"
+#include "app/figures/figures_report.h"
+#include "app/lab/session.h"
 
 namespace kvlens::gui {
 
@@ -102,9 +102,6 @@ class App {
   std::chrono::steady_clock::time_point t0_;
 };
 
-// CalibQuant's τ1/τ2 of an instance that calibrates with it (calibquant itself, or a stack whose
-// quantization stage is calibquant); nothing when it does not calibrate.
-std::optional<fig::Calibration> calibration_of(const Params& p);
 
 // The figures shown in the Plots panel, in order: key and name.
 struct PlotEntry {

@@ -5,19 +5,9 @@
 
 #include "app/gui/app.h"
 #include "core/errors.h"
-#include "core/figures_report.h"
+#include "app/figures/figures_report.h"
 
 namespace kvlens::gui {
-
-std::optional<fig::Calibration> calibration_of(const Params& p) {
-  if (p.method() == "calibquant") return fig::method_calibration(p);
-  if (p.method() != "stack" || p.str("quant") != "calibquant") return std::nullopt;
-  std::map<std::string, std::string> given;
-  for (const char* k : {"bits", "tau1", "tau2", "calibrate"})
-    if (p.has(k) && p.str(k) != "default") given[k] = p.str(k);
-  const std::string preset = p.str("quant_preset") == "none" ? "" : p.str("quant_preset");
-  return fig::method_calibration(make_params("calibquant", preset, given));
-}
 
 const CalibrationView& App::calibration_view() {
   Views& v = st.views;

@@ -8,7 +8,7 @@
 
 #include <imgui.h>
 
-#include "core/figures.h"
+#include "app/figures/figures.h"
 
 namespace kvlens::gui {
 

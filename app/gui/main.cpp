@@ -21,13 +21,13 @@
 #include <cstdlib>
 #include <string>
 
-#include "app/defaults.h"
+#include "app/cli/defaults.h"
 #include "app/gui/app.h"
 #include "app/gui/panels.h"
 #include "app/gui/script.h"
 #include "core/errors.h"
 #include "core/files.h"
-#include "core/image.h"
+#include "core/data/image.h"
 #include "core/numbers.h"
 
 namespace {

@@ -8,7 +8,7 @@
 
 #include "app/gui/panels.h"
 #include "core/errors.h"
-#include "core/figures_report.h"
+#include "app/figures/figures_report.h"
 #include "core/numbers.h"
 
 namespace kvlens::gui {
@@ -16,9 +16,12 @@ namespace kvlens::gui {
 namespace {
 
 bool tau_slider(App& app, int id, const char* name, const Params& p) {
+  // The range and help of τ come from the method of the stage that calibrates.
+  const std::optional<Params> stage = calibration_stage(p);
   const ParamSpec* spec = nullptr;
-  for (const ParamSpec& s : find_method("calibquant").params)
-    if (s.name == name) spec = &s;
+  if (stage)
+    for (const ParamSpec& s : find_method(stage->method()).params)
+      if (s.name == name) spec = &s;
   if (!spec || !p.has(name)) return false;
   std::string text = p.str(name);
   if (text == "default") text = spec->def;

@@ -5,7 +5,7 @@
 #include <sstream>
 
 #include "app/gui/panels.h"
-#include "core/figures.h"
+#include "app/figures/figures.h"
 
 namespace kvlens::gui {
 

@@ -9,7 +9,7 @@
 #include <cmath>
 
 #include "app/gui/panels.h"
-#include "core/figures.h"
+#include "app/figures/figures.h"
 #include "core/numbers.h"
 
 namespace kvlens::gui {

@@ -193,7 +193,7 @@ void methods_panel(App& app, Ui&, const PanelRect& rect) {
       if (ImGui::InputTextWithHint("label", m.params.short_spec().c_str(), &label, ImGuiInputTextFlags_EnterReturnsTrue))
         app.set_label(m.id, label);
       track_text(app, lkey);
-      if (m.params.method() == "stack") {
+      if (spec.family == "composition") {
         stack_stage(app, m, spec, "evict", "stage 1: eviction / merge");
         stack_stage(app, m, spec, "quant", "stage 2: quantization of the kept rows");
       } else {

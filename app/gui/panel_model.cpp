@@ -4,7 +4,7 @@
 #include <imgui_stdlib.h>  // after imgui.h
 
 #include "app/gui/panels.h"
-#include "core/session.h"
+#include "app/lab/session.h"
 
 namespace kvlens::gui {
 

@@ -5,7 +5,7 @@
 #include <algorithm>
 
 #include "app/gui/panels.h"
-#include "core/figures_report.h"
+#include "app/figures/figures_report.h"
 
 namespace kvlens::gui {
 

@@ -1,8 +1,8 @@
 // Sessions and exports of the desktop app: the state to and from the shared session schema
-// (core/session.h, the same file `kvlens run --session` runs), autosave, figure and report export.
+// (app/lab/session.h, the same file `kvlens run --session` runs), autosave, figure and report export.
 #include <sys/stat.h>
 
-#include "app/figure_cairo.h"
+#include "app/figures/figure_cairo.h"
 #include "app/gui/app.h"
 #include "core/errors.h"
 #include "core/files.h"
@@ -100,15 +100,9 @@ Session App::to_session() const {
   Session s;
   s.name = st.session_name;
   s.description = st.session_description;
+  static_cast<SessionRun&>(s) = st.inputs;
   s.model = st.inputs.model_dir;
   s.image = st.inputs.image_path;
-  s.prompt = st.inputs.prompt;
-  s.templ = st.inputs.templ;
-  s.max_new_tokens = st.inputs.max_new_tokens;
-  s.kv_storage = st.inputs.kv_storage;
-  s.diag_steps = st.inputs.diag_steps;
-  s.sparsity_p = st.inputs.sparsity_p;
-  s.hit_budget = st.inputs.hit_budget;
   for (const MethodInstance& m : st.methods) {
     s.methods.push_back(m.params);
     s.labels.push_back(m.label);
@@ -155,15 +149,11 @@ bool App::open_session(const std::string& path) {
     error(e.what());  // the open session stays as it was
     return false;
   }
+  static_cast<SessionRun&>(st.inputs) = s;
   st.inputs.model_dir = s.model;
   st.inputs.image_path = s.image;
-  st.inputs.prompt = s.prompt.empty() ? kDefaultPrompt : s.prompt;
-  st.inputs.templ = s.templ.empty() ? kDefaultTemplate : s.templ;
-  st.inputs.max_new_tokens = s.max_new_tokens;
-  st.inputs.kv_storage = s.kv_storage;
-  st.inputs.diag_steps = s.diag_steps;
-  st.inputs.sparsity_p = s.sparsity_p;
-  st.inputs.hit_budget = s.hit_budget;
+  if (st.inputs.prompt.empty()) st.inputs.prompt = kDefaultPrompt;
+  if (st.inputs.templ.empty()) st.inputs.templ = kDefaultTemplate;
   st.methods.clear();
   st.edit_order.clear();
   st.timing.pending.clear();

@@ -8,8 +8,9 @@
 #include <vector>
 
 #include "app/gui/worker.h"
-#include "core/figures.h"
-#include "core/method.h"
+#include "app/figures/figures.h"
+#include "app/lab/session.h"
+#include "core/compress/method.h"
 
 namespace kvlens::gui {
 
@@ -42,15 +43,11 @@ struct Views {
 
 // The setup the worker computes from. Paths are as the user gave them ("" = the embedded model
 // or sample image).
-struct Inputs {
+// The run options a session saves (prompt, template, tokens, KV row storage, diagnostics),
+// plus what the app keeps beside them.
+struct Inputs : SessionRun {
   std::string model_dir, image_path;
-  std::string prompt, templ;
-  int max_new_tokens = 32;
   std::string backend = "auto";      // where the model runs: auto | cpu | cuda (not saved in sessions)
-  std::string kv_storage = "fp16";   // uncompressed KV rows: fp16 | fp32
-  int diag_steps = 4;
-  double sparsity_p = 0.01;
-  double hit_budget = 0.1;
 };
 
 struct Message {

@@ -16,7 +16,7 @@ double ms_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
-std::vector<std::string> pieces_of(const LlavaModel& m, const std::vector<int>& ids) {
+std::vector<std::string> pieces_of(const Model& m, const std::vector<int>& ids) {
   std::vector<std::string> out;
   for (int id : ids) out.push_back(m.tokenizer().piece(id));
   return out;
@@ -180,18 +180,18 @@ void Worker::loop() {
         model_key_ = model_key;
         model_error_.clear();
         try {
-          auto m = std::make_shared<const LlavaModel>(LlavaModel::load(s.model_dir, s.backend));
+          std::shared_ptr<const Model> m = load_model(s.model_dir, s.backend);
           auto f = std::make_shared<ModelFacts>();
-          const LlavaConfig& c = m->config();
+          const ModelInfo& c = m->info();
           f->dir = s.model_dir;
           f->backend = m->backend().name();
-          f->layers = c.text.num_hidden_layers;
-          f->heads = c.text.num_attention_heads;
-          f->kv_heads = c.text.num_key_value_heads;
-          f->head_dim = c.text.head_dim;
-          f->visual_tokens = c.n_visual_tokens();
-          f->patch_rows = c.vision.image_size / c.vision.patch_size;
-          f->patch_first = f->visual_tokens - f->patch_rows * f->patch_rows;
+          f->layers = c.n_layers;
+          f->heads = c.n_heads;
+          f->kv_heads = c.n_kv_heads;
+          f->head_dim = c.head_dim;
+          f->visual_tokens = c.n_visual;
+          f->patch_rows = c.patch_rows;
+          f->patch_first = c.patch_first;
           f->load_ms = ms_since(t0);
           f->hash = folder_content_hash(s.model_dir, "model folder");
           model_ = m;

@@ -19,10 +19,11 @@
 
 #include <nlohmann/json.hpp>
 
-#include "core/diagnostics.h"
-#include "core/image.h"
-#include "core/method.h"
-#include "models/experiment.h"
+#include "core/diagnostics/diagnostics.h"
+#include "core/data/image.h"
+#include "models/preprocess/clip_image.h"
+#include "core/compress/method.h"
+#include "app/lab/experiment.h"
 
 namespace kvlens::gui {
 
@@ -126,7 +127,7 @@ class Worker {
   std::atomic<bool> busy_{false};
 
   // Worker-thread state (published through snapshots only).
-  std::shared_ptr<const LlavaModel> model_;
+  std::shared_ptr<const Model> model_;
   std::shared_ptr<const ModelFacts> facts_;
   std::string model_key_, model_error_;
   std::shared_ptr<const BaseResult> base_;

@@ -8,8 +8,7 @@
 
 #include "core/errors.h"
 #include "core/tensor.h"
-#include "core/policy.h"
-#include "core/policies/quantize.h"
+#include "core/half.h"
 #include "kernels/cpu/ops.h"
 
 namespace kvlens {
@@ -35,7 +34,7 @@ void to_f32(const HostTensor& t, float* out) {
       for (int64_t i = 0; i < n; ++i) {
         uint16_t h;
         std::memcpy(&h, p + 2 * i, 2);
-        out[i] = t.dt == Dt::F16 ? quant::from_half(h) : bf16_to_float(h);
+        out[i] = t.dt == Dt::F16 ? from_half(h) : bf16_to_float(h);
       }
       break;
     }
@@ -141,7 +140,7 @@ class CpuBackend : public Backend {
     need(x.numel() == y.numel(), "add: " + x.name + x.shape_str() + " + " + y.name + y.shape_str());
     cpu::add(x.as<float>(), y.as<float>(), x.numel());
   }
-  void bias_act(const Buffer& y, const Buffer* bias, cpu::Act act, bool apply_act, Buffer& out) override {
+  void bias_act(const Buffer& y, const Buffer* bias, Act act, bool apply_act, Buffer& out) override {
     need(y.numel() == out.numel(), "bias_act: " + y.name + " / " + out.name);
     float* o = out.as<float>();
     if (o != y.as<float>()) std::memcpy(o, y.data, static_cast<size_t>(y.bytes()));
@@ -151,7 +150,7 @@ class CpuBackend : public Backend {
     }
     if (apply_act) cpu::activate(o, out.numel(), act);
   }
-  void gated_act(const Buffer& gu, cpu::Act act, Buffer& out) override {
+  void gated_act(const Buffer& gu, Act act, Buffer& out) override {
     const int64_t M = gu.rows(), I = gu.cols() / 2;
     need(out.rows() == M && out.cols() == I, "gated_act: " + gu.name + " / " + out.name);
     for (int64_t m = 0; m < M; ++m) {
@@ -223,10 +222,10 @@ class CpuBackend : public Backend {
     kv.host->append(layer, k.data(), v.data(), pos_host, kinds, T);
   }
 
-  void decode_attention(const Buffer& qkv, const AttnLayout& l, SeqKV& kv, int layer, const KVPolicy* policy,
+  void decode_attention(const Buffer& qkv, const AttnLayout& l, SeqKV& kv, int layer, const ScoreTransform* transform,
                         Buffer& out, float* scores, float* probs, int n_max) override {
     const int NH = l.n_heads, NKV = l.n_kv_heads, D = l.head_dim, G = NH / NKV;
-    const bool transform = policy && policy->has_score_transform();
+    const bool transforms = transform && transform->any();
     std::vector<std::vector<float>> K(NKV), V(NKV);
     std::vector<std::vector<int32_t>> P(NKV);
     std::vector<std::vector<SegmentKind>> S(NKV);
@@ -250,7 +249,7 @@ class CpuBackend : public Backend {
         for (int d = 0; d < D; ++d) dot += qh[d] * kj[d];
         s[j] = dot * l.scale;
       }
-      if (transform) policy->transform_scores(layer, hd, s.data(), S[h].data(), n);
+      if (transforms) transform->apply(layer, hd, s.data(), S[h].data(), n);
       if (scores) {
         std::copy(s.begin(), s.end(), scores + static_cast<size_t>(hd) * n_max);
         std::fill(scores + static_cast<size_t>(hd) * n_max + n, scores + static_cast<size_t>(hd + 1) * n_max, ninf);

@@ -3,9 +3,9 @@
 #pragma once
 #include <cstdint>
 
-namespace kvlens::cpu {
+#include "core/tensor.h"
 
-enum class Act { Gelu, GeluTanh, QuickGelu, Silu, Relu };
+namespace kvlens::cpu {
 
 // y[M,N] = x[M,K] · W[N,K]ᵀ (+ bias[N]); W in the PyTorch nn.Linear layout.
 void linear(const float* x, int M, int K, const float* W, int N, const float* bias, float* y);

@@ -28,6 +28,7 @@
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/kernels.h"
+#include "kernels/cuda/softmax_state.cuh"
 
 namespace kvlens::cuda {
 
@@ -247,7 +248,7 @@ __global__ void __launch_bounds__(128 * KS, flash_min_blocks<D, KS>())
     for (int r = 0; r < 2; ++r) {
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-      base[r] = mx[r] == -INFINITY ? 0.0f : mx[r];  // a row with nothing seen yet stays at 0
+      base[r] = softmax_shift(mx[r]);  // a row with nothing seen yet stays at 0
       alpha[r] = fast_exp2(m[r] - base[r]);
       m[r] = mx[r];
     }
@@ -306,7 +307,7 @@ __global__ void __launch_bounds__(128 * KS, flash_min_blocks<D, KS>())
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float mo = x[(4 * NB + r) * 32], lo = x[(4 * NB + 2 + r) * 32];
-      const float mm = fmaxf(m[r], mo), b = mm == -INFINITY ? 0.0f : mm;
+      const float mm = fmaxf(m[r], mo), b = softmax_shift(mm);
       wa[r] = fast_exp2(m[r] - b);
       wb[r] = fast_exp2(mo - b);
       l[r] = l[r] * wa[r] + lo * wb[r];
@@ -343,15 +344,14 @@ __global__ void attn_simple_kernel(Args a, OT* __restrict__ out) {
   const int h = blockIdx.y, kvh = h / a.G, lane = threadIdx.x & 31;
   if (i >= a.T) return;
   constexpr int MAXC = 8;
-  float q[MAXC], o[MAXC];
+  float q[MAXC];
   const float* qr = a.qkv + i * a.stride + a.q_col + static_cast<int64_t>(h) * a.D;
 #pragma unroll
   for (int c = 0; c < MAXC; ++c) {
     const int d = lane + 32 * c;
     q[c] = d < a.D ? qr[d] : 0.0f;
-    o[c] = 0.0f;
   }
-  float m = -INFINITY, l = 0.0f;
+  SoftmaxState<MAXC> st;
   const int kend = a.causal ? i + 1 : a.T;
   for (int j = 0; j < kend; ++j) {
     const float* kr = a.qkv + j * a.stride + a.k_col + static_cast<int64_t>(kvh) * a.D;
@@ -363,21 +363,14 @@ __global__ void attn_simple_kernel(Args a, OT* __restrict__ out) {
       if (d < a.D) dot = fmaf(q[c], kr[d], dot);
     }
     const float s = warp_sum(dot) * a.scale;
-    const float m_new = fmaxf(m, s);
-    const float alpha = expf(m - m_new), p = expf(s - m_new);
-    l = l * alpha + p;
-#pragma unroll
-    for (int c = 0; c < MAXC; ++c) {
-      const int d = lane + 32 * c;
-      if (d < a.D) o[c] = o[c] * alpha + p * vr[d];
-    }
-    m = m_new;
+    st.add(s, [&](int c) { return lane + 32 * c < a.D ? vr[lane + 32 * c] : 0.0f; },
+           [](float x) { return expf(x); });
   }
   OT* orow = out + static_cast<int64_t>(i) * a.NH * a.D + static_cast<int64_t>(h) * a.D;
 #pragma unroll
   for (int c = 0; c < MAXC; ++c) {
     const int d = lane + 32 * c;
-    if (d < a.D) orow[d] = from_f<OT>(l > 0.0f ? o[c] / l : 0.0f);
+    if (d < a.D) orow[d] = from_f<OT>(st.d > 0.0f ? st.o[c] / st.d : 0.0f);
   }
 }
 

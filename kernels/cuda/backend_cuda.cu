@@ -8,7 +8,7 @@
 #include <limits>
 
 #include "core/errors.h"
-#include "core/policies/quantize.h"
+#include "core/kv_format.h"
 #include "core/tensor.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/context.h"
@@ -288,7 +288,7 @@ class CudaBackend : public Backend {
     p.bias = bias ? bias->as<float>() : nullptr, p.y = y.as<float>();
     gemv(p, ctx_->stream);
   }
-  void norm_gate_up(const Buffer& h, const Buffer& g, float eps, Buffer& x, const Buffer& W, cpu::Act act, Buffer& gu,
+  void norm_gate_up(const Buffer& h, const Buffer& g, float eps, Buffer& x, const Buffer& W, Act act, Buffer& gu,
                     Buffer& out, const std::string* check) override {
     const int64_t K = h.cols(), I = out.cols();
     const bool fused = h.rows() == 1 && h.dt == Dt::F32 && gemv_supported(W.dt, static_cast<int>(K)) && W.cols() == K &&
@@ -425,14 +425,14 @@ class CudaBackend : public Backend {
     auto prof_scope = prof_.scope("add", *ctx_);
     cuda::add(x.as<float>(), y.as<float>(), x.numel(), ctx_->stream);
   }
-  void bias_act(const Buffer& y, const Buffer* bias, cpu::Act act, bool apply_act, Buffer& out) override {
+  void bias_act(const Buffer& y, const Buffer* bias, Act act, bool apply_act, Buffer& out) override {
     need(y.dt == Dt::F32 && y.numel() == out.numel(), "bias_act: " + y.name + " → " + out.name);
     if (ctx_->replay) return;
     auto prof_scope = prof_.scope("bias_act", *ctx_);
     cuda::bias_act(y.as<float>(), bias ? bias->as<float>() : nullptr, y.rows(), y.cols(),
                    apply_act ? static_cast<int>(act) : -1, out.data, out.dt, ctx_->stream);
   }
-  void gated_act(const Buffer& gu, cpu::Act act, Buffer& out) override {
+  void gated_act(const Buffer& gu, Act act, Buffer& out) override {
     need(gu.dt == Dt::F32 && out.rows() == gu.rows() && out.cols() * 2 == gu.cols(), "gated_act: " + gu.name);
     if (ctx_->replay) return;
     auto prof_scope = prof_.scope("gated_act", *ctx_);
@@ -507,10 +507,10 @@ class CudaBackend : public Backend {
     }
     Backend::rope_append(kv, layer, qkv, l, pos, pos_host, kinds, T, theta);
   }
-  void decode_attention(const Buffer& qkv, const AttnLayout& l, SeqKV& kv, int layer, const KVPolicy* policy,
+  void decode_attention(const Buffer& qkv, const AttnLayout& l, SeqKV& kv, int layer, const ScoreTransform* transform,
                         Buffer& out, float* scores, float* probs, int n_max) override {
     auto prof_scope = prof_.scope("decode_attention", *ctx_);
-    kv_decode_attention(*ctx_, qkv, l, kv, layer, policy, out, scores, probs, n_max);
+    kv_decode_attention(*ctx_, qkv, l, kv, layer, transform, out, scores, probs, n_max);
   }
   void kv_hydrate(const DeviceKV& dev, KVStore& host) override { cuda::kv_hydrate(*ctx_, dev, host); }
   void kv_sync(DeviceKV& dev, KVStore& host, int layer) override { cuda::kv_sync(*ctx_, dev, host, layer); }

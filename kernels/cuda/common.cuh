@@ -93,15 +93,15 @@ __device__ __forceinline__ float warp_max_redux(float v) {
   return __int_as_float(m >= 0 ? m : m ^ 0x7fffffff);
 }
 
-// The activations of cpu::Act, as the CPU twins compute them in fp32.
+// The activations of Act, as the CPU twins compute them in fp32.
 __device__ __forceinline__ float activate(float v, int act) {
   switch (act) {
-    case static_cast<int>(cpu::Act::Gelu): return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
-    case static_cast<int>(cpu::Act::GeluTanh):
+    case static_cast<int>(Act::Gelu): return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
+    case static_cast<int>(Act::GeluTanh):
       return 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
-    case static_cast<int>(cpu::Act::QuickGelu): return v / (1.0f + expf(-1.702f * v));
-    case static_cast<int>(cpu::Act::Silu): return v / (1.0f + expf(-v));
-    case static_cast<int>(cpu::Act::Relu): return v > 0.0f ? v : 0.0f;
+    case static_cast<int>(Act::QuickGelu): return v / (1.0f + expf(-1.702f * v));
+    case static_cast<int>(Act::Silu): return v / (1.0f + expf(-v));
+    case static_cast<int>(Act::Relu): return v > 0.0f ? v : 0.0f;
   }
   return v;
 }

@@ -67,7 +67,7 @@ void kv_append(Context& ctx, SeqKV& kv, int layer, const Buffer& qkv, const Attn
 bool kv_rope_append(Context& ctx, SeqKV& kv, int layer, Buffer& qkv, const AttnLayout& l, const Buffer& pos,
                     const int32_t* pos_host, const SegmentKind* kinds, int T, const float* inv_freq);
 void kv_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, SeqKV& kv, int layer,
-                         const KVPolicy* policy, Buffer& out, float* scores, float* probs, int n_max);
+                         const ScoreTransform* transform, Buffer& out, float* scores, float* probs, int n_max);
 // kv_rope_append and the plain kv_decode_attention in one kernel (the fp16 decode kernel rotates
 // q and the token's k, attends over the cache and the token's row, and appends the row); false
 // when the step needs the separate ops (prompt rows, host rows kept in step, a cache that is not

@@ -274,8 +274,8 @@ void gemv(const GemvParams& p, cudaStream_t s) {
     if (p.rows_per_warp != 0 && p.rows_per_warp != 2)
       throw InternalError("gemv: a paired warp owns a gate row and its up row (rows_per_warp 0 or 2), got " +
                           std::to_string(p.rows_per_warp));
-    if (p.act < static_cast<int>(cpu::Act::Gelu) || p.act > static_cast<int>(cpu::Act::Relu))
-      throw InternalError("gemv: act " + std::to_string(p.act) + " is no cpu::Act");
+    if (p.act < static_cast<int>(Act::Gelu) || p.act > static_cast<int>(Act::Relu))
+      throw InternalError("gemv: act " + std::to_string(p.act) + " is no Act");
   } else if (!p.y) {
     throw InternalError("gemv: no output (y)");
   }

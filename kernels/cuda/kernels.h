@@ -1,7 +1,7 @@
 // Host-callable launchers of the CUDA kernels, one plain parameter list (or Params struct) per
 // kernel. Each launches on the given stream and throws DeviceError when the launch fails. Every
 // kernel has its CPU twin in kernels/cpu (or core/policies for the packed formats) and a case
-// in tests/test_ops.cpp.
+// in tests/kernels/test_ops.cpp.
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -56,7 +56,7 @@ struct GemvParams {
   const float* h = nullptr;
   const float* g = nullptr;
   float eps = 0.0f;
-  int act = 0;  // paired: static_cast<int>(cpu::Act)
+  int act = 0;  // paired: static_cast<int>(Act)
   const float* bias = nullptr;
   float* y = nullptr;
   // Paired: act(gate)·up, N values in the weights' dtype (instead of y).
@@ -85,7 +85,7 @@ void attention_scores(const float* qkv, const AttnLayout& l, float* scores, cuda
 // ---- decode attention over a segmented, possibly packed cache (decode_attention.cu) ----------
 // Storage of one side (K or V) of a part. Codes: row j starts at byte j·D·bits/8 and code c of a
 // row occupies bits [c·bits, (c+1)·bits) of the row, least significant bit first (the layout
-// core/policies/quantize.h packs). F16 rows are [n][D] halves.
+// core/compress/quantize.h packs). F16 rows are [n][D] halves.
 enum KvFormat : int32_t {
   kF16 = 0,       // fp16 rows
   kChannel = 1,   // codes with fp16 scale/zero per (range group, channel) — or per group when
@@ -361,7 +361,7 @@ void rope_append(float* qkv, int64_t q_col, int nq, int64_t k_col, int64_t v_col
 // dst row i (D halves) = *src[i] for n rows (src pointers in device memory).
 void gather_rows(const __half* const* src, __half* dst, int n, int D, cudaStream_t s);
 
-// ---- quantize-and-pack (quant_pack.cu): the device twins of core/policies/quantize.h ---------
+// ---- quantize-and-pack (quant_pack.cu): the device twins of core/compress/quantize.h ---------
 // x[n][D] (fp16 rows) → codes and fp16 scale/zero as quantize_block packs them. Channel axis:
 // one range per channel over the n rows (chan_stride 1) or one for all (0); token axis: one
 // per row. Ranges shrink by `shrink` about zero or the centre first.

@@ -16,8 +16,7 @@
 #include <utility>
 
 #include "core/errors.h"
-#include "core/policies/quantize.h"
-#include "core/policy.h"
+#include "core/kv_format.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/context.h"
 #include "kernels/cuda/kernels.h"
@@ -492,7 +491,7 @@ std::vector<DevSeg> build_zip(Context& ctx, const CudaKV& C, const std::vector<c
   const KVSegment& s0 = *g.front();
   const bool copies = L.shared_token_ranges && !one_table;
   const std::string label = "packed " + s0.storage + (copies ? " (V token ranges per KV head)" : "");
-  const std::string what = "KV zipcache group of " + std::to_string(g.size()) + " segment(s) " + s0.storage;
+  const std::string what = "KV mixed-bit group of " + std::to_string(g.size()) + " segment(s) " + s0.storage;
   auto up = [&](auto get, int elem, const char* name) { return upload_heads(ctx, NKV, get, elem, what + " " + name); };
   using B = const std::vector<uint8_t>&;
   using H = const std::vector<uint16_t>&;

@@ -1,7 +1,6 @@
 // Decode attention over the GPU KV cache: the fused kernel on the device's parts, or (for
-// observers, and for score transforms other than CalibQuant's calibration) scores to the host,
+// observers, and for score transforms a device cannot apply in its kernel) scores to the host,
 // transformed there in the host store's row order, and back for the softmax and values.
-#include "core/policy.h"
 #include "kernels/cuda/kv_cache.h"
 
 namespace kvlens::cuda {
@@ -40,21 +39,20 @@ DecodeParams layer_params(CudaKV& C, const Buffer& qkv, const AttnLayout& l, int
 }  // namespace
 
 void kv_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, SeqKV& kv, int layer,
-                         const KVPolicy* policy, Buffer& out, float* scores, float* probs, int n_max) {
+                         const ScoreTransform* transform, Buffer& out, float* scores, float* probs, int n_max) {
   CudaKV& C = as_cuda(kv.dev);
   if (l.n_kv_heads != C.NKV || l.head_dim != C.D) throw InternalError("decode_attention: cache shape differs");
   C.build_tables(l.n_heads);
   const int NH = l.n_heads, NKV = C.NKV, G = NH / NKV;
   DecodeParams p = layer_params(C, qkv, l, layer, out);
-  const bool transform = policy && policy->has_score_transform();
-  float tau1 = 0, tau2 = 0;
-  const bool in_kernel = transform && policy->visual_calibration(tau1, tau2);
-  if (!scores && !probs && (!transform || in_kernel)) {
+  const bool transforms = transform && transform->any();
+  const bool in_kernel = transforms && transform->kind == ScoreTransform::Kind::Calibrate;
+  if (!scores && !probs && (!transforms || in_kernel)) {
     if (ctx.replay) return;
     if (in_kernel) {
       p.calibrate = 1;
-      p.tau1 = tau1;
-      p.tau2 = tau2;
+      p.tau1 = transform->tau1;
+      p.tau2 = transform->tau2;
       p.vis_range = C.vis_range.as<float>();
       p.vis_scores = C.vis_stride ? C.vis_scores.as<float>() : nullptr;
       p.vis_stride = C.vis_stride;
@@ -95,14 +93,14 @@ void kv_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, S
     const auto& m = dev2host[hd / G];
     for (size_t i = 0; i < m.size(); ++i) sh[static_cast<size_t>(hd) * stride + m[i]] = sd[static_cast<size_t>(hd) * stride + i];
   }
-  if (transform) {
+  if (transforms) {
     std::vector<float> K, V;
     std::vector<int32_t> P;
     std::vector<SegmentKind> kinds;
     for (int h = 0; h < NKV; ++h) {
       kv.host->gather(layer, h, K, V, P, &kinds);
       for (int hd = h * G; hd < (h + 1) * G; ++hd)
-        policy->transform_scores(layer, hd, sh.data() + static_cast<size_t>(hd) * stride, kinds.data(),
+        transform->apply(layer, hd, sh.data() + static_cast<size_t>(hd) * stride, kinds.data(),
                                  static_cast<int>(P.size()));
     }
   }

@@ -1,6 +1,6 @@
 // KV cache kernels: append rows (fp32 projections → fp16 cache rows) and gather rows (the
 // compaction after eviction). CPU twins: KVStore::append (with fp16 rounding) and
-// keep_rows/gather_head in core/policies/select.cpp.
+// keep_rows/gather_head in core/compress/select.cpp.
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/kernels.h"
 

@@ -5,7 +5,8 @@
 #include <cstdint>
 
 #include "core/errors.h"
-#include "core/image.h"
+#include "core/data/image.h"
+#include "models/preprocess/clip_image.h"
 #include "models/config.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {

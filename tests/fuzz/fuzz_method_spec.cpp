@@ -5,7 +5,7 @@
 #include <string>
 
 #include "core/errors.h"
-#include "core/method.h"
+#include "core/compress/method.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string spec(reinterpret_cast<const char*>(data), size);

@@ -4,7 +4,7 @@
 #include <cstdint>
 
 #include "core/errors.h"
-#include "core/session.h"
+#include "app/lab/session.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const nlohmann::json j = nlohmann::json::parse(data, data + size, nullptr, false);

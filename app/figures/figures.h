@@ -1,0 +1,168 @@
+// Figures as plain data, and one layout of them into drawing primitives.
+//
+// A Figure holds axes (range, label, ticks), series (line, step histogram, bars, heatmap,
+// scatter), a legend, a title and annotations (vertical or horizontal markers, shaded bands).
+// Builders in app/figures/figures_report.h make them from a run report with pure functions.
+//
+// draw() lays a figure out at a given pixel size into a list of primitives (polylines, rects,
+// circles, text, images) that a renderer executes without deciding anything: Cairo for PNG, SVG
+// and PDF (app/figure_cairo), ImDrawList on screen (app/gui/figure_imgui). One description, one
+// layout, two renderers: what is exported is what was seen. Text widths come from the renderer's
+// font (both use DejaVu Sans).
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace kvlens::fig {
+
+struct Color {
+  float r = 0, g = 0, b = 0, a = 1;
+};
+Color palette(int i);        // categorical colours, distinguishable, cycling
+Color colormap(double t);    // sequential (viridis), t clamped to [0, 1]
+Color with_alpha(Color c, float a);
+
+enum class SeriesKind { Line, StepHistogram, Bars, Heatmap, Scatter };
+const char* series_kind_name(SeriesKind k);
+
+struct Series {
+  SeriesKind kind = SeriesKind::Line;
+  std::string label;  // legend text; empty = not in the legend
+  Color color;
+  bool dashed = false;
+  double line_width = 1.6;
+  bool markers = false;  // Line: a dot on every point
+  bool fill = false;     // StepHistogram: shade under the steps
+  // Line / Scatter: points (x[i], y[i]). StepHistogram: x = bin edges (n + 1), y = counts (n).
+  // Bars: x = bar centres, y = heights, each bar_width wide (x units).
+  std::vector<double> x, y;
+  double bar_width = 0.8;
+  std::vector<std::string> point_labels;  // Scatter: drawn beside each point
+  // Heatmap: z is rows × cols, row r spanning y in [y0 + r·dy, y0 + (r+1)·dy], column c spanning
+  // x in [x0 + c·dx, x0 + (c+1)·dx]. Colours map [z_min, z_max] (log10 when z_log) through
+  // colormap(); NaN cells are drawn light grey.
+  int rows = 0, cols = 0;
+  std::vector<double> z;
+  double x0 = 0, x1 = 1, y0 = 0, y1 = 1;
+  double z_min = 0, z_max = 1;
+  bool z_log = false;
+};
+
+struct Tick {
+  double value = 0;
+  std::string label;
+};
+
+struct Axis {
+  std::string label;
+  double min = 0, max = 1;
+  bool log = false;       // log10 scale (min, max > 0)
+  bool inverted = false;  // y: min at the top (matrix rows downwards)
+  // Fixed ticks (layers, categories); empty = round numbers over the visible range.
+  std::vector<Tick> ticks;
+};
+
+// A line across the plot at x = at (axis 'x': vertical) or y = at (axis 'y': horizontal).
+struct Marker {
+  char axis = 'x';
+  double at = 0;
+  std::string label;
+  Color color;
+  bool dashed = true;
+};
+
+// A shaded stripe over [from, to] of one axis.
+struct Band {
+  char axis = 'x';
+  double from = 0, to = 0;
+  std::string label;
+  Color color;
+};
+
+struct Figure {
+  std::string id;     // file name stem, e.g. "softmax_mse_by_layer"
+  std::string title;
+  std::string note;   // one line under the plot (what the numbers are), may be empty
+  Axis x, y;
+  std::vector<Series> series;
+  std::vector<Marker> markers;
+  std::vector<Band> bands;
+  std::string colorbar;  // label of the heatmap colour bar; empty = none
+  bool legend = true;
+};
+
+// Round-number ticks covering [lo, hi] (about `target` of them); on a log axis, powers of ten.
+std::vector<Tick> nice_ticks(double lo, double hi, int target, bool log);
+// Position of v along the axis as a fraction of [min, max] (log-aware; not clamped).
+double axis_fraction(const Axis& a, double v);
+// The value at a fraction along the axis (inverse of axis_fraction).
+double axis_value(const Axis& a, double f);
+// Shortest readable text of a number ("0.25", "1.2e-05", "3").
+std::string format_value(double v);
+
+// ----- layout into primitives -------------------------------------------------------------
+
+struct Point {
+  double x = 0, y = 0;
+};
+struct Rect {
+  double x0 = 0, y0 = 0, x1 = 0, y1 = 0;
+  bool contains(double x, double y) const { return x >= x0 && x <= x1 && y >= y0 && y <= y1; }
+  double width() const { return x1 - x0; }
+  double height() const { return y1 - y0; }
+};
+
+struct Prim {
+  enum class Type { Polyline, FillRect, StrokeRect, Circle, Text, Image, Clip, Unclip };
+  Type type = Type::Polyline;
+  Color color;
+  std::vector<Point> pts;   // Polyline: the points; Circle: the centre
+  double width = 1;         // Polyline / StrokeRect line width; Circle radius
+  bool dashed = false;
+  Rect rect;                // FillRect, StrokeRect, Image target, Clip
+  // Text: drawn at pts[0]; halign -1 left / 0 centre / 1 right of it, valign -1 top / 0 middle /
+  // 1 bottom; vertical = rotated 90° anticlockwise (reads bottom to top).
+  std::string text;
+  double size = 12;
+  int halign = -1, valign = -1;
+  bool vertical = false;
+  // Image: image_w × image_h RGBA pixels stretched over rect, nearest-neighbour. image_key
+  // changes whenever the pixels do (renderers may cache textures by it).
+  int image_w = 0, image_h = 0;
+  std::vector<uint8_t> rgba;
+  uint64_t image_key = 0;
+};
+
+// Width in pixels of `text` at font size `size` (pixels), as the renderer's font draws it.
+using TextWidth = std::function<double(const std::string& text, double size)>;
+
+// The visible x range (zoom and pan); unset = the figure's own range.
+struct View {
+  bool zoomed = false;
+  double x_min = 0, x_max = 0;
+};
+
+struct Frame {
+  double width = 0, height = 0;
+  Rect plot;   // the plot area, pixels
+  Axis x, y;   // the axes as drawn: visible range and ticks
+  std::vector<Prim> prims;
+  double px(double x) const;  // data → pixels
+  double py(double y) const;
+  double data_x(double px) const;  // pixels → data
+  double data_y(double py) const;
+};
+
+// Lays `f` out on a width × height canvas (pixels; the font sizes are pixels too).
+Frame draw(const Figure& f, double width, double height, const TextWidth& measure, const View& view = {});
+
+// What is under the pixel (px, py) of a drawn frame: one line per series that has data there
+// ("label: x = 3, y = 0.012"); empty when nothing is.
+std::vector<std::string> readout(const Figure& f, const Frame& frame, double px, double py);
+
+// The plotted data as CSV: a header line per series ("# kind: label") and its rows.
+std::string figure_csv(const Figure& f);
+
+}  // namespace kvlens::fig

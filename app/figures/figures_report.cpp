@@ -1,0 +1,634 @@
+#include "app/figures/figures_report.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+
+#include "core/errors.h"
+#include "core/numbers.h"
+
+namespace kvlens::fig {
+
+namespace {
+
+// The axes of a heatmap of `rows` × `cols` cells: x from 0 to cols, y from 0 to rows, row 0 on top.
+void matrix_axes(Figure& f, const std::string& x_label, double cols, const std::string& y_label, double rows) {
+  f.x.label = x_label;
+  f.x.min = 0;
+  f.x.max = cols;
+  f.y.label = y_label;
+  f.y.min = 0;
+  f.y.max = rows;
+  f.y.inverted = true;
+}
+
+constexpr double kBig = 1e300;
+
+// A JSON value with the path that leads to it, for messages that name the key.
+struct J {
+  const nlohmann::json& v;
+  std::string where;
+
+  bool has(const std::string& k) const { return v.is_object() && v.contains(k); }
+  J at(const std::string& k) const {
+    if (!v.is_object()) throw InputError(where + " must be an object");
+    if (!v.contains(k)) throw InputError(where + " lacks '" + k + "'");
+    return {v[k], where + "." + k};
+  }
+  J at(size_t i) const {
+    if (!v.is_array()) throw InputError(where + " must be a list");
+    if (i >= v.size()) throw InputError(where + " has no item " + std::to_string(i));
+    return {v[i], where + "[" + std::to_string(i) + "]"};
+  }
+  size_t size() const {
+    if (!v.is_array()) throw InputError(where + " must be a list");
+    return v.size();
+  }
+  double num() const { return json_real(v, where, -kBig, kBig); }
+  int integer() const { return json_int(v, where, -1000000000, 1000000000); }
+  std::string str() const {
+    if (!v.is_string()) throw InputError(where + " must be a string, got " + v.dump());
+    return v.get<std::string>();
+  }
+  std::vector<double> nums() const {
+    std::vector<double> r;
+    for (size_t i = 0; i < size(); ++i) r.push_back(at(i).num());
+    return r;
+  }
+  std::vector<int> ints() const {
+    std::vector<int> r;
+    for (size_t i = 0; i < size(); ++i) r.push_back(at(i).integer());
+    return r;
+  }
+};
+
+J root(const nlohmann::json& r) { return {r, "report"}; }
+
+J method_at(const nlohmann::json& r, int m) {
+  const J ms = root(r).at("methods");
+  if (m < 0 || static_cast<size_t>(m) >= ms.size())
+    throw InputError("report has " + std::to_string(ms.size()) + " methods, no method " + std::to_string(m));
+  return ms.at(static_cast<size_t>(m));
+}
+
+J layer_at(const J& method, int l) {
+  const J ls = method.at("layers");
+  if (l < 0 || static_cast<size_t>(l) >= ls.size())
+    throw InputError(method.where + " has " + std::to_string(ls.size()) + " layers, no layer " + std::to_string(l));
+  return ls.at(static_cast<size_t>(l));
+}
+
+// "calibquant:bits=1" → "calibquant_bits_1" (file name safe).
+std::string slug(const std::string& s) {
+  std::string o;
+  for (char c : s) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '-';
+    if (ok) o += c;
+    else if (!o.empty() && o.back() != '_') o += '_';
+  }
+  while (!o.empty() && o.back() == '_') o.pop_back();
+  return o.substr(0, 60);
+}
+
+std::string method_id(const nlohmann::json& r, int m) {
+  return "m" + std::to_string(m) + "_" + slug(method_labels(r)[m]);
+}
+
+Axis layer_axis(int L, double pad) {
+  Axis a;
+  a.label = "layer";
+  a.min = -pad;
+  a.max = L - 1 + pad;
+  for (int l = 0; l < L; ++l) a.ticks.push_back({static_cast<double>(l), std::to_string(l)});
+  return a;
+}
+
+// A y axis fitted to the values: from 0 (linear, non-negative data) or log10 when the values
+// span more than two decades and are all positive.
+Axis value_axis(const std::string& label, const std::vector<double>& v, bool allow_log) {
+  Axis a;
+  a.label = label;
+  double lo = kBig, hi = -kBig, pos_lo = kBig;
+  for (double x : v) {
+    if (!std::isfinite(x)) continue;
+    lo = std::min(lo, x);
+    hi = std::max(hi, x);
+    if (x > 0) pos_lo = std::min(pos_lo, x);
+  }
+  if (lo > hi) {
+    a.min = 0;
+    a.max = 1;
+    return a;
+  }
+  if (allow_log && lo > 0 && hi / lo > 100) {
+    a.log = true;
+    a.min = std::pow(10.0, std::floor(std::log10(pos_lo)));
+    a.max = std::pow(10.0, std::ceil(std::log10(hi)));
+    if (a.max <= a.min) a.max = a.min * 10;
+    return a;
+  }
+  a.min = std::min(0.0, lo);
+  a.max = hi > a.min ? hi + (hi - a.min) * 0.08 : a.min + 1;
+  return a;
+}
+
+Series line_series(const std::string& label, Color c, std::vector<double> x, std::vector<double> y) {
+  Series s;
+  s.kind = SeriesKind::Line;
+  s.label = label;
+  s.color = c;
+  s.markers = true;
+  s.x = std::move(x);
+  s.y = std::move(y);
+  return s;
+}
+
+std::vector<double> iota_d(int n) {
+  std::vector<double> v(n);
+  for (int i = 0; i < n; ++i) v[i] = i;
+  return v;
+}
+
+std::optional<Calibration> report_calibration(const J& method) {
+  return method_calibration(parse_method_spec(method.at("spec").str()));
+}
+
+}  // namespace
+
+size_t method_count(const nlohmann::json& report) { return root(report).at("methods").size(); }
+
+int layer_count(const nlohmann::json& report) {
+  return static_cast<int>(root(report).at("full").at("sparsity_prefill").size());
+}
+
+std::vector<std::string> method_labels(const nlohmann::json& report) {
+  const J ms = root(report).at("methods");
+  std::vector<std::string> out;
+  std::map<std::string, int> seen;
+  for (size_t i = 0; i < ms.size(); ++i) {
+    const J m = ms.at(i);
+    std::string name = m.has("label") ? m.at("label").str() : m.at("short_spec").str();
+    const int n = ++seen[name];
+    if (n > 1) name += " #" + std::to_string(n);
+    out.push_back(name);
+  }
+  return out;
+}
+
+Figure layer_metric_figure(const nlohmann::json& report, LayerMetric metric) {
+  static const char* keys[] = {"softmax_mse", "softmax_kl", "attn_output_rel_error", "sparsity_decode"};
+  static const char* ids[] = {"softmax_mse_by_layer", "softmax_kl_by_layer", "attn_output_error_by_layer",
+                              "method_sparsity_by_layer"};
+  static const char* titles[] = {"Softmax MSE against the full cache", "Softmax KL(full ‖ method)",
+                                 "Attention output relative error ‖o − ô‖ / ‖o‖", "Decode sparsity γ of each method"};
+  static const char* ylabels[] = {"softmax MSE", "KL", "relative error", "sparsity γ"};
+  const int k = static_cast<int>(metric);
+  Figure f;
+  f.id = ids[k];
+  f.title = titles[k];
+  f.note = "first " + format_value(root(report).at("options").at("diag_steps").num()) + " decode steps, mean over heads";
+  const int L = layer_count(report);
+  f.x = layer_axis(L, 0.25);
+  const std::vector<std::string> names = method_labels(report);
+  std::vector<double> all;
+  for (size_t m = 0; m < names.size(); ++m) {
+    std::vector<double> y;
+    for (int l = 0; l < L; ++l) y.push_back(layer_at(method_at(report, static_cast<int>(m)), l).at(keys[k]).num());
+    all.insert(all.end(), y.begin(), y.end());
+    f.series.push_back(line_series(names[m], palette(static_cast<int>(m)), iota_d(L), y));
+  }
+  f.y = value_axis(ylabels[k], all, metric != LayerMetric::SparsityDecode);
+  if (metric == LayerMetric::SparsityDecode) f.y.max = std::max(f.y.max, 1.0);
+  return f;
+}
+
+Figure sparsity_figure(const nlohmann::json& report) {
+  Figure f;
+  f.id = "sparsity_by_layer";
+  f.title = "Attention sparsity γ(l)";
+  f.note = "γ = share of A_ij < p·max_j A_ij, p = " + format_value(root(report).at("options").at("sparsity_p").num());
+  const int L = layer_count(report);
+  f.x = layer_axis(L, 0.25);
+  const J full = root(report).at("full");
+  f.series.push_back(line_series("full cache, prefill", Color{0.2f, 0.2f, 0.2f, 1}, iota_d(L), full.at("sparsity_prefill").nums()));
+  Series d = line_series("full cache, decode", Color{0.2f, 0.2f, 0.2f, 1}, iota_d(L), full.at("sparsity_decode").nums());
+  d.dashed = true;
+  f.series.push_back(d);
+  const std::vector<std::string> names = method_labels(report);
+  for (size_t m = 0; m < names.size(); ++m) {
+    std::vector<double> y;
+    for (int l = 0; l < L; ++l) y.push_back(layer_at(method_at(report, static_cast<int>(m)), l).at("sparsity_decode").num());
+    Series s = line_series(names[m] + ", decode", palette(static_cast<int>(m)), iota_d(L), y);
+    s.dashed = true;
+    f.series.push_back(s);
+  }
+  f.y.label = "sparsity γ";
+  f.y.min = 0;
+  f.y.max = 1.02;
+  return f;
+}
+
+Figure hit_rate_by_layer_figure(const nlohmann::json& report, int step_index) {
+  const J h = root(report).at("cache_hit_rate");
+  const std::vector<int> steps = h.at("steps").ints();
+  if (step_index < 0 || static_cast<size_t>(step_index) >= steps.size())
+    throw InputError("report: cache_hit_rate has " + std::to_string(steps.size()) + " steps, no step index " +
+                     std::to_string(step_index));
+  Figure f;
+  f.id = "cache_hit_rate_by_layer_step" + std::to_string(steps[step_index]);
+  f.title = "CacheHitRate at decode step " + std::to_string(steps[step_index]);
+  f.note = "|top-k by strategy ∩ top-k by decode attention| / k, k = " + std::to_string(h.at("k").integer());
+  const int L = layer_count(report);
+  f.x = layer_axis(L, 0.25);
+  const J rates = h.at("rates");
+  int i = 0;
+  for (auto it = rates.v.begin(); it != rates.v.end(); ++it, ++i) {
+    const J per_step{it.value(), rates.where + "." + it.key()};
+    f.series.push_back(line_series(it.key(), palette(i), iota_d(L), per_step.at(step_index).nums()));
+  }
+  f.y.label = "CacheHitRate";
+  f.y.min = 0;
+  f.y.max = 1.02;
+  return f;
+}
+
+Figure hit_rate_by_step_figure(const nlohmann::json& report) {
+  const J h = root(report).at("cache_hit_rate");
+  const std::vector<int> steps = h.at("steps").ints();
+  Figure f;
+  f.id = "cache_hit_rate_by_step";
+  f.title = "CacheHitRate by decode step (mean over layers)";
+  f.note = "k = " + std::to_string(h.at("k").integer()) + " keys";
+  f.x.label = "decode step";
+  f.x.min = steps.empty() ? 0 : steps.front() - 0.3;
+  f.x.max = steps.empty() ? 1 : steps.back() + 0.3;
+  for (int s : steps) f.x.ticks.push_back({static_cast<double>(s), std::to_string(s)});
+  const J rates = h.at("rates");
+  int i = 0;
+  for (auto it = rates.v.begin(); it != rates.v.end(); ++it, ++i) {
+    const J per_step{it.value(), rates.where + "." + it.key()};
+    std::vector<double> x, y;
+    for (size_t si = 0; si < steps.size(); ++si) {
+      const std::vector<double> v = per_step.at(si).nums();
+      double m = 0;
+      for (double r : v) m += r / std::max<size_t>(v.size(), 1);
+      x.push_back(steps[si]);
+      y.push_back(m);
+    }
+    f.series.push_back(line_series(it.key(), palette(i), x, y));
+  }
+  f.y.label = "CacheHitRate";
+  f.y.min = 0;
+  f.y.max = 1.02;
+  return f;
+}
+
+Figure bytes_by_layer_figure(const nlohmann::json& report) {
+  Figure f;
+  f.id = "bytes_by_layer";
+  f.title = "KV bytes per layer after compression";
+  f.note = "codes + scales + zero points + indices + metadata, exact";
+  const int L = layer_count(report);
+  f.x = layer_axis(L, 0.5);
+  const std::vector<std::string> names = method_labels(report);
+  const double w = 0.8 / std::max<size_t>(names.size(), 1);
+  std::vector<double> all;
+  for (size_t m = 0; m < names.size(); ++m) {
+    Series s;
+    s.kind = SeriesKind::Bars;
+    s.label = names[m];
+    s.color = palette(static_cast<int>(m));
+    s.bar_width = w * 0.92;
+    for (int l = 0; l < L; ++l) {
+      s.x.push_back(l - 0.4 + w * (m + 0.5));
+      s.y.push_back(layer_at(method_at(report, static_cast<int>(m)), l).at("bytes").at("total").num() / 1024.0);
+    }
+    all.insert(all.end(), s.y.begin(), s.y.end());
+    f.series.push_back(s);
+  }
+  const double full = root(report).at("full").at("bytes_fp16").at("total").num() / 1024.0 / std::max(L, 1);
+  all.push_back(full);
+  f.markers.push_back({'y', full, "full cache, fp16", Color{0.2f, 0.2f, 0.2f, 1}, true});
+  f.y = value_axis("KiB", all, false);
+  return f;
+}
+
+double greedy_agreement(const std::vector<int>& full_ids, const std::vector<int>& ids) {
+  if (full_ids.empty()) return ids.empty() ? 1.0 : 0.0;
+  size_t n = 0;
+  while (n < full_ids.size() && n < ids.size() && full_ids[n] == ids[n]) ++n;
+  if (n == full_ids.size() && ids.size() == full_ids.size()) return 1.0;
+  return static_cast<double>(n) / full_ids.size();
+}
+
+Figure bytes_vs_agreement_figure(const nlohmann::json& report) {
+  Figure f;
+  f.id = "bytes_vs_agreement";
+  f.title = "KV bytes against caption agreement";
+  f.note = "agreement: share of the full cache's greedy tokens reproduced before the first divergence";
+  const J full = root(report).at("full");
+  const std::vector<int> full_ids = full.at("generated_ids").ints();
+  const std::vector<std::string> names = method_labels(report);
+  struct P {
+    double x, y;
+  };
+  std::vector<P> pts{{full.at("bytes_fp16").at("total").num() / 1024.0, 1.0}};
+  Series ref;
+  ref.kind = SeriesKind::Scatter;
+  ref.label = "full cache (fp16)";
+  ref.color = Color{0.2f, 0.2f, 0.2f, 1};
+  ref.x = {pts[0].x};
+  ref.y = {1.0};
+  f.series.push_back(ref);
+  for (size_t m = 0; m < names.size(); ++m) {
+    const J mj = method_at(report, static_cast<int>(m));
+    Series s;
+    s.kind = SeriesKind::Scatter;
+    s.label = names[m];
+    s.color = palette(static_cast<int>(m));
+    s.x = {mj.at("bytes_after_prefill").at("total").num() / 1024.0};
+    s.y = {greedy_agreement(full_ids, mj.at("generated_ids").ints())};
+    pts.push_back({s.x[0], s.y[0]});
+    f.series.push_back(s);
+  }
+  // Pareto front: fewest bytes for each level of agreement.
+  std::sort(pts.begin(), pts.end(), [](const P& a, const P& b) { return a.x < b.x || (a.x == b.x && a.y > b.y); });
+  Series front;
+  front.kind = SeriesKind::Line;
+  front.label = "Pareto front";
+  front.color = Color{0.55f, 0.55f, 0.6f, 1};
+  front.dashed = true;
+  double best = -1;
+  for (const P& p : pts)
+    if (p.y > best) {
+      front.x.push_back(p.x);
+      front.y.push_back(p.y);
+      best = p.y;
+    }
+  f.series.insert(f.series.begin(), front);
+  double xmax = 0;
+  for (const P& p : pts) xmax = std::max(xmax, p.x);
+  f.x.label = "KV bytes after prefill (KiB)";
+  f.x.min = 0;
+  f.x.max = xmax * 1.08 + 1e-9;
+  f.y.label = "greedy agreement";
+  f.y.min = -0.02;
+  f.y.max = 1.06;
+  return f;
+}
+
+std::optional<Calibration> method_calibration(const Params& p) {
+  const std::optional<Params> stage = calibration_stage(p);
+  if (!stage || stage->method() != p.method()) return std::nullopt;  // a composition's stage: no marks
+  return calibration_of(p);
+}
+
+Figure score_histogram_figure(const ScoreHistogram& h, const std::string& id, const std::string& title,
+                              std::optional<Calibration> calib, double gamma, double delta) {
+  Figure f;
+  f.id = id;
+  f.title = title;
+  f.note = "scores q·k/√d of the visual keys at the first decode step, shared bins";
+  const size_t n = h.exact.size();
+  std::vector<double> edges;
+  for (size_t i = 0; i <= n; ++i) edges.push_back(h.lo + (h.hi - h.lo) * i / std::max<size_t>(n, 1));
+  const std::pair<const std::vector<int64_t>*, const char*> kinds[] = {
+      {&h.exact, "exact"}, {&h.quantized, "quantized"}, {&h.calibrated, "quantized + calibrated"}};
+  const Color colors[] = {Color{0.3f, 0.3f, 0.33f, 1}, palette(1), palette(3)};
+  double ymax = 1;
+  for (int k = 0; k < 3; ++k) {
+    Series s;
+    s.kind = SeriesKind::StepHistogram;
+    s.label = kinds[k].second;
+    s.color = colors[k];
+    s.fill = true;
+    s.dashed = k == 0;
+    s.x = edges;
+    for (int64_t c : *kinds[k].first) {
+      s.y.push_back(static_cast<double>(c));
+      ymax = std::max(ymax, static_cast<double>(c));
+    }
+    f.series.push_back(s);
+  }
+  f.x.label = "score";
+  const double span = h.hi > h.lo ? h.hi - h.lo : 1;  // a margin, so marks at the ends show
+  f.x.min = h.lo - 0.02 * span;
+  f.x.max = h.lo + 1.02 * span;
+  f.y.label = "keys";
+  f.y.min = 0;
+  f.y.max = ymax * 1.1;
+  if (calib && delta > gamma) {
+    f.markers.push_back({'x', gamma, "γ, δ: quantized score range", Color{0.35f, 0.35f, 0.4f, 1}, true});
+    f.markers.push_back({'x', delta, "", Color{0.35f, 0.35f, 0.4f, 1}, true});
+    f.bands.push_back({'x', gamma - calib->tau1, delta - calib->tau2, "[γ−τ1, δ−τ2]", with_alpha(palette(3), 0.12f)});
+  }
+  return f;
+}
+
+Figure score_histogram_figure(const nlohmann::json& report, int method, int layer) {
+  const J m = method_at(report, method);
+  const J l = layer_at(m, layer);
+  const J hj = l.at("visual_score_histogram");
+  ScoreHistogram h;
+  h.lo = hj.at("lo").num();
+  h.hi = hj.at("hi").num();
+  for (auto [key, out] : {std::pair{"exact", &h.exact}, {"quantized", &h.quantized}, {"calibrated", &h.calibrated}})
+    for (double c : hj.at(key).nums()) out->push_back(static_cast<int64_t>(c));
+  if (h.exact.size() != h.quantized.size() || h.exact.size() != h.calibrated.size())
+    throw InputError(hj.where + ": exact, quantized and calibrated must have the same number of bins");
+  const std::string name = method_labels(report)[method];
+  Figure f = score_histogram_figure(h, "score_histogram_" + method_id(report, method) + "_l" + std::to_string(layer),
+                                    "Visual score histogram: " + name + ", layer " + std::to_string(layer) + ", all heads");
+  // g(x) maps each head's own [γ, δ]; pooled over heads there is no one range to mark.
+  if (const auto c = report_calibration(m))
+    f.note += "; g(x) per head, τ1 = " + format_value(c->tau1) + ", τ2 = " + format_value(c->tau2);
+  return f;
+}
+
+Figure transfer_curve_figure(double gamma, double delta, Calibration c, const std::string& id, const std::string& title) {
+  Figure f;
+  f.id = id;
+  f.title = title;
+  f.note = "g(x) = (δ−γ+τ1−τ2)/(δ−γ)·(x−γ)+γ−τ1 on the visual scores; γ = " + format_value(gamma) +
+           ", δ = " + format_value(delta) + ", τ1 = " + format_value(c.tau1) + ", τ2 = " + format_value(c.tau2);
+  if (!(delta > gamma)) delta = gamma + 1;
+  const double pad = (delta - gamma) * 0.08;
+  Series id_line = line_series("identity", Color{0.55f, 0.55f, 0.6f, 1}, {gamma - pad, delta + pad}, {gamma - pad, delta + pad});
+  id_line.dashed = true;
+  id_line.markers = false;
+  Series g = line_series("g(x)", palette(3), {}, {});
+  g.markers = false;
+  g.line_width = 2.2;
+  for (int i = 0; i <= 32; ++i) {
+    const double x = gamma + (delta - gamma) * i / 32.0;
+    g.x.push_back(x);
+    g.y.push_back((delta - gamma + c.tau1 - c.tau2) / (delta - gamma) * (x - gamma) + gamma - c.tau1);
+  }
+  f.series = {id_line, g};
+  f.markers.push_back({'x', gamma, "γ, δ", Color{0.35f, 0.35f, 0.4f, 1}, true});
+  f.markers.push_back({'x', delta, "", Color{0.35f, 0.35f, 0.4f, 1}, true});
+  f.markers.push_back({'y', gamma - c.tau1, "γ−τ1, δ−τ2", palette(3), true});
+  f.markers.push_back({'y', delta - c.tau2, "", palette(3), true});
+  f.x.label = "quantized score x";
+  f.x.min = gamma - pad;
+  f.x.max = delta + pad;
+  f.y.label = "calibrated score g(x)";
+  f.y.min = std::min(gamma - c.tau1, gamma) - pad;
+  f.y.max = std::max(delta - c.tau2, delta) + pad;
+  return f;
+}
+
+Figure transfer_curve_figure(const nlohmann::json& report, int method, int layer) {
+  const J m = method_at(report, method);
+  const std::optional<Calibration> c = report_calibration(m);
+  if (!c) throw InputError(m.where + " (" + method_labels(report)[method] + ") does not calibrate its scores");
+  const J r = layer_at(m, layer).at("visual_score_range_by_head");
+  const std::vector<double> g = r.at("gamma").nums(), d = r.at("delta").nums();
+  if (g.empty() || d.empty()) throw InputError(r.where + " is empty");
+  return transfer_curve_figure(*std::min_element(g.begin(), g.end()), *std::max_element(d.begin(), d.end()), *c,
+                               "calibration_" + method_id(report, method) + "_l" + std::to_string(layer),
+                               "Calibration g(x): " + method_labels(report)[method] + ", layer " + std::to_string(layer) +
+                                   ", all heads");
+}
+
+bool has_attention(const nlohmann::json& report) { return report.is_object() && report.contains("attention"); }
+
+Figure attention_heatmap_figure(const nlohmann::json& report, int layer, int method) {
+  const J a = root(report).at("attention");
+  const int n = a.at("size").integer(), S = a.at("steps").integer();
+  const J rows = a.at("layers").at(static_cast<size_t>(std::max(layer, 0)));
+  if (layer < 0 || rows.size() != static_cast<size_t>(n))
+    throw InputError(rows.where + " must hold " + std::to_string(n) + " rows");
+  Series s;
+  s.kind = SeriesKind::Heatmap;
+  s.rows = s.cols = n;
+  s.z.assign(static_cast<size_t>(n) * n, 0.0);
+  for (int i = 0; i < n; ++i) {
+    const std::vector<double> row = rows.at(i).nums();
+    if (row.size() != static_cast<size_t>(n)) throw InputError(rows.at(i).where + " must hold " + std::to_string(n) + " values");
+    std::copy(row.begin(), row.end(), s.z.begin() + static_cast<size_t>(i) * n);
+  }
+  const int T = n - S;
+  std::string who = "full cache";
+  if (method >= 0) {
+    const J m = method_at(report, method);
+    const J d = m.at("decode_attention").at(static_cast<size_t>(layer));
+    for (int i = 0; i < S; ++i) {
+      const std::vector<double> row = d.at(i).nums();
+      if (row.size() != static_cast<size_t>(n)) throw InputError(d.at(i).where + " must hold " + std::to_string(n) + " values");
+      std::copy(row.begin(), row.end(), s.z.begin() + static_cast<size_t>(T + i) * n);
+    }
+    who = method_labels(report)[method];
+  }
+  double zmax = 0;
+  for (double v : s.z) zmax = std::max(zmax, v);
+  // Keys after the query (causal mask) are not attention at all: drawn as missing, not as 0.
+  for (int i = 0; i < n; ++i)
+    for (int j = i + 1; j < n; ++j) s.z[static_cast<size_t>(i) * n + j] = std::nan("");
+  s.x0 = s.y0 = 0;
+  s.x1 = s.y1 = n;
+  s.z_log = true;
+  s.z_min = 1e-4;
+  s.z_max = std::max(zmax, 1e-3);
+  Figure f;
+  f.id = "attention_" + (method >= 0 ? method_id(report, method) + "_" : std::string()) + "l" + std::to_string(layer);
+  f.title = "Attention, layer " + std::to_string(layer) + ": " + who + " (mean over heads)";
+  f.note = "rows: prompt queries, then the first " + std::to_string(S) + " generated tokens" +
+           (method >= 0 ? " decoded by this method" : "");
+  f.series.push_back(s);
+  f.colorbar = "attention (log)";
+  matrix_axes(f, "key position", n, "query position", n);
+  // Segment boundaries.
+  const std::vector<std::string> kinds = [&] {
+    std::vector<std::string> k;
+    const J tk = root(report).at("token_kinds");
+    for (size_t i = 0; i < tk.size(); ++i) k.push_back(tk.at(i).str());
+    return k;
+  }();
+  const std::map<std::string, std::pair<std::string, Color>> begins = {
+      {"visual", {"visual tokens begin", Color{0.55f, 0.8f, 1.0f, 0.95f}}},
+      {"post_vision_text", {"post-vision text begins", Color{1.0f, 0.55f, 0.2f, 0.95f}}},
+      {"generated", {"generated tokens begin", Color{0.95f, 0.25f, 0.3f, 0.95f}}}};
+  auto mark = [&](const std::string& kind, int at) {
+    auto it = begins.find(kind);
+    if (it == begins.end()) return;
+    f.markers.push_back({'x', static_cast<double>(at), it->second.first, it->second.second, true});
+    f.markers.push_back({'y', static_cast<double>(at), "", it->second.second, true});
+  };
+  for (size_t t = 1; t < kinds.size(); ++t)
+    if (kinds[t] != kinds[t - 1]) mark(kinds[t], static_cast<int>(t));
+  if (S > 0) mark("generated", T);
+  return f;
+}
+
+Figure token_fate_figure(const nlohmann::json& report, int method, int layer, const std::string& field) {
+  const J grid = root(report).at("patch_grid");
+  const int R = grid.at("rows").integer(), C = grid.at("cols").integer(), first = grid.at("first").integer();
+  const J m = method_at(report, method);
+  const J fate = layer_at(m, layer).at("token_fate");
+  if (field != "kept" && field != "bits" && field != "merged")
+    throw InputError("token fate field must be kept, bits or merged, got '" + field + "'");
+  const std::vector<double> v = fate.at(field).nums();
+  if (R < 1 || C < 1 || first < 0 || v.size() < static_cast<size_t>(first) + static_cast<size_t>(R) * C)
+    throw InputError(fate.where + "." + field + " holds " + std::to_string(v.size()) + " values, the patch grid needs " +
+                     std::to_string(first + R * C));
+  Series s;
+  s.kind = SeriesKind::Heatmap;
+  s.rows = R;
+  s.cols = C;
+  s.z.assign(v.begin() + first, v.begin() + first + static_cast<size_t>(R) * C);
+  s.x0 = s.y0 = 0;
+  s.x1 = C;
+  s.y1 = R;
+  s.z_min = 0;
+  double zmax = 0;
+  for (double z : s.z) zmax = std::max(zmax, z);
+  s.z_max = field == "kept" ? 1.0 : field == "bits" ? std::max(zmax, 1.0) : std::max(zmax, 1.0);
+  Figure f;
+  f.id = "token_fate_" + field + "_" + method_id(report, method) + "_l" + std::to_string(layer);
+  const char* what = field == "kept" ? "share of KV heads keeping each patch"
+                     : field == "bits" ? "mean bits of each patch's kept rows"
+                                       : "mean evicted rows merged into each patch";
+  f.title = "Token fate, " + method_labels(report)[method] + ", layer " + std::to_string(layer);
+  f.note = what;
+  f.series.push_back(s);
+  f.colorbar = field == "kept" ? "kept share" : field == "bits" ? "bits (0 = evicted)" : "rows merged";
+  matrix_axes(f, "patch column", C, "patch row", R);
+  for (int c = 0; c < C; c += std::max(1, C / 7)) f.x.ticks.push_back({c + 0.5, std::to_string(c)});
+  for (int r = 0; r < R; r += std::max(1, R / 7)) f.y.ticks.push_back({r + 0.5, std::to_string(r)});
+  f.legend = false;
+  return f;
+}
+
+std::vector<Figure> report_figures(const nlohmann::json& report) {
+  std::vector<Figure> out;
+  for (LayerMetric m : {LayerMetric::SoftmaxMse, LayerMetric::SoftmaxKl, LayerMetric::OutputError})
+    out.push_back(layer_metric_figure(report, m));
+  out.push_back(sparsity_figure(report));
+  const size_t steps = root(report).at("cache_hit_rate").at("steps").size();
+  for (size_t s = 0; s < steps; ++s) out.push_back(hit_rate_by_layer_figure(report, static_cast<int>(s)));
+  out.push_back(hit_rate_by_step_figure(report));
+  out.push_back(bytes_by_layer_figure(report));
+  out.push_back(bytes_vs_agreement_figure(report));
+  const int L = layer_count(report);
+  const bool att = has_attention(report);
+  if (att)
+    for (int l = 0; l < L; ++l) out.push_back(attention_heatmap_figure(report, l, -1));
+  for (size_t m = 0; m < method_count(report); ++m) {
+    const int mi = static_cast<int>(m);
+    const bool calib = report_calibration(method_at(report, mi)).has_value();
+    for (int l = 0; l < L; ++l) {
+      out.push_back(score_histogram_figure(report, mi, l));
+      if (calib) out.push_back(transfer_curve_figure(report, mi, l));
+      out.push_back(token_fate_figure(report, mi, l, "kept"));
+      out.push_back(token_fate_figure(report, mi, l, "bits"));
+      const std::vector<double> merged = layer_at(method_at(report, mi), l).at("token_fate").at("merged").nums();
+      if (std::any_of(merged.begin(), merged.end(), [](double x) { return x > 0; }))
+        out.push_back(token_fate_figure(report, mi, l, "merged"));
+      if (att) out.push_back(attention_heatmap_figure(report, l, mi));
+    }
+  }
+  return out;
+}
+
+}  // namespace kvlens::fig

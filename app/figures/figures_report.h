@@ -1,0 +1,70 @@
+// Figures of a run report (the JSON of `kvlens run --report`, app/lab/experiment.cpp
+// experiment_json), built by pure functions. The CLI exports them (`kvlens run --figures`,
+// `kvlens figures`) and the desktop app draws the same ones. A report that lacks a key or holds
+// a wrong type is refused with an InputError naming the key ("report: methods[1].layers[0]
+// lacks 'softmax_mse'").
+#pragma once
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/diagnostics/diagnostics.h"
+#include "app/figures/figures.h"
+#include "core/compress/method.h"
+
+namespace kvlens::fig {
+
+// Every figure of the report, in a stable order (ids are unique file name stems).
+std::vector<Figure> report_figures(const nlohmann::json& report);
+
+// Legend names of the report's methods: "label" when present, else "short_spec"; repeated
+// names get " #2", " #3".
+std::vector<std::string> method_labels(const nlohmann::json& report);
+size_t method_count(const nlohmann::json& report);
+int layer_count(const nlohmann::json& report);
+
+enum class LayerMetric { SoftmaxMse, SoftmaxKl, OutputError, SparsityDecode };
+// One line per method over the layers.
+Figure layer_metric_figure(const nlohmann::json& report, LayerMetric m);
+// Full-cache sparsity γ(l) in prefill and decode, and each method's decode sparsity.
+Figure sparsity_figure(const nlohmann::json& report);
+// CacheHitRate of every scoring strategy per layer at one recorded decode step (index into
+// cache_hit_rate.steps), and the mean over layers per step.
+Figure hit_rate_by_layer_figure(const nlohmann::json& report, int step_index);
+Figure hit_rate_by_step_figure(const nlohmann::json& report);
+// KV bytes per layer after compression, one bar per method, the fp16 full cache as a line.
+Figure bytes_by_layer_figure(const nlohmann::json& report);
+// KV bytes against greedy caption agreement for every method, with the Pareto front.
+Figure bytes_vs_agreement_figure(const nlohmann::json& report);
+// Share of the full cache's greedy tokens reproduced before the first divergence (1 = same).
+double greedy_agreement(const std::vector<int>& full_ids, const std::vector<int>& ids);
+
+// CalibQuant's calibration as a method runs it: τ1, τ2, whether g(x) applies.
+using kvlens::Calibration;
+// The calibration of a calibquant method's parameters; nothing when it does not calibrate
+// (calibrate=off, or auto above 2 bits) or is another method. (A stack's histograms still show
+// its calibrated scores, without the γ/δ marks.)
+std::optional<Calibration> method_calibration(const Params& p);
+
+// Visual score histograms (exact / quantized / calibrated on shared bins). With `calib` and a
+// score range [gamma, delta], marks γ and δ and shades the calibrated range [γ−τ1, δ−τ2].
+Figure score_histogram_figure(const ScoreHistogram& h, const std::string& id, const std::string& title,
+                              std::optional<Calibration> calib = {}, double gamma = 0, double delta = 0);
+// All heads of one layer of a method in the report (no γ/δ marks: each head has its own).
+Figure score_histogram_figure(const nlohmann::json& report, int method, int layer);
+// g(x) = (δ−γ+τ1−τ2)/(δ−γ)·(x−γ)+γ−τ1 drawn from [γ, δ] onto [γ−τ1, δ−τ2], with the identity.
+Figure transfer_curve_figure(double gamma, double delta, Calibration c, const std::string& id, const std::string& title);
+// The same for a calibrating method of the report at one layer, γ and δ over all heads.
+Figure transfer_curve_figure(const nlohmann::json& report, int method, int layer);
+// Query × key attention (mean over heads) at one layer, segment boundaries marked; method = -1
+// is the full cache, else the method's decode rows replace the full cache's. Needs the report's
+// "attention" section (kvlens run --attention-maps).
+Figure attention_heatmap_figure(const nlohmann::json& report, int layer, int method);
+bool has_attention(const nlohmann::json& report);
+// Token fate of a method over the patch grid at one layer: field "kept" (share of KV heads),
+// "bits" (mean bits of kept rows) or "merged" (mean rows merged in).
+Figure token_fate_figure(const nlohmann::json& report, int method, int layer, const std::string& field);
+
+}  // namespace kvlens::fig

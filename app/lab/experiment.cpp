@@ -1,0 +1,245 @@
+#include "app/lab/experiment.h"
+
+#include <cmath>
+
+#include "core/errors.h"
+#include "core/numbers.h"
+
+namespace kvlens {
+
+PrefillView Experiment::view() const {
+  PrefillView v;
+  v.full = &prefill.store;
+  v.probs = &prefill.capture.probs;
+  v.kinds = &prefill.kinds;
+  v.n_heads = prefill.capture.probs.empty()
+                  ? 0
+                  : static_cast<int>(prefill.capture.probs[0].size() / (prefill.ids.size() * prefill.ids.size()));
+  v.prompt_len = static_cast<int>(prefill.ids.size());
+  return v;
+}
+
+Experiment start_experiment(const Model& model, const RGBImage& img, const ExperimentOptions& opt,
+                            const std::vector<AttentionObserver*>& observers) {
+  return start_experiment(model, model.prefill(img, opt.prompt, opt.templ, true), opt, observers);
+}
+
+Experiment start_experiment(const Model& model, PrefillState prefill, const ExperimentOptions& opt,
+                            const std::vector<AttentionObserver*>& observers) {
+  Experiment ex;
+  ex.prefill = std::move(prefill);
+  const int max_step = std::max(opt.diag_steps, *std::max_element(opt.hit_steps.begin(), opt.hit_steps.end()) + 1);
+  ex.full_recorder = std::make_unique<DecodeRecorder>(max_step);
+  GenerateOptions g;
+  g.max_new_tokens = opt.max_new_tokens;
+  g.kv_storage = opt.kv_storage;
+  g.keep_going = opt.keep_going;
+  std::vector<AttentionObserver*> obs{ex.full_recorder.get()};
+  obs.insert(obs.end(), observers.begin(), observers.end());
+  ex.full = model.decode(ex.prefill, nullptr, g, obs);
+  const PrefillView pv = ex.view();
+  ex.hit_rates = cache_hit_rates(pv, *ex.full_recorder, opt.hit_budget, opt.hit_steps, opt.hit_window);
+  for (int l = 0; l < ex.prefill.store.n_layers(); ++l) {
+    ex.sparsity_prefill.push_back(prefill_sparsity(pv, l, opt.sparsity_p));
+    double s = 0;
+    int n = 0;
+    for (const auto& e : ex.full_recorder->entries())
+      if (e.layer == l) {
+        s += sparsity(e.probs.data(), e.n_heads, 1, e.n_k, opt.sparsity_p);
+        ++n;
+      }
+    ex.sparsity_decode_full.push_back(n ? s / n : 0.0);
+    for (const KVSegment& seg : ex.prefill.store.layer(l).segments)
+      ex.full_fp16_bytes += seg.dense_bytes(ex.prefill.store.head_dim(), 2);
+  }
+  if (opt.attention_maps) {
+    const int T = pv.prompt_len, S = std::min(opt.diag_steps, ex.full_recorder->steps()), n = T + S;
+    ex.attention_steps = S;
+    for (int l = 0; l < ex.prefill.store.n_layers(); ++l) {
+      std::vector<float> m(static_cast<size_t>(n) * n, 0.0f);
+      const auto& P = ex.prefill.capture.probs[l];
+      for (int h = 0; h < pv.n_heads; ++h)
+        for (int i = 0; i < T; ++i)
+          for (int j = 0; j <= i; ++j)
+            m[static_cast<size_t>(i) * n + j] += P[(static_cast<size_t>(h) * T + i) * T + j] / pv.n_heads;
+      const std::vector<float> d = decode_attention_rows(*ex.full_recorder, l, S, n);
+      std::copy(d.begin(), d.end(), m.begin() + static_cast<size_t>(T) * n);
+      ex.attention.push_back(std::move(m));
+    }
+  }
+  return ex;
+}
+
+MethodRun run_method(const Model& model, const Experiment& ex, const Params& params,
+                     const ExperimentOptions& opt, const std::vector<AttentionObserver*>& observers) {
+  MethodRun r;
+  r.params = params;
+  auto policy = make_policy(params);
+  DecodeRecorder rec(opt.diag_steps);
+  KVStore compressed;
+  GenerateOptions g;
+  g.max_new_tokens = opt.max_new_tokens;
+  g.kv_storage = opt.kv_storage;
+  g.keep_going = opt.keep_going;
+  std::vector<AttentionObserver*> obs{&rec};
+  obs.insert(obs.end(), observers.begin(), observers.end());
+  r.result = model.decode(ex.prefill, policy.get(), g, obs, &compressed);
+  if (!ex.attention.empty()) {
+    const int n = static_cast<int>(ex.prefill.ids.size()) + ex.attention_steps;
+    for (int l = 0; l < ex.prefill.store.n_layers(); ++l)
+      r.decode_attention.push_back(decode_attention_rows(rec, l, ex.attention_steps, n));
+  }
+  r.layers = compare_layers(ex.view(), rec, compressed, opt.hist_bins, opt.sparsity_p);
+  r.divergence = first_divergence(ex.full.generated_ids, ex.full.chosen_probs, r.result.generated_ids,
+                                  r.result.chosen_probs);
+  for (const auto& d : r.layers) {
+    r.mean_softmax_mse += d.softmax_mse / r.layers.size();
+    r.mean_kl += d.softmax_kl / r.layers.size();
+    r.mean_output_error += d.output_rel_error / r.layers.size();
+  }
+  const double b = static_cast<double>(r.result.bytes_after_prefill.total());
+  r.compression_vs_fp16 = b > 0 ? ex.full_fp16_bytes.total() / b : 0.0;
+  return r;
+}
+
+namespace {
+
+// Attention probabilities to 1e-6: enough for a heatmap, and a third of the JSON.
+nlohmann::json attention_rows(const std::vector<float>& m, int rows, int cols) {
+  nlohmann::json out = nlohmann::json::array();
+  for (int i = 0; i < rows; ++i) {
+    nlohmann::json row = nlohmann::json::array();
+    for (int j = 0; j < cols; ++j) row.push_back(std::round(m[static_cast<size_t>(i) * cols + j] * 1e6) / 1e6);
+    out.push_back(std::move(row));
+  }
+  return out;
+}
+
+}  // namespace
+
+nlohmann::json experiment_json(const Model& model, const Experiment& ex, const ExperimentOptions& opt) {
+  std::vector<const MethodRun*> runs;
+  for (const MethodRun& r : ex.runs) runs.push_back(&r);
+  return experiment_json(model, ex, runs, opt);
+}
+
+nlohmann::json experiment_json(const Model& model, const Experiment& ex,
+                               const std::vector<const MethodRun*>& runs, const ExperimentOptions& opt) {
+  nlohmann::json j = experiment_base_json(model, ex, opt);
+  for (const MethodRun* r : runs) j["methods"].push_back(method_run_json(model, ex, *r));
+  return j;
+}
+
+nlohmann::json experiment_base_json(const Model& model, const Experiment& ex, const ExperimentOptions& opt) {
+  nlohmann::json j;
+  j["model"] = model.dir();
+  j["backend"] = model.backend().name();
+  j["device"] = model.backend().device();
+  j["prompt"] = opt.prompt;
+  j["template"] = opt.templ;
+  j["prompt_ids"] = ex.prefill.ids;
+  j["n_visual_tokens"] = ex.prefill.n_visual;
+  j["token_kinds"] = nlohmann::json::array();
+  for (SegmentKind k : ex.prefill.kinds) j["token_kinds"].push_back(segment_kind_name(k));
+  // The patch grid of the visual tokens: rows × cols patches, the first `first` visual tokens
+  // (CLS, with the "full" feature strategy) not on it.
+  const ModelInfo& info = model.info();
+  j["patch_grid"] = {{"rows", info.patch_rows}, {"cols", info.patch_cols},
+                     {"first", ex.prefill.n_visual - info.patch_rows * info.patch_cols}};
+  j["timings_ms"] = {{"preprocess", ex.prefill.preprocess_ms}, {"vision", ex.prefill.vision_ms},
+                     {"prefill", ex.prefill.prefill_ms}, {"decode", ex.full.decode_ms}};
+  j["options"] = {{"max_new_tokens", opt.max_new_tokens}, {"kv_storage", row_storage_name(opt.kv_storage)},
+                  {"diag_steps", opt.diag_steps},
+                  {"sparsity_p", opt.sparsity_p}, {"hit_budget", opt.hit_budget}, {"hit_window", opt.hit_window}, {"hist_bins", opt.hist_bins}};
+  j["full"] = {{"caption", ex.full.text},
+               {"generated_ids", ex.full.generated_ids},
+               {"bytes", to_json(ex.full.bytes_after_prefill)},
+               {"bytes_fp16", to_json(ex.full_fp16_bytes)},
+               {"compression_vs_fp16", ex.full.bytes_after_prefill.total() > 0
+                                           ? static_cast<double>(ex.full_fp16_bytes.total()) / ex.full.bytes_after_prefill.total()
+                                           : 0.0},
+               {"sparsity_prefill", ex.sparsity_prefill},
+               {"sparsity_decode", ex.sparsity_decode_full}};
+  j["cache_hit_rate"] = to_json(ex.hit_rates);
+  const int n_att = static_cast<int>(ex.prefill.ids.size()) + ex.attention_steps;
+  if (!ex.attention.empty()) {
+    j["attention"] = {{"steps", ex.attention_steps}, {"size", n_att}, {"layers", nlohmann::json::array()}};
+    for (const auto& m : ex.attention) j["attention"]["layers"].push_back(attention_rows(m, n_att, n_att));
+  }
+  j["definitions"] = diagnostic_definitions();
+  j["methods"] = nlohmann::json::array();
+  return j;
+}
+
+nlohmann::json method_run_json(const Model& model, const Experiment& ex, const MethodRun& r) {
+  const Tokenizer& tok = model.tokenizer();
+  const int n_att = static_cast<int>(ex.prefill.ids.size()) + ex.attention_steps;
+  nlohmann::json m;
+  {
+    m["spec"] = r.params.spec();
+    m["short_spec"] = r.params.short_spec();
+    if (!r.label.empty()) m["label"] = r.label;
+    m["method"] = r.params.method();
+    m["params"] = r.params.to_json();
+    m["caption"] = r.result.text;
+    m["generated_ids"] = r.result.generated_ids;
+    m["same_as_full"] = r.result.generated_ids == ex.full.generated_ids;
+    m["bytes_after_prefill"] = to_json(r.result.bytes_after_prefill);
+    m["bytes_final"] = to_json(r.result.bytes_final);
+    m["compression_vs_fp16"] = r.compression_vs_fp16;
+    m["timings_ms"] = {{"compress", r.result.compress_ms}, {"decode", r.result.decode_ms}};
+    m["mean_softmax_mse"] = r.mean_softmax_mse;
+    m["mean_softmax_kl"] = r.mean_kl;
+    m["mean_attn_output_rel_error"] = r.mean_output_error;
+    const FirstDivergence& d = r.divergence;
+    m["first_divergence"] = {{"position", d.position},
+                             {"full_token", d.full_token},
+                             {"full_piece", d.full_token >= 0 ? tok.piece(d.full_token) : ""},
+                             {"full_prob", d.full_prob},
+                             {"method_token", d.method_token},
+                             {"method_piece", d.method_token >= 0 ? tok.piece(d.method_token) : ""},
+                             {"method_prob", d.method_prob}};
+    m["layers"] = nlohmann::json::array();
+    for (const auto& l : r.layers) m["layers"].push_back(to_json(l));
+    if (!r.decode_attention.empty()) {
+      m["decode_attention"] = nlohmann::json::array();
+      for (const auto& a : r.decode_attention) m["decode_attention"].push_back(attention_rows(a, ex.attention_steps, n_att));
+    }
+  }
+  return m;
+}
+
+Params calibrating_base(const std::string& base_spec) {
+  const Params base = parse_method_spec(base_spec);
+  if (!calibration_stage(base))
+    throw InputError("calibrate: --base must be a spec of a method that calibrates scores with tau1/tau2, got '" +
+                     base.method() + "'");
+  if (!calibration_of(base))
+    throw InputError("calibrate: the base spec '" + base.spec() +
+                     "' does not calibrate (calibration applies at bits <= 2, or with calibrate=force)");
+  return base;
+}
+
+std::vector<CalibrationPoint> calibrate_grid(const Model& model, const Experiment& ex,
+                                             const std::string& base_spec, const std::vector<double>& taus,
+                                             const ExperimentOptions& opt) {
+  const Params base = calibrating_base(base_spec);
+  std::vector<CalibrationPoint> pts;
+  for (double t1 : taus)
+    for (double t2 : taus) {
+      std::map<std::string, std::string> v = base.values();
+      v["tau1"] = format_number(t1);
+      v["tau2"] = format_number(t2);
+      const MethodRun r = run_method(model, ex, make_params(base.method(), "", v), opt);
+      CalibrationPoint p;
+      p.tau1 = t1;
+      p.tau2 = t2;
+      p.mse = r.mean_softmax_mse;
+      p.kl = r.mean_kl;
+      p.same_caption = r.result.generated_ids == ex.full.generated_ids;
+      pts.push_back(p);
+    }
+  return pts;
+}
+
+}  // namespace kvlens

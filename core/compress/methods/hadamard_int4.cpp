@@ -1,0 +1,102 @@
+// `hadamard_int4` (the slides' SAW-INT4): keys are rotated by a normalized block-diagonal
+// Hadamard transform (blocks of `block` channels) and quantized to INT4 per token and KV head,
+// asymmetric: scale = (max − min)/15, zero point = min, code = round((x − min)/scale) clamped to
+// [0, 15] (the slides' scale = max(max − min, 1e-8)/15, zero = −min/scale is the same map).
+// Values are quantized per token to INT4 too (quantize_v), optionally rotated first (rotate_v).
+//
+// The slides rotate the query to match the rotated keys: q·k = (Hq)·(Hk) since the normalized H
+// is orthogonal. kvlens does the equivalent on the key side: the store keeps H·k̂_rot (H is its
+// own inverse), so attention with the plain query gives q·(H k̂_rot) = (Hq)·k̂_rot, exactly the
+// rotated-query product, and the model code needs no change. Rotated values are rotated back
+// the same way (the slides rotate the attention output back instead; the result is the same).
+#include <cstring>
+
+#include "core/errors.h"
+#include "core/compress/quant_methods.h"
+
+namespace kvlens {
+
+namespace hadamard_int4 {
+
+void block_hadamard(float* x, int d, int block) {
+  for (int b = 0; b + block <= d; b += block) quant::hadamard(x + b, block);
+}
+
+}  // namespace hadamard_int4
+
+namespace {
+
+class HadamardInt4Policy : public quant::SegmentQuantPolicy {
+ public:
+  HadamardInt4Policy(int block, bool quantize_v, bool rotate_v, bool visual_only)
+      : SegmentQuantPolicy(visual_only), block_(block), quantize_v_(quantize_v), rotate_v_(rotate_v) {}
+  std::string name() const override { return "hadamard_int4"; }
+
+ private:
+  void quantize_segment(KVSegment& s, int D) override {
+    if (block_ == 0) {  // auto: the slides' order 16, halved until it divides head_dim
+      block_ = 16;
+      while (block_ > 1 && D % block_ != 0) block_ /= 2;
+    }
+    if (D % block_ != 0)
+      throw InputError("hadamard_int4: block must divide head_dim " + std::to_string(D) + ", got " +
+                       std::to_string(block_));
+    const bool v_half = s.storage == "fp16";  // how unquantized values stay stored
+    auto p = std::make_shared<quant::QuantPayload>(static_cast<int>(s.heads.size()));
+    for (size_t h = 0; h < s.heads.size(); ++h) {
+      HeadRows& r = s.heads[h];
+      const int n = r.n();
+      for (int j = 0; j < n; ++j) hadamard_int4::block_hadamard(r.k.data() + static_cast<size_t>(j) * D, D, block_);
+      quant::quantize_block(r.k.data(), n, D, {4, quant::Axis::PerToken}, p->k[h]);
+      for (int j = 0; j < n; ++j) hadamard_int4::block_hadamard(r.k.data() + static_cast<size_t>(j) * D, D, block_);
+      if (!quantize_v_) {
+        // Values kept as the segment stored them: their halves (fp16) or floats (fp32) as codes.
+        if (v_half) {
+          p->v[h].codes.reserve(r.v.size() * 2);
+          for (float x : r.v) {
+            const uint16_t b = quant::to_half(x);
+            p->v[h].codes.push_back(static_cast<uint8_t>(b & 0xffu));
+            p->v[h].codes.push_back(static_cast<uint8_t>(b >> 8));
+          }
+        } else {
+          p->v[h].codes.resize(r.v.size() * sizeof(float));
+          std::memcpy(p->v[h].codes.data(), r.v.data(), p->v[h].codes.size());
+        }
+        continue;
+      }
+      if (rotate_v_)
+        for (int j = 0; j < n; ++j) hadamard_int4::block_hadamard(r.v.data() + static_cast<size_t>(j) * D, D, block_);
+      quant::quantize_block(r.v.data(), n, D, {4, quant::Axis::PerToken}, p->v[h]);
+      if (rotate_v_)
+        for (int j = 0; j < n; ++j) hadamard_int4::block_hadamard(r.v.data() + static_cast<size_t>(j) * D, D, block_);
+    }
+    quant::set_quantized(s, p, quantize_v_ ? "hadamard-int4" : v_half ? "hadamard-int4 k, fp16 v" : "hadamard-int4 k, fp32 v", 4);
+  }
+
+  int block_;
+  bool quantize_v_, rotate_v_;
+};
+
+}  // namespace
+
+MethodSpec hadamard_int4_method() {
+  MethodSpec m;
+  m.name = "hadamard_int4";
+  m.family = "quantization";
+  m.summary = "Block-diagonal Hadamard rotation of keys, then per-token asymmetric INT4 K and V";
+  m.params = {
+      param::choice("block", {"auto", "8", "16", "32", "64", "128", "256"}, "auto",
+                    "Hadamard block size B (divides head_dim; auto = 16 halved until it divides): k_rot = blockdiag(H_B/√B)·k"),
+      param::flag("quantize_v", "on", "quantize V per token to INT4 too (off: V stays in the row storage, fp16 or fp32)"),
+      param::flag("rotate_v", "off", "rotate V blocks before quantizing as well (rotated back after)"),
+      param::choice("scope", {"all", "visual"}, "all", "which tokens to quantize: every kind, or visual only"),
+  };
+  m.make = [](const Params& p) -> std::unique_ptr<KVPolicy> {
+    const int block = p.str("block") == "auto" ? 0 : std::stoi(p.str("block"));
+    return std::make_unique<HadamardInt4Policy>(block, p.flag("quantize_v"),
+                                                p.flag("rotate_v"), p.str("scope") == "visual");
+  };
+  return m;
+}
+
+}  // namespace kvlens

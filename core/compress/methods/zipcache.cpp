@@ -1,0 +1,439 @@
+// `zipcache` (ZipCache): mixed-precision quantization driven by token saliency.
+//
+// Prefill (Algorithm 2): probe queries are chosen (Sec. 4.3; default 5 % recent + 5 % random),
+// their causal attention rows A_probe give each token's saliency, normalized p̃_i = Σ_k A_{k,i} /
+// nnz(A_{:,i}) (Eq. 8) or accumulated p_i = Σ_k A_{k,i} (Eq. 7, H2O/MiKV); the top r of the rows
+// of each KV head (ties to the earlier row) are salient and get k_h bits, the rest k_l bits.
+// Saliency per KV head is the mean over the query heads that share it (per-head, as the
+// authors' code ranks), or the mean over all query heads of the layer, one ranking for every
+// KV head (shared).
+//
+// Quantization (Algorithm 2, `ranges=layer`, the default): each layer's salient rows and its
+// regular rows are quantized as two wholes, whatever their token kind. Keys: ChannelQuant, one
+// [α, β] per KV head and channel over the subset's rows. Values: CSTQuant (Algorithm 1) —
+// channels normalised by c_i = sqrt(max|X_i|) (per KV head and channel, fp16; over each subset,
+// `channel_scales=subset`, as Algorithm 2 calls CSTQuant per subset, or over the layer's rows
+// before the split, `channel_scales=layer`, the authors' channel_separate_mixed_tokenwiseQ),
+// then one range per token over the normalised values of every KV head that holds the token in
+// that subset (`value_token_range=heads`: X ∈ R^{l×hd}, the paper's hd + 2bl parameters; with
+// one ranking per layer that is exactly one range per token), or one range per token and KV head
+// (`value_token_range=head`, head_dim values). `ranges=segment` quantizes each segment (system /
+// visual / post-vision text) on its own, with its own subsets' ranges (finer than the paper).
+//
+// Storage of one quantized group (a layer's prompt, or a streaming gap), one payload shared by
+// its segments: per KV head the K codes of the salient rows (one channel-wise stream) then of the
+// regular rows, with fp16 scale/zero per channel and subset; V codes row by row in the same order
+// (packed per row); the fp16 factors c per channel (and subset); a 1-bit salient flag per row in
+// segment order; the V token ranges (fp16 scale/zero) per KV head, or once for all heads in
+// `tokens` (salient tokens then regular, ascending positions). The payload's bytes are counted on
+// the group's first segment; every segment counts its int32 positions.
+//
+// Decode (Algorithm 3, streaming): new tokens stay dense (the cache's row storage); the queries of
+// probe tokens are kept (the last round(recent_ratio·gap) of each gap, plus each other token with
+// probability random_ratio, seeded). When `gap` new tokens have accumulated (at the step of the
+// next one), the probes' attention over the store rows is recomputed (it equals what attention saw:
+// older rows did not change since) and those gap tokens are quantized like the prompt, ranked among
+// themselves. The authors' code re-compresses the whole cache at that point; kvlens quantizes only
+// the new tokens, since the older rows are already dequantized values and quantizing them again
+// would add error a real cache (which keeps the codes) would not have.
+//
+// The authors' code also differs in ways kvlens does not model: it normalises the probes' column
+// sums by T − i (every query that can see token i) rather than by the probes that see it, draws
+// its random probes with replacement, and at a streaming step ranks the gap's tokens by the
+// current query's attention alone, unnormalised. With per-head rankings its token-wise value
+// ranges span the j-th salient row of every head (rows of different tokens); kvlens groups a
+// token's rows across heads by position instead.
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <map>
+#include <numeric>
+#include <random>
+
+#include "core/errors.h"
+#include "core/compress/quant_methods.h"
+
+namespace kvlens {
+
+namespace {
+
+using zipcache::Probe;
+using zipcache::Saliency;
+
+struct ZipOptions {
+  int hi = 4, lo = 2;
+  double ratio = 0.4;
+  Saliency saliency = Saliency::Normalized;
+  Probe probe = Probe::RandomRecent;
+  double recent = 0.05, random = 0.05;
+  uint64_t seed = 0;
+  bool shared = false;
+  int gap = 100;
+  bool segment_ranges = false;         // ranges=segment
+  bool head_token_ranges = false;      // value_token_range=head
+  bool layer_channel_scales = false;   // channel_scales=layer
+};
+
+// Salient flags of n rows: the top round(ratio·n) scores, ties to the earlier row.
+std::vector<char> top_flags(const std::vector<double>& score, double ratio) {
+  const int n = static_cast<int>(score.size());
+  const int k = std::clamp(static_cast<int>(std::llround(ratio * n)), 0, n);
+  std::vector<int> idx(n);
+  std::iota(idx.begin(), idx.end(), 0);
+  std::stable_sort(idx.begin(), idx.end(), [&](int a, int b) { return score[a] > score[b]; });
+  std::vector<char> f(n, 0);
+  for (int i = 0; i < k; ++i) f[idx[i]] = 1;
+  return f;
+}
+
+// Flags of a layer: [segment][KV head][row] (segments not quantized have empty entries).
+using Flags = std::vector<std::vector<std::vector<char>>>;
+
+class ZipCachePolicy : public KVPolicy {
+ public:
+  explicit ZipCachePolicy(const ZipOptions& o) : o_(o) {}
+  std::string name() const override { return "zipcache"; }
+  bool needs_prefill_attention() const override { return true; }
+
+  void on_prefill_layer(const PrefillContext& ctx, LayerKV& layer) override {
+    const int T = ctx.prompt_len, H = ctx.n_heads, KH = ctx.n_kv_heads, D = ctx.head_dim;
+    if (!ctx.probs)
+      throw InputError("zipcache: layer " + std::to_string(ctx.layer) + " has no prefill attention probabilities");
+    if (KH <= 0 || H % KH != 0)
+      throw InputError("zipcache: n_heads " + std::to_string(H) + " is not a multiple of n_kv_heads " + std::to_string(KH));
+    if (ctx.layer < static_cast<int>(streams_.size())) streams_[ctx.layer] = Stream{};  // new prompt
+    const std::vector<int> probes = zipcache::select_probes(o_.probe, T, ctx.token_kinds, ctx.token_ids,
+                                                            o_.recent, o_.random, o_.seed);
+    std::vector<std::vector<double>> score(KH, std::vector<double>(T, 0.0));
+    for (int h = 0; h < H; ++h) {
+      const std::vector<double> s = zipcache::saliency(ctx.probs + static_cast<int64_t>(h) * T * T, T, probes, o_.saliency);
+      for (int kh = 0; kh < KH; ++kh) {
+        if (!o_.shared && kh != h / (H / KH)) continue;
+        const double w = o_.shared ? 1.0 / H : 1.0 / (H / KH);
+        for (int i = 0; i < T; ++i) score[kh][i] += w * s[i];
+      }
+    }
+    // Rank every dense row of each KV head over all segments, by the saliency of its token.
+    Flags flags(layer.segments.size(), std::vector<std::vector<char>>(KH));
+    std::vector<size_t> dense;
+    for (size_t i = 0; i < layer.segments.size(); ++i)
+      if (layer.segments[i].dense()) dense.push_back(i);
+    for (int kh = 0; kh < KH; ++kh) {
+      std::vector<double> rs;
+      for (size_t i : dense)
+        for (int32_t p : layer.segments[i].heads.at(kh).pos) rs.push_back(p >= 0 && p < T ? score[kh][p] : 0.0);
+      const std::vector<char> f = top_flags(rs, o_.ratio);
+      size_t at = 0;
+      for (size_t i : dense) {
+        const int n = layer.segments[i].heads[kh].n();
+        flags[i][kh].assign(f.begin() + static_cast<std::ptrdiff_t>(at), f.begin() + static_cast<std::ptrdiff_t>(at + n));
+        at += n;
+      }
+    }
+    if (dense.empty()) return;
+    if (o_.segment_ranges) {
+      for (size_t i : dense) quantize_group(layer, {i}, flags, D);
+    } else {
+      quantize_group(layer, dense, flags, D);
+    }
+  }
+
+  void on_decode_step(const DecodeContext& ctx, LayerKV& layer) override {
+    if (layer.segments.empty() || !layer.segments.back().dense()) return;
+    if (ctx.layer >= static_cast<int>(streams_.size())) streams_.resize(ctx.layer + 1);
+    Stream& st = streams_[ctx.layer];
+    if (!st.started) {
+      st.rng.seed(o_.seed + 0x9E3779B97F4A7C15ull * static_cast<uint64_t>(ctx.layer + 1));
+      st.started = true;
+    }
+    const int D = ctx.head_dim;
+    int n = layer.segments.back().heads.at(0).n();
+    if (n - 1 >= o_.gap) {  // `gap` tokens before the new one: compress them
+      const size_t i = layer.segments.size() - 1;
+      quant::split_segment(layer, i, std::vector<int>(layer.segments[i].heads.size(), o_.gap), D);
+      compress_gap(ctx, layer, i, st);
+      st.pos.clear();
+      st.q.clear();
+      n = layer.segments.back().heads.at(0).n();
+    }
+    const int idx = n - 1;  // the new token's index within the current gap
+    const int n_recent = static_cast<int>(std::llround(o_.recent * o_.gap));
+    const double u = std::uniform_real_distribution<double>(0.0, 1.0)(st.rng);
+    if (idx >= o_.gap - n_recent || u < o_.random) {
+      st.pos.push_back(ctx.position);
+      st.q.insert(st.q.end(), ctx.q, ctx.q + static_cast<size_t>(ctx.n_heads) * D);
+    }
+  }
+
+ private:
+  struct Stream {
+    bool started = false;
+    std::mt19937_64 rng;
+    std::vector<int32_t> pos;  // probe positions
+    std::vector<float> q;      // probe queries [n_probes][n_heads][head_dim]
+  };
+
+  // Saliency of the rows of segment `gi` from the kept probe queries, then mixed quantization.
+  void compress_gap(const DecodeContext& ctx, LayerKV& layer, size_t gi, const Stream& st) const {
+    const int H = ctx.n_heads, KH = ctx.n_kv_heads, D = ctx.head_dim, group = H / KH;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+    KVSegment& g = layer.segments[gi];
+    Flags flags(layer.segments.size(), std::vector<std::vector<char>>(KH));
+    std::vector<double> shared_sum;
+    const int n_probes = static_cast<int>(st.pos.size());
+    for (int kh = 0; kh < KH; ++kh) {
+      // Rows of this head over all segments, and where the gap rows start among them.
+      std::vector<const float*> rows;
+      std::vector<int32_t> pos;
+      size_t off = 0;
+      for (size_t i = 0; i < layer.segments.size(); ++i) {
+        if (i == gi) off = rows.size();
+        const HeadRows& r = layer.segments[i].heads[kh];
+        for (int j = 0; j < r.n(); ++j) {
+          rows.push_back(r.k.data() + static_cast<size_t>(j) * D);
+          pos.push_back(r.pos[j]);
+        }
+      }
+      const int ng = g.heads[kh].n();
+      std::vector<double> sum(ng, 0.0), cnt(ng, 0.0);
+      std::vector<double> p(rows.size());
+      for (int h = kh * group; h < (kh + 1) * group; ++h)
+        for (int k = 0; k < n_probes; ++k) {
+          const float* q = st.q.data() + (static_cast<size_t>(k) * H + h) * D;
+          double mx = -INFINITY;
+          for (size_t j = 0; j < rows.size(); ++j) {
+            if (pos[j] > st.pos[k]) { p[j] = -INFINITY; continue; }
+            float s = 0;
+            for (int c = 0; c < D; ++c) s += q[c] * rows[j][c];
+            p[j] = s * scale;
+            mx = std::max(mx, p[j]);
+          }
+          double z = 0;
+          for (double& x : p) z += (x = std::isinf(x) ? 0.0 : std::exp(x - mx));
+          if (!(z > 0)) continue;
+          for (int j = 0; j < ng; ++j) {
+            if (pos[off + j] > st.pos[k]) continue;
+            sum[j] += p[off + j] / z;
+            cnt[j] += 1;
+          }
+        }
+      std::vector<double> sal(ng);
+      for (int j = 0; j < ng; ++j)
+        sal[j] = o_.saliency == Saliency::Accumulated ? sum[j] : (cnt[j] > 0 ? sum[j] / cnt[j] : 0.0);
+      if (o_.shared) {
+        shared_sum.resize(ng, 0.0);
+        for (int j = 0; j < ng; ++j) shared_sum[j] += sal[j];
+      } else {
+        flags[gi][kh] = top_flags(sal, o_.ratio);
+      }
+    }
+    if (o_.shared)
+      for (int kh = 0; kh < KH; ++kh) flags[gi][kh] = top_flags(shared_sum, o_.ratio);
+    quantize_group(layer, {gi}, flags, D);
+  }
+
+  // One row of a group: segment index and row within the segment's head.
+  struct Row {
+    size_t seg;
+    int i;
+  };
+
+  // Quantizes the dense segments `group` of `layer` together: flags[seg][h][row] = salient.
+  // K: ChannelQuant per KV head and subset; V: CSTQuant (see the file comment).
+  void quantize_group(LayerKV& layer, const std::vector<size_t>& group, const Flags& flags, int D) const {
+    const int KH = static_cast<int>(layer.segments.at(group.front()).heads.size());
+    auto p = std::make_shared<quant::QuantPayload>(KH);
+    auto hr = [&](int h, const Row& r) -> HeadRows& { return layer.segments[r.seg].heads[h]; };
+    // rows[h][s]: the rows of head h in subset s (1 salient, 0 regular), in group order.
+    std::vector<std::array<std::vector<Row>, 2>> rows(KH);
+    for (int h = 0; h < KH; ++h)
+      for (size_t g : group)
+        for (int i = 0; i < layer.segments[g].heads[h].n(); ++i)
+          rows[h][flags.at(g).at(h).at(i) ? 1 : 0].push_back({g, i});
+    const int bits[2] = {o_.lo, o_.hi};
+    // Keys: one channel-wise block per head and subset.
+    for (int h = 0; h < KH; ++h)
+      for (int s = 1; s >= 0; --s) {
+        const std::vector<Row>& R = rows[h][s];
+        std::vector<float> k(R.size() * D);
+        for (size_t t = 0; t < R.size(); ++t) std::copy_n(hr(h, R[t]).k.data() + static_cast<size_t>(R[t].i) * D, D, &k[t * D]);
+        quant::quantize_block(k.data(), static_cast<int>(R.size()), D, {bits[s], quant::Axis::PerChannel}, p->k[h]);
+        for (size_t t = 0; t < R.size(); ++t) std::copy_n(&k[t * D], D, hr(h, R[t]).k.data() + static_cast<size_t>(R[t].i) * D);
+      }
+    // Values: channel factors c[h][s][j] = sqrt(max |v_j|) over the subset (or the layer), fp16.
+    std::vector<std::array<std::vector<float>, 2>> c(KH);
+    for (int h = 0; h < KH; ++h) {
+      auto factors = [&](std::initializer_list<int> subsets) {
+        std::vector<float> v;
+        for (int s : subsets)
+          for (const Row& r : rows[h][s])
+            v.insert(v.end(), hr(h, r).v.data() + static_cast<size_t>(r.i) * D, hr(h, r).v.data() + static_cast<size_t>(r.i + 1) * D);
+        const std::vector<float> m = zipcache::channel_factors(v.data(), static_cast<int>(v.size() / D), D);
+        for (float x : m) p->v[h].meta.push_back(quant::to_half(x));
+        return m;
+      };
+      if (o_.layer_channel_scales) {
+        if (rows[h][0].empty() && rows[h][1].empty()) continue;
+        c[h][0] = c[h][1] = factors({0, 1});
+      } else {
+        for (int s = 1; s >= 0; --s)
+          if (!rows[h][s].empty()) c[h][s] = factors({s});
+      }
+    }
+    // The normalised row y = v / c of row r in head h, subset s.
+    auto normalised = [&](int h, int s, const Row& r) {
+      std::vector<float> y(D);
+      const float* v = hr(h, r).v.data() + static_cast<size_t>(r.i) * D;
+      for (int j = 0; j < D; ++j) y[j] = v[j] / c[h][s][j];
+      return y;
+    };
+    // Token ranges: per KV head (each row its own range), or one per (subset, position) over
+    // the rows of every head that holds the token in that subset.
+    std::map<std::pair<int, int32_t>, quant::Affine> shared;
+    if (!o_.head_token_ranges) {
+      for (int s = 1; s >= 0; --s) {
+        std::map<int32_t, std::pair<float, float>> mm;  // position → (min, max)
+        for (int h = 0; h < KH; ++h)
+          for (const Row& r : rows[h][s]) {
+            const std::vector<float> y = normalised(h, s, r);
+            auto it = mm.emplace(hr(h, r).pos[r.i], std::make_pair(INFINITY, -INFINITY)).first;
+            for (float x : y) it->second.first = std::min(it->second.first, x), it->second.second = std::max(it->second.second, x);
+          }
+        for (const auto& [pos, lohi] : mm) {
+          const quant::Affine a = quant::make_affine(lohi.first, lohi.second, bits[s]);
+          shared[{s, pos}] = a;
+          p->tokens.scales.push_back(quant::to_half(a.scale));
+          p->tokens.zeros.push_back(quant::to_half(a.alpha));
+        }
+      }
+    }
+    for (int h = 0; h < KH; ++h)
+      for (int s = 1; s >= 0; --s) {
+        const std::vector<Row>& R = rows[h][s];
+        if (o_.head_token_ranges) {  // Algorithm 1 on this head's rows of the subset
+          if (R.empty()) continue;
+          std::vector<float> v(R.size() * D);
+          for (size_t t = 0; t < R.size(); ++t) std::copy_n(hr(h, R[t]).v.data() + static_cast<size_t>(R[t].i) * D, D, &v[t * D]);
+          zipcache::cst_quantize(v.data(), static_cast<int>(R.size()), D, bits[s], p->v[h], c[h][s].data());
+          for (size_t t = 0; t < R.size(); ++t) std::copy_n(&v[t * D], D, hr(h, R[t]).v.data() + static_cast<size_t>(R[t].i) * D);
+          continue;
+        }
+        std::vector<uint32_t> codes(D);
+        for (const Row& r : R) {
+          const std::vector<float> y = normalised(h, s, r);
+          const quant::Affine& a = shared.at({s, hr(h, r).pos[r.i]});
+          float* v = hr(h, r).v.data() + static_cast<size_t>(r.i) * D;
+          for (int j = 0; j < D; ++j) {
+            codes[j] = quant::encode(y[j], a, bits[s]);
+            v[j] = quant::decode(codes[j], a) * c[h][s][j];
+          }
+          quant::pack(codes.data(), D, bits[s], p->v[h].codes);
+        }
+      }
+    // Salient flags (1 bit per row, segment order) and per-row bits.
+    for (int h = 0; h < KH; ++h) {
+      std::vector<uint32_t> f;
+      for (size_t g : group) {
+        HeadRows& r = layer.segments[g].heads[h];
+        r.bits.resize(static_cast<size_t>(r.n()));
+        for (int i = 0; i < r.n(); ++i) {
+          const bool sal = flags[g][h][i] != 0;
+          f.push_back(sal ? 1u : 0u);
+          r.bits[static_cast<size_t>(i)] = static_cast<uint8_t>(sal ? o_.hi : o_.lo);
+        }
+      }
+      quant::pack(f.data(), static_cast<int64_t>(f.size()), 1, p->k[h].flags);
+    }
+    install(layer, group, p);
+  }
+
+  // The group's segments share the payload; its bytes count on the first of them.
+  void install(LayerKV& layer, const std::vector<size_t>& group, const std::shared_ptr<quant::QuantPayload>& p) const {
+    p->layout.kind = quant::CodeLayout::Kind::ZipMixed;
+    p->layout.hi_bits = o_.hi;
+    p->layout.lo_bits = o_.lo;
+    p->layout.layer_factors = o_.layer_channel_scales;
+    p->layout.shared_token_ranges = !o_.head_token_ranges;
+    p->shrink_to_fit();
+    const std::string label = "zipcache q" + std::to_string(o_.hi) + "/q" + std::to_string(o_.lo);
+    for (size_t gi = 0; gi < group.size(); ++gi) {
+      KVSegment& s = layer.segments[group[gi]];
+      for (HeadRows& h : s.heads) quant::pad_annotations(h, 0);
+      s.storage = label;
+      s.payload = p;
+      s.bytes = gi == 0 ? p->allocated() : KVBytes{};
+      for (const HeadRows& h : s.heads) s.bytes.indices += 4LL * h.n();
+    }
+  }
+
+  ZipOptions o_;
+  std::vector<Stream> streams_;
+};
+
+Probe parse_probe(const std::string& s) {
+  if (s == "all") return Probe::All;
+  if (s == "random") return Probe::Random;
+  if (s == "special") return Probe::Special;
+  if (s == "recent") return Probe::Recent;
+  return Probe::RandomRecent;
+}
+
+}  // namespace
+
+MethodSpec zipcache_method() {
+  MethodSpec m;
+  m.name = "zipcache";
+  m.family = "quantization";
+  m.summary = "ZipCache: salient tokens (normalized attention of probe queries) at k_h bits, the rest at k_l";
+  m.params = {
+      param::choice("high_bits", {"2", "3", "4", "8"}, "4", "k_h: bits of salient tokens (Algorithm 2)"),
+      param::choice("low_bits", {"1", "2", "3", "4"}, "2", "k_l: bits of the other tokens (Algorithm 2)"),
+      param::real("saliency_ratio", 0, 1, "0.4", "r: share of each KV head's tokens that are salient (top r by saliency, Algorithm 2 Split)"),
+      param::choice("saliency", {"normalized", "accumulated"}, "normalized",
+                    "normalized p̃_i = Σ_k A_ki / nnz(A_:i) (Eq. 8) or accumulated p_i = Σ_k A_ki (Eq. 7, H2O/MiKV), k over probes"),
+      param::choice("probe", {"all", "random", "special", "recent", "random+recent"}, "random+recent",
+                    "probe queries whose attention rows A_probe = softmax(Q_probe Kᵀ/√d) measure saliency (Eq. 9, Table 2)"),
+      param::real("recent_ratio", 0, 1, "0.05", "recent probes: the last round(ratio·T) tokens (≥ 1); decode: last ratio·gap of each gap (Alg. 3)"),
+      param::real("random_ratio", 0, 1, "0.05", "random probes: round(ratio·T) tokens (≥ 1), seeded; decode: each token with this probability (Alg. 3)"),
+      param::integer("seed", 0, 2147483647, "0", "seed of the random probes (Sec. 4.3 draws them at random)"),
+      param::choice("saliency_heads", {"per-head", "shared"}, "per-head",
+                    "saliency per KV head (mean over its query heads; the authors' code) or one per layer (mean over all heads)"),
+      param::integer("gap", 1, 1000000, "100", "streaming: quantize decode tokens every `gap` new tokens (Algorithm 3: 100)"),
+      param::choice("ranges", {"layer", "segment"}, "layer",
+                    "layer: the layer's salient and regular subsets quantized as wholes (Algorithm 2); segment: "
+                    "each token kind (system/visual/text) with its own subsets' ranges (finer than the paper)"),
+      param::choice("value_token_range", {"heads", "head"}, "heads",
+                    "CSTQuant token range: heads = one [α, β] per token over every KV head's normalised values "
+                    "(Alg. 1 on X ∈ R^{l×hd}, hd + 2bl parameters; authors' code); head = one per token and KV head"),
+      param::choice("channel_scales", {"subset", "layer"}, "subset",
+                    "CSTQuant c_i = sqrt(max|X_i|) (Eq. 6) over each subset (Algorithm 2 calls CSTQuant per subset) "
+                    "or over the layer before the split (authors' channel_separate_mixed_tokenwiseQ)"),
+  };
+  m.presets = {
+      {"paper", {{"ranges", "layer"}, {"value_token_range", "heads"}, {"channel_scales", "subset"}}},
+      {"official", {{"ranges", "layer"}, {"value_token_range", "heads"}, {"channel_scales", "layer"}}},
+  };
+  m.make = [](const Params& p) -> std::unique_ptr<KVPolicy> {
+    ZipOptions o;
+    o.hi = p.integer("high_bits");
+    o.lo = p.integer("low_bits");
+    if (o.hi < o.lo)
+      throw InputError("zipcache: high_bits (" + std::to_string(o.hi) + ") must be >= low_bits (" +
+                       std::to_string(o.lo) + ")");
+    o.ratio = p.num("saliency_ratio");
+    o.saliency = p.str("saliency") == "accumulated" ? Saliency::Accumulated : Saliency::Normalized;
+    o.probe = parse_probe(p.str("probe"));
+    o.recent = p.num("recent_ratio");
+    o.random = p.num("random_ratio");
+    o.seed = static_cast<uint64_t>(p.integer("seed"));
+    o.shared = p.str("saliency_heads") == "shared";
+    o.gap = p.integer("gap");
+    o.segment_ranges = p.str("ranges") == "segment";
+    o.head_token_ranges = p.str("value_token_range") == "head";
+    o.layer_channel_scales = p.str("channel_scales") == "layer";
+    return std::make_unique<ZipCachePolicy>(o);
+  };
+  return m;
+}
+
+}  // namespace kvlens

@@ -1,0 +1,109 @@
+// ZipCache's saliency measure and probe selection (Sec. 4.2-4.3) and channel-separable
+// token-wise quantization of one block (Algorithm 1); the policy is core/compress/methods/zipcache.cpp.
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+
+#include "core/compress/quant_methods.h"
+
+namespace kvlens {
+
+namespace zipcache {
+
+std::vector<double> saliency(const float* A, int T, const std::vector<int>& probes, Saliency s) {
+  std::vector<double> sum(T, 0.0), cnt(T, 0.0);
+  for (int k : probes)
+    for (int i = 0; i <= k && i < T; ++i) {
+      sum[i] += A[static_cast<int64_t>(k) * T + i];
+      cnt[i] += 1;
+    }
+  if (s == Saliency::Normalized)
+    for (int i = 0; i < T; ++i) sum[i] = cnt[i] > 0 ? sum[i] / cnt[i] : 0.0;
+  return sum;
+}
+
+namespace {
+// Fisher–Yates with mt19937_64 (specified by the standard), so draws match on every platform.
+std::vector<int> sample(std::vector<int> pool, int k, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  k = std::min<int>(k, static_cast<int>(pool.size()));
+  for (int i = 0; i < k; ++i) {
+    const int j = i + static_cast<int>(rng() % static_cast<uint64_t>(pool.size() - i));
+    std::swap(pool[i], pool[j]);
+  }
+  pool.resize(k);
+  return pool;
+}
+int at_least_one(double ratio, int T) {
+  return std::clamp(static_cast<int>(std::llround(ratio * T)), 1, T);
+}
+}  // namespace
+
+std::vector<int> select_probes(Probe strategy, int T, const std::vector<SegmentKind>* kinds,
+                               const std::vector<int>* ids, double recent_ratio,
+                               double random_ratio, uint64_t seed) {
+  std::vector<int> out;
+  if (T <= 0) return out;
+  const int n_recent = at_least_one(recent_ratio, T);
+  std::vector<int> all(T);
+  std::iota(all.begin(), all.end(), 0);
+  switch (strategy) {
+    case Probe::All: out = all; break;
+    case Probe::Recent:
+      for (int i = T - n_recent; i < T; ++i) out.push_back(i);
+      break;
+    case Probe::Random: out = sample(all, at_least_one(random_ratio, T), seed); break;
+    case Probe::RandomRecent: {
+      std::vector<int> rest(all.begin(), all.end() - n_recent);
+      out = sample(rest, at_least_one(random_ratio, T), seed);
+      for (int i = T - n_recent; i < T; ++i) out.push_back(i);
+      break;
+    }
+    case Probe::Special: {
+      out.push_back(0);
+      out.push_back(T - 1);
+      if (ids)
+        for (int i = 0; i < T && i < static_cast<int>(ids->size()); ++i)
+          if ((*ids)[i] >= 0 && (*ids)[i] <= 2) out.push_back(i);
+      if (kinds)
+        for (int i = 0; i < T && i < static_cast<int>(kinds->size()); ++i) {
+          const bool vis = (*kinds)[i] == SegmentKind::Visual;
+          const bool prev = i > 0 && (*kinds)[i - 1] == SegmentKind::Visual;
+          if (vis && !prev && i > 0) out.push_back(i - 1);  // just before a visual run
+          if (!vis && prev) out.push_back(i);               // just after it
+        }
+      break;
+    }
+  }
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+std::vector<float> channel_factors(const float* x, int n, int d) {
+  std::vector<float> c(d, 0.0f);
+  for (int i = 0; i < n; ++i)
+    for (int j = 0; j < d; ++j) c[j] = std::max(c[j], std::fabs(x[static_cast<int64_t>(i) * d + j]));
+  for (int j = 0; j < d; ++j) {
+    c[j] = quant::round_half(std::sqrt(c[j]));
+    if (!(c[j] > 0) || !std::isfinite(c[j])) c[j] = 1.0f;
+  }
+  return c;
+}
+
+void cst_quantize(float* x, int n, int d, int bits, quant::QuantBlock& out, const float* factors) {
+  if (n <= 0 || d <= 0) return;
+  const std::vector<float> c = factors ? std::vector<float>(factors, factors + d) : channel_factors(x, n, d);
+  for (int i = 0; i < n; ++i)
+    for (int j = 0; j < d; ++j) x[static_cast<int64_t>(i) * d + j] /= c[j];
+  quant::quantize_block(x, n, d, {bits, quant::Axis::PerToken}, out);
+  for (int i = 0; i < n; ++i)
+    for (int j = 0; j < d; ++j) x[static_cast<int64_t>(i) * d + j] *= c[j];
+  if (!factors)
+    for (int j = 0; j < d; ++j) out.meta.push_back(quant::to_half(c[j]));
+}
+
+}  // namespace zipcache
+
+}  // namespace kvlens

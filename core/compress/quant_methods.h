@@ -1,0 +1,101 @@
+// The quantization methods, one file each (core/compress/<name>.cpp), plus the formulas of
+// each that tests and diagnostics reuse.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/compress/method.h"
+#include "core/compress/quantize.h"
+#include "core/compress/policy.h"
+
+namespace kvlens {
+
+MethodSpec full_method();           // reference: rows as the cache stores them (fp16 / fp32)
+MethodSpec uniform_method();        // uniform b-bit, global / per-token / per-channel ranges
+MethodSpec kivi_method();           // KIVI: K per-channel in token groups, V per-token, dense window
+MethodSpec calibquant_method();     // CalibQuant: channel-wise visual K/V + score calibration
+MethodSpec zipcache_method();       // ZipCache: saliency-driven mixed precision
+MethodSpec turboquant_method();     // TurboQuant: randomized Hadamard + Lloyd-Max (+ QJL)
+MethodSpec hadamard_int4_method();  // block-diagonal Hadamard keys, per-token INT4
+
+// ---- CalibQuant (core/compress/methods/calibquant.cpp) ----
+namespace calibquant {
+// Eq. 7: g(x) = (δ − γ + τ1 − τ2)/(δ − γ)·(x − γ) + γ − τ1, mapping [γ, δ] onto [γ − τ1, δ − τ2].
+// When δ = γ every x maps to γ − τ1 (the lower end of the target range).
+float calibrate(float x, float gamma, float delta, float tau1, float tau2);
+// Applies g to the scores of one query over the keys whose kind is Visual; γ, δ are the min and
+// max of those scores. Other keys are left untouched.
+void calibrate_visual(float* scores, const SegmentKind* kinds, int n, float tau1, float tau2);
+// Post-scaling (Eq. 6) on channel-wise codes: n rows of d codes packed as one row-major stream,
+// with fp16 per-channel scale[d] = (β − α)/(2^b − 1) and zero alpha[d]:
+//   out[j] = (q ⊙ scale)·k_dis_j + q·α
+void post_scaled_scores(const float* q, int d, const uint8_t* codes, int n, int bits,
+                        const uint16_t* scale, const uint16_t* alpha, float* out);
+// The same for values: out[c] = scale_c · Σ_j w_j v_dis_jc + α_c · Σ_j w_j, out[d].
+void post_scaled_values(const float* w, int n, const uint8_t* codes, int d, int bits,
+                        const uint16_t* scale, const uint16_t* alpha, float* out);
+}  // namespace calibquant
+
+// ---- ZipCache (core/compress/methods/zipcache.cpp) ----
+namespace zipcache {
+enum class Saliency { Normalized, Accumulated };
+enum class Probe { All, Random, Special, Recent, RandomRecent };
+// Saliency of the T tokens from the attention rows of the probe queries of one head:
+// A[T][T] row-major causal probabilities, probes = query indices.
+//   accumulated: p_i = Σ_{k ∈ probes} A_{k,i}                      (Eq. 7 over probes, H2O/MiKV)
+//   normalized:  p̃_i = Σ_{k ∈ probes} A_{k,i} / nnz_i              (Eq. 8)
+// nnz_i = number of probes k ≥ i (those the causal mask lets see token i); a token no probe
+// sees gets 0.
+std::vector<double> saliency(const float* A, int T, const std::vector<int>& probes, Saliency s);
+// Probe query indices (ascending, unique) among T prompt tokens. recent: the last
+// max(1, round(recent_ratio·T)); random: max(1, round(random_ratio·T)) drawn without
+// replacement (seeded) from all tokens, or from the non-recent ones for random+recent;
+// special: the first token, tokens with id 0/1/2 (unk/BOS/EOS), the tokens just before and
+// just after each run of visual tokens, and the last token (kvlens sees no token pieces, so
+// punctuation cannot be recognised); all: every token.
+std::vector<int> select_probes(Probe strategy, int T, const std::vector<SegmentKind>* kinds,
+                               const std::vector<int>* ids, double recent_ratio,
+                               double random_ratio, uint64_t seed);
+// The channel factors of CSTQuant (Eq. 6): c_i = sqrt(max_t |x_ti|) over the n rows of x[n][d],
+// rounded to fp16; 1 where a channel is all zero (or not finite).
+std::vector<float> channel_factors(const float* x, int n, int d);
+// Channel-separable token-wise quantization (Algorithm 1) of x[n][d] in place: x/c quantized
+// per token with b bits, multiplied back by c. c = channel_factors(x) unless `factors` (d
+// values, already fp16) are given. Appends row-aligned codes and per-token fp16 scale/zero to
+// `out`, and the d factors c (meta) when it computed them.
+void cst_quantize(float* x, int n, int d, int bits, quant::QuantBlock& out, const float* factors = nullptr);
+}  // namespace zipcache
+
+// ---- TurboQuant (core/compress/methods/turboquant.cpp) ----
+namespace turboquant {
+// One codec for rows of length d: randomized Hadamard rotation y = H·D·pad(x) (D: seeded ±1
+// signs, H orthonormal of size dp = next power of two ≥ d), a Lloyd-Max codebook of the
+// rotated coordinate scaled to N(0, 1) (y_j·√dp/‖x‖), and for keys with QJL a seeded Gaussian
+// S[d][d] for the 1-bit residual sketch.
+struct Codec {
+  int d = 0, dp = 0;
+  int mse_bits = 0;   // bits of the codebook index per rotated coordinate (0: no MSE stage)
+  bool qjl = false;   // add sign(S·r) with ‖r‖
+  std::vector<float> signs;   // [dp]
+  std::vector<float> levels;  // Lloyd-Max levels for N(0, 1), ascending
+  std::vector<float> S;       // [d][d] when qjl
+  void rotate(const float* x, float* y) const;    // y[dp] = H·D·pad(x)
+  void unrotate(const float* y, float* x) const;  // x[d] = first d of D·H·y
+  // Quantizes one row: appends its row-aligned codes (and sign bits) and fp16 norm (and ‖r‖)
+  // to `out`; writes the dequantized row to xhat[d].
+  void encode_row(const float* x, quant::QuantBlock& out, float* xhat) const;
+  int64_t row_code_bytes() const;  // bytes of codes one row takes
+};
+Codec make_codec(int d, int mse_bits, bool qjl, uint64_t seed);
+}  // namespace turboquant
+
+// ---- Hadamard INT4 (core/compress/methods/hadamard_int4.cpp) ----
+namespace hadamard_int4 {
+// In place, the orthonormal Hadamard transform of each block of `block` values of x[d]
+// (block a power of two dividing d). It is its own inverse.
+void block_hadamard(float* x, int d, int block);
+}  // namespace hadamard_int4
+
+}  // namespace kvlens

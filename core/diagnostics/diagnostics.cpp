@@ -1,0 +1,507 @@
+#include "core/diagnostics/diagnostics.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+#include "core/errors.h"
+#include "core/compress/select.h"
+
+namespace kvlens {
+
+void DecodeRecorder::on_attention(const AttentionEvent& e) {
+  if (e.phase != Phase::Decode || e.step >= max_steps_) return;
+  Entry r;
+  r.step = e.step; r.layer = e.layer; r.n_heads = e.n_heads; r.n_kv_heads = e.n_kv_heads;
+  r.n_k = e.n_k; r.head_dim = e.head_dim; r.query_pos = e.query_pos[0];
+  const size_t hk = static_cast<size_t>(e.n_heads) * e.n_k, kvk = static_cast<size_t>(e.n_kv_heads) * e.n_k;
+  r.scores.assign(e.scores, e.scores + hk);
+  r.probs.assign(e.probs, e.probs + hk);
+  r.q.assign(e.q, e.q + static_cast<size_t>(e.n_heads) * e.head_dim);
+  r.k.assign(e.k, e.k + kvk * e.head_dim);
+  r.v.assign(e.v, e.v + kvk * e.head_dim);
+  r.key_pos.assign(e.key_pos, e.key_pos + kvk);
+  r.key_kind.assign(e.key_kind, e.key_kind + kvk);
+  entries_.push_back(std::move(r));
+}
+
+const DecodeRecorder::Entry* DecodeRecorder::find(int step, int layer) const {
+  for (const Entry& e : entries_)
+    if (e.step == step && e.layer == layer) return &e;
+  return nullptr;
+}
+
+int DecodeRecorder::steps() const {
+  int s = 0;
+  for (const Entry& e : entries_) s = std::max(s, e.step + 1);
+  return s;
+}
+
+void VisualAttentionRecorder::on_attention(const AttentionEvent& e) {
+  if (e.phase != Phase::Decode) return;
+  if (rows_.size() <= static_cast<size_t>(e.step)) rows_.resize(e.step + 1);
+  auto& by_layer = rows_[e.step];
+  if (by_layer.size() <= static_cast<size_t>(e.layer)) by_layer.resize(e.layer + 1);
+  n_heads_ = e.n_heads;
+  std::vector<float>& out = by_layer[e.layer];
+  out.assign(static_cast<size_t>(e.n_heads) * n_visual_, 0.0f);
+  const int G = e.n_heads / e.n_kv_heads;
+  for (int h = 0; h < e.n_heads; ++h) {
+    const int32_t* kp = e.key_pos + static_cast<size_t>(h / G) * e.n_k;
+    const float* p = e.probs + static_cast<size_t>(h) * e.n_k;
+    for (int j = 0; j < e.n_k; ++j) {
+      const int vi = kp[j] - first_;
+      if (kp[j] >= 0 && vi >= 0 && vi < n_visual_) out[static_cast<size_t>(h) * n_visual_ + vi] += p[j];
+    }
+  }
+}
+
+std::vector<float> VisualAttentionRecorder::attention(int step, int layer, int head) const {
+  if (step < 0 || step >= steps() || layer < 0 || layer >= static_cast<int>(rows_[step].size())) return {};
+  const std::vector<float>& r = rows_[step][layer];
+  if (r.empty() || head >= n_heads_) return {};
+  std::vector<float> out(n_visual_, 0.0f);
+  for (int h = head < 0 ? 0 : head; h < (head < 0 ? n_heads_ : head + 1); ++h)
+    for (int i = 0; i < n_visual_; ++i) out[i] += r[static_cast<size_t>(h) * n_visual_ + i];
+  if (head < 0 && n_heads_ > 0)
+    for (float& x : out) x /= n_heads_;
+  return out;
+}
+
+std::vector<float> decode_attention_rows(const DecodeRecorder& rec, int layer, int steps, int n_cols) {
+  std::vector<float> out(static_cast<size_t>(steps) * n_cols, 0.0f);
+  for (const auto& e : rec.entries()) {
+    if (e.layer != layer || e.step >= steps) continue;
+    const int G = e.n_heads / e.n_kv_heads;
+    for (int h = 0; h < e.n_heads; ++h)
+      for (int j = 0; j < e.n_k; ++j) {
+        const int32_t pos = e.key_pos[static_cast<size_t>(h / G) * e.n_k + j];
+        if (pos >= 0 && pos < n_cols)
+          out[static_cast<size_t>(e.step) * n_cols + pos] += e.probs[static_cast<size_t>(h) * e.n_k + j] / e.n_heads;
+      }
+  }
+  return out;
+}
+
+double sparsity(const float* probs, int n_heads, int n_q, int n_k, double p) {
+  double total = 0.0;
+  for (int h = 0; h < n_heads; ++h) {
+    int64_t zeros = 0, seen = 0;
+    for (int i = 0; i < n_q; ++i) {
+      const float* row = probs + (static_cast<int64_t>(h) * n_q + i) * n_k;
+      const int visible = std::min(n_k, i + 1 + (n_k - n_q));  // causal, aligned at the end
+      const float mx = *std::max_element(row, row + visible);
+      for (int j = 0; j < visible; ++j) zeros += row[j] < p * mx ? 1 : 0;
+      seen += visible;
+    }
+    total += seen ? static_cast<double>(zeros) / seen : 0.0;
+  }
+  return n_heads ? total / n_heads : 0.0;
+}
+
+double prefill_sparsity(const PrefillView& pv, int layer, double p) {
+  const auto& pr = pv.probs->at(layer);
+  return sparsity(pr.data(), pv.n_heads, pv.prompt_len, pv.prompt_len, p);
+}
+
+namespace {
+
+// Key bits of a row from its segment's storage label, for rows without a per-row annotation
+// (HeadRows::bits). Every quantizing policy writes per-row bits, so this mostly sees "fp32" and
+// "fp16"; it still reads the labels the policies write: "q<b> k:.. v:..", "q<b>-channel",
+// "kivi q<b>", "turboquant k:q<b−1>+qjl v:q<b>" (keys: b−1 codebook bits + 1 sign bit),
+// "hadamard-int4[ k, fp32 v]" (4), and "zipcache q<h>/q<l>" (mixed: the mean of the two, as the
+// per-row split is unknown). Anything else reads as 32.
+float storage_bits(const std::string& s) {
+  if (s == "fp32") return 32.0f;
+  if (s == "fp16") return 16.0f;
+  if (s.find("int4") != std::string::npos) return 4.0f;
+  // The number after "q" at `at`, or 0.
+  auto bits_at = [&](size_t at) {
+    int b = 0;
+    for (size_t i = at; i < s.size() && std::isdigit(static_cast<unsigned char>(s[i])) && b < 1000; ++i)
+      b = b * 10 + (s[i] - '0');
+    return b;
+  };
+  const size_t k = s.find("k:q");
+  if (k != std::string::npos) {
+    const int b = bits_at(k + 3);
+    if (b > 0) return static_cast<float>(b + (s.compare(k + 3 + std::to_string(b).size(), 4, "+qjl") == 0 ? 1 : 0));
+  }
+  // The first "q<digits>" at the start of a word ("q4 k:..", "kivi q2", "zipcache q4/q2").
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] != 'q' || (i > 0 && s[i - 1] != ' ')) continue;
+    const int b = bits_at(i + 1);
+    if (b <= 0) continue;
+    const size_t end = i + 1 + std::to_string(b).size();
+    if (end + 1 < s.size() && s[end] == '/' && s[end + 1] == 'q') {
+      const int lo = bits_at(end + 2);
+      if (lo > 0) return 0.5f * static_cast<float>(b + lo);
+    }
+    return static_cast<float>(b);
+  }
+  return 32.0f;
+}
+
+}  // namespace
+
+ScoreHistogram visual_score_histogram(const VisualScores& s, int head, int bins) {
+  ScoreHistogram out;
+  const size_t H = s.exact.size();
+  if (head >= static_cast<int>(H) || s.quantized.size() != H || s.calibrated.size() != H)
+    throw InternalError("visual_score_histogram: head " + std::to_string(head) + " of " + std::to_string(H));
+  const size_t h0 = head < 0 ? 0 : static_cast<size_t>(head), h1 = head < 0 ? H : h0 + 1;
+  const std::vector<std::vector<float>>* kinds[3] = {&s.exact, &s.quantized, &s.calibrated};
+  float lo = std::numeric_limits<float>::infinity(), hi = -lo;
+  for (const auto* k : kinds)
+    for (size_t h = h0; h < h1; ++h)
+      for (float x : (*k)[h]) {
+        lo = std::min(lo, x);
+        hi = std::max(hi, x);
+      }
+  if (!std::isfinite(lo) || bins < 1) return out;
+  if (hi <= lo) hi = lo + 1.0f;
+  out.lo = lo;
+  out.hi = hi;
+  std::vector<int64_t>* counts[3] = {&out.exact, &out.quantized, &out.calibrated};
+  for (int i = 0; i < 3; ++i) {
+    counts[i]->assign(bins, 0);
+    for (size_t h = h0; h < h1; ++h)
+      for (float x : (*kinds[i])[h]) {
+        const int b = static_cast<int>((x - lo) / (hi - lo) * bins);
+        (*counts[i])[std::clamp(b, 0, bins - 1)]++;
+      }
+  }
+  return out;
+}
+
+VisualScores retransform_visual_scores(const VisualScores& s, int layer, const KVPolicy& policy) {
+  VisualScores r;
+  r.exact = s.exact;
+  r.quantized = s.quantized;
+  r.calibrated = s.quantized;
+  if (!policy.has_score_transform()) return r;
+  for (size_t h = 0; h < r.calibrated.size(); ++h) {
+    std::vector<float>& v = r.calibrated[h];
+    const std::vector<SegmentKind> kinds(v.size(), SegmentKind::Visual);
+    policy.transform_scores(layer, static_cast<int>(h), v.data(), kinds.data(), static_cast<int>(v.size()));
+  }
+  return r;
+}
+
+std::vector<LayerDiagnostics> compare_layers(const PrefillView& pv, const DecodeRecorder& method,
+                                             const KVStore& compressed, int hist_bins, double p) {
+  const KVStore& full = *pv.full;
+  const int L = full.n_layers(), NKV = full.n_kv_heads(), D = full.head_dim();
+  const int T = pv.prompt_len;
+  const std::vector<SegmentKind>& kinds = *pv.kinds;
+  int first_visual = -1, n_visual = 0;
+  for (int t = 0; t < T; ++t)
+    if (kinds[t] == SegmentKind::Visual) {
+      if (first_visual < 0) first_visual = t;
+      ++n_visual;
+    }
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  std::vector<LayerDiagnostics> out(L);
+  for (int l = 0; l < L; ++l) {
+    LayerDiagnostics& d = out[l];
+    d.layer = l;
+    d.bytes = compressed.bytes(l);
+    // Full-precision prompt rows of each KV head, in position order.
+    std::vector<std::vector<float>> FK(NKV), FV(NKV);
+    std::vector<int32_t> fpos;
+    for (int kv = 0; kv < NKV; ++kv) full.gather(l, kv, FK[kv], FV[kv], fpos);
+    VisualScores& histo = d.visual_score_samples;
+    int n_terms = 0, n_sparse = 0;
+    for (const auto& E : method.entries()) {
+      if (E.layer != l) continue;
+      const int H = E.n_heads, G = H / E.n_kv_heads, n_k = E.n_k;
+      for (auto* k : {&histo.exact, &histo.quantized, &histo.calibrated})
+        if (k->size() < static_cast<size_t>(H)) k->resize(H);
+      for (int h = 0; h < H; ++h) {
+        const int kv = h / G;
+        const float* q = E.q.data() + static_cast<size_t>(h) * D;
+        const int32_t* kp = E.key_pos.data() + static_cast<size_t>(kv) * n_k;
+        const SegmentKind* kk = E.key_kind.data() + static_cast<size_t>(kv) * n_k;
+        const float* mk = E.k.data() + static_cast<size_t>(kv) * n_k * D;
+        const float* mv = E.v.data() + static_cast<size_t>(kv) * n_k * D;
+        const float* mp = E.probs.data() + static_cast<size_t>(h) * n_k;
+        const float* ms = E.scores.data() + static_cast<size_t>(h) * n_k;
+        // Exact keys: the prompt from the full store, generated tokens from the method's rows.
+        std::vector<const float*> ek, ev;
+        std::vector<int32_t> epos;
+        for (int t = 0; t < T; ++t) {
+          ek.push_back(FK[kv].data() + static_cast<size_t>(t) * D);
+          ev.push_back(FV[kv].data() + static_cast<size_t>(t) * D);
+          epos.push_back(t);
+        }
+        std::vector<float> pm_by_pos(E.query_pos + 1, 0.0f);
+        int n_valid = 0;
+        for (int j = 0; j < n_k; ++j) {
+          if (kp[j] < 0) continue;
+          ++n_valid;
+          pm_by_pos.at(kp[j]) += mp[j];
+          if (kp[j] >= T) {
+            ek.push_back(mk + static_cast<size_t>(j) * D);
+            ev.push_back(mv + static_cast<size_t>(j) * D);
+            epos.push_back(kp[j]);
+          }
+        }
+        const int ne = static_cast<int>(ek.size());
+        std::vector<float> pe(ne);
+        for (int j = 0; j < ne; ++j) {
+          float dot = 0.0f;
+          for (int x = 0; x < D; ++x) dot += q[x] * ek[j][x];
+          pe[j] = dot * scale;
+        }
+        if (E.step == 0)
+          for (int j = 0; j < T; ++j)
+            if (kinds[j] == SegmentKind::Visual) histo.exact.at(h).push_back(pe[j]);
+        const float mx = *std::max_element(pe.begin(), pe.end());
+        double sum = 0.0;
+        for (float& x : pe) {
+          x = std::exp(x - mx);
+          sum += x;
+        }
+        for (float& x : pe) x = static_cast<float>(x / sum);
+        double mse = 0.0, kl = 0.0;
+        std::vector<double> oe(D, 0.0), om(D, 0.0);
+        for (int j = 0; j < ne; ++j) {
+          const double pm = pm_by_pos[epos[j]];
+          mse += (pe[j] - pm) * (pe[j] - pm);
+          if (pe[j] > 0) kl += pe[j] * (std::log(pe[j]) - std::log(std::max(pm, 1e-10)));
+          for (int x = 0; x < D; ++x) oe[x] += pe[j] * ev[j][x];
+        }
+        for (int j = 0; j < n_k; ++j) {
+          if (kp[j] < 0) continue;
+          for (int x = 0; x < D; ++x) om[x] += mp[j] * mv[static_cast<size_t>(j) * D + x];
+          if (E.step == 0 && kk[j] == SegmentKind::Visual) {
+            float dot = 0.0f;
+            for (int x = 0; x < D; ++x) dot += q[x] * mk[static_cast<size_t>(j) * D + x];
+            histo.quantized.at(h).push_back(dot * scale);
+            histo.calibrated.at(h).push_back(ms[j]);
+          }
+        }
+        double num = 0.0, den = 0.0;
+        for (int x = 0; x < D; ++x) {
+          num += (om[x] - oe[x]) * (om[x] - oe[x]);
+          den += oe[x] * oe[x];
+        }
+        d.softmax_mse += mse / ne;
+        d.softmax_kl += kl;
+        d.output_rel_error += std::sqrt(num / std::max(den, 1e-30));
+        ++n_terms;
+        std::vector<float> valid;
+        for (int j = 0; j < n_k; ++j)
+          if (kp[j] >= 0) valid.push_back(mp[j]);
+        d.sparsity_decode += sparsity(valid.data(), 1, 1, n_valid, p);
+        ++n_sparse;
+      }
+    }
+    if (n_terms) {
+      d.softmax_mse /= n_terms;
+      d.softmax_kl /= n_terms;
+      d.output_rel_error /= n_terms;
+    }
+    if (n_sparse) d.sparsity_decode /= n_sparse;
+    d.visual_scores = visual_score_histogram(histo, -1, hist_bins);
+    // Token fate over the visual tokens.
+    d.fate_kept.assign(n_visual, 0.0f);
+    d.fate_bits.assign(n_visual, 0.0f);
+    d.fate_merged.assign(n_visual, 0.0f);
+    std::vector<int> kept_rows(n_visual, 0);
+    for (const KVSegment& s : compressed.layer(l).segments)
+      for (const HeadRows& r : s.heads)
+        for (int i = 0; i < r.n(); ++i) {
+          const int pos = r.pos[i];
+          if (pos < 0 || pos >= T || kinds[pos] != SegmentKind::Visual) continue;
+          const int vi = pos - first_visual;
+          kept_rows[vi]++;
+          // Rows appended after an annotation was written have none: read them as the storage
+          // label says and as nothing merged.
+          const size_t ui = static_cast<size_t>(i);
+          d.fate_bits[vi] += ui < r.bits.size() ? (r.bits[ui] ? r.bits[ui] : 32) : storage_bits(s.storage);
+          d.fate_merged[vi] += ui < r.merged.size() ? r.merged[ui] : 0.0f;
+        }
+    for (int i = 0; i < n_visual; ++i) {
+      d.fate_kept[i] = static_cast<float>(kept_rows[i]) / NKV;
+      if (kept_rows[i]) {
+        d.fate_bits[i] /= kept_rows[i];
+        d.fate_merged[i] /= kept_rows[i];
+      }
+    }
+  }
+  return out;
+}
+
+FirstDivergence first_divergence(const std::vector<int>& full_ids, const std::vector<float>& full_probs,
+                                 const std::vector<int>& ids, const std::vector<float>& probs) {
+  FirstDivergence f;
+  const size_t n = std::max(full_ids.size(), ids.size());
+  for (size_t i = 0; i < n; ++i) {
+    const int a = i < full_ids.size() ? full_ids[i] : -1, b = i < ids.size() ? ids[i] : -1;
+    if (a != b) {
+      f.position = static_cast<int>(i);
+      f.full_token = a;
+      f.method_token = b;
+      f.full_prob = i < full_probs.size() ? full_probs[i] : 0.0f;
+      f.method_prob = i < probs.size() ? probs[i] : 0.0f;
+      break;
+    }
+  }
+  return f;
+}
+
+HitRates cache_hit_rates(const PrefillView& pv, const DecodeRecorder& full, double budget,
+                         const std::vector<int>& steps, int window_queries) {
+  HitRates hr;
+  hr.strategies = {"accumulated", "normalized", "sliding_window", "post_vision", "recency"};
+  const int T = pv.prompt_len, H = pv.n_heads, L = pv.full->n_layers(), KH = pv.full->n_kv_heads();
+  const int G = KH > 0 ? H / KH : 1;
+  const size_t S = hr.strategies.size();
+  hr.k = budget_rows(budget, T);
+  int last_visual = -1;
+  for (int t = 0; t < T; ++t)
+    if ((*pv.kinds)[t] == SegmentKind::Visual) last_visual = t;
+  for (int s : steps)
+    if (full.find(s, 0)) hr.steps.push_back(s);
+  const auto zeros = std::vector<std::vector<double>>(hr.steps.size(), std::vector<double>(L, 0.0));
+  hr.rates.assign(S, zeros);
+  hr.rates_head.assign(S, zeros);
+  auto hit = [&](const std::vector<double>& a, const std::vector<double>& b) {
+    const std::vector<int> x = top_k(a, hr.k), y = top_k(b, hr.k);  // ascending
+    std::vector<int> both;
+    std::set_intersection(x.begin(), x.end(), y.begin(), y.end(), std::back_inserter(both));
+    return static_cast<double>(both.size()) / hr.k;
+  };
+  const int post_from = (last_visual >= 0 && last_visual + 1 < T) ? last_visual + 1 : T - 1;
+  const int window_from = std::max(0, T - window_queries);
+  for (int l = 0; l < L; ++l) {
+    const auto& P = pv.probs->at(l);
+    // score[g][strategy][j]: the strategies of KV head g (mean over its query heads).
+    std::vector<std::vector<std::vector<double>>> score(KH, std::vector<std::vector<double>>(S, std::vector<double>(T, 0.0)));
+    for (int h = 0; h < H; ++h) {
+      std::vector<std::vector<double>>& sc = score[h / G];
+      for (int i = 0; i < T; ++i)
+        for (int j = 0; j <= i; ++j) {
+          const double a = P[(static_cast<size_t>(h) * T + i) * T + j] / G;
+          sc[0][j] += a;
+          if (i >= window_from) sc[2][j] += a;
+          if (i >= post_from) sc[3][j] += a;
+        }
+    }
+    for (int g = 0; g < KH; ++g)
+      for (int j = 0; j < T; ++j) {
+        score[g][1][j] = score[g][0][j] / (T - j);
+        score[g][4][j] = j;
+      }
+    // The layer level: the mean over KV heads of the group means is the mean over query heads.
+    std::vector<std::vector<double>> layer(S, std::vector<double>(T, 0.0));
+    for (int g = 0; g < KH; ++g)
+      for (size_t st = 0; st < S; ++st)
+        for (int j = 0; j < T; ++j) layer[st][j] += score[g][st][j] / KH;
+    for (size_t si = 0; si < hr.steps.size(); ++si) {
+      const auto* E = full.find(hr.steps[si], l);
+      if (!E) throw InternalError("cache_hit_rates: no decode attention for step " + std::to_string(hr.steps[si]));
+      // A_{m+1} = softmax(q K_{:m}ᵀ/√d) over the prompt keys alone: each query head's
+      // probabilities of the prompt keys renormalised to sum to 1 (the decode query also sees the
+      // generated keys), then averaged over the layer's heads (layer level) or over the query
+      // heads of each KV head (per KV head).
+      const int GE = E->n_heads / E->n_kv_heads;
+      std::vector<std::vector<double>> truth(E->n_kv_heads, std::vector<double>(T, 0.0));
+      std::vector<double> truth_layer(T, 0.0);
+      for (int h = 0; h < E->n_heads; ++h) {
+        double mass = 0.0;
+        for (int pass = 0; pass < 2; ++pass)
+          for (int j = 0; j < E->n_k; ++j) {
+            const int32_t pos = E->key_pos[static_cast<size_t>(h / GE) * E->n_k + j];
+            if (pos < 0 || pos >= T) continue;
+            const double p = E->probs[static_cast<size_t>(h) * E->n_k + j];
+            if (pass == 0) {
+              mass += p;
+            } else if (mass > 0.0) {
+              truth[h / GE][pos] += p / mass / GE;
+              truth_layer[pos] += p / mass / E->n_heads;
+            }
+          }
+      }
+      for (size_t st = 0; st < S; ++st) {
+        hr.rates[st][si][l] = hit(layer[st], truth_layer);
+        double sum = 0.0;
+        for (int g = 0; g < KH; ++g) sum += hit(score[g][st], truth.at(g));
+        hr.rates_head[st][si][l] = sum / KH;
+      }
+    }
+  }
+  return hr;
+}
+
+nlohmann::json diagnostic_definitions() {
+  return {
+      {"softmax_mse", "mean over the exact keys j of (P_full(j) - P_method(j))^2, P = decode attention "
+                      "probabilities (P_method(j) = 0 for an evicted key); mean over query heads and steps"},
+      {"softmax_kl", "KL(full || method) = sum_j P_full(j) * ln(P_full(j) / max(P_method(j), 1e-10)): the "
+                     "full cache is the reference distribution; mean over query heads and steps"},
+      {"attn_output_rel_error", "||o_method - o_full||_2 / ||o_full||_2 (norm ratio), o = sum_j P(j) v_j; "
+                                "mean over query heads and steps"},
+      {"sparsity_decode", "share of the method's decode attention entries below p * (row max), p = options.sparsity_p"},
+      {"visual_score_histogram", "first decode step, pre-softmax scores q.k/sqrt(d) of the visual keys: exact "
+                                 "(full keys), quantized (method keys), calibrated (after the method's score "
+                                 "transform); bins of one shared [lo, hi]"},
+      {"cache_hit_rate", "|top-k by strategy & top-k by truth| / k, k = floor(hit_budget * prompt length), at least "
+                         "1, ties to the earlier token; truth = decode attention over the prompt keys, each head "
+                         "renormalised to sum 1; strategies score keys by prefill attention: accumulated sum_i A_ij, "
+                         "normalized sum_i A_ij / (T - j), sliding_window over the last hit_window queries, "
+                         "post_vision over the queries after the last visual token, recency = position; rates: "
+                         "strategy and truth the mean over every query head of the layer; rates_per_kv_head: the "
+                         "mean over the query heads of one KV head, ranked per KV head, averaged over KV heads"},
+  };
+}
+
+nlohmann::json to_json(const KVBytes& b) {
+  return {{"codes", b.codes}, {"scales", b.scales}, {"zeros", b.zeros}, {"indices", b.indices},
+          {"meta", b.meta}, {"total", b.total()}};
+}
+
+nlohmann::json to_json(const LayerDiagnostics& d) {
+  nlohmann::json j;
+  j["layer"] = d.layer;
+  j["softmax_mse"] = d.softmax_mse;
+  j["softmax_kl"] = d.softmax_kl;
+  j["attn_output_rel_error"] = d.output_rel_error;
+  j["sparsity_decode"] = d.sparsity_decode;
+  j["visual_score_histogram"] = {{"lo", d.visual_scores.lo}, {"hi", d.visual_scores.hi},
+                                 {"exact", d.visual_scores.exact}, {"quantized", d.visual_scores.quantized},
+                                 {"calibrated", d.visual_scores.calibrated}};
+  // γ and δ of each query head: the range of its quantized visual scores, which CalibQuant's
+  // g(x) maps onto [γ − τ1, δ − τ2].
+  std::vector<double> gamma, delta;
+  for (const auto& v : d.visual_score_samples.quantized) {
+    gamma.push_back(v.empty() ? 0.0 : *std::min_element(v.begin(), v.end()));
+    delta.push_back(v.empty() ? 0.0 : *std::max_element(v.begin(), v.end()));
+  }
+  j["visual_score_range_by_head"] = {{"gamma", gamma}, {"delta", delta}};
+  j["token_fate"] = {{"kept", d.fate_kept}, {"bits", d.fate_bits}, {"merged", d.fate_merged}};
+  j["bytes"] = to_json(d.bytes);
+  return j;
+}
+
+nlohmann::json to_json(const HitRates& h) {
+  nlohmann::json j;
+  j["k"] = h.k;
+  j["steps"] = h.steps;
+  for (size_t s = 0; s < h.strategies.size(); ++s) {
+    j["rates"][h.strategies[s]] = h.rates[s];
+    j["rates_per_kv_head"][h.strategies[s]] = h.rates_head[s];
+  }
+  j["definitions"] = {
+      {"rates", "layer level (VL-Cache 3.2): top-k of the strategy score vs top-k of the decode attention, "
+                "both the mean over every query head of the layer; |both| / k"},
+      {"rates_per_kv_head", "per KV head: strategy score and decode attention both the mean over the query "
+                            "heads of one KV head, top-k each per KV head, |both| / k averaged over KV heads"},
+      {"k", "floor(hit_budget * prompt length), at least 1; ties go to the earlier token"}};
+  return j;
+}
+
+}  // namespace kvlens

@@ -1,0 +1,169 @@
+// Diagnostics that compare a compressed KV cache against the full one on the same prefill:
+// score histograms (exact / quantized / calibrated), softmax MSE and KL, attention-output
+// error, sparsity, CacheHitRate of scoring strategies, token fate over the patch grid, and the
+// first divergence of the greedy output.
+#pragma once
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/kv_store.h"
+#include "core/observer.h"
+#include "core/compress/policy.h"
+
+namespace kvlens {
+
+// Keeps the decode-phase attention events of one run (steps < max_steps).
+class DecodeRecorder : public AttentionObserver {
+ public:
+  struct Entry {
+    int step = 0, layer = 0, n_heads = 0, n_kv_heads = 0, n_k = 0, head_dim = 0;
+    int32_t query_pos = 0;
+    std::vector<float> scores, probs;   // [n_heads][n_k]
+    std::vector<float> q;               // [n_heads][head_dim]
+    std::vector<float> k, v;            // [n_kv_heads][n_k][head_dim]
+    std::vector<int32_t> key_pos;       // [n_kv_heads][n_k], -1 = padding
+    std::vector<SegmentKind> key_kind;  // [n_kv_heads][n_k]
+  };
+  explicit DecodeRecorder(int max_steps) : max_steps_(max_steps) {}
+  void on_attention(const AttentionEvent& e) override;
+  const std::vector<Entry>& entries() const { return entries_; }
+  const Entry* find(int step, int layer) const;
+  int steps() const;
+
+ private:
+  int max_steps_;
+  std::vector<Entry> entries_;
+};
+
+// Keeps, for every decode step, each query head's attention over the visual tokens, indexed by
+// visual token (0 where the store no longer holds the token): the overlay of one generated
+// token's attention on the patch grid.
+class VisualAttentionRecorder : public AttentionObserver {
+ public:
+  VisualAttentionRecorder(int first_visual, int n_visual) : first_(first_visual), n_visual_(n_visual) {}
+  void on_attention(const AttentionEvent& e) override;
+  int steps() const { return static_cast<int>(rows_.size()); }
+  int n_visual() const { return n_visual_; }
+  // [n_visual] for one step, layer and head; head = -1 gives the mean over heads. Empty when
+  // that step or layer was not seen.
+  std::vector<float> attention(int step, int layer, int head) const;
+
+ private:
+  int first_, n_visual_;
+  int n_heads_ = 0;
+  std::vector<std::vector<std::vector<float>>> rows_;  // [step][layer][head × n_visual]
+};
+
+// Mean over query heads of the decode attention of steps < `steps` at `layer`, by key position:
+// [steps][n_cols] (keys at positions >= n_cols, and padding, are dropped).
+std::vector<float> decode_attention_rows(const DecodeRecorder& rec, int layer, int steps, int n_cols);
+
+// What the prefill left behind that diagnostics compare against.
+struct PrefillView {
+  const KVStore* full = nullptr;                          // full-precision store after prefill
+  const std::vector<std::vector<float>>* probs = nullptr; // [layer][n_heads][T][T]
+  const std::vector<SegmentKind>* kinds = nullptr;        // [T]
+  int n_heads = 0;
+  int prompt_len = 0;
+};
+
+struct ScoreHistogram {
+  double lo = 0, hi = 0;
+  std::vector<int64_t> exact, quantized, calibrated;  // same bin edges
+};
+
+// The first decode step's pre-softmax scores of one layer's visual keys, per query head: exact
+// (the full-precision keys), quantized (the keys the method stores, before any score transform)
+// and calibrated (after the method's score transform: what the softmax saw). [head][key]; the
+// keys of a head are those its KV head kept.
+struct VisualScores {
+  std::vector<std::vector<float>> exact, quantized, calibrated;
+};
+
+// Histograms of the visual scores on shared bins over all three kinds: one query head
+// (head >= 0) or all heads pooled (head = -1).
+ScoreHistogram visual_score_histogram(const VisualScores& s, int head, int bins);
+// The same scores with the calibrated ones recomputed by `policy`'s score transform from the
+// stored quantized scores, without decoding again (exact and quantized are kept). Holds for
+// transforms that read only the visual keys' scores, as CalibQuant's g(x) does; a policy with no
+// transform gives calibrated = quantized.
+VisualScores retransform_visual_scores(const VisualScores& s, int layer, const KVPolicy& policy);
+
+// Each decode query of the method is compared with the exact attention of the same query over
+// the full-precision prompt (and the method's generated rows): P_full over those keys, P_method
+// the method's probabilities summed by position (0 for an evicted key). Means over query heads
+// and the recorded decode steps:
+//   softmax_mse      = mean_j (P_full(j) − P_method(j))², j over the exact keys
+//   softmax_kl       = KL(P_full ‖ P_method) = Σ_j P_full(j) · ln(P_full(j) / max(P_method(j), 1e-10)):
+//                      the full cache is the reference distribution; an evicted key counts with
+//                      P_method clamped at 1e-10
+//   output_rel_error = ‖o_method − o_full‖₂ / ‖o_full‖₂ (a norm ratio), o = Σ_j P(j) v_j with the
+//                      method's stored values for o_method and the exact values for o_full
+//   sparsity_decode  = share of the method's attention entries below p · (row max)
+// The histogram uses the first decode step: pre-softmax scores q·k/√d of the visual keys,
+// exact (full keys), quantized (the method's keys) and calibrated (the scores the method's
+// attention used, after any score transform), counted in bins over one shared [lo, hi].
+struct LayerDiagnostics {
+  int layer = 0;
+  double softmax_mse = 0, softmax_kl = 0, output_rel_error = 0;  // mean over heads and steps
+  double sparsity_decode = 0;                                     // this method's decode attention
+  ScoreHistogram visual_scores;                                   // first decode step, visual keys
+  VisualScores visual_score_samples;                              // the scores behind it, per head
+  std::vector<float> fate_kept;   // per visual token: share of KV heads that keep it
+  std::vector<float> fate_bits;   // per visual token: mean bits of kept rows (32 = fp32; 0 = no head keeps it)
+  std::vector<float> fate_merged; // per visual token: mean rows merged into it
+  KVBytes bytes;                  // after prefill compression
+};
+
+struct FirstDivergence {
+  int position = -1;  // index into the generated ids; -1 = identical
+  int full_token = -1, method_token = -1;
+  float full_prob = 0, method_prob = 0;
+};
+
+// γ = share of attention entries below p · (row max) among unmasked entries, averaged over heads.
+double sparsity(const float* probs, int n_heads, int n_q, int n_k, double p);
+double prefill_sparsity(const PrefillView& pv, int layer, double p);
+
+std::vector<LayerDiagnostics> compare_layers(const PrefillView& pv, const DecodeRecorder& method,
+                                             const KVStore& compressed, int hist_bins, double p);
+
+FirstDivergence first_divergence(const std::vector<int>& full_ids, const std::vector<float>& full_probs,
+                                 const std::vector<int>& ids, const std::vector<float>& probs);
+
+// CacheHitRate of each scoring strategy (VL-Cache §3.2): |S_ψ,k ∩ S_ψ*,k| / k, where S_ψ,k is
+// the top k prompt tokens by the strategy's score ψ and S_ψ*,k the top k by the true attention
+// of the full cache's decode query at step s over the prompt keys, A_{m+1} = softmax(q K_{:m}ᵀ/√d):
+// each query head's probabilities of the prompt keys renormalised to sum to 1 (the decode query
+// also sees the generated keys). k = budget_rows(budget, prompt_len) (floor, at least 1: the rows
+// an eviction policy at that budget keeps). Strategies score a key by the prefill attention it
+// receives: accumulated (all queries), normalized (all queries, divided by the n_j = T − j
+// queries that can see key j), sliding_window (the last `window_queries` queries), post_vision
+// (the queries after the last visual token), and recency (position only, as StreamingLLM keeps
+// tokens). Top-k ties go to the earlier token, as the selection code's top_k.
+// Two rates, each [strategy][step index][layer]:
+// - rates (layer level, VL-Cache's definition, whose formulas omit heads): ψ and ψ* are the means
+//   over every query head of the layer; one top-k each.
+// - rates_head (per KV head): ψ and ψ* are the means over the query heads sharing one KV head
+//   (what an eviction policy ranks when it keeps rows per KV head); one top-k each per KV head,
+//   the rate averaged over the KV heads.
+struct HitRates {
+  std::vector<std::string> strategies;
+  std::vector<int> steps;
+  int k = 0;
+  std::vector<std::vector<std::vector<double>>> rates, rates_head;
+};
+HitRates cache_hit_rates(const PrefillView& pv, const DecodeRecorder& full, double budget,
+                         const std::vector<int>& steps, int window_queries = 32);
+
+// The definitions above as one line each, keyed like the report's fields (the report carries
+// them, so a reader of the JSON knows e.g. which distribution KL takes as reference).
+nlohmann::json diagnostic_definitions();
+
+nlohmann::json to_json(const LayerDiagnostics& d);
+nlohmann::json to_json(const HitRates& h);
+nlohmann::json to_json(const KVBytes& b);
+
+}  // namespace kvlens

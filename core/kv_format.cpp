@@ -1,0 +1,100 @@
+#include "core/kv_format.h"
+
+#include "core/errors.h"
+
+namespace kvlens::quant {
+
+// ---- packing ----------------------------------------------------------------------------------
+
+int64_t packed_size(int64_t count, int bits) { return (count * bits + 7) / 8; }
+
+std::vector<uint8_t> channel_major_1bit(const uint8_t* rows, int64_t n, int d) {
+  const int64_t row_bytes = d / 8, whole = n / 32 * 32;
+  std::vector<uint8_t> out(rows, rows + n * row_bytes);
+  for (int64_t b = 0; b < whole / 32; ++b)
+    for (int c = 0; c < d; ++c) {
+      uint32_t w = 0;
+      for (int i = 0; i < 32; ++i)
+        w |= unpack_one(rows, (32 * b + block_row(i)) * d + c, 1) << i;
+      for (int k = 0; k < 4; ++k) out[static_cast<size_t>((b * d + c) * 4 + k)] = static_cast<uint8_t>(w >> (8 * k));
+    }
+  return out;
+}
+
+void pack(const uint32_t* codes, int64_t count, int bits, std::vector<uint8_t>& out) {
+  const size_t base = out.size();
+  out.resize(base + static_cast<size_t>(packed_size(count, bits)), 0);
+  uint8_t* p = out.data() + base;
+  const uint32_t mask = max_code(bits);
+  for (int64_t i = 0; i < count; ++i) {
+    const uint32_t c = codes[i] & mask;
+    const int64_t bit = i * bits;
+    const uint32_t shifted = c << (bit & 7);  // at most 15 bits wide
+    p[bit >> 3] |= static_cast<uint8_t>(shifted & 0xffu);
+    if ((bit & 7) + bits > 8) p[(bit >> 3) + 1] |= static_cast<uint8_t>(shifted >> 8);
+  }
+}
+
+uint32_t unpack_one(const uint8_t* p, int64_t i, int bits) {
+  const int64_t bit = i * bits;
+  uint32_t w = p[bit >> 3];
+  if ((bit & 7) + bits > 8) w |= static_cast<uint32_t>(p[(bit >> 3) + 1]) << 8;
+  return (w >> (bit & 7)) & max_code(bits);
+}
+
+void unpack(const uint8_t* packed, int64_t count, int bits, uint32_t* codes) {
+  for (int64_t i = 0; i < count; ++i) codes[i] = unpack_one(packed, i, bits);
+}
+
+// ---- axes -------------------------------------------------------------------------------------
+
+Axis parse_axis(const std::string& s) {
+  if (s == "global") return Axis::Global;
+  if (s == "per-token") return Axis::PerToken;
+  if (s == "per-channel") return Axis::PerChannel;
+  throw InputError("granularity must be one of global|per-token|per-channel, got " + s);
+}
+
+const char* axis_name(Axis a) {
+  switch (a) {
+    case Axis::Global: return "global";
+    case Axis::PerToken: return "per-token";
+    case Axis::PerChannel: return "per-channel";
+  }
+  return "?";
+}
+
+// ---- payload ----------------------------------------------------------------------------------
+
+void QuantBlock::shrink_to_fit() {
+  codes.shrink_to_fit();
+  scales.shrink_to_fit();
+  zeros.shrink_to_fit();
+  meta.shrink_to_fit();
+  flags.shrink_to_fit();
+}
+
+KVBytes QuantBlock::allocated() const {
+  KVBytes b;
+  b.codes = static_cast<int64_t>(codes.capacity());
+  b.scales = static_cast<int64_t>(scales.capacity() * sizeof(uint16_t));
+  b.zeros = static_cast<int64_t>(zeros.capacity() * sizeof(uint16_t));
+  b.meta = static_cast<int64_t>(meta.capacity() * sizeof(uint16_t) + flags.capacity());
+  return b;
+}
+
+KVBytes QuantPayload::allocated() const {
+  KVBytes b;
+  for (const QuantBlock& q : k) b += q.allocated();
+  for (const QuantBlock& q : v) b += q.allocated();
+  b += tokens.allocated();
+  return b;
+}
+
+void QuantPayload::shrink_to_fit() {
+  for (QuantBlock& q : k) q.shrink_to_fit();
+  for (QuantBlock& q : v) q.shrink_to_fit();
+  tokens.shrink_to_fit();
+}
+
+}  // namespace kvlens::quant

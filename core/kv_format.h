@@ -1,0 +1,93 @@
+// The packed KV format that quantizing methods write and kernels read: b-bit little-endian
+// code streams, fp16 scales and zero points, the layouts a backend can decode directly
+// (CodeLayout), and the payload that owns a quantized segment's bytes (QuantPayload). It sits
+// on the bottom floor so that kernels know the format without knowing any method.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/half.h"
+#include "core/kv_store.h"
+
+namespace kvlens::quant {
+
+// ---- fp16 (IEEE binary16, round to nearest even; core/half.h) ------------------------------
+using kvlens::from_half;
+using kvlens::round_half;
+using kvlens::to_half;
+
+inline uint32_t max_code(int bits) { return (1u << bits) - 1u; }
+
+// ---- bit packing ------------------------------------------------------------------------------
+// Code i occupies bits [i·b, (i+1)·b) of a little-endian bit stream (bit 0 = LSB of byte 0);
+// b ∈ [1, 8]; a stream of n codes takes ceil(n·b/8) bytes.
+int64_t packed_size(int64_t count, int bits);
+// Appends the packed stream of `count` codes to `out`.
+void pack(const uint32_t* codes, int64_t count, int bits, std::vector<uint8_t>& out);
+void unpack(const uint8_t* packed, int64_t count, int bits, uint32_t* codes);
+uint32_t unpack_one(const uint8_t* packed, int64_t i, int bits);
+// 1-bit codes of n rows × d channels (d a multiple of 8) regrouped for the GPU's binary
+// tensor-core decode path: each whole group of 32 rows becomes d little-endian 32-bit words,
+// word c holding channel c's codes, the code of row 32b + block_row(i) at bit i; rows past the
+// last whole group stay as they are. The same number of bytes as the packed rows.
+inline int block_row(int bit) { return 16 * ((bit >> 1) & 1) + 8 * (bit & 1) + (bit >> 2); }
+std::vector<uint8_t> channel_major_1bit(const uint8_t* rows, int64_t n, int d);
+
+// ---- ranges' axes -------------------------------------------------------------------------------
+enum class Axis { Global, PerToken, PerChannel };
+// "global" | "per-token" | "per-channel"
+Axis parse_axis(const std::string& s);
+const char* axis_name(Axis a);
+// ---- what a quantized segment stores ----------------------------------------------------------
+struct QuantBlock {
+  std::vector<uint8_t> codes;    // packed codes (and sign bits)
+  std::vector<uint16_t> scales;  // fp16 scales (or norms)
+  std::vector<uint16_t> zeros;   // fp16 zero points α
+  std::vector<uint16_t> meta;    // fp16 extras (per-channel factors)
+  std::vector<uint8_t> flags;    // packed per-token flags (mixed precision membership)
+  void shrink_to_fit();
+  KVBytes allocated() const;  // from capacities: codes, scales, zeros, meta (fp16 meta + flags)
+};
+
+// How a payload's blocks are laid out, for a backend that reads the codes directly
+// (kernels/cuda packs and reads the same bytes). Kind None: a format only the host decodes.
+//   Fp16:     codes hold the rows as fp16 halves, [n][d] per head.
+//   Blocks:   K and V each quantize_block'ed with (bits, axis); PerChannel / Global ranges are
+//             taken over groups of `group` rows (0 = the whole block), each group packed on its
+//             own, so scales hold [groups][d] (PerChannel) or [groups] (Global) values.
+//   ZipMixed: one payload for a group of consecutive segments of a layer (ZipCache's
+//             quantization group: a layer's prompt, one of its segments, or a streaming gap;
+//             shared by the group's segments, its bytes counted on the first). Per head, the
+//             group's rows in segment order carry a salient flag (k.flags, 1 bit per row); K
+//             codes of the salient rows then of the others, each subset PerChannel at hi_bits /
+//             lo_bits (k.scales / zeros: D per non-empty subset, salient first); V codes row by
+//             row in the same order, CSTQuant: x = c_j·(code·scale + zero) with the channel
+//             factors c in v.meta (D per non-empty subset, salient first; D for both when
+//             layer_factors) and one range per row in v.scales / zeros — or, when
+//             shared_token_ranges, one per (subset, position) in `tokens` over every head that
+//             holds the position in that subset: the salient subset's positions ascending,
+//             then the other subset's.
+struct CodeLayout {
+  enum class Kind : uint8_t { None, Fp16, Blocks, ZipMixed };
+  Kind kind = Kind::None;
+  int k_bits = 0, v_bits = 0;
+  Axis k_axis = Axis::PerToken, v_axis = Axis::PerToken;
+  int k_group = 0, v_group = 0;
+  int hi_bits = 0, lo_bits = 0;
+  bool layer_factors = false, shared_token_ranges = false;
+};
+
+// One K block and one V block per KV head.
+class QuantPayload : public SegmentPayload {
+ public:
+  explicit QuantPayload(int n_heads) : k(n_heads), v(n_heads) {}
+  std::vector<QuantBlock> k, v;
+  QuantBlock tokens;  // ZipMixed with shared_token_ranges: the V token ranges (see CodeLayout)
+  CodeLayout layout;
+  KVBytes allocated() const override;
+  void shrink_to_fit();
+};
+
+}  // namespace kvlens::quant

@@ -1,0 +1,134 @@
+// The model interface: everything outside models/ talks to a Model, never to an architecture.
+// A Model turns an image and a prompt into a prefilled KV cache (vision tower, projector,
+// sequence assembly, decoder prefill) and decodes from it with a compression policy at the one
+// hook point; its facts (layers, heads, visual tokens, patch grid) are what views need. Each
+// architecture is one file behind it (models/llava.cpp: LLaVA-1.5), listed in the table of
+// architectures that load_model reads (models/model.cpp).
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/backend.h"
+#include "core/data/image.h"
+#include "core/kv_store.h"
+#include "core/observer.h"
+#include "core/compress/policy.h"
+#include "models/preprocess/clip_image.h"
+#include "models/tokenizer.h"
+
+namespace kvlens {
+
+// What prefill may keep per layer for policies and diagnostics.
+struct PrefillCapture {
+  bool keep = false;
+  std::vector<std::vector<float>> q;       // [layer][T][n_heads][head_dim]
+  std::vector<std::vector<float>> scores;  // [layer][n_heads][T][T]
+  std::vector<std::vector<float>> probs;   // [layer][n_heads][T][T]
+};
+
+struct GenerateOptions {
+  int max_new_tokens = 32;
+  bool stop_at_eos = true;
+  float temperature = 0.0f;   // 0 = greedy
+  float top_p = 1.0f;
+  uint64_t seed = 0;
+  // Storage of the decode cache's dense rows (a policy may ask for another, KVPolicy::
+  // row_storage): fp16 rounds the prefill rows and every new row to half precision, as the
+  // papers' full cache and the GPU backend store them; fp32 keeps them exact. The prefill
+  // snapshot (PrefillState::store) stays exact either way.
+  RowStorage kv_storage = RowStorage::Fp16;
+  // Asked before compression (0) and after each generated token (tokens so far); returning
+  // false stops decode with kvlens::Cancelled. Lets a caller drop a run a newer one replaced.
+  std::function<bool(int tokens_done)> keep_going;
+  bool keep_step_logits = false;  // keep the logits of every step in DecodeResult::step_logits
+  // Greedy decode with no policy and no observer on a backend that chains steps
+  // (Backend::chains_steps) launches each step before the previous one's logits are back, so
+  // the host's work between steps overlaps the device's; the results are the same either way
+  // (the device's greedy token is checked against the host's). At most one step past the
+  // caption's end (an EOS nobody could foresee) runs and is discarded.
+  bool chain_steps = true;
+};
+
+// The prompt after prefill at full precision. Kept so that compression + decode can re-run
+// (another method, another parameter) without re-running vision and prefill.
+struct PrefillState {
+  std::vector<int> ids;
+  std::vector<SegmentKind> kinds;
+  int n_visual = 0;
+  // The host store: structure and rows when `store_rows` (always on the CPU; on a device
+  // backend when attention was kept or observed), otherwise empty.
+  KVStore store;
+  bool store_rows = true;
+  std::shared_ptr<const DeviceKV> device;  // the device cache (null on the CPU backend)
+  std::vector<float> logits;  // last prompt position
+  PrefillCapture capture;     // per-layer q / scores / probs when kept
+  double preprocess_ms = 0;  // image decode-to-tensor on the host (resize, crop, normalize)
+  double vision_ms = 0, prefill_ms = 0;  // vision tower + projector; language-model prefill
+};
+
+struct DecodeResult {
+  std::vector<int> generated_ids;
+  std::string text;
+  std::vector<float> first_logits;     // logits that chose the first generated token
+  std::vector<std::vector<float>> step_logits;  // logits that chose each token (keep_step_logits)
+  std::vector<float> chosen_probs;     // softmax probability of each chosen token
+  KVBytes bytes_after_prefill;         // cache bytes right after the policy compressed it
+  KVBytes bytes_final;                 // (on a device backend: the device cache's bytes)
+  double compress_ms = 0, decode_ms = 0;
+  bool chained = false;                // the loop chained its steps (GenerateOptions::chain_steps)
+};
+
+// What the views and reports need to know of a model, whatever its architecture.
+struct ModelInfo {
+  std::string architecture;  // the table's name for it ("llava")
+  int n_layers = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0, hidden = 0, vocab = 0;
+  int n_visual = 0;          // image tokens per image
+  // The visual tokens' patch grid: rows × cols patches; the first `patch_first` visual tokens
+  // (a CLS token, say) are not on it.
+  int patch_rows = 0, patch_cols = 0, patch_first = 0;
+};
+
+class Model {
+ public:
+  virtual ~Model() = default;
+  virtual const ModelInfo& info() const = 0;
+  virtual const std::string& dir() const = 0;
+  virtual const Tokenizer& tokenizer() const = 0;
+  virtual const PreprocessConfig& preprocess_config() const = 0;
+  virtual PreprocessConfig& preprocess_config() = 0;
+  virtual Backend& backend() const = 0;
+  // Bytes of language-model weights one decode step reads: every layer's matrices, norms and
+  // biases, the final norm, lm_head and one embedding row (the decode roofline's denominator).
+  virtual int64_t decode_weight_bytes() const = 0;
+
+  // The image as the vision tower takes it (the architecture's processor).
+  virtual Tensor pixel_values(const RGBImage& img) const = 0;
+  // pixel values → projected image features [n_visual][text_hidden] (fp32, backend memory).
+  virtual Buffer encode_image(const Tensor& pixel_values) const = 0;
+  // Tokenizes and runs the prompt; `keep_attention` keeps per-layer q/scores/probs (policies
+  // that score tokens need them).
+  virtual PrefillState prefill(const RGBImage& img, const std::string& prompt, const std::string& templ,
+                               bool keep_attention, const std::vector<AttentionObserver*>& observers = {}) const = 0;
+  // The same from image features already computed by encode_image (several prompts, one image).
+  virtual PrefillState prefill_features(const Buffer& features, const std::string& prompt, const std::string& templ,
+                                        bool keep_attention,
+                                        const std::vector<AttentionObserver*>& observers = {}) const = 0;
+  // Copies the prefill store, stores its rows as opt.kv_storage says (or as the policy asks),
+  // lets `policy` compress it (null = full cache), then decodes.
+  // `compressed`, when given, receives the store as the policy left it after prefill.
+  virtual DecodeResult decode(const PrefillState& st, KVPolicy* policy, const GenerateOptions& opt,
+                              const std::vector<AttentionObserver*>& observers = {},
+                              KVStore* compressed = nullptr) const = 0;
+  // Contexts handed to KVPolicy::on_prefill.
+  virtual std::vector<PrefillContext> prefill_contexts(const PrefillState& st) const = 0;
+};
+
+// Loads the checkpoint folder `dir` (HF layout: config.json, safetensors, tokenizer, processor
+// config) as the architecture its config.json names, on the backend asked for. Throws
+// InputError naming the file and what was expected.
+std::unique_ptr<Model> load_model(const std::string& dir, const BackendOptions& backend = {});
+
+}  // namespace kvlens

@@ -1,0 +1,319 @@
+// Figures built from a real run report: every number a figure shows is the report's number, the
+// layout puts data where the axes say, and a broken report is refused naming the key.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+
+#include "core/errors.h"
+#include "app/figures/figures.h"
+#include "app/figures/figures_report.h"
+#include "app/lab/experiment.h"
+#include "tests/test_util.h"
+
+using namespace kvlens;
+using namespace kvlens::fig;
+namespace kt = kvlens::testing;
+
+namespace {
+
+// One report of the fixture model: calibquant (calibrating), streamingllm (evicting), LOOK-M
+// (merging evicted visual rows into kept ones).
+const nlohmann::json& report() {
+  static const nlohmann::json r = [] {
+    const std::string dir = kt::source_dir() + "/tests/fixtures/hf/mha_fp32_hub";
+    const std::unique_ptr<Model> model_owned = load_model(dir);
+    const Model& model = *model_owned;
+    ExperimentOptions opt;
+    opt.max_new_tokens = 6;
+    opt.diag_steps = 3;
+    opt.hit_steps = {0, 2};
+    opt.attention_maps = true;
+    Experiment ex = start_experiment(model, load_image(dir + "/image.png"), opt);
+    for (const char* spec : {"calibquant:bits=1,tau1=0.5,tau2=2", "streamingllm:budget=0.3", "lookm:alpha2=0.5,text_prior=false,merge=average"})
+      ex.runs.push_back(run_method(model, ex, parse_method_spec(spec), opt));
+    return experiment_json(model, ex, opt);
+  }();
+  return r;
+}
+
+double measure(const std::string& s, double size) { return 0.55 * size * static_cast<double>(s.size()); }
+
+const Series& by_label(const Figure& f, const std::string& label) {
+  for (const Series& s : f.series)
+    if (s.label == label) return s;
+  throw std::runtime_error("no series " + label + " in " + f.id);
+}
+
+}  // namespace
+
+TEST(Figures, LayerMetricLinesAreTheReportsNumbers) {
+  const auto& r = report();
+  const Figure f = layer_metric_figure(r, LayerMetric::SoftmaxMse);
+  const auto names = method_labels(r);
+  ASSERT_EQ(f.series.size(), names.size());
+  const int L = layer_count(r);
+  ASSERT_EQ(f.x.ticks.size(), static_cast<size_t>(L));
+  for (size_t m = 0; m < names.size(); ++m) {
+    EXPECT_EQ(f.series[m].label, names[m]);
+    ASSERT_EQ(f.series[m].y.size(), static_cast<size_t>(L));
+    for (int l = 0; l < L; ++l) {
+      EXPECT_EQ(f.series[m].x[l], l);
+      EXPECT_DOUBLE_EQ(f.series[m].y[l], r["methods"][m]["layers"][l]["softmax_mse"].get<double>());
+      EXPECT_GE(f.series[m].y[l], f.y.min);
+      EXPECT_LE(f.series[m].y[l], f.y.max);
+    }
+  }
+  const Figure k = layer_metric_figure(r, LayerMetric::OutputError);
+  EXPECT_DOUBLE_EQ(k.series[1].y[1], r["methods"][1]["layers"][1]["attn_output_rel_error"].get<double>());
+}
+
+TEST(Figures, SparsityAndHitRates) {
+  const auto& r = report();
+  const Figure s = sparsity_figure(r);
+  EXPECT_EQ(by_label(s, "full cache, prefill").y, r["full"]["sparsity_prefill"].get<std::vector<double>>());
+  EXPECT_EQ(by_label(s, "full cache, decode").y, r["full"]["sparsity_decode"].get<std::vector<double>>());
+  const Figure h = hit_rate_by_layer_figure(r, 1);
+  EXPECT_EQ(h.id, "cache_hit_rate_by_layer_step2");
+  ASSERT_EQ(h.series.size(), r["cache_hit_rate"]["rates"].size());
+  for (const Series& ser : h.series)
+    EXPECT_EQ(ser.y, r["cache_hit_rate"]["rates"][ser.label][1].get<std::vector<double>>()) << ser.label;
+  const Figure hs = hit_rate_by_step_figure(r);
+  const auto acc = r["cache_hit_rate"]["rates"]["accumulated"][0].get<std::vector<double>>();
+  double mean = 0;
+  for (double v : acc) mean += v / acc.size();
+  EXPECT_NEAR(by_label(hs, "accumulated").y[0], mean, 1e-12);
+  EXPECT_THROW(hit_rate_by_layer_figure(r, 5), InputError);
+}
+
+TEST(Figures, BytesBarsAndParetoView) {
+  const auto& r = report();
+  const Figure b = bytes_by_layer_figure(r);
+  for (size_t m = 0; m < b.series.size(); ++m)
+    for (size_t l = 0; l < b.series[m].y.size(); ++l)
+      EXPECT_DOUBLE_EQ(b.series[m].y[l] * 1024.0, r["methods"][m]["layers"][l]["bytes"]["total"].get<double>());
+  ASSERT_EQ(b.markers.size(), 1u);
+  EXPECT_DOUBLE_EQ(b.markers[0].at * 1024.0 * layer_count(r), r["full"]["bytes_fp16"]["total"].get<double>());
+  // Bars of one layer do not overlap.
+  EXPECT_LT(b.series[0].x[0] + b.series[0].bar_width / 2, b.series[1].x[0] - b.series[1].bar_width / 2);
+
+  const Figure p = bytes_vs_agreement_figure(r);
+  const auto full = r["full"]["generated_ids"].get<std::vector<int>>();
+  for (size_t m = 0; m < r["methods"].size(); ++m) {
+    const Series& s = by_label(p, method_labels(r)[m]);
+    EXPECT_DOUBLE_EQ(s.x[0] * 1024.0, r["methods"][m]["bytes_after_prefill"]["total"].get<double>());
+    EXPECT_DOUBLE_EQ(s.y[0], greedy_agreement(full, r["methods"][m]["generated_ids"].get<std::vector<int>>()));
+  }
+  const Series& front = by_label(p, "Pareto front");
+  for (size_t i = 1; i < front.x.size(); ++i) {
+    EXPECT_GT(front.x[i], front.x[i - 1]);
+    EXPECT_GT(front.y[i], front.y[i - 1]);
+  }
+  EXPECT_EQ(front.y.back(), 1.0);  // the full cache (or a method as good) ends the front
+  EXPECT_DOUBLE_EQ(greedy_agreement({1, 2, 3, 4}, {1, 2, 9}), 0.5);
+  EXPECT_DOUBLE_EQ(greedy_agreement({1, 2}, {1, 2}), 1.0);
+  EXPECT_DOUBLE_EQ(greedy_agreement({1, 2}, {1, 2, 3}), 1.0);
+}
+
+TEST(Figures, ScoreHistogramAndCalibrationMarks) {
+  const auto& r = report();
+  const Figure f = score_histogram_figure(r, 0, 1);
+  const auto& hj = r["methods"][0]["layers"][1]["visual_score_histogram"];
+  const double lo = hj["lo"], hi = hj["hi"];
+  const Series& cal = by_label(f, "quantized + calibrated");
+  ASSERT_EQ(cal.x.size(), hj["calibrated"].size() + 1);
+  for (size_t i = 0; i < cal.x.size(); ++i) EXPECT_NEAR(cal.x[i], lo + (hi - lo) * i / (cal.x.size() - 1), 1e-9);
+  EXPECT_EQ(cal.y, hj["calibrated"].get<std::vector<double>>());
+  EXPECT_EQ(by_label(f, "exact").y, hj["exact"].get<std::vector<double>>());
+  // Pooled over heads: the taus in the note, no γ/δ marks (each head has its own range).
+  EXPECT_TRUE(f.markers.empty());
+  EXPECT_NE(f.note.find("τ1 = 0.5, τ2 = 2"), std::string::npos) << f.note;
+  // One head's histogram with its calibration: γ, δ marked, [γ−τ1, δ−τ2] shaded.
+  ScoreHistogram one;
+  one.lo = -4;
+  one.hi = 6;
+  one.exact = one.quantized = one.calibrated = {1, 2, 3, 4, 5};
+  const Figure hf = score_histogram_figure(one, "h", "one head", Calibration{0.5, 2}, -3, 5);
+  ASSERT_EQ(hf.markers.size(), 2u);
+  EXPECT_DOUBLE_EQ(hf.markers[0].at, -3);
+  EXPECT_DOUBLE_EQ(hf.markers[1].at, 5);
+  ASSERT_EQ(hf.bands.size(), 1u);
+  EXPECT_DOUBLE_EQ(hf.bands[0].from, -3.5);
+  EXPECT_DOUBLE_EQ(hf.bands[0].to, 3);
+  EXPECT_EQ(hf.series[2].x, (std::vector<double>{-4, -2, 0, 2, 4, 6}));
+  // A method that does not calibrate: no taus.
+  EXPECT_EQ(score_histogram_figure(r, 1, 1).note.find("τ1"), std::string::npos);
+  const auto g = r["methods"][0]["layers"][1]["visual_score_range_by_head"]["gamma"].get<std::vector<double>>();
+  const auto d = r["methods"][0]["layers"][1]["visual_score_range_by_head"]["delta"].get<std::vector<double>>();
+  const double gamma = *std::min_element(g.begin(), g.end()), delta = *std::max_element(d.begin(), d.end());
+
+  const Figure t = transfer_curve_figure(r, 0, 1);
+  const Series& gx = by_label(t, "g(x)");
+  EXPECT_NEAR(gx.x.front(), gamma, 1e-9);
+  EXPECT_NEAR(gx.y.front(), gamma - 0.5, 1e-9);
+  EXPECT_NEAR(gx.y.back(), delta - 2, 1e-9);
+  EXPECT_THROW(transfer_curve_figure(r, 1, 0), InputError);
+}
+
+TEST(Figures, AttentionHeatmapAndTokenFate) {
+  const auto& r = report();
+  ASSERT_TRUE(has_attention(r));
+  const int n = r["attention"]["size"], S = r["attention"]["steps"];
+  const Figure full = attention_heatmap_figure(r, 1, -1);
+  ASSERT_EQ(full.series.size(), 1u);
+  const Series& h = full.series[0];
+  ASSERT_EQ(h.rows, n);
+  EXPECT_DOUBLE_EQ(h.z[static_cast<size_t>(n - 1) * n + 3], r["attention"]["layers"][1][n - 1][3].get<double>());
+  EXPECT_TRUE(std::isnan(h.z[static_cast<size_t>(3) * n + 4]));  // after the query: masked
+  // ... and drawn as missing (light grey), not as the bottom of the colour map.
+  const Frame fr = draw(full, 640, 640, measure);
+  const auto img = std::find_if(fr.prims.begin(), fr.prims.end(), [](const Prim& p) { return p.type == Prim::Type::Image && p.image_w > 1; });
+  ASSERT_NE(img, fr.prims.end());
+  const uint8_t* masked = &img->rgba[(static_cast<size_t>(3) * n + 4) * 4];
+  EXPECT_EQ(masked[0], masked[1]);
+  EXPECT_EQ(masked[1], masked[2]);
+  EXPECT_GT(masked[0], 200);
+  EXPECT_THROW(attention_heatmap_figure(r, layer_count(r), -1), InputError);
+  const Figure m = attention_heatmap_figure(r, 1, 1);  // streamingllm's decode rows
+  const int T = n - S;
+  EXPECT_DOUBLE_EQ(m.series[0].z[static_cast<size_t>(T) * n + 5], r["methods"][1]["decode_attention"][1][0][5].get<double>());
+  EXPECT_EQ(m.series[0].z[static_cast<size_t>(T - 1) * n + 2], h.z[static_cast<size_t>(T - 1) * n + 2]);  // prompt rows are shared
+  // A boundary is marked at every position where the segment changes, and at the first generated row.
+  std::set<double> want;
+  const auto kinds = r["token_kinds"].get<std::vector<std::string>>();
+  for (size_t t = 1; t < kinds.size(); ++t)
+    if (kinds[t] != kinds[t - 1]) want.insert(static_cast<double>(t));
+  want.insert(T);
+  std::set<double> got;
+  for (const Marker& mk : full.markers)
+    if (mk.axis == 'x') got.insert(mk.at);
+  EXPECT_EQ(got, want);
+
+  const Figure fate = token_fate_figure(r, 1, 0, "kept");
+  const int R = r["patch_grid"]["rows"], C = r["patch_grid"]["cols"];
+  ASSERT_EQ(fate.series[0].rows, R);
+  ASSERT_EQ(fate.series[0].cols, C);
+  EXPECT_EQ(fate.series[0].z, r["methods"][1]["layers"][0]["token_fate"]["kept"].get<std::vector<double>>());
+  EXPECT_THROW(token_fate_figure(r, 1, 0, "colour"), InputError);
+}
+
+TEST(Figures, EveryReportFigureHasAUniqueIdAndDraws) {
+  const auto& r = report();
+  const std::vector<Figure> all = report_figures(r);
+  std::set<std::string> ids;
+  for (const Figure& f : all) {
+    EXPECT_TRUE(ids.insert(f.id).second) << f.id;
+    const Frame fr = draw(f, 640, 400, measure);
+    EXPECT_GT(fr.plot.width(), 100) << f.id;
+    EXPECT_GT(fr.plot.height(), 100) << f.id;
+    EXPECT_FALSE(figure_csv(f).empty());
+  }
+  // merged fate only where LOOK-M merged something; calibration only for calibquant.
+  EXPECT_EQ(method_labels(r)[0], "calibquant:tau1=0.5,tau2=2");
+  EXPECT_TRUE(ids.count("calibration_m0_calibquant_tau1_0.5_tau2_2_l0"));
+  EXPECT_TRUE(ids.count("score_histogram_m1_streamingllm_budget_0.3_l0"));
+  EXPECT_FALSE(ids.count("calibration_m1_streamingllm_budget_0.3_l0"));
+  EXPECT_EQ(method_labels(r)[2], "lookm:alpha2=0.5,merge=average,text_prior=off");
+  EXPECT_TRUE(ids.count("token_fate_merged_m2_lookm_alpha2_0.5_merge_average_text_prior_off_l0"));
+  EXPECT_FALSE(std::any_of(ids.begin(), ids.end(), [](const std::string& id) { return id.rfind("token_fate_merged_m0", 0) == 0; }));
+  EXPECT_TRUE(ids.count("cache_hit_rate_by_layer_step0"));
+  EXPECT_TRUE(ids.count("attention_l0"));
+}
+
+TEST(Figures, LayoutPutsDataWhereTheAxesSay) {
+  Figure f;
+  f.title = "τ1 and γ";
+  f.x.label = "x";
+  f.y.label = "y";
+  f.x.min = 0;
+  f.x.max = 10;
+  f.y.min = 0;
+  f.y.max = 100;
+  Series s;
+  s.label = "line";
+  s.x = {0, 5, 10};
+  s.y = {0, 50, 100};
+  f.series.push_back(s);
+  const Frame fr = draw(f, 500, 300, measure);
+  const Prim* poly = nullptr;
+  bool title = false, xlabel = false, ylabel_vertical = false;
+  for (const Prim& p : fr.prims) {
+    if (p.type == Prim::Type::Polyline && p.pts.size() == 3) poly = &p;
+    if (p.type == Prim::Type::Text && p.text == f.title) title = true;
+    if (p.type == Prim::Type::Text && p.text == "x") xlabel = true;
+    if (p.type == Prim::Type::Text && p.text == "y") ylabel_vertical = p.vertical;
+  }
+  ASSERT_NE(poly, nullptr);
+  EXPECT_TRUE(title);
+  EXPECT_TRUE(xlabel);
+  EXPECT_TRUE(ylabel_vertical);
+  EXPECT_NEAR(poly->pts[0].x, fr.plot.x0, 1e-9);
+  EXPECT_NEAR(poly->pts[0].y, fr.plot.y1, 1e-9);
+  EXPECT_NEAR(poly->pts[2].x, fr.plot.x1, 1e-9);
+  EXPECT_NEAR(poly->pts[2].y, fr.plot.y0, 1e-9);
+  EXPECT_NEAR(poly->pts[1].x, (fr.plot.x0 + fr.plot.x1) / 2, 1e-9);
+  // Read-out at the middle point.
+  const auto ro = readout(f, fr, poly->pts[1].x + 2, poly->pts[1].y);
+  ASSERT_EQ(ro.size(), 1u);
+  EXPECT_EQ(ro[0], "line: x = 5, y = 50");
+  EXPECT_TRUE(readout(f, fr, 1, 1).empty());  // outside the plot
+  // Zoom to x in [4, 6]: the middle point is at the centre, the ends are outside.
+  View v;
+  v.zoomed = true;
+  v.x_min = 4;
+  v.x_max = 6;
+  const Frame z = draw(f, 500, 300, measure, v);
+  EXPECT_NEAR(z.px(5), (z.plot.x0 + z.plot.x1) / 2, 1e-9);
+  EXPECT_GT(z.px(10), z.plot.x1);
+  EXPECT_NEAR(z.data_x(z.px(4.5)), 4.5, 1e-9);
+  // Inverted y: min at the top.
+  f.y.inverted = true;
+  const Frame inv = draw(f, 500, 300, measure);
+  EXPECT_NEAR(inv.py(0), inv.plot.y0, 1e-9);
+}
+
+TEST(Figures, TicksAreRoundAndInsideTheRange) {
+  const auto t = nice_ticks(0.013, 0.87, 5, false);
+  ASSERT_GE(t.size(), 3u);
+  for (const Tick& k : t) {
+    EXPECT_GE(k.value, 0.013 - 1e-12);
+    EXPECT_LE(k.value, 0.87 + 1e-12);
+  }
+  EXPECT_EQ(t[0].label, "0.2");
+  const auto lg = nice_ticks(2e-6, 3e-2, 6, true);
+  ASSERT_EQ(lg.size(), 4u);  // 1e-5 … 1e-2
+  EXPECT_EQ(lg.front().label, "1e-5");
+  EXPECT_EQ(lg.back().label, "0.01");
+  EXPECT_EQ(format_value(3), "3");
+  EXPECT_EQ(format_value(0.000123456), "0.0001235");
+}
+
+TEST(Figures, BrokenReportIsRefusedNamingTheKey) {
+  nlohmann::json r = report();
+  r["methods"][1]["layers"][1].erase("softmax_mse");
+  try {
+    layer_metric_figure(r, LayerMetric::SoftmaxMse);
+    FAIL();
+  } catch (const InputError& e) {
+    EXPECT_STREQ(e.what(), "report.methods[1].layers[1] lacks 'softmax_mse'");
+  }
+  r = report();
+  r["full"]["sparsity_prefill"][0] = "high";
+  try {
+    sparsity_figure(r);
+    FAIL();
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("report.full.sparsity_prefill[0]"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(score_histogram_figure(report(), 7, 0), InputError);
+}
+
+TEST(Figures, CsvHoldsEveryPoint) {
+  const Figure f = layer_metric_figure(report(), LayerMetric::SoftmaxKl);
+  const std::string csv = figure_csv(f);
+  size_t lines = std::count(csv.begin(), csv.end(), '\n');
+  // title + per series (header, column names, one row per layer)
+  EXPECT_EQ(lines, 1 + f.series.size() * (2 + static_cast<size_t>(layer_count(report()))));
+  EXPECT_NE(csv.find("# line: " + method_labels(report())[0]), std::string::npos);
+}

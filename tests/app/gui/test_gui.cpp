@@ -1,0 +1,279 @@
+// kvlens-gui driven headless (--script) under Xvfb with Mesa: the screenshot shows an image and
+// a plot; exported figures decode (PNG), parse (SVG) and render (PDF); a saved session reopens
+// to the same state and the same report, and runs in the CLI to the same report; a parameter
+// change moves the calibrated histogram at once and the softmax MSE once re-decoded; bad input
+// becomes a message while the app keeps running and nothing is lost.
+#include <gtest/gtest.h>
+
+#include <sys/wait.h>
+
+#include <chrono>
+#include <random>
+#include <set>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "core/data/image.h"
+#include "app/lab/session.h"
+#include "tests/test_util.h"
+
+#ifdef KVLENS_HAVE_EXPAT
+#include <expat.h>
+#endif
+
+namespace kt = kvlens::testing;
+using kvlens::RGBImage;
+using nlohmann::json;
+
+namespace {
+
+#ifdef KVLENS_GUI_BINARY
+const char* kGui = KVLENS_GUI_BINARY;
+#else
+const char* kGui = nullptr;
+#endif
+
+// Skips (visibly) where the app or Xvfb is missing; else runs `steps` in `dir`.
+#define RUN_GUI_OR_SKIP(dir, steps, out)                                                                    \
+  do {                                                                                                      \
+    if (!kGui) GTEST_SKIP() << "kvlens-gui is not built (KVLENS_GUI=OFF or its packages are missing)";     \
+    if (kt::run("command -v xvfb-run").code != 0)                                                           \
+      GTEST_SKIP() << "xvfb-run is not installed (./setup.sh --tests installs xvfb)";                       \
+    kt::write_file(dir + "/steps.json", (steps).dump(1));                                                   \
+    out = kt::run("cd " + dir + " && HOME=" + dir + " XDG_STATE_HOME=" + dir + "/state xvfb-run -a -s '-screen 0 1920x1200x24' " + \
+                  kGui + " --script steps.json");                                                            \
+  } while (0)
+
+json load(const std::string& path) { return json::parse(kt::read_file(path)); }
+
+json without_timings(json r) {
+  r.erase("timings_ms");
+  for (auto& m : r["methods"]) m.erase("timings_ms");
+  return r;
+}
+
+struct Pixels {
+  int differing = 0, total = 0;
+  size_t colours = 0;
+};
+
+// Pixels of a region that differ from `bg` by more than `tol` in some channel, and its distinct colours.
+Pixels region(const RGBImage& img, const json& rect, std::array<int, 3> bg, int tol) {
+  Pixels p;
+  std::set<uint32_t> colours;
+  const int x0 = static_cast<int>(rect[0].get<double>()), y0 = static_cast<int>(rect[1].get<double>());
+  const int w = static_cast<int>(rect[2].get<double>()), h = static_cast<int>(rect[3].get<double>());
+  for (int y = std::max(0, y0); y < std::min(img.height, y0 + h); ++y)
+    for (int x = std::max(0, x0); x < std::min(img.width, x0 + w); ++x) {
+      const uint8_t* q = &img.data[(static_cast<size_t>(y) * img.width + x) * 3];
+      ++p.total;
+      bool d = false;
+      for (int c = 0; c < 3; ++c) d = d || std::abs(q[c] - bg[c]) > tol;
+      p.differing += d;
+      colours.insert(q[0] << 16 | q[1] << 8 | q[2]);
+    }
+  p.colours = colours.size();
+  return p;
+}
+
+bool svg_parses(const std::string& text) {
+#ifdef KVLENS_HAVE_EXPAT
+  XML_Parser p = XML_ParserCreate(nullptr);
+  const bool ok = XML_Parse(p, text.data(), static_cast<int>(text.size()), 1) == XML_STATUS_OK;
+  XML_ParserFree(p);
+  return ok && text.find("<svg") != std::string::npos;
+#else
+  return text.find("<svg") != std::string::npos && text.find("</svg>") != std::string::npos;
+#endif
+}
+
+}  // namespace
+
+TEST(Gui, ScriptedSessionScreenshotsExportsAndLiveCalibration) {
+  const std::string dir = kt::make_temp_dir("gui");
+  const json steps = {{"steps",
+                       {{{"do", "wait_results"}},
+                        {{"do", "select"}, {"calib_method", 0}, {"layer", 1}, {"head", 2}, {"plot", "softmax_mse"}},
+                        {{"do", "frames"}, {"n", 3}},
+                        {{"do", "screenshot"}, {"path", "main.png"}},
+                        {{"do", "dump_state"}, {"path", "before.json"}},
+                        {{"do", "set_param"}, {"method", 0}, {"name", "tau2"}, {"value", 1}},
+                        {{"do", "dump_state"}, {"path", "moved.json"}},  // same frame: no new result yet
+                        {{"do", "wait_results"}},
+                        {{"do", "dump_state"}, {"path", "after.json"}},
+                        {{"do", "export_figures"}, {"dir", "figs"}, {"formats", "png,svg,pdf"}, {"all", false}},
+                        {{"do", "export_report"}, {"path", "r1.json"}},
+                        {{"do", "save_session"}, {"path", "s.json"}},
+                        {{"do", "dump_state"}, {"path", "saved.json"}},
+                        {{"do", "new_session"}},
+                        {{"do", "open_session"}, {"path", "s.json"}},
+                        {{"do", "wait_results"}},
+                        {{"do", "export_report"}, {"path", "r2.json"}},
+                        {{"do", "dump_state"}, {"path", "reopened.json"}},
+                        {{"do", "quit"}}}}};
+  kt::RunResult r;
+  RUN_GUI_OR_SKIP(dir, steps, r);
+  ASSERT_EQ(r.code, 0) << r.output;
+
+  // The screenshot: the whole window, an image in the Image panel, a plot in the Plots panel.
+  const RGBImage shot = kvlens::load_image(dir + "/main.png");
+  EXPECT_EQ(shot.width, 1680);
+  EXPECT_EQ(shot.height, 1050);
+  const json before = load(dir + "/before.json");
+  const std::array<int, 3> window_bg{249, 249, 250}, white{255, 255, 255};
+  const json all = {0, 0, shot.width, shot.height};
+  EXPECT_GT(region(shot, all, window_bg, 3).colours, 300u) << "the screenshot looks blank";
+  ASSERT_TRUE(before["drawn"].contains("image"));
+  ASSERT_TRUE(before["drawn"].contains("plot"));
+  const Pixels img = region(shot, before["drawn"]["image"], window_bg, 6);
+  EXPECT_GT(img.differing, img.total * 9 / 10) << "the image region shows the background";
+  EXPECT_GT(img.colours, 300u);
+  const Pixels plot = region(shot, before["drawn"]["plot"], white, 40);  // lines, text, grid
+  EXPECT_GT(plot.differing, plot.total / 100) << "the plot region is empty";
+  EXPECT_GT(region(shot, before["drawn"]["plot"], window_bg, 3).differing, plot.total / 2);
+  const Pixels hist = region(shot, before["drawn"]["calibration_histogram"], white, 40);
+  EXPECT_GT(hist.differing, hist.total / 50) << "the calibration histogram is empty";
+
+  // τ2 moved: the calibrated histogram changes at once, recomputed from the stored quantized
+  // scores before any re-decode came back; the MSE of that method changes once it is
+  // re-decoded; the other methods keep theirs.
+  const json moved = load(dir + "/moved.json"), after = load(dir + "/after.json");
+  EXPECT_FALSE(moved["up_to_date"].get<bool>());
+  EXPECT_EQ(moved["results"], before["results"]);  // the old results are still the ones shown
+  EXPECT_NE(moved["calibration"]["calibrated"], before["calibration"]["calibrated"]);
+  EXPECT_EQ(moved["calibration"]["gamma"], before["calibration"]["gamma"]);  // same stored quantized scores
+  ASSERT_EQ(after["results"].size(), 4u);
+  EXPECT_NE(after["results"][0]["mean_softmax_mse"], before["results"][0]["mean_softmax_mse"]);
+  EXPECT_NE(after["results"][0]["spec"], before["results"][0]["spec"]);
+  for (int i = 1; i < 4; ++i) EXPECT_EQ(after["results"][i]["mean_softmax_mse"], before["results"][i]["mean_softmax_mse"]);
+  EXPECT_TRUE(after["up_to_date"].get<bool>());
+
+  // Exports: the figures on screen (plot, histogram, transfer curve) in every format.
+  int pngs = 0;
+  for (const char* id : {"softmax_mse_by_layer", "calibration_histogram_l1_h2", "calibration_transfer_l1_h2"}) {
+    const std::string base = dir + "/figs/" + id;
+    const RGBImage png = kvlens::load_image(base + ".png");
+    EXPECT_GT(png.width, 100) << id;
+    ++pngs;
+    EXPECT_TRUE(svg_parses(kt::read_file(base + ".svg"))) << id;
+    EXPECT_FALSE(kt::read_file(base + ".csv").empty()) << id;
+    if (kt::run("command -v pdftoppm").code == 0) {
+      const auto pdf = kt::run("pdftoppm -png -r 50 -singlefile " + base + ".pdf " + base + "_pdf");
+      EXPECT_EQ(pdf.code, 0) << pdf.output;
+      EXPECT_GT(kvlens::load_image(base + "_pdf.png").width, 100) << id;
+    }
+  }
+  EXPECT_EQ(pngs, 3);
+
+  // The saved session reopens to the same state and the same report.
+  const json saved = load(dir + "/saved.json"), reopened = load(dir + "/reopened.json");
+  for (const char* k : {"methods", "views", "inputs"}) EXPECT_EQ(saved[k], reopened[k]) << k;
+  const json r1 = load(dir + "/r1.json"), r2 = load(dir + "/r2.json");
+  EXPECT_EQ(without_timings(r1), without_timings(r2));
+  const json s = load(dir + "/s.json");
+  EXPECT_EQ(s["kvlens_session"], 2);
+  EXPECT_FALSE(s["model_hash"].get<std::string>().empty());
+  EXPECT_EQ(s["results"]["methods"].size(), 4u);
+  // ... and runs in the CLI to the same report.
+  const auto cli = kt::run(kt::cli() + " run --session " + dir + "/s.json --attention-maps --report " + dir + "/r3.json");
+  ASSERT_EQ(cli.code, 0) << cli.output;
+  EXPECT_EQ(without_timings(load(dir + "/r3.json")), without_timings(r1));
+}
+
+TEST(Gui, BadInputIsAMessageAndNothingIsLost) {
+  const std::string dir = kt::make_temp_dir("guibad");
+  kt::write_file(dir + "/notanimage.png", "plain text, not pixels");
+  kt::write_file(dir + "/corrupt.json", "{\"methods\": [");
+  kt::write_file(dir + "/newer.json", "{\"kvlens_session\": 3, \"methods\": [\"kivi\"]}");
+  kt::write_file(dir + "/missing_image.json",
+                 "{\"kvlens_session\": 2, \"image\": \"" + dir + "/gone.png\", \"max_new_tokens\": 4, \"methods\": [\"kivi\"]}");
+  const json steps = {{"steps",
+                       {{{"do", "wait_results"}},
+                        {{"do", "open_image"}, {"path", "notanimage.png"}},
+                        {{"do", "expect_message"}, {"contains", "notanimage.png"}},
+                        {{"do", "open_model"}, {"path", dir}},
+                        {{"do", "expect_message"}, {"contains", "not a model folder"}},
+                        {{"do", "open_session"}, {"path", "corrupt.json"}},
+                        {{"do", "expect_message"}, {"contains", "corrupt.json: not valid JSON"}},
+                        {{"do", "open_session"}, {"path", "newer.json"}},
+                        {{"do", "expect_message"}, {"contains", "session version 3 is newer than this kvlens reads (version 2)"}},
+                        {{"do", "export_report"}, {"path", "/proc/kvlens_no/r.json"}},
+                        {{"do", "expect_message"}, {"contains", "/proc/kvlens_no/r.json"}},
+                        {{"do", "export_figures"}, {"dir", "/proc/kvlens_no"}, {"formats", "png"}},
+                        {{"do", "expect_message"}, {"contains", "/proc/kvlens_no"}},
+                        {{"do", "set_param"}, {"method", 0}, {"name", "tau2"}, {"value", 9}},
+                        {{"do", "expect_message"}, {"contains", "calibquant: tau2 must be in [0, 8], got 9"}},
+                        {{"do", "dump_state"}, {"path", "after_errors.json"}},
+                        {{"do", "screenshot"}, {"path", "after_errors.png"}},
+                        {{"do", "open_session"}, {"path", "missing_image.json"}},
+                        {{"do", "expect_message"}, {"contains", "gone.png not found"}},
+                        {{"do", "frames"}, {"n", 20}},
+                        {{"do", "dump_state"}, {"path", "missing.json"}},
+                        {{"do", "quit"}}}}};
+  kt::RunResult r;
+  RUN_GUI_OR_SKIP(dir, steps, r);
+  ASSERT_EQ(r.code, 0) << r.output;  // every expected message came, and the app ran to the end
+  const json st = load(dir + "/after_errors.json");
+  ASSERT_EQ(st["methods"].size(), 4u);
+  EXPECT_NE(st["methods"][0]["spec"].get<std::string>().find("tau2=3"), std::string::npos);  // refused value not applied
+  EXPECT_EQ(st["inputs"]["image_path"], "");  // still the sample image
+  EXPECT_EQ(st["inputs"]["model_dir"], "");   // still the embedded model
+  EXPECT_TRUE(st["up_to_date"].get<bool>());
+  EXPECT_GT(kvlens::load_image(dir + "/after_errors.png").width, 0);
+  // A session whose image is gone opens, says so, and stays editable.
+  const json m = load(dir + "/missing.json");
+  ASSERT_EQ(m["methods"].size(), 1u);
+  EXPECT_EQ(m["inputs"]["max_new_tokens"], 4);
+  // A script with an unknown step is refused before anything runs.
+  kt::write_file(dir + "/bad_script.json", "{\"steps\": [{\"do\": \"fly\"}]}");
+  const auto bad = kt::run(std::string(kGui) + " --script " + dir + "/bad_script.json");
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_NE(bad.output.find("unknown step 'fly'"), std::string::npos) << bad.output;
+}
+
+// SIGKILL while the app saves its session over and over: the session file on disk is always
+// a complete session (the save goes through the atomic writer).
+TEST(Gui, KilledSessionSavesLeaveThePreviousSessionValid) {
+  const std::string dir = kt::make_temp_dir("guikill");
+  json first = {{"steps", {{{"do", "wait_results"}}, {{"do", "save_session"}, {"path", "s.json"}}, {{"do", "quit"}}}}};
+  kt::RunResult out;
+  RUN_GUI_OR_SKIP(dir, first, out);
+  ASSERT_EQ(out.code, 0) << out.output;
+  ASSERT_NO_THROW(kvlens::session_from_json(load(dir + "/s.json"), "s.json"));
+  // A script that alternates τ2 and saves after every change, for longer than we let it run.
+  json loop = {{"steps", {{{"do", "wait_results"}}}}};
+  for (int i = 0; i < 400; ++i) {
+    loop["steps"].push_back({{"do", "set_param"}, {"method", 0}, {"name", "tau2"}, {"value", i % 2 ? 3 : 2}});
+    loop["steps"].push_back({{"do", "save_session"}, {"path", "s.json"}});
+    loop["steps"].push_back({{"do", "frames"}, {"n", 3}});
+  }
+  loop["steps"].push_back({{"do", "quit"}});
+  kt::write_file(dir + "/loop.json", loop.dump());
+  std::mt19937 rng(3);
+  int changed = 0;  // kills that came after the app had saved something new
+  std::string previous = kt::read_file(dir + "/s.json");
+  for (int i = 0; i < 3; ++i) {
+    const pid_t pid = fork();
+    if (pid == 0) {
+      const std::string cmd = "cd " + dir + " && HOME=" + dir + " XDG_STATE_HOME=" + dir +
+                              "/state exec xvfb-run -a -s '-screen 0 1280x800x24' " + kGui + " --script loop.json >/dev/null 2>&1";
+      execl("/bin/sh", "sh", "-c", cmd.c_str(), nullptr);
+      _exit(127);
+    }
+    // Kill while the app saves again and again: once its first save of this run has landed (so a
+    // loaded machine cannot make every kill come before any save), after a random delay.
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(90);
+    while (kt::read_file(dir + "/s.json") == previous && std::chrono::steady_clock::now() < give_up)
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 400));
+    kt::run(std::string("pkill -KILL -f '") + kGui + " --script loop.json'");
+    waitpid(pid, nullptr, 0);
+    const std::string text = kt::read_file(dir + "/s.json");
+    ASSERT_TRUE(json::accept(text)) << "session file left half-written";
+    EXPECT_NO_THROW(kvlens::session_from_json(json::parse(text), "s.json"));
+    changed += text != previous;
+    previous = text;
+  }
+  EXPECT_GE(changed, 1) << "the app was killed before it saved anything: the test did not exercise a save";
+}

@@ -1,0 +1,521 @@
+// The KV cache ops on every backend: prompt rows appended, a compression method applied on the
+// host store (on CUDA then mirrored to the device: compaction by gather, packed codes uploaded
+// as they are), decode rows appended, and decode attention compared — the fused kernel over fp16
+// and packed parts (1/2/3/4/8-bit, channel-wise with and without groups, token-wise, ZipCache
+// mixed with CST factors), in-kernel calibration, and the materialized scores/probabilities
+// path — with the device's bytes checked against the bytes reported.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/compress/method.h"
+#include "core/compress/quant_methods.h"
+#include "core/compress/policy.h"
+#include "tests/op_harness.h"
+
+using namespace kvlens;
+using namespace kvlens::testing;
+
+namespace {
+
+struct DecodeCase {
+  int NH = 8, NKV = 2, D = 128;
+  int n_sys = 5, n_vis = 150, n_post = 48;
+  std::string method;  // empty = full cache
+  int steps = 5;
+  bool capture = false;
+  int reserve = 2;  // decode rows reserved up front (fewer than steps: the tail must grow)
+  bool packed = false;  // every quantized segment must be held packed on the device
+};
+
+AttnLayout layout_of(const DecodeCase& c, int T) {
+  AttnLayout l;
+  l.T = T;
+  l.n_heads = c.NH;
+  l.n_kv_heads = c.NKV;
+  l.head_dim = c.D;
+  l.row_stride = static_cast<int64_t>(c.NH + 2 * c.NKV) * c.D;
+  l.q_col = 0;
+  l.k_col = static_cast<int64_t>(c.NH) * c.D;
+  l.v_col = static_cast<int64_t>(c.NH + c.NKV) * c.D;
+  l.causal = true;
+  l.scale = 1.0f / std::sqrt(static_cast<float>(c.D));
+  return l;
+}
+
+// Random projections; K and V columns rounded to fp16 so both caches hold the same rows. Keys
+// get a per-channel offset, as real keys have (outlier channels), so ranges differ by channel.
+std::vector<float> projections(const DecodeCase& c, const AttnLayout& l, int T) {
+  std::vector<float> x = randn(static_cast<size_t>(T) * l.row_stride);
+  std::vector<float> off = randn(static_cast<size_t>(c.D), 2.0f);
+  for (int t = 0; t < T; ++t)
+    for (int64_t i = l.k_col; i < l.row_stride; ++i) {
+      float& v = x[t * l.row_stride + i];
+      if (i < l.v_col) v += off[(i - l.k_col) % c.D];
+      v = quant::round_half(v);
+    }
+  return x;
+}
+
+struct Side {
+  Backend* be = nullptr;
+  KVStore store;
+  std::unique_ptr<DeviceKV> dev;
+  std::unique_ptr<KVPolicy> policy;
+  SeqKV kv() { return SeqKV{&store, dev.get(), true}; }
+};
+
+// fp64 attention of one query over a head's rows as the host store holds them (after a
+// transform of the scores when the policy has one), with the scale of the scores it saw.
+void reference(const KVStore& st, const std::vector<float>& q, const DecodeCase& c, const AttnLayout& l,
+               const KVPolicy* policy, std::vector<float>& out, std::vector<double>& out_bound,
+               std::vector<std::vector<float>>& ref_scores) {
+  const int G = c.NH / c.NKV;
+  out.assign(static_cast<size_t>(c.NH) * c.D, 0.0f);
+  out_bound.assign(out.size(), 0.0);
+  ref_scores.assign(c.NH, {});
+  for (int hd = 0; hd < c.NH; ++hd) {
+    std::vector<float> K, V;
+    std::vector<int32_t> P;
+    std::vector<SegmentKind> kinds;
+    st.gather(0, hd / G, K, V, P, &kinds);
+    const int n = static_cast<int>(P.size());
+    std::vector<double> s(n);
+    double smag = 0, vmag = 0;
+    for (int j = 0; j < n; ++j) {
+      double d = 0, m = 0;
+      for (int e = 0; e < c.D; ++e) {
+        d += static_cast<double>(q[hd * c.D + e]) * K[static_cast<size_t>(j) * c.D + e];
+        m += std::abs(static_cast<double>(q[hd * c.D + e]) * K[static_cast<size_t>(j) * c.D + e]);
+      }
+      s[j] = d * l.scale;
+      smag = std::max(smag, m * l.scale);
+      for (int e = 0; e < c.D; ++e) vmag = std::max(vmag, std::abs(double(V[static_cast<size_t>(j) * c.D + e])));
+    }
+    // Score error of fp32 dot products on either side (post-scaling regroups the sum: ×4).
+    double amp = 1.0;
+    std::vector<float> sf(s.begin(), s.end());
+    const ScoreTransform tr = policy ? policy->score_transform() : ScoreTransform{};
+    if (tr.any()) {
+      const float t1 = tr.tau1, t2 = tr.tau2;
+      if (tr.kind == ScoreTransform::Kind::Calibrate) {
+        double lo = INFINITY, hi = -INFINITY;
+        for (int j = 0; j < n; ++j)
+          if (kinds[j] == SegmentKind::Visual) lo = std::min(lo, s[j]), hi = std::max(hi, s[j]);
+        if (hi > lo) {
+          const double t = (hi - lo + t1 - t2) / (hi - lo);
+          amp = 2 + 2 * std::abs(t) + 2 * std::abs(t2 - t1) / (hi - lo);
+        }
+      }
+      tr.apply(0, hd, sf.data(), kinds.data(), n);
+      for (int j = 0; j < n; ++j) s[j] = sf[j];
+    }
+    ref_scores[hd] = sf;
+    const double ds = amp * 4 * dot_rel(c.D) * smag;  // score error bound
+    double mx = -INFINITY;
+    for (double x : s) mx = std::max(mx, x);
+    double z = 0;
+    for (double& x : s) z += (x = std::exp(x - mx));
+    for (int e = 0; e < c.D; ++e) {
+      double o = 0;
+      for (int j = 0; j < n; ++j) o += s[j] / z * V[static_cast<size_t>(j) * c.D + e];
+      out[static_cast<size_t>(hd) * c.D + e] = static_cast<float>(o);
+      // exp turns a score error ds into a relative weight error ≈ 2·ds; then the weighted sum.
+      out_bound[static_cast<size_t>(hd) * c.D + e] = (2.5 * ds + 2 * dot_rel(n)) * vmag + 4 * unit(Dt::F32) * vmag;
+    }
+  }
+}
+
+std::vector<PrefillContext> contexts(const DecodeCase& c, const std::vector<float>& q, const std::vector<float>& probs,
+                                     const std::vector<float>& scores, const std::vector<SegmentKind>& kinds,
+                                     const std::vector<int>& ids) {
+  PrefillContext p;
+  p.layer = 0;
+  p.n_layers = 1;
+  p.n_heads = c.NH;
+  p.n_kv_heads = c.NKV;
+  p.head_dim = c.D;
+  p.prompt_len = static_cast<int>(kinds.size());
+  p.q = q.data();
+  p.probs = probs.data();
+  p.scores = scores.data();
+  p.token_kinds = &kinds;
+  p.token_ids = &ids;
+  return {p};
+}
+
+void check_bytes(const Side& g, const Side& cpu, int D, bool packed_only, const std::string& what) {
+  // The device cache holds exactly what it reports, and the host store reports it too.
+  EXPECT_EQ(g.dev->bytes().total(), g.store.bytes().total()) << what;
+  const auto& sg = g.store.layer(0).segments;
+  const auto& sc = cpu.store.layer(0).segments;
+  ASSERT_EQ(sg.size(), sc.size()) << what;
+  for (size_t i = 0; i < sg.size(); ++i) {
+    if (sc[i].payload) {
+      // A packed (or fp16-payload) segment: the same bytes as the CPU's simulated storage,
+      // unless the device keeps it as dequantized fp16 (formats only the host decodes).
+      const auto st = g.dev->storage(0);
+      const bool packed = i < st.size() && st[i].rfind("packed", 0) == 0;
+      if (packed_only) {
+        EXPECT_TRUE(packed) << what << " segment " << i << " " << sc[i].storage << " held as "
+                            << (i < st.size() ? st[i] : "nothing");
+      }
+      if (packed) {
+        int64_t want = sc[i].bytes.total();
+        // ZipCache's V token ranges shared by the KV heads (fp16 scale and zero, 4 bytes each)
+        // are held per head on the device — one range a row of every head of the group (its
+        // payload's bytes count on its first segment) — unless every head flags the same rows
+        // salient (one ranking), when the shared table is what each head reads.
+        const auto* qp = dynamic_cast<const quant::QuantPayload*>(sc[i].payload.get());
+        bool same_flags = true;
+        for (size_t h = 1; qp && h < qp->k.size(); ++h) same_flags = same_flags && qp->k[h].flags == qp->k[0].flags;
+        if (qp && qp->layout.shared_token_ranges && !same_flags && (i == 0 || sc[i - 1].payload != sc[i].payload)) {
+          int64_t rows = 0;
+          for (size_t j = i; j < sc.size() && sc[j].payload == sc[i].payload; ++j)
+            for (const HeadRows& r : sc[j].heads) rows += r.n();
+          want += 4 * rows - 4 * static_cast<int64_t>(qp->tokens.scales.size());
+        }
+        EXPECT_EQ(sg[i].bytes.total(), want) << what << " segment " << i << " " << sc[i].storage;
+      }
+    } else {
+      EXPECT_EQ(sg[i].bytes.total(), sc[i].dense_bytes(D, 2).total()) << what << " segment " << i;
+    }
+  }
+}
+
+void run_case(const DecodeCase& c) {
+  const int T = c.n_sys + c.n_vis + c.n_post;
+  const AttnLayout lp = layout_of(c, T), l1 = layout_of(c, 1);
+  const std::string what = (c.method.empty() ? std::string("full") : c.method) + " D=" + std::to_string(c.D) +
+                           (c.capture ? " captured" : "");
+  std::vector<SegmentKind> kinds;
+  kinds.insert(kinds.end(), c.n_sys, SegmentKind::System);
+  kinds.insert(kinds.end(), c.n_vis, SegmentKind::Visual);
+  kinds.insert(kinds.end(), c.n_post, SegmentKind::PostVisionText);
+  std::vector<int> ids(T, 7);
+  std::vector<int32_t> pos(T);
+  for (int t = 0; t < T; ++t) pos[t] = t;
+  const auto qkv = projections(c, lp, T);
+  // Prefill attention (for methods that score tokens), from the CPU backend.
+  std::vector<float> pscores(static_cast<size_t>(c.NH) * T * T), pprobs(pscores.size()), pq;
+  {
+    Backend& cpu = *op_backends().cpu;
+    Buffer X = make(cpu, "qkv", {T, lp.row_stride}, Dt::F32, qkv);
+    Buffer O = cpu.alloc("o", {T, static_cast<int64_t>(c.NH) * c.D}, Dt::F32);
+    cpu.attention(X, lp, O, pscores.data(), pprobs.data());
+    for (int t = 0; t < T; ++t) pq.insert(pq.end(), qkv.begin() + t * lp.row_stride, qkv.begin() + t * lp.row_stride + c.NH * c.D);
+  }
+  Side sides[2];
+  sides[0].be = op_backends().cpu.get();
+  sides[1].be = op_backends().gpu.get();
+  const int nb = sides[1].be ? 2 : 1;  // the CPU half runs everywhere
+  for (int si = 0; si < nb; ++si) {
+    Side& s = sides[si];
+    s.store = KVStore(1, c.NKV, c.D);
+    s.dev = s.be->kv_create(1, c.NKV, c.D);
+    if (!c.method.empty()) s.policy = make_policy(c.method);
+    Buffer X = make(*s.be, "qkv", {T, lp.row_stride}, Dt::F32, qkv);
+    Buffer P = make_ids(*s.be, "pos", pos);
+    SeqKV kv = s.kv();
+    s.be->kv_append(kv, 0, X, lp, P, pos.data(), kinds.data(), T);
+  }
+  Side &cpu = sides[0], &gpu = sides[1];
+  const bool g = nb == 2;
+  // The mirrored host rows are the device's rows.
+  for (int h = 0; g && h < c.NKV; ++h) {
+    std::vector<float> k0, v0, k1, v1;
+    std::vector<int32_t> p0, p1;
+    cpu.store.gather(0, h, k0, v0, p0);
+    gpu.store.gather(0, h, k1, v1, p1);
+    EXPECT_EQ(k0, k1) << what;
+    EXPECT_EQ(v0, v1) << what;
+    EXPECT_EQ(p0, p1) << what;
+  }
+  if (g) {
+    EXPECT_EQ(gpu.dev->allocated(), gpu.dev->bytes().total()) << what << ": prompt cache";
+  }
+  if (cpu.policy) {
+    const auto ctx = contexts(c, pq, pprobs, pscores, kinds, ids);
+    cpu.policy->on_prefill(ctx, cpu.store);
+    if (g) {
+      gpu.policy->on_prefill(ctx, gpu.store);
+      gpu.be->kv_sync(*gpu.dev, gpu.store, -1);
+      EXPECT_EQ(gpu.dev->allocated(), gpu.dev->bytes().total()) << what << ": compressed cache";
+    }
+  }
+  if (g) {
+    check_bytes(gpu, cpu, c.D, c.packed, what + " after prefill");
+    gpu.be->kv_reserve(*gpu.dev, c.reserve);
+  }
+  for (int step = 0; step < c.steps; ++step) {
+    const auto row = projections(c, l1, 1);
+    const int32_t p = T + step;
+    const SegmentKind gen = SegmentKind::Generated;
+    std::vector<float> outs[2], sc[2], pr[2];
+    int n_max = 0;
+    for (int h = 0; h < c.NKV; ++h) n_max = std::max(n_max, cpu.store.n_rows(0, h) + 1);
+    for (int i = 0; i < nb; ++i) {
+      Side& s = sides[i];
+      Buffer X = make(*s.be, "qkv1", {1, l1.row_stride}, Dt::F32, row);
+      Buffer P = make_ids(*s.be, "pos1", {p});
+      SeqKV kv = s.kv();
+      s.be->kv_append(kv, 0, X, l1, P, &p, &gen, 1);
+      if (s.policy) {
+        DecodeContext d;
+        d.layer = 0; d.step = step; d.position = p; d.n_heads = c.NH; d.n_kv_heads = c.NKV; d.head_dim = c.D;
+        d.q = row.data();
+        s.policy->on_decode_step(d, s.store.layer(0));
+        if (s.dev) {
+          s.be->kv_sync(*s.dev, s.store, 0);
+          // Again with nothing changed since: the layout (and the decode tables) stay.
+          const uint64_t v = s.dev->version();
+          s.be->kv_sync(*s.dev, s.store, 0);
+          EXPECT_EQ(s.dev->version(), v) << what << ": a sync with nothing changed, step " << step;
+        }
+      }
+      Buffer O = poisoned(*s.be, "out", {1, static_cast<int64_t>(c.NH) * c.D}, Dt::F32);
+      sc[i].assign(static_cast<size_t>(c.NH) * n_max, 0.0f);
+      pr[i].assign(sc[i].size(), 0.0f);
+      const ScoreTransform tr = s.policy ? s.policy->score_transform() : ScoreTransform{};
+      s.be->decode_attention(X, l1, kv, 0, &tr, O, c.capture ? sc[i].data() : nullptr,
+                             c.capture ? pr[i].data() : nullptr, n_max);
+      outs[i] = read(*s.be, O);
+    }
+    if (g) check_bytes(gpu, cpu, c.D, c.packed, what + " step " + std::to_string(step));
+    std::vector<float> ref;
+    std::vector<double> bound;
+    std::vector<std::vector<float>> rs;
+    const std::vector<float> q(row.begin(), row.begin() + c.NH * c.D);
+    reference(cpu.store, q, c, l1, cpu.policy.get(), ref, bound, rs);
+    expect_within(outs[0], ref, bound, "cpu " + what + " step " + std::to_string(step));
+    if (!g) continue;
+    expect_within(outs[1], ref, bound, "cuda " + what + " step " + std::to_string(step));
+    if (c.capture) {
+      for (int hd = 0; hd < c.NH; ++hd) {
+        const int n = static_cast<int>(rs[hd].size());
+        std::vector<float> g(sc[1].begin() + hd * n_max, sc[1].begin() + hd * n_max + n);
+        std::vector<float> g0(sc[0].begin() + hd * n_max, sc[0].begin() + hd * n_max + n);
+        std::vector<float> pg(pr[1].begin() + hd * n_max, pr[1].begin() + hd * n_max + n);
+        std::vector<float> p0(pr[0].begin() + hd * n_max, pr[0].begin() + hd * n_max + n);
+        double amax = 0;
+        for (float x : g0) amax = std::max(amax, std::abs(double(x)));
+        expect_within(g, g0, bound_rel(g0, 64 * dot_rel(c.D) * (amax + 1), 0), "cuda " + what + " scores");
+        expect_within(pg, p0, bound_rel(p0, 1e-6, 128 * dot_rel(c.D) * (amax + 1)), "cuda " + what + " probs");
+        for (int j = n; j < n_max; ++j) EXPECT_EQ(pr[1][hd * n_max + j], 0.0f) << what << " probability padding";
+      }
+    }
+  }
+}
+
+// A plain decode step's fused RoPE + append (no host rows): the new K/V row in the device tail
+// and the rotated query equal the CPU's rope on the same projections, rounded to fp16.
+TEST(DecodeOps, RopeAppendFused) {
+  KVLENS_NEED_GPU();
+  DecodeCase c;
+  c.NH = 6;
+  c.NKV = 2;
+  const int T = 37;
+  const AttnLayout lp = layout_of(c, T), l1 = layout_of(c, 1);
+  Backend& cpu = *op_backends().cpu;
+  Backend& gpu = *op_backends().gpu;
+  std::vector<int32_t> pos(T);
+  std::vector<SegmentKind> kinds(T, SegmentKind::System);
+  for (int t = 0; t < T; ++t) pos[t] = t;
+  KVStore host(1, c.NKV, c.D);
+  auto dev = gpu.kv_create(1, c.NKV, c.D);
+  SeqKV kv{&host, dev.get(), false};
+  {
+    Buffer X = make(gpu, "qkv", {T, lp.row_stride}, Dt::F32, projections(c, lp, T));
+    Buffer P = make_ids(gpu, "pos", pos);
+    gpu.kv_append(kv, 0, X, lp, P, pos.data(), kinds.data(), T);
+  }
+  gpu.kv_reserve(*dev, 4);
+  const auto row = randn(static_cast<size_t>(l1.row_stride));
+  const int32_t p = 1234;
+  const SegmentKind gen = SegmentKind::Generated;
+  Buffer Xg = make(gpu, "qkv1", {1, l1.row_stride}, Dt::F32, row), Pg = make_ids(gpu, "pos1", {p});
+  gpu.rope_append(kv, 0, Xg, l1, Pg, &p, &gen, 1, 10000.0f);
+  Buffer Xc = make(cpu, "qkv1", {1, l1.row_stride}, Dt::F32, row), Pc = make_ids(cpu, "pos1", {p});
+  cpu.rope(Xc, l1, Pc, 10000.0f);
+  const auto got = read(gpu, Xg), want = read(cpu, Xc);
+  std::vector<double> bound(want.size());
+  for (size_t i = 0; i < want.size(); ++i) bound[i] = 16 * unit(Dt::F32) * (std::abs(want[i]) + 1);
+  expect_within(got, want, bound, "rope_append: rotated q and k in place");
+  KVStore back;
+  gpu.kv_hydrate(*dev, back);
+  ASSERT_EQ(back.layer(0).segments.size(), 2u);
+  const KVSegment& tail = back.layer(0).segments.back();
+  EXPECT_EQ(tail.kind, SegmentKind::Generated);
+  for (int h = 0; h < c.NKV; ++h) {
+    ASSERT_EQ(tail.heads[h].n(), 1);
+    EXPECT_EQ(tail.heads[h].pos[0], p);
+    std::vector<float> k(c.D), v(c.D);
+    std::vector<double> kb(c.D);
+    for (int d = 0; d < c.D; ++d) {
+      k[d] = quant::round_half(want[l1.k_col + h * c.D + d]);
+      v[d] = quant::round_half(row[l1.v_col + h * c.D + d]);
+      // fp32 rope to a few ulps, then fp16 rounding: near a rounding boundary one fp16 step
+      kb[d] = 16 * unit(Dt::F32) * (std::abs(k[d]) + 1) + 2 * unit(Dt::F16) * std::abs(k[d]) + tiny(Dt::F16);
+    }
+    expect_within(tail.heads[h].k, k, kb, "rope_append: appended key");
+    EXPECT_EQ(tail.heads[h].v, v) << "rope_append: appended value";
+  }
+}
+
+TEST(DecodeOps, FullCacheFp16) {
+  run_case({});
+  KVLENS_GPU_HALF_SKIPPED();
+}
+TEST(DecodeOps, FullCacheCaptured) {
+  DecodeCase c;
+  c.capture = true;
+  c.NKV = 8;
+  run_case(c);
+  KVLENS_GPU_HALF_SKIPPED();
+}
+TEST(DecodeOps, HeadDims) {
+  for (int D : {64, 24, 8, 32}) {
+    DecodeCase c;
+    c.D = D;
+    c.NH = 6;
+    c.NKV = 3;
+    c.n_vis = 61;
+    c.method = "calibquant:bits=2";
+    run_case(c);
+  }
+  KVLENS_GPU_HALF_SKIPPED();
+}
+TEST(DecodeOps, CalibQuantBitsInKernelCalibration) {
+  for (const char* m : {"calibquant:bits=1", "calibquant:bits=2", "calibquant:bits=4,calibrate=force",
+                        "calibquant:bits=8", "calibquant:preset=official", "calibquant:bits=1,calibrate=off"}) {
+    DecodeCase c;
+    c.method = m;
+    c.NKV = 8;
+    run_case(c);
+  }
+  KVLENS_GPU_HALF_SKIPPED();
+}
+TEST(DecodeOps, CalibQuantCapturedOnTheHost) {
+  DecodeCase c;
+  c.method = "calibquant:bits=1,tau1=0.5,tau2=2";
+  c.capture = true;
+  run_case(c);
+  KVLENS_GPU_HALF_SKIPPED();
+}
+TEST(DecodeOps, UniformKiviZipCacheFull16) {
+  for (const char* m : {"uniform:bits=4,k_granularity=per-token,v_granularity=per-channel",
+                        "uniform:bits=3,k_granularity=global,v_granularity=global",
+                        "uniform:bits=2,k_granularity=per-token,v_granularity=per-token",
+                        "kivi:bits=2,group=32,residual=16", "kivi:bits=4,group=20,residual=8",
+                        "zipcache", "zipcache:high_bits=8,low_bits=1,gap=3", "full:storage=fp16"}) {
+    DecodeCase c;
+    c.method = m;
+    c.steps = 12;
+    run_case(c);
+  }
+  KVLENS_GPU_HALF_SKIPPED();
+}
+// ZipCache's quantization groups held packed on the device: a layer's prompt as one group
+// (salient and regular subsets over every segment) with V token ranges shared by the KV heads
+// (the paper's default) or per head, channel factors per subset or per layer (official), one
+// ranking for every head, each segment its own group, and streaming gaps compressed during
+// decode; the decode output against the host store's dequantized rows, device bytes as reported.
+TEST(DecodeOps, ZipCacheGroupsPackedOnTheDevice) {
+  for (const char* m : {"zipcache:gap=4", "zipcache:preset=official,gap=5", "zipcache:value_token_range=head,gap=4",
+                        "zipcache:saliency_ratio=0.25,saliency_heads=shared,gap=4", "zipcache:ranges=segment,gap=4",
+                        "zipcache:ranges=segment,value_token_range=head,high_bits=8,low_bits=1,gap=3"}) {
+    DecodeCase c;
+    c.method = m;
+    c.steps = 11;
+    c.packed = true;
+    run_case(c);
+  }
+  KVLENS_GPU_HALF_SKIPPED();
+}
+TEST(DecodeOps, EvictionAndMergingCompactOnTheDevice) {
+  for (const char* m : {"snapkv:budget=0.4,window=8", "h2o", "lookm:alpha1=0.2,alpha2=0.2", "streamingllm",
+                        "stack:evict=snapkv,quant=calibquant,budget=0.5,bits=1", "turboquant"}) {
+    DecodeCase c;
+    c.method = m;
+    c.capture = std::string(m) == "h2o";
+    run_case(c);
+  }
+  KVLENS_GPU_HALF_SKIPPED();
+}
+
+#ifdef KVLENS_HAVE_CUDA
+}  // namespace
+#include "kernels/cuda/kernels.h"
+namespace {
+
+// The device quantize-and-pack kernels against quant::quantize_block / zipcache::cst_quantize:
+// identical fp16 scales and zero points, and codes equal except where a value sits within an
+// fp32 rounding of a decision boundary (then one step apart).
+void quant_case(int n, int D, int bits, quant::Axis axis, float shrink, bool cst) {
+  Backend& be = *op_backends().gpu;
+  const auto x = rounded(Dt::F16, randn(static_cast<size_t>(n) * D, 2.0f));
+  quant::QuantBlock ref;
+  std::vector<float> xr = x;
+  if (cst) zipcache::cst_quantize(xr.data(), n, D, bits, ref);
+  else quant::quantize_block(xr.data(), n, D, {bits, axis, shrink, true}, ref);
+  Buffer X = make(be, "x", {n, D}, Dt::F16, x);
+  const int64_t code_bytes = static_cast<int64_t>(n) * D * bits / 8;
+  Buffer C = be.alloc("codes", {(code_bytes + 3) / 4}, Dt::I32);
+  const int64_t ranges = axis == quant::Axis::PerToken ? n : axis == quant::Axis::Global ? 1 : D;
+  Buffer S = poisoned(be, "scale", {ranges}, Dt::F16), Z = poisoned(be, "zero", {ranges}, Dt::F16);
+  Buffer F = poisoned(be, "factor", {D}, Dt::F16);
+  be.synchronize();
+  cudaStream_t st = nullptr;  // the legacy stream orders after the backend's synchronize
+  if (cst) {
+    cuda::cst_factors(X.as<__half>(), n, D, F.as<__half>(), st);
+    cuda::quantize_token(X.as<__half>(), n, D, bits, F.as<__half>(), reinterpret_cast<uint8_t*>(C.data), S.as<__half>(),
+                         Z.as<__half>(), st);
+  } else if (axis == quant::Axis::PerToken) {
+    cuda::quantize_token(X.as<__half>(), n, D, bits, nullptr, reinterpret_cast<uint8_t*>(C.data), S.as<__half>(),
+                         Z.as<__half>(), st);
+  } else {
+    cuda::quantize_channel(X.as<__half>(), n, D, bits, axis == quant::Axis::Global ? 0 : 1, shrink, true,
+                           reinterpret_cast<uint8_t*>(C.data), S.as<__half>(), Z.as<__half>(), st);
+  }
+  cudaDeviceSynchronize();
+  const std::string what = "quantize n=" + std::to_string(n) + " D=" + std::to_string(D) + " bits=" +
+                           std::to_string(bits) + " " + quant::axis_name(axis) + (cst ? " cst" : "");
+  const auto s = read(be, S), z = read(be, Z);
+  ASSERT_EQ(s.size(), ref.scales.size()) << what;
+  for (size_t i = 0; i < s.size(); ++i) {
+    EXPECT_EQ(s[i], quant::from_half(ref.scales[i])) << what << " scale " << i;
+    EXPECT_EQ(z[i], quant::from_half(ref.zeros[i])) << what << " zero " << i;
+  }
+  if (cst) {
+    const auto f = read(be, F);
+    for (int i = 0; i < D; ++i) EXPECT_EQ(f[i], quant::from_half(ref.meta[i])) << what << " factor " << i;
+  }
+  std::vector<int32_t> words(static_cast<size_t>(C.numel()));
+  be.download(C, words.data());
+  const auto* got = reinterpret_cast<const uint8_t*>(words.data());
+  ASSERT_EQ(static_cast<int64_t>(ref.codes.size()), code_bytes) << what;
+  int64_t differ = 0;
+  for (int64_t i = 0; i < static_cast<int64_t>(n) * D; ++i) {
+    const uint32_t a = quant::unpack_one(got, i, bits), b = quant::unpack_one(ref.codes.data(), i, bits);
+    if (a != b) {
+      ++differ;
+      EXPECT_LE(std::abs(static_cast<int>(a) - static_cast<int>(b)), 1) << what << " code " << i;
+    }
+  }
+  EXPECT_LE(differ, static_cast<int64_t>(n) * D / 1000 + 1) << what << ": codes that differ";
+}
+
+TEST(DecodeOps, QuantizeAndPackKernels) {
+  KVLENS_NEED_GPU();
+  for (int bits : {1, 2, 3, 4, 8}) {
+    quant_case(203, 128, bits, quant::Axis::PerChannel, 1.0f, false);
+    quant_case(57, 24, bits, quant::Axis::PerToken, 1.0f, false);
+    quant_case(33, 64, bits, quant::Axis::Global, 1.0f, false);
+    quant_case(77, 128, bits, quant::Axis::PerToken, 1.0f, true);
+  }
+  quant_case(150, 128, 1, quant::Axis::PerChannel, 0.5f, false);  // CalibQuant's official shrink
+}
+#endif
+
+}  // namespace

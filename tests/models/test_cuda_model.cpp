@@ -1,0 +1,406 @@
+// The model end to end on the CUDA backend against the CPU backend (the reference): the HF
+// parity fixtures and the embedded model give the same greedy ids and first-step logits within
+// 2e-2 relative; a run report's diagnostics agree within the tolerances stated below; the GPU
+// KV cache holds exactly the bytes it reports; the CLI runs with --backend cuda and refuses it
+// with a clear message where no device is usable.
+#include <gtest/gtest.h>
+
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "core/data/scenes.h"
+#include "kernels/backends.h"
+#include "app/lab/experiment.h"
+#include "models/model.h"
+#include "tests/policy_probe.h"
+#include "tests/test_util.h"
+
+using namespace kvlens;
+namespace kt = kvlens::testing;
+
+namespace {
+
+const std::string kEmbedded = kt::source_dir() + "/assets/models/kvlens-scenes-6m";
+
+std::string no_gpu() { return cuda_unavailable_reason(); }
+#define NEED_GPU()                                                 \
+  do {                                                             \
+    const std::string why = no_gpu();                              \
+    if (!why.empty()) GTEST_SKIP() << "no CUDA device: " << why;   \
+  } while (0)
+
+double max_rel(const std::vector<float>& a, const std::vector<float>& ref) {
+  double d = 0, m = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    d = std::max(d, std::abs(static_cast<double>(a[i]) - ref[i]));
+    m = std::max(m, std::abs(static_cast<double>(ref[i])));
+  }
+  return m > 0 ? d / m : d;
+}
+
+TEST(CudaModel, FixturesMatchCpuAndTransformers) {
+  NEED_GPU();
+  const auto dirs = kt::hf_fixture_dirs();
+  ASSERT_GE(dirs.size(), 3u);
+  for (const std::string& dir : dirs) {
+    std::ifstream f(dir + "/expected.json");
+    const auto exp = nlohmann::json::parse(f);
+    const RGBImage img = load_image(dir + "/image.png");
+    const std::string templ = exp.value("template", std::string(kDefaultTemplate));
+    const std::string prompt = exp["prompt"].get<std::string>();
+    const std::unique_ptr<Model> cpu_owned = load_model(dir, {"cpu"});
+    const Model& cpu = *cpu_owned;
+    const std::unique_ptr<Model> gpu_owned = load_model(dir, {"cuda"});
+    const Model& gpu = *gpu_owned;
+    ASSERT_EQ(gpu.backend().name(), "cuda");
+    const PrefillState a = cpu.prefill(img, prompt, templ, false);
+    const PrefillState b = gpu.prefill(img, prompt, templ, false);
+    ASSERT_EQ(a.ids, b.ids) << dir;
+    EXPECT_LE(max_rel(b.logits, a.logits), 2e-2) << dir << ": first-step logits vs the CPU backend";
+    const auto hf = kt::read_f32(dir + "/" + exp["logits_file"].get<std::string>());
+    EXPECT_LE(max_rel(b.logits, hf), 2e-2) << dir << ": first-step logits vs HF transformers";
+    GenerateOptions g;
+    const auto greedy = exp["greedy_ids"].get<std::vector<int>>();
+    g.max_new_tokens = static_cast<int>(greedy.size());
+    g.stop_at_eos = false;
+    const DecodeResult ra = cpu.decode(a, nullptr, g), rb = gpu.decode(b, nullptr, g);
+    EXPECT_EQ(rb.generated_ids, ra.generated_ids) << dir;
+    EXPECT_EQ(rb.generated_ids, greedy) << dir << ": greedy ids vs HF transformers";
+    // Every step's chosen-token probability (the decode steps replayed from a CUDA graph).
+    ASSERT_EQ(ra.chosen_probs.size(), rb.chosen_probs.size());
+    for (size_t i = 0; i < ra.chosen_probs.size(); ++i)
+      EXPECT_NEAR(rb.chosen_probs[i], ra.chosen_probs[i], 2e-2) << dir << " step " << i;
+  }
+}
+
+TEST(CudaModel, EmbeddedModelMatchesTransformersOnHeldOutScenes) {
+  NEED_GPU();
+  const std::unique_ptr<Model> gpu_owned = load_model(kEmbedded, {"cuda"});
+  const Model& gpu = *gpu_owned;
+  std::ifstream f(kt::source_dir() + "/tests/fixtures/embedded/hf_greedy.json");
+  const auto j = nlohmann::json::parse(f);
+  int same = 0, n = 0;
+  for (const char* kind : {"captions", "questions"})
+    for (int i = 0; i < 16; ++i) {
+      const auto& e = j[kind][i];
+      const Scene sc = generate_scene(1000001, e["image_id"].get<int64_t>());
+      const PrefillState st = gpu.prefill(sc.image, e["prompt"].get<std::string>(), kDefaultTemplate, false);
+      GenerateOptions g;
+      g.max_new_tokens = j["max_new_tokens"].get<int>();
+      const DecodeResult r = gpu.decode(st, nullptr, g);
+      const auto want = e["generated_ids"].get<std::vector<int>>();
+      EXPECT_EQ(r.generated_ids, want) << kind << " " << i << ": '" << r.text << "'";
+      same += r.generated_ids == want;
+      ++n;
+    }
+  EXPECT_EQ(same, n);
+}
+
+TEST(CudaModel, KvCacheBytesAreDeviceBytes) {
+  NEED_GPU();
+  const std::unique_ptr<Model> gpu_owned = load_model(kEmbedded, {"cuda"});
+  const Model& gpu = *gpu_owned;
+  const RGBImage img = load_image(kt::source_dir() + "/assets/images/scene_000.png");
+  const PrefillState st = gpu.prefill(img, kDefaultPrompt, kDefaultTemplate, false);
+  ASSERT_TRUE(st.device);
+  const ModelInfo& c = gpu.info();
+  const int64_t T = static_cast<int64_t>(st.ids.size());
+  // fp16 K and V plus int32 positions, per layer and KV head: exactly what was allocated.
+  const int64_t want = static_cast<int64_t>(c.n_layers) * c.n_kv_heads * T * (2 * c.head_dim * 2 + 4);
+  EXPECT_EQ(st.device->bytes().total(), want);
+  EXPECT_EQ(st.device->allocated(), want);
+  // After a 1-bit CalibQuant compression the packed visual rows are on the device as reported.
+  auto policy = make_policy("calibquant:bits=1");
+  KVStore compressed;
+  GenerateOptions g;
+  g.max_new_tokens = 4;
+  const DecodeResult r = gpu.decode(st, policy.get(), g, {}, &compressed);
+  EXPECT_EQ(r.bytes_after_prefill.total(), compressed.bytes().total());
+  EXPECT_LT(r.bytes_after_prefill.total(), want / 4);
+  // ZipCache's default groups (a layer's prompt, V token ranges shared by the KV heads) are
+  // packed on the device too: 4 bits for 40 % of the rows, 2 for the rest, under a third of fp16
+  // with their ranges (held as fp16 values they would take `want`).
+  auto zip = make_policy("zipcache");
+  KVStore zc;
+  const PrefillState kept = gpu.prefill(img, kDefaultPrompt, kDefaultTemplate, true);  // its saliency needs the attention
+  const DecodeResult z = gpu.decode(kept, zip.get(), g, {}, &zc);
+  EXPECT_EQ(z.bytes_after_prefill.total(), zc.bytes().total());
+  EXPECT_LT(z.bytes_after_prefill.total(), want / 3);
+  for (const KVSegment& s : zc.layer(0).segments) EXPECT_EQ(s.storage.rfind("zipcache", 0), 0u) << s.storage;
+}
+
+// Diagnostics of `kvlens run` on both backends: captions (same greedy ids for the methods the
+// issue names), softmax MSE within 25% (or 1e-6 absolute), score histograms within an L1
+// distance of 0.05 of the counts for exact scores and 0.08 for quantized ones (or 6 counts:
+// three scores crossing a bin edge), cache hit rates and sparsities within 0.05.
+TEST(CudaModel, RunReportDiagnosticsAgreeWithCpu) {
+  NEED_GPU();
+  const RGBImage img = load_image(kt::source_dir() + "/assets/images/scene_000.png");
+  ExperimentOptions opt;
+  opt.max_new_tokens = 16;
+  const std::unique_ptr<Model> cpu_owned = load_model(kEmbedded, {"cpu"});
+  const Model& cpu = *cpu_owned;
+  const std::unique_ptr<Model> gpu_owned = load_model(kEmbedded, {"cuda"});
+  const Model& gpu = *gpu_owned;
+  Experiment a = start_experiment(cpu, img, opt), b = start_experiment(gpu, img, opt);
+  EXPECT_EQ(a.full.generated_ids, b.full.generated_ids);
+  for (size_t l = 0; l < a.sparsity_prefill.size(); ++l) {
+    EXPECT_NEAR(a.sparsity_prefill[l], b.sparsity_prefill[l], 0.05) << "layer " << l;
+    EXPECT_NEAR(a.sparsity_decode_full[l], b.sparsity_decode_full[l], 0.05) << "layer " << l;
+  }
+  ASSERT_EQ(a.hit_rates.rates.size(), b.hit_rates.rates.size());
+  for (size_t s = 0; s < a.hit_rates.rates.size(); ++s)
+    for (size_t t = 0; t < a.hit_rates.rates[s].size(); ++t)
+      for (size_t l = 0; l < a.hit_rates.rates[s][t].size(); ++l)
+        EXPECT_NEAR(a.hit_rates.rates[s][t][l], b.hit_rates.rates[s][t][l], 0.05)
+            << a.hit_rates.strategies[s] << " step " << t << " layer " << l;
+  for (const char* m : {"calibquant:bits=1", "calibquant:bits=2", "kivi:bits=2", "zipcache", "snapkv:budget=0.3",
+                        "lookm", "uniform:bits=4"}) {
+    const Params p = parse_method_spec(m);
+    const MethodRun ra = run_method(cpu, a, p, opt), rb = run_method(gpu, b, p, opt);
+    const bool must_match = std::string(m).rfind("calibquant", 0) == 0 || std::string(m) == "kivi:bits=2" ||
+                            std::string(m) == "zipcache";
+    if (must_match) {
+      EXPECT_EQ(ra.result.generated_ids, rb.result.generated_ids) << m;
+    }
+    EXPECT_LE(std::abs(ra.mean_softmax_mse - rb.mean_softmax_mse), 0.25 * ra.mean_softmax_mse + 1e-6) << m;
+    ASSERT_EQ(ra.layers.size(), rb.layers.size());
+    for (size_t l = 0; l < ra.layers.size(); ++l) {
+      const auto &ha = ra.layers[l].visual_scores, &hb = rb.layers[l].visual_scores;
+      for (const auto* pair : {&ha.exact, &ha.quantized, &ha.calibrated}) {
+        const auto& x = *pair;
+        const auto& y = pair == &ha.exact ? hb.exact : pair == &ha.quantized ? hb.quantized : hb.calibrated;
+        ASSERT_EQ(x.size(), y.size()) << m;
+        double tot = 0, d = 0;
+        for (size_t i = 0; i < x.size(); ++i) tot += x[i], d += std::abs(double(x[i]) - y[i]);
+        // A score that crosses a bin edge moves two counts; at small totals three such
+        // crossings (6 counts) are allowed beyond the fraction. Quantized (and calibrated)
+        // scores may move further than exact ones: a last-bit difference in a key between the
+        // backends can flip one of its codes, which moves the score by a whole quantization step.
+        const double frac = pair == &ha.exact ? 0.05 : 0.08;
+        if (tot > 0) {
+          EXPECT_LE(d, std::max(frac * tot, 6.0)) << m << " layer " << l << " histogram (" << tot << " counts)";
+        }
+      }
+      EXPECT_NEAR(ra.layers[l].sparsity_decode, rb.layers[l].sparsity_decode, 0.05) << m << " layer " << l;
+    }
+  }
+}
+
+TEST(CudaModel, CliCaptionOnCudaEqualsCpu) {
+  NEED_GPU();
+  const auto c = kt::run(kt::cli() + " caption --backend cpu --max-new-tokens 12");
+  const auto g = kt::run(kt::cli() + " caption --backend cuda --max-new-tokens 12");
+  ASSERT_EQ(c.code, 0) << c.output;
+  ASSERT_EQ(g.code, 0) << g.output;
+  EXPECT_EQ(c.output, g.output);
+}
+
+// The device KV cache holds fp16 rows: asking for exact fp32 rows on it is refused with a message
+// naming the setting and the backend that has them, never silently stored as fp16.
+TEST(CudaModel, Fp32RowsAreRefusedOnTheDevice) {
+  NEED_GPU();
+  const auto r = kt::run(kt::cli() + " caption --backend cuda --kv-storage fp32 --max-new-tokens 2");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("--kv-storage fp32"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("--backend cpu"), std::string::npos) << r.output;
+  const auto m = kt::run(kt::cli() + " run --backend cuda --method full:storage=fp32 --max-new-tokens 2");
+  EXPECT_EQ(m.code, 2) << m.output;
+  EXPECT_NE(m.output.find("full:storage=fp32"), std::string::npos) << m.output;
+  const auto c = kt::run(kt::cli() + " caption --backend cpu --kv-storage fp32 --max-new-tokens 2");
+  EXPECT_EQ(c.code, 0) << c.output;
+}
+
+TEST(CudaModel, CliRefusesCudaWithoutADevice) {
+  if (no_gpu().empty()) GTEST_SKIP() << "a CUDA device is usable here; the refusal is for machines without one";
+  const auto r = kt::run(kt::cli() + " caption --backend cuda --max-new-tokens 2");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("--backend cuda"), std::string::npos) << r.output;
+  // auto falls back to the CPU.
+  const auto a = kt::run(kt::cli() + " caption --backend auto --max-new-tokens 2");
+  EXPECT_EQ(a.code, 0) << a.output;
+}
+
+// Greedy decode with steps chained (each launched before the previous one's logits are back)
+// gives what the unchained loop gives: the same ids, the same bits of every step's logits and
+// chosen-token probability, and the same final cache bytes — also when the caption ends at an
+// EOS and the step launched past it is dropped.
+TEST(CudaModel, ChainedStepsEqualUnchainedSteps) {
+  NEED_GPU();
+  struct Case {
+    std::string dir;
+    int max_new;
+    bool stop_at_eos;
+  };
+  std::vector<Case> cases = {{kEmbedded, 64, true}, {kEmbedded, 9, false}, {kEmbedded, 1, false}, {kEmbedded, 0, false}};
+  for (const std::string& d : kt::hf_fixture_dirs()) cases.push_back({d, 6, false});
+  int ended_at_eos = 0;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.dir + " max_new_tokens " + std::to_string(c.max_new));
+    const std::unique_ptr<Model> gpu_owned = load_model(c.dir, {"cuda"});
+    const Model& gpu = *gpu_owned;
+    ASSERT_TRUE(gpu.backend().chains_steps());
+    const RGBImage img = c.dir == kEmbedded ? load_image(kt::source_dir() + "/assets/images/scene_000.png")
+                                            : load_image(c.dir + "/image.png");
+    const PrefillState st = gpu.prefill(img, kDefaultPrompt, kDefaultTemplate, false);
+    GenerateOptions g;
+    g.max_new_tokens = c.max_new;
+    g.stop_at_eos = c.stop_at_eos;
+    g.keep_step_logits = true;
+    g.chain_steps = false;
+    const DecodeResult a = gpu.decode(st, nullptr, g);
+    g.chain_steps = true;
+    const DecodeResult b = gpu.decode(st, nullptr, g);
+    const DecodeResult b2 = gpu.decode(st, nullptr, g);  // chained again, from the same prefill state
+    if (!c.stop_at_eos) {
+      EXPECT_EQ(static_cast<int>(a.generated_ids.size()), c.max_new);
+    }
+    EXPECT_FALSE(a.chained);
+    for (const DecodeResult* r : {&b, &b2}) {
+      EXPECT_EQ(r->chained, c.max_new > 0);
+      EXPECT_EQ(r->generated_ids, a.generated_ids);
+      EXPECT_EQ(r->text, a.text);
+      EXPECT_EQ(r->chosen_probs, a.chosen_probs);
+      ASSERT_EQ(r->step_logits.size(), a.step_logits.size());
+      for (size_t i = 0; i < a.step_logits.size(); ++i) EXPECT_EQ(r->step_logits[i], a.step_logits[i]) << "step " << i;
+      EXPECT_EQ(r->bytes_final.total(), a.bytes_final.total());
+    }
+    if (c.stop_at_eos) {
+      ended_at_eos += static_cast<int>(a.generated_ids.size()) < c.max_new;
+      // The cache grew by one row per forward, the dropped step's excluded.
+      const ModelInfo& t = gpu.info();
+      const int64_t row = static_cast<int64_t>(t.n_layers) * t.n_kv_heads * (2 * t.head_dim * 2 + 4);
+      EXPECT_EQ(b.bytes_final.total() - b.bytes_after_prefill.total(),
+                row * (static_cast<int64_t>(b.generated_ids.size()) - 1));
+    }
+  }
+  EXPECT_EQ(ended_at_eos, 1) << "the EOS case must end before max_new_tokens, so a step launched ahead is dropped";
+}
+
+// The embedded model on the GPU with its sample image prefilled (the attention kept, as
+// eviction methods need it), and greedy options that run `new_tokens` tokens past any EOS and
+// keep every step's logits.
+struct SampleRun {
+  std::unique_ptr<Model> owned;
+  const Model& gpu;
+  PrefillState st;
+  GenerateOptions g;
+  int layers = 0;
+};
+SampleRun sample_run(int new_tokens) {
+  std::unique_ptr<Model> m = load_model(kEmbedded, {"cuda"});
+  const Model& gpu = *m;
+  SampleRun r{std::move(m), gpu, {}, {}, 0};
+  r.st = r.gpu.prefill(load_image(kt::source_dir() + "/assets/images/scene_000.png"), kDefaultPrompt,
+                       kDefaultTemplate, true);
+  r.g.max_new_tokens = new_tokens;
+  r.g.stop_at_eos = false;
+  r.g.keep_step_logits = true;
+  r.layers = r.gpu.info().n_layers;
+  return r;
+}
+
+// `b` against `a`, decoded by two paths of the same method: the same tokens and cache bytes,
+// and every step's logits within one fp16 rounding (2^-11 of their largest magnitude).
+void expect_same_decode(const DecodeResult& b, const DecodeResult& a) {
+  EXPECT_EQ(b.generated_ids, a.generated_ids);
+  ASSERT_EQ(b.step_logits.size(), a.step_logits.size());
+  for (size_t i = 0; i < a.step_logits.size(); ++i)
+    EXPECT_LE(max_rel(b.step_logits[i], a.step_logits[i]), std::ldexp(1.0, -11)) << "step " << i;
+  EXPECT_EQ(b.bytes_after_prefill.total(), a.bytes_after_prefill.total());
+  EXPECT_EQ(b.bytes_final.total(), a.bytes_final.total());
+}
+
+// A prefill-only method decodes on the device alone — no host rows, no hook, steps replayed and
+// chained — to the same tokens and cache bytes as when the loop keeps the host rows and calls the
+// hook once a layer and forward, and to logits within 2^-11 of their largest magnitude: the
+// paths' kernels differ (the fp16 eviction methods' plain steps fuse RoPE, the append and
+// attention into one; with host rows the append takes its own kernel), so their fp32 sums differ
+// in order, which can move the fp16 rounding of an attention output by one step (2^-11
+// relative). Chained and unchained device-only steps agree exactly.
+TEST(CudaModel, PrefillOnlyMethodsDecodeOnTheDeviceAlone) {
+  NEED_GPU();
+  SampleRun r = sample_run(12);
+  ASSERT_TRUE(r.gpu.backend().chains_steps());
+  for (const char* spec : {"calibquant:bits=1", "calibquant:bits=2", "calibquant:bits=4", "snapkv", "stack"}) {
+    SCOPED_TRACE(spec);
+    kt::PolicyProbe host(make_policy(spec), true), inert(make_policy(spec), false), unchained(make_policy(spec), false);
+    const DecodeResult a = r.gpu.decode(r.st, &host, r.g);
+    const DecodeResult b = r.gpu.decode(r.st, &inert, r.g);
+    GenerateOptions u = r.g;
+    u.chain_steps = false;
+    const DecodeResult c = r.gpu.decode(r.st, &unchained, u);
+    EXPECT_EQ(host.decode_calls, r.layers * (r.g.max_new_tokens - 1));
+    EXPECT_EQ(inert.decode_calls + unchained.decode_calls, 0);
+    EXPECT_TRUE(b.chained);
+    EXPECT_FALSE(a.chained || c.chained);
+    expect_same_decode(b, a);
+    EXPECT_EQ(c.generated_ids, b.generated_ids);
+    EXPECT_EQ(c.step_logits, b.step_logits);
+    EXPECT_EQ(c.bytes_final.total(), b.bytes_final.total());
+  }
+}
+
+// A method that acts at some steps only (KIVI quantizing its oldest dense group) runs the other
+// steps' layers on the device alone, fetching the new rows' host copies after the step: the
+// same tokens, bytes and logits (as above) as the loop that keeps the host rows in step at every
+// layer, and its hook called at the acting steps only.
+TEST(CudaModel, MethodsThatActAtSomeStepsSkipTheOthersHostWork) {
+  NEED_GPU();
+  SampleRun r = sample_run(14);
+  for (const char* spec : {"kivi:group=4,residual=8", "kivi:bits=4,group=3,residual=0",
+                           "stack:evict=snapkv,quant=kivi,group=4,residual=8"}) {
+    SCOPED_TRACE(spec);
+    kt::PolicyProbe host(make_policy(spec), true), some(make_policy(spec), false);
+    const DecodeResult a = r.gpu.decode(r.st, &host, r.g);
+    const DecodeResult b = r.gpu.decode(r.st, &some, r.g);
+    EXPECT_EQ(host.decode_calls, r.layers * (r.g.max_new_tokens - 1));
+    EXPECT_GT(some.decode_calls, 0);
+    EXPECT_LT(some.decode_calls, host.decode_calls);
+    expect_same_decode(b, a);
+  }
+}
+
+}  // namespace
+
+// `kvlens bench attention`'s JSON: each row's figures agree with each other (bytes ÷ time is the
+// GB/s, the GB/s ÷ the copy bandwidth the share, fp16's time ÷ the row's the speed-up, the bytes
+// those the kernel must read and write), and no call is timed faster than an empty kernel
+// launched and timed the same way, which itself takes a positive time.
+TEST(CudaModel, BenchAttentionRowsAreConsistent) {
+  NEED_GPU();
+  const std::string dir = kt::make_temp_dir("bench_attention");
+  const std::string out = dir + "/attention.json";
+  const auto r = kt::run(kt::cli() + " bench attention --contexts 1000 3000 --batches 1 2 --bits 16 2 1 --reps 5 --json " +
+                         out);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("an empty kernel launched and timed the same way"), std::string::npos) << r.output;
+  const auto j = kt::read_json(out);
+  const double copy = j.at("copy_bandwidth_gbs").get<double>(), floor = j.at("empty_kernel_ms").get<double>();
+  EXPECT_GT(copy, 0.0);
+  EXPECT_GT(floor, 0.0);
+  EXPECT_EQ(j.at("timing").get<std::string>(), "isolated");
+  const auto& rows = j.at("rows");
+  ASSERT_EQ(rows.size(), 2u * 2u * 5u);  // fp16, q2, q1, and q2 and q1 with calibration at each shape
+  double fp16_ms = 0;
+  for (const auto& row : rows) {
+    const int bits = row.at("bits").get<int>(), B = row.at("batch").get<int>(), n = row.at("context").get<int>();
+    const double ms = row.at("ms").get<double>(), bytes = row.at("bytes").get<double>();
+    SCOPED_TRACE(row.dump());
+    if (bits == 16) fp16_ms = ms;
+    EXPECT_GE(ms, floor);
+    EXPECT_NEAR(row.at("gbs").get<double>(), bytes / (ms * 1e-3) / 1e9, 1e-6 * bytes / (ms * 1e-3) / 1e9);
+    EXPECT_NEAR(row.at("share_of_copy").get<double>(), row.at("gbs").get<double>() / copy, 1e-9);
+    EXPECT_NEAR(row.at("speedup_vs_fp16").get<double>(), fp16_ms / ms, 1e-9 * fp16_ms / ms);
+    // K and V at `bits` a value (plus fp16 ranges for packed rows) for 32 heads × 128 channels.
+    const double kv = 2.0 * B * 32 * n * 128 * (bits == 16 ? 2.0 : bits / 8.0);
+    EXPECT_GE(bytes, kv);
+    EXPECT_LT(bytes, kv + 2.0 * B * 32 * 128 * 8 + 1);
+  }
+  std::filesystem::remove_all(dir);
+}

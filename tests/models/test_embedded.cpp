@@ -1,0 +1,140 @@
+// The embedded default model: greedy output equal to HF transformers' on held-out scenes
+// (recorded on the GPU machine by assets/models/kvlens-scenes-6m/train_embedded.py), and caption / VQA quality on
+// held-out scenes measured with kvlens's own runner.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "core/data/scenes.h"
+#include "core/eval/eval_table.h"
+#include "core/compress/method.h"
+#include "app/lab/eval_runner.h"
+#include "models/model.h"
+#include "tests/policy_probe.h"
+#include "tests/test_util.h"
+
+using namespace kvlens;
+namespace kt = kvlens::testing;
+
+namespace {
+
+const std::string kModel = kt::source_dir() + "/assets/models/kvlens-scenes-6m";
+constexpr uint64_t kHeldoutSeed = 1000001;  // never used in training (seed 1)
+
+const Model& model() {
+  static const std::unique_ptr<Model> m_owned = load_model(kModel);
+  static const Model& m = *m_owned;
+  return m;
+}
+
+nlohmann::json hf_outputs() {
+  std::ifstream f(kt::source_dir() + "/tests/fixtures/embedded/hf_greedy.json");
+  return nlohmann::json::parse(f);
+}
+
+// Checks the first `n` recorded generations of `kind` ("captions" or "questions"). HF recorded
+// them with an fp32 cache; kvlens decodes with its default fp16 cache (the full-cache caption a
+// researcher sees). All 64 + 64 recordings agree (KVLENS_HF_SPOTCHECK=64).
+void check_against_hf(const char* kind, int n) {
+  const auto j = hf_outputs();
+  const auto& list = j[kind];
+  ASSERT_GE(static_cast<int>(list.size()), n);
+  int same = 0;
+  for (int i = 0; i < n; ++i) {
+    const auto& e = list[i];
+    const Scene sc = generate_scene(kHeldoutSeed, e["image_id"].get<int64_t>());
+    const PrefillState st = model().prefill(sc.image, e["prompt"].get<std::string>(), kDefaultTemplate, false);
+    ASSERT_EQ(st.ids, e["input_ids"].get<std::vector<int>>()) << kind << " " << i;
+    GenerateOptions g;
+    g.max_new_tokens = j["max_new_tokens"].get<int>();
+    const DecodeResult r = model().decode(st, nullptr, g);
+    const auto want = e["generated_ids"].get<std::vector<int>>();
+    EXPECT_EQ(r.generated_ids, want) << kind << " " << i << ": ours '" << r.text << "', HF '" << e["text"] << "'";
+    same += r.generated_ids == want;
+  }
+  EXPECT_EQ(same, n);
+}
+
+}  // namespace
+
+// 16 of each by default; KVLENS_HF_SPOTCHECK=64 checks every recorded generation.
+int spotcheck_count() {
+  const char* e = std::getenv("KVLENS_HF_SPOTCHECK");
+  return e ? std::atoi(e) : 16;
+}
+
+TEST(Embedded, CaptionsMatchTransformers) { check_against_hf("captions", spotcheck_count()); }
+TEST(Embedded, AnswersMatchTransformers) { check_against_hf("questions", spotcheck_count()); }
+
+TEST(Embedded, SampleImageCaptionIsTheCanonicalReference) {
+  // The sample image comes from the generator (seed 20261122, index 0): the caption must be
+  // that scene's canonical reference.
+  const Scene sc = generate_scene(20261122, 0);
+  const RGBImage img = load_image(kt::source_dir() + "/assets/images/scene_000.png");
+  ASSERT_EQ(img.data, sc.image.data);
+  const DecodeResult r = model().decode(model().prefill(img, kDefaultPrompt, kDefaultTemplate, false), nullptr, {});
+  EXPECT_EQ(r.text, sc.captions[0]);
+}
+
+TEST(Embedded, NoNewTokensAskedGivesAnEmptyCaption) {
+  const RGBImage img = load_image(kt::source_dir() + "/assets/images/scene_000.png");
+  const PrefillState st = model().prefill(img, kDefaultPrompt, kDefaultTemplate, false);
+  for (int n : {0, -3}) {
+    GenerateOptions g;
+    g.max_new_tokens = n;
+    const DecodeResult r = model().decode(st, nullptr, g);
+    EXPECT_TRUE(r.generated_ids.empty()) << "max_new_tokens " << n;
+    EXPECT_TRUE(r.chosen_probs.empty()) << "max_new_tokens " << n;
+    EXPECT_EQ(r.text, "") << "max_new_tokens " << n;
+  }
+  GenerateOptions one;
+  one.max_new_tokens = 1;
+  one.stop_at_eos = false;
+  EXPECT_EQ(model().decode(st, nullptr, one).generated_ids.size(), 1u);
+}
+
+TEST(Embedded, HeldOutQuality) {
+  // A slice of the held-out set; the model card reports the whole 500-image set.
+  const std::string dir = kt::make_temp_dir("heldout") + "/set";
+  write_scene_set(dir, 30, kHeldoutSeed, false, {});
+  const EvalDataset ds = load_eval_dataset(dir);
+  const std::vector<EvalVariant> full = expand_variants({}, {}, nullptr);
+  const std::vector<size_t> all = shard_positions(ds.images.size(), 0, Shard{});
+  const auto records = run_eval(model(), ds, all, full, EvalSettings{}, "embedded", "");
+  const EvalTable t = build_eval_table(ds, all, full, records, true, nullptr, "not needed");
+  ASSERT_EQ(t.rows.size(), 1u);
+  const EvalRow& r = t.rows[0];
+  EXPECT_EQ(t.images, 30u);
+  EXPECT_GE(r.caption_exact, 26u) << t.to_json().dump();
+  EXPECT_GT(r.questions, 60u);
+  EXPECT_GE(r.vqa_accuracy().value_or(0), 0.85) << t.to_json().dump();
+}
+
+// A prefill-only method decodes without its decode hook and without host work a step, to the
+// same tokens, logits and cache bytes as when the loop keeps the host rows and calls the hook
+// once a layer and forward.
+TEST(Embedded, PrefillOnlyMethodsDecodeWithoutTheHookToTheSameResult) {
+  const RGBImage img = load_image(kt::source_dir() + "/assets/images/scene_000.png");
+  const PrefillState st = model().prefill(img, kDefaultPrompt, kDefaultTemplate, true);
+  GenerateOptions g;
+  g.max_new_tokens = 12;
+  g.stop_at_eos = false;
+  g.keep_step_logits = true;
+  const int layers = model().info().n_layers;
+  for (const char* spec : {"calibquant:bits=1", "calibquant:bits=2", "snapkv", "stack"}) {
+    SCOPED_TRACE(spec);
+    kt::PolicyProbe host(make_policy(spec), true), inert(make_policy(spec), false);
+    const DecodeResult a = model().decode(st, &host, g);
+    const DecodeResult b = model().decode(st, &inert, g);
+    EXPECT_EQ(host.decode_calls, layers * (g.max_new_tokens - 1));
+    EXPECT_EQ(inert.decode_calls, 0);
+    EXPECT_FALSE(a.chained || b.chained);  // the CPU backend runs each step after the last
+    EXPECT_EQ(b.generated_ids, a.generated_ids);
+    EXPECT_EQ(b.step_logits, a.step_logits);
+    EXPECT_EQ(b.bytes_after_prefill.total(), a.bytes_after_prefill.total());
+    EXPECT_EQ(b.bytes_final.total(), a.bytes_final.total());
+  }
+}
