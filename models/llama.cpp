@@ -123,16 +123,19 @@ std::vector<float> LlamaDecoder::prefill(const Buffer& x0, const std::vector<Seg
   be->upload(pos_host.data(), pos);
 
   const bool keep = capture && capture->keep;
-  const bool want_attn = !observers.empty() || keep;
+  // Observers see each layer's scores and probabilities as it runs (one layer's at a time); a
+  // capture keeps the layer's queries, keys and values and recomputes its attention on demand.
+  const bool observe = !observers.empty();
+  const bool want_q = observe || keep;
   std::vector<float> scores, probs, qkv_host;
-  if (want_attn) {
+  if (observe) {
     scores.resize(static_cast<size_t>(NH) * T * T);
     probs.resize(scores.size());
   }
+  std::shared_ptr<CapturedAttention> captured;
   if (keep) {
     capture->q.assign(cfg.num_hidden_layers, {});
-    capture->scores.assign(cfg.num_hidden_layers, {});
-    capture->probs.assign(cfg.num_hidden_layers, {});
+    captured = std::make_shared<CapturedAttention>(be, lay, mdt, cfg.num_hidden_layers);
   }
   for (int l = 0; l < cfg.num_hidden_layers; ++l) {
     const LlamaLayer& L = layers[l];
@@ -140,13 +143,14 @@ std::vector<float> LlamaDecoder::prefill(const Buffer& x0, const std::vector<Seg
     be->linear(x, L.qkv_w, or_null(L.qkv_b), qkv, false);
     be->rope(qkv, lay, pos, static_cast<float>(cfg.rope_theta));
     be->kv_append(kv, l, qkv, lay, pos, pos_host.data(), kinds.data(), T);
-    be->attention(qkv, lay, a, want_attn ? scores.data() : nullptr, want_attn ? probs.data() : nullptr);
-    if (want_attn) {
+    be->attention(qkv, lay, a, observe ? scores.data() : nullptr, observe ? probs.data() : nullptr);
+    if (keep) captured->keep_layer(l, qkv);
+    if (want_q) {
       qkv_host.resize(static_cast<size_t>(qkv.numel()));
       be->download(qkv, qkv_host.data());
     }
     std::vector<float> q;
-    if (want_attn) {
+    if (want_q) {
       q.resize(static_cast<size_t>(T) * QD);
       for (int t = 0; t < T; ++t)
         std::copy_n(qkv_host.data() + static_cast<size_t>(t) * lay.row_stride, QD, q.data() + static_cast<size_t>(t) * QD);
@@ -170,11 +174,7 @@ std::vector<float> LlamaDecoder::prefill(const Buffer& x0, const std::vector<Seg
       e.q = q.data(); e.k = keys.data(); e.v = vals.data(); e.head_dim = D;
       for (AttentionObserver* o : observers) o->on_attention(e);
     }
-    if (keep) {
-      capture->q[l] = std::move(q);
-      capture->scores[l] = scores;
-      capture->probs[l] = probs;
-    }
+    if (keep) capture->q[l] = std::move(q);
     be->linear(a, L.o_w, or_null(L.o_b), h, true);
     mlp(L, h, x, gu, g);
     be->check_finite(h, "text layer " + std::to_string(l) + " output (prefill)");
@@ -187,7 +187,46 @@ std::vector<float> LlamaDecoder::prefill(const Buffer& x0, const std::vector<Seg
   std::vector<float> out(static_cast<size_t>(cfg.vocab_size));
   be->download(logits, out.data());
   be->finish_checks();
+  if (keep) capture->attention = std::move(captured);
   return out;
+}
+
+CapturedAttention::CapturedAttention(std::shared_ptr<Backend> be, const AttnLayout& lay, Dt out_dt, int n_layers)
+    : be_(std::move(be)), lay_(lay), out_dt_(out_dt), qkv_(static_cast<size_t>(n_layers)) {}
+
+void CapturedAttention::keep_layer(int layer, const Buffer& qkv) {
+  Buffer& c = qkv_.at(static_cast<size_t>(layer));
+  c = be_->alloc("l" + std::to_string(layer) + ".prefill.qkv_captured", qkv.shape, Dt::F32);
+  be_->copy_block(qkv, 0, 0, c, 0, 0, qkv.rows(), qkv.cols());
+}
+
+std::shared_ptr<const std::vector<float>> CapturedAttention::probs(int layer) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [l, p] : recent_)
+    if (l == layer) return p;
+  if (layer < 0 || layer >= n_layers() || qkv_[static_cast<size_t>(layer)].empty())
+    throw InternalError("prefill attention: no captured layer " + std::to_string(layer));
+  const int T = lay_.T, NH = lay_.n_heads;
+  auto p = std::make_shared<std::vector<float>>(static_cast<size_t>(NH) * T * T);
+  Buffer out = be_->alloc("l" + std::to_string(layer) + ".prefill.attn_out_recomputed",
+                          {T, static_cast<int64_t>(NH) * lay_.head_dim}, out_dt_);
+  be_->attention(qkv_[static_cast<size_t>(layer)], lay_, out, nullptr, p->data());
+  recent_.insert(recent_.begin(), {layer, p});
+  if (recent_.size() > kRecent) recent_.pop_back();
+  return p;
+}
+
+int64_t CapturedAttention::capture_bytes() const {
+  int64_t b = 0;
+  for (const Buffer& c : qkv_) b += c.empty() ? 0 : c.bytes();
+  return b;
+}
+
+int64_t CapturedAttention::cached_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t b = 0;
+  for (const auto& r : recent_) b += static_cast<int64_t>(r.second->size() * sizeof(float));
+  return b;
 }
 
 LlamaWorkspace LlamaDecoder::workspace() const {

@@ -5,6 +5,8 @@
 // hook point each.
 #pragma once
 #include <memory>
+#include <mutex>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -32,6 +34,32 @@ struct LlamaWorkspace {
   Buffer h, x, qkv, a, gu, g, ids, pos, logits;
   std::vector<float> qkv_host, logits_host;
   std::unique_ptr<StepCache> step;
+};
+
+// The prompt's attention of a prefill that was asked to keep it: each layer's qkv after RoPE,
+// copied in the backend's memory, and the same attention op the prefill ran, run again for the
+// layer a caller asks for (so the probabilities are the values the prefill computed, bit for
+// bit). The layers asked for most recently (kRecent) stay on the host for the next caller.
+class CapturedAttention final : public PrefillAttention {
+ public:
+  CapturedAttention(std::shared_ptr<Backend> be, const AttnLayout& lay, Dt out_dt, int n_layers);
+  void keep_layer(int layer, const Buffer& qkv);
+
+  int n_layers() const override { return static_cast<int>(qkv_.size()); }
+  int n_heads() const override { return lay_.n_heads; }
+  int prompt_len() const override { return lay_.T; }
+  std::shared_ptr<const std::vector<float>> probs(int layer) const override;
+  int64_t capture_bytes() const override;
+  int64_t cached_bytes() const override;
+
+ private:
+  static constexpr size_t kRecent = 2;
+  std::shared_ptr<Backend> be_;
+  AttnLayout lay_;
+  Dt out_dt_;
+  std::vector<Buffer> qkv_;
+  mutable std::mutex mu_;
+  mutable std::vector<std::pair<int, std::shared_ptr<const std::vector<float>>>> recent_;
 };
 
 class LlamaDecoder {

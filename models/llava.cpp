@@ -284,8 +284,7 @@ std::vector<PrefillContext> LlavaModel::prefill_contexts(const PrefillState& st)
     c.prompt_len = static_cast<int>(st.ids.size());
     if (st.capture.keep) {
       c.q = st.capture.q[l].data();
-      c.scores = st.capture.scores[l].data();
-      c.probs = st.capture.probs[l].data();
+      c.attention = st.capture.attention.get();
     }
     c.token_kinds = &st.kinds;
     c.token_ids = &st.ids;

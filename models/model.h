@@ -15,6 +15,7 @@
 #include "core/data/image.h"
 #include "core/kv_store.h"
 #include "core/observer.h"
+#include "core/prefill_attention.h"
 #include "core/compress/policy.h"
 #include "models/preprocess/clip_image.h"
 #include "models/tokenizer.h"
@@ -22,11 +23,13 @@
 namespace kvlens {
 
 // What prefill may keep per layer for policies and diagnostics.
+// What prefill keeps of the prompt's attention when asked: each layer's post-RoPE queries (host,
+// for methods that score with them) and the attention, recomputed a layer at a time on demand
+// from the queries, keys and values the backend keeps (core/prefill_attention.h).
 struct PrefillCapture {
   bool keep = false;
-  std::vector<std::vector<float>> q;       // [layer][T][n_heads][head_dim]
-  std::vector<std::vector<float>> scores;  // [layer][n_heads][T][T]
-  std::vector<std::vector<float>> probs;   // [layer][n_heads][T][T]
+  std::vector<std::vector<float>> q;  // [layer][T][n_heads][head_dim]
+  std::shared_ptr<const PrefillAttention> attention;
 };
 
 struct GenerateOptions {
@@ -64,7 +67,7 @@ struct PrefillState {
   bool store_rows = true;
   std::shared_ptr<const DeviceKV> device;  // the device cache (null on the CPU backend)
   std::vector<float> logits;  // last prompt position
-  PrefillCapture capture;     // per-layer q / scores / probs when kept
+  PrefillCapture capture;     // per-layer queries and the prompt's attention, when kept
   double preprocess_ms = 0;  // image decode-to-tensor on the host (resize, crop, normalize)
   double vision_ms = 0, prefill_ms = 0;  // vision tower + projector; language-model prefill
 };

@@ -14,6 +14,7 @@
 
 #include "core/compress/method.h"
 #include "core/compress/policy.h"
+#include "tests/held_attention.h"
 
 namespace kvlens::testing {
 
@@ -25,6 +26,7 @@ struct Prompt {
   std::vector<K> kinds;
   std::vector<int> ids;
   std::vector<std::vector<float>> q, probs, scores;
+  mutable std::shared_ptr<kvlens::testing::HeldAttention> held;  // over probs, for contexts()
   KVStore store;
 
   Prompt(int L_, int H_, int Hkv_, int D_, std::vector<K> kinds_, uint32_t seed)
@@ -80,11 +82,12 @@ struct Prompt {
       probs[l][(static_cast<size_t>(h) * T + i) * T + j] = j <= i ? static_cast<float>(row[j]) : 0.f;
   }
   std::vector<PrefillContext> contexts() const {
+    held = std::make_shared<kvlens::testing::HeldAttention>(probs, H, T);
     std::vector<PrefillContext> cs(L);
     for (int l = 0; l < L; ++l) {
       PrefillContext& c = cs[l];
       c.layer = l, c.n_layers = L, c.n_heads = H, c.n_kv_heads = Hkv, c.head_dim = D;
-      c.prompt_len = T, c.q = q[l].data(), c.probs = probs[l].data(), c.scores = scores[l].data();
+      c.prompt_len = T, c.q = q[l].data(), c.attention = held.get();
       c.token_kinds = &kinds, c.token_ids = &ids;
     }
     return cs;

@@ -14,6 +14,7 @@
 #include "core/kv_store.h"
 #include "core/compress/method.h"
 #include "core/compress/policy.h"
+#include "tests/held_attention.h"
 
 namespace kvlens::testing {
 
@@ -83,11 +84,12 @@ class Bench {
   double prob(int l, int h, int i, int j) const { return probs[l][(static_cast<size_t>(h) * T + i) * T + j]; }
 
   std::vector<PrefillContext> contexts() const {
+    held = std::make_shared<kvlens::testing::HeldAttention>(probs, sc.H, T);
     std::vector<PrefillContext> cs(sc.L);
     for (int l = 0; l < sc.L; ++l) {
       PrefillContext& c = cs[l];
       c.layer = l, c.n_layers = sc.L, c.n_heads = sc.H, c.n_kv_heads = sc.KH, c.head_dim = sc.D;
-      c.prompt_len = T, c.q = q[l].data(), c.probs = probs[l].data(), c.scores = scores[l].data();
+      c.prompt_len = T, c.q = q[l].data(), c.attention = held.get();
       c.token_kinds = &kinds, c.token_ids = &ids;
     }
     return cs;
@@ -98,6 +100,7 @@ class Bench {
   std::vector<SegmentKind> kinds;
   std::vector<int> ids;
   std::vector<std::vector<float>> k, v, q, probs, scores;  // per layer
+  mutable std::shared_ptr<kvlens::testing::HeldAttention> held;  // over probs, for contexts()
   KVStore store;                                           // the prompt, as prefill leaves it
 };
 

@@ -16,6 +16,7 @@
 #include "core/compress/quant_methods.h"
 #include "core/compress/quantize.h"
 #include "kernels/cpu/ops.h"
+#include "tests/held_attention.h"
 
 namespace kvlens::testing {
 
@@ -30,6 +31,7 @@ struct Fixture {
   std::vector<SegmentKind> kinds;
   std::vector<int> ids;
   std::vector<float> k, v, q, probs, scores;  // k, v: [T][KH][D]; q: [T][H][D]; probs: [H][T][T]
+  mutable std::shared_ptr<kvlens::testing::HeldAttention> held;  // over probs, for ctx()
   std::vector<float> dq;                      // decode queries [step][H][D]
   KVStore store;
   RowStorage rows = RowStorage::Fp32;  // the run's dense-row storage (decode's kv_storage)
@@ -62,9 +64,10 @@ struct Fixture {
   const float* key(int t, int kh) const { return &k[(static_cast<size_t>(t) * KH + kh) * D]; }
   const float* val(int t, int kh) const { return &v[(static_cast<size_t>(t) * KH + kh) * D]; }
   PrefillContext ctx() const {
+    held = std::make_shared<kvlens::testing::HeldAttention>(1, H, T, [this](int) { return &probs; });
     PrefillContext c;
     c.n_layers = 1, c.n_heads = H, c.n_kv_heads = KH, c.head_dim = D, c.prompt_len = T;
-    c.q = q.data(), c.probs = probs.data(), c.scores = scores.data();
+    c.q = q.data(), c.attention = held.get();
     c.token_kinds = &kinds, c.token_ids = &ids;
     return c;
   }

@@ -12,6 +12,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <utility>
 
@@ -109,6 +110,22 @@ void run_bench(const BenchArgs& a) {
     prompt_tokens = static_cast<int>(st.ids.size());
     bytes = r.bytes_after_prefill.total();
   }
+  // The research path's prefill (kvlens run, the app): the same prompt keeping its attention —
+  // each layer's queries, keys and values in the backend's memory (and the queries on the host),
+  // from which a layer's probabilities are recomputed when a method or a view asks.
+  std::vector<double> capture_prefill, view_ms;
+  int64_t capture_dev = 0, capture_host = 0, view_bytes = 0;
+  for (int i = 0; i < std::max(1, a.repeat); ++i) {
+    const PrefillState st = model.prefill(img, a.prompt, kDefaultTemplate, true);
+    capture_prefill.push_back(st.prefill_ms);
+    capture_dev = st.capture.attention->capture_bytes();
+    capture_host = 0;
+    for (const auto& q : st.capture.q) capture_host += static_cast<int64_t>(q.size() * sizeof(float));
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto probs = st.capture.attention->probs(st.capture.attention->n_layers() - 1);
+    view_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    view_bytes = static_cast<int64_t>(probs->size() * sizeof(float));
+  }
   Backend& be = model.backend();
   const double copy = be.copy_bandwidth();
   const double wbytes = static_cast<double>(model.decode_weight_bytes());
@@ -130,6 +147,10 @@ void run_bench(const BenchArgs& a) {
   std::printf("%-26s %12.1f tokens/s\n", "roofline (copy / weights)", roof);
   std::printf("%-26s %12.1f %%\n", "decode / roofline", 100.0 * tps / roof);
   std::printf("%-26s %12.2f ms\n", "caption total", median(total));
+  std::printf("%-26s %12.2f ms\n", "prefill with capture", median(capture_prefill));
+  std::printf("%-26s %12.1f MB (%s) + %.1f MB (host queries)\n", "capture memory", capture_dev / 1e6,
+              be.name() == "cpu" ? "host" : "device", capture_host / 1e6);
+  std::printf("%-26s %12.2f ms (%.1f MB to the host)\n", "one layer's attention", median(view_ms), view_bytes / 1e6);
   const int steps = std::max(1, tokens - 1);
   if (!prof_prefill.empty() || !prof_decode.empty()) {
     std::printf("\nper-op device time of the last run (no step replay while profiling)\n%-22s %12s %16s\n", "op",
@@ -158,6 +179,11 @@ void run_bench(const BenchArgs& a) {
                       {"preprocess_ms", median(preprocess)},
                       {"vision_ms", median(vision)},
                       {"prefill_ms", median(prefill)},
+                      {"prefill_with_capture_ms", median(capture_prefill)},
+                      {"capture_backend_bytes", capture_dev},
+                      {"capture_host_bytes", capture_host},
+                      {"layer_attention_ms", median(view_ms)},
+                      {"layer_attention_bytes", view_bytes},
                       {"compress_ms", median(compress)},
                       {"decode_ms_per_token", median(per_token)},
                       {"decode_tokens_per_s", tps},

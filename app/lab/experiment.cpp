@@ -10,11 +10,9 @@ namespace kvlens {
 PrefillView Experiment::view() const {
   PrefillView v;
   v.full = &prefill.store;
-  v.probs = &prefill.capture.probs;
+  v.attention = prefill.capture.attention.get();
   v.kinds = &prefill.kinds;
-  v.n_heads = prefill.capture.probs.empty()
-                  ? 0
-                  : static_cast<int>(prefill.capture.probs[0].size() / (prefill.ids.size() * prefill.ids.size()));
+  v.n_heads = v.attention ? v.attention->n_heads() : 0;
   v.prompt_len = static_cast<int>(prefill.ids.size());
   return v;
 }
@@ -57,7 +55,8 @@ Experiment start_experiment(const Model& model, PrefillState prefill, const Expe
     ex.attention_steps = S;
     for (int l = 0; l < ex.prefill.store.n_layers(); ++l) {
       std::vector<float> m(static_cast<size_t>(n) * n, 0.0f);
-      const auto& P = ex.prefill.capture.probs[l];
+      const auto held = pv.attention->probs(l);
+      const std::vector<float>& P = *held;
       for (int h = 0; h < pv.n_heads; ++h)
         for (int i = 0; i < T; ++i)
           for (int j = 0; j <= i; ++j)

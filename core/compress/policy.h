@@ -1,12 +1,14 @@
 // The one hook point between the model and KV-cache compression. The model calls these and
 // nothing else; policies never edit model code.
 #pragma once
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "core/backend.h"
 #include "core/kv_store.h"
+#include "core/prefill_attention.h"
 
 namespace kvlens {
 
@@ -18,13 +20,18 @@ struct PrefillContext {
   int n_kv_heads = 0;
   int head_dim = 0;
   int prompt_len = 0;
-  // Prompt queries after RoPE, [prompt_len][n_heads][head_dim], and the full causal
-  // attention probabilities [n_heads][prompt_len][prompt_len] of this layer.
+  // Prompt queries after RoPE, [prompt_len][n_heads][head_dim], and the prompt's attention,
+  // from which probs() recomputes this layer's causal probabilities on demand.
   const float* q = nullptr;
-  const float* probs = nullptr;
-  const float* scores = nullptr;
+  const PrefillAttention* attention = nullptr;
   const std::vector<SegmentKind>* token_kinds = nullptr;  // [prompt_len]
   const std::vector<int>* token_ids = nullptr;            // [prompt_len]
+
+  // This layer's probabilities [n_heads][prompt_len][prompt_len], or null when prefill kept no
+  // attention (hold the pointer while reading them).
+  std::shared_ptr<const std::vector<float>> probs() const {
+    return attention ? attention->probs(layer) : nullptr;
+  }
 };
 
 struct DecodeContext {

@@ -78,14 +78,15 @@ std::vector<int> select_recent_topk(const std::vector<double>& score, const Laye
 
 std::vector<double> column_sums(const PrefillContext& c, int kv_head, int q_begin, int q_end) {
   const int T = c.prompt_len;
-  if (!c.probs) throw InputError("layer " + std::to_string(c.layer) + ": no prefill probabilities");
+  const auto probs = c.probs();
+  if (!probs) throw InputError("layer " + std::to_string(c.layer) + ": no prefill probabilities");
   q_begin = std::clamp(q_begin, 0, T);
   q_end = std::clamp(q_end, q_begin, T);
   const int group = c.n_heads / c.n_kv_heads;
   std::vector<double> out(T, 0.0);
   for (int g = 0; g < group; ++g) {
     const int h = kv_head * group + g;
-    const float* P = c.probs + static_cast<int64_t>(h) * T * T;
+    const float* P = probs->data() + static_cast<int64_t>(h) * T * T;
     for (int i = q_begin; i < q_end; ++i) {
       const float* row = P + static_cast<int64_t>(i) * T;
       for (int j = 0; j <= i; ++j) out[j] += row[j];  // causal: j > i is masked
@@ -106,7 +107,7 @@ void check_prefill(const std::string& method, const PrefillContext& c, const Lay
   if (!c.token_kinds || static_cast<int>(c.token_kinds->size()) != c.prompt_len)
     throw InputError(at + ": token kinds must have one entry per prompt token (" +
                      std::to_string(c.prompt_len) + ")");
-  if (needs_probs && !c.probs) throw InputError(at + ": needs the prefill attention probabilities");
+  if (needs_probs && !c.attention) throw InputError(at + ": needs the prefill attention probabilities");
   std::vector<int> rows(c.n_kv_heads, 0);
   for (const KVSegment& s : layer.segments) {
     if (static_cast<int>(s.heads.size()) != c.n_kv_heads)

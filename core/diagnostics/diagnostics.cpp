@@ -101,8 +101,8 @@ double sparsity(const float* probs, int n_heads, int n_q, int n_k, double p) {
 }
 
 double prefill_sparsity(const PrefillView& pv, int layer, double p) {
-  const auto& pr = pv.probs->at(layer);
-  return sparsity(pr.data(), pv.n_heads, pv.prompt_len, pv.prompt_len, p);
+  const auto pr = pv.attention->probs(layer);
+  return sparsity(pr->data(), pv.n_heads, pv.prompt_len, pv.prompt_len, p);
 }
 
 namespace {
@@ -378,7 +378,8 @@ HitRates cache_hit_rates(const PrefillView& pv, const DecodeRecorder& full, doub
   const int post_from = (last_visual >= 0 && last_visual + 1 < T) ? last_visual + 1 : T - 1;
   const int window_from = std::max(0, T - window_queries);
   for (int l = 0; l < L; ++l) {
-    const auto& P = pv.probs->at(l);
+    const auto held = pv.attention->probs(l);
+    const std::vector<float>& P = *held;
     // score[g][strategy][j]: the strategies of KV head g (mean over its query heads).
     std::vector<std::vector<std::vector<double>>> score(KH, std::vector<std::vector<double>>(S, std::vector<double>(T, 0.0)));
     for (int h = 0; h < H; ++h) {

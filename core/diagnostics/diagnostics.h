@@ -62,9 +62,9 @@ std::vector<float> decode_attention_rows(const DecodeRecorder& rec, int layer, i
 
 // What the prefill left behind that diagnostics compare against.
 struct PrefillView {
-  const KVStore* full = nullptr;                          // full-precision store after prefill
-  const std::vector<std::vector<float>>* probs = nullptr; // [layer][n_heads][T][T]
-  const std::vector<SegmentKind>* kinds = nullptr;        // [T]
+  const KVStore* full = nullptr;                     // full-precision store after prefill
+  const PrefillAttention* attention = nullptr;       // the prompt's attention, a layer at a time
+  const std::vector<SegmentKind>* kinds = nullptr;   // [T]
   int n_heads = 0;
   int prompt_len = 0;
 };

@@ -13,6 +13,7 @@
 #include "core/compress/quant_methods.h"
 #include "core/compress/policy.h"
 #include "tests/op_harness.h"
+#include "tests/held_attention.h"
 
 using namespace kvlens;
 using namespace kvlens::testing;
@@ -138,8 +139,11 @@ std::vector<PrefillContext> contexts(const DecodeCase& c, const std::vector<floa
   p.head_dim = c.D;
   p.prompt_len = static_cast<int>(kinds.size());
   p.q = q.data();
-  p.probs = probs.data();
-  p.scores = scores.data();
+  // The probabilities live as long as the test's arrays (a held view, never freed here).
+  static std::vector<std::unique_ptr<kvlens::testing::HeldAttention>> held;
+  held.push_back(std::make_unique<kvlens::testing::HeldAttention>(1, c.NH, p.prompt_len,
+                                                                  [&probs](int) { return &probs; }));
+  p.attention = held.back().get();
   p.token_kinds = &kinds;
   p.token_ids = &ids;
   return {p};

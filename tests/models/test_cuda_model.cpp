@@ -19,6 +19,7 @@
 #include "models/model.h"
 #include "tests/policy_probe.h"
 #include "tests/test_util.h"
+#include "tests/captured_attention_check.h"
 
 using namespace kvlens;
 namespace kt = kvlens::testing;
@@ -76,6 +77,14 @@ TEST(CudaModel, FixturesMatchCpuAndTransformers) {
     for (size_t i = 0; i < ra.chosen_probs.size(); ++i)
       EXPECT_NEAR(rb.chosen_probs[i], ra.chosen_probs[i], 2e-2) << dir << " step " << i;
   }
+}
+
+// The capture on the device: each layer's attention recomputed by the device's attention op
+// equals what the prefill handed its observers, bit for bit.
+TEST(CudaModel, CapturedAttentionIsThePrefillsAttention) {
+  NEED_GPU();
+  const std::unique_ptr<Model> gpu = load_model(kEmbedded, {"cuda"});
+  kt::check_captured_attention(*gpu, load_image(kt::source_dir() + "/assets/images/scene_000.png"), "cuda");
 }
 
 TEST(CudaModel, EmbeddedModelMatchesTransformersOnHeldOutScenes) {

@@ -15,6 +15,7 @@
 #include "models/model.h"
 #include "tests/policy_probe.h"
 #include "tests/test_util.h"
+#include "tests/captured_attention_check.h"
 
 using namespace kvlens;
 namespace kt = kvlens::testing;
@@ -137,4 +138,10 @@ TEST(Embedded, PrefillOnlyMethodsDecodeWithoutTheHookToTheSameResult) {
     EXPECT_EQ(b.bytes_after_prefill.total(), a.bytes_after_prefill.total());
     EXPECT_EQ(b.bytes_final.total(), a.bytes_final.total());
   }
+}
+
+// The research path's capture: each layer's attention recomputed on demand, equal to the
+// prefill's, from queries, keys and values only.
+TEST(Embedded, CapturedAttentionIsThePrefillsAttention) {
+  kt::check_captured_attention(model(), load_image(kt::source_dir() + "/assets/images/scene_000.png"), "cpu");
 }

@@ -61,7 +61,8 @@ TEST_P(HfParity, MatchesTransformers) {
 
   // Layer-0 attention probabilities [H][T][T] ≤ 1e-5 absolute.
   const auto attn = kt::read_f32(dir + "/" + exp["attn0_file"].get<std::string>());
-  const auto& ours = st.capture.probs.at(0);
+  const auto held = st.capture.attention->probs(0);
+  const std::vector<float>& ours = *held;
   ASSERT_EQ(attn.size(), ours.size());
   double max_attn = 0;
   for (size_t i = 0; i < attn.size(); ++i) max_attn = std::max(max_attn, std::abs(static_cast<double>(ours[i]) - attn[i]));

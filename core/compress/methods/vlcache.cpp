@@ -36,11 +36,12 @@ int post_vision_begin(const PrefillContext& c) {
 }
 
 double post_vision_head_sparsity(const PrefillContext& c, int head, double p) {
-  if (!c.probs) throw InputError("vlcache: layer " + std::to_string(c.layer) + ": no prefill probabilities");
+  const auto probs = c.probs();
+  if (!probs) throw InputError("vlcache: layer " + std::to_string(c.layer) + ": no prefill probabilities");
   if (head < 0 || head >= c.n_heads) throw InputError("vlcache: no query head " + std::to_string(head));
   const int T = c.prompt_len;
   const int b = post_vision_begin(c);
-  const float* P = c.probs + static_cast<int64_t>(head) * T * T;
+  const float* P = probs->data() + static_cast<int64_t>(head) * T * T;
   int64_t zeros = 0, total = 0;
   for (int i = b; i < T; ++i) {
     const float* row = P + static_cast<int64_t>(i) * T;

@@ -97,7 +97,8 @@ class ZipCachePolicy : public KVPolicy {
 
   void on_prefill_layer(const PrefillContext& ctx, LayerKV& layer) override {
     const int T = ctx.prompt_len, H = ctx.n_heads, KH = ctx.n_kv_heads, D = ctx.head_dim;
-    if (!ctx.probs)
+    const auto probs = ctx.probs();
+    if (!probs)
       throw InputError("zipcache: layer " + std::to_string(ctx.layer) + " has no prefill attention probabilities");
     if (KH <= 0 || H % KH != 0)
       throw InputError("zipcache: n_heads " + std::to_string(H) + " is not a multiple of n_kv_heads " + std::to_string(KH));
@@ -106,7 +107,7 @@ class ZipCachePolicy : public KVPolicy {
                                                             o_.recent, o_.random, o_.seed);
     std::vector<std::vector<double>> score(KH, std::vector<double>(T, 0.0));
     for (int h = 0; h < H; ++h) {
-      const std::vector<double> s = zipcache::saliency(ctx.probs + static_cast<int64_t>(h) * T * T, T, probes, o_.saliency);
+      const std::vector<double> s = zipcache::saliency(probs->data() + static_cast<int64_t>(h) * T * T, T, probes, o_.saliency);
       for (int kh = 0; kh < KH; ++kh) {
         if (!o_.shared && kh != h / (H / KH)) continue;
         const double w = o_.shared ? 1.0 / H : 1.0 / (H / KH);

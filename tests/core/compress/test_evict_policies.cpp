@@ -299,7 +299,7 @@ TEST(Eviction, RejectsAStoreThatIsNotThePrompt) {
   cs[0].prompt_len = 9;  // the store holds 10 rows
   EXPECT_THROW(make(h2o_method())->on_prefill(cs, P.store), InputError);
   cs = P.contexts();
-  cs[0].probs = nullptr;
+  cs[0].attention = nullptr;
   EXPECT_THROW(make(vlcache_method())->on_prefill(cs, P.store), InputError);
 }
 

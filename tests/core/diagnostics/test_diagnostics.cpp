@@ -18,6 +18,7 @@
 
 #include "core/diagnostics/diagnostics.h"
 #include "core/compress/quant_methods.h"
+#include "tests/held_attention.h"
 
 using namespace kvlens;
 using K = SegmentKind;
@@ -152,9 +153,11 @@ void expect_close(double got, double want, const char* what) {
 }
 
 PrefillView view_of(const KVStore& full, const std::vector<std::vector<float>>& probs, int heads) {
+  static std::vector<std::unique_ptr<kvlens::testing::HeldAttention>> held;  // live for the test run
+  held.push_back(std::make_unique<kvlens::testing::HeldAttention>(probs, heads, T));
   PrefillView v;
   v.full = &full;
-  v.probs = &probs;
+  v.attention = held.back().get();
   v.kinds = &kKinds;
   v.n_heads = heads;
   v.prompt_len = T;
@@ -358,6 +361,7 @@ struct HitRun {
   std::vector<K> kinds;
   KVStore store{L, KH, 2};
   std::vector<std::vector<float>> probs;  // [layer][H][T][T]
+  mutable std::shared_ptr<kvlens::testing::HeldAttention> held;  // over probs
   DecodeRecorder rec{8};
   std::vector<int> steps = {0, 2};
 
@@ -408,7 +412,8 @@ struct HitRun {
   }
   PrefillView view() const {
     PrefillView v;
-    v.full = &store, v.probs = &probs, v.kinds = &kinds, v.n_heads = H, v.prompt_len = T;
+    held = std::make_shared<kvlens::testing::HeldAttention>(probs, H, T);
+    v.full = &store, v.attention = held.get(), v.kinds = &kinds, v.n_heads = H, v.prompt_len = T;
     return v;
   }
   double prob(int l, int h, int i, int j) const { return probs[l][(static_cast<size_t>(h) * T + i) * T + j]; }

@@ -7,6 +7,7 @@
 
 #include "core/diagnostics/diagnostics.h"
 #include "core/errors.h"
+#include "tests/held_attention.h"
 
 using namespace kvlens;
 
@@ -18,6 +19,7 @@ struct HandMade {
   int T;
   KVStore store;
   std::vector<std::vector<float>> probs;  // [1][H][T][T]
+  mutable std::shared_ptr<kvlens::testing::HeldAttention> held;  // over probs
   std::vector<SegmentKind> kinds;
   DecodeRecorder rec{1};
 
@@ -45,7 +47,8 @@ struct HandMade {
   HitRates rates(double budget) const {
     PrefillView pv;
     pv.full = &store;
-    pv.probs = &probs;
+    held = std::make_shared<kvlens::testing::HeldAttention>(probs, 2, T);
+    pv.attention = held.get();
     pv.kinds = &kinds;
     pv.n_heads = 2;
     pv.prompt_len = T;

@@ -1,0 +1,27 @@
+// The prompt's attention of one layer, recomputed on demand from what prefill captured (each
+// layer's post-RoPE queries, keys and values, O(layers · tokens · head_dim)) instead of held for
+// every layer: no [layers][heads][T][T] array exists anywhere. Methods that score tokens and the
+// diagnostics ask for one layer at a time; a few recent layers are kept for a caller that asks
+// again.
+#pragma once
+#include <memory>
+#include <vector>
+
+namespace kvlens {
+
+class PrefillAttention {
+ public:
+  virtual ~PrefillAttention() = default;
+  virtual int n_layers() const = 0;
+  virtual int n_heads() const = 0;
+  virtual int prompt_len() const = 0;
+  // Causal attention probabilities [n_heads][T][T] of `layer` (masked entries 0), the same values
+  // the prefill's attention computed; shared with the caller while it holds them. Thread-safe.
+  virtual std::shared_ptr<const std::vector<float>> probs(int layer) const = 0;
+  // Bytes the capture holds (queries, keys and values of every layer, in the backend's memory),
+  // and of the probabilities it keeps for callers now (host memory).
+  virtual int64_t capture_bytes() const = 0;
+  virtual int64_t cached_bytes() const = 0;
+};
+
+}  // namespace kvlens

@@ -1,0 +1,39 @@
+// A PrefillAttention over probabilities a test holds itself ([n_heads][T][T] per layer), for
+// policy and diagnostic tests that build their contexts by hand. It reads the test's arrays as
+// they are when asked (a test may change a row after making its contexts).
+#pragma once
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "core/prefill_attention.h"
+
+namespace kvlens::testing {
+
+class HeldAttention final : public PrefillAttention {
+ public:
+  // layer(l): the test's probabilities of layer l, or null for none.
+  HeldAttention(int n_layers, int n_heads, int prompt_len, std::function<const std::vector<float>*(int)> layer)
+      : n_layers_(n_layers), n_heads_(n_heads), T_(prompt_len), layer_(std::move(layer)) {}
+  // Over [layer][n_heads][T][T].
+  HeldAttention(const std::vector<std::vector<float>>& probs, int n_heads, int prompt_len)
+      : HeldAttention(static_cast<int>(probs.size()), n_heads, prompt_len,
+                      [&probs](int l) { return &probs.at(static_cast<size_t>(l)); }) {}
+
+  int n_layers() const override { return n_layers_; }
+  int n_heads() const override { return n_heads_; }
+  int prompt_len() const override { return T_; }
+  std::shared_ptr<const std::vector<float>> probs(int layer) const override {
+    const std::vector<float>* p = layer_(layer);
+    // Not owned: the test's array outlives every caller.
+    return p ? std::shared_ptr<const std::vector<float>>(std::shared_ptr<const std::vector<float>>(), p) : nullptr;
+  }
+  int64_t capture_bytes() const override { return 0; }
+  int64_t cached_bytes() const override { return 0; }
+
+ private:
+  int n_layers_, n_heads_, T_;
+  std::function<const std::vector<float>*(int)> layer_;
+};
+
+}  // namespace kvlens::testing

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# On a GPU host, in one call: the research path at LLaVA-1.5-7B's shape (tests/make_llava7b.py's
+# random fp16 checkpoint, 616-token prompt). `kvlens bench` gives the bench path and the research
+# path's prefill with capture and its memory; `kvlens run` per method (every diagnostic, 32 new
+# tokens) gives the wall time, the report's timings and the peak host memory. With
+# KVLENS_BASE_BUILD=DIR the same runs with that build's kvlens too (a before/after in one call).
+# Logs and JSON go to $KVLENS_GPU_OUT (./gpu_out); a short table is printed last.
+#
+#   tests/research_bench.sh [METHOD ...]      default: snapkv calibquant:bits=1 lookm
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${KVLENS_GPU_OUT:-$PWD/gpu_out}
+BUILD=${KVLENS_GPU_BUILD:-build-gpu}
+CK=${KVLENS_7B_DIR:-/tmp/kvlens-llava7b}
+IMG=${KVLENS_IMAGE:-$PWD/assets/images/scene_000.png}
+METHODS=${*:-snapkv calibquant:bits=1 lookm}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/research_gpu.txt" 2>&1
+
+if [ ! -x "$BUILD/kvlens" ]; then
+  cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DKVLENS_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+    -DKVLENS_TESTS=OFF -DKVLENS_GUI=OFF > "$OUT/research_cmake.txt" 2>&1 &&
+    cmake --build "$BUILD" -j"$(nproc)" --target kvlens > "$OUT/research_build.txt" 2>&1 ||
+    { tail -30 "$OUT/research_build.txt"; exit 1; }
+fi
+if [ ! -f "$CK/config.json" ]; then
+  python3 tests/make_llava7b.py --out "$CK" --json "$OUT/llava7b.json" --no-hf-bench > "$OUT/make_llava7b.txt" 2>&1 ||
+    { tail -30 "$OUT/make_llava7b.txt"; exit 1; }
+fi
+PROMPT=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['prompt'])" "$OUT/llava7b.json" 2>/dev/null)
+PROMPT=${PROMPT:-Describe the image.}
+
+# Runs a command, then writes its wall time (s) and the peak resident memory of the process (kB).
+measure() {
+  local tag=$1; shift
+  python3 - "$OUT/$tag" "$@" <<'PY'
+import resource, subprocess, sys, time
+out = sys.argv[1]
+t = time.time()
+with open(out + ".txt", "w") as f:
+    rc = subprocess.run(sys.argv[2:], stdout=f, stderr=subprocess.STDOUT).returncode
+wall = time.time() - t
+with open(out + ".time", "w") as f:
+    f.write("%d %.3f %d\n" % (rc, wall, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss))
+PY
+}
+
+for bin in "$BUILD/kvlens" ${KVLENS_BASE_BUILD:+"$KVLENS_BASE_BUILD/kvlens"}; do
+  tag=$(basename "$(dirname "$bin")")
+  measure "bench_$tag" "$bin" bench --backend cuda --model "$CK" --image "$IMG" --prompt "$PROMPT" --repeat 3 --json "$OUT/bench_$tag.json"
+  for m in $METHODS; do
+    safe=$(echo "$m" | tr -c 'A-Za-z0-9_\n' '_')
+    measure "run_${tag}_$safe" "$bin" run --backend cuda --model "$CK" --image "$IMG" --prompt "$PROMPT" --max-new-tokens 32 \
+      --method "$m" --report "$OUT/run_${tag}_$safe.json"
+  done
+done
+
+python3 - "$OUT" "$BUILD" "${KVLENS_BASE_BUILD:-}" $METHODS <<'PY'
+import json, os, sys
+out, builds, methods = sys.argv[1], [b for b in sys.argv[2:4] if b], sys.argv[4:]
+def load(p):
+    try:
+        return json.load(open(p))
+    except (OSError, ValueError):
+        return None
+print("\nresearch path at the 7B shape, %s" % open(os.path.join(out, "research_gpu.txt")).read().strip())
+for b in builds:
+    tag = os.path.basename(b.rstrip("/"))
+    j = load(os.path.join(out, "bench_%s.json" % tag)) or {}
+    print("%-12s bench: vision+prefill %.1f ms, decode %.1f tokens/s; prefill with capture %s ms, capture %s MB"
+          % (tag, j.get("vision_ms", 0) + j.get("prefill_ms", 0), j.get("decode_tokens_per_s", 0),
+             "%.1f" % j["prefill_with_capture_ms"] if "prefill_with_capture_ms" in j else "-",
+             "%.0f" % ((j.get("capture_backend_bytes", 0) + j.get("capture_host_bytes", 0)) / 1e6) if "capture_backend_bytes" in j else "-"))
+    print("%-12s %-22s %8s %10s %10s %10s %10s %9s" % ("", "method", "wall s", "prefill ms", "full dec ms", "compress", "decode ms", "peak GB"))
+    for m in methods:
+        safe = "".join(c if c.isalnum() or c == "_" else "_" for c in m)
+        base = os.path.join(out, "run_%s_%s" % (tag, safe))
+        rc, wall, rss = open(base + ".time").read().split()
+        r = load(base + ".json") or {}
+        t = r.get("timings_ms", {})
+        mt = (r.get("methods") or [{}])[0].get("timings_ms", {})
+        print("%-12s %-22s %8.2f %10.1f %10.1f %10.1f %10.1f %9.2f%s" % (
+            "", m, float(wall), t.get("prefill", 0), t.get("decode", 0), mt.get("compress", 0), mt.get("decode", 0),
+            int(rss) / 1e6, "" if rc == "0" else "  (exit %s)" % rc))
+PY
