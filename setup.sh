@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs the Debian packages kvlens needs (only those missing) and builds it into build/.
 #   ./setup.sh            the CLI and the desktop app (kvlens-gui); the CUDA backend too where
-#                         nvcc is found (KVLENS_CUDA=AUTO, the default)
-#   ./setup.sh --tests    also what the tests need: Xvfb and Mesa for the headless app tests,
+#                         nvcc is found (KVLENS_CUDA=AUTO, the default); no test suites
+#   ./setup.sh --tests    also the test suites and what they need: Xvfb and Mesa for the headless app tests,
 #                         poppler-utils (pdftoppm) and expat for the figure export checks, Java
 #                         and pycocoevalcap (PyPI, for its METEOR jar) for the caption metrics,
 #                         OpenMPI for the sharded evaluation
@@ -48,6 +48,11 @@ if [ "$tests" = 1 ] && ! python3 -c 'import importlib.util as u, sys; sys.exit(n
     { python3 -m venv .deps/venv && .deps/venv/bin/python3 -m pip install -q --no-deps pycocoevalcap; }
 fi
 
+# The app and the CLI only, unless the tests are asked for (they are most of the build).
 jobs=$(nproc 2>/dev/null || echo 2)
-cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DKVLENS_CUDA="${KVLENS_CUDA:-AUTO}" >/dev/null
+with_tests=OFF
+[ "$tests" = 1 ] && with_tests=ON
+echo "kvlens setup: configuring build/ (tests $with_tests, CUDA ${KVLENS_CUDA:-AUTO})"
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DKVLENS_CUDA="${KVLENS_CUDA:-AUTO}" -DKVLENS_TESTS="$with_tests" >/dev/null
+echo "kvlens setup: building with $jobs jobs"
 cmake --build build -j"$jobs"

@@ -328,6 +328,12 @@ int App::report_index(int id) const {
 
 bool App::busy() const { return !st.results || st.results->busy || st.results->setup_version != st.setup_version; }
 
+std::string App::blocked() const {
+  if (busy()) return "";
+  if (!st.results->model_error.empty()) return st.results->model_error;
+  return st.results->base_error;
+}
+
 bool App::up_to_date() const {
   if (busy()) return false;
   for (const MethodInstance& m : st.methods)

@@ -68,6 +68,9 @@ class App {
   int report_index(int id) const;                 // the instance's place in the report, or -1
   bool up_to_date() const;                        // every enabled instance computed for this setup
   bool busy() const;
+  // Why nothing can be computed for the current setup (the model or the image did not load),
+  // once the worker has tried; "" otherwise. Every panel that waits for results says it.
+  std::string blocked() const;
   // A figure of the current report by key ("softmax_mse", "hist:<report index>:<layer>", ...),
   // built once per report; null while there is no report or the key does not apply.
   const fig::Figure* figure(const std::string& key);
@@ -85,6 +88,8 @@ class App {
   bool open_session(const std::string& path);
   bool save_session(const std::string& path);
   void new_session();
+  // The edit fields (image path, model folder, prompt, tokens, typed parameters) show the inputs.
+  void sync_edits();
   void autosave();  // every 30 s while there are unsaved changes
   std::string state_dir() const;  // where recent files and the autosave live
 

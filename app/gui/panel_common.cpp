@@ -165,6 +165,9 @@ void status_bar(App& app, ImVec2 pos, ImVec2 size) {
     ImGui::SameLine();
     const float frac = p.tokens_total > 0 ? static_cast<float>(p.tokens_done) / p.tokens_total : 0.0f;
     ImGui::ProgressBar(frac, ImVec2(160, 0), (std::to_string(p.tokens_done) + "/" + std::to_string(p.tokens_total) + " tokens").c_str());
+  } else if (const std::string why = app.blocked(); !why.empty()) {
+    ImGui::TextColored(ImVec4(0.75f, 0.1f, 0.1f, 1), "not ready");
+    if (ImGui::IsItemHovered()) ImGui::SetTooltip("%s", why.c_str());
   } else {
     ImGui::TextUnformatted("ready");
   }

@@ -176,7 +176,7 @@ void methods_panel(App& app, Ui&, const PanelRect& rect) {
     ImGui::SameLine();
     const RunResult* r = app.result(m.id);
     const bool failed = st.results && st.results->run_errors.count(m.id);
-    std::string status = !m.enabled ? "off" : r ? "" : failed ? "error" : "computing…";
+    std::string status = !m.enabled ? "off" : r ? "" : failed ? "error" : !app.blocked().empty() ? "not run" : "computing…";
     const std::string head = app.display_name(m) + (status.empty() ? "" : "  (" + status + ")") + "###hdr";
     const bool selected = st.views.method == m.id;
     if (selected) ImGui::PushStyleColor(ImGuiCol_Header, ImVec4(0.62f, 0.75f, 0.93f, 1));

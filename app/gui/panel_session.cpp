@@ -14,7 +14,9 @@ namespace {
 // Compares the saved results summary with the report now: same captions and MSE.
 std::string saved_vs_now(const App& app) {
   const nlohmann::json& saved = app.st.saved_results;
-  if (!saved.is_object() || !saved.contains("methods") || !app.st.results || !app.st.results->report) return "";
+  if (!saved.is_object() || !saved.contains("methods") || !app.st.results) return "";
+  if (!app.blocked().empty()) return "saved results: not recomputed (" + app.blocked() + ")";
+  if (!app.st.results->report) return "";
   if (!app.up_to_date()) return "saved results: recomputing…";
   const nlohmann::json& rep = *app.st.results->report;
   const auto& a = saved["methods"];

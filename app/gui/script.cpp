@@ -245,6 +245,11 @@ void Script::run(App& app, const nlohmann::json& st) {
       d["methods"].push_back({{"label", m.label}, {"spec", m.params.spec()}, {"enabled", m.enabled}, {"error", m.error}});
     d["inputs"] = {{"model_dir", app.st.inputs.model_dir}, {"image_path", app.st.inputs.image_path},
                    {"prompt", app.st.inputs.prompt}, {"max_new_tokens", app.st.inputs.max_new_tokens}};
+    // What the input boxes show, beside what the app analyses (they differ only while typing).
+    d["fields"] = {{"model_dir", app.st.edits.model_dir}, {"image_path", app.st.edits.image_path},
+                   {"prompt", app.st.edits.prompt}, {"max_new_tokens", app.st.edits.max_new_tokens}};
+    d["busy"] = app.busy();
+    d["blocked"] = app.blocked();
     d["views"] = app.views_json();
     d["session_path"] = app.st.session_path;
     d["up_to_date"] = app.up_to_date();

@@ -12,7 +12,8 @@
 //   frames {n}                   render n frames
 //   screenshot {path}            the window as PNG, after the frame settles
 //   export_figures {dir, formats?, csv?, all?}
-//   dump_state {path}            the app's state and results as JSON (for checks)
+//   dump_state {path}            the app's state and results as JSON (for checks): the inputs
+//                                analysed and the "fields" the input boxes show, busy, blocked
 //   expect_message {contains}    a message since the last check must contain the text (else exit 1)
 //   timing {label}               prints "kvlens-gui timing: ..." (edit → result latency, frame rates)
 //   quit

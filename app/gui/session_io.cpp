@@ -173,17 +173,18 @@ bool App::open_session(const std::string& path) {
   st.session_name = s.name;
   st.session_description = s.description;
   st.saved_results = s.results;
-  st.edits.image_path = st.inputs.image_path;
-  st.edits.model_dir = st.inputs.model_dir;
-  st.edits.prompt = st.inputs.prompt;
-  st.edits.max_new_tokens = st.inputs.max_new_tokens;
+  sync_edits();
   remember(st.recent_sessions, path);
   // Missing or changed inputs: said once, the session stays open and editable.
+  int problems = 0;
   struct stat sb {};
-  if (::stat(model_dir().c_str(), &sb) != 0)
+  if (::stat(model_dir().c_str(), &sb) != 0) {
     error(path + ": model folder " + model_dir() + " not found; choose one in the Model panel");
+    ++problems;
+  }
   if (!file_exists(image_path())) {
     error(path + ": image " + image_path() + " not found; open another in the Image panel");
+    ++problems;
   } else if (!s.image_hash.empty()) {
     try {
       if (file_content_hash(image_path(), "image") != s.image_hash)
@@ -194,9 +195,22 @@ bool App::open_session(const std::string& path) {
   }
   st.expect_model_hash = s.model_hash;
   st.dirty = false;
-  info("session " + path + " opened");
+  if (problems)
+    error("session " + path + " opened with " + std::to_string(problems) + " missing input" + (problems > 1 ? "s" : "") +
+          ": nothing can be computed until " + (problems > 1 ? "they are" : "it is") + " chosen again");
+  else
+    info("session " + path + " opened");
   submit();
   return true;
+}
+
+void App::sync_edits() {
+  st.edits.image_path = st.inputs.image_path;
+  st.edits.model_dir = st.inputs.model_dir;
+  st.edits.prompt = st.inputs.prompt;
+  st.edits.max_new_tokens = st.inputs.max_new_tokens;
+  st.edits.param_text.clear();
+  st.edits.active_text.clear();
 }
 
 void App::new_session() {
@@ -213,6 +227,8 @@ void App::new_session() {
   st.saved_results = nullptr;
   st.expect_model_hash.clear();
   st.dirty = false;
+  sync_edits();
+  info("new session: the embedded model on the sample image");
   submit();
 }
 

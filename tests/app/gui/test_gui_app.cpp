@@ -214,4 +214,56 @@ TEST(GuiApp, ValuesUndoRedoAndSessions) {
   // Recent sessions are remembered in the state folder.
   EXPECT_TRUE(file_exists(home.dir + "/state/kvlens/recent.json"));
 }
+
+// After New, the input boxes show what the app analyses (the sample image, the default prompt),
+// and the status line no longer shows the previous session's last message.
+TEST(GuiApp, NewSessionResetsWhatTheFieldsShowAndTheStatus) {
+  TempHome home;
+  App app(kt::source_dir());
+  app.st.edits.image_path = home.dir + "/typed.png";
+  app.st.edits.model_dir = home.dir + "/typed-model";
+  app.st.edits.prompt = "typed, not applied";
+  app.st.edits.max_new_tokens = 7;
+  app.st.edits.param_text["1/pooling"] = "typed";
+  app.info("report written to " + home.dir + "/r.json");
+  app.new_session();
+  EXPECT_EQ(app.st.edits.image_path, app.st.inputs.image_path);
+  EXPECT_EQ(app.st.edits.model_dir, app.st.inputs.model_dir);
+  EXPECT_EQ(app.st.edits.prompt, std::string(kDefaultPrompt));
+  EXPECT_EQ(app.st.edits.max_new_tokens, app.st.inputs.max_new_tokens);
+  EXPECT_TRUE(app.st.edits.param_text.empty());
+  ASSERT_FALSE(app.st.messages.empty());
+  EXPECT_EQ(app.st.messages.back().text.find("report written"), std::string::npos) << app.st.messages.back().text;
+  EXPECT_FALSE(app.st.messages.back().error);
+}
+
+// A session whose image file is gone: opening it ends on an error, and once the worker has tried,
+// the app says why nothing is computed (the status bar, Captions, Plots and Methods read
+// blocked()) instead of computing forever.
+TEST(GuiApp, ASessionWhoseImageIsMissingSaysSo) {
+  TempHome home;
+  Session s;
+  s.image = home.dir + "/gone.png";
+  s.methods = {parse_method_spec("kivi")};
+  save_session(home.dir + "/s.json", s);
+  App app(kt::source_dir());
+  ASSERT_TRUE(app.open_session(home.dir + "/s.json"));
+  ASSERT_FALSE(app.st.messages.empty());
+  EXPECT_TRUE(app.st.messages.back().error) << app.st.messages.back().text;
+  EXPECT_NE(app.st.messages.back().text.find("missing input"), std::string::npos) << app.st.messages.back().text;
+  ASSERT_TRUE(wait_for([&] {
+    app.poll();
+    return !app.busy();
+  }));
+  EXPECT_NE(app.blocked().find("gone.png"), std::string::npos) << app.blocked();
+  EXPECT_FALSE(app.up_to_date());
+  // An image that exists again: results, and nothing blocks.
+  app.st.inputs.image_path = kt::source_dir() + "/assets/images/scene_000.png";
+  app.submit();
+  ASSERT_TRUE(wait_for([&] {
+    app.poll();
+    return app.up_to_date();
+  }));
+  EXPECT_EQ(app.blocked(), "");
+}
 #endif
