@@ -3,6 +3,10 @@
 #include <cmath>
 #include <cstring>
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 namespace kvlens {
 
 uint16_t to_half(float f) {
@@ -49,6 +53,17 @@ float from_half(uint16_t h) {
   float f;
   std::memcpy(&f, &x, 4);
   return f;
+}
+
+void round_half_n(float* x, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_storeu_ps(x + i, _mm256_cvtph_ps(h));
+  }
+#endif
+  for (; i < n; ++i) x[i] = round_half(x[i]);
 }
 
 }  // namespace kvlens

@@ -8,5 +8,8 @@ namespace kvlens {
 uint16_t to_half(float x);
 float from_half(uint16_t h);
 inline float round_half(float x) { return from_half(to_half(x)); }
+// x[i] = round_half(x[i]) for i < n, with the CPU's own fp16 conversions where it has them (F16C:
+// the same values, round to nearest even; a NaN stays a NaN, its payload may differ).
+void round_half_n(float* x, int64_t n);
 
 }  // namespace kvlens

@@ -44,8 +44,8 @@ void KVStore::set_row_storage(RowStorage rows) {
     for (KVSegment& s : L.segments) {
       if (!s.dense() || s.storage == "fp16") continue;
       for (HeadRows& r : s.heads) {
-        for (float& x : r.k) x = round_half(x);
-        for (float& x : r.v) x = round_half(x);
+        round_half_n(r.k.data(), static_cast<int64_t>(r.k.size()));
+        round_half_n(r.v.data(), static_cast<int64_t>(r.v.size()));
       }
       s.storage = "fp16";
       s.bytes = s.dense_bytes(head_dim_, 2);
@@ -75,8 +75,8 @@ void KVStore::append(int l, const float* k, const float* v, const int32_t* pos,
       r.k.insert(r.k.end(), kr, kr + D);
       r.v.insert(r.v.end(), vr, vr + D);
       if (half) {
-        for (auto it = r.k.end() - D; it != r.k.end(); ++it) *it = round_half(*it);
-        for (auto it = r.v.end() - D; it != r.v.end(); ++it) *it = round_half(*it);
+        round_half_n(r.k.data() + r.k.size() - D, D);
+        round_half_n(r.v.data() + r.v.size() - D, D);
       }
       r.pos.push_back(pos[t]);
     }

@@ -51,11 +51,15 @@ void host_rows(Context& ctx, const Buffer& qkv, const AttnLayout& l, int T, std:
   const int KD = l.n_kv_heads * l.head_dim;
   k.resize(static_cast<size_t>(T) * KD);
   v.resize(k.size());
-  for (int t = 0; t < T; ++t)
-    for (int i = 0; i < KD; ++i) {
-      k[static_cast<size_t>(t) * KD + i] = quant::round_half(all[static_cast<size_t>(t) * l.row_stride + l.k_col + i]);
-      v[static_cast<size_t>(t) * KD + i] = quant::round_half(all[static_cast<size_t>(t) * l.row_stride + l.v_col + i]);
-    }
+  for (int t = 0; t < T; ++t) {
+    float* kt = k.data() + static_cast<size_t>(t) * KD;
+    float* vt = v.data() + static_cast<size_t>(t) * KD;
+    const float* row = all.data() + static_cast<size_t>(t) * l.row_stride;
+    std::copy_n(row + l.k_col, KD, kt);
+    std::copy_n(row + l.v_col, KD, vt);
+    round_half_n(kt, KD);
+    round_half_n(vt, KD);
+  }
 }
 
 void set_host_bytes(CudaKV& C, KVStore& host, int l);
