@@ -85,6 +85,9 @@ class App {
   Session to_session() const;
   nlohmann::json views_json() const;
   bool apply_views_json(const nlohmann::json& v, const std::string& where);
+  // The same for a scripted selection: every field or none — a refused field leaves the views
+  // as they were (the message names it) and returns false.
+  bool select_views(const nlohmann::json& j, const std::string& where);
   bool open_session(const std::string& path);
   bool save_session(const std::string& path);
   void new_session();

@@ -168,6 +168,9 @@ void Script::before_frame(App& app) {
     if (app.up_to_date()) {
       if (++settled_frames_ < 3) return;  // let the panels show the results
       waiting_results_ = false;
+    } else if (const std::string why = app.blocked(); !why.empty()) {
+      fail(file_ + ": wait_results: nothing can be computed: " + why);
+      return;
     } else {
       settled_frames_ = 0;
       if (app.now() > wait_deadline_) fail(file_ + ": wait_results timed out");
@@ -218,7 +221,9 @@ void Script::run(App& app, const nlohmann::json& st) {
   else if (op == "select") {
     nlohmann::json v = st;
     v.erase("do");
-    app.apply_views_json(v, "script");
+    // A refused field refuses the whole step: the views stay as they were and the script fails.
+    if (!app.select_views(v, "select"))
+      throw InputError("refused, nothing selected: " + app.st.messages.back().text);
   } else if (op == "wait_results") {
     waiting_results_ = true;
     settled_frames_ = 0;

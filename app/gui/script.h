@@ -8,7 +8,9 @@
 //   set_param {method, name, value}                          undo / redo
 //   drag_param {method, name, from, to, frames}   a slider drag: one value per frame, then release
 //   select {plot?, layer?, head?, method?, calib_method?, heatmap_method?, overlay?, token?, ...}
-//   wait_results {timeout_s?}    every enabled method computed for the current setup, shown
+//                                every field or none: a refused field fails the script
+//   wait_results {timeout_s?}    every enabled method computed for the current setup, shown (fails
+//                                at once when the model or the image cannot be loaded)
 //   frames {n}                   render n frames
 //   screenshot {path}            the window as PNG, after the frame settles
 //   export_figures {dir, formats?, csv?, all?}

@@ -96,6 +96,13 @@ bool App::apply_views_json(const nlohmann::json& j, const std::string& where) {
   return ok;
 }
 
+bool App::select_views(const nlohmann::json& j, const std::string& where) {
+  const Views before = st.views;
+  if (apply_views_json(j, where)) return true;
+  st.views = before;
+  return false;
+}
+
 Session App::to_session() const {
   Session s;
   s.name = st.session_name;

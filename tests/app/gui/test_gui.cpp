@@ -11,10 +11,13 @@
 #include <random>
 #include <set>
 #include <thread>
+#include <tuple>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "core/data/image.h"
+#include "core/files.h"
 #include "app/lab/session.h"
 #include "tests/test_util.h"
 
@@ -225,6 +228,19 @@ TEST(Gui, BadInputIsAMessageAndNothingIsLost) {
   const json m = load(dir + "/missing.json");
   ASSERT_EQ(m["methods"].size(), 1u);
   EXPECT_EQ(m["inputs"]["max_new_tokens"], 4);
+  // A refused selection fails the script at that step (the steps after it never run); so does
+  // waiting for results that cannot come (the session's image is gone).
+  for (const auto& [name, script, says] : std::vector<std::tuple<std::string, json, std::string>>{
+           {"select", {{"steps", {{{"do", "select"}, {"layer", 1}, {"calib_method", "a label"}}, {{"do", "dump_state"}, {"path", "never.json"}}}}},
+            "calib_method"},
+           {"blocked", {{"steps", {{{"do", "open_session"}, {"path", "missing_image.json"}}, {{"do", "wait_results"}}, {{"do", "dump_state"}, {"path", "never.json"}}}}},
+            "nothing can be computed"}}) {
+    kt::RunResult f;
+    RUN_GUI_OR_SKIP(dir, script, f);
+    EXPECT_NE(f.code, 0) << name << ": " << f.output;
+    EXPECT_NE(f.output.find(says), std::string::npos) << name << ": " << f.output;
+    EXPECT_FALSE(kvlens::file_exists(dir + "/never.json")) << name;
+  }
   // A script with an unknown step is refused before anything runs.
   kt::write_file(dir + "/bad_script.json", "{\"steps\": [{\"do\": \"fly\"}]}");
   const auto bad = kt::run(std::string(kGui) + " --script " + dir + "/bad_script.json");

@@ -266,4 +266,18 @@ TEST(GuiApp, ASessionWhoseImageIsMissingSaysSo) {
   }));
   EXPECT_EQ(app.blocked(), "");
 }
+// A scripted selection is every field or none: one refused field leaves the views as they were.
+TEST(GuiApp, SelectIsAllOrNothing) {
+  TempHome home;
+  App app(kt::source_dir());
+  app.add_seed_methods();
+  ASSERT_TRUE(app.select_views({{"layer", 1}, {"head", 2}}, "select"));
+  const nlohmann::json before = app.views_json();
+  EXPECT_FALSE(app.select_views({{"layer", 3}, {"calib_method", "ZipCache r=0.4"}}, "select"));
+  EXPECT_EQ(app.views_json(), before);
+  EXPECT_EQ(app.st.views.layer, 1);
+  EXPECT_NE(app.st.messages.back().text.find("calib_method"), std::string::npos) << app.st.messages.back().text;
+  ASSERT_TRUE(app.select_views({{"layer", 3}}, "select"));
+  EXPECT_EQ(app.st.views.layer, 3);
+}
 #endif
