@@ -8,6 +8,14 @@ nlohmann::json read_json_file(const std::string& path, const std::string& what) 
   const std::string text = read_input_file(path, what, uint64_t{1} << 30);
   try {
     return nlohmann::json::parse(text);
+  } catch (const nlohmann::json::parse_error& e) {
+    // "[json.exception.parse_error.101] parse error at line 2, column 1: syntax error ..." →
+    // "at line 2, column 1: syntax error ...", without the library's own tags.
+    std::string why = e.what();
+    const size_t tag = why.find("] ");
+    if (tag != std::string::npos) why = why.substr(tag + 2);
+    if (why.rfind("parse error ", 0) == 0) why = why.substr(12);
+    throw InputError(path + ": not valid JSON " + why);
   } catch (const std::exception& e) {
     throw InputError(path + ": not valid JSON (" + e.what() + ")");
   }

@@ -19,6 +19,13 @@ App::App(std::string source_dir) : source_dir_(std::move(source_dir)), t0_(std::
   st.inputs.prompt = kDefaultPrompt;
   st.inputs.templ = kDefaultTemplate;
   st.edits.prompt = st.inputs.prompt;
+  // "Add" offers the first compression method, not the reference.
+  const std::vector<MethodSpec>& all = methods();
+  for (size_t i = 0; i < all.size(); ++i)
+    if (all[i].family != "reference") {
+      st.edits.add_method = static_cast<int>(i);
+      break;
+    }
   load_recent();
 }
 

@@ -8,6 +8,7 @@
 #include <imgui_stdlib.h>  // after imgui.h
 
 #include <cmath>
+#include <cstring>
 #include <cstdio>
 
 #include "app/gui/panels.h"
@@ -53,10 +54,22 @@ void track_text(App& app, const std::string& key) {
 
 // One parameter widget, typed by `p` (the schema of the method that owns the value), writing
 // to `target` of instance `m`. `value` is the current text ("default" = p's default).
+// A parameter's name as the papers and the Calibration panel write it: tau1 → τ1, alpha2 → α2.
+std::string shown_name(const std::string& name) {
+  static const std::pair<const char*, const char*> kGreek[] = {
+      {"tau", "τ"}, {"alpha", "α"}, {"beta", "β"}, {"gamma", "γ"}, {"delta", "δ"}};
+  for (const auto& [word, letter] : kGreek) {
+    const size_t n = std::strlen(word);
+    if (name.compare(0, n, word) == 0 && name.find_first_not_of("0123456789", n) == std::string::npos)
+      return letter + name.substr(n);
+  }
+  return name;
+}
+
 void param_widget(App& app, const MethodInstance& m, const ParamSpec& p, const std::string& target, std::string value) {
   const int id = m.id;
   if (value == "default") value = p.def;
-  const std::string label = p.name + "##" + target;
+  const std::string label = shown_name(p.name) + "##" + target;
   ImGui::SetNextItemWidth(ImGui::GetContentRegionAvail().x * 0.62f);
   switch (p.type) {
     case ParamSpec::Type::Int: {

@@ -107,6 +107,22 @@ TEST(Session, BadSessionsNameTheProblem) {
   EXPECT_THROW(load_session("/nonexistent/session.json"), InputError);
 }
 
+// A file that is not JSON: the message names the file, the line and column and what was
+// expected, in words, without the JSON library's own tags.
+TEST(Session, CorruptFileSaysWhereInWords) {
+  const std::string dir = kt::make_temp_dir("sessioncorrupt");
+  kt::write_file(dir + "/c.json", "{\"methods\": [\n");
+  try {
+    load_session(dir + "/c.json");
+    FAIL() << "a corrupt session loaded";
+  } catch (const InputError& e) {
+    const std::string m = e.what();
+    EXPECT_EQ(m.rfind(dir + "/c.json: not valid JSON at line 2, column 1: ", 0), 0u) << m;
+    EXPECT_EQ(m.find("json.exception"), std::string::npos) << m;
+    EXPECT_EQ(m.find("parse_error"), std::string::npos) << m;
+  }
+}
+
 TEST(Session, Version2KeepsLabelsEnabledHashesViewsAndResults) {
   Session s;
   s.methods = {parse_method_spec("calibquant:tau2=2"), parse_method_spec("kivi"), parse_method_spec("calibquant:tau2=2")};
