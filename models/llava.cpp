@@ -150,6 +150,7 @@ LlavaModel LlavaModel::load_checked(const std::string& dir, const BackendOptions
   f.n_kv_heads = m.cfg_.text.num_key_value_heads;
   f.head_dim = m.cfg_.text.head_dim;
   f.hidden = m.cfg_.text.hidden_size;
+  f.intermediate = m.cfg_.text.intermediate_size;
   f.vocab = m.cfg_.text.vocab_size;
   f.n_visual = m.cfg_.n_visual_tokens();
   f.patch_rows = f.patch_cols = m.cfg_.vision.image_size / m.cfg_.vision.patch_size;
@@ -158,6 +159,12 @@ LlavaModel LlavaModel::load_checked(const std::string& dir, const BackendOptions
 }
 
 Tensor LlavaModel::pixel_values(const RGBImage& img) const { return preprocess(img, pre_); }
+
+std::vector<int> LlavaModel::prompt_ids(const std::string& prompt, const std::string& templ) const {
+  if (templ.find("<image>") == std::string::npos)
+    throw InputError("prompt template '" + templ + "' has no <image> marker");
+  return tok_.encode_prompt(templ, prompt, cfg_.n_visual_tokens());
+}
 
 int64_t LlavaModel::decode_weight_bytes() const {
   int64_t b = text_.norm.bytes() + text_.lm_head.bytes() + text_.embed.bytes() / std::max<int64_t>(text_.embed.rows(), 1);
@@ -216,9 +223,7 @@ PrefillState LlavaModel::prefill_features(const Buffer& feats, const std::string
   PrefillState st;
   const auto t1 = std::chrono::steady_clock::now();
   st.n_visual = cfg_.n_visual_tokens();
-  if (templ.find("<image>") == std::string::npos)
-    throw InputError("prompt template '" + templ + "' has no <image> marker");
-  st.ids = tok_.encode_prompt(templ, prompt, st.n_visual);
+  st.ids = prompt_ids(prompt, templ);
   const int T = static_cast<int>(st.ids.size());
   if (T + 1 > cfg_.text.max_position_embeddings)
     throw InputError("prompt is " + std::to_string(T) + " tokens (" + std::to_string(st.n_visual) +

@@ -40,6 +40,7 @@ class LlavaModel final : public Model {
   PreprocessConfig& preprocess_config() override { return pre_; }
   Backend& backend() const override { return *be_; }
   int64_t decode_weight_bytes() const override;
+  std::vector<int> prompt_ids(const std::string& prompt, const std::string& templ) const override;
   Tensor pixel_values(const RGBImage& img) const override;
   Buffer encode_image(const Tensor& pixel_values) const override;
   PrefillState prefill(const RGBImage& img, const std::string& prompt, const std::string& templ,

@@ -87,7 +87,7 @@ struct DecodeResult {
 // What the views and reports need to know of a model, whatever its architecture.
 struct ModelInfo {
   std::string architecture;  // the table's name for it ("llava")
-  int n_layers = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0, hidden = 0, vocab = 0;
+  int n_layers = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0, hidden = 0, intermediate = 0, vocab = 0;
   int n_visual = 0;          // image tokens per image
   // The visual tokens' patch grid: rows × cols patches; the first `patch_first` visual tokens
   // (a CLS token, say) are not on it.
@@ -107,6 +107,9 @@ class Model {
   // biases, the final norm, lm_head and one embedding row (the decode roofline's denominator).
   virtual int64_t decode_weight_bytes() const = 0;
 
+  // The prompt's token ids as prefill will assemble them (the template, the prompt and one id per
+  // visual token), without running anything.
+  virtual std::vector<int> prompt_ids(const std::string& prompt, const std::string& templ) const = 0;
   // The image as the vision tower takes it (the architecture's processor).
   virtual Tensor pixel_values(const RGBImage& img) const = 0;
   // pixel values → projected image features [n_visual][text_hidden] (fp32, backend memory).

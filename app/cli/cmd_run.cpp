@@ -22,6 +22,7 @@ struct RunArgs {
   ExperimentOptions opt;
   FigureArgs figures;
   BackendOptions backend;
+  int64_t memory_limit_mb = 0;  // --memory-limit-mb (0 = what the backend has free)
 };
 
 void add_common(CLI::App* c, RunArgs& a) {
@@ -38,6 +39,9 @@ void add_common(CLI::App* c, RunArgs& a) {
   add_real(c, "--sparsity-p", a.opt.sparsity_p, 0, 1, "Sparsity threshold p (A_ij < p·max_j A_ij counts as zero)");
   add_real(c, "--hit-budget", a.opt.hit_budget, kMinHitBudget, 1, "CacheHitRate k as a share of the prompt");
   add_int(c, "--hit-window", a.opt.hit_window, 1, 1 << 16, "Queries of the sliding-window scoring strategy");
+  add_int64(c, "--memory-limit-mb", a.memory_limit_mb, 0, int64_t{1} << 40,
+            "Backend memory the run may use beyond the weights, in MB (default: what the backend has free); "
+            "a run whose plan needs more is refused before it starts");
 }
 
 void add_session_options(CLI::App* c, RunArgs& a) {
@@ -87,6 +91,7 @@ RunArgs with_session(const RunArgs& in, std::vector<RunMethod>& specs) {
   for (const auto& m : a.methods) specs.push_back({parse_method_spec(m), ""});
   if (specs.empty()) throw InputError("no method to run: give --method SPEC or --session FILE");
   a.opt.kv_storage = parse_row_storage(a.kv_storage.empty() ? "fp16" : a.kv_storage, "--kv-storage");
+  a.opt.memory_limit = a.memory_limit_mb * 1000000;
   return a;
 }
 
@@ -173,6 +178,7 @@ void list_methods() {
 void run_calibrate(const RunArgs& args, const std::string& base, const std::vector<double>& taus) {
   RunArgs a = args;
   a.opt.kv_storage = parse_row_storage(a.kv_storage.empty() ? "fp16" : a.kv_storage, "--kv-storage");
+  a.opt.memory_limit = a.memory_limit_mb * 1000000;
   if (taus.empty()) throw InputError("--taus needs at least one value");
   parse_method_spec(base);  // validate before loading
   if (!a.report.empty()) check_writable(a.report, "report");

@@ -13,6 +13,7 @@
 #include "core/compress/method.h"
 #include "core/eval/eval_table.h"
 #include "app/lab/experiment.h"
+#include "app/lab/memory_plan.h"
 
 namespace kvlens {
 
@@ -128,6 +129,7 @@ void evaluate_image(const Model& model, const EvalDataset& ds, size_t pos, const
     o.templ = s.templ;
     o.max_new_tokens = s.max_new_tokens;
     o.kv_storage = s.kv_storage;
+    check_memory(model, o);  // refused before any work when the run cannot fit
     const Experiment ex = start_experiment(model, model.prefill_features(feats, s.prompt, s.templ, true), o);
     record.fp16_bytes = static_cast<double>(ex.full_fp16_bytes.total());
     for (const EvalVariant* v : todo) {

@@ -1,5 +1,7 @@
 #include "app/lab/experiment.h"
 
+#include "app/lab/memory_plan.h"
+
 #include <cmath>
 
 #include "core/errors.h"
@@ -19,6 +21,7 @@ PrefillView Experiment::view() const {
 
 Experiment start_experiment(const Model& model, const RGBImage& img, const ExperimentOptions& opt,
                             const std::vector<AttentionObserver*>& observers) {
+  check_memory(model, opt);  // refused before any work when the run cannot fit
   return start_experiment(model, model.prefill(img, opt.prompt, opt.templ, true), opt, observers);
 }
 

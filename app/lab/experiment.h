@@ -35,6 +35,9 @@ struct ExperimentOptions : GenerationSetup {
   // Keep query × key attention (mean over heads) of the prompt and the first diag_steps decode
   // steps, for the attention heatmaps (the report's "attention" section; about 4 bytes per cell).
   bool attention_maps = false;
+  // The backend memory the run may use beyond the loaded weights, in bytes (0 = what the backend
+  // has free); a run whose plan needs more is refused before it starts (app/lab/memory_plan.h).
+  int64_t memory_limit = 0;
   // Handed to every decode (GenerateOptions::keep_going): returning false cancels the run.
   std::function<bool(int tokens_done)> keep_going;
 };

@@ -664,6 +664,15 @@ void Context::free_memory(int64_t& free_bytes, int64_t& total) const {
   cudaMemGetInfo(&f, &t);
   free_bytes = static_cast<int64_t>(f);
   total = static_cast<int64_t>(t);
+  // The stream-ordered pool keeps what was freed (release threshold: never): that memory is free
+  // to this process's next allocations too.
+  int dev = 0;
+  cudaMemPool_t pool;
+  uint64_t reserved = 0, in_use = 0;
+  if (cudaGetDevice(&dev) == cudaSuccess && cudaDeviceGetDefaultMemPool(&pool, dev) == cudaSuccess &&
+      cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &reserved) == cudaSuccess &&
+      cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &in_use) == cudaSuccess && reserved > in_use)
+    free_bytes += static_cast<int64_t>(reserved - in_use);
 }
 
 std::shared_ptr<void> Context::alloc(int64_t bytes, const std::string& what) {

@@ -16,6 +16,7 @@
 #include "core/data/scenes.h"
 #include "kernels/backends.h"
 #include "app/lab/experiment.h"
+#include "app/lab/memory_plan.h"
 #include "models/model.h"
 #include "tests/policy_probe.h"
 #include "tests/test_util.h"
@@ -85,6 +86,28 @@ TEST(CudaModel, CapturedAttentionIsThePrefillsAttention) {
   NEED_GPU();
   const std::unique_ptr<Model> gpu = load_model(kEmbedded, {"cuda"});
   kt::check_captured_attention(*gpu, load_image(kt::source_dir() + "/assets/images/scene_000.png"), "cuda");
+}
+
+// On the device the plan is checked against its free memory (the pool's unused memory counted):
+// the embedded model fits; a limit one byte under the plan refuses the run, naming the device
+// memory and what would fit.
+TEST(CudaModel, MemoryPlanIsCheckedAgainstTheDevicesFreeMemory) {
+  NEED_GPU();
+  const std::unique_ptr<Model> gpu = load_model(kEmbedded, {"cuda"});
+  ExperimentOptions opt;
+  const MemoryPlan p = plan_experiment(*gpu, opt);
+  EXPECT_EQ(p.backend, "cuda");
+  EXPECT_GT(available_memory(*gpu, opt), p.total());
+  EXPECT_NO_THROW(check_memory(*gpu, opt));
+  opt.memory_limit = p.total() - 1;
+  try {
+    check_memory(*gpu, opt);
+    ADD_FAILURE() << "a run over its limit was not refused";
+  } catch (const InputError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("cuda device memory"), std::string::npos) << m;
+    EXPECT_NE(m.find("--backend cpu"), std::string::npos) << m;
+  }
 }
 
 TEST(CudaModel, EmbeddedModelMatchesTransformersOnHeldOutScenes) {

@@ -118,6 +118,15 @@ TEST(Cli, HugeImageRefused) {
   expect_exit2("caption --model " + kFix + "mha_fp32_hub --image " + tmp + "/huge.png", "huge.png");
 }
 
+// A run that cannot fit the memory it may use is refused before it starts, with what it needs,
+// what it may use and what would make it fit (here forced by a 1 MB limit on the CPU).
+TEST(Cli, RunThatCannotFitIsRefusedWithBothNumbers) {
+  expect_exit2("run --backend cpu --memory-limit-mb 1 --method kivi", "1 MB allowed (--memory-limit-mb)");
+  expect_exit2("run --backend cpu --memory-limit-mb 1 --method kivi", "capture of the prompt's attention");
+  expect_exit2("run --backend cpu --memory-limit-mb 1 --method kivi", "a shorter prompt or a larger --memory-limit-mb");
+  expect_exit2("run --backend cpu --memory-limit-mb x --method kivi", "--memory-limit-mb");
+}
+
 TEST(Cli, PromptLongerThanContext) {
   std::string prompt;
   for (int i = 0; i < 300; ++i) prompt += "word ";

@@ -9,6 +9,7 @@
 #include "core/errors.h"
 #include "core/compress/method.h"
 #include "app/lab/experiment.h"
+#include "app/lab/memory_plan.h"
 #include "tests/test_util.h"
 
 using namespace kvlens;
@@ -475,4 +476,26 @@ TEST(Experiment, AttentionMapsAndPatchAttention) {
   EXPECT_EQ(j["token_kinds"].size(), static_cast<size_t>(T));
   EXPECT_EQ(j["methods"][0]["decode_attention"].size(), ex.attention.size());
   EXPECT_NEAR(j["attention"]["layers"][1][T][first_visual].get<double>(), ex.attention[1][static_cast<size_t>(T) * n + first_visual], 1e-6);
+}
+
+// The memory plan counts what the run holds: the prompt as prefill assembles it, and the capture
+// as the prefill keeps it (each layer's q, k, v, and on the CPU the host queries too).
+TEST(MemoryPlan, CountsThePromptAndTheCaptureAsThePrefillHoldsThem) {
+  const Fixture& f = fixture("gqa_fp16_save");
+  ExperimentOptions opt;
+  const MemoryPlan p = plan_experiment(f.model, opt);
+  const PrefillState st = f.model.prefill(f.image, opt.prompt, opt.templ, true);
+  EXPECT_EQ(p.prompt_tokens, static_cast<int>(st.ids.size()));
+  int64_t q = 0;
+  for (const auto& l : st.capture.q) q += static_cast<int64_t>(l.size() * sizeof(float));
+  EXPECT_EQ(p.capture, st.capture.attention->capture_bytes() + q);
+  EXPECT_EQ(p.backend, "cpu");
+  EXPECT_EQ(p.total(), p.capture + p.caches + p.attention + p.prefill_work);
+  // The CPU says nothing of its free memory: no limit, no refusal; a limit below the plan refuses.
+  EXPECT_EQ(available_memory(f.model, opt), -1);
+  EXPECT_NO_THROW(check_memory(f.model, opt));
+  opt.memory_limit = p.total() - 1;
+  EXPECT_THROW(check_memory(f.model, opt), InputError);
+  opt.memory_limit = p.total();
+  EXPECT_NO_THROW(check_memory(f.model, opt));
 }
