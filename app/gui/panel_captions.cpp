@@ -70,10 +70,7 @@ void captions_panel(App& app, Ui&, const PanelRect& rect) {
   }
   const Snapshot* s = app.st.results.get();
   if (!s || !s->base || !s->report) {
-    const std::string why = app.blocked();
-    if (app.busy()) ImGui::TextDisabled("computing the full cache…");
-    else if (!why.empty()) ImGui::TextColored(ImVec4(0.75f, 0.1f, 0.1f, 1), "no results: %s", why.c_str());
-    else ImGui::TextDisabled("no results");
+    no_results(app, "computing the full cache…", "no results");
     ImGui::End();
     return;
   }

@@ -150,6 +150,13 @@ void handle_shortcuts(App& app) {
   if (!typing && ImGui::IsKeyPressed(GLFW_KEY_Y, true)) app.redo();
 }
 
+void no_results(const App& app, const char* computing, const char* idle) {
+  const std::string why = app.blocked();
+  if (app.busy()) ImGui::TextDisabled("%s", computing);
+  else if (!why.empty()) ImGui::TextColored(ImVec4(0.75f, 0.1f, 0.1f, 1), "no results: %s", why.c_str());
+  else ImGui::TextDisabled("%s", idle);
+}
+
 void status_bar(App& app, ImVec2 pos, ImVec2 size) {
   ImGui::SetNextWindowPos(pos);
   ImGui::SetNextWindowSize(size);

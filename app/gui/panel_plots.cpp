@@ -54,10 +54,7 @@ void plots_panel(App& app, Ui& ui, const PanelRect& rect) {
     draw_figure("##plot", *f, avail, st.zoom[f->id], ui.textures);
     st.figures.shown_keys.push_back(key);
   } else {
-    const std::string why = app.blocked();
-    if (app.busy()) ImGui::TextDisabled("computing…");
-    else if (!why.empty()) ImGui::TextColored(ImVec4(0.75f, 0.1f, 0.1f, 1), "no results: %s", why.c_str());
-    else ImGui::TextDisabled("no results yet");
+    no_results(app, "computing…", "no results yet");
   }
   ImGui::End();
 }

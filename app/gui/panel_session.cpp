@@ -15,7 +15,7 @@ namespace {
 std::string saved_vs_now(const App& app) {
   const nlohmann::json& saved = app.st.saved_results;
   if (!saved.is_object() || !saved.contains("methods") || !app.st.results) return "";
-  if (!app.blocked().empty()) return "saved results: not recomputed (" + app.blocked() + ")";
+  if (const std::string why = app.blocked(); !why.empty()) return "saved results: not recomputed (" + why + ")";
   if (!app.st.results->report) return "";
   if (!app.up_to_date()) return "saved results: recomputing…";
   const nlohmann::json& rep = *app.st.results->report;

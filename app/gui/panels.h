@@ -45,6 +45,9 @@ void handle_shortcuts(App& app);
 
 // Small shared widgets.
 void help_marker(const char* text);
+// What a panel without results shows: `computing` while the worker runs, why nothing can be
+// computed (in red) when the setup is blocked, else `idle`.
+void no_results(const App& app, const char* computing, const char* idle);
 void open_dialog(App& app, DialogPurpose purpose, const std::string& start);
 // A combo over the method instances; `none` (may be null) adds a first entry for id -1.
 bool instance_combo(const char* label, App& app, int& id, const char* none, bool only_enabled);
