@@ -109,6 +109,16 @@ void KVStore::gather(int l, int h, std::vector<float>& k, std::vector<float>& v,
   }
 }
 
+void KVStore::positions(int l, int h, std::vector<int32_t>& pos, std::vector<SegmentKind>& kinds) const {
+  pos.clear();
+  kinds.clear();
+  for (const KVSegment& s : layers_.at(l).segments) {
+    const HeadRows& r = s.heads.at(h);
+    pos.insert(pos.end(), r.pos.begin(), r.pos.end());
+    kinds.insert(kinds.end(), r.pos.size(), s.kind);
+  }
+}
+
 KVBytes KVStore::bytes(int l) const {
   KVBytes b;
   for (const KVSegment& s : layers_.at(l).segments) b += s.bytes;

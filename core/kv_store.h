@@ -116,6 +116,8 @@ class KVStore {
   // Gathers layer l, KV head h into contiguous [n][head_dim] buffers (the order of segments).
   void gather(int l, int h, std::vector<float>& k, std::vector<float>& v,
               std::vector<int32_t>& pos, std::vector<SegmentKind>* kinds = nullptr) const;
+  // The positions and kinds gather would give, without the rows.
+  void positions(int l, int h, std::vector<int32_t>& pos, std::vector<SegmentKind>& kinds) const;
 
   KVBytes bytes(int l) const;
   KVBytes bytes() const;

@@ -2,7 +2,9 @@
 // prefill and in every decode step. The model computes and hands these over only when an
 // observer is attached, so an empty observer list costs nothing.
 #pragma once
+#include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "core/kv_store.h"
@@ -36,6 +38,28 @@ class AttentionObserver {
  public:
   virtual ~AttentionObserver() = default;
   virtual void on_attention(const AttentionEvent& e) = 0;
+  // The decode steps this observer reads: 0 .. decode_steps() − 1. A decode hands later steps
+  // to no one and runs them as it would unobserved (on a device: plain steps, no host rows).
+  virtual int decode_steps() const { return std::numeric_limits<int>::max(); }
+  // Whether it reads a decode event's keys and values (AttentionEvent::k, v). Without them an
+  // event carries scores, probabilities, the query, and the keys' positions and kinds, and
+  // k / v are null: gathering every layer's rows at every step is what costs a decode most.
+  virtual bool reads_decode_kv() const { return true; }
 };
+
+// The observers among `all` that read decode step `step`.
+inline std::vector<AttentionObserver*> decode_observers(const std::vector<AttentionObserver*>& all, int step) {
+  std::vector<AttentionObserver*> out;
+  for (AttentionObserver* o : all)
+    if (step < o->decode_steps()) out.push_back(o);
+  return out;
+}
+
+// The number of decode steps any of `all` reads (0 when none does).
+inline int observed_decode_steps(const std::vector<AttentionObserver*>& all) {
+  int n = 0;
+  for (const AttentionObserver* o : all) n = std::max(n, o->decode_steps());
+  return n;
+}
 
 }  // namespace kvlens

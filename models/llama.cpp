@@ -344,24 +344,33 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
       if (want) {
         w.qkv_host.resize(static_cast<size_t>(w.qkv.numel()));
         be->download(w.qkv, w.qkv_host.data());
+        // The rows only for an observer that reads them: the positions and kinds alone are a
+        // small share of what gathering the rows copies.
+        const bool rows = std::any_of(observers.begin(), observers.end(),
+                                      [](const AttentionObserver* o) { return o->reads_decode_kv(); });
         std::vector<int32_t> key_pos(static_cast<size_t>(NKV) * n_max, -1);
         std::vector<SegmentKind> key_kind(key_pos.size(), SegmentKind::Generated);
-        std::vector<float> keys(static_cast<size_t>(NKV) * n_max * D, 0.0f), vals(keys.size(), 0.0f);
+        std::vector<float> keys(rows ? static_cast<size_t>(NKV) * n_max * D : 0, 0.0f), vals(keys.size(), 0.0f);
         std::vector<float> K, V;
         std::vector<int32_t> P;
         std::vector<SegmentKind> S;
         for (int h = 0; h < NKV; ++h) {
-          kv.host->gather(l, h, K, V, P, &S);
+          if (rows) {
+            kv.host->gather(l, h, K, V, P, &S);
+            std::copy(K.begin(), K.end(), keys.begin() + static_cast<size_t>(h) * n_max * D);
+            std::copy(V.begin(), V.end(), vals.begin() + static_cast<size_t>(h) * n_max * D);
+          } else {
+            kv.host->positions(l, h, P, S);
+          }
           std::copy(P.begin(), P.end(), key_pos.begin() + static_cast<size_t>(h) * n_max);
           std::copy(S.begin(), S.end(), key_kind.begin() + static_cast<size_t>(h) * n_max);
-          std::copy(K.begin(), K.end(), keys.begin() + static_cast<size_t>(h) * n_max * D);
-          std::copy(V.begin(), V.end(), vals.begin() + static_cast<size_t>(h) * n_max * D);
         }
         AttentionEvent e;
         e.phase = Phase::Decode; e.layer = l; e.step = step; e.n_heads = NH; e.n_kv_heads = NKV;
         e.n_q = 1; e.n_k = n_max; e.scores = scores.data(); e.probs = probs.data();
         e.query_pos = &pos; e.key_pos = key_pos.data(); e.key_kind = key_kind.data();
-        e.q = w.qkv_host.data(); e.k = keys.data(); e.v = vals.data(); e.head_dim = D;
+        e.q = w.qkv_host.data(); e.k = rows ? keys.data() : nullptr; e.v = rows ? vals.data() : nullptr;
+        e.head_dim = D;
         for (AttentionObserver* o : observers) o->on_attention(e);
       }
       be->linear(w.a, L.o_w, or_null(L.o_b), w.h, true);

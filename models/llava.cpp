@@ -315,8 +315,10 @@ DecodeResult LlavaModel::decode(const PrefillState& st, KVPolicy* policy, const 
   std::unique_ptr<DeviceKV> dev = st.device ? st.device->clone() : nullptr;
   // The host store carries rows when anything on the host reads them: a policy's prefill
   // compression and the copy of the compressed store, and while decoding a policy that edits the
-  // store or transforms scores on the host, or an observer (decode_needs_host_rows).
-  const bool mirror = !dev || decode_needs_host_rows(policy) || !observers.empty();
+  // store or transforms scores on the host, or an observer (decode_needs_host_rows) until the
+  // last step one reads.
+  const int observed = observed_decode_steps(observers);
+  const bool mirror = !dev || decode_needs_host_rows(policy) || observed > 0;
   if (dev && (mirror || policy || compressed) && !st.store_rows) be_->kv_hydrate(*dev, store);
   SeqKV kv{&store, dev.get(), mirror};
   auto cache_bytes = [&] { return dev ? dev->bytes() : store.bytes(); };
@@ -359,7 +361,11 @@ DecodeResult LlavaModel::decode(const PrefillState& st, KVPolicy* policy, const 
   } else if (!chain) {
     for (int step = 0; !take(step); ++step) {
       check(step + 1);
-      logits = in_model(dir_, [&] { return text_.decode(tok, pos, step, kv, policy, observers, ws); });
+      // Past the last observed step, a device cache stops carrying host rows that no one reads
+      // any more: the remaining steps run on the device alone (and are replayed).
+      if (dev && kv.mirror && step >= observed && !decode_needs_host_rows(policy)) kv.mirror = false;
+      const std::vector<AttentionObserver*> seen = decode_observers(observers, step);
+      logits = in_model(dir_, [&] { return text_.decode(tok, pos, step, kv, policy, seen, ws); });
       ++pos;
     }
   } else if (!take(0)) {

@@ -30,7 +30,8 @@ Experiment start_experiment(const Model& model, PrefillState prefill, const Expe
   Experiment ex;
   ex.prefill = std::move(prefill);
   const int max_step = std::max(opt.diag_steps, *std::max_element(opt.hit_steps.begin(), opt.hit_steps.end()) + 1);
-  ex.full_recorder = std::make_unique<DecodeRecorder>(max_step);
+  // Hit rates, sparsity and the attention maps read the full cache's probabilities, not its rows.
+  ex.full_recorder = std::make_unique<DecodeRecorder>(max_step, false);
   GenerateOptions g;
   g.max_new_tokens = opt.max_new_tokens;
   g.kv_storage = opt.kv_storage;

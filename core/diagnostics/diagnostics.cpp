@@ -19,8 +19,12 @@ void DecodeRecorder::on_attention(const AttentionEvent& e) {
   r.scores.assign(e.scores, e.scores + hk);
   r.probs.assign(e.probs, e.probs + hk);
   r.q.assign(e.q, e.q + static_cast<size_t>(e.n_heads) * e.head_dim);
-  r.k.assign(e.k, e.k + kvk * e.head_dim);
-  r.v.assign(e.v, e.v + kvk * e.head_dim);
+  if (keep_rows_) {
+    if (!e.k || !e.v) throw InternalError("decode recorder: step " + std::to_string(e.step) + " layer " +
+                                          std::to_string(e.layer) + " came without its keys and values");
+    r.k.assign(e.k, e.k + kvk * e.head_dim);
+    r.v.assign(e.v, e.v + kvk * e.head_dim);
+  }
   r.key_pos.assign(e.key_pos, e.key_pos + kvk);
   r.key_kind.assign(e.key_kind, e.key_kind + kvk);
   entries_.push_back(std::move(r));
@@ -192,6 +196,7 @@ VisualScores retransform_visual_scores(const VisualScores& s, int layer, const K
 
 std::vector<LayerDiagnostics> compare_layers(const PrefillView& pv, const DecodeRecorder& method,
                                              const KVStore& compressed, int hist_bins, double p) {
+  if (!method.keeps_rows()) throw InternalError("compare_layers: the method's recorder kept no keys and values");
   const KVStore& full = *pv.full;
   const int L = full.n_layers(), NKV = full.n_kv_heads(), D = full.head_dim();
   const int T = pv.prompt_len;

@@ -26,14 +26,20 @@ class DecodeRecorder : public AttentionObserver {
     std::vector<int32_t> key_pos;       // [n_kv_heads][n_k], -1 = padding
     std::vector<SegmentKind> key_kind;  // [n_kv_heads][n_k]
   };
-  explicit DecodeRecorder(int max_steps) : max_steps_(max_steps) {}
+  // Records decode steps 0 .. max_steps − 1; with keep_rows false, without the keys and values
+  // (enough for probabilities, hit rates and sparsity; compare_layers needs the rows).
+  explicit DecodeRecorder(int max_steps, bool keep_rows = true) : max_steps_(max_steps), keep_rows_(keep_rows) {}
   void on_attention(const AttentionEvent& e) override;
+  int decode_steps() const override { return max_steps_; }
+  bool reads_decode_kv() const override { return keep_rows_; }
+  bool keeps_rows() const { return keep_rows_; }
   const std::vector<Entry>& entries() const { return entries_; }
   const Entry* find(int step, int layer) const;
   int steps() const;
 
  private:
   int max_steps_;
+  bool keep_rows_;
   std::vector<Entry> entries_;
 };
 
@@ -44,6 +50,7 @@ class VisualAttentionRecorder : public AttentionObserver {
  public:
   VisualAttentionRecorder(int first_visual, int n_visual) : first_(first_visual), n_visual_(n_visual) {}
   void on_attention(const AttentionEvent& e) override;
+  bool reads_decode_kv() const override { return false; }
   int steps() const { return static_cast<int>(rows_.size()); }
   int n_visual() const { return n_visual_; }
   // [n_visual] for one step, layer and head; head = -1 gives the mean over heads. Empty when

@@ -398,6 +398,41 @@ TEST(CudaModel, MethodsThatActAtSomeStepsSkipTheOthersHostWork) {
   }
 }
 
+// A decode observed for its first steps only (the run's recorders) hands those steps over and runs
+// the rest on the device alone: the same tokens and bytes as an unobserved decode and logits
+// within one fp16 rounding (as above: observed steps append and attend in two kernels), and the
+// observed steps' events equal those of an observer of every step; a recorder without rows gets
+// the same probabilities. With a method too (SnapKV compresses at prefill only).
+TEST(CudaModel, ObservedStepsEndWhereTheObserversStop) {
+  NEED_GPU();
+  SampleRun r = sample_run(10);
+  GenerateOptions u = r.g;
+  u.chain_steps = false;
+  for (const char* spec : {"", "snapkv"}) {
+    SCOPED_TRACE(spec);
+    auto p0 = *spec ? make_policy(spec) : nullptr, p1 = *spec ? make_policy(spec) : nullptr,
+         p2 = *spec ? make_policy(spec) : nullptr;
+    const DecodeResult plain = r.gpu.decode(r.st, p0.get(), u);
+    DecodeRecorder all(100), two(2), probs_only(3, false);
+    const DecodeResult every = r.gpu.decode(r.st, p1.get(), u, {&all});
+    const DecodeResult some = r.gpu.decode(r.st, p2.get(), u, {&two, &probs_only});
+    expect_same_decode(some, plain);
+    expect_same_decode(every, plain);
+    EXPECT_EQ(all.steps(), r.g.max_new_tokens - 1);
+    EXPECT_EQ(two.steps(), 2);
+    EXPECT_EQ(probs_only.steps(), 3);
+    for (const DecodeRecorder* rec : {&two, &probs_only})
+      for (const auto& e : rec->entries()) {
+        const auto* ref = all.find(e.step, e.layer);
+        ASSERT_NE(ref, nullptr);
+        EXPECT_EQ(e.probs, ref->probs);
+        EXPECT_EQ(e.key_pos, ref->key_pos);
+        if (rec->keeps_rows()) EXPECT_EQ(e.k, ref->k);
+        else EXPECT_TRUE(e.k.empty());
+      }
+  }
+}
+
 }  // namespace
 
 // `kvlens bench attention`'s JSON: each row's figures agree with each other (bytes ÷ time is the

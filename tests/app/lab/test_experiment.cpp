@@ -82,6 +82,57 @@ TEST(Experiment, FullPolicyIsBitIdenticalToNoPolicy) {
   EXPECT_EQ(full32.bytes_after_prefill.indices, full16.bytes_after_prefill.indices);
 }
 
+// An observer reads the decode steps it asks for (decode_steps) and the rows only when it says it
+// reads them (reads_decode_kv); what it is handed is the same as what an observer of every step
+// with rows gets, and observing changes no token.
+TEST(Experiment, ObserversSeeTheStepsAndRowsTheyAskFor) {
+  struct Counter : AttentionObserver {
+    std::vector<int> steps;
+    int with_rows = 0;
+    void on_attention(const AttentionEvent& e) override {
+      if (e.phase != Phase::Decode) return;
+      if (e.layer == 0) steps.push_back(e.step);
+      with_rows += e.k && e.v;
+    }
+  };
+  const Fixture& f = fixture("gqa_fp16_save");
+  const PrefillState st = f.model.prefill(f.image, kDefaultPrompt, kDefaultTemplate, false);
+  GenerateOptions g;
+  g.max_new_tokens = 6;
+  g.stop_at_eos = false;
+  const DecodeResult plain = f.model.decode(st, nullptr, g);
+  DecodeRecorder all(100), two(2), probs_only(3, false);
+  Counter every;
+  const DecodeResult seen = f.model.decode(st, nullptr, g, {&all, &two, &probs_only, &every});
+  EXPECT_EQ(seen.generated_ids, plain.generated_ids);
+  const int L = st.store.n_layers(), forwards = g.max_new_tokens - 1;  // the first token comes from prefill
+  EXPECT_EQ(every.steps, (std::vector<int>{0, 1, 2, 3, 4}));
+  EXPECT_EQ(every.with_rows, L * forwards);
+  EXPECT_EQ(all.steps(), forwards);
+  EXPECT_EQ(two.steps(), 2);
+  EXPECT_EQ(static_cast<int>(two.entries().size()), 2 * L);
+  EXPECT_EQ(probs_only.steps(), 3);
+  for (const DecodeRecorder* r : {&two, &probs_only})
+    for (const auto& e : r->entries()) {
+      const auto* ref = all.find(e.step, e.layer);
+      ASSERT_NE(ref, nullptr);
+      EXPECT_EQ(e.probs, ref->probs);
+      EXPECT_EQ(e.scores, ref->scores);
+      EXPECT_EQ(e.key_pos, ref->key_pos);
+      EXPECT_EQ(e.q, ref->q);
+      if (r->keeps_rows()) {
+        EXPECT_EQ(e.k, ref->k);
+        EXPECT_EQ(e.v, ref->v);
+      } else {
+        EXPECT_TRUE(e.k.empty() && e.v.empty());
+      }
+    }
+  // Diagnostics need the rows: a recorder without them is refused, not read as empty.
+  EXPECT_THROW(compare_layers(PrefillView{&st.store, nullptr, &st.kinds, 0, static_cast<int>(st.ids.size())},
+                              probs_only, st.store, 8, 0.01),
+               InternalError);
+}
+
 TEST(Experiment, FullCacheHasZeroErrorAndIdenticalHistograms) {
   // With exact (fp32) rows the full cache is the prefill the diagnostics compare against.
   const Fixture& f = fixture("mha_fp32_hub");
