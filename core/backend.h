@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "core/attention_reduce.h"
 #include "core/errors.h"
 #include "core/kv_store.h"
 #include "core/tensor.h"
@@ -205,6 +206,13 @@ class Backend {
   // written when not null.
   virtual void attention(const Buffer& qkv, const AttnLayout& l, Buffer& out, float* scores,
                          float* probs) = 0;
+  // The causal probabilities attention computes for qkv, reduced where they are computed as `r`
+  // asks (core/attention_reduce.h: reduce_attention is the reference), only the results copied
+  // to the host. False where the backend has no such op: the caller then reduces the
+  // probabilities `attention` gives.
+  virtual bool attention_reduce(const Buffer& qkv, const AttnLayout& l, const AttentionReduction& r) {
+    return false;
+  }
 
   // ---- KV cache ------------------------------------------------------------------------------
   virtual std::unique_ptr<DeviceKV> kv_create(int n_layers, int n_kv_heads, int head_dim) {

@@ -7,6 +7,8 @@
 #include <memory>
 #include <vector>
 
+#include "core/attention_reduce.h"
+
 namespace kvlens {
 
 class PrefillAttention {
@@ -18,6 +20,12 @@ class PrefillAttention {
   // Causal attention probabilities [n_heads][T][T] of `layer` (masked entries 0), the same values
   // the prefill's attention computed; shared with the caller while it holds them. Thread-safe.
   virtual std::shared_ptr<const std::vector<float>> probs(int layer) const = 0;
+  // Reduces `layer`'s probabilities as `r` asks (core/attention_reduce.h). The default reduces
+  // probs(layer) on the host; a capture on a device reduces them there. Thread-safe.
+  virtual void reduce(int layer, const AttentionReduction& r) const {
+    const auto p = probs(layer);
+    reduce_attention(p->data(), n_heads(), prompt_len(), r);
+  }
   // Bytes the capture holds (queries, keys and values of every layer, in the backend's memory),
   // and of the probabilities it keeps for callers now (host memory).
   virtual int64_t capture_bytes() const = 0;

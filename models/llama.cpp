@@ -204,6 +204,49 @@ std::shared_ptr<const std::vector<float>> CapturedAttention::probs(int layer) co
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& [l, p] : recent_)
     if (l == layer) return p;
+  return held(layer);
+}
+
+void CapturedAttention::reduce(int layer, const AttentionReduction& r) const {
+  const int T = lay_.T, NH = lay_.n_heads;
+  r.check(T, "prefill attention of layer " + std::to_string(layer));
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::string key = r.key();
+  auto give = [&](const Reduced& x) {
+    if (r.column_sums) std::copy(x.column_sums.begin(), x.column_sums.end(), r.column_sums);
+    if (r.below) std::copy(x.below.begin(), x.below.end(), r.below);
+  };
+  for (const Reduced& x : reduced_)
+    if (x.layer == layer && x.key == key) return give(x);
+  Reduced x{layer, key, {}, {}};
+  AttentionReduction own = r;
+  if (r.column_sums) {
+    x.column_sums.resize(static_cast<size_t>(NH) * T);
+    own.column_sums = x.column_sums.data();
+  }
+  if (r.below) {
+    x.below.resize(static_cast<size_t>(NH));
+    own.below = x.below.data();
+  }
+  const std::shared_ptr<const std::vector<float>>* kept = nullptr;
+  for (const auto& e : recent_)
+    if (e.first == layer) kept = &e.second;
+  if (kept) {
+    reduce_attention((*kept)->data(), NH, T, own);
+  } else {
+    if (layer < 0 || layer >= n_layers() || qkv_[static_cast<size_t>(layer)].empty())
+      throw InternalError("prefill attention: no captured layer " + std::to_string(layer));
+    if (!be_->attention_reduce(qkv_[static_cast<size_t>(layer)], lay_, own)) {
+      const auto p = held(layer);
+      reduce_attention(p->data(), NH, T, own);
+    }
+  }
+  give(x);
+  reduced_.insert(reduced_.begin(), std::move(x));
+  if (reduced_.size() > kReduced) reduced_.pop_back();
+}
+
+std::shared_ptr<const std::vector<float>> CapturedAttention::held(int layer) const {
   if (layer < 0 || layer >= n_layers() || qkv_[static_cast<size_t>(layer)].empty())
     throw InternalError("prefill attention: no captured layer " + std::to_string(layer));
   const int T = lay_.T, NH = lay_.n_heads;

@@ -49,6 +49,7 @@ class CapturedAttention final : public PrefillAttention {
   int n_heads() const override { return lay_.n_heads; }
   int prompt_len() const override { return lay_.T; }
   std::shared_ptr<const std::vector<float>> probs(int layer) const override;
+  void reduce(int layer, const AttentionReduction& r) const override;
   int64_t capture_bytes() const override;
   int64_t cached_bytes() const override;
 
@@ -60,6 +61,17 @@ class CapturedAttention final : public PrefillAttention {
   std::vector<Buffer> qkv_;
   mutable std::mutex mu_;
   mutable std::vector<std::pair<int, std::shared_ptr<const std::vector<float>>>> recent_;
+  // The latest reductions' results by layer and AttentionReduction::key (a method asks the same
+  // of a layer once for each KV head or query head it scores).
+  struct Reduced {
+    int layer = 0;
+    std::string key;
+    std::vector<double> column_sums;
+    std::vector<int64_t> below;
+  };
+  static constexpr size_t kReduced = 8;
+  mutable std::vector<Reduced> reduced_;
+  std::shared_ptr<const std::vector<float>> held(int layer) const;  // under mu_
 };
 
 class LlamaDecoder {

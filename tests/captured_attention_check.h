@@ -1,7 +1,9 @@
 // One check of the prefill's captured attention, on any backend: each layer's probabilities,
 // recomputed on demand from the captured queries, keys and values, equal bit for bit the ones the
 // prefill's attention handed its observers; the capture holds O(layers · tokens · head_dim) and
-// at most two layers' probabilities stay on the host.
+// at most two layers' probabilities stay on the host; its reductions (column sums over chosen
+// query rows, entries below a share of their row's maximum), made where the capture is, equal
+// the host reference's on those probabilities bit for bit.
 #pragma once
 #include <gtest/gtest.h>
 
@@ -9,7 +11,9 @@
 #include <string>
 #include <vector>
 
+#include "core/attention_reduce.h"
 #include "core/data/image.h"
+#include "core/errors.h"
 #include "models/model.h"
 
 namespace kvlens::testing {
@@ -38,6 +42,37 @@ inline void check_captured_attention(const Model& m, const RGBImage& img, const 
   const int64_t row = static_cast<int64_t>(f.n_heads + 2 * f.n_kv_heads) * f.head_dim;
   EXPECT_EQ(a.capture_bytes(), static_cast<int64_t>(L) * T * row * 4) << what;
   const int64_t layer_bytes = static_cast<int64_t>(f.n_heads) * T * T * 4;
+  // Reductions first, while no layer's probabilities are held: a device capture makes them itself.
+  const std::vector<std::vector<int>> rows = {AttentionReduction::range(0, T, T), AttentionReduction::range(T - 8, T, T),
+                                              {0, T / 2, T - 1}, {}};
+  for (int l = 0; l < L; ++l)
+    for (size_t ri = 0; ri < rows.size(); ++ri)
+      for (double p : {0.0, 0.01, 1.0}) {
+        const size_t H = static_cast<size_t>(f.n_heads);
+        std::vector<double> sums(H * T, -1.0), want_sums(sums.size(), -2.0);
+        std::vector<int64_t> below(H, -1), want_below(H, -2);
+        AttentionReduction r, ref;
+        r.queries = ref.queries = rows[ri];
+        r.p = ref.p = p;
+        r.zeros_below = ref.zeros_below = ri % 2 == 1;
+        r.column_sums = sums.data();
+        r.below = below.data();
+        ref.column_sums = want_sums.data();
+        ref.below = want_below.data();
+        a.reduce(l, r);
+        reduce_attention(rec.by_layer.at(l).data(), f.n_heads, T, ref);
+        EXPECT_TRUE(sums == want_sums) << what << ": layer " << l << " column sums, rows " << r.key();
+        EXPECT_EQ(below, want_below) << what << ": layer " << l << " entries below, rows " << r.key();
+      }
+  if (m.backend().name() == "cuda")
+    EXPECT_EQ(a.cached_bytes(), 0) << what << ": the device's reductions held a layer's probabilities on the host";
+  {
+    AttentionReduction bad;
+    std::vector<double> sums(static_cast<size_t>(f.n_heads) * T);
+    bad.queries = {T - 1, 0};
+    bad.column_sums = sums.data();
+    EXPECT_THROW(a.reduce(0, bad), InternalError) << what << ": rows out of order";
+  }
   // Every layer, then the first again after the others pushed it out of the cache.
   for (int l : {0, 1, 2, 3, 0}) {
     if (l >= L) continue;

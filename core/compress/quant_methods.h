@@ -49,6 +49,9 @@ enum class Probe { All, Random, Special, Recent, RandomRecent };
 // nnz_i = number of probes k ≥ i (those the causal mask lets see token i); a token no probe
 // sees gets 0.
 std::vector<double> saliency(const float* A, int T, const std::vector<int>& probes, Saliency s);
+// The same from the column sums over the probe rows, sums[i] = Σ_{k ∈ probes, k ≥ i} A[k][i]
+// (AttentionReduction::column_sums of one head).
+std::vector<double> saliency_from_sums(const double* sums, int T, const std::vector<int>& probes, Saliency s);
 // Probe query indices (ascending, unique) among T prompt tokens. recent: the last
 // max(1, round(recent_ratio·T)); random: max(1, round(random_ratio·T)) drawn without
 // replacement (seeded) from all tokens, or from the non-recent ones for random+recent;

@@ -105,8 +105,18 @@ double sparsity(const float* probs, int n_heads, int n_q, int n_k, double p) {
 }
 
 double prefill_sparsity(const PrefillView& pv, int layer, double p) {
-  const auto pr = pv.attention->probs(layer);
-  return sparsity(pr->data(), pv.n_heads, pv.prompt_len, pv.prompt_len, p);
+  // sparsity() of the layer's probabilities, its counts made where the attention is.
+  const int T = pv.prompt_len, H = pv.n_heads;
+  std::vector<int64_t> below(static_cast<size_t>(H));
+  AttentionReduction r;
+  r.queries = AttentionReduction::range(0, T, T);
+  r.below = below.data();
+  r.p = p;
+  pv.attention->reduce(layer, r);
+  const int64_t seen = static_cast<int64_t>(T) * (T + 1) / 2;
+  double total = 0.0;
+  for (int h = 0; h < H; ++h) total += seen ? static_cast<double>(below[h]) / seen : 0.0;
+  return H ? total / H : 0.0;
 }
 
 namespace {
@@ -383,19 +393,18 @@ HitRates cache_hit_rates(const PrefillView& pv, const DecodeRecorder& full, doub
   const int post_from = (last_visual >= 0 && last_visual + 1 < T) ? last_visual + 1 : T - 1;
   const int window_from = std::max(0, T - window_queries);
   for (int l = 0; l < L; ++l) {
-    const auto held = pv.attention->probs(l);
-    const std::vector<float>& P = *held;
-    // score[g][strategy][j]: the strategies of KV head g (mean over its query heads).
+    // score[g][strategy][j]: the strategies of KV head g (mean over its query heads), from each
+    // query head's column sums over the strategy's queries, reduced where the attention is.
     std::vector<std::vector<std::vector<double>>> score(KH, std::vector<std::vector<double>>(S, std::vector<double>(T, 0.0)));
-    for (int h = 0; h < H; ++h) {
-      std::vector<std::vector<double>>& sc = score[h / G];
-      for (int i = 0; i < T; ++i)
-        for (int j = 0; j <= i; ++j) {
-          const double a = P[(static_cast<size_t>(h) * T + i) * T + j] / G;
-          sc[0][j] += a;
-          if (i >= window_from) sc[2][j] += a;
-          if (i >= post_from) sc[3][j] += a;
-        }
+    const std::pair<size_t, int> sums_from[] = {{0, 0}, {2, window_from}, {3, post_from}};
+    std::vector<double> sums(static_cast<size_t>(H) * T);
+    for (const auto& [st, from] : sums_from) {
+      AttentionReduction r;
+      r.queries = AttentionReduction::range(from, T, T);
+      r.column_sums = sums.data();
+      pv.attention->reduce(l, r);
+      for (int h = 0; h < H; ++h)
+        for (int j = 0; j < T; ++j) score[h / G][st][j] += sums[static_cast<size_t>(h) * T + j] / G;
     }
     for (int g = 0; g < KH; ++g)
       for (int j = 0; j < T; ++j) {

@@ -481,6 +481,42 @@ class CudaBackend : public Backend {
     if (probs) ctx_->download(probs, s.get(), n * 4, "attention probabilities");
   }
 
+  bool attention_reduce(const Buffer& qkv, const AttnLayout& l, const AttentionReduction& r) override {
+    need(qkv.dt == Dt::F32 && l.causal, "attention_reduce: " + qkv.name + " (causal fp32 q/k/v)");
+    r.check(l.T, "attention_reduce: " + qkv.name);
+    auto prof_scope = prof_.scope("attention_reduce", *ctx_);
+    const int H = l.n_heads, T = l.T, nq = static_cast<int>(r.queries.size());
+    if (nq == 0 || T == 0) {  // nothing summed or counted
+      if (r.column_sums) std::fill_n(r.column_sums, static_cast<size_t>(H) * T, 0.0);
+      if (r.below) std::fill_n(r.below, H, int64_t{0});
+      return true;
+    }
+    // The probabilities as `attention` captures them, then reduced in place of a copy.
+    const int64_t n = static_cast<int64_t>(H) * T * T;
+    const auto P = ctx_->alloc(n * 4, "attention reduction probabilities");
+    attention_scores(qkv.as<float>(), l, static_cast<float*>(P.get()), ctx_->stream);
+    softmax_rows(static_cast<float*>(P.get()), static_cast<int64_t>(H) * T, T, ctx_->stream);
+    const auto q = ctx_->alloc(static_cast<int64_t>(nq) * 4, "attention reduction query rows");
+    ctx_->upload(q.get(), r.queries.data(), static_cast<int64_t>(nq) * 4, "attention reduction query rows");
+    if (r.column_sums) {
+      const int64_t bytes = static_cast<int64_t>(H) * T * 8;
+      const auto out = ctx_->alloc(bytes, "attention column sums");
+      cuda::attention_column_sums(static_cast<const float*>(P.get()), H, T, static_cast<const int*>(q.get()), nq,
+                                  static_cast<double*>(out.get()), ctx_->stream);
+      ctx_->download(r.column_sums, out.get(), bytes, "attention column sums");
+    }
+    if (r.below) {
+      const int64_t bytes = static_cast<int64_t>(H) * 8;
+      const auto out = ctx_->alloc(bytes, "attention entries below the threshold");
+      KV_CUDA(cudaMemsetAsync(out.get(), 0, bytes, ctx_->stream), "attention entries below the threshold");
+      cuda::attention_below(static_cast<const float*>(P.get()), H, T, static_cast<const int*>(q.get()), nq, r.p,
+                            r.zeros_below, static_cast<unsigned long long*>(out.get()), ctx_->stream);
+      std::vector<unsigned long long> b(static_cast<size_t>(H));
+      ctx_->download(b.data(), out.get(), bytes, "attention entries below the threshold");
+      for (int h = 0; h < H; ++h) r.below[h] = static_cast<int64_t>(b[static_cast<size_t>(h)]);
+    }
+    return true;
+  }
   std::unique_ptr<DeviceKV> kv_create(int n_layers, int n_kv_heads, int head_dim) override {
     return cuda::kv_create(ctx_, n_layers, n_kv_heads, head_dim);
   }

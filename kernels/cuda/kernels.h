@@ -81,6 +81,14 @@ int attention_prefill(const float* qkv, const AttnLayout& l, void* out, Dt odt, 
 void attention_prefill_simple(const float* qkv, const AttnLayout& l, void* out, Dt odt, cudaStream_t s);
 // scores[h][i][j] = scale·q_i·k_j (masked = -inf), fp32 from qkv.
 void attention_scores(const float* qkv, const AttnLayout& l, float* scores, cudaStream_t s);
+// Reductions of causal probabilities P [n_heads][T][T] over the query rows queries[nq] (device,
+// ascending): out [n_heads][T] = Σ_{i ≥ j} P[h][i][j] in double, in ascending i; below[h] +=
+// the entries j ≤ i with P < p · (row max over j ≤ i), or equal to 0 with zeros_below
+// (attention_reduce.cu; host reference: reduce_attention).
+void attention_column_sums(const float* P, int n_heads, int T, const int* queries, int nq, double* out,
+                           cudaStream_t s);
+void attention_below(const float* P, int n_heads, int T, const int* queries, int nq, double p, bool zeros_below,
+                     unsigned long long* below, cudaStream_t s);
 
 // ---- decode attention over a segmented, possibly packed cache (decode_attention.cu) ----------
 // Storage of one side (K or V) of a part. Codes: row j starts at byte j·D·bits/8 and code c of a

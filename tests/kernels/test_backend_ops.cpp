@@ -10,6 +10,7 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <random>
 
 #include "core/errors.h"
 #include "tests/attention_ref.h"
@@ -623,6 +624,64 @@ TEST(Ops, PrefillAttention) {
   attention_case(50, 2, 2, 64, true, Dt::F32);     // an fp32 model: the simple kernel too
   attention_case(33, 2, 1, 8, false, Dt::F16);
   KVLENS_GPU_HALF_SKIPPED();
+}
+
+// The device's attention reductions against the host reference on the device's own
+// probabilities: column sums (double, ascending rows) and counts equal bit for bit, for ranges,
+// scattered rows, one row and none, p = 0 / 0.01 / 1 with and without zeros counted. The CPU
+// backend has no such op (its callers reduce the probabilities it hands over).
+TEST(Ops, AttentionReductions) {
+  AttnLayout l;
+  l.T = 203; l.n_heads = 4; l.n_kv_heads = 2; l.head_dim = 64;
+  l.row_stride = static_cast<int64_t>(l.n_heads + 2 * l.n_kv_heads) * l.head_dim;
+  l.q_col = 0; l.k_col = static_cast<int64_t>(l.n_heads) * l.head_dim;
+  l.v_col = static_cast<int64_t>(l.n_heads + l.n_kv_heads) * l.head_dim;
+  l.causal = true;
+  l.scale = 1.0f / 8.0f;
+  const int T = l.T, H = l.n_heads;
+  const auto qkv = randn(static_cast<size_t>(T) * l.row_stride, 2.5f);
+  {
+    Buffer X = make(*op_backends().cpu, "qkv", {T, l.row_stride}, Dt::F32, qkv);
+    AttentionReduction r;
+    r.queries = {0};
+    std::vector<double> s(static_cast<size_t>(H) * T);
+    r.column_sums = s.data();
+    EXPECT_FALSE(op_backends().cpu->attention_reduce(X, l, r));
+  }
+  KVLENS_NEED_GPU();
+  Backend& gpu = *op_backends().gpu;
+  Buffer X = make(gpu, "qkv", {T, l.row_stride}, Dt::F32, qkv);
+  Buffer O = poisoned(gpu, "o", {T, static_cast<int64_t>(H) * l.head_dim}, Dt::F32);
+  std::vector<float> P(static_cast<size_t>(H) * T * T);
+  gpu.attention(X, l, O, nullptr, P.data());
+  std::mt19937_64 rng(7);
+  std::vector<int> scattered;
+  for (int i = 0; i < T; ++i)
+    if (rng() % 3 == 0) scattered.push_back(i);
+  for (const std::vector<int>& q : {AttentionReduction::range(0, T, T), AttentionReduction::range(T - 32, T, T),
+                                    scattered, std::vector<int>{T / 2}, std::vector<int>{}})
+    for (double p : {0.0, 0.01, 1.0})
+      for (bool z : {false, true}) {
+        std::vector<double> sums(static_cast<size_t>(H) * T, -1.0), want(sums.size(), -2.0);
+        std::vector<int64_t> below(H, -1), want_below(H, -2);
+        AttentionReduction r, ref;
+        r.queries = ref.queries = q;
+        r.p = ref.p = p;
+        r.zeros_below = ref.zeros_below = z;
+        r.column_sums = sums.data();
+        r.below = below.data();
+        ref.column_sums = want.data();
+        ref.below = want_below.data();
+        ASSERT_TRUE(gpu.attention_reduce(X, l, r));
+        reduce_attention(P.data(), H, T, ref);
+        EXPECT_TRUE(sums == want) << "column sums, rows " << r.key();
+        EXPECT_EQ(below, want_below) << "entries below, rows " << r.key();
+      }
+  AttentionReduction bad;
+  bad.queries = {5, 5};
+  std::vector<int64_t> b(H);
+  bad.below = b.data();
+  EXPECT_THROW(gpu.attention_reduce(X, l, bad), InternalError);
 }
 
 TEST(Ops, OutOfMemoryNamesWhatAndHowMuch) {

@@ -36,23 +36,21 @@ int post_vision_begin(const PrefillContext& c) {
 }
 
 double post_vision_head_sparsity(const PrefillContext& c, int head, double p) {
-  const auto probs = c.probs();
-  if (!probs) throw InputError("vlcache: layer " + std::to_string(c.layer) + ": no prefill probabilities");
+  if (!c.attention) throw InputError("vlcache: layer " + std::to_string(c.layer) + ": no prefill probabilities");
   if (head < 0 || head >= c.n_heads) throw InputError("vlcache: no query head " + std::to_string(head));
   const int T = c.prompt_len;
-  const int b = post_vision_begin(c);
-  const float* P = probs->data() + static_cast<int64_t>(head) * T * T;
-  int64_t zeros = 0, total = 0;
-  for (int i = b; i < T; ++i) {
-    const float* row = P + static_cast<int64_t>(i) * T;
-    float mx = 0.0f;
-    for (int j = 0; j <= i; ++j) mx = std::max(mx, row[j]);
-    const double thr = p * mx;
-    for (int j = 0; j <= i; ++j)
-      if (row[j] < thr || row[j] == 0.0f) ++zeros;  // zero after ThresholdFilter
-    total += i + 1;
-  }
-  return static_cast<double>(zeros) / static_cast<double>(total);
+  // Entries below p · (row max), or 0 after ThresholdFilter, over the post-vision queries' causal
+  // entries, counted where the attention is.
+  std::vector<int64_t> below(static_cast<size_t>(c.n_heads));
+  AttentionReduction r;
+  r.queries = AttentionReduction::range(post_vision_begin(c), T, T);
+  r.below = below.data();
+  r.p = p;
+  r.zeros_below = true;
+  c.attention->reduce(c.layer, r);
+  int64_t total = 0;
+  for (int i : r.queries) total += i + 1;
+  return static_cast<double>(below[static_cast<size_t>(head)]) / static_cast<double>(total);
 }
 
 double post_vision_sparsity(const PrefillContext& c, double p) {

@@ -97,17 +97,22 @@ class ZipCachePolicy : public KVPolicy {
 
   void on_prefill_layer(const PrefillContext& ctx, LayerKV& layer) override {
     const int T = ctx.prompt_len, H = ctx.n_heads, KH = ctx.n_kv_heads, D = ctx.head_dim;
-    const auto probs = ctx.probs();
-    if (!probs)
+    if (!ctx.attention)
       throw InputError("zipcache: layer " + std::to_string(ctx.layer) + " has no prefill attention probabilities");
     if (KH <= 0 || H % KH != 0)
       throw InputError("zipcache: n_heads " + std::to_string(H) + " is not a multiple of n_kv_heads " + std::to_string(KH));
     if (ctx.layer < static_cast<int>(streams_.size())) streams_[ctx.layer] = Stream{};  // new prompt
     const std::vector<int> probes = zipcache::select_probes(o_.probe, T, ctx.token_kinds, ctx.token_ids,
                                                             o_.recent, o_.random, o_.seed);
+    // Each query head's column sums over the probes, reduced where the attention is.
+    std::vector<double> sums(static_cast<size_t>(H) * T);
+    AttentionReduction red;
+    red.queries = probes;
+    red.column_sums = sums.data();
+    ctx.attention->reduce(ctx.layer, red);
     std::vector<std::vector<double>> score(KH, std::vector<double>(T, 0.0));
     for (int h = 0; h < H; ++h) {
-      const std::vector<double> s = zipcache::saliency(probs->data() + static_cast<int64_t>(h) * T * T, T, probes, o_.saliency);
+      const std::vector<double> s = zipcache::saliency_from_sums(sums.data() + static_cast<size_t>(h) * T, T, probes, o_.saliency);
       for (int kh = 0; kh < KH; ++kh) {
         if (!o_.shared && kh != h / (H / KH)) continue;
         const double w = o_.shared ? 1.0 / H : 1.0 / (H / KH);

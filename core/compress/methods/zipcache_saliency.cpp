@@ -12,15 +12,21 @@ namespace kvlens {
 namespace zipcache {
 
 std::vector<double> saliency(const float* A, int T, const std::vector<int>& probes, Saliency s) {
-  std::vector<double> sum(T, 0.0), cnt(T, 0.0);
+  std::vector<double> sum(T, 0.0);
   for (int k : probes)
-    for (int i = 0; i <= k && i < T; ++i) {
-      sum[i] += A[static_cast<int64_t>(k) * T + i];
-      cnt[i] += 1;
-    }
-  if (s == Saliency::Normalized)
-    for (int i = 0; i < T; ++i) sum[i] = cnt[i] > 0 ? sum[i] / cnt[i] : 0.0;
-  return sum;
+    for (int i = 0; i <= k && i < T; ++i) sum[i] += A[static_cast<int64_t>(k) * T + i];
+  return saliency_from_sums(sum.data(), T, probes, s);
+}
+
+std::vector<double> saliency_from_sums(const double* sums, int T, const std::vector<int>& probes, Saliency s) {
+  std::vector<double> out(sums, sums + T);
+  if (s != Saliency::Normalized) return out;
+  // Each token's share of the probes that see it: those at or after it.
+  std::vector<double> cnt(T, 0.0);
+  for (int k : probes)
+    for (int i = 0; i <= k && i < T; ++i) cnt[i] += 1;
+  for (int i = 0; i < T; ++i) out[i] = cnt[i] > 0 ? out[i] / cnt[i] : 0.0;
+  return out;
 }
 
 namespace {
