@@ -213,6 +213,16 @@ class Backend {
   virtual bool attention_reduce(const Buffer& qkv, const AttnLayout& l, const AttentionReduction& r) {
     return false;
   }
+  // LOOK-M's assignment (Eq. 9) of one KV head: for each row e of k [n][d] (host, fp32) that
+  // `keep` (ascending, distinct, not empty) does not list, in ascending e (evicted), the kept row
+  // best[i] of largest cosine similarity and that similarity sim[i], every dot product and norm
+  // added in double in ascending component order from 0.0 (a zero norm: similarity 0), ties to
+  // the earlier kept row — the host's lookm_assign bit for bit. False where the backend has no
+  // such op.
+  virtual bool cosine_assign(const float* k, int n, int d, const std::vector<int>& keep, std::vector<int>& evicted,
+                             std::vector<int>& best, std::vector<double>& sim) {
+    return false;
+  }
 
   // ---- KV cache ------------------------------------------------------------------------------
   virtual std::unique_ptr<DeviceKV> kv_create(int n_layers, int n_kv_heads, int head_dim) {

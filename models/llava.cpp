@@ -293,6 +293,7 @@ std::vector<PrefillContext> LlavaModel::prefill_contexts(const PrefillState& st)
     }
     c.token_kinds = &st.kinds;
     c.token_ids = &st.ids;
+    if (st.device) c.backend = be_.get();  // a device backend: methods may compute there
     r.push_back(c);
   }
   return r;

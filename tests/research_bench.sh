@@ -82,4 +82,42 @@ for b in builds:
         print("%-12s %-22s %8.2f %10.1f %10.1f %10.1f %10.1f %9.2f%s" % (
             "", m, float(wall), t.get("prefill", 0), t.get("decode", 0), mt.get("compress", 0), mt.get("decode", 0),
             int(rss) / 1e6, "" if rc == "0" else "  (exit %s)" % rc))
+
+# Before/after: each method's two reports compared without their timings (and the build's own
+# fields): the ids, kept sets, bytes and every diagnostic, numbers within 1e-9 relative.
+def strip(x):
+    if isinstance(x, dict):
+        return {k: strip(v) for k, v in x.items() if k != "timings_ms" and not k.endswith("_ms")}
+    if isinstance(x, list):
+        return [strip(v) for v in x]
+    return x
+def diff(a, b, path=""):
+    if isinstance(a, bool) or isinstance(b, bool) or not isinstance(a, (int, float)) or not isinstance(b, (int, float)):
+        if type(a) != type(b):
+            return ["%s: %r against %r" % (path, type(a).__name__, type(b).__name__)]
+    if isinstance(a, dict):
+        out = []
+        for k in sorted(set(a) | set(b)):
+            out += diff(a[k], b[k], path + "/" + k) if k in a and k in b else ["%s/%s: only in one" % (path, k)]
+        return out
+    if isinstance(a, list):
+        if len(a) != len(b):
+            return ["%s: %d entries against %d" % (path, len(a), len(b))]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in diff(x, y, "%s[%d]" % (path, i))]
+    if isinstance(a, float) or isinstance(b, float):
+        return [] if abs(a - b) <= 1e-9 * max(1.0, abs(a), abs(b)) else ["%s: %r against %r" % (path, a, b)]
+    return [] if a == b else ["%s: %r against %r" % (path, a, b)]
+if len(builds) == 2:
+    tags = [os.path.basename(b.rstrip("/")) for b in builds]
+    print("\nreports of %s against %s, timings left out:" % tuple(tags))
+    for m in methods:
+        safe = "".join(c if c.isalnum() or c == "_" else "_" for c in m)
+        a, b = (load(os.path.join(out, "run_%s_%s.json" % (t, safe))) for t in tags)
+        if a is None or b is None:
+            print("  %-22s a report is missing" % m)
+            continue
+        for r in (a, b):
+            r.pop("model", None)
+        d = diff(strip(a), strip(b))
+        print("  %-22s %s" % (m, "the same" if not d else "%d differences, first: %s" % (len(d), "; ".join(d[:3]))))
 PY

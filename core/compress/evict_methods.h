@@ -70,6 +70,17 @@ enum class MergeKind { None, Average, Pivotal, Weighted };
 // for x = k and x = v (the assignment and weights come from the keys only).
 void lookm_merge(MergeKind kind, int d, const std::vector<int>& keep, std::vector<float>& k,
                  std::vector<float>& v);
+// LOOK-M's assignment (Eq. 9) of one head: for each row e of k [n][d] that `keep` (ascending)
+// does not list, in ascending e, the kept row c of largest cos(k_e, k_c) and that similarity s
+// (dot products and norms added in double in ascending component order; a zero vector has
+// similarity 0 to everything; ties to the earlier kept row). On `backend` where it has the op
+// (Backend::cosine_assign), else on the host: the same numbers either way.
+struct LookMAssignment {
+  int e = 0, c = 0;
+  double s = 0;
+};
+std::vector<LookMAssignment> lookm_assign(int d, const std::vector<int>& keep, const std::vector<float>& k,
+                                          Backend* backend = nullptr);
 // The authors' similarity filter (merge_filter=above_mean / code): s[h][j] is the best cosine of
 // KV head h's j-th evicted row (ascending); index j passes when the mean of s[·][j] over the
 // heads that have a j-th row is ≥ the mean of every s[h][j].

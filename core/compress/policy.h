@@ -26,6 +26,9 @@ struct PrefillContext {
   const PrefillAttention* attention = nullptr;
   const std::vector<SegmentKind>* token_kinds = nullptr;  // [prompt_len]
   const std::vector<int>* token_ids = nullptr;            // [prompt_len]
+  // The backend the model runs on, for methods that compute on it (null: on the host). Called
+  // from one thread at a time.
+  Backend* backend = nullptr;
 
   // This layer's probabilities [n_heads][prompt_len][prompt_len], or null when prefill kept no
   // attention (hold the pointer while reading them).

@@ -517,6 +517,39 @@ class CudaBackend : public Backend {
     }
     return true;
   }
+  bool cosine_assign(const float* k, int n, int d, const std::vector<int>& keep, std::vector<int>& evicted,
+                     std::vector<int>& best, std::vector<double>& sim) override {
+    need(n >= 0 && d > 0 && !keep.empty(), "cosine_assign: rows and kept rows");
+    auto prof_scope = prof_.scope("cosine_assign", *ctx_);
+    std::vector<char> kept(static_cast<size_t>(n), 0);
+    for (size_t j = 0; j < keep.size(); ++j) {
+      need(keep[j] >= 0 && keep[j] < n && (j == 0 || keep[j] > keep[j - 1]), "cosine_assign: kept rows ascending below n");
+      kept[static_cast<size_t>(keep[j])] = 1;
+    }
+    evicted.clear();
+    for (int e = 0; e < n; ++e)
+      if (!kept[static_cast<size_t>(e)]) evicted.push_back(e);
+    const int E = static_cast<int>(evicted.size()), K = static_cast<int>(keep.size());
+    best.assign(static_cast<size_t>(E), -1);
+    sim.assign(static_cast<size_t>(E), 0.0);
+    if (E == 0) return true;
+    const int64_t kb = static_cast<int64_t>(n) * d * 4;
+    const auto dk = ctx_->alloc(kb, "LOOK-M keys");
+    const auto dkeep = ctx_->alloc(static_cast<int64_t>(K) * 4, "LOOK-M kept rows");
+    const auto dev = ctx_->alloc(static_cast<int64_t>(E) * 4, "LOOK-M evicted rows");
+    const auto dnorm = ctx_->alloc(static_cast<int64_t>(n) * 8, "LOOK-M key norms");
+    const auto dbest = ctx_->alloc(static_cast<int64_t>(E) * 4, "LOOK-M assignments");
+    const auto dsim = ctx_->alloc(static_cast<int64_t>(E) * 8, "LOOK-M similarities");
+    ctx_->upload(dk.get(), k, kb, "LOOK-M keys");
+    ctx_->upload(dkeep.get(), keep.data(), static_cast<int64_t>(K) * 4, "LOOK-M kept rows");
+    ctx_->upload(dev.get(), evicted.data(), static_cast<int64_t>(E) * 4, "LOOK-M evicted rows");
+    cuda::cosine_assign(static_cast<const float*>(dk.get()), n, d, static_cast<const int*>(dkeep.get()), K,
+                        static_cast<const int*>(dev.get()), E, static_cast<double*>(dnorm.get()),
+                        static_cast<int*>(dbest.get()), static_cast<double*>(dsim.get()), ctx_->stream);
+    ctx_->download(best.data(), dbest.get(), static_cast<int64_t>(E) * 4, "LOOK-M assignments");
+    ctx_->download(sim.data(), dsim.get(), static_cast<int64_t>(E) * 8, "LOOK-M similarities");
+    return true;
+  }
   std::unique_ptr<DeviceKV> kv_create(int n_layers, int n_kv_heads, int head_dim) override {
     return cuda::kv_create(ctx_, n_layers, n_kv_heads, head_dim);
   }

@@ -89,6 +89,11 @@ void attention_column_sums(const float* P, int n_heads, int T, const int* querie
                            cudaStream_t s);
 void attention_below(const float* P, int n_heads, int T, const int* queries, int nq, double p, bool zeros_below,
                      unsigned long long* below, cudaStream_t s);
+// LOOK-M's assignment (cosine_assign.cu; host reference: lookm_assign): norm[n] of the rows of
+// k [n][d], then for each evicted[i] the kept row best[i] (from keep[n_keep], ascending) of
+// largest cosine similarity sim[i], in double, ties to the earlier kept row.
+void cosine_assign(const float* k, int n, int d, const int* keep, int n_keep, const int* evicted, int n_evicted,
+                   double* norm, int* best, double* sim, cudaStream_t s);
 
 // ---- decode attention over a segmented, possibly packed cache (decode_attention.cu) ----------
 // Storage of one side (K or V) of a part. Codes: row j starts at byte j·D·bits/8 and code c of a

@@ -13,6 +13,7 @@
 #include <random>
 
 #include "core/errors.h"
+#include "core/compress/evict_methods.h"
 #include "tests/attention_ref.h"
 #include "tests/op_harness.h"
 
@@ -682,6 +683,48 @@ TEST(Ops, AttentionReductions) {
   std::vector<int64_t> b(H);
   bad.below = b.data();
   EXPECT_THROW(gpu.attention_reduce(X, l, bad), InternalError);
+}
+
+// LOOK-M's assignment on the device against the host's (lookm_assign without a backend): the
+// same evicted rows, kept rows and similarities bit for bit, on random keys with exact
+// duplicates (ties between kept rows), zero rows (similarity 0), negative similarities only,
+// one kept row and none evicted. The CPU backend has no such op and answers false.
+TEST(Ops, LookMAssignmentOnTheDevice) {
+  std::vector<int> none_e, none_b;
+  std::vector<double> none_s;
+  const std::vector<float> k1 = randn(24, 1.0f);
+  EXPECT_FALSE(op_backends().cpu->cosine_assign(k1.data(), 3, 8, {0}, none_e, none_b, none_s));
+  KVLENS_NEED_GPU();
+  Backend& gpu = *op_backends().gpu;
+  std::mt19937_64 rng(5);
+  struct Case { int n, d; double keep_share; };
+  for (const Case& c : {Case{300, 128, 0.2}, Case{97, 24, 0.5}, Case{40, 64, 0.0}, Case{33, 32, 1.0}}) {
+    std::vector<float> k = randn(static_cast<size_t>(c.n) * c.d, 1.0f);
+    for (int i = 5; i < c.n; i += 11)  // a copy of an earlier row: ties
+      std::copy_n(k.begin() + static_cast<ptrdiff_t>(i - 5) * c.d, c.d, k.begin() + static_cast<ptrdiff_t>(i) * c.d);
+    for (int i = 7; i < c.n; i += 29) std::fill_n(k.begin() + static_cast<ptrdiff_t>(i) * c.d, c.d, 0.0f);
+    std::vector<int> keep;
+    for (int i = 0; i < c.n; ++i)
+      if (static_cast<double>(rng() % 1000) < c.keep_share * 1000) keep.push_back(i);
+    if (keep.empty()) keep.push_back(c.n / 2);  // one kept row
+    const std::vector<LookMAssignment> host = lookm_assign(c.d, keep, k), dev = lookm_assign(c.d, keep, k, &gpu);
+    const std::string what = "n=" + std::to_string(c.n) + " d=" + std::to_string(c.d) + " kept " + std::to_string(keep.size());
+    ASSERT_EQ(dev.size(), host.size()) << what;
+    EXPECT_EQ(static_cast<int>(host.size()), c.n - static_cast<int>(keep.size())) << what;
+    for (size_t i = 0; i < host.size(); ++i) {
+      EXPECT_EQ(dev[i].e, host[i].e) << what << " row " << i;
+      EXPECT_EQ(dev[i].c, host[i].c) << what << " row " << host[i].e;
+      EXPECT_EQ(dev[i].s, host[i].s) << what << " row " << host[i].e;
+    }
+    // Every evicted row the negation of the first kept row: equal similarities in every row.
+    std::vector<float> neg = k;
+    for (int e = 0; e < c.n; ++e)
+      if (!std::binary_search(keep.begin(), keep.end(), e))
+        for (int t = 0; t < c.d; ++t) neg[static_cast<size_t>(e) * c.d + t] = -neg[static_cast<size_t>(keep[0]) * c.d + t];
+    const std::vector<LookMAssignment> hn = lookm_assign(c.d, keep, neg), dn = lookm_assign(c.d, keep, neg, &gpu);
+    ASSERT_EQ(dn.size(), hn.size());
+    for (size_t i = 0; i < hn.size(); ++i) EXPECT_TRUE(dn[i].c == hn[i].c && dn[i].s == hn[i].s) << what << " negated " << i;
+  }
 }
 
 TEST(Ops, OutOfMemoryNamesWhatAndHowMuch) {

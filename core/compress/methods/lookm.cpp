@@ -55,25 +55,16 @@ namespace kvlens {
 
 namespace {
 
-// An evicted row, its most cosine-similar kept row and that similarity.
-struct Assignment {
-  int e = 0, c = 0;
-  double s = 0;
-};
+using Assignment = LookMAssignment;
 
 void check_rows(int d, const std::vector<float>& k, const std::vector<float>& v) {
   if (d < 1 || k.size() % d != 0 || v.size() != k.size())
     throw InternalError("lookm_merge: k/v are not [n][d]");
 }
 
-// Eq. 9 for every evicted row (ascending), against the kept rows `keep` of k[n][d].
+// Eq. 9 for every evicted row (ascending), against the kept rows `keep` of k[n][d], on the host.
 std::vector<Assignment> assign_evicted(int d, const std::vector<int>& keep, const std::vector<float>& k) {
   const int n = static_cast<int>(k.size() / d);
-  std::vector<char> kept(n, 0);
-  for (int c : keep) {
-    if (c < 0 || c >= n) throw InternalError("lookm_merge: kept index out of range");
-    kept[c] = 1;
-  }
   std::vector<Assignment> out;
   if (keep.empty()) return out;
   std::vector<double> norm(n, 0.0);
@@ -88,6 +79,8 @@ std::vector<Assignment> assign_evicted(int d, const std::vector<int>& keep, cons
     for (int t = 0; t < d; ++t) s += static_cast<double>(k[a * d + t]) * k[b * d + t];
     return s / (norm[a] * norm[b]);
   };
+  std::vector<char> kept(n, 0);
+  for (int c : keep) kept[c] = 1;
   for (int e = 0; e < n; ++e) {
     if (kept[e]) continue;
     Assignment a{e, keep[0], cosine(e, keep[0])};
@@ -136,12 +129,28 @@ void apply_merge(MergeKind kind, int d, const std::vector<Assignment>& contrib, 
 
 }  // namespace
 
+std::vector<LookMAssignment> lookm_assign(int d, const std::vector<int>& keep, const std::vector<float>& k,
+                                          Backend* backend) {
+  if (d < 1 || k.size() % d != 0) throw InternalError("lookm_assign: k is not [n][d]");
+  const int n = static_cast<int>(k.size() / d);
+  for (size_t j = 0; j < keep.size(); ++j)
+    if (keep[j] < 0 || keep[j] >= n || (j > 0 && keep[j] <= keep[j - 1]))
+      throw InternalError("lookm_merge: kept indices must be ascending and below " + std::to_string(n));
+  std::vector<int> evicted, best;
+  std::vector<double> sim;
+  if (!backend || keep.empty() || !backend->cosine_assign(k.data(), n, d, keep, evicted, best, sim))
+    return assign_evicted(d, keep, k);
+  std::vector<LookMAssignment> out(evicted.size());
+  for (size_t i = 0; i < evicted.size(); ++i) out[i] = {evicted[i], best[i], sim[i]};
+  return out;
+}
+
 void lookm_merge(MergeKind kind, int d, const std::vector<int>& keep, std::vector<float>& k,
                  std::vector<float>& v) {
   if (kind == MergeKind::None) return;
   check_rows(d, k, v);
   std::vector<int> count;
-  apply_merge(kind, d, assign_evicted(d, keep, k), k, v, count);
+  apply_merge(kind, d, lookm_assign(d, keep, k), k, v, count);
 }
 
 std::vector<char> lookm_above_mean(const std::vector<std::vector<double>>& s) {
@@ -233,9 +242,21 @@ class LookMPolicy : public ScoreEvictPolicy {
                    std::vector<std::vector<float>>& k, std::vector<std::vector<float>>& v) const override {
     const int H = static_cast<int>(keep.size()), d = c.head_dim;
     std::vector<std::vector<Assignment>> a(H);
-    for (int h = 0; h < H; ++h) {
-      check_rows(d, k[h], v[h]);
-      a[h] = assign_evicted(d, keep[h], k[h]);
+    for (int h = 0; h < H; ++h) check_rows(d, k[h], v[h]);
+    if (c.backend) {  // one head at a time on the device
+      for (int h = 0; h < H; ++h) a[h] = lookm_assign(d, keep[h], k[h], c.backend);
+    } else {
+      std::exception_ptr err;
+#pragma omp parallel for schedule(dynamic)
+      for (int h = 0; h < H; ++h) {
+        try {
+          a[h] = lookm_assign(d, keep[h], k[h]);
+        } catch (...) {
+#pragma omp critical(kvlens_lookm_error)
+          if (!err) err = std::current_exception();
+        }
+      }
+      if (err) std::rethrow_exception(err);
     }
     const bool filter = o_.filter == MergeFilter::AboveMean ||
                         (o_.filter == MergeFilter::Code &&
