@@ -18,6 +18,7 @@
 // values outside clamp to the ends. s = 1 (the paper's setting) leaves the range as is.
 #include <algorithm>
 #include <cmath>
+#include <exception>
 
 #include "core/compress/quant_methods.h"
 
@@ -92,11 +93,21 @@ class CalibQuantPolicy : public KVPolicy {
     for (KVSegment& s : layer.segments) {
       if (s.kind != SegmentKind::Visual || !s.dense()) continue;
       auto p = std::make_shared<quant::QuantPayload>(static_cast<int>(s.heads.size()));
-      for (size_t h = 0; h < s.heads.size(); ++h) {
-        HeadRows& r = s.heads[h];
-        quant::quantize_block(r.k.data(), r.n(), D, {bits_, quant::Axis::PerChannel, k_shrink_, about_zero_}, p->k[h]);
-        quant::quantize_block(r.v.data(), r.n(), D, {bits_, quant::Axis::PerChannel, v_shrink_, about_zero_}, p->v[h]);
+      // Heads are independent: quantized in parallel.
+      const int H = static_cast<int>(s.heads.size());
+      std::exception_ptr err;
+#pragma omp parallel for schedule(dynamic)
+      for (int h = 0; h < H; ++h) {
+        try {
+          HeadRows& r = s.heads[h];
+          quant::quantize_block(r.k.data(), r.n(), D, {bits_, quant::Axis::PerChannel, k_shrink_, about_zero_}, p->k[h]);
+          quant::quantize_block(r.v.data(), r.n(), D, {bits_, quant::Axis::PerChannel, v_shrink_, about_zero_}, p->v[h]);
+        } catch (...) {
+#pragma omp critical(kvlens_calibquant_error)
+          if (!err) err = std::current_exception();
+        }
       }
+      if (err) std::rethrow_exception(err);
       p->layout.kind = quant::CodeLayout::Kind::Blocks;
       p->layout.k_bits = p->layout.v_bits = bits_;
       p->layout.k_axis = p->layout.v_axis = quant::Axis::PerChannel;
