@@ -109,6 +109,30 @@ void KVStore::gather(int l, int h, std::vector<float>& k, std::vector<float>& v,
   }
 }
 
+KVStore KVStore::without_rows() const {
+  KVStore out;
+  out.n_kv_heads_ = n_kv_heads_;
+  out.head_dim_ = head_dim_;
+  out.rows_ = rows_;
+  out.layers_.resize(layers_.size());
+  for (size_t l = 0; l < layers_.size(); ++l)
+    for (const KVSegment& s : layers_[l].segments) {
+      KVSegment c;
+      c.kind = s.kind;
+      c.storage = s.storage;
+      c.bytes = s.bytes;
+      c.payload = s.payload;
+      c.heads.resize(s.heads.size());
+      for (size_t h = 0; h < s.heads.size(); ++h) {
+        c.heads[h].pos = s.heads[h].pos;
+        c.heads[h].bits = s.heads[h].bits;
+        c.heads[h].merged = s.heads[h].merged;
+      }
+      out.layers_[l].segments.push_back(std::move(c));
+    }
+  return out;
+}
+
 void KVStore::positions(int l, int h, std::vector<int32_t>& pos, std::vector<SegmentKind>& kinds) const {
   pos.clear();
   kinds.clear();

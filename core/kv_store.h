@@ -116,6 +116,10 @@ class KVStore {
   // Gathers layer l, KV head h into contiguous [n][head_dim] buffers (the order of segments).
   void gather(int l, int h, std::vector<float>& k, std::vector<float>& v,
               std::vector<int32_t>& pos, std::vector<SegmentKind>* kinds = nullptr) const;
+  // A copy of the layout alone: segments with their kinds, storage, bytes, payloads (shared),
+  // positions and row annotations, and no k / v rows. What diagnostics read of a compressed
+  // store, at a small share of a full copy's cost.
+  KVStore without_rows() const;
   // The positions and kinds gather would give, without the rows.
   void positions(int l, int h, std::vector<int32_t>& pos, std::vector<SegmentKind>& kinds) const;
 

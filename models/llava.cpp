@@ -332,7 +332,7 @@ DecodeResult LlavaModel::decode(const PrefillState& st, KVPolicy* policy, const 
   }
   r.compress_ms = ms_since(t0);
   r.bytes_after_prefill = cache_bytes();
-  if (compressed) *compressed = store;
+  if (compressed) *compressed = store.without_rows();
   if (dev) be_->kv_reserve(*dev, opt.max_new_tokens);
   const auto t1 = std::chrono::steady_clock::now();
   std::mt19937_64 rng(opt.seed);

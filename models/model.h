@@ -124,7 +124,8 @@ class Model {
                                         const std::vector<AttentionObserver*>& observers = {}) const = 0;
   // Copies the prefill store, stores its rows as opt.kv_storage says (or as the policy asks),
   // lets `policy` compress it (null = full cache), then decodes.
-  // `compressed`, when given, receives the store as the policy left it after prefill.
+  // `compressed`, when given, receives the layout of the store as the policy left it after
+  // prefill (KVStore::without_rows: segments, positions, row annotations and bytes; no rows).
   virtual DecodeResult decode(const PrefillState& st, KVPolicy* policy, const GenerateOptions& opt,
                               const std::vector<AttentionObserver*>& observers = {},
                               KVStore* compressed = nullptr) const = 0;

@@ -93,12 +93,11 @@ void kv_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, S
     const auto& m = dev2host[hd / G];
     for (size_t i = 0; i < m.size(); ++i) sh[static_cast<size_t>(hd) * stride + m[i]] = sd[static_cast<size_t>(hd) * stride + i];
   }
-  if (transforms) {
-    std::vector<float> K, V;
+  if (transforms) {  // the transform reads the keys' kinds, not their rows
     std::vector<int32_t> P;
     std::vector<SegmentKind> kinds;
     for (int h = 0; h < NKV; ++h) {
-      kv.host->gather(layer, h, K, V, P, &kinds);
+      kv.host->positions(layer, h, P, kinds);
       for (int hd = h * G; hd < (h + 1) * G; ++hd)
         transform->apply(layer, hd, sh.data() + static_cast<size_t>(hd) * stride, kinds.data(),
                                  static_cast<int>(P.size()));

@@ -135,6 +135,43 @@ TEST(Uniform, GranularitiesAndScope) {
     EXPECT_EQ(same_rows(f.store.layer(0).segments[i], ref.store.layer(0).segments[i]), i != 1) << i;
 }
 
+// The layout copy a decode hands to diagnostics: every segment's kind, storage, bytes, payload,
+// positions and row annotations as in the store, no rows; after quantizing (per-row bits) and
+// after merging (merge counts).
+TEST(KVStore, WithoutRowsKeepsTheLayout) {
+  for (const char* spec : {"zipcache", "stack:evict=lookm,quant=kivi"}) {
+    SCOPED_TRACE(spec);
+    Fixture f(5, 20, 6, 16, 23);
+    f.prefill(*make_policy(spec));
+    const KVStore c = f.store.without_rows();
+    EXPECT_EQ(c.bytes().total(), f.store.bytes().total());
+    ASSERT_EQ(c.n_layers(), f.store.n_layers());
+    EXPECT_EQ(c.n_kv_heads(), f.store.n_kv_heads());
+    EXPECT_EQ(c.head_dim(), f.store.head_dim());
+    int annotated = 0;
+    for (int l = 0; l < c.n_layers(); ++l) {
+      const auto& a = f.store.layer(l).segments;
+      const auto& b = c.layer(l).segments;
+      ASSERT_EQ(a.size(), b.size());
+      for (size_t i = 0; i < a.size(); ++i) {
+        EXPECT_EQ(b[i].kind, a[i].kind);
+        EXPECT_EQ(b[i].storage, a[i].storage);
+        EXPECT_EQ(b[i].bytes.total(), a[i].bytes.total());
+        EXPECT_EQ(b[i].payload, a[i].payload);
+        ASSERT_EQ(b[i].heads.size(), a[i].heads.size());
+        for (size_t h = 0; h < a[i].heads.size(); ++h) {
+          EXPECT_EQ(b[i].heads[h].pos, a[i].heads[h].pos);
+          EXPECT_EQ(b[i].heads[h].bits, a[i].heads[h].bits);
+          EXPECT_EQ(b[i].heads[h].merged, a[i].heads[h].merged);
+          EXPECT_TRUE(b[i].heads[h].k.empty() && b[i].heads[h].v.empty());
+          annotated += !a[i].heads[h].bits.empty() || !a[i].heads[h].merged.empty();
+        }
+      }
+    }
+    EXPECT_GT(annotated, 0) << "the case must carry row annotations";
+  }
+}
+
 TEST(KVStore, Fp16RowsAreHalfRoundedAndCountTwoBytesAValue) {
   // Values chosen so that half precision rounds them (1 + 2^-12 lies between two halves) or
   // keeps them exactly (0.5, 2048), and one that overflows half to infinity.
