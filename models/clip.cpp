@@ -49,6 +49,7 @@ ClipVision ClipVision::load(const WeightStore& ws, const std::string& p, const C
     L.fc2_w = be->matrix(n + "fc2", {ws.host(q + "mlp.fc2.weight", {H, I})});
     L.fc2_b = be->vector(ws.host(q + "mlp.fc2.bias", {H}));
     m.layers.push_back(std::move(L));
+    ws.release();  // the layer is in the backend's memory: its mapped pages go back
   }
   activation_from_name(cfg.hidden_act, "vision_config.hidden_act");
   return m;

@@ -58,6 +58,7 @@ LlamaDecoder LlamaDecoder::load(const WeightStore& ws, const std::string& p, con
                                              ws.host(q + "mlp.up_proj.weight", {I, H})});
     L.down_w = be->matrix(n + "down", {ws.host(q + "mlp.down_proj.weight", {H, I})});
     m.layers.push_back(std::move(L));
+    ws.release();  // the layer is in the backend's memory: its mapped pages go back
   }
   return m;
 }

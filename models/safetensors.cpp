@@ -220,6 +220,15 @@ SafetensorsFile::~SafetensorsFile() {
   if (map_) ::munmap(map_, size_);
 }
 
+void SafetensorsFile::release() const {
+  // A private read-only file mapping holds no page of its own: dropping them loses nothing.
+  if (map_) ::madvise(map_, size_, MADV_DONTNEED);
+}
+
+void WeightStore::release() const {
+  for (const auto& f : files_) f->release();
+}
+
 WeightStore WeightStore::open_dir(const std::string& dir) {
   WeightStore ws;
   ws.dir_ = dir;

@@ -48,6 +48,10 @@ class SafetensorsFile {
   SafetensorsFile& operator=(const SafetensorsFile&) = delete;
   const std::map<std::string, TensorView>& tensors() const { return tensors_; }
   const std::string& path() const { return path_; }
+  // Hands the pages of the mapping this process has read back to the system: the tensors stay
+  // readable (a page touched again is read again from the file), but a loader that copied them
+  // elsewhere (a device) no longer holds them resident as well.
+  void release() const;
 
  private:
   void parse_header();
@@ -72,6 +76,9 @@ class WeightStore {
   HostTensor host(const std::string& name, const std::vector<int64_t>& shape = {}) const;
   std::vector<std::string> names() const;
   const std::string& dir() const { return dir_; }
+  // SafetensorsFile::release for every file: a loader calls it once a layer's weights are
+  // uploaded, so the checkpoint is never resident in host memory as a whole.
+  void release() const;
 
  private:
   std::string dir_;

@@ -1,7 +1,9 @@
 // Checkpoint loading: safetensors validation and dtype conversion, config defaults and errors.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstring>
+#include <fstream>
 
 #include <nlohmann/json.hpp>
 
@@ -58,6 +60,38 @@ TEST(Safetensors, ReadsF32F16Bf16) {
   EXPECT_FLOAT_EQ(ws.load("c").data[0], 3.140625f);
   expect_input_error([&] { ws.load("a", {4}); }, "'a' has shape [2,2]");
   expect_input_error([&] { ws.load("nope"); }, "no tensor 'nope'");
+}
+
+// Reading a tensor makes its mapped pages resident in this process; release() hands them back
+// (the resident set shrinks by about the tensor's size) and the tensor reads the same after.
+TEST(Safetensors, ReleaseHandsBackReadPages) {
+  const std::string dir = make_temp_dir("strel");
+  const int64_t n = int64_t{16} << 20;  // 64 MiB of f32
+  std::string data(static_cast<size_t>(n) * 4, '\0');
+  for (size_t i = 0; i < data.size(); i += 4093) data[i] = static_cast<char>(i * 2654435761u >> 24);
+  nlohmann::json h;
+  h["w"] = {{"dtype", "F32"}, {"shape", {n}}, {"data_offsets", {0, n * 4}}};
+  write_file(dir + "/model.safetensors", kvlens::testing::safetensors_bytes(h, data));
+  const WeightStore ws = WeightStore::open_dir(dir);
+  auto resident = [] {
+    std::ifstream f("/proc/self/statm");
+    int64_t size = 0, pages = 0;
+    f >> size >> pages;
+    return pages * static_cast<int64_t>(::sysconf(_SC_PAGESIZE));
+  };
+  const HostTensor t = ws.host("w");
+  auto checksum = [&] {
+    const auto* b = static_cast<const uint8_t*>(t.data);
+    uint64_t c = 0;
+    for (int64_t i = 0; i < n * 4; i += 512) c = c * 31 + b[i];
+    return c;
+  };
+  const uint64_t first = checksum();
+  const int64_t before = resident();
+  ws.release();
+  const int64_t after = resident();
+  EXPECT_GT(before - after, int64_t{48} << 20) << "resident " << before << " bytes before, " << after << " after";
+  EXPECT_EQ(checksum(), first);
 }
 
 TEST(Safetensors, RejectsBadFiles) {
