@@ -574,7 +574,7 @@ std::vector<std::string> readout(const Figure& f, const Frame& fr, double px, do
 
 namespace {
 std::string csv_field(const std::string& s) {
-  if (s.find_first_of(",\"\n") == std::string::npos) return s;
+  if (s.find_first_of(",\"\r\n") == std::string::npos) return s;
   std::string q = "\"";
   for (char c : s) q += c == '"' ? std::string("\"\"") : std::string(1, c);
   return q + "\"";
@@ -587,31 +587,32 @@ std::string num(double v) {
 }  // namespace
 
 std::string figure_csv(const Figure& f) {
-  std::string o = "# " + f.title + "\n";
-  const std::string xl = csv_field(f.x.label.empty() ? "x" : f.x.label), yl = csv_field(f.y.label.empty() ? "y" : f.y.label);
+  std::string o = "figure,series,kind,x,x_hi,y,value,label,method,layer,head\n";
+  const std::string tail = "," + csv_field(f.method) + "," + (f.layer >= 0 ? std::to_string(f.layer) : "") + "," +
+                           (f.head >= 0 ? std::to_string(f.head) : "") + "\n";
   for (const Series& s : f.series) {
-    o += "# " + std::string(series_kind_name(s.kind)) + ": " + s.label + "\n";
+    // figure, series, kind, then the point's fields
+    const std::string head = csv_field(f.id) + "," + csv_field(s.label) + "," + series_kind_name(s.kind) + ",";
+    auto row = [&](const std::string& x, const std::string& x_hi, const std::string& y, const std::string& value,
+                   const std::string& label) {
+      o += head + x + "," + x_hi + "," + y + "," + value + "," + csv_field(label) + tail;
+    };
     switch (s.kind) {
       case SeriesKind::Line:
       case SeriesKind::Bars:
-        o += xl + "," + yl + "\n";
-        for (size_t i = 0; i < s.x.size() && i < s.y.size(); ++i) o += num(s.x[i]) + "," + num(s.y[i]) + "\n";
+        for (size_t i = 0; i < s.x.size() && i < s.y.size(); ++i) row(num(s.x[i]), "", num(s.y[i]), "", "");
         break;
       case SeriesKind::Scatter:
-        o += xl + "," + yl + ",label\n";
         for (size_t i = 0; i < s.x.size() && i < s.y.size(); ++i)
-          o += num(s.x[i]) + "," + num(s.y[i]) + "," + csv_field(i < s.point_labels.size() ? s.point_labels[i] : "") + "\n";
+          row(num(s.x[i]), "", num(s.y[i]), "", i < s.point_labels.size() ? s.point_labels[i] : "");
         break;
       case SeriesKind::StepHistogram:
-        o += "bin_lo,bin_hi,count\n";
-        for (size_t i = 0; i + 1 < s.x.size() && i < s.y.size(); ++i)
-          o += num(s.x[i]) + "," + num(s.x[i + 1]) + "," + num(s.y[i]) + "\n";
+        for (size_t i = 0; i + 1 < s.x.size() && i < s.y.size(); ++i) row(num(s.x[i]), num(s.x[i + 1]), num(s.y[i]), "", "");
         break;
       case SeriesKind::Heatmap:
-        o += "row,col,value\n";
         for (int r = 0; r < s.rows; ++r)
           for (int c = 0; c < s.cols; ++c)
-            o += std::to_string(r) + "," + std::to_string(c) + "," + num(s.z[static_cast<size_t>(r) * s.cols + c]) + "\n";
+            row(std::to_string(c), "", std::to_string(r), num(s.z[static_cast<size_t>(r) * s.cols + c]), "");
         break;
     }
   }

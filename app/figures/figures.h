@@ -91,6 +91,11 @@ struct Figure {
   std::vector<Band> bands;
   std::string colorbar;  // label of the heatmap colour bar; empty = none
   bool legend = true;
+  // What the figure shows, for its data's columns and file names: one method (empty: each
+  // series is one method, or none), one layer and one head (-1: every layer / every head or
+  // their mean).
+  std::string method;
+  int layer = -1, head = -1;
 };
 
 // Round-number ticks covering [lo, hi] (about `target` of them); on a log axis, powers of ten.
@@ -162,7 +167,12 @@ Frame draw(const Figure& f, double width, double height, const TextWidth& measur
 // ("label: x = 3, y = 0.012"); empty when nothing is.
 std::vector<std::string> readout(const Figure& f, const Frame& frame, double px, double py);
 
-// The plotted data as CSV: a header line per series ("# kind: label") and its rows.
+// The plotted data as one tidy CSV table (RFC 4180; what pandas.read_csv loads as is): the
+// header figure,series,kind,x,x_hi,y,value,label,method,layer,head, then one row per point of
+// every series. x and y are the point (a line, bars or a scatter: label is a scatter point's
+// text), a histogram bin is [x, x_hi) with y its count, a heatmap cell is column x, row y with
+// its value; fields that do not apply are empty. method, layer and head are the figure's
+// (Figure::method, layer, head), else the series label names the method; empty when -1.
 std::string figure_csv(const Figure& f);
 
 }  // namespace kvlens::fig

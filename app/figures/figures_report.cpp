@@ -439,6 +439,8 @@ Figure score_histogram_figure(const nlohmann::json& report, int method, int laye
   const std::string name = method_labels(report)[method];
   Figure f = score_histogram_figure(h, "score_histogram_" + method_id(report, method) + "_l" + std::to_string(layer),
                                     "Visual score histogram: " + name + ", layer " + std::to_string(layer) + ", all heads");
+  f.method = name;
+  f.layer = layer;
   // g(x) maps each head's own [γ, δ]; pooled over heads there is no one range to mark.
   if (const auto c = report_calibration(m))
     f.note += "; g(x) per head, τ1 = " + format_value(c->tau1) + ", τ2 = " + format_value(c->tau2);
@@ -485,10 +487,13 @@ Figure transfer_curve_figure(const nlohmann::json& report, int method, int layer
   const J r = layer_at(m, layer).at("visual_score_range_by_head");
   const std::vector<double> g = r.at("gamma").nums(), d = r.at("delta").nums();
   if (g.empty() || d.empty()) throw InputError(r.where + " is empty");
-  return transfer_curve_figure(*std::min_element(g.begin(), g.end()), *std::max_element(d.begin(), d.end()), *c,
-                               "calibration_" + method_id(report, method) + "_l" + std::to_string(layer),
-                               "Calibration g(x): " + method_labels(report)[method] + ", layer " + std::to_string(layer) +
-                                   ", all heads");
+  Figure f = transfer_curve_figure(*std::min_element(g.begin(), g.end()), *std::max_element(d.begin(), d.end()), *c,
+                                   "calibration_" + method_id(report, method) + "_l" + std::to_string(layer),
+                                   "Calibration g(x): " + method_labels(report)[method] + ", layer " +
+                                       std::to_string(layer) + ", all heads");
+  f.method = method_labels(report)[method];
+  f.layer = layer;
+  return f;
 }
 
 bool has_attention(const nlohmann::json& report) { return report.is_object() && report.contains("attention"); }
@@ -532,6 +537,8 @@ Figure attention_heatmap_figure(const nlohmann::json& report, int layer, int met
   s.z_max = std::max(zmax, 1e-3);
   Figure f;
   f.id = "attention_" + (method >= 0 ? method_id(report, method) + "_" : std::string()) + "l" + std::to_string(layer);
+  f.method = method >= 0 ? method_labels(report)[method] : "full";
+  f.layer = layer;
   f.title = "Attention, layer " + std::to_string(layer) + ": " + who + " (mean over heads)";
   f.note = "rows: prompt queries, then the first " + std::to_string(S) + " generated tokens" +
            (method >= 0 ? " decoded by this method" : "");
@@ -586,6 +593,8 @@ Figure token_fate_figure(const nlohmann::json& report, int method, int layer, co
   s.z_max = field == "kept" ? 1.0 : field == "bits" ? std::max(zmax, 1.0) : std::max(zmax, 1.0);
   Figure f;
   f.id = "token_fate_" + field + "_" + method_id(report, method) + "_l" + std::to_string(layer);
+  f.method = method_labels(report)[method];
+  f.layer = layer;
   const char* what = field == "kept" ? "share of KV heads keeping each patch"
                      : field == "bits" ? "mean bits of each patch's kept rows"
                                        : "mean evicted rows merged into each patch";

@@ -59,6 +59,11 @@ const CalibrationView& App::calibration_view() {
     cv.histogram.note += "; g(x) per head, τ1 = " + fig::format_value(calib->tau1) + ", τ2 = " + fig::format_value(calib->tau2);
   cv.has_transfer = calib.has_value() && d > g;
   if (cv.has_transfer) cv.transfer = fig::transfer_curve_figure(g, d, *calib, "calibration_transfer" + tag, "g(x): " + where);
+  for (fig::Figure* f : {&cv.histogram, &cv.transfer}) {
+    f->method = display_name(*m);
+    f->layer = v.layer;
+    f->head = head;
+  }
   return cv;
 }
 

@@ -309,11 +309,70 @@ TEST(Figures, BrokenReportIsRefusedNamingTheKey) {
   EXPECT_THROW(score_histogram_figure(report(), 7, 0), InputError);
 }
 
-TEST(Figures, CsvHoldsEveryPoint) {
-  const Figure f = layer_metric_figure(report(), LayerMetric::SoftmaxKl);
-  const std::string csv = figure_csv(f);
-  size_t lines = std::count(csv.begin(), csv.end(), '\n');
-  // title + per series (header, column names, one row per layer)
-  EXPECT_EQ(lines, 1 + f.series.size() * (2 + static_cast<size_t>(layer_count(report()))));
-  EXPECT_NE(csv.find("# line: " + method_labels(report())[0]), std::string::npos);
+// A figure's data is one tidy table that Python's csv module reads as is: one header, then one
+// row per plotted point with every column, the figure, series and kind named, the point's numbers
+// as plotted (summed per column here), and the figure's method / layer / head on every row. Lines,
+// a scatter with labels (one with a comma and a quote), a histogram's bins and a heatmap's cells.
+TEST(Figures, CsvIsOneTidyTableThatPythonReads) {
+  const auto& r = report();
+  std::vector<Figure> figs = {layer_metric_figure(r, LayerMetric::SoftmaxKl), bytes_vs_agreement_figure(r),
+                              score_histogram_figure(r, 0, 1), attention_heatmap_figure(r, 1, 2)};
+  ASSERT_EQ(figs[1].series.at(1).kind, SeriesKind::Scatter);
+  figs[1].series[1].point_labels = {"a, \"quoted\" label"};
+  const std::string dir = kt::make_temp_dir("figcsv");
+  for (const Figure& f : figs) {
+    SCOPED_TRACE(f.id);
+    size_t points = 0;
+    double sx = 0, sy = 0, sv = 0, shi = 0;
+    for (const Series& s : f.series) {
+      if (s.kind == SeriesKind::Heatmap) {
+        points += static_cast<size_t>(s.rows) * s.cols;
+        for (int rr = 0; rr < s.rows; ++rr)
+          for (int c = 0; c < s.cols; ++c) sx += c, sy += rr, sv += s.z[static_cast<size_t>(rr) * s.cols + c];
+      } else if (s.kind == SeriesKind::StepHistogram) {
+        for (size_t i = 0; i + 1 < s.x.size() && i < s.y.size(); ++i) ++points, sx += s.x[i], shi += s.x[i + 1], sy += s.y[i];
+      } else {
+        for (size_t i = 0; i < s.x.size() && i < s.y.size(); ++i) ++points, sx += s.x[i], sy += s.y[i];
+      }
+    }
+    ASSERT_GT(points, 0u);
+    const std::string path = dir + "/" + f.id + ".csv";
+    kt::write_file(path, figure_csv(f));
+    const std::string py =
+        "import csv,json,sys\n"
+        "rows=list(csv.reader(open(sys.argv[1],newline='')))\n"
+        "h=rows[0]; b=rows[1:]\n"
+        "col=lambda n:[r[h.index(n)] for r in b]\n"
+        "s=lambda n:sum(float(x) for x in col(n) if x)\n"
+        "print(json.dumps({'header':h,'n':len(b),'widths':sorted(set(len(r) for r in b)),'figure':sorted(set(col('figure'))),"
+        "'method':sorted(set(col('method'))),'layer':sorted(set(col('layer'))),'head':sorted(set(col('head'))),"
+        "'labels':sorted(set(col('label'))),'x':s('x'),'y':s('y'),'value':s('value'),'x_hi':s('x_hi')}))\n";
+    kt::write_file(dir + "/read.py", py);
+    const kt::RunResult res = kt::run("python3 " + dir + "/read.py " + path);
+    ASSERT_EQ(res.code, 0) << res.output;
+    const nlohmann::json j = nlohmann::json::parse(res.output);
+    EXPECT_EQ(j["header"], nlohmann::json::parse(R"(["figure","series","kind","x","x_hi","y","value","label","method","layer","head"])"));
+    EXPECT_EQ(j["n"].get<size_t>(), points);
+    EXPECT_EQ(j["widths"], nlohmann::json::parse("[11]"));
+    EXPECT_EQ(j["figure"], nlohmann::json::array({f.id}));
+    EXPECT_EQ(j["method"], nlohmann::json::array({f.method}));
+    EXPECT_EQ(j["layer"], nlohmann::json::array({f.layer >= 0 ? std::to_string(f.layer) : ""}));
+    EXPECT_EQ(j["head"], nlohmann::json::array({f.head >= 0 ? std::to_string(f.head) : ""}));
+    // %.9g keeps 9 digits of each value: sums agree to that share of their magnitude.
+    auto near = [&](const char* k, double want) {
+      EXPECT_NEAR(j[k].get<double>(), want, 1e-8 * std::max(1.0, std::abs(want)) * static_cast<double>(points)) << k;
+    };
+    near("x", sx);
+    near("y", sy);
+    near("value", sv);
+    near("x_hi", shi);
+    if (f.id == figs[1].id) EXPECT_NE(j["labels"].dump().find(R"(a, \"quoted\" label)"), std::string::npos) << j["labels"];
+  }
+  // The figures that show one method and layer say which.
+  EXPECT_FALSE(figs[2].method.empty());
+  EXPECT_EQ(figs[2].layer, 1);
+  EXPECT_EQ(figs[3].layer, 1);
+  EXPECT_EQ(figs[3].method, method_labels(r)[2]);
+  const std::string scatter = figure_csv(figs[1]);
+  EXPECT_NE(scatter.find("\"a, \"\"quoted\"\" label\""), std::string::npos) << scatter;
 }
