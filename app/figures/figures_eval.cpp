@@ -10,7 +10,7 @@ namespace kvlens::fig {
 
 namespace {
 
-std::string slug(const std::string& s) {
+std::string metric_slug(const std::string& s) {
   std::string out;
   for (char c : s) out += std::isalnum(static_cast<unsigned char>(c)) ? static_cast<char>(std::tolower(c)) : '_';
   return out;
@@ -91,7 +91,7 @@ std::vector<Figure> sweep_figures(const std::vector<SweepAxis>& axes, const Eval
       for (double x : a.numbers) numeric = numeric && std::isfinite(x);
       if (!numeric) continue;
       Figure f;
-      f.id = "sweep_" + slug(metric) + "_vs_" + slug(a.name);
+      f.id = "sweep_" + metric_slug(metric) + "_vs_" + metric_slug(a.name);
       f.title = metric + " against " + a.name;
       f.note = note;
       f.x.label = a.name;
@@ -129,7 +129,7 @@ std::vector<Figure> sweep_figures(const std::vector<SweepAxis>& axes, const Eval
     }
   // Metric against KV bytes: every grid point, labelled.
   Figure f;
-  f.id = "sweep_" + slug(metric) + "_vs_kv_bytes";
+  f.id = "sweep_" + metric_slug(metric) + "_vs_kv_bytes";
   f.title = metric + " against KV cache bytes";
   f.note = note + "; KV bytes: mean over images after compression";
   f.x.label = "KV bytes";
@@ -195,7 +195,7 @@ Figure calibration_heatmap(const std::vector<double>& taus, const EvalTable& t, 
   h.z_min = std::isfinite(lo) ? lo : 0;
   h.z_max = std::isfinite(hi) && hi > lo ? hi : h.z_min + 1;
   Figure f;
-  f.id = "calibration_" + slug(metric);
+  f.id = "calibration_" + metric_slug(metric);
   f.title = metric + " over the τ1/τ2 grid";
   f.note = std::to_string(t.images) + " images; the best pair marked";
   f.colorbar = metric;

@@ -78,17 +78,6 @@ J layer_at(const J& method, int l) {
   return ls.at(static_cast<size_t>(l));
 }
 
-// "calibquant:bits=1" → "calibquant_bits_1" (file name safe).
-std::string slug(const std::string& s) {
-  std::string o;
-  for (char c : s) {
-    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '-';
-    if (ok) o += c;
-    else if (!o.empty() && o.back() != '_') o += '_';
-  }
-  while (!o.empty() && o.back() == '_') o.pop_back();
-  return o.substr(0, 60);
-}
 
 std::string method_id(const nlohmann::json& r, int m) {
   return "m" + std::to_string(m) + "_" + slug(method_labels(r)[m]);
@@ -154,6 +143,17 @@ std::optional<Calibration> report_calibration(const J& method) {
 }
 
 }  // namespace
+
+std::string slug(const std::string& s) {
+  std::string o;
+  for (char c : s) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '-';
+    if (ok) o += c;
+    else if (!o.empty() && o.back() != '_') o += '_';
+  }
+  while (!o.empty() && o.back() == '_') o.pop_back();
+  return o.substr(0, 60);
+}
 
 size_t method_count(const nlohmann::json& report) { return root(report).at("methods").size(); }
 

@@ -23,6 +23,9 @@ std::vector<Figure> report_figures(const nlohmann::json& report);
 // names get " #2", " #3".
 std::vector<std::string> method_labels(const nlohmann::json& report);
 size_t method_count(const nlohmann::json& report);
+// A label as part of a file name: "calibquant:bits=1" → "calibquant_bits_1" (letters, digits,
+// '.' and '-' kept, runs of anything else one '_', at most 60 characters).
+std::string slug(const std::string& label);
 int layer_count(const nlohmann::json& report);
 
 enum class LayerMetric { SoftmaxMse, SoftmaxKl, OutputError, SparsityDecode };

@@ -52,7 +52,9 @@ const CalibrationView& App::calibration_view() {
   cv.delta = d;
   const std::string where = display_name(*m) + ", layer " + std::to_string(v.layer) + ", " +
                             (head < 0 ? std::string("all heads") : "head " + std::to_string(head));
-  const std::string tag = "_l" + std::to_string(v.layer) + (head < 0 ? "" : "_h" + std::to_string(head));
+  // File names carry the method, layer and head, so exports of other views do not overwrite them.
+  const std::string tag = "_" + fig::slug(display_name(*m)) + "_l" + std::to_string(v.layer) +
+                          (head < 0 ? "" : "_h" + std::to_string(head));
   cv.histogram = fig::score_histogram_figure(h, "calibration_histogram" + tag, "Visual scores: " + where,
                                              head >= 0 ? calib : std::nullopt, g, d);
   if (head < 0 && calib)

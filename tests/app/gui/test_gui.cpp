@@ -5,6 +5,8 @@
 // becomes a message while the app keeps running and nothing is lost.
 #include <gtest/gtest.h>
 
+#include <filesystem>
+
 #include <sys/wait.h>
 
 #include <chrono>
@@ -152,9 +154,26 @@ TEST(Gui, ScriptedSessionScreenshotsExportsAndLiveCalibration) {
   for (int i = 1; i < 4; ++i) EXPECT_EQ(after["results"][i]["mean_softmax_mse"], before["results"][i]["mean_softmax_mse"]);
   EXPECT_TRUE(after["up_to_date"].get<bool>());
 
-  // Exports: the figures on screen (plot, histogram, transfer curve) in every format.
+  // Exports: the figures on screen (plot, histogram, transfer curve) in every format; the
+  // calibration figures' names carry the method, layer and head.
+  auto exported = [&](const std::string& prefix, const std::string& suffix) {
+    std::vector<std::string> ids;
+    for (const auto& e : std::filesystem::directory_iterator(dir + "/figs")) {
+      const std::string n = e.path().filename().string();
+      if (n.size() > prefix.size() + suffix.size() + 4 && n.rfind(prefix, 0) == 0 &&
+          n.compare(n.size() - suffix.size() - 4, suffix.size() + 4, suffix + ".png") == 0)
+        ids.push_back(n.substr(0, n.size() - 4));
+    }
+    return ids;
+  };
+  const std::vector<std::string> hist_ids = exported("calibration_histogram_", "_l1_h2"),
+                                 transfer_ids = exported("calibration_transfer_", "_l1_h2");
+  ASSERT_EQ(hist_ids.size(), 1u) << "one histogram of the selected method, layer 1, head 2";
+  ASSERT_EQ(transfer_ids.size(), 1u);
+  EXPECT_EQ(hist_ids[0].substr(std::string("calibration_histogram_").size()),
+            transfer_ids[0].substr(std::string("calibration_transfer_").size()));
   int pngs = 0;
-  for (const char* id : {"softmax_mse_by_layer", "calibration_histogram_l1_h2", "calibration_transfer_l1_h2"}) {
+  for (const std::string& id : {std::string("softmax_mse_by_layer"), hist_ids[0], transfer_ids[0]}) {
     const std::string base = dir + "/figs/" + id;
     const RGBImage png = kvlens::load_image(base + ".png");
     EXPECT_GT(png.width, 100) << id;
