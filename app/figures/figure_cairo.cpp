@@ -1,7 +1,6 @@
 #include "app/figures/figure_cairo.h"
 
 #include <cairo-pdf.h>
-#include <cairo-svg.h>
 #include <cairo.h>
 #include <sys/stat.h>
 
@@ -12,6 +11,7 @@
 
 #include "core/errors.h"
 #include "core/files.h"
+#include "app/figures/figure_svg.h"
 
 namespace kvlens::app {
 
@@ -19,7 +19,7 @@ namespace {
 
 using fig::Prim;
 
-const char* kFont = "DejaVu Sans";
+const char* kFont = fig::kFigureFont;
 
 cairo_status_t append(void* closure, const unsigned char* data, unsigned int n) {
   static_cast<std::string*>(closure)->append(reinterpret_cast<const char*>(data), n);
@@ -179,6 +179,8 @@ double cairo_text_width(const std::string& text, double size) {
 
 std::string render_figure(const fig::Figure& f, FigureFormat format, double width, double height, double png_scale) {
   const fig::Frame frame = fig::draw(f, width, height, cairo_text_width);
+  // SVG element by element (text as <text>), laid out with Cairo's text measures.
+  if (format == FigureFormat::Svg) return fig::svg_document(frame);
   std::string out;
   cairo_surface_t* surface = nullptr;
   switch (format) {
@@ -187,8 +189,7 @@ std::string render_figure(const fig::Figure& f, FigureFormat format, double widt
                                            static_cast<int>(std::lround(height * png_scale)));
       break;
     case FigureFormat::Svg:
-      surface = cairo_svg_surface_create_for_stream(append, &out, width, height);
-      break;
+      break;  // written above
     case FigureFormat::Pdf:
       surface = cairo_pdf_surface_create_for_stream(append, &out, width, height);
       break;

@@ -284,6 +284,18 @@ std::string encode_png(const RGBImage& img) {
   return out;
 }
 
+std::string encode_png_rgba(int w, int h, const uint8_t* rgba) {
+  if (w <= 0 || h <= 0 || !rgba || static_cast<int64_t>(w) * h > kMaxImagePixels)
+    throw InternalError("encode_png_rgba: " + std::to_string(w) + "x" + std::to_string(h) + " pixels");
+  std::string out;
+  auto sink = [](void* ctx, void* data, int size) {
+    static_cast<std::string*>(ctx)->append(static_cast<const char*>(data), static_cast<size_t>(size));
+  };
+  if (!stbi_write_png_to_func(sink, &out, w, h, 4, rgba, w * 4))
+    throw InternalError("stb_image_write could not encode a " + std::to_string(w) + "x" + std::to_string(h) + " RGBA PNG");
+  return out;
+}
+
 void write_png(const std::string& path, const RGBImage& img) {
   check_image(img, ("write_png " + path).c_str());
   write_file_atomic(path, encode_png(img), "PNG image");

@@ -37,6 +37,8 @@ RGBImage decode_image(const uint8_t* bytes, size_t n, const std::string& name,
 void check_image(const RGBImage& img, const char* what);
 // PNG bytes of `img` (stb_image_write), and the same written through the atomic writer.
 std::string encode_png(const RGBImage& img);
+// PNG bytes of w × h RGBA pixels (rgba: [h][w][4], not premultiplied).
+std::string encode_png_rgba(int w, int h, const uint8_t* rgba);
 void write_png(const std::string& path, const RGBImage& img);  // throws InputError
 
 }  // namespace kvlens

@@ -89,10 +89,33 @@ TEST(FigureExport, SvgParsesAsXml) {
     std::string root;
     int elements = 0;
   } st;
-  XML_SetUserData(p, &st);
-  XML_SetStartElementHandler(p, [](void* u, const XML_Char* name, const XML_Char**) {
-    auto* s = static_cast<State*>(u);
-    if (s->elements++ == 0) s->root = name;
+  struct Text {
+    std::string font, content;
+    bool in_text = false;
+  };
+  struct Parse {
+    State* st;
+    std::vector<Text> texts;
+  } parse{&st, {}};
+  XML_SetUserData(p, &parse);
+  XML_SetStartElementHandler(p, [](void* u, const XML_Char* name, const XML_Char** attrs) {
+    auto* s = static_cast<Parse*>(u);
+    if (s->st->elements++ == 0) s->st->root = name;
+    if (std::string(name) == "text") {
+      Text t;
+      t.in_text = true;
+      for (int i = 0; attrs[i]; i += 2)
+        if (std::string(attrs[i]) == "font-family") t.font = attrs[i + 1];
+      s->texts.push_back(t);
+    }
+  });
+  XML_SetEndElementHandler(p, [](void* u, const XML_Char* name) {
+    auto* s = static_cast<Parse*>(u);
+    if (std::string(name) == "text") s->texts.back().in_text = false;
+  });
+  XML_SetCharacterDataHandler(p, [](void* u, const XML_Char* c, int len) {
+    auto* s = static_cast<Parse*>(u);
+    if (!s->texts.empty() && s->texts.back().in_text) s->texts.back().content.append(c, static_cast<size_t>(len));
   });
   const bool ok = XML_Parse(p, svg.data(), static_cast<int>(svg.size()), 1) == XML_STATUS_OK;
   EXPECT_TRUE(ok) << XML_ErrorString(XML_GetErrorCode(p)) << " at line " << XML_GetCurrentLineNumber(p);
@@ -100,6 +123,14 @@ TEST(FigureExport, SvgParsesAsXml) {
   EXPECT_EQ(st.root, "svg");
   EXPECT_GT(st.elements, 20);
   EXPECT_NE(svg.find("width=\"400pt\""), std::string::npos);
+  // Text is text, in the named font: the title, axis labels and legend entry are searchable.
+  std::set<std::string> words;
+  for (const Text& t : parse.texts) {
+    EXPECT_EQ(t.font, "DejaVu Sans") << t.content;
+    words.insert(t.content);
+  }
+  for (const char* w : {"τ1, τ2 and γ(l)", "layer", "value", "red line"}) EXPECT_EQ(words.count(w), 1u) << w;
+  EXPECT_EQ(svg.find("glyph"), std::string::npos) << "text drawn as glyph outlines";
   // A truncated SVG is not XML: the check can fail.
   XML_Parser bad = XML_ParserCreate(nullptr);
   EXPECT_NE(XML_Parse(bad, svg.data(), static_cast<int>(svg.size() / 2), 1), XML_STATUS_OK);

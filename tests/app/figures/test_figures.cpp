@@ -9,6 +9,8 @@
 #include "core/errors.h"
 #include "app/figures/figures.h"
 #include "app/figures/figures_report.h"
+#include "app/figures/figure_svg.h"
+#include "core/data/image.h"
 #include "app/lab/experiment.h"
 #include "tests/test_util.h"
 
@@ -375,4 +377,80 @@ TEST(Figures, CsvIsOneTidyTableThatPythonReads) {
   EXPECT_EQ(figs[3].method, method_labels(r)[2]);
   const std::string scatter = figure_csv(figs[1]);
   EXPECT_NE(scatter.find("\"a, \"\"quoted\"\" label\""), std::string::npos) << scatter;
+}
+
+// The SVG writer, one primitive of each kind: shapes with their colours and opacities, text as
+// escaped <text> anchored as the raster renderer anchors it (a vertical label rotated about its
+// baseline point), an image as an embedded PNG of its pixels, clips opened and closed in pairs.
+TEST(Figures, SvgWritesEachPrimitiveAsAnElement) {
+  Frame fr;
+  fr.width = 300;
+  fr.height = 200;
+  auto prim = [&](Prim::Type t) {
+    Prim p;
+    p.type = t;
+    p.color = Color{1, 0, 0, 0.5f};
+    fr.prims.push_back(p);
+    return &fr.prims.back();
+  };
+  prim(Prim::Type::Clip)->rect = Rect{10, 10, 290, 190};
+  Prim* line = prim(Prim::Type::Polyline);
+  line->pts = {{10, 20}, {30, 40}, {50, 20}};
+  line->dashed = true;
+  line->width = 2;
+  prim(Prim::Type::FillRect)->rect = Rect{1, 2, 11, 22};
+  Prim* dot = prim(Prim::Type::Circle);
+  dot->pts = {{7, 8}};
+  dot->width = 3;
+  Prim* img = prim(Prim::Type::Image);
+  img->rect = Rect{0, 0, 100, 50};
+  img->image_w = 2;
+  img->image_h = 1;
+  img->rgba = {255, 0, 0, 255, 0, 0, 255, 128};
+  prim(Prim::Type::Unclip);
+  Prim* label = prim(Prim::Type::Text);
+  label->text = "a < b & \"c\"";
+  label->pts = {{100, 200}};
+  label->size = 10;
+  label->valign = -1;
+  label->halign = 0;
+  label->vertical = true;
+  const std::string svg = svg_document(fr);
+  EXPECT_NE(svg.find("width=\"300pt\" height=\"200pt\" viewBox=\"0 0 300 200\""), std::string::npos) << svg;
+  EXPECT_NE(svg.find("<polyline fill=\"none\" stroke=\"rgb(255,0,0)\" stroke-opacity=\"0.5\" stroke-width=\"2\" "
+                     "stroke-linejoin=\"round\" stroke-dasharray=\"5,3.5\" points=\"10,20 30,40 50,20\"/>"),
+            std::string::npos) << svg;
+  EXPECT_NE(svg.find("<rect x=\"1\" y=\"2\" width=\"10\" height=\"20\" fill=\"rgb(255,0,0)\" fill-opacity=\"0.5\"/>"),
+            std::string::npos) << svg;
+  EXPECT_NE(svg.find("<circle cx=\"7\" cy=\"8\" r=\"3\""), std::string::npos) << svg;
+  // Top-aligned vertical text: the baseline sits the font's ascent (1901/2048 em) right of the anchor.
+  const std::string x = "109.282";
+  EXPECT_NE(svg.find("<text x=\"" + x + "\" y=\"200\" font-family=\"DejaVu Sans\" font-size=\"10\" text-anchor=\"middle\""),
+            std::string::npos) << svg;
+  EXPECT_NE(svg.find("transform=\"rotate(-90 " + x + " 200)\">a &lt; b &amp; &quot;c&quot;</text>"), std::string::npos) << svg;
+  size_t opens = 0, closes = 0;
+  for (size_t at = svg.find("<g clip-path"); at != std::string::npos; at = svg.find("<g clip-path", at + 1)) ++opens;
+  for (size_t at = svg.find("</g>"); at != std::string::npos; at = svg.find("</g>", at + 1)) ++closes;
+  EXPECT_EQ(opens, 1u);
+  EXPECT_EQ(closes, 1u);
+  EXPECT_LT(svg.find("</g>"), svg.find("<text")) << "the text is outside the clip";
+  // The image: a PNG of its 2 × 1 pixels.
+  const std::string tag = "href=\"data:image/png;base64,";
+  const size_t at = svg.find(tag);
+  ASSERT_NE(at, std::string::npos) << svg;
+  const std::string b64 = svg.substr(at + tag.size(), svg.find('"', at + tag.size()) - at - tag.size());
+  std::string bytes;
+  uint32_t acc = 0;
+  int bits = 0;
+  for (char c : b64) {
+    if (c == '=') break;
+    const std::string alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    acc = (acc << 6) | static_cast<uint32_t>(alphabet.find(c));
+    bits += 6;
+    if (bits >= 8) bits -= 8, bytes += static_cast<char>((acc >> bits) & 0xff);
+  }
+  const RGBImage png = decode_image(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), "embedded");
+  ASSERT_EQ(png.width, 2);
+  ASSERT_EQ(png.height, 1);
+  EXPECT_EQ(png.data, (std::vector<uint8_t>{255, 0, 0, 0, 0, 255}));
 }
