@@ -64,8 +64,9 @@ inline void check_captured_attention(const Model& m, const RGBImage& img, const 
         EXPECT_TRUE(sums == want_sums) << what << ": layer " << l << " column sums, rows " << r.key();
         EXPECT_EQ(below, want_below) << what << ": layer " << l << " entries below, rows " << r.key();
       }
-  if (m.backend().name() == "cuda")
+  if (m.backend().name() == "cuda") {
     EXPECT_EQ(a.cached_bytes(), 0) << what << ": the device's reductions held a layer's probabilities on the host";
+  }
   {
     AttentionReduction bad;
     std::vector<double> sums(static_cast<size_t>(f.n_heads) * T);

@@ -30,19 +30,49 @@ std::string fmt(const char* f, double v) {
 }
 
 // Tick label for v on a linear axis with ticks `step` apart.
-std::string tick_label(double v, double step) {
+// A label's minus signs as the formulas print them (U+2212), not hyphens.
+std::string with_minus_signs(const std::string& s) {
+  std::string o;
+  for (char c : s) o += c == '-' ? std::string("\u2212") : std::string(1, c);
+  return o;
+}
+
+// "1.0e-04" → "1.0e−4": the exponent without its padding zeros or plus sign.
+std::string short_exponent(const std::string& s) {
+  const size_t e = s.find('e');
+  if (e == std::string::npos) return s;
+  std::string mant = s.substr(0, e), exp = s.substr(e + 1);
+  const bool neg = !exp.empty() && exp[0] == '-';
+  if (!exp.empty() && (exp[0] == '-' || exp[0] == '+')) exp = exp.substr(1);
+  while (exp.size() > 1 && exp[0] == '0') exp = exp.substr(1);
+  return mant + "e" + (neg ? "-" : "") + exp;
+}
+
+// One linear tick: fixed decimals enough for the step, or (sci, for an axis of tiny or huge
+// values) scientific notation with the mantissa digits the step needs.
+std::string tick_label(double v, double step, bool sci) {
   if (std::abs(v) < step * 1e-9) v = 0;
-  const double a = std::max(std::abs(v), step);
-  if (a >= 1e5 || (a < 1e-3 && v != 0)) return fmt("%.3g", v);
+  if (sci) {
+    if (v == 0) return "0";
+    const int d = std::clamp(static_cast<int>(std::floor(std::log10(std::abs(v)) + 1e-9) - std::floor(std::log10(step) + 1e-9)), 0, 6);
+    char f[16];
+    std::snprintf(f, sizeof f, "%%.%de", d);
+    return short_exponent(fmt(f, v));
+  }
   const int decimals = std::max(0, static_cast<int>(-std::floor(std::log10(step) + 1e-9)));
   char f[16];
   std::snprintf(f, sizeof f, "%%.%df", std::min(decimals, 6));
   return fmt(f, v);
 }
 
-std::string log_label(int e) {
-  if (e >= -3 && e <= 4) return tick_label(std::pow(10.0, e), std::pow(10.0, std::min(e, 0)));
-  return "1e" + std::to_string(e);
+// 10^e as "10" with a superscript exponent ("10⁻⁴").
+std::string power_of_ten(int e) {
+  static const char* digits[] = {"\u2070", "\u00b9", "\u00b2", "\u00b3", "\u2074",
+                                 "\u2075", "\u2076", "\u2077", "\u2078", "\u2079"};
+  std::string o = "10";
+  if (e < 0) o += "\u207b";
+  for (char c : std::to_string(std::abs(e))) o += digits[c - '0'];
+  return o;
 }
 
 Prim text(double x, double y, const std::string& s, double size, int ha, int va, Color c = kInk, bool vertical = false) {
@@ -160,8 +190,12 @@ std::vector<Tick> nice_ticks(double lo, double hi, int target, bool log) {
     lo = lo > 0 ? lo : hi * 1e-6;
     const int e0 = static_cast<int>(std::ceil(std::log10(lo) - 1e-9)), e1 = static_cast<int>(std::floor(std::log10(hi) + 1e-9));
     const int every = std::max(1, (e1 - e0 + 1 + target - 1) / target);
+    // One notation for the whole axis: decimals while every decade is between 0.001 and
+    // 10000, else powers of ten.
+    const bool powers = e0 < -3 || e1 > 4;
     for (int e = e0; e <= e1; ++e)
-      if ((e - e0) % every == 0) t.push_back({std::pow(10.0, e), log_label(e)});
+      if ((e - e0) % every == 0)
+        t.push_back({std::pow(10.0, e), powers ? power_of_ten(e) : tick_label(std::pow(10.0, e), std::pow(10.0, std::min(e, 0)), false)});
     if (t.size() < 2) {  // less than a decade: fall back to round numbers on the range
       t.clear();
       for (const Tick& k : nice_ticks(lo, hi, target, false))
@@ -170,12 +204,18 @@ std::vector<Tick> nice_ticks(double lo, double hi, int target, bool log) {
     return t;
   }
   if (hi - lo < 1e-300) {
-    t.push_back({lo, format_value(lo)});
+    t.push_back({lo, with_minus_signs(format_value(lo))});
     return t;
   }
   const double raw = (hi - lo) / target, mag = std::pow(10.0, std::floor(std::log10(raw))), n = raw / mag;
   const double step = (n < 1.5 ? 1 : n < 3 ? 2 : n < 7 ? 5 : 10) * mag;
-  for (double v = std::ceil(lo / step - 1e-9) * step; v <= hi + step * 1e-9; v += step) t.push_back({v, tick_label(v, step)});
+  for (double v = std::ceil(lo / step - 1e-9) * step; v <= hi + step * 1e-9; v += step) t.push_back({v, ""});
+  // One notation for the whole axis: scientific when its values are all below 0.001 or reach
+  // 100000, else fixed decimals.
+  double biggest = 0;
+  for (const Tick& k : t) biggest = std::max(biggest, std::abs(k.value));
+  const bool sci = biggest >= 1e5 || (biggest > 0 && biggest < 1e-3);
+  for (Tick& k : t) k.label = with_minus_signs(tick_label(k.value, step, sci));
   return t;
 }
 

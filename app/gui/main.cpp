@@ -53,10 +53,11 @@ int run_cli_demo(const char* why) {
   return 1;
 }
 
-// DejaVu Sans with Latin, Greek (τ, γ, δ, α, β, ψ), punctuation (…, ‖), arrows, math (√, ≤, −),
-// and block elements (SentencePiece's ▁).
+// DejaVu Sans with Latin, Greek (τ, γ, δ, α, β, ψ), punctuation (…, ‖), superscripts (10⁻⁴ on
+// log axes), arrows, math (√, ≤, −), and block elements (SentencePiece's ▁).
 void load_fonts(ImGuiIO& io) {
-  static const ImWchar extra[] = {0x0370, 0x03FF, 0x2000, 0x206F, 0x2190, 0x21FF, 0x2200, 0x22FF, 0x2580, 0x259F, 0};
+  static const ImWchar extra[] = {0x0370, 0x03FF, 0x2000, 0x206F, 0x2070, 0x209F, 0x2190, 0x21FF,
+                                  0x2200, 0x22FF, 0x2580, 0x259F, 0};
   ImFontGlyphRangesBuilder b;
   b.AddRanges(io.Fonts->GetGlyphRangesDefault());
   b.AddRanges(extra);

@@ -427,8 +427,11 @@ TEST(CudaModel, ObservedStepsEndWhereTheObserversStop) {
         ASSERT_NE(ref, nullptr);
         EXPECT_EQ(e.probs, ref->probs);
         EXPECT_EQ(e.key_pos, ref->key_pos);
-        if (rec->keeps_rows()) EXPECT_EQ(e.k, ref->k);
-        else EXPECT_TRUE(e.k.empty());
+        if (rec->keeps_rows()) {
+          EXPECT_EQ(e.k, ref->k);
+        } else {
+          EXPECT_TRUE(e.k.empty());
+        }
       }
   }
 }

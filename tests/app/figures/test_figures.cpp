@@ -283,10 +283,26 @@ TEST(Figures, TicksAreRoundAndInsideTheRange) {
     EXPECT_LE(k.value, 0.87 + 1e-12);
   }
   EXPECT_EQ(t[0].label, "0.2");
+  // One notation per axis: a log axis beyond [0.001, 10000] in powers of ten throughout,
+  // within it in decimals; a linear axis of tiny values in scientific notation throughout; minus
+  // signs as formulas print them.
   const auto lg = nice_ticks(2e-6, 3e-2, 6, true);
   ASSERT_EQ(lg.size(), 4u);  // 1e-5 … 1e-2
-  EXPECT_EQ(lg.front().label, "1e-5");
-  EXPECT_EQ(lg.back().label, "0.01");
+  std::vector<std::string> labels;
+  for (const Tick& k : lg) labels.push_back(k.label);
+  EXPECT_EQ(labels, (std::vector<std::string>{"10⁻⁵", "10⁻⁴", "10⁻³", "10⁻²"}));
+  labels.clear();
+  for (const Tick& k : nice_ticks(1e-3, 20, 8, true)) labels.push_back(k.label);
+  EXPECT_EQ(labels, (std::vector<std::string>{"0.001", "0.01", "0.1", "1", "10"}));
+  labels.clear();
+  for (const Tick& k : nice_ticks(0, 1e-4, 5, false)) labels.push_back(k.label);
+  EXPECT_EQ(labels, (std::vector<std::string>{"0", "2e−5", "4e−5", "6e−5", "8e−5", "1.0e−4"}));
+  labels.clear();
+  for (const Tick& k : nice_ticks(-1, 1, 4, false)) labels.push_back(k.label);
+  EXPECT_EQ(labels, (std::vector<std::string>{"−1.0", "−0.5", "0.0", "0.5", "1.0"}));
+  labels.clear();
+  for (const Tick& k : nice_ticks(0, 3e5, 3, false)) labels.push_back(k.label);
+  EXPECT_EQ(labels, (std::vector<std::string>{"0", "1e5", "2e5", "3e5"}));
   EXPECT_EQ(format_value(3), "3");
   EXPECT_EQ(format_value(0.000123456), "0.0001235");
 }
@@ -326,26 +342,28 @@ TEST(Figures, CsvIsOneTidyTableThatPythonReads) {
     SCOPED_TRACE(f.id);
     size_t points = 0;
     double sx = 0, sy = 0, sv = 0, shi = 0;
+    auto fin = [](double v) { return std::isfinite(v) ? v : 0.0; };  // unplotted cells (NaN) are not summed
     for (const Series& s : f.series) {
       if (s.kind == SeriesKind::Heatmap) {
         points += static_cast<size_t>(s.rows) * s.cols;
         for (int rr = 0; rr < s.rows; ++rr)
-          for (int c = 0; c < s.cols; ++c) sx += c, sy += rr, sv += s.z[static_cast<size_t>(rr) * s.cols + c];
+          for (int c = 0; c < s.cols; ++c) sx += c, sy += rr, sv += fin(s.z[static_cast<size_t>(rr) * s.cols + c]);
       } else if (s.kind == SeriesKind::StepHistogram) {
-        for (size_t i = 0; i + 1 < s.x.size() && i < s.y.size(); ++i) ++points, sx += s.x[i], shi += s.x[i + 1], sy += s.y[i];
+        for (size_t i = 0; i + 1 < s.x.size() && i < s.y.size(); ++i)
+          ++points, sx += fin(s.x[i]), shi += fin(s.x[i + 1]), sy += fin(s.y[i]);
       } else {
-        for (size_t i = 0; i < s.x.size() && i < s.y.size(); ++i) ++points, sx += s.x[i], sy += s.y[i];
+        for (size_t i = 0; i < s.x.size() && i < s.y.size(); ++i) ++points, sx += fin(s.x[i]), sy += fin(s.y[i]);
       }
     }
     ASSERT_GT(points, 0u);
     const std::string path = dir + "/" + f.id + ".csv";
     kt::write_file(path, figure_csv(f));
     const std::string py =
-        "import csv,json,sys\n"
+        "import csv,json,math,sys\n"
         "rows=list(csv.reader(open(sys.argv[1],newline='')))\n"
         "h=rows[0]; b=rows[1:]\n"
         "col=lambda n:[r[h.index(n)] for r in b]\n"
-        "s=lambda n:sum(float(x) for x in col(n) if x)\n"
+        "s=lambda n:sum(float(x) for x in col(n) if x and math.isfinite(float(x)))\n"
         "print(json.dumps({'header':h,'n':len(b),'widths':sorted(set(len(r) for r in b)),'figure':sorted(set(col('figure'))),"
         "'method':sorted(set(col('method'))),'layer':sorted(set(col('layer'))),'head':sorted(set(col('head'))),"
         "'labels':sorted(set(col('label'))),'x':s('x'),'y':s('y'),'value':s('value'),'x_hi':s('x_hi')}))\n";
@@ -368,7 +386,9 @@ TEST(Figures, CsvIsOneTidyTableThatPythonReads) {
     near("y", sy);
     near("value", sv);
     near("x_hi", shi);
-    if (f.id == figs[1].id) EXPECT_NE(j["labels"].dump().find(R"(a, \"quoted\" label)"), std::string::npos) << j["labels"];
+    if (f.id == figs[1].id) {
+      EXPECT_NE(j["labels"].dump().find(R"(a, \"quoted\" label)"), std::string::npos) << j["labels"];
+    }
   }
   // The figures that show one method and layer say which.
   EXPECT_FALSE(figs[2].method.empty());
