@@ -371,6 +371,7 @@ Frame draw(const Figure& f, double W, double H, const TextWidth& measure, const 
     }
     P.push_back(rect(Prim::Type::FillRect, r, b.color));
   }
+  std::vector<Rect> labels;  // the scatter point labels placed so far
   for (const Series& s : f.series) {
     switch (s.kind) {
       case SeriesKind::Heatmap: {
@@ -443,8 +444,24 @@ Frame draw(const Figure& f, double W, double H, const TextWidth& measure, const 
           if (!valid_on(fr.x, s.x[i]) || !valid_on(fr.y, s.y[i])) continue;
           const double x = fr.px(s.x[i]), y = fr.py(s.y[i]);
           P.push_back(circle(x, y, 4.5, s.color));
-          if (i < s.point_labels.size() && !s.point_labels[i].empty())
-            P.push_back(text(x + 7, y - 2, s.point_labels[i], kLegend - 1, -1, 1, kInk));
+          if (i < s.point_labels.size() && !s.point_labels[i].empty()) {
+            // Right of the point, or left of it where the plot ends; moved up (then down) a
+            // line at a time past the labels already placed, so none covers another.
+            const double size = kLegend - 1, w = measure(s.point_labels[i], size), h = size * 1.25;
+            const bool left = x + 7 + w > pr.x1;
+            const double x0 = left ? x - 7 - w : x + 7;
+            double top = y - 2 - h;
+            for (int k = 1; k <= 12; ++k) {
+              const Rect box{x0, top, x0 + w, top + h};
+              const bool hits = std::any_of(labels.begin(), labels.end(), [&](const Rect& o) {
+                return box.x0 < o.x1 && o.x0 < box.x1 && box.y0 < o.y1 && o.y0 < box.y1;
+              });
+              if (!hits) break;
+              top = y - 2 - h + (k % 2 ? -1 : 1) * ((k + 1) / 2) * h;
+            }
+            labels.push_back(Rect{x0, top, x0 + w, top + h});
+            P.push_back(text(left ? x - 7 : x + 7, top + h, s.point_labels[i], size, left ? 1 : -1, 1, kInk));
+          }
         }
         break;
     }

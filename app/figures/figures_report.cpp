@@ -351,6 +351,21 @@ Figure bytes_vs_agreement_figure(const nlohmann::json& report) {
     pts.push_back({s.x[0], s.y[0]});
     f.series.push_back(s);
   }
+  // Every point named beside it; points at the same place share one label ("a, b"), so a
+  // method hidden under another is still listed.
+  for (size_t i = 0; i < f.series.size(); ++i) {  // the full cache, then the methods
+    Series& a = f.series[i];
+    if (a.point_labels.size() == 1 && a.point_labels[0].empty()) continue;  // already folded into an earlier label
+    std::string label = i == 0 ? "full cache" : a.label;
+    for (size_t j = i + 1; j < f.series.size(); ++j) {
+      Series& b = f.series[j];
+      if (b.x[0] == a.x[0] && b.y[0] == a.y[0]) {
+        label += ", " + b.label;
+        b.point_labels = {""};
+      }
+    }
+    a.point_labels = {label};
+  }
   // Pareto front: fewest bytes for each level of agreement.
   std::sort(pts.begin(), pts.end(), [](const P& a, const P& b) { return a.x < b.x || (a.x == b.x && a.y > b.y); });
   Series front;
