@@ -13,6 +13,7 @@
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/context.h"
 #include "kernels/cuda/kernels.h"
+#include "kernels/cuda/profiler.h"
 
 namespace kvlens::cuda {
 
@@ -86,55 +87,6 @@ struct CudaStep : StepCache {
   ~CudaStep() override {
     if (exec) cudaGraphExecDestroy(exec);
   }
-};
-
-// Per-op timing with CUDA events (KVLENS_CUDA_PROFILE=1): each op records an event before and
-// after its launches; the report sums them per op name.
-class Profiler {
- public:
-  Profiler() : on_(std::getenv("KVLENS_CUDA_PROFILE") != nullptr) {}
-  bool on() const { return on_; }
-  struct Scope {
-    Profiler* p;
-    size_t i;
-    cudaStream_t s;
-    ~Scope() {
-      if (p) cudaEventRecord(p->recs_[i].b, s);
-    }
-  };
-  Scope scope(const char* name, const Context& ctx) {
-    if (!on_ || ctx.replay || ctx.capturing) return {nullptr, 0, nullptr};
-    Rec r;
-    r.name = name;
-    cudaEventCreate(&r.a);
-    cudaEventCreate(&r.b);
-    cudaEventRecord(r.a, ctx.stream);
-    recs_.push_back(r);
-    return {this, recs_.size() - 1, ctx.stream};
-  }
-  std::vector<std::pair<std::string, double>> report() {
-    std::vector<std::pair<std::string, double>> out;
-    for (Rec& r : recs_) {
-      cudaEventSynchronize(r.b);
-      float ms = 0;
-      cudaEventElapsedTime(&ms, r.a, r.b);
-      auto it = std::find_if(out.begin(), out.end(), [&](const auto& x) { return x.first == r.name; });
-      if (it == out.end()) out.push_back({r.name, ms});
-      else it->second += ms;
-      cudaEventDestroy(r.a);
-      cudaEventDestroy(r.b);
-    }
-    recs_.clear();
-    return out;
-  }
-
- private:
-  struct Rec {
-    std::string name;
-    cudaEvent_t a, b;
-  };
-  bool on_;
-  std::vector<Rec> recs_;
 };
 
 class CudaBackend : public Backend {
@@ -481,73 +433,16 @@ class CudaBackend : public Backend {
     if (probs) ctx_->download(probs, s.get(), n * 4, "attention probabilities");
   }
 
+  // The research path's reductions and LOOK-M's assignment: kernels/cuda/research_ops.cu.
   bool attention_reduce(const Buffer& qkv, const AttnLayout& l, const AttentionReduction& r) override {
-    need(qkv.dt == Dt::F32 && l.causal, "attention_reduce: " + qkv.name + " (causal fp32 q/k/v)");
-    r.check(l.T, "attention_reduce: " + qkv.name);
     auto prof_scope = prof_.scope("attention_reduce", *ctx_);
-    const int H = l.n_heads, T = l.T, nq = static_cast<int>(r.queries.size());
-    if (nq == 0 || T == 0) {  // nothing summed or counted
-      if (r.column_sums) std::fill_n(r.column_sums, static_cast<size_t>(H) * T, 0.0);
-      if (r.below) std::fill_n(r.below, H, int64_t{0});
-      return true;
-    }
-    // The probabilities as `attention` captures them, then reduced in place of a copy.
-    const int64_t n = static_cast<int64_t>(H) * T * T;
-    const auto P = ctx_->alloc(n * 4, "attention reduction probabilities");
-    attention_scores(qkv.as<float>(), l, static_cast<float*>(P.get()), ctx_->stream);
-    softmax_rows(static_cast<float*>(P.get()), static_cast<int64_t>(H) * T, T, ctx_->stream);
-    const auto q = ctx_->alloc(static_cast<int64_t>(nq) * 4, "attention reduction query rows");
-    ctx_->upload(q.get(), r.queries.data(), static_cast<int64_t>(nq) * 4, "attention reduction query rows");
-    if (r.column_sums) {
-      const int64_t bytes = static_cast<int64_t>(H) * T * 8;
-      const auto out = ctx_->alloc(bytes, "attention column sums");
-      cuda::attention_column_sums(static_cast<const float*>(P.get()), H, T, static_cast<const int*>(q.get()), nq,
-                                  static_cast<double*>(out.get()), ctx_->stream);
-      ctx_->download(r.column_sums, out.get(), bytes, "attention column sums");
-    }
-    if (r.below) {
-      const int64_t bytes = static_cast<int64_t>(H) * 8;
-      const auto out = ctx_->alloc(bytes, "attention entries below the threshold");
-      KV_CUDA(cudaMemsetAsync(out.get(), 0, bytes, ctx_->stream), "attention entries below the threshold");
-      cuda::attention_below(static_cast<const float*>(P.get()), H, T, static_cast<const int*>(q.get()), nq, r.p,
-                            r.zeros_below, static_cast<unsigned long long*>(out.get()), ctx_->stream);
-      std::vector<unsigned long long> b(static_cast<size_t>(H));
-      ctx_->download(b.data(), out.get(), bytes, "attention entries below the threshold");
-      for (int h = 0; h < H; ++h) r.below[h] = static_cast<int64_t>(b[static_cast<size_t>(h)]);
-    }
+    reduce_prefill_attention(*ctx_, qkv, l, r);
     return true;
   }
   bool cosine_assign(const float* k, int n, int d, const std::vector<int>& keep, std::vector<int>& evicted,
                      std::vector<int>& best, std::vector<double>& sim) override {
-    need(n >= 0 && d > 0 && !keep.empty(), "cosine_assign: rows and kept rows");
     auto prof_scope = prof_.scope("cosine_assign", *ctx_);
-    std::vector<char> kept(static_cast<size_t>(n), 0);
-    for (size_t j = 0; j < keep.size(); ++j) {
-      need(keep[j] >= 0 && keep[j] < n && (j == 0 || keep[j] > keep[j - 1]), "cosine_assign: kept rows ascending below n");
-      kept[static_cast<size_t>(keep[j])] = 1;
-    }
-    evicted.clear();
-    for (int e = 0; e < n; ++e)
-      if (!kept[static_cast<size_t>(e)]) evicted.push_back(e);
-    const int E = static_cast<int>(evicted.size()), K = static_cast<int>(keep.size());
-    best.assign(static_cast<size_t>(E), -1);
-    sim.assign(static_cast<size_t>(E), 0.0);
-    if (E == 0) return true;
-    const int64_t kb = static_cast<int64_t>(n) * d * 4;
-    const auto dk = ctx_->alloc(kb, "LOOK-M keys");
-    const auto dkeep = ctx_->alloc(static_cast<int64_t>(K) * 4, "LOOK-M kept rows");
-    const auto dev = ctx_->alloc(static_cast<int64_t>(E) * 4, "LOOK-M evicted rows");
-    const auto dnorm = ctx_->alloc(static_cast<int64_t>(n) * 8, "LOOK-M key norms");
-    const auto dbest = ctx_->alloc(static_cast<int64_t>(E) * 4, "LOOK-M assignments");
-    const auto dsim = ctx_->alloc(static_cast<int64_t>(E) * 8, "LOOK-M similarities");
-    ctx_->upload(dk.get(), k, kb, "LOOK-M keys");
-    ctx_->upload(dkeep.get(), keep.data(), static_cast<int64_t>(K) * 4, "LOOK-M kept rows");
-    ctx_->upload(dev.get(), evicted.data(), static_cast<int64_t>(E) * 4, "LOOK-M evicted rows");
-    cuda::cosine_assign(static_cast<const float*>(dk.get()), n, d, static_cast<const int*>(dkeep.get()), K,
-                        static_cast<const int*>(dev.get()), E, static_cast<double*>(dnorm.get()),
-                        static_cast<int*>(dbest.get()), static_cast<double*>(dsim.get()), ctx_->stream);
-    ctx_->download(best.data(), dbest.get(), static_cast<int64_t>(E) * 4, "LOOK-M assignments");
-    ctx_->download(sim.data(), dsim.get(), static_cast<int64_t>(E) * 8, "LOOK-M similarities");
+    assign_by_cosine(*ctx_, k, n, d, keep, evicted, best, sim);
     return true;
   }
   std::unique_ptr<DeviceKV> kv_create(int n_layers, int n_kv_heads, int head_dim) override {

@@ -80,4 +80,11 @@ void kv_reserve(Context& ctx, DeviceKV& dev, int rows);
 void kv_pull_rows(Context& ctx, SeqKV& kv, const std::vector<int>& layers, const int32_t* pos_host,
                   const SegmentKind* kinds, int T);
 
+// research_ops.cu: Backend::attention_reduce (the layer's causal probabilities recomputed from
+// qkv on the device and reduced there) and Backend::cosine_assign (LOOK-M's Eq. 9), as
+// core/backend.h states them.
+void reduce_prefill_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, const AttentionReduction& r);
+void assign_by_cosine(Context& ctx, const float* k, int n, int d, const std::vector<int>& keep, std::vector<int>& evicted,
+                      std::vector<int>& best, std::vector<double>& sim);
+
 }  // namespace kvlens::cuda
