@@ -1,6 +1,7 @@
 #include "core/attention_reduce.h"
 
 #include <algorithm>
+#include <cstdio>
 
 #include "core/errors.h"
 
@@ -26,7 +27,9 @@ std::string AttentionReduction::key() const {
   k += column_sums ? 'c' : '-';
   k += below ? 'b' : '-';
   k += zeros_below ? 'z' : '-';
-  k += std::to_string(p) + ":";
+  char pb[32];
+  std::snprintf(pb, sizeof pb, "%.17g:", p);  // every bit of p: 0.001 and 0.0014 are different requests
+  k += pb;
   // Runs of consecutive rows as first+count: a range is a few bytes.
   for (size_t i = 0; i < queries.size();) {
     size_t j = i + 1;

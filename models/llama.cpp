@@ -330,6 +330,10 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
   }
   const SegmentKind gen = SegmentKind::Generated;
   const bool want = !observers.empty();
+  // The rows only for an observer that reads them: the positions and kinds alone are a small
+  // share of what gathering the rows copies.
+  const bool rows = std::any_of(observers.begin(), observers.end(),
+                                [](const AttentionObserver* o) { return o->reads_decode_kv(); });
   // A policy that compresses only at prefill and calibrates (if at all) inside the device's
   // kernel adds no host work to a step.
   const bool acts = policy && policy->acts_on_decode();
@@ -388,10 +392,6 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
       if (want) {
         w.qkv_host.resize(static_cast<size_t>(w.qkv.numel()));
         be->download(w.qkv, w.qkv_host.data());
-        // The rows only for an observer that reads them: the positions and kinds alone are a
-        // small share of what gathering the rows copies.
-        const bool rows = std::any_of(observers.begin(), observers.end(),
-                                      [](const AttentionObserver* o) { return o->reads_decode_kv(); });
         std::vector<int32_t> key_pos(static_cast<size_t>(NKV) * n_max, -1);
         std::vector<SegmentKind> key_kind(key_pos.size(), SegmentKind::Generated);
         std::vector<float> keys(rows ? static_cast<size_t>(NKV) * n_max * D : 0, 0.0f), vals(keys.size(), 0.0f);

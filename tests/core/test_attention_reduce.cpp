@@ -118,6 +118,9 @@ TEST(AttentionReduce, QueryListsAreCheckedAndKeyed) {
   b.queries = a.queries;
   b.p = 0.5;
   EXPECT_NE(a.key(), b.key());
+  a.p = 0.001;
+  b.p = 0.0014;
+  EXPECT_NE(a.key(), b.key());
   b.p = a.p;
   b.zeros_below = true;
   EXPECT_NE(a.key(), b.key());

@@ -10,6 +10,7 @@
 #include "core/compress/method.h"
 #include "app/lab/experiment.h"
 #include "app/lab/memory_plan.h"
+#include "tests/recorder_check.h"
 #include "tests/test_util.h"
 
 using namespace kvlens;
@@ -112,21 +113,7 @@ TEST(Experiment, ObserversSeeTheStepsAndRowsTheyAskFor) {
   EXPECT_EQ(two.steps(), 2);
   EXPECT_EQ(static_cast<int>(two.entries().size()), 2 * L);
   EXPECT_EQ(probs_only.steps(), 3);
-  for (const DecodeRecorder* r : {&two, &probs_only})
-    for (const auto& e : r->entries()) {
-      const auto* ref = all.find(e.step, e.layer);
-      ASSERT_NE(ref, nullptr);
-      EXPECT_EQ(e.probs, ref->probs);
-      EXPECT_EQ(e.scores, ref->scores);
-      EXPECT_EQ(e.key_pos, ref->key_pos);
-      EXPECT_EQ(e.q, ref->q);
-      if (r->keeps_rows()) {
-        EXPECT_EQ(e.k, ref->k);
-        EXPECT_EQ(e.v, ref->v);
-      } else {
-        EXPECT_TRUE(e.k.empty() && e.v.empty());
-      }
-    }
+  for (const DecodeRecorder* r : {&two, &probs_only}) kvlens::testing::expect_events_of(*r, all);
   // Diagnostics need the rows: a recorder without them is refused, not read as empty.
   EXPECT_THROW(compare_layers(PrefillView{&st.store, nullptr, &st.kinds, 0, static_cast<int>(st.ids.size())},
                               probs_only, st.store, 8, 0.01),
