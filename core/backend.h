@@ -19,6 +19,7 @@
 
 #include "core/attention_reduce.h"
 #include "core/errors.h"
+#include "core/exact_attention.h"
 #include "core/kv_store.h"
 #include "core/tensor.h"
 
@@ -105,6 +106,20 @@ struct ScoreTransform {
   float tau1 = 0, tau2 = 0;
   std::function<void(int layer, int head, float* scores, const SegmentKind* kinds, int n_k)> apply;
   bool any() const { return kind != Kind::None; }
+};
+
+// What a decode attention hands back to the host besides its output, each written when not null
+// ([n_heads][n_max] in the host store's row order, padding -inf / 0): the scores after the
+// transform (what the softmax saw), the scores before it, the probabilities; and the attention
+// output in fp32 [n_heads][head_dim] before any rounding to the output buffer's dtype.
+struct DecodeTaps {
+  float* scores = nullptr;
+  float* raw_scores = nullptr;
+  float* probs = nullptr;
+  float* out = nullptr;
+  int n_max = 0;
+  bool rows() const { return scores || raw_scores || probs; }
+  bool any() const { return rows() || out; }
 };
 
 struct SeqKV {
@@ -240,18 +255,25 @@ class Backend {
     kv_append(kv, layer, qkv, l, pos, pos_host, kinds, T);
   }
   // Decode attention of the one query in qkv against layer `layer` of the cache. `transform`
-  // (null = none) changes the scores before the softmax; scores / probs (host,
-  // [n_heads][n_max], padding -inf / 0) are written when not null.
+  // (null = none) changes the scores before the softmax; what `taps` asks for is written too.
   virtual void decode_attention(const Buffer& qkv, const AttnLayout& l, SeqKV& kv, int layer,
-                                const ScoreTransform* transform, Buffer& out, float* scores, float* probs,
-                                int n_max) = 0;
+                                const ScoreTransform* transform, Buffer& out, const DecodeTaps& taps) = 0;
+  // The exact attention (core/exact_attention.h) of the decode query in qkv (its q columns after
+  // RoPE, laid out as l) over `prompt`, a prefill's qkv after RoPE (fp32 [T][row stride], laid
+  // out as pl: its k and v columns), followed by `extra`: exact_attention's values, within the
+  // tolerance the device test derives. False where the backend has no such op (the caller then
+  // computes it on the host from rows).
+  virtual bool exact_decode_attention(const Buffer& qkv, const AttnLayout& l, const Buffer& prompt,
+                                      const AttnLayout& pl, const ExtraRows& extra, ExactAttention& out) {
+    return false;
+  }
   // rope_append of one generated token followed by decode_attention with no transform and no scores
   // or probabilities asked for: one op, so a device can rotate q and k and append the token's
   // row inside the attention kernel (a plain decode step). The default runs the two ops.
   virtual void rope_append_attend(SeqKV& kv, int layer, Buffer& qkv, const AttnLayout& l, const Buffer& pos,
                                   const int32_t* pos_host, const SegmentKind* kinds, float theta, Buffer& out) {
     rope_append(kv, layer, qkv, l, pos, pos_host, kinds, 1, theta);
-    decode_attention(qkv, l, kv, layer, nullptr, out, nullptr, nullptr, 0);
+    decode_attention(qkv, l, kv, layer, nullptr, out, DecodeTaps{});
   }
   // Fills the host store with the device cache's rows (structure and values).
   virtual void kv_hydrate(const DeviceKV& dev, KVStore& host) {}

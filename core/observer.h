@@ -7,7 +7,9 @@
 #include <limits>
 #include <vector>
 
+#include "core/exact_attention.h"
 #include "core/kv_store.h"
+#include "core/prefill_attention.h"
 
 namespace kvlens {
 
@@ -32,6 +34,13 @@ struct AttentionEvent {
   const float* k = nullptr;
   const float* v = nullptr;  // values, laid out as k
   int head_dim = 0;
+  // What a device hands over to an observer that compares decode queries with the exact
+  // attention (AttentionObserver::compares_to), in place of the rows (null: not given): the
+  // scores before the score transform (laid out as scores), the method's attention output in
+  // fp32 [n_heads][head_dim], and the query's exact attention (core/exact_attention.h).
+  const float* raw_scores = nullptr;
+  const float* out = nullptr;
+  const ExactAttention* exact = nullptr;
 };
 
 class AttentionObserver {
@@ -45,6 +54,10 @@ class AttentionObserver {
   // event carries scores, probabilities, the query, and the keys' positions and kinds, and
   // k / v are null: gathering every layer's rows at every step is what costs a decode most.
   virtual bool reads_decode_kv() const { return true; }
+  // The prefill attention whose capture this observer compares each decode query with (null:
+  // none). A backend that computes the exact attention from that capture hands it over in the
+  // event with raw_scores and out, and then gathers no rows for this observer.
+  virtual const PrefillAttention* compares_to() const { return nullptr; }
 };
 
 // The observers among `all` that read decode step `step`.

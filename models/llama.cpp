@@ -330,10 +330,6 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
   }
   const SegmentKind gen = SegmentKind::Generated;
   const bool want = !observers.empty();
-  // The rows only for an observer that reads them: the positions and kinds alone are a small
-  // share of what gathering the rows copies.
-  const bool rows = std::any_of(observers.begin(), observers.end(),
-                                [](const AttentionObserver* o) { return o->reads_decode_kv(); });
   // A policy that compresses only at prefill and calibrates (if at all) inside the device's
   // kernel adds no host work to a step.
   const bool acts = policy && policy->acts_on_decode();
@@ -345,6 +341,13 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
   // new rows are fetched together once the step's layers are launched.
   const ScoreTransform transform = policy ? policy->score_transform() : ScoreTransform{};
   const bool may_defer = acts && kv.dev && !want && transform.kind != ScoreTransform::Kind::Host;
+  // An observer that compares the queries with this prefill's capture: the backend may compute
+  // the exact attention from the capture, and that observer then needs no rows.
+  const CapturedAttention* capture = nullptr;
+  for (const AttentionObserver* o : observers) {
+    const auto* c = dynamic_cast<const CapturedAttention*>(o->compares_to());
+    if (c && c->backend() == be.get()) capture = c;
+  }
 
   auto body = [&] {
     std::vector<int> deferred;
@@ -380,16 +383,31 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
         if (kv.dev) be->kv_sync(*kv.dev, *kv.host, l);
       }
       int n_max = 0;
-      std::vector<float> scores, probs;
+      std::vector<float> scores, probs, raw, out;
+      DecodeTaps taps;
       if (want) {
         for (int h = 0; h < NKV; ++h) n_max = std::max(n_max, kv.host->n_rows(l, h));
         scores.resize(static_cast<size_t>(NH) * n_max);
         probs.resize(scores.size());
+        taps.scores = scores.data();
+        taps.probs = probs.data();
+        taps.n_max = n_max;
+        if (capture) {
+          raw.resize(scores.size());
+          out.resize(static_cast<size_t>(NH) * D);
+          taps.raw_scores = raw.data();
+          taps.out = out.data();
+        }
       }
-      if (!plain)
-        be->decode_attention(w.qkv, lay, kv, l, &transform, w.a, want ? scores.data() : nullptr,
-                             want ? probs.data() : nullptr, n_max);
+      if (!plain) be->decode_attention(w.qkv, lay, kv, l, &transform, w.a, taps);
       if (want) {
+        ExactAttention exact;
+        const bool has_exact =
+            capture && be->exact_decode_attention(w.qkv, lay, capture->layer_qkv(l), capture->layout(),
+                                                  rows_from(*kv.host, l, capture->prompt_len()), exact);
+        const bool rows = std::any_of(observers.begin(), observers.end(), [&](const AttentionObserver* o) {
+          return o->reads_decode_kv() && !(has_exact && o->compares_to());
+        });
         w.qkv_host.resize(static_cast<size_t>(w.qkv.numel()));
         be->download(w.qkv, w.qkv_host.data());
         std::vector<int32_t> key_pos(static_cast<size_t>(NKV) * n_max, -1);
@@ -415,6 +433,11 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
         e.query_pos = &pos; e.key_pos = key_pos.data(); e.key_kind = key_kind.data();
         e.q = w.qkv_host.data(); e.k = rows ? keys.data() : nullptr; e.v = rows ? vals.data() : nullptr;
         e.head_dim = D;
+        if (capture) {
+          e.raw_scores = raw.data();
+          e.out = out.data();
+        }
+        if (has_exact) e.exact = &exact;
         for (AttentionObserver* o : observers) o->on_attention(e);
       }
       be->linear(w.a, L.o_w, or_null(L.o_b), w.h, true);

@@ -52,6 +52,11 @@ class CapturedAttention final : public PrefillAttention {
   void reduce(int layer, const AttentionReduction& r) const override;
   int64_t capture_bytes() const override;
   int64_t cached_bytes() const override;
+  // Layer `layer`'s captured qkv (fp32 [T][row stride], after RoPE), its layout, and the backend
+  // that holds it.
+  const Buffer& layer_qkv(int layer) const { return qkv_.at(static_cast<size_t>(layer)); }
+  const AttnLayout& layout() const { return lay_; }
+  const Backend* backend() const { return be_.get(); }
 
  private:
   static constexpr size_t kRecent = 2;

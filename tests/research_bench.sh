@@ -120,4 +120,9 @@ if len(builds) == 2:
             r.pop("model", None)
         d = diff(strip(a), strip(b))
         print("  %-22s %s" % (m, "the same" if not d else "%d differences, first: %s" % (len(d), "; ".join(d[:3]))))
+        if d:  # how far the method's mean diagnostics moved
+            ma, mb = (a.get("methods") or [{}])[0], (b.get("methods") or [{}])[0]
+            for k in ("mean_softmax_mse", "mean_softmax_kl", "mean_attn_output_rel_error"):
+                x, y = ma.get(k, 0.0), mb.get(k, 0.0)
+                print("  %-22s   %-28s %.6g against %.6g (relative %.2g)" % ("", k, x, y, abs(x - y) / max(abs(y), 1e-300)))
 PY

@@ -78,7 +78,9 @@ MethodRun run_method(const Model& model, const Experiment& ex, const Params& par
   MethodRun r;
   r.params = params;
   auto policy = make_policy(params);
-  DecodeRecorder rec(opt.diag_steps);
+  // Each recorded query is compared with its exact attention as it comes; no rows are kept (on
+  // a device, none cross to the host).
+  DecodeRecorder rec(opt.diag_steps, ex.view());
   KVStore compressed;
   GenerateOptions g;
   g.max_new_tokens = opt.max_new_tokens;

@@ -7,6 +7,7 @@
 
 #include "core/errors.h"
 #include "core/compress/select.h"
+#include "core/exact_attention.h"
 
 namespace kvlens {
 
@@ -27,6 +28,22 @@ void DecodeRecorder::on_attention(const AttentionEvent& e) {
   }
   r.key_pos.assign(e.key_pos, e.key_pos + kvk);
   r.key_kind.assign(e.key_kind, e.key_kind + kvk);
+  if (compare_) {
+    ExactAttention own;
+    const ExactAttention* x = e.exact;
+    if (!x) {
+      if (!e.k || !e.v)
+        throw InternalError("decode recorder: step " + std::to_string(e.step) + " layer " + std::to_string(e.layer) +
+                            " came with neither its rows nor its exact attention");
+      const int T = pv_.prompt_len;
+      own = exact_attention(e.q, e.n_heads, e.head_dim, 1.0f / std::sqrt(static_cast<float>(e.head_dim)),
+                            prompt_rows(*pv_.full, e.layer, T),
+                            rows_from(e.k, e.v, e.key_pos, e.n_kv_heads, e.n_k, e.head_dim, T));
+      x = &own;
+    }
+    r.comparison = compare_query(e, *x, *pv_.kinds, e.step == 0);
+    r.compared = true;
+  }
   entries_.push_back(std::move(r));
 }
 
@@ -204,11 +221,106 @@ VisualScores retransform_visual_scores(const VisualScores& s, int layer, const K
   return r;
 }
 
+QueryComparison compare_query(const AttentionEvent& e, const ExactAttention& x, const std::vector<SegmentKind>& kinds,
+                              bool visual) {
+  const int H = e.n_heads, G = H / e.n_kv_heads, n_k = e.n_k, D = e.head_dim;
+  const int T = static_cast<int>(kinds.size());
+  const bool rows = e.k && e.v;
+  if (!rows && (!e.out || !e.raw_scores))
+    throw InternalError("compare_query: layer " + std::to_string(e.layer) + " step " + std::to_string(e.step) +
+                        " has neither rows nor raw scores and an output");
+  if (x.probs.size() != static_cast<size_t>(H) * x.n || x.pos.size() != static_cast<size_t>(e.n_kv_heads) * x.n)
+    throw InternalError("compare_query: the exact attention's shape differs from the event's");
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  QueryComparison c;
+  c.softmax_mse.assign(H, 0.0);
+  c.softmax_kl.assign(H, 0.0);
+  c.output_rel_error.assign(H, 0.0);
+  if (visual)
+    for (auto* k : {&c.visual.exact, &c.visual.quantized, &c.visual.calibrated}) k->resize(H);
+  for (int h = 0; h < H; ++h) {
+    const int kv = h / G;
+    const float* q = e.q + static_cast<size_t>(h) * D;
+    const int32_t* kp = e.key_pos + static_cast<size_t>(kv) * n_k;
+    const SegmentKind* kk = e.key_kind + static_cast<size_t>(kv) * n_k;
+    const float* mp = e.probs + static_cast<size_t>(h) * n_k;
+    const float* ms = e.scores + static_cast<size_t>(h) * n_k;
+    const float* pe = x.probs.data() + static_cast<size_t>(h) * x.n;
+    const float* se = x.scores.data() + static_cast<size_t>(h) * x.n;
+    const int32_t* ep = x.pos.data() + static_cast<size_t>(kv) * x.n;
+    // The method's probabilities by position (0 for an evicted key).
+    std::vector<float> pm_by_pos(static_cast<size_t>(e.query_pos[0]) + 1, 0.0f);
+    for (int j = 0; j < n_k; ++j)
+      if (kp[j] >= 0) pm_by_pos.at(kp[j]) += mp[j];
+    if (visual)
+      for (int j = 0; j < T; ++j)
+        if (ep[j] >= 0 && kinds[ep[j]] == SegmentKind::Visual) c.visual.exact[h].push_back(se[j]);
+    double mse = 0.0, kl = 0.0;
+    int ne = 0;
+    for (int j = 0; j < x.n; ++j) {
+      if (ep[j] < 0) continue;
+      ++ne;
+      const double pm = pm_by_pos.at(ep[j]);
+      mse += (pe[j] - pm) * (pe[j] - pm);
+      if (pe[j] > 0) kl += pe[j] * (std::log(pe[j]) - std::log(std::max(pm, 1e-10)));
+    }
+    std::vector<double> om(D, 0.0);
+    if (!rows)
+      for (int c2 = 0; c2 < D; ++c2) om[c2] = e.out[static_cast<size_t>(h) * D + c2];
+    for (int j = 0; j < n_k; ++j) {
+      if (kp[j] < 0) continue;
+      const float* mk = rows ? e.k + (static_cast<size_t>(kv) * n_k + j) * D : nullptr;
+      const float* mv = rows ? e.v + (static_cast<size_t>(kv) * n_k + j) * D : nullptr;
+      if (rows)
+        for (int c2 = 0; c2 < D; ++c2) om[c2] += mp[j] * mv[c2];
+      if (visual && kk[j] == SegmentKind::Visual) {
+        float quantized = 0.0f;
+        if (rows) {
+          float dot = 0.0f;
+          for (int c2 = 0; c2 < D; ++c2) dot += q[c2] * mk[c2];
+          quantized = dot * scale;
+        } else {
+          quantized = e.raw_scores[static_cast<size_t>(h) * n_k + j];
+        }
+        c.visual.quantized[h].push_back(quantized);
+        c.visual.calibrated[h].push_back(ms[j]);
+      }
+    }
+    const double* oe = x.out.data() + static_cast<size_t>(h) * D;
+    double num = 0.0, den = 0.0;
+    for (int c2 = 0; c2 < D; ++c2) {
+      num += (om[c2] - oe[c2]) * (om[c2] - oe[c2]);
+      den += oe[c2] * oe[c2];
+    }
+    c.softmax_mse[h] = ne ? mse / ne : 0.0;
+    c.softmax_kl[h] = kl;
+    c.output_rel_error[h] = std::sqrt(num / std::max(den, 1e-30));
+  }
+  return c;
+}
+
+namespace {
+
+// A recorded entry as the event it was recorded from.
+AttentionEvent event_of(const DecodeRecorder::Entry& E) {
+  AttentionEvent e;
+  e.phase = Phase::Decode; e.layer = E.layer; e.step = E.step; e.n_heads = E.n_heads; e.n_kv_heads = E.n_kv_heads;
+  e.n_q = 1; e.n_k = E.n_k; e.head_dim = E.head_dim;
+  e.scores = E.scores.data(); e.probs = E.probs.data(); e.query_pos = &E.query_pos;
+  e.key_pos = E.key_pos.data(); e.key_kind = E.key_kind.data(); e.q = E.q.data();
+  e.k = E.k.empty() ? nullptr : E.k.data();
+  e.v = E.v.empty() ? nullptr : E.v.data();
+  return e;
+}
+
+}  // namespace
+
 std::vector<LayerDiagnostics> compare_layers(const PrefillView& pv, const DecodeRecorder& method,
                                              const KVStore& compressed, int hist_bins, double p) {
-  if (!method.keeps_rows()) throw InternalError("compare_layers: the method's recorder kept no keys and values");
+  if (!method.keeps_rows() && !method.compares())
+    throw InternalError("compare_layers: the method's recorder kept no keys and values and compared nothing");
   const KVStore& full = *pv.full;
-  const int L = full.n_layers(), NKV = full.n_kv_heads(), D = full.head_dim();
+  const int L = full.n_layers(), NKV = full.n_kv_heads();
   const int T = pv.prompt_len;
   const std::vector<SegmentKind>& kinds = *pv.kinds;
   int first_visual = -1, n_visual = 0;
@@ -217,16 +329,11 @@ std::vector<LayerDiagnostics> compare_layers(const PrefillView& pv, const Decode
       if (first_visual < 0) first_visual = t;
       ++n_visual;
     }
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   std::vector<LayerDiagnostics> out(L);
   for (int l = 0; l < L; ++l) {
     LayerDiagnostics& d = out[l];
     d.layer = l;
     d.bytes = compressed.bytes(l);
-    // Full-precision prompt rows of each KV head, in position order.
-    std::vector<std::vector<float>> FK(NKV), FV(NKV);
-    std::vector<int32_t> fpos;
-    for (int kv = 0; kv < NKV; ++kv) full.gather(l, kv, FK[kv], FV[kv], fpos);
     VisualScores& histo = d.visual_score_samples;
     int n_terms = 0, n_sparse = 0;
     for (const auto& E : method.entries()) {
@@ -234,83 +341,35 @@ std::vector<LayerDiagnostics> compare_layers(const PrefillView& pv, const Decode
       const int H = E.n_heads, G = H / E.n_kv_heads, n_k = E.n_k;
       for (auto* k : {&histo.exact, &histo.quantized, &histo.calibrated})
         if (k->size() < static_cast<size_t>(H)) k->resize(H);
+      QueryComparison own;
+      if (!E.compared) {
+        const AttentionEvent e = event_of(E);
+        own = compare_query(e,
+                            exact_attention(E.q.data(), H, E.head_dim, 1.0f / std::sqrt(static_cast<float>(E.head_dim)),
+                                            prompt_rows(full, l, T),
+                                            rows_from(E.k.data(), E.v.data(), E.key_pos.data(), E.n_kv_heads, n_k,
+                                                      E.head_dim, T)),
+                            kinds, E.step == 0);
+      }
+      const QueryComparison& c = E.compared ? E.comparison : own;
       for (int h = 0; h < H; ++h) {
-        const int kv = h / G;
-        const float* q = E.q.data() + static_cast<size_t>(h) * D;
-        const int32_t* kp = E.key_pos.data() + static_cast<size_t>(kv) * n_k;
-        const SegmentKind* kk = E.key_kind.data() + static_cast<size_t>(kv) * n_k;
-        const float* mk = E.k.data() + static_cast<size_t>(kv) * n_k * D;
-        const float* mv = E.v.data() + static_cast<size_t>(kv) * n_k * D;
-        const float* mp = E.probs.data() + static_cast<size_t>(h) * n_k;
-        const float* ms = E.scores.data() + static_cast<size_t>(h) * n_k;
-        // Exact keys: the prompt from the full store, generated tokens from the method's rows.
-        std::vector<const float*> ek, ev;
-        std::vector<int32_t> epos;
-        for (int t = 0; t < T; ++t) {
-          ek.push_back(FK[kv].data() + static_cast<size_t>(t) * D);
-          ev.push_back(FV[kv].data() + static_cast<size_t>(t) * D);
-          epos.push_back(t);
+        if (E.step == 0 && !c.visual.exact.empty()) {
+          histo.exact.at(h).insert(histo.exact[h].end(), c.visual.exact[h].begin(), c.visual.exact[h].end());
+          histo.quantized.at(h).insert(histo.quantized[h].end(), c.visual.quantized[h].begin(),
+                                       c.visual.quantized[h].end());
+          histo.calibrated.at(h).insert(histo.calibrated[h].end(), c.visual.calibrated[h].begin(),
+                                        c.visual.calibrated[h].end());
         }
-        std::vector<float> pm_by_pos(E.query_pos + 1, 0.0f);
-        int n_valid = 0;
-        for (int j = 0; j < n_k; ++j) {
-          if (kp[j] < 0) continue;
-          ++n_valid;
-          pm_by_pos.at(kp[j]) += mp[j];
-          if (kp[j] >= T) {
-            ek.push_back(mk + static_cast<size_t>(j) * D);
-            ev.push_back(mv + static_cast<size_t>(j) * D);
-            epos.push_back(kp[j]);
-          }
-        }
-        const int ne = static_cast<int>(ek.size());
-        std::vector<float> pe(ne);
-        for (int j = 0; j < ne; ++j) {
-          float dot = 0.0f;
-          for (int x = 0; x < D; ++x) dot += q[x] * ek[j][x];
-          pe[j] = dot * scale;
-        }
-        if (E.step == 0)
-          for (int j = 0; j < T; ++j)
-            if (kinds[j] == SegmentKind::Visual) histo.exact.at(h).push_back(pe[j]);
-        const float mx = *std::max_element(pe.begin(), pe.end());
-        double sum = 0.0;
-        for (float& x : pe) {
-          x = std::exp(x - mx);
-          sum += x;
-        }
-        for (float& x : pe) x = static_cast<float>(x / sum);
-        double mse = 0.0, kl = 0.0;
-        std::vector<double> oe(D, 0.0), om(D, 0.0);
-        for (int j = 0; j < ne; ++j) {
-          const double pm = pm_by_pos[epos[j]];
-          mse += (pe[j] - pm) * (pe[j] - pm);
-          if (pe[j] > 0) kl += pe[j] * (std::log(pe[j]) - std::log(std::max(pm, 1e-10)));
-          for (int x = 0; x < D; ++x) oe[x] += pe[j] * ev[j][x];
-        }
-        for (int j = 0; j < n_k; ++j) {
-          if (kp[j] < 0) continue;
-          for (int x = 0; x < D; ++x) om[x] += mp[j] * mv[static_cast<size_t>(j) * D + x];
-          if (E.step == 0 && kk[j] == SegmentKind::Visual) {
-            float dot = 0.0f;
-            for (int x = 0; x < D; ++x) dot += q[x] * mk[static_cast<size_t>(j) * D + x];
-            histo.quantized.at(h).push_back(dot * scale);
-            histo.calibrated.at(h).push_back(ms[j]);
-          }
-        }
-        double num = 0.0, den = 0.0;
-        for (int x = 0; x < D; ++x) {
-          num += (om[x] - oe[x]) * (om[x] - oe[x]);
-          den += oe[x] * oe[x];
-        }
-        d.softmax_mse += mse / ne;
-        d.softmax_kl += kl;
-        d.output_rel_error += std::sqrt(num / std::max(den, 1e-30));
+        d.softmax_mse += c.softmax_mse[h];
+        d.softmax_kl += c.softmax_kl[h];
+        d.output_rel_error += c.output_rel_error[h];
         ++n_terms;
+        const int32_t* kp = E.key_pos.data() + static_cast<size_t>(h / G) * n_k;
+        const float* mp = E.probs.data() + static_cast<size_t>(h) * n_k;
         std::vector<float> valid;
         for (int j = 0; j < n_k; ++j)
           if (kp[j] >= 0) valid.push_back(mp[j]);
-        d.sparsity_decode += sparsity(valid.data(), 1, 1, n_valid, p);
+        d.sparsity_decode += sparsity(valid.data(), 1, 1, static_cast<int>(valid.size()), p);
         ++n_sparse;
       }
     }

@@ -14,6 +14,35 @@
 
 namespace kvlens {
 
+// What the diagnostics compare against: what the prefill left behind.
+struct PrefillView {
+  const KVStore* full = nullptr;                     // full-precision store after prefill
+  const PrefillAttention* attention = nullptr;       // the prompt's attention, a layer at a time
+  const std::vector<SegmentKind>* kinds = nullptr;   // [T]
+  int n_heads = 0;
+  int prompt_len = 0;
+};
+
+// The first decode step's pre-softmax scores of one layer's visual keys, per query head: exact
+// (the full-precision keys), quantized (the keys the method stores, before any score transform)
+// and calibrated (after the method's score transform: what the softmax saw). [head][key]; the
+// keys of a head are those its KV head kept.
+struct VisualScores {
+  std::vector<std::vector<float>> exact, quantized, calibrated;
+};
+
+// One decode query of a method compared with its exact attention (core/exact_attention.h), per
+// query head: the terms compare_layers averages (see LayerDiagnostics), and with `visual` the
+// visual keys' scores of VisualScores.
+struct QueryComparison {
+  std::vector<double> softmax_mse, softmax_kl, output_rel_error;  // [n_heads]
+  VisualScores visual;
+};
+// e: the method's decode event. Its quantized scores and output come from e.k / e.v when the
+// event has rows (the reference), else from e.raw_scores / e.out. kinds: the prompt's [T].
+QueryComparison compare_query(const AttentionEvent& e, const ExactAttention& x, const std::vector<SegmentKind>& kinds,
+                              bool visual);
+
 // Keeps the decode-phase attention events of one run (steps < max_steps).
 class DecodeRecorder : public AttentionObserver {
  public:
@@ -25,14 +54,24 @@ class DecodeRecorder : public AttentionObserver {
     std::vector<float> k, v;            // [n_kv_heads][n_k][head_dim]
     std::vector<int32_t> key_pos;       // [n_kv_heads][n_k], -1 = padding
     std::vector<SegmentKind> key_kind;  // [n_kv_heads][n_k]
+    bool compared = false;              // a comparing recorder's entry: `comparison` holds it
+    QueryComparison comparison;
   };
   // Records decode steps 0 .. max_steps − 1; with keep_rows false, without the keys and values
-  // (enough for probabilities, hit rates and sparsity; compare_layers needs the rows).
+  // (enough for probabilities, hit rates and sparsity).
   explicit DecodeRecorder(int max_steps, bool keep_rows = true) : max_steps_(max_steps), keep_rows_(keep_rows) {}
+  // Records them compared with `pv` as they come (compare_query; the visual scores at step 0),
+  // keeping no rows: what compare_layers reads. A device that computes the exact attention
+  // from pv's capture hands over no rows at all; otherwise the event's rows are compared with
+  // pv's full store on the host.
+  DecodeRecorder(int max_steps, const PrefillView& compare_to)
+      : max_steps_(max_steps), keep_rows_(false), compare_(true), pv_(compare_to) {}
   void on_attention(const AttentionEvent& e) override;
   int decode_steps() const override { return max_steps_; }
-  bool reads_decode_kv() const override { return keep_rows_; }
+  bool reads_decode_kv() const override { return keep_rows_ || compare_; }
+  const PrefillAttention* compares_to() const override { return compare_ ? pv_.attention : nullptr; }
   bool keeps_rows() const { return keep_rows_; }
+  bool compares() const { return compare_; }
   const std::vector<Entry>& entries() const { return entries_; }
   const Entry* find(int step, int layer) const;
   int steps() const;
@@ -40,6 +79,8 @@ class DecodeRecorder : public AttentionObserver {
  private:
   int max_steps_;
   bool keep_rows_;
+  bool compare_ = false;
+  PrefillView pv_;
   std::vector<Entry> entries_;
 };
 
@@ -67,26 +108,9 @@ class VisualAttentionRecorder : public AttentionObserver {
 // [steps][n_cols] (keys at positions >= n_cols, and padding, are dropped).
 std::vector<float> decode_attention_rows(const DecodeRecorder& rec, int layer, int steps, int n_cols);
 
-// What the prefill left behind that diagnostics compare against.
-struct PrefillView {
-  const KVStore* full = nullptr;                     // full-precision store after prefill
-  const PrefillAttention* attention = nullptr;       // the prompt's attention, a layer at a time
-  const std::vector<SegmentKind>* kinds = nullptr;   // [T]
-  int n_heads = 0;
-  int prompt_len = 0;
-};
-
 struct ScoreHistogram {
   double lo = 0, hi = 0;
   std::vector<int64_t> exact, quantized, calibrated;  // same bin edges
-};
-
-// The first decode step's pre-softmax scores of one layer's visual keys, per query head: exact
-// (the full-precision keys), quantized (the keys the method stores, before any score transform)
-// and calibrated (after the method's score transform: what the softmax saw). [head][key]; the
-// keys of a head are those its KV head kept.
-struct VisualScores {
-  std::vector<std::vector<float>> exact, quantized, calibrated;
 };
 
 // Histograms of the visual scores on shared bins over all three kinds: one query head
@@ -134,6 +158,7 @@ struct FirstDivergence {
 double sparsity(const float* probs, int n_heads, int n_q, int n_k, double p);
 double prefill_sparsity(const PrefillView& pv, int layer, double p);
 
+// `method` either keeps rows or compares (its entries then hold the comparisons).
 std::vector<LayerDiagnostics> compare_layers(const PrefillView& pv, const DecodeRecorder& method,
                                              const KVStore& compressed, int hist_bins, double p);
 

@@ -223,7 +223,7 @@ class CpuBackend : public Backend {
   }
 
   void decode_attention(const Buffer& qkv, const AttnLayout& l, SeqKV& kv, int layer, const ScoreTransform* transform,
-                        Buffer& out, float* scores, float* probs, int n_max) override {
+                        Buffer& out, const DecodeTaps& taps) override {
     const int NH = l.n_heads, NKV = l.n_kv_heads, D = l.head_dim, G = NH / NKV;
     const bool transforms = transform && transform->any();
     std::vector<std::vector<float>> K(NKV), V(NKV);
@@ -234,7 +234,8 @@ class CpuBackend : public Backend {
       kv.host->gather(layer, h, K[h], V[h], P[h], &S[h]);
       n_all = std::max(n_all, static_cast<int>(P[h].size()));
     }
-    if ((scores || probs) && n_max < n_all) throw InternalError("decode_attention: n_max below the rows held");
+    const int n_max = taps.n_max;
+    if (taps.rows() && n_max < n_all) throw InternalError("decode_attention: n_max below the rows held");
     const float ninf = -std::numeric_limits<float>::infinity();
     const float* q = qkv.as<float>() + l.q_col;
 #pragma omp parallel for if (cpu::parallel_heads(NH, 1, n_all, D))
@@ -249,16 +250,16 @@ class CpuBackend : public Backend {
         for (int d = 0; d < D; ++d) dot += qh[d] * kj[d];
         s[j] = dot * l.scale;
       }
+      auto tap = [&](float* t, float pad) {
+        if (!t) return;
+        std::copy(s.begin(), s.end(), t + static_cast<size_t>(hd) * n_max);
+        std::fill(t + static_cast<size_t>(hd) * n_max + n, t + static_cast<size_t>(hd + 1) * n_max, pad);
+      };
+      tap(taps.raw_scores, ninf);
       if (transforms) transform->apply(layer, hd, s.data(), S[h].data(), n);
-      if (scores) {
-        std::copy(s.begin(), s.end(), scores + static_cast<size_t>(hd) * n_max);
-        std::fill(scores + static_cast<size_t>(hd) * n_max + n, scores + static_cast<size_t>(hd + 1) * n_max, ninf);
-      }
+      tap(taps.scores, ninf);
       cpu::softmax_rows(s.data(), 1, n);
-      if (probs) {
-        std::copy(s.begin(), s.end(), probs + static_cast<size_t>(hd) * n_max);
-        std::fill(probs + static_cast<size_t>(hd) * n_max + n, probs + static_cast<size_t>(hd + 1) * n_max, 0.0f);
-      }
+      tap(taps.probs, 0.0f);
       float* o = out.as<float>() + hd * D;
       std::fill(o, o + D, 0.0f);
       for (int j = 0; j < n; ++j) {
@@ -266,6 +267,7 @@ class CpuBackend : public Backend {
 #pragma omp simd
         for (int d = 0; d < D; ++d) o[d] += s[j] * vj[d];
       }
+      if (taps.out) std::copy(o, o + D, taps.out + static_cast<size_t>(hd) * D);
     }
   }
 };

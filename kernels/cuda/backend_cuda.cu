@@ -472,9 +472,15 @@ class CudaBackend : public Backend {
     Backend::rope_append(kv, layer, qkv, l, pos, pos_host, kinds, T, theta);
   }
   void decode_attention(const Buffer& qkv, const AttnLayout& l, SeqKV& kv, int layer, const ScoreTransform* transform,
-                        Buffer& out, float* scores, float* probs, int n_max) override {
+                        Buffer& out, const DecodeTaps& taps) override {
     auto prof_scope = prof_.scope("decode_attention", *ctx_);
-    kv_decode_attention(*ctx_, qkv, l, kv, layer, transform, out, scores, probs, n_max);
+    kv_decode_attention(*ctx_, qkv, l, kv, layer, transform, out, taps);
+  }
+  bool exact_decode_attention(const Buffer& qkv, const AttnLayout& l, const Buffer& prompt, const AttnLayout& pl,
+                              const ExtraRows& extra, ExactAttention& out) override {
+    auto prof_scope = prof_.scope("exact_decode_attention", *ctx_);
+    cuda::exact_decode_attention(*ctx_, qkv, l, prompt, pl, extra, out);
+    return true;
   }
   void kv_hydrate(const DeviceKV& dev, KVStore& host) override { cuda::kv_hydrate(*ctx_, dev, host); }
   void kv_sync(DeviceKV& dev, KVStore& host, int layer) override { cuda::kv_sync(*ctx_, dev, host, layer); }

@@ -67,7 +67,7 @@ void kv_append(Context& ctx, SeqKV& kv, int layer, const Buffer& qkv, const Attn
 bool kv_rope_append(Context& ctx, SeqKV& kv, int layer, Buffer& qkv, const AttnLayout& l, const Buffer& pos,
                     const int32_t* pos_host, const SegmentKind* kinds, int T, const float* inv_freq);
 void kv_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, SeqKV& kv, int layer,
-                         const ScoreTransform* transform, Buffer& out, float* scores, float* probs, int n_max);
+                         const ScoreTransform* transform, Buffer& out, const DecodeTaps& taps);
 // kv_rope_append and the plain kv_decode_attention in one kernel (the fp16 decode kernel rotates
 // q and the token's k, attends over the cache and the token's row, and appends the row); false
 // when the step needs the separate ops (prompt rows, host rows kept in step, a cache that is not
@@ -81,10 +81,13 @@ void kv_pull_rows(Context& ctx, SeqKV& kv, const std::vector<int>& layers, const
                   const SegmentKind* kinds, int T);
 
 // research_ops.cu: Backend::attention_reduce (the layer's causal probabilities recomputed from
-// qkv on the device and reduced there) and Backend::cosine_assign (LOOK-M's Eq. 9), as
-// core/backend.h states them.
+// qkv on the device and reduced there), Backend::cosine_assign (LOOK-M's Eq. 9) and
+// Backend::exact_decode_attention, as core/backend.h states them.
 void reduce_prefill_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, const AttentionReduction& r);
 void assign_by_cosine(Context& ctx, const float* k, int n, int d, const std::vector<int>& keep, std::vector<int>& evicted,
                       std::vector<int>& best, std::vector<double>& sim);
+// Backend::exact_decode_attention: the kernel on the capture, the extra rows uploaded, one copy back.
+void exact_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, const Buffer& prompt,
+                            const AttnLayout& pl, const ExtraRows& extra, ExactAttention& x);
 
 }  // namespace kvlens::cuda

@@ -89,6 +89,14 @@ void attention_column_sums(const float* P, int n_heads, int T, const int* querie
                            cudaStream_t s);
 void attention_below(const float* P, int n_heads, int T, const int* queries, int nq, double p, bool zeros_below,
                      unsigned long long* below, cudaStream_t s);
+// The exact attention of one decode query (exact_attention.cu; host reference: exact_attention in
+// core/exact_attention.h): query head h of q [n_heads][head_dim] over the prompt's rows
+// (prompt [T][stride], keys at k_col, values at v_col, KV head g at + g·head_dim) and then the
+// n_extra rows xk / xv [n_kv_heads][n_extra][head_dim] of its KV head (xpos < 0: padding);
+// scores / probs [n_heads][T + n_extra] (padding -inf / 0), out [n_heads][head_dim] in double.
+void exact_attention(const float* prompt, int64_t stride, int64_t k_col, int64_t v_col, int T, const float* q,
+                     const float* xk, const float* xv, const int* xpos, int n_extra, int n_heads, int n_kv_heads,
+                     int head_dim, float scale, float* scores, float* probs, double* out, cudaStream_t s);
 // LOOK-M's assignment (cosine_assign.cu; host reference: lookm_assign): norm[n] of the rows of
 // k [n][d], then for each evicted[i] the kept row best[i] (from keep[n_keep], ascending) of
 // largest cosine similarity sim[i], in double, ties to the earlier kept row.

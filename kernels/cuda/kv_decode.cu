@@ -39,7 +39,9 @@ DecodeParams layer_params(CudaKV& C, const Buffer& qkv, const AttnLayout& l, int
 }  // namespace
 
 void kv_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, SeqKV& kv, int layer,
-                         const ScoreTransform* transform, Buffer& out, float* scores, float* probs, int n_max) {
+                         const ScoreTransform* transform, Buffer& out, const DecodeTaps& taps) {
+  float *scores = taps.scores, *probs = taps.probs;
+  const int n_max = taps.n_max;
   CudaKV& C = as_cuda(kv.dev);
   if (l.n_kv_heads != C.NKV || l.head_dim != C.D) throw InternalError("decode_attention: cache shape differs");
   C.build_tables(l.n_heads);
@@ -47,7 +49,7 @@ void kv_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, S
   DecodeParams p = layer_params(C, qkv, l, layer, out);
   const bool transforms = transform && transform->any();
   const bool in_kernel = transforms && transform->kind == ScoreTransform::Kind::Calibrate;
-  if (!scores && !probs && (!transforms || in_kernel)) {
+  if (!taps.any() && (!transforms || in_kernel)) {
     if (ctx.replay) return;
     if (in_kernel) {
       p.calibrate = 1;
@@ -93,6 +95,13 @@ void kv_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, S
     const auto& m = dev2host[hd / G];
     for (size_t i = 0; i < m.size(); ++i) sh[static_cast<size_t>(hd) * stride + m[i]] = sd[static_cast<size_t>(hd) * stride + i];
   }
+  if (taps.raw_scores)
+    for (int hd = 0; hd < NH; ++hd) {
+      float* o = taps.raw_scores + static_cast<size_t>(hd) * n_max;
+      const int n = static_cast<int>(dev2host[hd / G].size());
+      std::fill(o, o + n_max, -INFINITY);
+      std::copy_n(sh.data() + static_cast<size_t>(hd) * stride, n, o);
+    }
   if (transforms) {  // the transform reads the keys' kinds, not their rows
     std::vector<int32_t> P;
     std::vector<SegmentKind> kinds;
@@ -113,6 +122,15 @@ void kv_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, S
   p.scores_in = S.as<float>();
   p.md_out = C.md_out.as<float>();
   decode_attention(p, ctx.stream);
+  if (taps.out) {  // again, into fp32: the output before its rounding to out's dtype
+    const int64_t ob = static_cast<int64_t>(NH) * C.D * 4;
+    DevMem O{ctx.alloc(ob, "decode output (fp32)"), ob};
+    DecodeParams p32 = p;
+    p32.out = O.mem.get();
+    p32.odt = Dt::F32;
+    decode_attention(p32, ctx.stream);
+    ctx.download(taps.out, O.mem.get(), ob, "decode output (fp32)");
+  }
   std::vector<float> pd;
   if (probs) {
     decode_probs(p, Pb.as<float>(), ctx.stream);

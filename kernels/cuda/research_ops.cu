@@ -2,6 +2,7 @@
 // attention (core/attention_reduce.h) and LOOK-M's assignment of evicted keys by cosine
 // similarity. The CUDA backend's attention_reduce and cosine_assign call these.
 #include <algorithm>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -85,6 +86,52 @@ void assign_by_cosine(Context& ctx, const float* k, int n, int d, const std::vec
                       static_cast<int*>(dbest.get()), static_cast<double*>(dsim.get()), ctx.stream);
   ctx.download(best.data(), dbest.get(), static_cast<int64_t>(E) * 4, "LOOK-M assignments");
   ctx.download(sim.data(), dsim.get(), static_cast<int64_t>(E) * 8, "LOOK-M similarities");
+}
+
+void exact_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, const Buffer& prompt,
+                            const AttnLayout& pl, const ExtraRows& extra, ExactAttention& x) {
+  const int NH = l.n_heads, NKV = l.n_kv_heads, D = l.head_dim, T = pl.T, m = extra.n, n = T + m;
+  need(qkv.dt == Dt::F32 && prompt.dt == Dt::F32 && pl.n_heads == NH && pl.n_kv_heads == NKV && pl.head_dim == D &&
+           NKV > 0 && NH % NKV == 0 && prompt.rows() >= T,
+       "exact_decode_attention: " + qkv.name + " against " + prompt.name);
+  need(extra.pos.size() == static_cast<size_t>(NKV) * m && extra.k.size() == extra.pos.size() * D &&
+           extra.v.size() == extra.k.size(),
+       "exact_decode_attention: extra rows of " + std::to_string(NKV) + " KV heads");
+  // The extra rows in one upload (keys, values, positions), the results in one copy back.
+  const int64_t rk = static_cast<int64_t>(extra.k.size()) * 4, rp = static_cast<int64_t>(extra.pos.size()) * 4;
+  std::shared_ptr<void> rows;
+  if (m > 0) {
+    std::vector<char> staged(static_cast<size_t>(2 * rk + rp));
+    std::memcpy(staged.data(), extra.k.data(), static_cast<size_t>(rk));
+    std::memcpy(staged.data() + rk, extra.v.data(), static_cast<size_t>(rk));
+    std::memcpy(staged.data() + 2 * rk, extra.pos.data(), static_cast<size_t>(rp));
+    rows = ctx.alloc(2 * rk + rp, "exact attention extra rows");
+    ctx.upload(rows.get(), staged.data(), 2 * rk + rp, "exact attention extra rows");
+  }
+  const char* r = static_cast<const char*>(rows.get());
+  const int64_t sp = static_cast<int64_t>(NH) * n * 4, so = (2 * sp + 7) / 8 * 8, ob = static_cast<int64_t>(NH) * D * 8;
+  const auto res = ctx.alloc(so + ob, "exact attention results");
+  char* o = static_cast<char*>(res.get());
+  cuda::exact_attention(prompt.as<float>(), pl.row_stride, pl.k_col, pl.v_col, T, qkv.as<float>() + l.q_col,
+                        m ? reinterpret_cast<const float*>(r) : nullptr,
+                        m ? reinterpret_cast<const float*>(r + rk) : nullptr,
+                        m ? reinterpret_cast<const int*>(r + 2 * rk) : nullptr, m, NH, NKV, D, pl.scale,
+                        reinterpret_cast<float*>(o), reinterpret_cast<float*>(o + sp), reinterpret_cast<double*>(o + so),
+                        ctx.stream);
+  std::vector<char> back(static_cast<size_t>(so + ob));
+  ctx.download(back.data(), o, so + ob, "exact attention results");
+  x.n = n;
+  x.scores.resize(static_cast<size_t>(NH) * n);
+  x.probs.resize(x.scores.size());
+  x.out.resize(static_cast<size_t>(NH) * D);
+  std::memcpy(x.scores.data(), back.data(), static_cast<size_t>(sp));
+  std::memcpy(x.probs.data(), back.data() + sp, static_cast<size_t>(sp));
+  std::memcpy(x.out.data(), back.data() + so, static_cast<size_t>(ob));
+  x.pos.assign(static_cast<size_t>(NKV) * n, -1);
+  for (int h = 0; h < NKV; ++h) {
+    for (int t = 0; t < T; ++t) x.pos[static_cast<size_t>(h) * n + t] = t;
+    std::copy_n(extra.pos.begin() + static_cast<size_t>(h) * m, m, x.pos.begin() + static_cast<size_t>(h) * n + T);
+  }
 }
 
 }  // namespace kvlens::cuda

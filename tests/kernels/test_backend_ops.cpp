@@ -13,6 +13,7 @@
 #include <random>
 
 #include "core/errors.h"
+#include "core/exact_attention.h"
 #include "core/compress/evict_methods.h"
 #include "tests/attention_ref.h"
 #include "tests/op_harness.h"
@@ -724,6 +725,103 @@ TEST(Ops, LookMAssignmentOnTheDevice) {
     const std::vector<LookMAssignment> hn = lookm_assign(c.d, keep, neg), dn = lookm_assign(c.d, keep, neg, &gpu);
     ASSERT_EQ(dn.size(), hn.size());
     for (size_t i = 0; i < hn.size(); ++i) EXPECT_TRUE(dn[i].c == hn[i].c && dn[i].s == hn[i].s) << what << " negated " << i;
+  }
+}
+
+// The exact attention of a decode query on the device (from a prefill's qkv and extra rows)
+// against the host reference exact_attention, on random inputs: GQA with extra rows of unequal
+// counts per KV head (padding), no extra rows, and a long prompt. Derived tolerances, with
+// u = 2⁻²⁴: a score is a D-term float dot product summed in another order (and with or
+// without fused multiply-adds) on each side, so it may differ by 2·(D + 1)·u·scale·Σ|q·k|;
+// a probability by its own share of three such errors (its score, the row's maximum, the sum)
+// plus 8u (the two exp implementations and roundings); an output component by the sum of its
+// terms' probability errors times |v| plus u of each term (the float product).
+TEST(Ops, ExactDecodeAttention) {
+  struct Case { int T, NH, NKV, D; std::vector<int> extra; float mag; };
+  const double u = std::ldexp(1.0, -24);
+  for (const Case& c : {Case{150, 8, 2, 64, {3, 1}, 2.5f}, Case{37, 4, 4, 128, {}, 1.0f},
+                        Case{1100, 4, 1, 128, {2}, 4.0f}}) {
+    AttnLayout pl;
+    pl.T = c.T; pl.n_heads = c.NH; pl.n_kv_heads = c.NKV; pl.head_dim = c.D;
+    pl.row_stride = static_cast<int64_t>(c.NH + 2 * c.NKV) * c.D;
+    pl.q_col = 0; pl.k_col = static_cast<int64_t>(c.NH) * c.D;
+    pl.v_col = static_cast<int64_t>(c.NH + c.NKV) * c.D;
+    pl.causal = true;
+    pl.scale = 1.0f / std::sqrt(static_cast<float>(c.D));
+    AttnLayout l1 = pl;
+    l1.T = 1;
+    const std::vector<float> qkv = randn(static_cast<size_t>(c.T) * pl.row_stride, c.mag);
+    const std::vector<float> row = randn(static_cast<size_t>(pl.row_stride), c.mag);
+    ExtraRows extra;
+    for (int n : c.extra) extra.n = std::max(extra.n, n);
+    extra.k = randn(static_cast<size_t>(c.NKV) * extra.n * c.D, c.mag);
+    extra.v = randn(extra.k.size(), c.mag);
+    extra.pos.assign(static_cast<size_t>(c.NKV) * extra.n, -1);
+    for (int h = 0; h < static_cast<int>(c.extra.size()); ++h)
+      for (int i = 0; i < c.extra[h]; ++i) extra.pos[static_cast<size_t>(h) * extra.n + i] = c.T + i;
+    PromptRows prompt;
+    prompt.T = c.T;
+    prompt.k.assign(c.NKV, std::vector<const float*>(c.T));
+    prompt.v = prompt.k;
+    for (int h = 0; h < c.NKV; ++h)
+      for (int t = 0; t < c.T; ++t) {
+        prompt.k[h][t] = qkv.data() + static_cast<size_t>(t) * pl.row_stride + pl.k_col + h * c.D;
+        prompt.v[h][t] = qkv.data() + static_cast<size_t>(t) * pl.row_stride + pl.v_col + h * c.D;
+      }
+    const ExactAttention ref = exact_attention(row.data(), c.NH, c.D, pl.scale, prompt, extra);
+    const std::string what = "T=" + std::to_string(c.T) + " heads " + std::to_string(c.NH) + "/" +
+                             std::to_string(c.NKV) + " D=" + std::to_string(c.D) + " extra " + std::to_string(extra.n);
+    {
+      Buffer P = make(*op_backends().cpu, "prompt_qkv", {c.T, pl.row_stride}, Dt::F32, qkv);
+      Buffer Q = make(*op_backends().cpu, "qkv1", {1, pl.row_stride}, Dt::F32, row);
+      ExactAttention x;
+      EXPECT_FALSE(op_backends().cpu->exact_decode_attention(Q, l1, P, pl, extra, x)) << what;
+    }
+    KVLENS_NEED_GPU();
+    Backend& gpu = *op_backends().gpu;
+    Buffer P = make(gpu, "prompt_qkv", {c.T, pl.row_stride}, Dt::F32, qkv);
+    Buffer Q = make(gpu, "qkv1", {1, pl.row_stride}, Dt::F32, row);
+    ExactAttention x;
+    ASSERT_TRUE(gpu.exact_decode_attention(Q, l1, P, pl, extra, x)) << what;
+    ASSERT_EQ(x.n, ref.n) << what;
+    EXPECT_EQ(x.pos, ref.pos) << what;
+    const int n = ref.n, G = c.NH / c.NKV;
+    for (int hd = 0; hd < c.NH; ++hd) {
+      const int h = hd / G;
+      std::vector<double> bs(n, 0.0);
+      double worst = 0;
+      for (int j = 0; j < n; ++j) {
+        const int32_t pos = ref.pos[static_cast<size_t>(h) * n + j];
+        if (pos < 0) continue;
+        const float* k = j < c.T ? prompt.k[h][j] : extra.k.data() + (static_cast<size_t>(h) * extra.n + j - c.T) * c.D;
+        double mag = 0;
+        for (int d = 0; d < c.D; ++d) mag += std::abs(double(row[static_cast<size_t>(hd) * c.D + d]) * k[d]);
+        bs[j] = 2.0 * (c.D + 1) * u * pl.scale * mag + 1e-30;
+        worst = std::max(worst, bs[j]);
+      }
+      const size_t at = static_cast<size_t>(hd) * n;
+      std::vector<double> bp(n);
+      for (int j = 0; j < n; ++j) bp[j] = ref.probs[at + j] * (3 * worst + 8 * u) + 1e-30;
+      for (int j = 0; j < n; ++j) {
+        if (ref.pos[static_cast<size_t>(h) * n + j] < 0) {
+          EXPECT_EQ(x.scores[at + j], -std::numeric_limits<float>::infinity()) << what << " padding score";
+          EXPECT_EQ(x.probs[at + j], 0.0f) << what << " padding probability";
+          continue;
+        }
+        EXPECT_LE(std::abs(double(x.scores[at + j]) - ref.scores[at + j]), bs[j]) << what << " head " << hd << " key " << j;
+        EXPECT_LE(std::abs(double(x.probs[at + j]) - ref.probs[at + j]), bp[j]) << what << " head " << hd << " key " << j;
+      }
+      for (int d = 0; d < c.D; ++d) {
+        double bound = 1e-12;
+        for (int j = 0; j < n; ++j) {
+          if (ref.pos[static_cast<size_t>(h) * n + j] < 0) continue;
+          const float* v = j < c.T ? prompt.v[h][j] : extra.v.data() + (static_cast<size_t>(h) * extra.n + j - c.T) * c.D;
+          bound += (bp[j] + u * ref.probs[at + j]) * std::abs(double(v[d]));
+        }
+        EXPECT_LE(std::abs(x.out[static_cast<size_t>(hd) * c.D + d] - ref.out[static_cast<size_t>(hd) * c.D + d]), bound)
+            << what << " head " << hd << " output " << d;
+      }
+    }
   }
 }
 

@@ -256,7 +256,7 @@ void run_case(const DecodeCase& c) {
     const auto row = projections(c, l1, 1);
     const int32_t p = T + step;
     const SegmentKind gen = SegmentKind::Generated;
-    std::vector<float> outs[2], sc[2], pr[2];
+    std::vector<float> outs[2], sc[2], pr[2], raw[2], tap_out[2];
     int n_max = 0;
     for (int h = 0; h < c.NKV; ++h) n_max = std::max(n_max, cpu.store.n_rows(0, h) + 1);
     for (int i = 0; i < nb; ++i) {
@@ -282,9 +282,26 @@ void run_case(const DecodeCase& c) {
       sc[i].assign(static_cast<size_t>(c.NH) * n_max, 0.0f);
       pr[i].assign(sc[i].size(), 0.0f);
       const ScoreTransform tr = s.policy ? s.policy->score_transform() : ScoreTransform{};
-      s.be->decode_attention(X, l1, kv, 0, &tr, O, c.capture ? sc[i].data() : nullptr,
-                             c.capture ? pr[i].data() : nullptr, n_max);
+      raw[i].assign(sc[i].size(), 0.0f);
+      tap_out[i].assign(static_cast<size_t>(c.NH) * c.D, 0.0f);
+      DecodeTaps taps;
+      if (c.capture) {
+        taps.scores = sc[i].data();
+        taps.probs = pr[i].data();
+        taps.raw_scores = raw[i].data();
+        taps.out = tap_out[i].data();
+        taps.n_max = n_max;
+      }
+      s.be->decode_attention(X, l1, kv, 0, &tr, O, taps);
       outs[i] = read(*s.be, O);
+      // The fp32 output tap is the output itself when the output buffer is fp32; without a
+      // transform the scores before it are the scores after it.
+      if (c.capture) {
+        EXPECT_EQ(tap_out[i], outs[i]) << what << " output tap, side " << i;
+        if (!tr.any()) {
+          EXPECT_EQ(raw[i], sc[i]) << what << " raw scores without a transform, side " << i;
+        }
+      }
     }
     if (g) check_bytes(gpu, cpu, c.D, c.packed, what + " step " + std::to_string(step));
     std::vector<float> ref;
@@ -305,6 +322,11 @@ void run_case(const DecodeCase& c) {
         double amax = 0;
         for (float x : g0) amax = std::max(amax, std::abs(double(x)));
         expect_within(g, g0, bound_rel(g0, 64 * dot_rel(c.D) * (amax + 1), 0), "cuda " + what + " scores");
+        std::vector<float> rg(raw[1].begin() + hd * n_max, raw[1].begin() + hd * n_max + n);
+        std::vector<float> r0(raw[0].begin() + hd * n_max, raw[0].begin() + hd * n_max + n);
+        double rmax = 0;
+        for (float x : r0) rmax = std::max(rmax, std::abs(double(x)));
+        expect_within(rg, r0, bound_rel(r0, 64 * dot_rel(c.D) * (rmax + 1), 0), "cuda " + what + " raw scores");
         expect_within(pg, p0, bound_rel(p0, 1e-6, 128 * dot_rel(c.D) * (amax + 1)), "cuda " + what + " probs");
         for (int j = n; j < n_max; ++j) EXPECT_EQ(pr[1][hd * n_max + j], 0.0f) << what << " probability padding";
       }

@@ -17,6 +17,8 @@
 #include <set>
 
 #include "core/diagnostics/diagnostics.h"
+#include "core/errors.h"
+#include "core/exact_attention.h"
 #include "core/compress/quant_methods.h"
 #include "tests/held_attention.h"
 
@@ -69,8 +71,11 @@ std::vector<Row> method_rows(const std::vector<Row>& kept_prompt, int step) {
 
 // What the method's attention saw: scores q·k/√d (then `calibrate` on the visual keys, as a
 // score transform does), probabilities = their softmax. Recorded as a decode event.
+// With `taps`, the event carries no rows: the scores before calibration, the method's output
+// and the exact attention (over the full prompt and the generated rows) instead, computed here
+// from the definitions, as a device hands them over.
 void record(DecodeRecorder& rec, int step, const std::vector<Row>& rows, bool calibrate = false,
-            float tau1 = 0, float tau2 = 0) {
+            float tau1 = 0, float tau2 = 0, bool taps = false) {
   const int n = static_cast<int>(rows.size());
   std::vector<float> q(H * D), k, v, scores(H * n), probs(H * n);
   std::vector<int32_t> key_pos;
@@ -83,10 +88,12 @@ void record(DecodeRecorder& rec, int step, const std::vector<Row>& rows, bool ca
     key_pos.push_back(r.pos);
     key_kind.push_back(r.kind);
   }
+  std::vector<float> raw(H * n);
   for (int h = 0; h < H; ++h) {
     float* s = &scores[h * n];
     for (int j = 0; j < n; ++j)
       s[j] = static_cast<float>((q[h * D] * rows[j].k[0] + q[h * D + 1] * rows[j].k[1]) * kScale);
+    std::copy(s, s + n, &raw[h * n]);
     if (calibrate) calibquant::calibrate_visual(s, key_kind.data(), n, tau1, tau2);
     double mx = *std::max_element(s, s + n), z = 0;
     for (int j = 0; j < n; ++j) z += std::exp(s[j] - mx);
@@ -99,6 +106,34 @@ void record(DecodeRecorder& rec, int step, const std::vector<Row>& rows, bool ca
   e.scores = scores.data(), e.probs = probs.data(), e.query_pos = &qpos;
   e.key_pos = key_pos.data(), e.key_kind = key_kind.data();
   e.q = q.data(), e.k = k.data(), e.v = v.data();
+  std::vector<float> out(H * D, 0.0f);
+  ExactAttention x;
+  if (taps) {
+    std::vector<Row> exact = kPrompt;
+    for (int s = 0; s <= step; ++s) exact.push_back(kGenerated[s]);
+    x.n = static_cast<int>(exact.size());
+    for (const Row& r : exact) x.pos.push_back(r.pos);
+    x.out.assign(H * D, 0.0);
+    for (int h = 0; h < H; ++h) {
+      std::vector<double> se(x.n);
+      for (int j = 0; j < x.n; ++j) se[j] = (q[h * D] * double(exact[j].k[0]) + q[h * D + 1] * double(exact[j].k[1])) * kScale;
+      const double mx = *std::max_element(se.begin(), se.end());
+      double z = 0;
+      for (double v : se) z += std::exp(v - mx);
+      for (int j = 0; j < x.n; ++j) {
+        const double pj = std::exp(se[j] - mx) / z;
+        x.scores.push_back(static_cast<float>(se[j]));
+        x.probs.push_back(static_cast<float>(pj));
+        for (int c = 0; c < D; ++c) x.out[h * D + c] += pj * exact[j].v[c];
+      }
+      for (int j = 0; j < n; ++j)
+        for (int c = 0; c < D; ++c) out[h * D + c] += probs[h * n + j] * rows[j].v[c];
+    }
+    e.k = e.v = nullptr;
+    e.raw_scores = raw.data();
+    e.out = out.data();
+    e.exact = &x;
+  }
   rec.on_attention(e);
 }
 
@@ -550,4 +585,60 @@ TEST(CacheHitRate, StepsAndK) {
     ASSERT_EQ(s.size(), 2u);
     for (const auto& per_layer : s) EXPECT_EQ(per_layer.size(), static_cast<size_t>(HitRun::L));
   }
+}
+
+// A recorder that compares as the queries come (what a run uses) gives compare_layers what a
+// recorder that keeps the rows gives, whether the events carry rows (compared on the host with
+// the full store) or only what a device hands over (raw scores, the output, the exact
+// attention, computed in this file from the definitions): a quantized key, an evicted key and
+// calibrated scores over two steps. The rows recorder is pinned to the definitions above.
+TEST(DiagnosticsByHand, ComparingRecorderWithAndWithoutRowsAgrees) {
+  const KVStore full = full_store();
+  const std::vector<std::vector<float>> no_probs(1);
+  std::vector<Row> quantized = kPrompt;
+  quantized[1].k = {0.25f, 0.75f};
+  quantized[1].v = {-0.75f, 0.25f};
+  const std::vector<Row> evicted = {kPrompt[0], kPrompt[2], kPrompt[3]};
+  struct Case { const char* name; std::vector<Row> kept; bool calibrate; };
+  for (const Case& c : {Case{"quantized key", quantized, false}, Case{"evicted key", evicted, false},
+                        Case{"calibrated", quantized, true}}) {
+    const PrefillView pv = view_of(full, no_probs, H);
+    DecodeRecorder rows(4), with_rows(4, pv), without(4, pv);
+    EXPECT_EQ(with_rows.compares_to(), pv.attention);
+    EXPECT_EQ(rows.compares_to(), nullptr);
+    for (int step = 0; step < 2; ++step) {
+      record(rows, step, method_rows(c.kept, step), c.calibrate, 0.5f, 1.0f);
+      record(with_rows, step, method_rows(c.kept, step), c.calibrate, 0.5f, 1.0f);
+      record(without, step, method_rows(c.kept, step), c.calibrate, 0.5f, 1.0f, true);
+    }
+    for (const auto& e : without.entries()) {
+      EXPECT_TRUE(e.compared && e.k.empty() && e.v.empty()) << c.name;
+    }
+    const auto want = compare_layers(pv, rows, full, 6, 0.01);
+    for (const DecodeRecorder* r : {&with_rows, &without}) {
+      const auto got = compare_layers(pv, *r, full, 6, 0.01);
+      ASSERT_EQ(got.size(), 1u);
+      const std::string what = std::string(c.name) + (r == &without ? " (no rows)" : " (rows)");
+      ASSERT_GT(want[0].softmax_mse, 1e-6) << what;
+      expect_close(got[0].softmax_mse, want[0].softmax_mse, what.c_str());
+      expect_close(got[0].softmax_kl, want[0].softmax_kl, what.c_str());
+      expect_close(got[0].output_rel_error, want[0].output_rel_error, what.c_str());
+      EXPECT_DOUBLE_EQ(got[0].sparsity_decode, want[0].sparsity_decode) << what;
+      EXPECT_EQ(got[0].visual_scores.exact, want[0].visual_scores.exact) << what;
+      EXPECT_EQ(got[0].visual_scores.quantized, want[0].visual_scores.quantized) << what;
+      EXPECT_EQ(got[0].visual_scores.calibrated, want[0].visual_scores.calibrated) << what;
+      EXPECT_NEAR(got[0].visual_scores.lo, want[0].visual_scores.lo, 1e-6) << what;
+    }
+  }
+  // An event with neither rows nor what a device hands over cannot be compared.
+  DecodeRecorder bad(4, view_of(full, no_probs, H));
+  const int32_t qpos = T;
+  std::vector<float> q(H * D, 0.5f), sc(H * T, 0.0f), pr(H * T, 0.25f);
+  std::vector<int32_t> kp = {0, 1, 2, 3};
+  AttentionEvent e;
+  e.phase = Phase::Decode;
+  e.n_heads = H, e.n_kv_heads = 1, e.n_q = 1, e.n_k = T, e.head_dim = D;
+  e.scores = sc.data(), e.probs = pr.data(), e.query_pos = &qpos, e.key_pos = kp.data(), e.key_kind = kKinds.data();
+  e.q = q.data();
+  EXPECT_THROW(bad.on_attention(e), InternalError);
 }

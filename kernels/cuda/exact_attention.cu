@@ -1,0 +1,126 @@
+// The exact attention of one decode query (core/exact_attention.h; host reference:
+// exact_attention): each query head over the prompt's captured keys and values and then the
+// extra rows of its KV head. One block per query head.
+#include <cmath>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/kernels.h"
+
+namespace kvlens::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;
+
+__device__ float block_max(float v, float* red) {
+  v = warp_max(v);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < kThreads / 32 ? red[lane] : -INFINITY;
+    v = warp_max(v);
+    if (lane == 0) red[0] = v;
+  }
+  __syncthreads();
+  const float r = red[0];
+  __syncthreads();
+  return r;
+}
+
+__device__ double block_sum(double v, double* red) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < kThreads / 32 ? red[lane] : 0.0;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0) red[0] = v;
+  }
+  __syncthreads();
+  const double r = red[0];
+  __syncthreads();
+  return r;
+}
+
+struct ExactArgs {
+  const float* prompt;  // [T][stride]
+  int64_t stride;
+  int64_t k_col, v_col;
+  int T;
+  const float* q;  // [NH][D]
+  const float *xk, *xv;  // [NKV][n_extra][D]
+  const int* xpos;       // [NKV][n_extra]
+  int n_extra, NH, NKV, D;
+  float scale;
+  float *scores, *probs;  // [NH][T + n_extra]
+  double* out;            // [NH][D]
+};
+
+__global__ void __launch_bounds__(kThreads) exact_attention_kernel(ExactArgs a) {
+  extern __shared__ float qs[];  // D floats
+  __shared__ float red_f[kThreads / 32];
+  __shared__ double red_d[kThreads / 32];
+  const int hd = blockIdx.x, h = hd / (a.NH / a.NKV), n = a.T + a.n_extra, D = a.D;
+  for (int c = threadIdx.x; c < D; c += kThreads) qs[c] = a.q[static_cast<int64_t>(hd) * D + c];
+  __syncthreads();
+  auto valid = [&](int j) { return j < a.T || a.xpos[static_cast<int64_t>(h) * a.n_extra + (j - a.T)] >= 0; };
+  auto key = [&](int j) {
+    return j < a.T ? a.prompt + static_cast<int64_t>(j) * a.stride + a.k_col + static_cast<int64_t>(h) * D
+                   : a.xk + (static_cast<int64_t>(h) * a.n_extra + (j - a.T)) * D;
+  };
+  auto value = [&](int j) {
+    return j < a.T ? a.prompt + static_cast<int64_t>(j) * a.stride + a.v_col + static_cast<int64_t>(h) * D
+                   : a.xv + (static_cast<int64_t>(h) * a.n_extra + (j - a.T)) * D;
+  };
+  float* s = a.scores + static_cast<int64_t>(hd) * n;
+  float* p = a.probs + static_cast<int64_t>(hd) * n;
+  float mx = -INFINITY;
+  for (int j = threadIdx.x; j < n; j += kThreads) {
+    float v = -INFINITY;
+    if (valid(j)) {
+      const float* kj = key(j);
+      float dot = 0.0f;
+      for (int c = 0; c < D; ++c) dot += qs[c] * kj[c];
+      v = dot * a.scale;
+      mx = fmaxf(mx, v);
+    }
+    s[j] = v;
+  }
+  mx = block_max(mx, red_f);
+  double sum = 0.0;
+  for (int j = threadIdx.x; j < n; j += kThreads) {
+    float e = 0.0f;
+    if (valid(j)) {
+      e = expf(s[j] - mx);
+      sum += e;
+    }
+    p[j] = e;
+  }
+  sum = block_sum(sum, red_d);
+  for (int j = threadIdx.x; j < n; j += kThreads)
+    if (valid(j)) p[j] = static_cast<float>(p[j] / sum);
+  __syncthreads();  // every thread's probabilities, before the output reads them all
+  for (int c = threadIdx.x; c < D; c += kThreads) {
+    double o = 0.0;
+    for (int j = 0; j < n; ++j)
+      if (valid(j)) o += static_cast<double>(p[j] * value(j)[c]);
+    a.out[static_cast<int64_t>(hd) * D + c] = o;
+  }
+}
+
+}  // namespace
+
+void exact_attention(const float* prompt, int64_t stride, int64_t k_col, int64_t v_col, int T, const float* q,
+                     const float* xk, const float* xv, const int* xpos, int n_extra, int n_heads, int n_kv_heads,
+                     int head_dim, float scale, float* scores, float* probs, double* out, cudaStream_t s) {
+  ExactArgs a{prompt, stride, k_col, v_col, T, q, xk, xv, xpos, n_extra, n_heads, n_kv_heads, head_dim, scale,
+              scores, probs, out};
+  exact_attention_kernel<<<n_heads, kThreads, static_cast<size_t>(head_dim) * sizeof(float), s>>>(a);
+  KV_CUDA(cudaGetLastError(), "exact_attention kernel");
+}
+
+}  // namespace kvlens::cuda
