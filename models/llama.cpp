@@ -125,19 +125,17 @@ std::vector<float> LlamaDecoder::prefill(const Buffer& x0, const std::vector<Seg
 
   const bool keep = capture && capture->keep;
   // Observers see each layer's scores and probabilities as it runs (one layer's at a time); a
-  // capture keeps the layer's queries, keys and values and recomputes its attention on demand.
+  // capture keeps the layer's queries, keys and values where they are (the backend's memory)
+  // and recomputes its attention on demand: nothing of it crosses to the host.
   const bool observe = !observers.empty();
-  const bool want_q = observe || keep;
+  const bool want_q = observe;
   std::vector<float> scores, probs, qkv_host;
   if (observe) {
     scores.resize(static_cast<size_t>(NH) * T * T);
     probs.resize(scores.size());
   }
   std::shared_ptr<CapturedAttention> captured;
-  if (keep) {
-    capture->q.assign(cfg.num_hidden_layers, {});
-    captured = std::make_shared<CapturedAttention>(be, lay, mdt, cfg.num_hidden_layers);
-  }
+  if (keep) captured = std::make_shared<CapturedAttention>(be, lay, mdt, cfg.num_hidden_layers);
   for (int l = 0; l < cfg.num_hidden_layers; ++l) {
     const LlamaLayer& L = layers[l];
     be->rms_norm(h, L.ln1, eps, x);
@@ -175,7 +173,6 @@ std::vector<float> LlamaDecoder::prefill(const Buffer& x0, const std::vector<Seg
       e.q = q.data(); e.k = keys.data(); e.v = vals.data(); e.head_dim = D;
       for (AttentionObserver* o : observers) o->on_attention(e);
     }
-    if (keep) capture->q[l] = std::move(q);
     be->linear(a, L.o_w, or_null(L.o_b), h, true);
     mlp(L, h, x, gu, g);
     be->check_finite(h, "text layer " + std::to_string(l) + " output (prefill)");

@@ -287,10 +287,7 @@ std::vector<PrefillContext> LlavaModel::prefill_contexts(const PrefillState& st)
     c.n_kv_heads = cfg_.text.num_key_value_heads;
     c.head_dim = cfg_.text.head_dim;
     c.prompt_len = static_cast<int>(st.ids.size());
-    if (st.capture.keep) {
-      c.q = st.capture.q[l].data();
-      c.attention = st.capture.attention.get();
-    }
+    if (st.capture.keep) c.attention = st.capture.attention.get();
     c.token_kinds = &st.kinds;
     c.token_ids = &st.ids;
     if (st.device) c.backend = be_.get();  // a device backend: methods may compute there

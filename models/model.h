@@ -28,8 +28,7 @@ namespace kvlens {
 // from the queries, keys and values the backend keeps (core/prefill_attention.h).
 struct PrefillCapture {
   bool keep = false;
-  std::vector<std::vector<float>> q;  // [layer][T][n_heads][head_dim]
-  std::shared_ptr<const PrefillAttention> attention;
+  std::shared_ptr<const PrefillAttention> attention;  // each layer's q, k, v in the backend's memory
 };
 
 struct GenerateOptions {

@@ -87,7 +87,7 @@ struct Prompt {
     for (int l = 0; l < L; ++l) {
       PrefillContext& c = cs[l];
       c.layer = l, c.n_layers = L, c.n_heads = H, c.n_kv_heads = Hkv, c.head_dim = D;
-      c.prompt_len = T, c.q = q[l].data(), c.attention = held.get();
+      c.prompt_len = T, c.attention = held.get();
       c.token_kinds = &kinds, c.token_ids = &ids;
     }
     return cs;

@@ -89,7 +89,7 @@ class Bench {
     for (int l = 0; l < sc.L; ++l) {
       PrefillContext& c = cs[l];
       c.layer = l, c.n_layers = sc.L, c.n_heads = sc.H, c.n_kv_heads = sc.KH, c.head_dim = sc.D;
-      c.prompt_len = T, c.q = q[l].data(), c.attention = held.get();
+      c.prompt_len = T, c.attention = held.get();
       c.token_kinds = &kinds, c.token_ids = &ids;
     }
     return cs;

@@ -67,7 +67,7 @@ struct Fixture {
     held = std::make_shared<kvlens::testing::HeldAttention>(1, H, T, [this](int) { return &probs; });
     PrefillContext c;
     c.n_layers = 1, c.n_heads = H, c.n_kv_heads = KH, c.head_dim = D, c.prompt_len = T;
-    c.q = q.data(), c.attention = held.get();
+    c.attention = held.get();
     c.token_kinds = &kinds, c.token_ids = &ids;
     return c;
   }

@@ -70,7 +70,7 @@ for b in builds:
     print("%-12s bench: vision+prefill %.1f ms, decode %.1f tokens/s; prefill with capture %s ms, capture %s MB"
           % (tag, j.get("vision_ms", 0) + j.get("prefill_ms", 0), j.get("decode_tokens_per_s", 0),
              "%.1f" % j["prefill_with_capture_ms"] if "prefill_with_capture_ms" in j else "-",
-             "%.0f" % ((j.get("capture_backend_bytes", 0) + j.get("capture_host_bytes", 0)) / 1e6) if "capture_backend_bytes" in j else "-"))
+             "%.0f" % (j.get("capture_backend_bytes", 0) / 1e6) if "capture_backend_bytes" in j else "-"))
     print("%-12s %-22s %8s %10s %10s %10s %10s %9s" % ("", "method", "wall s", "prefill ms", "full dec ms", "compress", "decode ms", "peak GB"))
     for m in methods:
         safe = "".join(c if c.isalnum() or c == "_" else "_" for c in m)

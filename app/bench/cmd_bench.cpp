@@ -111,16 +111,14 @@ void run_bench(const BenchArgs& a) {
     bytes = r.bytes_after_prefill.total();
   }
   // The research path's prefill (kvlens run, the app): the same prompt keeping its attention —
-  // each layer's queries, keys and values in the backend's memory (and the queries on the host),
+  // each layer's queries, keys and values in the backend's memory,
   // from which a layer's probabilities are recomputed when a method or a view asks.
   std::vector<double> capture_prefill, view_ms;
-  int64_t capture_dev = 0, capture_host = 0, view_bytes = 0;
+  int64_t capture_dev = 0, view_bytes = 0;
   for (int i = 0; i < std::max(1, a.repeat); ++i) {
     const PrefillState st = model.prefill(img, a.prompt, kDefaultTemplate, true);
     capture_prefill.push_back(st.prefill_ms);
     capture_dev = st.capture.attention->capture_bytes();
-    capture_host = 0;
-    for (const auto& q : st.capture.q) capture_host += static_cast<int64_t>(q.size() * sizeof(float));
     const auto t0 = std::chrono::steady_clock::now();
     const auto probs = st.capture.attention->probs(st.capture.attention->n_layers() - 1);
     view_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
@@ -148,8 +146,7 @@ void run_bench(const BenchArgs& a) {
   std::printf("%-26s %12.1f %%\n", "decode / roofline", 100.0 * tps / roof);
   std::printf("%-26s %12.2f ms\n", "caption total", median(total));
   std::printf("%-26s %12.2f ms\n", "prefill with capture", median(capture_prefill));
-  std::printf("%-26s %12.1f MB (%s) + %.1f MB (host queries)\n", "capture memory", capture_dev / 1e6,
-              be.name() == "cpu" ? "host" : "device", capture_host / 1e6);
+  std::printf("%-26s %12.1f MB (%s)\n", "capture memory", capture_dev / 1e6, be.name() == "cpu" ? "host" : "device");
   std::printf("%-26s %12.2f ms (%.1f MB to the host)\n", "one layer's attention", median(view_ms), view_bytes / 1e6);
   const int steps = std::max(1, tokens - 1);
   if (!prof_prefill.empty() || !prof_decode.empty()) {
@@ -181,7 +178,6 @@ void run_bench(const BenchArgs& a) {
                       {"prefill_ms", median(prefill)},
                       {"prefill_with_capture_ms", median(capture_prefill)},
                       {"capture_backend_bytes", capture_dev},
-                      {"capture_host_bytes", capture_host},
                       {"layer_attention_ms", median(view_ms)},
                       {"layer_attention_bytes", view_bytes},
                       {"compress_ms", median(compress)},

@@ -29,7 +29,6 @@ MemoryPlan plan_experiment(const Model& model, const ExperimentOptions& opt) {
   const int64_t row = (H + 2 * KVH) * D;  // q, k and v of one token
   const bool device = p.backend != "cpu";
   p.capture = L * T * row * 4;
-  if (!device) p.capture += L * T * H * D * 4;  // the host queries share the CPU's memory
   // K and V of every token (prompt and new), fp16 on a device unless fp32 rows are asked for,
   // fp32 values on the CPU, and an int32 position; the prefill's cache and a decode's copy.
   const int64_t value = device && opt.kv_storage == RowStorage::Fp16 ? 2 : 4;

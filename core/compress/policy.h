@@ -20,9 +20,8 @@ struct PrefillContext {
   int n_kv_heads = 0;
   int head_dim = 0;
   int prompt_len = 0;
-  // Prompt queries after RoPE, [prompt_len][n_heads][head_dim], and the prompt's attention,
-  // from which probs() recomputes this layer's causal probabilities on demand.
-  const float* q = nullptr;
+  // The prompt's attention, from which probs() recomputes this layer's causal probabilities on
+  // demand and reduce() reduces them where they are.
   const PrefillAttention* attention = nullptr;
   const std::vector<SegmentKind>* token_kinds = nullptr;  // [prompt_len]
   const std::vector<int>* token_ids = nullptr;            // [prompt_len]

@@ -138,7 +138,6 @@ std::vector<PrefillContext> contexts(const DecodeCase& c, const std::vector<floa
   p.n_kv_heads = c.NKV;
   p.head_dim = c.D;
   p.prompt_len = static_cast<int>(kinds.size());
-  p.q = q.data();
   // The probabilities live as long as the test's arrays (a held view, never freed here).
   static std::vector<std::unique_ptr<kvlens::testing::HeldAttention>> held;
   held.push_back(std::make_unique<kvlens::testing::HeldAttention>(1, c.NH, p.prompt_len,
