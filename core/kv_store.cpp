@@ -1,5 +1,8 @@
 #include "core/kv_store.h"
 
+#include <algorithm>
+#include <cstddef>
+
 #include "core/errors.h"
 #include "core/half.h"
 
@@ -58,29 +61,38 @@ void KVStore::append(int l, const float* k, const float* v, const int32_t* pos,
   const int H = n_kv_heads_, D = head_dim_;
   const char* label = row_storage_name(rows_);
   const bool half = rows_ == RowStorage::Fp16;
-  for (int t = 0; t < T; ++t) {
-    if (L.segments.empty() || L.segments.back().kind != kinds[t] || !L.segments.back().dense() ||
+  // A run of tokens of one kind at a time, each head's rows of the run appended together.
+  for (int t0 = 0; t0 < T;) {
+    int t1 = t0 + 1;
+    while (t1 < T && kinds[t1] == kinds[t0]) ++t1;
+    if (L.segments.empty() || L.segments.back().kind != kinds[t0] || !L.segments.back().dense() ||
         L.segments.back().storage != label) {
       KVSegment s;
-      s.kind = kinds[t];
+      s.kind = kinds[t0];
       s.storage = label;
       s.heads.resize(H);
       L.segments.push_back(std::move(s));
     }
     KVSegment& s = L.segments.back();
+    const size_t n = static_cast<size_t>(t1 - t0);
     for (int h = 0; h < H; ++h) {
-      const float* kr = k + (static_cast<int64_t>(t) * H + h) * D;
-      const float* vr = v + (static_cast<int64_t>(t) * H + h) * D;
       HeadRows& r = s.heads[h];
-      r.k.insert(r.k.end(), kr, kr + D);
-      r.v.insert(r.v.end(), vr, vr + D);
-      if (half) {
-        round_half_n(r.k.data() + r.k.size() - D, D);
-        round_half_n(r.v.data() + r.v.size() - D, D);
+      const size_t at = r.k.size();
+      r.k.resize(at + n * D);
+      r.v.resize(at + n * D);
+      for (int t = t0; t < t1; ++t) {
+        const int64_t src = (static_cast<int64_t>(t) * H + h) * D;
+        std::copy_n(k + src, D, r.k.begin() + static_cast<ptrdiff_t>(at + static_cast<size_t>(t - t0) * D));
+        std::copy_n(v + src, D, r.v.begin() + static_cast<ptrdiff_t>(at + static_cast<size_t>(t - t0) * D));
       }
-      r.pos.push_back(pos[t]);
+      if (half) {
+        round_half_n(r.k.data() + at, static_cast<int64_t>(n) * D);
+        round_half_n(r.v.data() + at, static_cast<int64_t>(n) * D);
+      }
+      r.pos.insert(r.pos.end(), pos + t0, pos + t1);
     }
     s.bytes = s.dense_bytes(D, row_storage_bytes(rows_));
+    t0 = t1;
   }
 }
 

@@ -672,6 +672,16 @@ std::shared_ptr<void> Context::pinned(int64_t bytes, const std::string& what) {
   return std::shared_ptr<void>(p, [](void* q) { cudaFreeHost(q); });
 }
 
+void* Context::staging(int64_t bytes, const std::string& what) {
+  if (bytes > staging_bytes) {
+    sync(what);  // a copy into the old buffer may still be in flight
+    staging_mem.reset();
+    staging_mem = pinned(bytes, what);
+    staging_bytes = bytes;
+  }
+  return staging_mem.get();
+}
+
 std::shared_ptr<CUevent_st> Context::event(const std::string& what) {
   cudaEvent_t e = nullptr;
   KV_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), what + " (event)");

@@ -40,6 +40,12 @@ struct Context : std::enable_shared_from_this<Context> {
   std::shared_ptr<void> alloc(int64_t bytes, const std::string& what);
   // `bytes` of page-locked host memory for `what` (the target of copies that must not wait).
   std::shared_ptr<void> pinned(int64_t bytes, const std::string& what);
+  // A page-locked host buffer of at least `bytes`, kept and grown as asked: the landing place of
+  // the large synchronous copies to the host (one at a time, on this context's stream), which
+  // run at the link's speed from page-locked memory.
+  void* staging(int64_t bytes, const std::string& what);
+  std::shared_ptr<void> staging_mem;
+  int64_t staging_bytes = 0;
   // An event without timing, destroyed with its last reference.
   std::shared_ptr<CUevent_st> event(const std::string& what);
   void upload(void* dst, const void* src, int64_t bytes, const std::string& what);

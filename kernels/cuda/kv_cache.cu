@@ -50,22 +50,19 @@ void host_rows(Context& ctx, const Buffer& qkv, const AttnLayout& l, int T, std:
   // Only the key and value columns cross (two thirds of a row at GQA 1:1), when they are adjacent.
   const bool kv_only = l.v_col == l.k_col + KD;
   const int64_t width = kv_only ? 2 * KD : l.row_stride, c0 = kv_only ? l.k_col : 0;
-  std::vector<float> all(static_cast<size_t>(T) * width);
-  if (kv_only) {
-    KV_CUDA(cudaMemcpy2DAsync(all.data(), static_cast<size_t>(width) * 4, qkv.as<float>() + c0,
-                              static_cast<size_t>(l.row_stride) * 4, static_cast<size_t>(width) * 4, T,
-                              cudaMemcpyDeviceToHost, ctx.stream),
-            qkv.name + " keys and values to the host");
-    ctx.sync(qkv.name + " keys and values to the host");
-  } else {
-    ctx.download(all.data(), qkv.data, static_cast<int64_t>(T) * width * 4, qkv.name);
-  }
+  const std::string what = qkv.name + " keys and values to the host";
+  float* all = static_cast<float*>(ctx.staging(static_cast<int64_t>(T) * width * 4, what));
+  KV_CUDA(cudaMemcpy2DAsync(all, static_cast<size_t>(width) * 4, qkv.as<float>() + c0,
+                            static_cast<size_t>(l.row_stride) * 4, static_cast<size_t>(width) * 4, T,
+                            cudaMemcpyDeviceToHost, ctx.stream),
+          what);
+  ctx.sync(what);
   k.resize(static_cast<size_t>(T) * KD);
   v.resize(k.size());
   for (int t = 0; t < T; ++t) {
     float* kt = k.data() + static_cast<size_t>(t) * KD;
     float* vt = v.data() + static_cast<size_t>(t) * KD;
-    const float* row = all.data() + static_cast<size_t>(t) * width;
+    const float* row = all + static_cast<size_t>(t) * width;
     std::copy_n(row + l.k_col - c0, KD, kt);
     std::copy_n(row + l.v_col - c0, KD, vt);
     round_half_n(kt, KD);

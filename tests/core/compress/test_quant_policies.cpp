@@ -172,6 +172,54 @@ TEST(KVStore, WithoutRowsKeepsTheLayout) {
   }
 }
 
+// Appends in several calls, kinds changing inside a call and a call continuing the last
+// segment's kind: one segment per run of a kind (a continued run extends the last segment),
+// each head's rows the input's rows [t][head] in order (fp16: each value half-rounded), the
+// positions as given, and the bytes of the rows held.
+TEST(KVStore, AppendsRunsOfAKindPerHead) {
+  const int KH = 3, D = 8;
+  const std::vector<SegmentKind> kinds = {SegmentKind::System, SegmentKind::System, kV, kV, kV,
+                                          SegmentKind::PostVisionText, SegmentKind::PostVisionText,
+                                          SegmentKind::Generated};
+  const int T = static_cast<int>(kinds.size());
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd(0.0f, 3.0f);
+  std::vector<float> k(static_cast<size_t>(T) * KH * D), v(k.size());
+  for (float& x : k) x = nd(rng);
+  for (float& x : v) x = nd(rng);
+  std::vector<int32_t> pos(T);
+  for (int t = 0; t < T; ++t) pos[t] = 10 + 3 * t;
+  for (RowStorage rows : {RowStorage::Fp32, RowStorage::Fp16}) {
+    KVStore s(1, KH, D, rows);
+    // Calls of 3, 1 (a visual token continuing the visual run) and 4 tokens.
+    for (auto [t0, n] : {std::pair{0, 3}, std::pair{3, 1}, std::pair{4, 4}})
+      s.append(0, k.data() + static_cast<size_t>(t0) * KH * D, v.data() + static_cast<size_t>(t0) * KH * D,
+               pos.data() + t0, kinds.data() + t0, n);
+    const auto& segs = s.layer(0).segments;
+    const std::vector<std::pair<SegmentKind, std::vector<int>>> want = {
+        {SegmentKind::System, {0, 1}}, {kV, {2, 3, 4}}, {SegmentKind::PostVisionText, {5, 6}}, {SegmentKind::Generated, {7}}};
+    ASSERT_EQ(segs.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      EXPECT_EQ(segs[i].kind, want[i].first) << i;
+      EXPECT_EQ(segs[i].storage, row_storage_name(rows));
+      EXPECT_EQ(segs[i].bytes.codes, static_cast<int64_t>(want[i].second.size()) * KH * D * 2 * row_storage_bytes(rows));
+      for (int h = 0; h < KH; ++h) {
+        const HeadRows& r = segs[i].heads[h];
+        ASSERT_EQ(r.n(), static_cast<int>(want[i].second.size()));
+        for (int j = 0; j < r.n(); ++j) {
+          const int t = want[i].second[j];
+          EXPECT_EQ(r.pos[j], pos[t]);
+          for (int c = 0; c < D; ++c) {
+            const float kx = k[(static_cast<size_t>(t) * KH + h) * D + c], vx = v[(static_cast<size_t>(t) * KH + h) * D + c];
+            EXPECT_EQ(r.k[static_cast<size_t>(j) * D + c], rows == RowStorage::Fp16 ? round_half(kx) : kx);
+            EXPECT_EQ(r.v[static_cast<size_t>(j) * D + c], rows == RowStorage::Fp16 ? round_half(vx) : vx);
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(KVStore, Fp16RowsAreHalfRoundedAndCountTwoBytesAValue) {
   // Values chosen so that half precision rounds them (1 + 2^-12 lies between two halves) or
   // keeps them exactly (0.5, 2048), and one that overflows half to infinity.
