@@ -258,6 +258,23 @@ class Backend {
   // (null = none) changes the scores before the softmax; what `taps` asks for is written too.
   virtual void decode_attention(const Buffer& qkv, const AttnLayout& l, SeqKV& kv, int layer,
                                 const ScoreTransform* transform, Buffer& out, const DecodeTaps& taps) = 0;
+  // Observed decode steps without a wait a layer. A backend that answers true here lets a step
+  // defer what its observers read: for each layer decode_attention_deferred runs the attention as
+  // decode_attention does with no taps (the transform applied where the backend applies it,
+  // never a Host one) and keeps the scores before the transform, and with want_out the fp32
+  // output, where they are; once the step's layers are launched and the host store holds the
+  // step's rows (kv_pull_rows), collect_deferred(layer) writes the taps: raw_scores and out as
+  // kept, scores = the transform's apply of the raw scores in the host's row order, probs their
+  // softmax (exp in float, the sum in double). A backend that answers false is never asked for
+  // the other two.
+  virtual bool defers_decode_taps() const { return false; }
+  virtual void decode_attention_deferred(const Buffer& qkv, const AttnLayout& l, SeqKV& kv, int layer,
+                                         const ScoreTransform* transform, Buffer& out, bool want_out) {
+    throw InternalError(name() + " backend: no deferred decode taps");
+  }
+  virtual void collect_deferred(SeqKV& kv, int layer, const ScoreTransform* transform, const DecodeTaps& taps) {
+    throw InternalError(name() + " backend: no deferred decode taps");
+  }
   // The exact attention (core/exact_attention.h) of the decode query in qkv (its q columns after
   // RoPE, laid out as l) over `prompt`, a prefill's qkv after RoPE (fp32 [T][row stride], laid
   // out as pl: its k and v columns), followed by `extra`: exact_attention's values, within the

@@ -346,6 +346,81 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
     if (c && c->backend() == be.get()) capture = c;
   }
 
+  // Observed steps whose observers read no rows (or compare with this capture) and whose
+  // policy does nothing on the host: on a backend that defers the taps, the layers run without
+  // waiting for the host, their rows come over together after the last layer, and the events
+  // are handed over then, layer by layer.
+  const bool rows_wanted = std::any_of(observers.begin(), observers.end(), [&](const AttentionObserver* o) {
+    return o->reads_decode_kv() && !(capture && o->compares_to());
+  });
+  const bool staged = want && kv.dev && !acts && !rows_wanted && transform.kind != ScoreTransform::Kind::Host &&
+                      !decode_needs_host_rows(policy) && be->defers_decode_taps();
+  if (staged && w.qkv_layers.empty())
+    w.qkv_layers = be->alloc("step.qkv_of_each_layer", {cfg.num_hidden_layers, lay.row_stride}, Dt::F32);
+
+  // The taps of layer l's event, sized by the rows the host store holds; then the event
+  // itself, handed to the observers (q_dev: the layer's qkv on the backend, q_host on the host).
+  struct Taps {
+    std::vector<float> scores, probs, raw, out;
+    DecodeTaps taps;
+  };
+  auto make_taps = [&](int l) {
+    Taps t;
+    int n_max = 0;
+    for (int h = 0; h < NKV; ++h) n_max = std::max(n_max, kv.host->n_rows(l, h));
+    t.scores.resize(static_cast<size_t>(NH) * n_max);
+    t.probs.resize(t.scores.size());
+    t.taps.scores = t.scores.data();
+    t.taps.probs = t.probs.data();
+    t.taps.n_max = n_max;
+    if (capture) {
+      t.raw.resize(t.scores.size());
+      t.out.resize(static_cast<size_t>(NH) * D);
+      t.taps.raw_scores = t.raw.data();
+      t.taps.out = t.out.data();
+    }
+    return t;
+  };
+  auto hand_over = [&](int l, Taps& t, const Buffer& q_dev, const float* q_host) {
+    const int n_max = t.taps.n_max;
+    ExactAttention exact;
+    const bool has_exact =
+        capture && be->exact_decode_attention(q_dev, lay, capture->layer_qkv(l), capture->layout(),
+                                              rows_from(*kv.host, l, capture->prompt_len()), exact);
+    const bool rows = std::any_of(observers.begin(), observers.end(), [&](const AttentionObserver* o) {
+      return o->reads_decode_kv() && !(has_exact && o->compares_to());
+    });
+    std::vector<int32_t> key_pos(static_cast<size_t>(NKV) * n_max, -1);
+    std::vector<SegmentKind> key_kind(key_pos.size(), SegmentKind::Generated);
+    std::vector<float> keys(rows ? static_cast<size_t>(NKV) * n_max * D : 0, 0.0f), vals(keys.size(), 0.0f);
+    std::vector<float> K, V;
+    std::vector<int32_t> P;
+    std::vector<SegmentKind> S;
+    for (int h = 0; h < NKV; ++h) {
+      if (rows) {
+        kv.host->gather(l, h, K, V, P, &S);
+        std::copy(K.begin(), K.end(), keys.begin() + static_cast<size_t>(h) * n_max * D);
+        std::copy(V.begin(), V.end(), vals.begin() + static_cast<size_t>(h) * n_max * D);
+      } else {
+        kv.host->positions(l, h, P, S);
+      }
+      std::copy(P.begin(), P.end(), key_pos.begin() + static_cast<size_t>(h) * n_max);
+      std::copy(S.begin(), S.end(), key_kind.begin() + static_cast<size_t>(h) * n_max);
+    }
+    AttentionEvent e;
+    e.phase = Phase::Decode; e.layer = l; e.step = step; e.n_heads = NH; e.n_kv_heads = NKV;
+    e.n_q = 1; e.n_k = n_max; e.scores = t.scores.data(); e.probs = t.probs.data();
+    e.query_pos = &pos; e.key_pos = key_pos.data(); e.key_kind = key_kind.data();
+    e.q = q_host; e.k = rows ? keys.data() : nullptr; e.v = rows ? vals.data() : nullptr;
+    e.head_dim = D;
+    if (capture) {
+      e.raw_scores = t.raw.data();
+      e.out = t.out.data();
+    }
+    if (has_exact) e.exact = &exact;
+    for (AttentionObserver* o : observers) o->on_attention(e);
+  };
+
   auto body = [&] {
     std::vector<int> deferred;
     be->embed(embed, w.ids, w.h);
@@ -364,7 +439,7 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
       const bool acts_now = acts && (!may_defer || policy->acts_at_step(ctx, kv.host->layer(l)));
       if (plain) {
         be->rope_append_attend(kv, l, w.qkv, lay, w.pos, &pos, &gen, static_cast<float>(cfg.rope_theta), w.a);
-      } else if (acts && !acts_now) {
+      } else if ((acts && !acts_now) || staged) {
         SeqKV device_only = kv;
         device_only.mirror = false;
         be->rope_append(device_only, l, w.qkv, lay, w.pos, &pos, &gen, 1, static_cast<float>(cfg.rope_theta));
@@ -379,63 +454,17 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
         policy->on_decode_step(ctx, kv.host->layer(l));
         if (kv.dev) be->kv_sync(*kv.dev, *kv.host, l);
       }
-      int n_max = 0;
-      std::vector<float> scores, probs, raw, out;
-      DecodeTaps taps;
-      if (want) {
-        for (int h = 0; h < NKV; ++h) n_max = std::max(n_max, kv.host->n_rows(l, h));
-        scores.resize(static_cast<size_t>(NH) * n_max);
-        probs.resize(scores.size());
-        taps.scores = scores.data();
-        taps.probs = probs.data();
-        taps.n_max = n_max;
-        if (capture) {
-          raw.resize(scores.size());
-          out.resize(static_cast<size_t>(NH) * D);
-          taps.raw_scores = raw.data();
-          taps.out = out.data();
-        }
-      }
-      if (!plain) be->decode_attention(w.qkv, lay, kv, l, &transform, w.a, taps);
-      if (want) {
-        ExactAttention exact;
-        const bool has_exact =
-            capture && be->exact_decode_attention(w.qkv, lay, capture->layer_qkv(l), capture->layout(),
-                                                  rows_from(*kv.host, l, capture->prompt_len()), exact);
-        const bool rows = std::any_of(observers.begin(), observers.end(), [&](const AttentionObserver* o) {
-          return o->reads_decode_kv() && !(has_exact && o->compares_to());
-        });
+      if (staged) {
+        be->decode_attention_deferred(w.qkv, lay, kv, l, &transform, w.a, capture != nullptr);
+        be->copy_block(w.qkv, 0, 0, w.qkv_layers, l, 0, 1, lay.row_stride);
+      } else if (want) {
+        Taps t = make_taps(l);
+        be->decode_attention(w.qkv, lay, kv, l, &transform, w.a, t.taps);
         w.qkv_host.resize(static_cast<size_t>(w.qkv.numel()));
         be->download(w.qkv, w.qkv_host.data());
-        std::vector<int32_t> key_pos(static_cast<size_t>(NKV) * n_max, -1);
-        std::vector<SegmentKind> key_kind(key_pos.size(), SegmentKind::Generated);
-        std::vector<float> keys(rows ? static_cast<size_t>(NKV) * n_max * D : 0, 0.0f), vals(keys.size(), 0.0f);
-        std::vector<float> K, V;
-        std::vector<int32_t> P;
-        std::vector<SegmentKind> S;
-        for (int h = 0; h < NKV; ++h) {
-          if (rows) {
-            kv.host->gather(l, h, K, V, P, &S);
-            std::copy(K.begin(), K.end(), keys.begin() + static_cast<size_t>(h) * n_max * D);
-            std::copy(V.begin(), V.end(), vals.begin() + static_cast<size_t>(h) * n_max * D);
-          } else {
-            kv.host->positions(l, h, P, S);
-          }
-          std::copy(P.begin(), P.end(), key_pos.begin() + static_cast<size_t>(h) * n_max);
-          std::copy(S.begin(), S.end(), key_kind.begin() + static_cast<size_t>(h) * n_max);
-        }
-        AttentionEvent e;
-        e.phase = Phase::Decode; e.layer = l; e.step = step; e.n_heads = NH; e.n_kv_heads = NKV;
-        e.n_q = 1; e.n_k = n_max; e.scores = scores.data(); e.probs = probs.data();
-        e.query_pos = &pos; e.key_pos = key_pos.data(); e.key_kind = key_kind.data();
-        e.q = w.qkv_host.data(); e.k = rows ? keys.data() : nullptr; e.v = rows ? vals.data() : nullptr;
-        e.head_dim = D;
-        if (capture) {
-          e.raw_scores = raw.data();
-          e.out = out.data();
-        }
-        if (has_exact) e.exact = &exact;
-        for (AttentionObserver* o : observers) o->on_attention(e);
+        hand_over(l, t, w.qkv, w.qkv_host.data());
+      } else if (!plain) {
+        be->decode_attention(w.qkv, lay, kv, l, &transform, w.a, DecodeTaps{});
       }
       be->linear(w.a, L.o_w, or_null(L.o_b), w.h, true);
       mlp(L, w.h, w.x, w.gu, w.g);
@@ -444,6 +473,15 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
     be->norm_linear(w.h, norm, eps, w.x, lm_head, nullptr, w.logits, check.empty() ? nullptr : &check);
     if (chain) be->next_token(w.logits, w.ids, w.pos);
     if (!deferred.empty()) be->kv_pull_rows(kv, deferred, &pos, &gen, 1);
+    if (staged) {  // the step's events, now that the host store holds its rows
+      std::vector<float> q_all(static_cast<size_t>(w.qkv_layers.numel()));
+      be->download(w.qkv_layers, q_all.data());
+      for (int l = 0; l < cfg.num_hidden_layers; ++l) {
+        Taps t = make_taps(l);
+        be->collect_deferred(kv, l, &transform, t.taps);
+        hand_over(l, t, w.qkv_layers.row_view(l, 1), q_all.data() + static_cast<size_t>(l) * lay.row_stride);
+      }
+    }
   };
   // Replay is allowed only for steps with no host-side work; the key changes whenever the
   // device cache is laid out anew, and differs between chained and unchained steps.

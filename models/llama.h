@@ -32,6 +32,7 @@ struct LlamaLayer {
 // buffers, so a device backend can capture a step once and replay it.
 struct LlamaWorkspace {
   Buffer h, x, qkv, a, gu, g, ids, pos, logits;
+  Buffer qkv_layers;  // each layer's qkv of an observed step whose events come at its end
   std::vector<float> qkv_host, logits_host;
   std::unique_ptr<StepCache> step;
 };

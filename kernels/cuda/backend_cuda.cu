@@ -476,6 +476,16 @@ class CudaBackend : public Backend {
     auto prof_scope = prof_.scope("decode_attention", *ctx_);
     kv_decode_attention(*ctx_, qkv, l, kv, layer, transform, out, taps);
   }
+  bool defers_decode_taps() const override { return true; }
+  void decode_attention_deferred(const Buffer& qkv, const AttnLayout& l, SeqKV& kv, int layer,
+                                 const ScoreTransform* transform, Buffer& out, bool want_out) override {
+    auto prof_scope = prof_.scope("decode_attention", *ctx_);
+    kv_decode_deferred(*ctx_, qkv, l, kv, layer, transform, out, want_out);
+  }
+  void collect_deferred(SeqKV& kv, int layer, const ScoreTransform* transform, const DecodeTaps& taps) override {
+    auto prof_scope = prof_.scope("collect_deferred", *ctx_);
+    kv_collect_deferred(*ctx_, kv, layer, transform, taps);
+  }
   bool exact_decode_attention(const Buffer& qkv, const AttnLayout& l, const Buffer& prompt, const AttnLayout& pl,
                               const ExtraRows& extra, ExactAttention& out) override {
     auto prof_scope = prof_.scope("exact_decode_attention", *ctx_);

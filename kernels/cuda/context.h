@@ -74,6 +74,10 @@ bool kv_rope_append(Context& ctx, SeqKV& kv, int layer, Buffer& qkv, const AttnL
                     const int32_t* pos_host, const SegmentKind* kinds, int T, const float* inv_freq);
 void kv_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, SeqKV& kv, int layer,
                          const ScoreTransform* transform, Buffer& out, const DecodeTaps& taps);
+// Backend::decode_attention_deferred and collect_deferred (kv_decode.cu).
+void kv_decode_deferred(Context& ctx, const Buffer& qkv, const AttnLayout& l, SeqKV& kv, int layer,
+                        const ScoreTransform* transform, Buffer& out, bool want_out);
+void kv_collect_deferred(Context& ctx, SeqKV& kv, int layer, const ScoreTransform* transform, const DecodeTaps& taps);
 // kv_rope_append and the plain kv_decode_attention in one kernel (the fp16 decode kernel rotates
 // q and the token's k, attends over the cache and the token's row, and appends the row); false
 // when the step needs the separate ops (prompt rows, host rows kept in step, a cache that is not

@@ -236,6 +236,15 @@ class CudaKV : public DeviceKV {
   std::shared_ptr<Context> ctx;
   int L, NKV, D;
   std::vector<DevLayer> layers;
+  // Per layer, what kv_decode_deferred kept on the device for kv_collect_deferred: the scores
+  // before the transform in the device's row order [n_heads][stride], and the fp32 output.
+  struct Deferred {
+    DevMem scores, out;
+    int64_t stride = 0;
+    int n_heads = 0;
+    bool pending = false;
+  };
+  std::vector<Deferred> deferred;
   DevMem counters, done;
   DevMem table, nparts, part_o, part_md, vis_range, vis_scores, md_out, sem, claim;
   int64_t vis_stride = 0;

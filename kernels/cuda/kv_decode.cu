@@ -1,6 +1,8 @@
 // Decode attention over the GPU KV cache: the fused kernel on the device's parts, or (for
 // observers, and for score transforms a device cannot apply in its kernel) scores to the host,
 // transformed there in the host store's row order, and back for the softmax and values.
+#include <cmath>
+
 #include "kernels/cuda/kv_cache.h"
 
 namespace kvlens::cuda {
@@ -36,7 +38,128 @@ DecodeParams layer_params(CudaKV& C, const Buffer& qkv, const AttnLayout& l, int
   return p;
 }
 
+// Device row order per KV head → the host store's row index; n_dev = the most rows of a head.
+std::vector<std::vector<int32_t>> host_order(const CudaKV& C, const KVStore& host, int layer, int& n_dev) {
+  const DevLayer& d = C.layers[layer];
+  std::vector<std::vector<int32_t>> dev2host(C.NKV);
+  n_dev = 0;
+  for (int h = 0; h < C.NKV; ++h) {
+    int base = 0;
+    for (const DevSeg& s : d.segs) {
+      for (const DevPart& q : s.heads[h])
+        for (int i = 0; i < q.d.n; ++i) dev2host[h].push_back(base + (q.order.empty() ? i : q.order[i]));
+      base += static_cast<int>(s.pos[h].size());
+    }
+    for (int i = 0; i < d.tail.n; ++i) dev2host[h].push_back(base + i);
+    if (static_cast<int>(dev2host[h].size()) != host.n_rows(layer, h))
+      throw InternalError("decode_attention: device and host rows differ in layer " + std::to_string(layer));
+    n_dev = std::max(n_dev, static_cast<int>(dev2host[h].size()));
+  }
+  return dev2host;
+}
+
+// The most rows a KV head of `layer` holds on the device.
+int device_rows(const CudaKV& C, int layer) {
+  const DevLayer& d = C.layers[layer];
+  int n = 0;
+  for (int h = 0; h < C.NKV; ++h) {
+    int r = d.tail.n;
+    for (const DevSeg& s : d.segs)
+      for (const DevPart& q : s.heads[h]) r += q.d.n;
+    n = std::max(n, r);
+  }
+  return n;
+}
+
+// The in-kernel calibration of `transform` on p.
+void set_calibration(DecodeParams& p, CudaKV& C, const ScoreTransform& transform) {
+  p.calibrate = 1;
+  p.tau1 = transform.tau1;
+  p.tau2 = transform.tau2;
+  p.vis_range = C.vis_range.as<float>();
+  p.vis_scores = C.vis_stride ? C.vis_scores.as<float>() : nullptr;
+  p.vis_stride = C.vis_stride;
+}
+
 }  // namespace
+
+void kv_decode_deferred(Context& ctx, const Buffer& qkv, const AttnLayout& l, SeqKV& kv, int layer,
+                        const ScoreTransform* transform, Buffer& out, bool want_out) {
+  CudaKV& C = as_cuda(kv.dev);
+  if (l.n_kv_heads != C.NKV || l.head_dim != C.D) throw InternalError("decode_attention: cache shape differs");
+  if (transform && transform->kind == ScoreTransform::Kind::Host)
+    throw InternalError("decode_attention: a host score transform cannot be deferred");
+  C.build_tables(l.n_heads);
+  const int NH = l.n_heads;
+  DecodeParams p = layer_params(C, qkv, l, layer, out);
+  DecodeParams raw = p;
+  if (transform && transform->kind == ScoreTransform::Kind::Calibrate) set_calibration(p, C, *transform);
+  decode_attention(p, ctx.stream);
+  if (C.deferred.size() != static_cast<size_t>(C.L)) C.deferred.resize(static_cast<size_t>(C.L));
+  CudaKV::Deferred& d = C.deferred[static_cast<size_t>(layer)];
+  d.stride = std::max(device_rows(C, layer), 1);
+  d.n_heads = NH;
+  const int64_t sb = static_cast<int64_t>(NH) * d.stride * 4;
+  if (d.scores.bytes < sb) d.scores = {ctx.alloc(sb, "deferred decode scores"), sb};
+  raw.scores_out = d.scores.as<float>();
+  raw.scores_stride = d.stride;
+  decode_scores(raw, ctx.stream);  // before the transform: the scoring pass never calibrates
+  if (want_out) {
+    const int64_t ob = static_cast<int64_t>(NH) * C.D * 4;
+    if (d.out.bytes < ob) d.out = {ctx.alloc(ob, "deferred decode output (fp32)"), ob};
+    DecodeParams p32 = p;
+    p32.out = d.out.mem.get();
+    p32.odt = Dt::F32;
+    decode_attention(p32, ctx.stream);
+  } else {
+    d.out = {};
+  }
+  d.pending = true;
+}
+
+void kv_collect_deferred(Context& ctx, SeqKV& kv, int layer, const ScoreTransform* transform, const DecodeTaps& taps) {
+  CudaKV& C = as_cuda(kv.dev);
+  if (C.deferred.size() <= static_cast<size_t>(layer) || !C.deferred[static_cast<size_t>(layer)].pending)
+    throw InternalError("collect_deferred: nothing deferred for layer " + std::to_string(layer));
+  CudaKV::Deferred& d = C.deferred[static_cast<size_t>(layer)];
+  d.pending = false;
+  const int NH = d.n_heads, G = NH / C.NKV, n_max = taps.n_max;
+  int n_dev = 0;
+  const std::vector<std::vector<int32_t>> dev2host = host_order(C, *kv.host, layer, n_dev);
+  if (n_dev > d.stride || (taps.rows() && n_max < n_dev))
+    throw InternalError("collect_deferred: layer " + std::to_string(layer) + " rows changed since the step");
+  std::vector<float> sd(static_cast<size_t>(NH) * d.stride);
+  ctx.download(sd.data(), d.scores.mem.get(), static_cast<int64_t>(sd.size()) * 4, "deferred decode scores");
+  if (taps.out) {
+    if (!d.out.mem) throw InternalError("collect_deferred: the output was not kept for layer " + std::to_string(layer));
+    ctx.download(taps.out, d.out.mem.get(), static_cast<int64_t>(NH) * C.D * 4, "deferred decode output (fp32)");
+  }
+  if (!taps.rows()) return;
+  std::vector<float> s(static_cast<size_t>(n_max));
+  std::vector<int32_t> P;
+  std::vector<SegmentKind> kinds;
+  for (int hd = 0; hd < NH; ++hd) {
+    const auto& m = dev2host[hd / G];
+    const int n = static_cast<int>(m.size());
+    std::fill(s.begin(), s.end(), -INFINITY);
+    for (int i = 0; i < n; ++i) s[static_cast<size_t>(m[i])] = sd[static_cast<size_t>(hd) * d.stride + i];
+    if (taps.raw_scores) std::copy(s.begin(), s.end(), taps.raw_scores + static_cast<size_t>(hd) * n_max);
+    if (transform && transform->any()) {  // on the host, in its row order, as the materialized path
+      if (hd % G == 0) kv.host->positions(layer, hd / G, P, kinds);
+      transform->apply(layer, hd, s.data(), kinds.data(), n);
+    }
+    if (taps.scores) std::copy(s.begin(), s.end(), taps.scores + static_cast<size_t>(hd) * n_max);
+    if (taps.probs) {
+      float* o = taps.probs + static_cast<size_t>(hd) * n_max;
+      std::fill(o, o + n_max, 0.0f);
+      float mx = -INFINITY;
+      for (int i = 0; i < n; ++i) mx = std::max(mx, s[static_cast<size_t>(i)]);
+      double sum = 0.0;
+      for (int i = 0; i < n; ++i) sum += (o[i] = std::exp(s[static_cast<size_t>(i)] - mx));
+      for (int i = 0; i < n; ++i) o[i] = static_cast<float>(o[i] / sum);
+    }
+  }
+}
 
 void kv_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, SeqKV& kv, int layer,
                          const ScoreTransform* transform, Buffer& out, const DecodeTaps& taps) {
@@ -51,35 +174,14 @@ void kv_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, S
   const bool in_kernel = transforms && transform->kind == ScoreTransform::Kind::Calibrate;
   if (!taps.any() && (!transforms || in_kernel)) {
     if (ctx.replay) return;
-    if (in_kernel) {
-      p.calibrate = 1;
-      p.tau1 = transform->tau1;
-      p.tau2 = transform->tau2;
-      p.vis_range = C.vis_range.as<float>();
-      p.vis_scores = C.vis_stride ? C.vis_scores.as<float>() : nullptr;
-      p.vis_stride = C.vis_stride;
-    }
+    if (in_kernel) set_calibration(p, C, *transform);
     decode_attention(p, ctx.stream);
     return;
   }
   // Materialized: scores to the host (transform, observers), back, then softmax and values.
   if (!kv.mirror) throw InternalError("decode_attention: scores on the host need the host rows");
-  const DevLayer& d = C.layers[layer];
-  // Device row order per kv head → host row index.
-  std::vector<std::vector<int32_t>> dev2host(NKV);
   int n_dev = 0;
-  for (int h = 0; h < NKV; ++h) {
-    int base = 0;
-    for (const DevSeg& s : d.segs) {
-      for (const DevPart& q : s.heads[h])
-        for (int i = 0; i < q.d.n; ++i) dev2host[h].push_back(base + (q.order.empty() ? i : q.order[i]));
-      base += static_cast<int>(s.pos[h].size());
-    }
-    for (int i = 0; i < d.tail.n; ++i) dev2host[h].push_back(base + i);
-    if (static_cast<int>(dev2host[h].size()) != kv.host->n_rows(layer, h))
-      throw InternalError("decode_attention: device and host rows differ in layer " + std::to_string(layer));
-    n_dev = std::max(n_dev, static_cast<int>(dev2host[h].size()));
-  }
+  const std::vector<std::vector<int32_t>> dev2host = host_order(C, *kv.host, layer, n_dev);
   const int64_t stride = std::max(n_dev, 1);
   const int64_t sb = static_cast<int64_t>(NH) * stride * 4;
   DevMem S{ctx.alloc(sb, "decode scores"), sb};

@@ -407,8 +407,9 @@ TEST(CudaModel, MethodsThatActAtSomeStepsSkipTheOthersHostWork) {
 // A decode observed for its first steps only (the run's recorders) hands those steps over and runs
 // the rest on the device alone: the same tokens and bytes as an unobserved decode and logits
 // within one fp16 rounding (as above: observed steps append and attend in two kernels), and the
-// observed steps' events equal those of an observer of every step; a recorder without rows gets
-// the same probabilities. With a method too (SnapKV compresses at prefill only).
+// observed steps' events equal those of an observer of every step while an observer with rows
+// reads them; a step read only by a recorder without rows hands its events over at its end,
+// within the bounds of the test below. With a method too (SnapKV compresses at prefill only).
 TEST(CudaModel, ObservedStepsEndWhereTheObserversStop) {
   NEED_GPU();
   SampleRun r = sample_run(10);
@@ -427,7 +428,75 @@ TEST(CudaModel, ObservedStepsEndWhereTheObserversStop) {
     EXPECT_EQ(all.steps(), r.g.max_new_tokens - 1);
     EXPECT_EQ(two.steps(), 2);
     EXPECT_EQ(probs_only.steps(), 3);
-    for (const DecodeRecorder* r : {&two, &probs_only}) kvlens::testing::expect_events_of(*r, all);
+    kvlens::testing::expect_events_of(two, all);
+    // Steps 0 and 1 ran layer by layer (`two` reads rows): the same events. Step 2, which only
+    // `probs_only` reads, handed its events over at its end (the bounds of
+    // ObservedStepsWithoutRowsHandTheirEventsOverAtTheStepsEnd).
+    for (const auto& e : probs_only.entries()) {
+      const auto* ref = all.find(e.step, e.layer);
+      ASSERT_NE(ref, nullptr);
+      EXPECT_EQ(e.key_pos, ref->key_pos);
+      ASSERT_EQ(e.probs.size(), ref->probs.size());
+      for (size_t i = 0; i < e.probs.size(); ++i) {
+        if (e.step < 2) {
+          EXPECT_EQ(e.probs[i], ref->probs[i]) << "step " << e.step << " layer " << e.layer;
+        } else {
+          EXPECT_NEAR(e.probs[i], ref->probs[i], 0.02) << "step 2 layer " << e.layer;
+        }
+      }
+      if (e.step < 2) {
+        EXPECT_EQ(e.scores, ref->scores);
+        EXPECT_EQ(e.q, ref->q);
+      }
+    }
+  }
+}
+
+// Observers that read no rows get a step's events at its end (the layers run without waiting
+// for the host; their scores and rows come over together): the same tokens, cache bytes and
+// logits within one fp16 rounding as the decode that hands each layer's event over as it runs
+// (an observer with rows forces that path), the same key positions, and the first layer's first
+// event equal: the same scores (the same scoring kernel on the same query and cache, and for a
+// calibrating method the same transform on the host) and probabilities within their softmax's
+// roundings (a device sum over at most 2¹⁰ keys in float, 2¹⁰·2⁻²⁴ of each value, and
+// expf's two ulps); later events within 0.02 of each probability (the two paths round their
+// attention outputs to fp16 apart, as the logits' bound allows), each row summing to 1.
+TEST(CudaModel, ObservedStepsWithoutRowsHandTheirEventsOverAtTheStepsEnd) {
+  NEED_GPU();
+  SampleRun r = sample_run(8);
+  GenerateOptions u = r.g;
+  u.chain_steps = false;
+  for (const char* spec : {"", "snapkv", "calibquant:bits=2"}) {
+    SCOPED_TRACE(spec);
+    auto p0 = *spec ? make_policy(spec) : nullptr, p1 = *spec ? make_policy(spec) : nullptr;
+    DecodeRecorder with_rows(4), staged(4, false);
+    const DecodeResult a = r.gpu.decode(r.st, p0.get(), u, {&with_rows});
+    const DecodeResult b = r.gpu.decode(r.st, p1.get(), u, {&staged});
+    expect_same_decode(b, a);
+    ASSERT_EQ(staged.entries().size(), with_rows.entries().size());
+    ASSERT_EQ(staged.steps(), 4);
+    for (const auto& e : staged.entries()) {
+      const auto* ref = with_rows.find(e.step, e.layer);
+      ASSERT_NE(ref, nullptr);
+      const std::string at = "step " + std::to_string(e.step) + " layer " + std::to_string(e.layer);
+      EXPECT_EQ(e.key_pos, ref->key_pos) << at;
+      ASSERT_EQ(e.probs.size(), ref->probs.size()) << at;
+      const bool first = e.step == 0 && e.layer == 0;
+      if (first) {
+        EXPECT_EQ(e.scores, ref->scores) << at;
+        EXPECT_EQ(e.q, ref->q) << at;
+      }
+      for (int h = 0; h < e.n_heads; ++h) {
+        double sum = 0;
+        for (int j = 0; j < e.n_k; ++j) {
+          const size_t i = static_cast<size_t>(h) * e.n_k + j;
+          sum += e.probs[i];
+          const double bound = first ? ref->probs[i] * (std::ldexp(1.0, 10 - 24) + 4 * std::ldexp(1.0, -24)) + 1e-12 : 0.02;
+          EXPECT_LE(std::abs(double(e.probs[i]) - ref->probs[i]), bound) << at << " head " << h << " key " << j;
+        }
+        EXPECT_NEAR(sum, 1.0, 1e-5) << at << " head " << h;
+      }
+    }
   }
 }
 
