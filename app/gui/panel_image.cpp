@@ -1,13 +1,17 @@
 // Image panel: open an image (path, recent files, drag and drop onto the window), the
 // preprocessed image the vision tower sees with its patch grid, and overlays with opacity: the
 // attention of one generated token over the patches (a layer, a head or the mean), or the
-// token fate of a method (kept share, bits, rows merged in).
+// token fate of a method (kept share, bits, rows merged in) — each patch veiled by its value
+// (app/gui/overlay.h), with a colour bar, and a hover that lists the patch's value for every
+// source.
 #include <imgui.h>
 #include <imgui_stdlib.h>  // after imgui.h
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
+#include "app/gui/overlay.h"
 #include "app/gui/panels.h"
 #include "app/figures/figures.h"
 #include "core/numbers.h"
@@ -22,42 +26,51 @@ uint64_t key_of(const std::string& s) {
   return h | (1ull << 63);
 }
 
-// Per visual token values of the chosen overlay, and their maximum; empty when not available.
-std::vector<float> overlay_values(App& app, std::string& what) {
-  const Views& v = app.st.views;
-  const Snapshot* s = app.st.results.get();
-  if (!s || !s->base) return {};
-  if (v.overlay == Overlay::Attention) {
-    const VisualAttentionRecorder* rec = s->base->patches.get();
-    std::string who = "full cache";
-    if (v.overlay_source >= 0) {
-      const RunResult* r = app.any_result(v.overlay_source);
-      if (!r) return {};
-      rec = r->patches.get();
-      who = app.find(v.overlay_source) ? app.display_name(*app.find(v.overlay_source)) : "?";
-    }
-    if (!rec) return {};
-    what = "attention of generated token " + std::to_string(v.token) + ", " + who + ", layer " + std::to_string(v.layer) +
-           (v.head < 0 ? ", mean over heads" : ", head " + std::to_string(v.head));
-    return rec->attention(v.token, v.layer, v.head);
+// A key for the veiled image: the image, the overlay's values and its opacity.
+uint64_t overlay_key(uint64_t image, const std::vector<float>& values, Overlay kind, float opacity) {
+  uint64_t h = image ^ 0x9E3779B97F4A7C15ull;
+  auto mix = [&h](uint64_t x) { h = (h ^ x) * 1099511628211ull; };
+  for (float x : values) {
+    uint32_t b = 0;
+    std::memcpy(&b, &x, 4);
+    mix(b);
   }
-  if (v.overlay == Overlay::None) return {};
-  const int id = v.overlay_source >= 0 ? v.overlay_source : v.method;
-  const RunResult* r = app.any_result(id);
-  if (!r || v.layer >= static_cast<int>(r->run->layers.size())) return {};
-  const LayerDiagnostics& d = r->run->layers[v.layer];
-  const MethodInstance* m = app.find(id);
-  const std::string who = m ? app.display_name(*m) : "?";
-  if (v.overlay == Overlay::FateKept) {
-    what = "share of KV heads keeping each patch, " + who + ", layer " + std::to_string(v.layer);
-    return d.fate_kept;
+  mix(static_cast<uint64_t>(kind));
+  mix(static_cast<uint64_t>(std::lround(opacity * 1000)));
+  return h | (1ull << 63);
+}
+
+// The scale under the image: a swatch greyed and dimmed as a patch of each value would be,
+// ticks at the ends (and the middle, or at each level of bits), the quantity below.
+void colour_bar(const OverlayScale& sc, float opacity, ImVec2 at, float width, State& st) {
+  ImDrawList* dl = ImGui::GetWindowDrawList();
+  const float h = ImGui::GetTextLineHeight() * 0.8f;
+  const int steps = 64;
+  for (int i = 0; i < steps; ++i) {
+    const double t = (i + 0.5) / steps;
+    unsigned char rgb[3] = {230, 140, 40};  // a vivid swatch: vivid is "most", grey and dim "least"
+    apply_veil(opacity * static_cast<float>(1.0 - t), rgb);
+    const float x0 = at.x + width * i / steps, x1 = at.x + width * (i + 1) / steps;
+    dl->AddRectFilled(ImVec2(x0, at.y), ImVec2(x1 + 0.5f, at.y + h), IM_COL32(rgb[0], rgb[1], rgb[2], 255));
   }
-  if (v.overlay == Overlay::FateBits) {
-    what = "mean bits of kept rows (0 = evicted), " + who + ", layer " + std::to_string(v.layer);
-    return d.fate_bits;
+  dl->AddRect(at, ImVec2(at.x + width, at.y + h), IM_COL32(90, 90, 90, 255));
+  std::vector<double> ticks = sc.levels;
+  if (ticks.empty()) ticks = {sc.lo, 0.5 * (sc.lo + sc.hi), sc.hi};
+  float last_end = -1e9f;
+  const ImU32 ink = ImGui::GetColorU32(ImGuiCol_Text);
+  for (double v : ticks) {
+    const float x = at.x + width * static_cast<float>(overlay_position(sc, v));
+    const std::string label = fig::format_value(v);
+    const float tw = ImGui::CalcTextSize(label.c_str()).x;
+    const float lx = std::clamp(x - tw / 2, at.x, at.x + width - tw);
+    dl->AddLine(ImVec2(x, at.y + h), ImVec2(x, at.y + h + 3), ink);
+    if (lx < last_end + 4) continue;  // would overlap the previous label
+    dl->AddText(ImVec2(lx, at.y + h + 3), ink, label.c_str());
+    last_end = lx + tw;
   }
-  what = "rows merged into each patch, " + who + ", layer " + std::to_string(v.layer);
-  return d.fate_merged;
+  st.drawn["image_colorbar"] = {at.x, at.y, width, h};
+  ImGui::Dummy(ImVec2(width, h + 3 + ImGui::GetTextLineHeight()));
+  ImGui::TextDisabled("%s", sc.quantity.c_str());
 }
 
 }  // namespace
@@ -128,49 +141,44 @@ void image_panel(App& app, Ui& ui, const PanelRect& rect) {
 
   // The image, square, as large as the panel allows.
   const ImVec2 avail = ImGui::GetContentRegionAvail();
-  const float side = std::max(64.0f, std::min(avail.x, avail.y - ImGui::GetTextLineHeightWithSpacing()));
+  // Room below for the caption, and with an overlay its colour bar, ticks and quantity.
+  const float below = ImGui::GetTextLineHeightWithSpacing() * (v.overlay == Overlay::None ? 1.0f : 4.0f);
+  const float side = std::max(64.0f, std::min(avail.x, avail.y - below));
   const ImVec2 p0 = ImGui::GetCursorScreenPos();
   ImDrawList* dl = ImGui::GetWindowDrawList();
   if (s && s->base && s->base->shown.width > 0) {
     const RGBImage& img = s->base->shown;
+    const int R = s->model ? s->model->patch_rows : 0, first = s->model ? s->model->patch_first : 0;
+    const OverlayData ov = overlay_of(app, v.overlay_source);
+    const bool shown = R > 0 && ov.values.size() >= static_cast<size_t>(first + R * R) && !ov.scale.empty();
+    // The image itself, or with each patch veiled by its value (no hue: see app/gui/overlay.h).
+    const uint64_t base_key = key_of(s->base->key);
+    const uint64_t key = shown ? overlay_key(base_key, ov.values, v.overlay, v.overlay_opacity) : base_key;
     std::vector<uint8_t> rgba;
-    const uint64_t key = key_of(s->base->key);
     if (!ui.textures.has(key)) {
       rgba.assign(static_cast<size_t>(img.width) * img.height * 4, 255);
-      for (size_t i = 0; i < static_cast<size_t>(img.width) * img.height; ++i)
-        for (int c = 0; c < 3; ++c) rgba[i * 4 + c] = img.data[i * 3 + c];
-    }
-    dl->AddImage(ui.textures.get(key, img.width, img.height, rgba.data(), false), p0,
-                 ImVec2(p0.x + side, p0.y + side));
-    const int R = s->model ? s->model->patch_rows : 0, first = s->model ? s->model->patch_first : 0;
-    std::string what;
-    const std::vector<float> val = overlay_values(app, what);
-    float mx = 0;
-    for (float x : val) mx = std::max(mx, x);
-    if (v.overlay == Overlay::FateKept) mx = 1;
-    const float cell = R > 0 ? side / R : side;
-    int hover_r = -1, hover_c = -1;
-    if (R > 0 && val.size() >= static_cast<size_t>(first + R * R) && mx > 0)
-      for (int r = 0; r < R; ++r)
-        for (int c = 0; c < R; ++c) {
-          const float t = val[first + r * R + c] / mx;
-          // Attention and merges: colour where there is some, the image where there is none.
-          // Kept share: a dark veil over what is evicted. Bits: every patch coloured.
-          fig::Color col = fig::colormap(t);
-          float alpha = v.overlay_opacity;
-          if (v.overlay == Overlay::Attention || v.overlay == Overlay::FateMerged) {
-            col = fig::colormap(0.4 + 0.6 * t);  // the bright end of the map, fading out towards 0
-            alpha *= std::max(t, 0.0f);
+      for (int y = 0; y < img.height; ++y)
+        for (int x = 0; x < img.width; ++x) {
+          const size_t i = static_cast<size_t>(y) * img.width + x;
+          unsigned char* px = &rgba[i * 4];
+          for (int c = 0; c < 3; ++c) px[c] = img.data[i * 3 + c];
+          if (shown) {
+            const int r = std::min(R - 1, y * R / img.height), c = std::min(R - 1, x * R / img.width);
+            apply_veil(overlay_veil(ov.scale, ov.values[first + r * R + c], v.overlay_opacity), px);
           }
-          if (v.overlay == Overlay::FateKept) {
-            col = fig::Color{0.08f, 0.05f, 0.12f, 1};
-            alpha *= 1.0f - t;
-          }
-          const ImVec2 a(p0.x + c * cell, p0.y + r * cell);
-          dl->AddRectFilled(a, ImVec2(a.x + cell, a.y + cell),
-                            IM_COL32(static_cast<int>(col.r * 255), static_cast<int>(col.g * 255),
-                                     static_cast<int>(col.b * 255), static_cast<int>(alpha * 255)));
         }
+    }
+    dl->AddImage(ui.textures.get(key, img.width, img.height, rgba.data(), false), p0, ImVec2(p0.x + side, p0.y + side));
+    const float cell = R > 0 ? side / R : side;
+    if (shown && v.overlay == Overlay::FateBits && cell >= 8)  // evicted patches crossed out
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < R; ++c)
+          if (ov.values[first + r * R + c] <= 0) {
+            const ImVec2 a(p0.x + c * cell + cell * 0.3f, p0.y + r * cell + cell * 0.3f);
+            const ImVec2 b(p0.x + (c + 1) * cell - cell * 0.3f, p0.y + (r + 1) * cell - cell * 0.3f);
+            dl->AddLine(a, b, IM_COL32(235, 235, 235, 200));
+            dl->AddLine(ImVec2(a.x, b.y), ImVec2(b.x, a.y), IM_COL32(235, 235, 235, 200));
+          }
     if (R > 0 && v.patch_grid)
       for (int i = 0; i <= R; ++i) {
         dl->AddLine(ImVec2(p0.x + i * cell, p0.y), ImVec2(p0.x + i * cell, p0.y + side), IM_COL32(255, 255, 255, 70));
@@ -180,18 +188,34 @@ void image_panel(App& app, Ui& ui, const PanelRect& rect) {
     st.drawn["image"] = {p0.x, p0.y, side, side};
     if (ImGui::IsItemHovered() && R > 0) {
       const ImVec2 m = ImGui::GetIO().MousePos;
-      hover_c = std::clamp(static_cast<int>((m.x - p0.x) / cell), 0, R - 1);
-      hover_r = std::clamp(static_cast<int>((m.y - p0.y) / cell), 0, R - 1);
+      const int hc = std::clamp(static_cast<int>((m.x - p0.x) / cell), 0, R - 1);
+      const int hr = std::clamp(static_cast<int>((m.y - p0.y) / cell), 0, R - 1);
+      const int tok = first + hr * R + hc;
       ImGui::BeginTooltip();
-      ImGui::Text("patch row %d, column %d (visual token %d)", hover_r, hover_c, first + hover_r * R + hover_c);
-      if (!val.empty()) ImGui::Text("%s: %s", v.overlay == Overlay::Attention ? "attention" : "value",
-                                    fig::format_value(val[first + hover_r * R + hover_c]).c_str());
+      ImGui::Text("patch row %d, column %d (visual token %d)", hr, hc, tok);
+      if (v.overlay != Overlay::None) {
+        // The same patch for every source that has results, the one shown first.
+        for (int id : overlay_sources(app)) {
+          const OverlayData o = id == v.overlay_source ? ov : overlay_of(app, id);
+          if (o.values.size() <= static_cast<size_t>(tok)) continue;
+          const MethodInstance* mi = id >= 0 ? app.find(id) : nullptr;
+          const std::string who = id < 0 ? "full cache" : mi ? app.display_name(*mi) : "?";
+          const std::string text = who + ": " + fig::format_value(o.values[tok]);
+          if (id == v.overlay_source) ImGui::Text("%s  (shown)", text.c_str());
+          else ImGui::TextDisabled("%s", text.c_str());
+        }
+      }
       ImGui::EndTooltip();
     }
-    ImGui::TextDisabled("%s", what.empty() ? (std::to_string(img.width) + "×" + std::to_string(img.height) + ", " +
-                                              std::to_string(R) + "×" + std::to_string(R) + " patches")
-                                                 .c_str()
-                                           : what.c_str());
+    if (shown) {
+      colour_bar(ov.scale, v.overlay_opacity, ImGui::GetCursorScreenPos(), side, st);
+      ImGui::TextDisabled("%s", ov.what.c_str());
+    } else {
+      st.drawn.erase("image_colorbar");
+      ImGui::TextDisabled("%s", (std::to_string(img.width) + "×" + std::to_string(img.height) + ", " + std::to_string(R) +
+                                 "×" + std::to_string(R) + " patches")
+                                    .c_str());
+    }
   } else {
     dl->AddRectFilled(p0, ImVec2(p0.x + side, p0.y + side), IM_COL32(220, 220, 225, 255));
     ImGui::Dummy(ImVec2(side, side));

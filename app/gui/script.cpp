@@ -1,5 +1,7 @@
 #include "app/gui/script.h"
 
+#include "app/gui/overlay.h"
+
 #include <imgui.h>
 
 #include <algorithm>
@@ -259,6 +261,10 @@ void Script::run(App& app, const nlohmann::json& st) {
     d["session_path"] = app.st.session_path;
     d["up_to_date"] = app.up_to_date();
     d["drawn"] = app.st.drawn;
+    // The overlay shown: its scale as the colour bar draws it.
+    const OverlayData ov = overlay_of(app, app.st.views.overlay_source);
+    d["overlay"] = {{"what", ov.what}, {"quantity", ov.scale.quantity}, {"lo", ov.scale.lo}, {"hi", ov.scale.hi},
+                    {"levels", ov.scale.levels}, {"patches", ov.values.size()}};
     d["messages"] = nlohmann::json::array();
     for (const Message& m : app.st.messages) d["messages"].push_back({{"error", m.error}, {"text", m.text}});
     const CalibrationView& c = app.calibration_view();

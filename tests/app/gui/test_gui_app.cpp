@@ -3,7 +3,9 @@
 // session round-trips through the shared schema.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <functional>
 #include <thread>
@@ -14,6 +16,7 @@
 TEST(GuiApp, NeedsTheApp) { GTEST_SKIP() << "kvlens-gui is not built (KVLENS_GUI=OFF or its packages are missing)"; }
 #else
 #include "app/gui/app.h"
+#include "app/gui/overlay.h"
 #include "core/errors.h"
 #include "core/files.h"
 #include "kernels/backends.h"
@@ -266,6 +269,72 @@ TEST(GuiApp, ASessionWhoseImageIsMissingSaysSo) {
   }));
   EXPECT_EQ(app.blocked(), "");
 }
+// Overlays veil each patch by its value on a scale the colour bar draws: attention and rows
+// merged from 0 to their largest value, kept share from 0 to 1, bits on log2(1 + bits) from the
+// fewest present with the levels present as ticks; a patch at the top is left as it is, one at the bottom greyed and
+// dimmed by the opacity. On a computed session each source's values are its recorder's and its
+// diagnostics', and the hover lists the full cache and every method.
+TEST(GuiApp, OverlaysVeilEachPatchByItsValueOnAScale) {
+  const OverlayScale a = overlay_scale(Overlay::Attention, {0.0f, 0.1f, 0.4f});
+  EXPECT_EQ(a.lo, 0.0);
+  EXPECT_FLOAT_EQ(a.hi, 0.4f);
+  EXPECT_DOUBLE_EQ(overlay_position(a, 0.4f), 1.0);
+  EXPECT_NEAR(overlay_position(a, 0.2), 0.5, 1e-6);
+  EXPECT_FLOAT_EQ(overlay_veil(a, 0.4f, 0.6f), 0.0f);
+  EXPECT_FLOAT_EQ(overlay_veil(a, 0.0, 0.6f), 0.6f);
+  EXPECT_NE(a.quantity.find("attention"), std::string::npos);
+  const OverlayScale k = overlay_scale(Overlay::FateKept, {0.0f, 0.25f});
+  EXPECT_EQ(k.hi, 1.0);  // a share, whatever the largest value
+  const OverlayScale b = overlay_scale(Overlay::FateBits, {0.0f, 2.0f, 2.0f, 16.0f});
+  EXPECT_TRUE(b.log2);
+  EXPECT_EQ(b.levels, (std::vector<double>{0.0, 2.0, 16.0}));
+  EXPECT_NEAR(overlay_position(b, 2.0), std::log2(3.0) / std::log2(17.0), 1e-12);
+  // Nothing evicted: the bar starts at the fewest bits present, so 2 to 4 bits spread over it.
+  const OverlayScale m = overlay_scale(Overlay::FateBits, {2.0f, 3.0f, 4.0f});
+  EXPECT_EQ(m.lo, 2.0);
+  EXPECT_EQ(m.hi, 4.0);
+  EXPECT_DOUBLE_EQ(overlay_position(m, 2.0), 0.0);
+  EXPECT_NEAR(overlay_position(m, 3.0), 1.0 / std::log2(3.0), 1e-12);
+  EXPECT_EQ(overlay_scale(Overlay::FateBits, {1.0f, 1.0f}).lo, 0.0);  // one level: 0 to it
+  EXPECT_TRUE(overlay_scale(Overlay::Attention, {0.0f, 0.0f}).empty());  // nothing to scale: no overlay
+  // The veil: none leaves the colour, a full one a dim grey of its luminance, monotone between.
+  unsigned char c0[3] = {230, 140, 40}, c1[3] = {230, 140, 40}, c2[3] = {230, 140, 40};
+  apply_veil(0.0f, c0);
+  apply_veil(0.5f, c1);
+  apply_veil(1.0f, c2);
+  EXPECT_TRUE(c0[0] == 230 && c0[1] == 140 && c0[2] == 40);
+  const int grey = static_cast<int>(std::lround(0.4 * (0.299 * 230 + 0.587 * 140 + 0.114 * 40)));
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(c2[i], grey) << i;
+  EXPECT_TRUE(c1[0] < 230 && c1[0] > c2[0]);
+
+  TempHome home;
+  App app(kt::source_dir());
+  app.st.methods.clear();
+  const int id = app.add_method(parse_method_spec("snapkv:budget=0.3"));
+  ASSERT_TRUE(wait_for([&] {
+    app.poll();
+    return app.up_to_date();
+  }));
+  Views& v = app.st.views;
+  v.layer = 1;
+  v.head = -1;
+  v.token = 0;
+  v.overlay = Overlay::Attention;
+  const OverlayData full = overlay_of(app, -1), method = overlay_of(app, id);
+  const Snapshot& snap = *app.st.results;
+  EXPECT_EQ(full.values, snap.base->patches->attention(0, 1, -1));
+  EXPECT_EQ(method.values, app.any_result(id)->patches->attention(0, 1, -1));
+  EXPECT_FLOAT_EQ(static_cast<float>(full.scale.hi), *std::max_element(full.values.begin(), full.values.end()));
+  EXPECT_NE(full.what.find("full cache"), std::string::npos) << full.what;
+  EXPECT_EQ(overlay_sources(app), (std::vector<int>{-1, id}));
+  v.overlay = Overlay::FateKept;
+  v.overlay_source = id;
+  const OverlayData kept = overlay_of(app, id);
+  EXPECT_EQ(kept.values, app.any_result(id)->run->layers[1].fate_kept);
+  EXPECT_TRUE(overlay_of(app, -1).values.empty());  // the full cache has no fate
+  EXPECT_EQ(overlay_sources(app), (std::vector<int>{id}));
+}
+
 // A scripted selection is every field or none: one refused field leaves the views as they were.
 TEST(GuiApp, SelectIsAllOrNothing) {
   TempHome home;
