@@ -8,6 +8,8 @@
 //   kvlens bench prefill     prefill / vision attention alone (CUDA) at LLaVA-1.5-7B's shapes
 //   kvlens bench throughput  CalibQuant's Fig. 3 (CUDA): largest batch under a KV memory budget
 //                            and decode tokens/s, fp16 against 2-bit and 1-bit visual tokens
+//   kvlens bench session     the desktop app's loop without a window: a session's methods, then
+//                            each parameter edit timed to its caption and to every plot's data
 #include <cblas.h>
 #include <omp.h>
 
@@ -23,6 +25,7 @@
 #include "app/cli/defaults.h"
 #include "app/cli/options.h"
 #include "app/lab/session.h"
+#include "app/lab/session_bench.h"
 #include "core/errors.h"
 #include "core/files.h"
 #include "core/compress/method.h"
@@ -350,6 +353,40 @@ struct ThroughputArgs {
   std::string json;
 };
 
+struct SessionArgs {
+  std::string session, model, image, json;
+  std::vector<std::string> edits;
+  BackendOptions backend;
+};
+
+void run_session(const SessionArgs& a) {
+  const Session s = load_session(a.session);
+  if (s.methods.empty()) throw InputError(a.session + ": the session has no methods to edit");
+  std::vector<SessionEdit> edits;
+  for (const std::string& e : a.edits) edits.push_back(parse_session_edit(e, s));
+  if (edits.empty()) edits = default_session_edits(s);
+  const std::string model = !a.model.empty() ? a.model : !s.model.empty() ? s.model : default_model_dir();
+  const std::string image = !a.image.empty() ? a.image : !s.image.empty() ? s.image : default_image();
+  const SessionBench b = bench_session(s, model, image, a.backend, edits);
+  std::printf("bench session %s: %zu methods, %d-token prompt, %s backend\n", a.session.c_str(), s.methods.size(),
+              b.prompt_tokens, b.backend.c_str());
+  std::printf("first run (model, vision, prefill, full cache, every method): %.0f ms\n", b.first_ms);
+  std::printf("%-58s %12s %14s\n", "edit", "caption ms", "all plots ms");
+  std::vector<double> cap, all;
+  nlohmann::json rows = nlohmann::json::array();
+  for (const EditTiming& t : b.edits) {
+    std::printf("%-58s %12.1f %14.1f\n", t.edit.text(s).c_str(), t.caption_ms, t.ready_ms);
+    cap.push_back(t.caption_ms);
+    all.push_back(t.ready_ms);
+    rows.push_back({{"edit", t.edit.text(s)}, {"method", t.edit.method}, {"param", t.edit.param}, {"value", t.edit.value},
+                    {"spec", t.spec}, {"caption_ms", t.caption_ms}, {"ready_ms", t.ready_ms}, {"caption", t.caption}});
+  }
+  std::printf("%-58s %12.1f %14.1f\n", "median", median(cap), median(all));
+  write_json(a.json, {{"session", a.session}, {"model", model}, {"image", image}, {"backend", b.backend},
+                      {"prompt_tokens", b.prompt_tokens}, {"first_ms", b.first_ms}, {"edits", rows},
+                      {"median_caption_ms", median(cap)}, {"median_ready_ms", median(all)}});
+}
+
 void run_throughput(const ThroughputArgs& a) {
   need_cuda("throughput");
   for (int b : a.bits)
@@ -456,6 +493,18 @@ void add_bench_command(CLI::App& root) {
   add_int(th, "--device", u->device, 0, 1024, "CUDA device ordinal");
   th->add_option("--json", u->json, "Also write the rows as JSON here");
   th->callback([u] { run_throughput(*u); });
+
+  auto se = std::make_shared<SessionArgs>();
+  CLI::App* ss = c->add_subcommand("session", "The app's loop without a window: each parameter edit of a session timed to its caption and to every plot's data");
+  ss->add_option("--session", se->session, "Session JSON (sessions/*.json, or one the app saved)")->required();
+  ss->add_option("--edit", se->edits,
+                 "An edit METHOD:PARAM=VALUE (METHOD: index from 0 or label), repeatable; default: each method's first "
+                 "number parameter moved a tenth of its range");
+  ss->add_option("--model", se->model, "Model directory (default: the session's, else the embedded model)");
+  ss->add_option("--image", se->image, "Image (default: the session's, else the embedded sample image)");
+  add_backend_options(ss, se->backend);
+  ss->add_option("--json", se->json, "Also write the timings as JSON here");
+  ss->callback([se] { run_session(*se); });
 
   c->callback([a, c] {
     if (c->get_subcommands().empty()) run_bench(*a);

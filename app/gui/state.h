@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "app/gui/worker.h"
+#include "app/lab/worker.h"
 #include "app/figures/figures.h"
 #include "app/lab/session.h"
 #include "core/compress/method.h"

@@ -165,3 +165,22 @@ TEST(Cli, BrokenCheckpoints) {
     expect_exit2("caption --model " + d + " --image " + img, "tokenizer.model");
   }
 }
+
+// `kvlens bench session`: a row per edit with both times and a median; a bad edit or session is
+// refused with exit 2 and a message that names it.
+TEST(Cli, BenchSessionTimesEachEdit) {
+  const std::string sess = kt::source_dir() + "/sessions/calibquant_paper.json";
+  const auto r = kt::run(kt::cli() + " bench session --backend cpu --session " + sess +
+                         " --edit 1:tau1=0.5 --edit 'calibquant:bits=2:tau2=2'");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("caption ms"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("tau1 = 0.5"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("calibquant:bits=2: tau2 = 2"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("median"), std::string::npos) << r.output;
+  const auto bad = kt::run(kt::cli() + " bench session --backend cpu --session " + sess + " --edit 1:tau1=99");
+  EXPECT_EQ(bad.code, 2) << bad.output;
+  EXPECT_NE(bad.output.find("--edit '1:tau1=99'"), std::string::npos) << bad.output;
+  const auto missing = kt::run(kt::cli() + " bench session --session /nonexistent/s.json");
+  EXPECT_EQ(missing.code, 2) << missing.output;
+  EXPECT_NE(missing.output.find("/nonexistent/s.json"), std::string::npos) << missing.output;
+}

@@ -62,7 +62,7 @@ struct TempHome {
 
 TEST(GuiWorker, ANewerChangeCancelsTheRunItReplaces) {
   Worker w;
-  kvlens::gui::Setup s = base_setup();
+  kvlens::Setup s = base_setup();
   uint64_t v = w.submit(s);
   ASSERT_TRUE(wait_for([&] { return idle_at(w, v); }));
   const auto first = w.latest();
@@ -99,7 +99,7 @@ TEST(GuiWorker, ANewerChangeCancelsTheRunItReplaces) {
 
 TEST(GuiWorker, BadImageAndModelAreErrorsNotCrashes) {
   Worker w;
-  kvlens::gui::Setup s = base_setup();
+  kvlens::Setup s = base_setup();
   s.image_path = kt::source_dir() + "/README.md";
   uint64_t v = w.submit(s);
   ASSERT_TRUE(wait_for([&] { return idle_at(w, v); }));
@@ -120,7 +120,7 @@ TEST(GuiWorker, BadImageAndModelAreErrorsNotCrashes) {
 // reloads the model on that backend, or names why it cannot.
 TEST(GuiWorker, KvRowsAndBackendReachTheRuns) {
   Worker w;
-  kvlens::gui::Setup s = base_setup();
+  kvlens::Setup s = base_setup();
   s.backend.kind = "cpu";
   uint64_t v = w.submit(s);
   ASSERT_TRUE(wait_for([&] { return idle_at(w, v); }));

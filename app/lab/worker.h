@@ -1,4 +1,5 @@
-// The recompute thread of the desktop app. The UI hands it the whole wanted setup (model,
+// The recompute thread of the desktop app (and of `kvlens bench session`, which drives it without a
+// window). The UI hands it the whole wanted setup (model,
 // image, prompt, options, the enabled method instances with their parameters); the worker loads
 // the model, runs vision + prefill + the full-cache decode once per model/image/prompt and keeps
 // that prefill, then re-runs compression + decode only for instances whose parameters changed,
@@ -25,7 +26,7 @@
 #include "core/compress/method.h"
 #include "app/lab/experiment.h"
 
-namespace kvlens::gui {
+namespace kvlens {
 
 struct Setup {
   std::string model_dir;   // resolved path
@@ -147,4 +148,4 @@ std::string base_key(const Setup& s);
 // The preprocessed image (pixel values mapped back to 8-bit RGB): what the vision tower sees.
 RGBImage shown_image(const Tensor& pixel_values, const PreprocessConfig& cfg);
 
-}  // namespace kvlens::gui
+}  // namespace kvlens

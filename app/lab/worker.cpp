@@ -1,4 +1,4 @@
-#include "app/gui/worker.h"
+#include "app/lab/worker.h"
 
 #include <algorithm>
 #include <chrono>
@@ -8,7 +8,7 @@
 #include "core/files.h"
 #include "core/numbers.h"
 
-namespace kvlens::gui {
+namespace kvlens {
 
 namespace {
 
@@ -339,4 +339,4 @@ void Worker::loop() {
   }
 }
 
-}  // namespace kvlens::gui
+}  // namespace kvlens
