@@ -209,7 +209,8 @@ std::string render_figure(const fig::Figure& f, FigureFormat format, double widt
 }
 
 std::vector<std::string> export_figures(const std::vector<fig::Figure>& figures, const std::string& dir,
-                                        const std::vector<FigureFormat>& formats, bool csv) {
+                                        const std::vector<FigureFormat>& formats, bool csv,
+                                        const std::function<bool(size_t done, size_t total)>& step) {
   struct stat st {};
   if (::stat(dir.c_str(), &st) != 0) {
     if (::mkdir(dir.c_str(), 0777) != 0)
@@ -229,6 +230,7 @@ std::vector<std::string> export_figures(const std::vector<fig::Figure>& figures,
       write_file_atomic(path, fig::figure_csv(f), "figure data");
       written.push_back(path);
     }
+    if (step && !step(static_cast<size_t>(&f - figures.data()) + 1, figures.size())) break;
   }
   return written;
 }

@@ -2,6 +2,7 @@
 // out by fig::draw with Cairo's DejaVu Sans text widths and drawn into memory through Cairo's
 // stream surfaces; files are written only through write_file_atomic.
 #pragma once
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -24,7 +25,10 @@ std::string render_figure(const fig::Figure& f, FigureFormat format, double widt
 
 // Writes DIR/<id>.<format> for every figure and format, and DIR/<id>.csv with the plotted data
 // when `csv`; creates DIR when missing (its parent must exist). Returns the paths written.
+// `step`, when set, is called after each figure with the figures done and their total; when it
+// returns false the export stops there (every file written so far is whole).
 std::vector<std::string> export_figures(const std::vector<fig::Figure>& figures, const std::string& dir,
-                                        const std::vector<FigureFormat>& formats, bool csv);
+                                        const std::vector<FigureFormat>& formats, bool csv,
+                                        const std::function<bool(size_t done, size_t total)>& step = {});
 
 }  // namespace kvlens::app

@@ -287,6 +287,7 @@ void App::redo() {
 // ----- results ----------------------------------------------------------------------------
 
 void App::poll() {
+  finish_export(false);
   std::shared_ptr<const Snapshot> s = worker.latest();
   if (s == st.results) return;
   st.results = s;

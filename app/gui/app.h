@@ -4,8 +4,12 @@
 // session, an out-of-range parameter, an unwritable export path) becomes a message in the app;
 // nothing else changes.
 #pragma once
+#include <atomic>
 #include <chrono>
+#include <memory>
+#include <utility>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "app/gui/state.h"
@@ -19,6 +23,7 @@ class App {
  public:
   // `source_dir` holds the embedded model and the sample image.
   explicit App(std::string source_dir);
+  ~App();  // cancels a running export and waits for it
 
   State st;
   Worker worker;
@@ -97,13 +102,32 @@ class App {
   std::string state_dir() const;  // where recent files and the autosave live
 
   // ----- export ---------------------------------------------------------------------------
+  // Starts writing `figures` to `dir` on a thread of its own (one export at a time): the UI stays
+  // responsive, shows the progress and can cancel; poll() reports the end. False, with a
+  // message, when nothing was started (no figures, an export already running).
   bool export_figures(const std::string& dir, const std::vector<fig::Figure>& figures);
+  bool exporting() const;
+  // Figures written and to write by the running export (0, 0 when none).
+  std::pair<size_t, size_t> export_progress() const;
+  void cancel_export();
+  // Waits for the running export and reports it (a script's steps run in order).
+  void wait_export();
   bool export_report(const std::string& path);
 
   void remember(std::vector<std::string>& list, const std::string& item);
   void save_recent();
 
  private:
+  // A running export: its thread, the figures done of the total, and how it ended.
+  struct ExportJob {
+    std::thread thread;
+    std::atomic<size_t> done{0};
+    size_t total = 0, files = 0;
+    std::atomic<bool> cancel{false}, finished{false};
+    std::string dir, error;
+  };
+  std::unique_ptr<ExportJob> export_;
+  void finish_export(bool wait);  // reports and forgets a finished export (waits for it with `wait`)
   void changed();  // method list edited: dirty, submit
   void load_recent();
   std::string source_dir_;

@@ -66,9 +66,17 @@ void session_panel(App& app, Ui&, const PanelRect& rect) {
   ImGui::Checkbox("CSV", &st.export_opt.csv);
   ImGui::SetNextItemWidth(-1);
   ImGui::InputTextWithHint("##exportdir", "folder for figures", &st.export_opt.dir);
-  if (ImGui::Button("Export all figures")) app.export_figures(st.export_opt.dir, app.report_figures_all());
-  ImGui::SameLine();
-  if (ImGui::Button("Export shown")) app.export_figures(st.export_opt.dir, app.shown_figures());
+  if (app.exporting()) {  // on its own thread: the progress and a way out
+    const auto [done, total] = app.export_progress();
+    const std::string label = std::to_string(done) + " of " + std::to_string(total) + " figures";
+    ImGui::ProgressBar(total ? static_cast<float>(done) / total : 0.0f, ImVec2(-90, 0), label.c_str());
+    ImGui::SameLine();
+    if (ImGui::Button("Cancel##export")) app.cancel_export();
+  } else {
+    if (ImGui::Button("Export all figures")) app.export_figures(st.export_opt.dir, app.report_figures_all());
+    ImGui::SameLine();
+    if (ImGui::Button("Export shown")) app.export_figures(st.export_opt.dir, app.shown_figures());
+  }
   ImGui::SameLine();
   if (ImGui::Button("Report JSON…")) open_dialog(app, DialogPurpose::ExportReport, st.export_opt.report_path);
   ImGui::Separator();

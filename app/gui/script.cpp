@@ -245,6 +245,7 @@ void Script::run(App& app, const nlohmann::json& st) {
     if (st.contains("csv")) e.csv = st["csv"].get<bool>();
     const bool all = st.value("all", true);
     app.export_figures(path("dir"), all ? app.report_figures_all() : app.shown_figures());
+    app.wait_export();  // a script's steps run in order
   } else if (op == "dump_state") {
     nlohmann::json d;
     d["methods"] = nlohmann::json::array();

@@ -2,6 +2,9 @@
 // (app/lab/session.h, the same file `kvlens run --session` runs), autosave, figure and report export.
 #include <sys/stat.h>
 
+#include <atomic>
+#include <thread>
+
 #include "app/figures/figure_cairo.h"
 #include "app/gui/app.h"
 #include "core/errors.h"
@@ -251,6 +254,13 @@ void App::autosave() {
   }
 }
 
+App::~App() {
+  if (export_) {
+    export_->cancel = true;
+    if (export_->thread.joinable()) export_->thread.join();
+  }
+}
+
 bool App::export_figures(const std::string& dir, const std::vector<fig::Figure>& figures) {
   std::vector<app::FigureFormat> f;
   if (st.export_opt.png) f.push_back(app::FigureFormat::Png);
@@ -260,14 +270,56 @@ bool App::export_figures(const std::string& dir, const std::vector<fig::Figure>&
     error("export: no figures yet");
     return false;
   }
-  try {
-    const auto written = app::export_figures(figures, dir, f, st.export_opt.csv);
-    info(std::to_string(figures.size()) + " figures (" + std::to_string(written.size()) + " files) written to " + dir);
-    return true;
-  } catch (const InputError& e) {
-    error(e.what());
+  if (exporting()) {
+    error("export: one is running (" + std::to_string(export_progress().first) + " of " +
+          std::to_string(export_progress().second) + " figures); cancel it or wait");
     return false;
   }
+  finish_export(true);  // one that ended unreported
+  export_ = std::make_unique<ExportJob>();
+  ExportJob& j = *export_;
+  j.total = figures.size();
+  j.dir = dir;
+  const bool csv = st.export_opt.csv;
+  j.thread = std::thread([&j, figures, f, csv] {
+    try {
+      j.files = app::export_figures(figures, j.dir, f, csv, [&j](size_t done, size_t) {
+                  j.done = done;
+                  return !j.cancel;
+                }).size();
+    } catch (const std::exception& e) {
+      j.error = e.what();
+    }
+    j.finished = true;
+  });
+  info("exporting " + std::to_string(figures.size()) + " figures to " + dir + "…");
+  return true;
+}
+
+bool App::exporting() const { return export_ && !export_->finished; }
+
+std::pair<size_t, size_t> App::export_progress() const {
+  if (!exporting()) return {0, 0};
+  return {export_->done.load(), export_->total};
+}
+
+void App::cancel_export() {
+  if (export_) export_->cancel = true;
+}
+
+void App::wait_export() { finish_export(true); }
+
+void App::finish_export(bool wait) {
+  if (!export_ || (!wait && !export_->finished)) return;
+  std::unique_ptr<ExportJob> j = std::move(export_);
+  if (j->thread.joinable()) j->thread.join();
+  const size_t done = j->done.load();
+  if (!j->error.empty()) error(j->error);
+  else if (done < j->total)
+    info("export cancelled: " + std::to_string(done) + " of " + std::to_string(j->total) + " figures (" +
+         std::to_string(j->files) + " files) written to " + j->dir);
+  else
+    info(std::to_string(j->total) + " figures (" + std::to_string(j->files) + " files) written to " + j->dir);
 }
 
 }  // namespace kvlens::gui

@@ -2,6 +2,7 @@
 // replaces, values are validated by the schema, undo/redo treat a drag as one step, and a
 // session round-trips through the shared schema.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <chrono>
@@ -333,6 +334,68 @@ TEST(GuiApp, OverlaysVeilEachPatchByItsValueOnAScale) {
   EXPECT_EQ(kept.values, app.any_result(id)->run->layers[1].fate_kept);
   EXPECT_TRUE(overlay_of(app, -1).values.empty());  // the full cache has no fate
   EXPECT_EQ(overlay_sources(app), (std::vector<int>{id}));
+}
+
+// Figures export on a thread of their own: export_figures returns at once, the progress counts
+// figures, poll() reports the end; a cancelled export stops between figures and says how many
+// were written (every file written is whole); a second export while one runs is refused.
+TEST(GuiApp, ExportRunsOnItsOwnThreadAndCanBeCancelled) {
+  TempHome home;
+  App app(kt::source_dir());
+  app.st.export_opt.png = true;
+  app.st.export_opt.svg = true;
+  app.st.export_opt.pdf = true;
+  app.st.export_opt.csv = false;
+  std::vector<fig::Figure> figs;
+  for (int i = 0; i < 120; ++i) {
+    fig::Figure f;
+    f.id = "fig_" + std::to_string(i);
+    f.title = "figure " + std::to_string(i);
+    f.x.max = f.y.max = 1;
+    fig::Series sr;
+    sr.label = "line";
+    sr.x = {0, 1};
+    sr.y = {0, static_cast<double>(i) / 120};
+    f.series.push_back(sr);
+    figs.push_back(f);
+  }
+  auto count = [](const std::string& dir) {
+    int n = 0;
+    struct stat sb {};
+    for (const char* ext : {".png", ".svg", ".pdf"})
+      for (int i = 0; i < 120; ++i) n += ::stat((dir + "/fig_" + std::to_string(i) + ext).c_str(), &sb) == 0 ? 1 : 0;
+    return n;
+  };
+  // A long export: a second one is refused while it runs; cancelled, it stops between figures
+  // with each written file whole, and says how many it wrote.
+  const std::string part = home.dir + "/part";
+  ASSERT_TRUE(app.export_figures(part, figs));
+  EXPECT_TRUE(app.exporting());
+  EXPECT_FALSE(app.export_figures(home.dir + "/second", figs));
+  EXPECT_NE(app.st.messages.back().text.find("one is running"), std::string::npos) << app.st.messages.back().text;
+  app.cancel_export();
+  ASSERT_TRUE(wait_for([&] {
+    app.poll();
+    return !app.exporting();
+  }));
+  const int written = count(part);
+  EXPECT_LT(written, 120 * 3);
+  EXPECT_EQ(written % 3, 0) << "a figure's formats are written together";
+  for (int i = 0; i < written / 3; ++i) {
+    const std::string png = kt::read_file(part + "/fig_" + std::to_string(i) + ".png");
+    EXPECT_EQ(png.substr(1, 3), "PNG") << i;
+  }
+  EXPECT_NE(app.st.messages.back().text.find("export cancelled: " + std::to_string(written / 3) + " of 120 figures"),
+            std::string::npos)
+      << app.st.messages.back().text;
+  // A short one to its end: every file, and the report once it is done.
+  const std::string all = home.dir + "/all";
+  ASSERT_TRUE(app.export_figures(all, std::vector<fig::Figure>(figs.begin(), figs.begin() + 12)));
+  app.wait_export();
+  EXPECT_FALSE(app.exporting());
+  EXPECT_EQ(count(all), 12 * 3);
+  EXPECT_NE(app.st.messages.back().text.find("12 figures (36 files) written to " + all), std::string::npos)
+      << app.st.messages.back().text;
 }
 
 // A scripted selection is every field or none: one refused field leaves the views as they were.
