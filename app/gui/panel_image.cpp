@@ -40,6 +40,15 @@ uint64_t overlay_key(uint64_t image, const std::vector<float>& values, Overlay k
   return h | (1ull << 63);
 }
 
+// A dim note wrapped at the panel's edge (a caption is never cut).
+void wrapped_note(const std::string& text) {
+  ImGui::PushStyleColor(ImGuiCol_Text, ImGui::GetStyleColorVec4(ImGuiCol_TextDisabled));
+  ImGui::PushTextWrapPos(0);
+  ImGui::TextUnformatted(text.c_str());
+  ImGui::PopTextWrapPos();
+  ImGui::PopStyleColor();
+}
+
 // The scale under the image: a swatch greyed and dimmed as a patch of each value would be,
 // ticks at the ends (and the middle, or at each level of bits), the quantity below.
 void colour_bar(const OverlayScale& sc, float opacity, ImVec2 at, float width, State& st) {
@@ -70,7 +79,7 @@ void colour_bar(const OverlayScale& sc, float opacity, ImVec2 at, float width, S
   }
   st.drawn["image_colorbar"] = {at.x, at.y, width, h};
   ImGui::Dummy(ImVec2(width, h + 3 + ImGui::GetTextLineHeight()));
-  ImGui::TextDisabled("%s", sc.quantity.c_str());
+  wrapped_note(sc.quantity);
 }
 
 }  // namespace
@@ -142,7 +151,7 @@ void image_panel(App& app, Ui& ui, const PanelRect& rect) {
   // The image, square, as large as the panel allows.
   const ImVec2 avail = ImGui::GetContentRegionAvail();
   // Room below for the caption, and with an overlay its colour bar, ticks and quantity.
-  const float below = ImGui::GetTextLineHeightWithSpacing() * (v.overlay == Overlay::None ? 1.0f : 4.0f);
+  const float below = ImGui::GetTextLineHeightWithSpacing() * (v.overlay == Overlay::None ? 1.0f : 5.0f);
   const float side = std::max(64.0f, std::min(avail.x, avail.y - below));
   const ImVec2 p0 = ImGui::GetCursorScreenPos();
   ImDrawList* dl = ImGui::GetWindowDrawList();
@@ -209,7 +218,7 @@ void image_panel(App& app, Ui& ui, const PanelRect& rect) {
     }
     if (shown) {
       colour_bar(ov.scale, v.overlay_opacity, ImGui::GetCursorScreenPos(), side, st);
-      ImGui::TextDisabled("%s", ov.what.c_str());
+      wrapped_note(ov.what);
     } else {
       st.drawn.erase("image_colorbar");
       ImGui::TextDisabled("%s", (std::to_string(img.width) + "×" + std::to_string(img.height) + ", " + std::to_string(R) +
