@@ -40,13 +40,14 @@ TEST(SessionBench, EditsAreNamedAndValidated) {
   const SessionEdit c = parse_session_edit("calibquant:bits=2:tau2=2", s);
   EXPECT_EQ(c.method, 0);
   EXPECT_EQ(c.param, "tau2");
-  for (const auto& [text, want] : std::vector<std::pair<std::string, std::string>>{
+  for (const auto& [text_, want] : std::vector<std::pair<std::string, std::string>>{
            {"5:tau1=0.5", "method index"},
            {"nobody:tau1=0.5", "no method 'nobody'"},
            {"0:tauX=1", "has no parameter 'tauX'"},
            {"0:tau1=99", "tau1 must be in [0, 8]"},
            {"0:tau1=", "must be"},
            {"tau1=0.5", "expected METHOD:PARAM=VALUE"}}) {
+    const std::string text = text_;  // a plain variable: lambdas capture it (a binding they may not)
     const std::string m = kt::error_of([&] { parse_session_edit(text, s); });
     EXPECT_NE(m.find(want), std::string::npos) << text << ": " << m;
     if (!m.empty()) {
