@@ -81,6 +81,11 @@ void style() {
   s.ItemSpacing = ImVec2(6, 5);
   s.Colors[ImGuiCol_WindowBg] = ImVec4(0.975f, 0.975f, 0.98f, 1);
   s.Colors[ImGuiCol_TitleBg] = s.Colors[ImGuiCol_TitleBgActive] = ImVec4(0.80f, 0.85f, 0.92f, 1);
+  // A slider's value is printed across its frame: a thin, translucent handle keeps it readable
+  // ("opacity 0.60", "layer 1") wherever the handle sits.
+  s.GrabMinSize = 5;
+  s.Colors[ImGuiCol_SliderGrab] = ImVec4(0.26f, 0.52f, 0.90f, 0.45f);
+  s.Colors[ImGuiCol_SliderGrabActive] = ImVec4(0.20f, 0.45f, 0.85f, 0.65f);
 }
 
 void screenshot(GLFWwindow* w, const std::string& path) {
