@@ -1,6 +1,8 @@
 // The window frame around the panels: layout, menu bar, keyboard shortcuts, status bar, and
 // small widgets the panels share.
 #include <GLFW/glfw3.h>
+#include <imgui.h>
+#include <imgui_stdlib.h>  // after imgui.h
 
 #include <algorithm>
 
@@ -38,6 +40,33 @@ bool begin_panel(const char* title, const PanelRect& r) {
   return ImGui::Begin(title, nullptr,
                       ImGuiWindowFlags_NoMove | ImGuiWindowFlags_NoResize | ImGuiWindowFlags_NoCollapse |
                           ImGuiWindowFlags_NoSavedSettings | ImGuiWindowFlags_NoBringToFrontOnFocus);
+}
+
+bool path_field(const char* id, const char* hint, std::string& path) {
+  ImGuiStorage* store = ImGui::GetStateStorage();
+  const ImGuiID key = ImGui::GetID(id);
+  int mode = store->GetInt(key, 0);  // 0: the file name shown, 1: editing asked, 2: editing
+  if (mode == 0 && !path.empty()) {
+    const size_t slash = path.find_last_of('/');
+    const std::string name = slash == std::string::npos || slash + 1 == path.size() ? path : path.substr(slash + 1);
+    ImGui::PushStyleVar(ImGuiStyleVar_ButtonTextAlign, ImVec2(0.0f, 0.5f));
+    ImGui::PushStyleColor(ImGuiCol_Button, ImGui::GetStyleColorVec4(ImGuiCol_FrameBg));
+    ImGui::PushStyleColor(ImGuiCol_ButtonHovered, ImGui::GetStyleColorVec4(ImGuiCol_FrameBgHovered));
+    const bool clicked = ImGui::Button((name + "###" + id).c_str(), ImVec2(ImGui::CalcItemWidth(), 0));
+    ImGui::PopStyleColor(2);
+    ImGui::PopStyleVar();
+    if (ImGui::IsItemHovered()) ImGui::SetTooltip("%s\n(click to edit the path)", path.c_str());
+    if (clicked) store->SetInt(key, 1);
+    return false;
+  }
+  if (mode == 1) {
+    ImGui::SetKeyboardFocusHere();
+    store->SetInt(key, 2);
+  }
+  const bool enter = ImGui::InputTextWithHint(id, hint, &path, ImGuiInputTextFlags_EnterReturnsTrue);
+  if (ImGui::IsItemHovered() && !path.empty()) ImGui::SetTooltip("%s", path.c_str());
+  if (mode == 2 && (enter || ImGui::IsItemDeactivated())) store->SetInt(key, 0);
+  return enter;
 }
 
 void help_marker(const char* text) {

@@ -45,6 +45,9 @@ void handle_shortcuts(App& app);
 
 // Small shared widgets.
 void help_marker(const char* text);
+// A path field: the file name (the whole path on hover) until clicked, then the path to edit.
+// True when Enter was pressed in it.
+bool path_field(const char* id, const char* hint, std::string& path);
 // What a panel without results shows: `computing` while the worker runs, why nothing can be
 // computed (in red) when the setup is blocked, else `idle`.
 void no_results(const App& app, const char* computing, const char* idle);
