@@ -195,6 +195,10 @@ void methods_panel(App& app, Ui&, const PanelRect& rect) {
     if (selected) ImGui::PushStyleColor(ImGuiCol_Header, ImVec4(0.62f, 0.75f, 0.93f, 1));
     const bool open = ImGui::CollapsingHeader(head.c_str(), selected ? ImGuiTreeNodeFlags_DefaultOpen : 0);
     if (selected) ImGui::PopStyleColor();
+    if (m.id == st.scroll_to_method) {  // just added: brought into view, at the top of the list
+      ImGui::SetScrollHereY(0.0f);
+      st.scroll_to_method = -1;
+    }
     if (ImGui::IsItemClicked()) st.views.method = m.id;
     if (open) {
       ImGui::Indent(8);
