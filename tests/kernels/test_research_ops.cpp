@@ -1,0 +1,221 @@
+// The research path's device ops (kernels/cuda/research_ops.cu and the kernels it launches)
+// against their host references on fresh random inputs: reductions of a layer's prefill
+// attention, LOOK-M's assignment by cosine similarity, and the exact attention of a decode
+// query from a prefill's capture. The CPU backend has none of these ops and answers false.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <random>
+
+#include "core/compress/evict_methods.h"
+#include "core/errors.h"
+#include "core/exact_attention.h"
+#include "tests/op_harness.h"
+
+using namespace kvlens;
+using namespace kvlens::testing;
+
+namespace {
+
+// q, k and v of T tokens side by side in one row, causal, scale 1/√D.
+AttnLayout qkv_layout(int T, int n_heads, int n_kv_heads, int D) {
+  AttnLayout l;
+  l.T = T;
+  l.n_heads = n_heads;
+  l.n_kv_heads = n_kv_heads;
+  l.head_dim = D;
+  l.row_stride = static_cast<int64_t>(n_heads + 2 * n_kv_heads) * D;
+  l.q_col = 0;
+  l.k_col = static_cast<int64_t>(n_heads) * D;
+  l.v_col = static_cast<int64_t>(n_heads + n_kv_heads) * D;
+  l.causal = true;
+  l.scale = 1.0f / std::sqrt(static_cast<float>(D));
+  return l;
+}
+
+}  // namespace
+
+// The device's attention reductions against the host reference on the device's own
+// probabilities: column sums (double, ascending rows) and counts equal bit for bit, for ranges,
+// scattered rows, one row and none, p = 0 / 0.01 / 1 with and without zeros counted. The CPU
+// backend has no such op (its callers reduce the probabilities it hands over).
+TEST(Ops, AttentionReductions) {
+  const AttnLayout l = qkv_layout(203, 4, 2, 64);
+  const int T = l.T, H = l.n_heads;
+  const auto qkv = randn(static_cast<size_t>(T) * l.row_stride, 2.5f);
+  {
+    Buffer X = make(*op_backends().cpu, "qkv", {T, l.row_stride}, Dt::F32, qkv);
+    AttentionReduction r;
+    r.queries = {0};
+    std::vector<double> s(static_cast<size_t>(H) * T);
+    r.column_sums = s.data();
+    EXPECT_FALSE(op_backends().cpu->attention_reduce(X, l, r));
+  }
+  KVLENS_NEED_GPU();
+  Backend& gpu = *op_backends().gpu;
+  Buffer X = make(gpu, "qkv", {T, l.row_stride}, Dt::F32, qkv);
+  Buffer O = poisoned(gpu, "o", {T, static_cast<int64_t>(H) * l.head_dim}, Dt::F32);
+  std::vector<float> P(static_cast<size_t>(H) * T * T);
+  gpu.attention(X, l, O, nullptr, P.data());
+  std::mt19937_64 rng(7);
+  std::vector<int> scattered;
+  for (int i = 0; i < T; ++i)
+    if (rng() % 3 == 0) scattered.push_back(i);
+  for (const std::vector<int>& q : {AttentionReduction::range(0, T, T), AttentionReduction::range(T - 32, T, T),
+                                    scattered, std::vector<int>{T / 2}, std::vector<int>{}})
+    for (double p : {0.0, 0.01, 1.0})
+      for (bool z : {false, true}) {
+        std::vector<double> sums(static_cast<size_t>(H) * T, -1.0), want(sums.size(), -2.0);
+        std::vector<int64_t> below(H, -1), want_below(H, -2);
+        AttentionReduction r, ref;
+        r.queries = ref.queries = q;
+        r.p = ref.p = p;
+        r.zeros_below = ref.zeros_below = z;
+        r.column_sums = sums.data();
+        r.below = below.data();
+        ref.column_sums = want.data();
+        ref.below = want_below.data();
+        ASSERT_TRUE(gpu.attention_reduce(X, l, r));
+        reduce_attention(P.data(), H, T, ref);
+        EXPECT_TRUE(sums == want) << "column sums, rows " << r.key();
+        EXPECT_EQ(below, want_below) << "entries below, rows " << r.key();
+      }
+  AttentionReduction bad;
+  bad.queries = {5, 5};
+  std::vector<int64_t> b(H);
+  bad.below = b.data();
+  EXPECT_THROW(gpu.attention_reduce(X, l, bad), InternalError);
+}
+
+// LOOK-M's assignment on the device against the host's (lookm_assign without a backend): the
+// same evicted rows, kept rows and similarities bit for bit, on random keys with exact
+// duplicates (ties between kept rows), zero rows (similarity 0), negative similarities only,
+// one kept row and none evicted. The CPU backend has no such op and answers false.
+TEST(Ops, LookMAssignmentOnTheDevice) {
+  std::vector<int> none_e, none_b;
+  std::vector<double> none_s;
+  const std::vector<float> k1 = randn(24, 1.0f);
+  EXPECT_FALSE(op_backends().cpu->cosine_assign(k1.data(), 3, 8, {0}, none_e, none_b, none_s));
+  KVLENS_NEED_GPU();
+  Backend& gpu = *op_backends().gpu;
+  std::mt19937_64 rng(5);
+  struct Case { int n, d; double keep_share; };
+  for (const Case& c : {Case{300, 128, 0.2}, Case{97, 24, 0.5}, Case{40, 64, 0.0}, Case{33, 32, 1.0}}) {
+    std::vector<float> k = randn(static_cast<size_t>(c.n) * c.d, 1.0f);
+    for (int i = 5; i < c.n; i += 11)  // a copy of an earlier row: ties
+      std::copy_n(k.begin() + static_cast<ptrdiff_t>(i - 5) * c.d, c.d, k.begin() + static_cast<ptrdiff_t>(i) * c.d);
+    for (int i = 7; i < c.n; i += 29) std::fill_n(k.begin() + static_cast<ptrdiff_t>(i) * c.d, c.d, 0.0f);
+    std::vector<int> keep;
+    for (int i = 0; i < c.n; ++i)
+      if (static_cast<double>(rng() % 1000) < c.keep_share * 1000) keep.push_back(i);
+    if (keep.empty()) keep.push_back(c.n / 2);  // one kept row
+    const std::vector<LookMAssignment> host = lookm_assign(c.d, keep, k), dev = lookm_assign(c.d, keep, k, &gpu);
+    const std::string what = "n=" + std::to_string(c.n) + " d=" + std::to_string(c.d) + " kept " + std::to_string(keep.size());
+    ASSERT_EQ(dev.size(), host.size()) << what;
+    EXPECT_EQ(static_cast<int>(host.size()), c.n - static_cast<int>(keep.size())) << what;
+    for (size_t i = 0; i < host.size(); ++i) {
+      EXPECT_EQ(dev[i].e, host[i].e) << what << " row " << i;
+      EXPECT_EQ(dev[i].c, host[i].c) << what << " row " << host[i].e;
+      EXPECT_EQ(dev[i].s, host[i].s) << what << " row " << host[i].e;
+    }
+    // Every evicted row the negation of the first kept row: equal similarities in every row.
+    std::vector<float> neg = k;
+    for (int e = 0; e < c.n; ++e)
+      if (!std::binary_search(keep.begin(), keep.end(), e))
+        for (int t = 0; t < c.d; ++t) neg[static_cast<size_t>(e) * c.d + t] = -neg[static_cast<size_t>(keep[0]) * c.d + t];
+    const std::vector<LookMAssignment> hn = lookm_assign(c.d, keep, neg), dn = lookm_assign(c.d, keep, neg, &gpu);
+    ASSERT_EQ(dn.size(), hn.size());
+    for (size_t i = 0; i < hn.size(); ++i) EXPECT_TRUE(dn[i].c == hn[i].c && dn[i].s == hn[i].s) << what << " negated " << i;
+  }
+}
+
+// The exact attention of a decode query on the device (from a prefill's qkv and extra rows)
+// against the host reference exact_attention, on random inputs: GQA with extra rows of unequal
+// counts per KV head (padding), no extra rows, and a long prompt. Derived tolerances, with
+// u = 2⁻²⁴: a score is a D-term float dot product summed in another order (and with or
+// without fused multiply-adds) on each side, so it may differ by 2·(D + 1)·u·scale·Σ|q·k|;
+// a probability by its own share of three such errors (its score, the row's maximum, the sum)
+// plus 8u (the two exp implementations and roundings); an output component by the sum of its
+// terms' probability errors times |v| plus u of each term (the float product).
+TEST(Ops, ExactDecodeAttention) {
+  struct Case { int T, NH, NKV, D; std::vector<int> extra; float mag; };
+  const double u = std::ldexp(1.0, -24);
+  for (const Case& c : {Case{150, 8, 2, 64, {3, 1}, 2.5f}, Case{37, 4, 4, 128, {}, 1.0f},
+                        Case{1100, 4, 1, 128, {2}, 4.0f}}) {
+    const AttnLayout pl = qkv_layout(c.T, c.NH, c.NKV, c.D), l1 = qkv_layout(1, c.NH, c.NKV, c.D);
+    const std::vector<float> qkv = randn(static_cast<size_t>(c.T) * pl.row_stride, c.mag);
+    const std::vector<float> row = randn(static_cast<size_t>(pl.row_stride), c.mag);
+    ExtraRows extra;
+    for (int n : c.extra) extra.n = std::max(extra.n, n);
+    extra.k = randn(static_cast<size_t>(c.NKV) * extra.n * c.D, c.mag);
+    extra.v = randn(extra.k.size(), c.mag);
+    extra.pos.assign(static_cast<size_t>(c.NKV) * extra.n, -1);
+    for (int h = 0; h < static_cast<int>(c.extra.size()); ++h)
+      for (int i = 0; i < c.extra[h]; ++i) extra.pos[static_cast<size_t>(h) * extra.n + i] = c.T + i;
+    PromptRows prompt;
+    prompt.T = c.T;
+    prompt.k.assign(c.NKV, std::vector<const float*>(c.T));
+    prompt.v = prompt.k;
+    for (int h = 0; h < c.NKV; ++h)
+      for (int t = 0; t < c.T; ++t) {
+        prompt.k[h][t] = qkv.data() + static_cast<size_t>(t) * pl.row_stride + pl.k_col + h * c.D;
+        prompt.v[h][t] = qkv.data() + static_cast<size_t>(t) * pl.row_stride + pl.v_col + h * c.D;
+      }
+    const ExactAttention ref = exact_attention(row.data(), c.NH, c.D, pl.scale, prompt, extra);
+    const std::string what = "T=" + std::to_string(c.T) + " heads " + std::to_string(c.NH) + "/" +
+                             std::to_string(c.NKV) + " D=" + std::to_string(c.D) + " extra " + std::to_string(extra.n);
+    {
+      Buffer P = make(*op_backends().cpu, "prompt_qkv", {c.T, pl.row_stride}, Dt::F32, qkv);
+      Buffer Q = make(*op_backends().cpu, "qkv1", {1, pl.row_stride}, Dt::F32, row);
+      ExactAttention x;
+      EXPECT_FALSE(op_backends().cpu->exact_decode_attention(Q, l1, P, pl, extra, x)) << what;
+    }
+    KVLENS_NEED_GPU();
+    Backend& gpu = *op_backends().gpu;
+    Buffer P = make(gpu, "prompt_qkv", {c.T, pl.row_stride}, Dt::F32, qkv);
+    Buffer Q = make(gpu, "qkv1", {1, pl.row_stride}, Dt::F32, row);
+    ExactAttention x;
+    ASSERT_TRUE(gpu.exact_decode_attention(Q, l1, P, pl, extra, x)) << what;
+    ASSERT_EQ(x.n, ref.n) << what;
+    EXPECT_EQ(x.pos, ref.pos) << what;
+    const int n = ref.n, G = c.NH / c.NKV;
+    for (int hd = 0; hd < c.NH; ++hd) {
+      const int h = hd / G;
+      std::vector<double> bs(n, 0.0);
+      double worst = 0;
+      for (int j = 0; j < n; ++j) {
+        const int32_t pos = ref.pos[static_cast<size_t>(h) * n + j];
+        if (pos < 0) continue;
+        const float* k = j < c.T ? prompt.k[h][j] : extra.k.data() + (static_cast<size_t>(h) * extra.n + j - c.T) * c.D;
+        double mag = 0;
+        for (int d = 0; d < c.D; ++d) mag += std::abs(double(row[static_cast<size_t>(hd) * c.D + d]) * k[d]);
+        bs[j] = 2.0 * (c.D + 1) * u * pl.scale * mag + 1e-30;
+        worst = std::max(worst, bs[j]);
+      }
+      const size_t at = static_cast<size_t>(hd) * n;
+      std::vector<double> bp(n);
+      for (int j = 0; j < n; ++j) bp[j] = ref.probs[at + j] * (3 * worst + 8 * u) + 1e-30;
+      for (int j = 0; j < n; ++j) {
+        if (ref.pos[static_cast<size_t>(h) * n + j] < 0) {
+          EXPECT_EQ(x.scores[at + j], -std::numeric_limits<float>::infinity()) << what << " padding score";
+          EXPECT_EQ(x.probs[at + j], 0.0f) << what << " padding probability";
+          continue;
+        }
+        EXPECT_LE(std::abs(double(x.scores[at + j]) - ref.scores[at + j]), bs[j]) << what << " head " << hd << " key " << j;
+        EXPECT_LE(std::abs(double(x.probs[at + j]) - ref.probs[at + j]), bp[j]) << what << " head " << hd << " key " << j;
+      }
+      for (int d = 0; d < c.D; ++d) {
+        double bound = 1e-12;
+        for (int j = 0; j < n; ++j) {
+          if (ref.pos[static_cast<size_t>(h) * n + j] < 0) continue;
+          const float* v = j < c.T ? prompt.v[h][j] : extra.v.data() + (static_cast<size_t>(h) * extra.n + j - c.T) * c.D;
+          bound += (bp[j] + u * ref.probs[at + j]) * std::abs(double(v[d]));
+        }
+        EXPECT_LE(std::abs(x.out[static_cast<size_t>(hd) * c.D + d] - ref.out[static_cast<size_t>(hd) * c.D + d]), bound)
+            << what << " head " << hd << " output " << d;
+      }
+    }
+  }
+}
