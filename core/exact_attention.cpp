@@ -89,6 +89,16 @@ PromptRows prompt_rows(const KVStore& store, int layer, int T) {
   return r;
 }
 
+std::vector<int32_t> exact_positions(int n_kv_heads, int T, const ExtraRows& extra) {
+  const int n = T + extra.n;
+  std::vector<int32_t> pos(static_cast<size_t>(n_kv_heads) * n, -1);
+  for (int h = 0; h < n_kv_heads; ++h) {
+    for (int t = 0; t < T; ++t) pos[static_cast<size_t>(h) * n + t] = t;
+    std::copy_n(extra.pos.begin() + static_cast<size_t>(h) * extra.n, extra.n, pos.begin() + static_cast<size_t>(h) * n + T);
+  }
+  return pos;
+}
+
 ExactAttention exact_attention(const float* q, int n_heads, int head_dim, float scale, const PromptRows& prompt,
                                const ExtraRows& extra) {
   const int NKV = static_cast<int>(prompt.k.size()), D = head_dim, T = prompt.T;
@@ -103,12 +113,7 @@ ExactAttention exact_attention(const float* q, int n_heads, int head_dim, float 
   x.scores.assign(static_cast<size_t>(n_heads) * n, -std::numeric_limits<float>::infinity());
   x.probs.assign(x.scores.size(), 0.0f);
   x.out.assign(static_cast<size_t>(n_heads) * D, 0.0);
-  x.pos.assign(static_cast<size_t>(NKV) * n, -1);
-  for (int h = 0; h < NKV; ++h) {
-    for (int t = 0; t < T; ++t) x.pos[static_cast<size_t>(h) * n + t] = t;
-    std::copy_n(extra.pos.begin() + static_cast<size_t>(h) * extra.n, extra.n,
-                x.pos.begin() + static_cast<size_t>(h) * n + T);
-  }
+  x.pos = exact_positions(NKV, T, extra);
   for (int hd = 0; hd < n_heads; ++hd) {
     const int h = hd / G;
     const float* qh = q + static_cast<size_t>(hd) * D;

@@ -43,6 +43,9 @@ struct ExactAttention {
   std::vector<int32_t> pos;    // [n_kv_heads][n] the keys' positions (-1: padding)
 };
 
+// ExactAttention::pos for T prompt rows followed by `extra`: [n_kv_heads][T + extra.n].
+std::vector<int32_t> exact_positions(int n_kv_heads, int T, const ExtraRows& extra);
+
 // The host reference. q: [n_heads][head_dim] (after RoPE); query head h reads KV head
 // h / (n_heads / n_kv_heads).
 ExactAttention exact_attention(const float* q, int n_heads, int head_dim, float scale, const PromptRows& prompt,

@@ -353,8 +353,7 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
   const bool rows_wanted = std::any_of(observers.begin(), observers.end(), [&](const AttentionObserver* o) {
     return o->reads_decode_kv() && !(capture && o->compares_to());
   });
-  const bool staged = want && kv.dev && !acts && !rows_wanted && transform.kind != ScoreTransform::Kind::Host &&
-                      !decode_needs_host_rows(policy) && be->defers_decode_taps();
+  const bool staged = want && kv.dev && !rows_wanted && !decode_needs_host_rows(policy) && be->defers_decode_taps();
   if (staged && w.qkv_layers.empty())
     w.qkv_layers = be->alloc("step.qkv_of_each_layer", {cfg.num_hidden_layers, lay.row_stride}, Dt::F32);
 

@@ -336,6 +336,7 @@ std::vector<LayerDiagnostics> compare_layers(const PrefillView& pv, const Decode
     d.bytes = compressed.bytes(l);
     VisualScores& histo = d.visual_score_samples;
     int n_terms = 0, n_sparse = 0;
+    PromptRows prompt;  // the full store's rows of this layer, for entries that kept rows
     for (const auto& E : method.entries()) {
       if (E.layer != l) continue;
       const int H = E.n_heads, G = H / E.n_kv_heads, n_k = E.n_k;
@@ -343,10 +344,11 @@ std::vector<LayerDiagnostics> compare_layers(const PrefillView& pv, const Decode
         if (k->size() < static_cast<size_t>(H)) k->resize(H);
       QueryComparison own;
       if (!E.compared) {
+        if (prompt.k.empty()) prompt = prompt_rows(full, l, T);
         const AttentionEvent e = event_of(E);
         own = compare_query(e,
                             exact_attention(E.q.data(), H, E.head_dim, 1.0f / std::sqrt(static_cast<float>(E.head_dim)),
-                                            prompt_rows(full, l, T),
+                                            prompt,
                                             rows_from(E.k.data(), E.v.data(), E.key_pos.data(), E.n_kv_heads, n_k,
                                                       E.head_dim, T)),
                             kinds, E.step == 0);

@@ -127,11 +127,7 @@ void exact_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l
   std::memcpy(x.scores.data(), back.data(), static_cast<size_t>(sp));
   std::memcpy(x.probs.data(), back.data() + sp, static_cast<size_t>(sp));
   std::memcpy(x.out.data(), back.data() + so, static_cast<size_t>(ob));
-  x.pos.assign(static_cast<size_t>(NKV) * n, -1);
-  for (int h = 0; h < NKV; ++h) {
-    for (int t = 0; t < T; ++t) x.pos[static_cast<size_t>(h) * n + t] = t;
-    std::copy_n(extra.pos.begin() + static_cast<size_t>(h) * m, m, x.pos.begin() + static_cast<size_t>(h) * n + T);
-  }
+  x.pos = exact_positions(NKV, T, extra);
 }
 
 }  // namespace kvlens::cuda
