@@ -126,7 +126,6 @@ int App::add_method(const Params& p, const std::string& label) {
   m.params = p;
   m.label = label;
   st.methods.push_back(m);
-  st.scroll_to_method = m.id;
   if (st.views.method < 0) st.views.method = m.id;
   changed();
   return m.id;

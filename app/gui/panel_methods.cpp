@@ -173,7 +173,7 @@ void methods_panel(App& app, Ui&, const PanelRect& rect) {
   ImGui::SameLine();
   if (ImGui::Button("Add")) {
     app.begin_edit();
-    st.views.method = app.add_method(make_params(all[st.edits.add_method].name, "", {}));
+    st.views.method = st.scroll_to_method = app.add_method(make_params(all[st.edits.add_method].name, "", {}));
     app.end_edit();
   }
   ImGui::SameLine();
@@ -195,8 +195,8 @@ void methods_panel(App& app, Ui&, const PanelRect& rect) {
     if (selected) ImGui::PushStyleColor(ImGuiCol_Header, ImVec4(0.62f, 0.75f, 0.93f, 1));
     const bool open = ImGui::CollapsingHeader(head.c_str(), selected ? ImGuiTreeNodeFlags_DefaultOpen : 0);
     if (selected) ImGui::PopStyleColor();
-    if (m.id == st.scroll_to_method) {  // just added: brought into view, at the top of the list
-      ImGui::SetScrollHereY(0.0f);
+    if (m.id == st.scroll_to_method) {  // just added: brought into view (as little scrolling as it takes)
+      if (!ImGui::IsItemVisible()) ImGui::SetScrollHereY(1.0f);
       st.scroll_to_method = -1;
     }
     if (ImGui::IsItemClicked()) st.views.method = m.id;

@@ -202,7 +202,7 @@ void Script::run(App& app, const nlohmann::json& st) {
   else if (op == "export_report") app.export_report(path("path"));
   else if (op == "add_method") {
     app.begin_edit();
-    app.add_method(parse_method_spec(path("spec")), st.value("label", std::string()));
+    app.st.scroll_to_method = app.add_method(parse_method_spec(path("spec")), st.value("label", std::string()));
     app.end_edit();
   } else if (op == "remove_method") app.remove_method(method_id(app, st["method"]));
   else if (op == "set_enabled") {

@@ -127,7 +127,7 @@ struct State {
   Inputs inputs;
   std::vector<MethodInstance> methods;
   int next_id = 1;
-  int scroll_to_method = -1;  // an instance just added: the Methods panel scrolls it into view once
+  int scroll_to_method = -1;  // an instance the user just added: the Methods panel brings it into view once
   std::vector<int> edit_order;  // instance ids, most recently edited first
   uint64_t setup_version = 0;   // the last setup handed to the worker
 
