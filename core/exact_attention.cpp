@@ -153,4 +153,12 @@ ExactAttention exact_attention(const float* q, int n_heads, int head_dim, float 
   return x;
 }
 
+void softmax_double_sum(const float* s, int n, float* o) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int i = 0; i < n; ++i) mx = std::max(mx, s[i]);
+  double sum = 0.0;
+  for (int i = 0; i < n; ++i) sum += (o[i] = std::exp(s[i] - mx));
+  for (int i = 0; i < n; ++i) o[i] = static_cast<float>(o[i] / sum);
+}
+
 }  // namespace kvlens

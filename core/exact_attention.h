@@ -43,6 +43,10 @@ struct ExactAttention {
   std::vector<int32_t> pos;    // [n_kv_heads][n] the keys' positions (-1: padding)
 };
 
+// The softmax the decode taps hand over (and ExactAttention::probs is): o[i] = float(double(e_i) /
+// Σ_j double(e_j)) with e_i = exp(s[i] − max) in float, over the n scores s[0..n).
+void softmax_double_sum(const float* s, int n, float* o);
+
 // ExactAttention::pos for T prompt rows followed by `extra`: [n_kv_heads][T + extra.n].
 std::vector<int32_t> exact_positions(int n_kv_heads, int T, const ExtraRows& extra);
 

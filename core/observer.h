@@ -50,6 +50,10 @@ class AttentionObserver {
   // The decode steps this observer reads: 0 .. decode_steps() − 1. A decode hands later steps
   // to no one and runs them as it would unobserved (on a device: plain steps, no host rows).
   virtual int decode_steps() const { return std::numeric_limits<int>::max(); }
+  // Whether it reads decode step `step` (< decode_steps()). One that reads a few steps of that
+  // range says which: the steps between run as unobserved ones do (on a device: plain steps,
+  // their rows fetched to the host store together before the next observed step).
+  virtual bool reads_step(int step) const { return step < decode_steps(); }
   // Whether it reads a decode event's keys and values (AttentionEvent::k, v). Without them an
   // event carries scores, probabilities, the query, and the keys' positions and kinds, and
   // k / v are null: gathering every layer's rows at every step is what costs a decode most.
@@ -64,7 +68,7 @@ class AttentionObserver {
 inline std::vector<AttentionObserver*> decode_observers(const std::vector<AttentionObserver*>& all, int step) {
   std::vector<AttentionObserver*> out;
   for (AttentionObserver* o : all)
-    if (step < o->decode_steps()) out.push_back(o);
+    if (step < o->decode_steps() && o->reads_step(step)) out.push_back(o);
   return out;
 }
 

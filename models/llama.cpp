@@ -357,14 +357,14 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
   if (staged && w.qkv_layers.empty())
     w.qkv_layers = be->alloc("step.qkv_of_each_layer", {cfg.num_hidden_layers, lay.row_stride}, Dt::F32);
 
-  // The taps of layer l's event, sized by the rows the host store holds; then the event
+  // The taps of layer l's event, sized by the rows the host store holds (a staged step reuses one
+  // Taps for every layer: collect_deferred writes each entry it is given); then the event
   // itself, handed to the observers (q_dev: the layer's qkv on the backend, q_host on the host).
   struct Taps {
     std::vector<float> scores, probs, raw, out;
     DecodeTaps taps;
   };
-  auto make_taps = [&](int l) {
-    Taps t;
+  auto size_taps = [&](Taps& t, int l) {
     int n_max = 0;
     for (int h = 0; h < NKV; ++h) n_max = std::max(n_max, kv.host->n_rows(l, h));
     t.scores.resize(static_cast<size_t>(NH) * n_max);
@@ -378,7 +378,6 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
       t.taps.raw_scores = t.raw.data();
       t.taps.out = t.out.data();
     }
-    return t;
   };
   auto hand_over = [&](int l, Taps& t, const Buffer& q_dev, const float* q_host) {
     const int n_max = t.taps.n_max;
@@ -457,7 +456,8 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
         be->decode_attention_deferred(w.qkv, lay, kv, l, &transform, w.a, capture != nullptr);
         be->copy_block(w.qkv, 0, 0, w.qkv_layers, l, 0, 1, lay.row_stride);
       } else if (want) {
-        Taps t = make_taps(l);
+        Taps t;
+        size_taps(t, l);
         be->decode_attention(w.qkv, lay, kv, l, &transform, w.a, t.taps);
         w.qkv_host.resize(static_cast<size_t>(w.qkv.numel()));
         be->download(w.qkv, w.qkv_host.data());
@@ -475,8 +475,9 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
     if (staged) {  // the step's events, now that the host store holds its rows
       std::vector<float> q_all(static_cast<size_t>(w.qkv_layers.numel()));
       be->download(w.qkv_layers, q_all.data());
+      Taps t;
       for (int l = 0; l < cfg.num_hidden_layers; ++l) {
-        Taps t = make_taps(l);
+        size_taps(t, l);
         be->collect_deferred(kv, l, &transform, t.taps);
         hand_over(l, t, w.qkv_layers.row_view(l, 1), q_all.data() + static_cast<size_t>(l) * lay.row_stride);
       }

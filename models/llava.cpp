@@ -357,12 +357,26 @@ DecodeResult LlavaModel::decode(const PrefillState& st, KVPolicy* policy, const 
   if (opt.max_new_tokens <= 0) {
     // nothing to generate
   } else if (!chain) {
+    // Positions of the steps run on the device alone while the host store still carries rows:
+    // their rows are fetched together before the next observed step.
+    std::vector<int32_t> pending;
     for (int step = 0; !take(step); ++step) {
       check(step + 1);
-      // Past the last observed step, a device cache stops carrying host rows that no one reads
-      // any more: the remaining steps run on the device alone (and are replayed).
-      if (dev && kv.mirror && step >= observed && !decode_needs_host_rows(policy)) kv.mirror = false;
       const std::vector<AttentionObserver*> seen = decode_observers(observers, step);
+      if (dev && mirror && !decode_needs_host_rows(policy)) {
+        // Past the last observed step, a device cache stops carrying host rows that no one reads
+        // any more: the remaining steps run on the device alone (and are replayed). A step no
+        // observer reads before that runs so too.
+        kv.mirror = !seen.empty() && step < observed;
+        if (kv.mirror && !pending.empty()) {
+          std::vector<int> all(static_cast<size_t>(store.n_layers()));
+          for (int l = 0; l < store.n_layers(); ++l) all[static_cast<size_t>(l)] = l;
+          const std::vector<SegmentKind> gen(pending.size(), SegmentKind::Generated);
+          be_->kv_pull_rows(kv, all, pending.data(), gen.data(), static_cast<int>(pending.size()));
+          pending.clear();
+        }
+        if (!kv.mirror && step < observed) pending.push_back(pos);
+      }
       logits = in_model(dir_, [&] { return text_.decode(tok, pos, step, kv, policy, seen, ws); });
       ++pos;
     }

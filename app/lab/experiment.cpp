@@ -30,8 +30,12 @@ Experiment start_experiment(const Model& model, PrefillState prefill, const Expe
   Experiment ex;
   ex.prefill = std::move(prefill);
   const int max_step = std::max(opt.diag_steps, *std::max_element(opt.hit_steps.begin(), opt.hit_steps.end()) + 1);
-  // Hit rates, sparsity and the attention maps read the full cache's probabilities, not its rows.
+  // Hit rates, sparsity and the attention maps read the full cache's probabilities, not its rows,
+  // of the diagnostic steps and the hit-rate steps alone.
   ex.full_recorder = std::make_unique<DecodeRecorder>(max_step, false);
+  std::vector<int> read(opt.hit_steps);
+  for (int s = 0; s < opt.diag_steps; ++s) read.push_back(s);
+  ex.full_recorder->record_only(read);
   GenerateOptions g;
   g.max_new_tokens = opt.max_new_tokens;
   g.kv_storage = opt.kv_storage;
@@ -46,7 +50,7 @@ Experiment start_experiment(const Model& model, PrefillState prefill, const Expe
     double s = 0;
     int n = 0;
     for (const auto& e : ex.full_recorder->entries())
-      if (e.layer == l) {
+      if (e.layer == l && e.step < opt.diag_steps) {  // the steps a method's decode sparsity reads
         s += sparsity(e.probs.data(), e.n_heads, 1, e.n_k, opt.sparsity_p);
         ++n;
       }

@@ -11,8 +11,18 @@
 
 namespace kvlens {
 
+void DecodeRecorder::record_only(const std::vector<int>& steps) {
+  only_.assign(static_cast<size_t>(std::max(max_steps_, 0)), 0);
+  for (int s : steps) {
+    if (s < 0 || s >= max_steps_)
+      throw InternalError("decode recorder: step " + std::to_string(s) + " is outside 0 .. " +
+                          std::to_string(max_steps_ - 1));
+    only_[static_cast<size_t>(s)] = 1;
+  }
+}
+
 void DecodeRecorder::on_attention(const AttentionEvent& e) {
-  if (e.phase != Phase::Decode || e.step >= max_steps_) return;
+  if (e.phase != Phase::Decode || !reads_step(e.step)) return;
   Entry r;
   r.step = e.step; r.layer = e.layer; r.n_heads = e.n_heads; r.n_kv_heads = e.n_kv_heads;
   r.n_k = e.n_k; r.head_dim = e.head_dim; r.query_pos = e.query_pos[0];

@@ -66,8 +66,14 @@ class DecodeRecorder : public AttentionObserver {
   // pv's full store on the host.
   DecodeRecorder(int max_steps, const PrefillView& compare_to)
       : max_steps_(max_steps), keep_rows_(false), compare_(true), pv_(compare_to) {}
+  // Records only `steps` (each in 0 .. max_steps − 1) instead of every step below max_steps:
+  // the steps between are not observed (on a device they run as plain steps).
+  void record_only(const std::vector<int>& steps);
   void on_attention(const AttentionEvent& e) override;
   int decode_steps() const override { return max_steps_; }
+  bool reads_step(int step) const override {
+    return step >= 0 && step < max_steps_ && (only_.empty() || only_[static_cast<size_t>(step)]);
+  }
   bool reads_decode_kv() const override { return keep_rows_ || compare_; }
   const PrefillAttention* compares_to() const override { return compare_ ? pv_.attention : nullptr; }
   bool keeps_rows() const { return keep_rows_; }
@@ -81,6 +87,7 @@ class DecodeRecorder : public AttentionObserver {
   bool keep_rows_;
   bool compare_ = false;
   PrefillView pv_;
+  std::vector<char> only_;  // [max_steps]: the steps recorded; empty = all
   std::vector<Entry> entries_;
 };
 

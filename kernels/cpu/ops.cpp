@@ -7,6 +7,8 @@
 #include <limits>
 #include <vector>
 
+#include "core/exact_attention.h"
+
 namespace kvlens::cpu {
 
 // Loops below this many values run on one thread: thread start-up costs more than they do.
@@ -124,6 +126,25 @@ void softmax_rows(float* x, int64_t rows, int n) {
 float softmax_at(const float* x, int n, int i) {
   const auto [mx, inv] = softmax_scale(x, n);
   return std::isfinite(mx) ? std::exp(x[i] - mx) * inv : 0.0f;
+}
+
+void scores_in_order(const float* scores, int n_heads, int group, int64_t stride, const int32_t* seg_rows,
+                     int tail_rows, const int32_t* map, int64_t map_stride, float* raw, float* probs) {
+  std::vector<float> p;
+  for (int h = 0; h < n_heads; ++h) {
+    const int kv = h / group, n = seg_rows[kv] + tail_rows;
+    const float* in = scores + static_cast<int64_t>(h) * stride;
+    float* r = raw + static_cast<int64_t>(h) * stride;
+    std::fill(r, r + stride, -std::numeric_limits<float>::infinity());
+    auto at = [&](int i) { return i < seg_rows[kv] ? map[static_cast<int64_t>(kv) * map_stride + i] : i; };
+    for (int i = 0; i < n; ++i) r[at(i)] = in[i];
+    if (!probs) continue;
+    float* o = probs + static_cast<int64_t>(h) * stride;
+    std::fill(o, o + stride, 0.0f);
+    p.resize(static_cast<size_t>(n));
+    softmax_double_sum(in, n, p.data());
+    for (int i = 0; i < n; ++i) o[at(i)] = p[static_cast<size_t>(i)];
+  }
 }
 
 void attention_head(const AttnHeadArgs& a) {

@@ -112,6 +112,38 @@ __global__ void __launch_bounds__(kThreads) exact_attention_kernel(ExactArgs a) 
   }
 }
 
+// One block per query head: its scores to the host's row order (a scatter), then their softmax
+// (max and exp in float, the sum in double) scattered alike.
+__global__ void __launch_bounds__(kThreads)
+    scores_in_order_kernel(const float* __restrict__ scores, int G, int64_t stride, const int32_t* __restrict__ seg_rows,
+                           int tail_rows, const int32_t* __restrict__ map, int64_t map_stride, float* __restrict__ raw,
+                           float* __restrict__ probs) {
+  __shared__ float red_f[kThreads / 32];
+  __shared__ double red_d[kThreads / 32];
+  const int hd = blockIdx.x, kv = hd / G, seg = seg_rows[kv], n = seg + tail_rows;
+  const float* in = scores + static_cast<int64_t>(hd) * stride;
+  float* r = raw + static_cast<int64_t>(hd) * stride;
+  float* o = probs ? probs + static_cast<int64_t>(hd) * stride : nullptr;
+  for (int64_t j = threadIdx.x; j < stride; j += kThreads) {
+    r[j] = -INFINITY;
+    if (o) o[j] = 0.0f;
+  }
+  __syncthreads();
+  auto at = [&](int i) { return i < seg ? map[static_cast<int64_t>(kv) * map_stride + i] : i; };
+  float mx = -INFINITY;
+  for (int i = threadIdx.x; i < n; i += kThreads) {
+    const float v = in[i];
+    r[at(i)] = v;
+    mx = fmaxf(mx, v);
+  }
+  if (!o) return;
+  mx = block_max(mx, red_f);
+  double sum = 0.0;
+  for (int i = threadIdx.x; i < n; i += kThreads) sum += static_cast<double>(expf(in[i] - mx));
+  sum = block_sum(sum, red_d);
+  for (int i = threadIdx.x; i < n; i += kThreads) o[at(i)] = static_cast<float>(static_cast<double>(expf(in[i] - mx)) / sum);
+}
+
 }  // namespace
 
 void exact_attention(const float* prompt, int64_t stride, int64_t k_col, int64_t v_col, int T, const float* q,
@@ -121,6 +153,14 @@ void exact_attention(const float* prompt, int64_t stride, int64_t k_col, int64_t
               scores, probs, out};
   exact_attention_kernel<<<n_heads, kThreads, static_cast<size_t>(head_dim) * sizeof(float), s>>>(a);
   KV_CUDA(cudaGetLastError(), "exact_attention kernel");
+}
+
+void scores_in_order(const float* scores, int n_heads, int group, int64_t stride, const int32_t* seg_rows, int tail_rows,
+                     const int32_t* map, int64_t map_stride, float* raw, float* probs, cudaStream_t s) {
+  if (n_heads <= 0) return;
+  scores_in_order_kernel<<<n_heads, kThreads, 0, s>>>(scores, group, stride, seg_rows, tail_rows, map, map_stride, raw,
+                                                        probs);
+  KV_CUDA(cudaGetLastError(), "scores_in_order kernel");
 }
 
 }  // namespace kvlens::cuda

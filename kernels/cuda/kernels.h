@@ -97,6 +97,11 @@ void attention_below(const float* P, int n_heads, int T, const int* queries, int
 void exact_attention(const float* prompt, int64_t stride, int64_t k_col, int64_t v_col, int T, const float* q,
                      const float* xk, const float* xv, const int* xpos, int n_extra, int n_heads, int n_kv_heads,
                      int head_dim, float scale, float* scores, float* probs, double* out, cudaStream_t s);
+// A decode step's scores to the host store's row order and their softmax, as cpu::scores_in_order
+// (kernels/cpu/ops.h, the host reference) computes them; one block a query head
+// (exact_attention.cu). seg_rows and map are device arrays; probs may be null.
+void scores_in_order(const float* scores, int n_heads, int group, int64_t stride, const int32_t* seg_rows, int tail_rows,
+                     const int32_t* map, int64_t map_stride, float* raw, float* probs, cudaStream_t s);
 // LOOK-M's assignment (cosine_assign.cu; host reference: lookm_assign): norm[n] of the rows of
 // k [n][d], then for each evicted[i] the kept row best[i] (from keep[n_keep], ascending) of
 // largest cosine similarity sim[i], in double, ties to the earlier kept row.

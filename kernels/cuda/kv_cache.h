@@ -237,14 +237,23 @@ class CudaKV : public DeviceKV {
   int L, NKV, D;
   std::vector<DevLayer> layers;
   // Per layer, what kv_decode_deferred kept on the device for kv_collect_deferred: the scores
-  // before the transform in the device's row order [n_heads][stride], and the fp32 output.
+  // before the transform in the device's row order [n_heads][stride]; the same in the host
+  // store's row order and, without a transform, their softmax (`taps`: [n_heads][stride] each);
+  // and the fp32 output. `map` holds the device → host row of each KV head's segment rows
+  // [NKV][map_stride], then their counts [NKV] (seg_rows), for the layout of version map_ver.
   struct Deferred {
-    DevMem scores, out;
-    int64_t stride = 0;
-    int n_heads = 0;
-    bool pending = false;
+    DevMem scores, out, taps, map;
+    uint64_t map_ver = 0;
+    int64_t map_stride = 0;
+    std::vector<int32_t> seg_rows;
+    int64_t stride = 0, taps_used = 0;  // taps_used: the bytes of `taps` this step wrote
+    int n_heads = 0, tail_rows = 0;
+    bool pending = false, probs = false;
+    const float* host = nullptr;  // the taps, then the output, once fetched (in taps_host)
   };
   std::vector<Deferred> deferred;
+  std::shared_ptr<void> taps_host;  // page-locked: every pending layer's taps, fetched in one wait
+  int64_t taps_host_bytes = 0;
   DevMem counters, done;
   DevMem table, nparts, part_o, part_md, vis_range, vis_scores, md_out, sem, claim;
   int64_t vis_stride = 0;

@@ -1,8 +1,10 @@
 // Decode attention over the GPU KV cache: the fused kernel on the device's parts, or (for
 // observers, and for score transforms a device cannot apply in its kernel) scores to the host,
 // transformed there in the host store's row order, and back for the softmax and values.
+#include <algorithm>
 #include <cmath>
 
+#include "core/exact_attention.h"
 #include "kernels/cuda/kv_cache.h"
 
 namespace kvlens::cuda {
@@ -83,6 +85,60 @@ void set_calibration(DecodeParams& p, CudaKV& C, const ScoreTransform& transform
 
 }  // namespace
 
+namespace {
+
+// d.map and d.seg_rows for the layout of `layer` as it is now (kept while the layout's version is).
+void segment_map(Context& ctx, CudaKV& C, int layer, CudaKV::Deferred& d) {
+  if (d.map.mem && d.map_ver == C.ver) return;
+  const DevLayer& L = C.layers[static_cast<size_t>(layer)];
+  d.seg_rows.assign(static_cast<size_t>(C.NKV), 0);
+  for (int h = 0; h < C.NKV; ++h)
+    for (const DevSeg& s : L.segs)
+      for (const DevPart& q : s.heads[h]) d.seg_rows[static_cast<size_t>(h)] += q.d.n;
+  d.map_stride = std::max<int64_t>(1, *std::max_element(d.seg_rows.begin(), d.seg_rows.end()));
+  std::vector<int32_t> m(static_cast<size_t>(C.NKV) * d.map_stride + C.NKV, 0);
+  for (int h = 0; h < C.NKV; ++h) {
+    int32_t base = 0, i = 0;
+    for (const DevSeg& s : L.segs) {
+      for (const DevPart& q : s.heads[h])
+        for (int r = 0; r < q.d.n; ++r)
+          m[static_cast<size_t>(h * d.map_stride + i++)] = base + (q.order.empty() ? r : q.order[static_cast<size_t>(r)]);
+      base += static_cast<int32_t>(s.pos[h].size());
+    }
+    m[static_cast<size_t>(C.NKV) * d.map_stride + h] = d.seg_rows[static_cast<size_t>(h)];
+  }
+  const int64_t b = static_cast<int64_t>(m.size()) * 4;
+  if (d.map.bytes < b) d.map = {ctx.alloc(b, "deferred decode row map"), b};
+  ctx.upload(d.map.mem.get(), m.data(), b, "deferred decode row map");
+  d.map_ver = C.ver;
+}
+
+// Every pending layer's taps and output not fetched yet, in one wait.
+void fetch_deferred(Context& ctx, CudaKV& C) {
+  int64_t total = 0;
+  for (const CudaKV::Deferred& d : C.deferred)
+    if (d.pending && !d.host) total += d.taps_used + (d.out.mem ? d.out.bytes : 0);
+  if (total > C.taps_host_bytes) {
+    C.taps_host.reset();
+    C.taps_host = ctx.pinned(total, "deferred decode taps on the host");
+    C.taps_host_bytes = total;
+  }
+  auto* at = static_cast<char*>(C.taps_host.get());
+  for (CudaKV::Deferred& d : C.deferred) {
+    if (!d.pending || d.host) continue;
+    d.host = reinterpret_cast<const float*>(at);
+    ctx.download_async(at, d.taps.mem.get(), d.taps_used, "deferred decode taps");
+    at += d.taps_used;
+    if (d.out.mem) {
+      ctx.download_async(at, d.out.mem.get(), d.out.bytes, "deferred decode output (fp32)");
+      at += d.out.bytes;
+    }
+  }
+  ctx.sync("deferred decode taps");
+}
+
+}  // namespace
+
 void kv_decode_deferred(Context& ctx, const Buffer& qkv, const AttnLayout& l, SeqKV& kv, int layer,
                         const ScoreTransform* transform, Buffer& out, bool want_out) {
   CudaKV& C = as_cuda(kv.dev);
@@ -100,13 +156,28 @@ void kv_decode_deferred(Context& ctx, const Buffer& qkv, const AttnLayout& l, Se
   d.stride = std::max(device_rows(C, layer), 1);
   d.n_heads = NH;
   const int64_t sb = static_cast<int64_t>(NH) * d.stride * 4;
-  if (d.scores.bytes < sb) d.scores = {ctx.alloc(sb, "deferred decode scores"), sb};
+  if (d.scores.bytes < sb) {  // room for a few more steps' rows
+    const int64_t room = sb + static_cast<int64_t>(NH) * 64 * 4;
+    d.scores = {ctx.alloc(room, "deferred decode scores"), room};
+  }
   raw.scores_out = d.scores.as<float>();
   raw.scores_stride = d.stride;
   decode_scores(raw, ctx.stream);  // before the transform: the scoring pass never calibrates
+  // In the host's row order on the device, with their softmax when no transform comes between.
+  segment_map(ctx, C, layer, d);
+  d.tail_rows = C.layers[static_cast<size_t>(layer)].tail.n;
+  d.probs = !(transform && transform->any());
+  d.taps_used = (d.probs ? 2 : 1) * sb;
+  if (d.taps.bytes < d.taps_used) {  // room for a few more steps' rows
+    const int64_t room = d.taps_used + (d.probs ? 2 : 1) * static_cast<int64_t>(NH) * 64 * 4;
+    d.taps = {ctx.alloc(room, "deferred decode taps"), room};
+  }
+  const int32_t* map = d.map.as<int32_t>();
+  scores_in_order(d.scores.as<float>(), NH, NH / C.NKV, d.stride, map + C.NKV * d.map_stride, d.tail_rows, map,
+                  d.map_stride, d.taps.as<float>(), d.probs ? d.taps.as<float>() + NH * d.stride : nullptr, ctx.stream);
   if (want_out) {
     const int64_t ob = static_cast<int64_t>(NH) * C.D * 4;
-    if (d.out.bytes < ob) d.out = {ctx.alloc(ob, "deferred decode output (fp32)"), ob};
+    if (d.out.bytes != ob) d.out = {ctx.alloc(ob, "deferred decode output (fp32)"), ob};
     DecodeParams p32 = p;
     p32.out = d.out.mem.get();
     p32.odt = Dt::F32;
@@ -114,6 +185,7 @@ void kv_decode_deferred(Context& ctx, const Buffer& qkv, const AttnLayout& l, Se
   } else {
     d.out = {};
   }
+  d.host = nullptr;
   d.pending = true;
 }
 
@@ -122,27 +194,29 @@ void kv_collect_deferred(Context& ctx, SeqKV& kv, int layer, const ScoreTransfor
   if (C.deferred.size() <= static_cast<size_t>(layer) || !C.deferred[static_cast<size_t>(layer)].pending)
     throw InternalError("collect_deferred: nothing deferred for layer " + std::to_string(layer));
   CudaKV::Deferred& d = C.deferred[static_cast<size_t>(layer)];
+  if (!d.host) fetch_deferred(ctx, C);
   d.pending = false;
   const int NH = d.n_heads, G = NH / C.NKV, n_max = taps.n_max;
-  int n_dev = 0;
-  const std::vector<std::vector<int32_t>> dev2host = host_order(C, *kv.host, layer, n_dev);
-  if (n_dev > d.stride || (taps.rows() && n_max < n_dev))
+  const int64_t stride = d.stride;
+  for (int h = 0; h < C.NKV; ++h)
+    if (kv.host->n_rows(layer, h) != d.seg_rows[static_cast<size_t>(h)] + d.tail_rows)
+      throw InternalError("collect_deferred: layer " + std::to_string(layer) + " rows changed since the step");
+  if (taps.rows() && n_max < stride)
     throw InternalError("collect_deferred: layer " + std::to_string(layer) + " rows changed since the step");
-  std::vector<float> sd(static_cast<size_t>(NH) * d.stride);
-  ctx.download(sd.data(), d.scores.mem.get(), static_cast<int64_t>(sd.size()) * 4, "deferred decode scores");
+  const float* raw = d.host;
+  const float* probs = d.probs ? raw + NH * stride : nullptr;
   if (taps.out) {
     if (!d.out.mem) throw InternalError("collect_deferred: the output was not kept for layer " + std::to_string(layer));
-    ctx.download(taps.out, d.out.mem.get(), static_cast<int64_t>(NH) * C.D * 4, "deferred decode output (fp32)");
+    std::copy_n(raw + (d.probs ? 2 : 1) * NH * stride, static_cast<size_t>(NH) * C.D, taps.out);
   }
   if (!taps.rows()) return;
   std::vector<float> s(static_cast<size_t>(n_max));
   std::vector<int32_t> P;
   std::vector<SegmentKind> kinds;
   for (int hd = 0; hd < NH; ++hd) {
-    const auto& m = dev2host[hd / G];
-    const int n = static_cast<int>(m.size());
-    std::fill(s.begin(), s.end(), -INFINITY);
-    for (int i = 0; i < n; ++i) s[static_cast<size_t>(m[i])] = sd[static_cast<size_t>(hd) * d.stride + i];
+    const int n = d.seg_rows[static_cast<size_t>(hd / G)] + d.tail_rows;
+    std::copy_n(raw + hd * stride, stride, s.begin());
+    std::fill(s.begin() + stride, s.end(), -INFINITY);
     if (taps.raw_scores) std::copy(s.begin(), s.end(), taps.raw_scores + static_cast<size_t>(hd) * n_max);
     if (transform && transform->any()) {  // on the host, in its row order, as the materialized path
       if (hd % G == 0) kv.host->positions(layer, hd / G, P, kinds);
@@ -152,11 +226,11 @@ void kv_collect_deferred(Context& ctx, SeqKV& kv, int layer, const ScoreTransfor
     if (taps.probs) {
       float* o = taps.probs + static_cast<size_t>(hd) * n_max;
       std::fill(o, o + n_max, 0.0f);
-      float mx = -INFINITY;
-      for (int i = 0; i < n; ++i) mx = std::max(mx, s[static_cast<size_t>(i)]);
-      double sum = 0.0;
-      for (int i = 0; i < n; ++i) sum += (o[i] = std::exp(s[static_cast<size_t>(i)] - mx));
-      for (int i = 0; i < n; ++i) o[i] = static_cast<float>(o[i] / sum);
+      if (probs) {
+        std::copy_n(probs + hd * stride, stride, o);
+      } else {
+        softmax_double_sum(s.data(), n, o);
+      }
     }
   }
 }

@@ -13,11 +13,15 @@
 // and checks the outputs and counters.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <numeric>
+#include <random>
 
 #include "core/compress/quantize.h"
+#include "kernels/cpu/ops.h"
 #include "tests/op_harness.h"
 
 #ifdef KVLENS_HAVE_CUDA
@@ -57,6 +61,70 @@ TEST(DecodeKernel, TensorCorePartsNeedTheirPathsAlignment) {
       d.k.data = codes + off;
       EXPECT_EQ(cuda::mma_bits(d, d.n, false), off % need == 0 ? bits : 0) << bits << " bits, keys at +" << off;
     }
+#endif
+}
+
+// A decode step's scores to the host's row order and their softmax (the deferred taps): the
+// device kernel (cuda::scores_in_order) against the host reference (cpu::scores_in_order) on
+// fresh random scores, GQA 4:1, KV heads holding segment rows in a shuffled order and tail rows,
+// one with no segment rows and one holding fewer rows than the stride. The host half checks the
+// reference itself: each head's rows land at the map's places (−inf / 0 elsewhere) and its
+// probabilities sum to 1. Raw scores are a scatter: equal bit for bit. A probability is
+// e / Σe with e = exp(s − max) in float: the device's expf is within 2 ulp (2·2⁻²³ relative)
+// and the host's exp within 1 ulp of the exact value, so each e and the double sum differ by at
+// most 3·2⁻²³ relative, the quotient by 6·2⁻²³, and the two final roundings add 2⁻²³: bound
+// p · 7·2⁻²³.
+TEST(DecodeKernel, ScoresToTheHostsOrderWithTheirSoftmax) {
+  const int NKV = 3, G = 4, NH = NKV * G, tail = 5;
+  const std::vector<int32_t> seg{40, 0, 23};
+  const int64_t map_stride = 40, stride = 40 + tail + 3;
+  std::vector<int32_t> map(static_cast<size_t>(NKV) * map_stride + NKV, 0);
+  for (int h = 0; h < NKV; ++h) {
+    std::vector<int32_t> order(static_cast<size_t>(seg[h]));
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), rng());
+    std::copy(order.begin(), order.end(), map.begin() + h * map_stride);
+    map[static_cast<size_t>(NKV) * map_stride + h] = seg[h];
+  }
+  const std::vector<float> scores = randn(static_cast<size_t>(NH) * stride, 3.0f);
+  std::vector<float> raw(scores.size()), probs(scores.size());
+  cpu::scores_in_order(scores.data(), NH, G, stride, map.data() + NKV * map_stride, tail, map.data(), map_stride,
+                       raw.data(), probs.data());
+  for (int hd = 0; hd < NH; ++hd) {
+    const int kv = hd / G, n = seg[kv] + tail;
+    double sum = 0;
+    std::vector<char> hit(static_cast<size_t>(stride), 0);
+    for (int i = 0; i < n; ++i) {
+      const int r = i < seg[kv] ? map[static_cast<size_t>(kv * map_stride + i)] : i;
+      hit[static_cast<size_t>(r)] = 1;
+      EXPECT_EQ(raw[static_cast<size_t>(hd * stride + r)], scores[static_cast<size_t>(hd * stride + i)]);
+      sum += probs[static_cast<size_t>(hd * stride + r)];
+    }
+    for (int64_t r = 0; r < stride; ++r)
+      if (!hit[static_cast<size_t>(r)]) {
+        EXPECT_EQ(raw[static_cast<size_t>(hd * stride + r)], -std::numeric_limits<float>::infinity());
+        EXPECT_EQ(probs[static_cast<size_t>(hd * stride + r)], 0.0f);
+      }
+    EXPECT_NEAR(sum, 1.0, 1e-6) << "head " << hd;
+  }
+#ifndef KVLENS_HAVE_CUDA
+  GTEST_SKIP() << "host reference checked; built without the CUDA backend, the kernel not run";
+#else
+  KVLENS_GPU_HALF_SKIPPED();
+  Dev S(scores), M(map), R(raw.size() * 4), P(probs.size() * 4), R2(raw.size() * 4);
+  cuda::scores_in_order(S.as<float>(), NH, G, stride, M.as<int32_t>() + NKV * map_stride, tail, M.as<int32_t>(),
+                        map_stride, R.as<float>(), P.as<float>(), nullptr);
+  cuda::scores_in_order(S.as<float>(), NH, G, stride, M.as<int32_t>() + NKV * map_stride, tail, M.as<int32_t>(),
+                        map_stride, R2.as<float>(), nullptr, nullptr);  // raw scores alone
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<float> raw_d(raw.size()), probs_d(probs.size()), raw2_d(raw.size());
+  ASSERT_EQ(cudaMemcpy(raw_d.data(), R.p, raw.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(probs_d.data(), P.p, probs.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(raw2_d.data(), R2.p, raw.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(raw_d, raw);
+  EXPECT_EQ(raw2_d, raw);
+  for (size_t i = 0; i < probs.size(); ++i)
+    EXPECT_LE(std::abs(double(probs_d[i]) - probs[i]), probs[i] * 7 * std::ldexp(1.0, -23)) << "entry " << i;
 #endif
 }
 

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <set>
 
 #include <nlohmann/json.hpp>
 
@@ -448,6 +449,56 @@ TEST(CudaModel, ObservedStepsEndWhereTheObserversStop) {
         EXPECT_EQ(e.scores, ref->scores);
         EXPECT_EQ(e.q, ref->q);
       }
+    }
+  }
+}
+
+// Steps no observer reads between observed ones (record_only) run on the device alone, their
+// rows fetched to the host store together before the next observed step: the same tokens, bytes
+// and logits as an unobserved decode, exactly the steps named recorded, and each event's key
+// positions those an observer of every step sees, its probabilities within 0.02 of them (as
+// above: the steps between append and attend in one kernel, an observed step in two) and each
+// row summing to 1.
+TEST(CudaModel, StepsBetweenObservedOnesRunOnTheDevice) {
+  NEED_GPU();
+  SampleRun r = sample_run(10);
+  GenerateOptions u = r.g;
+  u.chain_steps = false;
+  for (const char* spec : {"", "snapkv"}) {
+    SCOPED_TRACE(spec);
+    auto p0 = *spec ? make_policy(spec) : nullptr, p1 = *spec ? make_policy(spec) : nullptr,
+         p2 = *spec ? make_policy(spec) : nullptr;
+    const DecodeResult plain = r.gpu.decode(r.st, p0.get(), u);
+    DecodeRecorder all(100), rows(8), probs(8, false);
+    rows.record_only({0, 4});
+    probs.record_only({2, 7});
+    const DecodeResult every = r.gpu.decode(r.st, p1.get(), u, {&all});
+    const DecodeResult some = r.gpu.decode(r.st, p2.get(), u, {&rows, &probs});
+    expect_same_decode(some, plain);
+    expect_same_decode(every, plain);
+    for (const auto* rec : {&rows, &probs}) {
+      std::set<int> steps;
+      for (const auto& e : rec->entries()) {
+        steps.insert(e.step);
+        const auto* ref = all.find(e.step, e.layer);
+        ASSERT_NE(ref, nullptr);
+        const std::string at = "step " + std::to_string(e.step) + " layer " + std::to_string(e.layer);
+        EXPECT_EQ(e.key_pos, ref->key_pos) << at;
+        ASSERT_EQ(e.probs.size(), ref->probs.size()) << at;
+        if (rec->keeps_rows()) {
+          ASSERT_EQ(e.k.size(), ref->k.size()) << at;
+        }
+        for (int h = 0; h < e.n_heads; ++h) {
+          double sum = 0;
+          for (int j = 0; j < e.n_k; ++j) {
+            const size_t i = static_cast<size_t>(h) * e.n_k + j;
+            sum += e.probs[i];
+            EXPECT_NEAR(e.probs[i], ref->probs[i], 0.02) << at << " head " << h << " key " << j;
+          }
+          EXPECT_NEAR(sum, 1.0, 1e-5) << at << " head " << h;
+        }
+      }
+      EXPECT_EQ(steps, rec == &rows ? (std::set<int>{0, 4}) : (std::set<int>{2, 7}));
     }
   }
 }

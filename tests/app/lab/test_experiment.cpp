@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <set>
 
 #include "core/diagnostics/diagnostics.h"
 #include "core/errors.h"
@@ -118,6 +119,52 @@ TEST(Experiment, ObserversSeeTheStepsAndRowsTheyAskFor) {
   EXPECT_THROW(compare_layers(PrefillView{&st.store, nullptr, &st.kinds, 0, static_cast<int>(st.ids.size())},
                               probs_only, st.store, 8, 0.01),
                InternalError);
+}
+
+// A recorder told to read a few steps (record_only) is handed exactly those, the same events as
+// an observer of every step gets, and the steps between change no token. The experiment's full
+// recorder reads the diagnostic steps and the hit-rate steps alone, and the full cache's decode
+// sparsity averages the diagnostic steps, as a method's does.
+TEST(Experiment, RecordersReadOnlyTheStepsTheyName) {
+  const Fixture& f = fixture("gqa_fp16_save");
+  const PrefillState st = f.model.prefill(f.image, kDefaultPrompt, kDefaultTemplate, false);
+  GenerateOptions g;
+  g.max_new_tokens = 7;
+  g.stop_at_eos = false;
+  const DecodeResult plain = f.model.decode(st, nullptr, g);
+  DecodeRecorder all(100), picked(5, false), with_rows(6);
+  picked.record_only({1, 3});
+  with_rows.record_only({4});
+  EXPECT_THROW(DecodeRecorder(3).record_only({3}), InternalError);
+  EXPECT_EQ(f.model.decode(st, nullptr, g, {&all}).generated_ids, plain.generated_ids);
+  EXPECT_EQ(f.model.decode(st, nullptr, g, {&picked, &with_rows}).generated_ids, plain.generated_ids);
+  const int L = st.store.n_layers();
+  std::set<int> steps;
+  for (const auto& e : picked.entries()) steps.insert(e.step);
+  EXPECT_EQ(steps, (std::set<int>{1, 3}));
+  EXPECT_EQ(static_cast<int>(picked.entries().size()), 2 * L);
+  ASSERT_EQ(static_cast<int>(with_rows.entries().size()), L);
+  EXPECT_EQ(with_rows.entries().front().step, 4);
+  kvlens::testing::expect_events_of(picked, all);
+  kvlens::testing::expect_events_of(with_rows, all);
+
+  ExperimentOptions opt = small_options();
+  opt.max_new_tokens = 8;
+  opt.diag_steps = 2;
+  opt.hit_steps = {0, 5};
+  const Experiment ex = start_experiment(f.model, f.image, opt);
+  steps.clear();
+  for (const auto& e : ex.full_recorder->entries()) steps.insert(e.step);
+  EXPECT_EQ(steps, (std::set<int>{0, 1, 5}));
+  for (int l = 0; l < L; ++l) {
+    double s = 0;
+    for (int step = 0; step < opt.diag_steps; ++step) {
+      const auto* e = ex.full_recorder->find(step, l);
+      ASSERT_NE(e, nullptr);
+      s += sparsity(e->probs.data(), e->n_heads, 1, e->n_k, opt.sparsity_p);
+    }
+    EXPECT_DOUBLE_EQ(ex.sparsity_decode_full[static_cast<size_t>(l)], s / opt.diag_steps) << "layer " << l;
+  }
 }
 
 TEST(Experiment, FullCacheHasZeroErrorAndIdenticalHistograms) {
