@@ -284,6 +284,15 @@ class Backend {
                                       const AttnLayout& pl, const ExtraRows& extra, ExactAttention& out) {
     return false;
   }
+  // exact_decode_attention for the queries of every layer of a step at once: row i of qkv_rows
+  // ([n][row stride], each row laid out as l) against prompts[i] (laid out as pl) and extras[i],
+  // into out[i] (resized to n), the same values as n calls of exact_decode_attention: one launch
+  // and one copy back where the backend can. False where the backend has no such op.
+  virtual bool exact_decode_attention_layers(const Buffer& qkv_rows, const AttnLayout& l,
+                                             const std::vector<const Buffer*>& prompts, const AttnLayout& pl,
+                                             const std::vector<ExtraRows>& extras, std::vector<ExactAttention>& out) {
+    return false;
+  }
   // rope_append of one generated token followed by decode_attention with no transform and no scores
   // or probabilities asked for: one op, so a device can rotate q and k and append the token's
   // row inside the attention kernel (a plain decode step). The default runs the two ops.

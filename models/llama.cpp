@@ -379,12 +379,14 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
       t.taps.out = t.out.data();
     }
   };
-  auto hand_over = [&](int l, Taps& t, const Buffer& q_dev, const float* q_host) {
+  // (exact_done: the layer's exact attention, when already computed with every other layer's)
+  auto hand_over = [&](int l, Taps& t, const Buffer& q_dev, const float* q_host, ExactAttention* exact_done) {
     const int n_max = t.taps.n_max;
-    ExactAttention exact;
+    ExactAttention own;
+    ExactAttention& exact = exact_done ? *exact_done : own;
     const bool has_exact =
-        capture && be->exact_decode_attention(q_dev, lay, capture->layer_qkv(l), capture->layout(),
-                                              rows_from(*kv.host, l, capture->prompt_len()), exact);
+        capture && (exact_done || be->exact_decode_attention(q_dev, lay, capture->layer_qkv(l), capture->layout(),
+                                                             rows_from(*kv.host, l, capture->prompt_len()), own));
     const bool rows = std::any_of(observers.begin(), observers.end(), [&](const AttentionObserver* o) {
       return o->reads_decode_kv() && !(has_exact && o->compares_to());
     });
@@ -461,7 +463,7 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
         be->decode_attention(w.qkv, lay, kv, l, &transform, w.a, t.taps);
         w.qkv_host.resize(static_cast<size_t>(w.qkv.numel()));
         be->download(w.qkv, w.qkv_host.data());
-        hand_over(l, t, w.qkv, w.qkv_host.data());
+        hand_over(l, t, w.qkv, w.qkv_host.data(), nullptr);
       } else if (!plain) {
         be->decode_attention(w.qkv, lay, kv, l, &transform, w.a, DecodeTaps{});
       }
@@ -475,11 +477,24 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
     if (staged) {  // the step's events, now that the host store holds its rows
       std::vector<float> q_all(static_cast<size_t>(w.qkv_layers.numel()));
       be->download(w.qkv_layers, q_all.data());
+      // Every layer's exact attention in one go, where the backend can.
+      std::vector<ExactAttention> exact;
+      if (capture) {
+        std::vector<const Buffer*> prompts;
+        std::vector<ExtraRows> extras;
+        for (int l = 0; l < cfg.num_hidden_layers; ++l) {
+          prompts.push_back(&capture->layer_qkv(l));
+          extras.push_back(rows_from(*kv.host, l, capture->prompt_len()));
+        }
+        if (!be->exact_decode_attention_layers(w.qkv_layers, lay, prompts, capture->layout(), extras, exact))
+          exact.clear();
+      }
       Taps t;
       for (int l = 0; l < cfg.num_hidden_layers; ++l) {
         size_taps(t, l);
         be->collect_deferred(kv, l, &transform, t.taps);
-        hand_over(l, t, w.qkv_layers.row_view(l, 1), q_all.data() + static_cast<size_t>(l) * lay.row_stride);
+        hand_over(l, t, w.qkv_layers.row_view(l, 1), q_all.data() + static_cast<size_t>(l) * lay.row_stride,
+                  exact.empty() ? nullptr : &exact[static_cast<size_t>(l)]);
       }
     }
   };

@@ -489,7 +489,16 @@ class CudaBackend : public Backend {
   bool exact_decode_attention(const Buffer& qkv, const AttnLayout& l, const Buffer& prompt, const AttnLayout& pl,
                               const ExtraRows& extra, ExactAttention& out) override {
     auto prof_scope = prof_.scope("exact_decode_attention", *ctx_);
-    cuda::exact_decode_attention(*ctx_, qkv, l, prompt, pl, extra, out);
+    std::vector<ExactAttention> one;
+    cuda::exact_decode_attention(*ctx_, qkv, l, {&prompt}, pl, {extra}, one);
+    out = std::move(one.front());
+    return true;
+  }
+  bool exact_decode_attention_layers(const Buffer& qkv_rows, const AttnLayout& l, const std::vector<const Buffer*>& prompts,
+                                     const AttnLayout& pl, const std::vector<ExtraRows>& extras,
+                                     std::vector<ExactAttention>& out) override {
+    auto prof_scope = prof_.scope("exact_decode_attention", *ctx_);
+    cuda::exact_decode_attention(*ctx_, qkv_rows, l, prompts, pl, extras, out);
     return true;
   }
   void kv_hydrate(const DeviceKV& dev, KVStore& host) override { cuda::kv_hydrate(*ctx_, dev, host); }

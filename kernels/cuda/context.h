@@ -96,8 +96,10 @@ void kv_pull_rows(Context& ctx, SeqKV& kv, const std::vector<int>& layers, const
 void reduce_prefill_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, const AttentionReduction& r);
 void assign_by_cosine(Context& ctx, const float* k, int n, int d, const std::vector<int>& keep, std::vector<int>& evicted,
                       std::vector<int>& best, std::vector<double>& sim);
-// Backend::exact_decode_attention: the kernel on the capture, the extra rows uploaded, one copy back.
-void exact_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, const Buffer& prompt,
-                            const AttnLayout& pl, const ExtraRows& extra, ExactAttention& x);
+// Backend::exact_decode_attention(_layers): query i (row i of qkv) against prompts[i] and
+// extras[i]; the arguments and extra rows in one upload, one launch, the results in one copy back.
+void exact_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l,
+                            const std::vector<const Buffer*>& prompts, const AttnLayout& pl,
+                            const std::vector<ExtraRows>& extras, std::vector<ExactAttention>& x);
 
 }  // namespace kvlens::cuda

@@ -46,25 +46,12 @@ __device__ double block_sum(double v, double* red) {
   return r;
 }
 
-struct ExactArgs {
-  const float* prompt;  // [T][stride]
-  int64_t stride;
-  int64_t k_col, v_col;
-  int T;
-  const float* q;  // [NH][D]
-  const float *xk, *xv;  // [NKV][n_extra][D]
-  const int* xpos;       // [NKV][n_extra]
-  int n_extra, NH, NKV, D;
-  float scale;
-  float *scores, *probs;  // [NH][T + n_extra]
-  double* out;            // [NH][D]
-};
 
-__global__ void __launch_bounds__(kThreads) exact_attention_kernel(ExactArgs a) {
-  extern __shared__ float qs[];  // D floats
+// Query head hd of one query: the block's whole work (qs: D floats of shared memory).
+__device__ void exact_attention_head(const ExactArgs& a, int hd, float* qs) {
   __shared__ float red_f[kThreads / 32];
   __shared__ double red_d[kThreads / 32];
-  const int hd = blockIdx.x, h = hd / (a.NH / a.NKV), n = a.T + a.n_extra, D = a.D;
+  const int h = hd / (a.NH / a.NKV), n = a.T + a.n_extra, D = a.D;
   for (int c = threadIdx.x; c < D; c += kThreads) qs[c] = a.q[static_cast<int64_t>(hd) * D + c];
   __syncthreads();
   auto valid = [&](int j) { return j < a.T || a.xpos[static_cast<int64_t>(h) * a.n_extra + (j - a.T)] >= 0; };
@@ -112,6 +99,13 @@ __global__ void __launch_bounds__(kThreads) exact_attention_kernel(ExactArgs a) 
   }
 }
 
+// Block (hd, i): query head hd of query i.
+__global__ void __launch_bounds__(kThreads) exact_attention_layers_kernel(const ExactArgs* __restrict__ a) {
+  extern __shared__ float qs[];
+  const ExactArgs one = a[blockIdx.y];
+  exact_attention_head(one, blockIdx.x, qs);
+}
+
 // One block per query head: its scores to the host's row order (a scatter), then their softmax
 // (max and exp in float, the sum in double) scattered alike.
 __global__ void __launch_bounds__(kThreads)
@@ -146,13 +140,10 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-void exact_attention(const float* prompt, int64_t stride, int64_t k_col, int64_t v_col, int T, const float* q,
-                     const float* xk, const float* xv, const int* xpos, int n_extra, int n_heads, int n_kv_heads,
-                     int head_dim, float scale, float* scores, float* probs, double* out, cudaStream_t s) {
-  ExactArgs a{prompt, stride, k_col, v_col, T, q, xk, xv, xpos, n_extra, n_heads, n_kv_heads, head_dim, scale,
-              scores, probs, out};
-  exact_attention_kernel<<<n_heads, kThreads, static_cast<size_t>(head_dim) * sizeof(float), s>>>(a);
-  KV_CUDA(cudaGetLastError(), "exact_attention kernel");
+void exact_attention_many(const ExactArgs* args, int n, int n_heads, int head_dim, cudaStream_t s) {
+  if (n <= 0 || n_heads <= 0) return;
+  exact_attention_layers_kernel<<<dim3(n_heads, n), kThreads, static_cast<size_t>(head_dim) * sizeof(float), s>>>(args);
+  KV_CUDA(cudaGetLastError(), "exact_attention kernel (several queries)");
 }
 
 void scores_in_order(const float* scores, int n_heads, int group, int64_t stride, const int32_t* seg_rows, int tail_rows,

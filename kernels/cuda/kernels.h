@@ -89,14 +89,28 @@ void attention_column_sums(const float* P, int n_heads, int T, const int* querie
                            cudaStream_t s);
 void attention_below(const float* P, int n_heads, int T, const int* queries, int nq, double p, bool zeros_below,
                      unsigned long long* below, cudaStream_t s);
-// The exact attention of one decode query (exact_attention.cu; host reference: exact_attention in
-// core/exact_attention.h): query head h of q [n_heads][head_dim] over the prompt's rows
-// (prompt [T][stride], keys at k_col, values at v_col, KV head g at + g·head_dim) and then the
-// n_extra rows xk / xv [n_kv_heads][n_extra][head_dim] of its KV head (xpos < 0: padding);
-// scores / probs [n_heads][T + n_extra] (padding -inf / 0), out [n_heads][head_dim] in double.
-void exact_attention(const float* prompt, int64_t stride, int64_t k_col, int64_t v_col, int T, const float* q,
-                     const float* xk, const float* xv, const int* xpos, int n_extra, int n_heads, int n_kv_heads,
-                     int head_dim, float scale, float* scores, float* probs, double* out, cudaStream_t s);
+// The exact attention of decode queries (exact_attention.cu; host reference: exact_attention in
+// core/exact_attention.h), one block a query head: query head h of q [n_heads][head_dim] over the
+// prompt's rows (prompt [T][stride], keys at k_col, values at v_col, KV head g at + g·head_dim)
+// and then the n_extra rows xk / xv [n_kv_heads][n_extra][head_dim] of its KV head (xpos < 0:
+// padding); scores / probs [n_heads][T + n_extra] (padding -inf / 0), out [n_heads][head_dim] in
+// double.
+struct ExactArgs {
+  const float* prompt;  // [T][stride]
+  int64_t stride;
+  int64_t k_col, v_col;
+  int T;
+  const float* q;        // [NH][D]
+  const float *xk, *xv;  // [NKV][n_extra][D]
+  const int* xpos;       // [NKV][n_extra]
+  int n_extra, NH, NKV, D;
+  float scale;
+  float *scores, *probs;  // [NH][T + n_extra]
+  double* out;            // [NH][D]
+};
+// n queries in one launch (a step's layers): args [n] in device memory, each with n_heads query
+// heads of head_dim.
+void exact_attention_many(const ExactArgs* args, int n, int n_heads, int head_dim, cudaStream_t s);
 // A decode step's scores to the host store's row order and their softmax, as cpu::scores_in_order
 // (kernels/cpu/ops.h, the host reference) computes them; one block a query head
 // (exact_attention.cu). seg_rows and map are device arrays; probs may be null.

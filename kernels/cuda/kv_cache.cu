@@ -722,8 +722,12 @@ void kv_pull_rows(Context& ctx, SeqKV& kv, const std::vector<int>& layers, const
   CudaKV& C = as_cuda(kv.dev);
   const int NKV = C.NKV, D = C.D;
   const int64_t n = static_cast<int64_t>(NKV) * T * D;
-  std::vector<std::vector<uint16_t>> kh(layers.size(), std::vector<uint16_t>(n)), vh = kh;
-  // Rows t.n − T .. t.n − 1 of every head: one strided copy a side and layer, one wait.
+  // Rows t.n − T .. t.n − 1 of every head: one strided copy a side and layer into page-locked
+  // memory (copies that need not wait for each other), one wait.
+  auto* staged = static_cast<uint16_t*>(
+      ctx.staging(static_cast<int64_t>(layers.size()) * 2 * n * 2, "decode rows to the host"));
+  auto kh = [&](size_t i) { return staged + 2 * i * static_cast<size_t>(n); };
+  auto vh = [&](size_t i) { return staged + (2 * i + 1) * static_cast<size_t>(n); };
   for (size_t i = 0; i < layers.size(); ++i) {
     const Tail& t = C.layers.at(layers[i]).tail;
     if (T < 1 || T > t.n)
@@ -731,10 +735,10 @@ void kv_pull_rows(Context& ctx, SeqKV& kv, const std::vector<int>& layers, const
                           " decode rows, " + std::to_string(T) + " asked for");
     const size_t pitch = static_cast<size_t>(t.cap) * D * 2, width = static_cast<size_t>(T) * D * 2;
     const int64_t first = static_cast<int64_t>(t.n - T) * D;
-    KV_CUDA(cudaMemcpy2DAsync(kh[i].data(), width, t.k.as<__half>() + first, pitch, width, NKV, cudaMemcpyDeviceToHost,
+    KV_CUDA(cudaMemcpy2DAsync(kh(i), width, t.k.as<__half>() + first, pitch, width, NKV, cudaMemcpyDeviceToHost,
                               ctx.stream),
             "layer " + std::to_string(layers[i]) + " decode rows K to the host");
-    KV_CUDA(cudaMemcpy2DAsync(vh[i].data(), width, t.v.as<__half>() + first, pitch, width, NKV, cudaMemcpyDeviceToHost,
+    KV_CUDA(cudaMemcpy2DAsync(vh(i), width, t.v.as<__half>() + first, pitch, width, NKV, cudaMemcpyDeviceToHost,
                               ctx.stream),
             "layer " + std::to_string(layers[i]) + " decode rows V to the host");
   }
@@ -745,8 +749,8 @@ void kv_pull_rows(Context& ctx, SeqKV& kv, const std::vector<int>& layers, const
       for (int r = 0; r < T; ++r)
         for (int c = 0; c < D; ++c) {
           const int64_t from = (static_cast<int64_t>(h) * T + r) * D + c, to = (static_cast<int64_t>(r) * NKV + h) * D + c;
-          k[to] = quant::from_half(kh[i][from]);
-          v[to] = quant::from_half(vh[i][from]);
+          k[to] = quant::from_half(kh(i)[from]);
+          v[to] = quant::from_half(vh(i)[from]);
         }
     kv.host->append(layers[i], k.data(), v.data(), pos_host, kinds, T);
     set_host_bytes(C, *kv.host, layers[i]);

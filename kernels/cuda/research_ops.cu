@@ -88,46 +88,74 @@ void assign_by_cosine(Context& ctx, const float* k, int n, int d, const std::vec
   ctx.download(sim.data(), dsim.get(), static_cast<int64_t>(E) * 8, "LOOK-M similarities");
 }
 
-void exact_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, const Buffer& prompt,
-                            const AttnLayout& pl, const ExtraRows& extra, ExactAttention& x) {
-  const int NH = l.n_heads, NKV = l.n_kv_heads, D = l.head_dim, T = pl.T, m = extra.n, n = T + m;
-  need(qkv.dt == Dt::F32 && prompt.dt == Dt::F32 && pl.n_heads == NH && pl.n_kv_heads == NKV && pl.head_dim == D &&
-           NKV > 0 && NH % NKV == 0 && prompt.rows() >= T,
-       "exact_decode_attention: " + qkv.name + " against " + prompt.name);
-  need(extra.pos.size() == static_cast<size_t>(NKV) * m && extra.k.size() == extra.pos.size() * D &&
-           extra.v.size() == extra.k.size(),
-       "exact_decode_attention: extra rows of " + std::to_string(NKV) + " KV heads");
-  // The extra rows in one upload (keys, values, positions), the results in one copy back.
-  const int64_t rk = static_cast<int64_t>(extra.k.size()) * 4, rp = static_cast<int64_t>(extra.pos.size()) * 4;
-  std::shared_ptr<void> rows;
-  if (m > 0) {
-    std::vector<char> staged(static_cast<size_t>(2 * rk + rp));
-    std::memcpy(staged.data(), extra.k.data(), static_cast<size_t>(rk));
-    std::memcpy(staged.data() + rk, extra.v.data(), static_cast<size_t>(rk));
-    std::memcpy(staged.data() + 2 * rk, extra.pos.data(), static_cast<size_t>(rp));
-    rows = ctx.alloc(2 * rk + rp, "exact attention extra rows");
-    ctx.upload(rows.get(), staged.data(), 2 * rk + rp, "exact attention extra rows");
+void exact_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l,
+                            const std::vector<const Buffer*>& prompts, const AttnLayout& pl,
+                            const std::vector<ExtraRows>& extras, std::vector<ExactAttention>& x) {
+  const int NH = l.n_heads, NKV = l.n_kv_heads, D = l.head_dim, T = pl.T, nq = static_cast<int>(prompts.size());
+  need(qkv.dt == Dt::F32 && pl.n_heads == NH && pl.n_kv_heads == NKV && pl.head_dim == D && NKV > 0 && NH % NKV == 0 &&
+           extras.size() == prompts.size() && qkv.rows() >= nq,
+       "exact_decode_attention: " + qkv.name + " against " + std::to_string(nq) + " captures");
+  for (int i = 0; i < nq; ++i) {
+    const Buffer& P = *prompts[static_cast<size_t>(i)];
+    const ExtraRows& e = extras[static_cast<size_t>(i)];
+    need(P.dt == Dt::F32 && P.rows() >= T, "exact_decode_attention: " + qkv.name + " against " + P.name);
+    need(e.pos.size() == static_cast<size_t>(NKV) * e.n && e.k.size() == e.pos.size() * D && e.v.size() == e.k.size(),
+         "exact_decode_attention: extra rows of " + std::to_string(NKV) + " KV heads");
   }
-  const char* r = static_cast<const char*>(rows.get());
-  const int64_t sp = static_cast<int64_t>(NH) * n * 4, so = (2 * sp + 7) / 8 * 8, ob = static_cast<int64_t>(NH) * D * 8;
-  const auto res = ctx.alloc(so + ob, "exact attention results");
-  char* o = static_cast<char*>(res.get());
-  cuda::exact_attention(prompt.as<float>(), pl.row_stride, pl.k_col, pl.v_col, T, qkv.as<float>() + l.q_col,
-                        m ? reinterpret_cast<const float*>(r) : nullptr,
-                        m ? reinterpret_cast<const float*>(r + rk) : nullptr,
-                        m ? reinterpret_cast<const int*>(r + 2 * rk) : nullptr, m, NH, NKV, D, pl.scale,
-                        reinterpret_cast<float*>(o), reinterpret_cast<float*>(o + sp), reinterpret_cast<double*>(o + so),
-                        ctx.stream);
-  std::vector<char> back(static_cast<size_t>(so + ob));
-  ctx.download(back.data(), o, so + ob, "exact attention results");
-  x.n = n;
-  x.scores.resize(static_cast<size_t>(NH) * n);
-  x.probs.resize(x.scores.size());
-  x.out.resize(static_cast<size_t>(NH) * D);
-  std::memcpy(x.scores.data(), back.data(), static_cast<size_t>(sp));
-  std::memcpy(x.probs.data(), back.data() + sp, static_cast<size_t>(sp));
-  std::memcpy(x.out.data(), back.data() + so, static_cast<size_t>(ob));
-  x.pos = exact_positions(NKV, T, extra);
+  // The arguments and every query's extra rows in one upload, the results in one copy back.
+  auto up8 = [](int64_t b) { return (b + 7) / 8 * 8; };
+  const int64_t ab = up8(static_cast<int64_t>(nq) * static_cast<int64_t>(sizeof(ExactArgs)));
+  std::vector<int64_t> in_at(static_cast<size_t>(nq)), out_at(static_cast<size_t>(nq));
+  int64_t in_bytes = ab, out_bytes = 0;
+  for (int i = 0; i < nq; ++i) {
+    const ExtraRows& e = extras[static_cast<size_t>(i)];
+    in_at[static_cast<size_t>(i)] = in_bytes;
+    in_bytes += up8(static_cast<int64_t>(2 * e.k.size() + e.pos.size()) * 4);
+    out_at[static_cast<size_t>(i)] = out_bytes;
+    out_bytes += up8(2 * static_cast<int64_t>(NH) * (T + e.n) * 4) + static_cast<int64_t>(NH) * D * 8;
+  }
+  const auto in = ctx.alloc(in_bytes, "exact attention arguments and extra rows");
+  const auto res = ctx.alloc(out_bytes, "exact attention results");
+  char* din = static_cast<char*>(in.get());
+  char* dout = static_cast<char*>(res.get());
+  std::vector<char> staged(static_cast<size_t>(in_bytes));
+  auto* args = reinterpret_cast<ExactArgs*>(staged.data());
+  for (int i = 0; i < nq; ++i) {
+    const ExtraRows& e = extras[static_cast<size_t>(i)];
+    const int64_t rk = static_cast<int64_t>(e.k.size()) * 4, at = in_at[static_cast<size_t>(i)];
+    std::memcpy(staged.data() + at, e.k.data(), static_cast<size_t>(rk));
+    std::memcpy(staged.data() + at + rk, e.v.data(), static_cast<size_t>(rk));
+    std::memcpy(staged.data() + at + 2 * rk, e.pos.data(), e.pos.size() * 4);
+    const int64_t sp = static_cast<int64_t>(NH) * (T + e.n) * 4, o = out_at[static_cast<size_t>(i)];
+    const Buffer& P = *prompts[static_cast<size_t>(i)];
+    args[i] = ExactArgs{P.as<float>(), pl.row_stride, pl.k_col, pl.v_col, T,
+                        qkv.as<float>() + static_cast<int64_t>(i) * l.row_stride + l.q_col,
+                        e.n ? reinterpret_cast<const float*>(din + at) : nullptr,
+                        e.n ? reinterpret_cast<const float*>(din + at + rk) : nullptr,
+                        e.n ? reinterpret_cast<const int*>(din + at + 2 * rk) : nullptr, e.n, NH, NKV, D, pl.scale,
+                        reinterpret_cast<float*>(dout + o), reinterpret_cast<float*>(dout + o + sp),
+                        reinterpret_cast<double*>(dout + o + up8(2 * sp))};
+  }
+  ctx.upload(din, staged.data(), in_bytes, "exact attention arguments and extra rows");
+  cuda::exact_attention_many(reinterpret_cast<const ExactArgs*>(din), nq, NH, D, ctx.stream);
+  std::vector<char> back(static_cast<size_t>(out_bytes));
+  ctx.download(back.data(), dout, out_bytes, "exact attention results");
+  x.resize(static_cast<size_t>(nq));
+  for (int i = 0; i < nq; ++i) {
+    const ExtraRows& e = extras[static_cast<size_t>(i)];
+    ExactAttention& r = x[static_cast<size_t>(i)];
+    const int n = T + e.n;
+    const int64_t sp = static_cast<int64_t>(NH) * n * 4;
+    const char* o = back.data() + out_at[static_cast<size_t>(i)];
+    r.n = n;
+    r.scores.resize(static_cast<size_t>(NH) * n);
+    r.probs.resize(r.scores.size());
+    r.out.resize(static_cast<size_t>(NH) * D);
+    std::memcpy(r.scores.data(), o, static_cast<size_t>(sp));
+    std::memcpy(r.probs.data(), o + sp, static_cast<size_t>(sp));
+    std::memcpy(r.out.data(), o + up8(2 * sp), r.out.size() * 8);
+    r.pos = exact_positions(NKV, T, e);
+  }
 }
 
 }  // namespace kvlens::cuda

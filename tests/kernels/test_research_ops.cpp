@@ -219,3 +219,57 @@ TEST(Ops, ExactDecodeAttention) {
     }
   }
 }
+
+// The exact attention of a step's every layer at once (one launch, one copy back): each layer's
+// result equals, bit for bit, what exact_decode_attention gives for that layer alone (the same
+// kernel on the same values; that op is checked against the host reference above), on three
+// layers of one prompt length with different captures, queries and extra rows (none, uneven
+// per KV head, two). The CPU backend has no such op.
+TEST(Ops, ExactDecodeAttentionOfEveryLayerAtOnce) {
+  const int T = 97, NH = 8, NKV = 2, D = 64, L = 3;
+  const AttnLayout pl = qkv_layout(T, NH, NKV, D), l1 = qkv_layout(1, NH, NKV, D);
+  const std::vector<std::vector<int>> counts{{}, {3, 1}, {2, 2}};
+  std::vector<std::vector<float>> prompt(L);
+  std::vector<ExtraRows> extras(L);
+  for (int i = 0; i < L; ++i) {
+    prompt[i] = randn(static_cast<size_t>(T) * pl.row_stride, 2.0f);
+    ExtraRows& e = extras[i];
+    for (int n : counts[i]) e.n = std::max(e.n, n);
+    e.k = randn(static_cast<size_t>(NKV) * e.n * D, 2.0f);
+    e.v = randn(e.k.size(), 2.0f);
+    e.pos.assign(static_cast<size_t>(NKV) * e.n, -1);
+    for (int h = 0; h < static_cast<int>(counts[i].size()); ++h)
+      for (int r = 0; r < counts[i][h]; ++r) e.pos[static_cast<size_t>(h) * e.n + r] = T + r;
+  }
+  const std::vector<float> rows = randn(static_cast<size_t>(L) * pl.row_stride, 2.0f);
+  {
+    Backend& cpu = *op_backends().cpu;
+    std::vector<Buffer> P;
+    std::vector<const Buffer*> pp;
+    for (int i = 0; i < L; ++i) P.push_back(make(cpu, "prompt_qkv", {T, pl.row_stride}, Dt::F32, prompt[i]));
+    for (const Buffer& b : P) pp.push_back(&b);
+    Buffer Q = make(cpu, "qkv_layers", {L, pl.row_stride}, Dt::F32, rows);
+    std::vector<ExactAttention> x;
+    EXPECT_FALSE(cpu.exact_decode_attention_layers(Q, l1, pp, pl, extras, x));
+  }
+  KVLENS_NEED_GPU();
+  Backend& gpu = *op_backends().gpu;
+  std::vector<Buffer> P;
+  std::vector<const Buffer*> pp;
+  for (int i = 0; i < L; ++i) P.push_back(make(gpu, "prompt_qkv", {T, pl.row_stride}, Dt::F32, prompt[i]));
+  for (const Buffer& b : P) pp.push_back(&b);
+  Buffer Q = make(gpu, "qkv_layers", {L, pl.row_stride}, Dt::F32, rows);
+  std::vector<ExactAttention> all;
+  ASSERT_TRUE(gpu.exact_decode_attention_layers(Q, l1, pp, pl, extras, all));
+  ASSERT_EQ(static_cast<int>(all.size()), L);
+  for (int i = 0; i < L; ++i) {
+    ExactAttention one;
+    ASSERT_TRUE(gpu.exact_decode_attention(Q.row_view(i, 1), l1, P[i], pl, extras[i], one));
+    EXPECT_EQ(all[i].n, T + extras[i].n) << "layer " << i;
+    EXPECT_EQ(all[i].n, one.n) << "layer " << i;
+    EXPECT_EQ(all[i].pos, one.pos) << "layer " << i;
+    EXPECT_EQ(all[i].scores, one.scores) << "layer " << i;
+    EXPECT_EQ(all[i].probs, one.probs) << "layer " << i;
+    EXPECT_EQ(all[i].out, one.out) << "layer " << i;
+  }
+}
