@@ -175,6 +175,62 @@ std::vector<std::string> method_labels(const nlohmann::json& report) {
   return out;
 }
 
+namespace {
+
+const std::vector<ComparisonTable::Column>& comparison_columns() {
+  static const std::vector<ComparisonTable::Column> c = {
+      {"method", "method", "the method instance"},
+      {"kv_kib", "KiB", "KV cache KiB after prefill compression"},
+      {"ratio", "ratio", "compression ratio to the fp16 full cache"},
+      {"mse", "MSE", "softmax MSE against the full cache, mean over layers, heads and diagnostic steps"},
+      {"kl", "KL", "KL(full ‖ method) of the attention, mean over layers, heads and diagnostic steps"},
+      {"output_error", "out err", "attention output relative error ‖o − ô‖ / ‖o‖, mean"},
+      {"diverges_at", "diverges", "first generated token that differs from the full cache's (never: the same caption)"},
+      {"compress_ms", "compress", "compression time, ms"},
+      {"decode_ms", "decode", "decode time, ms"}};
+  return c;
+}
+
+}  // namespace
+
+ComparisonTable comparison_table(const nlohmann::json& report) {
+  ComparisonTable t;
+  t.columns = comparison_columns();
+  const std::vector<std::string> names = method_labels(report);
+  for (size_t i = 0; i < names.size(); ++i) {
+    const J m = method_at(report, static_cast<int>(i));
+    const int at = m.at("first_divergence").at("position").integer();
+    ComparisonTable::Row r;
+    r.method = static_cast<int>(i);
+    r.name = names[i];
+    r.values = {m.at("bytes_after_prefill").at("total").num() / 1024, m.at("compression_vs_fp16").num(),
+                m.at("mean_softmax_mse").num(), m.at("mean_softmax_kl").num(), m.at("mean_attn_output_rel_error").num(),
+                at >= 0 ? static_cast<double>(at) : std::nan(""), m.at("timings_ms").at("compress").num(),
+                m.at("timings_ms").at("decode").num()};
+    t.rows.push_back(std::move(r));
+  }
+  return t;
+}
+
+bool comparison_column(const std::string& key) {
+  for (const auto& c : comparison_columns())
+    if (c.key == key) return true;
+  return false;
+}
+
+void sort_comparison(ComparisonTable& t, const std::string& key, bool descending) {
+  int col = -1;
+  for (size_t i = 0; i < t.columns.size(); ++i)
+    if (t.columns[i].key == key) col = static_cast<int>(i);
+  if (col < 0) throw InputError("comparison table: no column '" + key + "'");
+  std::stable_sort(t.rows.begin(), t.rows.end(), [&](const ComparisonTable::Row& a, const ComparisonTable::Row& b) {
+    if (col == 0) return descending ? b.name < a.name : a.name < b.name;
+    const double x = a.values[static_cast<size_t>(col - 1)], y = b.values[static_cast<size_t>(col - 1)];
+    if (std::isnan(x) || std::isnan(y)) return !std::isnan(x) && std::isnan(y);
+    return descending ? y < x : x < y;
+  });
+}
+
 Figure layer_metric_figure(const nlohmann::json& report, LayerMetric metric) {
   static const char* keys[] = {"softmax_mse", "softmax_kl", "attn_output_rel_error", "sparsity_decode"};
   static const char* ids[] = {"softmax_mse_by_layer", "softmax_kl_by_layer", "attn_output_error_by_layer",

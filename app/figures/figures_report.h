@@ -28,6 +28,29 @@ size_t method_count(const nlohmann::json& report);
 std::string slug(const std::string& label);
 int layer_count(const nlohmann::json& report);
 
+// The comparison table of a report's methods (the app's sortable table): one row per method in
+// report order, one value per column after the name (NaN where there is none: no divergence).
+struct ComparisonTable {
+  struct Column {
+    std::string key, name, about;  // a stable name for scripts and sessions; the header; what it holds
+  };
+  struct Row {
+    int method = 0;  // index into the report's methods
+    std::string name;
+    std::vector<double> values;  // [columns.size() − 1]: the columns after "method"
+  };
+  std::vector<Column> columns;
+  std::vector<Row> rows;
+};
+// Columns: method, KV KiB after prefill, ratio to the fp16 full cache, mean softmax MSE, mean KL,
+// mean attention-output error, first divergence (generated token), compress ms, decode ms.
+ComparisonTable comparison_table(const nlohmann::json& report);
+// Whether `key` names a column of comparison_table.
+bool comparison_column(const std::string& key);
+// Sorts the rows by the column `key` (the method column by name), ascending or descending; rows
+// without a value (NaN) go last either way, ties keep report order. InputError for an unknown key.
+void sort_comparison(ComparisonTable& t, const std::string& key, bool descending);
+
 enum class LayerMetric { SoftmaxMse, SoftmaxKl, OutputError, SparsityDecode };
 // One line per method over the layers.
 Figure layer_metric_figure(const nlohmann::json& report, LayerMetric m);

@@ -413,7 +413,8 @@ std::vector<PlotEntry> plot_entries(const App& app) {
                               {"hit_step", "CacheHitRate per decode step"},
                               {"bytes", "KV bytes per layer"},
                               {"heatmap", "Attention heatmap (query × key)"},
-                              {"pareto", "Bytes vs caption agreement"}};
+                              {"pareto", "Bytes vs caption agreement"},
+                              {"table", "Comparison table (every method)"}};
   return e;
 }
 

@@ -1,13 +1,81 @@
 // Plots panel: per-layer softmax MSE, KL and attention-output error, sparsity γ(l) in prefill
 // and decode, CacheHitRate per scoring strategy by layer and by step, bytes per layer, the
 // query × key attention heatmap with segment boundaries, and bytes against caption agreement for
-// every instance — each a figure of the current report, drawn with the layout the exports use.
+// every instance — each a figure of the current report, drawn with the layout the exports use —
+// and the comparison table of every instance, sortable by any column.
 #include <algorithm>
+#include <cmath>
 
 #include "app/gui/panels.h"
 #include "app/figures/figures_report.h"
 
 namespace kvlens::gui {
+
+namespace {
+
+// Every method of the report in one table, sorted by the column whose header was clicked last
+// (Views::table_sort); a row's name selects the method in the other panels.
+void comparison_table(App& app, const nlohmann::json& report) {
+  Views& v = app.st.views;
+  fig::ComparisonTable t = fig::comparison_table(report);
+  const int nc = static_cast<int>(t.columns.size());
+  const ImGuiTableFlags flags = ImGuiTableFlags_Sortable | ImGuiTableFlags_RowBg | ImGuiTableFlags_BordersInnerH |
+                                ImGuiTableFlags_ScrollY | ImGuiTableFlags_ScrollX | ImGuiTableFlags_Resizable |
+                                ImGuiTableFlags_SizingFixedFit;  // each column as wide as its content
+  const ImVec2 at = ImGui::GetCursorScreenPos(), avail = ImGui::GetContentRegionAvail();
+  app.st.drawn["table"] = {at.x, at.y, avail.x, avail.y};
+  if (!ImGui::BeginTable("##comparison", nc, flags)) return;
+  ImGui::TableSetupScrollFreeze(1, 1);
+  for (int c = 0; c < nc; ++c) {
+    ImGuiTableColumnFlags cf = ImGuiTableColumnFlags_PreferSortAscending;
+    if (t.columns[static_cast<size_t>(c)].key == v.table_sort)
+      cf |= ImGuiTableColumnFlags_DefaultSort | (v.table_descending ? ImGuiTableColumnFlags_PreferSortDescending : 0);
+    ImGui::TableSetupColumn(t.columns[static_cast<size_t>(c)].name.c_str(), cf);
+  }
+  // The headers, each with what its column holds on hover.
+  ImGui::TableNextRow(ImGuiTableRowFlags_Headers);
+  for (int c = 0; c < nc; ++c) {
+    ImGui::TableSetColumnIndex(c);
+    ImGui::TableHeader(t.columns[static_cast<size_t>(c)].name.c_str());
+    if (ImGui::IsItemHovered()) ImGui::SetTooltip("%s", t.columns[static_cast<size_t>(c)].about.c_str());
+  }
+  if (ImGuiTableSortSpecs* ss = ImGui::TableGetSortSpecs(); ss && ss->SpecsDirty && ss->SpecsCount > 0) {
+    v.table_sort = t.columns[static_cast<size_t>(ss->Specs[0].ColumnIndex)].key;
+    v.table_descending = ss->Specs[0].SortDirection == ImGuiSortDirection_Descending;
+    ss->SpecsDirty = false;
+  }
+  fig::sort_comparison(t, v.table_sort, v.table_descending);
+  const auto& runs = app.st.results->runs;  // in report order
+  for (const fig::ComparisonTable::Row& r : t.rows) {
+    const int id = r.method < static_cast<int>(runs.size()) ? runs[static_cast<size_t>(r.method)].id : -1;
+    ImGui::PushID(r.method);
+    ImGui::TableNextRow();
+    ImGui::TableNextColumn();
+    if (ImGui::Selectable(r.name.c_str(), id >= 0 && v.method == id, ImGuiSelectableFlags_SpanAllColumns) && id >= 0)
+      v.method = id;
+    for (size_t c = 0; c < r.values.size(); ++c) {
+      ImGui::TableNextColumn();
+      const double x = r.values[c];
+      const std::string& key = t.columns[c + 1].key;
+      if (std::isnan(x)) {
+        ImGui::TextDisabled(key == "diverges_at" ? "never" : "—");
+      } else if (key == "kv_kib" || key == "diverges_at") {
+        ImGui::Text("%.0f", x);
+      } else if (key == "ratio") {
+        ImGui::Text("%.2f×", x);
+      } else if (key == "compress_ms" || key == "decode_ms") {
+        ImGui::Text("%.1f", x);
+      } else {
+        ImGui::TextUnformatted(fig::format_value(x).c_str());
+        if (ImGui::IsItemHovered()) ImGui::SetTooltip("%.6g", x);
+      }
+    }
+    ImGui::PopID();
+  }
+  ImGui::EndTable();
+}
+
+}  // namespace
 
 void plots_panel(App& app, Ui& ui, const PanelRect& rect) {
   if (!begin_panel("Plots", rect)) {
@@ -46,6 +114,15 @@ void plots_panel(App& app, Ui& ui, const PanelRect& rect) {
     instance_combo("##hmmethod", app, v.heatmap_method, "full cache", true);
     const int ri = v.heatmap_method >= 0 ? app.report_index(v.heatmap_method) : -1;
     key += ":" + std::to_string(v.layer) + ":" + std::to_string(ri);
+  }
+  if (key == "table") {
+    if (report) {
+      comparison_table(app, *report);
+    } else {
+      no_results(app, "computing…", "no results yet");
+    }
+    ImGui::End();
+    return;
   }
   const ImVec2 avail = ImGui::GetContentRegionAvail();
   if (const fig::Figure* f = app.figure(key)) {

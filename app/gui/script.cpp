@@ -1,10 +1,13 @@
 #include "app/gui/script.h"
 
+#include "app/figures/figures_report.h"
+
 #include "app/gui/overlay.h"
 
 #include <imgui.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <set>
 
@@ -36,7 +39,7 @@ const std::map<std::string, std::pair<std::vector<std::string>, std::vector<std:
       {"select",
        {{},
         {"plot", "layer", "head", "method", "calib_method", "heatmap_method", "overlay", "overlay_opacity", "token",
-         "hit_step", "overlay_source", "patch_grid"}}},
+         "hit_step", "overlay_source", "patch_grid", "table_sort", "table_descending"}}},
       {"wait_results", {{}, {"timeout_s"}}},
       {"frames", {{"n"}, {}}},
       {"screenshot", {{"path"}, {}}},
@@ -270,6 +273,19 @@ void Script::run(App& app, const nlohmann::json& st) {
     for (const Message& m : app.st.messages) d["messages"].push_back({{"error", m.error}, {"text", m.text}});
     const CalibrationView& c = app.calibration_view();
     d["calibration"] = {{"key", c.key}, {"calibrated", c.calibrated}, {"gamma", c.gamma}, {"delta", c.delta}};
+    // The comparison table's rows in the order shown.
+    d["comparison_table"] = {{"sort", app.st.views.table_sort}, {"descending", app.st.views.table_descending},
+                             {"rows", nlohmann::json::array()}};
+    if (app.st.results && app.st.results->report) {
+      fig::ComparisonTable t = fig::comparison_table(*app.st.results->report);
+      fig::sort_comparison(t, app.st.views.table_sort, app.st.views.table_descending);
+      for (const auto& r : t.rows) {
+        nlohmann::json values = nlohmann::json::array();
+        for (double x : r.values) values.push_back(std::isnan(x) ? nlohmann::json() : nlohmann::json(x));
+        d["comparison_table"]["rows"].push_back({{"name", r.name}, {"values", values}});
+      }
+      for (const auto& c : t.columns) d["comparison_table"]["columns"].push_back(c.key);
+    }
     d["results"] = nlohmann::json::array();
     if (app.st.results && app.st.results->report)
       for (const auto& m : (*app.st.results->report)["methods"])

@@ -7,6 +7,7 @@
 
 #include "app/figures/figure_cairo.h"
 #include "app/gui/app.h"
+#include "app/figures/figures_report.h"
 #include "core/errors.h"
 #include "core/files.h"
 #include "core/numbers.h"
@@ -48,7 +49,9 @@ nlohmann::json App::views_json() const {
           {"overlay_opacity", v.overlay_opacity},
           {"patch_grid", v.patch_grid},
           {"token", v.token},
-          {"overlay_source", index_of(st.methods, v.overlay_source)}};
+          {"overlay_source", index_of(st.methods, v.overlay_source)},
+          {"table_sort", v.table_sort},
+          {"table_descending", v.table_descending}};
 }
 
 bool App::apply_views_json(const nlohmann::json& j, const std::string& where) {
@@ -69,9 +72,14 @@ bool App::apply_views_json(const nlohmann::json& j, const std::string& where) {
       else if (k == "overlay_source") v.overlay_source = id_at(json_int(*it, at, -1, n - 1));
       else if (k == "token") v.token = json_int(*it, at, 0, kMaxNewTokensLimit);
       else if (k == "overlay_opacity") v.overlay_opacity = static_cast<float>(json_real(*it, at, 0, 1));
-      else if (k == "patch_grid") {
+      else if (k == "patch_grid" || k == "table_descending") {
         if (!it->is_boolean()) throw InputError(at + " must be true or false, got " + it->dump());
-        v.patch_grid = it->get<bool>();
+        (k == "patch_grid" ? v.patch_grid : v.table_descending) = it->get<bool>();
+      } else if (k == "table_sort") {
+        if (!it->is_string() || !fig::comparison_column(it->get<std::string>()))
+          throw InputError(at + " must name a column of the comparison table (method, kv_kib, ratio, mse, kl, "
+                                "output_error, diverges_at, compress_ms, decode_ms), got " + it->dump());
+        v.table_sort = it->get<std::string>();
       } else if (k == "plot") {
         const auto entries = plot_entries(*this);
         int found = -1;

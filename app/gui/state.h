@@ -39,6 +39,8 @@ struct Views {
   bool patch_grid = true;
   int token = 0;          // generated token whose attention the Image panel shows
   int overlay_source = -1;  // attention of: -1 = full cache, else an instance id
+  std::string table_sort = "method";  // the comparison table's sort column (fig::comparison_table)
+  bool table_descending = false;
 };
 
 // The setup the worker computes from. Paths are as the user gave them ("" = the embedded model

@@ -533,3 +533,74 @@ TEST(Figures, PointLabelsDoNotCoverEachOtherOrLeaveThePlot) {
   EXPECT_EQ(edge.halign, 1);
   EXPECT_LE(edge.r.x1, fr.plot.x1);
 }
+
+// The comparison table holds each method's report numbers, in report order until sorted; sorting
+// by a column orders the rows by it either way, keeps the rows of equal values in report order and
+// puts a method without a value (a caption that never diverges) last; an unknown column is refused.
+TEST(Figures, ComparisonTableIsTheReportsNumbersSortedByAnyColumn) {
+  nlohmann::json r = report();
+  // A fourth method, the first one's numbers with no divergence: ties and a missing value.
+  nlohmann::json extra = r["methods"][0];
+  extra["label"] = "copy";
+  extra["first_divergence"]["position"] = -1;
+  r["methods"].push_back(extra);
+  const ComparisonTable t = comparison_table(r);
+  ASSERT_EQ(t.rows.size(), 4u);
+  ASSERT_EQ(t.columns.size(), 9u);
+  EXPECT_EQ(t.columns[0].key, "method");
+  for (size_t i = 0; i < t.rows.size(); ++i) {
+    const auto& m = r["methods"][i];
+    const auto& v = t.rows[i].values;
+    EXPECT_EQ(t.rows[i].method, static_cast<int>(i));
+    EXPECT_EQ(t.rows[i].name, method_labels(r)[i]);
+    EXPECT_DOUBLE_EQ(v[0], m["bytes_after_prefill"]["total"].get<double>() / 1024);
+    EXPECT_DOUBLE_EQ(v[1], m["compression_vs_fp16"].get<double>());
+    EXPECT_DOUBLE_EQ(v[2], m["mean_softmax_mse"].get<double>());
+    EXPECT_DOUBLE_EQ(v[3], m["mean_softmax_kl"].get<double>());
+    EXPECT_DOUBLE_EQ(v[4], m["mean_attn_output_rel_error"].get<double>());
+    const int at = m["first_divergence"]["position"].get<int>();
+    if (at < 0) {
+      EXPECT_TRUE(std::isnan(v[5]));
+    } else {
+      EXPECT_DOUBLE_EQ(v[5], at);
+    }
+    EXPECT_DOUBLE_EQ(v[6], m["timings_ms"]["compress"].get<double>());
+    EXPECT_DOUBLE_EQ(v[7], m["timings_ms"]["decode"].get<double>());
+  }
+  for (size_t c = 0; c < t.columns.size(); ++c)
+    for (bool desc : {false, true}) {
+      ComparisonTable s = t;
+      sort_comparison(s, t.columns[c].key, desc);
+      const std::string at = t.columns[c].key + (desc ? " descending" : " ascending");
+      for (size_t i = 0; i + 1 < s.rows.size(); ++i) {
+        const ComparisonTable::Row &a = s.rows[i], &b = s.rows[i + 1];
+        if (c == 0) {
+          EXPECT_TRUE(desc ? a.name >= b.name : a.name <= b.name) << at;
+          continue;
+        }
+        const double x = a.values[c - 1], y = b.values[c - 1];
+        if (std::isnan(x)) {
+          EXPECT_TRUE(std::isnan(y)) << at << ": a row without a value before one with";
+          continue;
+        }
+        if (std::isnan(y)) continue;
+        EXPECT_TRUE(desc ? x >= y : x <= y) << at << " rows " << i << ", " << i + 1;
+        if (x == y) {
+          EXPECT_LT(a.method, b.method) << at << ": equal values keep report order";
+        }
+      }
+    }
+  // The copy ties the first method on bytes: report order, either way.
+  ComparisonTable s = t;
+  sort_comparison(s, "kv_kib", true);
+  std::vector<int> order;
+  for (const auto& row : s.rows) order.push_back(row.method);
+  EXPECT_LT(std::find(order.begin(), order.end(), 0) - order.begin(), std::find(order.begin(), order.end(), 3) - order.begin());
+  sort_comparison(s, "diverges_at", false);
+  EXPECT_EQ(s.rows.back().name, "copy");
+  sort_comparison(s, "diverges_at", true);
+  EXPECT_EQ(s.rows.back().name, "copy");
+  EXPECT_THROW(sort_comparison(s, "cider", false), InputError);
+  EXPECT_TRUE(comparison_column("mse"));
+  EXPECT_FALSE(comparison_column("cider"));
+}

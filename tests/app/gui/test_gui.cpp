@@ -9,6 +9,8 @@
 
 #include <sys/wait.h>
 
+#include <algorithm>
+#include <array>
 #include <chrono>
 #include <random>
 #include <set>
@@ -201,6 +203,66 @@ TEST(Gui, ScriptedSessionScreenshotsExportsAndLiveCalibration) {
   const auto cli = kt::run(kt::cli() + " run --session " + dir + "/s.json --attention-maps --report " + dir + "/r3.json");
   ASSERT_EQ(cli.code, 0) << cli.output;
   EXPECT_EQ(without_timings(load(dir + "/r3.json")), without_timings(r1));
+}
+
+// The comparison table (Plots → "Comparison table"): every method's numbers, sorted by the
+// column a script (or a click on its header) chose, drawn in the Plots panel; the sort is part of
+// the views a session saves; a column it does not have is refused and changes nothing.
+TEST(Gui, ComparisonTableSortedByAColumnAndSaved) {
+  const std::string dir = kt::make_temp_dir("gui_table");
+  const json steps = {{"steps",
+                       {{{"do", "wait_results"}},
+                        {{"do", "select"}, {"plot", "table"}, {"table_sort", "mse"}, {"table_descending", true}},
+                        {{"do", "frames"}, {"n", 3}},
+                        {{"do", "screenshot"}, {"path", "table.png"}},
+                        {{"do", "dump_state"}, {"path", "mse.json"}},
+                        {{"do", "select"}, {"table_sort", "kv_kib"}, {"table_descending", false}},
+                        {{"do", "dump_state"}, {"path", "bytes.json"}},
+                        {{"do", "save_session"}, {"path", "s.json"}},
+                        {{"do", "select"}, {"table_sort", "cider"}}}}};
+  kt::RunResult r;
+  RUN_GUI_OR_SKIP(dir, steps, r);
+  EXPECT_NE(r.code, 0) << "a refused select fails the script";
+  EXPECT_NE(r.output.find("cider"), std::string::npos) << r.output;
+  auto column = [](const json& d, const std::string& key) {
+    const json& cols = d["comparison_table"]["columns"];
+    for (size_t i = 0; i < cols.size(); ++i)
+      if (cols[i] == key) return static_cast<int>(i) - 1;  // values follow the method column
+    return -2;
+  };
+  auto values = [&](const json& d, const std::string& key) {
+    std::vector<double> v;
+    const int c = column(d, key);
+    for (const json& row : d["comparison_table"]["rows"]) v.push_back(row["values"][static_cast<size_t>(c)].get<double>());
+    return v;
+  };
+  const json mse = load(dir + "/mse.json"), bytes = load(dir + "/bytes.json");
+  ASSERT_EQ(mse["comparison_table"]["rows"].size(), mse["results"].size());
+  ASSERT_GE(mse["results"].size(), 2u);
+  EXPECT_EQ(mse["comparison_table"]["sort"], "mse");
+  EXPECT_TRUE(mse["comparison_table"]["descending"].get<bool>());
+  const std::vector<double> m = values(mse, "mse");
+  EXPECT_TRUE(std::is_sorted(m.rbegin(), m.rend())) << mse["comparison_table"].dump();
+  // The same numbers as the results the app reports, in another order.
+  std::vector<double> reported;
+  for (const json& x : mse["results"]) reported.push_back(x["mean_softmax_mse"].get<double>());
+  std::vector<double> shown = m;
+  std::sort(reported.begin(), reported.end());
+  std::sort(shown.begin(), shown.end());
+  EXPECT_EQ(shown, reported);
+  const std::vector<double> b = values(bytes, "kv_kib");
+  EXPECT_TRUE(std::is_sorted(b.begin(), b.end())) << bytes["comparison_table"].dump();
+  EXPECT_EQ(bytes["views"]["table_sort"], "kv_kib");
+  // Saved with the session's views.
+  const json s = load(dir + "/s.json");
+  EXPECT_EQ(s["views"]["table_sort"], "kv_kib");
+  EXPECT_EQ(s["views"]["table_descending"], false);
+  // Drawn: the table's region is not blank.
+  const RGBImage shot = kvlens::load_image(dir + "/table.png");
+  ASSERT_TRUE(mse["drawn"].contains("table"));
+  const std::array<int, 3> window_bg{249, 249, 250};
+  const Pixels t = region(shot, mse["drawn"]["table"], window_bg, 6);
+  EXPECT_GT(t.differing, t.total / 50) << "the table region is empty";
 }
 
 TEST(Gui, BadInputIsAMessageAndNothingIsLost) {
