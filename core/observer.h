@@ -62,6 +62,11 @@ class AttentionObserver {
   // none). A backend that computes the exact attention from that capture hands it over in the
   // event with raw_scores and out, and then gathers no rows for this observer.
   virtual const PrefillAttention* compares_to() const { return nullptr; }
+  // Whether on_attention may be called for different layers of one decode step from several
+  // threads at once. One that says so keeps what it records in an order that does not depend on
+  // the order of the calls. A step whose every observer says so may hand its layers' events
+  // over in parallel.
+  virtual bool takes_concurrent_events() const { return false; }
 };
 
 // The observers among `all` that read decode step `step`.

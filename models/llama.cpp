@@ -1,8 +1,11 @@
 #include "models/llama.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <exception>
 #include <limits>
+#include <thread>
 
 #include "core/errors.h"
 #include "models/activations.h"
@@ -489,12 +492,44 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
         if (!be->exact_decode_attention_layers(w.qkv_layers, lay, prompts, capture->layout(), extras, exact))
           exact.clear();
       }
-      Taps t;
-      for (int l = 0; l < cfg.num_hidden_layers; ++l) {
+      auto one = [&](int l, Taps& t) {
         size_taps(t, l);
         be->collect_deferred(kv, l, &transform, t.taps);
         hand_over(l, t, w.qkv_layers.row_view(l, 1), q_all.data() + static_cast<size_t>(l) * lay.row_stride,
                   exact.empty() ? nullptr : &exact[static_cast<size_t>(l)]);
+      };
+      Taps t;
+      one(0, t);  // (the first layer's collect fetches every layer's taps)
+      // The other layers in parallel when every observer takes a step's events in any order and
+      // nothing is left for the backend to compute (their work is the host's alone).
+      const int L = cfg.num_hidden_layers;
+      const bool together = L > 2 && (!capture || !exact.empty()) &&
+                            std::all_of(observers.begin(), observers.end(),
+                                        [](const AttentionObserver* o) { return o->takes_concurrent_events(); });
+      if (together) {
+        // Threads of their own, whatever OpenMP is set to: this is the host's side of a device
+        // step, not a CPU model's loops (which run on one thread by default).
+        const int n = std::min({8, L - 1, static_cast<int>(std::max(1u, std::thread::hardware_concurrency()))});
+        std::atomic<int> next{1};
+        std::vector<std::exception_ptr> failed(static_cast<size_t>(L));
+        auto work = [&] {
+          Taps u;
+          for (int l; (l = next++) < L;) {
+            try {
+              one(l, u);
+            } catch (...) {
+              failed[static_cast<size_t>(l)] = std::current_exception();
+            }
+          }
+        };
+        std::vector<std::thread> pool;
+        for (int i = 1; i < n; ++i) pool.emplace_back(work);
+        work();
+        for (std::thread& th : pool) th.join();
+        for (const std::exception_ptr& f : failed)
+          if (f) std::rethrow_exception(f);
+      } else {
+        for (int l = 1; l < L; ++l) one(l, t);
       }
     }
   };

@@ -54,7 +54,12 @@ void DecodeRecorder::on_attention(const AttentionEvent& e) {
     r.comparison = compare_query(e, *x, *pv_.kinds, e.step == 0);
     r.compared = true;
   }
-  entries_.push_back(std::move(r));
+  // In (step, layer) order whatever order the events came in (a step's layers may come at once).
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto at = std::upper_bound(entries_.begin(), entries_.end(), r, [](const Entry& a, const Entry& b) {
+    return a.step != b.step ? a.step < b.step : a.layer < b.layer;
+  });
+  entries_.insert(at, std::move(r));
 }
 
 const DecodeRecorder::Entry* DecodeRecorder::find(int step, int layer) const {
@@ -71,12 +76,7 @@ int DecodeRecorder::steps() const {
 
 void VisualAttentionRecorder::on_attention(const AttentionEvent& e) {
   if (e.phase != Phase::Decode) return;
-  if (rows_.size() <= static_cast<size_t>(e.step)) rows_.resize(e.step + 1);
-  auto& by_layer = rows_[e.step];
-  if (by_layer.size() <= static_cast<size_t>(e.layer)) by_layer.resize(e.layer + 1);
-  n_heads_ = e.n_heads;
-  std::vector<float>& out = by_layer[e.layer];
-  out.assign(static_cast<size_t>(e.n_heads) * n_visual_, 0.0f);
+  std::vector<float> out(static_cast<size_t>(e.n_heads) * n_visual_, 0.0f);
   const int G = e.n_heads / e.n_kv_heads;
   for (int h = 0; h < e.n_heads; ++h) {
     const int32_t* kp = e.key_pos + static_cast<size_t>(h / G) * e.n_k;
@@ -86,6 +86,12 @@ void VisualAttentionRecorder::on_attention(const AttentionEvent& e) {
       if (kp[j] >= 0 && vi >= 0 && vi < n_visual_) out[static_cast<size_t>(h) * n_visual_ + vi] += p[j];
     }
   }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (rows_.size() <= static_cast<size_t>(e.step)) rows_.resize(e.step + 1);
+  auto& by_layer = rows_[e.step];
+  if (by_layer.size() <= static_cast<size_t>(e.layer)) by_layer.resize(e.layer + 1);
+  n_heads_ = e.n_heads;
+  by_layer[e.layer] = std::move(out);
 }
 
 std::vector<float> VisualAttentionRecorder::attention(int step, int layer, int head) const {

@@ -3,6 +3,7 @@
 // error, sparsity, CacheHitRate of scoring strategies, token fate over the patch grid, and the
 // first divergence of the greedy output.
 #pragma once
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -76,6 +77,7 @@ class DecodeRecorder : public AttentionObserver {
   }
   bool reads_decode_kv() const override { return keep_rows_ || compare_; }
   const PrefillAttention* compares_to() const override { return compare_ ? pv_.attention : nullptr; }
+  bool takes_concurrent_events() const override { return true; }  // entries kept in (step, layer) order
   bool keeps_rows() const { return keep_rows_; }
   bool compares() const { return compare_; }
   const std::vector<Entry>& entries() const { return entries_; }
@@ -88,6 +90,7 @@ class DecodeRecorder : public AttentionObserver {
   bool compare_ = false;
   PrefillView pv_;
   std::vector<char> only_;  // [max_steps]: the steps recorded; empty = all
+  std::mutex mu_;            // entries_ while events of several layers come at once
   std::vector<Entry> entries_;
 };
 
@@ -99,6 +102,7 @@ class VisualAttentionRecorder : public AttentionObserver {
   VisualAttentionRecorder(int first_visual, int n_visual) : first_(first_visual), n_visual_(n_visual) {}
   void on_attention(const AttentionEvent& e) override;
   bool reads_decode_kv() const override { return false; }
+  bool takes_concurrent_events() const override { return true; }
   int steps() const { return static_cast<int>(rows_.size()); }
   int n_visual() const { return n_visual_; }
   // [n_visual] for one step, layer and head; head = -1 gives the mean over heads. Empty when
@@ -108,6 +112,7 @@ class VisualAttentionRecorder : public AttentionObserver {
  private:
   int first_, n_visual_;
   int n_heads_ = 0;
+  std::mutex mu_;  // rows_ while events of several layers come at once
   std::vector<std::vector<std::vector<float>>> rows_;  // [step][layer][head × n_visual]
 };
 

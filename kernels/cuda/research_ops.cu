@@ -138,15 +138,16 @@ void exact_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l
   }
   ctx.upload(din, staged.data(), in_bytes, "exact attention arguments and extra rows");
   cuda::exact_attention_many(reinterpret_cast<const ExactArgs*>(din), nq, NH, D, ctx.stream);
-  std::vector<char> back(static_cast<size_t>(out_bytes));
-  ctx.download(back.data(), dout, out_bytes, "exact attention results");
+  // Through the page-locked staging buffer: several MB at a step's every layer.
+  char* back = static_cast<char*>(ctx.staging(out_bytes, "exact attention results"));
+  ctx.download(back, dout, out_bytes, "exact attention results");
   x.resize(static_cast<size_t>(nq));
   for (int i = 0; i < nq; ++i) {
     const ExtraRows& e = extras[static_cast<size_t>(i)];
     ExactAttention& r = x[static_cast<size_t>(i)];
     const int n = T + e.n;
     const int64_t sp = static_cast<int64_t>(NH) * n * 4;
-    const char* o = back.data() + out_at[static_cast<size_t>(i)];
+    const char* o = back + out_at[static_cast<size_t>(i)];
     r.n = n;
     r.scores.resize(static_cast<size_t>(NH) * n);
     r.probs.resize(r.scores.size());
