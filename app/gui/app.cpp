@@ -404,6 +404,21 @@ std::vector<fig::Figure> App::shown_figures() {
   return out;
 }
 
+void link_views(Views& v, const Views& before) {
+  if (!v.link) return;
+  // Linking just turned on: the overlay's selection is the one kept.
+  const bool fresh = !before.link;
+  for (int* moved : {&v.layer, &v.calib_layer, &v.heatmap_layer}) {
+    const int was = moved == &v.layer ? before.layer : moved == &v.calib_layer ? before.calib_layer : before.heatmap_layer;
+    if (fresh ? moved == &v.layer : *moved != was) {
+      v.layer = v.calib_layer = v.heatmap_layer = *moved;
+      break;
+    }
+  }
+  if (fresh || v.head != before.head) v.calib_head = v.head;
+  else if (v.calib_head != before.calib_head) v.head = v.calib_head;
+}
+
 std::vector<PlotEntry> plot_entries(const App& app) {
   std::vector<PlotEntry> e = {{"softmax_mse", "Softmax MSE per layer"},
                               {"kl", "Softmax KL per layer"},

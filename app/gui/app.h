@@ -135,6 +135,11 @@ class App {
 };
 
 
+// With v.link, makes the panels' layers (and heads) one selection again after one of them moved
+// since `before`: the one that moved is copied to the others (the first of overlay, calibration,
+// heatmap when several did). Without v.link, nothing.
+void link_views(Views& v, const Views& before);
+
 // The figures shown in the Plots panel, in order: key and name.
 struct PlotEntry {
   std::string key, name;

@@ -20,24 +20,24 @@ const CalibrationView& App::calibration_view() {
   CalibrationView& cv = st.calibration;
   const MethodInstance* m = find(v.calib_method);
   const RunResult* r = m ? any_result(m->id) : nullptr;
-  if (!m || !r || v.layer < 0 || v.layer >= static_cast<int>(r->run->layers.size())) {
+  if (!m || !r || v.calib_layer < 0 || v.calib_layer >= static_cast<int>(r->run->layers.size())) {
     cv = CalibrationView{};
     return cv;
   }
   char keybuf[64];
-  std::snprintf(keybuf, sizeof keybuf, "%p/%d/%d/", static_cast<const void*>(r->run.get()), v.layer, v.head);
+  std::snprintf(keybuf, sizeof keybuf, "%p/%d/%d/", static_cast<const void*>(r->run.get()), v.calib_layer, v.calib_head);
   const std::string key = keybuf + m->params.spec() + "/" + display_name(*m);
   if (cv.key == key) return cv;
   cv.key = key;
   const std::optional<fig::Calibration> calib = calibration_of(m->params);
-  const VisualScores& stored = r->run->layers[v.layer].visual_score_samples;
+  const VisualScores& stored = r->run->layers[v.calib_layer].visual_score_samples;
   VisualScores now = stored;
   try {
-    now = retransform_visual_scores(stored, v.layer, *make_policy(m->params));
+    now = retransform_visual_scores(stored, v.calib_layer, *make_policy(m->params));
   } catch (const InputError& e) {
     error(e.what());
   }
-  const int head = v.head < static_cast<int>(now.quantized.size()) ? v.head : -1;
+  const int head = v.calib_head < static_cast<int>(now.quantized.size()) ? v.calib_head : -1;
   const ScoreHistogram h = visual_score_histogram(now, head, 40);
   cv.calibrated = h.calibrated;
   double g = 1e300, d = -1e300;
@@ -50,10 +50,10 @@ const CalibrationView& App::calibration_view() {
   }
   cv.gamma = g;
   cv.delta = d;
-  const std::string where = display_name(*m) + ", layer " + std::to_string(v.layer) + ", " +
+  const std::string where = display_name(*m) + ", layer " + std::to_string(v.calib_layer) + ", " +
                             (head < 0 ? std::string("all heads") : "head " + std::to_string(head));
   // File names carry the method, layer and head, so exports of other views do not overwrite them.
-  const std::string tag = "_" + fig::slug(display_name(*m)) + "_l" + std::to_string(v.layer) +
+  const std::string tag = "_" + fig::slug(display_name(*m)) + "_l" + std::to_string(v.calib_layer) +
                           (head < 0 ? "" : "_h" + std::to_string(head));
   cv.histogram = fig::score_histogram_figure(h, "calibration_histogram" + tag, "Visual scores: " + where,
                                              head >= 0 ? calib : std::nullopt, g, d);
@@ -63,7 +63,7 @@ const CalibrationView& App::calibration_view() {
   if (cv.has_transfer) cv.transfer = fig::transfer_curve_figure(g, d, *calib, "calibration_transfer" + tag, "g(x): " + where);
   for (fig::Figure* f : {&cv.histogram, &cv.transfer}) {
     f->method = display_name(*m);
-    f->layer = v.layer;
+    f->layer = v.calib_layer;
     f->head = head;
   }
   return cv;

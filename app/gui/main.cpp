@@ -244,6 +244,7 @@ int main(int argc, char** argv) {
       kvlens::gui::menu_bar(app, ui);
       const float top = ImGui::GetFrameHeight();
       const kvlens::gui::PanelLayout l = kvlens::gui::layout_panels(io.DisplaySize, top);
+      const kvlens::gui::Views views_before = app.st.views;
       kvlens::gui::image_panel(app, ui, l.image);
       kvlens::gui::model_panel(app, ui, l.model);
       kvlens::gui::session_panel(app, ui, l.session);
@@ -251,6 +252,7 @@ int main(int argc, char** argv) {
       kvlens::gui::captions_panel(app, ui, l.captions);
       kvlens::gui::calibration_panel(app, ui, l.calibration);
       kvlens::gui::methods_panel(app, ui, l.methods);
+      kvlens::gui::link_views(app.st.views, views_before);
       kvlens::gui::status_bar(app, l.status_pos, l.status_size);
       kvlens::gui::file_dialog(app);
 

@@ -56,12 +56,12 @@ void calibration_panel(App& app, Ui& ui, const PanelRect& rect) {
   const int layers = s && s->model ? s->model->layers : 1, heads = s && s->model ? s->model->heads : 1;
   ImGui::SameLine();
   ImGui::SetNextItemWidth(ImGui::GetContentRegionAvail().x * 0.45f);
-  ImGui::SliderInt("##clayer", &v.layer, 0, std::max(0, layers - 1), "layer %d");
+  ImGui::SliderInt("##clayer", &v.calib_layer, 0, std::max(0, layers - 1), "layer %d");
   ImGui::SameLine();
   ImGui::SetNextItemWidth(-1);
-  ImGui::SliderInt("##chead", &v.head, -1, std::max(0, heads - 1), v.head < 0 ? "all heads" : "head %d");
-  v.layer = std::clamp(v.layer, 0, std::max(0, layers - 1));
-  v.head = std::clamp(v.head, -1, std::max(0, heads - 1));
+  ImGui::SliderInt("##chead", &v.calib_head, -1, std::max(0, heads - 1), v.calib_head < 0 ? "all heads" : "head %d");
+  v.calib_layer = std::clamp(v.calib_layer, 0, std::max(0, layers - 1));
+  v.calib_head = std::clamp(v.calib_head, -1, std::max(0, heads - 1));
   const MethodInstance* m = app.find(v.calib_method);
   if (!m) {
     ImGui::TextDisabled("add a method (calibquant) to tune its calibration");
@@ -78,7 +78,7 @@ void calibration_panel(App& app, Ui& ui, const PanelRect& rect) {
                         app.display_name(*m).c_str());
   }
   const RunResult* r = app.any_result(m->id);
-  if (!r || v.layer >= static_cast<int>(r->run->layers.size())) {
+  if (!r || v.calib_layer >= static_cast<int>(r->run->layers.size())) {
     ImGui::TextDisabled("%s", app.busy() ? "waiting for the first run of this method…" : "no result for this method");
     ImGui::End();
     return;
@@ -89,8 +89,8 @@ void calibration_panel(App& app, Ui& ui, const PanelRect& rect) {
   const int ri = app.report_index(m->id);
   if (now && ri >= 0 && s->report) {
     const auto& mj = (*s->report)["methods"][ri];
-    ImGui::Text("softmax MSE: layer %d %s · mean %s · caption %s", v.layer,
-                fig::format_value(mj["layers"][v.layer]["softmax_mse"].get<double>()).c_str(),
+    ImGui::Text("softmax MSE: layer %d %s · mean %s · caption %s", v.calib_layer,
+                fig::format_value(mj["layers"][v.calib_layer]["softmax_mse"].get<double>()).c_str(),
                 fig::format_value(mj["mean_softmax_mse"].get<double>()).c_str(),
                 mj["same_as_full"].get<bool>() ? "= full cache" : "≠ full cache");
   } else {

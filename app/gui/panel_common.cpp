@@ -158,6 +158,15 @@ void menu_bar(App& app, Ui& ui) {
     if (ImGui::MenuItem("Redo parameter change", "Ctrl+Y", false, !app.st.history.redo.empty())) app.redo();
     ImGui::EndMenu();
   }
+  if (ImGui::BeginMenu("View")) {
+    const Views before = app.st.views;
+    ImGui::MenuItem("Link layer and head across panels", nullptr, &app.st.views.link);
+    if (ImGui::IsItemHovered())
+      ImGui::SetTooltip("on: the overlay, the Calibration panel and the heatmap show one layer (and head);\n"
+                        "off: each panel keeps its own");
+    link_views(app.st.views, before);
+    ImGui::EndMenu();
+  }
   const std::string title = (app.st.session_path.empty() ? std::string("untitled session") : app.st.session_path) +
                             (app.st.dirty ? " •" : "");
   ImGui::SameLine(ImGui::GetWindowWidth() - ImGui::CalcTextSize(title.c_str()).x - 16);

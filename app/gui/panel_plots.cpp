@@ -108,12 +108,13 @@ void plots_panel(App& app, Ui& ui, const PanelRect& rect) {
     const int layers = s && s->model ? s->model->layers : 1;
     ImGui::SameLine();
     ImGui::SetNextItemWidth(ImGui::GetContentRegionAvail().x * 0.45f);
-    ImGui::SliderInt("##hmlayer", &v.layer, 0, std::max(0, layers - 1), "layer %d");
+    ImGui::SliderInt("##hmlayer", &v.heatmap_layer, 0, std::max(0, layers - 1), "layer %d");
+    v.heatmap_layer = std::clamp(v.heatmap_layer, 0, std::max(0, layers - 1));
     ImGui::SameLine();
     ImGui::SetNextItemWidth(-1);
     instance_combo("##hmmethod", app, v.heatmap_method, "full cache", true);
     const int ri = v.heatmap_method >= 0 ? app.report_index(v.heatmap_method) : -1;
-    key += ":" + std::to_string(v.layer) + ":" + std::to_string(ri);
+    key += ":" + std::to_string(v.heatmap_layer) + ":" + std::to_string(ri);
   }
   if (key == "table") {
     if (report) {

@@ -7,8 +7,10 @@
 //   add_method {spec, label?}    remove_method {method}      set_enabled {method, enabled}
 //   set_param {method, name, value}                          undo / redo
 //   drag_param {method, name, from, to, frames}   a slider drag: one value per frame, then release
-//   select {plot?, layer?, head?, method?, calib_method?, heatmap_method?, overlay?, token?, ...}
-//                                every field or none: a refused field fails the script
+//   select {plot?, layer?, head?, method?, calib_method?, calib_layer?, calib_head?, heatmap_method?,
+//           heatmap_layer?, link_views?, overlay?, token?, table_sort?, ...}
+//                                every field or none: a refused field fails the script; layer and
+//                                head are the overlay's (each panel keeps its own unless linked)
 //   wait_results {timeout_s?}    every enabled method computed for the current setup, shown (fails
 //                                at once when the model or the image cannot be loaded)
 //   frames {n}                   render n frames

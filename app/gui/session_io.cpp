@@ -41,6 +41,10 @@ nlohmann::json App::views_json() const {
   return {{"method", index_of(st.methods, v.method)},
           {"layer", v.layer},
           {"head", v.head},
+          {"calib_layer", v.calib_layer},
+          {"calib_head", v.calib_head},
+          {"heatmap_layer", v.heatmap_layer},
+          {"link_views", v.link},
           {"plot", v.plot >= 0 && v.plot < static_cast<int>(entries.size()) ? entries[v.plot].key : "softmax_mse"},
           {"hit_step", v.hit_step},
           {"heatmap_method", index_of(st.methods, v.heatmap_method)},
@@ -66,15 +70,18 @@ bool App::apply_views_json(const nlohmann::json& j, const std::string& where) {
       if (k == "method") v.method = id_at(json_int(*it, at, -1, n - 1));
       else if (k == "layer") v.layer = json_int(*it, at, 0, 4096);
       else if (k == "head") v.head = json_int(*it, at, -1, 4096);
+      else if (k == "calib_layer") v.calib_layer = json_int(*it, at, 0, 4096);
+      else if (k == "calib_head") v.calib_head = json_int(*it, at, -1, 4096);
+      else if (k == "heatmap_layer") v.heatmap_layer = json_int(*it, at, 0, 4096);
       else if (k == "hit_step") v.hit_step = json_int(*it, at, 0, 1024);
       else if (k == "heatmap_method") v.heatmap_method = id_at(json_int(*it, at, -1, n - 1));
       else if (k == "calib_method") v.calib_method = id_at(json_int(*it, at, -1, n - 1));
       else if (k == "overlay_source") v.overlay_source = id_at(json_int(*it, at, -1, n - 1));
       else if (k == "token") v.token = json_int(*it, at, 0, kMaxNewTokensLimit);
       else if (k == "overlay_opacity") v.overlay_opacity = static_cast<float>(json_real(*it, at, 0, 1));
-      else if (k == "patch_grid" || k == "table_descending") {
+      else if (k == "patch_grid" || k == "table_descending" || k == "link_views") {
         if (!it->is_boolean()) throw InputError(at + " must be true or false, got " + it->dump());
-        (k == "patch_grid" ? v.patch_grid : v.table_descending) = it->get<bool>();
+        (k == "patch_grid" ? v.patch_grid : k == "link_views" ? v.link : v.table_descending) = it->get<bool>();
       } else if (k == "table_sort") {
         if (!it->is_string() || !fig::comparison_column(it->get<std::string>()))
           throw InputError(at + " must name a column of the comparison table (method, kv_kib, ratio, mse, kl, "
@@ -103,6 +110,7 @@ bool App::apply_views_json(const nlohmann::json& j, const std::string& where) {
       ok = false;
     }
   }
+  link_views(v, st.views);
   st.views = v;
   return ok;
 }

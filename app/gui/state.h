@@ -26,10 +26,17 @@ struct MethodInstance {
 enum class Overlay { None, Attention, FateKept, FateBits, FateMerged };
 
 // Selections: what the panels show. Saved in the session's "views".
+// Each panel keeps its own layer and head: the Image panel's overlay (layer, head), the
+// Calibration panel's (calib_layer, calib_head) and the attention heatmap's (heatmap_layer).
+// With `link` they are one selection: moving any moves the others (link_views).
 struct Views {
   int method = -1;        // selected instance id (-1 = the first)
-  int layer = 0;
-  int head = -1;          // -1 = all heads (mean)
+  int layer = 0;          // the overlay's layer
+  int head = -1;          // the overlay's head; -1 = the mean of heads
+  int calib_layer = 0;
+  int calib_head = -1;    // -1 = all heads pooled
+  int heatmap_layer = 0;
+  bool link = false;
   int plot = 0;           // index into the Plots panel's list
   int hit_step = 0;       // CacheHitRate step index
   int heatmap_method = -1;  // attention heatmap: -1 = full cache, else an instance id

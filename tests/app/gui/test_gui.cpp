@@ -101,7 +101,7 @@ TEST(Gui, ScriptedSessionScreenshotsExportsAndLiveCalibration) {
   const std::string dir = kt::make_temp_dir("gui");
   const json steps = {{"steps",
                        {{{"do", "wait_results"}},
-                        {{"do", "select"}, {"calib_method", 0}, {"layer", 1}, {"head", 2}, {"plot", "softmax_mse"}},
+                        {{"do", "select"}, {"calib_method", 0}, {"calib_layer", 1}, {"calib_head", 2}, {"plot", "softmax_mse"}},
                         {{"do", "frames"}, {"n", 3}},
                         {{"do", "screenshot"}, {"path", "main.png"}},
                         {{"do", "dump_state"}, {"path", "before.json"}},

@@ -412,4 +412,52 @@ TEST(GuiApp, SelectIsAllOrNothing) {
   ASSERT_TRUE(app.select_views({{"layer", 3}}, "select"));
   EXPECT_EQ(app.st.views.layer, 3);
 }
+
+// Each panel keeps its own layer and head: choosing the overlay's moves neither the Calibration
+// panel's nor the heatmap's. Linked, they are one selection: turning the link on takes the
+// overlay's, and moving any then moves the others; unlinked again, they part. The selection and
+// the link are saved with the views.
+TEST(GuiApp, PanelsKeepTheirOwnLayerAndHeadUnlessLinked) {
+  TempHome home;
+  App app(kt::source_dir());
+  app.add_seed_methods();
+  Views& v = app.st.views;
+  ASSERT_TRUE(app.select_views({{"layer", 2}, {"head", 1}}, "select"));
+  EXPECT_EQ(v.calib_layer, 0);
+  EXPECT_EQ(v.calib_head, -1);
+  EXPECT_EQ(v.heatmap_layer, 0);
+  ASSERT_TRUE(app.select_views({{"calib_layer", 3}, {"calib_head", -1}, {"heatmap_layer", 1}}, "select"));
+  EXPECT_EQ(v.layer, 2);
+  EXPECT_EQ(v.head, 1);
+  ASSERT_TRUE(app.select_views({{"link_views", true}}, "select"));
+  EXPECT_EQ(v.calib_layer, 2);
+  EXPECT_EQ(v.heatmap_layer, 2);
+  EXPECT_EQ(v.calib_head, 1);
+  ASSERT_TRUE(app.select_views({{"calib_layer", 0}}, "select"));
+  EXPECT_EQ(v.layer, 0);
+  EXPECT_EQ(v.heatmap_layer, 0);
+  ASSERT_TRUE(app.select_views({{"calib_head", -1}}, "select"));
+  EXPECT_EQ(v.head, -1);
+  // A panel's slider between frames (link_views after the frame's panels).
+  Views before = v;
+  v.heatmap_layer = 3;
+  link_views(v, before);
+  EXPECT_EQ(v.layer, 3);
+  EXPECT_EQ(v.calib_layer, 3);
+  const nlohmann::json saved = app.views_json();
+  EXPECT_EQ(saved["link_views"], true);
+  EXPECT_EQ(saved["calib_layer"], 3);
+  ASSERT_TRUE(app.select_views({{"link_views", false}, {"layer", 1}}, "select"));
+  EXPECT_EQ(v.calib_layer, 3);
+  EXPECT_EQ(v.heatmap_layer, 3);
+  before = v;
+  v.calib_layer = 2;
+  link_views(v, before);
+  EXPECT_EQ(v.layer, 1);
+  // Reopened views are the saved ones.
+  App other(kt::source_dir());
+  other.add_seed_methods();
+  ASSERT_TRUE(other.apply_views_json(saved, "v.json"));
+  EXPECT_EQ(other.views_json(), saved);
+}
 #endif
