@@ -5,6 +5,8 @@
 #include <cstdio>
 #include <limits>
 
+#include "core/errors.h"
+
 namespace kvlens::fig {
 
 namespace {
@@ -134,6 +136,8 @@ struct LegendEntry {
   int style;  // 0 line, 1 box, 2 dot
   bool dashed;
   double w;
+  bool series = false;  // a series' entry (a click toggles it)
+  bool off = false;     // its series is hidden
 };
 
 }  // namespace
@@ -278,6 +282,43 @@ const Series* first_heatmap(const Figure& f) {
 
 }  // namespace
 
+const char* y_scale_name(YScale s) {
+  return s == YScale::Linear ? "linear" : s == YScale::Log ? "log" : "as built";
+}
+
+YScale parse_y_scale(const std::string& s, const std::string& what) {
+  for (YScale y : {YScale::AsBuilt, YScale::Linear, YScale::Log})
+    if (s == y_scale_name(y)) return y;
+  throw InputError(what + " must be 'as built', 'linear' or 'log', got '" + s + "'");
+}
+
+Axis fit_value_axis(const std::string& label, const std::vector<double>& v, bool log) {
+  Axis a;
+  a.label = label;
+  double lo = std::numeric_limits<double>::infinity(), hi = -lo, pos_lo = lo;
+  for (double x : v) {
+    if (!std::isfinite(x)) continue;
+    lo = std::min(lo, x);
+    hi = std::max(hi, x);
+    if (x > 0) pos_lo = std::min(pos_lo, x);
+  }
+  if (lo > hi) {
+    a.min = 0;
+    a.max = 1;
+    return a;
+  }
+  if (log && hi > 0) {
+    a.log = true;
+    a.min = std::pow(10.0, std::floor(std::log10(pos_lo)));
+    a.max = std::pow(10.0, std::ceil(std::log10(hi)));
+    if (a.max <= a.min) a.max = a.min * 10;
+    return a;
+  }
+  a.min = std::min(0.0, lo);
+  a.max = hi > a.min ? hi + (hi - a.min) * 0.08 : a.min + 1;
+  return a;
+}
+
 Frame draw(const Figure& f, double W, double H, const TextWidth& measure, const View& view) {
   Frame fr;
   fr.width = W;
@@ -288,6 +329,25 @@ Frame draw(const Figure& f, double W, double H, const TextWidth& measure, const 
     fr.x.min = view.x_min;
     fr.x.max = view.x_max;
   }
+  // The y axis of a value plot fitted again to what is shown, when the view hides series or
+  // chooses the scale; then the view's y range.
+  fr.hidden = view.hidden;
+  if (!fr.y.inverted && fr.y.ticks.empty() && (view.y_scale != YScale::AsBuilt || !view.hidden.empty())) {
+    std::vector<double> shown;
+    for (const Series& s : f.series)
+      if (s.kind != SeriesKind::Heatmap && view.shows(s)) shown.insert(shown.end(), s.y.begin(), s.y.end());
+    const bool log = view.y_scale == YScale::Log || (view.y_scale == YScale::AsBuilt && f.y.log);
+    if (!shown.empty()) {
+      const Axis a = fit_value_axis(f.y.label, shown, log);
+      fr.y.min = a.min;
+      fr.y.max = a.max;
+      fr.y.log = a.log;
+    }
+  }
+  if (view.y_zoomed && view.y_max > view.y_min && (!fr.y.log || view.y_min > 0)) {
+    fr.y.min = view.y_min;
+    fr.y.max = view.y_max;
+  }
   std::vector<Prim>& P = fr.prims;
   P.push_back(rect(Prim::Type::FillRect, {0, 0, W, H}, kWhite));
 
@@ -297,7 +357,7 @@ Frame draw(const Figure& f, double W, double H, const TextWidth& measure, const 
     for (const Series& s : f.series) {
       if (s.label.empty() || s.kind == SeriesKind::Heatmap) continue;
       const int style = s.kind == SeriesKind::Line ? 0 : s.kind == SeriesKind::Scatter ? 2 : 1;
-      legend.push_back({s.label, s.color, style, s.dashed, 0});
+      legend.push_back({s.label, s.color, style, s.dashed, 0, true, !view.shows(s)});
     }
     for (const Band& b : f.bands)
       if (!b.label.empty()) legend.push_back({b.label, b.color, 1, false, 0});
@@ -373,6 +433,7 @@ Frame draw(const Figure& f, double W, double H, const TextWidth& measure, const 
   }
   std::vector<Rect> labels;  // the scatter point labels placed so far
   for (const Series& s : f.series) {
+    if (s.kind != SeriesKind::Heatmap && !view.shows(s)) continue;
     switch (s.kind) {
       case SeriesKind::Heatmap: {
         if (s.rows <= 0 || s.cols <= 0) break;
@@ -518,10 +579,12 @@ Frame draw(const Figure& f, double W, double H, const TextWidth& measure, const 
     }()));
     const double cy = ty + legend_row / 2;
     for (const LegendEntry* e : row) {
-      if (e->style == 0) P.push_back(line({{x, cy}, {x + 18, cy}}, e->color, 2.2, e->dashed));
-      if (e->style == 1) P.push_back(rect(Prim::Type::FillRect, {x + 2, cy - 5, x + 16, cy + 5}, e->color));
-      if (e->style == 2) P.push_back(circle(x + 9, cy, 4.5, e->color));
-      P.push_back(text(x + 22, cy, e->label, kLegend, -1, 0));
+      const Color c = e->off ? kGrid : e->color;  // a hidden series: greyed
+      if (e->style == 0) P.push_back(line({{x, cy}, {x + 18, cy}}, c, 2.2, e->dashed));
+      if (e->style == 1) P.push_back(rect(Prim::Type::FillRect, {x + 2, cy - 5, x + 16, cy + 5}, c));
+      if (e->style == 2) P.push_back(circle(x + 9, cy, 4.5, c));
+      P.push_back(text(x + 22, cy, e->label, kLegend, -1, 0, e->off ? kFrame : kInk));
+      if (e->series) fr.legend_series.push_back({Rect{x, cy - legend_row / 2, x + e->w, cy + legend_row / 2}, e->label});
       x += e->w;
     }
     ty += legend_row;
@@ -568,6 +631,7 @@ std::vector<std::string> readout(const Figure& f, const Frame& fr, double px, do
     return format_value(v);
   };
   for (const Series& s : f.series) {
+    if (s.kind != SeriesKind::Heatmap && !s.label.empty() && fr.hidden.count(s.label)) continue;
     const std::string name = s.label.empty() ? series_kind_name(s.kind) : s.label;
     switch (s.kind) {
       case SeriesKind::Line: {

@@ -12,6 +12,7 @@
 #pragma once
 #include <cstdint>
 #include <functional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -143,17 +144,35 @@ struct Prim {
 // Width in pixels of `text` at font size `size` (pixels), as the renderer's font draws it.
 using TextWidth = std::function<double(const std::string& text, double size)>;
 
-// The visible x range (zoom and pan); unset = the figure's own range.
+// How a figure is looked at on screen: the visible x range (zoom and pan; unset = the figure's
+// own), the y axis's scale and range, and the series hidden from the plot (by legend label; the
+// legend still lists them, greyed).
+enum class YScale : uint8_t { AsBuilt, Linear, Log };
 struct View {
   bool zoomed = false;
   double x_min = 0, x_max = 0;
+  YScale y_scale = YScale::AsBuilt;
+  bool y_zoomed = false;
+  double y_min = 0, y_max = 0;
+  std::set<std::string> hidden;
+  bool shows(const Series& s) const { return s.label.empty() || !hidden.count(s.label); }
 };
+// "as built" / "linear" / "log"; parse_y_scale throws InputError naming `what` otherwise.
+const char* y_scale_name(YScale s);
+YScale parse_y_scale(const std::string& s, const std::string& what);
+// The y axis of a value plot fitted to the values: log10 when `log` and some are positive (from
+// the decade below the smallest positive to the decade above the largest), else linear from
+// min(0, smallest) to 8 % above the largest.
+Axis fit_value_axis(const std::string& label, const std::vector<double>& v, bool log);
 
 struct Frame {
   double width = 0, height = 0;
   Rect plot;   // the plot area, pixels
   Axis x, y;   // the axes as drawn: visible range and ticks
   std::vector<Prim> prims;
+  // The legend's series entries as drawn (pixels) with their labels: what a click toggles.
+  std::vector<std::pair<Rect, std::string>> legend_series;
+  std::set<std::string> hidden;  // the view's hidden series (readout skips them)
   double px(double x) const;  // data → pixels
   double py(double y) const;
   double data_x(double px) const;  // pixels → data

@@ -95,30 +95,13 @@ Axis layer_axis(int L, double pad) {
 // A y axis fitted to the values: from 0 (linear, non-negative data) or log10 when the values
 // span more than two decades and are all positive.
 Axis value_axis(const std::string& label, const std::vector<double>& v, bool allow_log) {
-  Axis a;
-  a.label = label;
-  double lo = kBig, hi = -kBig, pos_lo = kBig;
-  for (double x : v) {
-    if (!std::isfinite(x)) continue;
-    lo = std::min(lo, x);
-    hi = std::max(hi, x);
-    if (x > 0) pos_lo = std::min(pos_lo, x);
-  }
-  if (lo > hi) {
-    a.min = 0;
-    a.max = 1;
-    return a;
-  }
-  if (allow_log && lo > 0 && hi / lo > 100) {
-    a.log = true;
-    a.min = std::pow(10.0, std::floor(std::log10(pos_lo)));
-    a.max = std::pow(10.0, std::ceil(std::log10(hi)));
-    if (a.max <= a.min) a.max = a.min * 10;
-    return a;
-  }
-  a.min = std::min(0.0, lo);
-  a.max = hi > a.min ? hi + (hi - a.min) * 0.08 : a.min + 1;
-  return a;
+  double lo = kBig, hi = -kBig;
+  for (double x : v)
+    if (std::isfinite(x)) {
+      lo = std::min(lo, x);
+      hi = std::max(hi, x);
+    }
+  return fit_value_axis(label, v, allow_log && lo <= hi && lo > 0 && hi / lo > 100);
 }
 
 Series line_series(const std::string& label, Color c, std::vector<double> x, std::vector<double> y) {

@@ -143,7 +143,8 @@ void draw_prims(ImDrawList* dl, const std::vector<Prim>& prims, ImVec2 o, Textur
   }
 }
 
-bool draw_figure(const char* id, const fig::Figure& f, ImVec2 size, fig::View& view, TextureCache& textures) {
+bool draw_figure(const char* id, const fig::Figure& f, ImVec2 size, fig::View& view, TextureCache& textures,
+                 fig::Axis* drawn_y) {
   size.x = std::max(size.x, 120.0f);
   size.y = std::max(size.y, 90.0f);
   const ImVec2 origin = ImGui::GetCursorScreenPos();
@@ -151,12 +152,36 @@ bool draw_figure(const char* id, const fig::Figure& f, ImVec2 size, fig::View& v
   const bool hovered = ImGui::IsItemHovered();
   const bool active = ImGui::IsItemActive();
   const fig::Frame fr = fig::draw(f, size.x, size.y, imgui_text_width, view);
+  if (drawn_y) *drawn_y = fr.y;
   ImDrawList* dl = ImGui::GetWindowDrawList();
   dl->PushClipRect(origin, ImVec2(origin.x + size.x, origin.y + size.y), true);
   draw_prims(dl, fr.prims, origin, textures);
   const ImGuiIO& io = ImGui::GetIO();
   const double mx = io.MousePos.x - origin.x, my = io.MousePos.y - origin.y;
   const bool in_plot = fr.plot.contains(mx, my);
+  // A click on a series' legend entry hides or shows it.
+  if (hovered && ImGui::IsMouseClicked(ImGuiMouseButton_Left))
+    for (const auto& [r, label] : fr.legend_series)
+      if (r.contains(mx, my) && !view.hidden.erase(label)) view.hidden.insert(label);
+  // Right-click: the y scale, every series back, the view reset.
+  const std::string menu = std::string(id) + "##view";
+  if (hovered && ImGui::IsMouseClicked(ImGuiMouseButton_Right)) ImGui::OpenPopup(menu.c_str());
+  if (ImGui::BeginPopup(menu.c_str())) {
+    ImGui::TextDisabled("y axis");
+    for (fig::YScale s : {fig::YScale::AsBuilt, fig::YScale::Linear, fig::YScale::Log})
+      if (ImGui::MenuItem(fig::y_scale_name(s), nullptr, view.y_scale == s)) {
+        view.y_scale = s;
+        view.y_zoomed = false;
+      }
+    ImGui::Separator();
+    if (ImGui::MenuItem("show every series", nullptr, false, !view.hidden.empty())) view.hidden.clear();
+    if (ImGui::MenuItem("reset zoom and scale")) {
+      std::set<std::string> hidden = std::move(view.hidden);
+      view = fig::View{};
+      view.hidden = std::move(hidden);
+    }
+    ImGui::EndPopup();
+  }
   if (hovered && in_plot) {
     // Zoom about the pointer (wheel), pan (drag), reset (double-click); x only.
     const double frac = (mx - fr.plot.x0) / fr.plot.width();
@@ -168,7 +193,16 @@ bool draw_figure(const char* id, const fig::Figure& f, ImVec2 size, fig::View& v
         view.x_max = b;
       }
     };
-    if (io.MouseWheel != 0) {
+    if (io.MouseWheel != 0 && io.KeyShift && !fr.y.inverted) {
+      // The y axis about the pointer (fractions from the bottom).
+      const double fy = (fr.plot.y1 - my) / fr.plot.height(), s = std::pow(0.85, io.MouseWheel);
+      const double a = fig::axis_value(fr.y, fy - fy * s), b = fig::axis_value(fr.y, fy + (1 - fy) * s);
+      if (std::isfinite(a) && std::isfinite(b) && b > a && (!fr.y.log || a > 0)) {
+        view.y_zoomed = true;
+        view.y_min = a;
+        view.y_max = b;
+      }
+    } else if (io.MouseWheel != 0) {
       const double s = std::pow(0.85, io.MouseWheel);
       set_range(frac - frac * s, frac + (1 - frac) * s);
     }
@@ -176,7 +210,11 @@ bool draw_figure(const char* id, const fig::Figure& f, ImVec2 size, fig::View& v
       const double d = -io.MouseDelta.x / fr.plot.width();
       set_range(d, 1 + d);
     }
-    if (ImGui::IsMouseDoubleClicked(ImGuiMouseButton_Left)) view = fig::View{};
+    if (ImGui::IsMouseDoubleClicked(ImGuiMouseButton_Left)) {
+      std::set<std::string> hidden = std::move(view.hidden);
+      view = fig::View{};
+      view.hidden = std::move(hidden);
+    }
     const float x = origin.x + static_cast<float>(mx);
     dl->AddLine(ImVec2(x, origin.y + static_cast<float>(fr.plot.y0)), ImVec2(x, origin.y + static_cast<float>(fr.plot.y1)),
                 IM_COL32(90, 90, 110, 120));
@@ -184,7 +222,8 @@ bool draw_figure(const char* id, const fig::Figure& f, ImVec2 size, fig::View& v
     ImGui::BeginTooltip();
     ImGui::Text("x = %s, y = %s", fig::format_value(fr.data_x(mx)).c_str(), fig::format_value(fr.data_y(my)).c_str());
     for (const std::string& l : lines) ImGui::TextUnformatted(l.c_str());
-    ImGui::TextDisabled("wheel: zoom x · drag: pan · double-click: reset");
+    ImGui::TextDisabled("wheel: zoom x · Shift+wheel: zoom y · drag: pan · double-click: reset\n"
+                        "legend entry: hide / show · right-click: y scale (linear / log)");
     ImGui::EndTooltip();
   }
   dl->PopClipRect();

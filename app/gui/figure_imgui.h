@@ -1,6 +1,7 @@
 // Figures on screen: executes the primitives of fig::draw (the same layout the Cairo exports
 // use) on an ImDrawList, with a read-out of the data under the pointer, mouse-wheel zoom and
-// drag pan of the x axis, and double-click to reset.
+// drag pan of the x axis, Shift + wheel zoom of the y axis, legend entries that hide and show
+// their series, a right-click menu for the y scale, and double-click to reset.
 #pragma once
 #include <cstdint>
 #include <map>
@@ -34,9 +35,12 @@ class TextureCache {
 // Text width in the current ImGui font at `size` pixels (what fig::draw lays out with).
 double imgui_text_width(const std::string& text, double size);
 
-// Draws `f` as an item of `size` at the cursor. `view` keeps the x zoom between frames.
-// Returns true while the figure is hovered.
-bool draw_figure(const char* id, const fig::Figure& f, ImVec2 size, fig::View& view, TextureCache& textures);
+// Draws `f` as an item of `size` at the cursor. `view` keeps, between frames, the x zoom (wheel,
+// drag), the y zoom (Shift + wheel), the y scale (right-click menu) and the series hidden (a click
+// on a legend entry); a double-click resets the zoom and scale. `drawn_y` (when given) receives
+// the y axis as drawn. Returns true while the figure is hovered.
+bool draw_figure(const char* id, const fig::Figure& f, ImVec2 size, fig::View& view, TextureCache& textures,
+                 fig::Axis* drawn_y = nullptr);
 
 // Executes laid-out primitives with their origin at `origin` (also used for the screenshot
 // checks of exported figures).

@@ -129,7 +129,8 @@ void plots_panel(App& app, Ui& ui, const PanelRect& rect) {
   if (const fig::Figure* f = app.figure(key)) {
     const ImVec2 at = ImGui::GetCursorScreenPos();
     st.drawn["plot"] = {at.x, at.y, avail.x, avail.y};
-    draw_figure("##plot", *f, avail, st.zoom[f->id], ui.textures);
+    draw_figure("##plot", *f, avail, st.zoom[f->id], ui.textures, &st.plot_y);
+    st.plot_figure = f->id;
     st.figures.shown_keys.push_back(key);
   } else {
     no_results(app, "computing…", "no results yet");

@@ -41,6 +41,7 @@ const std::map<std::string, std::pair<std::vector<std::string>, std::vector<std:
         {"plot", "layer", "head", "method", "calib_method", "heatmap_method", "overlay", "overlay_opacity", "token",
          "hit_step", "overlay_source", "patch_grid", "table_sort", "table_descending", "calib_layer", "calib_head",
          "heatmap_layer", "link_views"}}},
+      {"plot_view", {{}, {"hide", "show", "y_scale", "y_range"}}},
       {"wait_results", {{}, {"timeout_s"}}},
       {"frames", {{"n"}, {}}},
       {"screenshot", {{"path"}, {}}},
@@ -230,6 +231,36 @@ void Script::run(App& app, const nlohmann::json& st) {
     // A refused field refuses the whole step: the views stay as they were and the script fails.
     if (!app.select_views(v, "select"))
       throw InputError("refused, nothing selected: " + app.st.messages.back().text);
+  } else if (op == "plot_view") {
+    // How the Plots panel's figure is looked at, as clicks on its legend, the right-click menu
+    // and Shift + wheel set it. Checked whole before anything changes.
+    if (app.st.plot_figure.empty()) throw InputError("no figure drawn in the Plots panel yet");
+    fig::View v = app.st.zoom[app.st.plot_figure];
+    auto labels = [&](const char* k) {
+      std::vector<std::string> r;
+      if (!st.contains(k)) return r;
+      if (!st[k].is_array()) throw InputError(std::string("'") + k + "' must be a list of series labels");
+      for (const auto& x : st[k]) {
+        if (!x.is_string()) throw InputError(std::string("'") + k + "' must be a list of series labels");
+        r.push_back(x.get<std::string>());
+      }
+      return r;
+    };
+    for (const std::string& l : labels("hide")) v.hidden.insert(l);
+    for (const std::string& l : labels("show")) v.hidden.erase(l);
+    if (st.contains("y_scale")) {
+      v.y_scale = fig::parse_y_scale(text_arg(st, "y_scale", "plot_view"), "y_scale");
+      v.y_zoomed = false;
+    }
+    if (st.contains("y_range")) {
+      if (!st["y_range"].is_array() || st["y_range"].size() != 2)
+        throw InputError("'y_range' must be [low, high]");
+      v.y_min = json_real(st["y_range"][0], "y_range[0]", -1e300, 1e300);
+      v.y_max = json_real(st["y_range"][1], "y_range[1]", -1e300, 1e300);
+      if (!(v.y_max > v.y_min)) throw InputError("'y_range' must have low < high");
+      v.y_zoomed = true;
+    }
+    app.st.zoom[app.st.plot_figure] = v;
   } else if (op == "wait_results") {
     waiting_results_ = true;
     settled_frames_ = 0;
@@ -274,6 +305,15 @@ void Script::run(App& app, const nlohmann::json& st) {
     for (const Message& m : app.st.messages) d["messages"].push_back({{"error", m.error}, {"text", m.text}});
     const CalibrationView& c = app.calibration_view();
     d["calibration"] = {{"key", c.key}, {"calibrated", c.calibrated}, {"gamma", c.gamma}, {"delta", c.delta}};
+    // The Plots panel's figure: how it is looked at, and its y axis as drawn.
+    if (!app.st.plot_figure.empty()) {
+      const fig::View& pv = app.st.zoom[app.st.plot_figure];
+      d["plot_view"] = {{"figure", app.st.plot_figure},
+                        {"hidden", pv.hidden},
+                        {"y_scale", fig::y_scale_name(pv.y_scale)},
+                        {"y_zoomed", pv.y_zoomed},
+                        {"y_drawn", {{"min", app.st.plot_y.min}, {"max", app.st.plot_y.max}, {"log", app.st.plot_y.log}}}};
+    }
     // The comparison table's rows in the order shown.
     d["comparison_table"] = {{"sort", app.st.views.table_sort}, {"descending", app.st.views.table_descending},
                              {"rows", nlohmann::json::array()}};

@@ -11,6 +11,9 @@
 //           heatmap_layer?, link_views?, overlay?, token?, table_sort?, ...}
 //                                every field or none: a refused field fails the script; layer and
 //                                head are the overlay's (each panel keeps its own unless linked)
+//   plot_view {hide?, show?, y_scale?, y_range?}   the Plots panel's figure as its legend clicks,
+//                                right-click menu ("as built" / "linear" / "log") and Shift+wheel
+//                                set it: series labels to hide or show, the y scale, [low, high]
 //   wait_results {timeout_s?}    every enabled method computed for the current setup, shown (fails
 //                                at once when the model or the image cannot be loaded)
 //   frames {n}                   render n frames

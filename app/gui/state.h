@@ -142,7 +142,10 @@ struct State {
 
   std::shared_ptr<const Snapshot> results;  // the worker's newest snapshot
   Views views;
-  std::map<std::string, fig::View> zoom;    // figure id → x zoom / pan
+  std::map<std::string, fig::View> zoom;    // figure id → how it is looked at (zoom, y scale, hidden series)
+  // The figure the Plots panel drew last (its id) and its y axis as drawn.
+  std::string plot_figure;
+  fig::Axis plot_y;
 
   std::string session_path, session_name, session_description;
   bool dirty = false;

@@ -604,3 +604,94 @@ TEST(Figures, ComparisonTableIsTheReportsNumbersSortedByAnyColumn) {
   EXPECT_TRUE(comparison_column("mse"));
   EXPECT_FALSE(comparison_column("cider"));
 }
+
+// How a figure is looked at on screen (fig::View): a hidden series is not drawn, not read out and
+// greyed in the legend (whose series entries are where a click toggles them), and the y axis is
+// fitted to what stays shown; the y scale can be switched either way and the y range zoomed.
+TEST(Figures, ViewHidesSeriesSwitchesTheYScaleAndZoomsY) {
+  const auto& r = report();
+  const Figure f = layer_metric_figure(r, LayerMetric::SoftmaxKl);
+  ASSERT_GE(f.series.size(), 2u);
+  // The series with the largest value: hiding it must lower the axis's top.
+  size_t top = 0;
+  double top_y = -1;
+  for (size_t i = 0; i < f.series.size(); ++i)
+    for (double y : f.series[i].y)
+      if (y > top_y) top_y = y, top = i;
+  const std::string gone = f.series[top].label;
+  // The series' own strokes (its width; the legend's swatch is 2.2 px wide).
+  auto strokes_of = [&](const Frame& fr, Color c) {
+    int n = 0;
+    for (const Prim& p : fr.prims)
+      if (p.type == Prim::Type::Polyline && p.width == f.series[top].line_width && p.color.r == c.r &&
+          p.color.g == c.g && p.color.b == c.b)
+        ++n;
+    return n;
+  };
+  const Frame all = draw(f, 640, 400, measure);
+  View v;
+  v.hidden.insert(gone);
+  const Frame some = draw(f, 640, 400, measure, v);
+  EXPECT_GT(strokes_of(all, f.series[top].color), 0);
+  EXPECT_EQ(strokes_of(some, f.series[top].color), 0);
+  ASSERT_EQ(some.legend_series.size(), f.series.size());
+  for (const auto& [rect, label] : some.legend_series) {
+    EXPECT_GE(rect.x0, 0);
+    EXPECT_LE(rect.x1, some.width);
+    EXPECT_LT(rect.y1, some.plot.y0) << label << ": the legend sits above the plot";
+  }
+  EXPECT_LT(some.y.max, all.y.max) << "the axis fitted to the series still shown";
+  for (size_t i = 0; i < f.series.size(); ++i)
+    if (i != top)
+      for (double y : f.series[i].y)
+        if (std::isfinite(y) && (!some.y.log || y > 0)) {
+          EXPECT_GE(y, some.y.min);
+          EXPECT_LE(y, some.y.max);
+        }
+  // Read-outs skip the hidden series.
+  const double px = all.px(f.series[top].x[0]);
+  bool seen = false;
+  for (double py = all.plot.y0 + 1; py < all.plot.y1; py += 7)
+    for (const std::string& l : readout(f, some, px, py)) seen = seen || l.rfind(gone + ":", 0) == 0;
+  EXPECT_FALSE(seen);
+  // The y scale, either way, and a y range.
+  View lin, lg, zoom;
+  lin.y_scale = YScale::Linear;
+  lg.y_scale = YScale::Log;
+  const Frame fl = draw(f, 640, 400, measure, lin), fg = draw(f, 640, 400, measure, lg);
+  EXPECT_FALSE(fl.y.log);
+  EXPECT_LE(fl.y.min, 0.0);
+  EXPECT_TRUE(fg.y.log);
+  EXPECT_GT(fg.y.min, 0.0);
+  zoom.y_zoomed = true;
+  zoom.y_min = all.y.min + (all.y.max - all.y.min) * 0.25;
+  zoom.y_max = all.y.max - (all.y.max - all.y.min) * 0.25;
+  const Frame fz = draw(f, 640, 400, measure, zoom);
+  EXPECT_DOUBLE_EQ(fz.y.min, zoom.y_min);
+  EXPECT_DOUBLE_EQ(fz.y.max, zoom.y_max);
+  // A matrix (inverted y) keeps its axis whatever the view's scale.
+  Figure m;
+  m.y.inverted = true;
+  m.y.min = 0;
+  m.y.max = 4;
+  Series cells;
+  cells.kind = SeriesKind::Heatmap;
+  cells.rows = cells.cols = 2;
+  cells.z = {1, 2, 3, 4};
+  m.series.push_back(cells);
+  const Frame mf = draw(m, 300, 300, measure, lg);
+  EXPECT_FALSE(mf.y.log);
+  EXPECT_DOUBLE_EQ(mf.y.max, 4);
+  EXPECT_EQ(parse_y_scale("log", "y"), YScale::Log);
+  EXPECT_THROW(parse_y_scale("logarithmic", "y"), InputError);
+  const Axis a = fit_value_axis("v", {0.002, 0.5, std::nan("")}, true);
+  EXPECT_TRUE(a.log);
+  EXPECT_DOUBLE_EQ(a.min, 0.001);
+  EXPECT_DOUBLE_EQ(a.max, 1.0);
+  const Axis b = fit_value_axis("v", {-1, 3}, true);
+  EXPECT_TRUE(b.log);  // some positive: log from the positive values
+  const Axis c = fit_value_axis("v", {-1, 3}, false);
+  EXPECT_FALSE(c.log);
+  EXPECT_DOUBLE_EQ(c.min, -1);
+  EXPECT_DOUBLE_EQ(c.max, 3 + 4 * 0.08);
+}

@@ -265,6 +265,48 @@ TEST(Gui, ComparisonTableSortedByAColumnAndSaved) {
   EXPECT_GT(t.differing, t.total / 50) << "the table region is empty";
 }
 
+// A plot is looked at as the researcher chooses (plot_view: what legend clicks, the right-click
+// menu and Shift + wheel set): a hidden series leaves the plot and the y axis refits to the rest,
+// the y scale switches between log and linear, a y range zooms; the app reports the axis as drawn.
+// An unknown scale is refused and fails the script.
+TEST(Gui, PlotViewHidesSeriesAndSwitchesTheYScale) {
+  const std::string dir = kt::make_temp_dir("gui_plot_view");
+  const json steps = {{"steps",
+                       {{{"do", "wait_results"}},
+                        {{"do", "select"}, {"plot", "softmax_mse"}},
+                        {{"do", "frames"}, {"n", 2}},
+                        {{"do", "dump_state"}, {"path", "built.json"}},
+                        {{"do", "plot_view"}, {"hide", {"vlcache"}}, {"y_scale", "linear"}},
+                        {{"do", "frames"}, {"n", 2}},
+                        {{"do", "screenshot"}, {"path", "linear.png"}},
+                        {{"do", "dump_state"}, {"path", "linear.json"}},
+                        {{"do", "plot_view"}, {"show", {"vlcache"}}, {"y_scale", "log"}, {"y_range", {1e-5, 1e-3}}},
+                        {{"do", "frames"}, {"n", 2}},
+                        {{"do", "dump_state"}, {"path", "zoomed.json"}},
+                        {{"do", "plot_view"}, {"y_scale", "logarithmic"}}}}};
+  kt::RunResult r;
+  RUN_GUI_OR_SKIP(dir, steps, r);
+  EXPECT_NE(r.code, 0) << "an unknown y scale fails the script";
+  EXPECT_NE(r.output.find("logarithmic"), std::string::npos) << r.output;
+  const json built = load(dir + "/built.json"), linear = load(dir + "/linear.json"), zoomed = load(dir + "/zoomed.json");
+  ASSERT_TRUE(built.contains("plot_view")) << built.dump();
+  EXPECT_EQ(built["plot_view"]["figure"], "softmax_mse_by_layer");
+  EXPECT_TRUE(built["plot_view"]["hidden"].empty());
+  EXPECT_TRUE(built["plot_view"]["y_drawn"]["log"].get<bool>()) << "softmax MSE spans decades: log as built";
+  EXPECT_EQ(linear["plot_view"]["hidden"], json::array({"vlcache"}));
+  EXPECT_EQ(linear["plot_view"]["y_scale"], "linear");
+  EXPECT_FALSE(linear["plot_view"]["y_drawn"]["log"].get<bool>());
+  EXPECT_LE(linear["plot_view"]["y_drawn"]["min"].get<double>(), 0.0);
+  EXPECT_TRUE(zoomed["plot_view"]["hidden"].empty());
+  EXPECT_TRUE(zoomed["plot_view"]["y_drawn"]["log"].get<bool>());
+  EXPECT_NEAR(zoomed["plot_view"]["y_drawn"]["min"].get<double>(), 1e-5, 1e-11);
+  EXPECT_NEAR(zoomed["plot_view"]["y_drawn"]["max"].get<double>(), 1e-3, 1e-9);
+  const RGBImage shot = kvlens::load_image(dir + "/linear.png");
+  const std::array<int, 3> white{255, 255, 255};
+  const Pixels plot = region(shot, linear["drawn"]["plot"], white, 40);
+  EXPECT_GT(plot.differing, plot.total / 100) << "the plot region is empty";
+}
+
 TEST(Gui, BadInputIsAMessageAndNothingIsLost) {
   const std::string dir = kt::make_temp_dir("guibad");
   kt::write_file(dir + "/notanimage.png", "plain text, not pixels");
