@@ -402,6 +402,16 @@ Frame draw(const Figure& f, double W, double H, const TextWidth& measure, const 
     right += 10 + 12 + kTickLen + 3 + w + kLabel * 1.45;
   }
   fr.plot = {left, top, std::max(left + 20, W - right), std::max(top + 20, H - bottom)};
+  if (f.aspect > 0 && !fr.x.log && !fr.y.log && fr.x.max > fr.x.min && fr.y.max > fr.y.min) {
+    const double ux = fr.plot.width() / (fr.x.max - fr.x.min), uy = fr.plot.height() / (fr.y.max - fr.y.min);
+    if (ux > f.aspect * uy) {  // too wide: narrower, centred
+      const double w = f.aspect * uy * (fr.x.max - fr.x.min), x0 = fr.plot.x0 + (fr.plot.width() - w) / 2;
+      fr.plot.x0 = x0;
+      fr.plot.x1 = x0 + w;
+    } else {  // too tall: shorter, at the top
+      fr.plot.y1 = fr.plot.y0 + ux / f.aspect * (fr.y.max - fr.y.min);
+    }
+  }
   const Rect& pr = fr.plot;
   const std::vector<Tick> xt = axis_ticks(fr.x, std::max(2, static_cast<int>(pr.width() / 80)));
 

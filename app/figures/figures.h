@@ -92,6 +92,9 @@ struct Figure {
   std::vector<Band> bands;
   std::string colorbar;  // label of the heatmap colour bar; empty = none
   bool legend = true;
+  // > 0: the plot area keeps (pixels per x unit) / (pixels per y unit) at this ratio on linear
+  // axes (1 = a unit as long across as down: square patch grids), narrowed or shortened to fit.
+  double aspect = 0;
   // What the figure shows, for its data's columns and file names: one method (empty: each
   // series is one method, or none), one layer and one head (-1: every layer / every head or
   // their mean).

@@ -622,6 +622,75 @@ Figure attention_heatmap_figure(const nlohmann::json& report, int layer, int met
   return f;
 }
 
+Figure patch_multiples_figure(const std::vector<std::vector<std::vector<float>>>& att, int rows, int cols, bool mean,
+                              const std::string& who, int token) {
+  if (rows < 1 || cols < 1) throw InputError("small multiples: a patch grid of " + std::to_string(rows) + " × " +
+                                             std::to_string(cols));
+  const int L = static_cast<int>(att.size());
+  int H = 0;
+  for (const auto& l : att) H = std::max(H, static_cast<int>(l.size()));
+  const int tiles_x = H + (mean ? 1 : 0), n = rows * cols;
+  Series s;
+  s.kind = SeriesKind::Heatmap;
+  s.cols = tiles_x * (cols + 1) - 1;
+  s.rows = L * (rows + 1) - 1;
+  s.z.assign(static_cast<size_t>(std::max(0, s.rows)) * std::max(0, s.cols), std::nan(""));
+  double zmax = 0;
+  auto tile = [&](int l, int t, const std::vector<double>& v) {
+    for (int r = 0; r < rows; ++r)
+      for (int c = 0; c < cols; ++c) {
+        const double x = v[static_cast<size_t>(r) * cols + c];
+        s.z[static_cast<size_t>(l * (rows + 1) + r) * s.cols + t * (cols + 1) + c] = x;
+        if (std::isfinite(x)) zmax = std::max(zmax, x);
+      }
+  };
+  for (int l = 0; l < L; ++l) {
+    std::vector<double> sum(static_cast<size_t>(n), 0.0);
+    int heads = 0;
+    for (int h = 0; h < static_cast<int>(att[l].size()); ++h) {
+      const std::vector<float>& a = att[l][h];
+      if (a.empty()) continue;
+      if (a.size() != static_cast<size_t>(n))
+        throw InputError("small multiples: layer " + std::to_string(l) + " head " + std::to_string(h) + " holds " +
+                         std::to_string(a.size()) + " values, the patch grid " + std::to_string(n));
+      const std::vector<double> v(a.begin(), a.end());
+      tile(l, h, v);
+      for (int i = 0; i < n; ++i) sum[static_cast<size_t>(i)] += v[static_cast<size_t>(i)];
+      ++heads;
+    }
+    if (mean && heads > 0) {
+      for (double& x : sum) x /= heads;
+      tile(l, H, sum);
+    }
+  }
+  // One cell is 1 / (cols + 1) of a unit across (1 / (rows + 1) down): tile t spans [t, t + cols / (cols + 1)].
+  s.x0 = 0;
+  s.x1 = s.cols / (cols + 1.0);
+  s.y0 = 0;
+  s.y1 = s.rows / (rows + 1.0);
+  // Log colours over three decades below the largest value: a head's few strong patches and the
+  // rest both stay visible.
+  s.z_log = true;
+  s.z_max = zmax > 0 ? zmax : 1;
+  s.z_min = s.z_max * 1e-3;
+  Figure f;
+  f.id = "attention_patches_" + slug(who) + "_t" + std::to_string(token);
+  f.method = who;
+  f.title = "Attention of generated token " + std::to_string(token) + " over the patches: " + who;
+  f.note = "one tile per layer (rows) and head (columns)" + std::string(mean ? ", the last column the mean of heads" : "") +
+           "; one colour scale (log, three decades)";
+  f.series.push_back(s);
+  f.colorbar = "attention probability (log)";
+  f.aspect = (cols + 1.0) / (rows + 1.0);  // square patches
+  matrix_axes(f, "head", s.x1, "layer", s.y1);
+  const int step_x = std::max(1, tiles_x / 16), step_y = std::max(1, L / 16);
+  const double cx = cols / (2.0 * (cols + 1)), cy = rows / (2.0 * (rows + 1));
+  for (int h = 0; h < H; h += step_x) f.x.ticks.push_back({h + cx, std::to_string(h)});
+  if (mean) f.x.ticks.push_back({H + cx, "mean"});
+  for (int l = 0; l < L; l += step_y) f.y.ticks.push_back({l + cy, std::to_string(l)});
+  return f;
+}
+
 Figure token_fate_figure(const nlohmann::json& report, int method, int layer, const std::string& field) {
   const J grid = root(report).at("patch_grid");
   const int R = grid.at("rows").integer(), C = grid.at("cols").integer(), first = grid.at("first").integer();
@@ -656,6 +725,7 @@ Figure token_fate_figure(const nlohmann::json& report, int method, int layer, co
   f.note = what;
   f.series.push_back(s);
   f.colorbar = field == "kept" ? "kept share" : field == "bits" ? "bits (0 = evicted)" : "rows merged";
+  f.aspect = 1;  // square patches, as the image's
   matrix_axes(f, "patch column", C, "patch row", R);
   for (int c = 0; c < C; c += std::max(1, C / 7)) f.x.ticks.push_back({c + 0.5, std::to_string(c)});
   for (int r = 0; r < R; r += std::max(1, R / 7)) f.y.ticks.push_back({r + 0.5, std::to_string(r)});

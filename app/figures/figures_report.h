@@ -89,6 +89,13 @@ Figure transfer_curve_figure(const nlohmann::json& report, int method, int layer
 // "attention" section (kvlens run --attention-maps).
 Figure attention_heatmap_figure(const nlohmann::json& report, int layer, int method);
 bool has_attention(const nlohmann::json& report);
+// Small multiples of one generated token's attention over the patch grid: a tile of rows × cols
+// patches for every layer (tile rows, layer 0 on top) and head (tile columns; with `mean`, one
+// more column of the mean over heads), on one shared log colour scale over the three decades
+// below the largest value, tiles one cell apart (drawn as missing), patches square. att[layer][head] holds rows · cols values (an empty
+// list: not recorded, drawn as missing). `who` names the source, `token` the generated token.
+Figure patch_multiples_figure(const std::vector<std::vector<std::vector<float>>>& att, int rows, int cols, bool mean,
+                              const std::string& who, int token);
 // Token fate of a method over the patch grid at one layer: field "kept" (share of KV heads),
 // "bits" (mean bits of kept rows) or "merged" (mean rows merged in).
 Figure token_fate_figure(const nlohmann::json& report, int method, int layer, const std::string& field);

@@ -379,6 +379,32 @@ const fig::Figure* App::figure(const std::string& key) {
     else if (kind == "heatmap") {
       if (part(1) >= L || part(2) >= M) return nullptr;
       f = fig::attention_heatmap_figure(r, part(1), part(2));
+    } else if (kind == "multiples") {
+      // multiples:<instance id, -1 = full cache>:<generated token>, from the decode's patch recorder.
+      const Snapshot& s = *st.results;
+      const int source = part(1), token = part(2);
+      const VisualAttentionRecorder* rec = s.base ? s.base->patches.get() : nullptr;
+      std::string who = "full cache";
+      if (source >= 0) {
+        const RunResult* r = any_result(source);
+        const MethodInstance* m = find(source);
+        rec = r ? r->patches.get() : nullptr;
+        who = m ? display_name(*m) : "?";
+      }
+      if (!rec || !s.model || s.model->patch_rows < 1 || token >= rec->steps()) return nullptr;
+      // The patch grid: rows × cols visual tokens from patch_first (as the Image panel draws it).
+      const int rows = s.model->patch_rows, first = s.model->patch_first, cols = (rec->n_visual() - first) / rows;
+      if (cols < 1) return nullptr;
+      const size_t n = static_cast<size_t>(rows) * cols;
+      std::vector<std::vector<std::vector<float>>> att(static_cast<size_t>(s.model->layers));
+      for (int l = 0; l < s.model->layers; ++l)
+        for (int h = 0; h < s.model->heads; ++h) {
+          std::vector<float> a = rec->attention(token, l, h);
+          if (a.size() >= first + n) a = std::vector<float>(a.begin() + first, a.begin() + first + static_cast<ptrdiff_t>(n));
+          else a.clear();
+          att[static_cast<size_t>(l)].push_back(std::move(a));
+        }
+      f = fig::patch_multiples_figure(att, rows, cols, true, who, token);
     } else if (kind == "hist") {
       if (part(1) < 0 || part(1) >= M || part(2) >= L) return nullptr;
       f = fig::score_histogram_figure(r, part(1), part(2));
@@ -429,6 +455,7 @@ std::vector<PlotEntry> plot_entries(const App& app) {
                               {"bytes", "KV bytes per layer"},
                               {"heatmap", "Attention heatmap (query × key)"},
                               {"pareto", "Bytes vs caption agreement"},
+                              {"multiples", "Attention over patches: layers × heads"},
                               {"table", "Comparison table (every method)"}};
   return e;
 }

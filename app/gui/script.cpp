@@ -40,7 +40,7 @@ const std::map<std::string, std::pair<std::vector<std::string>, std::vector<std:
        {{},
         {"plot", "layer", "head", "method", "calib_method", "heatmap_method", "overlay", "overlay_opacity", "token",
          "hit_step", "overlay_source", "patch_grid", "table_sort", "table_descending", "calib_layer", "calib_head",
-         "heatmap_layer", "link_views"}}},
+         "heatmap_layer", "link_views", "multiples_source", "multiples_token"}}},
       {"plot_view", {{}, {"hide", "show", "y_scale", "y_range"}}},
       {"wait_results", {{}, {"timeout_s"}}},
       {"frames", {{"n"}, {}}},

@@ -54,6 +54,8 @@ nlohmann::json App::views_json() const {
           {"patch_grid", v.patch_grid},
           {"token", v.token},
           {"overlay_source", index_of(st.methods, v.overlay_source)},
+          {"multiples_source", index_of(st.methods, v.multiples_source)},
+          {"multiples_token", v.multiples_token},
           {"table_sort", v.table_sort},
           {"table_descending", v.table_descending}};
 }
@@ -77,6 +79,8 @@ bool App::apply_views_json(const nlohmann::json& j, const std::string& where) {
       else if (k == "heatmap_method") v.heatmap_method = id_at(json_int(*it, at, -1, n - 1));
       else if (k == "calib_method") v.calib_method = id_at(json_int(*it, at, -1, n - 1));
       else if (k == "overlay_source") v.overlay_source = id_at(json_int(*it, at, -1, n - 1));
+      else if (k == "multiples_source") v.multiples_source = id_at(json_int(*it, at, -1, n - 1));
+      else if (k == "multiples_token") v.multiples_token = json_int(*it, at, 0, kMaxNewTokensLimit);
       else if (k == "token") v.token = json_int(*it, at, 0, kMaxNewTokensLimit);
       else if (k == "overlay_opacity") v.overlay_opacity = static_cast<float>(json_real(*it, at, 0, 1));
       else if (k == "patch_grid" || k == "table_descending" || k == "link_views") {

@@ -46,6 +46,8 @@ struct Views {
   bool patch_grid = true;
   int token = 0;          // generated token whose attention the Image panel shows
   int overlay_source = -1;  // attention of: -1 = full cache, else an instance id
+  int multiples_source = -1;  // small multiples over the patches: -1 = full cache, else an instance id
+  int multiples_token = 0;    // ... of this generated token
   std::string table_sort = "method";  // the comparison table's sort column (fig::comparison_table)
   bool table_descending = false;
 };

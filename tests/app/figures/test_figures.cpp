@@ -695,3 +695,53 @@ TEST(Figures, ViewHidesSeriesSwitchesTheYScaleAndZoomsY) {
   EXPECT_DOUBLE_EQ(c.min, -1);
   EXPECT_DOUBLE_EQ(c.max, 3 + 4 * 0.08);
 }
+
+// Small multiples over the patch grid: every layer × head tile holds its head's values at its
+// patches, the mean column their mean, the cells between tiles are missing, one log colour scale
+// over the three decades below the largest value, square patches; a head without values is
+// missing and a wrong-sized one is refused.
+TEST(Figures, PatchSmallMultiplesPlaceEachHeadsTile) {
+  const int R = 2, C = 3, L = 2, H = 3;
+  std::vector<std::vector<std::vector<float>>> att(L, std::vector<std::vector<float>>(H));
+  for (int l = 0; l < L; ++l)
+    for (int h = 0; h < H; ++h)
+      for (int i = 0; i < R * C; ++i) att[l][h].push_back(static_cast<float>(0.01 * (1 + l * 100 + h * 10 + i)));
+  att[1][2].clear();  // not recorded
+  const Figure f = patch_multiples_figure(att, R, C, true, "calibquant", 4);
+  ASSERT_EQ(f.series.size(), 1u);
+  const Series& s = f.series[0];
+  ASSERT_EQ(s.cols, (H + 1) * (C + 1) - 1);
+  ASSERT_EQ(s.rows, L * (R + 1) - 1);
+  auto z = [&](int row, int col) { return s.z[static_cast<size_t>(row) * s.cols + col]; };
+  double biggest = 0;
+  for (int l = 0; l < L; ++l)
+    for (int h = 0; h < H; ++h)
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) {
+          const double got = z(l * (R + 1) + r, h * (C + 1) + c);
+          if (att[l][h].empty()) {
+            EXPECT_TRUE(std::isnan(got)) << "layer " << l << " head " << h;
+            continue;
+          }
+          EXPECT_FLOAT_EQ(got, att[l][h][r * C + c]) << "layer " << l << " head " << h;
+          biggest = std::max(biggest, got);
+          // The mean column: over the heads that hold values.
+          double m = 0;
+          int n = 0;
+          for (int k = 0; k < H; ++k)
+            if (!att[l][k].empty()) m += att[l][k][r * C + c], ++n;
+          EXPECT_NEAR(z(l * (R + 1) + r, H * (C + 1) + c), m / n, 1e-9);
+        }
+  for (int col = 0; col < s.cols; ++col) EXPECT_TRUE(std::isnan(z(R, col))) << "the gap between layer tiles";
+  for (int row = 0; row < s.rows; ++row) EXPECT_TRUE(std::isnan(z(row, C))) << "the gap between head tiles";
+  EXPECT_TRUE(s.z_log);
+  EXPECT_DOUBLE_EQ(s.z_max, biggest);
+  EXPECT_DOUBLE_EQ(s.z_min, biggest * 1e-3);
+  EXPECT_DOUBLE_EQ(f.aspect, (C + 1.0) / (R + 1.0));
+  // Square patches as drawn.
+  const Frame fr = draw(f, 900, 500, measure);
+  const double cell_w = fr.plot.width() / s.cols, cell_h = fr.plot.height() / s.rows;
+  EXPECT_NEAR(cell_w, cell_h, 1e-6 * cell_w);
+  att[0][1].pop_back();
+  EXPECT_THROW(patch_multiples_figure(att, R, C, true, "calibquant", 4), InputError);
+}

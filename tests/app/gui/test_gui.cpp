@@ -283,6 +283,10 @@ TEST(Gui, PlotViewHidesSeriesAndSwitchesTheYScale) {
                         {{"do", "plot_view"}, {"show", {"vlcache"}}, {"y_scale", "log"}, {"y_range", {1e-5, 1e-3}}},
                         {{"do", "frames"}, {"n", 2}},
                         {{"do", "dump_state"}, {"path", "zoomed.json"}},
+                        {{"do", "select"}, {"plot", "multiples"}, {"multiples_source", 0}, {"multiples_token", 1}},
+                        {{"do", "frames"}, {"n", 2}},
+                        {{"do", "screenshot"}, {"path", "multiples.png"}},
+                        {{"do", "dump_state"}, {"path", "multiples.json"}},
                         {{"do", "plot_view"}, {"y_scale", "logarithmic"}}}}};
   kt::RunResult r;
   RUN_GUI_OR_SKIP(dir, steps, r);
@@ -305,6 +309,17 @@ TEST(Gui, PlotViewHidesSeriesAndSwitchesTheYScale) {
   const std::array<int, 3> white{255, 255, 255};
   const Pixels plot = region(shot, linear["drawn"]["plot"], white, 40);
   EXPECT_GT(plot.differing, plot.total / 100) << "the plot region is empty";
+  // Small multiples of the first method's generated token 1 over the patches: drawn, mostly
+  // colour (tiles), named after the method and token.
+  const json mult = load(dir + "/multiples.json");
+  EXPECT_EQ(mult["views"]["plot"], "multiples");
+  EXPECT_EQ(mult["views"]["multiples_token"], 1);
+  const std::string id = mult["plot_view"]["figure"].get<std::string>();
+  EXPECT_EQ(id.rfind("attention_patches_", 0), 0u) << id;
+  EXPECT_NE(id.find("_t1"), std::string::npos) << id;
+  const RGBImage ms = kvlens::load_image(dir + "/multiples.png");
+  const Pixels tiles = region(ms, mult["drawn"]["plot"], white, 40);
+  EXPECT_GT(tiles.differing, tiles.total / 5) << "the tiles are missing";
 }
 
 TEST(Gui, BadInputIsAMessageAndNothingIsLost) {
