@@ -120,6 +120,8 @@ TEST(Session, CorruptFileSaysWhereInWords) {
     EXPECT_EQ(m.rfind(dir + "/c.json: not valid JSON at line 2, column 1: ", 0), 0u) << m;
     EXPECT_EQ(m.find("json.exception"), std::string::npos) << m;
     EXPECT_EQ(m.find("parse_error"), std::string::npos) << m;
+    EXPECT_EQ(m.find("syntax error while parsing"), std::string::npos) << m;
+    EXPECT_NE(m.find("unexpected end of input (expected "), std::string::npos) << m;
   }
 }
 
