@@ -254,6 +254,7 @@ int main(int argc, char** argv) {
       kvlens::gui::methods_panel(app, ui, l.methods);
       kvlens::gui::link_views(app.st.views, views_before);
       kvlens::gui::status_bar(app, l.status_pos, l.status_size);
+      kvlens::gui::log_window(app);
       kvlens::gui::file_dialog(app);
 
       // Rendering

@@ -224,6 +224,8 @@ void status_bar(App& app, ImVec2 pos, ImVec2 size) {
     const Message& m = app.st.messages.back();
     ImGui::SameLine(560);
     ImGui::TextColored(m.error ? ImVec4(0.75f, 0.1f, 0.1f, 1) : ImVec4(0.2f, 0.35f, 0.2f, 1), "%s", m.text.c_str());
+    if (ImGui::IsItemHovered()) ImGui::SetTooltip("click: every message");
+    if (ImGui::IsItemClicked()) app.st.log_open = true;
   }
   ImGui::End();
   ImGui::PopStyleVar();

@@ -80,14 +80,44 @@ void session_panel(App& app, Ui&, const PanelRect& rect) {
   ImGui::SameLine();
   if (ImGui::Button("Report JSON…")) open_dialog(app, DialogPurpose::ExportReport, st.export_opt.report_path);
   ImGui::Separator();
+  if (ImGui::SmallButton(("log (" + std::to_string(st.messages.size()) + ")…").c_str())) st.log_open = true;
+  if (ImGui::IsItemHovered()) ImGui::SetTooltip("every message in a window of its own");
   ImGui::BeginChild("##log", ImVec2(0, 0), false);
-  for (auto it = st.messages.rbegin(); it != st.messages.rend(); ++it) {
+  message_list(st.messages);
+  ImGui::EndChild();
+  ImGui::End();
+}
+
+void message_list(const std::vector<Message>& messages) {
+  for (auto it = messages.rbegin(); it != messages.rend(); ++it) {
     ImGui::PushTextWrapPos(0);
-    if (it->error) ImGui::TextColored(ImVec4(0.72f, 0.1f, 0.1f, 1), "%s", it->text.c_str());
-    else ImGui::TextDisabled("%s", it->text.c_str());
+    if (it->error) ImGui::TextColored(ImVec4(0.72f, 0.1f, 0.1f, 1), "%6.1f s  %s", it->time, it->text.c_str());
+    else ImGui::TextDisabled("%6.1f s  %s", it->time, it->text.c_str());
     ImGui::PopTextWrapPos();
   }
-  ImGui::EndChild();
+}
+
+void log_window(App& app) {
+  State& st = app.st;
+  if (!st.log_open) return;
+  const ImGuiViewport* vp = ImGui::GetMainViewport();
+  ImGui::SetNextWindowSize(ImVec2(std::min(760.0f, vp->Size.x * 0.8f), std::min(420.0f, vp->Size.y * 0.6f)),
+                           ImGuiCond_Appearing);
+  ImGui::SetNextWindowPos(ImVec2(vp->Pos.x + vp->Size.x * 0.5f, vp->Pos.y + vp->Size.y * 0.5f), ImGuiCond_Appearing,
+                          ImVec2(0.5f, 0.5f));
+  if (ImGui::Begin("Log (newest first)", &st.log_open, ImGuiWindowFlags_NoSavedSettings | ImGuiWindowFlags_NoCollapse)) {
+    if (ImGui::SmallButton("copy all")) {
+      std::string all;
+      for (const Message& m : st.messages) all += (m.error ? "error: " : "") + m.text + "\n";
+      ImGui::SetClipboardText(all.c_str());
+    }
+    ImGui::Separator();
+    const ImVec2 at = ImGui::GetCursorScreenPos(), avail = ImGui::GetContentRegionAvail();
+    st.drawn["log"] = {at.x, at.y, avail.x, avail.y};
+    ImGui::BeginChild("##logall", ImVec2(0, 0), false);
+    message_list(st.messages);
+    ImGui::EndChild();
+  }
   ImGui::End();
 }
 

@@ -39,6 +39,12 @@ void calibration_panel(App& app, Ui& ui, const PanelRect& r);
 void plots_panel(App& app, Ui& ui, const PanelRect& r);
 void captions_panel(App& app, Ui& ui, const PanelRect& r);
 void status_bar(App& app, ImVec2 pos, ImVec2 size);
+// The message log, newest first, each with its time since start (the Session panel's tail and
+// the log window).
+void message_list(const std::vector<Message>& messages);
+// The log in a window of its own, resizable, while st.log_open (the Session panel's "log…",
+// a click on the status bar's message, or the script's show_log).
+void log_window(App& app);
 void file_dialog(App& app);
 // Ctrl+O, Ctrl+S, Ctrl+E, Ctrl+Z, Ctrl+Y, Ctrl+N, Ctrl+Q.
 void handle_shortcuts(App& app);

@@ -42,6 +42,7 @@ const std::map<std::string, std::pair<std::vector<std::string>, std::vector<std:
          "hit_step", "overlay_source", "patch_grid", "table_sort", "table_descending", "calib_layer", "calib_head",
          "heatmap_layer", "link_views", "multiples_source", "multiples_token"}}},
       {"plot_view", {{}, {"hide", "show", "y_scale", "y_range"}}},
+      {"show_log", {{}, {"open"}}},
       {"wait_results", {{}, {"timeout_s"}}},
       {"frames", {{"n"}, {}}},
       {"screenshot", {{"path"}, {}}},
@@ -231,6 +232,9 @@ void Script::run(App& app, const nlohmann::json& st) {
     // A refused field refuses the whole step: the views stay as they were and the script fails.
     if (!app.select_views(v, "select"))
       throw InputError("refused, nothing selected: " + app.st.messages.back().text);
+  } else if (op == "show_log") {
+    if (st.contains("open") && !st["open"].is_boolean()) throw InputError("'open' must be true or false");
+    app.st.log_open = st.value("open", true);
   } else if (op == "plot_view") {
     // How the Plots panel's figure is looked at, as clicks on its legend, the right-click menu
     // and Shift + wheel set it. Checked whole before anything changes.
@@ -292,6 +296,7 @@ void Script::run(App& app, const nlohmann::json& st) {
     d["fields"] = {{"model_dir", app.st.edits.model_dir}, {"image_path", app.st.edits.image_path},
                    {"prompt", app.st.edits.prompt}, {"max_new_tokens", app.st.edits.max_new_tokens}};
     d["busy"] = app.busy();
+    d["log_open"] = app.st.log_open;
     d["blocked"] = app.blocked();
     d["views"] = app.views_json();
     d["session_path"] = app.st.session_path;

@@ -168,6 +168,7 @@ struct State {
   // scripted checks of screenshots.
   std::map<std::string, std::vector<float>> drawn;
   bool quit = false;
+  bool log_open = false;  // the message log in a window of its own
 };
 
 }  // namespace kvlens::gui

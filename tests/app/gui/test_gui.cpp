@@ -322,6 +322,39 @@ TEST(Gui, PlotViewHidesSeriesAndSwitchesTheYScale) {
   EXPECT_GT(tiles.differing, tiles.total / 5) << "the tiles are missing";
 }
 
+// The message log opens in a window of its own, tall enough to read whatever the layout leaves
+// the Session panel, listing every message (two refused inputs here).
+TEST(Gui, LogWindowListsEveryMessage) {
+  const std::string dir = kt::make_temp_dir("gui_log");
+  kt::write_file(dir + "/corrupt.json", "{\"kvlens_session\": 2, \"methods\": [");
+  const json steps = {{"steps",
+                       {{{"do", "wait_results"}},
+                        {{"do", "open_session"}, {"path", "corrupt.json"}},
+                        {{"do", "open_image"}, {"path", "nope.png"}},
+                        {{"do", "show_log"}},
+                        {{"do", "frames"}, {"n", 3}},
+                        {{"do", "screenshot"}, {"path", "log.png"}},
+                        {{"do", "dump_state"}, {"path", "log.json"}},
+                        {{"do", "show_log"}, {"open", false}},
+                        {{"do", "dump_state"}, {"path", "closed.json"}},
+                        {{"do", "quit"}}}}};
+  kt::RunResult r;
+  RUN_GUI_OR_SKIP(dir, steps, r);
+  ASSERT_EQ(r.code, 0) << r.output;
+  const json d = load(dir + "/log.json");
+  EXPECT_TRUE(d["log_open"].get<bool>());
+  EXPECT_FALSE(load(dir + "/closed.json")["log_open"].get<bool>());
+  ASSERT_TRUE(d["drawn"].contains("log"));
+  EXPECT_GE(d["drawn"]["log"][3].get<double>(), 200.0) << "the log window's list is at least 200 px tall";
+  int errors = 0;
+  for (const json& m : d["messages"]) errors += m["error"].get<bool>();
+  EXPECT_GE(errors, 2);
+  const RGBImage shot = kvlens::load_image(dir + "/log.png");
+  const std::array<int, 3> window_bg{249, 249, 250};
+  const Pixels text = region(shot, d["drawn"]["log"], window_bg, 30);
+  EXPECT_GT(text.differing, 200u) << "the log window shows no text";
+}
+
 TEST(Gui, BadInputIsAMessageAndNothingIsLost) {
   const std::string dir = kt::make_temp_dir("guibad");
   kt::write_file(dir + "/notanimage.png", "plain text, not pixels");
