@@ -430,6 +430,13 @@ std::vector<fig::Figure> App::shown_figures() {
   return out;
 }
 
+void set_ui_scale(App& app, float scale) {
+  const float s = std::clamp(scale, kMinUiScale, kMaxUiScale);
+  if (s == app.st.ui_scale) return;
+  app.st.ui_scale = s;
+  app.save_recent();
+}
+
 void link_views(Views& v, const Views& before) {
   if (!v.link) return;
   // Linking just turned on: the overlay's selection is the one kept.
@@ -507,7 +514,10 @@ bool make_dirs(const std::string& dir) {
 void App::save_recent() {
   const std::string dir = state_dir();
   if (!make_dirs(dir)) return;
-  nlohmann::json j = {{"sessions", st.recent_sessions}, {"images", st.recent_images}, {"models", st.recent_models}};
+  nlohmann::json j = {{"sessions", st.recent_sessions},
+                      {"images", st.recent_images},
+                      {"models", st.recent_models},
+                      {"ui_scale", st.ui_scale}};
   try {
     write_file_atomic(dir + "/recent.json", j.dump(1) + "\n", "recent files list");
   } catch (const InputError& e) {
@@ -524,6 +534,8 @@ void App::load_recent() {
       if (j.is_object() && j.contains(key) && j[key].is_array())
         for (const auto& v : j[key])
           if (v.is_string()) out->push_back(v.get<std::string>());
+    if (j.is_object() && j.contains("ui_scale"))
+      st.ui_scale = static_cast<float>(json_real(j["ui_scale"], path + ": ui_scale", kMinUiScale, kMaxUiScale));
   } catch (const InputError& e) {
     error(e.what());
   }

@@ -135,6 +135,11 @@ class App {
 };
 
 
+// The UI scales View → UI scale offers between.
+constexpr float kMinUiScale = 0.75f, kMaxUiScale = 2.5f;
+// Sets the UI scale (clamped to the range above) and saves it with the recent files.
+void set_ui_scale(App& app, float scale);
+
 // With v.link, makes the panels' layers (and heads) one selection again after one of them moved
 // since `before`: the one that moved is copied to the others (the first of overlay, calibration,
 // heatmap when several did). Without v.link, nothing.

@@ -64,7 +64,24 @@ void text(ImDrawList* dl, const Prim& p, ImVec2 o) {
   dl->PopClipRect();
 }
 
+float g_scale = 1.0f;
+
+// The primitives magnified by s about the origin: positions, line widths, radii, text sizes.
+std::vector<Prim> magnified(const std::vector<Prim>& prims, double s) {
+  std::vector<Prim> out = prims;
+  for (Prim& p : out) {
+    for (fig::Point& q : p.pts) q = {q.x * s, q.y * s};
+    p.rect = {p.rect.x0 * s, p.rect.y0 * s, p.rect.x1 * s, p.rect.y1 * s};
+    p.width *= s;
+    p.size *= s;
+  }
+  return out;
+}
+
 }  // namespace
+
+void set_figure_scale(float scale) { g_scale = std::clamp(scale, 0.5f, 4.0f); }
+float figure_scale() { return g_scale; }
 
 double imgui_text_width(const std::string& s, double size) {
   return ImGui::GetFont()->CalcTextSizeA(static_cast<float>(size), FLT_MAX, 0.0f, s.c_str()).x;
@@ -151,13 +168,15 @@ bool draw_figure(const char* id, const fig::Figure& f, ImVec2 size, fig::View& v
   ImGui::InvisibleButton(id, size);
   const bool hovered = ImGui::IsItemHovered();
   const bool active = ImGui::IsItemActive();
-  const fig::Frame fr = fig::draw(f, size.x, size.y, imgui_text_width, view);
+  // Laid out at the logical size, drawn magnified by the UI scale; the pointer in logical pixels.
+  const double k = g_scale;
+  const fig::Frame fr = fig::draw(f, size.x / k, size.y / k, imgui_text_width, view);
   if (drawn_y) *drawn_y = fr.y;
   ImDrawList* dl = ImGui::GetWindowDrawList();
   dl->PushClipRect(origin, ImVec2(origin.x + size.x, origin.y + size.y), true);
-  draw_prims(dl, fr.prims, origin, textures);
+  draw_prims(dl, k == 1 ? fr.prims : magnified(fr.prims, k), origin, textures);
   const ImGuiIO& io = ImGui::GetIO();
-  const double mx = io.MousePos.x - origin.x, my = io.MousePos.y - origin.y;
+  const double mx = (io.MousePos.x - origin.x) / k, my = (io.MousePos.y - origin.y) / k;
   const bool in_plot = fr.plot.contains(mx, my);
   // A click on a series' legend entry hides or shows it.
   if (hovered && ImGui::IsMouseClicked(ImGuiMouseButton_Left))
@@ -207,7 +226,7 @@ bool draw_figure(const char* id, const fig::Figure& f, ImVec2 size, fig::View& v
       set_range(frac - frac * s, frac + (1 - frac) * s);
     }
     if (active && io.MouseDelta.x != 0) {
-      const double d = -io.MouseDelta.x / fr.plot.width();
+      const double d = -io.MouseDelta.x / k / fr.plot.width();
       set_range(d, 1 + d);
     }
     if (ImGui::IsMouseDoubleClicked(ImGuiMouseButton_Left)) {
@@ -215,8 +234,8 @@ bool draw_figure(const char* id, const fig::Figure& f, ImVec2 size, fig::View& v
       view = fig::View{};
       view.hidden = std::move(hidden);
     }
-    const float x = origin.x + static_cast<float>(mx);
-    dl->AddLine(ImVec2(x, origin.y + static_cast<float>(fr.plot.y0)), ImVec2(x, origin.y + static_cast<float>(fr.plot.y1)),
+    const float x = origin.x + static_cast<float>(mx * k);
+    dl->AddLine(ImVec2(x, origin.y + static_cast<float>(fr.plot.y0 * k)), ImVec2(x, origin.y + static_cast<float>(fr.plot.y1 * k)),
                 IM_COL32(90, 90, 110, 120));
     const std::vector<std::string> lines = fig::readout(f, fr, mx, my);
     ImGui::BeginTooltip();

@@ -35,6 +35,11 @@ class TextureCache {
 // Text width in the current ImGui font at `size` pixels (what fig::draw lays out with).
 double imgui_text_width(const std::string& text, double size);
 
+// The UI scale figures are drawn at: a figure is laid out at (its size ÷ scale) and drawn
+// magnified, so its text grows with the app's fonts. 1 = as laid out.
+void set_figure_scale(float scale);
+float figure_scale();
+
 // Draws `f` as an item of `size` at the cursor. `view` keeps, between frames, the x zoom (wheel,
 // drag), the y zoom (Shift + wheel), the y scale (right-click menu) and the series hidden (a click
 // on a legend entry); a double-click resets the zoom and scale. `drawn_y` (when given) receives

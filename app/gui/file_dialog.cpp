@@ -78,7 +78,7 @@ void file_dialog(App& app) {
     ImGui::OpenPopup("##file_dialog");
     d.want_open = false;
   }
-  ImGui::SetNextWindowSize(ImVec2(620, 460), ImGuiCond_Appearing);
+  ImGui::SetNextWindowSize(ImVec2(620 * figure_scale(), 460 * figure_scale()), ImGuiCond_Appearing);
   if (!ImGui::BeginPopupModal("##file_dialog", nullptr, ImGuiWindowFlags_NoSavedSettings)) return;
   ImGui::TextUnformatted(title_of(d.purpose));
   ImGui::Separator();

@@ -55,7 +55,7 @@ int run_cli_demo(const char* why) {
 
 // DejaVu Sans with Latin, Greek (τ, γ, δ, α, β, ψ), punctuation (…, ‖), superscripts (10⁻⁴ on
 // log axes), arrows, math (√, ≤, −), and block elements (SentencePiece's ▁).
-void load_fonts(ImGuiIO& io) {
+void load_fonts(ImGuiIO& io, float size) {
   static const ImWchar extra[] = {0x0370, 0x03FF, 0x2000, 0x206F, 0x2070, 0x209F, 0x2190, 0x21FF,
                                   0x2200, 0x22FF, 0x2580, 0x259F, 0};
   ImFontGlyphRangesBuilder b;
@@ -65,9 +65,13 @@ void load_fonts(ImGuiIO& io) {
   b.BuildRanges(&ranges);
   ImFontConfig cfg;
   cfg.OversampleH = 2;
-  if (!kvlens::file_exists(kFont) || !io.Fonts->AddFontFromFileTTF(kFont, 16.0f, &cfg, ranges.Data)) {
-    std::fprintf(stderr, "kvlens-gui: %s not found (fonts-dejavu-core); Greek letters will not show\n", kFont);
-    io.Fonts->AddFontDefault();
+  if (!kvlens::file_exists(kFont) || !io.Fonts->AddFontFromFileTTF(kFont, size, &cfg, ranges.Data)) {
+    static bool told = false;
+    if (!told) std::fprintf(stderr, "kvlens-gui: %s not found (fonts-dejavu-core); Greek letters will not show\n", kFont);
+    told = true;
+    ImFontConfig d;
+    d.SizePixels = 13.0f * size / 16.0f;
+    io.Fonts->AddFontDefault(&d);
   }
 }
 
@@ -118,7 +122,7 @@ void on_drop(GLFWwindow* w, int n, const char** paths) {
 int main(int argc, char** argv) {
   if (!std::getenv("OMP_NUM_THREADS")) omp_set_num_threads(1);
   CLI::App cli{"kvlens-gui: the kvlens desktop lab"};
-  std::string script_path, shot_path, session_path, image_path, model_dir, size_text = "1680x1050";
+  std::string script_path, shot_path, session_path, image_path, model_dir, size_text = "1680x1050", scale_text;
   bool no_seed = false;
   cli.add_option("--script", script_path, "Run the steps of this JSON script (headless runs; see app/gui/script.h)");
   cli.add_option("--screenshot", shot_path, "Write a PNG of the window once results are shown, then quit");
@@ -126,6 +130,7 @@ int main(int argc, char** argv) {
   cli.add_option("--image", image_path, "Open this image (default: the sample image)");
   cli.add_option("--model", model_dir, "Model folder (default: the embedded model)");
   cli.add_option("--size", size_text, "Window size WIDTHxHEIGHT")->capture_default_str();
+  cli.add_option("--ui-scale", scale_text, "UI scale for this run, 0.75 to 2.5 (default: the one View → UI scale saved)");
   cli.add_flag("--no-seed-methods", no_seed, "Start without the four seed methods (calibquant, zipcache, vlcache, lookm)");
   int width = 1680, height = 1050;
   try {
@@ -134,6 +139,8 @@ int main(int argc, char** argv) {
     if (x == std::string::npos) throw kvlens::InputError("--size must be WIDTHxHEIGHT, got '" + size_text + "'");
     width = static_cast<int>(kvlens::parse_integer(size_text.substr(0, x), "--size width", 640, 8192));
     height = static_cast<int>(kvlens::parse_integer(size_text.substr(x + 1), "--size height", 480, 8192));
+    if (!scale_text.empty())
+      kvlens::parse_real(scale_text, "--ui-scale", kvlens::gui::kMinUiScale, kvlens::gui::kMaxUiScale);
   } catch (const CLI::CallForHelp& e) {
     return cli.exit(e);
   } catch (const CLI::ParseError& e) {
@@ -198,11 +205,14 @@ int main(int argc, char** argv) {
   style();
   ImGui_ImplGlfw_InitForOpenGL(window, true);
   ImGui_ImplOpenGL3_Init(glsl_version);
-  load_fonts(io);
 
   int exit_code = 0;
   {
     kvlens::gui::App app(KVLENS_SOURCE_DIR);
+    if (!scale_text.empty())  // this run only: not saved
+      app.st.ui_scale = static_cast<float>(
+          kvlens::parse_real(scale_text, "--ui-scale", kvlens::gui::kMinUiScale, kvlens::gui::kMaxUiScale));
+    float applied_scale = 0;  // the scale the fonts and the style were built for
     kvlens::gui::Ui ui;
     glfwSetWindowUserPointer(window, &app);
     glfwSetDropCallback(window, on_drop);
@@ -232,6 +242,18 @@ int main(int argc, char** argv) {
       app.poll();
       if (scripted) script.before_frame(app);
 
+      // The UI scale: fonts rebuilt at their new size, the style's sizes scaled, figures magnified.
+      if (app.st.ui_scale != applied_scale) {
+        applied_scale = app.st.ui_scale;
+        io.Fonts->Clear();
+        load_fonts(io, 16.0f * applied_scale);
+        io.Fonts->Build();
+        ImGui_ImplOpenGL3_DestroyFontsTexture();
+        ImGui_ImplOpenGL3_CreateFontsTexture();
+        style();
+        ImGui::GetStyle().ScaleAllSizes(applied_scale);
+        kvlens::gui::set_figure_scale(applied_scale);
+      }
       // Start the Dear ImGui frame
       const auto build_start = std::chrono::steady_clock::now();
       ImGui_ImplOpenGL3_NewFrame();

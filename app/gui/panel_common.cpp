@@ -12,13 +12,22 @@ namespace kvlens::gui {
 
 PanelLayout layout_panels(ImVec2 size, float top) {
   PanelLayout l;
-  const float status = 26;
+  const float k = figure_scale();  // the UI scale
+  const float status = ImGui::GetFrameHeight() + 8 * k;
   const float W = size.x, H = size.y - top - status;
-  const float c1 = std::max(340.0f, W * 0.24f), c2 = std::max(420.0f, W * 0.42f), c3 = std::max(300.0f, W - c1 - c2);
+  const float c1 = std::max(340.0f * k, W * 0.24f), c2 = std::max(420.0f * k, W * 0.42f),
+              c3 = std::max(300.0f * k, W - c1 - c2);
   const float x2 = c1, x3 = c1 + c2;
   // Model and Session hold about eleven and ten lines of widgets; the image takes the rest.
   const float line = ImGui::GetFrameHeightWithSpacing();
-  const float model_h = std::min(H * 0.3f, line * 9.4f), session_h = std::min(H * 0.28f, line * 8.6f);
+  float model_h = std::min(H * 0.3f, line * 9.4f), session_h = std::min(H * 0.28f, line * 8.6f);
+  // The image keeps at least half the column; on a short window Model and Session give way (they
+  // scroll).
+  if (H - model_h - session_h < H * 0.5f) {
+    const float shrink = H * 0.5f / (model_h + session_h);
+    model_h *= shrink;
+    session_h *= shrink;
+  }
   const float image_h = H - model_h - session_h;
   l.image = {{0, top}, {c1, image_h}};
   l.model = {{0, top + image_h}, {c1, model_h}};
@@ -165,6 +174,14 @@ void menu_bar(App& app, Ui& ui) {
       ImGui::SetTooltip("on: the overlay, the Calibration panel and the heatmap show one layer (and head);\n"
                         "off: each panel keeps its own");
     link_views(app.st.views, before);
+    ImGui::Separator();
+    if (ImGui::BeginMenu("UI scale")) {
+      for (float s : {0.75f, 1.0f, 1.25f, 1.5f, 1.75f, 2.0f, 2.5f}) {
+        const std::string name = std::to_string(static_cast<int>(std::lround(s * 100))) + " %";
+        if (ImGui::MenuItem(name.c_str(), nullptr, std::abs(app.st.ui_scale - s) < 1e-3f)) set_ui_scale(app, s);
+      }
+      ImGui::EndMenu();
+    }
     ImGui::EndMenu();
   }
   const std::string title = (app.st.session_path.empty() ? std::string("untitled session") : app.st.session_path) +
@@ -198,7 +215,7 @@ void no_results(const App& app, const char* computing, const char* idle) {
 void status_bar(App& app, ImVec2 pos, ImVec2 size) {
   ImGui::SetNextWindowPos(pos);
   ImGui::SetNextWindowSize(size);
-  ImGui::PushStyleVar(ImGuiStyleVar_WindowPadding, ImVec2(8, 4));
+  ImGui::PushStyleVar(ImGuiStyleVar_WindowPadding, ImVec2(8 * figure_scale(), 4 * figure_scale()));
   ImGui::Begin("##status", nullptr,
                ImGuiWindowFlags_NoDecoration | ImGuiWindowFlags_NoMove | ImGuiWindowFlags_NoSavedSettings |
                    ImGuiWindowFlags_NoBringToFrontOnFocus);
@@ -209,20 +226,21 @@ void status_bar(App& app, ImVec2 pos, ImVec2 size) {
     ImGui::Text("computing: %s", stage.c_str());
     ImGui::SameLine();
     const float frac = p.tokens_total > 0 ? static_cast<float>(p.tokens_done) / p.tokens_total : 0.0f;
-    ImGui::ProgressBar(frac, ImVec2(160, 0), (std::to_string(p.tokens_done) + "/" + std::to_string(p.tokens_total) + " tokens").c_str());
+    ImGui::ProgressBar(frac, ImVec2(160 * figure_scale(), 0), (std::to_string(p.tokens_done) + "/" + std::to_string(p.tokens_total) + " tokens").c_str());
   } else if (const std::string why = app.blocked(); !why.empty()) {
     ImGui::TextColored(ImVec4(0.75f, 0.1f, 0.1f, 1), "not ready");
     if (ImGui::IsItemHovered()) ImGui::SetTooltip("%s", why.c_str());
   } else {
     ImGui::TextUnformatted("ready");
   }
-  ImGui::SameLine(260);
+  const float k = figure_scale();  // the UI scale
+  ImGui::SameLine(260 * k);
   if (app.st.timing.last_latency_ms >= 0) ImGui::Text("edit → result %.0f ms", app.st.timing.last_latency_ms);
-  ImGui::SameLine(440);
+  ImGui::SameLine(440 * k);
   ImGui::Text("%.0f frames/s", ImGui::GetIO().Framerate);
   if (!app.st.messages.empty()) {
     const Message& m = app.st.messages.back();
-    ImGui::SameLine(560);
+    ImGui::SameLine(560 * k);
     ImGui::TextColored(m.error ? ImVec4(0.75f, 0.1f, 0.1f, 1) : ImVec4(0.2f, 0.35f, 0.2f, 1), "%s", m.text.c_str());
     if (ImGui::IsItemHovered()) ImGui::SetTooltip("click: every message");
     if (ImGui::IsItemClicked()) app.st.log_open = true;

@@ -162,7 +162,7 @@ void methods_panel(App& app, Ui&, const PanelRect& rect) {
   }
   State& st = app.st;
   const std::vector<MethodSpec>& all = methods();
-  ImGui::SetNextItemWidth(150);
+  ImGui::SetNextItemWidth(150 * figure_scale());
   if (ImGui::BeginCombo("##add", all[st.edits.add_method].name.c_str())) {
     for (size_t i = 0; i < all.size(); ++i)
       if (ImGui::Selectable((all[i].name + "  [" + all[i].family + "]").c_str(), static_cast<int>(i) == st.edits.add_method))
@@ -217,7 +217,7 @@ void methods_panel(App& app, Ui&, const PanelRect& rect) {
         for (const ParamSpec& p : spec.params) param_widget(app, m, p, p.name, m.params.str(p.name));
       }
       if (!spec.presets.empty()) {
-        ImGui::SetNextItemWidth(120);
+        ImGui::SetNextItemWidth(120 * figure_scale());
         if (ImGui::BeginCombo("##preset", "preset…")) {
           for (const auto& [name, values] : spec.presets) {
             std::string what;

@@ -15,7 +15,7 @@ void model_panel(App& app, Ui&, const PanelRect& rect) {
   }
   State& st = app.st;
   if (st.edits.model_dir.empty() && st.inputs.model_dir.empty()) st.edits.model_dir = "";
-  ImGui::SetNextItemWidth(-150);
+  ImGui::SetNextItemWidth(-150 * figure_scale());
   if (path_field("##modeldir", "embedded model (kvlens-scenes-6m)", st.edits.model_dir))
     app.open_model(st.edits.model_dir);
   ImGui::SameLine();
@@ -36,7 +36,7 @@ void model_panel(App& app, Ui&, const PanelRect& rect) {
   // Where the model runs and how uncompressed rows are stored: a change reloads the model or
   // recomputes the prefill and every method.
   auto choice = [&](const char* label, const char* tip, std::string& value, std::initializer_list<const char*> options) {
-    ImGui::SetNextItemWidth(90);
+    ImGui::SetNextItemWidth(90 * figure_scale());
     if (ImGui::BeginCombo(label, value.c_str())) {
       for (const char* o : options)
         if (ImGui::Selectable(o, value == o) && value != o) {
@@ -89,7 +89,7 @@ void model_panel(App& app, Ui&, const PanelRect& rect) {
   ImGui::TextUnformatted("Prompt");
   ImGui::SetNextItemWidth(-1);
   ImGui::InputTextMultiline("##prompt", &st.edits.prompt, ImVec2(-1, ImGui::GetTextLineHeight() * 2.4f));
-  ImGui::SetNextItemWidth(120);
+  ImGui::SetNextItemWidth(120 * figure_scale());
   ImGui::InputInt("max new tokens", &st.edits.max_new_tokens);
   ImGui::SameLine();
   const bool changed = st.edits.prompt != st.inputs.prompt || st.edits.max_new_tokens != st.inputs.max_new_tokens;

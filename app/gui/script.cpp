@@ -43,6 +43,7 @@ const std::map<std::string, std::pair<std::vector<std::string>, std::vector<std:
          "heatmap_layer", "link_views", "multiples_source", "multiples_token"}}},
       {"plot_view", {{}, {"hide", "show", "y_scale", "y_range"}}},
       {"show_log", {{}, {"open"}}},
+      {"ui_scale", {{"value"}, {}}},
       {"wait_results", {{}, {"timeout_s"}}},
       {"frames", {{"n"}, {}}},
       {"screenshot", {{"path"}, {}}},
@@ -232,6 +233,8 @@ void Script::run(App& app, const nlohmann::json& st) {
     // A refused field refuses the whole step: the views stay as they were and the script fails.
     if (!app.select_views(v, "select"))
       throw InputError("refused, nothing selected: " + app.st.messages.back().text);
+  } else if (op == "ui_scale") {
+    set_ui_scale(app, static_cast<float>(json_real(st["value"], "value", kMinUiScale, kMaxUiScale)));
   } else if (op == "show_log") {
     if (st.contains("open") && !st["open"].is_boolean()) throw InputError("'open' must be true or false");
     app.st.log_open = st.value("open", true);
@@ -297,6 +300,8 @@ void Script::run(App& app, const nlohmann::json& st) {
                    {"prompt", app.st.edits.prompt}, {"max_new_tokens", app.st.edits.max_new_tokens}};
     d["busy"] = app.busy();
     d["log_open"] = app.st.log_open;
+    d["ui_scale"] = app.st.ui_scale;
+    d["frame_height"] = ImGui::GetFrameHeight();  // as built for the UI scale (the previous frame's)
     d["blocked"] = app.blocked();
     d["views"] = app.views_json();
     d["session_path"] = app.st.session_path;

@@ -14,6 +14,7 @@
 //   plot_view {hide?, show?, y_scale?, y_range?}   the Plots panel's figure as its legend clicks,
 //                                right-click menu ("as built" / "linear" / "log") and Shift+wheel
 //                                set it: series labels to hide or show, the y scale, [low, high]
+//   ui_scale {value}             View → UI scale (0.75 – 2.5; saved like the menu's)
 //   show_log {open?}             the message log in its own window (open: true by default)
 //   wait_results {timeout_s?}    every enabled method computed for the current setup, shown (fails
 //                                at once when the model or the image cannot be loaded)

@@ -155,6 +155,8 @@ struct State {
   nlohmann::json saved_results;  // results summary of the session as it was opened
   std::string expect_model_hash;  // the opened session's model hash, checked once the model loads
   std::vector<std::string> recent_sessions, recent_images, recent_models;
+  // The UI scale: fonts, widgets and figure text (View → UI scale; saved beside the recent files).
+  float ui_scale = 1.0f;
 
   std::vector<Message> messages;
   FileDialog dialog;

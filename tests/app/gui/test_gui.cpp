@@ -355,6 +355,37 @@ TEST(Gui, LogWindowListsEveryMessage) {
   EXPECT_GT(text.differing, 200u) << "the log window shows no text";
 }
 
+// View → UI scale: fonts and widgets grow with it (the frame height doubles at 200 %), it is
+// saved beside the recent files and the next start uses it; --ui-scale sets it for one run
+// without saving it; a scale out of range is refused.
+TEST(Gui, UiScaleGrowsTheUiAndIsSaved) {
+  const std::string dir = kt::make_temp_dir("gui_scale");
+  const json steps = {{"steps",
+                       {{{"do", "frames"}, {"n", 2}},
+                        {{"do", "dump_state"}, {"path", "one.json"}},
+                        {{"do", "ui_scale"}, {"value", 2.0}},
+                        {{"do", "frames"}, {"n", 3}},
+                        {{"do", "dump_state"}, {"path", "two.json"}},
+                        {{"do", "quit"}}}}};
+  kt::RunResult r;
+  RUN_GUI_OR_SKIP(dir, steps, r);
+  ASSERT_EQ(r.code, 0) << r.output;
+  const json one = load(dir + "/one.json"), two = load(dir + "/two.json");
+  EXPECT_EQ(one["ui_scale"], 1.0);
+  EXPECT_EQ(two["ui_scale"], 2.0);
+  EXPECT_NEAR(two["frame_height"].get<double>(), 2 * one["frame_height"].get<double>(), 2.0);
+  // The next start: the saved scale.
+  const json again = {{"steps", {{{"do", "frames"}, {"n", 2}}, {{"do", "dump_state"}, {"path", "three.json"}}, {{"do", "quit"}}}}};
+  RUN_GUI_OR_SKIP(dir, again, r);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(load(dir + "/three.json")["ui_scale"], 2.0);
+  // Refused out of range, nothing changed.
+  const json bad = {{"steps", {{{"do", "ui_scale"}, {"value", 9}}}}};
+  RUN_GUI_OR_SKIP(dir, bad, r);
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.output.find("value"), std::string::npos) << r.output;
+}
+
 TEST(Gui, BadInputIsAMessageAndNothingIsLost) {
   const std::string dir = kt::make_temp_dir("guibad");
   kt::write_file(dir + "/notanimage.png", "plain text, not pixels");
