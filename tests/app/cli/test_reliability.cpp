@@ -192,9 +192,10 @@ TEST(ReliableWrites, KilledWritersLeaveThePreviousOutputValid) {
   std::mt19937 rng(11);
   for (const Case& c : cases) {
     SCOPED_TRACE(c.args);
-    // A complete run first: its output is the one that must survive.
+    // A complete run first: its output is the one that must survive. (A longer limit than
+    // cli()'s: under the sanitizers on a loaded 2-core machine, eval alone has taken over 60 s.)
     const auto t0 = std::chrono::steady_clock::now();
-    ASSERT_EQ(cli(c.args).code, 0);
+    ASSERT_EQ(cli(c.args, 240).code, 0);
     const double full_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     const std::string before = kt::read_file(c.output);
     ASSERT_TRUE(nlohmann::json::accept(before));
@@ -209,7 +210,7 @@ TEST(ReliableWrites, KilledWritersLeaveThePreviousOutputValid) {
       EXPECT_TRUE(nlohmann::json::accept(after)) << "output left half-written";
     }
     // The next complete run removes what the killed ones left behind.
-    ASSERT_EQ(cli(c.args).code, 0);
+    ASSERT_EQ(cli(c.args, 240).code, 0);
     EXPECT_TRUE(temporaries(d, fs::path(c.output).filename().string()).empty());
   }
   // scenes --force: the old set stays complete, and the killed runs' partial folders are
