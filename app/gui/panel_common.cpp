@@ -90,6 +90,18 @@ void help_marker(const char* text) {
   }
 }
 
+void token_slider(const char* id, App& app, int source, int& token, const char* prefix) {
+  const Snapshot* s = app.st.results.get();
+  const std::vector<std::string>* pieces = s && s->base ? &s->base->pieces : nullptr;
+  if (source >= 0)
+    if (const RunResult* r = app.any_result(source)) pieces = &r->pieces;
+  const int n = pieces ? std::max(1, static_cast<int>(pieces->size()) - 1) : 1;
+  token = std::clamp(token, 0, n - 1);
+  const std::string tok = pieces && token < static_cast<int>(pieces->size()) ? (*pieces)[token] : "";
+  ImGui::SetNextItemWidth(-1);
+  ImGui::SliderInt(id, &token, 0, n - 1, (std::string(prefix) + " %d: '" + tok + "'").c_str());
+}
+
 bool instance_combo(const char* label, App& app, int& id, const char* none, bool only_enabled) {
   std::string preview = none ? none : "";
   if (const MethodInstance* m = app.find(id)) preview = app.display_name(*m);

@@ -135,14 +135,7 @@ void image_panel(App& app, Ui& ui, const PanelRect& rect) {
       ImGui::SameLine();
       ImGui::SetNextItemWidth(-1);
       ImGui::SliderInt("##head", &v.head, -1, std::max(0, heads - 1), v.head < 0 ? "mean of heads" : "head %d");
-      const std::vector<std::string>* pieces = s && s->base ? &s->base->pieces : nullptr;
-      if (v.overlay_source >= 0)
-        if (const RunResult* r = app.any_result(v.overlay_source)) pieces = &r->pieces;
-      const int n = pieces ? std::max(1, static_cast<int>(pieces->size()) - 1) : 1;
-      v.token = std::clamp(v.token, 0, n - 1);
-      const std::string tok = pieces && v.token < static_cast<int>(pieces->size()) ? (*pieces)[v.token] : "";
-      ImGui::SetNextItemWidth(-1);
-      ImGui::SliderInt("##token", &v.token, 0, n - 1, ("generated token %d: '" + tok + "'").c_str());
+      token_slider("##token", app, v.overlay_source, v.token, "generated token");
     }
   }
   v.layer = std::clamp(v.layer, 0, std::max(0, layers - 1));

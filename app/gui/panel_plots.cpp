@@ -130,15 +130,8 @@ void plots_panel(App& app, Ui& ui, const PanelRect& rect) {
     ImGui::SameLine();
     ImGui::SetNextItemWidth(ImGui::GetContentRegionAvail().x * 0.45f);
     instance_combo("##mulsrc", app, v.multiples_source, "full cache", true);
-    const std::vector<std::string>* pieces = s && s->base ? &s->base->pieces : nullptr;
-    if (v.multiples_source >= 0)
-      if (const RunResult* r = app.any_result(v.multiples_source)) pieces = &r->pieces;
-    const int n = pieces ? std::max(1, static_cast<int>(pieces->size()) - 1) : 1;
-    v.multiples_token = std::clamp(v.multiples_token, 0, n - 1);
-    const std::string tok = pieces && v.multiples_token < static_cast<int>(pieces->size()) ? (*pieces)[v.multiples_token] : "";
     ImGui::SameLine();
-    ImGui::SetNextItemWidth(-1);
-    ImGui::SliderInt("##multok", &v.multiples_token, 0, n - 1, ("token %d: '" + tok + "'").c_str());
+    token_slider("##multok", app, v.multiples_source, v.multiples_token, "token");
     key += ":" + std::to_string(v.multiples_source) + ":" + std::to_string(v.multiples_token);
   }
   const ImVec2 avail = ImGui::GetContentRegionAvail();

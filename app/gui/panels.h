@@ -60,5 +60,8 @@ void no_results(const App& app, const char* computing, const char* idle);
 void open_dialog(App& app, DialogPurpose purpose, const std::string& start);
 // A combo over the method instances; `none` (may be null) adds a first entry for id -1.
 bool instance_combo(const char* label, App& app, int& id, const char* none, bool only_enabled);
+// A slider over the generated tokens of `source` (-1 = the full cache), each shown as its text
+// ("<prefix> 3: '_a'"); `token` is clamped to them. Takes the rest of the line.
+void token_slider(const char* id, App& app, int source, int& token, const char* prefix);
 
 }  // namespace kvlens::gui
