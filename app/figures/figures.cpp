@@ -703,13 +703,14 @@ std::vector<std::string> readout(const Figure& f, const Frame& fr, double px, do
   return out;
 }
 
-namespace {
 std::string csv_field(const std::string& s) {
   if (s.find_first_of(",\"\r\n") == std::string::npos) return s;
   std::string q = "\"";
   for (char c : s) q += c == '"' ? std::string("\"\"") : std::string(1, c);
   return q + "\"";
 }
+
+namespace {
 std::string num(double v) {
   char buf[40];
   std::snprintf(buf, sizeof buf, "%.9g", v);

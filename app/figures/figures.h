@@ -189,6 +189,10 @@ Frame draw(const Figure& f, double width, double height, const TextWidth& measur
 // ("label: x = 3, y = 0.012"); empty when nothing is.
 std::vector<std::string> readout(const Figure& f, const Frame& frame, double px, double py);
 
+// One CSV field (RFC 4180): quoted, with its quotes doubled, when it holds a comma, a quote or a
+// line break.
+std::string csv_field(const std::string& s);
+
 // The plotted data as one tidy CSV table (RFC 4180; what pandas.read_csv loads as is): the
 // header figure,series,kind,x,x_hi,y,value,label,method,layer,head, then one row per point of
 // every series. x and y are the point (a line, bars or a scatter: label is a scatter point's

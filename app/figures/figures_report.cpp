@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <map>
 
 #include "core/errors.h"
@@ -193,6 +194,24 @@ ComparisonTable comparison_table(const nlohmann::json& report) {
     t.rows.push_back(std::move(r));
   }
   return t;
+}
+
+std::string comparison_csv(const ComparisonTable& t) {
+  std::string o;
+  for (size_t c = 0; c < t.columns.size(); ++c) o += (c ? "," : "") + t.columns[c].key;
+  o += "\n";
+  for (const ComparisonTable::Row& r : t.rows) {
+    o += csv_field(r.name);
+    for (double v : r.values) {
+      o += ",";
+      if (std::isnan(v)) continue;
+      char buf[40];
+      std::snprintf(buf, sizeof buf, "%.9g", v);
+      o += buf;
+    }
+    o += "\n";
+  }
+  return o;
 }
 
 bool comparison_column(const std::string& key) {

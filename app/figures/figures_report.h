@@ -45,6 +45,10 @@ struct ComparisonTable {
 // Columns: method, KV KiB after prefill, ratio to the fp16 full cache, mean softmax MSE, mean KL,
 // mean attention-output error, first divergence (generated token), compress ms, decode ms.
 ComparisonTable comparison_table(const nlohmann::json& report);
+// The table as CSV (RFC 4180): a header of the column keys, then one row per method in the
+// table's order, numbers with 9 significant digits, an empty field where there is no value;
+// what pandas.read_csv loads as is.
+std::string comparison_csv(const ComparisonTable& t);
 // Whether `key` names a column of comparison_table.
 bool comparison_column(const std::string& key);
 // Sorts the rows by the column `key` (the method column by name), ascending or descending; rows

@@ -119,6 +119,13 @@ void plots_panel(App& app, Ui& ui, const PanelRect& rect) {
   }
   if (key == "table") {
     if (report) {
+      ImGui::SameLine();
+      if (ImGui::Button("copy as CSV")) {
+        fig::ComparisonTable t = fig::comparison_table(*report);
+        fig::sort_comparison(t, v.table_sort, v.table_descending);
+        ImGui::SetClipboardText(fig::comparison_csv(t).c_str());
+        app.info("comparison table copied as CSV (" + std::to_string(t.rows.size()) + " rows)");
+      }
       comparison_table(app, *report);
     } else {
       no_results(app, "computing…", "no results yet");

@@ -745,3 +745,54 @@ TEST(Figures, PatchSmallMultiplesPlaceEachHeadsTile) {
   att[0][1].pop_back();
   EXPECT_THROW(patch_multiples_figure(att, R, C, true, "calibquant", 4), InputError);
 }
+
+// The comparison table as CSV: a header of the column keys, one row per method in the table's
+// order, every number the table's to 9 significant digits, an empty field for a missing value,
+// a name with a comma quoted; read back field by field (RFC 4180) it is the table.
+TEST(Figures, ComparisonCsvIsTheTable) {
+  nlohmann::json r = report();
+  nlohmann::json extra = r["methods"][0];
+  extra["label"] = "copy, \"quoted\"";
+  extra["first_divergence"]["position"] = -1;
+  r["methods"].push_back(extra);
+  ComparisonTable t = comparison_table(r);
+  sort_comparison(t, "mse", true);
+  const std::string csv = comparison_csv(t);
+  // RFC 4180 records.
+  std::vector<std::vector<std::string>> rows(1);
+  std::string field;
+  bool quoted = false;
+  for (size_t i = 0; i < csv.size(); ++i) {
+    const char c = csv[i];
+    if (quoted) {
+      if (c == '"' && i + 1 < csv.size() && csv[i + 1] == '"') field += '"', ++i;
+      else if (c == '"') quoted = false;
+      else field += c;
+    } else if (c == '"') {
+      quoted = true;
+    } else if (c == ',') {
+      rows.back().push_back(field), field.clear();
+    } else if (c == '\n') {
+      rows.back().push_back(field), field.clear();
+      rows.emplace_back();
+    } else {
+      field += c;
+    }
+  }
+  rows.pop_back();  // after the last line break
+  ASSERT_EQ(rows.size(), t.rows.size() + 1);
+  for (size_t c = 0; c < t.columns.size(); ++c) EXPECT_EQ(rows[0][c], t.columns[c].key);
+  for (size_t i = 0; i < t.rows.size(); ++i) {
+    ASSERT_EQ(rows[i + 1].size(), t.columns.size());
+    EXPECT_EQ(rows[i + 1][0], t.rows[i].name);
+    for (size_t c = 0; c < t.rows[i].values.size(); ++c) {
+      const double v = t.rows[i].values[c];
+      const std::string& f = rows[i + 1][c + 1];
+      if (std::isnan(v)) {
+        EXPECT_TRUE(f.empty()) << t.rows[i].name << " " << t.columns[c + 1].key;
+      } else {
+        EXPECT_NEAR(std::stod(f), v, std::abs(v) * 1e-8) << t.rows[i].name << " " << t.columns[c + 1].key;
+      }
+    }
+  }
+}
