@@ -73,7 +73,7 @@ class AttentionObserver {
 inline std::vector<AttentionObserver*> decode_observers(const std::vector<AttentionObserver*>& all, int step) {
   std::vector<AttentionObserver*> out;
   for (AttentionObserver* o : all)
-    if (step < o->decode_steps() && o->reads_step(step)) out.push_back(o);
+    if (o->reads_step(step)) out.push_back(o);
   return out;
 }
 

@@ -367,7 +367,7 @@ DecodeResult LlavaModel::decode(const PrefillState& st, KVPolicy* policy, const 
         // Past the last observed step, a device cache stops carrying host rows that no one reads
         // any more: the remaining steps run on the device alone (and are replayed). A step no
         // observer reads before that runs so too.
-        kv.mirror = !seen.empty() && step < observed;
+        kv.mirror = !seen.empty();  // (an observer reads only steps below `observed`)
         if (kv.mirror && !pending.empty()) {
           std::vector<int> all(static_cast<size_t>(store.n_layers()));
           for (int l = 0; l < store.n_layers(); ++l) all[static_cast<size_t>(l)] = l;

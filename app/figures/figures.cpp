@@ -443,7 +443,7 @@ Frame draw(const Figure& f, double W, double H, const TextWidth& measure, const 
   }
   std::vector<Rect> labels;  // the scatter point labels placed so far
   for (const Series& s : f.series) {
-    if (s.kind != SeriesKind::Heatmap && !view.shows(s)) continue;
+    if (!view.shows(s)) continue;
     switch (s.kind) {
       case SeriesKind::Heatmap: {
         if (s.rows <= 0 || s.cols <= 0) break;
@@ -641,7 +641,7 @@ std::vector<std::string> readout(const Figure& f, const Frame& fr, double px, do
     return format_value(v);
   };
   for (const Series& s : f.series) {
-    if (s.kind != SeriesKind::Heatmap && !s.label.empty() && fr.hidden.count(s.label)) continue;
+    if (!series_shown(s, fr.hidden)) continue;
     const std::string name = s.label.empty() ? series_kind_name(s.kind) : s.label;
     switch (s.kind) {
       case SeriesKind::Line: {

@@ -151,6 +151,11 @@ using TextWidth = std::function<double(const std::string& text, double size)>;
 // own), the y axis's scale and range, and the series hidden from the plot (by legend label; the
 // legend still lists them, greyed).
 enum class YScale : uint8_t { AsBuilt, Linear, Log };
+// Whether `s` is drawn with the series of `hidden` (by label) hidden: a heatmap or an unlabelled
+// series always is.
+inline bool series_shown(const Series& s, const std::set<std::string>& hidden) {
+  return s.kind == SeriesKind::Heatmap || s.label.empty() || !hidden.count(s.label);
+}
 struct View {
   bool zoomed = false;
   double x_min = 0, x_max = 0;
@@ -158,7 +163,13 @@ struct View {
   bool y_zoomed = false;
   double y_min = 0, y_max = 0;
   std::set<std::string> hidden;
-  bool shows(const Series& s) const { return s.label.empty() || !hidden.count(s.label); }
+  bool shows(const Series& s) const { return series_shown(s, hidden); }
+  // Back to the figure's own ranges and scale; the hidden series stay hidden.
+  void reset_zoom() {
+    std::set<std::string> h = std::move(hidden);
+    *this = View{};
+    hidden = std::move(h);
+  }
 };
 // "as built" / "linear" / "log"; parse_y_scale throws InputError naming `what` otherwise.
 const char* y_scale_name(YScale s);

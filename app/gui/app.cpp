@@ -441,13 +441,13 @@ void link_views(Views& v, const Views& before) {
   if (!v.link) return;
   // Linking just turned on: the overlay's selection is the one kept.
   const bool fresh = !before.link;
-  for (int* moved : {&v.layer, &v.calib_layer, &v.heatmap_layer}) {
-    const int was = moved == &v.layer ? before.layer : moved == &v.calib_layer ? before.calib_layer : before.heatmap_layer;
-    if (fresh ? moved == &v.layer : *moved != was) {
-      v.layer = v.calib_layer = v.heatmap_layer = *moved;
+  const std::pair<int, int> layers[] = {{v.layer, before.layer}, {v.calib_layer, before.calib_layer},
+                                        {v.heatmap_layer, before.heatmap_layer}};
+  for (const auto& [now, was] : layers)
+    if (fresh || now != was) {
+      v.layer = v.calib_layer = v.heatmap_layer = now;
       break;
     }
-  }
   if (fresh || v.head != before.head) v.calib_head = v.head;
   else if (v.calib_head != before.calib_head) v.head = v.calib_head;
 }

@@ -194,11 +194,7 @@ bool draw_figure(const char* id, const fig::Figure& f, ImVec2 size, fig::View& v
       }
     ImGui::Separator();
     if (ImGui::MenuItem("show every series", nullptr, false, !view.hidden.empty())) view.hidden.clear();
-    if (ImGui::MenuItem("reset zoom and scale")) {
-      std::set<std::string> hidden = std::move(view.hidden);
-      view = fig::View{};
-      view.hidden = std::move(hidden);
-    }
+    if (ImGui::MenuItem("reset zoom and scale")) view.reset_zoom();
     ImGui::EndPopup();
   }
   if (hovered && in_plot) {
@@ -229,11 +225,7 @@ bool draw_figure(const char* id, const fig::Figure& f, ImVec2 size, fig::View& v
       const double d = -io.MouseDelta.x / k / fr.plot.width();
       set_range(d, 1 + d);
     }
-    if (ImGui::IsMouseDoubleClicked(ImGuiMouseButton_Left)) {
-      std::set<std::string> hidden = std::move(view.hidden);
-      view = fig::View{};
-      view.hidden = std::move(hidden);
-    }
+    if (ImGui::IsMouseDoubleClicked(ImGuiMouseButton_Left)) view.reset_zoom();
     const float x = origin.x + static_cast<float>(mx * k);
     dl->AddLine(ImVec2(x, origin.y + static_cast<float>(fr.plot.y0 * k)), ImVec2(x, origin.y + static_cast<float>(fr.plot.y1 * k)),
                 IM_COL32(90, 90, 110, 120));

@@ -133,6 +133,7 @@ int main(int argc, char** argv) {
   cli.add_option("--ui-scale", scale_text, "UI scale for this run, 0.75 to 2.5 (default: the one View → UI scale saved)");
   cli.add_flag("--no-seed-methods", no_seed, "Start without the four seed methods (calibquant, zipcache, vlcache, lookm)");
   int width = 1680, height = 1050;
+  float ui_scale = 0;  // --ui-scale (0: the saved one)
   try {
     cli.parse(argc, argv);
     const size_t x = size_text.find('x');
@@ -140,7 +141,8 @@ int main(int argc, char** argv) {
     width = static_cast<int>(kvlens::parse_integer(size_text.substr(0, x), "--size width", 640, 8192));
     height = static_cast<int>(kvlens::parse_integer(size_text.substr(x + 1), "--size height", 480, 8192));
     if (!scale_text.empty())
-      kvlens::parse_real(scale_text, "--ui-scale", kvlens::gui::kMinUiScale, kvlens::gui::kMaxUiScale);
+      ui_scale = static_cast<float>(
+          kvlens::parse_real(scale_text, "--ui-scale", kvlens::gui::kMinUiScale, kvlens::gui::kMaxUiScale));
   } catch (const CLI::CallForHelp& e) {
     return cli.exit(e);
   } catch (const CLI::ParseError& e) {
@@ -209,9 +211,7 @@ int main(int argc, char** argv) {
   int exit_code = 0;
   {
     kvlens::gui::App app(KVLENS_SOURCE_DIR);
-    if (!scale_text.empty())  // this run only: not saved
-      app.st.ui_scale = static_cast<float>(
-          kvlens::parse_real(scale_text, "--ui-scale", kvlens::gui::kMinUiScale, kvlens::gui::kMaxUiScale));
+    if (ui_scale > 0) app.st.ui_scale = ui_scale;  // this run only: not saved
     float applied_scale = 0;  // the scale the fonts and the style were built for
     kvlens::gui::Ui ui;
     glfwSetWindowUserPointer(window, &app);

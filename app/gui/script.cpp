@@ -1,7 +1,6 @@
 #include "app/gui/script.h"
 
 #include "app/figures/figures_report.h"
-
 #include "app/gui/overlay.h"
 
 #include <imgui.h>

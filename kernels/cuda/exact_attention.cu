@@ -46,7 +46,6 @@ __device__ double block_sum(double v, double* red) {
   return r;
 }
 
-
 // Query head hd of one query: the block's whole work (qs: D floats of shared memory).
 __device__ void exact_attention_head(const ExactArgs& a, int hd, float* qs) {
   __shared__ float red_f[kThreads / 32];

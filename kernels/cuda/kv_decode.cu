@@ -40,11 +40,11 @@ DecodeParams layer_params(CudaKV& C, const Buffer& qkv, const AttnLayout& l, int
   return p;
 }
 
-// Device row order per KV head → the host store's row index; n_dev = the most rows of a head.
-std::vector<std::vector<int32_t>> host_order(const CudaKV& C, const KVStore& host, int layer, int& n_dev) {
-  const DevLayer& d = C.layers[layer];
-  std::vector<std::vector<int32_t>> dev2host(C.NKV);
-  n_dev = 0;
+// The host store's row index of each of a KV head's segment rows on the device, in the device's
+// order, per KV head (the tail's rows follow in the same order on both sides).
+std::vector<std::vector<int32_t>> segment_order(const CudaKV& C, int layer) {
+  const DevLayer& d = C.layers[static_cast<size_t>(layer)];
+  std::vector<std::vector<int32_t>> dev2host(static_cast<size_t>(C.NKV));
   for (int h = 0; h < C.NKV; ++h) {
     int base = 0;
     for (const DevSeg& s : d.segs) {
@@ -52,7 +52,18 @@ std::vector<std::vector<int32_t>> host_order(const CudaKV& C, const KVStore& hos
         for (int i = 0; i < q.d.n; ++i) dev2host[h].push_back(base + (q.order.empty() ? i : q.order[i]));
       base += static_cast<int>(s.pos[h].size());
     }
-    for (int i = 0; i < d.tail.n; ++i) dev2host[h].push_back(base + i);
+  }
+  return dev2host;
+}
+
+// Device row order per KV head → the host store's row index; n_dev = the most rows of a head.
+std::vector<std::vector<int32_t>> host_order(const CudaKV& C, const KVStore& host, int layer, int& n_dev) {
+  std::vector<std::vector<int32_t>> dev2host = segment_order(C, layer);
+  const int tail = C.layers[static_cast<size_t>(layer)].tail.n;
+  n_dev = 0;
+  for (int h = 0; h < C.NKV; ++h) {
+    const int base = static_cast<int>(dev2host[h].size());
+    for (int i = 0; i < tail; ++i) dev2host[h].push_back(base + i);
     if (static_cast<int>(dev2host[h].size()) != host.n_rows(layer, h))
       throw InternalError("decode_attention: device and host rows differ in layer " + std::to_string(layer));
     n_dev = std::max(n_dev, static_cast<int>(dev2host[h].size()));
@@ -83,28 +94,16 @@ void set_calibration(DecodeParams& p, CudaKV& C, const ScoreTransform& transform
   p.vis_stride = C.vis_stride;
 }
 
-}  // namespace
-
-namespace {
-
 // d.map and d.seg_rows for the layout of `layer` as it is now (kept while the layout's version is).
 void segment_map(Context& ctx, CudaKV& C, int layer, CudaKV::Deferred& d) {
   if (d.map.mem && d.map_ver == C.ver) return;
-  const DevLayer& L = C.layers[static_cast<size_t>(layer)];
+  const std::vector<std::vector<int32_t>> order = segment_order(C, layer);
   d.seg_rows.assign(static_cast<size_t>(C.NKV), 0);
-  for (int h = 0; h < C.NKV; ++h)
-    for (const DevSeg& s : L.segs)
-      for (const DevPart& q : s.heads[h]) d.seg_rows[static_cast<size_t>(h)] += q.d.n;
+  for (int h = 0; h < C.NKV; ++h) d.seg_rows[static_cast<size_t>(h)] = static_cast<int32_t>(order[h].size());
   d.map_stride = std::max<int64_t>(1, *std::max_element(d.seg_rows.begin(), d.seg_rows.end()));
   std::vector<int32_t> m(static_cast<size_t>(C.NKV) * d.map_stride + C.NKV, 0);
   for (int h = 0; h < C.NKV; ++h) {
-    int32_t base = 0, i = 0;
-    for (const DevSeg& s : L.segs) {
-      for (const DevPart& q : s.heads[h])
-        for (int r = 0; r < q.d.n; ++r)
-          m[static_cast<size_t>(h * d.map_stride + i++)] = base + (q.order.empty() ? r : q.order[static_cast<size_t>(r)]);
-      base += static_cast<int32_t>(s.pos[h].size());
-    }
+    std::copy(order[h].begin(), order[h].end(), m.begin() + h * d.map_stride);
     m[static_cast<size_t>(C.NKV) * d.map_stride + h] = d.seg_rows[static_cast<size_t>(h)];
   }
   const int64_t b = static_cast<int64_t>(m.size()) * 4;
