@@ -411,21 +411,27 @@ TEST(CudaModel, MethodsThatActAtSomeStepsSkipTheOthersHostWork) {
 // observed steps' events equal those of an observer of every step while an observer with rows
 // reads them; a step read only by a recorder without rows hands its events over at its end,
 // within the bounds of the test below. With a method too (SnapKV compresses at prefill only).
+// Decodes r's prompt unchained with `spec`'s policy (none when empty) three times: unobserved,
+// observed by `all`, and observed by `some`; both observed decodes give the unobserved one's
+// tokens, bytes and logits (expect_same_decode).
+void decode_observed_and_not(const SampleRun& r, const char* spec, DecodeRecorder& all,
+                             const std::vector<AttentionObserver*>& some) {
+  GenerateOptions u = r.g;
+  u.chain_steps = false;
+  auto policy = [&] { return *spec ? make_policy(spec) : nullptr; };
+  auto p0 = policy(), p1 = policy(), p2 = policy();
+  const DecodeResult plain = r.gpu.decode(r.st, p0.get(), u);
+  expect_same_decode(r.gpu.decode(r.st, p1.get(), u, {&all}), plain);
+  expect_same_decode(r.gpu.decode(r.st, p2.get(), u, some), plain);
+}
+
 TEST(CudaModel, ObservedStepsEndWhereTheObserversStop) {
   NEED_GPU();
   SampleRun r = sample_run(10);
-  GenerateOptions u = r.g;
-  u.chain_steps = false;
   for (const char* spec : {"", "snapkv"}) {
     SCOPED_TRACE(spec);
-    auto p0 = *spec ? make_policy(spec) : nullptr, p1 = *spec ? make_policy(spec) : nullptr,
-         p2 = *spec ? make_policy(spec) : nullptr;
-    const DecodeResult plain = r.gpu.decode(r.st, p0.get(), u);
     DecodeRecorder all(100), two(2), probs_only(3, false);
-    const DecodeResult every = r.gpu.decode(r.st, p1.get(), u, {&all});
-    const DecodeResult some = r.gpu.decode(r.st, p2.get(), u, {&two, &probs_only});
-    expect_same_decode(some, plain);
-    expect_same_decode(every, plain);
+    decode_observed_and_not(r, spec, all, {&two, &probs_only});
     EXPECT_EQ(all.steps(), r.g.max_new_tokens - 1);
     EXPECT_EQ(two.steps(), 2);
     EXPECT_EQ(probs_only.steps(), 3);
@@ -462,20 +468,12 @@ TEST(CudaModel, ObservedStepsEndWhereTheObserversStop) {
 TEST(CudaModel, StepsBetweenObservedOnesRunOnTheDevice) {
   NEED_GPU();
   SampleRun r = sample_run(10);
-  GenerateOptions u = r.g;
-  u.chain_steps = false;
   for (const char* spec : {"", "snapkv"}) {
     SCOPED_TRACE(spec);
-    auto p0 = *spec ? make_policy(spec) : nullptr, p1 = *spec ? make_policy(spec) : nullptr,
-         p2 = *spec ? make_policy(spec) : nullptr;
-    const DecodeResult plain = r.gpu.decode(r.st, p0.get(), u);
     DecodeRecorder all(100), rows(8), probs(8, false);
     rows.record_only({0, 4});
     probs.record_only({2, 7});
-    const DecodeResult every = r.gpu.decode(r.st, p1.get(), u, {&all});
-    const DecodeResult some = r.gpu.decode(r.st, p2.get(), u, {&rows, &probs});
-    expect_same_decode(some, plain);
-    expect_same_decode(every, plain);
+    decode_observed_and_not(r, spec, all, {&rows, &probs});
     for (const auto* rec : {&rows, &probs}) {
       std::set<int> steps;
       for (const auto& e : rec->entries()) {

@@ -537,13 +537,19 @@ TEST(Figures, PointLabelsDoNotCoverEachOtherOrLeaveThePlot) {
 // The comparison table holds each method's report numbers, in report order until sorted; sorting
 // by a column orders the rows by it either way, keeps the rows of equal values in report order and
 // puts a method without a value (a caption that never diverges) last; an unknown column is refused.
-TEST(Figures, ComparisonTableIsTheReportsNumbersSortedByAnyColumn) {
+// The report with a fourth method labelled `label`: the first one's numbers and a caption that
+// never diverges (ties, and a missing value).
+nlohmann::json report_with_copy(const std::string& label) {
   nlohmann::json r = report();
-  // A fourth method, the first one's numbers with no divergence: ties and a missing value.
   nlohmann::json extra = r["methods"][0];
-  extra["label"] = "copy";
+  extra["label"] = label;
   extra["first_divergence"]["position"] = -1;
   r["methods"].push_back(extra);
+  return r;
+}
+
+TEST(Figures, ComparisonTableIsTheReportsNumbersSortedByAnyColumn) {
+  const nlohmann::json r = report_with_copy("copy");
   const ComparisonTable t = comparison_table(r);
   ASSERT_EQ(t.rows.size(), 4u);
   ASSERT_EQ(t.columns.size(), 9u);
@@ -750,11 +756,7 @@ TEST(Figures, PatchSmallMultiplesPlaceEachHeadsTile) {
 // order, every number the table's to 9 significant digits, an empty field for a missing value,
 // a name with a comma quoted; read back field by field (RFC 4180) it is the table.
 TEST(Figures, ComparisonCsvIsTheTable) {
-  nlohmann::json r = report();
-  nlohmann::json extra = r["methods"][0];
-  extra["label"] = "copy, \"quoted\"";
-  extra["first_divergence"]["position"] = -1;
-  r["methods"].push_back(extra);
+  const nlohmann::json r = report_with_copy("copy, \"quoted\"");
   ComparisonTable t = comparison_table(r);
   sort_comparison(t, "mse", true);
   const std::string csv = comparison_csv(t);
