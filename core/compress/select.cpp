@@ -60,7 +60,9 @@ std::vector<int> top_k(const std::vector<double>& score, int k, const std::vecto
     if (sa != sb) return sa > sb;
     return a < b;
   };
-  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), better);
+  // `better` is a strict total order (ties to the smaller index), so the k best form one set
+  // whatever order nth_element leaves them in.
+  std::nth_element(idx.begin(), idx.begin() + k, idx.end(), better);
   idx.resize(k);
   std::sort(idx.begin(), idx.end());
   return idx;

@@ -461,8 +461,8 @@ HitRates cache_hit_rates(const PrefillView& pv, const DecodeRecorder& full, doub
   const auto zeros = std::vector<std::vector<double>>(hr.steps.size(), std::vector<double>(L, 0.0));
   hr.rates.assign(S, zeros);
   hr.rates_head.assign(S, zeros);
-  auto hit = [&](const std::vector<double>& a, const std::vector<double>& b) {
-    const std::vector<int> x = top_k(a, hr.k), y = top_k(b, hr.k);  // ascending
+  // |x ∩ y| / k of two top-k sets (ascending).
+  auto hit = [&](const std::vector<int>& x, const std::vector<int>& y) {
     std::vector<int> both;
     std::set_intersection(x.begin(), x.end(), y.begin(), y.end(), std::back_inserter(both));
     return static_cast<double>(both.size()) / hr.k;
@@ -493,6 +493,13 @@ HitRates cache_hit_rates(const PrefillView& pv, const DecodeRecorder& full, doub
     for (int g = 0; g < KH; ++g)
       for (size_t st = 0; st < S; ++st)
         for (int j = 0; j < T; ++j) layer[st][j] += score[g][st][j] / KH;
+    // Each strategy's top-k, at the layer level and per KV head, the same at every step.
+    std::vector<std::vector<int>> top_layer(S);
+    std::vector<std::vector<std::vector<int>>> top_head(KH, std::vector<std::vector<int>>(S));
+    for (size_t st = 0; st < S; ++st) {
+      top_layer[st] = top_k(layer[st], hr.k);
+      for (int g = 0; g < KH; ++g) top_head[g][st] = top_k(score[g][st], hr.k);
+    }
     for (size_t si = 0; si < hr.steps.size(); ++si) {
       const auto* E = full.find(hr.steps[si], l);
       if (!E) throw InternalError("cache_hit_rates: no decode attention for step " + std::to_string(hr.steps[si]));
@@ -518,10 +525,13 @@ HitRates cache_hit_rates(const PrefillView& pv, const DecodeRecorder& full, doub
             }
           }
       }
+      const std::vector<int> truth_top = top_k(truth_layer, hr.k);
+      std::vector<std::vector<int>> truth_head(static_cast<size_t>(KH));
+      for (int g = 0; g < KH; ++g) truth_head[static_cast<size_t>(g)] = top_k(truth.at(g), hr.k);
       for (size_t st = 0; st < S; ++st) {
-        hr.rates[st][si][l] = hit(layer[st], truth_layer);
+        hr.rates[st][si][l] = hit(top_layer[st], truth_top);
         double sum = 0.0;
-        for (int g = 0; g < KH; ++g) sum += hit(score[g][st], truth.at(g));
+        for (int g = 0; g < KH; ++g) sum += hit(top_head[g][st], truth_head[static_cast<size_t>(g)]);
         hr.rates_head[st][si][l] = sum / KH;
       }
     }

@@ -374,14 +374,16 @@ __global__ void attn_simple_kernel(Args a, OT* __restrict__ out) {
   }
 }
 
-// One warp per (query row, head) writes the row's T scores (masked = -inf).
-__global__ void attn_scores_kernel(Args a, float* __restrict__ scores) {
+// One warp per (query row, head) writes the row's T scores (masked = -inf): the rows rows[0..n)
+// (null: every row, n = T), written to scores [n_heads][n][T].
+__global__ void attn_scores_kernel(Args a, const int* __restrict__ rows, int n, float* __restrict__ scores) {
   const int warps = blockDim.x >> 5;
-  const int i = blockIdx.x * warps + (threadIdx.x >> 5);
+  const int r = blockIdx.x * warps + (threadIdx.x >> 5);
   const int h = blockIdx.y, kvh = h / a.G, lane = threadIdx.x & 31;
-  if (i >= a.T) return;
+  if (r >= n) return;
+  const int i = rows ? rows[r] : r;
   const float* qr = a.qkv + i * a.stride + a.q_col + static_cast<int64_t>(h) * a.D;
-  float* srow = scores + (static_cast<int64_t>(h) * a.T + i) * a.T;
+  float* srow = scores + (static_cast<int64_t>(h) * n + r) * a.T;
   for (int j = 0; j < a.T; ++j) {
     if (a.causal && j > i) {
       if (lane == 0) srow[j] = -INFINITY;
@@ -507,11 +509,16 @@ int attention_prefill(const float* qkv, const AttnLayout& l, void* out, Dt odt, 
 }
 
 void attention_scores(const float* qkv, const AttnLayout& l, float* scores, cudaStream_t s) {
-  if (l.T == 0) return;
+  attention_scores_rows(qkv, l, nullptr, l.T, scores, s);
+}
+
+void attention_scores_rows(const float* qkv, const AttnLayout& l, const int* rows, int n, float* scores,
+                           cudaStream_t s) {
+  if (l.T == 0 || n == 0) return;
   const Args a = make_args(qkv, l);
-  dim3 grid((l.T + 3) / 4, l.n_heads);
-  attn_scores_kernel<<<grid, 128, 0, s>>>(a, scores);
-  KV_LAUNCH("attn_scores_kernel", std::to_string(l.T) + " tokens");
+  dim3 grid((n + 3) / 4, l.n_heads);
+  attn_scores_kernel<<<grid, 128, 0, s>>>(a, rows, n, scores);
+  KV_LAUNCH("attn_scores_kernel", std::to_string(n) + " of " + std::to_string(l.T) + " tokens");
 }
 
 }  // namespace kvlens::cuda

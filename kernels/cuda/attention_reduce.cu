@@ -1,6 +1,7 @@
-// Reductions of a layer's causal attention probabilities P [n_heads][T][T] in device memory
-// (core/attention_reduce.h; reduce_attention is the host reference): column sums over a list of
-// query rows, and per head the entries below p · (their row's maximum). The sums are added in
+// Reductions of a layer's causal attention probabilities in device memory, P holding the listed
+// query rows alone ([n_heads][nq][T]; core/attention_reduce.h; reduce_attention is the host
+// reference): column sums over the listed query rows, and per head the entries below
+// p · (their row's maximum). The sums are added in
 // double in ascending query order from 0.0 and the counts are integers, so both equal the
 // reference's bit for bit on the same probabilities.
 #include <cuda_runtime.h>
@@ -19,11 +20,11 @@ __global__ void attn_column_sums_kernel(const float* __restrict__ P, int T, cons
                                         double* __restrict__ out) {
   const int j = blockIdx.x * blockDim.x + threadIdx.x, h = blockIdx.y;
   if (j >= T) return;
-  const float* Ph = P + static_cast<int64_t>(h) * T * T;
+  const float* Ph = P + static_cast<int64_t>(h) * nq * T;
   double acc = 0.0;
   for (int a = 0; a < nq; ++a) {
     const int i = q[a];
-    if (j <= i) acc += static_cast<double>(Ph[static_cast<int64_t>(i) * T + j]);
+    if (j <= i) acc += static_cast<double>(Ph[static_cast<int64_t>(a) * T + j]);
   }
   out[static_cast<int64_t>(h) * T + j] = acc;
 }
@@ -35,7 +36,7 @@ __global__ void attn_below_kernel(const float* __restrict__ P, int T, const int*
   __shared__ float shm[32];
   __shared__ unsigned int shc[32];
   const int h = blockIdx.y, i = q[blockIdx.x];
-  const float* row = P + (static_cast<int64_t>(h) * T + i) * T;
+  const float* row = P + (static_cast<int64_t>(h) * gridDim.x + blockIdx.x) * T;
   const int w = threadIdx.x >> 5, l = threadIdx.x & 31, nw = blockDim.x >> 5;
   float mx = -INFINITY;
   for (int j = threadIdx.x; j <= i; j += blockDim.x) mx = fmaxf(mx, row[j]);

@@ -81,9 +81,14 @@ int attention_prefill(const float* qkv, const AttnLayout& l, void* out, Dt odt, 
 void attention_prefill_simple(const float* qkv, const AttnLayout& l, void* out, Dt odt, cudaStream_t s);
 // scores[h][i][j] = scale·q_i·k_j (masked = -inf), fp32 from qkv.
 void attention_scores(const float* qkv, const AttnLayout& l, float* scores, cudaStream_t s);
-// Reductions of causal probabilities P [n_heads][T][T] over the query rows queries[nq] (device,
-// ascending): out [n_heads][T] = Σ_{i ≥ j} P[h][i][j] in double, in ascending i; below[h] +=
-// the entries j ≤ i with P < p · (row max over j ≤ i), or equal to 0 with zeros_below
+// The same for the query rows rows[0..n) (device, null: every row, n = T) alone, written to
+// scores [n_heads][n][T] (row r of a head is query row rows[r]).
+void attention_scores_rows(const float* qkv, const AttnLayout& l, const int* rows, int n, float* scores,
+                           cudaStream_t s);
+// Reductions of causal probabilities over the query rows queries[nq] (device, ascending), P
+// holding those rows alone: P [n_heads][nq][T], row a of a head being query row queries[a]:
+// out [n_heads][T] = Σ_{i ≥ j} P[h][i][j] in double, in ascending i; below[h] += the entries
+// j ≤ i with P < p · (row max over j ≤ i), or equal to 0 with zeros_below
 // (attention_reduce.cu; host reference: reduce_attention).
 void attention_column_sums(const float* P, int n_heads, int T, const int* queries, int nq, double* out,
                            cudaStream_t s);

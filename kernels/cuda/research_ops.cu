@@ -30,13 +30,15 @@ void reduce_prefill_attention(Context& ctx, const Buffer& qkv, const AttnLayout&
     if (r.below) std::fill_n(r.below, H, int64_t{0});
     return;
   }
-  // The probabilities as `attention` captures them, then reduced in place of a copy.
-  const int64_t n = static_cast<int64_t>(H) * T * T;
+  // The listed query rows' probabilities as `attention` captures them ([H][nq][T]: rows are
+  // independent), then reduced in place of a copy.
+  const int64_t n = static_cast<int64_t>(H) * nq * T;
   const auto P = ctx.alloc(n * 4, "attention reduction probabilities");
-  attention_scores(qkv.as<float>(), l, static_cast<float*>(P.get()), ctx.stream);
-  softmax_rows(static_cast<float*>(P.get()), static_cast<int64_t>(H) * T, T, ctx.stream);
   const auto q = ctx.alloc(static_cast<int64_t>(nq) * 4, "attention reduction query rows");
   ctx.upload(q.get(), r.queries.data(), static_cast<int64_t>(nq) * 4, "attention reduction query rows");
+  attention_scores_rows(qkv.as<float>(), l, static_cast<const int*>(q.get()), nq, static_cast<float*>(P.get()),
+                        ctx.stream);
+  softmax_rows(static_cast<float*>(P.get()), static_cast<int64_t>(H) * nq, T, ctx.stream);
   if (r.column_sums) {
     const int64_t bytes = static_cast<int64_t>(H) * T * 8;
     const auto out = ctx.alloc(bytes, "attention column sums");
