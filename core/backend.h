@@ -20,6 +20,7 @@
 #include "core/attention_reduce.h"
 #include "core/errors.h"
 #include "core/exact_attention.h"
+#include "core/kv_format.h"
 #include "core/kv_store.h"
 #include "core/tensor.h"
 
@@ -301,8 +302,19 @@ class Backend {
     rope_append(kv, layer, qkv, l, pos, pos_host, kinds, 1, theta);
     decode_attention(qkv, l, kv, layer, nullptr, out, DecodeTaps{});
   }
-  // Fills the host store with the device cache's rows (structure and values).
-  virtual void kv_hydrate(const DeviceKV& dev, KVStore& host) {}
+  // Quantizes the rows of host segment `seg` of `layer`, which the device cache `dev` holds (found
+  // by KV head and position), as quant::quantize_block would on the host: keys with `k`, values
+  // with `v`, into out.k[h] / out.v[h] for each KV head h (out sized to the segment's heads) —
+  // the same layout and fp16 ranges, and the same codes but for values within an fp32 rounding of
+  // a decision boundary. Only the codes and ranges cross to the host. False: this backend
+  // cannot (the caller quantizes host rows).
+  virtual bool quantize_rows(const DeviceKV& dev, int layer, const KVSegment& seg, const quant::UniformSpec& k,
+                             const quant::UniformSpec& v, quant::QuantPayload& out) {
+    return false;
+  }
+  // Fills the host store with the device cache's layout (segments, positions, annotations,
+  // bytes) and, with `rows`, its rows' values; without, every segment is layout_only.
+  virtual void kv_hydrate(const DeviceKV& dev, KVStore& host, bool rows) {}
   // Makes the device cache mirror the host store after a policy changed it (layer < 0: all);
   // the host segments' byte counts then read what the device holds.
   virtual void kv_sync(DeviceKV& dev, KVStore& host, int layer) {}

@@ -42,6 +42,9 @@ ExtraRows rows_from(const KVStore& store, int layer, int T) {
       const HeadRows& r = s.heads[h];
       for (int i = 0; i < r.n(); ++i)
         if (r.pos[i] >= T) {
+          if (s.layout_only)
+            throw InternalError("rows_from: layer " + std::to_string(layer) + " holds the row at position " +
+                                std::to_string(r.pos[i]) + " in the device cache alone");
           k[h].push_back(r.k.data() + static_cast<size_t>(i) * D);
           v[h].push_back(r.v.data() + static_cast<size_t>(i) * D);
           pos[h].push_back(r.pos[i]);
@@ -74,6 +77,9 @@ PromptRows prompt_rows(const KVStore& store, int layer, int T) {
   r.v = r.k;
   for (const KVSegment& s : store.layer(layer).segments)
     for (int h = 0; h < NKV && h < static_cast<int>(s.heads.size()); ++h) {
+      if (s.layout_only)
+        throw InternalError("prompt_rows: layer " + std::to_string(layer) + " holds the layout of its " +
+                            segment_kind_name(s.kind) + " rows only (the rows are in the device cache)");
       const HeadRows& hr = s.heads[h];
       for (int i = 0; i < hr.n(); ++i)
         if (hr.pos[i] >= 0 && hr.pos[i] < T) {

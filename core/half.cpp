@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -53,6 +54,22 @@ float from_half(uint16_t h) {
   float f;
   std::memcpy(&f, &x, 4);
   return f;
+}
+
+void from_half_n(const uint16_t* in, float* out, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
+#else
+  static const std::vector<float> table = [] {
+    std::vector<float> t(65536);
+    for (uint32_t h = 0; h < 65536; ++h) t[h] = from_half(static_cast<uint16_t>(h));
+    return t;
+  }();
+  for (; i < n; ++i) out[i] = table[in[i]];
+#endif
+  for (; i < n; ++i) out[i] = from_half(in[i]);
 }
 
 void round_half_n(float* x, int64_t n) {

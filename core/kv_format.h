@@ -40,6 +40,15 @@ enum class Axis { Global, PerToken, PerChannel };
 // "global" | "per-token" | "per-channel"
 Axis parse_axis(const std::string& s);
 const char* axis_name(Axis a);
+
+// One uniform quantization of a block of rows (quantize_block in core/compress/quantize.h, and
+// a backend's twin): b bits, ranges along `axis`, shrunk by `shrink` about zero or the centre.
+struct UniformSpec {
+  int bits = 4;
+  Axis axis = Axis::PerToken;
+  float shrink = 1.0f;
+  bool shrink_about_zero = true;
+};
 // ---- what a quantized segment stores ----------------------------------------------------------
 struct QuantBlock {
   std::vector<uint8_t> codes;    // packed codes (and sign bits)

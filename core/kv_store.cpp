@@ -66,7 +66,7 @@ void KVStore::append(int l, const float* k, const float* v, const int32_t* pos,
     int t1 = t0 + 1;
     while (t1 < T && kinds[t1] == kinds[t0]) ++t1;
     if (L.segments.empty() || L.segments.back().kind != kinds[t0] || !L.segments.back().dense() ||
-        L.segments.back().storage != label) {
+        L.segments.back().storage != label || L.segments.back().layout_only) {
       KVSegment s;
       s.kind = kinds[t0];
       s.storage = label;
@@ -109,6 +109,9 @@ void KVStore::gather(int l, int h, std::vector<float>& k, std::vector<float>& v,
   pos.clear();
   if (kinds) kinds->clear();
   for (const KVSegment& s : layers_.at(l).segments) {
+    if (s.layout_only)
+      throw InternalError("KV store: layer " + std::to_string(l) + " holds the layout of its " +
+                          segment_kind_name(s.kind) + " rows only (the rows are in the device cache)");
     const HeadRows& r = s.heads.at(h);
     if (static_cast<int64_t>(r.k.size()) != static_cast<int64_t>(r.n()) * head_dim_ ||
         r.v.size() != r.k.size())
@@ -134,6 +137,7 @@ KVStore KVStore::without_rows() const {
       c.storage = s.storage;
       c.bytes = s.bytes;
       c.payload = s.payload;
+      c.layout_only = true;
       c.heads.resize(s.heads.size());
       for (size_t h = 0; h < s.heads.size(); ++h) {
         c.heads[h].pos = s.heads[h].pos;
@@ -143,6 +147,13 @@ KVStore KVStore::without_rows() const {
       out.layers_[l].segments.push_back(std::move(c));
     }
   return out;
+}
+
+bool KVStore::has_rows() const {
+  for (const LayerKV& L : layers_)
+    for (const KVSegment& s : L.segments)
+      if (s.layout_only) return false;
+  return true;
 }
 
 void KVStore::positions(int l, int h, std::vector<int32_t>& pos, std::vector<SegmentKind>& kinds) const {

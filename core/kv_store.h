@@ -69,6 +69,10 @@ struct KVSegment {
   std::vector<HeadRows> heads;       // one per KV head
   KVBytes bytes;                     // as stored
   std::shared_ptr<SegmentPayload> payload;
+  // The rows live in a device cache alone: heads hold positions and row annotations, and k / v
+  // are empty (KVStore::without_rows, or a device run's store while nothing on the host reads
+  // rows). Eviction may still select rows of it; reading or merging its rows throws.
+  bool layout_only = false;
 
   int n_tokens(int head = 0) const { return heads.empty() ? 0 : heads[head].n(); }
   // Whether the rows are plain floats as the store keeps them ("fp32" or "fp16", no payload):
@@ -114,12 +118,15 @@ class KVStore {
   // Number of rows KV head h of layer l holds over all segments.
   int n_rows(int l, int h) const;
   // Gathers layer l, KV head h into contiguous [n][head_dim] buffers (the order of segments).
+  // Throws InternalError when a segment of the layer is layout_only.
   void gather(int l, int h, std::vector<float>& k, std::vector<float>& v,
               std::vector<int32_t>& pos, std::vector<SegmentKind>* kinds = nullptr) const;
   // A copy of the layout alone: segments with their kinds, storage, bytes, payloads (shared),
-  // positions and row annotations, and no k / v rows. What diagnostics read of a compressed
-  // store, at a small share of a full copy's cost.
+  // positions and row annotations, and no k / v rows (every segment layout_only). What
+  // diagnostics read of a compressed store, at a small share of a full copy's cost.
   KVStore without_rows() const;
+  // Whether every segment holds its rows (none is layout_only).
+  bool has_rows() const;
   // The positions and kinds gather would give, without the rows.
   void positions(int l, int h, std::vector<int32_t>& pos, std::vector<SegmentKind>& kinds) const;
 

@@ -268,9 +268,10 @@ PrefillState LlavaModel::prefill_features(const Buffer& feats, const std::string
   st.store = KVStore(L, NKV, D);
   std::unique_ptr<DeviceKV> dev = be_->kv_create(L, NKV, D);
   st.capture.keep = keep_attention;
-  st.store_rows = !dev || keep_attention || !observers.empty();
+  st.store_rows = !dev || !observers.empty();
   SeqKV kv{&st.store, dev.get(), st.store_rows};
   st.logits = in_model(dir_, [&] { return text_.prefill(x, st.kinds, kv, observers, &st.capture); });
+  if (dev && !st.store_rows) be_->kv_hydrate(*dev, st.store, false);  // the layout alone
   st.device = std::move(dev);
   st.prefill_ms = ms_since(t1);
   return st;
@@ -290,7 +291,10 @@ std::vector<PrefillContext> LlavaModel::prefill_contexts(const PrefillState& st)
     if (st.capture.keep) c.attention = st.capture.attention.get();
     c.token_kinds = &st.kinds;
     c.token_ids = &st.ids;
-    if (st.device) c.backend = be_.get();  // a device backend: methods may compute there
+    if (st.device) {  // a device backend: methods may compute there, on the prompt's rows
+      c.backend = be_.get();
+      c.device = st.device.get();
+    }
     r.push_back(c);
   }
   return r;
@@ -309,15 +313,20 @@ DecodeResult LlavaModel::decode(const PrefillState& st, KVPolicy* policy, const 
   if (st.device && rows == RowStorage::Fp32)
     throw InputError(std::string("fp32 KV rows (") + (policy && policy->row_storage() ? "full:storage=fp32" : "--kv-storage fp32") +
                      ") need --backend cpu: the " + be_->name() + " backend's KV cache holds fp16 rows");
-  store.set_row_storage(rows);
   std::unique_ptr<DeviceKV> dev = st.device ? st.device->clone() : nullptr;
-  // The host store carries rows when anything on the host reads them: a policy's prefill
-  // compression and the copy of the compressed store, and while decoding a policy that edits the
-  // store or transforms scores on the host, or an observer (decode_needs_host_rows) until the
-  // last step one reads.
+  // The host store carries rows while decoding for a policy that edits the store or transforms
+  // scores on the host, or an observer (decode_needs_host_rows) until the last step one reads.
+  // Its prompt rows come from the device only when the host reads them: a policy whose prefill
+  // compression reads rows (quantizes, merges), or an observer that reads keys and values and
+  // does not compare with a capture (the device computes that comparison from the capture).
   const int observed = observed_decode_steps(observers);
   const bool mirror = !dev || decode_needs_host_rows(policy) || observed > 0;
-  if (dev && (mirror || policy || compressed) && !st.store_rows) be_->kv_hydrate(*dev, store);
+  const bool reads_rows =
+      (policy && (policy->reads_rows() || decode_needs_host_rows(policy))) ||
+      std::any_of(observers.begin(), observers.end(),
+                  [](const AttentionObserver* o) { return o->reads_decode_kv() && !o->compares_to(); });
+  if (dev && reads_rows && !store.has_rows()) be_->kv_hydrate(*dev, store, true);
+  store.set_row_storage(rows);
   SeqKV kv{&store, dev.get(), mirror};
   auto cache_bytes = [&] { return dev ? dev->bytes() : store.bytes(); };
   const auto t0 = std::chrono::steady_clock::now();

@@ -60,8 +60,10 @@ struct PrefillState {
   std::vector<int> ids;
   std::vector<SegmentKind> kinds;
   int n_visual = 0;
-  // The host store: structure and rows when `store_rows` (always on the CPU; on a device
-  // backend when attention was kept or observed), otherwise empty.
+  // The host store: its layout always, and its rows when `store_rows` (always on the CPU; on a
+  // device backend when prefill was observed). Otherwise every segment is layout_only: the rows
+  // are in the device cache, and a decode fetches them only when something on the host reads
+  // them (a policy that quantizes or merges, an observer that reads keys and values).
   KVStore store;
   bool store_rows = true;
   std::shared_ptr<const DeviceKV> device;  // the device cache (null on the CPU backend)

@@ -54,12 +54,7 @@ void shrink_range(float& lo, float& hi, float s, bool about_zero);
 // as one stream; PerToken packs each row on its own (row-aligned, so per-token blocks can be
 // concatenated as tokens arrive). Ranges are shrunk by `shrink` (see shrink_range) first;
 // values outside a shrunk range clamp to its ends.
-struct UniformSpec {
-  int bits = 4;
-  Axis axis = Axis::PerToken;
-  float shrink = 1.0f;
-  bool shrink_about_zero = true;
-};
+// (UniformSpec: core/kv_format.h.)
 void quantize_block(float* x, int n, int d, const UniformSpec& spec, QuantBlock& out);
 // Bytes quantize_block appends for a block of n×d (codes; scale and zero count per range).
 int64_t block_code_bytes(int n, int d, int bits, Axis axis);

@@ -118,7 +118,7 @@ void check_prefill(const std::string& method, const PrefillContext& c, const Lay
     bytes_per_value(method, s);
     for (int h = 0; h < c.n_kv_heads; ++h) {
       const HeadRows& r = s.heads[h];
-      const size_t want = static_cast<size_t>(r.n()) * c.head_dim;
+      const size_t want = s.layout_only ? 0 : static_cast<size_t>(r.n()) * c.head_dim;
       if (r.k.size() != want || r.v.size() != want)
         throw InputError(at + ": head " + std::to_string(h) + " rows and positions disagree");
       rows[h] += r.n();
@@ -138,6 +138,9 @@ void gather_head(const LayerKV& layer, int h, int head_dim, std::vector<float>& 
   pos.clear();
   if (kinds) kinds->clear();
   for (const KVSegment& s : layer.segments) {
+    if (s.layout_only)
+      throw InternalError("gather_head: a " + std::string(segment_kind_name(s.kind)) +
+                          " segment's rows are in the device cache alone");
     const HeadRows& r = s.heads.at(h);
     k.insert(k.end(), r.k.begin(), r.k.end());
     v.insert(v.end(), r.v.begin(), r.v.end());
@@ -158,6 +161,8 @@ void keep_rows(const std::string& method, LayerKV& layer, int head_dim,
     bytes_per_value(method, s);
     if (static_cast<int>(s.heads.size()) != H)
       throw InternalError(method + ": keep list and segment head counts differ");
+    if (k && s.layout_only)
+      throw InternalError(method + ": merged rows for a segment whose rows are in the device cache alone");
   }
   for (int h = 0; h < H; ++h) {
     int n = 0;
@@ -183,15 +188,17 @@ void keep_rows(const std::string& method, LayerKV& layer, int head_dim,
       HeadRows out;
       for (int i = 0; i < r.n(); ++i, ++g) {
         if (!mask[g]) continue;
-        const float* kr = k ? (*k)[h].data() + g * D : r.k.data() + i * D;
-        const float* vr = v ? (*v)[h].data() + g * D : r.v.data() + i * D;
-        out.k.insert(out.k.end(), kr, kr + D);
-        out.v.insert(out.v.end(), vr, vr + D);
-        if (k && seg_bits == 16)  // a merged row is stored as the segment stores rows
-          for (size_t x = out.k.size() - D; x < out.k.size(); ++x) {
-            out.k[x] = round_half(out.k[x]);
-            out.v[x] = round_half(out.v[x]);
-          }
+        if (!s.layout_only) {  // (a layout_only segment: positions and annotations alone)
+          const float* kr = k ? (*k)[h].data() + g * D : r.k.data() + i * D;
+          const float* vr = v ? (*v)[h].data() + g * D : r.v.data() + i * D;
+          out.k.insert(out.k.end(), kr, kr + D);
+          out.v.insert(out.v.end(), vr, vr + D);
+          if (k && seg_bits == 16)  // a merged row is stored as the segment stores rows
+            for (size_t x = out.k.size() - D; x < out.k.size(); ++x) {
+              out.k[x] = round_half(out.k[x]);
+              out.v[x] = round_half(out.v[x]);
+            }
+        }
         out.pos.push_back(r.pos[i]);
         if (has_bits) out.bits.push_back(static_cast<uint8_t>(quant::row_bits(r, i, seg_bits)));
         if (has_merged) out.merged.push_back(static_cast<uint16_t>(quant::row_merged(r, i)));

@@ -87,6 +87,7 @@ class ScoreEvictPolicy : public KVPolicy {
   std::string name() const override { return name_; }
   bool needs_prefill_attention() const override { return true; }
   bool acts_on_decode() const override { return false; }  // every method evicts at prefill only
+  bool reads_rows() const override { return merges(); }    // selection reads attention and positions
   void on_prefill(const std::vector<PrefillContext>& layers, KVStore& store) override;
   // One layer on its own: plans with {ctx} alone, so budgets that depend on every layer
   // (VL-Cache's sparsity allocation) degrade to the uniform budget. Prefer on_prefill.

@@ -501,7 +501,12 @@ class CudaBackend : public Backend {
     cuda::exact_decode_attention(*ctx_, qkv_rows, l, prompts, pl, extras, out);
     return true;
   }
-  void kv_hydrate(const DeviceKV& dev, KVStore& host) override { cuda::kv_hydrate(*ctx_, dev, host); }
+  bool quantize_rows(const DeviceKV& dev, int layer, const KVSegment& seg, const quant::UniformSpec& k,
+                     const quant::UniformSpec& v, quant::QuantPayload& out) override {
+    auto prof_scope = prof_.scope("quantize_rows", *ctx_);
+    return cuda::kv_quantize_rows(*ctx_, dev, layer, seg, k, v, out);
+  }
+  void kv_hydrate(const DeviceKV& dev, KVStore& host, bool rows) override { cuda::kv_hydrate(*ctx_, dev, host, rows); }
   void kv_sync(DeviceKV& dev, KVStore& host, int layer) override { cuda::kv_sync(*ctx_, dev, host, layer); }
   void kv_reserve(DeviceKV& dev, int rows) override { cuda::kv_reserve(*ctx_, dev, rows); }
   void kv_pull_rows(SeqKV& kv, const std::vector<int>& layers, const int32_t* pos_host, const SegmentKind* kinds,

@@ -84,7 +84,11 @@ void kv_collect_deferred(Context& ctx, SeqKV& kv, int layer, const ScoreTransfor
 // all fp16, or a head size the fp16 kernel does not take).
 bool kv_rope_attend(Context& ctx, SeqKV& kv, int layer, Buffer& qkv, const AttnLayout& l, const Buffer& pos,
                     const int32_t* pos_host, const SegmentKind* kinds, const float* inv_freq, Buffer& out);
-void kv_hydrate(Context& ctx, const DeviceKV& dev, KVStore& host);
+void kv_hydrate(Context& ctx, const DeviceKV& dev, KVStore& host, bool rows);
+// Backend::quantize_rows: the segment's rows gathered from the cache by KV head and position,
+// quantized by the quant_pack.cu kernels, codes and ranges copied out in one wait.
+bool kv_quantize_rows(Context& ctx, const DeviceKV& dev, int layer, const KVSegment& seg, const quant::UniformSpec& k,
+                      const quant::UniformSpec& v, quant::QuantPayload& out);
 void kv_sync(Context& ctx, DeviceKV& dev, KVStore& host, int layer);
 void kv_reserve(Context& ctx, DeviceKV& dev, int rows);
 void kv_pull_rows(Context& ctx, SeqKV& kv, const std::vector<int>& layers, const int32_t* pos_host,

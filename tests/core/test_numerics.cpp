@@ -121,6 +121,26 @@ TEST(HalfDecoding, EveryF16AndBf16PatternBitForBit) {
 
 // A shape whose element count fits in 64 bits but whose byte count wraps: [2^61, 2] F32 is 2^62
 // elements and 2^64 bytes, which is 0 modulo 2^64 and would match data_offsets [0, 0].
+// The bulk widening of halves gives the scalar conversion's float for every one of the 65536
+// patterns (NaNs stay NaNs), at a length that leaves a scalar tail.
+TEST(HalfDecoding, BulkEqualsScalarForEveryPattern) {
+  std::vector<uint16_t> h(65536 + 5);
+  for (size_t i = 0; i < h.size(); ++i) h[i] = static_cast<uint16_t>(i * 40503u);  // every pattern (odd multiplier)
+  std::vector<float> out(h.size());
+  from_half_n(h.data(), out.data(), static_cast<int64_t>(h.size()));
+  for (size_t i = 0; i < h.size(); ++i) {
+    const float want = from_half(h[i]);
+    if (std::isnan(want)) {
+      EXPECT_TRUE(std::isnan(out[i])) << i;
+      continue;
+    }
+    uint32_t a, b;
+    std::memcpy(&a, &out[i], 4);
+    std::memcpy(&b, &want, 4);
+    EXPECT_EQ(a, b) << "half 0x" << std::hex << h[i];
+  }
+}
+
 TEST(SafetensorsShapes, ByteCountThatWrapsIsRefused) {
   const std::string dir = kt::make_temp_dir("wrap");
   const std::string p = dir + "/model.safetensors";

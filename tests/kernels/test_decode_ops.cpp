@@ -368,7 +368,7 @@ TEST(DecodeOps, RopeAppendFused) {
   for (size_t i = 0; i < want.size(); ++i) bound[i] = 16 * unit(Dt::F32) * (std::abs(want[i]) + 1);
   expect_within(got, want, bound, "rope_append: rotated q and k in place");
   KVStore back;
-  gpu.kv_hydrate(*dev, back);
+  gpu.kv_hydrate(*dev, back, true);
   ASSERT_EQ(back.layer(0).segments.size(), 2u);
   const KVSegment& tail = back.layer(0).segments.back();
   EXPECT_EQ(tail.kind, SegmentKind::Generated);
@@ -386,6 +386,26 @@ TEST(DecodeOps, RopeAppendFused) {
     expect_within(tail.heads[h].k, k, kb, "rope_append: appended key");
     EXPECT_EQ(tail.heads[h].v, v) << "rope_append: appended value";
   }
+  // The layout alone: the same segments, positions and bytes, no rows, and reading rows refused.
+  KVStore layout;
+  gpu.kv_hydrate(*dev, layout, false);
+  EXPECT_TRUE(back.has_rows());
+  EXPECT_FALSE(layout.has_rows());
+  ASSERT_EQ(layout.layer(0).segments.size(), back.layer(0).segments.size());
+  for (size_t i = 0; i < back.layer(0).segments.size(); ++i) {
+    const KVSegment &a = layout.layer(0).segments[i], &b = back.layer(0).segments[i];
+    EXPECT_TRUE(a.layout_only);
+    EXPECT_EQ(a.kind, b.kind);
+    EXPECT_EQ(a.storage, b.storage);
+    EXPECT_EQ(a.bytes.total(), b.bytes.total());
+    for (int h = 0; h < c.NKV; ++h) {
+      EXPECT_EQ(a.heads[h].pos, b.heads[h].pos);
+      EXPECT_TRUE(a.heads[h].k.empty() && a.heads[h].v.empty());
+    }
+  }
+  std::vector<float> K, V;
+  std::vector<int32_t> P;
+  EXPECT_THROW(layout.gather(0, 0, K, V, P), InternalError);
 }
 
 TEST(DecodeOps, FullCacheFp16) {

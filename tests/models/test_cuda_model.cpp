@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/data/scenes.h"
+#include "core/kv_format.h"
 #include "kernels/backends.h"
 #include "app/lab/experiment.h"
 #include "app/lab/memory_plan.h"
@@ -382,6 +383,111 @@ TEST(CudaModel, PrefillOnlyMethodsDecodeOnTheDeviceAlone) {
     EXPECT_EQ(c.generated_ids, b.generated_ids);
     EXPECT_EQ(c.step_logits, b.step_logits);
     EXPECT_EQ(c.bytes_final.total(), b.bytes_final.total());
+  }
+}
+
+// Two layouts (segments' kinds, storage labels, bytes and each head's positions) are equal.
+void expect_same_layout(const KVStore& a, const KVStore& b) {
+  ASSERT_EQ(a.n_layers(), b.n_layers());
+  for (int l = 0; l < a.n_layers(); ++l) {
+    const auto &x = a.layer(l).segments, &y = b.layer(l).segments;
+    ASSERT_EQ(x.size(), y.size()) << "layer " << l;
+    for (size_t i = 0; i < x.size(); ++i) {
+      EXPECT_EQ(x[i].kind, y[i].kind) << "layer " << l << " segment " << i;
+      EXPECT_EQ(x[i].bytes.total(), y[i].bytes.total()) << "layer " << l << " segment " << i;
+      ASSERT_EQ(x[i].heads.size(), y[i].heads.size());
+      for (size_t h = 0; h < x[i].heads.size(); ++h)
+        EXPECT_EQ(x[i].heads[h].pos, y[i].heads[h].pos) << "layer " << l << " segment " << i << " head " << h;
+    }
+  }
+}
+
+// On the device the prefill store keeps the layout alone (the CPU's layout, no rows), and the
+// eviction methods that read no rows select on it while the device gathers the kept rows: each
+// gives the same kept positions, bytes, tokens and logits (within one fp16 rounding, as above)
+// as when an observer that reads keys and values makes the decode fetch the prompt's rows first.
+TEST(CudaModel, EvictionSelectsOnTheLayoutAloneAndTheDeviceGathers) {
+  NEED_GPU();
+  SampleRun r = sample_run(8);
+  EXPECT_FALSE(r.st.store.has_rows());
+  const std::unique_ptr<Model> cpu = load_model(kEmbedded, {"cpu"});
+  const PrefillState c = cpu->prefill(load_image(kt::source_dir() + "/assets/images/scene_000.png"), kDefaultPrompt,
+                                      kDefaultTemplate, true);
+  EXPECT_TRUE(c.store.has_rows());
+  KVStore cpu_fp16 = c.store;
+  cpu_fp16.set_row_storage(RowStorage::Fp16);
+  expect_same_layout(r.st.store, cpu_fp16);
+  GenerateOptions u = r.g;
+  u.chain_steps = false;
+  for (const char* spec : {"snapkv:budget=0.3", "h2o", "vlcache:budget=0.25", "pyramidkv", "streamingllm",
+                           "lookm:merge=none", "stack:evict=snapkv,quant=none"}) {
+    SCOPED_TRACE(spec);
+    const auto p0 = make_policy(spec), p1 = make_policy(spec);
+    ASSERT_FALSE(p0->reads_rows());
+    KVStore a, b;
+    DecodeRecorder rows(2, true);
+    const DecodeResult x = r.gpu.decode(r.st, p0.get(), u, {}, &a);
+    const DecodeResult y = r.gpu.decode(r.st, p1.get(), u, {&rows}, &b);
+    expect_same_decode(y, x);
+    expect_same_layout(a, b);
+    ASSERT_FALSE(rows.entries().empty());
+    EXPECT_FALSE(rows.entries().front().k.empty()) << "the observed decode read the rows";
+  }
+}
+
+// CalibQuant (alone and stacked after an eviction) quantizes the visual rows where they are
+// (Backend::quantize_rows) when the host store holds the layout alone: against the host's
+// quantization of the same fp16 rows (fetched because an observer reads them), the same layout,
+// bytes and fp16 ranges, codes equal but for values within an fp32 rounding of a decision
+// boundary (one step apart, at most 1 in 1000 — the quant_pack kernels' bound, DecodeOps), and
+// the same tokens.
+TEST(CudaModel, CalibQuantQuantizesTheVisualRowsOnTheDevice) {
+  NEED_GPU();
+  SampleRun r = sample_run(8);
+  GenerateOptions u = r.g;
+  u.chain_steps = false;
+  for (const char* spec : {"calibquant:bits=1", "calibquant:preset=official", "calibquant:bits=4",
+                           "stack:evict=snapkv,quant=calibquant,budget=0.4"}) {
+    SCOPED_TRACE(spec);
+    const auto p0 = make_policy(spec), p1 = make_policy(spec);
+    ASSERT_FALSE(p0->reads_rows());
+    KVStore a, b;
+    DecodeRecorder rows(2, true);
+    const DecodeResult x = r.gpu.decode(r.st, p0.get(), u, {}, &a);
+    const DecodeResult y = r.gpu.decode(r.st, p1.get(), u, {&rows}, &b);
+    EXPECT_EQ(x.generated_ids, y.generated_ids);
+    EXPECT_EQ(x.bytes_after_prefill.total(), y.bytes_after_prefill.total());
+    expect_same_layout(a, b);
+    int quantized = 0;
+    for (int l = 0; l < a.n_layers(); ++l)
+      for (size_t i = 0; i < a.layer(l).segments.size(); ++i) {
+        const auto* pa = dynamic_cast<const quant::QuantPayload*>(a.layer(l).segments[i].payload.get());
+        const auto* pb = dynamic_cast<const quant::QuantPayload*>(b.layer(l).segments[i].payload.get());
+        ASSERT_EQ(!pa, !pb) << "layer " << l << " segment " << i;
+        if (!pa) continue;
+        ++quantized;
+        EXPECT_EQ(a.layer(l).segments[i].storage, b.layer(l).segments[i].storage);
+        const int bits = pa->layout.k_bits;
+        ASSERT_EQ(pa->k.size(), pb->k.size());
+        for (size_t h = 0; h < pa->k.size(); ++h)
+          for (const auto& [ka, kb] : {std::make_pair(&pa->k[h], &pb->k[h]), std::make_pair(&pa->v[h], &pb->v[h])}) {
+            EXPECT_EQ(ka->scales, kb->scales) << "layer " << l << " head " << h;
+            EXPECT_EQ(ka->zeros, kb->zeros) << "layer " << l << " head " << h;
+            ASSERT_EQ(ka->codes.size(), kb->codes.size());
+            const int64_t n = static_cast<int64_t>(ka->codes.size()) * 8 / bits;
+            int64_t differ = 0;
+            for (int64_t c = 0; c < n; ++c) {
+              const int x1 = static_cast<int>(quant::unpack_one(ka->codes.data(), c, bits));
+              const int x2 = static_cast<int>(quant::unpack_one(kb->codes.data(), c, bits));
+              if (x1 != x2) {
+                ++differ;
+                EXPECT_LE(std::abs(x1 - x2), 1) << "layer " << l << " head " << h << " code " << c;
+              }
+            }
+            EXPECT_LE(differ, n / 1000 + 1) << "layer " << l << " head " << h;
+          }
+      }
+    EXPECT_EQ(quantized, a.n_layers()) << "one quantized visual segment a layer";
   }
 }
 

@@ -87,27 +87,37 @@ class CalibQuantPolicy : public KVPolicy {
   }
   std::string name() const override { return "calibquant"; }
   bool acts_on_decode() const override { return false; }  // visual rows only, at prefill
+  // On a device the visual rows are quantized where they are (Backend::quantize_rows).
+  bool reads_rows() const override { return false; }
 
   void on_prefill_layer(const PrefillContext& ctx, LayerKV& layer) override {
     const int D = ctx.head_dim;
+    const quant::UniformSpec ks{bits_, quant::Axis::PerChannel, k_shrink_, about_zero_};
+    const quant::UniformSpec vs{bits_, quant::Axis::PerChannel, v_shrink_, about_zero_};
     for (KVSegment& s : layer.segments) {
       if (s.kind != SegmentKind::Visual || !s.dense()) continue;
       auto p = std::make_shared<quant::QuantPayload>(static_cast<int>(s.heads.size()));
-      // Heads are independent: quantized in parallel.
-      const int H = static_cast<int>(s.heads.size());
-      std::exception_ptr err;
+      if (s.layout_only) {
+        if (!ctx.backend || !ctx.device || !ctx.backend->quantize_rows(*ctx.device, ctx.layer, s, ks, vs, *p))
+          throw InternalError("calibquant: layer " + std::to_string(ctx.layer) +
+                              "'s visual rows are in the device cache alone, and its backend cannot quantize them there");
+      } else {
+        // Heads are independent: quantized in parallel.
+        const int H = static_cast<int>(s.heads.size());
+        std::exception_ptr err;
 #pragma omp parallel for schedule(dynamic)
-      for (int h = 0; h < H; ++h) {
-        try {
-          HeadRows& r = s.heads[h];
-          quant::quantize_block(r.k.data(), r.n(), D, {bits_, quant::Axis::PerChannel, k_shrink_, about_zero_}, p->k[h]);
-          quant::quantize_block(r.v.data(), r.n(), D, {bits_, quant::Axis::PerChannel, v_shrink_, about_zero_}, p->v[h]);
-        } catch (...) {
+        for (int h = 0; h < H; ++h) {
+          try {
+            HeadRows& r = s.heads[h];
+            quant::quantize_block(r.k.data(), r.n(), D, ks, p->k[h]);
+            quant::quantize_block(r.v.data(), r.n(), D, vs, p->v[h]);
+          } catch (...) {
 #pragma omp critical(kvlens_calibquant_error)
-          if (!err) err = std::current_exception();
+            if (!err) err = std::current_exception();
+          }
         }
+        if (err) std::rethrow_exception(err);
       }
-      if (err) std::rethrow_exception(err);
       p->layout.kind = quant::CodeLayout::Kind::Blocks;
       p->layout.k_bits = p->layout.v_bits = bits_;
       p->layout.k_axis = p->layout.v_axis = quant::Axis::PerChannel;

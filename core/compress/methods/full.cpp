@@ -14,6 +14,7 @@ class FullPolicy : public KVPolicy {
   std::string name() const override { return "full"; }
   std::optional<RowStorage> row_storage() const override { return rows_; }
   bool acts_on_decode() const override { return false; }
+  bool reads_rows() const override { return false; }
 
  private:
   std::optional<RowStorage> rows_;

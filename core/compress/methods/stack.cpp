@@ -54,6 +54,9 @@ class StackPolicy : public KVPolicy {
     if (evict_) evict_->on_decode_step(ctx, layer);
     if (quant_) quant_->on_decode_step(ctx, layer);
   }
+  bool reads_rows() const override {
+    return (evict_ && evict_->reads_rows()) || (quant_ && quant_->reads_rows());
+  }
   bool acts_on_decode() const override {
     return (evict_ && evict_->acts_on_decode()) || (quant_ && quant_->acts_on_decode());
   }

@@ -293,6 +293,47 @@ TEST(EveryMethod, InvariantsOnRandomGQAPrompt) {
   }
 }
 
+// On a device backend a method that reads no rows acts on the store's layout alone (the device
+// gathers the kept rows): the same kept positions, kinds and bytes as on the rows, and no rows
+// appear. A method that merges reads rows, says so, and is refused the layout alone.
+TEST(Eviction, MethodsThatReadNoRowsActOnTheLayoutAlone) {
+  const std::vector<std::pair<MethodSpec, std::map<std::string, std::string>>> runs = {
+      {vlcache_method(), {}},      {lookm_method(), {{"merge", "none"}}}, {h2o_method(), {}},
+      {snapkv_method(), {{"window", "8"}}}, {streamingllm_method(), {}}, {pyramidkv_method(), {{"window", "8"}}},
+      {lookm_method(), {}}};
+  for (const auto& [m, set] : runs) {
+    SCOPED_TRACE(m.name + (set.count("merge") ? " merge=" + set.at("merge") : ""));
+    Prompt P(3, 6, 2, 8, layout(5, 50, 10), 83);
+    P.random_logits(84, 0.5, 4.0);
+    P.store.set_row_storage(RowStorage::Fp16);
+    KVStore layout_only = P.store.without_rows();
+    EXPECT_FALSE(layout_only.has_rows());
+    const std::unique_ptr<KVPolicy> policy = make(m, set);
+    if (policy->reads_rows()) {
+      EXPECT_TRUE(m.name == "lookm" && !set.count("merge")) << "only LOOK-M's merging reads rows here";
+      EXPECT_THROW(policy->on_prefill(P.contexts(), layout_only), InternalError);
+      continue;
+    }
+    make(m, set)->on_prefill(P.contexts(), P.store);
+    policy->on_prefill(P.contexts(), layout_only);
+    for (int l = 0; l < P.L; ++l) {
+      ASSERT_EQ(layout_only.layer(l).segments.size(), P.store.layer(l).segments.size());
+      for (size_t i = 0; i < P.store.layer(l).segments.size(); ++i) {
+        const KVSegment &a = layout_only.layer(l).segments[i], &b = P.store.layer(l).segments[i];
+        EXPECT_TRUE(a.layout_only);
+        EXPECT_EQ(a.kind, b.kind);
+        EXPECT_EQ(a.storage, b.storage);
+        EXPECT_EQ(a.bytes.total(), b.bytes.total());
+        for (int h = 0; h < P.Hkv; ++h) {
+          EXPECT_EQ(a.heads[h].pos, b.heads[h].pos);
+          EXPECT_TRUE(a.heads[h].k.empty() && a.heads[h].v.empty());
+        }
+      }
+      EXPECT_EQ(layout_only.bytes(l).total(), P.store.bytes(l).total());
+    }
+  }
+}
+
 TEST(Eviction, RejectsAStoreThatIsNotThePrompt) {
   Prompt P(1, 2, 2, 4, layout(2, 6, 2), 91);
   std::vector<PrefillContext> cs = P.contexts();
