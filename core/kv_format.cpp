@@ -11,13 +11,43 @@ int64_t packed_size(int64_t count, int bits) { return (count * bits + 7) / 8; }
 std::vector<uint8_t> channel_major_1bit(const uint8_t* rows, int64_t n, int d) {
   const int64_t row_bytes = d / 8, whole = n / 32 * 32;
   std::vector<uint8_t> out(rows, rows + n * row_bytes);
-  for (int64_t b = 0; b < whole / 32; ++b)
-    for (int c = 0; c < d; ++c) {
+  // Channel c of row r is bit c & 7 of byte r·d/8 + c/8 (d a multiple of 8). Each 32 × 32 bit
+  // block (the group's rows in block_row order, 32 channels) is transposed in registers: word i
+  // of A holds row block_row(i)'s 32 channels, bit c being channel c; after the transpose word c
+  // holds channel c's 32 codes, bit i being row block_row(i)'s.
+  int row_of[32];
+  for (int i = 0; i < 32; ++i) row_of[i] = block_row(i);
+  auto put = [&](int64_t b, int c, uint32_t w) {
+    for (int k = 0; k < 4; ++k) out[static_cast<size_t>((b * d + c) * 4 + k)] = static_cast<uint8_t>(w >> (8 * k));
+  };
+  for (int64_t b = 0; b < whole / 32; ++b) {
+    const uint8_t* group = rows + 32 * b * row_bytes;
+    int c0 = 0;
+    for (; c0 + 32 <= d; c0 += 32) {
+      uint32_t A[32];
+      for (int i = 0; i < 32; ++i) {
+        const uint8_t* at = group + row_of[i] * row_bytes + c0 / 8;
+        A[i] = static_cast<uint32_t>(at[0]) | static_cast<uint32_t>(at[1]) << 8 | static_cast<uint32_t>(at[2]) << 16 |
+               static_cast<uint32_t>(at[3]) << 24;
+      }
+      const uint32_t masks[5] = {0x0000FFFFu, 0x00FF00FFu, 0x0F0F0F0Fu, 0x33333333u, 0x55555555u};
+      for (int s = 0, j = 16; j; ++s, j >>= 1)
+        for (int k = 0; k < 32; ++k) {
+          if (k & j) continue;
+          const uint32_t t = ((A[k] >> j) ^ A[k + j]) & masks[s];
+          A[k] ^= t << j;
+          A[k + j] ^= t;
+        }
+      for (int c = 0; c < 32; ++c) put(b, c0 + c, A[c]);
+    }
+    for (int c = c0; c < d; ++c) {  // channels past the last 32
+      const int byte = c >> 3, shift = c & 7;
       uint32_t w = 0;
       for (int i = 0; i < 32; ++i)
-        w |= unpack_one(rows, (32 * b + block_row(i)) * d + c, 1) << i;
-      for (int k = 0; k < 4; ++k) out[static_cast<size_t>((b * d + c) * 4 + k)] = static_cast<uint8_t>(w >> (8 * k));
+        w |= static_cast<uint32_t>((group[row_of[i] * row_bytes + byte] >> shift) & 1u) << i;
+      put(b, c, w);
     }
+  }
   return out;
 }
 

@@ -375,9 +375,12 @@ HeadArrays upload_heads(Context& ctx, int NKV, Get get, int elem, const std::str
   }
   if (total == 0) return a;
   a.mem = {ctx.alloc(total, what), total};
+  // The heads' arrays side by side on the host, then one copy.
+  std::vector<char> all(static_cast<size_t>(total));
   for (int h = 0; h < NKV; ++h)
-    ctx.upload(static_cast<char*>(a.mem.mem.get()) + a.off[static_cast<size_t>(h)], get(h).data(),
-               static_cast<int64_t>(get(h).size()) * elem, what);
+    if (!get(h).empty())
+      std::memcpy(all.data() + a.off[static_cast<size_t>(h)], get(h).data(), get(h).size() * static_cast<size_t>(elem));
+  ctx.upload(a.mem.mem.get(), all.data(), total, what);
   return a;
 }
 
