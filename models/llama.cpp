@@ -212,39 +212,56 @@ void CapturedAttention::reduce(int layer, const AttentionReduction& r) const {
   const int T = lay_.T, NH = lay_.n_heads;
   r.check(T, "prefill attention of layer " + std::to_string(layer));
   std::lock_guard<std::mutex> lock(mu_);
-  const std::string key = r.key();
-  auto give = [&](const Reduced& x) {
-    if (r.column_sums) std::copy(x.column_sums.begin(), x.column_sums.end(), r.column_sums);
-    if (r.below) std::copy(x.below.begin(), x.below.end(), r.below);
+  AttentionReduction rows_only;
+  rows_only.queries = r.queries;
+  const std::string rows = rows_only.key();
+  auto counts_of = [&](const Reduced& x) -> const Below* {
+    for (const Below& b : x.below)
+      if (b.p == r.p && b.zeros == r.zeros_below) return &b;
+    return nullptr;
   };
-  for (const Reduced& x : reduced_)
-    if (x.layer == layer && x.key == key) return give(x);
-  Reduced x{layer, key, {}, {}};
-  AttentionReduction own = r;
-  if (r.column_sums) {
-    x.column_sums.resize(static_cast<size_t>(NH) * T);
-    own.column_sums = x.column_sums.data();
-  }
-  if (r.below) {
-    x.below.resize(static_cast<size_t>(NH));
-    own.below = x.below.data();
-  }
-  const std::shared_ptr<const std::vector<float>>* kept = nullptr;
-  for (const auto& e : recent_)
-    if (e.first == layer) kept = &e.second;
-  if (kept) {
-    reduce_attention((*kept)->data(), NH, T, own);
-  } else {
-    if (layer < 0 || layer >= n_layers() || qkv_[static_cast<size_t>(layer)].empty())
-      throw InternalError("prefill attention: no captured layer " + std::to_string(layer));
-    if (!be_->attention_reduce(qkv_[static_cast<size_t>(layer)], lay_, own)) {
-      const auto p = held(layer);
-      reduce_attention(p->data(), NH, T, own);
+  Reduced* x = nullptr;
+  for (Reduced& e : reduced_)
+    if (e.layer == layer && e.rows == rows) x = &e;
+  if (!x || (r.below && !counts_of(*x))) {
+    // The column sums with any request over rows not seen yet, the counts when asked.
+    Reduced fresh{layer, rows, {}, {}};
+    Reduced& into = x ? *x : fresh;
+    AttentionReduction own;
+    own.queries = r.queries;
+    if (!x) {
+      into.column_sums.resize(static_cast<size_t>(NH) * T);
+      own.column_sums = into.column_sums.data();
+    }
+    Below b{r.p, r.zeros_below, {}};
+    if (r.below) {
+      b.counts.resize(static_cast<size_t>(NH));
+      own.below = b.counts.data();
+      own.p = r.p;
+      own.zeros_below = r.zeros_below;
+    }
+    const std::shared_ptr<const std::vector<float>>* kept = nullptr;
+    for (const auto& e : recent_)
+      if (e.first == layer) kept = &e.second;
+    if (kept) {
+      reduce_attention((*kept)->data(), NH, T, own);
+    } else {
+      if (layer < 0 || layer >= n_layers() || qkv_[static_cast<size_t>(layer)].empty())
+        throw InternalError("prefill attention: no captured layer " + std::to_string(layer));
+      if (!be_->attention_reduce(qkv_[static_cast<size_t>(layer)], lay_, own)) {
+        const auto p = held(layer);
+        reduce_attention(p->data(), NH, T, own);
+      }
+    }
+    if (r.below) into.below.push_back(std::move(b));
+    if (!x) {
+      reduced_.insert(reduced_.begin(), std::move(fresh));
+      if (reduced_.size() > max_reduced()) reduced_.pop_back();
+      x = &reduced_.front();
     }
   }
-  give(x);
-  reduced_.insert(reduced_.begin(), std::move(x));
-  if (reduced_.size() > kReduced) reduced_.pop_back();
+  if (r.column_sums) std::copy(x->column_sums.begin(), x->column_sums.end(), r.column_sums);
+  if (r.below) std::copy(counts_of(*x)->counts.begin(), counts_of(*x)->counts.end(), r.below);
 }
 
 std::shared_ptr<const std::vector<float>> CapturedAttention::held(int layer) const {

@@ -67,15 +67,22 @@ class CapturedAttention final : public PrefillAttention {
   std::vector<Buffer> qkv_;
   mutable std::mutex mu_;
   mutable std::vector<std::pair<int, std::shared_ptr<const std::vector<float>>>> recent_;
-  // The latest reductions' results by layer and AttentionReduction::key (a method asks the same
-  // of a layer once for each KV head or query head it scores).
+  // The latest reductions' results by layer and query rows (a method asks the same of a layer
+  // once for each KV head or query head it scores; the run's diagnostics and the methods ask a
+  // few row sets a layer): the column sums, computed with any request, and the counts below each
+  // threshold asked for.
+  struct Below {
+    double p = 0;
+    bool zeros = false;
+    std::vector<int64_t> counts;
+  };
   struct Reduced {
     int layer = 0;
-    std::string key;
+    std::string rows;
     std::vector<double> column_sums;
-    std::vector<int64_t> below;
+    std::vector<Below> below;
   };
-  static constexpr size_t kReduced = 8;
+  size_t max_reduced() const { return 4 * qkv_.size() + 4; }
   mutable std::vector<Reduced> reduced_;
   std::shared_ptr<const std::vector<float>> held(int layer) const;  // under mu_
 };

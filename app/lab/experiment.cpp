@@ -44,7 +44,6 @@ Experiment start_experiment(const Model& model, PrefillState prefill, const Expe
   obs.insert(obs.end(), observers.begin(), observers.end());
   ex.full = model.decode(ex.prefill, nullptr, g, obs);
   const PrefillView pv = ex.view();
-  ex.hit_rates = cache_hit_rates(pv, *ex.full_recorder, opt.hit_budget, opt.hit_steps, opt.hit_window);
   for (int l = 0; l < ex.prefill.store.n_layers(); ++l) {
     ex.sparsity_prefill.push_back(prefill_sparsity(pv, l, opt.sparsity_p));
     double s = 0;
@@ -58,6 +57,9 @@ Experiment start_experiment(const Model& model, PrefillState prefill, const Expe
     for (const KVSegment& seg : ex.prefill.store.layer(l).segments)
       ex.full_fp16_bytes += seg.dense_bytes(ex.prefill.store.head_dim(), 2);
   }
+  // After the prefill sparsity: its reduction over every query row leaves the column sums the
+  // accumulated strategy reads (PrefillAttention::reduce keeps them).
+  ex.hit_rates = cache_hit_rates(pv, *ex.full_recorder, opt.hit_budget, opt.hit_steps, opt.hit_window);
   if (opt.attention_maps) {
     const int T = pv.prompt_len, S = std::min(opt.diag_steps, ex.full_recorder->steps()), n = T + S;
     ex.attention_steps = S;
