@@ -43,20 +43,29 @@ def prompt_ids(sp, prompt, n_visual):
 
 
 def choose_prompt(sp, want_text):
+    """The prompt of the first n words (WORDS repeated) whose text tokens come closest to want_text."""
+    words = lambda n: " ".join(WORDS[i % len(WORDS)] for i in range(n)) + "."  # noqa: E731
+    lo, hi = 1, 1
+    while len(prompt_ids(sp, words(hi), 0)) < want_text:
+        hi *= 2
+    while lo < hi:  # the first n reaching want_text (counts grow with n)
+        mid = (lo + hi) // 2
+        if len(prompt_ids(sp, words(mid), 0)) < want_text:
+            lo = mid + 1
+        else:
+            hi = mid
     best = None
-    for n in range(1, len(WORDS) + 1):
-        p = " ".join(WORDS[:n]) + "."
+    for n in range(max(1, lo - 2), lo + 3):
+        p = words(n)
         ids = prompt_ids(sp, p, 0)
         if best is None or abs(len(ids) - want_text) < abs(len(best[1]) - want_text):
             best = (p, ids)
-        if len(ids) == want_text:
-            return p, ids
     return best
 
 
-def config():
+def config(image_size=336):
     vision = CLIPVisionConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
-                              num_attention_heads=16, image_size=336, patch_size=14,
+                              num_attention_heads=16, image_size=image_size, patch_size=14,
                               projection_dim=768, hidden_act="quick_gelu", layer_norm_eps=1e-5)
     text = LlamaConfig(vocab_size=32064, hidden_size=4096, intermediate_size=11008,
                        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
@@ -64,12 +73,12 @@ def config():
                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                        tie_word_embeddings=False)
     return LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN,
-                       image_seq_length=576, projector_hidden_act="gelu", vision_feature_layer=-2,
+                       image_seq_length=(image_size // 14) ** 2, projector_hidden_act="gelu", vision_feature_layer=-2,
                        vision_feature_select_strategy="default", multimodal_projector_bias=True,
                        tie_word_embeddings=False)
 
 
-def write_side_files(out):
+def write_side_files(out, image_size=336):
     for f in ("tokenizer.model", "special_tokens_map.json"):
         shutil.copy(os.path.join(EMBEDDED, f), os.path.join(out, f))
     with open(os.path.join(EMBEDDED, "tokenizer_config.json")) as f:
@@ -82,11 +91,11 @@ def write_side_files(out):
         json.dump(tc, f, indent=2)
     with open(os.path.join(out, "added_tokens.json"), "w") as f:
         json.dump({"<image>": IMAGE_TOKEN}, f)
-    pre = {"crop_size": {"height": 336, "width": 336}, "do_center_crop": True, "do_convert_rgb": True,
+    pre = {"crop_size": {"height": image_size, "width": image_size}, "do_center_crop": True, "do_convert_rgb": True,
            "do_normalize": True, "do_rescale": True, "do_resize": True,
            "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
            "image_processor_type": "CLIPImageProcessor", "resample": 3, "rescale_factor": 1 / 255,
-           "size": {"shortest_edge": 336}}
+           "size": {"shortest_edge": image_size}}
     with open(os.path.join(out, "preprocessor_config.json"), "w") as f:
         json.dump(pre, f, indent=2)
 
@@ -103,7 +112,8 @@ def timed(fn):
 def hf_bench(model, ids, new_tokens, repeat):
     dev = torch.device("cuda")
     x = torch.tensor([ids], device=dev)
-    pv = torch.randn(1, 3, 336, 336, device=dev, dtype=torch.float16)
+    size = model.config.vision_config.image_size
+    pv = torch.randn(1, 3, size, size, device=dev, dtype=torch.float16)
     gen = dict(do_sample=False, use_cache=True, pad_token_id=0, eos_token_id=None)
     model.generate(input_ids=x, pixel_values=pv, max_new_tokens=4, min_new_tokens=4, **gen)  # warm-up
     prefill, g1, gn, loop = [], [], [], []
@@ -134,6 +144,26 @@ def hf_bench(model, ids, new_tokens, repeat):
             "repeat": repeat, "attn_implementation": model.config._attn_implementation}
 
 
+@torch.no_grad()
+def hf_capture(model, ids):
+    """HF transformers' attention capture: eager attention with output_attentions=True, every
+    layer's [heads][T][T] probabilities on the GPU, then copied to the host as fp32."""
+    dev = torch.device("cuda")
+    x = torch.tensor([ids], device=dev)
+    size = model.config.vision_config.image_size
+    pv = torch.randn(1, 3, size, size, device=dev, dtype=torch.float16)
+    model.set_attn_implementation("eager")
+    model(input_ids=x, pixel_values=pv, output_attentions=True)  # warm-up
+    out, gpu_ms = timed(lambda: model(input_ids=x, pixel_values=pv, output_attentions=True))
+    t0 = time.perf_counter()
+    host = [a.float().cpu() for a in out.attentions]
+    host_ms = (time.perf_counter() - t0) * 1e3
+    nbytes = sum(h.numel() * 4 for h in host)
+    model.set_attn_implementation("sdpa")
+    return {"prompt_tokens": len(ids), "capture_gpu_ms": gpu_ms, "copy_to_host_ms": host_ms,
+            "capture_to_host_ms": gpu_ms + host_ms, "host_bytes": nbytes}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="checkpoint folder to write")
@@ -142,6 +172,9 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-hf-bench", action="store_true")
+    ap.add_argument("--image-size", type=int, default=336, help="the tower's image size (672: 2,304 visual tokens)")
+    ap.add_argument("--hf-capture", action="store_true",
+                    help="also time HF's prefill with output_attentions=True (eager) and the copy of its maps to the host")
     a = ap.parse_args()
     torch.manual_seed(0)
     sp = spm.SentencePieceProcessor(model_file=os.path.join(EMBEDDED, "tokenizer.model"))
@@ -149,22 +182,25 @@ def main():
     t0 = time.perf_counter()
     torch.set_default_dtype(torch.float16)
     with torch.device("cuda"):
-        model = LlavaForConditionalGeneration(config())
+        model = LlavaForConditionalGeneration(config(a.image_size))
     torch.set_default_dtype(torch.float32)
     model = model.half().eval()
     n_params = sum(p.numel() for p in model.parameters())
     os.makedirs(a.out, exist_ok=True)
     model.save_pretrained(a.out, max_shard_size="5GB")
-    write_side_files(a.out)
+    write_side_files(a.out, a.image_size)
     made_s = time.perf_counter() - t0
-    ids = prompt_ids(sp, prompt, 576)
+    n_visual = (a.image_size // 14) ** 2
+    ids = prompt_ids(sp, prompt, n_visual)
     result = {"checkpoint": a.out, "parameters": n_params, "make_seconds": made_s, "prompt": prompt,
-              "prompt_tokens": len(ids), "text_tokens": len(text_ids), "visual_tokens": 576,
+              "prompt_tokens": len(ids), "text_tokens": len(text_ids), "visual_tokens": n_visual,
               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     if not a.no_hf_bench:
         import transformers
         result["transformers"] = transformers.__version__
         result["hf"] = hf_bench(model, ids, a.new_tokens, a.repeat)
+    if a.hf_capture:
+        result["hf_capture"] = hf_capture(model, ids)
     print(json.dumps(result, indent=1))
     if a.json:
         with open(a.json, "w") as f:
