@@ -7,6 +7,7 @@
 #include <cmath>
 #include <random>
 #include <cstring>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -121,6 +122,18 @@ TEST(HalfDecoding, EveryF16AndBf16PatternBitForBit) {
 
 // A shape whose element count fits in 64 bits but whose byte count wraps: [2^61, 2] F32 is 2^62
 // elements and 2^64 bytes, which is 0 modulo 2^64 and would match data_offsets [0, 0].
+// `got` is `want` bit for bit, or both are NaNs (a NaN's payload may differ).
+static void expect_same_float(float got, float want, const std::string& what) {
+  if (std::isnan(want)) {
+    EXPECT_TRUE(std::isnan(got)) << what;
+    return;
+  }
+  uint32_t a, b;
+  std::memcpy(&a, &got, 4);
+  std::memcpy(&b, &want, 4);
+  EXPECT_EQ(a, b) << what;
+}
+
 // The bulk widening of halves gives the scalar conversion's float for every one of the 65536
 // patterns (NaNs stay NaNs), at a length that leaves a scalar tail.
 TEST(HalfDecoding, BulkEqualsScalarForEveryPattern) {
@@ -129,15 +142,9 @@ TEST(HalfDecoding, BulkEqualsScalarForEveryPattern) {
   std::vector<float> out(h.size());
   from_half_n(h.data(), out.data(), static_cast<int64_t>(h.size()));
   for (size_t i = 0; i < h.size(); ++i) {
-    const float want = from_half(h[i]);
-    if (std::isnan(want)) {
-      EXPECT_TRUE(std::isnan(out[i])) << i;
-      continue;
-    }
-    uint32_t a, b;
-    std::memcpy(&a, &out[i], 4);
-    std::memcpy(&b, &want, 4);
-    EXPECT_EQ(a, b) << "half 0x" << std::hex << h[i];
+    std::ostringstream what;
+    what << "half 0x" << std::hex << h[i];
+    expect_same_float(out[i], from_half(h[i]), what.str());
   }
 }
 
@@ -192,16 +199,8 @@ TEST(HalfRounding, BulkEqualsScalar) {
   for (const size_t n : {x.size(), x.size() - 3, size_t{7}, size_t{1}}) {
     std::vector<float> bulk(x.begin(), x.begin() + static_cast<std::ptrdiff_t>(n));
     round_half_n(bulk.data(), static_cast<int64_t>(n));
-    for (size_t i = 0; i < n; ++i) {
-      const float want = round_half(x[i]);
-      if (std::isnan(want)) {
-        EXPECT_TRUE(std::isnan(bulk[i])) << i;
-        continue;
-      }
-      uint32_t a, b;
-      std::memcpy(&a, &bulk[i], 4);
-      std::memcpy(&b, &want, 4);
-      EXPECT_EQ(a, b) << "x = " << x[i] << " (index " << i << " of " << n << ")";
-    }
+    for (size_t i = 0; i < n; ++i)
+      expect_same_float(bulk[i], round_half(x[i]),
+                        "x = " + std::to_string(x[i]) + " (index " + std::to_string(i) + " of " + std::to_string(n) + ")");
   }
 }

@@ -14,6 +14,7 @@
 #include "core/compress/policy.h"
 #include "tests/op_harness.h"
 #include "tests/held_attention.h"
+#include "tests/layout_check.h"
 
 using namespace kvlens;
 using namespace kvlens::testing;
@@ -391,18 +392,7 @@ TEST(DecodeOps, RopeAppendFused) {
   gpu.kv_hydrate(*dev, layout, false);
   EXPECT_TRUE(back.has_rows());
   EXPECT_FALSE(layout.has_rows());
-  ASSERT_EQ(layout.layer(0).segments.size(), back.layer(0).segments.size());
-  for (size_t i = 0; i < back.layer(0).segments.size(); ++i) {
-    const KVSegment &a = layout.layer(0).segments[i], &b = back.layer(0).segments[i];
-    EXPECT_TRUE(a.layout_only);
-    EXPECT_EQ(a.kind, b.kind);
-    EXPECT_EQ(a.storage, b.storage);
-    EXPECT_EQ(a.bytes.total(), b.bytes.total());
-    for (int h = 0; h < c.NKV; ++h) {
-      EXPECT_EQ(a.heads[h].pos, b.heads[h].pos);
-      EXPECT_TRUE(a.heads[h].k.empty() && a.heads[h].v.empty());
-    }
-  }
+  expect_layout_of(layout.layer(0), back.layer(0));
   std::vector<float> K, V;
   std::vector<int32_t> P;
   EXPECT_THROW(layout.gather(0, 0, K, V, P), InternalError);

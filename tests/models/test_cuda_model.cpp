@@ -402,6 +402,26 @@ void expect_same_layout(const KVStore& a, const KVStore& b) {
   }
 }
 
+// `spec`'s policy decoded twice from r's prefill, unchained: x on the layout alone (its policy
+// reads no rows), y with an observer that reads keys and values, so that the prompt's rows come
+// to the host first; a and b are their compressed stores.
+struct TwoDecodes {
+  DecodeResult x, y;
+  KVStore a, b;
+};
+TwoDecodes decode_on_layout_and_on_rows(const SampleRun& r, const char* spec) {
+  GenerateOptions u = r.g;
+  u.chain_steps = false;
+  const auto p0 = make_policy(spec), p1 = make_policy(spec);
+  EXPECT_FALSE(p0->reads_rows());
+  TwoDecodes t;
+  DecodeRecorder rows(2, true);
+  t.x = r.gpu.decode(r.st, p0.get(), u, {}, &t.a);
+  t.y = r.gpu.decode(r.st, p1.get(), u, {&rows}, &t.b);
+  EXPECT_TRUE(!rows.entries().empty() && !rows.entries().front().k.empty()) << "the observed decode read the rows";
+  return t;
+}
+
 // On the device the prefill store keeps the layout alone (the CPU's layout, no rows), and the
 // eviction methods that read no rows select on it while the device gathers the kept rows: each
 // gives the same kept positions, bytes, tokens and logits (within one fp16 rounding, as above)
@@ -417,21 +437,12 @@ TEST(CudaModel, EvictionSelectsOnTheLayoutAloneAndTheDeviceGathers) {
   KVStore cpu_fp16 = c.store;
   cpu_fp16.set_row_storage(RowStorage::Fp16);
   expect_same_layout(r.st.store, cpu_fp16);
-  GenerateOptions u = r.g;
-  u.chain_steps = false;
   for (const char* spec : {"snapkv:budget=0.3", "h2o", "vlcache:budget=0.25", "pyramidkv", "streamingllm",
                            "lookm:merge=none", "stack:evict=snapkv,quant=none"}) {
     SCOPED_TRACE(spec);
-    const auto p0 = make_policy(spec), p1 = make_policy(spec);
-    ASSERT_FALSE(p0->reads_rows());
-    KVStore a, b;
-    DecodeRecorder rows(2, true);
-    const DecodeResult x = r.gpu.decode(r.st, p0.get(), u, {}, &a);
-    const DecodeResult y = r.gpu.decode(r.st, p1.get(), u, {&rows}, &b);
-    expect_same_decode(y, x);
-    expect_same_layout(a, b);
-    ASSERT_FALSE(rows.entries().empty());
-    EXPECT_FALSE(rows.entries().front().k.empty()) << "the observed decode read the rows";
+    const TwoDecodes t = decode_on_layout_and_on_rows(r, spec);
+    expect_same_decode(t.y, t.x);
+    expect_same_layout(t.a, t.b);
   }
 }
 
@@ -444,19 +455,13 @@ TEST(CudaModel, EvictionSelectsOnTheLayoutAloneAndTheDeviceGathers) {
 TEST(CudaModel, CalibQuantQuantizesTheVisualRowsOnTheDevice) {
   NEED_GPU();
   SampleRun r = sample_run(8);
-  GenerateOptions u = r.g;
-  u.chain_steps = false;
   for (const char* spec : {"calibquant:bits=1", "calibquant:preset=official", "calibquant:bits=4",
                            "stack:evict=snapkv,quant=calibquant,budget=0.4"}) {
     SCOPED_TRACE(spec);
-    const auto p0 = make_policy(spec), p1 = make_policy(spec);
-    ASSERT_FALSE(p0->reads_rows());
-    KVStore a, b;
-    DecodeRecorder rows(2, true);
-    const DecodeResult x = r.gpu.decode(r.st, p0.get(), u, {}, &a);
-    const DecodeResult y = r.gpu.decode(r.st, p1.get(), u, {&rows}, &b);
-    EXPECT_EQ(x.generated_ids, y.generated_ids);
-    EXPECT_EQ(x.bytes_after_prefill.total(), y.bytes_after_prefill.total());
+    const TwoDecodes t = decode_on_layout_and_on_rows(r, spec);
+    const KVStore &a = t.a, &b = t.b;
+    EXPECT_EQ(t.x.generated_ids, t.y.generated_ids);
+    EXPECT_EQ(t.x.bytes_after_prefill.total(), t.y.bytes_after_prefill.total());
     expect_same_layout(a, b);
     int quantized = 0;
     for (int l = 0; l < a.n_layers(); ++l)

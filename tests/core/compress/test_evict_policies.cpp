@@ -19,6 +19,7 @@
 #include "core/half.h"
 #include "core/compress/select.h"
 #include "tests/evict_fixture.h"
+#include "tests/layout_check.h"
 
 using namespace kvlens;
 using namespace kvlens::testing;
@@ -317,18 +318,8 @@ TEST(Eviction, MethodsThatReadNoRowsActOnTheLayoutAlone) {
     make(m, set)->on_prefill(P.contexts(), P.store);
     policy->on_prefill(P.contexts(), layout_only);
     for (int l = 0; l < P.L; ++l) {
-      ASSERT_EQ(layout_only.layer(l).segments.size(), P.store.layer(l).segments.size());
-      for (size_t i = 0; i < P.store.layer(l).segments.size(); ++i) {
-        const KVSegment &a = layout_only.layer(l).segments[i], &b = P.store.layer(l).segments[i];
-        EXPECT_TRUE(a.layout_only);
-        EXPECT_EQ(a.kind, b.kind);
-        EXPECT_EQ(a.storage, b.storage);
-        EXPECT_EQ(a.bytes.total(), b.bytes.total());
-        for (int h = 0; h < P.Hkv; ++h) {
-          EXPECT_EQ(a.heads[h].pos, b.heads[h].pos);
-          EXPECT_TRUE(a.heads[h].k.empty() && a.heads[h].v.empty());
-        }
-      }
+      SCOPED_TRACE("layer " + std::to_string(l));
+      expect_layout_of(layout_only.layer(l), P.store.layer(l));
       EXPECT_EQ(layout_only.bytes(l).total(), P.store.bytes(l).total());
     }
   }
