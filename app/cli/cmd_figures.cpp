@@ -45,10 +45,10 @@ void check_figure_args(const FigureArgs& a) {
 #endif
 }
 
-void write_report_figures(const nlohmann::json& report, const FigureArgs& a) {
+void write_report_figures(const nlohmann::json& report, const FigureArgs& a, const RGBImage* image) {
   if (a.dir.empty()) return;
 #ifdef KVLENS_HAVE_CAIRO
-  const std::vector<fig::Figure> figs = fig::report_figures(report);
+  const std::vector<fig::Figure> figs = fig::report_figures(report, image);
   const auto written = export_figures(figs, a.dir, parse_figure_formats(a.formats, "--figure-formats"), true);
   std::printf("%zu figures (%zu files) written to %s\n", figs.size(), written.size(), a.dir.c_str());
 #else

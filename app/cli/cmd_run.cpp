@@ -10,6 +10,7 @@
 #include "core/files.h"
 #include "app/lab/session.h"
 #include "app/lab/experiment.h"
+#include "app/lab/worker.h"
 
 namespace kvlens::app {
 
@@ -141,7 +142,10 @@ void run_methods(const RunArgs& args) {
   if (!a.report.empty() || !a.figures.dir.empty()) {
     const nlohmann::json report = experiment_json(model, ex, a.opt);
     if (!a.report.empty()) write_json(a.report, report);
-    write_report_figures(report, a.figures);
+    if (!a.figures.dir.empty()) {
+      const RGBImage shown = shown_image(model.pixel_values(img), model.preprocess_config());
+      write_report_figures(report, a.figures, &shown);
+    }
   }
 }
 

@@ -8,6 +8,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "core/data/image.h"
 #include "core/eval/coco.h"
 #include "core/eval/meteor.h"
 
@@ -41,6 +42,7 @@ struct FigureArgs {
 };
 void add_figure_options(CLI::App* c, FigureArgs& a);
 void check_figure_args(const FigureArgs& a);  // before any work: formats, the folder, Cairo
-void write_report_figures(const nlohmann::json& report, const FigureArgs& a);
+// `image`: the image as the model sees it (null: unknown), under the token-fate figures.
+void write_report_figures(const nlohmann::json& report, const FigureArgs& a, const RGBImage* image = nullptr);
 
 }  // namespace kvlens::app

@@ -268,9 +268,26 @@ Prim heatmap_image(const Series& s) {
     p.rgba[i * 4 + 0] = static_cast<uint8_t>(std::lround(c.r * 255));
     p.rgba[i * 4 + 1] = static_cast<uint8_t>(std::lround(c.g * 255));
     p.rgba[i * 4 + 2] = static_cast<uint8_t>(std::lround(c.b * 255));
-    p.rgba[i * 4 + 3] = 255;
+    p.rgba[i * 4 + 3] = static_cast<uint8_t>(std::lround(std::clamp(s.alpha, 0.0f, 1.0f) * 255));
   }
   p.image_key = fnv1a(p.rgba, static_cast<uint64_t>(s.rows) * 1000003u + s.cols);
+  return p;
+}
+
+// An image over `r` from rows of RGBA pixels, row 0 drawn at the bottom when `flip`.
+Prim image_prim(const Rect& r, int w, int h, const std::vector<uint8_t>& rgba, bool flip, uint64_t seed) {
+  Prim p;
+  p.type = Prim::Type::Image;
+  p.rect = r;
+  p.image_w = w;
+  p.image_h = h;
+  p.rgba = rgba;
+  if (flip) {
+    const size_t row = static_cast<size_t>(w) * 4;
+    for (int y = 0; y < h / 2; ++y)
+      std::swap_ranges(p.rgba.begin() + y * row, p.rgba.begin() + (y + 1) * row, p.rgba.begin() + (h - 1 - y) * row);
+  }
+  p.image_key = fnv1a(p.rgba, seed);
   return p;
 }
 
@@ -447,19 +464,14 @@ Frame draw(const Figure& f, double W, double H, const TextWidth& measure, const 
     switch (s.kind) {
       case SeriesKind::Heatmap: {
         if (s.rows <= 0 || s.cols <= 0) break;
-        Prim img = heatmap_image(s);
+        const Prim cells = heatmap_image(s);
         const double ya = fr.py(s.y0), yb = fr.py(s.y1);
-        img.rect = {fr.px(s.x0), std::min(ya, yb), fr.px(s.x1), std::max(ya, yb)};
-        // Rows run along y from y0; when y0 is drawn at the bottom, flip the pixel rows.
-        if (ya > yb) {
-          std::vector<uint8_t> flipped(img.rgba.size());
-          const size_t row = static_cast<size_t>(s.cols) * 4;
-          for (int r = 0; r < s.rows; ++r)
-            std::copy_n(img.rgba.begin() + r * row, row, flipped.begin() + (s.rows - 1 - r) * row);
-          img.rgba.swap(flipped);
-          img.image_key = fnv1a(img.rgba, img.image_key);
-        }
-        P.push_back(std::move(img));
+        const Rect r{fr.px(s.x0), std::min(ya, yb), fr.px(s.x1), std::max(ya, yb)};
+        // Rows run along y from y0; when y0 is drawn at the bottom, the pixel rows flip.
+        if (s.backdrop && s.backdrop_w > 0 && s.backdrop_h > 0 &&
+            s.backdrop->size() == static_cast<size_t>(s.backdrop_w) * s.backdrop_h * 4)
+          P.push_back(image_prim(r, s.backdrop_w, s.backdrop_h, *s.backdrop, ya > yb, 0x6261636bu));
+        P.push_back(image_prim(r, s.cols, s.rows, cells.rgba, ya > yb, cells.image_key));
         break;
       }
       case SeriesKind::Bars:

@@ -12,6 +12,7 @@
 #pragma once
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <set>
 #include <string>
 #include <vector>
@@ -49,6 +50,11 @@ struct Series {
   double x0 = 0, x1 = 1, y0 = 0, y1 = 1;
   double z_min = 0, z_max = 1;
   bool z_log = false;
+  // Heatmap: the cells' opacity, and an image drawn beneath them over the same rectangle
+  // (backdrop_w × backdrop_h RGBA pixels, row 0 at y0 as the cells; null: none).
+  float alpha = 1;
+  int backdrop_w = 0, backdrop_h = 0;
+  std::shared_ptr<const std::vector<uint8_t>> backdrop;
 };
 
 struct Tick {

@@ -710,7 +710,30 @@ Figure patch_multiples_figure(const std::vector<std::vector<std::vector<float>>>
   return f;
 }
 
-Figure token_fate_figure(const nlohmann::json& report, int method, int layer, const std::string& field) {
+namespace {
+
+// `img` box-filtered to w × h RGBA pixels (opaque).
+std::shared_ptr<const std::vector<uint8_t>> backdrop_pixels(const RGBImage& img, int w, int h) {
+  auto out = std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(w) * h * 4, 255);
+  for (int y = 0; y < h; ++y)
+    for (int x = 0; x < w; ++x) {
+      const int y0 = y * img.height / h, y1 = std::max(y0 + 1, (y + 1) * img.height / h);
+      const int x0 = x * img.width / w, x1 = std::max(x0 + 1, (x + 1) * img.width / w);
+      for (int c = 0; c < 3; ++c) {
+        int64_t sum = 0;
+        for (int yy = y0; yy < y1; ++yy)
+          for (int xx = x0; xx < x1; ++xx) sum += img.data[(static_cast<size_t>(yy) * img.width + xx) * 3 + c];
+        (*out)[(static_cast<size_t>(y) * w + x) * 4 + c] =
+            static_cast<uint8_t>((sum + (y1 - y0) * (x1 - x0) / 2) / ((y1 - y0) * (x1 - x0)));
+      }
+    }
+  return out;
+}
+
+}  // namespace
+
+Figure token_fate_figure(const nlohmann::json& report, int method, int layer, const std::string& field,
+                         const RGBImage* image) {
   const J grid = root(report).at("patch_grid");
   const int R = grid.at("rows").integer(), C = grid.at("cols").integer(), first = grid.at("first").integer();
   const J m = method_at(report, method);
@@ -733,6 +756,14 @@ Figure token_fate_figure(const nlohmann::json& report, int method, int layer, co
   double zmax = 0;
   for (double z : s.z) zmax = std::max(zmax, z);
   s.z_max = field == "kept" ? 1.0 : field == "bits" ? std::max(zmax, 1.0) : std::max(zmax, 1.0);
+  const bool over_image = image && image->width > 0 && image->height > 0 &&
+                          image->data.size() == static_cast<size_t>(image->width) * image->height * 3;
+  if (over_image) {
+    s.alpha = 0.6f;
+    s.backdrop_w = std::min(image->width, 12 * C);
+    s.backdrop_h = std::min(image->height, 12 * R);
+    s.backdrop = backdrop_pixels(*image, s.backdrop_w, s.backdrop_h);
+  }
   Figure f;
   f.id = "token_fate_" + field + "_" + method_id(report, method) + "_l" + std::to_string(layer);
   f.method = method_labels(report)[method];
@@ -741,7 +772,7 @@ Figure token_fate_figure(const nlohmann::json& report, int method, int layer, co
                      : field == "bits" ? "mean bits of each patch's kept rows"
                                        : "mean evicted rows merged into each patch";
   f.title = "Token fate, " + method_labels(report)[method] + ", layer " + std::to_string(layer);
-  f.note = what;
+  f.note = over_image ? std::string(what) + ", over the image as the model sees it" : what;
   f.series.push_back(s);
   f.colorbar = field == "kept" ? "kept share" : field == "bits" ? "bits (0 = evicted)" : "rows merged";
   f.aspect = 1;  // square patches, as the image's
@@ -752,7 +783,7 @@ Figure token_fate_figure(const nlohmann::json& report, int method, int layer, co
   return f;
 }
 
-std::vector<Figure> report_figures(const nlohmann::json& report) {
+std::vector<Figure> report_figures(const nlohmann::json& report, const RGBImage* image) {
   std::vector<Figure> out;
   for (LayerMetric m : {LayerMetric::SoftmaxMse, LayerMetric::SoftmaxKl, LayerMetric::OutputError})
     out.push_back(layer_metric_figure(report, m));
@@ -772,11 +803,11 @@ std::vector<Figure> report_figures(const nlohmann::json& report) {
     for (int l = 0; l < L; ++l) {
       out.push_back(score_histogram_figure(report, mi, l));
       if (calib) out.push_back(transfer_curve_figure(report, mi, l));
-      out.push_back(token_fate_figure(report, mi, l, "kept"));
-      out.push_back(token_fate_figure(report, mi, l, "bits"));
+      out.push_back(token_fate_figure(report, mi, l, "kept", image));
+      out.push_back(token_fate_figure(report, mi, l, "bits", image));
       const std::vector<double> merged = layer_at(method_at(report, mi), l).at("token_fate").at("merged").nums();
       if (std::any_of(merged.begin(), merged.end(), [](double x) { return x > 0; }))
-        out.push_back(token_fate_figure(report, mi, l, "merged"));
+        out.push_back(token_fate_figure(report, mi, l, "merged", image));
       if (att) out.push_back(attention_heatmap_figure(report, l, mi));
     }
   }

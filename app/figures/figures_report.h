@@ -10,14 +10,17 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/data/image.h"
 #include "core/diagnostics/diagnostics.h"
 #include "app/figures/figures.h"
 #include "core/compress/method.h"
 
 namespace kvlens::fig {
 
-// Every figure of the report, in a stable order (ids are unique file name stems).
-std::vector<Figure> report_figures(const nlohmann::json& report);
+// Every figure of the report, in a stable order (ids are unique file name stems). `image`: the
+// image as the model sees it (after preprocessing; null: unknown), drawn under the token-fate
+// figures.
+std::vector<Figure> report_figures(const nlohmann::json& report, const RGBImage* image = nullptr);
 
 // Legend names of the report's methods: "label" when present, else "short_spec"; repeated
 // names get " #2", " #3".
@@ -101,7 +104,10 @@ bool has_attention(const nlohmann::json& report);
 Figure patch_multiples_figure(const std::vector<std::vector<std::vector<float>>>& att, int rows, int cols, bool mean,
                               const std::string& who, int token);
 // Token fate of a method over the patch grid at one layer: field "kept" (share of KV heads),
-// "bits" (mean bits of kept rows) or "merged" (mean rows merged in).
-Figure token_fate_figure(const nlohmann::json& report, int method, int layer, const std::string& field);
+// "bits" (mean bits of kept rows) or "merged" (mean rows merged in). Patches are square; with
+// `image` (as the model sees it: the patch grid covers it), the cells are drawn at 60 % opacity
+// over it, downsampled to at most 12 pixels a patch.
+Figure token_fate_figure(const nlohmann::json& report, int method, int layer, const std::string& field,
+                         const RGBImage* image = nullptr);
 
 }  // namespace kvlens::fig

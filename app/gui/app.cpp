@@ -419,7 +419,9 @@ const fig::Figure* App::figure(const std::string& key) {
 
 std::vector<fig::Figure> App::report_figures_all() const {
   if (!st.results || !st.results->report) return {};
-  return fig::report_figures(*st.results->report);
+  // The token-fate figures over the image as the tower sees it (the Image panel's).
+  const RGBImage* shown = st.results->base && st.results->base->shown.width > 0 ? &st.results->base->shown : nullptr;
+  return fig::report_figures(*st.results->report, shown);
 }
 
 std::vector<fig::Figure> App::shown_figures() {

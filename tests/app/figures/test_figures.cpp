@@ -211,6 +211,45 @@ TEST(Figures, AttentionHeatmapAndTokenFate) {
   ASSERT_EQ(fate.series[0].cols, C);
   EXPECT_EQ(fate.series[0].z, r["methods"][1]["layers"][0]["token_fate"]["kept"].get<std::vector<double>>());
   EXPECT_THROW(token_fate_figure(r, 1, 0, "colour"), InputError);
+
+  // Over the image as the model sees it: drawn first over the cells' rectangle, box-filtered to at
+  // most 12 pixels a patch, the cells on top at 60 % opacity; without it, opaque cells alone.
+  RGBImage scene;
+  scene.width = 40 * C;
+  scene.height = 40 * R;
+  scene.data.resize(static_cast<size_t>(scene.width) * scene.height * 3);
+  for (int y = 0; y < scene.height; ++y)
+    for (int x = 0; x < scene.width; ++x)
+      for (int c = 0; c < 3; ++c)
+        scene.data[(static_cast<size_t>(y) * scene.width + x) * 3 + c] = static_cast<uint8_t>(c == 0 ? (x < scene.width / 2 ? 10 : 250) : 128);
+  auto images = [](const Frame& fr) {
+    std::vector<const Prim*> out;
+    for (const Prim& p : fr.prims)
+      if (p.type == Prim::Type::Image && p.image_w > 1) out.push_back(&p);  // (not the colour bar)
+    return out;
+  };
+  const Frame fp = draw(fate, 640, 640, measure);
+  const std::vector<const Prim*> plain = images(fp);
+  ASSERT_EQ(plain.size(), 1u);
+  EXPECT_EQ(plain[0]->rgba[3], 255);
+  const Figure over = token_fate_figure(r, 1, 0, "kept", &scene);
+  EXPECT_EQ(over.series[0].z, fate.series[0].z);
+  const Frame fo = draw(over, 640, 640, measure);
+  const std::vector<const Prim*> both = images(fo);
+  ASSERT_EQ(both.size(), 2u);
+  const Prim &back = *both[0], &cells = *both[1];
+  EXPECT_EQ(back.image_w, 12 * C);
+  EXPECT_EQ(back.image_h, 12 * R);
+  EXPECT_DOUBLE_EQ(back.rect.x0, cells.rect.x0);
+  EXPECT_DOUBLE_EQ(back.rect.x1, cells.rect.x1);
+  EXPECT_DOUBLE_EQ(back.rect.y0, cells.rect.y0);
+  EXPECT_DOUBLE_EQ(back.rect.y1, cells.rect.y1);
+  EXPECT_EQ(back.rgba[0], 10);                             // the image's left half, top row
+  EXPECT_EQ(back.rgba[(12 * C - 1) * 4], 250);             // its right half
+  EXPECT_EQ(back.rgba[3], 255);
+  EXPECT_EQ(cells.rgba[3], 153);                           // round(0.6 · 255)
+  EXPECT_EQ(cells.image_w, C);
+  EXPECT_NE(over.note.find("over the image"), std::string::npos);
 }
 
 TEST(Figures, EveryReportFigureHasAUniqueIdAndDraws) {
