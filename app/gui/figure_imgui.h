@@ -39,6 +39,9 @@ double imgui_text_width(const std::string& text, double size);
 // magnified, so its text grows with the app's fonts. 1 = as laid out.
 void set_figure_scale(float scale);
 float figure_scale();
+// The least height (pixels at UI scale 1) a panel gives a figure: below it a plot's title, legend,
+// axis labels and note leave no plot.
+constexpr float kMinFigureHeight = 180.0f;
 
 // Draws `f` as an item of `size` at the cursor. `view` keeps, between frames, the x zoom (wheel,
 // drag), the y zoom (Shift + wheel), the y scale (right-click menu) and the series hidden (a click

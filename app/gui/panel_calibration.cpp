@@ -3,6 +3,7 @@
 // shared bins, and CalibQuant's map g(x) as a transfer curve from [γ, δ] to [γ−τ1, δ−τ2].
 // Moving τ1/τ2 recomputes the calibrated histogram at once from the stored quantized scores
 // (no decode); the caption and softmax MSE follow when the worker's re-decode finishes.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 
@@ -96,15 +97,21 @@ void calibration_panel(App& app, Ui& ui, const PanelRect& rect) {
   } else {
     ImGui::TextColored(ImVec4(0.55f, 0.4f, 0.05f, 1), "histogram recalibrated from stored scores; re-decoding for caption and MSE…");
   }
+  // The histogram takes 58 % of the room and g(x) the rest, each at least kMinFigureHeight
+  // (scaled with the UI): where the panel is shorter (1280×800), it scrolls instead of squeezing
+  // a plot to a strip.
   const ImVec2 avail = ImGui::GetContentRegionAvail();
-  const float hh = cv.has_transfer ? avail.y * 0.58f : avail.y;
+  const float spacing = ImGui::GetStyle().ItemSpacing.y, min_h = kMinFigureHeight * figure_scale();
+  const float hh = std::max(cv.has_transfer ? avail.y * 0.58f : avail.y, min_h);
   const ImVec2 at = ImGui::GetCursorScreenPos();
   st.drawn["calibration_histogram"] = {at.x, at.y, avail.x, hh};
   draw_figure("##calibhist", cv.histogram, ImVec2(avail.x, hh), st.zoom[cv.histogram.id], ui.textures);
   st.figures.shown_live.push_back(cv.histogram);
   if (cv.has_transfer) {
-    draw_figure("##calibtransfer", cv.transfer, ImVec2(avail.x, avail.y - hh - ImGui::GetStyle().ItemSpacing.y),
-                st.zoom[cv.transfer.id], ui.textures);
+    const float th = std::max(avail.y - hh - spacing, min_h);
+    const ImVec2 tat = ImGui::GetCursorScreenPos();
+    st.drawn["calibration_transfer"] = {tat.x, tat.y, avail.x, th};
+    draw_figure("##calibtransfer", cv.transfer, ImVec2(avail.x, th), st.zoom[cv.transfer.id], ui.textures);
     st.figures.shown_live.push_back(cv.transfer);
   }
   ImGui::End();

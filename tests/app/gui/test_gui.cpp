@@ -324,6 +324,30 @@ TEST(Gui, PlotViewHidesSeriesAndSwitchesTheYScale) {
 
 // The message log opens in a window of its own, tall enough to read whatever the layout leaves
 // the Session panel, listing every message (two refused inputs here).
+// At 1280×800 the Calibration panel is shorter than its two figures want: each keeps at least
+// kMinFigureHeight (the panel scrolls) instead of g(x) shrinking to a strip.
+TEST(Gui, CalibrationFiguresKeepTheirHeightAt1280x800) {
+  const std::string dir = kt::make_temp_dir("gui_small");
+  const json steps = {{"steps",
+                       {{{"do", "wait_results"}},
+                        {{"do", "select"}, {"calib_method", 0}, {"calib_layer", 1}},
+                        {{"do", "frames"}, {"n", 3}},
+                        {{"do", "dump_state"}, {"path", "small.json"}},
+                        {{"do", "quit"}}}}};
+  if (!kGui) GTEST_SKIP() << "kvlens-gui is not built (KVLENS_GUI=OFF or its packages are missing)";
+  if (kt::run("command -v xvfb-run").code != 0) GTEST_SKIP() << "xvfb-run is not installed (./setup.sh --tests installs xvfb)";
+  kt::write_file(dir + "/steps.json", steps.dump(1));
+  const kt::RunResult r = kt::run("cd " + dir + " && HOME=" + dir + " XDG_STATE_HOME=" + dir +
+                                  "/state xvfb-run -a -s '-screen 0 1920x1200x24' " + kGui +
+                                  " --size 1280x800 --script steps.json");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const json st = load(dir + "/small.json");
+  ASSERT_TRUE(st["drawn"].contains("calibration_histogram")) << st["drawn"].dump();
+  ASSERT_TRUE(st["drawn"].contains("calibration_transfer")) << "calibquant (1 bit) calibrates: g(x) is drawn";
+  EXPECT_GE(st["drawn"]["calibration_histogram"][3].get<double>(), 180.0);
+  EXPECT_GE(st["drawn"]["calibration_transfer"][3].get<double>(), 180.0);
+}
+
 TEST(Gui, LogWindowListsEveryMessage) {
   const std::string dir = kt::make_temp_dir("gui_log");
   kt::write_file(dir + "/corrupt.json", "{\"kvlens_session\": 2, \"methods\": [");
