@@ -1,5 +1,6 @@
 // Model panel: the model folder (path, recent, picker), load progress and errors, the facts a
 // researcher sizes a cache by, and the prompt and generation length.
+#include <algorithm>
 #include <imgui.h>
 #include <imgui_stdlib.h>  // after imgui.h
 
@@ -63,27 +64,48 @@ void model_panel(App& app, Ui&, const PanelRect& rect) {
     ImGui::TextDisabled("loading %s…", app.model_dir().c_str());
   } else {
     const ModelFacts& f = *s->model;
-    if (ImGui::BeginTable("##facts", 4, ImGuiTableFlags_SizingStretchProp)) {
-      auto row = [](const char* a, const std::string& b, const char* c, const std::string& d) {
-        ImGui::TableNextRow();
+    std::vector<std::pair<std::string, std::string>> facts = {
+        {"layers", std::to_string(f.layers)},
+        {"heads", std::to_string(f.heads)},
+        {"KV heads", std::to_string(f.kv_heads)},
+        {"head_dim", std::to_string(f.head_dim)},
+        {"visual tokens", std::to_string(f.visual_tokens) + " (" + std::to_string(f.patch_rows) + "×" +
+                              std::to_string(f.patch_rows) + ")"},
+        {"full cache at fp16", f.full_fp16_bytes > 0 ? std::to_string(f.full_fp16_bytes / 1024) + " KiB" : "…"}};
+    if (s->base && s->base->ex) {
+      facts.push_back({"vision", std::to_string(static_cast<int>(s->base->ex->prefill.vision_ms)) + " ms on " + f.backend});
+      facts.push_back({"prefill", std::to_string(static_cast<int>(s->base->ex->prefill.prefill_ms)) + " ms"});
+    }
+    // Two facts a row where they fit side by side, else one: no value is cut (1280×800).
+    // The width n facts a row need: each column as wide as its widest text, plus cell padding.
+    const float pad = 2 * ImGui::GetStyle().CellPadding.x + ImGui::GetStyle().ItemSpacing.x;
+    auto needed = [&](int n) {
+      std::vector<float> col(static_cast<size_t>(2 * n), 0.0f);
+      for (size_t i = 0; i < facts.size(); ++i) {
+        const size_t c = 2 * (i % static_cast<size_t>(n));
+        col[c] = std::max(col[c], ImGui::CalcTextSize(facts[i].first.c_str()).x);
+        col[c + 1] = std::max(col[c + 1], ImGui::CalcTextSize(facts[i].second.c_str()).x);
+      }
+      float w = 0;
+      for (float x : col) w += x + pad;
+      return w;
+    };
+    const float avail = ImGui::GetContentRegionAvail().x;
+    const int per_row = needed(2) <= avail ? 2 : 1;
+    const float need_w = needed(per_row);
+    const ImVec2 at = ImGui::GetCursorScreenPos();
+    st.drawn["model_panel"] = {at.x, at.y, avail, 0};
+    if (ImGui::BeginTable("##facts", 2 * per_row, ImGuiTableFlags_SizingFixedFit)) {
+      for (size_t i = 0; i < facts.size(); ++i) {
+        if (i % static_cast<size_t>(per_row) == 0) ImGui::TableNextRow();
         ImGui::TableNextColumn();
-        ImGui::TextDisabled("%s", a);
+        ImGui::TextDisabled("%s", facts[i].first.c_str());
         ImGui::TableNextColumn();
-        ImGui::TextUnformatted(b.c_str());
-        ImGui::TableNextColumn();
-        ImGui::TextDisabled("%s", c);
-        ImGui::TableNextColumn();
-        ImGui::TextUnformatted(d.c_str());
-      };
-      row("layers", std::to_string(f.layers), "heads", std::to_string(f.heads));
-      row("KV heads", std::to_string(f.kv_heads), "head_dim", std::to_string(f.head_dim));
-      row("visual tokens", std::to_string(f.visual_tokens) + " (" + std::to_string(f.patch_rows) + "×" +
-                               std::to_string(f.patch_rows) + ")",
-          "full cache at fp16", f.full_fp16_bytes > 0 ? std::to_string(f.full_fp16_bytes / 1024) + " KiB" : "…");
-      if (s->base && s->base->ex)
-        row("vision", std::to_string(static_cast<int>(s->base->ex->prefill.vision_ms)) + " ms on " + f.backend, "prefill",
-            std::to_string(static_cast<int>(s->base->ex->prefill.prefill_ms)) + " ms");
+        ImGui::TextUnformatted(facts[i].second.c_str());
+      }
       ImGui::EndTable();
+      // The width the facts need (all of them shown whole) and the height they take.
+      st.drawn["model_facts"] = {at.x, at.y, need_w, ImGui::GetItemRectSize().y};
     }
   }
   ImGui::TextUnformatted("Prompt");

@@ -167,7 +167,8 @@ struct State {
   CalibrationView calibration;
   Timing timing;
   // Where the image and the figures were drawn in the last frame (x, y, width, height), for
-  // scripted checks of screenshots.
+  // scripted checks of screenshots; "model_facts" holds the width the Model panel's facts need and
+  // "model_panel" the width it has.
   std::map<std::string, std::vector<float>> drawn;
   bool quit = false;
   bool log_open = false;  // the message log in a window of its own

@@ -325,7 +325,8 @@ TEST(Gui, PlotViewHidesSeriesAndSwitchesTheYScale) {
 // The message log opens in a window of its own, tall enough to read whatever the layout leaves
 // the Session panel, listing every message (two refused inputs here).
 // At 1280×800 the Calibration panel is shorter than its two figures want: each keeps at least
-// kMinFigureHeight (the panel scrolls) instead of g(x) shrinking to a strip.
+// kMinFigureHeight (the panel scrolls) instead of g(x) shrinking to a strip; the Model panel is
+// narrower than its facts two a row: one a row, none cut.
 TEST(Gui, CalibrationFiguresKeepTheirHeightAt1280x800) {
   const std::string dir = kt::make_temp_dir("gui_small");
   const json steps = {{"steps",
@@ -346,6 +347,10 @@ TEST(Gui, CalibrationFiguresKeepTheirHeightAt1280x800) {
   ASSERT_TRUE(st["drawn"].contains("calibration_transfer")) << "calibquant (1 bit) calibrates: g(x) is drawn";
   EXPECT_GE(st["drawn"]["calibration_histogram"][3].get<double>(), 180.0);
   EXPECT_GE(st["drawn"]["calibration_transfer"][3].get<double>(), 180.0);
+  // The Model panel's facts fit its width (one a row where two do not), none cut.
+  ASSERT_TRUE(st["drawn"].contains("model_facts") && st["drawn"].contains("model_panel")) << st["drawn"].dump();
+  EXPECT_LE(st["drawn"]["model_facts"][2].get<double>(), st["drawn"]["model_panel"][2].get<double>());
+  EXPECT_GT(st["drawn"]["model_facts"][3].get<double>(), 0.0);
 }
 
 TEST(Gui, LogWindowListsEveryMessage) {
