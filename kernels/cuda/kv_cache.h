@@ -1,10 +1,11 @@
-// The GPU KV cache's data structures, shared by kv_cache.cu (append, mirroring, hydration) and
-// kv_decode.cu (decode attention over it). See kv_cache.cu for what the cache holds.
+// The GPU KV cache's data structures, shared by kv_cache.cu (append, mirroring), kv_transfer.cu
+// (rows and codes to and from the host) and kv_decode.cu (decode attention over it). See kv_cache.cu for what the cache holds.
 #pragma once
 #include <algorithm>
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "core/errors.h"
@@ -265,5 +266,31 @@ class CudaKV : public DeviceKV {
 
 CudaKV& as_cuda(DeviceKV* d);
 const CudaKV& as_cuda(const DeviceKV& d);
+
+// Shared by the cache's mirroring (kv_cache.cu) and its transfers to and from the host
+// (kv_transfer.cu).
+// fp16 rows already on the device, by KV head and position (positions are token indices, so
+// a table per head indexed by position), for gathering.
+struct RowMap {
+  using Row = std::pair<const __half*, const __half*>;
+  std::vector<std::vector<Row>> by_head;  // [kv head][position]; {null, null}: not on the device
+  void put(int h, int32_t pos, Row r) {
+    if (pos < 0) return;
+    std::vector<Row>& t = by_head[static_cast<size_t>(h)];
+    if (static_cast<size_t>(pos) >= t.size()) t.resize(static_cast<size_t>(pos) + 1 + t.size() / 2, Row{nullptr, nullptr});
+    t[static_cast<size_t>(pos)] = r;
+  }
+  const Row* find(int h, int32_t pos) const {
+    const std::vector<Row>& t = by_head[static_cast<size_t>(h)];
+    if (pos < 0 || static_cast<size_t>(pos) >= t.size() || !t[static_cast<size_t>(pos)].first) return nullptr;
+    return &t[static_cast<size_t>(pos)];
+  }
+};
+RowMap device_rows(const CudaKV& C, const DevLayer& d);
+// Host segment i of layer l ↔ device segment i (or the tail for the last host segment): the
+// host reports what the device holds.
+void set_host_bytes(CudaKV& C, KVStore& host, int l);
+// Dense rows as the host store keeps them (fp32, or fp16 values: the store's row storage), no payload.
+bool dense_host(const std::string& storage);
 
 }  // namespace kvlens::cuda::kv

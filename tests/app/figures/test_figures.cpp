@@ -12,43 +12,16 @@
 #include "app/figures/figure_svg.h"
 #include "core/data/image.h"
 #include "app/lab/experiment.h"
+#include "tests/report_fixture.h"
 #include "tests/test_util.h"
 
 using namespace kvlens;
 using namespace kvlens::fig;
 namespace kt = kvlens::testing;
 
-namespace {
-
-// One report of the fixture model: calibquant (calibrating), streamingllm (evicting), LOOK-M
-// (merging evicted visual rows into kept ones).
-const nlohmann::json& report() {
-  static const nlohmann::json r = [] {
-    const std::string dir = kt::source_dir() + "/tests/fixtures/hf/mha_fp32_hub";
-    const std::unique_ptr<Model> model_owned = load_model(dir);
-    const Model& model = *model_owned;
-    ExperimentOptions opt;
-    opt.max_new_tokens = 6;
-    opt.diag_steps = 3;
-    opt.hit_steps = {0, 2};
-    opt.attention_maps = true;
-    Experiment ex = start_experiment(model, load_image(dir + "/image.png"), opt);
-    for (const char* spec : {"calibquant:bits=1,tau1=0.5,tau2=2", "streamingllm:budget=0.3", "lookm:alpha2=0.5,text_prior=false,merge=average"})
-      ex.runs.push_back(run_method(model, ex, parse_method_spec(spec), opt));
-    return experiment_json(model, ex, opt);
-  }();
-  return r;
-}
-
-double measure(const std::string& s, double size) { return 0.55 * size * static_cast<double>(s.size()); }
-
-const Series& by_label(const Figure& f, const std::string& label) {
-  for (const Series& s : f.series)
-    if (s.label == label) return s;
-  throw std::runtime_error("no series " + label + " in " + f.id);
-}
-
-}  // namespace
+using kvlens::testing::by_label;
+using kvlens::testing::measure;
+using kvlens::testing::report;
 
 TEST(Figures, LayerMetricLinesAreTheReportsNumbers) {
   const auto& r = report();
@@ -573,83 +546,6 @@ TEST(Figures, PointLabelsDoNotCoverEachOtherOrLeaveThePlot) {
   EXPECT_LE(edge.r.x1, fr.plot.x1);
 }
 
-// The comparison table holds each method's report numbers, in report order until sorted; sorting
-// by a column orders the rows by it either way, keeps the rows of equal values in report order and
-// puts a method without a value (a caption that never diverges) last; an unknown column is refused.
-// The report with a fourth method labelled `label`: the first one's numbers and a caption that
-// never diverges (ties, and a missing value).
-nlohmann::json report_with_copy(const std::string& label) {
-  nlohmann::json r = report();
-  nlohmann::json extra = r["methods"][0];
-  extra["label"] = label;
-  extra["first_divergence"]["position"] = -1;
-  r["methods"].push_back(extra);
-  return r;
-}
-
-TEST(Figures, ComparisonTableIsTheReportsNumbersSortedByAnyColumn) {
-  const nlohmann::json r = report_with_copy("copy");
-  const ComparisonTable t = comparison_table(r);
-  ASSERT_EQ(t.rows.size(), 4u);
-  ASSERT_EQ(t.columns.size(), 9u);
-  EXPECT_EQ(t.columns[0].key, "method");
-  for (size_t i = 0; i < t.rows.size(); ++i) {
-    const auto& m = r["methods"][i];
-    const auto& v = t.rows[i].values;
-    EXPECT_EQ(t.rows[i].method, static_cast<int>(i));
-    EXPECT_EQ(t.rows[i].name, method_labels(r)[i]);
-    EXPECT_DOUBLE_EQ(v[0], m["bytes_after_prefill"]["total"].get<double>() / 1024);
-    EXPECT_DOUBLE_EQ(v[1], m["compression_vs_fp16"].get<double>());
-    EXPECT_DOUBLE_EQ(v[2], m["mean_softmax_mse"].get<double>());
-    EXPECT_DOUBLE_EQ(v[3], m["mean_softmax_kl"].get<double>());
-    EXPECT_DOUBLE_EQ(v[4], m["mean_attn_output_rel_error"].get<double>());
-    const int at = m["first_divergence"]["position"].get<int>();
-    if (at < 0) {
-      EXPECT_TRUE(std::isnan(v[5]));
-    } else {
-      EXPECT_DOUBLE_EQ(v[5], at);
-    }
-    EXPECT_DOUBLE_EQ(v[6], m["timings_ms"]["compress"].get<double>());
-    EXPECT_DOUBLE_EQ(v[7], m["timings_ms"]["decode"].get<double>());
-  }
-  for (size_t c = 0; c < t.columns.size(); ++c)
-    for (bool desc : {false, true}) {
-      ComparisonTable s = t;
-      sort_comparison(s, t.columns[c].key, desc);
-      const std::string at = t.columns[c].key + (desc ? " descending" : " ascending");
-      for (size_t i = 0; i + 1 < s.rows.size(); ++i) {
-        const ComparisonTable::Row &a = s.rows[i], &b = s.rows[i + 1];
-        if (c == 0) {
-          EXPECT_TRUE(desc ? a.name >= b.name : a.name <= b.name) << at;
-          continue;
-        }
-        const double x = a.values[c - 1], y = b.values[c - 1];
-        if (std::isnan(x)) {
-          EXPECT_TRUE(std::isnan(y)) << at << ": a row without a value before one with";
-          continue;
-        }
-        if (std::isnan(y)) continue;
-        EXPECT_TRUE(desc ? x >= y : x <= y) << at << " rows " << i << ", " << i + 1;
-        if (x == y) {
-          EXPECT_LT(a.method, b.method) << at << ": equal values keep report order";
-        }
-      }
-    }
-  // The copy ties the first method on bytes: report order, either way.
-  ComparisonTable s = t;
-  sort_comparison(s, "kv_kib", true);
-  std::vector<int> order;
-  for (const auto& row : s.rows) order.push_back(row.method);
-  EXPECT_LT(std::find(order.begin(), order.end(), 0) - order.begin(), std::find(order.begin(), order.end(), 3) - order.begin());
-  sort_comparison(s, "diverges_at", false);
-  EXPECT_EQ(s.rows.back().name, "copy");
-  sort_comparison(s, "diverges_at", true);
-  EXPECT_EQ(s.rows.back().name, "copy");
-  EXPECT_THROW(sort_comparison(s, "cider", false), InputError);
-  EXPECT_TRUE(comparison_column("mse"));
-  EXPECT_FALSE(comparison_column("cider"));
-}
-
 // How a figure is looked at on screen (fig::View): a hidden series is not drawn, not read out and
 // greyed in the legend (whose series entries are where a click toggles them), and the y axis is
 // fitted to what stays shown; the y scale can be switched either way and the y range zoomed.
@@ -789,51 +685,4 @@ TEST(Figures, PatchSmallMultiplesPlaceEachHeadsTile) {
   EXPECT_NEAR(cell_w, cell_h, 1e-6 * cell_w);
   att[0][1].pop_back();
   EXPECT_THROW(patch_multiples_figure(att, R, C, true, "calibquant", 4), InputError);
-}
-
-// The comparison table as CSV: a header of the column keys, one row per method in the table's
-// order, every number the table's to 9 significant digits, an empty field for a missing value,
-// a name with a comma quoted; read back field by field (RFC 4180) it is the table.
-TEST(Figures, ComparisonCsvIsTheTable) {
-  const nlohmann::json r = report_with_copy("copy, \"quoted\"");
-  ComparisonTable t = comparison_table(r);
-  sort_comparison(t, "mse", true);
-  const std::string csv = comparison_csv(t);
-  // RFC 4180 records.
-  std::vector<std::vector<std::string>> rows(1);
-  std::string field;
-  bool quoted = false;
-  for (size_t i = 0; i < csv.size(); ++i) {
-    const char c = csv[i];
-    if (quoted) {
-      if (c == '"' && i + 1 < csv.size() && csv[i + 1] == '"') field += '"', ++i;
-      else if (c == '"') quoted = false;
-      else field += c;
-    } else if (c == '"') {
-      quoted = true;
-    } else if (c == ',') {
-      rows.back().push_back(field), field.clear();
-    } else if (c == '\n') {
-      rows.back().push_back(field), field.clear();
-      rows.emplace_back();
-    } else {
-      field += c;
-    }
-  }
-  rows.pop_back();  // after the last line break
-  ASSERT_EQ(rows.size(), t.rows.size() + 1);
-  for (size_t c = 0; c < t.columns.size(); ++c) EXPECT_EQ(rows[0][c], t.columns[c].key);
-  for (size_t i = 0; i < t.rows.size(); ++i) {
-    ASSERT_EQ(rows[i + 1].size(), t.columns.size());
-    EXPECT_EQ(rows[i + 1][0], t.rows[i].name);
-    for (size_t c = 0; c < t.rows[i].values.size(); ++c) {
-      const double v = t.rows[i].values[c];
-      const std::string& f = rows[i + 1][c + 1];
-      if (std::isnan(v)) {
-        EXPECT_TRUE(f.empty()) << t.rows[i].name << " " << t.columns[c + 1].key;
-      } else {
-        EXPECT_NEAR(std::stod(f), v, std::abs(v) * 1e-8) << t.rows[i].name << " " << t.columns[c + 1].key;
-      }
-    }
-  }
 }

@@ -1,0 +1,259 @@
+// The KV cache's transfers with the host: its layout and rows read back into a host store
+// (kv_hydrate), a segment's rows quantized where they are with only codes and ranges copied out
+// (kv_quantize_rows), and decode rows appended on the device alone fetched to the host store
+// (kv_pull_rows). Copies go through page-locked memory, each batch before one wait.
+#include <algorithm>
+#include <atomic>
+#include <exception>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/errors.h"
+#include "core/half.h"
+#include "core/kv_format.h"
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/context.h"
+#include "kernels/cuda/kernels.h"
+#include "kernels/cuda/kv_cache.h"
+
+namespace kvlens::cuda {
+
+using namespace kv;
+
+void kv_hydrate(Context& ctx, const DeviceKV& dev, KVStore& host, bool rows) {
+  const CudaKV& C = as_cuda(dev);
+  // The device holds fp16 rows: the store keeps them as fp16 (values exact in float).
+  host = KVStore(C.L, C.NKV, C.D, RowStorage::Fp16);
+  for (int l = 0; l < C.L; ++l) {
+    LayerKV& H = host.layer(l);
+    const DevLayer& d = C.layers[l];
+    // Every part of the layer is copied into page-locked memory before one wait, then widened.
+    struct Part {
+      const __half* k;
+      const __half* v;
+      int n;
+      HeadRows* to;
+    };
+    std::vector<Part> parts;
+    for (const DevSeg& s : d.segs) {
+      if (!s.fp16_rows || !dense_host(s.host_storage) || s.payload)
+        throw InternalError("kv_hydrate: only a cache of fp16 rows can be read back");
+      KVSegment h;
+      h.kind = s.kind;
+      h.storage = "fp16";
+      h.layout_only = !rows;
+      h.heads.resize(C.NKV);
+      for (int k = 0; k < C.NKV; ++k) {
+        h.heads[k].pos = s.pos[k];
+        h.heads[k].merged = s.merged[k];
+      }
+      h.bytes = s.bytes;
+      H.segments.push_back(std::move(h));
+    }
+    if (d.tail.n) {
+      KVSegment h;
+      h.kind = SegmentKind::Generated;
+      h.storage = "fp16";
+      h.layout_only = !rows;
+      h.heads.resize(C.NKV);
+      for (int k = 0; k < C.NKV; ++k) h.heads[k].pos = d.tail.host_pos;
+      h.bytes = fp16_bytes(static_cast<int64_t>(d.tail.n) * C.NKV, C.D);
+      H.segments.push_back(std::move(h));
+    }
+    if (!rows) continue;
+    for (size_t i = 0; i < d.segs.size(); ++i)
+      for (int k = 0; k < C.NKV; ++k) {
+        const PartDesc& p = d.segs[i].heads[k].at(0).d;
+        parts.push_back({static_cast<const __half*>(p.k.data), static_cast<const __half*>(p.v.data), p.n,
+                         &H.segments[i].heads[k]});
+      }
+    if (d.tail.n)
+      for (int k = 0; k < C.NKV; ++k) {
+        const int64_t at = static_cast<int64_t>(k) * d.tail.cap * C.D;
+        parts.push_back({d.tail.k.as<__half>() + at, d.tail.v.as<__half>() + at, d.tail.n,
+                         &H.segments.back().heads[k]});
+      }
+    int64_t total = 0;
+    for (const Part& p : parts) total += 2LL * p.n * C.D;
+    const std::string what = "layer " + std::to_string(l) + " KV rows to the host";
+    auto* staged = static_cast<uint16_t*>(ctx.staging(total * 2, what));
+    int64_t at = 0;
+    for (const Part& p : parts) {
+      const int64_t n = static_cast<int64_t>(p.n) * C.D;
+      ctx.download_async(staged + at, p.k, n * 2, what);
+      ctx.download_async(staged + at + n, p.v, n * 2, what);
+      at += 2 * n;
+    }
+    ctx.sync(what);
+    // Widened on threads of their own (the host's side of a device copy; OpenMP stays at the
+    // CPU model's setting).
+    std::vector<int64_t> from(parts.size());
+    at = 0;
+    for (size_t i = 0; i < parts.size(); ++i) {
+      from[i] = at;
+      at += 2LL * parts[i].n * C.D;
+    }
+    std::atomic<size_t> next{0};
+    std::exception_ptr failed;
+    std::mutex failed_mu;
+    auto work = [&] {
+      try {
+        for (size_t i; (i = next++) < parts.size();) {
+          const Part& p = parts[i];
+          const int64_t n = static_cast<int64_t>(p.n) * C.D;
+          p.to->k.resize(static_cast<size_t>(n));
+          p.to->v.resize(static_cast<size_t>(n));
+          from_half_n(staged + from[i], p.to->k.data(), n);
+          from_half_n(staged + from[i] + n, p.to->v.data(), n);
+        }
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(failed_mu);
+        if (!failed) failed = std::current_exception();
+      }
+    };
+    const int n_threads = static_cast<int>(std::min<size_t>({8, parts.size(), std::max(1u, std::thread::hardware_concurrency())}));
+    std::vector<std::thread> pool;
+    for (int i = 1; i < n_threads; ++i) pool.emplace_back(work);
+    work();
+    for (std::thread& t : pool) t.join();
+    if (failed) std::rethrow_exception(failed);
+  }
+}
+
+bool kv_quantize_rows(Context& ctx, const DeviceKV& dev, int layer, const KVSegment& seg, const quant::UniformSpec& ks,
+                      const quant::UniformSpec& vs, quant::QuantPayload& out) {
+  const CudaKV& C = as_cuda(dev);
+  const int NKV = C.NKV, D = C.D;
+  if (layer < 0 || layer >= C.L || static_cast<int>(seg.heads.size()) != NKV ||
+      static_cast<int>(out.k.size()) != NKV || static_cast<int>(out.v.size()) != NKV)
+    throw InternalError("quantize_rows: layer " + std::to_string(layer) + " or the segment's KV heads do not match the cache");
+  auto supported = [](const quant::UniformSpec& q) {
+    return q.bits >= 1 && q.bits <= 8 && (q.axis != quant::Axis::PerToken || q.shrink == 1.0f);
+  };
+  if (!supported(ks) || !supported(vs) || D % 8 != 0) return false;
+  const RowMap have = device_rows(C, C.layers[layer]);
+  const std::string what = std::string("quantized ") + segment_kind_name(seg.kind) + " rows of layer " + std::to_string(layer);
+  // Every head's rows gathered into one [N][D] block a side, then each head's slice quantized.
+  std::vector<int64_t> first(static_cast<size_t>(NKV) + 1, 0);
+  std::vector<const __half*> src;  // keys, then values
+  for (int h = 0; h < NKV; ++h) {
+    const HeadRows& r = seg.heads[static_cast<size_t>(h)];
+    for (int i = 0; i < r.n(); ++i) {
+      const RowMap::Row* row = have.find(h, r.pos[static_cast<size_t>(i)]);
+      if (!row)
+        throw InternalError("quantize_rows: " + what + ", KV head " + std::to_string(h) + ": no row at position " +
+                            std::to_string(r.pos[static_cast<size_t>(i)]) + " in the device cache");
+      src.push_back(row->first);
+    }
+    first[static_cast<size_t>(h) + 1] = static_cast<int64_t>(src.size());
+  }
+  const int64_t N = static_cast<int64_t>(src.size());
+  for (int h = 0; h < NKV; ++h) {
+    const HeadRows& r = seg.heads[static_cast<size_t>(h)];
+    for (int i = 0; i < r.n(); ++i) src.push_back(have.find(h, r.pos[static_cast<size_t>(i)])->second);
+  }
+  if (N == 0) return true;
+  DevMem X{ctx.alloc(2 * N * D * 2, what), 2 * N * D * 2};
+  DevMem L{ctx.alloc(2 * N * static_cast<int64_t>(sizeof(void*)), what + " gather list"),
+           2 * N * static_cast<int64_t>(sizeof(void*))};
+  ctx.upload(L.mem.get(), src.data(), 2 * N * static_cast<int64_t>(sizeof(void*)), what + " gather list");
+  gather_rows(static_cast<const __half* const*>(L.mem.get()), X.as<__half>(), static_cast<int>(2 * N), D, ctx.stream);
+  // Per head and side: codes, then scales and zeros (one range per channel, per row or one).
+  struct Slot {
+    int64_t codes = 0, n_codes = 0, ranges = 0, n_ranges = 0;
+  };
+  auto n_ranges = [&](const quant::UniformSpec& q, int64_t n) -> int64_t {
+    if (n == 0) return 0;
+    return q.axis == quant::Axis::PerToken ? n : q.axis == quant::Axis::Global ? 1 : D;
+  };
+  std::vector<Slot> slots(static_cast<size_t>(2 * NKV));
+  int64_t code_bytes = 0, range_count = 0;
+  for (int side = 0; side < 2; ++side)
+    for (int h = 0; h < NKV; ++h) {
+      const quant::UniformSpec& q = side ? vs : ks;
+      const int64_t n = first[static_cast<size_t>(h) + 1] - first[static_cast<size_t>(h)];
+      Slot& sl = slots[static_cast<size_t>(side * NKV + h)];
+      sl.codes = code_bytes;
+      sl.n_codes = n * D * q.bits / 8;
+      sl.ranges = range_count;
+      sl.n_ranges = n_ranges(q, n);
+      code_bytes += (sl.n_codes + 15) / 16 * 16;
+      range_count += sl.n_ranges;
+    }
+  DevMem Cd{ctx.alloc(std::max<int64_t>(code_bytes, 16), what + " codes"), std::max<int64_t>(code_bytes, 16)};
+  DevMem R{ctx.alloc(std::max<int64_t>(2 * range_count * 2, 16), what + " ranges"), std::max<int64_t>(2 * range_count * 2, 16)};
+  __half* scales = R.as<__half>();
+  __half* zeros = scales + range_count;
+  for (int side = 0; side < 2; ++side)
+    for (int h = 0; h < NKV; ++h) {
+      const quant::UniformSpec& q = side ? vs : ks;
+      const Slot& sl = slots[static_cast<size_t>(side * NKV + h)];
+      const int64_t n = first[static_cast<size_t>(h) + 1] - first[static_cast<size_t>(h)];
+      const __half* x = X.as<__half>() + (side * N + first[static_cast<size_t>(h)]) * D;
+      uint8_t* codes = static_cast<uint8_t*>(Cd.mem.get()) + sl.codes;
+      if (q.axis == quant::Axis::PerToken)
+        quantize_token(x, static_cast<int>(n), D, q.bits, nullptr, codes, scales + sl.ranges, zeros + sl.ranges, ctx.stream);
+      else
+        quantize_channel(x, static_cast<int>(n), D, q.bits, q.axis == quant::Axis::PerChannel ? 1 : 0, q.shrink,
+                         q.shrink_about_zero, codes, scales + sl.ranges, zeros + sl.ranges, ctx.stream);
+    }
+  auto* staged = static_cast<uint8_t*>(ctx.staging(code_bytes + 2 * range_count * 2, what + " to the host"));
+  ctx.download_async(staged, Cd.mem.get(), code_bytes, what + " codes");
+  ctx.download_async(staged + code_bytes, R.mem.get(), 2 * range_count * 2, what + " ranges");
+  ctx.sync(what);
+  const auto* hs = reinterpret_cast<const uint16_t*>(staged + code_bytes);
+  const uint16_t* hz = hs + range_count;
+  for (int side = 0; side < 2; ++side)
+    for (int h = 0; h < NKV; ++h) {
+      const Slot& sl = slots[static_cast<size_t>(side * NKV + h)];
+      quant::QuantBlock& b = side ? out.v[static_cast<size_t>(h)] : out.k[static_cast<size_t>(h)];
+      b.codes.assign(staged + sl.codes, staged + sl.codes + sl.n_codes);
+      b.scales.assign(hs + sl.ranges, hs + sl.ranges + sl.n_ranges);
+      b.zeros.assign(hz + sl.ranges, hz + sl.ranges + sl.n_ranges);
+    }
+  return true;
+}
+
+void kv_pull_rows(Context& ctx, SeqKV& kv, const std::vector<int>& layers, const int32_t* pos_host,
+                  const SegmentKind* kinds, int T) {
+  CudaKV& C = as_cuda(kv.dev);
+  const int NKV = C.NKV, D = C.D;
+  const int64_t n = static_cast<int64_t>(NKV) * T * D;
+  // Rows t.n − T .. t.n − 1 of every head: one strided copy a side and layer into page-locked
+  // memory (copies that need not wait for each other), one wait.
+  auto* staged = static_cast<uint16_t*>(
+      ctx.staging(static_cast<int64_t>(layers.size()) * 2 * n * 2, "decode rows to the host"));
+  auto kh = [&](size_t i) { return staged + 2 * i * static_cast<size_t>(n); };
+  auto vh = [&](size_t i) { return staged + (2 * i + 1) * static_cast<size_t>(n); };
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const Tail& t = C.layers.at(layers[i]).tail;
+    if (T < 1 || T > t.n)
+      throw InternalError("kv_pull_rows: layer " + std::to_string(layers[i]) + " holds " + std::to_string(t.n) +
+                          " decode rows, " + std::to_string(T) + " asked for");
+    const size_t pitch = static_cast<size_t>(t.cap) * D * 2, width = static_cast<size_t>(T) * D * 2;
+    const int64_t first = static_cast<int64_t>(t.n - T) * D;
+    KV_CUDA(cudaMemcpy2DAsync(kh(i), width, t.k.as<__half>() + first, pitch, width, NKV, cudaMemcpyDeviceToHost,
+                              ctx.stream),
+            "layer " + std::to_string(layers[i]) + " decode rows K to the host");
+    KV_CUDA(cudaMemcpy2DAsync(vh(i), width, t.v.as<__half>() + first, pitch, width, NKV, cudaMemcpyDeviceToHost,
+                              ctx.stream),
+            "layer " + std::to_string(layers[i]) + " decode rows V to the host");
+  }
+  ctx.sync("decode rows to the host");
+  std::vector<float> k(n), v(n);  // [T][NKV][D], as the projections lay rows out
+  for (size_t i = 0; i < layers.size(); ++i) {
+    for (int h = 0; h < NKV; ++h)
+      for (int r = 0; r < T; ++r)
+        for (int c = 0; c < D; ++c) {
+          const int64_t from = (static_cast<int64_t>(h) * T + r) * D + c, to = (static_cast<int64_t>(r) * NKV + h) * D + c;
+          k[to] = quant::from_half(kh(i)[from]);
+          v[to] = quant::from_half(vh(i)[from]);
+        }
+    kv.host->append(layers[i], k.data(), v.data(), pos_host, kinds, T);
+    set_host_bytes(C, *kv.host, layers[i]);
+  }
+}
+
+}  // namespace kvlens::cuda
