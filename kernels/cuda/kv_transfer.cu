@@ -137,7 +137,7 @@ bool kv_quantize_rows(Context& ctx, const DeviceKV& dev, int layer, const KVSegm
   const std::string what = std::string("quantized ") + segment_kind_name(seg.kind) + " rows of layer " + std::to_string(layer);
   // Every head's rows gathered into one [N][D] block a side, then each head's slice quantized.
   std::vector<int64_t> first(static_cast<size_t>(NKV) + 1, 0);
-  std::vector<const __half*> src;  // keys, then values
+  std::vector<const __half*> src, values;  // keys, then (appended below) values
   for (int h = 0; h < NKV; ++h) {
     const HeadRows& r = seg.heads[static_cast<size_t>(h)];
     for (int i = 0; i < r.n(); ++i) {
@@ -146,14 +146,12 @@ bool kv_quantize_rows(Context& ctx, const DeviceKV& dev, int layer, const KVSegm
         throw InternalError("quantize_rows: " + what + ", KV head " + std::to_string(h) + ": no row at position " +
                             std::to_string(r.pos[static_cast<size_t>(i)]) + " in the device cache");
       src.push_back(row->first);
+      values.push_back(row->second);
     }
     first[static_cast<size_t>(h) + 1] = static_cast<int64_t>(src.size());
   }
   const int64_t N = static_cast<int64_t>(src.size());
-  for (int h = 0; h < NKV; ++h) {
-    const HeadRows& r = seg.heads[static_cast<size_t>(h)];
-    for (int i = 0; i < r.n(); ++i) src.push_back(have.find(h, r.pos[static_cast<size_t>(i)])->second);
-  }
+  src.insert(src.end(), values.begin(), values.end());
   if (N == 0) return true;
   DevMem X{ctx.alloc(2 * N * D * 2, what), 2 * N * D * 2};
   DevMem L{ctx.alloc(2 * N * static_cast<int64_t>(sizeof(void*)), what + " gather list"),
@@ -245,12 +243,11 @@ void kv_pull_rows(Context& ctx, SeqKV& kv, const std::vector<int>& layers, const
   std::vector<float> k(n), v(n);  // [T][NKV][D], as the projections lay rows out
   for (size_t i = 0; i < layers.size(); ++i) {
     for (int h = 0; h < NKV; ++h)
-      for (int r = 0; r < T; ++r)
-        for (int c = 0; c < D; ++c) {
-          const int64_t from = (static_cast<int64_t>(h) * T + r) * D + c, to = (static_cast<int64_t>(r) * NKV + h) * D + c;
-          k[to] = quant::from_half(kh(i)[from]);
-          v[to] = quant::from_half(vh(i)[from]);
-        }
+      for (int r = 0; r < T; ++r) {
+        const int64_t from = (static_cast<int64_t>(h) * T + r) * D, to = (static_cast<int64_t>(r) * NKV + h) * D;
+        from_half_n(kh(i) + from, k.data() + to, D);
+        from_half_n(vh(i) + from, v.data() + to, D);
+      }
     kv.host->append(layers[i], k.data(), v.data(), pos_host, kinds, T);
     set_host_bytes(C, *kv.host, layers[i]);
   }
