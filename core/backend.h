@@ -222,6 +222,9 @@ class Backend {
   // written when not null.
   virtual void attention(const Buffer& qkv, const AttnLayout& l, Buffer& out, float* scores,
                          float* probs) = 0;
+  // attention, attention_reduce and cosine_assign may be called from several threads at once (a
+  // compression policy's layers run in parallel); a backend serialises them where it must.
+  //
   // The causal probabilities attention computes for qkv, reduced where they are computed as `r`
   // asks (core/attention_reduce.h: reduce_attention is the reference), only the results copied
   // to the host. False where the backend has no such op: the caller then reduces the
@@ -229,14 +232,16 @@ class Backend {
   virtual bool attention_reduce(const Buffer& qkv, const AttnLayout& l, const AttentionReduction& r) {
     return false;
   }
-  // LOOK-M's assignment (Eq. 9) of one KV head: for each row e of k [n][d] (host, fp32) that
-  // `keep` (ascending, distinct, not empty) does not list, in ascending e (evicted), the kept row
-  // best[i] of largest cosine similarity and that similarity sim[i], every dot product and norm
-  // added in double in ascending component order from 0.0 (a zero norm: similarity 0), ties to
-  // the earlier kept row — the host's lookm_assign bit for bit. False where the backend has no
-  // such op.
-  virtual bool cosine_assign(const float* k, int n, int d, const std::vector<int>& keep, std::vector<int>& evicted,
-                             std::vector<int>& best, std::vector<double>& sim) {
+  // LOOK-M's assignment (Eq. 9) of one layer's KV heads at once: for head h, for each row e of
+  // k[h] [n_h][d] (host, fp32) that keep[h] (ascending, distinct, not empty) does not list, in
+  // ascending e (evicted[h]), the kept row best[h][i] of largest cosine similarity and that
+  // similarity sim[h][i], every dot product and norm added in double in ascending component order
+  // from 0.0 (a zero norm: similarity 0), ties to the earlier kept row — the host's lookm_assign
+  // bit for bit. Every head's rows go over in one copy and the results come back in one. False
+  // where the backend has no such op.
+  virtual bool cosine_assign(int d, const std::vector<const std::vector<float>*>& k,
+                             const std::vector<const std::vector<int>*>& keep, std::vector<std::vector<int>>& evicted,
+                             std::vector<std::vector<int>>& best, std::vector<std::vector<double>>& sim) {
     return false;
   }
 

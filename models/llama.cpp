@@ -1,13 +1,12 @@
 #include "models/llama.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <exception>
 #include <limits>
-#include <thread>
 
 #include "core/errors.h"
+#include "core/parallel.h"
 #include "models/activations.h"
 
 namespace kvlens {
@@ -212,6 +211,35 @@ void CapturedAttention::reduce(int layer, const AttentionReduction& r) const {
   const int T = lay_.T, NH = lay_.n_heads;
   r.check(T, "prefill attention of layer " + std::to_string(layer));
   std::lock_guard<std::mutex> lock(mu_);
+  auto kept_probs = [&]() -> const std::vector<float>* {
+    for (const auto& e : recent_)
+      if (e.first == layer) return e.second.get();
+    return nullptr;
+  };
+  // A reduction `own` of this layer: from probabilities kept on the host, else where the capture
+  // is (a backend without the op hands over the layer's probabilities).
+  auto run = [&](const AttentionReduction& own) {
+    if (const std::vector<float>* kept = kept_probs()) {
+      reduce_attention(kept->data(), NH, T, own);
+      return;
+    }
+    if (layer < 0 || layer >= n_layers() || qkv_[static_cast<size_t>(layer)].empty())
+      throw InternalError("prefill attention: no captured layer " + std::to_string(layer));
+    if (!be_->attention_reduce(qkv_[static_cast<size_t>(layer)], lay_, own)) {
+      const auto p = held(layer);
+      reduce_attention(p->data(), NH, T, own);
+    }
+  };
+  if (r.map) {  // a view: computed for this caller, not remembered
+    AttentionReduction m;
+    m.queries = r.queries;
+    m.map = r.map;
+    m.map_rows = r.map_rows;
+    m.map_cols = r.map_cols;
+    m.map_keys = r.map_keys;
+    run(m);
+    if (!r.column_sums && !r.below) return;
+  }
   AttentionReduction rows_only;
   rows_only.queries = r.queries;
   const std::string rows = rows_only.key();
@@ -240,19 +268,7 @@ void CapturedAttention::reduce(int layer, const AttentionReduction& r) const {
       own.p = r.p;
       own.zeros_below = r.zeros_below;
     }
-    const std::shared_ptr<const std::vector<float>>* kept = nullptr;
-    for (const auto& e : recent_)
-      if (e.first == layer) kept = &e.second;
-    if (kept) {
-      reduce_attention((*kept)->data(), NH, T, own);
-    } else {
-      if (layer < 0 || layer >= n_layers() || qkv_[static_cast<size_t>(layer)].empty())
-        throw InternalError("prefill attention: no captured layer " + std::to_string(layer));
-      if (!be_->attention_reduce(qkv_[static_cast<size_t>(layer)], lay_, own)) {
-        const auto p = held(layer);
-        reduce_attention(p->data(), NH, T, own);
-      }
-    }
+    run(own);
     if (r.below) into.below.push_back(std::move(b));
     if (!x) {
       reduced_.insert(reduced_.begin(), std::move(fresh));
@@ -524,27 +540,12 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
                             std::all_of(observers.begin(), observers.end(),
                                         [](const AttentionObserver* o) { return o->takes_concurrent_events(); });
       if (together) {
-        // Threads of their own, whatever OpenMP is set to: this is the host's side of a device
-        // step, not a CPU model's loops (which run on one thread by default).
-        const int n = std::min({8, L - 1, static_cast<int>(std::max(1u, std::thread::hardware_concurrency()))});
-        std::atomic<int> next{1};
-        std::vector<std::exception_ptr> failed(static_cast<size_t>(L));
-        auto work = [&] {
+        // Threads of their own (core/parallel.h): this is the host's side of a device step, not a
+        // CPU model's loops (which run on one thread by default).
+        parallel_for(L - 1, 8, [&](int i) {
           Taps u;
-          for (int l; (l = next++) < L;) {
-            try {
-              one(l, u);
-            } catch (...) {
-              failed[static_cast<size_t>(l)] = std::current_exception();
-            }
-          }
-        };
-        std::vector<std::thread> pool;
-        for (int i = 1; i < n; ++i) pool.emplace_back(work);
-        work();
-        for (std::thread& th : pool) th.join();
-        for (const std::exception_ptr& f : failed)
-          if (f) std::rethrow_exception(f);
+          one(i + 1, u);
+        });
       } else {
         for (int l = 1; l < L; ++l) one(l, t);
       }

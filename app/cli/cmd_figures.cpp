@@ -7,6 +7,7 @@
 #include <cstdio>
 
 #include "app/cli/commands.h"
+#include "app/cli/options.h"
 #include "core/errors.h"
 #include "app/figures/figures_report.h"
 #include "core/json_file.h"
@@ -21,6 +22,8 @@ void add_figure_options(CLI::App* c, FigureArgs& a) {
   c->add_option("--figure-formats", a.formats, "Comma-separated figure formats: png, svg, pdf")->capture_default_str();
   c->add_flag("--attention-maps", a.attention_maps,
               "Keep query x key attention maps in the report (implied by --figures)");
+  add_int(c, "--attention-bins", a.attention_bins, 1, 1 << 16,
+          "Most blocks per axis of an attention map: longer prompts are pooled into blocks, each its mean");
 }
 
 void check_figure_args(const FigureArgs& a) {

@@ -102,6 +102,7 @@ void run_methods(const RunArgs& args) {
   RunArgs a = with_session(args, specs);
   check_figure_args(a.figures);
   a.opt.attention_maps = a.figures.attention_maps || !a.figures.dir.empty();
+  a.opt.attention_bins = a.figures.attention_bins;
   // Everything is validated before anything is written: outputs that cannot be written, the
   // model and the image are refused first.
   if (!a.report.empty()) check_writable(a.report, "report");

@@ -8,6 +8,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "app/lab/experiment.h"
 #include "core/data/image.h"
 #include "core/eval/coco.h"
 #include "core/eval/meteor.h"
@@ -35,10 +36,12 @@ void print_scores(const CaptionScores& s);
 
 void add_figures_command(CLI::App& root);
 
-// --figures DIR / --figure-formats / --attention-maps of run and demo (app/cli/cmd_figures.cpp).
+// --figures DIR / --figure-formats / --attention-maps / --attention-bins of run and demo
+// (app/cli/cmd_figures.cpp).
 struct FigureArgs {
   std::string dir, formats = "png,svg,pdf";
   bool attention_maps = false;
+  int attention_bins = ExperimentOptions{}.attention_bins;
 };
 void add_figure_options(CLI::App* c, FigureArgs& a);
 void check_figure_args(const FigureArgs& a);  // before any work: formats, the folder, Cairo

@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "core/errors.h"
+#include "core/numbers.h"
 
 namespace kvlens::fig {
 
@@ -290,6 +291,18 @@ Prim image_prim(const Rect& r, int w, int h, const std::vector<uint8_t>& rgba, b
   p.image_key = fnv1a(p.rgba, seed);
   return p;
 }
+
+}  // namespace
+
+std::pair<std::string, std::string> heatmap_cell_units(double a0, double a1, int n, int i) {
+  const double w = (a1 - a0) / n, lo = a0 + i * w;
+  if (w > 1.0)  // a pooled block: the whole units it spans
+    return {format_number(std::ceil(lo - 1e-9)), format_number(std::ceil(lo + w - 1e-9) - 1)};
+  if (w == 1.0 && a0 == std::floor(a0)) return {format_number(lo), ""};
+  return {std::to_string(i), ""};
+}
+
+namespace {
 
 const Series* first_heatmap(const Figure& f) {
   for (const Series& s : f.series)
@@ -689,8 +702,13 @@ std::vector<std::string> readout(const Figure& f, const Frame& fr, double px, do
         const int c = static_cast<int>(std::floor((x - s.x0) / (s.x1 - s.x0) * s.cols));
         const int r = static_cast<int>(std::floor((y - s.y0) / (s.y1 - s.y0) * s.rows));
         if (c < 0 || c >= s.cols || r < 0 || r >= s.rows) break;
-        out.push_back((s.label.empty() ? std::string() : s.label + ": ") + f.y.label + " " + std::to_string(r) + ", " +
-                      f.x.label + " " + std::to_string(c) + ": " + format_value(s.z[static_cast<size_t>(r) * s.cols + c]));
+        auto place = [](double a0, double a1, int n, int i) {
+          const auto [lo, hi] = heatmap_cell_units(a0, a1, n, i);
+          return hi.empty() ? lo : lo + "-" + hi;
+        };
+        out.push_back((s.label.empty() ? std::string() : s.label + ": ") + f.y.label + " " +
+                      place(s.y0, s.y1, s.rows, r) + ", " + f.x.label + " " + place(s.x0, s.x1, s.cols, c) + ": " +
+                      format_value(s.z[static_cast<size_t>(r) * s.cols + c]));
         break;
       }
       case SeriesKind::Scatter: {
@@ -754,9 +772,13 @@ std::string figure_csv(const Figure& f) {
         for (size_t i = 0; i + 1 < s.x.size() && i < s.y.size(); ++i) row(num(s.x[i]), num(s.x[i + 1]), num(s.y[i]), "", "");
         break;
       case SeriesKind::Heatmap:
-        for (int r = 0; r < s.rows; ++r)
-          for (int c = 0; c < s.cols; ++c)
-            row(std::to_string(c), "", std::to_string(r), num(s.z[static_cast<size_t>(r) * s.cols + c]), "");
+        for (int r = 0; r < s.rows; ++r) {
+          const std::string y = heatmap_cell_units(s.y0, s.y1, s.rows, r).first;
+          for (int c = 0; c < s.cols; ++c) {
+            const auto [x, x_hi] = heatmap_cell_units(s.x0, s.x1, s.cols, c);
+            row(x, x_hi, y, num(s.z[static_cast<size_t>(r) * s.cols + c]), "");
+          }
+        }
         break;
     }
   }

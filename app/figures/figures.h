@@ -15,6 +15,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace kvlens::fig {
@@ -214,8 +215,15 @@ std::string csv_field(const std::string& s);
 // header figure,series,kind,x,x_hi,y,value,label,method,layer,head, then one row per point of
 // every series. x and y are the point (a line, bars or a scatter: label is a scatter point's
 // text), a histogram bin is [x, x_hi) with y its count, a heatmap cell is column x, row y with
-// its value; fields that do not apply are empty. method, layer and head are the figure's
+// its value (heatmap_cell_units: a cell that pools several positions gives its first and last
+// column as x and x_hi, and its first row); fields that do not apply are empty. method, layer and head are the figure's
 // (Figure::method, layer, head), else the series label names the method; empty when -1.
 std::string figure_csv(const Figure& f);
+
+// Cell i of n along a heatmap axis from a0 to a1, in the axis's units: a cell wider than one
+// unit (a pooled block of positions) gives the first and last whole unit it spans; a cell one
+// unit wide starting at a whole unit gives that unit; any other gives its index i. The second
+// is empty unless the cell spans several units.
+std::pair<std::string, std::string> heatmap_cell_units(double a0, double a1, int n, int i);
 
 }  // namespace kvlens::fig

@@ -505,41 +505,59 @@ bool has_attention(const nlohmann::json& report) { return report.is_object() && 
 
 Figure attention_heatmap_figure(const nlohmann::json& report, int layer, int method) {
   const J a = root(report).at("attention");
-  const int n = a.at("size").integer(), S = a.at("steps").integer();
+  const int n = a.at("size").integer(), S = a.at("steps").integer(), T = n - S;
+  // Pooled blocks (kvlens run --attention-bins): R rows of prompt queries, then one row per
+  // decode step, over C key blocks; a report without them holds every position (R = T, C = n).
+  const int R = a.has("rows") ? a.at("rows").integer() : T, C = a.has("cols") ? a.at("cols").integer() : n;
+  if (T < 1 || S < 0 || R < 1 || R > T || C < 1 || C > n)
+    throw InputError(a.where + ": " + std::to_string(R) + " x " + std::to_string(C) + " blocks of " +
+                     std::to_string(n) + " positions with " + std::to_string(S) + " decode steps do not fit");
   const J rows = a.at("layers").at(static_cast<size_t>(std::max(layer, 0)));
-  if (layer < 0 || rows.size() != static_cast<size_t>(n))
-    throw InputError(rows.where + " must hold " + std::to_string(n) + " rows");
-  Series s;
-  s.kind = SeriesKind::Heatmap;
-  s.rows = s.cols = n;
-  s.z.assign(static_cast<size_t>(n) * n, 0.0);
-  for (int i = 0; i < n; ++i) {
-    const std::vector<double> row = rows.at(i).nums();
-    if (row.size() != static_cast<size_t>(n)) throw InputError(rows.at(i).where + " must hold " + std::to_string(n) + " values");
-    std::copy(row.begin(), row.end(), s.z.begin() + static_cast<size_t>(i) * n);
-  }
-  const int T = n - S;
+  if (layer < 0 || rows.size() != static_cast<size_t>(R + S))
+    throw InputError(rows.where + " must hold " + std::to_string(R + S) + " rows");
+  auto read = [&](const J& m, int r, std::vector<double>& z, int at) {
+    const std::vector<double> row = m.at(static_cast<size_t>(r)).nums();
+    if (row.size() != static_cast<size_t>(C))
+      throw InputError(m.at(static_cast<size_t>(r)).where + " must hold " + std::to_string(C) + " values");
+    std::copy(row.begin(), row.end(), z.begin() + static_cast<size_t>(at) * C);
+  };
+  // Two heatmaps over the same key blocks: the prompt's R pooled rows over query positions
+  // [0, T), and the S decode rows over [T, n).
+  Series s, d;
+  s.kind = d.kind = SeriesKind::Heatmap;
+  s.rows = R;
+  d.rows = S;
+  s.cols = d.cols = C;
+  s.z.assign(static_cast<size_t>(R) * C, 0.0);
+  d.z.assign(static_cast<size_t>(S) * C, 0.0);
+  for (int i = 0; i < R; ++i) read(rows, i, s.z, i);
   std::string who = "full cache";
-  if (method >= 0) {
-    const J m = method_at(report, method);
-    const J d = m.at("decode_attention").at(static_cast<size_t>(layer));
-    for (int i = 0; i < S; ++i) {
-      const std::vector<double> row = d.at(i).nums();
-      if (row.size() != static_cast<size_t>(n)) throw InputError(d.at(i).where + " must hold " + std::to_string(n) + " values");
-      std::copy(row.begin(), row.end(), s.z.begin() + static_cast<size_t>(T + i) * n);
-    }
-    who = method_labels(report)[method];
-  }
+  const J decode = method >= 0 ? method_at(report, method).at("decode_attention").at(static_cast<size_t>(layer)) : rows;
+  for (int i = 0; i < S; ++i) read(decode, method >= 0 ? i : R + i, d.z, i);
+  if (method >= 0) who = method_labels(report)[method];
   double zmax = 0;
-  for (double v : s.z) zmax = std::max(zmax, v);
-  // Keys after the query (causal mask) are not attention at all: drawn as missing, not as 0.
-  for (int i = 0; i < n; ++i)
-    for (int j = i + 1; j < n; ++j) s.z[static_cast<size_t>(i) * n + j] = std::nan("");
-  s.x0 = s.y0 = 0;
-  s.x1 = s.y1 = n;
-  s.z_log = true;
-  s.z_min = 1e-4;
-  s.z_max = std::max(zmax, 1e-3);
+  for (const Series* x : {&s, &d})
+    for (double v : x->z) zmax = std::max(zmax, v);
+  // Blocks wholly after their queries (causal mask) are not attention at all: drawn as missing,
+  // not as 0. A block's keys start at ⌈c·n/C⌉; prompt row block i ends at the last query q with
+  // ⌊q·R/T⌋ = i, a decode row at its own position.
+  auto key_begin = [&](int c) { return (static_cast<int64_t>(c) * n + C - 1) / C; };
+  for (int i = 0; i < R; ++i) {
+    const int64_t last = (static_cast<int64_t>(i + 1) * T + R - 1) / R - 1;
+    for (int c = 0; c < C; ++c)
+      if (key_begin(c) > last) s.z[static_cast<size_t>(i) * C + c] = std::nan("");
+  }
+  for (int i = 0; i < S; ++i)
+    for (int c = 0; c < C; ++c)
+      if (key_begin(c) > T + i) d.z[static_cast<size_t>(i) * C + c] = std::nan("");
+  s.x0 = d.x0 = 0;
+  s.x1 = d.x1 = n;
+  s.y0 = 0;
+  s.y1 = d.y0 = T;
+  d.y1 = n;
+  s.z_log = d.z_log = true;
+  s.z_min = d.z_min = 1e-4;
+  s.z_max = d.z_max = std::max(zmax, 1e-3);
   Figure f;
   f.id = "attention_" + (method >= 0 ? method_id(report, method) + "_" : std::string()) + "l" + std::to_string(layer);
   f.method = method >= 0 ? method_labels(report)[method] : "full";
@@ -547,7 +565,11 @@ Figure attention_heatmap_figure(const nlohmann::json& report, int layer, int met
   f.title = "Attention, layer " + std::to_string(layer) + ": " + who + " (mean over heads)";
   f.note = "rows: prompt queries, then the first " + std::to_string(S) + " generated tokens" +
            (method >= 0 ? " decoded by this method" : "");
+  if (R < T || C < n)
+    f.note += "; blocks of about " + format_number(std::round(10.0 * T / R) / 10) + " queries x " +
+              format_number(std::round(10.0 * n / C) / 10) + " keys, each its mean";
   f.series.push_back(s);
+  if (S > 0) f.series.push_back(d);
   f.colorbar = "attention (log)";
   matrix_axes(f, "key position", n, "query position", n);
   // Segment boundaries.

@@ -27,6 +27,8 @@ Experiment start_experiment(const Model& model, const RGBImage& img, const Exper
 
 Experiment start_experiment(const Model& model, PrefillState prefill, const ExperimentOptions& opt,
                             const std::vector<AttentionObserver*>& observers) {
+  if (opt.attention_maps && opt.attention_bins < 1)
+    throw InputError("--attention-bins must be at least 1, got " + std::to_string(opt.attention_bins));
   Experiment ex;
   ex.prefill = std::move(prefill);
   const int max_step = std::max(opt.diag_steps, *std::max_element(opt.hit_steps.begin(), opt.hit_steps.end()) + 1);
@@ -63,16 +65,20 @@ Experiment start_experiment(const Model& model, PrefillState prefill, const Expe
   if (opt.attention_maps) {
     const int T = pv.prompt_len, S = std::min(opt.diag_steps, ex.full_recorder->steps()), n = T + S;
     ex.attention_steps = S;
+    ex.attention_rows = std::min(T, opt.attention_bins);
+    ex.attention_cols = std::min(n, opt.attention_bins);
+    const int R = ex.attention_rows, C = ex.attention_cols;
     for (int l = 0; l < ex.prefill.store.n_layers(); ++l) {
-      std::vector<float> m(static_cast<size_t>(n) * n, 0.0f);
-      const auto held = pv.attention->probs(l);
-      const std::vector<float>& P = *held;
-      for (int h = 0; h < pv.n_heads; ++h)
-        for (int i = 0; i < T; ++i)
-          for (int j = 0; j <= i; ++j)
-            m[static_cast<size_t>(i) * n + j] += P[(static_cast<size_t>(h) * T + i) * T + j] / pv.n_heads;
+      std::vector<float> m(static_cast<size_t>(R + S) * C, 0.0f);
+      AttentionReduction r;
+      r.queries = AttentionReduction::range(0, T, T);
+      r.map = m.data();
+      r.map_rows = R;
+      r.map_cols = C;
+      r.map_keys = n;
+      pv.attention->reduce(l, r);
       const std::vector<float> d = decode_attention_rows(*ex.full_recorder, l, S, n);
-      std::copy(d.begin(), d.end(), m.begin() + static_cast<size_t>(T) * n);
+      pool_map_rows(d.data(), S, T, n, C, m.data() + static_cast<size_t>(R) * C);
       ex.attention.push_back(std::move(m));
     }
   }
@@ -96,9 +102,13 @@ MethodRun run_method(const Model& model, const Experiment& ex, const Params& par
   obs.insert(obs.end(), observers.begin(), observers.end());
   r.result = model.decode(ex.prefill, policy.get(), g, obs, &compressed);
   if (!ex.attention.empty()) {
-    const int n = static_cast<int>(ex.prefill.ids.size()) + ex.attention_steps;
-    for (int l = 0; l < ex.prefill.store.n_layers(); ++l)
-      r.decode_attention.push_back(decode_attention_rows(rec, l, ex.attention_steps, n));
+    const int T = static_cast<int>(ex.prefill.ids.size()), n = T + ex.attention_steps;
+    for (int l = 0; l < ex.prefill.store.n_layers(); ++l) {
+      const std::vector<float> d = decode_attention_rows(rec, l, ex.attention_steps, n);
+      std::vector<float> pooled(static_cast<size_t>(ex.attention_steps) * ex.attention_cols);
+      pool_map_rows(d.data(), ex.attention_steps, T, n, ex.attention_cols, pooled.data());
+      r.decode_attention.push_back(std::move(pooled));
+    }
   }
   r.layers = compare_layers(ex.view(), rec, compressed, opt.hist_bins, opt.sparsity_p);
   r.divergence = first_divergence(ex.full.generated_ids, ex.full.chosen_probs, r.result.generated_ids,
@@ -172,10 +182,12 @@ nlohmann::json experiment_base_json(const Model& model, const Experiment& ex, co
                {"sparsity_prefill", ex.sparsity_prefill},
                {"sparsity_decode", ex.sparsity_decode_full}};
   j["cache_hit_rate"] = to_json(ex.hit_rates);
-  const int n_att = static_cast<int>(ex.prefill.ids.size()) + ex.attention_steps;
+  const int T = static_cast<int>(ex.prefill.ids.size());
   if (!ex.attention.empty()) {
-    j["attention"] = {{"steps", ex.attention_steps}, {"size", n_att}, {"layers", nlohmann::json::array()}};
-    for (const auto& m : ex.attention) j["attention"]["layers"].push_back(attention_rows(m, n_att, n_att));
+    j["attention"] = {{"steps", ex.attention_steps}, {"size", T + ex.attention_steps}, {"prompt", T},
+                      {"rows", ex.attention_rows}, {"cols", ex.attention_cols}, {"layers", nlohmann::json::array()}};
+    for (const auto& m : ex.attention)
+      j["attention"]["layers"].push_back(attention_rows(m, ex.attention_rows + ex.attention_steps, ex.attention_cols));
   }
   j["definitions"] = diagnostic_definitions();
   j["methods"] = nlohmann::json::array();
@@ -184,7 +196,6 @@ nlohmann::json experiment_base_json(const Model& model, const Experiment& ex, co
 
 nlohmann::json method_run_json(const Model& model, const Experiment& ex, const MethodRun& r) {
   const Tokenizer& tok = model.tokenizer();
-  const int n_att = static_cast<int>(ex.prefill.ids.size()) + ex.attention_steps;
   nlohmann::json m;
   {
     m["spec"] = r.params.spec();
@@ -214,7 +225,8 @@ nlohmann::json method_run_json(const Model& model, const Experiment& ex, const M
     for (const auto& l : r.layers) m["layers"].push_back(to_json(l));
     if (!r.decode_attention.empty()) {
       m["decode_attention"] = nlohmann::json::array();
-      for (const auto& a : r.decode_attention) m["decode_attention"].push_back(attention_rows(a, ex.attention_steps, n_att));
+      for (const auto& a : r.decode_attention)
+        m["decode_attention"].push_back(attention_rows(a, ex.attention_steps, ex.attention_cols));
     }
   }
   return m;

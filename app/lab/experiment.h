@@ -33,8 +33,12 @@ struct ExperimentOptions : GenerationSetup {
   std::vector<int> hit_steps{0, 2, 4, 8};
   int hist_bins = 40;
   // Keep query × key attention (mean over heads) of the prompt and the first diag_steps decode
-  // steps, for the attention heatmaps (the report's "attention" section; about 4 bytes per cell).
+  // steps, for the attention heatmaps (the report's "attention" section), pooled to at most
+  // attention_bins × attention_bins blocks of the prompt (core/attention_reduce.h: a block's mean
+  // over its causal entries) and attention_bins key blocks for each decode step's row: computed
+  // where the capture is, and only the blocks cross to the host.
   bool attention_maps = false;
+  int attention_bins = 256;
   // The backend memory the run may use beyond the loaded weights, in bytes (0 = what the backend
   // has free); a run whose plan needs more is refused before it starts (app/lab/memory_plan.h).
   int64_t memory_limit = 0;
@@ -50,8 +54,9 @@ struct MethodRun {
   FirstDivergence divergence;
   double mean_softmax_mse = 0, mean_kl = 0, mean_output_error = 0;
   double compression_vs_fp16 = 0;  // fp16 bytes of the full prompt cache / bytes after compression
-  // With ExperimentOptions::attention_maps: per layer, the decode rows [steps][prompt + steps]
-  // of this method's attention (mean over heads, by key position).
+  // With ExperimentOptions::attention_maps: per layer, the decode rows [steps][Experiment::
+  // attention_cols] of this method's attention (mean over heads, by key position, pooled into the
+  // map's key blocks).
   std::vector<std::vector<float>> decode_attention;
 };
 
@@ -68,8 +73,10 @@ struct Experiment {
   KVBytes full_fp16_bytes;  // the full prompt cache stored as fp16
   std::vector<MethodRun> runs;
   // With ExperimentOptions::attention_maps: per layer, the full cache's attention (mean over
-  // heads) as a square [n][n] over the prompt and the first attention_steps generated tokens.
-  int attention_steps = 0;
+  // heads) over the n = prompt + attention_steps key positions pooled into attention_cols key
+  // blocks: attention_rows rows of pooled prompt queries, then one row per decode step
+  // ([attention_rows + attention_steps][attention_cols]; AttentionReduction::map's blocks).
+  int attention_steps = 0, attention_rows = 0, attention_cols = 0;
   std::vector<std::vector<float>> attention;
 
   PrefillView view() const;

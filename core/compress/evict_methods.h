@@ -81,6 +81,11 @@ struct LookMAssignment {
 };
 std::vector<LookMAssignment> lookm_assign(int d, const std::vector<int>& keep, const std::vector<float>& k,
                                           Backend* backend = nullptr);
+// The same for several heads at once (keep[h] for the rows k[h]): on `backend`, one call for all
+// of them; on the host, head by head.
+std::vector<std::vector<LookMAssignment>> lookm_assign_heads(int d, const std::vector<std::vector<int>>& keep,
+                                                             const std::vector<std::vector<float>>& k,
+                                                             Backend* backend = nullptr);
 // The authors' similarity filter (merge_filter=above_mean / code): s[h][j] is the best cosine of
 // KV head h's j-th evicted row (ascending); index j passes when the mean of s[·][j] over the
 // heads that have a j-th row is ≥ the mean of every s[h][j].

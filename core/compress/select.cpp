@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "core/errors.h"
+#include "core/parallel.h"
 #include "core/half.h"
 #include "core/compress/quantize.h"
 
@@ -282,8 +283,13 @@ void ScoreEvictPolicy::on_prefill(const std::vector<PrefillContext>& layers, KVS
   if (plans.size() != layers.size()) throw InternalError(name_ + ": one plan per layer expected");
   for (size_t i = 0; i < layers.size(); ++i)
     plans[i] = make_plan(plans[i].keep, plans[i].recent, layers[i].prompt_len);
-  for (size_t i = 0; i < layers.size(); ++i)
-    compress_layer(layers[i], plans[i], store.layer(layers[i].layer));
+  // Layers compress independently once planned (scores, selection and merging of one layer read
+  // nothing of another; the capture and the backend serialise the device work they ask for):
+  // on threads of their own, the same result as in turn.
+  parallel_for(static_cast<int>(layers.size()), 8, [&](int i) {
+    const size_t x = static_cast<size_t>(i);
+    compress_layer(layers[x], plans[x], store.layer(layers[x].layer));
+  });
   plans_ = std::move(plans);
 }
 

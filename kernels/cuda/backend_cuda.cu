@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <mutex>
 
 #include "core/errors.h"
 #include "core/kv_format.h"
@@ -421,6 +422,7 @@ class CudaBackend : public Backend {
     need(qkv.dt == Dt::F32 && out.rows() == l.T && out.cols() == static_cast<int64_t>(l.n_heads) * l.head_dim,
          "attention: " + qkv.name + " → " + out.name);
     if (ctx_->replay) return;
+    std::lock_guard<std::mutex> lock(research_mu_);
     auto prof_scope = prof_.scope("attention", *ctx_);
     attention_prefill(qkv.as<float>(), l, out.data, out.dt, ctx_->stream);
     if (!scores && !probs) return;
@@ -435,14 +437,17 @@ class CudaBackend : public Backend {
 
   // The research path's reductions and LOOK-M's assignment: kernels/cuda/research_ops.cu.
   bool attention_reduce(const Buffer& qkv, const AttnLayout& l, const AttentionReduction& r) override {
+    std::lock_guard<std::mutex> lock(research_mu_);
     auto prof_scope = prof_.scope("attention_reduce", *ctx_);
     reduce_prefill_attention(*ctx_, qkv, l, r);
     return true;
   }
-  bool cosine_assign(const float* k, int n, int d, const std::vector<int>& keep, std::vector<int>& evicted,
-                     std::vector<int>& best, std::vector<double>& sim) override {
+  bool cosine_assign(int d, const std::vector<const std::vector<float>*>& k, const std::vector<const std::vector<int>*>& keep,
+                     std::vector<std::vector<int>>& evicted, std::vector<std::vector<int>>& best,
+                     std::vector<std::vector<double>>& sim) override {
+    std::lock_guard<std::mutex> lock(research_mu_);
     auto prof_scope = prof_.scope("cosine_assign", *ctx_);
-    assign_by_cosine(*ctx_, k, n, d, keep, evicted, best, sim);
+    assign_by_cosine(*ctx_, d, k, keep, evicted, best, sim);
     return true;
   }
   std::unique_ptr<DeviceKV> kv_create(int n_layers, int n_kv_heads, int head_dim) override {
@@ -616,6 +621,9 @@ class CudaBackend : public Backend {
   static constexpr int64_t kChecks = 4096;
   std::shared_ptr<Context> ctx_;
   Profiler prof_;
+  // attention, attention_reduce and cosine_assign may come from several threads at once (a
+  // policy's layers compressed in parallel): they take turns.
+  std::mutex research_mu_;
   DevMem checks_;
   std::vector<std::string> check_names_;
   bool fp32_as_fp16_ = false;

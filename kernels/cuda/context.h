@@ -98,8 +98,9 @@ void kv_pull_rows(Context& ctx, SeqKV& kv, const std::vector<int>& layers, const
 // qkv on the device and reduced there), Backend::cosine_assign (LOOK-M's Eq. 9) and
 // Backend::exact_decode_attention, as core/backend.h states them.
 void reduce_prefill_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, const AttentionReduction& r);
-void assign_by_cosine(Context& ctx, const float* k, int n, int d, const std::vector<int>& keep, std::vector<int>& evicted,
-                      std::vector<int>& best, std::vector<double>& sim);
+void assign_by_cosine(Context& ctx, int d, const std::vector<const std::vector<float>*>& k,
+                      const std::vector<const std::vector<int>*>& keep, std::vector<std::vector<int>>& evicted,
+                      std::vector<std::vector<int>>& best, std::vector<std::vector<double>>& sim);
 // Backend::exact_decode_attention(_layers): query i (row i of qkv) against prompts[i] and
 // extras[i]; the arguments and extra rows in one upload, one launch, the results in one copy back.
 void exact_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l,

@@ -87,13 +87,17 @@ void attention_scores_rows(const float* qkv, const AttnLayout& l, const int* row
                            cudaStream_t s);
 // Reductions of causal probabilities over the query rows queries[nq] (device, ascending), P
 // holding those rows alone: P [n_heads][nq][T], row a of a head being query row queries[a]:
-// out [n_heads][T] = Σ_{i ≥ j} P[h][i][j] in double, in ascending i; below[h] += the entries
-// j ≤ i with P < p · (row max over j ≤ i), or equal to 0 with zeros_below
+// out [n_heads][T] = Σ_{i ≥ j} P[h][i][j] in double, in ascending i, from 0.0 or (go_on) from
+// out's values (a later pass of rows); below[h] += the entries j ≤ i with P < p · (row max over
+// j ≤ i), or equal to 0 with zeros_below; sums [rows][cols] += the pooled heatmap's block sums
+// (AttentionReduction::map) of the row bins [first_bin, first_bin + n_bins) that hold these rows
 // (attention_reduce.cu; host reference: reduce_attention).
-void attention_column_sums(const float* P, int n_heads, int T, const int* queries, int nq, double* out,
+void attention_column_sums(const float* P, int n_heads, int T, const int* queries, int nq, bool go_on, double* out,
                            cudaStream_t s);
 void attention_below(const float* P, int n_heads, int T, const int* queries, int nq, double p, bool zeros_below,
                      unsigned long long* below, cudaStream_t s);
+void attention_map_sums(const float* P, int n_heads, int T, const int* queries, int nq, int rows, int cols, int keys,
+                        int first_bin, int n_bins, double* sums, cudaStream_t s);
 // The exact attention of decode queries (exact_attention.cu; host reference: exact_attention in
 // core/exact_attention.h), one block a query head: query head h of q [n_heads][head_dim] over the
 // prompt's rows (prompt [T][stride], keys at k_col, values at v_col, KV head g at + g·head_dim)

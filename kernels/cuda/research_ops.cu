@@ -25,69 +25,126 @@ void reduce_prefill_attention(Context& ctx, const Buffer& qkv, const AttnLayout&
   need(qkv.dt == Dt::F32 && l.causal, "attention_reduce: " + qkv.name + " (causal fp32 q/k/v)");
   r.check(l.T, "attention_reduce: " + qkv.name);
   const int H = l.n_heads, T = l.T, nq = static_cast<int>(r.queries.size());
+  const int64_t map_cells = r.map ? static_cast<int64_t>(r.map_rows) * r.map_cols : 0;
   if (nq == 0 || T == 0) {  // nothing summed or counted
     if (r.column_sums) std::fill_n(r.column_sums, static_cast<size_t>(H) * T, 0.0);
     if (r.below) std::fill_n(r.below, H, int64_t{0});
+    if (r.map) std::fill_n(r.map, map_cells, 0.0f);
     return;
   }
-  // The listed query rows' probabilities as `attention` captures them ([H][nq][T]: rows are
-  // independent), then reduced in place of a copy.
-  const int64_t n = static_cast<int64_t>(H) * nq * T;
-  const auto P = ctx.alloc(n * 4, "attention reduction probabilities");
+  // The listed query rows' probabilities as `attention` captures them ([H][rows][T]: rows are
+  // independent), a pass of at most kPassRows rows (and 256 MB) at a time, each pass reduced in
+  // place and its sums going on from the previous pass's.
+  constexpr int kPassRows = 128;
+  const int pass = static_cast<int>(std::clamp<int64_t>((int64_t{256} << 20) / (int64_t{H} * T * 4), 1, kPassRows));
+  const auto P = ctx.alloc(static_cast<int64_t>(H) * std::min(pass, nq) * T * 4, "attention reduction probabilities");
   const auto q = ctx.alloc(static_cast<int64_t>(nq) * 4, "attention reduction query rows");
   ctx.upload(q.get(), r.queries.data(), static_cast<int64_t>(nq) * 4, "attention reduction query rows");
-  attention_scores_rows(qkv.as<float>(), l, static_cast<const int*>(q.get()), nq, static_cast<float*>(P.get()),
-                        ctx.stream);
-  softmax_rows(static_cast<float*>(P.get()), static_cast<int64_t>(H) * nq, T, ctx.stream);
-  if (r.column_sums) {
-    const int64_t bytes = static_cast<int64_t>(H) * T * 8;
-    const auto out = ctx.alloc(bytes, "attention column sums");
-    cuda::attention_column_sums(static_cast<const float*>(P.get()), H, T, static_cast<const int*>(q.get()), nq,
-                                static_cast<double*>(out.get()), ctx.stream);
-    ctx.download(r.column_sums, out.get(), bytes, "attention column sums");
+  const int64_t sums_bytes = r.column_sums ? static_cast<int64_t>(H) * T * 8 : 0, below_bytes = r.below ? H * 8 : 0;
+  const auto out = ctx.alloc(std::max<int64_t>(sums_bytes + below_bytes + map_cells * 8, 8), "attention reductions");
+  double* sums = static_cast<double*>(out.get());
+  auto* below = reinterpret_cast<unsigned long long*>(static_cast<char*>(out.get()) + sums_bytes);
+  double* map = reinterpret_cast<double*>(static_cast<char*>(out.get()) + sums_bytes + below_bytes);
+  if (below_bytes + map_cells)
+    KV_CUDA(cudaMemsetAsync(below, 0, below_bytes + map_cells * 8, ctx.stream), "attention reductions");
+  float* p = static_cast<float*>(P.get());
+  for (int a0 = 0; a0 < nq; a0 += pass) {
+    const int na = std::min(pass, nq - a0);
+    const int* qa = static_cast<const int*>(q.get()) + a0;
+    attention_scores_rows(qkv.as<float>(), l, qa, na, p, ctx.stream);
+    softmax_rows(p, static_cast<int64_t>(H) * na, T, ctx.stream);
+    if (r.column_sums) cuda::attention_column_sums(p, H, T, qa, na, a0 > 0, sums, ctx.stream);
+    if (r.below) cuda::attention_below(p, H, T, qa, na, r.p, r.zeros_below, below, ctx.stream);
+    if (r.map) {
+      const int first = r.map_row_bin(r.queries[static_cast<size_t>(a0)], T);
+      const int last = r.map_row_bin(r.queries[static_cast<size_t>(a0 + na - 1)], T);
+      cuda::attention_map_sums(p, H, T, qa, na, r.map_rows, r.map_cols, r.map_keys, first, last - first + 1, map,
+                               ctx.stream);
+    }
   }
+  std::vector<char> host(static_cast<size_t>(sums_bytes + below_bytes + map_cells * 8));
+  ctx.download(host.data(), out.get(), static_cast<int64_t>(host.size()), "attention reductions");
+  if (r.column_sums) std::memcpy(r.column_sums, host.data(), static_cast<size_t>(sums_bytes));
   if (r.below) {
-    const int64_t bytes = static_cast<int64_t>(H) * 8;
-    const auto out = ctx.alloc(bytes, "attention entries below the threshold");
-    KV_CUDA(cudaMemsetAsync(out.get(), 0, bytes, ctx.stream), "attention entries below the threshold");
-    cuda::attention_below(static_cast<const float*>(P.get()), H, T, static_cast<const int*>(q.get()), nq, r.p,
-                          r.zeros_below, static_cast<unsigned long long*>(out.get()), ctx.stream);
     std::vector<unsigned long long> b(static_cast<size_t>(H));
-    ctx.download(b.data(), out.get(), bytes, "attention entries below the threshold");
+    std::memcpy(b.data(), host.data() + sums_bytes, static_cast<size_t>(below_bytes));
     for (int h = 0; h < H; ++h) r.below[h] = static_cast<int64_t>(b[static_cast<size_t>(h)]);
+  }
+  if (r.map) {
+    std::vector<double> m(static_cast<size_t>(map_cells));
+    std::memcpy(m.data(), host.data() + sums_bytes + below_bytes, static_cast<size_t>(map_cells * 8));
+    r.finish_map(m.data(), H, T);
   }
 }
 
-void assign_by_cosine(Context& ctx, const float* k, int n, int d, const std::vector<int>& keep, std::vector<int>& evicted,
-                    std::vector<int>& best, std::vector<double>& sim) {
-  need(n >= 0 && d > 0 && !keep.empty(), "cosine_assign: rows and kept rows");
-  std::vector<char> kept(static_cast<size_t>(n), 0);
-  for (size_t j = 0; j < keep.size(); ++j) {
-    need(keep[j] >= 0 && keep[j] < n && (j == 0 || keep[j] > keep[j - 1]), "cosine_assign: kept rows ascending below n");
-    kept[static_cast<size_t>(keep[j])] = 1;
+void assign_by_cosine(Context& ctx, int d, const std::vector<const std::vector<float>*>& k,
+                      const std::vector<const std::vector<int>*>& keep, std::vector<std::vector<int>>& evicted,
+                      std::vector<std::vector<int>>& best, std::vector<std::vector<double>>& sim) {
+  const size_t H = k.size();
+  need(d > 0 && keep.size() == H, "cosine_assign: " + std::to_string(H) + " heads of keys and of kept rows");
+  evicted.assign(H, {});
+  best.assign(H, {});
+  sim.assign(H, {});
+  // Every head's keys, kept and evicted rows in one upload, laid out head after head (each part
+  // 8-byte aligned); norms, similarities and assignments likewise in one buffer.
+  auto up8 = [](int64_t b) { return (b + 7) / 8 * 8; };
+  struct Part {
+    int n = 0, K = 0, E = 0;
+    int64_t keys = 0, kept = 0, ev = 0, norm = 0, sim = 0, best = 0;
+  };
+  std::vector<Part> parts(H);
+  int64_t in_bytes = 0, out_bytes = 0;
+  for (size_t h = 0; h < H; ++h) {
+    const std::vector<float>& kh = *k[h];
+    const std::vector<int>& kp = *keep[h];
+    need(kh.size() % static_cast<size_t>(d) == 0 && !kp.empty(), "cosine_assign: head " + std::to_string(h) + " rows and kept rows");
+    Part& p = parts[h];
+    p.n = static_cast<int>(kh.size() / static_cast<size_t>(d));
+    std::vector<char> kept(static_cast<size_t>(p.n), 0);
+    for (size_t j = 0; j < kp.size(); ++j) {
+      need(kp[j] >= 0 && kp[j] < p.n && (j == 0 || kp[j] > kp[j - 1]),
+           "cosine_assign: head " + std::to_string(h) + " kept rows ascending below " + std::to_string(p.n));
+      kept[static_cast<size_t>(kp[j])] = 1;
+    }
+    for (int e = 0; e < p.n; ++e)
+      if (!kept[static_cast<size_t>(e)]) evicted[h].push_back(e);
+    p.K = static_cast<int>(kp.size());
+    p.E = static_cast<int>(evicted[h].size());
+    p.keys = in_bytes;
+    p.kept = p.keys + up8(static_cast<int64_t>(kh.size()) * 4);
+    p.ev = p.kept + up8(static_cast<int64_t>(p.K) * 4);
+    in_bytes = p.ev + up8(static_cast<int64_t>(p.E) * 4);
+    p.norm = out_bytes;
+    p.sim = p.norm + static_cast<int64_t>(p.n) * 8;
+    p.best = p.sim + static_cast<int64_t>(p.E) * 8;
+    out_bytes = p.best + up8(static_cast<int64_t>(p.E) * 4);
   }
-  evicted.clear();
-  for (int e = 0; e < n; ++e)
-    if (!kept[static_cast<size_t>(e)]) evicted.push_back(e);
-  const int E = static_cast<int>(evicted.size()), K = static_cast<int>(keep.size());
-  best.assign(static_cast<size_t>(E), -1);
-  sim.assign(static_cast<size_t>(E), 0.0);
-  if (E == 0) return;
-  const int64_t kb = static_cast<int64_t>(n) * d * 4;
-  const auto dk = ctx.alloc(kb, "LOOK-M keys");
-  const auto dkeep = ctx.alloc(static_cast<int64_t>(K) * 4, "LOOK-M kept rows");
-  const auto dev = ctx.alloc(static_cast<int64_t>(E) * 4, "LOOK-M evicted rows");
-  const auto dnorm = ctx.alloc(static_cast<int64_t>(n) * 8, "LOOK-M key norms");
-  const auto dbest = ctx.alloc(static_cast<int64_t>(E) * 4, "LOOK-M assignments");
-  const auto dsim = ctx.alloc(static_cast<int64_t>(E) * 8, "LOOK-M similarities");
-  ctx.upload(dk.get(), k, kb, "LOOK-M keys");
-  ctx.upload(dkeep.get(), keep.data(), static_cast<int64_t>(K) * 4, "LOOK-M kept rows");
-  ctx.upload(dev.get(), evicted.data(), static_cast<int64_t>(E) * 4, "LOOK-M evicted rows");
-  cuda::cosine_assign(static_cast<const float*>(dk.get()), n, d, static_cast<const int*>(dkeep.get()), K,
-                      static_cast<const int*>(dev.get()), E, static_cast<double*>(dnorm.get()),
-                      static_cast<int*>(dbest.get()), static_cast<double*>(dsim.get()), ctx.stream);
-  ctx.download(best.data(), dbest.get(), static_cast<int64_t>(E) * 4, "LOOK-M assignments");
-  ctx.download(sim.data(), dsim.get(), static_cast<int64_t>(E) * 8, "LOOK-M similarities");
+  if (out_bytes == 0) return;
+  std::vector<char> in(static_cast<size_t>(in_bytes));
+  for (size_t h = 0; h < H; ++h) {
+    const Part& p = parts[h];
+    std::memcpy(in.data() + p.keys, k[h]->data(), k[h]->size() * 4);
+    std::memcpy(in.data() + p.kept, keep[h]->data(), static_cast<size_t>(p.K) * 4);
+    std::memcpy(in.data() + p.ev, evicted[h].data(), static_cast<size_t>(p.E) * 4);
+  }
+  const auto din = ctx.alloc(std::max<int64_t>(in_bytes, 8), "LOOK-M keys and rows");
+  const auto dout = ctx.alloc(out_bytes, "LOOK-M norms and assignments");
+  ctx.upload(din.get(), in.data(), in_bytes, "LOOK-M keys and rows");
+  char* i0 = static_cast<char*>(din.get());
+  char* o0 = static_cast<char*>(dout.get());
+  for (const Part& p : parts)
+    cuda::cosine_assign(reinterpret_cast<const float*>(i0 + p.keys), p.n, d, reinterpret_cast<const int*>(i0 + p.kept),
+                        p.K, reinterpret_cast<const int*>(i0 + p.ev), p.E, reinterpret_cast<double*>(o0 + p.norm),
+                        reinterpret_cast<int*>(o0 + p.best), reinterpret_cast<double*>(o0 + p.sim), ctx.stream);
+  std::vector<char> out(static_cast<size_t>(out_bytes));
+  ctx.download(out.data(), dout.get(), out_bytes, "LOOK-M assignments");
+  for (size_t h = 0; h < H; ++h) {
+    const Part& p = parts[h];
+    best[h].resize(static_cast<size_t>(p.E));
+    sim[h].resize(static_cast<size_t>(p.E));
+    std::memcpy(best[h].data(), out.data() + p.best, static_cast<size_t>(p.E) * 4);
+    std::memcpy(sim[h].data(), out.data() + p.sim, static_cast<size_t>(p.E) * 8);
+  }
 }
 
 void exact_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l,

@@ -125,3 +125,72 @@ TEST(AttentionReduce, QueryListsAreCheckedAndKeyed) {
   b.zeros_below = true;
   EXPECT_NE(a.key(), b.key());
 }
+
+// The pooled map against a direct computation by cells (each cell's head mean, then the block's
+// mean over its causal cells in long double): blocks of uneven size, a key axis longer than the
+// prompt, scattered query rows, one bin each way and as many bins as positions (the map itself).
+// Both are means of float probabilities ≤ 1 taken in another order: within 2⁻²³ (the float
+// result's rounding, twice) plus the double sums' error.
+TEST(AttentionReduce, PooledMapIsEachBlocksMeanOverItsCausalCells) {
+  const int H = 3, T = 41;
+  const std::vector<float> P = causal_probs(H, T, 5);
+  std::vector<int> scattered;
+  for (int i = 0; i < T; i += 3) scattered.push_back(i);
+  struct Case {
+    std::vector<int> queries;
+    int rows, cols, keys;
+  };
+  for (const Case& k : {Case{AttentionReduction::range(0, T, T), 6, 9, T + 4}, Case{scattered, 5, 7, T},
+                        Case{AttentionReduction::range(0, T, T), 1, 1, T}, Case{AttentionReduction::range(0, T, T), T, T, T},
+                        Case{std::vector<int>{}, 2, 2, T}}) {
+    std::vector<float> map(static_cast<size_t>(k.rows) * k.cols, -1.0f);
+    AttentionReduction r;
+    r.queries = k.queries;
+    r.map = map.data();
+    r.map_rows = k.rows;
+    r.map_cols = k.cols;
+    r.map_keys = k.keys;
+    reduce_attention(P.data(), H, T, r);
+    for (int b = 0; b < k.rows; ++b)
+      for (int c = 0; c < k.cols; ++c) {
+        long double sum = 0;
+        int64_t cells = 0;
+        for (int i : k.queries) {
+          if (static_cast<int64_t>(i) * k.rows / T != b) continue;
+          for (int j = 0; j <= i; ++j) {
+            if (static_cast<int64_t>(j) * k.cols / k.keys != c) continue;
+            long double cell = 0;
+            for (int h = 0; h < H; ++h) cell += P[(static_cast<size_t>(h) * T + i) * T + j];
+            sum += cell / H;
+            ++cells;
+          }
+        }
+        const double want = cells ? static_cast<double>(sum / cells) : 0.0;
+        EXPECT_NEAR(map[static_cast<size_t>(b) * k.cols + c], want, 2.4e-7 * want + 1e-12)
+            << k.rows << "x" << k.cols << " block " << b << "," << c;
+      }
+    if (k.rows == T && k.cols == T)  // every row of the map sums to 1 (a softmax row's mean over heads)
+      for (int i = 0; i < T; ++i) {
+        double row = 0;
+        for (int j = 0; j < T; ++j) row += map[static_cast<size_t>(i) * T + j];
+        EXPECT_NEAR(row, 1.0, 1e-5) << "row " << i;
+      }
+  }
+  // Decode rows pooled the same way: a row's keys after its own position do not count.
+  const std::vector<float> rows{1, 2, 3, 4, 5, 6,  //
+                                7, 8, 9, 10, 11, 12};
+  std::vector<float> out(6, -1.0f);
+  pool_map_rows(rows.data(), 2, 3, 6, 3, out.data());  // queries at positions 3 and 4; bins {0,1} {2,3} {4,5}
+  EXPECT_EQ(out, (std::vector<float>{1.5f, 3.5f, 0.0f, 7.5f, 9.5f, 11.0f}));
+  // Maps that do not fit the prompt are refused.
+  std::vector<float> m(4);
+  for (const Case& bad : {Case{{0}, 0, 2, T}, Case{{0}, T + 1, 2, T}, Case{{0}, 2, 2, T - 1}, Case{{0}, 2, T + 1, T}}) {
+    AttentionReduction r;
+    r.queries = bad.queries;
+    r.map = m.data();
+    r.map_rows = bad.rows;
+    r.map_cols = bad.cols;
+    r.map_keys = bad.keys;
+    EXPECT_THROW(reduce_attention(P.data(), H, T, r), InternalError) << bad.rows << "x" << bad.cols << "/" << bad.keys;
+  }
+}

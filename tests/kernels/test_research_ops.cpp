@@ -38,8 +38,9 @@ AttnLayout qkv_layout(int T, int n_heads, int n_kv_heads, int D) {
 }  // namespace
 
 // The device's attention reductions against the host reference on the device's own
-// probabilities: column sums (double, ascending rows) and counts equal bit for bit, for ranges,
-// scattered rows, one row and none, p = 0 / 0.01 / 1 with and without zeros counted. The CPU
+// probabilities: column sums (double, ascending rows), counts and pooled maps (double sums in
+// the reference's order) equal bit for bit, for ranges, scattered rows, one row and none, p = 0
+// / 0.01 / 1 with and without zeros counted; all T rows take two passes of the device's 128. The CPU
 // backend has no such op (its callers reduce the probabilities it hands over).
 TEST(Ops, AttentionReductions) {
   const AttnLayout l = qkv_layout(203, 4, 2, 64);
@@ -69,6 +70,9 @@ TEST(Ops, AttentionReductions) {
       for (bool z : {false, true}) {
         std::vector<double> sums(static_cast<size_t>(H) * T, -1.0), want(sums.size(), -2.0);
         std::vector<int64_t> below(H, -1), want_below(H, -2);
+        // A pooled map with it: uneven blocks over a key axis past the prompt.
+        const int rows = std::min<int>(17, std::max<size_t>(q.size(), 1)), cols = 23, keys = T + 3;
+        std::vector<float> map(static_cast<size_t>(rows) * cols, -1.0f), want_map(map.size(), -2.0f);
         AttentionReduction r, ref;
         r.queries = ref.queries = q;
         r.p = ref.p = p;
@@ -77,10 +81,16 @@ TEST(Ops, AttentionReductions) {
         r.below = below.data();
         ref.column_sums = want.data();
         ref.below = want_below.data();
+        r.map = map.data();
+        ref.map = want_map.data();
+        r.map_rows = ref.map_rows = rows;
+        r.map_cols = ref.map_cols = cols;
+        r.map_keys = ref.map_keys = keys;
         ASSERT_TRUE(gpu.attention_reduce(X, l, r));
         reduce_attention(P.data(), H, T, ref);
         EXPECT_TRUE(sums == want) << "column sums, rows " << r.key();
         EXPECT_EQ(below, want_below) << "entries below, rows " << r.key();
+        EXPECT_TRUE(map == want_map) << "pooled map, rows " << r.key();
       }
   AttentionReduction bad;
   bad.queries = {5, 5};
@@ -92,12 +102,14 @@ TEST(Ops, AttentionReductions) {
 // LOOK-M's assignment on the device against the host's (lookm_assign without a backend): the
 // same evicted rows, kept rows and similarities bit for bit, on random keys with exact
 // duplicates (ties between kept rows), zero rows (similarity 0), negative similarities only,
-// one kept row and none evicted. The CPU backend has no such op and answers false.
+// one kept row and none evicted, one head at a time and a layer's heads at once. The CPU backend
+// has no such op and answers false.
 TEST(Ops, LookMAssignmentOnTheDevice) {
-  std::vector<int> none_e, none_b;
-  std::vector<double> none_s;
+  std::vector<std::vector<int>> none_e, none_b;
+  std::vector<std::vector<double>> none_s;
   const std::vector<float> k1 = randn(24, 1.0f);
-  EXPECT_FALSE(op_backends().cpu->cosine_assign(k1.data(), 3, 8, {0}, none_e, none_b, none_s));
+  const std::vector<int> keep1{0};
+  EXPECT_FALSE(op_backends().cpu->cosine_assign(8, {&k1}, {&keep1}, none_e, none_b, none_s));
   KVLENS_NEED_GPU();
   Backend& gpu = *op_backends().gpu;
   std::mt19937_64 rng(5);
@@ -128,6 +140,29 @@ TEST(Ops, LookMAssignmentOnTheDevice) {
     const std::vector<LookMAssignment> hn = lookm_assign(c.d, keep, neg), dn = lookm_assign(c.d, keep, neg, &gpu);
     ASSERT_EQ(dn.size(), hn.size());
     for (size_t i = 0; i < hn.size(); ++i) EXPECT_TRUE(dn[i].c == hn[i].c && dn[i].s == hn[i].s) << what << " negated " << i;
+  }
+  // A layer's heads at once (one copy each way): heads of different row counts, a head with
+  // nothing evicted and one with no kept row (it assigns nothing), each equal to the host's.
+  std::vector<std::vector<float>> ks;
+  std::vector<std::vector<int>> keeps;
+  for (int h = 0; h < 5; ++h) {
+    const int n = 50 + 31 * h;
+    ks.push_back(randn(static_cast<size_t>(n) * 64, 1.0f));
+    std::vector<int> kp;
+    for (int i = 0; i < n; ++i)
+      if (h == 3 || (h != 4 && rng() % 4 == 0)) kp.push_back(i);
+    if (kp.empty() && h != 4) kp.push_back(0);
+    keeps.push_back(kp);
+  }
+  const auto host = lookm_assign_heads(64, keeps, ks), dev = lookm_assign_heads(64, keeps, ks, &gpu);
+  ASSERT_EQ(dev.size(), host.size());
+  EXPECT_TRUE(host[3].empty());
+  EXPECT_TRUE(host[4].empty());
+  for (size_t h = 0; h < host.size(); ++h) {
+    ASSERT_EQ(dev[h].size(), host[h].size()) << "head " << h;
+    for (size_t i = 0; i < host[h].size(); ++i)
+      EXPECT_TRUE(dev[h][i].e == host[h][i].e && dev[h][i].c == host[h][i].c && dev[h][i].s == host[h][i].s)
+          << "head " << h << " row " << host[h][i].e;
   }
 }
 

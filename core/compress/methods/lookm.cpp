@@ -129,20 +129,42 @@ void apply_merge(MergeKind kind, int d, const std::vector<Assignment>& contrib, 
 
 }  // namespace
 
+std::vector<std::vector<LookMAssignment>> lookm_assign_heads(int d, const std::vector<std::vector<int>>& keep,
+                                                             const std::vector<std::vector<float>>& k, Backend* backend) {
+  if (keep.size() != k.size()) throw InternalError("lookm_assign: kept rows and keys of different head counts");
+  const size_t H = k.size();
+  std::vector<const std::vector<float>*> kp;
+  std::vector<const std::vector<int>*> keepp;
+  for (size_t h = 0; h < H; ++h) {
+    if (d < 1 || k[h].size() % d != 0) throw InternalError("lookm_assign: k is not [n][d]");
+    const int n = static_cast<int>(k[h].size() / d);
+    const std::vector<int>& kh = keep[h];
+    for (size_t j = 0; j < kh.size(); ++j)
+      if (kh[j] < 0 || kh[j] >= n || (j > 0 && kh[j] <= kh[j - 1]))
+        throw InternalError("lookm_merge: kept indices must be ascending and below " + std::to_string(n));
+    if (!kh.empty()) {  // a head without kept rows assigns nothing
+      kp.push_back(&k[h]);
+      keepp.push_back(&kh);
+    }
+  }
+  std::vector<std::vector<LookMAssignment>> out(H);
+  std::vector<std::vector<int>> evicted, best;
+  std::vector<std::vector<double>> sim;
+  if (!backend || kp.empty() || !backend->cosine_assign(d, kp, keepp, evicted, best, sim)) {
+    for (size_t h = 0; h < H; ++h) out[h] = assign_evicted(d, keep[h], k[h]);
+    return out;
+  }
+  for (size_t h = 0, x = 0; h < H; ++h) {
+    if (keep[h].empty()) continue;
+    for (size_t i = 0; i < evicted[x].size(); ++i) out[h].push_back({evicted[x][i], best[x][i], sim[x][i]});
+    ++x;
+  }
+  return out;
+}
+
 std::vector<LookMAssignment> lookm_assign(int d, const std::vector<int>& keep, const std::vector<float>& k,
                                           Backend* backend) {
-  if (d < 1 || k.size() % d != 0) throw InternalError("lookm_assign: k is not [n][d]");
-  const int n = static_cast<int>(k.size() / d);
-  for (size_t j = 0; j < keep.size(); ++j)
-    if (keep[j] < 0 || keep[j] >= n || (j > 0 && keep[j] <= keep[j - 1]))
-      throw InternalError("lookm_merge: kept indices must be ascending and below " + std::to_string(n));
-  std::vector<int> evicted, best;
-  std::vector<double> sim;
-  if (!backend || keep.empty() || !backend->cosine_assign(k.data(), n, d, keep, evicted, best, sim))
-    return assign_evicted(d, keep, k);
-  std::vector<LookMAssignment> out(evicted.size());
-  for (size_t i = 0; i < evicted.size(); ++i) out[i] = {evicted[i], best[i], sim[i]};
-  return out;
+  return lookm_assign_heads(d, {keep}, {k}, backend).front();
 }
 
 void lookm_merge(MergeKind kind, int d, const std::vector<int>& keep, std::vector<float>& k,
@@ -243,8 +265,8 @@ class LookMPolicy : public ScoreEvictPolicy {
     const int H = static_cast<int>(keep.size()), d = c.head_dim;
     std::vector<std::vector<Assignment>> a(H);
     for (int h = 0; h < H; ++h) check_rows(d, k[h], v[h]);
-    if (c.backend) {  // one head at a time on the device
-      for (int h = 0; h < H; ++h) a[h] = lookm_assign(d, keep[h], k[h], c.backend);
+    if (c.backend) {  // every head of the layer in one call on the device
+      a = lookm_assign_heads(d, keep, k, c.backend);
     } else {
       std::exception_ptr err;
 #pragma omp parallel for schedule(dynamic)

@@ -52,6 +52,7 @@
 
 #include "core/errors.h"
 #include "core/compress/quant_methods.h"
+#include "core/parallel.h"
 
 namespace kvlens {
 
@@ -94,6 +95,14 @@ class ZipCachePolicy : public KVPolicy {
   explicit ZipCachePolicy(const ZipOptions& o) : o_(o) {}
   std::string name() const override { return "zipcache"; }
   bool needs_prefill_attention() const override { return true; }
+
+  // Layers are independent (each its own probes, ranges and payload; the capture serialises the
+  // reductions they ask of it): quantized on threads of their own, the same result as in turn.
+  void on_prefill(const std::vector<PrefillContext>& layers, KVStore& store) override {
+    parallel_for(static_cast<int>(layers.size()), 8, [&](int i) {
+      on_prefill_layer(layers[static_cast<size_t>(i)], store.layer(layers[static_cast<size_t>(i)].layer));
+    });
+  }
 
   void on_prefill_layer(const PrefillContext& ctx, LayerKV& layer) override {
     const int T = ctx.prompt_len, H = ctx.n_heads, KH = ctx.n_kv_heads, D = ctx.head_dim;

@@ -144,16 +144,86 @@ TEST(Figures, ScoreHistogramAndCalibrationMarks) {
   EXPECT_THROW(transfer_curve_figure(r, 1, 0), InputError);
 }
 
+// A map pooled into blocks (kvlens run --attention-bins): R prompt row blocks and one row per
+// decode step over C key blocks; a block wholly after its queries is masked, the readout names
+// the positions a block spans, and a map that does not fit its size is refused.
+TEST(Figures, PooledAttentionHeatmap) {
+  nlohmann::json r = report();
+  const int n = r["attention"]["size"], S = r["attention"]["steps"], T = n - S, R = 3, C = 4, L = layer_count(r);
+  ASSERT_GT(T, 2 * R);
+  auto rows_of = [&](int count, double base) {
+    nlohmann::json m = nlohmann::json::array();
+    for (int b = 0; b < count; ++b) {
+      nlohmann::json row = nlohmann::json::array();
+      for (int c = 0; c < C; ++c) row.push_back(base + 0.01 * (b * C + c + 1));
+      m.push_back(row);
+    }
+    return m;
+  };
+  r["attention"]["rows"] = R;
+  r["attention"]["cols"] = C;
+  r["attention"]["layers"] = nlohmann::json::array();
+  for (int l = 0; l < L; ++l) r["attention"]["layers"].push_back(rows_of(R + S, 0.0));
+  for (auto& m : r["methods"]) {
+    m["decode_attention"] = nlohmann::json::array();
+    for (int l = 0; l < L; ++l) m["decode_attention"].push_back(rows_of(S, 0.5));
+  }
+  const Figure f = attention_heatmap_figure(r, 1, 1);
+  ASSERT_EQ(f.series.size(), 2u);
+  const Series& p = f.series[0];
+  const Series& d = f.series[1];
+  ASSERT_EQ(p.rows, R);
+  ASSERT_EQ(p.cols, C);
+  ASSERT_EQ(d.rows, S);
+  EXPECT_EQ(p.x1, n);
+  EXPECT_EQ(p.y1, T);
+  for (int b = 0; b < R; ++b) {
+    int last = -1;  // the block's last query
+    for (int i = 0; i < T; ++i)
+      if (i * R / T == b) last = i;
+    for (int c = 0; c < C; ++c) {
+      int first = n;  // the block's first key
+      for (int k = n - 1; k >= 0; --k)
+        if (k * C / n == c) first = k;
+      const double v = p.z[static_cast<size_t>(b) * C + c];
+      if (first > last)
+        EXPECT_TRUE(std::isnan(v)) << b << "," << c;
+      else
+        EXPECT_DOUBLE_EQ(v, 0.01 * (b * C + c + 1)) << b << "," << c;
+    }
+  }
+  EXPECT_DOUBLE_EQ(d.z[0], 0.51);  // the method's first decode row, first block
+  EXPECT_NE(f.note.find("blocks of about"), std::string::npos) << f.note;
+  const Frame fr = draw(f, 640, 640, measure);
+  const auto said = readout(f, fr, fr.px(0.5), fr.py(T - 0.5));
+  ASSERT_FALSE(said.empty());
+  const int lo = ((R - 1) * T + R - 1) / R;  // the last row block's first query
+  EXPECT_NE(said[0].find("query position " + std::to_string(lo) + "-" + std::to_string(T - 1) + ", key position 0-"),
+            std::string::npos)
+      << said[0];
+  r["attention"]["cols"] = n + 1;
+  EXPECT_THROW(attention_heatmap_figure(r, 1, -1), InputError);
+}
+
 TEST(Figures, AttentionHeatmapAndTokenFate) {
   const auto& r = report();
   ASSERT_TRUE(has_attention(r));
   const int n = r["attention"]["size"], S = r["attention"]["steps"];
   const Figure full = attention_heatmap_figure(r, 1, -1);
-  ASSERT_EQ(full.series.size(), 1u);
+  const int T = n - S;
+  ASSERT_EQ(full.series.size(), 2u) << "the prompt's rows, then the decode rows";
   const Series& h = full.series[0];
-  ASSERT_EQ(h.rows, n);
-  EXPECT_DOUBLE_EQ(h.z[static_cast<size_t>(n - 1) * n + 3], r["attention"]["layers"][1][n - 1][3].get<double>());
+  const Series& hd = full.series[1];
+  ASSERT_EQ(h.rows, T);
+  ASSERT_EQ(h.cols, n);
+  ASSERT_EQ(hd.rows, S);
+  EXPECT_EQ(h.y1, T);
+  EXPECT_EQ(hd.y0, T);
+  EXPECT_EQ(hd.y1, n);
+  EXPECT_DOUBLE_EQ(h.z[static_cast<size_t>(T - 1) * n + 3], r["attention"]["layers"][1][T - 1][3].get<double>());
+  EXPECT_DOUBLE_EQ(hd.z[static_cast<size_t>(S - 1) * n + 3], r["attention"]["layers"][1][n - 1][3].get<double>());
   EXPECT_TRUE(std::isnan(h.z[static_cast<size_t>(3) * n + 4]));  // after the query: masked
+  EXPECT_TRUE(std::isnan(hd.z[n - 1]));                          // the first decode row's last key
   // ... and drawn as missing (light grey), not as the bottom of the colour map.
   const Frame fr = draw(full, 640, 640, measure);
   const auto img = std::find_if(fr.prims.begin(), fr.prims.end(), [](const Prim& p) { return p.type == Prim::Type::Image && p.image_w > 1; });
@@ -164,9 +234,14 @@ TEST(Figures, AttentionHeatmapAndTokenFate) {
   EXPECT_GT(masked[0], 200);
   EXPECT_THROW(attention_heatmap_figure(r, layer_count(r), -1), InputError);
   const Figure m = attention_heatmap_figure(r, 1, 1);  // streamingllm's decode rows
-  const int T = n - S;
-  EXPECT_DOUBLE_EQ(m.series[0].z[static_cast<size_t>(T) * n + 5], r["methods"][1]["decode_attention"][1][0][5].get<double>());
-  EXPECT_EQ(m.series[0].z[static_cast<size_t>(T - 1) * n + 2], h.z[static_cast<size_t>(T - 1) * n + 2]);  // prompt rows are shared
+  EXPECT_DOUBLE_EQ(m.series[1].z[5], r["methods"][1]["decode_attention"][1][0][5].get<double>());
+  ASSERT_EQ(m.series[0].z.size(), h.z.size());  // prompt rows are shared (masked cells too)
+  for (size_t i = 0; i < h.z.size(); ++i)
+    EXPECT_TRUE(m.series[0].z[i] == h.z[i] || (std::isnan(m.series[0].z[i]) && std::isnan(h.z[i]))) << i;
+  // The readout names positions: the decode rows start at query position T.
+  const auto said = readout(full, fr, fr.px(3.5), fr.py(T + 0.5));
+  ASSERT_FALSE(said.empty());
+  EXPECT_NE(said[0].find("query position " + std::to_string(T) + ", key position 3:"), std::string::npos) << said[0];
   // A boundary is marked at every position where the segment changes, and at the first generated row.
   std::set<double> want;
   const auto kinds = r["token_kinds"].get<std::vector<std::string>>();
@@ -355,7 +430,8 @@ TEST(Figures, BrokenReportIsRefusedNamingTheKey) {
 // A figure's data is one tidy table that Python's csv module reads as is: one header, then one
 // row per plotted point with every column, the figure, series and kind named, the point's numbers
 // as plotted (summed per column here), and the figure's method / layer / head on every row. Lines,
-// a scatter with labels (one with a comma and a quote), a histogram's bins and a heatmap's cells.
+// a scatter with labels (one with a comma and a quote), a histogram's bins and a heatmap's cells
+// (by position: the attention map's decode rows go on from the prompt's).
 TEST(Figures, CsvIsOneTidyTableThatPythonReads) {
   const auto& r = report();
   std::vector<Figure> figs = {layer_metric_figure(r, LayerMetric::SoftmaxKl), bytes_vs_agreement_figure(r),
@@ -371,8 +447,12 @@ TEST(Figures, CsvIsOneTidyTableThatPythonReads) {
     for (const Series& s : f.series) {
       if (s.kind == SeriesKind::Heatmap) {
         points += static_cast<size_t>(s.rows) * s.cols;
+        // Cells one position wide: x and y are their positions (the decode rows start at y0 = T).
+        ASSERT_EQ(s.y1 - s.y0, s.rows);
+        ASSERT_EQ(s.x1 - s.x0, s.cols);
         for (int rr = 0; rr < s.rows; ++rr)
-          for (int c = 0; c < s.cols; ++c) sx += c, sy += rr, sv += fin(s.z[static_cast<size_t>(rr) * s.cols + c]);
+          for (int c = 0; c < s.cols; ++c)
+            sx += s.x0 + c, sy += s.y0 + rr, sv += fin(s.z[static_cast<size_t>(rr) * s.cols + c]);
       } else if (s.kind == SeriesKind::StepHistogram) {
         for (size_t i = 0; i + 1 < s.x.size() && i < s.y.size(); ++i)
           ++points, sx += fin(s.x[i]), shi += fin(s.x[i + 1]), sy += fin(s.y[i]);

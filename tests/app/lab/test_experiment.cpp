@@ -561,6 +561,65 @@ TEST(Experiment, AttentionMapsAndPatchAttention) {
   EXPECT_EQ(j["token_kinds"].size(), static_cast<size_t>(T));
   EXPECT_EQ(j["methods"][0]["decode_attention"].size(), ex.attention.size());
   EXPECT_NEAR(j["attention"]["layers"][1][T][first_visual].get<double>(), ex.attention[1][static_cast<size_t>(T) * n + first_visual], 1e-6);
+  EXPECT_EQ(j["attention"]["rows"], T);
+  EXPECT_EQ(j["attention"]["cols"], n);
+
+  // Fewer bins than positions: each block is the mean of the full map's causal cells in it,
+  // prompt rows and keys pooled by ⌊i·R/T⌋ and ⌊j·C/n⌋, each decode row on its own, and the
+  // method's decode rows pooled the same way. Values are ≤ 1 and both sides are float roundings
+  // of sums taken in another order (decode rows: H float additions, ≤ H·2⁻²⁴ ≈ 2e-6 for H ≤ 32).
+  ExperimentOptions pooled = opt;
+  pooled.attention_bins = 7;
+  const Experiment ep = start_experiment(f.model, f.image, pooled);
+  const int R = ep.attention_rows, C = ep.attention_cols;
+  ASSERT_EQ(R, 7);
+  ASSERT_EQ(C, 7);
+  ASSERT_EQ(ep.full.generated_ids, ex.full.generated_ids);
+  const MethodRun rp = run_method(f.model, ep, parse_method_spec("streamingllm:budget=0.3"), pooled);
+  auto block_mean = [&](const std::vector<float>& full, int row_lo, int row_hi, int c) {
+    double sum = 0;
+    int cells = 0;
+    for (int i = row_lo; i < row_hi; ++i)
+      for (int k = 0; k < n; ++k)
+        if (static_cast<int64_t>(k) * C / n == c && k <= i) {
+          sum += full[static_cast<size_t>(i) * n + k];
+          ++cells;
+        }
+    return cells ? sum / cells : 0.0;
+  };
+  for (int l = 0; l < static_cast<int>(ep.attention.size()); ++l) {
+    const std::vector<float>& m = ep.attention[static_cast<size_t>(l)];
+    ASSERT_EQ(m.size(), static_cast<size_t>(R + S) * C);
+    for (int b = 0; b < R + S; ++b) {
+      int lo = T + (b - R), hi = lo + 1;  // a decode row
+      if (b < R) {
+        lo = hi = -1;
+        for (int i = 0; i < T; ++i)
+          if (static_cast<int64_t>(i) * R / T == b) {
+            if (lo < 0) lo = i;
+            hi = i + 1;
+          }
+      }
+      for (int c = 0; c < C; ++c)
+        EXPECT_NEAR(m[static_cast<size_t>(b) * C + c], block_mean(ex.attention[static_cast<size_t>(l)], lo, hi, c), 2e-6)
+            << "layer " << l << " block " << b << "," << c;
+    }
+    const std::vector<float>& d = rp.decode_attention[static_cast<size_t>(l)];
+    ASSERT_EQ(d.size(), static_cast<size_t>(S) * C);
+    std::vector<float> unpooled(static_cast<size_t>(n) * n, 0.0f);  // the method's rows at T..n-1
+    std::copy(r.decode_attention[static_cast<size_t>(l)].begin(), r.decode_attention[static_cast<size_t>(l)].end(),
+              unpooled.begin() + static_cast<size_t>(T) * n);
+    for (int s = 0; s < S; ++s)
+      for (int c = 0; c < C; ++c)
+        EXPECT_NEAR(d[static_cast<size_t>(s) * C + c], block_mean(unpooled, T + s, T + s + 1, c), 2e-6)
+            << "layer " << l << " step " << s << " block " << c;
+  }
+  const nlohmann::json jp = experiment_json(f.model, ep, {&rp}, pooled);
+  EXPECT_EQ(jp["attention"]["rows"], R);
+  EXPECT_EQ(jp["attention"]["layers"][0].size(), static_cast<size_t>(R + S));
+  EXPECT_EQ(jp["methods"][0]["decode_attention"][0][0].size(), static_cast<size_t>(C));
+  pooled.attention_bins = 0;
+  EXPECT_THROW(start_experiment(f.model, f.image, pooled), InputError);
 }
 
 // The memory plan counts what the run holds: the prompt as prefill assembles it, and the capture
