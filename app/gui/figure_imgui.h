@@ -42,6 +42,8 @@ float figure_scale();
 // The least height (pixels at UI scale 1) a panel gives a figure: below it a plot's title, legend,
 // axis labels and note leave no plot.
 constexpr float kMinFigureHeight = 180.0f;
+// The least side of the Image panel's picture (UI-scaled; the panel's width where that is less).
+constexpr float kMinImageSide = 240.0f;
 
 // Draws `f` as an item of `size` at the cursor. `view` keeps, between frames, the x zoom (wheel,
 // drag), the y zoom (Shift + wheel), the y scale (right-click menu) and the series hidden (a click

@@ -140,11 +140,14 @@ void image_panel(App& app, Ui& ui, const PanelRect& rect) {
   }
   v.layer = std::clamp(v.layer, 0, std::max(0, layers - 1));
 
-  // The image, square, as large as the panel allows.
+  // The image, square, as large as the panel allows, and at least kMinImageSide (or the panel's
+  // width) where the panel is short: the panel then scrolls to its colour bar and notes.
   const ImVec2 avail = ImGui::GetContentRegionAvail();
   // Room below for the caption, and with an overlay its colour bar, ticks and quantity.
   const float below = ImGui::GetTextLineHeightWithSpacing() * (v.overlay == Overlay::None ? 1.0f : 5.0f);
-  const float side = std::max(64.0f, std::min(avail.x, avail.y - below));
+  const float least = std::min(avail.x, kMinImageSide * figure_scale());
+  const float side = std::max({64.0f, least, std::min(avail.x, avail.y - below)});
+  st.drawn["image_panel"] = {ImGui::GetCursorScreenPos().x, ImGui::GetCursorScreenPos().y, avail.x, avail.y};
   const ImVec2 p0 = ImGui::GetCursorScreenPos();
   ImDrawList* dl = ImGui::GetWindowDrawList();
   if (s && s->base && s->base->shown.width > 0) {

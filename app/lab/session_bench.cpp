@@ -193,6 +193,13 @@ SessionBench bench_session(const Session& s, const std::string& model_dir, const
     };
     snap = wait(has_run);
     t.caption_ms = ms_since(t0);
+    for (const RunResult& r : snap->runs)
+      if (r.id == id && r.spec == spec && r.run) {
+        t.compress_ms = r.run->result.compress_ms;
+        t.decode_ms = r.run->result.decode_ms;
+        t.diagnostics_ms = std::max(0.0, r.run_ms - t.compress_ms - t.decode_ms);
+        t.report_ms = r.json_ms + snap->report_ms;
+      }
     snap = wait(idle(v));
     t.ready_ms = ms_since(t0);
     check(*snap);

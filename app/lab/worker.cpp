@@ -114,6 +114,7 @@ void Worker::publish(bool busy, const std::string& stage) {
   s->runs = ordered_;
   for (const auto& [id, e] : run_errors_) s->run_errors[id] = e.second;
   s->report = report_;
+  s->report_ms = report_ms_;
   s->runs_done = runs_done_;
   s->runs_cancelled = runs_cancelled_;
   busy_ = busy;
@@ -134,6 +135,7 @@ void Worker::set_on_publish(std::function<void()> f) {
 }
 
 void Worker::build_report(const Setup& s) {
+  const auto t0 = std::chrono::steady_clock::now();
   ordered_.clear();
   for (const Setup::Method& m : s.methods) {
     auto it = runs_.find(m.id);
@@ -153,6 +155,7 @@ void Worker::build_report(const Setup& s) {
     (*report)["methods"].push_back(std::move(m));
   }
   report_ = report;
+  report_ms_ = ms_since(t0);
 }
 
 void Worker::loop() {
@@ -301,9 +304,13 @@ void Worker::loop() {
           RunResult rr;
           rr.id = id;
           rr.spec = spec;
+          const auto t_run = std::chrono::steady_clock::now();
           auto run = std::make_shared<MethodRun>(run_method(*model_, *base_->ex, next->params, opt, {rec.get()}));
+          rr.run_ms = ms_since(t_run);
           rr.pieces = pieces_of(*model_, run->result.generated_ids);
+          const auto t_json = std::chrono::steady_clock::now();
           rr.json = std::make_shared<const nlohmann::json>(method_run_json(*model_, *base_->ex, *run));
+          rr.json_ms = ms_since(t_json);
           rr.run = run;
           rr.patches = rec;
           rr.ms = ms_since(t0);

@@ -71,6 +71,7 @@ struct RunResult {
   std::shared_ptr<const VisualAttentionRecorder> patches;
   std::vector<std::string> pieces;
   double ms = 0;  // compression + decode + diagnostics
+  double run_ms = 0, json_ms = 0;  // of which run_method, and its report entry (method_run_json)
   std::shared_ptr<const nlohmann::json> json;  // method_run_json (without label), built once
 };
 
@@ -86,6 +87,7 @@ struct Snapshot {
   std::vector<RunResult> runs;                 // computed instances of the setup, in its order
   std::map<int, std::string> run_errors;       // instance id → message
   std::shared_ptr<const nlohmann::json> report;  // experiment_json of base + runs
+  double report_ms = 0;                          // assembling the latest report
   int runs_done = 0, runs_cancelled = 0;         // since the worker started
 };
 
@@ -136,6 +138,7 @@ class Worker {
   std::map<int, RunResult> runs_;
   std::map<int, std::pair<std::string, std::string>> run_errors_;  // id → (spec, message)
   std::shared_ptr<const nlohmann::json> report_;
+  double report_ms_ = 0;
   std::vector<RunResult> ordered_;
   uint64_t computing_version_ = 0;
   int runs_done_ = 0, runs_cancelled_ = 0;

@@ -326,7 +326,7 @@ TEST(Gui, PlotViewHidesSeriesAndSwitchesTheYScale) {
 // the Session panel, listing every message (two refused inputs here).
 // At 1280×800 the Calibration panel is shorter than its two figures want: each keeps at least
 // kMinFigureHeight (the panel scrolls) instead of g(x) shrinking to a strip; the Model panel is
-// narrower than its facts two a row: one a row, none cut.
+// narrower than its facts two a row: one a row, none cut; the image keeps kMinImageSide.
 TEST(Gui, CalibrationFiguresKeepTheirHeightAt1280x800) {
   const std::string dir = kt::make_temp_dir("gui_small");
   const json steps = {{"steps",
@@ -351,6 +351,10 @@ TEST(Gui, CalibrationFiguresKeepTheirHeightAt1280x800) {
   ASSERT_TRUE(st["drawn"].contains("model_facts") && st["drawn"].contains("model_panel")) << st["drawn"].dump();
   EXPECT_LE(st["drawn"]["model_facts"][2].get<double>(), st["drawn"]["model_panel"][2].get<double>());
   EXPECT_GT(st["drawn"]["model_facts"][3].get<double>(), 0.0);
+  // The image keeps a usable size: at least 240 px, or the panel's width where that is less.
+  ASSERT_TRUE(st["drawn"].contains("image") && st["drawn"].contains("image_panel")) << st["drawn"].dump();
+  EXPECT_GE(st["drawn"]["image"][2].get<double>(), std::min(240.0, st["drawn"]["image_panel"][2].get<double>()));
+  EXPECT_GE(st["drawn"]["image_panel"][2].get<double>(), 240.0) << "the left column at 1280x800";
 }
 
 TEST(Gui, LogWindowListsEveryMessage) {
