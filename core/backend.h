@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -143,6 +144,14 @@ struct StepCache {
 class Backend {
  public:
   virtual ~Backend() = default;
+  // Taken by ops that threads other than the model's may call, and by callers that run several
+  // ops from such a thread (see attention_reduce).
+  std::recursive_mutex& ops_mutex() const { return ops_mu_; }
+
+ private:
+  mutable std::recursive_mutex ops_mu_;
+
+ public:
   virtual std::string name() const = 0;    // "cpu" / "cuda"
   virtual std::string device() const = 0;  // what runs it, in words
   virtual bool supports(Op op) const = 0;
@@ -214,7 +223,7 @@ class Backend {
   // out[t] = table[ids[t]] (ids I32 [T], every id < table rows; out fp32).
   virtual void embed(const Buffer& table, const Buffer& ids, Buffer& out) = 0;
   // dst[dst_row0 + i][dst_col0 ..] = src[src_row0 + i][src_col0 ..] for i < n, `cols` values
-  // (fp32 buffers).
+  // (buffers of one dtype, copied as they are).
   virtual void copy_block(const Buffer& src, int64_t src_row0, int64_t src_col0, Buffer& dst,
                           int64_t dst_row0, int64_t dst_col0, int64_t n, int64_t cols) = 0;
   // Prefill / vision attention of the T tokens of qkv among themselves; out [T][n_heads·D]
@@ -223,7 +232,9 @@ class Backend {
   virtual void attention(const Buffer& qkv, const AttnLayout& l, Buffer& out, float* scores,
                          float* probs) = 0;
   // attention, attention_reduce and cosine_assign may be called from several threads at once (a
-  // compression policy's layers run in parallel); a backend serialises them where it must.
+  // compression policy's layers run in parallel); a backend serialises them where it must, under
+  // ops_mutex(). Work of several ops that must not interleave with another thread's (a capture
+  // recomputing a layer) holds ops_mutex() around them.
   //
   // The causal probabilities attention computes for qkv, reduced where they are computed as `r`
   // asks (core/attention_reduce.h: reduce_attention is the reference), only the results copied

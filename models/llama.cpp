@@ -137,15 +137,16 @@ std::vector<float> LlamaDecoder::prefill(const Buffer& x0, const std::vector<Seg
     probs.resize(scores.size());
   }
   std::shared_ptr<CapturedAttention> captured;
-  if (keep) captured = std::make_shared<CapturedAttention>(be, lay, mdt, cfg.num_hidden_layers);
+  if (keep)
+    captured = std::make_shared<CapturedAttention>(be, lay, mdt, cfg.num_hidden_layers, static_cast<float>(cfg.rope_theta), pos);
   for (int l = 0; l < cfg.num_hidden_layers; ++l) {
     const LlamaLayer& L = layers[l];
     be->rms_norm(h, L.ln1, eps, x);
     be->linear(x, L.qkv_w, or_null(L.qkv_b), qkv, false);
+    if (keep) captured->keep_layer(l, x, L.qkv_w, L.qkv_b);
     be->rope(qkv, lay, pos, static_cast<float>(cfg.rope_theta));
     be->kv_append(kv, l, qkv, lay, pos, pos_host.data(), kinds.data(), T);
     be->attention(qkv, lay, a, observe ? scores.data() : nullptr, observe ? probs.data() : nullptr);
-    if (keep) captured->keep_layer(l, qkv);
     if (want_q) {
       qkv_host.resize(static_cast<size_t>(qkv.numel()));
       be->download(qkv, qkv_host.data());
@@ -191,13 +192,42 @@ std::vector<float> LlamaDecoder::prefill(const Buffer& x0, const std::vector<Seg
   return out;
 }
 
-CapturedAttention::CapturedAttention(std::shared_ptr<Backend> be, const AttnLayout& lay, Dt out_dt, int n_layers)
-    : be_(std::move(be)), lay_(lay), out_dt_(out_dt), qkv_(static_cast<size_t>(n_layers)) {}
+CapturedAttention::CapturedAttention(std::shared_ptr<Backend> be, const AttnLayout& lay, Dt out_dt, int n_layers,
+                                     float rope_theta, const Buffer& positions)
+    : be_(std::move(be)), lay_(lay), out_dt_(out_dt), theta_(rope_theta), pos_(positions),
+      layers_(static_cast<size_t>(n_layers)) {}
 
-void CapturedAttention::keep_layer(int layer, const Buffer& qkv) {
-  Buffer& c = qkv_.at(static_cast<size_t>(layer));
-  c = be_->alloc("l" + std::to_string(layer) + ".prefill.qkv_captured", qkv.shape, Dt::F32);
-  be_->copy_block(qkv, 0, 0, c, 0, 0, qkv.rows(), qkv.cols());
+void CapturedAttention::keep_layer(int layer, const Buffer& x, const Buffer& qkv_w, const Buffer& qkv_b) {
+  Layer& c = layers_.at(static_cast<size_t>(layer));
+  c.x = be_->alloc("l" + std::to_string(layer) + ".prefill.qkv_input_captured", x.shape, x.dt);
+  be_->copy_block(x, 0, 0, c.x, 0, 0, x.rows(), x.cols());
+  c.w = qkv_w;
+  c.b = qkv_b;
+}
+
+Buffer CapturedAttention::qkv_locked(int layer) const {
+  for (size_t i = 0; i < slots_.size(); ++i)
+    if (slots_[i].first == layer) {
+      std::rotate(slots_.begin(), slots_.begin() + static_cast<std::ptrdiff_t>(i), slots_.begin() + static_cast<std::ptrdiff_t>(i) + 1);
+      return slots_.front().second;
+    }
+  if (layer < 0 || layer >= n_layers() || layers_[static_cast<size_t>(layer)].x.empty())
+    throw InternalError("prefill attention: no captured layer " + std::to_string(layer));
+  const Layer& c = layers_[static_cast<size_t>(layer)];
+  // The prefill's projection and RoPE on the kept input: the prefill's q, k and v again. Another
+  // thread's ops on this backend wait (a policy's layers may compress in parallel).
+  std::lock_guard<std::recursive_mutex> ops(be_->ops_mutex());
+  Buffer qkv = be_->alloc("l" + std::to_string(layer) + ".prefill.qkv_recomputed", {lay_.T, lay_.row_stride}, Dt::F32);
+  be_->linear(c.x, c.w, c.b.empty() ? nullptr : &c.b, qkv, false);
+  be_->rope(qkv, lay_, pos_, theta_);
+  slots_.insert(slots_.begin(), {layer, qkv});
+  if (slots_.size() > kSlots) slots_.pop_back();
+  return qkv;
+}
+
+Buffer CapturedAttention::layer_qkv(int layer) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return qkv_locked(layer);
 }
 
 std::shared_ptr<const std::vector<float>> CapturedAttention::probs(int layer) const {
@@ -223,9 +253,8 @@ void CapturedAttention::reduce(int layer, const AttentionReduction& r) const {
       reduce_attention(kept->data(), NH, T, own);
       return;
     }
-    if (layer < 0 || layer >= n_layers() || qkv_[static_cast<size_t>(layer)].empty())
-      throw InternalError("prefill attention: no captured layer " + std::to_string(layer));
-    if (!be_->attention_reduce(qkv_[static_cast<size_t>(layer)], lay_, own)) {
+    std::lock_guard<std::recursive_mutex> ops(be_->ops_mutex());
+    if (!be_->attention_reduce(qkv_locked(layer), lay_, own)) {
       const auto p = held(layer);
       reduce_attention(p->data(), NH, T, own);
     }
@@ -281,13 +310,13 @@ void CapturedAttention::reduce(int layer, const AttentionReduction& r) const {
 }
 
 std::shared_ptr<const std::vector<float>> CapturedAttention::held(int layer) const {
-  if (layer < 0 || layer >= n_layers() || qkv_[static_cast<size_t>(layer)].empty())
-    throw InternalError("prefill attention: no captured layer " + std::to_string(layer));
   const int T = lay_.T, NH = lay_.n_heads;
+  std::lock_guard<std::recursive_mutex> ops(be_->ops_mutex());
+  const Buffer qkv = qkv_locked(layer);
   auto p = std::make_shared<std::vector<float>>(static_cast<size_t>(NH) * T * T);
   Buffer out = be_->alloc("l" + std::to_string(layer) + ".prefill.attn_out_recomputed",
                           {T, static_cast<int64_t>(NH) * lay_.head_dim}, out_dt_);
-  be_->attention(qkv_[static_cast<size_t>(layer)], lay_, out, nullptr, p->data());
+  be_->attention(qkv, lay_, out, nullptr, p->data());
   recent_.insert(recent_.begin(), {layer, p});
   if (recent_.size() > kRecent) recent_.pop_back();
   return p;
@@ -295,8 +324,9 @@ std::shared_ptr<const std::vector<float>> CapturedAttention::held(int layer) con
 
 int64_t CapturedAttention::capture_bytes() const {
   int64_t b = 0;
-  for (const Buffer& c : qkv_) b += c.empty() ? 0 : c.bytes();
-  return b;
+  for (const Layer& c : layers_) b += c.x.empty() ? 0 : c.x.bytes();
+  // and the q/k/v slots, at most kSlots layers (the most they hold)
+  return b + static_cast<int64_t>(std::min(kSlots, layers_.size())) * lay_.T * lay_.row_stride * 4;
 }
 
 int64_t CapturedAttention::cached_bytes() const {
@@ -513,17 +543,29 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
     if (staged) {  // the step's events, now that the host store holds its rows
       std::vector<float> q_all(static_cast<size_t>(w.qkv_layers.numel()));
       be->download(w.qkv_layers, q_all.data());
-      // Every layer's exact attention in one go, where the backend can.
+      // Every layer's exact attention, a few layers a launch (each launch holds those layers'
+      // recomputed prompt q/k/v), where the backend can.
       std::vector<ExactAttention> exact;
       if (capture) {
-        std::vector<const Buffer*> prompts;
-        std::vector<ExtraRows> extras;
-        for (int l = 0; l < cfg.num_hidden_layers; ++l) {
-          prompts.push_back(&capture->layer_qkv(l));
-          extras.push_back(rows_from(*kv.host, l, capture->prompt_len()));
+        constexpr int kLayersAtOnce = 4;
+        for (int l0 = 0; l0 < cfg.num_hidden_layers; l0 += kLayersAtOnce) {
+          const int n = std::min(kLayersAtOnce, cfg.num_hidden_layers - l0);
+          std::vector<Buffer> held;
+          std::vector<const Buffer*> prompts;
+          std::vector<ExtraRows> extras;
+          for (int l = l0; l < l0 + n; ++l) {
+            held.push_back(capture->layer_qkv(l));
+            extras.push_back(rows_from(*kv.host, l, capture->prompt_len()));
+          }
+          for (const Buffer& b : held) prompts.push_back(&b);
+          std::vector<ExactAttention> part;
+          if (!be->exact_decode_attention_layers(w.qkv_layers.row_view(l0, n), lay, prompts, capture->layout(), extras,
+                                                 part)) {
+            exact.clear();
+            break;
+          }
+          for (ExactAttention& e : part) exact.push_back(std::move(e));
         }
-        if (!be->exact_decode_attention_layers(w.qkv_layers, lay, prompts, capture->layout(), extras, exact))
-          exact.clear();
       }
       auto one = [&](int l, Taps& t) {
         size_taps(t, l);

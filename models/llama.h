@@ -37,35 +37,49 @@ struct LlamaWorkspace {
   std::unique_ptr<StepCache> step;
 };
 
-// The prompt's attention of a prefill that was asked to keep it: each layer's qkv after RoPE,
-// copied in the backend's memory, and the same attention op the prefill ran, run again for the
-// layer a caller asks for (so the probabilities are the values the prefill computed, bit for
-// bit). The layers asked for most recently (kRecent) stay on the host for the next caller.
+// The prompt's attention of a prefill that was asked to keep it. Per layer it keeps what the
+// layer's q/k/v projection read (the normalised input, in the model's dtype: a third of q, k and
+// v in fp32 for MHA at fp32, a sixth at fp16) with the projection's weights (shared, not copied),
+// and recomputes the layer's q, k, v after RoPE with the prefill's own ops when asked: the same
+// values bit for bit, so the probabilities are the ones the prefill computed. The kSlots layers'
+// q/k/v recomputed most recently, and the kRecent layers' probabilities asked for most recently
+// (host), stay for the next caller.
 class CapturedAttention final : public PrefillAttention {
  public:
-  CapturedAttention(std::shared_ptr<Backend> be, const AttnLayout& lay, Dt out_dt, int n_layers);
-  void keep_layer(int layer, const Buffer& qkv);
+  CapturedAttention(std::shared_ptr<Backend> be, const AttnLayout& lay, Dt out_dt, int n_layers, float rope_theta,
+                    const Buffer& positions);
+  // Keeps layer `layer`'s projection input x [T][hidden] (copied) and its weights (shared).
+  void keep_layer(int layer, const Buffer& x, const Buffer& qkv_w, const Buffer& qkv_b);
 
-  int n_layers() const override { return static_cast<int>(qkv_.size()); }
+  int n_layers() const override { return static_cast<int>(layers_.size()); }
   int n_heads() const override { return lay_.n_heads; }
   int prompt_len() const override { return lay_.T; }
   std::shared_ptr<const std::vector<float>> probs(int layer) const override;
   void reduce(int layer, const AttentionReduction& r) const override;
   int64_t capture_bytes() const override;
   int64_t cached_bytes() const override;
-  // Layer `layer`'s captured qkv (fp32 [T][row stride], after RoPE), its layout, and the backend
+  // Layer `layer`'s q, k and v (fp32 [T][row stride], after RoPE), recomputed or kept from a
+  // recent call; the buffer stays valid while the caller holds it. Its layout, and the backend
   // that holds it.
-  const Buffer& layer_qkv(int layer) const { return qkv_.at(static_cast<size_t>(layer)); }
+  Buffer layer_qkv(int layer) const;
   const AttnLayout& layout() const { return lay_; }
   const Backend* backend() const { return be_.get(); }
+  // The most layers' q/k/v kept at once (a caller asking for more at a time holds them itself).
+  static constexpr size_t kSlots = 2;
 
  private:
   static constexpr size_t kRecent = 2;
+  struct Layer {
+    Buffer x, w, b;
+  };
   std::shared_ptr<Backend> be_;
   AttnLayout lay_;
   Dt out_dt_;
-  std::vector<Buffer> qkv_;
+  float theta_;
+  Buffer pos_;
+  std::vector<Layer> layers_;
   mutable std::mutex mu_;
+  mutable std::vector<std::pair<int, Buffer>> slots_;  // recomputed q/k/v, most recent first
   mutable std::vector<std::pair<int, std::shared_ptr<const std::vector<float>>>> recent_;
   // The latest reductions' results by layer and query rows (a method asks the same of a layer
   // once for each KV head or query head it scores; the run's diagnostics and the methods ask a
@@ -82,9 +96,10 @@ class CapturedAttention final : public PrefillAttention {
     std::vector<double> column_sums;
     std::vector<Below> below;
   };
-  size_t max_reduced() const { return 4 * qkv_.size() + 4; }
+  size_t max_reduced() const { return 4 * layers_.size() + 4; }
   mutable std::vector<Reduced> reduced_;
   std::shared_ptr<const std::vector<float>> held(int layer) const;  // under mu_
+  Buffer qkv_locked(int layer) const;                              // under mu_
 };
 
 class LlamaDecoder {

@@ -155,6 +155,7 @@ LlavaModel LlavaModel::load_checked(const std::string& dir, const BackendOptions
   f.n_visual = m.cfg_.n_visual_tokens();
   f.patch_rows = f.patch_cols = m.cfg_.vision.image_size / m.cfg_.vision.patch_size;
   f.patch_first = f.n_visual - f.patch_rows * f.patch_cols;
+  f.matrix_bytes = dt_size(m.text_.layers.at(0).qkv_w.dt);
   return m;
 }
 

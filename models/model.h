@@ -90,6 +90,7 @@ struct ModelInfo {
   std::string architecture;  // the table's name for it ("llava")
   int n_layers = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0, hidden = 0, intermediate = 0, vocab = 0;
   int n_visual = 0;          // image tokens per image
+  int matrix_bytes = 4;      // bytes per value of the decoder's matrices and their inputs (2: fp16 / bf16)
   // The visual tokens' patch grid: rows × cols patches; the first `patch_first` visual tokens
   // (a CLS token, say) are not on it.
   int patch_rows = 0, patch_cols = 0, patch_first = 0;

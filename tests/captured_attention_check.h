@@ -1,12 +1,13 @@
 // One check of the prefill's captured attention, on any backend: each layer's probabilities,
-// recomputed on demand from the captured queries, keys and values, equal bit for bit the ones the
-// prefill's attention handed its observers; the capture holds O(layers · tokens · head_dim) and
+// recomputed on demand from the captured projection inputs (the prefill's q/k/v projection and
+// RoPE run again), equal bit for bit the ones the prefill's attention handed its observers; the capture holds O(layers · tokens · head_dim) and
 // at most two layers' probabilities stay on the host; its reductions (column sums over chosen
 // query rows, entries below a share of their row's maximum), made where the capture is, equal
 // the host reference's on those probabilities bit for bit.
 #pragma once
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 #include <string>
 #include <vector>
@@ -38,9 +39,12 @@ inline void check_captured_attention(const Model& m, const RGBImage& img, const 
   ASSERT_EQ(a.n_heads(), f.n_heads) << what;
   ASSERT_EQ(a.prompt_len(), T) << what;
   ASSERT_EQ(static_cast<int>(rec.by_layer.size()), L) << what;
-  // Each layer's q, k and v after RoPE, fp32: O(L·T·d), never a [T][T] array.
+  // Each layer's q/k/v projection input in the matrices' dtype, and at most two layers' q, k and
+  // v after RoPE in fp32: O(L·T·d), never a [T][T] array.
   const int64_t row = static_cast<int64_t>(f.n_heads + 2 * f.n_kv_heads) * f.head_dim;
-  EXPECT_EQ(a.capture_bytes(), static_cast<int64_t>(L) * T * row * 4) << what;
+  EXPECT_EQ(a.capture_bytes(), static_cast<int64_t>(L) * T * f.hidden * f.matrix_bytes +
+                                   std::min<int64_t>(L, 2) * T * row * 4)
+      << what;
   const int64_t layer_bytes = static_cast<int64_t>(f.n_heads) * T * T * 4;
   // Reductions first, while no layer's probabilities are held: a device capture makes them itself.
   const std::vector<std::vector<int>> rows = {AttentionReduction::range(0, T, T), AttentionReduction::range(T - 8, T, T),

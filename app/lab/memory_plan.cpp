@@ -4,6 +4,7 @@
 #include <cstdio>
 
 #include "core/errors.h"
+#include "models/llama.h"
 
 namespace kvlens {
 
@@ -28,7 +29,9 @@ MemoryPlan plan_experiment(const Model& model, const ExperimentOptions& opt) {
   const int64_t T = p.prompt_tokens, L = f.n_layers, H = f.n_heads, KVH = f.n_kv_heads, D = f.head_dim;
   const int64_t row = (H + 2 * KVH) * D;  // q, k and v of one token
   const bool device = p.backend != "cpu";
-  p.capture = L * T * row * 4;
+  // The capture: each layer's q/k/v projection input in the matrices' dtype, and the q, k and v
+  // of the few layers it recomputed last (CapturedAttention::kSlots, fp32).
+  p.capture = L * T * f.hidden * f.matrix_bytes + std::min<int64_t>(L, CapturedAttention::kSlots) * T * row * 4;
   // K and V of every token (prompt and new), fp16 on a device unless fp32 rows are asked for,
   // fp32 values on the CPU, and an int32 position; the prefill's cache and a decode's copy.
   const int64_t value = device && opt.kv_storage == RowStorage::Fp16 ? 2 : 4;

@@ -14,7 +14,7 @@ namespace kvlens {
 struct MemoryPlan {
   std::string backend;       // where it runs ("cuda", "cpu")
   int prompt_tokens = 0;
-  int64_t capture = 0;       // each layer's q, k and v after RoPE (the prompt's attention, kept)
+  int64_t capture = 0;       // each layer's q/k/v input, and the q, k, v of the layers recomputed last
   int64_t caches = 0;        // the prefill's KV cache and one decode's copy, with rows for every new token
   int64_t attention = 0;     // one layer's [heads][T][T] attention recomputed (scores, then probabilities)
   int64_t prefill_work = 0;  // the prefill's activations (hidden states, q/k/v, MLP)

@@ -180,11 +180,13 @@ class CpuBackend : public Backend {
   }
   void copy_block(const Buffer& src, int64_t sr, int64_t sc, Buffer& dst, int64_t dr, int64_t dc, int64_t n,
                   int64_t cols) override {
-    need(sr + n <= src.rows() && sc + cols <= src.cols() && dr + n <= dst.rows() && dc + cols <= dst.cols(),
-         "copy_block: " + src.name + " → " + dst.name + " out of range");
+    need(src.dt == dst.dt && sr + n <= src.rows() && sc + cols <= src.cols() && dr + n <= dst.rows() &&
+             dc + cols <= dst.cols(),
+         "copy_block: " + src.name + " → " + dst.name + " out of range or of another dtype");
+    const int64_t e = dt_size(src.dt);
     for (int64_t i = 0; i < n; ++i)
-      std::memcpy(dst.as<float>() + (dr + i) * dst.cols() + dc, src.as<float>() + (sr + i) * src.cols() + sc,
-                  static_cast<size_t>(cols) * 4);
+      std::memcpy(dst.as<char>() + ((dr + i) * dst.cols() + dc) * e, src.as<char>() + ((sr + i) * src.cols() + sc) * e,
+                  static_cast<size_t>(cols * e));
   }
 
   void attention(const Buffer& qkv, const AttnLayout& l, Buffer& out, float* scores, float* probs) override {

@@ -409,20 +409,22 @@ class CudaBackend : public Backend {
   }
   void copy_block(const Buffer& src, int64_t sr, int64_t sc, Buffer& dst, int64_t dr, int64_t dc, int64_t n,
                   int64_t cols) override {
-    need(src.dt == Dt::F32 && dst.dt == Dt::F32 && sr + n <= src.rows() && sc + cols <= src.cols() &&
-             dr + n <= dst.rows() && dc + cols <= dst.cols(),
-         "copy_block: " + src.name + " → " + dst.name + " out of range");
+    need(src.dt == dst.dt && sr + n <= src.rows() && sc + cols <= src.cols() && dr + n <= dst.rows() &&
+             dc + cols <= dst.cols(),
+         "copy_block: " + src.name + " → " + dst.name + " out of range or of another dtype");
     if (ctx_->replay || n == 0 || cols == 0) return;
     auto prof_scope = prof_.scope("copy_block", *ctx_);
-    KV_CUDA(cudaMemcpy2DAsync(dst.as<float>() + dr * dst.cols() + dc, dst.cols() * 4, src.as<float>() + sr * src.cols() + sc,
-                              src.cols() * 4, cols * 4, n, cudaMemcpyDeviceToDevice, ctx_->stream),
+    const int64_t e = dt_size(src.dt);
+    KV_CUDA(cudaMemcpy2DAsync(dst.as<char>() + (dr * dst.cols() + dc) * e, dst.cols() * e,
+                              src.as<char>() + (sr * src.cols() + sc) * e, src.cols() * e, cols * e, n,
+                              cudaMemcpyDeviceToDevice, ctx_->stream),
             src.name + " → " + dst.name + " (" + std::to_string(n) + "x" + std::to_string(cols) + ")");
   }
   void attention(const Buffer& qkv, const AttnLayout& l, Buffer& out, float* scores, float* probs) override {
     need(qkv.dt == Dt::F32 && out.rows() == l.T && out.cols() == static_cast<int64_t>(l.n_heads) * l.head_dim,
          "attention: " + qkv.name + " → " + out.name);
     if (ctx_->replay) return;
-    std::lock_guard<std::mutex> lock(research_mu_);
+    std::lock_guard<std::recursive_mutex> lock(ops_mutex());
     auto prof_scope = prof_.scope("attention", *ctx_);
     attention_prefill(qkv.as<float>(), l, out.data, out.dt, ctx_->stream);
     if (!scores && !probs) return;
@@ -437,7 +439,7 @@ class CudaBackend : public Backend {
 
   // The research path's reductions and LOOK-M's assignment: kernels/cuda/research_ops.cu.
   bool attention_reduce(const Buffer& qkv, const AttnLayout& l, const AttentionReduction& r) override {
-    std::lock_guard<std::mutex> lock(research_mu_);
+    std::lock_guard<std::recursive_mutex> lock(ops_mutex());
     auto prof_scope = prof_.scope("attention_reduce", *ctx_);
     reduce_prefill_attention(*ctx_, qkv, l, r);
     return true;
@@ -445,7 +447,7 @@ class CudaBackend : public Backend {
   bool cosine_assign(int d, const std::vector<const std::vector<float>*>& k, const std::vector<const std::vector<int>*>& keep,
                      std::vector<std::vector<int>>& evicted, std::vector<std::vector<int>>& best,
                      std::vector<std::vector<double>>& sim) override {
-    std::lock_guard<std::mutex> lock(research_mu_);
+    std::lock_guard<std::recursive_mutex> lock(ops_mutex());
     auto prof_scope = prof_.scope("cosine_assign", *ctx_);
     assign_by_cosine(*ctx_, d, k, keep, evicted, best, sim);
     return true;
@@ -621,9 +623,6 @@ class CudaBackend : public Backend {
   static constexpr int64_t kChecks = 4096;
   std::shared_ptr<Context> ctx_;
   Profiler prof_;
-  // attention, attention_reduce and cosine_assign may come from several threads at once (a
-  // policy's layers compressed in parallel): they take turns.
-  std::mutex research_mu_;
   DevMem checks_;
   std::vector<std::string> check_names_;
   bool fp32_as_fp16_ = false;

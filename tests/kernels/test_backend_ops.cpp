@@ -548,6 +548,21 @@ TEST(Ops, AddRopeEmbedCopy) {
       for (int a = 0; a < 3; ++a)
         for (int c = 0; c < 23; ++c)
           EXPECT_EQ(got[static_cast<size_t>(2 + a) * 30 + 4 + c], r[static_cast<size_t>(1 + a) * H + 7 + c]) << B.name[i];
+      // ... and of the table as the backend keeps it (f16 on a device, f32 on the CPU): copied as
+      // it is, in its own dtype
+      Buffer C16 = poisoned(*B.be[i], "c16", {5, 17}, T.dt);
+      B.be[i]->copy_block(T, 90, 3, C16, 1, 2, 4, 15);
+      const auto got16 = read(*B.be[i], C16);
+      for (int a = 0; a < 5; ++a)
+        for (int c = 0; c < 17; ++c) {
+          const float v = got16[static_cast<size_t>(a) * 17 + c];
+          if (a >= 1 && c >= 2 && c < 17)
+            EXPECT_EQ(v, table[static_cast<size_t>(89 + a) * H + 1 + c]) << B.name[i] << " f16 " << a << "," << c;
+          else
+            EXPECT_TRUE(std::isnan(v)) << B.name[i] << " f16 outside the block " << a << "," << c;
+        }
+      Buffer other = B.be[i]->alloc("other", {5, 17}, T.dt == Dt::F32 ? Dt::I32 : Dt::F32);
+      EXPECT_THROW(B.be[i]->copy_block(T, 0, 0, other, 0, 0, 1, 1), InternalError) << "dtypes differ";
     }
   }
   KVLENS_GPU_HALF_SKIPPED();
