@@ -260,12 +260,9 @@ void CapturedAttention::reduce(int layer, const AttentionReduction& r) const {
     }
   };
   if (r.map) {  // a view: computed for this caller, not remembered
-    AttentionReduction m;
-    m.queries = r.queries;
-    m.map = r.map;
-    m.map_rows = r.map_rows;
-    m.map_cols = r.map_cols;
-    m.map_keys = r.map_keys;
+    AttentionReduction m = r;  // the map alone
+    m.column_sums = nullptr;
+    m.below = nullptr;
     run(m);
     if (!r.column_sums && !r.below) return;
   }

@@ -139,18 +139,21 @@ TEST(AttentionReduce, PooledMapIsEachBlocksMeanOverItsCausalCells) {
   struct Case {
     std::vector<int> queries;
     int rows, cols, keys;
+    AttentionReduction request(float* into) const {
+      AttentionReduction r;
+      r.queries = queries;
+      r.map = into;
+      r.map_rows = rows;
+      r.map_cols = cols;
+      r.map_keys = keys;
+      return r;
+    }
   };
   for (const Case& k : {Case{AttentionReduction::range(0, T, T), 6, 9, T + 4}, Case{scattered, 5, 7, T},
                         Case{AttentionReduction::range(0, T, T), 1, 1, T}, Case{AttentionReduction::range(0, T, T), T, T, T},
                         Case{std::vector<int>{}, 2, 2, T}}) {
     std::vector<float> map(static_cast<size_t>(k.rows) * k.cols, -1.0f);
-    AttentionReduction r;
-    r.queries = k.queries;
-    r.map = map.data();
-    r.map_rows = k.rows;
-    r.map_cols = k.cols;
-    r.map_keys = k.keys;
-    reduce_attention(P.data(), H, T, r);
+    reduce_attention(P.data(), H, T, k.request(map.data()));
     for (int b = 0; b < k.rows; ++b)
       for (int c = 0; c < k.cols; ++c) {
         long double sum = 0;
@@ -185,12 +188,6 @@ TEST(AttentionReduce, PooledMapIsEachBlocksMeanOverItsCausalCells) {
   // Maps that do not fit the prompt are refused.
   std::vector<float> m(4);
   for (const Case& bad : {Case{{0}, 0, 2, T}, Case{{0}, T + 1, 2, T}, Case{{0}, 2, 2, T - 1}, Case{{0}, 2, T + 1, T}}) {
-    AttentionReduction r;
-    r.queries = bad.queries;
-    r.map = m.data();
-    r.map_rows = bad.rows;
-    r.map_cols = bad.cols;
-    r.map_keys = bad.keys;
-    EXPECT_THROW(reduce_attention(P.data(), H, T, r), InternalError) << bad.rows << "x" << bad.cols << "/" << bad.keys;
+    EXPECT_THROW(reduce_attention(P.data(), H, T, bad.request(m.data())), InternalError) << bad.rows << "x" << bad.cols << "/" << bad.keys;
   }
 }
