@@ -1,6 +1,6 @@
 // The prompt's attention of one layer, recomputed on demand from what prefill captured (each
-// layer's post-RoPE queries, keys and values, O(layers · tokens · head_dim)) instead of held for
-// every layer: no [layers][heads][T][T] array exists anywhere. Methods that score tokens and the
+// layer's q/k/v projection input, from which its post-RoPE queries, keys and values are
+// recomputed: O(layers · tokens · hidden)) instead of held for every layer: no [layers][heads][T][T] array exists anywhere. Methods that score tokens and the
 // diagnostics ask for one layer at a time; a few recent layers are kept for a caller that asks
 // again.
 #pragma once
@@ -26,8 +26,9 @@ class PrefillAttention {
     const auto p = probs(layer);
     reduce_attention(p->data(), n_heads(), prompt_len(), r);
   }
-  // Bytes the capture holds (queries, keys and values of every layer, in the backend's memory),
-  // and of the probabilities it keeps for callers now (host memory).
+  // Bytes the capture holds (every layer's projection input and the queries, keys and values it
+  // keeps recomputed, in the backend's memory), and of the probabilities it keeps for callers now
+  // (host memory).
   virtual int64_t capture_bytes() const = 0;
   virtual int64_t cached_bytes() const = 0;
 };
