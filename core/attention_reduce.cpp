@@ -33,7 +33,7 @@ void AttentionReduction::finish_map(const double* sums, int n_heads, int T) cons
   for (int i : queries) {
     int64_t* row = count.data() + static_cast<size_t>(map_row_bin(i, T)) * map_cols;
     for (int c = 0; c < map_cols; ++c) {
-      const int64_t b = map_key_begin(c), e = std::min<int64_t>(map_key_begin(c + 1), int64_t{i} + 1);
+      const auto [b, e] = map_keys_seen(c, i);
       if (e <= b) break;
       row[c] += e - b;
     }
@@ -67,7 +67,7 @@ void pool_map_rows(const float* rows, int n_rows, int first_pos, int keys, int c
   bins.map_keys = keys;
   for (int r = 0; r < n_rows; ++r)
     for (int c = 0; c < cols; ++c) {
-      const int64_t b = bins.map_key_begin(c), e = std::min<int64_t>(bins.map_key_begin(c + 1), int64_t{first_pos} + r + 1);
+      const auto [b, e] = bins.map_keys_seen(c, int64_t{first_pos} + r);
       double acc = 0.0;
       for (int64_t j = b; j < e; ++j) acc += rows[static_cast<size_t>(r) * keys + j];
       out[static_cast<size_t>(r) * cols + c] = e > b ? static_cast<float>(acc / static_cast<double>(e - b)) : 0.0f;
@@ -103,7 +103,7 @@ void reduce_attention(const float* P, int n_heads, int T, const AttentionReducti
     for (int i : r.queries) {
       double* row = sums.data() + static_cast<size_t>(r.map_row_bin(i, T)) * r.map_cols;
       for (int c = 0; c < r.map_cols; ++c) {
-        const int64_t b = r.map_key_begin(c), e = std::min<int64_t>(r.map_key_begin(c + 1), int64_t{i} + 1);
+        const auto [b, e] = r.map_keys_seen(c, i);
         if (e <= b) break;
         double acc = row[c];
         for (int h = 0; h < n_heads; ++h) {

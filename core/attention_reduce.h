@@ -4,8 +4,10 @@
 // maximum. Methods score tokens and diagnostics measure sparsity through these instead of
 // reading every head's T×T probabilities.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace kvlens {
@@ -39,6 +41,11 @@ struct AttentionReduction {
   int map_row_bin(int i, int T) const { return static_cast<int>(static_cast<int64_t>(i) * map_rows / T); }
   int64_t map_key_begin(int c) const {
     return (static_cast<int64_t>(c) * map_keys + map_cols - 1) / map_cols;
+  }
+  // The keys [first, second) of column bin c that query position i sees (j ≤ i); empty once the
+  // bin starts after i.
+  std::pair<int64_t, int64_t> map_keys_seen(int c, int64_t i) const {
+    return {map_key_begin(c), std::min<int64_t>(map_key_begin(c + 1), i + 1)};
   }
   // Writes `map` from the blocks' sums [map_rows][map_cols] (taken as the map's comment says):
   // each sum over n_heads · (the block's causal entries), 0 for a block without one.

@@ -3,15 +3,12 @@
 // (kv_quantize_rows), and decode rows appended on the device alone fetched to the host store
 // (kv_pull_rows). Copies go through page-locked memory, each batch before one wait.
 #include <algorithm>
-#include <atomic>
-#include <exception>
-#include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "core/errors.h"
 #include "core/half.h"
+#include "core/parallel.h"
 #include "core/kv_format.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/context.h"
@@ -87,38 +84,21 @@ void kv_hydrate(Context& ctx, const DeviceKV& dev, KVStore& host, bool rows) {
       at += 2 * n;
     }
     ctx.sync(what);
-    // Widened on threads of their own (the host's side of a device copy; OpenMP stays at the
-    // CPU model's setting).
+    // Widened on threads of their own (core/parallel.h: the host's side of a device copy).
     std::vector<int64_t> from(parts.size());
     at = 0;
     for (size_t i = 0; i < parts.size(); ++i) {
       from[i] = at;
       at += 2LL * parts[i].n * C.D;
     }
-    std::atomic<size_t> next{0};
-    std::exception_ptr failed;
-    std::mutex failed_mu;
-    auto work = [&] {
-      try {
-        for (size_t i; (i = next++) < parts.size();) {
-          const Part& p = parts[i];
-          const int64_t n = static_cast<int64_t>(p.n) * C.D;
-          p.to->k.resize(static_cast<size_t>(n));
-          p.to->v.resize(static_cast<size_t>(n));
-          from_half_n(staged + from[i], p.to->k.data(), n);
-          from_half_n(staged + from[i] + n, p.to->v.data(), n);
-        }
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(failed_mu);
-        if (!failed) failed = std::current_exception();
-      }
-    };
-    const int n_threads = static_cast<int>(std::min<size_t>({8, parts.size(), std::max(1u, std::thread::hardware_concurrency())}));
-    std::vector<std::thread> pool;
-    for (int i = 1; i < n_threads; ++i) pool.emplace_back(work);
-    work();
-    for (std::thread& t : pool) t.join();
-    if (failed) std::rethrow_exception(failed);
+    parallel_for(static_cast<int>(parts.size()), 8, [&](int i) {
+      const Part& p = parts[static_cast<size_t>(i)];
+      const int64_t n = static_cast<int64_t>(p.n) * C.D;
+      p.to->k.resize(static_cast<size_t>(n));
+      p.to->v.resize(static_cast<size_t>(n));
+      from_half_n(staged + from[static_cast<size_t>(i)], p.to->k.data(), n);
+      from_half_n(staged + from[static_cast<size_t>(i)] + n, p.to->v.data(), n);
+    });
   }
 }
 
