@@ -72,6 +72,16 @@ void from_half_n(const uint16_t* in, float* out, int64_t n) {
   for (; i < n; ++i) out[i] = from_half(in[i]);
 }
 
+void to_half_n(const float* in, uint16_t* out, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+  for (; i < n; ++i) out[i] = to_half(in[i]);
+}
+
 void round_half_n(float* x, int64_t n) {
   int64_t i = 0;
 #if defined(__F16C__)

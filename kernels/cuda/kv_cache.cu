@@ -16,6 +16,7 @@
 #include <utility>
 
 #include "core/errors.h"
+#include "core/half.h"
 #include "core/kv_format.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/context.h"
@@ -254,10 +255,11 @@ DevSeg build_fp16(Context& ctx, const CudaKV& C, const KVSegment& s, const RowMa
         up_at.push_back(static_cast<int64_t>(srck.size()));
         srck.push_back(nullptr);
         srcv.push_back(nullptr);
-        for (int c = 0; c < D; ++c) {
-          upk.push_back(quant::to_half(r.k[static_cast<size_t>(i) * D + c]));
-          upv.push_back(quant::to_half(r.v[static_cast<size_t>(i) * D + c]));
-        }
+        const size_t at = upk.size();
+        upk.resize(at + static_cast<size_t>(D));
+        upv.resize(at + static_cast<size_t>(D));
+        to_half_n(r.k.data() + static_cast<size_t>(i) * D, upk.data() + at, D);
+        to_half_n(r.v.data() + static_cast<size_t>(i) * D, upv.data() + at, D);
       }
       pos.push_back(r.pos[i]);
     }
@@ -293,7 +295,8 @@ DevSeg build_fp16(Context& ctx, const CudaKV& C, const KVSegment& s, const RowMa
     gather_rows(pk, K.as<__half>(), static_cast<int>(rows), D, ctx.stream);
     gather_rows(pk + rows, V.as<__half>(), static_cast<int>(rows), D, ctx.stream);
     ctx.upload(P.mem.get(), pos.data(), rows * 4, what + " positions");
-    ctx.sync(what);  // the staging and gather lists are freed on return
+    // No wait: the copies have read the host's lists when they return (pageable memory), and the
+    // staging and gather lists go back to the pool in stream order, after the gathers.
   }
   d.mem = {K, V, P};
   d.bytes = fp16_bytes(rows, D);

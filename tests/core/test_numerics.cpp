@@ -179,8 +179,9 @@ TEST(SafetensorsShapes, ByteCountThatWrapsIsRefused) {
 
 // The bulk rounding to fp16 (F16C where the CPU has it) gives what the scalar conversion gives,
 // value for value: ties to even, the subnormal range, overflow to infinity, the largest halves,
-// signed zeros, infinities, float subnormals, and random values of every magnitude. A NaN stays
-// a NaN. Lengths that are not multiples of the vector width exercise the scalar tail.
+// signed zeros, infinities, float subnormals, and random values of every magnitude; the bulk
+// conversion to fp16 bits likewise, bit for bit. A NaN stays a NaN. Lengths that are not
+// multiples of the vector width exercise the scalar tail.
 TEST(HalfRounding, BulkEqualsScalar) {
   std::vector<float> x = {0.0f, -0.0f, 1.0f, -1.0f, 65504.0f, -65504.0f, 65519.99f, 65520.0f, 1e9f, -1e9f,
                           INFINITY, -INFINITY, 5.96046448e-8f, 2.98023224e-8f, 2.98023254e-8f, 8.9407e-8f,
@@ -198,9 +199,18 @@ TEST(HalfRounding, BulkEqualsScalar) {
   x.push_back(NAN);
   for (const size_t n : {x.size(), x.size() - 3, size_t{7}, size_t{1}}) {
     std::vector<float> bulk(x.begin(), x.begin() + static_cast<std::ptrdiff_t>(n));
+    std::vector<uint16_t> halves(n);
+    to_half_n(bulk.data(), halves.data(), static_cast<int64_t>(n));
     round_half_n(bulk.data(), static_cast<int64_t>(n));
-    for (size_t i = 0; i < n; ++i)
-      expect_same_float(bulk[i], round_half(x[i]),
-                        "x = " + std::to_string(x[i]) + " (index " + std::to_string(i) + " of " + std::to_string(n) + ")");
+    for (size_t i = 0; i < n; ++i) {
+      const std::string what = "x = " + std::to_string(x[i]) + " (index " + std::to_string(i) + " of " + std::to_string(n) + ")";
+      expect_same_float(bulk[i], round_half(x[i]), what);
+      if (std::isnan(x[i])) {  // a NaN stays a NaN (exponent all ones, mantissa not zero)
+        EXPECT_EQ(halves[i] & 0x7c00u, 0x7c00u) << what;
+        EXPECT_NE(halves[i] & 0x3ffu, 0u) << what;
+      } else {
+        EXPECT_EQ(halves[i], to_half(x[i])) << what;
+      }
+    }
   }
 }
