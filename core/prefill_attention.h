@@ -26,6 +26,18 @@ class PrefillAttention {
     const auto p = probs(layer);
     reduce_attention(p->data(), n_heads(), prompt_len(), r);
   }
+  // The column sums over the query rows `queries` of `layer` (AttentionReduction::column_sums,
+  // [n_heads][T]), shared with the caller: a capture that keeps its reductions hands out the
+  // array it keeps, so a method that scores each KV head in turn copies nothing. The default
+  // reduces anew. Thread-safe.
+  virtual std::shared_ptr<const std::vector<double>> column_sums(int layer, const std::vector<int>& queries) const {
+    auto s = std::make_shared<std::vector<double>>(static_cast<size_t>(n_heads()) * prompt_len());
+    AttentionReduction r;
+    r.queries = queries;
+    r.column_sums = s->data();
+    reduce(layer, r);
+    return s;
+  }
   // Bytes the capture holds (every layer's projection input and the queries, keys and values it
   // keeps recomputed, in the backend's memory), and of the probabilities it keeps for callers now
   // (host memory).

@@ -237,73 +237,77 @@ std::shared_ptr<const std::vector<float>> CapturedAttention::probs(int layer) co
   return held(layer);
 }
 
-void CapturedAttention::reduce(int layer, const AttentionReduction& r) const {
-  const int T = lay_.T, NH = lay_.n_heads;
-  r.check(T, "prefill attention of layer " + std::to_string(layer));
-  std::lock_guard<std::mutex> lock(mu_);
-  auto kept_probs = [&]() -> const std::vector<float>* {
-    for (const auto& e : recent_)
-      if (e.first == layer) return e.second.get();
-    return nullptr;
-  };
-  // A reduction `own` of this layer: from probabilities kept on the host, else where the capture
-  // is (a backend without the op hands over the layer's probabilities).
-  auto run = [&](const AttentionReduction& own) {
-    if (const std::vector<float>* kept = kept_probs()) {
-      reduce_attention(kept->data(), NH, T, own);
-      return;
-    }
-    std::lock_guard<std::recursive_mutex> ops(be_->ops_mutex());
-    if (!be_->attention_reduce(qkv_locked(layer), lay_, own)) {
-      const auto p = held(layer);
-      reduce_attention(p->data(), NH, T, own);
-    }
-  };
-  if (r.map) {  // a view: computed for this caller, not remembered
-    AttentionReduction m = r;  // the map alone
-    m.column_sums = nullptr;
-    m.below = nullptr;
-    run(m);
-    if (!r.column_sums && !r.below) return;
+void CapturedAttention::run_locked(int layer, const AttentionReduction& own) const {
+  // From probabilities kept on the host, else where the capture is (a backend without the op
+  // hands over the layer's probabilities).
+  for (const auto& e : recent_)
+    if (e.first == layer) return reduce_attention(e.second->data(), lay_.n_heads, lay_.T, own);
+  std::lock_guard<std::recursive_mutex> ops(be_->ops_mutex());
+  if (!be_->attention_reduce(qkv_locked(layer), lay_, own)) {
+    const auto p = held(layer);
+    reduce_attention(p->data(), lay_.n_heads, lay_.T, own);
   }
+}
+
+const CapturedAttention::Reduced& CapturedAttention::reduced_locked(int layer, const AttentionReduction& r) const {
+  const int T = lay_.T, NH = lay_.n_heads;
   AttentionReduction rows_only;
   rows_only.queries = r.queries;
   const std::string rows = rows_only.key();
-  auto counts_of = [&](const Reduced& x) -> const Below* {
-    for (const Below& b : x.below)
-      if (b.p == r.p && b.zeros == r.zeros_below) return &b;
-    return nullptr;
+  auto counts_of = [&](const Reduced& x) {
+    return std::any_of(x.below.begin(), x.below.end(), [&](const Below& b) { return b.p == r.p && b.zeros == r.zeros_below; });
   };
   Reduced* x = nullptr;
   for (Reduced& e : reduced_)
     if (e.layer == layer && e.rows == rows) x = &e;
-  if (!x || (r.below && !counts_of(*x))) {
-    // The column sums with any request over rows not seen yet, the counts when asked.
-    Reduced fresh{layer, rows, {}, {}};
-    Reduced& into = x ? *x : fresh;
-    AttentionReduction own;
-    own.queries = r.queries;
-    if (!x) {
-      into.column_sums.resize(static_cast<size_t>(NH) * T);
-      own.column_sums = into.column_sums.data();
-    }
-    Below b{r.p, r.zeros_below, {}};
-    if (r.below) {
-      b.counts.resize(static_cast<size_t>(NH));
-      own.below = b.counts.data();
-      own.p = r.p;
-      own.zeros_below = r.zeros_below;
-    }
-    run(own);
-    if (r.below) into.below.push_back(std::move(b));
-    if (!x) {
-      reduced_.insert(reduced_.begin(), std::move(fresh));
-      if (reduced_.size() > max_reduced()) reduced_.pop_back();
-      x = &reduced_.front();
-    }
+  if (x && (!r.below || counts_of(*x))) return *x;
+  // The column sums with any request over rows not seen yet, the counts when asked.
+  Reduced fresh{layer, rows, nullptr, {}};
+  Reduced& into = x ? *x : fresh;
+  AttentionReduction own;
+  own.queries = r.queries;
+  if (!x) {
+    into.column_sums = std::make_shared<std::vector<double>>(static_cast<size_t>(NH) * T);
+    own.column_sums = into.column_sums->data();
   }
-  if (r.column_sums) std::copy(x->column_sums.begin(), x->column_sums.end(), r.column_sums);
-  if (r.below) std::copy(counts_of(*x)->counts.begin(), counts_of(*x)->counts.end(), r.below);
+  Below b{r.p, r.zeros_below, {}};
+  if (r.below) {
+    b.counts.resize(static_cast<size_t>(NH));
+    own.below = b.counts.data();
+    own.p = r.p;
+    own.zeros_below = r.zeros_below;
+  }
+  run_locked(layer, own);
+  if (r.below) into.below.push_back(std::move(b));
+  if (x) return *x;
+  reduced_.insert(reduced_.begin(), std::move(fresh));
+  if (reduced_.size() > max_reduced()) reduced_.pop_back();
+  return reduced_.front();
+}
+
+void CapturedAttention::reduce(int layer, const AttentionReduction& r) const {
+  r.check(lay_.T, "prefill attention of layer " + std::to_string(layer));
+  std::lock_guard<std::mutex> lock(mu_);
+  if (r.map) {  // a view: computed for this caller, not remembered
+    AttentionReduction m = r;  // the map alone
+    m.column_sums = nullptr;
+    m.below = nullptr;
+    run_locked(layer, m);
+    if (!r.column_sums && !r.below) return;
+  }
+  const Reduced& x = reduced_locked(layer, r);
+  if (r.column_sums) std::copy(x.column_sums->begin(), x.column_sums->end(), r.column_sums);
+  if (r.below)
+    for (const Below& b : x.below)
+      if (b.p == r.p && b.zeros == r.zeros_below) std::copy(b.counts.begin(), b.counts.end(), r.below);
+}
+
+std::shared_ptr<const std::vector<double>> CapturedAttention::column_sums(int layer, const std::vector<int>& queries) const {
+  AttentionReduction r;
+  r.queries = queries;
+  r.check(lay_.T, "prefill attention of layer " + std::to_string(layer));
+  std::lock_guard<std::mutex> lock(mu_);
+  return reduced_locked(layer, r).column_sums;
 }
 
 std::shared_ptr<const std::vector<float>> CapturedAttention::held(int layer) const {

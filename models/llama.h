@@ -61,6 +61,7 @@ class CapturedAttention final : public PrefillAttention {
   // Layer `layer`'s q, k and v (fp32 [T][row stride], after RoPE), recomputed or kept from a
   // recent call; the buffer stays valid while the caller holds it. Its layout, and the backend
   // that holds it.
+  std::shared_ptr<const std::vector<double>> column_sums(int layer, const std::vector<int>& queries) const override;
   Buffer layer_qkv(int layer) const;
   const AttnLayout& layout() const { return lay_; }
   const Backend* backend() const { return be_.get(); }
@@ -93,7 +94,7 @@ class CapturedAttention final : public PrefillAttention {
   struct Reduced {
     int layer = 0;
     std::string rows;
-    std::vector<double> column_sums;
+    std::shared_ptr<std::vector<double>> column_sums;  // shared with column_sums() callers
     std::vector<Below> below;
   };
   size_t max_reduced() const { return 4 * layers_.size() + 4; }
@@ -103,6 +104,10 @@ class CapturedAttention final : public PrefillAttention {
 };
 
 class LlamaDecoder {
+  // The kept reduction of `layer` over r.queries, computed (with the counts r asks for) when
+  // missing; and one reduction run where the probabilities are. Both under mu_.
+  const Reduced& reduced_locked(int layer, const AttentionReduction& r) const;
+  void run_locked(int layer, const AttentionReduction& own) const;
  public:
   LlamaConfig cfg;
   std::shared_ptr<Backend> be;

@@ -82,17 +82,13 @@ std::vector<int> select_recent_topk(const std::vector<double>& score, const Laye
 std::vector<double> column_sums(const PrefillContext& c, int kv_head, int q_begin, int q_end) {
   const int T = c.prompt_len;
   if (!c.attention) throw InputError("layer " + std::to_string(c.layer) + ": no prefill probabilities");
-  // Each query head's sums come from where the attention is (a device reduces them there); the
-  // group's heads are then averaged.
-  std::vector<double> sums(static_cast<size_t>(c.n_heads) * T);
-  AttentionReduction r;
-  r.queries = AttentionReduction::range(q_begin, q_end, T);
-  r.column_sums = sums.data();
-  c.attention->reduce(c.layer, r);
+  // Each query head's sums come from where the attention is (a device reduces them there, and the
+  // capture shares them with every KV head that asks); the group's heads are then averaged.
+  const auto sums = c.attention->column_sums(c.layer, AttentionReduction::range(q_begin, q_end, T));
   const int group = c.n_heads / c.n_kv_heads;
   std::vector<double> out(T, 0.0);
   for (int g = 0; g < group; ++g) {
-    const double* s = sums.data() + static_cast<size_t>(kv_head * group + g) * T;
+    const double* s = sums->data() + static_cast<size_t>(kv_head * group + g) * T;
     for (int j = 0; j < T; ++j) out[j] += s[j];
   }
   for (double& x : out) x /= group;
