@@ -164,9 +164,23 @@ bool kv_quantize_rows(Context& ctx, const DeviceKV& dev, int layer, const KVSegm
   DevMem R{ctx.alloc(std::max<int64_t>(2 * range_count * 2, 16), what + " ranges"), std::max<int64_t>(2 * range_count * 2, 16)};
   __half* scales = R.as<__half>();
   __half* zeros = scales + range_count;
-  for (int side = 0; side < 2; ++side)
+  // Every KV head with the same rows (a segment no method evicted from), ranges over channels:
+  // one launch a side, the heads' slots being equally spaced.
+  bool same_rows = NKV >= 2;
+  for (int h = 1; h < NKV; ++h)
+    same_rows = same_rows && first[static_cast<size_t>(h) + 1] - first[static_cast<size_t>(h)] == first[1];
+  for (int side = 0; side < 2; ++side) {
+    const quant::UniformSpec& q = side ? vs : ks;
+    const int chan = q.axis == quant::Axis::PerChannel ? 1 : 0;
+    if (same_rows && q.axis != quant::Axis::PerToken) {
+      const Slot& s0 = slots[static_cast<size_t>(side * NKV)];
+      const Slot& s1 = slots[static_cast<size_t>(side * NKV + 1)];
+      quantize_channel_heads(X.as<__half>() + side * N * D, NKV, static_cast<int>(first[1]), D, q.bits, chan, q.shrink,
+                             q.shrink_about_zero, static_cast<uint8_t*>(Cd.mem.get()) + s0.codes, s1.codes - s0.codes,
+                             scales + s0.ranges, zeros + s0.ranges, s1.ranges - s0.ranges, ctx.stream);
+      continue;
+    }
     for (int h = 0; h < NKV; ++h) {
-      const quant::UniformSpec& q = side ? vs : ks;
       const Slot& sl = slots[static_cast<size_t>(side * NKV + h)];
       const int64_t n = first[static_cast<size_t>(h) + 1] - first[static_cast<size_t>(h)];
       const __half* x = X.as<__half>() + (side * N + first[static_cast<size_t>(h)]) * D;
@@ -174,9 +188,10 @@ bool kv_quantize_rows(Context& ctx, const DeviceKV& dev, int layer, const KVSegm
       if (q.axis == quant::Axis::PerToken)
         quantize_token(x, static_cast<int>(n), D, q.bits, nullptr, codes, scales + sl.ranges, zeros + sl.ranges, ctx.stream);
       else
-        quantize_channel(x, static_cast<int>(n), D, q.bits, q.axis == quant::Axis::PerChannel ? 1 : 0, q.shrink,
-                         q.shrink_about_zero, codes, scales + sl.ranges, zeros + sl.ranges, ctx.stream);
+        quantize_channel(x, static_cast<int>(n), D, q.bits, chan, q.shrink, q.shrink_about_zero, codes,
+                         scales + sl.ranges, zeros + sl.ranges, ctx.stream);
     }
+  }
   auto* staged = static_cast<uint8_t*>(ctx.staging(code_bytes + 2 * range_count * 2, what + " to the host"));
   ctx.download_async(staged, Cd.mem.get(), code_bytes, what + " codes");
   ctx.download_async(staged + code_bytes, R.mem.get(), 2 * range_count * 2, what + " ranges");

@@ -29,11 +29,20 @@ __device__ __forceinline__ uint32_t encode(float x, float alpha, float scale, in
   return static_cast<uint32_t>(fminf(fmaxf(c, 0.0f), static_cast<float>((1u << bits) - 1u)));
 }
 
-// Ranges over rows: one block per channel (chan_stride 1) or one block for all (0).
+// Where head blockIdx.y's block starts in each array (HeadStrides).
+struct HeadStrides {
+  int64_t x = 0, codes = 0, ranges = 0;
+};
+
+// Ranges over rows: one block per channel (chan_stride 1) or one block for all (0); one row of
+// blocks per head.
 __global__ void channel_range_kernel(const __half* x, int n, int D, int bits, int chan_stride, float shrink,
-                                     int about_zero, __half* scale, __half* zero) {
+                                     int about_zero, __half* scale, __half* zero, HeadStrides hs) {
   __shared__ float slo[32], shi[32];
   const int ch = blockIdx.x;
+  x += blockIdx.y * hs.x;
+  scale += blockIdx.y * hs.ranges;
+  zero += blockIdx.y * hs.ranges;
   float lo = INFINITY, hi = -INFINITY;
   const int64_t total = chan_stride ? n : static_cast<int64_t>(n) * D;
   for (int64_t i = threadIdx.x; i < total; i += blockDim.x) {
@@ -77,7 +86,11 @@ __global__ void token_range_kernel(const __half* x, int n, int D, int bits, cons
 
 // One thread per (row, 8 channels): 8 codes packed into `bits` bytes.
 __global__ void pack_kernel(const __half* x, int n, int D, int bits, int token, int chan_stride, const __half* factor,
-                            const __half* scale, const __half* zero, uint8_t* codes) {
+                            const __half* scale, const __half* zero, uint8_t* codes, HeadStrides hs) {
+  x += blockIdx.y * hs.x;
+  scale += blockIdx.y * hs.ranges;
+  zero += blockIdx.y * hs.ranges;
+  codes += blockIdx.y * hs.codes;
   const int chunks = D / 8;
   const int64_t total = static_cast<int64_t>(n) * chunks;
   for (int64_t i = threadIdx.x + static_cast<int64_t>(blockIdx.x) * blockDim.x; i < total;
@@ -120,15 +133,23 @@ void check_shape(int D, int bits) {
 
 void quantize_channel(const __half* x, int n, int D, int bits, int chan_stride, float shrink, bool about_zero,
                       uint8_t* codes, __half* scale, __half* zero, cudaStream_t s) {
+  quantize_channel_heads(x, 1, n, D, bits, chan_stride, shrink, about_zero, codes, 0, scale, zero, 0, s);
+}
+
+void quantize_channel_heads(const __half* x, int heads, int n, int D, int bits, int chan_stride, float shrink,
+                            bool about_zero, uint8_t* codes, int64_t code_stride, __half* scale, __half* zero,
+                            int64_t range_stride, cudaStream_t s) {
   check_shape(D, bits);
-  if (n == 0) return;
-  channel_range_kernel<<<chan_stride ? D : 1, 256, 0, s>>>(x, n, D, bits, chan_stride, shrink, about_zero ? 1 : 0,
-                                                           scale, zero);
-  KV_LAUNCH("channel_range_kernel", std::to_string(n) + "x" + std::to_string(D));
+  if (n == 0 || heads == 0) return;
+  if (heads > 65535) throw InternalError("quantize: at most 65535 heads a launch, got " + std::to_string(heads));
+  const HeadStrides hs{static_cast<int64_t>(n) * D, code_stride, range_stride};
+  channel_range_kernel<<<dim3(chan_stride ? D : 1, heads), 256, 0, s>>>(x, n, D, bits, chan_stride, shrink,
+                                                                        about_zero ? 1 : 0, scale, zero, hs);
+  KV_LAUNCH("channel_range_kernel", std::to_string(heads) + "x" + std::to_string(n) + "x" + std::to_string(D));
   const int64_t total = static_cast<int64_t>(n) * (D / 8);
-  pack_kernel<<<static_cast<int>(std::min<int64_t>((total + 255) / 256, 8192)), 256, 0, s>>>(
-      x, n, D, bits, 0, chan_stride, nullptr, scale, zero, codes);
-  KV_LAUNCH("pack_kernel", std::to_string(n) + "x" + std::to_string(D));
+  pack_kernel<<<dim3(static_cast<unsigned>(std::min<int64_t>((total + 255) / 256, 8192)), heads), 256, 0, s>>>(
+      x, n, D, bits, 0, chan_stride, nullptr, scale, zero, codes, hs);
+  KV_LAUNCH("pack_kernel", std::to_string(heads) + "x" + std::to_string(n) + "x" + std::to_string(D));
 }
 
 void quantize_token(const __half* x, int n, int D, int bits, const __half* factor, uint8_t* codes, __half* scale,
@@ -139,7 +160,7 @@ void quantize_token(const __half* x, int n, int D, int bits, const __half* facto
   KV_LAUNCH("token_range_kernel", std::to_string(n) + "x" + std::to_string(D));
   const int64_t total = static_cast<int64_t>(n) * (D / 8);
   pack_kernel<<<static_cast<int>(std::min<int64_t>((total + 255) / 256, 8192)), 256, 0, s>>>(
-      x, n, D, bits, 1, 1, factor, scale, zero, codes);
+      x, n, D, bits, 1, 1, factor, scale, zero, codes, HeadStrides{});
   KV_LAUNCH("pack_kernel", std::to_string(n) + "x" + std::to_string(D));
 }
 

@@ -541,8 +541,61 @@ void quant_case(int n, int D, int bits, quant::Axis axis, float shrink, bool cst
   EXPECT_LE(differ, static_cast<int64_t>(n) * D / 1000 + 1) << what << ": codes that differ";
 }
 
+// The channel-wise kernels for several heads in one launch (quantize_channel_heads, as a
+// segment's KV heads are quantized together): each head's block against quant::quantize_block of
+// that head's rows alone, with the same bounds as quant_case, at slots spaced as given (codes
+// padded to 16 bytes, plus a gap) with the poison between them left alone.
+void quant_heads_case(int heads, int n, int D, int bits, quant::Axis axis, float shrink) {
+  Backend& be = *op_backends().gpu;
+  const auto x = rounded(Dt::F16, randn(static_cast<size_t>(heads) * n * D, 2.0f));
+  const int64_t code_bytes = static_cast<int64_t>(n) * D * bits / 8, code_stride = (code_bytes + 15) / 16 * 16 + 16;
+  const int64_t ranges = axis == quant::Axis::Global ? 1 : D, range_stride = ranges + 3;
+  Buffer X = make(be, "x", {static_cast<int64_t>(heads) * n, D}, Dt::F16, x);
+  std::vector<int32_t> poison(static_cast<size_t>(heads * code_stride / 4), 0x5a5a5a5a);
+  Buffer C = be.alloc("codes", {heads * code_stride / 4}, Dt::I32);
+  be.upload(poison.data(), C);
+  Buffer S = poisoned(be, "scale", {heads * range_stride}, Dt::F16), Z = poisoned(be, "zero", {heads * range_stride}, Dt::F16);
+  be.synchronize();
+  cuda::quantize_channel_heads(X.as<__half>(), heads, n, D, bits, axis == quant::Axis::Global ? 0 : 1, shrink, true,
+                               reinterpret_cast<uint8_t*>(C.data), code_stride, S.as<__half>(), Z.as<__half>(),
+                               range_stride, nullptr);
+  cudaDeviceSynchronize();
+  const auto s = read(be, S), z = read(be, Z);
+  std::vector<int32_t> words(static_cast<size_t>(C.numel()));
+  be.download(C, words.data());
+  const auto* got = reinterpret_cast<const uint8_t*>(words.data());
+  for (int h = 0; h < heads; ++h) {
+    const std::string what = "heads=" + std::to_string(heads) + " head " + std::to_string(h) + " n=" + std::to_string(n) +
+                             " bits=" + std::to_string(bits) + " " + quant::axis_name(axis);
+    std::vector<float> xr(x.begin() + static_cast<std::ptrdiff_t>(h) * n * D, x.begin() + static_cast<std::ptrdiff_t>(h + 1) * n * D);
+    quant::QuantBlock ref;
+    quant::quantize_block(xr.data(), n, D, {bits, axis, shrink, true}, ref);
+    for (int64_t i = 0; i < ranges; ++i) {
+      EXPECT_EQ(s[static_cast<size_t>(h * range_stride + i)], quant::from_half(ref.scales[static_cast<size_t>(i)])) << what;
+      EXPECT_EQ(z[static_cast<size_t>(h * range_stride + i)], quant::from_half(ref.zeros[static_cast<size_t>(i)])) << what;
+    }
+    for (int64_t i = ranges; i < range_stride; ++i)
+      EXPECT_TRUE(std::isnan(s[static_cast<size_t>(h * range_stride + i)])) << what << ": the gap after the ranges was written";
+    int64_t differ = 0;
+    for (int64_t i = 0; i < static_cast<int64_t>(n) * D; ++i) {
+      const uint32_t a = quant::unpack_one(got + h * code_stride, i, bits), b = quant::unpack_one(ref.codes.data(), i, bits);
+      if (a != b) {
+        ++differ;
+        EXPECT_LE(std::abs(static_cast<int>(a) - static_cast<int>(b)), 1) << what << " code " << i;
+      }
+    }
+    EXPECT_LE(differ, static_cast<int64_t>(n) * D / 1000 + 1) << what << ": codes that differ";
+    for (int64_t b = code_bytes; b < code_stride; ++b) EXPECT_EQ(got[h * code_stride + b], 0x5a) << what << ": gap byte " << b;
+  }
+}
+
 TEST(DecodeOps, QuantizeAndPackKernels) {
   KVLENS_NEED_GPU();
+  for (int bits : {1, 2, 4}) {
+    quant_heads_case(5, 91, 128, bits, quant::Axis::PerChannel, 1.0f);
+    quant_heads_case(3, 40, 64, bits, quant::Axis::Global, 1.0f);
+  }
+  quant_heads_case(4, 150, 128, 1, quant::Axis::PerChannel, 0.5f);
   for (int bits : {1, 2, 3, 4, 8}) {
     quant_case(203, 128, bits, quant::Axis::PerChannel, 1.0f, false);
     quant_case(57, 24, bits, quant::Axis::PerToken, 1.0f, false);
