@@ -124,6 +124,17 @@ struct DecodeTaps {
   bool any() const { return rows() || out; }
 };
 
+// The attention a decode query recorded on the device had (Backend::recorded_attention), over
+// the keys it saw in the host store's row order: each KV head's key positions and kinds, then
+// each query head's scores (after the score transform) and probabilities. Past a head's keys:
+// position −1, score −inf, probability 0.
+struct RecordedAttention {
+  int n_max = 0;
+  std::vector<int32_t> key_pos;       // [n_kv_heads][n_max]
+  std::vector<SegmentKind> key_kind;  // [n_kv_heads][n_max]
+  std::vector<float> scores, probs;   // [n_heads][n_max]
+};
+
 struct SeqKV {
   KVStore* host = nullptr;
   DeviceKV* dev = nullptr;  // null on the CPU backend (the host store is the cache)
@@ -309,6 +320,21 @@ class Backend {
                                              const std::vector<const Buffer*>& prompts, const AttnLayout& pl,
                                              const std::vector<ExtraRows>& extras, std::vector<ExactAttention>& out) {
     return false;
+  }
+  // Decode queries recorded for later: a backend that answers true lets a decode keep each
+  // layer's query (its row of qkv after RoPE, copied with copy_block into a buffer the caller
+  // holds) in steps that run on the device alone, and compute their attention once the caption
+  // is done with recorded_attention: query i (row i of q_rows, laid out as l, at positions[i])
+  // against layer `layer` of the cache as that step saw it (the prompt's rows, which must not
+  // have changed since, and the decode rows at positions ≤ positions[i]); raw scores by the
+  // decode's own scoring, then `transform`'s apply in the host's row order and the softmax (exp in
+  // float, the sum in double), as collect_deferred gives them. A backend that answers false is
+  // never asked for recorded_attention.
+  virtual bool records_decode_queries() const { return false; }
+  virtual void recorded_attention(SeqKV& kv, int layer, const Buffer& q_rows, const AttnLayout& l,
+                                  const std::vector<int32_t>& positions, const ScoreTransform* transform,
+                                  std::vector<RecordedAttention>& out) {
+    throw InternalError(name() + " backend: no recorded decode queries");
   }
   // rope_append of one generated token followed by decode_attention with no transform and no scores
   // or probabilities asked for: one op, so a device can rotate q and k and append the token's

@@ -62,6 +62,12 @@ class AttentionObserver {
   // none). A backend that computes the exact attention from that capture hands it over in the
   // event with raw_scores and out, and then gathers no rows for this observer.
   virtual const PrefillAttention* compares_to() const { return nullptr; }
+  // Whether it reads of a decode event the probabilities, scores, positions and kinds alone (no
+  // query, keys, values, raw scores, output or exact attention), and takes the events of its
+  // decode steps in any order and after later steps have run. A device may then record the
+  // step's queries and hand its events over once the caption is done (Backend::
+  // records_decode_queries): the step runs as an unobserved one does.
+  virtual bool reads_probabilities_only() const { return false; }
   // Whether on_attention may be called for different layers of one decode step from several
   // threads at once. One that says so keeps what it records in an order that does not depend on
   // the order of the calls. A step whose every observer says so may hand its layers' events

@@ -372,6 +372,53 @@ int LlamaDecoder::launch(int token, int position, int step_no, SeqKV& kv, KVPoli
   return be->start_readback(w.logits, w.ids);
 }
 
+void LlamaDecoder::record_queries(LlamaWorkspace& w, int slots) const {
+  if (!be->records_decode_queries()) throw InternalError("decode: the " + be->name() + " backend records no queries");
+  const int64_t rows = static_cast<int64_t>(cfg.num_hidden_layers) * std::max(slots, 1);
+  if (w.recorded_q.rows() < rows)
+    w.recorded_q = be->alloc("step.recorded_queries", {rows, static_cast<int64_t>(cfg.num_attention_heads) * cfg.head_dim},
+                             Dt::F32);
+  w.record_slots = std::max(slots, 1);
+  w.record_slot = -1;
+}
+
+void LlamaDecoder::hand_over_recorded(SeqKV& kv, const std::vector<int>& steps, const std::vector<int32_t>& positions,
+                                      KVPolicy* policy, const std::vector<AttentionObserver*>& observers,
+                                      LlamaWorkspace& w) const {
+  const int n = static_cast<int>(steps.size());
+  if (n == 0) return;
+  if (n > w.record_slots || positions.size() != steps.size())
+    throw InternalError("decode: more recorded steps than slots, or steps and positions differ");
+  const int NH = cfg.num_attention_heads, NKV = cfg.num_key_value_heads, D = cfg.head_dim;
+  // The recorded rows hold q alone: a layout whose rows are n_heads · head_dim wide, q first.
+  AttnLayout ql = layout(n);
+  ql.q_col = 0;
+  ql.row_stride = static_cast<int64_t>(NH) * D;
+  const ScoreTransform transform = policy ? policy->score_transform() : ScoreTransform{};
+  const bool together = std::all_of(observers.begin(), observers.end(),
+                                    [](const AttentionObserver* o) { return o->takes_concurrent_events(); });
+  std::vector<RecordedAttention> rec;
+  for (int l = 0; l < cfg.num_hidden_layers; ++l) {
+    be->recorded_attention(kv, l, w.recorded_q.row_view(static_cast<int64_t>(l) * w.record_slots, n), ql, positions,
+                           &transform, rec);
+    auto one = [&](int i) {
+      const RecordedAttention& r = rec[static_cast<size_t>(i)];
+      AttentionEvent e;
+      e.phase = Phase::Decode; e.layer = l; e.step = steps[static_cast<size_t>(i)]; e.n_heads = NH; e.n_kv_heads = NKV;
+      e.n_q = 1; e.n_k = r.n_max; e.scores = r.scores.data(); e.probs = r.probs.data();
+      e.query_pos = &positions[static_cast<size_t>(i)]; e.key_pos = r.key_pos.data(); e.key_kind = r.key_kind.data();
+      e.head_dim = D;
+      for (AttentionObserver* o : observers)
+        if (o->reads_step(e.step)) o->on_attention(e);
+    };
+    if (together) {
+      parallel_for(n, 8, one);
+    } else {
+      for (int i = 0; i < n; ++i) one(i);
+    }
+  }
+}
+
 const std::vector<float>& LlamaDecoder::collect(int ticket, LlamaWorkspace& w, int& device_token) const {
   int32_t t = -1;
   be->finish_readback(ticket, w.logits_host.data(), &t);
@@ -399,6 +446,11 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
   const bool acts = policy && policy->acts_on_decode();
   const bool host_side = decode_needs_host_rows(policy) || want;  // per-layer work on the host: no replay
   if (host_side && !kv.mirror) throw InternalError("decode: a policy or observer needs the host KV rows");
+  // A recorded step keeps each layer's query after RoPE in its slot (a different row each step:
+  // not replayed).
+  const bool recording = w.record_slot >= 0;
+  if (recording && (host_side || chain || !kv.dev || w.record_slot >= w.record_slots))
+    throw InternalError("decode: a recorded step runs on a device cache alone, in a slot record_queries made");
   if (chain && (host_side || !be->chains_steps())) throw InternalError("decode: a chained step with host-side work");
   // On a device cache, a layer where the method would not act this step (acts_at_step), and
   // nothing else reads the host rows, runs on the device alone; the host copies of those layers'
@@ -499,7 +551,7 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
       be->norm_linear(w.h, L.ln1, eps, w.x, L.qkv_w, or_null(L.qkv_b), w.qkv, check.empty() ? nullptr : &check);
       // A plain step (no host work, no score transform, nothing captured) hands RoPE, the append
       // and attention to the backend as one op, which a device runs as one kernel.
-      const bool plain = !host_side && !transform.any();
+      const bool plain = !host_side && !transform.any() && !recording;
       DecodeContext ctx;
       ctx.layer = l; ctx.step = step; ctx.position = position; ctx.n_heads = NH;
       ctx.n_kv_heads = NKV; ctx.head_dim = D;
@@ -534,6 +586,9 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
       } else if (!plain) {
         be->decode_attention(w.qkv, lay, kv, l, &transform, w.a, DecodeTaps{});
       }
+      if (recording)
+        be->copy_block(w.qkv, 0, lay.q_col, w.recorded_q, static_cast<int64_t>(l) * w.record_slots + w.record_slot, 0, 1,
+                       static_cast<int64_t>(NH) * D);
       be->linear(w.a, L.o_w, or_null(L.o_b), w.h, true);
       mlp(L, w.h, w.x, w.gu, w.g);
       check = "text layer " + std::to_string(l) + " output (decode step " + std::to_string(step) + ")";
@@ -597,7 +652,7 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
   // Replay is allowed only for steps with no host-side work; the key changes whenever the
   // device cache is laid out anew, and differs between chained and unchained steps.
   uint64_t key = 0;
-  if (!host_side && kv.dev) key = (kv.dev->version() << 1) | (chain ? 1u : 0u);
+  if (!host_side && kv.dev && !recording) key = (kv.dev->version() << 1) | (chain ? 1u : 0u);
   be->run_step(w.step, key, body);
 }
 

@@ -33,6 +33,11 @@ struct LlamaLayer {
 struct LlamaWorkspace {
   Buffer h, x, qkv, a, gu, g, ids, pos, logits;
   Buffer qkv_layers;  // each layer's qkv of an observed step whose events come at its end
+  // Decode queries recorded for later (Backend::records_decode_queries): each layer's q after RoPE,
+  // [layers][slots][n_heads · head_dim] (record_queries); a step with record_slot ≥ 0 writes its
+  // queries to that slot.
+  Buffer recorded_q;
+  int record_slots = 0, record_slot = -1;
   std::vector<float> qkv_host, logits_host;
   std::unique_ptr<StepCache> step;
 };
@@ -56,12 +61,12 @@ class CapturedAttention final : public PrefillAttention {
   int prompt_len() const override { return lay_.T; }
   std::shared_ptr<const std::vector<float>> probs(int layer) const override;
   void reduce(int layer, const AttentionReduction& r) const override;
+  std::shared_ptr<const std::vector<double>> column_sums(int layer, const std::vector<int>& queries) const override;
   int64_t capture_bytes() const override;
   int64_t cached_bytes() const override;
   // Layer `layer`'s q, k and v (fp32 [T][row stride], after RoPE), recomputed or kept from a
   // recent call; the buffer stays valid while the caller holds it. Its layout, and the backend
   // that holds it.
-  std::shared_ptr<const std::vector<double>> column_sums(int layer, const std::vector<int>& queries) const override;
   Buffer layer_qkv(int layer) const;
   const AttnLayout& layout() const { return lay_; }
   const Backend* backend() const { return be_.get(); }
@@ -99,15 +104,15 @@ class CapturedAttention final : public PrefillAttention {
   };
   size_t max_reduced() const { return 4 * layers_.size() + 4; }
   mutable std::vector<Reduced> reduced_;
+  // The kept reduction of `layer` over r.queries, computed (with the counts r asks for) when
+  // missing; and one reduction run where the probabilities are. Both under mu_.
+  const Reduced& reduced_locked(int layer, const AttentionReduction& r) const;
+  void run_locked(int layer, const AttentionReduction& own) const;
   std::shared_ptr<const std::vector<float>> held(int layer) const;  // under mu_
   Buffer qkv_locked(int layer) const;                              // under mu_
 };
 
 class LlamaDecoder {
-  // The kept reduction of `layer` over r.queries, computed (with the counts r asks for) when
-  // missing; and one reduction run where the probabilities are. Both under mu_.
-  const Reduced& reduced_locked(int layer, const AttentionReduction& r) const;
-  void run_locked(int layer, const AttentionReduction& own) const;
  public:
   LlamaConfig cfg;
   std::shared_ptr<Backend> be;
@@ -140,6 +145,16 @@ class LlamaDecoder {
   // `device_token` to the greedy token the device chose from them.
   int launch(int token, int pos, int step, SeqKV& kv, KVPolicy* policy, LlamaWorkspace& ws) const;
   const std::vector<float>& collect(int ticket, LlamaWorkspace& ws, int& device_token) const;
+  // Steps observed by observers that read probabilities alone (AttentionObserver::
+  // reads_probabilities_only), on a backend that records decode queries: record_queries makes
+  // room for `slots` steps; a decode with ws.record_slot ≥ 0 then runs on the device as an
+  // unobserved step does (no host rows, observers none) and keeps its queries in that slot; and
+  // hand_over_recorded computes, once the decode is done, the attention of the steps recorded in
+  // slots 0 .. steps.size() − 1 (steps[i] at positions[i]) and hands each layer's event to the
+  // observers that read that step.
+  void record_queries(LlamaWorkspace& ws, int slots) const;
+  void hand_over_recorded(SeqKV& kv, const std::vector<int>& steps, const std::vector<int32_t>& positions,
+                          KVPolicy* policy, const std::vector<AttentionObserver*>& observers, LlamaWorkspace& ws) const;
 
  private:
   AttnLayout layout(int T) const;

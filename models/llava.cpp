@@ -370,9 +370,27 @@ DecodeResult LlavaModel::decode(const PrefillState& st, KVPolicy* policy, const 
     // Positions of the steps run on the device alone while the host store still carries rows:
     // their rows are fetched together before the next observed step.
     std::vector<int32_t> pending;
+    // A step whose observers read its probabilities alone runs on the device alone too, on a
+    // backend that records its queries there: its events come once the caption is done.
+    const bool can_record =
+        dev && mirror && !decode_needs_host_rows(policy) && be_->records_decode_queries() &&
+        std::any_of(observers.begin(), observers.end(), [](const AttentionObserver* o) { return o->reads_probabilities_only(); });
+    std::vector<int> rec_steps;
+    std::vector<int32_t> rec_pos;
+    if (can_record) text_.record_queries(ws, opt.max_new_tokens);
     for (int step = 0; !take(step); ++step) {
       check(step + 1);
-      const std::vector<AttentionObserver*> seen = decode_observers(observers, step);
+      std::vector<AttentionObserver*> seen = decode_observers(observers, step);
+      const bool record = can_record && !seen.empty() &&
+                          std::all_of(seen.begin(), seen.end(), [](const AttentionObserver* o) {
+                            return o->reads_probabilities_only();
+                          });
+      ws.record_slot = record ? static_cast<int>(rec_steps.size()) : -1;
+      if (record) {
+        rec_steps.push_back(step);
+        rec_pos.push_back(pos);
+        seen.clear();
+      }
       if (dev && mirror && !decode_needs_host_rows(policy)) {
         // Past the last observed step, a device cache stops carrying host rows that no one reads
         // any more: the remaining steps run on the device alone (and are replayed). A step no
@@ -390,6 +408,8 @@ DecodeResult LlavaModel::decode(const PrefillState& st, KVPolicy* policy, const 
       logits = in_model(dir_, [&] { return text_.decode(tok, pos, step, kv, policy, seen, ws); });
       ++pos;
     }
+    ws.record_slot = -1;
+    in_model(dir_, [&] { text_.hand_over_recorded(kv, rec_steps, rec_pos, policy, observers, ws); });
   } else if (!take(0)) {
     // Forward `step` consumes generated token `step`. While the host waits for its logits, the
     // next forward is already running on the device from the token the device chose itself; it

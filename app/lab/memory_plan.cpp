@@ -36,6 +36,9 @@ MemoryPlan plan_experiment(const Model& model, const ExperimentOptions& opt) {
   // fp32 values on the CPU, and an int32 position; the prefill's cache and a decode's copy.
   const int64_t value = device && opt.kv_storage == RowStorage::Fp16 ? 2 : 4;
   p.caches = 2 * L * KVH * (T + opt.max_new_tokens) * (2 * D * value + 4);
+  // On a device, each decode step's queries kept for the observers that read them afterwards
+  // (LlamaDecoder::record_queries: every layer's q, fp32).
+  if (device) p.caches += L * opt.max_new_tokens * H * D * 4;
   p.attention = H * T * T * 4 + T * H * D * 4;
   p.prefill_work = T * (3 * static_cast<int64_t>(f.hidden) + row + H * D + 3 * static_cast<int64_t>(f.intermediate)) * 4;
   return p;

@@ -15,7 +15,9 @@ struct MemoryPlan {
   std::string backend;       // where it runs ("cuda", "cpu")
   int prompt_tokens = 0;
   int64_t capture = 0;       // each layer's q/k/v input, and the q, k, v of the layers recomputed last
-  int64_t caches = 0;        // the prefill's KV cache and one decode's copy, with rows for every new token
+  // The prefill's KV cache and one decode's copy, with rows for every new token (and on a
+  // device the decode queries recorded for observers).
+  int64_t caches = 0;
   int64_t attention = 0;     // one layer's [heads][T][T] attention recomputed (scores, then probabilities)
   int64_t prefill_work = 0;  // the prefill's activations (hidden states, q/k/v, MLP)
   int64_t total() const { return capture + caches + attention + prefill_work; }

@@ -102,6 +102,7 @@ class VisualAttentionRecorder : public AttentionObserver {
   VisualAttentionRecorder(int first_visual, int n_visual) : first_(first_visual), n_visual_(n_visual) {}
   void on_attention(const AttentionEvent& e) override;
   bool reads_decode_kv() const override { return false; }
+  bool reads_probabilities_only() const override { return true; }
   bool takes_concurrent_events() const override { return true; }
   int steps() const { return static_cast<int>(rows_.size()); }
   int n_visual() const { return n_visual_; }

@@ -493,6 +493,13 @@ class CudaBackend : public Backend {
     auto prof_scope = prof_.scope("collect_deferred", *ctx_);
     kv_collect_deferred(*ctx_, kv, layer, transform, taps);
   }
+  bool records_decode_queries() const override { return true; }
+  void recorded_attention(SeqKV& kv, int layer, const Buffer& q_rows, const AttnLayout& l,
+                          const std::vector<int32_t>& positions, const ScoreTransform* transform,
+                          std::vector<RecordedAttention>& out) override {
+    auto prof_scope = prof_.scope("recorded_attention", *ctx_);
+    kv_recorded_attention(*ctx_, kv, layer, q_rows, l, positions, transform, out);
+  }
   bool exact_decode_attention(const Buffer& qkv, const AttnLayout& l, const Buffer& prompt, const AttnLayout& pl,
                               const ExtraRows& extra, ExactAttention& out) override {
     auto prof_scope = prof_.scope("exact_decode_attention", *ctx_);

@@ -78,6 +78,10 @@ void kv_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, S
 void kv_decode_deferred(Context& ctx, const Buffer& qkv, const AttnLayout& l, SeqKV& kv, int layer,
                         const ScoreTransform* transform, Buffer& out, bool want_out);
 void kv_collect_deferred(Context& ctx, SeqKV& kv, int layer, const ScoreTransform* transform, const DecodeTaps& taps);
+// Backend::recorded_attention (kv_decode.cu).
+void kv_recorded_attention(Context& ctx, SeqKV& kv, int layer, const Buffer& q_rows, const AttnLayout& l,
+                           const std::vector<int32_t>& positions, const ScoreTransform* transform,
+                           std::vector<RecordedAttention>& out);
 // kv_rope_append and the plain kv_decode_attention in one kernel (the fp16 decode kernel rotates
 // q and the token's k, attends over the cache and the token's row, and appends the row); false
 // when the step needs the separate ops (prompt rows, host rows kept in step, a cache that is not

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "core/exact_attention.h"
+#include "core/parallel.h"
 #include "kernels/cuda/kv_cache.h"
 
 namespace kvlens::cuda {
@@ -232,6 +233,76 @@ void kv_collect_deferred(Context& ctx, SeqKV& kv, int layer, const ScoreTransfor
       }
     }
   }
+}
+
+void kv_recorded_attention(Context& ctx, SeqKV& kv, int layer, const Buffer& q_rows, const AttnLayout& l,
+                           const std::vector<int32_t>& positions, const ScoreTransform* transform,
+                           std::vector<RecordedAttention>& out) {
+  CudaKV& C = as_cuda(kv.dev);
+  if (l.n_kv_heads != C.NKV || l.head_dim != C.D) throw InternalError("recorded_attention: cache shape differs");
+  const int n = static_cast<int>(positions.size());
+  if (q_rows.rows() < n || q_rows.dt != Dt::F32)
+    throw InternalError("recorded_attention: " + std::to_string(n) + " fp32 query rows expected");
+  out.assign(static_cast<size_t>(n), RecordedAttention{});
+  if (n == 0) return;
+  C.build_tables(l.n_heads);
+  const int NH = l.n_heads, NKV = C.NKV, G = NH / NKV;
+  const DevLayer& d = C.layers[static_cast<size_t>(layer)];
+  // The host's row index of each device segment row, and the host's positions and kinds of those
+  // rows; the decode rows (the tail) follow in the same order on both sides.
+  const std::vector<std::vector<int32_t>> order = segment_order(C, layer);
+  std::vector<std::vector<int32_t>> seg_pos(static_cast<size_t>(NKV));
+  std::vector<std::vector<SegmentKind>> seg_kind(static_cast<size_t>(NKV));
+  int64_t stride = 1;
+  for (int h = 0; h < NKV; ++h) {
+    for (const DevSeg& s : d.segs) {
+      seg_pos[h].insert(seg_pos[h].end(), s.pos[h].begin(), s.pos[h].end());
+      seg_kind[h].insert(seg_kind[h].end(), s.pos[h].size(), s.kind);
+    }
+    if (seg_pos[h].size() != order[h].size()) throw InternalError("recorded_attention: segment rows disagree");
+    stride = std::max<int64_t>(stride, static_cast<int64_t>(order[h].size()) + d.tail.n);
+  }
+  // Every query's raw scores by the decode's scoring kernel, then one copy back.
+  const int64_t per = static_cast<int64_t>(NH) * stride;
+  DevMem S{ctx.alloc(n * per * 4, "recorded decode scores"), n * per * 4};
+  Buffer none;
+  for (int i = 0; i < n; ++i) {
+    DecodeParams p = layer_params(C, q_rows, l, layer, none);
+    p.q = q_rows.as<float>() + static_cast<int64_t>(i) * l.row_stride + l.q_col;
+    p.scores_out = S.as<float>() + i * per;
+    p.scores_stride = stride;
+    decode_scores(p, ctx.stream);
+  }
+  std::vector<float> raw(static_cast<size_t>(n * per));
+  ctx.download(raw.data(), S.mem.get(), n * per * 4, "recorded decode scores");
+  // In the host's order, transformed and softmaxed there: one query a task.
+  const std::vector<int32_t>& tail_pos = d.tail.host_pos;
+  parallel_for(n, 8, [&](int i) {
+    RecordedAttention& r = out[static_cast<size_t>(i)];
+    const int seen = static_cast<int>(std::upper_bound(tail_pos.begin(), tail_pos.end(), positions[static_cast<size_t>(i)]) -
+                                      tail_pos.begin());
+    for (int h = 0; h < NKV; ++h) r.n_max = std::max(r.n_max, static_cast<int>(order[h].size()) + seen);
+    const size_t nm = static_cast<size_t>(r.n_max);
+    r.key_pos.assign(static_cast<size_t>(NKV) * nm, -1);
+    r.key_kind.assign(r.key_pos.size(), SegmentKind::Generated);
+    r.scores.assign(static_cast<size_t>(NH) * nm, -INFINITY);
+    r.probs.assign(r.scores.size(), 0.0f);
+    for (int h = 0; h < NKV; ++h) {
+      const size_t segs = order[h].size();
+      std::copy(seg_pos[h].begin(), seg_pos[h].end(), r.key_pos.begin() + h * nm);
+      std::copy(seg_kind[h].begin(), seg_kind[h].end(), r.key_kind.begin() + h * nm);
+      std::copy_n(tail_pos.begin(), seen, r.key_pos.begin() + h * nm + segs);
+      const int rows = static_cast<int>(segs) + seen;
+      for (int hd = h * G; hd < (h + 1) * G; ++hd) {
+        const float* s = raw.data() + i * per + static_cast<int64_t>(hd) * stride;
+        float* o = r.scores.data() + hd * nm;
+        for (size_t j = 0; j < segs; ++j) o[order[h][j]] = s[j];
+        std::copy_n(s + segs, seen, o + segs);
+        if (transform && transform->any()) transform->apply(layer, hd, o, r.key_kind.data() + h * nm, rows);
+        softmax_double_sum(o, rows, r.probs.data() + hd * nm);
+      }
+    }
+  });
 }
 
 void kv_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, SeqKV& kv, int layer,

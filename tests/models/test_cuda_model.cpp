@@ -660,6 +660,65 @@ TEST(CudaModel, ObservedStepsWithoutRowsHandTheirEventsOverAtTheStepsEnd) {
   }
 }
 
+// An observer that hands every event to `to` and reads more than probabilities, so that a decode
+// hands its steps' events over as they run (the path before recorded queries).
+class HandOn final : public AttentionObserver {
+ public:
+  explicit HandOn(AttentionObserver& to) : to_(to) {}
+  void on_attention(const AttentionEvent& e) override { to_.on_attention(e); }
+  bool reads_decode_kv() const override { return false; }
+  bool takes_concurrent_events() const override { return to_.takes_concurrent_events(); }
+
+ private:
+  AttentionObserver& to_;
+};
+
+// An observer that reads probabilities alone (the app's patch overlay) keeps no step on the host:
+// the steps run on the device as unobserved ones do, each layer's query kept there, and the
+// events come once the caption is done, computed from those queries over the cache as each step
+// saw it. Against the decode that hands the events over as the steps run: the same tokens and
+// bytes, logits within one fp16 rounding, and every step's and layer's attention over the patches
+// within 0.02 (the two paths round their attention outputs to fp16 apart); the first step's first
+// layer, where both read the same query and cache, within the softmax's roundings (as above: a
+// device sum in float over at most 2¹⁰ keys against the host's in double, and expf's two ulps).
+TEST(CudaModel, ObserversOfProbabilitiesAloneGetTheirEventsFromRecordedQueries) {
+  NEED_GPU();
+  SampleRun r = sample_run(8);
+  GenerateOptions u = r.g;
+  u.chain_steps = false;
+  for (const char* spec : {"", "snapkv", "calibquant:bits=2"}) {
+    SCOPED_TRACE(spec);
+    auto p0 = *spec ? make_policy(spec) : nullptr, p1 = *spec ? make_policy(spec) : nullptr;
+    const int n_visual = r.st.n_visual;
+    const auto at = std::find(r.st.kinds.begin(), r.st.kinds.end(), SegmentKind::Visual);
+    ASSERT_NE(at, r.st.kinds.end());
+    const int first = static_cast<int>(at - r.st.kinds.begin());
+    VisualAttentionRecorder live(first, n_visual), recorded(first, n_visual);
+    HandOn hand_on(live);
+    const DecodeResult a = r.gpu.decode(r.st, p0.get(), u, {&hand_on});
+    const DecodeResult b = r.gpu.decode(r.st, p1.get(), u, {&recorded});
+    expect_same_decode(b, a);
+    // (8 new tokens: the first from the prefill, then 7 forwards)
+    ASSERT_EQ(live.steps(), 7);
+    ASSERT_EQ(recorded.steps(), 7);
+    const int heads = r.gpu.info().n_heads;
+    for (int s = 0; s < 7; ++s)
+      for (int l = 0; l < r.layers; ++l)
+        for (int h = 0; h < heads; ++h) {
+          const std::vector<float> x = recorded.attention(s, l, h), ref = live.attention(s, l, h);
+          const std::string where = "step " + std::to_string(s) + " layer " + std::to_string(l) + " head " + std::to_string(h);
+          ASSERT_EQ(x.size(), static_cast<size_t>(n_visual)) << where;
+          ASSERT_EQ(ref.size(), x.size()) << where;
+          for (int i = 0; i < n_visual; ++i) {
+            const double bound = s == 0 && l == 0
+                                     ? ref[i] * (std::ldexp(1.0, 10 - 24) + 4 * std::ldexp(1.0, -24)) + 1e-12
+                                     : 0.02;
+            EXPECT_LE(std::abs(double(x[i]) - ref[i]), bound) << where << " patch " << i;
+          }
+        }
+  }
+}
+
 }  // namespace
 
 // `kvlens bench attention`'s JSON: each row's figures agree with each other (bytes ÷ time is the
