@@ -621,17 +621,27 @@ TEST(CudaModel, StepsBetweenObservedOnesRunOnTheDevice) {
 // roundings (a device sum over at most 2¹⁰ keys in float, 2¹⁰·2⁻²⁴ of each value, and
 // expf's two ulps); later events within 0.02 of each probability (the two paths round their
 // attention outputs to fp16 apart, as the logits' bound allows), each row summing to 1.
-TEST(CudaModel, ObservedStepsWithoutRowsHandTheirEventsOverAtTheStepsEnd) {
-  NEED_GPU();
+// Calls check(r, u, p0, p1) on the sample run with 8 new tokens for the full cache, SnapKV and a
+// calibrating method (2-bit CalibQuant): u its options unchained, p0 and p1 two policies of the
+// method (null for the full cache), for two decodes to compare.
+template <class Check>
+void for_three_methods(const Check& check) {
   SampleRun r = sample_run(8);
   GenerateOptions u = r.g;
   u.chain_steps = false;
   for (const char* spec : {"", "snapkv", "calibquant:bits=2"}) {
     SCOPED_TRACE(spec);
     auto p0 = *spec ? make_policy(spec) : nullptr, p1 = *spec ? make_policy(spec) : nullptr;
+    check(r, u, p0.get(), p1.get());
+  }
+}
+
+TEST(CudaModel, ObservedStepsWithoutRowsHandTheirEventsOverAtTheStepsEnd) {
+  NEED_GPU();
+  for_three_methods([](const SampleRun& r, const GenerateOptions& u, KVPolicy* p0, KVPolicy* p1) {
     DecodeRecorder with_rows(4), staged(4, false);
-    const DecodeResult a = r.gpu.decode(r.st, p0.get(), u, {&with_rows});
-    const DecodeResult b = r.gpu.decode(r.st, p1.get(), u, {&staged});
+    const DecodeResult a = r.gpu.decode(r.st, p0, u, {&with_rows});
+    const DecodeResult b = r.gpu.decode(r.st, p1, u, {&staged});
     expect_same_decode(b, a);
     ASSERT_EQ(staged.entries().size(), with_rows.entries().size());
     ASSERT_EQ(staged.steps(), 4);
@@ -657,7 +667,7 @@ TEST(CudaModel, ObservedStepsWithoutRowsHandTheirEventsOverAtTheStepsEnd) {
         EXPECT_NEAR(sum, 1.0, 1e-5) << at << " head " << h;
       }
     }
-  }
+  });
 }
 
 // An observer that hands every event to `to` and reads more than probabilities, so that a decode
@@ -683,20 +693,15 @@ class HandOn final : public AttentionObserver {
 // device sum in float over at most 2¹⁰ keys against the host's in double, and expf's two ulps).
 TEST(CudaModel, ObserversOfProbabilitiesAloneGetTheirEventsFromRecordedQueries) {
   NEED_GPU();
-  SampleRun r = sample_run(8);
-  GenerateOptions u = r.g;
-  u.chain_steps = false;
-  for (const char* spec : {"", "snapkv", "calibquant:bits=2"}) {
-    SCOPED_TRACE(spec);
-    auto p0 = *spec ? make_policy(spec) : nullptr, p1 = *spec ? make_policy(spec) : nullptr;
+  for_three_methods([](const SampleRun& r, const GenerateOptions& u, KVPolicy* p0, KVPolicy* p1) {
     const int n_visual = r.st.n_visual;
     const auto at = std::find(r.st.kinds.begin(), r.st.kinds.end(), SegmentKind::Visual);
     ASSERT_NE(at, r.st.kinds.end());
     const int first = static_cast<int>(at - r.st.kinds.begin());
     VisualAttentionRecorder live(first, n_visual), recorded(first, n_visual);
     HandOn hand_on(live);
-    const DecodeResult a = r.gpu.decode(r.st, p0.get(), u, {&hand_on});
-    const DecodeResult b = r.gpu.decode(r.st, p1.get(), u, {&recorded});
+    const DecodeResult a = r.gpu.decode(r.st, p0, u, {&hand_on});
+    const DecodeResult b = r.gpu.decode(r.st, p1, u, {&recorded});
     expect_same_decode(b, a);
     // (8 new tokens: the first from the prefill, then 7 forwards)
     ASSERT_EQ(live.steps(), 7);
@@ -716,7 +721,7 @@ TEST(CudaModel, ObserversOfProbabilitiesAloneGetTheirEventsFromRecordedQueries) 
             EXPECT_LE(std::abs(double(x[i]) - ref[i]), bound) << where << " patch " << i;
           }
         }
-  }
+  });
 }
 
 }  // namespace
