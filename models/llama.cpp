@@ -397,26 +397,34 @@ void LlamaDecoder::hand_over_recorded(SeqKV& kv, const std::vector<int>& steps, 
   const ScoreTransform transform = policy ? policy->score_transform() : ScoreTransform{};
   const bool together = std::all_of(observers.begin(), observers.end(),
                                     [](const AttentionObserver* o) { return o->takes_concurrent_events(); });
+  // A chunk of steps a call, so that their scores (on the backend) and events (here) stay near
+  // 256 MB however long the caption: each query's scores, transformed scores and probabilities
+  // over at most positions.back() + 1 keys.
+  const int64_t per_query = static_cast<int64_t>(NH) * (positions.back() + 1) * 12;
+  const int chunk = static_cast<int>(std::clamp<int64_t>((int64_t{256} << 20) / std::max<int64_t>(per_query, 1), 1, n));
   std::vector<RecordedAttention> rec;
-  for (int l = 0; l < cfg.num_hidden_layers; ++l) {
-    be->recorded_attention(kv, l, w.recorded_q.row_view(static_cast<int64_t>(l) * w.record_slots, n), ql, positions,
-                           &transform, rec);
-    auto one = [&](int i) {
-      const RecordedAttention& r = rec[static_cast<size_t>(i)];
-      AttentionEvent e;
-      e.phase = Phase::Decode; e.layer = l; e.step = steps[static_cast<size_t>(i)]; e.n_heads = NH; e.n_kv_heads = NKV;
-      e.n_q = 1; e.n_k = r.n_max; e.scores = r.scores.data(); e.probs = r.probs.data();
-      e.query_pos = &positions[static_cast<size_t>(i)]; e.key_pos = r.key_pos.data(); e.key_kind = r.key_kind.data();
-      e.head_dim = D;
-      for (AttentionObserver* o : observers)
-        if (o->reads_step(e.step)) o->on_attention(e);
-    };
-    if (together) {
-      parallel_for(n, 8, one);
-    } else {
-      for (int i = 0; i < n; ++i) one(i);
+  for (int l = 0; l < cfg.num_hidden_layers; ++l)
+    for (int c0 = 0; c0 < n; c0 += chunk) {
+      const int m = std::min(chunk, n - c0);
+      const std::vector<int32_t> at(positions.begin() + c0, positions.begin() + c0 + m);
+      be->recorded_attention(kv, l, w.recorded_q.row_view(static_cast<int64_t>(l) * w.record_slots + c0, m), ql, at,
+                             &transform, rec);
+      auto one = [&](int i) {
+        const RecordedAttention& r = rec[static_cast<size_t>(i)];
+        AttentionEvent e;
+        e.phase = Phase::Decode; e.layer = l; e.step = steps[static_cast<size_t>(c0 + i)]; e.n_heads = NH;
+        e.n_kv_heads = NKV; e.n_q = 1; e.n_k = r.n_max; e.scores = r.scores.data(); e.probs = r.probs.data();
+        e.query_pos = &at[static_cast<size_t>(i)]; e.key_pos = r.key_pos.data(); e.key_kind = r.key_kind.data();
+        e.head_dim = D;
+        for (AttentionObserver* o : observers)
+          if (o->reads_step(e.step)) o->on_attention(e);
+      };
+      if (together) {
+        parallel_for(m, 8, one);
+      } else {
+        for (int i = 0; i < m; ++i) one(i);
+      }
     }
-  }
 }
 
 const std::vector<float>& LlamaDecoder::collect(int ticket, LlamaWorkspace& w, int& device_token) const {
