@@ -91,8 +91,10 @@ void App::submit() {
   s.image_path = image_path();
   s.backend.kind = st.inputs.backend;
   apply_session_run(st.inputs, s.opt);
+  // (while an edit lasts, an automatic label goes to the worker as it is held, so the report's
+  // legends keep it too)
   for (const MethodInstance& m : st.methods)
-    if (m.enabled) s.methods.push_back({m.id, m.params, m.label});
+    if (m.enabled) s.methods.push_back({m.id, m.params, st.history.editing ? display_name(m) : m.label});
   s.priority = st.edit_order;
   st.setup_version = worker.submit(std::move(s));
 }
@@ -112,7 +114,13 @@ const MethodInstance* App::find(int id) const {
 }
 
 std::string App::display_name(const MethodInstance& m) const {
-  return m.label.empty() ? m.params.short_spec() : m.label;
+  if (!m.label.empty()) return m.label;
+  // An automatic label holds while an edit lasts (a drag, typing into a field): panels, legends
+  // and export names keep the one it had when the edit began and take the new values at release.
+  if (st.history.editing)
+    for (const MethodInstance& b : st.history.before)
+      if (b.id == m.id) return b.params.short_spec();
+  return m.params.short_spec();
 }
 
 void App::changed() {
@@ -264,6 +272,7 @@ void App::end_edit() {
   st.history.undo.push_back(std::move(st.history.before));
   if (st.history.undo.size() > 200) st.history.undo.erase(st.history.undo.begin());
   st.history.redo.clear();
+  submit();  // the automatic labels held during the edit now follow the values
 }
 
 void App::undo() {

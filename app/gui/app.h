@@ -57,6 +57,8 @@ class App {
   bool set_param(int id, const std::string& name, const std::string& value);
   bool apply_preset(int id, const std::string& preset);
   void reset_method(int id);
+  // Its label, else its short spec; while an edit lasts (begin_edit … end_edit) the short spec
+  // it had when the edit began, so that legends and export names hold still during a drag.
   std::string display_name(const MethodInstance& m) const;
 
   // Undo / redo of method and parameter changes. A drag is one step: begin_edit when it

@@ -156,8 +156,16 @@ void Script::before_frame(App& app) {
     const int n = drag_.value("frames", 10);
     const double a = drag_["from"].get<double>(), b = drag_["to"].get<double>();
     const int id = method_id(app, drag_["method"]);
-    if (drag_frame_ == 0) app.begin_edit();
+    if (drag_frame_ == 0) {
+      app.begin_edit();
+      drag_shown_.clear();
+    }
     app.set_param(id, drag_["name"].get<std::string>(), format_number(a + (b - a) * (drag_frame_ + 1) / n));
+    // What the dragged instance is called on screen, frame by frame (dump_state's "drag_shown").
+    if (const MethodInstance* m = app.find(id)) {
+      const std::string shown = app.display_name(*m);
+      if (std::find(drag_shown_.begin(), drag_shown_.end(), shown) == drag_shown_.end()) drag_shown_.push_back(shown);
+    }
     if (++drag_frame_ >= n) {
       app.end_edit();
       drag_ = nullptr;
@@ -291,7 +299,15 @@ void Script::run(App& app, const nlohmann::json& st) {
     nlohmann::json d;
     d["methods"] = nlohmann::json::array();
     for (const MethodInstance& m : app.st.methods)
-      d["methods"].push_back({{"label", m.label}, {"spec", m.params.spec()}, {"enabled", m.enabled}, {"error", m.error}});
+      d["methods"].push_back({{"label", m.label}, {"shown", app.display_name(m)}, {"spec", m.params.spec()},
+                              {"enabled", m.enabled}, {"error", m.error}});
+    // The names the latest drag_param's instance went by while it lasted (one: it held still),
+    // and the names the report's figures give the methods (their legends).
+    d["drag_shown"] = drag_shown_;
+    d["legend"] = nlohmann::json::array();
+    if (app.st.results && app.st.results->report && app.st.results->report->contains("methods"))
+      for (const nlohmann::json& m : (*app.st.results->report)["methods"])
+        d["legend"].push_back(m.contains("label") ? m["label"] : m["short_spec"]);
     d["inputs"] = {{"model_dir", app.st.inputs.model_dir}, {"image_path", app.st.inputs.image_path},
                    {"prompt", app.st.inputs.prompt}, {"max_new_tokens", app.st.inputs.max_new_tokens}};
     // What the input boxes show, beside what the app analyses (they differ only while typing).

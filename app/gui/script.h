@@ -74,6 +74,7 @@ class Script {
   // drag_param in progress
   nlohmann::json drag_;
   int drag_frame_ = 0;
+  std::vector<std::string> drag_shown_;  // the dragged instance's distinct names during the drag
   size_t messages_seen_ = 0;
   bool failed_ = false;
   std::string failure_;

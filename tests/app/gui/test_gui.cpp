@@ -20,6 +20,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/compress/method.h"
 #include "core/data/image.h"
 #include "core/files.h"
 #include "app/lab/session.h"
@@ -263,6 +264,37 @@ TEST(Gui, ComparisonTableSortedByAColumnAndSaved) {
   const std::array<int, 3> window_bg{249, 249, 250};
   const Pixels t = region(shot, mse["drawn"]["table"], window_bg, 6);
   EXPECT_GT(t.differing, t.total / 50) << "the table region is empty";
+}
+
+// An instance without a label of its own goes by its short spec; while a slider of it is dragged
+// that name holds still (panels, legends, export names), and at release it takes the new value:
+// drag_param sees one name over the drag, the instance is shown by the new one right after, and
+// once the results are in, the figures' legends name the new value and not the old.
+TEST(Gui, AutomaticLabelsHoldWhileDragging) {
+  const std::string dir = kt::make_temp_dir("gui_drag_label");
+  const std::string before = kvlens::parse_method_spec("snapkv:budget=0.1").short_spec();
+  const std::string after = kvlens::parse_method_spec("snapkv:budget=0.3").short_spec();
+  ASSERT_NE(before, after);
+  const json steps = {{"steps",
+                       {{{"do", "add_method"}, {"spec", "snapkv:budget=0.1"}},
+                        {{"do", "wait_results"}},
+                        {{"do", "drag_param"}, {"method", before}, {"name", "budget"}, {"from", 0.1}, {"to", 0.3},
+                         {"frames", 6}},
+                        {{"do", "dump_state"}, {"path", "dragged.json"}},
+                        {{"do", "wait_results"}},
+                        {{"do", "dump_state"}, {"path", "released.json"}},
+                        {{"do", "quit"}}}}};
+  kt::RunResult r;
+  RUN_GUI_OR_SKIP(dir, steps, r);
+  ASSERT_EQ(r.code, 0) << r.output;
+  const json d = load(dir + "/dragged.json"), e = load(dir + "/released.json");
+  EXPECT_EQ(d["drag_shown"], json::array({before})) << "one name over the whole drag";
+  ASSERT_FALSE(d["methods"].empty());
+  EXPECT_EQ(d["methods"].back()["shown"], after);
+  EXPECT_EQ(d["methods"].back()["label"], "");
+  const json& legend = e["legend"];
+  EXPECT_NE(std::find(legend.begin(), legend.end(), json(after)), legend.end()) << legend.dump();
+  EXPECT_EQ(std::find(legend.begin(), legend.end(), json(before)), legend.end()) << legend.dump();
 }
 
 // A plot is looked at as the researcher chooses (plot_view: what legend clicks, the right-click

@@ -399,6 +399,31 @@ TEST(GuiApp, ExportRunsOnItsOwnThreadAndCanBeCancelled) {
 }
 
 // A scripted selection is every field or none: one refused field leaves the views as they were.
+// An automatic label (an instance's short spec) holds while an edit lasts, as a drag of its
+// slider makes one: every set_param of the drag leaves the name the instance had when the edit
+// began, and end_edit gives it the new one; an instance's own label is its name throughout.
+TEST(GuiApp, AnAutomaticLabelHoldsWhileAnEditLasts) {
+  TempHome home;
+  App app(kt::source_dir());
+  const int a = app.add_method(parse_method_spec("snapkv:budget=0.1"), "");
+  const int b = app.add_method(parse_method_spec("h2o:budget=0.1"), "mine");
+  const std::string before = app.display_name(*app.find(a));
+  app.begin_edit();
+  for (const char* v : {"0.15", "0.2", "0.3"}) {
+    ASSERT_TRUE(app.set_param(a, "budget", v));
+    ASSERT_TRUE(app.set_param(b, "budget", v));
+    EXPECT_EQ(app.display_name(*app.find(a)), before) << v;
+    EXPECT_EQ(app.display_name(*app.find(b)), "mine") << v;
+  }
+  app.end_edit();
+  EXPECT_EQ(app.display_name(*app.find(a)), parse_method_spec("snapkv:budget=0.3").short_spec());
+  EXPECT_NE(app.display_name(*app.find(a)), before);
+  EXPECT_EQ(app.display_name(*app.find(b)), "mine");
+  // Outside an edit a change renames at once.
+  ASSERT_TRUE(app.set_param(a, "budget", "0.2"));
+  EXPECT_EQ(app.display_name(*app.find(a)), parse_method_spec("snapkv:budget=0.2").short_spec());
+}
+
 TEST(GuiApp, SelectIsAllOrNothing) {
   TempHome home;
   App app(kt::source_dir());
