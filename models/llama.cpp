@@ -254,13 +254,10 @@ const CapturedAttention::Reduced& CapturedAttention::reduced_locked(int layer, c
   AttentionReduction rows_only;
   rows_only.queries = r.queries;
   const std::string rows = rows_only.key();
-  auto counts_of = [&](const Reduced& x) {
-    return std::any_of(x.below.begin(), x.below.end(), [&](const Below& b) { return b.p == r.p && b.zeros == r.zeros_below; });
-  };
   Reduced* x = nullptr;
   for (Reduced& e : reduced_)
     if (e.layer == layer && e.rows == rows) x = &e;
-  if (x && (!r.below || counts_of(*x))) return *x;
+  if (x && (!r.below || x->counts(r))) return *x;
   // The column sums with any request over rows not seen yet, the counts when asked.
   Reduced fresh{layer, rows, nullptr, {}};
   Reduced& into = x ? *x : fresh;
@@ -297,9 +294,7 @@ void CapturedAttention::reduce(int layer, const AttentionReduction& r) const {
   }
   const Reduced& x = reduced_locked(layer, r);
   if (r.column_sums) std::copy(x.column_sums->begin(), x.column_sums->end(), r.column_sums);
-  if (r.below)
-    for (const Below& b : x.below)
-      if (b.p == r.p && b.zeros == r.zeros_below) std::copy(b.counts.begin(), b.counts.end(), r.below);
+  if (r.below) std::copy(x.counts(r)->counts.begin(), x.counts(r)->counts.end(), r.below);
 }
 
 std::shared_ptr<const std::vector<double>> CapturedAttention::column_sums(int layer, const std::vector<int>& queries) const {
@@ -611,9 +606,8 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
       // recomputed prompt q/k/v), where the backend can.
       std::vector<ExactAttention> exact;
       if (capture) {
-        constexpr int kLayersAtOnce = 4;
-        for (int l0 = 0; l0 < cfg.num_hidden_layers; l0 += kLayersAtOnce) {
-          const int n = std::min(kLayersAtOnce, cfg.num_hidden_layers - l0);
+        for (int l0 = 0; l0 < cfg.num_hidden_layers; l0 += kExactLayersAtOnce) {
+          const int n = std::min(kExactLayersAtOnce, cfg.num_hidden_layers - l0);
           std::vector<Buffer> held;
           std::vector<const Buffer*> prompts;
           std::vector<ExtraRows> extras;

@@ -101,6 +101,12 @@ class CapturedAttention final : public PrefillAttention {
     std::string rows;
     std::shared_ptr<std::vector<double>> column_sums;  // shared with column_sums() callers
     std::vector<Below> below;
+    // The counts below r's threshold, or null when not computed yet.
+    const Below* counts(const AttentionReduction& r) const {
+      for (const Below& b : below)
+        if (b.p == r.p && b.zeros == r.zeros_below) return &b;
+      return nullptr;
+    }
   };
   size_t max_reduced() const { return 4 * layers_.size() + 4; }
   mutable std::vector<Reduced> reduced_;
@@ -116,6 +122,9 @@ class LlamaDecoder {
  public:
   LlamaConfig cfg;
   std::shared_ptr<Backend> be;
+  // An observed step compares its queries with the capture's exact attention this many layers a
+  // launch, holding those layers' recomputed prompt q/k/v meanwhile.
+  static constexpr int kExactLayersAtOnce = 4;
   Buffer embed, norm, lm_head;  // lm_head shares embed's memory when tied
   std::vector<LlamaLayer> layers;
 

@@ -18,7 +18,7 @@ std::string bytes_text(int64_t b) {
 
 std::string MemoryPlan::breakdown() const {
   return "capture of the prompt's attention " + bytes_text(capture) + ", KV caches " + bytes_text(caches) +
-         ", one layer's attention " + bytes_text(attention) + ", prefill work " + bytes_text(prefill_work);
+         ", attention recomputed " + bytes_text(attention) + ", prefill work " + bytes_text(prefill_work);
 }
 
 MemoryPlan plan_experiment(const Model& model, const ExperimentOptions& opt) {
@@ -40,6 +40,10 @@ MemoryPlan plan_experiment(const Model& model, const ExperimentOptions& opt) {
   // (LlamaDecoder::record_queries: every layer's q, fp32).
   if (device) p.caches += L * opt.max_new_tokens * H * D * 4;
   p.attention = H * T * T * 4 + T * H * D * 4;
+  // and the layers' prompt q, k, v an observed decode step holds beyond the capture's own while it
+  // compares with their exact attention (LlamaDecoder::kExactLayersAtOnce a launch).
+  p.attention += std::max<int64_t>(0, std::min<int64_t>(L, LlamaDecoder::kExactLayersAtOnce) -
+                                          std::min<int64_t>(L, CapturedAttention::kSlots)) * T * row * 4;
   p.prefill_work = T * (3 * static_cast<int64_t>(f.hidden) + row + H * D + 3 * static_cast<int64_t>(f.intermediate)) * 4;
   return p;
 }

@@ -18,10 +18,12 @@ struct MemoryPlan {
   // The prefill's KV cache and one decode's copy, with rows for every new token (and on a
   // device the decode queries recorded for observers).
   int64_t caches = 0;
-  int64_t attention = 0;     // one layer's [heads][T][T] attention recomputed (scores, then probabilities)
+  // One layer's [heads][T][T] attention recomputed (scores, then probabilities), and the prompt
+  // q/k/v an observed decode step holds beyond the capture's.
+  int64_t attention = 0;
   int64_t prefill_work = 0;  // the prefill's activations (hidden states, q/k/v, MLP)
   int64_t total() const { return capture + caches + attention + prefill_work; }
-  // "capture 969 MB, KV caches 2 × 124 MB, one layer's attention 49 MB, prefill work 371 MB"
+  // "capture 969 MB, KV caches 2 × 124 MB, attention recomputed 49 MB, prefill work 371 MB"
   std::string breakdown() const;
 };
 
