@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <utility>
 
 #include "app/cli/defaults.h"
 #include "core/errors.h"
@@ -95,6 +96,7 @@ void App::submit() {
   // legends keep it too)
   for (const MethodInstance& m : st.methods)
     if (m.enabled) s.methods.push_back({m.id, m.params, st.history.editing ? display_name(m) : m.label});
+  st.history.sent = st.history.sent || st.history.editing;
   s.priority = st.edit_order;
   st.setup_version = worker.submit(std::move(s));
 }
@@ -249,12 +251,14 @@ void App::reset_method(int id) {
 void App::begin_edit() {
   if (st.history.editing) return;
   st.history.editing = true;
+  st.history.sent = false;
   st.history.before = st.methods;
 }
 
 void App::end_edit() {
   if (!st.history.editing) return;
   st.history.editing = false;
+  const bool sent = std::exchange(st.history.sent, false);
   auto same = [](const std::vector<MethodInstance>& a, const std::vector<MethodInstance>& b) {
     if (a.size() != b.size()) return false;
     for (size_t i = 0; i < a.size(); ++i)
@@ -263,7 +267,10 @@ void App::end_edit() {
         return false;
     return true;
   };
-  if (same(st.history.before, st.methods)) return;
+  if (same(st.history.before, st.methods)) {
+    if (sent) submit();  // the worker's labels as they were (an edit that came back to its start)
+    return;
+  }
   for (const MethodInstance& m : st.methods) {
     const auto was = std::find_if(st.history.before.begin(), st.history.before.end(),
                                   [&](const MethodInstance& b) { return b.id == m.id; });

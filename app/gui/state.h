@@ -96,6 +96,7 @@ struct Edits {
 struct History {
   std::vector<std::vector<MethodInstance>> undo, redo;
   bool editing = false;                   // a drag is under way
+  bool sent = false;                      // a setup (with labels held) went to the worker during it
   std::vector<MethodInstance> before;     // the list when it began
 };
 

@@ -422,6 +422,22 @@ TEST(GuiApp, AnAutomaticLabelHoldsWhileAnEditLasts) {
   // Outside an edit a change renames at once.
   ASSERT_TRUE(app.set_param(a, "budget", "0.2"));
   EXPECT_EQ(app.display_name(*app.find(a)), parse_method_spec("snapkv:budget=0.2").short_spec());
+  // An edit that comes back to where it began leaves no held name with the worker: once it has
+  // caught up, the report names only the instance with a label of its own.
+  app.begin_edit();
+  ASSERT_TRUE(app.set_param(a, "budget", "0.3"));
+  ASSERT_TRUE(app.set_param(a, "budget", "0.2"));
+  app.end_edit();
+  ASSERT_TRUE(wait_for([&] { return idle_at(app.worker, app.st.setup_version); }));
+  const auto snap = app.worker.latest();
+  ASSERT_TRUE(snap->report);
+  int labelled = 0;
+  for (const auto& m : (*snap->report)["methods"])
+    if (m.contains("label")) {
+      EXPECT_EQ(m["label"], "mine") << m.dump().substr(0, 200);
+      ++labelled;
+    }
+  EXPECT_EQ(labelled, 1);
 }
 
 TEST(GuiApp, SelectIsAllOrNothing) {
