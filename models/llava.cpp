@@ -372,8 +372,10 @@ DecodeResult LlavaModel::decode(const PrefillState& st, KVPolicy* policy, const 
     std::vector<int32_t> pending;
     // A step whose observers read its probabilities alone runs on the device alone too, on a
     // backend that records its queries there: its events come once the caption is done.
+    // (device_alone: a device cache whose host rows only observers read, so steps may drop them)
+    const bool device_alone = dev && mirror && !decode_needs_host_rows(policy);
     const bool can_record =
-        dev && mirror && !decode_needs_host_rows(policy) && be_->records_decode_queries() &&
+        device_alone && be_->records_decode_queries() &&
         std::any_of(observers.begin(), observers.end(), [](const AttentionObserver* o) { return o->reads_probabilities_only(); });
     std::vector<int> rec_steps;
     std::vector<int32_t> rec_pos;
@@ -391,7 +393,7 @@ DecodeResult LlavaModel::decode(const PrefillState& st, KVPolicy* policy, const 
         rec_pos.push_back(pos);
         seen.clear();
       }
-      if (dev && mirror && !decode_needs_host_rows(policy)) {
+      if (device_alone) {
         // Past the last observed step, a device cache stops carrying host rows that no one reads
         // any more: the remaining steps run on the device alone (and are replayed). A step no
         // observer reads before that runs so too.

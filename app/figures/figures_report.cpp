@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <map>
 
+#include "core/attention_reduce.h"
 #include "core/errors.h"
 #include "core/numbers.h"
 
@@ -539,9 +540,12 @@ Figure attention_heatmap_figure(const nlohmann::json& report, int layer, int met
   for (const Series* x : {&s, &d})
     for (double v : x->z) zmax = std::max(zmax, v);
   // Blocks wholly after their queries (causal mask) are not attention at all: drawn as missing,
-  // not as 0. A block's keys start at ⌈c·n/C⌉; prompt row block i ends at the last query q with
-  // ⌊q·R/T⌋ = i, a decode row at its own position.
-  auto key_begin = [&](int c) { return (static_cast<int64_t>(c) * n + C - 1) / C; };
+  // not as 0. A block's keys start where the report's pooling put them; prompt row block i ends
+  // at the last query q with ⌊q·R/T⌋ = i, a decode row at its own position.
+  AttentionReduction bins;
+  bins.map_cols = C;
+  bins.map_keys = n;
+  auto key_begin = [&](int c) { return bins.map_key_begin(c); };
   for (int i = 0; i < R; ++i) {
     const int64_t last = (static_cast<int64_t>(i + 1) * T + R - 1) / R - 1;
     for (int c = 0; c < C; ++c)

@@ -25,6 +25,20 @@ Experiment start_experiment(const Model& model, const RGBImage& img, const Exper
   return start_experiment(model, model.prefill(img, opt.prompt, opt.templ, true), opt, observers);
 }
 
+namespace {
+
+// The first `steps` decode rows a recorder kept of `layer` (mean over heads, keys 0 .. T + steps),
+// pooled into `cols` key blocks as the prompt's map is ([steps][cols]).
+std::vector<float> pooled_decode_rows(const DecodeRecorder& rec, int layer, int steps, int T, int cols) {
+  const int n = T + steps;
+  const std::vector<float> d = decode_attention_rows(rec, layer, steps, n);
+  std::vector<float> out(static_cast<size_t>(steps) * cols);
+  pool_map_rows(d.data(), steps, T, n, cols, out.data());
+  return out;
+}
+
+}  // namespace
+
 Experiment start_experiment(const Model& model, PrefillState prefill, const ExperimentOptions& opt,
                             const std::vector<AttentionObserver*>& observers) {
   if (opt.attention_maps && opt.attention_bins < 1)
@@ -77,8 +91,8 @@ Experiment start_experiment(const Model& model, PrefillState prefill, const Expe
       r.map_cols = C;
       r.map_keys = n;
       pv.attention->reduce(l, r);
-      const std::vector<float> d = decode_attention_rows(*ex.full_recorder, l, S, n);
-      pool_map_rows(d.data(), S, T, n, C, m.data() + static_cast<size_t>(R) * C);
+      const std::vector<float> d = pooled_decode_rows(*ex.full_recorder, l, S, T, C);
+      std::copy(d.begin(), d.end(), m.begin() + static_cast<ptrdiff_t>(R) * C);
       ex.attention.push_back(std::move(m));
     }
   }
@@ -102,13 +116,9 @@ MethodRun run_method(const Model& model, const Experiment& ex, const Params& par
   obs.insert(obs.end(), observers.begin(), observers.end());
   r.result = model.decode(ex.prefill, policy.get(), g, obs, &compressed);
   if (!ex.attention.empty()) {
-    const int T = static_cast<int>(ex.prefill.ids.size()), n = T + ex.attention_steps;
-    for (int l = 0; l < ex.prefill.store.n_layers(); ++l) {
-      const std::vector<float> d = decode_attention_rows(rec, l, ex.attention_steps, n);
-      std::vector<float> pooled(static_cast<size_t>(ex.attention_steps) * ex.attention_cols);
-      pool_map_rows(d.data(), ex.attention_steps, T, n, ex.attention_cols, pooled.data());
-      r.decode_attention.push_back(std::move(pooled));
-    }
+    const int T = static_cast<int>(ex.prefill.ids.size());
+    for (int l = 0; l < ex.prefill.store.n_layers(); ++l)
+      r.decode_attention.push_back(pooled_decode_rows(rec, l, ex.attention_steps, T, ex.attention_cols));
   }
   r.layers = compare_layers(ex.view(), rec, compressed, opt.hist_bins, opt.sparsity_p);
   r.divergence = first_divergence(ex.full.generated_ids, ex.full.chosen_probs, r.result.generated_ids,

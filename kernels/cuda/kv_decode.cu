@@ -266,11 +266,11 @@ void kv_recorded_attention(Context& ctx, SeqKV& kv, int layer, const Buffer& q_r
   const int64_t per = static_cast<int64_t>(NH) * stride;
   DevMem S{ctx.alloc(n * per * 4, "recorded decode scores"), n * per * 4};
   Buffer none;
+  DecodeParams p = layer_params(C, q_rows, l, layer, none);
+  p.scores_stride = stride;
   for (int i = 0; i < n; ++i) {
-    DecodeParams p = layer_params(C, q_rows, l, layer, none);
     p.q = q_rows.as<float>() + static_cast<int64_t>(i) * l.row_stride + l.q_col;
     p.scores_out = S.as<float>() + i * per;
-    p.scores_stride = stride;
     decode_scores(p, ctx.stream);
   }
   std::vector<float> raw(static_cast<size_t>(n * per));

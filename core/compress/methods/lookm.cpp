@@ -127,23 +127,22 @@ void apply_merge(MergeKind kind, int d, const std::vector<Assignment>& contrib, 
   }
 }
 
-}  // namespace
-
-std::vector<std::vector<LookMAssignment>> lookm_assign_heads(int d, const std::vector<std::vector<int>>& keep,
-                                                             const std::vector<std::vector<float>>& k, Backend* backend) {
+// lookm_assign_heads over the heads' kept rows and keys as given (no copy of either).
+std::vector<std::vector<LookMAssignment>> assign_heads(int d, const std::vector<const std::vector<int>*>& keep,
+                                                       const std::vector<const std::vector<float>*>& k, Backend* backend) {
   if (keep.size() != k.size()) throw InternalError("lookm_assign: kept rows and keys of different head counts");
   const size_t H = k.size();
   std::vector<const std::vector<float>*> kp;
   std::vector<const std::vector<int>*> keepp;
   for (size_t h = 0; h < H; ++h) {
-    if (d < 1 || k[h].size() % d != 0) throw InternalError("lookm_assign: k is not [n][d]");
-    const int n = static_cast<int>(k[h].size() / d);
-    const std::vector<int>& kh = keep[h];
+    if (d < 1 || k[h]->size() % d != 0) throw InternalError("lookm_assign: k is not [n][d]");
+    const int n = static_cast<int>(k[h]->size() / d);
+    const std::vector<int>& kh = *keep[h];
     for (size_t j = 0; j < kh.size(); ++j)
       if (kh[j] < 0 || kh[j] >= n || (j > 0 && kh[j] <= kh[j - 1]))
         throw InternalError("lookm_merge: kept indices must be ascending and below " + std::to_string(n));
     if (!kh.empty()) {  // a head without kept rows assigns nothing
-      kp.push_back(&k[h]);
+      kp.push_back(k[h]);
       keepp.push_back(&kh);
     }
   }
@@ -151,20 +150,31 @@ std::vector<std::vector<LookMAssignment>> lookm_assign_heads(int d, const std::v
   std::vector<std::vector<int>> evicted, best;
   std::vector<std::vector<double>> sim;
   if (!backend || kp.empty() || !backend->cosine_assign(d, kp, keepp, evicted, best, sim)) {
-    for (size_t h = 0; h < H; ++h) out[h] = assign_evicted(d, keep[h], k[h]);
+    for (size_t h = 0; h < H; ++h) out[h] = assign_evicted(d, *keep[h], *k[h]);
     return out;
   }
   for (size_t h = 0, x = 0; h < H; ++h) {
-    if (keep[h].empty()) continue;
+    if (keep[h]->empty()) continue;
     for (size_t i = 0; i < evicted[x].size(); ++i) out[h].push_back({evicted[x][i], best[x][i], sim[x][i]});
     ++x;
   }
   return out;
 }
 
+}  // namespace
+
+std::vector<std::vector<LookMAssignment>> lookm_assign_heads(int d, const std::vector<std::vector<int>>& keep,
+                                                             const std::vector<std::vector<float>>& k, Backend* backend) {
+  std::vector<const std::vector<int>*> keepp;
+  std::vector<const std::vector<float>*> kp;
+  for (const auto& x : keep) keepp.push_back(&x);
+  for (const auto& x : k) kp.push_back(&x);
+  return assign_heads(d, keepp, kp, backend);
+}
+
 std::vector<LookMAssignment> lookm_assign(int d, const std::vector<int>& keep, const std::vector<float>& k,
                                           Backend* backend) {
-  return lookm_assign_heads(d, {keep}, {k}, backend).front();
+  return assign_heads(d, {&keep}, {&k}, backend).front();
 }
 
 void lookm_merge(MergeKind kind, int d, const std::vector<int>& keep, std::vector<float>& k,
