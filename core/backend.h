@@ -23,6 +23,7 @@
 #include "core/exact_attention.h"
 #include "core/kv_format.h"
 #include "core/kv_store.h"
+#include "core/row_merge.h"
 #include "core/tensor.h"
 
 namespace kvlens {
@@ -352,6 +353,24 @@ class Backend {
   // cannot (the caller quantizes host rows).
   virtual bool quantize_rows(const DeviceKV& dev, int layer, const KVSegment& seg, const quant::UniformSpec& k,
                              const quant::UniformSpec& v, quant::QuantPayload& out) {
+    return false;
+  }
+  // LOOK-M on a device cache whose rows the host does not hold: `layout` is layer `layer` of the
+  // host store (its segments layout_only), head h's rows in gather_head's order. kv_cosine_assign
+  // is cosine_assign over those rows' keys read where they are (fp16: the values a host copy
+  // would hold, so the results equal cosine_assign's on that copy); keep[h] indexes head h's rows.
+  // kv_merge_rows folds contrib[h] into head h's kept rows as merge_rows does, rounds each merged
+  // row to fp16 where it is, and keeps it for the layer's next kv_sync, which stores it in place
+  // of the kept row (the host layout then lists it with its HeadRows::merged count); quantize_rows
+  // before that sync reads the merged rows. Only the assignments cross to the host, and only the
+  // contributions back. False where the backend has no such op.
+  virtual bool kv_cosine_assign(const DeviceKV& dev, int layer, const LayerKV& layout,
+                                const std::vector<std::vector<int>>& keep, std::vector<std::vector<int>>& evicted,
+                                std::vector<std::vector<int>>& best, std::vector<std::vector<double>>& sim) {
+    return false;
+  }
+  virtual bool kv_merge_rows(DeviceKV& dev, int layer, const LayerKV& layout, MergeKind kind,
+                             const std::vector<std::vector<RowAssignment>>& contrib) {
     return false;
   }
   // Fills the host store with the device cache's layout (segments, positions, annotations,

@@ -292,10 +292,7 @@ std::vector<PrefillContext> LlavaModel::prefill_contexts(const PrefillState& st)
     if (st.capture.keep) c.attention = st.capture.attention.get();
     c.token_kinds = &st.kinds;
     c.token_ids = &st.ids;
-    if (st.device) {  // a device backend: methods may compute there, on the prompt's rows
-      c.backend = be_.get();
-      c.device = st.device.get();
-    }
+    if (st.device) c.backend = be_.get();  // a device backend: methods may compute there (decode adds its cache)
     r.push_back(c);
   }
   return r;
@@ -334,7 +331,9 @@ DecodeResult LlavaModel::decode(const PrefillState& st, KVPolicy* policy, const 
   if (policy) {
     if (policy->needs_prefill_attention() && !st.capture.keep)
       throw InternalError("policy '" + policy->name() + "' needs the prefill attention, which was not kept");
-    policy->on_prefill(prefill_contexts(st), store);
+    std::vector<PrefillContext> cs = prefill_contexts(st);
+    for (PrefillContext& c : cs) c.device = dev.get();  // the decode's own copy of the prompt's rows
+    policy->on_prefill(cs, store);
     if (dev) be_->kv_sync(*dev, store, -1);
   }
   r.compress_ms = ms_since(t0);

@@ -131,7 +131,8 @@ class Model {
   virtual DecodeResult decode(const PrefillState& st, KVPolicy* policy, const GenerateOptions& opt,
                               const std::vector<AttentionObserver*>& observers = {},
                               KVStore* compressed = nullptr) const = 0;
-  // Contexts handed to KVPolicy::on_prefill.
+  // Contexts handed to KVPolicy::on_prefill, without a device cache (decode adds its own copy of
+  // the prefill's as PrefillContext::device).
   virtual std::vector<PrefillContext> prefill_contexts(const PrefillState& st) const = 0;
 };
 

@@ -6,6 +6,7 @@
 
 #include "core/compress/method.h"
 #include "core/compress/policy.h"
+#include "core/row_merge.h"
 
 namespace kvlens {
 
@@ -59,7 +60,6 @@ Pooling parse_pooling(const std::string& s);
 std::vector<double> pyramid_budgets(int n_layers, double alpha, double beta);
 
 // ---- LOOK-M (core/compress/methods/lookm.cpp) ----
-enum class MergeKind { None, Average, Pivotal, Weighted };
 // Merges the evicted rows of one head into the kept ones, in place. k, v: [n][d]; keep:
 // ascending kept indices. Each evicted key e goes to the kept key c maximizing cos(k_e, k_c)
 // (ties to the earlier kept row; a zero vector has similarity 0 to everything); with E_c the
@@ -75,10 +75,7 @@ void lookm_merge(MergeKind kind, int d, const std::vector<int>& keep, std::vecto
 // (dot products and norms added in double in ascending component order; a zero vector has
 // similarity 0 to everything; ties to the earlier kept row). On `backend` where it has the op
 // (Backend::cosine_assign), else on the host: the same numbers either way.
-struct LookMAssignment {
-  int e = 0, c = 0;
-  double s = 0;
-};
+using LookMAssignment = RowAssignment;
 std::vector<LookMAssignment> lookm_assign(int d, const std::vector<int>& keep, const std::vector<float>& k,
                                           Backend* backend = nullptr);
 // The same for several heads at once (keep[h] for the rows k[h]): on `backend`, one call for all

@@ -28,9 +28,10 @@ struct PrefillContext {
   // The backend the model runs on, for methods that compute on it (null: on the host). Called
   // from one thread at a time.
   Backend* backend = nullptr;
-  // The prompt's rows in the backend's cache (null on the host), for ops that read them there
-  // (Backend::quantize_rows) when the store's segments are layout_only.
-  const DeviceKV* device = nullptr;
+  // The decode's own device cache (null on the host), holding the prompt's rows, for ops that
+  // read or merge them there (Backend::quantize_rows, kv_cosine_assign, kv_merge_rows) when the
+  // store's segments are layout_only.
+  DeviceKV* device = nullptr;
 
   // This layer's probabilities [n_heads][prompt_len][prompt_len], or null when prefill kept no
   // attention (hold the pointer while reading them).
@@ -55,10 +56,12 @@ class KVPolicy {
   virtual std::string name() const = 0;
   // Whether on_prefill needs the layer's prompt attention (probs/scores in PrefillContext).
   virtual bool needs_prefill_attention() const { return false; }
-  // Whether on_prefill / on_prefill_layer read the rows' values (quantize, merge, score by keys).
-  // One that only selects rows by the prompt's attention and positions says false: on a device
-  // backend it then acts on the store's layout alone (layout_only segments) and the device
-  // gathers the kept rows, so the prompt's rows never cross to the host.
+  // Whether on_prefill / on_prefill_layer read the rows' values on the host. One that selects
+  // rows by the prompt's attention and positions, or reads and changes rows only through the
+  // backend's ops on the device cache (PrefillContext::device: quantize_rows, kv_cosine_assign,
+  // kv_merge_rows), says false: on a device backend it then acts on the store's layout alone
+  // (layout_only segments) and the device gathers the kept rows, so the prompt's rows never
+  // cross to the host.
   virtual bool reads_rows() const { return true; }
   // The storage of dense rows this policy asks for instead of the run's (the decode option
   // kv_storage, fp16 by default); nullopt = the run's. `full:storage=fp32` keeps exact rows.

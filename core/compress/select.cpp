@@ -226,7 +226,10 @@ void ScoreEvictPolicy::compress_layer(const PrefillContext& c, const LayerPlan& 
   std::vector<std::vector<int>> keep(H);
   std::vector<std::vector<float>> K, V;
   const bool merging = merges();
-  if (merging) {
+  // Rows on the host to merge there, or the layout alone: the method merges in the device cache.
+  const bool host_rows = merging && std::none_of(layer.segments.begin(), layer.segments.end(),
+                                                 [](const KVSegment& s) { return s.layout_only; });
+  if (host_rows) {
     K.resize(H);
     V.resize(H);
   }
@@ -239,7 +242,7 @@ void ScoreEvictPolicy::compress_layer(const PrefillContext& c, const LayerPlan& 
         throw InternalError(name_ + ": score has the wrong length");
       keep[h] = select(c, h, plan, s);
       if (keep[h].empty()) throw InternalError(name_ + ": a head kept no row");
-      if (merging) {
+      if (host_rows) {
         std::vector<int32_t> pos;
         gather_head(layer, h, c.head_dim, K[h], V[h], pos);
       }
@@ -249,24 +252,8 @@ void ScoreEvictPolicy::compress_layer(const PrefillContext& c, const LayerPlan& 
     }
   }
   if (err) std::rethrow_exception(err);
-  if (merging) merge_layer(c, keep, K, V);
-  keep_rows(name_, layer, c.head_dim, keep, merging ? &K : nullptr, merging ? &V : nullptr);
-}
-
-void ScoreEvictPolicy::merge_layer(const PrefillContext& c, const std::vector<std::vector<int>>& keep,
-                                   std::vector<std::vector<float>>& k, std::vector<std::vector<float>>& v) const {
-  const int H = static_cast<int>(keep.size());
-  std::exception_ptr err;
-#pragma omp parallel for schedule(dynamic)
-  for (int h = 0; h < H; ++h) {
-    try {
-      merge(c, h, keep[h], k[h], v[h]);
-    } catch (...) {
-#pragma omp critical(kvlens_merge_error)
-      if (!err) err = std::current_exception();
-    }
-  }
-  if (err) std::rethrow_exception(err);
+  if (merging) merge_layer(c, layer, keep, host_rows ? &K : nullptr, host_rows ? &V : nullptr);
+  keep_rows(name_, layer, c.head_dim, keep, host_rows ? &K : nullptr, host_rows ? &V : nullptr);
 }
 
 void ScoreEvictPolicy::on_prefill(const std::vector<PrefillContext>& layers, KVStore& store) {

@@ -87,7 +87,9 @@ class ScoreEvictPolicy : public KVPolicy {
   std::string name() const override { return name_; }
   bool needs_prefill_attention() const override { return true; }
   bool acts_on_decode() const override { return false; }  // every method evicts at prefill only
-  bool reads_rows() const override { return merges(); }    // selection reads attention and positions
+  // Selection reads attention and positions; a merge reads rows on the host only where the host
+  // holds them (on a device cache it merges there, merge_layer).
+  bool reads_rows() const override { return false; }
   void on_prefill(const std::vector<PrefillContext>& layers, KVStore& store) override;
   // One layer on its own: plans with {ctx} alone, so budgets that depend on every layer
   // (VL-Cache's sparsity allocation) degrade to the uniform budget. Prefer on_prefill.
@@ -105,17 +107,16 @@ class ScoreEvictPolicy : public KVPolicy {
   // The rows to keep (ascending). Default: select_recent_topk(score, plan).
   virtual std::vector<int> select(const PrefillContext& c, int kv_head, const LayerPlan& plan,
                                   const std::vector<double>& score) const;
-  // Whether merge() changes kept rows (then keep_rows takes the merged values).
+  // Whether merge_layer changes kept rows.
   virtual bool merges() const { return false; }
-  // Folds the evicted rows into the kept ones: k/v are the head's gathered rows [n][D],
-  // `keep` the kept indices; edit only kept rows.
-  virtual void merge(const PrefillContext& c, int kv_head, const std::vector<int>& keep,
-                     std::vector<float>& k, std::vector<float>& v) const {}
-  // Merging of a whole layer once every KV head has selected (keep[h], k[h], v[h] as for
-  // merge()); the default merges each head on its own. A method whose merge looks across heads
-  // (LOOK-M's official similarity filter) overrides this.
-  virtual void merge_layer(const PrefillContext& c, const std::vector<std::vector<int>>& keep,
-                           std::vector<std::vector<float>>& k, std::vector<std::vector<float>>& v) const;
+  // Folds the evicted rows of a layer into the kept ones once every KV head has selected:
+  // keep[h] the kept indices of head h's rows (gather_head's order over `layer`, which still holds
+  // every prompt row). With k and v (the heads' gathered rows [n][D]) the merge edits their kept
+  // rows, which keep_rows then stores. Without (null: the rows are in the device cache alone, the
+  // layer's segments layout_only) the method merges there through c.backend (kv_merge_rows), and
+  // the next kv_sync stores the merged rows.
+  virtual void merge_layer(const PrefillContext& c, const LayerKV& layer, const std::vector<std::vector<int>>& keep,
+                           std::vector<std::vector<float>>* k, std::vector<std::vector<float>>* v) const {}
 
  private:
   void compress_layer(const PrefillContext& c, const LayerPlan& plan, LayerKV& layer) const;

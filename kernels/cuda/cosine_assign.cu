@@ -1,8 +1,9 @@
-// LOOK-M's assignment of evicted rows to kept rows by cosine similarity (Eq. 9), on the device.
-// Every dot product and norm is added in double in ascending component order from 0.0, as the
+// LOOK-M's assignment of evicted rows to kept rows by cosine similarity (Eq. 9), on the device,
+// over fp32 keys (copied from the host) or fp16 keys (a device cache's rows). Every dot product and norm is added in double in ascending component order from 0.0, as the
 // host's lookm_assign does: a product of two floats is exact in double, so a fused multiply-add
 // rounds the same as the host's multiply then add, and sqrt and division are correctly rounded
 // on both sides. The similarities, and so the choices, equal the host's bit for bit.
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <string>
@@ -14,24 +15,29 @@ namespace kvlens::cuda {
 
 namespace {
 
-__global__ void row_norms_kernel(const float* __restrict__ k, int n, int d, double* __restrict__ norm) {
+__device__ __forceinline__ double wide(float x) { return static_cast<double>(x); }
+__device__ __forceinline__ double wide(__half x) { return static_cast<double>(__half2float(x)); }
+
+template <class T>
+__global__ void row_norms_kernel(const T* __restrict__ k, int n, int d, double* __restrict__ norm) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n) return;
-  const float* r = k + static_cast<int64_t>(i) * d;
+  const T* r = k + static_cast<int64_t>(i) * d;
   double s = 0.0;
-  for (int t = 0; t < d; ++t) s += static_cast<double>(r[t]) * static_cast<double>(r[t]);
+  for (int t = 0; t < d; ++t) s += wide(r[t]) * wide(r[t]);
   norm[i] = sqrt(s);
 }
 
 // One block per evicted row: each thread scans its share of the kept rows in ascending order,
 // keeping the first largest similarity; the block then takes the largest, ties to the earlier.
-__global__ void cosine_assign_kernel(const float* __restrict__ k, int d, const double* __restrict__ norm,
+template <class T>
+__global__ void cosine_assign_kernel(const T* __restrict__ k, int d, const double* __restrict__ norm,
                                      const int* __restrict__ keep, int n_keep, const int* __restrict__ evicted,
                                      int* __restrict__ best, double* __restrict__ sim) {
   __shared__ double ss[256];
   __shared__ int sj[256];
   const int e = evicted[blockIdx.x];
-  const float* re = k + static_cast<int64_t>(e) * d;
+  const T* re = k + static_cast<int64_t>(e) * d;
   const double ne = norm[e];
   double bs = 0.0;
   int bj = -1;
@@ -39,9 +45,9 @@ __global__ void cosine_assign_kernel(const float* __restrict__ k, int d, const d
     const int c = keep[j];
     double s = 0.0;
     if (ne != 0.0 && norm[c] != 0.0) {
-      const float* rc = k + static_cast<int64_t>(c) * d;
+      const T* rc = k + static_cast<int64_t>(c) * d;
       double dot = 0.0;
-      for (int t = 0; t < d; ++t) dot += static_cast<double>(re[t]) * static_cast<double>(rc[t]);
+      for (int t = 0; t < d; ++t) dot += wide(re[t]) * wide(rc[t]);
       s = dot / (ne * norm[c]);
     }
     if (bj < 0 || s > bs) bs = s, bj = j;
@@ -67,15 +73,25 @@ __global__ void cosine_assign_kernel(const float* __restrict__ k, int d, const d
   }
 }
 
-}  // namespace
-
-void cosine_assign(const float* k, int n, int d, const int* keep, int n_keep, const int* evicted, int n_evicted,
-                   double* norm, int* best, double* sim, cudaStream_t s) {
+template <class T>
+void launch(const T* k, int n, int d, const int* keep, int n_keep, const int* evicted, int n_evicted, double* norm,
+            int* best, double* sim, cudaStream_t s) {
   if (n == 0 || n_evicted == 0 || n_keep == 0) return;
   row_norms_kernel<<<(n + 127) / 128, 128, 0, s>>>(k, n, d, norm);
   KV_LAUNCH("row_norms_kernel", std::to_string(n) + " rows of " + std::to_string(d));
   cosine_assign_kernel<<<n_evicted, 256, 0, s>>>(k, d, norm, keep, n_keep, evicted, best, sim);
   KV_LAUNCH("cosine_assign_kernel", std::to_string(n_evicted) + " evicted x " + std::to_string(n_keep) + " kept");
+}
+
+}  // namespace
+
+void cosine_assign(const float* k, int n, int d, const int* keep, int n_keep, const int* evicted, int n_evicted,
+                   double* norm, int* best, double* sim, cudaStream_t s) {
+  launch(k, n, d, keep, n_keep, evicted, n_evicted, norm, best, sim, s);
+}
+void cosine_assign(const __half* k, int n, int d, const int* keep, int n_keep, const int* evicted, int n_evicted,
+                   double* norm, int* best, double* sim, cudaStream_t s) {
+  launch(k, n, d, keep, n_keep, evicted, n_evicted, norm, best, sim, s);
 }
 
 }  // namespace kvlens::cuda

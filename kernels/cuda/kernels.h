@@ -130,6 +130,17 @@ void scores_in_order(const float* scores, int n_heads, int group, int64_t stride
 // largest cosine similarity sim[i], in double, ties to the earlier kept row.
 void cosine_assign(const float* k, int n, int d, const int* keep, int n_keep, const int* evicted, int n_evicted,
                    double* norm, int* best, double* sim, cudaStream_t s);
+// The same over fp16 keys (a device cache's rows): each component widened to double exactly.
+void cosine_assign(const __half* k, int n, int d, const int* keep, int n_keep, const int* evicted, int n_evicted,
+                   double* norm, int* best, double* sim, cudaStream_t s);
+// LOOK-M's merge (row_merge.cu; host reference: merge_rows, core/row_merge.h) of m kept rows:
+// for merged row i, the kept row's halves kc[i] / vc[i] [d] and its contributions
+// first[i] ≤ j < first[i + 1] (sources ke[j] / ve[j], weights s[j], in merge_rows' order),
+// written to ok / ov [m][d] as merge_rows computes them in double, rounded to float and then to
+// fp16. kind: 1 average, 2 pivotal, 3 weighted (MergeKind's order).
+void merge_rows(const __half* const* kc, const __half* const* vc, const int* first, const __half* const* ke,
+                const __half* const* ve, const double* s, int m, int d, int kind, __half* ok, __half* ov,
+                cudaStream_t st);
 
 // ---- decode attention over a segmented, possibly packed cache (decode_attention.cu) ----------
 // Storage of one side (K or V) of a part. Codes: row j starts at byte j·D·bits/8 and code c of a

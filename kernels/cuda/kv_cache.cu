@@ -6,7 +6,8 @@
 // The host KVStore stays what policies edit. After a policy ran, kv_sync makes the device
 // mirror it: a segment that still equals its device copy (kind, storage, payload, positions,
 // merge counts) is kept; kept rows of an evicted segment are gathered on the device from the
-// rows already there (the compaction); merged rows and rows a host-only format holds are
+// rows already there (the compaction); rows merged on the device (kv_merge.cu) are gathered
+// from where the merge wrote them; rows merged on the host and rows a host-only format holds are
 // uploaded as fp16; packed payloads are uploaded as they are.
 #include <algorithm>
 #include <array>
@@ -180,6 +181,12 @@ RowMap device_rows(const CudaKV& C, const DevLayer& d) {
     for (int i = 0; i < t.n; ++i)
       m.put(h, t.host_pos[i], {t.k.as<__half>() + (static_cast<int64_t>(h) * t.cap + i) * C.D,
                                t.v.as<__half>() + (static_cast<int64_t>(h) * t.cap + i) * C.D});
+  if (!d.merged.empty())
+    for (size_t h = 0; h < d.merged.rows.by_head.size(); ++h) {
+      const std::vector<RowMap::Row>& r = d.merged.rows.by_head[h];
+      for (size_t p = 0; p < r.size(); ++p)
+        if (r[p].first) m.put(static_cast<int>(h), static_cast<int32_t>(p), r[p]);
+    }
   return m;
 }
 
@@ -224,9 +231,10 @@ DevSeg mirror(const KVSegment& s, std::string storage, int NKV, bool fp16_rows) 
   return d;
 }
 
-// A segment of fp16 rows: rows found on the device are gathered there, the others uploaded.
-DevSeg build_fp16(Context& ctx, const CudaKV& C, const KVSegment& s, const RowMap& have, const std::string& label,
-                  bool from_host_only) {
+// A segment of fp16 rows: rows found on the device are gathered there, the others uploaded. A
+// merged row is gathered from the rows merged on the device (`merged`), else uploaded.
+DevSeg build_fp16(Context& ctx, const CudaKV& C, const KVSegment& s, const RowMap& have, const Staged& merged_rows,
+                  const std::string& label, bool from_host_only) {
   const int NKV = C.NKV, D = C.D;
   DevSeg d = mirror(s, label, NKV, true);
   int64_t rows = 0;
@@ -244,7 +252,10 @@ DevSeg build_fp16(Context& ctx, const CudaKV& C, const KVSegment& s, const RowMa
     const HeadRows& r = s.heads[h];
     for (int i = 0; i < r.n(); ++i) {
       const bool merged = i < static_cast<int>(r.merged.size()) && r.merged[i];
-      const RowMap::Row* it = from_host_only || merged ? nullptr : have.find(h, r.pos[i]);
+      const RowMap::Row* it = from_host_only ? nullptr
+                              : !merged      ? have.find(h, r.pos[i])
+                              : merged_rows.empty() ? nullptr
+                                                    : merged_rows.rows.find(h, r.pos[i]);
       if (!it && s.layout_only)
         throw InternalError("kv_sync: " + what + ", KV head " + std::to_string(h) + ": the row at position " +
                             std::to_string(r.pos[i]) + " is neither on the device nor on the host");
@@ -609,6 +620,7 @@ void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l) {
   bool unchanged = n_host == d.segs.size() && (keep_tail || d.tail.n == 0);
   for (size_t i = 0; unchanged && i < n_host; ++i) unchanged = same[i] == &d.segs[i];
   if (unchanged) {
+    d.merged = Staged{};
     set_host_bytes(C, host, l);
     return;
   }
@@ -644,7 +656,7 @@ void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l) {
       for (size_t x = i; x < j; ++x) {
         if (kept) segs.push_back(*same[x]);
         else if (!built.empty()) segs.push_back(std::move(built[x - i]));
-        else segs.push_back(build_fp16(ctx, C, H.segments[x], have, "fp16 (dequantized " + H.segments[x].storage + ")", true));
+        else segs.push_back(build_fp16(ctx, C, H.segments[x], have, d.merged, "fp16 (dequantized " + H.segments[x].storage + ")", true));
       }
       i = j - 1;
       continue;
@@ -656,13 +668,14 @@ void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l) {
     if (p && p->layout.kind != quant::CodeLayout::Kind::None && packed_ok(*p, s, C.D)) {
       segs.push_back(build_packed(ctx, C, s, *p));
     } else if (s.payload) {
-      segs.push_back(build_fp16(ctx, C, s, have, "fp16 (dequantized " + s.storage + ")", true));
+      segs.push_back(build_fp16(ctx, C, s, have, d.merged, "fp16 (dequantized " + s.storage + ")", true));
     } else {
-      segs.push_back(build_fp16(ctx, C, s, have, "fp16", false));
+      segs.push_back(build_fp16(ctx, C, s, have, d.merged, "fp16", false));
     }
   }
   // The new layout must be in place before the old rows can go: segments first, then the tail.
   d.segs = std::move(segs);
+  d.merged = Staged{};  // (their gathers are queued: the memory goes back to the pool after them)
   if (!keep_tail) C.reset_tail(l);
   C.changed();
   set_host_bytes(C, host, l);

@@ -40,9 +40,35 @@ struct Tail {
   std::vector<int32_t> host_pos;
 };
 
+// fp16 rows already on the device, by KV head and position (positions are token indices, so
+// a table per head indexed by position), for gathering.
+struct RowMap {
+  using Row = std::pair<const __half*, const __half*>;
+  std::vector<std::vector<Row>> by_head;  // [kv head][position]; {null, null}: not on the device
+  void put(int h, int32_t pos, Row r) {
+    if (pos < 0) return;
+    std::vector<Row>& t = by_head[static_cast<size_t>(h)];
+    if (static_cast<size_t>(pos) >= t.size()) t.resize(static_cast<size_t>(pos) + 1 + t.size() / 2, Row{nullptr, nullptr});
+    t[static_cast<size_t>(pos)] = r;
+  }
+  const Row* find(int h, int32_t pos) const {
+    const std::vector<Row>& t = by_head[static_cast<size_t>(h)];
+    if (pos < 0 || static_cast<size_t>(pos) >= t.size() || !t[static_cast<size_t>(pos)].first) return nullptr;
+    return &t[static_cast<size_t>(pos)];
+  }
+};
+// Rows a method merged where they are (kv_merge_rows), waiting for the layer's next kv_sync to
+// store them in place of the kept rows of the same KV head and position.
+struct Staged {
+  DevMem k, v;
+  RowMap rows;
+  bool empty() const { return !k.mem; }
+};
+
 struct DevLayer {
   std::vector<DevSeg> segs;
   Tail tail;
+  Staged merged;  // (not copied by clone: it belongs to the decode that merged)
 };
 
 inline KVBytes fp16_bytes(int64_t rows, int D) {
@@ -269,23 +295,8 @@ const CudaKV& as_cuda(const DeviceKV& d);
 
 // Shared by the cache's mirroring (kv_cache.cu) and its transfers to and from the host
 // (kv_transfer.cu).
-// fp16 rows already on the device, by KV head and position (positions are token indices, so
-// a table per head indexed by position), for gathering.
-struct RowMap {
-  using Row = std::pair<const __half*, const __half*>;
-  std::vector<std::vector<Row>> by_head;  // [kv head][position]; {null, null}: not on the device
-  void put(int h, int32_t pos, Row r) {
-    if (pos < 0) return;
-    std::vector<Row>& t = by_head[static_cast<size_t>(h)];
-    if (static_cast<size_t>(pos) >= t.size()) t.resize(static_cast<size_t>(pos) + 1 + t.size() / 2, Row{nullptr, nullptr});
-    t[static_cast<size_t>(pos)] = r;
-  }
-  const Row* find(int h, int32_t pos) const {
-    const std::vector<Row>& t = by_head[static_cast<size_t>(h)];
-    if (pos < 0 || static_cast<size_t>(pos) >= t.size() || !t[static_cast<size_t>(pos)].first) return nullptr;
-    return &t[static_cast<size_t>(pos)];
-  }
-};
+// The rows of layer d on the device by KV head and position: its fp16 segments' unmerged rows, the
+// decode rows, and over them the merged rows waiting for kv_sync (d.merged).
 RowMap device_rows(const CudaKV& C, const DevLayer& d);
 // Host segment i of layer l ↔ device segment i (or the tail for the last host segment): the
 // host reports what the device holds.

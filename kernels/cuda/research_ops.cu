@@ -1,6 +1,7 @@
 // The research path's device work beyond the model's ops: reductions of a layer's prefill
 // attention (core/attention_reduce.h) and LOOK-M's assignment of evicted keys by cosine
-// similarity. The CUDA backend's attention_reduce and cosine_assign call these.
+// similarity (of host keys, or of a device cache's: kv_merge.cu). The CUDA backend's
+// attention_reduce and cosine_assign call these.
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -77,7 +78,7 @@ void reduce_prefill_attention(Context& ctx, const Buffer& qkv, const AttnLayout&
   }
 }
 
-void assign_by_cosine(Context& ctx, int d, const std::vector<const std::vector<float>*>& k,
+void assign_by_cosine(Context& ctx, int d, const std::vector<DeviceKeys>& k,
                       const std::vector<const std::vector<int>*>& keep, std::vector<std::vector<int>>& evicted,
                       std::vector<std::vector<int>>& best, std::vector<std::vector<double>>& sim) {
   const size_t H = k.size();
@@ -85,37 +86,35 @@ void assign_by_cosine(Context& ctx, int d, const std::vector<const std::vector<f
   evicted.assign(H, {});
   best.assign(H, {});
   sim.assign(H, {});
-  // Every head's keys, kept and evicted rows in one upload, laid out head after head (each part
-  // 8-byte aligned); norms, similarities and assignments likewise in one buffer.
+  // Every head's kept and evicted rows in one upload, laid out head after head (each part 8-byte
+  // aligned); norms, similarities and assignments likewise in one buffer.
   auto up8 = [](int64_t b) { return (b + 7) / 8 * 8; };
   struct Part {
-    int n = 0, K = 0, E = 0;
-    int64_t keys = 0, kept = 0, ev = 0, norm = 0, sim = 0, best = 0;
+    int K = 0, E = 0;
+    int64_t kept = 0, ev = 0, norm = 0, sim = 0, best = 0;
   };
   std::vector<Part> parts(H);
   int64_t in_bytes = 0, out_bytes = 0;
   for (size_t h = 0; h < H; ++h) {
-    const std::vector<float>& kh = *k[h];
     const std::vector<int>& kp = *keep[h];
-    need(kh.size() % static_cast<size_t>(d) == 0 && !kp.empty(), "cosine_assign: head " + std::to_string(h) + " rows and kept rows");
+    const int n = k[h].n;
+    need(n >= 0 && !kp.empty(), "cosine_assign: head " + std::to_string(h) + " rows and kept rows");
     Part& p = parts[h];
-    p.n = static_cast<int>(kh.size() / static_cast<size_t>(d));
-    std::vector<char> kept(static_cast<size_t>(p.n), 0);
+    std::vector<char> kept(static_cast<size_t>(n), 0);
     for (size_t j = 0; j < kp.size(); ++j) {
-      need(kp[j] >= 0 && kp[j] < p.n && (j == 0 || kp[j] > kp[j - 1]),
-           "cosine_assign: head " + std::to_string(h) + " kept rows ascending below " + std::to_string(p.n));
+      need(kp[j] >= 0 && kp[j] < n && (j == 0 || kp[j] > kp[j - 1]),
+           "cosine_assign: head " + std::to_string(h) + " kept rows ascending below " + std::to_string(n));
       kept[static_cast<size_t>(kp[j])] = 1;
     }
-    for (int e = 0; e < p.n; ++e)
+    for (int e = 0; e < n; ++e)
       if (!kept[static_cast<size_t>(e)]) evicted[h].push_back(e);
     p.K = static_cast<int>(kp.size());
     p.E = static_cast<int>(evicted[h].size());
-    p.keys = in_bytes;
-    p.kept = p.keys + up8(static_cast<int64_t>(kh.size()) * 4);
+    p.kept = in_bytes;
     p.ev = p.kept + up8(static_cast<int64_t>(p.K) * 4);
     in_bytes = p.ev + up8(static_cast<int64_t>(p.E) * 4);
     p.norm = out_bytes;
-    p.sim = p.norm + static_cast<int64_t>(p.n) * 8;
+    p.sim = p.norm + static_cast<int64_t>(n) * 8;
     p.best = p.sim + static_cast<int64_t>(p.E) * 8;
     out_bytes = p.best + up8(static_cast<int64_t>(p.E) * 4);
   }
@@ -123,19 +122,26 @@ void assign_by_cosine(Context& ctx, int d, const std::vector<const std::vector<f
   std::vector<char> in(static_cast<size_t>(in_bytes));
   for (size_t h = 0; h < H; ++h) {
     const Part& p = parts[h];
-    std::memcpy(in.data() + p.keys, k[h]->data(), k[h]->size() * 4);
     std::memcpy(in.data() + p.kept, keep[h]->data(), static_cast<size_t>(p.K) * 4);
     std::memcpy(in.data() + p.ev, evicted[h].data(), static_cast<size_t>(p.E) * 4);
   }
-  const auto din = ctx.alloc(std::max<int64_t>(in_bytes, 8), "LOOK-M keys and rows");
+  const auto din = ctx.alloc(std::max<int64_t>(in_bytes, 8), "LOOK-M kept and evicted rows");
   const auto dout = ctx.alloc(out_bytes, "LOOK-M norms and assignments");
-  ctx.upload(din.get(), in.data(), in_bytes, "LOOK-M keys and rows");
+  ctx.upload(din.get(), in.data(), in_bytes, "LOOK-M kept and evicted rows");
   char* i0 = static_cast<char*>(din.get());
   char* o0 = static_cast<char*>(dout.get());
-  for (const Part& p : parts)
-    cuda::cosine_assign(reinterpret_cast<const float*>(i0 + p.keys), p.n, d, reinterpret_cast<const int*>(i0 + p.kept),
-                        p.K, reinterpret_cast<const int*>(i0 + p.ev), p.E, reinterpret_cast<double*>(o0 + p.norm),
-                        reinterpret_cast<int*>(o0 + p.best), reinterpret_cast<double*>(o0 + p.sim), ctx.stream);
+  for (size_t h = 0; h < H; ++h) {
+    const Part& p = parts[h];
+    const auto* kept = reinterpret_cast<const int*>(i0 + p.kept);
+    const auto* ev = reinterpret_cast<const int*>(i0 + p.ev);
+    auto* norm = reinterpret_cast<double*>(o0 + p.norm);
+    auto* b = reinterpret_cast<int*>(o0 + p.best);
+    auto* sm = reinterpret_cast<double*>(o0 + p.sim);
+    if (k[h].half)
+      cuda::cosine_assign(static_cast<const __half*>(k[h].k), k[h].n, d, kept, p.K, ev, p.E, norm, b, sm, ctx.stream);
+    else
+      cuda::cosine_assign(static_cast<const float*>(k[h].k), k[h].n, d, kept, p.K, ev, p.E, norm, b, sm, ctx.stream);
+  }
   std::vector<char> out(static_cast<size_t>(out_bytes));
   ctx.download(out.data(), dout.get(), out_bytes, "LOOK-M assignments");
   for (size_t h = 0; h < H; ++h) {
@@ -145,6 +151,27 @@ void assign_by_cosine(Context& ctx, int d, const std::vector<const std::vector<f
     std::memcpy(best[h].data(), out.data() + p.best, static_cast<size_t>(p.E) * 4);
     std::memcpy(sim[h].data(), out.data() + p.sim, static_cast<size_t>(p.E) * 8);
   }
+}
+
+void assign_by_cosine(Context& ctx, int d, const std::vector<const std::vector<float>*>& k,
+                      const std::vector<const std::vector<int>*>& keep, std::vector<std::vector<int>>& evicted,
+                      std::vector<std::vector<int>>& best, std::vector<std::vector<double>>& sim) {
+  need(d > 0, "cosine_assign: head size " + std::to_string(d));
+  // Every head's keys in one upload, head after head.
+  std::vector<int64_t> at(k.size() + 1, 0);
+  for (size_t h = 0; h < k.size(); ++h) {
+    need(k[h]->size() % static_cast<size_t>(d) == 0, "cosine_assign: head " + std::to_string(h) + " keys are not [n][d]");
+    at[h + 1] = at[h] + static_cast<int64_t>(k[h]->size());
+  }
+  const auto keys = ctx.alloc(std::max<int64_t>(at.back() * 4, 8), "LOOK-M keys");
+  std::vector<float> all(static_cast<size_t>(at.back()));
+  std::vector<DeviceKeys> dk(k.size());
+  for (size_t h = 0; h < k.size(); ++h) {
+    std::copy(k[h]->begin(), k[h]->end(), all.begin() + at[h]);
+    dk[h] = {static_cast<const float*>(keys.get()) + at[h], static_cast<int>(k[h]->size() / static_cast<size_t>(d)), false};
+  }
+  ctx.upload(keys.get(), all.data(), at.back() * 4, "LOOK-M keys");
+  assign_by_cosine(ctx, d, dk, keep, evicted, best, sim);
 }
 
 void exact_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l,

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
 
@@ -308,3 +309,93 @@ TEST(Ops, ExactDecodeAttentionOfEveryLayerAtOnce) {
     EXPECT_EQ(all[i].out, one.out) << "layer " << i;
   }
 }
+
+#ifdef KVLENS_HAVE_CUDA
+#include "core/half.h"
+#include "kernels/cuda/kernels.h"
+
+// LOOK-M's merge kernel (row_merge.cu) against merge_rows on fresh random fp16 rows: kept rows
+// with many contributions, one, or none; weights of either sign; a row of ±65504 and one of
+// subnormals; for each rule. The device does merge_rows' double operations one by one (and the
+// same fma), then the same roundings to float and fp16, so every half equals the host's.
+TEST(Ops, LookMMergeKernel) {
+  KVLENS_NEED_GPU();
+  Backend& be = *op_backends().gpu;
+  std::mt19937_64 r(rng()());
+  for (const int d : {128, 64, 40}) {
+    const int n = 173;
+    std::vector<float> k = rounded(Dt::F16, randn(static_cast<size_t>(n) * d, 3.0f)), v = rounded(Dt::F16, randn(k.size(), 0.5f));
+    for (int t = 0; t < d; ++t) {
+      k[static_cast<size_t>(5) * d + t] = (t % 2 ? 65504.0f : -65504.0f);
+      v[static_cast<size_t>(6) * d + t] = round_half(static_cast<float>(t) * std::ldexp(1.0f, -24));
+    }
+    std::vector<int> kept;
+    for (int i = 0; i < n; ++i)
+      if (i % 4 == 1 || i == 7) kept.push_back(i);
+    std::vector<RowAssignment> contrib;
+    for (int e = 0; e < n; ++e) {
+      if (std::binary_search(kept.begin(), kept.end(), e)) continue;
+      const int c = e < 60 ? kept[static_cast<size_t>(r() % 3)] : kept[static_cast<size_t>(r() % kept.size())];
+      if (c == kept.back() && e > 100) continue;  // the last kept row gets nothing from the tail
+      contrib.push_back({e, c, std::uniform_real_distribution<double>(-1.0, 1.0)(r)});
+    }
+    for (MergeKind kind : {MergeKind::Average, MergeKind::Pivotal, MergeKind::Weighted}) {
+      std::vector<float> hk = k, hv = v;
+      std::vector<int> count;
+      merge_rows(kind, d, contrib, hk, hv, count);
+      // Device lists as kv_merge_rows builds them: per kept row with contributions, in order.
+      Buffer K = make(be, "k", {n, d}, Dt::F16, k), V = make(be, "v", {n, d}, Dt::F16, v);
+      const auto* kb = static_cast<const __half*>(K.data);
+      const auto* vb = static_cast<const __half*>(V.data);
+      std::vector<const __half*> kc, vc, ke, ve;
+      std::vector<int> first{0}, rows;
+      std::vector<double> w;
+      for (int c : kept) {
+        if (count[static_cast<size_t>(c)] == 0) continue;
+        kc.push_back(kb + static_cast<int64_t>(c) * d);
+        vc.push_back(vb + static_cast<int64_t>(c) * d);
+        for (const RowAssignment& a : contrib)
+          if (a.c == c) {
+            ke.push_back(kb + static_cast<int64_t>(a.e) * d);
+            ve.push_back(vb + static_cast<int64_t>(a.e) * d);
+            w.push_back(a.s);
+          }
+        first.push_back(static_cast<int>(ke.size()));
+        rows.push_back(c);
+      }
+      const int m = static_cast<int>(kc.size());
+      ASSERT_GT(m, 3);
+      auto upload = [&](const void* src, int64_t bytes, const char* name) {
+        Buffer b = be.alloc(name, {(bytes + 3) / 4}, Dt::I32);
+        be.upload(src, b);
+        return b;
+      };
+      std::vector<const __half*> ptrs = kc;
+      for (const auto* l : {&vc, &ke, &ve}) ptrs.insert(ptrs.end(), l->begin(), l->end());
+      std::vector<int64_t> words(ptrs.size());  // (a whole number of I32 words)
+      std::memcpy(words.data(), ptrs.data(), ptrs.size() * 8);
+      Buffer P = upload(words.data(), static_cast<int64_t>(words.size()) * 8, "pointers");
+      Buffer S = upload(w.data(), static_cast<int64_t>(w.size()) * 8, "weights");
+      std::vector<int> fpad = first;
+      fpad.push_back(0);
+      Buffer F = upload(fpad.data(), static_cast<int64_t>(first.size()) * 4, "first");
+      Buffer OK = poisoned(be, "ok", {m, d}, Dt::F16), OV = poisoned(be, "ov", {m, d}, Dt::F16);
+      be.synchronize();
+      const auto* p = static_cast<const __half* const*>(P.data);
+      const int nc = static_cast<int>(ke.size());
+      cuda::merge_rows(p, p + m, static_cast<const int*>(F.data), p + 2 * m, p + 2 * m + nc,
+                       static_cast<const double*>(S.data), m, d, static_cast<int>(kind), OK.as<__half>(), OV.as<__half>(),
+                       nullptr);
+      cudaDeviceSynchronize();
+      const std::vector<float> gk = read(be, OK), gv = read(be, OV);
+      const std::string what = std::string(merge_kind_name(kind)) + " d=" + std::to_string(d);
+      for (int i = 0; i < m; ++i)
+        for (int t = 0; t < d; ++t) {
+          const size_t g = static_cast<size_t>(i) * d + t, h = static_cast<size_t>(rows[static_cast<size_t>(i)]) * d + t;
+          ASSERT_EQ(gk[g], round_half(hk[h])) << what << " K row " << rows[static_cast<size_t>(i)] << " ch " << t;
+          ASSERT_EQ(gv[g], round_half(hv[h])) << what << " V row " << rows[static_cast<size_t>(i)] << " ch " << t;
+        }
+    }
+  }
+}
+#endif

@@ -24,29 +24,19 @@
 #include "tests/recorder_check.h"
 #include "tests/test_util.h"
 #include "tests/captured_attention_check.h"
+#include "tests/device_decode.h"
 
 using namespace kvlens;
 namespace kt = kvlens::testing;
+using kt::max_rel;
+using kt::sample_run;
+using kt::SampleRun;
+using kt::expect_same_decode;
 
 namespace {
 
 const std::string kEmbedded = kt::source_dir() + "/assets/models/kvlens-scenes-6m";
 
-std::string no_gpu() { return cuda_unavailable_reason(); }
-#define NEED_GPU()                                                 \
-  do {                                                             \
-    const std::string why = no_gpu();                              \
-    if (!why.empty()) GTEST_SKIP() << "no CUDA device: " << why;   \
-  } while (0)
-
-double max_rel(const std::vector<float>& a, const std::vector<float>& ref) {
-  double d = 0, m = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    d = std::max(d, std::abs(static_cast<double>(a[i]) - ref[i]));
-    m = std::max(m, std::abs(static_cast<double>(ref[i])));
-  }
-  return m > 0 ? d / m : d;
-}
 
 TEST(CudaModel, FixturesMatchCpuAndTransformers) {
   NEED_GPU();
@@ -257,7 +247,7 @@ TEST(CudaModel, Fp32RowsAreRefusedOnTheDevice) {
 }
 
 TEST(CudaModel, CliRefusesCudaWithoutADevice) {
-  if (no_gpu().empty()) GTEST_SKIP() << "a CUDA device is usable here; the refusal is for machines without one";
+  if (cuda_unavailable_reason().empty()) GTEST_SKIP() << "a CUDA device is usable here; the refusal is for machines without one";
   const auto r = kt::run(kt::cli() + " caption --backend cuda --max-new-tokens 2");
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("--backend cuda"), std::string::npos) << r.output;
@@ -322,40 +312,6 @@ TEST(CudaModel, ChainedStepsEqualUnchainedSteps) {
   EXPECT_EQ(ended_at_eos, 1) << "the EOS case must end before max_new_tokens, so a step launched ahead is dropped";
 }
 
-// The embedded model on the GPU with its sample image prefilled (the attention kept, as
-// eviction methods need it), and greedy options that run `new_tokens` tokens past any EOS and
-// keep every step's logits.
-struct SampleRun {
-  std::unique_ptr<Model> owned;
-  const Model& gpu;
-  PrefillState st;
-  GenerateOptions g;
-  int layers = 0;
-};
-SampleRun sample_run(int new_tokens) {
-  std::unique_ptr<Model> m = load_model(kEmbedded, {"cuda"});
-  const Model& gpu = *m;
-  SampleRun r{std::move(m), gpu, {}, {}, 0};
-  r.st = r.gpu.prefill(load_image(kt::source_dir() + "/assets/images/scene_000.png"), kDefaultPrompt,
-                       kDefaultTemplate, true);
-  r.g.max_new_tokens = new_tokens;
-  r.g.stop_at_eos = false;
-  r.g.keep_step_logits = true;
-  r.layers = r.gpu.info().n_layers;
-  return r;
-}
-
-// `b` against `a`, decoded by two paths of the same method: the same tokens and cache bytes,
-// and every step's logits within one fp16 rounding (2^-11 of their largest magnitude).
-void expect_same_decode(const DecodeResult& b, const DecodeResult& a) {
-  EXPECT_EQ(b.generated_ids, a.generated_ids);
-  ASSERT_EQ(b.step_logits.size(), a.step_logits.size());
-  for (size_t i = 0; i < a.step_logits.size(); ++i)
-    EXPECT_LE(max_rel(b.step_logits[i], a.step_logits[i]), std::ldexp(1.0, -11)) << "step " << i;
-  EXPECT_EQ(b.bytes_after_prefill.total(), a.bytes_after_prefill.total());
-  EXPECT_EQ(b.bytes_final.total(), a.bytes_final.total());
-}
-
 // A prefill-only method decodes on the device alone — no host rows, no hook, steps replayed and
 // chained — to the same tokens and cache bytes as when the loop keeps the host rows and calls the
 // hook once a layer and forward, and to logits within 2^-11 of their largest magnitude: the
@@ -383,116 +339,6 @@ TEST(CudaModel, PrefillOnlyMethodsDecodeOnTheDeviceAlone) {
     EXPECT_EQ(c.generated_ids, b.generated_ids);
     EXPECT_EQ(c.step_logits, b.step_logits);
     EXPECT_EQ(c.bytes_final.total(), b.bytes_final.total());
-  }
-}
-
-// Two layouts (segments' kinds, storage labels, bytes and each head's positions) are equal.
-void expect_same_layout(const KVStore& a, const KVStore& b) {
-  ASSERT_EQ(a.n_layers(), b.n_layers());
-  for (int l = 0; l < a.n_layers(); ++l) {
-    const auto &x = a.layer(l).segments, &y = b.layer(l).segments;
-    ASSERT_EQ(x.size(), y.size()) << "layer " << l;
-    for (size_t i = 0; i < x.size(); ++i) {
-      EXPECT_EQ(x[i].kind, y[i].kind) << "layer " << l << " segment " << i;
-      EXPECT_EQ(x[i].bytes.total(), y[i].bytes.total()) << "layer " << l << " segment " << i;
-      ASSERT_EQ(x[i].heads.size(), y[i].heads.size());
-      for (size_t h = 0; h < x[i].heads.size(); ++h)
-        EXPECT_EQ(x[i].heads[h].pos, y[i].heads[h].pos) << "layer " << l << " segment " << i << " head " << h;
-    }
-  }
-}
-
-// `spec`'s policy decoded twice from r's prefill, unchained: x on the layout alone (its policy
-// reads no rows), y with an observer that reads keys and values, so that the prompt's rows come
-// to the host first; a and b are their compressed stores.
-struct TwoDecodes {
-  DecodeResult x, y;
-  KVStore a, b;
-};
-TwoDecodes decode_on_layout_and_on_rows(const SampleRun& r, const char* spec) {
-  GenerateOptions u = r.g;
-  u.chain_steps = false;
-  const auto p0 = make_policy(spec), p1 = make_policy(spec);
-  EXPECT_FALSE(p0->reads_rows());
-  TwoDecodes t;
-  DecodeRecorder rows(2, true);
-  t.x = r.gpu.decode(r.st, p0.get(), u, {}, &t.a);
-  t.y = r.gpu.decode(r.st, p1.get(), u, {&rows}, &t.b);
-  EXPECT_TRUE(!rows.entries().empty() && !rows.entries().front().k.empty()) << "the observed decode read the rows";
-  return t;
-}
-
-// On the device the prefill store keeps the layout alone (the CPU's layout, no rows), and the
-// eviction methods that read no rows select on it while the device gathers the kept rows: each
-// gives the same kept positions, bytes, tokens and logits (within one fp16 rounding, as above)
-// as when an observer that reads keys and values makes the decode fetch the prompt's rows first.
-TEST(CudaModel, EvictionSelectsOnTheLayoutAloneAndTheDeviceGathers) {
-  NEED_GPU();
-  SampleRun r = sample_run(8);
-  EXPECT_FALSE(r.st.store.has_rows());
-  const std::unique_ptr<Model> cpu = load_model(kEmbedded, {"cpu"});
-  const PrefillState c = cpu->prefill(load_image(kt::source_dir() + "/assets/images/scene_000.png"), kDefaultPrompt,
-                                      kDefaultTemplate, true);
-  EXPECT_TRUE(c.store.has_rows());
-  KVStore cpu_fp16 = c.store;
-  cpu_fp16.set_row_storage(RowStorage::Fp16);
-  expect_same_layout(r.st.store, cpu_fp16);
-  for (const char* spec : {"snapkv:budget=0.3", "h2o", "vlcache:budget=0.25", "pyramidkv", "streamingllm",
-                           "lookm:merge=none", "stack:evict=snapkv,quant=none"}) {
-    SCOPED_TRACE(spec);
-    const TwoDecodes t = decode_on_layout_and_on_rows(r, spec);
-    expect_same_decode(t.y, t.x);
-    expect_same_layout(t.a, t.b);
-  }
-}
-
-// CalibQuant (alone and stacked after an eviction) quantizes the visual rows where they are
-// (Backend::quantize_rows) when the host store holds the layout alone: against the host's
-// quantization of the same fp16 rows (fetched because an observer reads them), the same layout,
-// bytes and fp16 ranges, codes equal but for values within an fp32 rounding of a decision
-// boundary (one step apart, at most 1 in 1000 — the quant_pack kernels' bound, DecodeOps), and
-// the same tokens.
-TEST(CudaModel, CalibQuantQuantizesTheVisualRowsOnTheDevice) {
-  NEED_GPU();
-  SampleRun r = sample_run(8);
-  for (const char* spec : {"calibquant:bits=1", "calibquant:preset=official", "calibquant:bits=4",
-                           "stack:evict=snapkv,quant=calibquant,budget=0.4"}) {
-    SCOPED_TRACE(spec);
-    const TwoDecodes t = decode_on_layout_and_on_rows(r, spec);
-    const KVStore &a = t.a, &b = t.b;
-    EXPECT_EQ(t.x.generated_ids, t.y.generated_ids);
-    EXPECT_EQ(t.x.bytes_after_prefill.total(), t.y.bytes_after_prefill.total());
-    expect_same_layout(a, b);
-    int quantized = 0;
-    for (int l = 0; l < a.n_layers(); ++l)
-      for (size_t i = 0; i < a.layer(l).segments.size(); ++i) {
-        const auto* pa = dynamic_cast<const quant::QuantPayload*>(a.layer(l).segments[i].payload.get());
-        const auto* pb = dynamic_cast<const quant::QuantPayload*>(b.layer(l).segments[i].payload.get());
-        ASSERT_EQ(!pa, !pb) << "layer " << l << " segment " << i;
-        if (!pa) continue;
-        ++quantized;
-        EXPECT_EQ(a.layer(l).segments[i].storage, b.layer(l).segments[i].storage);
-        const int bits = pa->layout.k_bits;
-        ASSERT_EQ(pa->k.size(), pb->k.size());
-        for (size_t h = 0; h < pa->k.size(); ++h)
-          for (const auto& [ka, kb] : {std::make_pair(&pa->k[h], &pb->k[h]), std::make_pair(&pa->v[h], &pb->v[h])}) {
-            EXPECT_EQ(ka->scales, kb->scales) << "layer " << l << " head " << h;
-            EXPECT_EQ(ka->zeros, kb->zeros) << "layer " << l << " head " << h;
-            ASSERT_EQ(ka->codes.size(), kb->codes.size());
-            const int64_t n = static_cast<int64_t>(ka->codes.size()) * 8 / bits;
-            int64_t differ = 0;
-            for (int64_t c = 0; c < n; ++c) {
-              const int x1 = static_cast<int>(quant::unpack_one(ka->codes.data(), c, bits));
-              const int x2 = static_cast<int>(quant::unpack_one(kb->codes.data(), c, bits));
-              if (x1 != x2) {
-                ++differ;
-                EXPECT_LE(std::abs(x1 - x2), 1) << "layer " << l << " head " << h << " code " << c;
-              }
-            }
-            EXPECT_LE(differ, n / 1000 + 1) << "layer " << l << " head " << h;
-          }
-      }
-    EXPECT_EQ(quantized, a.n_layers()) << "one quantized visual segment a layer";
   }
 }
 

@@ -93,40 +93,6 @@ std::vector<Assignment> assign_evicted(int d, const std::vector<int>& keep, cons
   return out;
 }
 
-// Folds each contribution (source row e into kept row c with weight s) into the kept rows by
-// `kind`, against the original kept values; count[c] = rows merged into c (n entries).
-void apply_merge(MergeKind kind, int d, const std::vector<Assignment>& contrib, std::vector<float>& k,
-                 std::vector<float>& v, std::vector<int>& count) {
-  const int n = static_cast<int>(k.size() / d);
-  count.assign(n, 0);
-  if (kind == MergeKind::None) return;
-  std::vector<double> acc_k(static_cast<size_t>(n) * d, 0.0), acc_v(acc_k.size(), 0.0);
-  for (const Assignment& a : contrib) {
-    ++count[a.c];
-    for (int t = 0; t < d; ++t) {
-      const double ke = k[a.e * d + t], ve = v[a.e * d + t];
-      const double kc = k[a.c * d + t], vc = v[a.c * d + t];
-      double* ak = &acc_k[static_cast<size_t>(a.c) * d + t];
-      double* av = &acc_v[static_cast<size_t>(a.c) * d + t];
-      switch (kind) {
-        case MergeKind::Average: *ak += ke; *av += ve; break;
-        case MergeKind::Pivotal: *ak += 0.5 * (ke + kc); *av += 0.5 * (ve + vc); break;
-        case MergeKind::Weighted: *ak += a.s * ke; *av += a.s * ve; break;
-        case MergeKind::None: break;
-      }
-    }
-  }
-  for (int c = 0; c < n; ++c) {
-    if (count[c] == 0) continue;  // nothing merged: the row stays an exact copy
-    const double w = 1.0 / (count[c] + 1);
-    for (int t = 0; t < d; ++t) {
-      const size_t i = static_cast<size_t>(c) * d + t;
-      k[i] = static_cast<float>((k[i] + acc_k[i]) * w);
-      v[i] = static_cast<float>((v[i] + acc_v[i]) * w);
-    }
-  }
-}
-
 // lookm_assign_heads over the heads' kept rows and keys as given (no copy of either).
 std::vector<std::vector<LookMAssignment>> assign_heads(int d, const std::vector<const std::vector<int>*>& keep,
                                                        const std::vector<const std::vector<float>*>& k, Backend* backend) {
@@ -182,7 +148,7 @@ void lookm_merge(MergeKind kind, int d, const std::vector<int>& keep, std::vecto
   if (kind == MergeKind::None) return;
   check_rows(d, k, v);
   std::vector<int> count;
-  apply_merge(kind, d, lookm_assign(d, keep, k), k, v, count);
+  merge_rows(kind, d, lookm_assign(d, keep, k), k, v, count);
 }
 
 std::vector<char> lookm_above_mean(const std::vector<std::vector<double>>& s) {
@@ -268,21 +234,31 @@ class LookMPolicy : public ScoreEvictPolicy {
   bool merges() const override { return o_.merge != MergeKind::None; }
 
   // Assigns every head's evicted rows (Eq. 9), applies the similarity filter across heads when
-  // asked, merges, and remembers for each kept row (in order) how many evicted rows it absorbed;
-  // the counts go into HeadRows::merged once the base class has kept the rows (record_merged).
-  void merge_layer(const PrefillContext& c, const std::vector<std::vector<int>>& keep,
-                   std::vector<std::vector<float>>& k, std::vector<std::vector<float>>& v) const override {
+  // asked, merges — on the host rows k, v when given, else in the device cache — and remembers
+  // for each kept row (in order) how many evicted rows it absorbed; the counts go into
+  // HeadRows::merged once the base class has kept the rows (record_merged).
+  void merge_layer(const PrefillContext& c, const LayerKV& layer, const std::vector<std::vector<int>>& keep,
+                   std::vector<std::vector<float>>* k, std::vector<std::vector<float>>* v) const override {
     const int H = static_cast<int>(keep.size()), d = c.head_dim;
     std::vector<std::vector<Assignment>> a(H);
-    for (int h = 0; h < H; ++h) check_rows(d, k[h], v[h]);
-    if (c.backend) {  // every head of the layer in one call on the device
-      a = lookm_assign_heads(d, keep, k, c.backend);
+    if (!k) {  // the rows are in the device cache alone: assigned and merged there
+      if (!c.backend || !c.device) throw InternalError("lookm: a layout without rows and no device cache to merge in");
+      std::vector<std::vector<int>> evicted, best;
+      std::vector<std::vector<double>> sim;
+      if (!c.backend->kv_cosine_assign(*c.device, c.layer, layer, keep, evicted, best, sim))
+        throw InternalError("lookm: the " + c.backend->name() + " backend cannot merge rows its cache alone holds");
+      for (int h = 0; h < H; ++h)
+        for (size_t i = 0; i < evicted[h].size(); ++i) a[h].push_back({evicted[h][i], best[h][i], sim[h][i]});
+    } else if (c.backend) {  // every head of the layer in one call on the device
+      for (int h = 0; h < H; ++h) check_rows(d, (*k)[h], (*v)[h]);
+      a = lookm_assign_heads(d, keep, *k, c.backend);
     } else {
       std::exception_ptr err;
 #pragma omp parallel for schedule(dynamic)
       for (int h = 0; h < H; ++h) {
         try {
-          a[h] = lookm_assign(d, keep[h], k[h]);
+          check_rows(d, (*k)[h], (*v)[h]);
+          a[h] = lookm_assign(d, keep[h], (*k)[h]);
         } catch (...) {
 #pragma omp critical(kvlens_lookm_error)
           if (!err) err = std::current_exception();
@@ -300,30 +276,39 @@ class LookMPolicy : public ScoreEvictPolicy {
         for (const Assignment& x : a[h]) s[h].push_back(x.s);
       pass = lookm_above_mean(s);
     }
+    std::vector<std::vector<Assignment>> contrib(H);
     std::vector<std::vector<int>> per_kept(H);
-    std::exception_ptr err;
-#pragma omp parallel for schedule(dynamic)
     for (int h = 0; h < H; ++h) {
-      try {
-        std::vector<Assignment> contrib;
-        if (!filter) {
-          contrib = a[h];
-        } else {
-          for (size_t j = 0; j < a[h].size(); ++j)
-            if (pass[j]) contrib.push_back(a[h][j]);
-          if (o_.merge == MergeKind::Average && o_.prefix_source)
-            for (size_t f = 0; f < contrib.size(); ++f) contrib[f].e = a[h][f].e;
-        }
-        std::vector<int> count;
-        apply_merge(o_.merge, d, contrib, k[h], v[h], count);
-        per_kept[h].assign(keep[h].size(), 0);
-        for (size_t j = 0; j < keep[h].size(); ++j) per_kept[h][j] = count[static_cast<size_t>(keep[h][j])];
-      } catch (...) {
-#pragma omp critical(kvlens_lookm_error)
-        if (!err) err = std::current_exception();
+      if (!filter) {
+        contrib[h] = std::move(a[h]);
+      } else {
+        for (size_t j = 0; j < a[h].size(); ++j)
+          if (pass[j]) contrib[h].push_back(a[h][j]);
+        if (o_.merge == MergeKind::Average && o_.prefix_source)
+          for (size_t f = 0; f < contrib[h].size(); ++f) contrib[h][f].e = a[h][f].e;
       }
+      std::vector<int> count(static_cast<size_t>(c.prompt_len), 0);
+      for (const Assignment& x : contrib[h]) ++count.at(static_cast<size_t>(x.c));
+      per_kept[h].assign(keep[h].size(), 0);
+      for (size_t j = 0; j < keep[h].size(); ++j) per_kept[h][j] = count[static_cast<size_t>(keep[h][j])];
     }
-    if (err) std::rethrow_exception(err);
+    if (!k) {
+      if (!c.backend->kv_merge_rows(*c.device, c.layer, layer, o_.merge, contrib))
+        throw InternalError("lookm: the " + c.backend->name() + " backend cannot merge rows its cache alone holds");
+    } else {
+      std::exception_ptr err;
+#pragma omp parallel for schedule(dynamic)
+      for (int h = 0; h < H; ++h) {
+        try {
+          std::vector<int> count;
+          merge_rows(o_.merge, d, contrib[h], (*k)[h], (*v)[h], count);
+        } catch (...) {
+#pragma omp critical(kvlens_lookm_error)
+          if (!err) err = std::current_exception();
+        }
+      }
+      if (err) std::rethrow_exception(err);
+    }
     std::lock_guard<std::mutex> lock(mu_);
     for (int h = 0; h < H; ++h) counts_[{c.layer, h}] = std::move(per_kept[h]);
   }

@@ -1,0 +1,159 @@
+// Compression methods acting on the device cache while the host store holds the layout alone,
+// against the same methods on host rows (fetched because an observer reads them): eviction
+// gathers on the device, CalibQuant quantizes there, LOOK-M assigns and merges there.
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <string>
+
+#include "core/compress/method.h"
+#include "core/kv_format.h"
+#include "models/model.h"
+#include "tests/device_decode.h"
+#include "tests/test_util.h"
+
+using namespace kvlens;
+namespace kt = kvlens::testing;
+using kt::decode_on_layout_and_on_rows;
+using kt::expect_same_decode;
+using kt::expect_same_layout;
+using kt::sample_run;
+using kt::SampleRun;
+using kt::TwoDecodes;
+
+namespace {
+
+// On the device the prefill store keeps the layout alone (the CPU's layout, no rows), and the
+// eviction methods that read no rows select on it while the device gathers the kept rows: each
+// gives the same kept positions, bytes, tokens and logits (within one fp16 rounding, as above)
+// as when an observer that reads keys and values makes the decode fetch the prompt's rows first.
+TEST(CudaModel, EvictionSelectsOnTheLayoutAloneAndTheDeviceGathers) {
+  NEED_GPU();
+  SampleRun r = sample_run(8);
+  EXPECT_FALSE(r.st.store.has_rows());
+  const std::unique_ptr<Model> cpu = load_model(kt::source_dir() + "/assets/models/kvlens-scenes-6m", {"cpu"});
+  const PrefillState c = cpu->prefill(load_image(kt::source_dir() + "/assets/images/scene_000.png"), kDefaultPrompt,
+                                      kDefaultTemplate, true);
+  EXPECT_TRUE(c.store.has_rows());
+  KVStore cpu_fp16 = c.store;
+  cpu_fp16.set_row_storage(RowStorage::Fp16);
+  expect_same_layout(r.st.store, cpu_fp16);
+  for (const char* spec : {"snapkv:budget=0.3", "h2o", "vlcache:budget=0.25", "pyramidkv", "streamingllm",
+                           "lookm:merge=none", "stack:evict=snapkv,quant=none"}) {
+    SCOPED_TRACE(spec);
+    const TwoDecodes t = decode_on_layout_and_on_rows(r, spec);
+    expect_same_decode(t.y, t.x);
+    expect_same_layout(t.a, t.b);
+  }
+}
+
+// CalibQuant (alone and stacked after an eviction) quantizes the visual rows where they are
+// (Backend::quantize_rows) when the host store holds the layout alone: against the host's
+// quantization of the same fp16 rows (fetched because an observer reads them), the same layout,
+// bytes and fp16 ranges, codes equal but for values within an fp32 rounding of a decision
+// boundary (one step apart, at most 1 in 1000 — the quant_pack kernels' bound, DecodeOps), and
+// the same tokens.
+TEST(CudaModel, CalibQuantQuantizesTheVisualRowsOnTheDevice) {
+  NEED_GPU();
+  SampleRun r = sample_run(8);
+  for (const char* spec : {"calibquant:bits=1", "calibquant:preset=official", "calibquant:bits=4",
+                           "stack:evict=snapkv,quant=calibquant,budget=0.4"}) {
+    SCOPED_TRACE(spec);
+    const TwoDecodes t = decode_on_layout_and_on_rows(r, spec);
+    const KVStore &a = t.a, &b = t.b;
+    EXPECT_EQ(t.x.generated_ids, t.y.generated_ids);
+    EXPECT_EQ(t.x.bytes_after_prefill.total(), t.y.bytes_after_prefill.total());
+    expect_same_layout(a, b);
+    int quantized = 0;
+    for (int l = 0; l < a.n_layers(); ++l)
+      for (size_t i = 0; i < a.layer(l).segments.size(); ++i) {
+        const auto* pa = dynamic_cast<const quant::QuantPayload*>(a.layer(l).segments[i].payload.get());
+        const auto* pb = dynamic_cast<const quant::QuantPayload*>(b.layer(l).segments[i].payload.get());
+        ASSERT_EQ(!pa, !pb) << "layer " << l << " segment " << i;
+        if (!pa) continue;
+        ++quantized;
+        EXPECT_EQ(a.layer(l).segments[i].storage, b.layer(l).segments[i].storage);
+        const int bits = pa->layout.k_bits;
+        ASSERT_EQ(pa->k.size(), pb->k.size());
+        for (size_t h = 0; h < pa->k.size(); ++h)
+          for (const auto& [ka, kb] : {std::make_pair(&pa->k[h], &pb->k[h]), std::make_pair(&pa->v[h], &pb->v[h])}) {
+            EXPECT_EQ(ka->scales, kb->scales) << "layer " << l << " head " << h;
+            EXPECT_EQ(ka->zeros, kb->zeros) << "layer " << l << " head " << h;
+            ASSERT_EQ(ka->codes.size(), kb->codes.size());
+            const int64_t n = static_cast<int64_t>(ka->codes.size()) * 8 / bits;
+            int64_t differ = 0;
+            for (int64_t c = 0; c < n; ++c) {
+              const int x1 = static_cast<int>(quant::unpack_one(ka->codes.data(), c, bits));
+              const int x2 = static_cast<int>(quant::unpack_one(kb->codes.data(), c, bits));
+              if (x1 != x2) {
+                ++differ;
+                EXPECT_LE(std::abs(x1 - x2), 1) << "layer " << l << " head " << h << " code " << c;
+              }
+            }
+            EXPECT_LE(differ, n / 1000 + 1) << "layer " << l << " head " << h;
+          }
+      }
+    EXPECT_EQ(quantized, a.n_layers()) << "one quantized visual segment a layer";
+  }
+}
+
+
+// The prompt's store as a device decode starts from it (the layout alone, the decode's own copy
+// of the cache) compressed by `spec` and synced, then read back with its rows; against the same
+// policy on the host's copy of the prompt's fp16 rows. Returns {device, host}.
+std::pair<KVStore, KVStore> compress_on_device_and_on_host(const SampleRun& r, const std::string& spec) {
+  Backend& be = r.gpu.backend();
+  std::unique_ptr<DeviceKV> dev = r.st.device->clone();
+  KVStore a = r.st.store;
+  a.set_row_storage(RowStorage::Fp16);
+  EXPECT_FALSE(a.has_rows());
+  std::vector<PrefillContext> cs = r.gpu.prefill_contexts(r.st);
+  for (PrefillContext& c : cs) c.device = dev.get();
+  make_policy(spec)->on_prefill(cs, a);
+  be.kv_sync(*dev, a, -1);
+  KVStore got;
+  be.kv_hydrate(*dev, got, true);
+  KVStore b;
+  be.kv_hydrate(*r.st.device, b, true);  // the prompt's fp16 rows on the host
+  // (no device cache: the merge runs on the host rows; the assignment on the GPU from host keys)
+  make_policy(spec)->on_prefill(r.gpu.prefill_contexts(r.st), b);
+  return {std::move(got), std::move(b)};
+}
+
+// LOOK-M assigns and merges where the cache is (Backend::kv_cosine_assign, kv_merge_rows) when
+// the host store holds the layout alone. Against the host's merge of the same fp16 rows: the
+// same kept positions and merge counts, and every merged and kept row equal bit for bit (the
+// merge kernel does merge_rows' double operations one by one, Ops.LookMMergeKernel), for each
+// merge rule and the authors' similarity filter. Decoded, the same tokens and logits within one
+// fp16 rounding (the paths' kernels differ, as above), stacked before CalibQuant too.
+TEST(CudaModel, LookMMergesOnTheDevice) {
+  NEED_GPU();
+  SampleRun r = sample_run(8);
+  for (const char* spec : {"lookm", "lookm:merge=average,preset=official", "lookm:merge=weighted,merge_filter=above_mean",
+                           "lookm:merge=average,merge_filter=above_mean,alpha1=0.05,alpha2=0.3"}) {
+    SCOPED_TRACE(spec);
+    const auto [dev, host] = compress_on_device_and_on_host(r, spec);
+    expect_same_layout(dev, host);
+    int merged = 0;
+    for (int l = 0; l < host.n_layers(); ++l)
+      for (size_t i = 0; i < host.layer(l).segments.size(); ++i)
+        for (size_t h = 0; h < host.layer(l).segments[i].heads.size(); ++h) {
+          const HeadRows &x = dev.layer(l).segments.at(i).heads.at(h), &y = host.layer(l).segments[i].heads[h];
+          for (uint16_t m : y.merged) merged += m > 0;
+          ASSERT_EQ(x.k.size(), y.k.size());
+          for (size_t j = 0; j < y.k.size(); ++j) {
+            ASSERT_EQ(x.k[j], y.k[j]) << "layer " << l << " segment " << i << " head " << h << " value " << j;
+            ASSERT_EQ(x.v[j], y.v[j]) << "layer " << l << " segment " << i << " head " << h << " value " << j;
+          }
+        }
+    EXPECT_GT(merged, 10 * host.n_layers()) << "rows merged into";
+  }
+  for (const char* spec : {"lookm", "lookm:merge=weighted,preset=official", "stack:evict=lookm,quant=calibquant,bits=2"}) {
+    SCOPED_TRACE(spec);
+    const TwoDecodes t = decode_on_layout_and_on_rows(r, spec);
+    expect_same_decode(t.y, t.x);
+    expect_same_layout(t.a, t.b);
+  }
+}
+
+}  // namespace
