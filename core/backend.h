@@ -80,6 +80,14 @@ struct AttnLayout {
 
 // A sequence's KV cache on a device backend. Bytes are what its segments hold; allocated() is
 // the device memory it holds (they agree except for capacity reserved ahead for decode rows).
+// A layer's share of LOOK-M's cache-side ops (Backend::kv_cosine_assign, kv_merge_rows).
+struct LayerMerge {
+  int layer = 0;
+  const LayerKV* layout = nullptr;                // the host store's layer: every prompt row, layout_only
+  std::vector<std::vector<int>> keep;             // [KV head] kept rows, ascending
+  std::vector<std::vector<RowAssignment>> rows;   // [KV head] assignments (out) or contributions (in)
+};
+
 class DeviceKV {
  public:
   virtual ~DeviceKV() = default;
@@ -355,24 +363,19 @@ class Backend {
                              const quant::UniformSpec& v, quant::QuantPayload& out) {
     return false;
   }
-  // LOOK-M on a device cache whose rows the host does not hold: `layout` is layer `layer` of the
-  // host store (its segments layout_only), head h's rows in gather_head's order. kv_cosine_assign
-  // is cosine_assign over those rows' keys read where they are (fp16: the values a host copy
-  // would hold, so the results equal cosine_assign's on that copy); keep[h] indexes head h's rows.
-  // kv_merge_rows folds contrib[h] into head h's kept rows as merge_rows does, rounds each merged
+  // LOOK-M on a device cache whose rows the host does not hold, every listed layer in one call
+  // (LayerMerge: the layer, its host layout with head h's rows in gather_head's order, and per KV
+  // head the kept rows, ascending indices into those rows). kv_cosine_assign sets rows[h] to
+  // cosine_assign's answer over those rows' keys, read where they are (fp16: the values a host
+  // copy would hold, so the answer equals cosine_assign's on that copy): for each evicted row e
+  // in ascending order, {e, its most similar kept row, that similarity}. kv_merge_rows folds
+  // rows[h] (the contributions) into head h's kept rows as merge_rows does, rounds each merged
   // row to fp16 where it is, and keeps it for the layer's next kv_sync, which stores it in place
-  // of the kept row (the host layout then lists it with its HeadRows::merged count); quantize_rows
-  // before that sync reads the merged rows. Only the assignments cross to the host, and only the
-  // contributions back. False where the backend has no such op.
-  virtual bool kv_cosine_assign(const DeviceKV& dev, int layer, const LayerKV& layout,
-                                const std::vector<std::vector<int>>& keep, std::vector<std::vector<int>>& evicted,
-                                std::vector<std::vector<int>>& best, std::vector<std::vector<double>>& sim) {
-    return false;
-  }
-  virtual bool kv_merge_rows(DeviceKV& dev, int layer, const LayerKV& layout, MergeKind kind,
-                             const std::vector<std::vector<RowAssignment>>& contrib) {
-    return false;
-  }
+  // of the kept row (the host layout then lists it with its HeadRows::merged count);
+  // quantize_rows before that sync reads the merged rows. Only the assignments cross to the host,
+  // and only the contributions back. False where the backend has no such op.
+  virtual bool kv_cosine_assign(const DeviceKV& dev, std::vector<LayerMerge>& layers) { return false; }
+  virtual bool kv_merge_rows(DeviceKV& dev, MergeKind kind, const std::vector<LayerMerge>& layers) { return false; }
   // Fills the host store with the device cache's layout (segments, positions, annotations,
   // bytes) and, with `rows`, its rows' values; without, every segment is layout_only.
   virtual void kv_hydrate(const DeviceKV& dev, KVStore& host, bool rows) {}

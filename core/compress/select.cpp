@@ -220,19 +220,10 @@ std::vector<int> ScoreEvictPolicy::select(const PrefillContext& c, int kv_head,
   return select_recent_topk(score, plan);
 }
 
-void ScoreEvictPolicy::compress_layer(const PrefillContext& c, const LayerPlan& plan,
-                                      LayerKV& layer) const {
+std::vector<std::vector<int>> ScoreEvictPolicy::select_layer(const PrefillContext& c, const LayerPlan& plan,
+                                                            const LayerKV& layer) const {
   const int H = c.n_kv_heads;
   std::vector<std::vector<int>> keep(H);
-  std::vector<std::vector<float>> K, V;
-  const bool merging = merges();
-  // Rows on the host to merge there, or the layout alone: the method merges in the device cache.
-  const bool host_rows = merging && std::none_of(layer.segments.begin(), layer.segments.end(),
-                                                 [](const KVSegment& s) { return s.layout_only; });
-  if (host_rows) {
-    K.resize(H);
-    V.resize(H);
-  }
   std::exception_ptr err;
 #pragma omp parallel for schedule(dynamic)
   for (int h = 0; h < H; ++h) {
@@ -242,18 +233,63 @@ void ScoreEvictPolicy::compress_layer(const PrefillContext& c, const LayerPlan& 
         throw InternalError(name_ + ": score has the wrong length");
       keep[h] = select(c, h, plan, s);
       if (keep[h].empty()) throw InternalError(name_ + ": a head kept no row");
-      if (host_rows) {
-        std::vector<int32_t> pos;
-        gather_head(layer, h, c.head_dim, K[h], V[h], pos);
-      }
     } catch (...) {
 #pragma omp critical(kvlens_evict_error)
       if (!err) err = std::current_exception();
     }
   }
   if (err) std::rethrow_exception(err);
-  if (merging) merge_layer(c, layer, keep, host_rows ? &K : nullptr, host_rows ? &V : nullptr);
-  keep_rows(name_, layer, c.head_dim, keep, host_rows ? &K : nullptr, host_rows ? &V : nullptr);
+  return keep;
+}
+
+void ScoreEvictPolicy::compress_layers(const std::vector<const PrefillContext*>& cs, const std::vector<LayerPlan>& plans,
+                                       const std::vector<LayerKV*>& layers) const {
+  const int n = static_cast<int>(cs.size());
+  const bool merging = merges();
+  std::vector<std::vector<std::vector<int>>> keep(cs.size());
+  std::vector<char> later(cs.size(), 0);  // merged in the device cache, with the other such layers
+  // Layers select independently once planned (scores and selection of one layer read nothing of
+  // another; the capture and the backend serialise the device work they ask for): on threads of
+  // their own, the same result as in turn. A layer whose rows the host holds merges there, alone.
+  parallel_for(n, 8, [&](int i) {
+    const size_t x = static_cast<size_t>(i);
+    const PrefillContext& c = *cs[x];
+    LayerKV& layer = *layers[x];
+    keep[x] = select_layer(c, plans[x], layer);
+    const bool host_rows = std::none_of(layer.segments.begin(), layer.segments.end(),
+                                        [](const KVSegment& s) { return s.layout_only; });
+    if (!merging) {
+      keep_rows(name_, layer, c.head_dim, keep[x]);
+    } else if (host_rows) {
+      const int H = c.n_kv_heads;
+      std::vector<std::vector<float>> K(H), V(H);
+      std::exception_ptr err;
+#pragma omp parallel for schedule(dynamic)
+      for (int h = 0; h < H; ++h) {
+        try {
+          std::vector<int32_t> pos;
+          gather_head(layer, h, c.head_dim, K[h], V[h], pos);
+        } catch (...) {
+#pragma omp critical(kvlens_evict_error)
+          if (!err) err = std::current_exception();
+        }
+      }
+      if (err) std::rethrow_exception(err);
+      merge_layers({MergeJob{&c, &layer, &keep[x], &K, &V}});
+      keep_rows(name_, layer, c.head_dim, keep[x], &K, &V);
+    } else {
+      later[x] = 1;
+    }
+  });
+  std::vector<MergeJob> jobs;
+  for (size_t x = 0; x < cs.size(); ++x)
+    if (later[x]) jobs.push_back(MergeJob{cs[x], layers[x], &keep[x], nullptr, nullptr});
+  if (jobs.empty()) return;
+  merge_layers(jobs);
+  parallel_for(n, 8, [&](int i) {
+    const size_t x = static_cast<size_t>(i);
+    if (later[x]) keep_rows(name_, *layers[x], cs[x]->head_dim, keep[x]);
+  });
 }
 
 void ScoreEvictPolicy::on_prefill(const std::vector<PrefillContext>& layers, KVStore& store) {
@@ -266,13 +302,13 @@ void ScoreEvictPolicy::on_prefill(const std::vector<PrefillContext>& layers, KVS
   if (plans.size() != layers.size()) throw InternalError(name_ + ": one plan per layer expected");
   for (size_t i = 0; i < layers.size(); ++i)
     plans[i] = make_plan(plans[i].keep, plans[i].recent, layers[i].prompt_len);
-  // Layers compress independently once planned (scores, selection and merging of one layer read
-  // nothing of another; the capture and the backend serialise the device work they ask for):
-  // on threads of their own, the same result as in turn.
-  parallel_for(static_cast<int>(layers.size()), 8, [&](int i) {
-    const size_t x = static_cast<size_t>(i);
-    compress_layer(layers[x], plans[x], store.layer(layers[x].layer));
-  });
+  std::vector<const PrefillContext*> cs;
+  std::vector<LayerKV*> ls;
+  for (const PrefillContext& c : layers) {
+    cs.push_back(&c);
+    ls.push_back(&store.layer(c.layer));
+  }
+  compress_layers(cs, plans, ls);
   plans_ = std::move(plans);
 }
 
@@ -281,7 +317,7 @@ void ScoreEvictPolicy::on_prefill_layer(const PrefillContext& ctx, LayerKV& laye
   std::vector<LayerPlan> plans = plan({ctx});
   if (plans.size() != 1) throw InternalError(name_ + ": one plan per layer expected");
   plans[0] = make_plan(plans[0].keep, plans[0].recent, ctx.prompt_len);
-  compress_layer(ctx, plans[0], layer);
+  compress_layers({&ctx}, plans, {&layer});
   plans_ = std::move(plans);
 }
 

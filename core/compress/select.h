@@ -107,19 +107,31 @@ class ScoreEvictPolicy : public KVPolicy {
   // The rows to keep (ascending). Default: select_recent_topk(score, plan).
   virtual std::vector<int> select(const PrefillContext& c, int kv_head, const LayerPlan& plan,
                                   const std::vector<double>& score) const;
-  // Whether merge_layer changes kept rows.
+  // Whether merge_layers changes kept rows.
   virtual bool merges() const { return false; }
-  // Folds the evicted rows of a layer into the kept ones once every KV head has selected:
-  // keep[h] the kept indices of head h's rows (gather_head's order over `layer`, which still holds
-  // every prompt row). With k and v (the heads' gathered rows [n][D]) the merge edits their kept
-  // rows, which keep_rows then stores. Without (null: the rows are in the device cache alone, the
-  // layer's segments layout_only) the method merges there through c.backend (kv_merge_rows), and
-  // the next kv_sync stores the merged rows.
-  virtual void merge_layer(const PrefillContext& c, const LayerKV& layer, const std::vector<std::vector<int>>& keep,
-                           std::vector<std::vector<float>>* k, std::vector<std::vector<float>>* v) const {}
+  // One layer's merge, once every KV head of it has selected: keep[h] the kept indices of head
+  // h's rows (gather_head's order over `layer`, which still holds every prompt row). With k and
+  // v (the heads' gathered rows [n][D]) the merge edits their kept rows, which keep_rows then
+  // stores. Without (null: the rows are in the device cache alone, the layer's segments
+  // layout_only) the method merges there through c->backend (kv_merge_rows), and the next
+  // kv_sync stores the merged rows.
+  struct MergeJob {
+    const PrefillContext* c = nullptr;
+    const LayerKV* layer = nullptr;
+    const std::vector<std::vector<int>>* keep = nullptr;
+    std::vector<std::vector<float>>* k = nullptr;
+    std::vector<std::vector<float>>* v = nullptr;
+  };
+  // Merges the layers of `jobs`: one job with host rows, or every layer whose rows are in the
+  // device cache alone, at once (so a device merges them in one pass).
+  virtual void merge_layers(const std::vector<MergeJob>& jobs) const {}
 
  private:
-  void compress_layer(const PrefillContext& c, const LayerPlan& plan, LayerKV& layer) const;
+  // Scores and selects every KV head of each layer (keep[i][h]); a layer whose rows the host
+  // holds is merged and kept at once, the others merged together afterwards, then kept.
+  void compress_layers(const std::vector<const PrefillContext*>& cs, const std::vector<LayerPlan>& plans,
+                       const std::vector<LayerKV*>& layers) const;
+  std::vector<std::vector<int>> select_layer(const PrefillContext& c, const LayerPlan& plan, const LayerKV& layer) const;
   std::string name_;
   std::vector<LayerPlan> plans_;
 };

@@ -452,19 +452,16 @@ class CudaBackend : public Backend {
     assign_by_cosine(*ctx_, d, k, keep, evicted, best, sim);
     return true;
   }
-  bool kv_cosine_assign(const DeviceKV& dev, int layer, const LayerKV& layout, const std::vector<std::vector<int>>& keep,
-                        std::vector<std::vector<int>>& evicted, std::vector<std::vector<int>>& best,
-                        std::vector<std::vector<double>>& sim) override {
+  bool kv_cosine_assign(const DeviceKV& dev, std::vector<LayerMerge>& layers) override {
     std::lock_guard<std::recursive_mutex> lock(ops_mutex());
     auto prof_scope = prof_.scope("kv_cosine_assign", *ctx_);
-    cuda::kv_cosine_assign(*ctx_, dev, layer, layout, keep, evicted, best, sim);
+    cuda::kv_cosine_assign(*ctx_, dev, layers);
     return true;
   }
-  bool kv_merge_rows(DeviceKV& dev, int layer, const LayerKV& layout, MergeKind kind,
-                     const std::vector<std::vector<RowAssignment>>& contrib) override {
+  bool kv_merge_rows(DeviceKV& dev, MergeKind kind, const std::vector<LayerMerge>& layers) override {
     std::lock_guard<std::recursive_mutex> lock(ops_mutex());
     auto prof_scope = prof_.scope("kv_merge_rows", *ctx_);
-    cuda::kv_merge_rows(*ctx_, dev, layer, layout, kind, contrib);
+    cuda::kv_merge_rows(*ctx_, dev, kind, layers);
     return true;
   }
   std::unique_ptr<DeviceKV> kv_create(int n_layers, int n_kv_heads, int head_dim) override {

@@ -94,11 +94,8 @@ void kv_hydrate(Context& ctx, const DeviceKV& dev, KVStore& host, bool rows);
 bool kv_quantize_rows(Context& ctx, const DeviceKV& dev, int layer, const KVSegment& seg, const quant::UniformSpec& k,
                       const quant::UniformSpec& v, quant::QuantPayload& out);
 // Backend::kv_cosine_assign and kv_merge_rows (kv_merge.cu).
-void kv_cosine_assign(Context& ctx, const DeviceKV& dev, int layer, const LayerKV& layout,
-                      const std::vector<std::vector<int>>& keep, std::vector<std::vector<int>>& evicted,
-                      std::vector<std::vector<int>>& best, std::vector<std::vector<double>>& sim);
-void kv_merge_rows(Context& ctx, DeviceKV& dev, int layer, const LayerKV& layout, MergeKind kind,
-                   const std::vector<std::vector<RowAssignment>>& contrib);
+void kv_cosine_assign(Context& ctx, const DeviceKV& dev, std::vector<LayerMerge>& layers);
+void kv_merge_rows(Context& ctx, DeviceKV& dev, MergeKind kind, const std::vector<LayerMerge>& layers);
 void kv_sync(Context& ctx, DeviceKV& dev, KVStore& host, int layer);
 void kv_reserve(Context& ctx, DeviceKV& dev, int rows);
 void kv_pull_rows(Context& ctx, SeqKV& kv, const std::vector<int>& layers, const int32_t* pos_host,
@@ -108,15 +105,15 @@ void kv_pull_rows(Context& ctx, SeqKV& kv, const std::vector<int>& layers, const
 // qkv on the device and reduced there), Backend::cosine_assign (LOOK-M's Eq. 9) and
 // Backend::exact_decode_attention, as core/backend.h states them.
 void reduce_prefill_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, const AttentionReduction& r);
-// Keys [n][d] already on the device, fp32 or fp16.
-struct DeviceKeys {
-  const void* k = nullptr;
-  int n = 0;
-  bool half = false;
+// LOOK-M's assignment of several KV heads' rows already on the device (row pointers, d values of
+// fp16 when `half`, else fp32), each with its kept rows: out[h] = every evicted row's
+// assignment, as Backend::cosine_assign states it; one upload, one launch, one copy back.
+struct AssignHead {
+  std::vector<const void*> rows;
+  const std::vector<int>* keep = nullptr;
 };
-void assign_by_cosine(Context& ctx, int d, const std::vector<DeviceKeys>& k,
-                      const std::vector<const std::vector<int>*>& keep, std::vector<std::vector<int>>& evicted,
-                      std::vector<std::vector<int>>& best, std::vector<std::vector<double>>& sim);
+void assign_rows(Context& ctx, int d, bool half, const std::vector<AssignHead>& heads,
+                 std::vector<std::vector<RowAssignment>>& out);
 void assign_by_cosine(Context& ctx, int d, const std::vector<const std::vector<float>*>& k,
                       const std::vector<const std::vector<int>*>& keep, std::vector<std::vector<int>>& evicted,
                       std::vector<std::vector<int>>& best, std::vector<std::vector<double>>& sim);

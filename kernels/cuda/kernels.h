@@ -125,14 +125,24 @@ void exact_attention_many(const ExactArgs* args, int n, int n_heads, int head_di
 // (exact_attention.cu). seg_rows and map are device arrays; probs may be null.
 void scores_in_order(const float* scores, int n_heads, int group, int64_t stride, const int32_t* seg_rows, int tail_rows,
                      const int32_t* map, int64_t map_stride, float* raw, float* probs, cudaStream_t s);
-// LOOK-M's assignment (cosine_assign.cu; host reference: lookm_assign): norm[n] of the rows of
-// k [n][d], then for each evicted[i] the kept row best[i] (from keep[n_keep], ascending) of
-// largest cosine similarity sim[i], in double, ties to the earlier kept row.
-void cosine_assign(const float* k, int n, int d, const int* keep, int n_keep, const int* evicted, int n_evicted,
-                   double* norm, int* best, double* sim, cudaStream_t s);
-// The same over fp16 keys (a device cache's rows): each component widened to double exactly.
-void cosine_assign(const __half* k, int n, int d, const int* keep, int n_keep, const int* evicted, int n_evicted,
-                   double* norm, int* best, double* sim, cudaStream_t s);
+// LOOK-M's assignment (cosine_assign.cu; host reference: lookm_assign) of many KV heads at
+// once. Problem p: its rows rows[row0 .. row0 + n) (device pointers to d values each), its kept
+// rows keep[kept0 .. kept0 + K) and evicted rows evicted[ev0 .. ev0 + E) (ascending indices into
+// its rows), and its first block tile0 (blocks of cosine_assign_tiles(E) each, problems in
+// order). norm[i] = the norm of row i; for evicted row ev0 + i, best = the kept row (an index
+// into the problem's rows) of largest cosine similarity sim, in double, ties to the earlier kept
+// row. K ≥ 1 for every problem.
+struct AssignProblem {
+  int64_t row0 = 0, kept0 = 0, ev0 = 0, tile0 = 0;
+  int n = 0, K = 0, E = 0, pad = 0;
+};
+int64_t cosine_assign_tiles(int n_evicted);
+void cosine_assign(const float* const* rows, int64_t n_rows, int d, const AssignProblem* problems, int n_problems,
+                   int64_t n_tiles, const int* keep, const int* evicted, double* norm, int* best, double* sim,
+                   cudaStream_t s);
+void cosine_assign(const __half* const* rows, int64_t n_rows, int d, const AssignProblem* problems, int n_problems,
+                   int64_t n_tiles, const int* keep, const int* evicted, double* norm, int* best, double* sim,
+                   cudaStream_t s);
 // LOOK-M's merge (row_merge.cu; host reference: merge_rows, core/row_merge.h) of m kept rows:
 // for merged row i, the kept row's halves kc[i] / vc[i] [d] and its contributions
 // first[i] ≤ j < first[i + 1] (sources ke[j] / ve[j], weights s[j], in merge_rows' order),

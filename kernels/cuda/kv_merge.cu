@@ -49,83 +49,88 @@ std::vector<HeadRowPtrs> layout_rows(const CudaKV& C, int layer, const LayerKV& 
 
 }  // namespace
 
-void kv_cosine_assign(Context& ctx, const DeviceKV& dev, int layer, const LayerKV& layout,
-                      const std::vector<std::vector<int>>& keep, std::vector<std::vector<int>>& evicted,
-                      std::vector<std::vector<int>>& best, std::vector<std::vector<double>>& sim) {
+void kv_cosine_assign(Context& ctx, const DeviceKV& dev, std::vector<LayerMerge>& layers) {
   const CudaKV& C = as_cuda(dev);
-  const std::vector<HeadRowPtrs> rows = layout_rows(C, layer, layout, "kv_cosine_assign");
-  if (keep.size() != rows.size()) throw InternalError("kv_cosine_assign: one kept list per KV head expected");
-  // Every head's keys gathered into one [N][D] block, head after head.
-  std::vector<const __half*> src;
-  std::vector<int64_t> at(rows.size() + 1, 0);
-  for (size_t h = 0; h < rows.size(); ++h) {
-    src.insert(src.end(), rows[h].k.begin(), rows[h].k.end());
-    at[h + 1] = static_cast<int64_t>(src.size());
+  // Every layer's KV heads as one batch of problems, the keys read where they are.
+  std::vector<AssignHead> heads;
+  for (const LayerMerge& m : layers) {
+    if (!m.layout || static_cast<int>(m.keep.size()) != C.NKV)
+      throw InternalError("kv_cosine_assign: layer " + std::to_string(m.layer) + " needs its layout and one kept list a KV head");
+    std::vector<HeadRowPtrs> rows = layout_rows(C, m.layer, *m.layout, "kv_cosine_assign");
+    for (int h = 0; h < C.NKV; ++h) {
+      AssignHead a;
+      a.rows.assign(rows[static_cast<size_t>(h)].k.begin(), rows[static_cast<size_t>(h)].k.end());
+      a.keep = &m.keep[static_cast<size_t>(h)];
+      heads.push_back(std::move(a));
+    }
   }
-  const int64_t N = static_cast<int64_t>(src.size()), D = C.D;
-  const std::string what = "LOOK-M keys of layer " + std::to_string(layer);
-  DevMem X{ctx.alloc(std::max<int64_t>(N * D * 2, 8), what), N * D * 2};
-  DevMem L{ctx.alloc(std::max<int64_t>(N * 8, 8), what + " gather list"), N * 8};
-  if (N) {
-    ctx.upload(L.mem.get(), src.data(), N * 8, what + " gather list");
-    gather_rows(static_cast<const __half* const*>(L.mem.get()), X.as<__half>(), static_cast<int>(N), C.D, ctx.stream);
+  std::vector<std::vector<RowAssignment>> out;
+  assign_rows(ctx, C.D, true, heads, out);
+  size_t x = 0;
+  for (LayerMerge& m : layers) {
+    m.rows.resize(static_cast<size_t>(C.NKV));
+    for (int h = 0; h < C.NKV; ++h) m.rows[static_cast<size_t>(h)] = std::move(out[x++]);
   }
-  std::vector<DeviceKeys> k(rows.size());
-  std::vector<const std::vector<int>*> kp(rows.size());
-  for (size_t h = 0; h < rows.size(); ++h) {
-    k[h] = {X.as<__half>() + at[h] * D, static_cast<int>(at[h + 1] - at[h]), true};
-    kp[h] = &keep[h];
-  }
-  assign_by_cosine(ctx, C.D, k, kp, evicted, best, sim);
 }
 
-void kv_merge_rows(Context& ctx, DeviceKV& dev, int layer, const LayerKV& layout, MergeKind kind,
-                   const std::vector<std::vector<RowAssignment>>& contrib) {
+void kv_merge_rows(Context& ctx, DeviceKV& dev, MergeKind kind, const std::vector<LayerMerge>& layers) {
   CudaKV& C = as_cuda(&dev);
-  const std::vector<HeadRowPtrs> rows = layout_rows(C, layer, layout, "kv_merge_rows");
-  if (contrib.size() != rows.size()) throw InternalError("kv_merge_rows: one contribution list per KV head expected");
-  DevLayer& d = C.layers[static_cast<size_t>(layer)];
-  if (!d.merged.empty()) throw InternalError("kv_merge_rows: layer " + std::to_string(layer) + " was merged already");
   if (kind == MergeKind::None) return;
-  // Per merged row (KV head, kept row): its kept row's halves, then its contributions in order.
+  // Per merged row (layer, KV head, kept row): its kept row's halves, then its contributions in
+  // order; every layer's in one upload and one launch.
   std::vector<const __half*> kc, vc, ke, ve;
   std::vector<int> first{0};
   std::vector<double> w;
-  std::vector<std::pair<int, int32_t>> where;  // (KV head, position) of each merged row
-  for (size_t h = 0; h < rows.size(); ++h) {
-    const HeadRowPtrs& r = rows[h];
-    const int n = static_cast<int>(r.pos.size());
-    std::vector<std::vector<int>> by_kept(static_cast<size_t>(n));
-    for (size_t j = 0; j < contrib[h].size(); ++j) {
-      const RowAssignment& a = contrib[h][j];
-      if (a.e < 0 || a.e >= n || a.c < 0 || a.c >= n || a.e == a.c)
-        throw InternalError("kv_merge_rows: KV head " + std::to_string(h) + " row " + std::to_string(a.e) +
-                            " into row " + std::to_string(a.c) + " of " + std::to_string(n));
-      by_kept[static_cast<size_t>(a.c)].push_back(static_cast<int>(j));
-    }
-    for (int c = 0; c < n; ++c) {
-      const std::vector<int>& js = by_kept[static_cast<size_t>(c)];
-      if (js.empty()) continue;
-      kc.push_back(r.k[static_cast<size_t>(c)]);
-      vc.push_back(r.v[static_cast<size_t>(c)]);
-      for (int j : js) {
-        const RowAssignment& a = contrib[h][static_cast<size_t>(j)];
-        if (!by_kept[static_cast<size_t>(a.e)].empty())
-          throw InternalError("kv_merge_rows: KV head " + std::to_string(h) + " row " + std::to_string(a.e) +
-                              " is both merged and merged into");
-        ke.push_back(r.k[static_cast<size_t>(a.e)]);
-        ve.push_back(r.v[static_cast<size_t>(a.e)]);
-        w.push_back(a.s);
+  struct Where {
+    int layer, head;
+    int32_t pos;
+  };
+  std::vector<Where> where;  // of each merged row
+  for (const LayerMerge& m : layers) {
+    if (!m.layout || static_cast<int>(m.rows.size()) != C.NKV)
+      throw InternalError("kv_merge_rows: layer " + std::to_string(m.layer) + " needs its layout and one contribution list a KV head");
+    if (!C.layers.at(static_cast<size_t>(m.layer)).merged.empty())
+      throw InternalError("kv_merge_rows: layer " + std::to_string(m.layer) + " was merged already");
+    const std::vector<HeadRowPtrs> rows = layout_rows(C, m.layer, *m.layout, "kv_merge_rows");
+    for (size_t h = 0; h < rows.size(); ++h) {
+      const HeadRowPtrs& r = rows[h];
+      const std::vector<RowAssignment>& contrib = m.rows[h];
+      const int n = static_cast<int>(r.pos.size());
+      // Contributions grouped by kept row (counting sort: the order within a group kept).
+      std::vector<int> at(static_cast<size_t>(n) + 1, 0);
+      for (const RowAssignment& a : contrib) {
+        if (a.e < 0 || a.e >= n || a.c < 0 || a.c >= n || a.e == a.c)
+          throw InternalError("kv_merge_rows: layer " + std::to_string(m.layer) + " KV head " + std::to_string(h) +
+                              " row " + std::to_string(a.e) + " into row " + std::to_string(a.c) + " of " + std::to_string(n));
+        ++at[static_cast<size_t>(a.c) + 1];
       }
-      first.push_back(static_cast<int>(ke.size()));
-      where.emplace_back(static_cast<int>(h), r.pos[static_cast<size_t>(c)]);
+      for (int c = 0; c < n; ++c) at[static_cast<size_t>(c) + 1] += at[static_cast<size_t>(c)];
+      std::vector<int> order(contrib.size()), fill(at.begin(), at.end() - 1);
+      for (size_t j = 0; j < contrib.size(); ++j) order[static_cast<size_t>(fill[static_cast<size_t>(contrib[j].c)]++)] = static_cast<int>(j);
+      for (int c = 0; c < n; ++c) {
+        const int j0 = at[static_cast<size_t>(c)], j1 = at[static_cast<size_t>(c) + 1];
+        if (j0 == j1) continue;
+        kc.push_back(r.k[static_cast<size_t>(c)]);
+        vc.push_back(r.v[static_cast<size_t>(c)]);
+        for (int j = j0; j < j1; ++j) {
+          const RowAssignment& a = contrib[static_cast<size_t>(order[static_cast<size_t>(j)])];
+          if (at[static_cast<size_t>(a.e)] != at[static_cast<size_t>(a.e) + 1])
+            throw InternalError("kv_merge_rows: layer " + std::to_string(m.layer) + " KV head " + std::to_string(h) +
+                                " row " + std::to_string(a.e) + " is both merged and merged into");
+          ke.push_back(r.k[static_cast<size_t>(a.e)]);
+          ve.push_back(r.v[static_cast<size_t>(a.e)]);
+          w.push_back(a.s);
+        }
+        first.push_back(static_cast<int>(ke.size()));
+        where.push_back({m.layer, static_cast<int>(h), r.pos[static_cast<size_t>(c)]});
+      }
     }
   }
-  const int64_t m = static_cast<int64_t>(kc.size()), nc = static_cast<int64_t>(ke.size()), D = C.D;
-  if (m == 0) return;
-  const std::string what = "LOOK-M merged rows of layer " + std::to_string(layer);
+  const int64_t mr = static_cast<int64_t>(kc.size()), nc = static_cast<int64_t>(ke.size()), D = C.D;
+  if (mr == 0) return;
+  const std::string what = "LOOK-M merged rows (" + std::to_string(mr) + ")";
   // The pointer lists, weights and offsets in one upload: kc, vc, ke, ve, s, first.
-  const int64_t pb = 8 * (2 * m + 2 * nc), sb = 8 * nc, fb = 4 * (m + 1);
+  const int64_t pb = 8 * (2 * mr + 2 * nc), sb = 8 * nc, fb = 4 * (mr + 1);
   std::vector<char> in(static_cast<size_t>(pb + sb + fb));
   char* o = in.data();
   for (const auto* list : {&kc, &vc, &ke, &ve}) {
@@ -138,17 +143,22 @@ void kv_merge_rows(Context& ctx, DeviceKV& dev, int layer, const LayerKV& layout
   ctx.upload(args.mem.get(), in.data(), static_cast<int64_t>(in.size()), what + " lists");
   const auto* p = static_cast<const __half* const*>(args.mem.get());
   const char* base = static_cast<const char*>(args.mem.get());
-  Staged st;
-  st.k = {ctx.alloc(m * D * 2, what + " K"), m * D * 2};
-  st.v = {ctx.alloc(m * D * 2, what + " V"), m * D * 2};
-  cuda::merge_rows(p, p + m, reinterpret_cast<const int*>(base + pb + sb), p + 2 * m, p + 2 * m + nc,
-                   reinterpret_cast<const double*>(base + pb), static_cast<int>(m), C.D, static_cast<int>(kind),
-                   st.k.as<__half>(), st.v.as<__half>(), ctx.stream);
-  st.rows.by_head.resize(static_cast<size_t>(C.NKV));
-  for (int64_t i = 0; i < m; ++i)
-    st.rows.put(where[static_cast<size_t>(i)].first, where[static_cast<size_t>(i)].second,
-                {st.k.as<__half>() + i * D, st.v.as<__half>() + i * D});
-  d.merged = std::move(st);
+  DevMem K{ctx.alloc(mr * D * 2, what + " K"), mr * D * 2};
+  DevMem V{ctx.alloc(mr * D * 2, what + " V"), mr * D * 2};
+  cuda::merge_rows(p, p + mr, reinterpret_cast<const int*>(base + pb + sb), p + 2 * mr, p + 2 * mr + nc,
+                   reinterpret_cast<const double*>(base + pb), static_cast<int>(mr), C.D, static_cast<int>(kind),
+                   K.as<__half>(), V.as<__half>(), ctx.stream);
+  // Each layer's merged rows wait in its Staged rows (one allocation shared by the layers).
+  for (int64_t i = 0; i < mr; ++i) {
+    const Where& x = where[static_cast<size_t>(i)];
+    Staged& st = C.layers[static_cast<size_t>(x.layer)].merged;
+    if (st.empty()) {
+      st.k = K;
+      st.v = V;
+      st.rows.by_head.resize(static_cast<size_t>(C.NKV));
+    }
+    st.rows.put(x.head, x.pos, {K.as<__half>() + i * D, V.as<__half>() + i * D});
+  }
   // (No wait: the upload has read the host's lists when it returns, and the lists go back to the
   // pool in stream order, after the merge.)
 }

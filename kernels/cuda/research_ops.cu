@@ -78,86 +78,94 @@ void reduce_prefill_attention(Context& ctx, const Buffer& qkv, const AttnLayout&
   }
 }
 
-void assign_by_cosine(Context& ctx, int d, const std::vector<DeviceKeys>& k,
-                      const std::vector<const std::vector<int>*>& keep, std::vector<std::vector<int>>& evicted,
-                      std::vector<std::vector<int>>& best, std::vector<std::vector<double>>& sim) {
-  const size_t H = k.size();
-  need(d > 0 && keep.size() == H, "cosine_assign: " + std::to_string(H) + " heads of keys and of kept rows");
-  evicted.assign(H, {});
-  best.assign(H, {});
-  sim.assign(H, {});
-  // Every head's kept and evicted rows in one upload, laid out head after head (each part 8-byte
-  // aligned); norms, similarities and assignments likewise in one buffer.
+void assign_rows(Context& ctx, int d, bool half, const std::vector<AssignHead>& heads,
+                 std::vector<std::vector<RowAssignment>>& out) {
+  const size_t H = heads.size();
+  need(d > 0, "cosine_assign: head size " + std::to_string(d));
+  out.assign(H, {});
+  // Every head's row pointers, problem, kept and evicted rows in one upload (each array 8-byte
+  // aligned); norms, similarities and choices come back in one copy.
   auto up8 = [](int64_t b) { return (b + 7) / 8 * 8; };
-  struct Part {
-    int K = 0, E = 0;
-    int64_t kept = 0, ev = 0, norm = 0, sim = 0, best = 0;
-  };
-  std::vector<Part> parts(H);
-  int64_t in_bytes = 0, out_bytes = 0;
+  std::vector<AssignProblem> P;
+  std::vector<const void*> rows;
+  std::vector<int> keep, ev;
+  std::vector<size_t> head_of;  // the head of each problem (heads with nothing evicted have none)
+  int64_t tiles = 0;
   for (size_t h = 0; h < H; ++h) {
-    const std::vector<int>& kp = *keep[h];
-    const int n = k[h].n;
-    need(n >= 0 && !kp.empty(), "cosine_assign: head " + std::to_string(h) + " rows and kept rows");
-    Part& p = parts[h];
+    const AssignHead& a = heads[h];
+    const std::vector<int>& kp = *a.keep;
+    const int n = static_cast<int>(a.rows.size());
+    if (kp.empty()) throw InternalError("cosine_assign: head " + std::to_string(h) + " keeps no row");
     std::vector<char> kept(static_cast<size_t>(n), 0);
     for (size_t j = 0; j < kp.size(); ++j) {
-      need(kp[j] >= 0 && kp[j] < n && (j == 0 || kp[j] > kp[j - 1]),
-           "cosine_assign: head " + std::to_string(h) + " kept rows ascending below " + std::to_string(n));
+      if (kp[j] < 0 || kp[j] >= n || (j > 0 && kp[j] <= kp[j - 1]))
+        throw InternalError("cosine_assign: head " + std::to_string(h) + " kept rows must be ascending below " +
+                            std::to_string(n));
       kept[static_cast<size_t>(kp[j])] = 1;
     }
-    for (int e = 0; e < n; ++e)
-      if (!kept[static_cast<size_t>(e)]) evicted[h].push_back(e);
+    AssignProblem p;
+    p.row0 = static_cast<int64_t>(rows.size());
+    p.kept0 = static_cast<int64_t>(keep.size());
+    p.ev0 = static_cast<int64_t>(ev.size());
+    p.tile0 = tiles;
+    p.n = n;
     p.K = static_cast<int>(kp.size());
-    p.E = static_cast<int>(evicted[h].size());
-    p.kept = in_bytes;
-    p.ev = p.kept + up8(static_cast<int64_t>(p.K) * 4);
-    in_bytes = p.ev + up8(static_cast<int64_t>(p.E) * 4);
-    p.norm = out_bytes;
-    p.sim = p.norm + static_cast<int64_t>(n) * 8;
-    p.best = p.sim + static_cast<int64_t>(p.E) * 8;
-    out_bytes = p.best + up8(static_cast<int64_t>(p.E) * 4);
+    for (int e = 0; e < n; ++e)
+      if (!kept[static_cast<size_t>(e)]) ev.push_back(e);
+    p.E = static_cast<int>(static_cast<int64_t>(ev.size()) - p.ev0);
+    rows.insert(rows.end(), a.rows.begin(), a.rows.end());
+    keep.insert(keep.end(), kp.begin(), kp.end());
+    if (p.E == 0) continue;
+    tiles += cosine_assign_tiles(p.E);
+    P.push_back(p);
+    head_of.push_back(h);
   }
-  if (out_bytes == 0) return;
+  const int64_t N = static_cast<int64_t>(rows.size()), NE = static_cast<int64_t>(ev.size());
+  if (P.empty()) return;
+  const int64_t o_rows = 0, o_p = up8(N * 8), o_keep = o_p + up8(static_cast<int64_t>(P.size() * sizeof(AssignProblem)));
+  const int64_t o_ev = o_keep + up8(static_cast<int64_t>(keep.size()) * 4), in_bytes = o_ev + up8(NE * 4);
   std::vector<char> in(static_cast<size_t>(in_bytes));
-  for (size_t h = 0; h < H; ++h) {
-    const Part& p = parts[h];
-    std::memcpy(in.data() + p.kept, keep[h]->data(), static_cast<size_t>(p.K) * 4);
-    std::memcpy(in.data() + p.ev, evicted[h].data(), static_cast<size_t>(p.E) * 4);
-  }
-  const auto din = ctx.alloc(std::max<int64_t>(in_bytes, 8), "LOOK-M kept and evicted rows");
+  std::memcpy(in.data() + o_rows, rows.data(), static_cast<size_t>(N) * 8);
+  std::memcpy(in.data() + o_p, P.data(), P.size() * sizeof(AssignProblem));
+  std::memcpy(in.data() + o_keep, keep.data(), keep.size() * 4);
+  std::memcpy(in.data() + o_ev, ev.data(), static_cast<size_t>(NE) * 4);
+  const int64_t o_sim = 0, o_best = NE * 8, o_norm = up8(o_best + NE * 4), out_bytes = o_norm + N * 8;
+  const auto din = ctx.alloc(in_bytes, "LOOK-M rows, kept and evicted");
   const auto dout = ctx.alloc(out_bytes, "LOOK-M norms and assignments");
-  ctx.upload(din.get(), in.data(), in_bytes, "LOOK-M kept and evicted rows");
-  char* i0 = static_cast<char*>(din.get());
+  ctx.upload(din.get(), in.data(), in_bytes, "LOOK-M rows, kept and evicted");
+  const char* i0 = static_cast<const char*>(din.get());
   char* o0 = static_cast<char*>(dout.get());
-  for (size_t h = 0; h < H; ++h) {
-    const Part& p = parts[h];
-    const auto* kept = reinterpret_cast<const int*>(i0 + p.kept);
-    const auto* ev = reinterpret_cast<const int*>(i0 + p.ev);
-    auto* norm = reinterpret_cast<double*>(o0 + p.norm);
-    auto* b = reinterpret_cast<int*>(o0 + p.best);
-    auto* sm = reinterpret_cast<double*>(o0 + p.sim);
-    if (k[h].half)
-      cuda::cosine_assign(static_cast<const __half*>(k[h].k), k[h].n, d, kept, p.K, ev, p.E, norm, b, sm, ctx.stream);
-    else
-      cuda::cosine_assign(static_cast<const float*>(k[h].k), k[h].n, d, kept, p.K, ev, p.E, norm, b, sm, ctx.stream);
-  }
-  std::vector<char> out(static_cast<size_t>(out_bytes));
-  ctx.download(out.data(), dout.get(), out_bytes, "LOOK-M assignments");
-  for (size_t h = 0; h < H; ++h) {
-    const Part& p = parts[h];
-    best[h].resize(static_cast<size_t>(p.E));
-    sim[h].resize(static_cast<size_t>(p.E));
-    std::memcpy(best[h].data(), out.data() + p.best, static_cast<size_t>(p.E) * 4);
-    std::memcpy(sim[h].data(), out.data() + p.sim, static_cast<size_t>(p.E) * 8);
+  const auto* dp = reinterpret_cast<const AssignProblem*>(i0 + o_p);
+  const auto* dk = reinterpret_cast<const int*>(i0 + o_keep);
+  const auto* de = reinterpret_cast<const int*>(i0 + o_ev);
+  auto* norm = reinterpret_cast<double*>(o0 + o_norm);
+  auto* best = reinterpret_cast<int*>(o0 + o_best);
+  auto* sim = reinterpret_cast<double*>(o0 + o_sim);
+  const int np = static_cast<int>(P.size());
+  if (half)
+    cuda::cosine_assign(reinterpret_cast<const __half* const*>(i0 + o_rows), N, d, dp, np, tiles, dk, de, norm, best,
+                        sim, ctx.stream);
+  else
+    cuda::cosine_assign(reinterpret_cast<const float* const*>(i0 + o_rows), N, d, dp, np, tiles, dk, de, norm, best,
+                        sim, ctx.stream);
+  // Through the page-locked staging buffer: 12 bytes an evicted row (MBs for a 7B model's layers).
+  char* back = static_cast<char*>(ctx.staging(o_norm, "LOOK-M assignments"));
+  ctx.download(back, dout.get(), o_norm, "LOOK-M assignments");
+  const auto* hs = reinterpret_cast<const double*>(back + o_sim);
+  const auto* hb = reinterpret_cast<const int*>(back + o_best);
+  for (size_t x = 0; x < P.size(); ++x) {
+    const AssignProblem& p = P[x];
+    std::vector<RowAssignment>& o = out[head_of[x]];
+    o.resize(static_cast<size_t>(p.E));
+    for (int i = 0; i < p.E; ++i) o[static_cast<size_t>(i)] = {ev[static_cast<size_t>(p.ev0 + i)], hb[p.ev0 + i], hs[p.ev0 + i]};
   }
 }
 
 void assign_by_cosine(Context& ctx, int d, const std::vector<const std::vector<float>*>& k,
                       const std::vector<const std::vector<int>*>& keep, std::vector<std::vector<int>>& evicted,
                       std::vector<std::vector<int>>& best, std::vector<std::vector<double>>& sim) {
-  need(d > 0, "cosine_assign: head size " + std::to_string(d));
-  // Every head's keys in one upload, head after head.
+  need(d > 0 && keep.size() == k.size(), "cosine_assign: " + std::to_string(k.size()) + " heads of keys and of kept rows");
+  // Every head's keys in one upload, head after head; the rows by pointer into it.
   std::vector<int64_t> at(k.size() + 1, 0);
   for (size_t h = 0; h < k.size(); ++h) {
     need(k[h]->size() % static_cast<size_t>(d) == 0, "cosine_assign: head " + std::to_string(h) + " keys are not [n][d]");
@@ -165,13 +173,25 @@ void assign_by_cosine(Context& ctx, int d, const std::vector<const std::vector<f
   }
   const auto keys = ctx.alloc(std::max<int64_t>(at.back() * 4, 8), "LOOK-M keys");
   std::vector<float> all(static_cast<size_t>(at.back()));
-  std::vector<DeviceKeys> dk(k.size());
+  std::vector<AssignHead> heads(k.size());
+  const auto* base = static_cast<const float*>(keys.get());
   for (size_t h = 0; h < k.size(); ++h) {
     std::copy(k[h]->begin(), k[h]->end(), all.begin() + at[h]);
-    dk[h] = {static_cast<const float*>(keys.get()) + at[h], static_cast<int>(k[h]->size() / static_cast<size_t>(d)), false};
+    for (int64_t r = at[h]; r < at[h + 1]; r += d) heads[h].rows.push_back(base + r);
+    heads[h].keep = keep[h];
   }
   ctx.upload(keys.get(), all.data(), at.back() * 4, "LOOK-M keys");
-  assign_by_cosine(ctx, d, dk, keep, evicted, best, sim);
+  std::vector<std::vector<RowAssignment>> out;
+  assign_rows(ctx, d, false, heads, out);
+  evicted.assign(k.size(), {});
+  best.assign(k.size(), {});
+  sim.assign(k.size(), {});
+  for (size_t h = 0; h < k.size(); ++h)
+    for (const RowAssignment& a : out[h]) {
+      evicted[h].push_back(a.e);
+      best[h].push_back(a.c);
+      sim[h].push_back(a.s);
+    }
 }
 
 void exact_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l,

@@ -115,16 +115,19 @@ std::pair<KVStore, KVStore> compress_on_device_and_on_host(const SampleRun& r, c
   be.kv_hydrate(*dev, got, true);
   KVStore b;
   be.kv_hydrate(*r.st.device, b, true);  // the prompt's fp16 rows on the host
-  // (no device cache: the merge runs on the host rows; the assignment on the GPU from host keys)
-  make_policy(spec)->on_prefill(r.gpu.prefill_contexts(r.st), b);
+  // (no device cache and no backend: assignment and merge on the CPU)
+  std::vector<PrefillContext> hs = r.gpu.prefill_contexts(r.st);
+  for (PrefillContext& c : hs) c.backend = nullptr;
+  make_policy(spec)->on_prefill(hs, b);
   return {std::move(got), std::move(b)};
 }
 
-// LOOK-M assigns and merges where the cache is (Backend::kv_cosine_assign, kv_merge_rows) when
-// the host store holds the layout alone. Against the host's merge of the same fp16 rows: the
-// same kept positions and merge counts, and every merged and kept row equal bit for bit (the
-// merge kernel does merge_rows' double operations one by one, Ops.LookMMergeKernel), for each
-// merge rule and the authors' similarity filter. Decoded, the same tokens and logits within one
+// LOOK-M assigns and merges where the cache is (Backend::kv_cosine_assign, kv_merge_rows), every
+// layer at once, when the host store holds the layout alone. Against the CPU's assignment and
+// merge of the same fp16 rows: the same kept positions and merge counts, and every merged and
+// kept row equal bit for bit (the kernels do the host's double operations in its order,
+// Ops.LookMAssignmentOnTheDevice and Ops.LookMMergeKernel), for each merge rule and the
+// authors' similarity filter. Decoded, the same tokens and logits within one
 // fp16 rounding (the paths' kernels differ, as above), stacked before CalibQuant too.
 TEST(CudaModel, LookMMergesOnTheDevice) {
   NEED_GPU();

@@ -234,74 +234,62 @@ class LookMPolicy : public ScoreEvictPolicy {
   bool merges() const override { return o_.merge != MergeKind::None; }
 
   // Assigns every head's evicted rows (Eq. 9), applies the similarity filter across heads when
-  // asked, merges — on the host rows k, v when given, else in the device cache — and remembers
-  // for each kept row (in order) how many evicted rows it absorbed; the counts go into
-  // HeadRows::merged once the base class has kept the rows (record_merged).
-  void merge_layer(const PrefillContext& c, const LayerKV& layer, const std::vector<std::vector<int>>& keep,
-                   std::vector<std::vector<float>>* k, std::vector<std::vector<float>>* v) const override {
-    const int H = static_cast<int>(keep.size()), d = c.head_dim;
-    std::vector<std::vector<Assignment>> a(H);
-    if (!k) {  // the rows are in the device cache alone: assigned and merged there
-      if (!c.backend || !c.device) throw InternalError("lookm: a layout without rows and no device cache to merge in");
-      std::vector<std::vector<int>> evicted, best;
-      std::vector<std::vector<double>> sim;
-      if (!c.backend->kv_cosine_assign(*c.device, c.layer, layer, keep, evicted, best, sim))
-        throw InternalError("lookm: the " + c.backend->name() + " backend cannot merge rows its cache alone holds");
-      for (int h = 0; h < H; ++h)
-        for (size_t i = 0; i < evicted[h].size(); ++i) a[h].push_back({evicted[h][i], best[h][i], sim[h][i]});
-    } else if (c.backend) {  // every head of the layer in one call on the device
-      for (int h = 0; h < H; ++h) check_rows(d, (*k)[h], (*v)[h]);
-      a = lookm_assign_heads(d, keep, *k, c.backend);
-    } else {
-      std::exception_ptr err;
-#pragma omp parallel for schedule(dynamic)
-      for (int h = 0; h < H; ++h) {
-        try {
-          check_rows(d, (*k)[h], (*v)[h]);
-          a[h] = lookm_assign(d, keep[h], (*k)[h]);
-        } catch (...) {
-#pragma omp critical(kvlens_lookm_error)
-          if (!err) err = std::current_exception();
-        }
+  // asked, merges — on the host rows when the job has them, else in the device cache, every
+  // layer at once — and remembers for each kept row (in order) how many evicted rows it absorbed;
+  // the counts go into HeadRows::merged once the base class has kept the rows (record_merged).
+  void merge_layers(const std::vector<MergeJob>& jobs) const override {
+    if (jobs.empty()) return;
+    const bool device = !jobs.front().k;
+    std::vector<std::vector<std::vector<Assignment>>> a(jobs.size());  // [job][KV head]
+    std::vector<LayerMerge> lm;
+    Backend* be = jobs.front().c->backend;
+    if (device) {  // the rows are in the device cache alone: assigned and merged there
+      DeviceKV* dev = jobs.front().c->device;
+      if (!be || !dev) throw InternalError("lookm: a layout without rows and no device cache to merge in");
+      for (const MergeJob& j : jobs) {
+        if (j.k || j.c->backend != be || j.c->device != dev)
+          throw InternalError("lookm: layers merged together on different caches");
+        LayerMerge m;
+        m.layer = j.c->layer;
+        m.layout = j.layer;
+        m.keep = *j.keep;
+        lm.push_back(std::move(m));
       }
-      if (err) std::rethrow_exception(err);
-    }
-    const bool filter = o_.filter == MergeFilter::AboveMean ||
-                        (o_.filter == MergeFilter::Code &&
-                         (o_.merge == MergeKind::Average || o_.merge == MergeKind::Weighted));
-    std::vector<char> pass;
-    if (filter) {
-      std::vector<std::vector<double>> s(H);
-      for (int h = 0; h < H; ++h)
-        for (const Assignment& x : a[h]) s[h].push_back(x.s);
-      pass = lookm_above_mean(s);
-    }
-    std::vector<std::vector<Assignment>> contrib(H);
-    std::vector<std::vector<int>> per_kept(H);
-    for (int h = 0; h < H; ++h) {
-      if (!filter) {
-        contrib[h] = std::move(a[h]);
-      } else {
-        for (size_t j = 0; j < a[h].size(); ++j)
-          if (pass[j]) contrib[h].push_back(a[h][j]);
-        if (o_.merge == MergeKind::Average && o_.prefix_source)
-          for (size_t f = 0; f < contrib[h].size(); ++f) contrib[h][f].e = a[h][f].e;
-      }
-      std::vector<int> count(static_cast<size_t>(c.prompt_len), 0);
-      for (const Assignment& x : contrib[h]) ++count.at(static_cast<size_t>(x.c));
-      per_kept[h].assign(keep[h].size(), 0);
-      for (size_t j = 0; j < keep[h].size(); ++j) per_kept[h][j] = count[static_cast<size_t>(keep[h][j])];
-    }
-    if (!k) {
-      if (!c.backend->kv_merge_rows(*c.device, c.layer, layer, o_.merge, contrib))
-        throw InternalError("lookm: the " + c.backend->name() + " backend cannot merge rows its cache alone holds");
+      if (!be->kv_cosine_assign(*dev, lm))
+        throw InternalError("lookm: the " + be->name() + " backend cannot merge rows its cache alone holds");
+      for (size_t x = 0; x < jobs.size(); ++x) a[x] = std::move(lm[x].rows);
     } else {
+      for (size_t x = 0; x < jobs.size(); ++x) a[x] = assign_job(jobs[x]);
+    }
+    std::vector<std::vector<std::vector<Assignment>>> contrib(jobs.size());
+    for (size_t x = 0; x < jobs.size(); ++x) {
+      contrib[x] = contributions(std::move(a[x]));
+      const std::vector<std::vector<int>>& keep = *jobs[x].keep;
+      std::vector<std::vector<int>> per_kept(keep.size());
+      for (size_t h = 0; h < keep.size(); ++h) {
+        std::vector<int> count(static_cast<size_t>(jobs[x].c->prompt_len), 0);
+        for (const Assignment& y : contrib[x][h]) ++count.at(static_cast<size_t>(y.c));
+        per_kept[h].assign(keep[h].size(), 0);
+        for (size_t j = 0; j < keep[h].size(); ++j) per_kept[h][j] = count[static_cast<size_t>(keep[h][j])];
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      for (size_t h = 0; h < keep.size(); ++h) counts_[{jobs[x].c->layer, static_cast<int>(h)}] = std::move(per_kept[h]);
+    }
+    if (device) {
+      for (size_t x = 0; x < jobs.size(); ++x) lm[x].rows = std::move(contrib[x]);
+      if (!be->kv_merge_rows(*jobs.front().c->device, o_.merge, lm))
+        throw InternalError("lookm: the " + be->name() + " backend cannot merge rows its cache alone holds");
+      return;
+    }
+    for (size_t x = 0; x < jobs.size(); ++x) {
+      const MergeJob& j = jobs[x];
+      const int H = static_cast<int>(j.keep->size());
       std::exception_ptr err;
 #pragma omp parallel for schedule(dynamic)
       for (int h = 0; h < H; ++h) {
         try {
           std::vector<int> count;
-          merge_rows(o_.merge, d, contrib[h], (*k)[h], (*v)[h], count);
+          merge_rows(o_.merge, j.c->head_dim, contrib[x][h], (*j.k)[h], (*j.v)[h], count);
         } catch (...) {
 #pragma omp critical(kvlens_lookm_error)
           if (!err) err = std::current_exception();
@@ -309,8 +297,50 @@ class LookMPolicy : public ScoreEvictPolicy {
       }
       if (err) std::rethrow_exception(err);
     }
-    std::lock_guard<std::mutex> lock(mu_);
-    for (int h = 0; h < H; ++h) counts_[{c.layer, h}] = std::move(per_kept[h]);
+  }
+
+ private:
+  // Eq. 9 for every KV head of a job with host rows: on the job's backend (one call for the
+  // layer) where it has one, else on the host.
+  std::vector<std::vector<Assignment>> assign_job(const MergeJob& j) const {
+    const int H = static_cast<int>(j.keep->size()), d = j.c->head_dim;
+    for (int h = 0; h < H; ++h) check_rows(d, (*j.k)[h], (*j.v)[h]);
+    if (j.c->backend) return lookm_assign_heads(d, *j.keep, *j.k, j.c->backend);
+    std::vector<std::vector<Assignment>> a(H);
+    std::exception_ptr err;
+#pragma omp parallel for schedule(dynamic)
+    for (int h = 0; h < H; ++h) {
+      try {
+        a[h] = lookm_assign(d, (*j.keep)[h], (*j.k)[h]);
+      } catch (...) {
+#pragma omp critical(kvlens_lookm_error)
+        if (!err) err = std::current_exception();
+      }
+    }
+    if (err) std::rethrow_exception(err);
+    return a;
+  }
+
+  // The merge's contributions of a layer's heads from their assignments: all of them, or those
+  // that pass the similarity filter across heads (with the authors' prefix sources for average).
+  std::vector<std::vector<Assignment>> contributions(std::vector<std::vector<Assignment>> a) const {
+    const bool filter = o_.filter == MergeFilter::AboveMean ||
+                        (o_.filter == MergeFilter::Code &&
+                         (o_.merge == MergeKind::Average || o_.merge == MergeKind::Weighted));
+    if (!filter) return a;
+    const size_t H = a.size();
+    std::vector<std::vector<double>> s(H);
+    for (size_t h = 0; h < H; ++h)
+      for (const Assignment& x : a[h]) s[h].push_back(x.s);
+    const std::vector<char> pass = lookm_above_mean(s);
+    std::vector<std::vector<Assignment>> out(H);
+    for (size_t h = 0; h < H; ++h) {
+      for (size_t j = 0; j < a[h].size(); ++j)
+        if (pass[j]) out[h].push_back(a[h][j]);
+      if (o_.merge == MergeKind::Average && o_.prefix_source)
+        for (size_t f = 0; f < out[h].size(); ++f) out[h][f].e = a[h][f].e;
+    }
+    return out;
   }
 
  public:
