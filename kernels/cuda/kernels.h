@@ -131,18 +131,19 @@ void scores_in_order(const float* scores, int n_heads, int group, int64_t stride
 // its rows), and its first block tile0 (blocks of cosine_assign_tiles(E) each, problems in
 // order). norm[i] = the norm of row i; for evicted row ev0 + i, best = the kept row (an index
 // into the problem's rows) of largest cosine similarity sim, in double, ties to the earlier kept
-// row. K ≥ 1 for every problem.
+// row. K ≥ 1 for every problem, max_kept the largest K (a problem's kept rows are staged in
+// shared memory when they fit).
 struct AssignProblem {
   int64_t row0 = 0, kept0 = 0, ev0 = 0, tile0 = 0;
   int n = 0, K = 0, E = 0, pad = 0;
 };
 int64_t cosine_assign_tiles(int n_evicted);
 void cosine_assign(const float* const* rows, int64_t n_rows, int d, const AssignProblem* problems, int n_problems,
-                   int64_t n_tiles, const int* keep, const int* evicted, double* norm, int* best, double* sim,
-                   cudaStream_t s);
+                   int64_t n_tiles, int max_kept, const int* keep, const int* evicted, double* norm, int* best,
+                   double* sim, cudaStream_t s);
 void cosine_assign(const __half* const* rows, int64_t n_rows, int d, const AssignProblem* problems, int n_problems,
-                   int64_t n_tiles, const int* keep, const int* evicted, double* norm, int* best, double* sim,
-                   cudaStream_t s);
+                   int64_t n_tiles, int max_kept, const int* keep, const int* evicted, double* norm, int* best,
+                   double* sim, cudaStream_t s);
 // LOOK-M's merge (row_merge.cu; host reference: merge_rows, core/row_merge.h) of m kept rows:
 // for merged row i, the kept row's halves kc[i] / vc[i] [d] and its contributions
 // first[i] ≤ j < first[i + 1] (sources ke[j] / ve[j], weights s[j], in merge_rows' order),

@@ -6,7 +6,7 @@
 // The host KVStore stays what policies edit. After a policy ran, kv_sync makes the device
 // mirror it: a segment that still equals its device copy (kind, storage, payload, positions,
 // merge counts) is kept; kept rows of an evicted segment are gathered on the device from the
-// rows already there (the compaction); rows merged on the device (kv_merge.cu) are gathered
+// rows already there (the compaction, every layer's lists in one upload); rows merged on the device (kv_merge.cu) are gathered
 // from where the merge wrote them; rows merged on the host and rows a host-only format holds are
 // uploaded as fp16; packed payloads are uploaded as they are.
 #include <algorithm>
@@ -231,10 +231,64 @@ DevSeg mirror(const KVSegment& s, std::string storage, int NKV, bool fp16_rows) 
   return d;
 }
 
-// A segment of fp16 rows: rows found on the device are gathered there, the others uploaded. A
-// merged row is gathered from the rows merged on the device (`merged`), else uploaded.
-DevSeg build_fp16(Context& ctx, const CudaKV& C, const KVSegment& s, const RowMap& have, const Staged& merged_rows,
-                  const std::string& label, bool from_host_only) {
+// The copies of one kv_sync, made together once every layer's new layout is known: the rows
+// gathered into the new fp16 segments (from rows on the device, or from host rows uploaded with
+// them) and the segments' positions — one upload and two gather launches a segment, instead of
+// several uploads a segment. The segments and staged rows the sync replaces are held until the
+// gathers are queued (their memory goes back to the pool in stream order, after the reads).
+struct SyncBatch {
+  struct Gather {
+    int64_t first = 0, rows = 0;  // into src
+    __half *k = nullptr, *v = nullptr;
+    int32_t* pos = nullptr;
+    int64_t pos_first = 0;  // into pos
+  };
+  std::vector<const __half*> src;  // keys of every gather, then (index + rows) values
+  std::vector<std::pair<size_t, size_t>> up_at;  // the src slots of each uploaded row's key and value
+  std::vector<uint16_t> upk, upv;  // the uploaded rows' halves
+  std::vector<int32_t> pos;
+  std::vector<Gather> gathers;
+  std::vector<DevSeg> retired;
+  std::vector<Staged> retired_rows;
+
+  void run(Context& ctx, int D) {
+    if (gathers.empty()) return;
+    // Layout of the one upload: uploaded rows (K then V halves), the pointer lists, positions.
+    const int64_t n_up = static_cast<int64_t>(up_at.size()), n_src = static_cast<int64_t>(src.size());
+    const int64_t o_rows = 0, o_ptr = (n_up * D * 2 * 2 + 15) / 16 * 16, o_pos = o_ptr + n_src * 8;
+    const int64_t bytes = o_pos + static_cast<int64_t>(pos.size()) * 4;
+    DevMem U{ctx.alloc(std::max<int64_t>(bytes, 16), "KV sync upload"), bytes};
+    char* u = static_cast<char*>(U.mem.get());
+    auto* uk = reinterpret_cast<__half*>(u + o_rows);
+    __half* uv = uk + n_up * D;
+    for (int64_t i = 0; i < n_up; ++i) {  // the uploaded rows' device addresses
+      src[up_at[static_cast<size_t>(i)].first] = uk + i * D;
+      src[up_at[static_cast<size_t>(i)].second] = uv + i * D;
+    }
+    std::vector<char> host(static_cast<size_t>(bytes));
+    std::memcpy(host.data() + o_rows, upk.data(), upk.size() * 2);
+    std::memcpy(host.data() + o_rows + n_up * D * 2, upv.data(), upv.size() * 2);
+    std::memcpy(host.data() + o_ptr, src.data(), static_cast<size_t>(n_src) * 8);
+    std::memcpy(host.data() + o_pos, pos.data(), pos.size() * 4);
+    ctx.upload(u, host.data(), bytes, "KV sync upload");
+    const auto* ptr = reinterpret_cast<const __half* const*>(u + o_ptr);
+    const auto* dpos = reinterpret_cast<const int32_t*>(u + o_pos);
+    for (const Gather& g : gathers) {
+      if (g.rows == 0) continue;
+      gather_rows(ptr + g.first, g.k, static_cast<int>(g.rows), D, ctx.stream);
+      gather_rows(ptr + g.first + g.rows, g.v, static_cast<int>(g.rows), D, ctx.stream);
+      KV_CUDA(cudaMemcpyAsync(g.pos, dpos + g.pos_first, static_cast<size_t>(g.rows) * 4, cudaMemcpyDeviceToDevice, ctx.stream),
+              "KV segment positions");
+    }
+  }
+};
+
+// A segment of fp16 rows: rows found on the device are gathered there, the others uploaded (the
+// copies queued in `batch`). A merged row is gathered from the rows merged on the device
+// (`merged`), else uploaded.
+DevSeg build_fp16(const CudaKV& C, const KVSegment& s, const RowMap& have, const Staged& merged_rows,
+                  const std::string& label, bool from_host_only, SyncBatch& batch) {
+  Context& ctx = *C.ctx;
   const int NKV = C.NKV, D = C.D;
   DevSeg d = mirror(s, label, NKV, true);
   int64_t rows = 0;
@@ -243,14 +297,18 @@ DevSeg build_fp16(Context& ctx, const CudaKV& C, const KVSegment& s, const RowMa
   DevMem K{ctx.alloc(rows * D * 2, what + " K"), rows * D * 2};
   DevMem V{ctx.alloc(rows * D * 2, what + " V"), rows * D * 2};
   DevMem P{ctx.alloc(rows * 4, what + " positions"), rows * 4};
-  std::vector<const __half*> srck, srcv;
-  std::vector<uint16_t> upk, upv;
-  std::vector<int64_t> up_at;  // index into srck of each uploaded row
-  std::vector<int32_t> pos;
-  int64_t off = 0;
+  SyncBatch::Gather g;
+  g.first = static_cast<int64_t>(batch.src.size());
+  g.rows = rows;
+  g.k = K.as<__half>();
+  g.v = V.as<__half>();
+  g.pos = P.as<int32_t>();
+  g.pos_first = static_cast<int64_t>(batch.pos.size());
+  batch.src.resize(batch.src.size() + static_cast<size_t>(2 * rows), nullptr);
+  int64_t off = 0, i_row = 0;
   for (int h = 0; h < NKV; ++h) {
     const HeadRows& r = s.heads[h];
-    for (int i = 0; i < r.n(); ++i) {
+    for (int i = 0; i < r.n(); ++i, ++i_row) {
       const bool merged = i < static_cast<int>(r.merged.size()) && r.merged[i];
       const RowMap::Row* it = from_host_only ? nullptr
                               : !merged      ? have.find(h, r.pos[i])
@@ -259,20 +317,19 @@ DevSeg build_fp16(Context& ctx, const CudaKV& C, const KVSegment& s, const RowMa
       if (!it && s.layout_only)
         throw InternalError("kv_sync: " + what + ", KV head " + std::to_string(h) + ": the row at position " +
                             std::to_string(r.pos[i]) + " is neither on the device nor on the host");
+      const size_t at = static_cast<size_t>(g.first + i_row);
       if (it) {
-        srck.push_back(it->first);
-        srcv.push_back(it->second);
+        batch.src[at] = it->first;
+        batch.src[at + static_cast<size_t>(rows)] = it->second;
       } else {
-        up_at.push_back(static_cast<int64_t>(srck.size()));
-        srck.push_back(nullptr);
-        srcv.push_back(nullptr);
-        const size_t at = upk.size();
-        upk.resize(at + static_cast<size_t>(D));
-        upv.resize(at + static_cast<size_t>(D));
-        to_half_n(r.k.data() + static_cast<size_t>(i) * D, upk.data() + at, D);
-        to_half_n(r.v.data() + static_cast<size_t>(i) * D, upv.data() + at, D);
+        batch.up_at.emplace_back(at, at + static_cast<size_t>(rows));  // (run() sets both slots)
+        const size_t u = batch.upk.size();
+        batch.upk.resize(u + static_cast<size_t>(D));
+        batch.upv.resize(u + static_cast<size_t>(D));
+        to_half_n(r.k.data() + static_cast<size_t>(i) * D, batch.upk.data() + u, D);
+        to_half_n(r.v.data() + static_cast<size_t>(i) * D, batch.upv.data() + u, D);
       }
-      pos.push_back(r.pos[i]);
+      batch.pos.push_back(r.pos[i]);
     }
     DevPart p;
     p.d.n = r.n();
@@ -284,31 +341,7 @@ DevSeg build_fp16(Context& ctx, const CudaKV& C, const KVSegment& s, const RowMa
     d.merged[h] = r.merged;
     off += r.n();
   }
-  DevMem staging;
-  if (!up_at.empty()) {
-    const int64_t n = static_cast<int64_t>(up_at.size());
-    staging = {ctx.alloc(n * D * 2 * 2, what + " upload"), n * D * 2 * 2};
-    __half* sk = staging.as<__half>();
-    __half* sv = sk + n * D;
-    ctx.upload(sk, upk.data(), n * D * 2, what + " K upload");
-    ctx.upload(sv, upv.data(), n * D * 2, what + " V upload");
-    for (int64_t i = 0; i < n; ++i) {
-      srck[static_cast<size_t>(up_at[i])] = sk + i * D;
-      srcv[static_cast<size_t>(up_at[i])] = sv + i * D;
-    }
-  }
-  if (rows) {
-    DevMem ptrs{ctx.alloc(rows * 2 * static_cast<int64_t>(sizeof(void*)), what + " gather list"),
-                rows * 2 * static_cast<int64_t>(sizeof(void*))};
-    auto** pk = static_cast<const __half**>(ptrs.mem.get());
-    ctx.upload(pk, srck.data(), rows * static_cast<int64_t>(sizeof(void*)), what + " gather list");
-    ctx.upload(pk + rows, srcv.data(), rows * static_cast<int64_t>(sizeof(void*)), what + " gather list");
-    gather_rows(pk, K.as<__half>(), static_cast<int>(rows), D, ctx.stream);
-    gather_rows(pk + rows, V.as<__half>(), static_cast<int>(rows), D, ctx.stream);
-    ctx.upload(P.mem.get(), pos.data(), rows * 4, what + " positions");
-    // No wait: the copies have read the host's lists when they return (pageable memory), and the
-    // staging and gather lists go back to the pool in stream order, after the gathers.
-  }
+  batch.gathers.push_back(g);
   d.mem = {K, V, P};
   d.bytes = fp16_bytes(rows, D);
   return d;
@@ -599,7 +632,7 @@ std::vector<DevSeg> build_zip(Context& ctx, const CudaKV& C, const std::vector<c
   return out;
 }
 
-void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l) {
+void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l, SyncBatch& batch) {
   DevLayer& d = C.layers[l];
   const LayerKV& H = host.layer(l);
   // Which host segments keep their device copy as it is.
@@ -620,6 +653,7 @@ void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l) {
   bool unchanged = n_host == d.segs.size() && (keep_tail || d.tail.n == 0);
   for (size_t i = 0; unchanged && i < n_host; ++i) unchanged = same[i] == &d.segs[i];
   if (unchanged) {
+    batch.retired_rows.push_back(std::move(d.merged));
     d.merged = Staged{};
     set_host_bytes(C, host, l);
     return;
@@ -656,7 +690,7 @@ void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l) {
       for (size_t x = i; x < j; ++x) {
         if (kept) segs.push_back(*same[x]);
         else if (!built.empty()) segs.push_back(std::move(built[x - i]));
-        else segs.push_back(build_fp16(ctx, C, H.segments[x], have, d.merged, "fp16 (dequantized " + H.segments[x].storage + ")", true));
+        else segs.push_back(build_fp16(C, H.segments[x], have, d.merged, "fp16 (dequantized " + H.segments[x].storage + ")", true, batch));
       }
       i = j - 1;
       continue;
@@ -668,14 +702,16 @@ void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l) {
     if (p && p->layout.kind != quant::CodeLayout::Kind::None && packed_ok(*p, s, C.D)) {
       segs.push_back(build_packed(ctx, C, s, *p));
     } else if (s.payload) {
-      segs.push_back(build_fp16(ctx, C, s, have, d.merged, "fp16 (dequantized " + s.storage + ")", true));
+      segs.push_back(build_fp16(C, s, have, d.merged, "fp16 (dequantized " + s.storage + ")", true, batch));
     } else {
-      segs.push_back(build_fp16(ctx, C, s, have, d.merged, "fp16", false));
+      segs.push_back(build_fp16(C, s, have, d.merged, "fp16", false, batch));
     }
   }
   // The new layout must be in place before the old rows can go: segments first, then the tail.
+  for (DevSeg& x : d.segs) batch.retired.push_back(std::move(x));  // (read by the batch's gathers)
   d.segs = std::move(segs);
-  d.merged = Staged{};  // (their gathers are queued: the memory goes back to the pool after them)
+  batch.retired_rows.push_back(std::move(d.merged));
+  d.merged = Staged{};
   if (!keep_tail) C.reset_tail(l);
   C.changed();
   set_host_bytes(C, host, l);
@@ -687,8 +723,16 @@ void kv_sync(Context& ctx, DeviceKV& dev, KVStore& host, int layer) {
   CudaKV& C = as_cuda(&dev);
   if (host.n_layers() != C.L || host.n_kv_heads() != C.NKV || host.head_dim() != C.D)
     throw InternalError("kv_sync: the host store and the device cache differ in shape");
-  if (layer >= 0) return sync_layer(ctx, C, host, layer);
-  for (int l = 0; l < C.L; ++l) sync_layer(ctx, C, host, l);
+  SyncBatch batch;
+  try {
+    if (layer >= 0) sync_layer(ctx, C, host, layer, batch);
+    else
+      for (int l = 0; l < C.L; ++l) sync_layer(ctx, C, host, l, batch);
+  } catch (...) {
+    batch.run(ctx, C.D);  // the layers synced before the error get their rows
+    throw;
+  }
+  batch.run(ctx, C.D);
 }
 
 void kv_reserve(Context& ctx, DeviceKV& dev, int rows) {

@@ -24,10 +24,43 @@ struct HeadRowPtrs {
   std::vector<const __half*> k, v;
   std::vector<int32_t> pos;
 };
+// Whether host segment s lists exactly the fp16 rows of device segment d (as a prefill's
+// layout does): then its rows are d's rows in order.
+bool mirrors(const KVSegment& s, const DevSeg& d, int NKV) {
+  if (s.kind != d.kind || !d.fp16_rows || d.payload || !dense_host(d.host_storage) || s.payload ||
+      static_cast<int>(s.heads.size()) != NKV || static_cast<int>(d.heads.size()) != NKV)
+    return false;
+  for (int h = 0; h < NKV; ++h) {
+    if (d.heads[static_cast<size_t>(h)].size() != 1 || s.heads[static_cast<size_t>(h)].pos != d.pos[static_cast<size_t>(h)])
+      return false;
+    for (uint16_t m : d.merged[static_cast<size_t>(h)])
+      if (m) return false;
+  }
+  return true;
+}
+
 std::vector<HeadRowPtrs> layout_rows(const CudaKV& C, int layer, const LayerKV& layout, const std::string& op) {
   if (layer < 0 || layer >= C.L) throw InternalError(op + ": layer " + std::to_string(layer) + " of " + std::to_string(C.L));
-  const RowMap have = device_rows(C, C.layers[static_cast<size_t>(layer)]);
+  const DevLayer& d = C.layers[static_cast<size_t>(layer)];
   std::vector<HeadRowPtrs> out(static_cast<size_t>(C.NKV));
+  // The prefill's layout: every host segment the device segment of the same index, row for row.
+  bool same = d.merged.empty() && d.tail.n == 0 && layout.segments.size() == d.segs.size();
+  for (size_t i = 0; same && i < d.segs.size(); ++i) same = mirrors(layout.segments[i], d.segs[i], C.NKV);
+  if (same) {
+    for (size_t i = 0; i < d.segs.size(); ++i)
+      for (int h = 0; h < C.NKV; ++h) {
+        const PartDesc& p = d.segs[i].heads[static_cast<size_t>(h)][0].d;
+        const std::vector<int32_t>& pos = d.segs[i].pos[static_cast<size_t>(h)];
+        HeadRowPtrs& o = out[static_cast<size_t>(h)];
+        for (size_t r = 0; r < pos.size(); ++r) {
+          o.k.push_back(static_cast<const __half*>(p.k.data) + r * C.D);
+          o.v.push_back(static_cast<const __half*>(p.v.data) + r * C.D);
+        }
+        o.pos.insert(o.pos.end(), pos.begin(), pos.end());
+      }
+    return out;
+  }
+  const RowMap have = device_rows(C, d);
   for (const KVSegment& s : layout.segments) {
     if (static_cast<int>(s.heads.size()) != C.NKV)
       throw InternalError(op + ": layer " + std::to_string(layer) + " has " + std::to_string(s.heads.size()) +

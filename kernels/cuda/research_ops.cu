@@ -91,6 +91,7 @@ void assign_rows(Context& ctx, int d, bool half, const std::vector<AssignHead>& 
   std::vector<int> keep, ev;
   std::vector<size_t> head_of;  // the head of each problem (heads with nothing evicted have none)
   int64_t tiles = 0;
+  int max_kept = 0;
   for (size_t h = 0; h < H; ++h) {
     const AssignHead& a = heads[h];
     const std::vector<int>& kp = *a.keep;
@@ -117,6 +118,7 @@ void assign_rows(Context& ctx, int d, bool half, const std::vector<AssignHead>& 
     keep.insert(keep.end(), kp.begin(), kp.end());
     if (p.E == 0) continue;
     tiles += cosine_assign_tiles(p.E);
+    max_kept = std::max(max_kept, p.K);
     P.push_back(p);
     head_of.push_back(h);
   }
@@ -143,11 +145,11 @@ void assign_rows(Context& ctx, int d, bool half, const std::vector<AssignHead>& 
   auto* sim = reinterpret_cast<double*>(o0 + o_sim);
   const int np = static_cast<int>(P.size());
   if (half)
-    cuda::cosine_assign(reinterpret_cast<const __half* const*>(i0 + o_rows), N, d, dp, np, tiles, dk, de, norm, best,
-                        sim, ctx.stream);
+    cuda::cosine_assign(reinterpret_cast<const __half* const*>(i0 + o_rows), N, d, dp, np, tiles, max_kept, dk, de,
+                        norm, best, sim, ctx.stream);
   else
-    cuda::cosine_assign(reinterpret_cast<const float* const*>(i0 + o_rows), N, d, dp, np, tiles, dk, de, norm, best,
-                        sim, ctx.stream);
+    cuda::cosine_assign(reinterpret_cast<const float* const*>(i0 + o_rows), N, d, dp, np, tiles, max_kept, dk, de,
+                        norm, best, sim, ctx.stream);
   // Through the page-locked staging buffer: 12 bytes an evicted row (MBs for a 7B model's layers).
   char* back = static_cast<char*>(ctx.staging(o_norm, "LOOK-M assignments"));
   ctx.download(back, dout.get(), o_norm, "LOOK-M assignments");
