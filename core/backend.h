@@ -78,8 +78,6 @@ struct AttnLayout {
   float scale = 1.0f;
 };
 
-// A sequence's KV cache on a device backend. Bytes are what its segments hold; allocated() is
-// the device memory it holds (they agree except for capacity reserved ahead for decode rows).
 // A layer's share of LOOK-M's cache-side ops (Backend::kv_cosine_assign, kv_merge_rows).
 struct LayerMerge {
   int layer = 0;
@@ -88,6 +86,9 @@ struct LayerMerge {
   std::vector<std::vector<RowAssignment>> rows;   // [KV head] assignments (out) or contributions (in)
 };
 
+// A sequence's KV cache on a device backend. Bytes are what its segments hold; allocated() is
+// the device memory it holds (they agree except for capacity reserved ahead for decode rows, and
+// rows merged on the device that the next kv_sync has yet to store).
 class DeviceKV {
  public:
   virtual ~DeviceKV() = default;

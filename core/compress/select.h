@@ -88,7 +88,7 @@ class ScoreEvictPolicy : public KVPolicy {
   bool needs_prefill_attention() const override { return true; }
   bool acts_on_decode() const override { return false; }  // every method evicts at prefill only
   // Selection reads attention and positions; a merge reads rows on the host only where the host
-  // holds them (on a device cache it merges there, merge_layer).
+  // holds them (on a device cache it merges there, merge_layers).
   bool reads_rows() const override { return false; }
   void on_prefill(const std::vector<PrefillContext>& layers, KVStore& store) override;
   // One layer on its own: plans with {ctx} alone, so budgets that depend on every layer

@@ -107,7 +107,8 @@ void kv_pull_rows(Context& ctx, SeqKV& kv, const std::vector<int>& layers, const
 void reduce_prefill_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, const AttentionReduction& r);
 // LOOK-M's assignment of several KV heads' rows already on the device (row pointers, d values of
 // fp16 when `half`, else fp32), each with its kept rows: out[h] = every evicted row's
-// assignment, as Backend::cosine_assign states it; one upload, one launch, one copy back.
+// assignment, as Backend::cosine_assign states it; one upload, two launches (norms, then the
+// assignment), one copy back.
 struct AssignHead {
   std::vector<const void*> rows;
   const std::vector<int>* keep = nullptr;

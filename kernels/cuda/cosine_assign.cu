@@ -20,7 +20,7 @@ namespace {
 
 constexpr int kWarps = 8;           // warps a block
 constexpr int kRowsPerBlock = 64;   // evicted rows a block (kRowsPerBlock / kWarps a warp, in turn)
-constexpr int kSharedLimit = 200 * 1024;
+constexpr int kSharedLimit = 200 * 1024;  // at most; less where the device allows less a block
 
 __device__ __forceinline__ double wide(float x) { return static_cast<double>(x); }
 __device__ __forceinline__ double wide(__half x) { return static_cast<double>(__half2float(x)); }
@@ -103,6 +103,27 @@ __global__ void cosine_assign_kernel(const T* const* __restrict__ rows, const do
   }
 }
 
+// The dynamic shared memory a block of this device may opt in to, capped at kSharedLimit.
+int shared_limit() {
+  int dev = 0, optin = 0;
+  KV_CUDA(cudaGetDevice(&dev), "cosine_assign: the current device");
+  KV_CUDA(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
+          "cosine_assign: the device's shared memory a block");
+  return optin < kSharedLimit ? optin : kSharedLimit;
+}
+
+// Opts the shared-memory kernel in to `bytes` of dynamic shared memory the first time a launch
+// needs more than before (past the 48 KiB a block gets without).
+template <class T>
+void allow_shared(int64_t bytes) {
+  static int64_t allowed = 0;
+  if (bytes <= allowed) return;
+  KV_CUDA(cudaFuncSetAttribute(cosine_assign_kernel<T, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(bytes)),
+          "cosine_assign_kernel shared memory of " + std::to_string(bytes) + " bytes");
+  allowed = bytes;
+}
+
 template <class T>
 void launch(const T* const* rows, int64_t n_rows, int d, const AssignProblem* problems, int n_problems, int64_t n_tiles,
             int max_kept, const int* keep, const int* evicted, double* norm, int* best, double* sim, cudaStream_t s) {
@@ -113,13 +134,9 @@ void launch(const T* const* rows, int64_t n_rows, int d, const AssignProblem* pr
   const int64_t shared = base + static_cast<int64_t>(max_kept) * (8 + static_cast<int64_t>(d) * sizeof(T)) + 16;
   const std::string what = std::to_string(n_problems) + " heads, " + std::to_string(n_tiles) + " tiles, " +
                            std::to_string(max_kept) + " kept at most";
-  if (shared <= kSharedLimit) {
-    static bool opted = false;  // (one device a process: the attribute is set once)
-    if (!opted) {
-      KV_CUDA(cudaFuncSetAttribute(cosine_assign_kernel<T, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedLimit),
-              "cosine_assign_kernel shared memory");
-      opted = true;
-    }
+  static const int limit = shared_limit();  // (one device a process)
+  if (shared <= limit) {
+    allow_shared<T>(shared);
     cosine_assign_kernel<T, true><<<static_cast<unsigned>(n_tiles), 32 * kWarps, static_cast<size_t>(shared), s>>>(
         rows, norm, problems, n_problems, keep, evicted, d, best, sim);
   } else {

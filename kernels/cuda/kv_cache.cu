@@ -250,6 +250,7 @@ struct SyncBatch {
   std::vector<Gather> gathers;
   std::vector<DevSeg> retired;
   std::vector<Staged> retired_rows;
+  std::vector<DevMem> targets;  // the gathers' destinations (held even when a later layer fails)
 
   void run(Context& ctx, int D) {
     if (gathers.empty()) return;
@@ -342,6 +343,7 @@ DevSeg build_fp16(const CudaKV& C, const KVSegment& s, const RowMap& have, const
     off += r.n();
   }
   batch.gathers.push_back(g);
+  batch.targets.insert(batch.targets.end(), {K, V, P});
   d.mem = {K, V, P};
   d.bytes = fp16_bytes(rows, D);
   return d;
@@ -729,7 +731,11 @@ void kv_sync(Context& ctx, DeviceKV& dev, KVStore& host, int layer) {
     else
       for (int l = 0; l < C.L; ++l) sync_layer(ctx, C, host, l, batch);
   } catch (...) {
-    batch.run(ctx, C.D);  // the layers synced before the error get their rows
+    try {
+      batch.run(ctx, C.D);  // the layers synced before the error get their rows
+    } catch (...) {
+      // (the first error is the one to report)
+    }
     throw;
   }
   batch.run(ctx, C.D);

@@ -120,7 +120,7 @@ class CudaKV : public DeviceKV {
     for (const DevLayer& d : layers) {
       for (const DevSeg& s : d.segs)
         for (const DevMem& m : s.mem) seen[m.mem.get()] = m.bytes;
-      for (const DevMem* m : {&d.tail.k, &d.tail.v, &d.tail.pos})
+      for (const DevMem* m : {&d.tail.k, &d.tail.v, &d.tail.pos, &d.merged.k, &d.merged.v})
         if (m->mem) seen[m->mem.get()] = m->bytes;
     }
     int64_t t = 0;

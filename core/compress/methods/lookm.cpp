@@ -256,7 +256,7 @@ class LookMPolicy : public ScoreEvictPolicy {
         lm.push_back(std::move(m));
       }
       if (!be->kv_cosine_assign(*dev, lm))
-        throw InternalError("lookm: the " + be->name() + " backend cannot merge rows its cache alone holds");
+        throw InternalError("lookm: the " + be->name() + " backend cannot assign (kv_cosine_assign) rows its cache alone holds");
       for (size_t x = 0; x < jobs.size(); ++x) a[x] = std::move(lm[x].rows);
     } else {
       for (size_t x = 0; x < jobs.size(); ++x) a[x] = assign_job(jobs[x]);
@@ -278,7 +278,7 @@ class LookMPolicy : public ScoreEvictPolicy {
     if (device) {
       for (size_t x = 0; x < jobs.size(); ++x) lm[x].rows = std::move(contrib[x]);
       if (!be->kv_merge_rows(*jobs.front().c->device, o_.merge, lm))
-        throw InternalError("lookm: the " + be->name() + " backend cannot merge rows its cache alone holds");
+        throw InternalError("lookm: the " + be->name() + " backend cannot merge (kv_merge_rows) rows its cache alone holds");
       return;
     }
     for (size_t x = 0; x < jobs.size(); ++x) {
