@@ -103,8 +103,8 @@ TEST(Ops, AttentionReductions) {
 // LOOK-M's assignment on the device against the host's (lookm_assign without a backend): the
 // same evicted rows, kept rows and similarities bit for bit, on random keys with exact
 // duplicates (ties between kept rows), zero rows (similarity 0), negative similarities only,
-// one kept row and none evicted, one head at a time and a layer's heads at once. The CPU backend
-// has no such op and answers false.
+// one kept row and none evicted, kept rows staged in shared memory and too many for it, one
+// head at a time and a layer's heads at once. The CPU backend has no such op and answers false.
 TEST(Ops, LookMAssignmentOnTheDevice) {
   std::vector<std::vector<int>> none_e, none_b;
   std::vector<std::vector<double>> none_s;
@@ -115,7 +115,9 @@ TEST(Ops, LookMAssignmentOnTheDevice) {
   Backend& gpu = *op_backends().gpu;
   std::mt19937_64 rng(5);
   struct Case { int n, d; double keep_share; };
-  for (const Case& c : {Case{300, 128, 0.2}, Case{97, 24, 0.5}, Case{40, 64, 0.0}, Case{33, 32, 1.0}}) {
+  // (1000 rows of 128 with half kept: more kept fp32 rows than shared memory holds, so the
+  // kernel reads them where they are)
+  for (const Case& c : {Case{300, 128, 0.2}, Case{97, 24, 0.5}, Case{40, 64, 0.0}, Case{33, 32, 1.0}, Case{1000, 128, 0.5}}) {
     std::vector<float> k = randn(static_cast<size_t>(c.n) * c.d, 1.0f);
     for (int i = 5; i < c.n; i += 11)  // a copy of an earlier row: ties
       std::copy_n(k.begin() + static_cast<ptrdiff_t>(i - 5) * c.d, c.d, k.begin() + static_cast<ptrdiff_t>(i) * c.d);
