@@ -346,6 +346,16 @@ class Backend {
                                   std::vector<RecordedAttention>& out) {
     throw InternalError(name() + " backend: no recorded decode queries");
   }
+  // recorded_attention's probabilities reduced where they are to what a view of one span of key
+  // positions reads (the patch overlay: the visual tokens first .. first + n − 1): out
+  // [queries][n_heads][n], each query head's probabilities summed by key position over the span
+  // (span_attention_sums on recorded_attention's answer, within the softmax's roundings). False:
+  // this backend cannot for this transform (the caller asks recorded_attention).
+  virtual bool recorded_span_attention(SeqKV& kv, int layer, const Buffer& q_rows, const AttnLayout& l,
+                                       const std::vector<int32_t>& positions, const ScoreTransform* transform,
+                                       int first, int n, std::vector<float>& out) {
+    return false;
+  }
   // rope_append of one generated token followed by decode_attention with no transform and no scores
   // or probabilities asked for: one op, so a device can rotate q and k and append the token's
   // row inside the attention kernel (a plain decode step). The default runs the two ops.

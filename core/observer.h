@@ -73,7 +73,35 @@ class AttentionObserver {
   // the order of the calls. A step whose every observer says so may hand its layers' events
   // over in parallel.
   virtual bool takes_concurrent_events() const { return false; }
+  // The span of key positions (first .. first + n − 1; n = 0: none) whose probabilities, summed
+  // by position for each query head (span_attention_sums), are all this observer reads of a
+  // decode event; with reads_probabilities_only. A device may then hand it recorded steps as
+  // those sums alone (on_span_attention), reduced where the cache is.
+  struct Span {
+    int first = 0, n = 0;
+  };
+  virtual Span reads_span() const { return {}; }
+  // Recorded decode step `step`'s sums at `layer`: [n_heads][reads_span().n]. Called for the
+  // layers of a step from several threads at once only when takes_concurrent_events says so.
+  virtual void on_span_attention(int step, int layer, int n_heads, const float* sums) {}
 };
+
+// A decode event's probabilities summed by key position over first .. first + n − 1, per query
+// head: out [n_heads][n] (query head h reads KV head h / (n_heads / n_kv_heads)'s positions).
+inline void span_attention_sums(const float* probs, const int32_t* key_pos, int n_heads, int n_kv_heads, int n_k,
+                                int first, int n, float* out) {
+  std::fill(out, out + static_cast<size_t>(n_heads) * n, 0.0f);
+  const int G = n_heads / n_kv_heads;
+  for (int h = 0; h < n_heads; ++h) {
+    const int32_t* kp = key_pos + static_cast<size_t>(h / G) * n_k;
+    const float* p = probs + static_cast<size_t>(h) * n_k;
+    float* o = out + static_cast<size_t>(h) * n;
+    for (int j = 0; j < n_k; ++j) {
+      const int64_t i = static_cast<int64_t>(kp[j]) - first;
+      if (kp[j] >= 0 && i >= 0 && i < n) o[i] += p[j];
+    }
+  }
+}
 
 // The observers among `all` that read decode step `step`.
 inline std::vector<AttentionObserver*> decode_observers(const std::vector<AttentionObserver*>& all, int step) {

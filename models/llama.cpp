@@ -377,51 +377,6 @@ void LlamaDecoder::record_queries(LlamaWorkspace& w, int slots) const {
   w.record_slot = -1;
 }
 
-void LlamaDecoder::hand_over_recorded(SeqKV& kv, const std::vector<int>& steps, const std::vector<int32_t>& positions,
-                                      KVPolicy* policy, const std::vector<AttentionObserver*>& observers,
-                                      LlamaWorkspace& w) const {
-  const int n = static_cast<int>(steps.size());
-  if (n == 0) return;
-  if (n > w.record_slots || positions.size() != steps.size())
-    throw InternalError("decode: more recorded steps than slots, or steps and positions differ");
-  const int NH = cfg.num_attention_heads, NKV = cfg.num_key_value_heads, D = cfg.head_dim;
-  // The recorded rows hold q alone: a layout whose rows are n_heads · head_dim wide, q first.
-  AttnLayout ql = layout(n);
-  ql.q_col = 0;
-  ql.row_stride = static_cast<int64_t>(NH) * D;
-  const ScoreTransform transform = policy ? policy->score_transform() : ScoreTransform{};
-  const bool together = std::all_of(observers.begin(), observers.end(),
-                                    [](const AttentionObserver* o) { return o->takes_concurrent_events(); });
-  // A chunk of steps a call, so that their scores (on the backend) and events (here) stay near
-  // 256 MB however long the caption: each query's scores, transformed scores and probabilities
-  // over at most positions.back() + 1 keys.
-  const int64_t per_query = static_cast<int64_t>(NH) * (positions.back() + 1) * 12;
-  const int chunk = static_cast<int>(std::clamp<int64_t>((int64_t{256} << 20) / std::max<int64_t>(per_query, 1), 1, n));
-  std::vector<RecordedAttention> rec;
-  for (int l = 0; l < cfg.num_hidden_layers; ++l)
-    for (int c0 = 0; c0 < n; c0 += chunk) {
-      const int m = std::min(chunk, n - c0);
-      const std::vector<int32_t> at(positions.begin() + c0, positions.begin() + c0 + m);
-      be->recorded_attention(kv, l, w.recorded_q.row_view(static_cast<int64_t>(l) * w.record_slots + c0, m), ql, at,
-                             &transform, rec);
-      auto one = [&](int i) {
-        const RecordedAttention& r = rec[static_cast<size_t>(i)];
-        AttentionEvent e;
-        e.phase = Phase::Decode; e.layer = l; e.step = steps[static_cast<size_t>(c0 + i)]; e.n_heads = NH;
-        e.n_kv_heads = NKV; e.n_q = 1; e.n_k = r.n_max; e.scores = r.scores.data(); e.probs = r.probs.data();
-        e.query_pos = &at[static_cast<size_t>(i)]; e.key_pos = r.key_pos.data(); e.key_kind = r.key_kind.data();
-        e.head_dim = D;
-        for (AttentionObserver* o : observers)
-          if (o->reads_step(e.step)) o->on_attention(e);
-      };
-      if (together) {
-        parallel_for(m, 8, one);
-      } else {
-        for (int i = 0; i < m; ++i) one(i);
-      }
-    }
-}
-
 const std::vector<float>& LlamaDecoder::collect(int ticket, LlamaWorkspace& w, int& device_token) const {
   int32_t t = -1;
   be->finish_readback(ticket, w.logits_host.data(), &t);
@@ -602,42 +557,62 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
     if (staged) {  // the step's events, now that the host store holds its rows
       std::vector<float> q_all(static_cast<size_t>(w.qkv_layers.numel()));
       be->download(w.qkv_layers, q_all.data());
-      // Every layer's exact attention, a few layers a launch (each launch holds those layers'
-      // recomputed prompt q/k/v), where the backend can.
-      std::vector<ExactAttention> exact;
+      const int L = cfg.num_hidden_layers;
       if (capture) {
-        for (int l0 = 0; l0 < cfg.num_hidden_layers; l0 += kExactLayersAtOnce) {
-          const int n = std::min(kExactLayersAtOnce, cfg.num_hidden_layers - l0);
-          std::vector<Buffer> held;
-          std::vector<const Buffer*> prompts;
-          std::vector<ExtraRows> extras;
-          for (int l = l0; l < l0 + n; ++l) {
-            held.push_back(capture->layer_qkv(l));
-            extras.push_back(rows_from(*kv.host, l, capture->prompt_len()));
+        // Put off until the decode hands it over with its other such steps (hand_over_stashed):
+        // the taps, positions and generated rows as this step left them, its queries kept on the
+        // backend.
+        constexpr int kSlots = LlamaWorkspace::kStashSlots;
+        if (static_cast<int>(w.stash.size()) == kSlots) hand_over_stashed(w);
+        if (w.stash_q.empty())
+          w.stash_q = be->alloc("step.stashed_queries", {static_cast<int64_t>(L) * kSlots, lay.row_stride}, Dt::F32);
+        const int slot = static_cast<int>(w.stash.size());
+        for (int l = 0; l < L; ++l)
+          be->copy_block(w.qkv_layers, l, 0, w.stash_q, static_cast<int64_t>(l) * kSlots + slot, 0, 1, lay.row_stride);
+        StashedStep st;
+        st.step = step;
+        st.pos = pos;
+        st.observers = observers;
+        st.capture = capture;
+        st.q = std::move(q_all);
+        st.layers.resize(static_cast<size_t>(L));
+        auto keep = [&](int l) {
+          StashedStep::Layer& x = st.layers[static_cast<size_t>(l)];
+          Taps t;
+          size_taps(t, l);
+          be->collect_deferred(kv, l, &transform, t.taps);
+          x.n_max = t.taps.n_max;
+          x.scores = std::move(t.scores);
+          x.probs = std::move(t.probs);
+          x.raw = std::move(t.raw);
+          x.out = std::move(t.out);
+          x.key_pos.assign(static_cast<size_t>(NKV) * x.n_max, -1);
+          x.key_kind.assign(x.key_pos.size(), SegmentKind::Generated);
+          std::vector<int32_t> P;
+          std::vector<SegmentKind> S;
+          for (int h = 0; h < NKV; ++h) {
+            kv.host->positions(l, h, P, S);
+            std::copy(P.begin(), P.end(), x.key_pos.begin() + static_cast<size_t>(h) * x.n_max);
+            std::copy(S.begin(), S.end(), x.key_kind.begin() + static_cast<size_t>(h) * x.n_max);
           }
-          for (const Buffer& b : held) prompts.push_back(&b);
-          std::vector<ExactAttention> part;
-          if (!be->exact_decode_attention_layers(w.qkv_layers.row_view(l0, n), lay, prompts, capture->layout(), extras,
-                                                 part)) {
-            exact.clear();
-            break;
-          }
-          for (ExactAttention& e : part) exact.push_back(std::move(e));
-        }
+          x.extra = rows_from(*kv.host, l, capture->prompt_len());
+        };
+        keep(0);  // (the first layer's collect fetches every layer's taps)
+        parallel_for(L - 1, 8, [&](int i) { keep(i + 1); });
+        w.stash.push_back(std::move(st));
+        return;
       }
       auto one = [&](int l, Taps& t) {
         size_taps(t, l);
         be->collect_deferred(kv, l, &transform, t.taps);
         hand_over(l, t, w.qkv_layers.row_view(l, 1), q_all.data() + static_cast<size_t>(l) * lay.row_stride,
-                  exact.empty() ? nullptr : &exact[static_cast<size_t>(l)]);
+                  nullptr);
       };
       Taps t;
       one(0, t);  // (the first layer's collect fetches every layer's taps)
-      // The other layers in parallel when every observer takes a step's events in any order and
-      // nothing is left for the backend to compute (their work is the host's alone).
-      const int L = cfg.num_hidden_layers;
-      const bool together = L > 2 && (!capture || !exact.empty()) &&
-                            std::all_of(observers.begin(), observers.end(),
+      // The other layers in parallel when every observer takes a step's events in any order
+      // (their work is the host's alone).
+      const bool together = L > 2 && std::all_of(observers.begin(), observers.end(),
                                         [](const AttentionObserver* o) { return o->takes_concurrent_events(); });
       if (together) {
         // Threads of their own (core/parallel.h): this is the host's side of a device step, not a

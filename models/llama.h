@@ -28,6 +28,28 @@ struct LlamaLayer {
   Buffer down_w;        // [hidden][intermediate]
 };
 
+class CapturedAttention;
+
+// An observed decode step whose events wait for its exact attention (LlamaDecoder::
+// hand_over_stashed): what its observers are given, as the step left it. Per layer the taps
+// ([n_heads][n_max] scores, raw scores and probabilities, [n_heads][head_dim] output), its rows'
+// positions and kinds ([n_kv_heads][n_max], −1 past a head's rows) and its generated rows.
+struct StashedStep {
+  int step = 0;
+  int32_t pos = 0;
+  std::vector<AttentionObserver*> observers;
+  const CapturedAttention* capture = nullptr;
+  std::vector<float> q;  // every layer's qkv row, [layers][row stride]
+  struct Layer {
+    int n_max = 0;
+    std::vector<float> scores, probs, raw, out;
+    std::vector<int32_t> key_pos;
+    std::vector<SegmentKind> key_kind;
+    ExtraRows extra;
+  };
+  std::vector<Layer> layers;
+};
+
 // The buffers of one sequence's decode steps, allocated once: every step runs on the same
 // buffers, so a device backend can capture a step once and replay it.
 struct LlamaWorkspace {
@@ -38,6 +60,11 @@ struct LlamaWorkspace {
   // queries to that slot.
   Buffer recorded_q;
   int record_slots = 0, record_slot = -1;
+  // Observed steps that compare with a capture, put off until the decode hands them over
+  // (LlamaDecoder::hand_over_stashed); their queries on the backend, [layers][kStashSlots][row].
+  static constexpr int kStashSlots = 8;
+  std::vector<StashedStep> stash;
+  Buffer stash_q, exact_q;  // (exact_q: the queries of one call of hand_over_stashed)
   std::vector<float> qkv_host, logits_host;
   std::unique_ptr<StepCache> step;
 };
@@ -122,8 +149,7 @@ class LlamaDecoder {
  public:
   LlamaConfig cfg;
   std::shared_ptr<Backend> be;
-  // An observed step compares its queries with the capture's exact attention this many layers a
-  // launch, holding those layers' recomputed prompt q/k/v meanwhile.
+  // hand_over_stashed compares this many layers a call, holding their recomputed prompt q/k/v.
   static constexpr int kExactLayersAtOnce = 4;
   Buffer embed, norm, lm_head;  // lm_head shares embed's memory when tied
   std::vector<LlamaLayer> layers;
@@ -160,7 +186,15 @@ class LlamaDecoder {
   // unobserved step does (no host rows, observers none) and keeps its queries in that slot; and
   // hand_over_recorded computes, once the decode is done, the attention of the steps recorded in
   // slots 0 .. steps.size() − 1 (steps[i] at positions[i]) and hands each layer's event to the
-  // observers that read that step.
+  // observers that read that step (when those observers all read one span's sums, only those
+  // sums, reduced on the backend: AttentionObserver::reads_span).
+  // An observed step whose observers read no rows and compare with this prefill's capture, on a
+  // backend that defers decode taps, is put off (ws.stash, at most kStashSlots at once): its taps,
+  // positions and generated rows are kept as the step left them, and hand_over_stashed computes
+  // every stashed step's exact attention together, each layer's prompt q/k/v recomputed once
+  // for all of them, and hands the events over in step order. The decode calls it once its
+  // steps are done.
+  void hand_over_stashed(LlamaWorkspace& ws) const;
   void record_queries(LlamaWorkspace& ws, int slots) const;
   void hand_over_recorded(SeqKV& kv, const std::vector<int>& steps, const std::vector<int32_t>& positions,
                           KVPolicy* policy, const std::vector<AttentionObserver*>& observers, LlamaWorkspace& ws) const;

@@ -410,7 +410,10 @@ DecodeResult LlavaModel::decode(const PrefillState& st, KVPolicy* policy, const 
       ++pos;
     }
     ws.record_slot = -1;
-    in_model(dir_, [&] { text_.hand_over_recorded(kv, rec_steps, rec_pos, policy, observers, ws); });
+    in_model(dir_, [&] {
+      text_.hand_over_stashed(ws);
+      text_.hand_over_recorded(kv, rec_steps, rec_pos, policy, observers, ws);
+    });
   } else if (!take(0)) {
     // Forward `step` consumes generated token `step`. While the host waits for its logits, the
     // next forward is already running on the device from the token the device chose itself; it

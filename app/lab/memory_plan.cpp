@@ -38,10 +38,14 @@ MemoryPlan plan_experiment(const Model& model, const ExperimentOptions& opt) {
   p.caches = 2 * L * KVH * (T + opt.max_new_tokens) * (2 * D * value + 4);
   // On a device, each decode step's queries kept for the observers that read them afterwards
   // (LlamaDecoder::record_queries: every layer's q, fp32).
-  if (device) p.caches += L * opt.max_new_tokens * H * D * 4;
+  // and the queries of the observed steps put off to compare with the capture together
+  // (LlamaWorkspace::kStashSlots steps, every layer's q/k/v row, fp32, and one call's copy).
+  if (device)
+    p.caches += L * opt.max_new_tokens * H * D * 4 +
+                (L + LlamaDecoder::kExactLayersAtOnce) * LlamaWorkspace::kStashSlots * row * 4;
   p.attention = H * T * T * 4 + T * H * D * 4;
-  // and the layers' prompt q, k, v an observed decode step holds beyond the capture's own while it
-  // compares with their exact attention (LlamaDecoder::kExactLayersAtOnce a launch).
+  // and the layers' prompt q, k, v those steps' comparison holds beyond the capture's own
+  // (LlamaDecoder::kExactLayersAtOnce a call).
   p.attention += std::max<int64_t>(0, std::min<int64_t>(L, LlamaDecoder::kExactLayersAtOnce) -
                                           std::min<int64_t>(L, CapturedAttention::kSlots)) * T * row * 4;
   p.prefill_work = T * (3 * static_cast<int64_t>(f.hidden) + row + H * D + 3 * static_cast<int64_t>(f.intermediate)) * 4;

@@ -76,22 +76,22 @@ int DecodeRecorder::steps() const {
 
 void VisualAttentionRecorder::on_attention(const AttentionEvent& e) {
   if (e.phase != Phase::Decode) return;
-  std::vector<float> out(static_cast<size_t>(e.n_heads) * n_visual_, 0.0f);
-  const int G = e.n_heads / e.n_kv_heads;
-  for (int h = 0; h < e.n_heads; ++h) {
-    const int32_t* kp = e.key_pos + static_cast<size_t>(h / G) * e.n_k;
-    const float* p = e.probs + static_cast<size_t>(h) * e.n_k;
-    for (int j = 0; j < e.n_k; ++j) {
-      const int vi = kp[j] - first_;
-      if (kp[j] >= 0 && vi >= 0 && vi < n_visual_) out[static_cast<size_t>(h) * n_visual_ + vi] += p[j];
-    }
-  }
+  std::vector<float> out(static_cast<size_t>(e.n_heads) * n_visual_);
+  span_attention_sums(e.probs, e.key_pos, e.n_heads, e.n_kv_heads, e.n_k, first_, n_visual_, out.data());
+  keep(e.step, e.layer, e.n_heads, std::move(out));
+}
+
+void VisualAttentionRecorder::on_span_attention(int step, int layer, int n_heads, const float* sums) {
+  keep(step, layer, n_heads, std::vector<float>(sums, sums + static_cast<size_t>(n_heads) * n_visual_));
+}
+
+void VisualAttentionRecorder::keep(int step, int layer, int n_heads, std::vector<float> row) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (rows_.size() <= static_cast<size_t>(e.step)) rows_.resize(e.step + 1);
-  auto& by_layer = rows_[e.step];
-  if (by_layer.size() <= static_cast<size_t>(e.layer)) by_layer.resize(e.layer + 1);
-  n_heads_ = e.n_heads;
-  by_layer[e.layer] = std::move(out);
+  if (rows_.size() <= static_cast<size_t>(step)) rows_.resize(step + 1);
+  auto& by_layer = rows_[step];
+  if (by_layer.size() <= static_cast<size_t>(layer)) by_layer.resize(layer + 1);
+  n_heads_ = n_heads;
+  by_layer[layer] = std::move(row);
 }
 
 std::vector<float> VisualAttentionRecorder::attention(int step, int layer, int head) const {

@@ -104,6 +104,8 @@ class VisualAttentionRecorder : public AttentionObserver {
   bool reads_decode_kv() const override { return false; }
   bool reads_probabilities_only() const override { return true; }
   bool takes_concurrent_events() const override { return true; }
+  Span reads_span() const override { return {first_, n_visual_}; }
+  void on_span_attention(int step, int layer, int n_heads, const float* sums) override;
   int steps() const { return static_cast<int>(rows_.size()); }
   int n_visual() const { return n_visual_; }
   // [n_visual] for one step, layer and head; head = -1 gives the mean over heads. Empty when
@@ -115,6 +117,7 @@ class VisualAttentionRecorder : public AttentionObserver {
   int n_heads_ = 0;
   std::mutex mu_;  // rows_ while events of several layers come at once
   std::vector<std::vector<std::vector<float>>> rows_;  // [step][layer][head × n_visual]
+  void keep(int step, int layer, int n_heads, std::vector<float> row);
 };
 
 // Mean over query heads of the decode attention of steps < `steps` at `layer`, by key position:

@@ -512,6 +512,12 @@ class CudaBackend : public Backend {
     auto prof_scope = prof_.scope("recorded_attention", *ctx_);
     kv_recorded_attention(*ctx_, kv, layer, q_rows, l, positions, transform, out);
   }
+  bool recorded_span_attention(SeqKV& kv, int layer, const Buffer& q_rows, const AttnLayout& l,
+                               const std::vector<int32_t>& positions, const ScoreTransform* transform, int first, int n,
+                               std::vector<float>& out) override {
+    auto prof_scope = prof_.scope("recorded_span_attention", *ctx_);
+    return kv_recorded_span_attention(*ctx_, kv, layer, q_rows, l, positions, transform, first, n, out);
+  }
   bool exact_decode_attention(const Buffer& qkv, const AttnLayout& l, const Buffer& prompt, const AttnLayout& pl,
                               const ExtraRows& extra, ExactAttention& out) override {
     auto prof_scope = prof_.scope("exact_decode_attention", *ctx_);

@@ -82,6 +82,10 @@ void kv_collect_deferred(Context& ctx, SeqKV& kv, int layer, const ScoreTransfor
 void kv_recorded_attention(Context& ctx, SeqKV& kv, int layer, const Buffer& q_rows, const AttnLayout& l,
                            const std::vector<int32_t>& positions, const ScoreTransform* transform,
                            std::vector<RecordedAttention>& out);
+// Backend::recorded_span_attention (kv_decode.cu); false for a transform it cannot apply.
+bool kv_recorded_span_attention(Context& ctx, SeqKV& kv, int layer, const Buffer& q_rows, const AttnLayout& l,
+                                const std::vector<int32_t>& positions, const ScoreTransform* transform, int first,
+                                int n, std::vector<float>& out);
 // kv_rope_append and the plain kv_decode_attention in one kernel (the fp16 decode kernel rotates
 // q and the token's k, attends over the cache and the token's row, and appends the row); false
 // when the step needs the separate ops (prompt rows, host rows kept in step, a cache that is not

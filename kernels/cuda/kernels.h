@@ -291,6 +291,15 @@ inline bool mma_part(const PartDesc& d, bool staged) {
 void decode_attention(const DecodeParams& p, cudaStream_t s);
 // Raw scaled scores of every row into p.scores_out (no softmax).
 void decode_scores(const DecodeParams& p, cudaStream_t s);
+// Recorded queries' probabilities summed over a span of key positions (span_attention.cu): for
+// query i < n and query head h (KV head h / (n_heads / n_kv_heads): kv), rows r < segs[kv] +
+// seen[i] of scores[i][h][·] (`stride` apart), row r's code codes[kv][r] (`stride` a KV head; bit
+// 0: a visual row, code >> 1: its index in the span + 1, 0 outside it). With `calibrate`,
+// calibquant::calibrate_visual's g(x) (τ1, τ2) on the visual rows; then the softmax (exp in
+// float, the sum in double) added by span index into out[i][h][n_span] (zeroed first).
+void span_softmax_sums(const float* scores, int64_t stride, const int32_t* codes, const int32_t* segs,
+                       const int32_t* seen, int n, int n_heads, int n_kv_heads, bool calibrate, float tau1, float tau2,
+                       int n_span, float* out, cudaStream_t s);
 // probs[b][h][row] = exp(scores_in − max) / sum from p.md_out (after decode_attention).
 void decode_probs(const DecodeParams& p, float* probs, cudaStream_t s);
 // The kernel decode attention runs for a cache, as far as decode_splits is concerned: all parts

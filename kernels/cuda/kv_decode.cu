@@ -235,36 +235,43 @@ void kv_collect_deferred(Context& ctx, SeqKV& kv, int layer, const ScoreTransfor
   }
 }
 
-void kv_recorded_attention(Context& ctx, SeqKV& kv, int layer, const Buffer& q_rows, const AttnLayout& l,
-                           const std::vector<int32_t>& positions, const ScoreTransform* transform,
-                           std::vector<RecordedAttention>& out) {
-  CudaKV& C = as_cuda(kv.dev);
+namespace {
+
+// A layer's rows as recorded queries see them: per KV head the host's row index of each device
+// segment row (order), the host's positions and kinds of those rows in the host's order, and
+// the rows' stride in the scores (the most segment rows of a head plus the decode rows).
+struct RecordedRows {
+  std::vector<std::vector<int32_t>> order, pos;
+  std::vector<std::vector<SegmentKind>> kind;
+  int64_t stride = 1;
+};
+
+RecordedRows recorded_rows(const CudaKV& C, int layer) {
+  const DevLayer& d = C.layers[static_cast<size_t>(layer)];
+  RecordedRows r;
+  r.order = segment_order(C, layer);
+  r.pos.resize(static_cast<size_t>(C.NKV));
+  r.kind.resize(static_cast<size_t>(C.NKV));
+  for (int h = 0; h < C.NKV; ++h) {
+    for (const DevSeg& s : d.segs) {
+      r.pos[h].insert(r.pos[h].end(), s.pos[h].begin(), s.pos[h].end());
+      r.kind[h].insert(r.kind[h].end(), s.pos[h].size(), s.kind);
+    }
+    if (r.pos[h].size() != r.order[h].size()) throw InternalError("recorded_attention: segment rows disagree");
+    r.stride = std::max<int64_t>(r.stride, static_cast<int64_t>(r.order[h].size()) + d.tail.n);
+  }
+  return r;
+}
+
+// Every recorded query's raw scores by the decode's scoring kernel: [n][n_heads][stride].
+DevMem recorded_scores(Context& ctx, CudaKV& C, int layer, const Buffer& q_rows, const AttnLayout& l, int n,
+                       int64_t stride) {
   if (l.n_kv_heads != C.NKV || l.head_dim != C.D) throw InternalError("recorded_attention: cache shape differs");
-  const int n = static_cast<int>(positions.size());
   if (q_rows.rows() < n || q_rows.dt != Dt::F32)
     throw InternalError("recorded_attention: " + std::to_string(n) + " fp32 query rows expected");
-  out.assign(static_cast<size_t>(n), RecordedAttention{});
-  if (n == 0) return;
   C.build_tables(l.n_heads);
-  const int NH = l.n_heads, NKV = C.NKV, G = NH / NKV;
-  const DevLayer& d = C.layers[static_cast<size_t>(layer)];
-  // The host's row index of each device segment row, and the host's positions and kinds of those
-  // rows; the decode rows (the tail) follow in the same order on both sides.
-  const std::vector<std::vector<int32_t>> order = segment_order(C, layer);
-  std::vector<std::vector<int32_t>> seg_pos(static_cast<size_t>(NKV));
-  std::vector<std::vector<SegmentKind>> seg_kind(static_cast<size_t>(NKV));
-  int64_t stride = 1;
-  for (int h = 0; h < NKV; ++h) {
-    for (const DevSeg& s : d.segs) {
-      seg_pos[h].insert(seg_pos[h].end(), s.pos[h].begin(), s.pos[h].end());
-      seg_kind[h].insert(seg_kind[h].end(), s.pos[h].size(), s.kind);
-    }
-    if (seg_pos[h].size() != order[h].size()) throw InternalError("recorded_attention: segment rows disagree");
-    stride = std::max<int64_t>(stride, static_cast<int64_t>(order[h].size()) + d.tail.n);
-  }
-  // Every query's raw scores by the decode's scoring kernel, then one copy back.
-  const int64_t per = static_cast<int64_t>(NH) * stride;
-  DevMem S{ctx.alloc(n * per * 4, "recorded decode scores"), n * per * 4};
+  const int64_t per = static_cast<int64_t>(l.n_heads) * stride;
+  DevMem S{ctx.alloc(std::max<int64_t>(n * per * 4, 4), "recorded decode scores"), std::max<int64_t>(n * per * 4, 4)};
   Buffer none;
   DecodeParams p = layer_params(C, q_rows, l, layer, none);
   p.scores_stride = stride;
@@ -273,36 +280,98 @@ void kv_recorded_attention(Context& ctx, SeqKV& kv, int layer, const Buffer& q_r
     p.scores_out = S.as<float>() + i * per;
     decode_scores(p, ctx.stream);
   }
+  return S;
+}
+
+// How many of the cache's decode rows (the tail, ascending positions) the query at `position` saw.
+int rows_seen(const std::vector<int32_t>& tail_pos, int32_t position) {
+  return static_cast<int>(std::upper_bound(tail_pos.begin(), tail_pos.end(), position) - tail_pos.begin());
+}
+
+}  // namespace
+
+void kv_recorded_attention(Context& ctx, SeqKV& kv, int layer, const Buffer& q_rows, const AttnLayout& l,
+                           const std::vector<int32_t>& positions, const ScoreTransform* transform,
+                           std::vector<RecordedAttention>& out) {
+  CudaKV& C = as_cuda(kv.dev);
+  const int n = static_cast<int>(positions.size());
+  out.assign(static_cast<size_t>(n), RecordedAttention{});
+  if (n == 0) return;
+  const int NH = l.n_heads, NKV = C.NKV, G = NH / NKV;
+  const DevLayer& d = C.layers[static_cast<size_t>(layer)];
+  const RecordedRows rr = recorded_rows(C, layer);
+  const int64_t stride = rr.stride, per = static_cast<int64_t>(NH) * stride;
+  DevMem S = recorded_scores(ctx, C, layer, q_rows, l, n, stride);
   std::vector<float> raw(static_cast<size_t>(n * per));
   ctx.download(raw.data(), S.mem.get(), n * per * 4, "recorded decode scores");
   // In the host's order, transformed and softmaxed there: one query a task.
   const std::vector<int32_t>& tail_pos = d.tail.host_pos;
   parallel_for(n, 8, [&](int i) {
     RecordedAttention& r = out[static_cast<size_t>(i)];
-    const int seen = static_cast<int>(std::upper_bound(tail_pos.begin(), tail_pos.end(), positions[static_cast<size_t>(i)]) -
-                                      tail_pos.begin());
-    for (int h = 0; h < NKV; ++h) r.n_max = std::max(r.n_max, static_cast<int>(order[h].size()) + seen);
+    const int seen = rows_seen(tail_pos, positions[static_cast<size_t>(i)]);
+    for (int h = 0; h < NKV; ++h) r.n_max = std::max(r.n_max, static_cast<int>(rr.order[h].size()) + seen);
     const size_t nm = static_cast<size_t>(r.n_max);
     r.key_pos.assign(static_cast<size_t>(NKV) * nm, -1);
     r.key_kind.assign(r.key_pos.size(), SegmentKind::Generated);
     r.scores.assign(static_cast<size_t>(NH) * nm, -INFINITY);
     r.probs.assign(r.scores.size(), 0.0f);
     for (int h = 0; h < NKV; ++h) {
-      const size_t segs = order[h].size();
-      std::copy(seg_pos[h].begin(), seg_pos[h].end(), r.key_pos.begin() + h * nm);
-      std::copy(seg_kind[h].begin(), seg_kind[h].end(), r.key_kind.begin() + h * nm);
+      const size_t segs = rr.order[h].size();
+      std::copy(rr.pos[h].begin(), rr.pos[h].end(), r.key_pos.begin() + h * nm);
+      std::copy(rr.kind[h].begin(), rr.kind[h].end(), r.key_kind.begin() + h * nm);
       std::copy_n(tail_pos.begin(), seen, r.key_pos.begin() + h * nm + segs);
       const int rows = static_cast<int>(segs) + seen;
       for (int hd = h * G; hd < (h + 1) * G; ++hd) {
         const float* s = raw.data() + i * per + static_cast<int64_t>(hd) * stride;
         float* o = r.scores.data() + hd * nm;
-        for (size_t j = 0; j < segs; ++j) o[order[h][j]] = s[j];
+        for (size_t j = 0; j < segs; ++j) o[rr.order[h][j]] = s[j];
         std::copy_n(s + segs, seen, o + segs);
         if (transform && transform->any()) transform->apply(layer, hd, o, r.key_kind.data() + h * nm, rows);
         softmax_double_sum(o, rows, r.probs.data() + hd * nm);
       }
     }
   });
+}
+
+bool kv_recorded_span_attention(Context& ctx, SeqKV& kv, int layer, const Buffer& q_rows, const AttnLayout& l,
+                                const std::vector<int32_t>& positions, const ScoreTransform* transform, int first,
+                                int n_span, std::vector<float>& out) {
+  const bool cal = transform && transform->kind == ScoreTransform::Kind::Calibrate;
+  if (transform && transform->any() && !cal) return false;
+  CudaKV& C = as_cuda(kv.dev);
+  const int n = static_cast<int>(positions.size()), NH = l.n_heads, NKV = C.NKV;
+  if (n_span <= 0) throw InternalError("recorded_span_attention: an empty span");
+  out.assign(static_cast<size_t>(n) * NH * n_span, 0.0f);
+  if (n == 0) return true;
+  const DevLayer& d = C.layers[static_cast<size_t>(layer)];
+  const RecordedRows rr = recorded_rows(C, layer);
+  const int64_t stride = rr.stride;
+  DevMem S = recorded_scores(ctx, C, layer, q_rows, l, n, stride);
+  // Each row's code in the device's order (segments, then the decode rows), then the segment
+  // rows a KV head has, then the decode rows each query saw: one upload.
+  auto code = [&](int32_t pos, SegmentKind kind) {
+    const int64_t at = static_cast<int64_t>(pos) - first;
+    return (kind == SegmentKind::Visual ? 1 : 0) | (at >= 0 && at < n_span ? static_cast<int32_t>(at + 1) << 1 : 0);
+  };
+  std::vector<int32_t> host(static_cast<size_t>(NKV) * stride + NKV + n, 0);
+  for (int h = 0; h < NKV; ++h) {
+    int32_t* c = host.data() + h * stride;
+    const size_t segs = rr.order[h].size();
+    for (size_t j = 0; j < segs; ++j) c[j] = code(rr.pos[h][rr.order[h][j]], rr.kind[h][rr.order[h][j]]);
+    for (int t = 0; t < d.tail.n; ++t) c[segs + t] = code(d.tail.host_pos[t], SegmentKind::Generated);
+    host[static_cast<size_t>(NKV) * stride + h] = static_cast<int32_t>(segs);
+  }
+  for (int i = 0; i < n; ++i)
+    host[static_cast<size_t>(NKV) * stride + NKV + i] = rows_seen(d.tail.host_pos, positions[static_cast<size_t>(i)]);
+  const int64_t hb = static_cast<int64_t>(host.size()) * 4, ob = static_cast<int64_t>(out.size()) * 4;
+  DevMem codes{ctx.alloc(hb, "recorded span codes"), hb};
+  DevMem sums{ctx.alloc(ob, "recorded span sums"), ob};
+  ctx.upload(codes.mem.get(), host.data(), hb, "recorded span codes");
+  const int32_t* c = codes.as<int32_t>();
+  span_softmax_sums(S.as<float>(), stride, c, c + NKV * stride, c + NKV * stride + NKV, n, NH, NKV, cal,
+                    cal ? transform->tau1 : 0.0f, cal ? transform->tau2 : 0.0f, n_span, sums.as<float>(), ctx.stream);
+  ctx.download(out.data(), sums.mem.get(), ob, "recorded span sums");
+  return true;
 }
 
 void kv_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, SeqKV& kv, int layer,

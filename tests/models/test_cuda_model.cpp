@@ -7,10 +7,14 @@
 
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <mutex>
 #include <set>
+#include <tuple>
 
 #include <nlohmann/json.hpp>
 
@@ -19,6 +23,7 @@
 #include "kernels/backends.h"
 #include "app/lab/experiment.h"
 #include "app/lab/memory_plan.h"
+#include "models/llama.h"
 #include "models/model.h"
 #include "tests/policy_probe.h"
 #include "tests/recorder_check.h"
@@ -219,6 +224,34 @@ TEST(CudaModel, RunReportDiagnosticsAgreeWithCpu) {
       }
       EXPECT_NEAR(ra.layers[l].sparsity_decode, rb.layers[l].sparsity_decode, 0.05) << m << " layer " << l;
     }
+  }
+}
+
+// More diagnostic steps than a device decode puts off at once (LlamaWorkspace::kStashSlots): the
+// steps are handed over in two batches, each step compared with its own exact attention (its
+// query, and the generated rows as that step saw them). The mean diagnostics and each layer's
+// decode sparsity agree with the CPU's, which compares every step as it runs, within
+// RunReportDiagnosticsAgreeWithCpu's bounds; a step compared with another step's query or rows
+// would move them by far more.
+TEST(CudaModel, DiagnosticsOfMoreStepsThanADecodePutsOffAgreeWithCpu) {
+  NEED_GPU();
+  const RGBImage img = load_image(kt::source_dir() + "/assets/images/scene_000.png");
+  ExperimentOptions opt;
+  opt.max_new_tokens = 16;
+  opt.diag_steps = LlamaWorkspace::kStashSlots + 3;
+  const std::unique_ptr<Model> cpu = load_model(kEmbedded, {"cpu"}), gpu = load_model(kEmbedded, {"cuda"});
+  Experiment a = start_experiment(*cpu, img, opt), b = start_experiment(*gpu, img, opt);
+  ASSERT_EQ(a.full.generated_ids, b.full.generated_ids);
+  for (const char* m : {"snapkv:budget=0.3", "calibquant:bits=2"}) {
+    const Params p = parse_method_spec(m);
+    const MethodRun ra = run_method(*cpu, a, p, opt), rb = run_method(*gpu, b, p, opt);
+    EXPECT_EQ(ra.result.generated_ids, rb.result.generated_ids) << m;
+    EXPECT_LE(std::abs(ra.mean_softmax_mse - rb.mean_softmax_mse), 0.25 * ra.mean_softmax_mse + 1e-6) << m;
+    EXPECT_LE(std::abs(ra.mean_kl - rb.mean_kl), 0.25 * ra.mean_kl + 1e-6) << m;
+    EXPECT_LE(std::abs(ra.mean_output_error - rb.mean_output_error), 0.25 * ra.mean_output_error + 1e-4) << m;
+    ASSERT_EQ(ra.layers.size(), rb.layers.size());
+    for (size_t l = 0; l < ra.layers.size(); ++l)
+      EXPECT_NEAR(ra.layers[l].sparsity_decode, rb.layers[l].sparsity_decode, 0.05) << m << " layer " << l;
   }
 }
 
@@ -566,6 +599,94 @@ TEST(CudaModel, ObserversOfProbabilitiesAloneGetTheirEventsFromRecordedQueries) 
                                      : 0.02;
             EXPECT_LE(std::abs(double(x[i]) - ref[i]), bound) << where << " patch " << i;
           }
+        }
+  });
+}
+
+// The overlay's recorder, counting how its recorded steps came: as span sums or as events.
+class CountingRecorder final : public VisualAttentionRecorder {
+ public:
+  using VisualAttentionRecorder::VisualAttentionRecorder;
+  void on_attention(const AttentionEvent& e) override {
+    ++events;
+    VisualAttentionRecorder::on_attention(e);
+  }
+  void on_span_attention(int step, int layer, int n_heads, const float* sums) override {
+    ++spans;
+    VisualAttentionRecorder::on_span_attention(step, layer, n_heads, sums);
+  }
+  std::atomic<int> events{0}, spans{0};
+};
+
+// An observer of probabilities alone that reads no span: its recorded steps come as whole events
+// (recorded_attention: transform and softmax on the host), handed to a recorder; it keeps each
+// step's, layer's and head's largest finite |score| after the transform.
+class WholeRows final : public AttentionObserver {
+ public:
+  explicit WholeRows(VisualAttentionRecorder& to) : to_(to) {}
+  void on_attention(const AttentionEvent& e) override {
+    to_.on_attention(e);
+    std::lock_guard<std::mutex> l(mu_);
+    for (int h = 0; h < e.n_heads; ++h) {
+      float m = 0;
+      for (int j = 0; j < e.n_k; ++j) {
+        const float x = e.scores[static_cast<size_t>(h) * e.n_k + j];
+        if (std::isfinite(x)) m = std::max(m, std::abs(x));
+      }
+      top_[{e.step, e.layer, h}] = m;
+    }
+  }
+  bool reads_decode_kv() const override { return false; }
+  bool reads_probabilities_only() const override { return true; }
+  bool takes_concurrent_events() const override { return true; }
+  float top(int step, int layer, int head) const { return top_.at({step, layer, head}); }
+
+ private:
+  VisualAttentionRecorder& to_;
+  std::mutex mu_;
+  std::map<std::tuple<int, int, int>, float> top_;
+};
+
+// The overlay's recorded steps reduced on the device (Backend::recorded_span_attention: the span
+// sums alone cross to the host) against the same recorded queries' whole events reduced on the
+// host (recorded_attention, then span_attention_sums), for the full cache, SnapKV and calibrating
+// CalibQuant. Both score with the same kernel, so each probability differs by the softmax's and
+// g(x)'s roundings alone: expf's two ulps against the host's one and the final division's one
+// (4·2⁻²⁴ of the value); a calibrated score may round differently where one side fuses
+// a·(x − γ) + γ into an fma, by at most a few ulps of the scores' magnitude M (and of τ1, τ2):
+// 8·2⁻²⁴·(M + |τ1| + |τ2| + 1) in the exponent, twice (the row and the maximum) and again in the
+// sum: 32·2⁻²⁴·(M + |τ1| + |τ2| + 1) of the value. A visual position is one row of a head, so
+// no sum's order differs.
+TEST(CudaModel, RecordedStepsReduceToTheOverlaysSpanOnTheDevice) {
+  NEED_GPU();
+  for_three_methods([](const SampleRun& r, const GenerateOptions& u, KVPolicy* p0, KVPolicy* p1) {
+    const int n_visual = r.st.n_visual;
+    const auto at = std::find(r.st.kinds.begin(), r.st.kinds.end(), SegmentKind::Visual);
+    ASSERT_NE(at, r.st.kinds.end());
+    const int first = static_cast<int>(at - r.st.kinds.begin());
+    VisualAttentionRecorder whole(first, n_visual);
+    CountingRecorder spans(first, n_visual);
+    WholeRows rows(whole);
+    const DecodeResult a = r.gpu.decode(r.st, p0, u, {&rows});
+    const DecodeResult b = r.gpu.decode(r.st, p1, u, {&spans});
+    EXPECT_EQ(b.generated_ids, a.generated_ids);
+    ASSERT_EQ(whole.steps(), 7);
+    ASSERT_EQ(spans.steps(), 7);
+    EXPECT_EQ(spans.events.load(), 0);
+    EXPECT_EQ(spans.spans.load(), 7 * r.layers);
+    const ScoreTransform t = p1 ? p1->score_transform() : ScoreTransform{};
+    const int heads = r.gpu.info().n_heads;
+    for (int s = 0; s < 7; ++s)
+      for (int l = 0; l < r.layers; ++l)
+        for (int h = 0; h < heads; ++h) {
+          const std::vector<float> x = spans.attention(s, l, h), ref = whole.attention(s, l, h);
+          const std::string where = "step " + std::to_string(s) + " layer " + std::to_string(l) + " head " + std::to_string(h);
+          ASSERT_EQ(x.size(), static_cast<size_t>(n_visual)) << where;
+          ASSERT_EQ(ref.size(), x.size()) << where;
+          const double m = rows.top(s, l, h) + std::abs(t.tau1) + std::abs(t.tau2) + 1;
+          const double rel = std::ldexp(4.0 + 32 * m, -24);
+          for (int i = 0; i < n_visual; ++i)
+            EXPECT_LE(std::abs(double(x[i]) - ref[i]), ref[i] * rel + std::ldexp(1.0, -140)) << where << " patch " << i;
         }
   });
 }

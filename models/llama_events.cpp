@@ -1,0 +1,145 @@
+// The decode's observed steps handed over after they ran: steps put off to compare with the
+// capture together (hand_over_stashed) and steps whose queries were recorded on the device
+// (hand_over_recorded).
+#include <algorithm>
+
+#include "core/errors.h"
+#include "core/parallel.h"
+#include "models/llama.h"
+
+namespace kvlens {
+
+void LlamaDecoder::hand_over_stashed(LlamaWorkspace& w) const {
+  const int S = static_cast<int>(w.stash.size());
+  if (S == 0) return;
+  const int L = cfg.num_hidden_layers, NH = cfg.num_attention_heads, NKV = cfg.num_key_value_heads,
+            D = cfg.head_dim;
+  const AttnLayout lay = layout(1);
+  const CapturedAttention& capture = *w.stash.front().capture;
+  // The exact attention of every stashed step, kExactLayersAtOnce layers a call (those layers'
+  // prompt q/k/v recomputed once and held meanwhile): the calls' queries copied together.
+  std::vector<std::vector<ExactAttention>> exact(static_cast<size_t>(L));
+  const int G = std::min(kExactLayersAtOnce, L);
+  if (w.exact_q.rows() < static_cast<int64_t>(G) * S)
+    w.exact_q = be->alloc("step.exact_queries", {static_cast<int64_t>(G) * LlamaWorkspace::kStashSlots, lay.row_stride},
+                          Dt::F32);
+  for (int l0 = 0; l0 < L; l0 += G) {
+    const int n = std::min(G, L - l0);
+    std::vector<Buffer> held;
+    for (int l = l0; l < l0 + n; ++l) held.push_back(capture.layer_qkv(l));
+    std::vector<const Buffer*> prompts;
+    std::vector<ExtraRows> extras;
+    for (int l = l0; l < l0 + n; ++l)
+      for (int s = 0; s < S; ++s) {
+        const int job = static_cast<int>(prompts.size());
+        be->copy_block(w.stash_q, static_cast<int64_t>(l) * LlamaWorkspace::kStashSlots + s, 0, w.exact_q, job, 0, 1,
+                       lay.row_stride);
+        prompts.push_back(&held[static_cast<size_t>(l - l0)]);
+        extras.push_back(std::move(w.stash[static_cast<size_t>(s)].layers[static_cast<size_t>(l)].extra));
+      }
+    std::vector<ExactAttention> part;
+    if (!be->exact_decode_attention_layers(w.exact_q.row_view(0, n * S), lay, prompts, capture.layout(), extras, part))
+      throw InternalError("decode: the " + be->name() + " backend put observed steps off and computes no exact attention");
+    for (int l = l0; l < l0 + n; ++l)
+      for (int s = 0; s < S; ++s) exact[static_cast<size_t>(l)].push_back(std::move(part[static_cast<size_t>((l - l0) * S + s)]));
+  }
+  for (int s = 0; s < S; ++s) {
+    const StashedStep& st = w.stash[static_cast<size_t>(s)];
+    auto one = [&](int l) {
+      const StashedStep::Layer& x = st.layers[static_cast<size_t>(l)];
+      AttentionEvent e;
+      e.phase = Phase::Decode; e.layer = l; e.step = st.step; e.n_heads = NH; e.n_kv_heads = NKV;
+      e.n_q = 1; e.n_k = x.n_max; e.scores = x.scores.data(); e.probs = x.probs.data();
+      e.query_pos = &st.pos; e.key_pos = x.key_pos.data(); e.key_kind = x.key_kind.data();
+      e.q = st.q.data() + static_cast<size_t>(l) * lay.row_stride;
+      e.head_dim = D;
+      e.raw_scores = x.raw.data();
+      e.out = x.out.data();
+      e.exact = &exact[static_cast<size_t>(l)][static_cast<size_t>(s)];
+      for (AttentionObserver* o : st.observers) o->on_attention(e);
+    };
+    one(0);
+    // The other layers in parallel when every observer takes a step's events in any order.
+    if (L > 2 && std::all_of(st.observers.begin(), st.observers.end(),
+                             [](const AttentionObserver* o) { return o->takes_concurrent_events(); })) {
+      parallel_for(L - 1, 8, [&](int i) { one(i + 1); });
+    } else {
+      for (int l = 1; l < L; ++l) one(l);
+    }
+  }
+  w.stash.clear();
+}
+
+void LlamaDecoder::hand_over_recorded(SeqKV& kv, const std::vector<int>& steps, const std::vector<int32_t>& positions,
+                                      KVPolicy* policy, const std::vector<AttentionObserver*>& observers,
+                                      LlamaWorkspace& w) const {
+  const int n = static_cast<int>(steps.size());
+  if (n == 0) return;
+  if (n > w.record_slots || positions.size() != steps.size())
+    throw InternalError("decode: more recorded steps than slots, or steps and positions differ");
+  const int NH = cfg.num_attention_heads, NKV = cfg.num_key_value_heads, D = cfg.head_dim;
+  // The recorded rows hold q alone: a layout whose rows are n_heads · head_dim wide, q first.
+  AttnLayout ql = layout(n);
+  ql.q_col = 0;
+  ql.row_stride = static_cast<int64_t>(NH) * D;
+  const ScoreTransform transform = policy ? policy->score_transform() : ScoreTransform{};
+  const bool together = std::all_of(observers.begin(), observers.end(),
+                                    [](const AttentionObserver* o) { return o->takes_concurrent_events(); });
+  // A chunk of steps a call, so that their scores (on the backend) and events (here) stay near
+  // 256 MB however long the caption: each query's scores, transformed scores and probabilities
+  // over at most positions.back() + 1 keys.
+  const int64_t per_query = static_cast<int64_t>(NH) * (positions.back() + 1) * 12;
+  const int chunk = static_cast<int>(std::clamp<int64_t>((int64_t{256} << 20) / std::max<int64_t>(per_query, 1), 1, n));
+  // Observers that read one span's sums alone (the patch overlay) take them reduced where the
+  // cache is, when every observer of these steps reads the same span and the backend can.
+  AttentionObserver::Span span;
+  bool by_span = true;
+  for (AttentionObserver* o : observers) {
+    if (std::none_of(steps.begin(), steps.end(), [&](int s) { return o->reads_step(s); })) continue;
+    const AttentionObserver::Span x = o->reads_span();
+    if (span.n == 0) span = x;
+    by_span = by_span && x.n > 0 && x.first == span.first && x.n == span.n;
+  }
+  by_span = by_span && span.n > 0;
+  std::vector<float> sums;
+  std::vector<RecordedAttention> rec;
+  for (int l = 0; l < cfg.num_hidden_layers; ++l)
+    for (int c0 = 0; c0 < n; c0 += chunk) {
+      const int m = std::min(chunk, n - c0);
+      const std::vector<int32_t> at(positions.begin() + c0, positions.begin() + c0 + m);
+      const Buffer q_rows = w.recorded_q.row_view(static_cast<int64_t>(l) * w.record_slots + c0, m);
+      by_span = by_span && be->recorded_span_attention(kv, l, q_rows, ql, at, &transform, span.first, span.n, sums);
+      if (by_span) {
+        const size_t per = static_cast<size_t>(NH) * span.n;
+        auto one = [&](int i) {
+          const int step = steps[static_cast<size_t>(c0 + i)];
+          for (AttentionObserver* o : observers)
+            if (o->reads_step(step)) o->on_span_attention(step, l, NH, sums.data() + static_cast<size_t>(i) * per);
+        };
+        if (together) {
+          parallel_for(m, 8, one);
+        } else {
+          for (int i = 0; i < m; ++i) one(i);
+        }
+        continue;
+      }
+      be->recorded_attention(kv, l, q_rows, ql, at, &transform, rec);
+      auto one = [&](int i) {
+        const RecordedAttention& r = rec[static_cast<size_t>(i)];
+        AttentionEvent e;
+        e.phase = Phase::Decode; e.layer = l; e.step = steps[static_cast<size_t>(c0 + i)]; e.n_heads = NH;
+        e.n_kv_heads = NKV; e.n_q = 1; e.n_k = r.n_max; e.scores = r.scores.data(); e.probs = r.probs.data();
+        e.query_pos = &at[static_cast<size_t>(i)]; e.key_pos = r.key_pos.data(); e.key_kind = r.key_kind.data();
+        e.head_dim = D;
+        for (AttentionObserver* o : observers)
+          if (o->reads_step(e.step)) o->on_attention(e);
+      };
+      if (together) {
+        parallel_for(m, 8, one);
+      } else {
+        for (int i = 0; i < m; ++i) one(i);
+      }
+    }
+}
+
+}  // namespace kvlens
