@@ -46,7 +46,16 @@ __device__ double block_sum(double v, double* red) {
   return r;
 }
 
-// Query head hd of one query: the block's whole work (qs: D floats of shared memory).
+// Rows of values a block stages at once for the output (exact_attention_head), and the shared
+// memory it needs: the query, the tile of values, their probabilities and flags.
+__host__ __device__ inline int exact_tile_rows(int D) { return D <= 256 ? 32 : D <= 8192 ? 8192 / D : 1; }
+inline size_t exact_shared_bytes(int D) {
+  const int t = exact_tile_rows(D);
+  return (static_cast<size_t>(D) + static_cast<size_t>(t) * D + 2 * static_cast<size_t>(t)) * sizeof(float);
+}
+
+// Query head hd of one query: the block's whole work (qs: exact_shared_bytes(D) of shared
+// memory, the query first).
 __device__ void exact_attention_head(const ExactArgs& a, int hd, float* qs) {
   __shared__ float red_f[kThreads / 32];
   __shared__ double red_d[kThreads / 32];
@@ -90,11 +99,33 @@ __device__ void exact_attention_head(const ExactArgs& a, int hd, float* qs) {
   for (int j = threadIdx.x; j < n; j += kThreads)
     if (valid(j)) p[j] = static_cast<float>(p[j] / sum);
   __syncthreads();  // every thread's probabilities, before the output reads them all
-  for (int c = threadIdx.x; c < D; c += kThreads) {
+  // The output, channel c a thread: Σ_j double(p_j · v_j[c]) in ascending j. The rows come a
+  // tile at a time into shared memory (the block's loads all in flight at once), each row's
+  // probability with them (0 marks a row to skip: only valid rows are added).
+  const int tile = exact_tile_rows(D);
+  float* vt = qs + D;         // [tile][D]
+  float* pt = vt + tile * D;  // [tile]
+  int* ok = reinterpret_cast<int*>(pt + tile);
+  for (int c0 = 0; c0 < D; c0 += kThreads) {
+    const int c = c0 + static_cast<int>(threadIdx.x);
     double o = 0.0;
-    for (int j = 0; j < n; ++j)
-      if (valid(j)) o += static_cast<double>(p[j] * value(j)[c]);
-    a.out[static_cast<int64_t>(hd) * D + c] = o;
+    for (int j0 = 0; j0 < n; j0 += tile) {
+      const int m = min(tile, n - j0);
+      for (int x = threadIdx.x; x < m * D; x += kThreads) {
+        const int r = x / D, j = j0 + r;
+        vt[x] = valid(j) ? value(j)[x - r * D] : 0.0f;
+      }
+      for (int r = threadIdx.x; r < m; r += kThreads) {
+        pt[r] = p[j0 + r];
+        ok[r] = valid(j0 + r);
+      }
+      __syncthreads();
+      if (c < D)
+        for (int r = 0; r < m; ++r)
+          if (ok[r]) o += static_cast<double>(pt[r] * vt[r * D + c]);
+      __syncthreads();
+    }
+    if (c < D) a.out[static_cast<int64_t>(hd) * D + c] = o;
   }
 }
 
@@ -141,7 +172,12 @@ __global__ void __launch_bounds__(kThreads)
 
 void exact_attention_many(const ExactArgs* args, int n, int n_heads, int head_dim, cudaStream_t s) {
   if (n <= 0 || n_heads <= 0) return;
-  exact_attention_layers_kernel<<<dim3(n_heads, n), kThreads, static_cast<size_t>(head_dim) * sizeof(float), s>>>(args);
+  const size_t shared = exact_shared_bytes(head_dim);
+  if (shared > 48 * 1024)
+    KV_CUDA(cudaFuncSetAttribute(exact_attention_layers_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(shared)),
+            "exact_attention kernel's shared memory");
+  exact_attention_layers_kernel<<<dim3(n_heads, n), kThreads, shared, s>>>(args);
   KV_CUDA(cudaGetLastError(), "exact_attention kernel (several queries)");
 }
 
