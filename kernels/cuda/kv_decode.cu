@@ -263,7 +263,10 @@ RecordedRows recorded_rows(const CudaKV& C, int layer) {
   return r;
 }
 
-// Every recorded query's raw scores by the decode's scoring kernel: [n][n_heads][stride].
+// Every recorded query's raw scores by the decode's scoring kernel, [n][n_heads][stride], in one
+// launch: the queries as a batch of n sequences, each with the layer's part table (copied n
+// times on the device). Each query scores every decode row the cache holds; its caller reads
+// those it saw.
 DevMem recorded_scores(Context& ctx, CudaKV& C, int layer, const Buffer& q_rows, const AttnLayout& l, int n,
                        int64_t stride) {
   if (l.n_kv_heads != C.NKV || l.head_dim != C.D) throw InternalError("recorded_attention: cache shape differs");
@@ -272,14 +275,29 @@ DevMem recorded_scores(Context& ctx, CudaKV& C, int layer, const Buffer& q_rows,
   C.build_tables(l.n_heads);
   const int64_t per = static_cast<int64_t>(l.n_heads) * stride;
   DevMem S{ctx.alloc(std::max<int64_t>(n * per * 4, 4), "recorded decode scores"), std::max<int64_t>(n * per * 4, 4)};
+  if (n == 0) return S;
+  const int64_t tb = static_cast<int64_t>(C.NKV) * C.max_parts * static_cast<int64_t>(sizeof(PartDesc)),
+                nb = static_cast<int64_t>(C.NKV) * 4;
+  DevMem T{ctx.alloc(n * (tb + nb), "recorded queries' part tables"), n * (tb + nb)};
+  char* tables = T.as<char>();
+  const char* from = static_cast<const char*>(C.table.mem.get()) + layer * tb;
+  const char* counts = static_cast<const char*>(C.nparts.mem.get()) + layer * nb;
+  for (int i = 0; i < n; ++i) {
+    KV_CUDA(cudaMemcpyAsync(tables + i * tb, from, static_cast<size_t>(tb), cudaMemcpyDeviceToDevice, ctx.stream),
+            "recorded queries' part tables");
+    KV_CUDA(cudaMemcpyAsync(tables + n * tb + i * nb, counts, static_cast<size_t>(nb), cudaMemcpyDeviceToDevice,
+                            ctx.stream),
+            "recorded queries' part tables");
+  }
   Buffer none;
   DecodeParams p = layer_params(C, q_rows, l, layer, none);
+  p.B = n;
+  p.q_stride = l.row_stride;
+  p.parts = reinterpret_cast<const PartDesc*>(tables);
+  p.n_parts = reinterpret_cast<const int32_t*>(tables + n * tb);
+  p.scores_out = S.as<float>();
   p.scores_stride = stride;
-  for (int i = 0; i < n; ++i) {
-    p.q = q_rows.as<float>() + static_cast<int64_t>(i) * l.row_stride + l.q_col;
-    p.scores_out = S.as<float>() + i * per;
-    decode_scores(p, ctx.stream);
-  }
+  decode_scores(p, ctx.stream);
   return S;
 }
 

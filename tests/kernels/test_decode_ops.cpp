@@ -12,6 +12,7 @@
 #include "core/compress/method.h"
 #include "core/compress/quant_methods.h"
 #include "core/compress/policy.h"
+#include "core/observer.h"
 #include "tests/op_harness.h"
 #include "tests/held_attention.h"
 #include "tests/layout_check.h"
@@ -188,6 +189,68 @@ void check_bytes(const Side& g, const Side& cpu, int D, bool packed_only, const 
   }
 }
 
+// Queries recorded for later, scored in one launch as a batch (Backend::recorded_attention,
+// recorded_span_attention) against the same queries one call each: the same scores and
+// probabilities, bit for bit (each query's blocks compute alone), every query seeing the
+// decode rows at positions up to its own. The span's sums are the host's reduction of the
+// whole answer within the softmax's roundings (expf's two ulps and the final division:
+// 4·2⁻²⁴ of each value, and g(x)'s where a side fuses it: 32·2⁻²⁴·(M + |τ1| + |τ2| + 1)).
+void recorded_queries_case(const DecodeCase& c, Backend* be, SeqKV kv, int T, const KVPolicy* policy,
+                           const std::string& what) {
+  const int n = c.steps;
+  const AttnLayout l1 = layout_of(c, 1);
+  const std::vector<float> rows = randn(static_cast<size_t>(n) * l1.row_stride);
+  Buffer Q = make(*be, "recorded q", {n, l1.row_stride}, Dt::F32, rows);
+  std::vector<int32_t> at(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) at[static_cast<size_t>(i)] = T + i;
+  const ScoreTransform tr = policy ? policy->score_transform() : ScoreTransform{};
+  std::vector<RecordedAttention> all, one;
+  be->recorded_attention(kv, 0, Q, l1, at, &tr, all);
+  ASSERT_EQ(all.size(), static_cast<size_t>(n)) << what;
+  const int first = c.n_sys, span = c.n_vis;
+  std::vector<float> sums, sums1;
+  const bool by_span = be->recorded_span_attention(kv, 0, Q, l1, at, &tr, first, span, sums);
+  EXPECT_EQ(by_span, tr.kind != ScoreTransform::Kind::Host) << what;
+  for (int i = 0; i < n; ++i) {
+    const std::string w = what + " recorded query " + std::to_string(i);
+    be->recorded_attention(kv, 0, Q.row_view(i, 1), l1, {at[static_cast<size_t>(i)]}, &tr, one);
+    ASSERT_EQ(one.size(), 1u) << w;
+    const RecordedAttention &a = all[static_cast<size_t>(i)], &b = one[0];
+    EXPECT_EQ(a.n_max, b.n_max) << w;
+    EXPECT_EQ(a.key_pos, b.key_pos) << w;
+    EXPECT_EQ(a.scores, b.scores) << w;
+    EXPECT_EQ(a.probs, b.probs) << w;
+    // The decode rows it saw: those at positions up to its own (where no method moved decode
+    // rows out of the tail, as recording requires).
+    int tail = 0;
+    for (size_t j = 0; j < static_cast<size_t>(a.n_max); ++j) tail += a.key_pos[j] >= T;
+    if (!policy || !policy->acts_on_decode()) {
+      EXPECT_EQ(tail, i + 1) << w;
+    }
+    if (!by_span) continue;
+    ASSERT_TRUE(be->recorded_span_attention(kv, 0, Q.row_view(i, 1), l1, {at[static_cast<size_t>(i)]}, &tr, first,
+                                            span, sums1))
+        << w;
+    const size_t per = static_cast<size_t>(c.NH) * span;
+    const std::vector<float> x(sums.begin() + i * per, sums.begin() + (i + 1) * per);
+    EXPECT_EQ(x, sums1) << w;
+    std::vector<float> ref(per);
+    span_attention_sums(a.probs.data(), a.key_pos.data(), c.NH, c.NKV, a.n_max, first, span, ref.data());
+    for (int hd = 0; hd < c.NH; ++hd) {
+      float m = 0;
+      for (int j = 0; j < a.n_max; ++j) {
+        const float v = a.scores[static_cast<size_t>(hd) * a.n_max + j];
+        if (std::isfinite(v)) m = std::max(m, std::abs(v));
+      }
+      const double rel = std::ldexp(4.0 + 32 * (m + std::abs(tr.tau1) + std::abs(tr.tau2) + 1), -24);
+      for (int k = 0; k < span; ++k) {
+        const size_t e = static_cast<size_t>(hd) * span + k;
+        EXPECT_LE(std::abs(double(x[e]) - ref[e]), ref[e] * rel + std::ldexp(1.0, -140)) << w << " head " << hd << " patch " << k;
+      }
+    }
+  }
+}
+
 void run_case(const DecodeCase& c) {
   const int T = c.n_sys + c.n_vis + c.n_post;
   const AttnLayout lp = layout_of(c, T), l1 = layout_of(c, 1);
@@ -332,6 +395,7 @@ void run_case(const DecodeCase& c) {
       }
     }
   }
+  if (g && gpu.be->records_decode_queries()) recorded_queries_case(c, gpu.be, gpu.kv(), T, gpu.policy.get(), what);
 }
 
 // A plain decode step's fused RoPE + append (no host rows): the new K/V row in the device tail
