@@ -562,6 +562,29 @@ class HandOn final : public AttentionObserver {
   AttentionObserver& to_;
 };
 
+// The prompt position of the sample run's first visual token (−1: none).
+int first_visual(const SampleRun& r) {
+  const auto at = std::find(r.st.kinds.begin(), r.st.kinds.end(), SegmentKind::Visual);
+  return at == r.st.kinds.end() ? -1 : static_cast<int>(at - r.st.kinds.begin());
+}
+
+// Two recorders' attention over the patches at every step, layer and head: the same sizes, and
+// each patch within bound(step, layer, head, the reference's value).
+template <class Bound>
+void expect_same_patches(const VisualAttentionRecorder& x, const VisualAttentionRecorder& ref, int steps, int layers,
+                         int heads, int n_visual, const Bound& bound) {
+  for (int s = 0; s < steps; ++s)
+    for (int l = 0; l < layers; ++l)
+      for (int h = 0; h < heads; ++h) {
+        const std::vector<float> a = x.attention(s, l, h), b = ref.attention(s, l, h);
+        const std::string where = "step " + std::to_string(s) + " layer " + std::to_string(l) + " head " + std::to_string(h);
+        ASSERT_EQ(a.size(), static_cast<size_t>(n_visual)) << where;
+        ASSERT_EQ(b.size(), a.size()) << where;
+        for (int i = 0; i < n_visual; ++i)
+          EXPECT_LE(std::abs(double(a[i]) - b[i]), bound(s, l, h, b[i])) << where << " patch " << i;
+      }
+}
+
 // An observer that reads probabilities alone (the app's patch overlay) keeps no step on the host:
 // the steps run on the device as unobserved ones do, each layer's query kept there, and the
 // events come once the caption is done, computed from those queries over the cache as each step
@@ -573,10 +596,8 @@ class HandOn final : public AttentionObserver {
 TEST(CudaModel, ObserversOfProbabilitiesAloneGetTheirEventsFromRecordedQueries) {
   NEED_GPU();
   for_three_methods([](const SampleRun& r, const GenerateOptions& u, KVPolicy* p0, KVPolicy* p1) {
-    const int n_visual = r.st.n_visual;
-    const auto at = std::find(r.st.kinds.begin(), r.st.kinds.end(), SegmentKind::Visual);
-    ASSERT_NE(at, r.st.kinds.end());
-    const int first = static_cast<int>(at - r.st.kinds.begin());
+    const int n_visual = r.st.n_visual, first = first_visual(r);
+    ASSERT_GE(first, 0);
     VisualAttentionRecorder live(first, n_visual), recorded(first, n_visual);
     HandOn hand_on(live);
     const DecodeResult a = r.gpu.decode(r.st, p0, u, {&hand_on});
@@ -585,21 +606,9 @@ TEST(CudaModel, ObserversOfProbabilitiesAloneGetTheirEventsFromRecordedQueries) 
     // (8 new tokens: the first from the prefill, then 7 forwards)
     ASSERT_EQ(live.steps(), 7);
     ASSERT_EQ(recorded.steps(), 7);
-    const int heads = r.gpu.info().n_heads;
-    for (int s = 0; s < 7; ++s)
-      for (int l = 0; l < r.layers; ++l)
-        for (int h = 0; h < heads; ++h) {
-          const std::vector<float> x = recorded.attention(s, l, h), ref = live.attention(s, l, h);
-          const std::string where = "step " + std::to_string(s) + " layer " + std::to_string(l) + " head " + std::to_string(h);
-          ASSERT_EQ(x.size(), static_cast<size_t>(n_visual)) << where;
-          ASSERT_EQ(ref.size(), x.size()) << where;
-          for (int i = 0; i < n_visual; ++i) {
-            const double bound = s == 0 && l == 0
-                                     ? ref[i] * (std::ldexp(1.0, 10 - 24) + 4 * std::ldexp(1.0, -24)) + 1e-12
-                                     : 0.02;
-            EXPECT_LE(std::abs(double(x[i]) - ref[i]), bound) << where << " patch " << i;
-          }
-        }
+    expect_same_patches(recorded, live, 7, r.layers, r.gpu.info().n_heads, n_visual, [](int s, int l, int, double ref) {
+      return s == 0 && l == 0 ? ref * (std::ldexp(1.0, 10 - 24) + 4 * std::ldexp(1.0, -24)) + 1e-12 : 0.02;
+    });
   });
 }
 
@@ -660,10 +669,8 @@ class WholeRows final : public AttentionObserver {
 TEST(CudaModel, RecordedStepsReduceToTheOverlaysSpanOnTheDevice) {
   NEED_GPU();
   for_three_methods([](const SampleRun& r, const GenerateOptions& u, KVPolicy* p0, KVPolicy* p1) {
-    const int n_visual = r.st.n_visual;
-    const auto at = std::find(r.st.kinds.begin(), r.st.kinds.end(), SegmentKind::Visual);
-    ASSERT_NE(at, r.st.kinds.end());
-    const int first = static_cast<int>(at - r.st.kinds.begin());
+    const int n_visual = r.st.n_visual, first = first_visual(r);
+    ASSERT_GE(first, 0);
     VisualAttentionRecorder whole(first, n_visual);
     CountingRecorder spans(first, n_visual);
     WholeRows rows(whole);
@@ -675,19 +682,10 @@ TEST(CudaModel, RecordedStepsReduceToTheOverlaysSpanOnTheDevice) {
     EXPECT_EQ(spans.events.load(), 0);
     EXPECT_EQ(spans.spans.load(), 7 * r.layers);
     const ScoreTransform t = p1 ? p1->score_transform() : ScoreTransform{};
-    const int heads = r.gpu.info().n_heads;
-    for (int s = 0; s < 7; ++s)
-      for (int l = 0; l < r.layers; ++l)
-        for (int h = 0; h < heads; ++h) {
-          const std::vector<float> x = spans.attention(s, l, h), ref = whole.attention(s, l, h);
-          const std::string where = "step " + std::to_string(s) + " layer " + std::to_string(l) + " head " + std::to_string(h);
-          ASSERT_EQ(x.size(), static_cast<size_t>(n_visual)) << where;
-          ASSERT_EQ(ref.size(), x.size()) << where;
-          const double m = rows.top(s, l, h) + std::abs(t.tau1) + std::abs(t.tau2) + 1;
-          const double rel = std::ldexp(4.0 + 32 * m, -24);
-          for (int i = 0; i < n_visual; ++i)
-            EXPECT_LE(std::abs(double(x[i]) - ref[i]), ref[i] * rel + std::ldexp(1.0, -140)) << where << " patch " << i;
-        }
+    expect_same_patches(spans, whole, 7, r.layers, r.gpu.info().n_heads, n_visual, [&](int s, int l, int h, double ref) {
+      const double m = rows.top(s, l, h) + std::abs(t.tau1) + std::abs(t.tau2) + 1;
+      return ref * std::ldexp(4.0 + 32 * m, -24) + std::ldexp(1.0, -140);
+    });
   });
 }
 
