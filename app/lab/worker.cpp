@@ -134,19 +134,42 @@ void Worker::set_on_publish(std::function<void()> f) {
   on_publish_ = std::move(f);
 }
 
+void Retired::sweep() {
+  held_.erase(std::remove_if(held_.begin(), held_.end(),
+                             [](const std::shared_ptr<const void>& p) { return p.use_count() == 1; }),
+              held_.end());
+}
+
+void Worker::retire(const RunResult& r) {
+  retired_.add(r.run);
+  retired_.add(r.patches);
+  retired_.add(r.json);
+}
+
+void Worker::drop_runs() {
+  for (const auto& [id, r] : runs_) retire(r);
+  runs_.clear();
+}
+
 void Worker::build_report(const Setup& s) {
   const auto t0 = std::chrono::steady_clock::now();
   ordered_.clear();
+  std::string key = base_ && model_ ? std::to_string(reinterpret_cast<uintptr_t>(base_->json.get())) : "";
   for (const Setup::Method& m : s.methods) {
     auto it = runs_.find(m.id);
     if (it == runs_.end() || it->second.spec != m.params.spec()) continue;
     it->second.label = m.label;
     ordered_.push_back(it->second);
+    key += '\n' + std::to_string(m.id) + '\t' + std::to_string(reinterpret_cast<uintptr_t>(it->second.json.get())) +
+           '\t' + m.label;
   }
   if (!base_ || !model_) {
+    retired_.add(report_);
     report_.reset();
+    report_key_.clear();
     return;
   }
+  if (report_ && key == report_key_) return;  // the same parts: the same report
   // From the parts built once: the base, and each run's entry with its current label.
   auto report = std::make_shared<nlohmann::json>(*base_->json);
   for (const RunResult& r : ordered_) {
@@ -154,7 +177,9 @@ void Worker::build_report(const Setup& s) {
     if (!r.label.empty()) m["label"] = r.label;
     (*report)["methods"].push_back(std::move(m));
   }
+  retired_.add(report_);
   report_ = report;
+  report_key_ = key;
   report_ms_ = ms_since(t0);
 }
 
@@ -163,11 +188,23 @@ void Worker::loop() {
     Setup s;
     {
       std::unique_lock<std::mutex> l(mu_);
-      cv_.wait(l, [&] { return stop_ || want_version_ != idle_version_; });
-      if (stop_) return;
+      // Idle: what was retired is freed here once the snapshots that held it are gone.
+      for (;;) {
+        if (stop_) return;
+        if (want_version_ != idle_version_) break;
+        if (retired_.empty()) {
+          cv_.wait(l);
+          continue;
+        }
+        cv_.wait_for(l, std::chrono::milliseconds(50));
+        l.unlock();
+        retired_.sweep();
+        l.lock();
+      }
       s = want_;
       computing_version_ = want_version_;
     }
+    retired_.sweep();
     const auto t0 = std::chrono::steady_clock::now();
     try {
       // 1. The model.
@@ -176,9 +213,10 @@ void Worker::loop() {
         publish(true, "loading model");
         model_.reset();
         facts_.reset();
+        retired_.add(base_);
         base_.reset();
         base_key_.clear();
-        runs_.clear();
+        drop_runs();
         run_errors_.clear();
         model_key_ = model_key;
         model_error_.clear();
@@ -220,8 +258,9 @@ void Worker::loop() {
       const std::string bkey = base_key(s);
       if (base_key_ != bkey) {
         publish(true, "prefill");
+        retired_.add(base_);
         base_.reset();
-        runs_.clear();
+        drop_runs();
         run_errors_.clear();
         base_key_ = bkey;
         base_error_.clear();
@@ -271,8 +310,14 @@ void Worker::loop() {
         continue;
       }
       // 3. Compression + decode for the instances whose parameters changed.
-      for (auto it = runs_.begin(); it != runs_.end();)
-        it = find_method(s, it->first) ? std::next(it) : runs_.erase(it);
+      for (auto it = runs_.begin(); it != runs_.end();) {
+        if (find_method(s, it->first)) {
+          ++it;
+          continue;
+        }
+        retire(it->second);
+        it = runs_.erase(it);
+      }
       const Setup::Method* next = nullptr;
       std::vector<int> order = s.priority;
       for (const Setup::Method& m : s.methods)
@@ -314,6 +359,7 @@ void Worker::loop() {
           rr.run = run;
           rr.patches = rec;
           rr.ms = ms_since(t0);
+          if (auto old = runs_.find(id); old != runs_.end()) retire(old->second);
           runs_[id] = rr;
           run_errors_.erase(id);
           ++runs_done_;

@@ -96,6 +96,21 @@ struct Progress {
   bool busy = false;
 };
 
+// Objects kept alive until no one else holds them, then freed by sweep on the thread that calls
+// it (the worker: a snapshot's last holder, the app's UI thread, then never pays for freeing).
+class Retired {
+ public:
+  void add(std::shared_ptr<const void> p) {
+    if (p) held_.push_back(std::move(p));
+  }
+  void sweep();  // frees every object this list alone holds
+  bool empty() const { return held_.empty(); }
+  size_t size() const { return held_.size(); }
+
+ private:
+  std::vector<std::shared_ptr<const void>> held_;
+};
+
 class Worker {
  public:
   Worker();
@@ -117,6 +132,8 @@ class Worker {
   bool base_wanted(const std::string& key);
   bool run_wanted(int id, const std::string& spec, const std::string& base_key);
   void build_report(const Setup& s);
+  void retire(const RunResult& r);  // what replacing or dropping a run lets go
+  void drop_runs();                  // runs_ retired and cleared
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
@@ -138,7 +155,11 @@ class Worker {
   std::map<int, RunResult> runs_;
   std::map<int, std::pair<std::string, std::string>> run_errors_;  // id → (spec, message)
   std::shared_ptr<const nlohmann::json> report_;
+  std::string report_key_;  // what report_ was built from: build_report keeps an unchanged one
   double report_ms_ = 0;
+  // What the worker replaced and a snapshot may still hold (a report, a run, a prefill): freed on
+  // the worker thread once the snapshots that held it are gone.
+  Retired retired_;
   std::vector<RunResult> ordered_;
   uint64_t computing_version_ = 0;
   int runs_done_ = 0, runs_cancelled_ = 0;
