@@ -81,8 +81,8 @@ class AttentionObserver {
     int first = 0, n = 0;
   };
   virtual Span reads_span() const { return {}; }
-  // Recorded decode step `step`'s sums at `layer`: [n_heads][reads_span().n]. Called for the
-  // layers of a step from several threads at once only when takes_concurrent_events says so.
+  // Recorded decode step `step`'s sums at `layer`: [n_heads][reads_span().n]. Called for several
+  // steps or layers from several threads at once only when takes_concurrent_events says so.
   virtual void on_span_attention(int step, int layer, int n_heads, const float* sums) {}
 };
 

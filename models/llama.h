@@ -192,8 +192,9 @@ class LlamaDecoder {
   // backend that defers decode taps, is put off (ws.stash, at most kStashSlots at once): its taps,
   // positions and generated rows are kept as the step left them, and hand_over_stashed computes
   // every stashed step's exact attention together, each layer's prompt q/k/v recomputed once
-  // for all of them, and hands the events over in step order. The decode calls it once its
-  // steps are done.
+  // for all of them, and hands the stashed steps' events over in step order (after those of any
+  // step that was not put off). The decode calls it once its steps are done; a backend that
+  // defers decode taps computes exact attention (exact_decode_attention_layers), which this needs.
   void hand_over_stashed(LlamaWorkspace& ws) const;
   void record_queries(LlamaWorkspace& ws, int slots) const;
   void hand_over_recorded(SeqKV& kv, const std::vector<int>& steps, const std::vector<int32_t>& positions,

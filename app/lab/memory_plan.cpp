@@ -37,17 +37,22 @@ MemoryPlan plan_experiment(const Model& model, const ExperimentOptions& opt) {
   const int64_t value = device && opt.kv_storage == RowStorage::Fp16 ? 2 : 4;
   p.caches = 2 * L * KVH * (T + opt.max_new_tokens) * (2 * D * value + 4);
   // On a device, each decode step's queries kept for the observers that read them afterwards
-  // (LlamaDecoder::record_queries: every layer's q, fp32).
-  // and the queries of the observed steps put off to compare with the capture together
-  // (LlamaWorkspace::kStashSlots steps, every layer's q/k/v row, fp32, and one call's copy).
+  // (LlamaDecoder::record_queries: every layer's q, fp32), and the queries of the observed steps
+  // put off to compare with the capture together (LlamaWorkspace::kStashSlots steps, every
+  // layer's q/k/v row, fp32, and one call's copy).
+  const int64_t jobs = LlamaDecoder::kExactLayersAtOnce * LlamaWorkspace::kStashSlots;
   if (device)
     p.caches += L * opt.max_new_tokens * H * D * 4 +
                 (L + LlamaDecoder::kExactLayersAtOnce) * LlamaWorkspace::kStashSlots * row * 4;
   p.attention = H * T * T * 4 + T * H * D * 4;
-  // and the layers' prompt q, k, v those steps' comparison holds beyond the capture's own
-  // (LlamaDecoder::kExactLayersAtOnce a call).
+  // The layers' prompt q, k, v that comparison holds beyond the capture's own
+  // (LlamaDecoder::kExactLayersAtOnce a call), and on a device one call's arguments and results:
+  // for each of its steps and layers the generated rows (keys and values, fp32) and the scores,
+  // probabilities (fp32) and output (fp64) over every key.
   p.attention += std::max<int64_t>(0, std::min<int64_t>(L, LlamaDecoder::kExactLayersAtOnce) -
                                           std::min<int64_t>(L, CapturedAttention::kSlots)) * T * row * 4;
+  if (device)
+    p.attention += jobs * (KVH * opt.max_new_tokens * D * 8 + H * (T + opt.max_new_tokens) * 8 + H * D * 8);
   p.prefill_work = T * (3 * static_cast<int64_t>(f.hidden) + row + H * D + 3 * static_cast<int64_t>(f.intermediate)) * 4;
   return p;
 }

@@ -149,27 +149,32 @@ void Worker::retire(const RunResult& r) {
 void Worker::drop_runs() {
   for (const auto& [id, r] : runs_) retire(r);
   runs_.clear();
+  ordered_.clear();
 }
 
 void Worker::build_report(const Setup& s) {
   const auto t0 = std::chrono::steady_clock::now();
   ordered_.clear();
-  std::string key = base_ && model_ ? std::to_string(reinterpret_cast<uintptr_t>(base_->json.get())) : "";
+  // The report's parts, held while the report is (so that none is freed and its address reused),
+  // and the instances' ids and labels.
+  std::vector<std::shared_ptr<const void>> parts;
+  std::string labels;
+  if (base_ && model_) parts.push_back(base_->json);
   for (const Setup::Method& m : s.methods) {
     auto it = runs_.find(m.id);
     if (it == runs_.end() || it->second.spec != m.params.spec()) continue;
     it->second.label = m.label;
     ordered_.push_back(it->second);
-    key += '\n' + std::to_string(m.id) + '\t' + std::to_string(reinterpret_cast<uintptr_t>(it->second.json.get())) +
-           '\t' + m.label;
+    parts.push_back(it->second.json);
+    labels += std::to_string(m.id) + '\t' + m.label + '\n';
   }
   if (!base_ || !model_) {
     retired_.add(report_);
     report_.reset();
-    report_key_.clear();
+    report_parts_.clear();
     return;
   }
-  if (report_ && key == report_key_) return;  // the same parts: the same report
+  if (report_ && parts == report_parts_ && labels == report_labels_) return;  // the same parts: the same report
   // From the parts built once: the base, and each run's entry with its current label.
   auto report = std::make_shared<nlohmann::json>(*base_->json);
   for (const RunResult& r : ordered_) {
@@ -179,7 +184,8 @@ void Worker::build_report(const Setup& s) {
   }
   retired_.add(report_);
   report_ = report;
-  report_key_ = key;
+  report_parts_ = std::move(parts);
+  report_labels_ = std::move(labels);
   report_ms_ = ms_since(t0);
 }
 

@@ -155,7 +155,10 @@ class Worker {
   std::map<int, RunResult> runs_;
   std::map<int, std::pair<std::string, std::string>> run_errors_;  // id → (spec, message)
   std::shared_ptr<const nlohmann::json> report_;
-  std::string report_key_;  // what report_ was built from: build_report keeps an unchanged one
+  // What report_ was built from (build_report keeps an unchanged one): its parts, held, and the
+  // instances' ids and labels.
+  std::vector<std::shared_ptr<const void>> report_parts_;
+  std::string report_labels_;
   double report_ms_ = 0;
   // What the worker replaced and a snapshot may still hold (a report, a run, a prefill): freed on
   // the worker thread once the snapshots that held it are gone.

@@ -297,6 +297,8 @@ DevMem recorded_scores(Context& ctx, CudaKV& C, int layer, const Buffer& q_rows,
   p.n_parts = reinterpret_cast<const int32_t*>(tables + n * tb);
   p.scores_out = S.as<float>();
   p.scores_stride = stride;
+  // (The kernel reads its part table before its programmatic-launch wait: the copies above are
+  // not kernels, so it starts only once they are done.)
   decode_scores(p, ctx.stream);
   return S;
 }

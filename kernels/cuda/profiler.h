@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -13,7 +14,8 @@
 namespace kvlens::cuda {
 
 // Per-op timing with CUDA events (KVLENS_CUDA_PROFILE=1): each op records an event before and
-// after its launches; the report sums them per op name.
+// after its launches; the report sums them per op name. Ops called from several threads at once
+// (a decode step's layers collected in parallel) share the list under a lock.
 class Profiler {
  public:
   Profiler() : on_(std::getenv("KVLENS_CUDA_PROFILE") != nullptr) {}
@@ -23,7 +25,9 @@ class Profiler {
     size_t i;
     cudaStream_t s;
     ~Scope() {
-      if (p) cudaEventRecord(p->recs_[i].b, s);
+      if (!p) return;
+      std::lock_guard<std::mutex> l(p->mu_);
+      cudaEventRecord(p->recs_[i].b, s);
     }
   };
   Scope scope(const char* name, const Context& ctx) {
@@ -33,10 +37,12 @@ class Profiler {
     cudaEventCreate(&r.a);
     cudaEventCreate(&r.b);
     cudaEventRecord(r.a, ctx.stream);
+    std::lock_guard<std::mutex> l(mu_);
     recs_.push_back(r);
     return {this, recs_.size() - 1, ctx.stream};
   }
   std::vector<std::pair<std::string, double>> report() {
+    std::lock_guard<std::mutex> l(mu_);
     std::vector<std::pair<std::string, double>> out;
     for (Rec& r : recs_) {
       cudaEventSynchronize(r.b);
@@ -58,6 +64,7 @@ class Profiler {
     cudaEvent_t a, b;
   };
   bool on_;
+  std::mutex mu_;  // recs_
   std::vector<Rec> recs_;
 };
 
