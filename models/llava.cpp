@@ -410,10 +410,12 @@ DecodeResult LlavaModel::decode(const PrefillState& st, KVPolicy* policy, const 
       ++pos;
     }
     ws.record_slot = -1;
+    const auto t2 = std::chrono::steady_clock::now();
     in_model(dir_, [&] {
       text_.hand_over_stashed(ws);
       text_.hand_over_recorded(kv, rec_steps, rec_pos, policy, observers, ws);
     });
+    r.handover_ms = ms_since(t2);
   } else if (!take(0)) {
     // Forward `step` consumes generated token `step`. While the host waits for its logits, the
     // next forward is already running on the device from the token the device chose itself; it

@@ -197,8 +197,10 @@ SessionBench bench_session(const Session& s, const std::string& model_dir, const
       if (r.id == id && r.spec == spec && r.run) {
         t.compress_ms = r.run->result.compress_ms;
         t.decode_ms = r.run->result.decode_ms;
+        t.handover_ms = r.run->result.handover_ms;
         t.diagnostics_ms = std::max(0.0, r.run_ms - t.compress_ms - t.decode_ms);
         t.report_ms = r.json_ms + snap->report_ms;
+        t.other_ms = std::max(0.0, t.caption_ms - t.compress_ms - t.decode_ms - t.diagnostics_ms - t.report_ms);
       }
     snap = wait(idle(v));
     t.ready_ms = ms_since(t0);

@@ -174,6 +174,7 @@ TEST(Cli, BenchSessionTimesEachEdit) {
                          " --edit 1:tau1=0.5 --edit 'calibquant:bits=2:tau2=2'");
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_NE(r.output.find("caption ms"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("hand-over"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("tau1 = 0.5"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("calibquant:bits=2: tau2 = 2"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("median"), std::string::npos) << r.output;

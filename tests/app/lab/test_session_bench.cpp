@@ -89,6 +89,11 @@ TEST(SessionBench, ReplaysEditsThroughTheWorker) {
   for (const EditTiming& t : b.edits) {
     EXPECT_GT(t.caption_ms, 0.0) << t.spec;
     EXPECT_LE(t.caption_ms, t.ready_ms) << t.spec;
+    // The caption's parts add up to it (other: the rest), the hand-over is part of the decode.
+    EXPECT_GE(t.other_ms, 0.0) << t.spec;
+    EXPECT_NEAR(t.compress_ms + t.decode_ms + t.diagnostics_ms + t.report_ms + t.other_ms, t.caption_ms, 1e-6) << t.spec;
+    EXPECT_GE(t.handover_ms, 0.0) << t.spec;
+    EXPECT_LE(t.handover_ms, t.decode_ms) << t.spec;
     EXPECT_NE(t.spec.find(t.edit.param + "=" + t.edit.value), std::string::npos) << t.spec;
     const MethodRun r = run_method(*m, ex, parse_method_spec(t.spec), opt);
     EXPECT_EQ(t.caption, r.result.text) << t.spec;
