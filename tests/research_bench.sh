@@ -4,7 +4,7 @@
 # path's prefill with capture and its memory; `kvlens run` per method (every diagnostic, 32 new
 # tokens) gives the wall time, the report's timings and the peak host memory. With
 # KVLENS_BASE_BUILD=DIR the same runs with that build's kvlens too (a before/after in one call).
-# Then `kvlens bench session` times the app's loop on the same methods (this build only).
+# Then `kvlens bench session` times the app's loop on the same methods (with each build).
 # Logs and JSON go to $KVLENS_GPU_OUT (./gpu_out); a short table is printed last.
 #
 #   tests/research_bench.sh [METHOD ...]      default: snapkv calibquant:bits=1 lookm
@@ -57,14 +57,19 @@ for bin in "$BUILD/kvlens" ${KVLENS_BASE_BUILD:+"$KVLENS_BASE_BUILD/kvlens"}; do
 done
 
 # The app's loop at this shape: the same methods as one session, each method's first number
-# parameter edited once (kvlens bench session), this build only; its table is printed last.
+# parameter edited once (kvlens bench session), with this build and, when given, the base build
+# (a base too old for the session command leaves its note); the tables are printed last.
 python3 - "$OUT/session.json" "$PROMPT" $METHODS <<'PY'
 import json, sys
 json.dump({"kvlens_session": 1, "name": "research bench", "prompt": sys.argv[2], "max_new_tokens": 32,
            "methods": sys.argv[3:]}, open(sys.argv[1], "w"))
 PY
-"$BUILD/kvlens" bench session --backend cuda --model "$CK" --image "$IMG" --session "$OUT/session.json" \
-  --json "$OUT/bench_session.json" > "$OUT/bench_session.txt" 2>&1 || echo "bench session exit $?" >> "$OUT/bench_session.txt"
+for bin in "$BUILD/kvlens" ${KVLENS_BASE_BUILD:+"$KVLENS_BASE_BUILD/kvlens"}; do
+  tag=$(basename "$(dirname "$bin")")
+  "$bin" bench session --backend cuda --model "$CK" --image "$IMG" --session "$OUT/session.json" \
+    --json "$OUT/bench_session_$tag.json" > "$OUT/bench_session_$tag.txt" 2>&1 ||
+    echo "bench session exit $?" >> "$OUT/bench_session_$tag.txt"
+done
 
 python3 - "$OUT" "$BUILD" "${KVLENS_BASE_BUILD:-}" $METHODS <<'PY'
 import json, os, sys
@@ -137,6 +142,9 @@ if len(builds) == 2:
                 x, y = ma.get(k, 0.0), mb.get(k, 0.0)
                 print("  %-22s   %-28s %.6g against %.6g (relative %.2g)" % ("", k, x, y, abs(x - y) / max(abs(y), 1e-300)))
 PY
-echo
-echo "the app's loop (kvlens bench session, $(basename "$BUILD")):"
-cat "$OUT/bench_session.txt"
+for b in "$BUILD" ${KVLENS_BASE_BUILD:+"$KVLENS_BASE_BUILD"}; do
+  tag=$(basename "$b")
+  echo
+  echo "the app's loop (kvlens bench session, $tag):"
+  cat "$OUT/bench_session_$tag.txt"
+done
