@@ -264,16 +264,16 @@ class Backend {
   virtual bool attention_reduce(const Buffer& qkv, const AttnLayout& l, const AttentionReduction& r) {
     return false;
   }
-  // LOOK-M's assignment (Eq. 9) of one layer's KV heads at once: for head h, for each row e of
+  // LOOK-M's assignment (Eq. 9) of one layer's KV heads at once: out[h] holds, for each row e of
   // k[h] [n_h][d] (host, fp32) that keep[h] (ascending, distinct, not empty) does not list, in
-  // ascending e (evicted[h]), the kept row best[h][i] of largest cosine similarity and that
-  // similarity sim[h][i], every dot product and norm added in double in ascending component order
-  // from 0.0 (a zero norm: similarity 0), ties to the earlier kept row — the host's lookm_assign
-  // bit for bit. Every head's rows go over in one copy and the results come back in one. False
-  // where the backend has no such op.
+  // ascending e, {e, the kept row c of largest cosine similarity, that similarity s}, every dot
+  // product and norm added in double in ascending component order from 0.0 (a zero norm:
+  // similarity 0), ties to the earlier kept row — the host's lookm_assign bit for bit. Every
+  // head's rows go over in one copy and the results come back in one. False where the backend
+  // has no such op.
   virtual bool cosine_assign(int d, const std::vector<const std::vector<float>*>& k,
-                             const std::vector<const std::vector<int>*>& keep, std::vector<std::vector<int>>& evicted,
-                             std::vector<std::vector<int>>& best, std::vector<std::vector<double>>& sim) {
+                             const std::vector<const std::vector<int>*>& keep,
+                             std::vector<std::vector<RowAssignment>>& out) {
     return false;
   }
 

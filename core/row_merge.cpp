@@ -1,5 +1,6 @@
 #include "core/row_merge.h"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -22,17 +23,8 @@ void merge_rows(MergeKind kind, int d, const std::vector<RowAssignment>& contrib
   if (d < 1 || k.size() % static_cast<size_t>(d) != 0 || v.size() != k.size())
     throw InternalError("merge_rows: k/v are not [n][d]");
   const int n = static_cast<int>(k.size() / static_cast<size_t>(d));
-  count.assign(static_cast<size_t>(n), 0);
-  for (const RowAssignment& a : contrib) {
-    if (a.e < 0 || a.e >= n || a.c < 0 || a.c >= n || a.e == a.c)
-      throw InternalError("merge_rows: row " + std::to_string(a.e) + " into row " + std::to_string(a.c) + " of " +
-                          std::to_string(n));
-    ++count[static_cast<size_t>(a.c)];
-  }
+  count = contribution_counts(contrib, n, kind != MergeKind::None, "merge_rows");
   if (kind == MergeKind::None) return;
-  for (const RowAssignment& a : contrib)
-    if (count[static_cast<size_t>(a.e)] != 0)
-      throw InternalError("merge_rows: row " + std::to_string(a.e) + " is both merged and merged into");
   std::vector<double> acc_k(k.size(), 0.0), acc_v(k.size(), 0.0);
   for (const RowAssignment& a : contrib) {
     const size_t e = static_cast<size_t>(a.e) * d, c = static_cast<size_t>(a.c) * d;
@@ -57,6 +49,22 @@ void merge_rows(MergeKind kind, int d, const std::vector<RowAssignment>& contrib
       v[i] = static_cast<float>((v[i] + acc_v[i]) * w);
     }
   }
+}
+
+std::vector<int> contribution_counts(const std::vector<RowAssignment>& contrib, int n, bool sources_unmerged,
+                                     const std::string& what) {
+  std::vector<int> count(static_cast<size_t>(std::max(n, 0)), 0);
+  for (const RowAssignment& a : contrib) {
+    if (a.e < 0 || a.e >= n || a.c < 0 || a.c >= n || a.e == a.c)
+      throw InternalError(what + ": row " + std::to_string(a.e) + " into row " + std::to_string(a.c) + " of " +
+                          std::to_string(n));
+    ++count[static_cast<size_t>(a.c)];
+  }
+  if (sources_unmerged)
+    for (const RowAssignment& a : contrib)
+      if (count[static_cast<size_t>(a.e)] != 0)
+        throw InternalError(what + ": row " + std::to_string(a.e) + " is both merged and merged into");
+  return count;
 }
 
 }  // namespace kvlens

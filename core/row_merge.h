@@ -2,6 +2,7 @@
 // LOOK-M method runs on host rows and that every backend's merge where the cache is
 // (Backend::kv_merge_rows) equals bit for bit.
 #pragma once
+#include <string>
 #include <vector>
 
 namespace kvlens {
@@ -29,5 +30,10 @@ struct RowAssignment {
 // matter. MergeKind::None leaves the rows and counts every contribution.
 void merge_rows(MergeKind kind, int d, const std::vector<RowAssignment>& contrib, std::vector<float>& k,
                 std::vector<float>& v, std::vector<int>& count);
+// count[c] = the contributions to row c of n rows. Throws InternalError (its text starting with
+// `what`) for a row out of range or merged into itself and, with `sources_unmerged`, for a row
+// both merged and merged into (what a merge requires).
+std::vector<int> contribution_counts(const std::vector<RowAssignment>& contrib, int n, bool sources_unmerged,
+                                     const std::string& what);
 
 }  // namespace kvlens

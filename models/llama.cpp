@@ -434,66 +434,28 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
   if (staged && w.qkv_layers.empty())
     w.qkv_layers = be->alloc("step.qkv_of_each_layer", {cfg.num_hidden_layers, lay.row_stride}, Dt::F32);
 
-  // The taps of layer l's event, sized by the rows the host store holds (a staged step reuses one
-  // Taps for every layer: collect_deferred writes each entry it is given); then the event
-  // itself, handed to the observers (q_dev: the layer's qkv on the backend, q_host on the host).
-  struct Taps {
-    std::vector<float> scores, probs, raw, out;
-    DecodeTaps taps;
-  };
-  auto size_taps = [&](Taps& t, int l) {
-    int n_max = 0;
-    for (int h = 0; h < NKV; ++h) n_max = std::max(n_max, kv.host->n_rows(l, h));
-    t.scores.resize(static_cast<size_t>(NH) * n_max);
-    t.probs.resize(t.scores.size());
-    t.taps.scores = t.scores.data();
-    t.taps.probs = t.probs.data();
-    t.taps.n_max = n_max;
-    if (capture) {
-      t.raw.resize(t.scores.size());
-      t.out.resize(static_cast<size_t>(NH) * D);
-      t.taps.raw_scores = t.raw.data();
-      t.taps.out = t.out.data();
-    }
-  };
-  // (exact_done: the layer's exact attention, when already computed with every other layer's)
-  auto hand_over = [&](int l, Taps& t, const Buffer& q_dev, const float* q_host, ExactAttention* exact_done) {
-    const int n_max = t.taps.n_max;
-    ExactAttention own;
-    ExactAttention& exact = exact_done ? *exact_done : own;
+  // Layer l's event, its taps filled (q_dev: the layer's qkv on the backend, q_host on the host),
+  // with the rows or the exact attention its observers read, handed to them.
+  auto hand_over = [&](int l, LayerTaps& t, const Buffer& q_dev, const float* q_host) {
+    ExactAttention exact;
     const bool has_exact =
-        capture && (exact_done || be->exact_decode_attention(q_dev, lay, capture->layer_qkv(l), capture->layout(),
-                                                             rows_from(*kv.host, l, capture->prompt_len()), own));
+        capture && be->exact_decode_attention(q_dev, lay, capture->layer_qkv(l), capture->layout(),
+                                              rows_from(*kv.host, l, capture->prompt_len()), exact);
     const bool rows = std::any_of(observers.begin(), observers.end(), [&](const AttentionObserver* o) {
       return o->reads_decode_kv() && !(has_exact && o->compares_to());
     });
-    std::vector<int32_t> key_pos(static_cast<size_t>(NKV) * n_max, -1);
-    std::vector<SegmentKind> key_kind(key_pos.size(), SegmentKind::Generated);
-    std::vector<float> keys(rows ? static_cast<size_t>(NKV) * n_max * D : 0, 0.0f), vals(keys.size(), 0.0f);
+    take_positions(*kv.host, l, t);
+    std::vector<float> keys(rows ? static_cast<size_t>(NKV) * t.n_max * D : 0, 0.0f), vals(keys.size(), 0.0f);
     std::vector<float> K, V;
     std::vector<int32_t> P;
-    std::vector<SegmentKind> S;
-    for (int h = 0; h < NKV; ++h) {
-      if (rows) {
-        kv.host->gather(l, h, K, V, P, &S);
-        std::copy(K.begin(), K.end(), keys.begin() + static_cast<size_t>(h) * n_max * D);
-        std::copy(V.begin(), V.end(), vals.begin() + static_cast<size_t>(h) * n_max * D);
-      } else {
-        kv.host->positions(l, h, P, S);
-      }
-      std::copy(P.begin(), P.end(), key_pos.begin() + static_cast<size_t>(h) * n_max);
-      std::copy(S.begin(), S.end(), key_kind.begin() + static_cast<size_t>(h) * n_max);
+    for (int h = 0; rows && h < NKV; ++h) {
+      kv.host->gather(l, h, K, V, P);
+      std::copy(K.begin(), K.end(), keys.begin() + static_cast<size_t>(h) * t.n_max * D);
+      std::copy(V.begin(), V.end(), vals.begin() + static_cast<size_t>(h) * t.n_max * D);
     }
-    AttentionEvent e;
-    e.phase = Phase::Decode; e.layer = l; e.step = step; e.n_heads = NH; e.n_kv_heads = NKV;
-    e.n_q = 1; e.n_k = n_max; e.scores = t.scores.data(); e.probs = t.probs.data();
-    e.query_pos = &pos; e.key_pos = key_pos.data(); e.key_kind = key_kind.data();
-    e.q = q_host; e.k = rows ? keys.data() : nullptr; e.v = rows ? vals.data() : nullptr;
-    e.head_dim = D;
-    if (capture) {
-      e.raw_scores = t.raw.data();
-      e.out = t.out.data();
-    }
+    AttentionEvent e = layer_event(t, l, step, &pos, q_host);
+    e.k = rows ? keys.data() : nullptr;
+    e.v = rows ? vals.data() : nullptr;
     if (has_exact) e.exact = &exact;
     for (AttentionObserver* o : observers) o->on_attention(e);
   };
@@ -535,12 +497,11 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
         be->decode_attention_deferred(w.qkv, lay, kv, l, &transform, w.a, capture != nullptr);
         be->copy_block(w.qkv, 0, 0, w.qkv_layers, l, 0, 1, lay.row_stride);
       } else if (want) {
-        Taps t;
-        size_taps(t, l);
-        be->decode_attention(w.qkv, lay, kv, l, &transform, w.a, t.taps);
+        LayerTaps t;
+        be->decode_attention(w.qkv, lay, kv, l, &transform, w.a, size_taps(*kv.host, l, capture != nullptr, t));
         w.qkv_host.resize(static_cast<size_t>(w.qkv.numel()));
         be->download(w.qkv, w.qkv_host.data());
-        hand_over(l, t, w.qkv, w.qkv_host.data(), nullptr);
+        hand_over(l, t, w.qkv, w.qkv_host.data());
       } else if (!plain) {
         be->decode_attention(w.qkv, lay, kv, l, &transform, w.a, DecodeTaps{});
       }
@@ -578,23 +539,8 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
         st.layers.resize(static_cast<size_t>(L));
         auto keep = [&](int l) {
           StashedStep::Layer& x = st.layers[static_cast<size_t>(l)];
-          Taps t;
-          size_taps(t, l);
-          be->collect_deferred(kv, l, &transform, t.taps);
-          x.n_max = t.taps.n_max;
-          x.scores = std::move(t.scores);
-          x.probs = std::move(t.probs);
-          x.raw = std::move(t.raw);
-          x.out = std::move(t.out);
-          x.key_pos.assign(static_cast<size_t>(NKV) * x.n_max, -1);
-          x.key_kind.assign(x.key_pos.size(), SegmentKind::Generated);
-          std::vector<int32_t> P;
-          std::vector<SegmentKind> S;
-          for (int h = 0; h < NKV; ++h) {
-            kv.host->positions(l, h, P, S);
-            std::copy(P.begin(), P.end(), x.key_pos.begin() + static_cast<size_t>(h) * x.n_max);
-            std::copy(S.begin(), S.end(), x.key_kind.begin() + static_cast<size_t>(h) * x.n_max);
-          }
+          be->collect_deferred(kv, l, &transform, size_taps(*kv.host, l, true, x));
+          take_positions(*kv.host, l, x);
           x.extra = rows_from(*kv.host, l, capture->prompt_len());
         };
         keep(0);  // (the first layer's collect fetches every layer's taps)
@@ -602,28 +548,12 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
         w.stash.push_back(std::move(st));
         return;
       }
-      auto one = [&](int l, Taps& t) {
-        size_taps(t, l);
-        be->collect_deferred(kv, l, &transform, t.taps);
-        hand_over(l, t, w.qkv_layers.row_view(l, 1), q_all.data() + static_cast<size_t>(l) * lay.row_stride,
-                  nullptr);
-      };
-      Taps t;
-      one(0, t);  // (the first layer's collect fetches every layer's taps)
-      // The other layers in parallel when every observer takes a step's events in any order
-      // (their work is the host's alone).
-      const bool together = L > 2 && std::all_of(observers.begin(), observers.end(),
-                                        [](const AttentionObserver* o) { return o->takes_concurrent_events(); });
-      if (together) {
-        // Threads of their own (core/parallel.h): this is the host's side of a device step, not a
-        // CPU model's loops (which run on one thread by default).
-        parallel_for(L - 1, 8, [&](int i) {
-          Taps u;
-          one(i + 1, u);
-        });
-      } else {
-        for (int l = 1; l < L; ++l) one(l, t);
-      }
+      // (the first layer's collect fetches every layer's taps; the others are the host's work alone)
+      each_layer(observers, [&](int l) {
+        LayerTaps t;
+        be->collect_deferred(kv, l, &transform, size_taps(*kv.host, l, false, t));
+        hand_over(l, t, w.qkv_layers.row_view(l, 1), q_all.data() + static_cast<size_t>(l) * lay.row_stride);
+      });
     }
   };
   // Replay is allowed only for steps with no host-side work; the key changes whenever the

@@ -4,6 +4,7 @@
 // Attention in decode reads the KV cache as it is; the policy and observers are called at one
 // hook point each.
 #pragma once
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <utility>
@@ -30,21 +31,27 @@ struct LlamaLayer {
 
 class CapturedAttention;
 
+// What a decode layer's event carries of its step: [n_heads][n_max] scores, raw scores (before
+// the score transform) and probabilities, the [n_heads][head_dim] output (raw and out empty unless
+// the step compares with a capture), and the rows' positions and kinds ([n_kv_heads][n_max], −1
+// past a head's rows).
+struct LayerTaps {
+  int n_max = 0;
+  std::vector<float> scores, probs, raw, out;
+  std::vector<int32_t> key_pos;
+  std::vector<SegmentKind> key_kind;
+};
+
 // An observed decode step whose events wait for its exact attention (LlamaDecoder::
-// hand_over_stashed): what its observers are given, as the step left it. Per layer the taps
-// ([n_heads][n_max] scores, raw scores and probabilities, [n_heads][head_dim] output), its rows'
-// positions and kinds ([n_kv_heads][n_max], −1 past a head's rows) and its generated rows.
+// hand_over_stashed): what its observers are given, as the step left it. Per layer its taps and
+// its generated rows.
 struct StashedStep {
   int step = 0;
   int32_t pos = 0;
   std::vector<AttentionObserver*> observers;
   const CapturedAttention* capture = nullptr;
   std::vector<float> q;  // every layer's qkv row, [layers][row stride]
-  struct Layer {
-    int n_max = 0;
-    std::vector<float> scores, probs, raw, out;
-    std::vector<int32_t> key_pos;
-    std::vector<SegmentKind> key_kind;
+  struct Layer : LayerTaps {
     ExtraRows extra;
   };
   std::vector<Layer> layers;
@@ -208,6 +215,16 @@ class LlamaDecoder {
   // the next step can start on the device without the host.
   void step_ops(int token, int pos, int step, SeqKV& kv, KVPolicy* policy,
                 const std::vector<AttentionObserver*>& observers, bool chain, LlamaWorkspace& ws) const;
+  // Sizes t for layer l of `host` (n_max: the most rows a KV head holds there; raw and out only
+  // with `raw_out`) and returns the DecodeTaps that fill it.
+  DecodeTaps size_taps(const KVStore& host, int l, bool raw_out, LayerTaps& t) const;
+  // t's key positions and kinds: those of layer l of `host`.
+  void take_positions(const KVStore& host, int l, LayerTaps& t) const;
+  // Layer l's event of decode step `step` (at *pos; q: the layer's qkv row after RoPE, on the
+  // host) from its taps; rows and exact attention are the caller's to add.
+  AttentionEvent layer_event(const LayerTaps& t, int l, int step, const int32_t* pos, const float* q) const;
+  // f(0), then f(1) .. f(layers − 1): on threads when every observer takes concurrent events.
+  void each_layer(const std::vector<AttentionObserver*>& observers, const std::function<void(int)>& f) const;
   // h += attention block and MLP block of layer l for the T tokens in `w` (the part shared by
   // prefill and decode after attention).
   void mlp(const LlamaLayer& L, Buffer& h, Buffer& x, Buffer& gu, Buffer& g) const;

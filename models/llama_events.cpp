@@ -9,11 +9,67 @@
 
 namespace kvlens {
 
+DecodeTaps LlamaDecoder::size_taps(const KVStore& host, int l, bool raw_out, LayerTaps& t) const {
+  const int NH = cfg.num_attention_heads;
+  t.n_max = 0;
+  for (int h = 0; h < cfg.num_key_value_heads; ++h) t.n_max = std::max(t.n_max, host.n_rows(l, h));
+  t.scores.resize(static_cast<size_t>(NH) * t.n_max);
+  t.probs.resize(t.scores.size());
+  DecodeTaps d;
+  d.scores = t.scores.data();
+  d.probs = t.probs.data();
+  d.n_max = t.n_max;
+  if (raw_out) {
+    t.raw.resize(t.scores.size());
+    t.out.resize(static_cast<size_t>(NH) * cfg.head_dim);
+    d.raw_scores = t.raw.data();
+    d.out = t.out.data();
+  }
+  return d;
+}
+
+void LlamaDecoder::take_positions(const KVStore& host, int l, LayerTaps& t) const {
+  const int NKV = cfg.num_key_value_heads;
+  t.key_pos.assign(static_cast<size_t>(NKV) * t.n_max, -1);
+  t.key_kind.assign(t.key_pos.size(), SegmentKind::Generated);
+  std::vector<int32_t> P;
+  std::vector<SegmentKind> S;
+  for (int h = 0; h < NKV; ++h) {
+    host.positions(l, h, P, S);
+    std::copy(P.begin(), P.end(), t.key_pos.begin() + static_cast<size_t>(h) * t.n_max);
+    std::copy(S.begin(), S.end(), t.key_kind.begin() + static_cast<size_t>(h) * t.n_max);
+  }
+}
+
+AttentionEvent LlamaDecoder::layer_event(const LayerTaps& t, int l, int step, const int32_t* pos, const float* q) const {
+  AttentionEvent e;
+  e.phase = Phase::Decode; e.layer = l; e.step = step; e.n_heads = cfg.num_attention_heads;
+  e.n_kv_heads = cfg.num_key_value_heads; e.n_q = 1; e.n_k = t.n_max; e.scores = t.scores.data();
+  e.probs = t.probs.data(); e.query_pos = pos; e.key_pos = t.key_pos.data(); e.key_kind = t.key_kind.data();
+  e.q = q; e.head_dim = cfg.head_dim;
+  if (!t.raw.empty()) e.raw_scores = t.raw.data();
+  if (!t.out.empty()) e.out = t.out.data();
+  return e;
+}
+
+void LlamaDecoder::each_layer(const std::vector<AttentionObserver*>& observers, const std::function<void(int)>& f) const {
+  const int L = cfg.num_hidden_layers;
+  if (L == 0) return;
+  f(0);
+  if (L > 2 && std::all_of(observers.begin(), observers.end(),
+                           [](const AttentionObserver* o) { return o->takes_concurrent_events(); })) {
+    // Threads of their own (core/parallel.h): this is the host's side of a device step, not a CPU
+    // model's loops (which run on one thread by default).
+    parallel_for(L - 1, 8, [&](int i) { f(i + 1); });
+  } else {
+    for (int l = 1; l < L; ++l) f(l);
+  }
+}
+
 void LlamaDecoder::hand_over_stashed(LlamaWorkspace& w) const {
   const int S = static_cast<int>(w.stash.size());
   if (S == 0) return;
-  const int L = cfg.num_hidden_layers, NH = cfg.num_attention_heads, NKV = cfg.num_key_value_heads,
-            D = cfg.head_dim;
+  const int L = cfg.num_hidden_layers;
   const AttnLayout lay = layout(1);
   const CapturedAttention& capture = *w.stash.front().capture;
   // The exact attention of every stashed step, kExactLayersAtOnce layers a call (those layers'
@@ -45,27 +101,12 @@ void LlamaDecoder::hand_over_stashed(LlamaWorkspace& w) const {
   }
   for (int s = 0; s < S; ++s) {
     const StashedStep& st = w.stash[static_cast<size_t>(s)];
-    auto one = [&](int l) {
-      const StashedStep::Layer& x = st.layers[static_cast<size_t>(l)];
-      AttentionEvent e;
-      e.phase = Phase::Decode; e.layer = l; e.step = st.step; e.n_heads = NH; e.n_kv_heads = NKV;
-      e.n_q = 1; e.n_k = x.n_max; e.scores = x.scores.data(); e.probs = x.probs.data();
-      e.query_pos = &st.pos; e.key_pos = x.key_pos.data(); e.key_kind = x.key_kind.data();
-      e.q = st.q.data() + static_cast<size_t>(l) * lay.row_stride;
-      e.head_dim = D;
-      e.raw_scores = x.raw.data();
-      e.out = x.out.data();
+    each_layer(st.observers, [&](int l) {
+      AttentionEvent e = layer_event(st.layers[static_cast<size_t>(l)], l, st.step, &st.pos,
+                                     st.q.data() + static_cast<size_t>(l) * lay.row_stride);
       e.exact = &exact[static_cast<size_t>(l)][static_cast<size_t>(s)];
       for (AttentionObserver* o : st.observers) o->on_attention(e);
-    };
-    one(0);
-    // The other layers in parallel when every observer takes a step's events in any order.
-    if (L > 2 && std::all_of(st.observers.begin(), st.observers.end(),
-                             [](const AttentionObserver* o) { return o->takes_concurrent_events(); })) {
-      parallel_for(L - 1, 8, [&](int i) { one(i + 1); });
-    } else {
-      for (int l = 1; l < L; ++l) one(l);
-    }
+    });
   }
   w.stash.clear();
 }

@@ -445,11 +445,10 @@ class CudaBackend : public Backend {
     return true;
   }
   bool cosine_assign(int d, const std::vector<const std::vector<float>*>& k, const std::vector<const std::vector<int>*>& keep,
-                     std::vector<std::vector<int>>& evicted, std::vector<std::vector<int>>& best,
-                     std::vector<std::vector<double>>& sim) override {
+                     std::vector<std::vector<RowAssignment>>& out) override {
     std::lock_guard<std::recursive_mutex> lock(ops_mutex());
     auto prof_scope = prof_.scope("cosine_assign", *ctx_);
-    assign_by_cosine(*ctx_, d, k, keep, evicted, best, sim);
+    assign_by_cosine(*ctx_, d, k, keep, out);
     return true;
   }
   bool kv_cosine_assign(const DeviceKV& dev, std::vector<LayerMerge>& layers) override {

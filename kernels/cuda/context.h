@@ -120,8 +120,7 @@ struct AssignHead {
 void assign_rows(Context& ctx, int d, bool half, const std::vector<AssignHead>& heads,
                  std::vector<std::vector<RowAssignment>>& out);
 void assign_by_cosine(Context& ctx, int d, const std::vector<const std::vector<float>*>& k,
-                      const std::vector<const std::vector<int>*>& keep, std::vector<std::vector<int>>& evicted,
-                      std::vector<std::vector<int>>& best, std::vector<std::vector<double>>& sim);
+                      const std::vector<const std::vector<int>*>& keep, std::vector<std::vector<RowAssignment>>& out);
 // Backend::exact_decode_attention(_layers): query i (row i of qkv) against prompts[i] and
 // extras[i]; the arguments and extra rows in one upload, one launch, the results in one copy back.
 void exact_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l,

@@ -130,14 +130,10 @@ void kv_merge_rows(Context& ctx, DeviceKV& dev, MergeKind kind, const std::vecto
       const std::vector<RowAssignment>& contrib = m.rows[h];
       const int n = static_cast<int>(r.pos.size());
       // Contributions grouped by kept row (counting sort: the order within a group kept).
+      const std::vector<int> count = contribution_counts(
+          contrib, n, true, "kv_merge_rows: layer " + std::to_string(m.layer) + " KV head " + std::to_string(h));
       std::vector<int> at(static_cast<size_t>(n) + 1, 0);
-      for (const RowAssignment& a : contrib) {
-        if (a.e < 0 || a.e >= n || a.c < 0 || a.c >= n || a.e == a.c)
-          throw InternalError("kv_merge_rows: layer " + std::to_string(m.layer) + " KV head " + std::to_string(h) +
-                              " row " + std::to_string(a.e) + " into row " + std::to_string(a.c) + " of " + std::to_string(n));
-        ++at[static_cast<size_t>(a.c) + 1];
-      }
-      for (int c = 0; c < n; ++c) at[static_cast<size_t>(c) + 1] += at[static_cast<size_t>(c)];
+      for (int c = 0; c < n; ++c) at[static_cast<size_t>(c) + 1] = at[static_cast<size_t>(c)] + count[static_cast<size_t>(c)];
       std::vector<int> order(contrib.size()), fill(at.begin(), at.end() - 1);
       for (size_t j = 0; j < contrib.size(); ++j) order[static_cast<size_t>(fill[static_cast<size_t>(contrib[j].c)]++)] = static_cast<int>(j);
       for (int c = 0; c < n; ++c) {
@@ -147,9 +143,6 @@ void kv_merge_rows(Context& ctx, DeviceKV& dev, MergeKind kind, const std::vecto
         vc.push_back(r.v[static_cast<size_t>(c)]);
         for (int j = j0; j < j1; ++j) {
           const RowAssignment& a = contrib[static_cast<size_t>(order[static_cast<size_t>(j)])];
-          if (at[static_cast<size_t>(a.e)] != at[static_cast<size_t>(a.e) + 1])
-            throw InternalError("kv_merge_rows: layer " + std::to_string(m.layer) + " KV head " + std::to_string(h) +
-                                " row " + std::to_string(a.e) + " is both merged and merged into");
           ke.push_back(r.k[static_cast<size_t>(a.e)]);
           ve.push_back(r.v[static_cast<size_t>(a.e)]);
           w.push_back(a.s);

@@ -164,8 +164,7 @@ void assign_rows(Context& ctx, int d, bool half, const std::vector<AssignHead>& 
 }
 
 void assign_by_cosine(Context& ctx, int d, const std::vector<const std::vector<float>*>& k,
-                      const std::vector<const std::vector<int>*>& keep, std::vector<std::vector<int>>& evicted,
-                      std::vector<std::vector<int>>& best, std::vector<std::vector<double>>& sim) {
+                      const std::vector<const std::vector<int>*>& keep, std::vector<std::vector<RowAssignment>>& out) {
   need(d > 0 && keep.size() == k.size(), "cosine_assign: " + std::to_string(k.size()) + " heads of keys and of kept rows");
   // Every head's keys in one upload, head after head; the rows by pointer into it.
   std::vector<int64_t> at(k.size() + 1, 0);
@@ -183,17 +182,7 @@ void assign_by_cosine(Context& ctx, int d, const std::vector<const std::vector<f
     heads[h].keep = keep[h];
   }
   ctx.upload(keys.get(), all.data(), at.back() * 4, "LOOK-M keys");
-  std::vector<std::vector<RowAssignment>> out;
   assign_rows(ctx, d, false, heads, out);
-  evicted.assign(k.size(), {});
-  best.assign(k.size(), {});
-  sim.assign(k.size(), {});
-  for (size_t h = 0; h < k.size(); ++h)
-    for (const RowAssignment& a : out[h]) {
-      evicted[h].push_back(a.e);
-      best[h].push_back(a.c);
-      sim[h].push_back(a.s);
-    }
 }
 
 void exact_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l,

@@ -106,11 +106,10 @@ TEST(Ops, AttentionReductions) {
 // one kept row and none evicted, kept rows staged in shared memory and too many for it, one
 // head at a time and a layer's heads at once. The CPU backend has no such op and answers false.
 TEST(Ops, LookMAssignmentOnTheDevice) {
-  std::vector<std::vector<int>> none_e, none_b;
-  std::vector<std::vector<double>> none_s;
+  std::vector<std::vector<RowAssignment>> none;
   const std::vector<float> k1 = randn(24, 1.0f);
   const std::vector<int> keep1{0};
-  EXPECT_FALSE(op_backends().cpu->cosine_assign(8, {&k1}, {&keep1}, none_e, none_b, none_s));
+  EXPECT_FALSE(op_backends().cpu->cosine_assign(8, {&k1}, {&keep1}, none));
   KVLENS_NEED_GPU();
   Backend& gpu = *op_backends().gpu;
   std::mt19937_64 rng(5);

@@ -112,18 +112,13 @@ std::vector<std::vector<LookMAssignment>> assign_heads(int d, const std::vector<
       keepp.push_back(&kh);
     }
   }
-  std::vector<std::vector<LookMAssignment>> out(H);
-  std::vector<std::vector<int>> evicted, best;
-  std::vector<std::vector<double>> sim;
-  if (!backend || kp.empty() || !backend->cosine_assign(d, kp, keepp, evicted, best, sim)) {
+  std::vector<std::vector<LookMAssignment>> out(H), dev;
+  if (!backend || kp.empty() || !backend->cosine_assign(d, kp, keepp, dev)) {
     for (size_t h = 0; h < H; ++h) out[h] = assign_evicted(d, *keep[h], *k[h]);
     return out;
   }
-  for (size_t h = 0, x = 0; h < H; ++h) {
-    if (keep[h]->empty()) continue;
-    for (size_t i = 0; i < evicted[x].size(); ++i) out[h].push_back({evicted[x][i], best[x][i], sim[x][i]});
-    ++x;
-  }
+  for (size_t h = 0, x = 0; h < H; ++h)
+    if (!keep[h]->empty()) out[h] = std::move(dev[x++]);
   return out;
 }
 
