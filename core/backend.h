@@ -264,6 +264,15 @@ class Backend {
   virtual bool attention_reduce(const Buffer& qkv, const AttnLayout& l, const AttentionReduction& r) {
     return false;
   }
+  // attention_reduce whose results may come later: r's outputs are written by the next
+  // finish_reductions (they must stay valid until then, and r is copied), and qkv may be
+  // overwritten by ops after this call. Reductions queued back to back then share one wait.
+  // The default reduces at once.
+  virtual bool attention_reduce_later(const Buffer& qkv, const AttnLayout& l, const AttentionReduction& r) {
+    return attention_reduce(qkv, l, r);
+  }
+  virtual void finish_reductions() {}
+
   // LOOK-M's assignment (Eq. 9) of one layer's KV heads at once: out[h] holds, for each row e of
   // k[h] [n_h][d] (host, fp32) that keep[h] (ascending, distinct, not empty) does not list, in
   // ascending e, {e, the kept row c of largest cosine similarity, that similarity s}, every dot

@@ -38,6 +38,13 @@ class PrefillAttention {
     reduce(layer, r);
     return s;
   }
+  // Makes `layer`'s reductions over `queries` ready for reduce and column_sums, for each of
+  // `layers`: the column sums, and with below_p ≥ 0 the counts below that share of the row's
+  // maximum (zeros_below as AttentionReduction has it). A capture on a device reduces all the
+  // layers in one pass with one wait, where a layer at a time would wait once per layer; a
+  // method that scores every layer asks this first. The default does nothing. Thread-safe.
+  virtual void prepare(const std::vector<int>& layers, const std::vector<int>& queries, double below_p = -1.0,
+                       bool zeros_below = false) const {}
   // Bytes the capture holds (every layer's projection input and the queries, keys and values it
   // keeps recomputed, in the backend's memory), and of the probabilities it keeps for callers now
   // (host memory).

@@ -213,16 +213,20 @@ Buffer CapturedAttention::qkv_locked(int layer) const {
     }
   if (layer < 0 || layer >= n_layers() || layers_[static_cast<size_t>(layer)].x.empty())
     throw InternalError("prefill attention: no captured layer " + std::to_string(layer));
-  const Layer& c = layers_[static_cast<size_t>(layer)];
-  // The prefill's projection and RoPE on the kept input: the prefill's q, k and v again. Another
-  // thread's ops on this backend wait (a policy's layers may compress in parallel).
+  // Another thread's ops on this backend wait (a policy's layers may compress in parallel).
   std::lock_guard<std::recursive_mutex> ops(be_->ops_mutex());
   Buffer qkv = be_->alloc("l" + std::to_string(layer) + ".prefill.qkv_recomputed", {lay_.T, lay_.row_stride}, Dt::F32);
-  be_->linear(c.x, c.w, c.b.empty() ? nullptr : &c.b, qkv, false);
-  be_->rope(qkv, lay_, pos_, theta_);
+  recompute_locked(layer, qkv);
   slots_.insert(slots_.begin(), {layer, qkv});
   if (slots_.size() > kSlots) slots_.pop_back();
   return qkv;
+}
+
+void CapturedAttention::recompute_locked(int layer, Buffer& qkv) const {
+  // The prefill's projection and RoPE on the kept input: the prefill's q, k and v again.
+  const Layer& c = layers_[static_cast<size_t>(layer)];
+  be_->linear(c.x, c.w, c.b.empty() ? nullptr : &c.b, qkv, false);
+  be_->rope(qkv, lay_, pos_, theta_);
 }
 
 Buffer CapturedAttention::layer_qkv(int layer) const {
@@ -243,6 +247,7 @@ void CapturedAttention::run_locked(int layer, const AttentionReduction& own) con
   for (const auto& e : recent_)
     if (e.first == layer) return reduce_attention(e.second->data(), lay_.n_heads, lay_.T, own);
   std::lock_guard<std::recursive_mutex> ops(be_->ops_mutex());
+  ++runs_;
   if (!be_->attention_reduce(qkv_locked(layer), lay_, own)) {
     const auto p = held(layer);
     reduce_attention(p->data(), lay_.n_heads, lay_.T, own);
@@ -277,9 +282,76 @@ const CapturedAttention::Reduced& CapturedAttention::reduced_locked(int layer, c
   run_locked(layer, own);
   if (r.below) into.below.push_back(std::move(b));
   if (x) return *x;
-  reduced_.insert(reduced_.begin(), std::move(fresh));
-  if (reduced_.size() > max_reduced()) reduced_.pop_back();
+  keep_reduced_locked(std::move(fresh));
   return reduced_.front();
+}
+
+void CapturedAttention::keep_reduced_locked(Reduced x) const {
+  reduced_.insert(reduced_.begin(), std::move(x));
+  if (reduced_.size() > max_reduced()) reduced_.pop_back();
+}
+
+void CapturedAttention::prepare(const std::vector<int>& layers, const std::vector<int>& queries, double below_p,
+                                bool zeros_below) const {
+  const int T = lay_.T, NH = lay_.n_heads;
+  AttentionReduction rows_only;
+  rows_only.queries = queries;
+  rows_only.check(T, "prefill attention");
+  const std::string rows = rows_only.key();
+  AttentionReduction want = rows_only;
+  want.p = below_p;
+  want.zeros_below = zeros_below;
+  std::lock_guard<std::mutex> lock(mu_);
+  // The layers with nothing kept over these rows, whose probabilities are not on the host.
+  std::vector<int> todo;
+  for (int l : layers) {
+    if (l < 0 || l >= n_layers() || layers_[static_cast<size_t>(l)].x.empty())
+      throw InternalError("prefill attention: no captured layer " + std::to_string(l));
+    bool have = std::any_of(recent_.begin(), recent_.end(), [&](const auto& e) { return e.first == l; });
+    for (const Reduced& e : reduced_)
+      have = have || (e.layer == l && e.rows == rows && (below_p < 0 || e.counts(want)));
+    if (!have && std::find(todo.begin(), todo.end(), l) == todo.end()) todo.push_back(l);
+  }
+  if (todo.size() < 2) return;  // (one layer waits once either way)
+  std::lock_guard<std::recursive_mutex> ops(be_->ops_mutex());
+  Buffer qkv = be_->alloc("prefill.qkv_recomputed_in_turn", {T, lay_.row_stride}, Dt::F32);
+  std::vector<Reduced> fresh;
+  fresh.reserve(todo.size());  // (the results' addresses are queued: no reallocation)
+  try {
+    for (int l : todo) {
+      fresh.push_back(Reduced{l, rows, std::make_shared<std::vector<double>>(static_cast<size_t>(NH) * T), {}});
+      Reduced& x = fresh.back();
+      AttentionReduction own = rows_only;
+      own.column_sums = x.column_sums->data();
+      if (below_p >= 0) {
+        x.below.push_back(Below{below_p, zeros_below, std::vector<int64_t>(static_cast<size_t>(NH))});
+        own.below = x.below.back().counts.data();
+        own.p = below_p;
+        own.zeros_below = zeros_below;
+      }
+      recompute_locked(l, qkv);
+      ++runs_;
+      if (!be_->attention_reduce_later(qkv, lay_, own)) {  // no such op: reduced a layer at a time when asked
+        be_->finish_reductions();
+        return;
+      }
+    }
+    be_->finish_reductions();
+  } catch (...) {
+    try {
+      be_->finish_reductions();  // what was queued lands while its results still exist
+    } catch (...) {
+      // (the first error is the one to report)
+    }
+    throw;
+  }
+  // A layer's earlier entry over these rows (column sums alone) gives way to the fuller one.
+  for (Reduced& x : fresh) {
+    reduced_.erase(std::remove_if(reduced_.begin(), reduced_.end(),
+                                  [&](const Reduced& e) { return e.layer == x.layer && e.rows == rows; }),
+                   reduced_.end());
+    keep_reduced_locked(std::move(x));
+  }
 }
 
 void CapturedAttention::reduce(int layer, const AttentionReduction& r) const {

@@ -96,6 +96,15 @@ class CapturedAttention final : public PrefillAttention {
   std::shared_ptr<const std::vector<float>> probs(int layer) const override;
   void reduce(int layer, const AttentionReduction& r) const override;
   std::shared_ptr<const std::vector<double>> column_sums(int layer, const std::vector<int>& queries) const override;
+  // The layers' q/k/v recomputed in turn into one buffer and reduced there, every reduction
+  // queued before one wait (Backend::attention_reduce_later); kept as reduce would keep them.
+  void prepare(const std::vector<int>& layers, const std::vector<int>& queries, double below_p,
+               bool zeros_below) const override;
+  // How many layer reductions the capture has run on its backend (prepare's included).
+  int64_t reductions_run() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return runs_;
+  }
   int64_t capture_bytes() const override;
   int64_t cached_bytes() const override;
   // Layer `layer`'s q, k and v (fp32 [T][row stride], after RoPE), recomputed or kept from a
@@ -144,9 +153,13 @@ class CapturedAttention final : public PrefillAttention {
   };
   size_t max_reduced() const { return 4 * layers_.size() + 4; }
   mutable std::vector<Reduced> reduced_;
+  mutable int64_t runs_ = 0;
   // The kept reduction of `layer` over r.queries, computed (with the counts r asks for) when
   // missing; and one reduction run where the probabilities are. Both under mu_.
   const Reduced& reduced_locked(int layer, const AttentionReduction& r) const;
+  void keep_reduced_locked(Reduced x) const;
+  // The prefill's projection and RoPE of `layer` on its kept input, into `qkv` (under the ops lock).
+  void recompute_locked(int layer, Buffer& qkv) const;
   void run_locked(int layer, const AttentionReduction& own) const;
   std::shared_ptr<const std::vector<float>> held(int layer) const;  // under mu_
   Buffer qkv_locked(int layer) const;                              // under mu_

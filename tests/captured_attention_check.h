@@ -15,6 +15,7 @@
 #include "core/attention_reduce.h"
 #include "core/data/image.h"
 #include "core/errors.h"
+#include "models/llama.h"
 #include "models/model.h"
 
 namespace kvlens::testing {
@@ -49,9 +50,26 @@ inline void check_captured_attention(const Model& m, const RGBImage& img, const 
   // Reductions first, while no layer's probabilities are held: a device capture makes them itself.
   const std::vector<std::vector<int>> rows = {AttentionReduction::range(0, T, T), AttentionReduction::range(T - 8, T, T),
                                               {0, T / 2, T - 1}, {}};
+  // Every layer prepared at once over two of the row sets (a device capture recomputes each layer
+  // into one buffer and queues its reduction, one wait for all): the checks below read what it
+  // kept there, one reduction a layer and row set.
+  const auto* captured = dynamic_cast<const CapturedAttention*>(&a);
+  ASSERT_TRUE(captured) << what;
+  std::vector<int> all(static_cast<size_t>(L));
+  for (int l = 0; l < L; ++l) all[static_cast<size_t>(l)] = l;
+  const int64_t runs_before = captured->reductions_run();
+  a.prepare(all, rows[0], 0.01, false);
+  a.prepare(all, rows[1], 0.0, true);
+  a.prepare(all, rows[1], 0.0, true);  // (kept: nothing runs again)
+  const bool device = m.backend().name() == "cuda";
+  if (device && L > 1) {
+    EXPECT_EQ(captured->reductions_run() - runs_before, 2 * L) << what << ": prepare ran each layer once per row set";
+  }
   for (int l = 0; l < L; ++l)
     for (size_t ri = 0; ri < rows.size(); ++ri)
       for (double p : {0.0, 0.01, 1.0}) {
+        const int64_t runs = captured->reductions_run();
+        const bool prepared = device && L > 1 && ((ri == 0 && p == 0.01) || (ri == 1 && p == 0.0));
         const size_t H = static_cast<size_t>(f.n_heads);
         std::vector<double> sums(H * T, -1.0), want_sums(sums.size(), -2.0);
         std::vector<int64_t> below(H, -1), want_below(H, -2);
@@ -67,6 +85,9 @@ inline void check_captured_attention(const Model& m, const RGBImage& img, const 
         reduce_attention(rec.by_layer.at(l).data(), f.n_heads, T, ref);
         EXPECT_TRUE(sums == want_sums) << what << ": layer " << l << " column sums, rows " << r.key();
         EXPECT_EQ(below, want_below) << what << ": layer " << l << " entries below, rows " << r.key();
+        if (prepared) {
+          EXPECT_EQ(captured->reductions_run(), runs) << what << ": layer " << l << " reduced again after prepare";
+        }
       }
   if (m.backend().name() == "cuda") {
     EXPECT_EQ(a.cached_bytes(), 0) << what << ": the device's reductions held a layer's probabilities on the host";

@@ -4,6 +4,7 @@
 #pragma once
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "core/prefill_attention.h"
@@ -30,8 +31,34 @@ class HeldAttention final : public PrefillAttention {
   }
   int64_t capture_bytes() const override { return 0; }
   int64_t cached_bytes() const override { return 0; }
+  // Every prepare and reduce asked of it, in order (reductions are made anew each time).
+  struct Asked {
+    bool prepare = false;
+    std::vector<int> layers, queries;  // (a reduction: its layer)
+    bool below = false;                // counts asked for (prepare: below_p >= 0), at p
+    double p = 0;
+    bool zeros_below = false;
+  };
+  std::vector<Asked> asked() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return asked_;
+  }
+  void reduce(int layer, const AttentionReduction& r) const override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      asked_.push_back(Asked{false, {layer}, r.queries, r.below != nullptr, r.p, r.zeros_below});
+    }
+    PrefillAttention::reduce(layer, r);
+  }
+  void prepare(const std::vector<int>& layers, const std::vector<int>& queries, double below_p,
+               bool zeros_below) const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    asked_.push_back(Asked{true, layers, queries, below_p >= 0, below_p, zeros_below});
+  }
 
  private:
+  mutable std::mutex mu_;
+  mutable std::vector<Asked> asked_;
   int n_layers_, n_heads_, T_;
   std::function<const std::vector<float>*(int)> layer_;
 };

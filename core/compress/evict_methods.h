@@ -2,6 +2,7 @@
 // plus the paper formulas other code (diagnostics, tests) may reuse.
 #pragma once
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/compress/method.h"
@@ -49,6 +50,8 @@ enum class Pooling { Max, Avg };
 // keys score +inf, since the window is always kept.
 std::vector<double> snapkv_scores(const PrefillContext& c, int kv_head, int window, int kernel,
                                   Pooling pooling);
+// The query rows snapkv_scores sums over: the window, [T − min(window, T), T).
+std::pair<int, int> snapkv_rows(const PrefillContext& c, int window);
 // The parameters of SnapKV's selection (window, kernel, pooling), shared with PyramidKV.
 std::vector<ParamSpec> snapkv_selection_params();
 Pooling parse_pooling(const std::string& s);

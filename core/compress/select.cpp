@@ -242,12 +242,30 @@ std::vector<std::vector<int>> ScoreEvictPolicy::select_layer(const PrefillContex
   return keep;
 }
 
+void prepare_layers(const std::vector<const PrefillContext*>& cs, std::pair<int, int> rows, double below_p,
+                    bool zeros_below) {
+  if (cs.size() < 2 || !cs.front()->attention || rows.first >= rows.second) return;
+  const PrefillContext& c0 = *cs.front();
+  std::vector<int> layers;
+  for (const PrefillContext* c : cs) {
+    if (c->attention != c0.attention || c->prompt_len != c0.prompt_len) return;  // (contexts made apart)
+    layers.push_back(c->layer);
+  }
+  c0.attention->prepare(layers, AttentionReduction::range(rows.first, rows.second, c0.prompt_len), below_p,
+                        zeros_below);
+}
+
+void ScoreEvictPolicy::prepare_scores(const std::vector<const PrefillContext*>& cs) const {
+  if (!cs.empty()) prepare_layers(cs, scored_rows(*cs.front()));
+}
+
 void ScoreEvictPolicy::compress_layers(const std::vector<const PrefillContext*>& cs, const std::vector<LayerPlan>& plans,
                                        const std::vector<LayerKV*>& layers) const {
   const int n = static_cast<int>(cs.size());
   const bool merging = merges();
   std::vector<std::vector<std::vector<int>>> keep(cs.size());
   std::vector<char> later(cs.size(), 0);  // merged in the device cache, with the other such layers
+  prepare_scores(cs);
   // Layers select independently once planned (scores and selection of one layer read nothing of
   // another; the capture and the backend serialise the device work they ask for): on threads of
   // their own, the same result as in turn. A layer whose rows the host holds merges there, alone.

@@ -17,6 +17,7 @@
 //   where a head kept nothing of it). Bytes are recomputed as dense rows (2 or 4 B per value).
 #pragma once
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/kv_store.h"
@@ -69,6 +70,12 @@ void gather_head(const LayerKV& layer, int h, int head_dim, std::vector<float>& 
                  std::vector<float>& v, std::vector<int32_t>& pos,
                  std::vector<SegmentKind>* kinds = nullptr);
 
+// Has the attention of the contexts' layers (one PrefillAttention, one prompt) reduce every
+// layer over the query rows [rows.first, rows.second) at once (PrefillAttention::prepare): the
+// column sums, and the counts below below_p when it is ≥ 0. Nothing for fewer than two layers.
+void prepare_layers(const std::vector<const PrefillContext*>& cs, std::pair<int, int> rows, double below_p = -1.0,
+                    bool zeros_below = false);
+
 // Keeps, in every KV head h, the rows keep[h] (ascending indices into the head's rows over all
 // segments, as gather_head orders them). The kept rows' k/v are copied from the store, or from
 // k[h]/v[h] ([n][head_dim], the head's gathered rows after a merge) when those are given.
@@ -104,6 +111,10 @@ class ScoreEvictPolicy : public KVPolicy {
   virtual std::vector<LayerPlan> plan(const std::vector<PrefillContext>& layers) const = 0;
   // One score per prompt token for KV head `kv_head` (higher = more worth keeping).
   virtual std::vector<double> score(const PrefillContext& c, int kv_head) const = 0;
+  // The query rows [first, second) over which score() reads column sums (column_sums), the same
+  // for every layer of a prompt; an empty range when it reads none. on_prefill has every
+  // layer's sums made ready at once (PrefillAttention::prepare) before the layers select.
+  virtual std::pair<int, int> scored_rows(const PrefillContext& c) const { return {0, 0}; }
   // The rows to keep (ascending). Default: select_recent_topk(score, plan).
   virtual std::vector<int> select(const PrefillContext& c, int kv_head, const LayerPlan& plan,
                                   const std::vector<double>& score) const;
@@ -132,6 +143,7 @@ class ScoreEvictPolicy : public KVPolicy {
   void compress_layers(const std::vector<const PrefillContext*>& cs, const std::vector<LayerPlan>& plans,
                        const std::vector<LayerKV*>& layers) const;
   std::vector<std::vector<int>> select_layer(const PrefillContext& c, const LayerPlan& plan, const LayerKV& layer) const;
+  void prepare_scores(const std::vector<const PrefillContext*>& cs) const;
   std::string name_;
   std::vector<LayerPlan> plans_;
 };

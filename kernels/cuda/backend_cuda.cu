@@ -20,13 +20,6 @@ namespace kvlens::cuda {
 
 namespace {
 
-void check_blas(cublasStatus_t st, const char* call, const std::string& what, const char* file, int line) {
-  if (st == CUBLAS_STATUS_SUCCESS) return;
-  throw DeviceError(std::string(call) + " failed for " + what + ": " + cublasGetStatusString(st) + " at " + file +
-                    ":" + std::to_string(line));
-}
-#define KV_BLAS(call, what) check_blas((call), #call, (what), __FILE__, __LINE__)
-
 uint16_t f32_to_bf16(float f) {
   uint32_t x;
   std::memcpy(&x, &f, 4);
@@ -444,6 +437,16 @@ class CudaBackend : public Backend {
     reduce_prefill_attention(*ctx_, qkv, l, r);
     return true;
   }
+  bool attention_reduce_later(const Buffer& qkv, const AttnLayout& l, const AttentionReduction& r) override {
+    std::lock_guard<std::recursive_mutex> lock(ops_mutex());
+    auto prof_scope = prof_.scope("attention_reduce", *ctx_);
+    queued_reductions_.push_back(queue_prefill_reduction(*ctx_, qkv, l, r));
+    return true;
+  }
+  void finish_reductions() override {
+    std::lock_guard<std::recursive_mutex> lock(ops_mutex());
+    finish_prefill_reductions(*ctx_, queued_reductions_);
+  }
   bool cosine_assign(int d, const std::vector<const std::vector<float>*>& k, const std::vector<const std::vector<int>*>& keep,
                      std::vector<std::vector<RowAssignment>>& out) override {
     std::lock_guard<std::recursive_mutex> lock(ops_mutex());
@@ -647,6 +650,7 @@ class CudaBackend : public Backend {
   static constexpr int64_t kChecks = 4096;
   std::shared_ptr<Context> ctx_;
   Profiler prof_;
+  std::vector<QueuedReduction> queued_reductions_;  // attention_reduce_later's, until finish_reductions
   DevMem checks_;
   std::vector<std::string> check_names_;
   bool fp32_as_fp16_ = false;
@@ -655,114 +659,6 @@ class CudaBackend : public Backend {
 };
 
 }  // namespace
-
-Context::Context(int dev) : device(dev) {
-  KV_CUDA(cudaSetDevice(dev), "device " + std::to_string(dev));
-  cudaDeviceProp p{};
-  KV_CUDA(cudaGetDeviceProperties(&p, dev), "device " + std::to_string(dev));
-  name = p.name;
-  n_sm = p.multiProcessorCount;
-  sm90 = p.major >= 9;
-  total_mem = static_cast<int64_t>(p.totalGlobalMem);
-  KV_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "the run's stream");
-  cudaMemPool_t pool;
-  KV_CUDA(cudaDeviceGetDefaultMemPool(&pool, dev), "memory pool");
-  uint64_t keep = std::numeric_limits<uint64_t>::max();
-  KV_CUDA(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep), "memory pool");
-  KV_BLAS(cublasCreate(&blas), "cuBLAS handle");
-  KV_BLAS(cublasSetStream(blas, stream), "cuBLAS stream");
-  constexpr size_t kWs = 32u << 20;  // a fixed workspace lets cuBLAS calls be captured in graphs
-  KV_CUDA(cudaMalloc(&blas_workspace, kWs), "cuBLAS workspace (32 MiB)");
-  KV_BLAS(cublasSetWorkspace(blas, blas_workspace, kWs), "cuBLAS workspace");
-}
-
-Context::~Context() {
-  if (stream) cudaStreamSynchronize(stream);
-  if (blas) cublasDestroy(blas);
-  if (blas_workspace) cudaFree(blas_workspace);
-  inv_freq.clear();
-  if (stream) cudaStreamDestroy(stream);
-}
-
-void Context::free_memory(int64_t& free_bytes, int64_t& total) const {
-  size_t f = 0, t = 0;
-  cudaMemGetInfo(&f, &t);
-  free_bytes = static_cast<int64_t>(f);
-  total = static_cast<int64_t>(t);
-  // The stream-ordered pool keeps what was freed (release threshold: never): that memory is free
-  // to this process's next allocations too.
-  int dev = 0;
-  cudaMemPool_t pool;
-  uint64_t reserved = 0, in_use = 0;
-  if (cudaGetDevice(&dev) == cudaSuccess && cudaDeviceGetDefaultMemPool(&pool, dev) == cudaSuccess &&
-      cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &reserved) == cudaSuccess &&
-      cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &in_use) == cudaSuccess && reserved > in_use)
-    free_bytes += static_cast<int64_t>(reserved - in_use);
-}
-
-std::shared_ptr<void> Context::alloc(int64_t bytes, const std::string& what) {
-  if (capturing) throw InternalError("cuda: allocation of " + what + " inside a captured step");
-  void* p = nullptr;
-  const cudaError_t e = cudaMallocAsync(&p, static_cast<size_t>(std::max<int64_t>(bytes, 1)), stream);
-  if (e == cudaErrorMemoryAllocation) {
-    cudaGetLastError();
-    int64_t f = 0, t = 0;
-    free_memory(f, t);
-    throw OutOfMemory("out of GPU memory allocating " + what + " (" + mib(bytes) + "): " + mib(f) + " free of " +
-                      mib(t) + " on " + name);
-  }
-  KV_CUDA(e, what + " (" + mib(bytes) + ")");
-  std::shared_ptr<Context> self = shared_from_this();
-  return std::shared_ptr<void>(p, [self](void* q) { cudaFreeAsync(q, self->stream); });
-}
-
-std::shared_ptr<void> Context::pinned(int64_t bytes, const std::string& what) {
-  void* p = nullptr;
-  const cudaError_t e = cudaMallocHost(&p, static_cast<size_t>(std::max<int64_t>(bytes, 1)));
-  if (e == cudaErrorMemoryAllocation) {
-    cudaGetLastError();
-    throw OutOfMemory("out of page-locked host memory allocating " + what + " (" + mib(bytes) + ")");
-  }
-  KV_CUDA(e, what + " (" + mib(bytes) + " of page-locked host memory)");
-  return std::shared_ptr<void>(p, [](void* q) { cudaFreeHost(q); });
-}
-
-void* Context::staging(int64_t bytes, const std::string& what) {
-  if (bytes > staging_bytes) {
-    sync(what);  // a copy into the old buffer may still be in flight
-    staging_mem.reset();
-    staging_mem = pinned(bytes, what);
-    staging_bytes = bytes;
-  }
-  return staging_mem.get();
-}
-
-std::shared_ptr<CUevent_st> Context::event(const std::string& what) {
-  cudaEvent_t e = nullptr;
-  KV_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), what + " (event)");
-  return std::shared_ptr<CUevent_st>(e, [](cudaEvent_t q) { cudaEventDestroy(q); });
-}
-
-void Context::download_async(void* dst, const void* src, int64_t bytes, const std::string& what) {
-  if (bytes == 0) return;
-  KV_CUDA(cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyDeviceToHost, stream),
-          what + " (" + std::to_string(bytes) + " bytes from the device)");
-}
-
-void Context::upload(void* dst, const void* src, int64_t bytes, const std::string& what) {
-  if (bytes == 0) return;
-  KV_CUDA(cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyHostToDevice, stream),
-          what + " (" + std::to_string(bytes) + " bytes to the device)");
-}
-
-void Context::download(void* dst, const void* src, int64_t bytes, const std::string& what) {
-  if (bytes == 0) return;
-  KV_CUDA(cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyDeviceToHost, stream),
-          what + " (" + std::to_string(bytes) + " bytes from the device)");
-  KV_CUDA(cudaStreamSynchronize(stream), what + " (" + std::to_string(bytes) + " bytes from the device)");
-}
-
-void Context::sync(const std::string& what) { KV_CUDA(cudaStreamSynchronize(stream), what); }
 
 std::string unavailable_reason(int device) {
   int n = 0;

@@ -56,6 +56,10 @@ struct Context : std::enable_shared_from_this<Context> {
   void free_memory(int64_t& free_bytes, int64_t& total) const;
 };
 
+// A cuBLAS status other than success as a DeviceError naming the call and `what`.
+void check_blas(cublasStatus_t st, const char* call, const std::string& what, const char* file, int line);
+#define KV_BLAS(call, what) ::kvlens::cuda::check_blas((call), #call, (what), __FILE__, __LINE__)
+
 // A device allocation of exactly `bytes` (what a cache reports as allocated).
 struct DevMem {
   std::shared_ptr<void> mem;
@@ -109,6 +113,17 @@ void kv_pull_rows(Context& ctx, SeqKV& kv, const std::vector<int>& layers, const
 // qkv on the device and reduced there), Backend::cosine_assign (LOOK-M's Eq. 9) and
 // Backend::exact_decode_attention, as core/backend.h states them.
 void reduce_prefill_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, const AttentionReduction& r);
+// Backend::attention_reduce_later: the reduction queued on the stream (its results in device
+// memory, r's host pointers kept), then every queued one's results copied to the host in one
+// batch before one wait and written where each r asks. finish empties `queued`, also on error.
+struct QueuedReduction {
+  AttentionReduction r;
+  int n_heads = 0, T = 0;
+  std::shared_ptr<void> out;  // column sums, counts below, map sums: r's parts, in that order
+  int64_t sums_bytes = 0, below_bytes = 0, map_bytes = 0;
+};
+QueuedReduction queue_prefill_reduction(Context& ctx, const Buffer& qkv, const AttnLayout& l, const AttentionReduction& r);
+void finish_prefill_reductions(Context& ctx, std::vector<QueuedReduction>& queued);
 // LOOK-M's assignment of several KV heads' rows already on the device (row pointers, d values of
 // fp16 when `half`, else fp32), each with its kept rows: out[h] = every evicted row's
 // assignment, as Backend::cosine_assign states it; one upload, two launches (norms, then the

@@ -35,6 +35,7 @@ class H2OPolicy : public ScoreEvictPolicy {
   std::vector<double> score(const PrefillContext& c, int kv_head) const override {
     return column_sums(c, kv_head, 0, c.prompt_len);
   }
+  std::pair<int, int> scored_rows(const PrefillContext& c) const override { return {0, c.prompt_len}; }
 
  private:
   double budget_, recent_ratio_;

@@ -211,6 +211,7 @@ class LookMPolicy : public ScoreEvictPolicy {
     for (int j = 0; j < std::min(o_.sinks, c.prompt_len); ++j) s[j] = INFINITY;
     return s;
   }
+  std::pair<int, int> scored_rows(const PrefillContext& c) const override { return {0, c.prompt_len}; }
 
   std::vector<int> select(const PrefillContext& c, int kv_head, const LayerPlan& plan,
                           const std::vector<double>& score) const override {

@@ -65,6 +65,7 @@ class PyramidKVPolicy : public ScoreEvictPolicy {
   std::vector<double> score(const PrefillContext& c, int kv_head) const override {
     return snapkv_scores(c, kv_head, window_, kernel_, pooling_);
   }
+  std::pair<int, int> scored_rows(const PrefillContext& c) const override { return snapkv_rows(c, window_); }
 
  private:
   double alpha_, beta_;

@@ -23,9 +23,8 @@ std::vector<double> snapkv_scores(const PrefillContext& c, int kv_head, int wind
     throw InputError("snapkv: kernel must be a positive odd number, got " + std::to_string(kernel));
   if (window < 1) throw InputError("snapkv: window must be at least 1, got " + std::to_string(window));
   const int T = c.prompt_len;
-  const int w = std::min(window, T);
-  const int prefix = T - w;
-  const std::vector<double> votes = column_sums(c, kv_head, T - w, T);
+  const int prefix = snapkv_rows(c, window).first;
+  const std::vector<double> votes = column_sums(c, kv_head, prefix, T);
   std::vector<double> out(T, std::numeric_limits<double>::infinity());
   const int half = kernel / 2;
   for (int j = 0; j < prefix; ++j) {
@@ -38,8 +37,11 @@ std::vector<double> snapkv_scores(const PrefillContext& c, int kv_head, int wind
   return out;
 }
 
-namespace {
+std::pair<int, int> snapkv_rows(const PrefillContext& c, int window) {
+  return {c.prompt_len - std::min(window, c.prompt_len), c.prompt_len};
+}
 
+namespace {
 
 
 class SnapKVPolicy : public ScoreEvictPolicy {
@@ -64,6 +66,7 @@ class SnapKVPolicy : public ScoreEvictPolicy {
   std::vector<double> score(const PrefillContext& c, int kv_head) const override {
     return snapkv_scores(c, kv_head, window_, kernel_, pooling_);
   }
+  std::pair<int, int> scored_rows(const PrefillContext& c) const override { return snapkv_rows(c, window_); }
 
  private:
   double budget_;

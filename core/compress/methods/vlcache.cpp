@@ -83,6 +83,12 @@ class VLCachePolicy : public ScoreEvictPolicy {
     std::vector<double> beta(layers.size(), alpha_);
     if (sparsity_mode_) {
       std::vector<double> gamma;
+      // Every layer's counts (and the column sums score() reads) at once where the attention is.
+      if (!layers.empty()) {
+        std::vector<const PrefillContext*> cs;
+        for (const PrefillContext& c : layers) cs.push_back(&c);
+        prepare_layers(cs, scored_rows(layers.front()), p_, true);
+      }
       for (const PrefillContext& c : layers) gamma.push_back(post_vision_sparsity(c, p_));
       beta = sparsity_budgets(gamma, alpha_);
     }
@@ -98,6 +104,9 @@ class VLCachePolicy : public ScoreEvictPolicy {
 
   std::vector<double> score(const PrefillContext& c, int kv_head) const override {
     return column_sums(c, kv_head, post_vision_begin(c), c.prompt_len);
+  }
+  std::pair<int, int> scored_rows(const PrefillContext& c) const override {
+    return {post_vision_begin(c), c.prompt_len};
   }
 
  private:

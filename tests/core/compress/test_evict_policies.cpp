@@ -294,6 +294,48 @@ TEST(EveryMethod, InvariantsOnRandomGQAPrompt) {
   }
 }
 
+// Every method that scores by column sums has every layer's sums (and VL-Cache its counts)
+// prepared at once before any layer asks for its own: each reduction a method asks is over rows
+// prepared earlier for that layer, with the same counts.
+TEST(EveryMethod, ScoringMethodsPrepareEveryLayerBeforeAsking) {
+  const std::vector<std::pair<MethodSpec, std::map<std::string, std::string>>> runs = {
+      {vlcache_method(), {}},
+      {vlcache_method(), {{"budget_mode", "uniform"}}},
+      {lookm_method(), {}},
+      {h2o_method(), {}},
+      {snapkv_method(), {{"window", "8"}}},
+      {pyramidkv_method(), {{"window", "8"}}}};
+  for (const auto& [m, set] : runs) {
+    Prompt P(4, 6, 2, 8, layout(5, 50, 10), 91);
+    P.random_logits(92, 0.5, 4.0);
+    SCOPED_TRACE(m.name + (set.empty() ? "" : " " + set.begin()->second));
+    const std::vector<PrefillContext> cs = P.contexts();
+    make(m, set)->on_prefill(cs, P.store);
+    const auto asked = P.held->asked();
+    int prepared = 0, reductions = 0;
+    for (size_t i = 0; i < asked.size(); ++i) {
+      const auto& a = asked[i];
+      if (a.prepare) {
+        ++prepared;
+        EXPECT_EQ(a.layers, std::vector<int>({0, 1, 2, 3})) << "every layer, in order";
+        continue;
+      }
+      ++reductions;
+      bool covered = false;
+      for (size_t j = 0; j < i; ++j) {
+        const auto& b = asked[j];
+        covered = covered || (b.prepare && b.queries == a.queries &&
+                              std::count(b.layers.begin(), b.layers.end(), a.layers[0]) &&
+                              (!a.below || (b.below && b.p == a.p && b.zeros_below == a.zeros_below)));
+      }
+      EXPECT_TRUE(covered) << "a reduction of layer " << a.layers[0] << " over " << a.queries.size()
+                           << " rows from " << (a.queries.empty() ? -1 : a.queries[0]) << " was not prepared";
+    }
+    EXPECT_GE(prepared, 1);
+    EXPECT_GE(reductions, P.L);
+  }
+}
+
 // On a device backend a method that reads no rows acts on the store's layout alone (the device
 // gathers the kept rows): the same kept positions, kinds and bytes as on the rows, and no rows
 // appear. None reads rows on the host; LOOK-M's merge on the layout alone needs a device cache
