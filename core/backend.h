@@ -377,9 +377,12 @@ class Backend {
   // by KV head and position), as quant::quantize_block would on the host: keys with `k`, values
   // with `v`, into out.k[h] / out.v[h] for each KV head h (out sized to the segment's heads) —
   // the same layout and fp16 ranges, and the same codes but for values within an fp32 rounding of
-  // a decision boundary. Only the codes and ranges cross to the host. False: this backend
-  // cannot (the caller quantizes host rows).
-  virtual bool quantize_rows(const DeviceKV& dev, int layer, const KVSegment& seg, const quant::UniformSpec& k,
+  // a decision boundary. Only the codes and ranges cross to the host. The device keeps its copy
+  // until the layer's next kv_sync, which stores a segment whose payload is `out` itself from it
+  // instead of uploading the same bytes: a policy hands `out` to the segment as it came back
+  // (payloads are replaced, not edited). False: this backend cannot (the caller quantizes host
+  // rows).
+  virtual bool quantize_rows(DeviceKV& dev, int layer, const KVSegment& seg, const quant::UniformSpec& k,
                              const quant::UniformSpec& v, quant::QuantPayload& out) {
     return false;
   }

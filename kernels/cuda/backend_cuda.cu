@@ -535,7 +535,7 @@ class CudaBackend : public Backend {
     cuda::exact_decode_attention(*ctx_, qkv_rows, l, prompts, pl, extras, out);
     return true;
   }
-  bool quantize_rows(const DeviceKV& dev, int layer, const KVSegment& seg, const quant::UniformSpec& k,
+  bool quantize_rows(DeviceKV& dev, int layer, const KVSegment& seg, const quant::UniformSpec& k,
                      const quant::UniformSpec& v, quant::QuantPayload& out) override {
     auto prof_scope = prof_.scope("quantize_rows", *ctx_);
     return cuda::kv_quantize_rows(*ctx_, dev, layer, seg, k, v, out);

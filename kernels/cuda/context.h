@@ -99,7 +99,7 @@ bool kv_rope_attend(Context& ctx, SeqKV& kv, int layer, Buffer& qkv, const AttnL
 void kv_hydrate(Context& ctx, const DeviceKV& dev, KVStore& host, bool rows);
 // Backend::quantize_rows: the segment's rows gathered from the cache by KV head and position,
 // quantized by the quant_pack.cu kernels, codes and ranges copied out in one wait.
-bool kv_quantize_rows(Context& ctx, const DeviceKV& dev, int layer, const KVSegment& seg, const quant::UniformSpec& k,
+bool kv_quantize_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& seg, const quant::UniformSpec& k,
                       const quant::UniformSpec& v, quant::QuantPayload& out);
 // Backend::kv_cosine_assign and kv_merge_rows (kv_merge.cu).
 void kv_cosine_assign(Context& ctx, const DeviceKV& dev, std::vector<LayerMerge>& layers);

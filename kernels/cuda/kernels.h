@@ -456,5 +456,9 @@ void quantize_token(const __half* x, int n, int D, int bits, const __half* facto
                     __half* scale, __half* zero, cudaStream_t s);
 // ZipCache's CST factors c_j = half(sqrt(max_t |x_tj|)) (1 where 0 or not finite).
 void cst_factors(const __half* x, int n, int D, __half* factor, cudaStream_t s);
+// 1-bit codes of `heads` blocks of n rows × D channels (D a multiple of 8; block h at rows +
+// h·stride bytes, written at out + h·stride) regrouped as quant::channel_major_1bit does: the
+// same bytes (kChannelT).
+void channel_major_1bit(const uint8_t* rows, int heads, int n, int D, int64_t stride, uint8_t* out, cudaStream_t s);
 
 }  // namespace kvlens::cuda

@@ -190,6 +190,21 @@ RowMap device_rows(const CudaKV& C, const DevLayer& d) {
   return m;
 }
 
+// The device segment that mirrors host segment s, labelled `storage`, with an empty slot per KV
+// head for its parts, positions and merge counts.
+DevSeg mirror(const KVSegment& s, std::string storage, int NKV, bool fp16_rows) {
+  DevSeg d;
+  d.kind = s.kind;
+  d.storage = std::move(storage);
+  d.host_storage = s.storage;
+  d.payload = s.payload.get();
+  d.fp16_rows = fp16_rows;
+  d.heads.resize(NKV);
+  d.pos.resize(NKV);
+  d.merged.resize(NKV);
+  return d;
+}
+
 }  // namespace kv
 
 namespace {
@@ -214,21 +229,6 @@ bool is_tail(const KVSegment& s, const Tail& t) {
       if (m) return false;
   }
   return true;
-}
-
-// The device segment that mirrors host segment s, labelled `storage`, with an empty slot per KV
-// head for its parts, positions and merge counts.
-DevSeg mirror(const KVSegment& s, std::string storage, int NKV, bool fp16_rows) {
-  DevSeg d;
-  d.kind = s.kind;
-  d.storage = std::move(storage);
-  d.host_storage = s.storage;
-  d.payload = s.payload.get();
-  d.fp16_rows = fp16_rows;
-  d.heads.resize(NKV);
-  d.pos.resize(NKV);
-  d.merged.resize(NKV);
-  return d;
 }
 
 // The copies of one kv_sync, made together once every layer's new layout is known: the rows
@@ -349,291 +349,6 @@ DevSeg build_fp16(const CudaKV& C, const KVSegment& s, const RowMap& have, const
   return d;
 }
 
-// Whether the payload's arrays have the sizes its layout implies (else it is read on the host).
-bool packed_ok(const quant::QuantPayload& p, const KVSegment& s, int D) {
-  using K = quant::CodeLayout::Kind;
-  const auto& L = p.layout;
-  auto bits_ok = [](int b) { return b >= 1 && b <= 8; };
-  for (size_t h = 0; h < s.heads.size(); ++h) {
-    const int64_t n = s.heads[h].n();
-    const quant::QuantBlock &k = p.k[h], &v = p.v[h];
-    if (L.kind == K::Fp16) {
-      if (static_cast<int64_t>(k.codes.size()) != n * D * 2 || static_cast<int64_t>(v.codes.size()) != n * D * 2) return false;
-    } else if (L.kind == K::Blocks) {
-      if (!bits_ok(L.k_bits) || !bits_ok(L.v_bits)) return false;
-      if (static_cast<int64_t>(k.codes.size()) != n * D * L.k_bits / 8) return false;
-      if (static_cast<int64_t>(v.codes.size()) != n * D * L.v_bits / 8) return false;
-      auto ranges = [&](quant::Axis a, int group) -> int64_t {
-        if (n == 0) return 0;
-        if (a == quant::Axis::PerToken) return n;
-        const int64_t g = group > 0 ? (n + group - 1) / group : 1;
-        return a == quant::Axis::Global ? g : g * D;
-      };
-      if (static_cast<int64_t>(k.scales.size()) != ranges(L.k_axis, L.k_group) ||
-          static_cast<int64_t>(v.scales.size()) != ranges(L.v_axis, L.v_group))
-        return false;
-    } else {
-      return false;
-    }
-  }
-  return true;
-}
-
-// One device allocation per array kind of a payload, every KV head's array concatenated.
-struct HeadArrays {
-  std::vector<int64_t> off;  // bytes
-  DevMem mem;
-  // Head h's array, `bytes` into it (null when nothing was uploaded).
-  const void* at(int h, int64_t bytes = 0) const {
-    return mem.mem ? static_cast<const char*>(mem.mem.get()) + off[static_cast<size_t>(h)] + bytes : nullptr;
-  }
-  const __half* half_at(int h, int64_t elems = 0) const { return static_cast<const __half*>(at(h, elems * 2)); }
-};
-// get(h): head h's vector (elements of `elem` bytes).
-template <class Get>
-HeadArrays upload_heads(Context& ctx, int NKV, Get get, int elem, const std::string& what) {
-  HeadArrays a;
-  int64_t total = 0;
-  for (int h = 0; h < NKV; ++h) {
-    a.off.push_back(total);
-    total += static_cast<int64_t>(get(h).size()) * elem;
-  }
-  if (total == 0) return a;
-  a.mem = {ctx.alloc(total, what), total};
-  // The heads' arrays side by side on the host, then one copy.
-  std::vector<char> all(static_cast<size_t>(total));
-  for (int h = 0; h < NKV; ++h)
-    if (!get(h).empty())
-      std::memcpy(all.data() + a.off[static_cast<size_t>(h)], get(h).data(), get(h).size() * static_cast<size_t>(elem));
-  ctx.upload(a.mem.mem.get(), all.data(), total, what);
-  return a;
-}
-
-// A segment whose payload the decode kernel reads as it is: every array uploaded once.
-DevSeg build_packed(Context& ctx, const CudaKV& C, const KVSegment& s, const quant::QuantPayload& p) {
-  using K = quant::CodeLayout::Kind;
-  const int NKV = C.NKV, D = C.D;
-  const auto& L = p.layout;
-  DevSeg d = mirror(s, "packed " + s.storage, NKV, false);
-  const std::string what = std::string("KV ") + segment_kind_name(s.kind) + " segment " + s.storage;
-  // One allocation per array kind (all heads concatenated), exactly the payload's bytes.
-  // 1-bit channel-wise keys and values with ranges over the whole part (CalibQuant's visual
-  // segment) at head size 128: the values go up channel-major by groups of 32 rows, the layout
-  // of the binary tensor-core decode path (kChannelT, the same bytes).
-  auto whole = [&](int group, int h) { return group <= 0 || group >= s.heads[h].n(); };
-  const bool chan_k = L.k_axis != quant::Axis::PerToken, chan_v = L.v_axis != quant::Axis::PerToken;
-  std::vector<std::vector<uint8_t>> v_groups;
-  if (L.kind == K::Blocks && D == 128 && L.k_bits == 1 && L.v_bits == 1 && chan_k && chan_v) {
-    bool all_whole = true;
-    for (int h = 0; h < NKV; ++h) all_whole = all_whole && whole(L.k_group, h) && whole(L.v_group, h);
-    if (all_whole)
-      for (int h = 0; h < NKV; ++h) v_groups.push_back(quant::channel_major_1bit(p.v[h].codes.data(), s.heads[h].n(), D));
-  }
-  auto up = [&](auto get, int elem, const char* name) { return upload_heads(ctx, NKV, get, elem, what + " " + name); };
-  using B = const std::vector<uint8_t>&;
-  using H = const std::vector<uint16_t>&;
-  const HeadArrays kc = up([&](int h) -> B { return p.k[h].codes; }, 1, "K codes");
-  const HeadArrays vc = up([&](int h) -> B { return v_groups.empty() ? p.v[h].codes : v_groups[h]; }, 1, "V codes");
-  const HeadArrays ks = up([&](int h) -> H { return p.k[h].scales; }, 2, "K scales");
-  const HeadArrays kz = up([&](int h) -> H { return p.k[h].zeros; }, 2, "K zeros");
-  const HeadArrays vs = up([&](int h) -> H { return p.v[h].scales; }, 2, "V scales");
-  const HeadArrays vz = up([&](int h) -> H { return p.v[h].zeros; }, 2, "V zeros");
-  const HeadArrays km = up([&](int h) -> H { return p.k[h].meta; }, 2, "K factors");
-  const HeadArrays vm = up([&](int h) -> H { return p.v[h].meta; }, 2, "V factors");
-  const HeadArrays kf = up([&](int h) -> B { return p.k[h].flags; }, 1, "K flags");
-  const HeadArrays vf = up([&](int h) -> B { return p.v[h].flags; }, 1, "V flags");
-  std::vector<int32_t> pos;
-  for (int h = 0; h < NKV; ++h) pos.insert(pos.end(), s.heads[h].pos.begin(), s.heads[h].pos.end());
-  DevMem P;
-  if (!pos.empty()) {
-    P = {ctx.alloc(static_cast<int64_t>(pos.size()) * 4, what + " positions"), static_cast<int64_t>(pos.size()) * 4};
-    ctx.upload(P.mem.get(), pos.data(), P.bytes, what + " positions");
-  }
-  for (int h = 0; h < NKV; ++h) {
-    const int n = s.heads[h].n();
-    d.pos[h] = s.heads[h].pos;
-    d.merged[h] = s.heads[h].merged;
-    if (n == 0) continue;
-    const bool vis = s.kind == SegmentKind::Visual;
-    if (L.kind == K::Fp16) {
-      DevPart q;
-      q.d.n = n;
-      q.d.visual = vis;
-      q.d.k.data = kc.at(h);
-      q.d.v.data = vc.at(h);
-      d.heads[h].push_back(q);
-    } else if (L.kind == K::Blocks) {
-      auto side = [&](int bits, quant::Axis a, int group, const HeadArrays& c, const HeadArrays& sc, const HeadArrays& z) {
-        KvSide k;
-        k.fmt = a == quant::Axis::PerToken ? kToken : kChannel;
-        k.bits = bits;
-        k.group = group;
-        k.chan_stride = a == quant::Axis::Global ? 0 : 1;
-        k.data = c.at(h);
-        k.scale = sc.half_at(h);
-        k.zero = z.half_at(h);
-        return k;
-      };
-      DevPart q;
-      q.d.n = n;
-      q.d.visual = vis;
-      q.d.k = side(L.k_bits, L.k_axis, L.k_group, kc, ks, kz);
-      q.d.v = side(L.v_bits, L.v_axis, L.v_group, vc, vs, vz);
-      if (!v_groups.empty()) q.d.v.fmt = kChannelT;
-      d.heads[h].push_back(q);
-    }
-  }
-  for (const HeadArrays* a : {&kc, &vc, &ks, &kz, &vs, &vz, &km, &vm, &kf, &vf})
-    if (a->mem.mem) d.mem.push_back(a->mem);
-  if (P.mem) d.mem.push_back(P);
-  d.bytes = p.allocated();
-  d.bytes.indices += static_cast<int64_t>(pos.size()) * 4;
-  return d;
-}
-
-// ZipCache's payload (CodeLayout::ZipMixed) over its group of consecutive host segments, one
-// DevSeg per segment: the first holds every part of the group — per KV head its salient rows
-// across the group's segments, then the others, `order` indexing the group's rows in segment
-// order — and the others only their positions. With token ranges shared by the KV heads, the
-// kernel reads a range per row of each part: when every head holds each position in the same
-// subset (one ranking for all heads) the shared table is that, and every head reads it; else
-// each head gets its rows' ranges copied into its own array, and the device holds (and
-// reports) those copies instead of the shared table. Empty when the payload is not what the
-// layout says (the group is then held as fp16 values).
-std::vector<DevSeg> build_zip(Context& ctx, const CudaKV& C, const std::vector<const KVSegment*>& g,
-                              const quant::QuantPayload& p) {
-  const int NKV = C.NKV, D = C.D;
-  const auto& L = p.layout;
-  if (static_cast<int>(p.k.size()) != NKV || static_cast<int>(p.v.size()) != NKV || L.hi_bits < 1 || L.hi_bits > 8 ||
-      L.lo_bits < 1 || L.lo_bits > 8)
-    return {};
-  const int bits[2] = {L.lo_bits, L.hi_bits};
-  // sub[h][s]: head h's rows (indices into the group's rows) in subset s (1: salient).
-  std::vector<std::array<std::vector<int32_t>, 2>> sub(NKV);
-  std::vector<std::vector<int32_t>> gpos(NKV);
-  for (int h = 0; h < NKV; ++h) {
-    for (const KVSegment* s : g) gpos[h].insert(gpos[h].end(), s->heads[h].pos.begin(), s->heads[h].pos.end());
-    const int64_t n = static_cast<int64_t>(gpos[h].size());
-    const quant::QuantBlock &k = p.k[h], &v = p.v[h];
-    if (static_cast<int64_t>(k.flags.size()) != (n + 7) / 8) return {};
-    for (int64_t i = 0; i < n; ++i) sub[h][quant::unpack_one(k.flags.data(), i, 1)].push_back(static_cast<int32_t>(i));
-    const int64_t nh = static_cast<int64_t>(sub[h][1].size()), nl = n - nh;
-    const int64_t codes = (nh * D * bits[1] + nl * D * bits[0]) / 8, ranges = (nh ? D : 0) + (nl ? D : 0);
-    if (static_cast<int64_t>(k.codes.size()) != codes || static_cast<int64_t>(v.codes.size()) != codes) return {};
-    if (static_cast<int64_t>(k.scales.size()) != ranges || static_cast<int64_t>(k.zeros.size()) != ranges) return {};
-    if (static_cast<int64_t>(v.meta.size()) != (L.layer_factors ? (n ? D : 0) : ranges)) return {};
-    if (!L.shared_token_ranges && (static_cast<int64_t>(v.scales.size()) != n || static_cast<int64_t>(v.zeros.size()) != n))
-      return {};
-  }
-  std::vector<std::vector<uint16_t>> vs(NKV), vz(NKV);
-  bool one_table = false;
-  if (L.shared_token_ranges) {
-    std::array<std::map<int32_t, int64_t>, 2> index;  // [subset] position → range
-    for (int h = 0; h < NKV; ++h)
-      for (int s = 0; s < 2; ++s)
-        for (int32_t i : sub[h][s]) index[s][gpos[h][static_cast<size_t>(i)]] = 0;
-    int64_t t = 0;
-    for (int s = 1; s >= 0; --s)
-      for (auto& e : index[s]) e.second = t++;
-    if (static_cast<int64_t>(p.tokens.scales.size()) != t || static_cast<int64_t>(p.tokens.zeros.size()) != t) return {};
-    one_table = true;
-    for (int h = 0; h < NKV; ++h)
-      for (int s = 1; s >= 0; --s) {
-        const int64_t first = s ? 0 : static_cast<int64_t>(index[1].size());
-        one_table = one_table && sub[h][s].size() == index[s].size();
-        for (size_t k = 0; one_table && k < sub[h][s].size(); ++k)
-          one_table = index[s].at(gpos[h][static_cast<size_t>(sub[h][s][k])]) == first + static_cast<int64_t>(k);
-      }
-    for (int h = 0; h < NKV && !one_table; ++h)
-      for (int s = 1; s >= 0; --s)
-        for (int32_t i : sub[h][s]) {
-          const int64_t r = index[s].at(gpos[h][static_cast<size_t>(i)]);
-          vs[h].push_back(p.tokens.scales[static_cast<size_t>(r)]);
-          vz[h].push_back(p.tokens.zeros[static_cast<size_t>(r)]);
-        }
-  }
-  const KVSegment& s0 = *g.front();
-  const bool copies = L.shared_token_ranges && !one_table;
-  const std::string label = "packed " + s0.storage + (copies ? " (V token ranges per KV head)" : "");
-  const std::string what = "KV mixed-bit group of " + std::to_string(g.size()) + " segment(s) " + s0.storage;
-  auto up = [&](auto get, int elem, const char* name) { return upload_heads(ctx, NKV, get, elem, what + " " + name); };
-  using B = const std::vector<uint8_t>&;
-  using H = const std::vector<uint16_t>&;
-  const bool own = !L.shared_token_ranges;
-  // The shared table once, every head at its start.
-  auto shared = [&](const std::vector<uint16_t>& x, const char* name) {
-    HeadArrays a;
-    a.off.assign(static_cast<size_t>(NKV), 0);
-    const int64_t b = static_cast<int64_t>(x.size()) * 2;
-    if (b == 0) return a;
-    a.mem = {ctx.alloc(b, what + " " + name), b};
-    ctx.upload(a.mem.mem.get(), x.data(), b, what + " " + name);
-    return a;
-  };
-  const HeadArrays kc = up([&](int h) -> B { return p.k[h].codes; }, 1, "K codes");
-  const HeadArrays vc = up([&](int h) -> B { return p.v[h].codes; }, 1, "V codes");
-  const HeadArrays ks = up([&](int h) -> H { return p.k[h].scales; }, 2, "K scales");
-  const HeadArrays kz = up([&](int h) -> H { return p.k[h].zeros; }, 2, "K zeros");
-  const HeadArrays vsa = one_table ? shared(p.tokens.scales, "V token scales")
-                                   : up([&](int h) -> H { return own ? p.v[h].scales : vs[h]; }, 2, "V token scales");
-  const HeadArrays vza = one_table ? shared(p.tokens.zeros, "V token zeros")
-                                   : up([&](int h) -> H { return own ? p.v[h].zeros : vz[h]; }, 2, "V token zeros");
-  const HeadArrays vm = up([&](int h) -> H { return p.v[h].meta; }, 2, "V channel factors");
-  const HeadArrays kf = up([&](int h) -> B { return p.k[h].flags; }, 1, "salient flags");
-  std::vector<DevSeg> out(g.size());
-  for (size_t i = 0; i < g.size(); ++i) {
-    const KVSegment& s = *g[i];
-    DevSeg& d = out[i];
-    d = mirror(s, label, NKV, false);
-    std::vector<int32_t> pos;
-    for (int h = 0; h < NKV; ++h) {
-      d.pos[h] = s.heads[h].pos;
-      d.merged[h] = s.heads[h].merged;
-      pos.insert(pos.end(), s.heads[h].pos.begin(), s.heads[h].pos.end());
-    }
-    if (!pos.empty()) {
-      const int64_t b = static_cast<int64_t>(pos.size()) * 4;
-      DevMem P{ctx.alloc(b, what + " positions"), b};
-      ctx.upload(P.mem.get(), pos.data(), b, what + " positions");
-      d.mem.push_back(P);
-    }
-    d.bytes.indices = static_cast<int64_t>(pos.size()) * 4;
-  }
-  DevSeg& first = out.front();
-  for (int h = 0; h < NKV; ++h) {
-    int64_t code = 0, ranges = 0, rows = 0;
-    for (int sal = 1; sal >= 0; --sal) {
-      const std::vector<int32_t>& idx = sub[h][sal];
-      if (idx.empty()) continue;
-      DevPart q;
-      q.d.n = static_cast<int32_t>(idx.size());
-      q.d.k.fmt = kChannel;
-      q.d.k.bits = bits[sal];
-      q.d.k.data = kc.at(h, code);
-      q.d.k.scale = ks.half_at(h, ranges);
-      q.d.k.zero = kz.half_at(h, ranges);
-      q.d.v.fmt = kToken;
-      q.d.v.bits = bits[sal];
-      q.d.v.data = vc.at(h, code);
-      q.d.v.scale = vsa.half_at(h, rows);
-      q.d.v.zero = vza.half_at(h, rows);
-      q.d.v.factor = vm.half_at(h, L.layer_factors ? 0 : ranges);
-      q.order = idx;
-      first.heads[h].push_back(q);
-      code += static_cast<int64_t>(idx.size()) * D * bits[sal] / 8;
-      ranges += D;
-      rows += static_cast<int64_t>(idx.size());
-    }
-  }
-  for (const HeadArrays* a : {&kc, &vc, &ks, &kz, &vsa, &vza, &vm, &kf})
-    if (a->mem.mem) first.mem.push_back(a->mem);
-  first.bytes.codes += kc.mem.bytes + vc.mem.bytes;
-  first.bytes.scales += ks.mem.bytes + vsa.mem.bytes;
-  first.bytes.zeros += kz.mem.bytes + vza.mem.bytes;
-  first.bytes.meta += vm.mem.bytes + kf.mem.bytes;
-  return out;
-}
-
 void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l, SyncBatch& batch) {
   DevLayer& d = C.layers[l];
   const LayerKV& H = host.layer(l);
@@ -657,6 +372,7 @@ void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l, SyncBatch& batch)
   if (unchanged) {
     batch.retired_rows.push_back(std::move(d.merged));
     d.merged = Staged{};
+    d.quantized.clear();
     set_host_bytes(C, host, l);
     return;
   }
@@ -702,7 +418,10 @@ void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l, SyncBatch& batch)
       continue;
     }
     if (p && p->layout.kind != quant::CodeLayout::Kind::None && packed_ok(*p, s, C.D)) {
-      segs.push_back(build_packed(ctx, C, s, *p));
+      const StagedCodes* staged = nullptr;
+      for (const StagedCodes& q : d.quantized)
+        if (staged_for(q, s, *p)) staged = &q;
+      segs.push_back(build_packed(ctx, C, s, *p, staged));
     } else if (s.payload) {
       segs.push_back(build_fp16(C, s, have, d.merged, "fp16 (dequantized " + s.storage + ")", true, batch));
     } else {
@@ -714,6 +433,7 @@ void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l, SyncBatch& batch)
   d.segs = std::move(segs);
   batch.retired_rows.push_back(std::move(d.merged));
   d.merged = Staged{};
+  d.quantized.clear();  // (what a segment took is held by it; the rest goes back to the pool in stream order)
   if (!keep_tail) C.reset_tail(l);
   C.changed();
   set_host_bytes(C, host, l);

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/errors.h"
+#include "core/kv_format.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/context.h"
 #include "kernels/cuda/kernels.h"
@@ -65,11 +66,30 @@ struct Staged {
   bool empty() const { return !k.mem; }
 };
 
+// Codes and ranges a method made where the rows are (kv_quantize_rows) and copied into the host
+// payload `payload`, kept for the layer's next kv_sync: a host segment whose payload is that one
+// is stored from these instead of from an upload of the same bytes.
+struct StagedCodes {
+  const void* payload = nullptr;
+  DevMem codes, ranges;  // every slot's codes; scales [range_count] then zeros [range_count]
+  struct Slot {
+    int64_t codes = 0, n_codes = 0, ranges = 0, n_ranges = 0;  // bytes into codes; halves into each range array
+  };
+  std::vector<Slot> slots;  // [side: K, V][kv head]
+  int64_t range_count = 0;
+  int k_bits = 0, v_bits = 0;
+};
+
 struct DevLayer {
   std::vector<DevSeg> segs;
   Tail tail;
   Staged merged;  // (not copied by clone: it belongs to the decode that merged)
+  std::vector<StagedCodes> quantized;  // (nor this)
 };
+
+// The device segment that mirrors host segment s, labelled `storage`, with an empty slot per KV
+// head for its parts, positions and merge counts.
+DevSeg mirror(const KVSegment& s, std::string storage, int NKV, bool fp16_rows);
 
 inline KVBytes fp16_bytes(int64_t rows, int D) {
   KVBytes b;
@@ -122,6 +142,8 @@ class CudaKV : public DeviceKV {
         for (const DevMem& m : s.mem) seen[m.mem.get()] = m.bytes;
       for (const DevMem* m : {&d.tail.k, &d.tail.v, &d.tail.pos, &d.merged.k, &d.merged.v})
         if (m->mem) seen[m->mem.get()] = m->bytes;
+      for (const StagedCodes& q : d.quantized)
+        for (const DevMem* m : {&q.codes, &q.ranges}) seen[m->mem.get()] = m->bytes;
     }
     int64_t t = 0;
     for (const auto& kv : seen) t += kv.second;
@@ -303,5 +325,20 @@ RowMap device_rows(const CudaKV& C, const DevLayer& d);
 void set_host_bytes(CudaKV& C, KVStore& host, int l);
 // Dense rows as the host store keeps them (fp32, or fp16 values: the store's row storage), no payload.
 bool dense_host(const std::string& storage);
+
+// Packed segments (kv_packed.cu). Whether the payload's arrays have the sizes its layout implies
+// (else the segment is held as dequantized fp16 rows).
+bool packed_ok(const quant::QuantPayload& p, const KVSegment& s, int D);
+// Whether `q` holds payload p's codes and ranges as kv_quantize_rows made them for it: the same
+// payload, bits and array sizes, and no other arrays.
+bool staged_for(const StagedCodes& q, const KVSegment& s, const quant::QuantPayload& p);
+// Host segment s with payload p as the decode kernel reads it: every array uploaded once, or,
+// with `staged` (staged_for), taken from where the codes were made.
+DevSeg build_packed(Context& ctx, const CudaKV& C, const KVSegment& s, const quant::QuantPayload& p,
+                    const StagedCodes* staged);
+// ZipCache's group of consecutive host segments sharing payload p (CodeLayout::ZipMixed), one
+// DevSeg per segment; empty when the payload is not what its layout says.
+std::vector<DevSeg> build_zip(Context& ctx, const CudaKV& C, const std::vector<const KVSegment*>& g,
+                              const quant::QuantPayload& p);
 
 }  // namespace kvlens::cuda::kv

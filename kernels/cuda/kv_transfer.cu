@@ -102,9 +102,9 @@ void kv_hydrate(Context& ctx, const DeviceKV& dev, KVStore& host, bool rows) {
   }
 }
 
-bool kv_quantize_rows(Context& ctx, const DeviceKV& dev, int layer, const KVSegment& seg, const quant::UniformSpec& ks,
+bool kv_quantize_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& seg, const quant::UniformSpec& ks,
                       const quant::UniformSpec& vs, quant::QuantPayload& out) {
-  const CudaKV& C = as_cuda(dev);
+  CudaKV& C = as_cuda(&dev);
   const int NKV = C.NKV, D = C.D;
   if (layer < 0 || layer >= C.L || static_cast<int>(seg.heads.size()) != NKV ||
       static_cast<int>(out.k.size()) != NKV || static_cast<int>(out.v.size()) != NKV)
@@ -139,9 +139,7 @@ bool kv_quantize_rows(Context& ctx, const DeviceKV& dev, int layer, const KVSegm
   ctx.upload(L.mem.get(), src.data(), 2 * N * static_cast<int64_t>(sizeof(void*)), what + " gather list");
   gather_rows(static_cast<const __half* const*>(L.mem.get()), X.as<__half>(), static_cast<int>(2 * N), D, ctx.stream);
   // Per head and side: codes, then scales and zeros (one range per channel, per row or one).
-  struct Slot {
-    int64_t codes = 0, n_codes = 0, ranges = 0, n_ranges = 0;
-  };
+  using Slot = StagedCodes::Slot;
   auto n_ranges = [&](const quant::UniformSpec& q, int64_t n) -> int64_t {
     if (n == 0) return 0;
     return q.axis == quant::Axis::PerToken ? n : q.axis == quant::Axis::Global ? 1 : D;
@@ -206,6 +204,11 @@ bool kv_quantize_rows(Context& ctx, const DeviceKV& dev, int layer, const KVSegm
       b.scales.assign(hs + sl.ranges, hs + sl.ranges + sl.n_ranges);
       b.zeros.assign(hz + sl.ranges, hz + sl.ranges + sl.n_ranges);
     }
+  // The codes stay for the layer's next kv_sync, which stores `out` from them (one entry per
+  // payload: quantizing again for the same payload replaces it).
+  std::vector<StagedCodes>& q = C.layers[static_cast<size_t>(layer)].quantized;
+  q.erase(std::remove_if(q.begin(), q.end(), [&](const StagedCodes& x) { return x.payload == &out; }), q.end());
+  q.push_back(StagedCodes{&out, std::move(Cd), std::move(R), std::move(slots), range_count, ks.bits, vs.bits});
   return true;
 }
 

@@ -164,6 +164,45 @@ void quantize_token(const __half* x, int n, int D, int bits, const __half* facto
   KV_LAUNCH("pack_kernel", std::to_string(n) + "x" + std::to_string(D));
 }
 
+namespace {
+
+// Thread (group b, channel c) gathers channel c's codes of the group's 32 rows into one word, the
+// code of row 32b + block_row(i) at bit i (block_row(4g + t) = 16(t >> 1) + 8(t & 1) + g); the
+// rows past the last whole group are copied as they are.
+__global__ void channel_major_1bit_kernel(const uint8_t* rows, int n, int D, int64_t stride, uint8_t* out) {
+  rows += blockIdx.y * stride;
+  out += blockIdx.y * stride;
+  const int64_t groups = n / 32, row_bytes = D / 8;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t < groups * D) {
+    const int64_t b = t / D;
+    const int c = static_cast<int>(t % D);
+    const uint8_t* g = rows + 32 * b * row_bytes + c / 8;
+    uint32_t w = 0;
+    for (int i = 0; i < 32; ++i) {
+      const int r = 16 * ((i >> 1) & 1) + 8 * (i & 1) + (i >> 2);
+      w |= static_cast<uint32_t>((g[r * row_bytes] >> (c & 7)) & 1u) << i;
+    }
+    reinterpret_cast<uint32_t*>(out)[b * D + c] = w;
+  }
+  const int64_t tail0 = groups * 32 * row_bytes, tail = static_cast<int64_t>(n) * row_bytes - tail0;
+  for (int64_t i = t; i < tail; i += static_cast<int64_t>(gridDim.x) * blockDim.x) out[tail0 + i] = rows[tail0 + i];
+}
+
+}  // namespace
+
+void channel_major_1bit(const uint8_t* rows, int heads, int n, int D, int64_t stride, uint8_t* out, cudaStream_t s) {
+  if (D % 8 != 0 || heads > 65535 || (stride % 4 != 0 && heads > 1))
+    throw InternalError("channel_major_1bit: head size " + std::to_string(D) + " (a multiple of 8), " +
+                        std::to_string(heads) + " blocks (at most 65535) " + std::to_string(stride) +
+                        " bytes apart (a multiple of 4)");
+  if (n == 0 || heads == 0) return;
+  const int64_t work = std::max<int64_t>(static_cast<int64_t>(n / 32) * D, static_cast<int64_t>(n % 32) * (D / 8));
+  channel_major_1bit_kernel<<<dim3(static_cast<unsigned>(std::max<int64_t>((work + 255) / 256, 1)), heads), 256, 0, s>>>(
+      rows, n, D, stride, out);
+  KV_LAUNCH("channel_major_1bit_kernel", std::to_string(heads) + "x" + std::to_string(n) + "x" + std::to_string(D));
+}
+
 void cst_factors(const __half* x, int n, int D, __half* factor, cudaStream_t s) {
   if (D == 0) return;
   cst_factor_kernel<<<(D + 127) / 128, 128, 0, s>>>(x, n, D, factor);

@@ -7,9 +7,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <random>
 
 #include "core/compress/method.h"
+#include "core/kv_format.h"
 #include "core/compress/quant_methods.h"
 #include "core/compress/policy.h"
 #include "core/observer.h"
@@ -667,6 +670,39 @@ TEST(DecodeOps, QuantizeAndPackKernels) {
     quant_case(77, 128, bits, quant::Axis::PerToken, 1.0f, true);
   }
   quant_case(150, 128, 1, quant::Axis::PerChannel, 0.5f, false);  // CalibQuant's official shrink
+}
+
+// 1-bit rows regrouped channel-major on the device (the V layout of the binary decode path,
+// kChannelT) against quant::channel_major_1bit on fresh random bytes: every byte equal, for whole
+// groups, a tail of rows, fewer rows than a group, and several heads a launch.
+TEST(DecodeOps, ChannelMajorRegroupingKernel) {
+  KVLENS_NEED_GPU();
+  Backend& be = *op_backends().gpu;
+  std::mt19937 rng(0x1b17);
+  for (const auto& [heads, n, D] : {std::array<int, 3>{1, 64, 128}, {3, 91, 128}, {2, 7, 64}, {4, 576, 128}, {1, 33, 8}}) {
+    const std::string what = std::to_string(heads) + " heads x " + std::to_string(n) + " rows x " + std::to_string(D);
+    const int64_t bytes = static_cast<int64_t>(n) * D / 8, stride = (bytes + 15) / 16 * 16;
+    std::vector<int32_t> words(static_cast<size_t>(heads * stride / 4));
+    for (int32_t& w : words) w = static_cast<int32_t>(rng());
+    Buffer In = be.alloc("rows", {static_cast<int64_t>(words.size())}, Dt::I32);
+    Buffer Out = be.alloc("regrouped", {static_cast<int64_t>(words.size())}, Dt::I32);
+    be.upload(words.data(), In);
+    be.synchronize();
+    cuda::channel_major_1bit(reinterpret_cast<const uint8_t*>(In.data), heads, n, D, stride,
+                             reinterpret_cast<uint8_t*>(Out.data), nullptr);
+    cudaDeviceSynchronize();
+    std::vector<int32_t> got(words.size());
+    be.download(Out, got.data());
+    const auto* in = reinterpret_cast<const uint8_t*>(words.data());
+    const auto* out = reinterpret_cast<const uint8_t*>(got.data());
+    for (int h = 0; h < heads; ++h) {
+      const std::vector<uint8_t> want = quant::channel_major_1bit(in + h * stride, n, D);
+      ASSERT_EQ(static_cast<int64_t>(want.size()), bytes) << what;
+      int64_t differ = 0;
+      for (int64_t i = 0; i < bytes; ++i) differ += out[h * stride + i] != want[static_cast<size_t>(i)];
+      EXPECT_EQ(differ, 0) << what << ", head " << h << ": bytes that differ";
+    }
+  }
 }
 #endif
 

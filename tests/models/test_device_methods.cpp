@@ -97,6 +97,50 @@ TEST(CudaModel, CalibQuantQuantizesTheVisualRowsOnTheDevice) {
   }
 }
 
+// The codes quantize_rows made on the device are what kv_sync stores for their payload, in place
+// of an upload of the same bytes: a cache synced from them, and one synced from a copy of each
+// payload (a new payload, so uploaded), hold the same bytes and decode the same, every logit
+// equal (the same kernels read the same codes). Bits 1 (the values regrouped channel-major on
+// the device) and 4, and after an eviction (each head its own rows).
+TEST(CudaModel, CodesQuantizedOnTheDeviceAreStoredWhereTheyWereMade) {
+  NEED_GPU();
+  SampleRun r = sample_run(8);
+  Backend& be = r.gpu.backend();
+  for (const char* spec : {"calibquant:bits=1", "calibquant:bits=4", "stack:evict=snapkv,quant=calibquant,budget=0.4"}) {
+    SCOPED_TRACE(spec);
+    std::unique_ptr<DeviceKV> made = r.st.device->clone(), uploaded = r.st.device->clone();
+    KVStore a = r.st.store;
+    a.set_row_storage(RowStorage::Fp16);
+    std::vector<PrefillContext> cs = r.gpu.prefill_contexts(r.st);
+    for (PrefillContext& c : cs) c.device = made.get();
+    make_policy(spec)->on_prefill(cs, a);
+    KVStore b = a;
+    int copies = 0;
+    for (int l = 0; l < b.n_layers(); ++l)
+      for (KVSegment& seg : b.layer(l).segments)
+        if (const auto* p = dynamic_cast<const quant::QuantPayload*>(seg.payload.get())) {
+          seg.payload = std::make_shared<quant::QuantPayload>(*p);
+          ++copies;
+        }
+    EXPECT_EQ(copies, r.layers) << "one quantized segment a layer";
+    be.kv_sync(*made, a, -1);
+    be.kv_sync(*uploaded, b, -1);
+    EXPECT_EQ(made->bytes().total(), uploaded->bytes().total());
+    for (int l = 0; l < r.layers; ++l) EXPECT_EQ(made->storage(l), uploaded->storage(l)) << "layer " << l;
+    // Each cache decoded as the prompt's (no method, so nothing changes it further).
+    DecodeResult x[2];
+    for (int i = 0; i < 2; ++i) {
+      PrefillState st = r.st;
+      st.store = i ? b : a;
+      st.device = std::shared_ptr<const DeviceKV>(i ? std::move(uploaded) : std::move(made));
+      x[i] = r.gpu.decode(st, nullptr, r.g);
+    }
+    EXPECT_EQ(x[0].generated_ids, x[1].generated_ids);
+    ASSERT_EQ(x[0].step_logits.size(), x[1].step_logits.size());
+    for (size_t i = 0; i < x[0].step_logits.size(); ++i)
+      EXPECT_TRUE(x[0].step_logits[i] == x[1].step_logits[i]) << "step " << i << ": logits differ";
+  }
+}
 
 // The prompt's store as a device decode starts from it (the layout alone, the decode's own copy
 // of the cache) compressed by `spec` and synced, then read back with its rows; against the same
