@@ -358,8 +358,10 @@ class Backend {
   // recorded_attention's probabilities reduced where they are to what a view of one span of key
   // positions reads (the patch overlay: the visual tokens first .. first + n − 1): out
   // [queries][n_heads][n], each query head's probabilities summed by key position over the span
-  // (span_attention_sums on recorded_attention's answer, within the softmax's roundings). False:
-  // this backend cannot for this transform (the caller asks recorded_attention).
+  // (span_attention_sums on recorded_attention's answer, within the softmax's roundings). `out` is
+  // sized at once and written by the next finish_reductions (it must stay where it is until
+  // then), so that several layers' calls share one wait. False: this backend cannot for this
+  // transform (nothing is queued; the caller asks recorded_attention).
   virtual bool recorded_span_attention(SeqKV& kv, int layer, const Buffer& q_rows, const AttnLayout& l,
                                        const std::vector<int32_t>& positions, const ScoreTransform* transform,
                                        int first, int n, std::vector<float>& out) {

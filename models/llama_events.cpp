@@ -142,28 +142,66 @@ void LlamaDecoder::hand_over_recorded(SeqKV& kv, const std::vector<int>& steps, 
     by_span = by_span && x.n > 0 && x.first == span.first && x.n == span.n;
   }
   by_span = by_span && span.n > 0;
-  std::vector<float> sums;
+  // The span's sums of every layer and chunk of steps queued on the backend, landing together
+  // (one wait for each 256 MB of sums), then handed over, every layer's at once.
+  if (by_span) {
+    struct Part {
+      int l = 0, c0 = 0;
+      std::vector<int32_t> at;
+      std::vector<float> sums;  // (written when the queued sums land: parts are not moved after)
+    };
+    std::vector<Part> parts;
+    for (int l = 0; l < cfg.num_hidden_layers; ++l)
+      for (int c0 = 0; c0 < n; c0 += chunk)
+        parts.push_back(Part{l, c0, std::vector<int32_t>(positions.begin() + c0, positions.begin() + std::min(n, c0 + chunk)), {}});
+    try {
+      int64_t queued = 0;
+      for (Part& p : parts) {
+        const int64_t bytes = static_cast<int64_t>(p.at.size()) * NH * span.n * 4;
+        if (queued > 0 && queued + bytes > (int64_t{256} << 20)) {
+          be->finish_reductions();
+          queued = 0;
+        }
+        queued += bytes;
+        const Buffer q_rows = w.recorded_q.row_view(static_cast<int64_t>(p.l) * w.record_slots + p.c0,
+                                                    static_cast<int64_t>(p.at.size()));
+        by_span = be->recorded_span_attention(kv, p.l, q_rows, ql, p.at, &transform, span.first, span.n, p.sums);
+        if (!by_span) break;  // (the first call says so: nothing queued)
+      }
+      be->finish_reductions();
+    } catch (...) {
+      try {
+        be->finish_reductions();  // what was queued lands while its parts still exist
+      } catch (...) {
+        // (the first error is the one to report)
+      }
+      throw;
+    }
+    if (by_span) {
+      const size_t per = static_cast<size_t>(NH) * span.n;
+      std::vector<std::pair<const Part*, int>> items;
+      for (const Part& p : parts)
+        for (int i = 0; i < static_cast<int>(p.at.size()); ++i) items.emplace_back(&p, i);
+      auto one = [&](int k) {
+        const auto& [p, i] = items[static_cast<size_t>(k)];
+        const int step = steps[static_cast<size_t>(p->c0 + i)];
+        for (AttentionObserver* o : observers)
+          if (o->reads_step(step)) o->on_span_attention(step, p->l, NH, p->sums.data() + static_cast<size_t>(i) * per);
+      };
+      if (together) {
+        parallel_for(static_cast<int>(items.size()), 8, one);
+      } else {
+        for (int k = 0; k < static_cast<int>(items.size()); ++k) one(k);
+      }
+      return;
+    }
+  }
   std::vector<RecordedAttention> rec;
   for (int l = 0; l < cfg.num_hidden_layers; ++l)
     for (int c0 = 0; c0 < n; c0 += chunk) {
       const int m = std::min(chunk, n - c0);
       const std::vector<int32_t> at(positions.begin() + c0, positions.begin() + c0 + m);
       const Buffer q_rows = w.recorded_q.row_view(static_cast<int64_t>(l) * w.record_slots + c0, m);
-      by_span = by_span && be->recorded_span_attention(kv, l, q_rows, ql, at, &transform, span.first, span.n, sums);
-      if (by_span) {
-        const size_t per = static_cast<size_t>(NH) * span.n;
-        auto one = [&](int i) {
-          const int step = steps[static_cast<size_t>(c0 + i)];
-          for (AttentionObserver* o : observers)
-            if (o->reads_step(step)) o->on_span_attention(step, l, NH, sums.data() + static_cast<size_t>(i) * per);
-        };
-        if (together) {
-          parallel_for(m, 8, one);
-        } else {
-          for (int i = 0; i < m; ++i) one(i);
-        }
-        continue;
-      }
       be->recorded_attention(kv, l, q_rows, ql, at, &transform, rec);
       auto one = [&](int i) {
         const RecordedAttention& r = rec[static_cast<size_t>(i)];

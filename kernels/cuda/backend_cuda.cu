@@ -440,12 +440,12 @@ class CudaBackend : public Backend {
   bool attention_reduce_later(const Buffer& qkv, const AttnLayout& l, const AttentionReduction& r) override {
     std::lock_guard<std::recursive_mutex> lock(ops_mutex());
     auto prof_scope = prof_.scope("attention_reduce", *ctx_);
-    queued_reductions_.push_back(queue_prefill_reduction(*ctx_, qkv, l, r));
+    queue_prefill_reduction(*ctx_, qkv, l, r);
     return true;
   }
   void finish_reductions() override {
     std::lock_guard<std::recursive_mutex> lock(ops_mutex());
-    finish_prefill_reductions(*ctx_, queued_reductions_);
+    ctx_->land_all("queued reductions");
   }
   bool cosine_assign(int d, const std::vector<const std::vector<float>*>& k, const std::vector<const std::vector<int>*>& keep,
                      std::vector<std::vector<RowAssignment>>& out) override {
@@ -650,7 +650,6 @@ class CudaBackend : public Backend {
   static constexpr int64_t kChecks = 4096;
   std::shared_ptr<Context> ctx_;
   Profiler prof_;
-  std::vector<QueuedReduction> queued_reductions_;  // attention_reduce_later's, until finish_reductions
   DevMem checks_;
   std::vector<std::string> check_names_;
   bool fp32_as_fp16_ = false;

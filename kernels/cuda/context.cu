@@ -121,6 +121,29 @@ void Context::download(void* dst, const void* src, int64_t bytes, const std::str
   KV_CUDA(cudaStreamSynchronize(stream), what + " (" + std::to_string(bytes) + " bytes from the device)");
 }
 
+void Context::land_later(std::shared_ptr<void> src, int64_t bytes, std::function<void(const char*)> land) {
+  landings.push_back(Landing{std::move(src), bytes, std::move(land)});
+}
+
+void Context::land_all(const std::string& what) {
+  std::vector<Landing> all = std::move(landings);
+  landings.clear();
+  int64_t total = 0;
+  for (const Landing& x : all) total += (x.bytes + 15) / 16 * 16;
+  char* host = total ? static_cast<char*>(staging(total, what)) : nullptr;
+  int64_t at = 0;
+  for (const Landing& x : all) {
+    if (x.bytes) download_async(host + at, x.src.get(), x.bytes, what);
+    at += (x.bytes + 15) / 16 * 16;
+  }
+  if (total) sync(what);
+  at = 0;
+  for (const Landing& x : all) {
+    x.land(host + at);
+    at += (x.bytes + 15) / 16 * 16;
+  }
+}
+
 void Context::sync(const std::string& what) { KV_CUDA(cudaStreamSynchronize(stream), what); }
 
 }  // namespace kvlens::cuda

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -54,6 +55,18 @@ struct Context : std::enable_shared_from_this<Context> {
   void download(void* dst, const void* src, int64_t bytes, const std::string& what);
   void sync(const std::string& what);
   void free_memory(int64_t& free_bytes, int64_t& total) const;
+  // Results that come to the host later (Backend::attention_reduce_later and the like): `bytes`
+  // of `src` (held until then), and what to do with them once they are on the host. land_all
+  // copies every queued result into page-locked memory before one wait, then lands each in
+  // turn; it empties the queue, also on error.
+  void land_later(std::shared_ptr<void> src, int64_t bytes, std::function<void(const char*)> land);
+  void land_all(const std::string& what);
+  struct Landing {
+    std::shared_ptr<void> src;
+    int64_t bytes = 0;
+    std::function<void(const char*)> land;
+  };
+  std::vector<Landing> landings;
 };
 
 // A cuBLAS status other than success as a DeviceError naming the call and `what`.
@@ -113,17 +126,9 @@ void kv_pull_rows(Context& ctx, SeqKV& kv, const std::vector<int>& layers, const
 // qkv on the device and reduced there), Backend::cosine_assign (LOOK-M's Eq. 9) and
 // Backend::exact_decode_attention, as core/backend.h states them.
 void reduce_prefill_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, const AttentionReduction& r);
-// Backend::attention_reduce_later: the reduction queued on the stream (its results in device
-// memory, r's host pointers kept), then every queued one's results copied to the host in one
-// batch before one wait and written where each r asks. finish empties `queued`, also on error.
-struct QueuedReduction {
-  AttentionReduction r;
-  int n_heads = 0, T = 0;
-  std::shared_ptr<void> out;  // column sums, counts below, map sums: r's parts, in that order
-  int64_t sums_bytes = 0, below_bytes = 0, map_bytes = 0;
-};
-QueuedReduction queue_prefill_reduction(Context& ctx, const Buffer& qkv, const AttnLayout& l, const AttentionReduction& r);
-void finish_prefill_reductions(Context& ctx, std::vector<QueuedReduction>& queued);
+// Backend::attention_reduce_later: the reduction queued on the stream, its results landing where
+// r asks at the context's next land_all (Context::land_later).
+void queue_prefill_reduction(Context& ctx, const Buffer& qkv, const AttnLayout& l, const AttentionReduction& r);
 // LOOK-M's assignment of several KV heads' rows already on the device (row pointers, d values of
 // fp16 when `half`, else fp32), each with its kept rows: out[h] = every evicted row's
 // assignment, as Backend::cosine_assign states it; one upload, two launches (norms, then the

@@ -3,6 +3,7 @@
 // transformed there in the host store's row order, and back for the softmax and values.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "core/exact_attention.h"
 #include "core/parallel.h"
@@ -390,7 +391,8 @@ bool kv_recorded_span_attention(Context& ctx, SeqKV& kv, int layer, const Buffer
   const int32_t* c = codes.as<int32_t>();
   span_softmax_sums(S.as<float>(), stride, c, c + NKV * stride, c + NKV * stride + NKV, n, NH, NKV, cal,
                     cal ? transform->tau1 : 0.0f, cal ? transform->tau2 : 0.0f, n_span, sums.as<float>(), ctx.stream);
-  ctx.download(out.data(), sums.mem.get(), ob, "recorded span sums");
+  float* to = out.data();
+  ctx.land_later(sums.mem, ob, [to, ob](const char* host) { std::memcpy(to, host, static_cast<size_t>(ob)); });
   return true;
 }
 

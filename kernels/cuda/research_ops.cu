@@ -22,19 +22,17 @@ void need(bool ok, const std::string& what) {
 
 }  // namespace
 
-QueuedReduction queue_prefill_reduction(Context& ctx, const Buffer& qkv, const AttnLayout& l, const AttentionReduction& r) {
+void queue_prefill_reduction(Context& ctx, const Buffer& qkv, const AttnLayout& l, const AttentionReduction& r) {
   need(qkv.dt == Dt::F32 && l.causal, "attention_reduce: " + qkv.name + " (causal fp32 q/k/v)");
   r.check(l.T, "attention_reduce: " + qkv.name);
   const int H = l.n_heads, T = l.T, nq = static_cast<int>(r.queries.size());
-  QueuedReduction x;
-  x.r = r;
-  x.n_heads = H;
-  x.T = T;
   const int64_t map_cells = r.map ? static_cast<int64_t>(r.map_rows) * r.map_cols : 0;
-  if (nq == 0 || T == 0) return x;  // nothing summed or counted: zeros at finish
-  x.sums_bytes = r.column_sums ? static_cast<int64_t>(H) * T * 8 : 0;
-  x.below_bytes = r.below ? H * 8 : 0;
-  x.map_bytes = map_cells * 8;
+  if (nq == 0 || T == 0) {  // nothing summed or counted
+    if (r.column_sums) std::fill_n(r.column_sums, static_cast<size_t>(H) * T, 0.0);
+    if (r.below) std::fill_n(r.below, H, int64_t{0});
+    if (r.map) std::fill_n(r.map, map_cells, 0.0f);
+    return;
+  }
   // The listed query rows' probabilities as `attention` captures them ([H][rows][T]: rows are
   // independent), a pass of at most kPassRows rows (and 256 MB) at a time, each pass reduced in
   // place and its sums going on from the previous pass's.
@@ -43,12 +41,14 @@ QueuedReduction queue_prefill_reduction(Context& ctx, const Buffer& qkv, const A
   const auto P = ctx.alloc(static_cast<int64_t>(H) * std::min(pass, nq) * T * 4, "attention reduction probabilities");
   const auto q = ctx.alloc(static_cast<int64_t>(nq) * 4, "attention reduction query rows");
   ctx.upload(q.get(), r.queries.data(), static_cast<int64_t>(nq) * 4, "attention reduction query rows");
-  x.out = ctx.alloc(std::max<int64_t>(x.sums_bytes + x.below_bytes + x.map_bytes, 8), "attention reductions");
-  double* sums = static_cast<double*>(x.out.get());
-  auto* below = reinterpret_cast<unsigned long long*>(static_cast<char*>(x.out.get()) + x.sums_bytes);
-  double* map = reinterpret_cast<double*>(static_cast<char*>(x.out.get()) + x.sums_bytes + x.below_bytes);
-  if (x.below_bytes + x.map_bytes)
-    KV_CUDA(cudaMemsetAsync(below, 0, x.below_bytes + x.map_bytes, ctx.stream), "attention reductions");
+  const int64_t sums_bytes = r.column_sums ? static_cast<int64_t>(H) * T * 8 : 0, below_bytes = r.below ? H * 8 : 0;
+  const int64_t bytes = sums_bytes + below_bytes + map_cells * 8;
+  const auto out = ctx.alloc(std::max<int64_t>(bytes, 8), "attention reductions");
+  double* sums = static_cast<double*>(out.get());
+  auto* below = reinterpret_cast<unsigned long long*>(static_cast<char*>(out.get()) + sums_bytes);
+  double* map = reinterpret_cast<double*>(static_cast<char*>(out.get()) + sums_bytes + below_bytes);
+  if (below_bytes + map_cells)
+    KV_CUDA(cudaMemsetAsync(below, 0, below_bytes + map_cells * 8, ctx.stream), "attention reductions");
   float* p = static_cast<float*>(P.get());
   for (int a0 = 0; a0 < nq; a0 += pass) {
     const int na = std::min(pass, nq - a0);
@@ -64,50 +64,25 @@ QueuedReduction queue_prefill_reduction(Context& ctx, const Buffer& qkv, const A
                                ctx.stream);
     }
   }
-  return x;  // (P and q go back to the stream-ordered pool after the kernels that read them)
-}
-
-void finish_prefill_reductions(Context& ctx, std::vector<QueuedReduction>& queued) {
-  std::vector<QueuedReduction> all = std::move(queued);
-  queued.clear();
-  int64_t total = 0;
-  for (const QueuedReduction& x : all) total += x.sums_bytes + x.below_bytes + x.map_bytes;
-  char* host = total ? static_cast<char*>(ctx.staging(total, "attention reductions")) : nullptr;
-  int64_t at = 0;
-  for (const QueuedReduction& x : all) {
-    const int64_t b = x.sums_bytes + x.below_bytes + x.map_bytes;
-    if (b) ctx.download_async(host + at, x.out.get(), b, "attention reductions");
-    at += b;
-  }
-  if (total) ctx.sync("attention reductions");
-  at = 0;
-  for (const QueuedReduction& x : all) {
-    const AttentionReduction& r = x.r;
-    const char* from = host + at;
-    at += x.sums_bytes + x.below_bytes + x.map_bytes;
-    if (!x.out) {  // no query rows or no keys
-      if (r.column_sums) std::fill_n(r.column_sums, static_cast<size_t>(x.n_heads) * x.T, 0.0);
-      if (r.below) std::fill_n(r.below, x.n_heads, int64_t{0});
-      if (r.map) std::fill_n(r.map, static_cast<int64_t>(r.map_rows) * r.map_cols, 0.0f);
-      continue;
-    }
-    if (r.column_sums) std::memcpy(r.column_sums, from, static_cast<size_t>(x.sums_bytes));
+  // (P and q go back to the stream-ordered pool after the kernels that read them.)
+  ctx.land_later(out, bytes, [r, H, T, sums_bytes, below_bytes, map_cells](const char* host) {
+    if (r.column_sums) std::memcpy(r.column_sums, host, static_cast<size_t>(sums_bytes));
     if (r.below) {
-      std::vector<unsigned long long> b(static_cast<size_t>(x.n_heads));
-      std::memcpy(b.data(), from + x.sums_bytes, static_cast<size_t>(x.below_bytes));
-      for (int h = 0; h < x.n_heads; ++h) r.below[h] = static_cast<int64_t>(b[static_cast<size_t>(h)]);
+      std::vector<unsigned long long> b(static_cast<size_t>(H));
+      std::memcpy(b.data(), host + sums_bytes, static_cast<size_t>(below_bytes));
+      for (int h = 0; h < H; ++h) r.below[h] = static_cast<int64_t>(b[static_cast<size_t>(h)]);
     }
     if (r.map) {
-      std::vector<double> m(static_cast<size_t>(x.map_bytes / 8));
-      std::memcpy(m.data(), from + x.sums_bytes + x.below_bytes, static_cast<size_t>(x.map_bytes));
-      r.finish_map(m.data(), x.n_heads, x.T);
+      std::vector<double> m(static_cast<size_t>(map_cells));
+      std::memcpy(m.data(), host + sums_bytes + below_bytes, static_cast<size_t>(map_cells * 8));
+      r.finish_map(m.data(), H, T);
     }
-  }
+  });
 }
 
 void reduce_prefill_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, const AttentionReduction& r) {
-  std::vector<QueuedReduction> one{queue_prefill_reduction(ctx, qkv, l, r)};
-  finish_prefill_reductions(ctx, one);
+  queue_prefill_reduction(ctx, qkv, l, r);
+  ctx.land_all("attention reductions");
 }
 
 void assign_rows(Context& ctx, int d, bool half, const std::vector<AssignHead>& heads,
