@@ -230,12 +230,12 @@ void CapturedAttention::recompute_locked(int layer, Buffer& qkv) const {
 }
 
 Buffer CapturedAttention::layer_qkv(int layer) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::shared_mutex> lock(mu_);
   return qkv_locked(layer);
 }
 
 std::shared_ptr<const std::vector<float>> CapturedAttention::probs(int layer) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::shared_mutex> lock(mu_);
   for (const auto& [l, p] : recent_)
     if (l == layer) return p;
   return held(layer);
@@ -259,9 +259,7 @@ const CapturedAttention::Reduced& CapturedAttention::reduced_locked(int layer, c
   AttentionReduction rows_only;
   rows_only.queries = r.queries;
   const std::string rows = rows_only.key();
-  Reduced* x = nullptr;
-  for (Reduced& e : reduced_)
-    if (e.layer == layer && e.rows == rows) x = &e;
+  Reduced* x = const_cast<Reduced*>(find_reduced(layer, rows));
   if (x && (!r.below || x->counts(r))) return *x;
   // The column sums with any request over rows not seen yet, the counts when asked.
   Reduced fresh{layer, rows, nullptr, {}};
@@ -286,6 +284,13 @@ const CapturedAttention::Reduced& CapturedAttention::reduced_locked(int layer, c
   return reduced_.front();
 }
 
+const CapturedAttention::Reduced* CapturedAttention::find_reduced(int layer, const std::string& rows) const {
+  const Reduced* x = nullptr;
+  for (const Reduced& e : reduced_)
+    if (e.layer == layer && e.rows == rows) x = &e;
+  return x;
+}
+
 void CapturedAttention::keep_reduced_locked(Reduced x) const {
   reduced_.insert(reduced_.begin(), std::move(x));
   if (reduced_.size() > max_reduced()) reduced_.pop_back();
@@ -301,7 +306,7 @@ void CapturedAttention::prepare(const std::vector<int>& layers, const std::vecto
   AttentionReduction want = rows_only;
   want.p = below_p;
   want.zeros_below = zeros_below;
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::shared_mutex> lock(mu_);
   // The layers with nothing kept over these rows, whose probabilities are not on the host.
   std::vector<int> todo;
   for (int l : layers) {
@@ -356,7 +361,7 @@ void CapturedAttention::prepare(const std::vector<int>& layers, const std::vecto
 
 void CapturedAttention::reduce(int layer, const AttentionReduction& r) const {
   r.check(lay_.T, "prefill attention of layer " + std::to_string(layer));
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::shared_mutex> lock(mu_);
   if (r.map) {  // a view: computed for this caller, not remembered
     AttentionReduction m = r;  // the map alone
     m.column_sums = nullptr;
@@ -373,7 +378,15 @@ std::shared_ptr<const std::vector<double>> CapturedAttention::column_sums(int la
   AttentionReduction r;
   r.queries = queries;
   r.check(lay_.T, "prefill attention of layer " + std::to_string(layer));
-  std::lock_guard<std::mutex> lock(mu_);
+  {
+    // Kept already (a method asks once for each of a layer's heads, its layers on threads): many
+    // readers at once.
+    AttentionReduction rows_only;
+    rows_only.queries = queries;
+    std::shared_lock<std::shared_mutex> read(mu_);
+    if (const Reduced* x = find_reduced(layer, rows_only.key())) return x->column_sums;
+  }
+  std::lock_guard<std::shared_mutex> lock(mu_);
   return reduced_locked(layer, r).column_sums;
 }
 
@@ -398,7 +411,7 @@ int64_t CapturedAttention::capture_bytes() const {
 }
 
 int64_t CapturedAttention::cached_bytes() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::shared_mutex> lock(mu_);
   int64_t b = 0;
   for (const auto& r : recent_) b += static_cast<int64_t>(r.second->size() * sizeof(float));
   return b;

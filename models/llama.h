@@ -7,6 +7,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <shared_mutex>
 #include <utility>
 #include <string>
 #include <vector>
@@ -102,7 +103,7 @@ class CapturedAttention final : public PrefillAttention {
                bool zeros_below) const override;
   // How many layer reductions the capture has run on its backend (prepare's included).
   int64_t reductions_run() const {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::shared_mutex> lock(mu_);
     return runs_;
   }
   int64_t capture_bytes() const override;
@@ -127,7 +128,8 @@ class CapturedAttention final : public PrefillAttention {
   float theta_;
   Buffer pos_;
   std::vector<Layer> layers_;
-  mutable std::mutex mu_;
+  // (shared: column_sums finding a kept reduction; every other use exclusive)
+  mutable std::shared_mutex mu_;
   mutable std::vector<std::pair<int, Buffer>> slots_;  // recomputed q/k/v, most recent first
   mutable std::vector<std::pair<int, std::shared_ptr<const std::vector<float>>>> recent_;
   // The latest reductions' results by layer and query rows (a method asks the same of a layer
@@ -157,6 +159,8 @@ class CapturedAttention final : public PrefillAttention {
   // The kept reduction of `layer` over r.queries, computed (with the counts r asks for) when
   // missing; and one reduction run where the probabilities are. Both under mu_.
   const Reduced& reduced_locked(int layer, const AttentionReduction& r) const;
+  // The kept reduction of `layer` over the rows whose key is `rows`, or null (under mu_, shared or not).
+  const Reduced* find_reduced(int layer, const std::string& rows) const;
   void keep_reduced_locked(Reduced x) const;
   // The prefill's projection and RoPE of `layer` on its kept input, into `qkv` (under the ops lock).
   void recompute_locked(int layer, Buffer& qkv) const;

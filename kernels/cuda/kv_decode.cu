@@ -283,13 +283,17 @@ DevMem recorded_scores(Context& ctx, CudaKV& C, int layer, const Buffer& q_rows,
   char* tables = T.as<char>();
   const char* from = static_cast<const char*>(C.table.mem.get()) + layer * tb;
   const char* counts = static_cast<const char*>(C.nparts.mem.get()) + layer * nb;
-  for (int i = 0; i < n; ++i) {
-    KV_CUDA(cudaMemcpyAsync(tables + i * tb, from, static_cast<size_t>(tb), cudaMemcpyDeviceToDevice, ctx.stream),
+  // One copy of each, then the copies made so far copied after them: ⌈log2 n⌉ + 1 copies a table.
+  auto replicate = [&](char* to, const char* src, int64_t bytes) {
+    KV_CUDA(cudaMemcpyAsync(to, src, static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice, ctx.stream),
             "recorded queries' part tables");
-    KV_CUDA(cudaMemcpyAsync(tables + n * tb + i * nb, counts, static_cast<size_t>(nb), cudaMemcpyDeviceToDevice,
-                            ctx.stream),
-            "recorded queries' part tables");
-  }
+    for (int have = 1; have < n; have *= 2)
+      KV_CUDA(cudaMemcpyAsync(to + have * bytes, to, static_cast<size_t>(std::min(have, n - have) * bytes),
+                              cudaMemcpyDeviceToDevice, ctx.stream),
+              "recorded queries' part tables");
+  };
+  replicate(tables, from, tb);
+  replicate(tables + n * tb, counts, nb);
   Buffer none;
   DecodeParams p = layer_params(C, q_rows, l, layer, none);
   p.B = n;
