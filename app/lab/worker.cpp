@@ -134,16 +134,62 @@ void Worker::set_on_publish(std::function<void()> f) {
   on_publish_ = std::move(f);
 }
 
+Retired::Retired() {
+  thread_ = std::thread([this] {
+    std::unique_lock<std::mutex> l(mu_);
+    for (;;) {
+      cv_.wait(l, [this] { return stop_ || !freeing_.empty(); });
+      if (freeing_.empty()) return;  // (stopping, nothing left)
+      std::vector<std::shared_ptr<const void>> batch = std::move(freeing_);
+      freeing_.clear();
+      busy_ = true;
+      l.unlock();
+      batch.clear();  // the destructors run here, outside the lock
+      l.lock();
+      busy_ = false;
+      cv_.notify_all();
+    }
+  });
+}
+
+Retired::~Retired() {
+  held_.clear();
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
 void Retired::sweep() {
-  held_.erase(std::remove_if(held_.begin(), held_.end(),
-                             [](const std::shared_ptr<const void>& p) { return p.use_count() == 1; }),
-              held_.end());
+  std::vector<std::shared_ptr<const void>> handed;
+  for (auto it = held_.begin(); it != held_.end();) {
+    if (it->first.use_count() != 1) {
+      ++it;
+      continue;
+    }
+    if (it->second) handed.push_back(std::move(it->first));
+    it = held_.erase(it);  // (an object holding device memory is freed here)
+  }
+  if (handed.empty()) return;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    for (auto& p : handed) freeing_.push_back(std::move(p));
+  }
+  cv_.notify_all();
+}
+
+void Retired::drain() {
+  std::unique_lock<std::mutex> l(mu_);
+  cv_.wait(l, [this] { return freeing_.empty() && !busy_; });
 }
 
 void Worker::retire(const RunResult& r) {
-  retired_.add(r.run);
-  retired_.add(r.patches);
-  retired_.add(r.json);
+  // A run, its patch recorder and its report hold host memory alone.
+  retired_.add(r.run, true);
+  retired_.add(r.patches, true);
+  retired_.add(r.json, true);
 }
 
 void Worker::drop_runs() {
@@ -169,7 +215,7 @@ void Worker::build_report(const Setup& s) {
     labels += std::to_string(m.id) + '\t' + m.label + '\n';
   }
   if (!base_ || !model_) {
-    retired_.add(report_);
+    retired_.add(report_, true);
     report_.reset();
     report_parts_.clear();
     return;
@@ -182,7 +228,7 @@ void Worker::build_report(const Setup& s) {
     if (!r.label.empty()) m["label"] = r.label;
     (*report)["methods"].push_back(std::move(m));
   }
-  retired_.add(report_);
+  retired_.add(report_, true);
   report_ = report;
   report_parts_ = std::move(parts);
   report_labels_ = std::move(labels);

@@ -96,19 +96,33 @@ struct Progress {
   bool busy = false;
 };
 
-// Objects kept alive until no one else holds them, then freed by sweep on the thread that calls
-// it (the worker: a snapshot's last holder, the app's UI thread, then never pays for freeing).
+// Objects kept alive until no one else holds them, then freed by sweep, never by a snapshot's
+// last holder (the app's UI thread). An object that holds host memory alone (a method's run, its
+// report) goes to a thread of the list's own to be freed: freeing a 7B run's report takes tens
+// of milliseconds, which the next edit would otherwise wait for. Any other (a prefill, which
+// holds device memory) is freed by the thread that sweeps, in order with its device work.
 class Retired {
  public:
-  void add(std::shared_ptr<const void> p) {
-    if (p) held_.push_back(std::move(p));
+  Retired();
+  ~Retired();  // frees what it holds, then stops its thread
+  Retired(const Retired&) = delete;
+  Retired& operator=(const Retired&) = delete;
+  void add(std::shared_ptr<const void> p, bool host_only = false) {
+    if (p) held_.push_back({std::move(p), host_only});
   }
-  void sweep();  // frees every object this list alone holds
+  void sweep();  // frees (or hands to the freeing thread) every object this list alone holds
   bool empty() const { return held_.empty(); }
   size_t size() const { return held_.size(); }
+  // Waits until every object handed to the freeing thread is freed.
+  void drain();
 
  private:
-  std::vector<std::shared_ptr<const void>> held_;
+  std::vector<std::pair<std::shared_ptr<const void>, bool>> held_;  // {object, host memory alone}
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::shared_ptr<const void>> freeing_;  // handed over, not yet freed
+  bool stop_ = false, busy_ = false;
+  std::thread thread_;
 };
 
 class Worker {

@@ -53,6 +53,38 @@ TEST(Worker, RetiredObjectsAreFreedBySweepOnceNoOneElseHoldsThem) {
   EXPECT_TRUE(r.empty());
 }
 
+// An object that holds host memory alone is freed on the list's own thread (the sweeping thread
+// does not wait for its destructor); any other is freed by the sweep itself.
+TEST(Worker, HostOnlyObjectsAreFreedOffTheSweepingThread) {
+  struct Noted {
+    Noted(std::thread::id* on, int ms) : freed_on(on), takes(ms) {}
+    Noted(const Noted&) = delete;
+    std::thread::id* freed_on;
+    std::chrono::milliseconds takes;
+    ~Noted() {
+      std::this_thread::sleep_for(takes);
+      *freed_on = std::this_thread::get_id();
+    }
+  };
+  std::thread::id host_freed_on, device_freed_on;
+  Retired r;
+  auto host = std::make_shared<Noted>(&host_freed_on, 200);
+  auto device = std::make_shared<Noted>(&device_freed_on, 0);
+  r.add(host, true);
+  r.add(device);
+  host.reset();
+  device.reset();
+  const auto t0 = std::chrono::steady_clock::now();
+  r.sweep();
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_TRUE(r.empty());
+  EXPECT_EQ(device_freed_on, std::this_thread::get_id()) << "the device object is freed by the sweep";
+  EXPECT_LT(ms, 150.0) << "the sweep waited for the host object's destructor";
+  r.drain();
+  EXPECT_NE(host_freed_on, std::thread::id()) << "the host object was not freed";
+  EXPECT_NE(host_freed_on, std::this_thread::get_id());
+}
+
 // An edit replaces the method's run and the report; once the caller drops the snapshot that held
 // them, the worker frees them (nothing leaks). A setup submitted again unchanged keeps the very
 // report it had.
