@@ -272,6 +272,21 @@ class Backend {
     return attention_reduce(qkv, l, r);
   }
   virtual void finish_reductions() {}
+  // Runs `queue` (calls whose results come later), then finish_reductions. When `queue` throws,
+  // what it queued lands first, while the caller's results still exist; then its error goes on.
+  void queue_then_finish(const std::function<void()>& queue) {
+    try {
+      queue();
+    } catch (...) {
+      try {
+        finish_reductions();
+      } catch (...) {
+        // (the first error is the one to report)
+      }
+      throw;
+    }
+    finish_reductions();
+  }
 
   // LOOK-M's assignment (Eq. 9) of one layer's KV heads at once: out[h] holds, for each row e of
   // k[h] [n_h][d] (host, fp32) that keep[h] (ascending, distinct, not empty) does not list, in

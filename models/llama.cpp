@@ -322,7 +322,8 @@ void CapturedAttention::prepare(const std::vector<int>& layers, const std::vecto
   Buffer qkv = be_->alloc("prefill.qkv_recomputed_in_turn", {T, lay_.row_stride}, Dt::F32);
   std::vector<Reduced> fresh;
   fresh.reserve(todo.size());  // (the results' addresses are queued: no reallocation)
-  try {
+  bool queued = true;
+  be_->queue_then_finish([&] {
     for (int l : todo) {
       fresh.push_back(Reduced{l, rows, std::make_shared<std::vector<double>>(static_cast<size_t>(NH) * T), {}});
       Reduced& x = fresh.back();
@@ -337,19 +338,12 @@ void CapturedAttention::prepare(const std::vector<int>& layers, const std::vecto
       recompute_locked(l, qkv);
       ++runs_;
       if (!be_->attention_reduce_later(qkv, lay_, own)) {  // no such op: reduced a layer at a time when asked
-        be_->finish_reductions();
+        queued = false;
         return;
       }
     }
-    be_->finish_reductions();
-  } catch (...) {
-    try {
-      be_->finish_reductions();  // what was queued lands while its results still exist
-    } catch (...) {
-      // (the first error is the one to report)
-    }
-    throw;
-  }
+  });
+  if (!queued) return;
   // A layer's earlier entry over these rows (column sums alone) gives way to the fuller one.
   for (Reduced& x : fresh) {
     reduced_.erase(std::remove_if(reduced_.begin(), reduced_.end(),

@@ -154,7 +154,7 @@ void LlamaDecoder::hand_over_recorded(SeqKV& kv, const std::vector<int>& steps, 
     for (int l = 0; l < cfg.num_hidden_layers; ++l)
       for (int c0 = 0; c0 < n; c0 += chunk)
         parts.push_back(Part{l, c0, std::vector<int32_t>(positions.begin() + c0, positions.begin() + std::min(n, c0 + chunk)), {}});
-    try {
+    be->queue_then_finish([&] {
       int64_t queued = 0;
       for (Part& p : parts) {
         const int64_t bytes = static_cast<int64_t>(p.at.size()) * NH * span.n * 4;
@@ -168,15 +168,7 @@ void LlamaDecoder::hand_over_recorded(SeqKV& kv, const std::vector<int>& steps, 
         by_span = be->recorded_span_attention(kv, p.l, q_rows, ql, p.at, &transform, span.first, span.n, p.sums);
         if (!by_span) break;  // (the first call says so: nothing queued)
       }
-      be->finish_reductions();
-    } catch (...) {
-      try {
-        be->finish_reductions();  // what was queued lands while its parts still exist
-      } catch (...) {
-        // (the first error is the one to report)
-      }
-      throw;
-    }
+    });
     if (by_span) {
       const size_t per = static_cast<size_t>(NH) * span.n;
       std::vector<std::pair<const Part*, int>> items;
