@@ -272,6 +272,9 @@ class Backend {
     return attention_reduce(qkv, l, r);
   }
   virtual void finish_reductions() {}
+  // Whether attention_reduce_later queues (a caller then queues several before one wait);
+  // false: it reduces at once, or not at all.
+  virtual bool queues_reductions() const { return false; }
   // Runs `queue` (calls whose results come later), then finish_reductions. When `queue` throws,
   // what it queued lands first, while the caller's results still exist; then its error goes on.
   void queue_then_finish(const std::function<void()>& queue) {

@@ -247,11 +247,12 @@ void CapturedAttention::run_locked(int layer, const AttentionReduction& own) con
   for (const auto& e : recent_)
     if (e.first == layer) return reduce_attention(e.second->data(), lay_.n_heads, lay_.T, own);
   std::lock_guard<std::recursive_mutex> ops(be_->ops_mutex());
-  ++runs_;
-  if (!be_->attention_reduce(qkv_locked(layer), lay_, own)) {
-    const auto p = held(layer);
-    reduce_attention(p->data(), lay_.n_heads, lay_.T, own);
+  if (be_->attention_reduce(qkv_locked(layer), lay_, own)) {
+    ++runs_;
+    return;
   }
+  const auto p = held(layer);
+  reduce_attention(p->data(), lay_.n_heads, lay_.T, own);
 }
 
 const CapturedAttention::Reduced& CapturedAttention::reduced_locked(int layer, const AttentionReduction& r) const {
@@ -299,6 +300,7 @@ void CapturedAttention::keep_reduced_locked(Reduced x) const {
 void CapturedAttention::prepare(const std::vector<int>& layers, const std::vector<int>& queries, double below_p,
                                 bool zeros_below) const {
   const int T = lay_.T, NH = lay_.n_heads;
+  if (!be_->queues_reductions()) return;  // (a layer at a time when asked, as without prepare)
   AttentionReduction rows_only;
   rows_only.queries = queries;
   rows_only.check(T, "prefill attention");
@@ -336,15 +338,16 @@ void CapturedAttention::prepare(const std::vector<int>& layers, const std::vecto
         own.zeros_below = zeros_below;
       }
       recompute_locked(l, qkv);
-      ++runs_;
-      if (!be_->attention_reduce_later(qkv, lay_, own)) {  // no such op: reduced a layer at a time when asked
+      if (!be_->attention_reduce_later(qkv, lay_, own)) {  // (queues_reductions said it would)
         queued = false;
         return;
       }
+      ++runs_;
     }
   });
   if (!queued) return;
-  // A layer's earlier entry over these rows (column sums alone) gives way to the fuller one.
+  // A layer's earlier entry over these rows gives way to the new one (counts it held for other
+  // shares are computed again if asked).
   for (Reduced& x : fresh) {
     reduced_.erase(std::remove_if(reduced_.begin(), reduced_.end(),
                                   [&](const Reduced& e) { return e.layer == x.layer && e.rows == rows; }),

@@ -128,7 +128,7 @@ void LlamaDecoder::hand_over_recorded(SeqKV& kv, const std::vector<int>& steps, 
                                     [](const AttentionObserver* o) { return o->takes_concurrent_events(); });
   // A chunk of steps a call, so that their scores (on the backend) and events (here) stay near
   // 256 MB however long the caption: each query's scores, transformed scores and probabilities
-  // over at most positions.back() + 1 keys.
+  // over at most positions.back() + 1 keys (the span's sums: batches of at most 256 MB, below).
   const int64_t per_query = static_cast<int64_t>(NH) * (positions.back() + 1) * 12;
   const int chunk = static_cast<int>(std::clamp<int64_t>((int64_t{256} << 20) / std::max<int64_t>(per_query, 1), 1, n));
   // Observers that read one span's sums alone (the patch overlay) take them reduced where the
@@ -142,8 +142,8 @@ void LlamaDecoder::hand_over_recorded(SeqKV& kv, const std::vector<int>& steps, 
     by_span = by_span && x.n > 0 && x.first == span.first && x.n == span.n;
   }
   by_span = by_span && span.n > 0;
-  // The span's sums of every layer and chunk of steps queued on the backend, landing together
-  // (one wait for each 256 MB of sums), then handed over, every layer's at once.
+  // The span's sums of every layer and chunk of steps queued on the backend and landing together,
+  // one wait for each batch of at most 256 MB of sums; each batch is handed over, then freed.
   if (by_span) {
     struct Part {
       int l = 0, c0 = 0;
@@ -154,26 +154,11 @@ void LlamaDecoder::hand_over_recorded(SeqKV& kv, const std::vector<int>& steps, 
     for (int l = 0; l < cfg.num_hidden_layers; ++l)
       for (int c0 = 0; c0 < n; c0 += chunk)
         parts.push_back(Part{l, c0, std::vector<int32_t>(positions.begin() + c0, positions.begin() + std::min(n, c0 + chunk)), {}});
-    be->queue_then_finish([&] {
-      int64_t queued = 0;
-      for (Part& p : parts) {
-        const int64_t bytes = static_cast<int64_t>(p.at.size()) * NH * span.n * 4;
-        if (queued > 0 && queued + bytes > (int64_t{256} << 20)) {
-          be->finish_reductions();
-          queued = 0;
-        }
-        queued += bytes;
-        const Buffer q_rows = w.recorded_q.row_view(static_cast<int64_t>(p.l) * w.record_slots + p.c0,
-                                                    static_cast<int64_t>(p.at.size()));
-        by_span = be->recorded_span_attention(kv, p.l, q_rows, ql, p.at, &transform, span.first, span.n, p.sums);
-        if (!by_span) break;  // (the first call says so: nothing queued)
-      }
-    });
-    if (by_span) {
-      const size_t per = static_cast<size_t>(NH) * span.n;
-      std::vector<std::pair<const Part*, int>> items;
-      for (const Part& p : parts)
-        for (int i = 0; i < static_cast<int>(p.at.size()); ++i) items.emplace_back(&p, i);
+    const size_t per = static_cast<size_t>(NH) * span.n;
+    auto hand_over = [&](size_t first, size_t end) {
+      std::vector<std::pair<Part*, int>> items;
+      for (size_t x = first; x < end; ++x)
+        for (int i = 0; i < static_cast<int>(parts[x].at.size()); ++i) items.emplace_back(&parts[x], i);
       auto one = [&](int k) {
         const auto& [p, i] = items[static_cast<size_t>(k)];
         const int step = steps[static_cast<size_t>(p->c0 + i)];
@@ -185,8 +170,32 @@ void LlamaDecoder::hand_over_recorded(SeqKV& kv, const std::vector<int>& steps, 
       } else {
         for (int k = 0; k < static_cast<int>(items.size()); ++k) one(k);
       }
-      return;
+      for (size_t x = first; x < end; ++x) std::vector<float>().swap(parts[x].sums);
+    };
+    // Batch by batch: queued and landed while another thread's ops wait (so that no one else
+    // lands, or loses, this queue), then handed over without the backend held.
+    for (size_t first = 0; by_span && first < parts.size();) {
+      size_t end = first;
+      {
+        std::lock_guard<std::recursive_mutex> ops(be->ops_mutex());
+        be->queue_then_finish([&] {
+          int64_t queued = 0;
+          for (; end < parts.size(); ++end) {
+            Part& p = parts[end];
+            const int64_t bytes = static_cast<int64_t>(p.at.size()) * NH * span.n * 4;
+            if (queued > 0 && queued + bytes > (int64_t{256} << 20)) break;
+            queued += bytes;
+            const Buffer q_rows = w.recorded_q.row_view(static_cast<int64_t>(p.l) * w.record_slots + p.c0,
+                                                        static_cast<int64_t>(p.at.size()));
+            by_span = be->recorded_span_attention(kv, p.l, q_rows, ql, p.at, &transform, span.first, span.n, p.sums);
+            if (!by_span) return;  // (the first call says so: nothing queued)
+          }
+        });
+      }
+      if (by_span) hand_over(first, end);
+      first = end;
     }
+    if (by_span) return;
   }
   std::vector<RecordedAttention> rec;
   for (int l = 0; l < cfg.num_hidden_layers; ++l)

@@ -240,7 +240,8 @@ void Worker::loop() {
     Setup s;
     {
       std::unique_lock<std::mutex> l(mu_);
-      // Idle: what was retired is freed here once the snapshots that held it are gone.
+      // Idle: what was retired is swept here once the snapshots that held it are gone (Retired:
+      // freed here, or handed to its own thread).
       for (;;) {
         if (stop_) return;
         if (want_version_ != idle_version_) break;

@@ -174,8 +174,9 @@ class Worker {
   std::vector<std::shared_ptr<const void>> report_parts_;
   std::string report_labels_;
   double report_ms_ = 0;
-  // What the worker replaced and a snapshot may still hold (a report, a run, a prefill): freed on
-  // the worker thread once the snapshots that held it are gone.
+  // What the worker replaced and a snapshot may still hold (a report, a run, a prefill): freed
+  // once the snapshots that held it are gone, by the worker's sweep (a prefill) or the list's
+  // own thread (the rest, host memory alone).
   Retired retired_;
   std::vector<RunResult> ordered_;
   uint64_t computing_version_ = 0;

@@ -447,6 +447,7 @@ class CudaBackend : public Backend {
     std::lock_guard<std::recursive_mutex> lock(ops_mutex());
     ctx_->land_all("queued reductions");
   }
+  bool queues_reductions() const override { return true; }
   bool cosine_assign(int d, const std::vector<const std::vector<float>*>& k, const std::vector<const std::vector<int>*>& keep,
                      std::vector<std::vector<RowAssignment>>& out) override {
     std::lock_guard<std::recursive_mutex> lock(ops_mutex());
@@ -517,6 +518,7 @@ class CudaBackend : public Backend {
   bool recorded_span_attention(SeqKV& kv, int layer, const Buffer& q_rows, const AttnLayout& l,
                                const std::vector<int32_t>& positions, const ScoreTransform* transform, int first, int n,
                                std::vector<float>& out) override {
+    std::lock_guard<std::recursive_mutex> lock(ops_mutex());  // (its sums join the context's queue)
     auto prof_scope = prof_.scope("recorded_span_attention", *ctx_);
     return kv_recorded_span_attention(*ctx_, kv, layer, q_rows, l, positions, transform, first, n, out);
   }

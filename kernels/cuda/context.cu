@@ -90,6 +90,7 @@ void* Context::staging(int64_t bytes, const std::string& what) {
   if (bytes > staging_bytes) {
     sync(what);  // a copy into the old buffer may still be in flight
     staging_mem.reset();
+    staging_bytes = 0;  // (none, should the allocation fail)
     staging_mem = pinned(bytes, what);
     staging_bytes = bytes;
   }

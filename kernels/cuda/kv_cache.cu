@@ -418,10 +418,16 @@ void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l, SyncBatch& batch)
       continue;
     }
     if (p && p->layout.kind != quant::CodeLayout::Kind::None && packed_ok(*p, s, C.D)) {
-      const StagedCodes* staged = nullptr;
-      for (const StagedCodes& q : d.quantized)
-        if (staged_for(q, s, *p)) staged = &q;
-      segs.push_back(build_packed(ctx, C, s, *p, staged));
+      // Codes made for this payload are taken (whatever happens next, not used twice: the values'
+      // regrouping happens in place); a sync tried again uploads the payload.
+      StagedCodes taken;
+      for (auto q = d.quantized.begin(); q != d.quantized.end(); ++q)
+        if (staged_for(*q, s, *p)) {
+          taken = std::move(*q);
+          d.quantized.erase(q);
+          break;
+        }
+      segs.push_back(build_packed(ctx, C, s, *p, taken.payload ? &taken : nullptr));
     } else if (s.payload) {
       segs.push_back(build_fp16(C, s, have, d.merged, "fp16 (dequantized " + s.storage + ")", true, batch));
     } else {

@@ -216,11 +216,14 @@ void recorded_queries_case(const DecodeCase& c, Backend* be, SeqKV kv, int T, co
   EXPECT_EQ(by_span, tr.kind != ScoreTransform::Kind::Host) << what;
   // The same queries one call each, every call's sums queued to land with the others (one wait).
   std::vector<std::vector<float>> singles(static_cast<size_t>(n));
-  for (int i = 0; by_span && i < n; ++i)
-    ASSERT_TRUE(be->recorded_span_attention(kv, 0, Q.row_view(i, 1), l1, {at[static_cast<size_t>(i)]}, &tr, first,
-                                            span, singles[static_cast<size_t>(i)]))
-        << what << " recorded query " << i;
-  be->finish_reductions();
+  bool queued = true;
+  for (int i = 0; by_span && queued && i < n; ++i) {
+    queued = be->recorded_span_attention(kv, 0, Q.row_view(i, 1), l1, {at[static_cast<size_t>(i)]}, &tr, first, span,
+                                         singles[static_cast<size_t>(i)]);
+    EXPECT_TRUE(queued) << what << " recorded query " << i;
+  }
+  be->finish_reductions();  // (before any early return: the queued sums land in this frame's vectors)
+  ASSERT_TRUE(queued) << what;
   for (int i = 0; i < n; ++i) {
     const std::string w = what + " recorded query " + std::to_string(i);
     be->recorded_attention(kv, 0, Q.row_view(i, 1), l1, {at[static_cast<size_t>(i)]}, &tr, one);
