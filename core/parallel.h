@@ -8,7 +8,9 @@ namespace kvlens {
 
 // Calls fn(i) for every i in [0, n), on up to max_threads threads (the calling one among them,
 // no more than the machine has), each index exactly once. When calls throw, the exception of the
-// lowest index is rethrown once all have finished.
+// lowest index is rethrown once all have finished. With more than one thread, the OpenMP loops
+// inside fn run on their own thread alone (no team within a team); the calling thread's OpenMP
+// setting is restored afterwards.
 void parallel_for(int n, int max_threads, const std::function<void(int)>& fn);
 
 }  // namespace kvlens

@@ -3,6 +3,7 @@
 // and one thread runs the indices in order on the calling thread.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <mutex>
 #include <set>
@@ -11,6 +12,10 @@
 #include <vector>
 
 #include "core/parallel.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 using namespace kvlens;
 
@@ -26,7 +31,9 @@ TEST(Parallel, EveryIndexOnceAndTheLowestFailureRethrown) {
     });
     for (int i = 0; i < 37; ++i) EXPECT_EQ(calls[static_cast<size_t>(i)].load(), 1) << "index " << i;
     EXPECT_LE(who.size(), static_cast<size_t>(threads));
-    if (threads == 1) EXPECT_EQ(*who.begin(), std::this_thread::get_id());
+    if (threads == 1) {
+      EXPECT_EQ(*who.begin(), std::this_thread::get_id());
+    }
   }
   std::vector<int> order;
   parallel_for(5, 1, [&](int i) { order.push_back(i); });
@@ -47,3 +54,20 @@ TEST(Parallel, EveryIndexOnceAndTheLowestFailureRethrown) {
   }
   EXPECT_EQ(done.load(), 20) << "every index runs even after a failure";
 }
+
+#ifdef _OPENMP
+// With several threads each index's OpenMP loops run on its own thread alone: a thread created
+// for the pool would otherwise start with OpenMP's default team of every core. The caller's
+// setting is restored, and one thread leaves it as it is.
+TEST(Parallel, PiecesRunTheirOpenMpLoopsOnOneThread) {
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  omp_set_num_threads(2);
+  std::vector<int> seen(12, -1);
+  parallel_for(12, 4, [&](int i) { seen[static_cast<size_t>(i)] = omp_get_max_threads(); });
+  for (int i = 0; i < 12; ++i) EXPECT_EQ(seen[static_cast<size_t>(i)], cores > 1 ? 1 : 2) << "index " << i;
+  EXPECT_EQ(omp_get_max_threads(), 2) << "the caller's setting was not restored";
+  parallel_for(3, 1, [&](int i) { seen[static_cast<size_t>(i)] = omp_get_max_threads(); });
+  EXPECT_EQ(seen[0], 2);
+  omp_set_num_threads(1);
+}
+#endif
