@@ -127,8 +127,11 @@ class Retired {
 
 class Worker {
  public:
+  // The worker's OpenMP loops run on as many threads as the creating thread's do.
   Worker();
   ~Worker();
+  // The threads the worker's OpenMP loops run on (0 until its thread has started).
+  int loop_threads() const { return loop_threads_.load(); }
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;
 
@@ -174,6 +177,7 @@ class Worker {
   std::vector<std::shared_ptr<const void>> report_parts_;
   std::string report_labels_;
   double report_ms_ = 0;
+  std::atomic<int> loop_threads_{0};  // (loop_threads)
   // What the worker replaced and a snapshot may still hold (a report, a run, a prefill): freed
   // once the snapshots that held it are gone, by the worker's sweep (a prefill) or the list's
   // own thread (the rest, host memory alone).

@@ -11,6 +11,10 @@
 #include "core/compress/method.h"
 #include "tests/test_util.h"
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 namespace kt = kvlens::testing;
 using namespace kvlens;
 
@@ -119,3 +123,18 @@ TEST(Worker, ReplacedRunsAndReportsAreFreedAndAnUnchangedReportIsKept) {
   EXPECT_EQ(w.latest()->report, now->report);
   EXPECT_EQ(w.latest()->runs[0].run, now->runs[0].run);
 }
+
+#ifdef _OPENMP
+// The worker's OpenMP loops run as its creator's do (the app and the CLI set one thread): a thread
+// of its own would otherwise start with OpenMP's default team of every core.
+TEST(Worker, LoopsRunOnTheCreatorsOpenMpThreads) {
+  const int before = omp_get_max_threads();
+  for (int n : {1, 3}) {
+    omp_set_num_threads(n);
+    Worker w;
+    ASSERT_TRUE(wait_for([&] { return w.loop_threads() != 0; }, 10));
+    EXPECT_EQ(w.loop_threads(), n);
+  }
+  omp_set_num_threads(before);
+}
+#endif
