@@ -314,9 +314,9 @@ void CapturedAttention::prepare(const std::vector<int>& layers, const std::vecto
   for (int l : layers) {
     if (l < 0 || l >= n_layers() || layers_[static_cast<size_t>(l)].x.empty())
       throw InternalError("prefill attention: no captured layer " + std::to_string(l));
-    bool have = std::any_of(recent_.begin(), recent_.end(), [&](const auto& e) { return e.first == l; });
-    for (const Reduced& e : reduced_)
-      have = have || (e.layer == l && e.rows == rows && (below_p < 0 || e.counts(want)));
+    const Reduced* e = find_reduced(l, rows);
+    const bool have = std::any_of(recent_.begin(), recent_.end(), [&](const auto& x) { return x.first == l; }) ||
+                      (e && (below_p < 0 || e->counts(want)));
     if (!have && std::find(todo.begin(), todo.end(), l) == todo.end()) todo.push_back(l);
   }
   if (todo.size() < 2) return;  // (one layer waits once either way)
@@ -324,7 +324,6 @@ void CapturedAttention::prepare(const std::vector<int>& layers, const std::vecto
   Buffer qkv = be_->alloc("prefill.qkv_recomputed_in_turn", {T, lay_.row_stride}, Dt::F32);
   std::vector<Reduced> fresh;
   fresh.reserve(todo.size());  // (the results' addresses are queued: no reallocation)
-  bool queued = true;
   be_->queue_then_finish([&] {
     for (int l : todo) {
       fresh.push_back(Reduced{l, rows, std::make_shared<std::vector<double>>(static_cast<size_t>(NH) * T), {}});
@@ -338,14 +337,11 @@ void CapturedAttention::prepare(const std::vector<int>& layers, const std::vecto
         own.zeros_below = zeros_below;
       }
       recompute_locked(l, qkv);
-      if (!be_->attention_reduce_later(qkv, lay_, own)) {  // (queues_reductions said it would)
-        queued = false;
-        return;
-      }
+      if (!be_->attention_reduce_later(qkv, lay_, own))
+        throw InternalError("prefill attention: the " + be_->name() + " backend said it queues reductions, then did not");
       ++runs_;
     }
   });
-  if (!queued) return;
   // A layer's earlier entry over these rows gives way to the new one (counts it held for other
   // shares are computed again if asked).
   for (Reduced& x : fresh) {

@@ -36,11 +36,8 @@ class CapturedAttention;
 // the score transform) and probabilities, the [n_heads][head_dim] output (raw and out empty unless
 // the step compares with a capture), and the rows' positions and kinds ([n_kv_heads][n_max], −1
 // past a head's rows).
-struct LayerTaps {
-  int n_max = 0;
-  std::vector<float> scores, probs, raw, out;
-  std::vector<int32_t> key_pos;
-  std::vector<SegmentKind> key_kind;
+struct LayerTaps : RecordedAttention {
+  std::vector<float> raw, out;
 };
 
 // An observed decode step whose events wait for its exact attention (LlamaDecoder::
@@ -238,7 +235,9 @@ class LlamaDecoder {
   // t's key positions and kinds: those of layer l of `host`.
   void take_positions(const KVStore& host, int l, LayerTaps& t) const;
   // Layer l's event of decode step `step` (at *pos; q: the layer's qkv row after RoPE, on the
-  // host) from its taps; rows and exact attention are the caller's to add.
+  // host; null: none) from its taps — a recorded step's answer, or a step's taps with its raw
+  // scores and output where it has them; rows and exact attention are the caller's to add.
+  AttentionEvent layer_event(const RecordedAttention& t, int l, int step, const int32_t* pos, const float* q) const;
   AttentionEvent layer_event(const LayerTaps& t, int l, int step, const int32_t* pos, const float* q) const;
   // f(0), then f(1) .. f(layers − 1): on threads when every observer takes concurrent events.
   void each_layer(const std::vector<AttentionObserver*>& observers, const std::function<void(int)>& f) const;

@@ -41,12 +41,18 @@ void LlamaDecoder::take_positions(const KVStore& host, int l, LayerTaps& t) cons
   }
 }
 
-AttentionEvent LlamaDecoder::layer_event(const LayerTaps& t, int l, int step, const int32_t* pos, const float* q) const {
+AttentionEvent LlamaDecoder::layer_event(const RecordedAttention& t, int l, int step, const int32_t* pos,
+                                         const float* q) const {
   AttentionEvent e;
   e.phase = Phase::Decode; e.layer = l; e.step = step; e.n_heads = cfg.num_attention_heads;
   e.n_kv_heads = cfg.num_key_value_heads; e.n_q = 1; e.n_k = t.n_max; e.scores = t.scores.data();
   e.probs = t.probs.data(); e.query_pos = pos; e.key_pos = t.key_pos.data(); e.key_kind = t.key_kind.data();
   e.q = q; e.head_dim = cfg.head_dim;
+  return e;
+}
+
+AttentionEvent LlamaDecoder::layer_event(const LayerTaps& t, int l, int step, const int32_t* pos, const float* q) const {
+  AttentionEvent e = layer_event(static_cast<const RecordedAttention&>(t), l, step, pos, q);
   if (!t.raw.empty()) e.raw_scores = t.raw.data();
   if (!t.out.empty()) e.out = t.out.data();
   return e;
@@ -56,14 +62,13 @@ void LlamaDecoder::each_layer(const std::vector<AttentionObserver*>& observers, 
   const int L = cfg.num_hidden_layers;
   if (L == 0) return;
   f(0);
-  if (L > 2 && std::all_of(observers.begin(), observers.end(),
-                           [](const AttentionObserver* o) { return o->takes_concurrent_events(); })) {
-    // Threads of their own (core/parallel.h): this is the host's side of a device step, not a CPU
-    // model's loops (which run on one thread by default).
-    parallel_for(L - 1, 8, [&](int i) { f(i + 1); });
-  } else {
-    for (int l = 1; l < L; ++l) f(l);
-  }
+  // The rest on threads of their own (core/parallel.h) where every observer takes concurrent
+  // events: this is the host's side of a device step, not a CPU model's loops (which run on one
+  // thread by default). Else in order, on this thread.
+  const bool together = L > 2 && std::all_of(observers.begin(), observers.end(), [](const AttentionObserver* o) {
+    return o->takes_concurrent_events();
+  });
+  parallel_for(L - 1, together ? 8 : 1, [&](int i) { f(i + 1); });
 }
 
 void LlamaDecoder::hand_over_stashed(LlamaWorkspace& w) const {
@@ -85,14 +90,15 @@ void LlamaDecoder::hand_over_stashed(LlamaWorkspace& w) const {
     for (int l = l0; l < l0 + n; ++l) held.push_back(capture.layer_qkv(l));
     std::vector<const Buffer*> prompts;
     std::vector<ExtraRows> extras;
-    for (int l = l0; l < l0 + n; ++l)
+    for (int l = l0; l < l0 + n; ++l) {
+      // The layer's S stashed queries (slots 0 .. S − 1) are jobs (l − l0)·S .. (l − l0)·S + S − 1.
+      be->copy_block(w.stash_q, static_cast<int64_t>(l) * LlamaWorkspace::kStashSlots, 0, w.exact_q,
+                     static_cast<int64_t>(l - l0) * S, 0, S, lay.row_stride);
       for (int s = 0; s < S; ++s) {
-        const int job = static_cast<int>(prompts.size());
-        be->copy_block(w.stash_q, static_cast<int64_t>(l) * LlamaWorkspace::kStashSlots + s, 0, w.exact_q, job, 0, 1,
-                       lay.row_stride);
         prompts.push_back(&held[static_cast<size_t>(l - l0)]);
         extras.push_back(std::move(w.stash[static_cast<size_t>(s)].layers[static_cast<size_t>(l)].extra));
       }
+    }
     std::vector<ExactAttention> part;
     if (!be->exact_decode_attention_layers(w.exact_q.row_view(0, n * S), lay, prompts, capture.layout(), extras, part))
       throw InternalError("decode: the " + be->name() + " backend put observed steps off and computes no exact attention");
@@ -118,7 +124,7 @@ void LlamaDecoder::hand_over_recorded(SeqKV& kv, const std::vector<int>& steps, 
   if (n == 0) return;
   if (n > w.record_slots || positions.size() != steps.size())
     throw InternalError("decode: more recorded steps than slots, or steps and positions differ");
-  const int NH = cfg.num_attention_heads, NKV = cfg.num_key_value_heads, D = cfg.head_dim;
+  const int NH = cfg.num_attention_heads, D = cfg.head_dim;
   // The recorded rows hold q alone: a layout whose rows are n_heads · head_dim wide, q first.
   AttnLayout ql = layout(n);
   ql.q_col = 0;
@@ -165,11 +171,7 @@ void LlamaDecoder::hand_over_recorded(SeqKV& kv, const std::vector<int>& steps, 
         for (AttentionObserver* o : observers)
           if (o->reads_step(step)) o->on_span_attention(step, p->l, NH, p->sums.data() + static_cast<size_t>(i) * per);
       };
-      if (together) {
-        parallel_for(static_cast<int>(items.size()), 8, one);
-      } else {
-        for (int k = 0; k < static_cast<int>(items.size()); ++k) one(k);
-      }
+      parallel_for(static_cast<int>(items.size()), together ? 8 : 1, one);
       for (size_t x = first; x < end; ++x) std::vector<float>().swap(parts[x].sums);
     };
     // Batch by batch: queued and landed while another thread's ops wait (so that no one else
@@ -204,21 +206,12 @@ void LlamaDecoder::hand_over_recorded(SeqKV& kv, const std::vector<int>& steps, 
       const std::vector<int32_t> at(positions.begin() + c0, positions.begin() + c0 + m);
       const Buffer q_rows = w.recorded_q.row_view(static_cast<int64_t>(l) * w.record_slots + c0, m);
       be->recorded_attention(kv, l, q_rows, ql, at, &transform, rec);
-      auto one = [&](int i) {
-        const RecordedAttention& r = rec[static_cast<size_t>(i)];
-        AttentionEvent e;
-        e.phase = Phase::Decode; e.layer = l; e.step = steps[static_cast<size_t>(c0 + i)]; e.n_heads = NH;
-        e.n_kv_heads = NKV; e.n_q = 1; e.n_k = r.n_max; e.scores = r.scores.data(); e.probs = r.probs.data();
-        e.query_pos = &at[static_cast<size_t>(i)]; e.key_pos = r.key_pos.data(); e.key_kind = r.key_kind.data();
-        e.head_dim = D;
+      parallel_for(m, together ? 8 : 1, [&](int i) {
+        const AttentionEvent e =
+            layer_event(rec[static_cast<size_t>(i)], l, steps[static_cast<size_t>(c0 + i)], &at[static_cast<size_t>(i)], nullptr);
         for (AttentionObserver* o : observers)
           if (o->reads_step(e.step)) o->on_attention(e);
-      };
-      if (together) {
-        parallel_for(m, 8, one);
-      } else {
-        for (int i = 0; i < m; ++i) one(i);
-      }
+      });
     }
 }
 

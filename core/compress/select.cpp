@@ -255,17 +255,13 @@ void prepare_layers(const std::vector<const PrefillContext*>& cs, std::pair<int,
                         zeros_below);
 }
 
-void ScoreEvictPolicy::prepare_scores(const std::vector<const PrefillContext*>& cs) const {
-  if (!cs.empty()) prepare_layers(cs, scored_rows(*cs.front()));
-}
-
 void ScoreEvictPolicy::compress_layers(const std::vector<const PrefillContext*>& cs, const std::vector<LayerPlan>& plans,
                                        const std::vector<LayerKV*>& layers) const {
   const int n = static_cast<int>(cs.size());
   const bool merging = merges();
   std::vector<std::vector<std::vector<int>>> keep(cs.size());
   std::vector<char> later(cs.size(), 0);  // merged in the device cache, with the other such layers
-  prepare_scores(cs);
+  if (!cs.empty()) prepare_layers(cs, scored_rows(*cs.front()));  // every layer's sums at once
   // Layers select independently once planned (scores and selection of one layer read nothing of
   // another; the capture and the backend serialise the device work they ask for): on threads of
   // their own, the same result as in turn. A layer whose rows the host holds merges there, alone.

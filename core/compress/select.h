@@ -143,7 +143,6 @@ class ScoreEvictPolicy : public KVPolicy {
   void compress_layers(const std::vector<const PrefillContext*>& cs, const std::vector<LayerPlan>& plans,
                        const std::vector<LayerKV*>& layers) const;
   std::vector<std::vector<int>> select_layer(const PrefillContext& c, const LayerPlan& plan, const LayerKV& layer) const;
-  void prepare_scores(const std::vector<const PrefillContext*>& cs) const;
   std::string name_;
   std::vector<LayerPlan> plans_;
 };
