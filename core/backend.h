@@ -78,12 +78,19 @@ struct AttnLayout {
   float scale = 1.0f;
 };
 
-// A layer's share of LOOK-M's cache-side ops (Backend::kv_cosine_assign, kv_merge_rows).
+// LOOK-M's merge as Backend::kv_lookm_merge does it: the rule, and the authors' similarity
+// filter and average-merge sources (lookm_contributions, core/compress/evict_methods.h).
+struct LookMMergeSpec {
+  MergeKind kind = MergeKind::Pivotal;
+  bool above_mean = false;      // only the evicted indices whose similarity passes the filter
+  bool prefix_sources = false;  // (average) the f-th passing index takes the f-th evicted row
+};
+// A layer's share of LOOK-M's merge where the cache is (Backend::kv_lookm_merge).
 struct LayerMerge {
   int layer = 0;
-  const LayerKV* layout = nullptr;                // the host store's layer: every prompt row, layout_only
-  std::vector<std::vector<int>> keep;             // [KV head] kept rows, ascending
-  std::vector<std::vector<RowAssignment>> rows;   // [KV head] assignments (out) or contributions (in)
+  const LayerKV* layout = nullptr;      // the host store's layer: every prompt row, layout_only
+  std::vector<std::vector<int>> keep;   // [KV head] kept rows, ascending (in)
+  std::vector<std::vector<int>> merged; // [KV head][kept row] the rows merged into it (out)
 };
 
 // A sequence's KV cache on a device backend. Bytes are what its segments hold; allocated() is
@@ -408,17 +415,17 @@ class Backend {
   }
   // LOOK-M on a device cache whose rows the host does not hold, every listed layer in one call
   // (LayerMerge: the layer, its host layout with head h's rows in gather_head's order, and per KV
-  // head the kept rows, ascending indices into those rows). kv_cosine_assign sets rows[h] to
-  // cosine_assign's answer over those rows' keys, read where they are (fp16: the values a host
-  // copy would hold, so the answer equals cosine_assign's on that copy): for each evicted row e
-  // in ascending order, {e, its most similar kept row, that similarity}. kv_merge_rows folds
-  // rows[h] (the contributions) into head h's kept rows as merge_rows does, rounds each merged
-  // row to fp16 where it is, and keeps it for the layer's next kv_sync, which stores it in place
-  // of the kept row (the host layout then lists it with its HeadRows::merged count);
-  // quantize_rows before that sync reads the merged rows. Only the assignments cross to the host,
-  // and only the contributions back. False where the backend has no such op.
-  virtual bool kv_cosine_assign(const DeviceKV& dev, std::vector<LayerMerge>& layers) { return false; }
-  virtual bool kv_merge_rows(DeviceKV& dev, MergeKind kind, const std::vector<LayerMerge>& layers) { return false; }
+  // head the kept rows, ascending indices into those rows), all of it where the rows are: each
+  // evicted row's most cosine-similar kept row by its key (cosine_assign's answer on the fp16
+  // values a host copy would hold), the contributions lookm_contributions keeps under `spec`,
+  // and their merge into the kept rows as merge_rows does, each merged row rounded to fp16 and
+  // kept for the layer's next kv_sync, which stores it in place of the kept row (the host layout
+  // then lists it with its HeadRows::merged count); quantize_rows before that sync reads the
+  // merged rows. Only merged[h] (each kept row's count) crosses to the host. False where the
+  // backend has no such op.
+  virtual bool kv_lookm_merge(DeviceKV& dev, const LookMMergeSpec& spec, std::vector<LayerMerge>& layers) {
+    return false;
+  }
   // Fills the host store with the device cache's layout (segments, positions, annotations,
   // bytes) and, with `rows`, its rows' values; without, every segment is layout_only.
   virtual void kv_hydrate(const DeviceKV& dev, KVStore& host, bool rows) {}

@@ -1,6 +1,6 @@
 // Merging evicted KV rows into kept ones (LOOK-M's Eq. 10–12): the host reference that the
 // LOOK-M method runs on host rows and that every backend's merge where the cache is
-// (Backend::kv_merge_rows) equals bit for bit.
+// (Backend::kv_lookm_merge) equals bit for bit.
 #pragma once
 #include <string>
 #include <vector>

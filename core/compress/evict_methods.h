@@ -90,5 +90,12 @@ std::vector<std::vector<LookMAssignment>> lookm_assign_heads(int d, const std::v
 // KV head h's j-th evicted row (ascending); index j passes when the mean of s[·][j] over the
 // heads that have a j-th row is ≥ the mean of every s[h][j].
 std::vector<char> lookm_above_mean(const std::vector<std::vector<double>>& s);
+// The contributions merged from a layer's assignments a[h] (each head's evicted rows in
+// ascending order) under `spec` (Backend::kv_lookm_merge does the same where the cache is): all
+// of them; with spec.above_mean only the indices j that lookm_above_mean passes, and with
+// spec.prefix_sources for an average merge the f-th of those takes a[h][f]'s evicted row as its
+// source (the authors' scatter of the unfiltered rows).
+std::vector<std::vector<LookMAssignment>> lookm_contributions(std::vector<std::vector<LookMAssignment>> a,
+                                                              const LookMMergeSpec& spec);
 
 }  // namespace kvlens

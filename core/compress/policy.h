@@ -29,7 +29,7 @@ struct PrefillContext {
   // from one thread at a time.
   Backend* backend = nullptr;
   // The decode's own device cache (null on the host), holding the prompt's rows, for ops that
-  // read or merge them there (Backend::quantize_rows, kv_cosine_assign, kv_merge_rows) when the
+  // read or merge them there (Backend::quantize_rows, kv_lookm_merge) when the
   // store's segments are layout_only.
   DeviceKV* device = nullptr;
 
@@ -58,8 +58,8 @@ class KVPolicy {
   virtual bool needs_prefill_attention() const { return false; }
   // Whether on_prefill / on_prefill_layer read the rows' values on the host. One that selects
   // rows by the prompt's attention and positions, or reads and changes rows only through the
-  // backend's ops on the device cache (PrefillContext::device: quantize_rows, kv_cosine_assign,
-  // kv_merge_rows), says false: on a device backend it then acts on the store's layout alone
+  // backend's ops on the device cache (PrefillContext::device: quantize_rows, kv_lookm_merge),
+  // says false: on a device backend it then acts on the store's layout alone
   // (layout_only segments) and the device gathers the kept rows, so the prompt's rows never
   // cross to the host.
   virtual bool reads_rows() const { return true; }

@@ -124,7 +124,7 @@ class ScoreEvictPolicy : public KVPolicy {
   // h's rows (gather_head's order over `layer`, which still holds every prompt row). With k and
   // v (the heads' gathered rows [n][D]) the merge edits their kept rows, which keep_rows then
   // stores. Without (null: the rows are in the device cache alone, the layer's segments
-  // layout_only) the method merges there through c->backend (kv_merge_rows), and the next
+  // layout_only) the method merges there through c->backend (kv_lookm_merge), and the next
   // kv_sync stores the merged rows.
   struct MergeJob {
     const PrefillContext* c = nullptr;

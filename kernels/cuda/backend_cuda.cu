@@ -455,16 +455,10 @@ class CudaBackend : public Backend {
     assign_by_cosine(*ctx_, d, k, keep, out);
     return true;
   }
-  bool kv_cosine_assign(const DeviceKV& dev, std::vector<LayerMerge>& layers) override {
+  bool kv_lookm_merge(DeviceKV& dev, const LookMMergeSpec& spec, std::vector<LayerMerge>& layers) override {
     std::lock_guard<std::recursive_mutex> lock(ops_mutex());
-    auto prof_scope = prof_.scope("kv_cosine_assign", *ctx_);
-    cuda::kv_cosine_assign(*ctx_, dev, layers);
-    return true;
-  }
-  bool kv_merge_rows(DeviceKV& dev, MergeKind kind, const std::vector<LayerMerge>& layers) override {
-    std::lock_guard<std::recursive_mutex> lock(ops_mutex());
-    auto prof_scope = prof_.scope("kv_merge_rows", *ctx_);
-    cuda::kv_merge_rows(*ctx_, dev, kind, layers);
+    auto prof_scope = prof_.scope("kv_lookm_merge", *ctx_);
+    cuda::kv_lookm_merge(*ctx_, dev, spec, layers);
     return true;
   }
   std::unique_ptr<DeviceKV> kv_create(int n_layers, int n_kv_heads, int head_dim) override {

@@ -114,9 +114,8 @@ void kv_hydrate(Context& ctx, const DeviceKV& dev, KVStore& host, bool rows);
 // quantized by the quant_pack.cu kernels, codes and ranges copied out in one wait.
 bool kv_quantize_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& seg, const quant::UniformSpec& k,
                       const quant::UniformSpec& v, quant::QuantPayload& out);
-// Backend::kv_cosine_assign and kv_merge_rows (kv_merge.cu).
-void kv_cosine_assign(Context& ctx, const DeviceKV& dev, std::vector<LayerMerge>& layers);
-void kv_merge_rows(Context& ctx, DeviceKV& dev, MergeKind kind, const std::vector<LayerMerge>& layers);
+// Backend::kv_lookm_merge (kv_merge.cu).
+void kv_lookm_merge(Context& ctx, DeviceKV& dev, const LookMMergeSpec& spec, std::vector<LayerMerge>& layers);
 void kv_sync(Context& ctx, DeviceKV& dev, KVStore& host, int layer);
 void kv_reserve(Context& ctx, DeviceKV& dev, int rows);
 void kv_pull_rows(Context& ctx, SeqKV& kv, const std::vector<int>& layers, const int32_t* pos_host,
@@ -129,15 +128,15 @@ void reduce_prefill_attention(Context& ctx, const Buffer& qkv, const AttnLayout&
 // Backend::attention_reduce_later: the reduction queued on the stream, its results landing where
 // r asks at the context's next land_all (Context::land_later).
 void queue_prefill_reduction(Context& ctx, const Buffer& qkv, const AttnLayout& l, const AttentionReduction& r);
-// LOOK-M's assignment of several KV heads' rows already on the device (row pointers, d values of
-// fp16 when `half`, else fp32), each with its kept rows: out[h] = every evicted row's
+// LOOK-M's assignment of several KV heads' rows already on the device (row pointers to d fp32
+// values), each with its kept rows: out[h] = every evicted row's
 // assignment, as Backend::cosine_assign states it; one upload, two launches (norms, then the
 // assignment), one copy back.
 struct AssignHead {
   std::vector<const void*> rows;
   const std::vector<int>* keep = nullptr;
 };
-void assign_rows(Context& ctx, int d, bool half, const std::vector<AssignHead>& heads,
+void assign_rows(Context& ctx, int d, const std::vector<AssignHead>& heads,
                  std::vector<std::vector<RowAssignment>>& out);
 void assign_by_cosine(Context& ctx, int d, const std::vector<const std::vector<float>*>& k,
                       const std::vector<const std::vector<int>*>& keep, std::vector<std::vector<RowAssignment>>& out);

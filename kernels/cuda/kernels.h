@@ -144,14 +144,37 @@ void cosine_assign(const float* const* rows, int64_t n_rows, int d, const Assign
 void cosine_assign(const __half* const* rows, int64_t n_rows, int d, const AssignProblem* problems, int n_problems,
                    int64_t n_tiles, int max_kept, const int* keep, const int* evicted, double* norm, int* best,
                    double* sim, cudaStream_t s);
-// LOOK-M's merge (row_merge.cu; host reference: merge_rows, core/row_merge.h) of m kept rows:
-// for merged row i, the kept row's halves kc[i] / vc[i] [d] and its contributions
-// first[i] ≤ j < first[i + 1] (sources ke[j] / ve[j], weights s[j], in merge_rows' order),
-// written to ok / ov [m][d] as merge_rows computes them in double, rounded to float and then to
-// fp16. kind: 1 average, 2 pivotal, 3 weighted (MergeKind's order).
-void merge_rows(const __half* const* kc, const __half* const* vc, const int* first, const __half* const* ke,
-                const __half* const* ve, const double* s, int m, int d, int kind, __half* ok, __half* ov,
-                cudaStream_t st);
+// LOOK-M where the cache is (row_merge.cu), over cosine_assign's problems (a layer's KV head
+// each, rows by pointer, fp16), every step on the device:
+// - segment_rows: row pointers from runs of contiguous rows: run i is rows [first, first + n)
+//   of the flat list, at k + r·d and v + r·d (runs ascending by first, covering n_rows);
+// - evicted_rows: evicted[ev0 .. ev0 + E) = the ascending rows of each problem that its kept
+//   list does not name (E = n − K);
+// - merge_sources: src[ev0 + j] = the row that evicted row j's contribution folds in, or −1 for
+//   none. Without `above_mean` every evicted row contributes itself. With it, groups of `group`
+//   consecutive problems (a layer's KV heads) pass only the indices j whose similarity, averaged
+//   over the group's problems that have a j-th evicted row, is ≥ the mean over all of the
+//   group's evicted rows (lookm_above_mean, the same double operations in its order); with
+//   `prefix`, the f-th passing index takes the f-th evicted row as its source (the authors'
+//   average-merge scatter; lookm_contributions). `scratch`: one int an evicted row.
+// - merge_kept: every kept row (n_kept = the problems' K summed, kept0 ascending) folds in the
+//   evicted rows j assigned to it (best[ev0 + j], a row index) with a source (src, or evicted
+//   where src is null), in ascending j, as merge_rows does in double (kind: 1 average,
+//   2 pivotal, 3 weighted by sim), rounded to float and then to fp16 into ok / ov [n_kept][d];
+//   count[g] = its contributions (a row without any is not written).
+struct RowSegment {
+  const __half* k = nullptr;
+  const __half* v = nullptr;
+  int64_t first = 0, n = 0;
+};
+void segment_rows(const RowSegment* runs, int n_runs, int64_t n_rows, int d, const __half** k, const __half** v,
+                  cudaStream_t s);
+void evicted_rows(const AssignProblem* problems, int n_problems, const int* keep, int* evicted, cudaStream_t s);
+void merge_sources(const AssignProblem* problems, int n_problems, int group, const int* evicted, const double* sim,
+                   bool above_mean, bool prefix, int* scratch, int* src, cudaStream_t s);
+void merge_kept(const __half* const* k, const __half* const* v, const AssignProblem* problems, int n_problems,
+                int64_t n_kept, const int* keep, const int* evicted, const int* src, const int* best, const double* sim,
+                int d, int kind, __half* ok, __half* ov, int* count, cudaStream_t s);
 
 // ---- decode attention over a segmented, possibly packed cache (decode_attention.cu) ----------
 // Storage of one side (K or V) of a part. Codes: row j starts at byte j·D·bits/8 and code c of a

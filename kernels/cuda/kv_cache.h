@@ -58,7 +58,7 @@ struct RowMap {
     return &t[static_cast<size_t>(pos)];
   }
 };
-// Rows a method merged where they are (kv_merge_rows), waiting for the layer's next kv_sync to
+// Rows a method merged where they are (kv_lookm_merge), waiting for the layer's next kv_sync to
 // store them in place of the kept rows of the same KV head and position.
 struct Staged {
   DevMem k, v;

@@ -1,7 +1,8 @@
-// LOOK-M where the cache is (Backend::kv_cosine_assign, kv_merge_rows): the prompt's keys are
-// read from the device cache by KV head and position, in the host layout's row order; only the
-// assignments come to the host, and only the contributions go back. The merged rows wait in the
-// layer's Staged rows until kv_sync stores them in place of the kept rows.
+// LOOK-M where the cache is (Backend::kv_lookm_merge): the prompt's keys and values are read
+// from the device cache by KV head and position, in the host layout's row order; the
+// assignment (Eq. 9), the authors' similarity filter, and the merge (Eq. 10–12) run there, every
+// layer at once, and only each kept row's merge count comes to the host. The merged rows wait in
+// the layer's Staged rows until kv_sync stores them in place of the kept rows.
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -19,11 +20,6 @@ using namespace kv;
 
 namespace {
 
-// Head h's rows of `layout` (gather_head's order) where the device cache holds them.
-struct HeadRowPtrs {
-  std::vector<const __half*> k, v;
-  std::vector<int32_t> pos;
-};
 // Whether host segment s lists exactly the fp16 rows of device segment d (as a prefill's
 // layout does): then its rows are d's rows in order.
 bool mirrors(const KVSegment& s, const DevSeg& d, int NKV) {
@@ -39,154 +35,169 @@ bool mirrors(const KVSegment& s, const DevSeg& d, int NKV) {
   return true;
 }
 
-std::vector<HeadRowPtrs> layout_rows(const CudaKV& C, int layer, const LayerKV& layout, const std::string& op) {
-  if (layer < 0 || layer >= C.L) throw InternalError(op + ": layer " + std::to_string(layer) + " of " + std::to_string(C.L));
+// Appends runs of contiguous rows holding head h's rows of `layout` (gather_head's order) for
+// every head, from `row0` of the flat row list on: a run a device segment's head when the layout
+// mirrors the layer's segments (as a prefill's does), else a run a row found by position.
+// Returns each head's row count.
+std::vector<int> layout_runs(const CudaKV& C, int layer, const LayerKV& layout, int64_t row0,
+                             std::vector<RowSegment>& runs) {
+  if (layer < 0 || layer >= C.L) throw InternalError("kv_lookm_merge: layer " + std::to_string(layer) + " of " + std::to_string(C.L));
   const DevLayer& d = C.layers[static_cast<size_t>(layer)];
-  std::vector<HeadRowPtrs> out(static_cast<size_t>(C.NKV));
-  // The prefill's layout: every host segment the device segment of the same index, row for row.
+  std::vector<int> n(static_cast<size_t>(C.NKV), 0);
   bool same = d.merged.empty() && d.tail.n == 0 && layout.segments.size() == d.segs.size();
   for (size_t i = 0; same && i < d.segs.size(); ++i) same = mirrors(layout.segments[i], d.segs[i], C.NKV);
   if (same) {
-    for (size_t i = 0; i < d.segs.size(); ++i)
-      for (int h = 0; h < C.NKV; ++h) {
-        const PartDesc& p = d.segs[i].heads[static_cast<size_t>(h)][0].d;
-        const std::vector<int32_t>& pos = d.segs[i].pos[static_cast<size_t>(h)];
-        HeadRowPtrs& o = out[static_cast<size_t>(h)];
-        for (size_t r = 0; r < pos.size(); ++r) {
-          o.k.push_back(static_cast<const __half*>(p.k.data) + r * C.D);
-          o.v.push_back(static_cast<const __half*>(p.v.data) + r * C.D);
-        }
-        o.pos.insert(o.pos.end(), pos.begin(), pos.end());
+    for (int h = 0; h < C.NKV; ++h)
+      for (const DevSeg& s : d.segs) {
+        const PartDesc& p = s.heads[static_cast<size_t>(h)][0].d;
+        const int64_t m = static_cast<int64_t>(s.pos[static_cast<size_t>(h)].size());
+        if (m == 0) continue;
+        runs.push_back({static_cast<const __half*>(p.k.data), static_cast<const __half*>(p.v.data), row0, m});
+        row0 += m;
+        n[static_cast<size_t>(h)] += static_cast<int>(m);
       }
-    return out;
+    return n;
   }
   const RowMap have = device_rows(C, d);
-  for (const KVSegment& s : layout.segments) {
+  for (const KVSegment& s : layout.segments)
     if (static_cast<int>(s.heads.size()) != C.NKV)
-      throw InternalError(op + ": layer " + std::to_string(layer) + " has " + std::to_string(s.heads.size()) +
+      throw InternalError("kv_lookm_merge: layer " + std::to_string(layer) + " has " + std::to_string(s.heads.size()) +
                           " KV heads, the cache " + std::to_string(C.NKV));
-    for (int h = 0; h < C.NKV; ++h)
+  for (int h = 0; h < C.NKV; ++h)
+    for (const KVSegment& s : layout.segments)
       for (int32_t p : s.heads[static_cast<size_t>(h)].pos) {
         const RowMap::Row* r = have.find(h, p);
         if (!r)
-          throw InternalError(op + ": layer " + std::to_string(layer) + " KV head " + std::to_string(h) +
+          throw InternalError("kv_lookm_merge: layer " + std::to_string(layer) + " KV head " + std::to_string(h) +
                               ": no row at position " + std::to_string(p) + " in the device cache");
-        HeadRowPtrs& o = out[static_cast<size_t>(h)];
-        o.k.push_back(r->first);
-        o.v.push_back(r->second);
-        o.pos.push_back(p);
+        runs.push_back({r->first, r->second, row0++, 1});
+        ++n[static_cast<size_t>(h)];
       }
+  return n;
+}
+
+// Head h's position of each of its kept rows (ascending indices into the head's layout rows).
+std::vector<int32_t> kept_positions(const LayerKV& layout, int h, const std::vector<int>& keep) {
+  std::vector<int32_t> out;
+  out.reserve(keep.size());
+  size_t j = 0;
+  int base = 0;
+  for (const KVSegment& s : layout.segments) {
+    const std::vector<int32_t>& pos = s.heads[static_cast<size_t>(h)].pos;
+    const int n = static_cast<int>(pos.size());
+    for (; j < keep.size() && keep[j] < base + n; ++j) out.push_back(pos[static_cast<size_t>(keep[j] - base)]);
+    base += n;
   }
   return out;
 }
 
 }  // namespace
 
-void kv_cosine_assign(Context& ctx, const DeviceKV& dev, std::vector<LayerMerge>& layers) {
-  const CudaKV& C = as_cuda(dev);
-  // Every layer's KV heads as one batch of problems, the keys read where they are.
-  std::vector<AssignHead> heads;
+void kv_lookm_merge(Context& ctx, DeviceKV& dev, const LookMMergeSpec& spec, std::vector<LayerMerge>& layers) {
+  CudaKV& C = as_cuda(&dev);
+  if (spec.kind == MergeKind::None || layers.empty()) return;
+  // Every layer's KV heads as problems over one flat row list (runs of contiguous rows).
+  std::vector<RowSegment> runs;
+  std::vector<AssignProblem> P;
+  std::vector<int> keep;
+  int64_t N = 0, NE = 0, tiles = 0;
+  int max_kept = 0;
   for (const LayerMerge& m : layers) {
     if (!m.layout || static_cast<int>(m.keep.size()) != C.NKV)
-      throw InternalError("kv_cosine_assign: layer " + std::to_string(m.layer) + " needs its layout and one kept list a KV head");
-    std::vector<HeadRowPtrs> rows = layout_rows(C, m.layer, *m.layout, "kv_cosine_assign");
+      throw InternalError("kv_lookm_merge: layer " + std::to_string(m.layer) + " needs its layout and one kept list a KV head");
+    if (!C.layers.at(static_cast<size_t>(m.layer)).merged.empty())
+      throw InternalError("kv_lookm_merge: layer " + std::to_string(m.layer) + " was merged already");
+    const std::vector<int> n = layout_runs(C, m.layer, *m.layout, N, runs);
     for (int h = 0; h < C.NKV; ++h) {
-      AssignHead a;
-      a.rows.assign(rows[static_cast<size_t>(h)].k.begin(), rows[static_cast<size_t>(h)].k.end());
-      a.keep = &m.keep[static_cast<size_t>(h)];
-      heads.push_back(std::move(a));
+      const std::vector<int>& kp = m.keep[static_cast<size_t>(h)];
+      const int nh = n[static_cast<size_t>(h)];
+      const std::string where = "kv_lookm_merge: layer " + std::to_string(m.layer) + " KV head " + std::to_string(h);
+      if (kp.empty()) throw InternalError(where + " keeps no row");
+      for (size_t j = 0; j < kp.size(); ++j)
+        if (kp[j] < 0 || kp[j] >= nh || (j > 0 && kp[j] <= kp[j - 1]))
+          throw InternalError(where + ": kept rows must be ascending below " + std::to_string(nh));
+      AssignProblem p;
+      p.row0 = N;
+      p.kept0 = static_cast<int64_t>(keep.size());
+      p.ev0 = NE;
+      p.tile0 = tiles;
+      p.n = nh;
+      p.K = static_cast<int>(kp.size());
+      p.E = nh - p.K;
+      keep.insert(keep.end(), kp.begin(), kp.end());
+      N += nh;
+      NE += p.E;
+      tiles += cosine_assign_tiles(p.E);
+      max_kept = std::max(max_kept, p.K);
+      P.push_back(p);
     }
   }
-  std::vector<std::vector<RowAssignment>> out;
-  assign_rows(ctx, C.D, true, heads, out);
+  const int64_t NK = static_cast<int64_t>(keep.size()), D = C.D;
+  const int np = static_cast<int>(P.size());
+  const bool filter = spec.above_mean, prefix = spec.prefix_sources && spec.kind == MergeKind::Average;
+  const std::string what = "LOOK-M (" + std::to_string(np) + " heads, " + std::to_string(N) + " rows)";
+  // In: problems, kept rows, runs (each 8-byte aligned). Work: row pointers, evicted rows,
+  // norms, choices, similarities, sources and their scratch, counts. Out: the merged rows.
+  auto up8 = [](int64_t b) { return (b + 7) / 8 * 8; };
+  const int64_t o_p = 0, o_keep = up8(np * static_cast<int64_t>(sizeof(AssignProblem))), o_runs = o_keep + up8(NK * 4);
+  const int64_t in_bytes = o_runs + static_cast<int64_t>(runs.size() * sizeof(RowSegment));
+  std::vector<char> in(static_cast<size_t>(in_bytes));
+  std::memcpy(in.data() + o_p, P.data(), P.size() * sizeof(AssignProblem));
+  std::memcpy(in.data() + o_keep, keep.data(), keep.size() * 4);
+  std::memcpy(in.data() + o_runs, runs.data(), runs.size() * sizeof(RowSegment));
+  const int64_t w_k = 0, w_v = N * 8, w_norm = 2 * N * 8, w_sim = 3 * N * 8, w_ev = w_sim + NE * 8, w_best = w_ev + up8(NE * 4),
+                w_src = w_best + up8(NE * 4), w_scr = w_src + (filter ? up8(NE * 4) : 0),
+                w_count = w_scr + (filter ? up8(NE * 4) : 0), work_bytes = w_count + up8(NK * 4);
+  const auto din = ctx.alloc(in_bytes, what + " problems");
+  const auto work = ctx.alloc(work_bytes, what + " work");
+  DevMem K{ctx.alloc(NK * D * 2, what + " merged K"), NK * D * 2};
+  DevMem V{ctx.alloc(NK * D * 2, what + " merged V"), NK * D * 2};
+  ctx.upload(din.get(), in.data(), in_bytes, what + " problems");
+  const char* i0 = static_cast<const char*>(din.get());
+  char* w0 = static_cast<char*>(work.get());
+  const auto* dp = reinterpret_cast<const AssignProblem*>(i0 + o_p);
+  const auto* dkeep = reinterpret_cast<const int*>(i0 + o_keep);
+  auto** rk = reinterpret_cast<const __half**>(w0 + w_k);
+  auto** rv = reinterpret_cast<const __half**>(w0 + w_v);
+  auto* ev = reinterpret_cast<int*>(w0 + w_ev);
+  auto* best = reinterpret_cast<int*>(w0 + w_best);
+  auto* sim = reinterpret_cast<double*>(w0 + w_sim);
+  int* src = filter ? reinterpret_cast<int*>(w0 + w_src) : nullptr;
+  auto* count = reinterpret_cast<int*>(w0 + w_count);
+  segment_rows(reinterpret_cast<const RowSegment*>(i0 + o_runs), static_cast<int>(runs.size()), N, C.D, rk, rv, ctx.stream);
+  evicted_rows(dp, np, dkeep, ev, ctx.stream);
+  cosine_assign(rk, N, C.D, dp, np, tiles, max_kept, dkeep, ev, reinterpret_cast<double*>(w0 + w_norm), best, sim,
+                ctx.stream);
+  if (filter)
+    merge_sources(dp, np, C.NKV, ev, sim, true, prefix, reinterpret_cast<int*>(w0 + w_scr), src, ctx.stream);
+  merge_kept(rk, rv, dp, np, NK, dkeep, ev, src, best, sim, C.D, static_cast<int>(spec.kind), K.as<__half>(),
+             V.as<__half>(), count, ctx.stream);
+  std::vector<int> counts(static_cast<size_t>(NK));
+  int* back = static_cast<int*>(ctx.staging(NK * 4, what + " merge counts"));
+  ctx.download(back, count, NK * 4, what + " merge counts");
+  std::memcpy(counts.data(), back, static_cast<size_t>(NK) * 4);
+  // Each kept row's count to the host; each merged row waits in its layer's Staged rows (one
+  // allocation shared by the layers).
   size_t x = 0;
   for (LayerMerge& m : layers) {
-    m.rows.resize(static_cast<size_t>(C.NKV));
-    for (int h = 0; h < C.NKV; ++h) m.rows[static_cast<size_t>(h)] = std::move(out[x++]);
-  }
-}
-
-void kv_merge_rows(Context& ctx, DeviceKV& dev, MergeKind kind, const std::vector<LayerMerge>& layers) {
-  CudaKV& C = as_cuda(&dev);
-  if (kind == MergeKind::None) return;
-  // Per merged row (layer, KV head, kept row): its kept row's halves, then its contributions in
-  // order; every layer's in one upload and one launch.
-  std::vector<const __half*> kc, vc, ke, ve;
-  std::vector<int> first{0};
-  std::vector<double> w;
-  struct Where {
-    int layer, head;
-    int32_t pos;
-  };
-  std::vector<Where> where;  // of each merged row
-  for (const LayerMerge& m : layers) {
-    if (!m.layout || static_cast<int>(m.rows.size()) != C.NKV)
-      throw InternalError("kv_merge_rows: layer " + std::to_string(m.layer) + " needs its layout and one contribution list a KV head");
-    if (!C.layers.at(static_cast<size_t>(m.layer)).merged.empty())
-      throw InternalError("kv_merge_rows: layer " + std::to_string(m.layer) + " was merged already");
-    const std::vector<HeadRowPtrs> rows = layout_rows(C, m.layer, *m.layout, "kv_merge_rows");
-    for (size_t h = 0; h < rows.size(); ++h) {
-      const HeadRowPtrs& r = rows[h];
-      const std::vector<RowAssignment>& contrib = m.rows[h];
-      const int n = static_cast<int>(r.pos.size());
-      // Contributions grouped by kept row (counting sort: the order within a group kept).
-      const std::vector<int> count = contribution_counts(
-          contrib, n, true, "kv_merge_rows: layer " + std::to_string(m.layer) + " KV head " + std::to_string(h));
-      std::vector<int> at(static_cast<size_t>(n) + 1, 0);
-      for (int c = 0; c < n; ++c) at[static_cast<size_t>(c) + 1] = at[static_cast<size_t>(c)] + count[static_cast<size_t>(c)];
-      std::vector<int> order(contrib.size()), fill(at.begin(), at.end() - 1);
-      for (size_t j = 0; j < contrib.size(); ++j) order[static_cast<size_t>(fill[static_cast<size_t>(contrib[j].c)]++)] = static_cast<int>(j);
-      for (int c = 0; c < n; ++c) {
-        const int j0 = at[static_cast<size_t>(c)], j1 = at[static_cast<size_t>(c) + 1];
-        if (j0 == j1) continue;
-        kc.push_back(r.k[static_cast<size_t>(c)]);
-        vc.push_back(r.v[static_cast<size_t>(c)]);
-        for (int j = j0; j < j1; ++j) {
-          const RowAssignment& a = contrib[static_cast<size_t>(order[static_cast<size_t>(j)])];
-          ke.push_back(r.k[static_cast<size_t>(a.e)]);
-          ve.push_back(r.v[static_cast<size_t>(a.e)]);
-          w.push_back(a.s);
-        }
-        first.push_back(static_cast<int>(ke.size()));
-        where.push_back({m.layer, static_cast<int>(h), r.pos[static_cast<size_t>(c)]});
+    Staged& st = C.layers[static_cast<size_t>(m.layer)].merged;
+    m.merged.assign(static_cast<size_t>(C.NKV), {});
+    for (int h = 0; h < C.NKV; ++h, ++x) {
+      const AssignProblem& p = P[x];
+      const int* c = counts.data() + p.kept0;
+      m.merged[static_cast<size_t>(h)].assign(c, c + p.K);
+      if (std::none_of(c, c + p.K, [](int v) { return v > 0; })) continue;
+      const std::vector<int32_t> pos = kept_positions(*m.layout, h, m.keep[static_cast<size_t>(h)]);
+      if (st.empty()) {
+        st.k = K;
+        st.v = V;
+        st.rows.by_head.resize(static_cast<size_t>(C.NKV));
       }
+      for (int j = 0; j < p.K; ++j)
+        if (c[j] > 0)
+          st.rows.put(h, pos[static_cast<size_t>(j)], {K.as<__half>() + (p.kept0 + j) * D, V.as<__half>() + (p.kept0 + j) * D});
     }
   }
-  const int64_t mr = static_cast<int64_t>(kc.size()), nc = static_cast<int64_t>(ke.size()), D = C.D;
-  if (mr == 0) return;
-  const std::string what = "LOOK-M merged rows (" + std::to_string(mr) + ")";
-  // The pointer lists, weights and offsets in one upload: kc, vc, ke, ve, s, first.
-  const int64_t pb = 8 * (2 * mr + 2 * nc), sb = 8 * nc, fb = 4 * (mr + 1);
-  std::vector<char> in(static_cast<size_t>(pb + sb + fb));
-  char* o = in.data();
-  for (const auto* list : {&kc, &vc, &ke, &ve}) {
-    std::memcpy(o, list->data(), list->size() * 8);
-    o += list->size() * 8;
-  }
-  std::memcpy(o, w.data(), static_cast<size_t>(sb));
-  std::memcpy(o + sb, first.data(), static_cast<size_t>(fb));
-  DevMem args{ctx.alloc(static_cast<int64_t>(in.size()), what + " lists"), static_cast<int64_t>(in.size())};
-  ctx.upload(args.mem.get(), in.data(), static_cast<int64_t>(in.size()), what + " lists");
-  const auto* p = static_cast<const __half* const*>(args.mem.get());
-  const char* base = static_cast<const char*>(args.mem.get());
-  DevMem K{ctx.alloc(mr * D * 2, what + " K"), mr * D * 2};
-  DevMem V{ctx.alloc(mr * D * 2, what + " V"), mr * D * 2};
-  cuda::merge_rows(p, p + mr, reinterpret_cast<const int*>(base + pb + sb), p + 2 * mr, p + 2 * mr + nc,
-                   reinterpret_cast<const double*>(base + pb), static_cast<int>(mr), C.D, static_cast<int>(kind),
-                   K.as<__half>(), V.as<__half>(), ctx.stream);
-  // Each layer's merged rows wait in its Staged rows (one allocation shared by the layers).
-  for (int64_t i = 0; i < mr; ++i) {
-    const Where& x = where[static_cast<size_t>(i)];
-    Staged& st = C.layers[static_cast<size_t>(x.layer)].merged;
-    if (st.empty()) {
-      st.k = K;
-      st.v = V;
-      st.rows.by_head.resize(static_cast<size_t>(C.NKV));
-    }
-    st.rows.put(x.head, x.pos, {K.as<__half>() + i * D, V.as<__half>() + i * D});
-  }
-  // (No wait: the upload has read the host's lists when it returns, and the lists go back to the
-  // pool in stream order, after the merge.)
 }
 
 }  // namespace kvlens::cuda

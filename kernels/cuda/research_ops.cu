@@ -85,7 +85,7 @@ void reduce_prefill_attention(Context& ctx, const Buffer& qkv, const AttnLayout&
   ctx.land_all("attention reductions");
 }
 
-void assign_rows(Context& ctx, int d, bool half, const std::vector<AssignHead>& heads,
+void assign_rows(Context& ctx, int d, const std::vector<AssignHead>& heads,
                  std::vector<std::vector<RowAssignment>>& out) {
   const size_t H = heads.size();
   need(d > 0, "cosine_assign: head size " + std::to_string(d));
@@ -151,12 +151,8 @@ void assign_rows(Context& ctx, int d, bool half, const std::vector<AssignHead>& 
   auto* best = reinterpret_cast<int*>(o0 + o_best);
   auto* sim = reinterpret_cast<double*>(o0 + o_sim);
   const int np = static_cast<int>(P.size());
-  if (half)
-    cuda::cosine_assign(reinterpret_cast<const __half* const*>(i0 + o_rows), N, d, dp, np, tiles, max_kept, dk, de,
-                        norm, best, sim, ctx.stream);
-  else
-    cuda::cosine_assign(reinterpret_cast<const float* const*>(i0 + o_rows), N, d, dp, np, tiles, max_kept, dk, de,
-                        norm, best, sim, ctx.stream);
+  cuda::cosine_assign(reinterpret_cast<const float* const*>(i0 + o_rows), N, d, dp, np, tiles, max_kept, dk, de, norm,
+                      best, sim, ctx.stream);
   // Through the page-locked staging buffer: 12 bytes an evicted row (MBs for a 7B model's layers).
   char* back = static_cast<char*>(ctx.staging(o_norm, "LOOK-M assignments"));
   ctx.download(back, dout.get(), o_norm, "LOOK-M assignments");
@@ -189,7 +185,7 @@ void assign_by_cosine(Context& ctx, int d, const std::vector<const std::vector<f
     heads[h].keep = keep[h];
   }
   ctx.upload(keys.get(), all.data(), at.back() * 4, "LOOK-M keys");
-  assign_rows(ctx, d, false, heads, out);
+  assign_rows(ctx, d, heads, out);
 }
 
 void exact_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l,

@@ -315,88 +315,179 @@ TEST(Ops, ExactDecodeAttentionOfEveryLayerAtOnce) {
 #include "core/half.h"
 #include "kernels/cuda/kernels.h"
 
-// LOOK-M's merge kernel (row_merge.cu) against merge_rows on fresh random fp16 rows: kept rows
-// with many contributions, one, or none; weights of either sign; a row of ±65504 and one of
-// subnormals; for each rule. The device does merge_rows' double operations one by one (and the
-// same fma), then the same roundings to float and fp16, so every half equals the host's.
-TEST(Ops, LookMMergeKernel) {
+// LOOK-M's merge kernels (row_merge.cu, what Backend::kv_lookm_merge launches) against the host
+// references on fresh random fp16 rows, two layers of three KV heads with unequal row counts,
+// each head's rows in two runs stored out of order: the row pointers (segment_rows) and evicted
+// rows (evicted_rows) equal the host's lists; the sources (merge_sources) equal
+// lookm_contributions' for the authors' filter with and without prefix sources, on similarities
+// drawn from few values (ties with the mean); and every merged row and count (merge_kept) equals
+// merge_rows' on those contributions bit for bit, for each rule, with kept rows that take many
+// contributions and some that take none (left unwritten), a row of ±65504 and one of subnormals.
+TEST(Ops, LookMMergeKernels) {
   KVLENS_NEED_GPU();
+  using cuda::AssignProblem;
+  using cuda::cosine_assign_tiles;
+  using cuda::RowSegment;
   Backend& be = *op_backends().gpu;
   std::mt19937_64 r(rng()());
-  for (const int d : {128, 64, 40}) {
-    const int n = 173;
-    std::vector<float> k = rounded(Dt::F16, randn(static_cast<size_t>(n) * d, 3.0f)), v = rounded(Dt::F16, randn(k.size(), 0.5f));
-    for (int t = 0; t < d; ++t) {
-      k[static_cast<size_t>(5) * d + t] = (t % 2 ? 65504.0f : -65504.0f);
-      v[static_cast<size_t>(6) * d + t] = round_half(static_cast<float>(t) * std::ldexp(1.0f, -24));
-    }
-    std::vector<int> kept;
-    for (int i = 0; i < n; ++i)
-      if (i % 4 == 1 || i == 7) kept.push_back(i);
-    std::vector<RowAssignment> contrib;
-    for (int e = 0; e < n; ++e) {
-      if (std::binary_search(kept.begin(), kept.end(), e)) continue;
-      const int c = e < 60 ? kept[static_cast<size_t>(r() % 3)] : kept[static_cast<size_t>(r() % kept.size())];
-      if (c == kept.back() && e > 100) continue;  // the last kept row gets nothing from the tail
-      contrib.push_back({e, c, std::uniform_real_distribution<double>(-1.0, 1.0)(r)});
-    }
-    for (MergeKind kind : {MergeKind::Average, MergeKind::Pivotal, MergeKind::Weighted}) {
-      std::vector<float> hk = k, hv = v;
-      std::vector<int> count;
-      merge_rows(kind, d, contrib, hk, hv, count);
-      // Device lists as kv_merge_rows builds them: per kept row with contributions, in order.
-      Buffer K = make(be, "k", {n, d}, Dt::F16, k), V = make(be, "v", {n, d}, Dt::F16, v);
-      const auto* kb = static_cast<const __half*>(K.data);
-      const auto* vb = static_cast<const __half*>(V.data);
-      std::vector<const __half*> kc, vc, ke, ve;
-      std::vector<int> first{0}, rows;
-      std::vector<double> w;
-      for (int c : kept) {
-        if (count[static_cast<size_t>(c)] == 0) continue;
-        kc.push_back(kb + static_cast<int64_t>(c) * d);
-        vc.push_back(vb + static_cast<int64_t>(c) * d);
-        for (const RowAssignment& a : contrib)
-          if (a.c == c) {
-            ke.push_back(kb + static_cast<int64_t>(a.e) * d);
-            ve.push_back(vb + static_cast<int64_t>(a.e) * d);
-            w.push_back(a.s);
-          }
-        first.push_back(static_cast<int>(ke.size()));
-        rows.push_back(c);
+  auto bytes_buffer = [&](const void* src, int64_t bytes, const char* name) {
+    std::vector<int32_t> words(static_cast<size_t>((bytes + 3) / 4) + 1, 0);
+    std::memcpy(words.data(), src, static_cast<size_t>(bytes));
+    Buffer b = be.alloc(name, {static_cast<int64_t>(words.size())}, Dt::I32);
+    be.upload(words.data(), b);
+    return b;
+  };
+  auto ints_back = [&](const Buffer& b, int64_t n, int64_t at = 0) {
+    std::vector<int32_t> all(static_cast<size_t>(b.numel()));
+    be.download(b, all.data());
+    return std::vector<int>(all.begin() + at, all.begin() + at + n);
+  };
+  const int G = 2, H = 3;  // layers, KV heads each
+  for (const int d : {128, 64, 40, 200}) {
+    SCOPED_TRACE("d=" + std::to_string(d));
+    // Each problem's rows, kept rows, evicted rows and assignments on the host.
+    std::vector<std::vector<float>> k(G * H), v(G * H);
+    std::vector<std::vector<int>> keep(G * H), ev(G * H);
+    std::vector<std::vector<RowAssignment>> a(G * H);
+    std::vector<AssignProblem> P;
+    int64_t N = 0, NE = 0, NK = 0, tiles = 0;
+    for (int x = 0; x < G * H; ++x) {
+      const int n = 60 + static_cast<int>(r() % 120);
+      k[x] = rounded(Dt::F16, randn(static_cast<size_t>(n) * d, 3.0f));
+      v[x] = rounded(Dt::F16, randn(k[x].size(), 0.5f));
+      for (int t = 0; t < d; ++t) {
+        k[x][static_cast<size_t>(5) * d + t] = (t % 2 ? 65504.0f : -65504.0f);
+        v[x][static_cast<size_t>(6) * d + t] = round_half(static_cast<float>(t) * std::ldexp(1.0f, -24));
       }
-      const int m = static_cast<int>(kc.size());
-      ASSERT_GT(m, 3);
-      auto upload = [&](const void* src, int64_t bytes, const char* name) {
-        Buffer b = be.alloc(name, {(bytes + 3) / 4}, Dt::I32);
-        be.upload(src, b);
-        return b;
-      };
-      std::vector<const __half*> ptrs = kc;
-      for (const auto* l : {&vc, &ke, &ve}) ptrs.insert(ptrs.end(), l->begin(), l->end());
-      std::vector<int64_t> words(ptrs.size());  // (a whole number of I32 words)
-      std::memcpy(words.data(), ptrs.data(), ptrs.size() * 8);
-      Buffer P = upload(words.data(), static_cast<int64_t>(words.size()) * 8, "pointers");
-      Buffer S = upload(w.data(), static_cast<int64_t>(w.size()) * 8, "weights");
-      std::vector<int> fpad = first;
-      fpad.push_back(0);
-      Buffer F = upload(fpad.data(), static_cast<int64_t>(first.size()) * 4, "first");
-      Buffer OK = poisoned(be, "ok", {m, d}, Dt::F16), OV = poisoned(be, "ov", {m, d}, Dt::F16);
-      be.synchronize();
-      const auto* p = static_cast<const __half* const*>(P.data);
-      const int nc = static_cast<int>(ke.size());
-      cuda::merge_rows(p, p + m, static_cast<const int*>(F.data), p + 2 * m, p + 2 * m + nc,
-                       static_cast<const double*>(S.data), m, d, static_cast<int>(kind), OK.as<__half>(), OV.as<__half>(),
-                       nullptr);
-      cudaDeviceSynchronize();
-      const std::vector<float> gk = read(be, OK), gv = read(be, OV);
-      const std::string what = std::string(merge_kind_name(kind)) + " d=" + std::to_string(d);
-      for (int i = 0; i < m; ++i)
-        for (int t = 0; t < d; ++t) {
-          const size_t g = static_cast<size_t>(i) * d + t, h = static_cast<size_t>(rows[static_cast<size_t>(i)]) * d + t;
-          ASSERT_EQ(gk[g], round_half(hk[h])) << what << " K row " << rows[static_cast<size_t>(i)] << " ch " << t;
-          ASSERT_EQ(gv[g], round_half(hv[h])) << what << " V row " << rows[static_cast<size_t>(i)] << " ch " << t;
-        }
+      for (int i = 0; i < n; ++i)
+        if (i % 4 == 1 || i == 7 || r() % 9 == 0) keep[x].push_back(i);
+      const std::vector<double> sims{-0.5, 0.0, 0.25, 0.5, 1.0};
+      for (int e = 0; e < n; ++e) {
+        if (std::binary_search(keep[x].begin(), keep[x].end(), e)) continue;
+        ev[x].push_back(e);
+        // (the last kept row is never chosen: it takes no contribution)
+        const size_t c = e < 40 ? r() % 3 : r() % (keep[x].size() - 1);
+        a[x].push_back({e, keep[x][c], sims[r() % sims.size()]});
+      }
+      AssignProblem p;
+      p.row0 = N, p.kept0 = NK, p.ev0 = NE, p.tile0 = tiles, p.n = n, p.K = static_cast<int>(keep[x].size());
+      p.E = n - p.K;
+      N += n, NK += p.K, NE += p.E, tiles += cosine_assign_tiles(p.E);
+      P.push_back(p);
     }
+    // The rows in memory: each problem's second run before its first.
+    std::vector<float> mk, mv;
+    std::vector<RowSegment> runs;
+    std::vector<std::pair<int64_t, int64_t>> places;  // (flat first row, memory row) of each run
+    for (int x = 0; x < G * H; ++x) {
+      const int n = P[x].n, cut = 1 + static_cast<int>(r() % (n - 1));
+      for (const auto& [f, m] : {std::pair<int, int>{cut, n - cut}, std::pair<int, int>{0, cut}}) {
+        places.push_back({P[x].row0 + f, static_cast<int64_t>(mk.size()) / d});
+        mk.insert(mk.end(), k[x].begin() + static_cast<ptrdiff_t>(f) * d, k[x].begin() + static_cast<ptrdiff_t>(f + m) * d);
+        mv.insert(mv.end(), v[x].begin() + static_cast<ptrdiff_t>(f) * d, v[x].begin() + static_cast<ptrdiff_t>(f + m) * d);
+        runs.push_back({nullptr, nullptr, P[x].row0 + f, m});
+      }
+    }
+    Buffer MK = make(be, "rows k", {N, d}, Dt::F16, mk), MV = make(be, "rows v", {N, d}, Dt::F16, mv);
+    for (size_t i = 0; i < runs.size(); ++i) {
+      runs[i].k = MK.as<__half>() + places[i].second * d;
+      runs[i].v = MV.as<__half>() + places[i].second * d;
+    }
+    std::sort(runs.begin(), runs.end(), [](const RowSegment& x, const RowSegment& y) { return x.first < y.first; });
+    std::vector<int> keep_all, best, ev_all;
+    std::vector<double> sim;
+    for (int x = 0; x < G * H; ++x) {
+      keep_all.insert(keep_all.end(), keep[x].begin(), keep[x].end());
+      ev_all.insert(ev_all.end(), ev[x].begin(), ev[x].end());
+      for (const RowAssignment& y : a[x]) best.push_back(y.c), sim.push_back(y.s);
+    }
+    Buffer DP = bytes_buffer(P.data(), static_cast<int64_t>(P.size() * sizeof(AssignProblem)), "problems");
+    Buffer DR = bytes_buffer(runs.data(), static_cast<int64_t>(runs.size() * sizeof(RowSegment)), "runs");
+    Buffer DK = bytes_buffer(keep_all.data(), NK * 4, "keep"), DB = bytes_buffer(best.data(), NE * 4, "best");
+    Buffer DS = bytes_buffer(sim.data(), NE * 8, "similarities");
+    Buffer PTR = be.alloc("row pointers", {4 * N}, Dt::I32), EV = poisoned(be, "evicted", {NE}, Dt::I32);
+    Buffer SRC = poisoned(be, "sources", {NE}, Dt::I32), SCR = be.alloc("scratch", {NE}, Dt::I32);
+    be.synchronize();
+    const auto* dp = static_cast<const AssignProblem*>(DP.data);
+    auto** rk = static_cast<const __half**>(PTR.data);
+    const __half** rv = rk + N;
+    cuda::segment_rows(static_cast<const RowSegment*>(DR.data), static_cast<int>(runs.size()), N, d, rk, rv, nullptr);
+    cuda::evicted_rows(dp, G * H, static_cast<const int*>(DK.data), static_cast<int*>(EV.data), nullptr);
+    cudaDeviceSynchronize();
+    std::vector<int64_t> ptrs(static_cast<size_t>(2 * N));
+    be.download(PTR, reinterpret_cast<int32_t*>(ptrs.data()));  // (the first 2N pointers fill 4N words)
+    for (int64_t i = 0; i < N; ++i) {
+      const auto run = std::upper_bound(runs.begin(), runs.end(), i, [](int64_t x, const RowSegment& s) { return x < s.first; }) - 1;
+      ASSERT_EQ(ptrs[static_cast<size_t>(i)], reinterpret_cast<int64_t>(run->k + (i - run->first) * d)) << "K row " << i;
+      ASSERT_EQ(ptrs[static_cast<size_t>(N + i)], reinterpret_cast<int64_t>(run->v + (i - run->first) * d)) << "V row " << i;
+    }
+    EXPECT_EQ(ints_back(EV, NE), ev_all);
+    for (MergeKind kind : {MergeKind::Average, MergeKind::Pivotal, MergeKind::Weighted})
+      for (int f = 0; f < 3; ++f) {
+        LookMMergeSpec spec;
+        spec.kind = kind;
+        spec.above_mean = f > 0;
+        spec.prefix_sources = f == 2;
+        const std::string what = std::string(merge_kind_name(kind)) + (f == 0 ? "" : f == 1 ? " above_mean" : " above_mean prefix");
+        // The host: each layer's contributions, then the merge of each head's rows.
+        std::vector<int> want_src;
+        std::vector<std::vector<float>> hk = k, hv = v;
+        std::vector<std::vector<int>> count(G * H);
+        int contributions = 0;
+        for (int g = 0; g < G; ++g) {
+          const std::vector<std::vector<RowAssignment>> layer(a.begin() + g * H, a.begin() + (g + 1) * H);
+          const auto contrib = lookm_contributions(layer, spec);
+          std::vector<std::vector<double>> s(H);
+          for (int h = 0; h < H; ++h)
+            for (const RowAssignment& y : layer[h]) s[h].push_back(y.s);
+          const std::vector<char> pass = spec.above_mean ? lookm_above_mean(s) : std::vector<char>(N, 1);
+          for (int h = 0; h < H; ++h) {
+            size_t next = 0;
+            for (size_t j = 0; j < layer[h].size(); ++j) want_src.push_back(pass[j] ? contrib[h].at(next++).e : -1);
+            EXPECT_EQ(next, contrib[h].size()) << what;
+            contributions += static_cast<int>(contrib[h].size());
+            merge_rows(kind, d, contrib[h], hk[g * H + h], hv[g * H + h], count[g * H + h]);
+          }
+        }
+        EXPECT_GT(contributions, NE / 4) << what;
+        EXPECT_LT(contributions, f == 0 ? NE + 1 : NE) << what << ": the filter passes some rows, not all";
+        if (spec.above_mean) {
+          cuda::merge_sources(dp, G * H, H, static_cast<const int*>(EV.data), static_cast<const double*>(DS.data), true,
+                              spec.prefix_sources && kind == MergeKind::Average, static_cast<int*>(SCR.data),
+                              static_cast<int*>(SRC.data), nullptr);
+          cudaDeviceSynchronize();
+          ASSERT_EQ(ints_back(SRC, NE), want_src) << what;
+        }
+        Buffer OK = poisoned(be, "ok", {NK, d}, Dt::F16), OV = poisoned(be, "ov", {NK, d}, Dt::F16);
+        Buffer CNT = poisoned(be, "counts", {NK}, Dt::I32);
+        be.synchronize();
+        cuda::merge_kept(rk, rv, dp, G * H, NK, static_cast<const int*>(DK.data), static_cast<const int*>(EV.data),
+                         spec.above_mean ? static_cast<const int*>(SRC.data) : nullptr, static_cast<const int*>(DB.data),
+                         static_cast<const double*>(DS.data), d, static_cast<int>(kind), OK.as<__half>(), OV.as<__half>(),
+                         static_cast<int*>(CNT.data), nullptr);
+        cudaDeviceSynchronize();
+        const std::vector<float> gk = read(be, OK), gv = read(be, OV);
+        const std::vector<int> gc = ints_back(CNT, NK);
+        int merged = 0;
+        for (int x = 0; x < G * H; ++x)
+          for (int j = 0; j < P[x].K; ++j) {
+            const int c = keep[x][static_cast<size_t>(j)];
+            const int64_t gi = P[x].kept0 + j;
+            ASSERT_EQ(gc[static_cast<size_t>(gi)], count[x][static_cast<size_t>(c)]) << what << " problem " << x << " row " << c;
+            if (gc[static_cast<size_t>(gi)] == 0) {
+              EXPECT_TRUE(std::isnan(gk[static_cast<size_t>(gi * d)])) << what << ": a row without contributions is not written";
+              continue;
+            }
+            ++merged;
+            for (int t = 0; t < d; ++t) {
+              const size_t o = static_cast<size_t>(gi * d + t), h = static_cast<size_t>(c) * d + t;
+              ASSERT_EQ(gk[o], round_half(hk[x][h])) << what << " problem " << x << " K row " << c << " ch " << t;
+              ASSERT_EQ(gv[o], round_half(hv[x][h])) << what << " problem " << x << " V row " << c << " ch " << t;
+            }
+          }
+        EXPECT_GT(merged, 4 * G * H) << what;
+        EXPECT_LT(merged, NK) << what << ": some kept rows take nothing";
+      }
   }
 }
 #endif

@@ -166,11 +166,11 @@ std::pair<KVStore, KVStore> compress_on_device_and_on_host(const SampleRun& r, c
   return {std::move(got), std::move(b)};
 }
 
-// LOOK-M assigns and merges where the cache is (Backend::kv_cosine_assign, kv_merge_rows), every
+// LOOK-M assigns, filters and merges where the cache is (Backend::kv_lookm_merge), every
 // layer at once, when the host store holds the layout alone. Against the CPU's assignment and
 // merge of the same fp16 rows: the same kept positions and merge counts, and every merged and
 // kept row equal bit for bit (the kernels do the host's double operations in its order,
-// Ops.LookMAssignmentOnTheDevice and Ops.LookMMergeKernel), for each merge rule and the
+// Ops.LookMAssignmentOnTheDevice and Ops.LookMMergeKernels), for each merge rule and the
 // authors' similarity filter. Decoded, the same tokens and logits within one
 // fp16 rounding (the paths' kernels differ, as above), stacked before CalibQuant too.
 TEST(CudaModel, LookMMergesOnTheDevice) {

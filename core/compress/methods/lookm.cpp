@@ -162,6 +162,24 @@ std::vector<char> lookm_above_mean(const std::vector<std::vector<double>>& s) {
   return pass;
 }
 
+std::vector<std::vector<LookMAssignment>> lookm_contributions(std::vector<std::vector<LookMAssignment>> a,
+                                                              const LookMMergeSpec& spec) {
+  if (!spec.above_mean) return a;
+  const size_t H = a.size();
+  std::vector<std::vector<double>> s(H);
+  for (size_t h = 0; h < H; ++h)
+    for (const Assignment& x : a[h]) s[h].push_back(x.s);
+  const std::vector<char> pass = lookm_above_mean(s);
+  std::vector<std::vector<Assignment>> out(H);
+  for (size_t h = 0; h < H; ++h) {
+    for (size_t j = 0; j < a[h].size(); ++j)
+      if (pass[j]) out[h].push_back(a[h][j]);
+    if (spec.kind == MergeKind::Average && spec.prefix_sources)
+      for (size_t f = 0; f < out[h].size(); ++f) out[h][f].e = a[h][f].e;
+  }
+  return out;
+}
+
 namespace {
 
 bool is_text(SegmentKind s) { return s == SegmentKind::System || s == SegmentKind::PostVisionText; }
@@ -231,17 +249,16 @@ class LookMPolicy : public ScoreEvictPolicy {
 
   // Assigns every head's evicted rows (Eq. 9), applies the similarity filter across heads when
   // asked, merges — on the host rows when the job has them, else in the device cache, every
-  // layer at once — and remembers for each kept row (in order) how many evicted rows it absorbed;
-  // the counts go into HeadRows::merged once the base class has kept the rows (record_merged).
+  // layer at once and every step there — and remembers for each kept row (in order) how many
+  // evicted rows it absorbed; the counts go into HeadRows::merged once the base class has kept
+  // the rows (record_merged).
   void merge_layers(const std::vector<MergeJob>& jobs) const override {
     if (jobs.empty()) return;
-    const bool device = !jobs.front().k;
-    std::vector<std::vector<std::vector<Assignment>>> a(jobs.size());  // [job][KV head]
-    std::vector<LayerMerge> lm;
-    Backend* be = jobs.front().c->backend;
-    if (device) {  // the rows are in the device cache alone: assigned and merged there
+    if (!jobs.front().k) {  // the rows are in the device cache alone: merged there
+      Backend* be = jobs.front().c->backend;
       DeviceKV* dev = jobs.front().c->device;
       if (!be || !dev) throw InternalError("lookm: a layout without rows and no device cache to merge in");
+      std::vector<LayerMerge> lm;
       for (const MergeJob& j : jobs) {
         if (j.k || j.c->backend != be || j.c->device != dev)
           throw InternalError("lookm: layers merged together on different caches");
@@ -251,41 +268,35 @@ class LookMPolicy : public ScoreEvictPolicy {
         m.keep = *j.keep;
         lm.push_back(std::move(m));
       }
-      if (!be->kv_cosine_assign(*dev, lm))
-        throw InternalError("lookm: the " + be->name() + " backend cannot assign (kv_cosine_assign) rows its cache alone holds");
-      for (size_t x = 0; x < jobs.size(); ++x) a[x] = std::move(lm[x].rows);
-    } else {
-      for (size_t x = 0; x < jobs.size(); ++x) a[x] = assign_job(jobs[x]);
-    }
-    std::vector<std::vector<std::vector<Assignment>>> contrib(jobs.size());
-    for (size_t x = 0; x < jobs.size(); ++x) {
-      contrib[x] = contributions(std::move(a[x]));
-      const std::vector<std::vector<int>>& keep = *jobs[x].keep;
-      std::vector<std::vector<int>> per_kept(keep.size());
-      for (size_t h = 0; h < keep.size(); ++h) {
-        std::vector<int> count(static_cast<size_t>(jobs[x].c->prompt_len), 0);
-        for (const Assignment& y : contrib[x][h]) ++count.at(static_cast<size_t>(y.c));
-        per_kept[h].assign(keep[h].size(), 0);
-        for (size_t j = 0; j < keep[h].size(); ++j) per_kept[h][j] = count[static_cast<size_t>(keep[h][j])];
-      }
+      if (!be->kv_lookm_merge(*dev, spec(), lm))
+        throw InternalError("lookm: the " + be->name() + " backend cannot merge (kv_lookm_merge) rows its cache alone holds");
       std::lock_guard<std::mutex> lock(mu_);
-      for (size_t h = 0; h < keep.size(); ++h) counts_[{jobs[x].c->layer, static_cast<int>(h)}] = std::move(per_kept[h]);
-    }
-    if (device) {
-      for (size_t x = 0; x < jobs.size(); ++x) lm[x].rows = std::move(contrib[x]);
-      if (!be->kv_merge_rows(*jobs.front().c->device, o_.merge, lm))
-        throw InternalError("lookm: the " + be->name() + " backend cannot merge (kv_merge_rows) rows its cache alone holds");
+      for (size_t x = 0; x < jobs.size(); ++x)
+        for (size_t h = 0; h < lm[x].merged.size(); ++h)
+          counts_[{jobs[x].c->layer, static_cast<int>(h)}] = std::move(lm[x].merged[h]);
       return;
     }
-    for (size_t x = 0; x < jobs.size(); ++x) {
-      const MergeJob& j = jobs[x];
-      const int H = static_cast<int>(j.keep->size());
+    for (const MergeJob& j : jobs) {
+      const std::vector<std::vector<Assignment>> contrib = lookm_contributions(assign_job(j), spec());
+      const std::vector<std::vector<int>>& keep = *j.keep;
+      std::vector<std::vector<int>> per_kept(keep.size());
+      for (size_t h = 0; h < keep.size(); ++h) {
+        std::vector<int> count(static_cast<size_t>(j.c->prompt_len), 0);
+        for (const Assignment& y : contrib[h]) ++count.at(static_cast<size_t>(y.c));
+        per_kept[h].assign(keep[h].size(), 0);
+        for (size_t x = 0; x < keep[h].size(); ++x) per_kept[h][x] = count[static_cast<size_t>(keep[h][x])];
+      }
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        for (size_t h = 0; h < keep.size(); ++h) counts_[{j.c->layer, static_cast<int>(h)}] = std::move(per_kept[h]);
+      }
+      const int H = static_cast<int>(keep.size());
       std::exception_ptr err;
 #pragma omp parallel for schedule(dynamic)
       for (int h = 0; h < H; ++h) {
         try {
           std::vector<int> count;
-          merge_rows(o_.merge, j.c->head_dim, contrib[x][h], (*j.k)[h], (*j.v)[h], count);
+          merge_rows(o_.merge, j.c->head_dim, contrib[h], (*j.k)[h], (*j.v)[h], count);
         } catch (...) {
 #pragma omp critical(kvlens_lookm_error)
           if (!err) err = std::current_exception();
@@ -317,26 +328,15 @@ class LookMPolicy : public ScoreEvictPolicy {
     return a;
   }
 
-  // The merge's contributions of a layer's heads from their assignments: all of them, or those
-  // that pass the similarity filter across heads (with the authors' prefix sources for average).
-  std::vector<std::vector<Assignment>> contributions(std::vector<std::vector<Assignment>> a) const {
-    const bool filter = o_.filter == MergeFilter::AboveMean ||
-                        (o_.filter == MergeFilter::Code &&
-                         (o_.merge == MergeKind::Average || o_.merge == MergeKind::Weighted));
-    if (!filter) return a;
-    const size_t H = a.size();
-    std::vector<std::vector<double>> s(H);
-    for (size_t h = 0; h < H; ++h)
-      for (const Assignment& x : a[h]) s[h].push_back(x.s);
-    const std::vector<char> pass = lookm_above_mean(s);
-    std::vector<std::vector<Assignment>> out(H);
-    for (size_t h = 0; h < H; ++h) {
-      for (size_t j = 0; j < a[h].size(); ++j)
-        if (pass[j]) out[h].push_back(a[h][j]);
-      if (o_.merge == MergeKind::Average && o_.prefix_source)
-        for (size_t f = 0; f < out[h].size(); ++f) out[h][f].e = a[h][f].e;
-    }
-    return out;
+  // The merge as lookm_contributions and Backend::kv_lookm_merge take it: the similarity filter
+  // for above_mean, and for code with the average and weighted rules.
+  LookMMergeSpec spec() const {
+    LookMMergeSpec m;
+    m.kind = o_.merge;
+    m.above_mean = o_.filter == MergeFilter::AboveMean ||
+                   (o_.filter == MergeFilter::Code && (o_.merge == MergeKind::Average || o_.merge == MergeKind::Weighted));
+    m.prefix_sources = o_.prefix_source;
+    return m;
   }
 
  public:

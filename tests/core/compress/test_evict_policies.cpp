@@ -339,7 +339,7 @@ TEST(EveryMethod, ScoringMethodsPrepareEveryLayerBeforeAsking) {
 // On a device backend a method that reads no rows acts on the store's layout alone (the device
 // gathers the kept rows): the same kept positions, kinds and bytes as on the rows, and no rows
 // appear. None reads rows on the host; LOOK-M's merge on the layout alone needs a device cache
-// to merge in (Backend::kv_merge_rows) and is refused without one.
+// to merge in (Backend::kv_lookm_merge) and is refused without one.
 TEST(Eviction, MethodsThatReadNoRowsActOnTheLayoutAlone) {
   const std::vector<std::pair<MethodSpec, std::map<std::string, std::string>>> runs = {
       {vlcache_method(), {}},      {lookm_method(), {{"merge", "none"}}}, {h2o_method(), {}},
