@@ -18,6 +18,7 @@
 
 #include "core/errors.h"
 #include "core/half.h"
+#include "core/parallel.h"
 #include "core/kv_format.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/context.h"
@@ -349,34 +350,53 @@ DevSeg build_fp16(const CudaKV& C, const KVSegment& s, const RowMap& have, const
   return d;
 }
 
-void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l, SyncBatch& batch) {
-  DevLayer& d = C.layers[l];
+// What a layer's sync keeps: the device segment that already holds each host segment's rows as
+// they are, whether the decode tail stays, and whether nothing changed at all.
+struct SyncPlan {
+  std::vector<const DevSeg*> same;
+  bool keep_tail = false, unchanged = false;
+  size_t n_host = 0;  // host segments before the tail
+};
+
+SyncPlan plan_sync(const CudaKV& C, const KVStore& host, int l) {
+  const DevLayer& d = C.layers[l];
   const LayerKV& H = host.layer(l);
-  // Which host segments keep their device copy as it is.
-  std::vector<const DevSeg*> same(H.segments.size(), nullptr);
-  bool keep_tail = false;
+  SyncPlan p;
+  p.same.assign(H.segments.size(), nullptr);
   for (size_t i = 0; i < H.segments.size(); ++i) {
     const KVSegment& s = H.segments[i];
     if (i + 1 == H.segments.size() && is_tail(s, d.tail)) {
-      keep_tail = true;
+      p.keep_tail = true;
       continue;
     }
     for (const DevSeg& x : d.segs)
-      if (same_rows(s, x)) same[i] = &x;
+      if (same_rows(s, x)) p.same[i] = &x;
   }
   // Nothing changed (a decode step whose method left the store as it was): the layout, and the
   // decode tables built from it, stay.
-  const size_t n_host = H.segments.size() - (keep_tail ? 1 : 0);
-  bool unchanged = n_host == d.segs.size() && (keep_tail || d.tail.n == 0);
-  for (size_t i = 0; unchanged && i < n_host; ++i) unchanged = same[i] == &d.segs[i];
-  if (unchanged) {
+  p.n_host = H.segments.size() - (p.keep_tail ? 1 : 0);
+  p.unchanged = p.n_host == d.segs.size() && (p.keep_tail || d.tail.n == 0);
+  for (size_t i = 0; p.unchanged && i < p.n_host; ++i) p.unchanged = p.same[i] == &d.segs[i];
+  return p;
+}
+
+// Layer l made to mirror the host store as `plan` found it; `given`: the layer's device rows
+// (device_rows) when the caller found them already.
+void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l, SyncPlan plan, const RowMap* given, SyncBatch& batch) {
+  DevLayer& d = C.layers[l];
+  const LayerKV& H = host.layer(l);
+  std::vector<const DevSeg*>& same = plan.same;
+  const bool keep_tail = plan.keep_tail;
+  const size_t n_host = plan.n_host;
+  if (plan.unchanged) {
     batch.retired_rows.push_back(std::move(d.merged));
     d.merged = Staged{};
     d.quantized.clear();
     set_host_bytes(C, host, l);
     return;
   }
-  const RowMap have = device_rows(C, d);
+  const RowMap have = given ? RowMap{} : device_rows(C, d);
+  const RowMap& rows = given ? *given : have;
   // A kept segment that shares an allocation with a dropped one (the prompt's segments share
   // one per layer) is gathered into its own, so that the dropped rows' memory is freed.
   std::unordered_map<const void*, int> dropped;
@@ -408,7 +428,7 @@ void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l, SyncBatch& batch)
       for (size_t x = i; x < j; ++x) {
         if (kept) segs.push_back(*same[x]);
         else if (!built.empty()) segs.push_back(std::move(built[x - i]));
-        else segs.push_back(build_fp16(C, H.segments[x], have, d.merged, "fp16 (dequantized " + H.segments[x].storage + ")", true, batch));
+        else segs.push_back(build_fp16(C, H.segments[x], rows, d.merged, "fp16 (dequantized " + H.segments[x].storage + ")", true, batch));
       }
       i = j - 1;
       continue;
@@ -429,9 +449,9 @@ void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l, SyncBatch& batch)
         }
       segs.push_back(build_packed(ctx, C, s, *p, taken.payload ? &taken : nullptr));
     } else if (s.payload) {
-      segs.push_back(build_fp16(C, s, have, d.merged, "fp16 (dequantized " + s.storage + ")", true, batch));
+      segs.push_back(build_fp16(C, s, rows, d.merged, "fp16 (dequantized " + s.storage + ")", true, batch));
     } else {
-      segs.push_back(build_fp16(C, s, have, d.merged, "fp16", false, batch));
+      segs.push_back(build_fp16(C, s, rows, d.merged, "fp16", false, batch));
     }
   }
   // The new layout must be in place before the old rows can go: segments first, then the tail.
@@ -453,9 +473,28 @@ void kv_sync(Context& ctx, DeviceKV& dev, KVStore& host, int layer) {
     throw InternalError("kv_sync: the host store and the device cache differ in shape");
   SyncBatch batch;
   try {
-    if (layer >= 0) sync_layer(ctx, C, host, layer, batch);
+    std::vector<int> ls;
+    if (layer >= 0) ls.push_back(layer);
     else
-      for (int l = 0; l < C.L; ++l) sync_layer(ctx, C, host, l, batch);
+      for (int l = 0; l < C.L; ++l) ls.push_back(l);
+    std::vector<SyncPlan> plans;
+    std::vector<int> changed;  // (indices into ls)
+    for (size_t i = 0; i < ls.size(); ++i) {
+      plans.push_back(plan_sync(C, host, ls[i]));
+      if (!plans.back().unchanged) changed.push_back(static_cast<int>(i));
+    }
+    // The changed layers' device rows by position, found on threads (they only read the cache);
+    // then the layers in turn.
+    std::vector<RowMap> rows(ls.size());
+    if (changed.size() > 1)
+      parallel_for(static_cast<int>(changed.size()), 8, [&](int x) {
+        const size_t i = static_cast<size_t>(changed[static_cast<size_t>(x)]);
+        rows[i] = device_rows(C, C.layers[static_cast<size_t>(ls[i])]);
+      });
+    for (size_t i = 0; i < ls.size(); ++i) {
+      const RowMap* found = changed.size() > 1 && !plans[i].unchanged ? &rows[i] : nullptr;
+      sync_layer(ctx, C, host, ls[i], std::move(plans[i]), found, batch);
+    }
   } catch (...) {
     try {
       batch.run(ctx, C.D);  // the layers synced before the error get their rows

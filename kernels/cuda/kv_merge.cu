@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/errors.h"
+#include "core/parallel.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/context.h"
 #include "kernels/cuda/kernels.h"
@@ -107,6 +108,8 @@ void kv_lookm_merge(Context& ctx, DeviceKV& dev, const LookMMergeSpec& spec, std
       throw InternalError("kv_lookm_merge: layer " + std::to_string(m.layer) + " needs its layout and one kept list a KV head");
     if (!C.layers.at(static_cast<size_t>(m.layer)).merged.empty())
       throw InternalError("kv_lookm_merge: layer " + std::to_string(m.layer) + " was merged already");
+    for (const LayerMerge& o : layers)
+      if (&o != &m && o.layer == m.layer) throw InternalError("kv_lookm_merge: layer " + std::to_string(m.layer) + " listed twice");
     const std::vector<int> n = layout_runs(C, m.layer, *m.layout, N, runs);
     for (int h = 0; h < C.NKV; ++h) {
       const std::vector<int>& kp = m.keep[static_cast<size_t>(h)];
@@ -177,13 +180,13 @@ void kv_lookm_merge(Context& ctx, DeviceKV& dev, const LookMMergeSpec& spec, std
   ctx.download(back, count, NK * 4, what + " merge counts");
   std::memcpy(counts.data(), back, static_cast<size_t>(NK) * 4);
   // Each kept row's count to the host; each merged row waits in its layer's Staged rows (one
-  // allocation shared by the layers).
-  size_t x = 0;
-  for (LayerMerge& m : layers) {
+  // allocation shared by the layers; the layers on threads, each its own).
+  parallel_for(static_cast<int>(layers.size()), 8, [&](int i) {
+    LayerMerge& m = layers[static_cast<size_t>(i)];
     Staged& st = C.layers[static_cast<size_t>(m.layer)].merged;
     m.merged.assign(static_cast<size_t>(C.NKV), {});
-    for (int h = 0; h < C.NKV; ++h, ++x) {
-      const AssignProblem& p = P[x];
+    for (int h = 0; h < C.NKV; ++h) {
+      const AssignProblem& p = P[static_cast<size_t>(i) * C.NKV + h];
       const int* c = counts.data() + p.kept0;
       m.merged[static_cast<size_t>(h)].assign(c, c + p.K);
       if (std::none_of(c, c + p.K, [](int v) { return v > 0; })) continue;
@@ -197,7 +200,7 @@ void kv_lookm_merge(Context& ctx, DeviceKV& dev, const LookMMergeSpec& spec, std
         if (c[j] > 0)
           st.rows.put(h, pos[static_cast<size_t>(j)], {K.as<__half>() + (p.kept0 + j) * D, V.as<__half>() + (p.kept0 + j) * D});
     }
-  }
+  });
 }
 
 }  // namespace kvlens::cuda
