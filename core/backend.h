@@ -413,6 +413,13 @@ class Backend {
                              const quant::UniformSpec& v, quant::QuantPayload& out) {
     return false;
   }
+  // quantize_rows whose codes and ranges may come later: `out` is filled by the next
+  // finish_reductions (it must stay where it is until then), so that several layers' calls share
+  // one wait. The default quantizes at once.
+  virtual bool quantize_rows_later(DeviceKV& dev, int layer, const KVSegment& seg, const quant::UniformSpec& k,
+                                   const quant::UniformSpec& v, quant::QuantPayload& out) {
+    return quantize_rows(dev, layer, seg, k, v, out);
+  }
   // LOOK-M on a device cache whose rows the host does not hold, every listed layer in one call
   // (LayerMerge: the layer, its host layout with head h's rows in gather_head's order, and per KV
   // head the kept rows, ascending indices into those rows), all of it where the rows are: each

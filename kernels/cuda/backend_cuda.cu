@@ -533,8 +533,15 @@ class CudaBackend : public Backend {
   }
   bool quantize_rows(DeviceKV& dev, int layer, const KVSegment& seg, const quant::UniformSpec& k,
                      const quant::UniformSpec& v, quant::QuantPayload& out) override {
+    std::lock_guard<std::recursive_mutex> lock(ops_mutex());
     auto prof_scope = prof_.scope("quantize_rows", *ctx_);
-    return cuda::kv_quantize_rows(*ctx_, dev, layer, seg, k, v, out);
+    return cuda::kv_quantize_rows(*ctx_, dev, layer, seg, k, v, out, false);
+  }
+  bool quantize_rows_later(DeviceKV& dev, int layer, const KVSegment& seg, const quant::UniformSpec& k,
+                           const quant::UniformSpec& v, quant::QuantPayload& out) override {
+    std::lock_guard<std::recursive_mutex> lock(ops_mutex());
+    auto prof_scope = prof_.scope("quantize_rows", *ctx_);
+    return cuda::kv_quantize_rows(*ctx_, dev, layer, seg, k, v, out, true);
   }
   void kv_hydrate(const DeviceKV& dev, KVStore& host, bool rows) override { cuda::kv_hydrate(*ctx_, dev, host, rows); }
   void kv_sync(DeviceKV& dev, KVStore& host, int layer) override { cuda::kv_sync(*ctx_, dev, host, layer); }

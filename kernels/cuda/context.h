@@ -110,10 +110,11 @@ bool kv_recorded_span_attention(Context& ctx, SeqKV& kv, int layer, const Buffer
 bool kv_rope_attend(Context& ctx, SeqKV& kv, int layer, Buffer& qkv, const AttnLayout& l, const Buffer& pos,
                     const int32_t* pos_host, const SegmentKind* kinds, const float* inv_freq, Buffer& out);
 void kv_hydrate(Context& ctx, const DeviceKV& dev, KVStore& host, bool rows);
-// Backend::quantize_rows: the segment's rows gathered from the cache by KV head and position,
-// quantized by the quant_pack.cu kernels, codes and ranges copied out in one wait.
+// Backend::quantize_rows (later: quantize_rows_later): the segment's rows gathered from the cache
+// by KV head and position, quantized by the quant_pack.cu kernels, codes and ranges copied out
+// in one wait (later: landing at the context's next land_all).
 bool kv_quantize_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& seg, const quant::UniformSpec& k,
-                      const quant::UniformSpec& v, quant::QuantPayload& out);
+                      const quant::UniformSpec& v, quant::QuantPayload& out, bool later);
 // Backend::kv_lookm_merge (kv_merge.cu).
 void kv_lookm_merge(Context& ctx, DeviceKV& dev, const LookMMergeSpec& spec, std::vector<LayerMerge>& layers);
 void kv_sync(Context& ctx, DeviceKV& dev, KVStore& host, int layer);

@@ -103,7 +103,7 @@ void kv_hydrate(Context& ctx, const DeviceKV& dev, KVStore& host, bool rows) {
 }
 
 bool kv_quantize_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& seg, const quant::UniformSpec& ks,
-                      const quant::UniformSpec& vs, quant::QuantPayload& out) {
+                      const quant::UniformSpec& vs, quant::QuantPayload& out, bool later) {
   CudaKV& C = as_cuda(&dev);
   const int NKV = C.NKV, D = C.D;
   if (layer < 0 || layer >= C.L || static_cast<int>(seg.heads.size()) != NKV ||
@@ -190,20 +190,37 @@ bool kv_quantize_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& s
                          scales + sl.ranges, zeros + sl.ranges, ctx.stream);
     }
   }
-  auto* staged = static_cast<uint8_t*>(ctx.staging(code_bytes + 2 * range_count * 2, what + " to the host"));
-  ctx.download_async(staged, Cd.mem.get(), code_bytes, what + " codes");
-  ctx.download_async(staged + code_bytes, R.mem.get(), 2 * range_count * 2, what + " ranges");
-  ctx.sync(what);
-  const auto* hs = reinterpret_cast<const uint16_t*>(staged + code_bytes);
-  const uint16_t* hz = hs + range_count;
-  for (int side = 0; side < 2; ++side)
-    for (int h = 0; h < NKV; ++h) {
-      const Slot& sl = slots[static_cast<size_t>(side * NKV + h)];
-      quant::QuantBlock& b = side ? out.v[static_cast<size_t>(h)] : out.k[static_cast<size_t>(h)];
-      b.codes.assign(staged + sl.codes, staged + sl.codes + sl.n_codes);
-      b.scales.assign(hs + sl.ranges, hs + sl.ranges + sl.n_ranges);
-      b.zeros.assign(hz + sl.ranges, hz + sl.ranges + sl.n_ranges);
-    }
+  // The codes and ranges into out's blocks once on the host.
+  auto land_codes = [&out, slots, NKV](const char* host) {
+    const auto* c = reinterpret_cast<const uint8_t*>(host);
+    for (int side = 0; side < 2; ++side)
+      for (int h = 0; h < NKV; ++h) {
+        const Slot& sl = slots[static_cast<size_t>(side * NKV + h)];
+        (side ? out.v : out.k)[static_cast<size_t>(h)].codes.assign(c + sl.codes, c + sl.codes + sl.n_codes);
+      }
+  };
+  auto land_ranges = [&out, slots, NKV, range_count](const char* host) {
+    const auto* hs = reinterpret_cast<const uint16_t*>(host);
+    const uint16_t* hz = hs + range_count;
+    for (int side = 0; side < 2; ++side)
+      for (int h = 0; h < NKV; ++h) {
+        const Slot& sl = slots[static_cast<size_t>(side * NKV + h)];
+        quant::QuantBlock& b = side ? out.v[static_cast<size_t>(h)] : out.k[static_cast<size_t>(h)];
+        b.scales.assign(hs + sl.ranges, hs + sl.ranges + sl.n_ranges);
+        b.zeros.assign(hz + sl.ranges, hz + sl.ranges + sl.n_ranges);
+      }
+  };
+  if (later) {
+    ctx.land_later(Cd.mem, code_bytes, land_codes);
+    ctx.land_later(R.mem, 2 * range_count * 2, land_ranges);
+  } else {
+    auto* staged = static_cast<char*>(ctx.staging(code_bytes + 2 * range_count * 2, what + " to the host"));
+    ctx.download_async(staged, Cd.mem.get(), code_bytes, what + " codes");
+    ctx.download_async(staged + code_bytes, R.mem.get(), 2 * range_count * 2, what + " ranges");
+    ctx.sync(what);
+    land_codes(staged);
+    land_ranges(staged + code_bytes);
+  }
   // The codes stay for the layer's next kv_sync, which stores `out` from them (one entry per
   // payload: quantizing again for the same payload replaces it).
   std::vector<StagedCodes>& q = C.layers[static_cast<size_t>(layer)].quantized;

@@ -97,7 +97,8 @@ TEST(CudaModel, CalibQuantQuantizesTheVisualRowsOnTheDevice) {
   }
 }
 
-// The codes quantize_rows made on the device are what kv_sync stores for their payload, in place
+// The codes quantize_rows made on the device (every layer's landing together, quantize_rows_later,
+// or layer by layer: the same payloads) are what kv_sync stores for their payload, in place
 // of an upload of the same bytes: a cache synced from them, and one synced from a copy of each
 // payload (a new payload, so uploaded), hold the same bytes and decode the same, every logit
 // equal (the same kernels read the same codes). Bits 1 (the values regrouped channel-major on
@@ -114,6 +115,33 @@ TEST(CudaModel, CodesQuantizedOnTheDeviceAreStoredWhereTheyWereMade) {
     std::vector<PrefillContext> cs = r.gpu.prefill_contexts(r.st);
     for (PrefillContext& c : cs) c.device = made.get();
     make_policy(spec)->on_prefill(cs, a);
+    // Layer by layer (each layer's codes in their own wait, not landing together): the same
+    // payloads.
+    {
+      std::unique_ptr<DeviceKV> one = r.st.device->clone();
+      KVStore c = r.st.store;
+      c.set_row_storage(RowStorage::Fp16);
+      std::vector<PrefillContext> cl = cs;
+      for (PrefillContext& x : cl) x.device = one.get();
+      std::unique_ptr<KVPolicy> pol = make_policy(spec);
+      if (std::string(spec).rfind("calibquant", 0) == 0) {
+        for (const PrefillContext& x : cl) pol->on_prefill_layer(x, c.layer(x.layer));
+        int compared = 0;
+        for (int l = 0; l < r.layers; ++l)
+          for (size_t i = 0; i < a.layer(l).segments.size(); ++i) {
+            const auto* pa = dynamic_cast<const quant::QuantPayload*>(a.layer(l).segments[i].payload.get());
+            const auto* pc = dynamic_cast<const quant::QuantPayload*>(c.layer(l).segments.at(i).payload.get());
+            ASSERT_EQ(!pa, !pc) << "layer " << l << " segment " << i;
+            if (!pa) continue;
+            ++compared;
+            for (size_t h = 0; h < pa->k.size(); ++h) {
+              EXPECT_TRUE(pa->k[h].codes == pc->k[h].codes && pa->v[h].codes == pc->v[h].codes) << "layer " << l << " head " << h;
+              EXPECT_TRUE(pa->k[h].scales == pc->k[h].scales && pa->v[h].zeros == pc->v[h].zeros) << "layer " << l << " head " << h;
+            }
+          }
+        EXPECT_EQ(compared, r.layers);
+      }
+    }
     KVStore b = a;
     int copies = 0;
     for (int l = 0; l < b.n_layers(); ++l)

@@ -91,6 +91,36 @@ class CalibQuantPolicy : public KVPolicy {
   bool reads_rows() const override { return false; }
 
   void on_prefill_layer(const PrefillContext& ctx, LayerKV& layer) override {
+    std::vector<Quantized> done;
+    quantize_layer(ctx, layer, false, done);
+    store(done);
+  }
+  // Every layer's visual rows at once: on a backend that queues (their codes come back in one
+  // wait), else layer by layer.
+  void on_prefill(const std::vector<PrefillContext>& layers, KVStore& kv) override {
+    Backend* be = layers.empty() ? nullptr : layers.front().backend;
+    if (!be || !be->queues_reductions()) {
+      KVPolicy::on_prefill(layers, kv);
+      return;
+    }
+    std::vector<Quantized> done;
+    be->queue_then_finish([&] {
+      for (const PrefillContext& c : layers) {
+        if (c.backend != be) throw InternalError("calibquant: layers of one prefill on different backends");
+        quantize_layer(c, kv.layer(c.layer), true, done);
+      }
+    });
+    store(done);
+  }
+
+ private:
+  struct Quantized {
+    KVSegment* s;
+    std::shared_ptr<quant::QuantPayload> p;
+  };
+  // The layer's visual segments quantized into payloads (on the device where the rows are there
+  // alone; `later`: their codes land at the backend's next finish_reductions), not yet stored.
+  void quantize_layer(const PrefillContext& ctx, LayerKV& layer, bool later, std::vector<Quantized>& done) const {
     const int D = ctx.head_dim;
     const quant::UniformSpec ks{bits_, quant::Axis::PerChannel, k_shrink_, about_zero_};
     const quant::UniformSpec vs{bits_, quant::Axis::PerChannel, v_shrink_, about_zero_};
@@ -98,7 +128,10 @@ class CalibQuantPolicy : public KVPolicy {
       if (s.kind != SegmentKind::Visual || !s.dense()) continue;
       auto p = std::make_shared<quant::QuantPayload>(static_cast<int>(s.heads.size()));
       if (s.layout_only) {
-        if (!ctx.backend || !ctx.device || !ctx.backend->quantize_rows(*ctx.device, ctx.layer, s, ks, vs, *p))
+        const bool ok = ctx.backend && ctx.device &&
+                        (later ? ctx.backend->quantize_rows_later(*ctx.device, ctx.layer, s, ks, vs, *p)
+                               : ctx.backend->quantize_rows(*ctx.device, ctx.layer, s, ks, vs, *p));
+        if (!ok)
           throw InternalError("calibquant: layer " + std::to_string(ctx.layer) +
                               "'s visual rows are in the device cache alone, and its backend cannot quantize them there");
       } else {
@@ -118,13 +151,20 @@ class CalibQuantPolicy : public KVPolicy {
         }
         if (err) std::rethrow_exception(err);
       }
-      p->layout.kind = quant::CodeLayout::Kind::Blocks;
-      p->layout.k_bits = p->layout.v_bits = bits_;
-      p->layout.k_axis = p->layout.v_axis = quant::Axis::PerChannel;
-      quant::set_quantized(s, p, "q" + std::to_string(bits_) + "-channel", bits_);
+      done.push_back({&s, std::move(p)});
+    }
+  }
+  // Each quantized segment takes its payload (once its codes are on the host).
+  void store(const std::vector<Quantized>& done) const {
+    for (const Quantized& q : done) {
+      q.p->layout.kind = quant::CodeLayout::Kind::Blocks;
+      q.p->layout.k_bits = q.p->layout.v_bits = bits_;
+      q.p->layout.k_axis = q.p->layout.v_axis = quant::Axis::PerChannel;
+      quant::set_quantized(*q.s, q.p, "q" + std::to_string(bits_) + "-channel", bits_);
     }
   }
 
+ public:
   bool has_score_transform() const override { return calibrate_; }
   // The calibration of the visual scores is one a device applies inside its attention kernel.
   ScoreTransform score_transform() const override {
