@@ -6,6 +6,7 @@
 
 #include "core/errors.h"
 #include "core/numbers.h"
+#include "core/parallel.h"
 
 namespace kvlens {
 
@@ -231,12 +232,19 @@ nlohmann::json method_run_json(const Model& model, const Experiment& ex, const M
                              {"method_token", d.method_token},
                              {"method_piece", d.method_token >= 0 ? tok.piece(d.method_token) : ""},
                              {"method_prob", d.method_prob}};
+    // Each layer's diagnostics and decode map, written on threads of their own, then in order.
+    const int nl = static_cast<int>(r.layers.size()), nm = static_cast<int>(r.decode_attention.size());
+    std::vector<nlohmann::json> parts(static_cast<size_t>(nl + nm));
+    parallel_for(nl + nm, 8, [&](int i) {
+      parts[static_cast<size_t>(i)] = i < nl ? to_json(r.layers[static_cast<size_t>(i)])
+                                             : attention_rows(r.decode_attention[static_cast<size_t>(i - nl)],
+                                                              ex.attention_steps, ex.attention_cols);
+    });
     m["layers"] = nlohmann::json::array();
-    for (const auto& l : r.layers) m["layers"].push_back(to_json(l));
-    if (!r.decode_attention.empty()) {
+    for (int i = 0; i < nl; ++i) m["layers"].push_back(std::move(parts[static_cast<size_t>(i)]));
+    if (nm > 0) {
       m["decode_attention"] = nlohmann::json::array();
-      for (const auto& a : r.decode_attention)
-        m["decode_attention"].push_back(attention_rows(a, ex.attention_steps, ex.attention_cols));
+      for (int i = nl; i < nl + nm; ++i) m["decode_attention"].push_back(std::move(parts[static_cast<size_t>(i)]));
     }
   }
   return m;

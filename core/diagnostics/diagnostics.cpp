@@ -8,6 +8,7 @@
 #include "core/errors.h"
 #include "core/compress/select.h"
 #include "core/exact_attention.h"
+#include "core/parallel.h"
 
 namespace kvlens {
 
@@ -346,7 +347,9 @@ std::vector<LayerDiagnostics> compare_layers(const PrefillView& pv, const Decode
       ++n_visual;
     }
   std::vector<LayerDiagnostics> out(L);
-  for (int l = 0; l < L; ++l) {
+  // Layers are independent (each reads its own entries and rows, writes its own result): on
+  // threads of their own.
+  parallel_for(L, 8, [&](int l) {
     LayerDiagnostics& d = out[l];
     d.layer = l;
     d.bytes = compressed.bytes(l);
@@ -423,7 +426,7 @@ std::vector<LayerDiagnostics> compare_layers(const PrefillView& pv, const Decode
         d.fate_merged[i] /= kept_rows[i];
       }
     }
-  }
+  });
   return out;
 }
 
