@@ -191,6 +191,21 @@ RowMap device_rows(const CudaKV& C, const DevLayer& d) {
   return m;
 }
 
+// Whether host segment s lists exactly the fp16 rows of device segment d (as a prefill's
+// layout does): then its rows are d's rows in order.
+bool mirrors(const KVSegment& s, const DevSeg& d, int NKV) {
+  if (s.kind != d.kind || !d.fp16_rows || d.payload || !dense_host(d.host_storage) || s.payload ||
+      static_cast<int>(s.heads.size()) != NKV || static_cast<int>(d.heads.size()) != NKV)
+    return false;
+  for (int h = 0; h < NKV; ++h) {
+    if (d.heads[static_cast<size_t>(h)].size() != 1 || s.heads[static_cast<size_t>(h)].pos != d.pos[static_cast<size_t>(h)])
+      return false;
+    for (uint16_t m : d.merged[static_cast<size_t>(h)])
+      if (m) return false;
+  }
+  return true;
+}
+
 // The device segment that mirrors host segment s, labelled `storage`, with an empty slot per KV
 // head for its parts, positions and merge counts.
 DevSeg mirror(const KVSegment& s, std::string storage, int NKV, bool fp16_rows) {

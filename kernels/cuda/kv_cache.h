@@ -320,6 +320,9 @@ const CudaKV& as_cuda(const DeviceKV& d);
 // The rows of layer d on the device by KV head and position: its fp16 segments' unmerged rows, the
 // decode rows, and over them the merged rows waiting for kv_sync (d.merged).
 RowMap device_rows(const CudaKV& C, const DevLayer& d);
+// Whether host segment s lists exactly the fp16 rows of device segment d (as a prefill's layout
+// does): then head h's rows are d's part of head h, in order.
+bool mirrors(const KVSegment& s, const DevSeg& d, int NKV);
 // Host segment i of layer l ↔ device segment i (or the tail for the last host segment): the
 // host reports what the device holds.
 void set_host_bytes(CudaKV& C, KVStore& host, int l);

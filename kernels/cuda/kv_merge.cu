@@ -21,21 +21,6 @@ using namespace kv;
 
 namespace {
 
-// Whether host segment s lists exactly the fp16 rows of device segment d (as a prefill's
-// layout does): then its rows are d's rows in order.
-bool mirrors(const KVSegment& s, const DevSeg& d, int NKV) {
-  if (s.kind != d.kind || !d.fp16_rows || d.payload || !dense_host(d.host_storage) || s.payload ||
-      static_cast<int>(s.heads.size()) != NKV || static_cast<int>(d.heads.size()) != NKV)
-    return false;
-  for (int h = 0; h < NKV; ++h) {
-    if (d.heads[static_cast<size_t>(h)].size() != 1 || s.heads[static_cast<size_t>(h)].pos != d.pos[static_cast<size_t>(h)])
-      return false;
-    for (uint16_t m : d.merged[static_cast<size_t>(h)])
-      if (m) return false;
-  }
-  return true;
-}
-
 // Appends runs of contiguous rows holding head h's rows of `layout` (gather_head's order) for
 // every head, from `row0` of the flat row list on: a run a device segment's head when the layout
 // mirrors the layer's segments (as a prefill's does), else a run a row found by position.
