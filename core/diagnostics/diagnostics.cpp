@@ -265,13 +265,16 @@ QueryComparison compare_query(const AttentionEvent& e, const ExactAttention& x, 
     const float* pe = x.probs.data() + static_cast<size_t>(h) * x.n;
     const float* se = x.scores.data() + static_cast<size_t>(h) * x.n;
     const int32_t* ep = x.pos.data() + static_cast<size_t>(kv) * x.n;
-    // The method's probabilities by position (0 for an evicted key).
+    // The method's probabilities by position (0 for an evicted key), and which keys it holds.
     std::vector<float> pm_by_pos(static_cast<size_t>(e.query_pos[0]) + 1, 0.0f);
+    std::vector<char> held(pm_by_pos.size(), 0);
     for (int j = 0; j < n_k; ++j)
-      if (kp[j] >= 0) pm_by_pos.at(kp[j]) += mp[j];
+      if (kp[j] >= 0) pm_by_pos.at(kp[j]) += mp[j], held.at(kp[j]) = 1;
+    // The exact scores of the visual keys the method holds: the same keys as its own scores, so
+    // that an eviction does not show as a shift of the distribution.
     if (visual)
       for (int j = 0; j < T; ++j)
-        if (ep[j] >= 0 && kinds[ep[j]] == SegmentKind::Visual) c.visual.exact[h].push_back(se[j]);
+        if (ep[j] >= 0 && kinds[ep[j]] == SegmentKind::Visual && held.at(ep[j])) c.visual.exact[h].push_back(se[j]);
     double mse = 0.0, kl = 0.0;
     int ne = 0;
     for (int j = 0; j < x.n; ++j) {

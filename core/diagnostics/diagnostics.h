@@ -27,7 +27,8 @@ struct PrefillView {
 // The first decode step's pre-softmax scores of one layer's visual keys, per query head: exact
 // (the full-precision keys), quantized (the keys the method stores, before any score transform)
 // and calibrated (after the method's score transform: what the softmax saw). [head][key]; the
-// keys of a head are those its KV head kept.
+// keys of a head are those its KV head kept, for all three (an evicted key has no quantized
+// score, so its exact one is left out too).
 struct VisualScores {
   std::vector<std::vector<float>> exact, quantized, calibrated;
 };

@@ -492,6 +492,37 @@ TEST(Diagnostics, CalibrationRecomputedFromStoredScoresMatchesADecode) {
   EXPECT_EQ(plain.calibrated, plain.quantized);
 }
 
+TEST(Diagnostics, ScoreHistogramsCompareTheKeysTheMethodHolds) {
+  // The exact, quantized and calibrated samples of a head are of the same keys: after an
+  // eviction the exact histogram leaves out the evicted visual keys (it would otherwise count
+  // keys the quantized one cannot have); without one every visual key is in all three.
+  const Fixture& f = fixture("mha_fp32_hub");
+  const ExperimentOptions opt = small_options();
+  const Experiment ex = start_experiment(f.model, f.image, opt);
+  const int n_visual = ex.prefill.n_visual;
+  for (const char* spec : {"stack:evict=snapkv,quant=calibquant,budget=0.4,bits=1", "calibquant:bits=1"}) {
+    SCOPED_TRACE(spec);
+    const bool evicts = std::string(spec).rfind("stack", 0) == 0;
+    const MethodRun r = run_method(f.model, ex, parse_method_spec(spec), opt);
+    int fewer = 0;
+    for (const LayerDiagnostics& d : r.layers) {
+      const VisualScores& v = d.visual_score_samples;
+      ASSERT_FALSE(v.exact.empty()) << "layer " << d.layer;
+      for (size_t h = 0; h < v.exact.size(); ++h) {
+        EXPECT_EQ(v.exact[h].size(), v.quantized[h].size()) << "layer " << d.layer << " head " << h;
+        EXPECT_EQ(v.calibrated[h].size(), v.quantized[h].size()) << "layer " << d.layer << " head " << h;
+        if (!evicts) EXPECT_EQ(static_cast<int>(v.exact[h].size()), n_visual) << "layer " << d.layer << " head " << h;
+        fewer += static_cast<int>(v.exact[h].size()) < n_visual;
+      }
+      const ScoreHistogram all = visual_score_histogram(v, -1, 40);
+      EXPECT_EQ(std::accumulate(all.exact.begin(), all.exact.end(), int64_t{0}),
+                std::accumulate(all.quantized.begin(), all.quantized.end(), int64_t{0}))
+          << "layer " << d.layer;
+    }
+    if (evicts) EXPECT_GT(fewer, 0) << "the eviction left out visual keys";
+  }
+}
+
 TEST(Experiment, KeepGoingCancelsBetweenDecodeSteps) {
   const Fixture& f = fixture("mha_fp32_hub");
   ExperimentOptions opt = small_options();
