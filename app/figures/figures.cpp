@@ -16,6 +16,9 @@ constexpr double kPad = 10, kTitle = 15, kTick = 12, kLabel = 13, kLegend = 12, 
 constexpr double kTickLen = 4;
 const Color kInk{0.15f, 0.15f, 0.17f, 1}, kGrid{0.88f, 0.88f, 0.9f, 1}, kFrame{0.45f, 0.45f, 0.5f, 1};
 const Color kWhite{1, 1, 1, 1}, kMissing{0.85f, 0.85f, 0.85f, 1};
+// A log-scale heatmap's exact zeros (nothing there: keys a method does not hold), apart from
+// the colour map's floor and from missing cells.
+const Color kAbsent{0.42f, 0.42f, 0.42f, 1};
 
 Color hex(uint32_t v) {
   return {((v >> 16) & 255) / 255.0f, ((v >> 8) & 255) / 255.0f, (v & 255) / 255.0f, 1};
@@ -264,8 +267,9 @@ Prim heatmap_image(const Series& s) {
   const double hi = s.z_log ? std::log10(std::max(s.z_max, 1e-300)) : s.z_max;
   for (size_t i = 0; i < s.z.size() && i < p.rgba.size() / 4; ++i) {
     double v = s.z[i];
+    const bool absent = s.zero_absent && s.z_log && v == 0.0;
     if (s.z_log && !std::isnan(v)) v = v > 0 ? std::log10(v) : lo;
-    const Color c = std::isfinite(v) ? colormap(hi > lo ? (v - lo) / (hi - lo) : 0.5) : kMissing;
+    const Color c = absent ? kAbsent : std::isfinite(v) ? colormap(hi > lo ? (v - lo) / (hi - lo) : 0.5) : kMissing;
     p.rgba[i * 4 + 0] = static_cast<uint8_t>(std::lround(c.r * 255));
     p.rgba[i * 4 + 1] = static_cast<uint8_t>(std::lround(c.g * 255));
     p.rgba[i * 4 + 2] = static_cast<uint8_t>(std::lround(c.b * 255));

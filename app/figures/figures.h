@@ -51,6 +51,7 @@ struct Series {
   double x0 = 0, x1 = 1, y0 = 0, y1 = 1;
   double z_min = 0, z_max = 1;
   bool z_log = false;
+  bool zero_absent = false;  // (z_log) an exact 0 means nothing there: drawn dark grey, not as z_min
   // Heatmap: the cells' opacity, and an image drawn beneath them over the same rectangle
   // (backdrop_w × backdrop_h RGBA pixels, row 0 at y0 as the cells; null: none).
   float alpha = 1;

@@ -560,6 +560,7 @@ Figure attention_heatmap_figure(const nlohmann::json& report, int layer, int met
   s.y1 = d.y0 = T;
   d.y1 = n;
   s.z_log = d.z_log = true;
+  s.zero_absent = d.zero_absent = true;
   s.z_min = d.z_min = 1e-4;
   s.z_max = d.z_max = std::max(zmax, 1e-3);
   Figure f;
@@ -572,10 +573,22 @@ Figure attention_heatmap_figure(const nlohmann::json& report, int layer, int met
   if (R < T || C < n)
     f.note += "; blocks of about " + format_number(std::round(10.0 * T / R) / 10) + " queries x " +
               format_number(std::round(10.0 * n / C) / 10) + " keys, each its mean";
-  f.series.push_back(s);
+  // A method's figure shows its own decode rows alone, each a band of the plot (the prompt's
+  // rows are the full cache's, in its figure); the full cache's shows both.
+  const bool own_rows = method >= 0 && S > 0;
+  if (own_rows) {
+    f.note = "rows: the first " + std::to_string(S) + " tokens this method generated; dark grey: keys it does not hold";
+    if (C < n) f.note += "; blocks of about " + format_number(std::round(10.0 * n / C) / 10) + " keys";
+  } else {
+    f.series.push_back(s);
+  }
   if (S > 0) f.series.push_back(d);
   f.colorbar = "attention (log)";
   matrix_axes(f, "key position", n, "query position", n);
+  if (own_rows) {  // a tick a row, at its middle: the row's query position
+    f.y.min = T;
+    for (int i = 0; i < S; ++i) f.y.ticks.push_back({T + i + 0.5, std::to_string(T + i)});
+  }
   // Segment boundaries.
   const std::vector<std::string> kinds = [&] {
     std::vector<std::string> k;
@@ -591,7 +604,7 @@ Figure attention_heatmap_figure(const nlohmann::json& report, int layer, int met
     auto it = begins.find(kind);
     if (it == begins.end()) return;
     f.markers.push_back({'x', static_cast<double>(at), it->second.first, it->second.second, true});
-    f.markers.push_back({'y', static_cast<double>(at), "", it->second.second, true});
+    if (at >= f.y.min) f.markers.push_back({'y', static_cast<double>(at), "", it->second.second, true});
   };
   for (size_t t = 1; t < kinds.size(); ++t)
     if (kinds[t] != kinds[t - 1]) mark(kinds[t], static_cast<int>(t));

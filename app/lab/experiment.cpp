@@ -134,20 +134,20 @@ MethodRun run_method(const Model& model, const Experiment& ex, const Params& par
   return r;
 }
 
-namespace {
-
-// Attention probabilities to 1e-6: enough for a heatmap, and a third of the JSON.
+// Attention probabilities to 1e-6: enough for a heatmap, and a third of the JSON. A positive
+// value stays positive (at least 1e-6), so that 0 means no attention at all (keys not held).
 nlohmann::json attention_rows(const std::vector<float>& m, int rows, int cols) {
   nlohmann::json out = nlohmann::json::array();
   for (int i = 0; i < rows; ++i) {
     nlohmann::json row = nlohmann::json::array();
-    for (int j = 0; j < cols; ++j) row.push_back(std::round(m[static_cast<size_t>(i) * cols + j] * 1e6) / 1e6);
+    for (int j = 0; j < cols; ++j) {
+      const float v = m[static_cast<size_t>(i) * cols + j];
+      row.push_back(v > 0 ? std::max(1e-6, std::round(v * 1e6) / 1e6) : std::round(v * 1e6) / 1e6);
+    }
     out.push_back(std::move(row));
   }
   return out;
 }
-
-}  // namespace
 
 nlohmann::json experiment_json(const Model& model, const Experiment& ex, const ExperimentOptions& opt) {
   std::vector<const MethodRun*> runs;

@@ -103,6 +103,9 @@ nlohmann::json experiment_json(const Model& model, const Experiment& ex,
 // part once and assembles reports from them.
 nlohmann::json experiment_base_json(const Model& model, const Experiment& ex, const ExperimentOptions& opt);
 nlohmann::json method_run_json(const Model& model, const Experiment& ex, const MethodRun& r);
+// A map of rows × cols attention probabilities as the report holds it: each value to 1e-6, a
+// positive one at least 1e-6 (0 stays for no attention at all: keys not held, or after the query).
+nlohmann::json attention_rows(const std::vector<float>& m, int rows, int cols);
 
 // CalibQuant τ1/τ2 grid search by mean softmax MSE against the full cache.
 struct CalibrationPoint {

@@ -168,12 +168,14 @@ TEST(Figures, PooledAttentionHeatmap) {
     m["decode_attention"] = nlohmann::json::array();
     for (int l = 0; l < L; ++l) m["decode_attention"].push_back(rows_of(S, 0.5));
   }
-  const Figure f = attention_heatmap_figure(r, 1, 1);
+  const Figure f = attention_heatmap_figure(r, 1, -1);
   ASSERT_EQ(f.series.size(), 2u);
   const Series& p = f.series[0];
-  const Series& d = f.series[1];
   ASSERT_EQ(p.rows, R);
   ASSERT_EQ(p.cols, C);
+  const Figure fm = attention_heatmap_figure(r, 1, 1);  // the method's decode rows alone
+  ASSERT_EQ(fm.series.size(), 1u);
+  const Series& d = fm.series[0];
   ASSERT_EQ(d.rows, S);
   EXPECT_EQ(p.x1, n);
   EXPECT_EQ(p.y1, T);
@@ -194,6 +196,7 @@ TEST(Figures, PooledAttentionHeatmap) {
   }
   EXPECT_DOUBLE_EQ(d.z[0], 0.51);  // the method's first decode row, first block
   EXPECT_NE(f.note.find("blocks of about"), std::string::npos) << f.note;
+  EXPECT_NE(fm.note.find("blocks of about"), std::string::npos) << fm.note;
   const Frame fr = draw(f, 640, 640, measure);
   const auto said = readout(f, fr, fr.px(0.5), fr.py(T - 0.5));
   ASSERT_FALSE(said.empty());
@@ -201,6 +204,22 @@ TEST(Figures, PooledAttentionHeatmap) {
   EXPECT_NE(said[0].find("query position " + std::to_string(lo) + "-" + std::to_string(T - 1) + ", key position 0-"),
             std::string::npos)
       << said[0];
+  // A block the method holds no key of (0) is drawn apart from the colour map's floor (1e-4)
+  // and from the cells after the query (missing).
+  r["methods"][1]["decode_attention"][1][0][0] = 0.0;
+  r["methods"][1]["decode_attention"][1][0][1] = 1e-4;
+  {
+    const Figure e = attention_heatmap_figure(r, 1, 1);
+    const Frame ef = draw(e, 640, 640, measure);
+    const auto img = std::find_if(ef.prims.begin(), ef.prims.end(), [](const Prim& x) { return x.type == Prim::Type::Image; });
+    ASSERT_NE(img, ef.prims.end());
+    const uint8_t* absent = &img->rgba[0];
+    const uint8_t* floor = &img->rgba[4];
+    EXPECT_TRUE(absent[0] == absent[1] && absent[1] == absent[2]) << "grey";
+    EXPECT_GT(std::abs(absent[0] - floor[0]) + std::abs(absent[1] - floor[1]) + std::abs(absent[2] - floor[2]), 60);
+    EXPECT_LT(absent[0], 160) << "darker than the missing cells' light grey";
+    EXPECT_NE(e.note.find("does not hold"), std::string::npos) << e.note;
+  }
   r["attention"]["cols"] = n + 1;
   EXPECT_THROW(attention_heatmap_figure(r, 1, -1), InputError);
 }
@@ -233,11 +252,19 @@ TEST(Figures, AttentionHeatmapAndTokenFate) {
   EXPECT_EQ(masked[1], masked[2]);
   EXPECT_GT(masked[0], 200);
   EXPECT_THROW(attention_heatmap_figure(r, layer_count(r), -1), InputError);
+  // A method's figure: its own decode rows alone, the plot's whole height (the prompt's rows
+  // are the full cache's figure), with the full cache's masked cells.
   const Figure m = attention_heatmap_figure(r, 1, 1);  // streamingllm's decode rows
-  EXPECT_DOUBLE_EQ(m.series[1].z[5], r["methods"][1]["decode_attention"][1][0][5].get<double>());
-  ASSERT_EQ(m.series[0].z.size(), h.z.size());  // prompt rows are shared (masked cells too)
-  for (size_t i = 0; i < h.z.size(); ++i)
-    EXPECT_TRUE(m.series[0].z[i] == h.z[i] || (std::isnan(m.series[0].z[i]) && std::isnan(h.z[i]))) << i;
+  ASSERT_EQ(m.series.size(), 1u);
+  EXPECT_EQ(m.series[0].y0, T);
+  EXPECT_EQ(m.y.min, T);
+  EXPECT_EQ(m.y.max, n);
+  EXPECT_DOUBLE_EQ(m.series[0].z[5], r["methods"][1]["decode_attention"][1][0][5].get<double>());
+  for (size_t i = 0; i < hd.z.size(); ++i) EXPECT_EQ(std::isnan(m.series[0].z[i]), std::isnan(hd.z[i])) << i;
+  {
+    const Frame mf = draw(m, 640, 640, measure);
+    EXPECT_GT(mf.py(T + 1) - mf.py(T), 100) << "a decode row is a band of the plot, not a strip";
+  }
   // The readout names positions: the decode rows start at query position T.
   const auto said = readout(full, fr, fr.px(3.5), fr.py(T + 0.5));
   ASSERT_FALSE(said.empty());

@@ -594,6 +594,24 @@ TEST(Experiment, AttentionMapsAndPatchAttention) {
   EXPECT_NEAR(j["attention"]["layers"][1][T][first_visual].get<double>(), ex.attention[1][static_cast<size_t>(T) * n + first_visual], 1e-6);
   EXPECT_EQ(j["attention"]["rows"], T);
   EXPECT_EQ(j["attention"]["cols"], n);
+  // In the report a value is 0 exactly where the method gave no attention (keys it evicted,
+  // keys after the query): rounding keeps every positive value positive.
+  int zeros = 0;
+  for (int l = 0; l < static_cast<int>(r.decode_attention.size()); ++l)
+    for (int s = 0; s < S; ++s)
+      for (int k = 0; k < n; ++k) {
+        const float v = r.decode_attention[static_cast<size_t>(l)][static_cast<size_t>(s) * n + k];
+        const double w = j["methods"][0]["decode_attention"][l][s][k].get<double>();
+        EXPECT_EQ(w == 0.0, v == 0.0f) << "layer " << l << " step " << s << " key " << k << ": " << v;
+        zeros += w == 0.0 && k < T;
+      }
+  EXPECT_GT(zeros, 0) << "streamingllm evicts prompt keys";
+  // The rounding itself: tiny positive values stay positive, zeros stay zero.
+  const nlohmann::json rounded = attention_rows({0.1234567f, 3e-7f, 0.0f, 1e-9f}, 2, 2);
+  EXPECT_DOUBLE_EQ(rounded[0][0].get<double>(), 0.123457);
+  EXPECT_DOUBLE_EQ(rounded[0][1].get<double>(), 1e-6);
+  EXPECT_EQ(rounded[1][0].get<double>(), 0.0);
+  EXPECT_DOUBLE_EQ(rounded[1][1].get<double>(), 1e-6);
 
   // Fewer bins than positions: each block is the mean of the full map's causal cells in it,
   // prompt rows and keys pooled by ⌊i·R/T⌋ and ⌊j·C/n⌋, each decode row on its own, and the
