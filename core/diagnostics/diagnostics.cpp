@@ -202,8 +202,9 @@ ScoreHistogram visual_score_histogram(const VisualScores& s, int head, int bins)
   const size_t h0 = head < 0 ? 0 : static_cast<size_t>(head), h1 = head < 0 ? H : h0 + 1;
   const std::vector<std::vector<float>>* kinds[3] = {&s.exact, &s.quantized, &s.calibrated};
   float lo = std::numeric_limits<float>::infinity(), hi = -lo;
-  for (const auto* k : kinds)
-    for (size_t h = h0; h < h1; ++h)
+  const bool every = s.every.size() == H;  // (samples made before it was kept: the three alone)
+  for (const auto* k : {&s.exact, &s.quantized, &s.calibrated, &s.every})
+    for (size_t h = h0; h < h1 && (k != &s.every || every); ++h)
       for (float x : (*k)[h]) {
         lo = std::min(lo, x);
         hi = std::max(hi, x);
@@ -229,6 +230,7 @@ VisualScores retransform_visual_scores(const VisualScores& s, int layer, const K
   r.exact = s.exact;
   r.quantized = s.quantized;
   r.calibrated = s.quantized;
+  r.every = s.every;
   if (!policy.has_score_transform()) return r;
   for (size_t h = 0; h < r.calibrated.size(); ++h) {
     std::vector<float>& v = r.calibrated[h];
@@ -254,7 +256,7 @@ QueryComparison compare_query(const AttentionEvent& e, const ExactAttention& x, 
   c.softmax_kl.assign(H, 0.0);
   c.output_rel_error.assign(H, 0.0);
   if (visual)
-    for (auto* k : {&c.visual.exact, &c.visual.quantized, &c.visual.calibrated}) k->resize(H);
+    for (auto* k : {&c.visual.exact, &c.visual.quantized, &c.visual.calibrated, &c.visual.every}) k->resize(H);
   for (int h = 0; h < H; ++h) {
     const int kv = h / G;
     const float* q = e.q + static_cast<size_t>(h) * D;
@@ -274,7 +276,10 @@ QueryComparison compare_query(const AttentionEvent& e, const ExactAttention& x, 
     // that an eviction does not show as a shift of the distribution.
     if (visual)
       for (int j = 0; j < T; ++j)
-        if (ep[j] >= 0 && kinds[ep[j]] == SegmentKind::Visual && held.at(ep[j])) c.visual.exact[h].push_back(se[j]);
+        if (ep[j] >= 0 && kinds[ep[j]] == SegmentKind::Visual) {
+          c.visual.every[h].push_back(se[j]);
+          if (held.at(ep[j])) c.visual.exact[h].push_back(se[j]);
+        }
     double mse = 0.0, kl = 0.0;
     int ne = 0;
     for (int j = 0; j < x.n; ++j) {
@@ -362,7 +367,7 @@ std::vector<LayerDiagnostics> compare_layers(const PrefillView& pv, const Decode
     for (const auto& E : method.entries()) {
       if (E.layer != l) continue;
       const int H = E.n_heads, G = H / E.n_kv_heads, n_k = E.n_k;
-      for (auto* k : {&histo.exact, &histo.quantized, &histo.calibrated})
+      for (auto* k : {&histo.exact, &histo.quantized, &histo.calibrated, &histo.every})
         if (k->size() < static_cast<size_t>(H)) k->resize(H);
       QueryComparison own;
       if (!E.compared) {
@@ -383,6 +388,7 @@ std::vector<LayerDiagnostics> compare_layers(const PrefillView& pv, const Decode
                                        c.visual.quantized[h].end());
           histo.calibrated.at(h).insert(histo.calibrated[h].end(), c.visual.calibrated[h].begin(),
                                         c.visual.calibrated[h].end());
+          histo.every.at(h).insert(histo.every[h].end(), c.visual.every[h].begin(), c.visual.every[h].end());
         }
         d.softmax_mse += c.softmax_mse[h];
         d.softmax_kl += c.softmax_kl[h];

@@ -28,9 +28,11 @@ struct PrefillView {
 // (the full-precision keys), quantized (the keys the method stores, before any score transform)
 // and calibrated (after the method's score transform: what the softmax saw). [head][key]; the
 // keys of a head are those its KV head kept, for all three (an evicted key has no quantized
-// score, so its exact one is left out too).
+// score, so its exact one is left out too). `every`: the exact scores of every visual key, kept
+// or not, which set the histogram's range (so that a method that kept none still has bins, over
+// the range of the keys it dropped).
 struct VisualScores {
-  std::vector<std::vector<float>> exact, quantized, calibrated;
+  std::vector<std::vector<float>> exact, quantized, calibrated, every;
 };
 
 // One decode query of a method compared with its exact attention (core/exact_attention.h), per

@@ -521,6 +521,26 @@ TEST(Diagnostics, ScoreHistogramsCompareTheKeysTheMethodHolds) {
     }
     if (evicts) EXPECT_GT(fewer, 0) << "the eviction left out visual keys";
   }
+  // A method that keeps no visual key: empty samples, yet bins over every visual key's exact
+  // score; at layer 0, whose query the cache does not change, the full cache's range.
+  const MethodRun none = run_method(f.model, ex, parse_method_spec("streamingllm:budget=0.02"), opt);
+  const MethodRun full = run_method(f.model, ex, parse_method_spec("full"), opt);
+  bool some_empty = false;
+  for (size_t l = 0; l < none.layers.size(); ++l) {
+    const VisualScores& v = none.layers[l].visual_score_samples;
+    for (size_t h = 0; h < v.exact.size(); ++h) some_empty = some_empty || v.exact[h].empty();
+    const ScoreHistogram& a = none.layers[l].visual_scores;
+    const ScoreHistogram& b = full.layers[l].visual_scores;
+    EXPECT_EQ(a.exact.size(), static_cast<size_t>(opt.hist_bins)) << "layer " << l;
+    EXPECT_LT(a.lo, a.hi) << "layer " << l;
+    if (l == 0) {  // (the full cache's own scores are float roundings of the exact ones)
+      EXPECT_NEAR(a.lo, b.lo, 1e-3 * (1 + std::abs(b.lo)));
+      EXPECT_NEAR(a.hi, b.hi, 1e-3 * (1 + std::abs(b.hi)));
+    }
+    EXPECT_LT(std::accumulate(a.exact.begin(), a.exact.end(), int64_t{0}),
+              std::accumulate(b.exact.begin(), b.exact.end(), int64_t{0}));
+  }
+  EXPECT_TRUE(some_empty) << "a head that kept no visual key";
 }
 
 TEST(Experiment, KeepGoingCancelsBetweenDecodeSteps) {
