@@ -536,9 +536,12 @@ Figure attention_heatmap_figure(const nlohmann::json& report, int layer, int met
   const J decode = method >= 0 ? method_at(report, method).at("decode_attention").at(static_cast<size_t>(layer)) : rows;
   for (int i = 0; i < S; ++i) read(decode, method >= 0 ? i : R + i, d.z, i);
   if (method >= 0) who = method_labels(report)[method];
+  // (a method's figure shows its decode rows alone: they set its colour scale)
+  const bool own_rows = method >= 0 && S > 0;
   double zmax = 0;
   for (const Series* x : {&s, &d})
-    for (double v : x->z) zmax = std::max(zmax, v);
+    if (x == &d || !own_rows)
+      for (double v : x->z) zmax = std::max(zmax, v);
   // Blocks wholly after their queries (causal mask) are not attention at all: drawn as missing,
   // not as 0. A block's keys start where the report's pooling put them; prompt row block i ends
   // at the last query q with ⌊q·R/T⌋ = i, a decode row at its own position.
@@ -560,7 +563,9 @@ Figure attention_heatmap_figure(const nlohmann::json& report, int layer, int met
   s.y1 = d.y0 = T;
   d.y1 = n;
   s.z_log = d.z_log = true;
-  s.zero_absent = d.zero_absent = true;
+  // (reports from before positive values were kept positive hold rounded zeros: not read so)
+  s.zero_absent = d.zero_absent = a.has("zero_is_absent") && a.at("zero_is_absent").v.is_boolean() &&
+                                  a.at("zero_is_absent").v.get<bool>();
   s.z_min = d.z_min = 1e-4;
   s.z_max = d.z_max = std::max(zmax, 1e-3);
   Figure f;
@@ -575,7 +580,6 @@ Figure attention_heatmap_figure(const nlohmann::json& report, int layer, int met
               format_number(std::round(10.0 * n / C) / 10) + " keys, each its mean";
   // A method's figure shows its own decode rows alone, each a band of the plot (the prompt's
   // rows are the full cache's, in its figure); the full cache's shows both.
-  const bool own_rows = method >= 0 && S > 0;
   if (own_rows) {
     f.note = "rows: the first " + std::to_string(S) + " tokens this method generated; dark grey: keys it does not hold";
     if (C < n) f.note += "; blocks of about " + format_number(std::round(10.0 * n / C) / 10) + " keys";
@@ -585,9 +589,10 @@ Figure attention_heatmap_figure(const nlohmann::json& report, int layer, int met
   if (S > 0) f.series.push_back(d);
   f.colorbar = "attention (log)";
   matrix_axes(f, "key position", n, "query position", n);
-  if (own_rows) {  // a tick a row, at its middle: the row's query position
+  if (own_rows) {  // a tick at a row's middle (at most 12 of them): the row's query position
     f.y.min = T;
-    for (int i = 0; i < S; ++i) f.y.ticks.push_back({T + i + 0.5, std::to_string(T + i)});
+    const int every = (S + 11) / 12;
+    for (int i = 0; i < S; i += every) f.y.ticks.push_back({T + i + 0.5, std::to_string(T + i)});
   }
   // Segment boundaries.
   const std::vector<std::string> kinds = [&] {

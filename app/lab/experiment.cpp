@@ -196,7 +196,8 @@ nlohmann::json experiment_base_json(const Model& model, const Experiment& ex, co
   const int T = static_cast<int>(ex.prefill.ids.size());
   if (!ex.attention.empty()) {
     j["attention"] = {{"steps", ex.attention_steps}, {"size", T + ex.attention_steps}, {"prompt", T},
-                      {"rows", ex.attention_rows}, {"cols", ex.attention_cols}, {"layers", nlohmann::json::array()}};
+                      {"rows", ex.attention_rows}, {"cols", ex.attention_cols}, {"zero_is_absent", true},
+                      {"layers", nlohmann::json::array()}};
     for (const auto& m : ex.attention)
       j["attention"]["layers"].push_back(attention_rows(m, ex.attention_rows + ex.attention_steps, ex.attention_cols));
   }

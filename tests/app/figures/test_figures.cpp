@@ -219,6 +219,14 @@ TEST(Figures, PooledAttentionHeatmap) {
     EXPECT_GT(std::abs(absent[0] - floor[0]) + std::abs(absent[1] - floor[1]) + std::abs(absent[2] - floor[2]), 60);
     EXPECT_LT(absent[0], 160) << "darker than the missing cells' light grey";
     EXPECT_NE(e.note.find("does not hold"), std::string::npos) << e.note;
+    // A report from before zeros meant that (tiny values were rounded to 0): the colour map's floor.
+    nlohmann::json old = r;
+    old["attention"].erase("zero_is_absent");
+    const Figure o = attention_heatmap_figure(old, 1, 1);
+    const Frame of = draw(o, 640, 640, measure);
+    const auto oimg = std::find_if(of.prims.begin(), of.prims.end(), [](const Prim& x) { return x.type == Prim::Type::Image; });
+    ASSERT_NE(oimg, of.prims.end());
+    EXPECT_TRUE(std::equal(oimg->rgba.begin(), oimg->rgba.begin() + 3, oimg->rgba.begin() + 4)) << "0 drawn as 1e-4";
   }
   r["attention"]["cols"] = n + 1;
   EXPECT_THROW(attention_heatmap_figure(r, 1, -1), InputError);
