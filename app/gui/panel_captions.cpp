@@ -1,9 +1,10 @@
 // Captions panel: the full cache's caption, and each instance's with the words that differ from
-// it highlighted and the first divergence marked (both tokens and probabilities on hover), its
+// it highlighted (the full cache's words in their place on hover, dropped words marked) and the
+// first divergence marked (both tokens and probabilities on hover), its
 // KV bytes and ratio to the fp16 full cache, softmax MSE, and compression and decode time.
 #include <algorithm>
-#include <sstream>
 
+#include "app/gui/caption_diff.h"
 #include "app/gui/panels.h"
 #include "app/figures/figures.h"
 
@@ -11,36 +12,11 @@ namespace kvlens::gui {
 
 namespace {
 
-std::vector<std::string> words_of(const std::string& s) {
-  std::istringstream in(s);
-  std::vector<std::string> w;
-  for (std::string x; in >> x;) w.push_back(x);
-  return w;
-}
-
-// Marks the words of `b` that are not in a longest common subsequence with `a`.
-std::vector<bool> differing(const std::vector<std::string>& a, const std::vector<std::string>& b) {
-  const size_t n = a.size(), m = b.size();
-  std::vector<std::vector<int>> L(n + 1, std::vector<int>(m + 1, 0));
-  for (size_t i = n; i-- > 0;)
-    for (size_t j = m; j-- > 0;) L[i][j] = a[i] == b[j] ? L[i + 1][j + 1] + 1 : std::max(L[i + 1][j], L[i][j + 1]);
-  std::vector<bool> diff(m, true);
-  for (size_t i = 0, j = 0; i < n && j < m;) {
-    if (a[i] == b[j]) {
-      diff[j] = false;
-      ++i, ++j;
-    } else if (L[i + 1][j] >= L[i][j + 1]) {
-      ++i;
-    } else {
-      ++j;
-    }
-  }
-  return diff;
-}
-
-// Wrapped words; differing ones on a red background, the one holding the first divergence
-// underlined, with `tip` shown when it is hovered.
-void draw_words(const std::vector<std::string>& words, const std::vector<bool>& diff, int diverge_word, const std::string& tip) {
+// Wrapped words; differing ones on a red background (hover: what the full cache said there), a
+// red bar where the full cache had words this caption dropped (before a word, or after the last),
+// the word holding the first differing token underlined, with `tip` shown when it is hovered.
+void draw_words(const std::vector<std::string>& words, const std::vector<WordDiff>& diff, int diverge_word,
+                const std::string& tip) {
   ImDrawList* dl = ImGui::GetWindowDrawList();
   const float right = ImGui::GetCursorScreenPos().x + ImGui::GetContentRegionAvail().x;
   const float space = ImGui::CalcTextSize(" ").x;
@@ -51,13 +27,27 @@ void draw_words(const std::vector<std::string>& words, const std::vector<bool>& 
       if (ImGui::GetCursorScreenPos().x + sz.x > right) ImGui::NewLine();
     }
     const ImVec2 p = ImGui::GetCursorScreenPos();
-    if (i < diff.size() && diff[i])
+    const WordDiff* w = i < diff.size() ? &diff[i] : nullptr;
+    if (w && w->differs)
       dl->AddRectFilled(ImVec2(p.x - 1, p.y), ImVec2(p.x + sz.x + 1, p.y + sz.y), IM_COL32(246, 180, 180, 255), 2);
+    if (w && !w->dropped.empty())
+      dl->AddLine(ImVec2(p.x - space / 2, p.y), ImVec2(p.x - space / 2, p.y + sz.y), IM_COL32(200, 30, 30, 255), 2);
     ImGui::TextUnformatted(words[i].c_str());
+    std::string hover;
+    if (w && w->differs)
+      hover = w->replaced.empty() ? "added: the full cache has no words here"
+                                  : "the full cache says here: \"" + w->replaced + "\"";
+    if (w && !w->dropped.empty())
+      hover += std::string(hover.empty() ? "" : "\n") + "dropped before this word: \"" + w->dropped + "\"";
+    if (w && !w->dropped_after.empty()) {
+      dl->AddLine(ImVec2(p.x + sz.x + space / 2, p.y), ImVec2(p.x + sz.x + space / 2, p.y + sz.y), IM_COL32(200, 30, 30, 255), 2);
+      hover += std::string(hover.empty() ? "" : "\n") + "dropped after this word: \"" + w->dropped_after + "\"";
+    }
     if (static_cast<int>(i) == diverge_word) {
       dl->AddLine(ImVec2(p.x, p.y + sz.y), ImVec2(p.x + sz.x, p.y + sz.y), IM_COL32(200, 30, 30, 255), 2);
-      if (ImGui::IsItemHovered()) ImGui::SetTooltip("%s", tip.c_str());
+      hover = tip + (hover.empty() ? "" : "\n" + hover);
     }
+    if (!hover.empty() && ImGui::IsItemHovered()) ImGui::SetTooltip("%s", hover.c_str());
   }
 }
 
@@ -76,14 +66,14 @@ void captions_panel(App& app, Ui&, const PanelRect& rect) {
   }
   const nlohmann::json& rep = *s->report;
   const std::string full = rep["full"]["caption"].get<std::string>();
-  const std::vector<std::string> fw = words_of(full);
+  const std::vector<std::string> fw = caption_words(full);
   const double full_bytes = rep["full"]["bytes_fp16"]["total"].get<double>();
   const ImGuiTableFlags flags = ImGuiTableFlags_RowBg | ImGuiTableFlags_BordersInnerH | ImGuiTableFlags_ScrollY |
                                 ImGuiTableFlags_SizingStretchProp | ImGuiTableFlags_Resizable;
   if (ImGui::BeginTable("##captions", 3, flags)) {
     ImGui::TableSetupScrollFreeze(0, 1);
     ImGui::TableSetupColumn("method", ImGuiTableColumnFlags_WidthStretch, 0.2f);
-    ImGui::TableSetupColumn("caption (words that differ from the full cache highlighted)", ImGuiTableColumnFlags_WidthStretch, 0.56f);
+    ImGui::TableSetupColumn("caption (differences highlighted)", ImGuiTableColumnFlags_WidthStretch, 0.56f);
     ImGui::TableSetupColumn("KV bytes · MSE · time", ImGuiTableColumnFlags_WidthStretch, 0.24f);
     ImGui::TableHeadersRow();
     ImGui::TableNextRow();
@@ -108,7 +98,7 @@ void captions_panel(App& app, Ui&, const PanelRect& rect) {
       if (stale) ImGui::TextDisabled("updating…");
       ImGui::TableNextColumn();
       const std::string cap = m["caption"].get<std::string>();
-      const std::vector<std::string> mw = words_of(cap);
+      const std::vector<std::string> mw = caption_words(cap);
       int dword = -1;
       std::string tip;
       const auto& d = m["first_divergence"];
@@ -120,7 +110,7 @@ void captions_panel(App& app, Ui&, const PanelRect& rect) {
         std::string prefix;
         for (int t = 0; t < pos && t < static_cast<int>(r.pieces.size()); ++t) prefix += r.pieces[t];
         for (size_t at; (at = prefix.find(mark)) != std::string::npos;) prefix.replace(at, mark.size(), " ");
-        const int before = static_cast<int>(words_of(prefix).size());
+        const int before = static_cast<int>(caption_words(prefix).size());
         const bool starts_word = d["method_piece"].get<std::string>().rfind(mark, 0) == 0 || before == 0;
         dword = std::clamp(starts_word ? before : before - 1, 0, std::max(0, static_cast<int>(mw.size()) - 1));
         tip = "first divergence at generated token " + std::to_string(pos) + ":\nfull cache '" +
@@ -128,7 +118,7 @@ void captions_panel(App& app, Ui&, const PanelRect& rect) {
               "this method '" + d["method_piece"].get<std::string>() + "' (p = " +
               fig::format_value(d["method_prob"].get<double>()) + ")";
       }
-      draw_words(mw, differing(fw, mw), dword, tip);
+      draw_words(mw, caption_word_diff(fw, mw), dword, tip);
       if (pos >= 0) {
         ImGui::TextDisabled("↳ diverges at token %d", pos);
         if (ImGui::IsItemHovered()) ImGui::SetTooltip("%s", tip.c_str());

@@ -17,6 +17,7 @@
 TEST(GuiApp, NeedsTheApp) { GTEST_SKIP() << "kvlens-gui is not built (KVLENS_GUI=OFF or its packages are missing)"; }
 #else
 #include "app/gui/app.h"
+#include "app/gui/caption_diff.h"
 #include "app/gui/overlay.h"
 #include "core/errors.h"
 #include "core/files.h"
@@ -501,4 +502,38 @@ TEST(GuiApp, PanelsKeepTheirOwnLayerAndHeadUnlessLinked) {
   ASSERT_TRUE(other.apply_views_json(saved, "v.json"));
   EXPECT_EQ(other.views_json(), saved);
 }
+// The Captions panel's word diff: the differing words, what the full cache said in their
+// place, words added, and words dropped (before a word, or at the end).
+TEST(GuiApp, CaptionWordDiffNamesWhatTheFullCacheSaid) {
+  auto diff = [](const std::string& a, const std::string& b) { return caption_word_diff(caption_words(a), caption_words(b)); };
+  const auto d = diff("four shapes: a medium purple circle, a small green cross",
+                      "four shapes: a medium black triangle and a small green cross");
+  ASSERT_EQ(d.size(), 11u);
+  for (size_t i : {0, 1, 2, 3, 7, 8, 9, 10}) EXPECT_FALSE(d[i].differs) << i;
+  for (size_t i : {4, 5, 6}) EXPECT_TRUE(d[i].differs) << i;
+  EXPECT_EQ(d[4].replaced, "purple circle,");
+  EXPECT_EQ(d[5].replaced, "");
+  for (const WordDiff& w : d) EXPECT_EQ(w.dropped + w.dropped_after, "");
+  const auto dropped = diff("a b c d", "a d");
+  ASSERT_EQ(dropped.size(), 2u);
+  EXPECT_FALSE(dropped[1].differs);
+  EXPECT_EQ(dropped[1].dropped, "b c");
+  const auto added = diff("a d", "a b d");
+  EXPECT_TRUE(added[1].differs);
+  EXPECT_EQ(added[1].replaced, "");
+  EXPECT_FALSE(added[2].differs);
+  const auto tail = diff("a b c", "a");
+  ASSERT_EQ(tail.size(), 1u);
+  EXPECT_EQ(tail[0].dropped, "");
+  EXPECT_EQ(tail[0].dropped_after, "b c");
+  const auto both = diff("x b y", "b");  // dropped before the word, and after it
+  ASSERT_EQ(both.size(), 1u);
+  EXPECT_EQ(both[0].dropped, "x");
+  EXPECT_EQ(both[0].dropped_after, "y");
+  EXPECT_TRUE(diff("a b", "").empty());
+  const auto all = diff("", "x y");
+  EXPECT_TRUE(all[0].differs && all[1].differs);
+  EXPECT_EQ(all[0].replaced, "");
+}
+
 #endif
