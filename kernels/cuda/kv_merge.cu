@@ -116,7 +116,7 @@ void kv_lookm_merge(Context& ctx, DeviceKV& dev, const LookMMergeSpec& spec, std
       N += nh;
       NE += p.E;
       tiles += cosine_assign_tiles(p.E);
-      max_kept = std::max(max_kept, p.K);
+      if (p.E > 0) max_kept = std::max(max_kept, p.K);  // (the kept rows a block stages)
       P.push_back(p);
     }
   }

@@ -316,7 +316,8 @@ TEST(Ops, ExactDecodeAttentionOfEveryLayerAtOnce) {
 #include "kernels/cuda/kernels.h"
 
 // LOOK-M's merge kernels (row_merge.cu, what Backend::kv_lookm_merge launches) against the host
-// references on fresh random fp16 rows, two layers of three KV heads with unequal row counts,
+// references on fresh random fp16 rows, two layers of three KV heads with unequal row counts (one
+// with more evicted rows than a block has threads, so that the kernels scan them in chunks),
 // each head's rows in two runs stored out of order: the row pointers (segment_rows) and evicted
 // rows (evicted_rows) equal the host's lists; the sources (merge_sources) equal
 // lookm_contributions' for the authors' filter with and without prefix sources, on similarities
@@ -352,7 +353,7 @@ TEST(Ops, LookMMergeKernels) {
     std::vector<AssignProblem> P;
     int64_t N = 0, NE = 0, NK = 0, tiles = 0;
     for (int x = 0; x < G * H; ++x) {
-      const int n = 60 + static_cast<int>(r() % 120);
+      const int n = x == 0 ? 700 : 60 + static_cast<int>(r() % 120);  // (one head of more evicted rows than a block's threads)
       k[x] = rounded(Dt::F16, randn(static_cast<size_t>(n) * d, 3.0f));
       v[x] = rounded(Dt::F16, randn(k[x].size(), 0.5f));
       for (int t = 0; t < d; ++t) {

@@ -136,7 +136,9 @@ TEST(CudaModel, CodesQuantizedOnTheDeviceAreStoredWhereTheyWereMade) {
             ++compared;
             for (size_t h = 0; h < pa->k.size(); ++h) {
               EXPECT_TRUE(pa->k[h].codes == pc->k[h].codes && pa->v[h].codes == pc->v[h].codes) << "layer " << l << " head " << h;
-              EXPECT_TRUE(pa->k[h].scales == pc->k[h].scales && pa->v[h].zeros == pc->v[h].zeros) << "layer " << l << " head " << h;
+              EXPECT_TRUE(pa->k[h].scales == pc->k[h].scales && pa->k[h].zeros == pc->k[h].zeros &&
+                          pa->v[h].scales == pc->v[h].scales && pa->v[h].zeros == pc->v[h].zeros)
+                  << "layer " << l << " head " << h;
             }
           }
         EXPECT_EQ(compared, r.layers);
