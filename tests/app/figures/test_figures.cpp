@@ -195,8 +195,7 @@ TEST(Figures, PooledAttentionHeatmap) {
     }
   }
   EXPECT_DOUBLE_EQ(d.z[0], 0.51);  // the method's first decode row, first block
-  EXPECT_NE(f.note.find("blocks of about"), std::string::npos) << f.note;
-  EXPECT_NE(fm.note.find("blocks of about"), std::string::npos) << fm.note;
+  for (const Figure* x : {&f, &fm}) EXPECT_NE(x->note.find("blocks of about"), std::string::npos) << x->note;
   const Frame fr = draw(f, 640, 640, measure);
   const auto said = readout(f, fr, fr.px(0.5), fr.py(T - 0.5));
   ASSERT_FALSE(said.empty());
@@ -209,22 +208,23 @@ TEST(Figures, PooledAttentionHeatmap) {
   r["methods"][1]["decode_attention"][1][0][0] = 0.0;
   r["methods"][1]["decode_attention"][1][0][1] = 1e-4;
   {
+    auto first_image = [](const Frame& fr) {
+      return std::find_if(fr.prims.begin(), fr.prims.end(), [](const Prim& x) { return x.type == Prim::Type::Image; });
+    };
     const Figure e = attention_heatmap_figure(r, 1, 1);
     const Frame ef = draw(e, 640, 640, measure);
-    const auto img = std::find_if(ef.prims.begin(), ef.prims.end(), [](const Prim& x) { return x.type == Prim::Type::Image; });
+    const auto img = first_image(ef);
     ASSERT_NE(img, ef.prims.end());
-    const uint8_t* absent = &img->rgba[0];
-    const uint8_t* floor = &img->rgba[4];
-    EXPECT_TRUE(absent[0] == absent[1] && absent[1] == absent[2]) << "grey";
+    const uint8_t *absent = &img->rgba[0], *floor = &img->rgba[4];
+    EXPECT_TRUE(absent[0] == absent[1] && absent[1] == absent[2]) << "grey";  // and apart from the floor:
     EXPECT_GT(std::abs(absent[0] - floor[0]) + std::abs(absent[1] - floor[1]) + std::abs(absent[2] - floor[2]), 60);
     EXPECT_LT(absent[0], 160) << "darker than the missing cells' light grey";
     EXPECT_NE(e.note.find("does not hold"), std::string::npos) << e.note;
     // A report from before zeros meant that (tiny values were rounded to 0): the colour map's floor.
     nlohmann::json old = r;
     old["attention"].erase("zero_is_absent");
-    const Figure o = attention_heatmap_figure(old, 1, 1);
-    const Frame of = draw(o, 640, 640, measure);
-    const auto oimg = std::find_if(of.prims.begin(), of.prims.end(), [](const Prim& x) { return x.type == Prim::Type::Image; });
+    const Frame of = draw(attention_heatmap_figure(old, 1, 1), 640, 640, measure);
+    const auto oimg = first_image(of);
     ASSERT_NE(oimg, of.prims.end());
     EXPECT_TRUE(std::equal(oimg->rgba.begin(), oimg->rgba.begin() + 3, oimg->rgba.begin() + 4)) << "0 drawn as 1e-4";
   }
@@ -269,10 +269,7 @@ TEST(Figures, AttentionHeatmapAndTokenFate) {
   EXPECT_EQ(m.y.max, n);
   EXPECT_DOUBLE_EQ(m.series[0].z[5], r["methods"][1]["decode_attention"][1][0][5].get<double>());
   for (size_t i = 0; i < hd.z.size(); ++i) EXPECT_EQ(std::isnan(m.series[0].z[i]), std::isnan(hd.z[i])) << i;
-  {
-    const Frame mf = draw(m, 640, 640, measure);
-    EXPECT_GT(mf.py(T + 1) - mf.py(T), 100) << "a decode row is a band of the plot, not a strip";
-  }
+  EXPECT_GT(draw(m, 640, 640, measure).py(T + 1) - draw(m, 640, 640, measure).py(T), 100) << "a decode row is a band, not a strip";
   // The readout names positions: the decode rows start at query position T.
   const auto said = readout(full, fr, fr.px(3.5), fr.py(T + 0.5));
   ASSERT_FALSE(said.empty());
