@@ -486,17 +486,49 @@ Figure transfer_curve_figure(double gamma, double delta, Calibration c, const st
   return f;
 }
 
+Figure transfer_curves_figure(const std::vector<double>& gamma, const std::vector<double>& delta, Calibration c,
+                              const std::string& id, const std::string& title) {
+  if (gamma.size() != delta.size()) throw InternalError("transfer_curves_figure: γ and δ of different head counts");
+  std::vector<size_t> heads;
+  for (size_t h = 0; h < gamma.size(); ++h)
+    if (delta[h] > gamma[h]) heads.push_back(h);
+  if (heads.size() <= 1) {
+    const size_t h = heads.empty() ? 0 : heads[0];
+    return transfer_curve_figure(gamma.empty() ? 0.0 : gamma[h], delta.empty() ? 1.0 : delta[h], c, id, title);
+  }
+  double lo = 1e300, hi = -1e300;
+  for (size_t h : heads) lo = std::min(lo, gamma[h]), hi = std::max(hi, delta[h]);
+  Figure f = transfer_curve_figure(lo, hi, c, id, title);  // the identity, axes and labels over the union
+  f.series.resize(1);
+  f.markers.clear();
+  for (size_t h : heads) {
+    Series g = line_series(f.series.size() == 1 ? "g(x), a line a head" : "", palette(3), {}, {});
+    g.markers = false;
+    g.line_width = 1.2;
+    for (int i = 0; i <= 16; ++i) {
+      const double x = gamma[h] + (delta[h] - gamma[h]) * i / 16.0;
+      g.x.push_back(x);
+      g.y.push_back((delta[h] - gamma[h] + c.tau1 - c.tau2) / (delta[h] - gamma[h]) * (x - gamma[h]) + gamma[h] - c.tau1);
+    }
+    f.series.push_back(std::move(g));
+  }
+  f.y.min = std::min(lo - c.tau1, lo) - (hi - lo) * 0.08;
+  f.y.max = std::max(hi - c.tau2, hi) + (hi - lo) * 0.08;
+  f.note = "g(x) = (δ−γ+τ1−τ2)/(δ−γ)·(x−γ)+γ−τ1, a line for each of " + std::to_string(heads.size()) +
+           " heads over its own [γ, δ]; τ1 = " + format_value(c.tau1) + ", τ2 = " + format_value(c.tau2);
+  return f;
+}
+
 Figure transfer_curve_figure(const nlohmann::json& report, int method, int layer) {
   const J m = method_at(report, method);
   const std::optional<Calibration> c = report_calibration(m);
   if (!c) throw InputError(m.where + " (" + method_labels(report)[method] + ") does not calibrate its scores");
   const J r = layer_at(m, layer).at("visual_score_range_by_head");
   const std::vector<double> g = r.at("gamma").nums(), d = r.at("delta").nums();
-  if (g.empty() || d.empty()) throw InputError(r.where + " is empty");
-  Figure f = transfer_curve_figure(*std::min_element(g.begin(), g.end()), *std::max_element(d.begin(), d.end()), *c,
-                                   "calibration_" + method_id(report, method) + "_l" + std::to_string(layer),
-                                   "Calibration g(x): " + method_labels(report)[method] + ", layer " +
-                                       std::to_string(layer) + ", all heads");
+  if (g.empty() || g.size() != d.size()) throw InputError(r.where + " must hold one γ and one δ a head");
+  Figure f = transfer_curves_figure(g, d, *c, "calibration_" + method_id(report, method) + "_l" + std::to_string(layer),
+                                    "Calibration g(x): " + method_labels(report)[method] + ", layer " +
+                                        std::to_string(layer) + ", all heads");
   f.method = method_labels(report)[method];
   f.layer = layer;
   return f;

@@ -89,7 +89,12 @@ Figure score_histogram_figure(const ScoreHistogram& h, const std::string& id, co
 Figure score_histogram_figure(const nlohmann::json& report, int method, int layer);
 // g(x) = (δ−γ+τ1−τ2)/(δ−γ)·(x−γ)+γ−τ1 drawn from [γ, δ] onto [γ−τ1, δ−τ2], with the identity.
 Figure transfer_curve_figure(double gamma, double delta, Calibration c, const std::string& id, const std::string& title);
-// The same for a calibrating method of the report at one layer, γ and δ over all heads.
+// One g(x) a head, each over its own [γ_h, δ_h] (the method calibrates head by head), with the
+// identity over their union; one head: transfer_curve_figure. Heads without a range (δ ≤ γ: no
+// visual key, or one score) have no line.
+Figure transfer_curves_figure(const std::vector<double>& gamma, const std::vector<double>& delta, Calibration c,
+                              const std::string& id, const std::string& title);
+// The same for a calibrating method of the report at one layer, every head.
 Figure transfer_curve_figure(const nlohmann::json& report, int method, int layer);
 // Query × key attention (mean over heads) at one layer, segment boundaries marked; method = -1
 // is the full cache, else the method's decode rows replace the full cache's. Needs the report's

@@ -1,6 +1,7 @@
 // The Calibration panel's figures, computed from the state (so scripted checks see exactly what
 // the panel draws): the visual score histograms of one instance, layer and head, recalibrated
 // from the stored quantized scores with the instance's current values, and g(x).
+#include <algorithm>
 #include <cstdio>
 
 #include "app/gui/app.h"
@@ -59,8 +60,18 @@ const CalibrationView& App::calibration_view() {
                                              head >= 0 ? calib : std::nullopt, g, d);
   if (head < 0 && calib)
     cv.histogram.note += "; g(x) per head, τ1 = " + fig::format_value(calib->tau1) + ", τ2 = " + fig::format_value(calib->tau2);
+  // All heads: one g(x) a head over its own range, as the method calibrates.
+  std::vector<double> gs, ds;
+  for (size_t hd = 0; hd < now.quantized.size(); ++hd) {
+    if (head >= 0 && static_cast<int>(hd) != head) continue;
+    const auto [a, b] = std::minmax_element(now.quantized[hd].begin(), now.quantized[hd].end());
+    gs.push_back(now.quantized[hd].empty() ? 0.0 : *a);
+    ds.push_back(now.quantized[hd].empty() ? 0.0 : *b);
+  }
   cv.has_transfer = calib.has_value() && d > g;
-  if (cv.has_transfer) cv.transfer = fig::transfer_curve_figure(g, d, *calib, "calibration_transfer" + tag, "g(x): " + where);
+  if (cv.has_transfer)
+    cv.transfer = head >= 0 ? fig::transfer_curve_figure(g, d, *calib, "calibration_transfer" + tag, "g(x): " + where)
+                            : fig::transfer_curves_figure(gs, ds, *calib, "calibration_transfer" + tag, "g(x): " + where);
   for (fig::Figure* f : {&cv.histogram, &cv.transfer}) {
     f->method = display_name(*m);
     f->layer = v.calib_layer;

@@ -132,16 +132,7 @@ TEST(Figures, ScoreHistogramAndCalibrationMarks) {
   EXPECT_EQ(hf.series[2].x, (std::vector<double>{-4, -2, 0, 2, 4, 6}));
   // A method that does not calibrate: no taus.
   EXPECT_EQ(score_histogram_figure(r, 1, 1).note.find("τ1"), std::string::npos);
-  const auto g = r["methods"][0]["layers"][1]["visual_score_range_by_head"]["gamma"].get<std::vector<double>>();
-  const auto d = r["methods"][0]["layers"][1]["visual_score_range_by_head"]["delta"].get<std::vector<double>>();
-  const double gamma = *std::min_element(g.begin(), g.end()), delta = *std::max_element(d.begin(), d.end());
-
-  const Figure t = transfer_curve_figure(r, 0, 1);
-  const Series& gx = by_label(t, "g(x)");
-  EXPECT_NEAR(gx.x.front(), gamma, 1e-9);
-  EXPECT_NEAR(gx.y.front(), gamma - 0.5, 1e-9);
-  EXPECT_NEAR(gx.y.back(), delta - 2, 1e-9);
-  EXPECT_THROW(transfer_curve_figure(r, 1, 0), InputError);
+  EXPECT_THROW(transfer_curve_figure(r, 1, 0), InputError);  // (its curves: test_figures_calibration.cpp)
 }
 
 // A map pooled into blocks (kvlens run --attention-bins): R prompt row blocks and one row per
