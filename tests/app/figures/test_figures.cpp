@@ -734,10 +734,12 @@ TEST(Figures, ViewHidesSeriesSwitchesTheYScaleAndZoomsY) {
   EXPECT_DOUBLE_EQ(a.max, 1.0);
   const Axis b = fit_value_axis("v", {-1, 3}, true);
   EXPECT_TRUE(b.log);  // some positive: log from the positive values
-  const Axis c = fit_value_axis("v", {-1, 3}, false);
+  const Axis c = fit_value_axis("v", {-1, 3}, false);  // (no point on the frame: margins at both ends)
   EXPECT_FALSE(c.log);
-  EXPECT_DOUBLE_EQ(c.min, -1);
+  EXPECT_DOUBLE_EQ(c.min, -1 - 4 * 0.04);
   EXPECT_DOUBLE_EQ(c.max, 3 + 4 * 0.08);
+  const Axis d = fit_value_axis("v", {0.01, 0.1, 1}, true), e = fit_value_axis("v", {0, 2}, false);
+  EXPECT_TRUE(d.min < 0.01 && d.max > 1 && e.min < 0) << d.min << " " << d.max << " " << e.min;
 }
 
 // Small multiples over the patch grid: every layer × head tile holds its head's values at its
