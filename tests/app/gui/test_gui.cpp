@@ -114,7 +114,9 @@ TEST(Gui, ScriptedSessionScreenshotsExportsAndLiveCalibration) {
                         {{"do", "export_report"}, {"path", "r1.json"}},
                         {{"do", "save_session"}, {"path", "s.json"}},
                         {{"do", "dump_state"}, {"path", "saved.json"}},
+                        {{"do", "open_image"}, {"path", kt::source_dir() + "/assets/images/scene_002.png"}},
                         {{"do", "new_session"}},
+                        {{"do", "dump_state"}, {"path", "new.json"}},
                         {{"do", "open_session"}, {"path", "s.json"}},
                         {{"do", "wait_results"}},
                         {{"do", "export_report"}, {"path", "r2.json"}},
@@ -142,6 +144,17 @@ TEST(Gui, ScriptedSessionScreenshotsExportsAndLiveCalibration) {
   EXPECT_GT(region(shot, before["drawn"]["plot"], window_bg, 3).differing, plot.total / 2);
   const Pixels hist = region(shot, before["drawn"]["calibration_histogram"], white, 40);
   EXPECT_GT(hist.differing, hist.total / 50) << "the calibration histogram is empty";
+
+  // After New the input boxes show what the app analyses, and the last message is not the
+  // previous session's ("report written", "session saved").
+  const json fresh = load(dir + "/new.json");
+  EXPECT_EQ(fresh["fields"], fresh["inputs"]);
+  EXPECT_EQ(fresh["fields"]["image_path"].get<std::string>().find("scene_002"), std::string::npos)
+      << "the image opened before New is still in its box";
+  ASSERT_FALSE(fresh["messages"].empty());
+  const std::string last = fresh["messages"].back()["text"].get<std::string>();
+  EXPECT_EQ(last.find("written"), std::string::npos) << last;
+  EXPECT_EQ(last.find("saved"), std::string::npos) << last;
 
   // τ2 moved: the calibrated histogram changes at once, recomputed from the stored quantized
   // scores before any re-decode came back; the MSE of that method changes once it is
