@@ -2,7 +2,9 @@
 # On a GPU host, in one call: the research path at LLaVA-1.5-7B's shape (tests/make_llava7b.py's
 # random fp16 checkpoint, 616-token prompt). `kvlens bench` gives the bench path and the research
 # path's prefill with capture and its memory; `kvlens run` per method (every diagnostic, 32 new
-# tokens) gives the wall time, the report's timings and the peak host memory. With
+# tokens) gives the wall time, the report's timings and the peak host memory, and `kvlens bench
+# --method M` the method's decode on the bench path (the table's "of bench": the research path's
+# decode tokens/s as a share of it). With
 # KVLENS_BASE_BUILD=DIR the same runs with that build's kvlens too (a before/after in one call).
 # Then `kvlens bench session` times the app's loop on the same methods (with each build).
 # Logs and JSON go to $KVLENS_GPU_OUT (./gpu_out); a short table is printed last.
@@ -53,6 +55,11 @@ for bin in "$BUILD/kvlens" ${KVLENS_BASE_BUILD:+"$KVLENS_BASE_BUILD/kvlens"}; do
     safe=$(echo "$m" | tr -c 'A-Za-z0-9_\n' '_')
     measure "run_${tag}_$safe" "$bin" run --backend cuda --model "$CK" --image "$IMG" --prompt "$PROMPT" --max-new-tokens 32 \
       --method "$m" --report "$OUT/run_${tag}_$safe.json"
+    # The method on the bench path (this build only): its decode against the research path's.
+    if [ "$bin" = "$BUILD/kvlens" ]; then
+      "$bin" bench --backend cuda --model "$CK" --image "$IMG" --prompt "$PROMPT" --method "$m" --repeat 3 \
+        --json "$OUT/bench_${tag}_$safe.json" > "$OUT/bench_${tag}_$safe.txt" 2>&1
+    fi
   done
 done
 
@@ -87,17 +94,26 @@ for b in builds:
           % (tag, j.get("vision_ms", 0) + j.get("prefill_ms", 0), j.get("decode_tokens_per_s", 0),
              "%.1f" % j["prefill_with_capture_ms"] if "prefill_with_capture_ms" in j else "-",
              "%.0f" % (j.get("capture_backend_bytes", 0) / 1e6) if "capture_backend_bytes" in j else "-"))
-    print("%-12s %-22s %8s %10s %10s %10s %10s %9s" % ("", "method", "wall s", "prefill ms", "full dec ms", "compress", "decode ms", "peak GB"))
+    print("%-12s %-22s %8s %10s %10s %10s %10s %9s %9s" % ("", "method", "wall s", "prefill ms", "full dec ms", "compress",
+                                                          "decode ms", "peak GB", "of bench"))
     for m in methods:
         safe = "".join(c if c.isalnum() or c == "_" else "_" for c in m)
         base = os.path.join(out, "run_%s_%s" % (tag, safe))
         rc, wall, rss = open(base + ".time").read().split()
         r = load(base + ".json") or {}
         t = r.get("timings_ms", {})
-        mt = (r.get("methods") or [{}])[0].get("timings_ms", {})
-        print("%-12s %-22s %8.2f %10.1f %10.1f %10.1f %10.1f %9.2f%s" % (
+        mr = (r.get("methods") or [{}])[0]
+        mt = mr.get("timings_ms", {})
+        # The method's decode on the research path (its forwards after the prefill's token) as a
+        # share of the same method's tokens/s on the bench path.
+        mb = load(os.path.join(out, "bench_%s_%s.json" % (tag, safe))) or {}
+        forwards = max(len(mr.get("generated_ids", [])) - 1, 0)
+        share = "-"
+        if mb.get("decode_tokens_per_s") and mt.get("decode") and forwards:
+            share = "%.0f %%" % (100.0 * forwards / (mt["decode"] / 1000.0) / mb["decode_tokens_per_s"])
+        print("%-12s %-22s %8.2f %10.1f %10.1f %10.1f %10.1f %9.2f %9s%s" % (
             "", m, float(wall), t.get("prefill", 0), t.get("decode", 0), mt.get("compress", 0), mt.get("decode", 0),
-            int(rss) / 1e6, "" if rc == "0" else "  (exit %s)" % rc))
+            int(rss) / 1e6, share, "" if rc == "0" else "  (exit %s)" % rc))
 
 # Before/after: each method's two reports compared without their timings (and the build's own
 # fields): the ids, kept sets, bytes and every diagnostic, numbers within 1e-9 relative.
