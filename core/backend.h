@@ -282,9 +282,11 @@ class Backend {
   // Whether attention_reduce_later queues (a caller then queues several before one wait);
   // false: it reduces at once, or not at all.
   virtual bool queues_reductions() const { return false; }
-  // Runs `queue` (calls whose results come later), then finish_reductions. When `queue` throws,
-  // what it queued lands first, while the caller's results still exist; then its error goes on.
+  // Runs `queue` (calls whose results come later), then finish_reductions, holding ops_mutex()
+  // throughout so that no other thread lands, or loses, this queue. When `queue` throws, what it
+  // queued lands first, while the caller's results still exist; then its error goes on.
   void queue_then_finish(const std::function<void()>& queue) {
+    std::lock_guard<std::recursive_mutex> ops(ops_mutex());
     try {
       queue();
     } catch (...) {

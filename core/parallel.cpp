@@ -12,21 +12,27 @@
 
 namespace kvlens {
 
-namespace {
-
-// The OpenMP loops of the calling thread on one thread, until the end of the scope. A thread
-// created here starts with OpenMP's default team (every core), whatever the main thread set; the
-// pieces of a parallel_for already run side by side, and a team of every core inside each would
-// put threads × cores on the machine's cores.
-struct OneOmpThread {
+int omp_loop_threads() {
 #ifdef _OPENMP
-  int was = omp_get_max_threads();
-  OneOmpThread() { omp_set_num_threads(1); }
-  ~OneOmpThread() { omp_set_num_threads(was); }
+  return omp_get_max_threads();
+#else
+  return 1;
 #endif
-};
+}
 
-}  // namespace
+ScopedOmpThreads::ScopedOmpThreads(int n) : was_(omp_loop_threads()) {
+#ifdef _OPENMP
+  omp_set_num_threads(n);
+#else
+  (void)n;
+#endif
+}
+
+ScopedOmpThreads::~ScopedOmpThreads() {
+#ifdef _OPENMP
+  omp_set_num_threads(was_);
+#endif
+}
 
 void parallel_for(int n, int max_threads, const std::function<void(int)>& fn) {
   if (n <= 0) return;
@@ -46,13 +52,16 @@ void parallel_for(int n, int max_threads, const std::function<void(int)>& fn) {
     work();  // (on the calling thread, as it is set)
   } else {
     std::vector<std::thread> pool;
+    // The pieces run side by side: each runs its OpenMP loops on one thread (a thread started
+    // here would otherwise take OpenMP's default team, every core, and put threads × cores on the
+    // machine's cores).
     for (int t = 1; t < threads; ++t)
       pool.emplace_back([&] {
-        const OneOmpThread one;
+        const ScopedOmpThreads one(1);
         work();
       });
     {
-      const OneOmpThread one;
+      const ScopedOmpThreads one(1);
       work();
     }
     for (std::thread& t : pool) t.join();

@@ -13,4 +13,19 @@ namespace kvlens {
 // setting is restored afterwards.
 void parallel_for(int n, int max_threads, const std::function<void(int)>& fn);
 
+// The threads the calling thread's OpenMP loops use (1 without OpenMP).
+int omp_loop_threads();
+// The calling thread's OpenMP loops on n threads until the end of the scope, then as before. A
+// thread kvlens starts runs its loops with OpenMP's default team (every core) unless it says so.
+class ScopedOmpThreads {
+ public:
+  explicit ScopedOmpThreads(int n);
+  ~ScopedOmpThreads();
+  ScopedOmpThreads(const ScopedOmpThreads&) = delete;
+  ScopedOmpThreads& operator=(const ScopedOmpThreads&) = delete;
+
+ private:
+  int was_ = 1;
+};
+
 }  // namespace kvlens

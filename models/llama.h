@@ -172,6 +172,8 @@ class LlamaDecoder {
   std::shared_ptr<Backend> be;
   // hand_over_stashed compares this many layers a call, holding their recomputed prompt q/k/v.
   static constexpr int kExactLayersAtOnce = 4;
+  // hand_over_recorded keeps a chunk of steps' scores, and a batch of queued span sums, near this.
+  static constexpr int64_t kHandOverBytes = int64_t{256} << 20;
   Buffer embed, norm, lm_head;  // lm_head shares embed's memory when tied
   std::vector<LlamaLayer> layers;
 

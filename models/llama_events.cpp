@@ -136,7 +136,7 @@ void LlamaDecoder::hand_over_recorded(SeqKV& kv, const std::vector<int>& steps, 
   // 256 MB however long the caption: each query's scores, transformed scores and probabilities
   // over at most positions.back() + 1 keys (the span's sums: batches of at most 256 MB, below).
   const int64_t per_query = static_cast<int64_t>(NH) * (positions.back() + 1) * 12;
-  const int chunk = static_cast<int>(std::clamp<int64_t>((int64_t{256} << 20) / std::max<int64_t>(per_query, 1), 1, n));
+  const int chunk = static_cast<int>(std::clamp<int64_t>(kHandOverBytes / std::max<int64_t>(per_query, 1), 1, n));
   // Observers that read one span's sums alone (the patch overlay) take them reduced where the
   // cache is, when every observer of these steps reads the same span and the backend can.
   AttentionObserver::Span span;
@@ -174,26 +174,23 @@ void LlamaDecoder::hand_over_recorded(SeqKV& kv, const std::vector<int>& steps, 
       parallel_for(static_cast<int>(items.size()), together ? 8 : 1, one);
       for (size_t x = first; x < end; ++x) std::vector<float>().swap(parts[x].sums);
     };
-    // Batch by batch: queued and landed while another thread's ops wait (so that no one else
-    // lands, or loses, this queue), then handed over without the backend held.
+    // Batch by batch: queued and landed while another thread's ops wait (queue_then_finish holds
+    // the backend), then handed over without the backend held.
     for (size_t first = 0; by_span && first < parts.size();) {
       size_t end = first;
-      {
-        std::lock_guard<std::recursive_mutex> ops(be->ops_mutex());
-        be->queue_then_finish([&] {
-          int64_t queued = 0;
-          for (; end < parts.size(); ++end) {
-            Part& p = parts[end];
-            const int64_t bytes = static_cast<int64_t>(p.at.size()) * NH * span.n * 4;
-            if (queued > 0 && queued + bytes > (int64_t{256} << 20)) break;
-            queued += bytes;
-            const Buffer q_rows = w.recorded_q.row_view(static_cast<int64_t>(p.l) * w.record_slots + p.c0,
-                                                        static_cast<int64_t>(p.at.size()));
-            by_span = be->recorded_span_attention(kv, p.l, q_rows, ql, p.at, &transform, span.first, span.n, p.sums);
-            if (!by_span) return;  // (the first call says so: nothing queued)
-          }
-        });
-      }
+      be->queue_then_finish([&] {
+        int64_t queued = 0;
+        for (; end < parts.size(); ++end) {
+          Part& p = parts[end];
+          const int64_t bytes = static_cast<int64_t>(p.at.size()) * NH * span.n * 4;
+          if (queued > 0 && queued + bytes > kHandOverBytes) break;
+          queued += bytes;
+          const Buffer q_rows = w.recorded_q.row_view(static_cast<int64_t>(p.l) * w.record_slots + p.c0,
+                                                      static_cast<int64_t>(p.at.size()));
+          by_span = be->recorded_span_attention(kv, p.l, q_rows, ql, p.at, &transform, span.first, span.n, p.sums);
+          if (!by_span) return;  // (the first call says so: nothing queued)
+        }
+      });
       if (by_span) hand_over(first, end);
       first = end;
     }

@@ -453,6 +453,23 @@ Figure score_histogram_figure(const nlohmann::json& report, int method, int laye
   return f;
 }
 
+namespace {
+
+// g(x) over [gamma, delta] (delta > gamma) in `steps` segments.
+Series g_line(double gamma, double delta, Calibration c, int steps, double width, const std::string& label) {
+  Series g = line_series(label, palette(3), {}, {});
+  g.markers = false;
+  g.line_width = width;
+  for (int i = 0; i <= steps; ++i) {
+    const double x = gamma + (delta - gamma) * i / steps;
+    g.x.push_back(x);
+    g.y.push_back((delta - gamma + c.tau1 - c.tau2) / (delta - gamma) * (x - gamma) + gamma - c.tau1);
+  }
+  return g;
+}
+
+}  // namespace
+
 Figure transfer_curve_figure(double gamma, double delta, Calibration c, const std::string& id, const std::string& title) {
   Figure f;
   f.id = id;
@@ -464,15 +481,7 @@ Figure transfer_curve_figure(double gamma, double delta, Calibration c, const st
   Series id_line = line_series("identity", Color{0.55f, 0.55f, 0.6f, 1}, {gamma - pad, delta + pad}, {gamma - pad, delta + pad});
   id_line.dashed = true;
   id_line.markers = false;
-  Series g = line_series("g(x)", palette(3), {}, {});
-  g.markers = false;
-  g.line_width = 2.2;
-  for (int i = 0; i <= 32; ++i) {
-    const double x = gamma + (delta - gamma) * i / 32.0;
-    g.x.push_back(x);
-    g.y.push_back((delta - gamma + c.tau1 - c.tau2) / (delta - gamma) * (x - gamma) + gamma - c.tau1);
-  }
-  f.series = {id_line, g};
+  f.series = {id_line, g_line(gamma, delta, c, 32, 2.2, "g(x)")};
   f.markers.push_back({'x', gamma, "γ, δ", Color{0.35f, 0.35f, 0.4f, 1}, true});
   f.markers.push_back({'x', delta, "", Color{0.35f, 0.35f, 0.4f, 1}, true});
   f.markers.push_back({'y', gamma - c.tau1, "γ−τ1, δ−τ2", palette(3), true});
@@ -501,19 +510,8 @@ Figure transfer_curves_figure(const std::vector<double>& gamma, const std::vecto
   Figure f = transfer_curve_figure(lo, hi, c, id, title);  // the identity, axes and labels over the union
   f.series.resize(1);
   f.markers.clear();
-  for (size_t h : heads) {
-    Series g = line_series(f.series.size() == 1 ? "g(x), a line a head" : "", palette(3), {}, {});
-    g.markers = false;
-    g.line_width = 1.2;
-    for (int i = 0; i <= 16; ++i) {
-      const double x = gamma[h] + (delta[h] - gamma[h]) * i / 16.0;
-      g.x.push_back(x);
-      g.y.push_back((delta[h] - gamma[h] + c.tau1 - c.tau2) / (delta[h] - gamma[h]) * (x - gamma[h]) + gamma[h] - c.tau1);
-    }
-    f.series.push_back(std::move(g));
-  }
-  f.y.min = std::min(lo - c.tau1, lo) - (hi - lo) * 0.08;
-  f.y.max = std::max(hi - c.tau2, hi) + (hi - lo) * 0.08;
+  for (size_t h : heads)
+    f.series.push_back(g_line(gamma[h], delta[h], c, 16, 1.2, f.series.size() == 1 ? "g(x), a line a head" : ""));
   f.note = "g(x) = (δ−γ+τ1−τ2)/(δ−γ)·(x−γ)+γ−τ1, a line for each of " + std::to_string(heads.size()) +
            " heads over its own [γ, δ]; τ1 = " + format_value(c.tau1) + ", τ2 = " + format_value(c.tau2);
   return f;
@@ -571,9 +569,9 @@ Figure attention_heatmap_figure(const nlohmann::json& report, int layer, int met
   // (a method's figure shows its decode rows alone: they set its colour scale)
   const bool own_rows = method >= 0 && S > 0;
   double zmax = 0;
-  for (const Series* x : {&s, &d})
-    if (x == &d || !own_rows)
-      for (double v : x->z) zmax = std::max(zmax, v);
+  for (double v : d.z) zmax = std::max(zmax, v);
+  if (!own_rows)
+    for (double v : s.z) zmax = std::max(zmax, v);
   // Blocks wholly after their queries (causal mask) are not attention at all: drawn as missing,
   // not as 0. A block's keys start where the report's pooling put them; prompt row block i ends
   // at the last query q with ⌊q·R/T⌋ = i, a decode row at its own position.
@@ -605,17 +603,17 @@ Figure attention_heatmap_figure(const nlohmann::json& report, int layer, int met
   f.method = method >= 0 ? method_labels(report)[method] : "full";
   f.layer = layer;
   f.title = "Attention, layer " + std::to_string(layer) + ": " + who + " (mean over heads)";
-  f.note = "rows: prompt queries, then the first " + std::to_string(S) + " generated tokens" +
-           (method >= 0 ? " decoded by this method" : "");
-  if (R < T || C < n)
-    f.note += "; blocks of about " + format_number(std::round(10.0 * T / R) / 10) + " queries x " +
-              format_number(std::round(10.0 * n / C) / 10) + " keys, each its mean";
   // A method's figure shows its own decode rows alone, each a band of the plot (the prompt's
   // rows are the full cache's, in its figure); the full cache's shows both.
+  const std::string keys = format_number(std::round(10.0 * n / C) / 10) + " keys";
   if (own_rows) {
     f.note = "rows: the first " + std::to_string(S) + " tokens this method generated; dark grey: keys it does not hold";
-    if (C < n) f.note += "; blocks of about " + format_number(std::round(10.0 * n / C) / 10) + " keys";
+    if (C < n) f.note += "; blocks of about " + keys;
   } else {
+    f.note = "rows: prompt queries, then the first " + std::to_string(S) + " generated tokens" +
+             (method >= 0 ? " decoded by this method" : "");
+    if (R < T || C < n)
+      f.note += "; blocks of about " + format_number(std::round(10.0 * T / R) / 10) + " queries x " + keys + ", each its mean";
     f.series.push_back(s);
   }
   if (S > 0) f.series.push_back(d);

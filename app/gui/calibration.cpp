@@ -41,13 +41,17 @@ const CalibrationView& App::calibration_view() {
   const int head = v.calib_head < static_cast<int>(now.quantized.size()) ? v.calib_head : -1;
   const ScoreHistogram h = visual_score_histogram(now, head, 40);
   cv.calibrated = h.calibrated;
+  // Each shown head's γ, δ (g(x) draws a line a head, as the method calibrates), and their span.
+  std::vector<double> gs, ds;
   double g = 1e300, d = -1e300;
+  const ScoreRanges ranges = score_range_by_head(now);
   for (size_t hd = 0; hd < now.quantized.size(); ++hd) {
     if (head >= 0 && static_cast<int>(hd) != head) continue;
-    for (float x : now.quantized[hd]) {
-      g = std::min(g, static_cast<double>(x));
-      d = std::max(d, static_cast<double>(x));
-    }
+    gs.push_back(ranges.gamma[hd]);
+    ds.push_back(ranges.delta[hd]);
+    if (now.quantized[hd].empty()) continue;
+    g = std::min(g, ranges.gamma[hd]);
+    d = std::max(d, ranges.delta[hd]);
   }
   cv.gamma = g;
   cv.delta = d;
@@ -60,18 +64,8 @@ const CalibrationView& App::calibration_view() {
                                              head >= 0 ? calib : std::nullopt, g, d);
   if (head < 0 && calib)
     cv.histogram.note += "; g(x) per head, τ1 = " + fig::format_value(calib->tau1) + ", τ2 = " + fig::format_value(calib->tau2);
-  // All heads: one g(x) a head over its own range, as the method calibrates.
-  std::vector<double> gs, ds;
-  for (size_t hd = 0; hd < now.quantized.size(); ++hd) {
-    if (head >= 0 && static_cast<int>(hd) != head) continue;
-    const auto [a, b] = std::minmax_element(now.quantized[hd].begin(), now.quantized[hd].end());
-    gs.push_back(now.quantized[hd].empty() ? 0.0 : *a);
-    ds.push_back(now.quantized[hd].empty() ? 0.0 : *b);
-  }
   cv.has_transfer = calib.has_value() && d > g;
-  if (cv.has_transfer)
-    cv.transfer = head >= 0 ? fig::transfer_curve_figure(g, d, *calib, "calibration_transfer" + tag, "g(x): " + where)
-                            : fig::transfer_curves_figure(gs, ds, *calib, "calibration_transfer" + tag, "g(x): " + where);
+  if (cv.has_transfer) cv.transfer = fig::transfer_curves_figure(gs, ds, *calib, "calibration_transfer" + tag, "g(x): " + where);
   for (fig::Figure* f : {&cv.histogram, &cv.transfer}) {
     f->method = display_name(*m);
     f->layer = v.calib_layer;

@@ -33,21 +33,21 @@ void draw_words(const std::vector<std::string>& words, const std::vector<WordDif
     if (w && !w->dropped.empty())
       dl->AddLine(ImVec2(p.x - space / 2, p.y), ImVec2(p.x - space / 2, p.y + sz.y), IM_COL32(200, 30, 30, 255), 2);
     ImGui::TextUnformatted(words[i].c_str());
-    std::string hover;
-    if (w && w->differs)
-      hover = w->replaced.empty() ? "added: the full cache has no words here"
-                                  : "the full cache says here: \"" + w->replaced + "\"";
-    if (w && !w->dropped.empty())
-      hover += std::string(hover.empty() ? "" : "\n") + "dropped before this word: \"" + w->dropped + "\"";
-    if (w && !w->dropped_after.empty()) {
+    const bool diverges = static_cast<int>(i) == diverge_word;
+    if (w && !w->dropped_after.empty())
       dl->AddLine(ImVec2(p.x + sz.x + space / 2, p.y), ImVec2(p.x + sz.x + space / 2, p.y + sz.y), IM_COL32(200, 30, 30, 255), 2);
-      hover += std::string(hover.empty() ? "" : "\n") + "dropped after this word: \"" + w->dropped_after + "\"";
-    }
-    if (static_cast<int>(i) == diverge_word) {
-      dl->AddLine(ImVec2(p.x, p.y + sz.y), ImVec2(p.x + sz.x, p.y + sz.y), IM_COL32(200, 30, 30, 255), 2);
-      hover = tip + (hover.empty() ? "" : "\n" + hover);
-    }
-    if (!hover.empty() && ImGui::IsItemHovered()) ImGui::SetTooltip("%s", hover.c_str());
+    if (diverges) dl->AddLine(ImVec2(p.x, p.y + sz.y), ImVec2(p.x + sz.x, p.y + sz.y), IM_COL32(200, 30, 30, 255), 2);
+    if (!ImGui::IsItemHovered()) continue;  // (the tooltip's text only for the word under the mouse)
+    std::vector<std::string> lines;
+    if (diverges) lines.push_back(tip);
+    if (w && w->differs)
+      lines.push_back(w->replaced.empty() ? "added: the full cache has no words here"
+                                          : "the full cache says here: \"" + w->replaced + "\"");
+    if (w && !w->dropped.empty()) lines.push_back("dropped before this word: \"" + w->dropped + "\"");
+    if (w && !w->dropped_after.empty()) lines.push_back("dropped after this word: \"" + w->dropped_after + "\"");
+    std::string hover;
+    for (const std::string& l : lines) hover += (hover.empty() ? "" : "\n") + l;
+    if (!hover.empty()) ImGui::SetTooltip("%s", hover.c_str());
   }
 }
 

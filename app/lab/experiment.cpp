@@ -142,7 +142,8 @@ nlohmann::json attention_rows(const std::vector<float>& m, int rows, int cols) {
     nlohmann::json row = nlohmann::json::array();
     for (int j = 0; j < cols; ++j) {
       const float v = m[static_cast<size_t>(i) * cols + j];
-      row.push_back(v > 0 ? std::max(1e-6, std::round(v * 1e6) / 1e6) : std::round(v * 1e6) / 1e6);
+      const double q = std::round(v * 1e6) / 1e6;
+      row.push_back(v > 0 ? std::max(1e-6, q) : q);
     }
     out.push_back(std::move(row));
   }

@@ -56,7 +56,7 @@ MemoryPlan plan_experiment(const Model& model, const ExperimentOptions& opt) {
   // On a device, the recorded steps' sums over the patch overlay's span (the visual tokens, at
   // most the prompt) queued for every layer before they land, at most 256 MB at a time
   // (LlamaDecoder::hand_over_recorded).
-  if (device) p.attention += std::min<int64_t>(int64_t{256} << 20, L * opt.max_new_tokens * H * T * 4);
+  if (device) p.attention += std::min<int64_t>(LlamaDecoder::kHandOverBytes, L * opt.max_new_tokens * H * T * 4);
   p.prefill_work = T * (3 * static_cast<int64_t>(f.hidden) + row + H * D + 3 * static_cast<int64_t>(f.intermediate)) * 4;
   return p;
 }

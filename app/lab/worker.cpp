@@ -4,13 +4,10 @@
 #include <chrono>
 #include <cmath>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #include "core/errors.h"
 #include "core/files.h"
 #include "core/numbers.h"
+#include "core/parallel.h"
 
 namespace kvlens {
 
@@ -63,21 +60,14 @@ RGBImage shown_image(const Tensor& pv, const PreprocessConfig& cfg) {
 
 Worker::Worker() {
   published_ = std::make_shared<Snapshot>();
-#ifdef _OPENMP
   // The worker's OpenMP loops as its creator has them (the app and the CLI: one thread unless
   // OMP_NUM_THREADS says otherwise); a new thread would start with OpenMP's default, every core.
-  const int omp_threads = omp_get_max_threads();
+  const int omp_threads = omp_loop_threads();
   thread_ = std::thread([this, omp_threads] {
-    omp_set_num_threads(omp_threads);
-    loop_threads_ = omp_get_max_threads();
+    const ScopedOmpThreads as_creator(omp_threads);
+    loop_threads_ = omp_loop_threads();
     loop();
   });
-#else
-  thread_ = std::thread([this] {
-    loop_threads_ = 1;
-    loop();
-  });
-#endif
 }
 
 Worker::~Worker() {

@@ -202,9 +202,11 @@ ScoreHistogram visual_score_histogram(const VisualScores& s, int head, int bins)
   const size_t h0 = head < 0 ? 0 : static_cast<size_t>(head), h1 = head < 0 ? H : h0 + 1;
   const std::vector<std::vector<float>>* kinds[3] = {&s.exact, &s.quantized, &s.calibrated};
   float lo = std::numeric_limits<float>::infinity(), hi = -lo;
-  const bool every = s.every.size() == H;  // (samples made before it was kept: the three alone)
-  for (const auto* k : {&s.exact, &s.quantized, &s.calibrated, &s.every})
-    for (size_t h = h0; h < h1 && (k != &s.every || every); ++h)
+  // The range: every visual key's exact score (the held ones' among them), else (samples made
+  // without it) the held ones', and the quantized and calibrated scores.
+  const std::vector<std::vector<float>>& exact_range = s.every.size() == H ? s.every : s.exact;
+  for (const auto* k : {&exact_range, &s.quantized, &s.calibrated})
+    for (size_t h = h0; h < h1; ++h)
       for (float x : (*k)[h]) {
         lo = std::min(lo, x);
         hi = std::max(hi, x);
@@ -223,6 +225,16 @@ ScoreHistogram visual_score_histogram(const VisualScores& s, int head, int bins)
       }
   }
   return out;
+}
+
+ScoreRanges score_range_by_head(const VisualScores& s) {
+  ScoreRanges r;
+  for (const auto& v : s.quantized) {
+    const auto [a, b] = std::minmax_element(v.begin(), v.end());
+    r.gamma.push_back(v.empty() ? 0.0 : *a);
+    r.delta.push_back(v.empty() ? 0.0 : *b);
+  }
+  return r;
 }
 
 VisualScores retransform_visual_scores(const VisualScores& s, int layer, const KVPolicy& policy) {
@@ -269,9 +281,12 @@ QueryComparison compare_query(const AttentionEvent& e, const ExactAttention& x, 
     const int32_t* ep = x.pos.data() + static_cast<size_t>(kv) * x.n;
     // The method's probabilities by position (0 for an evicted key), and which keys it holds.
     std::vector<float> pm_by_pos(static_cast<size_t>(e.query_pos[0]) + 1, 0.0f);
-    std::vector<char> held(pm_by_pos.size(), 0);
+    std::vector<char> held(visual ? pm_by_pos.size() : 0, 0);
     for (int j = 0; j < n_k; ++j)
-      if (kp[j] >= 0) pm_by_pos.at(kp[j]) += mp[j], held.at(kp[j]) = 1;
+      if (kp[j] >= 0) {
+        pm_by_pos.at(kp[j]) += mp[j];
+        if (visual) held.at(kp[j]) = 1;
+      }
     // The exact scores of the visual keys the method holds: the same keys as its own scores, so
     // that an eviction does not show as a shift of the distribution.
     if (visual)
@@ -588,14 +603,8 @@ nlohmann::json to_json(const LayerDiagnostics& d) {
   j["visual_score_histogram"] = {{"lo", d.visual_scores.lo}, {"hi", d.visual_scores.hi},
                                  {"exact", d.visual_scores.exact}, {"quantized", d.visual_scores.quantized},
                                  {"calibrated", d.visual_scores.calibrated}};
-  // γ and δ of each query head: the range of its quantized visual scores, which CalibQuant's
-  // g(x) maps onto [γ − τ1, δ − τ2].
-  std::vector<double> gamma, delta;
-  for (const auto& v : d.visual_score_samples.quantized) {
-    gamma.push_back(v.empty() ? 0.0 : *std::min_element(v.begin(), v.end()));
-    delta.push_back(v.empty() ? 0.0 : *std::max_element(v.begin(), v.end()));
-  }
-  j["visual_score_range_by_head"] = {{"gamma", gamma}, {"delta", delta}};
+  const ScoreRanges r = score_range_by_head(d.visual_score_samples);
+  j["visual_score_range_by_head"] = {{"gamma", r.gamma}, {"delta", r.delta}};
   j["token_fate"] = {{"kept", d.fate_kept}, {"bits", d.fate_bits}, {"merged", d.fate_merged}};
   j["bytes"] = to_json(d.bytes);
   return j;

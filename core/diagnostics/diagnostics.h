@@ -140,6 +140,12 @@ ScoreHistogram visual_score_histogram(const VisualScores& s, int head, int bins)
 // transforms that read only the visual keys' scores, as CalibQuant's g(x) does; a policy with no
 // transform gives calibrated = quantized.
 VisualScores retransform_visual_scores(const VisualScores& s, int layer, const KVPolicy& policy);
+// γ and δ of each query head: the range of its quantized visual scores, which CalibQuant's g(x)
+// maps onto [γ − τ1, δ − τ2] (0 and 0 for a head without any).
+struct ScoreRanges {
+  std::vector<double> gamma, delta;
+};
+ScoreRanges score_range_by_head(const VisualScores& s);
 
 // Each decode query of the method is compared with the exact attention of the same query over
 // the full-precision prompt (and the method's generated rows): P_full over those keys, P_method

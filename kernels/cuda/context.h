@@ -129,16 +129,8 @@ void reduce_prefill_attention(Context& ctx, const Buffer& qkv, const AttnLayout&
 // Backend::attention_reduce_later: the reduction queued on the stream, its results landing where
 // r asks at the context's next land_all (Context::land_later).
 void queue_prefill_reduction(Context& ctx, const Buffer& qkv, const AttnLayout& l, const AttentionReduction& r);
-// LOOK-M's assignment of several KV heads' rows already on the device (row pointers to d fp32
-// values), each with its kept rows: out[h] = every evicted row's
-// assignment, as Backend::cosine_assign states it; one upload, two launches (norms, then the
+// Backend::cosine_assign: every head's keys in one upload, two launches (norms, then the
 // assignment), one copy back.
-struct AssignHead {
-  std::vector<const void*> rows;
-  const std::vector<int>* keep = nullptr;
-};
-void assign_rows(Context& ctx, int d, const std::vector<AssignHead>& heads,
-                 std::vector<std::vector<RowAssignment>>& out);
 void assign_by_cosine(Context& ctx, int d, const std::vector<const std::vector<float>*>& k,
                       const std::vector<const std::vector<int>*>& keep, std::vector<std::vector<RowAssignment>>& out);
 // Backend::exact_decode_attention(_layers): query i (row i of qkv) against prompts[i] and

@@ -150,11 +150,11 @@ void cosine_assign(const __half* const* rows, int64_t n_rows, int d, const Assig
 //   of the flat list, at k + r·d and v + r·d (runs ascending by first, covering n_rows);
 // - evicted_rows: evicted[ev0 .. ev0 + E) = the ascending rows of each problem that its kept
 //   list does not name (E = n − K);
-// - merge_sources: src[ev0 + j] = the row that evicted row j's contribution folds in, or −1 for
-//   none. Without `above_mean` every evicted row contributes itself. With it, groups of `group`
-//   consecutive problems (a layer's KV heads) pass only the indices j whose similarity, averaged
-//   over the group's problems that have a j-th evicted row, is ≥ the mean over all of the
-//   group's evicted rows (lookm_above_mean, the same double operations in its order); with
+// - merge_sources (the authors' similarity filter; without it every evicted row contributes
+//   itself, and merge_kept takes no sources): src[ev0 + j] = the row that evicted row j's
+//   contribution folds in, or −1 for none. Groups of `group` consecutive problems (a layer's KV
+//   heads) pass only the indices j whose similarity, averaged over the group's problems that have
+//   a j-th evicted row, is ≥ the mean over all of the group's evicted rows (lookm_above_mean, the same double operations in its order); with
 //   `prefix`, the f-th passing index takes the f-th evicted row as its source (the authors'
 //   average-merge scatter; lookm_contributions). `scratch`: one int an evicted row.
 // - merge_kept: every kept row (n_kept = the problems' K summed, kept0 ascending) folds in the
@@ -171,7 +171,7 @@ void segment_rows(const RowSegment* runs, int n_runs, int64_t n_rows, int d, con
                   cudaStream_t s);
 void evicted_rows(const AssignProblem* problems, int n_problems, const int* keep, int* evicted, cudaStream_t s);
 void merge_sources(const AssignProblem* problems, int n_problems, int group, const int* evicted, const double* sim,
-                   bool above_mean, bool prefix, int* scratch, int* src, cudaStream_t s);
+                   bool prefix, int* scratch, int* src, cudaStream_t s);
 void merge_kept(const __half* const* k, const __half* const* v, const AssignProblem* problems, int n_problems,
                 int64_t n_kept, const int* keep, const int* evicted, const int* src, const int* best, const double* sim,
                 int d, int kind, __half* ok, __half* ov, int* count, cudaStream_t s);

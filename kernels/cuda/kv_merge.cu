@@ -157,7 +157,7 @@ void kv_lookm_merge(Context& ctx, DeviceKV& dev, const LookMMergeSpec& spec, std
   cosine_assign(rk, N, C.D, dp, np, tiles, max_kept, dkeep, ev, reinterpret_cast<double*>(w0 + w_norm), best, sim,
                 ctx.stream);
   if (filter)
-    merge_sources(dp, np, C.NKV, ev, sim, true, prefix, reinterpret_cast<int*>(w0 + w_scr), src, ctx.stream);
+    merge_sources(dp, np, C.NKV, ev, sim, prefix, reinterpret_cast<int*>(w0 + w_scr), src, ctx.stream);
   merge_kept(rk, rv, dp, np, NK, dkeep, ev, src, best, sim, C.D, static_cast<int>(spec.kind), K.as<__half>(),
              V.as<__half>(), count, ctx.stream);
   std::vector<int> counts(static_cast<size_t>(NK));

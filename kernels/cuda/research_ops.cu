@@ -85,6 +85,16 @@ void reduce_prefill_attention(Context& ctx, const Buffer& qkv, const AttnLayout&
   ctx.land_all("attention reductions");
 }
 
+namespace {
+
+// LOOK-M's assignment of several KV heads' rows already on the device (row pointers to d fp32
+// values), each with its kept rows: out[h] = every evicted row's assignment, as
+// Backend::cosine_assign states it.
+struct AssignHead {
+  std::vector<const float*> rows;
+  const std::vector<int>* keep = nullptr;
+};
+
 void assign_rows(Context& ctx, int d, const std::vector<AssignHead>& heads,
                  std::vector<std::vector<RowAssignment>>& out) {
   const size_t H = heads.size();
@@ -94,7 +104,7 @@ void assign_rows(Context& ctx, int d, const std::vector<AssignHead>& heads,
   // aligned); norms, similarities and choices come back in one copy.
   auto up8 = [](int64_t b) { return (b + 7) / 8 * 8; };
   std::vector<AssignProblem> P;
-  std::vector<const void*> rows;
+  std::vector<const float*> rows;
   std::vector<int> keep, ev;
   std::vector<size_t> head_of;  // the head of each problem (heads with nothing evicted have none)
   int64_t tiles = 0;
@@ -165,6 +175,8 @@ void assign_rows(Context& ctx, int d, const std::vector<AssignHead>& heads,
     for (int i = 0; i < p.E; ++i) o[static_cast<size_t>(i)] = {ev[static_cast<size_t>(p.ev0 + i)], hb[p.ev0 + i], hs[p.ev0 + i]};
   }
 }
+
+}  // namespace
 
 void assign_by_cosine(Context& ctx, int d, const std::vector<const std::vector<float>*>& k,
                       const std::vector<const std::vector<int>*>& keep, std::vector<std::vector<RowAssignment>>& out) {

@@ -66,30 +66,26 @@ __global__ void evicted_rows_kernel(const AssignProblem* __restrict__ P, int np,
 // host's order), each index's mean over the problems that have it, which indices pass, their
 // ranks among the passing (a block scan), then the sources.
 __global__ void merge_sources_kernel(const AssignProblem* __restrict__ P, int np, int group,
-                                     const int* __restrict__ evicted, const double* __restrict__ sim, bool above_mean,
-                                     bool prefix, int* __restrict__ scratch, int* __restrict__ src) {
+                                     const int* __restrict__ evicted, const double* __restrict__ sim, bool prefix,
+                                     int* __restrict__ scratch, int* __restrict__ src) {
   const int g0 = blockIdx.x * group, g1 = min(np, g0 + group);
   __shared__ double mean;
   __shared__ int part[256];
   int J = 0;
   for (int x = g0; x < g1; ++x) J = max(J, P[x].E);
   int* rank = scratch + P[g0].ev0;  // J ≤ the group's evicted rows
-  if (above_mean) {
-    if (threadIdx.x == 0) {
-      double total = 0.0, n = 0.0;
-      for (int x = g0; x < g1; ++x)
-        for (int j = 0; j < P[x].E; ++j) total = __dadd_rn(total, sim[P[x].ev0 + j]), n = __dadd_rn(n, 1.0);
-      mean = n > 0.0 ? __ddiv_rn(total, n) : 0.0;
-    }
-    __syncthreads();
-    for (int j = threadIdx.x; j < J; j += blockDim.x) {
-      double s = 0.0, c = 0.0;
-      for (int x = g0; x < g1; ++x)
-        if (j < P[x].E) s = __dadd_rn(s, sim[P[x].ev0 + j]), c = __dadd_rn(c, 1.0);
-      rank[j] = __ddiv_rn(s, c) >= mean ? 1 : 0;  // (a flag until the scan)
-    }
-  } else {
-    for (int j = threadIdx.x; j < J; j += blockDim.x) rank[j] = 1;
+  if (threadIdx.x == 0) {
+    double total = 0.0, n = 0.0;
+    for (int x = g0; x < g1; ++x)
+      for (int j = 0; j < P[x].E; ++j) total = __dadd_rn(total, sim[P[x].ev0 + j]), n = __dadd_rn(n, 1.0);
+    mean = n > 0.0 ? __ddiv_rn(total, n) : 0.0;
+  }
+  __syncthreads();
+  for (int j = threadIdx.x; j < J; j += blockDim.x) {
+    double s = 0.0, c = 0.0;
+    for (int x = g0; x < g1; ++x)
+      if (j < P[x].E) s = __dadd_rn(s, sim[P[x].ev0 + j]), c = __dadd_rn(c, 1.0);
+    rank[j] = __ddiv_rn(s, c) >= mean ? 1 : 0;  // (a flag until the scan)
   }
   __syncthreads();
   // Each thread's contiguous chunk counted, the chunks' counts scanned, the chunks ranked; a
@@ -123,7 +119,6 @@ __global__ void merge_kept_kernel(const __half* const* __restrict__ rk, const __
                                   const int* __restrict__ best, const double* __restrict__ sim, int d, int kind,
                                   __half* __restrict__ ok, __half* __restrict__ ov, int* __restrict__ count) {
   __shared__ int from[256];
-  __shared__ int at[256];
   const int64_t g = blockIdx.x;
   const AssignProblem p = P[last_at_or_below(np, g, [&](int i) { return P[i].kept0; })];
   const int c = keep[g];
@@ -141,7 +136,6 @@ __global__ void merge_kept_kernel(const __half* const* __restrict__ rk, const __
       int e = -1;
       if (j < p.E && best[p.ev0 + j] == c) e = src ? src[p.ev0 + j] : evicted[p.ev0 + j];
       from[threadIdx.x] = e;
-      at[threadIdx.x] = j;
       __syncthreads();
       const int m = min(B, p.E - j0);
       for (int i = 0; i < m; ++i) {
@@ -157,7 +151,7 @@ __global__ void merge_kept_kernel(const __half* const* __restrict__ rk, const __
           ak = __dadd_rn(ak, __dmul_rn(0.5, __dadd_rn(ek, xk)));
           av = __dadd_rn(av, __dmul_rn(0.5, __dadd_rn(ev, xv)));
         } else {
-          const double s = sim[p.ev0 + at[i]];
+          const double s = sim[p.ev0 + j0 + i];
           ak = __fma_rn(s, ek, ak);
           av = __fma_rn(s, ev, av);
         }
@@ -188,10 +182,10 @@ void evicted_rows(const AssignProblem* problems, int n_problems, const int* keep
 }
 
 void merge_sources(const AssignProblem* problems, int n_problems, int group, const int* evicted, const double* sim,
-                   bool above_mean, bool prefix, int* scratch, int* src, cudaStream_t s) {
+                   bool prefix, int* scratch, int* src, cudaStream_t s) {
   if (n_problems == 0) return;
   merge_sources_kernel<<<(n_problems + group - 1) / group, 256, 0, s>>>(problems, n_problems, group, evicted, sim,
-                                                                        above_mean, prefix, scratch, src);
+                                                                        prefix, scratch, src);
   KV_LAUNCH("merge_sources_kernel", std::to_string(n_problems) + " problems in groups of " + std::to_string(group));
 }
 

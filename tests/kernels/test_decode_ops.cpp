@@ -691,9 +691,8 @@ TEST(DecodeOps, ChannelMajorRegroupingKernel) {
     const int64_t bytes = static_cast<int64_t>(n) * D / 8, stride = (bytes + 15) / 16 * 16;
     std::vector<int32_t> words(static_cast<size_t>(heads * stride / 4));
     for (int32_t& w : words) w = static_cast<int32_t>(rng());
-    Buffer In = be.alloc("rows", {static_cast<int64_t>(words.size())}, Dt::I32);
+    Buffer In = make_ids(be, "rows", words);
     Buffer Out = be.alloc("regrouped", {static_cast<int64_t>(words.size())}, Dt::I32);
-    be.upload(words.data(), In);
     be.synchronize();
     cuda::channel_major_1bit(reinterpret_cast<const uint8_t*>(In.data), heads, n, D, stride,
                              reinterpret_cast<uint8_t*>(Out.data), nullptr);

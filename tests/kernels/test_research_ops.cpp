@@ -334,14 +334,12 @@ TEST(Ops, LookMMergeKernels) {
   auto bytes_buffer = [&](const void* src, int64_t bytes, const char* name) {
     std::vector<int32_t> words(static_cast<size_t>((bytes + 3) / 4) + 1, 0);
     std::memcpy(words.data(), src, static_cast<size_t>(bytes));
-    Buffer b = be.alloc(name, {static_cast<int64_t>(words.size())}, Dt::I32);
-    be.upload(words.data(), b);
-    return b;
+    return make_ids(be, name, words);
   };
-  auto ints_back = [&](const Buffer& b, int64_t n, int64_t at = 0) {
+  auto ints_back = [&](const Buffer& b, int64_t n) {
     std::vector<int32_t> all(static_cast<size_t>(b.numel()));
     be.download(b, all.data());
-    return std::vector<int>(all.begin() + at, all.begin() + at + n);
+    return std::vector<int>(all.begin(), all.begin() + n);
   };
   const int G = 2, H = 3;  // layers, KV heads each
   for (const int d : {128, 64, 40, 200}) {
@@ -453,7 +451,7 @@ TEST(Ops, LookMMergeKernels) {
         EXPECT_GT(contributions, NE / 4) << what;
         EXPECT_LT(contributions, f == 0 ? NE + 1 : NE) << what << ": the filter passes some rows, not all";
         if (spec.above_mean) {
-          cuda::merge_sources(dp, G * H, H, static_cast<const int*>(EV.data), static_cast<const double*>(DS.data), true,
+          cuda::merge_sources(dp, G * H, H, static_cast<const int*>(EV.data), static_cast<const double*>(DS.data),
                               spec.prefix_sources && kind == MergeKind::Average, static_cast<int*>(SCR.data),
                               static_cast<int*>(SRC.data), nullptr);
           cudaDeviceSynchronize();

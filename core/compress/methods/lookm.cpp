@@ -279,30 +279,23 @@ class LookMPolicy : public ScoreEvictPolicy {
     for (const MergeJob& j : jobs) {
       const std::vector<std::vector<Assignment>> contrib = lookm_contributions(assign_job(j), spec());
       const std::vector<std::vector<int>>& keep = *j.keep;
-      std::vector<std::vector<int>> per_kept(keep.size());
-      for (size_t h = 0; h < keep.size(); ++h) {
-        std::vector<int> count(static_cast<size_t>(j.c->prompt_len), 0);
-        for (const Assignment& y : contrib[h]) ++count.at(static_cast<size_t>(y.c));
-        per_kept[h].assign(keep[h].size(), 0);
-        for (size_t x = 0; x < keep[h].size(); ++x) per_kept[h][x] = count[static_cast<size_t>(keep[h][x])];
-      }
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        for (size_t h = 0; h < keep.size(); ++h) counts_[{j.c->layer, static_cast<int>(h)}] = std::move(per_kept[h]);
-      }
       const int H = static_cast<int>(keep.size());
+      std::vector<std::vector<int>> per_kept(keep.size());  // each kept row's count, from merge_rows'
       std::exception_ptr err;
 #pragma omp parallel for schedule(dynamic)
       for (int h = 0; h < H; ++h) {
         try {
           std::vector<int> count;
           merge_rows(o_.merge, j.c->head_dim, contrib[h], (*j.k)[h], (*j.v)[h], count);
+          for (int c : keep[h]) per_kept[h].push_back(count.at(static_cast<size_t>(c)));
         } catch (...) {
 #pragma omp critical(kvlens_lookm_error)
           if (!err) err = std::current_exception();
         }
       }
       if (err) std::rethrow_exception(err);
+      std::lock_guard<std::mutex> lock(mu_);
+      for (int h = 0; h < H; ++h) counts_[{j.c->layer, h}] = std::move(per_kept[static_cast<size_t>(h)]);
     }
   }
 

@@ -23,6 +23,18 @@ using kvlens::testing::by_label;
 using kvlens::testing::measure;
 using kvlens::testing::report;
 
+namespace {
+
+// The heatmap images a frame draws (not the colour bar, one pixel wide).
+std::vector<const Prim*> heatmap_images(const Frame& fr) {
+  std::vector<const Prim*> out;
+  for (const Prim& p : fr.prims)
+    if (p.type == Prim::Type::Image && p.image_w > 1) out.push_back(&p);
+  return out;
+}
+
+}  // namespace
+
 TEST(Figures, LayerMetricLinesAreTheReportsNumbers) {
   const auto& r = report();
   const Figure f = layer_metric_figure(r, LayerMetric::SoftmaxMse);
@@ -199,13 +211,10 @@ TEST(Figures, PooledAttentionHeatmap) {
   r["methods"][1]["decode_attention"][1][0][0] = 0.0;
   r["methods"][1]["decode_attention"][1][0][1] = 1e-4;
   {
-    auto first_image = [](const Frame& fr) {
-      return std::find_if(fr.prims.begin(), fr.prims.end(), [](const Prim& x) { return x.type == Prim::Type::Image; });
-    };
     const Figure e = attention_heatmap_figure(r, 1, 1);
     const Frame ef = draw(e, 640, 640, measure);
-    const auto img = first_image(ef);
-    ASSERT_NE(img, ef.prims.end());
+    ASSERT_FALSE(heatmap_images(ef).empty());
+    const Prim* img = heatmap_images(ef).front();
     const uint8_t *absent = &img->rgba[0], *floor = &img->rgba[4];
     EXPECT_TRUE(absent[0] == absent[1] && absent[1] == absent[2]) << "grey";  // and apart from the floor:
     EXPECT_GT(std::abs(absent[0] - floor[0]) + std::abs(absent[1] - floor[1]) + std::abs(absent[2] - floor[2]), 60);
@@ -215,8 +224,8 @@ TEST(Figures, PooledAttentionHeatmap) {
     nlohmann::json old = r;
     old["attention"].erase("zero_is_absent");
     const Frame of = draw(attention_heatmap_figure(old, 1, 1), 640, 640, measure);
-    const auto oimg = first_image(of);
-    ASSERT_NE(oimg, of.prims.end());
+    ASSERT_FALSE(heatmap_images(of).empty());
+    const Prim* oimg = heatmap_images(of).front();
     EXPECT_TRUE(std::equal(oimg->rgba.begin(), oimg->rgba.begin() + 3, oimg->rgba.begin() + 4)) << "0 drawn as 1e-4";
   }
   r["attention"]["cols"] = n + 1;
@@ -244,8 +253,8 @@ TEST(Figures, AttentionHeatmapAndTokenFate) {
   EXPECT_TRUE(std::isnan(hd.z[n - 1]));                          // the first decode row's last key
   // ... and drawn as missing (light grey), not as the bottom of the colour map.
   const Frame fr = draw(full, 640, 640, measure);
-  const auto img = std::find_if(fr.prims.begin(), fr.prims.end(), [](const Prim& p) { return p.type == Prim::Type::Image && p.image_w > 1; });
-  ASSERT_NE(img, fr.prims.end());
+  ASSERT_FALSE(heatmap_images(fr).empty());
+  const Prim* img = heatmap_images(fr).front();
   const uint8_t* masked = &img->rgba[(static_cast<size_t>(3) * n + 4) * 4];
   EXPECT_EQ(masked[0], masked[1]);
   EXPECT_EQ(masked[1], masked[2]);
@@ -260,7 +269,8 @@ TEST(Figures, AttentionHeatmapAndTokenFate) {
   EXPECT_EQ(m.y.max, n);
   EXPECT_DOUBLE_EQ(m.series[0].z[5], r["methods"][1]["decode_attention"][1][0][5].get<double>());
   for (size_t i = 0; i < hd.z.size(); ++i) EXPECT_EQ(std::isnan(m.series[0].z[i]), std::isnan(hd.z[i])) << i;
-  EXPECT_GT(draw(m, 640, 640, measure).py(T + 1) - draw(m, 640, 640, measure).py(T), 100) << "a decode row is a band, not a strip";
+  const Frame mf = draw(m, 640, 640, measure);
+  EXPECT_GT(mf.py(T + 1) - mf.py(T), 100) << "a decode row is a band, not a strip";
   // The readout names positions: the decode rows start at query position T.
   const auto said = readout(full, fr, fr.px(3.5), fr.py(T + 0.5));
   ASSERT_FALSE(said.empty());
@@ -293,20 +303,14 @@ TEST(Figures, AttentionHeatmapAndTokenFate) {
     for (int x = 0; x < scene.width; ++x)
       for (int c = 0; c < 3; ++c)
         scene.data[(static_cast<size_t>(y) * scene.width + x) * 3 + c] = static_cast<uint8_t>(c == 0 ? (x < scene.width / 2 ? 10 : 250) : 128);
-  auto images = [](const Frame& fr) {
-    std::vector<const Prim*> out;
-    for (const Prim& p : fr.prims)
-      if (p.type == Prim::Type::Image && p.image_w > 1) out.push_back(&p);  // (not the colour bar)
-    return out;
-  };
   const Frame fp = draw(fate, 640, 640, measure);
-  const std::vector<const Prim*> plain = images(fp);
+  const std::vector<const Prim*> plain = heatmap_images(fp);
   ASSERT_EQ(plain.size(), 1u);
   EXPECT_EQ(plain[0]->rgba[3], 255);
   const Figure over = token_fate_figure(r, 1, 0, "kept", &scene);
   EXPECT_EQ(over.series[0].z, fate.series[0].z);
   const Frame fo = draw(over, 640, 640, measure);
-  const std::vector<const Prim*> both = images(fo);
+  const std::vector<const Prim*> both = heatmap_images(fo);
   ASSERT_EQ(both.size(), 2u);
   const Prim &back = *both[0], &cells = *both[1];
   EXPECT_EQ(back.image_w, 12 * C);

@@ -511,7 +511,9 @@ TEST(Diagnostics, ScoreHistogramsCompareTheKeysTheMethodHolds) {
       for (size_t h = 0; h < v.exact.size(); ++h) {
         EXPECT_EQ(v.exact[h].size(), v.quantized[h].size()) << "layer " << d.layer << " head " << h;
         EXPECT_EQ(v.calibrated[h].size(), v.quantized[h].size()) << "layer " << d.layer << " head " << h;
-        if (!evicts) EXPECT_EQ(static_cast<int>(v.exact[h].size()), n_visual) << "layer " << d.layer << " head " << h;
+        if (!evicts) {
+          EXPECT_EQ(static_cast<int>(v.exact[h].size()), n_visual) << "layer " << d.layer << " head " << h;
+        }
         fewer += static_cast<int>(v.exact[h].size()) < n_visual;
       }
       const ScoreHistogram all = visual_score_histogram(v, -1, 40);
@@ -519,7 +521,9 @@ TEST(Diagnostics, ScoreHistogramsCompareTheKeysTheMethodHolds) {
                 std::accumulate(all.quantized.begin(), all.quantized.end(), int64_t{0}))
           << "layer " << d.layer;
     }
-    if (evicts) EXPECT_GT(fewer, 0) << "the eviction left out visual keys";
+    if (evicts) {
+      EXPECT_GT(fewer, 0) << "the eviction left out visual keys";
+    }
   }
   // A method that keeps no visual key: empty samples, yet bins over every visual key's exact
   // score; at layer 0, whose query the cache does not change, the full cache's range.
