@@ -422,6 +422,18 @@ class Backend {
                                    const quant::UniformSpec& v, quant::QuantPayload& out) {
     return quantize_rows(dev, layer, seg, k, v, out);
   }
+  // ZipCache's mixed-bit quantization (quant::CodeLayout::ZipMixed) of the host segments `group`
+  // of `layer` (dense, in the layer's order), whose rows the device cache `dev` holds (found by KV
+  // head and position), as zipcache::quantize_group does on host rows: on entry out.layout holds
+  // the bits and choices and out.k[h].flags each row's salient flag (zipcache::mark_group); keys
+  // channel-wise per KV head and subset, values by CSTQuant. The codes, ranges and factors land
+  // in `out` at the next finish_reductions (it must stay where it is until then), the same bytes
+  // the host makes; the device keeps them for the layer's next kv_sync, which stores the group
+  // from them instead of uploading them. False: this backend cannot (nothing is queued).
+  virtual bool zip_quantize_rows(DeviceKV& dev, int layer, const std::vector<const KVSegment*>& group,
+                                 quant::QuantPayload& out) {
+    return false;
+  }
   // LOOK-M on a device cache whose rows the host does not hold, every listed layer in one call
   // (LayerMerge: the layer, its host layout with head h's rows in gather_head's order, and per KV
   // head the kept rows, ascending indices into those rows), all of it where the rows are: each

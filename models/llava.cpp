@@ -317,10 +317,12 @@ DecodeResult LlavaModel::decode(const PrefillState& st, KVPolicy* policy, const 
   // Its prompt rows come from the device only when the host reads them: a policy whose prefill
   // compression reads rows (quantizes, merges), or an observer that reads keys and values and
   // does not compare with a capture (the device computes that comparison from the capture).
+  // The policy as the steps see it: none when it would not act within them (step_policy).
+  KVPolicy* steps = step_policy(policy, opt.max_new_tokens);
   const int observed = observed_decode_steps(observers);
-  const bool mirror = !dev || decode_needs_host_rows(policy) || observed > 0;
+  const bool mirror = !dev || decode_needs_host_rows(steps) || observed > 0;
   const bool reads_rows =
-      (policy && (policy->reads_rows() || decode_needs_host_rows(policy))) ||
+      (policy && (policy->reads_rows() || decode_needs_host_rows(steps))) ||
       std::any_of(observers.begin(), observers.end(),
                   [](const AttentionObserver* o) { return o->reads_decode_kv() && !o->compares_to(); });
   if (dev && reads_rows && !store.has_rows()) be_->kv_hydrate(*dev, store, true);
@@ -372,7 +374,7 @@ DecodeResult LlavaModel::decode(const PrefillState& st, KVPolicy* policy, const 
     // A step whose observers read its probabilities alone runs on the device alone too, on a
     // backend that records its queries there: its events come once the caption is done.
     // (device_alone: a device cache whose host rows only observers read, so steps may drop them)
-    const bool device_alone = dev && mirror && !decode_needs_host_rows(policy);
+    const bool device_alone = dev && mirror && !decode_needs_host_rows(steps);
     const bool can_record =
         device_alone && be_->records_decode_queries() &&
         std::any_of(observers.begin(), observers.end(), [](const AttentionObserver* o) { return o->reads_probabilities_only(); });
@@ -406,14 +408,14 @@ DecodeResult LlavaModel::decode(const PrefillState& st, KVPolicy* policy, const 
         }
         if (!kv.mirror && step < observed) pending.push_back(pos);
       }
-      logits = in_model(dir_, [&] { return text_.decode(tok, pos, step, kv, policy, seen, ws); });
+      logits = in_model(dir_, [&] { return text_.decode(tok, pos, step, kv, steps, seen, ws); });
       ++pos;
     }
     ws.record_slot = -1;
     const auto t2 = std::chrono::steady_clock::now();
     in_model(dir_, [&] {
       text_.hand_over_stashed(ws);
-      text_.hand_over_recorded(kv, rec_steps, rec_pos, policy, observers, ws);
+      text_.hand_over_recorded(kv, rec_steps, rec_pos, steps, observers, ws);
     });
     r.handover_ms = ms_since(t2);
   } else if (!take(0)) {
@@ -423,14 +425,14 @@ DecodeResult LlavaModel::decode(const PrefillState& st, KVPolicy* policy, const 
     bool ahead = false;
     try {
       check(1);
-      int ticket = in_model(dir_, [&] { return text_.launch(tok, pos, 0, kv, policy, ws); });
+      int ticket = in_model(dir_, [&] { return text_.launch(tok, pos, 0, kv, steps, ws); });
       ++pos;
       for (int step = 0;; ++step) {
         ahead = step + 2 < opt.max_new_tokens && pos + 1 <= cfg_.text.max_position_embeddings;
         int next = -1;
         if (ahead) {
           before_ahead = cache_bytes();
-          next = in_model(dir_, [&] { return text_.launch(-1, pos, step + 1, kv, policy, ws); });
+          next = in_model(dir_, [&] { return text_.launch(-1, pos, step + 1, kv, steps, ws); });
         }
         int device_tok = -1;
         logits = in_model(dir_, [&] { return text_.collect(ticket, ws, device_tok); });

@@ -79,6 +79,10 @@ class KVPolicy {
   // false: its decode steps then never call it, and a device cache needs no host copy of the
   // rows while decoding (the steps run on the device alone, replayed and chained).
   virtual bool acts_on_decode() const { return true; }
+  // Whether on_decode_step may change the store within a decode of `new_tokens` generated
+  // tokens. A method that acts only after some steps (ZipCache's first gap) answers exactly: a
+  // shorter decode then runs as one that acts at prefill alone.
+  virtual bool acts_on_decode_within(int new_tokens) const { return acts_on_decode(); }
   // Whether on_decode_step would change `layer` at this step, asked before the new token's row
   // is appended (`layer` does not hold it yet). A method that answers exactly lets a device's
   // decode loop skip a step's host work where it would not act (the host copy of the new row is
@@ -113,6 +117,13 @@ inline bool transforms_scores_on_host(const KVPolicy* policy) {
 // the store while decoding, or transforms scores on the host.
 inline bool decode_needs_host_rows(const KVPolicy* policy) {
   return policy && (policy->acts_on_decode() || transforms_scores_on_host(policy));
+}
+
+// The policy a decode of `new_tokens` tokens hands its steps: `policy`, or null when it would not
+// act within them (acts_on_decode_within) and transforms no scores, so that the steps need no
+// host rows.
+inline KVPolicy* step_policy(KVPolicy* policy, int new_tokens) {
+  return policy && !policy->acts_on_decode_within(new_tokens) && !policy->has_score_transform() ? nullptr : policy;
 }
 
 // The storage of dense rows a decode with `policy` (null = none) uses: what the policy asks

@@ -2,6 +2,7 @@
 // each that tests and diagnostics reuse.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -69,6 +70,29 @@ std::vector<float> channel_factors(const float* x, int n, int d);
 // values, already fp16) are given. Appends row-aligned codes and per-token fp16 scale/zero to
 // `out`, and the d factors c (meta) when it computed them.
 void cst_quantize(float* x, int n, int d, int bits, quant::QuantBlock& out, const float* factors = nullptr);
+
+// One quantization group (quant::CodeLayout::ZipMixed): consecutive dense segments of a layer
+// (`group`, their indices) sharing one payload. flags[segment][KV head][row] = salient.
+using Flags = std::vector<std::vector<std::vector<char>>>;
+struct GroupSpec {
+  int hi = 4, lo = 2;              // k_h, k_l
+  bool head_token_ranges = false;  // value_token_range=head (else one range per subset and position)
+  bool layer_factors = false;      // channel_scales=layer (else per subset)
+};
+// The group's salient flags into p.k[h].flags (1 bit a row, the group's rows of head h in
+// order), each row's bits (hi / lo) into HeadRows::bits, and the layout's choices into p.layout.
+void mark_group(LayerKV& layer, const std::vector<size_t>& group, const Flags& flags, const GroupSpec& spec,
+                quant::QuantPayload& p);
+// Quantizes the group's host rows (Algorithm 2): keys ChannelQuant per KV head and subset,
+// values CSTQuant; the rows become their dequantization, and the codes, ranges and factors are
+// appended to p as CodeLayout::ZipMixed lays them out. (The device's twin:
+// Backend::zip_quantize_rows.)
+void quantize_group(LayerKV& layer, const std::vector<size_t>& group, const Flags& flags, int head_dim,
+                    const GroupSpec& spec, quant::QuantPayload& p);
+// Installs p on the group's segments: storage label, the payload shared, its bytes counted on
+// the first segment, every segment's int32 positions.
+void install_group(LayerKV& layer, const std::vector<size_t>& group, const GroupSpec& spec,
+                   const std::shared_ptr<quant::QuantPayload>& p);
 }  // namespace zipcache
 
 // ---- TurboQuant (core/compress/methods/turboquant.cpp) ----

@@ -479,6 +479,39 @@ void quantize_token(const __half* x, int n, int D, int bits, const __half* facto
                     __half* scale, __half* zero, cudaStream_t s);
 // ZipCache's CST factors c_j = half(sqrt(max_t |x_tj|)) (1 where 0 or not finite).
 void cst_factors(const __half* x, int n, int D, __half* factor, cudaStream_t s);
+// ZipCache's mixed-bit group (quant::CodeLayout::ZipMixed) quantized as zipcache::quantize_group
+// does on the host, from fp16 rows x: keys [N][D], then values [N][D]. The rows come in blocks,
+// one per KV head and subset (salient first), each with its bits, where its codes start in the K
+// and V code arrays (row r of the block at code + r·D·bits/8, the host's packing), where its D
+// channel ranges start in k_scale / k_zero, and where its D CST factors are in `factor`. Each
+// factor block's rows (a head's subset, or all its rows) give D factors, half(sqrt(max |v|)).
+// Each value row reads its token range from slot row_slot[row]; slot s's range spans the rows
+// slot_rows[slot_first[s] .. slot_first[s + 1]) (one row a slot: a range per row; the rows of
+// one subset and position over the heads: ZipCache's shared token ranges). With row_scale /
+// row_zero, each row's slot range is copied there too.
+struct ZipBlock {
+  int32_t row0 = 0, n = 0, bits = 0;
+  int64_t code = 0, range = 0, factor = 0;  // bytes into the code arrays; halves into k_scale and `factor`
+};
+struct ZipFactorBlock {
+  int32_t row0 = 0, n = 0;
+  int64_t at = 0;  // halves into `factor`
+};
+struct ZipQuantArgs {
+  const __half* x = nullptr;
+  int N = 0, D = 0;
+  const ZipBlock* blocks = nullptr;  // device arrays from here on
+  int n_blocks = 0;
+  const ZipFactorBlock* factor_blocks = nullptr;
+  int n_factor_blocks = 0;
+  const int32_t *row_block = nullptr, *row_slot = nullptr;  // [N]
+  const int32_t *slot_first = nullptr, *slot_rows = nullptr;
+  int n_slots = 0;
+  uint8_t *k_codes = nullptr, *v_codes = nullptr;
+  __half *k_scale = nullptr, *k_zero = nullptr, *factor = nullptr, *t_scale = nullptr, *t_zero = nullptr;
+  __half *row_scale = nullptr, *row_zero = nullptr;
+};
+void zip_quantize(const ZipQuantArgs& a, cudaStream_t s);
 // 1-bit codes of `heads` blocks of n rows × D channels (D a multiple of 8; block h at rows +
 // h·stride bytes, written at out + h·stride) regrouped as quant::channel_major_1bit does: the
 // same bytes (kChannelT).

@@ -407,6 +407,7 @@ void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l, SyncPlan plan, co
     batch.retired_rows.push_back(std::move(d.merged));
     d.merged = Staged{};
     d.quantized.clear();
+    d.zipped.clear();
     set_host_bytes(C, host, l);
     return;
   }
@@ -438,7 +439,14 @@ void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l, SyncPlan plan, co
       if (!kept) {
         std::vector<const KVSegment*> g;
         for (size_t x = i; x < j; ++x) g.push_back(&H.segments[x]);
-        built = build_zip(ctx, C, g, *p);
+        StagedZip taken;  // (arrays made for this payload, taken once)
+        for (auto q = d.zipped.begin(); q != d.zipped.end(); ++q)
+          if (q->payload == p) {
+            taken = std::move(*q);
+            d.zipped.erase(q);
+            break;
+          }
+        built = build_zip(ctx, C, g, *p, taken.payload ? &taken : nullptr);
       }
       for (size_t x = i; x < j; ++x) {
         if (kept) segs.push_back(*same[x]);
@@ -475,6 +483,7 @@ void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l, SyncPlan plan, co
   batch.retired_rows.push_back(std::move(d.merged));
   d.merged = Staged{};
   d.quantized.clear();  // (what a segment took is held by it; the rest goes back to the pool in stream order)
+  d.zipped.clear();
   if (!keep_tail) C.reset_tail(l);
   C.changed();
   set_host_bytes(C, host, l);

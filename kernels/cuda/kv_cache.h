@@ -2,6 +2,7 @@
 // (rows and codes to and from the host) and kv_decode.cu (decode attention over it). See kv_cache.cu for what the cache holds.
 #pragma once
 #include <algorithm>
+#include <array>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -80,11 +81,30 @@ struct StagedCodes {
   int k_bits = 0, v_bits = 0;
 };
 
+// ZipCache's arrays a method made where the rows are (kv_zip_quantize) and copied into the host
+// payload `payload`, kept for the layer's next kv_sync: the group is stored from them instead of
+// from an upload of the same bytes. Every array lies in `mem`, from `at` (bytes), each KV head's
+// part from head[h] bytes into it.
+struct StagedZip {
+  const void* payload = nullptr;
+  DevMem mem;
+  struct Array {
+    int64_t at = 0, bytes = 0;
+    std::vector<int64_t> head;
+  };
+  // K and V codes, K scales and zeros, V channel factors, V token ranges (one per slot: a row, or
+  // a subset's position over the heads), and those copied per row (when the heads' rows of a
+  // position differ).
+  Array k_codes, v_codes, k_scales, k_zeros, factors, t_scales, t_zeros, row_scales, row_zeros;
+  bool one_table = false;  // the slot table read by every head from its start
+};
+
 struct DevLayer {
   std::vector<DevSeg> segs;
   Tail tail;
   Staged merged;  // (not copied by clone: it belongs to the decode that merged)
-  std::vector<StagedCodes> quantized;  // (nor this)
+  std::vector<StagedCodes> quantized;  // (nor these)
+  std::vector<StagedZip> zipped;
 };
 
 // The device segment that mirrors host segment s, labelled `storage`, with an empty slot per KV
@@ -144,6 +164,7 @@ class CudaKV : public DeviceKV {
         if (m->mem) seen[m->mem.get()] = m->bytes;
       for (const StagedCodes& q : d.quantized)
         for (const DevMem* m : {&q.codes, &q.ranges}) seen[m->mem.get()] = m->bytes;
+      for (const StagedZip& q : d.zipped) seen[q.mem.mem.get()] = q.mem.bytes;
     }
     int64_t t = 0;
     for (const auto& kv : seen) t += kv.second;
@@ -339,9 +360,23 @@ bool staged_for(const StagedCodes& q, const KVSegment& s, const quant::QuantPayl
 // with `staged` (staged_for), taken from where the codes were made.
 DevSeg build_packed(Context& ctx, const CudaKV& C, const KVSegment& s, const quant::QuantPayload& p,
                     const StagedCodes* staged);
+// ZipCache's shared V token ranges (CodeLayout::ZipMixed): one per (subset, position) that any KV
+// head holds in that subset, numbered over the salient subset's positions ascending, then the
+// other's. pos[h][s]: head h's positions in subset s (1: salient), in its order.
+struct ZipSlots {
+  std::array<std::vector<int32_t>, 2> at;  // [subset][position] → slot, −1 where no head holds it
+  int64_t n = 0;
+  // Every head holds every position of each subset, in order: head h's k-th row of subset s
+  // reads slot (s ? 0 : the salient count) + k, one table for all.
+  bool one_table = false;
+  int32_t of(int s, int32_t pos) const { return at[static_cast<size_t>(s)][static_cast<size_t>(pos)]; }
+};
+ZipSlots zip_slots(const std::vector<std::array<std::vector<int32_t>, 2>>& pos);
+
 // ZipCache's group of consecutive host segments sharing payload p (CodeLayout::ZipMixed), one
-// DevSeg per segment; empty when the payload is not what its layout says.
+// DevSeg per segment; empty when the payload is not what its layout says. With `staged` (made
+// for p by kv_zip_quantize), its arrays are taken from where they were made.
 std::vector<DevSeg> build_zip(Context& ctx, const CudaKV& C, const std::vector<const KVSegment*>& g,
-                              const quant::QuantPayload& p);
+                              const quant::QuantPayload& p, const StagedZip* staged);
 
 }  // namespace kvlens::cuda::kv

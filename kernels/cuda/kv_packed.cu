@@ -1,10 +1,9 @@
 // Packed segments of the GPU KV cache (kv_cache.h): a quantizing policy's payload stored as the
 // decode kernel reads it — uploaded once, or taken from where kv_quantize_rows made it — and
-// ZipCache's mixed-bit groups.
+// ZipCache's mixed-bit groups (uploaded, or taken from where kv_zip_quantize made them).
 #include <algorithm>
 #include <array>
 #include <cstring>
-#include <map>
 #include <string>
 #include <vector>
 
@@ -229,8 +228,39 @@ DevSeg build_packed(Context& ctx, const CudaKV& C, const KVSegment& s, const qua
 // each head gets its rows' ranges copied into its own array, and the device holds (and
 // reports) those copies instead of the shared table. Empty when the payload is not what the
 // layout says (the group is then held as fp16 values).
+ZipSlots zip_slots(const std::vector<std::array<std::vector<int32_t>, 2>>& pos) {
+  ZipSlots z;
+  int32_t top = -1;
+  for (const auto& h : pos)
+    for (const std::vector<int32_t>& s : h)
+      for (int32_t x : s) {
+        if (x < 0) throw InternalError("zipcache group: a row at position " + std::to_string(x));
+        top = std::max(top, x);
+      }
+  for (std::vector<int32_t>& a : z.at) a.assign(static_cast<size_t>(top) + 1, -1);
+  for (const auto& h : pos)
+    for (int s = 0; s < 2; ++s)
+      for (int32_t x : h[static_cast<size_t>(s)]) z.at[static_cast<size_t>(s)][static_cast<size_t>(x)] = 0;
+  int64_t count[2] = {0, 0};
+  for (int s = 1; s >= 0; --s)
+    for (int32_t& e : z.at[static_cast<size_t>(s)])
+      if (e == 0) {
+        e = static_cast<int32_t>(z.n++);
+        ++count[s];
+      }
+  z.one_table = true;
+  for (const auto& h : pos)
+    for (int s = 1; s >= 0 && z.one_table; --s) {
+      const std::vector<int32_t>& x = h[static_cast<size_t>(s)];
+      const int64_t first = s ? 0 : count[1];
+      z.one_table = static_cast<int64_t>(x.size()) == count[s];
+      for (size_t k = 0; z.one_table && k < x.size(); ++k) z.one_table = z.of(s, x[k]) == first + static_cast<int64_t>(k);
+    }
+  return z;
+}
+
 std::vector<DevSeg> build_zip(Context& ctx, const CudaKV& C, const std::vector<const KVSegment*>& g,
-                              const quant::QuantPayload& p) {
+                              const quant::QuantPayload& p, const StagedZip* staged) {
   const int NKV = C.NKV, D = C.D;
   const auto& L = p.layout;
   if (static_cast<int>(p.k.size()) != NKV || static_cast<int>(p.v.size()) != NKV || L.hi_bits < 1 || L.hi_bits > 8 ||
@@ -257,26 +287,18 @@ std::vector<DevSeg> build_zip(Context& ctx, const CudaKV& C, const std::vector<c
   std::vector<std::vector<uint16_t>> vs(NKV), vz(NKV);
   bool one_table = false;
   if (L.shared_token_ranges) {
-    std::array<std::map<int32_t, int64_t>, 2> index;  // [subset] position → range
+    std::vector<std::array<std::vector<int32_t>, 2>> pos(static_cast<size_t>(NKV));
     for (int h = 0; h < NKV; ++h)
       for (int s = 0; s < 2; ++s)
-        for (int32_t i : sub[h][s]) index[s][gpos[h][static_cast<size_t>(i)]] = 0;
-    int64_t t = 0;
-    for (int s = 1; s >= 0; --s)
-      for (auto& e : index[s]) e.second = t++;
-    if (static_cast<int64_t>(p.tokens.scales.size()) != t || static_cast<int64_t>(p.tokens.zeros.size()) != t) return {};
-    one_table = true;
-    for (int h = 0; h < NKV; ++h)
-      for (int s = 1; s >= 0; --s) {
-        const int64_t first = s ? 0 : static_cast<int64_t>(index[1].size());
-        one_table = one_table && sub[h][s].size() == index[s].size();
-        for (size_t k = 0; one_table && k < sub[h][s].size(); ++k)
-          one_table = index[s].at(gpos[h][static_cast<size_t>(sub[h][s][k])]) == first + static_cast<int64_t>(k);
-      }
+        for (int32_t i : sub[h][s]) pos[static_cast<size_t>(h)][static_cast<size_t>(s)].push_back(gpos[h][static_cast<size_t>(i)]);
+    const ZipSlots slots = zip_slots(pos);
+    if (static_cast<int64_t>(p.tokens.scales.size()) != slots.n || static_cast<int64_t>(p.tokens.zeros.size()) != slots.n)
+      return {};
+    one_table = slots.one_table;
     for (int h = 0; h < NKV && !one_table; ++h)
       for (int s = 1; s >= 0; --s)
-        for (int32_t i : sub[h][s]) {
-          const int64_t r = index[s].at(gpos[h][static_cast<size_t>(i)]);
+        for (int32_t x : pos[static_cast<size_t>(h)][static_cast<size_t>(s)]) {
+          const int32_t r = slots.of(s, x);
           vs[h].push_back(p.tokens.scales[static_cast<size_t>(r)]);
           vz[h].push_back(p.tokens.zeros[static_cast<size_t>(r)]);
         }
@@ -299,15 +321,26 @@ std::vector<DevSeg> build_zip(Context& ctx, const CudaKV& C, const std::vector<c
     ctx.upload(a.mem.mem.get(), x.data(), b, what + " " + name);
     return a;
   };
-  const HeadArrays kc = up([&](int h) -> B { return p.k[h].codes; }, 1, "K codes");
-  const HeadArrays vc = up([&](int h) -> B { return p.v[h].codes; }, 1, "V codes");
-  const HeadArrays ks = up([&](int h) -> H { return p.k[h].scales; }, 2, "K scales");
-  const HeadArrays kz = up([&](int h) -> H { return p.k[h].zeros; }, 2, "K zeros");
-  const HeadArrays vsa = one_table ? shared(p.tokens.scales, "V token scales")
-                                   : up([&](int h) -> H { return own ? p.v[h].scales : vs[h]; }, 2, "V token scales");
-  const HeadArrays vza = one_table ? shared(p.tokens.zeros, "V token zeros")
-                                   : up([&](int h) -> H { return own ? p.v[h].zeros : vz[h]; }, 2, "V token zeros");
-  const HeadArrays vm = up([&](int h) -> H { return p.v[h].meta; }, 2, "V channel factors");
+  // Arrays made on the device for this payload (in the same layout) are taken where they are.
+  const bool take = staged && staged->payload == &p && staged->one_table == one_table;
+  auto made = [&](const StagedZip::Array& a) {
+    HeadArrays h;
+    h.off = a.head;
+    if (a.bytes > 0)
+      h.mem = {std::shared_ptr<void>(staged->mem.mem, static_cast<char*>(staged->mem.mem.get()) + a.at), a.bytes};
+    return h;
+  };
+  const HeadArrays kc = take ? made(staged->k_codes) : up([&](int h) -> B { return p.k[h].codes; }, 1, "K codes");
+  const HeadArrays vc = take ? made(staged->v_codes) : up([&](int h) -> B { return p.v[h].codes; }, 1, "V codes");
+  const HeadArrays ks = take ? made(staged->k_scales) : up([&](int h) -> H { return p.k[h].scales; }, 2, "K scales");
+  const HeadArrays kz = take ? made(staged->k_zeros) : up([&](int h) -> H { return p.k[h].zeros; }, 2, "K zeros");
+  const HeadArrays vsa = take ? made(copies ? staged->row_scales : staged->t_scales)
+                         : one_table ? shared(p.tokens.scales, "V token scales")
+                                     : up([&](int h) -> H { return own ? p.v[h].scales : vs[h]; }, 2, "V token scales");
+  const HeadArrays vza = take ? made(copies ? staged->row_zeros : staged->t_zeros)
+                         : one_table ? shared(p.tokens.zeros, "V token zeros")
+                                     : up([&](int h) -> H { return own ? p.v[h].zeros : vz[h]; }, 2, "V token zeros");
+  const HeadArrays vm = take ? made(staged->factors) : up([&](int h) -> H { return p.v[h].meta; }, 2, "V channel factors");
   const HeadArrays kf = up([&](int h) -> B { return p.k[h].flags; }, 1, "salient flags");
   std::vector<DevSeg> out(g.size());
   for (size_t i = 0; i < g.size(); ++i) {

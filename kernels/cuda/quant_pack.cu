@@ -1,7 +1,8 @@
 // Quantize-and-pack on the device: the twins of quant::quantize_block (channel-wise / global and
 // token-wise ranges) and zipcache::cst_quantize, producing the same bytes in the same layout
 // (row j of codes at byte j·D·bits/8, code c at bits [c·bits, (c+1)·bits), LSB first) and the
-// same fp16 scales and zero points, so a cache packed here is read by the same decode kernel.
+// same fp16 scales and zero points, so a cache packed here is read by the same decode kernel;
+// and ZipCache's mixed-bit groups as zipcache::quantize_group makes them.
 // The arithmetic follows the host step by step: range (min/max, optional shrink), scale =
 // half((β − α)/(2^b − 1)), α = half(α), code = clamp(rint((x − α)/scale), 0, 2^b − 1).
 #include "kernels/cuda/common.cuh"
@@ -201,6 +202,127 @@ void channel_major_1bit(const uint8_t* rows, int heads, int n, int D, int64_t st
   channel_major_1bit_kernel<<<dim3(static_cast<unsigned>(std::max<int64_t>((work + 255) / 256, 1)), heads), 256, 0, s>>>(
       rows, n, D, stride, out);
   KV_LAUNCH("channel_major_1bit_kernel", std::to_string(heads) + "x" + std::to_string(n) + "x" + std::to_string(D));
+}
+
+namespace {
+
+// ---- ZipCache's mixed-bit groups (ZipQuantArgs) ----
+// Keys: channel blockIdx.x's range over block blockIdx.y's rows.
+__global__ void zip_key_range_kernel(const __half* x, int D, const ZipBlock* blocks, __half* scale, __half* zero) {
+  __shared__ float slo[32], shi[32];
+  const ZipBlock b = blocks[blockIdx.y];
+  const int ch = blockIdx.x;
+  float lo = INFINITY, hi = -INFINITY;
+  for (int i = threadIdx.x; i < b.n; i += blockDim.x) {
+    const float v = __half2float(x[static_cast<int64_t>(b.row0 + i) * D + ch]);
+    lo = fminf(lo, v);
+    hi = fmaxf(hi, v);
+  }
+  lo = -warp_max(-lo);
+  hi = warp_max(hi);
+  const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+  if (l == 0) {
+    slo[w] = lo;
+    shi[w] = hi;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int i = 1; i < static_cast<int>(blockDim.x >> 5); ++i) {
+      lo = fminf(lo, slo[i]);
+      hi = fmaxf(hi, shi[i]);
+    }
+    affine(lo, hi, b.bits, 1.0f, true, scale + b.range + ch, zero + b.range + ch);
+  }
+}
+
+// Values: CST factors of factor block blockIdx.y, one thread a channel.
+__global__ void zip_factor_kernel(const __half* v, int D, const ZipFactorBlock* blocks, __half* factor) {
+  const ZipFactorBlock f = blocks[blockIdx.y];
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= D) return;
+  float m = 0.0f;
+  for (int r = 0; r < f.n; ++r) m = fmaxf(m, fabsf(__half2float(v[static_cast<int64_t>(f.row0 + r) * D + c])));
+  const float s = __half2float(__float2half_rn(sqrtf(m)));
+  factor[f.at + c] = (s > 0.0f && isfinite(s)) ? __float2half_rn(s) : __float2half_rn(1.0f);
+}
+
+// Value token ranges: one warp a slot, over its rows' values divided by their blocks' factors.
+__global__ void zip_slot_range_kernel(const __half* v, int D, const ZipBlock* blocks, const int32_t* row_block,
+                                      const int32_t* slot_first, const int32_t* slot_rows, int n_slots,
+                                      const __half* factor, __half* scale, __half* zero) {
+  const int slot = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  if (slot >= n_slots) return;
+  float lo = INFINITY, hi = -INFINITY;
+  int bits = 1;
+  for (int k = slot_first[slot]; k < slot_first[slot + 1]; ++k) {
+    const int r = slot_rows[k];
+    const ZipBlock& b = blocks[row_block[r]];
+    bits = b.bits;
+    const __half* f = factor + b.factor;
+    for (int c = lane; c < D; c += 32) {
+      const float y = __fdiv_rn(__half2float(v[static_cast<int64_t>(r) * D + c]), __half2float(f[c]));
+      lo = fminf(lo, y);
+      hi = fmaxf(hi, y);
+    }
+  }
+  lo = -warp_max(-lo);
+  hi = warp_max(hi);
+  if (lane == 0) affine(lo, hi, bits, 1.0f, true, scale + slot, zero + slot);
+}
+
+// One thread per (row, 8 channels): the row's 8 key codes (its block's channel ranges) and 8
+// value codes (divided by the factors; its slot's range), each packed into `bits` bytes.
+__global__ void zip_pack_kernel(ZipQuantArgs a) {
+  const int D = a.D, chunks = D / 8;
+  const int64_t total = static_cast<int64_t>(a.N) * chunks;
+  for (int64_t i = threadIdx.x + static_cast<int64_t>(blockIdx.x) * blockDim.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int row = static_cast<int>(i / chunks), c0 = static_cast<int>(i % chunks) * 8;
+    const ZipBlock b = a.blocks[a.row_block[row]];
+    const int slot = a.row_slot[row];
+    const float ts = __half2float(a.t_scale[slot]), tz = __half2float(a.t_zero[slot]);
+    const __half* k = a.x + static_cast<int64_t>(row) * D + c0;
+    const __half* v = a.x + (static_cast<int64_t>(a.N) + row) * D + c0;
+    uint64_t wk = 0, wv = 0;
+    for (int c = 0; c < 8; ++c) {
+      const int64_t r = b.range + c0 + c;
+      const uint32_t ck = encode(__half2float(k[c]), __half2float(a.k_zero[r]), __half2float(a.k_scale[r]), b.bits);
+      const float y = __fdiv_rn(__half2float(v[c]), __half2float(a.factor[b.factor + c0 + c]));
+      const uint32_t cv = encode(y, tz, ts, b.bits);
+      wk |= static_cast<uint64_t>(ck) << (c * b.bits);
+      wv |= static_cast<uint64_t>(cv) << (c * b.bits);
+    }
+    const int64_t at = b.code + static_cast<int64_t>(row - b.row0) * (D * b.bits / 8) + (c0 / 8) * b.bits;
+    for (int j = 0; j < b.bits; ++j) {
+      a.k_codes[at + j] = static_cast<uint8_t>(wk >> (8 * j));
+      a.v_codes[at + j] = static_cast<uint8_t>(wv >> (8 * j));
+    }
+    if (a.row_scale && c0 == 0) {
+      a.row_scale[row] = a.t_scale[slot];
+      a.row_zero[row] = a.t_zero[slot];
+    }
+  }
+}
+
+}  // namespace
+
+void zip_quantize(const ZipQuantArgs& a, cudaStream_t s) {
+  check_shape(a.D, 1);
+  if (a.N == 0) return;
+  if (a.n_blocks > 65535 || a.n_factor_blocks > 65535)
+    throw InternalError("zip_quantize: at most 65535 blocks a launch, got " + std::to_string(a.n_blocks));
+  const std::string what = std::to_string(a.N) + "x" + std::to_string(a.D);
+  zip_key_range_kernel<<<dim3(a.D, a.n_blocks), 128, 0, s>>>(a.x, a.D, a.blocks, a.k_scale, a.k_zero);
+  KV_LAUNCH("zip_key_range_kernel", what);
+  const __half* v = a.x + static_cast<int64_t>(a.N) * a.D;
+  zip_factor_kernel<<<dim3((a.D + 127) / 128, a.n_factor_blocks), 128, 0, s>>>(v, a.D, a.factor_blocks, a.factor);
+  KV_LAUNCH("zip_factor_kernel", what);
+  zip_slot_range_kernel<<<(a.n_slots + 7) / 8, 256, 0, s>>>(v, a.D, a.blocks, a.row_block, a.slot_first, a.slot_rows,
+                                                            a.n_slots, a.factor, a.t_scale, a.t_zero);
+  KV_LAUNCH("zip_slot_range_kernel", what);
+  const int64_t total = static_cast<int64_t>(a.N) * (a.D / 8);
+  zip_pack_kernel<<<static_cast<unsigned>(std::min<int64_t>((total + 255) / 256, 8192)), 256, 0, s>>>(a);
+  KV_LAUNCH("zip_pack_kernel", what);
 }
 
 void cst_factors(const __half* x, int n, int D, __half* factor, cudaStream_t s) {

@@ -1,8 +1,9 @@
 // Compression methods acting on the device cache while the host store holds the layout alone,
 // against the same methods on host rows (fetched because an observer reads them): eviction
-// gathers on the device, CalibQuant quantizes there, LOOK-M assigns and merges there.
+// gathers on the device, CalibQuant and ZipCache quantize there, LOOK-M assigns and merges there.
 #include <gtest/gtest.h>
 
+#include <map>
 #include <memory>
 #include <string>
 
@@ -107,7 +108,9 @@ TEST(CudaModel, CodesQuantizedOnTheDeviceAreStoredWhereTheyWereMade) {
   NEED_GPU();
   SampleRun r = sample_run(8);
   Backend& be = r.gpu.backend();
-  for (const char* spec : {"calibquant:bits=1", "calibquant:bits=4", "stack:evict=snapkv,quant=calibquant,budget=0.4"}) {
+  for (const char* spec : {"calibquant:bits=1", "calibquant:bits=4", "stack:evict=snapkv,quant=calibquant,budget=0.4",
+                           "zipcache", "zipcache:value_token_range=head,ranges=segment",
+                           "stack:evict=snapkv,quant=zipcache,budget=0.4"}) {
     SCOPED_TRACE(spec);
     std::unique_ptr<DeviceKV> made = r.st.device->clone(), uploaded = r.st.device->clone();
     KVStore a = r.st.store;
@@ -146,13 +149,19 @@ TEST(CudaModel, CodesQuantizedOnTheDeviceAreStoredWhereTheyWereMade) {
     }
     KVStore b = a;
     int copies = 0;
-    for (int l = 0; l < b.n_layers(); ++l)
+    for (int l = 0; l < b.n_layers(); ++l) {
+      std::map<const SegmentPayload*, std::shared_ptr<SegmentPayload>> copy;  // (a group's segments share one)
       for (KVSegment& seg : b.layer(l).segments)
         if (const auto* p = dynamic_cast<const quant::QuantPayload*>(seg.payload.get())) {
-          seg.payload = std::make_shared<quant::QuantPayload>(*p);
-          ++copies;
+          std::shared_ptr<SegmentPayload>& c = copy[p];
+          if (!c) {
+            c = std::make_shared<quant::QuantPayload>(*p);
+            ++copies;
+          }
+          seg.payload = c;
         }
-    EXPECT_EQ(copies, r.layers) << "one quantized segment a layer";
+    }
+    EXPECT_GE(copies, r.layers) << "a quantized payload a layer at least";
     be.kv_sync(*made, a, -1);
     be.kv_sync(*uploaded, b, -1);
     EXPECT_EQ(made->bytes().total(), uploaded->bytes().total());
@@ -169,6 +178,48 @@ TEST(CudaModel, CodesQuantizedOnTheDeviceAreStoredWhereTheyWereMade) {
     ASSERT_EQ(x[0].step_logits.size(), x[1].step_logits.size());
     for (size_t i = 0; i < x[0].step_logits.size(); ++i)
       EXPECT_TRUE(x[0].step_logits[i] == x[1].step_logits[i]) << "step " << i << ": logits differ";
+  }
+}
+
+// ZipCache (each of its layouts, and stacked after an eviction) quantizes the prompt's rows where
+// they are (Backend::zip_quantize_rows) when the host store holds the layout alone, and a decode
+// shorter than its gap runs on the device alone: against the host's quantization of the same
+// fp16 rows (fetched because an observer reads them), the same layout and bytes, every array of
+// every payload byte for byte (the kernels do the host's arithmetic, Ops.ZipCacheQuantizeKernels),
+// and the same tokens, logits within one fp16 rounding.
+TEST(CudaModel, ZipCacheQuantizesOnTheDevice) {
+  NEED_GPU();
+  SampleRun r = sample_run(8);
+  for (const char* spec : {"zipcache", "zipcache:preset=official", "zipcache:value_token_range=head,high_bits=8,low_bits=1",
+                           "zipcache:ranges=segment,saliency_heads=shared", "stack:evict=snapkv,quant=zipcache,budget=0.4"}) {
+    SCOPED_TRACE(spec);
+    const TwoDecodes t = decode_on_layout_and_on_rows(r, spec);
+    expect_same_decode(t.y, t.x);
+    expect_same_layout(t.a, t.b);
+    // (reads no rows at prefill, and acts on no step: the decode without observers fetches none)
+    EXPECT_EQ(step_policy(make_policy(spec).get(), r.g.max_new_tokens), nullptr);
+    std::map<const SegmentPayload*, int> groups;
+    for (int l = 0; l < t.a.n_layers(); ++l)
+      for (size_t i = 0; i < t.a.layer(l).segments.size(); ++i) {
+        const auto* pa = dynamic_cast<const quant::QuantPayload*>(t.a.layer(l).segments[i].payload.get());
+        const auto* pb = dynamic_cast<const quant::QuantPayload*>(t.b.layer(l).segments[i].payload.get());
+        ASSERT_EQ(!pa, !pb) << "layer " << l << " segment " << i;
+        if (!pa || groups.count(pa)) continue;
+        groups[pa] = l;
+        EXPECT_EQ(t.a.layer(l).segments[i].storage, t.b.layer(l).segments[i].storage);
+        ASSERT_EQ(pa->k.size(), pb->k.size());
+        for (size_t h = 0; h < pa->k.size(); ++h) {
+          EXPECT_TRUE(pa->k[h].codes == pb->k[h].codes && pa->v[h].codes == pb->v[h].codes) << "layer " << l << " head " << h;
+          EXPECT_TRUE(pa->k[h].scales == pb->k[h].scales && pa->k[h].zeros == pb->k[h].zeros &&
+                      pa->k[h].flags == pb->k[h].flags)
+              << "layer " << l << " head " << h;
+          EXPECT_TRUE(pa->v[h].meta == pb->v[h].meta && pa->v[h].scales == pb->v[h].scales &&
+                      pa->v[h].zeros == pb->v[h].zeros)
+              << "layer " << l << " head " << h;
+        }
+        EXPECT_TRUE(pa->tokens.scales == pb->tokens.scales && pa->tokens.zeros == pb->tokens.zeros) << "layer " << l;
+      }
+    EXPECT_GE(static_cast<int>(groups.size()), r.layers) << "a quantized group a layer at least";
   }
 }
 

@@ -60,6 +60,9 @@ class StackPolicy : public KVPolicy {
   bool acts_on_decode() const override {
     return (evict_ && evict_->acts_on_decode()) || (quant_ && quant_->acts_on_decode());
   }
+  bool acts_on_decode_within(int new_tokens) const override {
+    return (evict_ && evict_->acts_on_decode_within(new_tokens)) || (quant_ && quant_->acts_on_decode_within(new_tokens));
+  }
   bool acts_at_step(const DecodeContext& ctx, const LayerKV& layer) const override {
     return (evict_ && evict_->acts_at_step(ctx, layer)) || (quant_ && quant_->acts_at_step(ctx, layer));
   }

@@ -28,6 +28,11 @@
 // `tokens` (salient tokens then regular, ascending positions). The payload's bytes are counted on
 // the group's first segment; every segment counts its int32 positions.
 //
+// On a device backend whose cache alone holds the prompt's rows (the host store keeps their
+// layout), the saliency and the flags are computed on the host from the probes' column sums, and
+// every layer's groups are quantized where the rows are (Backend::zip_quantize_rows, the same
+// bytes as on the host) before one wait; the cache stores them packed as they were made.
+//
 // Decode (Algorithm 3, streaming): new tokens stay dense (the cache's row storage); the queries of
 // probe tokens are kept (the last round(recent_ratio·gap) of each gap, plus each other token with
 // probability random_ratio, seeded). When `gap` new tokens have accumulated (at the step of the
@@ -60,6 +65,7 @@ namespace {
 
 using zipcache::Probe;
 using zipcache::Saliency;
+using zipcache::Flags;
 
 struct ZipOptions {
   int hi = 4, lo = 2;
@@ -87,71 +93,43 @@ std::vector<char> top_flags(const std::vector<double>& score, double ratio) {
   return f;
 }
 
-// Flags of a layer: [segment][KV head][row] (segments not quantized have empty entries).
-using Flags = std::vector<std::vector<std::vector<char>>>;
 
 class ZipCachePolicy : public KVPolicy {
  public:
   explicit ZipCachePolicy(const ZipOptions& o) : o_(o) {}
   std::string name() const override { return "zipcache"; }
   bool needs_prefill_attention() const override { return true; }
+  // On a device the prompt's rows are quantized where they are (Backend::zip_quantize_rows).
+  bool reads_rows() const override { return false; }
 
-  // Layers are independent (each its own probes, ranges and payload; the capture serialises the
-  // reductions they ask of it): quantized on threads of their own, the same result as in turn.
+  // Layers are independent (each its own probes, ranges and payload): their saliency reductions
+  // prepared together, then quantized on threads of their own (the same result as in turn) or,
+  // where the rows are in a device cache alone, there (every layer before one wait).
   void on_prefill(const std::vector<PrefillContext>& layers, KVStore& store) override {
-    parallel_for(static_cast<int>(layers.size()), 8, [&](int i) {
-      on_prefill_layer(layers[static_cast<size_t>(i)], store.layer(layers[static_cast<size_t>(i)].layer));
+    if (layers.empty()) return;
+    prepare(layers);
+    std::vector<Job> jobs;
+    for (const PrefillContext& c : layers) jobs.push_back({&c, &store.layer(c.layer)});
+    if (on_device(jobs)) {
+      quantize_on_device(jobs);
+      return;
+    }
+    parallel_for(static_cast<int>(jobs.size()), 8, [&](int i) {
+      quantize_on_host(*jobs[static_cast<size_t>(i)].ctx, *jobs[static_cast<size_t>(i)].layer);
     });
   }
 
   void on_prefill_layer(const PrefillContext& ctx, LayerKV& layer) override {
-    const int T = ctx.prompt_len, H = ctx.n_heads, KH = ctx.n_kv_heads, D = ctx.head_dim;
-    if (!ctx.attention)
-      throw InputError("zipcache: layer " + std::to_string(ctx.layer) + " has no prefill attention probabilities");
-    if (KH <= 0 || H % KH != 0)
-      throw InputError("zipcache: n_heads " + std::to_string(H) + " is not a multiple of n_kv_heads " + std::to_string(KH));
-    if (ctx.layer < static_cast<int>(streams_.size())) streams_[ctx.layer] = Stream{};  // new prompt
-    const std::vector<int> probes = zipcache::select_probes(o_.probe, T, ctx.token_kinds, ctx.token_ids,
-                                                            o_.recent, o_.random, o_.seed);
-    // Each query head's column sums over the probes, reduced where the attention is.
-    std::vector<double> sums(static_cast<size_t>(H) * T);
-    AttentionReduction red;
-    red.queries = probes;
-    red.column_sums = sums.data();
-    ctx.attention->reduce(ctx.layer, red);
-    std::vector<std::vector<double>> score(KH, std::vector<double>(T, 0.0));
-    for (int h = 0; h < H; ++h) {
-      const std::vector<double> s = zipcache::saliency_from_sums(sums.data() + static_cast<size_t>(h) * T, T, probes, o_.saliency);
-      for (int kh = 0; kh < KH; ++kh) {
-        if (!o_.shared && kh != h / (H / KH)) continue;
-        const double w = o_.shared ? 1.0 / H : 1.0 / (H / KH);
-        for (int i = 0; i < T; ++i) score[kh][i] += w * s[i];
-      }
-    }
-    // Rank every dense row of each KV head over all segments, by the saliency of its token.
-    Flags flags(layer.segments.size(), std::vector<std::vector<char>>(KH));
-    std::vector<size_t> dense;
-    for (size_t i = 0; i < layer.segments.size(); ++i)
-      if (layer.segments[i].dense()) dense.push_back(i);
-    for (int kh = 0; kh < KH; ++kh) {
-      std::vector<double> rs;
-      for (size_t i : dense)
-        for (int32_t p : layer.segments[i].heads.at(kh).pos) rs.push_back(p >= 0 && p < T ? score[kh][p] : 0.0);
-      const std::vector<char> f = top_flags(rs, o_.ratio);
-      size_t at = 0;
-      for (size_t i : dense) {
-        const int n = layer.segments[i].heads[kh].n();
-        flags[i][kh].assign(f.begin() + static_cast<std::ptrdiff_t>(at), f.begin() + static_cast<std::ptrdiff_t>(at + n));
-        at += n;
-      }
-    }
-    if (dense.empty()) return;
-    if (o_.segment_ranges) {
-      for (size_t i : dense) quantize_group(layer, {i}, flags, D);
-    } else {
-      quantize_group(layer, dense, flags, D);
-    }
+    const std::vector<Job> jobs{{&ctx, &layer}};
+    if (on_device(jobs))
+      quantize_on_device(jobs);
+    else
+      quantize_on_host(ctx, layer);
   }
+
+  // Before the first gap completes the streaming changes nothing (the probes it keeps are only
+  // read then): a decode of at most `gap` new tokens runs as one that acts at prefill alone.
+  bool acts_on_decode_within(int new_tokens) const override { return new_tokens > o_.gap; }
 
   void on_decode_step(const DecodeContext& ctx, LayerKV& layer) override {
     if (layer.segments.empty() || !layer.segments.back().dense()) return;
@@ -181,6 +159,147 @@ class ZipCachePolicy : public KVPolicy {
   }
 
  private:
+  struct Job {
+    const PrefillContext* ctx;
+    LayerKV* layer;
+  };
+
+  std::vector<int> probes(const PrefillContext& ctx) const {
+    return zipcache::select_probes(o_.probe, ctx.prompt_len, ctx.token_kinds, ctx.token_ids, o_.recent, o_.random,
+                                   o_.seed);
+  }
+  // Every layer's column sums over the probes in one pass where the capture can (the probes do
+  // not depend on the layer).
+  void prepare(const std::vector<PrefillContext>& layers) const {
+    const PrefillContext& c = layers.front();
+    if (!c.attention) return;
+    std::vector<int> ls;
+    for (const PrefillContext& x : layers) ls.push_back(x.layer);
+    c.attention->prepare(ls, probes(c));
+  }
+
+  // The layer's salient flags (Algorithm 2's Split): each token's saliency from the probes'
+  // column sums, per KV head (or shared), and the top r of every dense row of each KV head over
+  // all segments. `dense` gets the dense segments' indices. Starts a new prompt's stream.
+  Flags layer_flags(const PrefillContext& ctx, const LayerKV& layer, std::vector<size_t>& dense) {
+    const int T = ctx.prompt_len, H = ctx.n_heads, KH = ctx.n_kv_heads;
+    if (!ctx.attention)
+      throw InputError("zipcache: layer " + std::to_string(ctx.layer) + " has no prefill attention probabilities");
+    if (KH <= 0 || H % KH != 0)
+      throw InputError("zipcache: n_heads " + std::to_string(H) + " is not a multiple of n_kv_heads " + std::to_string(KH));
+    if (ctx.layer < static_cast<int>(streams_.size())) streams_[ctx.layer] = Stream{};  // new prompt
+    const std::vector<int> pr = probes(ctx);
+    // Each query head's column sums over the probes, reduced where the attention is.
+    const std::shared_ptr<const std::vector<double>> sums = ctx.attention->column_sums(ctx.layer, pr);
+    std::vector<std::vector<double>> score(KH, std::vector<double>(T, 0.0));
+    for (int h = 0; h < H; ++h) {
+      const std::vector<double> s = zipcache::saliency_from_sums(sums->data() + static_cast<size_t>(h) * T, T, pr, o_.saliency);
+      for (int kh = 0; kh < KH; ++kh) {
+        if (!o_.shared && kh != h / (H / KH)) continue;
+        const double w = o_.shared ? 1.0 / H : 1.0 / (H / KH);
+        for (int i = 0; i < T; ++i) score[kh][i] += w * s[i];
+      }
+    }
+    Flags flags(layer.segments.size(), std::vector<std::vector<char>>(KH));
+    dense.clear();
+    for (size_t i = 0; i < layer.segments.size(); ++i)
+      if (layer.segments[i].dense()) dense.push_back(i);
+    for (int kh = 0; kh < KH; ++kh) {
+      std::vector<double> rs;
+      for (size_t i : dense)
+        for (int32_t p : layer.segments[i].heads.at(kh).pos) rs.push_back(p >= 0 && p < T ? score[kh][p] : 0.0);
+      const std::vector<char> f = top_flags(rs, o_.ratio);
+      size_t at = 0;
+      for (size_t i : dense) {
+        const int n = layer.segments[i].heads[kh].n();
+        flags[i][kh].assign(f.begin() + static_cast<std::ptrdiff_t>(at), f.begin() + static_cast<std::ptrdiff_t>(at + n));
+        at += n;
+      }
+    }
+    return flags;
+  }
+  // The quantization groups of the dense segments: all of them (ranges=layer) or each alone.
+  std::vector<std::vector<size_t>> groups(const std::vector<size_t>& dense) const {
+    if (dense.empty()) return {};
+    if (!o_.segment_ranges) return {dense};
+    std::vector<std::vector<size_t>> g;
+    for (size_t i : dense) g.push_back({i});
+    return g;
+  }
+  zipcache::GroupSpec spec() const { return {o_.hi, o_.lo, o_.head_token_ranges, o_.layer_channel_scales}; }
+
+  void quantize_on_host(const PrefillContext& ctx, LayerKV& layer) {
+    std::vector<size_t> dense;
+    const Flags flags = layer_flags(ctx, layer, dense);
+    for (const std::vector<size_t>& g : groups(dense)) quantize_group(layer, g, flags, ctx.head_dim);
+  }
+
+  // Whether the layers' dense rows are in the device cache alone (their host segments hold the
+  // layout): then they are quantized there, on a backend that can.
+  static bool on_device(const std::vector<Job>& jobs) {
+    bool any = false;
+    for (const Job& j : jobs)
+      for (const KVSegment& s : j.layer->segments) any = any || (s.dense() && s.layout_only);
+    if (!any) return false;
+    const PrefillContext& c = *jobs.front().ctx;
+    if (!c.backend || !c.device || !c.backend->queues_reductions())
+      throw InternalError("zipcache: layer " + std::to_string(c.layer) +
+                          "'s rows are in the device cache alone, and its backend cannot quantize them there");
+    return true;
+  }
+
+  // Flags on threads, then every group's quantization queued on the device before one wait
+  // (Backend::zip_quantize_rows); each group's payload installed once its arrays have landed.
+  void quantize_on_device(const std::vector<Job>& jobs) {
+    struct Group {
+      LayerKV* layer;
+      std::vector<size_t> segs;
+      std::shared_ptr<quant::QuantPayload> p;
+    };
+    std::vector<std::vector<Group>> per_layer(jobs.size());
+    parallel_for(static_cast<int>(jobs.size()), 8, [&](int i) {
+      const Job& j = jobs[static_cast<size_t>(i)];
+      std::vector<size_t> dense;
+      const Flags flags = layer_flags(*j.ctx, *j.layer, dense);
+      for (const std::vector<size_t>& g : groups(dense)) {
+        auto p = std::make_shared<quant::QuantPayload>(j.ctx->n_kv_heads);
+        zipcache::mark_group(*j.layer, g, flags, spec(), *p);
+        per_layer[static_cast<size_t>(i)].push_back({j.layer, g, std::move(p)});
+      }
+    });
+    Backend& be = *jobs.front().ctx->backend;
+    std::vector<const Group*> queued;
+    auto install = [&] {
+      for (const Group* g : queued) zipcache::install_group(*g->layer, g->segs, spec(), g->p);
+    };
+    try {
+      be.queue_then_finish([&] {
+        for (size_t i = 0; i < jobs.size(); ++i)
+          for (const Group& g : per_layer[i]) {
+            std::vector<const KVSegment*> segs;
+            for (size_t x : g.segs) segs.push_back(&g.layer->segments[x]);
+            const PrefillContext& c = *jobs[i].ctx;
+            if (c.backend != &be || !c.device)
+              throw InternalError("zipcache: layers of one prefill on different backends");
+            if (!be.zip_quantize_rows(*c.device, c.layer, segs, *g.p))
+              throw InternalError("zipcache: the " + be.name() + " backend cannot quantize layer " +
+                                  std::to_string(c.layer) + "'s rows where they are");
+            queued.push_back(&g);
+          }
+      });
+    } catch (...) {
+      // The groups queued before the error keep their payloads (the device's arrays made for
+      // them name them), then the error goes on.
+      try {
+        install();
+      } catch (...) {
+        // (the first error is the one to report)
+      }
+      throw;
+    }
+    install();
+  }
+
   struct Stream {
     bool started = false;
     std::mt19937_64 rng;
@@ -247,138 +366,12 @@ class ZipCachePolicy : public KVPolicy {
     quantize_group(layer, {gi}, flags, D);
   }
 
-  // One row of a group: segment index and row within the segment's head.
-  struct Row {
-    size_t seg;
-    int i;
-  };
-
-  // Quantizes the dense segments `group` of `layer` together: flags[seg][h][row] = salient.
-  // K: ChannelQuant per KV head and subset; V: CSTQuant (see the file comment).
+  // The group's salient flags and bits, its quantization on the host rows, its payload.
   void quantize_group(LayerKV& layer, const std::vector<size_t>& group, const Flags& flags, int D) const {
-    const int KH = static_cast<int>(layer.segments.at(group.front()).heads.size());
-    auto p = std::make_shared<quant::QuantPayload>(KH);
-    auto hr = [&](int h, const Row& r) -> HeadRows& { return layer.segments[r.seg].heads[h]; };
-    // rows[h][s]: the rows of head h in subset s (1 salient, 0 regular), in group order.
-    std::vector<std::array<std::vector<Row>, 2>> rows(KH);
-    for (int h = 0; h < KH; ++h)
-      for (size_t g : group)
-        for (int i = 0; i < layer.segments[g].heads[h].n(); ++i)
-          rows[h][flags.at(g).at(h).at(i) ? 1 : 0].push_back({g, i});
-    const int bits[2] = {o_.lo, o_.hi};
-    // Keys: one channel-wise block per head and subset.
-    for (int h = 0; h < KH; ++h)
-      for (int s = 1; s >= 0; --s) {
-        const std::vector<Row>& R = rows[h][s];
-        std::vector<float> k(R.size() * D);
-        for (size_t t = 0; t < R.size(); ++t) std::copy_n(hr(h, R[t]).k.data() + static_cast<size_t>(R[t].i) * D, D, &k[t * D]);
-        quant::quantize_block(k.data(), static_cast<int>(R.size()), D, {bits[s], quant::Axis::PerChannel}, p->k[h]);
-        for (size_t t = 0; t < R.size(); ++t) std::copy_n(&k[t * D], D, hr(h, R[t]).k.data() + static_cast<size_t>(R[t].i) * D);
-      }
-    // Values: channel factors c[h][s][j] = sqrt(max |v_j|) over the subset (or the layer), fp16.
-    std::vector<std::array<std::vector<float>, 2>> c(KH);
-    for (int h = 0; h < KH; ++h) {
-      auto factors = [&](std::initializer_list<int> subsets) {
-        std::vector<float> v;
-        for (int s : subsets)
-          for (const Row& r : rows[h][s])
-            v.insert(v.end(), hr(h, r).v.data() + static_cast<size_t>(r.i) * D, hr(h, r).v.data() + static_cast<size_t>(r.i + 1) * D);
-        const std::vector<float> m = zipcache::channel_factors(v.data(), static_cast<int>(v.size() / D), D);
-        for (float x : m) p->v[h].meta.push_back(quant::to_half(x));
-        return m;
-      };
-      if (o_.layer_channel_scales) {
-        if (rows[h][0].empty() && rows[h][1].empty()) continue;
-        c[h][0] = c[h][1] = factors({0, 1});
-      } else {
-        for (int s = 1; s >= 0; --s)
-          if (!rows[h][s].empty()) c[h][s] = factors({s});
-      }
-    }
-    // The normalised row y = v / c of row r in head h, subset s.
-    auto normalised = [&](int h, int s, const Row& r) {
-      std::vector<float> y(D);
-      const float* v = hr(h, r).v.data() + static_cast<size_t>(r.i) * D;
-      for (int j = 0; j < D; ++j) y[j] = v[j] / c[h][s][j];
-      return y;
-    };
-    // Token ranges: per KV head (each row its own range), or one per (subset, position) over
-    // the rows of every head that holds the token in that subset.
-    std::map<std::pair<int, int32_t>, quant::Affine> shared;
-    if (!o_.head_token_ranges) {
-      for (int s = 1; s >= 0; --s) {
-        std::map<int32_t, std::pair<float, float>> mm;  // position → (min, max)
-        for (int h = 0; h < KH; ++h)
-          for (const Row& r : rows[h][s]) {
-            const std::vector<float> y = normalised(h, s, r);
-            auto it = mm.emplace(hr(h, r).pos[r.i], std::make_pair(INFINITY, -INFINITY)).first;
-            for (float x : y) it->second.first = std::min(it->second.first, x), it->second.second = std::max(it->second.second, x);
-          }
-        for (const auto& [pos, lohi] : mm) {
-          const quant::Affine a = quant::make_affine(lohi.first, lohi.second, bits[s]);
-          shared[{s, pos}] = a;
-          p->tokens.scales.push_back(quant::to_half(a.scale));
-          p->tokens.zeros.push_back(quant::to_half(a.alpha));
-        }
-      }
-    }
-    for (int h = 0; h < KH; ++h)
-      for (int s = 1; s >= 0; --s) {
-        const std::vector<Row>& R = rows[h][s];
-        if (o_.head_token_ranges) {  // Algorithm 1 on this head's rows of the subset
-          if (R.empty()) continue;
-          std::vector<float> v(R.size() * D);
-          for (size_t t = 0; t < R.size(); ++t) std::copy_n(hr(h, R[t]).v.data() + static_cast<size_t>(R[t].i) * D, D, &v[t * D]);
-          zipcache::cst_quantize(v.data(), static_cast<int>(R.size()), D, bits[s], p->v[h], c[h][s].data());
-          for (size_t t = 0; t < R.size(); ++t) std::copy_n(&v[t * D], D, hr(h, R[t]).v.data() + static_cast<size_t>(R[t].i) * D);
-          continue;
-        }
-        std::vector<uint32_t> codes(D);
-        for (const Row& r : R) {
-          const std::vector<float> y = normalised(h, s, r);
-          const quant::Affine& a = shared.at({s, hr(h, r).pos[r.i]});
-          float* v = hr(h, r).v.data() + static_cast<size_t>(r.i) * D;
-          for (int j = 0; j < D; ++j) {
-            codes[j] = quant::encode(y[j], a, bits[s]);
-            v[j] = quant::decode(codes[j], a) * c[h][s][j];
-          }
-          quant::pack(codes.data(), D, bits[s], p->v[h].codes);
-        }
-      }
-    // Salient flags (1 bit per row, segment order) and per-row bits.
-    for (int h = 0; h < KH; ++h) {
-      std::vector<uint32_t> f;
-      for (size_t g : group) {
-        HeadRows& r = layer.segments[g].heads[h];
-        r.bits.resize(static_cast<size_t>(r.n()));
-        for (int i = 0; i < r.n(); ++i) {
-          const bool sal = flags[g][h][i] != 0;
-          f.push_back(sal ? 1u : 0u);
-          r.bits[static_cast<size_t>(i)] = static_cast<uint8_t>(sal ? o_.hi : o_.lo);
-        }
-      }
-      quant::pack(f.data(), static_cast<int64_t>(f.size()), 1, p->k[h].flags);
-    }
-    install(layer, group, p);
-  }
-
-  // The group's segments share the payload; its bytes count on the first of them.
-  void install(LayerKV& layer, const std::vector<size_t>& group, const std::shared_ptr<quant::QuantPayload>& p) const {
-    p->layout.kind = quant::CodeLayout::Kind::ZipMixed;
-    p->layout.hi_bits = o_.hi;
-    p->layout.lo_bits = o_.lo;
-    p->layout.layer_factors = o_.layer_channel_scales;
-    p->layout.shared_token_ranges = !o_.head_token_ranges;
-    p->shrink_to_fit();
-    const std::string label = "zipcache q" + std::to_string(o_.hi) + "/q" + std::to_string(o_.lo);
-    for (size_t gi = 0; gi < group.size(); ++gi) {
-      KVSegment& s = layer.segments[group[gi]];
-      for (HeadRows& h : s.heads) quant::pad_annotations(h, 0);
-      s.storage = label;
-      s.payload = p;
-      s.bytes = gi == 0 ? p->allocated() : KVBytes{};
-      for (const HeadRows& h : s.heads) s.bytes.indices += 4LL * h.n();
-    }
+    auto p = std::make_shared<quant::QuantPayload>(static_cast<int>(layer.segments.at(group.front()).heads.size()));
+    zipcache::mark_group(layer, group, flags, spec(), *p);
+    zipcache::quantize_group(layer, group, flags, D, spec(), *p);
+    zipcache::install_group(layer, group, spec(), p);
   }
 
   ZipOptions o_;
@@ -394,6 +387,149 @@ Probe parse_probe(const std::string& s) {
 }
 
 }  // namespace
+
+namespace zipcache {
+
+namespace {
+// One row of a group: segment index and row within the segment's head.
+struct Row {
+  size_t seg;
+  int i;
+};
+}  // namespace
+
+void mark_group(LayerKV& layer, const std::vector<size_t>& group, const Flags& flags, const GroupSpec& o,
+                quant::QuantPayload& p) {
+  const int KH = static_cast<int>(layer.segments.at(group.front()).heads.size());
+  for (int h = 0; h < KH; ++h) {
+    std::vector<uint32_t> f;
+    for (size_t g : group) {
+      HeadRows& r = layer.segments[g].heads[h];
+      r.bits.resize(static_cast<size_t>(r.n()));
+      for (int i = 0; i < r.n(); ++i) {
+        const bool sal = flags.at(g).at(h).at(i) != 0;
+        f.push_back(sal ? 1u : 0u);
+        r.bits[static_cast<size_t>(i)] = static_cast<uint8_t>(sal ? o.hi : o.lo);
+      }
+    }
+    p.k[h].flags.clear();
+    quant::pack(f.data(), static_cast<int64_t>(f.size()), 1, p.k[h].flags);
+  }
+  p.layout.kind = quant::CodeLayout::Kind::ZipMixed;
+  p.layout.hi_bits = o.hi;
+  p.layout.lo_bits = o.lo;
+  p.layout.layer_factors = o.layer_factors;
+  p.layout.shared_token_ranges = !o.head_token_ranges;
+}
+
+void quantize_group(LayerKV& layer, const std::vector<size_t>& group, const Flags& flags, int D, const GroupSpec& o,
+                    quant::QuantPayload& payload) {
+  const int KH = static_cast<int>(layer.segments.at(group.front()).heads.size());
+  quant::QuantPayload* p = &payload;
+  auto hr = [&](int h, const Row& r) -> HeadRows& { return layer.segments[r.seg].heads[h]; };
+  // rows[h][s]: the rows of head h in subset s (1 salient, 0 regular), in group order.
+  std::vector<std::array<std::vector<Row>, 2>> rows(KH);
+  for (int h = 0; h < KH; ++h)
+    for (size_t g : group)
+      for (int i = 0; i < layer.segments[g].heads[h].n(); ++i)
+        rows[h][flags.at(g).at(h).at(i) ? 1 : 0].push_back({g, i});
+  const int bits[2] = {o.lo, o.hi};
+  // Keys: one channel-wise block per head and subset.
+  for (int h = 0; h < KH; ++h)
+    for (int s = 1; s >= 0; --s) {
+      const std::vector<Row>& R = rows[h][s];
+      std::vector<float> k(R.size() * D);
+      for (size_t t = 0; t < R.size(); ++t) std::copy_n(hr(h, R[t]).k.data() + static_cast<size_t>(R[t].i) * D, D, &k[t * D]);
+      quant::quantize_block(k.data(), static_cast<int>(R.size()), D, {bits[s], quant::Axis::PerChannel}, p->k[h]);
+      for (size_t t = 0; t < R.size(); ++t) std::copy_n(&k[t * D], D, hr(h, R[t]).k.data() + static_cast<size_t>(R[t].i) * D);
+    }
+  // Values: channel factors c[h][s][j] = sqrt(max |v_j|) over the subset (or the layer), fp16.
+  std::vector<std::array<std::vector<float>, 2>> c(KH);
+  for (int h = 0; h < KH; ++h) {
+    auto factors = [&](std::initializer_list<int> subsets) {
+      std::vector<float> v;
+      for (int s : subsets)
+        for (const Row& r : rows[h][s])
+          v.insert(v.end(), hr(h, r).v.data() + static_cast<size_t>(r.i) * D, hr(h, r).v.data() + static_cast<size_t>(r.i + 1) * D);
+      const std::vector<float> m = zipcache::channel_factors(v.data(), static_cast<int>(v.size() / D), D);
+      for (float x : m) p->v[h].meta.push_back(quant::to_half(x));
+      return m;
+    };
+    if (o.layer_factors) {
+      if (rows[h][0].empty() && rows[h][1].empty()) continue;
+      c[h][0] = c[h][1] = factors({0, 1});
+    } else {
+      for (int s = 1; s >= 0; --s)
+        if (!rows[h][s].empty()) c[h][s] = factors({s});
+    }
+  }
+  // The normalised row y = v / c of row r in head h, subset s.
+  auto normalised = [&](int h, int s, const Row& r) {
+    std::vector<float> y(D);
+    const float* v = hr(h, r).v.data() + static_cast<size_t>(r.i) * D;
+    for (int j = 0; j < D; ++j) y[j] = v[j] / c[h][s][j];
+    return y;
+  };
+  // Token ranges: per KV head (each row its own range), or one per (subset, position) over
+  // the rows of every head that holds the token in that subset.
+  std::map<std::pair<int, int32_t>, quant::Affine> shared;
+  if (!o.head_token_ranges) {
+    for (int s = 1; s >= 0; --s) {
+      std::map<int32_t, std::pair<float, float>> mm;  // position → (min, max)
+      for (int h = 0; h < KH; ++h)
+        for (const Row& r : rows[h][s]) {
+          const std::vector<float> y = normalised(h, s, r);
+          auto it = mm.emplace(hr(h, r).pos[r.i], std::make_pair(INFINITY, -INFINITY)).first;
+          for (float x : y) it->second.first = std::min(it->second.first, x), it->second.second = std::max(it->second.second, x);
+        }
+      for (const auto& [pos, lohi] : mm) {
+        const quant::Affine a = quant::make_affine(lohi.first, lohi.second, bits[s]);
+        shared[{s, pos}] = a;
+        p->tokens.scales.push_back(quant::to_half(a.scale));
+        p->tokens.zeros.push_back(quant::to_half(a.alpha));
+      }
+    }
+  }
+  for (int h = 0; h < KH; ++h)
+    for (int s = 1; s >= 0; --s) {
+      const std::vector<Row>& R = rows[h][s];
+      if (o.head_token_ranges) {  // Algorithm 1 on this head's rows of the subset
+        if (R.empty()) continue;
+        std::vector<float> v(R.size() * D);
+        for (size_t t = 0; t < R.size(); ++t) std::copy_n(hr(h, R[t]).v.data() + static_cast<size_t>(R[t].i) * D, D, &v[t * D]);
+        zipcache::cst_quantize(v.data(), static_cast<int>(R.size()), D, bits[s], p->v[h], c[h][s].data());
+        for (size_t t = 0; t < R.size(); ++t) std::copy_n(&v[t * D], D, hr(h, R[t]).v.data() + static_cast<size_t>(R[t].i) * D);
+        continue;
+      }
+      std::vector<uint32_t> codes(D);
+      for (const Row& r : R) {
+        const std::vector<float> y = normalised(h, s, r);
+        const quant::Affine& a = shared.at({s, hr(h, r).pos[r.i]});
+        float* v = hr(h, r).v.data() + static_cast<size_t>(r.i) * D;
+        for (int j = 0; j < D; ++j) {
+          codes[j] = quant::encode(y[j], a, bits[s]);
+          v[j] = quant::decode(codes[j], a) * c[h][s][j];
+        }
+        quant::pack(codes.data(), D, bits[s], p->v[h].codes);
+      }
+    }
+}
+
+void install_group(LayerKV& layer, const std::vector<size_t>& group, const GroupSpec& o,
+                   const std::shared_ptr<quant::QuantPayload>& p) {
+  p->shrink_to_fit();
+  const std::string label = "zipcache q" + std::to_string(o.hi) + "/q" + std::to_string(o.lo);
+  for (size_t gi = 0; gi < group.size(); ++gi) {
+    KVSegment& s = layer.segments[group[gi]];
+    for (HeadRows& h : s.heads) quant::pad_annotations(h, 0);
+    s.storage = label;
+    s.payload = p;
+    s.bytes = gi == 0 ? p->allocated() : KVBytes{};
+    for (const HeadRows& h : s.heads) s.bytes.indices += 4LL * h.n();
+  }
+}
+
+}  // namespace zipcache
 
 MethodSpec zipcache_method() {
   MethodSpec m;

@@ -469,3 +469,31 @@ TEST(ZipCache, PayloadDecodesAsItsCodeLayoutSays) {
     EXPECT_GE(groups, 2) << "the prompt and at least one streaming gap";
   }
 }
+
+// Streaming acts only once `gap` generated rows are followed by a new one (Algorithm 3): a decode
+// of new_tokens tokens appends new_tokens − 1 rows, so ZipCache says it acts within it
+// (acts_on_decode_within) exactly when those rows can complete a gap — and the decode loop,
+// which skips its steps' hook otherwise, loses nothing. Each step's hook is called here.
+TEST(ZipCache, ActsWithinADecodeOnlyWhenAGapCompletes) {
+  for (const int gap : {3, 4, 6}) {
+    for (int rows = 1; rows <= 2 * gap + 2; ++rows) {
+      SCOPED_TRACE("gap " + std::to_string(gap) + ", " + std::to_string(rows) + " rows appended");
+      Fixture f(3, 20, 4, 16, 500 + gap);
+      auto p = make_policy("zipcache:gap=" + std::to_string(gap));
+      f.prefill(*p);
+      f.decode(*p, rows);
+      int quantized = 0;  // generated segments the steps quantized
+      for (const KVSegment& s : f.store.layer(0).segments)
+        if (s.kind == SegmentKind::Generated && !s.dense()) ++quantized;
+      const bool acts = p->acts_on_decode_within(rows + 1);
+      if (!acts) EXPECT_EQ(quantized, 0) << "said it would not act, and did";
+      EXPECT_EQ(quantized > 0, rows >= gap + 1);
+      EXPECT_EQ(acts, rows + 1 > gap);
+    }
+  }
+  // In a stack, the quantization side's answer carries (an eviction acts at prefill alone), and
+  // a method with no such answer acts in any decode.
+  EXPECT_FALSE(make_policy("stack:evict=snapkv,quant=zipcache,gap=9")->acts_on_decode_within(9));
+  EXPECT_TRUE(make_policy("stack:evict=snapkv,quant=zipcache,gap=9")->acts_on_decode_within(10));
+  EXPECT_TRUE(make_policy("kivi")->acts_on_decode_within(2));
+}
