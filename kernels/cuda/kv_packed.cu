@@ -342,24 +342,31 @@ std::vector<DevSeg> build_zip(Context& ctx, const CudaKV& C, const std::vector<c
                                      : up([&](int h) -> H { return own ? p.v[h].zeros : vz[h]; }, 2, "V token zeros");
   const HeadArrays vm = take ? made(staged->factors) : up([&](int h) -> H { return p.v[h].meta; }, 2, "V channel factors");
   const HeadArrays kf = up([&](int h) -> B { return p.k[h].flags; }, 1, "salient flags");
+  // Every segment's positions in one upload, each segment holding its own part.
   std::vector<DevSeg> out(g.size());
+  std::vector<int32_t> pos;
+  std::vector<int64_t> first_pos;
   for (size_t i = 0; i < g.size(); ++i) {
     const KVSegment& s = *g[i];
     DevSeg& d = out[i];
     d = mirror(s, label, NKV, false);
-    std::vector<int32_t> pos;
+    first_pos.push_back(static_cast<int64_t>(pos.size()));
     for (int h = 0; h < NKV; ++h) {
       d.pos[h] = s.heads[h].pos;
       d.merged[h] = s.heads[h].merged;
       pos.insert(pos.end(), s.heads[h].pos.begin(), s.heads[h].pos.end());
     }
-    if (!pos.empty()) {
-      const int64_t b = static_cast<int64_t>(pos.size()) * 4;
-      DevMem P{ctx.alloc(b, what + " positions"), b};
-      ctx.upload(P.mem.get(), pos.data(), b, what + " positions");
-      d.mem.push_back(P);
-    }
-    d.bytes.indices = static_cast<int64_t>(pos.size()) * 4;
+  }
+  first_pos.push_back(static_cast<int64_t>(pos.size()));
+  DevMem all_pos;
+  if (!pos.empty()) {
+    all_pos = {ctx.alloc(static_cast<int64_t>(pos.size()) * 4, what + " positions"), static_cast<int64_t>(pos.size()) * 4};
+    ctx.upload(all_pos.mem.get(), pos.data(), all_pos.bytes, what + " positions");
+  }
+  for (size_t i = 0; i < g.size(); ++i) {
+    const int64_t n = first_pos[i + 1] - first_pos[i];
+    if (n > 0) out[i].mem.push_back({std::shared_ptr<void>(all_pos.mem, all_pos.as<int32_t>() + first_pos[i]), n * 4});
+    out[i].bytes.indices = n * 4;
   }
   DevSeg& first = out.front();
   for (int h = 0; h < NKV; ++h) {
