@@ -362,8 +362,50 @@ DecodeResult LlavaModel::decode(const PrefillState& st, KVPolicy* policy, const 
     return (opt.stop_at_eos && is_eos) || step + 1 >= opt.max_new_tokens ||
            pos + 1 > cfg_.text.max_position_embeddings;
   };
+  // Forwards from `s0` on, chained: forward `step` consumes generated token `step` (taken, at
+  // `pos`). While the host waits for its logits, the next forward is already running on the
+  // device from the token the device chose itself; it is launched whenever the caption cannot
+  // end before it for a reason known in advance.
+  auto chain_from = [&](int s0) {
+    bool ahead = false;
+    try {
+      check(s0 + 1);
+      int ticket = in_model(dir_, [&] { return text_.launch(tok, pos, s0, kv, steps, ws); });
+      ++pos;
+      for (int step = s0;; ++step) {
+        ahead = step + 2 < opt.max_new_tokens && pos + 1 <= cfg_.text.max_position_embeddings;
+        int next = -1;
+        if (ahead) {
+          before_ahead = cache_bytes();
+          next = in_model(dir_, [&] { return text_.launch(-1, pos, step + 1, kv, steps, ws); });
+        }
+        int device_tok = -1;
+        logits = in_model(dir_, [&] { return text_.collect(ticket, ws, device_tok); });
+        const bool end = take(step + 1);
+        if (device_tok != tok)
+          throw InternalError("decode: the device chose token " + std::to_string(device_tok) + " at step " +
+                              std::to_string(step + 1) + ", the host " + std::to_string(tok));
+        if (end) break;
+        if (next < 0) throw InternalError("decode: step " + std::to_string(step + 1) + " was not launched ahead");
+        check(step + 2);
+        ticket = next;
+        ++pos;
+      }
+    } catch (...) {
+      try {
+        be_->drop_readbacks();
+      } catch (...) {
+      }
+      throw;
+    }
+    if (ahead) {  // the caption ended at an EOS: the step launched past it is not part of it
+      be_->drop_readbacks();
+      dropped = true;
+    }
+  };
   // (!mirror: a device cache, and no observer or policy that needs the host rows)
-  const bool chain = opt.chain_steps && opt.temperature <= 0.0f && !mirror && be_->chains_steps();
+  const bool can_chain = opt.chain_steps && opt.temperature <= 0.0f && be_->chains_steps();
+  const bool chain = can_chain && !mirror;
   r.chained = chain && opt.max_new_tokens > 0;
   if (opt.max_new_tokens <= 0) {
     // nothing to generate
@@ -383,6 +425,15 @@ DecodeResult LlavaModel::decode(const PrefillState& st, KVPolicy* policy, const 
     if (can_record) text_.record_queries(ws, opt.max_new_tokens);
     for (int step = 0; !take(step); ++step) {
       check(step + 1);
+      if (device_alone && can_chain && step >= observed) {
+        // Past the last step an observer reads, the rest of the caption is chained on the device
+        // alone; the observed steps' events are handed over after it.
+        ws.record_slot = -1;
+        kv.mirror = false;
+        r.chained = true;
+        chain_from(step);
+        break;
+      }
       std::vector<AttentionObserver*> seen = decode_observers(observers, step);
       const bool record = can_record && !seen.empty() &&
                           std::all_of(seen.begin(), seen.end(), [](const AttentionObserver* o) {
@@ -419,44 +470,7 @@ DecodeResult LlavaModel::decode(const PrefillState& st, KVPolicy* policy, const 
     });
     r.handover_ms = ms_since(t2);
   } else if (!take(0)) {
-    // Forward `step` consumes generated token `step`. While the host waits for its logits, the
-    // next forward is already running on the device from the token the device chose itself; it
-    // is launched whenever the caption cannot end before it for a reason known in advance.
-    bool ahead = false;
-    try {
-      check(1);
-      int ticket = in_model(dir_, [&] { return text_.launch(tok, pos, 0, kv, steps, ws); });
-      ++pos;
-      for (int step = 0;; ++step) {
-        ahead = step + 2 < opt.max_new_tokens && pos + 1 <= cfg_.text.max_position_embeddings;
-        int next = -1;
-        if (ahead) {
-          before_ahead = cache_bytes();
-          next = in_model(dir_, [&] { return text_.launch(-1, pos, step + 1, kv, steps, ws); });
-        }
-        int device_tok = -1;
-        logits = in_model(dir_, [&] { return text_.collect(ticket, ws, device_tok); });
-        const bool end = take(step + 1);
-        if (device_tok != tok)
-          throw InternalError("decode: the device chose token " + std::to_string(device_tok) + " at step " +
-                              std::to_string(step + 1) + ", the host " + std::to_string(tok));
-        if (end) break;
-        if (next < 0) throw InternalError("decode: step " + std::to_string(step + 1) + " was not launched ahead");
-        check(step + 2);
-        ticket = next;
-        ++pos;
-      }
-    } catch (...) {
-      try {
-        be_->drop_readbacks();
-      } catch (...) {
-      }
-      throw;
-    }
-    if (ahead) {  // the caption ended at an EOS: the step launched past it is not part of it
-      be_->drop_readbacks();
-      dropped = true;
-    }
+    chain_from(0);
   }
   r.decode_ms = ms_since(t1);
   r.bytes_final = dropped ? before_ahead : cache_bytes();

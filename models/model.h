@@ -83,7 +83,7 @@ struct DecodeResult {
   KVBytes bytes_final;                 // (on a device backend: the device cache's bytes)
   double compress_ms = 0, decode_ms = 0;
   double handover_ms = 0;  // of decode_ms: events handed to observers after the steps ran (put off, recorded)
-  bool chained = false;                // the loop chained its steps (GenerateOptions::chain_steps)
+  bool chained = false;                // the loop chained its steps, all or those past the last observed one (GenerateOptions::chain_steps)
 };
 
 // What the views and reports need to know of a model, whatever its architecture.

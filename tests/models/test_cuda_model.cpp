@@ -449,6 +449,46 @@ TEST(CudaModel, ObservedStepsEndWhereTheObserversStop) {
   }
 }
 
+// Past the last step an observer reads, the rest of the caption is chained (each step launched
+// before the previous one's logits are back): the same tokens, every step's logits and the
+// cache's bytes as the unchained loop, and the observed steps' events the same bits, with and
+// without a method; an observer of every step keeps the loop unchained.
+TEST(CudaModel, StepsPastTheObservedOnesAreChained) {
+  NEED_GPU();
+  SampleRun r = sample_run(10);
+  for (const char* spec : {"", "snapkv", "zipcache"}) {
+    SCOPED_TRACE(spec);
+    DecodeResult x[2];
+    std::vector<std::unique_ptr<DecodeRecorder>> rec;
+    for (int chained = 0; chained < 2; ++chained) {
+      GenerateOptions g = r.g;
+      g.chain_steps = chained != 0;
+      rec.push_back(std::make_unique<DecodeRecorder>(2));
+      rec.push_back(std::make_unique<DecodeRecorder>(3, false));
+      auto p = *spec ? make_policy(spec) : nullptr;
+      x[chained] = r.gpu.decode(r.st, p.get(), g, {rec[rec.size() - 2].get(), rec.back().get()});
+    }
+    EXPECT_FALSE(x[0].chained);
+    EXPECT_TRUE(x[1].chained);
+    EXPECT_EQ(x[1].generated_ids, x[0].generated_ids);
+    EXPECT_EQ(x[1].step_logits, x[0].step_logits);
+    EXPECT_EQ(x[1].bytes_final.total(), x[0].bytes_final.total());
+    for (int i = 0; i < 2; ++i) {
+      const DecodeRecorder &a = *rec[static_cast<size_t>(i)], &b = *rec[static_cast<size_t>(i + 2)];
+      ASSERT_EQ(a.entries().size(), b.entries().size());
+      EXPECT_GT(a.entries().size(), 0u);
+      for (size_t k = 0; k < a.entries().size(); ++k) {
+        EXPECT_EQ(a.entries()[k].step, b.entries()[k].step);
+        EXPECT_EQ(a.entries()[k].probs, b.entries()[k].probs) << "step " << a.entries()[k].step;
+      }
+    }
+    DecodeRecorder every(100);
+    GenerateOptions g = r.g;
+    auto p = *spec ? make_policy(spec) : nullptr;
+    EXPECT_FALSE(r.gpu.decode(r.st, p.get(), g, {&every}).chained);
+  }
+}
+
 // Steps no observer reads between observed ones (record_only) run on the device alone, their
 // rows fetched to the host store together before the next observed step: the same tokens, bytes
 // and logits as an unobserved decode, exactly the steps named recorded, and each event's key
