@@ -51,13 +51,14 @@ bool begin_panel(const char* title, const PanelRect& r) {
                           ImGuiWindowFlags_NoSavedSettings | ImGuiWindowFlags_NoBringToFrontOnFocus);
 }
 
-bool path_field(const char* id, const char* hint, std::string& path) {
+bool path_field(const char* id, const char* hint, std::string& path, std::string& shown) {
   ImGuiStorage* store = ImGui::GetStateStorage();
   const ImGuiID key = ImGui::GetID(id);
   int mode = store->GetInt(key, 0);  // 0: the file name shown, 1: editing asked, 2: editing
   if (mode == 0 && !path.empty()) {
     const size_t slash = path.find_last_of('/');
     const std::string name = slash == std::string::npos || slash + 1 == path.size() ? path : path.substr(slash + 1);
+    shown = name;
     ImGui::PushStyleVar(ImGuiStyleVar_ButtonTextAlign, ImVec2(0.0f, 0.5f));
     ImGui::PushStyleColor(ImGuiCol_Button, ImGui::GetStyleColorVec4(ImGuiCol_FrameBg));
     ImGui::PushStyleColor(ImGuiCol_ButtonHovered, ImGui::GetStyleColorVec4(ImGuiCol_FrameBgHovered));
@@ -73,6 +74,7 @@ bool path_field(const char* id, const char* hint, std::string& path) {
     store->SetInt(key, 2);
   }
   const bool enter = ImGui::InputTextWithHint(id, hint, &path, ImGuiInputTextFlags_EnterReturnsTrue);
+  shown = path;
   if (ImGui::IsItemHovered() && !path.empty()) ImGui::SetTooltip("%s", path.c_str());
   if (mode == 2 && (enter || ImGui::IsItemDeactivated())) store->SetInt(key, 0);
   return enter;

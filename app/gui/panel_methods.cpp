@@ -52,8 +52,8 @@ void track_text(App& app, const std::string& key) {
   if (ImGui::IsItemDeactivated() && app.st.edits.active_text == key) app.st.edits.active_text.clear();
 }
 
-// One parameter widget, typed by `p` (the schema of the method that owns the value), writing
-// to `target` of instance `m`. `value` is the current text ("default" = p's default).
+}  // namespace
+
 // A parameter's name as the papers and the Calibration panel write it: tau1 → τ1, alpha2 → α2.
 std::string shown_name(const std::string& name) {
   static const std::pair<const char*, const char*> kGreek[] = {
@@ -66,6 +66,10 @@ std::string shown_name(const std::string& name) {
   return name;
 }
 
+namespace {
+
+// One parameter widget, typed by `p` (the schema of the method that owns the value), writing
+// to `target` of instance `m`. `value` is the current text ("default" = p's default).
 void param_widget(App& app, const MethodInstance& m, const ParamSpec& p, const std::string& target, std::string value) {
   const int id = m.id;
   if (value == "default") value = p.def;
@@ -199,6 +203,12 @@ void methods_panel(App& app, Ui&, const PanelRect& rect) {
       if (!ImGui::IsItemVisible()) ImGui::SetScrollHereY(1.0f);
       st.scroll_to_method = -1;
     }
+    // (each instance's header where it is in view, for scripted checks)
+    const std::string key = "method " + std::to_string(m.id);
+    if (ImGui::IsItemVisible())
+      st.drawn[key] = {ImGui::GetItemRectMin().x, ImGui::GetItemRectMin().y, ImGui::GetItemRectSize().x, ImGui::GetItemRectSize().y};
+    else
+      st.drawn.erase(key);
     if (ImGui::IsItemClicked()) st.views.method = m.id;
     if (open) {
       ImGui::Indent(8);

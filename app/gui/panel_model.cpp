@@ -17,7 +17,7 @@ void model_panel(App& app, Ui&, const PanelRect& rect) {
   State& st = app.st;
   if (st.edits.model_dir.empty() && st.inputs.model_dir.empty()) st.edits.model_dir = "";
   ImGui::SetNextItemWidth(-150 * figure_scale());
-  if (path_field("##modeldir", "embedded model (kvlens-scenes-6m)", st.edits.model_dir))
+  if (path_field("##modeldir", "embedded model (kvlens-scenes-6m)", st.edits.model_dir, st.shown["model_dir"]))
     app.open_model(st.edits.model_dir);
   ImGui::SameLine();
   if (ImGui::Button("Load")) app.open_model(st.edits.model_dir);

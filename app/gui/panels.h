@@ -52,8 +52,10 @@ void handle_shortcuts(App& app);
 // Small shared widgets.
 void help_marker(const char* text);
 // A path field: the file name (the whole path on hover) until clicked, then the path to edit.
-// True when Enter was pressed in it.
-bool path_field(const char* id, const char* hint, std::string& path);
+// True when Enter was pressed in it. `shown` gets the text the field shows.
+bool path_field(const char* id, const char* hint, std::string& path, std::string& shown);
+// A method parameter's name as the Methods panel shows it (as the papers write it: tau1 → τ1).
+std::string shown_name(const std::string& name);
 // What a panel without results shows: `computing` while the worker runs, why nothing can be
 // computed (in red) when the setup is blocked, else `idle`.
 void no_results(const App& app, const char* computing, const char* idle);

@@ -2,6 +2,7 @@
 
 #include "app/figures/figures_report.h"
 #include "app/gui/overlay.h"
+#include "app/gui/panels.h"
 
 #include <imgui.h>
 
@@ -299,8 +300,16 @@ void Script::run(App& app, const nlohmann::json& st) {
     nlohmann::json d;
     d["methods"] = nlohmann::json::array();
     for (const MethodInstance& m : app.st.methods)
-      d["methods"].push_back({{"label", m.label}, {"shown", app.display_name(m)}, {"spec", m.params.spec()},
+      d["methods"].push_back({{"id", m.id}, {"label", m.label}, {"shown", app.display_name(m)}, {"spec", m.params.spec()},
                               {"enabled", m.enabled}, {"error", m.error}});
+    // The Methods panel: what "Add" offers, and each instance's parameters by the names shown.
+    d["add_choice"] = methods()[static_cast<size_t>(app.st.edits.add_method)].name;
+    d["params_shown"] = nlohmann::json::object();
+    for (const MethodInstance& m : app.st.methods) {
+      nlohmann::json names = nlohmann::json::array();
+      for (const ParamSpec& p : find_method(m.params.method()).params) names.push_back(shown_name(p.name));
+      d["params_shown"][m.params.method()] = names;
+    }
     // The names the latest drag_param's instance went by while it lasted (one: it held still),
     // and the names the report's figures give the methods (their legends).
     d["drag_shown"] = drag_shown_;
@@ -313,6 +322,7 @@ void Script::run(App& app, const nlohmann::json& st) {
     // What the input boxes show, beside what the app analyses (they differ only while typing).
     d["fields"] = {{"model_dir", app.st.edits.model_dir}, {"image_path", app.st.edits.image_path},
                    {"prompt", app.st.edits.prompt}, {"max_new_tokens", app.st.edits.max_new_tokens}};
+    d["fields_shown"] = app.st.shown;  // (path fields: the file name until clicked)
     d["busy"] = app.busy();
     d["log_open"] = app.st.log_open;
     d["ui_scale"] = app.st.ui_scale;

@@ -22,7 +22,9 @@
 //   screenshot {path}            the window as PNG, after the frame settles
 //   export_figures {dir, formats?, csv?, all?}
 //   dump_state {path}            the app's state and results as JSON (for checks): the inputs
-//                                analysed and the "fields" the input boxes show, busy, blocked
+//                                analysed, the "fields" the input boxes hold and "fields_shown"
+//                                what the path fields show, busy, blocked, what "Add" offers,
+//                                the parameters' shown names, where things were "drawn"
 //   expect_message {contains}    a message since the last check must contain the text (else exit 1)
 //   timing {label}               prints "kvlens-gui timing: ..." (edit → result latency, frame rates)
 //   quit

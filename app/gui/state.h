@@ -171,6 +171,9 @@ struct State {
   // scripted checks of screenshots; "model_facts" holds the width the Model panel's facts need and
   // "model_panel" the width it has.
   std::map<std::string, std::vector<float>> drawn;
+  // What a field showed in the last frame where it differs from what it holds (a path field's
+  // file name: "image_path", "model_dir").
+  std::map<std::string, std::string> shown;
   bool quit = false;
   bool log_open = false;  // the message log in a window of its own
 };

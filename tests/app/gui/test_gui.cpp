@@ -402,6 +402,46 @@ TEST(Gui, CalibrationFiguresKeepTheirHeightAt1280x800) {
   EXPECT_GE(st["drawn"]["image_panel"][2].get<double>(), 240.0) << "the left column at 1280x800";
 }
 
+// At 1280×800 the Methods panel scrolls an instance just added into view (its header is drawn,
+// the first one's no longer); "Add" offers a compression method, not the full cache; parameters
+// are named as the papers write them (τ1, not tau1); and the path fields show the file's name
+// (the whole path on hover).
+TEST(Gui, MethodsPanelAndPathFieldsShowWhatAResearcherReads) {
+  const std::string dir = kt::make_temp_dir("gui_methods");
+  kt::write_file(dir + "/my_scene.png", kt::read_file(kt::source_dir() + "/assets/images/scene_001.png"));
+  json steps = {{"steps",
+                 {{{"do", "open_image"}, {"path", dir + "/my_scene.png"}},
+                  {{"do", "open_model"}, {"path", kt::source_dir() + "/assets/models/kvlens-scenes-6m"}},
+                  {{"do", "wait_results"}}}}};
+  for (const char* spec : {"snapkv", "h2o", "lookm", "pyramidkv", "streamingllm", "zipcache", "kivi", "uniform",
+                           "calibquant:bits=2", "vlcache"})
+    steps["steps"].push_back({{"do", "add_method"}, {"spec", spec}});
+  steps["steps"].push_back({{"do", "frames"}, {"n", 3}});
+  steps["steps"].push_back({{"do", "dump_state"}, {"path", "methods.json"}});
+  steps["steps"].push_back({{"do", "quit"}});
+  if (!kGui) GTEST_SKIP() << "kvlens-gui is not built (KVLENS_GUI=OFF or its packages are missing)";
+  if (kt::run("command -v xvfb-run").code != 0) GTEST_SKIP() << "xvfb-run is not installed (./setup.sh --tests installs xvfb)";
+  kt::write_file(dir + "/steps.json", steps.dump(1));
+  const kt::RunResult r = kt::run("cd " + dir + " && HOME=" + dir + " XDG_STATE_HOME=" + dir +
+                                  "/state xvfb-run -a -s '-screen 0 1920x1200x24' " + kGui +
+                                  " --size 1280x800 --script steps.json");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const json st = load(dir + "/methods.json");
+  const json& ms = st["methods"];
+  ASSERT_GE(ms.size(), 11u);
+  const std::string last = "method " + std::to_string(ms.back()["id"].get<int>());
+  const std::string first = "method " + std::to_string(ms.front()["id"].get<int>());
+  EXPECT_TRUE(st["drawn"].contains(last)) << "the instance just added is in view: " << st["drawn"].dump();
+  EXPECT_FALSE(st["drawn"].contains(first)) << "the list is longer than the panel (so it scrolled)";
+  EXPECT_NE(st["add_choice"], "full");
+  const json& cq = st["params_shown"]["calibquant"];
+  for (const char* name : {"τ1", "τ2"}) EXPECT_NE(std::find(cq.begin(), cq.end(), name), cq.end()) << cq.dump();
+  EXPECT_EQ(std::find(cq.begin(), cq.end(), "tau1"), cq.end()) << cq.dump();
+  EXPECT_EQ(st["fields_shown"]["image_path"], "my_scene.png");
+  EXPECT_EQ(st["fields_shown"]["model_dir"], "kvlens-scenes-6m");
+  EXPECT_EQ(st["fields"]["image_path"], dir + "/my_scene.png") << "the field holds the whole path";
+}
+
 TEST(Gui, LogWindowListsEveryMessage) {
   const std::string dir = kt::make_temp_dir("gui_log");
   kt::write_file(dir + "/corrupt.json", "{\"kvlens_session\": 2, \"methods\": [");
