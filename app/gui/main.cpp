@@ -267,6 +267,7 @@ int main(int argc, char** argv) {
       const float top = ImGui::GetFrameHeight();
       const kvlens::gui::PanelLayout l = kvlens::gui::layout_panels(io.DisplaySize, top);
       const kvlens::gui::Views views_before = app.st.views;
+      app.st.cut_texts.clear();  // (the panels list this frame's)
       kvlens::gui::image_panel(app, ui, l.image);
       kvlens::gui::model_panel(app, ui, l.model);
       kvlens::gui::session_panel(app, ui, l.session);
@@ -299,6 +300,11 @@ int main(int argc, char** argv) {
         script.screenshot_taken();
       }
       glfwSwapBuffers(window);
+      {
+        const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - frame_start).count();
+        double& f = app.st.timing.frame_ms;
+        f = f > 0 ? 0.9 * f + 0.1 * ms : ms;
+      }
       ui.textures.end_frame();
       app.autosave();
       if (scripted && script.failed()) {

@@ -90,10 +90,10 @@ void calibration_panel(App& app, Ui& ui, const PanelRect& rect) {
   const int ri = app.report_index(m->id);
   if (now && ri >= 0 && s->report) {
     const auto& mj = (*s->report)["methods"][ri];
-    ImGui::Text("softmax MSE: layer %d %s · mean %s · caption %s", v.calib_layer,
-                fig::format_value(mj["layers"][v.calib_layer]["softmax_mse"].get<double>()).c_str(),
-                fig::format_value(mj["mean_softmax_mse"].get<double>()).c_str(),
-                mj["same_as_full"].get<bool>() ? "= full cache" : "≠ full cache");
+    fitted_text(app, "softmax MSE: layer " + std::to_string(v.calib_layer) + " " +
+                         fig::format_value(mj["layers"][v.calib_layer]["softmax_mse"].get<double>()) + " · mean " +
+                         fig::format_value(mj["mean_softmax_mse"].get<double>()) + " · caption " +
+                         (mj["same_as_full"].get<bool>() ? "= full cache" : "≠ full cache"));
   } else {
     ImGui::TextColored(ImVec4(0.55f, 0.4f, 0.05f, 1), "histogram recalibrated from stored scores; re-decoding for caption and MSE…");
   }

@@ -104,11 +104,42 @@ void token_slider(const char* id, App& app, int source, int& token, const char* 
   ImGui::SliderInt(id, &token, 0, n - 1, (std::string(prefix) + " %d: '" + tok + "'").c_str());
 }
 
+namespace {
+
+// The right edge of what the current window shows.
+float visible_right() { return ImGui::GetWindowPos().x + ImGui::GetWindowContentRegionMax().x; }
+
+// The last item cut `text`: listed for this frame, and shown whole on hover.
+void note_cut(App& app, const std::string& text) {
+  app.st.cut_texts.push_back(text);
+  if (ImGui::IsItemHovered()) ImGui::SetTooltip("%s", text.c_str());
+}
+
+}  // namespace
+
+void fitted_text(App& app, const std::string& text, bool disabled, const ImVec4* colour) {
+  if (colour) ImGui::PushStyleColor(ImGuiCol_Text, *colour);
+  if (disabled)
+    ImGui::TextDisabled("%s", text.c_str());
+  else
+    ImGui::TextUnformatted(text.c_str());
+  if (colour) ImGui::PopStyleColor();
+  if (ImGui::GetItemRectMax().x > visible_right() + 0.5f) note_cut(app, text);
+}
+
+void preview_tooltip(App& app, const std::string& preview) {
+  const float room = ImGui::GetItemRectSize().x - ImGui::GetFrameHeight() - 2 * ImGui::GetStyle().FramePadding.x;
+  if (ImGui::CalcTextSize(preview.c_str()).x > room + 0.5f || ImGui::GetItemRectMax().x > visible_right() + 0.5f)
+    note_cut(app, preview);
+}
+
 bool instance_combo(const char* label, App& app, int& id, const char* none, bool only_enabled) {
   std::string preview = none ? none : "";
   if (const MethodInstance* m = app.find(id)) preview = app.display_name(*m);
   bool changed = false;
-  if (ImGui::BeginCombo(label, preview.c_str())) {
+  const bool open = ImGui::BeginCombo(label, preview.c_str());
+  preview_tooltip(app, preview);
+  if (open) {
     if (none && ImGui::Selectable(none, id == -1)) {
       id = -1;
       changed = true;
@@ -251,7 +282,11 @@ void status_bar(App& app, ImVec2 pos, ImVec2 size) {
   ImGui::SameLine(260 * k);
   if (app.st.timing.last_latency_ms >= 0) ImGui::Text("edit → result %.0f ms", app.st.timing.last_latency_ms);
   ImGui::SameLine(440 * k);
-  ImGui::Text("%.0f frames/s", ImGui::GetIO().Framerate);
+  // What a frame takes to make, not how often one is made (the app sleeps while nothing changes).
+  ImGui::Text("frame %.0f ms", app.st.timing.frame_ms);
+  if (ImGui::IsItemHovered())
+    ImGui::SetTooltip("time to make one frame (%.0f frames/s at most); the app redraws only when something changes",
+                      app.st.timing.frame_ms > 0 ? 1000.0 / app.st.timing.frame_ms : 0.0);
   if (!app.st.messages.empty()) {
     const Message& m = app.st.messages.back();
     ImGui::SameLine(560 * k);

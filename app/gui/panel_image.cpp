@@ -119,6 +119,7 @@ void image_panel(App& app, Ui& ui, const PanelRect& rect) {
   const float w = ImGui::GetContentRegionAvail().x;
   ImGui::SetNextItemWidth(w * 0.5f);
   if (ImGui::Combo("##overlay", &ov, overlays, 5)) v.overlay = static_cast<Overlay>(ov);
+  preview_tooltip(app, overlays[static_cast<int>(v.overlay)]);
   ImGui::SameLine();
   ImGui::SetNextItemWidth(w * 0.26f);
   ImGui::SliderFloat("##opacity", &v.overlay_opacity, 0, 1, "opacity %.2f");

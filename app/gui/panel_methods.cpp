@@ -213,7 +213,7 @@ void methods_panel(App& app, Ui&, const PanelRect& rect) {
     if (open) {
       ImGui::Indent(8);
       const MethodSpec& spec = find_method(m.params.method());
-      ImGui::TextDisabled("%s", spec.summary.c_str());
+      fitted_text(app, spec.summary, true);
       const std::string lkey = "label/" + std::to_string(m.id);
       std::string& label = text_buffer(app, lkey, m.label);
       ImGui::SetNextItemWidth(ImGui::GetContentRegionAvail().x * 0.62f);

@@ -88,7 +88,9 @@ void plots_panel(App& app, Ui& ui, const PanelRect& rect) {
   const std::vector<PlotEntry> entries = plot_entries(app);
   v.plot = std::clamp(v.plot, 0, static_cast<int>(entries.size()) - 1);
   ImGui::SetNextItemWidth(ImGui::GetContentRegionAvail().x * 0.45f);
-  if (ImGui::BeginCombo("##plot", entries[v.plot].name.c_str())) {
+  const bool open = ImGui::BeginCombo("##plot", entries[v.plot].name.c_str());
+  preview_tooltip(app, entries[v.plot].name);
+  if (open) {
     for (size_t i = 0; i < entries.size(); ++i)
       if (ImGui::Selectable(entries[i].name.c_str(), static_cast<int>(i) == v.plot)) v.plot = static_cast<int>(i);
     ImGui::EndCombo();

@@ -54,6 +54,12 @@ void help_marker(const char* text);
 // A path field: the file name (the whole path on hover) until clicked, then the path to edit.
 // True when Enter was pressed in it. `shown` gets the text the field shows.
 bool path_field(const char* id, const char* hint, std::string& path, std::string& shown);
+// A line of text (greyed with `disabled`, else in `colour` when given); where the panel's width
+// cuts it, hovering shows the whole line, and it is listed in st.cut_texts for the frame.
+void fitted_text(App& app, const std::string& text, bool disabled = false, const ImVec4* colour = nullptr);
+// Right after a combo (or another framed item) showing `preview`: where its width cuts the
+// preview, hovering shows the whole of it (listed as cut too).
+void preview_tooltip(App& app, const std::string& preview);
 // A method parameter's name as the Methods panel shows it (as the papers write it: tau1 → τ1).
 std::string shown_name(const std::string& name);
 // What a panel without results shows: `computing` while the worker runs, why nothing can be

@@ -133,6 +133,9 @@ struct Timing {
   std::vector<double> build_ms;
   bool measuring = false;  // set by the driver while a drag runs
   int frames = 0;
+  // The time to make one frame (the app's work, building it, rasterizing, presenting) — not the
+  // time between frames: the app draws only when something changes. A moving average.
+  double frame_ms = 0;
 };
 
 struct State {
@@ -174,6 +177,8 @@ struct State {
   // What a field showed in the last frame where it differs from what it holds (a path field's
   // file name: "image_path", "model_dir").
   std::map<std::string, std::string> shown;
+  // Texts the panels' widths cut in the last frame (each shows the whole on hover).
+  std::vector<std::string> cut_texts;
   bool quit = false;
   bool log_open = false;  // the message log in a window of its own
 };

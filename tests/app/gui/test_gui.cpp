@@ -371,7 +371,8 @@ TEST(Gui, PlotViewHidesSeriesAndSwitchesTheYScale) {
 // the Session panel, listing every message (two refused inputs here).
 // At 1280×800 the Calibration panel is shorter than its two figures want: each keeps at least
 // kMinFigureHeight (the panel scrolls) instead of g(x) shrinking to a strip; the Model panel is
-// narrower than its facts two a row: one a row, none cut; the image keeps kMinImageSide.
+// narrower than its facts two a row: one a row, none cut; the image keeps kMinImageSide; what
+// the widths cut shows whole on hover.
 TEST(Gui, CalibrationFiguresKeepTheirHeightAt1280x800) {
   const std::string dir = kt::make_temp_dir("gui_small");
   const json steps = {{"steps",
@@ -400,6 +401,14 @@ TEST(Gui, CalibrationFiguresKeepTheirHeightAt1280x800) {
   ASSERT_TRUE(st["drawn"].contains("image") && st["drawn"].contains("image_panel")) << st["drawn"].dump();
   EXPECT_GE(st["drawn"]["image"][2].get<double>(), std::min(240.0, st["drawn"]["image_panel"][2].get<double>()));
   EXPECT_GE(st["drawn"]["image_panel"][2].get<double>(), 240.0) << "the left column at 1280x800";
+  // Texts the widths cut show their whole on hover, here the Calibration panel's result line and
+  // the overlay's choice; the status bar gives the time to make a frame.
+  const json& cut = st["cut_texts"];
+  EXPECT_TRUE(std::any_of(cut.begin(), cut.end(), [](const json& t) {
+    return t.get<std::string>().rfind("softmax MSE: layer 1 ", 0) == 0 && t.get<std::string>().find("caption") != std::string::npos;
+  })) << cut.dump();
+  EXPECT_NE(std::find(cut.begin(), cut.end(), "attention of a token"), cut.end()) << cut.dump();
+  EXPECT_GT(st["frame_ms"].get<double>(), 0.0);
 }
 
 // At 1280×800 the Methods panel scrolls an instance just added into view (its header is drawn,
