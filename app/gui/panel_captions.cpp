@@ -76,14 +76,28 @@ void captions_panel(App& app, Ui&, const PanelRect& rect) {
     ImGui::TableSetupColumn("caption (differences highlighted)", ImGuiTableColumnFlags_WidthStretch, 0.56f);
     ImGui::TableSetupColumn("KV bytes · MSE · time", ImGuiTableColumnFlags_WidthStretch, 0.24f);
     ImGui::TableHeadersRow();
+    // Where each row lies and what the table shows of them (for scripted checks): a row's top
+    // when it starts, its bottom the lowest of its columns' ends.
+    const ImVec2 view_at = ImGui::GetWindowPos(), view_size = ImGui::GetWindowSize();
+    app.st.drawn["captions_view"] = {view_at.x, view_at.y, view_size.x, view_size.y};
+    float row_top = 0, row_bottom = 0;
+    auto row_start = [&] { row_top = row_bottom = ImGui::GetCursorScreenPos().y; };
+    auto column_end = [&] { row_bottom = std::max(row_bottom, ImGui::GetCursorScreenPos().y); };
+    auto row_end = [&](const std::string& key) {
+      column_end();
+      app.st.drawn["caption row " + key] = {view_at.x, row_top, view_size.x, row_bottom - row_top};
+    };
     ImGui::TableNextRow();
     ImGui::TableNextColumn();
+    row_start();
     ImGui::TextUnformatted("full cache");
     ImGui::TableNextColumn();
     draw_words(fw, {}, -1, "");
+    column_end();
     ImGui::TableNextColumn();
     ImGui::Text("%.0f KiB fp16 (1×)", full_bytes / 1024);
     ImGui::TextDisabled("decode %.0f ms", rep["timings_ms"]["decode"].get<double>());
+    row_end("full");
     for (size_t i = 0; i < s->runs.size(); ++i) {
       const RunResult& r = s->runs[i];
       const auto& m = rep["methods"][i];
@@ -91,11 +105,13 @@ void captions_panel(App& app, Ui&, const PanelRect& rect) {
       ImGui::PushID(r.id);
       ImGui::TableNextRow();
       ImGui::TableNextColumn();
+      row_start();
       const bool stale = !app.result(r.id);
       if (ImGui::Selectable((inst ? app.display_name(*inst) : m["short_spec"].get<std::string>()).c_str(),
                             app.st.views.method == r.id))
         app.st.views.method = r.id;
       if (stale) ImGui::TextDisabled("updating…");
+      column_end();
       ImGui::TableNextColumn();
       const std::string cap = m["caption"].get<std::string>();
       const std::vector<std::string> mw = caption_words(cap);
@@ -123,12 +139,14 @@ void captions_panel(App& app, Ui&, const PanelRect& rect) {
         ImGui::TextDisabled("↳ diverges at token %d", pos);
         if (ImGui::IsItemHovered()) ImGui::SetTooltip("%s", tip.c_str());
       }
+      column_end();
       ImGui::TableNextColumn();
       ImGui::Text("%.0f KiB (%.2f×)", m["bytes_after_prefill"]["total"].get<double>() / 1024,
                   m["compression_vs_fp16"].get<double>());
       ImGui::Text("MSE %s", fig::format_value(m["mean_softmax_mse"].get<double>()).c_str());
       ImGui::TextDisabled("compress %.1f ms", m["timings_ms"]["compress"].get<double>());
       ImGui::TextDisabled("decode %.0f ms", m["timings_ms"]["decode"].get<double>());
+      row_end(std::to_string(r.id));
       ImGui::PopID();
     }
     for (const auto& [id, e] : s->run_errors) {

@@ -32,7 +32,8 @@ PanelLayout layout_panels(ImVec2 size, float top) {
   l.image = {{0, top}, {c1, image_h}};
   l.model = {{0, top + image_h}, {c1, model_h}};
   l.session = {{0, top + image_h + model_h}, {c1, session_h}};
-  const float plots_h = H * 0.58f;
+  // On a short window Captions, whose rows wrap to several lines, gets half the column.
+  const float plots_h = H * (H < 900 * k ? 0.5f : 0.58f);
   l.plots = {{x2, top}, {c2, plots_h}};
   l.captions = {{x2, top + plots_h}, {c2, H - plots_h}};
   const float calib_h = H * 0.58f;

@@ -372,7 +372,8 @@ TEST(Gui, PlotViewHidesSeriesAndSwitchesTheYScale) {
 // At 1280×800 the Calibration panel is shorter than its two figures want: each keeps at least
 // kMinFigureHeight (the panel scrolls) instead of g(x) shrinking to a strip; the Model panel is
 // narrower than its facts two a row: one a row, none cut; the image keeps kMinImageSide; what
-// the widths cut shows whole on hover.
+// the widths cut shows whole on hover; Captions gets half the column (whole rows of the full
+// cache and two instances at least).
 TEST(Gui, CalibrationFiguresKeepTheirHeightAt1280x800) {
   const std::string dir = kt::make_temp_dir("gui_small");
   const json steps = {{"steps",
@@ -409,6 +410,15 @@ TEST(Gui, CalibrationFiguresKeepTheirHeightAt1280x800) {
   })) << cut.dump();
   EXPECT_NE(std::find(cut.begin(), cut.end(), "attention of a token"), cut.end()) << cut.dump();
   EXPECT_GT(st["frame_ms"].get<double>(), 0.0);
+  // Captions shows the full cache's row and at least two instances' rows whole.
+  ASSERT_TRUE(st["drawn"].contains("captions_view")) << st["drawn"].dump();
+  const json& view = st["drawn"]["captions_view"];
+  const double top = view[1].get<double>(), bottom = top + view[3].get<double>();
+  int whole = 0;
+  for (const auto& [key, r] : st["drawn"].items())
+    if (key.rfind("caption row ", 0) == 0 && r[1].get<double>() >= top && r[1].get<double>() + r[3].get<double>() <= bottom)
+      ++whole;
+  EXPECT_GE(whole, 3) << st["drawn"].dump();
 }
 
 // At 1280×800 the Methods panel scrolls an instance just added into view (its header is drawn,
