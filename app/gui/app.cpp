@@ -553,7 +553,10 @@ void App::load_recent() {
         for (const auto& v : j[key])
           if (v.is_string()) out->push_back(v.get<std::string>());
     if (j.is_object() && j.contains("ui_scale"))
+    {
       st.ui_scale = static_cast<float>(json_real(j["ui_scale"], path + ": ui_scale", kMinUiScale, kMaxUiScale));
+      st.ui_scale_saved = true;
+    }
   } catch (const InputError& e) {
     error(e.what());
   }

@@ -83,6 +83,11 @@ std::vector<Prim> magnified(const std::vector<Prim>& prims, double s) {
 void set_figure_scale(float scale) { g_scale = std::clamp(scale, 0.5f, 4.0f); }
 float figure_scale() { return g_scale; }
 
+double figure_magnification(ImVec2 size) {
+  const double room = std::min(size.x / g_scale / 720.0, size.y / g_scale / 450.0);
+  return g_scale * std::clamp(room, 1.0, 3.0);
+}
+
 double imgui_text_width(const std::string& s, double size) {
   return ImGui::GetFont()->CalcTextSizeA(static_cast<float>(size), FLT_MAX, 0.0f, s.c_str()).x;
 }
@@ -169,7 +174,9 @@ bool draw_figure(const char* id, const fig::Figure& f, ImVec2 size, fig::View& v
   const bool hovered = ImGui::IsItemHovered();
   const bool active = ImGui::IsItemActive();
   // Laid out at the logical size, drawn magnified by the UI scale; the pointer in logical pixels.
-  const double k = g_scale;
+  // Where the panel gives a figure more room than the exports' 720 × 450, its text, lines and
+  // markers grow with it (up to 3×), so that it reads as the exported figure does at any size.
+  const double k = figure_magnification(size);
   const fig::Frame fr = fig::draw(f, size.x / k, size.y / k, imgui_text_width, view);
   if (drawn_y) *drawn_y = fr.y;
   ImDrawList* dl = ImGui::GetWindowDrawList();

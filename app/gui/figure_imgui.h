@@ -39,6 +39,10 @@ double imgui_text_width(const std::string& text, double size);
 // magnified, so its text grows with the app's fonts. 1 = as laid out.
 void set_figure_scale(float scale);
 float figure_scale();
+// The magnification a figure drawn at `size` (pixels) gets: the UI scale, times the room beyond
+// the exports' 720 × 450 (logical pixels) the panel gives it, 1 to 3 (its text grows with the
+// panel).
+double figure_magnification(ImVec2 size);
 // The least height (pixels at UI scale 1) a panel gives a figure: below it a plot's title, legend,
 // axis labels and note leave no plot.
 constexpr float kMinFigureHeight = 180.0f;

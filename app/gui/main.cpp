@@ -15,6 +15,7 @@
 #include <GLFW/glfw3.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <chrono>
 #include <thread>
 #include <cstdio>
@@ -211,7 +212,14 @@ int main(int argc, char** argv) {
   int exit_code = 0;
   {
     kvlens::gui::App app(KVLENS_SOURCE_DIR);
-    if (ui_scale > 0) app.st.ui_scale = ui_scale;  // this run only: not saved
+    if (ui_scale > 0) {
+      app.st.ui_scale = ui_scale;  // this run only: not saved
+    } else if (!app.st.ui_scale_saved) {
+      // Until a UI scale is chosen, the monitor's content scale (2 on a HiDPI display).
+      float xs = 1, ys = 1;
+      glfwGetWindowContentScale(window, &xs, &ys);
+      app.st.ui_scale = std::clamp(std::max(xs, ys), 1.0f, kvlens::gui::kMaxUiScale);
+    }
     float applied_scale = 0;  // the scale the fonts and the style were built for
     kvlens::gui::Ui ui;
     glfwSetWindowUserPointer(window, &app);

@@ -324,7 +324,10 @@ void Script::run(App& app, const nlohmann::json& st) {
                    {"prompt", app.st.edits.prompt}, {"max_new_tokens", app.st.edits.max_new_tokens}};
     d["fields_shown"] = app.st.shown;
     d["cut_texts"] = app.st.cut_texts;  // (each shows its whole text on hover)
-    d["frame_ms"] = app.st.timing.frame_ms;  // (path fields: the file name until clicked)
+    d["frame_ms"] = app.st.timing.frame_ms;
+    // The Plots panel's figure: how much it is magnified (its text grows with the panel).
+    if (app.st.drawn.count("plot"))
+      d["plot_magnification"] = figure_magnification(ImVec2(app.st.drawn["plot"][2], app.st.drawn["plot"][3]));  // (path fields: the file name until clicked)
     d["busy"] = app.busy();
     d["log_open"] = app.st.log_open;
     d["ui_scale"] = app.st.ui_scale;

@@ -161,6 +161,7 @@ struct State {
   std::vector<std::string> recent_sessions, recent_images, recent_models;
   // The UI scale: fonts, widgets and figure text (View → UI scale; saved beside the recent files).
   float ui_scale = 1.0f;
+  bool ui_scale_saved = false;  // a UI scale chosen earlier (View → UI scale) was loaded
 
   std::vector<Message> messages;
   FileDialog dialog;
