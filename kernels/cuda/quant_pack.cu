@@ -37,9 +37,26 @@ struct HeadStrides {
 
 // Ranges over rows: one block per channel (chan_stride 1) or one block for all (0); one row of
 // blocks per head.
+// The block's range of every thread's (lo, hi), in thread 0's.
+__device__ __forceinline__ void block_range(float& lo, float& hi) {
+  __shared__ float slo[32], shi[32];
+  lo = -warp_max(-lo);
+  hi = warp_max(hi);
+  const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+  if (l == 0) {
+    slo[w] = lo;
+    shi[w] = hi;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0)
+    for (int i = 1; i < static_cast<int>(blockDim.x >> 5); ++i) {
+      lo = fminf(lo, slo[i]);
+      hi = fmaxf(hi, shi[i]);
+    }
+}
+
 __global__ void channel_range_kernel(const __half* x, int n, int D, int bits, int chan_stride, float shrink,
                                      int about_zero, __half* scale, __half* zero, HeadStrides hs) {
-  __shared__ float slo[32], shi[32];
   const int ch = blockIdx.x;
   x += blockIdx.y * hs.x;
   scale += blockIdx.y * hs.ranges;
@@ -51,19 +68,8 @@ __global__ void channel_range_kernel(const __half* x, int n, int D, int bits, in
     lo = fminf(lo, v);
     hi = fmaxf(hi, v);
   }
-  lo = -warp_max(-lo);
-  hi = warp_max(hi);
-  const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
-  if (l == 0) {
-    slo[w] = lo;
-    shi[w] = hi;
-  }
-  __syncthreads();
+  block_range(lo, hi);
   if (threadIdx.x == 0) {
-    for (int i = 1; i < static_cast<int>(blockDim.x >> 5); ++i) {
-      lo = fminf(lo, slo[i]);
-      hi = fmaxf(hi, shi[i]);
-    }
     affine(lo, hi, bits, shrink, about_zero != 0, scale + ch, zero + ch);
   }
 }
@@ -209,7 +215,6 @@ namespace {
 // ---- ZipCache's mixed-bit groups (ZipQuantArgs) ----
 // Keys: channel blockIdx.x's range over block blockIdx.y's rows.
 __global__ void zip_key_range_kernel(const __half* x, int D, const ZipBlock* blocks, __half* scale, __half* zero) {
-  __shared__ float slo[32], shi[32];
   const ZipBlock b = blocks[blockIdx.y];
   const int ch = blockIdx.x;
   float lo = INFINITY, hi = -INFINITY;
@@ -218,19 +223,8 @@ __global__ void zip_key_range_kernel(const __half* x, int D, const ZipBlock* blo
     lo = fminf(lo, v);
     hi = fmaxf(hi, v);
   }
-  lo = -warp_max(-lo);
-  hi = warp_max(hi);
-  const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
-  if (l == 0) {
-    slo[w] = lo;
-    shi[w] = hi;
-  }
-  __syncthreads();
+  block_range(lo, hi);
   if (threadIdx.x == 0) {
-    for (int i = 1; i < static_cast<int>(blockDim.x >> 5); ++i) {
-      lo = fminf(lo, slo[i]);
-      hi = fmaxf(hi, shi[i]);
-    }
     affine(lo, hi, b.bits, 1.0f, true, scale + b.range + ch, zero + b.range + ch);
   }
 }

@@ -42,16 +42,18 @@ const char* kGui = KVLENS_GUI_BINARY;
 const char* kGui = nullptr;
 #endif
 
-// Skips (visibly) where the app or Xvfb is missing; else runs `steps` in `dir`.
-#define RUN_GUI_OR_SKIP(dir, steps, out)                                                                    \
+// Skips (visibly) where the app or Xvfb is missing; else runs `steps` in `dir` on an Xvfb screen
+// of `screen` pixels with the app's extra arguments `args` (e.g. " --size 1280x800").
+#define RUN_GUI_SIZED_OR_SKIP(dir, steps, out, screen, args)                                                \
   do {                                                                                                      \
     if (!kGui) GTEST_SKIP() << "kvlens-gui is not built (KVLENS_GUI=OFF or its packages are missing)";     \
     if (kt::run("command -v xvfb-run").code != 0)                                                           \
       GTEST_SKIP() << "xvfb-run is not installed (./setup.sh --tests installs xvfb)";                       \
     kt::write_file(dir + "/steps.json", (steps).dump(1));                                                   \
-    out = kt::run("cd " + dir + " && HOME=" + dir + " XDG_STATE_HOME=" + dir + "/state xvfb-run -a -s '-screen 0 1920x1200x24' " + \
-                  kGui + " --script steps.json");                                                            \
+    out = kt::run("cd " + dir + " && HOME=" + dir + " XDG_STATE_HOME=" + dir + "/state xvfb-run -a -s '-screen 0 " + \
+                  std::string(screen) + "x24' " + kGui + std::string(args) + " --script steps.json");     \
   } while (0)
+#define RUN_GUI_OR_SKIP(dir, steps, out) RUN_GUI_SIZED_OR_SKIP(dir, steps, out, "1920x1200", "")
 
 json load(const std::string& path) { return json::parse(kt::read_file(path)); }
 
@@ -384,12 +386,8 @@ TEST(Gui, CalibrationFiguresKeepTheirHeightAt1280x800) {
                         {{"do", "frames"}, {"n", 3}},
                         {{"do", "dump_state"}, {"path", "small.json"}},
                         {{"do", "quit"}}}}};
-  if (!kGui) GTEST_SKIP() << "kvlens-gui is not built (KVLENS_GUI=OFF or its packages are missing)";
-  if (kt::run("command -v xvfb-run").code != 0) GTEST_SKIP() << "xvfb-run is not installed (./setup.sh --tests installs xvfb)";
-  kt::write_file(dir + "/steps.json", steps.dump(1));
-  const kt::RunResult r = kt::run("cd " + dir + " && HOME=" + dir + " XDG_STATE_HOME=" + dir +
-                                  "/state xvfb-run -a -s '-screen 0 1920x1200x24' " + kGui +
-                                  " --size 1280x800 --script steps.json");
+  kt::RunResult r;
+  RUN_GUI_SIZED_OR_SKIP(dir, steps, r, "1920x1200", " --size 1280x800");
   ASSERT_EQ(r.code, 0) << r.output;
   const json st = load(dir + "/small.json");
   ASSERT_TRUE(st["drawn"].contains("calibration_histogram")) << st["drawn"].dump();
@@ -434,12 +432,8 @@ TEST(Gui, FiguresGrowWithTheirPanelAt3840x2160) {
                         {{"do", "frames"}, {"n", 2}},
                         {{"do", "dump_state"}, {"path", "big.json"}},
                         {{"do", "quit"}}}}};
-  if (!kGui) GTEST_SKIP() << "kvlens-gui is not built (KVLENS_GUI=OFF or its packages are missing)";
-  if (kt::run("command -v xvfb-run").code != 0) GTEST_SKIP() << "xvfb-run is not installed (./setup.sh --tests installs xvfb)";
-  kt::write_file(dir + "/steps.json", steps.dump(1));
-  const kt::RunResult r = kt::run("cd " + dir + " && HOME=" + dir + " XDG_STATE_HOME=" + dir +
-                                  "/state xvfb-run -a -s '-screen 0 3900x2200x24' " + kGui +
-                                  " --size 3840x2160 --script steps.json");
+  kt::RunResult r;
+  RUN_GUI_SIZED_OR_SKIP(dir, steps, r, "3900x2200", " --size 3840x2160");
   ASSERT_EQ(r.code, 0) << r.output;
   const json st = load(dir + "/big.json");
   EXPECT_EQ(st["ui_scale"].get<double>(), 1.0);
@@ -466,12 +460,8 @@ TEST(Gui, MethodsPanelAndPathFieldsShowWhatAResearcherReads) {
   steps["steps"].push_back({{"do", "frames"}, {"n", 3}});
   steps["steps"].push_back({{"do", "dump_state"}, {"path", "methods.json"}});
   steps["steps"].push_back({{"do", "quit"}});
-  if (!kGui) GTEST_SKIP() << "kvlens-gui is not built (KVLENS_GUI=OFF or its packages are missing)";
-  if (kt::run("command -v xvfb-run").code != 0) GTEST_SKIP() << "xvfb-run is not installed (./setup.sh --tests installs xvfb)";
-  kt::write_file(dir + "/steps.json", steps.dump(1));
-  const kt::RunResult r = kt::run("cd " + dir + " && HOME=" + dir + " XDG_STATE_HOME=" + dir +
-                                  "/state xvfb-run -a -s '-screen 0 1920x1200x24' " + kGui +
-                                  " --size 1280x800 --script steps.json");
+  kt::RunResult r;
+  RUN_GUI_SIZED_OR_SKIP(dir, steps, r, "1920x1200", " --size 1280x800");
   ASSERT_EQ(r.code, 0) << r.output;
   const json st = load(dir + "/methods.json");
   const json& ms = st["methods"];
