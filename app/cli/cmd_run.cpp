@@ -124,6 +124,7 @@ void run_methods(const RunArgs& args) {
     save_session(a.save_session, s);
   }
   Experiment ex = start_experiment(model, img, a.opt);
+  ex.references = find_image_references(a.image.empty() ? default_image() : a.image);
   std::printf("%-44s %10s %7s %10s %9s  %s\n", "method", "KV bytes", "ratio", "softmaxMSE", "diverges", "caption");
   const std::string ref = std::string("full (") + row_storage_name(a.opt.kv_storage) + " reference)";
   const double full_bytes = static_cast<double>(ex.full.bytes_after_prefill.total());

@@ -104,7 +104,9 @@ const std::vector<ComparisonTable::Column>& comparison_columns() {
       {"output_error", "out err", "attention output relative error ‖o − ô‖ / ‖o‖, mean"},
       {"diverges_at", "diverges", "first generated token that differs from the full cache's (never: the same caption)"},
       {"compress_ms", "compress", "compression time, ms"},
-      {"decode_ms", "decode", "decode time, ms"}};
+      {"decode_ms", "decode", "decode time, ms"},
+      {"cider_d", "CIDEr-D", "CIDEr-D of the caption against the image's reference captions, with the dataset's "
+                             "document frequencies (when the image belongs to a caption dataset)"}};
   return c;
 }
 
@@ -113,6 +115,8 @@ const std::vector<ComparisonTable::Column>& comparison_columns() {
 ComparisonTable comparison_table(const nlohmann::json& report) {
   ComparisonTable t;
   t.columns = comparison_columns();
+  const bool cider = root(report).has("references");  // (else no CIDEr-D column)
+  if (!cider) t.columns.pop_back();
   const std::vector<std::string> names = method_labels(report);
   for (size_t i = 0; i < names.size(); ++i) {
     const J m = method_at(report, static_cast<int>(i));
@@ -124,6 +128,7 @@ ComparisonTable comparison_table(const nlohmann::json& report) {
                 m.at("mean_softmax_mse").num(), m.at("mean_softmax_kl").num(), m.at("mean_attn_output_rel_error").num(),
                 at >= 0 ? static_cast<double>(at) : std::nan(""), m.at("timings_ms").at("compress").num(),
                 m.at("timings_ms").at("decode").num()};
+    if (cider) r.values.push_back(m.has("cider_d") ? m.at("cider_d").num() : std::nan(""));
     t.rows.push_back(std::move(r));
   }
   return t;
@@ -157,6 +162,7 @@ void sort_comparison(ComparisonTable& t, const std::string& key, bool descending
   int col = -1;
   for (size_t i = 0; i < t.columns.size(); ++i)
     if (t.columns[i].key == key) col = static_cast<int>(i);
+  if (col < 0 && comparison_column(key)) return;  // a column this report lacks (CIDEr-D without references)
   if (col < 0) throw InputError("comparison table: no column '" + key + "'");
   std::stable_sort(t.rows.begin(), t.rows.end(), [&](const ComparisonTable::Row& a, const ComparisonTable::Row& b) {
     if (col == 0) return descending ? b.name < a.name : a.name < b.name;

@@ -46,7 +46,8 @@ struct ComparisonTable {
   std::vector<Row> rows;
 };
 // Columns: method, KV KiB after prefill, ratio to the fp16 full cache, mean softmax MSE, mean KL,
-// mean attention-output error, first divergence (generated token), compress ms, decode ms.
+// mean attention-output error, first divergence (generated token), compress ms, decode ms, and
+// CIDEr-D when the report has the image's references.
 ComparisonTable comparison_table(const nlohmann::json& report);
 // The table as CSV (RFC 4180): a header of the column keys, then one row per method in the
 // table's order, numbers with 9 significant digits, an empty field where there is no value;
@@ -55,7 +56,8 @@ std::string comparison_csv(const ComparisonTable& t);
 // Whether `key` names a column of comparison_table.
 bool comparison_column(const std::string& key);
 // Sorts the rows by the column `key` (the method column by name), ascending or descending; rows
-// without a value (NaN) go last either way, ties keep report order. InputError for an unknown key.
+// without a value (NaN) go last either way, ties keep report order; a column this table lacks
+// (CIDEr-D without references) leaves the order. InputError for an unknown key.
 void sort_comparison(ComparisonTable& t, const std::string& key, bool descending);
 
 enum class LayerMetric { SoftmaxMse, SoftmaxKl, OutputError, SparsityDecode };

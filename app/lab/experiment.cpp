@@ -193,6 +193,10 @@ nlohmann::json experiment_base_json(const Model& model, const Experiment& ex, co
                                            : 0.0},
                {"sparsity_prefill", ex.sparsity_prefill},
                {"sparsity_decode", ex.sparsity_decode_full}};
+  if (ex.references) {
+    j["references"] = {{"annotations", ex.references->annotations}, {"captions", ex.references->refs.size()}};
+    j["full"]["cider_d"] = ex.references->cider_d(ex.full.text);
+  }
   j["cache_hit_rate"] = to_json(ex.hit_rates);
   const int T = static_cast<int>(ex.prefill.ids.size());
   if (!ex.attention.empty()) {
@@ -219,6 +223,7 @@ nlohmann::json method_run_json(const Model& model, const Experiment& ex, const M
     m["caption"] = r.result.text;
     m["generated_ids"] = r.result.generated_ids;
     m["same_as_full"] = r.result.generated_ids == ex.full.generated_ids;
+    if (ex.references) m["cider_d"] = ex.references->cider_d(r.result.text);
     m["bytes_after_prefill"] = to_json(r.result.bytes_after_prefill);
     m["bytes_final"] = to_json(r.result.bytes_final);
     m["compression_vs_fp16"] = r.compression_vs_fp16;

@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "app/lab/references.h"
 #include "core/diagnostics/diagnostics.h"
 #include "core/compress/method.h"
 #include "models/model.h"
@@ -78,6 +79,9 @@ struct Experiment {
   // ([attention_rows + attention_steps][attention_cols]; AttentionReduction::map's blocks).
   int attention_steps = 0, attention_rows = 0, attention_cols = 0;
   std::vector<std::vector<float>> attention;
+  // The image's reference captions (find_image_references; null: none): each caption's CIDEr-D
+  // goes into the report.
+  std::shared_ptr<const ImageReferences> references;
 
   PrefillView view() const;
 };

@@ -346,6 +346,7 @@ void Worker::loop() {
           b->first_visual = at == ids.end() ? 0 : static_cast<int>(at - ids.begin());
           auto rec = std::make_shared<VisualAttentionRecorder>(b->first_visual, facts_->visual_tokens);
           auto ex = std::make_shared<Experiment>(start_experiment(*model_, img, opt, {rec.get()}));
+          ex->references = find_image_references(s.image_path);  // (CIDEr-D where the image has them)
           b->patches = rec;
           b->pieces = pieces_of(*model_, ex->full.generated_ids);
           b->json = std::make_shared<const nlohmann::json>(experiment_base_json(*model_, *ex, opt));

@@ -150,63 +150,84 @@ double rouge_l_score(const TokenizedCorpus& c) {
   return s.empty() ? 0.0 : sum / s.size();
 }
 
+namespace {
+
+constexpr double kSigma = 6.0;
+
+struct CiderVec {
+  std::array<std::unordered_map<std::string, double>, kMaxN> w;
+  std::array<double, kMaxN> norm{};
+  double bigrams = 0;
+};
+
+CiderVec cider_vec(const CiderDocuments& d, const Counts& counts) {
+  CiderVec v;
+  for (const auto& [g, tf] : counts) {
+    const auto it = d.df.find(g);
+    const double idf = d.log_images - std::log(std::max(1.0, it == d.df.end() ? 0.0 : it->second));
+    const int n = order(g) - 1;
+    const double x = tf * idf;
+    v.w[n][g] = x;
+    v.norm[n] += x * x;
+    if (n == 1) v.bigrams += tf;
+  }
+  for (double& x : v.norm) x = std::sqrt(x);
+  return v;
+}
+
+double cider_d_counts(const CiderDocuments& d, const std::vector<Counts>& refs, const Counts& cand) {
+  const CiderVec h = cider_vec(d, cand);
+  std::array<double, kMaxN> sum{};
+  for (const Counts& rc : refs) {
+    const CiderVec r = cider_vec(d, rc);
+    const double delta = h.bigrams - r.bigrams;
+    for (int n = 0; n < kMaxN; ++n) {
+      double val = 0;
+      for (const auto& [g, x] : h.w[n]) {
+        const auto it = r.w[n].find(g);
+        const double y = it == r.w[n].end() ? 0.0 : it->second;
+        val += std::min(x, y) * y;
+      }
+      if (h.norm[n] != 0 && r.norm[n] != 0) val /= h.norm[n] * r.norm[n];
+      sum[n] += val * std::exp(-(delta * delta) / (2 * kSigma * kSigma));
+    }
+  }
+  double mean = 0;
+  for (double x : sum) mean += x / kMaxN;
+  return mean / refs.size() * 10.0;
+}
+
+std::vector<Counts> ref_counts(const std::vector<std::string>& refs) {
+  std::vector<Counts> out;
+  for (const std::string& r : refs) out.push_back(ngram_counts(split_whitespace(r)));
+  return out;
+}
+
+}  // namespace
+
+CiderDocuments cider_documents(const std::vector<std::vector<std::string>>& refs) {
+  CiderDocuments d;
+  for (const std::vector<std::string>& image : refs) {
+    std::set<std::string> seen;
+    for (const Counts& c : ref_counts(image))
+      for (const auto& kv : c) seen.insert(kv.first);
+    for (const std::string& g : seen) d.df[g] += 1;
+  }
+  d.log_images = std::log(static_cast<double>(refs.size()));
+  return d;
+}
+
+double cider_d_one(const CiderDocuments& d, const std::vector<std::string>& refs, const std::string& cand) {
+  if (refs.empty()) throw InputError("CIDEr-D: a candidate without references");
+  return cider_d_counts(d, ref_counts(refs), ngram_counts(split_whitespace(cand)));
+}
+
 std::vector<double> cider_d_per_image(const TokenizedCorpus& c) {
   check(c);
-  constexpr double kSigma = 6.0;
-  std::vector<std::vector<Counts>> refs(c.refs.size());
-  std::vector<Counts> cands;
-  std::unordered_map<std::string, double> df;  // images whose references hold the n-gram
-  for (size_t i = 0; i < c.refs.size(); ++i) {
-    std::set<std::string> seen;
-    for (const std::string& r : c.refs[i]) {
-      refs[i].push_back(ngram_counts(split_whitespace(r)));
-      for (const auto& kv : refs[i].back()) seen.insert(kv.first);
-    }
-    for (const std::string& g : seen) df[g] += 1;
-    cands.push_back(ngram_counts(split_whitespace(c.cands[i])));
-  }
-  const double log_images = std::log(static_cast<double>(c.refs.size()));
-  struct Vec {
-    std::array<std::unordered_map<std::string, double>, kMaxN> w;
-    std::array<double, kMaxN> norm{};
-    double bigrams = 0;
-  };
-  auto to_vec = [&](const Counts& counts) {
-    Vec v;
-    for (const auto& [g, tf] : counts) {
-      const auto it = df.find(g);
-      const double idf = log_images - std::log(std::max(1.0, it == df.end() ? 0.0 : it->second));
-      const int n = order(g) - 1;
-      const double x = tf * idf;
-      v.w[n][g] = x;
-      v.norm[n] += x * x;
-      if (n == 1) v.bigrams += tf;
-    }
-    for (double& x : v.norm) x = std::sqrt(x);
-    return v;
-  };
+  const CiderDocuments d = cider_documents(c.refs);
   std::vector<double> scores;
-  for (size_t i = 0; i < cands.size(); ++i) {
-    const Vec h = to_vec(cands[i]);
-    std::array<double, kMaxN> sum{};
-    for (const Counts& rc : refs[i]) {
-      const Vec r = to_vec(rc);
-      const double delta = h.bigrams - r.bigrams;
-      for (int n = 0; n < kMaxN; ++n) {
-        double val = 0;
-        for (const auto& [g, x] : h.w[n]) {
-          const auto it = r.w[n].find(g);
-          const double y = it == r.w[n].end() ? 0.0 : it->second;
-          val += std::min(x, y) * y;
-        }
-        if (h.norm[n] != 0 && r.norm[n] != 0) val /= h.norm[n] * r.norm[n];
-        sum[n] += val * std::exp(-(delta * delta) / (2 * kSigma * kSigma));
-      }
-    }
-    double mean = 0;
-    for (double x : sum) mean += x / kMaxN;
-    scores.push_back(mean / refs[i].size() * 10.0);
-  }
+  for (size_t i = 0; i < c.cands.size(); ++i)
+    scores.push_back(cider_d_counts(d, ref_counts(c.refs[i]), ngram_counts(split_whitespace(c.cands[i]))));
   return scores;
 }
 

@@ -14,6 +14,7 @@
 #pragma once
 #include <array>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace kvlens {
@@ -28,6 +29,18 @@ struct TokenizedCorpus {
 std::array<double, 4> bleu_scores(const TokenizedCorpus& c);
 double rouge_l_score(const TokenizedCorpus& c);
 double cider_d_score(const TokenizedCorpus& c);
+
+// CIDEr-D's document frequencies: for each n-gram, the number of images whose references hold
+// it, over `refs` (one list of tokenized references per image), and log of the image count.
+struct CiderDocuments {
+  std::unordered_map<std::string, double> df;
+  double log_images = 0;
+};
+CiderDocuments cider_documents(const std::vector<std::vector<std::string>>& refs);
+// One tokenized candidate's CIDEr-D against its tokenized references with the frequencies `d`
+// (what cider_d_per_image gives that image when `d` comes from the same corpus). Throws
+// InputError without references.
+double cider_d_one(const CiderDocuments& d, const std::vector<std::string>& refs, const std::string& cand);
 
 // Per-image values (pycocoevalcap's imgToEval).
 std::vector<double> rouge_l_per_image(const TokenizedCorpus& c);

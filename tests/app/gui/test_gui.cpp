@@ -445,13 +445,16 @@ TEST(Gui, FiguresGrowWithTheirPanelAt3840x2160) {
 
 // At 1280×800 the Methods panel scrolls an instance just added into view (its header is drawn,
 // the first one's no longer); "Add" offers a compression method, not the full cache; parameters
-// are named as the papers write them (τ1, not tau1); and the path fields show the file's name
-// (the whole path on hover).
+// are named as the papers write them (τ1, not tau1); the path fields show the file's name (the
+// whole path on hover); and an image of a caption dataset gives the comparison table CIDEr-D.
 TEST(Gui, MethodsPanelAndPathFieldsShowWhatAResearcherReads) {
   const std::string dir = kt::make_temp_dir("gui_methods");
-  kt::write_file(dir + "/my_scene.png", kt::read_file(kt::source_dir() + "/assets/images/scene_001.png"));
+  // An image of a scene set: its reference captions give the comparison table a CIDEr-D column.
+  const kt::RunResult set = kt::run(kt::cli() + " scenes --n 3 --out " + dir + "/set");
+  ASSERT_EQ(set.code, 0) << set.output;
+  const std::string image = dir + "/set/images/000001.png";
   json steps = {{"steps",
-                 {{{"do", "open_image"}, {"path", dir + "/my_scene.png"}},
+                 {{{"do", "open_image"}, {"path", image}},
                   {{"do", "open_model"}, {"path", kt::source_dir() + "/assets/models/kvlens-scenes-6m"}},
                   {{"do", "wait_results"}}}}};
   for (const char* spec : {"snapkv", "h2o", "lookm", "pyramidkv", "streamingllm", "zipcache", "kivi", "uniform",
@@ -474,9 +477,14 @@ TEST(Gui, MethodsPanelAndPathFieldsShowWhatAResearcherReads) {
   const json& cq = st["params_shown"]["calibquant"];
   for (const char* name : {"τ1", "τ2"}) EXPECT_NE(std::find(cq.begin(), cq.end(), name), cq.end()) << cq.dump();
   EXPECT_EQ(std::find(cq.begin(), cq.end(), "tau1"), cq.end()) << cq.dump();
-  EXPECT_EQ(st["fields_shown"]["image_path"], "my_scene.png");
+  EXPECT_EQ(st["fields_shown"]["image_path"], "000001.png");
   EXPECT_EQ(st["fields_shown"]["model_dir"], "kvlens-scenes-6m");
-  EXPECT_EQ(st["fields"]["image_path"], dir + "/my_scene.png") << "the field holds the whole path";
+  EXPECT_EQ(st["fields"]["image_path"], image) << "the field holds the whole path";
+  const json& cols = st["comparison_table"]["columns"];
+  const auto c = std::find(cols.begin(), cols.end(), "cider_d");
+  ASSERT_NE(c, cols.end()) << cols.dump();
+  for (const json& row : st["comparison_table"]["rows"])
+    EXPECT_TRUE(row["values"][static_cast<size_t>(c - cols.begin()) - 1].is_number()) << row.dump();
 }
 
 TEST(Gui, LogWindowListsEveryMessage) {
