@@ -118,8 +118,13 @@ void image_panel(App& app, Ui& ui, const PanelRect& rect) {
   int ov = static_cast<int>(v.overlay);
   const float w = ImGui::GetContentRegionAvail().x;
   ImGui::SetNextItemWidth(w * 0.5f);
-  if (ImGui::Combo("##overlay", &ov, overlays, 5)) v.overlay = static_cast<Overlay>(ov);
-  preview_tooltip(app, overlays[static_cast<int>(v.overlay)]);
+  const bool open = ImGui::BeginCombo("##overlay", overlays[ov]);
+  preview_tooltip(app, overlays[ov]);  // (the combo's own item: before its list)
+  if (open) {
+    for (int i = 0; i < 5; ++i)
+      if (ImGui::Selectable(overlays[i], i == ov)) v.overlay = static_cast<Overlay>(i);
+    ImGui::EndCombo();
+  }
   ImGui::SameLine();
   ImGui::SetNextItemWidth(w * 0.26f);
   ImGui::SliderFloat("##opacity", &v.overlay_opacity, 0, 1, "opacity %.2f");
