@@ -103,6 +103,7 @@ void token_slider(const char* id, App& app, int source, int& token, const char* 
   const std::string tok = pieces && token < static_cast<int>(pieces->size()) ? (*pieces)[token] : "";
   ImGui::SetNextItemWidth(-1);
   ImGui::SliderInt(id, &token, 0, n - 1, (std::string(prefix) + " %d: '" + tok + "'").c_str());
+  slider_tooltip(app, std::string(prefix) + " " + std::to_string(token) + ": '" + tok + "'");
 }
 
 namespace {
@@ -128,11 +129,20 @@ void fitted_text(App& app, const std::string& text, bool disabled, const ImVec4*
   if (ImGui::GetItemRectMax().x > visible_right() + 0.5f) note_cut(app, text);
 }
 
-void preview_tooltip(App& app, const std::string& preview) {
-  const float room = ImGui::GetItemRectSize().x - ImGui::GetFrameHeight() - 2 * ImGui::GetStyle().FramePadding.x;
-  if (ImGui::CalcTextSize(preview.c_str()).x > room + 0.5f || ImGui::GetItemRectMax().x > visible_right() + 0.5f)
-    note_cut(app, preview);
+namespace {
+
+// The last framed item shows `text` in its width less `reserved` (a combo's arrow).
+void framed_tooltip(App& app, const std::string& text, float reserved) {
+  const float room = ImGui::GetItemRectSize().x - reserved - 2 * ImGui::GetStyle().FramePadding.x;
+  if (ImGui::CalcTextSize(text.c_str()).x > room + 0.5f || ImGui::GetItemRectMax().x > visible_right() + 0.5f)
+    note_cut(app, text);
 }
+
+}  // namespace
+
+void preview_tooltip(App& app, const std::string& preview) { framed_tooltip(app, preview, ImGui::GetFrameHeight()); }
+
+void slider_tooltip(App& app, const std::string& shown) { framed_tooltip(app, shown, 0.0f); }
 
 bool instance_combo(const char* label, App& app, int& id, const char* none, bool only_enabled) {
   std::string preview = none ? none : "";

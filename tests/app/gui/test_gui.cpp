@@ -409,6 +409,7 @@ TEST(Gui, CalibrationFiguresKeepTheirHeightAt1280x800) {
     return t.get<std::string>().rfind("softmax MSE: layer 1 ", 0) == 0 && t.get<std::string>().find("caption") != std::string::npos;
   })) << cut.dump();
   EXPECT_NE(std::find(cut.begin(), cut.end(), "attention of a token"), cut.end()) << cut.dump();
+  EXPECT_NE(std::find(cut.begin(), cut.end(), "opacity 0.60"), cut.end()) << "a slider's value, cut: " << cut.dump();
   EXPECT_GT(st["frame_ms"].get<double>(), 0.0);
   // Captions shows the full cache's row and at least two instances' rows whole.
   ASSERT_TRUE(st["drawn"].contains("captions_view")) << st["drawn"].dump();
