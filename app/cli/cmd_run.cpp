@@ -125,21 +125,32 @@ void run_methods(const RunArgs& args) {
   }
   Experiment ex = start_experiment(model, img, a.opt);
   ex.references = find_image_references(a.image.empty() ? default_image() : a.image);
-  std::printf("%-44s %10s %7s %10s %9s  %s\n", "method", "KV bytes", "ratio", "softmaxMSE", "diverges", "caption");
+  // With the image's reference captions, each caption's CIDEr-D beside it.
+  auto cider = [&](const std::string& caption) {
+    char b[32] = "";
+    if (ex.references) std::snprintf(b, sizeof b, "%8.3f ", ex.references->cider_d(caption));
+    return std::string(b);
+  };
+  if (ex.references)
+    std::printf("CIDEr-D against the %zu reference captions of this image in %s\n", ex.references->refs.size(),
+                ex.references->annotations.c_str());
+  std::printf("%-44s %10s %7s %10s %9s  %s%s\n", "method", "KV bytes", "ratio", "softmaxMSE", "diverges",
+              ex.references ? " CIDEr-D " : "", "caption");
   const std::string ref = std::string("full (") + row_storage_name(a.opt.kv_storage) + " reference)";
   const double full_bytes = static_cast<double>(ex.full.bytes_after_prefill.total());
-  std::printf("%-44s %10lld %7.2f %10s %9s  %s\n", ref.c_str(),
+  std::printf("%-44s %10lld %7.2f %10s %9s  %s%s\n", ref.c_str(),
               static_cast<long long>(ex.full.bytes_after_prefill.total()),
-              full_bytes > 0 ? ex.full_fp16_bytes.total() / full_bytes : 0.0, "-", "-", ex.full.text.c_str());
+              full_bytes > 0 ? ex.full_fp16_bytes.total() / full_bytes : 0.0, "-", "-", cider(ex.full.text).c_str(),
+              ex.full.text.c_str());
   for (const RunMethod& m : specs) {
     const Params& p = m.params;
     ex.runs.push_back(run_method(model, ex, p, a.opt));
     ex.runs.back().label = m.label;
     const MethodRun& r = ex.runs.back();
     const std::string div = r.divergence.position < 0 ? "never" : "@" + std::to_string(r.divergence.position);
-    std::printf("%-44s %10lld %7.2f %10.3g %9s  %s\n", (m.label.empty() ? p.short_spec() : m.label).c_str(),
+    std::printf("%-44s %10lld %7.2f %10.3g %9s  %s%s\n", (m.label.empty() ? p.short_spec() : m.label).c_str(),
                 static_cast<long long>(r.result.bytes_after_prefill.total()), r.compression_vs_fp16,
-                r.mean_softmax_mse, div.c_str(), r.result.text.c_str());
+                r.mean_softmax_mse, div.c_str(), cider(r.result.text).c_str(), r.result.text.c_str());
   }
   if (!a.report.empty() || !a.figures.dir.empty()) {
     const nlohmann::json report = experiment_json(model, ex, a.opt);

@@ -64,8 +64,8 @@ TEST(ImageReferences, FoundBesideTheImageAndScoredWithTheSetsFrequencies) {
   EXPECT_EQ(find_image_references(dir), nullptr);
 }
 
-// `kvlens run` on an image of a scene set reports the references and each caption's CIDEr-D (the
-// full cache's too); the comparison table gains the CIDEr-D column with those values, and a
+// `kvlens run` on an image of a scene set prints and reports each caption's CIDEr-D against the
+// image's references (the full cache's too); the comparison table gains the CIDEr-D column with those values, and a
 // report without references has no such column (sorting by it leaves the order).
 TEST(ImageReferences, RunReportsCiderAndTheComparisonTableShowsIt) {
   const std::string dir = scene_set("refs_run", 3);
@@ -74,6 +74,7 @@ TEST(ImageReferences, RunReportsCiderAndTheComparisonTableShowsIt) {
   const kt::RunResult r =
       kt::run(kt::cli() + " run --image " + image + " --method snapkv:budget=0.1 --method calibquant --report " + out);
   ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("CIDEr-D against the 5 reference captions of this image"), std::string::npos) << r.output;
   const nlohmann::json rep = nlohmann::json::parse(kt::read_file(out));
   ASSERT_TRUE(rep.contains("references")) << rep.dump().substr(0, 400);
   EXPECT_EQ(rep["references"]["captions"], 5);
