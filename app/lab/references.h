@@ -16,7 +16,7 @@ namespace kvlens {
 struct ImageReferences {
   std::string annotations;        // the file the references come from
   std::vector<std::string> refs;  // the image's references, tokenized as pycocoevalcap does
-  CiderDocuments documents;       // over every annotated image's references
+  std::shared_ptr<const CiderDocuments> documents;  // over every annotated image's references
   // CIDEr-D of `caption` (as generated: tokenized here) against refs.
   double cider_d(const std::string& caption) const;
 };

@@ -12,8 +12,6 @@ namespace kvlens {
 
 namespace fs = std::filesystem;
 
-namespace {
-
 std::string find_annotations(const std::string& dir) {
   if (file_exists(dir + "/annotations.json")) return dir + "/annotations.json";
   std::vector<std::string> found;
@@ -35,6 +33,8 @@ std::string find_annotations(const std::string& dir) {
   for (const auto& f : found) list += (list.empty() ? "" : ", ") + f;
   throw InputError(dir + ": several caption files (" + list + "); choose one with --annotations FILE");
 }
+
+namespace {
 
 // captions_val2014.json → val2014
 std::string split_name(const std::string& annotations) {

@@ -33,6 +33,9 @@ struct EvalDataset {
 // "questions". Throws InputError naming what is missing.
 EvalDataset load_eval_dataset(const std::string& dir, const std::string& annotations = "",
                               const std::string& images = "", const std::string& questions = "");
+// The annotations file load_eval_dataset reads from `dir` when none is given: DIR/annotations.json,
+// else the one captions_*.json in DIR or DIR/annotations. InputError when there is none, or several.
+std::string find_annotations(const std::string& dir);
 
 // A deterministic split of the images: shard I of N takes every N-th image from the I-th.
 struct Shard {

@@ -62,6 +62,15 @@ TEST(ImageReferences, FoundBesideTheImageAndScoredWithTheSetsFrequencies) {
   kt::write_file(bad + "/x.png", kt::read_file(kt::source_dir() + "/assets/images/scene_000.png"));
   EXPECT_EQ(find_image_references(bad + "/x.png"), nullptr);
   EXPECT_EQ(find_image_references(dir), nullptr);
+  // The set's references are read once and kept while its annotations stay as they were: a
+  // changed file is read again.
+  nlohmann::json ann = nlohmann::json::parse(kt::read_file(ds.ann.path));
+  for (auto& a : ann["annotations"])
+    if (a["image_id"] == ds.ann.images[pick].id) a["caption"] = "a grey background with nothing on it at all";
+  kt::write_file(ds.ann.path, ann.dump());
+  const auto changed = find_image_references(ds.image_path(pick));
+  ASSERT_NE(changed, nullptr);
+  EXPECT_EQ(changed->refs, std::vector<std::string>(5, "a grey background with nothing on it at all"));
 }
 
 // `kvlens run` on an image of a scene set prints and reports each caption's CIDEr-D against the
