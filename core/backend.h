@@ -299,6 +299,22 @@ class Backend {
     }
     finish_reductions();
   }
+  // queue_then_finish, then `keep` (what takes the landed results in), also when `queue` throws:
+  // what it queued before the error has landed and is kept (results made on the device name
+  // what they were made for), then the error goes on; an error of `keep` then gives way to it.
+  void queue_then_keep(const std::function<void()>& queue, const std::function<void()>& keep) {
+    try {
+      queue_then_finish(queue);
+    } catch (...) {
+      try {
+        keep();
+      } catch (...) {
+        // (the first error is the one to report)
+      }
+      throw;
+    }
+    keep();
+  }
 
   // LOOK-M's assignment (Eq. 9) of one layer's KV heads at once: out[h] holds, for each row e of
   // k[h] [n_h][d] (host, fp32) that keep[h] (ascending, distinct, not empty) does not list, in

@@ -1,5 +1,7 @@
 #include "core/kv_format.h"
 
+#include <algorithm>
+
 #include "core/errors.h"
 
 namespace kvlens::quant {
@@ -125,6 +127,35 @@ void QuantPayload::shrink_to_fit() {
   for (QuantBlock& q : k) q.shrink_to_fit();
   for (QuantBlock& q : v) q.shrink_to_fit();
   tokens.shrink_to_fit();
+}
+
+ZipSlots zip_slots(const std::vector<std::array<std::vector<int32_t>, 2>>& pos) {
+  ZipSlots z;
+  int32_t top = -1;
+  for (const auto& h : pos)
+    for (const std::vector<int32_t>& s : h)
+      for (int32_t x : s) {
+        if (x < 0) throw InternalError("zipcache group: a row at position " + std::to_string(x));
+        top = std::max(top, x);
+      }
+  for (std::vector<int32_t>& a : z.at) a.assign(static_cast<size_t>(top) + 1, -1);
+  for (const auto& h : pos)
+    for (int s = 0; s < 2; ++s)
+      for (int32_t x : h[static_cast<size_t>(s)]) z.at[static_cast<size_t>(s)][static_cast<size_t>(x)] = 0;
+  for (int s = 1; s >= 0; --s) {
+    for (int32_t& e : z.at[static_cast<size_t>(s)])
+      if (e == 0) e = static_cast<int32_t>(z.n++);
+    if (s == 1) z.salient = z.n;
+  }
+  z.one_table = true;
+  for (const auto& h : pos)
+    for (int s = 1; s >= 0 && z.one_table; --s) {
+      const std::vector<int32_t>& x = h[static_cast<size_t>(s)];
+      const int64_t first = s ? 0 : z.salient;
+      z.one_table = static_cast<int64_t>(x.size()) == (s ? z.salient : z.n - z.salient);
+      for (size_t k = 0; z.one_table && k < x.size(); ++k) z.one_table = z.of(s, x[k]) == first + static_cast<int64_t>(k);
+    }
+  return z;
 }
 
 }  // namespace kvlens::quant

@@ -3,6 +3,7 @@
 // (CodeLayout), and the payload that owns a quantized segment's bytes (QuantPayload). It sits
 // on the bottom floor so that kernels know the format without knowing any method.
 #pragma once
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -98,5 +99,19 @@ class QuantPayload : public SegmentPayload {
   KVBytes allocated() const override;
   void shrink_to_fit();
 };
+
+// ZipMixed's V token ranges shared by the KV heads (shared_token_ranges): one slot per (subset,
+// position) that any KV head holds in that subset, numbered over the salient subset's positions
+// ascending, then the other subset's — the order of QuantPayload::tokens. pos[h][s]: KV head h's
+// positions in subset s (1: salient), in the group's order; positions are ≥ 0.
+struct ZipSlots {
+  std::array<std::vector<int32_t>, 2> at;  // [subset][position] → slot, −1 where no head holds it
+  int64_t n = 0, salient = 0;              // slots in all, and of the salient subset (the first ones)
+  // Every head holds every position of each subset, in order: head h's k-th row of subset s
+  // reads slot (s ? 0 : salient) + k, one table for all heads.
+  bool one_table = false;
+  int32_t of(int s, int32_t pos) const { return at[static_cast<size_t>(s)][static_cast<size_t>(pos)]; }
+};
+ZipSlots zip_slots(const std::vector<std::array<std::vector<int32_t>, 2>>& pos);
 
 }  // namespace kvlens::quant

@@ -57,12 +57,10 @@ void calibration_panel(App& app, Ui& ui, const PanelRect& rect) {
   const int layers = s && s->model ? s->model->layers : 1, heads = s && s->model ? s->model->heads : 1;
   ImGui::SameLine();
   ImGui::SetNextItemWidth(ImGui::GetContentRegionAvail().x * 0.45f);
-  ImGui::SliderInt("##clayer", &v.calib_layer, 0, std::max(0, layers - 1), "layer %d");
-  slider_tooltip(app, "layer " + std::to_string(v.calib_layer));
+  slider_int(app, "##clayer", v.calib_layer, 0, std::max(0, layers - 1), "layer %d");
   ImGui::SameLine();
   ImGui::SetNextItemWidth(-1);
-  ImGui::SliderInt("##chead", &v.calib_head, -1, std::max(0, heads - 1), v.calib_head < 0 ? "all heads" : "head %d");
-  slider_tooltip(app, v.calib_head < 0 ? "all heads" : "head " + std::to_string(v.calib_head));
+  slider_int(app, "##chead", v.calib_head, -1, std::max(0, heads - 1), v.calib_head < 0 ? "all heads" : "head %d");
   v.calib_layer = std::clamp(v.calib_layer, 0, std::max(0, layers - 1));
   v.calib_head = std::clamp(v.calib_head, -1, std::max(0, heads - 1));
   const MethodInstance* m = app.find(v.calib_method);

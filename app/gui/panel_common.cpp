@@ -5,6 +5,7 @@
 #include <imgui_stdlib.h>  // after imgui.h
 
 #include <algorithm>
+#include <cstdio>
 
 #include "app/gui/panels.h"
 
@@ -102,8 +103,7 @@ void token_slider(const char* id, App& app, int source, int& token, const char* 
   token = std::clamp(token, 0, n - 1);
   const std::string tok = pieces && token < static_cast<int>(pieces->size()) ? (*pieces)[token] : "";
   ImGui::SetNextItemWidth(-1);
-  ImGui::SliderInt(id, &token, 0, n - 1, (std::string(prefix) + " %d: '" + tok + "'").c_str());
-  slider_tooltip(app, std::string(prefix) + " " + std::to_string(token) + ": '" + tok + "'");
+  slider_int(app, id, token, 0, n - 1, (std::string(prefix) + " %d: '" + tok + "'").c_str());
 }
 
 namespace {
@@ -142,7 +142,27 @@ void framed_tooltip(App& app, const std::string& text, float reserved) {
 
 void preview_tooltip(App& app, const std::string& preview) { framed_tooltip(app, preview, ImGui::GetFrameHeight()); }
 
-void slider_tooltip(App& app, const std::string& shown) { framed_tooltip(app, shown, 0.0f); }
+namespace {
+
+// ImGui's slider of an int or a float (`type`), then its shown value whole on hover where cut.
+template <class T>
+bool slider(App& app, const char* id, ImGuiDataType type, T& v, T lo, T hi, const char* format) {
+  const bool changed = ImGui::SliderScalar(id, type, &v, &lo, &hi, format);
+  char shown[256];
+  std::snprintf(shown, sizeof shown, format, v);
+  framed_tooltip(app, shown, 0.0f);
+  return changed;
+}
+
+}  // namespace
+
+bool slider_int(App& app, const char* id, int& v, int lo, int hi, const char* format) {
+  return slider(app, id, ImGuiDataType_S32, v, lo, hi, format);
+}
+
+bool slider_float(App& app, const char* id, float& v, float lo, float hi, const char* format) {
+  return slider(app, id, ImGuiDataType_Float, v, lo, hi, format);
+}
 
 bool instance_combo(const char* label, App& app, int& id, const char* none, bool only_enabled) {
   std::string preview = none ? none : "";

@@ -9,7 +9,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 #include <cstring>
 
 #include "app/gui/overlay.h"
@@ -128,12 +127,7 @@ void image_panel(App& app, Ui& ui, const PanelRect& rect) {
   }
   ImGui::SameLine();
   ImGui::SetNextItemWidth(w * 0.26f);
-  ImGui::SliderFloat("##opacity", &v.overlay_opacity, 0, 1, "opacity %.2f");
-  {
-    char shown[32];
-    std::snprintf(shown, sizeof shown, "opacity %.2f", v.overlay_opacity);
-    slider_tooltip(app, shown);
-  }
+  slider_float(app, "##opacity", v.overlay_opacity, 0, 1, "opacity %.2f");
   ImGui::SameLine();
   ImGui::Checkbox("grid", &v.patch_grid);
   const int layers = s && s->model ? s->model->layers : 1, heads = s && s->model ? s->model->heads : 1;
@@ -142,13 +136,11 @@ void image_panel(App& app, Ui& ui, const PanelRect& rect) {
     instance_combo("##ovsrc", app, v.overlay_source, v.overlay == Overlay::Attention ? "full cache" : nullptr, true);
     ImGui::SameLine();
     ImGui::SetNextItemWidth(w * 0.27f);
-    ImGui::SliderInt("##layer", &v.layer, 0, std::max(0, layers - 1), "layer %d");
-    slider_tooltip(app, "layer " + std::to_string(v.layer));
+    slider_int(app, "##layer", v.layer, 0, std::max(0, layers - 1), "layer %d");
     if (v.overlay == Overlay::Attention) {
       ImGui::SameLine();
       ImGui::SetNextItemWidth(-1);
-      ImGui::SliderInt("##head", &v.head, -1, std::max(0, heads - 1), v.head < 0 ? "mean of heads" : "head %d");
-      slider_tooltip(app, v.head < 0 ? "mean of heads" : "head " + std::to_string(v.head));
+      slider_int(app, "##head", v.head, -1, std::max(0, heads - 1), v.head < 0 ? "mean of heads" : "head %d");
       token_slider("##token", app, v.overlay_source, v.token, "generated token");
     }
   }

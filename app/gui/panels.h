@@ -60,8 +60,10 @@ void fitted_text(App& app, const std::string& text, bool disabled = false, const
 // Right after a combo (or another framed item) showing `preview`: where its width cuts the
 // preview, hovering shows the whole of it (listed as cut too).
 void preview_tooltip(App& app, const std::string& preview);
-// The same right after a slider showing `shown` (its value as formatted).
-void slider_tooltip(App& app, const std::string& shown);
+// ImGui's SliderInt / SliderFloat showing the value by `format`; where the slider's width cuts
+// what it shows, hovering shows the whole of it (listed as cut too).
+bool slider_int(App& app, const char* id, int& v, int lo, int hi, const char* format);
+bool slider_float(App& app, const char* id, float& v, float lo, float hi, const char* format);
 // A method parameter's name as the Methods panel shows it (as the papers write it: tau1 → τ1).
 std::string shown_name(const std::string& name);
 // What a panel without results shows: `computing` while the worker runs, why nothing can be

@@ -322,12 +322,12 @@ void Script::run(App& app, const nlohmann::json& st) {
     // What the input boxes show, beside what the app analyses (they differ only while typing).
     d["fields"] = {{"model_dir", app.st.edits.model_dir}, {"image_path", app.st.edits.image_path},
                    {"prompt", app.st.edits.prompt}, {"max_new_tokens", app.st.edits.max_new_tokens}};
-    d["fields_shown"] = app.st.shown;
+    d["fields_shown"] = app.st.shown;  // (path fields: the file name until clicked)
     d["cut_texts"] = app.st.cut_texts;  // (each shows its whole text on hover)
     d["frame_ms"] = app.st.timing.frame_ms;
     // The Plots panel's figure: how much it is magnified (its text grows with the panel).
     if (app.st.drawn.count("plot"))
-      d["plot_magnification"] = figure_magnification(ImVec2(app.st.drawn["plot"][2], app.st.drawn["plot"][3]));  // (path fields: the file name until clicked)
+      d["plot_magnification"] = figure_magnification(ImVec2(app.st.drawn["plot"][2], app.st.drawn["plot"][3]));
     d["busy"] = app.busy();
     d["log_open"] = app.st.log_open;
     d["ui_scale"] = app.st.ui_scale;

@@ -203,18 +203,25 @@ std::vector<Counts> ref_counts(const std::vector<std::string>& refs) {
   return out;
 }
 
-}  // namespace
-
-CiderDocuments cider_documents(const std::vector<std::vector<std::string>>& refs) {
+// The document frequencies of images whose references are counted already.
+CiderDocuments documents_of(const std::vector<std::vector<Counts>>& refs) {
   CiderDocuments d;
-  for (const std::vector<std::string>& image : refs) {
+  for (const std::vector<Counts>& image : refs) {
     std::set<std::string> seen;
-    for (const Counts& c : ref_counts(image))
+    for (const Counts& c : image)
       for (const auto& kv : c) seen.insert(kv.first);
     for (const std::string& g : seen) d.df[g] += 1;
   }
   d.log_images = std::log(static_cast<double>(refs.size()));
   return d;
+}
+
+}  // namespace
+
+CiderDocuments cider_documents(const std::vector<std::vector<std::string>>& refs) {
+  std::vector<std::vector<Counts>> counts;
+  for (const std::vector<std::string>& image : refs) counts.push_back(ref_counts(image));
+  return documents_of(counts);
 }
 
 double cider_d_one(const CiderDocuments& d, const std::vector<std::string>& refs, const std::string& cand) {
@@ -224,10 +231,12 @@ double cider_d_one(const CiderDocuments& d, const std::vector<std::string>& refs
 
 std::vector<double> cider_d_per_image(const TokenizedCorpus& c) {
   check(c);
-  const CiderDocuments d = cider_documents(c.refs);
+  std::vector<std::vector<Counts>> refs;  // (counted once: for the frequencies and the scores)
+  for (const std::vector<std::string>& image : c.refs) refs.push_back(ref_counts(image));
+  const CiderDocuments d = documents_of(refs);
   std::vector<double> scores;
   for (size_t i = 0; i < c.cands.size(); ++i)
-    scores.push_back(cider_d_counts(d, ref_counts(c.refs[i]), ngram_counts(split_whitespace(c.cands[i]))));
+    scores.push_back(cider_d_counts(d, refs[i], ngram_counts(split_whitespace(c.cands[i]))));
   return scores;
 }
 

@@ -80,6 +80,10 @@ struct DevMem {
   template <class T>
   T* as() const { return static_cast<T*>(mem.get()); }
 };
+// `bytes` of `m` from byte `at`, holding all of m (what a cache holding a part reports as allocated).
+inline DevMem part_of(const DevMem& m, int64_t at, int64_t bytes) {
+  return {std::shared_ptr<void>(m.mem, static_cast<char*>(m.mem.get()) + at), bytes};
+}
 
 // The KV cache half of the backend (kv_cache.cu).
 std::unique_ptr<DeviceKV> kv_create(const std::shared_ptr<Context>& ctx, int n_layers, int n_kv_heads, int head_dim);

@@ -206,6 +206,33 @@ bool mirrors(const KVSegment& s, const DevSeg& d, int NKV) {
   return true;
 }
 
+SegmentRows::SegmentRows(const CudaKV& C, const DevLayer& d, const std::vector<const KVSegment*>& segs,
+                         std::string what)
+    : segs_(segs), what_(std::move(what)), D_(C.D), whole_(segs.size(), nullptr) {
+  bool all = true;
+  for (size_t i = 0; i < segs.size(); ++i) {
+    if (d.merged.empty())
+      for (const DevSeg& x : d.segs)
+        if (mirrors(*segs[i], x, C.NKV)) whole_[i] = &x;
+    all = all && whole_[i];
+  }
+  if (!all) have_ = device_rows(C, d);
+}
+
+RowMap::Row SegmentRows::row(size_t seg, int h, int i) const {
+  if (const DevSeg* w = whole_[seg]) {
+    const PartDesc& p = w->heads[static_cast<size_t>(h)][0].d;
+    return {static_cast<const __half*>(p.k.data) + static_cast<int64_t>(i) * D_,
+            static_cast<const __half*>(p.v.data) + static_cast<int64_t>(i) * D_};
+  }
+  const int32_t pos = segs_[seg]->heads[static_cast<size_t>(h)].pos[static_cast<size_t>(i)];
+  const RowMap::Row* r = have_.find(h, pos);
+  if (!r)
+    throw InternalError(what_ + ", KV head " + std::to_string(h) + ": no row at position " + std::to_string(pos) +
+                        " in the device cache");
+  return *r;
+}
+
 // The device segment that mirrors host segment s, labelled `storage`, with an empty slot per KV
 // head for its parts, positions and merge counts.
 DevSeg mirror(const KVSegment& s, std::string storage, int NKV, bool fp16_rows) {

@@ -2,7 +2,6 @@
 // (rows and codes to and from the host) and kv_decode.cu (decode attention over it). See kv_cache.cu for what the cache holds.
 #pragma once
 #include <algorithm>
-#include <array>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -344,6 +343,23 @@ RowMap device_rows(const CudaKV& C, const DevLayer& d);
 // Whether host segment s lists exactly the fp16 rows of device segment d (as a prefill's layout
 // does): then head h's rows are d's part of head h, in order.
 bool mirrors(const KVSegment& s, const DevSeg& d, int NKV);
+// Where the device holds the rows of host segments `segs` of layer d (for an op that reads them
+// there): each segment's rows in the device segment it mirrors (nothing merged in the layer
+// since), else found by KV head and position. `segs` must outlive it; `what` names the rows in
+// an error.
+class SegmentRows {
+ public:
+  SegmentRows(const CudaKV& C, const DevLayer& d, const std::vector<const KVSegment*>& segs, std::string what);
+  // Row i of KV head h of segs[seg]; InternalError where the device has none.
+  RowMap::Row row(size_t seg, int h, int i) const;
+
+ private:
+  const std::vector<const KVSegment*>& segs_;
+  std::string what_;
+  int D_;
+  std::vector<const DevSeg*> whole_;
+  RowMap have_;
+};
 // Host segment i of layer l ↔ device segment i (or the tail for the last host segment): the
 // host reports what the device holds.
 void set_host_bytes(CudaKV& C, KVStore& host, int l);
@@ -360,19 +376,6 @@ bool staged_for(const StagedCodes& q, const KVSegment& s, const quant::QuantPayl
 // with `staged` (staged_for), taken from where the codes were made.
 DevSeg build_packed(Context& ctx, const CudaKV& C, const KVSegment& s, const quant::QuantPayload& p,
                     const StagedCodes* staged);
-// ZipCache's shared V token ranges (CodeLayout::ZipMixed): one per (subset, position) that any KV
-// head holds in that subset, numbered over the salient subset's positions ascending, then the
-// other's. pos[h][s]: head h's positions in subset s (1: salient), in its order.
-struct ZipSlots {
-  std::array<std::vector<int32_t>, 2> at;  // [subset][position] → slot, −1 where no head holds it
-  int64_t n = 0;
-  // Every head holds every position of each subset, in order: head h's k-th row of subset s
-  // reads slot (s ? 0 : the salient count) + k, one table for all.
-  bool one_table = false;
-  int32_t of(int s, int32_t pos) const { return at[static_cast<size_t>(s)][static_cast<size_t>(pos)]; }
-};
-ZipSlots zip_slots(const std::vector<std::array<std::vector<int32_t>, 2>>& pos);
-
 // ZipCache's group of consecutive host segments sharing payload p (CodeLayout::ZipMixed), one
 // DevSeg per segment; empty when the payload is not what its layout says. With `staged` (made
 // for p by kv_zip_quantize), its arrays are taken from where they were made.

@@ -228,37 +228,6 @@ DevSeg build_packed(Context& ctx, const CudaKV& C, const KVSegment& s, const qua
 // each head gets its rows' ranges copied into its own array, and the device holds (and
 // reports) those copies instead of the shared table. Empty when the payload is not what the
 // layout says (the group is then held as fp16 values).
-ZipSlots zip_slots(const std::vector<std::array<std::vector<int32_t>, 2>>& pos) {
-  ZipSlots z;
-  int32_t top = -1;
-  for (const auto& h : pos)
-    for (const std::vector<int32_t>& s : h)
-      for (int32_t x : s) {
-        if (x < 0) throw InternalError("zipcache group: a row at position " + std::to_string(x));
-        top = std::max(top, x);
-      }
-  for (std::vector<int32_t>& a : z.at) a.assign(static_cast<size_t>(top) + 1, -1);
-  for (const auto& h : pos)
-    for (int s = 0; s < 2; ++s)
-      for (int32_t x : h[static_cast<size_t>(s)]) z.at[static_cast<size_t>(s)][static_cast<size_t>(x)] = 0;
-  int64_t count[2] = {0, 0};
-  for (int s = 1; s >= 0; --s)
-    for (int32_t& e : z.at[static_cast<size_t>(s)])
-      if (e == 0) {
-        e = static_cast<int32_t>(z.n++);
-        ++count[s];
-      }
-  z.one_table = true;
-  for (const auto& h : pos)
-    for (int s = 1; s >= 0 && z.one_table; --s) {
-      const std::vector<int32_t>& x = h[static_cast<size_t>(s)];
-      const int64_t first = s ? 0 : count[1];
-      z.one_table = static_cast<int64_t>(x.size()) == count[s];
-      for (size_t k = 0; z.one_table && k < x.size(); ++k) z.one_table = z.of(s, x[k]) == first + static_cast<int64_t>(k);
-    }
-  return z;
-}
-
 std::vector<DevSeg> build_zip(Context& ctx, const CudaKV& C, const std::vector<const KVSegment*>& g,
                               const quant::QuantPayload& p, const StagedZip* staged) {
   const int NKV = C.NKV, D = C.D;
@@ -284,25 +253,29 @@ std::vector<DevSeg> build_zip(Context& ctx, const CudaKV& C, const std::vector<c
     if (!L.shared_token_ranges && (static_cast<int64_t>(v.scales.size()) != n || static_cast<int64_t>(v.zeros.size()) != n))
       return {};
   }
-  std::vector<std::vector<uint16_t>> vs(NKV), vz(NKV);
+  std::vector<std::array<std::vector<int32_t>, 2>> sub_pos(static_cast<size_t>(NKV));  // [head][subset] positions
+  quant::ZipSlots slots;
   bool one_table = false;
   if (L.shared_token_ranges) {
-    std::vector<std::array<std::vector<int32_t>, 2>> pos(static_cast<size_t>(NKV));
     for (int h = 0; h < NKV; ++h)
       for (int s = 0; s < 2; ++s)
-        for (int32_t i : sub[h][s]) pos[static_cast<size_t>(h)][static_cast<size_t>(s)].push_back(gpos[h][static_cast<size_t>(i)]);
-    const ZipSlots slots = zip_slots(pos);
+        for (int32_t i : sub[h][s]) sub_pos[static_cast<size_t>(h)][static_cast<size_t>(s)].push_back(gpos[h][static_cast<size_t>(i)]);
+    slots = quant::zip_slots(sub_pos);
     if (static_cast<int64_t>(p.tokens.scales.size()) != slots.n || static_cast<int64_t>(p.tokens.zeros.size()) != slots.n)
       return {};
     one_table = slots.one_table;
-    for (int h = 0; h < NKV && !one_table; ++h)
-      for (int s = 1; s >= 0; --s)
-        for (int32_t x : pos[static_cast<size_t>(h)][static_cast<size_t>(s)]) {
-          const int32_t r = slots.of(s, x);
-          vs[h].push_back(p.tokens.scales[static_cast<size_t>(r)]);
-          vz[h].push_back(p.tokens.zeros[static_cast<size_t>(r)]);
-        }
   }
+  // Arrays made on the device for this payload (in the same layout) are taken where they are.
+  const bool take = staged && staged->payload == &p && staged->one_table == one_table;
+  // Else, with heads whose rows of a position differ, each head's ranges copied row by row.
+  std::vector<std::vector<uint16_t>> vs(NKV), vz(NKV);
+  for (int h = 0; h < NKV && L.shared_token_ranges && !one_table && !take; ++h)
+    for (int s = 1; s >= 0; --s)
+      for (int32_t x : sub_pos[static_cast<size_t>(h)][static_cast<size_t>(s)]) {
+        const int32_t r = slots.of(s, x);
+        vs[h].push_back(p.tokens.scales[static_cast<size_t>(r)]);
+        vz[h].push_back(p.tokens.zeros[static_cast<size_t>(r)]);
+      }
   const KVSegment& s0 = *g.front();
   const bool copies = L.shared_token_ranges && !one_table;
   const std::string label = "packed " + s0.storage + (copies ? " (V token ranges per KV head)" : "");
@@ -321,13 +294,10 @@ std::vector<DevSeg> build_zip(Context& ctx, const CudaKV& C, const std::vector<c
     ctx.upload(a.mem.mem.get(), x.data(), b, what + " " + name);
     return a;
   };
-  // Arrays made on the device for this payload (in the same layout) are taken where they are.
-  const bool take = staged && staged->payload == &p && staged->one_table == one_table;
   auto made = [&](const StagedZip::Array& a) {
     HeadArrays h;
     h.off = a.head;
-    if (a.bytes > 0)
-      h.mem = {std::shared_ptr<void>(staged->mem.mem, static_cast<char*>(staged->mem.mem.get()) + a.at), a.bytes};
+    if (a.bytes > 0) h.mem = part_of(staged->mem, a.at, a.bytes);
     return h;
   };
   const HeadArrays kc = take ? made(staged->k_codes) : up([&](int h) -> B { return p.k[h].codes; }, 1, "K codes");
@@ -365,7 +335,7 @@ std::vector<DevSeg> build_zip(Context& ctx, const CudaKV& C, const std::vector<c
   }
   for (size_t i = 0; i < g.size(); ++i) {
     const int64_t n = first_pos[i + 1] - first_pos[i];
-    if (n > 0) out[i].mem.push_back({std::shared_ptr<void>(all_pos.mem, all_pos.as<int32_t>() + first_pos[i]), n * 4});
+    if (n > 0) out[i].mem.push_back(part_of(all_pos, first_pos[i] * 4, n * 4));
     out[i].bytes.indices = n * 4;
   }
   DevSeg& first = out.front();

@@ -113,36 +113,17 @@ bool kv_quantize_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& s
     return q.bits >= 1 && q.bits <= 8 && (q.axis != quant::Axis::PerToken || q.shrink == 1.0f);
   };
   if (!supported(ks) || !supported(vs) || D % 8 != 0) return false;
-  const DevLayer& dl = C.layers[static_cast<size_t>(layer)];
-  // The segment's rows where the device holds them: a device segment the host segment mirrors
-  // (nothing merged in the layer since), else found by position.
-  const DevSeg* whole = nullptr;
-  if (dl.merged.empty())
-    for (const DevSeg& d : dl.segs)
-      if (mirrors(seg, d, NKV)) whole = &d;
-  const RowMap have = whole ? RowMap{} : device_rows(C, dl);
   const std::string what = std::string("quantized ") + segment_kind_name(seg.kind) + " rows of layer " + std::to_string(layer);
+  const std::vector<const KVSegment*> segs{&seg};
+  const SegmentRows rows(C, C.layers[static_cast<size_t>(layer)], segs, "quantize_rows: " + what);
   // Every head's rows gathered into one [N][D] block a side, then each head's slice quantized.
   std::vector<int64_t> first(static_cast<size_t>(NKV) + 1, 0);
   std::vector<const __half*> src, values;  // keys, then (appended below) values
   for (int h = 0; h < NKV; ++h) {
-    const HeadRows& r = seg.heads[static_cast<size_t>(h)];
-    if (whole) {
-      const PartDesc& p = whole->heads[static_cast<size_t>(h)][0].d;
-      for (int i = 0; i < r.n(); ++i) {
-        src.push_back(static_cast<const __half*>(p.k.data) + static_cast<int64_t>(i) * D);
-        values.push_back(static_cast<const __half*>(p.v.data) + static_cast<int64_t>(i) * D);
-      }
-      first[static_cast<size_t>(h) + 1] = static_cast<int64_t>(src.size());
-      continue;
-    }
-    for (int i = 0; i < r.n(); ++i) {
-      const RowMap::Row* row = have.find(h, r.pos[static_cast<size_t>(i)]);
-      if (!row)
-        throw InternalError("quantize_rows: " + what + ", KV head " + std::to_string(h) + ": no row at position " +
-                            std::to_string(r.pos[static_cast<size_t>(i)]) + " in the device cache");
-      src.push_back(row->first);
-      values.push_back(row->second);
+    for (int i = 0; i < seg.heads[static_cast<size_t>(h)].n(); ++i) {
+      const RowMap::Row row = rows.row(0, h, i);
+      src.push_back(row.first);
+      values.push_back(row.second);
     }
     first[static_cast<size_t>(h) + 1] = static_cast<int64_t>(src.size());
   }

@@ -49,31 +49,8 @@ bool kv_zip_quantize(Context& ctx, DeviceKV& dev, int layer, const std::vector<c
       L.lo_bits > 8 || D % 8 != 0)
     return false;
   const int bits[2] = {L.lo_bits, L.hi_bits};
-  const DevLayer& dl = C.layers[static_cast<size_t>(layer)];
   const std::string what = "zipcache rows of layer " + std::to_string(layer);
-  // Each segment's rows where the device holds them: a device segment it mirrors (nothing merged
-  // in the layer since), else found by position.
-  std::vector<const DevSeg*> whole(group.size(), nullptr);
-  bool all_whole = dl.merged.empty();
-  for (size_t i = 0; i < group.size() && all_whole; ++i) {
-    for (const DevSeg& d : dl.segs)
-      if (mirrors(*group[i], d, NKV)) whole[i] = &d;
-    all_whole = whole[i] != nullptr;
-  }
-  const RowMap have = all_whole ? RowMap{} : device_rows(C, dl);
-  auto row = [&](size_t si, int h, int i) -> RowMap::Row {
-    if (all_whole) {
-      const PartDesc& p = whole[si]->heads[static_cast<size_t>(h)][0].d;
-      return {static_cast<const __half*>(p.k.data) + static_cast<int64_t>(i) * D,
-              static_cast<const __half*>(p.v.data) + static_cast<int64_t>(i) * D};
-    }
-    const int32_t pos = group[si]->heads[static_cast<size_t>(h)].pos[static_cast<size_t>(i)];
-    const RowMap::Row* r = have.find(h, pos);
-    if (!r)
-      throw InternalError("zip_quantize_rows: " + what + ", KV head " + std::to_string(h) + ": no row at position " +
-                          std::to_string(pos) + " in the device cache");
-    return *r;
-  };
+  const SegmentRows rows(C, C.layers[static_cast<size_t>(layer)], group, "zip_quantize_rows: " + what);
 
   // The rows in order: per KV head, the salient subset then the other, each in the group's order.
   std::vector<const __half*> src, values;
@@ -108,7 +85,7 @@ bool kv_zip_quantize(Context& ctx, DeviceKV& dev, int layer, const std::vector<c
       b.factor = L.layer_factors ? factor : range;
       if (!L.layer_factors) fblocks.push_back({b.row0, b.n, range});
       for (const auto& [si, i] : sub[s]) {
-        const RowMap::Row r = row(si, h, i);
+        const RowMap::Row r = rows.row(si, h, i);
         src.push_back(r.first);
         values.push_back(r.second);
         row_block.push_back(static_cast<int32_t>(blocks.size()));
@@ -139,7 +116,7 @@ bool kv_zip_quantize(Context& ctx, DeviceKV& dev, int layer, const std::vector<c
   int64_t n_slots = N;
   bool one_table = false;
   if (L.shared_token_ranges) {
-    const ZipSlots slots = zip_slots(sub_pos);
+    const quant::ZipSlots slots = quant::zip_slots(sub_pos);
     n_slots = slots.n;
     one_table = slots.one_table;
     for (int64_t r = 0; r < N; ++r)
@@ -234,30 +211,35 @@ bool kv_zip_quantize(Context& ctx, DeviceKV& dev, int layer, const std::vector<c
   // Every array into the payload once on the host (the copies per row stay on the device).
   const bool shared = L.shared_token_ranges;
   const int64_t land_bytes = copies ? z.row_scales.at : res.bytes;
-  ctx.land_later(z.mem.mem, land_bytes, [&out, z, NKV, shared, code_head, range_head, factor_head, row_head, n_slots](const char* host) {
-    auto bytes_of = [&](const StagedZip::Array& a, int64_t from, int64_t to) {
-      return std::vector<uint8_t>(reinterpret_cast<const uint8_t*>(host + a.at) + from,
-                                  reinterpret_cast<const uint8_t*>(host + a.at) + to);
+  ctx.land_later(z.mem.mem, land_bytes, [&out, z, NKV, shared](const char* host) {
+    // Array a from its byte `from` to `to`, or KV head h's part of it (up to the next head's).
+    auto span = [&](const StagedZip::Array& a, int64_t from, int64_t to) {
+      return std::make_pair(host + a.at + from, host + a.at + to);
     };
-    auto halves_of = [&](const StagedZip::Array& a, int64_t from, int64_t to) {
-      const auto* p = reinterpret_cast<const uint16_t*>(host + a.at);
-      return std::vector<uint16_t>(p + from, p + to);
+    auto head = [&](const StagedZip::Array& a, int h) {
+      return span(a, a.head[static_cast<size_t>(h)], h + 1 < NKV ? a.head[static_cast<size_t>(h) + 1] : a.bytes);
+    };
+    auto bytes = [](std::pair<const char*, const char*> x) {
+      return std::vector<uint8_t>(reinterpret_cast<const uint8_t*>(x.first), reinterpret_cast<const uint8_t*>(x.second));
+    };
+    auto halves = [](std::pair<const char*, const char*> x) {
+      return std::vector<uint16_t>(reinterpret_cast<const uint16_t*>(x.first), reinterpret_cast<const uint16_t*>(x.second));
     };
     for (int h = 0; h < NKV; ++h) {
       const size_t k = static_cast<size_t>(h);
-      out.k[k].codes = bytes_of(z.k_codes, code_head[k], code_head[k + 1]);
-      out.v[k].codes = bytes_of(z.v_codes, code_head[k], code_head[k + 1]);
-      out.k[k].scales = halves_of(z.k_scales, range_head[k], range_head[k + 1]);
-      out.k[k].zeros = halves_of(z.k_zeros, range_head[k], range_head[k + 1]);
-      out.v[k].meta = halves_of(z.factors, factor_head[k], factor_head[k + 1]);
+      out.k[k].codes = bytes(head(z.k_codes, h));
+      out.v[k].codes = bytes(head(z.v_codes, h));
+      out.k[k].scales = halves(head(z.k_scales, h));
+      out.k[k].zeros = halves(head(z.k_zeros, h));
+      out.v[k].meta = halves(head(z.factors, h));
       if (!shared) {
-        out.v[k].scales = halves_of(z.t_scales, row_head[k], row_head[k + 1]);
-        out.v[k].zeros = halves_of(z.t_zeros, row_head[k], row_head[k + 1]);
+        out.v[k].scales = halves(head(z.t_scales, h));
+        out.v[k].zeros = halves(head(z.t_zeros, h));
       }
     }
     if (shared) {
-      out.tokens.scales = halves_of(z.t_scales, 0, n_slots);
-      out.tokens.zeros = halves_of(z.t_zeros, 0, n_slots);
+      out.tokens.scales = halves(span(z.t_scales, 0, z.t_scales.bytes));
+      out.tokens.zeros = halves(span(z.t_zeros, 0, z.t_zeros.bytes));
     }
   });
   // The arrays stay for the layer's next kv_sync (one entry per payload: quantizing again for

@@ -103,25 +103,16 @@ class CalibQuantPolicy : public KVPolicy {
       KVPolicy::on_prefill(layers, kv);
       return;
     }
+    // (the layers quantized before an error keep their payloads, as layer by layer they would)
     std::vector<Quantized> done;
-    try {
-      be->queue_then_finish([&] {
-        for (const PrefillContext& c : layers) {
-          if (c.backend != be) throw InternalError("calibquant: layers of one prefill on different backends");
-          quantize_layer(c, kv.layer(c.layer), true, done);
-        }
-      });
-    } catch (...) {
-      // The layers quantized before the error keep their payloads, as layer by layer they
-      // would (the device's codes made for them name them), then the error goes on.
-      try {
-        store(done);
-      } catch (...) {
-        // (the first error is the one to report)
-      }
-      throw;
-    }
-    store(done);
+    be->queue_then_keep(
+        [&] {
+          for (const PrefillContext& c : layers) {
+            if (c.backend != be) throw InternalError("calibquant: layers of one prefill on different backends");
+            quantize_layer(c, kv.layer(c.layer), true, done);
+          }
+        },
+        [&] { store(done); });
   }
 
  private:

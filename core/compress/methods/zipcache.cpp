@@ -51,7 +51,6 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <map>
 #include <numeric>
 #include <random>
 
@@ -268,36 +267,25 @@ class ZipCachePolicy : public KVPolicy {
       }
     });
     Backend& be = *jobs.front().ctx->backend;
-    std::vector<const Group*> queued;
-    auto install = [&] {
-      for (const Group* g : queued) zipcache::install_group(*g->layer, g->segs, spec(), g->p);
-    };
-    try {
-      be.queue_then_finish([&] {
-        for (size_t i = 0; i < jobs.size(); ++i)
-          for (const Group& g : per_layer[i]) {
-            std::vector<const KVSegment*> segs;
-            for (size_t x : g.segs) segs.push_back(&g.layer->segments[x]);
-            const PrefillContext& c = *jobs[i].ctx;
-            if (c.backend != &be || !c.device)
-              throw InternalError("zipcache: layers of one prefill on different backends");
-            if (!be.zip_quantize_rows(*c.device, c.layer, segs, *g.p))
-              throw InternalError("zipcache: the " + be.name() + " backend cannot quantize layer " +
-                                  std::to_string(c.layer) + "'s rows where they are");
-            queued.push_back(&g);
-          }
-      });
-    } catch (...) {
-      // The groups queued before the error keep their payloads (the device's arrays made for
-      // them name them), then the error goes on.
-      try {
-        install();
-      } catch (...) {
-        // (the first error is the one to report)
-      }
-      throw;
-    }
-    install();
+    std::vector<const Group*> queued;  // (installed also when a later group fails)
+    be.queue_then_keep(
+        [&] {
+          for (size_t i = 0; i < jobs.size(); ++i)
+            for (const Group& g : per_layer[i]) {
+              std::vector<const KVSegment*> segs;
+              for (size_t x : g.segs) segs.push_back(&g.layer->segments[x]);
+              const PrefillContext& c = *jobs[i].ctx;
+              if (c.backend != &be || !c.device)
+                throw InternalError("zipcache: layers of one prefill on different backends");
+              if (!be.zip_quantize_rows(*c.device, c.layer, segs, *g.p))
+                throw InternalError("zipcache: the " + be.name() + " backend cannot quantize layer " +
+                                    std::to_string(c.layer) + "'s rows where they are");
+              queued.push_back(&g);
+            }
+        },
+        [&] {
+          for (const Group* g : queued) zipcache::install_group(*g->layer, g->segs, spec(), g->p);
+        });
   }
 
   struct Stream {
@@ -423,9 +411,8 @@ void mark_group(LayerKV& layer, const std::vector<size_t>& group, const Flags& f
 }
 
 void quantize_group(LayerKV& layer, const std::vector<size_t>& group, const Flags& flags, int D, const GroupSpec& o,
-                    quant::QuantPayload& payload) {
+                    quant::QuantPayload& p) {
   const int KH = static_cast<int>(layer.segments.at(group.front()).heads.size());
-  quant::QuantPayload* p = &payload;
   auto hr = [&](int h, const Row& r) -> HeadRows& { return layer.segments[r.seg].heads[h]; };
   // rows[h][s]: the rows of head h in subset s (1 salient, 0 regular), in group order.
   std::vector<std::array<std::vector<Row>, 2>> rows(KH);
@@ -440,7 +427,7 @@ void quantize_group(LayerKV& layer, const std::vector<size_t>& group, const Flag
       const std::vector<Row>& R = rows[h][s];
       std::vector<float> k(R.size() * D);
       for (size_t t = 0; t < R.size(); ++t) std::copy_n(hr(h, R[t]).k.data() + static_cast<size_t>(R[t].i) * D, D, &k[t * D]);
-      quant::quantize_block(k.data(), static_cast<int>(R.size()), D, {bits[s], quant::Axis::PerChannel}, p->k[h]);
+      quant::quantize_block(k.data(), static_cast<int>(R.size()), D, {bits[s], quant::Axis::PerChannel}, p.k[h]);
       for (size_t t = 0; t < R.size(); ++t) std::copy_n(&k[t * D], D, hr(h, R[t]).k.data() + static_cast<size_t>(R[t].i) * D);
     }
   // Values: channel factors c[h][s][j] = sqrt(max |v_j|) over the subset (or the layer), fp16.
@@ -452,7 +439,7 @@ void quantize_group(LayerKV& layer, const std::vector<size_t>& group, const Flag
         for (const Row& r : rows[h][s])
           v.insert(v.end(), hr(h, r).v.data() + static_cast<size_t>(r.i) * D, hr(h, r).v.data() + static_cast<size_t>(r.i + 1) * D);
       const std::vector<float> m = zipcache::channel_factors(v.data(), static_cast<int>(v.size() / D), D);
-      for (float x : m) p->v[h].meta.push_back(quant::to_half(x));
+      for (float x : m) p.v[h].meta.push_back(quant::to_half(x));
       return m;
     };
     if (o.layer_factors) {
@@ -470,24 +457,27 @@ void quantize_group(LayerKV& layer, const std::vector<size_t>& group, const Flag
     for (int j = 0; j < D; ++j) y[j] = v[j] / c[h][s][j];
     return y;
   };
-  // Token ranges: per KV head (each row its own range), or one per (subset, position) over
-  // the rows of every head that holds the token in that subset.
-  std::map<std::pair<int, int32_t>, quant::Affine> shared;
+  // Token ranges: per KV head (each row its own range), or one per slot (quant::zip_slots: a
+  // subset's position) over the rows of every head that holds the token in that subset.
+  quant::ZipSlots slots;
+  std::vector<quant::Affine> shared;
   if (!o.head_token_ranges) {
-    for (int s = 1; s >= 0; --s) {
-      std::map<int32_t, std::pair<float, float>> mm;  // position → (min, max)
-      for (int h = 0; h < KH; ++h)
+    std::vector<std::array<std::vector<int32_t>, 2>> pos(KH);
+    for (int h = 0; h < KH; ++h)
+      for (int s = 0; s < 2; ++s)
+        for (const Row& r : rows[h][s]) pos[h][s].push_back(hr(h, r).pos[r.i]);
+    slots = quant::zip_slots(pos);
+    std::vector<float> lo(static_cast<size_t>(slots.n), INFINITY), hi(static_cast<size_t>(slots.n), -INFINITY);
+    for (int h = 0; h < KH; ++h)
+      for (int s = 0; s < 2; ++s)
         for (const Row& r : rows[h][s]) {
-          const std::vector<float> y = normalised(h, s, r);
-          auto it = mm.emplace(hr(h, r).pos[r.i], std::make_pair(INFINITY, -INFINITY)).first;
-          for (float x : y) it->second.first = std::min(it->second.first, x), it->second.second = std::max(it->second.second, x);
+          const size_t k = static_cast<size_t>(slots.of(s, hr(h, r).pos[r.i]));
+          for (float x : normalised(h, s, r)) lo[k] = std::min(lo[k], x), hi[k] = std::max(hi[k], x);
         }
-      for (const auto& [pos, lohi] : mm) {
-        const quant::Affine a = quant::make_affine(lohi.first, lohi.second, bits[s]);
-        shared[{s, pos}] = a;
-        p->tokens.scales.push_back(quant::to_half(a.scale));
-        p->tokens.zeros.push_back(quant::to_half(a.alpha));
-      }
+    for (int64_t k = 0; k < slots.n; ++k) {
+      shared.push_back(quant::make_affine(lo[static_cast<size_t>(k)], hi[static_cast<size_t>(k)], bits[k < slots.salient ? 1 : 0]));
+      p.tokens.scales.push_back(quant::to_half(shared.back().scale));
+      p.tokens.zeros.push_back(quant::to_half(shared.back().alpha));
     }
   }
   for (int h = 0; h < KH; ++h)
@@ -497,20 +487,20 @@ void quantize_group(LayerKV& layer, const std::vector<size_t>& group, const Flag
         if (R.empty()) continue;
         std::vector<float> v(R.size() * D);
         for (size_t t = 0; t < R.size(); ++t) std::copy_n(hr(h, R[t]).v.data() + static_cast<size_t>(R[t].i) * D, D, &v[t * D]);
-        zipcache::cst_quantize(v.data(), static_cast<int>(R.size()), D, bits[s], p->v[h], c[h][s].data());
+        zipcache::cst_quantize(v.data(), static_cast<int>(R.size()), D, bits[s], p.v[h], c[h][s].data());
         for (size_t t = 0; t < R.size(); ++t) std::copy_n(&v[t * D], D, hr(h, R[t]).v.data() + static_cast<size_t>(R[t].i) * D);
         continue;
       }
       std::vector<uint32_t> codes(D);
       for (const Row& r : R) {
         const std::vector<float> y = normalised(h, s, r);
-        const quant::Affine& a = shared.at({s, hr(h, r).pos[r.i]});
+        const quant::Affine& a = shared[static_cast<size_t>(slots.of(s, hr(h, r).pos[r.i]))];
         float* v = hr(h, r).v.data() + static_cast<size_t>(r.i) * D;
         for (int j = 0; j < D; ++j) {
           codes[j] = quant::encode(y[j], a, bits[s]);
           v[j] = quant::decode(codes[j], a) * c[h][s][j];
         }
-        quant::pack(codes.data(), D, bits[s], p->v[h].codes);
+        quant::pack(codes.data(), D, bits[s], p.v[h].codes);
       }
     }
 }

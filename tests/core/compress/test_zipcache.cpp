@@ -486,7 +486,9 @@ TEST(ZipCache, ActsWithinADecodeOnlyWhenAGapCompletes) {
       for (const KVSegment& s : f.store.layer(0).segments)
         if (s.kind == SegmentKind::Generated && !s.dense()) ++quantized;
       const bool acts = p->acts_on_decode_within(rows + 1);
-      if (!acts) EXPECT_EQ(quantized, 0) << "said it would not act, and did";
+      if (!acts) {
+        EXPECT_EQ(quantized, 0) << "said it would not act, and did";
+      }
       EXPECT_EQ(quantized > 0, rows >= gap + 1);
       EXPECT_EQ(acts, rows + 1 > gap);
     }
