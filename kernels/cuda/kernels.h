@@ -470,9 +470,10 @@ void gather_rows(const __half* const* src, __half* dst, int n, int D, cudaStream
 // per row. Ranges shrink by `shrink` about zero or the centre first.
 void quantize_channel(const __half* x, int n, int D, int bits, int chan_stride, float shrink, bool about_zero,
                       uint8_t* codes, __half* scale, __half* zero, cudaStream_t s);
-// The same for `heads` blocks of n rows each, one launch: head h reads x + h·n·D and writes codes
-// + h·code_stride (bytes) and scale, zero + h·range_stride.
-void quantize_channel_heads(const __half* x, int heads, int n, int D, int bits, int chan_stride, float shrink,
+// The same for `heads` blocks of n rows each, one launch: head h reads x + h·x_stride (halves;
+// 0: n·D, the blocks back to back) and writes codes + h·code_stride (bytes) and scale, zero +
+// h·range_stride.
+void quantize_channel_heads(const __half* x, int64_t x_stride, int heads, int n, int D, int bits, int chan_stride, float shrink,
                             bool about_zero, uint8_t* codes, int64_t code_stride, __half* scale, __half* zero,
                             int64_t range_stride, cudaStream_t s);
 void quantize_token(const __half* x, int n, int D, int bits, const __half* factor, uint8_t* codes,

@@ -233,6 +233,26 @@ RowMap::Row SegmentRows::row(size_t seg, int h, int i) const {
   return *r;
 }
 
+bool SegmentRows::spaced(size_t seg, const __half*& k, const __half*& v, int64_t& k_stride, int64_t& v_stride) const {
+  const DevSeg* w = whole_[seg];
+  if (!w || w->heads.empty()) return false;
+  const int64_t n = w->heads[0][0].d.n;
+  auto at = [&](size_t h, bool values) {
+    const PartDesc& p = w->heads[h][0].d;
+    return static_cast<const __half*>(values ? p.v.data : p.k.data);
+  };
+  k = at(0, false);
+  v = at(0, true);
+  k_stride = w->heads.size() > 1 ? at(1, false) - k : n * D_;
+  v_stride = w->heads.size() > 1 ? at(1, true) - v : n * D_;
+  if (k_stride < n * D_ || v_stride < n * D_) return false;
+  for (size_t h = 0; h < w->heads.size(); ++h)
+    if (w->heads[h][0].d.n != n || at(h, false) != k + static_cast<int64_t>(h) * k_stride ||
+        at(h, true) != v + static_cast<int64_t>(h) * v_stride)
+      return false;
+  return true;
+}
+
 // The device segment that mirrors host segment s, labelled `storage`, with an empty slot per KV
 // head for its parts, positions and merge counts.
 DevSeg mirror(const KVSegment& s, std::string storage, int NKV, bool fp16_rows) {
@@ -329,9 +349,10 @@ struct SyncBatch {
 
 // A segment of fp16 rows: rows found on the device are gathered there, the others uploaded (the
 // copies queued in `batch`). A merged row is gathered from the rows merged on the device
-// (`merged`), else uploaded.
+// (`merged`), else uploaded. `whole`: the device segment whose rows s lists, in order (s only
+// moves out of a shared allocation); `have` (the layer's rows by position) is not read then.
 DevSeg build_fp16(const CudaKV& C, const KVSegment& s, const RowMap& have, const Staged& merged_rows,
-                  const std::string& label, bool from_host_only, SyncBatch& batch) {
+                  const std::string& label, bool from_host_only, SyncBatch& batch, const DevSeg* whole = nullptr) {
   Context& ctx = *C.ctx;
   const int NKV = C.NKV, D = C.D;
   DevSeg d = mirror(s, label, NKV, true);
@@ -354,7 +375,14 @@ DevSeg build_fp16(const CudaKV& C, const KVSegment& s, const RowMap& have, const
     const HeadRows& r = s.heads[h];
     for (int i = 0; i < r.n(); ++i, ++i_row) {
       const bool merged = i < static_cast<int>(r.merged.size()) && r.merged[i];
-      const RowMap::Row* it = from_host_only ? nullptr
+      RowMap::Row in_whole;
+      if (whole) {
+        const PartDesc& p = whole->heads[static_cast<size_t>(h)].at(0).d;
+        in_whole = {static_cast<const __half*>(p.k.data) + static_cast<int64_t>(i) * D,
+                    static_cast<const __half*>(p.v.data) + static_cast<int64_t>(i) * D};
+      }
+      const RowMap::Row* it = whole ? &in_whole
+                              : from_host_only ? nullptr
                               : !merged      ? have.find(h, r.pos[i])
                               : merged_rows.empty() ? nullptr
                                                     : merged_rows.rows.find(h, r.pos[i]);
@@ -397,6 +425,7 @@ DevSeg build_fp16(const CudaKV& C, const KVSegment& s, const RowMap& have, const
 struct SyncPlan {
   std::vector<const DevSeg*> same;
   bool keep_tail = false, unchanged = false;
+  bool needs_rows = false;  // whether a segment's rows are looked up by position (device_rows)
   size_t n_host = 0;  // host segments before the tail
 };
 
@@ -419,6 +448,9 @@ SyncPlan plan_sync(const CudaKV& C, const KVStore& host, int l) {
   p.n_host = H.segments.size() - (p.keep_tail ? 1 : 0);
   p.unchanged = p.n_host == d.segs.size() && (p.keep_tail || d.tail.n == 0);
   for (size_t i = 0; p.unchanged && i < p.n_host; ++i) p.unchanged = p.same[i] == &d.segs[i];
+  // Rows are looked up only for a segment of dense rows that changed (one that only moves is
+  // copied from where it is; payloads are stored from their codes or uploaded).
+  for (size_t i = 0; !p.unchanged && i < p.n_host; ++i) p.needs_rows = p.needs_rows || (!p.same[i] && !H.segments[i].payload);
   return p;
 }
 
@@ -438,18 +470,30 @@ void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l, SyncPlan plan, co
     set_host_bytes(C, host, l);
     return;
   }
-  const RowMap have = given ? RowMap{} : device_rows(C, d);
-  const RowMap& rows = given ? *given : have;
+  const RowMap none;
+  RowMap have;  // (found when first needed, unless the caller found them)
+  bool found = false;
+  auto rows = [&]() -> const RowMap& {
+    if (given) return *given;
+    if (!found) have = device_rows(C, d);
+    found = true;
+    return have;
+  };
   // A kept segment that shares an allocation with a dropped one (the prompt's segments share
   // one per layer) is gathered into its own, so that the dropped rows' memory is freed.
   std::unordered_map<const void*, int> dropped;
   for (const DevSeg& x : d.segs)
     if (std::find(same.begin(), same.end(), &x) == same.end())
       for (const DevMem& m : x.mem) dropped[m.mem.get()] = 1;
-  for (auto& p : same) {
-    if (!p) continue;
-    for (const DevMem& m : p->mem)
-      if (dropped.count(m.mem.get())) p = nullptr;
+  std::vector<const DevSeg*> moved(same.size(), nullptr);  // such a segment's fp16 rows, where they are
+  for (size_t i = 0; i < same.size(); ++i) {
+    const DevSeg* x = same[i];
+    if (!x || std::none_of(x->mem.begin(), x->mem.end(), [&](const DevMem& m) { return dropped.count(m.mem.get()) > 0; }))
+      continue;
+    same[i] = nullptr;
+    bool one_part = x->fp16_rows && !x->payload;
+    for (const std::vector<DevPart>& parts : x->heads) one_part = one_part && parts.size() == 1;
+    if (one_part) moved[i] = x;
   }
   std::vector<DevSeg> segs;
   for (size_t i = 0; i < n_host; ++i) {
@@ -478,7 +522,7 @@ void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l, SyncPlan plan, co
       for (size_t x = i; x < j; ++x) {
         if (kept) segs.push_back(*same[x]);
         else if (!built.empty()) segs.push_back(std::move(built[x - i]));
-        else segs.push_back(build_fp16(C, H.segments[x], rows, d.merged, "fp16 (dequantized " + H.segments[x].storage + ")", true, batch));
+        else segs.push_back(build_fp16(C, H.segments[x], none, d.merged, "fp16 (dequantized " + H.segments[x].storage + ")", true, batch));
       }
       i = j - 1;
       continue;
@@ -499,9 +543,9 @@ void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l, SyncPlan plan, co
         }
       segs.push_back(build_packed(ctx, C, s, *p, taken.payload ? &taken : nullptr));
     } else if (s.payload) {
-      segs.push_back(build_fp16(C, s, rows, d.merged, "fp16 (dequantized " + s.storage + ")", true, batch));
+      segs.push_back(build_fp16(C, s, none, d.merged, "fp16 (dequantized " + s.storage + ")", true, batch));
     } else {
-      segs.push_back(build_fp16(C, s, rows, d.merged, "fp16", false, batch));
+      segs.push_back(build_fp16(C, s, moved[i] ? none : rows(), d.merged, "fp16", false, batch, moved[i]));
     }
   }
   // The new layout must be in place before the old rows can go: segments first, then the tail.
@@ -529,13 +573,13 @@ void kv_sync(Context& ctx, DeviceKV& dev, KVStore& host, int layer) {
     else
       for (int l = 0; l < C.L; ++l) ls.push_back(l);
     std::vector<SyncPlan> plans;
-    std::vector<int> changed;  // (indices into ls)
+    std::vector<int> changed;  // (indices into ls: the layers whose rows are looked up)
     for (size_t i = 0; i < ls.size(); ++i) {
       plans.push_back(plan_sync(C, host, ls[i]));
-      if (!plans.back().unchanged) changed.push_back(static_cast<int>(i));
+      if (plans.back().needs_rows) changed.push_back(static_cast<int>(i));
     }
-    // The changed layers' device rows by position, found on threads (they only read the cache);
-    // then the layers in turn.
+    // The device rows by position of the layers that look rows up, found on threads (they only
+    // read the cache); then the layers in turn.
     std::vector<RowMap> rows(ls.size());
     if (changed.size() > 1)
       parallel_for(static_cast<int>(changed.size()), 8, [&](int x) {
@@ -543,7 +587,7 @@ void kv_sync(Context& ctx, DeviceKV& dev, KVStore& host, int layer) {
         rows[i] = device_rows(C, C.layers[static_cast<size_t>(ls[i])]);
       });
     for (size_t i = 0; i < ls.size(); ++i) {
-      const RowMap* found = changed.size() > 1 && !plans[i].unchanged ? &rows[i] : nullptr;
+      const RowMap* found = changed.size() > 1 && plans[i].needs_rows ? &rows[i] : nullptr;
       sync_layer(ctx, C, host, ls[i], std::move(plans[i]), found, batch);
     }
   } catch (...) {

@@ -352,6 +352,10 @@ class SegmentRows {
   SegmentRows(const CudaKV& C, const DevLayer& d, const std::vector<const KVSegment*>& segs, std::string what);
   // Row i of KV head h of segs[seg]; InternalError where the device has none.
   RowMap::Row row(size_t seg, int h, int i) const;
+  // Whether every KV head's rows of segs[seg] lie in the device segment it mirrors, as many rows
+  // a head and equally spaced (a prefill's layout): then head h's rows are k + h·k_stride and
+  // v + h·v_stride (halves), read where they are.
+  bool spaced(size_t seg, const __half*& k, const __half*& v, int64_t& k_stride, int64_t& v_stride) const;
 
  private:
   const std::vector<const KVSegment*>& segs_;

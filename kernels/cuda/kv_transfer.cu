@@ -116,25 +116,40 @@ bool kv_quantize_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& s
   const std::string what = std::string("quantized ") + segment_kind_name(seg.kind) + " rows of layer " + std::to_string(layer);
   const std::vector<const KVSegment*> segs{&seg};
   const SegmentRows rows(C, C.layers[static_cast<size_t>(layer)], segs, "quantize_rows: " + what);
-  // Every head's rows gathered into one [N][D] block a side, then each head's slice quantized.
   std::vector<int64_t> first(static_cast<size_t>(NKV) + 1, 0);
-  std::vector<const __half*> src, values;  // keys, then (appended below) values
-  for (int h = 0; h < NKV; ++h) {
-    for (int i = 0; i < seg.heads[static_cast<size_t>(h)].n(); ++i) {
-      const RowMap::Row row = rows.row(0, h, i);
-      src.push_back(row.first);
-      values.push_back(row.second);
-    }
-    first[static_cast<size_t>(h) + 1] = static_cast<int64_t>(src.size());
-  }
-  const int64_t N = static_cast<int64_t>(src.size());
-  src.insert(src.end(), values.begin(), values.end());
+  for (int h = 0; h < NKV; ++h)
+    first[static_cast<size_t>(h) + 1] = first[static_cast<size_t>(h)] + seg.heads[static_cast<size_t>(h)].n();
+  const int64_t N = first.back();
   if (N == 0) return true;
-  DevMem X{ctx.alloc(2 * N * D * 2, what), 2 * N * D * 2};
-  DevMem L{ctx.alloc(2 * N * static_cast<int64_t>(sizeof(void*)), what + " gather list"),
-           2 * N * static_cast<int64_t>(sizeof(void*))};
-  ctx.upload(L.mem.get(), src.data(), 2 * N * static_cast<int64_t>(sizeof(void*)), what + " gather list");
-  gather_rows(static_cast<const __half* const*>(L.mem.get()), X.as<__half>(), static_cast<int>(2 * N), D, ctx.stream);
+  // Every KV head with the same rows (a segment no method evicted from), ranges over channels:
+  // one launch a side, the heads' slots being equally spaced. Where the heads' rows also lie
+  // equally spaced in the cache (the prefill's layout) they are read there; else every head's
+  // rows are first gathered into one [N][D] block a side.
+  bool same_rows = NKV >= 2;
+  for (int h = 1; h < NKV; ++h)
+    same_rows = same_rows && first[static_cast<size_t>(h) + 1] - first[static_cast<size_t>(h)] == first[1];
+  const bool by_heads = same_rows && ks.axis != quant::Axis::PerToken && vs.axis != quant::Axis::PerToken;
+  const __half* in[2] = {nullptr, nullptr};  // each side's first head
+  int64_t in_stride[2] = {0, 0};              // (0: the gathered block's heads, back to back)
+  DevMem X;
+  if (!(by_heads && rows.spaced(0, in[0], in[1], in_stride[0], in_stride[1]))) {
+    std::vector<const __half*> src, values;  // keys, then (appended below) values
+    for (int h = 0; h < NKV; ++h)
+      for (int i = 0; i < seg.heads[static_cast<size_t>(h)].n(); ++i) {
+        const RowMap::Row row = rows.row(0, h, i);
+        src.push_back(row.first);
+        values.push_back(row.second);
+      }
+    src.insert(src.end(), values.begin(), values.end());
+    X = {ctx.alloc(2 * N * D * 2, what), 2 * N * D * 2};
+    DevMem L{ctx.alloc(2 * N * static_cast<int64_t>(sizeof(void*)), what + " gather list"),
+             2 * N * static_cast<int64_t>(sizeof(void*))};
+    ctx.upload(L.mem.get(), src.data(), 2 * N * static_cast<int64_t>(sizeof(void*)), what + " gather list");
+    gather_rows(static_cast<const __half* const*>(L.mem.get()), X.as<__half>(), static_cast<int>(2 * N), D, ctx.stream);
+    in[0] = X.as<__half>();
+    in[1] = X.as<__half>() + N * D;
+    in_stride[0] = in_stride[1] = 0;
+  }
   // Per head and side: codes, then scales and zeros (one range per channel, per row or one).
   using Slot = StagedCodes::Slot;
   auto n_ranges = [&](const quant::UniformSpec& q, int64_t n) -> int64_t {
@@ -159,18 +174,13 @@ bool kv_quantize_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& s
   DevMem R{ctx.alloc(std::max<int64_t>(2 * range_count * 2, 16), what + " ranges"), std::max<int64_t>(2 * range_count * 2, 16)};
   __half* scales = R.as<__half>();
   __half* zeros = scales + range_count;
-  // Every KV head with the same rows (a segment no method evicted from), ranges over channels:
-  // one launch a side, the heads' slots being equally spaced.
-  bool same_rows = NKV >= 2;
-  for (int h = 1; h < NKV; ++h)
-    same_rows = same_rows && first[static_cast<size_t>(h) + 1] - first[static_cast<size_t>(h)] == first[1];
   for (int side = 0; side < 2; ++side) {
     const quant::UniformSpec& q = side ? vs : ks;
     const int chan = q.axis == quant::Axis::PerChannel ? 1 : 0;
-    if (same_rows && q.axis != quant::Axis::PerToken) {
+    if (by_heads) {
       const Slot& s0 = slots[static_cast<size_t>(side * NKV)];
       const Slot& s1 = slots[static_cast<size_t>(side * NKV + 1)];
-      quantize_channel_heads(X.as<__half>() + side * N * D, NKV, static_cast<int>(first[1]), D, q.bits, chan, q.shrink,
+      quantize_channel_heads(in[side], in_stride[side], NKV, static_cast<int>(first[1]), D, q.bits, chan, q.shrink,
                              q.shrink_about_zero, static_cast<uint8_t*>(Cd.mem.get()) + s0.codes, s1.codes - s0.codes,
                              scales + s0.ranges, zeros + s0.ranges, s1.ranges - s0.ranges, ctx.stream);
       continue;
@@ -178,7 +188,7 @@ bool kv_quantize_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& s
     for (int h = 0; h < NKV; ++h) {
       const Slot& sl = slots[static_cast<size_t>(side * NKV + h)];
       const int64_t n = first[static_cast<size_t>(h) + 1] - first[static_cast<size_t>(h)];
-      const __half* x = X.as<__half>() + (side * N + first[static_cast<size_t>(h)]) * D;
+      const __half* x = in[side] + first[static_cast<size_t>(h)] * D;
       uint8_t* codes = static_cast<uint8_t*>(Cd.mem.get()) + sl.codes;
       if (q.axis == quant::Axis::PerToken)
         quantize_token(x, static_cast<int>(n), D, q.bits, nullptr, codes, scales + sl.ranges, zeros + sl.ranges, ctx.stream);

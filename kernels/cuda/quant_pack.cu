@@ -140,16 +140,18 @@ void check_shape(int D, int bits) {
 
 void quantize_channel(const __half* x, int n, int D, int bits, int chan_stride, float shrink, bool about_zero,
                       uint8_t* codes, __half* scale, __half* zero, cudaStream_t s) {
-  quantize_channel_heads(x, 1, n, D, bits, chan_stride, shrink, about_zero, codes, 0, scale, zero, 0, s);
+  quantize_channel_heads(x, 0, 1, n, D, bits, chan_stride, shrink, about_zero, codes, 0, scale, zero, 0, s);
 }
 
-void quantize_channel_heads(const __half* x, int heads, int n, int D, int bits, int chan_stride, float shrink,
+void quantize_channel_heads(const __half* x, int64_t x_stride, int heads, int n, int D, int bits, int chan_stride, float shrink,
                             bool about_zero, uint8_t* codes, int64_t code_stride, __half* scale, __half* zero,
                             int64_t range_stride, cudaStream_t s) {
   check_shape(D, bits);
   if (n == 0 || heads == 0) return;
   if (heads > 65535) throw InternalError("quantize: at most 65535 heads a launch, got " + std::to_string(heads));
-  const HeadStrides hs{static_cast<int64_t>(n) * D, code_stride, range_stride};
+  if (x_stride != 0 && x_stride < static_cast<int64_t>(n) * D)
+    throw InternalError("quantize: heads of " + std::to_string(n) + " rows " + std::to_string(x_stride) + " halves apart overlap");
+  const HeadStrides hs{x_stride ? x_stride : static_cast<int64_t>(n) * D, code_stride, range_stride};
   channel_range_kernel<<<dim3(chan_stride ? D : 1, heads), 256, 0, s>>>(x, n, D, bits, chan_stride, shrink,
                                                                         about_zero ? 1 : 0, scale, zero, hs);
   KV_LAUNCH("channel_range_kernel", std::to_string(heads) + "x" + std::to_string(n) + "x" + std::to_string(D));

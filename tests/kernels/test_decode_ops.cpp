@@ -618,19 +618,22 @@ void quant_case(int n, int D, int bits, quant::Axis axis, float shrink, bool cst
 // The channel-wise kernels for several heads in one launch (quantize_channel_heads, as a
 // segment's KV heads are quantized together): each head's block against quant::quantize_block of
 // that head's rows alone, with the same bounds as quant_case, at slots spaced as given (codes
-// padded to 16 bytes, plus a gap) with the poison between them left alone.
-void quant_heads_case(int heads, int n, int D, int bits, quant::Axis axis, float shrink) {
+// padded to 16 bytes, plus a gap) with the poison between them left alone. With gap_rows > 0 the
+// heads' rows lie that many rows apart (as a segment's heads lie within a layer's prompt rows)
+// and are read there.
+void quant_heads_case(int heads, int n, int D, int bits, quant::Axis axis, float shrink, int gap_rows = 0) {
   Backend& be = *op_backends().gpu;
-  const auto x = rounded(Dt::F16, randn(static_cast<size_t>(heads) * n * D, 2.0f));
+  const int64_t x_stride = static_cast<int64_t>(n + gap_rows) * D;
+  const auto x = rounded(Dt::F16, randn(static_cast<size_t>(heads * x_stride), 2.0f));
   const int64_t code_bytes = static_cast<int64_t>(n) * D * bits / 8, code_stride = (code_bytes + 15) / 16 * 16 + 16;
   const int64_t ranges = axis == quant::Axis::Global ? 1 : D, range_stride = ranges + 3;
-  Buffer X = make(be, "x", {static_cast<int64_t>(heads) * n, D}, Dt::F16, x);
+  Buffer X = make(be, "x", {static_cast<int64_t>(heads) * (n + gap_rows), D}, Dt::F16, x);
   std::vector<int32_t> poison(static_cast<size_t>(heads * code_stride / 4), 0x5a5a5a5a);
   Buffer C = be.alloc("codes", {heads * code_stride / 4}, Dt::I32);
   be.upload(poison.data(), C);
   Buffer S = poisoned(be, "scale", {heads * range_stride}, Dt::F16), Z = poisoned(be, "zero", {heads * range_stride}, Dt::F16);
   be.synchronize();
-  cuda::quantize_channel_heads(X.as<__half>(), heads, n, D, bits, axis == quant::Axis::Global ? 0 : 1, shrink, true,
+  cuda::quantize_channel_heads(X.as<__half>(), gap_rows ? x_stride : 0, heads, n, D, bits, axis == quant::Axis::Global ? 0 : 1, shrink, true,
                                reinterpret_cast<uint8_t*>(C.data), code_stride, S.as<__half>(), Z.as<__half>(),
                                range_stride, nullptr);
   cudaDeviceSynchronize();
@@ -641,7 +644,8 @@ void quant_heads_case(int heads, int n, int D, int bits, quant::Axis axis, float
   for (int h = 0; h < heads; ++h) {
     const std::string what = "heads=" + std::to_string(heads) + " head " + std::to_string(h) + " n=" + std::to_string(n) +
                              " bits=" + std::to_string(bits) + " " + quant::axis_name(axis);
-    std::vector<float> xr(x.begin() + static_cast<std::ptrdiff_t>(h) * n * D, x.begin() + static_cast<std::ptrdiff_t>(h + 1) * n * D);
+    const auto x0 = x.begin() + static_cast<std::ptrdiff_t>(h * x_stride);
+    std::vector<float> xr(x0, x0 + static_cast<std::ptrdiff_t>(n) * D);
     quant::QuantBlock ref;
     quant::quantize_block(xr.data(), n, D, {bits, axis, shrink, true}, ref);
     for (int64_t i = 0; i < ranges; ++i) {
@@ -670,6 +674,8 @@ TEST(DecodeOps, QuantizeAndPackKernels) {
     quant_heads_case(3, 40, 64, bits, quant::Axis::Global, 1.0f);
   }
   quant_heads_case(4, 150, 128, 1, quant::Axis::PerChannel, 0.5f);
+  quant_heads_case(6, 77, 128, 1, quant::Axis::PerChannel, 1.0f, 40);  // heads read where they lie
+  quant_heads_case(3, 33, 64, 2, quant::Axis::Global, 1.0f, 5);
   for (int bits : {1, 2, 3, 4, 8}) {
     quant_case(203, 128, bits, quant::Axis::PerChannel, 1.0f, false);
     quant_case(57, 24, bits, quant::Axis::PerToken, 1.0f, false);
