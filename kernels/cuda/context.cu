@@ -4,6 +4,7 @@
 #include <string>
 
 #include "core/errors.h"
+#include "core/parallel.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/context.h"
 
@@ -87,13 +88,18 @@ std::shared_ptr<void> Context::pinned(int64_t bytes, const std::string& what) {
 }
 
 void* Context::staging(int64_t bytes, const std::string& what) {
-  if (bytes > staging_bytes) {
-    sync(what);  // a copy into the old buffer may still be in flight
-    staging_mem.reset();
-    staging_bytes = 0;  // (none, should the allocation fail)
-    staging_mem = pinned(bytes, what);
-    staging_bytes = bytes;
+  if (bytes <= staging_bytes) return staging_mem.get();
+  sync(what);  // a copy into the old buffer may still be in flight
+  if (bytes > staging_largest) {  // (copies with pageable memory are done when their call returns)
+    staging_largest = bytes;
+    staging_pageable.resize(static_cast<size_t>(bytes));
+    return staging_pageable.data();
   }
+  staging_pageable = {};
+  staging_mem.reset();
+  staging_bytes = 0;  // (none, should the allocation fail)
+  staging_mem = pinned(staging_largest, what);
+  staging_bytes = staging_largest;
   return staging_mem.get();
 }
 
@@ -138,11 +144,13 @@ void Context::land_all(const std::string& what) {
     at += (x.bytes + 15) / 16 * 16;
   }
   if (total) sync(what);
+  std::vector<int64_t> from(all.size());
   at = 0;
-  for (const Landing& x : all) {
-    x.land(host + at);
-    at += (x.bytes + 15) / 16 * 16;
+  for (size_t i = 0; i < all.size(); ++i) {
+    from[i] = at;
+    at += (all[i].bytes + 15) / 16 * 16;
   }
+  parallel_for(static_cast<int>(all.size()), 8, [&](int i) { all[static_cast<size_t>(i)].land(host + from[static_cast<size_t>(i)]); });
 }
 
 void Context::sync(const std::string& what) { KV_CUDA(cudaStreamSynchronize(stream), what); }

@@ -41,12 +41,17 @@ struct Context : std::enable_shared_from_this<Context> {
   std::shared_ptr<void> alloc(int64_t bytes, const std::string& what);
   // `bytes` of page-locked host memory for `what` (the target of copies that must not wait).
   std::shared_ptr<void> pinned(int64_t bytes, const std::string& what);
-  // A page-locked host buffer of at least `bytes`, kept and grown as asked: the landing place of
-  // the large synchronous copies to the host (one at a time, on this context's stream), which
-  // run at the link's speed from page-locked memory.
+  // A host buffer of at least `bytes`: the landing place of the large synchronous copies to the
+  // host (one at a time, on this context's stream), which run at the link's speed from
+  // page-locked memory. Page-locking memory takes several times longer than copying the same
+  // bytes through pageable memory, so a size beyond any asked for before is served from pageable
+  // memory (a run that needs it once does not wait for the pinning); the page-locked buffer grows
+  // to the largest size asked for when a size beyond it comes again (the app's next edit).
   void* staging(int64_t bytes, const std::string& what);
   std::shared_ptr<void> staging_mem;
   int64_t staging_bytes = 0;
+  std::vector<char> staging_pageable;
+  int64_t staging_largest = 0;
   // An event without timing, destroyed with its last reference.
   std::shared_ptr<CUevent_st> event(const std::string& what);
   void upload(void* dst, const void* src, int64_t bytes, const std::string& what);
@@ -57,8 +62,9 @@ struct Context : std::enable_shared_from_this<Context> {
   void free_memory(int64_t& free_bytes, int64_t& total) const;
   // Results that come to the host later (Backend::attention_reduce_later and the like): `bytes`
   // of `src` (held until then), and what to do with them once they are on the host. land_all
-  // copies every queued result into page-locked memory before one wait, then lands each in
-  // turn; it empties the queue, also on error.
+  // copies every queued result into page-locked memory before one wait, then lands them on
+  // threads of their own (each landing writes only its own results); it empties the queue, also
+  // on error (the error of the first landing that failed is rethrown once all have run).
   void land_later(std::shared_ptr<void> src, int64_t bytes, std::function<void(const char*)> land);
   void land_all(const std::string& what);
   struct Landing {

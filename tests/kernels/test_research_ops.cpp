@@ -313,6 +313,7 @@ TEST(Ops, ExactDecodeAttentionOfEveryLayerAtOnce) {
 
 #ifdef KVLENS_HAVE_CUDA
 #include "core/half.h"
+#include "kernels/cuda/context.h"
 #include "kernels/cuda/kernels.h"
 
 // LOOK-M's merge kernels (row_merge.cu, what Backend::kv_lookm_merge launches) against the host
@@ -488,5 +489,43 @@ TEST(Ops, LookMMergeKernels) {
         EXPECT_LT(merged, NK) << what << ": some kept rows take nothing";
       }
   }
+}
+
+// Results queued to land later (Context::land_later) come back whole whichever buffer they cross:
+// a batch larger than any before lands through pageable memory (the page-locked buffer is not
+// grown for it), the same size again grows the page-locked buffer and lands there, and a smaller
+// batch reuses it. Each landing (on threads of their own) gets its own bytes, with odd sizes
+// between them, fresh random bytes every round.
+TEST(Ops, LandingsComeBackThroughEitherStagingBuffer) {
+  KVLENS_NEED_GPU();
+  cuda::Context ctx(0);
+  std::mt19937 rng(std::random_device{}());
+  auto round = [&](int n, int64_t bytes, const std::string& what) {
+    std::vector<std::vector<uint8_t>> sent(static_cast<size_t>(n)), got(static_cast<size_t>(n));
+    std::vector<std::shared_ptr<void>> dev;
+    for (int i = 0; i < n; ++i) {
+      std::vector<uint8_t>& x = sent[static_cast<size_t>(i)];
+      x.resize(static_cast<size_t>(bytes + 3 * i));  // (not multiples of 16: the batch pads each)
+      for (uint8_t& b : x) b = static_cast<uint8_t>(rng());
+      dev.push_back(ctx.alloc(static_cast<int64_t>(x.size()), what));
+      ctx.upload(dev.back().get(), x.data(), static_cast<int64_t>(x.size()), what);
+      std::vector<uint8_t>* to = &got[static_cast<size_t>(i)];
+      const size_t size = x.size();
+      ctx.land_later(dev.back(), static_cast<int64_t>(size), [to, size](const char* host) {
+        to->assign(reinterpret_cast<const uint8_t*>(host), reinterpret_cast<const uint8_t*>(host) + size);
+      });
+    }
+    ctx.land_all(what);
+    EXPECT_TRUE(ctx.landings.empty()) << what;
+    for (int i = 0; i < n; ++i) EXPECT_EQ(got[static_cast<size_t>(i)], sent[static_cast<size_t>(i)]) << what << " landing " << i;
+  };
+  const int64_t big = 3 << 20;
+  round(24, big / 24, "first, larger than any before");
+  EXPECT_LT(ctx.staging_bytes, big) << "the page-locked buffer grew for a size asked for once";
+  round(24, big / 24, "the same size again");
+  EXPECT_GE(ctx.staging_bytes, big) << "the page-locked buffer did not grow for a size asked for again";
+  const void* pinned = ctx.staging_mem.get();
+  round(5, 1000, "smaller");
+  EXPECT_EQ(ctx.staging_mem.get(), pinned) << "a smaller batch replaced the page-locked buffer";
 }
 #endif
