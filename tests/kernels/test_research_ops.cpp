@@ -498,7 +498,8 @@ TEST(Ops, LookMMergeKernels) {
 // between them, fresh random bytes every round.
 TEST(Ops, LandingsComeBackThroughEitherStagingBuffer) {
   KVLENS_NEED_GPU();
-  cuda::Context ctx(0);
+  const auto made = std::make_shared<cuda::Context>(0);  // (a context hands out references to itself)
+  cuda::Context& ctx = *made;
   std::mt19937 rng(std::random_device{}());
   auto round = [&](int n, int64_t bytes, const std::string& what) {
     std::vector<std::vector<uint8_t>> sent(static_cast<size_t>(n)), got(static_cast<size_t>(n));
