@@ -87,10 +87,8 @@ Prim text(double x, double y, const std::string& s, double size, int ha, int va,
   p.pts = {{x, y}};
   p.text = s;
   p.size = size;
-  p.halign = ha;
-  p.valign = va;
-  p.color = c;
-  p.vertical = vertical;
+  p.halign = ha, p.valign = va;
+  p.color = c, p.vertical = vertical;
   return p;
 }
 
@@ -117,8 +115,7 @@ Prim circle(double x, double y, double radius, Color c) {
   Prim p;
   p.type = Prim::Type::Circle;
   p.pts = {{x, y}};
-  p.width = radius;
-  p.color = c;
+  p.width = radius, p.color = c;
   return p;
 }
 
@@ -552,20 +549,25 @@ Frame draw(const Figure& f, double W, double H, const TextWidth& measure, const 
           P.push_back(circle(x, y, 4.5, s.color));
           if (i < s.point_labels.size() && !s.point_labels[i].empty()) {
             // Right of the point, or left of it where the plot ends; moved up (then down) a
-            // line at a time past the labels already placed, so none covers another.
+            // line at a time past the labels already placed, so none covers another; a label
+            // moved away is tied to its point by a thin leader.
             const double size = kLegend - 1, w = measure(s.point_labels[i], size), h = size * 1.25;
             const bool left = x + 7 + w > pr.x1;
-            const double x0 = left ? x - 7 - w : x + 7;
-            double top = y - 2 - h;
+            const double x0 = left ? x - 7 - w : x + 7, top0 = y - 2 - h;
+            double top = top0;
             for (int k = 1; k <= 12; ++k) {
               const Rect box{x0, top, x0 + w, top + h};
-              const bool hits = std::any_of(labels.begin(), labels.end(), [&](const Rect& o) {
-                return box.x0 < o.x1 && o.x0 < box.x1 && box.y0 < o.y1 && o.y0 < box.y1;
-              });
-              if (!hits) break;
-              top = y - 2 - h + (k % 2 ? -1 : 1) * ((k + 1) / 2) * h;
+              if (std::none_of(labels.begin(), labels.end(), [&](const Rect& o) {
+                    return box.x0 < o.x1 && o.x0 < box.x1 && box.y0 < o.y1 && o.y0 < box.y1;
+                  }))
+                break;
+              top = top0 + (k % 2 ? -1 : 1) * ((k + 1) / 2) * h;
             }
             labels.push_back(Rect{x0, top, x0 + w, top + h});
+            if (top != top0) {
+              const double lx = left ? x0 + w + 1 : x0 - 1, ly = top + h * 0.6, d = std::hypot(lx - x, ly - y);
+              P.push_back(line({{x + (lx - x) * 4.5 / d, y + (ly - y) * 4.5 / d}, {lx, ly}}, Color{0.45f, 0.45f, 0.5f, 1}, 0.7));
+            }
             P.push_back(text(left ? x - 7 : x + 7, top + h, s.point_labels[i], size, left ? 1 : -1, 1, kInk));
           }
         }

@@ -607,52 +607,6 @@ TEST(Figures, SvgWritesEachPrimitiveAsAnElement) {
   EXPECT_EQ(png.data, (std::vector<uint8_t>{255, 0, 0, 0, 0, 255}));
 }
 
-// Scatter point labels: none covers another (two points a pixel apart, a third close by), and
-// a label that would run past the plot's right edge sits left of its point.
-TEST(Figures, PointLabelsDoNotCoverEachOtherOrLeaveThePlot) {
-  Figure f;
-  f.id = "labels";
-  f.x.min = 0, f.x.max = 10, f.y.min = 0, f.y.max = 1;
-  const std::vector<std::pair<double, std::string>> pts = {{2.0, "first method"}, {2.01, "second method"},
-                                                           {2.05, "third"}, {9.9, "near the edge"}};
-  for (const auto& [x, name] : pts) {
-    Series s;
-    s.kind = SeriesKind::Scatter;
-    s.label = name;
-    s.x = {x};
-    s.y = {0.5};
-    s.point_labels = {name};
-    f.series.push_back(s);
-  }
-  const Frame fr = draw(f, 500, 300, measure);
-  struct Box {
-    std::string text;
-    Rect r;
-    int halign;
-  };
-  std::vector<Box> boxes;
-  for (const Prim& p : fr.prims) {
-    if (p.type != Prim::Type::Text) continue;
-    for (const auto& pt : pts)
-      if (p.text == pt.second && p.valign == 1) {
-        const double w = measure(p.text, p.size), h = p.size * 1.25;
-        const double x0 = p.halign < 0 ? p.pts[0].x : p.pts[0].x - w;
-        boxes.push_back({p.text, Rect{x0, p.pts[0].y - h, x0 + w, p.pts[0].y}, p.halign});
-      }
-  }
-  ASSERT_EQ(boxes.size(), pts.size());
-  for (size_t i = 0; i < boxes.size(); ++i)
-    for (size_t j = i + 1; j < boxes.size(); ++j) {
-      const Rect& a = boxes[i].r;
-      const Rect& b = boxes[j].r;
-      EXPECT_FALSE(a.x0 < b.x1 && b.x0 < a.x1 && a.y0 < b.y1 && b.y0 < a.y1) << boxes[i].text << " covers " << boxes[j].text;
-    }
-  const Box& edge = boxes.back();
-  EXPECT_EQ(edge.text, "near the edge");
-  EXPECT_EQ(edge.halign, 1);
-  EXPECT_LE(edge.r.x1, fr.plot.x1);
-}
-
 // How a figure is looked at on screen (fig::View): a hidden series is not drawn, not read out and
 // greyed in the legend (whose series entries are where a click toggles them), and the y axis is
 // fitted to what stays shown; the y scale can be switched either way and the y range zoomed.
