@@ -80,14 +80,15 @@ ClipVisionConfig parse_vision(const nlohmann::json* jp, const std::string& where
   return c;
 }
 
-LlamaConfig parse_text(const nlohmann::json* jp, const std::string& where) {
+// The decoder's keys of object j (LLaVA's text_config, or a text-only config's top level, whose
+// model_type may also be mistral); `w` names it in messages.
+LlamaConfig parse_text(const nlohmann::json* jp, const std::string& w, bool mistral_too = false) {
   LlamaConfig c;
   nlohmann::json empty = nlohmann::json::object();
   const nlohmann::json& j = jp ? *jp : empty;
-  const std::string w = where + ": text_config";
-  if (j.contains("model_type") && j["model_type"] != "llama")
+  if (j.contains("model_type") && j["model_type"] != "llama" && !(mistral_too && j["model_type"] == "mistral"))
     throw InputError(w + ": model_type '" + j["model_type"].get<std::string>() +
-                     "' is not supported (expected llama)");
+                     "' is not supported (expected llama" + (mistral_too ? " or mistral)" : ")"));
   get_int(j, "vocab_size", c.vocab_size, w, 1, kMaxVocab);
   get_int(j, "hidden_size", c.hidden_size, w, 1, kMaxWidth);
   get_int(j, "intermediate_size", c.intermediate_size, w, 1, kMaxMlp);
@@ -121,6 +122,8 @@ LlamaConfig parse_text(const nlohmann::json* jp, const std::string& where) {
   get(j, "attention_bias", c.attention_bias, w);
   get(j, "mlp_bias", c.mlp_bias, w);
   get(j, "tie_word_embeddings", c.tie_word_embeddings, w);
+  if (j.contains("sliding_window") && !j["sliding_window"].is_null())
+    get_int(j, "sliding_window", c.sliding_window, w, 1, kMaxPositions);
   // Token ids are checked against the vocabulary; -1 is how some configs say "none".
   get_int(j, "bos_token_id", c.bos_token_id, w, -1, c.vocab_size - 1);
   if (j.contains("eos_token_id") && !j["eos_token_id"].is_null()) {
@@ -173,7 +176,7 @@ static LlavaConfig parse_llava_config_checked(const nlohmann::json& j, const std
   c.vision = parse_vision(j.contains("vision_config") && j["vision_config"].is_object()
                               ? &j["vision_config"] : nullptr, where);
   c.text = parse_text(j.contains("text_config") && j["text_config"].is_object()
-                          ? &j["text_config"] : nullptr, where);
+                          ? &j["text_config"] : nullptr, where + ": text_config");
   get_int(j, "image_token_index", c.image_token_index, where, 0, c.text.vocab_size - 1);
   get_int(j, "image_token_id", c.image_token_index, where, 0, c.text.vocab_size - 1);
   get(j, "projector_hidden_act", c.projector_hidden_act, where);
@@ -212,6 +215,22 @@ static LlavaConfig parse_llava_config_checked(const nlohmann::json& j, const std
 
 LlavaConfig load_llava_config(const std::string& path) {
   return parse_llava_config(read_json_file(path, "config"), path);
+}
+
+LlamaConfig parse_text_only_config(const nlohmann::json& j, const std::string& where) {
+  if (!j.is_object()) throw InputError(where + ": not a JSON object");
+  const std::string mt = j.value("model_type", std::string());
+  if (mt != "llama" && mt != "mistral")
+    throw InputError(where + ": model_type '" + mt + "' is not a text-only decoder kvlens reads (llama, mistral)");
+  try {
+    return parse_text(&j, where, true);
+  } catch (const nlohmann::json::exception& e) {
+    throw InputError(where + ": a value of the wrong type (" + e.what() + ")");
+  }
+}
+
+LlamaConfig load_text_only_config(const std::string& path) {
+  return parse_text_only_config(read_json_file(path, "config"), path);
 }
 
 }  // namespace kvlens

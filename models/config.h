@@ -2,6 +2,7 @@
 // a 2-layer projector and a Llama decoder. Missing keys take HF transformers' defaults for
 // CLIPVisionConfig / LlamaConfig / LlavaConfig.
 #pragma once
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -40,6 +41,11 @@ struct LlamaConfig {
   bool tie_word_embeddings = false;
   int bos_token_id = 1;
   std::vector<int> eos_token_ids{2};
+  // Mistral's sliding_window (0: none). kvlens attends over every cached row, so a context
+  // stops at the window: within it the window changes nothing.
+  int sliding_window = 0;
+  // Positions a sequence may hold: max_position_embeddings, or the sliding window when smaller.
+  int max_context() const { return sliding_window > 0 ? std::min(sliding_window, max_position_embeddings) : max_position_embeddings; }
 };
 
 struct LlavaConfig {
@@ -62,5 +68,9 @@ struct LlavaConfig {
 
 LlavaConfig parse_llava_config(const nlohmann::json& j, const std::string& where);
 LlavaConfig load_llava_config(const std::string& path);
+// A text-only decoder's config.json (model_type "llama" or "mistral", HF LlamaForCausalLM /
+// MistralForCausalLM): the keys at the top level.
+LlamaConfig parse_text_only_config(const nlohmann::json& j, const std::string& where);
+LlamaConfig load_text_only_config(const std::string& path);
 
 }  // namespace kvlens

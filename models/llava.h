@@ -16,6 +16,7 @@
 #include "core/compress/policy.h"
 #include "models/clip.h"
 #include "models/config.h"
+#include "models/decoder_model.h"
 #include "models/llama.h"
 #include "models/model.h"
 #include "models/tokenizer.h"
@@ -26,20 +27,13 @@ struct Projector {
   Buffer w1, b1, w2, b2;
 };
 
-class LlavaModel final : public Model {
+class LlavaModel final : public DecoderModel {
  public:
   static LlavaModel load(const std::string& dir, const BackendOptions& backend = {});
 
   const LlavaConfig& config() const { return cfg_; }
 
-  // ---- Model -----------------------------------------------------------------------------------
-  const ModelInfo& info() const override { return info_; }
-  const std::string& dir() const override { return dir_; }
-  const Tokenizer& tokenizer() const override { return tok_; }
-  const PreprocessConfig& preprocess_config() const override { return pre_; }
-  PreprocessConfig& preprocess_config() override { return pre_; }
-  Backend& backend() const override { return *be_; }
-  int64_t decode_weight_bytes() const override;
+  // ---- Model (the decoder's part: DecoderModel) -------------------------------------------------
   std::vector<int> prompt_ids(const std::string& prompt, const std::string& templ) const override;
   Tensor pixel_values(const RGBImage& img) const override;
   Buffer encode_image(const Tensor& pixel_values) const override;
@@ -48,24 +42,14 @@ class LlavaModel final : public Model {
   PrefillState prefill_features(const Buffer& features, const std::string& prompt, const std::string& templ,
                                 bool keep_attention,
                                 const std::vector<AttentionObserver*>& observers = {}) const override;
-  DecodeResult decode(const PrefillState& st, KVPolicy* policy, const GenerateOptions& opt,
-                      const std::vector<AttentionObserver*>& observers = {},
-                      KVStore* compressed = nullptr) const override;
-  std::vector<PrefillContext> prefill_contexts(const PrefillState& st) const override;
 
  private:
   static LlavaModel load_checked(const std::string& dir, const BackendOptions& backend);
   Buffer encode_image_unnamed(const Tensor& pixel_values) const;
 
-  std::string dir_;
-  std::shared_ptr<Backend> be_;
   LlavaConfig cfg_;
-  ModelInfo info_;
-  Tokenizer tok_;
-  PreprocessConfig pre_;
   ClipVision vision_;
   Projector proj_;
-  LlamaDecoder text_;
 };
 
 }  // namespace kvlens

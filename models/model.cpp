@@ -1,11 +1,13 @@
 // The table of architectures: config.json's model_type → the loader of the file that implements
-// it. A new architecture adds one row here and one file beside models/llava.cpp.
+// it. A new architecture adds one row here and one file beside models/llava.cpp (its shared
+// decoder and decode loop: models/decoder_model.cpp).
 #include "models/model.h"
 
 #include <sys/stat.h>
 
 #include "core/errors.h"
 #include "core/json_file.h"
+#include "models/llama_text.h"
 #include "models/llava.h"
 
 namespace kvlens {
@@ -20,6 +22,12 @@ struct Architecture {
 const Architecture kArchitectures[] = {
     {"llava", [](const std::string& dir, const BackendOptions& be) -> std::unique_ptr<Model> {
        return std::make_unique<LlavaModel>(LlavaModel::load(dir, be));
+     }},
+    {"llama", [](const std::string& dir, const BackendOptions& be) -> std::unique_ptr<Model> {
+       return std::make_unique<LlamaTextModel>(LlamaTextModel::load(dir, be));
+     }},
+    {"mistral", [](const std::string& dir, const BackendOptions& be) -> std::unique_ptr<Model> {
+       return std::make_unique<LlamaTextModel>(LlamaTextModel::load(dir, be));
      }},
 };
 
@@ -43,7 +51,13 @@ std::unique_ptr<Model> load_model(const std::string& dir, const BackendOptions& 
   const std::string type = model_type_of(dir);
   for (const Architecture& a : kArchitectures)
     if (type == a.model_type) return a.load(dir, backend);
-  // Unknown or unreadable: the default architecture's loader names the file and what it expects.
+  if (!type.empty()) {
+    std::string known;
+    for (const Architecture& a : kArchitectures) known += (known.empty() ? "" : ", ") + std::string(a.model_type);
+    throw InputError(dir + "/config.json: model_type '" + type + "' is not one kvlens reads (" + known + ")");
+  }
+  // Unreadable or without a model_type: the default architecture's loader names the file and
+  // what it expects.
   return kArchitectures[0].load(dir, backend);
 }
 

@@ -95,6 +95,8 @@ struct ModelInfo {
   // The visual tokens' patch grid: rows × cols patches; the first `patch_first` visual tokens
   // (a CLS token, say) are not on it.
   int patch_rows = 0, patch_cols = 0, patch_first = 0;
+  // A text-only model (Llama, Mistral) has no visual tokens and takes no image.
+  bool takes_image() const { return n_visual > 0; }
 };
 
 class Model {

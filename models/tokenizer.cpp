@@ -18,7 +18,7 @@ Tokenizer::~Tokenizer() = default;
 Tokenizer::Tokenizer(Tokenizer&&) noexcept = default;
 Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
 
-Tokenizer Tokenizer::load(const std::string& dir, int image_token_index) {
+Tokenizer Tokenizer::load(const std::string& dir, int image_token_index, bool with_image) {
   Tokenizer t;
   const std::string model = dir + "/tokenizer.model";
   if (!file_exists(model)) throw InputError(model + ": missing (kvlens needs a SentencePiece tokenizer.model)");
@@ -27,13 +27,14 @@ Tokenizer Tokenizer::load(const std::string& dir, int image_token_index) {
   if (!status.ok()) throw InputError(model + ": not a SentencePiece model (" + status.ToString() + ")");
   t.bos_ = t.sp_->bos_id();
   t.eos_ = t.sp_->eos_id();
-  t.image_token_ = image_token_index;
+  t.image_token_ = with_image ? image_token_index : -1;
   const std::string tc = dir + "/tokenizer_config.json";
   if (file_exists(tc)) {
     const auto j = read_json_file(tc, "tokenizer config");
     if (j.contains("add_bos_token") && j["add_bos_token"].is_boolean())
       t.add_bos_ = j["add_bos_token"].get<bool>();
   }
+  if (!with_image) return t;
   const std::string at = dir + "/added_tokens.json";
   if (file_exists(at)) {
     const auto j = read_json_file(at, "added tokens");
@@ -79,6 +80,8 @@ std::vector<int> Tokenizer::encode_prompt(const std::string& templ, const std::s
   if (prompt.find("<image>") != std::string::npos)
     throw InputError("prompt '" + prompt + "' contains <image>; the image marker belongs in the template");
   text.replace(p, 8, prompt);
+  if (image_token_ < 0 && text.find("<image>") != std::string::npos)
+    throw InputError("prompt template '" + templ + "' has an <image> marker, and the model takes no image");
   std::vector<int> ids;
   if (add_bos_) ids.push_back(bos_);
   size_t start = 0;

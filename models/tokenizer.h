@@ -20,8 +20,9 @@ constexpr const char* kDefaultPrompt = "Describe the image.";
 class Tokenizer {
  public:
   // dir holds tokenizer.model; image_token_index comes from the model config and is replaced
-  // by added_tokens.json's "<image>" when that file names it.
-  static Tokenizer load(const std::string& dir, int image_token_index);
+  // by added_tokens.json's "<image>" when that file names it. A text-only model's tokenizer
+  // (with_image false) has no image token, and a template that names one is refused.
+  static Tokenizer load(const std::string& dir, int image_token_index, bool with_image = true);
   Tokenizer();
   ~Tokenizer();
   Tokenizer(Tokenizer&&) noexcept;

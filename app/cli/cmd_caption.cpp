@@ -6,6 +6,7 @@
 #include "app/cli/backend_option.h"
 #include "app/cli/commands.h"
 #include "app/cli/defaults.h"
+#include "app/cli/model_inputs.h"
 #include "app/cli/options.h"
 #include "app/lab/session.h"
 #include "core/errors.h"
@@ -33,8 +34,9 @@ void run_caption(const CaptionArgs& a) {
   const std::unique_ptr<Model> model_owned = load_model(a.model.empty() ? default_model_dir() : a.model, a.backend);
   if (a.pad_to_square) model_owned->preprocess_config().pad_to_square = true;
   const Model& model = *model_owned;
-  const RGBImage img = load_image(a.image.empty() ? default_image() : a.image);
-  const PrefillState st = model.prefill(img, a.prompt, a.templ, false);
+  const RGBImage img = command_image(model, a.image);
+  const std::string templ = command_template(model, a.templ);
+  const PrefillState st = model.prefill(img, a.prompt, templ, false);
   GenerateOptions opt;
   opt.max_new_tokens = a.max_new_tokens;
   opt.temperature = a.temperature;
@@ -49,9 +51,9 @@ void run_caption(const CaptionArgs& a) {
     j["model"] = model.dir();
     j["backend"] = model.backend().name();
     j["device"] = model.backend().device();
-    j["image"] = a.image.empty() ? default_image() : a.image;
+    j["image"] = command_image_path(model, a.image);
     j["prompt"] = a.prompt;
-    j["template"] = a.templ;
+    j["template"] = templ;
     j["caption"] = r.text;
     j["prompt_ids"] = st.ids;
     j["generated_ids"] = r.generated_ids;
@@ -81,9 +83,9 @@ void add_caption_command(CLI::App& root) {
   CLI::App* c = root.add_subcommand("caption", "Caption one image with the full KV cache");
   c->add_option("--model", args->model, "HF-format LLaVA-1.5 model directory (default: the embedded model)");
   add_backend_options(c, args->backend);
-  c->add_option("--image", args->image, "PNG, JPEG or BMP image (default: the embedded sample image)");
+  c->add_option("--image", args->image, "PNG, JPEG or BMP image (default: the embedded sample image; none for a text-only model)");
   c->add_option("--prompt", args->prompt, "Text in place of {prompt} in the template")->capture_default_str();
-  c->add_option("--template", args->templ, "Prompt template with <image> and {prompt}")->capture_default_str();
+  c->add_option("--template", args->templ, "Prompt template with <image> and {prompt} (a text-only model: {prompt} alone, by default)")->capture_default_str();
   add_int(c, "--max-new-tokens", args->max_new_tokens, 1, kMaxNewTokensLimit, "Most tokens to generate");
   add_real(c, "--temperature", args->temperature, 0, 100, "0 = greedy; > 0 samples (seeded)");
   add_real(c, "--top-p", args->top_p, 0, 1, "Nucleus sampling mass when sampling", true);

@@ -4,6 +4,7 @@
 #include "app/cli/backend_option.h"
 #include "app/cli/commands.h"
 #include "app/cli/defaults.h"
+#include "app/cli/model_inputs.h"
 #include "app/cli/eval_common.h"
 #include "app/cli/options.h"
 #include "core/errors.h"
@@ -29,9 +30,9 @@ struct RunArgs {
 void add_common(CLI::App* c, RunArgs& a) {
   c->add_option("--model", a.model, "HF-format LLaVA-1.5 model directory (default: the embedded model)");
   add_backend_options(c, a.backend);
-  c->add_option("--image", a.image, "Image file (default: the embedded sample image)");
+  c->add_option("--image", a.image, "Image file (default: the embedded sample image; none for a text-only model)");
   c->add_option("--prompt", a.opt.prompt, "Text in place of {prompt} in the template")->capture_default_str();
-  c->add_option("--template", a.opt.templ, "Prompt template with <image> and {prompt}")->capture_default_str();
+  c->add_option("--template", a.opt.templ, "Prompt template with <image> and {prompt} (a text-only model: {prompt} alone, by default)")->capture_default_str();
   add_int(c, "--max-new-tokens", a.opt.max_new_tokens, 1, kMaxNewTokensLimit, "Most tokens to generate");
   c->add_option("--kv-storage", a.kv_storage,
                 "Storage of uncompressed KV rows: fp16 (rounded to half precision, 2 B/value; default) or fp32 "
@@ -109,7 +110,9 @@ void run_methods(const RunArgs& args) {
   if (!a.save_session.empty()) check_writable(a.save_session, "session file");
   const std::unique_ptr<Model> model_owned = load_model(a.model.empty() ? default_model_dir() : a.model, a.backend);
   const Model& model = *model_owned;
-  const RGBImage img = load_image(a.image.empty() ? default_image() : a.image);
+  const RGBImage img = command_image(model, a.image);
+  const std::string image_path = command_image_path(model, a.image);
+  a.opt.templ = command_template(model, a.opt.templ);
   if (!a.save_session.empty()) {
     Session s;
     static_cast<SessionRun&>(s) = session_run_of(a.opt);
@@ -120,11 +123,11 @@ void run_methods(const RunArgs& args) {
       s.labels.push_back(m.label);
     }
     s.model_hash = folder_content_hash(a.model.empty() ? default_model_dir() : a.model, "model folder");
-    s.image_hash = file_content_hash(a.image.empty() ? default_image() : a.image, "image");
+    if (!image_path.empty()) s.image_hash = file_content_hash(image_path, "image");
     save_session(a.save_session, s);
   }
   Experiment ex = start_experiment(model, img, a.opt);
-  ex.references = find_image_references(a.image.empty() ? default_image() : a.image);
+  if (!image_path.empty()) ex.references = find_image_references(image_path);
   // With the image's reference captions, each caption's CIDEr-D beside it.
   auto cider = [&](const std::string& caption) {
     char b[32] = "";
@@ -156,8 +159,12 @@ void run_methods(const RunArgs& args) {
     const nlohmann::json report = experiment_json(model, ex, a.opt);
     if (!a.report.empty()) write_json(a.report, report);
     if (!a.figures.dir.empty()) {
-      const RGBImage shown = shown_image(model.pixel_values(img), model.preprocess_config());
-      write_report_figures(report, a.figures, &shown);
+      if (model.info().takes_image()) {
+        const RGBImage shown = shown_image(model.pixel_values(img), model.preprocess_config());
+        write_report_figures(report, a.figures, &shown);
+      } else {
+        write_report_figures(report, a.figures, nullptr);
+      }
     }
   }
 }
@@ -201,7 +208,8 @@ void run_calibrate(const RunArgs& args, const std::string& base, const std::vect
   if (!a.report.empty()) check_writable(a.report, "report");
   const std::unique_ptr<Model> model_owned = load_model(a.model.empty() ? default_model_dir() : a.model, a.backend);
   const Model& model = *model_owned;
-  const RGBImage img = load_image(a.image.empty() ? default_image() : a.image);
+  const RGBImage img = command_image(model, a.image);
+  a.opt.templ = command_template(model, a.opt.templ);
   const Experiment ex = start_experiment(model, img, a.opt);
   const auto pts = calibrate_grid(model, ex, base, taus, a.opt);
   std::printf("%6s %6s %12s %12s %s\n", "tau1", "tau2", "softmaxMSE", "KL", "caption==full");

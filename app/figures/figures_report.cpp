@@ -665,19 +665,26 @@ std::vector<Figure> report_figures(const nlohmann::json& report, const RGBImage*
   out.push_back(bytes_vs_agreement_figure(report));
   const int L = layer_count(report);
   const bool att = has_attention(report);
+  // Token fate over the patch grid and the visual keys' scores: none for a text-only model (no
+  // visual tokens, no grid).
+  const J grid = root(report).at("patch_grid");
+  const bool fate = grid.at("rows").integer() > 0 && grid.at("cols").integer() > 0;
+  const bool visual = root(report).at("n_visual_tokens").integer() > 0;
   if (att)
     for (int l = 0; l < L; ++l) out.push_back(attention_heatmap_figure(report, l, -1));
   for (size_t m = 0; m < method_count(report); ++m) {
     const int mi = static_cast<int>(m);
     const bool calib = report_calibration(method_at(report, mi)).has_value();
     for (int l = 0; l < L; ++l) {
-      out.push_back(score_histogram_figure(report, mi, l));
-      if (calib) out.push_back(transfer_curve_figure(report, mi, l));
-      out.push_back(token_fate_figure(report, mi, l, "kept", image));
-      out.push_back(token_fate_figure(report, mi, l, "bits", image));
-      const std::vector<double> merged = layer_at(method_at(report, mi), l).at("token_fate").at("merged").nums();
-      if (std::any_of(merged.begin(), merged.end(), [](double x) { return x > 0; }))
-        out.push_back(token_fate_figure(report, mi, l, "merged", image));
+      if (visual) out.push_back(score_histogram_figure(report, mi, l));
+      if (calib && visual) out.push_back(transfer_curve_figure(report, mi, l));
+      if (fate) {
+        out.push_back(token_fate_figure(report, mi, l, "kept", image));
+        out.push_back(token_fate_figure(report, mi, l, "bits", image));
+        const std::vector<double> merged = layer_at(method_at(report, mi), l).at("token_fate").at("merged").nums();
+        if (std::any_of(merged.begin(), merged.end(), [](double x) { return x > 0; }))
+          out.push_back(token_fate_figure(report, mi, l, "merged", image));
+      }
       if (att) out.push_back(attention_heatmap_figure(report, l, mi));
     }
   }

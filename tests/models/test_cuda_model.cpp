@@ -50,8 +50,8 @@ TEST(CudaModel, FixturesMatchCpuAndTransformers) {
   for (const std::string& dir : dirs) {
     std::ifstream f(dir + "/expected.json");
     const auto exp = nlohmann::json::parse(f);
-    const RGBImage img = load_image(dir + "/image.png");
-    const std::string templ = exp.value("template", std::string(kDefaultTemplate));
+    const RGBImage img = kt::hf_fixture_image(dir);
+    const std::string templ = kt::hf_fixture_template(dir);
     const std::string prompt = exp["prompt"].get<std::string>();
     const std::unique_ptr<Model> cpu_owned = load_model(dir, {"cpu"});
     const Model& cpu = *cpu_owned;
@@ -309,8 +309,9 @@ TEST(CudaModel, ChainedStepsEqualUnchainedSteps) {
     const Model& gpu = *gpu_owned;
     ASSERT_TRUE(gpu.backend().chains_steps());
     const RGBImage img = c.dir == kEmbedded ? load_image(kt::source_dir() + "/assets/images/scene_000.png")
-                                            : load_image(c.dir + "/image.png");
-    const PrefillState st = gpu.prefill(img, kDefaultPrompt, kDefaultTemplate, false);
+                                            : kt::hf_fixture_image(c.dir);
+    const PrefillState st =
+        gpu.prefill(img, kDefaultPrompt, c.dir == kEmbedded ? std::string(kDefaultTemplate) : kt::hf_fixture_template(c.dir), false);
     GenerateOptions g;
     g.max_new_tokens = c.max_new;
     g.stop_at_eos = c.stop_at_eos;

@@ -61,6 +61,13 @@ TEST_P(HfValues, PixelValues) {
   const auto exp = expected(dir);
   const std::unique_ptr<Model> model_owned = load_model(dir);
   const Model& model = *model_owned;
+  if (exp.value("text_only", false)) {  // no processor: an image is refused, naming the folder
+    EXPECT_FALSE(model.info().takes_image());
+    const RGBImage img = load_image(kt::source_dir() + "/assets/images/scene_000.png");
+    EXPECT_THROW(model.pixel_values(img), InputError);
+    EXPECT_THROW(model.prefill(img, "x", "{prompt}", false), InputError);
+    return;
+  }
   const Tensor pv = model.pixel_values(load_image(dir + "/image.png"));
   const std::vector<float> ref = recorded(dir, exp, "pixel_values");
   ASSERT_EQ(pv.shape, (std::vector<int64_t>{3, exp["image_size"].get<int64_t>(), exp["image_size"].get<int64_t>()}))
@@ -83,6 +90,13 @@ TEST_P(HfValues, ImageFeatures) {
   const auto exp = expected(dir);
   const std::unique_ptr<Model> model_owned = load_model(dir);
   const Model& model = *model_owned;
+  if (exp.value("text_only", false)) {  // no tower: its prompt has no visual tokens
+    const PrefillState st = model.prefill(RGBImage{}, exp["prompt"].get<std::string>(), kt::hf_fixture_template(dir), false);
+    EXPECT_EQ(st.n_visual, 0);
+    EXPECT_TRUE(std::none_of(st.kinds.begin(), st.kinds.end(), [](SegmentKind k) { return k == SegmentKind::Visual; }));
+    EXPECT_THROW(model.prefill(RGBImage{}, "x", kDefaultTemplate, false), InputError) << "a template with <image>";
+    return;
+  }
   const std::vector<float> ref = recorded(dir, exp, "image_features");
   const std::vector<float> pv_ref = recorded(dir, exp, "pixel_values");
   const int64_t S = exp["image_size"].get<int64_t>();
@@ -112,8 +126,8 @@ TEST_P(HfValues, DecodeStepLogits) {
   const auto exp = expected(dir);
   const std::unique_ptr<Model> model_owned = load_model(dir);
   const Model& model = *model_owned;
-  const PrefillState st = model.prefill(load_image(dir + "/image.png"), exp["prompt"].get<std::string>(),
-                                        exp.value("template", std::string(kDefaultTemplate)), false);
+  const PrefillState st = model.prefill(kt::hf_fixture_image(dir), exp["prompt"].get<std::string>(),
+                                        kt::hf_fixture_template(dir), false);
   const std::vector<float> ref = recorded(dir, exp, "step_logits");
   const int steps = exp["step_logits_shape"][0].get<int>(), V = exp["step_logits_shape"][1].get<int>();
   GenerateOptions g;

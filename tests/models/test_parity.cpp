@@ -34,7 +34,7 @@ class HfParity : public ::testing::TestWithParam<std::string> {};
 
 TEST(HfFixtures, Present) {
   // The fixtures are committed; their absence is a failure, not a skip.
-  EXPECT_GE(kt::hf_fixture_dirs().size(), 3u);
+  EXPECT_GE(kt::hf_fixture_dirs().size(), 5u);
 }
 
 TEST_P(HfParity, MatchesTransformers) {
@@ -42,8 +42,8 @@ TEST_P(HfParity, MatchesTransformers) {
   const auto exp = read_json(dir + "/expected.json");
   const std::unique_ptr<Model> model_owned = load_model(dir);
   const Model& model = *model_owned;
-  const RGBImage img = load_image(dir + "/image.png");
-  const std::string templ = exp.value("template", std::string(kDefaultTemplate));
+  const RGBImage img = kt::hf_fixture_image(dir);
+  const std::string templ = kt::hf_fixture_template(dir);
   const PrefillState st = model.prefill(img, exp["prompt"].get<std::string>(), templ, true);
 
   EXPECT_EQ(st.n_visual, exp["n_visual_tokens"].get<int>());

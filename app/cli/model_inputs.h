@@ -1,0 +1,19 @@
+// What a command gives the model it loaded: an image and a template, each as the checkpoint's
+// architecture takes them (a text-only model takes no image and no <image> marker).
+#pragma once
+#include <string>
+
+#include "core/data/image.h"
+#include "models/model.h"
+
+namespace kvlens::app {
+
+// The file --image names, else the sample image; for a text-only model no image, and --image
+// is refused (InputError naming the model).
+RGBImage command_image(const Model& model, const std::string& image);
+// The image file a command reads ("" for a text-only model): --image, else the sample image.
+std::string command_image_path(const Model& model, const std::string& image);
+// --template as given; a text-only model's template left at LLaVA's default becomes "{prompt}".
+std::string command_template(const Model& model, const std::string& templ);
+
+}  // namespace kvlens::app

@@ -1,0 +1,82 @@
+// What every architecture behind the model interface shares once its prompt is embedded: the
+// Llama decoder with its config and tokenizer, the prefill of an embedded prompt into a KV cache,
+// and the decode loop (policy at its hook point, observers, chained steps). An architecture
+// (models/llava.cpp: LLaVA-1.5; models/llama_text.cpp: text-only Llama and Mistral) loads its
+// checkpoint into these members and assembles the prompt's embeddings.
+#pragma once
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/backend.h"
+#include "core/errors.h"
+#include "models/config.h"
+#include "models/llama.h"
+#include "models/model.h"
+#include "models/safetensors.h"
+#include "models/tokenizer.h"
+
+namespace kvlens {
+
+class DecoderModel : public Model {
+ public:
+  const ModelInfo& info() const override { return info_; }
+  const std::string& dir() const override { return dir_; }
+  const Tokenizer& tokenizer() const override { return tok_; }
+  const PreprocessConfig& preprocess_config() const override { return pre_; }
+  PreprocessConfig& preprocess_config() override { return pre_; }
+  Backend& backend() const override { return *be_; }
+  int64_t decode_weight_bytes() const override;
+  DecodeResult decode(const PrefillState& st, KVPolicy* policy, const GenerateOptions& opt,
+                      const std::vector<AttentionObserver*>& observers = {},
+                      KVStore* compressed = nullptr) const override;
+  std::vector<PrefillContext> prefill_contexts(const PrefillState& st) const override;
+
+ protected:
+  // The embedded prompt `x` ([ids][hidden], fp32) through the decoder into st's KV cache: st
+  // holds the ids, kinds and n_visual; prefill fills its store, device cache, logits and capture.
+  void prefill_embedded(PrefillState& st, Buffer x, bool keep_attention,
+                        const std::vector<AttentionObserver*>& observers) const;
+  // The prompt's length checked against the positions a sequence may hold.
+  void check_prompt_length(int T, int n_visual) const;
+  // Loads the decoder's weights under prefix `tp` (lm_head named `lm_head`, or tied) and fills
+  // info_'s decoder facts; the backend must have every op the decoder needs.
+  void load_decoder(const WeightStore& ws, const std::string& tp, const std::string& lm_head, bool tied,
+                    const BackendOptions& backend);
+
+  std::string dir_;
+  std::shared_ptr<Backend> be_;
+  LlamaConfig text_cfg_;
+  ModelInfo info_;
+  Tokenizer tok_;
+  PreprocessConfig pre_;
+  LlamaDecoder text_;
+};
+
+namespace model_detail {
+
+inline double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Runs f, naming the model folder in a non-finite activation's message.
+template <class F>
+auto in_model(const std::string& dir, F f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const NonFiniteError& e) {
+    throw NonFiniteError(dir + ": " + e.what());
+  }
+}
+
+// The first of `prefixes` under which `probe` exists; InputError naming every name tried when
+// none does.
+std::string need_prefix(const WeightStore& ws, const std::vector<std::string>& prefixes, const std::string& probe,
+                        const std::string& what);
+// The first of `names` the checkpoint holds, or "".
+std::string first_present(const WeightStore& ws, const std::vector<std::string>& names);
+
+}  // namespace model_detail
+
+}  // namespace kvlens

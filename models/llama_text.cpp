@@ -1,0 +1,79 @@
+#include "models/llama_text.h"
+
+#include <sys/stat.h>
+
+#include <chrono>
+
+#include "core/errors.h"
+#include "core/json_file.h"
+
+namespace kvlens {
+
+using model_detail::first_present;
+using model_detail::ms_since;
+using model_detail::need_prefix;
+
+LlamaTextModel LlamaTextModel::load(const std::string& dir, const BackendOptions& backend) {
+  try {
+    return load_checked(dir, backend);
+  } catch (const nlohmann::json::exception& e) {
+    throw InputError(dir + ": a JSON file holds a value of the wrong type (" + e.what() + ")");
+  }
+}
+
+LlamaTextModel LlamaTextModel::load_checked(const std::string& dir, const BackendOptions& backend) {
+  struct stat st {};
+  if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) throw InputError(dir + ": model directory does not exist");
+  LlamaTextModel m;
+  m.dir_ = dir;
+  m.text_cfg_ = load_text_only_config(dir + "/config.json");
+  m.tok_ = Tokenizer::load(dir, -1, false);
+  const WeightStore ws = WeightStore::open_dir(dir);
+  // LlamaForCausalLM's names ("model.layers…", "lm_head.weight"), or a bare LlamaModel's.
+  const std::string tp = need_prefix(ws, {"model.", ""}, "embed_tokens.weight", "decoder");
+  const std::string lm_head = first_present(ws, {"lm_head.weight"});
+  if (lm_head.empty() && !m.text_cfg_.tie_word_embeddings)
+    throw InputError(dir + ": no 'lm_head.weight', and config.json does not tie the word embeddings");
+  m.load_decoder(ws, tp, lm_head, m.text_cfg_.tie_word_embeddings, backend);
+  m.info_.architecture = read_json_file(dir + "/config.json", "config").value("model_type", std::string("llama"));
+  return m;
+}
+
+std::vector<int> LlamaTextModel::prompt_ids(const std::string& prompt, const std::string& templ) const {
+  return tok_.encode_prompt(templ, prompt, 0);
+}
+
+Tensor LlamaTextModel::pixel_values(const RGBImage&) const {
+  throw InputError(dir_ + ": a text-only model (" + info_.architecture + ") takes no image");
+}
+
+Buffer LlamaTextModel::encode_image(const Tensor&) const {
+  throw InputError(dir_ + ": a text-only model (" + info_.architecture + ") takes no image");
+}
+
+PrefillState LlamaTextModel::prefill(const RGBImage& img, const std::string& prompt, const std::string& templ,
+                                     bool keep_attention, const std::vector<AttentionObserver*>& observers) const {
+  if (!img.data.empty()) throw InputError(dir_ + ": a text-only model (" + info_.architecture + ") takes no image");
+  return prefill_features(Buffer{}, prompt, templ, keep_attention, observers);
+}
+
+PrefillState LlamaTextModel::prefill_features(const Buffer& features, const std::string& prompt, const std::string& templ,
+                                              bool keep_attention, const std::vector<AttentionObserver*>& observers) const {
+  if (!features.empty())
+    throw InputError(dir_ + ": a text-only model (" + info_.architecture + ") takes no image features, got " +
+                     features.shape_str());
+  PrefillState st;
+  const auto t0 = std::chrono::steady_clock::now();
+  st.ids = prompt_ids(prompt, templ);
+  const int T = static_cast<int>(st.ids.size());
+  if (T == 0) throw InputError("the prompt and template '" + templ + "' give no tokens");
+  check_prompt_length(T, 0);
+  st.kinds.assign(static_cast<size_t>(T), SegmentKind::System);
+  Buffer x = text_.embed_tokens(st.ids);
+  x.name = "prompt_embeds";
+  prefill_embedded(st, std::move(x), keep_attention, observers);
+  st.prefill_ms = ms_since(t0);
+  return st;
+}
+
+}  // namespace kvlens

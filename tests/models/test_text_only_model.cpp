@@ -1,0 +1,97 @@
+// Text-only decoders behind the model interface (models/llama_text.cpp): the config read from
+// its top level, the checkpoint's layout refused with messages that name what is wrong, and
+// Mistral's sliding window as the bound of a sequence. Parity with HF transformers is in
+// test_parity / test_hf_values (the llama_text_* and mistral_* fixtures).
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <functional>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "core/errors.h"
+#include "models/config.h"
+#include "models/model.h"
+#include "tests/test_util.h"
+
+using namespace kvlens;
+namespace kt = kvlens::testing;
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string kLlama = kt::source_dir() + "/tests/fixtures/hf/llama_text_fp32_tied";
+const std::string kMistral = kt::source_dir() + "/tests/fixtures/hf/mistral_gqa_bf16_shard";
+
+void expect_input_error(const std::function<void()>& f, const std::string& must_contain) {
+  try {
+    f();
+    ADD_FAILURE() << "expected InputError containing '" << must_contain << "'";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find(must_contain), std::string::npos) << e.what();
+  }
+}
+
+// A copy of fixture `from` with its config.json edited by `edit`.
+std::string edited_copy(const std::string& from, const std::string& tag, const std::function<void(nlohmann::json&)>& edit) {
+  const std::string dir = kt::make_temp_dir(tag) + "/model";
+  fs::copy(from, dir, fs::copy_options::recursive);
+  nlohmann::json cfg = kt::read_json(dir + "/config.json");
+  edit(cfg);
+  kt::write_file(dir + "/config.json", cfg.dump(2));
+  return dir;
+}
+
+}  // namespace
+
+TEST(TextOnlyModel, ConfigIsReadFromItsTopLevel) {
+  const LlamaConfig c = load_text_only_config(kMistral + "/config.json");
+  const auto j = kt::read_json(kMistral + "/config.json");
+  EXPECT_EQ(c.num_key_value_heads, j["num_key_value_heads"].get<int>());
+  EXPECT_EQ(c.head_dim, j["head_dim"].get<int>());
+  EXPECT_EQ(c.sliding_window, j["sliding_window"].get<int>());
+  EXPECT_EQ(c.max_context(), std::min(c.sliding_window, c.max_position_embeddings));
+  const LlamaConfig l = load_text_only_config(kLlama + "/config.json");
+  EXPECT_TRUE(l.tie_word_embeddings);
+  EXPECT_EQ(l.sliding_window, 0);
+  EXPECT_EQ(l.max_context(), l.max_position_embeddings);
+  nlohmann::json bad = kt::read_json(kLlama + "/config.json");
+  bad["model_type"] = "gpt2";
+  expect_input_error([&] { parse_text_only_config(bad, "cfg"); }, "model_type 'gpt2'");
+  bad = kt::read_json(kLlama + "/config.json");
+  bad["num_key_value_heads"] = 3;  // 4 heads
+  expect_input_error([&] { parse_text_only_config(bad, "cfg"); }, "not a multiple of num_key_value_heads 3");
+  bad = kt::read_json(kLlama + "/config.json");
+  bad["hidden_size"] = "64";
+  expect_input_error([&] { parse_text_only_config(bad, "cfg"); }, "cfg");
+}
+
+TEST(TextOnlyModel, CheckpointsItCannotReadAreRefused) {
+  const std::string other = edited_copy(kLlama, "otherarch", [](nlohmann::json& c) { c["model_type"] = "qwen2"; });
+  expect_input_error([&] { load_model(other); }, "model_type 'qwen2' is not one kvlens reads (llava, llama, mistral)");
+  const std::string untied = edited_copy(kLlama, "untied", [](nlohmann::json& c) { c["tie_word_embeddings"] = false; });
+  expect_input_error([&] { load_model(untied); }, "no 'lm_head.weight'");
+}
+
+// kvlens attends over every cached row, so a Mistral sequence ends at its sliding window: a
+// prompt longer than the window is refused, and a caption stops where the window is full (up
+// to there the window changes nothing, so the ids are HF's).
+TEST(TextOnlyModel, MistralsSlidingWindowBoundsTheSequence) {
+  const auto exp = kt::read_json(kMistral + "/expected.json");
+  const int T = static_cast<int>(exp["prompt_ids"].size());
+  const auto greedy = exp["greedy_ids"].get<std::vector<int>>();
+  const std::string shorter = edited_copy(kMistral, "window", [&](nlohmann::json& c) { c["sliding_window"] = T - 5; });
+  const std::unique_ptr<Model> m = load_model(shorter);
+  expect_input_error([&] { m->prefill(RGBImage{}, exp["prompt"].get<std::string>(), "{prompt}", false); }, "sliding_window");
+  const std::string just = edited_copy(kMistral, "window2", [&](nlohmann::json& c) { c["sliding_window"] = T + 3; });
+  const std::unique_ptr<Model> m2 = load_model(just);
+  const PrefillState st = m2->prefill(RGBImage{}, exp["prompt"].get<std::string>(), "{prompt}", false);
+  GenerateOptions g;
+  g.max_new_tokens = static_cast<int>(greedy.size());
+  g.stop_at_eos = false;
+  const DecodeResult r = m2->decode(st, nullptr, g);
+  ASSERT_LT(r.generated_ids.size(), greedy.size());
+  EXPECT_GE(r.generated_ids.size(), 3u);
+  EXPECT_EQ(r.generated_ids, std::vector<int>(greedy.begin(), greedy.begin() + static_cast<std::ptrdiff_t>(r.generated_ids.size())));
+}
