@@ -40,7 +40,42 @@ LlamaTextModel LlamaTextModel::load_checked(const std::string& dir, const Backen
 }
 
 std::vector<int> LlamaTextModel::prompt_ids(const std::string& prompt, const std::string& templ) const {
-  return tok_.encode_prompt(templ, prompt, 0);
+  return tokenize(prompt, templ).ids;
+}
+
+TextPrompt LlamaTextModel::tokenize(const std::string& prompt, const std::string& templ) const {
+  static const std::string open = "<span>", close = "</span>";
+  const size_t a = templ.find(open), b = templ.find(close);
+  TextPrompt r;
+  if (a == std::string::npos && b == std::string::npos) {
+    r.ids = tok_.encode_prompt(templ, prompt, 0);
+    return r;
+  }
+  if (a == std::string::npos || b == std::string::npos || b < a || templ.find(open, a + 1) != std::string::npos ||
+      templ.find(close, b + 1) != std::string::npos)
+    throw InputError("prompt template '" + templ + "': mark the methods' span once, as <span> … </span>");
+  if (prompt.find(open) != std::string::npos || prompt.find(close) != std::string::npos)
+    throw InputError("prompt '" + prompt + "' contains a span marker; <span> … </span> belong in the template");
+  // Each part through the template's {prompt} (wherever it is) and the tokenizer on its own.
+  const std::string pre = templ.substr(0, a), mid = templ.substr(a + open.size(), b - a - open.size()),
+                    post = templ.substr(b + close.size());
+  if ((pre + mid + post).find("{prompt}") == std::string::npos)
+    throw InputError("prompt template '" + templ + "' has no {prompt}");
+  auto part = [&](std::string s) {
+    const size_t p = s.find("{prompt}");
+    if (p != std::string::npos) s.replace(p, 8, prompt);
+    if (s.find("<image>") != std::string::npos)
+      throw InputError("prompt template '" + templ + "' has an <image> marker, and the model takes no image");
+    return tok_.encode(s);
+  };
+  if (tok_.add_bos()) r.ids.push_back(tok_.bos_id());
+  for (int x : part(pre)) r.ids.push_back(x);
+  r.span_first = static_cast<int>(r.ids.size());
+  for (int x : part(mid)) r.ids.push_back(x);
+  r.span_n = static_cast<int>(r.ids.size()) - r.span_first;
+  for (int x : part(post)) r.ids.push_back(x);
+  if (r.span_n == 0) throw InputError("prompt template '" + templ + "': the span <span> … </span> holds no token");
+  return r;
 }
 
 Tensor LlamaTextModel::pixel_values(const RGBImage&) const {
@@ -64,11 +99,15 @@ PrefillState LlamaTextModel::prefill_features(const Buffer& features, const std:
                      features.shape_str());
   PrefillState st;
   const auto t0 = std::chrono::steady_clock::now();
-  st.ids = prompt_ids(prompt, templ);
+  const TextPrompt tp = tokenize(prompt, templ);
+  st.ids = tp.ids;
   const int T = static_cast<int>(st.ids.size());
   if (T == 0) throw InputError("the prompt and template '" + templ + "' give no tokens");
-  check_prompt_length(T, 0);
+  st.n_visual = tp.span_n;
+  check_prompt_length(T, st.n_visual);
   st.kinds.assign(static_cast<size_t>(T), SegmentKind::System);
+  for (int t = tp.span_first; t < T && tp.span_n > 0; ++t)
+    st.kinds[static_cast<size_t>(t)] = t < tp.span_first + tp.span_n ? SegmentKind::Visual : SegmentKind::PostVisionText;
   Buffer x = text_.embed_tokens(st.ids);
   x.name = "prompt_embeds";
   prefill_embedded(st, std::move(x), keep_attention, observers);

@@ -137,6 +137,8 @@ void run_methods(const RunArgs& args) {
   if (ex.references)
     std::printf("CIDEr-D against the %zu reference captions of this image in %s\n", ex.references->refs.size(),
                 ex.references->annotations.c_str());
+  if (!model.info().takes_image())
+    std::printf("%s\n", prompt_span_line(model, ex.prefill).c_str());
   std::printf("%-44s %10s %7s %10s %9s  %s%s\n", "method", "KV bytes", "ratio", "softmaxMSE", "diverges",
               ex.references ? " CIDEr-D " : "", "caption");
   const std::string ref = std::string("full (") + row_storage_name(a.opt.kv_storage) + " reference)";

@@ -449,8 +449,11 @@ Figure score_histogram_figure(const nlohmann::json& report, int method, int laye
   if (h.exact.size() != h.quantized.size() || h.exact.size() != h.calibrated.size())
     throw InputError(hj.where + ": exact, quantized and calibrated must have the same number of bins");
   const std::string name = method_labels(report)[method];
+  const bool span = root(report).has("prompt_span");  // a text-only model: the template's span
   Figure f = score_histogram_figure(h, "score_histogram_" + method_id(report, method) + "_l" + std::to_string(layer),
-                                    "Visual score histogram: " + name + ", layer " + std::to_string(layer) + ", all heads");
+                                    std::string(span ? "Prompt-span score histogram: " : "Visual score histogram: ") +
+                                        name + ", layer " + std::to_string(layer) + ", all heads");
+  if (span) f.note = "scores q·k/√d of the prompt span's keys (the methods' visual segment) at the first decode step, shared bins";
   f.method = name;
   f.layer = layer;
   // g(x) maps each head's own [γ, δ]; pooled over heads there is no one range to mark.
@@ -637,9 +640,11 @@ Figure attention_heatmap_figure(const nlohmann::json& report, int layer, int met
     for (size_t i = 0; i < tk.size(); ++i) k.push_back(tk.at(i).str());
     return k;
   }();
+  // (a text-only model's visual segment is the span of the prompt its template marks)
+  const bool span = root(report).has("prompt_span");
   const std::map<std::string, std::pair<std::string, Color>> begins = {
-      {"visual", {"visual tokens begin", Color{0.55f, 0.8f, 1.0f, 0.95f}}},
-      {"post_vision_text", {"post-vision text begins", Color{1.0f, 0.55f, 0.2f, 0.95f}}},
+      {"visual", {span ? "the methods' prompt span begins" : "visual tokens begin", Color{0.55f, 0.8f, 1.0f, 0.95f}}},
+      {"post_vision_text", {span ? "text after the span begins" : "post-vision text begins", Color{1.0f, 0.55f, 0.2f, 0.95f}}},
       {"generated", {"generated tokens begin", Color{0.95f, 0.25f, 0.3f, 0.95f}}}};
   auto mark = [&](const std::string& kind, int at) {
     auto it = begins.find(kind);

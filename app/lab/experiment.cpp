@@ -2,6 +2,7 @@
 
 #include "app/lab/memory_plan.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/errors.h"
@@ -179,6 +180,14 @@ nlohmann::json experiment_base_json(const Model& model, const Experiment& ex, co
   const ModelInfo& info = model.info();
   j["patch_grid"] = {{"rows", info.patch_rows}, {"cols", info.patch_cols},
                      {"first", ex.prefill.n_visual - info.patch_rows * info.patch_cols}};
+  // A text-only model's "visual" tokens are the span of the prompt its template marks: where it
+  // lies and what it says.
+  if (!info.takes_image()) {
+    const auto at = std::find(ex.prefill.kinds.begin(), ex.prefill.kinds.end(), SegmentKind::Visual);
+    const int first = at == ex.prefill.kinds.end() ? 0 : static_cast<int>(at - ex.prefill.kinds.begin());
+    const std::vector<int> ids(ex.prefill.ids.begin() + first, ex.prefill.ids.begin() + first + ex.prefill.n_visual);
+    j["prompt_span"] = {{"first", first}, {"n", ex.prefill.n_visual}, {"text", model.tokenizer().decode(ids)}};
+  }
   j["timings_ms"] = {{"preprocess", ex.prefill.preprocess_ms}, {"vision", ex.prefill.vision_ms},
                      {"prefill", ex.prefill.prefill_ms}, {"decode", ex.full.decode_ms}};
   j["options"] = {{"max_new_tokens", opt.max_new_tokens}, {"kv_storage", row_storage_name(opt.kv_storage)},

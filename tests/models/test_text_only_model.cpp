@@ -95,3 +95,44 @@ TEST(TextOnlyModel, MistralsSlidingWindowBoundsTheSequence) {
   EXPECT_GE(r.generated_ids.size(), 3u);
   EXPECT_EQ(r.generated_ids, std::vector<int>(greedy.begin(), greedy.begin() + static_cast<std::ptrdiff_t>(r.generated_ids.size())));
 }
+
+// The span a template marks is what the methods treat as the visual segment: text before it
+// (after BOS), the span and the text after it tokenized each on its own and tagged system,
+// visual and post-vision. A span around the whole prompt tokenizes as the prompt alone does, so
+// the full cache still gives HF's ids. Markers used wrongly are refused.
+TEST(TextOnlyModel, ATemplateSpanIsTheMethodsVisualSegment) {
+  const auto exp = kt::read_json(kLlama + "/expected.json");
+  const std::string prompt = exp["prompt"].get<std::string>();
+  const auto want = exp["prompt_ids"].get<std::vector<int>>();
+  const std::unique_ptr<Model> m = load_model(kLlama);
+  const Tokenizer& tok = m->tokenizer();
+  const PrefillState whole = m->prefill(RGBImage{}, prompt, "<span>{prompt}</span>", false);
+  ASSERT_EQ(whole.ids, want);
+  EXPECT_EQ(whole.n_visual, static_cast<int>(want.size()) - 1);
+  EXPECT_EQ(whole.kinds.front(), SegmentKind::System);  // BOS
+  for (size_t t = 1; t < whole.kinds.size(); ++t) EXPECT_EQ(whole.kinds[t], SegmentKind::Visual) << t;
+  GenerateOptions g;
+  const auto greedy = exp["greedy_ids"].get<std::vector<int>>();
+  g.max_new_tokens = static_cast<int>(greedy.size());
+  g.stop_at_eos = false;
+  EXPECT_EQ(m->decode(whole, nullptr, g).generated_ids, greedy);
+
+  const PrefillState st = m->prefill(RGBImage{}, "the light", "Read: <span>{prompt}</span> is", false);
+  std::vector<int> ids{tok.bos_id()};
+  const std::vector<int> pre = tok.encode("Read: "), mid = tok.encode("the light"), post = tok.encode(" is");
+  ids.insert(ids.end(), pre.begin(), pre.end());
+  ids.insert(ids.end(), mid.begin(), mid.end());
+  ids.insert(ids.end(), post.begin(), post.end());
+  ASSERT_EQ(st.ids, ids);
+  EXPECT_EQ(st.n_visual, static_cast<int>(mid.size()));
+  for (size_t t = 0; t < ids.size(); ++t) {
+    const SegmentKind k = t < 1 + pre.size() ? SegmentKind::System
+                          : t < 1 + pre.size() + mid.size() ? SegmentKind::Visual
+                                                            : SegmentKind::PostVisionText;
+    EXPECT_EQ(st.kinds[t], k) << t;
+  }
+  for (const char* bad : {"<span>{prompt}", "{prompt}</span>", "</span>{prompt}<span>", "<span>{prompt}</span><span></span>",
+                          "{prompt} <span></span>"})
+    expect_input_error([&] { m->prefill(RGBImage{}, "the light", bad, false); }, "span");
+  expect_input_error([&] { m->prefill(RGBImage{}, "a <span>b</span>", "<span>{prompt}</span>", false); }, "span marker");
+}

@@ -93,3 +93,27 @@ TEST(TextOnlyCli, RunComparesMethodsAndDrawsFigures) {
   EXPECT_EQ(files_in(tmp + "/fig", "token_fate"), 0);
   EXPECT_EQ(files_in(tmp + "/fig", "score_histogram"), 0);
 }
+
+// A span the template marks: `run` says which tokens it is, CalibQuant quantizes it (fewer bytes
+// than the full cache), the report locates it and the figures name it.
+TEST(TextOnlyCli, RunNamesTheTemplatesSpanAndQuantizesIt) {
+  const std::string tmp = kt::make_temp_dir("textspan");
+  const auto r = kt::run(kt::cli() + " run --backend cpu --model " + kMistral +
+                         " --prompt 'the light is warm' --template 'Read this: <span>{prompt}</span> Now' --max-new-tokens 4"
+                         " --method calibquant:bits=1 --report " + tmp + "/r.json --figures " + tmp + "/fig");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("the methods' visual segment: prompt tokens"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("\"the light is warm\""), std::string::npos) << r.output;
+  const auto j = kt::read_json(tmp + "/r.json");
+  const auto& span = j["prompt_span"];
+  EXPECT_EQ(span["text"].get<std::string>(), "the light is warm");
+  EXPECT_EQ(span["n"].get<int>(), j["n_visual_tokens"].get<int>());
+  EXPECT_GT(span["n"].get<int>(), 0);
+  const auto kinds = j["token_kinds"];
+  EXPECT_EQ(kinds[span["first"].get<int>()].get<std::string>(), "visual");
+  EXPECT_NE(kinds[span["first"].get<int>() - 1].get<std::string>(), "visual");
+  EXPECT_LT(j["methods"][0]["bytes_after_prefill"]["total"].get<double>(), j["full"]["bytes"]["total"].get<double>());
+  EXPECT_EQ(files_in(tmp + "/fig", "score_histogram"), 8) << "two layers, four formats";
+  const std::string svg = kt::read_file(tmp + "/fig/attention_l0.svg");
+  EXPECT_NE(svg.find("prompt span begins"), std::string::npos);
+}
