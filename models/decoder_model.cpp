@@ -1,5 +1,7 @@
 #include "models/decoder_model.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <random>
 
@@ -21,6 +23,11 @@ std::string need_prefix(const WeightStore& ws, const std::vector<std::string>& p
   std::string tried;
   for (const auto& x : prefixes) tried += (tried.empty() ? "'" : ", '") + x + probe + "'";
   throw InputError(ws.dir() + ": no " + what + " weights (looked for " + tried + ")");
+}
+
+void check_model_dir(const std::string& dir) {
+  struct stat st {};
+  if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) throw InputError(dir + ": model directory does not exist");
 }
 
 std::string first_present(const WeightStore& ws, const std::vector<std::string>& names) {

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "core/backend.h"
 #include "core/errors.h"
 #include "models/config.h"
@@ -76,6 +78,19 @@ std::string need_prefix(const WeightStore& ws, const std::vector<std::string>& p
                         const std::string& what);
 // The first of `names` the checkpoint holds, or "".
 std::string first_present(const WeightStore& ws, const std::vector<std::string>& names);
+
+void check_model_dir(const std::string& dir);  // InputError unless `dir` is a directory
+// An architecture's loader run on model folder `dir`: InputError when the folder is missing, and
+// a JSON value of the wrong type in one of its files said as an InputError naming the folder.
+template <class F>
+auto load_folder(const std::string& dir, F load) -> decltype(load()) {
+  check_model_dir(dir);
+  try {
+    return load();
+  } catch (const nlohmann::json::exception& e) {
+    throw InputError(dir + ": a JSON file holds a value of the wrong type (" + e.what() + ")");
+  }
+}
 
 }  // namespace model_detail
 

@@ -1,7 +1,5 @@
 #include "models/llama_text.h"
 
-#include <sys/stat.h>
-
 #include <chrono>
 
 #include "core/errors.h"
@@ -14,16 +12,10 @@ using model_detail::ms_since;
 using model_detail::need_prefix;
 
 LlamaTextModel LlamaTextModel::load(const std::string& dir, const BackendOptions& backend) {
-  try {
-    return load_checked(dir, backend);
-  } catch (const nlohmann::json::exception& e) {
-    throw InputError(dir + ": a JSON file holds a value of the wrong type (" + e.what() + ")");
-  }
+  return model_detail::load_folder(dir, [&] { return load_checked(dir, backend); });
 }
 
 LlamaTextModel LlamaTextModel::load_checked(const std::string& dir, const BackendOptions& backend) {
-  struct stat st {};
-  if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) throw InputError(dir + ": model directory does not exist");
   LlamaTextModel m;
   m.dir_ = dir;
   m.text_cfg_ = load_text_only_config(dir + "/config.json");

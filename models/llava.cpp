@@ -1,7 +1,5 @@
 #include "models/llava.h"
 
-#include <sys/stat.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -22,17 +20,10 @@ using model_detail::ms_since;
 using model_detail::need_prefix;
 
 LlavaModel LlavaModel::load(const std::string& dir, const BackendOptions& backend) {
-  try {
-    return load_checked(dir, backend);
-  } catch (const nlohmann::json::exception& e) {
-    throw InputError(dir + ": a JSON file holds a value of the wrong type (" + e.what() + ")");
-  }
+  return model_detail::load_folder(dir, [&] { return load_checked(dir, backend); });
 }
 
 LlavaModel LlavaModel::load_checked(const std::string& dir, const BackendOptions& backend) {
-  struct stat st {};
-  if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
-    throw InputError(dir + ": model directory does not exist");
   LlavaModel m;
   m.dir_ = dir;
   m.cfg_ = load_llava_config(dir + "/config.json");
