@@ -3,6 +3,7 @@
 // first divergence marked (both tokens and probabilities on hover), its
 // KV bytes and ratio to the fp16 full cache, softmax MSE, and compression and decode time.
 #include <algorithm>
+#include <cstdio>
 
 #include "app/gui/caption_diff.h"
 #include "app/gui/panels.h"
@@ -95,8 +96,11 @@ void captions_panel(App& app, Ui&, const PanelRect& rect) {
     draw_words(fw, {}, -1, "");
     column_end();
     ImGui::TableNextColumn();
-    ImGui::Text("%.0f KiB fp16 (1×)", full_bytes / 1024);
-    ImGui::TextDisabled("decode %.0f ms", rep["timings_ms"]["decode"].get<double>());
+    char fb[64];
+    std::snprintf(fb, sizeof fb, "%.0f KiB fp16 (1×)", full_bytes / 1024);
+    fitted_text(app, fb);
+    std::snprintf(fb, sizeof fb, "decode %.0f ms", rep["timings_ms"]["decode"].get<double>());
+    fitted_text(app, fb, true);
     row_end("full");
     for (size_t i = 0; i < s->runs.size(); ++i) {
       const RunResult& r = s->runs[i];
@@ -107,7 +111,7 @@ void captions_panel(App& app, Ui&, const PanelRect& rect) {
       ImGui::TableNextColumn();
       row_start();
       const bool stale = !app.result(r.id);
-      if (ImGui::Selectable((inst ? app.display_name(*inst) : m["short_spec"].get<std::string>()).c_str(),
+      if (fitted_selectable(app, inst ? app.display_name(*inst) : m["short_spec"].get<std::string>(),
                             app.st.views.method == r.id))
         app.st.views.method = r.id;
       if (stale) ImGui::TextDisabled("updating…");
@@ -141,11 +145,15 @@ void captions_panel(App& app, Ui&, const PanelRect& rect) {
       }
       column_end();
       ImGui::TableNextColumn();
-      ImGui::Text("%.0f KiB (%.2f×)", m["bytes_after_prefill"]["total"].get<double>() / 1024,
-                  m["compression_vs_fp16"].get<double>());
-      ImGui::Text("MSE %s", fig::format_value(m["mean_softmax_mse"].get<double>()).c_str());
-      ImGui::TextDisabled("compress %.1f ms", m["timings_ms"]["compress"].get<double>());
-      ImGui::TextDisabled("decode %.0f ms", m["timings_ms"]["decode"].get<double>());
+      char b[96];
+      std::snprintf(b, sizeof b, "%.0f KiB (%.2f×)", m["bytes_after_prefill"]["total"].get<double>() / 1024,
+                    m["compression_vs_fp16"].get<double>());
+      fitted_text(app, b);
+      fitted_text(app, "MSE " + fig::format_value(m["mean_softmax_mse"].get<double>()));
+      std::snprintf(b, sizeof b, "compress %.1f ms", m["timings_ms"]["compress"].get<double>());
+      fitted_text(app, b, true);
+      std::snprintf(b, sizeof b, "decode %.0f ms", m["timings_ms"]["decode"].get<double>());
+      fitted_text(app, b, true);
       row_end(std::to_string(r.id));
       ImGui::PopID();
     }

@@ -120,13 +120,22 @@ void note_cut(App& app, const std::string& text) {
 }  // namespace
 
 void fitted_text(App& app, const std::string& text, bool disabled, const ImVec4* colour) {
+  // (the room to the right of the cursor: the window's, or a table cell's)
+  const float right = std::min(visible_right(), ImGui::GetCursorScreenPos().x + ImGui::GetContentRegionAvail().x);
   if (colour) ImGui::PushStyleColor(ImGuiCol_Text, *colour);
   if (disabled)
     ImGui::TextDisabled("%s", text.c_str());
   else
     ImGui::TextUnformatted(text.c_str());
   if (colour) ImGui::PopStyleColor();
-  if (ImGui::GetItemRectMax().x > visible_right() + 0.5f) note_cut(app, text);
+  if (ImGui::GetItemRectMax().x > right + 0.5f) note_cut(app, text);
+}
+
+bool fitted_selectable(App& app, const std::string& text, bool selected) {
+  const float room = ImGui::GetContentRegionAvail().x;
+  const bool clicked = ImGui::Selectable(text.c_str(), selected);
+  if (ImGui::CalcTextSize(text.c_str()).x > room + 0.5f) note_cut(app, text);
+  return clicked;
 }
 
 namespace {

@@ -57,6 +57,8 @@ bool path_field(const char* id, const char* hint, std::string& path, std::string
 // A line of text (greyed with `disabled`, else in `colour` when given); where the panel's width
 // cuts it, hovering shows the whole line, and it is listed in st.cut_texts for the frame.
 void fitted_text(App& app, const std::string& text, bool disabled = false, const ImVec4* colour = nullptr);
+// A selectable row whose label its width cuts shows the whole label on hover (a cut text).
+bool fitted_selectable(App& app, const std::string& text, bool selected);
 // Right after a combo (or another framed item) showing `preview`: where its width cuts the
 // preview, hovering shows the whole of it (listed as cut too).
 void preview_tooltip(App& app, const std::string& preview);
