@@ -426,6 +426,43 @@ TEST(Gui, CalibrationFiguresKeepTheirHeightAt1280x800) {
   EXPECT_EQ(st["plot_magnification"].get<double>(), 1.0) << "no more room than an exported figure's";
 }
 
+// At 1280x720, the smallest size the app is made for: every overlay (attention of a generated
+// token, and each method's token fate: bits, kept share, merged rows) is drawn with its colour
+// bar under the image, over every patch, with its quantity named and its scale's ends apart; and
+// the image, the plots, Calibration's figures and Captions keep usable sizes.
+TEST(Gui, EveryOverlayHasAColourBarAndThePanelsFitAt1280x720) {
+  const std::string dir = kt::make_temp_dir("gui_720");
+  const std::vector<std::pair<std::string, int>> overlays = {{"attention", -1}, {"fate_bits", 1}, {"fate_kept", 2},
+                                                             {"fate_merged", 3}};
+  json steps = {{"steps", {{{"do", "wait_results"}}}}};
+  for (size_t i = 0; i < overlays.size(); ++i) {
+    steps["steps"].push_back({{"do", "select"}, {"overlay", overlays[i].first}, {"overlay_source", overlays[i].second}});
+    steps["steps"].push_back({{"do", "frames"}, {"n", 3}});
+    steps["steps"].push_back({{"do", "dump_state"}, {"path", "o" + std::to_string(i) + ".json"}});
+  }
+  steps["steps"].push_back({{"do", "quit"}});
+  kt::RunResult r;
+  RUN_GUI_SIZED_OR_SKIP(dir, steps, r, "1600x1000", " --size 1280x720");
+  ASSERT_EQ(r.code, 0) << r.output;
+  for (size_t i = 0; i < overlays.size(); ++i) {
+    SCOPED_TRACE(overlays[i].first);
+    const json st = load(dir + "/o" + std::to_string(i) + ".json");
+    const json& d = st["drawn"];
+    ASSERT_TRUE(d.contains("image_colorbar")) << d.dump();
+    EXPECT_GE(d["image_colorbar"][2].get<double>(), 100.0) << "the bar's width";
+    EXPECT_GT(d["image_colorbar"][3].get<double>(), 4.0) << "the bar's height";
+    const json& ov = st["overlay"];
+    EXPECT_EQ(ov["patches"].get<int>(), 196) << "one value a patch of the 14x14 grid";
+    EXPECT_FALSE(ov["quantity"].get<std::string>().empty());
+    EXPECT_FALSE(ov["what"].get<std::string>().empty());
+    EXPECT_LT(ov["lo"].get<double>(), ov["hi"].get<double>());
+    EXPECT_GE(d["image"][2].get<double>(), 200.0) << "the image's side";
+    EXPECT_GE(d["plot"][3].get<double>(), 150.0) << "the plot's height";
+    EXPECT_GE(d["calibration_histogram"][3].get<double>(), 150.0);
+    EXPECT_GE(d["captions_view"][3].get<double>(), 100.0);
+  }
+}
+
 // At 3840×2160 (UI scale 1) a figure given more room than the exports' 720 × 450 grows with its
 // panel (text, lines and markers), as the exported figure reads at its size.
 TEST(Gui, FiguresGrowWithTheirPanelAt3840x2160) {
