@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "app/cli/defaults.h"
+#include "app/lab/experiment.h"
 #include "core/errors.h"
 #include "models/tokenizer.h"
 
@@ -32,8 +33,6 @@ std::string prompt_span_line(const Model& model, const PrefillState& st) {
          " \"" + model.tokenizer().decode(ids) + "\"";
 }
 
-std::string command_template(const Model& model, const std::string& templ) {
-  return !model.info().takes_image() && templ == kDefaultTemplate ? "{prompt}" : templ;
-}
+std::string command_template(const Model& model, const std::string& templ) { return model_template(model, templ); }
 
 }  // namespace kvlens::app

@@ -226,6 +226,13 @@ void image_panel(App& app, Ui& ui, const PanelRect& rect) {
                                  "×" + std::to_string(R) + " patches")
                                     .c_str());
     }
+  } else if (s && s->model && s->model->visual_tokens == 0 && s->model->dir == app.model_dir()) {
+    // A text-only model: no image; its "visual" tokens are the prompt span the template marks.
+    st.drawn.erase("image_colorbar");
+    const int span = s->base && s->base->ex ? s->base->ex->prefill.n_visual : 0;
+    wrapped_note("A text-only model takes no image. What the methods treat as visual tokens is the span of the prompt "
+                 "the session's template marks with <span> … </span>" +
+                 std::string(span > 0 ? ": " + std::to_string(span) + " tokens here." : "; this one marks none."));
   } else {
     dl->AddRectFilled(p0, ImVec2(p0.x + side, p0.y + side), IM_COL32(220, 220, 225, 255));
     ImGui::Dummy(ImVec2(side, side));

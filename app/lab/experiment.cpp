@@ -164,6 +164,10 @@ nlohmann::json experiment_json(const Model& model, const Experiment& ex,
   return j;
 }
 
+std::string model_template(const Model& model, const std::string& templ) {
+  return !model.info().takes_image() && templ == kDefaultTemplate ? "{prompt}" : templ;
+}
+
 nlohmann::json experiment_base_json(const Model& model, const Experiment& ex, const ExperimentOptions& opt) {
   nlohmann::json j;
   j["model"] = model.dir();

@@ -86,6 +86,10 @@ struct Experiment {
   PrefillView view() const;
 };
 
+// The template a run gives `model`: `templ`, but for a text-only model (which takes no image)
+// whose template was left at LLaVA's default, the prompt alone ("{prompt}").
+std::string model_template(const Model& model, const std::string& templ);
+
 // Prefill once (attention kept) and decode with the full cache. `observers` also watch the
 // full-cache decode.
 Experiment start_experiment(const Model& model, const RGBImage& img, const ExperimentOptions& opt,

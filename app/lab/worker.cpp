@@ -326,12 +326,17 @@ void Worker::loop() {
         base_key_ = bkey;
         base_error_.clear();
         try {
-          const RGBImage img = load_image(s.image_path);
+          // (a text-only model takes no image: the prompt alone, and no image to show)
+          const bool takes_image = model_->info().takes_image();
+          const RGBImage img = takes_image ? load_image(s.image_path) : RGBImage{};
           auto b = std::make_shared<BaseResult>();
           b->key = bkey;
-          b->image_hash = file_content_hash(s.image_path, "image");
-          b->shown = shown_image(model_->pixel_values(img), model_->preprocess_config());
+          if (takes_image) {
+            b->image_hash = file_content_hash(s.image_path, "image");
+            b->shown = shown_image(model_->pixel_values(img), model_->preprocess_config());
+          }
           ExperimentOptions opt = s.opt;
+          opt.templ = model_template(*model_, opt.templ);
           opt.attention_maps = true;
           opt.keep_going = [&](int done) {
             tokens_done_ = done;
@@ -341,12 +346,12 @@ void Worker::loop() {
           // The first visual position, from the tokenized prompt, so the patch recorder can
           // watch the reference decode itself.
           const Tokenizer& tok = model_->tokenizer();
-          const std::vector<int> ids = tok.encode_prompt(opt.templ, opt.prompt, facts_->visual_tokens);
-          const auto at = std::find(ids.begin(), ids.end(), tok.image_token_id());
+          const std::vector<int> ids = model_->prompt_ids(opt.prompt, opt.templ);
+          const auto at = takes_image ? std::find(ids.begin(), ids.end(), tok.image_token_id()) : ids.end();
           b->first_visual = at == ids.end() ? 0 : static_cast<int>(at - ids.begin());
           auto rec = std::make_shared<VisualAttentionRecorder>(b->first_visual, facts_->visual_tokens);
           auto ex = std::make_shared<Experiment>(start_experiment(*model_, img, opt, {rec.get()}));
-          ex->references = find_image_references(s.image_path);  // (CIDEr-D where the image has them)
+          if (takes_image) ex->references = find_image_references(s.image_path);  // (CIDEr-D where the image has them)
           b->patches = rec;
           b->pieces = pieces_of(*model_, ex->full.generated_ids);
           b->json = std::make_shared<const nlohmann::json>(experiment_base_json(*model_, *ex, opt));

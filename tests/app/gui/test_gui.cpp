@@ -463,6 +463,35 @@ TEST(Gui, EveryOverlayHasAColourBarAndThePanelsFitAt1280x720) {
   }
 }
 
+// A text-only checkpoint (Mistral) in the app: a session names it and a template that marks a
+// span of the prompt; the app runs the full cache and every method with no image and no error,
+// CalibQuant quantizes the span (its softmax MSE is no longer the float rounding of an
+// untouched cache), and the Image panel says why it shows no image.
+TEST(Gui, ATextOnlyModelRunsWithItsPromptSpan) {
+  const std::string dir = kt::make_temp_dir("gui_text");
+  const std::string model = kt::source_dir() + "/tests/fixtures/hf/mistral_gqa_bf16_shard";
+  kt::write_file(dir + "/s.json", json({{"kvlens_session", 1}, {"name", "text"}, {"model", model},
+                                        {"prompt", "the light is warm and the shadows are long"},
+                                        {"template", "Read this: <span>{prompt}</span> Now, the light is"},
+                                        {"max_new_tokens", 6}, {"methods", {"calibquant:bits=1", "snapkv:budget=0.5"}}})
+                                      .dump());
+  const json steps = {{"steps",
+                       {{{"do", "wait_results"}},
+                        {{"do", "frames"}, {"n", 3}},
+                        {{"do", "dump_state"}, {"path", "text.json"}},
+                        {{"do", "quit"}}}}};
+  kt::RunResult r;
+  RUN_GUI_SIZED_OR_SKIP(dir, steps, r, "1920x1200", " --session " + dir + "/s.json");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const json st = load(dir + "/text.json");
+  for (const json& m : st["messages"]) EXPECT_FALSE(m["error"].get<bool>()) << m.dump();
+  ASSERT_EQ(st["results"].size(), 2u) << st["results"].dump();
+  for (const json& m : st["results"]) EXPECT_FALSE(m["caption"].get<std::string>().empty()) << m.dump();
+  EXPECT_GT(st["results"][0]["mean_softmax_mse"].get<double>(), 1e-8) << "CalibQuant left the span untouched";
+  EXPECT_EQ(st["overlay"]["patches"].get<int>(), 0);
+  EXPECT_FALSE(st["drawn"].contains("image_colorbar"));
+}
+
 // At 3840×2160 (UI scale 1) a figure given more room than the exports' 720 × 450 grows with its
 // panel (text, lines and markers), as the exported figure reads at its size.
 TEST(Gui, FiguresGrowWithTheirPanelAt3840x2160) {
