@@ -23,6 +23,7 @@
 #include "app/cli/backend_option.h"
 #include "app/cli/commands.h"
 #include "app/cli/defaults.h"
+#include "app/cli/model_inputs.h"
 #include "app/cli/options.h"
 #include "app/lab/session.h"
 #include "app/lab/session_bench.h"
@@ -82,7 +83,8 @@ void run_bench(const BenchArgs& a) {
   if (a.profile) setenv("KVLENS_CUDA_PROFILE", "1", 1);  // read when the CUDA backend starts
   const std::unique_ptr<Model> model_owned = load_model(a.model.empty() ? default_model_dir() : a.model, a.backend);
   const Model& model = *model_owned;
-  const RGBImage img = load_image(a.image.empty() ? default_image() : a.image);
+  const RGBImage img = command_image(model, a.image);  // (none for a text-only model)
+  const std::string templ = command_template(model, kDefaultTemplate);
   std::vector<double> preprocess, vision, prefill, compress, per_token, total;
   std::vector<std::pair<std::string, double>> prof_prefill, prof_decode;
   int tokens = 0, prompt_tokens = 0;
@@ -92,7 +94,7 @@ void run_bench(const BenchArgs& a) {
     std::unique_ptr<KVPolicy> policy = a.method.empty() ? nullptr : make_policy(a.method);
     const bool keep = policy && policy->needs_prefill_attention();
     model.backend().profile_report();  // per-op times of the last run only
-    const PrefillState st = model.prefill(img, a.prompt, kDefaultTemplate, keep);
+    const PrefillState st = model.prefill(img, a.prompt, templ, keep);
     prof_prefill = model.backend().profile_report();
     GenerateOptions g;
     g.max_new_tokens = a.max_new_tokens;
@@ -119,7 +121,7 @@ void run_bench(const BenchArgs& a) {
   std::vector<double> capture_prefill, view_ms;
   int64_t capture_dev = 0, view_bytes = 0;
   for (int i = 0; i < std::max(1, a.repeat); ++i) {
-    const PrefillState st = model.prefill(img, a.prompt, kDefaultTemplate, true);
+    const PrefillState st = model.prefill(img, a.prompt, templ, true);
     capture_prefill.push_back(st.prefill_ms);
     capture_dev = st.capture.attention->capture_bytes();
     const auto t0 = std::chrono::steady_clock::now();

@@ -117,3 +117,14 @@ TEST(TextOnlyCli, RunNamesTheTemplatesSpanAndQuantizesIt) {
   const std::string svg = kt::read_file(tmp + "/fig/attention_l0.svg");
   EXPECT_NE(svg.find("prompt span begins"), std::string::npos);
 }
+
+// `bench` times a text-only model too: no vision, the prompt alone.
+TEST(TextOnlyCli, BenchRunsWithoutAnImage) {
+  const std::string tmp = kt::make_temp_dir("textbench");
+  const auto r = kt::run(kt::cli() + " bench --backend cpu --model " + kLlama + " --repeat 1 --json " + tmp + "/b.json");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto j = kt::read_json(tmp + "/b.json");
+  EXPECT_EQ(j["vision_ms"].get<double>(), 0.0);
+  EXPECT_GT(j["prefill_ms"].get<double>(), 0.0);
+  EXPECT_GT(j["decode_tokens_per_s"].get<double>(), 0.0);
+}
