@@ -81,20 +81,24 @@ ClipVisionConfig parse_vision(const nlohmann::json* jp, const std::string& where
 }
 
 // The decoder's keys of object j (LLaVA's text_config, or a text-only config's top level, whose
-// model_type may also be mistral); `w` names it in messages.
+// model_type may also be mistral: missing keys then take MistralConfig's defaults); `w` names it
+// in messages.
 LlamaConfig parse_text(const nlohmann::json* jp, const std::string& w, bool mistral_too = false) {
   LlamaConfig c;
   nlohmann::json empty = nlohmann::json::object();
   const nlohmann::json& j = jp ? *jp : empty;
-  if (j.contains("model_type") && j["model_type"] != "llama" && !(mistral_too && j["model_type"] == "mistral"))
-    throw InputError(w + ": model_type '" + j["model_type"].get<std::string>() +
-                     "' is not supported (expected llama" + (mistral_too ? " or mistral)" : ")"));
+  get(j, "model_type", c.model_type, w);
+  if (c.model_type != "llama" && !(mistral_too && c.model_type == "mistral"))
+    throw InputError(w + ": model_type '" + c.model_type + "' is not supported (expected llama" +
+                     (mistral_too ? " or mistral)" : ")"));
+  const bool mistral = c.model_type == "mistral";
+  if (mistral) c.intermediate_size = 14336, c.max_position_embeddings = 4096 * 32, c.sliding_window = 4096;
   get_int(j, "vocab_size", c.vocab_size, w, 1, kMaxVocab);
   get_int(j, "hidden_size", c.hidden_size, w, 1, kMaxWidth);
   get_int(j, "intermediate_size", c.intermediate_size, w, 1, kMaxMlp);
   get_int(j, "num_hidden_layers", c.num_hidden_layers, w, 1, kMaxLayers);
   get_int(j, "num_attention_heads", c.num_attention_heads, w, 1, kMaxHeads);
-  c.num_key_value_heads = c.num_attention_heads;
+  c.num_key_value_heads = mistral ? std::min(8, c.num_attention_heads) : c.num_attention_heads;
   get_int(j, "num_key_value_heads", c.num_key_value_heads, w, 1, c.num_attention_heads);
   c.head_dim = std::max(1, c.hidden_size / c.num_attention_heads);
   get_int(j, "head_dim", c.head_dim, w, 1, kMaxWidth);
@@ -122,8 +126,8 @@ LlamaConfig parse_text(const nlohmann::json* jp, const std::string& w, bool mist
   get(j, "attention_bias", c.attention_bias, w);
   get(j, "mlp_bias", c.mlp_bias, w);
   get(j, "tie_word_embeddings", c.tie_word_embeddings, w);
-  if (j.contains("sliding_window") && !j["sliding_window"].is_null())
-    get_int(j, "sliding_window", c.sliding_window, w, 1, kMaxPositions);
+  if (j.contains("sliding_window") && j["sliding_window"].is_null()) c.sliding_window = 0;  // (null: none)
+  get_int(j, "sliding_window", c.sliding_window, w, 0, kMaxPositions);
   // Token ids are checked against the vocabulary; -1 is how some configs say "none".
   get_int(j, "bos_token_id", c.bos_token_id, w, -1, c.vocab_size - 1);
   if (j.contains("eos_token_id") && !j["eos_token_id"].is_null()) {
@@ -219,9 +223,7 @@ LlavaConfig load_llava_config(const std::string& path) {
 
 LlamaConfig parse_text_only_config(const nlohmann::json& j, const std::string& where) {
   if (!j.is_object()) throw InputError(where + ": not a JSON object");
-  const std::string mt = j.value("model_type", std::string());
-  if (mt != "llama" && mt != "mistral")
-    throw InputError(where + ": model_type '" + mt + "' is not a text-only decoder kvlens reads (llama, mistral)");
+  if (!j.contains("model_type")) throw InputError(where + ": no model_type (expected llama or mistral)");
   try {
     return parse_text(&j, where, true);
   } catch (const nlohmann::json::exception& e) {

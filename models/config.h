@@ -1,6 +1,7 @@
 // LLaVA-1.5 checkpoint configuration (config.json of model_type "llava"): a CLIP vision tower,
-// a 2-layer projector and a Llama decoder. Missing keys take HF transformers' defaults for
-// CLIPVisionConfig / LlamaConfig / LlavaConfig.
+// a 2-layer projector and a Llama decoder; and a text-only decoder's (model_type "llama" or
+// "mistral"). Missing keys take HF transformers' defaults for CLIPVisionConfig / LlamaConfig /
+// MistralConfig / LlavaConfig.
 #pragma once
 #include <algorithm>
 #include <string>
@@ -25,6 +26,7 @@ struct ClipVisionConfig {
 };
 
 struct LlamaConfig {
+  std::string model_type = "llama";  // "llama", or "mistral" (MistralConfig's defaults)
   int vocab_size = 32000;
   int hidden_size = 4096;
   int intermediate_size = 11008;

@@ -3,7 +3,6 @@
 #include <chrono>
 
 #include "core/errors.h"
-#include "core/json_file.h"
 
 namespace kvlens {
 
@@ -27,7 +26,7 @@ LlamaTextModel LlamaTextModel::load_checked(const std::string& dir, const Backen
   if (lm_head.empty() && !m.text_cfg_.tie_word_embeddings)
     throw InputError(dir + ": no 'lm_head.weight', and config.json does not tie the word embeddings");
   m.load_decoder(ws, tp, lm_head, m.text_cfg_.tie_word_embeddings, backend);
-  m.info_.architecture = read_json_file(dir + "/config.json", "config").value("model_type", std::string("llama"));
+  m.info_.architecture = m.text_cfg_.model_type;
   return m;
 }
 
@@ -46,26 +45,25 @@ TextPrompt LlamaTextModel::tokenize(const std::string& prompt, const std::string
   if (a == std::string::npos || b == std::string::npos || b < a || templ.find(open, a + 1) != std::string::npos ||
       templ.find(close, b + 1) != std::string::npos)
     throw InputError("prompt template '" + templ + "': mark the methods' span once, as <span> … </span>");
-  if (prompt.find(open) != std::string::npos || prompt.find(close) != std::string::npos)
-    throw InputError("prompt '" + prompt + "' contains a span marker; <span> … </span> belong in the template");
-  // Each part through the template's {prompt} (wherever it is) and the tokenizer on its own.
-  const std::string pre = templ.substr(0, a), mid = templ.substr(a + open.size(), b - a - open.size()),
-                    post = templ.substr(b + close.size());
-  if ((pre + mid + post).find("{prompt}") == std::string::npos)
-    throw InputError("prompt template '" + templ + "' has no {prompt}");
-  auto part = [&](std::string s) {
-    const size_t p = s.find("{prompt}");
-    if (p != std::string::npos) s.replace(p, 8, prompt);
-    if (s.find("<image>") != std::string::npos)
-      throw InputError("prompt template '" + templ + "' has an <image> marker, and the model takes no image");
-    return tok_.encode(s);
-  };
+  for (const std::string& m : {open, close, std::string("<image>")})
+    if (prompt.find(m) != std::string::npos)
+      throw InputError("prompt '" + prompt + "' contains " + m + "; markers belong in the template");
+  if (templ.find("<image>") != std::string::npos)
+    throw InputError("prompt template '" + templ + "' has an <image> marker, and the model takes no image");
+  // The parts before, inside and after the span, the prompt in place of the first {prompt}
+  // (as a template without a span takes it), each through the tokenizer on its own.
+  std::string parts[3] = {templ.substr(0, a), templ.substr(a + open.size(), b - a - open.size()), templ.substr(b + close.size())};
+  std::string* with = nullptr;
+  for (std::string& p : parts)
+    if (!with && p.find("{prompt}") != std::string::npos) with = &p;
+  if (!with) throw InputError("prompt template '" + templ + "' has no {prompt} (a span marker must not split it)");
+  with->replace(with->find("{prompt}"), 8, prompt);
   if (tok_.add_bos()) r.ids.push_back(tok_.bos_id());
-  for (int x : part(pre)) r.ids.push_back(x);
+  for (int x : tok_.encode(parts[0])) r.ids.push_back(x);
   r.span_first = static_cast<int>(r.ids.size());
-  for (int x : part(mid)) r.ids.push_back(x);
+  for (int x : tok_.encode(parts[1])) r.ids.push_back(x);
   r.span_n = static_cast<int>(r.ids.size()) - r.span_first;
-  for (int x : part(post)) r.ids.push_back(x);
+  for (int x : tok_.encode(parts[2])) r.ids.push_back(x);
   if (r.span_n == 0) throw InputError("prompt template '" + templ + "': the span <span> … </span> holds no token");
   return r;
 }

@@ -3,14 +3,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <fstream>
-#include <limits>
-#include <random>
 
 #include "core/errors.h"
 #include "core/json_file.h"
-#include "kernels/backends.h"
-#include "kernels/cpu/ops.h"
 #include "models/activations.h"
 
 namespace kvlens {
@@ -49,9 +44,8 @@ LlavaModel LlavaModel::load_checked(const std::string& dir, const BackendOptions
       "embed_tokens.weight", "language model");
   const std::string pj = need_prefix(ws, {"multi_modal_projector.", "model.multi_modal_projector."},
                                      "linear_1.weight", "projector");
-  std::string lm_head;
-  for (const char* n : {"language_model.lm_head.weight", "lm_head.weight", "model.lm_head.weight"})
-    if (ws.has(n)) lm_head = n;
+  const std::string lm_head =
+      model_detail::first_present(ws, {"model.lm_head.weight", "lm_head.weight", "language_model.lm_head.weight"});
   m.text_cfg_ = m.cfg_.text;
   m.load_decoder(ws, tp, lm_head, m.cfg_.tie_word_embeddings, backend);
   m.vision_ = ClipVision::load(ws, vp, m.cfg_.vision, m.cfg_.encoder_layers_needed(), m.be_);

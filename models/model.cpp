@@ -19,16 +19,16 @@ struct Architecture {
   std::unique_ptr<Model> (*load)(const std::string& dir, const BackendOptions& backend);
 };
 
+std::unique_ptr<Model> load_text_only(const std::string& dir, const BackendOptions& be) {
+  return std::make_unique<LlamaTextModel>(LlamaTextModel::load(dir, be));
+}
+
 const Architecture kArchitectures[] = {
     {"llava", [](const std::string& dir, const BackendOptions& be) -> std::unique_ptr<Model> {
        return std::make_unique<LlavaModel>(LlavaModel::load(dir, be));
      }},
-    {"llama", [](const std::string& dir, const BackendOptions& be) -> std::unique_ptr<Model> {
-       return std::make_unique<LlamaTextModel>(LlamaTextModel::load(dir, be));
-     }},
-    {"mistral", [](const std::string& dir, const BackendOptions& be) -> std::unique_ptr<Model> {
-       return std::make_unique<LlamaTextModel>(LlamaTextModel::load(dir, be));
-     }},
+    {"llama", load_text_only},
+    {"mistral", load_text_only},
 };
 
 // config.json's model_type, or "" when the folder, the file or the key is missing or unreadable

@@ -97,7 +97,6 @@ inline std::vector<std::string> hf_fixture_dirs() {
   return r;
 }
 
-// 8 little-endian bytes (a safetensors header length).
 // A fixture's input image, or none for a text-only checkpoint (expected.json's "text_only").
 inline RGBImage hf_fixture_image(const std::string& dir) {
   return read_json(dir + "/expected.json").value("text_only", false) ? RGBImage{} : load_image(dir + "/image.png");
@@ -107,6 +106,7 @@ inline std::string hf_fixture_template(const std::string& dir) {
   return read_json(dir + "/expected.json").value("template", std::string(kDefaultTemplate));
 }
 
+// 8 little-endian bytes (a safetensors header length).
 inline std::string le64(uint64_t v) {
   std::string s(8, '\0');
   for (int i = 0; i < 8; ++i) s[i] = static_cast<char>((v >> (8 * i)) & 0xff);

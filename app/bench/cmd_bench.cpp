@@ -24,6 +24,7 @@
 #include "app/cli/commands.h"
 #include "app/cli/defaults.h"
 #include "app/cli/model_inputs.h"
+#include "app/lab/experiment.h"
 #include "app/cli/options.h"
 #include "app/lab/session.h"
 #include "app/lab/session_bench.h"
@@ -84,7 +85,7 @@ void run_bench(const BenchArgs& a) {
   const std::unique_ptr<Model> model_owned = load_model(a.model.empty() ? default_model_dir() : a.model, a.backend);
   const Model& model = *model_owned;
   const RGBImage img = command_image(model, a.image);  // (none for a text-only model)
-  const std::string templ = command_template(model, kDefaultTemplate);
+  const std::string templ = model_template(model, kDefaultTemplate);
   std::vector<double> preprocess, vision, prefill, compress, per_token, total;
   std::vector<std::pair<std::string, double>> prof_prefill, prof_decode;
   int tokens = 0, prompt_tokens = 0;

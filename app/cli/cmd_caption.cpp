@@ -7,6 +7,7 @@
 #include "app/cli/commands.h"
 #include "app/cli/defaults.h"
 #include "app/cli/model_inputs.h"
+#include "app/lab/experiment.h"
 #include "app/cli/options.h"
 #include "app/lab/session.h"
 #include "core/errors.h"
@@ -35,7 +36,7 @@ void run_caption(const CaptionArgs& a) {
   if (a.pad_to_square) model_owned->preprocess_config().pad_to_square = true;
   const Model& model = *model_owned;
   const RGBImage img = command_image(model, a.image);
-  const std::string templ = command_template(model, a.templ);
+  const std::string templ = model_template(model, a.templ);
   const PrefillState st = model.prefill(img, a.prompt, templ, false);
   GenerateOptions opt;
   opt.max_new_tokens = a.max_new_tokens;

@@ -112,7 +112,7 @@ void run_methods(const RunArgs& args) {
   const Model& model = *model_owned;
   const RGBImage img = command_image(model, a.image);
   const std::string image_path = command_image_path(model, a.image);
-  a.opt.templ = command_template(model, a.opt.templ);
+  a.opt.templ = model_template(model, a.opt.templ);
   if (!a.save_session.empty()) {
     Session s;
     static_cast<SessionRun&>(s) = session_run_of(a.opt);
@@ -211,7 +211,7 @@ void run_calibrate(const RunArgs& args, const std::string& base, const std::vect
   const std::unique_ptr<Model> model_owned = load_model(a.model.empty() ? default_model_dir() : a.model, a.backend);
   const Model& model = *model_owned;
   const RGBImage img = command_image(model, a.image);
-  a.opt.templ = command_template(model, a.opt.templ);
+  a.opt.templ = model_template(model, a.opt.templ);
   const Experiment ex = start_experiment(model, img, a.opt);
   const auto pts = calibrate_grid(model, ex, base, taus, a.opt);
   std::printf("%6s %6s %12s %12s %s\n", "tau1", "tau2", "softmaxMSE", "KL", "caption==full");

@@ -1,7 +1,5 @@
 #include "app/cli/model_inputs.h"
 
-#include <algorithm>
-#include <vector>
 
 #include "app/cli/defaults.h"
 #include "app/lab/experiment.h"
@@ -24,15 +22,10 @@ RGBImage command_image(const Model& model, const std::string& image) {
 }
 
 std::string prompt_span_line(const Model& model, const PrefillState& st) {
-  const auto at = std::find(st.kinds.begin(), st.kinds.end(), SegmentKind::Visual);
-  if (at == st.kinds.end() || st.n_visual == 0)
-    return "no prompt span marked (<span> ... </span> in --template): methods that act on visual tokens act on none";
-  const int first = static_cast<int>(at - st.kinds.begin());
-  const std::vector<int> ids(st.ids.begin() + first, st.ids.begin() + first + st.n_visual);
-  return "the methods' visual segment: prompt tokens " + std::to_string(first) + ".." + std::to_string(first + st.n_visual - 1) +
-         " \"" + model.tokenizer().decode(ids) + "\"";
+  const PromptSpan s = prompt_span(model, st);
+  if (s.n == 0) return "no prompt span marked (<span> ... </span> in --template): methods that act on visual tokens act on none";
+  return "the methods' visual segment: prompt tokens " + std::to_string(s.first) + ".." + std::to_string(s.first + s.n - 1) +
+         " \"" + s.text + "\"";
 }
-
-std::string command_template(const Model& model, const std::string& templ) { return model_template(model, templ); }
 
 }  // namespace kvlens::app

@@ -13,8 +13,6 @@ namespace kvlens::app {
 RGBImage command_image(const Model& model, const std::string& image);
 // The image file a command reads ("" for a text-only model): --image, else the sample image.
 std::string command_image_path(const Model& model, const std::string& image);
-// --template as given; a text-only model's template left at LLaVA's default becomes "{prompt}".
-std::string command_template(const Model& model, const std::string& templ);
 // What a text-only model's methods treat as the visual segment: the prompt tokens the template's
 // <span> … </span> marks and their text, or that no span is marked.
 std::string prompt_span_line(const Model& model, const PrefillState& st);

@@ -168,6 +168,16 @@ std::string model_template(const Model& model, const std::string& templ) {
   return !model.info().takes_image() && templ == kDefaultTemplate ? "{prompt}" : templ;
 }
 
+PromptSpan prompt_span(const Model& model, const PrefillState& st) {
+  PromptSpan s;
+  const auto at = std::find(st.kinds.begin(), st.kinds.end(), SegmentKind::Visual);
+  if (at == st.kinds.end() || st.n_visual == 0) return s;
+  s.first = static_cast<int>(at - st.kinds.begin());
+  s.n = st.n_visual;
+  s.text = model.tokenizer().decode(std::vector<int>(st.ids.begin() + s.first, st.ids.begin() + s.first + s.n));
+  return s;
+}
+
 nlohmann::json experiment_base_json(const Model& model, const Experiment& ex, const ExperimentOptions& opt) {
   nlohmann::json j;
   j["model"] = model.dir();
@@ -187,10 +197,8 @@ nlohmann::json experiment_base_json(const Model& model, const Experiment& ex, co
   // A text-only model's "visual" tokens are the span of the prompt its template marks: where it
   // lies and what it says.
   if (!info.takes_image()) {
-    const auto at = std::find(ex.prefill.kinds.begin(), ex.prefill.kinds.end(), SegmentKind::Visual);
-    const int first = at == ex.prefill.kinds.end() ? 0 : static_cast<int>(at - ex.prefill.kinds.begin());
-    const std::vector<int> ids(ex.prefill.ids.begin() + first, ex.prefill.ids.begin() + first + ex.prefill.n_visual);
-    j["prompt_span"] = {{"first", first}, {"n", ex.prefill.n_visual}, {"text", model.tokenizer().decode(ids)}};
+    const PromptSpan span = prompt_span(model, ex.prefill);
+    j["prompt_span"] = {{"first", span.first}, {"n", span.n}, {"text", span.text}};
   }
   j["timings_ms"] = {{"preprocess", ex.prefill.preprocess_ms}, {"vision", ex.prefill.vision_ms},
                      {"prefill", ex.prefill.prefill_ms}, {"decode", ex.full.decode_ms}};

@@ -89,6 +89,13 @@ struct Experiment {
 // The template a run gives `model`: `templ`, but for a text-only model (which takes no image)
 // whose template was left at LLaVA's default, the prompt alone ("{prompt}").
 std::string model_template(const Model& model, const std::string& templ);
+// A text-only prompt's span that its template marks (what the methods treat as visual tokens):
+// its first token, its token count (0: none marked) and its text.
+struct PromptSpan {
+  int first = 0, n = 0;
+  std::string text;
+};
+PromptSpan prompt_span(const Model& model, const PrefillState& st);
 
 // Prefill once (attention kept) and decode with the full cache. `observers` also watch the
 // full-cache decode.

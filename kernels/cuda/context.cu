@@ -92,14 +92,14 @@ void* Context::staging(int64_t bytes, const std::string& what) {
   sync(what);  // a copy into the old buffer may still be in flight
   if (bytes > staging_largest) {  // (copies with pageable memory are done when their call returns)
     staging_largest = bytes;
-    staging_pageable.resize(static_cast<size_t>(bytes));
-    return staging_pageable.data();
+    staging_pageable.reset(new char[static_cast<size_t>(bytes)]);  // (not zeroed: copies fill it)
+    return staging_pageable.get();
   }
-  staging_pageable = {};
   staging_mem.reset();
   staging_bytes = 0;  // (none, should the allocation fail)
-  staging_mem = pinned(staging_largest, what);
-  staging_bytes = staging_largest;
+  staging_mem = pinned(bytes, what);
+  staging_bytes = bytes;
+  if (bytes == staging_largest) staging_pageable.reset();  // (the pinned buffer now serves that size)
   return staging_mem.get();
 }
 

@@ -45,12 +45,12 @@ struct Context : std::enable_shared_from_this<Context> {
   // host (one at a time, on this context's stream), which run at the link's speed from
   // page-locked memory. Page-locking memory takes several times longer than copying the same
   // bytes through pageable memory, so a size beyond any asked for before is served from pageable
-  // memory (a run that needs it once does not wait for the pinning); the page-locked buffer grows
-  // to the largest size asked for when a size beyond it comes again (the app's next edit).
+  // memory (a run that needs it once does not wait for the pinning); a size the page-locked
+  // buffer lacks but that was reached before (the app's next edit) grows it to that size.
   void* staging(int64_t bytes, const std::string& what);
   std::shared_ptr<void> staging_mem;
   int64_t staging_bytes = 0;
-  std::vector<char> staging_pageable;
+  std::unique_ptr<char[]> staging_pageable;
   int64_t staging_largest = 0;
   // An event without timing, destroyed with its last reference.
   std::shared_ptr<CUevent_st> event(const std::string& what);
@@ -62,9 +62,10 @@ struct Context : std::enable_shared_from_this<Context> {
   void free_memory(int64_t& free_bytes, int64_t& total) const;
   // Results that come to the host later (Backend::attention_reduce_later and the like): `bytes`
   // of `src` (held until then), and what to do with them once they are on the host. land_all
-  // copies every queued result into page-locked memory before one wait, then lands them on
-  // threads of their own (each landing writes only its own results); it empties the queue, also
-  // on error (the error of the first landing that failed is rethrown once all have run).
+  // copies every queued result into the staging buffer (staging) before one wait, then lands
+  // them on threads of their own: a landing writes only outputs no other queued landing writes.
+  // It empties the queue, also on error (the error of the first landing that failed is rethrown
+  // once all have run).
   void land_later(std::shared_ptr<void> src, int64_t bytes, std::function<void(const char*)> land);
   void land_all(const std::string& what);
   struct Landing {

@@ -122,17 +122,17 @@ bool kv_quantize_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& s
   const int64_t N = first.back();
   if (N == 0) return true;
   // Every KV head with the same rows (a segment no method evicted from), ranges over channels:
-  // one launch a side, the heads' slots being equally spaced. Where the heads' rows also lie
-  // equally spaced in the cache (the prefill's layout) they are read there; else every head's
-  // rows are first gathered into one [N][D] block a side.
+  // one launch a side, the heads' slots being equally spaced. Where both sides are so and the
+  // heads' rows also lie equally spaced in the cache (the prefill's layout), they are read there;
+  // else every head's rows are first gathered into one [N][D] block a side.
   bool same_rows = NKV >= 2;
   for (int h = 1; h < NKV; ++h)
     same_rows = same_rows && first[static_cast<size_t>(h) + 1] - first[static_cast<size_t>(h)] == first[1];
-  const bool by_heads = same_rows && ks.axis != quant::Axis::PerToken && vs.axis != quant::Axis::PerToken;
+  auto by_heads = [&](const quant::UniformSpec& q) { return same_rows && q.axis != quant::Axis::PerToken; };
   const __half* in[2] = {nullptr, nullptr};  // each side's first head
   int64_t in_stride[2] = {0, 0};              // (0: the gathered block's heads, back to back)
   DevMem X;
-  if (!(by_heads && rows.spaced(0, in[0], in[1], in_stride[0], in_stride[1]))) {
+  if (!(by_heads(ks) && by_heads(vs) && rows.spaced(0, in[0], in[1], in_stride[0], in_stride[1]))) {
     std::vector<const __half*> src, values;  // keys, then (appended below) values
     for (int h = 0; h < NKV; ++h)
       for (int i = 0; i < seg.heads[static_cast<size_t>(h)].n(); ++i) {
@@ -177,7 +177,7 @@ bool kv_quantize_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& s
   for (int side = 0; side < 2; ++side) {
     const quant::UniformSpec& q = side ? vs : ks;
     const int chan = q.axis == quant::Axis::PerChannel ? 1 : 0;
-    if (by_heads) {
+    if (by_heads(q)) {
       const Slot& s0 = slots[static_cast<size_t>(side * NKV)];
       const Slot& s1 = slots[static_cast<size_t>(side * NKV + 1)];
       quantize_channel_heads(in[side], in_stride[side], NKV, static_cast<int>(first[1]), D, q.bits, chan, q.shrink,

@@ -493,9 +493,10 @@ TEST(Ops, LookMMergeKernels) {
 
 // Results queued to land later (Context::land_later) come back whole whichever buffer they cross:
 // a batch larger than any before lands through pageable memory (the page-locked buffer is not
-// grown for it), the same size again grows the page-locked buffer and lands there, and a smaller
-// batch reuses it. Each landing (on threads of their own) gets its own bytes, with odd sizes
-// between them, fresh random bytes every round.
+// grown for it), a small batch after it pins only its own size, the large size again grows the
+// page-locked buffer to it and lands there, and a smaller batch reuses it. Each landing (on
+// threads of their own) gets its own bytes, with odd sizes between them, fresh random bytes
+// every round.
 TEST(Ops, LandingsComeBackThroughEitherStagingBuffer) {
   KVLENS_NEED_GPU();
   const auto made = std::make_shared<cuda::Context>(0);  // (a context hands out references to itself)
@@ -523,6 +524,8 @@ TEST(Ops, LandingsComeBackThroughEitherStagingBuffer) {
   const int64_t big = 3 << 20;
   round(24, big / 24, "first, larger than any before");
   EXPECT_LT(ctx.staging_bytes, big) << "the page-locked buffer grew for a size asked for once";
+  round(3, 5000, "small, after the large one");
+  EXPECT_LT(ctx.staging_bytes, big) << "a small batch pinned the large size";
   round(24, big / 24, "the same size again");
   EXPECT_GE(ctx.staging_bytes, big) << "the page-locked buffer did not grow for a size asked for again";
   const void* pinned = ctx.staging_mem.get();

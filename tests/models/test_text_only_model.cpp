@@ -56,6 +56,17 @@ TEST(TextOnlyModel, ConfigIsReadFromItsTopLevel) {
   EXPECT_TRUE(l.tie_word_embeddings);
   EXPECT_EQ(l.sliding_window, 0);
   EXPECT_EQ(l.max_context(), l.max_position_embeddings);
+  // Keys a Mistral config leaves out take MistralConfig's defaults (a null window: none).
+  nlohmann::json bare = {{"model_type", "mistral"}, {"hidden_size", 64}, {"num_attention_heads", 16}};
+  const LlamaConfig md = parse_text_only_config(bare, "cfg");
+  EXPECT_EQ(md.num_key_value_heads, 8);
+  EXPECT_EQ(md.sliding_window, 4096);
+  EXPECT_EQ(md.max_position_embeddings, 131072);
+  EXPECT_EQ(md.intermediate_size, 14336);
+  bare["sliding_window"] = nullptr;
+  EXPECT_EQ(parse_text_only_config(bare, "cfg").sliding_window, 0);
+  bare["model_type"] = "llama";
+  EXPECT_EQ(parse_text_only_config(bare, "cfg").num_key_value_heads, 16) << "Llama's default: one KV head a head";
   nlohmann::json bad = kt::read_json(kLlama + "/config.json");
   bad["model_type"] = "gpt2";
   expect_input_error([&] { parse_text_only_config(bad, "cfg"); }, "model_type 'gpt2'");
@@ -132,7 +143,8 @@ TEST(TextOnlyModel, ATemplateSpanIsTheMethodsVisualSegment) {
     EXPECT_EQ(st.kinds[t], k) << t;
   }
   for (const char* bad : {"<span>{prompt}", "{prompt}</span>", "</span>{prompt}<span>", "<span>{prompt}</span><span></span>",
-                          "{prompt} <span></span>"})
+                          "{prompt} <span></span>", "{pro<span>mpt}</span>"})
     expect_input_error([&] { m->prefill(RGBImage{}, "the light", bad, false); }, "span");
-  expect_input_error([&] { m->prefill(RGBImage{}, "a <span>b</span>", "<span>{prompt}</span>", false); }, "span marker");
+  expect_input_error([&] { m->prefill(RGBImage{}, "a <span>b</span>", "<span>{prompt}</span>", false); }, "contains <span>");
+  expect_input_error([&] { m->prefill(RGBImage{}, "a <image> b", "<span>{prompt}</span>", false); }, "contains <image>");
 }
