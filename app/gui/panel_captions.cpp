@@ -73,10 +73,21 @@ void captions_panel(App& app, Ui&, const PanelRect& rect) {
                                 ImGuiTableFlags_SizingStretchProp | ImGuiTableFlags_Resizable;
   if (ImGui::BeginTable("##captions", 3, flags)) {
     ImGui::TableSetupScrollFreeze(0, 1);
-    ImGui::TableSetupColumn("method", ImGuiTableColumnFlags_WidthStretch, 0.2f);
-    ImGui::TableSetupColumn("caption (differences highlighted)", ImGuiTableColumnFlags_WidthStretch, 0.56f);
-    ImGui::TableSetupColumn("KV bytes · MSE · time", ImGuiTableColumnFlags_WidthStretch, 0.24f);
-    ImGui::TableHeadersRow();
+    const char* headers[] = {"method", "caption (differences highlighted)", "KV bytes · MSE · time"};
+    ImGui::TableSetupColumn(headers[0], ImGuiTableColumnFlags_WidthStretch, 0.2f);
+    ImGui::TableSetupColumn(headers[1], ImGuiTableColumnFlags_WidthStretch, 0.56f);
+    ImGui::TableSetupColumn(headers[2], ImGuiTableColumnFlags_WidthStretch, 0.24f);
+    // The headers, each shown whole on hover where its column cuts it.
+    ImGui::TableNextRow(ImGuiTableRowFlags_Headers);
+    for (int c = 0; c < 3; ++c) {
+      ImGui::TableSetColumnIndex(c);
+      const float room = ImGui::GetContentRegionAvail().x;
+      ImGui::TableHeader(headers[c]);
+      if (ImGui::CalcTextSize(headers[c]).x > room + 0.5f) {
+        app.st.cut_texts.push_back(headers[c]);
+        if (ImGui::IsItemHovered()) ImGui::SetTooltip("%s", headers[c]);
+      }
+    }
     // Where each row lies and what the table shows of them (for scripted checks): a row's top
     // when it starts, its bottom the lowest of its columns' ends.
     const ImVec2 view_at = ImGui::GetWindowPos(), view_size = ImGui::GetWindowSize();

@@ -151,6 +151,20 @@ void framed_tooltip(App& app, const std::string& text, float reserved) {
 
 void preview_tooltip(App& app, const std::string& preview) { framed_tooltip(app, preview, ImGui::GetFrameHeight()); }
 
+void help_tooltip(App& app, const std::string& preview, const std::string& help) {
+  const float room = ImGui::GetItemRectSize().x - ImGui::GetFrameHeight() - 2 * ImGui::GetStyle().FramePadding.x;
+  const bool cut = !preview.empty() && (ImGui::CalcTextSize(preview.c_str()).x > room + 0.5f ||
+                                        ImGui::GetItemRectMax().x > visible_right() + 0.5f);
+  if (cut) app.st.cut_texts.push_back(preview);
+  if (!ImGui::IsItemHovered() || (help.empty() && !cut)) return;
+  ImGui::BeginTooltip();
+  ImGui::PushTextWrapPos(ImGui::GetFontSize() * 34.0f);
+  if (cut) ImGui::TextUnformatted(preview.c_str());
+  if (!help.empty()) ImGui::TextDisabled("%s", help.c_str());
+  ImGui::PopTextWrapPos();
+  ImGui::EndTooltip();
+}
+
 namespace {
 
 // ImGui's slider of an int or a float (`type`), then its shown value whole on hover where cut.

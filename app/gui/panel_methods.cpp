@@ -106,7 +106,9 @@ void param_widget(App& app, const MethodInstance& m, const ParamSpec& p, const s
       break;
     }
     case ParamSpec::Type::Choice: {
-      if (ImGui::BeginCombo(label.c_str(), value.c_str())) {
+      const bool open = ImGui::BeginCombo(label.c_str(), value.c_str());
+      help_tooltip(app, value, p.help);  // (the combo's own item: before its list)
+      if (open) {
         for (const std::string& c : p.choices)
           if (ImGui::Selectable(c.c_str(), c == value)) {
             app.begin_edit();
@@ -115,7 +117,6 @@ void param_widget(App& app, const MethodInstance& m, const ParamSpec& p, const s
           }
         ImGui::EndCombo();
       }
-      tooltip(p.help);
       break;
     }
     case ParamSpec::Type::String: {
@@ -167,13 +168,14 @@ void methods_panel(App& app, Ui&, const PanelRect& rect) {
   State& st = app.st;
   const std::vector<MethodSpec>& all = methods();
   ImGui::SetNextItemWidth(150 * figure_scale());
-  if (ImGui::BeginCombo("##add", all[st.edits.add_method].name.c_str())) {
+  const bool open = ImGui::BeginCombo("##add", all[st.edits.add_method].name.c_str());
+  help_tooltip(app, all[st.edits.add_method].name, all[st.edits.add_method].summary);
+  if (open) {
     for (size_t i = 0; i < all.size(); ++i)
       if (ImGui::Selectable((all[i].name + "  [" + all[i].family + "]").c_str(), static_cast<int>(i) == st.edits.add_method))
         st.edits.add_method = static_cast<int>(i);
     ImGui::EndCombo();
   }
-  tooltip(all[st.edits.add_method].summary);
   ImGui::SameLine();
   if (ImGui::Button("Add")) {
     app.begin_edit();

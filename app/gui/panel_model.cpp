@@ -38,7 +38,9 @@ void model_panel(App& app, Ui&, const PanelRect& rect) {
   // recomputes the prefill and every method.
   auto choice = [&](const char* label, const char* tip, std::string& value, std::initializer_list<const char*> options) {
     ImGui::SetNextItemWidth(90 * figure_scale());
-    if (ImGui::BeginCombo(label, value.c_str())) {
+    const bool open = ImGui::BeginCombo(label, value.c_str());
+    help_tooltip(app, value, tip);
+    if (open) {
       for (const char* o : options)
         if (ImGui::Selectable(o, value == o) && value != o) {
           value = o;
@@ -47,7 +49,6 @@ void model_panel(App& app, Ui&, const PanelRect& rect) {
         }
       ImGui::EndCombo();
     }
-    if (ImGui::IsItemHovered()) ImGui::SetTooltip("%s", tip);
   };
   choice("backend", "Where the model runs: auto (CUDA when a device is usable), cpu, cuda", st.inputs.backend,
          {"auto", "cpu", "cuda"});

@@ -62,6 +62,8 @@ bool fitted_selectable(App& app, const std::string& text, bool selected);
 // Right after a combo (or another framed item) showing `preview`: where its width cuts the
 // preview, hovering shows the whole of it (listed as cut too).
 void preview_tooltip(App& app, const std::string& preview);
+// The same for a combo with help: hovering shows the help, and the preview above it where cut.
+void help_tooltip(App& app, const std::string& preview, const std::string& help);
 // ImGui's SliderInt / SliderFloat showing the value by `format`; where the slider's width cuts
 // what it shows, hovering shows the whole of it (listed as cut too).
 bool slider_int(App& app, const char* id, int& v, int lo, int hi, const char* format);

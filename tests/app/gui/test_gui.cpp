@@ -410,9 +410,10 @@ TEST(Gui, CalibrationFiguresKeepTheirHeightAt1280x800) {
   })) << cut.dump();
   EXPECT_NE(std::find(cut.begin(), cut.end(), "attention of a token"), cut.end()) << cut.dump();
   EXPECT_NE(std::find(cut.begin(), cut.end(), "opacity 0.60"), cut.end()) << "a slider's value, cut: " << cut.dump();
-  // and a Captions cell's numbers, in the narrow third column
+  // and a Captions cell's numbers and header, in the narrow third column
   EXPECT_TRUE(std::any_of(cut.begin(), cut.end(), [](const json& t) { return t.get<std::string>().rfind("compress ", 0) == 0; }))
       << cut.dump();
+  EXPECT_NE(std::find(cut.begin(), cut.end(), "KV bytes · MSE · time"), cut.end()) << cut.dump();
   EXPECT_GT(st["frame_ms"].get<double>(), 0.0);
   // Captions shows the full cache's row and at least two instances' rows whole.
   ASSERT_TRUE(st["drawn"].contains("captions_view")) << st["drawn"].dump();
