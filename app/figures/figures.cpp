@@ -423,7 +423,16 @@ Frame draw(const Figure& f, double W, double H, const TextWidth& measure, const 
   top += rows.size() * legend_row + (rows.empty() ? 4 : 6);
   double bottom = kPad + kTick * 1.3 + kTickLen + 2;
   if (!f.x.label.empty()) bottom += kLabel * 1.45;
-  if (!f.note.empty()) bottom += kNote * 1.5;
+  // The note, wrapped at spaces to the figure's width (a word longer than that keeps its line).
+  std::vector<std::string> note;
+  for (size_t at = 0; at < f.note.size();) {
+    size_t end = f.note.find(' ', at);
+    std::string word = f.note.substr(at, end == std::string::npos ? std::string::npos : end - at);
+    if (!note.empty() && measure(note.back() + " " + word, kNote) <= W - 2 * kPad) note.back() += " " + word;
+    else note.push_back(word);
+    at = end == std::string::npos ? f.note.size() : end + 1;
+  }
+  if (!note.empty()) bottom += kNote * (1.5 + 1.25 * (note.size() - 1));
   const std::vector<Tick> yt = axis_ticks(fr.y, std::max(2, static_cast<int>((H - top - bottom) / 45)));
   double ytw = 0;
   for (const Tick& t : yt) ytw = std::max(ytw, measure(t.label, kTick));
@@ -612,7 +621,8 @@ Frame draw(const Figure& f, double W, double H, const TextWidth& measure, const 
   }
   if (!f.y.label.empty())
     P.push_back(text(kPad, (pr.y0 + pr.y1) / 2, f.y.label, kLabel, 0, -1, kInk, true));
-  if (!f.note.empty()) P.push_back(text(kPad, H - kPad, f.note, kNote, -1, 1, kFrame));
+  for (size_t i = 0; i < note.size(); ++i)
+    P.push_back(text(kPad, H - kPad - kNote * 1.25 * (note.size() - 1 - i), note[i], kNote, -1, 1, kFrame));
   double ty = kPad;
   if (!f.title.empty()) {
     P.push_back(text(W / 2, ty, f.title, kTitle, 0, -1));
@@ -743,58 +753,6 @@ std::vector<std::string> readout(const Figure& f, const Frame& fr, double px, do
     }
   }
   return out;
-}
-
-std::string csv_field(const std::string& s) {
-  if (s.find_first_of(",\"\r\n") == std::string::npos) return s;
-  std::string q = "\"";
-  for (char c : s) q += c == '"' ? std::string("\"\"") : std::string(1, c);
-  return q + "\"";
-}
-
-namespace {
-std::string num(double v) {
-  char buf[40];
-  std::snprintf(buf, sizeof buf, "%.9g", v);
-  return buf;
-}
-}  // namespace
-
-std::string figure_csv(const Figure& f) {
-  std::string o = "figure,series,kind,x,x_hi,y,value,label,method,layer,head\n";
-  const std::string tail = "," + csv_field(f.method) + "," + (f.layer >= 0 ? std::to_string(f.layer) : "") + "," +
-                           (f.head >= 0 ? std::to_string(f.head) : "") + "\n";
-  for (const Series& s : f.series) {
-    // figure, series, kind, then the point's fields
-    const std::string head = csv_field(f.id) + "," + csv_field(s.label) + "," + series_kind_name(s.kind) + ",";
-    auto row = [&](const std::string& x, const std::string& x_hi, const std::string& y, const std::string& value,
-                   const std::string& label) {
-      o += head + x + "," + x_hi + "," + y + "," + value + "," + csv_field(label) + tail;
-    };
-    switch (s.kind) {
-      case SeriesKind::Line:
-      case SeriesKind::Bars:
-        for (size_t i = 0; i < s.x.size() && i < s.y.size(); ++i) row(num(s.x[i]), "", num(s.y[i]), "", "");
-        break;
-      case SeriesKind::Scatter:
-        for (size_t i = 0; i < s.x.size() && i < s.y.size(); ++i)
-          row(num(s.x[i]), "", num(s.y[i]), "", i < s.point_labels.size() ? s.point_labels[i] : "");
-        break;
-      case SeriesKind::StepHistogram:
-        for (size_t i = 0; i + 1 < s.x.size() && i < s.y.size(); ++i) row(num(s.x[i]), num(s.x[i + 1]), num(s.y[i]), "", "");
-        break;
-      case SeriesKind::Heatmap:
-        for (int r = 0; r < s.rows; ++r) {
-          const std::string y = heatmap_cell_units(s.y0, s.y1, s.rows, r).first;
-          for (int c = 0; c < s.cols; ++c) {
-            const auto [x, x_hi] = heatmap_cell_units(s.x0, s.x1, s.cols, c);
-            row(x, x_hi, y, num(s.z[static_cast<size_t>(r) * s.cols + c]), "");
-          }
-        }
-        break;
-    }
-  }
-  return o;
 }
 
 }  // namespace kvlens::fig

@@ -1,4 +1,4 @@
-// How scatter points are labelled when figures are drawn (fig::draw).
+// How figure text is laid out when figures are drawn (fig::draw): scatter point labels and notes.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -83,3 +83,32 @@ TEST(Figures, PointLabelsDoNotCoverEachOtherOrLeaveThePlot) {
   EXPECT_LE(edge.r.x1, fr.plot.x1);
 }
 
+
+// A note longer than the figure is wide wraps at spaces: its lines, in order, are the note's
+// words, each within the figure's width, drawn at the note's size; a wide figure keeps it on
+// one line.
+TEST(Figures, LongNotesWrapToTheFiguresWidth) {
+  Figure f;
+  f.id = "note";
+  f.x.min = 0, f.x.max = 1, f.y.min = 0, f.y.max = 1;
+  f.note = "scores of the visual keys at the first decode step, shared bins; g(x) per head, tau1 = 0, tau2 = 3";
+  auto note_lines = [&](double W) {
+    const Frame fr = draw(f, W, 300, measure);
+    std::vector<std::string> lines;
+    double size = 0;
+    for (const Prim& p : fr.prims)
+      if (p.type == Prim::Type::Text && f.note.find(p.text) != std::string::npos && p.text.size() > 3) {
+        lines.push_back(p.text);
+        size = p.size;
+        EXPECT_LE(measure(p.text, p.size), W) << p.text;
+      }
+    EXPECT_GT(size, 0.0);
+    return lines;
+  };
+  const std::vector<std::string> narrow = note_lines(260), wide = note_lines(2000);
+  ASSERT_GE(narrow.size(), 2u);
+  std::string joined;
+  for (const std::string& l : narrow) joined += (joined.empty() ? "" : " ") + l;
+  EXPECT_EQ(joined, f.note);
+  EXPECT_EQ(wide, std::vector<std::string>{f.note});
+}
