@@ -493,6 +493,41 @@ TEST(Gui, ATextOnlyModelRunsWithItsPromptSpan) {
   EXPECT_FALSE(st["drawn"].contains("image_colorbar"));
 }
 
+// Per-view selection through the running app: the overlay's layer and head leave the Calibration
+// panel's alone (what each panel computed says which layer it shows), until "link views" joins
+// them; unlinking keeps each where it is.
+TEST(Gui, PanelsShowTheirOwnLayerUnlessLinked) {
+  const std::string dir = kt::make_temp_dir("gui_views");
+  const json steps = {{"steps",
+                       {{{"do", "wait_results"}},
+                        {{"do", "select"}, {"overlay", "attention"}, {"layer", 2}, {"head", 1}, {"calib_layer", 3}},
+                        {{"do", "frames"}, {"n", 3}},
+                        {{"do", "dump_state"}, {"path", "a.json"}},
+                        {{"do", "select"}, {"link_views", true}},
+                        {{"do", "frames"}, {"n", 3}},
+                        {{"do", "dump_state"}, {"path", "b.json"}},
+                        {{"do", "select"}, {"link_views", false}, {"layer", 0}},
+                        {{"do", "frames"}, {"n", 3}},
+                        {{"do", "dump_state"}, {"path", "c.json"}},
+                        {{"do", "quit"}}}}};
+  kt::RunResult r;
+  RUN_GUI_OR_SKIP(dir, steps, r);
+  ASSERT_EQ(r.code, 0) << r.output;
+  // The Calibration view's key holds its layer and head ("…/layer/head/spec/label").
+  auto calib = [](const json& st) {
+    const std::string k = st["calibration"]["key"].get<std::string>();
+    const size_t a = k.find('/'), b = k.find('/', a + 1), c = k.find('/', b + 1);
+    return std::make_pair(std::stoi(k.substr(a + 1, b - a - 1)), std::stoi(k.substr(b + 1, c - b - 1)));
+  };
+  const json a = load(dir + "/a.json"), b = load(dir + "/b.json"), c = load(dir + "/c.json");
+  EXPECT_NE(a["overlay"]["what"].get<std::string>().find("layer 2, head 1"), std::string::npos) << a["overlay"].dump();
+  EXPECT_EQ(calib(a), std::make_pair(3, -1)) << "the overlay's selection moved the Calibration panel";
+  EXPECT_EQ(calib(b), std::make_pair(2, 1)) << "linked views follow the shared layer and head";
+  EXPECT_NE(b["overlay"]["what"].get<std::string>().find("layer 2, head 1"), std::string::npos);
+  EXPECT_NE(c["overlay"]["what"].get<std::string>().find("layer 0, head 1"), std::string::npos) << c["overlay"].dump();
+  EXPECT_EQ(calib(c), std::make_pair(2, 1)) << "unlinked, the Calibration panel stays where it was";
+}
+
 // At 3840×2160 (UI scale 1) a figure given more room than the exports' 720 × 450 grows with its
 // panel (text, lines and markers), as the exported figure reads at its size.
 TEST(Gui, FiguresGrowWithTheirPanelAt3840x2160) {
