@@ -266,6 +266,8 @@ int main(int argc, char** argv) {
       const auto build_start = std::chrono::steady_clock::now();
       ImGui_ImplOpenGL3_NewFrame();
       ImGui_ImplGlfw_NewFrame();
+      if (scripted && app.st.script_pointer)  // (a script's hover: the pointer where it asks)
+        io.MousePos = ImVec2(app.st.script_pointer->first, app.st.script_pointer->second);
       ImGui::NewFrame();
 
       app.st.figures.shown_keys.clear();
@@ -276,6 +278,7 @@ int main(int argc, char** argv) {
       const kvlens::gui::PanelLayout l = kvlens::gui::layout_panels(io.DisplaySize, top);
       const kvlens::gui::Views views_before = app.st.views;
       app.st.cut_texts.clear();  // (the panels list this frame's)
+      app.st.hover_readout.clear();
       kvlens::gui::image_panel(app, ui, l.image);
       kvlens::gui::model_panel(app, ui, l.model);
       kvlens::gui::session_panel(app, ui, l.session);

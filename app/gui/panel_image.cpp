@@ -202,7 +202,9 @@ void image_panel(App& app, Ui& ui, const PanelRect& rect) {
       const int hr = std::clamp(static_cast<int>((m.y - p0.y) / cell), 0, R - 1);
       const int tok = first + hr * R + hc;
       ImGui::BeginTooltip();
-      ImGui::Text("patch row %d, column %d (visual token %d)", hr, hc, tok);
+      st.hover_readout = {"patch row " + std::to_string(hr) + ", column " + std::to_string(hc) + " (visual token " +
+                          std::to_string(tok) + ")"};
+      ImGui::TextUnformatted(st.hover_readout.back().c_str());
       if (v.overlay != Overlay::None) {
         // The same patch for every source that has results, the one shown first.
         for (int id : overlay_sources(app)) {
@@ -211,7 +213,8 @@ void image_panel(App& app, Ui& ui, const PanelRect& rect) {
           const MethodInstance* mi = id >= 0 ? app.find(id) : nullptr;
           const std::string who = id < 0 ? "full cache" : mi ? app.display_name(*mi) : "?";
           const std::string text = who + ": " + fig::format_value(o.values[tok]);
-          if (id == v.overlay_source) ImGui::Text("%s  (shown)", text.c_str());
+          st.hover_readout.push_back(id == v.overlay_source ? text + "  (shown)" : text);
+          if (id == v.overlay_source) ImGui::TextUnformatted(st.hover_readout.back().c_str());
           else ImGui::TextDisabled("%s", text.c_str());
         }
       }

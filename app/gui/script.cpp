@@ -46,6 +46,7 @@ const std::map<std::string, std::pair<std::vector<std::string>, std::vector<std:
       {"ui_scale", {{"value"}, {}}},
       {"wait_results", {{}, {"timeout_s"}}},
       {"frames", {{"n"}, {}}},
+      {"hover", {{"over", "x", "y"}, {}}},
       {"screenshot", {{"path"}, {}}},
       {"export_figures", {{"dir"}, {"formats", "csv", "all"}}},
       {"dump_state", {{"path"}, {}}},
@@ -100,11 +101,13 @@ Script Script::load(const std::string& path) {
           std::find(opt.begin(), opt.end(), a.key()) == opt.end())
         throw InputError(where + ": '" + op + "' takes no '" + a.key() + "'");
     }
-    for (const char* k : {"path", "dir", "spec", "name", "label", "contains"})
+    for (const char* k : {"path", "dir", "spec", "name", "label", "contains", "over"})
       if (st.contains(k)) text_arg(st, k, where);
     if (st.contains("n")) json_int(st["n"], where + ": n", 0, 100000);
     if (st.contains("frames")) json_int(st["frames"], where + ": frames", 1, 100000);
     if (st.contains("timeout_s")) json_real(st["timeout_s"], where + ": timeout_s", 0, 3600);
+    if (op == "hover")
+      for (const char* k : {"x", "y"}) json_real(st[k], where + ": " + k, 0, 1);
     if (op == "add_method") parse_method_spec(st["spec"].get<std::string>());
     s.steps_.push_back(st);
   }
@@ -281,6 +284,22 @@ void Script::run(App& app, const nlohmann::json& st) {
     settled_frames_ = 0;
     wait_deadline_ = app.now() + st.value("timeout_s", 120.0);
   } else if (op == "frames") wait_frames_ = st["n"].get<int>();
+  else if (op == "hover") {
+    // The mouse over a drawn item (st.drawn's name, "" = none), at fractions x, y of its width
+    // and height, from the next frame on.
+    const std::string over = text_arg(st, "over", "hover");
+    if (over.empty()) {
+      app.st.script_pointer.reset();
+    } else {
+      auto it = app.st.drawn.find(over);
+      if (it == app.st.drawn.end() || it->second.size() < 4)
+        throw InputError("hover: nothing drawn is called '" + over + "'");
+      const std::vector<float>& r = it->second;
+      app.st.script_pointer = std::make_pair(r[0] + r[2] * static_cast<float>(json_real(st["x"], "hover: x", 0, 1)),
+                                             r[1] + r[3] * static_cast<float>(json_real(st["y"], "hover: y", 0, 1)));
+    }
+    wait_frames_ = 3;
+  }
   else if (op == "screenshot") {
     shot_path_ = path("path");
     settled_frames_ = 0;
@@ -324,6 +343,7 @@ void Script::run(App& app, const nlohmann::json& st) {
                    {"prompt", app.st.edits.prompt}, {"max_new_tokens", app.st.edits.max_new_tokens}};
     d["fields_shown"] = app.st.shown;  // (path fields: the file name until clicked)
     d["cut_texts"] = app.st.cut_texts;  // (each shows its whole text on hover)
+    d["hover_readout"] = app.st.hover_readout;
     d["frame_ms"] = app.st.timing.frame_ms;
     // The Plots panel's figure: how much it is magnified (its text grows with the panel).
     if (app.st.drawn.count("plot"))

@@ -19,6 +19,9 @@
 //   wait_results {timeout_s?}    every enabled method computed for the current setup, shown (fails
 //                                at once when the model or the image cannot be loaded)
 //   frames {n}                   render n frames
+//   hover {over, x, y}           the mouse over a drawn item (dump_state's "drawn" names; "" = let go)
+//                                at fractions x, y of its width and height, then 3 frames;
+//                                dump_state's "hover_readout" holds what its readout shows
 //   screenshot {path}            the window as PNG, after the frame settles
 //   export_figures {dir, formats?, csv?, all?}
 //   dump_state {path}            the app's state and results as JSON (for checks): the inputs

@@ -1,6 +1,7 @@
 // The desktop app's state: plain structs, owned by the App (app/gui/app.h) and read by the
 // panels. Nothing here runs the model; the worker's results arrive as a Snapshot.
 #pragma once
+#include <optional>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -180,6 +181,10 @@ struct State {
   std::map<std::string, std::string> shown;
   // Texts the panels' widths cut in the last frame (each shows the whole on hover).
   std::vector<std::string> cut_texts;
+  // The lines of the readout the last frame showed on hover (a patch's values), if any.
+  std::vector<std::string> hover_readout;
+  // Where a script points the mouse (pixels in the window), while it does.
+  std::optional<std::pair<float, float>> script_pointer;
   bool quit = false;
   bool log_open = false;  // the message log in a window of its own
 };

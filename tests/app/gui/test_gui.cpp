@@ -528,6 +528,29 @@ TEST(Gui, PanelsShowTheirOwnLayerUnlessLinked) {
   EXPECT_EQ(calib(c), std::make_pair(2, 1)) << "unlinked, the Calibration panel stays where it was";
 }
 
+// The mouse over a patch reads that patch's value for every method, the shown one marked; let go,
+// the readout is gone.
+TEST(Gui, HoveringAPatchReadsEveryMethodsValue) {
+  const std::string dir = kt::make_temp_dir("gui_hover");
+  const json steps = {{"steps",
+                       {{{"do", "wait_results"}},
+                        {{"do", "select"}, {"overlay", "fate_bits"}, {"overlay_source", 1}},
+                        {{"do", "frames"}, {"n", 3}},
+                        {{"do", "hover"}, {"over", "image"}, {"x", 0.5}, {"y", 0.5}},
+                        {{"do", "dump_state"}, {"path", "on.json"}},
+                        {{"do", "hover"}, {"over", ""}, {"x", 0}, {"y", 0}},
+                        {{"do", "dump_state"}, {"path", "off.json"}},
+                        {{"do", "quit"}}}}};
+  kt::RunResult r;
+  RUN_GUI_OR_SKIP(dir, steps, r);
+  ASSERT_EQ(r.code, 0) << r.output;
+  const json on = load(dir + "/on.json")["hover_readout"];
+  ASSERT_EQ(on.size(), 5u) << on.dump() << ": the patch, then the four seed methods";
+  EXPECT_EQ(on[0].get<std::string>().rfind("patch row 7, column 7 (visual token ", 0), 0u) << on.dump();
+  EXPECT_EQ(std::count_if(on.begin(), on.end(), [](const json& l) { return l.get<std::string>().find("(shown)") != std::string::npos; }), 1);
+  EXPECT_TRUE(load(dir + "/off.json")["hover_readout"].empty());
+}
+
 // At 3840×2160 (UI scale 1) a figure given more room than the exports' 720 × 450 grows with its
 // panel (text, lines and markers), as the exported figure reads at its size.
 TEST(Gui, FiguresGrowWithTheirPanelAt3840x2160) {
