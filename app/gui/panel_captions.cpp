@@ -83,10 +83,7 @@ void captions_panel(App& app, Ui&, const PanelRect& rect) {
       ImGui::TableSetColumnIndex(c);
       const float room = ImGui::GetContentRegionAvail().x;
       ImGui::TableHeader(headers[c]);
-      if (ImGui::CalcTextSize(headers[c]).x > room + 0.5f) {
-        app.st.cut_texts.push_back(headers[c]);
-        if (ImGui::IsItemHovered()) ImGui::SetTooltip("%s", headers[c]);
-      }
+      cut_if_wider(app, headers[c], room);
     }
     // Where each row lies and what the table shows of them (for scripted checks): a row's top
     // when it starts, its bottom the lowest of its columns' ends.

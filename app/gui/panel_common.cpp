@@ -131,20 +131,33 @@ void fitted_text(App& app, const std::string& text, bool disabled, const ImVec4*
   if (ImGui::GetItemRectMax().x > right + 0.5f) note_cut(app, text);
 }
 
+void cut_if_wider(App& app, const std::string& text, float room) {
+  if (ImGui::CalcTextSize(text.c_str()).x > room + 0.5f) note_cut(app, text);
+}
+
 bool fitted_selectable(App& app, const std::string& text, bool selected) {
   const float room = ImGui::GetContentRegionAvail().x;
   const bool clicked = ImGui::Selectable(text.c_str(), selected);
-  if (ImGui::CalcTextSize(text.c_str()).x > room + 0.5f) note_cut(app, text);
+  cut_if_wider(app, text, room);
   return clicked;
 }
 
 namespace {
 
-// The last framed item shows `text` in its width less `reserved` (a combo's arrow).
-void framed_tooltip(App& app, const std::string& text, float reserved) {
+// The last framed item shows `text` in its width less `reserved` (a combo's arrow): where that
+// cuts it, it is listed and shown whole on hover, above `help` (shown on hover either way).
+void framed_tooltip(App& app, const std::string& text, float reserved, const std::string& help = "") {
   const float room = ImGui::GetItemRectSize().x - reserved - 2 * ImGui::GetStyle().FramePadding.x;
-  if (ImGui::CalcTextSize(text.c_str()).x > room + 0.5f || ImGui::GetItemRectMax().x > visible_right() + 0.5f)
-    note_cut(app, text);
+  const bool cut = !text.empty() && (ImGui::CalcTextSize(text.c_str()).x > room + 0.5f ||
+                                     ImGui::GetItemRectMax().x > visible_right() + 0.5f);
+  if (cut) app.st.cut_texts.push_back(text);
+  if (!ImGui::IsItemHovered() || (help.empty() && !cut)) return;
+  ImGui::BeginTooltip();
+  ImGui::PushTextWrapPos(ImGui::GetFontSize() * 34.0f);
+  if (cut) ImGui::TextUnformatted(text.c_str());
+  if (!help.empty()) ImGui::TextDisabled("%s", help.c_str());
+  ImGui::PopTextWrapPos();
+  ImGui::EndTooltip();
 }
 
 }  // namespace
@@ -152,17 +165,7 @@ void framed_tooltip(App& app, const std::string& text, float reserved) {
 void preview_tooltip(App& app, const std::string& preview) { framed_tooltip(app, preview, ImGui::GetFrameHeight()); }
 
 void help_tooltip(App& app, const std::string& preview, const std::string& help) {
-  const float room = ImGui::GetItemRectSize().x - ImGui::GetFrameHeight() - 2 * ImGui::GetStyle().FramePadding.x;
-  const bool cut = !preview.empty() && (ImGui::CalcTextSize(preview.c_str()).x > room + 0.5f ||
-                                        ImGui::GetItemRectMax().x > visible_right() + 0.5f);
-  if (cut) app.st.cut_texts.push_back(preview);
-  if (!ImGui::IsItemHovered() || (help.empty() && !cut)) return;
-  ImGui::BeginTooltip();
-  ImGui::PushTextWrapPos(ImGui::GetFontSize() * 34.0f);
-  if (cut) ImGui::TextUnformatted(preview.c_str());
-  if (!help.empty()) ImGui::TextDisabled("%s", help.c_str());
-  ImGui::PopTextWrapPos();
-  ImGui::EndTooltip();
+  framed_tooltip(app, preview, ImGui::GetFrameHeight(), help);
 }
 
 namespace {

@@ -59,6 +59,9 @@ bool path_field(const char* id, const char* hint, std::string& path, std::string
 void fitted_text(App& app, const std::string& text, bool disabled = false, const ImVec4* colour = nullptr);
 // A selectable row whose label its width cuts shows the whole label on hover (a cut text).
 bool fitted_selectable(App& app, const std::string& text, bool selected);
+// After an item that shows `text` in `room` pixels: where it is wider, it is listed as cut and
+// shown whole on hover.
+void cut_if_wider(App& app, const std::string& text, float room);
 // Right after a combo (or another framed item) showing `preview`: where its width cuts the
 // preview, hovering shows the whole of it (listed as cut too).
 void preview_tooltip(App& app, const std::string& preview);

@@ -135,21 +135,16 @@ void Context::land_later(std::shared_ptr<void> src, int64_t bytes, std::function
 void Context::land_all(const std::string& what) {
   std::vector<Landing> all = std::move(landings);
   landings.clear();
+  std::vector<int64_t> from(all.size());  // each landing's place in the staging buffer (16-byte aligned)
   int64_t total = 0;
-  for (const Landing& x : all) total += (x.bytes + 15) / 16 * 16;
-  char* host = total ? static_cast<char*>(staging(total, what)) : nullptr;
-  int64_t at = 0;
-  for (const Landing& x : all) {
-    if (x.bytes) download_async(host + at, x.src.get(), x.bytes, what);
-    at += (x.bytes + 15) / 16 * 16;
-  }
-  if (total) sync(what);
-  std::vector<int64_t> from(all.size());
-  at = 0;
   for (size_t i = 0; i < all.size(); ++i) {
-    from[i] = at;
-    at += (all[i].bytes + 15) / 16 * 16;
+    from[i] = total;
+    total += (all[i].bytes + 15) / 16 * 16;
   }
+  char* host = total ? static_cast<char*>(staging(total, what)) : nullptr;
+  for (size_t i = 0; i < all.size(); ++i)
+    if (all[i].bytes) download_async(host + from[i], all[i].src.get(), all[i].bytes, what);
+  if (total) sync(what);
   parallel_for(static_cast<int>(all.size()), 8, [&](int i) { all[static_cast<size_t>(i)].land(host + from[static_cast<size_t>(i)]); });
 }
 
