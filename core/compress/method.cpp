@@ -46,14 +46,19 @@ bool parse_bool(const std::string& s, bool& out) {
 
 
 // Splits on `sep` outside brackets, so a nested value such as quant=(calibquant:bits=1,tau2=3)
-// stays one item.
-std::vector<std::string> split_top(const std::string& s, char sep) {
+// stays one item. A closing bracket without its opening one, or an opening one never closed,
+// is refused: either would make every later separator part of one item.
+std::vector<std::string> split_top(const std::string& method, const std::string& s, char sep) {
   std::vector<std::string> out;
   int depth = 0;
   std::string cur;
   for (char c : s) {
     if (c == '(' || c == '[' || c == '{') ++depth;
-    if (c == ')' || c == ']' || c == '}') --depth;
+    if (c == ')' || c == ']' || c == '}') {
+      if (depth == 0)
+        throw InputError(method + ": '" + std::string(1, c) + "' closes no bracket in '" + s + "'");
+      --depth;
+    }
     if (c == sep && depth == 0) {
       out.push_back(cur);
       cur.clear();
@@ -61,6 +66,7 @@ std::vector<std::string> split_top(const std::string& s, char sep) {
       cur += c;
     }
   }
+  if (depth != 0) throw InputError(method + ": a bracket opened in '" + s + "' is never closed");
   out.push_back(cur);
   return out;
 }
@@ -244,7 +250,7 @@ Params parse_method_spec(const std::string& text) {
     const std::string rest = spec.substr(colon + 1);
     if (trim(rest).empty())
       throw InputError(name + ": ':' must be followed by name=value pairs, e.g. '" + name + ":preset=paper'");
-    for (const std::string& item_raw : split_top(rest, ',')) {
+    for (const std::string& item_raw : split_top(name, rest, ',')) {
       const std::string item = trim(item_raw);
       if (item.empty()) throw InputError(name + ": empty item in '" + rest + "' (a stray comma?)");
       const size_t eq = item.find('=');

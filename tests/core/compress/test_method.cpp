@@ -190,6 +190,15 @@ TEST(Registry, SpecSyntaxErrors) {
   EXPECT_EQ(error_of([] { parse_method_spec("calibquant:bits=1,,tau2=3"); }),
             "calibquant: empty item in 'bits=1,,tau2=3' (a stray comma?)");
   EXPECT_EQ(error_of([] { parse_method_spec("calibquant:preset="); }), "calibquant: preset must name a preset");
+  // Brackets group a nested value; one left unmatched would swallow every later item.
+  EXPECT_EQ(error_of([] { parse_method_spec("stack:evict_preset=a]b,sinks=4"); }),
+            "stack: ']' closes no bracket in 'evict_preset=a]b,sinks=4'");
+  EXPECT_EQ(error_of([] { parse_method_spec("stack:evict_preset=(a,sinks=4"); }),
+            "stack: a bracket opened in 'evict_preset=(a,sinks=4' is never closed");
+  // The input that once broke the round trip: an unmatched ']' in a preset name.
+  EXPECT_FALSE(error_of([] {
+                 parse_method_spec("stack:evict=none,evict_preset=n\x04nstack:evig]=none,sinks=+");
+               }).empty());
   // Numbers are whole, finite and in range: no trailing text, no NaN, no hex, no rounding.
   EXPECT_EQ(error_of([] { parse_method_spec("calibquant:tau2=nan"); }),
             "calibquant: tau2 must be a finite number in [0, 8], got 'nan'");
