@@ -20,6 +20,7 @@ constexpr int kMaxHeads = 1024;
 constexpr int kMaxVocab = 1 << 24;
 constexpr int kMaxImageSide = 8192;
 constexpr int kMaxPositions = 1 << 24;
+constexpr int kMaxTiles = 64;             // LLaVA-NeXT tiles of one resolution, and resolutions listed
 
 // Strings and booleans: the JSON type must match.
 template <typename T>
@@ -143,7 +144,46 @@ LlamaConfig parse_text(const nlohmann::json* jp, const std::string& w, bool mist
   return c;
 }
 
+// LLaVA-NeXT's keys: the grid pinpoints (HF's default list when absent), each a whole number of
+// tiles, and a feature selection that leaves each tile a grid of patches.
+void parse_anyres(const nlohmann::json& j, const std::string& where, LlavaConfig& c) {
+  const int tile = c.vision.image_size;
+  c.grid_pinpoints = {{336, 672}, {672, 336}, {672, 672}, {1008, 336}, {336, 1008}};
+  if (j.contains("image_grid_pinpoints") && !j["image_grid_pinpoints"].is_null())
+    c.grid_pinpoints = parse_grid_pinpoints(j["image_grid_pinpoints"], where + ": image_grid_pinpoints");
+  for (size_t i = 0; i < c.grid_pinpoints.size(); ++i) {
+    const auto [h, w] = c.grid_pinpoints[i];
+    if (h % tile || w % tile)
+      throw InputError(where + ": image_grid_pinpoints[" + std::to_string(i) + "] = [" + std::to_string(h) + ", " +
+                       std::to_string(w) + "] is not a whole number of " + std::to_string(tile) +
+                       "-pixel tiles (vision_config.image_size)");
+    if ((h / tile) * (w / tile) > kMaxTiles)
+      throw InputError(where + ": image_grid_pinpoints[" + std::to_string(i) + "] = [" + std::to_string(h) + ", " +
+                       std::to_string(w) + "] makes " + std::to_string((h / tile) * (w / tile)) +
+                       " tiles; kvlens takes at most " + std::to_string(kMaxTiles));
+  }
+  if (c.vision_feature_select_strategy != "default")
+    throw InputError(where + ": vision_feature_select_strategy '" + c.vision_feature_select_strategy +
+                     "' does not work with llava_next: each tile's features must be a grid of patches ('default')");
+}
+
 }  // namespace
+
+std::vector<std::array<int, 2>> parse_grid_pinpoints(const nlohmann::json& v, const std::string& where) {
+  if (!v.is_array() || v.empty())
+    throw InputError(where + ": expected a non-empty list of [height, width] pairs, got " + v.dump());
+  if (v.size() > static_cast<size_t>(kMaxTiles))
+    throw InputError(where + ": lists " + std::to_string(v.size()) + " resolutions; kvlens takes at most " +
+                     std::to_string(kMaxTiles));
+  std::vector<std::array<int, 2>> out;
+  for (size_t i = 0; i < v.size(); ++i) {
+    const std::string at = where + "[" + std::to_string(i) + "]";
+    if (!v[i].is_array() || v[i].size() != 2) throw InputError(at + ": expected [height, width], got " + v[i].dump());
+    out.push_back({json_int(v[i][0], at + "[0] (height)", 1, kMaxImageSide),
+                   json_int(v[i][1], at + "[1] (width)", 1, kMaxImageSide)});
+  }
+  return out;
+}
 
 static LlavaConfig parse_llava_config_checked(const nlohmann::json& j, const std::string& where);
 
@@ -174,13 +214,14 @@ LlavaConfig parse_llava_config(const nlohmann::json& j, const std::string& where
 static LlavaConfig parse_llava_config_checked(const nlohmann::json& j, const std::string& where) {
   if (!j.is_object()) throw InputError(where + ": not a JSON object");
   const std::string mt = j.value("model_type", std::string());
-  if (mt != "llava")
-    throw InputError(where + ": model_type '" + mt + "' is not supported (expected 'llava')");
+  if (mt != "llava" && mt != "llava_next")
+    throw InputError(where + ": model_type '" + mt + "' is not supported (expected 'llava' or 'llava_next')");
   LlavaConfig c;
+  c.model_type = mt;
   c.vision = parse_vision(j.contains("vision_config") && j["vision_config"].is_object()
                               ? &j["vision_config"] : nullptr, where);
   c.text = parse_text(j.contains("text_config") && j["text_config"].is_object()
-                          ? &j["text_config"] : nullptr, where + ": text_config");
+                          ? &j["text_config"] : nullptr, where + ": text_config", true);
   get_int(j, "image_token_index", c.image_token_index, where, 0, c.text.vocab_size - 1);
   get_int(j, "image_token_id", c.image_token_index, where, 0, c.text.vocab_size - 1);
   get(j, "projector_hidden_act", c.projector_hidden_act, where);
@@ -211,6 +252,7 @@ static LlavaConfig parse_llava_config_checked(const nlohmann::json& j, const std
   // tie_word_embeddings may sit at the top level or in text_config.
   c.tie_word_embeddings = c.text.tie_word_embeddings;
   get(j, "tie_word_embeddings", c.tie_word_embeddings, where);
+  if (c.anyres()) parse_anyres(j, where, c);
   if (c.image_token_index < 0 || c.image_token_index >= c.text.vocab_size)
     throw InputError(where + ": image_token_index " + std::to_string(c.image_token_index) +
                      " is outside the text vocabulary [0, " + std::to_string(c.text.vocab_size) + ")");

@@ -1,9 +1,11 @@
-// LLaVA-1.5 checkpoint configuration (config.json of model_type "llava"): a CLIP vision tower,
+// LLaVA-1.5 / LLaVA-NeXT checkpoint configuration (config.json of model_type "llava" or
+// "llava_next"): a CLIP vision tower,
 // a 2-layer projector and a Llama decoder; and a text-only decoder's (model_type "llama" or
 // "mistral"). Missing keys take HF transformers' defaults for CLIPVisionConfig / LlamaConfig /
 // MistralConfig / LlavaConfig.
 #pragma once
 #include <algorithm>
+#include <array>
 #include <string>
 #include <vector>
 
@@ -51,6 +53,7 @@ struct LlamaConfig {
 };
 
 struct LlavaConfig {
+  std::string model_type = "llava";  // or "llava_next" (anyres tiling, HF LlavaNextForConditionalGeneration)
   ClipVisionConfig vision;
   LlamaConfig text;
   int image_token_index = 32000;
@@ -59,7 +62,11 @@ struct LlavaConfig {
   std::vector<int> vision_feature_layers{-2};  // one or more; negative = from the end
   std::string vision_feature_select_strategy = "default";  // "default" drops CLS, or "full"
   bool tie_word_embeddings = false;
+  // LLaVA-NeXT: the (height, width) resolutions an image may be tiled to, each a whole number of
+  // vision_config.image_size tiles (image_grid_pinpoints).
+  std::vector<std::array<int, 2>> grid_pinpoints;
 
+  bool anyres() const { return model_type == "llava_next"; }
   // Image tokens per image, from the vision config: patches, plus CLS with "full".
   int n_visual_tokens() const;
   // hidden_states index (0 = embeddings after pre_layrnorm) of each feature layer, and the
@@ -69,6 +76,8 @@ struct LlavaConfig {
 };
 
 LlavaConfig parse_llava_config(const nlohmann::json& j, const std::string& where);
+// A list of [height, width] resolutions (LLaVA-NeXT's image_grid_pinpoints); `where` names it.
+std::vector<std::array<int, 2>> parse_grid_pinpoints(const nlohmann::json& v, const std::string& where);
 LlavaConfig load_llava_config(const std::string& path);
 // A text-only decoder's config.json (model_type "llama" or "mistral", HF LlamaForCausalLM /
 // MistralForCausalLM): the keys at the top level.

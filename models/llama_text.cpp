@@ -27,10 +27,12 @@ LlamaTextModel LlamaTextModel::load_checked(const std::string& dir, const Backen
     throw InputError(dir + ": no 'lm_head.weight', and config.json does not tie the word embeddings");
   m.load_decoder(ws, tp, lm_head, m.text_cfg_.tie_word_embeddings, backend);
   m.info_.architecture = m.text_cfg_.model_type;
+  m.info_.family = m.text_cfg_.model_type == "mistral" ? "Mistral (text only)" : "Llama (text only)";
   return m;
 }
 
-std::vector<int> LlamaTextModel::prompt_ids(const std::string& prompt, const std::string& templ) const {
+std::vector<int> LlamaTextModel::prompt_ids(const std::string& prompt, const std::string& templ,
+                                            const VisualLayout&) const {
   return tokenize(prompt, templ).ids;
 }
 
@@ -72,21 +74,21 @@ Tensor LlamaTextModel::pixel_values(const RGBImage&) const {
   throw InputError(dir_ + ": a text-only model (" + info_.architecture + ") takes no image");
 }
 
-Buffer LlamaTextModel::encode_image(const Tensor&) const {
+ImageFeatures LlamaTextModel::encode_image(const Tensor&, const VisualLayout&) const {
   throw InputError(dir_ + ": a text-only model (" + info_.architecture + ") takes no image");
 }
 
 PrefillState LlamaTextModel::prefill(const RGBImage& img, const std::string& prompt, const std::string& templ,
                                      bool keep_attention, const std::vector<AttentionObserver*>& observers) const {
   if (!img.data.empty()) throw InputError(dir_ + ": a text-only model (" + info_.architecture + ") takes no image");
-  return prefill_features(Buffer{}, prompt, templ, keep_attention, observers);
+  return prefill_features(ImageFeatures{}, prompt, templ, keep_attention, observers);
 }
 
-PrefillState LlamaTextModel::prefill_features(const Buffer& features, const std::string& prompt, const std::string& templ,
+PrefillState LlamaTextModel::prefill_features(const ImageFeatures& image, const std::string& prompt, const std::string& templ,
                                               bool keep_attention, const std::vector<AttentionObserver*>& observers) const {
-  if (!features.empty())
+  if (!image.features.empty())
     throw InputError(dir_ + ": a text-only model (" + info_.architecture + ") takes no image features, got " +
-                     features.shape_str());
+                     image.features.shape_str());
   PrefillState st;
   const auto t0 = std::chrono::steady_clock::now();
   const TextPrompt tp = tokenize(prompt, templ);

@@ -28,16 +28,18 @@ class LlamaTextModel final : public DecoderModel {
  public:
   static LlamaTextModel load(const std::string& dir, const BackendOptions& backend = {});
 
-  std::vector<int> prompt_ids(const std::string& prompt, const std::string& templ) const override;
+  VisualLayout visual_layout(int, int) const override { return {}; }  // (no visual tokens)
+  std::vector<int> prompt_ids(const std::string& prompt, const std::string& templ,
+                              const VisualLayout& image) const override;
   TextPrompt tokenize(const std::string& prompt, const std::string& templ) const;
   // A text-only model has no image processor or tower: these refuse (InputError).
   Tensor pixel_values(const RGBImage& img) const override;
-  Buffer encode_image(const Tensor& pixel_values) const override;
+  ImageFeatures encode_image(const Tensor& pixel_values, const VisualLayout& layout) const override;
   // `img` must be empty (RGBImage{}): the model takes no image.
   PrefillState prefill(const RGBImage& img, const std::string& prompt, const std::string& templ,
                        bool keep_attention, const std::vector<AttentionObserver*>& observers = {}) const override;
   // `features` must be empty (no rows).
-  PrefillState prefill_features(const Buffer& features, const std::string& prompt, const std::string& templ,
+  PrefillState prefill_features(const ImageFeatures& features, const std::string& prompt, const std::string& templ,
                                 bool keep_attention,
                                 const std::vector<AttentionObserver*>& observers = {}) const override;
 

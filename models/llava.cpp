@@ -7,6 +7,8 @@
 #include "core/errors.h"
 #include "core/json_file.h"
 #include "models/activations.h"
+#include "models/llava_next.h"
+#include "models/preprocess/anyres.h"
 
 namespace kvlens {
 
@@ -27,9 +29,17 @@ LlavaModel LlavaModel::load_checked(const std::string& dir, const BackendOptions
     throw InputError(dir + ": <image> token id " + std::to_string(m.tok_.image_token_id()) +
                      " is outside the text vocabulary");
   const std::string pp = dir + "/preprocessor_config.json";
-  m.pre_ = preprocess_config_from_json(
-      file_exists(pp) ? read_json_file(pp, "preprocessor config") : nlohmann::json::object(),
-      m.cfg_.vision.image_size);
+  const nlohmann::json pj_json = file_exists(pp) ? read_json_file(pp, "preprocessor config") : nlohmann::json::object();
+  m.pre_ = preprocess_config_from_json(pj_json, m.cfg_.vision.image_size);
+  if (m.cfg_.anyres()) {
+    // LLaVA-NeXT's processor pads a batch's tile counts with do_pad, not the image; it tiles with
+    // its own pinpoints, which must be the model's for the token counts to agree.
+    m.pre_.pad_to_square = false;
+    if (pj_json.is_object() && pj_json.contains("image_grid_pinpoints") &&
+        parse_grid_pinpoints(pj_json["image_grid_pinpoints"], pp + ": image_grid_pinpoints") != m.cfg_.grid_pinpoints)
+      throw InputError(pp + ": image_grid_pinpoints differ from config.json's; the processor would cut images into "
+                            "other tiles than the model unpads");
+  }
   if (m.pre_.crop_height != m.cfg_.vision.image_size || m.pre_.crop_width != m.cfg_.vision.image_size)
     throw InputError(pp + ": crop size " + std::to_string(m.pre_.crop_width) + "x" +
                      std::to_string(m.pre_.crop_height) + " differs from vision_config.image_size " +
@@ -58,35 +68,107 @@ LlavaModel LlavaModel::load_checked(const std::string& dir, const BackendOptions
     m.proj_.b2 = m.be_->vector(ws.host(pj + "linear_2.bias", {H}));
   }
   activation_from_name(m.cfg_.projector_hidden_act, "projector_hidden_act");
+  if (m.cfg_.anyres()) {
+    const std::string nl = model_detail::first_present(ws, {"image_newline", "model.image_newline"});
+    if (nl.empty()) throw InputError(dir + ": no 'image_newline' tensor (LLaVA-NeXT's row-end token)");
+    m.newline_ = m.be_->vector(ws.host(nl, {H}));
+    m.newline_.shape = {1, H};  // one row, as copy_block reads it
+  }
   ModelInfo& f = m.info_;
-  f.architecture = "llava";
-  f.n_visual = m.cfg_.n_visual_tokens();
-  f.patch_rows = f.patch_cols = m.cfg_.vision.image_size / m.cfg_.vision.patch_size;
-  f.patch_first = f.n_visual - f.patch_rows * f.patch_cols;
+  f.architecture = m.cfg_.model_type;
+  const int side = m.cfg_.vision.image_size / m.cfg_.vision.patch_size;
+  if (m.cfg_.anyres()) {
+    const int S = m.cfg_.vision.image_size;
+    f.family = "LLaVA-NeXT (anyres)";
+    f.image_dependent = true;
+    f.n_visual = anyres_layout(m.cfg_, S, S).n_tokens;
+    f.patch_rows = f.patch_cols = side;  // the base image's grid
+    f.tiling = std::to_string(S) + "-px tiles; resolutions";
+    for (const auto& r : m.cfg_.grid_pinpoints) f.tiling += " " + std::to_string(r[1]) + "×" + std::to_string(r[0]);
+  } else {
+    f.family = "LLaVA-1.5";
+    f.n_visual = m.cfg_.n_visual_tokens();
+    f.patch_rows = f.patch_cols = side;
+    f.patch_first = f.n_visual - f.patch_rows * f.patch_cols;
+  }
   return m;
 }
 
-Tensor LlavaModel::pixel_values(const RGBImage& img) const { return preprocess(img, pre_); }
+VisualLayout LlavaModel::visual_layout(int image_width, int image_height) const {
+  if (cfg_.anyres()) return anyres_layout(cfg_, image_width, image_height);
+  VisualLayout l;
+  l.n_tokens = cfg_.n_visual_tokens();
+  l.image_width = image_width;
+  l.image_height = image_height;
+  VisualGrid g;
+  g.name = "patches";
+  g.rows = g.cols = g.row_stride = info_.patch_rows;
+  g.first = info_.patch_first;
+  l.grids = {g};
+  return l;
+}
 
-std::vector<int> LlavaModel::prompt_ids(const std::string& prompt, const std::string& templ) const {
+Tensor LlavaModel::pixel_values(const RGBImage& img) const {
+  if (cfg_.anyres()) return anyres_pixel_values(img, pre_, cfg_.grid_pinpoints, cfg_.vision.image_size);
+  return preprocess(img, pre_);
+}
+
+std::vector<int> LlavaModel::prompt_ids(const std::string& prompt, const std::string& templ,
+                                        const VisualLayout& image) const {
   if (templ.find("<image>") == std::string::npos)
     throw InputError("prompt template '" + templ + "' has no <image> marker");
-  return tok_.encode_prompt(templ, prompt, cfg_.n_visual_tokens());
+  return tok_.encode_prompt(templ, prompt, image.n_tokens);
 }
 
-Buffer LlavaModel::encode_image(const Tensor& px) const {
-  return in_model(dir_, [&] { return encode_image_unnamed(px); });
+ImageFeatures LlavaModel::encode_image(const Tensor& px, const VisualLayout& layout) const {
+  return in_model(dir_, [&] {
+    ImageFeatures r;
+    r.layout = layout;
+    const int64_t images = px.shape.size() == 4 ? px.shape[0] : 1;
+    const int64_t want = cfg_.anyres() ? 1 + [&] {
+      const AnyresGeometry g = anyres_geometry(cfg_, layout.image_width, layout.image_height);
+      return static_cast<int64_t>(g.tile_rows) * g.tile_cols;
+    }() : 1;
+    if (images != want)
+      throw InputError("pixel_values hold " + std::to_string(images) + " images; an image of " +
+                       std::to_string(layout.image_width) + "x" + std::to_string(layout.image_height) + " gives " +
+                       std::to_string(want) + " (the whole image and its tiles)");
+    Buffer per_image = project_images(px);
+    r.features = cfg_.anyres()
+                     ? pack_anyres_features(*be_, anyres_geometry(cfg_, layout.image_width, layout.image_height),
+                                            per_image, newline_)
+                     : std::move(per_image);
+    if (r.features.shape[0] != layout.n_tokens)
+      throw InternalError("encode_image: " + std::to_string(r.features.shape[0]) + " features for " +
+                          std::to_string(layout.n_tokens) + " visual tokens");
+    be_->check_finite(r.features, "multi_modal_projector output");
+    be_->finish_checks();
+    return r;
+  });
 }
 
-Buffer LlavaModel::encode_image_unnamed(const Tensor& px) const {
-  const auto states = vision_.forward(px, cfg_.feature_layer_indices());
+Buffer LlavaModel::project_images(const Tensor& px) const {
   const int VH = cfg_.vision.hidden_size, H = cfg_.text.hidden_size;
   const int skip = cfg_.vision_feature_select_strategy == "default" ? 1 : 0;
-  const int N = cfg_.n_visual_tokens(), L = static_cast<int>(states.size());
+  const int per = cfg_.n_visual_tokens(), L = static_cast<int>(cfg_.feature_layer_indices().size());
+  const int64_t images = px.shape.size() == 4 ? px.shape[0] : 1;
+  const int64_t N = images * per;
   const Dt mdt = proj_.w1.dt;
-  // Selected features of every feature layer, concatenated along the hidden dimension.
+  // Selected features of every feature layer, concatenated along the hidden dimension; the
+  // images one after the other.
   Buffer feat = be_->alloc("projector.in", {N, static_cast<int64_t>(VH) * L}, Dt::F32);
-  for (int s = 0; s < L; ++s) be_->copy_block(states[s], skip, 0, feat, 0, static_cast<int64_t>(s) * VH, N, VH);
+  for (int64_t i = 0; i < images; ++i) {
+    Tensor one;
+    const Tensor* in = &px;
+    if (px.shape.size() == 4) {
+      one = Tensor("pixel_values", {px.shape[1], px.shape[2], px.shape[3]});
+      std::copy(px.data.begin() + i * one.numel(), px.data.begin() + (i + 1) * one.numel(), one.data.begin());
+      in = &one;
+    }
+    const auto states = vision_.forward(*in, cfg_.feature_layer_indices());
+    for (int s = 0; s < L; ++s)
+      be_->copy_block(states[s], skip, 0, feat, i * per, static_cast<int64_t>(s) * VH, per, VH);
+  }
   Buffer featm = feat;
   if (mdt != Dt::F32) {
     featm = be_->alloc("projector.in_m", feat.shape, mdt);
@@ -98,8 +180,6 @@ Buffer LlavaModel::encode_image_unnamed(const Tensor& px) const {
   be_->bias_act(mid, nullptr, activation_from_name(cfg_.projector_hidden_act, "projector_hidden_act"), true, midm);
   Buffer out = be_->alloc("image_features", {N, H}, Dt::F32);
   be_->linear(midm, proj_.w2, proj_.b2.empty() ? nullptr : &proj_.b2, out, false);
-  be_->check_finite(out, "multi_modal_projector output");
-  be_->finish_checks();
   return out;
 }
 
@@ -109,7 +189,7 @@ PrefillState LlavaModel::prefill(const RGBImage& img, const std::string& prompt,
   const Tensor px = pixel_values(img);
   const double preprocess_ms = ms_since(t0);
   const auto t1 = std::chrono::steady_clock::now();
-  const Buffer feats = encode_image(px);
+  const ImageFeatures feats = encode_image(px, visual_layout(img.width, img.height));
   be_->synchronize();
   const double vision_ms = ms_since(t1);
   PrefillState st = prefill_features(feats, prompt, templ, keep_attention, observers);
@@ -118,12 +198,14 @@ PrefillState LlavaModel::prefill(const RGBImage& img, const std::string& prompt,
   return st;
 }
 
-PrefillState LlavaModel::prefill_features(const Buffer& feats, const std::string& prompt, const std::string& templ,
+PrefillState LlavaModel::prefill_features(const ImageFeatures& image, const std::string& prompt, const std::string& templ,
                                           bool keep_attention, const std::vector<AttentionObserver*>& observers) const {
   PrefillState st;
   const auto t1 = std::chrono::steady_clock::now();
-  st.n_visual = cfg_.n_visual_tokens();
-  st.ids = prompt_ids(prompt, templ);
+  const Buffer& feats = image.features;
+  st.layout = image.layout;
+  st.n_visual = image.layout.n_tokens;
+  st.ids = prompt_ids(prompt, templ, image.layout);
   const int T = static_cast<int>(st.ids.size());
   check_prompt_length(T, st.n_visual);
   const int H = cfg_.text.hidden_size, img_id = tok_.image_token_id();

@@ -1,4 +1,5 @@
-// LLaVA-1.5 (HF LlavaForConditionalGeneration), one architecture behind the model interface
+// LLaVA-1.5 (HF LlavaForConditionalGeneration) and LLaVA-NeXT (LlavaNextForConditionalGeneration,
+// its anyres parts in models/llava_next.h), one architecture behind the model interface
 // (models/model.h): checkpoint directory → vision tower → projector → sequence assembly →
 // decoder prefill → policy → decode loop. The path of one image, kept short and visible:
 //   load_image → preprocess → encode_image → prefill → compress (policy) → decode.
@@ -34,22 +35,27 @@ class LlavaModel final : public DecoderModel {
   const LlavaConfig& config() const { return cfg_; }
 
   // ---- Model (the decoder's part: DecoderModel) -------------------------------------------------
-  std::vector<int> prompt_ids(const std::string& prompt, const std::string& templ) const override;
+  VisualLayout visual_layout(int image_width, int image_height) const override;
+  std::vector<int> prompt_ids(const std::string& prompt, const std::string& templ,
+                              const VisualLayout& image) const override;
   Tensor pixel_values(const RGBImage& img) const override;
-  Buffer encode_image(const Tensor& pixel_values) const override;
+  ImageFeatures encode_image(const Tensor& pixel_values, const VisualLayout& layout) const override;
   PrefillState prefill(const RGBImage& img, const std::string& prompt, const std::string& templ,
                        bool keep_attention, const std::vector<AttentionObserver*>& observers = {}) const override;
-  PrefillState prefill_features(const Buffer& features, const std::string& prompt, const std::string& templ,
+  PrefillState prefill_features(const ImageFeatures& features, const std::string& prompt, const std::string& templ,
                                 bool keep_attention,
                                 const std::vector<AttentionObserver*>& observers = {}) const override;
 
  private:
   static LlavaModel load_checked(const std::string& dir, const BackendOptions& backend);
-  Buffer encode_image_unnamed(const Tensor& pixel_values) const;
+  // The projected features of each image in pixel_values ([images][3][S][S] or [3][S][S]),
+  // [images · patches][hidden].
+  Buffer project_images(const Tensor& pixel_values) const;
 
   LlavaConfig cfg_;
   ClipVision vision_;
   Projector proj_;
+  Buffer newline_;  // LLaVA-NeXT's image_newline, [1][hidden]
 };
 
 }  // namespace kvlens

@@ -1,5 +1,6 @@
 // The table of architectures: config.json's model_type → the loader of the file that implements
-// it. A new architecture adds one row here and one file beside models/llava.cpp (its shared
+// it (LLaVA-NeXT loads through models/llava.cpp, its anyres parts in models/llava_next.cpp). A new
+// architecture adds one row here and one file beside models/llava.cpp (its shared
 // decoder and decode loop: models/decoder_model.cpp).
 #include "models/model.h"
 
@@ -27,6 +28,9 @@ const Architecture kArchitectures[] = {
     {"llava", [](const std::string& dir, const BackendOptions& be) -> std::unique_ptr<Model> {
        return std::make_unique<LlavaModel>(LlavaModel::load(dir, be));
      }},
+    {"llava_next", [](const std::string& dir, const BackendOptions& be) -> std::unique_ptr<Model> {
+       return std::make_unique<LlavaModel>(LlavaModel::load(dir, be));
+     }},
     {"llama", load_text_only},
     {"mistral", load_text_only},
 };
@@ -46,6 +50,30 @@ std::string model_type_of(const std::string& dir) {
 }
 
 }  // namespace
+
+const VisualGrid* VisualLayout::finest() const {
+  const VisualGrid* best = nullptr;
+  for (const VisualGrid& g : grids)
+    if (!best || g.rows * g.cols > best->rows * best->cols) best = &g;
+  return best;
+}
+
+std::string VisualLayout::describe() const {
+  if (grids.empty()) return std::to_string(n_tokens);
+  auto dims = [](const VisualGrid& g) { return std::to_string(g.rows) + "×" + std::to_string(g.cols); };
+  if (grids.size() == 1) return std::to_string(n_tokens) + " (" + dims(grids[0]) + " patches)";
+  std::string s = std::to_string(n_tokens) + " =";
+  for (size_t i = 0; i < grids.size(); ++i) {
+    const VisualGrid& g = grids[i];
+    s += (i ? " + " : " ") + g.name + " " + dims(g);
+    if (g.tile_side > 0) {
+      const int tr = (g.cut_top * 2 + g.rows) / g.tile_side, tc = (g.cut_left * 2 + g.cols) / g.tile_side;
+      s += " (" + std::to_string(tr) + "×" + std::to_string(tc) + " tiles)";
+    }
+    if (g.row_stride > g.cols) s += " + " + std::to_string(g.rows) + " newlines";
+  }
+  return s;
+}
 
 std::unique_ptr<Model> load_model(const std::string& dir, const BackendOptions& backend) {
   const std::string type = model_type_of(dir);

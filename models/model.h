@@ -2,7 +2,8 @@
 // A Model turns an image and a prompt into a prefilled KV cache (vision tower, projector,
 // sequence assembly, decoder prefill) and decodes from it with a compression policy at the one
 // hook point; its facts (layers, heads, visual tokens, patch grid) are what views need. Each
-// architecture is one file behind it (models/llava.cpp: LLaVA-1.5), listed in the table of
+// architecture is one file behind it (models/llava.cpp: LLaVA-1.5 and, with
+// models/llava_next.cpp, LLaVA-NeXT; models/llama_text.cpp: text-only Llama / Mistral), listed in the table of
 // architectures that load_model reads (models/model.cpp).
 #pragma once
 #include <cstdint>
@@ -29,6 +30,37 @@ namespace kvlens {
 struct PrefillCapture {
   bool keep = false;
   std::shared_ptr<const PrefillAttention> attention;  // each layer's q, k, v in the backend's memory
+};
+
+// Where an image's visual tokens lie: grids of patches in the order the tokens come. Every grid
+// covers the whole image the tower saw (the image drawn under the views); LLaVA-NeXT has two, the
+// base image's and the tiles' (unpadded, with a newline token ending each row).
+struct VisualGrid {
+  std::string name;    // "patches" (the one grid of LLaVA-1.5), "base", "tiles"
+  int first = 0;       // the grid's first token, counted among the visual tokens
+  int rows = 0, cols = 0;
+  int row_stride = 0;  // tokens from one row's start to the next: cols, or cols + 1 with a newline token
+  // Anyres tiles: patches per tile side (0: the grid is not tiled) and the patches unpadding cut
+  // from the joined grid's top and left, so tile borders lie at k · tile_side − cut.
+  int tile_side = 0, cut_top = 0, cut_left = 0;
+  // The visual token (counted among the visual tokens) of patch (r, c).
+  int token(int r, int c) const { return first + r * row_stride + c; }
+};
+
+struct VisualLayout {
+  int n_tokens = 0;                       // visual tokens of the image (0: no image)
+  int image_width = 0, image_height = 0;  // the image before preprocessing
+  std::vector<VisualGrid> grids;
+  // The grid drawn by default: the finest (most patches).
+  const VisualGrid* finest() const;
+  // Text for views: "576 (24×24 patches)", "2,928 (base 24×24 + tiles 48×48 in 2×2 tiles, 48 newlines)".
+  std::string describe() const;
+};
+
+// An image through the vision tower and projector: one row per visual token.
+struct ImageFeatures {
+  Buffer features;      // [n_tokens][text hidden], fp32, in the backend's memory
+  VisualLayout layout;  // where each row lies on the image
 };
 
 struct GenerateOptions {
@@ -60,6 +92,7 @@ struct PrefillState {
   std::vector<int> ids;
   std::vector<SegmentKind> kinds;
   int n_visual = 0;
+  VisualLayout layout;  // where the visual tokens lie on the image (no grids for a text-only prompt)
   // The host store: its layout always, and its rows when `store_rows` (always on the CPU; on a
   // device backend when prefill was observed). Otherwise every segment is layout_only: the rows
   // are in the device cache, and a decode fetches them only when something on the host reads
@@ -88,9 +121,15 @@ struct DecodeResult {
 
 // What the views and reports need to know of a model, whatever its architecture.
 struct ModelInfo {
-  std::string architecture;  // the table's name for it ("llava")
+  std::string architecture;  // the table's name for it ("llava", "llava_next", "llama", "mistral")
+  std::string family;        // in words: "LLaVA-1.5", "LLaVA-NeXT (anyres)", "Llama (text)"
   int n_layers = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0, hidden = 0, intermediate = 0, vocab = 0;
-  int n_visual = 0;          // image tokens per image
+  // Image tokens of an image: always this many for LLaVA-1.5; for a model whose count depends on
+  // the image (LLaVA-NeXT's anyres) the count of a square image, `image_dependent` set, and
+  // Model::visual_layout gives an image's own.
+  int n_visual = 0;
+  bool image_dependent = false;
+  std::string tiling;        // how images are cut, in words ("" when they are not)
   int matrix_bytes = 4;      // bytes per value of the decoder's matrices and their inputs (2: fp16 / bf16)
   // The visual tokens' patch grid: rows × cols patches; the first `patch_first` visual tokens
   // (a CLS token, say) are not on it.
@@ -112,19 +151,24 @@ class Model {
   // biases, the final norm, lm_head and one embedding row (the decode roofline's denominator).
   virtual int64_t decode_weight_bytes() const = 0;
 
+  // Where the visual tokens of an image of this size lie, and how many there are (no grids and
+  // no tokens for a text-only model).
+  virtual VisualLayout visual_layout(int image_width, int image_height) const = 0;
   // The prompt's token ids as prefill will assemble them (the template, the prompt and one id per
-  // visual token), without running anything.
-  virtual std::vector<int> prompt_ids(const std::string& prompt, const std::string& templ) const = 0;
-  // The image as the vision tower takes it (the architecture's processor).
+  // visual token of `image`), without running anything.
+  virtual std::vector<int> prompt_ids(const std::string& prompt, const std::string& templ,
+                                      const VisualLayout& image) const = 0;
+  // The image as the vision tower takes it (the architecture's processor): [3][S][S], or
+  // [tiles][3][S][S] for a model that cuts the image into tiles (the base image first).
   virtual Tensor pixel_values(const RGBImage& img) const = 0;
-  // pixel values → projected image features [n_visual][text_hidden] (fp32, backend memory).
-  virtual Buffer encode_image(const Tensor& pixel_values) const = 0;
+  // pixel values of an image laid out as `layout` says → projected image features.
+  virtual ImageFeatures encode_image(const Tensor& pixel_values, const VisualLayout& layout) const = 0;
   // Tokenizes and runs the prompt; `keep_attention` keeps per-layer q/scores/probs (policies
   // that score tokens need them).
   virtual PrefillState prefill(const RGBImage& img, const std::string& prompt, const std::string& templ,
                                bool keep_attention, const std::vector<AttentionObserver*>& observers = {}) const = 0;
   // The same from image features already computed by encode_image (several prompts, one image).
-  virtual PrefillState prefill_features(const Buffer& features, const std::string& prompt, const std::string& templ,
+  virtual PrefillState prefill_features(const ImageFeatures& features, const std::string& prompt, const std::string& templ,
                                         bool keep_attention,
                                         const std::vector<AttentionObserver*>& observers = {}) const = 0;
   // Copies the prefill store, stores its rows as opt.kv_storage says (or as the policy asks),

@@ -17,10 +17,12 @@ def write_json(path, obj):
 
 
 def canonical(name):
-    """Map any known LLaVA tensor name to (part, rest)."""
+    """Map any known LLaVA / LLaVA-NeXT tensor name to (part, rest)."""
     n = name[len("model."):] if name.startswith("model.") else name
     if n in ("lm_head.weight", "language_model.lm_head.weight"):
         return ("head", "weight")
+    if n == "image_newline":  # LLaVA-NeXT's row-end token
+        return ("newline", "")
     if n.startswith("language_model.model."):
         return ("lm", n[len("language_model.model."):])
     if n.startswith("language_model."):
@@ -37,10 +39,11 @@ def canonical(name):
 LAYOUT_PREFIX = {
     # published llava-hf checkpoints (transformers < 4.52 module names)
     "hub": {"lm": "language_model.model.", "head": "language_model.lm_head.",
-            "vis": "vision_tower.vision_model.", "proj": "multi_modal_projector."},
+            "vis": "vision_tower.vision_model.", "proj": "multi_modal_projector.", "newline": "image_newline"},
     # transformers 4.52+ in-memory module names (LlavaModel under .model)
     "inmem": {"lm": "model.language_model.", "head": "lm_head.",
-              "vis": "model.vision_tower.vision_model.", "proj": "model.multi_modal_projector."},
+              "vis": "model.vision_tower.vision_model.", "proj": "model.multi_modal_projector.",
+              "newline": "model.image_newline"},
 }
 
 

@@ -97,6 +97,15 @@ inline std::vector<std::string> hf_fixture_dirs() {
   return r;
 }
 
+// How far a pixel value may lie from HF's when the 8-bit pixels agree (the resize is bit-exact
+// with PIL, test_image): only the fp32 rescale / normalize arithmetic may differ, a few roundings
+// of values of size |x/255 − mean|/std, bounded by 8u·(|ref| + (|mean| + 1)/std). One level of a
+// resize difference would be 1/(255·std) ≈ 0.015.
+inline double pixel_tolerance(double ref, float mean, float std) {
+  constexpr double u = 1.0 / (1 << 24);
+  return 8 * u * (ref < 0 ? -ref : ref) + 8 * u * ((mean < 0 ? -mean : mean) + 1.0) / std;
+}
+
 // A fixture's input image, or none for a text-only checkpoint (expected.json's "text_only").
 inline RGBImage hf_fixture_image(const std::string& dir) {
   return read_json(dir + "/expected.json").value("text_only", false) ? RGBImage{} : load_image(dir + "/image.png");

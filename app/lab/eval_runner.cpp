@@ -117,7 +117,8 @@ void evaluate_image(const Model& model, const EvalDataset& ds, size_t pos, const
   if (todo.empty()) return;
   bool keep = s.softmax_mse;
   for (const EvalVariant* v : todo) keep = keep || (v->params && make_policy(*v->params)->needs_prefill_attention());
-  const Buffer feats = model.encode_image(model.pixel_values(load_image(ds.image_path(ds.images.at(pos)))));
+  const RGBImage img = load_image(ds.image_path(ds.images.at(pos)));
+  const ImageFeatures feats = model.encode_image(model.pixel_values(img), model.visual_layout(img.width, img.height));
   GenerateOptions g;
   g.max_new_tokens = s.max_new_tokens;
   g.kv_storage = s.kv_storage;
@@ -129,7 +130,7 @@ void evaluate_image(const Model& model, const EvalDataset& ds, size_t pos, const
     o.templ = s.templ;
     o.max_new_tokens = s.max_new_tokens;
     o.kv_storage = s.kv_storage;
-    check_memory(model, o);  // refused before any work when the run cannot fit
+    check_memory(model, o, feats.layout);  // refused before any work when the run cannot fit
     const Experiment ex = start_experiment(model, model.prefill_features(feats, s.prompt, s.templ, true), o);
     record.fp16_bytes = static_cast<double>(ex.full_fp16_bytes.total());
     for (const EvalVariant* v : todo) {

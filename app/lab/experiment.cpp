@@ -23,7 +23,7 @@ PrefillView Experiment::view() const {
 
 Experiment start_experiment(const Model& model, const RGBImage& img, const ExperimentOptions& opt,
                             const std::vector<AttentionObserver*>& observers) {
-  check_memory(model, opt);  // refused before any work when the run cannot fit
+  check_memory(model, opt, model.visual_layout(img.width, img.height));  // refused before any work when the run cannot fit
   return start_experiment(model, model.prefill(img, opt.prompt, opt.templ, true), opt, observers);
 }
 
@@ -190,10 +190,24 @@ nlohmann::json experiment_base_json(const Model& model, const Experiment& ex, co
   j["token_kinds"] = nlohmann::json::array();
   for (SegmentKind k : ex.prefill.kinds) j["token_kinds"].push_back(segment_kind_name(k));
   // The patch grid of the visual tokens: rows × cols patches, the first `first` visual tokens
-  // (CLS, with the "full" feature strategy) not on it.
+  // (CLS, with the "full" feature strategy) not on it; for an image cut into tiles, the whole
+  // image's grid, and every grid under visual_layout.
   const ModelInfo& info = model.info();
-  j["patch_grid"] = {{"rows", info.patch_rows}, {"cols", info.patch_cols},
-                     {"first", ex.prefill.n_visual - info.patch_rows * info.patch_cols}};
+  const VisualLayout& layout = ex.prefill.layout;
+  if (!layout.grids.empty()) {
+    const VisualGrid& g = layout.grids.front();
+    j["patch_grid"] = {{"rows", g.rows}, {"cols", g.cols}, {"first", g.first}};
+    nlohmann::json grids = nlohmann::json::array();
+    for (const VisualGrid& v : layout.grids)
+      grids.push_back({{"name", v.name}, {"first", v.first}, {"rows", v.rows}, {"cols", v.cols},
+                       {"row_stride", v.row_stride}, {"tile_side", v.tile_side}, {"cut_top", v.cut_top},
+                       {"cut_left", v.cut_left}});
+    j["visual_layout"] = {{"tokens", layout.n_tokens}, {"image_width", layout.image_width},
+                          {"image_height", layout.image_height}, {"grids", grids}, {"text", layout.describe()}};
+  } else {
+    j["patch_grid"] = {{"rows", info.patch_rows}, {"cols", info.patch_cols},
+                       {"first", ex.prefill.n_visual - info.patch_rows * info.patch_cols}};
+  }
   // A text-only model's "visual" tokens are the span of the prompt its template marks: where it
   // lies and what it says.
   if (!info.takes_image()) {

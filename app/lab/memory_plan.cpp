@@ -21,11 +21,11 @@ std::string MemoryPlan::breakdown() const {
          ", attention recomputed " + bytes_text(attention) + ", prefill work " + bytes_text(prefill_work);
 }
 
-MemoryPlan plan_experiment(const Model& model, const ExperimentOptions& opt) {
+MemoryPlan plan_experiment(const Model& model, const ExperimentOptions& opt, const VisualLayout& image) {
   const ModelInfo& f = model.info();
   MemoryPlan p;
   p.backend = model.backend().name();
-  p.prompt_tokens = static_cast<int>(model.prompt_ids(opt.prompt, opt.templ).size());
+  p.prompt_tokens = static_cast<int>(model.prompt_ids(opt.prompt, opt.templ, image).size());
   const int64_t T = p.prompt_tokens, L = f.n_layers, H = f.n_heads, KVH = f.n_kv_heads, D = f.head_dim;
   const int64_t row = (H + 2 * KVH) * D;  // q, k and v of one token
   const bool device = p.backend != "cpu";
@@ -69,10 +69,10 @@ int64_t available_memory(const Model& model, const ExperimentOptions& opt) {
   return have;
 }
 
-void check_memory(const Model& model, const ExperimentOptions& opt) {
+void check_memory(const Model& model, const ExperimentOptions& opt, const VisualLayout& image) {
   const int64_t have = available_memory(model, opt);
   if (have < 0) return;
-  const MemoryPlan p = plan_experiment(model, opt);
+  const MemoryPlan p = plan_experiment(model, opt, image);
   if (p.total() <= have) return;
   const std::string where = p.backend == "cpu" ? "memory" : p.backend + " device memory";
   std::string fix = p.backend == "cpu" ? "a shorter prompt or a larger --memory-limit-mb would fit"

@@ -27,12 +27,13 @@ struct MemoryPlan {
   std::string breakdown() const;
 };
 
-MemoryPlan plan_experiment(const Model& model, const ExperimentOptions& opt);
+// `image`: where the image's visual tokens lie (Model::visual_layout; empty for a text-only model).
+MemoryPlan plan_experiment(const Model& model, const ExperimentOptions& opt, const VisualLayout& image);
 // What the backend can still give, in bytes: free device memory (with what its pool holds unused),
 // or opt.memory_limit when that is set and smaller; -1 where the backend does not say (the CPU).
 int64_t available_memory(const Model& model, const ExperimentOptions& opt);
-// Throws InputError when plan_experiment(model, opt) needs more than available_memory.
-void check_memory(const Model& model, const ExperimentOptions& opt);
+// Throws InputError when plan_experiment(model, opt, image) needs more than available_memory.
+void check_memory(const Model& model, const ExperimentOptions& opt, const VisualLayout& image);
 // "1.23 GB", "456 MB", "12 kB" (decimal units).
 std::string bytes_text(int64_t b);
 

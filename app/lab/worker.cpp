@@ -43,9 +43,11 @@ std::string base_key(const Setup& s) {
 
 RGBImage shown_image(const Tensor& pv, const PreprocessConfig& cfg) {
   RGBImage img;
-  if (pv.shape.size() != 3 || pv.shape[0] != 3) return img;
-  img.height = static_cast<int>(pv.shape[1]);
-  img.width = static_cast<int>(pv.shape[2]);
+  // [3][S][S], or the whole image first of [tiles][3][S][S] (anyres).
+  const size_t d = pv.shape.size() == 4 ? 1 : 0;
+  if (pv.shape.size() != 3 + d || pv.shape[d] != 3) return img;
+  img.height = static_cast<int>(pv.shape[d + 1]);
+  img.width = static_cast<int>(pv.shape[d + 2]);
   img.data.resize(static_cast<size_t>(img.width) * img.height * 3);
   const size_t plane = static_cast<size_t>(img.width) * img.height;
   for (int c = 0; c < 3; ++c)
@@ -346,10 +348,11 @@ void Worker::loop() {
           // The first visual position, from the tokenized prompt, so the patch recorder can
           // watch the reference decode itself.
           const Tokenizer& tok = model_->tokenizer();
-          const std::vector<int> ids = model_->prompt_ids(opt.prompt, opt.templ);
+          const VisualLayout layout = model_->visual_layout(img.width, img.height);
+          const std::vector<int> ids = model_->prompt_ids(opt.prompt, opt.templ, layout);
           const auto at = takes_image ? std::find(ids.begin(), ids.end(), tok.image_token_id()) : ids.end();
           b->first_visual = at == ids.end() ? 0 : static_cast<int>(at - ids.begin());
-          auto rec = std::make_shared<VisualAttentionRecorder>(b->first_visual, facts_->visual_tokens);
+          auto rec = std::make_shared<VisualAttentionRecorder>(b->first_visual, layout.n_tokens);
           auto ex = std::make_shared<Experiment>(start_experiment(*model_, img, opt, {rec.get()}));
           if (takes_image) ex->references = find_image_references(s.image_path);  // (CIDEr-D where the image has them)
           b->patches = rec;

@@ -93,13 +93,14 @@ TEST(CudaModel, MemoryPlanIsCheckedAgainstTheDevicesFreeMemory) {
   NEED_GPU();
   const std::unique_ptr<Model> gpu = load_model(kEmbedded, {"cuda"});
   ExperimentOptions opt;
-  const MemoryPlan p = plan_experiment(*gpu, opt);
+  const VisualLayout image = gpu->visual_layout(336, 336);
+  const MemoryPlan p = plan_experiment(*gpu, opt, image);
   EXPECT_EQ(p.backend, "cuda");
   EXPECT_GT(available_memory(*gpu, opt), p.total());
-  EXPECT_NO_THROW(check_memory(*gpu, opt));
+  EXPECT_NO_THROW(check_memory(*gpu, opt, image));
   opt.memory_limit = p.total() - 1;
   try {
-    check_memory(*gpu, opt);
+    check_memory(*gpu, opt, image);
     ADD_FAILURE() << "a run over its limit was not refused";
   } catch (const InputError& e) {
     const std::string m = e.what();

@@ -36,7 +36,6 @@ std::vector<float> recorded(const std::string& dir, const nlohmann::json& exp, c
   return v;
 }
 
-constexpr double u = 1.0 / (1 << 24);
 
 // max |ours − ref| / max |ref|: the criterion test_parity uses for the first-step logits.
 double rel_max_diff(const float* ours, const std::vector<float>& ref, size_t off, size_t n) {
@@ -52,10 +51,8 @@ class HfValues : public ::testing::TestWithParam<std::string> {};
 
 }  // namespace
 
-// CLIPImageProcessor's pixel values. The resize is bit-exact with PIL (test_image), so the
-// uint8 pixels agree and only the fp32 rescale / normalize arithmetic may differ: a few
-// roundings of values of size |x/255 − mean|/std, bounded by 8u·(|ref| + mean/std + 1/std).
-// One level of a resize difference would be 1/(255·std) ≈ 0.015.
+// The processor's pixel values (CLIPImageProcessor; LlavaNextImageProcessor's whole image and
+// tiles), within kt::pixel_tolerance.
 TEST_P(HfValues, PixelValues) {
   const std::string dir = GetParam();
   const auto exp = expected(dir);
@@ -70,14 +67,14 @@ TEST_P(HfValues, PixelValues) {
   }
   const Tensor pv = model.pixel_values(load_image(dir + "/image.png"));
   const std::vector<float> ref = recorded(dir, exp, "pixel_values");
-  ASSERT_EQ(pv.shape, (std::vector<int64_t>{3, exp["image_size"].get<int64_t>(), exp["image_size"].get<int64_t>()}))
-      << pv.shape_str();
+  // [3][S][S], or [1 + tiles][3][S][S] for LLaVA-NeXT (the whole image, then each tile).
+  ASSERT_EQ(pv.shape, exp["pixel_values_shape"].get<std::vector<int64_t>>()) << pv.shape_str();
   ASSERT_EQ(pv.data.size(), ref.size());
-  const int64_t plane = static_cast<int64_t>(ref.size() / 3);
+  const int64_t plane = pv.dim(-1) * pv.dim(-2);
   const PreprocessConfig& pc = model.preprocess_config();
   for (size_t i = 0; i < ref.size(); ++i) {
-    const int c = static_cast<int>(i / plane);
-    const double tol = 8 * u * (std::fabs(ref[i]) + (std::fabs(pc.mean[c]) + 1.0) / pc.std[c]);
+    const int c = static_cast<int>(i / plane % 3);
+    const double tol = kt::pixel_tolerance(ref[i], pc.mean[c], pc.std[c]);
     ASSERT_LE(std::fabs(pv.data[i] - ref[i]), tol) << dir << " value " << i;
   }
 }
@@ -99,11 +96,13 @@ TEST_P(HfValues, ImageFeatures) {
   }
   const std::vector<float> ref = recorded(dir, exp, "image_features");
   const std::vector<float> pv_ref = recorded(dir, exp, "pixel_values");
-  const int64_t S = exp["image_size"].get<int64_t>();
-  Tensor pv("pixel_values", {3, S, S});
+  Tensor pv("pixel_values", exp["pixel_values_shape"].get<std::vector<int64_t>>());
   std::copy(pv_ref.begin(), pv_ref.end(), pv.ptr());
-  for (const Tensor& input : {pv, model.pixel_values(load_image(dir + "/image.png"))}) {
-    const Buffer fb = model.encode_image(input);  // in the backend's memory
+  const RGBImage img = load_image(dir + "/image.png");
+  const VisualLayout layout = model.visual_layout(img.width, img.height);
+  EXPECT_EQ(layout.n_tokens, exp["n_visual_tokens"].get<int>()) << "the processor's token count";
+  for (const Tensor& input : {pv, model.pixel_values(img)}) {
+    const Buffer fb = model.encode_image(input, layout).features;  // in the backend's memory
     Tensor f("image_features", fb.shape);
     model.backend().download(fb, f.ptr());
     ASSERT_EQ(f.shape, (std::vector<int64_t>{exp["image_features_shape"][0].get<int64_t>(),

@@ -700,7 +700,8 @@ TEST(Experiment, AttentionMapsAndPatchAttention) {
 TEST(MemoryPlan, CountsThePromptAndTheCaptureAsThePrefillHoldsThem) {
   const Fixture& f = fixture("gqa_fp16_save");
   ExperimentOptions opt;
-  const MemoryPlan p = plan_experiment(f.model, opt);
+  const VisualLayout image = f.model.visual_layout(f.image.width, f.image.height);
+  const MemoryPlan p = plan_experiment(f.model, opt, image);
   const PrefillState st = f.model.prefill(f.image, opt.prompt, opt.templ, true);
   EXPECT_EQ(p.prompt_tokens, static_cast<int>(st.ids.size()));
   EXPECT_EQ(p.capture, st.capture.attention->capture_bytes());
@@ -708,9 +709,9 @@ TEST(MemoryPlan, CountsThePromptAndTheCaptureAsThePrefillHoldsThem) {
   EXPECT_EQ(p.total(), p.capture + p.caches + p.attention + p.prefill_work);
   // The CPU says nothing of its free memory: no limit, no refusal; a limit below the plan refuses.
   EXPECT_EQ(available_memory(f.model, opt), -1);
-  EXPECT_NO_THROW(check_memory(f.model, opt));
+  EXPECT_NO_THROW(check_memory(f.model, opt, image));
   opt.memory_limit = p.total() - 1;
-  EXPECT_THROW(check_memory(f.model, opt), InputError);
+  EXPECT_THROW(check_memory(f.model, opt, image), InputError);
   opt.memory_limit = p.total();
-  EXPECT_NO_THROW(check_memory(f.model, opt));
+  EXPECT_NO_THROW(check_memory(f.model, opt, image));
 }
