@@ -28,7 +28,7 @@ struct RunArgs {
 };
 
 void add_common(CLI::App* c, RunArgs& a) {
-  c->add_option("--model", a.model, "HF-format LLaVA-1.5 model directory (default: the embedded model)");
+  c->add_option("--model", a.model, "HF-format model directory: LLaVA-1.5, LLaVA-NeXT, Llama or Mistral (default: the embedded model)");
   add_backend_options(c, a.backend);
   c->add_option("--image", a.image, "Image file (default: the embedded sample image; none for a text-only model)");
   c->add_option("--prompt", a.opt.prompt, "Text in place of {prompt} in the template")->capture_default_str();
@@ -162,7 +162,7 @@ void run_methods(const RunArgs& args) {
     if (!a.report.empty()) write_json(a.report, report);
     if (!a.figures.dir.empty()) {
       if (model.info().takes_image()) {
-        const RGBImage shown = shown_image(model.pixel_values(img), model.preprocess_config());
+        const RGBImage shown = image_for_views(model, img);
         write_report_figures(report, a.figures, &shown);
       } else {
         write_report_figures(report, a.figures, nullptr);

@@ -106,19 +106,24 @@ Figure token_fate_figure(const nlohmann::json& report, int method, int layer, co
                          const RGBImage* image) {
   const J grid = root(report).at("patch_grid");
   const int R = grid.at("rows").integer(), C = grid.at("cols").integer(), first = grid.at("first").integer();
+  // (row_stride: tokens from one row to the next, more than C where a newline token ends each row)
+  const int stride = grid.has("row_stride") ? grid.at("row_stride").integer() : C;
   const J m = method_at(report, method);
   const J fate = layer_at(m, layer).at("token_fate");
   if (field != "kept" && field != "bits" && field != "merged")
     throw InputError("token fate field must be kept, bits or merged, got '" + field + "'");
   const std::vector<double> v = fate.at(field).nums();
-  if (R < 1 || C < 1 || first < 0 || v.size() < static_cast<size_t>(first) + static_cast<size_t>(R) * C)
+  const int64_t need = R < 1 ? 0 : first + static_cast<int64_t>(R - 1) * stride + C;
+  if (R < 1 || C < 1 || first < 0 || stride < C || v.size() < static_cast<size_t>(need))
     throw InputError(fate.where + "." + field + " holds " + std::to_string(v.size()) + " values, the patch grid needs " +
-                     std::to_string(first + R * C));
+                     std::to_string(need));
   Series s;
   s.kind = SeriesKind::Heatmap;
   s.rows = R;
   s.cols = C;
-  s.z.assign(v.begin() + first, v.begin() + first + static_cast<size_t>(R) * C);
+  for (int r = 0; r < R; ++r)
+    s.z.insert(s.z.end(), v.begin() + first + static_cast<int64_t>(r) * stride,
+               v.begin() + first + static_cast<int64_t>(r) * stride + C);
   s.x0 = s.y0 = 0;
   s.x1 = C;
   s.y1 = R;

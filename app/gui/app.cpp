@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <utility>
 
+#include "app/gui/overlay.h"
 #include "app/cli/defaults.h"
 #include "core/errors.h"
 #include "app/figures/figures_report.h"
@@ -407,18 +408,19 @@ const fig::Figure* App::figure(const std::string& key) {
         rec = r ? r->patches.get() : nullptr;
         who = m ? display_name(*m) : "?";
       }
-      if (!rec || !s.model || s.model->patch_rows < 1 || token >= rec->steps()) return nullptr;
-      // The patch grid: rows × cols visual tokens from patch_first (as the Image panel draws it).
-      const int rows = s.model->patch_rows, first = s.model->patch_first, cols = (rec->n_visual() - first) / rows;
-      if (cols < 1) return nullptr;
-      const size_t n = static_cast<size_t>(rows) * cols;
+      // The patch grid the Image panel draws (overlay_grid).
+      const VisualGrid g = overlay_grid(s);
+      const int rows = g.rows, cols = g.cols;
+      if (!rec || !s.model || rows < 1 || cols < 1 || token >= rec->steps()) return nullptr;
       std::vector<std::vector<std::vector<float>>> att(static_cast<size_t>(s.model->layers));
       for (int l = 0; l < s.model->layers; ++l)
         for (int h = 0; h < s.model->heads; ++h) {
-          std::vector<float> a = rec->attention(token, l, h);
-          if (a.size() >= first + n) a = std::vector<float>(a.begin() + first, a.begin() + first + static_cast<ptrdiff_t>(n));
-          else a.clear();
-          att[static_cast<size_t>(l)].push_back(std::move(a));
+          const std::vector<float> a = rec->attention(token, l, h);
+          std::vector<float> on_grid;
+          if (a.size() >= static_cast<size_t>(g.token(rows - 1, cols - 1)) + 1)
+            for (int r = 0; r < rows; ++r)
+              on_grid.insert(on_grid.end(), a.begin() + g.token(r, 0), a.begin() + g.token(r, 0) + cols);
+          att[static_cast<size_t>(l)].push_back(std::move(on_grid));
         }
       f = fig::patch_multiples_figure(att, rows, cols, true, who, token);
     } else if (kind == "hist") {

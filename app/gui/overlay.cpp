@@ -62,6 +62,16 @@ void apply_veil(float veil, unsigned char* rgb) {
   for (int c = 0; c < 3; ++c) rgb[c] = static_cast<unsigned char>(std::lround(rgb[c] + (grey - rgb[c]) * veil));
 }
 
+VisualGrid overlay_grid(const Snapshot& s) {
+  if (s.base && s.base->ex)
+    if (const VisualGrid* g = s.base->ex->prefill.layout.finest()) return *g;
+  VisualGrid g;
+  if (!s.model) return g;
+  g.rows = g.cols = g.row_stride = s.model->patch_rows;
+  g.first = s.model->patch_first;
+  return g;
+}
+
 OverlayData overlay_of(const App& app, int source) {
   OverlayData o;
   const Views& v = app.st.views;

@@ -22,7 +22,7 @@ struct OverlayScale {
 };
 
 struct OverlayData {
-  std::vector<float> values;  // per visual token (the patch grid starts at ModelInfo::patch_first)
+  std::vector<float> values;  // per visual token (overlay_grid says where each lies)
   std::string what;           // a caption: the quantity, the source, the layer (and head, token)
   OverlayScale scale;
 };
@@ -41,6 +41,10 @@ void apply_veil(float veil, unsigned char* rgb);
 // The chosen overlay of `source` (-1: the full cache, for attention) at the views' layer, head
 // and token; empty values when the source has no results yet.
 OverlayData overlay_of(const App& app, int source);
+// The grid the Image panel draws overlays on: the finest grid of the image's visual layout
+// (LLaVA-NeXT: the tiles', whose rows end with a newline token), else the model's square patch
+// grid; no rows when there is none (a text-only model, nothing computed yet).
+VisualGrid overlay_grid(const Snapshot& s);
 // The sources a patch's hover lists: the full cache (attention only) and every method with results.
 std::vector<int> overlay_sources(const App& app);
 

@@ -158,9 +158,14 @@ void image_panel(App& app, Ui& ui, const PanelRect& rect) {
   ImDrawList* dl = ImGui::GetWindowDrawList();
   if (s && s->base && s->base->shown.width > 0) {
     const RGBImage& img = s->base->shown;
-    const int R = s->model ? s->model->patch_rows : 0, first = s->model ? s->model->patch_first : 0;
+    // The grid the overlays lie on (the tiles' for an anyres image), drawn over the image at the
+    // image's own aspect within the side × side box.
+    const VisualGrid g = overlay_grid(*s);
+    const int R = g.rows, C = g.cols;
+    const float dw = img.width >= img.height ? side : side * img.width / img.height;
+    const float dh = img.width >= img.height ? side * img.height / img.width : side;
     const OverlayData ov = overlay_of(app, v.overlay_source);
-    const bool shown = R > 0 && ov.values.size() >= static_cast<size_t>(first + R * R) && !ov.scale.empty();
+    const bool shown = R > 0 && C > 0 && ov.values.size() > static_cast<size_t>(g.token(R - 1, C - 1)) && !ov.scale.empty();
     // The image itself, or with each patch veiled by its value (no hue: see app/gui/overlay.h).
     const uint64_t base_key = key_of(s->base->key);
     const uint64_t key = shown ? overlay_key(base_key, ov.values, v.overlay, v.overlay_opacity) : base_key;
@@ -173,37 +178,45 @@ void image_panel(App& app, Ui& ui, const PanelRect& rect) {
           unsigned char* px = &rgba[i * 4];
           for (int c = 0; c < 3; ++c) px[c] = img.data[i * 3 + c];
           if (shown) {
-            const int r = std::min(R - 1, y * R / img.height), c = std::min(R - 1, x * R / img.width);
-            apply_veil(overlay_veil(ov.scale, ov.values[first + r * R + c], v.overlay_opacity), px);
+            const int r = std::min(R - 1, y * R / img.height), c = std::min(C - 1, x * C / img.width);
+            apply_veil(overlay_veil(ov.scale, ov.values[g.token(r, c)], v.overlay_opacity), px);
           }
         }
     }
-    dl->AddImage(ui.textures.get(key, img.width, img.height, rgba.data(), false), p0, ImVec2(p0.x + side, p0.y + side));
-    const float cell = R > 0 ? side / R : side;
-    if (shown && v.overlay == Overlay::FateBits && cell >= 8)  // evicted patches crossed out
+    dl->AddImage(ui.textures.get(key, img.width, img.height, rgba.data(), false), p0, ImVec2(p0.x + dw, p0.y + dh));
+    const float cw = C > 0 ? dw / C : dw, ch = R > 0 ? dh / R : dh;
+    if (shown && v.overlay == Overlay::FateBits && std::min(cw, ch) >= 8)  // evicted patches crossed out
       for (int r = 0; r < R; ++r)
-        for (int c = 0; c < R; ++c)
-          if (ov.values[first + r * R + c] <= 0) {
-            const ImVec2 a(p0.x + c * cell + cell * 0.3f, p0.y + r * cell + cell * 0.3f);
-            const ImVec2 b(p0.x + (c + 1) * cell - cell * 0.3f, p0.y + (r + 1) * cell - cell * 0.3f);
+        for (int c = 0; c < C; ++c)
+          if (ov.values[g.token(r, c)] <= 0) {
+            const ImVec2 a(p0.x + c * cw + cw * 0.3f, p0.y + r * ch + ch * 0.3f);
+            const ImVec2 b(p0.x + (c + 1) * cw - cw * 0.3f, p0.y + (r + 1) * ch - ch * 0.3f);
             dl->AddLine(a, b, IM_COL32(235, 235, 235, 200));
             dl->AddLine(ImVec2(a.x, b.y), ImVec2(b.x, a.y), IM_COL32(235, 235, 235, 200));
           }
-    if (R > 0 && v.patch_grid)
-      for (int i = 0; i <= R; ++i) {
-        dl->AddLine(ImVec2(p0.x + i * cell, p0.y), ImVec2(p0.x + i * cell, p0.y + side), IM_COL32(255, 255, 255, 70));
-        dl->AddLine(ImVec2(p0.x, p0.y + i * cell), ImVec2(p0.x + side, p0.y + i * cell), IM_COL32(255, 255, 255, 70));
+    if (R > 0 && C > 0 && v.patch_grid) {
+      for (int i = 0; i <= C; ++i)
+        dl->AddLine(ImVec2(p0.x + i * cw, p0.y), ImVec2(p0.x + i * cw, p0.y + dh), IM_COL32(255, 255, 255, 70));
+      for (int i = 0; i <= R; ++i)
+        dl->AddLine(ImVec2(p0.x, p0.y + i * ch), ImVec2(p0.x + dw, p0.y + i * ch), IM_COL32(255, 255, 255, 70));
+      // Anyres tiles: their borders brighter (k · tile_side − cut patches in).
+      if (g.tile_side > 0) {
+        for (int x = g.tile_side - g.cut_left; x < C; x += g.tile_side)
+          if (x > 0) dl->AddLine(ImVec2(p0.x + x * cw, p0.y), ImVec2(p0.x + x * cw, p0.y + dh), IM_COL32(255, 255, 255, 190), 2.0f);
+        for (int y = g.tile_side - g.cut_top; y < R; y += g.tile_side)
+          if (y > 0) dl->AddLine(ImVec2(p0.x, p0.y + y * ch), ImVec2(p0.x + dw, p0.y + y * ch), IM_COL32(255, 255, 255, 190), 2.0f);
       }
-    ImGui::InvisibleButton("##imagearea", ImVec2(side, side));
-    st.drawn["image"] = {p0.x, p0.y, side, side};
-    if (ImGui::IsItemHovered() && R > 0) {
+    }
+    ImGui::InvisibleButton("##imagearea", ImVec2(dw, dh));
+    st.drawn["image"] = {p0.x, p0.y, dw, dh};
+    if (ImGui::IsItemHovered() && R > 0 && C > 0) {
       const ImVec2 m = ImGui::GetIO().MousePos;
-      const int hc = std::clamp(static_cast<int>((m.x - p0.x) / cell), 0, R - 1);
-      const int hr = std::clamp(static_cast<int>((m.y - p0.y) / cell), 0, R - 1);
-      const int tok = first + hr * R + hc;
+      const int hc = std::clamp(static_cast<int>((m.x - p0.x) / cw), 0, C - 1);
+      const int hr = std::clamp(static_cast<int>((m.y - p0.y) / ch), 0, R - 1);
+      const int tok = g.token(hr, hc);
       ImGui::BeginTooltip();
       st.hover_readout = {"patch row " + std::to_string(hr) + ", column " + std::to_string(hc) + " (visual token " +
-                          std::to_string(tok) + ")"};
+                          std::to_string(tok) + (g.name == "tiles" ? ", tiles grid" : "") + ")"};
       ImGui::TextUnformatted(st.hover_readout.back().c_str());
       if (v.overlay != Overlay::None) {
         // The same patch for every source that has results, the one shown first.
@@ -225,9 +238,10 @@ void image_panel(App& app, Ui& ui, const PanelRect& rect) {
       wrapped_note(ov.what);
     } else {
       st.drawn.erase("image_colorbar");
-      ImGui::TextDisabled("%s", (std::to_string(img.width) + "×" + std::to_string(img.height) + ", " + std::to_string(R) +
-                                 "×" + std::to_string(R) + " patches")
-                                    .c_str());
+      const VisualLayout* layout = s->base->ex ? &s->base->ex->prefill.layout : nullptr;
+      const std::string grid = layout && layout->grids.size() > 1 ? layout->describe() + " visual tokens"
+                                                                  : std::to_string(R) + "×" + std::to_string(C) + " patches";
+      wrapped_note(std::to_string(img.width) + "×" + std::to_string(img.height) + ", " + grid);
     }
   } else if (s && s->model && s->model->visual_tokens == 0 && s->model->dir == app.model_dir()) {
     // A text-only model: no image; its "visual" tokens are the prompt span the template marks.

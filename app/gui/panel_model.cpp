@@ -65,14 +65,31 @@ void model_panel(App& app, Ui&, const PanelRect& rect) {
     ImGui::TextDisabled("loading %s…", app.model_dir().c_str());
   } else {
     const ModelFacts& f = *s->model;
+    // The visual tokens of the image computed (an anyres model's depend on it), else the model's.
+    const VisualLayout* layout = s->base && s->base->ex ? &s->base->ex->prefill.layout : nullptr;
+    std::string visual = std::to_string(f.visual_tokens) + " (" + std::to_string(f.patch_rows) + "×" +
+                         std::to_string(f.patch_rows) + ")";
+    // An anyres model: this image's tiles and grids, short enough to stand uncut at 1280×800.
+    std::string grid, tiles = f.tiling.substr(0, f.tiling.find(';'));
+    if (layout && f.image_dependent) {
+      visual = std::to_string(layout->n_tokens) + " for this image";
+      for (const VisualGrid& g : layout->grids) {
+        grid += (grid.empty() ? "" : ", ") + g.name + " " + std::to_string(g.rows) + "×" + std::to_string(g.cols);
+        if (g.tile_side > 0)
+          tiles = std::to_string((g.rows + 2 * g.cut_top) / g.tile_side) + "×" +
+                  std::to_string((g.cols + 2 * g.cut_left) / g.tile_side) + " of " + tiles;
+      }
+    }
     std::vector<std::pair<std::string, std::string>> facts = {
+        {"family", f.family.empty() ? "?" : f.family},
         {"layers", std::to_string(f.layers)},
         {"heads", std::to_string(f.heads)},
         {"KV heads", std::to_string(f.kv_heads)},
         {"head_dim", std::to_string(f.head_dim)},
-        {"visual tokens", std::to_string(f.visual_tokens) + " (" + std::to_string(f.patch_rows) + "×" +
-                              std::to_string(f.patch_rows) + ")"},
+        {"visual tokens", visual},
         {"full cache at fp16", f.full_fp16_bytes > 0 ? std::to_string(f.full_fp16_bytes / 1024) + " KiB" : "…"}};
+    if (!grid.empty()) facts.insert(facts.begin() + 6, {"grids", grid});
+    if (!tiles.empty()) facts.insert(facts.begin() + 6, {"tiles", tiles});
     if (s->base && s->base->ex) {
       facts.push_back({"vision", std::to_string(static_cast<int>(s->base->ex->prefill.vision_ms)) + " ms on " + f.backend});
       facts.push_back({"prefill", std::to_string(static_cast<int>(s->base->ex->prefill.prefill_ms)) + " ms"});

@@ -361,6 +361,11 @@ void Script::run(App& app, const nlohmann::json& st) {
     const OverlayData ov = overlay_of(app, app.st.views.overlay_source);
     d["overlay"] = {{"what", ov.what}, {"quantity", ov.scale.quantity}, {"lo", ov.scale.lo}, {"hi", ov.scale.hi},
                     {"levels", ov.scale.levels}, {"patches", ov.values.size()}};
+    if (app.st.results) {
+      const VisualGrid g = overlay_grid(*app.st.results);
+      d["overlay"]["grid"] = {{"name", g.name}, {"rows", g.rows}, {"cols", g.cols}, {"first", g.first},
+                              {"row_stride", g.row_stride}};
+    }
     d["messages"] = nlohmann::json::array();
     for (const Message& m : app.st.messages) d["messages"].push_back({{"error", m.error}, {"text", m.text}});
     const CalibrationView& c = app.calibration_view();

@@ -190,13 +190,14 @@ nlohmann::json experiment_base_json(const Model& model, const Experiment& ex, co
   j["token_kinds"] = nlohmann::json::array();
   for (SegmentKind k : ex.prefill.kinds) j["token_kinds"].push_back(segment_kind_name(k));
   // The patch grid of the visual tokens: rows × cols patches, the first `first` visual tokens
-  // (CLS, with the "full" feature strategy) not on it; for an image cut into tiles, the whole
-  // image's grid, and every grid under visual_layout.
+  // (CLS, with the "full" feature strategy) not on it, `row_stride` tokens from one row to the
+  // next; for an image cut into tiles the finest grid (the tiles', whose rows end with a newline
+  // token), and every grid under visual_layout.
   const ModelInfo& info = model.info();
   const VisualLayout& layout = ex.prefill.layout;
-  if (!layout.grids.empty()) {
-    const VisualGrid& g = layout.grids.front();
-    j["patch_grid"] = {{"rows", g.rows}, {"cols", g.cols}, {"first", g.first}};
+  if (const VisualGrid* fine = layout.finest()) {
+    const VisualGrid& g = *fine;
+    j["patch_grid"] = {{"rows", g.rows}, {"cols", g.cols}, {"first", g.first}, {"row_stride", g.row_stride}};
     nlohmann::json grids = nlohmann::json::array();
     for (const VisualGrid& v : layout.grids)
       grids.push_back({{"name", v.name}, {"first", v.first}, {"rows", v.rows}, {"cols", v.cols},

@@ -8,6 +8,7 @@
 #include "core/files.h"
 #include "core/numbers.h"
 #include "core/parallel.h"
+#include "models/preprocess/clip_image.h"
 
 namespace kvlens {
 
@@ -58,6 +59,16 @@ RGBImage shown_image(const Tensor& pv, const PreprocessConfig& cfg) {
       img.data[i * 3 + c] = static_cast<uint8_t>(std::clamp(std::lround(v), 0L, 255L));
     }
   return img;
+}
+
+RGBImage image_for_views(const Model& model, const RGBImage& img) {
+  if (!model.info().image_dependent) return shown_image(model.pixel_values(img), model.preprocess_config());
+  constexpr int kMaxSide = 672;
+  const int side = std::max(img.width, img.height);
+  if (side <= kMaxSide) return img;
+  const int w = std::max(1, static_cast<int>(std::lround(static_cast<double>(img.width) * kMaxSide / side)));
+  const int h = std::max(1, static_cast<int>(std::lround(static_cast<double>(img.height) * kMaxSide / side)));
+  return resize_bicubic(img, w, h);
 }
 
 Worker::Worker() {
@@ -294,6 +305,9 @@ void Worker::loop() {
           f->kv_heads = c.n_kv_heads;
           f->head_dim = c.head_dim;
           f->visual_tokens = c.n_visual;
+          f->family = c.family;
+          f->tiling = c.tiling;
+          f->image_dependent = c.image_dependent;
           f->patch_rows = c.patch_rows;
           f->patch_first = c.patch_first;
           f->load_ms = ms_since(t0);
@@ -335,7 +349,7 @@ void Worker::loop() {
           b->key = bkey;
           if (takes_image) {
             b->image_hash = file_content_hash(s.image_path, "image");
-            b->shown = shown_image(model_->pixel_values(img), model_->preprocess_config());
+            b->shown = image_for_views(*model_, img);
           }
           ExperimentOptions opt = s.opt;
           opt.templ = model_template(*model_, opt.templ);

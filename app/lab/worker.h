@@ -45,7 +45,9 @@ struct Setup {
 struct ModelFacts {
   std::string dir, hash;
   std::string backend;  // the backend it runs on ("cpu" / "cuda")
+  std::string family, tiling;  // ModelInfo's: "LLaVA-NeXT (anyres)", how images are cut ("" when not)
   int layers = 0, heads = 0, kv_heads = 0, head_dim = 0, visual_tokens = 0, patch_rows = 0, patch_first = 0;
+  bool image_dependent = false;  // visual tokens depend on the image (visual_tokens: a square image's)
   int64_t full_fp16_bytes = 0;  // per prompt, once a prefill ran
   double load_ms = 0;
 };
@@ -193,5 +195,9 @@ class Worker {
 std::string base_key(const Setup& s);
 // The preprocessed image (pixel values mapped back to 8-bit RGB): what the vision tower sees.
 RGBImage shown_image(const Tensor& pixel_values, const PreprocessConfig& cfg);
+// The image the views draw the patch grid over: what the tower sees (shown_image), or for a model
+// that tiles the image (LLaVA-NeXT, whose finest grid covers the image itself after unpadding)
+// the image, its longer side brought to at most 672 pixels.
+RGBImage image_for_views(const Model& model, const RGBImage& img);
 
 }  // namespace kvlens

@@ -25,6 +25,7 @@
 #include "core/files.h"
 #include "app/lab/session.h"
 #include "tests/test_util.h"
+#include "tests/app/gui/gui_driver.h"
 
 #ifdef KVLENS_HAVE_EXPAT
 #include <expat.h>
@@ -33,29 +34,11 @@
 namespace kt = kvlens::testing;
 using kvlens::RGBImage;
 using nlohmann::json;
+using kt::kGui;
+using kt::load;
 
 namespace {
 
-#ifdef KVLENS_GUI_BINARY
-const char* kGui = KVLENS_GUI_BINARY;
-#else
-const char* kGui = nullptr;
-#endif
-
-// Skips (visibly) where the app or Xvfb is missing; else runs `steps` in `dir` on an Xvfb screen
-// of `screen` pixels with the app's extra arguments `args` (e.g. " --size 1280x800").
-#define RUN_GUI_SIZED_OR_SKIP(dir, steps, out, screen, args)                                                \
-  do {                                                                                                      \
-    if (!kGui) GTEST_SKIP() << "kvlens-gui is not built (KVLENS_GUI=OFF or its packages are missing)";     \
-    if (kt::run("command -v xvfb-run").code != 0)                                                           \
-      GTEST_SKIP() << "xvfb-run is not installed (./setup.sh --tests installs xvfb)";                       \
-    kt::write_file(dir + "/steps.json", (steps).dump(1));                                                   \
-    out = kt::run("cd " + dir + " && HOME=" + dir + " XDG_STATE_HOME=" + dir + "/state xvfb-run -a -s '-screen 0 " + \
-                  std::string(screen) + "x24' " + kGui + std::string(args) + " --script steps.json");     \
-  } while (0)
-#define RUN_GUI_OR_SKIP(dir, steps, out) RUN_GUI_SIZED_OR_SKIP(dir, steps, out, "1920x1200", "")
-
-json load(const std::string& path) { return json::parse(kt::read_file(path)); }
 
 json without_timings(json r) {
   r.erase("timings_ms");
@@ -462,35 +445,6 @@ TEST(Gui, EveryOverlayHasAColourBarAndThePanelsFitAt1280x720) {
     EXPECT_GE(d["calibration_histogram"][3].get<double>(), 150.0);
     EXPECT_GE(d["captions_view"][3].get<double>(), 100.0);
   }
-}
-
-// A text-only checkpoint (Mistral) in the app: a session names it and a template that marks a
-// span of the prompt; the app runs the full cache and every method with no image and no error,
-// CalibQuant quantizes the span (its softmax MSE is no longer the float rounding of an
-// untouched cache), and the Image panel says why it shows no image.
-TEST(Gui, ATextOnlyModelRunsWithItsPromptSpan) {
-  const std::string dir = kt::make_temp_dir("gui_text");
-  const std::string model = kt::source_dir() + "/tests/fixtures/hf/mistral_gqa_bf16_shard";
-  kt::write_file(dir + "/s.json", json({{"kvlens_session", 1}, {"name", "text"}, {"model", model},
-                                        {"prompt", "the light is warm and the shadows are long"},
-                                        {"template", "Read this: <span>{prompt}</span> Now, the light is"},
-                                        {"max_new_tokens", 6}, {"methods", {"calibquant:bits=1", "snapkv:budget=0.5"}}})
-                                      .dump());
-  const json steps = {{"steps",
-                       {{{"do", "wait_results"}},
-                        {{"do", "frames"}, {"n", 3}},
-                        {{"do", "dump_state"}, {"path", "text.json"}},
-                        {{"do", "quit"}}}}};
-  kt::RunResult r;
-  RUN_GUI_SIZED_OR_SKIP(dir, steps, r, "1920x1200", " --session " + dir + "/s.json");
-  ASSERT_EQ(r.code, 0) << r.output;
-  const json st = load(dir + "/text.json");
-  for (const json& m : st["messages"]) EXPECT_FALSE(m["error"].get<bool>()) << m.dump();
-  ASSERT_EQ(st["results"].size(), 2u) << st["results"].dump();
-  for (const json& m : st["results"]) EXPECT_FALSE(m["caption"].get<std::string>().empty()) << m.dump();
-  EXPECT_GT(st["results"][0]["mean_softmax_mse"].get<double>(), 1e-8) << "CalibQuant left the span untouched";
-  EXPECT_EQ(st["overlay"]["patches"].get<int>(), 0);
-  EXPECT_FALSE(st["drawn"].contains("image_colorbar"));
 }
 
 // Per-view selection through the running app: the overlay's layer and head leave the Calibration
