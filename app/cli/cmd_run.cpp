@@ -139,6 +139,8 @@ void run_methods(const RunArgs& args) {
                 ex.references->annotations.c_str());
   if (!model.info().takes_image())
     std::printf("%s\n", prompt_span_line(model, ex.prefill).c_str());
+  else if (model.info().image_dependent)  // (anyres: the image decides the tiles and the count)
+    std::printf("visual tokens of this %dx%d image: %s\n", img.width, img.height, ex.prefill.layout.describe().c_str());
   std::printf("%-44s %10s %7s %10s %9s  %s%s\n", "method", "KV bytes", "ratio", "softmaxMSE", "diverges",
               ex.references ? " CIDEr-D " : "", "caption");
   const std::string ref = std::string("full (") + row_storage_name(a.opt.kv_storage) + " reference)";
