@@ -19,7 +19,7 @@ for a in "$@"; do
 done
 
 pkgs=(build-essential cmake pkg-config nlohmann-json3-dev libsentencepiece-dev libstb-dev libjpeg-dev
-      libopenblas-dev libcli11-dev libgtest-dev)
+      libopenblas-dev libcli11-dev libgtest-dev libpcre2-dev libicu-dev)
 # The desktop app and figure export: Dear ImGui, GLFW, Cairo, DejaVu fonts (Greek, math).
 pkgs+=(libimgui-dev libglfw3-dev libcairo2-dev fonts-dejavu-core)
 if [ "$tests" = 1 ]; then

@@ -9,6 +9,7 @@
 #include "core/errors.h"
 #include "core/json_file.h"
 #include "core/numbers.h"
+#include "models/bpe_tokenizer.h"
 
 namespace kvlens {
 
@@ -18,45 +19,70 @@ Tokenizer::~Tokenizer() = default;
 Tokenizer::Tokenizer(Tokenizer&&) noexcept = default;
 Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
 
+namespace {
+
+// tokenizer_config.json's bos_token / eos_token: a string, or an object with its "content".
+std::string token_text(const nlohmann::json& j, const char* key) {
+  if (!j.contains(key)) return "";
+  const auto& v = j[key];
+  if (v.is_string()) return v.get<std::string>();
+  if (v.is_object() && v.contains("content") && v["content"].is_string()) return v["content"].get<std::string>();
+  return "";
+}
+
+}  // namespace
+
 Tokenizer Tokenizer::load(const std::string& dir, int image_token_index, bool with_image) {
   Tokenizer t;
-  const std::string model = dir + "/tokenizer.model";
-  if (!file_exists(model)) throw InputError(model + ": missing (kvlens needs a SentencePiece tokenizer.model)");
-  t.sp_ = std::make_unique<sentencepiece::SentencePieceProcessor>();
-  const auto status = t.sp_->LoadFromSerializedProto(read_input_file(model, "SentencePiece tokenizer.model", uint64_t{1} << 30));
-  if (!status.ok()) throw InputError(model + ": not a SentencePiece model (" + status.ToString() + ")");
-  t.bos_ = t.sp_->bos_id();
-  t.eos_ = t.sp_->eos_id();
-  t.image_token_ = with_image ? image_token_index : -1;
+  const std::string model = dir + "/tokenizer.model", json_path = dir + "/tokenizer.json";
   const std::string tc = dir + "/tokenizer_config.json";
-  if (file_exists(tc)) {
-    const auto j = read_json_file(tc, "tokenizer config");
-    if (j.contains("add_bos_token") && j["add_bos_token"].is_boolean())
-      t.add_bos_ = j["add_bos_token"].get<bool>();
+  const nlohmann::json cfg = file_exists(tc) ? read_json_file(tc, "tokenizer config") : nlohmann::json::object();
+  if (file_exists(model)) {
+    t.sp_ = std::make_unique<sentencepiece::SentencePieceProcessor>();
+    const auto status = t.sp_->LoadFromSerializedProto(read_input_file(model, "SentencePiece tokenizer.model", uint64_t{1} << 30));
+    if (!status.ok()) throw InputError(model + ": not a SentencePiece model (" + status.ToString() + ")");
+    t.bos_ = t.sp_->bos_id();
+    t.eos_ = t.sp_->eos_id();
+    if (cfg.contains("add_bos_token") && cfg["add_bos_token"].is_boolean()) t.add_bos_ = cfg["add_bos_token"].get<bool>();
+  } else if (file_exists(json_path)) {
+    t.bpe_ = std::make_unique<ByteLevelBpe>(ByteLevelBpe::from_json(read_json_file(json_path, "tokenizer"), json_path));
+    // BOS: what the post-processor puts first (Llama-3), else tokenizer_config's bos_token when
+    // add_bos_token says so; none for a tokenizer with neither (Qwen2).
+    const std::string bos = token_text(cfg, "bos_token"), eos = token_text(cfg, "eos_token");
+    t.bos_ = t.bpe_->template_bos() >= 0 ? t.bpe_->template_bos() : bos.empty() ? -1 : t.bpe_->id_of(bos);
+    t.add_bos_ = t.bpe_->template_bos() >= 0 || (cfg.value("add_bos_token", false) && t.bos_ >= 0);
+    t.eos_ = eos.empty() ? -1 : t.bpe_->id_of(eos);
+    if (!bos.empty() && t.bpe_->id_of(bos) < 0) throw InputError(tc + ": bos_token '" + bos + "' is not a token");
+    if (!eos.empty() && t.eos_ < 0) throw InputError(tc + ": eos_token '" + eos + "' is not a token");
+  } else {
+    throw InputError(dir + ": no tokenizer.model (SentencePiece) or tokenizer.json (byte-level BPE)");
   }
+  t.image_token_ = with_image ? image_token_index : -1;
   if (!with_image) return t;
   const std::string at = dir + "/added_tokens.json";
   if (file_exists(at)) {
     const auto j = read_json_file(at, "added tokens");
     if (j.contains("<image>")) t.image_token_ = json_int(j["<image>"], at + ": '<image>'", 0, (1 << 24) - 1);
   }
-  const int piece_id = t.sp_->PieceToId("<image>");
-  if (t.image_token_ < 0 && piece_id != t.sp_->unk_id()) t.image_token_ = piece_id;
+  const int piece_id = t.bpe_ ? t.bpe_->id_of("<image>") : t.sp_->PieceToId("<image>");
+  if (t.image_token_ < 0 && piece_id >= 0 && (t.bpe_ || piece_id != t.sp_->unk_id())) t.image_token_ = piece_id;
   if (t.image_token_ < 0) throw InputError(dir + ": no id for the <image> token");
   return t;
 }
 
-int Tokenizer::sp_vocab_size() const { return sp_->GetPieceSize(); }
+int Tokenizer::sp_vocab_size() const { return bpe_ ? bpe_->vocab_size() : sp_->GetPieceSize(); }
 
 std::vector<int> Tokenizer::encode(const std::string& text) const {
   std::vector<int> ids;
   if (text.empty()) return ids;
+  if (bpe_) return bpe_->encode(text);
   const auto status = sp_->Encode(text, &ids);
   if (!status.ok()) throw InputError("tokenizer: cannot encode text (" + status.ToString() + ")");
   return ids;
 }
 
 std::string Tokenizer::decode(const std::vector<int>& ids) const {
+  if (bpe_) return bpe_->decode(ids, true);  // (special tokens, BOS and EOS among them, skipped)
   std::vector<int> keep;
   const int n = sp_->GetPieceSize();
   for (int id : ids)
@@ -68,6 +94,10 @@ std::string Tokenizer::decode(const std::vector<int>& ids) const {
 
 std::string Tokenizer::piece(int id) const {
   if (id == image_token_) return "<image>";
+  if (bpe_) {
+    if (id < 0 || id >= bpe_->vocab_size()) return "<" + std::to_string(id) + ">";
+    return bpe_->is_special(id) ? bpe_->piece(id) : bpe_->decode({id}, false);
+  }
   if (id < 0 || id >= sp_->GetPieceSize()) return "<" + std::to_string(id) + ">";
   return sp_->IdToPiece(id);
 }

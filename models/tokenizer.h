@@ -1,5 +1,7 @@
-// The checkpoint's tokenizer: tokenizer.model through SentencePiece, tokenizer_config.json
-// (add_bos_token), added_tokens.json / the config's image_token_index for "<image>".
+// The checkpoint's tokenizer: tokenizer.model through SentencePiece, or where there is none a
+// byte-level BPE tokenizer.json (models/bpe_tokenizer.h: GPT-2, Llama-3, Qwen2); then
+// tokenizer_config.json (add_bos_token, bos_token, eos_token), added_tokens.json / the config's
+// image_token_index for "<image>".
 // Prompts are tokenized as LLaVA's tokenizer_image_token does: each text chunk around
 // "<image>" is encoded on its own, BOS once at the start, the image token repeated once per
 // visual token.
@@ -13,13 +15,17 @@ class SentencePieceProcessor;
 }
 
 namespace kvlens {
+class ByteLevelBpe;
+}
+
+namespace kvlens {
 
 constexpr const char* kDefaultTemplate = "USER: <image>\n{prompt} ASSISTANT:";
 constexpr const char* kDefaultPrompt = "Describe the image.";
 
 class Tokenizer {
  public:
-  // dir holds tokenizer.model; image_token_index comes from the model config and is replaced
+  // dir holds tokenizer.model (or tokenizer.json); image_token_index comes from the model config and is replaced
   // by added_tokens.json's "<image>" when that file names it. A text-only model's tokenizer
   // (with_image false) has no image token, and a template that names one is refused.
   static Tokenizer load(const std::string& dir, int image_token_index, bool with_image = true);
@@ -40,10 +46,12 @@ class Tokenizer {
   int eos_id() const { return eos_; }
   int image_token_id() const { return image_token_; }
   bool add_bos() const { return add_bos_; }
-  int sp_vocab_size() const;
+  int sp_vocab_size() const;  // the tokenizer's vocabulary (SentencePiece pieces, or BPE ids)
+  bool byte_level() const { return bpe_ != nullptr; }
 
  private:
   std::unique_ptr<sentencepiece::SentencePieceProcessor> sp_;
+  std::unique_ptr<ByteLevelBpe> bpe_;
   int bos_ = 1, eos_ = 2, image_token_ = -1;
   bool add_bos_ = true;
 };
