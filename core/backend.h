@@ -23,6 +23,7 @@
 #include "core/exact_attention.h"
 #include "core/kv_format.h"
 #include "core/kv_store.h"
+#include "core/rope.h"
 #include "core/row_merge.h"
 #include "core/tensor.h"
 
@@ -247,7 +248,7 @@ class Backend {
     gated_act(gu, act, out);
   }
   // Rotary embedding ("rotate half") of the q and k heads of qkv, in place; pos I32 [T].
-  virtual void rope(Buffer& qkv, const AttnLayout& l, const Buffer& pos, float theta) = 0;
+  virtual void rope(Buffer& qkv, const AttnLayout& l, const Buffer& pos, const Rope& rope) = 0;
   // out[t] = table[ids[t]] (ids I32 [T], every id < table rows; out fp32).
   virtual void embed(const Buffer& table, const Buffer& ids, Buffer& out) = 0;
   // dst[dst_row0 + i][dst_col0 ..] = src[src_row0 + i][src_col0 ..] for i < n, `cols` values
@@ -340,8 +341,8 @@ class Backend {
                          int T) = 0;
   // RoPE on qkv, then kv_append: one op, so a device can fuse them for a decode step.
   virtual void rope_append(SeqKV& kv, int layer, Buffer& qkv, const AttnLayout& l, const Buffer& pos,
-                           const int32_t* pos_host, const SegmentKind* kinds, int T, float theta) {
-    rope(qkv, l, pos, theta);
+                           const int32_t* pos_host, const SegmentKind* kinds, int T, const Rope& r) {
+    rope(qkv, l, pos, r);
     kv_append(kv, layer, qkv, l, pos, pos_host, kinds, T);
   }
   // Decode attention of the one query in qkv against layer `layer` of the cache. `transform`
@@ -414,8 +415,8 @@ class Backend {
   // or probabilities asked for: one op, so a device can rotate q and k and append the token's
   // row inside the attention kernel (a plain decode step). The default runs the two ops.
   virtual void rope_append_attend(SeqKV& kv, int layer, Buffer& qkv, const AttnLayout& l, const Buffer& pos,
-                                  const int32_t* pos_host, const SegmentKind* kinds, float theta, Buffer& out) {
-    rope_append(kv, layer, qkv, l, pos, pos_host, kinds, 1, theta);
+                                  const int32_t* pos_host, const SegmentKind* kinds, const Rope& r, Buffer& out) {
+    rope_append(kv, layer, qkv, l, pos, pos_host, kinds, 1, r);
     decode_attention(qkv, l, kv, layer, nullptr, out, DecodeTaps{});
   }
   // Quantizes the rows of host segment `seg` of `layer`, which the device cache `dev` holds (found

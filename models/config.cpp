@@ -111,19 +111,40 @@ LlamaConfig parse_text(const nlohmann::json* jp, const std::string& w, bool mist
   get(j, "hidden_act", c.hidden_act, w);
   get_int(j, "max_position_embeddings", c.max_position_embeddings, w, 1, kMaxPositions);
   get_real(j, "rms_norm_eps", c.rms_norm_eps, w, 0, 1);
-  get_real(j, "rope_theta", c.rope_theta, w, 1, 1e12);
+  double theta = c.rope.theta;
+  get_real(j, "rope_theta", theta, w, 1, 1e12);
   for (const char* key : {"rope_parameters", "rope_scaling"}) {
     if (j.contains(key) && j[key].is_object()) {
       const auto& rp = j[key];
-      get_real(rp, "rope_theta", c.rope_theta, w + "." + key, 1, 1e12);
+      const std::string at = w + "." + key;
+      get_real(rp, "rope_theta", theta, at, 1, 1e12);
       std::string type = "default";
-      get(rp, "rope_type", type, w + "." + key);
+      get(rp, "rope_type", type, at);
       if (rp.contains("type") && rp["type"].is_string()) type = rp["type"].get<std::string>();
-      if (type != "default")
+      if (type == "llama3") {
+        // Llama-3.1's scaling: every parameter named, none defaulted.
+        auto need = [&](const char* k, double lo, double hi) {
+          if (!rp.contains(k) || rp[k].is_null()) throw InputError(at + ": rope_type 'llama3' needs '" + k + "'");
+          return json_real(rp[k], at + ": " + k, lo, hi);
+        };
+        c.rope.type = type;
+        c.rope.factor = static_cast<float>(need("factor", 1, 1e6));
+        c.rope.low_freq_factor = static_cast<float>(need("low_freq_factor", 1e-6, 1e6));
+        c.rope.high_freq_factor = static_cast<float>(need("high_freq_factor", 1e-6, 1e6));
+        if (!(c.rope.high_freq_factor > c.rope.low_freq_factor))
+          throw InputError(at + ": high_freq_factor " + format_number(c.rope.high_freq_factor) +
+                           " must exceed low_freq_factor " + format_number(c.rope.low_freq_factor));
+        if (!rp.contains("original_max_position_embeddings"))
+          throw InputError(at + ": rope_type 'llama3' needs 'original_max_position_embeddings'");
+        c.rope.original_max_position = json_int(rp["original_max_position_embeddings"],
+                                                at + ": original_max_position_embeddings", 1, kMaxPositions);
+      } else if (type != "default") {
         throw InputError(w + ": " + key + " rope_type '" + type +
-                         "' is not supported (only the default rotary embedding)");
+                         "' is not supported (the default rotary embedding and llama3's scaling)");
+      }
     }
   }
+  c.rope.theta = static_cast<float>(theta);
   get(j, "attention_bias", c.attention_bias, w);
   get(j, "mlp_bias", c.mlp_bias, w);
   get(j, "tie_word_embeddings", c.tie_word_embeddings, w);

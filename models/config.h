@@ -11,6 +11,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/rope.h"
+
 namespace kvlens {
 
 struct ClipVisionConfig {
@@ -39,7 +41,7 @@ struct LlamaConfig {
   std::string hidden_act = "silu";
   int max_position_embeddings = 2048;
   double rms_norm_eps = 1e-6;
-  double rope_theta = 10000.0;
+  Rope rope;  // rope_theta and the rope_parameters / rope_scaling kvlens reads (default, llama3)
   bool attention_bias = false;
   bool mlp_bias = false;
   bool tie_word_embeddings = false;

@@ -138,13 +138,13 @@ std::vector<float> LlamaDecoder::prefill(const Buffer& x0, const std::vector<Seg
   }
   std::shared_ptr<CapturedAttention> captured;
   if (keep)
-    captured = std::make_shared<CapturedAttention>(be, lay, mdt, cfg.num_hidden_layers, static_cast<float>(cfg.rope_theta), pos);
+    captured = std::make_shared<CapturedAttention>(be, lay, mdt, cfg.num_hidden_layers, cfg.rope, pos);
   for (int l = 0; l < cfg.num_hidden_layers; ++l) {
     const LlamaLayer& L = layers[l];
     be->rms_norm(h, L.ln1, eps, x);
     be->linear(x, L.qkv_w, or_null(L.qkv_b), qkv, false);
     if (keep) captured->keep_layer(l, x, L.qkv_w, L.qkv_b);
-    be->rope(qkv, lay, pos, static_cast<float>(cfg.rope_theta));
+    be->rope(qkv, lay, pos, cfg.rope);
     be->kv_append(kv, l, qkv, lay, pos, pos_host.data(), kinds.data(), T);
     be->attention(qkv, lay, a, observe ? scores.data() : nullptr, observe ? probs.data() : nullptr);
     if (want_q) {
@@ -193,8 +193,8 @@ std::vector<float> LlamaDecoder::prefill(const Buffer& x0, const std::vector<Seg
 }
 
 CapturedAttention::CapturedAttention(std::shared_ptr<Backend> be, const AttnLayout& lay, Dt out_dt, int n_layers,
-                                     float rope_theta, const Buffer& positions)
-    : be_(std::move(be)), lay_(lay), out_dt_(out_dt), theta_(rope_theta), pos_(positions),
+                                     const Rope& rope, const Buffer& positions)
+    : be_(std::move(be)), lay_(lay), out_dt_(out_dt), rope_(rope), pos_(positions),
       layers_(static_cast<size_t>(n_layers)) {}
 
 void CapturedAttention::keep_layer(int layer, const Buffer& x, const Buffer& qkv_w, const Buffer& qkv_b) {
@@ -226,7 +226,7 @@ void CapturedAttention::recompute_locked(int layer, Buffer& qkv) const {
   // The prefill's projection and RoPE on the kept input: the prefill's q, k and v again.
   const Layer& c = layers_[static_cast<size_t>(layer)];
   be_->linear(c.x, c.w, c.b.empty() ? nullptr : &c.b, qkv, false);
-  be_->rope(qkv, lay_, pos_, theta_);
+  be_->rope(qkv, lay_, pos_, rope_);
 }
 
 Buffer CapturedAttention::layer_qkv(int layer) const {
@@ -555,14 +555,14 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
       ctx.n_kv_heads = NKV; ctx.head_dim = D;
       const bool acts_now = acts && (!may_defer || policy->acts_at_step(ctx, kv.host->layer(l)));
       if (plain) {
-        be->rope_append_attend(kv, l, w.qkv, lay, w.pos, &pos, &gen, static_cast<float>(cfg.rope_theta), w.a);
+        be->rope_append_attend(kv, l, w.qkv, lay, w.pos, &pos, &gen, cfg.rope, w.a);
       } else if ((acts && !acts_now) || staged) {
         SeqKV device_only = kv;
         device_only.mirror = false;
-        be->rope_append(device_only, l, w.qkv, lay, w.pos, &pos, &gen, 1, static_cast<float>(cfg.rope_theta));
+        be->rope_append(device_only, l, w.qkv, lay, w.pos, &pos, &gen, 1, cfg.rope);
         deferred.push_back(l);
       } else {
-        be->rope_append(kv, l, w.qkv, lay, w.pos, &pos, &gen, 1, static_cast<float>(cfg.rope_theta));
+        be->rope_append(kv, l, w.qkv, lay, w.pos, &pos, &gen, 1, cfg.rope);
       }
       if (acts_now) {
         w.qkv_host.resize(static_cast<size_t>(w.qkv.numel()));

@@ -83,7 +83,7 @@ struct LlamaWorkspace {
 // (host), stay for the next caller.
 class CapturedAttention final : public PrefillAttention {
  public:
-  CapturedAttention(std::shared_ptr<Backend> be, const AttnLayout& lay, Dt out_dt, int n_layers, float rope_theta,
+  CapturedAttention(std::shared_ptr<Backend> be, const AttnLayout& lay, Dt out_dt, int n_layers, const Rope& rope,
                     const Buffer& positions);
   // Keeps layer `layer`'s projection input x [T][hidden] (copied) and its weights (shared).
   void keep_layer(int layer, const Buffer& x, const Buffer& qkv_w, const Buffer& qkv_b);
@@ -122,7 +122,7 @@ class CapturedAttention final : public PrefillAttention {
   std::shared_ptr<Backend> be_;
   AttnLayout lay_;
   Dt out_dt_;
-  float theta_;
+  Rope rope_;
   Buffer pos_;
   std::vector<Layer> layers_;
   // (shared: column_sums finding a kept reduction; every other use exclusive)

@@ -14,6 +14,10 @@ Folders:
 
   llama_text_fp32_tied   LlamaForCausalLM, MHA, fp32, tied embeddings (no lm_head tensor),
                          rope_parameters with a non-default theta.
+  llama3_bpe_rope_scaled LlamaForCausalLM in Llama-3's shape: a byte-level BPE tokenizer.json
+                         (tests/fixtures/tokenizers/llama3_style, BOS from its post-processor),
+                         rope_parameters of type llama3 whose three frequency bands all occur at
+                         head_dim 16, GQA 4:2, fp16.
   mistral_gqa_bf16_shard MistralForCausalLM, GQA 4:2 with an explicit head_dim, bf16, sharded
                          safetensors, a sliding_window longer than the context.
 
@@ -44,6 +48,14 @@ SPECS = [
          text=dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
                    num_key_value_heads=4, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=True,
                    rope_parameters={"rope_type": "default", "rope_theta": 50000.0})),
+    dict(name="llama3_bpe_rope_scaled", cls=LlamaForCausalLM, cfg=LlamaConfig, dtype=torch.float16, shard=None, seed=13,
+         tokenizer="llama3_style", vocab=704,
+         text=dict(hidden_size=64, intermediate_size=144, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5,
+                   tie_word_embeddings=False,
+                   rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 64})),
     dict(name="mistral_gqa_bf16_shard", cls=MistralForCausalLM, cfg=MistralConfig, dtype=torch.bfloat16, shard="40KB",
          seed=12,
          text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -88,17 +100,30 @@ def build_seed(spec, out_root, proto, sp, seed):
     folder = os.path.join(out_root, spec["name"])
     shutil.rmtree(folder, ignore_errors=True)
     os.makedirs(folder)
-    cfg = spec["cfg"](vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, **spec["text"])
+    vocab = spec.get("vocab", VOCAB)
+    bpe_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "tokenizers",
+                           spec["tokenizer"]) if spec.get("tokenizer") else None
+    if bpe_dir:  # a byte-level BPE tokenizer.json (tests/make_bpe_fixtures.py); its own BOS / EOS
+        import tokenizers
+        bpe = tokenizers.Tokenizer.from_file(os.path.join(bpe_dir, "tokenizer.json"))
+        bos, eos = bpe.token_to_id("<|begin_of_text|>"), bpe.token_to_id("<|eot_id|>")
+    else:
+        bos, eos = 1, 2
+    cfg = spec["cfg"](vocab_size=vocab, bos_token_id=bos, eos_token_id=eos, **spec["text"])
     torch.manual_seed(seed)
     model = spec["cls"](cfg)
     random_init(model, seed, 0.08)
     model = model.to(spec["dtype"])
     kw = {"max_shard_size": spec["shard"]} if spec["shard"] else {}
     model.save_pretrained(folder, safe_serialization=True, **kw)
-    write_tokenizer(folder, proto)
+    if bpe_dir:
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy2(os.path.join(bpe_dir, f), folder)
+    else:
+        write_tokenizer(folder, proto)
     # The reference: the folder loaded back, upcast to fp32, eager attention.
     ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
-    ids = [1] + sp.encode(PROMPT)
+    ids = AutoTokenizer.from_pretrained(folder)(PROMPT)["input_ids"] if bpe_dir else [1] + sp.encode(PROMPT)
     try:
         hf_ids = AutoTokenizer.from_pretrained(folder)(PROMPT)["input_ids"]
     except Exception as e:  # (the tokenizer's converter needs protobuf)
@@ -126,8 +151,8 @@ def build_seed(spec, out_root, proto, sp, seed):
     write_json(os.path.join(folder, "expected.json"), {
         "text_only": True, "prompt": PROMPT, "template": TEMPLATE, "prompt_ids": ids, "greedy_ids": greedy,
         "n_visual_tokens": 0, "margins": margins, "logits_file": "logits.f32", "attn0_file": "attn0.f32",
-        "attn0_shape": [H, T, T], "step_logits_file": "step_logits.f32", "step_logits_shape": [N_GREEDY, VOCAB],
-        "logits_shape": [VOCAB], "vocab_size": VOCAB, "hf_tokenizer_ids_agree": hf_ids == ids if hf_ids else None,
+        "attn0_shape": [H, T, T], "step_logits_file": "step_logits.f32", "step_logits_shape": [N_GREEDY, vocab],
+        "logits_shape": [vocab], "vocab_size": vocab, "hf_tokenizer_ids_agree": hf_ids == ids if hf_ids else None,
         "architecture": spec["cls"].__name__, "seed": seed, "dtype": str(spec["dtype"]).replace("torch.", ""),
         "transformers_version": transformers.__version__, "torch_version": torch.__version__,
     })
@@ -139,10 +164,12 @@ def build_seed(spec, out_root, proto, sp, seed):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf"))
+    ap.add_argument("--only", nargs="*", help="build only these folders")
     args = ap.parse_args()
     proto, sp = train_tokenizer()
     for spec in SPECS:
-        build(spec, args.out, proto, sp)
+        if not args.only or spec["name"] in args.only:
+            build(spec, args.out, proto, sp)
 
 
 if __name__ == "__main__":

@@ -161,12 +161,13 @@ class CpuBackend : public Backend {
       cpu::mul(o, g + I, I);
     }
   }
-  void rope(Buffer& qkv, const AttnLayout& l, const Buffer& pos, float theta) override {
+  void rope(Buffer& qkv, const AttnLayout& l, const Buffer& pos, const Rope& rope) override {
+    const std::vector<float> inv = rope.inv_freq(l.head_dim);
     const int32_t* p = pos.as<int32_t>();
     for (int t = 0; t < l.T; ++t) {
       float* row = qkv.as<float>() + static_cast<int64_t>(t) * l.row_stride;
-      cpu::rope(row + l.q_col, 1, l.n_heads, l.head_dim, p + t, theta);
-      cpu::rope(row + l.k_col, 1, l.n_kv_heads, l.head_dim, p + t, theta);
+      cpu::rope(row + l.q_col, 1, l.n_heads, l.head_dim, p + t, inv.data());
+      cpu::rope(row + l.k_col, 1, l.n_kv_heads, l.head_dim, p + t, inv.data());
     }
   }
   void embed(const Buffer& table, const Buffer& ids, Buffer& out) override {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/exact_attention.h"
+#include "core/rope.h"
 
 namespace kvlens::cpu {
 
@@ -78,12 +79,11 @@ void add(float* x, const float* y, int64_t n) {
 }
 
 void rope(float* x, int T, int H, int D, const int32_t* pos, float theta) {
+  rope(x, T, H, D, pos, Rope(theta).inv_freq(D).data());
+}
+
+void rope(float* x, int T, int H, int D, const int32_t* pos, const float* inv_freq) {
   const int half = D / 2;
-  std::vector<double> inv_freq(half);
-  for (int i = 0; i < half; ++i) {
-    // As HF computes it: 1 / theta^(2i/D) in fp32.
-    inv_freq[i] = 1.0f / std::pow(theta, static_cast<float>(2 * i) / static_cast<float>(D));
-  }
 #pragma omp parallel for if (static_cast<int64_t>(T) * H * D > kParallelMin)
   for (int t = 0; t < T; ++t) {
     for (int i = 0; i < half; ++i) {

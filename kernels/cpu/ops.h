@@ -19,7 +19,9 @@ void activate(float* x, int64_t n, Act act);
 void mul(float* x, const float* y, int64_t n);
 // In place: x += y on n values.
 void add(float* x, const float* y, int64_t n);
-// Rotary embedding in the "rotate half" layout: x[T][H][D], position pos[t], base theta.
+// Rotary embedding in the "rotate half" layout: x[T][H][D], position pos[t], inverse
+// frequencies inv_freq[D / 2] (core/rope.h); or those of a default rope of base theta.
+void rope(float* x, int T, int H, int D, const int32_t* pos, const float* inv_freq);
 void rope(float* x, int T, int H, int D, const int32_t* pos, float theta);
 // In place, numerically stable softmax of each of `rows` rows of length n; entries equal to
 // -inf get probability 0.

@@ -384,9 +384,9 @@ class CudaBackend : public Backend {
     auto prof_scope = prof_.scope("gated_act", *ctx_);
     cuda::gated_act(gu.as<float>(), gu.rows(), out.cols(), static_cast<int>(act), out.data, out.dt, ctx_->stream);
   }
-  void rope(Buffer& qkv, const AttnLayout& l, const Buffer& pos, float theta) override {
+  void rope(Buffer& qkv, const AttnLayout& l, const Buffer& pos, const Rope& rope) override {
     need(qkv.dt == Dt::F32 && pos.dt == Dt::I32 && pos.numel() >= l.T && l.head_dim % 2 == 0, "rope: " + qkv.name);
-    const float* inv = inv_freq(l.head_dim, theta);
+    const float* inv = inv_freq(l.head_dim, rope);
     if (ctx_->replay) return;
     auto prof_scope = prof_.scope("rope", *ctx_);
     cuda::rope(qkv.as<float>(), l.T, l.row_stride, l.q_col, l.n_heads, l.k_col, l.n_kv_heads, l.head_dim,
@@ -470,22 +470,22 @@ class CudaBackend : public Backend {
     cuda::kv_append(*ctx_, kv, layer, qkv, l, pos, pos_host, kinds, T);
   }
   void rope_append_attend(SeqKV& kv, int layer, Buffer& qkv, const AttnLayout& l, const Buffer& pos,
-                          const int32_t* pos_host, const SegmentKind* kinds, float theta, Buffer& out) override {
+                          const int32_t* pos_host, const SegmentKind* kinds, const Rope& rope, Buffer& out) override {
     {
       auto prof_scope = prof_.scope("rope_append_attend", *ctx_);
-      if (cuda::kv_rope_attend(*ctx_, kv, layer, qkv, l, pos, pos_host, kinds, inv_freq(l.head_dim, theta), out)) return;
+      if (cuda::kv_rope_attend(*ctx_, kv, layer, qkv, l, pos, pos_host, kinds, inv_freq(l.head_dim, rope), out)) return;
     }
-    Backend::rope_append_attend(kv, layer, qkv, l, pos, pos_host, kinds, theta, out);
+    Backend::rope_append_attend(kv, layer, qkv, l, pos, pos_host, kinds, rope, out);
   }
   void rope_append(SeqKV& kv, int layer, Buffer& qkv, const AttnLayout& l, const Buffer& pos, const int32_t* pos_host,
-                   const SegmentKind* kinds, int T, float theta) override {
+                   const SegmentKind* kinds, int T, const Rope& rope) override {
     need(qkv.dt == Dt::F32 && pos.dt == Dt::I32 && l.head_dim % 2 == 0, "rope_append: " + qkv.name);
-    const float* inv = inv_freq(l.head_dim, theta);
+    const float* inv = inv_freq(l.head_dim, rope);
     {
       auto prof_scope = prof_.scope("rope_append", *ctx_);
       if (cuda::kv_rope_append(*ctx_, kv, layer, qkv, l, pos, pos_host, kinds, T, inv)) return;
     }
-    Backend::rope_append(kv, layer, qkv, l, pos, pos_host, kinds, T, theta);
+    Backend::rope_append(kv, layer, qkv, l, pos, pos_host, kinds, T, rope);
   }
   void decode_attention(const Buffer& qkv, const AttnLayout& l, SeqKV& kv, int layer, const ScoreTransform* transform,
                         Buffer& out, const DecodeTaps& taps) override {
@@ -611,14 +611,12 @@ class CudaBackend : public Backend {
   }
 
  private:
-  const float* inv_freq(int D, float theta) {
-    auto key = std::make_pair(D, theta);
+  const float* inv_freq(int D, const Rope& rope) {
+    auto key = std::make_pair(D, rope.key());
     auto it = ctx_->inv_freq.find(key);
     if (it != ctx_->inv_freq.end()) return static_cast<const float*>(it->second.get());
     if (ctx_->capturing || ctx_->replay) throw InternalError("rope: table created inside a captured step");
-    std::vector<float> t(D / 2);
-    for (int i = 0; i < D / 2; ++i)  // as kernels/cpu computes it (and HF): 1 / theta^(2i/D) in fp32
-      t[i] = 1.0f / std::pow(theta, static_cast<float>(2 * i) / static_cast<float>(D));
+    const std::vector<float> t = rope.inv_freq(D);  // the table kernels/cpu uses (core/rope.h)
     void* p = nullptr;
     KV_CUDA(cudaMalloc(&p, t.size() * 4), "rope table");
     std::shared_ptr<void> mem(p, [](void* q) { cudaFree(q); });

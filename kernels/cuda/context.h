@@ -30,7 +30,7 @@ struct Context : std::enable_shared_from_this<Context> {
   // While a captured decode step is replayed, ops do their host bookkeeping only.
   bool replay = false;
   bool capturing = false;
-  std::map<std::pair<int, float>, std::shared_ptr<void>> inv_freq;  // RoPE tables by (D, theta)
+  std::map<std::pair<int, std::string>, std::shared_ptr<void>> inv_freq;  // RoPE tables by (D, Rope::key)
 
   explicit Context(int dev);
   ~Context();

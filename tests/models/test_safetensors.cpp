@@ -182,7 +182,7 @@ TEST(Config, DefaultsFollowHF) {
   EXPECT_EQ(c.text.num_key_value_heads, 32);
   EXPECT_EQ(c.text.head_dim, 128);
   EXPECT_EQ(c.text.num_hidden_layers, 32);
-  EXPECT_DOUBLE_EQ(c.text.rope_theta, 10000.0);
+  EXPECT_FLOAT_EQ(c.text.rope.theta, 10000.0f);
   EXPECT_DOUBLE_EQ(c.text.rms_norm_eps, 1e-6);
   EXPECT_EQ(c.vision.hidden_act, "quick_gelu");
   EXPECT_EQ(c.n_visual_tokens(), 576);  // (336/14)^2, CLS dropped
@@ -202,7 +202,7 @@ TEST(Config, VariantsAndErrors) {
   const LlavaConfig c = parse_llava_config(j, "cfg");
   EXPECT_EQ(c.text.head_dim, 16);
   EXPECT_EQ(c.text.num_key_value_heads, 2);
-  EXPECT_DOUBLE_EQ(c.text.rope_theta, 500000.0);
+  EXPECT_FLOAT_EQ(c.text.rope.theta, 500000.0f);
   EXPECT_EQ(c.n_visual_tokens(), 17);
   EXPECT_EQ(c.feature_layer_indices(), (std::vector<int>{3, 1}));
 
