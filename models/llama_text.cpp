@@ -60,7 +60,7 @@ TextPrompt LlamaTextModel::tokenize(const std::string& prompt, const std::string
     if (!with && p.find("{prompt}") != std::string::npos) with = &p;
   if (!with) throw InputError("prompt template '" + templ + "' has no {prompt} (a span marker must not split it)");
   with->replace(with->find("{prompt}"), 8, prompt);
-  if (tok_.add_bos()) r.ids.push_back(tok_.bos_id());
+  if (tok_.needs_bos(parts[0])) r.ids.push_back(tok_.bos_id());
   for (int x : tok_.encode(parts[0])) r.ids.push_back(x);
   r.span_first = static_cast<int>(r.ids.size());
   for (int x : tok_.encode(parts[1])) r.ids.push_back(x);

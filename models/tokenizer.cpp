@@ -10,6 +10,7 @@
 #include "core/json_file.h"
 #include "core/numbers.h"
 #include "models/bpe_tokenizer.h"
+#include "models/chat_template.h"
 
 namespace kvlens {
 
@@ -52,11 +53,15 @@ Tokenizer Tokenizer::load(const std::string& dir, int image_token_index, bool wi
     t.bos_ = t.bpe_->template_bos() >= 0 ? t.bpe_->template_bos() : bos.empty() ? -1 : t.bpe_->id_of(bos);
     t.add_bos_ = t.bpe_->template_bos() >= 0 || (cfg.value("add_bos_token", false) && t.bos_ >= 0);
     t.eos_ = eos.empty() ? -1 : t.bpe_->id_of(eos);
+    t.bos_text_ = t.bos_ >= 0 ? t.bpe_->piece(t.bos_) : "";
     if (!bos.empty() && t.bpe_->id_of(bos) < 0) throw InputError(tc + ": bos_token '" + bos + "' is not a token");
     if (!eos.empty() && t.eos_ < 0) throw InputError(tc + ": eos_token '" + eos + "' is not a token");
   } else {
     throw InputError(dir + ": no tokenizer.model (SentencePiece) or tokenizer.json (byte-level BPE)");
   }
+  if (t.bos_text_.empty()) t.bos_text_ = token_text(cfg, "bos_token");
+  t.eos_text_ = token_text(cfg, "eos_token");
+  t.load_chat_template(dir, cfg);
   t.image_token_ = with_image ? image_token_index : -1;
   if (!with_image) return t;
   const std::string at = dir + "/added_tokens.json";
@@ -68,6 +73,60 @@ Tokenizer Tokenizer::load(const std::string& dir, int image_token_index, bool wi
   if (t.image_token_ < 0 && piece_id >= 0 && (t.bpe_ || piece_id != t.sp_->unk_id())) t.image_token_ = piece_id;
   if (t.image_token_ < 0) throw InputError(dir + ": no id for the <image> token");
   return t;
+}
+
+void Tokenizer::load_chat_template(const std::string& dir, const nlohmann::json& cfg) {
+  // As transformers looks for it: the raw chat_template.jinja, the processor's chat_template.json,
+  // then tokenizer_config.json's (a string, or named templates of which "default").
+  const std::string jinja = dir + "/chat_template.jinja", json_file = dir + "/chat_template.json";
+  if (file_exists(jinja)) {
+    chat_template_ = read_input_file(jinja, "chat template", uint64_t{1} << 24);
+    chat_template_file_ = jinja;
+    return;
+  }
+  auto take = [&](const nlohmann::json& v, const std::string& file) {
+    if (v.is_string()) {
+      chat_template_ = v.get<std::string>();
+    } else if (v.is_array()) {
+      for (const auto& t : v)
+        if (t.is_object() && t.value("name", "") == "default" && t.contains("template") && t["template"].is_string())
+          chat_template_ = t["template"].get<std::string>();
+      if (chat_template_.empty()) throw InputError(file + ": chat_template lists no template named 'default'");
+    } else {
+      throw InputError(file + ": chat_template must be a string or a list of named templates");
+    }
+    chat_template_file_ = file;
+  };
+  if (file_exists(json_file)) {
+    const auto j = read_json_file(json_file, "chat template");
+    if (!j.is_object() || !j.contains("chat_template")) throw InputError(json_file + ": no 'chat_template'");
+    take(j["chat_template"], json_file);
+  } else if (cfg.contains("chat_template") && !cfg["chat_template"].is_null()) {
+    take(cfg["chat_template"], dir + "/tokenizer_config.json");
+  }
+}
+
+std::string Tokenizer::chat_prompt(bool with_image) const {
+  if (chat_template_.empty()) return "";
+  nlohmann::ordered_json user = {{"role", "user"}};
+  if (with_image)
+    user["content"] = {{{"type", "image"}}, {{"type", "text"}, {"text", "{prompt}"}}};
+  else
+    user["content"] = "{prompt}";
+  const nlohmann::ordered_json ctx = {{"messages", {user}}, {"add_generation_prompt", true},
+                                      {"bos_token", bos_text_}, {"eos_token", eos_text_}};
+  const std::string r = render_chat_template(chat_template_, ctx, chat_template_file_);
+  if (r.find("{prompt}") == std::string::npos)
+    throw InputError(chat_template_file_ + ": the chat template dropped the user's text (no {prompt} in '" + r + "')");
+  if (with_image && r.find("<image>") == std::string::npos)
+    throw InputError(chat_template_file_ + ": the chat template writes no <image> for the user's image (got '" + r +
+                     "'); give --template");
+  return r;
+}
+
+bool Tokenizer::needs_bos(const std::string& text) const {
+  if (!add_bos_) return false;
+  return !(bpe_ && !bos_text_.empty() && text.rfind(bos_text_, 0) == 0);
 }
 
 int Tokenizer::sp_vocab_size() const { return bpe_ ? bpe_->vocab_size() : sp_->GetPieceSize(); }
@@ -113,7 +172,7 @@ std::vector<int> Tokenizer::encode_prompt(const std::string& templ, const std::s
   if (image_token_ < 0 && text.find("<image>") != std::string::npos)
     throw InputError("prompt template '" + templ + "' has an <image> marker, and the model takes no image");
   std::vector<int> ids;
-  if (add_bos_) ids.push_back(bos_);
+  if (needs_bos(text)) ids.push_back(bos_);
   size_t start = 0;
   bool first = true;
   while (true) {

@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 namespace sentencepiece {
 class SentencePieceProcessor;
 }
@@ -48,12 +50,27 @@ class Tokenizer {
   bool add_bos() const { return add_bos_; }
   int sp_vocab_size() const;  // the tokenizer's vocabulary (SentencePiece pieces, or BPE ids)
   bool byte_level() const { return bpe_ != nullptr; }
+  // Whether a prompt of this text gets the BOS id first: add_bos, unless the text already starts
+  // with the BOS token's text (a chat template that writes it, as HF's processors check).
+  bool needs_bos(const std::string& text) const;
+
+  // The checkpoint's chat template (chat_template.jinja, chat_template.json, or
+  // tokenizer_config.json's chat_template; "" when none), and where it came from.
+  const std::string& chat_template() const { return chat_template_; }
+  const std::string& chat_template_file() const { return chat_template_file_; }
+  // The chat template rendered for one user turn whose text is "{prompt}" (after an image when
+  // `with_image`), with the generation prompt: a template for encode_prompt. "" without one.
+  std::string chat_prompt(bool with_image) const;
 
  private:
+  void load_chat_template(const std::string& dir, const nlohmann::json& tokenizer_config);
+
   std::unique_ptr<sentencepiece::SentencePieceProcessor> sp_;
   std::unique_ptr<ByteLevelBpe> bpe_;
   int bos_ = 1, eos_ = 2, image_token_ = -1;
   bool add_bos_ = true;
+  std::string bos_text_, eos_text_;  // tokenizer_config.json's bos_token / eos_token
+  std::string chat_template_, chat_template_file_;
 };
 
 }  // namespace kvlens

@@ -44,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from make_hf_fixtures import (CLIP_MEAN, CLIP_STD, N_GREEDY, SP_VOCAB, llava_prompt_ids, make_image,  # noqa: E402
                               random_init, train_tokenizer, write_tokenizer_files)
 from hf_layouts import relayout_weights, write_json  # noqa: E402
+from make_chat_template_fixtures import LLAVA_NEXT_MISTRAL  # noqa: E402
 
 PROMPT = "Describe the image."
 TEXT_VOCAB = (SP_VOCAB + 1 + 7) // 8 * 8
@@ -60,6 +61,7 @@ SPECS = [
          next=dict(image_grid_pinpoints=[[32, 64], [64, 32], [64, 64], [32, 96], [96, 32]],
                    vision_feature_layer=-2, vision_feature_select_strategy="default")),
     dict(name="next_mistral_bf16_hub", layout="hub", dtype=torch.bfloat16, shards="150KB", seed=31,
+         chat_template=LLAVA_NEXT_MISTRAL,
          template="[INST] <image>\n{prompt} [/INST]", image_wh=(19, 50),
          vision=dict(hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=3,
                      image_size=24, patch_size=4, projection_dim=16, hidden_act="gelu"),
@@ -152,6 +154,8 @@ def build_seed(spec, out_root, proto, sp, seed):
         "image_token": "<image>", "num_additional_image_tokens": 1, "patch_size": v["patch_size"],
         "processor_class": "LlavaNextProcessor", "vision_feature_select_strategy": "default"})
     write_json(os.path.join(folder, "preprocessor_config.json"), preprocessor_config(spec))
+    if spec.get("chat_template"):  # the processor's, as llava-hf ships it
+        write_json(os.path.join(folder, "chat_template.json"), {"chat_template": spec["chat_template"]})
     w, h = spec["image_wh"]
     make_wide_image(w, h, seed).save(os.path.join(folder, "image.png"))
     image = Image.open(os.path.join(folder, "image.png")).convert("RGB")
@@ -179,6 +183,12 @@ def build_seed(spec, out_root, proto, sp, seed):
     except Exception as e:  # noqa: BLE001
         tv_diff = f"{type(e).__name__}: {e}"[:300]
 
+    chat = {}
+    if spec.get("chat_template"):  # the template as one user turn, and HF's ids for it (informational)
+        turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}]
+        rendered = proc.apply_chat_template(turn, add_generation_prompt=True, tokenize=False)
+        chat = {"chat_prompt_text": rendered,
+                "chat_template_is_template": rendered == spec["template"].replace("{prompt}", PROMPT)}
     ref = LlavaNextForConditionalGeneration.from_pretrained(folder, dtype=torch.float32,
                                                             attn_implementation="eager").eval()
     x = torch.tensor([ids])
@@ -221,7 +231,7 @@ def build_seed(spec, out_root, proto, sp, seed):
         "torchvision_backend_pixel_values_max_abs_diff": tv_diff,
         "layout": spec["layout"], "dtype": str(spec["dtype"]).replace("torch.", ""), "seed": seed,
         "compute": {"device": "cpu", "dtype": "float32", "attn_implementation": "eager"},
-        "transformers_version": transformers.__version__, "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__, "torch_version": torch.__version__, **chat,
     })
     write_processor_cases(folder, improc, proc)
     print("%-24s seed %d, %dx%d image, %d tiles, %d visual tokens, %d prompt ids, greedy %s, min margin %.3g, "

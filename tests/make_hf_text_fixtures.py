@@ -38,6 +38,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from make_hf_fixtures import N_GREEDY, SP_VOCAB, random_init, special_token_entry, train_tokenizer  # noqa: E402
 from hf_layouts import write_json  # noqa: E402
+from make_chat_template_fixtures import LLAMA3  # noqa: E402
 
 PROMPT = "The picture was taken in the morning, so the light is"
 TEMPLATE = "{prompt}"
@@ -49,7 +50,7 @@ SPECS = [
                    num_key_value_heads=4, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=True,
                    rope_parameters={"rope_type": "default", "rope_theta": 50000.0})),
     dict(name="llama3_bpe_rope_scaled", cls=LlamaForCausalLM, cfg=LlamaConfig, dtype=torch.float16, shard=None, seed=13,
-         tokenizer="llama3_style", vocab=704,
+         tokenizer="llama3_style", vocab=704, chat_template=LLAMA3,
          text=dict(hidden_size=64, intermediate_size=144, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5,
                    tie_word_embeddings=False,
@@ -119,6 +120,9 @@ def build_seed(spec, out_root, proto, sp, seed):
     if bpe_dir:
         for f in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy2(os.path.join(bpe_dir, f), folder)
+    if spec.get("chat_template"):
+        with open(os.path.join(folder, "chat_template.jinja"), "w") as f:
+            f.write(spec["chat_template"])
     else:
         write_tokenizer(folder, proto)
     # The reference: the folder loaded back, upcast to fp32, eager attention.
@@ -144,6 +148,13 @@ def build_seed(spec, out_root, proto, sp, seed):
             logits, past = o.logits[0, -1], o.past_key_values
     if min(margins) < MIN_MARGIN or len(set(greedy)) < 3:
         return False
+    chat = {}
+    if spec.get("chat_template"):  # what HF's tokenizer gives for the prompt as one user turn
+        tok = AutoTokenizer.from_pretrained(folder)
+        turn = [{"role": "user", "content": PROMPT}]
+        chat = {"chat_prompt_ids": tok.apply_chat_template(turn, add_generation_prompt=True, tokenize=True,
+                                                           return_dict=False),
+                "chat_prompt_text": tok.apply_chat_template(turn, add_generation_prompt=True, tokenize=False)}
     write_f32(os.path.join(folder, "logits.f32"), out.logits[0, -1])
     write_f32(os.path.join(folder, "attn0.f32"), out.attentions[0][0])
     write_f32(os.path.join(folder, "step_logits.f32"), torch.stack(steps))
@@ -154,7 +165,7 @@ def build_seed(spec, out_root, proto, sp, seed):
         "attn0_shape": [H, T, T], "step_logits_file": "step_logits.f32", "step_logits_shape": [N_GREEDY, vocab],
         "logits_shape": [vocab], "vocab_size": vocab, "hf_tokenizer_ids_agree": hf_ids == ids if hf_ids else None,
         "architecture": spec["cls"].__name__, "seed": seed, "dtype": str(spec["dtype"]).replace("torch.", ""),
-        "transformers_version": transformers.__version__, "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__, "torch_version": torch.__version__, **chat,
     })
     print("%-24s seed %d, %d prompt ids, greedy %s, min margin %.3g, HF tokenizer agrees: %s"
           % (spec["name"], seed, len(ids), greedy, min(margins), hf_ids == ids if hf_ids else "-"))

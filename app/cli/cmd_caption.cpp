@@ -86,7 +86,7 @@ void add_caption_command(CLI::App& root) {
   add_backend_options(c, args->backend);
   c->add_option("--image", args->image, "PNG, JPEG or BMP image (default: the embedded sample image; none for a text-only model)");
   c->add_option("--prompt", args->prompt, "Text in place of {prompt} in the template")->capture_default_str();
-  c->add_option("--template", args->templ, "Prompt template with <image> and {prompt} (a text-only model: {prompt} alone, by default)")->capture_default_str();
+  c->add_option("--template", args->templ, "Prompt template with <image> and {prompt}; left at this default, the checkpoint's own chat template where it ships one (a text-only model without one: {prompt} alone)")->capture_default_str();
   add_int(c, "--max-new-tokens", args->max_new_tokens, 1, kMaxNewTokensLimit, "Most tokens to generate");
   add_real(c, "--temperature", args->temperature, 0, 100, "0 = greedy; > 0 samples (seeded)");
   add_real(c, "--top-p", args->top_p, 0, 1, "Nucleus sampling mass when sampling", true);

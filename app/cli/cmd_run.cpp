@@ -32,7 +32,7 @@ void add_common(CLI::App* c, RunArgs& a) {
   add_backend_options(c, a.backend);
   c->add_option("--image", a.image, "Image file (default: the embedded sample image; none for a text-only model)");
   c->add_option("--prompt", a.opt.prompt, "Text in place of {prompt} in the template")->capture_default_str();
-  c->add_option("--template", a.opt.templ, "Prompt template with <image> and {prompt} (a text-only model: {prompt} alone, by default)")->capture_default_str();
+  c->add_option("--template", a.opt.templ, "Prompt template with <image> and {prompt}; left at this default, the checkpoint's own chat template where it ships one (a text-only model without one: {prompt} alone)")->capture_default_str();
   add_int(c, "--max-new-tokens", a.opt.max_new_tokens, 1, kMaxNewTokensLimit, "Most tokens to generate");
   c->add_option("--kv-storage", a.kv_storage,
                 "Storage of uncompressed KV rows: fp16 (rounded to half precision, 2 B/value; default) or fp32 "

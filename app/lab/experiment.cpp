@@ -165,7 +165,11 @@ nlohmann::json experiment_json(const Model& model, const Experiment& ex,
 }
 
 std::string model_template(const Model& model, const std::string& templ) {
-  return !model.info().takes_image() && templ == kDefaultTemplate ? "{prompt}" : templ;
+  if (templ != kDefaultTemplate) return templ;
+  // The checkpoint's own chat template for one user turn, where it ships one.
+  const std::string chat = model.tokenizer().chat_prompt(model.info().takes_image());
+  if (!chat.empty()) return chat;
+  return model.info().takes_image() ? templ : "{prompt}";
 }
 
 PromptSpan prompt_span(const Model& model, const PrefillState& st) {

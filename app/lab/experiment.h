@@ -86,8 +86,9 @@ struct Experiment {
   PrefillView view() const;
 };
 
-// The template a run gives `model`: `templ`, but for a text-only model (which takes no image)
-// whose template was left at LLaVA's default, the prompt alone ("{prompt}").
+// The template a run gives `model`: `templ`; where it was left at LLaVA's default, the
+// checkpoint's chat template rendered for one user turn (Tokenizer::chat_prompt) when it ships
+// one, else for a text-only model (which takes no image) the prompt alone ("{prompt}").
 std::string model_template(const Model& model, const std::string& templ);
 // A text-only prompt's span that its template marks (what the methods treat as visual tokens):
 // its first token, its token count (0: none marked) and its text.

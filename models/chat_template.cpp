@@ -1,0 +1,1291 @@
+#include "models/chat_template.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstring>
+#include <ctime>
+#include <functional>
+#include <map>
+#include <memory>
+#include <stdexcept>
+#include <vector>
+
+#include "core/errors.h"
+
+namespace kvlens {
+
+namespace {
+
+using json = nlohmann::ordered_json;  // (dicts keep their order, as Python's do)
+
+// A value: JSON data, or Jinja's undefined (a missing variable, key or attribute).
+struct Val {
+  json j;
+  bool undef = false;
+  static Val undefined() {
+    Val v;
+    v.undef = true;
+    return v;
+  }
+};
+
+Val V(json j) { return Val{std::move(j), false}; }
+
+struct Error {
+  std::string what;
+};
+
+[[noreturn]] void fail(const std::string& what) { throw Error{what}; }
+
+// Bounds on what a template may build: nesting, a range's or a repeated string's length, the text
+// rendered. A checkpoint's template is input like any other file.
+constexpr int kMaxDepth = 200;
+constexpr int64_t kMaxItems = 1 << 20;
+constexpr size_t kMaxOutput = size_t{1} << 24;
+
+struct DepthGuard {
+  int& d;
+  explicit DepthGuard(int& depth) : d(depth) {
+    if (++d > kMaxDepth) fail("nested more than " + std::to_string(kMaxDepth) + " deep");
+  }
+  ~DepthGuard() { --d; }
+};
+
+bool truthy(const Val& v) {
+  if (v.undef || v.j.is_null()) return false;
+  if (v.j.is_boolean()) return v.j.get<bool>();
+  if (v.j.is_number()) return v.j.get<double>() != 0;
+  if (v.j.is_string()) return !v.j.get_ref<const std::string&>().empty();
+  return !v.j.empty();
+}
+
+// Python's repr of a float: the shortest text that reads back, with ".0" where it is whole.
+std::string py_float(double x) {
+  if (std::isnan(x)) return "nan";
+  if (std::isinf(x)) return x > 0 ? "inf" : "-inf";
+  char buf[64];
+  const auto r = std::to_chars(buf, buf + sizeof buf, x);
+  std::string s(buf, r.ptr);
+  if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
+  return s;
+}
+
+std::string py_repr(const json& j);
+
+std::string py_str(const Val& v) {
+  if (v.undef) return "";
+  const json& j = v.j;
+  if (j.is_string()) return j.get<std::string>();
+  return py_repr(j);
+}
+
+std::string py_repr(const json& j) {
+  if (j.is_null()) return "None";
+  if (j.is_boolean()) return j.get<bool>() ? "True" : "False";
+  if (j.is_number_integer()) return std::to_string(j.get<int64_t>());
+  if (j.is_number_unsigned()) return std::to_string(j.get<uint64_t>());
+  if (j.is_number_float()) return py_float(j.get<double>());
+  if (j.is_string()) {
+    const std::string& s = j.get_ref<const std::string&>();
+    const char q = s.find('\'') != std::string::npos && s.find('"') == std::string::npos ? '"' : '\'';
+    std::string out(1, q);
+    for (char c : s) {
+      if (c == q || c == '\\') out += '\\';
+      if (c == '\n') out += "\\n";
+      else if (c == '\t') out += "\\t";
+      else out += c;
+    }
+    return out + q;
+  }
+  std::string out = j.is_array() ? "[" : "{";
+  bool first = true;
+  if (j.is_array()) {
+    for (const json& x : j) out += (first ? "" : ", ") + py_repr(x), first = false;
+  } else {
+    for (const auto& [k, x] : j.items()) out += (first ? "" : ", ") + py_repr(json(k)) + ": " + py_repr(x), first = false;
+  }
+  return out + (j.is_array() ? "]" : "}");
+}
+
+// json.dumps(x, ensure_ascii=False) with Python's separators, or indented.
+std::string py_json(const json& j, int indent, int depth = 0) {
+  if (!j.is_array() && !j.is_object()) return j.dump(-1, ' ', false, json::error_handler_t::replace);
+  if (j.empty()) return j.is_array() ? "[]" : "{}";
+  const std::string nl = indent >= 0 ? "\n" + std::string(static_cast<size_t>(indent * (depth + 1)), ' ') : "";
+  const std::string close = indent >= 0 ? "\n" + std::string(static_cast<size_t>(indent * depth), ' ') : "";
+  const std::string sep = indent >= 0 ? "," : ", ";
+  std::string out = j.is_array() ? "[" : "{";
+  bool first = true;
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    out += (first ? "" : sep) + nl;
+    if (j.is_object()) out += json(it.key()).dump(-1, ' ', false, json::error_handler_t::replace) + ": ";
+    out += py_json(*it, indent, depth + 1);
+    first = false;
+  }
+  return out + close + (j.is_array() ? "]" : "}");
+}
+
+// ---- expressions -----------------------------------------------------------------------------
+
+struct Tok {
+  enum Kind { Name, Num, Str, Op, End } kind;
+  std::string text;
+  json num;
+};
+
+std::vector<Tok> lex_expr(const std::string& s) {
+  std::vector<Tok> out;
+  size_t i = 0;
+  while (i < s.size()) {
+    const char c = s[i];
+    if (std::isspace(static_cast<unsigned char>(c))) {
+      ++i;
+    } else if (std::isalpha(static_cast<unsigned char>(c)) || c == '_') {
+      size_t e = i;
+      while (e < s.size() && (std::isalnum(static_cast<unsigned char>(s[e])) || s[e] == '_')) ++e;
+      out.push_back({Tok::Name, s.substr(i, e - i), {}});
+      i = e;
+    } else if (std::isdigit(static_cast<unsigned char>(c))) {
+      size_t e = i;
+      bool real = false;
+      while (e < s.size() && (std::isdigit(static_cast<unsigned char>(s[e])) || s[e] == '_' ||
+                              (s[e] == '.' && e + 1 < s.size() && std::isdigit(static_cast<unsigned char>(s[e + 1]))))) {
+        real = real || s[e] == '.';
+        ++e;
+      }
+      std::string t = s.substr(i, e - i);
+      t.erase(std::remove(t.begin(), t.end(), '_'), t.end());
+      out.push_back({Tok::Num, t, real ? json(std::stod(t)) : json(std::stoll(t))});
+      i = e;
+    } else if (c == '\'' || c == '"') {
+      std::string v;
+      size_t e = i + 1;
+      for (; e < s.size() && s[e] != c; ++e) {
+        if (s[e] == '\\' && e + 1 < s.size()) {
+          const char n = s[++e];
+          v += n == 'n' ? '\n' : n == 't' ? '\t' : n == 'r' ? '\r' : n;
+        } else {
+          v += s[e];
+        }
+      }
+      if (e >= s.size()) fail("a string is never closed");
+      out.push_back({Tok::Str, v, {}});
+      i = e + 1;
+    } else {
+      static const char* ops[] = {"**", "//", "==", "!=", "<=", ">=", "+", "-", "*", "/", "%", "~", "<", ">", "|",
+                                  ".", ",", ":", "(", ")", "[", "]", "{", "}", "="};
+      bool hit = false;
+      for (const char* op : ops)
+        if (s.compare(i, std::strlen(op), op) == 0) {
+          out.push_back({Tok::Op, op, {}});
+          i += std::strlen(op);
+          hit = true;
+          break;
+        }
+      if (!hit) fail(std::string("unexpected character '") + c + "'");
+    }
+  }
+  out.push_back({Tok::End, "", {}});
+  return out;
+}
+
+struct Expr;
+using ExprP = std::shared_ptr<Expr>;
+struct Expr {
+  enum Kind { Lit, Name, List, Dict, Attr, Index, Slice, Call, Filter, Test, Neg, Bin, And, Or, Not, Cond, In } kind;
+  json lit;
+  std::string name;  // Name, Attr, Filter, Test, Bin's operator
+  std::vector<ExprP> kids;
+  std::vector<std::pair<std::string, ExprP>> kwargs;
+  bool negated = false;  // Test, In
+};
+
+ExprP mk(Expr::Kind k) {
+  auto e = std::make_shared<Expr>();
+  e->kind = k;
+  return e;
+}
+
+class ExprParser {
+ public:
+  explicit ExprParser(const std::string& s) : t_(lex_expr(s)) {}
+  ExprP parse_all() {
+    ExprP e = parse();
+    if (!at_end()) fail("unexpected '" + t_[i_].text + "'");
+    return e;
+  }
+  ExprP parse() { return cond(); }
+  ExprP parse_no_cond() { return or_(); }  // a for-loop's iterable: `if` starts its filter
+  bool at_end() const { return t_[i_].kind == Tok::End; }
+  bool is(const char* op) const { return t_[i_].kind == Tok::Op && t_[i_].text == op; }
+  bool is_word(const char* w) const { return t_[i_].kind == Tok::Name && t_[i_].text == w; }
+  void expect(const char* op) {
+    if (!is(op)) fail(std::string("expected '") + op + "', got '" + t_[i_].text + "'");
+    ++i_;
+  }
+  std::string name() {
+    if (t_[i_].kind != Tok::Name) fail("expected a name, got '" + t_[i_].text + "'");
+    return t_[i_++].text;
+  }
+
+ private:
+  ExprP cond() {
+    ExprP a = or_();
+    if (is_word("if")) {
+      ++i_;
+      ExprP c = or_();
+      ExprP b = mk(Expr::Lit);
+      b->lit = nullptr;
+      b->negated = true;  // (a missing else gives undefined)
+      if (is_word("else")) {
+        ++i_;
+        b = cond();
+      }
+      ExprP e = mk(Expr::Cond);
+      e->kids = {a, c, b};
+      return e;
+    }
+    return a;
+  }
+  ExprP or_() {
+    ExprP a = and_();
+    while (is_word("or")) {
+      ++i_;
+      ExprP e = mk(Expr::Or);
+      e->kids = {a, and_()};
+      a = e;
+    }
+    return a;
+  }
+  ExprP and_() {
+    ExprP a = not_();
+    while (is_word("and")) {
+      ++i_;
+      ExprP e = mk(Expr::And);
+      e->kids = {a, not_()};
+      a = e;
+    }
+    return a;
+  }
+  ExprP not_() {
+    if (is_word("not")) {
+      ++i_;
+      ExprP e = mk(Expr::Not);
+      e->kids = {not_()};
+      return e;
+    }
+    return compare();
+  }
+  ExprP compare() {
+    ExprP a = math1(), chain, last = a;
+    while (true) {
+      static const char* cmp[] = {"==", "!=", "<=", ">=", "<", ">"};
+      const char* op = nullptr;
+      for (const char* c : cmp)
+        if (is(c)) op = c;
+      if (op) {
+        // Chained as Python chains them: a < b <= c is a < b and b <= c.
+        ++i_;
+        ExprP rhs = math1();
+        ExprP e = mk(Expr::Bin);
+        e->name = op;
+        e->kids = {last, rhs};
+        if (chain) {
+          ExprP both = mk(Expr::And);
+          both->kids = {chain, e};
+          chain = both;
+        } else {
+          chain = e;
+        }
+        last = rhs;
+        a = chain;
+      } else if (is_word("in") || (is_word("not") && t_[i_ + 1].kind == Tok::Name && t_[i_ + 1].text == "in")) {
+        const bool neg = is_word("not");
+        i_ += neg ? 2 : 1;
+        ExprP e = mk(Expr::In);
+        e->negated = neg;
+        e->kids = {a, math1()};
+        a = last = e;
+        chain = nullptr;
+      } else {
+        return a;
+      }
+    }
+  }
+  ExprP binary(ExprP a, const std::string& op, ExprP b) {
+    ExprP e = mk(Expr::Bin);
+    e->name = op;
+    e->kids = {std::move(a), std::move(b)};
+    return e;
+  }
+  ExprP math1() {
+    ExprP a = concat();
+    while (is("+") || is("-")) {
+      const std::string op = t_[i_++].text;
+      a = binary(a, op, concat());
+    }
+    return a;
+  }
+  ExprP concat() {
+    ExprP a = math2();
+    while (is("~")) {
+      ++i_;
+      a = binary(a, "~", math2());
+    }
+    return a;
+  }
+  ExprP math2() {
+    ExprP a = pow_();
+    while (is("*") || is("/") || is("//") || is("%")) {
+      const std::string op = t_[i_++].text;
+      a = binary(a, op, pow_());
+    }
+    return a;
+  }
+  ExprP pow_() {
+    ExprP a = unary();
+    while (is("**")) {
+      ++i_;
+      a = binary(a, "**", unary());
+    }
+    return a;
+  }
+  ExprP unary() {
+    const DepthGuard guard(depth_);
+    if (is("-")) {
+      ++i_;
+      ExprP e = mk(Expr::Neg);
+      e->kids = {unary()};
+      return e;
+    }
+    if (is("+")) ++i_;
+    return filters(postfix(primary()));
+  }
+  void call_args(Expr& e) {
+    expect("(");
+    while (!is(")")) {
+      if (t_[i_].kind == Tok::Name && t_[i_ + 1].kind == Tok::Op && t_[i_ + 1].text == "=") {
+        const std::string k = name();
+        ++i_;
+        e.kwargs.push_back({k, parse()});
+      } else {
+        e.kids.push_back(parse());
+      }
+      if (!is(")")) expect(",");
+    }
+    expect(")");
+  }
+  ExprP filters(ExprP a) {
+    while (true) {
+      if (is("|")) {
+        ++i_;
+        ExprP e = mk(Expr::Filter);
+        e->name = name();
+        e->kids = {a};
+        if (is("(")) call_args(*e);
+        a = e;
+      } else if (is_word("is")) {
+        ++i_;
+        ExprP e = mk(Expr::Test);
+        if (is_word("not")) ++i_, e->negated = true;
+        e->name = name();
+        e->kids = {a};
+        if (is("(")) {
+          call_args(*e);
+        } else if (!at_end() && (t_[i_].kind == Tok::Str || t_[i_].kind == Tok::Num ||
+                                 (t_[i_].kind == Tok::Name && !is_word("and") && !is_word("or") && !is_word("else") &&
+                                  !is_word("if")))) {
+          e->kids.push_back(primary());  // `is equalto 'x'`, `is sameas none`
+        }
+        a = e;
+      } else {
+        return a;
+      }
+    }
+  }
+  ExprP postfix(ExprP a) {
+    while (true) {
+      if (is(".")) {
+        ++i_;
+        ExprP e = mk(Expr::Attr);
+        e->name = t_[i_].kind == Tok::Num ? t_[i_++].text : name();
+        e->kids = {a};
+        a = e;
+      } else if (is("[")) {
+        ++i_;
+        ExprP e = mk(Expr::Index);
+        e->kids = {a};
+        ExprP parts[3];
+        int n = 0;
+        bool slice = false;
+        while (true) {
+          if (!is(":") && !is("]")) parts[n] = parse();
+          if (is(":")) {
+            slice = true;
+            ++i_;
+            if (++n > 2) fail("a slice has at most three parts");
+            continue;
+          }
+          break;
+        }
+        expect("]");
+        if (slice) {
+          e->kind = Expr::Slice;
+          for (ExprP& p : parts) e->kids.push_back(p);
+        } else {
+          e->kids.push_back(parts[0]);
+        }
+        a = e;
+      } else if (is("(")) {
+        ExprP e = mk(Expr::Call);
+        e->kids = {a};
+        call_args(*e);
+        a = e;
+      } else {
+        return a;
+      }
+    }
+  }
+  ExprP primary() {
+    const Tok& t = t_[i_];
+    if (t.kind == Tok::Str) {
+      ExprP e = mk(Expr::Lit);
+      std::string s;
+      while (t_[i_].kind == Tok::Str) s += t_[i_++].text;  // adjacent strings join
+      e->lit = s;
+      return e;
+    }
+    if (t.kind == Tok::Num) {
+      ExprP e = mk(Expr::Lit);
+      e->lit = t.num;
+      ++i_;
+      return e;
+    }
+    if (t.kind == Tok::Name) {
+      ++i_;
+      ExprP e = mk(Expr::Lit);
+      if (t.text == "true" || t.text == "True") e->lit = true;
+      else if (t.text == "false" || t.text == "False") e->lit = false;
+      else if (t.text == "none" || t.text == "None") e->lit = nullptr;
+      else e->kind = Expr::Name, e->name = t.text;
+      return e;
+    }
+    if (is("(")) {
+      ++i_;
+      ExprP e = parse();
+      if (is(",")) {  // a tuple: a list here
+        ExprP l = mk(Expr::List);
+        l->kids.push_back(e);
+        while (is(",")) {
+          ++i_;
+          if (is(")")) break;
+          l->kids.push_back(parse());
+        }
+        e = l;
+      }
+      expect(")");
+      return e;
+    }
+    if (is("[")) {
+      ++i_;
+      ExprP e = mk(Expr::List);
+      while (!is("]")) {
+        e->kids.push_back(parse());
+        if (!is("]")) expect(",");
+      }
+      expect("]");
+      return e;
+    }
+    if (is("{")) {
+      ++i_;
+      ExprP e = mk(Expr::Dict);
+      while (!is("}")) {
+        e->kids.push_back(parse());
+        expect(":");
+        e->kids.push_back(parse());
+        if (!is("}")) expect(",");
+      }
+      expect("}");
+      return e;
+    }
+    fail("unexpected '" + t.text + "'");
+  }
+
+  std::vector<Tok> t_;
+  size_t i_ = 0;
+  int depth_ = 0;
+};
+
+// ---- statements -------------------------------------------------------------------------------
+
+struct Node;
+using Body = std::vector<std::shared_ptr<Node>>;
+struct Node {
+  enum Kind { Text, Out, If, For, Set, Break, Continue, Block } kind;
+  int line = 0;
+  std::string text;
+  std::vector<ExprP> exprs;              // Out: 1; If: each branch's condition; For: iterable (+ filter); Set: value
+  std::vector<Body> bodies;              // If: each branch (+ else); For: body (+ else); Block: body
+  std::vector<std::string> targets;      // For: loop variables; Set: name (and attribute)
+  bool has_else = false;
+};
+
+struct Tag {
+  enum Kind { Text, Var, Stmt } kind;
+  std::string text;
+  int line;
+};
+
+// The template cut into text, {{ }} and {% %} (comments dropped), with Jinja2's whitespace
+// control: "-" strips all whitespace on that side, lstrip_blocks strips a block's indentation,
+// trim_blocks drops the newline after a block ("+" keeps either).
+std::vector<Tag> cut(const std::string& s) {
+  std::vector<Tag> out;
+  size_t i = 0;
+  int line = 1;
+  bool strip_next = false;
+  auto line_at = [&](size_t upto) {
+    return line + static_cast<int>(std::count(s.begin() + static_cast<std::ptrdiff_t>(i), s.begin() + static_cast<std::ptrdiff_t>(upto), '\n'));
+  };
+  while (i <= s.size()) {
+    size_t p = std::string::npos;
+    for (size_t k = i; k + 1 < s.size(); ++k)
+      if (s[k] == '{' && (s[k + 1] == '{' || s[k + 1] == '%' || s[k + 1] == '#')) {
+        p = k;
+        break;
+      }
+    std::string text = s.substr(i, p == std::string::npos ? std::string::npos : p - i);
+    if (strip_next) {
+      size_t a = 0;
+      while (a < text.size() && std::isspace(static_cast<unsigned char>(text[a]))) ++a;
+      text.erase(0, a);
+      strip_next = false;
+    }
+    if (p == std::string::npos) {
+      if (!text.empty()) out.push_back({Tag::Text, text, line});
+      break;
+    }
+    const char kind = s[p + 1];
+    const char left = p + 2 < s.size() ? s[p + 2] : ' ';
+    const std::string close = kind == '{' ? "}}" : kind == '%' ? "%}" : "#}";
+    // The tag's end, outside quoted strings.
+    size_t e = p + 2;
+    char quote = 0;
+    for (; e + 1 < s.size(); ++e) {
+      if (quote) {
+        if (s[e] == '\\') ++e;
+        else if (s[e] == quote) quote = 0;
+      } else if (kind != '#' && (s[e] == '\'' || s[e] == '"')) {
+        quote = s[e];
+      } else if (s.compare(e, 2, close) == 0) {
+        break;
+      }
+    }
+    if (e + 1 >= s.size()) fail("line " + std::to_string(line_at(p)) + ": a tag opened here is never closed");
+    const char right = s[e - 1];
+    const bool block = kind != '{';
+    if (left == '-') {
+      while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.pop_back();
+    } else if (block && left != '+') {  // lstrip_blocks: the tag alone after a line's indentation
+      size_t b = text.size();
+      while (b > 0 && (text[b - 1] == ' ' || text[b - 1] == '\t')) --b;
+      // Only where that whitespace starts a line (or the template).
+      const bool starts_line = b > 0 ? text[b - 1] == '\n' : (i == 0 || s[i - 1] == '\n');
+      if (starts_line) text.erase(b);
+    }
+    if (!text.empty()) out.push_back({Tag::Text, text, line});
+    const int tag_line = line_at(p);
+    const size_t inner_a = p + 2 + ((left == '-' || left == '+') ? 1 : 0);
+    const size_t inner_b = e - ((right == '-' || right == '+') && e - 1 >= inner_a ? 1 : 0);
+    const std::string inner = s.substr(inner_a, inner_b > inner_a ? inner_b - inner_a : 0);
+    if (kind == '{') out.push_back({Tag::Var, inner, tag_line});
+    else if (kind == '%') out.push_back({Tag::Stmt, inner, tag_line});
+    size_t after = e + 2;
+    if (right == '-') {
+      strip_next = true;
+    } else if (block && right != '+') {  // trim_blocks
+      if (after < s.size() && s[after] == '\n') ++after;
+      else if (after + 1 < s.size() && s[after] == '\r' && s[after + 1] == '\n') after += 2;
+    }
+    line = line_at(after);
+    i = after;
+    if (i == s.size()) break;
+  }
+  return out;
+}
+
+std::string trim(const std::string& s) {
+  size_t a = 0, b = s.size();
+  while (a < b && std::isspace(static_cast<unsigned char>(s[a]))) ++a;
+  while (b > a && std::isspace(static_cast<unsigned char>(s[b - 1]))) --b;
+  return s.substr(a, b - a);
+}
+
+class Parser {
+ public:
+  explicit Parser(std::vector<Tag> tags) : tags_(std::move(tags)) {}
+  Body parse_top() {
+    std::string end;
+    Body b = body({}, end);
+    if (!end.empty()) fail("line " + std::to_string(line_) + ": '" + end + "' without its opening tag");
+    return b;
+  }
+
+ private:
+  static std::string first_word(const std::string& s, std::string* rest) {
+    const std::string t = trim(s);
+    size_t e = 0;
+    while (e < t.size() && (std::isalnum(static_cast<unsigned char>(t[e])) || t[e] == '_')) ++e;
+    if (rest) *rest = trim(t.substr(e));
+    return t.substr(0, e);
+  }
+  // Nodes until one of `ends` (its word in `end`, its rest in `end_rest`).
+  Body body(const std::vector<std::string>& ends, std::string& end, std::string* end_rest = nullptr) {
+    const DepthGuard guard(depth_);
+    Body out;
+    while (pos_ < tags_.size()) {
+      const Tag& t = tags_[pos_++];
+      line_ = t.line;
+      auto n = std::make_shared<Node>();
+      n->line = t.line;
+      try {
+        if (t.kind == Tag::Text) {
+          n->kind = Node::Text;
+          n->text = t.text;
+        } else if (t.kind == Tag::Var) {
+          n->kind = Node::Out;
+          n->exprs = {ExprParser(t.text).parse_all()};
+        } else {
+          std::string rest;
+          const std::string w = first_word(t.text, &rest);
+          if (std::find(ends.begin(), ends.end(), w) != ends.end()) {
+            end = w;
+            if (end_rest) *end_rest = rest;
+            return out;
+          }
+          if (w == "if") {
+            n->kind = Node::If;
+            std::string cond = rest, e;
+            while (true) {
+              n->exprs.push_back(ExprParser(cond).parse_all());
+              std::string r;
+              n->bodies.push_back(body({"elif", "else", "endif"}, e, &r));
+              if (e == "elif") {
+                cond = r;
+                continue;
+              }
+              if (e == "else") {
+                n->has_else = true;
+                n->bodies.push_back(body({"endif"}, e));
+              }
+              if (e != "endif") fail("an if without its endif");
+              break;
+            }
+          } else if (w == "for") {
+            n->kind = Node::For;
+            const size_t in = rest.find(" in ");
+            if (in == std::string::npos) fail("expected 'for x in ...'");
+            for (size_t a = 0; a <= in;) {
+              size_t b = rest.find(',', a);
+              if (b == std::string::npos || b > in) b = in;
+              n->targets.push_back(trim(rest.substr(a, b - a)));
+              a = b + 1;
+            }
+            std::string iter = rest.substr(in + 4);
+            // `for x in xs if cond`: a filter on the items.
+            ExprParser ep(iter);
+            n->exprs.push_back(ep.parse_no_cond());
+            if (ep.is_word("if")) {
+              const size_t at = iter.find(" if ");
+              n->exprs.push_back(ExprParser(iter.substr(at + 4)).parse_all());
+            } else if (!ep.at_end()) {
+              fail("unexpected text after the for-loop's iterable");
+            }
+            std::string e;
+            n->bodies.push_back(body({"else", "endfor"}, e));
+            if (e == "else") {
+              n->has_else = true;
+              n->bodies.push_back(body({"endfor"}, e));
+            }
+            if (e != "endfor") fail("a for without its endfor");
+          } else if (w == "set") {
+            n->kind = Node::Set;
+            const size_t eq = rest.find('=');
+            if (eq == std::string::npos) fail("block assignments ({% set x %}...{% endset %}) are not supported");
+            const std::string target = trim(rest.substr(0, eq));
+            const size_t dot = target.find('.');
+            n->targets.push_back(trim(target.substr(0, dot)));
+            if (dot != std::string::npos) n->targets.push_back(trim(target.substr(dot + 1)));
+            n->exprs.push_back(ExprParser(rest.substr(eq + 1)).parse_all());
+          } else if (w == "generation") {
+            n->kind = Node::Block;
+            std::string e;
+            n->bodies.push_back(body({"endgeneration"}, e));
+            if (e != "endgeneration") fail("a generation block without its endgeneration");
+          } else if (w == "break" || w == "continue") {
+            n->kind = w == "break" ? Node::Break : Node::Continue;
+          } else {
+            fail("the statement '" + w + "' is not supported");
+          }
+        }
+      } catch (const Error& e) {
+        if (e.what.rfind("line ", 0) == 0) throw;
+        fail("line " + std::to_string(t.line) + ": " + e.what);
+      }
+      out.push_back(n);
+    }
+    end.clear();
+    if (!ends.empty()) fail("line " + std::to_string(line_) + ": the template ends before '" + ends.back() + "'");
+    return out;
+  }
+
+  std::vector<Tag> tags_;
+  size_t pos_ = 0;
+  int line_ = 1;
+  int depth_ = 0;
+};
+
+// ---- evaluation -------------------------------------------------------------------------------
+
+struct Jump {
+  bool brk;
+};
+
+class Renderer {
+ public:
+  explicit Renderer(const json& ctx) {
+    scopes_.emplace_back();
+    for (const auto& [k, v] : ctx.items()) scopes_.back()[k] = v;
+  }
+
+  void run(const Body& b, std::string& out) {
+    for (const auto& n : b) {
+      node(*n, out);
+      if (out.size() > kMaxOutput) fail("the rendering grows past " + std::to_string(kMaxOutput) + " bytes");
+    }
+  }
+
+ private:
+  void node(const Node& n, std::string& out) {
+    try {
+      switch (n.kind) {
+        case Node::Text: out += n.text; break;
+        case Node::Out: out += py_str(eval(*n.exprs[0])); break;
+        case Node::Block: run(n.bodies[0], out); break;
+        case Node::Break: throw Jump{true};
+        case Node::Continue: throw Jump{false};
+        case Node::If: {
+          for (size_t k = 0; k < n.exprs.size(); ++k)
+            if (truthy(eval(*n.exprs[k]))) return run(n.bodies[k], out);
+          if (n.has_else) run(n.bodies.back(), out);
+          break;
+        }
+        case Node::Set: {
+          Val v = eval(*n.exprs[0]);
+          if (n.targets.size() == 2) {
+            json* obj = lookup(n.targets[0]);
+            if (!obj || !obj->is_object()) fail("'" + n.targets[0] + "' is not a namespace");
+            (*obj)[n.targets[1]] = v.j;
+          } else {
+            scopes_.back()[n.targets[0]] = v.j;
+          }
+          break;
+        }
+        case Node::For: loop(n, out); break;
+      }
+    } catch (const Error& e) {
+      if (e.what.rfind("line ", 0) == 0) throw;
+      fail("line " + std::to_string(n.line) + ": " + e.what);
+    }
+  }
+
+  void loop(const Node& n, std::string& out) {
+    const Val it = eval(*n.exprs[0]);
+    json items = json::array();
+    if (it.j.is_array()) items = it.j;
+    else if (it.j.is_object()) for (const auto& [k, v] : it.j.items()) items.push_back(k);
+    else if (it.j.is_string()) for (char c : it.j.get<std::string>()) items.push_back(std::string(1, c));
+    else if (!it.undef && !it.j.is_null()) fail("cannot loop over " + py_repr(it.j));
+    if (n.exprs.size() > 1) {  // the loop's filter, before loop.length counts the items
+      json kept = json::array();
+      for (const json& x : items) {
+        scopes_.emplace_back();
+        if (n.targets.size() == 1) scopes_.back()[n.targets[0]] = x;
+        else for (size_t k = 0; k < n.targets.size() && x.is_array() && k < x.size(); ++k) scopes_.back()[n.targets[k]] = x[k];
+        const bool keep = truthy(eval(*n.exprs[1]));
+        scopes_.pop_back();
+        if (keep) kept.push_back(x);
+      }
+      items = kept;
+    }
+    if (items.empty()) {
+      if (n.has_else) run(n.bodies[1], out);
+      return;
+    }
+    const size_t N = items.size();
+    for (size_t i = 0; i < N; ++i) {
+      scopes_.emplace_back();
+      auto& sc = scopes_.back();
+      if (n.targets.size() == 1) {
+        sc[n.targets[0]] = items[i];
+      } else {
+        if (!items[i].is_array() || items[i].size() != n.targets.size())
+          fail("cannot unpack " + py_repr(items[i]) + " into " + std::to_string(n.targets.size()) + " variables");
+        for (size_t k = 0; k < n.targets.size(); ++k) sc[n.targets[k]] = items[i][k];
+      }
+      sc["loop"] = {{"index0", i}, {"index", i + 1}, {"revindex", N - i}, {"revindex0", N - i - 1},
+                    {"first", i == 0}, {"last", i + 1 == N}, {"length", N},
+                    {"previtem", i > 0 ? items[i - 1] : json()}, {"nextitem", i + 1 < N ? items[i + 1] : json()}};
+      bool stop = false;
+      try {
+        run(n.bodies[0], out);
+      } catch (const Jump& j) {
+        stop = j.brk;
+      }
+      scopes_.pop_back();
+      if (stop) break;
+    }
+  }
+
+  json* lookup(const std::string& name) {
+    for (auto it = scopes_.rbegin(); it != scopes_.rend(); ++it) {
+      auto f = it->find(name);
+      if (f != it->end()) return &f->second;
+    }
+    return nullptr;
+  }
+
+  static Val item(const Val& o, const json& key) {
+    if (o.undef) fail("an undefined value has no item " + py_repr(key));
+    if (o.j.is_object() && key.is_string()) {
+      auto f = o.j.find(key.get<std::string>());
+      return f == o.j.end() ? Val::undefined() : V(*f);
+    }
+    if ((o.j.is_array() || o.j.is_string()) && key.is_number_integer()) {
+      const int64_t n = o.j.is_array() ? static_cast<int64_t>(o.j.size()) : static_cast<int64_t>(o.j.get_ref<const std::string&>().size());
+      int64_t k = key.get<int64_t>();
+      if (k < 0) k += n;
+      if (k < 0 || k >= n) return Val::undefined();
+      return o.j.is_array() ? V(o.j[static_cast<size_t>(k)]) : V(std::string(1, o.j.get_ref<const std::string&>()[static_cast<size_t>(k)]));
+    }
+    return Val::undefined();
+  }
+
+  Val eval(const Expr& e) {
+    switch (e.kind) {
+      case Expr::Lit: return e.negated ? Val::undefined() : V(e.lit);
+      case Expr::Name: {
+        if (json* v = lookup(e.name)) return V(*v);
+        return Val::undefined();
+      }
+      case Expr::List: {
+        json a = json::array();
+        for (const auto& k : e.kids) a.push_back(eval(*k).j);
+        return V(a);
+      }
+      case Expr::Dict: {
+        json o = json::object();
+        for (size_t k = 0; k + 1 < e.kids.size(); k += 2) o[py_str(eval(*e.kids[k]))] = eval(*e.kids[k + 1]).j;
+        return V(o);
+      }
+      case Expr::Attr: {
+        const Val o = eval(*e.kids[0]);
+        if (o.undef) fail("an undefined value has no attribute '" + e.name + "'");
+        return item(o, json(e.name));
+      }
+      case Expr::Index: return item(eval(*e.kids[0]), eval(*e.kids[1]).j);
+      case Expr::Slice: return slice(e);
+      case Expr::Call: return call(e);
+      case Expr::Filter: return filter(e);
+      case Expr::Test: {
+        const bool r = test(e);
+        return V(e.negated ? !r : r);
+      }
+      case Expr::Neg: {
+        const Val v = eval(*e.kids[0]);
+        if (!v.j.is_number()) fail("cannot negate " + py_repr(v.j));
+        return v.j.is_number_float() ? V(-v.j.get<double>()) : V(-v.j.get<int64_t>());
+      }
+      case Expr::Not: return V(!truthy(eval(*e.kids[0])));
+      case Expr::And: {
+        const Val a = eval(*e.kids[0]);
+        return truthy(a) ? eval(*e.kids[1]) : a;
+      }
+      case Expr::Or: {
+        const Val a = eval(*e.kids[0]);
+        return truthy(a) ? a : eval(*e.kids[1]);
+      }
+      case Expr::Cond: return truthy(eval(*e.kids[1])) ? eval(*e.kids[0]) : eval(*e.kids[2]);
+      case Expr::In: {
+        const Val a = eval(*e.kids[0]), b = eval(*e.kids[1]);
+        bool r = false;
+        if (b.j.is_string()) r = a.j.is_string() && b.j.get<std::string>().find(a.j.get<std::string>()) != std::string::npos;
+        else if (b.j.is_array()) r = std::find(b.j.begin(), b.j.end(), a.j) != b.j.end();
+        else if (b.j.is_object()) r = a.j.is_string() && b.j.contains(a.j.get<std::string>());
+        else if (!b.undef) fail("'in' needs a string, list or mapping, got " + py_repr(b.j));
+        return V(e.negated ? !r : r);
+      }
+      case Expr::Bin: return binary(e.name, eval(*e.kids[0]), eval(*e.kids[1]));
+    }
+    fail("an expression of an unknown kind");
+  }
+
+  Val slice(const Expr& e) {
+    const Val o = eval(*e.kids[0]);
+    auto opt = [&](int k, int64_t def) { return e.kids[static_cast<size_t>(k)] ? eval(*e.kids[static_cast<size_t>(k)]).j.get<int64_t>() : def; };
+    const bool str = o.j.is_string();
+    if (!str && !o.j.is_array()) fail("cannot slice " + py_repr(o.j));
+    const int64_t n = str ? static_cast<int64_t>(o.j.get_ref<const std::string&>().size()) : static_cast<int64_t>(o.j.size());
+    const int64_t step = opt(3, 1);
+    if (step == 0) fail("a slice step of 0");
+    auto norm = [&](int64_t x, int64_t lo, int64_t hi) {
+      if (x < 0) x += n;
+      return std::clamp(x, lo, hi);
+    };
+    const int64_t a = e.kids[1] ? norm(opt(1, 0), step > 0 ? 0 : -1, step > 0 ? n : n - 1) : (step > 0 ? 0 : n - 1);
+    const int64_t b = e.kids[2] ? norm(opt(2, 0), step > 0 ? 0 : -1, step > 0 ? n : n - 1) : (step > 0 ? n : -1);
+    json r = str ? json(std::string()) : json::array();
+    for (int64_t k = a; step > 0 ? k < b : k > b; k += step) {
+      if (str) r.get_ref<std::string&>() += o.j.get_ref<const std::string&>()[static_cast<size_t>(k)];
+      else r.push_back(o.j[static_cast<size_t>(k)]);
+    }
+    return V(r);
+  }
+
+  static Val binary(const std::string& op, const Val& a, const Val& b) {
+    if (op == "==") return V(!a.undef && !b.undef ? a.j == b.j : a.undef == b.undef);
+    if (op == "!=") return V(!(!a.undef && !b.undef ? a.j == b.j : a.undef == b.undef));
+    if (op == "~") return V(py_str(a) + py_str(b));
+    if (a.undef || b.undef) fail("'" + op + "' on an undefined value");
+    const json &x = a.j, &y = b.j;
+    if (op == "<" || op == ">" || op == "<=" || op == ">=") {
+      if (!((x.is_number() && y.is_number()) || (x.is_string() && y.is_string())))
+        fail("cannot compare " + py_repr(x) + " and " + py_repr(y));
+      const bool lt = x < y, gt = y < x;
+      return V(op == "<" ? lt : op == ">" ? gt : op == "<=" ? !gt : !lt);
+    }
+    if (op == "+") {
+      if (x.is_string() && y.is_string()) return V(x.get<std::string>() + y.get<std::string>());
+      if (x.is_array() && y.is_array()) {
+        json r = x;
+        for (const json& v : y) r.push_back(v);
+        return V(r);
+      }
+    }
+    if (op == "*" && x.is_string() && y.is_number_integer()) {
+      if (y.get<int64_t>() > 0 && static_cast<double>(x.get_ref<const std::string&>().size()) * static_cast<double>(y.get<int64_t>()) > kMaxOutput)
+        fail("a repeated string longer than " + std::to_string(kMaxOutput) + " bytes");
+      std::string r;
+      for (int64_t k = 0; k < y.get<int64_t>(); ++k) r += x.get<std::string>();
+      return V(r);
+    }
+    if (!x.is_number() || !y.is_number()) fail("'" + op + "' on " + py_repr(x) + " and " + py_repr(y));
+    const bool ints = x.is_number_integer() && y.is_number_integer();
+    const double p = x.get<double>(), q = y.get<double>();
+    if (op == "+") return ints ? V(x.get<int64_t>() + y.get<int64_t>()) : V(p + q);
+    if (op == "-") return ints ? V(x.get<int64_t>() - y.get<int64_t>()) : V(p - q);
+    if (op == "*") return ints ? V(x.get<int64_t>() * y.get<int64_t>()) : V(p * q);
+    if (q == 0 && (op == "/" || op == "//" || op == "%")) fail("division by zero");
+    if (op == "/") return V(p / q);
+    if (op == "//") return ints ? V(static_cast<int64_t>(std::floor(p / q))) : V(std::floor(p / q));
+    if (op == "%") {
+      if (ints) {
+        const int64_t m = x.get<int64_t>() % y.get<int64_t>();
+        return V(m != 0 && ((m < 0) != (y.get<int64_t>() < 0)) ? m + y.get<int64_t>() : m);
+      }
+      return V(p - q * std::floor(p / q));
+    }
+    if (op == "**") return ints && y.get<int64_t>() >= 0 ? V(static_cast<int64_t>(std::llround(std::pow(p, q)))) : V(std::pow(p, q));
+    fail("unknown operator '" + op + "'");
+  }
+
+  std::vector<Val> args(const Expr& e, size_t from) {
+    std::vector<Val> r;
+    for (size_t k = from; k < e.kids.size(); ++k) r.push_back(eval(*e.kids[k]));
+    return r;
+  }
+  Val kwarg(const Expr& e, const std::string& k) {
+    for (const auto& [name, x] : e.kwargs)
+      if (name == k) return eval(*x);
+    return Val::undefined();
+  }
+
+  Val call(const Expr& e) {
+    const Expr& f = *e.kids[0];
+    const std::vector<Val> a = args(e, 1);
+    if (f.kind == Expr::Name) {
+      if (f.name == "raise_exception") fail("the chat template raised: " + (a.empty() ? std::string() : py_str(a[0])));
+      if (f.name == "namespace" || f.name == "dict") {
+        json o = json::object();
+        for (const auto& [k, x] : e.kwargs) o[k] = eval(*x).j;
+        return V(o);
+      }
+      if (f.name == "range") {
+        int64_t lo = 0, hi = 0, st = 1;
+        if (a.size() == 1) hi = a[0].j.get<int64_t>();
+        else if (a.size() >= 2) lo = a[0].j.get<int64_t>(), hi = a[1].j.get<int64_t>(), st = a.size() > 2 ? a[2].j.get<int64_t>() : 1;
+        if (st == 0) fail("range() with a step of 0");
+        if ((hi - lo) / st > kMaxItems) fail("range() of more than " + std::to_string(kMaxItems) + " numbers");
+        json r = json::array();
+        for (int64_t k = lo; st > 0 ? k < hi : k > hi; k += st) r.push_back(k);
+        return V(r);
+      }
+      if (f.name == "strftime_now") {
+        const std::time_t t = std::time(nullptr);
+        std::tm tm{};
+        localtime_r(&t, &tm);
+        char buf[256];
+        const size_t n = std::strftime(buf, sizeof buf, a.empty() ? "" : py_str(a[0]).c_str(), &tm);
+        return V(std::string(buf, n));
+      }
+      fail("the function '" + f.name + "' is not supported");
+    }
+    if (f.kind != Expr::Attr) fail("only functions and methods can be called");
+    const Val o = eval(*f.kids[0]);
+    const std::string& m = f.name;
+    if (o.j.is_string()) {
+      const std::string s = o.j.get<std::string>();
+      std::string r = s;
+      if (m == "upper" || m == "lower") {
+        for (char& c : r) c = static_cast<char>(m == "upper" ? std::toupper(static_cast<unsigned char>(c)) : std::tolower(static_cast<unsigned char>(c)));
+        return V(r);
+      }
+      if (m == "strip" || m == "lstrip" || m == "rstrip") {
+        const std::string chars = a.empty() ? std::string(" \t\n\r\f\v") : py_str(a[0]);
+        size_t x = 0, y = r.size();
+        if (m != "rstrip") while (x < y && chars.find(r[x]) != std::string::npos) ++x;
+        if (m != "lstrip") while (y > x && chars.find(r[y - 1]) != std::string::npos) --y;
+        return V(r.substr(x, y - x));
+      }
+      if (m == "startswith" || m == "endswith") {
+        const std::string p = py_str(a.at(0));
+        return V(m == "startswith" ? s.rfind(p, 0) == 0 : s.size() >= p.size() && s.compare(s.size() - p.size(), p.size(), p) == 0);
+      }
+      if (m == "replace") {
+        const std::string from = py_str(a.at(0)), to = py_str(a.at(1));
+        if (from.empty()) fail("replace() of an empty string");
+        std::string out;
+        for (size_t k = 0; k < s.size();) {
+          if (s.compare(k, from.size(), from) == 0) out += to, k += from.size();
+          else out += s[k++];
+        }
+        return V(out);
+      }
+      if (m == "split") {
+        json parts = json::array();
+        if (a.empty() || a[0].j.is_null()) {
+          std::string cur;
+          for (char c : s) {
+            if (std::isspace(static_cast<unsigned char>(c))) {
+              if (!cur.empty()) parts.push_back(cur), cur.clear();
+            } else {
+              cur += c;
+            }
+          }
+          if (!cur.empty()) parts.push_back(cur);
+        } else {
+          const std::string sep = py_str(a[0]);
+          if (sep.empty()) fail("split() with an empty separator");
+          size_t k = 0;
+          for (size_t at; (at = s.find(sep, k)) != std::string::npos; k = at + sep.size()) parts.push_back(s.substr(k, at - k));
+          parts.push_back(s.substr(k));
+        }
+        return V(parts);
+      }
+      if (m == "title" || m == "capitalize") {
+        bool start = true;
+        for (char& c : r) {
+          const bool alpha = std::isalpha(static_cast<unsigned char>(c));
+          c = static_cast<char>(start && alpha ? std::toupper(static_cast<unsigned char>(c))
+                                               : m == "capitalize" || alpha ? std::tolower(static_cast<unsigned char>(c)) : c);
+          start = m == "title" ? !alpha : false;
+        }
+        return V(r);
+      }
+    }
+    if (o.j.is_object()) {
+      if (m == "items") {
+        json r = json::array();
+        for (const auto& [k, v] : o.j.items()) r.push_back(json::array({k, v}));
+        return V(r);
+      }
+      if (m == "keys" || m == "values") {
+        json r = json::array();
+        for (const auto& [k, v] : o.j.items()) r.push_back(m == "keys" ? json(k) : v);
+        return V(r);
+      }
+      if (m == "get") {
+        const Val v = item(o, a.at(0).j);
+        return v.undef ? (a.size() > 1 ? a[1] : V(nullptr)) : v;
+      }
+    }
+    fail("the method '" + m + "' of " + (o.undef ? std::string("an undefined value") : py_repr(o.j)) + " is not supported");
+  }
+
+  bool test(const Expr& e) {
+    const Val v = eval(*e.kids[0]);
+    const std::vector<Val> a = args(e, 1);
+    const std::string& t = e.name;
+    if (t == "defined") return !v.undef;
+    if (t == "undefined") return v.undef;
+    if (t == "none") return !v.undef && v.j.is_null();
+    if (t == "string") return v.j.is_string();
+    if (t == "number") return v.j.is_number() && !v.undef;
+    if (t == "integer") return v.j.is_number_integer();
+    if (t == "float") return v.j.is_number_float();
+    if (t == "boolean") return v.j.is_boolean();
+    if (t == "true") return v.j.is_boolean() && v.j.get<bool>();
+    if (t == "false") return v.j.is_boolean() && !v.j.get<bool>();
+    if (t == "mapping") return v.j.is_object();
+    if (t == "sequence" || t == "iterable") return v.j.is_array() || v.j.is_string() || (t == "iterable" && v.j.is_object());
+    if (t == "equalto" || t == "eq" || t == "sameas") return !v.undef && !a.empty() && v.j == a[0].j;
+    if (t == "ne") return a.empty() || v.j != a[0].j;
+    if (t == "odd" || t == "even") return v.j.is_number_integer() && (v.j.get<int64_t>() % 2 != 0) == (t == "odd");
+    if (t == "in") return !a.empty() && a[0].j.is_array() && std::find(a[0].j.begin(), a[0].j.end(), v.j) != a[0].j.end();
+    fail("the test '" + t + "' is not supported");
+  }
+
+  Val filter(const Expr& e) {
+    const Val v = eval(*e.kids[0]);
+    const std::vector<Val> a = args(e, 1);
+    const std::string& f = e.name;
+    if (f == "trim") return V(trim(py_str(v)));
+    if (f == "upper" || f == "lower" || f == "title" || f == "capitalize") {
+      Expr m;
+      m.kind = Expr::Call;
+      auto attr = mk(Expr::Attr);
+      attr->name = f;
+      auto lit = mk(Expr::Lit);
+      lit->lit = py_str(v);
+      attr->kids = {lit};
+      m.kids = {attr};
+      return call(m);
+    }
+    if (f == "length" || f == "count") {
+      if (v.j.is_string()) return V(static_cast<int64_t>(v.j.get_ref<const std::string&>().size()));
+      return V(static_cast<int64_t>(v.undef || v.j.is_null() ? 0 : v.j.size()));
+    }
+    if (f == "string") return V(py_str(v));
+    if (f == "int") return V(v.j.is_number() ? static_cast<int64_t>(v.j.get<double>()) : static_cast<int64_t>(0));
+    if (f == "default" || f == "d") {
+      const bool boolean = a.size() > 1 && truthy(a[1]);
+      return (v.undef || (boolean && !truthy(v))) ? (a.empty() ? V("") : a[0]) : v;
+    }
+    if (f == "first" || f == "last") {
+      if (v.j.is_array()) return v.j.empty() ? Val::undefined() : V(f == "first" ? v.j.front() : v.j.back());
+      if (v.j.is_string()) {
+        const std::string& s = v.j.get_ref<const std::string&>();
+        return s.empty() ? Val::undefined() : V(std::string(1, f == "first" ? s.front() : s.back()));
+      }
+      fail("'" + f + "' of " + py_repr(v.j));
+    }
+    if (f == "list") return V(v.j.is_array() ? v.j : json::array());
+    if (f == "reverse") {
+      json r = v.j;
+      if (r.is_array()) std::reverse(r.begin(), r.end());
+      else if (r.is_string()) std::reverse(r.get_ref<std::string&>().begin(), r.get_ref<std::string&>().end());
+      return V(r);
+    }
+    if (f == "join") {
+      const std::string sep = a.empty() ? "" : py_str(a[0]);
+      std::string r;
+      bool first = true;
+      for (const json& x : v.j) r += (first ? "" : sep) + py_str(V(x)), first = false;
+      return V(r);
+    }
+    if (f == "items") {
+      json r = json::array();
+      for (const auto& [k, x] : v.j.items()) r.push_back(json::array({k, x}));
+      return V(r);
+    }
+    if (f == "tojson") {
+      const Val ind = kwarg(e, "indent");
+      return V(py_json(v.j, ind.undef || ind.j.is_null() ? -1 : static_cast<int>(ind.j.get<int64_t>())));
+    }
+    if (f == "selectattr" || f == "rejectattr") {
+      if (a.empty()) fail(f + " needs an attribute");
+      const std::string attr = py_str(a[0]);
+      json r = json::array();
+      for (const json& x : v.undef ? json::array() : v.j) {
+        const Val got = item(V(x), json(attr));
+        bool ok;
+        if (a.size() == 1) {
+          ok = truthy(got);
+        } else {
+          auto probe = mk(Expr::Test);
+          probe->name = py_str(a[1]);
+          auto lit = mk(Expr::Lit);
+          lit->lit = got.j;
+          lit->negated = got.undef;
+          probe->kids = {lit};
+          for (size_t k = 2; k < a.size(); ++k) {
+            auto l = mk(Expr::Lit);
+            l->lit = a[k].j;
+            probe->kids.push_back(l);
+          }
+          ok = test(*probe);
+        }
+        if (ok == (f == "selectattr")) r.push_back(x);
+      }
+      return V(r);
+    }
+    if (f == "map") {
+      const Val attr = kwarg(e, "attribute");
+      json r = json::array();
+      for (const json& x : v.j) {
+        if (!attr.undef) r.push_back(item(V(x), attr.j).j);
+        else fail("map() without attribute= is not supported");
+      }
+      return V(r);
+    }
+    if (f == "replace") return call_method(v, "replace", a);
+    fail("the filter '" + f + "' is not supported");
+  }
+
+  Val call_method(const Val& o, const std::string& m, const std::vector<Val>& a) {
+    Expr c;
+    c.kind = Expr::Call;
+    auto attr = mk(Expr::Attr);
+    attr->name = m;
+    auto lit = mk(Expr::Lit);
+    lit->lit = o.j;
+    attr->kids = {lit};
+    c.kids = {attr};
+    for (const Val& x : a) {
+      auto l = mk(Expr::Lit);
+      l->lit = x.j;
+      c.kids.push_back(l);
+    }
+    return call(c);
+  }
+
+  std::vector<std::map<std::string, json>> scopes_;
+};
+
+}  // namespace
+
+std::string render_chat_template(const std::string& tmpl, const nlohmann::ordered_json& context, const std::string& where) {
+  try {
+    // (Jinja2 drops one newline at the template's end: keep_trailing_newline is off.)
+    std::string src = tmpl;
+    if (!src.empty() && src.back() == '\n') src.pop_back();
+    if (!src.empty() && src.back() == '\r') src.pop_back();
+    const Body body = Parser(cut(src)).parse_top();
+    std::string out;
+    Renderer(context).run(body, out);
+    return out;
+  } catch (const Error& e) {
+    throw InputError(where + ": chat template, " + e.what);
+  } catch (const Jump&) {
+    throw InputError(where + ": chat template, a break or continue outside a loop");
+  } catch (const nlohmann::ordered_json::exception& e) {
+    throw InputError(where + ": chat template, a value of the wrong type (" + std::string(e.what()) + ")");
+  } catch (const std::out_of_range& e) {  // (a call with too few arguments, a number too large)
+    throw InputError(where + ": chat template, an argument or number out of range (" + std::string(e.what()) + ")");
+  } catch (const std::invalid_argument& e) {
+    throw InputError(where + ": chat template, an invalid number (" + std::string(e.what()) + ")");
+  }
+}
+
+}  // namespace kvlens

@@ -1,0 +1,87 @@
+// Chat templates (models/chat_template.cpp) rendered as HF transformers renders them: the
+// families' templates and a walk through the Jinja2 subset, against HF's renderings recorded by
+// tests/make_chat_template_fixtures.py; what cannot be rendered is refused naming the line.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <functional>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "core/errors.h"
+#include "models/chat_template.h"
+#include "models/tokenizer.h"
+#include "tests/test_util.h"
+
+using namespace kvlens;
+namespace kt = kvlens::testing;
+using ojson = nlohmann::ordered_json;
+
+namespace {
+
+ojson fixture() {
+  std::ifstream f(kt::source_dir() + "/tests/fixtures/chat_templates/cases.json");
+  return ojson::parse(f);
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const InputError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST(ChatTemplate, RendersAsTransformersDoes) {
+  const ojson fx = fixture();
+  ASSERT_GE(fx["cases"].size(), 10u);
+  for (const auto& c : fx["cases"]) {
+    SCOPED_TRACE(c["name"].get<std::string>());
+    EXPECT_EQ(render_chat_template(c["template"].get<std::string>(), c["context"], "t"), c["rendered"].get<std::string>());
+  }
+}
+
+TEST(ChatTemplate, ErrorsNameTheLineAndWhat) {
+  for (const auto& c : fixture()["errors"]) {
+    const std::string e = error_of([&] { render_chat_template(c["template"].get<std::string>(), c["context"], "t.json"); });
+    EXPECT_NE(e.find("t.json: chat template, line 1: the chat template raised: " + c["message"].get<std::string>()),
+              std::string::npos) << e;
+  }
+  EXPECT_EQ(error_of([] { render_chat_template("a\n{{ x | frobnicate }}", ojson::object(), "t.json"); }),
+            "t.json: chat template, line 2: the filter 'frobnicate' is not supported");
+  EXPECT_EQ(error_of([] { render_chat_template("{% for x in y %}", ojson::object(), "t.json"); }),
+            "t.json: chat template, line 1: the template ends before 'endfor'");
+  EXPECT_EQ(error_of([] { render_chat_template("{% macro f() %}{% endmacro %}", ojson::object(), "t.json"); }),
+            "t.json: chat template, line 1: the statement 'macro' is not supported");
+  EXPECT_EQ(error_of([] { render_chat_template("{{ 'open }}", ojson::object(), "t.json"); }),
+            "t.json: chat template, line 1: a tag opened here is never closed");
+}
+
+// Where a checkpoint keeps its template, as transformers looks: chat_template.jinja first, then
+// chat_template.json, then tokenizer_config.json (a string, or named templates); rendered for one
+// user turn it holds {prompt}; a template that drops the user's text is refused.
+TEST(ChatTemplate, TheTokenizerFindsTheCheckpointsTemplate) {
+  const std::string src = kt::source_dir() + "/tests/fixtures/tokenizers/qwen2_style";
+  const std::string dir = kt::make_temp_dir("chat");
+  kt::write_file(dir + "/tokenizer.json", kt::read_file(src + "/tokenizer.json"));
+  nlohmann::json cfg = kt::read_json(src + "/tokenizer_config.json");
+  auto load = [&] { return Tokenizer::load(dir, -1, false); };
+  EXPECT_EQ(load().chat_prompt(false), "") << "no template, no chat prompt";
+  cfg["chat_template"] = nlohmann::json::array({{{"name", "tool_use"}, {"template", "T"}},
+                                                {{"name", "default"}, {"template", "<|im_start|>user\n{{ messages[0]['content'] }}"}}});
+  kt::write_file(dir + "/tokenizer_config.json", cfg.dump());
+  EXPECT_EQ(load().chat_prompt(false), "<|im_start|>user\n{prompt}");
+  kt::write_file(dir + "/chat_template.json", nlohmann::json({{"chat_template", "[{{ messages[0]['content'] }}]"}}).dump());
+  EXPECT_EQ(load().chat_prompt(false), "[{prompt}]");
+  kt::write_file(dir + "/chat_template.jinja", "<{{ messages[0]['content'] }}>{% if add_generation_prompt %}!{% endif %}\n");
+  EXPECT_EQ(load().chat_prompt(false), "<{prompt}>!");
+  EXPECT_EQ(load().chat_template_file(), dir + "/chat_template.jinja");
+  kt::write_file(dir + "/chat_template.jinja", "{{ 'no user text' }}");
+  EXPECT_NE(error_of([&] { load().chat_prompt(false); }).find("the chat template dropped the user's text"), std::string::npos);
+  kt::write_file(dir + "/chat_template.jinja", "{{ messages[0]['content'][1]['text'] }}");
+  EXPECT_NE(error_of([&] { load().chat_prompt(true); }).find("writes no <image> for the user's image"), std::string::npos);
+}
