@@ -85,6 +85,47 @@ bool code_points(const std::string& s, std::vector<std::pair<uint32_t, int>>& ou
   return true;
 }
 
+// Bytes as UTF-8 text the way Python's bytes.decode("utf-8", errors="replace") gives it (and so
+// HF's decode): each maximal ill-formed part becomes one U+FFFD. Ids decoded alone or cut short
+// can end inside a character.
+std::string utf8_or_replacement(const std::string& b) {
+  static const std::string repl = "\xEF\xBF\xBD";
+  std::string out;
+  size_t i = 0;
+  while (i < b.size()) {
+    const auto c = static_cast<unsigned char>(b[i]);
+    if (c < 0x80) {
+      out += static_cast<char>(c);
+      ++i;
+      continue;
+    }
+    int need = 0;
+    unsigned char lo = 0x80, hi = 0xBF;  // the second byte's range
+    if (c >= 0xC2 && c <= 0xDF) need = 1;
+    else if (c == 0xE0) need = 2, lo = 0xA0;
+    else if (c >= 0xE1 && c <= 0xEC) need = 2;
+    else if (c == 0xED) need = 2, hi = 0x9F;
+    else if (c >= 0xEE && c <= 0xEF) need = 2;
+    else if (c == 0xF0) need = 3, lo = 0x90;
+    else if (c >= 0xF1 && c <= 0xF3) need = 3;
+    else if (c == 0xF4) need = 3, hi = 0x8F;
+    if (need == 0) {  // not a lead byte
+      out += repl;
+      ++i;
+      continue;
+    }
+    size_t k = 1;
+    for (; k <= static_cast<size_t>(need) && i + k < b.size(); ++k) {
+      const auto d = static_cast<unsigned char>(b[i + k]);
+      if (k == 1 ? (d < lo || d > hi) : (d < 0x80 || d > 0xBF)) break;
+    }
+    if (k == static_cast<size_t>(need) + 1) out.append(b, i, k);
+    else out += repl;
+    i += k;
+  }
+  return out;
+}
+
 }  // namespace
 
 // One compiled pre-tokenizer pattern.
@@ -396,7 +437,7 @@ std::string ByteLevelBpe::decode(const std::vector<int>& ids, bool skip_special)
     else out += chars.substr(at, static_cast<size_t>(n));
     at += static_cast<size_t>(n);
   }
-  return out;
+  return utf8_or_replacement(out);
 }
 
 }  // namespace kvlens

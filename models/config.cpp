@@ -89,11 +89,18 @@ LlamaConfig parse_text(const nlohmann::json* jp, const std::string& w, bool mist
   nlohmann::json empty = nlohmann::json::object();
   const nlohmann::json& j = jp ? *jp : empty;
   get(j, "model_type", c.model_type, w);
-  if (c.model_type != "llama" && !(mistral_too && c.model_type == "mistral"))
+  if (c.model_type != "llama" && !(mistral_too && (c.model_type == "mistral" || c.model_type == "qwen2")))
     throw InputError(w + ": model_type '" + c.model_type + "' is not supported (expected llama" +
-                     (mistral_too ? " or mistral)" : ")"));
-  const bool mistral = c.model_type == "mistral";
+                     (mistral_too ? ", mistral or qwen2)" : ")"));
+  const bool mistral = c.model_type == "mistral", qwen2 = c.model_type == "qwen2";
   if (mistral) c.intermediate_size = 14336, c.max_position_embeddings = 4096 * 32, c.sliding_window = 4096;
+  if (qwen2) {
+    // Qwen2Config's defaults; biases on q, k and v (not on o), no BOS or EOS unless given.
+    c.vocab_size = 151936, c.intermediate_size = 22016, c.max_position_embeddings = 32768;
+    c.qkv_bias = true;
+    c.bos_token_id = -1;
+    c.eos_token_ids.clear();
+  }
   get_int(j, "vocab_size", c.vocab_size, w, 1, kMaxVocab);
   get_int(j, "hidden_size", c.hidden_size, w, 1, kMaxWidth);
   get_int(j, "intermediate_size", c.intermediate_size, w, 1, kMaxMlp);
@@ -145,11 +152,18 @@ LlamaConfig parse_text(const nlohmann::json* jp, const std::string& w, bool mist
     }
   }
   c.rope.theta = static_cast<float>(theta);
-  get(j, "attention_bias", c.attention_bias, w);
+  bool attention_bias = false;
+  get(j, "attention_bias", attention_bias, w);
+  if (attention_bias) c.qkv_bias = c.o_bias = true;
   get(j, "mlp_bias", c.mlp_bias, w);
   get(j, "tie_word_embeddings", c.tie_word_embeddings, w);
   if (j.contains("sliding_window") && j["sliding_window"].is_null()) c.sliding_window = 0;  // (null: none)
   get_int(j, "sliding_window", c.sliding_window, w, 0, kMaxPositions);
+  if (qwen2) {  // Qwen2 slides its window only where use_sliding_window says so
+    bool sliding = false;
+    get(j, "use_sliding_window", sliding, w);
+    if (!sliding) c.sliding_window = 0;
+  }
   // Token ids are checked against the vocabulary; -1 is how some configs say "none".
   get_int(j, "bos_token_id", c.bos_token_id, w, -1, c.vocab_size - 1);
   if (j.contains("eos_token_id") && !j["eos_token_id"].is_null()) {
@@ -286,7 +300,7 @@ LlavaConfig load_llava_config(const std::string& path) {
 
 LlamaConfig parse_text_only_config(const nlohmann::json& j, const std::string& where) {
   if (!j.is_object()) throw InputError(where + ": not a JSON object");
-  if (!j.contains("model_type")) throw InputError(where + ": no model_type (expected llama or mistral)");
+  if (!j.contains("model_type")) throw InputError(where + ": no model_type (expected llama, mistral or qwen2)");
   try {
     return parse_text(&j, where, true);
   } catch (const nlohmann::json::exception& e) {

@@ -30,7 +30,7 @@ struct ClipVisionConfig {
 };
 
 struct LlamaConfig {
-  std::string model_type = "llama";  // "llama", or "mistral" (MistralConfig's defaults)
+  std::string model_type = "llama";  // "llama", "mistral" or "qwen2" (their configs' defaults)
   int vocab_size = 32000;
   int hidden_size = 4096;
   int intermediate_size = 11008;
@@ -42,7 +42,7 @@ struct LlamaConfig {
   int max_position_embeddings = 2048;
   double rms_norm_eps = 1e-6;
   Rope rope;  // rope_theta and the rope_parameters / rope_scaling kvlens reads (default, llama3)
-  bool attention_bias = false;
+  bool qkv_bias = false, o_bias = false;  // attention_bias sets both; Qwen2 has the first alone
   bool mlp_bias = false;
   bool tie_word_embeddings = false;
   int bos_token_id = 1;

@@ -43,7 +43,7 @@ LlamaDecoder LlamaDecoder::load(const WeightStore& ws, const std::string& p, con
                                      ws.host(q + "self_attn.k_proj.weight", {KD, H}),
                                      ws.host(q + "self_attn.v_proj.weight", {KD, H})});
     L.o_w = be->matrix(n + "o", {ws.host(q + "self_attn.o_proj.weight", {H, QD})});
-    if (cfg.attention_bias) {
+    if (cfg.qkv_bias) {
       // Biases are fp32 vectors; the three are stacked like the matrix rows.
       std::vector<float> b;
       for (const auto& [name, len] : {std::pair{"q_proj", QD}, {"k_proj", KD}, {"v_proj", KD}}) {
@@ -53,8 +53,8 @@ LlamaDecoder LlamaDecoder::load(const WeightStore& ws, const std::string& p, con
         b.insert(b.end(), host.begin(), host.end());
       }
       L.qkv_b = be->vector({n + "qkv_bias", Dt::F32, {QD + 2 * KD}, b.data()});
-      L.o_b = be->vector(ws.host(q + "self_attn.o_proj.bias", {H}));
     }
+    if (cfg.o_bias) L.o_b = be->vector(ws.host(q + "self_attn.o_proj.bias", {H}));
     L.ln2 = be->vector(ws.host(q + "post_attention_layernorm.weight", {H}));
     L.gate_up_w = be->matrix(n + "gate_up", {ws.host(q + "mlp.gate_proj.weight", {I, H}),
                                              ws.host(q + "mlp.up_proj.weight", {I, H})});

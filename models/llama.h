@@ -24,7 +24,7 @@ namespace kvlens {
 
 struct LlamaLayer {
   Buffer ln1, ln2;      // fp32 [hidden]
-  Buffer qkv_w, qkv_b;  // [q_dim + 2·kv_dim][hidden] (bias empty unless attention_bias)
+  Buffer qkv_w, qkv_b;  // [q_dim + 2·kv_dim][hidden] (bias empty unless qkv_bias)
   Buffer o_w, o_b;      // [hidden][q_dim]
   Buffer gate_up_w;     // [2·intermediate][hidden]
   Buffer down_w;        // [hidden][intermediate]

@@ -27,7 +27,8 @@ LlamaTextModel LlamaTextModel::load_checked(const std::string& dir, const Backen
     throw InputError(dir + ": no 'lm_head.weight', and config.json does not tie the word embeddings");
   m.load_decoder(ws, tp, lm_head, m.text_cfg_.tie_word_embeddings, backend);
   m.info_.architecture = m.text_cfg_.model_type;
-  m.info_.family = m.text_cfg_.model_type == "mistral" ? "Mistral (text only)" : "Llama (text only)";
+  const std::string& t = m.text_cfg_.model_type;
+  m.info_.family = (t == "mistral" ? "Mistral" : t == "qwen2" ? "Qwen2" : "Llama") + std::string(" (text only)");
   return m;
 }
 

@@ -33,6 +33,7 @@ const Architecture kArchitectures[] = {
      }},
     {"llama", load_text_only},
     {"mistral", load_text_only},
+    {"qwen2", load_text_only},
 };
 
 // config.json's model_type, or "" when the folder, the file or the key is missing or unreadable

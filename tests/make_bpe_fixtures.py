@@ -8,7 +8,8 @@ Each folder under --out (default tests/fixtures/tokenizers) holds:
                          normalizer, pre-tokenizer, post-processor, decoder and special tokens
   tokenizer_config.json  bos_token / eos_token / add_bos_token as the family's checkpoints set them
   cases.json             for each text: HF's ids without special tokens, its ids with them (the
-                         post-processor's BOS), and its decode of the ids (special tokens skipped)
+                         post-processor's BOS), and its decode of the ids (special tokens skipped);
+                         for non-ASCII texts the decode of every prefix of the ids as well
 
 Folders:
 
@@ -118,8 +119,11 @@ def build(name, fam, out_root):
     for text in TEXTS:
         plain = tok.encode(text, add_special_tokens=False).ids
         with_special = tok.encode(text, add_special_tokens=True).ids
-        cases.append({"text": text, "ids": plain, "ids_with_special_tokens": with_special,
-                      "decoded": tok.decode(plain, skip_special_tokens=True)})
+        case = {"text": text, "ids": plain, "ids_with_special_tokens": with_special,
+                "decoded": tok.decode(plain, skip_special_tokens=True)}
+        if any(ord(ch) > 127 for ch in text):  # prefixes that end inside a character decode to U+FFFD
+            case["decoded_prefixes"] = [tok.decode(plain[:k], skip_special_tokens=True) for k in range(1, len(plain))]
+        cases.append(case)
     with open(os.path.join(folder, "cases.json"), "w") as f:
         json.dump({"tokenizers_version": tokenizers.__version__, "vocab_size": tok.get_vocab_size(),
                    "cases": cases}, f, indent=1, ensure_ascii=False)

@@ -18,6 +18,9 @@ Folders:
                          (tests/fixtures/tokenizers/llama3_style, BOS from its post-processor),
                          rope_parameters of type llama3 whose three frequency bands all occur at
                          head_dim 16, GQA 4:2, fp16.
+  qwen2_bpe_chatml       Qwen2ForCausalLM: q/k/v biases without an o bias, GQA 4:2, tied embeddings,
+                         bf16, a Qwen2-style byte-level BPE tokenizer.json (NFC, no BOS) and the
+                         ChatML chat template.
   mistral_gqa_bf16_shard MistralForCausalLM, GQA 4:2 with an explicit head_dim, bf16, sharded
                          safetensors, a sliding_window longer than the context.
 
@@ -33,12 +36,13 @@ import sys
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from make_hf_fixtures import N_GREEDY, SP_VOCAB, random_init, special_token_entry, train_tokenizer  # noqa: E402
 from hf_layouts import write_json  # noqa: E402
-from make_chat_template_fixtures import LLAMA3  # noqa: E402
+from make_chat_template_fixtures import CHATML, LLAMA3  # noqa: E402
 
 PROMPT = "The picture was taken in the morning, so the light is"
 TEMPLATE = "{prompt}"
@@ -57,6 +61,11 @@ SPECS = [
                    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                     "original_max_position_embeddings": 64})),
+    dict(name="qwen2_bpe_chatml", cls=Qwen2ForCausalLM, cfg=Qwen2Config, dtype=torch.bfloat16, shard=None, seed=15,
+         tokenizer="qwen2_style", vocab=704, chat_template=CHATML,
+         text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                   rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
     dict(name="mistral_gqa_bf16_shard", cls=MistralForCausalLM, cfg=MistralConfig, dtype=torch.bfloat16, shard="40KB",
          seed=12,
          text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -107,7 +116,8 @@ def build_seed(spec, out_root, proto, sp, seed):
     if bpe_dir:  # a byte-level BPE tokenizer.json (tests/make_bpe_fixtures.py); its own BOS / EOS
         import tokenizers
         bpe = tokenizers.Tokenizer.from_file(os.path.join(bpe_dir, "tokenizer.json"))
-        bos, eos = bpe.token_to_id("<|begin_of_text|>"), bpe.token_to_id("<|eot_id|>")
+        bos = bpe.token_to_id("<|begin_of_text|>")  # (None: Qwen2 has no BOS)
+        eos = bpe.token_to_id("<|eot_id|>") or bpe.token_to_id("<|im_end|>")
     else:
         bos, eos = 1, 2
     cfg = spec["cfg"](vocab_size=vocab, bos_token_id=bos, eos_token_id=eos, **spec["text"])

@@ -128,3 +128,24 @@ TEST(TextOnlyCli, BenchRunsWithoutAnImage) {
   EXPECT_GT(j["prefill_ms"].get<double>(), 0.0);
   EXPECT_GT(j["decode_tokens_per_s"].get<double>(), 0.0);
 }
+
+// Without --template a caption takes the checkpoint's chat template for one user turn and gives
+// HF's apply_chat_template ids: Llama-3's BOS written by the template and not added twice,
+// Qwen2's ChatML with no BOS at all. --template still overrides it.
+TEST(TextOnlyCli, TheCheckpointsChatTemplateGivesTransformersIds) {
+  for (const char* name : {"llama3_bpe_rope_scaled", "qwen2_bpe_chatml"}) {
+    SCOPED_TRACE(name);
+    const std::string fix = kt::source_dir() + "/tests/fixtures/hf/" + name;
+    const auto exp = kt::read_json(fix + "/expected.json");
+    const std::string tmp = kt::make_temp_dir("chatcap");
+    auto r = kt::run(kt::cli() + " caption --backend cpu --model " + fix + " --prompt '" + exp["prompt"].get<std::string>() +
+                     "' --max-new-tokens 2 --json " + tmp + "/c.json");
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_EQ(kt::read_json(tmp + "/c.json")["prompt_ids"].get<std::vector<int>>(),
+              exp["chat_prompt_ids"].get<std::vector<int>>());
+    r = kt::run(kt::cli() + " caption --backend cpu --model " + fix + " --template '{prompt}' --prompt '" +
+                exp["prompt"].get<std::string>() + "' --max-new-tokens 2 --json " + tmp + "/p.json");
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_EQ(kt::read_json(tmp + "/p.json")["prompt_ids"].get<std::vector<int>>(), exp["prompt_ids"].get<std::vector<int>>());
+  }
+}
