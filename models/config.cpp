@@ -294,6 +294,88 @@ static LlavaConfig parse_llava_config_checked(const nlohmann::json& j, const std
   return c;
 }
 
+namespace {
+
+// An int, or a [h, w] pair whose two sides are equal (InternViT's image_size and patch_size).
+void square_size(const nlohmann::json& j, const char* key, int& out, const std::string& w) {
+  if (!j.contains(key) || j[key].is_null()) return;
+  const auto& v = j[key];
+  if (v.is_array()) {
+    if (v.size() != 2) throw InputError(w + ": '" + key + "' must be an integer or [height, width], got " + v.dump());
+    const int h = json_int(v[0], w + ": " + key + "[0]", 1, kMaxImageSide), wd = json_int(v[1], w + ": " + key + "[1]", 1, kMaxImageSide);
+    if (h != wd) throw InputError(w + ": '" + key + "' " + v.dump() + " is not square (kvlens reads square tiles)");
+    out = h;
+  } else {
+    out = json_int(v, w + ": " + key, 1, kMaxImageSide);
+  }
+}
+
+InternVLConfig parse_internvl_checked(const nlohmann::json& j, const std::string& where) {
+  if (!j.is_object()) throw InputError(where + ": not a JSON object");
+  InternVLConfig c;
+  const std::string w = where + ": vision_config";
+  const nlohmann::json vj = j.contains("vision_config") && j["vision_config"].is_object() ? j["vision_config"] : nlohmann::json::object();
+  InternVitConfig& v = c.vision;
+  if (vj.contains("model_type") && vj["model_type"] != "internvl_vision")
+    throw InputError(w + ": model_type " + vj["model_type"].dump() + " is not supported (expected internvl_vision)");
+  get_int(vj, "hidden_size", v.hidden_size, w, 1, kMaxWidth);
+  get_int(vj, "intermediate_size", v.intermediate_size, w, 1, kMaxMlp);
+  get_int(vj, "num_hidden_layers", v.num_hidden_layers, w, 1, kMaxLayers);
+  get_int(vj, "num_attention_heads", v.num_attention_heads, w, 1, kMaxHeads);
+  square_size(vj, "image_size", v.image_size, w);
+  square_size(vj, "patch_size", v.patch_size, w);
+  get(vj, "hidden_act", v.hidden_act, w);
+  get(vj, "norm_type", v.norm_type, w);
+  get_real(vj, "layer_norm_eps", v.layer_norm_eps, w, 0, 1);
+  get(vj, "attention_bias", v.attention_bias, w);
+  get(vj, "use_qk_norm", v.use_qk_norm, w);
+  get(vj, "use_mean_pooling", v.use_mean_pooling, w);
+  get(vj, "use_absolute_position_embeddings", v.use_absolute_position_embeddings, w);
+  if (v.norm_type != "layer_norm" && v.norm_type != "rms_norm")
+    throw InputError(w + ": norm_type '" + v.norm_type + "' is not 'layer_norm' or 'rms_norm'");
+  if (v.hidden_size % v.num_attention_heads)
+    throw InputError(w + ": hidden_size " + std::to_string(v.hidden_size) + " is not divisible by num_attention_heads " +
+                     std::to_string(v.num_attention_heads));
+  if (v.image_size % v.patch_size || v.grid() % 2)
+    throw InputError(w + ": image_size " + std::to_string(v.image_size) + " must be an even number of " +
+                     std::to_string(v.patch_size) + "-pixel patches (patch_size), for the 2×2 pixel shuffle");
+  // The decoder: Qwen2 unless text_config names another.
+  nlohmann::json tj = j.contains("text_config") && j["text_config"].is_object() ? j["text_config"] : nlohmann::json::object();
+  if (!tj.contains("model_type")) tj["model_type"] = "qwen2";
+  c.text = parse_text(&tj, where + ": text_config", true);
+  get_int(j, "image_token_id", c.image_token_id, where, 0, c.text.vocab_size - 1);
+  get_int(j, "image_token_index", c.image_token_id, where, 0, c.text.vocab_size - 1);
+  get_real(j, "downsample_ratio", c.downsample_ratio, where, 0, 1);
+  if (c.downsample_ratio != 0.5)
+    throw InputError(where + ": downsample_ratio " + format_number(c.downsample_ratio) +
+                     " is not supported (the 2×2 pixel shuffle of InternVL, 0.5)");
+  get(j, "projector_hidden_act", c.projector_hidden_act, where);
+  if (j.contains("vision_feature_layer") && !j["vision_feature_layer"].is_null()) {
+    if (!j["vision_feature_layer"].is_number_integer())
+      throw InputError(where + ": 'vision_feature_layer' must be one integer for internvl, got " + j["vision_feature_layer"].dump());
+    c.vision_feature_layer = json_int(j["vision_feature_layer"], where + ": vision_feature_layer", -(v.num_hidden_layers + 1),
+                                      v.num_hidden_layers);
+  }
+  std::string strategy = "default";
+  get(j, "vision_feature_select_strategy", strategy, where);
+  if (strategy != "default")
+    throw InputError(where + ": vision_feature_select_strategy '" + strategy +
+                     "' does not work with internvl: the pixel shuffle needs the patches alone ('default')");
+  c.tie_word_embeddings = true;
+  get(j, "tie_word_embeddings", c.tie_word_embeddings, where);
+  return c;
+}
+
+}  // namespace
+
+InternVLConfig parse_internvl_config(const nlohmann::json& j, const std::string& where) {
+  try {
+    return parse_internvl_checked(j, where);
+  } catch (const nlohmann::json::exception& e) {
+    throw InputError(where + ": a value has the wrong type (" + e.what() + ")");
+  }
+}
+
 LlavaConfig load_llava_config(const std::string& path) {
   return parse_llava_config(read_json_file(path, "config"), path);
 }

@@ -77,6 +77,32 @@ struct LlavaConfig {
   int encoder_layers_needed() const;
 };
 
+// InternViT (HF InternVLVisionConfig, model_type internvl_vision).
+struct InternVitConfig {
+  int hidden_size = 1024, intermediate_size = 4096, num_hidden_layers = 24, num_attention_heads = 16;
+  int image_size = 448, patch_size = 14;
+  std::string hidden_act = "gelu";
+  std::string norm_type = "layer_norm";  // or "rms_norm"
+  double layer_norm_eps = 1e-6;
+  bool attention_bias = false, use_qk_norm = false, use_mean_pooling = true, use_absolute_position_embeddings = true;
+  int grid() const { return image_size / patch_size; }
+};
+
+// InternVL (HF InternVLForConditionalGeneration, model_type internvl): InternViT, pixel shuffle,
+// an MLP projector with a LayerNorm, a Qwen2 (or Llama) decoder.
+struct InternVLConfig {
+  InternVitConfig vision;
+  LlamaConfig text;
+  int image_token_id = 151667;  // <IMG_CONTEXT>
+  double downsample_ratio = 0.5;
+  std::string projector_hidden_act = "gelu";
+  int vision_feature_layer = -1;  // -1: the tower's last hidden state, after its final norm
+  bool tie_word_embeddings = true;
+  int shuffled_grid() const { return vision.grid() / 2; }  // tokens per tile side after the pixel shuffle
+  int tokens_per_tile() const { return shuffled_grid() * shuffled_grid(); }
+};
+InternVLConfig parse_internvl_config(const nlohmann::json& j, const std::string& where);
+
 LlavaConfig parse_llava_config(const nlohmann::json& j, const std::string& where);
 // A list of [height, width] resolutions (LLaVA-NeXT's image_grid_pinpoints); `where` names it.
 std::vector<std::array<int, 2>> parse_grid_pinpoints(const nlohmann::json& v, const std::string& where);

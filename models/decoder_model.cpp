@@ -320,4 +320,69 @@ DecodeResult DecoderModel::decode(const PrefillState& st, KVPolicy* policy, cons
   return r;
 }
 
+PrefillState DecoderModel::prefill_image(const RGBImage& img, const std::string& prompt, const std::string& templ,
+                                         bool keep_attention, const std::vector<AttentionObserver*>& observers) const {
+  const auto t0 = std::chrono::steady_clock::now();
+  const Tensor px = pixel_values(img);
+  const double preprocess_ms = model_detail::ms_since(t0);
+  const auto t1 = std::chrono::steady_clock::now();
+  const ImageFeatures feats = encode_image(px, visual_layout(img.width, img.height));
+  be_->synchronize();
+  const double vision_ms = model_detail::ms_since(t1);
+  PrefillState st = prefill_features(feats, prompt, templ, keep_attention, observers);
+  st.preprocess_ms = preprocess_ms;
+  st.vision_ms = vision_ms;
+  return st;
+}
+
+PrefillState DecoderModel::prefill_image_tokens(const ImageFeatures& image, std::vector<int> ids, bool keep_attention,
+                                                const std::vector<AttentionObserver*>& observers) const {
+  PrefillState st;
+  const auto t1 = std::chrono::steady_clock::now();
+  const Buffer& feats = image.features;
+  st.layout = image.layout;
+  st.n_visual = image.layout.n_tokens;
+  st.ids = std::move(ids);
+  const int T = static_cast<int>(st.ids.size());
+  check_prompt_length(T, st.n_visual);
+  const int H = text_cfg_.hidden_size, img_id = tok_.image_token_id();
+  if (feats.shape != std::vector<int64_t>{st.n_visual, H})
+    throw InputError("image features have shape " + feats.shape_str() + ", the model needs [" +
+                     std::to_string(st.n_visual) + "," + std::to_string(H) + "]");
+  const auto n_image_ids = std::count(st.ids.begin(), st.ids.end(), img_id);
+  if (n_image_ids != st.n_visual)
+    throw InputError("prompt holds " + std::to_string(n_image_ids) + " image tokens, the image gives " +
+                     std::to_string(st.n_visual) + " features (one <image> marker is expected, in the template)");
+  // Text tokens through the embedding table, then each run of image tokens replaced by the
+  // next image features.
+  st.kinds.resize(T);
+  std::vector<int> text_ids(st.ids);
+  int seen = 0;
+  for (int t = 0; t < T; ++t) {
+    if (st.ids[t] == img_id) {
+      st.kinds[t] = SegmentKind::Visual;
+      ++seen;
+    } else {
+      st.kinds[t] = seen ? SegmentKind::PostVisionText : SegmentKind::System;
+    }
+  }
+  Buffer x = text_.embed_tokens(text_ids);
+  x.name = "prompt_embeds";
+  int used = 0;
+  for (int t = 0; t < T;) {
+    if (st.ids[t] != img_id) {
+      ++t;
+      continue;
+    }
+    int e = t;
+    while (e < T && st.ids[e] == img_id) ++e;
+    be_->copy_block(feats, used, 0, x, t, 0, e - t, H);
+    used += e - t;
+    t = e;
+  }
+  prefill_embedded(st, std::move(x), keep_attention, observers);
+  st.prefill_ms = ms_since(t1);
+  return st;
+}
+
 }  // namespace kvlens

@@ -40,6 +40,14 @@ class DecoderModel : public Model {
   // holds the ids, kinds and n_visual; prefill fills its store, device cache, logits and capture.
   void prefill_embedded(PrefillState& st, Buffer x, bool keep_attention,
                         const std::vector<AttentionObserver*>& observers) const;
+  // An image model's prefill: the image through visual_layout, pixel_values and encode_image,
+  // then prefill_features (with the preprocess and vision times).
+  PrefillState prefill_image(const RGBImage& img, const std::string& prompt, const std::string& templ, bool keep_attention,
+                             const std::vector<AttentionObserver*>& observers) const;
+  // The prompt `ids` with each run of the image token replaced by the next rows of the image's
+  // features, through the decoder (kinds: system before the image, visual, post-vision text).
+  PrefillState prefill_image_tokens(const ImageFeatures& image, std::vector<int> ids, bool keep_attention,
+                                    const std::vector<AttentionObserver*>& observers) const;
   // The prompt's length checked against the positions a sequence may hold.
   void check_prompt_length(int T, int n_visual) const;
   // Loads the decoder's weights under prefix `tp` (lm_head named `lm_head`, or tied) and fills

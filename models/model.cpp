@@ -9,6 +9,7 @@
 #include "core/errors.h"
 #include "core/json_file.h"
 #include "models/llama_text.h"
+#include "models/internvl.h"
 #include "models/llava.h"
 
 namespace kvlens {
@@ -30,6 +31,9 @@ const Architecture kArchitectures[] = {
      }},
     {"llava_next", [](const std::string& dir, const BackendOptions& be) -> std::unique_ptr<Model> {
        return std::make_unique<LlavaModel>(LlavaModel::load(dir, be));
+     }},
+    {"internvl", [](const std::string& dir, const BackendOptions& be) -> std::unique_ptr<Model> {
+       return std::make_unique<InternVLModel>(InternVLModel::load(dir, be));
      }},
     {"llama", load_text_only},
     {"mistral", load_text_only},

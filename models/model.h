@@ -40,11 +40,18 @@ struct VisualGrid {
   int first = 0;       // the grid's first token, counted among the visual tokens
   int rows = 0, cols = 0;
   int row_stride = 0;  // tokens from one row's start to the next: cols, or cols + 1 with a newline token
-  // Anyres tiles: patches per tile side (0: the grid is not tiled) and the patches unpadding cut
-  // from the joined grid's top and left, so tile borders lie at k · tile_side − cut.
+  // Tiles: patches per tile side (0: the grid is not tiled) and the patches unpadding cut from
+  // the joined grid's top and left (anyres), so tile borders lie at k · tile_side − cut.
   int tile_side = 0, cut_top = 0, cut_left = 0;
+  // Tokens stored tile by tile (InternVL: each tile's tile_side² tokens row by row, the tiles
+  // row by row) rather than row by row across the joined grid.
+  bool tile_major = false;
   // The visual token (counted among the visual tokens) of patch (r, c).
-  int token(int r, int c) const { return first + r * row_stride + c; }
+  int token(int r, int c) const {
+    if (!tile_major) return first + r * row_stride + c;
+    const int ts = tile_side, per_row = cols / ts;
+    return first + ((r / ts) * per_row + c / ts) * ts * ts + (r % ts) * ts + c % ts;
+  }
 };
 
 struct VisualLayout {

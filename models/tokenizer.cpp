@@ -115,7 +115,12 @@ std::string Tokenizer::chat_prompt(bool with_image) const {
     user["content"] = "{prompt}";
   const nlohmann::ordered_json ctx = {{"messages", {user}}, {"add_generation_prompt", true},
                                       {"bos_token", bos_text_}, {"eos_token", eos_text_}};
-  const std::string r = render_chat_template(chat_template_, ctx, chat_template_file_);
+  std::string r = render_chat_template(chat_template_, ctx, chat_template_file_);
+  // A template that writes the image as its own token (InternVL's <IMG_CONTEXT>) marks it for
+  // encode_prompt as <image>.
+  const std::string own = with_image && bpe_ && image_token_ >= 0 ? bpe_->piece(image_token_) : "";
+  if (!own.empty() && own != "<image>")
+    for (size_t at = r.find(own); at != std::string::npos; at = r.find(own, at + 7)) r.replace(at, own.size(), "<image>");
   if (r.find("{prompt}") == std::string::npos)
     throw InputError(chat_template_file_ + ": the chat template dropped the user's text (no {prompt} in '" + r + "')");
   if (with_image && r.find("<image>") == std::string::npos)

@@ -106,14 +106,23 @@ Figure token_fate_figure(const nlohmann::json& report, int method, int layer, co
                          const RGBImage* image) {
   const J grid = root(report).at("patch_grid");
   const int R = grid.at("rows").integer(), C = grid.at("cols").integer(), first = grid.at("first").integer();
-  // (row_stride: tokens from one row to the next, more than C where a newline token ends each row)
+  // (row_stride: tokens from one row to the next, more than C where a newline token ends each row;
+  // tile_major: tokens stored tile by tile, tiles of that many patches a side)
   const int stride = grid.has("row_stride") ? grid.at("row_stride").integer() : C;
+  const int tile = grid.has("tile_major") ? grid.at("tile_major").integer() : 0;
+  if (tile < 0 || (tile > 0 && (R % tile || C % tile)))
+    throw InputError(grid.where + ".tile_major " + std::to_string(tile) + " does not divide the " + std::to_string(R) + "×" +
+                     std::to_string(C) + " grid");
+  auto token = [&](int r, int c) -> int64_t {
+    if (tile == 0) return first + static_cast<int64_t>(r) * stride + c;
+    return first + (static_cast<int64_t>(r / tile) * (C / tile) + c / tile) * tile * tile + (r % tile) * tile + c % tile;
+  };
   const J m = method_at(report, method);
   const J fate = layer_at(m, layer).at("token_fate");
   if (field != "kept" && field != "bits" && field != "merged")
     throw InputError("token fate field must be kept, bits or merged, got '" + field + "'");
   const std::vector<double> v = fate.at(field).nums();
-  const int64_t need = R < 1 ? 0 : first + static_cast<int64_t>(R - 1) * stride + C;
+  const int64_t need = R < 1 || C < 1 ? 0 : tile > 0 ? first + static_cast<int64_t>(R) * C : token(R - 1, C - 1) + 1;
   if (R < 1 || C < 1 || first < 0 || stride < C || v.size() < static_cast<size_t>(need))
     throw InputError(fate.where + "." + field + " holds " + std::to_string(v.size()) + " values, the patch grid needs " +
                      std::to_string(need));
@@ -122,8 +131,7 @@ Figure token_fate_figure(const nlohmann::json& report, int method, int layer, co
   s.rows = R;
   s.cols = C;
   for (int r = 0; r < R; ++r)
-    s.z.insert(s.z.end(), v.begin() + first + static_cast<int64_t>(r) * stride,
-               v.begin() + first + static_cast<int64_t>(r) * stride + C);
+    for (int c = 0; c < C; ++c) s.z.push_back(v[static_cast<size_t>(token(r, c))]);
   s.x0 = s.y0 = 0;
   s.x1 = C;
   s.y1 = R;

@@ -202,11 +202,12 @@ nlohmann::json experiment_base_json(const Model& model, const Experiment& ex, co
   if (const VisualGrid* fine = layout.finest()) {
     const VisualGrid& g = *fine;
     j["patch_grid"] = {{"rows", g.rows}, {"cols", g.cols}, {"first", g.first}, {"row_stride", g.row_stride}};
+    if (g.tile_major) j["patch_grid"]["tile_major"] = g.tile_side;  // tokens tile by tile, tiles of this side
     nlohmann::json grids = nlohmann::json::array();
     for (const VisualGrid& v : layout.grids)
       grids.push_back({{"name", v.name}, {"first", v.first}, {"rows", v.rows}, {"cols", v.cols},
                        {"row_stride", v.row_stride}, {"tile_side", v.tile_side}, {"cut_top", v.cut_top},
-                       {"cut_left", v.cut_left}});
+                       {"cut_left", v.cut_left}, {"tile_major", v.tile_major}});
     j["visual_layout"] = {{"tokens", layout.n_tokens}, {"image_width", layout.image_width},
                           {"image_height", layout.image_height}, {"grids", grids}, {"text", layout.describe()}};
   } else {

@@ -1,0 +1,218 @@
+#!/usr/bin/env python3
+"""Build tiny InternVL reference checkpoints (HF InternVLForConditionalGeneration, the "-hf"
+layout) and record HF transformers outputs, as tests/make_hf_fixtures.py does for LLaVA-1.5.
+
+Each folder under --out (default tests/fixtures/hf) is a complete HF model directory (config,
+safetensors, a byte-level BPE tokenizer.json with InternVL's <img>, </img> and <IMG_CONTEXT>, a
+GotOcr2ImageProcessor config with crop_to_patches, a chat template) with random weights, an image
+whose size needs several tiles and a thumbnail, and:
+
+  expected.json        prompt, template, prompt ids (InternVLProcessor's), greedy ids, margins,
+                       the token count, metadata
+  pixel_values.f32     the PIL-backend GotOcr2ImageProcessor's output [tiles + 1, 3, S, S]
+  image_features.f32   the projected features of every tile [N, hidden]
+  logits.f32, attn0.f32, step_logits.f32   as the other fixtures
+  processor_cases.json images of other sizes, with the processor's pixel values and token count
+
+Folders:
+
+  internvl_qwen2_fp32     Qwen2 decoder; InternViT with q/k biases, q/k RMSNorm and a final
+                          LayerNorm; a 100x37 image: 3x1 tiles and a thumbnail.
+  internvl_llama3_bf16    Llama-3-style decoder (llama3 rope, BPE); InternViT with RMSNorm layers,
+                          no biases, mean pooling (no final norm), feature layer -2; bf16; a
+                          30x90 image: 1x3 tiles and a thumbnail.
+
+Usage: python3 tests/make_hf_internvl_fixtures.py [--out tests/fixtures/hf]
+"""
+
+import argparse
+import json
+import os
+import shutil
+import sys
+
+import torch
+import transformers
+from PIL import Image
+from tokenizers import AddedToken, Tokenizer
+from transformers import (AutoProcessor, InternVLConfig, InternVLForConditionalGeneration, LlamaConfig, Qwen2Config)
+from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+from transformers.models.internvl.configuration_internvl import InternVLVisionConfig
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from make_hf_fixtures import N_GREEDY, random_init  # noqa: E402
+from make_hf_next_fixtures import make_wide_image, MIN_MARGIN, PROCESSOR_SIZES, write_f32  # noqa: E402
+from hf_layouts import write_json  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROMPT = "Describe the image."
+IMAGENET_MEAN = [0.485, 0.456, 0.406]
+IMAGENET_STD = [0.229, 0.224, 0.225]
+CHAT = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+        "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+        "{% for content in message['content'] %}{% if content['type'] == 'image' %}{{ '<IMG_CONTEXT>\\n' }}"
+        "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
+        "{{ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+TEMPLATE = "<|im_start|>user\n<image>\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+SPECS = [
+    dict(name="internvl_qwen2_fp32", dtype=torch.float32, seed=41, tokenizer="qwen2_style", image_wh=(100, 37),
+         max_patches=6, text_cls=Qwen2Config,
+         text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=1024, rope_parameters={"rope_type": "default",
+                                                                                          "rope_theta": 1000000.0}),
+         vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=56,
+                     patch_size=7, attention_bias=True, use_qk_norm=True, use_mean_pooling=False,
+                     norm_type="layer_norm", layer_scale_init_value=0.5),
+         internvl=dict(vision_feature_layer=-1)),
+    dict(name="internvl_llama3_bf16", dtype=torch.bfloat16, seed=51, tokenizer="llama3_style", image_wh=(30, 90),
+         max_patches=4, text_cls=LlamaConfig,
+         text=dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False,
+                   rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 64}),
+         vision=dict(hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=3, image_size=42,
+                     patch_size=7, attention_bias=False, use_qk_norm=False, use_mean_pooling=True,
+                     norm_type="rms_norm", layer_scale_init_value=0.3),
+         internvl=dict(vision_feature_layer=-2, tie_word_embeddings=False)),
+]
+SPECIALS = ["<img>", "</img>", "<IMG_CONTEXT>", "<video>"]
+
+
+def write_tokenizer(folder, family):
+    src = os.path.join(HERE, "fixtures", "tokenizers", family)
+    tok = Tokenizer.from_file(os.path.join(src, "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    cfg = json.load(open(os.path.join(src, "tokenizer_config.json")))
+    cfg["extra_special_tokens"] = {"start_image_token": "<img>", "end_image_token": "</img>",
+                                   "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}
+    cfg["processor_class"] = "InternVLProcessor"
+    write_json(os.path.join(folder, "tokenizer_config.json"), cfg)
+    return tok
+
+
+def preprocessor_config(spec):
+    s = spec["vision"]["image_size"]
+    return {"crop_to_patches": True, "min_patches": 1, "max_patches": spec["max_patches"], "do_convert_rgb": True,
+            "do_normalize": True, "do_rescale": True, "do_resize": True, "image_mean": IMAGENET_MEAN,
+            "image_std": IMAGENET_STD, "image_processor_type": "GotOcr2ImageProcessor",
+            "processor_class": "InternVLProcessor", "resample": 3, "rescale_factor": 0.00392156862745098,
+            "size": {"height": s, "width": s}}
+
+
+@torch.no_grad()
+def build(spec, out_root):
+    for seed in range(spec["seed"], spec["seed"] + 200):
+        if build_seed(spec, out_root, seed):
+            return
+    raise SystemExit(spec["name"] + ": no seed gave clear greedy margins")
+
+
+@torch.no_grad()
+def build_seed(spec, out_root, seed):
+    folder = os.path.join(out_root, spec["name"])
+    shutil.rmtree(folder, ignore_errors=True)
+    os.makedirs(folder)
+    tok = write_tokenizer(folder, spec["tokenizer"])
+    vocab = (tok.get_vocab_size() + 7) // 8 * 8
+    ctx_id = tok.token_to_id("<IMG_CONTEXT>")
+    eos = tok.token_to_id("<|im_end|>") or tok.token_to_id("<|eot_id|>")
+    tc = spec["text_cls"](vocab_size=vocab, eos_token_id=eos, **spec["text"])
+    v = spec["vision"]
+    per = (v["image_size"] // v["patch_size"] // 2) ** 2
+    cfg = InternVLConfig(vision_config=InternVLVisionConfig(**v), text_config=tc, image_token_id=ctx_id,
+                         image_seq_length=per, **spec["internvl"])
+    torch.manual_seed(seed)
+    model = InternVLForConditionalGeneration(cfg)
+    random_init(model, seed, 0.15)
+    with torch.no_grad():  # layer scale away from 1 so that folding it is tested
+        for name, p in model.named_parameters():
+            if name.endswith("lambda_1") or name.endswith("lambda_2"):
+                p.copy_(v["layer_scale_init_value"] * (1 + 0.5 * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed))))
+    model.to(spec["dtype"]).save_pretrained(folder, safe_serialization=True)
+    del model
+    write_json(os.path.join(folder, "preprocessor_config.json"), preprocessor_config(spec))
+    write_json(os.path.join(folder, "processor_config.json"), {"image_seq_length": per, "processor_class": "InternVLProcessor"})
+    with open(os.path.join(folder, "chat_template.jinja"), "w") as f:
+        f.write(CHAT)
+    w, h = spec["image_wh"]
+    make_wide_image(w, h, seed).save(os.path.join(folder, "image.png"))
+    image = Image.open(os.path.join(folder, "image.png")).convert("RGB")
+
+    improc = GotOcr2ImageProcessorPil(**{k: v for k, v in preprocessor_config(spec).items()
+                                         if k not in ("image_processor_type", "processor_class")})
+    pixel_values = improc(images=image, return_tensors="pt")["pixel_values"].float()
+    proc = AutoProcessor.from_pretrained(folder)
+    text = TEMPLATE.replace("<image>", "<IMG_CONTEXT>").replace("{prompt}", PROMPT)
+    enc = proc(images=image, text=text, return_tensors="pt")
+    ids = enc["input_ids"][0].tolist()
+    n_visual = ids.count(ctx_id)
+    assert n_visual == pixel_values.shape[0] * per, (n_visual, pixel_values.shape)
+    hf_pv_diff = float((enc["pixel_values"].float() - pixel_values).abs().max())
+    rendered = proc.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}],
+                                        add_generation_prompt=True, tokenize=False)
+    ref = InternVLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    x = torch.tensor([ids])
+    feats = ref.model.get_image_features(pixel_values=pixel_values, return_dict=True).pooler_output
+    feats = feats.reshape(-1, feats.shape[-1])
+    out = ref(input_ids=x, pixel_values=pixel_values, output_attentions=True, use_cache=True)
+    logits, past = out.logits[0, -1], out.past_key_values
+    greedy, margins, steps = [], [], []
+    for step in range(N_GREEDY):
+        top = torch.topk(logits.float(), 2)
+        t = int(top.indices[0])
+        greedy.append(t)
+        margins.append(float(top.values[0] - top.values[1]))
+        steps.append(logits.float())
+        if step + 1 < N_GREEDY:
+            o = ref(input_ids=torch.tensor([[t]]), past_key_values=past, use_cache=True)
+            logits, past = o.logits[0, -1], o.past_key_values
+    if min(margins) < MIN_MARGIN or len(set(greedy)) < 3 or any(t >= tok.get_vocab_size() for t in greedy):
+        print("  [%s] reject seed %d: margins %.3g, greedy %s" % (spec["name"], seed, min(margins), greedy))
+        return False
+    write_f32(os.path.join(folder, "pixel_values.f32"), pixel_values)
+    write_f32(os.path.join(folder, "image_features.f32"), feats)
+    write_f32(os.path.join(folder, "logits.f32"), out.logits[0, -1])
+    write_f32(os.path.join(folder, "attn0.f32"), out.attentions[0][0])
+    write_f32(os.path.join(folder, "step_logits.f32"), torch.stack(steps))
+    cases = []
+    for i, (cw, ch) in enumerate(PROCESSOR_SIZES):
+        name = "processor_%dx%d" % (cw, ch)
+        make_wide_image(cw, ch, 100 + i).save(os.path.join(folder, name + ".png"))
+        im = Image.open(os.path.join(folder, name + ".png")).convert("RGB")
+        pv = improc(images=im, return_tensors="pt")["pixel_values"].float()
+        write_f32(os.path.join(folder, name + ".f32"), pv)
+        cases.append({"image": name + ".png", "pixel_values_file": name + ".f32", "pixel_values_shape": list(pv.shape),
+                      "n_visual_tokens": int(pv.shape[0]) * per})
+    write_json(os.path.join(folder, "processor_cases.json"), cases)
+    H, T = out.attentions[0].shape[1], len(ids)
+    write_json(os.path.join(folder, "expected.json"), {
+        "architecture": "InternVLForConditionalGeneration", "prompt": PROMPT, "template": TEMPLATE, "prompt_ids": ids,
+        "greedy_ids": greedy, "margins": margins, "n_visual_tokens": n_visual, "image_token_index": ctx_id,
+        "image_file": "image.png", "image_width": w, "image_height": h, "tokens_per_tile": per,
+        "pixel_values_file": "pixel_values.f32", "pixel_values_shape": list(pixel_values.shape),
+        "pixel_values_processor": type(improc).__name__, "hf_processor_pixel_values_max_abs_diff": hf_pv_diff,
+        "image_features_file": "image_features.f32", "image_features_shape": list(feats.shape),
+        "logits_file": "logits.f32", "logits_shape": [vocab], "attn0_file": "attn0.f32", "attn0_shape": [H, T, T],
+        "step_logits_file": "step_logits.f32", "step_logits_shape": [N_GREEDY, vocab], "vocab_size": vocab,
+        "chat_prompt_text": rendered, "dtype": str(spec["dtype"]).replace("torch.", ""), "seed": seed,
+        "compute": {"device": "cpu", "dtype": "float32", "attn_implementation": "eager"},
+        "transformers_version": transformers.__version__, "torch_version": torch.__version__,
+    })
+    print("%-22s seed %d, %dx%d image, %d tiles + thumbnail, %d visual tokens, %d prompt ids, greedy %s, margin %.3g, "
+          "HF processor pixel diff %s" % (spec["name"], seed, w, h, pixel_values.shape[0] - 1, n_visual, len(ids), greedy,
+                                          min(margins), hf_pv_diff))
+    return True
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.path.join(HERE, "fixtures", "hf"))
+    args = ap.parse_args()
+    for spec in SPECS:
+        build(spec, args.out)
+
+
+if __name__ == "__main__":
+    main()

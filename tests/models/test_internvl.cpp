@@ -1,0 +1,164 @@
+// InternVL behind the model interface (models/internvl.cpp, models/intern_vit.cpp,
+// models/preprocess/dynamic_tiles.cpp): the processor against HF's on images of every shape, the
+// tile grid it picks, where each visual token lies (tile by tile, then the thumbnail), configs it
+// cannot read, the methods on its prompt and its chat template. Parity of logits and greedy ids
+// with HF transformers is in test_parity / test_hf_values (the internvl_* fixtures, recorded by
+// tests/make_hf_internvl_fixtures.py).
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <functional>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "core/compress/method.h"
+#include "core/errors.h"
+#include "models/model.h"
+#include "models/preprocess/dynamic_tiles.h"
+#include "tests/test_util.h"
+
+using namespace kvlens;
+namespace kt = kvlens::testing;
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string kQwen = kt::source_dir() + "/tests/fixtures/hf/internvl_qwen2_fp32";
+const std::string kLlama = kt::source_dir() + "/tests/fixtures/hf/internvl_llama3_bf16";
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const InputError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+std::string edited_copy(const std::string& from, const std::string& tag, const std::string& file,
+                        const std::function<void(nlohmann::json&)>& edit) {
+  const std::string dir = kt::make_temp_dir(tag) + "/model";
+  fs::copy(from, dir, fs::copy_options::recursive);
+  nlohmann::json j = kt::read_json(dir + "/" + file);
+  edit(j);
+  kt::write_file(dir + "/" + file, j.dump(2));
+  return dir;
+}
+
+}  // namespace
+
+// GotOcr2ImageProcessor's pixel values (PIL backend, crop_to_patches) and token count for images
+// from 1×1 to 41×1500.
+TEST(InternVL, ProcessorMatchesHfOnImagesOfEveryShape) {
+  for (const std::string& dir : {kQwen, kLlama}) {
+    const std::unique_ptr<Model> model = load_model(dir);
+    const PreprocessConfig& pc = model->preprocess_config();
+    const nlohmann::json cases = kt::read_json(dir + "/processor_cases.json");
+    ASSERT_GE(cases.size(), 6u);
+    for (const auto& c : cases) {
+      SCOPED_TRACE(dir + " " + c["image"].get<std::string>());
+      const RGBImage img = load_image(dir + "/" + c["image"].get<std::string>());
+      EXPECT_EQ(model->visual_layout(img.width, img.height).n_tokens, c["n_visual_tokens"].get<int>());
+      const Tensor pv = model->pixel_values(img);
+      ASSERT_EQ(pv.shape, c["pixel_values_shape"].get<std::vector<int64_t>>()) << pv.shape_str();
+      const std::vector<float> ref = kt::read_f32(dir + "/" + c["pixel_values_file"].get<std::string>());
+      ASSERT_EQ(pv.data.size(), ref.size());
+      const int64_t plane = pv.dim(-1) * pv.dim(-2);
+      for (size_t i = 0; i < ref.size(); ++i) {
+        const int ch = static_cast<int>(i / plane % 3);
+        ASSERT_LE(std::fabs(pv.data[i] - ref[i]), kt::pixel_tolerance(ref[i], pc.mean[ch], pc.std[ch])) << "value " << i;
+      }
+    }
+  }
+}
+
+// HF get_optimal_tiled_canvas on hand-worked cases: the closest aspect, ties to more tiles while
+// the image covers more than half of them.
+TEST(InternVL, TileGridHasTheClosestAspect) {
+  EXPECT_EQ(optimal_tile_grid(448, 448, 448, 1, 12), (std::array<int, 2>{1, 1}));
+  EXPECT_EQ(optimal_tile_grid(448, 1344, 448, 1, 12), (std::array<int, 2>{3, 1}));  // 3:1
+  EXPECT_EQ(optimal_tile_grid(1344, 448, 448, 1, 12), (std::array<int, 2>{1, 3}));
+  // Square and large: 1×1, 2×2 and 3×3 tie on aspect; each later one wins while the image
+  // covers more than half of its area: 1000² > ½ · 9 · 448² = 903,168, so 3×3.
+  EXPECT_EQ(optimal_tile_grid(1000, 1000, 448, 1, 12), (std::array<int, 2>{3, 3}));
+  EXPECT_EQ(optimal_tile_grid(900, 900, 448, 1, 12), (std::array<int, 2>{2, 2}));  // 810,000 < 903,168
+  EXPECT_EQ(optimal_tile_grid(1000, 1000, 448, 1, 3), (std::array<int, 2>{1, 1}));
+  EXPECT_EQ(optimal_tile_grid(448, 448, 448, 2, 6), (std::array<int, 2>{2, 2}));  // at least two tiles, square
+}
+
+// The fixture's 100×37 image: 3×1 tiles of 4×4 tokens, stored tile by tile, then the thumbnail.
+TEST(InternVL, LayoutPlacesTheTilesTokensTileByTileThenTheThumbnail) {
+  const std::unique_ptr<Model> model = load_model(kQwen);
+  const VisualLayout l = model->visual_layout(100, 37);
+  EXPECT_EQ(l.n_tokens, 4 * 16);
+  ASSERT_EQ(l.grids.size(), 2u);
+  const VisualGrid& t = l.grids[0];
+  EXPECT_EQ(t.rows, 4);
+  EXPECT_EQ(t.cols, 12);
+  EXPECT_TRUE(t.tile_major);
+  EXPECT_EQ(t.token(0, 3), 3);
+  EXPECT_EQ(t.token(0, 4), 16);  // the second tile's first token
+  EXPECT_EQ(t.token(1, 0), 4);
+  EXPECT_EQ(t.token(3, 11), 47);
+  EXPECT_EQ(l.grids[1].name, "thumbnail");
+  EXPECT_EQ(l.grids[1].first, 48);
+  EXPECT_EQ(l.describe(), "64 = tiles 4×12 (1×3 tiles) + thumbnail 4×4");
+  // A square image of one tile: no thumbnail.
+  const VisualLayout one = model->visual_layout(56, 56);
+  EXPECT_EQ(one.n_tokens, 16);
+  EXPECT_EQ(one.grids.size(), 1u);
+  const ModelInfo& f = model->info();
+  EXPECT_EQ(f.architecture, "internvl");
+  EXPECT_TRUE(f.image_dependent);
+}
+
+TEST(InternVL, ConfigsItCannotReadAreRefusedNamingTheField) {
+  auto cfg_edit = [](const std::string& tag, const std::function<void(nlohmann::json&)>& e) {
+    return edited_copy(kQwen, tag, "config.json", e);
+  };
+  EXPECT_NE(error_of([&] { load_model(cfg_edit("ratio", [](nlohmann::json& c) { c["downsample_ratio"] = 0.25; })); })
+                .find("downsample_ratio 0.25 is not supported"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { load_model(cfg_edit("odd", [](nlohmann::json& c) { c["vision_config"]["image_size"] = 49; })); })
+                .find("image_size 49 must be an even number of 7-pixel patches"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { load_model(cfg_edit("rect", [](nlohmann::json& c) { c["vision_config"]["image_size"] = {56, 42}; })); })
+                .find("'image_size' [56,42] is not square"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { load_model(cfg_edit("full", [](nlohmann::json& c) { c["vision_feature_select_strategy"] = "full"; })); })
+                .find("vision_feature_select_strategy 'full' does not work with internvl"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { load_model(cfg_edit("norm", [](nlohmann::json& c) { c["vision_config"]["norm_type"] = "batch"; })); })
+                .find("norm_type 'batch'"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              load_model(edited_copy(kQwen, "patches", "preprocessor_config.json", [](nlohmann::json& c) {
+                c["min_patches"] = 5;
+                c["max_patches"] = 2;
+              }));
+            }).find("min_patches 5 exceeds max_patches 2"),
+            std::string::npos);
+}
+
+// Every method runs on an InternVL prompt (tiles and thumbnail are the visual segment; <img> and
+// </img> are text), and the chat template is the default template.
+TEST(InternVL, EveryMethodCompressesTheTiledVisualSegment) {
+  const std::unique_ptr<Model> model = load_model(kLlama);
+  const RGBImage img = load_image(kLlama + "/image.png");
+  const nlohmann::json exp = kt::read_json(kLlama + "/expected.json");
+  const PrefillState st = model->prefill(img, exp["prompt"].get<std::string>(), exp["template"].get<std::string>(), true);
+  EXPECT_EQ(st.n_visual, exp["n_visual_tokens"].get<int>());
+  EXPECT_EQ(std::count(st.kinds.begin(), st.kinds.end(), SegmentKind::Visual), st.n_visual);
+  EXPECT_EQ(st.ids, exp["prompt_ids"].get<std::vector<int>>());
+  GenerateOptions g;
+  g.max_new_tokens = 3;
+  for (const MethodSpec& m : methods()) {
+    SCOPED_TRACE(m.name);
+    const std::unique_ptr<KVPolicy> policy = make_policy(parse_method_spec(m.name));
+    EXPECT_EQ(model->decode(st, policy.get(), g).generated_ids.size(), 3u);
+  }
+  // The checkpoint's chat template writes the image as <IMG_CONTEXT>; as a prompt template it
+  // is marked <image>, and gives the fixture's template.
+  EXPECT_EQ(model->tokenizer().chat_prompt(true), exp["template"].get<std::string>());
+}
