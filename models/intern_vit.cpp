@@ -126,6 +126,7 @@ Buffer InternVit::forward(const Tensor& px, int feature_layer) const {
   Buffer x = be->alloc("vision.x", {T, H}, mdt);
   Buffer qkv = be->alloc("vision.qkv", {T, 3 * H}, Dt::F32);
   Buffer qk = cfg.use_qk_norm ? be->alloc("vision.qk", {T, H}, Dt::F32) : Buffer{};
+  Buffer qk_normed = cfg.use_qk_norm ? be->alloc("vision.qk_normed", {T, H}, Dt::F32) : Buffer{};
   Buffer a = be->alloc("vision.attn_out", {T, H}, mdt);
   Buffer mlp32 = be->alloc("vision.fc1", {T, I}, Dt::F32);
   Buffer mlp = be->alloc("vision.fc1_act", {T, I}, mdt);
@@ -140,8 +141,8 @@ Buffer InternVit::forward(const Tensor& px, int feature_layer) const {
     if (cfg.use_qk_norm)  // RMSNorm over each token's whole query, then key (before the heads split)
       for (int part = 0; part < 2; ++part) {
         be->copy_block(qkv, 0, part * H, qk, 0, 0, T, H);
-        be->rms_norm(qk, part == 0 ? Ly.q_norm : Ly.k_norm, kQkNormEps, qk);
-        be->copy_block(qk, 0, 0, qkv, 0, part * H, T, H);
+        be->rms_norm(qk, part == 0 ? Ly.q_norm : Ly.k_norm, kQkNormEps, qk_normed);
+        be->copy_block(qk_normed, 0, 0, qkv, 0, part * H, T, H);
       }
     be->attention(qkv, lay, a, nullptr, nullptr);
     be->linear(a, Ly.o_w, &Ly.o_b, h, true);  // (lambda_1 folded in)
