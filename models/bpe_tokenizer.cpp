@@ -13,6 +13,7 @@
 
 #include "core/errors.h"
 #include "core/numbers.h"
+#include "core/eval/unicode_text.h"
 
 namespace kvlens {
 
@@ -20,26 +21,6 @@ namespace {
 
 // GPT-2's pre-tokenizer pattern (ByteLevel with use_regex).
 constexpr const char* kGpt2Pattern = R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
-
-std::string utf8(uint32_t cp) {
-  std::string s;
-  if (cp < 0x80) {
-    s += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    s += static_cast<char>(0xC0 | (cp >> 6));
-    s += static_cast<char>(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    s += static_cast<char>(0xE0 | (cp >> 12));
-    s += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    s += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    s += static_cast<char>(0xF0 | (cp >> 18));
-    s += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-    s += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    s += static_cast<char>(0x80 | (cp & 0x3F));
-  }
-  return s;
-}
 
 // GPT-2's bytes_to_unicode: printable bytes stand for themselves, the others for 256 + n.
 struct ByteMap {
@@ -55,7 +36,7 @@ struct ByteMap {
     int n = 0;
     for (int b = 0; b < 256; ++b) {
       const uint32_t cp = printable[b] ? static_cast<uint32_t>(b) : 256u + static_cast<uint32_t>(n++);
-      to_char[b] = utf8(cp);
+      utf8_append(to_char[b], cp);
       back[cp] = static_cast<uint8_t>(b);
     }
   }

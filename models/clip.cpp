@@ -55,6 +55,19 @@ ClipVision ClipVision::load(const WeightStore& ws, const std::string& p, const C
   return m;
 }
 
+std::vector<float> patch_columns(const Tensor& px, int S, int P) {
+  const int G = S / P;
+  std::vector<float> cols(static_cast<size_t>(G) * G * 3 * P * P);
+  for (int gy = 0; gy < G; ++gy)
+    for (int gx = 0; gx < G; ++gx) {
+      float* r = cols.data() + static_cast<size_t>(gy * G + gx) * 3 * P * P;
+      for (int c = 0; c < 3; ++c)
+        for (int y = 0; y < P; ++y)
+          for (int x = 0; x < P; ++x) *r++ = px.data[(static_cast<size_t>(c) * S + gy * P + y) * S + gx * P + x];
+    }
+  return cols;
+}
+
 std::vector<Buffer> ClipVision::forward(const Tensor& px, const std::vector<int>& state_indices) const {
   const int S = cfg.image_size, P = cfg.patch_size, G = S / P, N = G * G, T = N + 1;
   const int H = cfg.hidden_size, I = cfg.intermediate_size, NH = cfg.num_attention_heads, D = H / NH;
@@ -64,18 +77,9 @@ std::vector<Buffer> ClipVision::forward(const Tensor& px, const std::vector<int>
   const Act act = activation_from_name(cfg.hidden_act, "vision_config.hidden_act");
   const Dt mdt = patch_embedding.dt;
   const float eps = static_cast<float>(cfg.layer_norm_eps);
-  // Patch embedding as im2col + matrix product: row n holds patch n in (channel, y, x) order,
-  // matching the conv weight layout [H][3][P][P]. The columns are built on the host (the
+  // Patch embedding as im2col + matrix product; the columns are built on the host (the
   // hand-off of the preprocessed image) and uploaded once.
-  std::vector<float> cols(static_cast<size_t>(N) * 3 * P * P);
-  for (int gy = 0; gy < G; ++gy)
-    for (int gx = 0; gx < G; ++gx) {
-      float* r = cols.data() + static_cast<size_t>(gy * G + gx) * 3 * P * P;
-      for (int c = 0; c < 3; ++c)
-        for (int y = 0; y < P; ++y)
-          for (int x = 0; x < P; ++x)
-            *r++ = px.data[(static_cast<size_t>(c) * S + gy * P + y) * S + gx * P + x];
-    }
+  const std::vector<float> cols = patch_columns(px, S, P);
   Buffer colsb = be->alloc("vision.patches", {N, 3 * P * P}, mdt);
   be->upload(cols.data(), colsb);
   Buffer pe = be->alloc("vision.patch_embeds", {N, H}, Dt::F32);

@@ -13,6 +13,11 @@
 
 namespace kvlens {
 
+// The S × S image's P × P patches as the rows of an im2col matrix [patches][3·P·P], each in
+// (channel, y, x) order as a conv weight [hidden][3][P][P] lays its rows: a patch embedding is
+// then one matrix product (CLIP, InternViT).
+std::vector<float> patch_columns(const Tensor& pixel_values, int S, int P);
+
 struct ClipLayer {
   Buffer ln1_w, ln1_b, qkv_w, qkv_b, o_w, o_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b;
 };

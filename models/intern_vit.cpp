@@ -4,6 +4,7 @@
 
 #include "core/errors.h"
 #include "models/activations.h"
+#include "models/clip.h"
 
 namespace kvlens {
 
@@ -100,15 +101,7 @@ Buffer InternVit::forward(const Tensor& px, int feature_layer) const {
   const Dt mdt = patch_w.dt;
   const float eps = static_cast<float>(cfg.layer_norm_eps);
   const bool ln = cfg.norm_type == "layer_norm";
-  // Patch embedding as im2col + matrix product (the conv weight [H][3][P][P] as rows).
-  std::vector<float> cols(static_cast<size_t>(N) * 3 * P * P);
-  for (int gy = 0; gy < G; ++gy)
-    for (int gx = 0; gx < G; ++gx) {
-      float* r = cols.data() + static_cast<size_t>(gy * G + gx) * 3 * P * P;
-      for (int c = 0; c < 3; ++c)
-        for (int y = 0; y < P; ++y)
-          for (int x = 0; x < P; ++x) *r++ = px.data[(static_cast<size_t>(c) * S + gy * P + y) * S + gx * P + x];
-    }
+  const std::vector<float> cols = patch_columns(px, S, P);  // (models/clip.h)
   Buffer colsb = be->alloc("vision.patches", {N, 3 * P * P}, mdt);
   be->upload(cols.data(), colsb);
   Buffer pe = be->alloc("vision.patch_embeds", {N, H}, Dt::F32);

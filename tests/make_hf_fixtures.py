@@ -389,6 +389,24 @@ def run_reference(model, input_ids, pixel_values, device, image_token_index):
     }
 
 
+@torch.no_grad()
+def greedy_decode(model, out):
+    """N_GREEDY greedy steps on from a forward pass `out` (its last logits and cache): the ids,
+    each step's top-2 margin and the logits that chose each id."""
+    logits, past = out.logits[0, -1], out.past_key_values
+    greedy, margins, steps = [], [], []
+    for step in range(N_GREEDY):
+        top = torch.topk(logits.float(), 2)
+        tok = int(top.indices[0])
+        greedy.append(tok)
+        margins.append(float(top.values[0] - top.values[1]))
+        steps.append(logits.float())
+        if step + 1 < N_GREEDY:
+            o = model(input_ids=torch.tensor([[tok]], device=logits.device), past_key_values=past, use_cache=True)
+            logits, past = o.logits[0, -1], o.past_key_values
+    return greedy, margins, steps
+
+
 def protobuf_available():
     try:
         import google.protobuf  # noqa: F401

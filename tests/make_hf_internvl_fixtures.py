@@ -40,7 +40,7 @@ from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2Im
 from transformers.models.internvl.configuration_internvl import InternVLVisionConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from make_hf_fixtures import N_GREEDY, random_init  # noqa: E402
+from make_hf_fixtures import N_GREEDY, greedy_decode, random_init  # noqa: E402
 from make_hf_next_fixtures import make_wide_image, MIN_MARGIN, PROCESSOR_SIZES, write_f32  # noqa: E402
 from hf_layouts import write_json  # noqa: E402
 
@@ -157,17 +157,7 @@ def build_seed(spec, out_root, seed):
     feats = ref.model.get_image_features(pixel_values=pixel_values, return_dict=True).pooler_output
     feats = feats.reshape(-1, feats.shape[-1])
     out = ref(input_ids=x, pixel_values=pixel_values, output_attentions=True, use_cache=True)
-    logits, past = out.logits[0, -1], out.past_key_values
-    greedy, margins, steps = [], [], []
-    for step in range(N_GREEDY):
-        top = torch.topk(logits.float(), 2)
-        t = int(top.indices[0])
-        greedy.append(t)
-        margins.append(float(top.values[0] - top.values[1]))
-        steps.append(logits.float())
-        if step + 1 < N_GREEDY:
-            o = ref(input_ids=torch.tensor([[t]]), past_key_values=past, use_cache=True)
-            logits, past = o.logits[0, -1], o.past_key_values
+    greedy, margins, steps = greedy_decode(ref, out)
     if min(margins) < MIN_MARGIN or len(set(greedy)) < 3 or any(t >= tok.get_vocab_size() for t in greedy):
         print("  [%s] reject seed %d: margins %.3g, greedy %s" % (spec["name"], seed, min(margins), greedy))
         return False

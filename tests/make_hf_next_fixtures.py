@@ -41,7 +41,7 @@ from transformers import (AutoImageProcessor, AutoProcessor, CLIPVisionConfig, L
                           LlavaNextForConditionalGeneration, MistralConfig)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from make_hf_fixtures import (CLIP_MEAN, CLIP_STD, N_GREEDY, SP_VOCAB, llava_prompt_ids, make_image,  # noqa: E402
+from make_hf_fixtures import (CLIP_MEAN, CLIP_STD, N_GREEDY, SP_VOCAB, greedy_decode, llava_prompt_ids, make_image,  # noqa: E402
                               random_init, train_tokenizer, write_tokenizer_files)
 from hf_layouts import relayout_weights, write_json  # noqa: E402
 from make_chat_template_fixtures import LLAVA_NEXT_MISTRAL  # noqa: E402
@@ -196,17 +196,7 @@ def build_seed(spec, out_root, proto, sp, seed):
     feats = out.image_hidden_states
     feats = torch.cat(list(feats)) if isinstance(feats, (list, tuple)) else feats.reshape(-1, feats.shape[-1])
     assert feats.shape[0] == n_visual, (feats.shape, n_visual)
-    logits, past = out.logits[0, -1], out.past_key_values
-    greedy, margins, steps = [], [], []
-    for step in range(N_GREEDY):
-        top = torch.topk(logits.float(), 2)
-        tok = int(top.indices[0])
-        greedy.append(tok)
-        margins.append(float(top.values[0] - top.values[1]))
-        steps.append(logits.float())
-        if step + 1 < N_GREEDY:
-            o = ref(input_ids=torch.tensor([[tok]]), past_key_values=past, use_cache=True)
-            logits, past = o.logits[0, -1], o.past_key_values
+    greedy, margins, steps = greedy_decode(ref, out)
     if min(margins) < MIN_MARGIN or len(set(greedy)) < 3 or any(t >= IMAGE_TOKEN or t < 3 for t in greedy):
         print("  [%s] reject seed %d: margins %.3g, greedy %s" % (spec["name"], seed, min(margins), greedy))
         return False

@@ -40,7 +40,8 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llam
                           MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from make_hf_fixtures import N_GREEDY, SP_VOCAB, random_init, special_token_entry, train_tokenizer  # noqa: E402
+from make_hf_fixtures import (N_GREEDY, SP_VOCAB, greedy_decode, random_init, special_token_entry,  # noqa: E402
+                              train_tokenizer)  # noqa: E402
 from hf_layouts import write_json  # noqa: E402
 from make_chat_template_fixtures import CHATML, LLAMA3  # noqa: E402
 
@@ -145,17 +146,7 @@ def build_seed(spec, out_root, proto, sp, seed):
         print("  HF tokenizer not compared:", e)
     x = torch.tensor([ids])
     out = ref(input_ids=x, output_attentions=True, use_cache=True)
-    logits, past = out.logits[0, -1], out.past_key_values
-    greedy, margins, steps = [], [], []
-    for step in range(N_GREEDY):
-        top = torch.topk(logits.float(), 2)
-        tok = int(top.indices[0])
-        greedy.append(tok)
-        margins.append(float(top.values[0] - top.values[1]))
-        steps.append(logits.float())
-        if step + 1 < N_GREEDY:
-            o = ref(input_ids=torch.tensor([[tok]]), past_key_values=past, use_cache=True)
-            logits, past = o.logits[0, -1], o.past_key_values
+    greedy, margins, steps = greedy_decode(ref, out)
     if min(margins) < MIN_MARGIN or len(set(greedy)) < 3:
         return False
     chat = {}

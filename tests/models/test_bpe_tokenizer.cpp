@@ -14,23 +14,16 @@
 #include "core/errors.h"
 #include "models/bpe_tokenizer.h"
 #include "models/tokenizer.h"
+#include "tests/test_expect.h"
 #include "tests/test_util.h"
 
 using namespace kvlens;
 namespace kt = kvlens::testing;
+using kt::expect_input_error;
 
 namespace {
 
 const std::string kRoot = kt::source_dir() + "/tests/fixtures/tokenizers/";
-
-void expect_input_error(const std::function<void()>& f, const std::string& must_contain) {
-  try {
-    f();
-    ADD_FAILURE() << "expected InputError containing '" << must_contain << "'";
-  } catch (const InputError& e) {
-    EXPECT_NE(std::string(e.what()).find(must_contain), std::string::npos) << e.what();
-  }
-}
 
 class BpeFixture : public ::testing::TestWithParam<std::string> {};
 
@@ -50,11 +43,13 @@ TEST_P(BpeFixture, IdsAndTextAreHfTokenizers) {
     EXPECT_EQ(tok.encode(text), ids);
     EXPECT_EQ(tok.decode(ids), c["decoded"].get<std::string>());
     // Cut short, the ids may end inside a character: HF writes U+FFFD for the bytes it has.
-    if (c.contains("decoded_prefixes"))
-      for (size_t k = 1; k < ids.size(); ++k)
+    if (c.contains("decoded_prefixes")) {
+      for (size_t k = 1; k < ids.size(); ++k) {
         EXPECT_EQ(tok.decode(std::vector<int>(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(k))),
                   c["decoded_prefixes"][k - 1].get<std::string>())
             << "the first " << k << " ids";
+      }
+    }
     // With the post-processor's special tokens: BOS first where the family puts one.
     std::vector<int> with;
     if (tok.add_bos()) with.push_back(tok.bos_id());

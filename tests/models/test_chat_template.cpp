@@ -12,26 +12,19 @@
 #include "core/errors.h"
 #include "models/chat_template.h"
 #include "models/tokenizer.h"
+#include "tests/test_expect.h"
 #include "tests/test_util.h"
 
 using namespace kvlens;
 namespace kt = kvlens::testing;
 using ojson = nlohmann::ordered_json;
+using kt::error_of;
 
 namespace {
 
 ojson fixture() {
   std::ifstream f(kt::source_dir() + "/tests/fixtures/chat_templates/cases.json");
   return ojson::parse(f);
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const InputError& e) {
-    return e.what();
-  }
-  return "";
 }
 
 }  // namespace

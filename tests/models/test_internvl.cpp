@@ -16,10 +16,13 @@
 #include "core/errors.h"
 #include "models/model.h"
 #include "models/preprocess/dynamic_tiles.h"
+#include "tests/test_expect.h"
 #include "tests/test_util.h"
 
 using namespace kvlens;
 namespace kt = kvlens::testing;
+using kt::edited_copy;
+using kt::error_of;
 namespace fs = std::filesystem;
 
 namespace {
@@ -27,50 +30,12 @@ namespace {
 const std::string kQwen = kt::source_dir() + "/tests/fixtures/hf/internvl_qwen2_fp32";
 const std::string kLlama = kt::source_dir() + "/tests/fixtures/hf/internvl_llama3_bf16";
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const InputError& e) {
-    return e.what();
-  }
-  return "";
-}
-
-std::string edited_copy(const std::string& from, const std::string& tag, const std::string& file,
-                        const std::function<void(nlohmann::json&)>& edit) {
-  const std::string dir = kt::make_temp_dir(tag) + "/model";
-  fs::copy(from, dir, fs::copy_options::recursive);
-  nlohmann::json j = kt::read_json(dir + "/" + file);
-  edit(j);
-  kt::write_file(dir + "/" + file, j.dump(2));
-  return dir;
-}
-
 }  // namespace
 
 // GotOcr2ImageProcessor's pixel values (PIL backend, crop_to_patches) and token count for images
 // from 1×1 to 41×1500.
 TEST(InternVL, ProcessorMatchesHfOnImagesOfEveryShape) {
-  for (const std::string& dir : {kQwen, kLlama}) {
-    const std::unique_ptr<Model> model = load_model(dir);
-    const PreprocessConfig& pc = model->preprocess_config();
-    const nlohmann::json cases = kt::read_json(dir + "/processor_cases.json");
-    ASSERT_GE(cases.size(), 6u);
-    for (const auto& c : cases) {
-      SCOPED_TRACE(dir + " " + c["image"].get<std::string>());
-      const RGBImage img = load_image(dir + "/" + c["image"].get<std::string>());
-      EXPECT_EQ(model->visual_layout(img.width, img.height).n_tokens, c["n_visual_tokens"].get<int>());
-      const Tensor pv = model->pixel_values(img);
-      ASSERT_EQ(pv.shape, c["pixel_values_shape"].get<std::vector<int64_t>>()) << pv.shape_str();
-      const std::vector<float> ref = kt::read_f32(dir + "/" + c["pixel_values_file"].get<std::string>());
-      ASSERT_EQ(pv.data.size(), ref.size());
-      const int64_t plane = pv.dim(-1) * pv.dim(-2);
-      for (size_t i = 0; i < ref.size(); ++i) {
-        const int ch = static_cast<int>(i / plane % 3);
-        ASSERT_LE(std::fabs(pv.data[i] - ref[i]), kt::pixel_tolerance(ref[i], pc.mean[ch], pc.std[ch])) << "value " << i;
-      }
-    }
-  }
+  for (const std::string& dir : {kQwen, kLlama}) kt::expect_processor_cases(dir);
 }
 
 // HF get_optimal_tiled_canvas on hand-worked cases: the closest aspect, ties to more tiles while

@@ -17,10 +17,13 @@
 #include "models/llava_next.h"
 #include "models/model.h"
 #include "models/preprocess/anyres.h"
+#include "tests/test_expect.h"
 #include "tests/test_util.h"
 
 using namespace kvlens;
 namespace kt = kvlens::testing;
+using kt::edited_copy;
+using kt::expect_input_error;
 namespace fs = std::filesystem;
 
 namespace {
@@ -28,52 +31,13 @@ namespace {
 const std::string kLlamaNext = kt::source_dir() + "/tests/fixtures/hf/next_llama_fp32_save";
 const std::string kMistralNext = kt::source_dir() + "/tests/fixtures/hf/next_mistral_bf16_hub";
 
-void expect_input_error(const std::function<void()>& f, const std::string& must_contain) {
-  try {
-    f();
-    ADD_FAILURE() << "expected InputError containing '" << must_contain << "'";
-  } catch (const InputError& e) {
-    EXPECT_NE(std::string(e.what()).find(must_contain), std::string::npos) << e.what();
-  }
-}
-
-// A copy of fixture `from` with one of its JSON files edited by `edit`.
-std::string edited_copy(const std::string& from, const std::string& tag, const std::string& file,
-                        const std::function<void(nlohmann::json&)>& edit) {
-  const std::string dir = kt::make_temp_dir(tag) + "/model";
-  fs::copy(from, dir, fs::copy_options::recursive);
-  nlohmann::json j = kt::read_json(dir + "/" + file);
-  edit(j);
-  kt::write_file(dir + "/" + file, j.dump(2));
-  return dir;
-}
-
 }  // namespace
 
 // LlavaNextImageProcessor's pixel values (PIL backend) and LlavaNextProcessor's token count for
 // images from 1×1 to 41×1500: thin ones whose tiles keep no row after unpadding, near-square,
 // and large against the tile.
 TEST(LlavaNext, ProcessorMatchesHfOnImagesOfEveryShape) {
-  for (const std::string& dir : {kLlamaNext, kMistralNext}) {
-    const std::unique_ptr<Model> model = load_model(dir);
-    const PreprocessConfig& pc = model->preprocess_config();
-    const nlohmann::json cases = kt::read_json(dir + "/processor_cases.json");
-    ASSERT_GE(cases.size(), 6u);
-    for (const auto& c : cases) {
-      SCOPED_TRACE(dir + " " + c["image"].get<std::string>());
-      const RGBImage img = load_image(dir + "/" + c["image"].get<std::string>());
-      EXPECT_EQ(model->visual_layout(img.width, img.height).n_tokens, c["n_visual_tokens"].get<int>());
-      const Tensor pv = model->pixel_values(img);
-      ASSERT_EQ(pv.shape, c["pixel_values_shape"].get<std::vector<int64_t>>()) << pv.shape_str();
-      const std::vector<float> ref = kt::read_f32(dir + "/" + c["pixel_values_file"].get<std::string>());
-      ASSERT_EQ(pv.data.size(), ref.size());
-      const int64_t plane = pv.dim(-1) * pv.dim(-2);
-      for (size_t i = 0; i < ref.size(); ++i) {
-        const int ch = static_cast<int>(i / plane % 3);
-        ASSERT_LE(std::fabs(pv.data[i] - ref[i]), kt::pixel_tolerance(ref[i], pc.mean[ch], pc.std[ch])) << "value " << i;
-      }
-    }
-  }
+  for (const std::string& dir : {kLlamaNext, kMistralNext}) kt::expect_processor_cases(dir);
 }
 
 // HF's select_best_resolution on hand-worked cases: most kept pixels first, then least waste,

@@ -13,10 +13,12 @@
 #include "core/errors.h"
 #include "models/config.h"
 #include "models/model.h"
+#include "tests/test_expect.h"
 #include "tests/test_util.h"
 
 using namespace kvlens;
 namespace kt = kvlens::testing;
+using kt::expect_input_error;
 namespace fs = std::filesystem;
 
 namespace {
@@ -24,23 +26,9 @@ namespace {
 const std::string kLlama = kt::source_dir() + "/tests/fixtures/hf/llama_text_fp32_tied";
 const std::string kMistral = kt::source_dir() + "/tests/fixtures/hf/mistral_gqa_bf16_shard";
 
-void expect_input_error(const std::function<void()>& f, const std::string& must_contain) {
-  try {
-    f();
-    ADD_FAILURE() << "expected InputError containing '" << must_contain << "'";
-  } catch (const InputError& e) {
-    EXPECT_NE(std::string(e.what()).find(must_contain), std::string::npos) << e.what();
-  }
-}
-
 // A copy of fixture `from` with its config.json edited by `edit`.
 std::string edited_copy(const std::string& from, const std::string& tag, const std::function<void(nlohmann::json&)>& edit) {
-  const std::string dir = kt::make_temp_dir(tag) + "/model";
-  fs::copy(from, dir, fs::copy_options::recursive);
-  nlohmann::json cfg = kt::read_json(dir + "/config.json");
-  edit(cfg);
-  kt::write_file(dir + "/config.json", cfg.dump(2));
-  return dir;
+  return kt::edited_copy(from, tag, "config.json", edit);
 }
 
 }  // namespace
