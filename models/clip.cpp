@@ -68,6 +68,21 @@ std::vector<float> patch_columns(const Tensor& px, int S, int P) {
   return cols;
 }
 
+AttnLayout vision_attention_layout(int T, int heads, int head_dim) {
+  AttnLayout lay;
+  lay.T = T;
+  lay.n_heads = lay.n_kv_heads = heads;
+  lay.head_dim = head_dim;
+  const int H = heads * head_dim;
+  lay.row_stride = 3 * H;
+  lay.q_col = 0;
+  lay.k_col = H;
+  lay.v_col = 2 * H;
+  lay.causal = false;
+  lay.scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  return lay;
+}
+
 std::vector<Buffer> ClipVision::forward(const Tensor& px, const std::vector<int>& state_indices) const {
   const int S = cfg.image_size, P = cfg.patch_size, G = S / P, N = G * G, T = N + 1;
   const int H = cfg.hidden_size, I = cfg.intermediate_size, NH = cfg.num_attention_heads, D = H / NH;
@@ -101,11 +116,7 @@ std::vector<Buffer> ClipVision::forward(const Tensor& px, const std::vector<int>
   be->check_finite(h, "vision embeddings (after pre_layrnorm)");
   capture(0);
   const int last = *std::max_element(state_indices.begin(), state_indices.end());
-  AttnLayout lay;
-  lay.T = T; lay.n_heads = NH; lay.n_kv_heads = NH; lay.head_dim = D;
-  lay.row_stride = 3 * H; lay.q_col = 0; lay.k_col = H; lay.v_col = 2 * H;
-  lay.causal = false;
-  lay.scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const AttnLayout lay = vision_attention_layout(T, NH, D);
   Buffer x = be->alloc("vision.x", {T, H}, mdt);
   Buffer qkv = be->alloc("vision.qkv", {T, 3 * H}, Dt::F32);
   Buffer a = be->alloc("vision.attn_out", {T, H}, mdt);

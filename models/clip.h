@@ -17,6 +17,9 @@ namespace kvlens {
 // (channel, y, x) order as a conv weight [hidden][3][P][P] lays its rows: a patch embedding is
 // then one matrix product (CLIP, InternViT).
 std::vector<float> patch_columns(const Tensor& pixel_values, int S, int P);
+// A vision tower's attention: T tokens, every one seeing every other, q | k | v of `heads` heads
+// side by side in each row of the fused projection.
+AttnLayout vision_attention_layout(int T, int heads, int head_dim);
 
 struct ClipLayer {
   Buffer ln1_w, ln1_b, qkv_w, qkv_b, o_w, o_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b;

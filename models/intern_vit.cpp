@@ -111,11 +111,7 @@ Buffer InternVit::forward(const Tensor& px, int feature_layer) const {
   be->copy_block(pe, 0, 0, h, 1, 0, N, H);
   if (!position.empty()) be->add(h, position);
   be->check_finite(h, "vision embeddings");
-  AttnLayout lay;
-  lay.T = T; lay.n_heads = NH; lay.n_kv_heads = NH; lay.head_dim = D;
-  lay.row_stride = 3 * H; lay.q_col = 0; lay.k_col = H; lay.v_col = 2 * H;
-  lay.causal = false;
-  lay.scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const AttnLayout lay = vision_attention_layout(T, NH, D);
   Buffer x = be->alloc("vision.x", {T, H}, mdt);
   Buffer qkv = be->alloc("vision.qkv", {T, 3 * H}, Dt::F32);
   Buffer qk = cfg.use_qk_norm ? be->alloc("vision.qk", {T, H}, Dt::F32) : Buffer{};
