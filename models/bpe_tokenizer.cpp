@@ -13,7 +13,6 @@
 
 #include "core/errors.h"
 #include "core/numbers.h"
-#include "core/eval/unicode_text.h"
 
 namespace kvlens {
 
@@ -21,6 +20,16 @@ namespace {
 
 // GPT-2's pre-tokenizer pattern (ByteLevel with use_regex).
 constexpr const char* kGpt2Pattern = R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+
+// One code point as UTF-8 (models/ may not reach core/eval's text helpers).
+std::string utf8(uint32_t cp) {
+  const int n = cp < 0x80 ? 1 : cp < 0x800 ? 2 : cp < 0x10000 ? 3 : 4;
+  static const unsigned lead[] = {0, 0x00, 0xC0, 0xE0, 0xF0};
+  std::string s(static_cast<size_t>(n), '\0');
+  for (int k = n - 1; k > 0; --k, cp >>= 6) s[static_cast<size_t>(k)] = static_cast<char>(0x80 | (cp & 0x3F));
+  s[0] = static_cast<char>(lead[n] | cp);
+  return s;
+}
 
 // GPT-2's bytes_to_unicode: printable bytes stand for themselves, the others for 256 + n.
 struct ByteMap {
@@ -36,7 +45,7 @@ struct ByteMap {
     int n = 0;
     for (int b = 0; b < 256; ++b) {
       const uint32_t cp = printable[b] ? static_cast<uint32_t>(b) : 256u + static_cast<uint32_t>(n++);
-      utf8_append(to_char[b], cp);
+      to_char[b] = utf8(cp);
       back[cp] = static_cast<uint8_t>(b);
     }
   }

@@ -88,7 +88,7 @@ void run_bench(const BenchArgs& a) {
   const std::string templ = model_template(model, kDefaultTemplate);
   std::vector<double> preprocess, vision, prefill, compress, per_token, total;
   std::vector<std::pair<std::string, double>> prof_prefill, prof_decode;
-  int tokens = 0, prompt_tokens = 0;
+  int tokens = 0, prompt_tokens = 0, visual_tokens = 0;
   long long bytes = 0;
   bool chained = false;  // the decode chained its steps (GenerateOptions::chain_steps)
   for (int i = 0; i < a.repeat + 1; ++i) {  // the first run warms caches, thread pools, kernels
@@ -114,6 +114,7 @@ void run_bench(const BenchArgs& a) {
     total.push_back(st.preprocess_ms + st.vision_ms + st.prefill_ms + r.compress_ms + r.decode_ms);
     tokens = static_cast<int>(r.generated_ids.size());
     prompt_tokens = static_cast<int>(st.ids.size());
+    visual_tokens = st.n_visual;  // (this image's: an anyres or tiling model's depend on it)
     bytes = r.bytes_after_prefill.total();
   }
   // The research path's prefill (kvlens run, the app): the same prompt keeping its attention —
@@ -137,7 +138,7 @@ void run_bench(const BenchArgs& a) {
   const double tps = median(per_token) > 0 ? 1000.0 / median(per_token) : 0.0, roof = copy / wbytes;
   std::printf("model %s\nbackend %s: %s\n", model.dir().c_str(), be.name().c_str(), be.device().c_str());
   std::printf("%d runs, prompt %d tokens (%d visual), %d tokens generated, KV bytes after prefill %lld\n", a.repeat,
-              prompt_tokens, model.info().n_visual, tokens, bytes);
+              prompt_tokens, visual_tokens, tokens, bytes);
   std::printf("%-26s %12s\n", "stage (median)", "value");
   std::printf("%-26s %12.2f ms\n", "image preprocessing (host)", median(preprocess));
   std::printf("%-26s %12.2f ms\n", "vision", median(vision));
@@ -176,7 +177,7 @@ void run_bench(const BenchArgs& a) {
                       {"runs", a.repeat},
                       {"chained_steps", chained},
                       {"prompt_tokens", prompt_tokens},
-                      {"visual_tokens", model.info().n_visual},
+                      {"visual_tokens", visual_tokens},
                       {"generated_tokens", tokens},
                       {"kv_bytes_after_prefill", bytes},
                       {"preprocess_ms", median(preprocess)},
