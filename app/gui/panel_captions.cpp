@@ -16,8 +16,16 @@ namespace {
 // Wrapped words; differing ones on a red background (hover: what the full cache said there), a
 // red bar where the full cache had words this caption dropped (before a word, or after the last),
 // the word holding the first differing token underlined, with `tip` shown when it is hovered.
+// Where the row's first differing word and its underlined word lie goes to st.drawn
+// ("caption_diff.<row>", "caption_diverge.<row>") and a hovered word's tooltip to
+// st.hover_readout, so that scripts can point at them.
 void draw_words(const std::vector<std::string>& words, const std::vector<WordDiff>& diff, int diverge_word,
-                const std::string& tip) {
+                const std::string& tip, State& st, const std::string& row) {
+  bool marked_diff = false;
+  if (!row.empty()) {  // (this frame's places only)
+    st.drawn.erase("caption_diff." + row);
+    st.drawn.erase("caption_diverge." + row);
+  }
   ImDrawList* dl = ImGui::GetWindowDrawList();
   const float right = ImGui::GetCursorScreenPos().x + ImGui::GetContentRegionAvail().x;
   const float space = ImGui::CalcTextSize(" ").x;
@@ -38,6 +46,11 @@ void draw_words(const std::vector<std::string>& words, const std::vector<WordDif
     if (w && !w->dropped_after.empty())
       dl->AddLine(ImVec2(p.x + sz.x + space / 2, p.y), ImVec2(p.x + sz.x + space / 2, p.y + sz.y), IM_COL32(200, 30, 30, 255), 2);
     if (diverges) dl->AddLine(ImVec2(p.x, p.y + sz.y), ImVec2(p.x + sz.x, p.y + sz.y), IM_COL32(200, 30, 30, 255), 2);
+    if (!row.empty() && diverges) st.drawn["caption_diverge." + row] = {p.x, p.y, sz.x, sz.y};
+    if (!row.empty() && w && (w->differs || !w->dropped.empty()) && !marked_diff) {
+      st.drawn["caption_diff." + row] = {p.x, p.y, sz.x, sz.y};
+      marked_diff = true;
+    }
     if (!ImGui::IsItemHovered()) continue;  // (the tooltip's text only for the word under the mouse)
     std::vector<std::string> lines;
     if (diverges) lines.push_back(tip);
@@ -49,6 +62,7 @@ void draw_words(const std::vector<std::string>& words, const std::vector<WordDif
     std::string hover;
     for (const std::string& l : lines) hover += (hover.empty() ? "" : "\n") + l;
     if (!hover.empty()) ImGui::SetTooltip("%s", hover.c_str());
+    st.hover_readout = lines;
   }
 }
 
@@ -101,7 +115,7 @@ void captions_panel(App& app, Ui&, const PanelRect& rect) {
     row_start();
     ImGui::TextUnformatted("full cache");
     ImGui::TableNextColumn();
-    draw_words(fw, {}, -1, "");
+    draw_words(fw, {}, -1, "", app.st, "");
     column_end();
     ImGui::TableNextColumn();
     char fb[64];
@@ -139,14 +153,16 @@ void captions_panel(App& app, Ui&, const PanelRect& rect) {
         for (int t = 0; t < pos && t < static_cast<int>(r.pieces.size()); ++t) prefix += r.pieces[t];
         for (size_t at; (at = prefix.find(mark)) != std::string::npos;) prefix.replace(at, mark.size(), " ");
         const int before = static_cast<int>(caption_words(prefix).size());
-        const bool starts_word = d["method_piece"].get<std::string>().rfind(mark, 0) == 0 || before == 0;
+        // (a byte-level BPE piece starts a word with its space)
+        const std::string mp = d["method_piece"].get<std::string>();
+        const bool starts_word = mp.rfind(mark, 0) == 0 || mp.rfind(" ", 0) == 0 || before == 0;
         dword = std::clamp(starts_word ? before : before - 1, 0, std::max(0, static_cast<int>(mw.size()) - 1));
         tip = "first divergence at generated token " + std::to_string(pos) + ":\nfull cache '" +
               d["full_piece"].get<std::string>() + "' (p = " + fig::format_value(d["full_prob"].get<double>()) + ")\n" +
               "this method '" + d["method_piece"].get<std::string>() + "' (p = " +
               fig::format_value(d["method_prob"].get<double>()) + ")";
       }
-      draw_words(mw, caption_word_diff(fw, mw), dword, tip);
+      draw_words(mw, caption_word_diff(fw, mw), dword, tip, app.st, std::to_string(r.id));
       if (pos >= 0) {
         ImGui::TextDisabled("↳ diverges at token %d", pos);
         if (ImGui::IsItemHovered()) ImGui::SetTooltip("%s", tip.c_str());

@@ -1,5 +1,5 @@
 // kvlens-gui on the other model families, driven headless (--script) under Xvfb: a text-only
-// model's prompt span, and a LLaVA-NeXT model's tiles grid.
+// model's prompt span, and a LLaVA-NeXT model's tiles grid; and the caption words' hover.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -77,3 +77,42 @@ TEST(Gui, AnAnyresModelDrawsItsOverlaysOnTheTilesGrid) {
   ASSERT_TRUE(st["drawn"].contains("image_colorbar"));
 }
 
+// Hovering a caption's first differing word reads what the full cache said there (the words it
+// replaced or dropped); hovering the underlined word (the first differing token's) reads the
+// divergence: both tokens and their probabilities.
+TEST(Gui, HoveringACaptionWordSaysWhatTheFullCacheSaid) {
+  const std::string dir = kt::make_temp_dir("gui_words");
+  kt::write_file(dir + "/s.json", json({{"kvlens_session", 1}, {"name", "words"}, {"max_new_tokens", 12},
+                                        {"methods", {"snapkv:budget=0.05"}}})
+                                      .dump());
+  const json steps = {{"steps",
+                       {{{"do", "wait_results"}},
+                        {{"do", "frames"}, {"n", 3}},
+                        {{"do", "dump_state"}, {"path", "before.json"}},
+                        {{"do", "hover"}, {"over", "caption_diff.1"}, {"x", 0.5}, {"y", 0.5}},
+                        {{"do", "dump_state"}, {"path", "diff.json"}},
+                        {{"do", "hover"}, {"over", "caption_diverge.1"}, {"x", 0.5}, {"y", 0.5}},
+                        {{"do", "dump_state"}, {"path", "diverge.json"}},
+                        {{"do", "quit"}}}}};
+  kt::RunResult r;
+  RUN_GUI_SIZED_OR_SKIP(dir, steps, r, "1920x1200", " --session " + dir + "/s.json");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const json before = load(dir + "/before.json");
+  ASSERT_TRUE(before["drawn"].contains("caption_diff.1")) << "the method's caption differs from the full cache's";
+  const json diff = load(dir + "/diff.json");
+  ASSERT_FALSE(diff["hover_readout"].empty());
+  // What the full cache had at (or just before) the word, quoted.
+  bool says = false;
+  for (const json& l : diff["hover_readout"]) {
+    const std::string t = l.get<std::string>();
+    const bool kind = t.rfind("the full cache says here: \"", 0) == 0 || t.rfind("dropped before this word: \"", 0) == 0;
+    says = says || (kind && t.size() > t.find('"') + 2);
+  }
+  EXPECT_TRUE(says) << diff["hover_readout"].dump();
+  const json dv = load(dir + "/diverge.json");
+  ASSERT_FALSE(dv["hover_readout"].empty());
+  const std::string first = dv["hover_readout"][0].get<std::string>();
+  EXPECT_EQ(first.rfind("first divergence at generated token ", 0), 0u) << first;
+  EXPECT_NE(first.find("full cache '"), std::string::npos) << first;
+  EXPECT_NE(first.find("this method '"), std::string::npos) << first;
+}
