@@ -78,7 +78,7 @@ void write_eval_figures(const std::vector<fig::Figure>& figs, const std::string&
 #endif
 }
 
-nlohmann::json eval_manifest(const DatasetArgs& a, const std::string& model_dir, const std::string& fingerprint,
+nlohmann::json eval_manifest(const DatasetArgs& a, const EvalSettings& settings, const std::string& model_dir, const std::string& fingerprint,
                              const std::vector<EvalVariant>& variants, const std::vector<std::string>& skipped,
                              const std::string& shard_text) {
   nlohmann::json v = nlohmann::json::array();
@@ -89,7 +89,7 @@ nlohmann::json eval_manifest(const DatasetArgs& a, const std::string& model_dir,
           {"shard", shard_text},
           {"model", model_dir},
           {"fingerprint", fingerprint},
-          {"settings", effective_settings(a).to_json()},
+          {"settings", settings.to_json()},
           {"variants", v},
           {"skipped", skipped}};
 }
@@ -143,12 +143,13 @@ EvalOutcome run_dataset(const DatasetArgs& a, const Model& model, const EvalData
   if (w.active() && !a.shard.empty()) throw InputError("--shard cannot be combined with mpirun (each rank takes one shard)");
   Shard shard = a.shard.empty() ? Shard{} : parse_shard(a.shard);
   if (w.active()) shard = {w.rank, w.size};
-  const EvalSettings s = effective_settings(a);
+  EvalSettings s = effective_settings(a);
+  s.templ = model_template(model, s.templ);  // (the checkpoint's chat template where it ships one)
   const std::string fp = record_fingerprint(model_fingerprint(model.dir()), s);
   const std::vector<size_t> mine = shard_positions(ds.images.size(), static_cast<size_t>(a.limit), shard);
   if (!out_dir.empty() && w.rank == 0)
     write_file_atomic(out_dir + "/manifest.json",
-                      eval_manifest(a, model.dir(), fp, variants, skipped, w.active() ? "all" : shard.text()).dump(1) + "\n",
+                      eval_manifest(a, s, model.dir(), fp, variants, skipped, w.active() ? "all" : shard.text()).dump(1) + "\n",
                       "eval manifest");
   const std::string tag = w.active() ? "[eval rank " + std::to_string(w.rank) + "/" + std::to_string(w.size) + "]" : "[eval]";
   ProgressLine progress(tag);

@@ -50,7 +50,7 @@ void run_calibrate_dataset(const DatasetArgs& a, const std::string& base, const 
                            const std::string& by, const std::string& out, const std::string& report);
 
 // The manifest (out/manifest.json) of a run: what `merge` and a resumed run check.
-nlohmann::json eval_manifest(const DatasetArgs& a, const std::string& model_dir, const std::string& fingerprint,
+nlohmann::json eval_manifest(const DatasetArgs& a, const EvalSettings& settings, const std::string& model_dir, const std::string& fingerprint,
                              const std::vector<EvalVariant>& variants, const std::vector<std::string>& skipped,
                              const std::string& shard_text);
 std::vector<EvalVariant> variants_from_manifest(const nlohmann::json& m, const std::string& where);
