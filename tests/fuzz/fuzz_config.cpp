@@ -1,5 +1,5 @@
-// libFuzzer harness: config.json → LLaVA model config, and preprocessor_config.json → image
-// preprocessing config. Bad input may only ever throw InputError; an accepted config keeps
+// libFuzzer harness: config.json → LLaVA / LLaVA-NeXT, InternVL and text-only model configs, and
+// preprocessor_config.json → image preprocessing config. Bad input may only ever throw InputError; an accepted config keeps
 // the invariants the models rely on.
 #include <cstddef>
 #include <cstdint>
@@ -18,6 +18,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (needed < 0 || needed > c.vision.num_hidden_layers) __builtin_trap();
     if (c.text.num_attention_heads % c.text.num_key_value_heads != 0) __builtin_trap();
     if (c.n_visual_tokens() <= 0) __builtin_trap();
+  } catch (const kvlens::InputError&) {
+  }
+  try {  // InternVL: the tiles' grid must shuffle 2×2
+    const kvlens::InternVLConfig c = kvlens::parse_internvl_config(j, "fuzz/config.json");
+    if (c.vision.grid() % 2 || c.tokens_per_tile() <= 0) __builtin_trap();
+    if (c.text.num_attention_heads % c.text.num_key_value_heads != 0) __builtin_trap();
+  } catch (const kvlens::InputError&) {
+  }
+  try {
+    const kvlens::LlamaConfig c = kvlens::parse_text_only_config(j, "fuzz/config.json");
+    if (c.head_dim % 2 || c.rope.inv_freq(c.head_dim).size() != static_cast<size_t>(c.head_dim / 2)) __builtin_trap();
   } catch (const kvlens::InputError&) {
   }
   try {
