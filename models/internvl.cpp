@@ -141,17 +141,22 @@ ImageFeatures InternVLModel::encode_image(const Tensor& px, const VisualLayout& 
     const Dt mdt = w1_.dt;
     // Each tile through the tower, its patches pixel-shuffled: token (i, j) of the g × g grid
     // holds patches (2i, 2j), (2i, 2j+1), (2i+1, 2j), (2i+1, 2j+1) side by side (HF pixel_shuffle).
+    // (`G` even, checked with the config.)
     Buffer shuffled = be_->alloc("projector.in", {N, C4}, Dt::F32);
     for (int64_t t = 0; t < images; ++t) {
       Tensor one("pixel_values", {px.dim(-3), px.dim(-2), px.dim(-1)});
       std::copy(px.data.begin() + t * one.numel(), px.data.begin() + (t + 1) * one.numel(), one.data.begin());
       const Buffer hidden = vision_.forward(one, cfg_.vision_feature_layer);
+      // Patch row 2i + a seen as g pairs of patches (rows of 2C): column block b of pair j is
+      // patch (2i + a, 2j + b), block k = 2a + b of token (i, j). Four copies a token row.
+      const int64_t e = dt_size(hidden.dt);
       for (int i = 0; i < g; ++i)
-        for (int j = 0; j < g; ++j)
-          for (int k = 0; k < 4; ++k) {
-            const int64_t patch = static_cast<int64_t>(2 * i + k / 2) * G + 2 * j + k % 2;
-            be_->copy_block(hidden, 1 + patch, 0, shuffled, t * per + i * g + j, k * C, 1, C);
-          }
+        for (int a = 0; a < 2; ++a) {
+          Buffer pairs = hidden;
+          pairs.data = hidden.as<char>() + (1 + static_cast<int64_t>(2 * i + a) * G) * C * e;
+          pairs.shape = {g, 2 * C};
+          for (int b = 0; b < 2; ++b) be_->copy_block(pairs, 0, b * C, shuffled, t * per + i * g, (2 * a + b) * C, g, C);
+        }
     }
     Buffer normed = be_->alloc("projector.ln", {N, C4}, mdt);
     be_->layer_norm(shuffled, ln_w_, &ln_b_, kProjectorLnEps, normed);
