@@ -19,8 +19,9 @@ Folders:
   internvl_qwen2_fp32     Qwen2 decoder; InternViT with q/k biases, q/k RMSNorm and a final
                           LayerNorm; a 100x37 image: 3x1 tiles and a thumbnail.
   internvl_llama3_bf16    Llama-3-style decoder (llama3 rope, BPE); InternViT with RMSNorm layers,
-                          no biases, mean pooling (no final norm), feature layer -2; bf16; a
-                          30x90 image: 1x3 tiles and a thumbnail.
+                          no biases, mean pooling (no final norm), feature layer -2; bf16, the
+                          "-hf" hub's tensor names (model.*, lm_head) in shards; a 30x90 image:
+                          1x3 tiles and a thumbnail.
 
 Usage: python3 tests/make_hf_internvl_fixtures.py [--out tests/fixtures/hf]
 """
@@ -30,6 +31,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 
 import torch
 import transformers
@@ -42,7 +44,7 @@ from transformers.models.internvl.configuration_internvl import InternVLVisionCo
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from make_hf_fixtures import N_GREEDY, greedy_decode, random_init  # noqa: E402
 from make_hf_next_fixtures import make_wide_image, MIN_MARGIN, PROCESSOR_SIZES, write_f32  # noqa: E402
-from hf_layouts import write_json  # noqa: E402
+from hf_layouts import relayout_weights, write_json  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROMPT = "Describe the image."
@@ -65,6 +67,7 @@ SPECS = [
                      norm_type="layer_norm", layer_scale_init_value=0.5),
          internvl=dict(vision_feature_layer=-1)),
     dict(name="internvl_llama3_bf16", dtype=torch.bfloat16, seed=51, tokenizer="llama3_style", image_wh=(30, 90),
+         layout="model_prefix", shards="200KB",
          max_patches=4, text_cls=LlamaConfig,
          text=dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False,
@@ -130,7 +133,15 @@ def build_seed(spec, out_root, seed):
         for name, p in model.named_parameters():
             if name.endswith("lambda_1") or name.endswith("lambda_2"):
                 p.copy_(v["layer_scale_init_value"] * (1 + 0.5 * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed))))
-    model.to(spec["dtype"]).save_pretrained(folder, safe_serialization=True)
+    if spec.get("layout"):  # the hub's tensor names (and shards) in place of save_pretrained's
+        with tempfile.TemporaryDirectory() as tmp:
+            model.to(spec["dtype"]).save_pretrained(tmp, safe_serialization=True, max_shard_size=spec["shards"])
+            relayout_weights(tmp, folder, spec["layout"], 2)
+            for f in ("config.json", "generation_config.json"):
+                if os.path.exists(os.path.join(tmp, f)):
+                    shutil.copy2(os.path.join(tmp, f), folder)
+    else:
+        model.to(spec["dtype"]).save_pretrained(folder, safe_serialization=True)
     del model
     write_json(os.path.join(folder, "preprocessor_config.json"), preprocessor_config(spec))
     write_json(os.path.join(folder, "processor_config.json"), {"image_seq_length": per, "processor_class": "InternVLProcessor"})
