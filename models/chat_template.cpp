@@ -43,6 +43,8 @@ struct Error {
 constexpr int kMaxDepth = 200;
 constexpr int64_t kMaxItems = 1 << 20;
 constexpr size_t kMaxOutput = size_t{1} << 24;
+constexpr int64_t kMaxSteps = 1 << 20;  // statements run and loop turns, in all
+constexpr int64_t kMaxWork = int64_t{1} << 26;
 
 struct DepthGuard {
   int& d;
@@ -761,6 +763,7 @@ class Renderer {
 
   void run(const Body& b, std::string& out) {
     for (const auto& n : b) {
+      if (++steps_ > kMaxSteps) fail("the template runs more than " + std::to_string(kMaxSteps) + " statements");
       node(*n, out);
       if (out.size() > kMaxOutput) fail("the rendering grows past " + std::to_string(kMaxOutput) + " bytes");
     }
@@ -810,6 +813,7 @@ class Renderer {
     if (n.exprs.size() > 1) {  // the loop's filter, before loop.length counts the items
       json kept = json::array();
       for (const json& x : items) {
+        if (++steps_ > kMaxSteps) fail("the template runs more than " + std::to_string(kMaxSteps) + " statements");
         scopes_.emplace_back();
         if (n.targets.size() == 1) scopes_.back()[n.targets[0]] = x;
         else for (size_t k = 0; k < n.targets.size() && x.is_array() && k < x.size(); ++k) scopes_.back()[n.targets[k]] = x[k];
@@ -825,6 +829,7 @@ class Renderer {
     }
     const size_t N = items.size();
     for (size_t i = 0; i < N; ++i) {
+      if (++steps_ > kMaxSteps) fail("the template runs more than " + std::to_string(kMaxSteps) + " statements");
       scopes_.emplace_back();
       auto& sc = scopes_.back();
       if (n.targets.size() == 1) {
@@ -953,10 +958,16 @@ class Renderer {
     return V(r);
   }
 
-  static Val binary(const std::string& op, const Val& a, const Val& b) {
+  Val binary(const std::string& op, const Val& a, const Val& b) {
     if (op == "==") return V(!a.undef && !b.undef ? a.j == b.j : a.undef == b.undef);
     if (op == "!=") return V(!(!a.undef && !b.undef ? a.j == b.j : a.undef == b.undef));
-    if (op == "~") return V(py_str(a) + py_str(b));
+    auto bounded = [&](Val v) {
+      const size_t n = v.j.is_string() ? v.j.get_ref<const std::string&>().size() : v.j.is_array() ? v.j.size() : 0;
+      if (n > kMaxOutput) fail("a value grows past " + std::to_string(kMaxOutput) + " items");
+      charge(n);
+      return v;
+    };
+    if (op == "~") return bounded(V(py_str(a) + py_str(b)));
     if (a.undef || b.undef) fail("'" + op + "' on an undefined value");
     const json &x = a.j, &y = b.j;
     if (op == "<" || op == ">" || op == "<=" || op == ">=") {
@@ -966,8 +977,10 @@ class Renderer {
       return V(op == "<" ? lt : op == ">" ? gt : op == "<=" ? !gt : !lt);
     }
     if (op == "+") {
-      if (x.is_string() && y.is_string()) return V(x.get<std::string>() + y.get<std::string>());
+      if (x.is_string() && y.is_string()) return bounded(V(x.get<std::string>() + y.get<std::string>()));
       if (x.is_array() && y.is_array()) {
+        if (x.size() + y.size() > kMaxOutput) fail("a list grows past " + std::to_string(kMaxOutput) + " items");
+        charge(x.size() + y.size());
         json r = x;
         for (const json& v : y) r.push_back(v);
         return V(r);
@@ -977,8 +990,9 @@ class Renderer {
       if (y.get<int64_t>() > 0 && static_cast<double>(x.get_ref<const std::string&>().size()) * static_cast<double>(y.get<int64_t>()) > kMaxOutput)
         fail("a repeated string longer than " + std::to_string(kMaxOutput) + " bytes");
       std::string r;
-      for (int64_t k = 0; k < y.get<int64_t>(); ++k) r += x.get<std::string>();
-      return V(r);
+      if (!x.get_ref<const std::string&>().empty())  // ('' * n is '' for any n)
+        for (int64_t k = 0; k < y.get<int64_t>(); ++k) r += x.get<std::string>();
+      return bounded(V(r));
     }
     if (!x.is_number() || !y.is_number()) fail("'" + op + "' on " + py_repr(x) + " and " + py_repr(y));
     const bool ints = x.is_number_integer() && y.is_number_integer();
@@ -1191,7 +1205,13 @@ class Renderer {
       const std::string sep = a.empty() ? "" : py_str(a[0]);
       std::string r;
       bool first = true;
-      for (const json& x : v.j) r += (first ? "" : sep) + py_str(V(x)), first = false;
+      for (const json& x : v.j) {
+        const std::string piece = (first ? "" : sep) + py_str(V(x));
+        r += piece;
+        first = false;
+        charge(piece.size());
+        if (r.size() > kMaxOutput) fail("a joined string grows past " + std::to_string(kMaxOutput) + " bytes");
+      }
       return V(r);
     }
     if (f == "items") {
@@ -1260,7 +1280,15 @@ class Renderer {
     return call(c);
   }
 
+  // Everything values are built of, summed (string bytes, list items): a template may not build
+  // without bound even where each value stays small.
+  void charge(size_t n) {
+    work_ += static_cast<int64_t>(n);
+    if (work_ > kMaxWork) fail("the template builds more than " + std::to_string(kMaxWork) + " bytes of values");
+  }
+
   std::vector<std::map<std::string, json>> scopes_;
+  int64_t steps_ = 0, work_ = 0;
 };
 
 }  // namespace

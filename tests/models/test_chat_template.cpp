@@ -52,6 +52,24 @@ TEST(ChatTemplate, ErrorsNameTheLineAndWhat) {
             "t.json: chat template, line 1: the statement 'macro' is not supported");
   EXPECT_EQ(error_of([] { render_chat_template("{{ 'open }}", ojson::object(), "t.json"); }),
             "t.json: chat template, line 1: a tag opened here is never closed");
+  // A checkpoint's template is input: it may not run or grow without bound.
+  EXPECT_NE(error_of([] {
+              render_chat_template("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+                                   ojson::object(), "t.json");
+            }).find("runs more than"),
+            std::string::npos);
+  EXPECT_NE(error_of([] {
+              render_chat_template("{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}"
+                                   "{% endfor %}{{ ns.s | length }}",
+                                   ojson::object(), "t.json");
+            }).find("grows past"),
+            std::string::npos);
+  EXPECT_EQ(error_of([] { render_chat_template(std::string(300, '(') + "1" + std::string(300, ')'), ojson::object(), "t"); }),
+            "") << "brackets outside {{ }} are plain text";
+  EXPECT_NE(error_of([] { render_chat_template("{{ " + std::string(300, '(') + "1" + std::string(300, ')') + " }}",
+                                               ojson::object(), "t"); })
+                .find("nested more than"),
+            std::string::npos);
 }
 
 // Where a checkpoint keeps its template, as transformers looks: chat_template.jinja first, then
