@@ -140,13 +140,21 @@ struct ByteLevelBpe::Regex {
   // Split "Isolated": every match a piece, and every stretch between matches a piece.
   void split(const std::string& s, std::vector<std::string>& out) const {
     pcre2_match_data* md = pcre2_match_data_create_from_pattern(code, nullptr);
+    // A pattern from a file may backtrack without end: bounded, as an error.
+    pcre2_match_context* mc = pcre2_match_context_create(nullptr);
+    pcre2_set_match_limit(mc, 10'000'000);
+    pcre2_set_depth_limit(mc, 100'000);
     size_t pos = 0, last = 0;
     while (pos <= s.size()) {
-      const int rc = pcre2_match(code, reinterpret_cast<PCRE2_SPTR>(s.data()), s.size(), pos, 0, md, nullptr);
+      const int rc = pcre2_match(code, reinterpret_cast<PCRE2_SPTR>(s.data()), s.size(), pos, 0, md, mc);
       if (rc == PCRE2_ERROR_NOMATCH) break;
       if (rc < 0) {
         pcre2_match_data_free(md);
-        throw InputError("tokenizer: the text is not valid UTF-8 (PCRE2 error " + std::to_string(rc) + ")");
+        pcre2_match_context_free(mc);
+        PCRE2_UCHAR msg[256];
+        pcre2_get_error_message(rc, msg, sizeof msg);
+        throw InputError("tokenizer: the pre-tokenizer pattern '" + pattern + "' cannot split the text (" +
+                         reinterpret_cast<const char*>(msg) + ")");
       }
       const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
       const size_t a = ov[0], b = ov[1];
@@ -163,6 +171,7 @@ struct ByteLevelBpe::Regex {
     }
     if (last < s.size()) out.push_back(s.substr(last));
     pcre2_match_data_free(md);
+    pcre2_match_context_free(mc);
   }
 };
 
