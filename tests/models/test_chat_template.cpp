@@ -39,7 +39,8 @@ TEST(ChatTemplate, RendersAsTransformersDoes) {
 }
 
 TEST(ChatTemplate, ErrorsNameTheLineAndWhat) {
-  for (const auto& c : fixture()["errors"]) {
+  const ojson fx = fixture();  // (kept alive for the loop)
+  for (const auto& c : fx["errors"]) {
     const std::string e = error_of([&] { render_chat_template(c["template"].get<std::string>(), c["context"], "t.json"); });
     EXPECT_NE(e.find("t.json: chat template, line 1: the chat template raised: " + c["message"].get<std::string>()),
               std::string::npos) << e;
