@@ -386,6 +386,7 @@ class ExprParser {
           e->kind = Expr::Slice;
           for (ExprP& p : parts) e->kids.push_back(p);
         } else {
+          if (!parts[0]) fail("an empty subscript []");
           e->kids.push_back(parts[0]);
         }
         a = e;

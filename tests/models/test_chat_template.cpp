@@ -53,6 +53,8 @@ TEST(ChatTemplate, ErrorsNameTheLineAndWhat) {
             "t.json: chat template, line 1: the statement 'macro' is not supported");
   EXPECT_EQ(error_of([] { render_chat_template("{{ 'open }}", ojson::object(), "t.json"); }),
             "t.json: chat template, line 1: a tag opened here is never closed");
+  EXPECT_EQ(error_of([] { render_chat_template("{{ messages[] }}", ojson::object(), "t.json"); }),
+            "t.json: chat template, line 1: an empty subscript []");
   // A checkpoint's template is input: it may not run or grow without bound.
   EXPECT_NE(error_of([] {
               render_chat_template("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
