@@ -17,6 +17,14 @@ namespace {
 
 using namespace chat_detail;
 
+// An integer argument (a Python int within 64 bits); `what` names it where it is not one.
+int64_t as_int(const json& v, const std::string& what) {
+  if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) fail(what + " beyond 64 bits");
+  if (!v.is_number_integer()) fail(what + " must be an integer, got " + py_repr(v));
+  return v.get<int64_t>();
+}
+
+
 struct Jump {
   bool brk;
 };
@@ -177,7 +185,10 @@ class Renderer {
       case Expr::Neg: {
         const Val v = eval(*e.kids[0]);
         if (!v.j.is_number()) fail("cannot negate " + py_repr(v.j));
-        return v.j.is_number_float() ? V(-v.j.get<double>()) : V(-v.j.get<int64_t>());
+        if (v.j.is_number_float()) return V(-v.j.get<double>());
+        const int64_t x = as_int(v.j, "a negated number");
+        if (x == INT64_MIN) fail("an integer beyond 64 bits");
+        return V(-x);
       }
       case Expr::Not: return V(!truthy(eval(*e.kids[0])));
       case Expr::And: {
@@ -205,7 +216,9 @@ class Renderer {
 
   Val slice(const Expr& e) {
     const Val o = eval(*e.kids[0]);
-    auto opt = [&](int k, int64_t def) { return e.kids[static_cast<size_t>(k)] ? eval(*e.kids[static_cast<size_t>(k)]).j.get<int64_t>() : def; };
+    auto opt = [&](int k, int64_t def) {
+      return e.kids[static_cast<size_t>(k)] ? as_int(eval(*e.kids[static_cast<size_t>(k)]).j, "a slice index") : def;
+    };
     const bool str = o.j.is_string();
     if (!str && !o.j.is_array()) fail("cannot slice " + py_repr(o.j));
     const int64_t n = str ? static_cast<int64_t>(o.j.get_ref<const std::string&>().size()) : static_cast<int64_t>(o.j.size());
@@ -264,20 +277,41 @@ class Renderer {
     if (!x.is_number() || !y.is_number()) fail("'" + op + "' on " + py_repr(x) + " and " + py_repr(y));
     const bool ints = x.is_number_integer() && y.is_number_integer();
     const double p = x.get<double>(), q = y.get<double>();
-    if (op == "+") return ints ? V(x.get<int64_t>() + y.get<int64_t>()) : V(p + q);
-    if (op == "-") return ints ? V(x.get<int64_t>() - y.get<int64_t>()) : V(p - q);
-    if (op == "*") return ints ? V(x.get<int64_t>() * y.get<int64_t>()) : V(p * q);
+    const int64_t i = ints ? as_int(x, "an operand") : 0, k = ints ? as_int(y, "an operand") : 0;
+    int64_t r = 0;
+    if (op == "+" || op == "-" || op == "*") {
+      if (!ints) return V(op == "+" ? p + q : op == "-" ? p - q : p * q);
+      const bool over = op == "+" ? __builtin_add_overflow(i, k, &r) : op == "-" ? __builtin_sub_overflow(i, k, &r)
+                                                                           : __builtin_mul_overflow(i, k, &r);
+      if (over) fail("an integer beyond 64 bits");
+      return V(r);
+    }
     if (q == 0 && (op == "/" || op == "//" || op == "%")) fail("division by zero");
     if (op == "/") return V(p / q);
-    if (op == "//") return ints ? V(static_cast<int64_t>(std::floor(p / q))) : V(std::floor(p / q));
-    if (op == "%") {
-      if (ints) {
-        const int64_t m = x.get<int64_t>() % y.get<int64_t>();
-        return V(m != 0 && ((m < 0) != (y.get<int64_t>() < 0)) ? m + y.get<int64_t>() : m);
+    if (ints && (op == "//" || op == "%")) {  // Python's: the quotient floored, the remainder of the divisor's sign
+      if (k == -1) {
+        if (op == "%") return V(int64_t{0});
+        if (i == INT64_MIN) fail("an integer beyond 64 bits");
+        return V(-i);
       }
-      return V(p - q * std::floor(p / q));
+      const int64_t quo = i / k, rem = i % k;
+      const bool adjust = rem != 0 && ((rem < 0) != (k < 0));
+      return op == "//" ? V(adjust ? quo - 1 : quo) : V(adjust ? rem + k : rem);
     }
-    if (op == "**") return ints && y.get<int64_t>() >= 0 ? V(static_cast<int64_t>(std::llround(std::pow(p, q)))) : V(std::pow(p, q));
+    if (op == "//") return V(std::floor(p / q));
+    if (op == "%") return V(p - q * std::floor(p / q));
+    if (op == "**") {
+      if (!ints || k < 0) return V(std::pow(p, q));
+      int64_t acc = 1;  // at most 63 products before the result leaves 64 bits (unless |i| <= 1)
+      if (i == 0 || i == 1) return V(k == 0 ? int64_t{1} : i);
+      if (i == -1) return V(k % 2 ? int64_t{-1} : int64_t{1});
+      for (int64_t n = 0; n < k; ++n) {
+        int64_t next = 0;
+        if (__builtin_mul_overflow(acc, i, &next)) fail("an integer beyond 64 bits");
+        acc = next;
+      }
+      return V(acc);
+    }
     fail("unknown operator '" + op + "'");
   }
 
@@ -304,10 +338,11 @@ class Renderer {
       }
       if (f.name == "range") {
         int64_t lo = 0, hi = 0, st = 1;
-        if (a.size() == 1) hi = a[0].j.get<int64_t>();
-        else if (a.size() >= 2) lo = a[0].j.get<int64_t>(), hi = a[1].j.get<int64_t>(), st = a.size() > 2 ? a[2].j.get<int64_t>() : 1;
+        if (a.size() == 1) hi = as_int(a[0].j, "range()'s stop");
+        else if (a.size() >= 2) lo = as_int(a[0].j, "range()'s start"), hi = as_int(a[1].j, "range()'s stop"),
+                                st = a.size() > 2 ? as_int(a[2].j, "range()'s step") : 1;
         if (st == 0) fail("range() with a step of 0");
-        if ((hi - lo) / st > kMaxItems) fail("range() of more than " + std::to_string(kMaxItems) + " numbers");
+        if ((static_cast<__int128>(hi) - lo) / st > kMaxItems) fail("range() of more than " + std::to_string(kMaxItems) + " numbers");
         json r = json::array();
         for (int64_t k = lo; st > 0 ? k < hi : k > hi; k += st) r.push_back(k);
         return V(r);
@@ -448,7 +483,12 @@ class Renderer {
       return V(static_cast<int64_t>(v.undef || v.j.is_null() ? 0 : v.j.size()));
     }
     if (f == "string") return V(py_str(v));
-    if (f == "int") return V(v.j.is_number() ? static_cast<int64_t>(v.j.get<double>()) : static_cast<int64_t>(0));
+    if (f == "int") {
+      if (v.j.is_number_integer()) return V(as_int(v.j, "int()'s argument"));
+      const double d = v.j.is_number() ? v.j.get<double>() : 0.0;
+      if (!(std::fabs(d) < 9.2e18)) fail("int() of " + py_repr(v.j) + " beyond 64 bits");
+      return V(static_cast<int64_t>(d));
+    }
     if (f == "default" || f == "d") {
       const bool boolean = a.size() > 1 && truthy(a[1]);
       return (v.undef || (boolean && !truthy(v))) ? (a.empty() ? V("") : a[0]) : v;
