@@ -55,6 +55,14 @@ TEST(ChatTemplate, ErrorsNameTheLineAndWhat) {
             "t.json: chat template, line 1: a tag opened here is never closed");
   EXPECT_EQ(error_of([] { render_chat_template("{{ messages[] }}", ojson::object(), "t.json"); }),
             "t.json: chat template, line 1: an empty subscript []");
+  // Integers as Python's within 64 bits (floor division, the remainder of the divisor's sign);
+  // beyond them an error, not a wrapped value.
+  EXPECT_EQ(render_chat_template("{{ -7 // 2 }} {{ 7 % -3 }} {{ 2 ** 10 }} {{ 9 // -1 }}", ojson::object(), "t"),
+            "-4 -2 1024 -9");
+  for (const char* t : {"{{ 9223372036854775807 + 1 }}", "{{ 3 ** 40 }}", "{{ (-9223372036854775807 - 1) // -1 }}"})
+    EXPECT_EQ(error_of([&] { render_chat_template(t, ojson::object(), "t"); }),
+              "t: chat template, line 1: an integer beyond 64 bits")
+        << t;
   // A checkpoint's template is input: it may not run or grow without bound.
   EXPECT_NE(error_of([] {
               render_chat_template("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
