@@ -29,6 +29,12 @@ struct Tensor {
     return n;
   }
   int64_t dim(int i) const { return shape.at(i < 0 ? shape.size() + i : i); }
+  // Item i along the first dimension, as a tensor of the remaining ones (tile i of [tiles][3][S][S]).
+  Tensor item(int64_t i) const {
+    Tensor t(name, std::vector<int64_t>(shape.begin() + 1, shape.end()));
+    std::copy(data.begin() + i * t.numel(), data.begin() + (i + 1) * t.numel(), t.data.begin());
+    return t;
+  }
   float* ptr() { return data.data(); }
   const float* ptr() const { return data.data(); }
   std::string shape_str() const {

@@ -467,17 +467,7 @@ class Renderer {
     const std::vector<Val> a = args(e, 1);
     const std::string& f = e.name;
     if (f == "trim") return V(trim(py_str(v)));
-    if (f == "upper" || f == "lower" || f == "title" || f == "capitalize") {
-      Expr m;
-      m.kind = Expr::Call;
-      auto attr = mk(Expr::Attr);
-      attr->name = f;
-      auto lit = mk(Expr::Lit);
-      lit->lit = py_str(v);
-      attr->kids = {lit};
-      m.kids = {attr};
-      return call(m);
-    }
+    if (f == "upper" || f == "lower" || f == "title" || f == "capitalize") return call_method(V(py_str(v)), f, {});
     if (f == "length" || f == "count") {
       if (v.j.is_string()) return V(static_cast<int64_t>(v.j.get_ref<const std::string&>().size()));
       return V(static_cast<int64_t>(v.undef || v.j.is_null() ? 0 : v.j.size()));

@@ -320,6 +320,17 @@ DecodeResult DecoderModel::decode(const PrefillState& st, KVPolicy* policy, cons
   return r;
 }
 
+PrefillState DecoderModel::prefill(const RGBImage& img, const std::string& prompt, const std::string& templ,
+                                   bool keep_attention, const std::vector<AttentionObserver*>& observers) const {
+  return prefill_image(img, prompt, templ, keep_attention, observers);
+}
+
+PrefillState DecoderModel::prefill_features(const ImageFeatures& image, const std::string& prompt,
+                                            const std::string& templ, bool keep_attention,
+                                            const std::vector<AttentionObserver*>& observers) const {
+  return prefill_image_tokens(image, prompt_ids(prompt, templ, image.layout), keep_attention, observers);
+}
+
 PrefillState DecoderModel::prefill_image(const RGBImage& img, const std::string& prompt, const std::string& templ,
                                          bool keep_attention, const std::vector<AttentionObserver*>& observers) const {
   const auto t0 = std::chrono::steady_clock::now();

@@ -34,6 +34,13 @@ class DecoderModel : public Model {
                       const std::vector<AttentionObserver*>& observers = {},
                       KVStore* compressed = nullptr) const override;
   std::vector<PrefillContext> prefill_contexts(const PrefillState& st) const override;
+  // An image model's prefill (LLaVA, InternVL): prefill_image and prefill_image_tokens over the
+  // architecture's visual_layout, pixel_values, encode_image and prompt_ids. (A text-only model
+  // has its own.)
+  PrefillState prefill(const RGBImage& img, const std::string& prompt, const std::string& templ, bool keep_attention,
+                       const std::vector<AttentionObserver*>& observers = {}) const override;
+  PrefillState prefill_features(const ImageFeatures& features, const std::string& prompt, const std::string& templ,
+                                bool keep_attention, const std::vector<AttentionObserver*>& observers = {}) const override;
 
  protected:
   // The embedded prompt `x` ([ids][hidden], fp32) through the decoder into st's KV cache: st

@@ -144,9 +144,7 @@ ImageFeatures InternVLModel::encode_image(const Tensor& px, const VisualLayout& 
     // (`G` even, checked with the config.)
     Buffer shuffled = be_->alloc("projector.in", {N, C4}, Dt::F32);
     for (int64_t t = 0; t < images; ++t) {
-      Tensor one("pixel_values", {px.dim(-3), px.dim(-2), px.dim(-1)});
-      std::copy(px.data.begin() + t * one.numel(), px.data.begin() + (t + 1) * one.numel(), one.data.begin());
-      const Buffer hidden = vision_.forward(one, cfg_.vision_feature_layer);
+      const Buffer hidden = vision_.forward(px.shape.size() == 4 ? px.item(t) : px, cfg_.vision_feature_layer);
       // Patch row 2i + a seen as g pairs of patches (rows of 2C): column block b of pair j is
       // patch (2i + a, 2j + b), block k = 2a + b of token (i, j). Four copies a token row.
       const int64_t e = dt_size(hidden.dt);
@@ -172,16 +170,6 @@ ImageFeatures InternVLModel::encode_image(const Tensor& px, const VisualLayout& 
     be_->finish_checks();
     return r;
   });
-}
-
-PrefillState InternVLModel::prefill(const RGBImage& img, const std::string& prompt, const std::string& templ,
-                                    bool keep_attention, const std::vector<AttentionObserver*>& observers) const {
-  return prefill_image(img, prompt, templ, keep_attention, observers);
-}
-
-PrefillState InternVLModel::prefill_features(const ImageFeatures& image, const std::string& prompt, const std::string& templ,
-                                             bool keep_attention, const std::vector<AttentionObserver*>& observers) const {
-  return prefill_image_tokens(image, prompt_ids(prompt, templ, image.layout), keep_attention, observers);
 }
 
 }  // namespace kvlens

@@ -125,19 +125,15 @@ ImageFeatures LlavaModel::encode_image(const Tensor& px, const VisualLayout& lay
     ImageFeatures r;
     r.layout = layout;
     const int64_t images = px.shape.size() == 4 ? px.shape[0] : 1;
-    const int64_t want = cfg_.anyres() ? 1 + [&] {
-      const AnyresGeometry g = anyres_geometry(cfg_, layout.image_width, layout.image_height);
-      return static_cast<int64_t>(g.tile_rows) * g.tile_cols;
-    }() : 1;
+    AnyresGeometry g;
+    if (cfg_.anyres()) g = anyres_geometry(cfg_, layout.image_width, layout.image_height);
+    const int64_t want = cfg_.anyres() ? 1 + static_cast<int64_t>(g.tile_rows) * g.tile_cols : 1;
     if (images != want)
       throw InputError("pixel_values hold " + std::to_string(images) + " images; an image of " +
                        std::to_string(layout.image_width) + "x" + std::to_string(layout.image_height) + " gives " +
                        std::to_string(want) + " (the whole image and its tiles)");
     Buffer per_image = project_images(px);
-    r.features = cfg_.anyres()
-                     ? pack_anyres_features(*be_, anyres_geometry(cfg_, layout.image_width, layout.image_height),
-                                            per_image, newline_)
-                     : std::move(per_image);
+    r.features = cfg_.anyres() ? pack_anyres_features(*be_, g, per_image, newline_) : std::move(per_image);
     if (r.features.shape[0] != layout.n_tokens)
       throw InternalError("encode_image: " + std::to_string(r.features.shape[0]) + " features for " +
                           std::to_string(layout.n_tokens) + " visual tokens");
@@ -158,14 +154,7 @@ Buffer LlavaModel::project_images(const Tensor& px) const {
   // images one after the other.
   Buffer feat = be_->alloc("projector.in", {N, static_cast<int64_t>(VH) * L}, Dt::F32);
   for (int64_t i = 0; i < images; ++i) {
-    Tensor one;
-    const Tensor* in = &px;
-    if (px.shape.size() == 4) {
-      one = Tensor("pixel_values", {px.shape[1], px.shape[2], px.shape[3]});
-      std::copy(px.data.begin() + i * one.numel(), px.data.begin() + (i + 1) * one.numel(), one.data.begin());
-      in = &one;
-    }
-    const auto states = vision_.forward(*in, cfg_.feature_layer_indices());
+    const auto states = vision_.forward(px.shape.size() == 4 ? px.item(i) : px, cfg_.feature_layer_indices());
     for (int s = 0; s < L; ++s)
       be_->copy_block(states[s], skip, 0, feat, i * per, static_cast<int64_t>(s) * VH, per, VH);
   }
@@ -181,16 +170,6 @@ Buffer LlavaModel::project_images(const Tensor& px) const {
   Buffer out = be_->alloc("image_features", {N, H}, Dt::F32);
   be_->linear(midm, proj_.w2, proj_.b2.empty() ? nullptr : &proj_.b2, out, false);
   return out;
-}
-
-PrefillState LlavaModel::prefill(const RGBImage& img, const std::string& prompt, const std::string& templ,
-                                 bool keep_attention, const std::vector<AttentionObserver*>& observers) const {
-  return prefill_image(img, prompt, templ, keep_attention, observers);
-}
-
-PrefillState LlavaModel::prefill_features(const ImageFeatures& image, const std::string& prompt, const std::string& templ,
-                                          bool keep_attention, const std::vector<AttentionObserver*>& observers) const {
-  return prefill_image_tokens(image, prompt_ids(prompt, templ, image.layout), keep_attention, observers);
 }
 
 }  // namespace kvlens

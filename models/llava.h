@@ -40,11 +40,6 @@ class LlavaModel final : public DecoderModel {
                               const VisualLayout& image) const override;
   Tensor pixel_values(const RGBImage& img) const override;
   ImageFeatures encode_image(const Tensor& pixel_values, const VisualLayout& layout) const override;
-  PrefillState prefill(const RGBImage& img, const std::string& prompt, const std::string& templ,
-                       bool keep_attention, const std::vector<AttentionObserver*>& observers = {}) const override;
-  PrefillState prefill_features(const ImageFeatures& features, const std::string& prompt, const std::string& templ,
-                                bool keep_attention,
-                                const std::vector<AttentionObserver*>& observers = {}) const override;
 
  private:
   static LlavaModel load_checked(const std::string& dir, const BackendOptions& backend);

@@ -6,6 +6,7 @@
 
 #include "app/figures/figures_report.h"
 #include "app/figures/report_json.h"
+#include "core/visual_layout.h"
 
 namespace kvlens::fig {
 
@@ -105,18 +106,19 @@ std::shared_ptr<const std::vector<uint8_t>> backdrop_pixels(const RGBImage& img,
 Figure token_fate_figure(const nlohmann::json& report, int method, int layer, const std::string& field,
                          const RGBImage* image) {
   const J grid = root(report).at("patch_grid");
-  const int R = grid.at("rows").integer(), C = grid.at("cols").integer(), first = grid.at("first").integer();
-  // (row_stride: tokens from one row to the next, more than C where a newline token ends each row;
-  // tile_major: tokens stored tile by tile, tiles of that many patches a side)
-  const int stride = grid.has("row_stride") ? grid.at("row_stride").integer() : C;
-  const int tile = grid.has("tile_major") ? grid.at("tile_major").integer() : 0;
+  // The grid as the report gives it (core/visual_layout.h: patch_grid_json), read strictly.
+  VisualGrid g;
+  g.rows = grid.at("rows").integer();
+  g.cols = grid.at("cols").integer();
+  g.first = grid.at("first").integer();
+  g.row_stride = grid.has("row_stride") ? grid.at("row_stride").integer() : g.cols;
+  g.tile_side = grid.has("tile_major") ? grid.at("tile_major").integer() : 0;
+  g.tile_major = g.tile_side > 0;
+  const int R = g.rows, C = g.cols, first = g.first, stride = g.row_stride, tile = g.tile_side;
   if (tile < 0 || (tile > 0 && (R % tile || C % tile)))
     throw InputError(grid.where + ".tile_major " + std::to_string(tile) + " does not divide the " + std::to_string(R) + "×" +
                      std::to_string(C) + " grid");
-  auto token = [&](int r, int c) -> int64_t {
-    if (tile == 0) return first + static_cast<int64_t>(r) * stride + c;
-    return first + (static_cast<int64_t>(r / tile) * (C / tile) + c / tile) * tile * tile + (r % tile) * tile + c % tile;
-  };
+  auto token = [&](int r, int c) -> int64_t { return g.token(r, c); };
   const J m = method_at(report, method);
   const J fate = layer_at(m, layer).at("token_fate");
   if (field != "kept" && field != "bits" && field != "merged")

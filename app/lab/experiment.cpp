@@ -201,8 +201,7 @@ nlohmann::json experiment_base_json(const Model& model, const Experiment& ex, co
   const VisualLayout& layout = ex.prefill.layout;
   if (const VisualGrid* fine = layout.finest()) {
     const VisualGrid& g = *fine;
-    j["patch_grid"] = {{"rows", g.rows}, {"cols", g.cols}, {"first", g.first}, {"row_stride", g.row_stride}};
-    if (g.tile_major) j["patch_grid"]["tile_major"] = g.tile_side;  // tokens tile by tile, tiles of this side
+    j["patch_grid"] = patch_grid_json(g);
     nlohmann::json grids = nlohmann::json::array();
     for (const VisualGrid& v : layout.grids)
       grids.push_back({{"name", v.name}, {"first", v.first}, {"rows", v.rows}, {"cols", v.cols},

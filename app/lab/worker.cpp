@@ -44,11 +44,9 @@ std::string base_key(const Setup& s) {
 
 RGBImage shown_image(const Tensor& pv, const PreprocessConfig& cfg) {
   RGBImage img;
-  // [3][S][S], or the whole image first of [tiles][3][S][S] (anyres).
-  const size_t d = pv.shape.size() == 4 ? 1 : 0;
-  if (pv.shape.size() != 3 + d || pv.shape[d] != 3) return img;
-  img.height = static_cast<int>(pv.shape[d + 1]);
-  img.width = static_cast<int>(pv.shape[d + 2]);
+  if (pv.shape.size() != 3 || pv.shape[0] != 3) return img;
+  img.height = static_cast<int>(pv.shape[1]);
+  img.width = static_cast<int>(pv.shape[2]);
   img.data.resize(static_cast<size_t>(img.width) * img.height * 3);
   const size_t plane = static_cast<size_t>(img.width) * img.height;
   for (int c = 0; c < 3; ++c)
