@@ -83,11 +83,17 @@ void rope(float* x, int T, int H, int D, const int32_t* pos, float theta) {
 }
 
 void rope(float* x, int T, int H, int D, const int32_t* pos, const float* inv_freq) {
+  rope(x, T, H, D, pos, inv_freq, nullptr, 0);
+}
+
+void rope(float* x, int T, int H, int D, const int32_t* pos, const float* inv_freq, const int* row_of,
+          int64_t row_stride) {
   const int half = D / 2;
 #pragma omp parallel for if (static_cast<int64_t>(T) * H * D > kParallelMin)
   for (int t = 0; t < T; ++t) {
     for (int i = 0; i < half; ++i) {
-      const float ang = static_cast<float>(pos[t]) * static_cast<float>(inv_freq[i]);
+      const int32_t p = row_of ? pos[row_of[i] * row_stride + t] : pos[t];
+      const float ang = static_cast<float>(p) * static_cast<float>(inv_freq[i]);
       const float c = std::cos(ang), s = std::sin(ang);
       for (int h = 0; h < H; ++h) {
         float* r = x + (static_cast<int64_t>(t) * H + h) * D;

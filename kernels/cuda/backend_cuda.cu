@@ -385,12 +385,16 @@ class CudaBackend : public Backend {
     cuda::gated_act(gu.as<float>(), gu.rows(), out.cols(), static_cast<int>(act), out.data, out.dt, ctx_->stream);
   }
   void rope(Buffer& qkv, const AttnLayout& l, const Buffer& pos, const Rope& rope) override {
-    need(qkv.dt == Dt::F32 && pos.dt == Dt::I32 && pos.numel() >= l.T && l.head_dim % 2 == 0, "rope: " + qkv.name);
+    // One row of positions, or one per section ([rows][T]).
+    const bool sectioned = rope.rows() > 1 && pos.numel() == static_cast<int64_t>(rope.rows()) * l.T;
+    need(qkv.dt == Dt::F32 && pos.dt == Dt::I32 && (sectioned || pos.numel() >= l.T) && l.head_dim % 2 == 0,
+         "rope: " + qkv.name);
     const float* inv = inv_freq(l.head_dim, rope);
+    const int32_t* rows = sectioned ? rope_rows(l.head_dim, rope) : nullptr;
     if (ctx_->replay) return;
     auto prof_scope = prof_.scope("rope", *ctx_);
     cuda::rope(qkv.as<float>(), l.T, l.row_stride, l.q_col, l.n_heads, l.k_col, l.n_kv_heads, l.head_dim,
-               pos.as<int32_t>(), inv, ctx_->stream);
+               pos.as<int32_t>(), inv, rows, ctx_->stream);
   }
   void embed(const Buffer& table, const Buffer& ids, Buffer& out) override {
     need(ids.dt == Dt::I32 && out.dt == Dt::F32 && out.cols() == table.cols() && out.rows() == ids.numel(),
@@ -624,6 +628,23 @@ class CudaBackend : public Backend {
     ctx_->sync("rope table");
     ctx_->inv_freq[key] = mem;
     return static_cast<const float*>(p);
+  }
+
+  // The position row of each frequency of a sectioned rope (Rope::row_of), kept beside the tables.
+  const int32_t* rope_rows(int D, const Rope& rope) {
+    auto key = std::make_pair(D, "rows/" + rope.key());
+    auto it = ctx_->inv_freq.find(key);
+    if (it != ctx_->inv_freq.end()) return static_cast<const int32_t*>(it->second.get());
+    if (ctx_->capturing || ctx_->replay) throw InternalError("rope: table created inside a captured step");
+    const std::vector<int> r = rope.row_of(D);
+    const std::vector<int32_t> t(r.begin(), r.end());
+    void* p = nullptr;
+    KV_CUDA(cudaMalloc(&p, t.size() * 4), "rope sections");
+    std::shared_ptr<void> mem(p, [](void* q) { cudaFree(q); });
+    ctx_->upload(p, t.data(), static_cast<int64_t>(t.size()) * 4, "rope sections");
+    ctx_->sync("rope sections");
+    ctx_->inv_freq[key] = mem;
+    return static_cast<const int32_t*>(p);
   }
 
   // NonFiniteError for the first of `names` whose check word (first bad index << 32 | value bits)

@@ -87,7 +87,7 @@ __global__ void gated_act_kernel(const float* gu, int64_t M, int64_t I, int act,
 }
 
 __global__ void rope_kernel(float* x, int T, int64_t stride, int64_t q_col, int nq, int64_t k_col, int nk, int D,
-                            const int32_t* pos, const float* inv_freq) {
+                            const int32_t* pos, const float* inv_freq, const int32_t* row_of, int64_t row_stride) {
   const int half = D / 2;
   const int64_t n = static_cast<int64_t>(T) * (nq + nk) * half;
   for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < n;
@@ -96,7 +96,8 @@ __global__ void rope_kernel(float* x, int T, int64_t stride, int64_t q_col, int 
     const int hh = static_cast<int>((idx / half) % (nq + nk));
     const int t = static_cast<int>(idx / (static_cast<int64_t>(half) * (nq + nk)));
     float* r = x + t * stride + (hh < nq ? q_col + static_cast<int64_t>(hh) * D : k_col + static_cast<int64_t>(hh - nq) * D);
-    const float ang = static_cast<float>(pos[t]) * inv_freq[i];
+    const int32_t p = row_of ? pos[row_of[i] * row_stride + t] : pos[t];
+    const float ang = static_cast<float>(p) * inv_freq[i];
     float s, c;
     sincosf(ang, &s, &c);
     const float a = r[i], b = r[i + half];
@@ -256,10 +257,10 @@ void gated_act(const float* gu, int64_t M, int64_t I, int act, void* out, Dt odt
 }
 
 void rope(float* x, int T, int64_t stride, int64_t q_col, int nq, int64_t k_col, int nk, int D, const int32_t* pos,
-          const float* inv_freq, cudaStream_t s) {
+          const float* inv_freq, const int32_t* row_of, cudaStream_t s) {
   const int64_t n = static_cast<int64_t>(T) * (nq + nk) * (D / 2);
   if (n == 0) return;
-  rope_kernel<<<grid_for(n), 256, 0, s>>>(x, T, stride, q_col, nq, k_col, nk, D, pos, inv_freq);
+  rope_kernel<<<grid_for(n), 256, 0, s>>>(x, T, stride, q_col, nq, k_col, nk, D, pos, inv_freq, row_of, T);
   KV_LAUNCH("rope_kernel", std::to_string(T) + " tokens");
 }
 

@@ -24,9 +24,10 @@ void bias_act(const float* y, const float* bias, int64_t M, int64_t N, int act, 
 void add_bias_rows(float* y, const float* bias, int64_t M, int64_t N, bool accumulate, cudaStream_t s);
 void gated_act(const float* gu, int64_t M, int64_t I, int act, void* out, Dt odt, cudaStream_t s);
 // RoPE ("rotate half") in place on nq heads at column q_col and nk heads at k_col of each of
-// the T rows of x (row stride `stride`); inv_freq[D/2] as the CPU computes it.
+// the T rows of x (row stride `stride`); inv_freq[D/2] as the CPU computes it. row_of (null:
+// every frequency reads pos[t]): frequency i of token t reads pos[row_of[i] · T + t] (sections).
 void rope(float* x, int T, int64_t stride, int64_t q_col, int nq, int64_t k_col, int nk, int D,
-          const int32_t* pos, const float* inv_freq, cudaStream_t s);
+          const int32_t* pos, const float* inv_freq, const int32_t* row_of, cudaStream_t s);
 void embed(const void* table, Dt tdt, int64_t V, int64_t H, const int32_t* ids, int T, float* out,
            cudaStream_t s);
 // ids[0] = the first index of the largest of logits[0..n) (NaN never larger; a NaN first value

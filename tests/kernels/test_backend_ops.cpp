@@ -492,25 +492,41 @@ TEST(Ops, AddRopeEmbedCopy) {
       expect_within(read(*B.be[i], X), r, bound_rel(r, 0, unit(Dt::F32)), std::string(B.name[i]) + " add");
     }
   }
-  // RoPE on q and k heads inside a projection row (GQA, odd token count, large positions).
-  {
-    const int T = 11, NH = 6, NKV = 2, D = 24;
+  // RoPE on q and k heads inside a projection row (GQA, odd token count, large positions): one
+  // row of positions; then sectioned (M-RoPE: each run of frequencies its own row of positions,
+  // negative ones included), and the axial table of Qwen2-VL's vision tower.
+  Rope sectioned(10000.0f), axial(10000.0f);
+  sectioned.sections = {3, 4, 5};
+  axial.type = "axial";
+  axial.sections = {6, 6};
+  for (const Rope& rope : {Rope(10000.0f), sectioned, axial}) {
+    const int T = 11, NH = 6, NKV = 2, D = 24, R = rope.rows();
     const int64_t stride = (NH + 2 * NKV) * D + 5;
     const auto x = randn(static_cast<size_t>(T) * stride);
-    std::vector<int32_t> pos(T);
-    for (int t = 0; t < T; ++t) pos[t] = 3 + 97 * t;
+    std::vector<int32_t> pos(static_cast<size_t>(R) * T);
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < T; ++t) pos[static_cast<size_t>(r * T + t)] = 3 + 97 * t - 150 * r * (t % 3);
     AttnLayout l;
     l.T = T; l.n_heads = NH; l.n_kv_heads = NKV; l.head_dim = D; l.row_stride = stride;
     l.q_col = 0; l.k_col = NH * D; l.v_col = (NH + NKV) * D;
-    const float theta = 10000.0f;
+    // Frequency i's row and inverse frequency, from the formulas (not Rope's own tables).
+    auto row_of = [&](int i) {
+      int r = 0, end = rope.sections.empty() ? D / 2 : rope.sections[0];
+      while (i >= end) end += rope.sections[static_cast<size_t>(++r)];
+      return r;
+    };
+    auto inv_of = [&](int i) {
+      if (rope.type == "axial") return 1.0f / std::pow(rope.theta, static_cast<float>(2 * (i % (D / 4))) / static_cast<float>(D / 2));
+      return 1.0f / std::pow(rope.theta, static_cast<float>(2 * i) / static_cast<float>(D));
+    };
     std::vector<float> r = x;
     std::vector<double> bd(x.size(), 0.0);
     for (int t = 0; t < T; ++t)
       for (int h = 0; h < NH + NKV; ++h) {
         const int64_t c0 = h < NH ? h * D : l.k_col + (h - NH) * D;
         for (int i = 0; i < D / 2; ++i) {
-          const float inv = 1.0f / std::pow(theta, static_cast<float>(2 * i) / static_cast<float>(D));
-          const double ang = static_cast<double>(static_cast<float>(pos[t]) * inv);
+          const int32_t p = pos[static_cast<size_t>(row_of(i) * T + t)];
+          const double ang = static_cast<double>(static_cast<float>(p) * inv_of(i));
           const size_t a = static_cast<size_t>(t * stride + c0 + i), b = a + D / 2;
           r[a] = static_cast<float>(x[a] * std::cos(ang) - x[b] * std::sin(ang));
           r[b] = static_cast<float>(x[b] * std::cos(ang) + x[a] * std::sin(ang));
@@ -522,8 +538,8 @@ TEST(Ops, AddRopeEmbedCopy) {
       if (!B.be[i]) continue;
       Buffer X = make(*B.be[i], "qkv", {T, stride}, Dt::F32, x);
       Buffer P = make_ids(*B.be[i], "pos", pos);
-      B.be[i]->rope(X, l, P, theta);
-      expect_within(read(*B.be[i], X), r, bd, std::string(B.name[i]) + " rope");
+      B.be[i]->rope(X, l, P, rope);
+      expect_within(read(*B.be[i], X), r, bd, std::string(B.name[i]) + " rope " + rope.key());
     }
   }
   // Embedding gather from an f16 table (exact), and a block copy.
