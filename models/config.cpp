@@ -89,10 +89,12 @@ LlamaConfig parse_text(const nlohmann::json* jp, const std::string& w, bool mist
   nlohmann::json empty = nlohmann::json::object();
   const nlohmann::json& j = jp ? *jp : empty;
   get(j, "model_type", c.model_type, w);
-  if (c.model_type != "llama" && !(mistral_too && (c.model_type == "mistral" || c.model_type == "qwen2")))
+  // (Qwen2-VL's decoder: "qwen2_vl_text" in text_config, or the hub's flat config, "qwen2_vl")
+  const bool qwen_vl = c.model_type == "qwen2_vl_text" || c.model_type == "qwen2_vl";
+  if (c.model_type != "llama" && !(mistral_too && (c.model_type == "mistral" || c.model_type == "qwen2" || qwen_vl)))
     throw InputError(w + ": model_type '" + c.model_type + "' is not supported (expected llama" +
                      (mistral_too ? ", mistral or qwen2)" : ")"));
-  const bool mistral = c.model_type == "mistral", qwen2 = c.model_type == "qwen2";
+  const bool mistral = c.model_type == "mistral", qwen2 = c.model_type == "qwen2" || qwen_vl;
   if (mistral) c.intermediate_size = 14336, c.max_position_embeddings = 4096 * 32, c.sliding_window = 4096;
   if (qwen2) {
     // Qwen2Config's defaults; biases on q, k and v (not on o), no BOS or EOS unless given.
@@ -145,13 +147,31 @@ LlamaConfig parse_text(const nlohmann::json* jp, const std::string& w, bool mist
           throw InputError(at + ": rope_type 'llama3' needs 'original_max_position_embeddings'");
         c.rope.original_max_position = json_int(rp["original_max_position_embeddings"],
                                                 at + ": original_max_position_embeddings", 1, kMaxPositions);
-      } else if (type != "default") {
+      } else if (type != "default" && !(qwen_vl && type == "mrope")) {
         throw InputError(w + ": " + key + " rope_type '" + type +
                          "' is not supported (the default rotary embedding and llama3's scaling)");
+      }
+      if (rp.contains("mrope_section") && !rp["mrope_section"].is_null()) {
+        // M-RoPE (Qwen2-VL): the head's D/2 frequencies split among temporal, height and width.
+        const auto& ms = rp["mrope_section"];
+        if (!qwen_vl) throw InputError(at + ": mrope_section is read for qwen2_vl checkpoints only");
+        if (!ms.is_array() || ms.size() != 3)
+          throw InputError(at + ": mrope_section must list 3 section sizes (temporal, height, width), got " + ms.dump());
+        c.rope.sections.clear();
+        for (size_t i = 0; i < ms.size(); ++i)
+          c.rope.sections.push_back(json_int(ms[i], at + ": mrope_section[" + std::to_string(i) + "]", 1, kMaxWidth));
       }
     }
   }
   c.rope.theta = static_cast<float>(theta);
+  if (qwen_vl) {
+    if (c.rope.sections.empty()) throw InputError(w + ": no rope_parameters.mrope_section (Qwen2-VL's M-RoPE sections)");
+    int sum = 0;
+    for (int x : c.rope.sections) sum += x;
+    if (sum != c.head_dim / 2)
+      throw InputError(w + ": mrope_section sums to " + std::to_string(sum) + "; it must split head_dim / 2 = " +
+                       std::to_string(c.head_dim / 2) + " frequencies");
+  }
   bool attention_bias = false;
   get(j, "attention_bias", attention_bias, w);
   if (attention_bias) c.qkv_bias = c.o_bias = true;
@@ -367,6 +387,67 @@ InternVLConfig parse_internvl_checked(const nlohmann::json& j, const std::string
 }
 
 }  // namespace
+
+namespace {
+
+Qwen2VLConfig parse_qwen2_vl_checked(const nlohmann::json& j, const std::string& where) {
+  if (!j.is_object()) throw InputError(where + ": not a JSON object");
+  Qwen2VLConfig c;
+  const std::string w = where + ": vision_config";
+  const nlohmann::json vj = j.contains("vision_config") && j["vision_config"].is_object() ? j["vision_config"] : nlohmann::json::object();
+  Qwen2VitConfig& v = c.vision;
+  if (vj.contains("model_type") && vj["model_type"] != "qwen2_vl_vision" && vj["model_type"] != "qwen2_vl")
+    throw InputError(w + ": model_type " + vj["model_type"].dump() + " is not supported (expected qwen2_vl_vision)");
+  get_int(vj, "depth", v.depth, w, 1, kMaxLayers);
+  get_int(vj, "embed_dim", v.embed_dim, w, 1, kMaxWidth);
+  get_int(vj, "hidden_size", v.hidden_size, w, 1, kMaxWidth);
+  get_int(vj, "mlp_ratio", v.mlp_ratio, w, 1, 64);
+  get_int(vj, "num_heads", v.num_heads, w, 1, kMaxHeads);
+  get_int(vj, "in_channels", v.in_channels, w, 3, 3);
+  get_int(vj, "in_chans", v.in_channels, w, 3, 3);
+  get_int(vj, "patch_size", v.patch_size, w, 1, 1024);
+  get_int(vj, "spatial_merge_size", v.spatial_merge_size, w, 1, 8);
+  get_int(vj, "temporal_patch_size", v.temporal_patch_size, w, 1, 8);
+  get(vj, "hidden_act", v.hidden_act, w);
+  double vtheta = v.rope_theta;
+  if (vj.contains("rope_parameters") && vj["rope_parameters"].is_object()) {
+    const auto& rp = vj["rope_parameters"];
+    get_real(rp, "rope_theta", vtheta, w + ".rope_parameters", 1, 1e12);
+    std::string type = "axial";
+    get(rp, "rope_type", type, w + ".rope_parameters");
+    if (type != "axial") throw InputError(w + ".rope_parameters: rope_type '" + type + "' is not supported (axial)");
+  }
+  v.rope_theta = static_cast<float>(vtheta);
+  if (v.embed_dim % v.num_heads || (v.embed_dim / v.num_heads) % 4)
+    throw InputError(w + ": embed_dim " + std::to_string(v.embed_dim) + " over num_heads " + std::to_string(v.num_heads) +
+                     " must be a head size divisible by 4 (the height and width rotations)");
+  // The decoder: text_config (transformers 5), else the keys at the top level (the hub's layout).
+  nlohmann::json tj = j.contains("text_config") && j["text_config"].is_object() ? j["text_config"] : j;
+  if (!tj.contains("model_type") || tj["model_type"] == "qwen2_vl") tj["model_type"] = "qwen2_vl_text";
+  c.text = parse_text(&tj, where + (j.contains("text_config") ? ": text_config" : ""), true);
+  if (c.text.model_type != "qwen2_vl_text")
+    throw InputError(where + ": text_config model_type '" + c.text.model_type + "' is not qwen2_vl_text");
+  if (v.hidden_size != c.text.hidden_size)
+    throw InputError(w + ": hidden_size " + std::to_string(v.hidden_size) + " (the merger's output) differs from the decoder's " +
+                     std::to_string(c.text.hidden_size));
+  for (auto [key, out] : {std::pair<const char*, int*>{"image_token_id", &c.image_token_id},
+                          {"vision_start_token_id", &c.vision_start_token_id},
+                          {"vision_end_token_id", &c.vision_end_token_id}})
+    get_int(j, key, *out, where, 0, c.text.vocab_size - 1);
+  c.tie_word_embeddings = c.text.tie_word_embeddings;
+  get(j, "tie_word_embeddings", c.tie_word_embeddings, where);
+  return c;
+}
+
+}  // namespace
+
+Qwen2VLConfig parse_qwen2_vl_config(const nlohmann::json& j, const std::string& where) {
+  try {
+    return parse_qwen2_vl_checked(j, where);
+  } catch (const nlohmann::json::exception& e) {
+    throw InputError(where + ": a value has the wrong type (" + e.what() + ")");
+  }
+}
 
 InternVLConfig parse_internvl_config(const nlohmann::json& j, const std::string& where) {
   try {

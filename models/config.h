@@ -103,6 +103,27 @@ struct InternVLConfig {
 };
 InternVLConfig parse_internvl_config(const nlohmann::json& j, const std::string& where);
 
+// Qwen2-VL's vision tower (HF Qwen2VLVisionConfig, model_type qwen2_vl_vision): patches of
+// patch_size² pixels × temporal_patch_size frames, `depth` pre-norm blocks with the axial 2-D
+// rope, and the merger of spatial_merge_size² patches into one token of the decoder's width.
+struct Qwen2VitConfig {
+  int depth = 32, embed_dim = 1280, hidden_size = 3584, mlp_ratio = 4, num_heads = 16, in_channels = 3;
+  int patch_size = 14, spatial_merge_size = 2, temporal_patch_size = 2;
+  std::string hidden_act = "quick_gelu";
+  float rope_theta = 10000.0f;
+  int head_dim() const { return embed_dim / num_heads; }
+};
+
+// Qwen2-VL (HF Qwen2VLForConditionalGeneration, model_type qwen2_vl): the vision tower, the
+// Qwen2 decoder with M-RoPE (its rope's sections), the vision start / image pad / end tokens.
+struct Qwen2VLConfig {
+  Qwen2VitConfig vision;
+  LlamaConfig text;
+  int image_token_id = 151655, vision_start_token_id = 151652, vision_end_token_id = 151653;
+  bool tie_word_embeddings = false;
+};
+Qwen2VLConfig parse_qwen2_vl_config(const nlohmann::json& j, const std::string& where);
+
 LlavaConfig parse_llava_config(const nlohmann::json& j, const std::string& where);
 // A list of [height, width] resolutions (LLaVA-NeXT's image_grid_pinpoints); `where` names it.
 std::vector<std::array<int, 2>> parse_grid_pinpoints(const nlohmann::json& v, const std::string& where);

@@ -107,7 +107,8 @@ void DecoderModel::prefill_embedded(PrefillState& st, Buffer x, bool keep_attent
   st.capture.keep = keep_attention;
   st.store_rows = !dev || !observers.empty();
   SeqKV kv{&st.store, dev.get(), st.store_rows};
-  st.logits = in_model(dir_, [&] { return text_.prefill(x, st.kinds, kv, observers, &st.capture); });
+  const std::vector<int32_t> rope = rope_positions(st);
+  st.logits = in_model(dir_, [&] { return text_.prefill(x, st.kinds, kv, observers, &st.capture, rope); });
   if (dev && !st.store_rows) be_->kv_hydrate(*dev, st.store, false);  // the layout alone
   st.device = std::move(dev);
 }

@@ -55,6 +55,9 @@ class DecoderModel : public Model {
   // features, through the decoder (kinds: system before the image, visual, post-vision text).
   PrefillState prefill_image_tokens(const ImageFeatures& image, std::vector<int> ids, bool keep_attention,
                                     const std::vector<AttentionObserver*>& observers) const;
+  // The decoder's rotary positions of st's prompt, [text_cfg_.rope.rows()][T] (empty: 0..T-1):
+  // Qwen2-VL's M-RoPE gives the image's tokens their height and width.
+  virtual std::vector<int32_t> rope_positions(const PrefillState& st) const { return {}; }
   // The prompt's length checked against the positions a sequence may hold.
   void check_prompt_length(int T, int n_visual) const;
   // Loads the decoder's weights under prefix `tp` (lm_head named `lm_head`, or tied) and fills

@@ -105,8 +105,8 @@ void LlamaDecoder::mlp(const LlamaLayer& L, Buffer& h, Buffer& x, Buffer& gu, Bu
 }
 
 std::vector<float> LlamaDecoder::prefill(const Buffer& x0, const std::vector<SegmentKind>& kinds, SeqKV& kv,
-                                         const std::vector<AttentionObserver*>& observers,
-                                         PrefillCapture* capture) const {
+                                         const std::vector<AttentionObserver*>& observers, PrefillCapture* capture,
+                                         const std::vector<int32_t>& rope_positions) const {
   const int T = static_cast<int>(x0.rows()), H = cfg.hidden_size, I = cfg.intermediate_size;
   const int NH = cfg.num_attention_heads, NKV = cfg.num_key_value_heads, D = cfg.head_dim;
   const int QD = NH * D;
@@ -124,6 +124,15 @@ std::vector<float> LlamaDecoder::prefill(const Buffer& x0, const std::vector<Seg
   for (int t = 0; t < T; ++t) pos_host[t] = t;
   Buffer pos = be->alloc("text.positions", {T}, Dt::I32);
   be->upload(pos_host.data(), pos);
+  Buffer rpos = pos;  // the rotary positions
+  if (!rope_positions.empty()) {
+    const int R = cfg.rope.rows();
+    if (rope_positions.size() != static_cast<size_t>(R) * T)
+      throw InternalError("prefill: " + std::to_string(rope_positions.size()) + " rotary positions for " + std::to_string(R) +
+                          " rows of " + std::to_string(T) + " tokens");
+    rpos = be->alloc("text.rope_positions", {R, T}, Dt::I32);
+    be->upload(rope_positions.data(), rpos);
+  }
 
   const bool keep = capture && capture->keep;
   // Observers see each layer's scores and probabilities as it runs (one layer's at a time); a
@@ -138,13 +147,13 @@ std::vector<float> LlamaDecoder::prefill(const Buffer& x0, const std::vector<Seg
   }
   std::shared_ptr<CapturedAttention> captured;
   if (keep)
-    captured = std::make_shared<CapturedAttention>(be, lay, mdt, cfg.num_hidden_layers, cfg.rope, pos);
+    captured = std::make_shared<CapturedAttention>(be, lay, mdt, cfg.num_hidden_layers, cfg.rope, rpos);
   for (int l = 0; l < cfg.num_hidden_layers; ++l) {
     const LlamaLayer& L = layers[l];
     be->rms_norm(h, L.ln1, eps, x);
     be->linear(x, L.qkv_w, or_null(L.qkv_b), qkv, false);
     if (keep) captured->keep_layer(l, x, L.qkv_w, L.qkv_b);
-    be->rope(qkv, lay, pos, cfg.rope);
+    be->rope(qkv, lay, rpos, cfg.rope);
     be->kv_append(kv, l, qkv, lay, pos, pos_host.data(), kinds.data(), T);
     be->attention(qkv, lay, a, observe ? scores.data() : nullptr, observe ? probs.data() : nullptr);
     if (want_q) {

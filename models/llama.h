@@ -184,10 +184,12 @@ class LlamaDecoder {
   // Token embeddings of ids as a [n][hidden] fp32 buffer; ids must be < vocab_size.
   Buffer embed_tokens(const std::vector<int>& ids) const;
   // Runs the prompt x [T][hidden] (positions 0..T-1), appends every layer's K/V to `kv`
-  // tagged by `kinds`, and returns the logits of the last position.
+  // tagged by `kinds`, and returns the logits of the last position. rope_positions (empty: the
+  // positions 0..T-1): the rotary positions, [cfg.rope.rows()][T] (M-RoPE's sections), which the
+  // cache's rows do not take (they keep 0..T-1).
   std::vector<float> prefill(const Buffer& x, const std::vector<SegmentKind>& kinds, SeqKV& kv,
-                             const std::vector<AttentionObserver*>& observers,
-                             PrefillCapture* capture) const;
+                             const std::vector<AttentionObserver*>& observers, PrefillCapture* capture,
+                             const std::vector<int32_t>& rope_positions = {}) const;
   LlamaWorkspace workspace() const;
   // One decode step for `token` at position `pos` (step = 0 for the first generated token's
   // forward); returns logits.

@@ -11,6 +11,7 @@
 #include "models/llama_text.h"
 #include "models/internvl.h"
 #include "models/llava.h"
+#include "models/qwen2_vl.h"
 
 namespace kvlens {
 
@@ -34,6 +35,9 @@ const Architecture kArchitectures[] = {
      }},
     {"internvl", [](const std::string& dir, const BackendOptions& be) -> std::unique_ptr<Model> {
        return std::make_unique<InternVLModel>(InternVLModel::load(dir, be));
+     }},
+    {"qwen2_vl", [](const std::string& dir, const BackendOptions& be) -> std::unique_ptr<Model> {
+       return std::make_unique<Qwen2VLModel>(Qwen2VLModel::load(dir, be));
      }},
     {"llama", load_text_only},
     {"mistral", load_text_only},

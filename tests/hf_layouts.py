@@ -31,6 +31,10 @@ def canonical(name):
         return ("vis", n[len("vision_tower.vision_model."):])
     if n.startswith("vision_tower."):
         return ("vis", n[len("vision_tower."):])
+    if n.startswith("visual."):  # Qwen2-VL's vision tower and merger
+        return ("vis", n[len("visual."):])
+    if name.startswith("model.") and n.split(".")[0] in ("embed_tokens", "layers", "norm"):  # Qwen2-VL's decoder
+        return ("lm", n)
     if n.startswith("multi_modal_projector."):
         return ("proj", n[len("multi_modal_projector."):])
     raise ValueError("unknown tensor name " + name)
@@ -44,6 +48,8 @@ LAYOUT_PREFIX = {
     # InternVL's "-hf" hub checkpoints: everything under model., no vision_model segment
     "model_prefix": {"lm": "model.language_model.", "head": "lm_head.", "vis": "model.vision_tower.",
                      "proj": "model.multi_modal_projector.", "newline": "model.image_newline"},
+    # Qwen2-VL's module names in memory (its hub names are what save_pretrained writes)
+    "qwen_inmem": {"lm": "model.language_model.", "head": "lm_head.", "vis": "model.visual."},
     "inmem": {"lm": "model.language_model.", "head": "lm_head.",
               "vis": "model.vision_tower.vision_model.", "proj": "model.multi_modal_projector.",
               "newline": "model.image_newline"},

@@ -9,13 +9,16 @@ Families (the shapes of the published checkpoints):
   internvl3_8b        InternVL3-8B: InternViT-300M (24 layers, hidden 1024, 448-px tiles, 1-12 tiles
                       and a thumbnail), Qwen2.5-7B (28 layers, hidden 3584, 28 heads, 4 KV heads,
                       MLP 18944, q/k/v biases)
+  qwen2vl_7b          Qwen2-VL-7B: its vision tower (32 blocks, width 1280, 14-px patches merged 2x2),
+                      Qwen2-7B with M-RoPE (28 layers, hidden 3584, 28 heads, 4 KV heads, MLP 18944)
   llama3_8b           Llama-3.1-8B text: 32 layers, hidden 4096, 32 heads, 8 KV heads, MLP 14336,
                       llama3 rope scaling, vocabulary 128256
 
 The tokenizer is a small fixture tokenizer (ids past its vocabulary are never decoded: only
 speed is measured); the image families ship the chat template that makes kvlens's default
 template the one HF is timed with. An image family gets bench_image.png (--image-size, default 672x672: LLaVA-NeXT
-2x2 tiles + base = 2,928 visual tokens; InternVL 2x2 tiles + thumbnail = 1,280). The prompt has
+2x2 tiles + base = 2,928 visual tokens; InternVL 2x2 tiles + thumbnail = 1,280; Qwen2-VL 48x48 patches
+merged = 576). The prompt has
 --text-tokens text tokens with the checkpoint's default template. HF transformers (SDPA, fp16)
 is timed on the same image and prompt: prefill, generate() and a plain cached loop.
 
@@ -35,7 +38,7 @@ from PIL import Image
 from tokenizers import AddedToken, Tokenizer
 from transformers import (AutoProcessor, CLIPVisionConfig, InternVLConfig, InternVLForConditionalGeneration,
                           LlamaConfig, LlamaForCausalLM, LlavaNextConfig, LlavaNextForConditionalGeneration,
-                          MistralConfig, Qwen2Config)
+                          MistralConfig, Qwen2Config, Qwen2VLConfig, Qwen2VLForConditionalGeneration)
 from transformers.models.internvl.configuration_internvl import InternVLVisionConfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -44,6 +47,7 @@ from make_hf_fixtures import llava_prompt_ids, make_image  # noqa: E402
 from make_chat_template_fixtures import LLAVA_NEXT_MISTRAL  # noqa: E402
 from make_hf_internvl_fixtures import CHAT as INTERNVL_CHAT, IMAGENET_MEAN, IMAGENET_STD, SPECIALS  # noqa: E402
 from make_hf_next_fixtures import preprocessor_config as next_preprocessor_config  # noqa: E402
+from make_hf_qwen2vl_fixtures import CHAT as QWEN_CHAT, CLIP_MEAN, CLIP_STD, SPECIALS as QWEN_SPECIALS  # noqa: E402
 from hf_layouts import write_json  # noqa: E402
 
 EMBEDDED = os.path.join(HERE, "..", "assets", "models", "kvlens-scenes-6m")
@@ -76,6 +80,17 @@ def shapes(family, tiny):
             t.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
         return InternVLConfig(vision_config=InternVLVisionConfig(**v), text_config=Qwen2Config(**t), image_token_id=151667,
                               image_seq_length=256, tie_word_embeddings=False)
+    if family == "qwen2vl_7b":
+        v = dict(depth=32, embed_dim=1280, num_heads=16, mlp_ratio=4, hidden_size=3584, patch_size=14,
+                 spatial_merge_size=2, temporal_patch_size=2, hidden_act="quick_gelu")
+        t = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                 num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+                 rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24], "rope_theta": 1000000.0})
+        if tiny:
+            v.update(depth=2, embed_dim=32, num_heads=2, hidden_size=64)
+            t.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1000000.0})
+        return Qwen2VLConfig(vision_config=v, text_config=t, tie_word_embeddings=False)
     t = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
              num_key_value_heads=8, max_position_embeddings=131072, tie_word_embeddings=False,
              rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -104,6 +119,26 @@ def write_side_files(family, cfg, out, image_size):
             "processor_class": "LlavaNextProcessor", "vision_feature_select_strategy": "default"})
         templ = "[INST] <image>\n{prompt} [/INST]"
         write_json(os.path.join(out, "chat_template.json"), {"chat_template": LLAVA_NEXT_MISTRAL})
+    elif family == "qwen2vl_7b":
+        src = os.path.join(HERE, "fixtures", "tokenizers", "qwen2_style")
+        tok = Tokenizer.from_file(os.path.join(src, "tokenizer.json"))
+        tok.add_special_tokens([AddedToken(x, special=True, normalized=False) for x in QWEN_SPECIALS])
+        tok.save(os.path.join(out, "tokenizer.json"))
+        tc = json.load(open(os.path.join(src, "tokenizer_config.json")))
+        tc["processor_class"] = "Qwen2VLProcessor"
+        write_json(os.path.join(out, "tokenizer_config.json"), tc)
+        # The special tokens at the tokenizer's ids (a small vocabulary).
+        for key, piece in (("image_token_id", "<|image_pad|>"), ("vision_start_token_id", "<|vision_start|>"),
+                           ("vision_end_token_id", "<|vision_end|>"), ("video_token_id", "<|video_pad|>")):
+            setattr(cfg, key, tok.token_to_id(piece))
+        write_json(os.path.join(out, "preprocessor_config.json"), {
+            "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+            "do_normalize": True, "do_rescale": True, "do_resize": True, "image_mean": CLIP_MEAN, "image_std": CLIP_STD,
+            "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2VLProcessor", "resample": 3,
+            "rescale_factor": 1 / 255})
+        with open(os.path.join(out, "chat_template.jinja"), "w") as f:
+            f.write(QWEN_CHAT)
+        templ = "<|im_start|>user\n<|vision_start|><image><|vision_end|>{prompt}<|im_end|>\n<|im_start|>assistant\n"
     else:
         src = os.path.join(HERE, "fixtures", "tokenizers", "qwen2_style" if family == "internvl3_8b" else "llama3_style")
         tok = Tokenizer.from_file(os.path.join(src, "tokenizer.json"))
@@ -173,7 +208,7 @@ def hf_bench(model, inputs, new_tokens, repeat, device):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("family", choices=["llava_next_mistral", "internvl3_8b", "llama3_8b"])
+    ap.add_argument("family", choices=["llava_next_mistral", "internvl3_8b", "qwen2vl_7b", "llama3_8b"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--json")
     ap.add_argument("--text-tokens", type=int, default=40)
@@ -190,7 +225,7 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     templ = write_side_files(a.family, cfg, a.out, a.image_size)
     cls = {"llava_next_mistral": LlavaNextForConditionalGeneration, "internvl3_8b": InternVLForConditionalGeneration,
-           "llama3_8b": LlamaForCausalLM}[a.family]
+           "qwen2vl_7b": Qwen2VLForConditionalGeneration, "llama3_8b": LlamaForCausalLM}[a.family]
     t0 = time.perf_counter()
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     torch.set_default_dtype(dtype)
@@ -219,7 +254,8 @@ def main():
         inputs = {"input_ids": torch.tensor([ids]), "pixel_values": px["pixel_values"], "image_sizes": px["image_sizes"]}
     else:
         proc = AutoProcessor.from_pretrained(a.out)
-        inputs = proc(images=image, text=text.replace("<image>", "<IMG_CONTEXT>"), return_tensors="pt")
+        pad = "<|image_pad|>" if a.family == "qwen2vl_7b" else "<IMG_CONTEXT>"
+        inputs = proc(images=image, text=text.replace("<image>", pad), return_tensors="pt")
     inputs = {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device)) for k, v in inputs.items()
               if k != "attention_mask"}
     result = {"family": a.family, "checkpoint": a.out, "parameters": sum(p.numel() for p in model.parameters()),

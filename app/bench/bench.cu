@@ -453,7 +453,7 @@ std::vector<ThroughputRow> bench_throughput(const ThroughputConfig& c) {
           const Layer& w = layers[l];
           rms_norm(h.as<float>(), x.p, Dt::F16, B, H, norm.as<float>(), 1e-5f, st.s);
           gemm(w.qkv, static_cast<int>(RS), H, x.p, qkv.as<float>(), false);
-          rope(qkv.as<float>(), B, RS, 0, NH, QD, NKV, D, pos.as<int32_t>(), invm.as<float>(), st.s);
+          rope(qkv.as<float>(), B, RS, 0, NH, QD, NKV, D, pos.as<int32_t>(), invm.as<float>(), nullptr, st.s);
           kv_append_batch(qkv.as<float>(), RS, QD, QD + KD, B, NKV, D, pos.as<int32_t>(), tail_k[l], tail_v[l],
                           tail_p[l], cap, 0, counters.as<int32_t>() + l, st.s);
           DecodeParams p;

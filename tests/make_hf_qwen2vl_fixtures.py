@@ -1,0 +1,226 @@
+#!/usr/bin/env python3
+"""Build tiny Qwen2-VL reference checkpoints (HF Qwen2VLForConditionalGeneration) and record HF
+transformers outputs, as tests/make_hf_internvl_fixtures.py does for InternVL.
+
+Each folder under --out (default tests/fixtures/hf) is a complete HF model directory (config,
+safetensors, a byte-level BPE tokenizer.json with <|vision_start|>, <|vision_end|> and
+<|image_pad|>, a Qwen2VLImageProcessor config, a chat template) with random weights, a
+non-square image, and:
+
+  expected.json        prompt, template, prompt ids (Qwen2VLProcessor's), greedy ids, margins,
+                       the token count, the M-RoPE positions and rope_deltas, metadata
+  pixel_values.f32     the PIL-backend Qwen2VLImageProcessor's output [patches, 3·2·P·P]
+  image_features.f32   the merger's output [tokens, hidden]
+  logits.f32, attn0.f32, step_logits.f32   as the other fixtures
+  processor_cases.json images of other sizes, with the processor's pixel values and token count
+
+Folders:
+
+  qwen2vl_fp32          transformers 5 save_pretrained's names (the hub's: visual.*, model.*, lm_head)
+                        and config (text_config, rope_parameters); a 100x37 image.
+  qwen2vl_bf16_inmem    bf16, the in-memory module names (model.visual.*, model.language_model.*) in
+                        shards, and the hub's flat config (rope_scaling {type: mrope}); a 45x80 image.
+
+Usage: python3 tests/make_hf_qwen2vl_fixtures.py [--out tests/fixtures/hf]
+"""
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import torch
+import transformers
+from PIL import Image
+from tokenizers import AddedToken, Tokenizer
+from transformers import AutoProcessor, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from make_hf_fixtures import N_GREEDY, greedy_decode, random_init  # noqa: E402
+from make_hf_next_fixtures import make_wide_image, MIN_MARGIN, PROCESSOR_SIZES, write_f32  # noqa: E402
+from hf_layouts import relayout_weights, write_json  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROMPT = "Describe the image."
+CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+CHAT = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+        "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+        "{% for content in message['content'] %}{% if content['type'] == 'image' %}"
+        "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+        "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
+        "{{ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+TEMPLATE = "<|im_start|>user\n<|vision_start|><image><|vision_end|>{prompt}<|im_end|>\n<|im_start|>assistant\n"
+SPECS = [
+    dict(name="qwen2vl_fp32", dtype=torch.float32, seed=61, image_wh=(100, 37), patch=6, min_pixels=12 * 12 * 4,
+         max_pixels=12 * 12 * 40,
+         text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=1024,
+                   rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1000000.0}),
+         vision=dict(depth=2, embed_dim=32, num_heads=2, mlp_ratio=2, hidden_act="quick_gelu")),
+    dict(name="qwen2vl_bf16_inmem", dtype=torch.bfloat16, seed=71, image_wh=(45, 80), patch=4, min_pixels=8 * 8 * 4,
+         max_pixels=8 * 8 * 30, layout="qwen_inmem", shards="150KB",
+         text=dict(hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=6,
+                   num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False,
+                   rope_parameters={"rope_type": "default", "mrope_section": [2, 2, 4], "rope_theta": 1000000.0}),
+         vision=dict(depth=3, embed_dim=48, num_heads=3, mlp_ratio=2, hidden_act="quick_gelu")),
+]
+SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def write_tokenizer(folder):
+    src = os.path.join(HERE, "fixtures", "tokenizers", "qwen2_style")
+    tok = Tokenizer.from_file(os.path.join(src, "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    cfg = json.load(open(os.path.join(src, "tokenizer_config.json")))
+    cfg["processor_class"] = "Qwen2VLProcessor"
+    write_json(os.path.join(folder, "tokenizer_config.json"), cfg)
+    return tok
+
+
+def preprocessor_config(spec):
+    return {"min_pixels": spec["min_pixels"], "max_pixels": spec["max_pixels"], "patch_size": spec["patch"],
+            "temporal_patch_size": 2, "merge_size": 2, "do_convert_rgb": True, "do_normalize": True, "do_rescale": True,
+            "do_resize": True, "image_mean": CLIP_MEAN, "image_std": CLIP_STD, "resample": 3,
+            "rescale_factor": 0.00392156862745098, "image_processor_type": "Qwen2VLImageProcessor",
+            "processor_class": "Qwen2VLProcessor"}
+
+
+def hub_config(folder):
+    """The hub's flat Qwen2-VL config: the decoder's keys at the top level, M-RoPE as rope_scaling."""
+    c = json.load(open(os.path.join(folder, "config.json")))
+    t = c.pop("text_config")
+    rp = t.pop("rope_parameters")
+    t.pop("model_type", None)
+    c.update(t)
+    c["rope_theta"] = rp["rope_theta"]
+    c["rope_scaling"] = {"type": "mrope", "mrope_section": rp["mrope_section"]}
+    c["vision_config"].pop("rope_parameters", None)
+    c["vision_config"]["in_chans"] = c["vision_config"].pop("in_channels")
+    write_json(os.path.join(folder, "config.json"), c)
+
+
+@torch.no_grad()
+def build(spec, out_root):
+    for seed in range(spec["seed"], spec["seed"] + 200):
+        if build_seed(spec, out_root, seed):
+            return
+    raise SystemExit(spec["name"] + ": no seed gave clear greedy margins")
+
+
+@torch.no_grad()
+def build_seed(spec, out_root, seed):
+    folder = os.path.join(out_root, spec["name"])
+    shutil.rmtree(folder, ignore_errors=True)
+    os.makedirs(folder)
+    tok = write_tokenizer(folder)
+    vocab = (tok.get_vocab_size() + 7) // 8 * 8
+    pad_id = tok.token_to_id("<|image_pad|>")
+    eos = tok.token_to_id("<|im_end|>")
+    text = dict(spec["text"], vocab_size=vocab, eos_token_id=eos, bos_token_id=None)
+    vision = dict(spec["vision"], patch_size=spec["patch"], hidden_size=text["hidden_size"], spatial_merge_size=2,
+                  temporal_patch_size=2)
+    cfg = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=pad_id,
+                        vision_start_token_id=tok.token_to_id("<|vision_start|>"),
+                        vision_end_token_id=tok.token_to_id("<|vision_end|>"),
+                        video_token_id=tok.token_to_id("<|video_pad|>"),
+                        tie_word_embeddings=text.get("tie_word_embeddings", False))
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(cfg)
+    random_init(model, seed, 0.15)
+    if spec.get("layout"):  # other tensor names (and shards) in place of save_pretrained's
+        with tempfile.TemporaryDirectory() as tmp:
+            model.to(spec["dtype"]).save_pretrained(tmp, safe_serialization=True, max_shard_size=spec["shards"])
+            relayout_weights(tmp, folder, spec["layout"], 2)
+            for f in ("config.json", "generation_config.json"):
+                if os.path.exists(os.path.join(tmp, f)):
+                    shutil.copy2(os.path.join(tmp, f), folder)
+    else:
+        model.to(spec["dtype"]).save_pretrained(folder, safe_serialization=True)
+    del model
+    write_json(os.path.join(folder, "preprocessor_config.json"), preprocessor_config(spec))
+    with open(os.path.join(folder, "chat_template.jinja"), "w") as f:
+        f.write(CHAT)
+    w, h = spec["image_wh"]
+    make_wide_image(w, h, seed).save(os.path.join(folder, "image.png"))
+    image = Image.open(os.path.join(folder, "image.png")).convert("RGB")
+
+    improc = Qwen2VLImageProcessorPil(**{k: v for k, v in preprocessor_config(spec).items()
+                                        if k not in ("image_processor_type", "processor_class")})
+    pv_out = improc(images=image, return_tensors="pt")
+    pixel_values, grid_thw = pv_out["pixel_values"].float(), pv_out["image_grid_thw"]
+    proc = AutoProcessor.from_pretrained(folder)
+    prompt_text = TEMPLATE.replace("<image>", "<|image_pad|>").replace("{prompt}", PROMPT)
+    enc = proc(images=image, text=prompt_text, return_tensors="pt")
+    ids = enc["input_ids"][0].tolist()
+    n_visual = ids.count(pad_id)
+    assert n_visual == pixel_values.shape[0] // 4, (n_visual, pixel_values.shape)
+    hf_pv_diff = float((enc["pixel_values"].float() - pixel_values).abs().max())
+    rendered = proc.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}],
+                                        add_generation_prompt=True, tokenize=False)
+    if spec.get("layout"):
+        hub_config(folder)  # (after the processor read the folder: HF loads this layout too)
+    ref = Qwen2VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    x = torch.tensor([ids])
+    feats = ref.model.get_image_features(pixel_values=pixel_values, image_grid_thw=grid_thw, return_dict=True).pooler_output
+    feats = torch.cat(list(feats), 0) if isinstance(feats, (list, tuple)) else feats.reshape(-1, feats.shape[-1])
+    positions, deltas = ref.model.get_rope_index(x, enc["mm_token_type_ids"], grid_thw)
+    out = ref(input_ids=x, pixel_values=pixel_values, image_grid_thw=grid_thw, mm_token_type_ids=enc["mm_token_type_ids"],
+              output_attentions=True, use_cache=True)
+    greedy, margins, steps = greedy_decode(ref, out)
+    if min(margins) < MIN_MARGIN or len(set(greedy)) < 3 or any(t >= tok.get_vocab_size() for t in greedy):
+        print("  [%s] reject seed %d: margins %.3g, greedy %s" % (spec["name"], seed, min(margins), greedy))
+        return False
+    write_f32(os.path.join(folder, "pixel_values.f32"), pixel_values)
+    write_f32(os.path.join(folder, "image_features.f32"), feats)
+    write_f32(os.path.join(folder, "logits.f32"), out.logits[0, -1])
+    write_f32(os.path.join(folder, "attn0.f32"), out.attentions[0][0])
+    write_f32(os.path.join(folder, "step_logits.f32"), torch.stack(steps))
+    cases = []
+    for i, (cw, ch) in enumerate(PROCESSOR_SIZES):
+        name = "processor_%dx%d" % (cw, ch)
+        make_wide_image(cw, ch, 100 + i).save(os.path.join(folder, name + ".png"))
+        im = Image.open(os.path.join(folder, name + ".png")).convert("RGB")
+        po = improc(images=im, return_tensors="pt")
+        pv = po["pixel_values"].float()
+        write_f32(os.path.join(folder, name + ".f32"), pv)
+        cases.append({"image": name + ".png", "pixel_values_file": name + ".f32", "pixel_values_shape": list(pv.shape),
+                      "n_visual_tokens": int(pv.shape[0]) // 4, "grid_thw": po["image_grid_thw"][0].tolist()})
+    write_json(os.path.join(folder, "processor_cases.json"), cases)
+    H, T = out.attentions[0].shape[1], len(ids)
+    write_json(os.path.join(folder, "expected.json"), {
+        "architecture": "Qwen2VLForConditionalGeneration", "prompt": PROMPT, "template": TEMPLATE, "prompt_ids": ids,
+        "greedy_ids": greedy, "margins": margins, "n_visual_tokens": n_visual, "image_token_index": pad_id,
+        "image_file": "image.png", "image_width": w, "image_height": h, "grid_thw": grid_thw[0].tolist(),
+        "mrope_positions": positions[:, 0, :].tolist(), "rope_deltas": int(deltas[0, 0]),
+        "pixel_values_file": "pixel_values.f32", "pixel_values_shape": list(pixel_values.shape),
+        "pixel_values_processor": type(improc).__name__, "hf_processor_pixel_values_max_abs_diff": hf_pv_diff,
+        "image_features_file": "image_features.f32", "image_features_shape": list(feats.shape),
+        "logits_file": "logits.f32", "logits_shape": [vocab], "attn0_file": "attn0.f32", "attn0_shape": [H, T, T],
+        "step_logits_file": "step_logits.f32", "step_logits_shape": [N_GREEDY, vocab], "vocab_size": vocab,
+        "chat_prompt_text": rendered, "dtype": str(spec["dtype"]).replace("torch.", ""), "seed": seed,
+        "compute": {"device": "cpu", "dtype": "float32", "attn_implementation": "eager"},
+        "transformers_version": transformers.__version__, "torch_version": torch.__version__,
+    })
+    print("%-18s seed %d, %dx%d image, grid %s, %d visual tokens, %d prompt ids, rope_deltas %d, greedy %s, margin %.3g, "
+          "HF processor pixel diff %s" % (spec["name"], seed, w, h, grid_thw[0].tolist(), n_visual, len(ids),
+                                          int(deltas[0, 0]), greedy, min(margins), hf_pv_diff))
+    return True
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.path.join(HERE, "fixtures", "hf"))
+    ap.add_argument("--only", help="build this folder alone")
+    args = ap.parse_args()
+    for spec in SPECS:
+        if not args.only or args.only == spec["name"]:
+            build(spec, args.out)
+
+
+if __name__ == "__main__":
+    main()
