@@ -472,9 +472,55 @@ void attention_prefill_simple(const float* qkv, const AttnLayout& l, void* out, 
   KV_LAUNCH("attn_simple_kernel", std::to_string(l.T) + " tokens x " + std::to_string(l.n_heads) + " heads");
 }
 
+namespace {
+
+// q, k and v of every head of qkv, each widened from D to Dp channels with zeros: [T][heads][Dp].
+__global__ void pad_heads_kernel(Args a, int nk, int Dp, float* dst) {
+  const int H = a.NH + 2 * nk, D = a.D;
+  const int64_t n = static_cast<int64_t>(a.T) * H * Dp;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int c = static_cast<int>(i % Dp), h = static_cast<int>(i / Dp % H);
+    const int64_t t = i / (static_cast<int64_t>(Dp) * H);
+    const int64_t col = h < a.NH ? a.q_col + static_cast<int64_t>(h) * D
+                        : h < a.NH + nk ? a.k_col + static_cast<int64_t>(h - a.NH) * D
+                                        : a.v_col + static_cast<int64_t>(h - a.NH - nk) * D;
+    dst[i] = c < D ? a.qkv[t * a.stride + col + c] : 0.0f;
+  }
+}
+
+}  // namespace
+
 int attention_prefill(const float* qkv, const AttnLayout& l, void* out, Dt odt, cudaStream_t s, int key_split) {
   if (l.T == 0) return 0;
   const int D = l.head_dim;
+  if (D < 128 && D != 32 && D != 64 && odt != Dt::F32) {
+    // A head size the tensor-core kernel lacks (Qwen2-VL's vision tower: 80) runs at the next
+    // size it has, on copies of q, k and v whose added channels are zero: the same scores (the
+    // layout's scale is kept), and the output's added channels, zero, are dropped.
+    const int Dp = D < 32 ? 32 : D < 64 ? 64 : 128, H = l.n_heads + 2 * l.n_kv_heads;
+    const int64_t n = static_cast<int64_t>(l.T) * H * Dp, no = static_cast<int64_t>(l.T) * l.n_heads * Dp;
+    struct Scratch {  // freed in stream order however this call ends
+      void* p = nullptr;
+      cudaStream_t s;
+      ~Scratch() { if (p) cudaFreeAsync(p, s); }
+    } wide{nullptr, s}, wide_out{nullptr, s};
+    KV_CUDA(cudaMallocAsync(&wide.p, static_cast<size_t>(n) * 4, s), "attention q/k/v widened to head size " + std::to_string(Dp));
+    KV_CUDA(cudaMallocAsync(&wide_out.p, static_cast<size_t>(no) * 2, s), "attention output at head size " + std::to_string(Dp));
+    pad_heads_kernel<<<static_cast<int>(std::min<int64_t>((n + 255) / 256, 65535)), 256, 0, s>>>(make_args(qkv, l), l.n_kv_heads, Dp, static_cast<float*>(wide.p));
+    KV_LAUNCH("pad_heads_kernel", std::to_string(l.T) + " tokens, head size " + std::to_string(D) + " → " + std::to_string(Dp));
+    AttnLayout w = l;
+    w.head_dim = Dp;
+    w.row_stride = static_cast<int64_t>(H) * Dp;
+    w.q_col = 0;
+    w.k_col = static_cast<int64_t>(l.n_heads) * Dp;
+    w.v_col = static_cast<int64_t>(l.n_heads + l.n_kv_heads) * Dp;
+    const int ks = attention_prefill(static_cast<const float*>(wide.p), w, wide_out.p, odt, s, key_split);
+    KV_CUDA(cudaMemcpy2DAsync(out, static_cast<size_t>(D) * 2, wide_out.p, static_cast<size_t>(Dp) * 2, static_cast<size_t>(D) * 2,
+                              static_cast<size_t>(l.T) * l.n_heads, cudaMemcpyDeviceToDevice, s),
+            "attention output back to head size " + std::to_string(D));
+    return ks;
+  }
   // fp16 tiles for fp16 / bf16 models; an fp32 model keeps fp32 throughout.
   const bool aligned = (reinterpret_cast<uintptr_t>(qkv) & 15) == 0 && l.row_stride % 4 == 0 && l.q_col % 4 == 0 &&
                        l.k_col % 4 == 0 && l.v_col % 4 == 0 && (reinterpret_cast<uintptr_t>(out) & 3) == 0;

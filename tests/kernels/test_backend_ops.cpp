@@ -653,7 +653,9 @@ TEST(Ops, PrefillAttention) {
   attention_case(150, 2, 2, 32, false, Dt::BF16);
   attention_case(45, 4, 2, 24, true, Dt::F32);     // head_dim 24: the simple kernel
   attention_case(50, 2, 2, 64, true, Dt::F32);     // an fp32 model: the simple kernel too
-  attention_case(33, 2, 1, 8, false, Dt::F16);
+  attention_case(33, 2, 1, 8, false, Dt::F16);     // head sizes the tiles lack: widened with zeros (8 → 32,
+  attention_case(150, 3, 3, 80, false, Dt::F16);   // 80 → 128: Qwen2-VL's vision tower, 48 → 64)
+  attention_case(97, 4, 2, 48, true, Dt::BF16);
   KVLENS_GPU_HALF_SKIPPED();
 }
 
