@@ -90,7 +90,8 @@ LlamaConfig parse_text(const nlohmann::json* jp, const std::string& w, bool mist
   const nlohmann::json& j = jp ? *jp : empty;
   get(j, "model_type", c.model_type, w);
   // (Qwen2-VL's decoder: "qwen2_vl_text" in text_config, or the hub's flat config, "qwen2_vl")
-  const bool qwen_vl = c.model_type == "qwen2_vl_text" || c.model_type == "qwen2_vl";
+  const bool qwen_vl = c.model_type == "qwen2_vl_text" || c.model_type == "qwen2_vl" || c.model_type == "qwen2_5_vl_text" ||
+                       c.model_type == "qwen2_5_vl";
   if (c.model_type != "llama" && !(mistral_too && (c.model_type == "mistral" || c.model_type == "qwen2" || qwen_vl)))
     throw InputError(w + ": model_type '" + c.model_type + "' is not supported (expected llama" +
                      (mistral_too ? ", mistral or qwen2)" : ")"));
@@ -396,12 +397,34 @@ Qwen2VLConfig parse_qwen2_vl_checked(const nlohmann::json& j, const std::string&
   const std::string w = where + ": vision_config";
   const nlohmann::json vj = j.contains("vision_config") && j["vision_config"].is_object() ? j["vision_config"] : nlohmann::json::object();
   Qwen2VitConfig& v = c.vision;
-  if (vj.contains("model_type") && vj["model_type"] != "qwen2_vl_vision" && vj["model_type"] != "qwen2_vl")
-    throw InputError(w + ": model_type " + vj["model_type"].dump() + " is not supported (expected qwen2_vl_vision)");
+  const bool v25 = j.value("model_type", std::string()) == "qwen2_5_vl";
+  const std::string vision_type = v25 ? "qwen2_5_vl_vision" : "qwen2_vl_vision";
+  if (vj.contains("model_type") && vj["model_type"] != vision_type && vj["model_type"] != j.value("model_type", std::string()))
+    throw InputError(w + ": model_type " + vj["model_type"].dump() + " is not supported (expected " + vision_type + ")");
   get_int(vj, "depth", v.depth, w, 1, kMaxLayers);
-  get_int(vj, "embed_dim", v.embed_dim, w, 1, kMaxWidth);
-  get_int(vj, "hidden_size", v.hidden_size, w, 1, kMaxWidth);
-  get_int(vj, "mlp_ratio", v.mlp_ratio, w, 1, 64);
+  if (v25) {
+    // Qwen2.5-VL: hidden_size is the tower's width, out_hidden_size the merger's output; RMSNorm,
+    // a gated MLP of intermediate_size, attention within windows but in fullatt_block_indexes.
+    v.windowed = true;
+    v.hidden_act = "silu";
+    v.intermediate_size = 3420;  // (Qwen2_5_VLVisionConfig's defaults)
+    get_int(vj, "hidden_size", v.embed_dim, w, 1, kMaxWidth);
+    get_int(vj, "out_hidden_size", v.hidden_size, w, 1, kMaxWidth);
+    get_int(vj, "intermediate_size", v.intermediate_size, w, 1, kMaxMlp);
+    get_int(vj, "window_size", v.window_size, w, 1, 1 << 16);
+    if (vj.contains("fullatt_block_indexes") && !vj["fullatt_block_indexes"].is_null()) {
+      const auto& f = vj["fullatt_block_indexes"];
+      if (!f.is_array()) throw InputError(w + ": fullatt_block_indexes must be a list of block indices, got " + f.dump());
+      v.full_attention_blocks.clear();
+      for (size_t i = 0; i < f.size(); ++i)
+        v.full_attention_blocks.push_back(json_int(f[i], w + ": fullatt_block_indexes[" + std::to_string(i) + "]", 0, v.depth - 1));
+    }
+  } else {
+    get_int(vj, "embed_dim", v.embed_dim, w, 1, kMaxWidth);
+    get_int(vj, "hidden_size", v.hidden_size, w, 1, kMaxWidth);
+    get_int(vj, "mlp_ratio", v.mlp_ratio, w, 1, 64);
+    v.intermediate_size = v.embed_dim * v.mlp_ratio;
+  }
   get_int(vj, "num_heads", v.num_heads, w, 1, kMaxHeads);
   get_int(vj, "in_channels", v.in_channels, w, 3, 3);
   get_int(vj, "in_chans", v.in_channels, w, 3, 3);
@@ -418,15 +441,19 @@ Qwen2VLConfig parse_qwen2_vl_checked(const nlohmann::json& j, const std::string&
     if (type != "axial") throw InputError(w + ".rope_parameters: rope_type '" + type + "' is not supported (axial)");
   }
   v.rope_theta = static_cast<float>(vtheta);
+  if (v.windowed && (v.window_size % (v.patch_size * v.spatial_merge_size)))
+    throw InputError(w + ": window_size " + std::to_string(v.window_size) + " is not a whole number of merged patches (" +
+                     std::to_string(v.patch_size * v.spatial_merge_size) + " pixels)");
   if (v.embed_dim % v.num_heads || (v.embed_dim / v.num_heads) % 4)
     throw InputError(w + ": embed_dim " + std::to_string(v.embed_dim) + " over num_heads " + std::to_string(v.num_heads) +
                      " must be a head size divisible by 4 (the height and width rotations)");
   // The decoder: text_config (transformers 5), else the keys at the top level (the hub's layout).
   nlohmann::json tj = j.contains("text_config") && j["text_config"].is_object() ? j["text_config"] : j;
-  if (!tj.contains("model_type") || tj["model_type"] == "qwen2_vl") tj["model_type"] = "qwen2_vl_text";
+  const std::string text_type = v25 ? "qwen2_5_vl_text" : "qwen2_vl_text";
+  if (!tj.contains("model_type") || tj["model_type"] == j.value("model_type", std::string())) tj["model_type"] = text_type;
   c.text = parse_text(&tj, where + (j.contains("text_config") ? ": text_config" : ""), true);
-  if (c.text.model_type != "qwen2_vl_text")
-    throw InputError(where + ": text_config model_type '" + c.text.model_type + "' is not qwen2_vl_text");
+  if (c.text.model_type != text_type)
+    throw InputError(where + ": text_config model_type '" + c.text.model_type + "' is not " + text_type);
   if (v.hidden_size != c.text.hidden_size)
     throw InputError(w + ": hidden_size " + std::to_string(v.hidden_size) + " (the merger's output) differs from the decoder's " +
                      std::to_string(c.text.hidden_size));

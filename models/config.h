@@ -106,15 +106,22 @@ InternVLConfig parse_internvl_config(const nlohmann::json& j, const std::string&
 // Qwen2-VL's vision tower (HF Qwen2VLVisionConfig, model_type qwen2_vl_vision): patches of
 // patch_size² pixels × temporal_patch_size frames, `depth` pre-norm blocks with the axial 2-D
 // rope, and the merger of spatial_merge_size² patches into one token of the decoder's width.
+//
+// Qwen2.5-VL's (qwen2_5_vl_vision): RMSNorm, a gated MLP, and attention within windows of
+// window_size pixels but in the full_attention_blocks (`windowed`).
 struct Qwen2VitConfig {
   int depth = 32, embed_dim = 1280, hidden_size = 3584, mlp_ratio = 4, num_heads = 16, in_channels = 3;
+  int intermediate_size = 5120;  // the MLP's width (Qwen2-VL: embed_dim · mlp_ratio)
   int patch_size = 14, spatial_merge_size = 2, temporal_patch_size = 2;
   std::string hidden_act = "quick_gelu";
   float rope_theta = 10000.0f;
+  bool windowed = false;  // Qwen2.5-VL
+  int window_size = 112;
+  std::vector<int> full_attention_blocks{7, 15, 23, 31};
   int head_dim() const { return embed_dim / num_heads; }
 };
 
-// Qwen2-VL (HF Qwen2VLForConditionalGeneration, model_type qwen2_vl): the vision tower, the
+// Qwen2-VL (HF Qwen2VLForConditionalGeneration, model_type qwen2_vl; Qwen2.5-VL, qwen2_5_vl): the vision tower, the
 // Qwen2 decoder with M-RoPE (its rope's sections), the vision start / image pad / end tokens.
 struct Qwen2VLConfig {
   Qwen2VitConfig vision;

@@ -26,6 +26,10 @@ std::unique_ptr<Model> load_text_only(const std::string& dir, const BackendOptio
   return std::make_unique<LlamaTextModel>(LlamaTextModel::load(dir, be));
 }
 
+std::unique_ptr<Model> load_qwen2_vl(const std::string& dir, const BackendOptions& be) {
+  return std::make_unique<Qwen2VLModel>(Qwen2VLModel::load(dir, be));
+}
+
 const Architecture kArchitectures[] = {
     {"llava", [](const std::string& dir, const BackendOptions& be) -> std::unique_ptr<Model> {
        return std::make_unique<LlavaModel>(LlavaModel::load(dir, be));
@@ -36,9 +40,8 @@ const Architecture kArchitectures[] = {
     {"internvl", [](const std::string& dir, const BackendOptions& be) -> std::unique_ptr<Model> {
        return std::make_unique<InternVLModel>(InternVLModel::load(dir, be));
      }},
-    {"qwen2_vl", [](const std::string& dir, const BackendOptions& be) -> std::unique_ptr<Model> {
-       return std::make_unique<Qwen2VLModel>(Qwen2VLModel::load(dir, be));
-     }},
+    {"qwen2_vl", load_qwen2_vl},
+    {"qwen2_5_vl", load_qwen2_vl},
     {"llama", load_text_only},
     {"mistral", load_text_only},
     {"qwen2", load_text_only},

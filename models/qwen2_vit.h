@@ -3,6 +3,11 @@
 // (LayerNorm, attention over every patch of the image with the axial 2-D rope, quick-GELU MLP)
 // and the merger: each run of spatial_merge_size² consecutive patches (one merge block, as the
 // processor lists them) LayerNorm'd, side by side, through a GELU MLP into one token.
+//
+// Qwen2.5-VL's tower (Qwen2VitConfig::windowed): RMSNorm, a gated SiLU MLP, and attention within
+// windows of window_size pixels in every block but the full-attention ones. As HF does it, the
+// merge blocks are put in window order (windows row by row, a window's blocks row by row) before
+// the first block, so each window is a run of rows, and the merger's tokens back in grid order.
 #pragma once
 #include <memory>
 #include <string>
@@ -16,8 +21,16 @@
 namespace kvlens {
 
 struct Qwen2VitBlock {
+  // fc1: the MLP's first matrix ([gate | up] for the gated MLP); n1_b, n2_b empty with RMSNorm.
   Buffer n1_w, n1_b, qkv_w, qkv_b, proj_w, proj_b, n2_w, n2_b, fc1_w, fc1_b, fc2_w, fc2_b;
 };
+
+// Qwen2.5-VL's windows over a rows × cols grid of merge blocks (HF get_vision_window_index): the
+// blocks in window order (`order`, grid indices) and the blocks each window holds, in turn.
+struct VisionWindows {
+  std::vector<int> order, sizes;
+};
+VisionWindows vision_windows(int rows, int cols, int window_blocks);
 
 struct Qwen2Vit {
   Qwen2VitConfig cfg;

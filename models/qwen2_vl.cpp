@@ -47,8 +47,8 @@ Qwen2VLModel Qwen2VLModel::load_checked(const std::string& dir, const BackendOpt
   m.load_decoder(ws, tp, lm_head, m.cfg_.tie_word_embeddings, backend);
   m.vision_ = Qwen2Vit::load(ws, vp, v, m.be_);
   ModelInfo& f = m.info_;
-  f.architecture = "qwen2_vl";
-  f.family = "Qwen2-VL (dynamic resolution)";
+  f.architecture = v.windowed ? "qwen2_5_vl" : "qwen2_vl";
+  f.family = v.windowed ? "Qwen2.5-VL (dynamic resolution, windowed tower)" : "Qwen2-VL (dynamic resolution)";
   f.image_dependent = true;
   const VisualLayout square = m.visual_layout(448, 448);  // (the count of a square image)
   f.n_visual = square.n_tokens;

@@ -1,4 +1,5 @@
-// Qwen2-VL (HF Qwen2VLForConditionalGeneration), one architecture behind the model interface:
+// Qwen2-VL (HF Qwen2VLForConditionalGeneration) and Qwen2.5-VL (Qwen2_5_VLForConditionalGeneration:
+// the same but for its windowed vision tower), one architecture behind the model interface:
 // the image at its own resolution (models/preprocess/qwen_patches.h) through the vision tower
 // (models/qwen2_vit.h), each 2×2 block of patches one token, then the Qwen2 decoder with M-RoPE:
 // an image token's rotary positions are its (temporal, row, column) from the image's first

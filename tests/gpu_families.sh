@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The model families on the GPU host: for each of LLaVA-NeXT-Mistral-7B, InternVL3-8B, Qwen2-VL-7B and
+# The model families on the GPU host: for each of LLaVA-NeXT-Mistral-7B, InternVL3-8B, Qwen2-VL-7B, Qwen2.5-VL-7B and
 # Llama-3.1-8B (tests/make_family7b.py: random fp16 weights in the published shapes, HF
 # transformers timed on them), kvlens bench on the same checkpoint, image and prompt; a table
 # last: prompt and visual tokens, prefill, decode tokens/s and its share of the weight roofline,
@@ -11,7 +11,7 @@ build=${KVLENS_GPU_BUILD:-build-gpu}
 out=${KVLENS_GPU_OUT:-/tmp/kvlens-families}
 mkdir -p "$out"
 families=("$@")
-[ ${#families[@]} -eq 0 ] && families=(llava_next_mistral internvl3_8b qwen2vl_7b llama3_8b)
+[ ${#families[@]} -eq 0 ] && families=(llava_next_mistral internvl3_8b qwen2vl_7b qwen25vl_7b llama3_8b)
 for f in "${families[@]}"; do
   ckpt=/tmp/kvlens-$f
   python3 tests/make_family7b.py "$f" --out "$ckpt" --json "$out/$f.hf.json" > "$out/$f.hf.log" 2>&1 ||

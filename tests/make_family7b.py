@@ -11,6 +11,8 @@ Families (the shapes of the published checkpoints):
                       MLP 18944, q/k/v biases)
   qwen2vl_7b          Qwen2-VL-7B: its vision tower (32 blocks, width 1280, 14-px patches merged 2x2),
                       Qwen2-7B with M-RoPE (28 layers, hidden 3584, 28 heads, 4 KV heads, MLP 18944)
+  qwen25vl_7b         Qwen2.5-VL-7B: its windowed tower (32 blocks, width 1280, MLP 3420, 112-px windows,
+                      full attention in blocks 7, 15, 23, 31), the same decoder shape as Qwen2-VL-7B
   llama3_8b           Llama-3.1-8B text: 32 layers, hidden 4096, 32 heads, 8 KV heads, MLP 14336,
                       llama3 rope scaling, vocabulary 128256
 
@@ -38,7 +40,8 @@ from PIL import Image
 from tokenizers import AddedToken, Tokenizer
 from transformers import (AutoProcessor, CLIPVisionConfig, InternVLConfig, InternVLForConditionalGeneration,
                           LlamaConfig, LlamaForCausalLM, LlavaNextConfig, LlavaNextForConditionalGeneration,
-                          MistralConfig, Qwen2Config, Qwen2VLConfig, Qwen2VLForConditionalGeneration)
+                          MistralConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Config,
+                          Qwen2VLConfig, Qwen2VLForConditionalGeneration)
 from transformers.models.internvl.configuration_internvl import InternVLVisionConfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -80,17 +83,24 @@ def shapes(family, tiny):
             t.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
         return InternVLConfig(vision_config=InternVLVisionConfig(**v), text_config=Qwen2Config(**t), image_token_id=151667,
                               image_seq_length=256, tie_word_embeddings=False)
-    if family == "qwen2vl_7b":
+    if family in ("qwen2vl_7b", "qwen25vl_7b"):
         v = dict(depth=32, embed_dim=1280, num_heads=16, mlp_ratio=4, hidden_size=3584, patch_size=14,
                  spatial_merge_size=2, temporal_patch_size=2, hidden_act="quick_gelu")
+        if family == "qwen25vl_7b":
+            v = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584, patch_size=14,
+                     spatial_merge_size=2, temporal_patch_size=2, hidden_act="silu", window_size=112,
+                     fullatt_block_indexes=[7, 15, 23, 31])
         t = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                  num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
                  rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24], "rope_theta": 1000000.0})
         if tiny:
-            v.update(depth=2, embed_dim=32, num_heads=2, hidden_size=64)
+            v.update(depth=2, num_heads=2, **({"hidden_size": 32, "intermediate_size": 48, "out_hidden_size": 64,
+                                               "fullatt_block_indexes": [1]} if family == "qwen25vl_7b"
+                                              else {"embed_dim": 32, "hidden_size": 64}))
             t.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                      rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1000000.0})
-        return Qwen2VLConfig(vision_config=v, text_config=t, tie_word_embeddings=False)
+        cls = Qwen2_5_VLConfig if family == "qwen25vl_7b" else Qwen2VLConfig
+        return cls(vision_config=v, text_config=t, tie_word_embeddings=False)
     t = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
              num_key_value_heads=8, max_position_embeddings=131072, tie_word_embeddings=False,
              rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -119,13 +129,13 @@ def write_side_files(family, cfg, out, image_size):
             "processor_class": "LlavaNextProcessor", "vision_feature_select_strategy": "default"})
         templ = "[INST] <image>\n{prompt} [/INST]"
         write_json(os.path.join(out, "chat_template.json"), {"chat_template": LLAVA_NEXT_MISTRAL})
-    elif family == "qwen2vl_7b":
+    elif family in ("qwen2vl_7b", "qwen25vl_7b"):
         src = os.path.join(HERE, "fixtures", "tokenizers", "qwen2_style")
         tok = Tokenizer.from_file(os.path.join(src, "tokenizer.json"))
         tok.add_special_tokens([AddedToken(x, special=True, normalized=False) for x in QWEN_SPECIALS])
         tok.save(os.path.join(out, "tokenizer.json"))
         tc = json.load(open(os.path.join(src, "tokenizer_config.json")))
-        tc["processor_class"] = "Qwen2VLProcessor"
+        tc["processor_class"] = "Qwen2_5_VLProcessor" if family == "qwen25vl_7b" else "Qwen2VLProcessor"
         write_json(os.path.join(out, "tokenizer_config.json"), tc)
         # The special tokens at the tokenizer's ids (a small vocabulary).
         for key, piece in (("image_token_id", "<|image_pad|>"), ("vision_start_token_id", "<|vision_start|>"),
@@ -208,7 +218,7 @@ def hf_bench(model, inputs, new_tokens, repeat, device):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("family", choices=["llava_next_mistral", "internvl3_8b", "qwen2vl_7b", "llama3_8b"])
+    ap.add_argument("family", choices=["llava_next_mistral", "internvl3_8b", "qwen2vl_7b", "qwen25vl_7b", "llama3_8b"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--json")
     ap.add_argument("--text-tokens", type=int, default=40)
@@ -225,7 +235,8 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     templ = write_side_files(a.family, cfg, a.out, a.image_size)
     cls = {"llava_next_mistral": LlavaNextForConditionalGeneration, "internvl3_8b": InternVLForConditionalGeneration,
-           "qwen2vl_7b": Qwen2VLForConditionalGeneration, "llama3_8b": LlamaForCausalLM}[a.family]
+           "qwen2vl_7b": Qwen2VLForConditionalGeneration, "qwen25vl_7b": Qwen2_5_VLForConditionalGeneration,
+           "llama3_8b": LlamaForCausalLM}[a.family]
     t0 = time.perf_counter()
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     torch.set_default_dtype(dtype)
@@ -254,7 +265,7 @@ def main():
         inputs = {"input_ids": torch.tensor([ids]), "pixel_values": px["pixel_values"], "image_sizes": px["image_sizes"]}
     else:
         proc = AutoProcessor.from_pretrained(a.out)
-        pad = "<|image_pad|>" if a.family == "qwen2vl_7b" else "<IMG_CONTEXT>"
+        pad = "<|image_pad|>" if a.family in ("qwen2vl_7b", "qwen25vl_7b") else "<IMG_CONTEXT>"
         inputs = proc(images=image, text=text.replace("<image>", pad), return_tensors="pt")
     inputs = {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device)) for k, v in inputs.items()
               if k != "attention_mask"}

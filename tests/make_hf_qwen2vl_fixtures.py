@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Build tiny Qwen2-VL reference checkpoints (HF Qwen2VLForConditionalGeneration) and record HF
-transformers outputs, as tests/make_hf_internvl_fixtures.py does for InternVL.
+"""Build tiny Qwen2-VL and Qwen2.5-VL reference checkpoints (HF Qwen2VLForConditionalGeneration,
+Qwen2_5_VLForConditionalGeneration) and record HF transformers outputs, as
+tests/make_hf_internvl_fixtures.py does for InternVL.
 
 Each folder under --out (default tests/fixtures/hf) is a complete HF model directory (config,
 safetensors, a byte-level BPE tokenizer.json with <|vision_start|>, <|vision_end|> and
@@ -20,6 +21,8 @@ Folders:
                         and config (text_config, rope_parameters); a 100x37 image.
   qwen2vl_bf16_inmem    bf16, the in-memory module names (model.visual.*, model.language_model.*) in
                         shards, and the hub's flat config (rope_scaling {type: mrope}); a 45x80 image.
+  qwen25vl_fp32         Qwen2.5-VL: RMSNorm, gated MLP, windows of 2x2 merged blocks (partial ones at
+                        the grid's edges) with full attention in blocks 1 and 3; a 100x37 image.
 
 Usage: python3 tests/make_hf_qwen2vl_fixtures.py [--out tests/fixtures/hf]
 """
@@ -35,7 +38,8 @@ import torch
 import transformers
 from PIL import Image
 from tokenizers import AddedToken, Tokenizer
-from transformers import AutoProcessor, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+from transformers import (AutoProcessor, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
+                          Qwen2VLForConditionalGeneration)
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -67,6 +71,13 @@ SPECS = [
                    num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False,
                    rope_parameters={"rope_type": "default", "mrope_section": [2, 2, 4], "rope_theta": 1000000.0}),
          vision=dict(depth=3, embed_dim=48, num_heads=3, mlp_ratio=2, hidden_act="quick_gelu")),
+    dict(name="qwen25vl_fp32", family="qwen2_5_vl", dtype=torch.float32, seed=81, image_wh=(100, 37), patch=6,
+         min_pixels=12 * 12 * 4, max_pixels=12 * 12 * 40,
+         text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=1024,
+                   rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1000000.0}),
+         vision=dict(depth=4, hidden_size=32, intermediate_size=48, num_heads=2, hidden_act="silu", window_size=24,
+                     fullatt_block_indexes=[1, 3])),
 ]
 SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
@@ -122,15 +133,19 @@ def build_seed(spec, out_root, seed):
     pad_id = tok.token_to_id("<|image_pad|>")
     eos = tok.token_to_id("<|im_end|>")
     text = dict(spec["text"], vocab_size=vocab, eos_token_id=eos, bos_token_id=None)
-    vision = dict(spec["vision"], patch_size=spec["patch"], hidden_size=text["hidden_size"], spatial_merge_size=2,
-                  temporal_patch_size=2)
-    cfg = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=pad_id,
+    v25 = spec.get("family") == "qwen2_5_vl"
+    out_key = "out_hidden_size" if v25 else "hidden_size"  # (Qwen2.5-VL's hidden_size is the tower's width)
+    vision = dict(spec["vision"], patch_size=spec["patch"], spatial_merge_size=2, temporal_patch_size=2,
+                  **{out_key: text["hidden_size"]})
+    config_cls, model_cls = (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration) if v25 else \
+        (Qwen2VLConfig, Qwen2VLForConditionalGeneration)
+    cfg = config_cls(text_config=text, vision_config=vision, image_token_id=pad_id,
                         vision_start_token_id=tok.token_to_id("<|vision_start|>"),
                         vision_end_token_id=tok.token_to_id("<|vision_end|>"),
                         video_token_id=tok.token_to_id("<|video_pad|>"),
                         tie_word_embeddings=text.get("tie_word_embeddings", False))
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(cfg)
+    model = model_cls(cfg)
     random_init(model, seed, 0.15)
     if spec.get("layout"):  # other tensor names (and shards) in place of save_pretrained's
         with tempfile.TemporaryDirectory() as tmp:
@@ -164,7 +179,7 @@ def build_seed(spec, out_root, seed):
                                         add_generation_prompt=True, tokenize=False)
     if spec.get("layout"):
         hub_config(folder)  # (after the processor read the folder: HF loads this layout too)
-    ref = Qwen2VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    ref = model_cls.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
     x = torch.tensor([ids])
     feats = ref.model.get_image_features(pixel_values=pixel_values, image_grid_thw=grid_thw, return_dict=True).pooler_output
     feats = torch.cat(list(feats), 0) if isinstance(feats, (list, tuple)) else feats.reshape(-1, feats.shape[-1])
@@ -193,7 +208,7 @@ def build_seed(spec, out_root, seed):
     write_json(os.path.join(folder, "processor_cases.json"), cases)
     H, T = out.attentions[0].shape[1], len(ids)
     write_json(os.path.join(folder, "expected.json"), {
-        "architecture": "Qwen2VLForConditionalGeneration", "prompt": PROMPT, "template": TEMPLATE, "prompt_ids": ids,
+        "architecture": model_cls.__name__, "prompt": PROMPT, "template": TEMPLATE, "prompt_ids": ids,
         "greedy_ids": greedy, "margins": margins, "n_visual_tokens": n_visual, "image_token_index": pad_id,
         "image_file": "image.png", "image_width": w, "image_height": h, "grid_thw": grid_thw[0].tolist(),
         "mrope_positions": positions[:, 0, :].tolist(), "rope_deltas": int(deltas[0, 0]),

@@ -1,7 +1,8 @@
-// Qwen2-VL behind the model interface (models/qwen2_vl.cpp, models/qwen2_vit.cpp,
+// Qwen2-VL and Qwen2.5-VL behind the model interface (models/qwen2_vl.cpp, models/qwen2_vit.cpp,
 // models/preprocess/qwen_patches.cpp): the processor against HF's on images of every shape,
 // smart_resize on hand-worked cases, the M-RoPE positions against HF's get_rope_index, the token
-// grid, configs it cannot read, the methods on its prompt and its chat template. Parity of logits
+// grid, Qwen2.5-VL's windows, configs it cannot read, the methods on its prompt and its chat
+// template. Parity of logits
 // and greedy ids with HF transformers is in test_parity / test_hf_values (the qwen2vl_* fixtures,
 // recorded by tests/make_hf_qwen2vl_fixtures.py).
 #include <gtest/gtest.h>
@@ -16,6 +17,7 @@
 #include "core/errors.h"
 #include "models/model.h"
 #include "models/preprocess/qwen_patches.h"
+#include "models/qwen2_vit.h"
 #include "models/qwen2_vl.h"
 #include "tests/test_expect.h"
 #include "tests/test_util.h"
@@ -29,13 +31,14 @@ namespace {
 
 const std::string kFp32 = kt::source_dir() + "/tests/fixtures/hf/qwen2vl_fp32";
 const std::string kBf16 = kt::source_dir() + "/tests/fixtures/hf/qwen2vl_bf16_inmem";
+const std::string k25 = kt::source_dir() + "/tests/fixtures/hf/qwen25vl_fp32";
 
 }  // namespace
 
 // Qwen2VLImageProcessor's pixel values (PIL backend) and token count for images from 1×1 to
 // 41×1500, each resized within the fixture's min_pixels .. max_pixels.
 TEST(Qwen2VL, ProcessorMatchesHfOnImagesOfEveryShape) {
-  for (const std::string& dir : {kFp32, kBf16}) kt::expect_processor_cases(dir);
+  for (const std::string& dir : {kFp32, kBf16, k25}) kt::expect_processor_cases(dir);
 }
 
 // HF smart_resize worked by hand: sides rounded (halves to even) to multiples of the factor, then
@@ -55,7 +58,7 @@ TEST(Qwen2VL, SmartResizeRoundsScalesAndRefusesExtremeAspects) {
 // start + column), the text after it continues from start + max(rows, columns): HF's positions
 // and rope_deltas exactly.
 TEST(Qwen2VL, MropePositionsAreHfGetRopeIndex) {
-  for (const std::string& dir : {kFp32, kBf16}) {
+  for (const std::string& dir : {kFp32, kBf16, k25}) {
     SCOPED_TRACE(dir);
     const std::unique_ptr<Model> model = load_model(dir);
     const nlohmann::json exp = kt::read_json(dir + "/expected.json");
@@ -131,4 +134,27 @@ TEST(Qwen2VL, EveryMethodCompressesTheImageTokens) {
   EXPECT_EQ(f.architecture, "qwen2_vl");
   EXPECT_TRUE(f.image_dependent);
   EXPECT_NE(f.tiling.find("4-px patches, 2×2 merged"), std::string::npos) << f.tiling;
+}
+
+// Qwen2.5-VL's windows (HF get_vision_window_index) on a 3×5 grid of merge blocks in windows of
+// 2×2: windows row by row, a window's blocks row by row, partial windows at the right and bottom.
+TEST(Qwen2VL, WindowsCoverTheGridRowByRow) {
+  const VisionWindows w = vision_windows(3, 5, 2);
+  EXPECT_EQ(w.order, (std::vector<int>{0, 1, 5, 6, 2, 3, 7, 8, 4, 9, 10, 11, 12, 13, 14}));
+  EXPECT_EQ(w.sizes, (std::vector<int>{4, 4, 2, 2, 2, 1}));
+  const VisionWindows whole = vision_windows(4, 4, 4);  // one window: the grid's order
+  EXPECT_EQ(whole.sizes, (std::vector<int>{16}));
+  EXPECT_TRUE(std::is_sorted(whole.order.begin(), whole.order.end()));
+  const std::unique_ptr<Model> model = load_model(k25);
+  EXPECT_EQ(model->info().architecture, "qwen2_5_vl");
+  auto cfg_edit = [](const std::string& tag, const std::function<void(nlohmann::json&)>& e) {
+    return edited_copy(k25, tag, "config.json", e);
+  };
+  EXPECT_NE(error_of([&] { load_model(cfg_edit("window", [](nlohmann::json& c) { c["vision_config"]["window_size"] = 30; })); })
+                .find("window_size 30 is not a whole number of merged patches (12 pixels)"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              load_model(cfg_edit("full", [](nlohmann::json& c) { c["vision_config"]["fullatt_block_indexes"] = {1, 9}; }));
+            }).find("fullatt_block_indexes[1]"),
+            std::string::npos);
 }

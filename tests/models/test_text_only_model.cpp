@@ -68,7 +68,7 @@ TEST(TextOnlyModel, ConfigIsReadFromItsTopLevel) {
 
 TEST(TextOnlyModel, CheckpointsItCannotReadAreRefused) {
   const std::string other = edited_copy(kLlama, "otherarch", [](nlohmann::json& c) { c["model_type"] = "gemma"; });
-  expect_input_error([&] { load_model(other); }, "model_type 'gemma' is not one kvlens reads (llava, llava_next, internvl, qwen2_vl, llama, mistral, qwen2)");
+  expect_input_error([&] { load_model(other); }, "model_type 'gemma' is not one kvlens reads (llava, llava_next, internvl, qwen2_vl, qwen2_5_vl, llama, mistral, qwen2)");
   const std::string untied = edited_copy(kLlama, "untied", [](nlohmann::json& c) { c["tie_word_embeddings"] = false; });
   expect_input_error([&] { load_model(untied); }, "no 'lm_head.weight'");
 }
