@@ -48,15 +48,17 @@ Qwen2VLModel Qwen2VLModel::load_checked(const std::string& dir, const BackendOpt
   m.vision_ = Qwen2Vit::load(ws, vp, v, m.be_);
   ModelInfo& f = m.info_;
   f.architecture = v.windowed ? "qwen2_5_vl" : "qwen2_vl";
-  f.family = v.windowed ? "Qwen2.5-VL (dynamic resolution, windowed tower)" : "Qwen2-VL (dynamic resolution)";
+  f.family = v.windowed ? "Qwen2.5-VL (native resolution)" : "Qwen2-VL (native resolution)";
   f.image_dependent = true;
   const VisualLayout square = m.visual_layout(448, 448);  // (the count of a square image)
   f.n_visual = square.n_tokens;
   f.patch_rows = square.grids.front().rows;
   f.patch_cols = square.grids.front().cols;
-  f.tiling = std::to_string(v.patch_size) + "-px patches, " + std::to_string(v.spatial_merge_size) + "×" +
-             std::to_string(v.spatial_merge_size) + " merged; " + std::to_string(m.patches_.min_pixels) + " to " +
-             std::to_string(m.patches_.max_pixels) + " pixels";
+  // (the Model panel shows the part before the first ';')
+  f.tiling = std::to_string(v.spatial_merge_size) + "×" + std::to_string(v.spatial_merge_size) + " of " +
+             std::to_string(v.patch_size) + "-px patches" +
+             (v.windowed ? "; " + std::to_string(v.window_size) + "-px windows" : std::string()) + "; " +
+             std::to_string(m.patches_.min_pixels) + " to " + std::to_string(m.patches_.max_pixels) + " pixels";
   return m;
 }
 

@@ -1,5 +1,6 @@
 // kvlens-gui on the other model families, driven headless (--script) under Xvfb: a text-only
-// model's prompt span, and a LLaVA-NeXT model's tiles grid; and the caption words' hover.
+// model's prompt span, a LLaVA-NeXT model's tiles grid, a Qwen2.5-VL model's merged patches; and
+// the caption words' hover.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -75,6 +76,38 @@ TEST(Gui, AnAnyresModelDrawsItsOverlaysOnTheTilesGrid) {
   const json& img = st["drawn"]["image"];
   EXPECT_NEAR(img[2].get<double>() / img[3].get<double>(), 80.0 / 20.0, 0.05) << img.dump();
   ASSERT_TRUE(st["drawn"].contains("image_colorbar"));
+}
+
+// A Qwen2.5-VL model: its image at its own resolution, 2×2 patches merged into one token; the
+// overlays lie on that 3×8 grid over the whole 100×37 image, a value per image token.
+TEST(Gui, AQwenModelDrawsItsOverlaysOnTheMergedPatches) {
+  const std::string dir = kt::make_temp_dir("gui_qwen");
+  const std::string model = kt::source_dir() + "/tests/fixtures/hf/qwen25vl_fp32";
+  kt::write_file(dir + "/s.json", json({{"kvlens_session", 1}, {"name", "qwen"}, {"model", model},
+                                        {"image", model + "/image.png"}, {"max_new_tokens", 6},
+                                        {"methods", {"vlcache:budget=0.3", "calibquant:bits=1"}}})
+                                      .dump());
+  const json steps = {{"steps",
+                       {{{"do", "wait_results"}},
+                        {{"do", "select"}, {"overlay", "fate_kept"}, {"overlay_source", 0}},
+                        {{"do", "frames"}, {"n", 3}},
+                        {{"do", "dump_state"}, {"path", "qwen.json"}},
+                        {{"do", "screenshot"}, {"path", dir + "/qwen.png"}},
+                        {{"do", "quit"}}}}};
+  kt::RunResult r;
+  RUN_GUI_SIZED_OR_SKIP(dir, steps, r, "1920x1200", " --session " + dir + "/s.json");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const json st = load(dir + "/qwen.json");
+  for (const json& m : st["messages"]) EXPECT_FALSE(m["error"].get<bool>()) << m.dump();
+  ASSERT_EQ(st["results"].size(), 2u) << st["results"].dump();
+  const json& g = st["overlay"]["grid"];
+  EXPECT_EQ(g["name"], "patches");
+  EXPECT_EQ(g["rows"], 3);
+  EXPECT_EQ(g["cols"], 8);
+  EXPECT_EQ(g["first"], 0);
+  EXPECT_EQ(st["overlay"]["patches"].get<int>(), 24) << "a value per image token";
+  const json& img = st["drawn"]["image"];
+  EXPECT_NEAR(img[2].get<double>() / img[3].get<double>(), 100.0 / 37.0, 0.05) << img.dump();
 }
 
 // Hovering a caption's first differing word reads what the full cache said there (the words it
