@@ -108,18 +108,37 @@ def make_wide_image(w, h, seed):
 PROCESSOR_SIZES = [(1, 1), (5, 300), (300, 5), (33, 31), (600, 577), (41, 1500)]
 
 
-def write_processor_cases(folder, improc, proc):
+def write_processor_cases(folder, process):
+    """Images of PROCESSOR_SIZES through `process(image, w, h)`, which gives the processor's pixel
+    values and the case's other facts (its token count); processor_cases.json lists them."""
     cases = []
     for i, (w, h) in enumerate(PROCESSOR_SIZES):
         name = "processor_%dx%d" % (w, h)
         make_wide_image(w, h, 100 + i).save(os.path.join(folder, name + ".png"))
         image = Image.open(os.path.join(folder, name + ".png")).convert("RGB")
-        pv = improc(images=image, return_tensors="pt")["pixel_values"][0].float()
+        pv, facts = process(image, w, h)
         write_f32(os.path.join(folder, name + ".f32"), pv)
-        n = proc._get_num_multimodal_tokens(image_sizes=[[h, w]])["num_image_tokens"][0]
-        cases.append({"image": name + ".png", "pixel_values_file": name + ".f32", "pixel_values_shape": list(pv.shape),
-                      "n_visual_tokens": n})
+        cases.append(dict({"image": name + ".png", "pixel_values_file": name + ".f32", "pixel_values_shape": list(pv.shape)},
+                          **facts))
     write_json(os.path.join(folder, "processor_cases.json"), cases)
+
+
+def clear_greedy(name, seed, greedy, margins, usable):
+    """Whether a seed's greedy ids are clear to compare with: top-2 margins of MIN_MARGIN, three
+    different ids, each `usable`; else the seed is rejected, said so."""
+    if min(margins) < MIN_MARGIN or len(set(greedy)) < 3 or not all(usable(t) for t in greedy):
+        print("  [%s] reject seed %d: margins %.3g, greedy %s" % (name, seed, min(margins), greedy))
+        return False
+    return True
+
+
+def write_references(folder, pixel_values, feats, out, steps):
+    """The reference tensors every image fixture records."""
+    write_f32(os.path.join(folder, "pixel_values.f32"), pixel_values)
+    write_f32(os.path.join(folder, "image_features.f32"), feats)
+    write_f32(os.path.join(folder, "logits.f32"), out.logits[0, -1])
+    write_f32(os.path.join(folder, "attn0.f32"), out.attentions[0][0])
+    write_f32(os.path.join(folder, "step_logits.f32"), torch.stack(steps))
 
 
 @torch.no_grad()
@@ -197,14 +216,9 @@ def build_seed(spec, out_root, proto, sp, seed):
     feats = torch.cat(list(feats)) if isinstance(feats, (list, tuple)) else feats.reshape(-1, feats.shape[-1])
     assert feats.shape[0] == n_visual, (feats.shape, n_visual)
     greedy, margins, steps = greedy_decode(ref, out)
-    if min(margins) < MIN_MARGIN or len(set(greedy)) < 3 or any(t >= IMAGE_TOKEN or t < 3 for t in greedy):
-        print("  [%s] reject seed %d: margins %.3g, greedy %s" % (spec["name"], seed, min(margins), greedy))
+    if not clear_greedy(spec["name"], seed, greedy, margins, lambda t: 3 <= t < IMAGE_TOKEN):
         return False
-    write_f32(os.path.join(folder, "pixel_values.f32"), pixel_values[0])
-    write_f32(os.path.join(folder, "image_features.f32"), feats)
-    write_f32(os.path.join(folder, "logits.f32"), out.logits[0, -1])
-    write_f32(os.path.join(folder, "attn0.f32"), out.attentions[0][0])
-    write_f32(os.path.join(folder, "step_logits.f32"), torch.stack(steps))
+    write_references(folder, pixel_values[0], feats, out, steps)
     H, T = out.attentions[0].shape[1], len(ids)
     write_json(os.path.join(folder, "expected.json"), {
         "architecture": "LlavaNextForConditionalGeneration", "prompt": PROMPT, "template": spec["template"],
@@ -223,7 +237,9 @@ def build_seed(spec, out_root, proto, sp, seed):
         "compute": {"device": "cpu", "dtype": "float32", "attn_implementation": "eager"},
         "transformers_version": transformers.__version__, "torch_version": torch.__version__, **chat,
     })
-    write_processor_cases(folder, improc, proc)
+    write_processor_cases(folder, lambda image, w, h: (
+        improc(images=image, return_tensors="pt")["pixel_values"][0].float(),
+        {"n_visual_tokens": proc._get_num_multimodal_tokens(image_sizes=[[h, w]])["num_image_tokens"][0]}))
     print("%-24s seed %d, %dx%d image, %d tiles, %d visual tokens, %d prompt ids, greedy %s, min margin %.3g, "
           "HF processor ids agree: %s, torchvision pixel diff %s"
           % (spec["name"], seed, w, h, pixel_values.shape[1] - 1, n_visual, len(ids), greedy, min(margins),

@@ -44,7 +44,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from make_hf_fixtures import N_GREEDY, greedy_decode, random_init  # noqa: E402
-from make_hf_next_fixtures import make_wide_image, MIN_MARGIN, PROCESSOR_SIZES, write_f32  # noqa: E402
+from make_hf_next_fixtures import clear_greedy, make_wide_image, write_processor_cases, write_references  # noqa: E402
 from hf_layouts import relayout_weights, write_json  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -187,25 +187,15 @@ def build_seed(spec, out_root, seed):
     out = ref(input_ids=x, pixel_values=pixel_values, image_grid_thw=grid_thw, mm_token_type_ids=enc["mm_token_type_ids"],
               output_attentions=True, use_cache=True)
     greedy, margins, steps = greedy_decode(ref, out)
-    if min(margins) < MIN_MARGIN or len(set(greedy)) < 3 or any(t >= tok.get_vocab_size() for t in greedy):
-        print("  [%s] reject seed %d: margins %.3g, greedy %s" % (spec["name"], seed, min(margins), greedy))
+    if not clear_greedy(spec["name"], seed, greedy, margins, lambda t: t < tok.get_vocab_size()):
         return False
-    write_f32(os.path.join(folder, "pixel_values.f32"), pixel_values)
-    write_f32(os.path.join(folder, "image_features.f32"), feats)
-    write_f32(os.path.join(folder, "logits.f32"), out.logits[0, -1])
-    write_f32(os.path.join(folder, "attn0.f32"), out.attentions[0][0])
-    write_f32(os.path.join(folder, "step_logits.f32"), torch.stack(steps))
-    cases = []
-    for i, (cw, ch) in enumerate(PROCESSOR_SIZES):
-        name = "processor_%dx%d" % (cw, ch)
-        make_wide_image(cw, ch, 100 + i).save(os.path.join(folder, name + ".png"))
-        im = Image.open(os.path.join(folder, name + ".png")).convert("RGB")
-        po = improc(images=im, return_tensors="pt")
+    write_references(folder, pixel_values, feats, out, steps)
+    def process(image, w, h):
+        po = improc(images=image, return_tensors="pt")
         pv = po["pixel_values"].float()
-        write_f32(os.path.join(folder, name + ".f32"), pv)
-        cases.append({"image": name + ".png", "pixel_values_file": name + ".f32", "pixel_values_shape": list(pv.shape),
-                      "n_visual_tokens": int(pv.shape[0]) // 4, "grid_thw": po["image_grid_thw"][0].tolist()})
-    write_json(os.path.join(folder, "processor_cases.json"), cases)
+        return pv, {"n_visual_tokens": int(pv.shape[0]) // 4, "grid_thw": po["image_grid_thw"][0].tolist()}
+
+    write_processor_cases(folder, process)
     H, T = out.attentions[0].shape[1], len(ids)
     write_json(os.path.join(folder, "expected.json"), {
         "architecture": model_cls.__name__, "prompt": PROMPT, "template": TEMPLATE, "prompt_ids": ids,
