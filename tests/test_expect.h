@@ -1,9 +1,11 @@
 // GoogleTest helpers the model and tokenizer suites share: an InputError expected with a message
-// part, the message of one, a fixture folder copied with one JSON file edited, and a fixture's
-// processor cases (processor_cases.json: images, HF's pixel values and token counts) checked.
+// part, the message of one, a fixture folder copied with one JSON file edited, a fixture's
+// processor cases (processor_cases.json: images, HF's pixel values and token counts) checked, and
+// every method run on a fixture's prompt.
 #pragma once
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <functional>
@@ -12,6 +14,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/compress/method.h"
 #include "core/errors.h"
 #include "models/model.h"
 #include "tests/test_util.h"
@@ -70,6 +73,27 @@ inline void expect_processor_cases(const std::string& dir) {
       ASSERT_LE(std::fabs(pv.data[i] - ref[i]), pixel_tolerance(ref[i], pc.mean[ch], pc.std[ch])) << "value " << i;
     }
   }
+}
+
+// Every method on the prompt of image fixture `dir` (its visual segment: the image's tokens, as
+// many as HF's processor gives), three tokens each; and the checkpoint's chat template, its image
+// token marked <image>, is the fixture's template.
+inline void expect_every_method_runs(const std::string& dir) {
+  const std::unique_ptr<Model> model = load_model(dir);
+  const RGBImage img = load_image(dir + "/image.png");
+  const nlohmann::json exp = read_json(dir + "/expected.json");
+  const PrefillState st = model->prefill(img, exp["prompt"].get<std::string>(), exp["template"].get<std::string>(), true);
+  EXPECT_EQ(st.n_visual, exp["n_visual_tokens"].get<int>());
+  EXPECT_EQ(std::count(st.kinds.begin(), st.kinds.end(), SegmentKind::Visual), st.n_visual);
+  EXPECT_EQ(st.ids, exp["prompt_ids"].get<std::vector<int>>());
+  GenerateOptions g;
+  g.max_new_tokens = 3;
+  for (const MethodSpec& m : methods()) {
+    SCOPED_TRACE(m.name);
+    const std::unique_ptr<KVPolicy> policy = make_policy(parse_method_spec(m.name));
+    EXPECT_EQ(model->decode(st, policy.get(), g).generated_ids.size(), 3u);
+  }
+  EXPECT_EQ(model->tokenizer().chat_prompt(true), exp["template"].get<std::string>());
 }
 
 }  // namespace kvlens::testing

@@ -108,22 +108,4 @@ TEST(InternVL, ConfigsItCannotReadAreRefusedNamingTheField) {
 
 // Every method runs on an InternVL prompt (tiles and thumbnail are the visual segment; <img> and
 // </img> are text), and the chat template is the default template.
-TEST(InternVL, EveryMethodCompressesTheTiledVisualSegment) {
-  const std::unique_ptr<Model> model = load_model(kLlama);
-  const RGBImage img = load_image(kLlama + "/image.png");
-  const nlohmann::json exp = kt::read_json(kLlama + "/expected.json");
-  const PrefillState st = model->prefill(img, exp["prompt"].get<std::string>(), exp["template"].get<std::string>(), true);
-  EXPECT_EQ(st.n_visual, exp["n_visual_tokens"].get<int>());
-  EXPECT_EQ(std::count(st.kinds.begin(), st.kinds.end(), SegmentKind::Visual), st.n_visual);
-  EXPECT_EQ(st.ids, exp["prompt_ids"].get<std::vector<int>>());
-  GenerateOptions g;
-  g.max_new_tokens = 3;
-  for (const MethodSpec& m : methods()) {
-    SCOPED_TRACE(m.name);
-    const std::unique_ptr<KVPolicy> policy = make_policy(parse_method_spec(m.name));
-    EXPECT_EQ(model->decode(st, policy.get(), g).generated_ids.size(), 3u);
-  }
-  // The checkpoint's chat template writes the image as <IMG_CONTEXT>; as a prompt template it
-  // is marked <image>, and gives the fixture's template.
-  EXPECT_EQ(model->tokenizer().chat_prompt(true), exp["template"].get<std::string>());
-}
+TEST(InternVL, EveryMethodCompressesTheTiledVisualSegment) { kt::expect_every_method_runs(kLlama); }
