@@ -70,6 +70,8 @@ void session_panel(App& app, Ui&, const PanelRect& rect) {
     const auto [done, total] = app.export_progress();
     const std::string label = std::to_string(done) + " of " + std::to_string(total) + " figures";
     ImGui::ProgressBar(total ? static_cast<float>(done) / total : 0.0f, ImVec2(-90, 0), label.c_str());
+    const ImVec2 bar = ImGui::GetItemRectMin(), size = ImGui::GetItemRectSize();
+    st.drawn["export_progress"] = {bar.x, bar.y, size.x, size.y};
     ImGui::SameLine();
     if (ImGui::Button("Cancel##export")) app.cancel_export();
   } else {

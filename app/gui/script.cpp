@@ -48,7 +48,8 @@ const std::map<std::string, std::pair<std::vector<std::string>, std::vector<std:
       {"frames", {{"n"}, {}}},
       {"hover", {{"over", "x", "y"}, {}}},
       {"screenshot", {{"path"}, {}}},
-      {"export_figures", {{"dir"}, {"formats", "csv", "all"}}},
+      {"export_figures", {{"dir"}, {"formats", "csv", "all", "wait"}}},
+      {"cancel_export", {{}, {}}},
       {"dump_state", {{"path"}, {}}},
       {"expect_message", {{"contains"}, {}}},
       {"timing", {{}, {"label"}}},
@@ -313,8 +314,14 @@ void Script::run(App& app, const nlohmann::json& st) {
     }
     if (st.contains("csv")) e.csv = st["csv"].get<bool>();
     const bool all = st.value("all", true);
+    if (st.contains("wait") && !st["wait"].is_boolean())
+      throw InputError("export_figures: 'wait' must be true or false, got " + st["wait"].dump());
     app.export_figures(path("dir"), all ? app.report_figures_all() : app.shown_figures());
-    app.wait_export();  // a script's steps run in order
+    // A script's steps run in order, unless it asks to watch the export run (wait: false).
+    if (st.value("wait", true)) app.wait_export();
+  } else if (op == "cancel_export") {
+    app.cancel_export();
+    app.wait_export();
   } else if (op == "dump_state") {
     nlohmann::json d;
     d["methods"] = nlohmann::json::array();
@@ -357,6 +364,8 @@ void Script::run(App& app, const nlohmann::json& st) {
     d["session_path"] = app.st.session_path;
     d["up_to_date"] = app.up_to_date();
     d["drawn"] = app.st.drawn;
+    const auto [done, total] = app.export_progress();
+    d["export"] = {{"running", app.exporting()}, {"done", done}, {"total", total}};
     // The overlay shown: its scale as the colour bar draws it.
     const OverlayData ov = overlay_of(app, app.st.views.overlay_source);
     d["overlay"] = {{"what", ov.what}, {"quantity", ov.scale.quantity}, {"lo", ov.scale.lo}, {"hi", ov.scale.hi},

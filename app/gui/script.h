@@ -23,11 +23,15 @@
 //                                at fractions x, y of its width and height, then 3 frames;
 //                                dump_state's "hover_readout" holds what its readout shows
 //   screenshot {path}            the window as PNG, after the frame settles
-//   export_figures {dir, formats?, csv?, all?}
+//   export_figures {dir, formats?, csv?, all?, wait?}
+//                                on the export's own thread; the next step once it has ended,
+//                                or at once with wait false (its progress bar then drawn)
+//   cancel_export                stops a running export between figures, then waits for it
 //   dump_state {path}            the app's state and results as JSON (for checks): the inputs
 //                                analysed, the "fields" the input boxes hold and "fields_shown"
 //                                what the path fields show, busy, blocked, what "Add" offers,
-//                                the parameters' shown names, where things were "drawn"
+//                                the parameters' shown names, where things were "drawn", and
+//                                the "export" running ({running, done, total})
 //   expect_message {contains}    a message since the last check must contain the text (else exit 1)
 //   timing {label}               prints "kvlens-gui timing: ..." (edit → result latency, frame rates)
 //   quit
