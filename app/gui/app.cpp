@@ -419,7 +419,7 @@ const fig::Figure* App::figure(const std::string& key) {
           std::vector<float> on_grid;
           if (a.size() >= static_cast<size_t>(g.token(rows - 1, cols - 1)) + 1)
             for (int r = 0; r < rows; ++r)
-              on_grid.insert(on_grid.end(), a.begin() + g.token(r, 0), a.begin() + g.token(r, 0) + cols);
+              for (int c = 0; c < cols; ++c) on_grid.push_back(a[static_cast<size_t>(g.token(r, c))]);
           att[static_cast<size_t>(l)].push_back(std::move(on_grid));
         }
       f = fig::patch_multiples_figure(att, rows, cols, true, who, token);
