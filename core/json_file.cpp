@@ -28,4 +28,8 @@ nlohmann::json read_json_file(const std::string& path, const std::string& what) 
   }
 }
 
+nlohmann::json read_json_file_if_present(const std::string& path, const std::string& what) {
+  return file_exists(path) ? read_json_file(path, what) : nlohmann::json::object();
+}
+
 }  // namespace kvlens

@@ -12,5 +12,7 @@ namespace kvlens {
 
 // Parses `path`; throws InputError "<path>: cannot open <what>" or "<path>: not valid JSON (...)".
 nlohmann::json read_json_file(const std::string& path, const std::string& what);
+// As read_json_file where `path` exists, else an empty object (a config file a folder may omit).
+nlohmann::json read_json_file_if_present(const std::string& path, const std::string& what);
 
 }  // namespace kvlens

@@ -8,6 +8,7 @@
 // frequencies split into consecutive runs, run r rotated by row r of the positions ([rows][T]).
 // Given one row of positions, every frequency takes it (a text token's positions are equal).
 #pragma once
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -29,6 +30,8 @@ struct Rope {
   // must sum to D / 2 (InternalError otherwise: configs are checked when parsed).
   std::vector<int> row_of(int D) const;
   int rows() const { return sections.empty() ? 1 : static_cast<int>(sections.size()); }
+  // Whether n_positions positions of T tokens are a row per section ([rows][T]) rather than one.
+  bool sectioned(int64_t n_positions, int T) const { return rows() > 1 && n_positions == static_cast<int64_t>(rows()) * T; }
   // What tells two tables apart (the type, theta and the scaling), for caches of tables.
   std::string key() const;
 };

@@ -326,6 +326,13 @@ PrefillState DecoderModel::prefill(const RGBImage& img, const std::string& promp
   return prefill_image(img, prompt, templ, keep_attention, observers);
 }
 
+std::vector<int> DecoderModel::prompt_ids(const std::string& prompt, const std::string& templ,
+                                          const VisualLayout& image) const {
+  if (templ.find("<image>") == std::string::npos)
+    throw InputError("prompt template '" + templ + "' has no <image> marker");
+  return tok_.encode_prompt(templ, prompt, image.n_tokens);
+}
+
 PrefillState DecoderModel::prefill_features(const ImageFeatures& image, const std::string& prompt,
                                             const std::string& templ, bool keep_attention,
                                             const std::vector<AttentionObserver*>& observers) const {
@@ -368,7 +375,6 @@ PrefillState DecoderModel::prefill_image_tokens(const ImageFeatures& image, std:
   // Text tokens through the embedding table, then each run of image tokens replaced by the
   // next image features.
   st.kinds.resize(T);
-  std::vector<int> text_ids(st.ids);
   int seen = 0;
   for (int t = 0; t < T; ++t) {
     if (st.ids[t] == img_id) {
@@ -378,7 +384,7 @@ PrefillState DecoderModel::prefill_image_tokens(const ImageFeatures& image, std:
       st.kinds[t] = seen ? SegmentKind::PostVisionText : SegmentKind::System;
     }
   }
-  Buffer x = text_.embed_tokens(text_ids);
+  Buffer x = text_.embed_tokens(st.ids);
   x.name = "prompt_embeds";
   int used = 0;
   for (int t = 0; t < T;) {

@@ -41,6 +41,9 @@ class DecoderModel : public Model {
                        const std::vector<AttentionObserver*>& observers = {}) const override;
   PrefillState prefill_features(const ImageFeatures& features, const std::string& prompt, const std::string& templ,
                                 bool keep_attention, const std::vector<AttentionObserver*>& observers = {}) const override;
+  // The template's <image> as the image's tokens (LLaVA, Qwen2-VL; InternVL wraps it first).
+  std::vector<int> prompt_ids(const std::string& prompt, const std::string& templ,
+                              const VisualLayout& image) const override;
 
  protected:
   // The embedded prompt `x` ([ids][hidden], fp32) through the decoder into st's KV cache: st

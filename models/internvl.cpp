@@ -34,7 +34,7 @@ InternVLModel InternVLModel::load_checked(const std::string& dir, const BackendO
                      " is not config.json's image_token_id " + std::to_string(m.cfg_.image_token_id));
   const int S = m.cfg_.vision.image_size;
   const std::string pp = dir + "/preprocessor_config.json";
-  const nlohmann::json pj = file_exists(pp) ? read_json_file(pp, "preprocessor config") : nlohmann::json::object();
+  const nlohmann::json pj = read_json_file_if_present(pp, "preprocessor config");
   m.pre_ = preprocess_config_from_json(pj, S);
   m.pre_.pad_to_square = false;
   if (m.pre_.resize_height > 0 && (m.pre_.resize_height != S || m.pre_.resize_width != S))

@@ -29,7 +29,7 @@ LlavaModel LlavaModel::load_checked(const std::string& dir, const BackendOptions
     throw InputError(dir + ": <image> token id " + std::to_string(m.tok_.image_token_id()) +
                      " is outside the text vocabulary");
   const std::string pp = dir + "/preprocessor_config.json";
-  const nlohmann::json pj_json = file_exists(pp) ? read_json_file(pp, "preprocessor config") : nlohmann::json::object();
+  const nlohmann::json pj_json = read_json_file_if_present(pp, "preprocessor config");
   m.pre_ = preprocess_config_from_json(pj_json, m.cfg_.vision.image_size);
   if (m.cfg_.anyres()) {
     // LLaVA-NeXT's processor pads a batch's tile counts with do_pad, not the image; it tiles with
@@ -111,13 +111,6 @@ VisualLayout LlavaModel::visual_layout(int image_width, int image_height) const 
 Tensor LlavaModel::pixel_values(const RGBImage& img) const {
   if (cfg_.anyres()) return anyres_pixel_values(img, pre_, cfg_.grid_pinpoints, cfg_.vision.image_size);
   return preprocess(img, pre_);
-}
-
-std::vector<int> LlavaModel::prompt_ids(const std::string& prompt, const std::string& templ,
-                                        const VisualLayout& image) const {
-  if (templ.find("<image>") == std::string::npos)
-    throw InputError("prompt template '" + templ + "' has no <image> marker");
-  return tok_.encode_prompt(templ, prompt, image.n_tokens);
 }
 
 ImageFeatures LlavaModel::encode_image(const Tensor& px, const VisualLayout& layout) const {

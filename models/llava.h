@@ -36,8 +36,6 @@ class LlavaModel final : public DecoderModel {
 
   // ---- Model (the decoder's part: DecoderModel) -------------------------------------------------
   VisualLayout visual_layout(int image_width, int image_height) const override;
-  std::vector<int> prompt_ids(const std::string& prompt, const std::string& templ,
-                              const VisualLayout& image) const override;
   Tensor pixel_values(const RGBImage& img) const override;
   ImageFeatures encode_image(const Tensor& pixel_values, const VisualLayout& layout) const override;
 

@@ -97,20 +97,22 @@ Buffer Qwen2Vit::forward(const Tensor& px, int rows, int cols) const {
     for (size_t i = 0; i < win.order.size(); ++i) win.order[i] = static_cast<int>(i);
     win.sizes = {BR * BC};
   }
-  std::vector<float> rows_in(static_cast<size_t>(N) * per);
-  // The axial rope's positions: row 0 each patch's grid row, row 1 its column.
+  // The patches in that order (the processor's own without windows), and the axial rope's
+  // positions: row 0 each patch's grid row, row 1 its column.
+  std::vector<float> reordered(cfg.windowed ? static_cast<size_t>(N) * per : 0);
   std::vector<int32_t> pos(2 * static_cast<size_t>(N));
   for (int k = 0; k < BR * BC; ++k) {
     const int b = win.order[static_cast<size_t>(k)], bh = b / BC, bw = b % BC;
-    std::copy_n(px.data.data() + static_cast<size_t>(b) * M2 * per, static_cast<size_t>(M2) * per,
-                rows_in.data() + static_cast<size_t>(k) * M2 * per);
+    if (cfg.windowed)
+      std::copy_n(px.data.data() + static_cast<size_t>(b) * M2 * per, static_cast<size_t>(M2) * per,
+                  reordered.data() + static_cast<size_t>(k) * M2 * per);
     for (int j = 0; j < M2; ++j) {
       pos[static_cast<size_t>(k * M2 + j)] = bh * M + j / M;
       pos[static_cast<size_t>(N + k * M2 + j)] = bw * M + j % M;
     }
   }
   Buffer patches = be->alloc("vision.patches", {N, per}, mdt);
-  be->upload(rows_in.data(), patches);
+  be->upload(cfg.windowed ? reordered.data() : px.data.data(), patches);
   Buffer h = be->alloc("vision.h", {N, E}, Dt::F32);
   be->linear(patches, patch_w, nullptr, h, false);
   Buffer posb = be->alloc("vision.rope_positions", {2, N}, Dt::I32);
@@ -157,8 +159,7 @@ Buffer Qwen2Vit::forward(const Tensor& px, int rows, int cols) const {
   // The merger: a merge block's patches are consecutive rows, so [N][E] read as [N / M²][M² · E].
   const int64_t T = N / M2, W = static_cast<int64_t>(M2) * E, HO = cfg.hidden_size;
   Buffer q = be->alloc("vision.merger.ln", {N, E}, mdt);
-  if (rms) be->rms_norm(h, ln_q_w, kNormEps, q);
-  else be->layer_norm(h, ln_q_w, &ln_q_b, kNormEps, q);
+  norm(ln_q_w, ln_q_b, q);
   Buffer qm = q;
   qm.shape = {T, W};
   Buffer mid = be->alloc("vision.merger.mid", {T, W}, Dt::F32);

@@ -25,7 +25,7 @@ Qwen2VLModel Qwen2VLModel::load_checked(const std::string& dir, const BackendOpt
     throw InputError(dir + ": the tokenizer's image token id " + std::to_string(m.tok_.image_token_id()) +
                      " is not config.json's image_token_id " + std::to_string(m.cfg_.image_token_id));
   const std::string pp = dir + "/preprocessor_config.json";
-  const nlohmann::json pj = file_exists(pp) ? read_json_file(pp, "preprocessor config") : nlohmann::json::object();
+  const nlohmann::json pj = read_json_file_if_present(pp, "preprocessor config");
   m.patches_ = qwen_patch_config_from_json(pj, pp);
   m.pre_ = m.patches_.pixels;
   const Qwen2VitConfig& v = m.cfg_.vision;
@@ -76,12 +76,6 @@ VisualLayout Qwen2VLModel::visual_layout(int image_width, int image_height) cons
   l.grids = {g};
   l.n_tokens = g.rows * g.cols;
   return l;
-}
-
-std::vector<int> Qwen2VLModel::prompt_ids(const std::string& prompt, const std::string& templ,
-                                          const VisualLayout& image) const {
-  if (templ.find("<image>") == std::string::npos) throw InputError("prompt template '" + templ + "' has no <image> marker");
-  return tok_.encode_prompt(templ, prompt, image.n_tokens);
 }
 
 Tensor Qwen2VLModel::pixel_values(const RGBImage& img) const { return qwen_pixel_values(img, patches_); }

@@ -37,7 +37,7 @@ Tokenizer Tokenizer::load(const std::string& dir, int image_token_index, bool wi
   Tokenizer t;
   const std::string model = dir + "/tokenizer.model", json_path = dir + "/tokenizer.json";
   const std::string tc = dir + "/tokenizer_config.json";
-  const nlohmann::json cfg = file_exists(tc) ? read_json_file(tc, "tokenizer config") : nlohmann::json::object();
+  const nlohmann::json cfg = read_json_file_if_present(tc, "tokenizer config");
   if (file_exists(model)) {
     t.sp_ = std::make_unique<sentencepiece::SentencePieceProcessor>();
     const auto status = t.sp_->LoadFromSerializedProto(read_input_file(model, "SentencePiece tokenizer.model", uint64_t{1} << 30));

@@ -44,12 +44,12 @@ LAYOUT_PREFIX = {
     # published llava-hf checkpoints (transformers < 4.52 module names)
     "hub": {"lm": "language_model.model.", "head": "language_model.lm_head.",
             "vis": "vision_tower.vision_model.", "proj": "multi_modal_projector.", "newline": "image_newline"},
-    # transformers 4.52+ in-memory module names (LlavaModel under .model)
     # InternVL's "-hf" hub checkpoints: everything under model., no vision_model segment
     "model_prefix": {"lm": "model.language_model.", "head": "lm_head.", "vis": "model.vision_tower.",
                      "proj": "model.multi_modal_projector.", "newline": "model.image_newline"},
     # Qwen2-VL's module names in memory (its hub names are what save_pretrained writes)
     "qwen_inmem": {"lm": "model.language_model.", "head": "lm_head.", "vis": "model.visual."},
+    # transformers 4.52+ in-memory module names (LlavaModel under .model)
     "inmem": {"lm": "model.language_model.", "head": "lm_head.",
               "vis": "model.vision_tower.vision_model.", "proj": "model.multi_modal_projector.",
               "newline": "model.image_newline"},

@@ -43,14 +43,12 @@ from transformers import (AutoProcessor, Qwen2_5_VLConfig, Qwen2_5_VLForConditio
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from make_hf_fixtures import N_GREEDY, greedy_decode, random_init  # noqa: E402
+from make_hf_fixtures import CLIP_MEAN, CLIP_STD, N_GREEDY, greedy_decode, random_init  # noqa: E402
 from make_hf_next_fixtures import clear_greedy, make_wide_image, write_processor_cases, write_references  # noqa: E402
 from hf_layouts import relayout_weights, write_json  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROMPT = "Describe the image."
-CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
-CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 CHAT = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
         "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
         "{% for content in message['content'] %}{% if content['type'] == 'image' %}"

@@ -21,15 +21,6 @@
 
 namespace kvlens::testing {
 
-inline std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const InputError& e) {
-    return e.what();
-  }
-  return "";
-}
-
 inline void expect_input_error(const std::function<void()>& f, const std::string& must_contain) {
   try {
     f();

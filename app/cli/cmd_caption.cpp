@@ -82,7 +82,7 @@ void run_caption(const CaptionArgs& a) {
 void add_caption_command(CLI::App& root) {
   auto args = std::make_shared<CaptionArgs>();
   CLI::App* c = root.add_subcommand("caption", "Caption one image with the full KV cache");
-  c->add_option("--model", args->model, "HF-format model directory: LLaVA-1.5, LLaVA-NeXT, InternVL, Qwen2-VL, Qwen2.5-VL, Llama, Mistral or Qwen2 (default: the embedded model)");
+  c->add_option("--model", args->model, kModelHelp);
   add_backend_options(c, args->backend);
   c->add_option("--image", args->image, "PNG, JPEG or BMP image (default: the embedded sample image; none for a text-only model)");
   c->add_option("--prompt", args->prompt, "Text in place of {prompt} in the template")->capture_default_str();

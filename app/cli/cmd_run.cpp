@@ -28,7 +28,7 @@ struct RunArgs {
 };
 
 void add_common(CLI::App* c, RunArgs& a) {
-  c->add_option("--model", a.model, "HF-format model directory: LLaVA-1.5, LLaVA-NeXT, InternVL, Qwen2-VL, Qwen2.5-VL, Llama, Mistral or Qwen2 (default: the embedded model)");
+  c->add_option("--model", a.model, kModelHelp);
   add_backend_options(c, a.backend);
   c->add_option("--image", a.image, "Image file (default: the embedded sample image; none for a text-only model)");
   c->add_option("--prompt", a.opt.prompt, "Text in place of {prompt} in the template")->capture_default_str();

@@ -8,6 +8,11 @@
 
 namespace kvlens::app {
 
+// --model's help: the architectures a model directory may hold.
+inline constexpr const char* kModelHelp =
+    "HF-format model directory: LLaVA-1.5, LLaVA-NeXT, InternVL, Qwen2-VL, Qwen2.5-VL, Llama, Mistral or Qwen2 "
+    "(default: the embedded model)";
+
 // The file --image names, else the sample image; for a text-only model no image, and --image
 // is refused (InputError naming the model).
 RGBImage command_image(const Model& model, const std::string& image);

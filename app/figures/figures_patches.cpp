@@ -118,13 +118,12 @@ Figure token_fate_figure(const nlohmann::json& report, int method, int layer, co
   if (tile < 0 || (tile > 0 && (R % tile || C % tile)))
     throw InputError(grid.where + ".tile_major " + std::to_string(tile) + " does not divide the " + std::to_string(R) + "×" +
                      std::to_string(C) + " grid");
-  auto token = [&](int r, int c) -> int64_t { return g.token(r, c); };
   const J m = method_at(report, method);
   const J fate = layer_at(m, layer).at("token_fate");
   if (field != "kept" && field != "bits" && field != "merged")
     throw InputError("token fate field must be kept, bits or merged, got '" + field + "'");
   const std::vector<double> v = fate.at(field).nums();
-  const int64_t need = R < 1 || C < 1 ? 0 : tile > 0 ? first + static_cast<int64_t>(R) * C : token(R - 1, C - 1) + 1;
+  const int64_t need = R < 1 || C < 1 ? 0 : static_cast<int64_t>(g.token(R - 1, C - 1)) + 1;  // (its last token)
   if (R < 1 || C < 1 || first < 0 || stride < C || v.size() < static_cast<size_t>(need))
     throw InputError(fate.where + "." + field + " holds " + std::to_string(v.size()) + " values, the patch grid needs " +
                      std::to_string(need));
@@ -133,7 +132,7 @@ Figure token_fate_figure(const nlohmann::json& report, int method, int layer, co
   s.rows = R;
   s.cols = C;
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) s.z.push_back(v[static_cast<size_t>(token(r, c))]);
+    for (int c = 0; c < C; ++c) s.z.push_back(v[static_cast<size_t>(g.token(r, c))]);
   s.x0 = s.y0 = 0;
   s.x1 = C;
   s.y1 = R;

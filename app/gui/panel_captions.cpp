@@ -159,7 +159,7 @@ void captions_panel(App& app, Ui&, const PanelRect& rect) {
         dword = std::clamp(starts_word ? before : before - 1, 0, std::max(0, static_cast<int>(mw.size()) - 1));
         tip = "first divergence at generated token " + std::to_string(pos) + ":\nfull cache '" +
               d["full_piece"].get<std::string>() + "' (p = " + fig::format_value(d["full_prob"].get<double>()) + ")\n" +
-              "this method '" + d["method_piece"].get<std::string>() + "' (p = " +
+              "this method '" + mp + "' (p = " +
               fig::format_value(d["method_prob"].get<double>()) + ")";
       }
       draw_words(mw, caption_word_diff(fw, mw), dword, tip, app.st, std::to_string(r.id));

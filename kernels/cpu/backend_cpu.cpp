@@ -165,13 +165,14 @@ class CpuBackend : public Backend {
     const std::vector<float> inv = rope.inv_freq(l.head_dim);
     const int32_t* p = pos.as<int32_t>();
     // One row of positions, or one per section ([rows][T]).
-    const bool sectioned = rope.rows() > 1 && pos.numel() == static_cast<int64_t>(rope.rows()) * l.T;
+    const bool sectioned = rope.sectioned(pos.numel(), l.T);
     need(pos.dt == Dt::I32 && (sectioned || pos.numel() >= l.T), "rope: positions of " + qkv.name);
-    const std::vector<int> rows = rope.row_of(l.head_dim);
+    const std::vector<int> rows = sectioned ? rope.row_of(l.head_dim) : std::vector<int>();
+    const int* row_of = sectioned ? rows.data() : nullptr;
     for (int t = 0; t < l.T; ++t) {
       float* row = qkv.as<float>() + static_cast<int64_t>(t) * l.row_stride;
-      cpu::rope(row + l.q_col, 1, l.n_heads, l.head_dim, p + t, inv.data(), sectioned ? rows.data() : nullptr, l.T);
-      cpu::rope(row + l.k_col, 1, l.n_kv_heads, l.head_dim, p + t, inv.data(), sectioned ? rows.data() : nullptr, l.T);
+      cpu::rope(row + l.q_col, 1, l.n_heads, l.head_dim, p + t, inv.data(), row_of, l.T);
+      cpu::rope(row + l.k_col, 1, l.n_kv_heads, l.head_dim, p + t, inv.data(), row_of, l.T);
     }
   }
   void embed(const Buffer& table, const Buffer& ids, Buffer& out) override {

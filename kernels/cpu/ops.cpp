@@ -82,10 +82,6 @@ void rope(float* x, int T, int H, int D, const int32_t* pos, float theta) {
   rope(x, T, H, D, pos, Rope(theta).inv_freq(D).data());
 }
 
-void rope(float* x, int T, int H, int D, const int32_t* pos, const float* inv_freq) {
-  rope(x, T, H, D, pos, inv_freq, nullptr, 0);
-}
-
 void rope(float* x, int T, int H, int D, const int32_t* pos, const float* inv_freq, const int* row_of,
           int64_t row_stride) {
   const int half = D / 2;

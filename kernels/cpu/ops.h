@@ -21,10 +21,10 @@ void mul(float* x, const float* y, int64_t n);
 void add(float* x, const float* y, int64_t n);
 // Rotary embedding in the "rotate half" layout: x[T][H][D], position pos[t], inverse
 // frequencies inv_freq[D / 2] (core/rope.h); or those of a default rope of base theta.
-void rope(float* x, int T, int H, int D, const int32_t* pos, const float* inv_freq);
-// Sectioned: frequency i of token t takes position pos[row_of[i] * row_stride + t] (Rope::row_of).
-void rope(float* x, int T, int H, int D, const int32_t* pos, const float* inv_freq, const int* row_of,
-          int64_t row_stride);
+// Sectioned (row_of given): frequency i of token t takes position pos[row_of[i] * row_stride + t]
+// (Rope::row_of).
+void rope(float* x, int T, int H, int D, const int32_t* pos, const float* inv_freq, const int* row_of = nullptr,
+          int64_t row_stride = 0);
 void rope(float* x, int T, int H, int D, const int32_t* pos, float theta);
 // In place, numerically stable softmax of each of `rows` rows of length n; entries equal to
 // -inf get probability 0.

@@ -474,6 +474,18 @@ void attention_prefill_simple(const float* qkv, const AttnLayout& l, void* out, 
 
 namespace {
 
+// Device memory from the stream-ordered pool, freed in stream order however the call ends.
+struct StreamBuffer {
+  void* p = nullptr;
+  cudaStream_t s;
+  StreamBuffer(int64_t bytes, cudaStream_t stream, const std::string& what) : s(stream) {
+    KV_CUDA(cudaMallocAsync(&p, static_cast<size_t>(bytes), s), what);
+  }
+  StreamBuffer(const StreamBuffer&) = delete;
+  StreamBuffer& operator=(const StreamBuffer&) = delete;
+  ~StreamBuffer() { if (p) cudaFreeAsync(p, s); }
+};
+
 // q, k and v of every head of qkv, each widened from D to Dp channels with zeros: [T][heads][Dp].
 __global__ void pad_heads_kernel(Args a, int nk, int Dp, float* dst) {
   const int H = a.NH + 2 * nk, D = a.D;
@@ -500,13 +512,8 @@ int attention_prefill(const float* qkv, const AttnLayout& l, void* out, Dt odt, 
     // layout's scale is kept), and the output's added channels, zero, are dropped.
     const int Dp = D < 32 ? 32 : D < 64 ? 64 : 128, H = l.n_heads + 2 * l.n_kv_heads;
     const int64_t n = static_cast<int64_t>(l.T) * H * Dp, no = static_cast<int64_t>(l.T) * l.n_heads * Dp;
-    struct Scratch {  // freed in stream order however this call ends
-      void* p = nullptr;
-      cudaStream_t s;
-      ~Scratch() { if (p) cudaFreeAsync(p, s); }
-    } wide{nullptr, s}, wide_out{nullptr, s};
-    KV_CUDA(cudaMallocAsync(&wide.p, static_cast<size_t>(n) * 4, s), "attention q/k/v widened to head size " + std::to_string(Dp));
-    KV_CUDA(cudaMallocAsync(&wide_out.p, static_cast<size_t>(no) * 2, s), "attention output at head size " + std::to_string(Dp));
+    const StreamBuffer wide(n * 4, s, "attention q/k/v widened to head size " + std::to_string(Dp));
+    const StreamBuffer wide_out(no * 2, s, "attention output at head size " + std::to_string(Dp));
     pad_heads_kernel<<<static_cast<int>(std::min<int64_t>((n + 255) / 256, 65535)), 256, 0, s>>>(make_args(qkv, l), l.n_kv_heads, Dp, static_cast<float*>(wide.p));
     KV_LAUNCH("pad_heads_kernel", std::to_string(l.T) + " tokens, head size " + std::to_string(D) + " → " + std::to_string(Dp));
     AttnLayout w = l;
@@ -533,12 +540,7 @@ int attention_prefill(const float* qkv, const AttnLayout& l, void* out, Dt odt, 
   const Args a = make_args(qkv, l);
   const int Tp = (l.T + kStageRows - 1) / kStageRows * kStageRows;
   const int64_t n = static_cast<int64_t>(2) * l.n_kv_heads * Tp * D;
-  struct Staging {  // freed in stream order however this call ends
-    void* p = nullptr;
-    cudaStream_t s;
-    ~Staging() { if (p) cudaFreeAsync(p, s); }
-  } st{nullptr, s};
-  KV_CUDA(cudaMallocAsync(&st.p, static_cast<size_t>(n) * 2, s), "attention K/V staging (" + mib(n * 2) + ")");
+  const StreamBuffer st(n * 2, s, "attention K/V staging (" + mib(n * 2) + ")");
   const int chunks = 2 * l.n_kv_heads * D / 8;
   const dim3 sgrid((chunks + 127) / 128, std::min(Tp, 65535));
   auto* kvh = static_cast<__half*>(st.p);

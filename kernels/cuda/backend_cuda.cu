@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <mutex>
 
@@ -386,7 +387,7 @@ class CudaBackend : public Backend {
   }
   void rope(Buffer& qkv, const AttnLayout& l, const Buffer& pos, const Rope& rope) override {
     // One row of positions, or one per section ([rows][T]).
-    const bool sectioned = rope.rows() > 1 && pos.numel() == static_cast<int64_t>(rope.rows()) * l.T;
+    const bool sectioned = rope.sectioned(pos.numel(), l.T);
     need(qkv.dt == Dt::F32 && pos.dt == Dt::I32 && (sectioned || pos.numel() >= l.T) && l.head_dim % 2 == 0,
          "rope: " + qkv.name);
     const float* inv = inv_freq(l.head_dim, rope);
@@ -615,36 +616,33 @@ class CudaBackend : public Backend {
   }
 
  private:
-  const float* inv_freq(int D, const Rope& rope) {
-    auto key = std::make_pair(D, rope.key());
+  // A rope table on the device, made once for its key (the context's cache of tables).
+  template <class T>
+  const T* rope_table(const std::pair<int, std::string>& key, const std::function<std::vector<T>()>& make,
+                      const char* what) {
     auto it = ctx_->inv_freq.find(key);
-    if (it != ctx_->inv_freq.end()) return static_cast<const float*>(it->second.get());
-    if (ctx_->capturing || ctx_->replay) throw InternalError("rope: table created inside a captured step");
-    const std::vector<float> t = rope.inv_freq(D);  // the table kernels/cpu uses (core/rope.h)
+    if (it != ctx_->inv_freq.end()) return static_cast<const T*>(it->second.get());
+    if (ctx_->capturing || ctx_->replay) throw InternalError(std::string("rope: ") + what + " created inside a captured step");
+    const std::vector<T> t = make();
     void* p = nullptr;
-    KV_CUDA(cudaMalloc(&p, t.size() * 4), "rope table");
+    KV_CUDA(cudaMalloc(&p, t.size() * sizeof(T)), what);
     std::shared_ptr<void> mem(p, [](void* q) { cudaFree(q); });
-    ctx_->upload(p, t.data(), static_cast<int64_t>(t.size()) * 4, "rope table");
-    ctx_->sync("rope table");
+    ctx_->upload(p, t.data(), static_cast<int64_t>(t.size() * sizeof(T)), what);
+    ctx_->sync(what);
     ctx_->inv_freq[key] = mem;
-    return static_cast<const float*>(p);
+    return static_cast<const T*>(p);
+  }
+  // The inverse frequencies (the table kernels/cpu uses, core/rope.h).
+  const float* inv_freq(int D, const Rope& rope) {
+    return rope_table<float>({D, rope.key()}, [&] { return rope.inv_freq(D); }, "rope table");
   }
 
   // The position row of each frequency of a sectioned rope (Rope::row_of), kept beside the tables.
   const int32_t* rope_rows(int D, const Rope& rope) {
-    auto key = std::make_pair(D, "rows/" + rope.key());
-    auto it = ctx_->inv_freq.find(key);
-    if (it != ctx_->inv_freq.end()) return static_cast<const int32_t*>(it->second.get());
-    if (ctx_->capturing || ctx_->replay) throw InternalError("rope: table created inside a captured step");
-    const std::vector<int> r = rope.row_of(D);
-    const std::vector<int32_t> t(r.begin(), r.end());
-    void* p = nullptr;
-    KV_CUDA(cudaMalloc(&p, t.size() * 4), "rope sections");
-    std::shared_ptr<void> mem(p, [](void* q) { cudaFree(q); });
-    ctx_->upload(p, t.data(), static_cast<int64_t>(t.size()) * 4, "rope sections");
-    ctx_->sync("rope sections");
-    ctx_->inv_freq[key] = mem;
-    return static_cast<const int32_t*>(p);
+    return rope_table<int32_t>({D, "rows/" + rope.key()}, [&] {
+      const std::vector<int> r = rope.row_of(D);
+      return std::vector<int32_t>(r.begin(), r.end());
+    }, "rope sections");
   }
 
   // NonFiniteError for the first of `names` whose check word (first bad index << 32 | value bits)

@@ -597,9 +597,9 @@ void attention_case(int T, int NH, int NKV, int D, bool causal, Dt odt) {
   attention_refs(qkv, l, Dt::F16, ref, naive16);
   attention_refs(qkv, l, Dt::F32, ref, naive32, &err32, &score_mag);
   // Error allowed: twice the naive implementation's at the kernel's precision (f16 tiles for
-  // head_dim 32/64/128, fp32 otherwise), against fp64, at least the fp32 bound, plus the
-  // output's rounding.
-  const bool tiles = (D <= 128 && odt != Dt::F32);  // (head sizes between run widened with zeros)
+  // head_dim up to 128, sizes other than 32/64/128 widened with zeros; fp32 otherwise), against
+  // fp64, at least the fp32 bound, plus the output's rounding.
+  const bool tiles = D <= 128 && odt != Dt::F32;
   const std::vector<double> bound = attention_bound(ref, tiles ? naive16 : naive32, odt, &err32);
   const Backends2 B = both(Dt::F16);
   const std::string what = "attention T=" + std::to_string(T) + " D=" + std::to_string(D) + (causal ? " causal" : "");

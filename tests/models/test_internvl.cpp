@@ -6,13 +6,11 @@
 // tests/make_hf_internvl_fixtures.py).
 #include <gtest/gtest.h>
 
-#include <filesystem>
 #include <functional>
 #include <string>
 
 #include <nlohmann/json.hpp>
 
-#include "core/compress/method.h"
 #include "core/errors.h"
 #include "models/model.h"
 #include "models/preprocess/dynamic_tiles.h"
@@ -23,7 +21,6 @@ using namespace kvlens;
 namespace kt = kvlens::testing;
 using kt::edited_copy;
 using kt::error_of;
-namespace fs = std::filesystem;
 
 namespace {
 

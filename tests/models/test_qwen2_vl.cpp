@@ -13,7 +13,6 @@
 
 #include <nlohmann/json.hpp>
 
-#include "core/compress/method.h"
 #include "core/errors.h"
 #include "models/model.h"
 #include "models/preprocess/qwen_patches.h"

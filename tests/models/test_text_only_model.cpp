@@ -4,7 +4,6 @@
 // test_parity / test_hf_values (the llama_text_* and mistral_* fixtures).
 #include <gtest/gtest.h>
 
-#include <filesystem>
 #include <functional>
 #include <string>
 
@@ -19,7 +18,6 @@
 using namespace kvlens;
 namespace kt = kvlens::testing;
 using kt::expect_input_error;
-namespace fs = std::filesystem;
 
 namespace {
 
