@@ -58,6 +58,8 @@ struct KernelCase {
   int claim_start = 0;
   // (claim) DecodeParams::bulk_fine: stages of kDecodeBulkFineChunkRows rows.
   bool fine = false;
+  // (bits 16) DecodeParams::f16_gqa: a block a KV head's rows for all its query heads.
+  bool gqa = false;
 };
 
 // A batch-1 case whose parts are all fp16: front, middle and back rows, splits (0: decode_splits).
@@ -100,7 +102,8 @@ inline void kernel_case(const KernelCase& c) {
                            (c.chan_stride ? "" : " one range") + (c.mma_only ? " mma-only kernel" : "") +
                            (c.fresh ? " fused token" : "") + (c.appended ? " token appended before" : "") +
                            (c.bulk ? " bulk copies" : "") + (c.claim ? " rows claimed" : "") +
-                           (c.fine ? " in fine stages" : "");
+                           (c.fine ? " in fine stages" : "") + (c.gqa ? " GQA kernel" : "") +
+                           " heads=" + std::to_string(c.NH) + "/" + std::to_string(c.NKV);
   SCOPED_TRACE(what);
   const int D = c.D, G = c.NH / c.NKV, seqs = c.B * c.NKV;
   const int ranges = c.chan_stride ? D : 1;
@@ -173,7 +176,9 @@ inline void kernel_case(const KernelCase& c) {
     P[1].visual = all16 ? 0 : 1;
   }
   const int N = c.n_front + c.n_packed + c.n_back;
-  const int splits = c.splits ? c.splits : cuda::decode_splits(c.B, c.NH, N, 132);
+  const int splits = c.splits            ? c.splits
+                     : c.gqa ? cuda::gqa_splits(c.B, c.NKV, N, 132)
+                             : cuda::decode_splits(c.B, c.NH, N, 132);
   const int64_t heads = static_cast<int64_t>(c.B) * c.NH;
   Dev d_parts(parts), d_np(std::vector<int32_t>(static_cast<size_t>(seqs), 3));
   Dev po(heads * splits * D * 4), pm(heads * splits * 2 * 4), vr(heads * splits * 2 * 4);
@@ -207,6 +212,7 @@ inline void kernel_case(const KernelCase& c) {
   p.b1_pair = blocked && c.b1_pair ? 1 : 0;
   p.f16_bulk = c.bulk ? 1 : 0;
   p.bulk_fine = c.bulk && c.fine ? 1 : 0;
+  p.f16_gqa = c.gqa ? 1 : 0;
   if (c.claim) p.claim = claim.as<int>();
   const int n_tail0 = c.n_front + c.n_packed;  // the back part's first row, per (sequence, kv head)
   if (c.fresh) {
@@ -366,8 +372,12 @@ inline void kernel_case(const KernelCase& c) {
           if (vis[j]) s[j] = t * (s[j] - lo) + lo - c.tau1;
         amp = 2 + 2 * std::abs(t) + 2 * std::abs(c.tau2 - c.tau1) / (hi - lo);
       }
-      // Score error of fp32 dot products regrouped by post-scaling (×4), as in test_decode_ops.
-      const double ds = amp * 4 * dot_rel(D) * smag;
+      // Score error of fp32 dot products regrouped by post-scaling (×4), as in test_decode_ops;
+      // the GQA kernel's tensor cores take q rounded to fp16 (each product within 2^-11 more).
+      const double ds = amp * 4 * dot_rel(D) * smag + (c.gqa ? unit(Dt::F16) * smag : 0.0);
+      // ... and p rounded to fp16 for P·V (normal: 2^-11 relative; subnormal below 2^-14: 2^-25
+      // absolute a row), while the sum of p stays fp32.
+      const double dp = c.gqa ? 2 * unit(Dt::F16) + NR * std::ldexp(1.0, -25) : 0.0;
       double mx = -INFINITY, z = 0;
       for (double x : s) mx = std::max(mx, x);
       for (double& x : s) z += (x = std::exp(x - mx));
@@ -383,7 +393,7 @@ inline void kernel_case(const KernelCase& c) {
         const size_t i = (static_cast<size_t>(b) * c.NH + h) * D + e;
         ref[i] = static_cast<float>(o / z);
         ref_skip[i] = static_cast<float>(o_skip / z_skip);
-        bound[i] = (2.5 * ds + 2 * dot_rel(NR)) * vmag + 4 * unit(Dt::F32) * vmag;
+        bound[i] = (2.5 * ds + 2 * dot_rel(NR) + dp) * vmag + 4 * unit(Dt::F32) * vmag;
       }
     }
   if (c.claim_start > 0) {

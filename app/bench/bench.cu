@@ -166,11 +166,13 @@ void set_cache_kind(DecodeParams& p, int D, int bits) {
   p.b1 = D == 128 && bits == 1 ? 1 : 0;
 }
 
-// decode_launch for such a cache, as the model's cache asks it (splits > 0: that many).
-DecodeLaunch launch_for(int B, int NH, int rows, const cudaDeviceProp& prop, int D, int bits, int splits = 0) {
+// decode_launch for such a cache of NKV KV heads, as the model's cache asks it (splits > 0: that
+// many).
+DecodeLaunch launch_for(int B, int NH, int NKV, int rows, const cudaDeviceProp& prop, int D, int bits, int splits = 0) {
   DecodeParams p;
   set_cache_kind(p, D, bits);
-  return decode_launch(B, NH, rows, prop.multiProcessorCount, D, p.all_f16, p.all_mma, p.b1, splits, prop.major >= 9);
+  return decode_launch(B, NH, rows, prop.multiProcessorCount, D, p.all_f16, p.all_mma, p.b1, splits, prop.major >= 9,
+                       NKV);
 }
 
 }  // namespace
@@ -187,7 +189,7 @@ double bench_call_floor_ms(const AttnBenchConfig& c) {
 std::vector<AttnBenchRow> bench_decode_attention(const AttnBenchConfig& c, double copy_gbs) {
   Stream st(c.device);
   const cudaDeviceProp dev = props(c.device);
-  const int NH = c.heads, D = c.head_dim;
+  const int NH = c.heads, NKV = c.kv_heads > 0 ? c.kv_heads : c.heads, D = c.head_dim;
   const int64_t L2 = dev.l2CacheSize;
   std::vector<AttnBenchRow> rows;
   for (int B : c.batches)
@@ -199,7 +201,8 @@ std::vector<AttnBenchRow> bench_decode_attention(const AttnBenchConfig& c, doubl
         for (int b : {2, 1})
           if (c.calibrated && std::find(c.bits.begin(), c.bits.end(), b) != c.bits.end()) fmts.push_back({b, true});
         for (auto [bits, calib] : fmts) {
-          const int64_t heads = static_cast<int64_t>(B) * NH;
+          const int64_t heads = static_cast<int64_t>(B) * NKV;  // the cache's (KV) heads
+          const int64_t qheads = static_cast<int64_t>(B) * NH;
           const int64_t row_bytes = bits == 16 ? static_cast<int64_t>(D) * 2 : static_cast<int64_t>(D) * bits / 8;
           const int64_t side = heads * n * row_bytes;                        // K or V data
           const int64_t ranges = bits == 16 ? 0 : heads * D * 2 * 2;         // fp16 scale + zero per channel
@@ -220,17 +223,23 @@ std::vector<AttnBenchRow> bench_decode_attention(const AttnBenchConfig& c, doubl
             }
           }
           KV_LAUNCH("benchmark fill", "decode attention cache");
-          Mem q(heads * D * 4, "benchmark queries"), out(heads * D * 2, "benchmark outputs");
-          fill_float_kernel<<<grid(heads * D), 256, 0, st.s>>>(q.as<float>(), heads * D, -1.0f, 1.0f, 5);
-          const DecodeLaunch plan = launch_for(B, NH, n, dev, D, bits, split_arg > 0 ? std::min(split_arg, n) : 0);
+          Mem q(qheads * D * 4, "benchmark queries"), out(qheads * D * 2, "benchmark outputs");
+          fill_float_kernel<<<grid(qheads * D), 256, 0, st.s>>>(q.as<float>(), qheads * D, -1.0f, 1.0f, 5);
+          const int split_n = split_arg > 0 ? std::min(split_arg, n) : 0;
+          DecodeLaunch plan = launch_for(B, NH, c.gqa_kernel == "off" ? NH : NKV, n, dev, D, bits, split_n);
+          if (c.gqa_kernel == "on" && bits == 16 && decode_f16_gqa(D, NH, NKV)) {
+            plan = DecodeLaunch{};
+            plan.f16_gqa = true;
+            plan.splits = split_n > 0 ? split_n : gqa_splits(B, NKV, n, dev.multiProcessorCount);
+          }
           const int splits = plan.splits;
-          Mem po(heads * splits * D * 4, "partial outputs"), pm(heads * splits * 2 * 4, "partial states"),
-              vr(heads * splits * 2 * 4, "visual ranges");
+          Mem po(qheads * splits * D * 4, "partial outputs"), pm(qheads * splits * 2 * 4, "partial states"),
+              vr(qheads * splits * 2 * 4, "visual ranges");
           const int64_t vis_stride = calib ? n + kDecodeScorePad : 0;
-          Mem vs(heads * vis_stride * 4, "visual scores");
-          Mem np(heads * 4, "part counts"), sem(heads * 4, "merge counters"), claim(heads * 4, "row claims");
-          KV_CUDA(cudaMemsetAsync(sem.p, 0, heads * 4, st.s), "merge counters");
-          KV_CUDA(cudaMemsetAsync(claim.p, 0, heads * 4, st.s), "row claims");
+          Mem vs(qheads * vis_stride * 4, "visual scores");
+          Mem np(heads * 4, "part counts"), sem(qheads * 4, "merge counters"), claim(qheads * 4, "row claims");
+          KV_CUDA(cudaMemsetAsync(sem.p, 0, qheads * 4, st.s), "merge counters");
+          KV_CUDA(cudaMemsetAsync(claim.p, 0, qheads * 4, st.s), "row claims");
           std::vector<int32_t> ones(static_cast<size_t>(heads), 1);
           KV_CUDA(cudaMemcpyAsync(np.p, ones.data(), heads * 4, cudaMemcpyHostToDevice, st.s), "part counts");
           std::vector<std::unique_ptr<Mem>> tables;
@@ -261,7 +270,7 @@ std::vector<AttnBenchRow> bench_decode_attention(const AttnBenchConfig& c, doubl
           DecodeParams p;
           p.B = B;
           p.NH = NH;
-          p.NKV = NH;
+          p.NKV = NKV;
           p.D = D;
           p.scale = 1.0f / std::sqrt(static_cast<float>(D));
           p.q = q.as<float>();
@@ -300,7 +309,7 @@ std::vector<AttnBenchRow> bench_decode_attention(const AttnBenchConfig& c, doubl
           row.context = n;
           row.splits = splits;
           row.ms = call_ms;
-          row.bytes = static_cast<double>(set_bytes + heads * D * 4 + heads * D * 2);
+          row.bytes = static_cast<double>(set_bytes + qheads * D * 4 + qheads * D * 2);
           row.gbs = row.bytes / (row.ms * 1e-3) / 1e9;
           row.share_of_copy = copy_gbs > 0 ? row.gbs / copy_gbs : 0;
           if (bits == 16) fp16_ms = row.ms;
@@ -436,7 +445,7 @@ std::vector<ThroughputRow> bench_throughput(const ThroughputConfig& c) {
           g(static_cast<int64_t>(B) * I * 2, "mlp act"), logits(static_cast<int64_t>(B) * V * 4, "logits");
       fill_float_kernel<<<grid(static_cast<int64_t>(B) * H), 256, 0, st.s>>>(h.as<float>(), static_cast<int64_t>(B) * H,
                                                                             -1.0f, 1.0f, 99);
-      const DecodeLaunch plan = launch_for(B, NH, c.visual + c.text + cap, dev, D, bits);
+      const DecodeLaunch plan = launch_for(B, NH, NKV, c.visual + c.text + cap, dev, D, bits);
       const int splits = plan.splits;
       Mem po(static_cast<int64_t>(B) * NH * splits * D * 4, "partial outputs"),
           pm(static_cast<int64_t>(B) * NH * splits * 2 * 4, "partial states"), sem(static_cast<int64_t>(B) * NH * 4, "merge counters"),

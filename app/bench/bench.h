@@ -14,6 +14,10 @@ namespace kvlens::cuda {
 struct AttnBenchConfig {
   int device = 0;
   int heads = 32, head_dim = 128;
+  int kv_heads = 0;         // KV heads (0: as many as query heads); fewer: GQA
+  // With GQA and fp16 rows, the kernel that reads a KV head's rows once for all its query heads
+  // (decode_gqa.cuh): "auto" where decode_launch takes it, "on" at every point, "off" never.
+  std::string gqa_kernel = "auto";
   std::vector<int> contexts{4096, 16384, 65536};
   std::vector<int> batches{1, 16};
   std::vector<int> bits{16, 4, 2, 1};

@@ -214,8 +214,9 @@ std::shared_ptr<Backend> cuda_backend(int device) {
 
 struct AttnArgs {
   std::vector<int> contexts{4096, 16384, 65536}, batches{1, 16}, bits{16, 4, 2, 1}, splits{0};
-  int heads = 32, head_dim = 128, device = 0, reps = 30;
+  int heads = 32, kv_heads = 0, head_dim = 128, device = 0, reps = 30;
   bool no_calib = false, back_to_back = false, host_paced = false;
+  std::string gqa_kernel = "auto";
   std::string json;
 };
 
@@ -224,12 +225,17 @@ void run_attention(const AttnArgs& a) {
   for (int b : a.bits)
     if (b != 16 && (b < 1 || b > 8)) throw InputError("--bits: each must be 16 (fp16) or in [1, 8], got " + std::to_string(b));
   if (a.head_dim % 8 || a.head_dim > 256) throw InputError("--head-dim must be a multiple of 8, at most 256");
+  const int kv_heads = a.kv_heads > 0 ? a.kv_heads : a.heads;
+  if (a.heads % kv_heads)
+    throw InputError("--kv-heads must divide --heads (" + std::to_string(a.heads) + "), got " + std::to_string(kv_heads));
 #ifdef KVLENS_HAVE_CUDA
   auto be = cuda_backend(a.device);
   const double copy = be->copy_bandwidth();
   cuda::AttnBenchConfig c;
   c.device = a.device;
   c.heads = a.heads;
+  c.kv_heads = kv_heads;
+  c.gqa_kernel = a.gqa_kernel;
   c.head_dim = a.head_dim;
   c.contexts = a.contexts;
   c.batches = a.batches;
@@ -246,8 +252,9 @@ void run_attention(const AttnArgs& a) {
       a.back_to_back ? std::pair("back_to_back", "calls back to back (median of 5 runs)")
       : a.host_paced ? std::pair("isolated_host_paced", "each call timed alone, host launch included (median)")
                      : std::pair("isolated", "each call timed alone on a held stream (median)");
-  std::printf("decode attention, %d heads x %d, %s; copy bandwidth %.1f GB/s; ms per call, %s\n", a.heads,
-              a.head_dim, be->device().c_str(), copy / 1e9, timing_text);
+  std::printf("decode attention, %d heads (%d KV%s) x %d, %s; copy bandwidth %.1f GB/s; ms per call, %s\n", a.heads,
+              kv_heads, kv_heads < a.heads ? (", GQA kernel " + a.gqa_kernel).c_str() : "", a.head_dim,
+              be->device().c_str(), copy / 1e9, timing_text);
   std::printf("an empty kernel launched and timed the same way: %.4f ms\n", floor_ms);
   std::printf("%-9s %6s %8s %6s %10s %10s %9s %8s %9s\n", "format", "batch", "context", "splits", "ms", "MB read", "GB/s",
               "of copy", "vs fp16");
@@ -261,7 +268,7 @@ void run_attention(const AttnArgs& a) {
                  {"speedup_vs_fp16", r.speedup_vs_fp16}});
   }
   write_json(a.json, {{"device", be->device()}, {"copy_bandwidth_gbs", copy / 1e9}, {"heads", a.heads},
-                      {"head_dim", a.head_dim}, {"timing", timing}, {"empty_kernel_ms", floor_ms}, {"rows", j}});
+                      {"kv_heads", kv_heads}, {"gqa_kernel", a.gqa_kernel}, {"head_dim", a.head_dim}, {"timing", timing}, {"empty_kernel_ms", floor_ms}, {"rows", j}});
 #endif
 }
 
@@ -460,7 +467,13 @@ void add_bench_command(CLI::App& root) {
   add_ints(at, "--contexts", t->contexts, 1, 1 << 24, "Cached rows per sequence");
   add_ints(at, "--batches", t->batches, 1, 4096, "Sequences per call");
   add_ints(at, "--bits", t->bits, 1, 16, "16 = fp16, else b-bit channel-wise codes");
-  add_int(at, "--heads", t->heads, 1, 1024, "Query (= KV) heads");
+  add_int(at, "--heads", t->heads, 1, 1024, "Query heads");
+  add_int(at, "--kv-heads", t->kv_heads, 0, 1024, "KV heads, dividing --heads (0 = as many as --heads; fewer: GQA)");
+  at->add_option("--gqa-kernel", t->gqa_kernel,
+                 "With GQA and fp16 rows: the kernel that reads a KV head's rows once for all its query heads where "
+                 "the decode plan takes it (auto), at every point (on), or never (off: each query head its own blocks)")
+      ->check(CLI::IsMember({"auto", "on", "off"}))
+      ->capture_default_str();
   add_int(at, "--head-dim", t->head_dim, 8, 256, "Head dimension (a multiple of 8)");
   add_ints(at, "--splits", t->splits, 0, 1024, "Splits of each head's rows (0 = the kernel's choice)");
   add_int(at, "--reps", t->reps, 1, 100000, "Timed calls per point (median), or calls per timing with --back-to-back");

@@ -289,6 +289,10 @@ struct DecodeParams {
   int f16_bulk = 0;
   // 1 (f16_bulk, with claim): stages of kDecodeBulkFineChunkRows rows (decode_launch says when).
   int bulk_fine = 0;
+  // 1 (all_f16, NH / NKV in [2, kDecodeGqaMaxRatio], head size 32, 64 or 128): the fp16 kernel
+  // whose blocks read a KV head's rows once for all its query heads (decode_gqa.cuh); splits
+  // then counts each KV head's blocks (decode_launch says when).
+  int f16_gqa = 0;
 };
 // Head size 128: the code width (1, 2, 4 or 8) of a part the tensor-core paths take, or 0 —
 // channel-wise codes on both sides with one range per channel (or one for all) over its n rows,
@@ -414,6 +418,29 @@ constexpr int kDecodeBulkChunkRows = 64, kDecodeBulkStages = 3;
 // 0.0902–0.0905).
 constexpr int kDecodeBulkFineChunkRows = 32, kDecodeBulkFineStages = 6, kDecodeBulkFineRows = 2048;
 bool decode_f16_bulk(int D, int rows, bool sm90);
+// The GQA kernel (DecodeParams::f16_gqa, decode_gqa.cuh): a block of kDecodeGqaThreads a KV
+// head's range of rows and all R = NH / NKV ≤ kDecodeGqaMaxRatio of its query heads on tensor
+// cores, the rows copied once into a ring of kDecodeGqaStages stages of kDecodeGqaStageRows K
+// and V rows in shared memory (102 KiB at head size 128: kDecodeGqaBlocks blocks a
+// multiprocessor). All-fp16 caches of head size 32, 64 or 128 with R ≥ 2 take it, ahead of the
+// other fp16 kernels (which read each row R times and spend an fp32 multiply-add a channel,
+// head and row), where its blocks get at least kDecodeGqaBlockRows rows: splits (gqa_splits) by
+// the wave rule over B · NKV heads, at least kDecodeGqaMinRows rows a block. Below that its
+// blocks' fixed latency (the stages' first trip, the merge of many splits' states by the last
+// block) outweighs the bytes it saves. H200, bench attention --bits 16 (each call alone, ms, the
+// GQA kernel against the others; rows a block in brackets):
+//   32 query / 8 KV heads × 128, batch 1:  3032 rows 0.0425 (101) against 0.0168;
+//     16k 0.0586 (546) against 0.0674; 64k 0.1182 (2185) against 0.2472;
+//   batch 16: 3032 0.0667 (1516) against 0.1345; 16k 0.2895 against 0.8444; 64k 1.0868 (94 % of
+//     the copy bandwidth) against 3.4839;
+//   28 / 4 heads, 16k: batch 1 0.1012 (273) against 0.0509; batch 16 0.1665 against 0.7373.
+constexpr int kDecodeGqaThreads = 128, kDecodeGqaStageRows = 64, kDecodeGqaStages = 3, kDecodeGqaBlocks = 2;
+constexpr int kDecodeGqaMaxRatio = 8, kDecodeGqaMinRows = 32, kDecodeGqaBlockRows = 512;
+// Whether the GQA kernel can take this cache shape (head size, query and KV heads).
+bool decode_f16_gqa(int D, int NH, int NKV);
+// Blocks of the GQA kernel of head size D a multiprocessor of this device holds (asks the device).
+int decode_gqa_occupancy(int D);
+int gqa_splits(int B, int NKV, int rows, int n_sm);
 int decode_splits(int B, int NH, int rows, int n_sm, DecodePath path = DecodePath::kGeneral, int head_dim = 0);
 // Whether a kB1 cache runs the kernel of two 128-row sub-tiles a warp (DecodeParams::b1_pair):
 // when its grid fits two blocks a multiprocessor, or its blocks hold kDecodeB1PairRows rows or
@@ -433,11 +460,12 @@ struct DecodeLaunch {
   bool b1_pair = false;
   bool f16_bulk = false;
   bool bulk_fine = false;  // f16_bulk with several splits of kDecodeBulkFineRows rows or more on average
+  bool f16_gqa = false;    // the GQA kernel (splits then counts a KV head's blocks)
 };
-// sm90: the device runs sm_90 code (the bulk-copy kernel).
+// sm90: the device runs sm_90 code (the bulk-copy kernel). NKV: the KV heads (0: NH, no GQA).
 DecodeLaunch decode_launch(int B, int NH, int rows, int n_sm, int D, bool all_f16, bool all_mma, bool b1,
-                           int splits = 0, bool sm90 = false);
-// The plan's split count and kernel choices into p (splits, b1_pair, f16_bulk, bulk_fine).
+                           int splits = 0, bool sm90 = false, int NKV = 0);
+// The plan's split count and kernel choices into p (splits, b1_pair, f16_bulk, bulk_fine, f16_gqa).
 void set_launch(DecodeParams& p, const DecodeLaunch& l);
 int decode_lut_bytes(int D, int lut_bits);
 // The fp16 decode kernel takes this head size and part count (all_f16 caches; fresh rows).

@@ -279,7 +279,7 @@ class CudaKV : public DeviceKV {
     if (nparts.bytes < nb) nparts = {ctx->alloc(nb, "KV decode table"), nb};
     ctx->upload(table.mem.get(), t.data(), tb, "KV decode table");
     ctx->upload(nparts.mem.get(), np.data(), nb, "KV decode table");
-    const DecodeLaunch plan = decode_launch(1, nh, rows, ctx->n_sm, D, all_f16, all_mma, has_b1, 0, ctx->sm90);
+    const DecodeLaunch plan = decode_launch(1, nh, rows, ctx->n_sm, D, all_f16, all_mma, has_b1, 0, ctx->sm90, NKV);
     launch = plan;
     const int64_t po = static_cast<int64_t>(nh) * plan.splits * D * 4, pm = static_cast<int64_t>(nh) * plan.splits * 2 * 4;
     if (part_o.bytes < po) part_o = {ctx->alloc(po, "decode attention partial outputs"), po};

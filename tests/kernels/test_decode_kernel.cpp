@@ -313,6 +313,56 @@ TEST(DecodeKernel, SplitCountsFillTheirLastWave) {
   EXPECT_FALSE(cuda::decode_launch(1, 32, 4096, sm, 128, true, false, false, 0, true).bulk_fine);
   EXPECT_FALSE(cuda::decode_launch(16, 32, 65536, sm, 128, true, false, false, 0, true).bulk_fine);
   EXPECT_FALSE(cuda::decode_launch(1, 32, 65536, sm, 128, false, true, false, 0, true).bulk_fine);
+  // The GQA kernel: all-fp16 caches of head size 32, 64 or 128 with 2 to kDecodeGqaMaxRatio query
+  // heads a KV head, where its blocks get kDecodeGqaBlockRows rows or more, ahead of the
+  // bulk-copy kernel; splits count a KV head's blocks: the wave
+  // rule over B · NKV heads at kDecodeGqaBlocks blocks a multiprocessor, at least
+  // kDecodeGqaMinRows rows a block.
+  EXPECT_TRUE(cuda::decode_f16_gqa(128, 32, 8));
+  EXPECT_TRUE(cuda::decode_f16_gqa(64, 28, 4));
+  EXPECT_TRUE(cuda::decode_f16_gqa(32, 8, 1));
+  EXPECT_FALSE(cuda::decode_f16_gqa(128, 32, 32));   // no GQA
+  EXPECT_FALSE(cuda::decode_f16_gqa(128, 32, 2));    // 16 query heads a KV head
+  EXPECT_FALSE(cuda::decode_f16_gqa(256, 32, 8));    // head size
+  EXPECT_FALSE(cuda::decode_f16_gqa(80, 32, 8));
+  for (int B : {1, 4, 16})
+    for (auto [NH, NKV] : {std::pair{32, 8}, std::pair{28, 4}})
+      for (int rows : {40, 616, 3032, 16384, 65536}) {
+        SCOPED_TRACE("gqa B=" + std::to_string(B) + " NH=" + std::to_string(NH) + "/" + std::to_string(NKV) +
+                     " rows=" + std::to_string(rows));
+        const cuda::DecodeLaunch l = cuda::decode_launch(B, NH, rows, sm, 128, true, false, false, 0, true, NKV);
+        const int gs = cuda::gqa_splits(B, NKV, rows, sm);
+        EXPECT_EQ(l.f16_gqa, (rows + gs - 1) / gs >= cuda::kDecodeGqaBlockRows);
+        if (!l.f16_gqa) {  // the other fp16 kernels, each query head its own blocks
+          EXPECT_EQ(l.splits, cuda::decode_launch(B, NH, rows, sm, 128, true, false, false, 0, true).splits);
+          continue;
+        }
+        EXPECT_FALSE(l.f16_bulk);
+        EXPECT_EQ(l.splits, cuda::gqa_splits(B, NKV, rows, sm));
+        const int most = std::max(1, rows / cuda::kDecodeGqaMinRows), slots = cuda::kDecodeGqaBlocks * sm;
+        EXPECT_GE(l.splits, 1);
+        EXPECT_LE(l.splits, most);
+        if (l.splits < most) {
+          EXPECT_GE(B * NKV * l.splits, 0.9 * slots - 1e-9) << l.splits << " splits";
+        }
+        cuda::DecodeParams q;
+        cuda::set_launch(q, l);
+        EXPECT_EQ(q.f16_gqa, 1);
+        EXPECT_FALSE(cuda::decode_launch(B, NH, rows, sm, 128, false, true, false, 0, true, NKV).f16_gqa);  // packed
+        EXPECT_FALSE(cuda::decode_launch(B, NH, rows, sm, 128, true, false, false, 0, true).f16_gqa);  // NKV unsaid
+      }
+  // 8 KV heads (Mistral, Llama-3): 8 × 30 = 240 of 264 blocks. Batch 1 takes the GQA kernel from
+  // 16k rows (546 rows a block), not at LLaVA-NeXT's 3032 (101); batch 16 at 3032 (1516). Four KV
+  // heads at 16k (Qwen2.5-7B): 60 splits of 273 rows at batch 1, the other kernels.
+  EXPECT_EQ(cuda::gqa_splits(1, 8, 16384, sm), 30);
+  EXPECT_EQ(cuda::gqa_splits(16, 8, 16384, sm), 2);
+  EXPECT_TRUE(cuda::decode_launch(1, 32, 16384, sm, 128, true, false, false, 0, true, 8).f16_gqa);
+  EXPECT_FALSE(cuda::decode_launch(1, 32, 3032, sm, 128, true, false, false, 0, true, 8).f16_gqa);
+  EXPECT_TRUE(cuda::decode_launch(16, 32, 3032, sm, 128, true, false, false, 0, true, 8).f16_gqa);
+  EXPECT_FALSE(cuda::decode_launch(1, 28, 16384, sm, 128, true, false, false, 0, true, 4).f16_gqa);
+  EXPECT_TRUE(cuda::decode_launch(16, 28, 16384, sm, 128, true, false, false, 0, true, 4).f16_gqa);
+  // Splits given: the same rule on them.
+  EXPECT_TRUE(cuda::decode_launch(1, 28, 16384, sm, 128, true, false, false, 16, true, 4).f16_gqa);
   // The path each kind of cache takes.
   EXPECT_EQ(cuda::decode_path(128, true, true, false), cuda::DecodePath::kF16);
   EXPECT_EQ(cuda::decode_path(128, false, true, false), cuda::DecodePath::kMma);
@@ -475,6 +525,42 @@ TEST(DecodeKernel, Fp16PartsAfterAKernelThatAppendsTheRow) {
       kernel_case(c);
       if (::testing::Test::HasFailure()) return;
     }
+#endif
+}
+
+TEST(DecodeKernel, Fp16PartsThroughTheGqaKernel) {
+#ifndef KVLENS_HAVE_CUDA
+  GTEST_SKIP() << "built without the CUDA backend";
+#else
+  KVLENS_NEED_GPU();
+  // The blocks a multiprocessor holds are at least those the split rule counts on.
+  for (int D : {32, 64, 128}) EXPECT_GE(cuda::decode_gqa_occupancy(D), cuda::kDecodeGqaBlocks) << "D=" << D;
+  // decode_f16_gqa_kernel: stages of 32 rows that start and end inside parts (7 + 1237 + 29
+  // rows, the last partly counted on the device), three sequences, GQA 3:1, splits that cut
+  // stages short and more splits than the merge reads at once; 7:1 and 8:1 at head sizes 128,
+  // 64 and 32; the step's token fused in (alone in its split too) and a row appended by the
+  // kernel before.
+  for (int splits : {0, 1, 7, 37}) {
+    KernelCase c;
+    c.bits = 16;
+    c.splits = splits;
+    c.gqa = true;
+    kernel_case(c);
+  }
+  for (const Fp16Shape& x : {Fp16Shape{28, 4, 128, 5, 3000, 27, 0}, Fp16Shape{28, 4, 128, 5, 3000, 27, 1},
+                             Fp16Shape{8, 1, 64, 3, 250, 4, 3}, Fp16Shape{4, 2, 32, 2, 40, 1, 0},
+                             Fp16Shape{6, 2, 128, 1, 62, 0, 64}, Fp16Shape{32, 8, 128, 3, 3000, 29, 0},
+                             Fp16Shape{4, 2, 128, 3, 700, 5, 0}, Fp16Shape{10, 2, 64, 3, 333, 2, 5}}) {
+    KernelCase c = fp16_case(x);
+    c.gqa = true;
+    kernel_case(c);
+    c.fresh = true;
+    kernel_case(c);
+    c.fresh = false;
+    c.appended = true;
+    kernel_case(c);
+    if (::testing::Test::HasFailure()) return;
+  }
 #endif
 }
 

@@ -40,10 +40,12 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <type_traits>
 
 #include "kernels/cuda/softmax_state.cuh"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/kernels.h"
+#include "kernels/cuda/mma.cuh"
 
 namespace kvlens::cuda {
 
@@ -321,6 +323,7 @@ __device__ void run_fast(int kind, const PartDesc& P, int a, int e, const float*
 
 #include "kernels/cuda/decode/decode_f16.cuh"
 #include "kernels/cuda/decode/decode_bulk.cuh"
+#include "kernels/cuda/decode/decode_gqa.cuh"
 
 
 // MMA_ONLY: a cache of head size 128 whose parts are all fp16 or tensor-core packed parts
@@ -482,7 +485,7 @@ __global__ void __launch_bounds__(kThreads, MMA == 1 ? kMmaMinBlocks : MMA == 3 
 
 template <class OT>
 __global__ void merge_kernel(DecodeParams p) {
-  merge_head(p, blockIdx.y, blockIdx.x);
+  merge_head(p, blockIdx.y, blockIdx.x, threadIdx.x, blockDim.x);
 }
 
 __global__ void probs_kernel(DecodeParams p, float* probs) {
@@ -513,12 +516,47 @@ void launch_bulk(const DecodeParams& p, dim3 grid, cudaStream_t s) {
           "decode_f16_bulk_kernel for " + std::to_string(p.B) + "x" + std::to_string(p.NH) + " heads");
 }
 
+// The GQA kernel (decode_gqa.cuh): its stages, opted in once.
+template <int D>
+constexpr int gqa_smem_bytes() {
+  return kDecodeGqaStages * 2 * kDecodeGqaStageRows * (D + 8) * 2;
+}
+template <int D>
+void prepare_gqa() {
+  static const bool done = [] {
+    KV_CUDA(cudaFuncSetAttribute(decode_f16_gqa_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 gqa_smem_bytes<D>()),
+            "decode_f16_gqa_kernel shared memory");
+    return true;
+  }();
+  (void)done;
+}
+
+// Grid (split, KV head, sequence).
+template <int D>
+void launch_gqa(const DecodeParams& p, cudaStream_t s) {
+  const int R = p.NH / p.NKV;
+  if (R < 2 || R > kDecodeGqaMaxRatio)
+    throw InternalError("decode attention: the GQA kernel takes 2 to " + std::to_string(kDecodeGqaMaxRatio) +
+                        " query heads a KV head, not " + std::to_string(R));
+  prepare_gqa<D>();
+  KV_CUDA(launch_dependent(decode_f16_gqa_kernel<D>, dim3(p.splits, p.NKV, p.B), dim3(kDecodeGqaThreads),
+                           gqa_smem_bytes<D>(), s, true, p),
+          "decode_f16_gqa_kernel for " + std::to_string(p.B) + "x" + std::to_string(p.NKV) + " KV heads");
+}
+
 template <int L>
 void launch_l(const DecodeParams& p, int mode, cudaStream_t s) {
   dim3 grid(p.splits, p.NH, p.B);
   const bool f16 = mode == kAttend && p.all_f16 && !p.calibrate && !p.scores_in && !p.scores_out && p.D == 8 * L &&
                    p.max_parts <= kSharedParts;
   if (p.fresh_k && (!f16 || p.B != 1)) throw InternalError("decode attention: a fused token needs the fp16 kernel");
+  if constexpr (L == 4 || L == 8 || L == 16) {
+    if (f16 && p.f16_gqa) {
+      launch_gqa<8 * L>(p, s);
+      return;
+    }
+  }
   if constexpr (L == 16) {
     if (f16 && p.f16_bulk) {
       // Rows claimed from the head's counter where a head has several blocks (decode_bulk.cuh),
@@ -600,6 +638,22 @@ void decode_attention(const DecodeParams& p, cudaStream_t s) {
 }
 
 void decode_scores(const DecodeParams& p, cudaStream_t s) { launch(p, kScores, s); }
+
+int decode_gqa_occupancy(int D) {
+  int n = 0;
+  auto ask = [&](auto d) {
+    constexpr int HD = decltype(d)::value;
+    prepare_gqa<HD>();
+    KV_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_f16_gqa_kernel<HD>, kDecodeGqaThreads,
+                                                          gqa_smem_bytes<HD>()),
+            "decode_f16_gqa_kernel occupancy");
+  };
+  if (D == 32) ask(std::integral_constant<int, 32>{});
+  else if (D == 64) ask(std::integral_constant<int, 64>{});
+  else if (D == 128) ask(std::integral_constant<int, 128>{});
+  else throw InternalError("decode_gqa_occupancy: head size " + std::to_string(D) + " has no GQA kernel");
+  return n;
+}
 
 void decode_probs(const DecodeParams& p, float* probs, cudaStream_t s) {
   dim3 grid(p.NH, p.B);

@@ -14,21 +14,23 @@ __device__ __forceinline__ void store_out(const DecodeParams& p, int b, int h, i
   }
 }
 
-// A head's softmax maximum and sum, for the callers that ask for them (decode_probs).
-__device__ __forceinline__ void store_md(const DecodeParams& p, int64_t bh, float M, float dsum) {
-  if (p.md_out && threadIdx.x == 0) {
+// A head's softmax maximum and sum, for the callers that ask for them (decode_probs); `writer`:
+// the one thread of the head's threads that writes them.
+__device__ __forceinline__ void store_md(const DecodeParams& p, int64_t bh, float M, float dsum, bool writer) {
+  if (p.md_out && writer) {
     p.md_out[bh * 2] = M;
     p.md_out[bh * 2 + 1] = dsum;
   }
 }
 
 // Merges the splits' states (m, d, o) of head h of sequence b into its output (L2 reads: the
-// other blocks' states may have been written moments ago).
-__device__ void merge_head(const DecodeParams& p, int b, int h) {
+// other blocks' states may have been written moments ago), by threads tid of nt (the block's, or
+// a warp's where each warp of a block merges a head of its own).
+__device__ void merge_head(const DecodeParams& p, int b, int h, int tid, int nt) {
   const int64_t bh = static_cast<int64_t>(b) * p.NH + h;
   const float2* md = reinterpret_cast<const float2*>(p.part_md) + bh * p.splits;
   const float* po = p.part_o + bh * p.splits * p.D;
-  const int tid = threadIdx.x, nt = blockDim.x, n = p.splits;
+  const int n = p.splits;
   // The merge is the last thing the kernel does, so its steps are the kernel's tail. Each thread
   // merges its channels on its own: it reads every split's (m, d) itself (the same words in every
   // lane: one request a warp) at once with its first channel's outputs of the first kPre splits,
@@ -78,7 +80,7 @@ __device__ void merge_head(const DecodeParams& p, int b, int h) {
     for (int i = i0; i < n; ++i) v += __ldcg(po + static_cast<int64_t>(i) * p.D + c) * weight(__ldcg(md + i).x);
     store_out(p, b, h, c, dsum > 0.0f ? v / dsum : 0.0f);
   }
-  store_md(p, bh, M, dsum);
+  store_md(p, bh, M, dsum, tid == 0);
 }
 
 // The end of a block of either kernel: its groups' states combined into the split's partial
@@ -123,7 +125,7 @@ __device__ void finish_block(const DecodeParams& p, const State& st, int b, int 
       if (c == tid) dsum = d;
       store_out(p, b, h, c, d > 0.0f ? v / d : 0.0f);
     }
-    store_md(p, bh, M, dsum);
+    store_md(p, bh, M, dsum, tid == 0);
     return;
   }
   float* po = p.part_o + (bh * p.splits + s) * p.D;
@@ -142,7 +144,7 @@ __device__ void finish_block(const DecodeParams& p, const State& st, int b, int 
   if (tid == 0) last = atomic_add_acq_rel(p.sem + bh, 1) == p.splits - 1;
   __syncthreads();
   if (!last) return;
-  merge_head(p, b, h);
+  merge_head(p, b, h, tid, kThreads);
   if (tid == 0) {
     p.sem[bh] = 0;
     if (p.claim) p.claim[bh] = 0;  // every block's last claim is ordered before its count

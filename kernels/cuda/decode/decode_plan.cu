@@ -9,6 +9,25 @@
 
 namespace kvlens::cuda {
 
+namespace {
+
+// The wave rule: from the split count that makes one wave of `slots` blocks 90 % full for `heads`
+// heads, the first (up to `most`) whose last wave is at least `enough` full — else the fullest up
+// to four times that count.
+int wave_rule(double heads, double slots, int most, double enough) {
+  const int first = std::max(1, static_cast<int>(std::ceil(0.9 * slots / heads)));
+  int best = first;
+  double best_fill = 0;
+  for (int s = first; s <= std::min(most, 4 * first); ++s) {
+    const double w = heads * s / slots, fill = w / std::ceil(w);
+    if (fill > best_fill + 1e-9) best = s, best_fill = fill;
+    if (fill >= enough) break;
+  }
+  return best;
+}
+
+}  // namespace
+
 int decode_splits(int B, int NH, int rows, int n_sm, DecodePath path, int head_dim) {
   const int most = std::max(1, std::min((rows + 63) / 64, kDecodeMaxSplits));
   const int resident = path == DecodePath::kMma       ? kDecodeMmaMinBlocks
@@ -39,18 +58,8 @@ int decode_splits(int B, int NH, int rows, int n_sm, DecodePath path, int head_d
       return std::min(std::max(1, rows / kDecodeMmaShortBlockRows), std::max(1, static_cast<int>(wave / 2 / heads)));
     return std::min(most, std::max(1, static_cast<int>(wave / heads)));
   }
-  // From the count that makes one wave 90 % full, the first whose last wave is at least 90 % full
-  // (85 % on the binary path, whose short blocks cost more than a fuller last wave gains) — else
-  // the fullest up to four times that count.
-  const double enough = path == DecodePath::kB1 ? 0.85 : 0.9;
-  const int first = std::max(1, static_cast<int>(std::ceil(0.9 * slots / heads)));
-  int best = first;
-  double best_fill = 0;
-  for (int s = first; s <= std::min(most, 4 * first); ++s) {
-    const double w = heads * s / slots, fill = w / std::ceil(w);
-    if (fill > best_fill + 1e-9) best = s, best_fill = fill;
-    if (fill >= enough) break;
-  }
+  // The wave rule, 85 % on the binary path, whose short blocks cost more than a fuller last wave gains.
+  const int best = wave_rule(heads, slots, most, path == DecodePath::kB1 ? 0.85 : 0.9);
   return std::min(std::max(best, by_bytes), most);
 }
 
@@ -68,9 +77,27 @@ bool decode_b1_pair(int B, int NH, int rows, int splits, int n_sm) {
 
 bool decode_f16_bulk(int D, int rows, bool sm90) { return sm90 && D == 128 && rows >= kDecodeBulkRows; }
 
+bool decode_f16_gqa(int D, int NH, int NKV) {
+  return (D == 32 || D == 64 || D == 128) && NKV > 0 && NH % NKV == 0 && NH / NKV >= 2 &&
+         NH / NKV <= kDecodeGqaMaxRatio;
+}
+
+int gqa_splits(int B, int NKV, int rows, int n_sm) {
+  const int most = std::max(1, std::min(rows / kDecodeGqaMinRows, kDecodeMaxSplits));
+  return std::min(wave_rule(static_cast<double>(B) * NKV, static_cast<double>(kDecodeGqaBlocks) * n_sm, most, 0.9), most);
+}
+
 DecodeLaunch decode_launch(int B, int NH, int rows, int n_sm, int D, bool all_f16, bool all_mma, bool b1,
-                           int splits, bool sm90) {
+                           int splits, bool sm90, int NKV) {
   DecodeLaunch l;
+  if (all_f16 && decode_f16_gqa(D, NH, NKV > 0 ? NKV : NH)) {
+    const int s = splits > 0 ? splits : gqa_splits(B, NKV, rows, n_sm);
+    if ((rows + s - 1) / s >= kDecodeGqaBlockRows) {
+      l.f16_gqa = true;
+      l.splits = s;
+      return l;
+    }
+  }
   l.f16_bulk = all_f16 && decode_f16_bulk(D, rows, sm90);
   const DecodePath path = l.f16_bulk ? DecodePath::kF16Bulk : decode_path(D, all_f16, all_mma, b1);
   l.splits = splits > 0 ? splits : decode_splits(B, NH, rows, n_sm, path, D);
@@ -84,6 +111,7 @@ void set_launch(DecodeParams& p, const DecodeLaunch& l) {
   p.b1_pair = l.b1_pair ? 1 : 0;
   p.f16_bulk = l.f16_bulk ? 1 : 0;
   p.bulk_fine = l.bulk_fine ? 1 : 0;
+  p.f16_gqa = l.f16_gqa ? 1 : 0;
 }
 
 DecodePath decode_path(int D, bool all_f16, bool all_mma, bool b1) {
