@@ -190,6 +190,10 @@ bool slider_float(App& app, const char* id, float& v, float lo, float hi, const 
   return slider(app, id, ImGuiDataType_Float, v, lo, hi, format);
 }
 
+float framed_width(const std::string& text) {
+  return ImGui::CalcTextSize(text.c_str()).x + 2 * ImGui::GetStyle().FramePadding.x + 1.0f;
+}
+
 bool instance_combo(const char* label, App& app, int& id, const char* none, bool only_enabled) {
   std::string preview = none ? none : "";
   if (const MethodInstance* m = app.find(id)) preview = app.display_name(*m);

@@ -116,8 +116,12 @@ void image_panel(App& app, Ui& ui, const PanelRect& rect) {
   // Overlay controls.
   const char* overlays[] = {"no overlay", "attention of a token", "fate: kept share", "fate: bits", "fate: rows merged"};
   int ov = static_cast<int>(v.overlay);
-  const float w = ImGui::GetContentRegionAvail().x;
-  ImGui::SetNextItemWidth(w * 0.5f);
+  // Each row's sliders as wide as their values (their share of the row at least), the combo the
+  // rest: a value is never cut, a combo's choice shows whole on hover.
+  const float w = ImGui::GetContentRegionAvail().x, gap = ImGui::GetStyle().ItemSpacing.x;
+  const float opacity_w = std::max(w * 0.26f, framed_width("opacity 0.00"));
+  const float grid_w = ImGui::GetFrameHeight() + ImGui::GetStyle().ItemInnerSpacing.x + ImGui::CalcTextSize("grid").x;
+  ImGui::SetNextItemWidth(std::max(w * 0.25f, w - opacity_w - grid_w - 2 * gap));
   const bool open = ImGui::BeginCombo("##overlay", overlays[ov]);
   preview_tooltip(app, overlays[ov]);  // (the combo's own item: before its list)
   if (open) {
@@ -126,16 +130,18 @@ void image_panel(App& app, Ui& ui, const PanelRect& rect) {
     ImGui::EndCombo();
   }
   ImGui::SameLine();
-  ImGui::SetNextItemWidth(w * 0.26f);
+  ImGui::SetNextItemWidth(opacity_w);
   slider_float(app, "##opacity", v.overlay_opacity, 0, 1, "opacity %.2f");
   ImGui::SameLine();
   ImGui::Checkbox("grid", &v.patch_grid);
   const int layers = s && s->model ? s->model->layers : 1, heads = s && s->model ? s->model->heads : 1;
   if (v.overlay != Overlay::None) {
-    ImGui::SetNextItemWidth(w * 0.4f);
+    const float layer_w = std::max(w * 0.27f, framed_width("layer " + std::to_string(std::max(0, layers - 1))));
+    const float head_w = v.overlay == Overlay::Attention ? framed_width("mean of heads") + gap : 0.0f;
+    ImGui::SetNextItemWidth(std::max(w * 0.25f, w - layer_w - head_w - gap));
     instance_combo("##ovsrc", app, v.overlay_source, v.overlay == Overlay::Attention ? "full cache" : nullptr, true);
     ImGui::SameLine();
-    ImGui::SetNextItemWidth(w * 0.27f);
+    ImGui::SetNextItemWidth(layer_w);
     slider_int(app, "##layer", v.layer, 0, std::max(0, layers - 1), "layer %d");
     if (v.overlay == Overlay::Attention) {
       ImGui::SameLine();

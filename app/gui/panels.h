@@ -71,6 +71,8 @@ void help_tooltip(App& app, const std::string& preview, const std::string& help)
 // what it shows, hovering shows the whole of it (listed as cut too).
 bool slider_int(App& app, const char* id, int& v, int lo, int hi, const char* format);
 bool slider_float(App& app, const char* id, float& v, float lo, float hi, const char* format);
+// The width of a framed item (a slider, an input) that shows `text` whole.
+float framed_width(const std::string& text);
 // A method parameter's name as the Methods panel shows it (as the papers write it: tau1 → τ1).
 std::string shown_name(const std::string& name);
 // What a panel without results shows: `computing` while the worker runs, why nothing can be

@@ -358,9 +358,9 @@ TEST(Gui, PlotViewHidesSeriesAndSwitchesTheYScale) {
 // the Session panel, listing every message (two refused inputs here).
 // At 1280×800 the Calibration panel is shorter than its two figures want: each keeps at least
 // kMinFigureHeight (the panel scrolls) instead of g(x) shrinking to a strip; the Model panel is
-// narrower than its facts two a row: one a row, none cut; the image keeps kMinImageSide; what
-// the widths cut shows whole on hover; Captions gets half the column (whole rows of the full
-// cache and two instances at least).
+// narrower than its facts two a row: one a row, none cut; the image keeps kMinImageSide; the
+// Image panel's slider values are whole; what the widths cut shows whole on hover; Captions gets
+// half the column (whole rows of the full cache and two instances at least).
 TEST(Gui, CalibrationFiguresKeepTheirHeightAt1280x800) {
   const std::string dir = kt::make_temp_dir("gui_small");
   const json steps = {{"steps",
@@ -392,7 +392,10 @@ TEST(Gui, CalibrationFiguresKeepTheirHeightAt1280x800) {
     return t.get<std::string>().rfind("softmax MSE: layer 1 ", 0) == 0 && t.get<std::string>().find("caption") != std::string::npos;
   })) << cut.dump();
   EXPECT_NE(std::find(cut.begin(), cut.end(), "attention of a token"), cut.end()) << cut.dump();
-  EXPECT_NE(std::find(cut.begin(), cut.end(), "opacity 0.60"), cut.end()) << "a slider's value, cut: " << cut.dump();
+  // The Image panel's sliders are as wide as their values: none is cut (the combos beside them
+  // take what is left).
+  for (const char* value : {"opacity 0.60", "layer 0", "mean of heads"})
+    EXPECT_EQ(std::find(cut.begin(), cut.end(), value), cut.end()) << "a slider's value cut: " << value << " in " << cut.dump();
   // and a Captions cell's numbers and header, in the narrow third column
   EXPECT_TRUE(std::any_of(cut.begin(), cut.end(), [](const json& t) { return t.get<std::string>().rfind("compress ", 0) == 0; }))
       << cut.dump();
