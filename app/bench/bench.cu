@@ -189,6 +189,9 @@ double bench_call_floor_ms(const AttnBenchConfig& c) {
 std::vector<AttnBenchRow> bench_decode_attention(const AttnBenchConfig& c, double copy_gbs) {
   Stream st(c.device);
   const cudaDeviceProp dev = props(c.device);
+  if (c.gqa_kernel == "on" && dev.major < 9)
+    throw InputError("--gqa-kernel on: the GQA kernel needs an sm_90 device; " + std::string(dev.name) + " is sm_" +
+                     std::to_string(dev.major) + std::to_string(dev.minor));
   const int NH = c.heads, NKV = c.kv_heads > 0 ? c.kv_heads : c.heads, D = c.head_dim;
   const int64_t L2 = dev.l2CacheSize;
   std::vector<AttnBenchRow> rows;
@@ -227,7 +230,7 @@ std::vector<AttnBenchRow> bench_decode_attention(const AttnBenchConfig& c, doubl
           fill_float_kernel<<<grid(qheads * D), 256, 0, st.s>>>(q.as<float>(), qheads * D, -1.0f, 1.0f, 5);
           const int split_n = split_arg > 0 ? std::min(split_arg, n) : 0;
           DecodeLaunch plan = launch_for(B, NH, c.gqa_kernel == "off" ? NH : NKV, n, dev, D, bits, split_n);
-          if (c.gqa_kernel == "on" && bits == 16 && decode_f16_gqa(D, NH, NKV)) {
+          if (c.gqa_kernel == "on" && bits == 16) {
             plan = DecodeLaunch{};
             plan.f16_gqa = true;
             plan.splits = split_n > 0 ? split_n : gqa_splits(B, NKV, n, dev.multiProcessorCount);
@@ -314,6 +317,7 @@ std::vector<AttnBenchRow> bench_decode_attention(const AttnBenchConfig& c, doubl
           row.share_of_copy = copy_gbs > 0 ? row.gbs / copy_gbs : 0;
           if (bits == 16) fp16_ms = row.ms;
           row.speedup_vs_fp16 = fp16_ms > 0 ? fp16_ms / row.ms : 0;
+          row.gqa_kernel = plan.f16_gqa;
           rows.push_back(row);
         }
       }

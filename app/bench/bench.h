@@ -16,7 +16,8 @@ struct AttnBenchConfig {
   int heads = 32, head_dim = 128;
   int kv_heads = 0;         // KV heads (0: as many as query heads); fewer: GQA
   // With GQA and fp16 rows, the kernel that reads a KV head's rows once for all its query heads
-  // (decode_gqa.cuh): "auto" where decode_launch takes it, "on" at every point, "off" never.
+  // (decode_gqa.cuh): "auto" where decode_launch takes it, "on" at every fp16 point (the caller
+  // checks that the kernel takes the shape, and the device is sm_90), "off" never.
   std::string gqa_kernel = "auto";
   std::vector<int> contexts{4096, 16384, 65536};
   std::vector<int> batches{1, 16};
@@ -41,6 +42,7 @@ struct AttnBenchRow {
   double gbs = 0;             // bytes / time, GB/s
   double share_of_copy = 0;   // gbs / copy bandwidth
   double speedup_vs_fp16 = 0;
+  bool gqa_kernel = false;    // the point ran the GQA kernel
 };
 std::vector<AttnBenchRow> bench_decode_attention(const AttnBenchConfig& c, double copy_gbs);
 // An empty one-block kernel launched and timed as bench_decode_attention times a call: the part of

@@ -36,6 +36,7 @@
 #include "models/model.h"
 #ifdef KVLENS_HAVE_CUDA
 #include "app/bench/bench.h"
+#include "kernels/cuda/kernels.h"
 #endif
 
 namespace kvlens::app {
@@ -221,13 +222,21 @@ struct AttnArgs {
 };
 
 void run_attention(const AttnArgs& a) {
-  need_cuda("attention");
+  // The arguments first, so that bad ones are named on any machine.
   for (int b : a.bits)
     if (b != 16 && (b < 1 || b > 8)) throw InputError("--bits: each must be 16 (fp16) or in [1, 8], got " + std::to_string(b));
   if (a.head_dim % 8 || a.head_dim > 256) throw InputError("--head-dim must be a multiple of 8, at most 256");
   const int kv_heads = a.kv_heads > 0 ? a.kv_heads : a.heads;
   if (a.heads % kv_heads)
     throw InputError("--kv-heads must divide --heads (" + std::to_string(a.heads) + "), got " + std::to_string(kv_heads));
+#ifdef KVLENS_HAVE_CUDA
+  if (a.gqa_kernel == "on" && !cuda::decode_f16_gqa(a.head_dim, a.heads, kv_heads))
+    throw InputError("--gqa-kernel on: the GQA kernel takes head sizes 32, 64 and 128 and 2 to " +
+                     std::to_string(cuda::kDecodeGqaMaxRatio) + " query heads a KV head; got head size " +
+                     std::to_string(a.head_dim) + ", " + std::to_string(a.heads) + " / " + std::to_string(kv_heads) +
+                     " heads");
+#endif
+  need_cuda("attention");
 #ifdef KVLENS_HAVE_CUDA
   auto be = cuda_backend(a.device);
   const double copy = be->copy_bandwidth();
@@ -260,15 +269,16 @@ void run_attention(const AttnArgs& a) {
               "of copy", "vs fp16");
   nlohmann::json j = nlohmann::json::array();
   for (const auto& r : rows) {
-    std::printf("%-9s %6d %8d %6d %10.4f %10.1f %9.1f %7.1f%% %8.2fx\n", r.format.c_str(), r.batch, r.context, r.splits,
+    const std::string format = r.format + (r.gqa_kernel ? "/gqa" : "");
+    std::printf("%-9s %6d %8d %6d %10.4f %10.1f %9.1f %7.1f%% %8.2fx\n", format.c_str(), r.batch, r.context, r.splits,
                 r.ms, r.bytes / 1e6, r.gbs, 100 * r.share_of_copy, r.speedup_vs_fp16);
     j.push_back({{"format", r.format}, {"bits", r.bits}, {"batch", r.batch}, {"context", r.context},
                  {"splits", r.splits}, {"ms", r.ms},
                  {"bytes", r.bytes}, {"gbs", r.gbs}, {"share_of_copy", r.share_of_copy},
-                 {"speedup_vs_fp16", r.speedup_vs_fp16}});
+                 {"speedup_vs_fp16", r.speedup_vs_fp16}, {"gqa_kernel", r.gqa_kernel}});
   }
   write_json(a.json, {{"device", be->device()}, {"copy_bandwidth_gbs", copy / 1e9}, {"heads", a.heads},
-                      {"kv_heads", kv_heads}, {"gqa_kernel", a.gqa_kernel}, {"head_dim", a.head_dim}, {"timing", timing}, {"empty_kernel_ms", floor_ms}, {"rows", j}});
+                      {"kv_heads", kv_heads}, {"gqa_kernel_mode", a.gqa_kernel}, {"head_dim", a.head_dim}, {"timing", timing}, {"empty_kernel_ms", floor_ms}, {"rows", j}});
 #endif
 }
 

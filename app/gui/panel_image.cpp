@@ -117,7 +117,8 @@ void image_panel(App& app, Ui& ui, const PanelRect& rect) {
   const char* overlays[] = {"no overlay", "attention of a token", "fate: kept share", "fate: bits", "fate: rows merged"};
   int ov = static_cast<int>(v.overlay);
   // Each row's sliders as wide as their values (their share of the row at least), the combo the
-  // rest: a value is never cut, a combo's choice shows whole on hover.
+  // rest (a quarter of the row at least): where the row has that room no value is cut, and a
+  // combo's choice shows whole on hover.
   const float w = ImGui::GetContentRegionAvail().x, gap = ImGui::GetStyle().ItemSpacing.x;
   const float opacity_w = std::max(w * 0.26f, framed_width("opacity 0.00"));
   const float grid_w = ImGui::GetFrameHeight() + ImGui::GetStyle().ItemInnerSpacing.x + ImGui::CalcTextSize("grid").x;

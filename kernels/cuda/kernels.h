@@ -421,8 +421,9 @@ bool decode_f16_bulk(int D, int rows, bool sm90);
 // The GQA kernel (DecodeParams::f16_gqa, decode_gqa.cuh): a block of kDecodeGqaThreads a KV
 // head's range of rows and all R = NH / NKV ≤ kDecodeGqaMaxRatio of its query heads on tensor
 // cores, the rows copied once into a ring of kDecodeGqaStages stages of kDecodeGqaStageRows K
-// and V rows in shared memory (102 KiB at head size 128: kDecodeGqaBlocks blocks a
-// multiprocessor). All-fp16 caches of head size 32, 64 or 128 with R ≥ 2 take it, ahead of the
+// and V rows in shared memory (102 KiB at head size 128: kDecodeGqaBlocks blocks a multiprocessor
+// of an sm_90 device; sm_86 and sm_89 allow 99 KiB a block, so it is built and taken on sm_90
+// devices only). All-fp16 caches of head size 32, 64 or 128 with R ≥ 2 take it, ahead of the
 // other fp16 kernels (which read each row R times and spend an fp32 multiply-add a channel,
 // head and row), where its blocks get at least kDecodeGqaBlockRows rows: splits (gqa_splits) by
 // the wave rule over B · NKV heads, at least kDecodeGqaMinRows rows a block. Below that its
@@ -430,7 +431,7 @@ bool decode_f16_bulk(int D, int rows, bool sm90);
 // block) outweighs the bytes it saves. H200, bench attention --bits 16 (each call alone, ms, the
 // GQA kernel against the others; rows a block in brackets):
 //   32 query / 8 KV heads × 128, batch 1:  3032 rows 0.0425 (101) against 0.0168;
-//     16k 0.0586 (546) against 0.0674; 64k 0.1182 (2185) against 0.2472;
+//     16k 0.0586 (547) against 0.0674; 64k 0.1182 (2185) against 0.2472;
 //   batch 16: 3032 0.0667 (1516) against 0.1345; 16k 0.2895 against 0.8444; 64k 1.0868 (94 % of
 //     the copy bandwidth) against 3.4839;
 //   28 / 4 heads, 16k: batch 1 0.1012 (273) against 0.0509; batch 16 0.1665 against 0.7373.
@@ -462,7 +463,8 @@ struct DecodeLaunch {
   bool bulk_fine = false;  // f16_bulk with several splits of kDecodeBulkFineRows rows or more on average
   bool f16_gqa = false;    // the GQA kernel (splits then counts a KV head's blocks)
 };
-// sm90: the device runs sm_90 code (the bulk-copy kernel). NKV: the KV heads (0: NH, no GQA).
+// sm90: the device runs sm_90 code (the bulk-copy and GQA kernels). NKV: the KV heads (0: NH, no
+// GQA).
 DecodeLaunch decode_launch(int B, int NH, int rows, int n_sm, int D, bool all_f16, bool all_mma, bool b1,
                            int splits = 0, bool sm90 = false, int NKV = 0);
 // The plan's split count and kernel choices into p (splits, b1_pair, f16_bulk, bulk_fine, f16_gqa).

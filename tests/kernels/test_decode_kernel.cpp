@@ -333,6 +333,8 @@ TEST(DecodeKernel, SplitCountsFillTheirLastWave) {
         const cuda::DecodeLaunch l = cuda::decode_launch(B, NH, rows, sm, 128, true, false, false, 0, true, NKV);
         const int gs = cuda::gqa_splits(B, NKV, rows, sm);
         EXPECT_EQ(l.f16_gqa, (rows + gs - 1) / gs >= cuda::kDecodeGqaBlockRows);
+        EXPECT_FALSE(cuda::decode_launch(B, NH, rows, sm, 128, true, false, false, 0, false, NKV).f16_gqa)
+            << "sm_90 only";
         if (!l.f16_gqa) {  // the other fp16 kernels, each query head its own blocks
           EXPECT_EQ(l.splits, cuda::decode_launch(B, NH, rows, sm, 128, true, false, false, 0, true).splits);
           continue;
@@ -352,7 +354,7 @@ TEST(DecodeKernel, SplitCountsFillTheirLastWave) {
         EXPECT_FALSE(cuda::decode_launch(B, NH, rows, sm, 128, true, false, false, 0, true).f16_gqa);  // NKV unsaid
       }
   // 8 KV heads (Mistral, Llama-3): 8 × 30 = 240 of 264 blocks. Batch 1 takes the GQA kernel from
-  // 16k rows (546 rows a block), not at LLaVA-NeXT's 3032 (101); batch 16 at 3032 (1516). Four KV
+  // 16k rows (547 rows a block), not at LLaVA-NeXT's 3032 (101); batch 16 at 3032 (1516). Four KV
   // heads at 16k (Qwen2.5-7B): 60 splits of 273 rows at batch 1, the other kernels.
   EXPECT_EQ(cuda::gqa_splits(1, 8, 16384, sm), 30);
   EXPECT_EQ(cuda::gqa_splits(16, 8, 16384, sm), 2);
@@ -533,13 +535,16 @@ TEST(DecodeKernel, Fp16PartsThroughTheGqaKernel) {
   GTEST_SKIP() << "built without the CUDA backend";
 #else
   KVLENS_NEED_GPU();
+  cudaDeviceProp prop{};
+  ASSERT_EQ(cudaGetDeviceProperties(&prop, 0), cudaSuccess);
+  if (prop.major < 9) GTEST_SKIP() << "the GQA kernel needs an sm_90 device; this one is " << prop.major << "." << prop.minor;
   // The blocks a multiprocessor holds are at least those the split rule counts on.
   for (int D : {32, 64, 128}) EXPECT_GE(cuda::decode_gqa_occupancy(D), cuda::kDecodeGqaBlocks) << "D=" << D;
-  // decode_f16_gqa_kernel: stages of 32 rows that start and end inside parts (7 + 1237 + 29
+  // decode_f16_gqa_kernel: stages of 64 rows that start and end inside parts (7 + 1237 + 29
   // rows, the last partly counted on the device), three sequences, GQA 3:1, splits that cut
-  // stages short and more splits than the merge reads at once; 7:1 and 8:1 at head sizes 128,
-  // 64 and 32; the step's token fused in (alone in its split too) and a row appended by the
-  // kernel before.
+  // stages short and more splits than the merge reads at once; 2:1 at head sizes 32 and 128,
+  // 4:1 and 7:1 at 128, 5:1 and 8:1 at 64; the step's token fused in (alone in its split too)
+  // and a row appended by the kernel before.
   for (int splits : {0, 1, 7, 37}) {
     KernelCase c;
     c.bits = 16;

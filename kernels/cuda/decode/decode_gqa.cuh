@@ -36,6 +36,7 @@ __device__ __forceinline__ void cp_async16_or_zero(uint32_t dst, const void* src
 
 template <int D>
 __global__ void __launch_bounds__(kDecodeGqaThreads, kDecodeGqaBlocks) decode_f16_gqa_kernel(DecodeParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int L = D / 8;                 // 16-byte chunks a row
   constexpr int SR = kDecodeGqaStageRows;  // rows a stage: 16 a warp
   constexpr int NS = kDecodeGqaStages, NW = kDecodeGqaThreads / 32;
@@ -298,4 +299,7 @@ __global__ void __launch_bounds__(kDecodeGqaThreads, kDecodeGqaBlocks) decode_f1
   if (!last) return;
   for (int hi = w; hi < R; hi += NW) merge_head(p, b, h0 + hi, lane, 32);
   if (tid == 0) p.sem[bh0] = 0;
+#else
+  __trap();  // decode_launch gives f16_gqa only on sm_90 devices (its stages pass sm_8x's 99 KiB a block)
+#endif
 }

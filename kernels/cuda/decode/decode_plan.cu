@@ -90,7 +90,7 @@ int gqa_splits(int B, int NKV, int rows, int n_sm) {
 DecodeLaunch decode_launch(int B, int NH, int rows, int n_sm, int D, bool all_f16, bool all_mma, bool b1,
                            int splits, bool sm90, int NKV) {
   DecodeLaunch l;
-  if (all_f16 && decode_f16_gqa(D, NH, NKV > 0 ? NKV : NH)) {
+  if (sm90 && all_f16 && decode_f16_gqa(D, NH, NKV > 0 ? NKV : NH)) {
     const int s = splits > 0 ? splits : gqa_splits(B, NKV, rows, n_sm);
     if ((rows + s - 1) / s >= kDecodeGqaBlockRows) {
       l.f16_gqa = true;

@@ -316,6 +316,13 @@ TEST(ReliableNumbers, OptionsAreStrictInEveryCommand) {
       {"run --method 'calibquant:'", "calibquant: ':' must be followed by name=value pairs"},
       {"run --method 'vlcache:budget=0'", "vlcache: budget must be in [0.001, 1], got 0"},
       {"run --method 'vlcache:budget=1e-300'", "vlcache: budget must be in [0.001, 1], got 1e-300"},
+      {"bench attention --heads 32 --kv-heads 5", "--kv-heads must divide --heads (32), got 5"},
+      {"bench attention --gqa-kernel sometimes", "--gqa-kernel: sometimes not in {auto,on,off}"},
+#ifdef KVLENS_HAVE_CUDA
+      {"bench attention --heads 32 --kv-heads 2 --gqa-kernel on",
+       "--gqa-kernel on: the GQA kernel takes head sizes 32, 64 and 128 and 2 to 8 query heads a KV head; got head "
+       "size 128, 32 / 2 heads"},
+#endif
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.args);
