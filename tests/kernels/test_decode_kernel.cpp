@@ -30,6 +30,16 @@
 #include "kernels/cuda/kernels.h"
 #include "tests/decode_kernel_case.h"
 #include "tests/device_buffer.h"
+
+// Skips, saying why, on a device older than sm_90, which `what` needs.
+#define KVLENS_NEED_SM90(what)                                                                      \
+  do {                                                                                              \
+    cudaDeviceProp sm90_prop{};                                                                     \
+    ASSERT_EQ(cudaGetDeviceProperties(&sm90_prop, 0), cudaSuccess);                                 \
+    if (sm90_prop.major < 9)                                                                        \
+      GTEST_SKIP() << what << " needs an sm_90 device; this one is " << sm90_prop.major << "."      \
+                   << sm90_prop.minor;                                                              \
+  } while (0)
 #endif
 
 using namespace kvlens;
@@ -535,9 +545,7 @@ TEST(DecodeKernel, Fp16PartsThroughTheGqaKernel) {
   GTEST_SKIP() << "built without the CUDA backend";
 #else
   KVLENS_NEED_GPU();
-  cudaDeviceProp prop{};
-  ASSERT_EQ(cudaGetDeviceProperties(&prop, 0), cudaSuccess);
-  if (prop.major < 9) GTEST_SKIP() << "the GQA kernel needs an sm_90 device; this one is " << prop.major << "." << prop.minor;
+  KVLENS_NEED_SM90("the GQA kernel");
   // The blocks a multiprocessor holds are at least those the split rule counts on.
   for (int D : {32, 64, 128}) EXPECT_GE(cuda::decode_gqa_occupancy(D), cuda::kDecodeGqaBlocks) << "D=" << D;
   // decode_f16_gqa_kernel: stages of 64 rows that start and end inside parts (7 + 1237 + 29
@@ -574,9 +582,7 @@ TEST(DecodeKernel, Fp16PartsThroughBulkCopies) {
   GTEST_SKIP() << "built without the CUDA backend";
 #else
   KVLENS_NEED_GPU();
-  cudaDeviceProp prop{};
-  ASSERT_EQ(cudaGetDeviceProperties(&prop, 0), cudaSuccess);
-  if (prop.major < 9) GTEST_SKIP() << "the bulk-copy kernel needs an sm_90 device; this one is " << prop.major << "." << prop.minor;
+  KVLENS_NEED_SM90("the bulk-copy kernel");
   // decode_f16_bulk_kernel: stages of 64 rows that start and end inside parts (7 + 1237 + 29
   // rows, the last partly counted on the device), splits that cut stages short, GQA, the step's
   // token fused in (alone in its split too) and a row appended by the kernel before.
