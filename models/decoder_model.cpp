@@ -30,6 +30,14 @@ void check_model_dir(const std::string& dir) {
   if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) throw InputError(dir + ": model directory does not exist");
 }
 
+Tokenizer image_tokenizer(const std::string& dir, int image_token_id) {
+  Tokenizer t = Tokenizer::load(dir, image_token_id);
+  if (t.image_token_id() != image_token_id)
+    throw InputError(dir + ": the tokenizer's image token id " + std::to_string(t.image_token_id()) +
+                     " is not config.json's image_token_id " + std::to_string(image_token_id));
+  return t;
+}
+
 std::string first_present(const WeightStore& ws, const std::vector<std::string>& names) {
   for (const auto& n : names)
     if (ws.has(n)) return n;

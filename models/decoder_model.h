@@ -101,6 +101,9 @@ std::string need_prefix(const WeightStore& ws, const std::vector<std::string>& p
 std::string first_present(const WeightStore& ws, const std::vector<std::string>& names);
 
 void check_model_dir(const std::string& dir);  // InputError unless `dir` is a directory
+// The tokenizer of model folder `dir`, whose image token must be config.json's image_token_id
+// (InputError naming both where added_tokens.json or the tokenizer says otherwise).
+Tokenizer image_tokenizer(const std::string& dir, int image_token_id);
 // An architecture's loader run on model folder `dir`: InputError when the folder is missing, and
 // a JSON value of the wrong type in one of its files said as an InputError naming the folder.
 template <class F>

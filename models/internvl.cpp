@@ -28,10 +28,7 @@ InternVLModel InternVLModel::load_checked(const std::string& dir, const BackendO
   m.dir_ = dir;
   const std::string cp = dir + "/config.json";
   m.cfg_ = parse_internvl_config(read_json_file(cp, "config"), cp);
-  m.tok_ = Tokenizer::load(dir, m.cfg_.image_token_id);
-  if (m.tok_.image_token_id() != m.cfg_.image_token_id)
-    throw InputError(dir + ": the tokenizer's <image> id " + std::to_string(m.tok_.image_token_id()) +
-                     " is not config.json's image_token_id " + std::to_string(m.cfg_.image_token_id));
+  m.tok_ = model_detail::image_tokenizer(dir, m.cfg_.image_token_id);
   const int S = m.cfg_.vision.image_size;
   const std::string pp = dir + "/preprocessor_config.json";
   const nlohmann::json pj = read_json_file_if_present(pp, "preprocessor config");

@@ -20,10 +20,7 @@ Qwen2VLModel Qwen2VLModel::load_checked(const std::string& dir, const BackendOpt
   m.dir_ = dir;
   const std::string cp = dir + "/config.json";
   m.cfg_ = parse_qwen2_vl_config(read_json_file(cp, "config"), cp);
-  m.tok_ = Tokenizer::load(dir, m.cfg_.image_token_id);
-  if (m.tok_.image_token_id() != m.cfg_.image_token_id)
-    throw InputError(dir + ": the tokenizer's image token id " + std::to_string(m.tok_.image_token_id()) +
-                     " is not config.json's image_token_id " + std::to_string(m.cfg_.image_token_id));
+  m.tok_ = model_detail::image_tokenizer(dir, m.cfg_.image_token_id);
   const std::string pp = dir + "/preprocessor_config.json";
   const nlohmann::json pj = read_json_file_if_present(pp, "preprocessor config");
   m.patches_ = qwen_patch_config_from_json(pj, pp);

@@ -29,9 +29,7 @@ Usage: python3 tests/make_hf_internvl_fixtures.py [--out tests/fixtures/hf]
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
 
 import torch
 import transformers
@@ -43,8 +41,8 @@ from transformers.models.internvl.configuration_internvl import InternVLVisionCo
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from make_hf_fixtures import N_GREEDY, greedy_decode, random_init  # noqa: E402
-from make_hf_next_fixtures import clear_greedy, make_wide_image, write_processor_cases, write_references  # noqa: E402
-from hf_layouts import relayout_weights, write_json  # noqa: E402
+from make_hf_next_fixtures import build_first_clear, clear_greedy, fresh_folder, make_wide_image, save_weights, write_processor_cases, write_references  # noqa: E402
+from hf_layouts import write_json  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROMPT = "Describe the image."
@@ -105,18 +103,8 @@ def preprocessor_config(spec):
 
 
 @torch.no_grad()
-def build(spec, out_root):
-    for seed in range(spec["seed"], spec["seed"] + 200):
-        if build_seed(spec, out_root, seed):
-            return
-    raise SystemExit(spec["name"] + ": no seed gave clear greedy margins")
-
-
-@torch.no_grad()
 def build_seed(spec, out_root, seed):
-    folder = os.path.join(out_root, spec["name"])
-    shutil.rmtree(folder, ignore_errors=True)
-    os.makedirs(folder)
+    folder = fresh_folder(out_root, spec["name"])
     tok = write_tokenizer(folder, spec["tokenizer"])
     vocab = (tok.get_vocab_size() + 7) // 8 * 8
     ctx_id = tok.token_to_id("<IMG_CONTEXT>")
@@ -133,15 +121,7 @@ def build_seed(spec, out_root, seed):
         for name, p in model.named_parameters():
             if name.endswith("lambda_1") or name.endswith("lambda_2"):
                 p.copy_(v["layer_scale_init_value"] * (1 + 0.5 * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed))))
-    if spec.get("layout"):  # the hub's tensor names (and shards) in place of save_pretrained's
-        with tempfile.TemporaryDirectory() as tmp:
-            model.to(spec["dtype"]).save_pretrained(tmp, safe_serialization=True, max_shard_size=spec["shards"])
-            relayout_weights(tmp, folder, spec["layout"], 2)
-            for f in ("config.json", "generation_config.json"):
-                if os.path.exists(os.path.join(tmp, f)):
-                    shutil.copy2(os.path.join(tmp, f), folder)
-    else:
-        model.to(spec["dtype"]).save_pretrained(folder, safe_serialization=True)
+    save_weights(model, spec, folder)
     del model
     write_json(os.path.join(folder, "preprocessor_config.json"), preprocessor_config(spec))
     write_json(os.path.join(folder, "processor_config.json"), {"image_seq_length": per, "processor_class": "InternVLProcessor"})
@@ -202,7 +182,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(HERE, "fixtures", "hf"))
     args = ap.parse_args()
     for spec in SPECS:
-        build(spec, args.out)
+        build_first_clear(spec, build_seed, args.out)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,6 @@ import shutil
 import sys
 import tempfile
 
-import numpy as np
 import torch
 import transformers
 from PIL import Image
@@ -141,19 +140,40 @@ def write_references(folder, pixel_values, feats, out, steps):
     write_f32(os.path.join(folder, "step_logits.f32"), torch.stack(steps))
 
 
-@torch.no_grad()
-def build(spec, out_root, proto, sp):
+def build_first_clear(spec, build_seed, *args):
+    """build_seed(spec, *args, seed) from the spec's seed on, until a seed gives clear greedy ids."""
     for seed in range(spec["seed"], spec["seed"] + 200):
-        if build_seed(spec, out_root, proto, sp, seed):
+        if build_seed(spec, *args, seed):
             return
     raise SystemExit(spec["name"] + ": no seed gave clear greedy margins")
 
 
-@torch.no_grad()
-def build_seed(spec, out_root, proto, sp, seed):
-    folder = os.path.join(out_root, spec["name"])
+def save_weights(model, spec, folder):
+    """The model in spec's dtype as save_pretrained writes it, or with spec's "layout" the same
+    weights under that layout's tensor names (and spec's shards), with save_pretrained's config
+    files beside them."""
+    if not spec.get("layout"):
+        model.to(spec["dtype"]).save_pretrained(folder, safe_serialization=True)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        model.to(spec["dtype"]).save_pretrained(tmp, safe_serialization=True, max_shard_size=spec["shards"])
+        relayout_weights(tmp, folder, spec["layout"], 2)
+        for f in ("config.json", "generation_config.json"):
+            if os.path.exists(os.path.join(tmp, f)):
+                shutil.copy2(os.path.join(tmp, f), folder)
+
+
+def fresh_folder(out_root, name):
+    """out_root/name, emptied (a rejected seed's files gone)."""
+    folder = os.path.join(out_root, name)
     shutil.rmtree(folder, ignore_errors=True)
     os.makedirs(folder)
+    return folder
+
+
+@torch.no_grad()
+def build_seed(spec, out_root, proto, sp, seed):
+    folder = fresh_folder(out_root, spec["name"])
     tc = spec["text_cls"](vocab_size=TEXT_VOCAB, bos_token_id=1, eos_token_id=2, **spec["text"])
     cfg = LlavaNextConfig(vision_config=CLIPVisionConfig(**spec["vision"]), text_config=tc,
                           image_token_index=IMAGE_TOKEN, **spec["next"])
@@ -253,7 +273,7 @@ def main():
     args = ap.parse_args()
     proto, sp = train_tokenizer()
     for spec in SPECS:
-        build(spec, args.out, proto, sp)
+        build_first_clear(spec, build_seed, args.out, proto, sp)
 
 
 if __name__ == "__main__":

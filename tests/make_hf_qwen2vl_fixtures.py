@@ -30,9 +30,7 @@ Usage: python3 tests/make_hf_qwen2vl_fixtures.py [--out tests/fixtures/hf]
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
 
 import torch
 import transformers
@@ -44,8 +42,8 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from make_hf_fixtures import CLIP_MEAN, CLIP_STD, N_GREEDY, greedy_decode, random_init  # noqa: E402
-from make_hf_next_fixtures import clear_greedy, make_wide_image, write_processor_cases, write_references  # noqa: E402
-from hf_layouts import relayout_weights, write_json  # noqa: E402
+from make_hf_next_fixtures import build_first_clear, clear_greedy, fresh_folder, make_wide_image, save_weights, write_processor_cases, write_references  # noqa: E402
+from hf_layouts import write_json  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROMPT = "Describe the image."
@@ -114,18 +112,8 @@ def hub_config(folder):
 
 
 @torch.no_grad()
-def build(spec, out_root):
-    for seed in range(spec["seed"], spec["seed"] + 200):
-        if build_seed(spec, out_root, seed):
-            return
-    raise SystemExit(spec["name"] + ": no seed gave clear greedy margins")
-
-
-@torch.no_grad()
 def build_seed(spec, out_root, seed):
-    folder = os.path.join(out_root, spec["name"])
-    shutil.rmtree(folder, ignore_errors=True)
-    os.makedirs(folder)
+    folder = fresh_folder(out_root, spec["name"])
     tok = write_tokenizer(folder)
     vocab = (tok.get_vocab_size() + 7) // 8 * 8
     pad_id = tok.token_to_id("<|image_pad|>")
@@ -145,15 +133,7 @@ def build_seed(spec, out_root, seed):
     torch.manual_seed(seed)
     model = model_cls(cfg)
     random_init(model, seed, 0.15)
-    if spec.get("layout"):  # other tensor names (and shards) in place of save_pretrained's
-        with tempfile.TemporaryDirectory() as tmp:
-            model.to(spec["dtype"]).save_pretrained(tmp, safe_serialization=True, max_shard_size=spec["shards"])
-            relayout_weights(tmp, folder, spec["layout"], 2)
-            for f in ("config.json", "generation_config.json"):
-                if os.path.exists(os.path.join(tmp, f)):
-                    shutil.copy2(os.path.join(tmp, f), folder)
-    else:
-        model.to(spec["dtype"]).save_pretrained(folder, safe_serialization=True)
+    save_weights(model, spec, folder)
     del model
     write_json(os.path.join(folder, "preprocessor_config.json"), preprocessor_config(spec))
     with open(os.path.join(folder, "chat_template.jinja"), "w") as f:
@@ -222,7 +202,7 @@ def main():
     args = ap.parse_args()
     for spec in SPECS:
         if not args.only or args.only == spec["name"]:
-            build(spec, args.out)
+            build_first_clear(spec, build_seed, args.out)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ Usage: python3 tests/make_hf_text_fixtures.py [--out tests/fixtures/hf]
 """
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -43,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from make_hf_fixtures import (N_GREEDY, SP_VOCAB, greedy_decode, random_init, special_token_entry,  # noqa: E402
                               train_tokenizer)  # noqa: E402
 from hf_layouts import write_json  # noqa: E402
+from make_hf_next_fixtures import build_first_clear, fresh_folder  # noqa: E402
 from make_chat_template_fixtures import CHATML, LLAMA3  # noqa: E402
 
 PROMPT = "The picture was taken in the morning, so the light is"
@@ -96,21 +96,10 @@ MIN_MARGIN = 0.05  # greedy ids must not hinge on rounding: each step's top-2 ga
 
 
 @torch.no_grad()
-def build(spec, out_root, proto, sp):
-    """The folder for the first seed from spec's whose greedy steps all have a clear winner and
-    do not repeat one token throughout."""
-    for seed in range(spec["seed"], spec["seed"] + 200):
-        got = build_seed(spec, out_root, proto, sp, seed)
-        if got:
-            return
-    raise SystemExit(spec["name"] + ": no seed gave clear greedy margins")
-
-
-@torch.no_grad()
 def build_seed(spec, out_root, proto, sp, seed):
-    folder = os.path.join(out_root, spec["name"])
-    shutil.rmtree(folder, ignore_errors=True)
-    os.makedirs(folder)
+    """The folder for this seed, or a falsy value where its greedy steps do not all have a clear
+    winner or repeat one token throughout (build_first_clear then tries the next seed)."""
+    folder = fresh_folder(out_root, spec["name"])
     vocab = spec.get("vocab", VOCAB)
     bpe_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "tokenizers",
                            spec["tokenizer"]) if spec.get("tokenizer") else None
@@ -181,7 +170,7 @@ def main():
     proto, sp = train_tokenizer()
     for spec in SPECS:
         if not args.only or spec["name"] in args.only:
-            build(spec, args.out, proto, sp)
+            build_first_clear(spec, build_seed, args.out, proto, sp)
 
 
 if __name__ == "__main__":
