@@ -32,7 +32,6 @@ import os
 import sys
 
 import torch
-import transformers
 from PIL import Image
 from tokenizers import AddedToken, Tokenizer
 from transformers import (AutoProcessor, InternVLConfig, InternVLForConditionalGeneration, LlamaConfig, Qwen2Config)
@@ -40,8 +39,8 @@ from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2Im
 from transformers.models.internvl.configuration_internvl import InternVLVisionConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from make_hf_fixtures import N_GREEDY, greedy_decode, random_init  # noqa: E402
-from make_hf_next_fixtures import build_first_clear, clear_greedy, fresh_folder, make_wide_image, save_weights, write_processor_cases, write_references  # noqa: E402
+from make_hf_fixtures import greedy_decode, random_init  # noqa: E402
+from make_hf_next_fixtures import build_first_clear, clear_greedy, fresh_folder, image_expected, make_wide_image, save_weights, write_processor_cases, write_references  # noqa: E402
 from hf_layouts import write_json  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -157,20 +156,9 @@ def build_seed(spec, out_root, seed):
         return pv, {"n_visual_tokens": int(pv.shape[0]) * per}
 
     write_processor_cases(folder, process)
-    H, T = out.attentions[0].shape[1], len(ids)
-    write_json(os.path.join(folder, "expected.json"), {
-        "architecture": "InternVLForConditionalGeneration", "prompt": PROMPT, "template": TEMPLATE, "prompt_ids": ids,
-        "greedy_ids": greedy, "margins": margins, "n_visual_tokens": n_visual, "image_token_index": ctx_id,
-        "image_file": "image.png", "image_width": w, "image_height": h, "tokens_per_tile": per,
-        "pixel_values_file": "pixel_values.f32", "pixel_values_shape": list(pixel_values.shape),
-        "pixel_values_processor": type(improc).__name__, "hf_processor_pixel_values_max_abs_diff": hf_pv_diff,
-        "image_features_file": "image_features.f32", "image_features_shape": list(feats.shape),
-        "logits_file": "logits.f32", "logits_shape": [vocab], "attn0_file": "attn0.f32", "attn0_shape": [H, T, T],
-        "step_logits_file": "step_logits.f32", "step_logits_shape": [N_GREEDY, vocab], "vocab_size": vocab,
-        "chat_prompt_text": rendered, "dtype": str(spec["dtype"]).replace("torch.", ""), "seed": seed,
-        "compute": {"device": "cpu", "dtype": "float32", "attn_implementation": "eager"},
-        "transformers_version": transformers.__version__, "torch_version": torch.__version__,
-    })
+    write_json(os.path.join(folder, "expected.json"), image_expected(
+        spec, seed, "InternVLForConditionalGeneration", TEMPLATE, ids, greedy, margins, n_visual, ctx_id, (w, h),
+        {"tokens_per_tile": per}, improc, pixel_values, hf_pv_diff, feats, out, vocab, rendered))
     print("%-22s seed %d, %dx%d image, %d tiles + thumbnail, %d visual tokens, %d prompt ids, greedy %s, margin %.3g, "
           "HF processor pixel diff %s" % (spec["name"], seed, w, h, pixel_values.shape[0] - 1, n_visual, len(ids), greedy,
                                           min(margins), hf_pv_diff))

@@ -140,6 +140,28 @@ def write_references(folder, pixel_values, feats, out, steps):
     write_f32(os.path.join(folder, "step_logits.f32"), torch.stack(steps))
 
 
+def image_expected(spec, seed, arch, template, ids, greedy, margins, n_visual, image_token, image_wh, family, improc,
+                   pixel_values, hf_pv_diff, feats, out, vocab, rendered):
+    """expected.json of an image fixture built from a chat template: the prompt, greedy ids and
+    image; `family`'s own entries; the reference tensors' files and shapes and the versions."""
+    H, T = out.attentions[0].shape[1], len(ids)
+    rec = {"architecture": arch, "prompt": PROMPT, "template": template, "prompt_ids": ids, "greedy_ids": greedy,
+           "margins": margins, "n_visual_tokens": n_visual, "image_token_index": image_token, "image_file": "image.png",
+           "image_width": image_wh[0], "image_height": image_wh[1]}
+    rec.update(family)
+    rec.update({
+        "pixel_values_file": "pixel_values.f32", "pixel_values_shape": list(pixel_values.shape),
+        "pixel_values_processor": type(improc).__name__, "hf_processor_pixel_values_max_abs_diff": hf_pv_diff,
+        "image_features_file": "image_features.f32", "image_features_shape": list(feats.shape),
+        "logits_file": "logits.f32", "logits_shape": [vocab], "attn0_file": "attn0.f32", "attn0_shape": [H, T, T],
+        "step_logits_file": "step_logits.f32", "step_logits_shape": [N_GREEDY, vocab], "vocab_size": vocab,
+        "chat_prompt_text": rendered, "dtype": str(spec["dtype"]).replace("torch.", ""), "seed": seed,
+        "compute": {"device": "cpu", "dtype": "float32", "attn_implementation": "eager"},
+        "transformers_version": transformers.__version__, "torch_version": torch.__version__,
+    })
+    return rec
+
+
 def build_first_clear(spec, build_seed, *args):
     """build_seed(spec, *args, seed) from the spec's seed on, until a seed gives clear greedy ids."""
     for seed in range(spec["seed"], spec["seed"] + 200):
