@@ -425,18 +425,25 @@ bool decode_f16_bulk(int D, int rows, bool sm90);
 // of an sm_90 device; sm_86 and sm_89 allow 99 KiB a block, so it is built and taken on sm_90
 // devices only). All-fp16 caches of head size 32, 64 or 128 with R ≥ 2 take it, ahead of the
 // other fp16 kernels (which read each row R times and spend an fp32 multiply-add a channel,
-// head and row), where its blocks get at least kDecodeGqaBlockRows rows: splits (gqa_splits) by
-// the wave rule over B · NKV heads, at least kDecodeGqaMinRows rows a block. Below that its
-// blocks' fixed latency (the stages' first trip, the merge of many splits' states by the last
-// block) outweighs the bytes it saves. H200, bench attention --bits 16 (each call alone, ms, the
-// GQA kernel against the others; rows a block in brackets):
-//   32 query / 8 KV heads × 128, batch 1:  3032 rows 0.0425 (101) against 0.0168;
-//     16k 0.0586 (547) against 0.0674; 64k 0.1182 (2185) against 0.2472;
-//   batch 16: 3032 0.0667 (1516) against 0.1345; 16k 0.2895 against 0.8444; 64k 1.0868 (94 % of
-//     the copy bandwidth) against 3.4839;
-//   28 / 4 heads, 16k: batch 1 0.1012 (273) against 0.0509; batch 16 0.1665 against 0.7373.
+// head and row), where its blocks get at least kDecodeGqaBlockRows rows, or at batch 2 and more
+// from kDecodeGqaBatchRows rows: splits (gqa_splits) by the wave rule over B · NKV heads, at
+// least kDecodeGqaMinRows rows a block. At batch 1 and a few thousand rows both kernels take the
+// same time alone (the latency of a block's trips to memory), and in a model's decode step the
+// step is slower with the GQA kernel (probably as its blocks, 110 KB of shared memory and 160
+// registers, leave the next weight product no room to start early): the 7B LLaVA-NeXT-Mistral shape (3,032 rows)
+// decoded at 74.0 % of the roofline with it (30 splits), 75.9 % at 16, against 78.0–78.5 %
+// without; InternVL3-8B (1,404 rows) 71.5–73.2 % against 78.3–79.5 % (docs/cuda.md, run AJ). H200, bench attention --bits 16 (each call alone, ms,
+// the GQA kernel against the others; its splits in brackets):
+//   32 query / 8 KV heads × 128, batch 1: 1024 rows 0.0151 (30) against 0.0107; 3032 0.0178 (30)
+//     / 0.0169 (16) against 0.0167; 8192 0.0244 against 0.0324; 16k and 64k (before the block-wide
+//     merge) 0.0586 and 0.1182 against 0.0674 and 0.2472;
+//   batch 4: 1024 0.0169 against 0.0193; 2048 0.0214 against 0.0315; 3032 0.0258 against 0.0428;
+//     8192 0.0480 against 0.1289; batch 16 (before the merge): 3032 0.0667 against 0.1345, 64k
+//     1.0868 (94 % of the copy bandwidth) against 3.4839;
+//   28 / 4 heads, batch 1: 1404 rows 0.0167 (24) against 0.0113; 3032 0.0297 (60) against 0.0160;
+//     batch 4: 1024 0.0193 against 0.0202; 2048 0.0226 against 0.0310; 8192 0.0365 against 0.1271.
 constexpr int kDecodeGqaThreads = 128, kDecodeGqaStageRows = 64, kDecodeGqaStages = 3, kDecodeGqaBlocks = 2;
-constexpr int kDecodeGqaMaxRatio = 8, kDecodeGqaMinRows = 32, kDecodeGqaBlockRows = 512;
+constexpr int kDecodeGqaMaxRatio = 8, kDecodeGqaMinRows = 32, kDecodeGqaBlockRows = 512, kDecodeGqaBatchRows = 2048;
 // Whether the GQA kernel can take this cache shape (head size, query and KV heads).
 bool decode_f16_gqa(int D, int NH, int NKV);
 // Blocks of the GQA kernel of head size D a multiprocessor of this device holds (asks the device).

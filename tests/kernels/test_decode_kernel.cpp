@@ -324,7 +324,8 @@ TEST(DecodeKernel, SplitCountsFillTheirLastWave) {
   EXPECT_FALSE(cuda::decode_launch(16, 32, 65536, sm, 128, true, false, false, 0, true).bulk_fine);
   EXPECT_FALSE(cuda::decode_launch(1, 32, 65536, sm, 128, false, true, false, 0, true).bulk_fine);
   // The GQA kernel: all-fp16 caches of head size 32, 64 or 128 with 2 to kDecodeGqaMaxRatio query
-  // heads a KV head, where its blocks get kDecodeGqaBlockRows rows or more, ahead of the
+  // heads a KV head, where its blocks get kDecodeGqaBlockRows rows or more or, at batch 2 and
+  // more, from kDecodeGqaBatchRows rows, ahead of the
   // bulk-copy kernel; splits count a KV head's blocks: the wave
   // rule over B · NKV heads at kDecodeGqaBlocks blocks a multiprocessor, at least
   // kDecodeGqaMinRows rows a block.
@@ -342,7 +343,7 @@ TEST(DecodeKernel, SplitCountsFillTheirLastWave) {
                      " rows=" + std::to_string(rows));
         const cuda::DecodeLaunch l = cuda::decode_launch(B, NH, rows, sm, 128, true, false, false, 0, true, NKV);
         const int gs = cuda::gqa_splits(B, NKV, rows, sm);
-        EXPECT_EQ(l.f16_gqa, (rows + gs - 1) / gs >= cuda::kDecodeGqaBlockRows);
+        EXPECT_EQ(l.f16_gqa, (rows + gs - 1) / gs >= cuda::kDecodeGqaBlockRows || (B >= 2 && rows >= cuda::kDecodeGqaBatchRows));
         EXPECT_FALSE(cuda::decode_launch(B, NH, rows, sm, 128, true, false, false, 0, false, NKV).f16_gqa)
             << "sm_90 only";
         if (!l.f16_gqa) {  // the other fp16 kernels, each query head its own blocks
@@ -373,6 +374,11 @@ TEST(DecodeKernel, SplitCountsFillTheirLastWave) {
   EXPECT_TRUE(cuda::decode_launch(16, 32, 3032, sm, 128, true, false, false, 0, true, 8).f16_gqa);
   EXPECT_FALSE(cuda::decode_launch(1, 28, 16384, sm, 128, true, false, false, 0, true, 4).f16_gqa);
   EXPECT_TRUE(cuda::decode_launch(16, 28, 16384, sm, 128, true, false, false, 0, true, 4).f16_gqa);
+  // Batch 4 from 2048 rows, whose blocks get fewer than 512 (3032 / 8 splits: 379).
+  EXPECT_EQ(cuda::gqa_splits(4, 8, 3032, sm), 8);
+  EXPECT_TRUE(cuda::decode_launch(4, 32, 3032, sm, 128, true, false, false, 0, true, 8).f16_gqa);
+  EXPECT_TRUE(cuda::decode_launch(2, 28, 2048, sm, 128, true, false, false, 0, true, 4).f16_gqa);
+  EXPECT_FALSE(cuda::decode_launch(4, 28, 1404, sm, 128, true, false, false, 0, true, 4).f16_gqa);
   // Splits given: the same rule on them.
   EXPECT_TRUE(cuda::decode_launch(1, 28, 16384, sm, 128, true, false, false, 16, true, 4).f16_gqa);
   // The path each kind of cache takes.
@@ -552,7 +558,7 @@ TEST(DecodeKernel, Fp16PartsThroughTheGqaKernel) {
   // rows, the last partly counted on the device), three sequences, GQA 3:1, splits that cut
   // stages short and more splits than the merge reads at once; 2:1 at head sizes 32 and 128,
   // 4:1 and 7:1 at 128, 5:1 and 8:1 at 64; the step's token fused in (alone in its split too)
-  // and a row appended by the kernel before.
+  // and a row appended by the kernel before; 8:1 at 128 over 60 splits, merged in three chunks.
   for (int splits : {0, 1, 7, 37}) {
     KernelCase c;
     c.bits = 16;
@@ -563,7 +569,8 @@ TEST(DecodeKernel, Fp16PartsThroughTheGqaKernel) {
   for (const Fp16Shape& x : {Fp16Shape{28, 4, 128, 5, 3000, 27, 0}, Fp16Shape{28, 4, 128, 5, 3000, 27, 1},
                              Fp16Shape{8, 1, 64, 3, 250, 4, 3}, Fp16Shape{4, 2, 32, 2, 40, 1, 0},
                              Fp16Shape{6, 2, 128, 1, 62, 0, 64}, Fp16Shape{32, 8, 128, 3, 3000, 29, 0},
-                             Fp16Shape{4, 2, 128, 3, 700, 5, 0}, Fp16Shape{10, 2, 64, 3, 333, 2, 5}}) {
+                             Fp16Shape{4, 2, 128, 3, 700, 5, 0}, Fp16Shape{10, 2, 64, 3, 333, 2, 5},
+                             Fp16Shape{16, 2, 128, 5, 3000, 27, 60}}) {
     KernelCase c = fp16_case(x);
     c.gqa = true;
     kernel_case(c);

@@ -24,8 +24,8 @@ __device__ __forceinline__ void store_md(const DecodeParams& p, int64_t bh, floa
 }
 
 // Merges the splits' states (m, d, o) of head h of sequence b into its output (L2 reads: the
-// other blocks' states may have been written moments ago), by threads tid of nt (the block's, or
-// a warp's where each warp of a block merges a head of its own).
+// other blocks' states may have been written moments ago), by threads tid of nt (the block's;
+// the GQA kernel merges its heads with merge_group, decode_gqa.cuh).
 __device__ void merge_head(const DecodeParams& p, int b, int h, int tid, int nt) {
   const int64_t bh = static_cast<int64_t>(b) * p.NH + h;
   const float2* md = reinterpret_cast<const float2*>(p.part_md) + bh * p.splits;

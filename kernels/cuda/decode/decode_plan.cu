@@ -92,7 +92,7 @@ DecodeLaunch decode_launch(int B, int NH, int rows, int n_sm, int D, bool all_f1
   DecodeLaunch l;
   if (sm90 && all_f16 && decode_f16_gqa(D, NH, NKV > 0 ? NKV : NH)) {
     const int s = splits > 0 ? splits : gqa_splits(B, NKV, rows, n_sm);
-    if ((rows + s - 1) / s >= kDecodeGqaBlockRows) {
+    if ((rows + s - 1) / s >= kDecodeGqaBlockRows || (B >= 2 && rows >= kDecodeGqaBatchRows)) {
       l.f16_gqa = true;
       l.splits = s;
       return l;
