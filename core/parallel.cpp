@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <exception>
 #include <thread>
 #include <vector>
@@ -11,6 +12,52 @@
 #endif
 
 namespace kvlens {
+
+namespace {
+std::atomic<int> g_product_threads{0};
+thread_local int tl_product_threads = 0;  // > 0 inside a piece of parallel_for
+
+// The calling thread's matrix products on one thread until the end of the scope.
+class OneProductThread {
+ public:
+  OneProductThread() : was_(tl_product_threads) { tl_product_threads = 1; }
+  ~OneProductThread() { tl_product_threads = was_; }
+  OneProductThread(const OneProductThread&) = delete;
+  OneProductThread& operator=(const OneProductThread&) = delete;
+
+ private:
+  int was_;
+};
+}  // namespace
+
+int machine_threads() { return static_cast<int>(std::max(1u, std::thread::hardware_concurrency())); }
+
+int product_threads() {
+  if (tl_product_threads > 0) return tl_product_threads;
+  const int n = g_product_threads.load();
+  return n > 0 ? std::min(n, machine_threads()) : machine_threads();
+}
+
+void set_product_threads(int n) { g_product_threads.store(std::max(n, 0)); }
+
+void set_threads(int n) {
+  const int k = std::max(1, std::min(n, machine_threads()));
+#ifdef _OPENMP
+  omp_set_num_threads(k);
+#endif
+  set_product_threads(k);
+}
+
+void threads_from_environment() {
+  if (std::getenv("OMP_NUM_THREADS")) {
+    set_threads(omp_loop_threads());  // (as OpenMP read the variable)
+    return;
+  }
+#ifdef _OPENMP
+  omp_set_num_threads(1);
+#endif
+  set_product_threads(0);
+}
 
 int omp_loop_threads() {
 #ifdef _OPENMP
@@ -36,7 +83,7 @@ ScopedOmpThreads::~ScopedOmpThreads() {
 
 void parallel_for(int n, int max_threads, const std::function<void(int)>& fn) {
   if (n <= 0) return;
-  const int threads = std::max(1, std::min({n, max_threads, static_cast<int>(std::max(1u, std::thread::hardware_concurrency()))}));
+  const int threads = std::max(1, std::min({n, max_threads, machine_threads()}));
   std::atomic<int> next{0};
   std::vector<std::exception_ptr> failed(static_cast<size_t>(n));
   auto work = [&] {
@@ -52,16 +99,18 @@ void parallel_for(int n, int max_threads, const std::function<void(int)>& fn) {
     work();  // (on the calling thread, as it is set)
   } else {
     std::vector<std::thread> pool;
-    // The pieces run side by side: each runs its OpenMP loops on one thread (a thread started
-    // here would otherwise take OpenMP's default team, every core, and put threads × cores on the
-    // machine's cores).
+    // The pieces run side by side: each runs its OpenMP loops and its matrix products on one
+    // thread (a thread started here would otherwise take OpenMP's default team, every core, and
+    // put threads × cores on the machine's cores).
     for (int t = 1; t < threads; ++t)
       pool.emplace_back([&] {
         const ScopedOmpThreads one(1);
+        const OneProductThread one_product;
         work();
       });
     {
       const ScopedOmpThreads one(1);
+      const OneProductThread one_product;
       work();
     }
     for (std::thread& t : pool) t.join();

@@ -13,6 +13,23 @@ namespace kvlens {
 // setting is restored afterwards.
 void parallel_for(int n, int max_threads, const std::function<void(int)>& fn);
 
+// The threads a matrix product may take (cpu::linear spreads its column blocks over an OpenMP
+// team of up to that many, by its size): the app's setting (set_product_threads; every core
+// until then, and at most the machine's cores), and one in each piece of parallel_for.
+int product_threads();
+void set_product_threads(int n);  // n <= 0: every core
+// The cores this machine offers (at least 1).
+int machine_threads();
+
+// The process's threads as the environment says, for the CLI and the app to call first: with
+// OMP_NUM_THREADS set, that many (at most the machine's cores) for OpenMP's loops and for matrix
+// products; unset, the loops on one thread (at the embedded model's size a loop's hand-off to a
+// team costs more than it saves, above all on a busy machine) and the products on every core
+// (each taking the threads its size is worth).
+void threads_from_environment();
+// `--threads n` (n > 0): n threads (at most the machine's cores) for both.
+void set_threads(int n);
+
 // The threads the calling thread's OpenMP loops use (1 without OpenMP).
 int omp_loop_threads();
 // The calling thread's OpenMP loops on n threads until the end of the scope, then as before. A

@@ -10,8 +10,6 @@
 //                            and decode tokens/s, fp16 against 2-bit and 1-bit visual tokens
 //   kvlens bench session     the desktop app's loop without a window: a session's methods, then
 //                            each parameter edit timed to its caption and to every plot's data
-#include <cblas.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <chrono>
@@ -32,6 +30,7 @@
 #include "core/files.h"
 #include "core/compress/method.h"
 #include "core/numbers.h"
+#include "core/parallel.h"
 #include "kernels/backends.h"
 #include "models/model.h"
 #ifdef KVLENS_HAVE_CUDA
@@ -77,10 +76,7 @@ void write_json(const std::string& path, const nlohmann::json& j) {
 }
 
 void run_bench(const BenchArgs& a) {
-  if (a.threads > 0) {
-    omp_set_num_threads(a.threads);
-    openblas_set_num_threads(a.threads);
-  }
+  if (a.threads > 0) set_threads(a.threads);
   if (!a.method.empty()) parse_method_spec(a.method);
   if (a.profile) setenv("KVLENS_CUDA_PROFILE", "1", 1);  // read when the CUDA backend starts
   const std::unique_ptr<Model> model_owned = load_model(a.model.empty() ? default_model_dir() : a.model, a.backend);
@@ -466,7 +462,7 @@ void add_bench_command(CLI::App& root) {
   c->add_option("--method", a->method, "Compression method spec (default: full cache)");
   add_int(c, "--repeat", a->repeat, 1, 10000, "Timed runs after one warm-up");
   add_int(c, "--max-new-tokens", a->max_new_tokens, 1, kMaxNewTokensLimit, "Tokens per caption (no stop at EOS)");
-  add_int(c, "--threads", a->threads, 0, 256, "CPU threads for kvlens loops and OpenBLAS (0 = OMP_NUM_THREADS, else 1, and OpenBLAS's default)");
+  add_int(c, "--threads", a->threads, 0, 256, "CPU threads for kvlens's loops and matrix products, at most the machine's cores (0 = as OMP_NUM_THREADS says; unset: loops on one thread, products on every core); OpenBLAS runs each product's blocks on one thread");
   c->add_option("--json", a->json, "Also write the numbers as JSON here");
   c->add_flag("--profile", a->profile, "CUDA: per-op device times of the last run (steps are not replayed from graphs)");
   c->add_flag("--unchained", a->unchained,

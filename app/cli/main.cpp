@@ -1,5 +1,4 @@
 // kvlens command line: the only place that prints, exits and decides what a failure means.
-#include <omp.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -9,13 +8,11 @@
 #include "app/cli/commands.h"
 #include "app/cli/mpi_world.h"
 #include "core/errors.h"
+#include "core/parallel.h"
 
 int main(int argc, char** argv) {
   kvlens::app::mpi_start(argc, argv);
-  // kvlens's own loops run on one thread unless OMP_NUM_THREADS says otherwise: for models of
-  // the embedded size, thread hand-offs cost more than they save, above all on a busy machine.
-  // OpenBLAS keeps its own threading for the matrix products.
-  if (!std::getenv("OMP_NUM_THREADS")) omp_set_num_threads(1);
+  kvlens::threads_from_environment();
   CLI::App root{"kvlens: a lab for KV-cache compression in LLaVA-style vision-language models"};
   root.require_subcommand(1);
   kvlens::app::add_caption_command(root);

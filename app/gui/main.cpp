@@ -10,7 +10,6 @@
 #include <imgui.h>
 #include <backends/imgui_impl_glfw.h>
 #include <backends/imgui_impl_opengl3.h>
-#include <omp.h>
 #include <unistd.h>
 #include <GLFW/glfw3.h>
 
@@ -30,6 +29,7 @@
 #include "core/files.h"
 #include "core/data/image.h"
 #include "core/numbers.h"
+#include "core/parallel.h"
 
 namespace {
 
@@ -121,7 +121,7 @@ void on_drop(GLFWwindow* w, int n, const char** paths) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (!std::getenv("OMP_NUM_THREADS")) omp_set_num_threads(1);
+  kvlens::threads_from_environment();
   CLI::App cli{"kvlens-gui: the kvlens desktop lab"};
   std::string script_path, shot_path, session_path, image_path, model_dir, size_text = "1680x1050", scale_text;
   bool no_seed = false;

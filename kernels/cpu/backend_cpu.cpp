@@ -200,7 +200,7 @@ class CpuBackend : public Backend {
     std::vector<int32_t> pos(T);
     for (int t = 0; t < T; ++t) pos[t] = t;
     const float* base = qkv.as<float>();
-#pragma omp parallel for if (cpu::parallel_heads(NH, T, T, D))
+#pragma omp parallel for num_threads(cpu::head_threads(NH, T, T, D))
     for (int hd = 0; hd < NH; ++hd) {
       const int kv = hd / G;
       cpu::AttnHeadArgs a;
@@ -246,7 +246,7 @@ class CpuBackend : public Backend {
     if (taps.rows() && n_max < n_all) throw InternalError("decode_attention: n_max below the rows held");
     const float ninf = -std::numeric_limits<float>::infinity();
     const float* q = qkv.as<float>() + l.q_col;
-#pragma omp parallel for if (cpu::parallel_heads(NH, 1, n_all, D))
+#pragma omp parallel for num_threads(cpu::head_threads(NH, 1, n_all, D))
     for (int hd = 0; hd < NH; ++hd) {
       const int h = hd / G, n = static_cast<int>(P[h].size());
       std::vector<float> s(n);

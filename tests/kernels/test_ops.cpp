@@ -7,11 +7,16 @@
 // and each test states its bound next to the check.
 #include <gtest/gtest.h>
 
+#include <cblas.h>
+
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <vector>
 
+#include "core/parallel.h"
 #include "kernels/cpu/ops.h"
 
 using namespace kvlens;
@@ -52,6 +57,39 @@ TEST(CpuOps, LinearAgainstFp64) {
           ASSERT_LE(std::fabs(y[m * s.N + n] - ref), tol) << m << "," << n;
         }
     }
+}
+
+// A product spread over threads (column blocks of 128 on up to product_threads()) is bit for bit
+// the product on one thread, whatever the count, and OpenBLAS runs on one thread whatever
+// OPENBLAS_NUM_THREADS said (with both libraries threading, OpenMP's spinning workers and
+// OpenBLAS's threads fought for the cores). Sizes past one block and one thread's share, with a
+// partial last block; within a piece of parallel_for a product takes one thread.
+TEST(CpuOps, LinearIsTheSameOnAnyThreadCount) {
+  struct Size { int M, K, N; };
+  const int was = product_threads();
+  for (const Size s : {Size{197, 192, 576}, Size{1, 4096, 1000}, Size{64, 1333, 130}}) {
+    SCOPED_TRACE(std::to_string(s.M) + "x" + std::to_string(s.K) + "x" + std::to_string(s.N));
+    const auto x = randn(static_cast<size_t>(s.M) * s.K, 5 + s.K), W = randn(static_cast<size_t>(s.N) * s.K, 6 + s.N);
+    const auto b = randn(s.N, 7);
+    std::vector<float> one(static_cast<size_t>(s.M) * s.N, kNaN);
+    set_product_threads(1);
+    cpu::linear(x.data(), s.M, s.K, W.data(), s.N, b.data(), one.data());
+    for (int t : {2, 3, 8}) {
+      set_product_threads(t);
+      std::vector<float> y(one.size(), kNaN);
+      cpu::linear(x.data(), s.M, s.K, W.data(), s.N, b.data(), y.data());
+      EXPECT_EQ(std::memcmp(y.data(), one.data(), y.size() * sizeof(float)), 0) << t << " threads";
+    }
+    EXPECT_EQ(openblas_get_num_threads(), 1);
+  }
+  set_product_threads(8);
+  std::vector<int> seen(4, 0);
+  parallel_for(4, 4, [&](int i) { seen[static_cast<size_t>(i)] = product_threads(); });
+  if (machine_threads() > 1) {
+    EXPECT_EQ(seen, std::vector<int>(4, 1));
+  }
+  EXPECT_EQ(product_threads(), std::min(8, machine_threads()));
+  set_product_threads(was);
 }
 
 // LayerNorm(x)·g + b with the biased variance (torch.nn.LayerNorm). Mean and variance are taken
