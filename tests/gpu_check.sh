@@ -2,10 +2,11 @@
 # On a GPU host, in one call: build kvlens with CUDA, run every test (the GPU ones included),
 # make a LLaVA-1.5-7B-shaped random fp16 checkpoint, benchmark (the embedded model, the 7B
 # shape against HF transformers, decode attention against PyTorch SDPA, CalibQuant's Fig. 3
-# throughput) and print a short table last. Logs and JSON go to $KVLENS_GPU_OUT (./gpu_out).
+# throughput, the CPU model's caption time at 1–16 threads against HF transformers on the host's
+# CPU) and print a short table last. Logs and JSON go to $KVLENS_GPU_OUT (./gpu_out).
 #
 #   tests/gpu_check.sh            everything
-#   tests/gpu_check.sh build test only some stages (build, test, bench, throughput, summary;
+#   tests/gpu_check.sh build test only some stages (build, test, bench, throughput, threads, summary;
 #                                 and, not in the default list, sanitize: compute-sanitizer's
 #                                 memcheck, synccheck and racecheck over the decode kernel tests)
 set -uo pipefail
@@ -13,7 +14,7 @@ cd "$(dirname "$0")/.."
 OUT=${KVLENS_GPU_OUT:-$PWD/gpu_out}
 BUILD=${KVLENS_GPU_BUILD:-build-gpu}
 CK=${KVLENS_7B_DIR:-/tmp/kvlens-llava7b}
-STAGES=${*:-build test bench throughput summary}
+STAGES=${*:-build test bench throughput threads summary}
 mkdir -p "$OUT"
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 step() { echo "== $(date +%T) $*" | tee -a "$OUT/steps.log"; }
@@ -62,6 +63,9 @@ if has sanitize; then
 fi
 if has throughput; then
   run bench_throughput 300 "$BUILD/kvlens" bench throughput --json "$OUT/bench_throughput.json"
+fi
+if has threads; then
+  run cpu_threads 300 python3 tests/cpu_threads_bench.py --kvlens "$BUILD/kvlens" --json "$OUT/cpu_threads.json"
 fi
 if has summary; then
   python3 tests/gpu_summary.py "$OUT"
