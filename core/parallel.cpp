@@ -30,7 +30,13 @@ class OneProductThread {
 };
 }  // namespace
 
-int machine_threads() { return static_cast<int>(std::max(1u, std::thread::hardware_concurrency())); }
+int machine_threads() {
+#ifdef _OPENMP
+  return std::max(1, omp_get_num_procs());  // (the CPUs this process may run on)
+#else
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+#endif
+}
 
 int product_threads() {
   if (tl_product_threads > 0) return tl_product_threads;

@@ -18,7 +18,7 @@ void parallel_for(int n, int max_threads, const std::function<void(int)>& fn);
 // until then, and at most the machine's cores), and one in each piece of parallel_for.
 int product_threads();
 void set_product_threads(int n);  // n <= 0: every core
-// The cores this machine offers (at least 1).
+// The CPUs this process may run on (its affinity; at least 1).
 int machine_threads();
 
 // The process's threads as the environment says, for the CLI and the app to call first: with

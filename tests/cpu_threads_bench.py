@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """CPU threads against caption time: kvlens and HF transformers on the same CPU, the same call.
 
-For each N in --threads, kvlens runs `bench --backend cpu --threads N` with OMP_NUM_THREADS and
-OPENBLAS_NUM_THREADS set to N as well (whatever the user sets must not slow it down); then HF
-transformers (LlavaForConditionalGeneration, eager attention, fp32) captions the same image from
-kvlens's own prompt ids with torch.set_num_threads(N), greedy, at most as many new tokens as
-kvlens made (the same ones where the ids agree), median of --repeat runs after one warm-up. A table last: vision, prefill and caption ms of
+kvlens captions the image once (greedy, to its EOS) for the prompt ids and the number of new
+tokens. For each N in --threads, kvlens runs `bench --backend cpu --threads N --max-new-tokens`
+that number, with OMP_NUM_THREADS and OPENBLAS_NUM_THREADS set to N as well (whatever the user
+sets must not slow it down); then HF transformers (LlavaForConditionalGeneration, eager
+attention, fp32) captions the same image from those prompt ids with torch.set_num_threads(N),
+greedy, at most that many new tokens (the same ones where the ids agree), median of --repeat
+runs after one warm-up. A table last: vision, prefill and caption ms of
 kvlens, HF's caption ms, and whether HF's greedy ids equal kvlens's.
 
   python3 tests/cpu_threads_bench.py --kvlens build/kvlens [--threads 1 2 4 8 16] [--repeat 10]
@@ -24,11 +26,11 @@ DEFAULT_MODEL = os.path.join(HERE, "..", "assets", "models", "kvlens-scenes-6m")
 DEFAULT_IMAGE = os.path.join(HERE, "..", "assets", "images", "scene_000.png")
 
 
-def kvlens_run(exe, args, n, tmp):
+def kvlens_run(exe, args, n, n_new, tmp):
     env = dict(os.environ, OMP_NUM_THREADS=str(n), OPENBLAS_NUM_THREADS=str(n))
     out = os.path.join(tmp, "bench_%d.json" % n)
     cmd = [exe, "bench", "--backend", "cpu", "--model", args.model, "--image", args.image,
-           "--repeat", str(args.repeat), "--threads", str(n), "--json", out]
+           "--repeat", str(args.repeat), "--threads", str(n), "--max-new-tokens", str(n_new), "--json", out]
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
     with open(out) as f:
         return json.load(f)
@@ -81,7 +83,7 @@ def main():
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         prompt_ids, new_ids = kvlens_ids(args.kvlens, args, tmp)
-        kv = {n: kvlens_run(args.kvlens, args, n, tmp) for n in args.threads}
+        kv = {n: kvlens_run(args.kvlens, args, n, len(new_ids), tmp) for n in args.threads}
     hf = hf_times(args, prompt_ids, new_ids, args.threads)
     rows = []
     print("%7s %10s %10s %12s %12s %10s" % ("threads", "vision ms", "prefill ms", "caption ms", "HF caption", "HF ids ="))

@@ -34,8 +34,20 @@ constexpr int kGemmCols = 128;
 // Multiply-adds a thread must get before a product takes another thread.
 constexpr int64_t kGemmMacsPerThread = int64_t{1} << 21;
 
+int linear_threads(int M, int N, int K) {
+  const int64_t blocks = (N + kGemmCols - 1) / kGemmCols, macs = static_cast<int64_t>(M) * N * K;
+  const int64_t team = omp_in_parallel() ? 1 : product_threads();
+  return static_cast<int>(std::max<int64_t>(1, std::min({team, blocks, macs / kGemmMacsPerThread})));
+}
+
 void linear(const float* x, int M, int K, const float* W, int N, const float* bias, float* y) {
-  static const bool blas_one_thread = (openblas_set_num_threads(1), true);
+  // (An OpenBLAS built on OpenMP also sets the calling thread's OpenMP team to one: kept as it was.)
+  static const bool blas_one_thread = [] {
+    const int loops = omp_get_max_threads();
+    openblas_set_num_threads(1);
+    omp_set_num_threads(loops);
+    return true;
+  }();
   (void)blas_one_thread;
   if (bias) {
     for (int m = 0; m < M; ++m) std::copy(bias, bias + N, y + static_cast<int64_t>(m) * N);
@@ -47,9 +59,7 @@ void linear(const float* x, int M, int K, const float* W, int N, const float* bi
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, n, K, 1.0f, x, K, W + static_cast<int64_t>(n0) * K, K,
                 beta, y + n0, N);
   };
-  const int64_t macs = static_cast<int64_t>(M) * N * K;
-  const int team = omp_in_parallel() ? 1 : product_threads();
-  const int t = static_cast<int>(std::min<int64_t>({team, blocks, macs / kGemmMacsPerThread}));
+  const int t = linear_threads(M, N, K);
   if (t <= 1) {
     for (int b = 0; b < blocks; ++b) block(b);
     return;

@@ -59,6 +59,9 @@ void attention_head(const AttnHeadArgs& a);
 void scores_in_order(const float* scores, int n_heads, int group, int64_t stride, const int32_t* seg_rows,
                      int tail_rows, const int32_t* map, int64_t map_stride, float* raw, float* probs);
 
+// The threads cpu::linear gives an M × K by N × K product: one a block of 128 output columns and
+// 2^21 multiply-adds, at most product_threads() (one inside an OpenMP team).
+int linear_threads(int M, int N, int K);
 // The threads an OpenMP loop over `items` items of `work` units in all is worth: one for each
 // `grain` units, at most one an item and the caller's OpenMP team, at least one. (Threads past
 // that cost their hand-off and gain nothing: the embedded model captioned in 125 ms on 16

@@ -556,7 +556,7 @@ TEST(DecodeKernel, Fp16PartsThroughTheGqaKernel) {
   for (int D : {32, 64, 128}) EXPECT_GE(cuda::decode_gqa_occupancy(D), cuda::kDecodeGqaBlocks) << "D=" << D;
   // decode_f16_gqa_kernel: stages of 64 rows that start and end inside parts (7 + 1237 + 29
   // rows, the last partly counted on the device), three sequences, GQA 3:1, splits that cut
-  // stages short and more splits than the merge reads at once; 2:1 at head sizes 32 and 128,
+  // stages short (1 to 37 splits); 2:1 at head sizes 32 and 128,
   // 4:1 and 7:1 at 128, 5:1 and 8:1 at 64; the step's token fused in (alone in its split too)
   // and a row appended by the kernel before; 8:1 at 128 over 60 splits, merged in three chunks.
   for (int splits : {0, 1, 7, 37}) {

@@ -67,7 +67,7 @@ TEST(CpuOps, LinearAgainstFp64) {
 TEST(CpuOps, LinearIsTheSameOnAnyThreadCount) {
   struct Size { int M, K, N; };
   const int was = product_threads();
-  for (const Size s : {Size{197, 192, 576}, Size{1, 4096, 1000}, Size{64, 1333, 130}}) {
+  for (const Size s : {Size{197, 192, 576}, Size{1, 8192, 1100}, Size{64, 1333, 130}}) {
     SCOPED_TRACE(std::to_string(s.M) + "x" + std::to_string(s.K) + "x" + std::to_string(s.N));
     const auto x = randn(static_cast<size_t>(s.M) * s.K, 5 + s.K), W = randn(static_cast<size_t>(s.N) * s.K, 6 + s.N);
     const auto b = randn(s.N, 7);
@@ -76,6 +76,9 @@ TEST(CpuOps, LinearIsTheSameOnAnyThreadCount) {
     cpu::linear(x.data(), s.M, s.K, W.data(), s.N, b.data(), one.data());
     for (int t : {2, 3, 8}) {
       set_product_threads(t);
+      if (machine_threads() > 1) {
+        EXPECT_GT(cpu::linear_threads(s.M, s.N, s.K), 1) << t << " threads: the product was not spread";
+      }
       std::vector<float> y(one.size(), kNaN);
       cpu::linear(x.data(), s.M, s.K, W.data(), s.N, b.data(), y.data());
       EXPECT_EQ(std::memcmp(y.data(), one.data(), y.size() * sizeof(float)), 0) << t << " threads";
