@@ -45,6 +45,20 @@ Tokenizer Tokenizer::load(const std::string& dir, int image_token_index, bool wi
     t.bos_ = t.sp_->bos_id();
     t.eos_ = t.sp_->eos_id();
     if (cfg.contains("add_bos_token") && cfg["add_bos_token"].is_boolean()) t.add_bos_ = cfg["add_bos_token"].get<bool>();
+    auto flag = [&](const char* key, bool& v) {
+      if (!cfg.contains(key) || cfg[key].is_null()) return false;
+      if (!cfg[key].is_boolean()) throw InputError(tc + ": '" + key + "' must be true, false or null");
+      v = cfg[key].get<bool>();
+      return true;
+    };
+    bool legacy = false, prefix_space = true;
+    if (flag("add_prefix_space", prefix_space) && !prefix_space) t.prefix_ = SpacePrefix::None;
+    else t.prefix_ = flag("legacy", legacy) && legacy ? SpacePrefix::EverySection : SpacePrefix::FirstSection;
+    // The model again with its normalizer's add_dummy_prefix (field 3 of NormalizerSpec, field 3
+    // of ModelProto) off: a message field given twice is merged, its later scalars winning.
+    t.sp_bare_ = std::make_unique<sentencepiece::SentencePieceProcessor>();
+    const auto bare = t.sp_bare_->LoadFromSerializedProto(t.sp_->serialized_model_proto() + std::string("\x1a\x02\x18\x00", 4));
+    if (!bare.ok()) throw InputError(model + ": cannot load it without its space prefix (" + bare.ToString() + ")");
   } else if (file_exists(json_path)) {
     t.bpe_ = std::make_unique<ByteLevelBpe>(ByteLevelBpe::from_json(read_json_file(json_path, "tokenizer"), json_path));
     // BOS: what the post-processor puts first (Llama-3), else tokenizer_config's bos_token when
@@ -136,11 +150,16 @@ bool Tokenizer::needs_bos(const std::string& text) const {
 
 int Tokenizer::sp_vocab_size() const { return bpe_ ? bpe_->vocab_size() : sp_->GetPieceSize(); }
 
-std::vector<int> Tokenizer::encode(const std::string& text) const {
+std::vector<int> Tokenizer::encode(const std::string& text) const { return encode_section(text, true); }
+
+std::vector<int> Tokenizer::encode_section(const std::string& text, bool first) const {
   std::vector<int> ids;
   if (text.empty()) return ids;
   if (bpe_) return bpe_->encode(text);
-  const auto status = sp_->Encode(text, &ids);
+  // (A section that starts with a space, or with "▁", gets none added: it has its own.)
+  const bool own = text[0] == ' ' || text.rfind("\xe2\x96\x81", 0) == 0;
+  const bool prefix = !own && (prefix_ == SpacePrefix::EverySection || (prefix_ == SpacePrefix::FirstSection && first));
+  const auto status = (prefix ? sp_ : sp_bare_)->Encode(text, &ids);
   if (!status.ok()) throw InputError("tokenizer: cannot encode text (" + status.ToString() + ")");
   return ids;
 }
@@ -184,7 +203,7 @@ std::vector<int> Tokenizer::encode_prompt(const std::string& templ, const std::s
     const size_t at = text.find("<image>", start);
     const std::string chunk = text.substr(start, at == std::string::npos ? std::string::npos : at - start);
     if (!first) ids.insert(ids.end(), n_visual, image_token_);
-    const auto enc = encode(chunk);
+    const auto enc = encode_section(chunk, first);
     ids.insert(ids.end(), enc.begin(), enc.end());
     first = false;
     if (at == std::string::npos) break;

@@ -2,9 +2,12 @@
 // byte-level BPE tokenizer.json (models/bpe_tokenizer.h: GPT-2, Llama-3, Qwen2); then
 // tokenizer_config.json (add_bos_token, bos_token, eos_token), added_tokens.json / the config's
 // image_token_index for "<image>".
-// Prompts are tokenized as LLaVA's tokenizer_image_token does: each text chunk around
-// "<image>" is encoded on its own, BOS once at the start, the image token repeated once per
-// visual token.
+// Prompts are tokenized as HF transformers' processors do: each text section around "<image>" is
+// encoded on its own, BOS once at the start, the image token repeated once per visual token. A
+// SentencePiece tokenizer puts its "▁" before the sections as transformers (5.x) builds it from
+// tokenizer_config.json: before every section with "legacy": true (LLaVA's own
+// tokenizer_image_token does the same), before the text's first section only otherwise, and
+// before none with "add_prefix_space": false; never before a section that starts with a space.
 #pragma once
 #include <memory>
 #include <string>
@@ -65,7 +68,14 @@ class Tokenizer {
  private:
   void load_chat_template(const std::string& dir, const nlohmann::json& tokenizer_config);
 
+  enum class SpacePrefix { EverySection, FirstSection, None };
+  // A text section's ids: with the SentencePiece "▁" before it where prefix_ says so (`first`:
+  // the section starts the text).
+  std::vector<int> encode_section(const std::string& text, bool first) const;
+
   std::unique_ptr<sentencepiece::SentencePieceProcessor> sp_;
+  std::unique_ptr<sentencepiece::SentencePieceProcessor> sp_bare_;  // the same model without the "▁"
+  SpacePrefix prefix_ = SpacePrefix::EverySection;
   std::unique_ptr<ByteLevelBpe> bpe_;
   int bos_ = 1, eos_ = 2, image_token_ = -1;
   bool add_bos_ = true;

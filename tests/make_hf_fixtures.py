@@ -239,7 +239,10 @@ def write_tokenizer_files(folder, proto, image_token_index, patch_size, strategy
 def llava_prompt_ids(sp, text, image_token_index, n_visual):
     """LLaVA's tokenizer_image_token: chunks split on <image>, each encoded on
     its own (so each gets SentencePiece's dummy prefix), BOS once at the start,
-    the image token repeated n_visual times between chunks."""
+    the image token repeated n_visual times between chunks. HF's processors do
+    the same for a tokenizer_config.json with "legacy": true (the embedded
+    model's, make_family7b.py's); with "legacy": false the sections after the
+    first get no prefix, and the fixtures take the processor's own ids."""
     chunks = text.split("<image>")
     ids = [sp.bos_id()]
     for i, chunk in enumerate(chunks):
@@ -357,7 +360,9 @@ def run_reference(model, input_ids, pixel_values, device, image_token_index):
     out = model(input_ids=ids, pixel_values=pv, output_attentions=True, use_cache=True)
     first_logits = out.logits[0, -1].float().cpu()
     attn0 = out.attentions[0][0].float().cpu()  # [H, T, T]
-    image_features = out.image_hidden_states.float().cpu()
+    feats = out.image_hidden_states  # (one tensor per image in transformers ≥ 5.2x)
+    feats = torch.cat(list(feats)) if isinstance(feats, (list, tuple)) else feats
+    image_features = feats.float().cpu()
     past = out.past_key_values
     logits = out.logits[0, -1]
     greedy, margins, step_logits = [], [], []
@@ -416,8 +421,9 @@ def protobuf_available():
 
 
 def hf_processor_ids(folder, image, text):
-    """Informational: HF's own LlavaProcessor (AutoProcessor) loaded from the
-    folder. transformers reads tokenizer.model only through protobuf."""
+    """HF's own LlavaProcessor (AutoProcessor) loaded from the folder: its ids are
+    the prompt_ids kvlens must give. transformers reads tokenizer.model only
+    through protobuf."""
     try:
         from transformers import AutoProcessor
         proc = AutoProcessor.from_pretrained(folder)
@@ -486,7 +492,6 @@ def build_folder(spec, out_root, proto, sp, device, args):
     patch = spec["vision"]["patch_size"]
     strategy = spec["llava"]["vision_feature_select_strategy"]
     text = TEMPLATE.format(prompt=PROMPT)
-    prompt_ids = llava_prompt_ids(sp, text, image_token_index, n_visual)
 
     fallback = None
     for attempt in range(args.max_tries):
@@ -526,6 +531,12 @@ def build_folder(spec, out_root, proto, sp, device, args):
         image.save(os.path.join(folder, "image.png"))
         image = Image.open(os.path.join(folder, "image.png")).convert("RGB")
         assert image.size == (image_size, image_size)
+
+        # The prompt as HF's LlavaProcessor gives it from the folder's files: kvlens's reference.
+        hfp = hf_processor_ids(folder, image, text)
+        if "ids" not in hfp:
+            raise SystemExit(f"{spec['name']}: HF's processor failed: {hfp['error']}")
+        prompt_ids = hfp["ids"]
 
         improc = AutoImageProcessor.from_pretrained(folder, backend="pil")
         pixel_values = improc(images=image, return_tensors="pt")["pixel_values"].float()

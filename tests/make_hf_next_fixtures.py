@@ -40,7 +40,7 @@ from transformers import (AutoImageProcessor, AutoProcessor, CLIPVisionConfig, L
                           LlavaNextForConditionalGeneration, MistralConfig)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from make_hf_fixtures import (CLIP_MEAN, CLIP_STD, N_GREEDY, SP_VOCAB, greedy_decode, llava_prompt_ids, make_image,  # noqa: E402
+from make_hf_fixtures import (CLIP_MEAN, CLIP_STD, N_GREEDY, SP_VOCAB, greedy_decode, make_image,  # noqa: E402
                               random_init, train_tokenizer, write_tokenizer_files)
 from hf_layouts import relayout_weights, write_json  # noqa: E402
 from make_chat_template_fixtures import LLAVA_NEXT_MISTRAL  # noqa: E402
@@ -229,13 +229,10 @@ def build_seed(spec, out_root, proto, sp, seed):
     proc = AutoProcessor.from_pretrained(folder)
     n_visual = proc._get_num_multimodal_tokens(image_sizes=[[h, w]])["num_image_tokens"][0]
     text = spec["template"].replace("{prompt}", PROMPT)
-    ids = llava_prompt_ids(sp, text, IMAGE_TOKEN, n_visual)
-    try:
-        hf = proc(images=image, text=text, return_tensors="pt")
-        hf_ids = hf["input_ids"][0].tolist()
-        hf_pv_diff = float((hf["pixel_values"].float() - pixel_values).abs().max())
-    except Exception as e:  # noqa: BLE001 - recorded, not fatal
-        hf_ids, hf_pv_diff = None, f"{type(e).__name__}: {e}"[:300]
+    # The prompt as HF's LlavaNextProcessor gives it: the ids kvlens must give.
+    hf = proc(images=image, text=text, return_tensors="pt")
+    ids = hf_ids = hf["input_ids"][0].tolist()
+    hf_pv_diff = float((hf["pixel_values"].float() - pixel_values).abs().max())
     try:
         fast = AutoImageProcessor.from_pretrained(folder, backend="torchvision")
         if type(fast) is type(improc):  # (transformers falls back to PIL without torchvision)

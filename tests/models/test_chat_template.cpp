@@ -106,3 +106,31 @@ TEST(ChatTemplate, TheTokenizerFindsTheCheckpointsTemplate) {
   kt::write_file(dir + "/chat_template.jinja", "{{ messages[0]['content'][1]['text'] }}");
   EXPECT_NE(error_of([&] { load().chat_prompt(true); }).find("writes no <image> for the user's image"), std::string::npos);
 }
+
+// A SentencePiece tokenizer puts its "▁" before the prompt's text sections as HF transformers
+// builds it from tokenizer_config.json: before every section ("legacy": true), before the first
+// only ("legacy": false or absent), before none ("add_prefix_space": false). The ids are HF's
+// (tests/make_sp_prefix_fixtures.py); the templates put <image> first, inside, last and nowhere.
+// A "legacy" that is not a boolean is refused naming the file.
+TEST(ChatTemplate, SentencePiecePrefixAsTransformersPlacesIt) {
+  const std::string root = kt::source_dir() + "/tests/fixtures/tokenizers/sp_prefix";
+  const nlohmann::json cases = kt::read_json(root + "/cases.json");
+  const int image = cases["image_token_index"].get<int>(), n_visual = cases["n_visual"].get<int>();
+  ASSERT_EQ(cases["variants"].size(), 4u);
+  for (const auto& [name, rows] : cases["variants"].items()) {
+    const Tokenizer tok = Tokenizer::load(root + "/" + name, image);
+    for (const auto& r : rows) {
+      SCOPED_TRACE(name + ": " + r["template"].get<std::string>());
+      EXPECT_EQ(tok.encode_prompt(r["template"].get<std::string>(), cases["prompt"].get<std::string>(), n_visual),
+                r["ids"].get<std::vector<int>>());
+    }
+  }
+  const std::string dir = kt::make_temp_dir("sp_prefix");
+  for (const char* f : {"tokenizer.model", "special_tokens_map.json", "added_tokens.json"})
+    kt::write_file(dir + "/" + f, kt::read_file(root + "/legacy_false/" + f));
+  nlohmann::json cfg = kt::read_json(root + "/legacy_false/tokenizer_config.json");
+  cfg["legacy"] = "no";
+  kt::write_file(dir + "/tokenizer_config.json", cfg.dump());
+  const std::string err = error_of([&] { Tokenizer::load(dir, image); });
+  EXPECT_NE(err.find(dir + "/tokenizer_config.json: 'legacy' must be true, false or null"), std::string::npos) << err;
+}

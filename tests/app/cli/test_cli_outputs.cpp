@@ -52,10 +52,11 @@ void check_report(const nlohmann::json& j, const std::vector<Params>& specs, con
   ASSERT_EQ(full_ids.size(), static_cast<size_t>(opt.max_new_tokens));
   EXPECT_TRUE(std::equal(full_ids.begin(), full_ids.end(), greedy.begin())) << j["full"]["generated_ids"].dump();
   EXPECT_NE(j["definitions"]["softmax_kl"].get<std::string>().find("KL(full || method)"), std::string::npos);
-  // CacheHitRate: k = round(budget · T), rates[strategy][step][layer] in [0, 1] in steps of 1/k.
+  // CacheHitRate: k = floor(budget · T) (at least 1, as the report defines it), rates[strategy][step][layer]
+  // in [0, 1] in steps of 1/k.
   const auto& hr = j["cache_hit_rate"];
   const int T = static_cast<int>(j["prompt_ids"].size()), L = model.info().n_layers;
-  EXPECT_EQ(hr["k"], std::max(1, static_cast<int>(std::lround(opt.hit_budget * T))));
+  EXPECT_EQ(hr["k"], std::max(1, static_cast<int>(std::floor(opt.hit_budget * T + 1e-9))));
   ASSERT_EQ(hr["rates"].size(), 5u);
   for (const auto& [name, per_step] : hr["rates"].items()) {
     ASSERT_EQ(per_step.size(), hr["steps"].size()) << name;
