@@ -61,12 +61,26 @@ TextPrompt LlamaTextModel::tokenize(const std::string& prompt, const std::string
     if (!with && p.find("{prompt}") != std::string::npos) with = &p;
   if (!with) throw InputError("prompt template '" + templ + "' has no {prompt} (a span marker must not split it)");
   with->replace(with->find("{prompt}"), 8, prompt);
+  // The three parts are one text to the tokenizer's prefix rule: the first that is not empty
+  // starts it. Spaces that end a part go to the start of the next (when it has text), where a
+  // tokenizer puts them as the next word's "▁" or "Ġ": "Read: <span>the light</span> is" takes
+  // the ids of "Read: the light is".
+  for (int i = 0; i < 2; ++i)
+    while (!parts[i].empty() && parts[i].back() == ' ' && !parts[i + 1].empty()) {
+      parts[i].pop_back();
+      parts[i + 1].insert(0, 1, ' ');
+    }
   if (tok_.needs_bos(parts[0])) r.ids.push_back(tok_.bos_id());
-  for (int x : tok_.encode(parts[0])) r.ids.push_back(x);
+  bool first = true;
+  auto add = [&](const std::string& part) {
+    for (int x : tok_.encode_section(part, first)) r.ids.push_back(x);
+    if (!part.empty()) first = false;
+  };
+  add(parts[0]);
   r.span_first = static_cast<int>(r.ids.size());
-  for (int x : tok_.encode(parts[1])) r.ids.push_back(x);
+  add(parts[1]);
   r.span_n = static_cast<int>(r.ids.size()) - r.span_first;
-  for (int x : tok_.encode(parts[2])) r.ids.push_back(x);
+  add(parts[2]);
   if (r.span_n == 0) throw InputError("prompt template '" + templ + "': the span <span> … </span> holds no token");
   return r;
 }

@@ -2,6 +2,7 @@
 
 #include <sentencepiece_processor.h>
 
+#include <cstdint>
 #include <fstream>
 
 #include <nlohmann/json.hpp>
@@ -22,6 +23,39 @@ Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
 
 namespace {
 
+// The serialized ModelProto without its self-test samples (field 4): SentencePiece checks them
+// when it loads a model, and they were encoded with the model's own normalizer settings.
+std::string without_self_test(const std::string& proto, const std::string& file) {
+  std::string out;
+  size_t at = 0;
+  auto varint = [&](uint64_t& v) {
+    v = 0;
+    for (int shift = 0; shift < 64; shift += 7) {
+      if (at >= proto.size()) throw InputError(file + ": a truncated SentencePiece model");
+      const auto byte = static_cast<uint8_t>(proto[at++]);
+      v |= static_cast<uint64_t>(byte & 0x7f) << shift;
+      if (!(byte & 0x80)) return;
+    }
+    throw InputError(file + ": a malformed SentencePiece model");
+  };
+  while (at < proto.size()) {
+    const size_t start = at;
+    uint64_t tag = 0, n = 0;
+    varint(tag);
+    switch (tag & 7) {
+      case 0: varint(n); n = 0; break;
+      case 1: n = 8; break;
+      case 2: varint(n); break;
+      case 5: n = 4; break;
+      default: throw InputError(file + ": a malformed SentencePiece model");
+    }
+    if (n > proto.size() - at) throw InputError(file + ": a truncated SentencePiece model");
+    at += n;
+    if ((tag >> 3) != 4) out.append(proto, start, at - start);
+  }
+  return out;
+}
+
 // tokenizer_config.json's bos_token / eos_token: a string, or an object with its "content".
 std::string token_text(const nlohmann::json& j, const char* key) {
   if (!j.contains(key)) return "";
@@ -39,9 +73,22 @@ Tokenizer Tokenizer::load(const std::string& dir, int image_token_index, bool wi
   const std::string tc = dir + "/tokenizer_config.json";
   const nlohmann::json cfg = read_json_file_if_present(tc, "tokenizer config");
   if (file_exists(model)) {
+    // The model as transformers uses it: its normalizer's remove_extra_whitespaces (field 4 of
+    // NormalizerSpec, field 3 of ModelProto) off, as HF's Llama tokenizer ignores it (a message
+    // field given twice is merged, its later scalars winning); then a copy with add_dummy_prefix
+    // (field 3) off as well, for the sections that get no "▁". Neither keeps the model's
+    // self-test samples (field 4), made with its own settings: SentencePiece checks them at load.
+    const std::string proto = read_input_file(model, "SentencePiece tokenizer.model", uint64_t{1} << 30);
+    auto check = [&](const sentencepiece::util::Status& st) {
+      if (!st.ok()) throw InputError(model + ": not a SentencePiece model (" + st.ToString() + ")");
+    };
     t.sp_ = std::make_unique<sentencepiece::SentencePieceProcessor>();
-    const auto status = t.sp_->LoadFromSerializedProto(read_input_file(model, "SentencePiece tokenizer.model", uint64_t{1} << 30));
-    if (!status.ok()) throw InputError(model + ": not a SentencePiece model (" + status.ToString() + ")");
+    check(t.sp_->LoadFromSerializedProto(proto));
+    const std::string base = without_self_test(proto, model) + std::string("\x1a\x02\x20\x00", 4);
+    t.sp_ = std::make_unique<sentencepiece::SentencePieceProcessor>();
+    check(t.sp_->LoadFromSerializedProto(base));
+    t.sp_bare_ = std::make_unique<sentencepiece::SentencePieceProcessor>();
+    check(t.sp_bare_->LoadFromSerializedProto(base + std::string("\x1a\x02\x18\x00", 4)));
     t.bos_ = t.sp_->bos_id();
     t.eos_ = t.sp_->eos_id();
     if (cfg.contains("add_bos_token") && cfg["add_bos_token"].is_boolean()) t.add_bos_ = cfg["add_bos_token"].get<bool>();
@@ -54,11 +101,6 @@ Tokenizer Tokenizer::load(const std::string& dir, int image_token_index, bool wi
     bool legacy = false, prefix_space = true;
     if (flag("add_prefix_space", prefix_space) && !prefix_space) t.prefix_ = SpacePrefix::None;
     else t.prefix_ = flag("legacy", legacy) && legacy ? SpacePrefix::EverySection : SpacePrefix::FirstSection;
-    // The model again with its normalizer's add_dummy_prefix (field 3 of NormalizerSpec, field 3
-    // of ModelProto) off: a message field given twice is merged, its later scalars winning.
-    t.sp_bare_ = std::make_unique<sentencepiece::SentencePieceProcessor>();
-    const auto bare = t.sp_bare_->LoadFromSerializedProto(t.sp_->serialized_model_proto() + std::string("\x1a\x02\x18\x00", 4));
-    if (!bare.ok()) throw InputError(model + ": cannot load it without its space prefix (" + bare.ToString() + ")");
   } else if (file_exists(json_path)) {
     t.bpe_ = std::make_unique<ByteLevelBpe>(ByteLevelBpe::from_json(read_json_file(json_path, "tokenizer"), json_path));
     // BOS: what the post-processor puts first (Llama-3), else tokenizer_config's bos_token when

@@ -5,9 +5,11 @@
 // Prompts are tokenized as HF transformers' processors do: each text section around "<image>" is
 // encoded on its own, BOS once at the start, the image token repeated once per visual token. A
 // SentencePiece tokenizer puts its "▁" before the sections as transformers (5.x) builds it from
-// tokenizer_config.json: before every section with "legacy": true (LLaVA's own
-// tokenizer_image_token does the same), before the text's first section only otherwise, and
-// before none with "add_prefix_space": false; never before a section that starts with a space.
+// tokenizer_config.json: before every section with "legacy": true (as LLaVA's own
+// tokenizer_image_token does, but for a section that starts with a space), before the text's
+// first section only otherwise, and before none with "add_prefix_space": false; never before a
+// section that starts with a space (the space is its "▁"). Like transformers, it keeps every
+// space even where the model's normalizer says remove_extra_whitespaces.
 #pragma once
 #include <memory>
 #include <string>
@@ -39,7 +41,13 @@ class Tokenizer {
   Tokenizer(Tokenizer&&) noexcept;
   Tokenizer& operator=(Tokenizer&&) noexcept;
 
-  std::vector<int> encode(const std::string& text) const;  // no BOS
+  // Text's ids (no BOS) as the start of a prompt: with the SentencePiece "▁" before it unless
+  // "add_prefix_space" is false or the text starts with a space.
+  std::vector<int> encode(const std::string& text) const;
+  // A text section's ids: with the "▁" before it where the rule above says so (`first`: the
+  // section starts the text; later sections, after an <image> or a marker of kvlens's own,
+  // get it only with "legacy": true).
+  std::vector<int> encode_section(const std::string& text, bool first) const;
   // Text of generated ids; ids outside the SentencePiece vocabulary are skipped.
   std::string decode(const std::vector<int>& ids) const;
   std::string piece(int id) const;
@@ -69,9 +77,6 @@ class Tokenizer {
   void load_chat_template(const std::string& dir, const nlohmann::json& tokenizer_config);
 
   enum class SpacePrefix { EverySection, FirstSection, None };
-  // A text section's ids: with the SentencePiece "▁" before it where prefix_ says so (`first`:
-  // the section starts the text).
-  std::vector<int> encode_section(const std::string& text, bool first) const;
 
   std::unique_ptr<sentencepiece::SentencePieceProcessor> sp_;
   std::unique_ptr<sentencepiece::SentencePieceProcessor> sp_bare_;  // the same model without the "▁"

@@ -241,8 +241,9 @@ def llava_prompt_ids(sp, text, image_token_index, n_visual):
     its own (so each gets SentencePiece's dummy prefix), BOS once at the start,
     the image token repeated n_visual times between chunks. HF's processors do
     the same for a tokenizer_config.json with "legacy": true (the embedded
-    model's, make_family7b.py's); with "legacy": false the sections after the
-    first get no prefix, and the fixtures take the processor's own ids."""
+    model's, make_family7b.py's) but for a chunk that starts with a space (its
+    space is its prefix there); with "legacy": false the chunks after the first
+    get no prefix, and the fixtures take the processor's own ids."""
     chunks = text.split("<image>")
     ids = [sp.bos_id()]
     for i, chunk in enumerate(chunks):
@@ -422,8 +423,9 @@ def protobuf_available():
 
 def hf_processor_ids(folder, image, text):
     """HF's own LlavaProcessor (AutoProcessor) loaded from the folder: its ids are
-    the prompt_ids kvlens must give. transformers reads tokenizer.model only
-    through protobuf."""
+    the prompt_ids kvlens must give (build_folder stops where it fails; the error
+    is returned, not raised). transformers reads tokenizer.model only through
+    protobuf."""
     try:
         from transformers import AutoProcessor
         proc = AutoProcessor.from_pretrained(folder)
@@ -569,9 +571,8 @@ def build_folder(spec, out_root, proto, sp, device, args):
             args2.max_tries = 1
             return build_folder(spec, out_root, proto, sp, device, args2)
 
-    # HF's own processor, informational
-    hfp = hf_processor_ids(folder, image, text)
-    hf_ids = hfp.get("ids")
+    # HF's processor gave prompt_ids above (hfp); the LlamaTokenizer class alone, informational.
+    hf_ids = hfp["ids"]
     hft = hf_llama_tokenizer_ids(folder, text, n_visual)
     manual_pv_diff = float((manual_pixel_values(image, preprocessor_config(image_size)) - pixel_values[0]).abs().max())
     hf_pv_diff = None

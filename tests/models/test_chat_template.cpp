@@ -109,14 +109,18 @@ TEST(ChatTemplate, TheTokenizerFindsTheCheckpointsTemplate) {
 
 // A SentencePiece tokenizer puts its "▁" before the prompt's text sections as HF transformers
 // builds it from tokenizer_config.json: before every section ("legacy": true), before the first
-// only ("legacy": false or absent), before none ("add_prefix_space": false). The ids are HF's
-// (tests/make_sp_prefix_fixtures.py); the templates put <image> first, inside, last and nowhere.
+// only ("legacy": false, null or absent), before none ("add_prefix_space": false), and never
+// before a section that starts with a space or "▁"; a model with SentencePiece self-test samples
+// loads (its copy without the prefix drops them), and one that removes extra whitespace keeps a
+// section's leading space as its "▁". The ids are HF's
+// (tests/make_sp_prefix_fixtures.py); the templates put <image> first, inside, twice, last and
+// nowhere.
 // A "legacy" that is not a boolean is refused naming the file.
 TEST(ChatTemplate, SentencePiecePrefixAsTransformersPlacesIt) {
   const std::string root = kt::source_dir() + "/tests/fixtures/tokenizers/sp_prefix";
   const nlohmann::json cases = kt::read_json(root + "/cases.json");
   const int image = cases["image_token_index"].get<int>(), n_visual = cases["n_visual"].get<int>();
-  ASSERT_EQ(cases["variants"].size(), 4u);
+  ASSERT_EQ(cases["variants"].size(), 7u);
   for (const auto& [name, rows] : cases["variants"].items()) {
     const Tokenizer tok = Tokenizer::load(root + "/" + name, image);
     for (const auto& r : rows) {

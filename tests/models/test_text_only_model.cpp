@@ -4,6 +4,8 @@
 // test_parity / test_hf_values (the llama_text_* and mistral_* fixtures).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <functional>
 #include <string>
 
@@ -96,7 +98,8 @@ TEST(TextOnlyModel, MistralsSlidingWindowBoundsTheSequence) {
 // The span a template marks is what the methods treat as the visual segment: text before it
 // (after BOS), the span and the text after it tokenized each on its own and tagged system,
 // visual and post-vision. A span around the whole prompt tokenizes as the prompt alone does, so
-// the full cache still gives HF's ids. Markers used wrongly are refused.
+// the full cache still gives HF's ids, and so does one whose ends fall at spaces. Markers used
+// wrongly are refused.
 TEST(TextOnlyModel, ATemplateSpanIsTheMethodsVisualSegment) {
   const auto exp = kt::read_json(kLlama + "/expected.json");
   const std::string prompt = exp["prompt"].get<std::string>();
@@ -114,14 +117,14 @@ TEST(TextOnlyModel, ATemplateSpanIsTheMethodsVisualSegment) {
   g.stop_at_eos = false;
   EXPECT_EQ(m->decode(whole, nullptr, g).generated_ids, greedy);
 
+  // Spans that start and end at spaces move no token boundary: the ids of the text without the
+  // markers, the span from the first word's "▁" on.
   const PrefillState st = m->prefill(RGBImage{}, "the light", "Read: <span>{prompt}</span> is", false);
-  std::vector<int> ids{tok.bos_id()};
-  const std::vector<int> pre = tok.encode("Read: "), mid = tok.encode("the light"), post = tok.encode(" is");
-  ids.insert(ids.end(), pre.begin(), pre.end());
-  ids.insert(ids.end(), mid.begin(), mid.end());
-  ids.insert(ids.end(), post.begin(), post.end());
+  const std::vector<int> ids = tok.encode_prompt("Read: {prompt} is", "the light", 0);
+  const std::vector<int> pre = tok.encode("Read:"), mid = tok.encode("the light");
   ASSERT_EQ(st.ids, ids);
   EXPECT_EQ(st.n_visual, static_cast<int>(mid.size()));
+  EXPECT_TRUE(std::equal(mid.begin(), mid.end(), ids.begin() + 1 + static_cast<long>(pre.size())));
   for (size_t t = 0; t < ids.size(); ++t) {
     const SegmentKind k = t < 1 + pre.size() ? SegmentKind::System
                           : t < 1 + pre.size() + mid.size() ? SegmentKind::Visual

@@ -56,7 +56,7 @@ void check_report(const nlohmann::json& j, const std::vector<Params>& specs, con
   // in [0, 1] in steps of 1/k.
   const auto& hr = j["cache_hit_rate"];
   const int T = static_cast<int>(j["prompt_ids"].size()), L = model.info().n_layers;
-  EXPECT_EQ(hr["k"], std::max(1, static_cast<int>(std::floor(opt.hit_budget * T + 1e-9))));
+  EXPECT_EQ(hr["k"], std::max(1, static_cast<int>(std::floor(opt.hit_budget * T + 1e-6))));
   ASSERT_EQ(hr["rates"].size(), 5u);
   for (const auto& [name, per_step] : hr["rates"].items()) {
     ASSERT_EQ(per_step.size(), hr["steps"].size()) << name;
