@@ -9,10 +9,12 @@
 // tokenizer_image_token does, but for a section that starts with a space), before the text's
 // first section only otherwise, and before none with "add_prefix_space": false; never before a
 // section that starts with a space (the space is its "▁"). Like transformers, it keeps every
-// space even where the model's normalizer says remove_extra_whitespaces.
+// space even where the model's normalizer says remove_extra_whitespaces, and it takes the text
+// of a special or added token (<s>, </s>, ...) in a prompt as that token, which ends a section.
 #pragma once
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -81,6 +83,10 @@ class Tokenizer {
   std::unique_ptr<sentencepiece::SentencePieceProcessor> sp_;
   std::unique_ptr<sentencepiece::SentencePieceProcessor> sp_bare_;  // the same model without the "▁"
   SpacePrefix prefix_ = SpacePrefix::EverySection;
+  // A SentencePiece tokenizer's added and special tokens by their text (BOS, EOS, UNK,
+  // tokenizer_config.json's added_tokens_decoder, added_tokens.json; not <image>): found in a
+  // text, they are their own ids, and the text after one is not the text's start.
+  std::vector<std::pair<std::string, int>> sp_added_;
   std::unique_ptr<ByteLevelBpe> bpe_;
   int bos_ = 1, eos_ = 2, image_token_ = -1;
   bool add_bos_ = true;

@@ -15,7 +15,7 @@ The same SentencePiece model (make_hf_fixtures.py's, <image> = 352) in five fold
   strip_spaces    "legacy": true, and the model's normalizer removes extra whitespace (a leading
                   space among it; transformers ignores that setting)
 cases.json: for each folder and prompt template (<image> at the start, inside, twice, last and
-absent; sections that start with a space or with "▁"),
+absent; sections that start with a space or with "▁"; <s>, </s> and <unk> written in the text),
 HF's AutoTokenizer ids for the template with {prompt} filled and <image> written three times, as
 the processors expand it, and the transformers version that gave them.
 
@@ -36,7 +36,8 @@ VARIANTS = {"legacy_true": {"legacy": True}, "legacy_false": {"legacy": False}, 
             "legacy_null": {"legacy": None}, "no_prefix_space": {"add_prefix_space": False},
             "self_test": {"legacy": False}, "strip_spaces": {"legacy": True}}
 TEMPLATES = ["USER: <image>\n{prompt} ASSISTANT:", "<image>\n{prompt}", "[INST] <image> {prompt} [/INST]",
-             " {prompt}", "{prompt}<image>", "A<image>B<image>C {prompt}", "\u2581{prompt} x<image>\u2581y"]
+             " {prompt}", "{prompt}<image>", "A<image>B<image>C {prompt}", "\u2581{prompt} x<image>\u2581y",
+             "<s>[INST] <image>\n{prompt} </s>x [/INST]", "{prompt}<unk> y</s>"]
 PROMPT = "Describe the image."
 N_VISUAL = 3
 

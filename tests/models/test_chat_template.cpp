@@ -112,7 +112,9 @@ TEST(ChatTemplate, TheTokenizerFindsTheCheckpointsTemplate) {
 // only ("legacy": false, null or absent), before none ("add_prefix_space": false), and never
 // before a section that starts with a space or "▁"; a model with SentencePiece self-test samples
 // loads (its copy without the prefix drops them), and one that removes extra whitespace keeps a
-// section's leading space as its "▁". The ids are HF's
+// section's leading space as its "▁"; <s>, </s> and <unk> written in a template are those tokens
+// and end a section (a template that writes <s> gets a second BOS, as HF's processors give it).
+// The ids are HF's
 // (tests/make_sp_prefix_fixtures.py); the templates put <image> first, inside, twice, last and
 // nowhere.
 // A "legacy" that is not a boolean is refused naming the file.
