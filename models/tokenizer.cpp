@@ -82,8 +82,6 @@ Tokenizer Tokenizer::load(const std::string& dir, int image_token_index, bool wi
     auto check = [&](const sentencepiece::util::Status& st) {
       if (!st.ok()) throw InputError(model + ": not a SentencePiece model (" + st.ToString() + ")");
     };
-    t.sp_ = std::make_unique<sentencepiece::SentencePieceProcessor>();
-    check(t.sp_->LoadFromSerializedProto(proto));
     const std::string base = without_self_test(proto, model) + std::string("\x1a\x02\x20\x00", 4);
     t.sp_ = std::make_unique<sentencepiece::SentencePieceProcessor>();
     check(t.sp_->LoadFromSerializedProto(base));
