@@ -332,6 +332,14 @@ std::vector<int> ByteLevelBpe::encode(const std::string& text) const {
   return ids;
 }
 
+bool ByteLevelBpe::nfc_available() {
+#ifdef KVLENS_HAVE_ICU
+  return true;
+#else
+  return false;
+#endif
+}
+
 std::vector<int> ByteLevelBpe::encode_text(const std::string& raw) const {
   if (raw.empty()) return {};
   std::vector<std::pair<uint32_t, int>> cps;

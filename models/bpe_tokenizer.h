@@ -18,6 +18,9 @@ namespace kvlens {
 
 class ByteLevelBpe {
  public:
+  // Whether this build normalizes text to NFC (ICU). Without it, a tokenizer.json that asks for
+  // NFC encodes ASCII text and refuses other text, saying so.
+  static bool nfc_available();
   // `j`: tokenizer.json's object; `where` names the file in messages. Throws InputError for a
   // model, normalizer or pre-tokenizer kvlens does not read, naming it.
   static ByteLevelBpe from_json(const nlohmann::json& j, const std::string& where);

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
 #include "core/data/image.h"
@@ -22,6 +23,15 @@ namespace kvlens::testing {
 
 inline std::string source_dir() { return KVLENS_SOURCE_DIR; }
 inline std::string cli() { return KVLENS_BINARY; }
+
+// Whether this build renders figures (Cairo). A test that also draws figures, run on a build
+// without it, checks the CLI's refusal of --figures, checks the rest without them and ends in a
+// visible skip that says the figures went unchecked.
+#ifdef KVLENS_HAVE_CAIRO
+inline constexpr bool kHaveCairo = true;
+#else
+inline constexpr bool kHaveCairo = false;
+#endif
 
 inline std::string make_temp_dir(const std::string& tag) {
   std::string templ = "/tmp/kvlens_test_" + tag + "_XXXXXX";
@@ -74,6 +84,16 @@ std::string error_of(F f) {
   } catch (const kvlens::InputError& e) {
     return e.what();
   }
+  return "";
+}
+
+// `figures` (" --figures DIR ...") on a build with Cairo. Without it, runs `cmd + figures`, expects
+// the refusal (exit 2, a message naming Cairo) and gives "" so that the caller runs the rest.
+inline std::string figures_option(const std::string& cmd, const std::string& figures) {
+  if (kHaveCairo) return figures;
+  const RunResult r = run(cmd + figures);
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("built without Cairo"), std::string::npos) << r.output;
   return "";
 }
 

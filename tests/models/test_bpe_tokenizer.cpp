@@ -5,6 +5,7 @@
 // The fixtures and HF's ids come from tests/make_bpe_fixtures.py.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <functional>
 #include <string>
 #include <vector>
@@ -36,9 +37,17 @@ TEST_P(BpeFixture, IdsAndTextAreHfTokenizers) {
   const nlohmann::json cases = kt::read_json(dir + "/cases.json");
   EXPECT_EQ(tok.sp_vocab_size(), cases["vocab_size"].get<int>());
   ASSERT_GE(cases["cases"].size(), GetParam() == "ignore_merges_probe" ? 3u : 15u);
+  // The Qwen2 layout normalizes to NFC: without ICU its non-ASCII cases must be refused, by name.
+  int unnormalized = 0;
   for (const auto& c : cases["cases"]) {
     const std::string text = c["text"].get<std::string>();
     SCOPED_TRACE(text);
+    if (GetParam() == "qwen2_style" && !ByteLevelBpe::nfc_available() &&
+        std::any_of(text.begin(), text.end(), [](char ch) { return static_cast<unsigned char>(ch) >= 0x80; })) {
+      EXPECT_NE(kt::error_of([&] { tok.encode(text); }).find("built without ICU"), std::string::npos);
+      ++unnormalized;
+      continue;
+    }
     const std::vector<int> ids = c["ids"].get<std::vector<int>>();
     EXPECT_EQ(tok.encode(text), ids);
     EXPECT_EQ(tok.decode(ids), c["decoded"].get<std::string>());
@@ -56,6 +65,8 @@ TEST_P(BpeFixture, IdsAndTextAreHfTokenizers) {
     with.insert(with.end(), ids.begin(), ids.end());
     EXPECT_EQ(with, c["ids_with_special_tokens"].get<std::vector<int>>());
   }
+  if (unnormalized > 0)
+    GTEST_SKIP() << unnormalized << " non-ASCII cases are not checked: this kvlens was built without ICU (libicu-dev)";
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, BpeFixture, ::testing::Values("gpt2_style", "llama3_style", "qwen2_style",
