@@ -539,14 +539,17 @@ std::vector<GemvBenchRow> bench_gemv(const GemvBenchConfig& c) {
   };
   // The decode step's products as it runs them: gate/up writes SiLU(gate)·up (paired rows), which
   // the down product reads as its plain fp16 input.
-  const Shape shapes[] = {{"q/k/v", "rmsnorm(h)", 3 * H, H},
+  // q/k/v also from a ready x: what the fused norm costs.
+  const int qkv = c.qkv_rows > 0 ? c.qkv_rows : 3 * H;
+  const Shape shapes[] = {{"q/k/v", "rmsnorm(h)", qkv, H},
+                          {"q/k/v", "x", qkv, H},
                           {"o", "x", H, H},
                           {"gate/up", "rmsnorm(h)", 2 * I, H, true},
                           {"down", "x", H, I},
                           {"lm head", "rmsnorm(h)", c.vocab, H}};
   Mem x(static_cast<int64_t>(I) * 2, "gemv bench x"), h(static_cast<int64_t>(I) * 4, "gemv bench h"),
       g(static_cast<int64_t>(I) * 4, "gemv bench g"), act(static_cast<int64_t>(I) * 2, "gemv bench silu(gate)*up"),
-      y(static_cast<int64_t>(std::max(c.vocab, 2 * I)) * 4, "gemv bench y");
+      y(static_cast<int64_t>(std::max({c.vocab, 2 * I, qkv})) * 4, "gemv bench y");
   fill_half(x, -1.0f, 1.0f, 1, st.s);
   fill_float_kernel<<<grid(I), 256, 0, st.s>>>(h.as<float>(), I, -2.0f, 2.0f, 2);
   fill_float_kernel<<<grid(I), 256, 0, st.s>>>(g.as<float>(), I, 0.5f, 1.5f, 3);
@@ -560,13 +563,19 @@ std::vector<GemvBenchRow> bench_gemv(const GemvBenchConfig& c) {
       fill_half(*W.back(), -0.05f, 0.05f, 100 + i, st.s);
     }
     KV_LAUNCH("fill_half_kernel", "gemv bench weights");
-    std::vector<std::pair<int, bool>> variants;
+    struct Variant {
+      int R, blocks;
+      bool pdl;
+    };
+    std::vector<Variant> variants;
     for (int r : c.rows_per_warp)
-      if (!sh.paired || r == 0) variants.push_back({r, true});  // a paired warp always owns two rows
-    variants.push_back({0, false});
-    for (auto [R, pdl] : variants) {
+      for (int b : c.max_blocks)
+        if (!sh.paired || r == 0) variants.push_back({r, b, true});  // a paired warp always owns two rows
+    variants.push_back({0, kGemvResident, false});
+    for (auto [R, blocks, pdl] : variants) {
       GemvParams p;
       p.dt = Dt::F16, p.N = sh.N, p.K = sh.K, p.y = y.as<float>(), p.rows_per_warp = R, p.pdl = pdl;
+      p.max_blocks = blocks;
       const std::string in = sh.input;
       if (in == "x") {
         p.x = x.p, p.accumulate = true;
@@ -584,7 +593,7 @@ std::vector<GemvBenchRow> bench_gemv(const GemvBenchConfig& c) {
       calls(copies);  // warm-up
       const float median = median5_ms(st.s, "gemv bench", [&] { calls(c.reps); });
       GemvBenchRow r;
-      r.name = sh.name, r.input = sh.input, r.N = sh.N, r.K = sh.K, r.rows_per_warp = R, r.pdl = pdl;
+      r.name = sh.name, r.input = sh.input, r.N = sh.N, r.K = sh.K, r.rows_per_warp = R, r.pdl = pdl, r.max_blocks = blocks;
       r.us = 1e3 * median / c.reps;
       r.gbs = static_cast<double>(wbytes) / (r.us * 1e3);
       rows.push_back(r);

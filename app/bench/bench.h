@@ -82,12 +82,14 @@ std::vector<ThroughputRow> bench_throughput(const ThroughputConfig& c);
 struct GemvBenchConfig {
   int device = 0;
   int hidden = 4096, intermediate = 11008, vocab = 32064;
+  int qkv_rows = 0;  // rows of the q/k/v product; 0 = 3·hidden (no GQA)
   std::vector<int> rows_per_warp{0, 1, 2, 4, 8};
+  std::vector<int> max_blocks{0};  // GemvParams::max_blocks values to time
   int reps = 40;  // calls per timing (median of 5 timings)
 };
 struct GemvBenchRow {
   std::string name, input;  // "q/k/v", ...; "x" or "rmsnorm(h)"
-  int N = 0, K = 0, rows_per_warp = 0;
+  int N = 0, K = 0, rows_per_warp = 0, max_blocks = 0;
   bool pdl = true;
   double us = 0;   // per call
   double gbs = 0;  // weight bytes / time

@@ -280,9 +280,13 @@ void run_attention(const AttnArgs& a) {
 
 struct GemvArgs {
   std::vector<int> rows_per_warp{0, 1, 2, 4, 8};
+  std::vector<std::string> grids{"resident", "full"};
+  int hidden = 4096, intermediate = 11008, vocab = 32064, qkv_rows = 0;
   int reps = 40, device = 0;
   std::string json;
 };
+
+constexpr int kGemvBenchMax = 32768;  // cuda::kGemvMaxK
 
 void run_gemv(const GemvArgs& a) {
   need_cuda("gemv");
@@ -292,22 +296,35 @@ void run_gemv(const GemvArgs& a) {
 #ifdef KVLENS_HAVE_CUDA
   auto be = cuda_backend(a.device);
   const double copy = be->copy_bandwidth();
+  if (a.hidden % 8 != 0 || a.intermediate % 8 != 0 || a.hidden > a.intermediate)
+    throw InputError("--hidden / --intermediate: multiples of 8 with hidden <= intermediate, got " +
+                     std::to_string(a.hidden) + " / " + std::to_string(a.intermediate));
   cuda::GemvBenchConfig c;
   c.device = a.device;
   c.rows_per_warp = a.rows_per_warp;
+  c.hidden = a.hidden, c.intermediate = a.intermediate, c.vocab = a.vocab, c.qkv_rows = a.qkv_rows;
+  c.max_blocks.clear();
+  for (const std::string& g : a.grids) {
+    if (g == "full") c.max_blocks.push_back(0);
+    else if (g == "resident") c.max_blocks.push_back(cuda::kGemvResident);
+    else throw InputError("--grid: each must be full or resident, got \"" + g + "\"");
+  }
   c.reps = a.reps;
   const auto rows = cuda::bench_gemv(c);
-  std::printf("one-token products (LLaVA-1.5-7B sizes, fp16 weights), %s; copy bandwidth %.1f GB/s\n",
-              be->device().c_str(), copy / 1e9);
-  std::printf("%-8s %-14s %6s %6s %5s %4s %9s %9s %8s\n", "product", "input", "N", "K", "rows", "pdl", "us", "GB/s",
-              "of copy");
+  std::printf("one-token products (hidden %d, intermediate %d, q/k/v rows %d, vocab %d; fp16 weights), %s; copy "
+              "bandwidth %.1f GB/s\n",
+              a.hidden, a.intermediate, a.qkv_rows > 0 ? a.qkv_rows : 3 * a.hidden, a.vocab, be->device().c_str(),
+              copy / 1e9);
+  std::printf("%-8s %-14s %6s %6s %5s %-8s %4s %9s %9s %8s\n", "product", "input", "N", "K", "rows", "grid", "pdl", "us",
+              "GB/s", "of copy");
   nlohmann::json j = nlohmann::json::array();
   for (const auto& r : rows) {
-    std::printf("%-8s %-14s %6d %6d %5s %4s %9.2f %9.1f %7.1f%%\n", r.name.c_str(), r.input.c_str(), r.N, r.K,
-                r.rows_per_warp ? std::to_string(r.rows_per_warp).c_str() : "auto", r.pdl ? "on" : "off", r.us, r.gbs,
-                100 * r.gbs * 1e9 / copy);
+    const char* grid = r.max_blocks == 0 ? "full" : "resident";
+    std::printf("%-8s %-14s %6d %6d %5s %-8s %4s %9.2f %9.1f %7.1f%%\n", r.name.c_str(), r.input.c_str(), r.N, r.K,
+                r.rows_per_warp ? std::to_string(r.rows_per_warp).c_str() : "auto", grid, r.pdl ? "on" : "off", r.us,
+                r.gbs, 100 * r.gbs * 1e9 / copy);
     j.push_back({{"product", r.name}, {"input", r.input}, {"N", r.N}, {"K", r.K}, {"rows_per_warp", r.rows_per_warp},
-                 {"pdl", r.pdl}, {"us", r.us}, {"gbs", r.gbs}});
+                 {"grid", grid}, {"pdl", r.pdl}, {"us", r.us}, {"gbs", r.gbs}});
   }
   std::printf("gate/up: a warp takes a gate row and its up row and writes SiLU(gate)*up in fp16 (rows per warp: auto\n"
               "only); down reads that as its x\n");
@@ -496,6 +513,14 @@ void add_bench_command(CLI::App& root) {
   auto gv = std::make_shared<GemvArgs>();
   CLI::App* gm = c->add_subcommand("gemv", "One-token products alone (CUDA): decode-step sizes vs copy bandwidth");
   add_ints(gm, "--rows-per-warp", gv->rows_per_warp, 0, 8, "0 = the kernel's choice, else 1, 2, 4 or 8");
+  gm->add_option("--grid", gv->grids,
+                 "Blocks of each product: full (a row group a warp) and/or resident (no more blocks than the GPU "
+                 "holds at once, each warp taking several groups)")
+      ->capture_default_str();
+  add_int(gm, "--hidden", gv->hidden, 8, kGemvBenchMax, "Model width: K of q/k/v, o, gate/up and the LM head");
+  add_int(gm, "--intermediate", gv->intermediate, 8, kGemvBenchMax, "MLP width: K of the down product");
+  add_int(gm, "--vocab", gv->vocab, 1, 1 << 20, "Rows of the LM head");
+  add_int(gm, "--qkv-rows", gv->qkv_rows, 0, 1 << 20, "Rows of the q/k/v product (0: 3 x hidden; GQA has fewer)");
   add_int(gm, "--reps", gv->reps, 1, 100000, "Calls per timing (median of 5)");
   add_int(gm, "--device", gv->device, 0, 1024, "CUDA device ordinal");
   gm->add_option("--json", gv->json, "Also write the rows as JSON here");

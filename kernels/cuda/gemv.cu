@@ -4,10 +4,11 @@
 //
 // Each block first stages the input vector x in shared memory in the weights' dtype — x itself,
 // or RMSNorm(h)·g rounded exactly as rms_norm stores it — so each x chunk is read once per warp
-// and shared by its R rows. Each warp owns R consecutive rows (one group a warp; blocks past the
-// first wave start as slots free up) and walks K in stages of 8 loads a lane (R rows × 8/R
-// chunks), two stages in flight: the stage after next is loaded while the current one is
-// multiplied. The weights are streamed past L1 with L2 evict-first hints; the rows are reduced
+// and shared by its R rows. Each warp owns groups of R consecutive rows — one group a warp, blocks
+// past the first wave starting as slots free up; or, on a grid held to fewer blocks
+// (max_blocks), groups warp, warp + all warps, ... — and walks K in stages of 8 loads a lane
+// (R rows × 8/R chunks), two stages in flight: the stage after next is loaded while the current
+// one is multiplied, from one group into the next. The weights are streamed past L1 with L2 evict-first hints; the rows are reduced
 // by warp shuffles.
 //
 // Paired mode (the MLP's gate and up products of a decode step): W holds 2N rows, the N gate
@@ -20,7 +21,11 @@
 // kernels, so a block issues its first two stages of weight loads before it waits for the
 // previous kernel, then reads x; the previous kernel's tail and this kernel's start overlap.
 // Nothing produced upstream is read, and nothing is written, before the wait.
+#include <algorithm>
 #include <cstring>
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/kernels.h"
@@ -30,6 +35,8 @@ namespace kvlens::cuda {
 namespace {
 
 constexpr int kThreads = 256, kWarps = kThreads / 32;
+// Dynamic shared memory a block may have without asking (x past it, up to kGemvMaxK, is asked for).
+constexpr size_t kDefaultSmem = 48 * 1024 - 256;
 enum Mode : int { kPlain = 0, kNorm = 1, kNormPair = 2 };
 
 struct Args {
@@ -145,34 +152,67 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_kernel(const Args a) {
   static_assert(!PAIR || R == 2, "a paired warp owns two rows");
   extern __shared__ uint4 xs[];
   const int lane = threadIdx.x & 31;
+  const int warps = gridDim.x * kWarps;
   const int warp = blockIdx.x * kWarps + (threadIdx.x >> 5);
-  const int row0 = PAIR ? warp : warp * R;
+  const int groups = PAIR ? a.N : (a.N + R - 1) / R;
   const int K8 = a.K >> 3, stages = (K8 + 32 * U - 1) / (32 * U);
-  const bool active = row0 < a.N;
-  // Rows past N (the last group only) read row N-1 again; their sums are dropped.
-  const uint4* w0 = a.W + static_cast<int64_t>(min(row0, a.N - 1)) * K8;
-  int64_t roff[R];
+  // This warp's row groups are warp, warp + warps, ...; it walks their stages as one sequence of
+  // items (group, stage), so the loads of the next group are in flight while this one ends.
+  const int items = warp < groups ? ((groups - 1 - warp) / warps + 1) * stages : 0;
+  // The first row of a group and each of its R rows' offset from it. Rows past N (the last
+  // group only) read row N-1 again; their sums are dropped.
+  auto rows = [&](int g, int64_t(&off)[R]) -> const uint4* {
+    const int row0 = PAIR ? g : g * R;
+    const int first = min(row0, a.N - 1);
 #pragma unroll
-  for (int r = 0; r < R; ++r)
-    roff[r] = PAIR ? static_cast<int64_t>(r) * a.N * K8 : static_cast<int64_t>(min(row0 + r, a.N - 1) - min(row0, a.N - 1)) * K8;
+    for (int r = 0; r < R; ++r)
+      off[r] = PAIR ? static_cast<int64_t>(r) * a.N * K8 : static_cast<int64_t>(min(row0 + r, a.N - 1) - first) * K8;
+    return a.W + static_cast<int64_t>(first) * K8;
+  };
 
   const uint64_t pol = evict_first_policy();
   uint4 b0[R][U], b1[R][U];
-  auto load = [&](uint4(&b)[R][U], int s) {
+  int lg = warp, ls = 0;  // the next item to load
+  auto load = [&](uint4(&b)[R][U]) {
+    int64_t off[R];
+    const uint4* w0 = rows(lg, off);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int c = (s * U + u) * 32 + lane;
+      const int c = (ls * U + u) * 32 + lane;
 #pragma unroll
-      for (int r = 0; r < R; ++r) b[r][u] = c < K8 ? ld_stream(w0 + roff[r] + c, pol) : make_uint4(0, 0, 0, 0);
+      for (int r = 0; r < R; ++r) b[r][u] = c < K8 ? ld_stream(w0 + off[r] + c, pol) : make_uint4(0, 0, 0, 0);
     }
+    if (++ls == stages) ls = 0, lg += warps;
   };
   float acc[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) acc[r] = 0.0f;
-  auto mul = [&](const uint4(&b)[R][U], int s) {
+  int mg = warp, ms = 0;  // the next item to multiply
+  // A group's sums, reduced across the warp, written and cleared.
+  auto finish = [&] {
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
+    const int row0 = PAIR ? mg : mg * R;
+    if constexpr (PAIR) {
+      if (lane == 0) static_cast<T*>(a.out)[row0] = from_f<T>(activate(acc[0], a.act) * acc[1]);  // as gated_act
+    } else {
+      float v = acc[0];
+#pragma unroll
+      for (int r = 1; r < R; ++r)
+        if (lane == r) v = acc[r];
+      const int row = row0 + lane;
+      if (lane < R && row < a.N) {
+        if (a.bias) v += a.bias[row];
+        a.y[row] = a.accumulate ? a.y[row] + v : v;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+  };
+  auto mul = [&](const uint4(&b)[R][U]) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int c = (s * U + u) * 32 + lane;
+      const int c = (ms * U + u) * 32 + lane;
       if (c < K8) {
         float xf[8];
         unpack8<T>(xs[c], xf);
@@ -185,47 +225,65 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_kernel(const Args a) {
         }
       }
     }
+    if (++ms == stages) {
+      finish();
+      ms = 0, mg += warps;
+    }
   };
 
-  // Two stages of weights in flight before the wait and while x is staged.
-  if (active) {
-    load(b0, 0);
-    if (stages > 1) load(b1, 1);
-  }
+  // Two items of weights in flight before the wait and while x is staged.
+  if (items > 0) load(b0);
+  if (items > 1) load(b1);
   pdl_wait();  // the previous kernel's results are visible from here on
   pdl_trigger();
   stage_x<T, MODE>(a, xs);
   __syncthreads();
-  if (!active) return;
-  for (int s = 0; s < stages; s += 2) {
-    mul(b0, s);
-    if (s + 2 < stages) load(b0, s + 2);
-    if (s + 1 >= stages) break;
-    mul(b1, s + 1);
-    if (s + 3 < stages) load(b1, s + 3);
-  }
-#pragma unroll
-  for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
-  if constexpr (PAIR) {
-    if (lane == 0) static_cast<T*>(a.out)[row0] = from_f<T>(activate(acc[0], a.act) * acc[1]);  // as gated_act
-    return;
-  }
-  float v = acc[0];
-#pragma unroll
-  for (int r = 1; r < R; ++r)
-    if (lane == r) v = acc[r];
-  const int row = row0 + lane;
-  if (lane < R && row < a.N) {
-    if (a.bias) v += a.bias[row];
-    a.y[row] = a.accumulate ? a.y[row] + v : v;
+  for (int j = 0; j < items; j += 2) {
+    mul(b0);
+    if (j + 2 < items) load(b0);
+    if (j + 1 >= items) break;
+    mul(b1);
+    if (j + 3 < items) load(b1);
   }
 }
 
+// Blocks of gemv_kernel<T, R, MODE> with x[K] staged that one multiprocessor holds at once, on
+// the current device, times its multiprocessors (asked once per device and K). The first call on
+// a device also lets the kernel stage x past the default 48 KiB of shared memory.
 template <class T, int R, int MODE>
-void launch(const Args& a, bool pdl, cudaStream_t s) {
+int resident_blocks(int K) {
+  static std::mutex mu;
+  static std::map<std::pair<int, int>, int> known;  // (device, K) → blocks; (device, 0): room made
+  int dev = 0;
+  KV_CUDA(cudaGetDevice(&dev), "gemv: the current device");
+  std::lock_guard<std::mutex> lock(mu);
+  if (!known.count({dev, 0})) {
+    KV_CUDA(cudaFuncSetAttribute(gemv_kernel<T, R, MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(kGemvMaxK * sizeof(T))),
+            "gemv_kernel: shared memory for x of " + std::to_string(kGemvMaxK) + " values");
+    known[{dev, 0}] = 0;
+  }
+  auto it = known.find({dev, K});
+  if (it != known.end()) return it->second;
+  int per_sm = 0, sms = 0;
+  KV_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_kernel<T, R, MODE>, kThreads,
+                                                        static_cast<size_t>(K) * sizeof(T)),
+          "gemv_kernel occupancy");
+  KV_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "gemv: multiprocessors");
+  return known[{dev, K}] = std::max(1, per_sm * sms);
+}
+
+template <class T, int R, int MODE>
+void launch(const Args& a, int max_blocks, bool pdl, cudaStream_t s) {
   const int groups = MODE == kNormPair ? a.N : (a.N + R - 1) / R;
-  KV_CUDA(launch_dependent(gemv_kernel<T, R, MODE>, (groups + kWarps - 1) / kWarps, kThreads,
-                           static_cast<size_t>(a.K) * sizeof(T), s, pdl, a),
+  const size_t smem = static_cast<size_t>(a.K) * sizeof(T);
+  int blocks = (groups + kWarps - 1) / kWarps;
+  if (max_blocks == kGemvResident || smem > kDefaultSmem) {
+    const int resident = resident_blocks<T, R, MODE>(a.K);
+    if (max_blocks == kGemvResident) blocks = std::min(blocks, resident);
+  }
+  if (max_blocks > 0) blocks = std::min(blocks, max_blocks);
+  KV_CUDA(launch_dependent(gemv_kernel<T, R, MODE>, blocks, kThreads, smem, s, pdl, a),
           "gemv_kernel " + std::to_string(a.N) + "x" + std::to_string(a.K));
 }
 
@@ -239,15 +297,15 @@ void go(const GemvParams& p, const Args& a, cudaStream_t s) {
   // as fp16 (the gate in the gate/up epilogue) the two are within 0.5 % (33.8 and 34.0 µs, 89.7
   // and 89.3 % of copy; four 38.5 µs, eight 45.0 µs), so two stays.
   if constexpr (MODE == kNormPair) {
-    launch<T, 2, MODE>(a, p.pdl, s);
+    launch<T, 2, MODE>(a, p.max_blocks, p.pdl, s);
   } else {
     int R = p.rows_per_warp;
     if (R == 0) R = p.K > 8192 ? 2 : 1;
     switch (R) {
-      case 1: return launch<T, 1, MODE>(a, p.pdl, s);
-      case 2: return launch<T, 2, MODE>(a, p.pdl, s);
-      case 4: return launch<T, 4, MODE>(a, p.pdl, s);
-      case 8: return launch<T, 8, MODE>(a, p.pdl, s);
+      case 1: return launch<T, 1, MODE>(a, p.max_blocks, p.pdl, s);
+      case 2: return launch<T, 2, MODE>(a, p.max_blocks, p.pdl, s);
+      case 4: return launch<T, 4, MODE>(a, p.max_blocks, p.pdl, s);
+      case 8: return launch<T, 8, MODE>(a, p.max_blocks, p.pdl, s);
     }
     throw InternalError("gemv: rows_per_warp must be 0, 1, 2, 4 or 8, got " + std::to_string(R));
   }
@@ -263,6 +321,8 @@ void gemv(const GemvParams& p, cudaStream_t s) {
     throw InternalError("gemv: needs f16/bf16 and K a multiple of 8 up to " + std::to_string(kGemvMaxK) + ", got " +
                         std::string(dt_name(p.dt)) + " K=" + std::to_string(p.K));
   if (!p.W) throw InternalError("gemv: no weights");
+  if (p.max_blocks < kGemvResident)
+    throw InternalError("gemv: max_blocks must be 0, kGemvResident or a block count, got " + std::to_string(p.max_blocks));
   if (!p.x == !p.h) throw InternalError("gemv: one input needed, x or h (with g), not both or neither");
   if (p.h && !p.g) throw InternalError("gemv: the norm input h needs its weight g");
   if (p.check && !p.h) throw InternalError("gemv: the finiteness check rides on the norm input (h) only");

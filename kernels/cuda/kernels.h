@@ -48,7 +48,8 @@ void first_nonfinite(const float* x, int64_t n, unsigned long long* slot, cudaSt
 // the N up rows, and out[n] = act(gate_n)·up_n in the weights' dtype, computed from the two fp32
 // sums and rounded as gated_act does (the MLP's gate applied in the gate/up product's epilogue).
 // Inconsistent parameters throw InternalError.
-constexpr int kGemvMaxK = 16384;  // x is staged in 32 KiB of shared memory
+constexpr int kGemvMaxK = 32768;  // x is staged in shared memory: 64 KiB at most
+constexpr int kGemvResident = -1;
 struct GemvParams {
   const void* W = nullptr;
   Dt dt = Dt::F16;
@@ -64,6 +65,11 @@ struct GemvParams {
   void* out = nullptr;
   bool accumulate = false;
   int rows_per_warp = 0;  // 1, 2, 4 or 8; 0 = the kernel's choice for K (paired: always 2)
+  // Blocks: kGemvResident = no more than the GPU holds at once; 0 = one row group a warp
+  // (blocks past the first wave start as slots free up); n > 0 = at most n. With fewer blocks
+  // than groups, each warp takes groups warp, warp + all warps, ..., its loads running on from
+  // one group into the next.
+  int max_blocks = kGemvResident;
   bool pdl = true;        // programmatic dependent launch (off also with KVLENS_CUDA_PDL=0)
   // Norm input only: the first block records h's first non-finite value here, as
   // first_nonfinite does (the finiteness check of h folded into the product).

@@ -110,13 +110,16 @@ void linear_case(Dt dt, int M, int K, int N, bool bias, bool acc) {
 
 TEST(Ops, Linear) {
   // The gemv path: one row a warp up to K = 8192, two above (an odd N leaves the last warp one
-  // row past the end); K/8 chunk counts that fill no stage of 8 (or 4) chunks a lane.
+  // row past the end); K/8 chunk counts that fill no stage of 8 (or 4) chunks a lane; K up to
+  // kGemvMaxK, x past the 48 KiB a block has without asking.
   linear_case(Dt::F16, 1, 264, 333, true, false);
   linear_case(Dt::F16, 1, 1032, 4101, false, true);  // accumulate (the residual)
   linear_case(Dt::BF16, 1, 520, 77, true, true);
   linear_case(Dt::BF16, 1, 136, 6007, true, false);
   linear_case(Dt::F16, 1, 8200, 333, true, true);    // two rows a warp
   linear_case(Dt::BF16, 1, 8264, 77, false, false);
+  linear_case(Dt::F16, 1, 18944, 61, true, true);    // x in 37 KiB of shared memory (Qwen2's MLP width)
+  linear_case(Dt::BF16, 1, 32768, 29, false, false); // the most the gemv path stages: 64 KiB
   linear_case(Dt::F16, 37, 200, 129, true, false);   // cuBLAS
   linear_case(Dt::BF16, 45, 96, 250, false, true);
   linear_case(Dt::F32, 3, 77, 61, true, true);       // fp32 checkpoint: cuBLAS fp32
@@ -392,6 +395,70 @@ TEST(Ops, GemvRefusesInconsistentParams) {
   refused("fp32 weights", p, "needs f16/bf16");
   p = base, p.x = host, p.y = host, p.W = nullptr;
   refused("no weights", p, "no weights");
+  p = base, p.x = host, p.y = host, p.max_blocks = -2;
+  refused("a negative block count", p, "max_blocks must be");
+#endif
+}
+
+// The one-token product on a grid held to fewer blocks (each warp taking several row groups, its
+// loads running on from one into the next) gives the same bytes as one group a warp, at every
+// rows-a-warp choice and in every mode, and the plain products match fp64 within the bound of
+// Ops.Linear; a last group only part inside N is among them (N odd).
+TEST(Ops, GemvGridsGiveTheSameSums) {
+  KVLENS_NEED_GPU();
+#ifdef KVLENS_HAVE_CUDA
+  for (Dt dt : {Dt::F16, Dt::BF16}) {
+    Backend& be = *gpu_for(dt);
+    for (auto [K, N] : {std::pair{4104, 333}, std::pair{1032, 77}, std::pair{26000, 45}}) {  // 26000: x past 48 KiB
+      const auto w = rounded(dt, randn(static_cast<size_t>(2 * N) * K, 1.0f / std::sqrt(static_cast<float>(K))));
+      const auto x = rounded(dt, randn(K)), h = randn(K, 2.0f), g = randn(K), b = randn(N), y0 = randn(N);
+      Buffer W = make(be, "w", {2 * N, K}, dt, w), X = make(be, "x", {K}, dt, x), H = make(be, "h", {K}, Dt::F32, h),
+             G = make(be, "g", {K}, Dt::F32, g), Bb = make(be, "b", {N}, Dt::F32, b);
+      std::vector<float> ref(N);
+      std::vector<double> bound(N);
+      for (int n = 0; n < N; ++n) {
+        double sum = b[n] + y0[n], mag = std::abs(b[n]) + std::abs(y0[n]);
+        for (int k = 0; k < K; ++k) {
+          const double t = static_cast<double>(x[k]) * w[static_cast<size_t>(n) * K + k];
+          sum += t, mag += std::abs(t);
+        }
+        ref[n] = static_cast<float>(sum);
+        bound[n] = dot_rel(K + 2) * mag + 2 * unit(Dt::F32) * std::abs(sum);
+      }
+      for (int mode = 0; mode < 3; ++mode) {  // plain x with bias and accumulate; norm input; paired
+        for (int R : {1, 2, 4, 8}) {
+          if (mode == 2 && R != 2) continue;
+          std::vector<float> first;
+          for (int blocks : {0, cuda::kGemvResident, 1, 5}) {
+            const std::string what = std::string(dt_name(dt)) + " K=" + std::to_string(K) + " N=" + std::to_string(N) +
+                                     " mode " + std::to_string(mode) + " rows " + std::to_string(R) + " blocks " +
+                                     std::to_string(blocks);
+            Buffer Y = mode == 0 ? make(be, "y", {N}, Dt::F32, y0) : poisoned(be, "y", {N}, Dt::F32);
+            Buffer O = poisoned(be, "out", {N}, dt);
+            cuda::GemvParams p;
+            p.W = W.data, p.dt = dt, p.N = N, p.K = K, p.rows_per_warp = R, p.max_blocks = blocks;
+            if (mode == 0) p.x = X.data, p.bias = Bb.as<float>(), p.accumulate = true;
+            else p.h = H.as<float>(), p.g = G.as<float>(), p.eps = 1e-5f;
+            if (mode == 2) p.out = O.data, p.act = static_cast<int>(Act::Silu);
+            else p.y = Y.as<float>();
+            ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
+            cuda::gemv(p, nullptr);
+            ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
+            const auto got = read(be, mode == 2 ? O : Y);
+            if (mode == 0) expect_within(got, ref, bound, what);
+            if (blocks == 0) {
+              first = got;
+              size_t bad = 0;
+              for (float v : got) bad += !std::isfinite(v);
+              EXPECT_EQ(bad, 0u) << what << ": outputs not finite (unwritten)";
+            } else {
+              EXPECT_EQ(std::memcmp(got.data(), first.data(), got.size() * 4), 0) << what << ": not the bytes of one group a warp";
+            }
+          }
+        }
+      }
+    }
+  }
 #endif
 }
 
