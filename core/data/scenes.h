@@ -19,6 +19,17 @@
 // radius 1; five-pointed star with outer radius 1 and inner radius 0.45; ring between 0.55 and
 // 0.95; cross (plus sign) with arms 0.30 half-wide and 0.90 long; diamond with half-width 0.65
 // and half-height 0.95. The centre pixel is inside every shape except the ring.
+//
+// Rich scenes (generator version 2, 336 px by default: LLaVA-1.5's 576 patches of 14 px) give
+// compression something to lose. Each has 1–3 main objects (medium or large, each solid,
+// striped, dotted or checked), placed in cells as above — or, in a third of the two-object
+// scenes, an overlapping pair, the front one partly hiding the one behind; in four scenes of
+// five a group of 2–9 identical small objects (9 px radius at 336) scattered in the free space,
+// the count to read; in three of four a single tiny object (5 px radius, under one 14-px patch)
+// whose colour, shape and place the questions ask. Every object's (shape, colour) is its own.
+// Captions: rich_canonical_caption and four wordings of it. Questions (4–8): the group's count,
+// the tiny object's colour, shape, place and presence, each main object's pattern and place,
+// which of a pair is left of or above the other (or in front), which is larger, presence.
 #pragma once
 #include <array>
 #include <cstdint>
@@ -31,14 +42,24 @@ namespace kvlens {
 
 enum class Shape : int { Circle, Square, Triangle, Star, Ring, Cross, Diamond };
 enum class Colour : int { Red, Green, Blue, Yellow, Purple, Orange, White, Black };
-enum class SizeClass : int { Small, Medium, Large };
+enum class SizeClass : int { Small, Medium, Large, Tiny };  // Tiny: rich scenes only
+// Fill patterns (rich scenes): solid, diagonal stripes, dots, checks of the fill colour and its shade.
+enum class Pattern : int { Solid, Striped, Dotted, Checked };
+// An object's part in a rich scene: one of the 1–3 main objects, one of a group of identical small
+// ones (the count), or the single tiny one (the detail). Classic scenes have main objects only.
+enum class Role : int { Main, Group, Tiny };
 
 constexpr int kNumShapes = 7;
 constexpr int kNumColours = 8;
-constexpr int kNumSizeClasses = 3;
+constexpr int kNumSizeClasses = 3;  // of the classic scenes (small, medium, large)
+constexpr int kNumPatterns = 4;
 constexpr int kGridSide = 3;  // the image is a kGridSide × kGridSide grid of cells
-constexpr int kMinObjects = 1, kMaxObjects = 4;
+constexpr int kMinObjects = 1, kMaxObjects = 4;  // classic scenes
 constexpr int kMinSceneSize = 64, kMaxSceneSize = 4096;
+// Generator versions: 1 the classic scenes (256 px by default), 2 the rich ones (336 px, LLaVA-1.5's
+// 576 patches of 14 px; core/data/scenes_rich.cpp).
+constexpr int kClassicScenes = 1, kRichScenes = 2;
+constexpr int kRichMaxMain = 3, kRichMinGroup = 2, kRichMaxGroup = 9;
 // Most scenes one set holds (their records are kept in memory while the set is written).
 constexpr int64_t kMaxScenes = 1000000;
 
@@ -46,6 +67,10 @@ constexpr int64_t kMaxScenes = 1000000;
 const char* shape_name(Shape s);
 const char* colour_name(Colour c);
 const char* size_name(SizeClass s);
+// "plain", "striped", "dotted", "checked".
+const char* pattern_name(Pattern p);
+// Plural of a shape name: "circles", "crosses", ...
+std::string shape_plural(Shape s);
 // Cell names, row-major from the top left: "top left", "top", "top right", "left", "center",
 // "right", "bottom left", "bottom", "bottom right". Throws InputError outside 0..8.
 const char* cell_name(int cell);
@@ -54,8 +79,13 @@ const char* count_word(int n);
 // Fill colour of an object. The palette is chosen so that all 8 colours and the grey
 // background stay far apart after a bicubic resize to 224 px.
 std::array<uint8_t, 3> colour_rgb(Colour c);
-// Radius in pixels of a size class in a scene of side `scene_size` (14 / 22 / 32 px at 256).
-double size_radius(SizeClass s, int scene_size);
+// Radius in pixels of a size class in a scene of side `scene_size`: classic scenes 14 / 22 / 32 px
+// at 256 (small / medium / large; no tiny), rich scenes 5 / 9 / 26 / 38 px at 336 (tiny / small /
+// medium / large).
+double size_radius(SizeClass s, int scene_size, int version = kClassicScenes);
+// The shade a pattern alternates with the fill colour: the colour darkened, or lightened for the
+// dark ones (blue, purple, black), so the pattern shows on every colour.
+std::array<uint8_t, 3> pattern_rgb(Colour c);
 
 struct SceneObject {
   Shape shape = Shape::Circle;
@@ -64,15 +94,21 @@ struct SceneObject {
   double x = 0, y = 0;   // centre in pixels (x right, y down; pixel i covers [i, i+1))
   double radius = 0;     // pixels; the shape lies inside the disc of this radius
   int cell = 0;          // 0..8, row-major grid cell holding the centre
+  Pattern pattern = Pattern::Solid;
+  Role role = Role::Main;
+  int in_front_of = -1;  // rich scenes: index of the main object this one partly hides, or -1
 };
 
 struct VqaPair {
   std::string question, answer;
-  std::string type;  // "count", "colour", "exist", "where" or "larger"
+  // "count", "colour", "exist", "where" or "larger"; rich scenes also "shape", "pattern",
+  // "relation" and "front"
+  std::string type;
 };
 
 struct SceneOptions {
   int size = 256;  // image side in pixels, in [kMinSceneSize, kMaxSceneSize]
+  int version = kClassicScenes;  // kClassicScenes or kRichScenes
 };
 
 struct Scene {
@@ -97,6 +133,12 @@ Scene generate_scene(uint64_t seed, int64_t index, const SceneOptions& opts = {}
 //   3–4 objects: "three shapes: a large red circle, a small blue star and a medium green
 //                ring, from left to right." ordered by x
 std::string canonical_caption(const std::vector<SceneObject>& objects);
+
+// The canonical caption of a rich scene: its main objects as canonical_caption words them (with
+// their patterns: "a large striped red circle left of a medium blue square"), or "<front> in
+// front of <back>" for an overlapping pair; then "; <count> small <colour> <shapes>" for the
+// group and "; a tiny <colour> <shape> <where>" for the tiny one; a final ".".
+std::string rich_canonical_caption(const std::vector<SceneObject>& objects);
 
 // Writes n scenes (indices 0..n-1) to out_dir: images/000000.png ... and annotations.json in
 // COCO caption layout plus "questions". Scenes are generated in parallel (OpenMP). The set is
