@@ -185,6 +185,19 @@ void render_object(RGBImage& img, Shape s, Colour c, int64_t cx, int64_t cy, int
   }
 }
 
+void render_scene(Scene& sc, int size, Rng& rng, uint64_t key) {
+  Background bg;
+  bg.base = static_cast<int>(rng.range(112, 140));
+  bg.grad_x = static_cast<int>(rng.range(-12, 12));
+  bg.grad_y = static_cast<int>(rng.range(-12, 12));
+  sc.image.width = sc.image.height = size;
+  sc.image.data.assign(static_cast<size_t>(size) * size * 3, 0);
+  render_background(sc.image, bg, key);
+  for (const auto& o : sc.objects)
+    render_object(sc.image, o.shape, o.colour, static_cast<int64_t>(o.x * kSub), static_cast<int64_t>(o.y * kSub),
+                  static_cast<int64_t>(o.radius * kSub), o.pattern);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Text
 

@@ -78,6 +78,10 @@ void render_background(RGBImage& img, const Background& bg, uint64_t key);
 void render_object(RGBImage& img, Shape s, Colour c, int64_t cx, int64_t cy, int64_t r,
                    Pattern pattern = Pattern::Solid);
 
+// The scene's image: the background's grey level and gradients drawn from `rng`, its texture
+// from `key`, then every object in order.
+void render_scene(Scene& sc, int size, Rng& rng, uint64_t key);
+
 // ---------------------------------------------------------------------------------------------
 // Text
 

@@ -247,16 +247,7 @@ Scene generate_scene(uint64_t seed, int64_t index, const SceneOptions& opts) {
     sc.objects.push_back(o);
   }
 
-  Background bg;
-  bg.base = static_cast<int>(rng.range(112, 140));
-  bg.grad_x = static_cast<int>(rng.range(-12, 12));
-  bg.grad_y = static_cast<int>(rng.range(-12, 12));
-  sc.image.width = sc.image.height = size;
-  sc.image.data.assign(static_cast<size_t>(size) * size * 3, 0);
-  render_background(sc.image, bg, key);
-  for (const auto& o : sc.objects)
-    render_object(sc.image, o.shape, o.colour, static_cast<int64_t>(o.x * kSub),
-                  static_cast<int64_t>(o.y * kSub), static_cast<int64_t>(o.radius * kSub));
+  render_scene(sc, size, rng, key);
 
   sc.captions.push_back(canonical_caption(sc.objects));
   for (auto& c : varied_captions(sc.objects, rng)) sc.captions.push_back(std::move(c));

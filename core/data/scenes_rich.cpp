@@ -338,16 +338,7 @@ Scene generate_rich_scene(uint64_t seed, int64_t index, int size) {
     scatter(rng, size, k, SizeClass::Tiny, Role::Tiny, 1, gap, rich_radius_units(SizeClass::Tiny, size) + gap, sc.objects);
   }
 
-  Background bg;
-  bg.base = static_cast<int>(rng.range(112, 140));
-  bg.grad_x = static_cast<int>(rng.range(-12, 12));
-  bg.grad_y = static_cast<int>(rng.range(-12, 12));
-  sc.image.width = sc.image.height = size;
-  sc.image.data.assign(static_cast<size_t>(size) * size * 3, 0);
-  render_background(sc.image, bg, key);
-  for (const auto& o : sc.objects)  // in order: the one behind before the one in front
-    render_object(sc.image, o.shape, o.colour, static_cast<int64_t>(o.x * kSub), static_cast<int64_t>(o.y * kSub),
-                  static_cast<int64_t>(o.radius * kSub), o.pattern);
+  render_scene(sc, size, rng, key);  // in order: the one behind before the one in front
 
   sc.captions.push_back(rich_canonical_caption(sc.objects));
   for (auto& c : rich_varied_captions(sc.objects, rng)) sc.captions.push_back(std::move(c));
