@@ -19,6 +19,7 @@
 #include "core/data/scene_parts.h"
 #include "core/errors.h"
 #include "core/files.h"
+#include "core/parallel.h"
 
 namespace kvlens {
 namespace fs = std::filesystem;
@@ -300,7 +301,10 @@ void fill_scene_set(const fs::path& dir, int64_t n, uint64_t seed, const SceneOp
   std::vector<Scene> scenes(static_cast<size_t>(n));
   std::atomic<bool> failed{false};
   std::exception_ptr first_error;
-#pragma omp parallel for schedule(dynamic, 4)
+  // Every core unless the user says otherwise (OMP_NUM_THREADS, --threads): the CLI keeps
+  // OpenMP's own loops at one thread for the model's sake (core/parallel.h).
+  const int threads = product_threads();
+#pragma omp parallel for schedule(dynamic, 4) num_threads(threads)
   for (int64_t i = 0; i < n; ++i) {
     if (failed.load(std::memory_order_relaxed)) continue;
     try {

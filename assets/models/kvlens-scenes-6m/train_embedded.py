@@ -10,7 +10,7 @@ decoding (eval.json), plus reference generations for token-by-token checks of th
 
 Usage (see assets/models/kvlens-scenes-6m/train_embedded.sh for the full GPU run):
   python3 assets/models/kvlens-scenes-6m/train_embedded.py --train /tmp/scenes_train --heldout /tmp/scenes_heldout \
-      --out /tmp/kvlens_model --minutes 6 --hf-outputs /tmp/hf_outputs.json
+      --out /tmp/kvlens_model --minutes 6 --hf-outputs /tmp/hf_outputs.json [--preset scenes-deep]
 """
 import argparse
 import io
@@ -28,9 +28,28 @@ from PIL import Image
 # OpenAI CLIP normalization, as CLIPImageProcessor and the C++ PreprocessConfig use it.
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
-IMAGE_SIZE = 224          # crop size and shortest edge after resize
+# Model shapes. "scenes-6m" is the embedded default (kvlens-scenes-6m, classic scenes);
+# "scenes-deep" has LLaVA-1.5's geometry (336 px, 14-px patches: 576 visual tokens; feature layer
+# -2, "default" strategy, the 2-layer GELU projector) and a 12-layer Llama decoder (MHA, head_dim
+# 64), for the rich scenes (kvlens scenes --generator-version 2): about 14 M parameters, 27 MiB
+# in fp16.
+PRESETS = {
+    "scenes-6m": dict(image_size=224, patch_size=16, vision_hidden=192, vision_mlp=768, vision_layers=6,
+                      vision_heads=6, hidden=256, mlp=768, layers=4, heads=8, head_dim=32, max_new_tokens=40),
+    "scenes-deep": dict(image_size=336, patch_size=14, vision_hidden=192, vision_mlp=768, vision_layers=6,
+                        vision_heads=6, hidden=256, mlp=768, layers=12, heads=4, head_dim=64, max_new_tokens=96),
+}
+PRESET = PRESETS["scenes-6m"]
+IMAGE_SIZE = 224          # crop size and shortest edge after resize (set by apply_preset)
 PATCH_SIZE = 16           # -> 14 x 14 = 196 visual tokens (CLS dropped: "default" strategy)
 N_VISUAL = (IMAGE_SIZE // PATCH_SIZE) ** 2
+
+
+def apply_preset(name):
+    global PRESET, IMAGE_SIZE, PATCH_SIZE, N_VISUAL
+    PRESET = PRESETS[name]
+    IMAGE_SIZE, PATCH_SIZE = PRESET["image_size"], PRESET["patch_size"]
+    N_VISUAL = (IMAGE_SIZE // PATCH_SIZE) ** 2
 
 # Prompt layout of the C++ runner (LLaVA-1.5 style); CAPTION_PROMPT is its default prompt.
 PROMPT_TEMPLATE = "USER: <image>\n{prompt} ASSISTANT:"
@@ -146,10 +165,12 @@ def tokenizer_texts(cap_lists, questions):
     return [t for t in texts if t.strip()]
 
 
-def encode_prompt(sp, prompt, image_token_index, n_visual=N_VISUAL):
+def encode_prompt(sp, prompt, image_token_index, n_visual=None):
     """tokenizer_image_token as the C++ runner does it: the filled template split at <image>,
     every chunk encoded on its own (each gets the dummy prefix), BOS once at the start, the image
     token repeated n_visual times between chunks."""
+    if n_visual is None:
+        n_visual = N_VISUAL
     text = PROMPT_TEMPLATE.replace("{prompt}", prompt)
     chunks = text.split(IMAGE_PLACEHOLDER)
     ids = [BOS_ID]
@@ -286,12 +307,15 @@ class CyclicSampler:
 
 def build_config(text_vocab, image_token_index, max_pos):
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+    P = PRESET
     vision = CLIPVisionConfig(
-        image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, hidden_size=192, intermediate_size=768,
-        num_hidden_layers=6, num_attention_heads=6, hidden_act="quick_gelu", num_channels=3)
+        image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, hidden_size=P["vision_hidden"],
+        intermediate_size=P["vision_mlp"], num_hidden_layers=P["vision_layers"],
+        num_attention_heads=P["vision_heads"], hidden_act="quick_gelu", num_channels=3)
     text = LlamaConfig(
-        hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=8, head_dim=32, max_position_embeddings=max_pos,
+        hidden_size=P["hidden"], intermediate_size=P["mlp"], num_hidden_layers=P["layers"],
+        num_attention_heads=P["heads"], num_key_value_heads=P["heads"], head_dim=P["head_dim"],
+        max_position_embeddings=max_pos,
         vocab_size=text_vocab, rms_norm_eps=1e-5, rope_theta=10000.0,
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=None, tie_word_embeddings=False)
     return LlavaConfig(
@@ -390,7 +414,9 @@ def parse_args(argv=None):
     ap.add_argument("--train-eval-n", type=int, default=200,
                     help="training images whose captions are also scored (overfitting check)")
     ap.add_argument("--eval-batch", type=int, default=256)
-    ap.add_argument("--max-new-tokens", type=int, default=40)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="scenes-6m",
+                    help="model shape: scenes-6m (the embedded default) or scenes-deep (LLaVA-1.5 geometry, 12 layers)")
+    ap.add_argument("--max-new-tokens", type=int, default=0, help="0: the preset's (40 / 96)")
     ap.add_argument("--hf-outputs", default="", help="reference generations for the C++ runner")
     ap.add_argument("--hf-n", type=int, default=64)
     ap.add_argument("--caption-frac", type=float, default=0.5, help="caption share of a batch")
@@ -403,6 +429,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    apply_preset(args.preset)
+    if args.max_new_tokens <= 0:
+        args.max_new_tokens = PRESET["max_new_tokens"]
     os.makedirs(args.out, exist_ok=True)
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -496,7 +525,7 @@ def main(argv=None):
     budget = max(budget, 1.0)
     log(f"training: batch {args.batch} ({n_cap} caption), lr {args.lr}, warmup {args.warmup},"
         f" budget {budget:.0f}s, step cap {args.steps}")
-    step, loss_acc, loss_n, last_loss, recent = 0, None, 0, float("nan"), []
+    step, loss_acc, loss_n, last_loss, recent, curve = 0, None, 0, float("nan"), [], []
     progress = 0.0
     while step < args.steps:
         elapsed = time.time() - t_train
@@ -535,6 +564,7 @@ def main(argv=None):
         if step % args.log_every == 0 or step == 1:
             last_loss = (loss_acc / loss_n).item()
             recent.append(last_loss)
+            curve.append([step, round(last_loss, 6)])
             if not math.isfinite(last_loss):
                 log(f"WARNING: loss is {last_loss} at step {step}")
             el = time.time() - t_train
@@ -690,7 +720,8 @@ def main(argv=None):
         "weight_decay": args.weight_decay, "caption_frac": args.caption_frac,
         "minutes": args.minutes, "budget_seconds": round(budget, 1),
         "train_seconds": round(train_s, 1), "wall_seconds": round(time.time() - T_START, 1),
-        "final_loss": last_loss, "loss_log": recent[-20:],
+        "preset": args.preset, "final_loss": last_loss, "loss_log": recent[-20:],
+        "loss_curve": curve,  # [step, mean loss since the previous entry], every --log-every steps
         "params": n_params, "safetensors_bytes": st_bytes,
         "train_set": {"dir": os.path.abspath(args.train), "images": len(tr_images),
                       "captions": sum(map(len, tr_caps)), "questions": len(tr_qs),

@@ -15,7 +15,8 @@
 # Knobs (environment): N_TRAIN, TRAIN_SEED, N_HELDOUT, HELDOUT_SEED, STEPS, BATCH, LR, SEED,
 # MINUTES (training-loop cap), BUDGET_S (whole script, seconds), RESERVE_S (kept for eval + save
 # + copy), EVAL_N, KVLENS (prebuilt binary: skips the build), WORK (scratch), DEVICE, PYTHON,
-# EXTRA_ARGS (more train_embedded.py flags, e.g. "--compile").
+# EXTRA_ARGS (more train_embedded.py flags, e.g. "--compile"); PRESET (scenes-6m, or scenes-deep:
+# LLaVA-1.5's geometry, 12 layers) and SCENES (the scene generator version: 1 classic, 2 rich).
 set -euo pipefail
 
 N_TRAIN=${N_TRAIN:-20000}
@@ -32,6 +33,8 @@ RESERVE_S=${RESERVE_S:-90}
 EVAL_N=${EVAL_N:-500}
 WORK=${WORK:-/tmp/kvlens_train}
 EXTRA_ARGS=${EXTRA_ARGS:-}
+PRESET=${PRESET:-scenes-6m}
+SCENES=${SCENES:-1}
 DEVICE=${DEVICE:-cuda}
 OUT=${OUT:-out/train_embedded}
 PY=${PYTHON:-python3}
@@ -61,13 +64,13 @@ run() {
   # 2. scene sets (both at once)
   local train_dir=$WORK/scenes_train heldout_dir=$WORK/scenes_heldout
   rm -rf "$train_dir" "$heldout_dir"
-  "$kv" scenes --n "$N_TRAIN" --seed "$TRAIN_SEED" --out "$train_dir" &
+  "$kv" scenes --n "$N_TRAIN" --seed "$TRAIN_SEED" --generator-version "$SCENES" --out "$train_dir" &
   local p1=$!
-  "$kv" scenes --n "$N_HELDOUT" --seed "$HELDOUT_SEED" --out "$heldout_dir" &
+  "$kv" scenes --n "$N_HELDOUT" --seed "$HELDOUT_SEED" --generator-version "$SCENES" --out "$heldout_dir" &
   local p2=$!
   wait "$p1"
   wait "$p2"
-  say "scenes: $N_TRAIN train (seed $TRAIN_SEED), $N_HELDOUT held out (seed $HELDOUT_SEED)"
+  say "scenes (generator version $SCENES): $N_TRAIN train (seed $TRAIN_SEED), $N_HELDOUT held out (seed $HELDOUT_SEED)"
 
   # 3. train + save + evaluate; the training loop ends by the deadline that leaves RESERVE_S
   local deadline=$((T_START + BUDGET_S - RESERVE_S))
@@ -79,7 +82,7 @@ run() {
   PYTHONUNBUFFERED=1 "$PY" assets/models/kvlens-scenes-6m/train_embedded.py \
     --train "$train_dir" --heldout "$heldout_dir" --out "$model_dir" \
     --steps "$STEPS" --batch "$BATCH" --lr "$LR" --seed "$SEED" \
-    --minutes "$MINUTES" --deadline "$deadline" --device "$DEVICE" --eval-n "$EVAL_N" \
+    --minutes "$MINUTES" --deadline "$deadline" --device "$DEVICE" --eval-n "$EVAL_N" --preset "$PRESET" \
     --workers 16 --hf-outputs "$WORK/hf_outputs.json" $EXTRA_ARGS || rc=$?
 
   # 4. results, flat (also whatever exists after a failure in evaluation)
