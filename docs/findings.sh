@@ -4,6 +4,11 @@
 #
 #   docs/findings.sh [OUT]        (OUT defaults to out/findings; build/kvlens must be built)
 #
+# MODEL=DIR runs another checkpoint than the embedded default; SCENES=2 holds out rich scenes
+# (kvlens scenes --generator-version 2) in place of the classic ones, and leaves out the runs
+# that ask every image "how many shapes are there?" (a rich scene's count question names its
+# group). The tables take the layer count, KV heads and head size from the model's config.json.
+#
 # Reports already in OUT are kept, so an interrupted run resumes; a fresh OUT regenerates all.
 # About half an hour with JOBS=2 on two cores. JOBS=N runs N images at a time (default 1).
 set -euo pipefail
@@ -11,10 +16,13 @@ cd "$(dirname "$0")/.."
 K=${KVLENS:-build/kvlens}
 OUT=${1:-out/findings}
 JOBS=${JOBS:-1}
+SCENES=${SCENES:-1}
+MARGS=()
+[ -n "${MODEL:-}" ] && MARGS=(--model "$MODEL")
 H=$OUT/heldout
 [ -x "$K" ] || { echo "findings.sh: $K is not built (cmake --build build --target kvlens)" >&2; exit 2; }
 mkdir -p "$OUT"
-[ -f "$H/annotations.json" ] || "$K" scenes --n 500 --seed 1000001 --out "$H" > /dev/null
+[ -f "$H/annotations.json" ] || "$K" scenes --n 500 --seed 1000001 --generator-version "$SCENES" --out "$H" > /dev/null
 
 # run_images DIR N ARGS...: `kvlens run --image <held-out image i> ARGS --report DIR/i.json` for
 # the first N images, skipping reports that exist. DIR.specs lists the --method specs in order
@@ -34,14 +42,14 @@ run_images() {
     id=$(printf %06d "$i")
     [ -f "$dir/$id.json" ] && continue
     printf '%s\0' "$id"
-  done | xargs -0 -r -P "$JOBS" -I{} "$K" run --image "$H/images/{}.png" "$@" --report "$dir/{}.json" > /dev/null
+  done | xargs -0 -r -P "$JOBS" -I{} "$K" run "${MARGS[@]}" --image "$H/images/{}.png" "$@" --report "$dir/{}.json" > /dev/null
 }
 
 # eval_once NAME ARGS...: `kvlens eval --dataset H ARGS --no-meteor --json OUT/NAME.json` unless it exists.
 eval_once() {
   local name=$1
   shift
-  [ -f "$OUT/$name.json" ] || "$K" eval --dataset "$H" "$@" --no-meteor --json "$OUT/$name.json" > /dev/null
+  [ -f "$OUT/$name.json" ] || "$K" eval "${MARGS[@]}" --dataset "$H" "$@" --no-meteor --json "$OUT/$name.json" > /dev/null
 }
 
 m() { for s in "$@"; do printf -- '--method\0%s\0' "$s"; done; }
@@ -91,7 +99,7 @@ for b in 0.1 0.2 0.3; do
 done
 methods A "${VL[@]}"
 run_images s4_vl_caption 50 --max-new-tokens 40 "${A[@]}"
-run_images s4_vl_count 50 --max-new-tokens 10 --prompt "how many shapes are there?" "${A[@]}"
+[ "$SCENES" = 1 ] && run_images s4_vl_count 50 --max-new-tokens 10 --prompt "how many shapes are there?" "${A[@]}"
 LM=()
 for merge in none average pivotal weighted; do LM+=("lookm:merge=$merge" "lookm:merge=$merge,preset=official"); done
 methods A "${LM[@]}"

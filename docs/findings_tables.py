@@ -15,9 +15,25 @@ import sys
 from collections import Counter
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else "out/findings"
-L = 4           # decoder layers of the embedded model
-KH = 8          # KV heads
-D = 32          # head_dim
+
+
+def model_shape():
+    """Decoder layers, KV heads and head_dim of the model the reports ran (its config.json)."""
+    for f in sorted(glob.glob(os.path.join(OUT, "*", "*.json"))):
+        r = json.load(open(f))
+        if "model" not in r:
+            continue
+        cfg = json.load(open(os.path.join(r["model"], "config.json")))
+        t = cfg.get("text_config", cfg)
+        heads = t["num_attention_heads"]
+        return t["num_hidden_layers"], t.get("num_key_value_heads") or heads, t.get("head_dim") or t["hidden_size"] // heads
+    sys.exit(f"findings_tables.py: no kvlens run report under {OUT}")
+
+
+L, KH, D = model_shape()  # 4, 8, 32 for the embedded kvlens-scenes-6m
+LCOLS = [f"L{l}" for l in range(L)]
+LSPAN = f"L0–L{L - 1}"
+LSLASH = "/".join(LCOLS)
 ROW = KH * (2 * D * 2 + 4)  # fp16 K and V of one token in one layer, plus its int32 positions
 
 
@@ -112,7 +128,7 @@ def section1():
         rows.append([f"`{s}`"] + [fmt(x * 1e4) for x in ms] + [fmt(mean(ms) * 1e4), wins,
                     fmt(mean(r["by_spec"][s]["mean_attn_output_rel_error"] for r in reps)),
                     f"{sum(r['by_spec'][s]['same_as_full'] for r in reps)}/{len(reps)}"])
-    table(["spec", "L0", "L1", "L2", "L3", "mean", "wins vs off (L0/L1/L2/L3)", "attn-out", "= full"], rows)
+    table(["spec"] + LCOLS + ["mean", f"wins vs off ({LSLASH})", "attn-out", "= full"], rows)
     grid = [f"calibquant:bits=1,tau1={a},tau2={b}" for a in range(4) for b in range(4)]
     arg = Counter()
     for r in reps:
@@ -125,7 +141,7 @@ def section1():
     for l in range(L):
         b = min(t2, key=lambda s: mean(layer_mse(r["by_spec"][s], l) for r in reps))
         best.append(b.rsplit("=", 1)[1])
-    print("τ1 = 0: the τ2 of lowest mean MSE per layer (L0–L3), τ2 ∈ {0..6, 8}: " + " / ".join(best) + ".\n")
+    print(f"τ1 = 0: the τ2 of lowest mean MSE per layer ({LSPAN}), τ2 ∈ {{0..6, 8}}: " + " / ".join(best) + ".\n")
     # Histograms: image 0, first decode step, visual keys, every head pooled.
     r0 = next(r for r in reps if r["image"] == 0)
 
@@ -159,7 +175,7 @@ def section1():
         for k in ("exact", "quantized", "calibrated"):
             rows.append([f"{label}, {k}"] + [fmt(moments(r0["by_spec"][s]["layers"][l]["visual_score_histogram"], k)[2])
                                              for l in range(L)])
-    table(["sd of the visual scores, image 000000", "L0", "L1", "L2", "L3"], rows)
+    table(["sd of the visual scores, image 000000"] + LCOLS, rows)
 
 
 # ---- §2 CacheHitRate ---------------------------------------------------------------------------
@@ -182,7 +198,7 @@ def section2():
                         ("rates_per_kv_head", "per KV head (truth and prediction per head, averaged over heads)")):
         print(f"### §2 CacheHitRate, {name}\n")
         n8 = sum(8 in r["cache_hit_rate"]["steps"] for r in b01)
-        print(f"Per layer L0/L1/L2/L3; step 0 over {len(b01)} images, step 8 over the {n8} whose caption has more "
+        print(f"Per layer {LSLASH}; step 0 over {len(b01)} images, step 8 over the {n8} whose caption has more "
               "than 8 tokens. sliding_window: w = 32.\n")
         rows = []
         for s in ("accumulated", "normalized", "recency", "sliding_window", "post_vision"):
@@ -206,7 +222,7 @@ def section2():
             row.append(fmt(mean(mean(rate(r, level, "sliding_window", step, l) for l in range(L)) for r in w8
                                 if step in r["cache_hit_rate"]["steps"])))
         rows.append(row + [""] * 4)
-        table(["layer mean", f"0.1: s=0", "s=2", "s=4", "s=8", f"0.2 (k = {k2}): s=0", "s=2", "s=4", "s=8"], rows)
+        table(["layer mean", "0.1: s=0", "s=2", "s=4", "s=8", f"0.2 (k = {k2}): s=0", "s=2", "s=4", "s=8"], rows)
         rows = []
         for budget, reps in (("0.1", b01), ("0.2", b02)):
             for other in ("accumulated", "normalized", "recency"):
@@ -217,7 +233,7 @@ def section2():
                         pairs = [(x, y) for x, y in pairs if x is not None]
                         cells.append(f"{sum(x > y for x, y in pairs)}/{sum(x < y for x, y in pairs)}")
                     rows.append([budget, f"post_vision vs {other}", step] + cells)
-        table(["budget", "pair (wins/losses of post_vision)", "step", "L0", "L1", "L2", "L3"], rows)
+        table(["budget", "pair (wins/losses of post_vision)", "step"] + LCOLS, rows)
 
 
 # ---- §3 ZipCache -------------------------------------------------------------------------------
@@ -269,7 +285,7 @@ def section3():
     print(f"### §3 ZipCache, {len(reps)} images, 40 new tokens (defaults: 4/2 bits, r = 0.4, random+recent probes, "
           "per-layer subsets, token ranges over all heads)\n")
     rows = [[f"`{s}`"] + main_row(reps, s, 1e5) for s in specs]
-    table(["spec", "L0", "L1", "L2", "L3", "MSE ×1e-5 mean", "attn-out", "= full", "×fp16"], rows)
+    table(["spec"] + LCOLS + ["MSE ×1e-5 mean", "attn-out", "= full", "×fp16"], rows)
     for a, b in (("zipcache", "zipcache:saliency=accumulated"), ("zipcache:probe=all", "zipcache:probe=all,saliency=accumulated"),
                  ("zipcache:low_bits=1", "zipcache:low_bits=1,saliency=accumulated"),
                  ("zipcache:low_bits=1,probe=all", "zipcache:low_bits=1,probe=all,saliency=accumulated")):
@@ -397,12 +413,12 @@ def section5():
         for phase in ("prefill", "decode"):
             rows.append([p, phase, len(reps)] + [f"{fmt(mean(r['full']['sparsity_' + phase][l] for r in reps))} ± "
                                                  f"{fmt(sd(r['full']['sparsity_' + phase][l] for r in reps))}" for l in range(L)])
-    table(["p", "phase", "images", "L0", "L1", "L2", "L3"], rows)
+    table(["p", "phase", "images"] + LCOLS, rows)
     rows = []
     for s in ("vlcache", "vlcache:budget=0.2", "h2o", "pyramidkv"):
         rows.append([f"`{s}`"] + [fmt(mean(r["by_spec"][s]["layers"][l]["bytes"]["indices"] / 4 / KH for r in s4), 1)
                                   for l in range(L)])
-    table(["rows kept per KV head", "L0", "L1", "L2", "L3"], rows)
+    table(["rows kept per KV head"] + LCOLS, rows)
 
 
 if __name__ == "__main__":
@@ -412,6 +428,7 @@ if __name__ == "__main__":
     section3()
     section4()
     vl_grid("s4_vl_caption", "prompt \"Describe the image.\", 40 new tokens", False)
-    vl_grid("s4_vl_count", "prompt \"how many shapes are there?\", 10 new tokens", True)
+    if os.path.isdir(os.path.join(OUT, "s4_vl_count")):  # classic scenes only (findings.sh)
+        vl_grid("s4_vl_count", "prompt \"how many shapes are there?\", 10 new tokens", True)
     section4_lookm()
     section5()
