@@ -571,7 +571,7 @@ std::vector<GemvBenchRow> bench_gemv(const GemvBenchConfig& c) {
     for (int r : c.rows_per_warp)
       for (int b : c.max_blocks)
         if (!sh.paired || r == 0) variants.push_back({r, b, true});  // a paired warp always owns two rows
-    variants.push_back({0, kGemvResident, false});
+    variants.push_back({0, c.max_blocks.front(), false});  // without programmatic dependent launch, the first grid
     for (auto [R, blocks, pdl] : variants) {
       GemvParams p;
       p.dt = Dt::F16, p.N = sh.N, p.K = sh.K, p.y = y.as<float>(), p.rows_per_warp = R, p.pdl = pdl;

@@ -293,22 +293,22 @@ void run_gemv(const GemvArgs& a) {
   for (int r : a.rows_per_warp)
     if (r != 0 && r != 1 && r != 2 && r != 4 && r != 8)
       throw InputError("--rows-per-warp: each must be 0 (the kernel's choice), 1, 2, 4 or 8, got " + std::to_string(r));
-#ifdef KVLENS_HAVE_CUDA
-  auto be = cuda_backend(a.device);
-  const double copy = be->copy_bandwidth();
   if (a.hidden % 8 != 0 || a.intermediate % 8 != 0 || a.hidden > a.intermediate)
     throw InputError("--hidden / --intermediate: multiples of 8 with hidden <= intermediate, got " +
                      std::to_string(a.hidden) + " / " + std::to_string(a.intermediate));
+  if (a.grids.empty()) throw InputError("--grid: give full, resident or both");
+  for (const std::string& g : a.grids)
+    if (g != "full" && g != "resident") throw InputError("--grid: each must be full or resident, got \"" + g + "\"");
+#ifdef KVLENS_HAVE_CUDA
+  static_assert(kGemvBenchMax == cuda::kGemvMaxK, "--hidden / --intermediate allow what the kernel stages");
+  auto be = cuda_backend(a.device);
+  const double copy = be->copy_bandwidth();
   cuda::GemvBenchConfig c;
   c.device = a.device;
   c.rows_per_warp = a.rows_per_warp;
   c.hidden = a.hidden, c.intermediate = a.intermediate, c.vocab = a.vocab, c.qkv_rows = a.qkv_rows;
   c.max_blocks.clear();
-  for (const std::string& g : a.grids) {
-    if (g == "full") c.max_blocks.push_back(0);
-    else if (g == "resident") c.max_blocks.push_back(cuda::kGemvResident);
-    else throw InputError("--grid: each must be full or resident, got \"" + g + "\"");
-  }
+  for (const std::string& g : a.grids) c.max_blocks.push_back(g == "full" ? 0 : cuda::kGemvResident);
   c.reps = a.reps;
   const auto rows = cuda::bench_gemv(c);
   std::printf("one-token products (hidden %d, intermediate %d, q/k/v rows %d, vocab %d; fp16 weights), %s; copy "

@@ -6,6 +6,7 @@
 #include "app/cli/commands.h"
 #include "app/cli/options.h"
 #include "core/data/scenes.h"
+#include "core/errors.h"
 
 namespace kvlens::app {
 
@@ -45,9 +46,12 @@ void add_scenes_command(CLI::App& root) {
       "pattern / relation / front, and each object's pattern and role). The set is built in a "
       "temporary folder beside --out and moved into place at the end.");
   cmd->callback([args]() {
+    if (args->size != 0 && args->size < kMinSceneSize)
+      throw InputError("--size must be 0 (the version's own) or at least " + std::to_string(kMinSceneSize) +
+                       " pixels, got " + std::to_string(args->size));
     SceneOptions opts;
     opts.version = args->version;
-    opts.size = args->size != 0 ? args->size : args->version == kRichScenes ? 336 : 256;
+    opts.size = args->size;
     write_scene_set(args->out, args->n, args->seed, args->force, opts);
     std::printf("wrote %lld scenes to %s\n", static_cast<long long>(args->n), args->out.c_str());
   });

@@ -178,12 +178,16 @@ std::string canonical_caption(const std::vector<SceneObject>& objs) {
          ", from left to right.";
 }
 
+int scene_side(const SceneOptions& opts) {
+  return opts.size != 0 ? opts.size : opts.version == kRichScenes ? 336 : 256;
+}
+
 Scene generate_scene(uint64_t seed, int64_t index, const SceneOptions& opts) {
-  check_size(opts.size);
-  if (index < 0) throw InputError("scene index must be >= 0, got " + std::to_string(index));
   check_version(opts.version);
-  if (opts.version == kRichScenes) return generate_rich_scene(seed, index, opts.size);
-  const int size = opts.size;
+  const int size = scene_side(opts);
+  check_size(size);
+  if (index < 0) throw InputError("scene index must be >= 0, got " + std::to_string(index));
+  if (opts.version == kRichScenes) return generate_rich_scene(seed, index, size);
   const uint64_t key = scene_key(seed, index);
   Rng rng(key);
 
@@ -321,7 +325,7 @@ void fill_scene_set(const fs::path& dir, int64_t n, uint64_t seed, const SceneOp
 
   nlohmann::ordered_json j;
   j["info"] = {{"generator", "kvlens scenes"}, {"seed", seed}, {"n", n}, {"size", opts.size}};
-  if (opts.version != kClassicScenes) j["info"]["version"] = opts.version;  // classic sets stay as they were
+  if (opts.version != kClassicScenes) j["info"]["version"] = opts.version;  // a classic set names no version
   // Built apart and moved in at the end: ordered_json keeps its keys in a vector, so a
   // reference into `j` would not survive adding the next key.
   nlohmann::ordered_json images = nlohmann::ordered_json::array();
@@ -348,11 +352,13 @@ void fill_scene_set(const fs::path& dir, int64_t n, uint64_t seed, const SceneOp
 }  // namespace
 
 void write_scene_set(const std::string& out_dir, int64_t n, uint64_t seed, bool force,
-                     const SceneOptions& opts) {
+                     const SceneOptions& options) {
+  SceneOptions opts = options;
+  check_version(opts.version);
+  opts.size = scene_side(options);
   if (n <= 0 || n > kMaxScenes)
     throw InputError("number of scenes must be in [1, " + std::to_string(kMaxScenes) + "], got " + std::to_string(n));
   check_size(opts.size);
-  check_version(opts.version);
   if (out_dir.empty()) throw InputError("output folder must not be empty");
 
   fs::path target = fs::path(out_dir).lexically_normal();

@@ -25,11 +25,12 @@
 // striped, dotted or checked), placed in cells as above — or, in a third of the two-object
 // scenes, an overlapping pair, the front one partly hiding the one behind; in four scenes of
 // five a group of 2–9 identical small objects (9 px radius at 336) scattered in the free space,
-// the count to read; in three of four a single tiny object (5 px radius, under one 14-px patch)
-// whose colour, shape and place the questions ask. Every object's (shape, colour) is its own.
-// Captions: rich_canonical_caption and four wordings of it. Questions (4–8): the group's count,
-// the tiny object's colour, shape, place and presence, each main object's pattern and place,
-// which of a pair is left of or above the other (or in front), which is larger, presence.
+// the count to read; in three of four a single tiny object (5 px radius: 10 px across, smaller
+// than one 14-px patch) whose colour, shape and place the questions ask. Every object's (shape,
+// colour) is its own. Captions: rich_canonical_caption and four wordings of it, none of which
+// states how many objects the scene has in all. Questions (4–8): the group's count, the tiny
+// object's colour, shape, place and presence, each main object's pattern and place, which of
+// the named main objects is further left or higher up (or in front), which is larger, presence.
 #pragma once
 #include <array>
 #include <cstdint>
@@ -107,9 +108,12 @@ struct VqaPair {
 };
 
 struct SceneOptions {
-  int size = 256;  // image side in pixels, in [kMinSceneSize, kMaxSceneSize]
+  // Image side in pixels, in [kMinSceneSize, kMaxSceneSize]; 0: the version's own (scene_side).
+  int size = 0;
   int version = kClassicScenes;  // kClassicScenes or kRichScenes
 };
+// The side a scene of these options has: size, or 256 for classic and 336 for rich scenes when 0.
+int scene_side(const SceneOptions& opts);
 
 struct Scene {
   uint64_t seed = 0;
@@ -134,9 +138,9 @@ Scene generate_scene(uint64_t seed, int64_t index, const SceneOptions& opts = {}
 //                ring, from left to right." ordered by x
 std::string canonical_caption(const std::vector<SceneObject>& objects);
 
-// The canonical caption of a rich scene: its main objects as canonical_caption words them (with
-// their patterns: "a large striped red circle left of a medium blue square"), or "<front> in
-// front of <back>" for an overlapping pair; then "; <count> small <colour> <shapes>" for the
+// The canonical caption of a rich scene: its main objects as canonical_caption words one or two
+// (with their patterns: "a large striped red circle left of a medium blue square"), three as
+// "<a>, <b> and <c>, from left to right", an overlapping pair as "<front> in front of <back>"; then "; <count> small <colour> <shapes>" for the
 // group and "; a tiny <colour> <shape> <where>" for the tiny one; a final ".".
 std::string rich_canonical_caption(const std::vector<SceneObject>& objects);
 

@@ -63,8 +63,9 @@ SceneObject make_object(Kind k, SizeClass size, Pattern p, Role role, int64_t x,
   return o;
 }
 
-// 1–3 main objects in distinct cells, as the classic scenes place them: a pair never on an exact
-// diagonal, no column with three, two of one column kept apart in x.
+// 1–3 main objects in distinct cells, by the classic scenes' rules: a pair never on an exact
+// diagonal, no column with three, two of one column kept apart in x by 40 % of the narrower of
+// their ranges (at least 6 px at 256), so "from left to right" is never a near tie.
 void place_mains(Rng& rng, int n, int size, std::vector<SceneObject>& objs) {
   std::vector<int> cells = {0, 1, 2, 3, 4, 5, 6, 7, 8};
   for (;;) {
@@ -78,23 +79,25 @@ void place_mains(Rng& rng, int n, int size, std::vector<SceneObject>& objs) {
     }
   }
   const int64_t span = int64_t{size} * kSub, margin = std::max<int64_t>(kSub, int64_t{4} * kSub * size / 336);
-  const int64_t gap = int64_t{8} * kSub * size / 336;
+  const int64_t min_gap = int64_t{6} * kSub * size / 256;
+  std::vector<std::array<int64_t, 3>> placed;  // x, lo, hi in 1/8 px
   for (int i = 0; i < n; ++i) {
     const Kind k = new_kind(rng, objs);
     const auto sz = static_cast<SizeClass>(1 + rng.below(2));  // medium or large
     const auto pat = static_cast<Pattern>(rng.below(kNumPatterns));
     const int64_t r = rich_radius_units(sz, size), col = cells[i] % 3, row = cells[i] / 3;
     const int64_t lo = col * span / 3 + r + margin, hi = (col + 1) * span / 3 - r - margin;
-    const SceneObject* other = nullptr;
-    for (const auto& o : objs)
-      if (o.cell % 3 == col) other = &o;
+    const std::array<int64_t, 3>* other = nullptr;  // the main object sharing this column, if any
+    for (const auto& p : placed)
+      if (p[0] >= col * span / 3 && p[0] < (col + 1) * span / 3) other = &p;
     int64_t x = rng.range(lo, hi);
     if (other) {
-      const int64_t ox = static_cast<int64_t>(other->x * kSub);
+      const int64_t ox = (*other)[0], gap = std::max(min_gap, 4 * std::min(hi - lo, (*other)[2] - (*other)[1]) / 10);
       for (int t = 0; t < 64 && std::abs(x - ox) < gap; ++t) x = rng.range(lo, hi);
       if (std::abs(x - ox) < gap) x = (ox - lo > hi - ox) ? lo : hi;
     }
     const int64_t y = rng.range(row * span / 3 + r + margin, (row + 1) * span / 3 - r - margin);
+    placed.push_back({x, lo, hi});
     objs.push_back(make_object(k, sz, pat, Role::Main, x, y, size));
   }
 }
@@ -164,7 +167,13 @@ Parts parts_of(const std::vector<SceneObject>& objs) {
     if (o.role == Role::Main) p.mains.push_back(o);
     if (o.role == Role::Group && p.group_n++ == 0) p.group = &o;
     if (o.role == Role::Tiny) p.tiny = &o;
-    if (o.in_front_of >= 0) p.front = &o, p.back = &objs[static_cast<size_t>(o.in_front_of)];
+    if (o.in_front_of >= 0) {
+      if (o.in_front_of >= static_cast<int>(objs.size()) || &objs[static_cast<size_t>(o.in_front_of)] == &o ||
+          objs[static_cast<size_t>(o.in_front_of)].role != Role::Main || o.role != Role::Main)
+        throw InputError("rich scene: in_front_of " + std::to_string(o.in_front_of) +
+                         " must name another main object of the scene's " + std::to_string(objs.size()));
+      p.front = &o, p.back = &objs[static_cast<size_t>(o.in_front_of)];
+    }
   }
   return p;
 }
@@ -180,29 +189,66 @@ std::string strip_stop(std::string s) {
   return s;
 }
 
+// The main objects in four other wordings, none of which says how many objects the scene has
+// (its group and tiny one are objects too).
+std::vector<std::string> main_wordings(const Parts& p, Rng& rng) {
+  Wording w{rng};
+  std::vector<int> order = {0, 1, 2, 3, 4};
+  rng.shuffle(order);
+  std::vector<std::string> out;
+  for (int k = 0; k < 4; ++k) {
+    const int t = order[static_cast<size_t>(k)];
+    if (p.front) {
+      const std::string f = w.a(*p.front);
+      const std::string b = w.a(*p.back);
+      switch (t) {
+        case 0: out.push_back(f + " partly hiding " + b); break;
+        case 1: out.push_back(b + " partly hidden behind " + f); break;
+        case 2: out.push_back(f + " overlapping " + b + ", the " + short_name(*p.front) + " in front"); break;
+        case 3: out.push_back(b + " with " + f + " in front of it"); break;
+        default: out.push_back(f + " in front of " + b + ", the two overlapping"); break;
+      }
+    } else if (p.mains.size() == 1) {
+      const std::string a = w.a(p.mains[0]), loc = kCellPhrase[p.mains[0].cell];
+      switch (t) {
+        case 0: out.push_back("there is " + a + " " + loc); break;
+        case 1: out.push_back(loc + ", " + a); break;
+        case 2: out.push_back(a + " sits " + loc); break;
+        case 3: out.push_back(a + ", " + loc); break;
+        default: out.push_back(loc + " there is " + a); break;
+      }
+    } else if (p.mains.size() == 2) {
+      const auto [oa, ob] = ordered_pair(p.mains[0], p.mains[1]);
+      const std::string a = w.a(oa);
+      const std::string b = w.a(ob);
+      const bool across = horizontal_pair(oa, ob);
+      switch (t) {
+        case 0: out.push_back(a + (across ? " to the left of " : " is above ") + b); break;
+        case 1: out.push_back(b + (across ? " to the right of " : " below ") + a); break;
+        case 2: out.push_back(a + (across ? " beside " : " over ") + b + ", the " + short_name(oa) + (across ? " on the left" : " on top")); break;
+        case 3: out.push_back(a + " and " + b + (across ? " to its right" : " below it")); break;
+        default: out.push_back(b + (across ? " with " : " beneath ") + a + (across ? " on its left" : "")); break;
+      }
+    } else {
+      std::vector<std::string> items;
+      for (const auto& o : left_to_right(p.mains)) items.push_back(w.a(o));
+      const std::string list = join_list(items);
+      switch (t) {
+        case 0: out.push_back("from left to right, " + list); break;
+        case 1: out.push_back(list + " from left to right"); break;
+        case 2: out.push_back("left to right: " + list); break;
+        case 3: out.push_back(list + ", in that order from the left"); break;
+        default: out.push_back("in a row from the left, " + list); break;
+      }
+    }
+  }
+  return out;
+}
+
 // Four wordings of the scene, each with the content of rich_canonical_caption.
 std::vector<std::string> rich_varied_captions(const std::vector<SceneObject>& objs, Rng& rng) {
   const Parts p = parts_of(objs);
-  std::vector<std::string> mains;
-  if (p.front) {
-    Wording w{rng};
-    std::vector<int> order = {0, 1, 2, 3, 4};
-    rng.shuffle(order);
-    for (int k = 0; k < 4; ++k) {
-      const std::string f = w.a(*p.front);
-      const std::string b = w.a(*p.back);
-      const std::string fs = short_name(*p.front), bs = short_name(*p.back);
-      switch (order[k]) {
-        case 0: mains.push_back(f + " partly hiding " + b); break;
-        case 1: mains.push_back(b + " partly hidden behind " + f); break;
-        case 2: mains.push_back(f + " overlapping " + b + ", the " + fs + " in front"); break;
-        case 3: mains.push_back(b + " with " + f + " in front of it"); break;
-        default: mains.push_back("two overlapping shapes: " + f + " in front of " + b); break;
-      }
-    }
-  } else {
-    for (auto& s : varied_captions(p.mains, rng)) mains.push_back(strip_stop(s));
-  }
+  const std::vector<std::string> mains = main_wordings(p, rng);
   std::vector<std::string> out;
   for (int k = 0; k < 4; ++k) {
     std::string s = mains[static_cast<size_t>(k)];
@@ -245,9 +291,10 @@ VqaPair ask_exist(const std::vector<SceneObject>& objs, bool yes, bool tiny, Rng
         const auto shape = static_cast<Shape>(rng.below(kNumShapes));
         k = {shape, static_cast<Colour>(rng.below(kNumColours))};
       }
+      // (a tiny one of the group's kind is no answer either: the group's small ones are close)
       bool present = false;
       for (const auto& o : objs)
-        present |= o.shape == k.first && o.colour == k.second && (!tiny || o.role == Role::Tiny);
+        present |= o.shape == k.first && o.colour == k.second && (!tiny || o.role != Role::Main);
       if (!present) break;
     }
   }
@@ -255,7 +302,7 @@ VqaPair ask_exist(const std::vector<SceneObject>& objs, bool yes, bool tiny, Rng
   return {std::string("is there ") + (tiny ? "a tiny " + what : with_article(what)) + "?", yes ? "yes" : "no", "exist"};
 }
 
-std::vector<VqaPair> rich_questions(const std::vector<SceneObject>& objs, Rng& rng) {
+std::vector<VqaPair> rich_questions(const std::vector<SceneObject>& objs, int size, Rng& rng) {
   const Parts p = parts_of(objs);
   std::vector<VqaPair> q, extra;
   if (p.group)
@@ -282,12 +329,25 @@ std::vector<VqaPair> rich_questions(const std::vector<SceneObject>& objs, Rng& r
     const SceneObject& b = front_first ? *p.back : *p.front;
     extra.push_back({"which is in front, the " + short_name(a) + " or the " + short_name(b) + "?",
                      "the " + short_name(*p.front), "front"});
-  } else if (p.mains.size() == 2) {
+  } else if (p.mains.size() == 2) {  // the two named, so no other object is an answer
     const auto [a, b] = ordered_pair(p.mains[0], p.mains[1]);
-    extra.push_back({std::string("what is ") + (horizontal_pair(a, b) ? "left of" : "above") + " the " + short_name(b) + "?",
+    const bool first_a = rng.coin();
+    extra.push_back({std::string("which is ") + (horizontal_pair(a, b) ? "further left" : "higher up") + ", the " +
+                         short_name(first_a ? a : b) + " or the " + short_name(first_a ? b : a) + "?",
                      "the " + short_name(a), "relation"});
   } else if (p.mains.size() == 3) {
-    extra.push_back({"which shape is on the far left?", "the " + short_name(left_to_right(p.mains).front()), "relation"});
+    // Asked where the leftmost centre also has the leftmost edge, 4 px (at 336) clear of the next.
+    const std::vector<SceneObject> row = left_to_right(p.mains);
+    const double clear = 4.0 * size / 336;
+    bool edge_first = true;
+    for (size_t i = 1; i < row.size(); ++i) edge_first &= row[0].x - row[0].radius + clear <= row[i].x - row[i].radius;
+    if (edge_first) {
+      std::vector<SceneObject> named = p.mains;
+      rng.shuffle(named);
+      extra.push_back({"of the " + short_name(named[0]) + ", the " + short_name(named[1]) + " and the " +
+                           short_name(named[2]) + ", which is furthest left?",
+                       "the " + short_name(row[0]), "relation"});
+    }
   }
   for (size_t i = 0; i < p.mains.size(); ++i)
     for (size_t j = i + 1; j < p.mains.size(); ++j)
@@ -308,8 +368,16 @@ std::string rich_canonical_caption(const std::vector<SceneObject>& objs) {
   const Parts p = parts_of(objs);
   if (p.mains.empty() || p.mains.size() > static_cast<size_t>(kRichMaxMain))
     throw InputError("rich caption needs 1 to 3 main objects, got " + std::to_string(p.mains.size()));
-  std::string s = p.front ? with_article(describe(*p.front)) + " in front of " + with_article(describe(*p.back))
-                          : strip_stop(canonical_caption(p.mains));
+  std::string s;
+  if (p.front) {
+    s = with_article(describe(*p.front)) + " in front of " + with_article(describe(*p.back));
+  } else if (p.mains.size() == 3) {  // the classic "three shapes: ..." would miscount the scene
+    std::vector<std::string> items;
+    for (const auto& o : left_to_right(p.mains)) items.push_back(with_article(describe(o)));
+    s = join_list(items) + ", from left to right";
+  } else {
+    s = strip_stop(canonical_caption(p.mains));
+  }
   if (p.group) s += "; " + group_phrase(*p.group, p.group_n);
   if (p.tiny) s += "; " + tiny_phrase(*p.tiny);
   return s + ".";
@@ -342,7 +410,7 @@ Scene generate_rich_scene(uint64_t seed, int64_t index, int size) {
 
   sc.captions.push_back(rich_canonical_caption(sc.objects));
   for (auto& c : rich_varied_captions(sc.objects, rng)) sc.captions.push_back(std::move(c));
-  sc.questions = rich_questions(sc.objects, rng);
+  sc.questions = rich_questions(sc.objects, size, rng);
   return sc;
 }
 

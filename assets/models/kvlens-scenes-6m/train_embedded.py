@@ -104,7 +104,7 @@ def clip_preprocess_uint8(path):
 
 
 def decode_images(root, images, workers):
-    """Decodes and preprocesses every image of a scene set into one [N, 224, 224, 3] uint8 array."""
+    """Decodes and preprocesses every image of a scene set into one [N, S, S, 3] uint8 array (S: the preset's image size)."""
     paths = [os.path.join(root, im["file_name"]) for im in images]
     out = np.empty((len(paths), IMAGE_SIZE, IMAGE_SIZE, 3), dtype=np.uint8)
     workers = max(1, min(workers, os.cpu_count() or 1, len(paths)))

@@ -83,7 +83,7 @@ std::string expected_caption(const Scene& sc) {
   } else {
     std::vector<const SceneObject*> m = v.mains;
     std::sort(m.begin(), m.end(), [](auto* a, auto* b) { return a->x < b->x; });
-    s = "three shapes: " + described(*m[0]) + ", " + described(*m[1]) + " and " + described(*m[2]) + ", from left to right";
+    s = described(*m[0]) + ", " + described(*m[1]) + " and " + described(*m[2]) + ", from left to right";
   }
   if (!v.group.empty())
     s += "; " + kCounts[v.group.size() - 1] + " small " + colour_of(*v.group[0]) + " " +
@@ -150,7 +150,7 @@ TEST(RichScenes, LayoutRules) {
           EXPECT_EQ(same_kind, o.role == Role::Group && p.role == Role::Group) << "kinds, scene " << sc.index;
         }
       }
-      // The tiny one lies under a single 14-px patch at 336 px.
+      // The tiny one is smaller than one 14-px patch at 336 px.
       if (v.tiny) {
         EXPECT_LT(2 * v.tiny->radius, 14.0 * size / 336);
       }
@@ -170,6 +170,10 @@ TEST(RichScenes, CaptionsFollowTheGrammar) {
     const View v = view(sc);
     for (const auto& cap : sc.captions) {
       EXPECT_EQ(cap.back(), '.');
+      // No wording claims how many objects there are in all: the group and the tiny one count too.
+      for (const char* claim : {"single", " only", "in all", "leftmost", "two shapes", "two objects", "three shapes",
+                                "three objects", "one shape", "one object"})
+        EXPECT_EQ(cap.find(claim), std::string::npos) << cap;
       for (const SceneObject* o : v.mains) EXPECT_NE(cap.find(colour_of(*o)), std::string::npos) << cap;
       if (!v.group.empty()) {
         EXPECT_NE(cap.find(kCounts[v.group.size() - 1] + " "), std::string::npos) << cap;
@@ -191,7 +195,7 @@ TEST(RichScenes, AnswersAgreeWithTheObjects) {
   std::map<std::string, int> types;
   for (const Scene& sc : rich(7, 300)) {
     const View v = view(sc);
-    ASSERT_GE(sc.questions.size(), 2u);
+    ASSERT_GE(sc.questions.size(), 4u);
     ASSERT_LE(sc.questions.size(), 8u);
     auto by_name = [&](const std::string& name) -> const SceneObject* {
       const SceneObject* hit = nullptr;
@@ -236,20 +240,32 @@ TEST(RichScenes, AnswersAgreeWithTheObjects) {
         bool present = false;
         for (const auto& o : sc.objects) present |= name_of(o) == what && (!tiny || o.role == Role::Tiny);
         EXPECT_EQ(q.answer, present ? "yes" : "no");
+        if (tiny && !v.group.empty()) {
+          EXPECT_NE(what, name_of(*v.group[0])) << "a tiny one of the group's kind: the group's are small, not tiny";
+        }
       } else if (q.type == "front") {
         ASSERT_TRUE(v.front);
         EXPECT_EQ(q.answer, "the " + name_of(*v.front));
         EXPECT_NE(s.find(name_of(sc.objects[static_cast<size_t>(v.front->in_front_of)])), std::string::npos);
       } else if (q.type == "relation") {
+        // The objects the question names; the answer is one of them, and it is further left (or
+        // higher up) than the others, by its centre and by its edge.
+        std::vector<const SceneObject*> named;
+        for (const auto& o : sc.objects) {
+          bool in = false;
+          for (const char* end : {" ", ",", "?"}) in |= s.find("the " + name_of(o) + end) != std::string::npos;
+          if (in) named.push_back(&o);
+        }
+        ASSERT_GE(named.size(), 2u);
         const SceneObject* a = by_name(q.answer.substr(4));
         ASSERT_TRUE(a);
-        if (s == "which shape is on the far left?") {
-          for (const SceneObject* m : v.mains) EXPECT_LE(a->x, m->x);
-        } else {
-          const bool left = s.rfind("what is left of the ", 0) == 0;
-          const SceneObject* b = by_name(after(left ? "what is left of the " : "what is above the ", "?"));
-          ASSERT_TRUE(b);
-          EXPECT_LT(left ? a->x : a->y, left ? b->x : b->y);
+        EXPECT_TRUE(std::find(named.begin(), named.end(), a) != named.end());
+        const bool up = s.find("higher up") != std::string::npos;
+        EXPECT_TRUE(up || s.find("further left") != std::string::npos || s.find("furthest left") != std::string::npos);
+        for (const SceneObject* m : named) {
+          if (m == a) continue;
+          EXPECT_LT(up ? a->y : a->x, up ? m->y : m->x);
+          EXPECT_LT((up ? a->y : a->x) - a->radius, (up ? m->y : m->x) - m->radius);
         }
       } else if (q.type == "larger") {
         const SceneObject* a = by_name(q.answer.substr(4));
@@ -325,7 +341,7 @@ TEST(RichScenes, SetAndCommandLine) {
   }
   const RGBImage png = load_image(out + "/images/000005.png");
   EXPECT_EQ(png.data, sc.image.data);
-  // The classic sets keep their annotations as they were: no version, no pattern or role.
+  // A classic set's annotations name no version, pattern or role.
   const std::string classic = kt::make_temp_dir("rich_set") + "/classic";
   ASSERT_EQ(kt::run(kt::cli() + " scenes --n 2 --out " + classic).code, 0);
   const auto c = kt::read_json(classic + "/annotations.json");
@@ -338,7 +354,17 @@ TEST(RichScenes, SetAndCommandLine) {
   EXPECT_NE(r.output.find("--generator-version"), std::string::npos) << r.output;
   r = kt::run(kt::cli() + " scenes --n 2 --size 32 --out " + classic + "_32");
   EXPECT_EQ(r.code, 2);
-  EXPECT_NE(r.output.find("scene size"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("--size"), std::string::npos) << r.output;
+  SceneOptions tiny_side;
+  tiny_side.size = 32;
+  EXPECT_NE(kt::error_of([&] { generate_scene(1, 0, tiny_side); }).find("scene size"), std::string::npos);
+  SceneOptions rich_default;
+  rich_default.version = kRichScenes;
+  EXPECT_EQ(generate_scene(1, 0, rich_default).image.width, 336);
+  EXPECT_EQ(generate_scene(1, 0).image.width, 256);
+  std::vector<SceneObject> objs = generate_scene(1, 0, rich_default).objects;
+  objs[0].in_front_of = static_cast<int>(objs.size());
+  EXPECT_NE(kt::error_of([&] { rich_canonical_caption(objs); }).find("in_front_of"), std::string::npos);
   SceneOptions bad;
   bad.version = 0;
   EXPECT_NE(kt::error_of([&] { generate_scene(1, 0, bad); }).find("generator version"), std::string::npos);
