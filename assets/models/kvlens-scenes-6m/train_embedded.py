@@ -655,7 +655,7 @@ def main(argv=None):
                   "dtype": "float32", "attn_implementation": "eager", "decoding": "greedy",
                   "max_new_tokens": args.max_new_tokens, "eos_token_id": EOS_ID,
                   "image_token_index": image_token_index, "n_visual": N_VISUAL,
-                  "prompt_template": PROMPT_TEMPLATE,
+                  "prompt_template": PROMPT_TEMPLATE, "heldout_info": ho_info,  # seed, size, generator version
                   "captions": hf_caps, "questions": hf_qs}
             d = os.path.dirname(os.path.abspath(args.hf_outputs))
             os.makedirs(d, exist_ok=True)
