@@ -260,18 +260,17 @@ ByteLevelBpe ByteLevelBpe::from_json(const nlohmann::json& j, const std::string&
     for (const auto& a : j["added_tokens"]) {
       if (!a.is_object() || !a.contains("content") || !a["content"].is_string() || a["content"].get<std::string>().empty())
         throw InputError(where + ": an added token without its content: " + a.dump());
-      Added x{a["content"].get<std::string>(), json_int(a.value("id", nlohmann::json()), where + ": added token '" +
+      AddedToken x{a["content"].get<std::string>(), json_int(a.value("id", nlohmann::json()), where + ": added token '" +
                                                                     a["content"].get<std::string>() + "' id", 0, (1 << 24) - 1),
               a.value("special", false)};
       max_id = std::max(max_id, x.id);
       t.added_.push_back(x);
     }
-  std::stable_sort(t.added_.begin(), t.added_.end(),
-                   [](const Added& a, const Added& b) { return a.content.size() > b.content.size(); });
+  sort_longest_first(t.added_);
   t.id_to_token_.assign(static_cast<size_t>(max_id + 1), "");
   t.special_.assign(static_cast<size_t>(max_id + 1), false);
   for (const auto& [tok, id] : t.vocab_) t.id_to_token_[static_cast<size_t>(id)] = tok;
-  for (const Added& a : t.added_) {
+  for (const AddedToken& a : t.added_) {
     t.id_to_token_[static_cast<size_t>(a.id)] = a.content;
     t.special_[static_cast<size_t>(a.id)] = a.special;
     t.vocab_.emplace(a.content, a.id);
@@ -307,28 +306,14 @@ std::string ByteLevelBpe::piece(int id) const {
 }
 
 std::vector<int> ByteLevelBpe::encode(const std::string& text) const {
-  // Added tokens first: at each position the longest one that starts there.
   std::vector<int> ids;
-  size_t start = 0, i = 0;
-  while (i < text.size()) {
-    const Added* hit = nullptr;
-    for (const Added& a : added_)
-      if (text.compare(i, a.content.size(), a.content) == 0) {
-        hit = &a;
-        break;
-      }
-    if (!hit) {
-      ++i;
-      continue;
-    }
-    const std::vector<int> before = encode_text(text.substr(start, i - start));
-    ids.insert(ids.end(), before.begin(), before.end());
-    ids.push_back(hit->id);
-    i += hit->content.size();
-    start = i;
-  }
-  const std::vector<int> rest = encode_text(text.substr(start));
-  ids.insert(ids.end(), rest.begin(), rest.end());
+  split_added_tokens(
+      text, added_,
+      [&](const std::string& stretch, size_t) {
+        const std::vector<int> enc = encode_text(stretch);
+        ids.insert(ids.end(), enc.begin(), enc.end());
+      },
+      [&](const AddedToken& a) { ids.push_back(a.id); });
   return ids;
 }
 

@@ -14,6 +14,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "models/added_tokens.h"
+
 namespace kvlens {
 
 class ByteLevelBpe {
@@ -50,12 +52,7 @@ class ByteLevelBpe {
   bool nfc_ = false;
   bool add_prefix_space_ = false;
   std::vector<std::shared_ptr<const Regex>> splits_;  // applied in order (Isolated)
-  struct Added {
-    std::string content;
-    int id;
-    bool special;
-  };
-  std::vector<Added> added_;  // longest first
+  std::vector<AddedToken> added_;  // longest first
   std::vector<bool> special_;
   int template_bos_ = -1;
 };

@@ -92,8 +92,8 @@ Tokenizer Tokenizer::load(const std::string& dir, int image_token_index, bool wi
     auto added = [&](const std::string& text, int id) {
       if (text.empty() || text == "<image>" || id < 0) return;
       for (const auto& a : t.sp_added_)
-        if (a.first == text) return;
-      t.sp_added_.emplace_back(text, id);
+        if (a.content == text) return;
+      t.sp_added_.push_back({text, id});
     };
     for (int id : {t.bos_, t.eos_, t.sp_->unk_id()})
       if (id >= 0 && id < t.sp_->GetPieceSize()) added(t.sp_->IdToPiece(id), id);
@@ -107,6 +107,7 @@ Tokenizer Tokenizer::load(const std::string& dir, int image_token_index, bool wi
       if (j.is_object())
         for (const auto& [text, v] : j.items()) added(text, json_int(v, at + ": '" + text + "'", 0, (1 << 24) - 1));
     }
+    sort_longest_first(t.sp_added_);
     if (cfg.contains("add_bos_token") && cfg["add_bos_token"].is_boolean()) t.add_bos_ = cfg["add_bos_token"].get<bool>();
     auto flag = [&](const char* key, bool& v) {
       if (!cfg.contains(key) || cfg[key].is_null()) return false;
@@ -214,30 +215,20 @@ std::vector<int> Tokenizer::encode_section(const std::string& text, bool first) 
   std::vector<int> ids;
   if (text.empty()) return ids;
   if (bpe_) return bpe_->encode(text);
-  size_t start = 0;
-  while (true) {
-    // The next added token's text (the longest of those that start there).
-    size_t at = std::string::npos;
-    const std::pair<std::string, int>* hit = nullptr;
-    for (const auto& a : sp_added_) {
-      const size_t p = text.find(a.first, start);
-      if (p != std::string::npos && (p < at || (p == at && a.first.size() > hit->first.size()))) at = p, hit = &a;
-    }
-    const std::string part = text.substr(start, at == std::string::npos ? std::string::npos : at - start);
-    if (!part.empty()) {
-      // (A section that starts with a space, or with "▁", gets none added: it has its own.)
-      const bool own = part[0] == ' ' || part.rfind("\xe2\x96\x81", 0) == 0, at_start = first && start == 0;
-      const bool prefix =
-          !own && (prefix_ == SpacePrefix::EverySection || (prefix_ == SpacePrefix::FirstSection && at_start));
-      std::vector<int> enc;
-      const auto status = (prefix ? sp_ : sp_bare_)->Encode(part, &enc);
-      if (!status.ok()) throw InputError("tokenizer: cannot encode text (" + status.ToString() + ")");
-      ids.insert(ids.end(), enc.begin(), enc.end());
-    }
-    if (!hit) return ids;
-    ids.push_back(hit->second);
-    start = at + hit->first.size();
-  }
+  split_added_tokens(
+      text, sp_added_,
+      [&](const std::string& part, size_t offset) {
+        // (A section that starts with a space, or with "▁", gets none added: it has its own.)
+        const bool own = part[0] == ' ' || part.rfind("\xe2\x96\x81", 0) == 0;
+        const bool prefix =
+            !own && (prefix_ == SpacePrefix::EverySection || (prefix_ == SpacePrefix::FirstSection && first && offset == 0));
+        std::vector<int> enc;
+        const auto status = (prefix ? sp_ : sp_bare_)->Encode(part, &enc);
+        if (!status.ok()) throw InputError("tokenizer: cannot encode text (" + status.ToString() + ")");
+        ids.insert(ids.end(), enc.begin(), enc.end());
+      },
+      [&](const AddedToken& a) { ids.push_back(a.id); });
+  return ids;
 }
 
 std::string Tokenizer::decode(const std::vector<int>& ids) const {

@@ -14,10 +14,11 @@
 #pragma once
 #include <memory>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
+
+#include "models/added_tokens.h"
 
 namespace sentencepiece {
 class SentencePieceProcessor;
@@ -86,7 +87,7 @@ class Tokenizer {
   // A SentencePiece tokenizer's added and special tokens by their text (BOS, EOS, UNK,
   // tokenizer_config.json's added_tokens_decoder, added_tokens.json; not <image>): found in a
   // text, they are their own ids, and the text after one is not the text's start.
-  std::vector<std::pair<std::string, int>> sp_added_;
+  std::vector<AddedToken> sp_added_;  // longest first
   std::unique_ptr<ByteLevelBpe> bpe_;
   int bos_ = 1, eos_ = 2, image_token_ = -1;
   bool add_bos_ = true;

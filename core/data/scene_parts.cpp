@@ -109,7 +109,10 @@ bool inside(Shape s, int64_t r, const std::vector<Pt>& poly, int64_t dx, int64_t
   return false;
 }
 
-}  // namespace
+struct Background {
+  int base;            // grey level
+  int grad_x, grad_y;  // grey levels across the image
+};
 
 void render_background(RGBImage& img, const Background& bg, uint64_t key) {
   const int64_t w = img.width, h = img.height;
@@ -139,7 +142,6 @@ void render_background(RGBImage& img, const Background& bg, uint64_t key) {
 }
 
 // Blends one object over the image with 4×4 supersampled coverage.
-namespace {
 
 int64_t floor_mod(int64_t a, int64_t m) { return ((a % m) + m) % m; }
 int64_t floor_div(int64_t a, int64_t m) { return (a - floor_mod(a, m)) / m; }
@@ -160,7 +162,6 @@ bool in_shade(Pattern pattern, int64_t ox, int64_t oy, int64_t period) {
   return false;
 }
 
-}  // namespace
 
 void render_object(RGBImage& img, Shape s, Colour c, int64_t cx, int64_t cy, int64_t r, Pattern pattern) {
   const std::vector<Pt> poly = polygon(s, r);
@@ -184,6 +185,8 @@ void render_object(RGBImage& img, Shape s, Colour c, int64_t cx, int64_t cy, int
     }
   }
 }
+
+}  // namespace
 
 void render_scene(Scene& sc, int size, Rng& rng, uint64_t key) {
   Background bg;

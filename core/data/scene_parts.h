@@ -64,19 +64,9 @@ struct Rng {
 uint64_t scene_key(uint64_t seed, int64_t index);
 
 // ---------------------------------------------------------------------------------------------
-// Rasterisation, integer only. Coordinates in 1/8 pixel units.
-
-struct Background {
-  int base;        // grey level
-  int grad_x, grad_y;  // grey levels across the image
-};
-
-void render_background(RGBImage& img, const Background& bg, uint64_t key);
-// Blends one object over the image with 4×4 supersampled coverage; a pattern other than solid
-// alternates the fill colour with its pattern shade (pattern_rgb) in a lattice fixed to the
-// object's centre.
-void render_object(RGBImage& img, Shape s, Colour c, int64_t cx, int64_t cy, int64_t r,
-                   Pattern pattern = Pattern::Solid);
+// Drawing, integer only (coordinates in 1/8 pixel units): the textured grey background, then
+// each shape with 4×4 supersampled coverage, a pattern other than solid alternating the fill
+// colour with its shade (pattern_rgb) in a lattice fixed to the object's centre.
 
 // The scene's image: the background's grey level and gradients drawn from `rng`, its texture
 // from `key`, then every object in order.

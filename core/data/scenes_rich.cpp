@@ -43,12 +43,12 @@ int64_t cell_inset(int64_t x, int64_t y, int64_t span) {
 
 using Kind = std::pair<Shape, Colour>;
 
-// A (shape, colour) no object of the scene has yet.
-Kind new_kind(Rng& rng, const std::vector<SceneObject>& objs) {
+// A (shape, colour) no object of the scene has yet, nor `taken`.
+Kind new_kind(Rng& rng, const std::vector<SceneObject>& objs, const Kind* taken = nullptr) {
   for (;;) {
     const auto s = static_cast<Shape>(rng.below(kNumShapes));
     const auto c = static_cast<Colour>(rng.below(kNumColours));
-    bool used = false;
+    bool used = taken && *taken == Kind{s, c};
     for (const auto& o : objs) used |= o.shape == s && o.colour == c;
     if (!used) return {s, c};
   }
@@ -112,8 +112,7 @@ void place_occluded_pair(Rng& rng, int size, std::vector<SceneObject>& objs) {
   const Kind kb = new_kind(rng, objs);
   const auto sb = static_cast<SizeClass>(1 + rng.below(2));
   const auto pb = static_cast<Pattern>(rng.below(kNumPatterns));
-  objs.push_back(make_object(kb, sb, pb, Role::Main, 0, 0, size));
-  const Kind kf = new_kind(rng, objs);
+  const Kind kf = new_kind(rng, objs, &kb);
   const auto sf = sb == SizeClass::Medium ? SizeClass::Medium : static_cast<SizeClass>(1 + rng.below(2));
   const auto pf = static_cast<Pattern>(rng.below(kNumPatterns));
   const int64_t rb = rich_radius_units(sb, size), rf = rich_radius_units(sf, size), d = rb / 2 + 4 * rf / 5;
@@ -124,7 +123,7 @@ void place_occluded_pair(Rng& rng, int size, std::vector<SceneObject>& objs) {
   const int64_t ylo = std::max(rb + margin, rf + margin - ddy), yhi = std::min(span - rb - margin, span - rf - margin - ddy);
   if (xlo > xhi || ylo > yhi) throw InputError("scene size " + std::to_string(size) + " px is too small for rich scenes");
   const int64_t x = rng.range(xlo, xhi), y = rng.range(ylo, yhi);
-  objs.back() = make_object(kb, sb, pb, Role::Main, x, y, size);
+  objs.push_back(make_object(kb, sb, pb, Role::Main, x, y, size));
   objs.push_back(make_object(kf, sf, pf, Role::Main, x + ddx, y + ddy, size));
   objs.back().in_front_of = static_cast<int>(objs.size()) - 2;
 }
@@ -246,8 +245,7 @@ std::vector<std::string> main_wordings(const Parts& p, Rng& rng) {
 }
 
 // Four wordings of the scene, each with the content of rich_canonical_caption.
-std::vector<std::string> rich_varied_captions(const std::vector<SceneObject>& objs, Rng& rng) {
-  const Parts p = parts_of(objs);
+std::vector<std::string> rich_varied_captions(const Parts& p, Rng& rng) {
   const std::vector<std::string> mains = main_wordings(p, rng);
   std::vector<std::string> out;
   for (int k = 0; k < 4; ++k) {
@@ -276,8 +274,7 @@ std::vector<std::string> rich_varied_captions(const std::vector<SceneObject>& ob
   return out;
 }
 
-VqaPair ask_exist(const std::vector<SceneObject>& objs, bool yes, bool tiny, Rng& rng) {
-  const Parts p = parts_of(objs);
+VqaPair ask_exist(const std::vector<SceneObject>& objs, const Parts& p, bool yes, bool tiny, Rng& rng) {
   Kind k;
   if (yes) {
     const SceneObject& o = tiny ? *p.tiny : rng.pick(objs);
@@ -302,8 +299,7 @@ VqaPair ask_exist(const std::vector<SceneObject>& objs, bool yes, bool tiny, Rng
   return {std::string("is there ") + (tiny ? "a tiny " + what : with_article(what)) + "?", yes ? "yes" : "no", "exist"};
 }
 
-std::vector<VqaPair> rich_questions(const std::vector<SceneObject>& objs, int size, Rng& rng) {
-  const Parts p = parts_of(objs);
+std::vector<VqaPair> rich_questions(const std::vector<SceneObject>& objs, const Parts& p, int size, Rng& rng) {
   std::vector<VqaPair> q, extra;
   if (p.group)
     q.push_back({"how many " + std::string(colour_name(p.group->colour)) + " " + shape_plural(p.group->shape) +
@@ -317,8 +313,8 @@ std::vector<VqaPair> rich_questions(const std::vector<SceneObject>& objs, int si
     extra.push_back({std::string("where is the tiny ") + shape_name(p.tiny->shape) + "?", cell_name(p.tiny->cell), "where"});
   }
   const bool yes = rng.coin();
-  extra.push_back(ask_exist(objs, p.tiny ? yes : false, true, rng));
-  extra.push_back(ask_exist(objs, !yes, false, rng));
+  extra.push_back(ask_exist(objs, p, p.tiny ? yes : false, true, rng));
+  extra.push_back(ask_exist(objs, p, !yes, false, rng));
   for (const auto& o : p.mains) {
     extra.push_back({"what pattern does the " + short_name(o) + " have?", pattern_name(o.pattern), "pattern"});
     if (!p.front) extra.push_back({"where is the " + short_name(o) + "?", cell_name(o.cell), "where"});
@@ -409,8 +405,9 @@ Scene generate_rich_scene(uint64_t seed, int64_t index, int size) {
   render_scene(sc, size, rng, key);  // in order: the one behind before the one in front
 
   sc.captions.push_back(rich_canonical_caption(sc.objects));
-  for (auto& c : rich_varied_captions(sc.objects, rng)) sc.captions.push_back(std::move(c));
-  sc.questions = rich_questions(sc.objects, size, rng);
+  const Parts parts = parts_of(sc.objects);
+  for (auto& c : rich_varied_captions(parts, rng)) sc.captions.push_back(std::move(c));
+  sc.questions = rich_questions(sc.objects, parts, size, rng);
   return sc;
 }
 

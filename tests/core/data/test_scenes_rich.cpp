@@ -298,11 +298,8 @@ TEST(RichScenes, PixelsShowPatternsAndSmallObjects) {
         for (int c = 0; c < 3; ++c) EXPECT_NEAR(p[c], fill[c], 40) << "scene " << sc.index << " " << name_of(o);
         continue;
       }
-      if (o.pattern == Pattern::Solid || o.shape == Shape::Ring || o.in_front_of >= 0 ||
-          (sc.objects.size() > 1 && std::any_of(sc.objects.begin(), sc.objects.end(), [&](const SceneObject& f) {
-             return f.in_front_of >= 0 && &sc.objects[static_cast<size_t>(f.in_front_of)] == &o;
-           })))
-        continue;
+      // (the overlapping pair is left out: either may cover the other's inner half)
+      if (o.pattern == Pattern::Solid || o.shape == Shape::Ring || view(sc).front) continue;
       // Both colours inside the inner half of the disc.
       int n[2] = {0, 0};
       for (double y = o.y - o.radius / 2; y < o.y + o.radius / 2; y += 1)
