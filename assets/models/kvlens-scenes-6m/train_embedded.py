@@ -11,6 +11,8 @@ decoding (eval.json), plus reference generations for token-by-token checks of th
 Usage (see assets/models/kvlens-scenes-6m/train_embedded.sh for the full GPU run):
   python3 assets/models/kvlens-scenes-6m/train_embedded.py --train /tmp/scenes_train --heldout /tmp/scenes_heldout \
       --out /tmp/kvlens_model --minutes 6 --hf-outputs /tmp/hf_outputs.json [--preset scenes-deep]
+  python3 -m torch.distributed.run --standalone --nproc_per_node 2 assets/models/kvlens-scenes-6m/train_embedded.py \
+      ... --pack --compile          (data parallel over 2 GPUs, every sample of an image in one row)
 """
 import argparse
 import io
@@ -26,6 +28,10 @@ import numpy as np
 from PIL import Image
 
 from presets import PRESETS, llava_config  # (this script's folder)
+from packing import PackedTable, packed_mask
+from ranks import Ranks
+from tokenizer_files import (BOS_ID, EOS_ID, IMAGE_PLACEHOLDER, UNK_ID, hf_tokenizer_check,
+                             write_tokenizer_files, write_tokenizer_json)
 
 # OpenAI CLIP normalization, as CLIPImageProcessor and the C++ PreprocessConfig use it.
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
@@ -44,15 +50,17 @@ def apply_preset(name):
 
 # Prompt layout of the C++ runner (LLaVA-1.5 style); CAPTION_PROMPT is its default prompt.
 PROMPT_TEMPLATE = "USER: <image>\n{prompt} ASSISTANT:"
-IMAGE_PLACEHOLDER = "<image>"
 CAPTION_PROMPT = "Describe the image."
-UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 
 T_START = time.time()
 
 
+LOG_HERE = True  # False on ranks other than 0
+
+
 def log(msg):
-    print(f"[{time.time() - T_START:7.1f}s] {msg}", flush=True)
+    if LOG_HERE:
+        print(f"[{time.time() - T_START:7.1f}s] {msg}", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,45 +182,6 @@ def encode_prompt(sp, prompt, image_token_index, n_visual=None):
 
 def encode_target(sp, answer):
     return sp.encode(answer) + [EOS_ID]
-
-
-def write_tokenizer_files(out, sp_bytes, sp, image_token_index, max_len):
-    with open(os.path.join(out, "tokenizer.model"), "wb") as f:
-        f.write(sp_bytes)
-
-    def tok(content, special=True):
-        return {"content": content, "lstrip": False, "normalized": False, "rstrip": False,
-                "single_word": False, "special": special}
-
-    unk, bos, eos = sp.id_to_piece(UNK_ID), sp.id_to_piece(BOS_ID), sp.id_to_piece(EOS_ID)
-    cfg = {
-        "add_bos_token": True,
-        "add_eos_token": False,
-        "add_prefix_space": None,
-        "added_tokens_decoder": {
-            str(UNK_ID): tok(unk), str(BOS_ID): tok(bos), str(EOS_ID): tok(eos),
-            str(image_token_index): tok(IMAGE_PLACEHOLDER),
-        },
-        "bos_token": bos,
-        "eos_token": eos,
-        "unk_token": unk,
-        "pad_token": None,
-        "clean_up_tokenization_spaces": False,
-        "legacy": True,
-        "model_max_length": max_len,
-        "sp_model_kwargs": {},
-        "spaces_between_special_tokens": False,
-        "tokenizer_class": "LlamaTokenizer",
-        "use_default_system_prompt": False,
-        "image_token": IMAGE_PLACEHOLDER,
-        "extra_special_tokens": {"image_token": IMAGE_PLACEHOLDER},
-    }
-    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)
-    with open(os.path.join(out, "special_tokens_map.json"), "w") as f:
-        json.dump({"bos_token": tok(bos), "eos_token": tok(eos), "unk_token": tok(unk)}, f, indent=2)
-    with open(os.path.join(out, "added_tokens.json"), "w") as f:
-        json.dump({IMAGE_PLACEHOLDER: image_token_index}, f, indent=2)
 
 
 def write_preprocessor_config(out):
@@ -400,12 +369,17 @@ def parse_args(argv=None):
     ap.add_argument("--workers", type=int, default=16, help="image decoding processes")
     ap.add_argument("--log-every", type=int, default=100)
     ap.add_argument("--compile", action="store_true", help="torch.compile the training model")
+    ap.add_argument("--pack", action="store_true",
+                    help="one row an image holding all its samples (packing.py); --batch counts images")
     return ap.parse_args(argv)
 
 
 def main(argv=None):
+    global LOG_HERE
     args = parse_args(argv)
     apply_preset(args.preset)
+    ranks = Ranks(args.device)
+    LOG_HERE = ranks.main
     if args.max_new_tokens <= 0:
         args.max_new_tokens = PRESET["max_new_tokens"]
     os.makedirs(args.out, exist_ok=True)
@@ -420,7 +394,7 @@ def main(argv=None):
 
     import sentencepiece as spm
     texts = tokenizer_texts(tr_caps, tr_qs)  # training text only; byte fallback covers the rest
-    sp_bytes = train_sentencepiece(texts, args.vocab, args.workers)
+    sp_bytes = ranks.share(lambda: train_sentencepiece(texts, args.vocab, args.workers))
     sp = spm.SentencePieceProcessor(model_proto=sp_bytes)
     sp_vocab = sp.get_piece_size()
     image_token_index = sp_vocab
@@ -432,6 +406,9 @@ def main(argv=None):
     max_pos = max(512, 1 << (table.max_len + args.max_new_tokens - 1).bit_length())
     log(f"samples: {table.n_caption} caption + {table.n_vqa} vqa, max length {table.max_len}"
         f" (longest target {table.max_target})")
+    packed = PackedTable(table, image_token_index, len(tr_images)) if args.pack else None
+    if packed:
+        log(f"packed: {len(tr_images)} rows of up to {packed.max_len} tokens (prefix {packed.prefix})")
     if table.max_target > args.max_new_tokens:
         log(f"WARNING: a training target has {table.max_target} tokens (> --max-new-tokens"
             f" {args.max_new_tokens}); such samples cannot match exactly at evaluation")
@@ -450,7 +427,7 @@ def main(argv=None):
     import transformers
     from transformers import LlavaForConditionalGeneration
     torch.manual_seed(args.seed)
-    device = torch.device(args.device if args.device != "auto" else
+    device = ranks.device(args.device if args.device != "auto" else
                           "cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.manual_seed_all(args.seed)
@@ -464,16 +441,25 @@ def main(argv=None):
     model.generation_config.eos_token_id = EOS_ID
     model.generation_config.pad_token_id = None
     model.to(device).train()
+    params = list(model.parameters())
+    ranks.same_parameters(params)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model: {n_params / 1e6:.2f} M params ({2 * n_params / 2**20:.1f} MiB fp16),"
-        f" {N_VISUAL} visual tokens, attn {model.config._attn_implementation}, device {device}")
+        f" {N_VISUAL} visual tokens, attn {model.config._attn_implementation}, device {device},"
+        f" {ranks.world} process(es)")
 
     imgs = torch.from_numpy(tr_u8).to(device)
     del tr_u8
-    tokens = torch.from_numpy(table.tokens).to(device)
-    plen_d = torch.from_numpy(table.plen).to(device)
-    tlen_d = torch.from_numpy(table.tlen).to(device)
-    img_row_d = torch.from_numpy(table.image_row).to(device)
+    if packed is None:
+        tokens = torch.from_numpy(table.tokens).to(device)
+        plen_d = torch.from_numpy(table.plen).to(device)
+        tlen_d = torch.from_numpy(table.tlen).to(device)
+        img_row_d = torch.from_numpy(table.image_row).to(device)
+    else:
+        tokens = torch.from_numpy(packed.tokens).to(device)
+        pos_d = torch.from_numpy(packed.pos).to(device)
+        seg_d = torch.from_numpy(packed.seg).to(device)
+        tgt_d = torch.from_numpy(packed.target).to(device)
     mean = torch.tensor(CLIP_MEAN, device=device).view(1, 3, 1, 1)
     std = torch.tensor(CLIP_STD, device=device).view(1, 3, 1, 1)
 
@@ -489,9 +475,26 @@ def main(argv=None):
                               enabled=device.type == "cuda")
 
     rng = np.random.default_rng(args.seed)
-    cap_s = CyclicSampler(0, table.n_caption, rng)
+    cap_s = CyclicSampler(0, table.n_caption, rng)  # packed: the images
     vqa_s = CyclicSampler(table.n_caption, table.n_caption + table.n_vqa, rng) if table.n_vqa else None
-    n_cap = args.batch if vqa_s is None else int(round(args.batch * args.caption_frac))
+    n_cap = args.batch if vqa_s is None or packed else int(round(args.batch * args.caption_frac))
+    max_len = table.max_len if packed is None else packed.max_len
+
+    def batch(idx_np):
+        """input ids, labels, image rows, positions and mask (None: plain causal) of samples idx_np."""
+        # a compiled model keeps one shape: every batch padded to the longest sample
+        L = max_len if args.compile or packed else int(table.tlen[idx_np].max())
+        idx = torch.from_numpy(idx_np).to(device, non_blocking=True)
+        ids = tokens[idx, :L]
+        if packed is not None:
+            labels = torch.where(tgt_d[idx], ids, torch.full_like(ids, -100))
+            return ids, labels, idx, pos_d[idx], packed_mask(seg_d[idx], torch)
+        pos = torch.arange(L, device=device)[None, :]
+        tgt = (pos >= plen_d[idx][:, None]) & (pos < tlen_d[idx][:, None])
+        return ids, torch.where(tgt, ids, torch.full_like(ids, -100)), img_row_d[idx], None, None
+    if args.batch % ranks.world:
+        raise SystemExit(f"--batch {args.batch} is not a multiple of the {ranks.world} processes")
+    per_rank = args.batch // ranks.world  # every rank draws the same batch and takes its slice
 
     # ---- train: cosine over max(step / steps, elapsed / budget), so it completes on time ----
     t_train = time.time()
@@ -499,13 +502,19 @@ def main(argv=None):
     if args.deadline > 0:
         budget = min(budget, args.deadline - t_train)
     budget = max(budget, 1.0)
-    log(f"training: batch {args.batch} ({n_cap} caption), lr {args.lr}, warmup {args.warmup},"
-        f" budget {budget:.0f}s, step cap {args.steps}")
+    what = (f"{args.batch} images, all {packed.samples} samples packed" if packed else
+            f"{args.batch} ({n_cap} caption)")
+    log(f"training: batch {what}; {per_rank} a process, lr {args.lr},"
+        f" warmup {args.warmup}, budget {budget:.0f}s, step cap {args.steps},"
+        f" {'compiled, length ' + str(max_len) if args.compile else 'not compiled'}")
+    sync_every = 1 if ranks.world == 1 else 10  # rank 0's clock sets lr and the end for all
+    time_progress = 0.0
     step, loss_acc, loss_n, last_loss, recent, curve = 0, None, 0, float("nan"), [], []
     progress = 0.0
     while step < args.steps:
-        elapsed = time.time() - t_train
-        progress = max(step / args.steps, elapsed / budget)
+        if step % sync_every == 0:
+            time_progress = ranks.from_main((time.time() - t_train) / budget, device)
+        progress = max(step / args.steps, time_progress)
         if progress >= 1.0:
             break
         warm = min(1.0, (step + 1) / max(1, args.warmup))
@@ -517,21 +526,17 @@ def main(argv=None):
         idx_np = cap_s.take(n_cap)
         if vqa_s is not None and args.batch - n_cap > 0:
             idx_np = np.concatenate([idx_np, vqa_s.take(args.batch - n_cap)])
-        L = int(table.tlen[idx_np].max())
-        idx = torch.from_numpy(idx_np).to(device, non_blocking=True)
-        ids = tokens[idx, :L]
-        pos = torch.arange(L, device=device)[None, :]
-        tgt = (pos >= plen_d[idx][:, None]) & (pos < tlen_d[idx][:, None])
-        labels = torch.where(tgt, ids, torch.full_like(ids, -100))
-        px = make_pixels(imgs, img_row_d[idx], mean, std)
+        ids, labels, rows, pos, mask = batch(idx_np[ranks.rank * per_rank:(ranks.rank + 1) * per_rank])
+        px = make_pixels(imgs, rows, mean, std)
 
         with autocast:
-            logits = fwd(input_ids=ids, pixel_values=px).logits
+            logits = fwd(input_ids=ids, pixel_values=px, position_ids=pos, attention_mask=mask).logits
         loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
                                labels[:, 1:].reshape(-1), ignore_index=-100)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        ranks.average_gradients(params)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         step += 1
         ld = loss.detach()
@@ -552,7 +557,14 @@ def main(argv=None):
     if device.type == "cuda":
         torch.cuda.synchronize()
     train_s = time.time() - t_train
-    log(f"trained {step} steps in {train_s:.1f}s, final loss {last_loss:.4f}")
+    log(f"trained {step} steps in {train_s:.1f}s, final loss {last_loss:.4f}"
+        f"{' (rank 0)' if ranks.world > 1 else ''}")
+    world = ranks.world
+    if world > 1:
+        log(f"parameters equal on all {world} processes: {ranks.parameters_agree(params, device)}")
+    ranks.close()
+    if not ranks.main:
+        return 0  # rank 0 saves and evaluates
 
     # ---- save (fp16) ----
     model.eval()
@@ -564,7 +576,8 @@ def main(argv=None):
     write_tokenizer_files(args.out, sp_bytes, sp, image_token_index, max_pos)
     tok_json = write_tokenizer_json(args.out)
     write_preprocessor_config(args.out)
-    del model, opt, fwd, imgs, tokens
+    del model, opt, fwd, imgs
+    tokens = None  # the training arrays' GPU memory
     if device.type == "cuda":
         torch.cuda.empty_cache()
     st_bytes = os.path.getsize(os.path.join(args.out, "model.safetensors"))
@@ -667,7 +680,9 @@ def main(argv=None):
     check_texts = sorted({t for caps in ho_caps[:eval_n] for t in caps} |
                          {str(q[k]) for q in ho_eval_qs for k in ("question", "answer")})
     check_prompts = [CAPTION_PROMPT] + sorted({q["question"] for q in ho_eval_qs})[:50]
-    tok_check = hf_tokenizer_check(args.out, sp, image_token_index, check_texts, check_prompts)
+    tok_check = hf_tokenizer_check(args.out, sp, PROMPT_TEMPLATE,
+                                   lambda p: encode_prompt(sp, p, image_token_index, n_visual=1),
+                                   check_texts, check_prompts)
     log(f"tokenizer.json: {tok_json}; AutoTokenizer vs runner: {tok_check}")
 
     n_cap_eval = max(1, eval_n)
@@ -691,7 +706,8 @@ def main(argv=None):
         json.dump(result, f, indent=2)
 
     info = {
-        "seed": args.seed, "steps": step, "batch": args.batch, "lr": args.lr,
+        "seed": args.seed, "steps": step, "batch": args.batch, "processes": world, "lr": args.lr,
+        "compiled": args.compile, "packed": args.pack,
         "min_lr_ratio": args.min_lr_ratio, "warmup": args.warmup,
         "weight_decay": args.weight_decay, "caption_frac": args.caption_frac,
         "minutes": args.minutes, "budget_seconds": round(budget, 1),
@@ -721,7 +737,7 @@ def main(argv=None):
     rows = [
         ("params", f"{n_params / 1e6:.2f} M"),
         ("safetensors", f"{st_bytes / 2**20:.1f} MiB"),
-        ("steps", f"{step} x batch {args.batch}"),
+        ("steps", f"{step} x batch {args.batch} ({world} process{'es' if world > 1 else ''})"),
         ("train time", f"{train_s:.1f} s"),
         ("wall time", f"{time.time() - T_START:.1f} s"),
         ("final loss", f"{last_loss:.4f}"),
@@ -737,49 +753,6 @@ def main(argv=None):
     for k, v in rows:
         print(f"{k:<{w}}  {v}")
     print("-" * (w + 30), flush=True)
-
-
-def write_tokenizer_json(out):
-    """Adds tokenizer.json, converted by transformers' LlamaTokenizer from tokenizer.model.
-    AutoTokenizer loads llava folders through the generic tokenizers backend, which needs it.
-    The conversion reads the SentencePiece proto (needs protobuf); failure is reported, not
-    fatal: the C++ runner reads tokenizer.model."""
-    import shutil
-    import tempfile
-    try:
-        from transformers import LlamaTokenizer
-        tok = LlamaTokenizer.from_pretrained(out)  # legacy=True: "▁" after special tokens
-        with tempfile.TemporaryDirectory() as tmp:
-            tok.save_pretrained(tmp)
-            shutil.copyfile(os.path.join(tmp, "tokenizer.json"), os.path.join(out, "tokenizer.json"))
-        return "written"
-    except Exception as e:
-        return f"not written ({type(e).__name__}: {str(e)[:160]})"
-
-
-def hf_tokenizer_check(out, sp, image_token_index, texts, prompts):
-    """Loads the written tokenizer with AutoTokenizer and compares its ids with the runner's:
-    the filled prompt template (one <image> token) for each prompt, and BOS + sp.encode(text)
-    for each text. Informative only: the runner uses tokenizer.model directly."""
-    try:
-        from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(out)
-        bad, n = [], 0
-        for p in prompts:
-            got = tok(PROMPT_TEMPLATE.replace("{prompt}", p)).input_ids
-            want = encode_prompt(sp, p, image_token_index, n_visual=1)
-            n += 1
-            if got != want:
-                bad.append(f"prompt {p!r}: hf {got} vs runner {want}")
-        for t in texts:
-            n += 1
-            if tok(t).input_ids != [BOS_ID] + sp.encode(t):
-                bad.append(f"text {t!r}: hf {tok(t).input_ids} vs runner {[BOS_ID] + sp.encode(t)}")
-        if bad:
-            return f"{len(bad)} of {n} differ ({type(tok).__name__}); first: {bad[0][:300]}"
-        return f"match ({n} strings, {type(tok).__name__})"
-    except Exception as e:  # informative only
-        return f"not loaded ({type(e).__name__}: {str(e)[:160]})"
 
 
 def _device_name(torch, device):

@@ -16,7 +16,9 @@
 # MINUTES (training-loop cap), BUDGET_S (whole script, seconds), RESERVE_S (kept for eval + save
 # + copy), EVAL_N, KVLENS (prebuilt binary: skips the build), WORK (scratch), DEVICE, PYTHON,
 # EXTRA_ARGS (more train_embedded.py flags, e.g. "--compile"); PRESET (scenes-6m, or scenes-deep:
-# LLaVA-1.5's geometry, 12 layers) and SCENES (the scene generator version: 1 classic, 2 rich).
+# LLaVA-1.5's geometry, 12 layers) and SCENES (the scene generator version: 1 classic, 2 rich);
+# GPUS (processes, one a GPU; default every GPU nvidia-smi lists): more than one trains data-
+# parallel under torchrun, --batch split between them.
 set -euo pipefail
 
 N_TRAIN=${N_TRAIN:-20000}
@@ -37,6 +39,10 @@ PRESET=${PRESET:-scenes-6m}
 SCENES=${SCENES:-1}
 DEVICE=${DEVICE:-cuda}
 OUT=${OUT:-out/train_embedded}
+if [[ -z "${GPUS:-}" ]]; then
+  GPUS=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)
+  ((GPUS >= 1)) || GPUS=1
+fi
 PY=${PYTHON:-python3}
 
 T_START=$(date +%s)
@@ -79,7 +85,10 @@ run() {
   rm -rf "$model_dir"
   local rc=0
   # shellcheck disable=SC2086
-  PYTHONUNBUFFERED=1 "$PY" assets/models/kvlens-scenes-6m/train_embedded.py \
+  local launch=("$PY")
+  ((GPUS <= 1)) || launch=("$PY" -m torch.distributed.run --standalone --nproc_per_node "$GPUS")
+  say "training processes: $GPUS"
+  PYTHONUNBUFFERED=1 "${launch[@]}" assets/models/kvlens-scenes-6m/train_embedded.py \
     --train "$train_dir" --heldout "$heldout_dir" --out "$model_dir" \
     --steps "$STEPS" --batch "$BATCH" --lr "$LR" --seed "$SEED" \
     --minutes "$MINUTES" --deadline "$deadline" --device "$DEVICE" --eval-n "$EVAL_N" --preset "$PRESET" \
