@@ -3,9 +3,6 @@
 // held-out scenes measured with kvlens's own runner.
 #include <gtest/gtest.h>
 
-#include <cstdlib>
-#include <fstream>
-
 #include <nlohmann/json.hpp>
 
 #include "core/data/scenes.h"
@@ -14,6 +11,7 @@
 #include "app/lab/eval_runner.h"
 #include "models/model.h"
 #include "tests/policy_probe.h"
+#include "tests/hf_recorded.h"
 #include "tests/test_util.h"
 #include "tests/captured_attention_check.h"
 
@@ -31,44 +29,21 @@ const Model& model() {
   return m;
 }
 
-nlohmann::json hf_outputs() {
-  std::ifstream f(kt::source_dir() + "/tests/fixtures/embedded/hf_greedy.json");
-  return nlohmann::json::parse(f);
-}
-
-// Checks the first `n` recorded generations of `kind` ("captions" or "questions"). HF recorded
-// them with an fp32 cache; kvlens decodes with its default fp16 cache (the full-cache caption a
-// researcher sees). All 64 + 64 recordings agree (KVLENS_HF_SPOTCHECK=64).
-void check_against_hf(const char* kind, int n) {
-  const auto j = hf_outputs();
-  const auto& list = j[kind];
-  ASSERT_GE(static_cast<int>(list.size()), n);
-  int same = 0;
-  for (int i = 0; i < n; ++i) {
-    const auto& e = list[i];
-    const Scene sc = generate_scene(kHeldoutSeed, e["image_id"].get<int64_t>());
-    const PrefillState st = model().prefill(sc.image, e["prompt"].get<std::string>(), kDefaultTemplate, false);
-    ASSERT_EQ(st.ids, e["input_ids"].get<std::vector<int>>()) << kind << " " << i;
-    GenerateOptions g;
-    g.max_new_tokens = j["max_new_tokens"].get<int>();
-    const DecodeResult r = model().decode(st, nullptr, g);
-    const auto want = e["generated_ids"].get<std::vector<int>>();
-    EXPECT_EQ(r.generated_ids, want) << kind << " " << i << ": ours '" << r.text << "', HF '" << e["text"] << "'";
-    same += r.generated_ids == want;
-  }
-  EXPECT_EQ(same, n);
+// The recording: all 64 + 64 generations agree (KVLENS_HF_SPOTCHECK=64).
+const nlohmann::json& hf_outputs() {
+  static const nlohmann::json j = kt::load_recording(kt::source_dir() + "/tests/fixtures/embedded/hf_greedy.json");
+  return j;
 }
 
 }  // namespace
 
 // 16 of each by default; KVLENS_HF_SPOTCHECK=64 checks every recorded generation.
-int spotcheck_count() {
-  const char* e = std::getenv("KVLENS_HF_SPOTCHECK");
-  return e ? std::atoi(e) : 16;
+TEST(Embedded, CaptionsMatchTransformers) {
+  kt::check_recorded_generations(model(), hf_outputs(), "captions", kt::hf_spotcheck_count());
 }
-
-TEST(Embedded, CaptionsMatchTransformers) { check_against_hf("captions", spotcheck_count()); }
-TEST(Embedded, AnswersMatchTransformers) { check_against_hf("questions", spotcheck_count()); }
+TEST(Embedded, AnswersMatchTransformers) {
+  kt::check_recorded_generations(model(), hf_outputs(), "questions", kt::hf_spotcheck_count());
+}
 
 TEST(Embedded, SampleImageCaptionIsTheCanonicalReference) {
   // The sample image comes from the generator (seed 20261122, index 0): the caption must be
@@ -144,4 +119,31 @@ TEST(Embedded, PrefillOnlyMethodsDecodeWithoutTheHookToTheSameResult) {
 // prefill's, from queries, keys and values only.
 TEST(Embedded, CapturedAttentionIsThePrefillsAttention) {
   kt::check_captured_attention(model(), load_image(kt::source_dir() + "/assets/images/scene_000.png"), "cpu");
+}
+
+// A recording names its scenes by "heldout_info" (seed, size, version of the set's info block),
+// else by "heldout_seed" (classic scenes), else classic scenes of seed 1000001; the 6m recording
+// restated with an info block checks the same.
+TEST(Embedded, RecordingsNameTheirScenes) {
+  const auto rich = kt::recorded_scenes(
+      {{"heldout_info", {{"generator", "kvlens scenes"}, {"seed", 7}, {"n", 5}, {"size", 336}, {"version", 2}}}});
+  EXPECT_EQ(rich.seed, 7u);
+  EXPECT_EQ(rich.opts.version, kRichScenes);
+  EXPECT_EQ(rich.opts.size, 336);
+  const auto classic = kt::recorded_scenes({{"heldout_info", {{"seed", 9}, {"n", 5}, {"size", 256}}}});
+  EXPECT_EQ(classic.seed, 9u);
+  EXPECT_EQ(classic.opts.version, kClassicScenes);
+  EXPECT_EQ(kt::recorded_scenes({{"heldout_seed", 5}}).seed, 5u);
+  EXPECT_EQ(kt::recorded_scenes(nlohmann::json::object()).seed, kt::kDefaultHeldoutSeed);
+  nlohmann::json rec = hf_outputs();
+  rec.erase("heldout_seed");
+  rec["heldout_info"] = {{"generator", "kvlens scenes"}, {"seed", kHeldoutSeed}, {"n", 500}, {"size", 256}};
+  kt::check_recorded_generations(model(), rec, "captions", 2);
+  const std::string missing = kt::source_dir() + "/tests/fixtures/embedded/no_such.json";
+  try {
+    kt::load_recording(missing);
+    ADD_FAILURE() << "a missing recording loaded";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find(missing), std::string::npos) << e.what();
+  }
 }
