@@ -79,7 +79,7 @@ void run_bench(const BenchArgs& a) {
   if (a.threads > 0) set_threads(a.threads);
   if (!a.method.empty()) parse_method_spec(a.method);
   if (a.profile) setenv("KVLENS_CUDA_PROFILE", "1", 1);  // read when the CUDA backend starts
-  const std::unique_ptr<Model> model_owned = load_model(a.model.empty() ? default_model_dir() : a.model, a.backend);
+  const std::unique_ptr<Model> model_owned = load_model(model_dir_of(a.model), a.backend);
   const Model& model = *model_owned;
   const RGBImage img = command_image(model, a.image);  // (none for a text-only model)
   const std::string templ = model_template(model, kDefaultTemplate);
@@ -399,7 +399,7 @@ void run_session(const SessionArgs& a) {
   std::vector<SessionEdit> edits;
   for (const std::string& e : a.edits) edits.push_back(parse_session_edit(e, s));
   if (edits.empty()) edits = default_session_edits(s);
-  const std::string model = !a.model.empty() ? a.model : !s.model.empty() ? s.model : default_model_dir();
+  const std::string model = model_dir_of(!a.model.empty() ? a.model : s.model);
   const std::string image = !a.image.empty() ? a.image : !s.image.empty() ? s.image : default_image();
   const SessionBench b = bench_session(s, model, image, a.backend, edits);
   std::printf("bench session %s: %zu methods, %d-token prompt, %s backend\n", a.session.c_str(), s.methods.size(),
@@ -472,7 +472,7 @@ void add_bench_command(CLI::App& root) {
   auto a = std::make_shared<BenchArgs>();
   CLI::App* c = root.add_subcommand("bench", "Speed: caption latency and decode roofline; 'attention', 'gemv', 'prefill' and 'throughput' on CUDA");
   c->require_subcommand(0, 1);
-  c->add_option("--model", a->model, "Model directory (default: the embedded model)");
+  c->add_option("--model", a->model, kModelHelp);
   add_backend_options(c, a->backend);
   c->add_option("--image", a->image, "Image (default: the embedded sample image)");
   c->add_option("--prompt", a->prompt, "Text in place of {prompt} in the default template")->capture_default_str();
@@ -554,7 +554,7 @@ void add_bench_command(CLI::App& root) {
   ss->add_option("--edit", se->edits,
                  "An edit METHOD:PARAM=VALUE (METHOD: index from 0 or label), repeatable; default: each method's first "
                  "number parameter moved a tenth of its range");
-  ss->add_option("--model", se->model, "Model directory (default: the session's, else the embedded model)");
+  ss->add_option("--model", se->model, "Model directory or embedded model's name (default: the session's, else kvlens-scenes-6m)");
   ss->add_option("--image", se->image, "Image (default: the session's, else the embedded sample image)");
   add_backend_options(ss, se->backend);
   ss->add_option("--json", se->json, "Also write the timings as JSON here");

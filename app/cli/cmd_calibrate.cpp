@@ -72,7 +72,7 @@ void run_calibrate_dataset(const DatasetArgs& a0, const std::string& base_spec, 
   check_writable(out + "/calibration.json", "calibration grid");
   if (!report.empty()) check_writable(report, "report");
   const EvalDataset ds = load_eval_dataset(a.dir, a.annotations, a.images, a.questions);
-  const std::unique_ptr<Model> model_owned = load_model(a.model.empty() ? default_model_dir() : a.model, a.backend);
+  const std::unique_ptr<Model> model_owned = load_model(model_dir_of(a.model), a.backend);
   const Model& model = *model_owned;
   const EvalOutcome o = run_dataset(a, model, ds, variants, out, {});
   if (mpi_world().rank != 0) return;

@@ -32,7 +32,7 @@ void run_caption(const CaptionArgs& a) {
   const RowStorage rows = parse_row_storage(a.kv_storage, "--kv-storage");
   if (!a.json_out.empty()) check_writable(a.json_out, "caption JSON");
   if (!a.logits_out.empty()) check_writable(a.logits_out, "logits");
-  const std::unique_ptr<Model> model_owned = load_model(a.model.empty() ? default_model_dir() : a.model, a.backend);
+  const std::unique_ptr<Model> model_owned = load_model(model_dir_of(a.model), a.backend);
   if (a.pad_to_square) model_owned->preprocess_config().pad_to_square = true;
   const Model& model = *model_owned;
   const RGBImage img = command_image(model, a.image);

@@ -40,7 +40,7 @@ void run_eval_command(const EvalArgs& a) {
   }
   if (!a.json_out.empty()) check_writable(a.json_out, "eval JSON");
   const EvalDataset ds = load_eval_dataset(a.data.dir, a.data.annotations, a.data.images, a.data.questions);
-  const std::unique_ptr<Model> model_owned = load_model(a.data.model.empty() ? default_model_dir() : a.data.model, a.data.backend);
+  const std::unique_ptr<Model> model_owned = load_model(model_dir_of(a.data.model), a.data.backend);
   const Model& model = *model_owned;
   const EvalOutcome o = run_dataset(a.data, model, ds, variants, a.out, skipped);
   if (mpi_world().rank != 0) return;

@@ -88,7 +88,7 @@ RunArgs with_session(const RunArgs& in, std::vector<RunMethod>& specs) {
     a.opt.hit_budget = s.hit_budget;
     for (size_t i = 0; i < s.methods.size(); ++i)
       if (s.method_enabled(i)) specs.push_back({s.methods[i], s.method_label(i)});
-    note_changed_inputs(s, a.model.empty() ? default_model_dir() : a.model, a.image.empty() ? default_image() : a.image);
+    note_changed_inputs(s, model_dir_of(a.model), a.image.empty() ? default_image() : a.image);
   }
   for (const auto& m : a.methods) specs.push_back({parse_method_spec(m), ""});
   if (specs.empty()) throw InputError("no method to run: give --method SPEC or --session FILE");
@@ -108,7 +108,7 @@ void run_methods(const RunArgs& args) {
   // model and the image are refused first.
   if (!a.report.empty()) check_writable(a.report, "report");
   if (!a.save_session.empty()) check_writable(a.save_session, "session file");
-  const std::unique_ptr<Model> model_owned = load_model(a.model.empty() ? default_model_dir() : a.model, a.backend);
+  const std::unique_ptr<Model> model_owned = load_model(model_dir_of(a.model), a.backend);
   const Model& model = *model_owned;
   const RGBImage img = command_image(model, a.image);
   const std::string image_path = command_image_path(model, a.image);
@@ -122,7 +122,7 @@ void run_methods(const RunArgs& args) {
       s.methods.push_back(m.params);
       s.labels.push_back(m.label);
     }
-    s.model_hash = folder_content_hash(a.model.empty() ? default_model_dir() : a.model, "model folder");
+    s.model_hash = folder_content_hash(model_dir_of(a.model), "model folder");
     if (!image_path.empty()) s.image_hash = file_content_hash(image_path, "image");
     save_session(a.save_session, s);
   }
@@ -210,7 +210,7 @@ void run_calibrate(const RunArgs& args, const std::string& base, const std::vect
   if (taus.empty()) throw InputError("--taus needs at least one value");
   parse_method_spec(base);  // validate before loading
   if (!a.report.empty()) check_writable(a.report, "report");
-  const std::unique_ptr<Model> model_owned = load_model(a.model.empty() ? default_model_dir() : a.model, a.backend);
+  const std::unique_ptr<Model> model_owned = load_model(model_dir_of(a.model), a.backend);
   const Model& model = *model_owned;
   const RGBImage img = command_image(model, a.image);
   a.opt.templ = model_template(model, a.opt.templ);

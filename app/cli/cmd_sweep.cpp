@@ -39,7 +39,7 @@ void run_sweep(const SweepArgs& a) {
   if (ec) throw InputError(a.out + ": cannot create the output folder (" + ec.message() + ")");
   check_writable(a.out + "/sweep.csv", "sweep CSV");
   const EvalDataset ds = load_eval_dataset(a.data.dir, a.data.annotations, a.data.images, a.data.questions);
-  const std::unique_ptr<Model> model_owned = load_model(a.data.model.empty() ? default_model_dir() : a.data.model, a.data.backend);
+  const std::unique_ptr<Model> model_owned = load_model(model_dir_of(a.data.model), a.data.backend);
   const Model& model = *model_owned;
   const EvalOutcome o = run_dataset(a.data, model, ds, variants, a.out, {});
   if (mpi_world().rank != 0) return;

@@ -6,6 +6,7 @@
 #include <cstdio>
 
 #include "app/cli/defaults.h"
+#include "app/cli/model_inputs.h"
 #include "app/cli/mpi_world.h"
 #include "app/cli/options.h"
 #include "core/errors.h"
@@ -52,7 +53,7 @@ void add_dataset_options(CLI::App* c, DatasetArgs& a, bool standalone) {
   add_int(c, "--limit,--n", a.limit, 0, 10000000, "Evaluate the first N images only (0 = all)");
   c->add_option("--shard", a.shard, "Evaluate shard I of N (every N-th image from the I-th), e.g. 0/4; join with kvlens merge");
   if (standalone) {
-    c->add_option("--model", a.model, "Model directory (default: the embedded model)");
+    c->add_option("--model", a.model, kModelHelp);
     add_backend_options(c, a.backend);
     c->add_option("--kv-storage", a.kv_storage,
                   "Storage of uncompressed KV rows: fp16 (rounded to half precision) or fp32 (exact)")

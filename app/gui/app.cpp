@@ -42,7 +42,7 @@ void App::error(const std::string& text) { st.messages.push_back({true, text, no
 
 std::string App::default_model_dir() const { return app::default_model_dir(); }
 std::string App::default_image() const { return app::default_image(); }
-std::string App::model_dir() const { return st.inputs.model_dir.empty() ? default_model_dir() : st.inputs.model_dir; }
+std::string App::model_dir() const { return app::model_dir_of(st.inputs.model_dir); }
 std::string App::image_path() const { return st.inputs.image_path.empty() ? default_image() : st.inputs.image_path; }
 
 void App::open_image(const std::string& path) {

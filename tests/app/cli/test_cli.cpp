@@ -63,6 +63,22 @@ TEST(Cli, CaptionWritesJsonAndLogits) {
   ASSERT_EQ(logits.size(), ref.size());
 }
 
+// --model takes an embedded model's bare name; a name that is neither a path nor an embedded
+// model is refused naming it.
+TEST(Cli, ModelByEmbeddedName) {
+  const std::string tmp = kt::make_temp_dir("named");
+  const std::string img = kt::source_dir() + "/assets/images/scene_000.png";
+  for (const auto& [name, visual] : {std::pair<std::string, int>{"kvlens-scenes-6m", 196}, {"kvlens-scenes-14m", 576}}) {
+    const auto r = kt::run("cd " + tmp + " && " + kt::cli() + " caption --backend cpu --model " + name + " --image " + img +
+                           " --max-new-tokens 1 --json " + tmp + "/" + name + ".json");
+    ASSERT_EQ(r.code, 0) << name << ": " << r.output;
+    EXPECT_EQ(kt::read_json(tmp + "/" + name + ".json")["n_visual_tokens"], visual) << name;
+  }
+  const auto bad = kt::run("cd " + tmp + " && " + kt::cli() + " caption --model kvlens-scenes-99m --max-new-tokens 1");
+  EXPECT_EQ(bad.code, 2) << bad.output;
+  EXPECT_NE(bad.output.find("kvlens-scenes-99m"), std::string::npos) << bad.output;
+}
+
 TEST(Cli, HelpDocumentsCaption) {
   const auto r = kt::run(kt::cli() + " caption --help");
   EXPECT_EQ(r.code, 0);
