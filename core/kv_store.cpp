@@ -102,12 +102,8 @@ int KVStore::n_rows(int l, int h) const {
   return n;
 }
 
-void KVStore::gather(int l, int h, std::vector<float>& k, std::vector<float>& v,
-                     std::vector<int32_t>& pos, std::vector<SegmentKind>* kinds) const {
-  k.clear();
-  v.clear();
-  pos.clear();
-  if (kinds) kinds->clear();
+std::vector<KVStore::RowSpan> KVStore::spans(int l, int h) const {
+  std::vector<RowSpan> out;
   for (const KVSegment& s : layers_.at(l).segments) {
     if (s.layout_only)
       throw InternalError("KV store: layer " + std::to_string(l) + " holds the layout of its " +
@@ -117,10 +113,26 @@ void KVStore::gather(int l, int h, std::vector<float>& k, std::vector<float>& v,
         r.v.size() != r.k.size())
       throw InternalError("KV store: layer " + std::to_string(l) + " head " + std::to_string(h) +
                           " rows and positions disagree");
-    k.insert(k.end(), r.k.begin(), r.k.end());
-    v.insert(v.end(), r.v.begin(), r.v.end());
-    pos.insert(pos.end(), r.pos.begin(), r.pos.end());
-    if (kinds) kinds->insert(kinds->end(), r.pos.size(), s.kind);
+    out.push_back({r.k.data(), r.v.data(), r.n(), s.kind});
+  }
+  return out;
+}
+
+void KVStore::gather(int l, int h, std::vector<float>& k, std::vector<float>& v,
+                     std::vector<int32_t>& pos, std::vector<SegmentKind>* kinds) const {
+  const std::vector<RowSpan> rows = spans(l, h);  // checks the segments first
+  k.clear();
+  v.clear();
+  pos.clear();
+  if (kinds) kinds->clear();
+  const auto& segs = layers_.at(l).segments;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const size_t n = static_cast<size_t>(rows[i].n) * head_dim_;
+    k.insert(k.end(), rows[i].k, rows[i].k + n);
+    v.insert(v.end(), rows[i].v, rows[i].v + n);
+    const std::vector<int32_t>& p = segs[i].heads.at(h).pos;
+    pos.insert(pos.end(), p.begin(), p.end());
+    if (kinds) kinds->insert(kinds->end(), p.size(), rows[i].kind);
   }
 }
 

@@ -121,6 +121,16 @@ class KVStore {
   // Throws InternalError when a segment of the layer is layout_only.
   void gather(int l, int h, std::vector<float>& k, std::vector<float>& v,
               std::vector<int32_t>& pos, std::vector<SegmentKind>* kinds = nullptr) const;
+  // One segment's rows of a head where the store keeps them: what gather concatenates, in the
+  // same order, without copying. Valid until the store changes.
+  struct RowSpan {
+    const float* k;
+    const float* v;
+    int n;
+    SegmentKind kind;
+  };
+  // Throws InternalError as gather does.
+  std::vector<RowSpan> spans(int l, int h) const;
   // A copy of the layout alone: segments with their kinds, storage, bytes, payloads (shared),
   // positions and row annotations, and no k / v rows (every segment layout_only). What
   // diagnostics read of a compressed store, at a small share of a full copy's cost.

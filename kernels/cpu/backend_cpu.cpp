@@ -234,13 +234,18 @@ class CpuBackend : public Backend {
                         Buffer& out, const DecodeTaps& taps) override {
     const int NH = l.n_heads, NKV = l.n_kv_heads, D = l.head_dim, G = NH / NKV;
     const bool transforms = transform && transform->any();
-    std::vector<std::vector<float>> K(NKV), V(NKV);
-    std::vector<std::vector<int32_t>> P(NKV);
-    std::vector<std::vector<SegmentKind>> S(NKV);
+    // The rows in place, segment by segment (a step reads them, copying none).
+    std::vector<std::vector<KVStore::RowSpan>> R(NKV);
+    std::vector<std::vector<SegmentKind>> S(NKV);  // row kinds, for the score transform
+    std::vector<int> N(NKV, 0);
     int n_all = 0;
     for (int h = 0; h < NKV; ++h) {
-      kv.host->gather(layer, h, K[h], V[h], P[h], &S[h]);
-      n_all = std::max(n_all, static_cast<int>(P[h].size()));
+      R[h] = kv.host->spans(layer, h);
+      for (const KVStore::RowSpan& r : R[h]) {
+        N[h] += r.n;
+        if (transforms) S[h].insert(S[h].end(), r.n, r.kind);
+      }
+      n_all = std::max(n_all, N[h]);
     }
     const int n_max = taps.n_max;
     if (taps.rows() && n_max < n_all) throw InternalError("decode_attention: n_max below the rows held");
@@ -248,16 +253,18 @@ class CpuBackend : public Backend {
     const float* q = qkv.as<float>() + l.q_col;
 #pragma omp parallel for num_threads(cpu::head_threads(NH, 1, n_all, D))
     for (int hd = 0; hd < NH; ++hd) {
-      const int h = hd / G, n = static_cast<int>(P[h].size());
+      const int h = hd / G, n = N[h];
       std::vector<float> s(n);
       const float* qh = q + hd * D;
-      for (int j = 0; j < n; ++j) {
-        const float* kj = K[h].data() + static_cast<size_t>(j) * D;
-        float dot = 0.0f;
+      int j = 0;
+      for (const KVStore::RowSpan& r : R[h])
+        for (int i = 0; i < r.n; ++i, ++j) {
+          const float* kj = r.k + static_cast<size_t>(i) * D;
+          float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-        for (int d = 0; d < D; ++d) dot += qh[d] * kj[d];
-        s[j] = dot * l.scale;
-      }
+          for (int d = 0; d < D; ++d) dot += qh[d] * kj[d];
+          s[j] = dot * l.scale;
+        }
       auto tap = [&](float* t, float pad) {
         if (!t) return;
         std::copy(s.begin(), s.end(), t + static_cast<size_t>(hd) * n_max);
@@ -270,11 +277,13 @@ class CpuBackend : public Backend {
       tap(taps.probs, 0.0f);
       float* o = out.as<float>() + hd * D;
       std::fill(o, o + D, 0.0f);
-      for (int j = 0; j < n; ++j) {
-        const float* vj = V[h].data() + static_cast<size_t>(j) * D;
+      j = 0;
+      for (const KVStore::RowSpan& r : R[h])
+        for (int i = 0; i < r.n; ++i, ++j) {
+          const float* vj = r.v + static_cast<size_t>(i) * D;
 #pragma omp simd
-        for (int d = 0; d < D; ++d) o[d] += s[j] * vj[d];
-      }
+          for (int d = 0; d < D; ++d) o[d] += s[j] * vj[d];
+        }
       if (taps.out) std::copy(o, o + D, taps.out + static_cast<size_t>(hd) * D);
     }
   }
