@@ -4,11 +4,18 @@
 #include <atomic>
 #include <cstdlib>
 #include <exception>
+#include <fstream>
+#include <set>
+#include <string>
+#include <utility>
 #include <thread>
 #include <vector>
 
 #ifdef _OPENMP
 #include <omp.h>
+#endif
+#ifdef __linux__
+#include <sched.h>
 #endif
 
 namespace kvlens {
@@ -38,16 +45,45 @@ int machine_threads() {
 #endif
 }
 
+int cores_of(const std::string& sys_cpu, const std::vector<int>& cpus) {
+  std::set<std::pair<long, long>> cores;
+  for (int c : cpus) {
+    const std::string dir = sys_cpu + "/cpu" + std::to_string(c) + "/topology/";
+    long package = 0, core = 0;
+    std::ifstream p(dir + "physical_package_id"), k(dir + "core_id");
+    if (!(p >> package) || !(k >> core)) return static_cast<int>(cpus.size());
+    cores.insert({package, core});
+  }
+  return static_cast<int>(cores.size());
+}
+
+int machine_cores() {
+  static const int n = [] {
+    std::vector<int> cpus;
+#ifdef __linux__
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (sched_getaffinity(0, sizeof(set), &set) == 0)
+      for (int c = 0; c < CPU_SETSIZE; ++c)
+        if (CPU_ISSET(c, &set)) cpus.push_back(c);
+#endif
+    const int logical = machine_threads();
+    if (static_cast<int>(cpus.size()) != logical) return logical;  // (affinity unread or unlike OpenMP's)
+    return std::max(1, std::min(logical, cores_of("/sys/devices/system/cpu", cpus)));
+  }();
+  return n;
+}
+
 int product_threads() {
   if (tl_product_threads > 0) return tl_product_threads;
   const int n = g_product_threads.load();
-  return n > 0 ? std::min(n, machine_threads()) : machine_threads();
+  return n > 0 ? std::min(n, machine_cores()) : machine_cores();
 }
 
 void set_product_threads(int n) { g_product_threads.store(std::max(n, 0)); }
 
 void set_threads(int n) {
-  const int k = std::max(1, std::min(n, machine_threads()));
+  const int k = std::max(1, std::min(n, machine_cores()));
 #ifdef _OPENMP
   omp_set_num_threads(k);
 #endif

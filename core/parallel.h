@@ -3,6 +3,8 @@
 // independent pieces (a policy's layers, a step's events) would otherwise wait in line.
 #pragma once
 #include <functional>
+#include <string>
+#include <vector>
 
 namespace kvlens {
 
@@ -15,19 +17,27 @@ void parallel_for(int n, int max_threads, const std::function<void(int)>& fn);
 
 // The threads a matrix product may take (cpu::linear spreads its column blocks over an OpenMP
 // team of up to that many, by its size): the app's setting (set_product_threads; every core
-// until then, and at most the machine's cores), and one in each piece of parallel_for.
+// until then, and at most machine_cores()), and one in each piece of parallel_for.
 int product_threads();
 void set_product_threads(int n);  // n <= 0: every core
 // The CPUs this process may run on (its affinity; at least 1).
 int machine_threads();
+// The cores under those CPUs: SMT siblings (one core's CPUs) count once, as the Linux topology
+// under /sys/devices/system/cpu says; machine_threads() where it says nothing. Arithmetic
+// threads beyond it share a core's units and slow one another, so kvlens's loops and products
+// take at most this many.
+int machine_cores();
+// The cores under `cpus` as the topology below `sys_cpu` (a /sys/devices/system/cpu tree) says:
+// distinct (physical_package_id, core_id) pairs; cpus.size() when a CPU's files are missing.
+int cores_of(const std::string& sys_cpu, const std::vector<int>& cpus);
 
 // The process's threads as the environment says, for the CLI and the app to call first: with
-// OMP_NUM_THREADS set, that many (at most the machine's cores) for OpenMP's loops and for matrix
+// OMP_NUM_THREADS set, that many (at most machine_cores()) for OpenMP's loops and for matrix
 // products; unset, the loops on one thread (at the embedded model's size a loop's hand-off to a
 // team costs more than it saves, above all on a busy machine) and the products on every core
 // (each taking the threads its size is worth).
 void threads_from_environment();
-// `--threads n` (n > 0): n threads (at most the machine's cores) for both.
+// `--threads n` (n > 0): n threads (at most machine_cores()) for both.
 void set_threads(int n);
 
 // The threads the calling thread's OpenMP loops use (1 without OpenMP).

@@ -479,7 +479,7 @@ void add_bench_command(CLI::App& root) {
   c->add_option("--method", a->method, "Compression method spec (default: full cache)");
   add_int(c, "--repeat", a->repeat, 1, 10000, "Timed runs after one warm-up");
   add_int(c, "--max-new-tokens", a->max_new_tokens, 1, kMaxNewTokensLimit, "Tokens per caption (no stop at EOS)");
-  add_int(c, "--threads", a->threads, 0, 256, "CPU threads for kvlens's loops and matrix products, at most the machine's cores (0 = as OMP_NUM_THREADS says; unset: loops on one thread, products on every core); OpenBLAS runs each product's blocks on one thread");
+  add_int(c, "--threads", a->threads, 0, 256, "CPU threads for kvlens's loops and matrix products, at most the machine's physical cores (0 = as OMP_NUM_THREADS says; unset: loops on one thread, products on every core); OpenBLAS runs each product's blocks on one thread");
   c->add_option("--json", a->json, "Also write the numbers as JSON here");
   c->add_flag("--profile", a->profile, "CUDA: per-op device times of the last run (steps are not replayed from graphs)");
   c->add_flag("--unchained", a->unchained,

@@ -4,6 +4,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <string>
 #include <atomic>
 #include <mutex>
 #include <set>
@@ -12,6 +15,7 @@
 #include <vector>
 
 #include "core/parallel.h"
+#include "tests/test_util.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -71,3 +75,35 @@ TEST(Parallel, PiecesRunTheirOpenMpLoopsOnOneThread) {
   omp_set_num_threads(1);
 }
 #endif
+
+namespace {
+// A /sys/devices/system/cpu tree of cpus with the given (package, core) of each.
+std::string fake_topology(const std::vector<std::pair<int, int>>& cpus) {
+  const std::string root = kvlens::testing::make_temp_dir("cpu");
+  for (size_t c = 0; c < cpus.size(); ++c) {
+    const std::string dir = root + "/cpu" + std::to_string(c) + "/topology";
+    std::filesystem::create_directories(dir);
+    std::ofstream(dir + "/physical_package_id") << cpus[c].first << "\n";
+    std::ofstream(dir + "/core_id") << cpus[c].second << "\n";
+  }
+  return root;
+}
+}  // namespace
+
+// SMT siblings count once; the same core id in another package is another core; a CPU without
+// topology files makes the count the CPUs'.
+TEST(Parallel, CoresCountSmtSiblingsOnce) {
+  const std::string smt = fake_topology({{0, 0}, {0, 1}, {0, 0}, {0, 1}});
+  EXPECT_EQ(kvlens::cores_of(smt, {0, 1, 2, 3}), 2);
+  EXPECT_EQ(kvlens::cores_of(smt, {0, 2}), 1);
+  EXPECT_EQ(kvlens::cores_of(smt, {1, 2}), 2);
+  const std::string two = fake_topology({{0, 0}, {1, 0}, {0, 1}, {1, 1}});
+  EXPECT_EQ(kvlens::cores_of(two, {0, 1, 2, 3}), 4);
+  EXPECT_EQ(kvlens::cores_of(two, {0, 1, 2, 3, 7}), 5);  // cpu7 has no files
+  const int cores = kvlens::machine_cores();
+  EXPECT_GE(cores, 1);
+  EXPECT_LE(cores, kvlens::machine_threads());
+  kvlens::set_threads(1024);
+  EXPECT_EQ(kvlens::product_threads(), cores);
+  kvlens::threads_from_environment();
+}
