@@ -9,6 +9,8 @@
 # that ask every image "how many shapes are there?" (a rich scene's count question names its
 # group). The tables take the layer count, KV heads and head size from the model's config.json.
 #
+# LIMIT=N caps every run and evaluation at N images (a quicker, coarser pass, e.g. on a deep model).
+#
 # Reports already in OUT are kept, so an interrupted run resumes; a fresh OUT regenerates all.
 # About half an hour with JOBS=2 on two cores. JOBS=N runs N images at a time (default 1).
 set -euo pipefail
@@ -17,6 +19,8 @@ K=${KVLENS:-build/kvlens}
 OUT=${1:-out/findings}
 JOBS=${JOBS:-1}
 SCENES=${SCENES:-1}
+LIMIT=${LIMIT:-0}
+cap() { if [ "$LIMIT" -gt 0 ] && [ "$1" -gt "$LIMIT" ]; then echo "$LIMIT"; else echo "$1"; fi; }
 MARGS=()
 [ -n "${MODEL:-}" ] && MARGS=(--model "$MODEL")
 H=$OUT/heldout
@@ -28,7 +32,8 @@ mkdir -p "$OUT"
 # the first N images, skipping reports that exist. DIR.specs lists the --method specs in order
 # (the tables find each method of a report by its position).
 run_images() {
-  local dir=$OUT/$1 n=$2
+  local dir=$OUT/$1 n
+  n=$(cap "$2")
   shift 2
   mkdir -p "$dir"
   local a prev=""
@@ -106,13 +111,13 @@ methods A "${LM[@]}"
 run_images s4_lookm 50 --max-new-tokens 40 "${A[@]}"
 
 # Caption exact match (100 images) and VQA (30 images) under the main methods.
-eval_once eval_captions --n 100 --no-vqa --method calibquant:bits=1 \
+eval_once eval_captions --n "$(cap 100)" --no-vqa --method calibquant:bits=1 \
   --method uniform --method kivi --method calibquant:preset=official --method calibquant:bits=2 \
   --method zipcache --method zipcache:saliency=accumulated --method zipcache:preset=official \
   --method zipcache:ranges=segment,value_token_range=head --method zipcache:gap=4 --method turboquant \
   --method hadamard_int4 --method vlcache --method h2o --method lookm --method lookm:preset=official \
   --method stack --method full:storage=fp32
-eval_once eval_vqa --n 30 --method calibquant:bits=1 --method calibquant:bits=2 --method zipcache \
+eval_once eval_vqa --n "$(cap 30)" --method calibquant:bits=1 --method calibquant:bits=2 --method zipcache \
   --method vlcache --method vlcache:recent_ratio=0.5 --method h2o --method lookm --method stack
 
 # §5 Sparsity at p = 0.001 and 0.1 (20 images; p = 0.01 comes from the §4 runs).

@@ -275,6 +275,12 @@ def evals(name):
     return {r["spec"]: {"caption_accuracy": r["caption_exact"] / t["images"], "vqa_accuracy": r["VQA"]} for r in t["rows"]}
 
 
+def eval_images(name, dflt):
+    """How many images the `kvlens eval --json` table `name` ran on (dflt when it is absent)."""
+    p = os.path.join(OUT, name + ".json")
+    return json.load(open(p))["images"] if os.path.exists(p) else dflt
+
+
 def eval_of(ev, canonical_prefix):
     """The eval entry whose canonical spec is `canonical_prefix` (the full spec string)."""
     return ev.get(canonical_prefix)
@@ -318,8 +324,9 @@ def section4():
     specs, reps = load("s4")
     ec, ev = evals("eval_captions"), evals("eval_vqa")
     full_eval = ec.get("full")
-    print(f"### §4 Bytes and caption agreement, {len(reps)} images, 40 new tokens; eval: 100 images (captions), "
-          "30 images (VQA)\n")
+    nc, nv = eval_images("eval_captions", 100), eval_images("eval_vqa", 30)
+    print(f"### §4 Bytes and caption agreement, {len(reps)} images, 40 new tokens; eval: {nc} images (captions), "
+          f"{nv} images (VQA)\n")
     print(f"Full cache (fp16 rows): exact caption on {sum(exact(r, {'caption': r['full']['caption']}) for r in reps)}"
           f"/{len(reps)} run images; eval exact {fmt(100 * full_eval['caption_accuracy'], 0) if full_eval else '–'} %, "
           f"VQA {fmt(100 * ev['full']['vqa_accuracy'], 1) if 'full' in ev else '–'} %.\n")
@@ -337,23 +344,24 @@ def section4():
                      f"{fmt(100 * e1['caption_accuracy'], 0)} %" if e1 else "", f"{fmt(100 * e2['vqa_accuracy'], 1)} %" if e2 else "",
                      fmt(med(pos), 1), fmt(mean(pf)) if pf else "–"])
     table(["spec", "KV bytes", "×fp16", "softmax MSE", "attn-out", f"= full ({len(reps)})", f"exact ({len(reps)})",
-           "eval exact (100)", "VQA (30 img)", "div pos", "p_full@div"], rows)
+           f"eval exact ({nc})", f"VQA ({nv} img)", "div pos", "p_full@div"], rows)
     ex = {canon: e for canon, e in ec.items()}
     extra = [k for k in ex if k not in {reps[0]["by_spec"][s]["spec"] for s in specs} and k != "full"]
     if extra:
-        table(["eval only (100 images)", "exact"], [[f"`{short(k)}`", f"{fmt(100 * ex[k]['caption_accuracy'], 0)} %"] for k in extra])
+        table([f"eval only ({nc} images)", "exact"], [[f"`{short(k)}`", f"{fmt(100 * ex[k]['caption_accuracy'], 0)} %"] for k in extra])
     evextra = [k for k in ev if k not in {reps[0]["by_spec"][s]["spec"] for s in specs} and k != "full"]
     if evextra:
-        table(["VQA only (30 images)", "VQA"], [[f"`{short(k)}`", f"{fmt(100 * ev[k]['vqa_accuracy'], 1)} %"] for k in evextra])
+        table([f"VQA only ({nv} images)", "VQA"], [[f"`{short(k)}`", f"{fmt(100 * ev[k]['vqa_accuracy'], 1)} %"] for k in evextra])
     # Exact captions by the number of shapes in the image.
     rows = []
+    bins = ((1, 2), (3, 4)) if max(OBJECTS.values()) <= 4 else ((1, 5), (6, 9), (10, 99))  # classic / rich scenes
     for s in ("full", "calibquant:bits=1", "calibquant:bits=2", "zipcache", "lookm", "vlcache"):
         cells = []
-        for lo, hi in ((1, 2), (3, 4)):
+        for lo, hi in bins:
             sel = [r for r in reps if lo <= OBJECTS[r["image"]] <= hi]
             cells.append(f"{sum(exact(r, r['by_spec'][s]) for r in sel)}/{len(sel)}")
         rows.append([f"`{s}`"] + cells)
-    table(["exact captions by shapes in the image", "1–2 shapes", "3–4 shapes"], rows)
+    table(["exact captions by objects in the image"] + [f"{lo}–{hi} objects" if hi < 99 else f"{lo}+ objects" for lo, hi in bins], rows)
     # Where the bytes go: per layer sums of the first image's reports.
     r0 = reps[0]
     rows = []

@@ -709,7 +709,7 @@ def main(argv=None):
         "seed": args.seed, "steps": step, "batch": args.batch, "processes": world, "lr": args.lr,
         "compiled": args.compile, "packed": args.pack,
         "min_lr_ratio": args.min_lr_ratio, "warmup": args.warmup,
-        "weight_decay": args.weight_decay, "caption_frac": args.caption_frac,
+        "weight_decay": args.weight_decay, "caption_frac": None if args.pack else args.caption_frac,
         "minutes": args.minutes, "budget_seconds": round(budget, 1),
         "train_seconds": round(train_s, 1), "wall_seconds": round(time.time() - T_START, 1),
         "preset": args.preset, "final_loss": last_loss, "loss_log": recent[-20:],
