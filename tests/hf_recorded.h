@@ -100,4 +100,14 @@ inline void check_recorded_generations(const Model& m, const nlohmann::json& rec
   EXPECT_EQ(same, n) << kind << ": generations equal to HF's";
 }
 
+// The embedded model in `dir` on `backend` (which must be the one that runs it) against every
+// kind of the recording at `recording`, hf_spotcheck_count() of each.
+inline void check_model_against_recording(const std::string& dir, const std::string& recording,
+                                          const BackendOptions& backend) {
+  const nlohmann::json rec = load_recording(recording);
+  const std::unique_ptr<Model> m = load_embedded_model(dir, backend);
+  ASSERT_EQ(m->backend().name(), backend.kind);
+  for (const char* kind : {"captions", "questions"}) check_recorded_generations(*m, rec, kind, hf_spotcheck_count());
+}
+
 }  // namespace kvlens::testing

@@ -112,24 +112,16 @@ TEST(CudaModel, MemoryPlanIsCheckedAgainstTheDevicesFreeMemory) {
 }
 
 // The embedded models on the device against HF transformers' recorded greedy generations (16
-// captions + 16 questions each; KVLENS_HF_SPOTCHECK=64 checks all). The deep one fails, naming the path, while its model or
-// recording is missing.
+// captions + 16 questions each; KVLENS_HF_SPOTCHECK=64 checks all).
 TEST(CudaModel, EmbeddedModelMatchesTransformersOnHeldOutScenes) {
   NEED_GPU();
-  const auto rec = kt::load_recording(kt::source_dir() + "/tests/fixtures/embedded/hf_greedy.json");
-  const std::unique_ptr<Model> gpu = kt::load_embedded_model(kEmbedded, {"cuda"});
-  ASSERT_EQ(gpu->backend().name(), "cuda");
-  for (const char* kind : {"captions", "questions"})
-    kt::check_recorded_generations(*gpu, rec, kind, kt::hf_spotcheck_count());
+  kt::check_model_against_recording(kEmbedded, kt::source_dir() + "/tests/fixtures/embedded/hf_greedy.json", {"cuda"});
 }
 
 TEST(CudaModel, DeepEmbeddedModelMatchesTransformersOnHeldOutScenes) {
   NEED_GPU();
-  const auto rec = kt::load_recording(kt::source_dir() + "/tests/fixtures/embedded_deep/hf_greedy.json");
-  const std::unique_ptr<Model> gpu = kt::load_embedded_model(kDeepEmbedded, {"cuda"});
-  ASSERT_EQ(gpu->backend().name(), "cuda");
-  for (const char* kind : {"captions", "questions"})
-    kt::check_recorded_generations(*gpu, rec, kind, kt::hf_spotcheck_count());
+  kt::check_model_against_recording(kDeepEmbedded, kt::source_dir() + "/tests/fixtures/embedded_deep/hf_greedy.json",
+                                    {"cuda"});
 }
 
 TEST(CudaModel, KvCacheBytesAreDeviceBytes) {
