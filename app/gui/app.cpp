@@ -59,7 +59,8 @@ void App::open_image(const std::string& path) {
   submit();
 }
 
-void App::open_model(const std::string& dir) {
+void App::open_model(const std::string& path) {
+  const std::string dir = path.empty() ? path : app::model_dir_of(path);  // (an embedded model's name too)
   struct stat s {};
   if (::stat(dir.c_str(), &s) != 0 || !S_ISDIR(s.st_mode)) {
     error(dir + ": not a folder, expected a model folder (config.json, safetensors, tokenizer.model)");

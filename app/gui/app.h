@@ -38,7 +38,7 @@ class App {
   std::string default_model_dir() const;
   std::string default_image() const;
   void open_image(const std::string& path);  // checks the file decodes first
-  void open_model(const std::string& dir);   // checks the folder holds config.json first
+  void open_model(const std::string& path);  // a folder or an embedded model's name; checks for config.json first
   void set_prompt(const std::string& prompt, int max_new_tokens);
   void submit();  // hands the current setup to the worker
 

@@ -242,6 +242,21 @@ TEST(GuiApp, NewSessionResetsWhatTheFieldsShowAndTheStatus) {
   EXPECT_FALSE(app.st.messages.back().error);
 }
 
+// Opening a model by an embedded model's name opens its folder; an unknown name is an error and
+// leaves the model as it was.
+TEST(GuiApp, OpenModelTakesAnEmbeddedModelsName) {
+  TempHome home;
+  App app(kt::source_dir());
+  app.open_model("kvlens-scenes-14m");
+  EXPECT_EQ(app.st.inputs.model_dir, kt::source_dir() + "/assets/models/kvlens-scenes-14m");
+  EXPECT_EQ(app.model_dir(), app.st.inputs.model_dir);
+  app.open_model("kvlens-scenes-99m");
+  EXPECT_EQ(app.st.inputs.model_dir, kt::source_dir() + "/assets/models/kvlens-scenes-14m");
+  ASSERT_FALSE(app.st.messages.empty());
+  EXPECT_TRUE(app.st.messages.back().error);
+  EXPECT_NE(app.st.messages.back().text.find("kvlens-scenes-99m"), std::string::npos) << app.st.messages.back().text;
+}
+
 // A session whose image file is gone: opening it ends on an error, and once the worker has tried,
 // the app says why nothing is computed (the status bar, Captions, Plots and Methods read
 // blocked()) instead of computing forever.
