@@ -7,6 +7,7 @@ Each `kvlens run` report holds the methods in the order of OUT/<set>.specs; ever
 is a mean (or count, or median) over the images of one set, computed from those reports and the
 held-out annotations (OUT/heldout/annotations.json).
 """
+import functools
 import glob
 import json
 import os
@@ -266,19 +267,25 @@ def short(canonical):
     return name + (":" + ",".join(kept) if kept else "")
 
 
+@functools.lru_cache(maxsize=None)
+def eval_table(name):
+    """The `kvlens eval --json` table OUT/name.json, read once (None when absent)."""
+    p = os.path.join(OUT, name + ".json")
+    return json.load(open(p)) if os.path.exists(p) else None
+
+
 def evals(name):
     """`kvlens eval --json` table: canonical spec -> caption exact-match share and VQA accuracy."""
-    p = os.path.join(OUT, name + ".json")
-    if not os.path.exists(p):
+    t = eval_table(name)
+    if t is None:
         return {}
-    t = json.load(open(p))
     return {r["spec"]: {"caption_accuracy": r["caption_exact"] / t["images"], "vqa_accuracy": r["VQA"]} for r in t["rows"]}
 
 
 def eval_images(name, dflt):
     """How many images the `kvlens eval --json` table `name` ran on (dflt when it is absent)."""
-    p = os.path.join(OUT, name + ".json")
-    return json.load(open(p))["images"] if os.path.exists(p) else dflt
+    t = eval_table(name)
+    return dflt if t is None else t["images"]
 
 
 def eval_of(ev, canonical_prefix):

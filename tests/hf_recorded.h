@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -39,6 +40,20 @@ inline std::unique_ptr<Model> load_embedded_model(const std::string& dir, const 
   if (!std::ifstream(dir + "/config.json").good())
     throw std::runtime_error("embedded model missing: " + dir + " (no config.json)");
   return load_model(dir, backend);
+}
+
+// The model in `dir` and the recording at `path`, each loaded once per test program (what its
+// tests share); the loaders' errors as above.
+inline const Model& shared_embedded_model(const std::string& dir) {
+  static std::map<std::string, std::unique_ptr<Model>> loaded;
+  std::unique_ptr<Model>& m = loaded[dir];
+  if (!m) m = load_embedded_model(dir);
+  return *m;
+}
+inline const nlohmann::json& shared_recording(const std::string& path) {
+  static std::map<std::string, nlohmann::json> loaded;
+  const auto it = loaded.find(path);
+  return it != loaded.end() ? it->second : loaded.emplace(path, load_recording(path)).first->second;
 }
 
 // The scenes a recording was made on: the seed and options of generate_scene.

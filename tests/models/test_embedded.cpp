@@ -23,16 +23,10 @@ namespace {
 const std::string kModel = kt::source_dir() + "/assets/models/kvlens-scenes-6m";
 constexpr uint64_t kHeldoutSeed = 1000001;  // never used in training (seed 1)
 
-const Model& model() {
-  static const std::unique_ptr<Model> m_owned = load_model(kModel);
-  static const Model& m = *m_owned;
-  return m;
-}
-
+const Model& model() { return kt::shared_embedded_model(kModel); }
 // The recording: all 64 + 64 generations agree (KVLENS_HF_SPOTCHECK=64).
 const nlohmann::json& hf_outputs() {
-  static const nlohmann::json j = kt::load_recording(kt::source_dir() + "/tests/fixtures/embedded/hf_greedy.json");
-  return j;
+  return kt::shared_recording(kt::source_dir() + "/tests/fixtures/embedded/hf_greedy.json");
 }
 
 }  // namespace

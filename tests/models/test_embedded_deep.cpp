@@ -26,15 +26,8 @@ const std::string kDeepModel = kt::source_dir() + "/assets/models/kvlens-scenes-
 const std::string kDeepRecording = kt::source_dir() + "/tests/fixtures/embedded_deep/hf_greedy.json";
 constexpr uint64_t kHeldoutSeed = 1000001;  // never used in training
 
-const Model& deep_model() {
-  static const std::unique_ptr<Model> m_owned = kt::load_embedded_model(kDeepModel);
-  return *m_owned;
-}
-
-const nlohmann::json& deep_outputs() {
-  static const nlohmann::json j = kt::load_recording(kDeepRecording);
-  return j;
-}
+const Model& deep_model() { return kt::shared_embedded_model(kDeepModel); }
+const nlohmann::json& deep_outputs() { return kt::shared_recording(kDeepRecording); }
 
 }  // namespace
 
