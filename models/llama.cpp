@@ -214,6 +214,11 @@ void CapturedAttention::keep_layer(int layer, const Buffer& x, const Buffer& qkv
   c.b = qkv_b;
 }
 
+int64_t CapturedAttention::kept_slots(int64_t n_layers, int64_t T, int64_t row_stride) {
+  const int64_t layer_bytes = std::max<int64_t>(1, T * row_stride * 4);
+  return std::min(n_layers, std::max(static_cast<int64_t>(kSlots), kSlotBytes / layer_bytes));
+}
+
 Buffer CapturedAttention::qkv_locked(int layer) const {
   for (size_t i = 0; i < slots_.size(); ++i)
     if (slots_[i].first == layer) {
@@ -226,8 +231,9 @@ Buffer CapturedAttention::qkv_locked(int layer) const {
   std::lock_guard<std::recursive_mutex> ops(be_->ops_mutex());
   Buffer qkv = be_->alloc("l" + std::to_string(layer) + ".prefill.qkv_recomputed", {lay_.T, lay_.row_stride}, Dt::F32);
   recompute_locked(layer, qkv);
+  ++recomputes_;
   slots_.insert(slots_.begin(), {layer, qkv});
-  if (slots_.size() > kSlots) slots_.pop_back();
+  if (static_cast<int64_t>(slots_.size()) > kept_slots(n_layers(), lay_.T, lay_.row_stride)) slots_.pop_back();
   return qkv;
 }
 
@@ -408,8 +414,8 @@ std::shared_ptr<const std::vector<float>> CapturedAttention::held(int layer) con
 int64_t CapturedAttention::capture_bytes() const {
   int64_t b = 0;
   for (const Layer& c : layers_) b += c.x.empty() ? 0 : c.x.bytes();
-  // and the q/k/v slots, at most kSlots layers (the most they hold)
-  return b + static_cast<int64_t>(std::min(kSlots, layers_.size())) * lay_.T * lay_.row_stride * 4;
+  // and the q/k/v slots, at most kept_slots layers (the most they hold)
+  return b + kept_slots(n_layers(), lay_.T, lay_.row_stride) * lay_.T * lay_.row_stride * 4;
 }
 
 int64_t CapturedAttention::cached_bytes() const {

@@ -78,9 +78,10 @@ struct LlamaWorkspace {
 // layer's q/k/v projection read (the normalised input, in the model's dtype: a third of q, k and
 // v in fp32 for MHA at fp32, a sixth at fp16) with the projection's weights (shared, not copied),
 // and recomputes the layer's q, k, v after RoPE with the prefill's own ops when asked: the same
-// values bit for bit, so the probabilities are the ones the prefill computed. The kSlots layers'
-// q/k/v recomputed most recently, and the kRecent layers' probabilities asked for most recently
-// (host), stay for the next caller.
+// values bit for bit, so the probabilities are the ones the prefill computed. The q/k/v of the
+// layers recomputed most recently (kept_slots of them: every layer of a small model, whose decode
+// steps compare with each layer in turn), and the kRecent layers' probabilities asked for most
+// recently (host), stay for the next caller.
 class CapturedAttention final : public PrefillAttention {
  public:
   CapturedAttention(std::shared_ptr<Backend> be, const AttnLayout& lay, Dt out_dt, int n_layers, const Rope& rope,
@@ -103,6 +104,11 @@ class CapturedAttention final : public PrefillAttention {
     std::lock_guard<std::shared_mutex> lock(mu_);
     return runs_;
   }
+  // How many times a layer's q/k/v has been recomputed for layer_qkv and the reductions.
+  int64_t recomputes_run() const {
+    std::lock_guard<std::shared_mutex> lock(mu_);
+    return recomputes_;
+  }
   int64_t capture_bytes() const override;
   int64_t cached_bytes() const override;
   // Layer `layer`'s q, k and v (fp32 [T][row stride], after RoPE), recomputed or kept from a
@@ -111,8 +117,12 @@ class CapturedAttention final : public PrefillAttention {
   Buffer layer_qkv(int layer) const;
   const AttnLayout& layout() const { return lay_; }
   const Backend* backend() const { return be_.get(); }
-  // The most layers' q/k/v kept at once (a caller asking for more at a time holds them itself).
+  // The most layers' q/k/v kept at once (a caller asking for more at a time holds them itself):
+  // as many as kSlotBytes holds, at least kSlots, at most every layer. One layer's q/k/v is
+  // T × row_stride fp32.
   static constexpr size_t kSlots = 2;
+  static constexpr int64_t kSlotBytes = int64_t{64} << 20;
+  static int64_t kept_slots(int64_t n_layers, int64_t T, int64_t row_stride);
 
  private:
   static constexpr size_t kRecent = 2;
@@ -153,6 +163,7 @@ class CapturedAttention final : public PrefillAttention {
   size_t max_reduced() const { return 4 * layers_.size() + 4; }
   mutable std::vector<Reduced> reduced_;
   mutable int64_t runs_ = 0;
+  mutable int64_t recomputes_ = 0;
   // The kept reduction of `layer` over r.queries, computed (with the counts r asks for) when
   // missing; and one reduction run where the probabilities are. Both under mu_.
   const Reduced& reduced_locked(int layer, const AttentionReduction& r) const;

@@ -40,12 +40,23 @@ inline void check_captured_attention(const Model& m, const RGBImage& img, const 
   ASSERT_EQ(a.n_heads(), f.n_heads) << what;
   ASSERT_EQ(a.prompt_len(), T) << what;
   ASSERT_EQ(static_cast<int>(rec.by_layer.size()), L) << what;
-  // Each layer's q/k/v projection input in the matrices' dtype, and at most two layers' q, k and
-  // v after RoPE in fp32: O(L·T·d), never a [T][T] array.
+  // Each layer's q/k/v projection input in the matrices' dtype, and the q, k and v after RoPE in
+  // fp32 of as many layers as 64 MiB holds (at least two): O(L·T·d), never a [T][T] array.
   const int64_t row = static_cast<int64_t>(f.n_heads + 2 * f.n_kv_heads) * f.head_dim;
-  EXPECT_EQ(a.capture_bytes(), static_cast<int64_t>(L) * T * f.hidden * f.matrix_bytes +
-                                   std::min<int64_t>(L, 2) * T * row * 4)
+  const int64_t kept = std::min<int64_t>(L, std::max<int64_t>(2, (int64_t{64} << 20) / (T * row * 4)));
+  EXPECT_EQ(a.capture_bytes(), static_cast<int64_t>(L) * T * f.hidden * f.matrix_bytes + kept * T * row * 4)
       << what;
+  {
+    // Every layer asked in turn, then again (as each observed decode step compares with each
+    // layer): with every layer kept, none is recomputed the second time; with fewer kept, the
+    // most recent first, each is (asked in a cycle longer than the slots).
+    const auto* c = dynamic_cast<const CapturedAttention*>(&a);
+    ASSERT_TRUE(c) << what;
+    const int64_t before = c->recomputes_run();
+    for (int pass = 0; pass < 2; ++pass)
+      for (int l = 0; l < L; ++l) c->layer_qkv(l);
+    EXPECT_EQ(c->recomputes_run() - before, L + (kept >= L ? 0 : L)) << what;
+  }
   const int64_t layer_bytes = static_cast<int64_t>(f.n_heads) * T * T * 4;
   // Reductions first, while no layer's probabilities are held: a device capture makes them itself.
   const std::vector<std::vector<int>> rows = {AttentionReduction::range(0, T, T), AttentionReduction::range(T - 8, T, T),

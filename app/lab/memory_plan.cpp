@@ -30,8 +30,9 @@ MemoryPlan plan_experiment(const Model& model, const ExperimentOptions& opt, con
   const int64_t row = (H + 2 * KVH) * D;  // q, k and v of one token
   const bool device = p.backend != "cpu";
   // The capture: each layer's q/k/v projection input in the matrices' dtype, and the q, k and v
-  // of the few layers it recomputed last (CapturedAttention::kSlots, fp32).
-  p.capture = L * T * f.hidden * f.matrix_bytes + std::min<int64_t>(L, CapturedAttention::kSlots) * T * row * 4;
+  // of the layers it recomputed last (CapturedAttention::kept_slots, fp32).
+  const int64_t slots = CapturedAttention::kept_slots(L, T, row);
+  p.capture = L * T * f.hidden * f.matrix_bytes + slots * T * row * 4;
   // K and V of every token (prompt and new), fp16 on a device unless fp32 rows are asked for,
   // fp32 values on the CPU, and an int32 position; the prefill's cache and a decode's copy.
   const int64_t value = device && opt.kv_storage == RowStorage::Fp16 ? 2 : 4;
@@ -49,8 +50,7 @@ MemoryPlan plan_experiment(const Model& model, const ExperimentOptions& opt, con
   // (LlamaDecoder::kExactLayersAtOnce a call), and on a device one call's arguments and results:
   // for each of its steps and layers the generated rows (keys and values, fp32) and the scores,
   // probabilities (fp32) and output (fp64) over every key.
-  p.attention += std::max<int64_t>(0, std::min<int64_t>(L, LlamaDecoder::kExactLayersAtOnce) -
-                                          std::min<int64_t>(L, CapturedAttention::kSlots)) * T * row * 4;
+  p.attention += std::max<int64_t>(0, std::min<int64_t>(L, LlamaDecoder::kExactLayersAtOnce) - slots) * T * row * 4;
   if (device)
     p.attention += jobs * (KVH * opt.max_new_tokens * D * 8 + H * (T + opt.max_new_tokens) * 8 + H * D * 8);
   // On a device, the recorded steps' sums over the patch overlay's span (the visual tokens, at
