@@ -200,8 +200,12 @@ class CpuBackend : public Backend {
     std::vector<int32_t> pos(T);
     for (int t = 0; t < T; ++t) pos[t] = t;
     const float* base = qkv.as<float>();
-#pragma omp parallel for num_threads(cpu::head_threads(NH, T, T, D))
-    for (int hd = 0; hd < NH; ++hd) {
+    // Each head's queries in blocks of kAttnRows: a prompt gives every thread work even where the
+    // heads are few (4 for kvlens-scenes-14m's decoder).
+    const int blocks = (T + cpu::kAttnRows - 1) / cpu::kAttnRows;
+#pragma omp parallel for num_threads(cpu::head_threads(NH * blocks, T / blocks, T, D)) schedule(dynamic)
+    for (int item = 0; item < NH * blocks; ++item) {
+      const int hd = item / blocks, i0 = (item % blocks) * cpu::kAttnRows;
       const int kv = hd / G;
       cpu::AttnHeadArgs a;
       a.q = base + l.q_col + hd * D; a.q_stride = l.row_stride;
@@ -214,7 +218,7 @@ class CpuBackend : public Backend {
       }
       if (scores) a.scores = scores + static_cast<size_t>(hd) * T * T;
       if (probs) a.probs = probs + static_cast<size_t>(hd) * T * T;
-      cpu::attention_head(a);
+      cpu::attention_rows(a, i0, std::min(cpu::kAttnRows, T - i0));
     }
   }
 

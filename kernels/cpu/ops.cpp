@@ -40,15 +40,22 @@ int linear_threads(int M, int N, int K) {
   return static_cast<int>(std::max<int64_t>(1, std::min({team, blocks, macs / kGemmMacsPerThread})));
 }
 
-void linear(const float* x, int M, int K, const float* W, int N, const float* bias, float* y) {
+namespace {
+// OpenBLAS on one thread, once, before its first call (see kGemmCols).
+void blas_on_one_thread() {
   // (An OpenBLAS built on OpenMP also sets the calling thread's OpenMP team to one: kept as it was.)
-  static const bool blas_one_thread = [] {
+  static const bool once = [] {
     const int loops = omp_get_max_threads();
     openblas_set_num_threads(1);
     omp_set_num_threads(loops);
     return true;
   }();
-  (void)blas_one_thread;
+  (void)once;
+}
+}  // namespace
+
+void linear(const float* x, int M, int K, const float* W, int N, const float* bias, float* y) {
+  blas_on_one_thread();
   if (bias) {
     for (int m = 0; m < M; ++m) std::copy(bias, bias + N, y + static_cast<int64_t>(m) * N);
   }
@@ -194,54 +201,64 @@ void scores_in_order(const float* scores, int n_heads, int group, int64_t stride
   }
 }
 
-void attention_head(const AttnHeadArgs& a) {
+void attention_rows(const AttnHeadArgs& a, int i0, int n) {
+  blas_on_one_thread();
   const float ninf = -std::numeric_limits<float>::infinity();
+  const bool masked = a.key_pos && a.query_pos;
+  // The keys the block can see end at kend: with the key positions ascending (a prompt's), those
+  // up to the block's last query position; else every key, masked one by one below.
+  int kend = a.Tk;
+  if (masked && std::is_sorted(a.key_pos, a.key_pos + a.Tk)) {
+    const int32_t qmax = *std::max_element(a.query_pos + i0, a.query_pos + i0 + n);
+    kend = static_cast<int>(std::upper_bound(a.key_pos, a.key_pos + a.Tk, qmax) - a.key_pos);
+  }
   std::vector<float> local;
-  float* S = a.scores;
+  float* S = a.scores ? a.scores + static_cast<int64_t>(i0) * a.Tk : nullptr;
   if (!S) {
-    local.resize(static_cast<size_t>(a.Tq) * a.Tk);
+    local.resize(static_cast<size_t>(n) * a.Tk);
     S = local.data();
   }
-  for (int i = 0; i < a.Tq; ++i) {
-    const float* qi = a.q + static_cast<int64_t>(i) * a.q_stride;
-    float* Si = S + static_cast<int64_t>(i) * a.Tk;
-    for (int j = 0; j < a.Tk; ++j) {
-      if (a.key_pos && a.query_pos && a.key_pos[j] > a.query_pos[i]) {
-        Si[j] = ninf;
-        continue;
-      }
-      const float* kj = a.k + static_cast<int64_t>(j) * a.kv_stride;
-      float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-      for (int d = 0; d < a.D; ++d) dot += qi[d] * kj[d];
-      Si[j] = dot * a.scale;
-    }
+  // Scores: one product of the block's queries with the visible keys, scaled.
+  if (kend > 0)
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, kend, a.D, a.scale, a.q + static_cast<int64_t>(i0) * a.q_stride,
+                static_cast<int>(a.q_stride), a.k, static_cast<int>(a.kv_stride), 0.0f, S, a.Tk);
+  for (int r = 0; r < n; ++r) {
+    float* Sr = S + static_cast<int64_t>(r) * a.Tk;
+    if (masked)
+      for (int j = 0; j < kend; ++j)
+        if (a.key_pos[j] > a.query_pos[i0 + r]) Sr[j] = ninf;
+    std::fill(Sr + kend, Sr + a.Tk, ninf);
   }
-  float* P = a.probs;
+  float* P = a.probs ? a.probs + static_cast<int64_t>(i0) * a.Tk : a.scores ? nullptr : S;  // in place unless kept
   std::vector<float> plocal;
   if (!P) {
-    if (a.scores) {
-      plocal.assign(S, S + static_cast<size_t>(a.Tq) * a.Tk);
-      P = plocal.data();
-    } else {
-      P = S;  // scores are not kept: softmax in place
-    }
+    plocal.resize(static_cast<size_t>(n) * a.Tk);
+    P = plocal.data();
+  }
+  // (The softmax of the visible columns alone has the bits of the whole row's: the hidden ones'
+  // exp is 0.)
+  for (int r = 0; r < n; ++r) {
+    const float* Sr = S + static_cast<int64_t>(r) * a.Tk;
+    float* Pr = P + static_cast<int64_t>(r) * a.Tk;
+    if (Pr != Sr) std::copy(Sr, Sr + kend, Pr);
+    softmax_rows(Pr, 1, kend);
+    std::fill(Pr + kend, Pr + a.Tk, 0.0f);
+  }
+  // Outputs: one product of the probabilities with the visible values.
+  if (kend > 0) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, a.D, kend, 1.0f, P, a.Tk, a.v,
+                static_cast<int>(a.kv_stride), 0.0f, a.out + static_cast<int64_t>(i0) * a.o_stride,
+                static_cast<int>(a.o_stride));
   } else {
-    std::copy(S, S + static_cast<size_t>(a.Tq) * a.Tk, P);
-  }
-  softmax_rows(P, a.Tq, a.Tk);
-  for (int i = 0; i < a.Tq; ++i) {
-    float* oi = a.out + static_cast<int64_t>(i) * a.o_stride;
-    std::fill(oi, oi + a.D, 0.0f);
-    const float* Pi = P + static_cast<int64_t>(i) * a.Tk;
-    for (int j = 0; j < a.Tk; ++j) {
-      const float p = Pi[j];
-      if (p == 0.0f) continue;
-      const float* vj = a.v + static_cast<int64_t>(j) * a.kv_stride;
-#pragma omp simd
-      for (int d = 0; d < a.D; ++d) oi[d] += p * vj[d];
+    for (int r = 0; r < n; ++r) {
+      float* o = a.out + static_cast<int64_t>(i0 + r) * a.o_stride;
+      std::fill(o, o + a.D, 0.0f);
     }
   }
+}
+
+void attention_head(const AttnHeadArgs& a) {
+  for (int i0 = 0; i0 < a.Tq; i0 += kAttnRows) attention_rows(a, i0, std::min(kAttnRows, a.Tq - i0));
 }
 
 }  // namespace kvlens::cpu

@@ -49,6 +49,12 @@ struct AttnHeadArgs {
   float* probs = nullptr;
 };
 void attention_head(const AttnHeadArgs& a);
+// Queries i0 .. i0 + n − 1 of attention_head (each block's result is the same whichever blocks
+// run, in any order or on any thread): two matrix products over the keys the block sees, the
+// scores' softmax between.
+void attention_rows(const AttnHeadArgs& a, int i0, int n);
+// The query block attention_head and the backends' prefill work in.
+constexpr int kAttnRows = 64;
 // A decode step's scores in another row order, and their softmax, as a device hands them to the
 // host (DecodeTaps): `scores` [n_heads][stride] holds each query head's scores over the rows of
 // its KV head (h / group) in the device's order, seg_rows[kv] rows of segments then tail_rows
