@@ -62,8 +62,9 @@ TEST(EmbeddedDeep, HeldOutQuality) {
   ASSERT_EQ(t.rows.size(), 1u);
   const EvalRow& r = t.rows[0];
   EXPECT_EQ(t.images, 20u);
-  // The model card's rate is 87.2 % over 500 scenes; these 20 give 15 (kvlens CPU runner).
-  EXPECT_GE(r.caption_exact, 15u) << t.to_json().dump();
+  // The model card's rates over 500 scenes are 94.0 % captions and 98.0 % VQA; these 20 give 18
+  // captions and 19 answers (kvlens CPU runner). The floors leave one more miss each.
+  EXPECT_GE(r.caption_exact, 17u) << t.to_json().dump();
   EXPECT_EQ(r.questions, 20u);
-  EXPECT_GE(r.vqa_accuracy().value_or(0), 0.85) << t.to_json().dump();
+  EXPECT_GE(r.vqa_accuracy().value_or(0), 0.9) << t.to_json().dump();
 }
