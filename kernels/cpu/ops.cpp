@@ -63,6 +63,10 @@ void linear(const float* x, int M, int K, const float* W, int N, const float* bi
   const int blocks = (N + kGemmCols - 1) / kGemmCols;
   auto block = [&](int b) {
     const int n0 = b * kGemmCols, n = std::min(N - n0, kGemmCols);
+    if (M == 1) {  // one row (a decode step): OpenBLAS's matrix-vector kernel reads W at twice the speed
+      cblas_sgemv(CblasRowMajor, CblasNoTrans, n, K, 1.0f, W + static_cast<int64_t>(n0) * K, K, x, 1, beta, y + n0, 1);
+      return;
+    }
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, n, K, 1.0f, x, K, W + static_cast<int64_t>(n0) * K, K,
                 beta, y + n0, N);
   };
