@@ -40,7 +40,7 @@ struct ImageFeatures {
 };
 
 struct GenerateOptions {
-  int max_new_tokens = 32;
+  int max_new_tokens = 48;
   bool stop_at_eos = true;
   float temperature = 0.0f;   // 0 = greedy
   float top_p = 1.0f;

@@ -400,7 +400,7 @@ void run_session(const SessionArgs& a) {
   for (const std::string& e : a.edits) edits.push_back(parse_session_edit(e, s));
   if (edits.empty()) edits = default_session_edits(s);
   const std::string model = model_dir_of(!a.model.empty() ? a.model : s.model);
-  const std::string image = !a.image.empty() ? a.image : !s.image.empty() ? s.image : default_image();
+  const std::string image = !a.image.empty() ? a.image : !s.image.empty() ? s.image : default_image_for(model);
   const SessionBench b = bench_session(s, model, image, a.backend, edits);
   std::printf("bench session %s: %zu methods, %d-token prompt, %s backend\n", a.session.c_str(), s.methods.size(),
               b.prompt_tokens, b.backend.c_str());
@@ -554,7 +554,7 @@ void add_bench_command(CLI::App& root) {
   ss->add_option("--edit", se->edits,
                  "An edit METHOD:PARAM=VALUE (METHOD: index from 0 or label), repeatable; default: each method's first "
                  "number parameter moved a tenth of its range");
-  ss->add_option("--model", se->model, "Model directory or embedded model's name (default: the session's, else kvlens-scenes-6m)");
+  ss->add_option("--model", se->model, "Model directory or embedded model's name (default: the session's, else KVLENS_MODEL's, else kvlens-scenes-14m)");
   ss->add_option("--image", se->image, "Image (default: the session's, else the embedded sample image)");
   add_backend_options(ss, se->backend);
   ss->add_option("--json", se->json, "Also write the timings as JSON here");

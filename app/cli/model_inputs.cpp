@@ -9,7 +9,7 @@
 namespace kvlens::app {
 
 std::string command_image_path(const Model& model, const std::string& image) {
-  if (model.info().takes_image()) return image.empty() ? default_image() : image;
+  if (model.info().takes_image()) return image.empty() ? default_image_for(model.dir()) : image;
   if (!image.empty())
     throw InputError("--image " + image + ": " + model.dir() + " is a text-only model (" + model.info().architecture +
                      "), which takes no image");

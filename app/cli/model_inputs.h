@@ -11,8 +11,8 @@ namespace kvlens::app {
 // --model's help: the architectures a model directory may hold.
 inline constexpr const char* kModelHelp =
     "HF-format model directory (LLaVA-1.5, LLaVA-NeXT, InternVL, Qwen2-VL, Qwen2.5-VL, Llama, Mistral or Qwen2), or an "
-    "embedded model's name: kvlens-scenes-6m (the default; 4 layers, 196 visual tokens) or kvlens-scenes-14m (12 layers, "
-    "576 visual tokens, rich scenes)";
+    "embedded model's name: kvlens-scenes-14m (12 layers, 576 visual tokens, rich scenes) or kvlens-scenes-6m (4 layers, "
+    "196 visual tokens, classic scenes). Default: the folder or name KVLENS_MODEL holds, else kvlens-scenes-14m";
 
 // The file --image names, else the sample image; for a text-only model no image, and --image
 // is refused (InputError naming the model).

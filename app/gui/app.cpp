@@ -29,6 +29,7 @@ App::App(std::string source_dir) : source_dir_(std::move(source_dir)), t0_(std::
       break;
     }
   load_recent();
+  if (const std::string e = app::model_variable_error(); !e.empty()) error(e);
 }
 
 double App::now() const {
@@ -41,8 +42,11 @@ void App::error(const std::string& text) { st.messages.push_back({true, text, no
 // ----- inputs -----------------------------------------------------------------------------
 
 std::string App::default_model_dir() const { return app::default_model_dir(); }
-std::string App::default_image() const { return app::default_image(); }
-std::string App::model_dir() const { return app::model_dir_of(st.inputs.model_dir); }
+std::string App::default_image() const { return app::default_image_for(model_dir()); }
+std::string App::model_dir() const {
+  // (a KVLENS_MODEL set wrong is reported once, at start; its folder then fails to load)
+  return st.inputs.model_dir.empty() ? app::default_model_dir() : app::model_dir_of(st.inputs.model_dir);
+}
 std::string App::image_path() const { return st.inputs.image_path.empty() ? default_image() : st.inputs.image_path; }
 
 void App::open_image(const std::string& path) {

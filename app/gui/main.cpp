@@ -129,7 +129,7 @@ int main(int argc, char** argv) {
   cli.add_option("--screenshot", shot_path, "Write a PNG of the window once results are shown, then quit");
   cli.add_option("--session", session_path, "Open this session");
   cli.add_option("--image", image_path, "Open this image (default: the sample image)");
-  cli.add_option("--model", model_dir, "Model folder, or an embedded model's name: kvlens-scenes-6m (the default) or kvlens-scenes-14m");
+  cli.add_option("--model", model_dir, "Model folder, or an embedded model's name: kvlens-scenes-14m (the default, unless KVLENS_MODEL names another) or kvlens-scenes-6m");
   cli.add_option("--size", size_text, "Window size WIDTHxHEIGHT")->capture_default_str();
   cli.add_option("--ui-scale", scale_text, "UI scale for this run, 0.75 to 2.5 (default: the one View → UI scale saved)");
   cli.add_flag("--no-seed-methods", no_seed, "Start without the four seed methods (calibquant, zipcache, vlcache, lookm)");

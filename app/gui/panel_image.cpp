@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 
 #include "app/gui/overlay.h"
 #include "app/gui/panels.h"
@@ -93,7 +94,7 @@ void image_panel(App& app, Ui& ui, const PanelRect& rect) {
   Views& v = st.views;
   // Open: path, recent, picker; dropping a file onto the window opens it too.
   ImGui::SetNextItemWidth(-150);
-  if (path_field("##imgpath", "sample image (assets/images/scene_000.png)", st.edits.image_path, st.shown["image_path"]))
+  if (path_field("##imgpath", ("sample image (" + std::filesystem::path(app.default_image()).filename().string() + ")").c_str(), st.edits.image_path, st.shown["image_path"]))
     app.open_image(st.edits.image_path);
   ImGui::SameLine();
   if (ImGui::Button("Open")) app.open_image(st.edits.image_path);

@@ -1,6 +1,7 @@
 // Model panel: the model folder (path, recent, picker), load progress and errors, the facts a
 // researcher sizes a cache by, and the prompt and generation length.
 #include <algorithm>
+#include <filesystem>
 #include <imgui.h>
 #include <imgui_stdlib.h>  // after imgui.h
 
@@ -17,7 +18,8 @@ void model_panel(App& app, Ui&, const PanelRect& rect) {
   State& st = app.st;
   if (st.edits.model_dir.empty() && st.inputs.model_dir.empty()) st.edits.model_dir = "";
   ImGui::SetNextItemWidth(-150 * figure_scale());
-  if (path_field("##modeldir", "embedded model (kvlens-scenes-6m)", st.edits.model_dir, st.shown["model_dir"]))
+  const std::string placeholder = "default model (" + std::filesystem::path(app.default_model_dir()).filename().string() + ")";
+  if (path_field("##modeldir", placeholder.c_str(), st.edits.model_dir, st.shown["model_dir"]))
     app.open_model(st.edits.model_dir);
   ImGui::SameLine();
   if (ImGui::Button("Load")) app.open_model(st.edits.model_dir);
@@ -25,7 +27,7 @@ void model_panel(App& app, Ui&, const PanelRect& rect) {
   if (ImGui::Button("…##model")) open_dialog(app, DialogPurpose::OpenModel, app.model_dir() + "/");
   ImGui::SameLine();
   if (ImGui::BeginCombo("##recentmodel", "recent", ImGuiComboFlags_NoPreview)) {
-    if (ImGui::Selectable("embedded model")) {
+    if (ImGui::Selectable("default model")) {
       st.inputs.model_dir.clear();
       st.edits.model_dir.clear();
       app.submit();

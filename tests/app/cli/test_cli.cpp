@@ -79,6 +79,40 @@ TEST(Cli, ModelByEmbeddedName) {
   EXPECT_NE(bad.output.find("kvlens-scenes-99m"), std::string::npos) << bad.output;
 }
 
+// Without --model and --image: the 12-layer model on its sample image, a held-out rich scene,
+// whose canonical caption (from the scene generator) it gives in full; KVLENS_MODEL names another
+// default, with that model's own sample image; one set wrong is refused naming it.
+TEST(Cli, DefaultModelIsTheDeepOneUnlessKvlensModelSaysOtherwise) {
+  const std::string tmp = kt::make_temp_dir("default_model");
+  const auto set = kt::run(kt::cli() + " scenes --n 1 --seed 1000001 --generator-version 2 --out " + tmp + "/set");
+  ASSERT_EQ(set.code, 0) << set.output;
+  const std::string canonical =
+      kt::read_json(tmp + "/set/annotations.json")["annotations"][0]["caption"].get<std::string>();  // (the canonical one first)
+  const auto r = kt::run("env -u KVLENS_MODEL " + kt::cli() + " caption --backend cpu --json " + tmp + "/d.json");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto d = kt::read_json(tmp + "/d.json");
+  EXPECT_EQ(d["model"], kt::source_dir() + "/assets/models/kvlens-scenes-14m");
+  EXPECT_EQ(d["image"], kt::source_dir() + "/assets/images/rich_000.png");
+  EXPECT_EQ(d["caption"], canonical) << "the default's caption ends (EOS) within the default --max-new-tokens";
+  EXPECT_EQ(kt::read_file(kt::source_dir() + "/assets/images/rich_000.png"), kt::read_file(tmp + "/set/images/000000.png"))
+      << "the sample image is held-out scene 0";
+
+  const auto s = kt::run("env KVLENS_MODEL=kvlens-scenes-6m " + kt::cli() + " caption --backend cpu --max-new-tokens 4 --json " +
+                         tmp + "/s.json");
+  ASSERT_EQ(s.code, 0) << s.output;
+  const auto small = kt::read_json(tmp + "/s.json");
+  EXPECT_EQ(small["model"], kt::source_dir() + "/assets/models/kvlens-scenes-6m");
+  EXPECT_EQ(small["image"], kt::source_dir() + "/assets/images/scene_000.png");
+  EXPECT_EQ(small["n_visual_tokens"], 196);
+
+  const auto bad = kt::run("env KVLENS_MODEL=" + tmp + "/nothere " + kt::cli() + " caption --max-new-tokens 1");
+  EXPECT_EQ(bad.code, 2) << bad.output;
+  EXPECT_NE(bad.output.find("KVLENS_MODEL='" + tmp + "/nothere' names no model folder"), std::string::npos) << bad.output;
+  const auto given = kt::run("env KVLENS_MODEL=" + tmp + "/nothere " + kt::cli() +
+                             " caption --model kvlens-scenes-6m --max-new-tokens 1");
+  EXPECT_EQ(given.code, 0) << "--model given: KVLENS_MODEL is not read. " << given.output;
+}
+
 TEST(Cli, HelpDocumentsCaption) {
   const auto r = kt::run(kt::cli() + " caption --help");
   EXPECT_EQ(r.code, 0);

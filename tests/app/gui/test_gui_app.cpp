@@ -257,6 +257,43 @@ TEST(GuiApp, OpenModelTakesAnEmbeddedModelsName) {
   EXPECT_NE(app.st.messages.back().text.find("kvlens-scenes-99m"), std::string::npos) << app.st.messages.back().text;
 }
 
+// The app's default model and sample image: KVLENS_MODEL's model (the tests' 4-layer one) with
+// its own classic scene; unset, the 12-layer model with its rich scene; set wrong, an error shown
+// at start (the app runs on, and that folder fails to load like any other).
+TEST(GuiApp, DefaultModelAndImageFollowKvlensModel) {
+  TempHome home;
+  const std::string models = kt::source_dir() + "/assets/models/", images = kt::source_dir() + "/assets/images/";
+  struct Restore {
+    std::string was = std::getenv("KVLENS_MODEL") ? std::getenv("KVLENS_MODEL") : "";
+    ~Restore() { was.empty() ? unsetenv("KVLENS_MODEL") : setenv("KVLENS_MODEL", was.c_str(), 1); }
+  } restore;
+  setenv("KVLENS_MODEL", "kvlens-scenes-6m", 1);
+  {
+    App app(kt::source_dir());
+    EXPECT_EQ(app.model_dir(), models + "kvlens-scenes-6m");
+    EXPECT_EQ(app.image_path(), images + "scene_000.png");
+    EXPECT_TRUE(app.st.messages.empty());
+  }
+  unsetenv("KVLENS_MODEL");
+  {
+    App app(kt::source_dir());
+    EXPECT_EQ(app.model_dir(), models + "kvlens-scenes-14m");
+    EXPECT_EQ(app.image_path(), images + "rich_000.png");
+    app.open_model("kvlens-scenes-6m");
+    EXPECT_EQ(app.image_path(), images + "scene_000.png") << "the sample image follows the model opened";
+  }
+  setenv("KVLENS_MODEL", (home.dir + "/nothere").c_str(), 1);
+  {
+    App app(kt::source_dir());
+    ASSERT_EQ(app.st.messages.size(), 1u);
+    EXPECT_TRUE(app.st.messages[0].error);
+    EXPECT_NE(app.st.messages[0].text.find("KVLENS_MODEL='" + home.dir + "/nothere' names no model folder"),
+              std::string::npos)
+        << app.st.messages[0].text;
+    EXPECT_EQ(app.model_dir(), home.dir + "/nothere");
+  }
+}
+
 // A session whose image file is gone: opening it ends on an error, and once the worker has tried,
 // the app says why nothing is computed (the status bar, Captions, Plots and Methods read
 // blocked()) instead of computing forever.
