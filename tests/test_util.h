@@ -24,6 +24,14 @@ namespace kvlens::testing {
 inline std::string source_dir() { return KVLENS_SOURCE_DIR; }
 inline std::string cli() { return KVLENS_BINARY; }
 
+// Where a test names no model, the 4-layer kvlens-scenes-6m: KVLENS_MODEL set for the whole test
+// process and the commands it starts, whatever the shell had (a test of the default itself
+// unsets it).
+inline const bool kSmallModelWhereNoneIsNamed = [] {
+  setenv("KVLENS_MODEL", "kvlens-scenes-6m", 1);
+  return true;
+}();
+
 // Whether this build renders figures (Cairo). A test that also draws figures, run on a build
 // without it, checks the CLI's refusal of --figures, checks the rest without them and ends in a
 // visible skip that says the figures went unchecked.

@@ -66,7 +66,8 @@ void scores_in_order(const float* scores, int n_heads, int group, int64_t stride
                      int tail_rows, const int32_t* map, int64_t map_stride, float* raw, float* probs);
 
 // The threads cpu::linear gives an M × K by N × K product: one a block of 128 output columns and
-// 2^21 multiply-adds, at most product_threads() (one inside an OpenMP team).
+// 2^21 multiply-adds (for one row: 2^16, and at most two), at most product_threads() (one inside
+// an OpenMP team).
 int linear_threads(int M, int N, int K);
 // The threads an OpenMP loop over `items` items of `work` units in all is worth: one for each
 // `grain` units, at most one an item and the caller's OpenMP team, at least one. (Threads past

@@ -63,7 +63,8 @@ TEST(CpuOps, LinearAgainstFp64) {
 // the product on one thread, whatever the count, and OpenBLAS runs on one thread whatever
 // OPENBLAS_NUM_THREADS said (with both libraries threading, OpenMP's spinning workers and
 // OpenBLAS's threads fought for the cores). Sizes past one block and one thread's share, with a
-// partial last block; within a piece of parallel_for a product takes one thread.
+// partial last block; within a piece of parallel_for a product takes one thread, and a one-row
+// product (a decode step's) at most two.
 TEST(CpuOps, LinearIsTheSameOnAnyThreadCount) {
   struct Size { int M, K, N; };
   const int was = product_threads();
@@ -79,6 +80,7 @@ TEST(CpuOps, LinearIsTheSameOnAnyThreadCount) {
       if (machine_threads() > 1) {
         EXPECT_GT(cpu::linear_threads(s.M, s.N, s.K), 1) << t << " threads: the product was not spread";
       }
+      if (s.M == 1) EXPECT_LE(cpu::linear_threads(s.M, s.N, s.K), 2) << t << " threads: one row takes at most two";
       std::vector<float> y(one.size(), kNaN);
       cpu::linear(x.data(), s.M, s.K, W.data(), s.N, b.data(), y.data());
       EXPECT_EQ(std::memcmp(y.data(), one.data(), y.size() * sizeof(float)), 0) << t << " threads";

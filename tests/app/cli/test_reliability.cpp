@@ -337,8 +337,8 @@ TEST(ReliableNumbers, CliParseErrorsAreOneLineNamingTheOption) {
   expect_exit2("caption --max-new-tokens", "--max-new-tokens");
   const auto help = cli("run --help");
   EXPECT_EQ(help.code, 0);
-  // The option's line shows its type and default: CLI11 prints "INT=32" or "INT [32]" by version.
-  EXPECT_TRUE(std::regex_search(help.output, std::regex(R"(--max-new-tokens +INT(=| +\[)32\b)"))) << help.output;
+  // The option's line shows its type and default: CLI11 prints "INT=48" or "INT [48]" by version.
+  EXPECT_TRUE(std::regex_search(help.output, std::regex(R"(--max-new-tokens +INT(=| +\[)48\b)"))) << help.output;
 }
 
 TEST(ReliableNumbers, SessionNumbersAndVersionsThroughTheCli) {
