@@ -10,6 +10,7 @@ cd "$(dirname "$0")/.."
 N="${1:-100}"
 OUT="${OUT:-out/eval-heldout-$N}"
 K=build/kvlens
+M=assets/models/kvlens-scenes-6m  # the 4-layer model (not the default, kvlens-scenes-14m)
 [ -x "$K" ] || { echo "docs/eval.sh: build kvlens first (./setup.sh)" >&2; exit 1; }
 mkdir -p "$OUT"
 [ -f "$OUT/heldout/annotations.json" ] || "$K" scenes --n "$N" --seed 1000001 --out "$OUT/heldout"
@@ -20,13 +21,13 @@ for b in 0.05 0.1 0.2 0.4; do  # LOOK-M's budget is its recent + important ratio
   lookm+=(--method "lookm:preset=paper,alpha1=$h,alpha2=$h")
 done
 start=$(date +%s)
-"$K" eval --dataset "$OUT/heldout" --limit "$N" --bits 8,4,2,1 --budgets 0.05,0.1,0.2,0.4 \
+"$K" eval --model "$M" --dataset "$OUT/heldout" --limit "$N" --bits 8,4,2,1 --budgets 0.05,0.1,0.2,0.4 \
   --method calibquant:preset=paper --method uniform --method kivi --method turboquant \
   --method zipcache --method hadamard_int4 \
   --method vlcache --method h2o --method snapkv --method streamingllm --method pyramidkv "${lookm[@]}" \
   --out "$OUT/methods" > /dev/null
 mid=$(date +%s)
-"$K" calibrate --by cider --dataset "$OUT/heldout" --limit "$N" --base calibquant:preset=paper \
+"$K" calibrate --model "$M" --by cider --dataset "$OUT/heldout" --limit "$N" --base calibquant:preset=paper \
   --taus 0 1 2 3 4 --no-vqa --max-new-tokens 40 --figure-formats png --out "$OUT/calibrate" > /dev/null
 end=$(date +%s)
 cp "$OUT/calibrate/figures/calibration_cider_d.png" docs/eval_calibration_cider.png

@@ -4,7 +4,7 @@
 #
 #   docs/findings.sh [OUT]        (OUT defaults to out/findings; build/kvlens must be built)
 #
-# MODEL=DIR runs another checkpoint than the embedded default; SCENES=2 holds out rich scenes
+# MODEL=DIR runs another checkpoint than the 4-layer kvlens-scenes-6m; SCENES=2 holds out rich scenes
 # (kvlens scenes --generator-version 2) in place of the classic ones, and leaves out the runs
 # that ask every image "how many shapes are there?" (a rich scene's count question names its
 # group). The tables take the layer count, KV heads and head size from the model's config.json.
@@ -21,8 +21,8 @@ JOBS=${JOBS:-1}
 SCENES=${SCENES:-1}
 LIMIT=${LIMIT:-0}
 cap() { if [ "$LIMIT" -gt 0 ] && [ "$1" -gt "$LIMIT" ]; then echo "$LIMIT"; else echo "$1"; fi; }
-MARGS=()
-[ -n "${MODEL:-}" ] && MARGS=(--model "$MODEL")
+# (the 4-layer model unless MODEL names another: the default, kvlens-scenes-14m, has its own tables)
+MARGS=(--model "${MODEL:-assets/models/kvlens-scenes-6m}")
 H=$OUT/heldout
 [ -x "$K" ] || { echo "findings.sh: $K is not built (cmake --build build --target kvlens)" >&2; exit 2; }
 mkdir -p "$OUT"
