@@ -39,8 +39,12 @@ struct ImageFeatures {
   VisualLayout layout;  // where each row lies on the image
 };
 
+// New tokens a caption may take where the user gives no number: enough for the embedded models'
+// longest captions (37 tokens and EOS for kvlens-scenes-14m).
+constexpr int kDefaultMaxNewTokens = 48;
+
 struct GenerateOptions {
-  int max_new_tokens = 48;
+  int max_new_tokens = kDefaultMaxNewTokens;
   bool stop_at_eos = true;
   float temperature = 0.0f;   // 0 = greedy
   float top_p = 1.0f;

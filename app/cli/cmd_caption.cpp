@@ -21,7 +21,7 @@ namespace {
 struct CaptionArgs {
   std::string model, image, prompt = kDefaultPrompt, templ = kDefaultTemplate, json_out, logits_out;
   std::string kv_storage = "fp16";
-  int max_new_tokens = 48;
+  int max_new_tokens = kDefaultMaxNewTokens;
   float temperature = 0.0f, top_p = 1.0f;
   uint64_t seed = 0;
   bool pad_to_square = false;

@@ -88,7 +88,8 @@ RunArgs with_session(const RunArgs& in, std::vector<RunMethod>& specs) {
     a.opt.hit_budget = s.hit_budget;
     for (size_t i = 0; i < s.methods.size(); ++i)
       if (s.method_enabled(i)) specs.push_back({s.methods[i], s.method_label(i)});
-    note_changed_inputs(s, model_dir_of(a.model), a.image.empty() ? default_image_for(model_dir_of(a.model)) : a.image);
+    const std::string model = model_dir_of(a.model);
+    note_changed_inputs(s, model, a.image.empty() ? default_image_for(model) : a.image);
   }
   for (const auto& m : a.methods) specs.push_back({parse_method_spec(m), ""});
   if (specs.empty()) throw InputError("no method to run: give --method SPEC or --session FILE");

@@ -47,7 +47,7 @@ inline std::string default_model_dir() {
 inline std::string model_variable_error() {
   const char* env = std::getenv(kModelVariable);
   std::error_code ec;
-  if (!env || !*env || !embedded_dir_named(env).empty() || std::filesystem::is_directory(env, ec)) return "";
+  if (!env || !*env || std::filesystem::is_directory(default_model_dir(), ec)) return "";
   std::string names;
   for (const EmbeddedModel& m : embedded_models()) names += (names.empty() ? "" : ", ") + m.name;
   return std::string(kModelVariable) + "='" + env + "' names no model folder and no embedded model (" + names + ")";

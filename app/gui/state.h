@@ -87,7 +87,7 @@ struct ExportOptions {
 // Text fields being typed into (applied on Enter / Apply, not per keystroke).
 struct Edits {
   std::string image_path, model_dir, prompt;
-  int max_new_tokens = 48;
+  int max_new_tokens = kDefaultMaxNewTokens;
   std::map<std::string, std::string> param_text;  // "id/name" → text of a String parameter
   std::string active_text;                        // the key of the field being typed into
   int add_method = 0;                             // index into methods() for "Add"

@@ -22,7 +22,7 @@ namespace kvlens {
 struct GenerationSetup {
   std::string prompt = kDefaultPrompt;
   std::string templ = kDefaultTemplate;
-  int max_new_tokens = 48;
+  int max_new_tokens = kDefaultMaxNewTokens;
   RowStorage kv_storage = RowStorage::Fp16;
 };
 

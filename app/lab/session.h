@@ -25,7 +25,7 @@ constexpr double kMinHitBudget = 1e-4;
 // desktop app's inputs share (the app's Inputs extend it).
 struct SessionRun {
   std::string prompt, templ;           // empty = the defaults
-  int max_new_tokens = 48;
+  int max_new_tokens = kDefaultMaxNewTokens;
   std::string kv_storage = "fp16";     // dense rows of the decode cache: "fp16" | "fp32"
   int diag_steps = 4;
   double sparsity_p = 0.01;

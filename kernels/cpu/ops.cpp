@@ -42,7 +42,8 @@ constexpr int64_t kGemvMaxThreads = 2;
 int linear_threads(int M, int N, int K) {
   const int64_t blocks = (N + kGemmCols - 1) / kGemmCols, macs = static_cast<int64_t>(M) * N * K;
   const int64_t per_thread = M == 1 ? kGemvMacsPerThread : kGemmMacsPerThread;
-  const int64_t team = omp_in_parallel() ? 1 : M == 1 ? std::min<int64_t>(kGemvMaxThreads, product_threads()) : product_threads();
+  int64_t team = omp_in_parallel() ? 1 : product_threads();
+  if (M == 1) team = std::min(team, kGemvMaxThreads);
   return static_cast<int>(std::max<int64_t>(1, std::min({team, blocks, macs / per_thread})));
 }
 
