@@ -7,10 +7,12 @@ that number, with OMP_NUM_THREADS and OPENBLAS_NUM_THREADS set to N as well (wha
 sets must not slow it down); then HF transformers (LlavaForConditionalGeneration, eager
 attention, fp32) captions the same image from those prompt ids with torch.set_num_threads(N),
 greedy, at most that many new tokens (the same ones where the ids agree), median of --repeat
-runs after one warm-up. A table last: vision, prefill and caption ms of
-kvlens, HF's caption ms, and whether HF's greedy ids equal kvlens's.
+runs after one warm-up. With --rounds R each side runs its whole list of thread counts R times
+over, and a figure is the median of its R rounds' medians (a shared host's speed drifts within a
+call). A table last: vision, prefill and caption ms of kvlens, HF's caption ms, and whether HF's
+greedy ids equal kvlens's.
 
-  python3 tests/cpu_threads_bench.py --kvlens build/kvlens [--threads 1 2 4 8 16] [--repeat 10]
+  python3 tests/cpu_threads_bench.py --kvlens build/kvlens [--threads 1 2 4 8 16] [--repeat 10] [--rounds 3]
 """
 import argparse
 import json
@@ -57,19 +59,22 @@ def hf_times(args, prompt_ids, new_ids, threads):
         images=Image.open(args.image).convert("RGB"), return_tensors="pt")["pixel_values"]
     ids = torch.tensor([prompt_ids])
     n_new = len(new_ids)
-    rows = {}
-    for n in threads:
-        torch.set_num_threads(n)
-        ms, out = [], None
-        with torch.inference_mode():
-            for r in range(args.repeat + 1):
-                t0 = time.perf_counter()
-                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels,
-                                     max_new_tokens=n_new, do_sample=False)
-                if r:
-                    ms.append(1e3 * (time.perf_counter() - t0))
-        rows[n] = (statistics.median(ms), out[0, ids.shape[1]:].tolist() == list(new_ids))
-    return rows
+    rounds = {n: [] for n in threads}
+    same = {n: True for n in threads}
+    for _ in range(args.rounds):
+        for n in threads:
+            torch.set_num_threads(n)
+            ms, out = [], None
+            with torch.inference_mode():
+                for r in range(args.repeat + 1):
+                    t0 = time.perf_counter()
+                    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels,
+                                         max_new_tokens=n_new, do_sample=False)
+                    if r:
+                        ms.append(1e3 * (time.perf_counter() - t0))
+            rounds[n].append(statistics.median(ms))
+            same[n] = same[n] and out[0, ids.shape[1]:].tolist() == list(new_ids)
+    return {n: (statistics.median(rounds[n]), same[n], rounds[n]) for n in threads}
 
 
 def main():
@@ -79,20 +84,32 @@ def main():
     p.add_argument("--image", default=DEFAULT_IMAGE)
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--repeat", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=1, help="passes over the thread counts; medians of their medians")
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         prompt_ids, new_ids = kvlens_ids(args.kvlens, args, tmp)
-        kv = {n: kvlens_run(args.kvlens, args, n, len(new_ids), tmp) for n in args.threads}
+        runs = {n: [] for n in args.threads}
+        for _ in range(args.rounds):
+            for n in args.threads:
+                runs[n].append(kvlens_run(args.kvlens, args, n, len(new_ids), tmp))
+        kv = {n: {key: statistics.median(r[key] for r in runs[n]) for key in ("vision_ms", "prefill_ms",
+                                                                                 "caption_total_ms")}
+              for n in args.threads}
+        for n in args.threads:
+            kv[n]["caption_rounds"] = [r["caption_total_ms"] for r in runs[n]]
     hf = hf_times(args, prompt_ids, new_ids, args.threads)
     rows = []
-    print("%7s %10s %10s %12s %12s %10s" % ("threads", "vision ms", "prefill ms", "caption ms", "HF caption", "HF ids ="))
+    print("%7s %10s %10s %12s %12s %10s   %s" % ("threads", "vision ms", "prefill ms", "caption ms", "HF caption",
+                                                 "HF ids =", "caption / HF caption in each round"))
     for n in args.threads:
         k = kv[n]
         rows.append({"threads": n, "vision_ms": k["vision_ms"], "prefill_ms": k["prefill_ms"],
-                     "caption_ms": k["caption_total_ms"], "hf_caption_ms": hf[n][0], "hf_ids_equal": hf[n][1]})
-        print("%7d %10.1f %10.1f %12.1f %12.1f %10s" % (n, k["vision_ms"], k["prefill_ms"], k["caption_total_ms"],
-                                                      hf[n][0], "yes" if hf[n][1] else "NO"))
+                     "caption_ms": k["caption_total_ms"], "hf_caption_ms": hf[n][0], "hf_ids_equal": hf[n][1],
+                     "caption_ms_rounds": k["caption_rounds"], "hf_caption_ms_rounds": hf[n][2]})
+        print("%7d %10.1f %10.1f %12.1f %12.1f %10s   %s / %s" % (
+            n, k["vision_ms"], k["prefill_ms"], k["caption_total_ms"], hf[n][0], "yes" if hf[n][1] else "NO",
+            " ".join("%.0f" % v for v in k["caption_rounds"]), " ".join("%.0f" % v for v in hf[n][2])))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cpu_count": os.cpu_count(), "rows": rows}, f, indent=1)

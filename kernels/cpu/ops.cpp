@@ -27,9 +27,11 @@ int loop_threads(int64_t items, int64_t work, int64_t grain) {
 // OMP_NUM_THREADS / `--threads` where set; sized by the product). With both
 // libraries threading, OpenMP's workers spin on the cores that OpenBLAS's threads wait for after
 // every loop: the embedded model captioned in 570 ms with 16 threads of each against 141 ms with
-// one, on 16 cores. A product is always the same OpenBLAS calls, one per block of kGemmCols
-// output columns, whatever the thread count (which only says how many run at once), so its
-// result does not depend on the threads.
+// one, on 16 cores. A product is always the same OpenBLAS calls, one per tile of kGemmRows rows
+// by kGemmCols output columns, whatever the thread count (which only says how many run at once),
+// so its result does not depend on the threads. (Columns alone left a prompt's 256-wide
+// products, the 14m's o and down, on two threads: its decoder prefill stopped gaining at four.)
+constexpr int kGemmRows = 128;
 constexpr int kGemmCols = 128;
 // Multiply-adds a thread must get before a product takes another thread; for one row (a decode
 // step, bound by reading the weights) fewer, 256 KB of fp32 weights, and at most two threads: on
@@ -39,8 +41,14 @@ constexpr int64_t kGemmMacsPerThread = int64_t{1} << 21;
 constexpr int64_t kGemvMacsPerThread = int64_t{1} << 16;
 constexpr int64_t kGemvMaxThreads = 2;
 
+namespace {
+int64_t gemm_tiles(int M, int N) {
+  return static_cast<int64_t>((M + kGemmRows - 1) / kGemmRows) * ((N + kGemmCols - 1) / kGemmCols);
+}
+}  // namespace
+
 int linear_threads(int M, int N, int K) {
-  const int64_t blocks = (N + kGemmCols - 1) / kGemmCols, macs = static_cast<int64_t>(M) * N * K;
+  const int64_t blocks = gemm_tiles(M, N), macs = static_cast<int64_t>(M) * N * K;
   const int64_t per_thread = M == 1 ? kGemvMacsPerThread : kGemmMacsPerThread;
   int64_t team = omp_in_parallel() ? 1 : product_threads();
   if (M == 1) team = std::min(team, kGemvMaxThreads);
@@ -67,15 +75,16 @@ void linear(const float* x, int M, int K, const float* W, int N, const float* bi
     for (int m = 0; m < M; ++m) std::copy(bias, bias + N, y + static_cast<int64_t>(m) * N);
   }
   const float beta = bias ? 1.0f : 0.0f;
-  const int blocks = (N + kGemmCols - 1) / kGemmCols;
+  const int blocks = static_cast<int>(gemm_tiles(M, N)), col_blocks = (N + kGemmCols - 1) / kGemmCols;
   auto block = [&](int b) {
-    const int n0 = b * kGemmCols, n = std::min(N - n0, kGemmCols);
+    const int n0 = (b % col_blocks) * kGemmCols, n = std::min(N - n0, kGemmCols);
+    const int m0 = (b / col_blocks) * kGemmRows, m = std::min(M - m0, kGemmRows);
     if (M == 1) {  // one row (a decode step): OpenBLAS's matrix-vector kernel reads W at twice the speed
       cblas_sgemv(CblasRowMajor, CblasNoTrans, n, K, 1.0f, W + static_cast<int64_t>(n0) * K, K, x, 1, beta, y + n0, 1);
       return;
     }
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, n, K, 1.0f, x, K, W + static_cast<int64_t>(n0) * K, K,
-                beta, y + n0, N);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, K, 1.0f, x + static_cast<int64_t>(m0) * K, K,
+                W + static_cast<int64_t>(n0) * K, K, beta, y + static_cast<int64_t>(m0) * N + n0, N);
   };
   const int t = linear_threads(M, N, K);
   if (t <= 1) {

@@ -59,16 +59,17 @@ TEST(CpuOps, LinearAgainstFp64) {
     }
 }
 
-// A product spread over threads (column blocks of 128 on up to product_threads()) is bit for bit
+// A product spread over threads (tiles of 128 rows by 128 columns on up to product_threads()) is bit for bit
 // the product on one thread, whatever the count, and OpenBLAS runs on one thread whatever
 // OPENBLAS_NUM_THREADS said (with both libraries threading, OpenMP's spinning workers and
-// OpenBLAS's threads fought for the cores). Sizes past one block and one thread's share, with a
-// partial last block; within a piece of parallel_for a product takes one thread, and a one-row
+// OpenBLAS's threads fought for the cores). Sizes past one tile and one thread's share, with
+// partial last tiles, and a prompt's narrow product (256 columns: two column blocks) on more than
+// two threads; within a piece of parallel_for a product takes one thread, and a one-row
 // product (a decode step's) at most two.
 TEST(CpuOps, LinearIsTheSameOnAnyThreadCount) {
   struct Size { int M, K, N; };
   const int was = product_threads();
-  for (const Size s : {Size{197, 192, 576}, Size{1, 8192, 1100}, Size{64, 1333, 130}}) {
+  for (const Size s : {Size{197, 192, 576}, Size{1, 8192, 1100}, Size{64, 1333, 130}, Size{620, 768, 256}}) {
     SCOPED_TRACE(std::to_string(s.M) + "x" + std::to_string(s.K) + "x" + std::to_string(s.N));
     const auto x = randn(static_cast<size_t>(s.M) * s.K, 5 + s.K), W = randn(static_cast<size_t>(s.N) * s.K, 6 + s.N);
     const auto b = randn(s.N, 7);
@@ -80,7 +81,12 @@ TEST(CpuOps, LinearIsTheSameOnAnyThreadCount) {
       if (machine_threads() > 1) {
         EXPECT_GT(cpu::linear_threads(s.M, s.N, s.K), 1) << t << " threads: the product was not spread";
       }
-      if (s.M == 1) EXPECT_LE(cpu::linear_threads(s.M, s.N, s.K), 2) << t << " threads: one row takes at most two";
+      if (s.M == 1) {
+        EXPECT_LE(cpu::linear_threads(s.M, s.N, s.K), 2) << t << " threads: one row takes at most two";
+      }
+      if (s.M == 620 && machine_cores() >= t) {
+        EXPECT_EQ(cpu::linear_threads(s.M, s.N, s.K), t) << "a prompt's 256-wide product takes every thread";
+      }
       std::vector<float> y(one.size(), kNaN);
       cpu::linear(x.data(), s.M, s.K, W.data(), s.N, b.data(), y.data());
       EXPECT_EQ(std::memcmp(y.data(), one.data(), y.size() * sizeof(float)), 0) << t << " threads";
