@@ -93,8 +93,10 @@ void image_panel(App& app, Ui& ui, const PanelRect& rect) {
   State& st = app.st;
   Views& v = st.views;
   // Open: path, recent, picker; dropping a file onto the window opens it too.
-  ImGui::SetNextItemWidth(-150);
-  if (path_field("##imgpath", ("sample image (" + std::filesystem::path(app.default_image()).filename().string() + ")").c_str(), st.edits.image_path, st.shown["image_path"]))
+  // The hint leads with the file's name, so a narrow window cuts the words after it.
+  ImGui::SetNextItemWidth(-150 * figure_scale());
+  const std::string hint = std::filesystem::path(app.default_image()).filename().string() + " (sample image)";
+  if (path_field("##imgpath", hint.c_str(), st.edits.image_path, st.shown["image_path"]))
     app.open_image(st.edits.image_path);
   ImGui::SameLine();
   if (ImGui::Button("Open")) app.open_image(st.edits.image_path);

@@ -18,7 +18,8 @@ void model_panel(App& app, Ui&, const PanelRect& rect) {
   State& st = app.st;
   if (st.edits.model_dir.empty() && st.inputs.model_dir.empty()) st.edits.model_dir = "";
   ImGui::SetNextItemWidth(-150 * figure_scale());
-  const std::string placeholder = "default model (" + std::filesystem::path(app.default_model_dir()).filename().string() + ")";
+  // The hint leads with the model's name, so a narrow window cuts the words after it.
+  const std::string placeholder = std::filesystem::path(app.default_model_dir()).filename().string() + " (default)";
   if (path_field("##modeldir", placeholder.c_str(), st.edits.model_dir, st.shown["model_dir"]))
     app.open_model(st.edits.model_dir);
   ImGui::SameLine();
