@@ -90,13 +90,16 @@ def main():
                     q1 = r["tokens_per_s"] if f == "q1" else q1
             row += f"{q1 / base:>10.2f}x" if base and q1 else f"{'-':>11}"
             print(row)
-    ct = load(d, "cpu_threads.json")
-    if ct:
-        print(f"\nCPU caption of the embedded model by threads ({ct['cpu_count']} cores; ms, kvlens against HF transformers)")
-        print(f"{'threads':>7}{'vision':>8}{'prefill':>9}{'caption':>9}{'HF':>8}  HF ids equal")
+    for name, model in (("cpu_threads.json", "kvlens-scenes-6m"), ("cpu_threads_14m.json", "kvlens-scenes-14m")):
+        ct = load(d, name)
+        if not ct:
+            continue
+        print(f"\nCPU caption of {model} by threads ({ct['cpu_count']} cores; ms, kvlens against HF transformers)")
+        print(f"{'threads':>7}{'vision':>8}{'prefill':>9}{'caption':>9}{'HF':>8}  HF ids equal  caption in each round")
         for r in ct["rows"]:
+            rounds = " ".join("%.0f" % v for v in r.get("caption_ms_rounds", []))
             print(f"{r['threads']:>7}{r['vision_ms']:>8.1f}{r['prefill_ms']:>9.1f}{r['caption_ms']:>9.1f}"
-                  f"{r['hf_caption_ms']:>8.1f}  {'yes' if r['hf_ids_equal'] else 'NO'}")
+                  f"{r['hf_caption_ms']:>8.1f}  {'yes' if r['hf_ids_equal'] else 'NO ':<12}  {rounds}")
     steps = os.path.join(d, "steps.log")
     if os.path.exists(steps):
         bad = [l.strip() for l in open(steps) if re.search(r"exit [1-9]", l)]
