@@ -37,9 +37,11 @@ std::vector<float> randn(size_t n, uint64_t seed, float scale = 1.0f, float shif
 }  // namespace
 
 // y = x·Wᵀ (+ b). OpenBLAS may block and fuse the sum any way: bound (K + 2)·u·Σ|x w| + u|b|.
+// The last size spans 3 × 3 of cpu::linear's 128 × 128 tiles, the last row and column partial.
 TEST(CpuOps, LinearAgainstFp64) {
   struct Size { int M, K, N; };
-  for (const Size s : {Size{1, 1, 1}, Size{7, 33, 19}, Size{1, 129, 65}, Size{37, 250, 3}, Size{5, 1031, 17}})
+  for (const Size s : {Size{1, 1, 1}, Size{7, 33, 19}, Size{1, 129, 65}, Size{37, 250, 3}, Size{5, 1031, 17},
+                       Size{300, 70, 260}})
     for (int with_bias = 0; with_bias < 2; ++with_bias) {
       SCOPED_TRACE(std::to_string(s.M) + "x" + std::to_string(s.K) + "x" + std::to_string(s.N) + (with_bias ? " bias" : ""));
       const auto x = randn(static_cast<size_t>(s.M) * s.K, 1 + s.K), W = randn(static_cast<size_t>(s.N) * s.K, 2 + s.N);
