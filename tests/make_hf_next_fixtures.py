@@ -13,8 +13,9 @@ image whose size is not a multiple of the tile, and:
   logits.f32           first-step logits at the last prompt position [V]
   attn0.f32            layer-0 attention probabilities [H, T, T]
   step_logits.f32      logits used to pick each greedy token [n_steps, V]
-  processor_cases.json images of other sizes (processor_*.png), the processor's pixel values
-                       for each (processor_*.f32) and its token count
+  processor_cases.json images of other sizes (../processor_images/processor_*.png, one copy
+                       for every fixture), the processor's pixel values for each
+                       (processor_*.f32) and its token count
 
 Folders:
 
@@ -107,18 +108,26 @@ def make_wide_image(w, h, seed):
 PROCESSOR_SIZES = [(1, 1), (5, 300), (300, 5), (33, 31), (600, 577), (41, 1500)]
 
 
+# The images are the same for every fixture: one copy beside the fixture folders, which each
+# fixture's processor_cases.json names relative to its own folder.
+PROCESSOR_IMAGES = "processor_images"
+
+
 def write_processor_cases(folder, process):
     """Images of PROCESSOR_SIZES through `process(image, w, h)`, which gives the processor's pixel
     values and the case's other facts (its token count); processor_cases.json lists them."""
+    shared = os.path.join(os.path.dirname(os.path.abspath(folder)), PROCESSOR_IMAGES)
+    os.makedirs(shared, exist_ok=True)
     cases = []
     for i, (w, h) in enumerate(PROCESSOR_SIZES):
         name = "processor_%dx%d" % (w, h)
-        make_wide_image(w, h, 100 + i).save(os.path.join(folder, name + ".png"))
-        image = Image.open(os.path.join(folder, name + ".png")).convert("RGB")
+        path = os.path.join(shared, name + ".png")
+        make_wide_image(w, h, 100 + i).save(path)
+        image = Image.open(path).convert("RGB")
         pv, facts = process(image, w, h)
         write_f32(os.path.join(folder, name + ".f32"), pv)
-        cases.append(dict({"image": name + ".png", "pixel_values_file": name + ".f32", "pixel_values_shape": list(pv.shape)},
-                          **facts))
+        cases.append(dict({"image": "../%s/%s.png" % (PROCESSOR_IMAGES, name), "pixel_values_file": name + ".f32",
+                           "pixel_values_shape": list(pv.shape)}, **facts))
     write_json(os.path.join(folder, "processor_cases.json"), cases)
 
 
