@@ -93,11 +93,9 @@ def main():
         for _ in range(args.rounds):
             for n in args.threads:
                 runs[n].append(kvlens_run(args.kvlens, args, n, len(new_ids), tmp))
-        kv = {n: {key: statistics.median(r[key] for r in runs[n]) for key in ("vision_ms", "prefill_ms",
-                                                                                 "caption_total_ms")}
-              for n in args.threads}
-        for n in args.threads:
-            kv[n]["caption_rounds"] = [r["caption_total_ms"] for r in runs[n]]
+        keys = ("vision_ms", "prefill_ms", "caption_total_ms")
+        kv = {n: dict({k: statistics.median(r[k] for r in runs[n]) for k in keys},
+                      caption_rounds=[r["caption_total_ms"] for r in runs[n]]) for n in args.threads}
     hf = hf_times(args, prompt_ids, new_ids, args.threads)
     rows = []
     print("%7s %10s %10s %12s %12s %10s   %s" % ("threads", "vision ms", "prefill ms", "caption ms", "HF caption",

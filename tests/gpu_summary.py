@@ -99,7 +99,7 @@ def main():
         for r in ct["rows"]:
             rounds = " ".join("%.0f" % v for v in r.get("caption_ms_rounds", []))
             print(f"{r['threads']:>7}{r['vision_ms']:>8.1f}{r['prefill_ms']:>9.1f}{r['caption_ms']:>9.1f}"
-                  f"{r['hf_caption_ms']:>8.1f}  {'yes' if r['hf_ids_equal'] else 'NO ':<12}  {rounds}")
+                  f"{r['hf_caption_ms']:>8.1f}  {('yes' if r['hf_ids_equal'] else 'NO'):<12}  {rounds}")
     steps = os.path.join(d, "steps.log")
     if os.path.exists(steps):
         bad = [l.strip() for l in open(steps) if re.search(r"exit [1-9]", l)]

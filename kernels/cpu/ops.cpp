@@ -33,18 +33,16 @@ int loop_threads(int64_t items, int64_t work, int64_t grain) {
 // products, the 14m's o and down, on two threads: its decoder prefill stopped gaining at four.)
 constexpr int kGemmRows = 128;
 constexpr int kGemmCols = 128;
-// Multiply-adds a thread must get before a product takes another thread; for one row (a decode
-// step, bound by reading the weights) fewer, 256 KB of fp32 weights, and at most two threads: on
-// the 16-core GPU host the 14m model decoded at 2.2-2.4 ms a token with two, against 3.1-3.6 ms
-// with up to 16 (the 4-layer model: 0.52-0.68 against 0.90-1.13 ms).
-constexpr int64_t kGemmMacsPerThread = int64_t{1} << 21;
+// A thread's share of a product is kGemmMacsPerThread (ops.h); for one row (a decode step, bound
+// by reading the weights) less, 256 KB of fp32 weights, and at most two threads: on the 16-core
+// GPU host the 14m model decoded at 2.2-2.4 ms a token with two, against 3.1-3.6 ms with up to 16
+// (the 4-layer model: 0.52-0.68 against 0.90-1.13 ms).
 constexpr int64_t kGemvMacsPerThread = int64_t{1} << 16;
 constexpr int64_t kGemvMaxThreads = 2;
 
 namespace {
-int64_t gemm_tiles(int M, int N) {
-  return static_cast<int64_t>((M + kGemmRows - 1) / kGemmRows) * ((N + kGemmCols - 1) / kGemmCols);
-}
+int col_blocks(int N) { return (N + kGemmCols - 1) / kGemmCols; }
+int64_t gemm_tiles(int M, int N) { return static_cast<int64_t>((M + kGemmRows - 1) / kGemmRows) * col_blocks(N); }
 }  // namespace
 
 int linear_threads(int M, int N, int K) {
@@ -75,10 +73,10 @@ void linear(const float* x, int M, int K, const float* W, int N, const float* bi
     for (int m = 0; m < M; ++m) std::copy(bias, bias + N, y + static_cast<int64_t>(m) * N);
   }
   const float beta = bias ? 1.0f : 0.0f;
-  const int blocks = static_cast<int>(gemm_tiles(M, N)), col_blocks = (N + kGemmCols - 1) / kGemmCols;
+  const int blocks = static_cast<int>(gemm_tiles(M, N)), cols = col_blocks(N);
   auto block = [&](int b) {
-    const int n0 = (b % col_blocks) * kGemmCols, n = std::min(N - n0, kGemmCols);
-    const int m0 = (b / col_blocks) * kGemmRows, m = std::min(M - m0, kGemmRows);
+    const int n0 = (b % cols) * kGemmCols, n = std::min(N - n0, kGemmCols);
+    const int m0 = (b / cols) * kGemmRows, m = std::min(M - m0, kGemmRows);
     if (M == 1) {  // one row (a decode step): OpenBLAS's matrix-vector kernel reads W at twice the speed
       cblas_sgemv(CblasRowMajor, CblasNoTrans, n, K, 1.0f, W + static_cast<int64_t>(n0) * K, K, x, 1, beta, y + n0, 1);
       return;

@@ -65,20 +65,23 @@ constexpr int kAttnRows = 64;
 void scores_in_order(const float* scores, int n_heads, int group, int64_t stride, const int32_t* seg_rows,
                      int tail_rows, const int32_t* map, int64_t map_stride, float* raw, float* probs);
 
+// Multiply-adds a thread must get before a product (or prefill attention) takes another thread.
+constexpr int64_t kGemmMacsPerThread = int64_t{1} << 21;
 // The threads cpu::linear gives an M × K by N × K product: one a tile of 128 rows by 128 output
-// columns and 2^21 multiply-adds (for one row: 2^16, and at most two), at most product_threads() (one inside
-// an OpenMP team).
+// columns and kGemmMacsPerThread multiply-adds (for one row: 2^16, and at most two), at most
+// product_threads() (one inside an OpenMP team).
 int linear_threads(int M, int N, int K);
 // The threads an OpenMP loop over `items` items of `work` units in all is worth: one for each
 // `grain` units, at most one an item and the caller's OpenMP team, at least one. (Threads past
 // that cost their hand-off and gain nothing: the embedded model captioned in 125 ms on 16
 // threads against 95 on 4 while every loop took the whole team.)
 int loop_threads(int64_t items, int64_t work, int64_t grain);
-// ... for `heads` attention heads of Tq × Tk × D: a thread for each 2^21 multiply-adds of the
-// scores, as a product's thread gets. (With 2^17 the 4-layer model's prefill attention took all 16
-// threads of a 16-core host for about 2^19 multiply-adds each; the 14m's still takes 16.)
+// ... for `heads` attention heads of Tq × Tk × D: a thread for each kGemmMacsPerThread
+// multiply-adds of the scores, as a product's thread gets. (With 2^17 the 4-layer model's prefill
+// attention took all 16 threads of a 16-core host for about 2^19 multiply-adds each; the 14m's
+// still takes 16.)
 inline int head_threads(int heads, int Tq, int Tk, int D) {
-  return loop_threads(heads, static_cast<int64_t>(heads) * Tq * Tk * D, int64_t{1} << 21);
+  return loop_threads(heads, static_cast<int64_t>(heads) * Tq * Tk * D, kGemmMacsPerThread);
 }
 
 }  // namespace kvlens::cpu
