@@ -128,6 +128,16 @@ struct ScoreTransform {
   bool any() const { return kind != Kind::None; }
 };
 
+// A method's decode-time action as data a device runs inside its own steps: each generated row's
+// keys and values quantized to k_bits / v_bits with one range per row (CalibQuant Eq. 3/4 per
+// token: α, β the row's min and max, scale = half((β − α)/(2^b − 1)), zero = half(α)), as the row
+// is appended and before attention reads it. The host's twin is the method's on_decode_step on
+// the rows rounded to the cache's fp16 (quant::quantize_block, Axis::PerToken). k_bits = 0: none.
+struct StepQuant {
+  int k_bits = 0, v_bits = 0;
+  bool any() const { return k_bits > 0 && v_bits > 0; }
+};
+
 // What a decode attention hands back to the host besides its output, each written when not null
 // ([n_heads][n_max] in the host store's row order, padding -inf / 0): the scores after the
 // transform (what the softmax saw), the scores before it, the probabilities; and the attention
@@ -470,8 +480,13 @@ class Backend {
   // Makes the device cache mirror the host store after a policy changed it (layer < 0: all);
   // the host segments' byte counts then read what the device holds.
   virtual void kv_sync(DeviceKV& dev, KVStore& host, int layer) {}
-  // Room for `rows` more decode rows per layer without reallocation.
-  virtual void kv_reserve(DeviceKV& dev, int rows) {}
+  // Room for `rows` more decode rows per layer without reallocation. With `quant` (any()), the
+  // cache's decode rows are stored as it says from now on: each step's row quantized and packed
+  // where it is appended (only before the first decode row; quantizes_steps(quant) must hold).
+  virtual void kv_reserve(DeviceKV& dev, int rows, const StepQuant& quant = {}) {}
+  // Whether this backend's decode steps run `quant` themselves (kv_reserve), so a method whose
+  // only decode-time action it is needs no host rows and no hook while decoding.
+  virtual bool quantizes_steps(const StepQuant& quant) const { return false; }
   // Appends to the host store, for each of `layers`, the device cache's last T decode rows
   // (appended while the host copy was put off: SeqKV::mirror off for that append), at
   // positions pos_host with kinds `kinds`. Only a backend with a device cache has such rows.

@@ -171,6 +171,10 @@ DecodeResult DecoderModel::decode(const PrefillState& st, KVPolicy* policy, cons
   // The policy as the steps see it: none when it would not act within them (step_policy).
   KVPolicy* steps = step_policy(policy, opt.max_new_tokens);
   const int observed = observed_decode_steps(observers);
+  // A method whose decode-time action the device runs itself (per-token quantization of each
+  // new row) leaves its steps nothing to do on the host: they run as a prefill-only method's.
+  const StepQuant device_quant = dev ? device_step_quant(steps, *be_, observed > 0) : StepQuant{};
+  if (device_quant.any()) steps = nullptr;
   const bool mirror = !dev || decode_needs_host_rows(steps) || observed > 0;
   const bool reads_rows =
       (policy && (policy->reads_rows() || decode_needs_host_rows(steps))) ||
@@ -192,7 +196,7 @@ DecodeResult DecoderModel::decode(const PrefillState& st, KVPolicy* policy, cons
   r.compress_ms = ms_since(t0);
   r.bytes_after_prefill = cache_bytes();
   if (compressed) *compressed = store.without_rows();
-  if (dev) be_->kv_reserve(*dev, opt.max_new_tokens);
+  if (dev) be_->kv_reserve(*dev, opt.max_new_tokens, device_quant);
   const auto t1 = std::chrono::steady_clock::now();
   std::mt19937_64 rng(opt.seed);
   std::vector<float> logits = st.logits;

@@ -79,6 +79,10 @@ class KVPolicy {
   // false: its decode steps then never call it, and a device cache needs no host copy of the
   // rows while decoding (the steps run on the device alone, replayed and chained).
   virtual bool acts_on_decode() const { return true; }
+  // The decode-time action as data a device may run in its own steps instead of on_decode_step
+  // (core/backend.h): what on_decode_step does to each new row, when that is all it does. The
+  // default: none (the hook is the only form).
+  virtual StepQuant step_quant() const { return {}; }
   // Whether on_decode_step may change the store within a decode of `new_tokens` generated
   // tokens. A method that acts only after some steps (ZipCache's first gap) answers exactly: a
   // shorter decode then runs as one that acts at prefill alone.
@@ -124,6 +128,15 @@ inline bool decode_needs_host_rows(const KVPolicy* policy) {
 // host rows.
 inline KVPolicy* step_policy(KVPolicy* policy, int new_tokens) {
   return policy && !policy->acts_on_decode_within(new_tokens) && !policy->has_score_transform() ? nullptr : policy;
+}
+
+// What a decode's device runs in its steps for the step policy `steps` (null = none): its
+// step_quant() where `backend` runs it and it is all the steps need — no observer reads them
+// (`observed`) and no score transform applies. The decode then hands its steps no policy.
+inline StepQuant device_step_quant(const KVPolicy* steps, const Backend& backend, bool observed) {
+  if (!steps || observed || steps->has_score_transform()) return {};
+  const StepQuant q = steps->step_quant();
+  return q.any() && backend.quantizes_steps(q) ? q : StepQuant{};
 }
 
 // The storage of dense rows a decode with `policy` (null = none) uses: what the policy asks

@@ -134,7 +134,10 @@ bool kv_zip_quantize(Context& ctx, DeviceKV& dev, int layer, const std::vector<c
 // Backend::kv_lookm_merge (kv_merge.cu).
 void kv_lookm_merge(Context& ctx, DeviceKV& dev, const LookMMergeSpec& spec, std::vector<LayerMerge>& layers);
 void kv_sync(Context& ctx, DeviceKV& dev, KVStore& host, int layer);
-void kv_reserve(Context& ctx, DeviceKV& dev, int rows);
+// Backend::kv_reserve; with quant (any()), every layer's decode rows quantized per token as they
+// are appended (rope_quant_append), which kv_quantizes_steps(quant) must allow.
+void kv_reserve(Context& ctx, DeviceKV& dev, int rows, const StepQuant& quant);
+bool kv_quantizes_steps(const StepQuant& quant);  // 1 to 8 bits a side
 void kv_pull_rows(Context& ctx, SeqKV& kv, const std::vector<int>& layers, const int32_t* pos_host,
                   const SegmentKind* kinds, int T);
 

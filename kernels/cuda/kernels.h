@@ -505,6 +505,25 @@ void kv_append_batch(const float* qkv, int64_t stride, int64_t k_col, int64_t v_
 void rope_append(float* qkv, int64_t q_col, int nq, int64_t k_col, int64_t v_col, int nk, int D,
                  const int32_t* pos_in, const float* inv_freq, __half* k, __half* v, int32_t* pos, int cap,
                  int32_t* counter, int32_t* done, cudaStream_t s);
+// A decode tail of rows quantized per token (the cache's packed decode rows): codes k / v
+// [NKV][cap][D·bits/8], ranges [4][NKV][cap] halves (K scales, K zeros, V scales, V zeros),
+// positions pos [NKV][cap].
+constexpr int kMaxQuantTailD = 256;
+struct QuantTail {
+  uint8_t* k = nullptr;
+  uint8_t* v = nullptr;
+  __half* ranges = nullptr;
+  int32_t* pos = nullptr;
+  int cap = 0, k_bits = 0, v_bits = 0;
+};
+// rope_append with the row quantized instead: RoPE on q and k in place, then each KV head's key
+// and value rounded to fp16 and quantized with one range per row (quant::quantize_block,
+// Axis::PerToken, on those fp16 values: the same codes and ranges) at row *counter of t, which the
+// last block advances (done: a zero int the kernel resets). D a multiple of 8, at most
+// kMaxQuantTailD; bits 1 to 8.
+void rope_quant_append(float* qkv, int64_t q_col, int nq, int64_t k_col, int64_t v_col, int nk, int D,
+                       const int32_t* pos_in, const float* inv_freq, const QuantTail& t, int32_t* counter, int32_t* done,
+                       cudaStream_t s);
 // dst row i (D halves) = *src[i] for n rows (src pointers in device memory).
 void gather_rows(const __half* const* src, __half* dst, int n, int D, cudaStream_t s);
 

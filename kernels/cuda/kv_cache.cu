@@ -87,7 +87,11 @@ bool kv_rope_append(Context& ctx, SeqKV& kv, int layer, Buffer& qkv, const AttnL
   CudaKV& C = as_cuda(kv.dev);
   Tail& t = C.layers.at(layer).tail;
   if (t.n + 1 > t.cap) C.grow_tail(layer, std::max(16, 2 * t.cap));
-  if (!ctx.replay)
+  if (!ctx.replay && t.packed())
+    cuda::rope_quant_append(qkv.as<float>(), l.q_col, l.n_heads, l.k_col, l.v_col, C.NKV, C.D, pos.as<int32_t>(),
+                            inv_freq, quant_tail(t), C.counters.as<int32_t>() + layer, C.done.as<int32_t>() + layer,
+                            ctx.stream);
+  else if (!ctx.replay)
     cuda::rope_append(qkv.as<float>(), l.q_col, l.n_heads, l.k_col, l.v_col, C.NKV, C.D, pos.as<int32_t>(), inv_freq,
                       t.k.as<__half>(), t.v.as<__half>(), t.pos.as<int32_t>(), t.cap, C.counters.as<int32_t>() + layer,
                       C.done.as<int32_t>() + layer, ctx.stream);
@@ -103,6 +107,9 @@ void kv_append(Context& ctx, SeqKV& kv, int layer, const Buffer& qkv, const Attn
   const int NKV = C.NKV, D = C.D;
   if (T == 1 && kinds[0] == SegmentKind::Generated) {
     Tail& t = d.tail;
+    if (t.packed())
+      throw InternalError("kv_append: layer " + std::to_string(layer) +
+                          "'s decode rows are quantized on the device; they take rows through rope_append alone");
     if (t.n + 1 > t.cap) C.grow_tail(layer, std::max(16, 2 * t.cap));
     if (!ctx.replay)
       cuda::kv_append(qkv.as<float>(), l.row_stride, l.k_col, l.v_col, 1, NKV, D, pos.as<int32_t>(), t.k.as<__half>(),
@@ -157,7 +164,7 @@ void set_host_bytes(CudaKV& C, KVStore& host, int l) {
   const size_t ns = d.segs.size();
   for (size_t i = 0; i < H.segments.size(); ++i) {
     if (i < ns) H.segments[i].bytes = d.segs[i].bytes;
-    else if (i == ns && d.tail.n) H.segments[i].bytes = fp16_bytes(static_cast<int64_t>(d.tail.n) * C.NKV, C.D);
+    else if (i == ns && d.tail.n) H.segments[i].bytes = tail_bytes(d.tail, d.tail.n, C.NKV, C.D);
   }
 }
 
@@ -178,7 +185,7 @@ RowMap device_rows(const CudaKV& C, const DevLayer& d) {
     }
   }
   const Tail& t = d.tail;
-  for (int h = 0; h < C.NKV; ++h)
+  for (int h = 0; h < C.NKV && !t.packed(); ++h)  // (packed decode rows are codes, no fp16 rows)
     for (int i = 0; i < t.n; ++i)
       m.put(h, t.host_pos[i], {t.k.as<__half>() + (static_cast<int64_t>(h) * t.cap + i) * C.D,
                                t.v.as<__half>() + (static_cast<int64_t>(h) * t.cap + i) * C.D});
@@ -285,7 +292,7 @@ bool same_rows(const KVSegment& s, const DevSeg& d) {
 }
 
 bool is_tail(const KVSegment& s, const Tail& t) {
-  if (s.kind != SegmentKind::Generated || !dense_host(s.storage) || s.payload || t.n == 0) return false;
+  if (s.kind != SegmentKind::Generated || !dense_host(s.storage) || s.payload || t.n == 0 || t.packed()) return false;
   for (const HeadRows& r : s.heads) {
     if (r.pos != t.host_pos) return false;
     for (uint16_t m : r.merged)
@@ -601,9 +608,27 @@ void kv_sync(Context& ctx, DeviceKV& dev, KVStore& host, int layer) {
   batch.run(ctx, C.D);
 }
 
-void kv_reserve(Context& ctx, DeviceKV& dev, int rows) {
-  CudaKV& C = as_cuda(&dev);
-  for (int l = 0; l < C.L; ++l) C.grow_tail(l, C.layers[l].tail.n + rows);
+bool kv_quantizes_steps(const StepQuant& q) {
+  return q.k_bits >= 1 && q.k_bits <= 8 && q.v_bits >= 1 && q.v_bits <= 8;
 }
+
+void kv_reserve(Context& ctx, DeviceKV& dev, int rows, const StepQuant& quant) {
+  CudaKV& C = as_cuda(&dev);
+  for (int l = 0; l < C.L; ++l) {
+    Tail& t = C.layers[l].tail;
+    const int kb = quant.any() ? quant.k_bits : t.k_bits, vb = quant.any() ? quant.v_bits : t.v_bits;
+    if (kb != t.k_bits || vb != t.v_bits) {  // the decode rows' storage changes: only while there are none
+      if (t.n) throw InternalError("kv_reserve: layer " + std::to_string(l) + " already holds decode rows");
+      if (!kv_quantizes_steps(quant)) throw InternalError("kv_reserve: decode rows of " + std::to_string(kb) + "/" + std::to_string(vb) + " bits");
+      Tail u;
+      u.k_bits = kb;
+      u.v_bits = vb;
+      t = std::move(u);
+      C.changed();
+    }
+    C.grow_tail(l, t.n + rows);
+  }
+}
+
 
 }  // namespace kvlens::cuda

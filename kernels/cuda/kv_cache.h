@@ -35,11 +35,39 @@ struct DevSeg {
   std::vector<std::vector<uint16_t>> merged;
 };
 
+// The decode rows of a layer: fp16 rows, or (packed) each row's K and V quantized with its own
+// range where it was appended (StepQuant, rope_quant_append).
 struct Tail {
-  DevMem k, v, pos;  // [kv head][cap][D] halves, [kv head][cap] positions
+  DevMem k, v, pos;  // [kv head][cap][D·bits/8] bytes (fp16: bits 16), [kv head][cap] positions
+  DevMem ranges;     // packed: [4][kv head][cap] halves — K scales, K zeros, V scales, V zeros
   int cap = 0, n = 0;
+  int k_bits = 16, v_bits = 16;  // 16: fp16 rows
   std::vector<int32_t> host_pos;
+  bool packed() const { return k_bits < 16; }
 };
+// The bytes of n decode rows of every KV head stored as t stores them, as the host counts a
+// segment of them (quant::set_quantized: codes, one fp16 scale and zero per row and side, int32
+// positions).
+inline KVBytes tail_bytes(const Tail& t, int64_t n, int NKV, int D) {
+  KVBytes b;
+  const int64_t rows = n * NKV;
+  b.codes = rows * D * (t.k_bits + t.v_bits) / 8;
+  if (t.packed()) b.scales = b.zeros = rows * 2 * 2;
+  b.indices = rows * 4;
+  return b;
+}
+// The tail's packed arrays as rope_quant_append writes them.
+inline QuantTail quant_tail(const Tail& t) {
+  QuantTail q;
+  q.k = t.k.as<uint8_t>();
+  q.v = t.v.as<uint8_t>();
+  q.ranges = t.ranges.as<__half>();
+  q.pos = t.pos.as<int32_t>();
+  q.cap = t.cap;
+  q.k_bits = t.k_bits;
+  q.v_bits = t.v_bits;
+  return q;
+}
 
 // fp16 rows already on the device, by KV head and position (positions are token indices, so
 // a table per head indexed by position), for gathering.
@@ -135,6 +163,8 @@ class CudaKV : public DeviceKV {
       n[l] = t.n;
       if (t.cap == 0) continue;
       Tail& u = c->layers[l].tail;
+      u.k_bits = t.k_bits;
+      u.v_bits = t.v_bits;
       c->alloc_tail(u, t.cap, l);
       copy_tail(t, u);
       u.n = t.n;
@@ -146,7 +176,7 @@ class CudaKV : public DeviceKV {
   KVBytes bytes(int l) const override {
     KVBytes b;
     for (const DevSeg& s : layers.at(l).segs) b += s.bytes;
-    b += fp16_bytes(static_cast<int64_t>(layers[l].tail.n) * NKV, D);
+    b += tail_bytes(layers[l].tail, layers[l].tail.n, NKV, D);
     return b;
   }
   KVBytes bytes() const override {
@@ -159,7 +189,7 @@ class CudaKV : public DeviceKV {
     for (const DevLayer& d : layers) {
       for (const DevSeg& s : d.segs)
         for (const DevMem& m : s.mem) seen[m.mem.get()] = m.bytes;
-      for (const DevMem* m : {&d.tail.k, &d.tail.v, &d.tail.pos, &d.merged.k, &d.merged.v})
+      for (const DevMem* m : {&d.tail.k, &d.tail.v, &d.tail.pos, &d.tail.ranges, &d.merged.k, &d.merged.v})
         if (m->mem) seen[m->mem.get()] = m->bytes;
       for (const StagedCodes& q : d.quantized)
         for (const DevMem* m : {&q.codes, &q.ranges}) seen[m->mem.get()] = m->bytes;
@@ -173,7 +203,12 @@ class CudaKV : public DeviceKV {
   std::vector<std::string> storage(int l) const override {
     std::vector<std::string> r;
     for (const DevSeg& s : layers.at(l).segs) r.push_back(s.storage);
-    if (layers[l].tail.n) r.push_back("fp16 (decode tail)");
+    const Tail& t = layers[l].tail;
+    if (t.n && !t.packed()) r.push_back("fp16 (decode tail)");
+    if (t.n && t.packed())
+      r.push_back((t.k_bits == t.v_bits ? "q" + std::to_string(t.k_bits)
+                                        : "k q" + std::to_string(t.k_bits) + " v q" + std::to_string(t.v_bits)) +
+                  " per-token (decode tail)");
     return r;
   }
 
@@ -181,35 +216,38 @@ class CudaKV : public DeviceKV {
     dirty = true;
     ++ver;
   }
+  // Allocates t's arrays for cap rows a head, in t's storage (k_bits, v_bits).
   void alloc_tail(Tail& t, int cap, int l) {
     const int64_t rows = static_cast<int64_t>(NKV) * cap;
     const std::string what = "layer " + std::to_string(l) + " decode rows (" + std::to_string(cap) + " per head)";
-    t.k = {ctx->alloc(rows * D * 2, what + " K"), rows * D * 2};
-    t.v = {ctx->alloc(rows * D * 2, what + " V"), rows * D * 2};
+    const int64_t kb = rows * D * t.k_bits / 8, vb = rows * D * t.v_bits / 8;
+    t.k = {ctx->alloc(kb, what + " K"), kb};
+    t.v = {ctx->alloc(vb, what + " V"), vb};
     t.pos = {ctx->alloc(rows * 4, what + " positions"), rows * 4};
+    t.ranges = t.packed() ? DevMem{ctx->alloc(rows * 4 * 2, what + " ranges"), rows * 4 * 2} : DevMem{};
     t.cap = cap;
   }
-  // Copies the first t.n rows of every head of t into u (u.cap >= t.n).
+  // Copies the first t.n rows of every head of t into u (u.cap >= t.n, the same storage).
   void copy_tail(const Tail& t, Tail& u) const {
     if (t.n == 0) return;
-    KV_CUDA(cudaMemcpy2DAsync(u.k.mem.get(), static_cast<size_t>(u.cap) * D * 2, t.k.mem.get(),
-                              static_cast<size_t>(t.cap) * D * 2, static_cast<size_t>(t.n) * D * 2, NKV,
-                              cudaMemcpyDeviceToDevice, ctx->stream),
-            "decode rows K");
-    KV_CUDA(cudaMemcpy2DAsync(u.v.mem.get(), static_cast<size_t>(u.cap) * D * 2, t.v.mem.get(),
-                              static_cast<size_t>(t.cap) * D * 2, static_cast<size_t>(t.n) * D * 2, NKV,
-                              cudaMemcpyDeviceToDevice, ctx->stream),
-            "decode rows V");
-    KV_CUDA(cudaMemcpy2DAsync(u.pos.mem.get(), static_cast<size_t>(u.cap) * 4, t.pos.mem.get(),
-                              static_cast<size_t>(t.cap) * 4, static_cast<size_t>(t.n) * 4, NKV,
-                              cudaMemcpyDeviceToDevice, ctx->stream),
-            "decode rows positions");
+    auto rows = [&](const DevMem& from, DevMem& to, int64_t row_bytes, int heads, const char* what) {
+      KV_CUDA(cudaMemcpy2DAsync(to.mem.get(), static_cast<size_t>(u.cap * row_bytes), from.mem.get(),
+                                static_cast<size_t>(t.cap * row_bytes), static_cast<size_t>(t.n * row_bytes), heads,
+                                cudaMemcpyDeviceToDevice, ctx->stream),
+              what);
+    };
+    rows(t.k, u.k, static_cast<int64_t>(D) * t.k_bits / 8, NKV, "decode rows K");
+    rows(t.v, u.v, static_cast<int64_t>(D) * t.v_bits / 8, NKV, "decode rows V");
+    rows(t.pos, u.pos, 4, NKV, "decode rows positions");
+    if (t.packed()) rows(t.ranges, u.ranges, 2, 4 * NKV, "decode rows ranges");
   }
   void grow_tail(int l, int cap) {
     Tail& t = layers[l].tail;
     if (cap <= t.cap) return;
     if (ctx->replay || ctx->capturing) throw InternalError("KV cache: decode rows grew inside a captured step");
     Tail u;
+    u.k_bits = t.k_bits;
+    u.v_bits = t.v_bits;
     alloc_tail(u, cap, l);
     copy_tail(t, u);
     u.n = t.n;
@@ -247,6 +285,8 @@ class CudaKV : public DeviceKV {
             if (pt.d.v.fmt == kChannelT) has_b1 = 1;
           }
     for (const DevLayer& d : layers)
+      if (d.tail.packed()) all_f16 = all_mma = 0;
+    for (const DevLayer& d : layers)
       for (int h = 0; h < NKV; ++h) {
         int np = d.tail.cap ? 1 : 0, r = d.tail.cap;
         for (const DevSeg& s : d.segs) {
@@ -269,8 +309,21 @@ class CudaKV : public DeviceKV {
           PartDesc d;
           d.n = 0;
           d.counter = counters.as<int32_t>() + l;
-          d.k.data = tl.k.as<__half>() + static_cast<int64_t>(h) * tl.cap * D;
-          d.v.data = tl.v.as<__half>() + static_cast<int64_t>(h) * tl.cap * D;
+          const int64_t at = static_cast<int64_t>(h) * tl.cap;
+          if (tl.packed()) {  // codes with a range per row
+            auto side = [&](KvSide& x, const DevMem& codes, int bits, int which) {
+              x.fmt = kToken;
+              x.bits = bits;
+              x.data = codes.as<uint8_t>() + at * D * bits / 8;
+              x.scale = tl.ranges.as<__half>() + (2 * which * static_cast<int64_t>(NKV)) * tl.cap + at;
+              x.zero = tl.ranges.as<__half>() + ((2 * which + 1) * static_cast<int64_t>(NKV)) * tl.cap + at;
+            };
+            side(d.k, tl.k, tl.k_bits, 0);
+            side(d.v, tl.v, tl.v_bits, 1);
+          } else {
+            d.k.data = tl.k.as<__half>() + at * D;
+            d.v.data = tl.v.as<__half>() + at * D;
+          }
           row[k++] = d;
         }
       }

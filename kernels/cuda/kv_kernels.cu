@@ -1,8 +1,13 @@
-// KV cache kernels: append rows (fp32 projections → fp16 cache rows) and gather rows (the
-// compaction after eviction). CPU twins: KVStore::append (with fp16 rounding) and
+// KV cache kernels: append rows (fp32 projections → fp16 cache rows, or each row quantized per
+// token into packed codes) and gather rows (the compaction after eviction). CPU twins:
+// KVStore::append (with fp16 rounding), quant::quantize_block (Axis::PerToken) on those rows, and
 // keep_rows/gather_head in core/compress/select.cpp.
+#include <string>
+
+#include "core/errors.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/kernels.h"
+#include "kernels/cuda/quant_math.cuh"
 
 namespace kvlens::cuda {
 
@@ -88,6 +93,74 @@ __global__ void rope_append_kernel(float* qkv, int64_t q_col, int nq, int64_t k_
   }
 }
 
+// Blocks [0, nk): KV head b's key rotated (written back to qkv, as rope_append does), the key and
+// value rounded to fp16 as the cache keeps rows, then each quantized with its own range — warp 0
+// the key, warp 1 the value — and packed at row *counter of the tail (quant_pack.cu's layout: 8
+// codes of `bits` bits in `bits` bytes, least significant first). Blocks [nk, nk + nq): query
+// head b − nk rotated. Every block reads the counter first; the last to finish advances it.
+__global__ void rope_quant_append_kernel(float* qkv, int64_t q_col, int nq, int64_t k_col, int64_t v_col, int nk, int D,
+                                         const int32_t* pos_in, const float* inv_freq, QuantTail t, int32_t* counter,
+                                         int32_t* done) {
+  pdl_wait();
+  pdl_trigger();
+  __shared__ float rows[2][kMaxQuantTailD];
+  const int row = *counter;
+  const int half = D / 2, b = blockIdx.x;
+  const float p = static_cast<float>(pos_in[0]);
+  float* r = qkv + (b < nk ? k_col + static_cast<int64_t>(b) * D : q_col + static_cast<int64_t>(b - nk) * D);
+  for (int j = threadIdx.x; j < half; j += blockDim.x) {
+    const float ang = p * inv_freq[j];
+    float sn, cs;
+    sincosf(ang, &sn, &cs);
+    const float a = r[j], c = r[j + half];
+    const float na = a * cs - c * sn, nb = c * cs + a * sn;
+    r[j] = na;
+    r[j + half] = nb;
+    if (b < nk) {
+      rows[0][j] = __half2float(__float2half_rn(na));
+      rows[0][j + half] = __half2float(__float2half_rn(nb));
+    }
+  }
+  if (b < nk) {
+    for (int c = threadIdx.x; c < D; c += blockDim.x)
+      rows[1][c] = __half2float(__float2half_rn(qkv[v_col + static_cast<int64_t>(b) * D + c]));
+    __syncthreads();
+    const int side = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (side < 2 && row < t.cap) {
+      const float* x = rows[side];
+      const int bits = side ? t.v_bits : t.k_bits;
+      float lo = INFINITY, hi = -INFINITY;
+      for (int c = lane; c < D; c += 32) {
+        lo = fminf(lo, x[c]);
+        hi = fmaxf(hi, x[c]);
+      }
+      lo = -warp_max(-lo);
+      hi = warp_max(hi);
+      __half scale, zero;
+      affine(lo, hi, bits, 1.0f, true, &scale, &zero);
+      const int64_t at = static_cast<int64_t>(b) * t.cap + row;
+      if (lane == 0) {
+        t.ranges[(2 * side) * static_cast<int64_t>(nk) * t.cap + at] = scale;
+        t.ranges[(2 * side + 1) * static_cast<int64_t>(nk) * t.cap + at] = zero;
+        if (side == 0) t.pos[at] = pos_in[0];
+      }
+      const float a = __half2float(zero), s = __half2float(scale);
+      uint8_t* out = (side ? t.v : t.k) + at * (D * bits / 8);
+      for (int c8 = lane; c8 < D / 8; c8 += 32) {
+        uint64_t w = 0;
+        for (int c = 0; c < 8; ++c) w |= static_cast<uint64_t>(encode(x[c8 * 8 + c], a, s, bits)) << (c * bits);
+        for (int y = 0; y < bits; ++y) out[c8 * bits + y] = static_cast<uint8_t>(w >> (8 * y));
+      }
+    }
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0 && atomicAdd(done, 1) == static_cast<int>(gridDim.x) - 1) {
+    *counter = row + 1;
+    *done = 0;
+  }
+}
+
 __global__ void gather_rows_kernel(const __half* const* src, __half* dst, int n, int D) {
   const int64_t total = static_cast<int64_t>(n) * D;
   for (int64_t i = threadIdx.x + static_cast<int64_t>(blockIdx.x) * blockDim.x; i < total;
@@ -130,6 +203,18 @@ void rope_append(float* qkv, int64_t q_col, int nq, int64_t k_col, int64_t v_col
   KV_CUDA(launch_dependent(rope_append_kernel, (n + 255) / 256, 256, 0, s, true, qkv, q_col, nq, k_col, v_col, nk, D,
                            pos_in, inv_freq, k, v, pos, cap, counter, done),
           "rope_append_kernel for " + std::to_string(nk) + " KV heads");
+}
+
+void rope_quant_append(float* qkv, int64_t q_col, int nq, int64_t k_col, int64_t v_col, int nk, int D,
+                       const int32_t* pos_in, const float* inv_freq, const QuantTail& t, int32_t* counter, int32_t* done,
+                       cudaStream_t s) {
+  if (D % 8 != 0 || D > kMaxQuantTailD || t.k_bits < 1 || t.k_bits > 8 || t.v_bits < 1 || t.v_bits > 8)
+    throw InternalError("rope_quant_append: head size " + std::to_string(D) + " (a multiple of 8, at most " +
+                        std::to_string(kMaxQuantTailD) + ") and bits " + std::to_string(t.k_bits) + "/" +
+                        std::to_string(t.v_bits) + " (1 to 8)");
+  KV_CUDA(launch_dependent(rope_quant_append_kernel, nk + nq, 64, 0, s, true, qkv, q_col, nq, k_col, v_col, nk, D,
+                           pos_in, inv_freq, t, counter, done),
+          "rope_quant_append_kernel for " + std::to_string(nk) + " KV heads");
 }
 
 void gather_rows(const __half* const* src, __half* dst, int n, int D, cudaStream_t s) {

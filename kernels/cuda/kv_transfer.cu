@@ -19,6 +19,70 @@ namespace kvlens::cuda {
 
 using namespace kv;
 
+namespace {
+
+// A packed decode tail (StepQuant) as the host holds such rows: a segment whose payload is each
+// head's codes and per-row fp16 ranges (CodeLayout::Blocks, per-token K and V, the layout a
+// per-token uniform method's on_decode_step makes), and with `rows` the dequantized rows.
+void hydrate_packed_tail(Context& ctx, const CudaKV& C, const Tail& t, KVSegment& h, bool rows) {
+  const int NKV = C.NKV, D = C.D, n = t.n;
+  const int64_t kr = static_cast<int64_t>(D) * t.k_bits / 8, vr = static_cast<int64_t>(D) * t.v_bits / 8;
+  const int64_t kc = static_cast<int64_t>(NKV) * n * kr, vc = static_cast<int64_t>(NKV) * n * vr,
+                rc = 4LL * NKV * n * 2;
+  const std::string what = "decode rows' codes to the host";
+  auto* staged = static_cast<uint8_t*>(ctx.staging(kc + vc + rc, what));
+  auto rows_of = [&](uint8_t* to, const DevMem& from, int64_t row_bytes, int heads) {
+    KV_CUDA(cudaMemcpy2DAsync(to, static_cast<size_t>(n * row_bytes), from.mem.get(),
+                              static_cast<size_t>(t.cap * row_bytes), static_cast<size_t>(n * row_bytes), heads,
+                              cudaMemcpyDeviceToHost, ctx.stream),
+            what);
+  };
+  rows_of(staged, t.k, kr, NKV);
+  rows_of(staged + kc, t.v, vr, NKV);
+  rows_of(staged + kc + vc, t.ranges, 2, 4 * NKV);
+  ctx.sync(what);
+  const auto* ranges = reinterpret_cast<const uint16_t*>(staged + kc + vc);
+  auto p = std::make_shared<quant::QuantPayload>(NKV);
+  for (int k = 0; k < NKV; ++k)
+    for (int side = 0; side < 2; ++side) {
+      quant::QuantBlock& b = side ? p->v[k] : p->k[k];
+      const int64_t rb = side ? vr : kr;
+      const uint8_t* codes = staged + (side ? kc : 0) + static_cast<int64_t>(k) * n * rb;
+      b.codes.assign(codes, codes + n * rb);
+      const uint16_t* sc = ranges + (2 * side * static_cast<int64_t>(NKV) + k) * n;
+      const uint16_t* zr = ranges + ((2 * side + 1) * static_cast<int64_t>(NKV) + k) * n;
+      b.scales.assign(sc, sc + n);
+      b.zeros.assign(zr, zr + n);
+    }
+  p->layout.kind = quant::CodeLayout::Kind::Blocks;
+  p->layout.k_bits = t.k_bits;
+  p->layout.v_bits = t.v_bits;
+  p->layout.k_axis = p->layout.v_axis = quant::Axis::PerToken;
+  if (rows)  // code·scale + α, as quant::decode reads a row
+    for (int k = 0; k < NKV; ++k)
+      for (int side = 0; side < 2; ++side) {
+        const quant::QuantBlock& b = side ? p->v[k] : p->k[k];
+        const int bits = side ? t.v_bits : t.k_bits;
+        std::vector<float>& x = side ? h.heads[k].v : h.heads[k].k;
+        x.resize(static_cast<size_t>(n) * D);
+        std::vector<uint32_t> c(static_cast<size_t>(D));
+        for (int i = 0; i < n; ++i) {
+          const float scale = from_half(b.scales[static_cast<size_t>(i)]), alpha = from_half(b.zeros[static_cast<size_t>(i)]);
+          quant::unpack(b.codes.data() + static_cast<int64_t>(i) * D * bits / 8, D, bits, c.data());
+          for (int e = 0; e < D; ++e) x[static_cast<size_t>(i) * D + e] = static_cast<float>(c[static_cast<size_t>(e)]) * scale + alpha;
+        }
+      }
+  // As quant::set_quantized installs a payload: every row's key bits, the bytes (tail_bytes: the
+  // payload's arrays and the positions).
+  for (HeadRows& r : h.heads) r.bits.assign(static_cast<size_t>(n), static_cast<uint8_t>(t.k_bits));
+  h.storage = (t.k_bits == t.v_bits ? "q" + std::to_string(t.k_bits)
+                                    : "k q" + std::to_string(t.k_bits) + " v q" + std::to_string(t.v_bits)) +
+              " k:per-token v:per-token";
+  h.payload = std::move(p);
+}
+
+}  // namespace
+
 void kv_hydrate(Context& ctx, const DeviceKV& dev, KVStore& host, bool rows) {
   const CudaKV& C = as_cuda(dev);
   // The device holds fp16 rows: the store keeps them as fp16 (values exact in float).
@@ -56,7 +120,8 @@ void kv_hydrate(Context& ctx, const DeviceKV& dev, KVStore& host, bool rows) {
       h.layout_only = !rows;
       h.heads.resize(C.NKV);
       for (int k = 0; k < C.NKV; ++k) h.heads[k].pos = d.tail.host_pos;
-      h.bytes = fp16_bytes(static_cast<int64_t>(d.tail.n) * C.NKV, C.D);
+      h.bytes = tail_bytes(d.tail, d.tail.n, C.NKV, C.D);
+      if (d.tail.packed()) hydrate_packed_tail(ctx, C, d.tail, h, rows);
       H.segments.push_back(std::move(h));
     }
     if (!rows) continue;
@@ -66,7 +131,7 @@ void kv_hydrate(Context& ctx, const DeviceKV& dev, KVStore& host, bool rows) {
         parts.push_back({static_cast<const __half*>(p.k.data), static_cast<const __half*>(p.v.data), p.n,
                          &H.segments[i].heads[k]});
       }
-    if (d.tail.n)
+    if (d.tail.n && !d.tail.packed())
       for (int k = 0; k < C.NKV; ++k) {
         const int64_t at = static_cast<int64_t>(k) * d.tail.cap * C.D;
         parts.push_back({d.tail.k.as<__half>() + at, d.tail.v.as<__half>() + at, d.tail.n,
@@ -249,6 +314,8 @@ void kv_pull_rows(Context& ctx, SeqKV& kv, const std::vector<int>& layers, const
   auto vh = [&](size_t i) { return staged + (2 * i + 1) * static_cast<size_t>(n); };
   for (size_t i = 0; i < layers.size(); ++i) {
     const Tail& t = C.layers.at(layers[i]).tail;
+    if (t.packed())
+      throw InternalError("kv_pull_rows: layer " + std::to_string(layers[i]) + "'s decode rows are codes on the device");
     if (T < 1 || T > t.n)
       throw InternalError("kv_pull_rows: layer " + std::to_string(layers[i]) + " holds " + std::to_string(t.n) +
                           " decode rows, " + std::to_string(T) + " asked for");

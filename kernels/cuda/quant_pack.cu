@@ -7,28 +7,11 @@
 // half((β − α)/(2^b − 1)), α = half(α), code = clamp(rint((x − α)/scale), 0, 2^b − 1).
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/kernels.h"
+#include "kernels/cuda/quant_math.cuh"
 
 namespace kvlens::cuda {
 
 namespace {
-
-__device__ __forceinline__ void affine(float lo, float hi, int bits, float shrink, bool about_zero, __half* scale,
-                                       __half* zero) {
-  if (shrink != 1.0f) {
-    const float c = about_zero ? 0.0f : 0.5f * (lo + hi);
-    lo = fmaf(shrink, lo - c, c);
-    hi = fmaf(shrink, hi - c, c);
-  }
-  const float L = static_cast<float>((1u << bits) - 1u);
-  *zero = __float2half_rn(lo);
-  *scale = hi > lo ? __float2half_rn(__fdiv_rn(hi - lo, L)) : __float2half_rn(0.0f);
-}
-
-__device__ __forceinline__ uint32_t encode(float x, float alpha, float scale, int bits) {
-  if (!(scale > 0.0f)) return 0;
-  const float c = rintf(__fdiv_rn(x - alpha, scale));
-  return static_cast<uint32_t>(fminf(fmaxf(c, 0.0f), static_cast<float>((1u << bits) - 1u)));
-}
 
 // Where head blockIdx.y's block starts in each array (HeadStrides).
 struct HeadStrides {

@@ -11,6 +11,7 @@
 #include "core/kv_format.h"
 #include "models/model.h"
 #include "tests/device_decode.h"
+#include "tests/policy_probe.h"
 #include "tests/test_util.h"
 
 using namespace kvlens;
@@ -282,6 +283,46 @@ TEST(CudaModel, LookMMergesOnTheDevice) {
     expect_same_decode(t.y, t.x);
     expect_same_layout(t.a, t.b);
   }
+}
+
+// A method whose only decode-time action is each new row quantized with its own range (uniform
+// with per-token ranges; a stack whose eviction does nothing while decoding) has the device do it
+// inside its steps (StepQuant): no hook, steps chained — the same tokens, cache bytes and logits
+// (within one fp16 rounding, as above) as the loop that keeps the host rows and calls the hook each
+// layer and step; unchained steps give exactly the chained ones; and the bytes are the CPU's.
+TEST(CudaModel, PerTokenQuantizationRunsInTheDevicesSteps) {
+  NEED_GPU();
+  SampleRun r = sample_run(12);
+  const std::unique_ptr<Model> cpu = load_model(kt::source_dir() + "/assets/models/kvlens-scenes-6m", {"cpu"});
+  const PrefillState c = cpu->prefill(load_image(kt::source_dir() + "/assets/images/scene_000.png"), kDefaultPrompt,
+                                      kDefaultTemplate, true);
+  for (const char* spec : {"uniform:bits=4", "uniform:bits=2", "uniform:bits=8", "uniform:bits=3",
+                           "stack:evict=snapkv,quant=uniform,bits=4"}) {
+    SCOPED_TRACE(spec);
+    kt::PolicyProbe host(make_policy(spec), true), device(make_policy(spec), false), unchained(make_policy(spec), false);
+    EXPECT_TRUE(device.step_quant().any());
+    EXPECT_FALSE(host.step_quant().any());
+    const DecodeResult a = r.gpu.decode(r.st, &host, r.g);
+    const DecodeResult b = r.gpu.decode(r.st, &device, r.g);
+    GenerateOptions u = r.g;
+    u.chain_steps = false;
+    const DecodeResult d = r.gpu.decode(r.st, &unchained, u);
+    EXPECT_EQ(host.decode_calls, r.layers * (r.g.max_new_tokens - 1));
+    EXPECT_EQ(device.decode_calls + unchained.decode_calls, 0);
+    EXPECT_TRUE(b.chained);
+    EXPECT_FALSE(a.chained || d.chained);
+    expect_same_decode(b, a);
+    EXPECT_EQ(d.generated_ids, b.generated_ids);
+    EXPECT_EQ(d.step_logits, b.step_logits);
+    EXPECT_EQ(d.bytes_final.total(), b.bytes_final.total());
+    auto on_cpu = make_policy(spec);
+    const DecodeResult e = cpu->decode(c, on_cpu.get(), r.g);
+    EXPECT_EQ(b.bytes_final.total(), e.bytes_final.total());
+    EXPECT_GT(b.bytes_final.total(), b.bytes_after_prefill.total());
+  }
+  // Per-channel ranges need other rows: the hook stays on the host.
+  EXPECT_FALSE(make_policy("uniform:k_granularity=per-channel")->step_quant().any());
+  EXPECT_FALSE(make_policy("uniform:scope=visual")->step_quant().any());
 }
 
 }  // namespace

@@ -5,7 +5,8 @@
 // Ranges are taken per segment and KV head (a segment is one run of tokens of one kind).
 // Decode-time tokens are quantized as they arrive when both K and V are per-token (a new row
 // needs no statistics over other rows) and the scope is `all`; otherwise they stay dense (the
-// cache's row storage).
+// cache's row storage). That step is also stated as data (step_quant), so a device backend
+// quantizes each row inside its own decode step.
 #include "core/compress/quant_methods.h"
 
 namespace kvlens {
@@ -35,6 +36,8 @@ class UniformPolicy : public KVPolicy {
   bool acts_on_decode() const override {
     return !visual_only_ && k_axis_ == quant::Axis::PerToken && v_axis_ == quant::Axis::PerToken;
   }
+  // Each new row's own range is all a step needs: a device quantizes it where it is appended.
+  StepQuant step_quant() const override { return acts_on_decode() ? StepQuant{bits_, bits_} : StepQuant{}; }
 
  private:
   bool in_scope(const KVSegment& s) const {

@@ -213,12 +213,76 @@ __device__ void fp16_rows(const PartDesc& P, int a, int e, const float* q, const
   }
 }
 
+// Token-wise BITS-bit keys and values, a range per row and no CST factors (per-token uniform
+// quantization, the decode rows StepQuant packs): score_j = scale_j·(q·code_j) + zero_j·Σq, and
+// the values accumulate (p_j·scale_j)·code_j + p_j·zero_j — the general path's arithmetic with
+// the width known at compile time and every row's loads issued before any is used.
+template <int L, int BITS, int U>
+__device__ void token_rows(const PartDesc& P, int a, int e, const float* q, const Lane& ln, int g, bool cal,
+                           float cal_t, float cal_g, float tau1, State& st) {
+  constexpr int G = kThreads / L;
+  constexpr uint32_t mask = (1u << BITS) - 1u;
+  using Word = typename std::conditional<(BITS <= 4), uint32_t, uint64_t>::type;
+  const int rowb = ln.D * BITS / 8;
+  const uint8_t* K = static_cast<const uint8_t*>(P.k.data) + (ln.c0 / 8) * BITS;
+  const uint8_t* V = static_cast<const uint8_t*>(P.v.data) + (ln.c0 / 8) * BITS;
+  float qsum = 0.0f;
+#pragma unroll
+  for (int c = 0; c < 8; ++c) qsum += q[c];
+  qsum = group_sum<L>(qsum);
+  for (int j0 = a; j0 < e; j0 += G * U) {
+    Word kc[U], vc[U];
+    float ks[U], kz[U], vs[U], vz[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int j = j0 + u * G + g;
+      const bool in = j < e, ok = in && ln.active;
+      kc[u] = ok ? static_cast<Word>(load_bits<BITS>(K + static_cast<int64_t>(j) * rowb)) : 0;
+      vc[u] = ok ? static_cast<Word>(load_bits<BITS>(V + static_cast<int64_t>(j) * rowb)) : 0;
+      ks[u] = in ? __half2float(__ldg(P.k.scale + j)) : 0.0f;
+      kz[u] = in ? __half2float(__ldg(P.k.zero + j)) : 0.0f;
+      vs[u] = in ? __half2float(__ldg(P.v.scale + j)) : 0.0f;
+      vz[u] = in ? __half2float(__ldg(P.v.zero + j)) : 0.0f;
+    }
+    float sc[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float d = 0.0f;
+#pragma unroll
+      for (int c = 0; c < 8; ++c) d = fmaf(q[c], code_f(static_cast<uint32_t>(kc[u] >> (c * BITS)) & mask), d);
+      d = group_sum<L>(d);
+      sc[u] = j0 + u * G + g < e ? calibrated(fmaf(d, ks[u], qsum * kz[u]), cal, cal_t, cal_g, tau1) : -INFINITY;
+    }
+    float mx = st.m;
+#pragma unroll
+    for (int u = 0; u < U; ++u) mx = fmaxf(mx, sc[u]);
+    if (mx > st.m) rescale(st, mx, __expf(st.m - mx));
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const float p = sc[u] == -INFINITY ? 0.0f : __expf(sc[u] - st.m);
+      st.d += p;
+      const float ps = p * vs[u], pz = p * vz[u];
+#pragma unroll
+      for (int c = 0; c < 8; ++c)
+        st.o[c] = fmaf(ps, code_f(static_cast<uint32_t>(vc[u] >> (c * BITS)) & mask), st.o[c]) + pz;
+    }
+  }
+}
+
 #include "kernels/cuda/decode/decode_lut.cuh"
 
-// Which fast path a part can take (0: the general one).
+// Which fast path a part can take (0: the general one): 16 fp16 rows; 1, 2, 4, 8 channel-wise
+// codes of that width; kTokenKind + 2, 4, 8 token-wise codes of that width.
+constexpr int kTokenKind = 100;
 __device__ __forceinline__ int fast_kind(const PartDesc& P, int n, int mode, bool materialized, int lut_bits) {
   if (materialized || mode == kScores) return 0;
   if (P.k.fmt == kF16 && P.v.fmt == kF16) return mode == kAttend ? 16 : 0;
+  if (P.k.fmt == kToken && P.v.fmt == kToken) {
+    const int b = P.k.bits;
+    if (mode != kAttend || P.v.bits != b || P.k.factor || P.v.factor || (b != 2 && b != 4 && b != 8)) return 0;
+    if ((reinterpret_cast<uintptr_t>(P.k.data) | reinterpret_cast<uintptr_t>(P.v.data)) & (b - 1)) return 0;
+    return kTokenKind + b;
+  }
   const bool whole = (P.k.group <= 0 || P.k.group >= n) && (P.v.group <= 0 || P.v.group >= n);
   if (P.k.fmt != kChannel || P.v.fmt != kChannel || !whole || P.k.bits != P.v.bits) return 0;
   const int b = P.k.bits;
@@ -300,6 +364,9 @@ __device__ void run_fast(int kind, const PartDesc& P, int a, int e, const float*
   const bool range = mode == kRange;
   switch (kind) {
     case 16: fp16_rows<L, 4>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st); break;
+    case kTokenKind + 2: token_rows<L, 2, 4>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st); break;
+    case kTokenKind + 4: token_rows<L, 4, 4>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st); break;
+    case kTokenKind + 8: token_rows<L, 8, 4>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st); break;
     case 1:
       if (range) packed_rows<L, 1, 16, true>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st, lo, hi, lut);
       else packed_rows<L, 1, 16, false>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st, lo, hi, lut);
@@ -429,8 +496,8 @@ __global__ void __launch_bounds__(kThreads, MMA == 1 ? kMmaMinBlocks : MMA == 3 
     const int a = max(r0 - base, 0), e = min(r1 - base, n);
     const bool take = a < e && (mode != kRange || P.visual);
     if (take) {
-      // Head sizes 64 and 128 (8 and 16 lanes a row) have fast paths for fp16 and for
-      // channel-wise codes; everything else takes the general path.
+      // Head sizes 64 and 128 (8 and 16 lanes a row) have fast paths for fp16, channel-wise and
+      // token-wise codes; everything else takes the general path.
       int kind = 0, mk = 0;
       if constexpr (MMA_ONLY) {
         mk = mma_kind(P, n, mode, false, p.b1);

@@ -1,0 +1,33 @@
+// The arithmetic of uniform quantization on the device, step by step as the host's
+// quant::make_affine and quant::encode (core/compress/quantize.cpp): shared by the quantize-and-
+// pack kernels (quant_pack.cu) and the decode step's per-token quantizing append (kv_kernels.cu),
+// so both give the host's codes and fp16 ranges.
+#pragma once
+#include <cstdint>
+
+#include "kernels/cuda/common.cuh"
+
+namespace kvlens::cuda {
+
+// The range [lo, hi] (shrunk by `shrink` about zero or its centre first) as fp16 zero = half(lo)
+// and scale = half((hi − lo)/(2^b − 1)), 0 for an empty range.
+__device__ __forceinline__ void affine(float lo, float hi, int bits, float shrink, bool about_zero, __half* scale,
+                                       __half* zero) {
+  if (shrink != 1.0f) {
+    const float c = about_zero ? 0.0f : 0.5f * (lo + hi);
+    lo = fmaf(shrink, lo - c, c);
+    hi = fmaf(shrink, hi - c, c);
+  }
+  const float L = static_cast<float>((1u << bits) - 1u);
+  *zero = __float2half_rn(lo);
+  *scale = hi > lo ? __float2half_rn(__fdiv_rn(hi - lo, L)) : __float2half_rn(0.0f);
+}
+
+// code = clamp(rint((x − α)/scale), 0, 2^b − 1); 0 when the scale is 0.
+__device__ __forceinline__ uint32_t encode(float x, float alpha, float scale, int bits) {
+  if (!(scale > 0.0f)) return 0;
+  const float c = rintf(__fdiv_rn(x - alpha, scale));
+  return static_cast<uint32_t>(fminf(fmaxf(c, 0.0f), static_cast<float>((1u << bits) - 1u)));
+}
+
+}  // namespace kvlens::cuda

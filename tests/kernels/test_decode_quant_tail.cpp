@@ -1,0 +1,144 @@
+// Decode rows quantized on the device where they are appended (Backend::kv_reserve with a
+// StepQuant; on CUDA, rope_quant_append into a packed decode tail): each new row's key and value
+// codes and fp16 ranges equal quant::quantize_block (per token) on the same rotated row rounded
+// to fp16, bit for bit; the cache's bytes are the host's count of such a segment; decode
+// attention over the packed rows matches the fp64 attention over their dequantization; the rows
+// read back (kv_hydrate) as a per-token payload; and the tail refuses rows from another path.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "core/compress/quantize.h"
+#include "core/kv_format.h"
+#include "tests/decode_ops_case.h"
+#include "tests/op_harness.h"
+
+using namespace kvlens;
+using namespace kvlens::testing;
+
+namespace {
+
+struct TailCase {
+  int k_bits, v_bits, D;
+};
+
+void quantized_tail_case(const TailCase& tc) {
+  const std::string what = "k" + std::to_string(tc.k_bits) + " v" + std::to_string(tc.v_bits) + " D" + std::to_string(tc.D);
+  SCOPED_TRACE(what);
+  DecodeCase c;
+  c.NH = 6;
+  c.NKV = 2;
+  c.D = tc.D;
+  const int T = 37, steps = 5;
+  const AttnLayout lp = layout_of(c, T), l1 = layout_of(c, 1);
+  Backend& cpu = *op_backends().cpu;
+  Backend& gpu = *op_backends().gpu;
+  const StepQuant q{tc.k_bits, tc.v_bits};
+  ASSERT_TRUE(gpu.quantizes_steps(q));
+  EXPECT_FALSE(cpu.quantizes_steps(q));
+  std::vector<int32_t> pos(T);
+  std::vector<SegmentKind> kinds(T, SegmentKind::System);
+  for (int t = 0; t < T; ++t) pos[t] = t;
+  KVStore host(1, c.NKV, c.D);
+  auto dev = gpu.kv_create(1, c.NKV, c.D);
+  SeqKV kv{&host, dev.get(), false};
+  {
+    Buffer X = make(gpu, "qkv", {T, lp.row_stride}, Dt::F32, projections(c, lp, T));
+    Buffer P = make_ids(gpu, "pos", pos);
+    gpu.kv_append(kv, 0, X, lp, P, pos.data(), kinds.data(), T);
+  }
+  const int64_t prompt_bytes = dev->bytes().total();
+  gpu.kv_reserve(*dev, 2, q);  // fewer rows than steps: the packed tail must grow
+  std::vector<quant::QuantBlock> want_k(c.NKV), want_v(c.NKV);
+  const SegmentKind gen = SegmentKind::Generated;
+  for (int step = 0; step < steps; ++step) {
+    const auto row = randn(static_cast<size_t>(l1.row_stride), 2.0f);
+    const int32_t p = T + step;
+    Buffer Xg = make(gpu, "qkv1", {1, l1.row_stride}, Dt::F32, row), Pg = make_ids(gpu, "pos1", {p});
+    gpu.rope_append(kv, 0, Xg, l1, Pg, &p, &gen, 1, 10000.0f);
+    // The rotation itself as the CPU's rope (a few fp32 ulps), in place in q and k.
+    Buffer Xc = make(cpu, "qkv1", {1, l1.row_stride}, Dt::F32, row), Pc = make_ids(cpu, "pos1", {p});
+    cpu.rope(Xc, l1, Pc, 10000.0f);
+    const auto got = read(gpu, Xg), rotated = read(cpu, Xc);
+    std::vector<double> bound(rotated.size());
+    for (size_t i = 0; i < rotated.size(); ++i) bound[i] = 16 * unit(Dt::F32) * (std::abs(rotated[i]) + 1);
+    expect_within(got, rotated, bound, what + ": rotated q and k in place");
+    // The host's quantization of the device's rotated row, rounded to fp16 as the cache keeps rows.
+    for (int h = 0; h < c.NKV; ++h) {
+      std::vector<float> k(c.D), v(c.D);
+      for (int d = 0; d < c.D; ++d) {
+        k[d] = quant::round_half(got[l1.k_col + h * c.D + d]);
+        v[d] = quant::round_half(row[l1.v_col + h * c.D + d]);
+      }
+      quant::quantize_block(k.data(), 1, c.D, {tc.k_bits, quant::Axis::PerToken}, want_k[h]);
+      quant::quantize_block(v.data(), 1, c.D, {tc.v_bits, quant::Axis::PerToken}, want_v[h]);
+    }
+    // Attention over the prompt's fp16 rows and the packed ones, against fp64 over the rows read back.
+    Buffer O = make(gpu, "out", {1, static_cast<int64_t>(c.NH) * c.D}, Dt::F32,
+                    std::vector<float>(static_cast<size_t>(c.NH) * c.D, NAN));
+    gpu.decode_attention(Xg, l1, kv, 0, nullptr, O, DecodeTaps{});
+    KVStore back;
+    gpu.kv_hydrate(*dev, back, true);
+    std::vector<float> ref;
+    std::vector<double> out_bound;
+    std::vector<std::vector<float>> rs;
+    const std::vector<float> qv(got.begin(), got.begin() + c.NH * c.D);
+    reference(back, qv, c, l1, nullptr, ref, out_bound, rs);
+    expect_within(read(gpu, O), ref, out_bound, what + ": decode attention, step " + std::to_string(step));
+  }
+  KVStore back;
+  gpu.kv_hydrate(*dev, back, true);
+  ASSERT_EQ(back.layer(0).segments.size(), 2u);
+  const KVSegment& tail = back.layer(0).segments.back();
+  EXPECT_EQ(tail.kind, SegmentKind::Generated);
+  const std::string label = tc.k_bits == tc.v_bits ? "q" + std::to_string(tc.k_bits)
+                                                   : "k q" + std::to_string(tc.k_bits) + " v q" + std::to_string(tc.v_bits);
+  EXPECT_EQ(tail.storage, label + " k:per-token v:per-token");
+  const auto* pay = dynamic_cast<const quant::QuantPayload*>(tail.payload.get());
+  ASSERT_NE(pay, nullptr);
+  EXPECT_EQ(pay->layout.kind, quant::CodeLayout::Kind::Blocks);
+  int64_t want_bytes = 0;
+  for (int h = 0; h < c.NKV; ++h) {
+    ASSERT_EQ(tail.heads[h].n(), steps);
+    for (int s = 0; s < steps; ++s) EXPECT_EQ(tail.heads[h].pos[s], T + s);
+    EXPECT_EQ(pay->k[h].codes, want_k[h].codes) << "head " << h << " key codes";
+    EXPECT_EQ(pay->k[h].scales, want_k[h].scales) << "head " << h << " key scales";
+    EXPECT_EQ(pay->k[h].zeros, want_k[h].zeros) << "head " << h << " key zeros";
+    EXPECT_EQ(pay->v[h].codes, want_v[h].codes) << "head " << h << " value codes";
+    EXPECT_EQ(pay->v[h].scales, want_v[h].scales) << "head " << h << " value scales";
+    EXPECT_EQ(pay->v[h].zeros, want_v[h].zeros) << "head " << h << " value zeros";
+    // The rows read back are the payload's dequantization.
+    std::vector<float> k(c.D);
+    for (int s = 0; s < steps; ++s) {
+      quant::Affine a{quant::from_half(want_k[h].scales[s]), quant::from_half(want_k[h].zeros[s])};
+      for (int d = 0; d < c.D; ++d)
+        k[d] = quant::decode(quant::unpack_one(want_k[h].codes.data() + s * c.D * tc.k_bits / 8, d, tc.k_bits), a);
+      EXPECT_EQ(std::vector<float>(tail.heads[h].k.begin() + s * c.D, tail.heads[h].k.begin() + (s + 1) * c.D), k)
+          << "head " << h << " row " << s;
+    }
+    for (const quant::QuantBlock* b : {&want_k[h], &want_v[h]})
+      want_bytes += static_cast<int64_t>(b->codes.size() + 2 * b->scales.size() + 2 * b->zeros.size());
+    want_bytes += 4 * steps;
+  }
+  // The host's count of the segment (quant::set_quantized: the payload's arrays and int32
+  // positions) is what the device holds for the rows.
+  EXPECT_EQ(tail.bytes.total(), want_bytes);
+  EXPECT_EQ(dev->bytes().total(), prompt_bytes + want_bytes);
+  // A row appended without the quantizing kernel, or a new storage once rows are there: refused.
+  const auto row = randn(static_cast<size_t>(l1.row_stride));
+  const int32_t p = T + steps;
+  Buffer Xg = make(gpu, "qkv1", {1, l1.row_stride}, Dt::F32, row), Pg = make_ids(gpu, "pos1", {p});
+  EXPECT_THROW(gpu.kv_append(kv, 0, Xg, l1, Pg, &p, &gen, 1), InternalError);
+  const int other = tc.k_bits == 8 ? 4 : 8;
+  EXPECT_THROW(gpu.kv_reserve(*dev, 2, StepQuant{other, other}), InternalError);
+}
+
+TEST(DecodeQuantTail, RowsQuantizedWhereTheyAreAppended) {
+  KVLENS_NEED_GPU();
+  for (const TailCase& c : {TailCase{4, 4, 128}, TailCase{2, 2, 128}, TailCase{1, 1, 64}, TailCase{3, 3, 128},
+                            TailCase{8, 8, 64}, TailCase{4, 2, 256}})
+    quantized_tail_case(c);
+}
+
+}  // namespace
