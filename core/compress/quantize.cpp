@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <exception>
 
 #include "core/errors.h"
 
@@ -287,6 +288,57 @@ int rows_in_head(const LayerKV& layer, int h) {
   int n = 0;
   for (const KVSegment& s : layer.segments) n += s.heads.at(h).n();
   return n;
+}
+
+PendingPayload quantize_rows_of(const PrefillContext& ctx, KVSegment& s, const UniformSpec& ks, const UniformSpec& vs,
+                                bool later, const std::string& method) {
+  auto p = std::make_shared<QuantPayload>(static_cast<int>(s.heads.size()));
+  if (s.layout_only) {
+    const bool ok = ctx.backend && ctx.device &&
+                    (later ? ctx.backend->quantize_rows_later(*ctx.device, ctx.layer, s, ks, vs, *p)
+                           : ctx.backend->quantize_rows(*ctx.device, ctx.layer, s, ks, vs, *p));
+    if (!ok)
+      throw InternalError(method + ": layer " + std::to_string(ctx.layer) +
+                          "'s rows are in the device cache alone, and its backend cannot quantize them there");
+    return {&s, std::move(p)};
+  }
+  // Heads are independent: quantized in parallel.
+  const int H = static_cast<int>(s.heads.size()), D = ctx.head_dim;
+  std::exception_ptr err;
+#pragma omp parallel for schedule(dynamic)
+  for (int h = 0; h < H; ++h) {
+    try {
+      HeadRows& r = s.heads[h];
+      quantize_block(r.k.data(), r.n(), D, ks, p->k[h]);
+      quantize_block(r.v.data(), r.n(), D, vs, p->v[h]);
+    } catch (...) {
+#pragma omp critical(kvlens_quantize_rows_error)
+      if (!err) err = std::current_exception();
+    }
+  }
+  if (err) std::rethrow_exception(err);
+  return {&s, std::move(p)};
+}
+
+void quantize_prefill(const std::vector<PrefillContext>& layers, KVStore& kv,
+                      const std::function<void(const PrefillContext&, LayerKV&, bool later)>& quantize,
+                      const std::function<void()>& store) {
+  Backend* be = layers.empty() ? nullptr : layers.front().backend;
+  if (!be || !be->queues_reductions()) {
+    for (const PrefillContext& c : layers) {
+      quantize(c, kv.layer(c.layer), false);
+      store();
+    }
+    return;
+  }
+  be->queue_then_keep(
+      [&] {
+        for (const PrefillContext& c : layers) {
+          if (c.backend != be) throw InternalError("quantize_prefill: layers of one prefill on different backends");
+          quantize(c, kv.layer(c.layer), true);
+        }
+      },
+      store);
 }
 
 }  // namespace kvlens::quant

@@ -49,54 +49,69 @@ TEST(CudaModel, EvictionSelectsOnTheLayoutAloneAndTheDeviceGathers) {
   }
 }
 
-// CalibQuant (alone and stacked after an eviction) quantizes the visual rows where they are
-// (Backend::quantize_rows) when the host store holds the layout alone: against the host's
-// quantization of the same fp16 rows (fetched because an observer reads them), the same layout,
-// bytes and fp16 ranges, codes equal but for values within an fp32 rounding of a decision
-// boundary (one step apart, at most 1 in 1000 — the quant_pack kernels' bound, DecodeOps), and
-// the same tokens.
+// A quantizing method (alone and stacked after an eviction) quantizes the prompt's rows where
+// they are (Backend::quantize_rows) when the host store holds the layout alone: against the
+// host's quantization of the same fp16 rows (fetched because an observer reads them), the same
+// layout, bytes and fp16 ranges, codes equal but for values within an fp32 rounding of a
+// decision boundary (one step apart, at most 1 in 1000 — the quant_pack kernels' bound,
+// DecodeOps), the same tokens, and `per_layer` quantized segments a layer.
+void expect_quantized_where_the_rows_are(const SampleRun& r, const char* spec, int per_layer) {
+  SCOPED_TRACE(spec);
+  const TwoDecodes t = decode_on_layout_and_on_rows(r, spec);
+  const KVStore &a = t.a, &b = t.b;
+  EXPECT_EQ(t.x.generated_ids, t.y.generated_ids);
+  EXPECT_EQ(t.x.bytes_after_prefill.total(), t.y.bytes_after_prefill.total());
+  expect_same_layout(a, b);
+  int quantized = 0;
+  for (int l = 0; l < a.n_layers(); ++l)
+    for (size_t i = 0; i < a.layer(l).segments.size(); ++i) {
+      const auto* pa = dynamic_cast<const quant::QuantPayload*>(a.layer(l).segments[i].payload.get());
+      const auto* pb = dynamic_cast<const quant::QuantPayload*>(b.layer(l).segments[i].payload.get());
+      ASSERT_EQ(!pa, !pb) << "layer " << l << " segment " << i;
+      if (!pa) continue;
+      ++quantized;
+      EXPECT_EQ(a.layer(l).segments[i].storage, b.layer(l).segments[i].storage);
+      const int bits = pa->layout.k_bits;
+      ASSERT_EQ(pa->k.size(), pb->k.size());
+      for (size_t h = 0; h < pa->k.size(); ++h)
+        for (const auto& [ka, kb] : {std::make_pair(&pa->k[h], &pb->k[h]), std::make_pair(&pa->v[h], &pb->v[h])}) {
+          EXPECT_EQ(ka->scales, kb->scales) << "layer " << l << " head " << h;
+          EXPECT_EQ(ka->zeros, kb->zeros) << "layer " << l << " head " << h;
+          ASSERT_EQ(ka->codes.size(), kb->codes.size());
+          const int64_t n = static_cast<int64_t>(ka->codes.size()) * 8 / bits;
+          int64_t differ = 0;
+          for (int64_t c = 0; c < n; ++c) {
+            const int x1 = static_cast<int>(quant::unpack_one(ka->codes.data(), c, bits));
+            const int x2 = static_cast<int>(quant::unpack_one(kb->codes.data(), c, bits));
+            if (x1 != x2) {
+              ++differ;
+              EXPECT_LE(std::abs(x1 - x2), 1) << "layer " << l << " head " << h << " code " << c;
+            }
+          }
+          EXPECT_LE(differ, n / 1000 + 1) << "layer " << l << " head " << h;
+        }
+    }
+  EXPECT_EQ(quantized, per_layer * a.n_layers()) << "quantized segments a layer";
+}
+
+// CalibQuant: the visual segment of each layer.
 TEST(CudaModel, CalibQuantQuantizesTheVisualRowsOnTheDevice) {
   NEED_GPU();
   SampleRun r = sample_run(8);
   for (const char* spec : {"calibquant:bits=1", "calibquant:preset=official", "calibquant:bits=4",
-                           "stack:evict=snapkv,quant=calibquant,budget=0.4"}) {
-    SCOPED_TRACE(spec);
-    const TwoDecodes t = decode_on_layout_and_on_rows(r, spec);
-    const KVStore &a = t.a, &b = t.b;
-    EXPECT_EQ(t.x.generated_ids, t.y.generated_ids);
-    EXPECT_EQ(t.x.bytes_after_prefill.total(), t.y.bytes_after_prefill.total());
-    expect_same_layout(a, b);
-    int quantized = 0;
-    for (int l = 0; l < a.n_layers(); ++l)
-      for (size_t i = 0; i < a.layer(l).segments.size(); ++i) {
-        const auto* pa = dynamic_cast<const quant::QuantPayload*>(a.layer(l).segments[i].payload.get());
-        const auto* pb = dynamic_cast<const quant::QuantPayload*>(b.layer(l).segments[i].payload.get());
-        ASSERT_EQ(!pa, !pb) << "layer " << l << " segment " << i;
-        if (!pa) continue;
-        ++quantized;
-        EXPECT_EQ(a.layer(l).segments[i].storage, b.layer(l).segments[i].storage);
-        const int bits = pa->layout.k_bits;
-        ASSERT_EQ(pa->k.size(), pb->k.size());
-        for (size_t h = 0; h < pa->k.size(); ++h)
-          for (const auto& [ka, kb] : {std::make_pair(&pa->k[h], &pb->k[h]), std::make_pair(&pa->v[h], &pb->v[h])}) {
-            EXPECT_EQ(ka->scales, kb->scales) << "layer " << l << " head " << h;
-            EXPECT_EQ(ka->zeros, kb->zeros) << "layer " << l << " head " << h;
-            ASSERT_EQ(ka->codes.size(), kb->codes.size());
-            const int64_t n = static_cast<int64_t>(ka->codes.size()) * 8 / bits;
-            int64_t differ = 0;
-            for (int64_t c = 0; c < n; ++c) {
-              const int x1 = static_cast<int>(quant::unpack_one(ka->codes.data(), c, bits));
-              const int x2 = static_cast<int>(quant::unpack_one(kb->codes.data(), c, bits));
-              if (x1 != x2) {
-                ++differ;
-                EXPECT_LE(std::abs(x1 - x2), 1) << "layer " << l << " head " << h << " code " << c;
-              }
-            }
-            EXPECT_LE(differ, n / 1000 + 1) << "layer " << l << " head " << h;
-          }
-      }
-    EXPECT_EQ(quantized, a.n_layers()) << "one quantized visual segment a layer";
-  }
+                           "stack:evict=snapkv,quant=calibquant,budget=0.4"})
+    expect_quantized_where_the_rows_are(r, spec, 1);
+}
+
+// Uniform: every prompt segment (system, visual, post-vision text) with per-token, global and
+// per-channel ranges, or the visual one alone.
+TEST(CudaModel, UniformQuantizesThePromptsRowsOnTheDevice) {
+  NEED_GPU();
+  SampleRun r = sample_run(8);
+  for (const char* spec : {"uniform:bits=4", "uniform:bits=2,k_granularity=per-channel,v_granularity=global",
+                           "stack:evict=snapkv,quant=uniform,budget=0.4,bits=8"})
+    expect_quantized_where_the_rows_are(r, spec, 3);
+  expect_quantized_where_the_rows_are(r, "uniform:bits=4,scope=visual", 1);
 }
 
 // The codes quantize_rows made on the device (every layer's landing together, quantize_rows_later,

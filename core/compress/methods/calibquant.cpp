@@ -18,7 +18,6 @@
 // values outside clamp to the ends. s = 1 (the paper's setting) leaves the range as is.
 #include <algorithm>
 #include <cmath>
-#include <exception>
 
 #include "core/compress/quant_methods.h"
 
@@ -91,79 +90,37 @@ class CalibQuantPolicy : public KVPolicy {
   bool reads_rows() const override { return false; }
 
   void on_prefill_layer(const PrefillContext& ctx, LayerKV& layer) override {
-    std::vector<Quantized> done;
+    std::vector<quant::PendingPayload> done;
     quantize_layer(ctx, layer, false, done);
     store(done);
   }
   // Every layer's visual rows at once: on a backend that queues (their codes come back in one
   // wait), else layer by layer.
   void on_prefill(const std::vector<PrefillContext>& layers, KVStore& kv) override {
-    Backend* be = layers.empty() ? nullptr : layers.front().backend;
-    if (!be || !be->queues_reductions()) {
-      KVPolicy::on_prefill(layers, kv);
-      return;
-    }
-    // (the layers quantized before an error keep their payloads, as layer by layer they would)
-    std::vector<Quantized> done;
-    be->queue_then_keep(
-        [&] {
-          for (const PrefillContext& c : layers) {
-            if (c.backend != be) throw InternalError("calibquant: layers of one prefill on different backends");
-            quantize_layer(c, kv.layer(c.layer), true, done);
-          }
-        },
+    std::vector<quant::PendingPayload> done;
+    quant::quantize_prefill(
+        layers, kv, [&](const PrefillContext& c, LayerKV& l, bool later) { quantize_layer(c, l, later, done); },
         [&] { store(done); });
   }
 
  private:
-  struct Quantized {
-    KVSegment* s;
-    std::shared_ptr<quant::QuantPayload> p;
-  };
   // The layer's visual segments quantized into payloads (on the device where the rows are there
   // alone; `later`: their codes land at the backend's next finish_reductions), not yet stored.
-  void quantize_layer(const PrefillContext& ctx, LayerKV& layer, bool later, std::vector<Quantized>& done) const {
-    const int D = ctx.head_dim;
+  void quantize_layer(const PrefillContext& ctx, LayerKV& layer, bool later, std::vector<quant::PendingPayload>& done) const {
     const quant::UniformSpec ks{bits_, quant::Axis::PerChannel, k_shrink_, about_zero_};
     const quant::UniformSpec vs{bits_, quant::Axis::PerChannel, v_shrink_, about_zero_};
-    for (KVSegment& s : layer.segments) {
-      if (s.kind != SegmentKind::Visual || !s.dense()) continue;
-      auto p = std::make_shared<quant::QuantPayload>(static_cast<int>(s.heads.size()));
-      if (s.layout_only) {
-        const bool ok = ctx.backend && ctx.device &&
-                        (later ? ctx.backend->quantize_rows_later(*ctx.device, ctx.layer, s, ks, vs, *p)
-                               : ctx.backend->quantize_rows(*ctx.device, ctx.layer, s, ks, vs, *p));
-        if (!ok)
-          throw InternalError("calibquant: layer " + std::to_string(ctx.layer) +
-                              "'s visual rows are in the device cache alone, and its backend cannot quantize them there");
-      } else {
-        // Heads are independent: quantized in parallel.
-        const int H = static_cast<int>(s.heads.size());
-        std::exception_ptr err;
-#pragma omp parallel for schedule(dynamic)
-        for (int h = 0; h < H; ++h) {
-          try {
-            HeadRows& r = s.heads[h];
-            quant::quantize_block(r.k.data(), r.n(), D, ks, p->k[h]);
-            quant::quantize_block(r.v.data(), r.n(), D, vs, p->v[h]);
-          } catch (...) {
-#pragma omp critical(kvlens_calibquant_error)
-            if (!err) err = std::current_exception();
-          }
-        }
-        if (err) std::rethrow_exception(err);
-      }
-      done.push_back({&s, std::move(p)});
-    }
+    for (KVSegment& s : layer.segments)
+      if (s.kind == SegmentKind::Visual && s.dense()) done.push_back(quant::quantize_rows_of(ctx, s, ks, vs, later, "calibquant"));
   }
-  // Each quantized segment takes its payload (once its codes are on the host).
-  void store(const std::vector<Quantized>& done) const {
-    for (const Quantized& q : done) {
+  // Each quantized segment takes its payload (once its codes are on the host); the list empties.
+  void store(std::vector<quant::PendingPayload>& done) const {
+    for (const quant::PendingPayload& q : done) {
       q.p->layout.kind = quant::CodeLayout::Kind::Blocks;
       q.p->layout.k_bits = q.p->layout.v_bits = bits_;
       q.p->layout.k_axis = q.p->layout.v_axis = quant::Axis::PerChannel;
       quant::set_quantized(*q.s, q.p, "q" + std::to_string(bits_) + "-channel", bits_);
     }
+    done.clear();
   }
 
  public:

@@ -22,9 +22,19 @@ class UniformPolicy : public KVPolicy {
   }
   std::string name() const override { return "uniform"; }
 
+  // On a device the prompt's rows are quantized where they are (Backend::quantize_rows).
+  bool reads_rows() const override { return false; }
   void on_prefill_layer(const PrefillContext& ctx, LayerKV& layer) override {
-    for (KVSegment& s : layer.segments)
-      if (in_scope(s)) quantize_segment(s, ctx.head_dim);
+    std::vector<quant::PendingPayload> done;
+    quantize_layer(ctx, layer, false, done);
+    store(done);
+  }
+  // Every layer at once: on a backend that queues, their codes come back in one wait.
+  void on_prefill(const std::vector<PrefillContext>& layers, KVStore& kv) override {
+    std::vector<quant::PendingPayload> done;
+    quant::quantize_prefill(
+        layers, kv, [&](const PrefillContext& c, LayerKV& l, bool later) { quantize_layer(c, l, later, done); },
+        [&] { store(done); });
   }
 
   void on_decode_step(const DecodeContext& ctx, LayerKV& layer) override {
@@ -43,18 +53,27 @@ class UniformPolicy : public KVPolicy {
   bool in_scope(const KVSegment& s) const {
     return s.dense() && (!visual_only_ || s.kind == SegmentKind::Visual);
   }
-  void quantize_segment(KVSegment& s, int D) const {
-    auto p = std::make_shared<quant::QuantPayload>(static_cast<int>(s.heads.size()));
-    for (size_t h = 0; h < s.heads.size(); ++h) {
-      HeadRows& r = s.heads[h];
-      quant::quantize_block(r.k.data(), r.n(), D, {bits_, k_axis_}, p->k[h]);
-      quant::quantize_block(r.v.data(), r.n(), D, {bits_, v_axis_}, p->v[h]);
+  void quantize_layer(const PrefillContext& ctx, LayerKV& layer, bool later, std::vector<quant::PendingPayload>& done) const {
+    for (KVSegment& s : layer.segments)
+      if (in_scope(s)) done.push_back(quant::quantize_rows_of(ctx, s, {bits_, k_axis_}, {bits_, v_axis_}, later, "uniform"));
+  }
+  // Each quantized segment takes its payload (once its codes are on the host); the list empties.
+  void store(std::vector<quant::PendingPayload>& done) const {
+    for (const quant::PendingPayload& q : done) {
+      q.p->layout.kind = quant::CodeLayout::Kind::Blocks;
+      q.p->layout.k_bits = q.p->layout.v_bits = bits_;
+      q.p->layout.k_axis = k_axis_;
+      q.p->layout.v_axis = v_axis_;
+      quant::set_quantized(*q.s, q.p, storage_, bits_);
     }
-    p->layout.kind = quant::CodeLayout::Kind::Blocks;
-    p->layout.k_bits = p->layout.v_bits = bits_;
-    p->layout.k_axis = k_axis_;
-    p->layout.v_axis = v_axis_;
-    quant::set_quantized(s, p, storage_, bits_);
+    done.clear();
+  }
+  // A decode step's new row, on the host store's rows.
+  void quantize_segment(KVSegment& s, int D) const {
+    PrefillContext ctx;
+    ctx.head_dim = D;
+    std::vector<quant::PendingPayload> done{quant::quantize_rows_of(ctx, s, {bits_, k_axis_}, {bits_, v_axis_}, false, "uniform")};
+    store(done);
   }
 
   int bits_;
