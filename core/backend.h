@@ -133,8 +133,13 @@ struct ScoreTransform {
 // token: α, β the row's min and max, scale = half((β − α)/(2^b − 1)), zero = half(α)), as the row
 // is appended and before attention reads it. The host's twin is the method's on_decode_step on
 // the rows rounded to the cache's fp16 (quant::quantize_block, Axis::PerToken). k_bits = 0: none.
+// rotation > 0 (Hadamard-INT4): each key row is first rotated by the block-diagonal orthonormal
+// Hadamard transform of blocks of `rotation` channels (quant::block_hadamard) and its codes are
+// of the rotated row; every key of the cache is then stored so (CodeLayout::k_rotation), and the
+// device rotates the query once per step instead of rotating keys back.
 struct StepQuant {
   int k_bits = 0, v_bits = 0;
+  int rotation = 0;
   bool any() const { return k_bits > 0 && v_bits > 0; }
 };
 

@@ -1,6 +1,7 @@
 #include "core/kv_format.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "core/errors.h"
 
@@ -156,6 +157,31 @@ ZipSlots zip_slots(const std::vector<std::array<std::vector<int32_t>, 2>>& pos) 
       for (size_t k = 0; z.one_table && k < x.size(); ++k) z.one_table = z.of(s, x[k]) == first + static_cast<int64_t>(k);
     }
   return z;
+}
+
+// ---- rotations -------------------------------------------------------------------------------
+
+void hadamard(float* x, int n) {
+  for (int len = 1; len < n; len <<= 1)
+    for (int i = 0; i < n; i += len << 1)
+      for (int j = i; j < i + len; ++j) {
+        const float a = x[j], b = x[j + len];
+        x[j] = a + b;
+        x[j + len] = a - b;
+      }
+  const float s = 1.0f / std::sqrt(static_cast<float>(n));
+  for (int i = 0; i < n; ++i) x[i] *= s;
+}
+
+void block_hadamard(float* x, int d, int block) {
+  for (int b = 0; b + block <= d; b += block) hadamard(x + b, block);
+}
+
+int hadamard_block(int asked, int d) {
+  if (asked > 0) return asked;
+  int b = 16;
+  while (b > 1 && d % b != 0) b /= 2;
+  return b;
 }
 
 }  // namespace kvlens::quant

@@ -79,9 +79,13 @@ struct QuantBlock {
 //             shared_token_ranges, one per (subset, position) in `tokens` over every head that
 //             holds the position in that subset: the salient subset's positions ascending,
 //             then the other subset's.
+// k_rotation (Blocks): the K codes are of keys rotated by the block-diagonal orthonormal
+// Hadamard transform of blocks of k_rotation channels (block_hadamard; Hadamard-INT4), so a
+// reader multiplies the query by the same transform; 0: none.
 struct CodeLayout {
   enum class Kind : uint8_t { None, Fp16, Blocks, ZipMixed };
   Kind kind = Kind::None;
+  int k_rotation = 0;
   int k_bits = 0, v_bits = 0;
   Axis k_axis = Axis::PerToken, v_axis = Axis::PerToken;
   int k_group = 0, v_group = 0;
@@ -113,5 +117,15 @@ struct ZipSlots {
   int32_t of(int s, int32_t pos) const { return at[static_cast<size_t>(s)][static_cast<size_t>(pos)]; }
 };
 ZipSlots zip_slots(const std::vector<std::array<std::vector<int32_t>, 2>>& pos);
+
+// ---- rotations -------------------------------------------------------------------------------
+// In place, orthonormal Walsh–Hadamard transform (H/√n, its own inverse), n a power of two: the
+// butterflies in order of increasing span, then the scale 1/√n, in fp32.
+void hadamard(float* x, int n);
+// The same transform of each block of `block` values of x[d] (block a power of two dividing d).
+void block_hadamard(float* x, int d, int block);
+// Hadamard-INT4's block size for head size d: `asked`, or for 0 (auto) 16 halved until it
+// divides d.
+int hadamard_block(int asked, int d);
 
 }  // namespace kvlens::quant

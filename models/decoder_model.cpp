@@ -173,7 +173,7 @@ DecodeResult DecoderModel::decode(const PrefillState& st, KVPolicy* policy, cons
   const int observed = observed_decode_steps(observers);
   // A method whose decode-time action the device runs itself (per-token quantization of each
   // new row) leaves its steps nothing to do on the host: they run as a prefill-only method's.
-  const StepQuant device_quant = dev ? device_step_quant(steps, *be_, observed > 0) : StepQuant{};
+  const StepQuant device_quant = dev ? device_step_quant(steps, *be_, observed > 0, text_cfg_.head_dim) : StepQuant{};
   if (device_quant.any()) steps = nullptr;
   const bool mirror = !dev || decode_needs_host_rows(steps) || observed > 0;
   const bool reads_rows =
@@ -184,6 +184,10 @@ DecodeResult DecoderModel::decode(const PrefillState& st, KVPolicy* policy, cons
   store.set_row_storage(rows);
   SeqKV kv{&store, dev.get(), mirror};
   auto cache_bytes = [&] { return dev ? dev->bytes() : store.bytes(); };
+  // The decode rows' room and storage first: a device that rotates the query for rotated keys
+  // (StepQuant::rotation) stores the prompt's rotated codes as they are when the policy's
+  // compression is synced.
+  if (dev) be_->kv_reserve(*dev, opt.max_new_tokens, device_quant);
   const auto t0 = std::chrono::steady_clock::now();
   if (policy) {
     if (policy->needs_prefill_attention() && !st.capture.keep)
@@ -196,7 +200,6 @@ DecodeResult DecoderModel::decode(const PrefillState& st, KVPolicy* policy, cons
   r.compress_ms = ms_since(t0);
   r.bytes_after_prefill = cache_bytes();
   if (compressed) *compressed = store.without_rows();
-  if (dev) be_->kv_reserve(*dev, opt.max_new_tokens, device_quant);
   const auto t1 = std::chrono::steady_clock::now();
   std::mt19937_64 rng(opt.seed);
   std::vector<float> logits = st.logits;

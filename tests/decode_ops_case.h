@@ -114,4 +114,16 @@ inline void reference(const KVStore& st, const std::vector<float>& q, const Deco
   }
 }
 
+// T prompt rows of kind System at positions 0 … T − 1, from c's random projections, appended to
+// layer 0 of kv on `be`.
+inline void append_prompt(Backend& be, SeqKV& kv, const DecodeCase& c, int T) {
+  const AttnLayout lp = layout_of(c, T);
+  std::vector<int32_t> pos(T);
+  std::vector<SegmentKind> kinds(T, SegmentKind::System);
+  for (int t = 0; t < T; ++t) pos[t] = t;
+  Buffer X = make(be, "qkv", {T, lp.row_stride}, Dt::F32, projections(c, lp, T));
+  Buffer P = make_ids(be, "pos", pos);
+  be.kv_append(kv, 0, X, lp, P, pos.data(), kinds.data(), T);
+}
+
 }  // namespace kvlens::testing

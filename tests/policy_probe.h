@@ -26,7 +26,7 @@ class PolicyProbe : public KVPolicy {
     return force_ || in_->acts_at_step(ctx, layer);
   }
   // Forced to the host, the decode-time action has only the hook's form.
-  StepQuant step_quant() const override { return force_ ? StepQuant{} : in_->step_quant(); }
+  StepQuant step_quant(int head_dim) const override { return force_ ? StepQuant{} : in_->step_quant(head_dim); }
   bool has_score_transform() const override { return in_->has_score_transform(); }
   void transform_scores(int layer, int head, float* scores, const SegmentKind* kinds, int n_k) const override {
     in_->transform_scores(layer, head, scores, kinds, n_k);

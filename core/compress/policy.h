@@ -82,7 +82,7 @@ class KVPolicy {
   // The decode-time action as data a device may run in its own steps instead of on_decode_step
   // (core/backend.h): what on_decode_step does to each new row, when that is all it does. The
   // default: none (the hook is the only form).
-  virtual StepQuant step_quant() const { return {}; }
+  virtual StepQuant step_quant(int head_dim) const { return {}; }
   // Whether on_decode_step may change the store within a decode of `new_tokens` generated
   // tokens. A method that acts only after some steps (ZipCache's first gap) answers exactly: a
   // shorter decode then runs as one that acts at prefill alone.
@@ -133,9 +133,9 @@ inline KVPolicy* step_policy(KVPolicy* policy, int new_tokens) {
 // What a decode's device runs in its steps for the step policy `steps` (null = none): its
 // step_quant() where `backend` runs it and it is all the steps need — no observer reads them
 // (`observed`) and no score transform applies. The decode then hands its steps no policy.
-inline StepQuant device_step_quant(const KVPolicy* steps, const Backend& backend, bool observed) {
+inline StepQuant device_step_quant(const KVPolicy* steps, const Backend& backend, bool observed, int head_dim) {
   if (!steps || observed || steps->has_score_transform()) return {};
-  const StepQuant q = steps->step_quant();
+  const StepQuant q = steps->step_quant(head_dim);
   return q.any() && backend.quantizes_steps(q) ? q : StepQuant{};
 }
 

@@ -118,11 +118,4 @@ struct Codec {
 Codec make_codec(int d, int mse_bits, bool qjl, uint64_t seed);
 }  // namespace turboquant
 
-// ---- Hadamard INT4 (core/compress/methods/hadamard_int4.cpp) ----
-namespace hadamard_int4 {
-// In place, the orthonormal Hadamard transform of each block of `block` values of x[d]
-// (block a power of two dividing d). It is its own inverse.
-void block_hadamard(float* x, int d, int block);
-}  // namespace hadamard_int4
-
 }  // namespace kvlens

@@ -106,18 +106,6 @@ int next_pow2(int n) {
   return p;
 }
 
-void hadamard(float* x, int n) {
-  for (int len = 1; len < n; len <<= 1)
-    for (int i = 0; i < n; i += len << 1)
-      for (int j = i; j < i + len; ++j) {
-        const float a = x[j], b = x[j + len];
-        x[j] = a + b;
-        x[j + len] = a - b;
-      }
-  const float s = 1.0f / std::sqrt(static_cast<float>(n));
-  for (int i = 0; i < n; ++i) x[i] *= s;
-}
-
 namespace {
 double normal_pdf(double x) { return std::exp(-0.5 * x * x) / std::sqrt(2.0 * M_PI); }
 double normal_cdf(double x) { return 0.5 * std::erfc(-x / std::sqrt(2.0)); }

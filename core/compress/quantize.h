@@ -64,8 +64,7 @@ int64_t block_ranges(int n, int d, Axis axis);
 // ---- rotations --------------------------------------------------------------------------------
 bool is_pow2(int n);
 int next_pow2(int n);
-// In place, orthonormal Walsh–Hadamard transform (H/√n, its own inverse), n a power of two.
-void hadamard(float* x, int n);
+// (quant::hadamard, the orthonormal Walsh–Hadamard transform: core/kv_format.h)
 // Lloyd-Max scalar codebook of 2^bits levels for N(0, 1) (bits = 0 gives {0}), ascending;
 // computed by Lloyd iterations from quantile initial levels until they move by < 1e-7.
 std::vector<float> lloyd_max_normal(int bits);
@@ -130,6 +129,31 @@ PendingPayload quantize_rows_of(const PrefillContext& ctx, KVSegment& s, const U
 void quantize_prefill(const std::vector<PrefillContext>& layers, KVStore& kv,
                       const std::function<void(const PrefillContext&, LayerKV&, bool later)>& quantize,
                       const std::function<void()>& store);
+
+// A policy that quantizes a prompt's segments where their rows are (quantize_rows_of): on a
+// device the host store keeps the layout alone and every layer's segments are packed before one
+// wait (quantize_prefill). A method writes which segments and how (quantize_layer, appending a
+// pending payload for each) and how a payload is installed (store, which empties the list).
+class PrefillQuantPolicy : public KVPolicy {
+ public:
+  bool reads_rows() const override { return false; }
+  void on_prefill_layer(const PrefillContext& ctx, LayerKV& layer) override {
+    std::vector<PendingPayload> done;
+    quantize_layer(ctx, layer, false, done);
+    store(done);
+  }
+  void on_prefill(const std::vector<PrefillContext>& layers, KVStore& kv) override {
+    std::vector<PendingPayload> done;
+    quantize_prefill(
+        layers, kv, [&](const PrefillContext& c, LayerKV& l, bool later) { quantize_layer(c, l, later, done); },
+        [&] { store(done); });
+  }
+
+ protected:
+  virtual void quantize_layer(const PrefillContext& ctx, LayerKV& layer, bool later,
+                              std::vector<PendingPayload>& done) const = 0;
+  virtual void store(std::vector<PendingPayload>& done) const = 0;
+};
 
 // A policy that quantizes every dense segment in scope (all kinds, or visual only) at prefill,
 // and each generated token as it arrives (scope "all"), appending it to the previous generated

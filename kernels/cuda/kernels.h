@@ -515,12 +515,15 @@ struct QuantTail {
   __half* ranges = nullptr;
   int32_t* pos = nullptr;
   int cap = 0, k_bits = 0, v_bits = 0;
+  int rotation = 0;  // > 0: the key rows (after fp16 rounding) and the query rotated by Hadamard blocks of this size
 };
 // rope_append with the row quantized instead: RoPE on q and k in place, then each KV head's key
 // and value rounded to fp16 and quantized with one range per row (quant::quantize_block,
 // Axis::PerToken, on those fp16 values: the same codes and ranges) at row *counter of t, which the
-// last block advances (done: a zero int the kernel resets). D a multiple of 8, at most
-// kMaxQuantTailD; bits 1 to 8.
+// last block advances (done: a zero int the kernel resets). With t.rotation, each key row is
+// rotated by quant::block_hadamard (the same fp32 operations in the same order) before it is
+// quantized, and each query head is rotated in place by the same blocks. D a multiple of 8, at
+// most kMaxQuantTailD; bits 1 to 8; rotation a power of two dividing D.
 void rope_quant_append(float* qkv, int64_t q_col, int nq, int64_t k_col, int64_t v_col, int nk, int D,
                        const int32_t* pos_in, const float* inv_freq, const QuantTail& t, int32_t* counter, int32_t* done,
                        cudaStream_t s);

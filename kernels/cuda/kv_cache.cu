@@ -538,7 +538,7 @@ void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l, SyncPlan plan, co
       segs.push_back(*same[i]);
       continue;
     }
-    if (p && p->layout.kind != quant::CodeLayout::Kind::None && packed_ok(*p, s, C.D)) {
+    if (p && p->layout.kind != quant::CodeLayout::Kind::None && packed_ok(*p, s, C.D, C.q_rotation)) {
       // Codes made for this payload are taken (whatever happens next, not used twice: the values'
       // regrouping happens in place); a sync tried again uploads the payload.
       StagedCodes taken;
@@ -609,7 +609,8 @@ void kv_sync(Context& ctx, DeviceKV& dev, KVStore& host, int layer) {
 }
 
 bool kv_quantizes_steps(const StepQuant& q) {
-  return q.k_bits >= 1 && q.k_bits <= 8 && q.v_bits >= 1 && q.v_bits <= 8;
+  const bool rot_ok = q.rotation == 0 || (q.rotation >= 2 && (q.rotation & (q.rotation - 1)) == 0 && q.rotation <= kMaxQuantTailD);
+  return q.k_bits >= 1 && q.k_bits <= 8 && q.v_bits >= 1 && q.v_bits <= 8 && rot_ok;
 }
 
 void kv_reserve(Context& ctx, DeviceKV& dev, int rows, const StepQuant& quant) {
@@ -617,16 +618,24 @@ void kv_reserve(Context& ctx, DeviceKV& dev, int rows, const StepQuant& quant) {
   for (int l = 0; l < C.L; ++l) {
     Tail& t = C.layers[l].tail;
     const int kb = quant.any() ? quant.k_bits : t.k_bits, vb = quant.any() ? quant.v_bits : t.v_bits;
-    if (kb != t.k_bits || vb != t.v_bits) {  // the decode rows' storage changes: only while there are none
+    const int rot = quant.any() ? quant.rotation : t.rotation;
+    if (kb != t.k_bits || vb != t.v_bits || rot != t.rotation) {  // the decode rows' storage changes: only while there are none
       if (t.n) throw InternalError("kv_reserve: layer " + std::to_string(l) + " already holds decode rows");
-      if (!kv_quantizes_steps(quant)) throw InternalError("kv_reserve: decode rows of " + std::to_string(kb) + "/" + std::to_string(vb) + " bits");
+      if (!kv_quantizes_steps(quant))
+        throw InternalError("kv_reserve: decode rows of " + std::to_string(kb) + "/" + std::to_string(vb) + " bits, rotation " +
+                            std::to_string(rot));
       Tail u;
       u.k_bits = kb;
       u.v_bits = vb;
+      u.rotation = rot;
       t = std::move(u);
       C.changed();
     }
     C.grow_tail(l, t.n + rows);
+  }
+  if (quant.any() && quant.rotation != C.q_rotation) {
+    C.q_rotation = quant.rotation;
+    C.changed();
   }
 }
 

@@ -24,6 +24,7 @@ struct DevPart {
 struct DevSeg {
   SegmentKind kind = SegmentKind::System;
   std::string storage = "fp16";
+  int k_rotation = 0;  // the keys' codes are of rotated keys (CodeLayout::k_rotation)
   std::vector<std::vector<DevPart>> heads;  // [kv head][part]
   std::vector<std::vector<int32_t>> pos;    // [kv head] positions, host order
   std::vector<DevMem> mem;
@@ -42,8 +43,15 @@ struct Tail {
   DevMem ranges;     // packed: [4][kv head][cap] halves — K scales, K zeros, V scales, V zeros
   int cap = 0, n = 0;
   int k_bits = 16, v_bits = 16;  // 16: fp16 rows
+  int rotation = 0;              // packed: the keys' Hadamard block (StepQuant::rotation), 0 none
   std::vector<int32_t> host_pos;
   bool packed() const { return k_bits < 16; }
+  // What a host segment of these rows is labelled.
+  std::string label() const {
+    if (rotation) return "hadamard-int4";
+    return (k_bits == v_bits ? "q" + std::to_string(k_bits) : "k q" + std::to_string(k_bits) + " v q" + std::to_string(v_bits)) +
+           " k:per-token v:per-token";
+  }
 };
 // The bytes of n decode rows of every KV head stored as t stores them, as the host counts a
 // segment of them (quant::set_quantized: codes, one fp16 scale and zero per row and side, int32
@@ -66,6 +74,7 @@ inline QuantTail quant_tail(const Tail& t) {
   q.cap = t.cap;
   q.k_bits = t.k_bits;
   q.v_bits = t.v_bits;
+  q.rotation = t.rotation;
   return q;
 }
 
@@ -165,12 +174,14 @@ class CudaKV : public DeviceKV {
       Tail& u = c->layers[l].tail;
       u.k_bits = t.k_bits;
       u.v_bits = t.v_bits;
+      u.rotation = t.rotation;
       c->alloc_tail(u, t.cap, l);
       copy_tail(t, u);
       u.n = t.n;
       u.host_pos = t.host_pos;
     }
     ctx->upload(c->counters.mem.get(), n.data(), static_cast<int64_t>(L) * 4, "KV tail counters");
+    c->q_rotation = q_rotation;
     return c;
   }
   KVBytes bytes(int l) const override {
@@ -205,10 +216,7 @@ class CudaKV : public DeviceKV {
     for (const DevSeg& s : layers.at(l).segs) r.push_back(s.storage);
     const Tail& t = layers[l].tail;
     if (t.n && !t.packed()) r.push_back("fp16 (decode tail)");
-    if (t.n && t.packed())
-      r.push_back((t.k_bits == t.v_bits ? "q" + std::to_string(t.k_bits)
-                                        : "k q" + std::to_string(t.k_bits) + " v q" + std::to_string(t.v_bits)) +
-                  " per-token (decode tail)");
+    if (t.n && t.packed()) r.push_back(t.label() + " (decode tail)");
     return r;
   }
 
@@ -248,6 +256,7 @@ class CudaKV : public DeviceKV {
     Tail u;
     u.k_bits = t.k_bits;
     u.v_bits = t.v_bits;
+    u.rotation = t.rotation;
     alloc_tail(u, cap, l);
     copy_tail(t, u);
     u.n = t.n;
@@ -286,6 +295,14 @@ class CudaKV : public DeviceKV {
           }
     for (const DevLayer& d : layers)
       if (d.tail.packed()) all_f16 = all_mma = 0;
+    // A rotated query reads rotated keys alone.
+    for (int l = 0; l < L && q_rotation; ++l) {
+      bool ok = !layers[l].tail.cap || layers[l].tail.rotation == q_rotation;
+      for (const DevSeg& sg : layers[l].segs) ok = ok && sg.k_rotation == q_rotation;
+      if (!ok)
+        throw InternalError("KV cache: layer " + std::to_string(l) + " holds keys not rotated by the Hadamard blocks of " +
+                            std::to_string(q_rotation) + " the query is rotated by");
+    }
     for (const DevLayer& d : layers)
       for (int h = 0; h < NKV; ++h) {
         int np = d.tail.cap ? 1 : 0, r = d.tail.cap;
@@ -381,6 +398,9 @@ class CudaKV : public DeviceKV {
   int64_t vis_stride = 0;
   DecodeLaunch launch;  // the decode kernel's split count and choices for the current layout
   int max_parts = 1, nh = 0, lut_bits = 0, all_f16 = 1, all_mma = 0, has_b1 = 0;
+  // The Hadamard block the decode steps rotate the query by (StepQuant::rotation, kv_reserve):
+  // every key of the cache is then stored rotated. 0: none.
+  int q_rotation = 0;
   bool dirty = true;
   uint64_t ver = 1;
 };
@@ -425,7 +445,9 @@ bool dense_host(const std::string& storage);
 
 // Packed segments (kv_packed.cu). Whether the payload's arrays have the sizes its layout implies
 // (else the segment is held as dequantized fp16 rows).
-bool packed_ok(const quant::QuantPayload& p, const KVSegment& s, int D);
+// Rotated keys (CodeLayout::k_rotation) are read directly only by a cache whose query is rotated
+// by the same blocks (q_rotation).
+bool packed_ok(const quant::QuantPayload& p, const KVSegment& s, int D, int q_rotation);
 // Whether `q` holds payload p's codes and ranges as kv_quantize_rows made them for it: the same
 // payload, bits and array sizes, and no other arrays.
 bool staged_for(const StagedCodes& q, const KVSegment& s, const quant::QuantPayload& p);

@@ -57,6 +57,19 @@ __global__ void kv_append_batch_kernel(const float* qkv, int64_t stride, int64_t
 
 __global__ void counter_add_kernel(int32_t* counter, int n) { *counter += n; }
 
+// RoPE ("rotate half") of channel pair (j, j + half) of row r at position p, in place; the
+// rotated pair is returned too.
+__device__ __forceinline__ void rope_pair(float* r, int j, int half, float p, const float* inv_freq, float& na,
+                                          float& nb) {
+  float sn, cs;
+  sincosf(p * inv_freq[j], &sn, &cs);
+  const float a = r[j], b = r[j + half];
+  na = a * cs - b * sn;
+  nb = b * cs + a * sn;
+  r[j] = na;
+  r[j + half] = nb;
+}
+
 __global__ void rope_append_kernel(float* qkv, int64_t q_col, int nq, int64_t k_col, int64_t v_col, int nk, int D,
                                    const int32_t* pos_in, const float* inv_freq, __half* k, __half* v, int32_t* kpos,
                                    int cap, int32_t* counter, int32_t* done) {
@@ -68,13 +81,8 @@ __global__ void rope_append_kernel(float* qkv, int64_t q_col, int nq, int64_t k_
   if (i < n_rope) {
     const int hh = i / half, j = i % half;
     float* r = qkv + (hh < nq ? q_col + static_cast<int64_t>(hh) * D : k_col + static_cast<int64_t>(hh - nq) * D);
-    const float ang = static_cast<float>(pos_in[0]) * inv_freq[j];
-    float sn, cs;
-    sincosf(ang, &sn, &cs);
-    const float a = r[j], b = r[j + half];
-    const float na = a * cs - b * sn, nb = b * cs + a * sn;
-    r[j] = na;
-    r[j + half] = nb;
+    float na, nb;
+    rope_pair(r, j, half, static_cast<float>(pos_in[0]), inv_freq, na, nb);
     if (hh >= nq && row < cap) {
       const int64_t at = (static_cast<int64_t>(hh - nq) * cap + row) * D;
       k[at + j] = __float2half_rn(na);
@@ -90,6 +98,24 @@ __global__ void rope_append_kernel(float* qkv, int64_t q_col, int nq, int64_t k_
   if (threadIdx.x == 0 && atomicAdd(done, 1) == static_cast<int>(gridDim.x) - 1) {
     *counter = row + 1;
     *done = 0;
+  }
+}
+
+// Each block of R values of x[D] (shared memory) through the orthonormal Hadamard transform, a
+// thread a block, with quant::hadamard's fp32 operations in its order: butterflies of increasing
+// span, then the scale 1/√R.
+__device__ void hadamard_blocks(float* x, int D, int R) {
+  for (int b = threadIdx.x; b < D / R; b += blockDim.x) {
+    float* y = x + b * R;
+    for (int len = 1; len < R; len <<= 1)
+      for (int i = 0; i < R; i += len << 1)
+        for (int j = i; j < i + len; ++j) {
+          const float a = y[j], c = y[j + len];
+          y[j] = a + c;
+          y[j + len] = a - c;
+        }
+    const float s = 1.0f / sqrtf(static_cast<float>(R));
+    for (int i = 0; i < R; ++i) y[i] *= s;
   }
 }
 
@@ -109,22 +135,29 @@ __global__ void rope_quant_append_kernel(float* qkv, int64_t q_col, int nq, int6
   const float p = static_cast<float>(pos_in[0]);
   float* r = qkv + (b < nk ? k_col + static_cast<int64_t>(b) * D : q_col + static_cast<int64_t>(b - nk) * D);
   for (int j = threadIdx.x; j < half; j += blockDim.x) {
-    const float ang = p * inv_freq[j];
-    float sn, cs;
-    sincosf(ang, &sn, &cs);
-    const float a = r[j], c = r[j + half];
-    const float na = a * cs - c * sn, nb = c * cs + a * sn;
-    r[j] = na;
-    r[j + half] = nb;
+    float na, nb;
+    rope_pair(r, j, half, p, inv_freq, na, nb);
     if (b < nk) {
       rows[0][j] = __half2float(__float2half_rn(na));
       rows[0][j + half] = __half2float(__float2half_rn(nb));
     }
   }
+  if (b >= nk && t.rotation) {  // the query by the keys' blocks
+    __syncthreads();
+    for (int c = threadIdx.x; c < D; c += blockDim.x) rows[0][c] = r[c];
+    __syncthreads();
+    hadamard_blocks(rows[0], D, t.rotation);
+    __syncthreads();
+    for (int c = threadIdx.x; c < D; c += blockDim.x) r[c] = rows[0][c];
+  }
   if (b < nk) {
     for (int c = threadIdx.x; c < D; c += blockDim.x)
       rows[1][c] = __half2float(__float2half_rn(qkv[v_col + static_cast<int64_t>(b) * D + c]));
     __syncthreads();
+    if (t.rotation) {
+      hadamard_blocks(rows[0], D, t.rotation);
+      __syncthreads();
+    }
     const int side = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (side < 2 && row < t.cap) {
       const float* x = rows[side];
@@ -208,10 +241,12 @@ void rope_append(float* qkv, int64_t q_col, int nq, int64_t k_col, int64_t v_col
 void rope_quant_append(float* qkv, int64_t q_col, int nq, int64_t k_col, int64_t v_col, int nk, int D,
                        const int32_t* pos_in, const float* inv_freq, const QuantTail& t, int32_t* counter, int32_t* done,
                        cudaStream_t s) {
-  if (D % 8 != 0 || D > kMaxQuantTailD || t.k_bits < 1 || t.k_bits > 8 || t.v_bits < 1 || t.v_bits > 8)
+  const bool rot_ok = t.rotation == 0 || (t.rotation >= 2 && (t.rotation & (t.rotation - 1)) == 0 && D % t.rotation == 0);
+  if (D % 8 != 0 || D > kMaxQuantTailD || t.k_bits < 1 || t.k_bits > 8 || t.v_bits < 1 || t.v_bits > 8 || !rot_ok)
     throw InternalError("rope_quant_append: head size " + std::to_string(D) + " (a multiple of 8, at most " +
-                        std::to_string(kMaxQuantTailD) + ") and bits " + std::to_string(t.k_bits) + "/" +
-                        std::to_string(t.v_bits) + " (1 to 8)");
+                        std::to_string(kMaxQuantTailD) + "), bits " + std::to_string(t.k_bits) + "/" +
+                        std::to_string(t.v_bits) + " (1 to 8) and rotation " + std::to_string(t.rotation) +
+                        " (0, or a power of two dividing the head size)");
   KV_CUDA(launch_dependent(rope_quant_append_kernel, nk + nq, 64, 0, s, true, qkv, q_col, nq, k_col, v_col, nk, D,
                            pos_in, inv_freq, t, counter, done),
           "rope_quant_append_kernel for " + std::to_string(nk) + " KV heads");

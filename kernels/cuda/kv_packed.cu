@@ -68,9 +68,10 @@ bool staged_for(const StagedCodes& q, const KVSegment& s, const quant::QuantPayl
 }
 
 // Whether the payload's arrays have the sizes its layout implies (else it is read on the host).
-bool packed_ok(const quant::QuantPayload& p, const KVSegment& s, int D) {
+bool packed_ok(const quant::QuantPayload& p, const KVSegment& s, int D, int q_rotation) {
   using K = quant::CodeLayout::Kind;
   const auto& L = p.layout;
+  if (L.k_rotation != q_rotation) return false;
   auto bits_ok = [](int b) { return b >= 1 && b <= 8; };
   for (size_t h = 0; h < s.heads.size(); ++h) {
     const int64_t n = s.heads[h].n();
@@ -105,6 +106,7 @@ DevSeg build_packed(Context& ctx, const CudaKV& C, const KVSegment& s, const qua
   const int NKV = C.NKV, D = C.D;
   const auto& L = p.layout;
   DevSeg d = mirror(s, "packed " + s.storage, NKV, false);
+  d.k_rotation = L.k_rotation;
   const std::string what = std::string("KV ") + segment_kind_name(s.kind) + " segment " + s.storage;
   // One allocation per array kind (all heads concatenated), exactly the payload's bytes.
   // 1-bit channel-wise keys and values with ranges over the whole part (CalibQuant's visual

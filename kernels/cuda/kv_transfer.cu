@@ -72,12 +72,16 @@ void hydrate_packed_tail(Context& ctx, const CudaKV& C, const Tail& t, KVSegment
           for (int e = 0; e < D; ++e) x[static_cast<size_t>(i) * D + e] = static_cast<float>(c[static_cast<size_t>(e)]) * scale + alpha;
         }
       }
+  // Rotated keys: the rows are their dequantization rotated back (the transform is its own
+  // inverse), as the host's Hadamard-INT4 keeps them.
+  if (rows && t.rotation)
+    for (int k = 0; k < NKV; ++k)
+      for (int i = 0; i < n; ++i) quant::block_hadamard(h.heads[k].k.data() + static_cast<size_t>(i) * D, D, t.rotation);
+  p->layout.k_rotation = t.rotation;
   // As quant::set_quantized installs a payload: every row's key bits, the bytes (tail_bytes: the
   // payload's arrays and the positions).
   for (HeadRows& r : h.heads) r.bits.assign(static_cast<size_t>(n), static_cast<uint8_t>(t.k_bits));
-  h.storage = (t.k_bits == t.v_bits ? "q" + std::to_string(t.k_bits)
-                                    : "k q" + std::to_string(t.k_bits) + " v q" + std::to_string(t.v_bits)) +
-              " k:per-token v:per-token";
+  h.storage = t.label();
   h.payload = std::move(p);
 }
 

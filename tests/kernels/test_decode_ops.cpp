@@ -316,21 +316,13 @@ TEST(DecodeOps, RopeAppendFused) {
   DecodeCase c;
   c.NH = 6;
   c.NKV = 2;
-  const int T = 37;
-  const AttnLayout lp = layout_of(c, T), l1 = layout_of(c, 1);
+  const AttnLayout l1 = layout_of(c, 1);
   Backend& cpu = *op_backends().cpu;
   Backend& gpu = *op_backends().gpu;
-  std::vector<int32_t> pos(T);
-  std::vector<SegmentKind> kinds(T, SegmentKind::System);
-  for (int t = 0; t < T; ++t) pos[t] = t;
   KVStore host(1, c.NKV, c.D);
   auto dev = gpu.kv_create(1, c.NKV, c.D);
   SeqKV kv{&host, dev.get(), false};
-  {
-    Buffer X = make(gpu, "qkv", {T, lp.row_stride}, Dt::F32, projections(c, lp, T));
-    Buffer P = make_ids(gpu, "pos", pos);
-    gpu.kv_append(kv, 0, X, lp, P, pos.data(), kinds.data(), T);
-  }
+  append_prompt(gpu, kv, c, 37);
   gpu.kv_reserve(*dev, 4);
   const auto row = randn(static_cast<size_t>(l1.row_stride));
   const int32_t p = 1234;

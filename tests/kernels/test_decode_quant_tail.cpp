@@ -1,11 +1,13 @@
 // Decode rows quantized on the device where they are appended (Backend::kv_reserve with a
 // StepQuant; on CUDA, rope_quant_append into a packed decode tail): each new row's key and value
 // codes and fp16 ranges equal quant::quantize_block (per token) on the same rotated row rounded
-// to fp16, bit for bit; the cache's bytes are the host's count of such a segment; decode
+// to fp16 (for Hadamard-INT4 then through quant::block_hadamard), bit for bit; the cache's bytes are the host's count of such a segment; decode
 // attention over the packed rows matches the fp64 attention over their dequantization; the rows
 // read back (kv_hydrate) as a per-token payload; and the tail refuses rows from another path.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -21,33 +23,29 @@ namespace {
 
 struct TailCase {
   int k_bits, v_bits, D;
+  int rotation = 0;  // Hadamard-INT4's blocks
 };
 
 void quantized_tail_case(const TailCase& tc) {
-  const std::string what = "k" + std::to_string(tc.k_bits) + " v" + std::to_string(tc.v_bits) + " D" + std::to_string(tc.D);
+  const std::string what = "k" + std::to_string(tc.k_bits) + " v" + std::to_string(tc.v_bits) + " D" + std::to_string(tc.D) +
+                           " rotation " + std::to_string(tc.rotation);
   SCOPED_TRACE(what);
   DecodeCase c;
   c.NH = 6;
   c.NKV = 2;
   c.D = tc.D;
-  const int T = 37, steps = 5;
-  const AttnLayout lp = layout_of(c, T), l1 = layout_of(c, 1);
+  // A rotated query reads rotated keys alone: with a rotation the cache holds the decode rows only.
+  const int T = tc.rotation ? 0 : 37, steps = 5;
+  const AttnLayout l1 = layout_of(c, 1);
   Backend& cpu = *op_backends().cpu;
   Backend& gpu = *op_backends().gpu;
-  const StepQuant q{tc.k_bits, tc.v_bits};
+  const StepQuant q{tc.k_bits, tc.v_bits, tc.rotation};
   ASSERT_TRUE(gpu.quantizes_steps(q));
   EXPECT_FALSE(cpu.quantizes_steps(q));
-  std::vector<int32_t> pos(T);
-  std::vector<SegmentKind> kinds(T, SegmentKind::System);
-  for (int t = 0; t < T; ++t) pos[t] = t;
   KVStore host(1, c.NKV, c.D);
   auto dev = gpu.kv_create(1, c.NKV, c.D);
   SeqKV kv{&host, dev.get(), false};
-  {
-    Buffer X = make(gpu, "qkv", {T, lp.row_stride}, Dt::F32, projections(c, lp, T));
-    Buffer P = make_ids(gpu, "pos", pos);
-    gpu.kv_append(kv, 0, X, lp, P, pos.data(), kinds.data(), T);
-  }
+  if (T) append_prompt(gpu, kv, c, T);
   const int64_t prompt_bytes = dev->bytes().total();
   gpu.kv_reserve(*dev, 2, q);  // fewer rows than steps: the packed tail must grow
   std::vector<quant::QuantBlock> want_k(c.NKV), want_v(c.NKV);
@@ -57,13 +55,26 @@ void quantized_tail_case(const TailCase& tc) {
     const int32_t p = T + step;
     Buffer Xg = make(gpu, "qkv1", {1, l1.row_stride}, Dt::F32, row), Pg = make_ids(gpu, "pos1", {p});
     gpu.rope_append(kv, 0, Xg, l1, Pg, &p, &gen, 1, 10000.0f);
-    // The rotation itself as the CPU's rope (a few fp32 ulps), in place in q and k.
+    // RoPE as the CPU's (a few fp32 ulps), in place in q and k; with a Hadamard rotation the
+    // query is rotated too (undone here: the transform is its own inverse).
     Buffer Xc = make(cpu, "qkv1", {1, l1.row_stride}, Dt::F32, row), Pc = make_ids(cpu, "pos1", {p});
     cpu.rope(Xc, l1, Pc, 10000.0f);
-    const auto got = read(gpu, Xg), rotated = read(cpu, Xc);
-    std::vector<double> bound(rotated.size());
-    for (size_t i = 0; i < rotated.size(); ++i) bound[i] = 16 * unit(Dt::F32) * (std::abs(rotated[i]) + 1);
-    expect_within(got, rotated, bound, what + ": rotated q and k in place");
+    const std::vector<float> got = read(gpu, Xg), rotated = read(cpu, Xc);
+    std::vector<float> want = rotated;
+    std::vector<double> bound(want.size());
+    for (size_t i = 0; i < want.size(); ++i) bound[i] = 16 * unit(Dt::F32) * (std::abs(want[i]) + 1);
+    for (int hd = 0; tc.rotation && hd < c.NH; ++hd) {
+      // log2(R) butterflies and a scale, each within an fp32 rounding of the block's norm.
+      float* qh = want.data() + l1.q_col + hd * c.D;
+      quant::block_hadamard(qh, c.D, tc.rotation);
+      for (int b0 = 0; b0 < c.D; b0 += tc.rotation) {
+        double norm = 0;
+        for (int i = b0; i < b0 + tc.rotation; ++i) norm += double(qh[i]) * qh[i];
+        for (int i = b0; i < b0 + tc.rotation; ++i)
+          bound[l1.q_col + hd * c.D + i] += (std::log2(tc.rotation) + 2) * 16 * unit(Dt::F32) * std::sqrt(norm);
+      }
+    }
+    expect_within(got, want, bound, what + ": rotated q and k in place");
     // The host's quantization of the device's rotated row, rounded to fp16 as the cache keeps rows.
     for (int h = 0; h < c.NKV; ++h) {
       std::vector<float> k(c.D), v(c.D);
@@ -71,6 +82,7 @@ void quantized_tail_case(const TailCase& tc) {
         k[d] = quant::round_half(got[l1.k_col + h * c.D + d]);
         v[d] = quant::round_half(row[l1.v_col + h * c.D + d]);
       }
+      if (tc.rotation) quant::block_hadamard(k.data(), c.D, tc.rotation);  // Hadamard-INT4's keys
       quant::quantize_block(k.data(), 1, c.D, {tc.k_bits, quant::Axis::PerToken}, want_k[h]);
       quant::quantize_block(v.data(), 1, c.D, {tc.v_bits, quant::Axis::PerToken}, want_v[h]);
     }
@@ -83,21 +95,22 @@ void quantized_tail_case(const TailCase& tc) {
     std::vector<float> ref;
     std::vector<double> out_bound;
     std::vector<std::vector<float>> rs;
-    const std::vector<float> qv(got.begin(), got.begin() + c.NH * c.D);
+    const std::vector<float> qv(rotated.begin(), rotated.begin() + c.NH * c.D);  // (RoPE alone: the rows read back are rotated back)
     reference(back, qv, c, l1, nullptr, ref, out_bound, rs);
     expect_within(read(gpu, O), ref, out_bound, what + ": decode attention, step " + std::to_string(step));
   }
   KVStore back;
   gpu.kv_hydrate(*dev, back, true);
-  ASSERT_EQ(back.layer(0).segments.size(), 2u);
+  ASSERT_EQ(back.layer(0).segments.size(), T ? 2u : 1u);
   const KVSegment& tail = back.layer(0).segments.back();
   EXPECT_EQ(tail.kind, SegmentKind::Generated);
   const std::string label = tc.k_bits == tc.v_bits ? "q" + std::to_string(tc.k_bits)
                                                    : "k q" + std::to_string(tc.k_bits) + " v q" + std::to_string(tc.v_bits);
-  EXPECT_EQ(tail.storage, label + " k:per-token v:per-token");
+  EXPECT_EQ(tail.storage, tc.rotation ? std::string("hadamard-int4") : label + " k:per-token v:per-token");
   const auto* pay = dynamic_cast<const quant::QuantPayload*>(tail.payload.get());
   ASSERT_NE(pay, nullptr);
   EXPECT_EQ(pay->layout.kind, quant::CodeLayout::Kind::Blocks);
+  EXPECT_EQ(pay->layout.k_rotation, tc.rotation);
   int64_t want_bytes = 0;
   for (int h = 0; h < c.NKV; ++h) {
     ASSERT_EQ(tail.heads[h].n(), steps);
@@ -108,12 +121,13 @@ void quantized_tail_case(const TailCase& tc) {
     EXPECT_EQ(pay->v[h].codes, want_v[h].codes) << "head " << h << " value codes";
     EXPECT_EQ(pay->v[h].scales, want_v[h].scales) << "head " << h << " value scales";
     EXPECT_EQ(pay->v[h].zeros, want_v[h].zeros) << "head " << h << " value zeros";
-    // The rows read back are the payload's dequantization.
+    // The rows read back are the payload's dequantization (rotated back).
     std::vector<float> k(c.D);
     for (int s = 0; s < steps; ++s) {
       quant::Affine a{quant::from_half(want_k[h].scales[s]), quant::from_half(want_k[h].zeros[s])};
       for (int d = 0; d < c.D; ++d)
         k[d] = quant::decode(quant::unpack_one(want_k[h].codes.data() + s * c.D * tc.k_bits / 8, d, tc.k_bits), a);
+      if (tc.rotation) quant::block_hadamard(k.data(), c.D, tc.rotation);
       EXPECT_EQ(std::vector<float>(tail.heads[h].k.begin() + s * c.D, tail.heads[h].k.begin() + (s + 1) * c.D), k)
           << "head " << h << " row " << s;
     }
@@ -132,12 +146,22 @@ void quantized_tail_case(const TailCase& tc) {
   EXPECT_THROW(gpu.kv_append(kv, 0, Xg, l1, Pg, &p, &gen, 1), InternalError);
   const int other = tc.k_bits == 8 ? 4 : 8;
   EXPECT_THROW(gpu.kv_reserve(*dev, 2, StepQuant{other, other}), InternalError);
+  if (!tc.rotation) return;
+  // Unrotated keys beside a rotated query: attention is refused, not computed wrong.
+  KVStore h2(1, c.NKV, c.D);
+  auto d2 = gpu.kv_create(1, c.NKV, c.D);
+  SeqKV kv2{&h2, d2.get(), false};
+  append_prompt(gpu, kv2, c, 9);
+  gpu.kv_reserve(*d2, 2, q);
+  Buffer O = make(gpu, "out", {1, static_cast<int64_t>(c.NH) * c.D}, Dt::F32, std::vector<float>(static_cast<size_t>(c.NH) * c.D));
+  EXPECT_THROW(gpu.decode_attention(Xg, l1, kv2, 0, nullptr, O, DecodeTaps{}), InternalError);
 }
 
 TEST(DecodeQuantTail, RowsQuantizedWhereTheyAreAppended) {
   KVLENS_NEED_GPU();
   for (const TailCase& c : {TailCase{4, 4, 128}, TailCase{2, 2, 128}, TailCase{1, 1, 64}, TailCase{3, 3, 128},
-                            TailCase{8, 8, 64}, TailCase{4, 2, 256}})
+                            TailCase{8, 8, 64}, TailCase{4, 2, 256}, TailCase{4, 4, 128, 16}, TailCase{4, 4, 64, 8},
+                            TailCase{4, 4, 128, 128}})
     quantized_tail_case(c);
 }
 

@@ -301,10 +301,13 @@ TEST(CudaModel, LookMMergesOnTheDevice) {
 }
 
 // A method whose only decode-time action is each new row quantized with its own range (uniform
-// with per-token ranges; a stack whose eviction does nothing while decoding) has the device do it
-// inside its steps (StepQuant): no hook, steps chained — the same tokens, cache bytes and logits
-// (within one fp16 rounding, as above) as the loop that keeps the host rows and calls the hook each
-// layer and step; unchained steps give exactly the chained ones; and the bytes are the CPU's.
+// with per-token ranges; a stack whose eviction does nothing while decoding; Hadamard-INT4, its
+// keys rotated first) has the device do it inside its steps (StepQuant): no hook, steps chained —
+// the same tokens, cache bytes and logits (within one fp16 rounding, as above) as the loop that
+// keeps the host rows and calls the hook each layer and step; unchained steps give exactly the
+// chained ones; and the bytes are the CPU's. Hadamard-INT4's host loop holds its keys on the
+// device as fp16 values rotated back (every key rounded to fp16 once more, and more bytes),
+// where the device's own steps read the codes with a rotated query: its logits within 2^-8.
 TEST(CudaModel, PerTokenQuantizationRunsInTheDevicesSteps) {
   NEED_GPU();
   SampleRun r = sample_run(12);
@@ -312,11 +315,11 @@ TEST(CudaModel, PerTokenQuantizationRunsInTheDevicesSteps) {
   const PrefillState c = cpu->prefill(load_image(kt::source_dir() + "/assets/images/scene_000.png"), kDefaultPrompt,
                                       kDefaultTemplate, true);
   for (const char* spec : {"uniform:bits=4", "uniform:bits=2", "uniform:bits=8", "uniform:bits=3",
-                           "stack:evict=snapkv,quant=uniform,bits=4"}) {
+                           "stack:evict=snapkv,quant=uniform,bits=4", "hadamard_int4", "hadamard_int4:block=8"}) {
     SCOPED_TRACE(spec);
     kt::PolicyProbe host(make_policy(spec), true), device(make_policy(spec), false), unchained(make_policy(spec), false);
-    EXPECT_TRUE(device.step_quant().any());
-    EXPECT_FALSE(host.step_quant().any());
+    EXPECT_TRUE(device.step_quant(r.gpu.info().head_dim).any());
+    EXPECT_FALSE(host.step_quant(r.gpu.info().head_dim).any());
     const DecodeResult a = r.gpu.decode(r.st, &host, r.g);
     const DecodeResult b = r.gpu.decode(r.st, &device, r.g);
     GenerateOptions u = r.g;
@@ -326,18 +329,28 @@ TEST(CudaModel, PerTokenQuantizationRunsInTheDevicesSteps) {
     EXPECT_EQ(device.decode_calls + unchained.decode_calls, 0);
     EXPECT_TRUE(b.chained);
     EXPECT_FALSE(a.chained || d.chained);
-    expect_same_decode(b, a);
+    if (std::string(spec).rfind("hadamard", 0) == 0) {
+      EXPECT_EQ(b.generated_ids, a.generated_ids);
+      ASSERT_EQ(b.step_logits.size(), a.step_logits.size());
+      for (size_t i = 0; i < a.step_logits.size(); ++i)
+        EXPECT_LE(kt::max_rel(b.step_logits[i], a.step_logits[i]), std::ldexp(1.0, -8)) << "step " << i;
+      // (the host loop's device holds fp16 values, and says so in its bytes; the packed bytes are the CPU's, below)
+      EXPECT_GT(a.bytes_final.total(), b.bytes_final.total());
+    } else {
+      expect_same_decode(b, a);
+    }
     EXPECT_EQ(d.generated_ids, b.generated_ids);
     EXPECT_EQ(d.step_logits, b.step_logits);
     EXPECT_EQ(d.bytes_final.total(), b.bytes_final.total());
     auto on_cpu = make_policy(spec);
     const DecodeResult e = cpu->decode(c, on_cpu.get(), r.g);
+    EXPECT_EQ(b.bytes_after_prefill.total(), e.bytes_after_prefill.total());
     EXPECT_EQ(b.bytes_final.total(), e.bytes_final.total());
     EXPECT_GT(b.bytes_final.total(), b.bytes_after_prefill.total());
   }
   // Per-channel ranges need other rows: the hook stays on the host.
-  EXPECT_FALSE(make_policy("uniform:k_granularity=per-channel")->step_quant().any());
-  EXPECT_FALSE(make_policy("uniform:scope=visual")->step_quant().any());
+  EXPECT_FALSE(make_policy("uniform:k_granularity=per-channel")->step_quant(64).any());
+  EXPECT_FALSE(make_policy("uniform:scope=visual")->step_quant(64).any());
 }
 
 }  // namespace

@@ -76,7 +76,9 @@ void post_scaled_values(const float* w, int n, const uint8_t* codes, int d, int 
 
 namespace {
 
-class CalibQuantPolicy : public KVPolicy {
+// On a device the visual rows are quantized where they are (quant::PrefillQuantPolicy): every
+// layer's before one wait on a backend that queues, else layer by layer.
+class CalibQuantPolicy : public quant::PrefillQuantPolicy {
  public:
   CalibQuantPolicy(int bits, float tau1, float tau2, const std::string& calibrate, float k_shrink,
                    float v_shrink, bool about_zero)
@@ -86,34 +88,19 @@ class CalibQuantPolicy : public KVPolicy {
   }
   std::string name() const override { return "calibquant"; }
   bool acts_on_decode() const override { return false; }  // visual rows only, at prefill
-  // On a device the visual rows are quantized where they are (Backend::quantize_rows).
-  bool reads_rows() const override { return false; }
-
-  void on_prefill_layer(const PrefillContext& ctx, LayerKV& layer) override {
-    std::vector<quant::PendingPayload> done;
-    quantize_layer(ctx, layer, false, done);
-    store(done);
-  }
-  // Every layer's visual rows at once: on a backend that queues (their codes come back in one
-  // wait), else layer by layer.
-  void on_prefill(const std::vector<PrefillContext>& layers, KVStore& kv) override {
-    std::vector<quant::PendingPayload> done;
-    quant::quantize_prefill(
-        layers, kv, [&](const PrefillContext& c, LayerKV& l, bool later) { quantize_layer(c, l, later, done); },
-        [&] { store(done); });
-  }
 
  private:
   // The layer's visual segments quantized into payloads (on the device where the rows are there
   // alone; `later`: their codes land at the backend's next finish_reductions), not yet stored.
-  void quantize_layer(const PrefillContext& ctx, LayerKV& layer, bool later, std::vector<quant::PendingPayload>& done) const {
+  void quantize_layer(const PrefillContext& ctx, LayerKV& layer, bool later,
+                      std::vector<quant::PendingPayload>& done) const override {
     const quant::UniformSpec ks{bits_, quant::Axis::PerChannel, k_shrink_, about_zero_};
     const quant::UniformSpec vs{bits_, quant::Axis::PerChannel, v_shrink_, about_zero_};
     for (KVSegment& s : layer.segments)
       if (s.kind == SegmentKind::Visual && s.dense()) done.push_back(quant::quantize_rows_of(ctx, s, ks, vs, later, "calibquant"));
   }
   // Each quantized segment takes its payload (once its codes are on the host); the list empties.
-  void store(std::vector<quant::PendingPayload>& done) const {
+  void store(std::vector<quant::PendingPayload>& done) const override {
     for (const quant::PendingPayload& q : done) {
       q.p->layout.kind = quant::CodeLayout::Kind::Blocks;
       q.p->layout.k_bits = q.p->layout.v_bits = bits_;

@@ -16,14 +16,6 @@
 
 namespace kvlens {
 
-namespace hadamard_int4 {
-
-void block_hadamard(float* x, int d, int block) {
-  for (int b = 0; b + block <= d; b += block) quant::hadamard(x + b, block);
-}
-
-}  // namespace hadamard_int4
-
 namespace {
 
 class HadamardInt4Policy : public quant::SegmentQuantPolicy {
@@ -31,13 +23,17 @@ class HadamardInt4Policy : public quant::SegmentQuantPolicy {
   HadamardInt4Policy(int block, bool quantize_v, bool rotate_v, bool visual_only)
       : SegmentQuantPolicy(visual_only), block_(block), quantize_v_(quantize_v), rotate_v_(rotate_v) {}
   std::string name() const override { return "hadamard_int4"; }
+  // INT4 keys of the rotated row and INT4 values, a range per row: what a device does to each
+  // new row inside its step (rotating the query once per step), when the values are quantized
+  // unrotated and every token is in scope.
+  StepQuant step_quant(int head_dim) const override {
+    if (!quantize_v_ || rotate_v_ || visual_only_) return {};
+    return {4, 4, quant::hadamard_block(block_, head_dim)};
+  }
 
  private:
   void quantize_segment(KVSegment& s, int D) override {
-    if (block_ == 0) {  // auto: the slides' order 16, halved until it divides head_dim
-      block_ = 16;
-      while (block_ > 1 && D % block_ != 0) block_ /= 2;
-    }
+    block_ = quant::hadamard_block(block_, D);  // auto: the slides' order 16, halved until it divides head_dim
     if (D % block_ != 0)
       throw InputError("hadamard_int4: block must divide head_dim " + std::to_string(D) + ", got " +
                        std::to_string(block_));
@@ -46,9 +42,9 @@ class HadamardInt4Policy : public quant::SegmentQuantPolicy {
     for (size_t h = 0; h < s.heads.size(); ++h) {
       HeadRows& r = s.heads[h];
       const int n = r.n();
-      for (int j = 0; j < n; ++j) hadamard_int4::block_hadamard(r.k.data() + static_cast<size_t>(j) * D, D, block_);
+      for (int j = 0; j < n; ++j) quant::block_hadamard(r.k.data() + static_cast<size_t>(j) * D, D, block_);
       quant::quantize_block(r.k.data(), n, D, {4, quant::Axis::PerToken}, p->k[h]);
-      for (int j = 0; j < n; ++j) hadamard_int4::block_hadamard(r.k.data() + static_cast<size_t>(j) * D, D, block_);
+      for (int j = 0; j < n; ++j) quant::block_hadamard(r.k.data() + static_cast<size_t>(j) * D, D, block_);
       if (!quantize_v_) {
         // Values kept as the segment stored them: their halves (fp16) or floats (fp32) as codes.
         if (v_half) {
@@ -65,10 +61,16 @@ class HadamardInt4Policy : public quant::SegmentQuantPolicy {
         continue;
       }
       if (rotate_v_)
-        for (int j = 0; j < n; ++j) hadamard_int4::block_hadamard(r.v.data() + static_cast<size_t>(j) * D, D, block_);
+        for (int j = 0; j < n; ++j) quant::block_hadamard(r.v.data() + static_cast<size_t>(j) * D, D, block_);
       quant::quantize_block(r.v.data(), n, D, {4, quant::Axis::PerToken}, p->v[h]);
       if (rotate_v_)
-        for (int j = 0; j < n; ++j) hadamard_int4::block_hadamard(r.v.data() + static_cast<size_t>(j) * D, D, block_);
+        for (int j = 0; j < n; ++j) quant::block_hadamard(r.v.data() + static_cast<size_t>(j) * D, D, block_);
+    }
+    if (quantize_v_ && !rotate_v_) {  // per-token INT4 codes a reader decodes directly, its query rotated
+      p->layout.kind = quant::CodeLayout::Kind::Blocks;
+      p->layout.k_bits = p->layout.v_bits = 4;
+      p->layout.k_axis = p->layout.v_axis = quant::Axis::PerToken;
+      p->layout.k_rotation = block_;
     }
     quant::set_quantized(s, p, quantize_v_ ? "hadamard-int4" : v_half ? "hadamard-int4 k, fp16 v" : "hadamard-int4 k, fp32 v", 4);
   }

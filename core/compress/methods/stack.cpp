@@ -67,8 +67,8 @@ class StackPolicy : public KVPolicy {
     return (evict_ && evict_->acts_at_step(ctx, layer)) || (quant_ && quant_->acts_at_step(ctx, layer));
   }
   // The quantization stage's, when the eviction stage does nothing while decoding.
-  StepQuant step_quant() const override {
-    return quant_ && !(evict_ && evict_->acts_on_decode()) ? quant_->step_quant() : StepQuant{};
+  StepQuant step_quant(int head_dim) const override {
+    return quant_ && !(evict_ && evict_->acts_on_decode()) ? quant_->step_quant(head_dim) : StepQuant{};
   }
   // The quantization stage's transform as it describes it, when it is the only one; any other
   // combination is applied on the host (transform_scores).

@@ -13,7 +13,8 @@ namespace kvlens {
 
 namespace {
 
-class UniformPolicy : public KVPolicy {
+// On a device the prompt's rows are quantized where they are (quant::PrefillQuantPolicy).
+class UniformPolicy : public quant::PrefillQuantPolicy {
  public:
   UniformPolicy(int bits, quant::Axis k_axis, quant::Axis v_axis, bool visual_only)
       : bits_(bits), k_axis_(k_axis), v_axis_(v_axis), visual_only_(visual_only) {
@@ -22,20 +23,6 @@ class UniformPolicy : public KVPolicy {
   }
   std::string name() const override { return "uniform"; }
 
-  // On a device the prompt's rows are quantized where they are (Backend::quantize_rows).
-  bool reads_rows() const override { return false; }
-  void on_prefill_layer(const PrefillContext& ctx, LayerKV& layer) override {
-    std::vector<quant::PendingPayload> done;
-    quantize_layer(ctx, layer, false, done);
-    store(done);
-  }
-  // Every layer at once: on a backend that queues, their codes come back in one wait.
-  void on_prefill(const std::vector<PrefillContext>& layers, KVStore& kv) override {
-    std::vector<quant::PendingPayload> done;
-    quant::quantize_prefill(
-        layers, kv, [&](const PrefillContext& c, LayerKV& l, bool later) { quantize_layer(c, l, later, done); },
-        [&] { store(done); });
-  }
 
   void on_decode_step(const DecodeContext& ctx, LayerKV& layer) override {
     if (visual_only_ || k_axis_ != quant::Axis::PerToken || v_axis_ != quant::Axis::PerToken) return;
@@ -47,18 +34,19 @@ class UniformPolicy : public KVPolicy {
     return !visual_only_ && k_axis_ == quant::Axis::PerToken && v_axis_ == quant::Axis::PerToken;
   }
   // Each new row's own range is all a step needs: a device quantizes it where it is appended.
-  StepQuant step_quant() const override { return acts_on_decode() ? StepQuant{bits_, bits_} : StepQuant{}; }
+  StepQuant step_quant(int) const override { return acts_on_decode() ? StepQuant{bits_, bits_} : StepQuant{}; }
 
  private:
   bool in_scope(const KVSegment& s) const {
     return s.dense() && (!visual_only_ || s.kind == SegmentKind::Visual);
   }
-  void quantize_layer(const PrefillContext& ctx, LayerKV& layer, bool later, std::vector<quant::PendingPayload>& done) const {
+  void quantize_layer(const PrefillContext& ctx, LayerKV& layer, bool later,
+                      std::vector<quant::PendingPayload>& done) const override {
     for (KVSegment& s : layer.segments)
       if (in_scope(s)) done.push_back(quant::quantize_rows_of(ctx, s, {bits_, k_axis_}, {bits_, v_axis_}, later, "uniform"));
   }
   // Each quantized segment takes its payload (once its codes are on the host); the list empties.
-  void store(std::vector<quant::PendingPayload>& done) const {
+  void store(std::vector<quant::PendingPayload>& done) const override {
     for (const quant::PendingPayload& q : done) {
       q.p->layout.kind = quant::CodeLayout::Kind::Blocks;
       q.p->layout.k_bits = q.p->layout.v_bits = bits_;

@@ -158,6 +158,22 @@ __device__ __forceinline__ float calibrated_max(float* s, float mw, bool cal, fl
 namespace kvlens::cuda {
 namespace {
 
+// The online-softmax step of U scores (a row past the end: −inf): the running maximum moved (st
+// rescaled), then each row's weight p added to the sum and handed to add(u, p) for its values.
+template <int U, class Add>
+__device__ __forceinline__ void softmax_step(const float (&sc)[U], State& st, Add add) {
+  float mx = st.m;
+#pragma unroll
+  for (int u = 0; u < U; ++u) mx = fmaxf(mx, sc[u]);
+  if (mx > st.m) rescale(st, mx, __expf(st.m - mx));
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const float p = sc[u] == -INFINITY ? 0.0f : __expf(sc[u] - st.m);
+    st.d += p;
+    add(u, p);
+  }
+}
+
 // The scores, online-softmax update and P·V of U fp16 rows already loaded (this lane's 8
 // channels of K in kr, of V in vr): rows j, j + G, … of which those below `end` count; g(x)
 // applied to the scores when cal. Shared by the general kernel and the fp16 kernel.
@@ -175,19 +191,12 @@ __device__ __forceinline__ void f16_update(const uint4 (&kr)[U], const uint4 (&v
     d = group_sum<L>(d);
     sc[u] = j + u * G < end ? calibrated(d, cal, cal_t, cal_g, tau1) : -INFINITY;
   }
-  float mx = st.m;
-#pragma unroll
-  for (int u = 0; u < U; ++u) mx = fmaxf(mx, sc[u]);
-  if (mx > st.m) rescale(st, mx, __expf(st.m - mx));
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const float p = sc[u] == -INFINITY ? 0.0f : __expf(sc[u] - st.m);
-    st.d += p;
+  softmax_step<U>(sc, st, [&](int u, float p) {
     float f[8];
     unpack8<__half>(vr[u], f);
 #pragma unroll
     for (int c = 0; c < 8; ++c) st.o[c] = fmaf(p, f[c], st.o[c]);
-  }
+  });
 }
 
 // fp16 keys and values.
@@ -253,19 +262,12 @@ __device__ void token_rows(const PartDesc& P, int a, int e, const float* q, cons
       d = group_sum<L>(d);
       sc[u] = j0 + u * G + g < e ? calibrated(fmaf(d, ks[u], qsum * kz[u]), cal, cal_t, cal_g, tau1) : -INFINITY;
     }
-    float mx = st.m;
-#pragma unroll
-    for (int u = 0; u < U; ++u) mx = fmaxf(mx, sc[u]);
-    if (mx > st.m) rescale(st, mx, __expf(st.m - mx));
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const float p = sc[u] == -INFINITY ? 0.0f : __expf(sc[u] - st.m);
-      st.d += p;
+    softmax_step<U>(sc, st, [&](int u, float p) {
       const float ps = p * vs[u], pz = p * vz[u];
 #pragma unroll
       for (int c = 0; c < 8; ++c)
         st.o[c] = fmaf(ps, code_f(static_cast<uint32_t>(vc[u] >> (c * BITS)) & mask), st.o[c]) + pz;
-    }
+    });
   }
 }
 

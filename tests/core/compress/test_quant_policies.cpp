@@ -545,7 +545,7 @@ TEST(HadamardInt4, DequantizedKeysKeepDotProducts) {
   Fixture f(4, 30, 5, 64, 160);
   std::vector<float> x(64), y;
   std::generate(x.begin(), x.end(), [&] { return f.normal(); }), y = x;  // H twice gives x back
-  for (int twice = 0; twice < 2; ++twice) hadamard_int4::block_hadamard(y.data(), 64, 16);
+  for (int twice = 0; twice < 2; ++twice) quant::block_hadamard(y.data(), 64, 16);
   for (int j = 0; j < 64; ++j) EXPECT_NEAR(y[j], x[j], 1e-5);  // its own inverse
   auto p = make_policy("hadamard_int4:block=16");
   f.prefill(*p), f.decode(*p, 3);
@@ -553,12 +553,12 @@ TEST(HadamardInt4, DequantizedKeysKeepDotProducts) {
   const LayerKV& L = f.store.layer(0);
   EXPECT_EQ(L.segments.size(), 4u);  // the generated tokens merge into one segment
   std::vector<float> qv(x), hq(x);  // q·k̂ = (Hq)·k̂_rot: the error is bounded in the rotated basis
-  hadamard_int4::block_hadamard(hq.data(), f.D, 16);
+  quant::block_hadamard(hq.data(), f.D, 16);
   for (const KVSegment& s : L.segments)
     for (int kh = 0; kh < f.KH; ++kh)
       for (int t = 0; t < s.heads[kh].n(); ++t) {
         std::vector<float> kr(f.key(s.heads[kh].pos[t], kh), f.key(s.heads[kh].pos[t], kh) + f.D);
-        hadamard_int4::block_hadamard(kr.data(), f.D, 16);
+        quant::block_hadamard(kr.data(), f.D, 16);
         const float lo = *std::min_element(kr.begin(), kr.end()), hi = *std::max_element(kr.begin(), kr.end());
         double exact = 0, got = 0, bound = 0;
         for (int c = 0; c < f.D; ++c)
