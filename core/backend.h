@@ -137,9 +137,11 @@ struct ScoreTransform {
 // Hadamard transform of blocks of `rotation` channels (quant::block_hadamard) and its codes are
 // of the rotated row; every key of the cache is then stored so (CodeLayout::k_rotation), and the
 // device rotates the query once per step instead of rotating keys back.
+// `label` names the rows so stored, as the method labels the segment its hook makes.
 struct StepQuant {
   int k_bits = 0, v_bits = 0;
   int rotation = 0;
+  std::string label;
   bool any() const { return k_bits > 0 && v_bits > 0; }
 };
 
@@ -487,11 +489,12 @@ class Backend {
   virtual void kv_sync(DeviceKV& dev, KVStore& host, int layer) {}
   // Room for `rows` more decode rows per layer without reallocation. With `quant` (any()), the
   // cache's decode rows are stored as it says from now on: each step's row quantized and packed
-  // where it is appended (only before the first decode row; quantizes_steps(quant) must hold).
+  // where it is appended (only before the first decode row; quantizes_steps(quant, the cache's
+  // head size) must hold).
   virtual void kv_reserve(DeviceKV& dev, int rows, const StepQuant& quant = {}) {}
   // Whether this backend's decode steps run `quant` themselves (kv_reserve), so a method whose
   // only decode-time action it is needs no host rows and no hook while decoding.
-  virtual bool quantizes_steps(const StepQuant& quant) const { return false; }
+  virtual bool quantizes_steps(const StepQuant& quant, int head_dim) const { return false; }
   // Appends to the host store, for each of `layers`, the device cache's last T decode rows
   // (appended while the host copy was put off: SeqKV::mirror off for that append), at
   // positions pos_host with kinds `kinds`. Only a backend with a device cache has such rows.

@@ -85,12 +85,12 @@ struct QuantBlock {
 struct CodeLayout {
   enum class Kind : uint8_t { None, Fp16, Blocks, ZipMixed };
   Kind kind = Kind::None;
-  int k_rotation = 0;
   int k_bits = 0, v_bits = 0;
   Axis k_axis = Axis::PerToken, v_axis = Axis::PerToken;
   int k_group = 0, v_group = 0;
   int hi_bits = 0, lo_bits = 0;
   bool layer_factors = false, shared_token_ranges = false;
+  int k_rotation = 0;
 };
 
 // One K block and one V block per KV head.

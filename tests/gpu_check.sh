@@ -8,13 +8,16 @@
 #   tests/gpu_check.sh            everything
 #   tests/gpu_check.sh build test only some stages (build, test, bench, throughput, threads, summary;
 #                                 and, not in the default list, sanitize: compute-sanitizer's
-#                                 memcheck, synccheck and racecheck over the decode kernel tests)
+#                                 memcheck, synccheck and racecheck over the decode kernel tests and
+#                                 the quantizing append's)
+#   KVLENS_7B_METHODS="m1 m2"     the methods the bench stage times on the 7B shape
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${KVLENS_GPU_OUT:-$PWD/gpu_out}
 BUILD=${KVLENS_GPU_BUILD:-build-gpu}
 CK=${KVLENS_7B_DIR:-/tmp/kvlens-llava7b}
 STAGES=${*:-build test bench throughput threads summary}
+METHODS_7B=${KVLENS_7B_METHODS:-uniform:bits=4 hadamard_int4 kivi calibquant:bits=1 zipcache}
 mkdir -p "$OUT"
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 step() { echo "== $(date +%T) $*" | tee -a "$OUT/steps.log"; }
@@ -52,6 +55,12 @@ if has bench; then
     --repeat 3 --json "$OUT/bench_7b.json"
   run bench_7b_unchained 200 "$BUILD/kvlens" bench --backend cuda --model "$CK" --prompt "${PROMPT:-Describe the image.}" \
     --repeat 3 --unchained --json "$OUT/bench_7b_unchained.json"
+  # Methods on the 7B shape, each decoding as it would in `run` without diagnostics: the share of
+  # the weight roofline and the compression time, beside the full cache's (bench_7b).
+  for m in $METHODS_7B; do
+    run "bench_7b_method_${m//[:=,]/_}" 200 "$BUILD/kvlens" bench --backend cuda --model "$CK" \
+      --prompt "${PROMPT:-Describe the image.}" --repeat 3 --method "$m" --json "$OUT/bench_7b_method_${m//[:=,]/_}.json"
+  done
   run bench_7b_profile 200 "$BUILD/kvlens" bench --backend cuda --model "$CK" --prompt "${PROMPT:-Describe the image.}" \
     --repeat 1 --max-new-tokens 8 --profile
   run bench_embedded_profile 120 "$BUILD/kvlens" bench --backend cuda --repeat 1 --max-new-tokens 8 --profile
@@ -59,6 +68,7 @@ fi
 if has sanitize; then
   for tool in memcheck synccheck racecheck; do
     run "sanitize_$tool" 600 compute-sanitizer --tool "$tool" --error-exitcode 9 "$BUILD/test_decode_kernel"
+    run "sanitize_quant_tail_$tool" 300 compute-sanitizer --tool "$tool" --error-exitcode 9 "$BUILD/test_decode_quant_tail"
   done
 fi
 if has throughput; then

@@ -46,6 +46,14 @@ def main():
     if s7:
         print(f"7B: prompt {s7['prompt_tokens']} tokens, copy {s7['copy_bandwidth_gbs']:.0f} GB/s, "
               f"weights {s7['lm_weight_bytes'] / 1e9:.2f} GB/token, vision+prefill {s7['vision_ms'] + s7['prefill_ms']:.1f} ms")
+    methods = sorted(f for f in os.listdir(d) if f.startswith("bench_7b_method_") and f.endswith(".json"))
+    if methods:
+        print(f"\n7B shape by method: {'method':<26}{'compress ms':>12}{'decode tok/s':>13}{'share':>8}")
+        for f in methods:
+            b = load(d, f)
+            if b:
+                print(f"{'':<20}{f[len('bench_7b_method_'):-5]:<26}{b['compress_ms']:>12.1f}"
+                      f"{b['decode_tokens_per_s']:>13.1f}{100 * b['share_of_roofline']:>7.1f}%")
     for suffix, how in (("", "each call timed alone on a held stream"), ("_b2b", "calls back to back")):
         a = load(d, f"bench_attention{suffix}.json")
         sd = load(d, f"sdpa{suffix}.json")

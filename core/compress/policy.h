@@ -136,7 +136,7 @@ inline KVPolicy* step_policy(KVPolicy* policy, int new_tokens) {
 inline StepQuant device_step_quant(const KVPolicy* steps, const Backend& backend, bool observed, int head_dim) {
   if (!steps || observed || steps->has_score_transform()) return {};
   const StepQuant q = steps->step_quant(head_dim);
-  return q.any() && backend.quantizes_steps(q) ? q : StepQuant{};
+  return q.any() && backend.quantizes_steps(q, head_dim) ? q : StepQuant{};
 }
 
 // The storage of dense rows a decode with `policy` (null = none) uses: what the policy asks

@@ -133,7 +133,8 @@ void quantize_prefill(const std::vector<PrefillContext>& layers, KVStore& kv,
 // A policy that quantizes a prompt's segments where their rows are (quantize_rows_of): on a
 // device the host store keeps the layout alone and every layer's segments are packed before one
 // wait (quantize_prefill). A method writes which segments and how (quantize_layer, appending a
-// pending payload for each) and how a payload is installed (store, which empties the list).
+// pending payload for each) and how a payload is installed (store, which empties the list;
+// install does it for one layout and label).
 class PrefillQuantPolicy : public KVPolicy {
  public:
   bool reads_rows() const override { return false; }
@@ -153,6 +154,20 @@ class PrefillQuantPolicy : public KVPolicy {
   virtual void quantize_layer(const PrefillContext& ctx, LayerKV& layer, bool later,
                               std::vector<PendingPayload>& done) const = 0;
   virtual void store(std::vector<PendingPayload>& done) const = 0;
+  // Every pending segment takes its payload with `layout` (kind, bits and axes; the rest as the
+  // payload has it) and `storage`, each row stored with `bits` (set_quantized); the list empties.
+  static void install(std::vector<PendingPayload>& done, const CodeLayout& layout, const std::string& storage, int bits) {
+    for (const PendingPayload& q : done) {
+      CodeLayout& l = q.p->layout;
+      l.kind = layout.kind;
+      l.k_bits = layout.k_bits;
+      l.v_bits = layout.v_bits;
+      l.k_axis = layout.k_axis;
+      l.v_axis = layout.v_axis;
+      set_quantized(*q.s, q.p, storage, bits);
+    }
+    done.clear();
+  }
 };
 
 // A policy that quantizes every dense segment in scope (all kinds, or visual only) at prefill,

@@ -557,7 +557,9 @@ class CudaBackend : public Backend {
   void kv_hydrate(const DeviceKV& dev, KVStore& host, bool rows) override { cuda::kv_hydrate(*ctx_, dev, host, rows); }
   void kv_sync(DeviceKV& dev, KVStore& host, int layer) override { cuda::kv_sync(*ctx_, dev, host, layer); }
   void kv_reserve(DeviceKV& dev, int rows, const StepQuant& quant) override { cuda::kv_reserve(*ctx_, dev, rows, quant); }
-  bool quantizes_steps(const StepQuant& quant) const override { return cuda::kv_quantizes_steps(quant); }
+  bool quantizes_steps(const StepQuant& quant, int head_dim) const override {
+    return cuda::kv_quantizes_steps(quant, head_dim);
+  }
   void kv_pull_rows(SeqKV& kv, const std::vector<int>& layers, const int32_t* pos_host, const SegmentKind* kinds,
                     int T) override {
     cuda::kv_pull_rows(*ctx_, kv, layers, pos_host, kinds, T);

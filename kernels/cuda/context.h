@@ -135,9 +135,10 @@ bool kv_zip_quantize(Context& ctx, DeviceKV& dev, int layer, const std::vector<c
 void kv_lookm_merge(Context& ctx, DeviceKV& dev, const LookMMergeSpec& spec, std::vector<LayerMerge>& layers);
 void kv_sync(Context& ctx, DeviceKV& dev, KVStore& host, int layer);
 // Backend::kv_reserve; with quant (any()), every layer's decode rows quantized per token as they
-// are appended (rope_quant_append), which kv_quantizes_steps(quant) must allow.
+// are appended (rope_quant_append), which kv_quantizes_steps(quant, head size) must allow.
 void kv_reserve(Context& ctx, DeviceKV& dev, int rows, const StepQuant& quant);
-bool kv_quantizes_steps(const StepQuant& quant);  // 1 to 8 bits a side
+// 1 to 8 bits a side, and a head size and rotation rope_quant_append takes (quant_tail_ok).
+bool kv_quantizes_steps(const StepQuant& quant, int head_dim);
 void kv_pull_rows(Context& ctx, SeqKV& kv, const std::vector<int>& layers, const int32_t* pos_host,
                   const SegmentKind* kinds, int T);
 

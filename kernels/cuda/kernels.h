@@ -509,6 +509,12 @@ void rope_append(float* qkv, int64_t q_col, int nq, int64_t k_col, int64_t v_col
 // [NKV][cap][D·bits/8], ranges [4][NKV][cap] halves (K scales, K zeros, V scales, V zeros),
 // positions pos [NKV][cap].
 constexpr int kMaxQuantTailD = 256;
+// Whether rope_quant_append takes head size D and Hadamard block `rotation` (0: none; else a
+// power of two from 2 dividing D).
+inline bool quant_tail_ok(int D, int rotation) {
+  const bool rot = rotation == 0 || (rotation >= 2 && (rotation & (rotation - 1)) == 0 && D % rotation == 0);
+  return D % 8 == 0 && D > 0 && D <= kMaxQuantTailD && rot;
+}
 struct QuantTail {
   uint8_t* k = nullptr;
   uint8_t* v = nullptr;

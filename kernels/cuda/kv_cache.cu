@@ -1,7 +1,8 @@
 // The KV cache on the GPU: per layer, segments tagged by modality as on the host, each KV head's
 // rows held as fp16 or as the packed codes a quantizing policy produced (never dequantized in
-// device memory), plus a growing fp16 tail for generated tokens whose row count lives on the
-// device (so a captured decode step can be replayed). Bytes reported are the bytes allocated.
+// device memory), plus a growing tail for generated tokens — fp16 rows, or each row's codes with
+// its own range (StepQuant) — whose row count lives on the device (so a captured decode step can
+// be replayed). Bytes reported are the bytes allocated.
 //
 // The host KVStore stays what policies edit. After a policy ran, kv_sync makes the device
 // mirror it: a segment that still equals its device copy (kind, storage, payload, positions,
@@ -608,26 +609,32 @@ void kv_sync(Context& ctx, DeviceKV& dev, KVStore& host, int layer) {
   batch.run(ctx, C.D);
 }
 
-bool kv_quantizes_steps(const StepQuant& q) {
-  const bool rot_ok = q.rotation == 0 || (q.rotation >= 2 && (q.rotation & (q.rotation - 1)) == 0 && q.rotation <= kMaxQuantTailD);
-  return q.k_bits >= 1 && q.k_bits <= 8 && q.v_bits >= 1 && q.v_bits <= 8 && rot_ok;
+bool kv_quantizes_steps(const StepQuant& q, int D) {
+  return q.k_bits >= 1 && q.k_bits <= 8 && q.v_bits >= 1 && q.v_bits <= 8 && quant_tail_ok(D, q.rotation);
 }
 
 void kv_reserve(Context& ctx, DeviceKV& dev, int rows, const StepQuant& quant) {
   CudaKV& C = as_cuda(&dev);
+  // The decode rows' storage changes only while no layer holds any, and to one the kernels take:
+  // checked for every layer before any changes.
+  auto differs = [&](const Tail& t) {
+    return quant.any() &&
+           (quant.k_bits != t.k_bits || quant.v_bits != t.v_bits || quant.rotation != t.rotation || quant.label != t.label);
+  };
+  for (int l = 0; l < C.L; ++l)
+    if (differs(C.layers[l].tail) && C.layers[l].tail.n)
+      throw InternalError("kv_reserve: layer " + std::to_string(l) + " already holds decode rows");
+  if (quant.any() && !kv_quantizes_steps(quant, C.D))
+    throw InternalError("kv_reserve: decode rows of " + std::to_string(quant.k_bits) + "/" + std::to_string(quant.v_bits) +
+                        " bits, rotation " + std::to_string(quant.rotation) + ", head size " + std::to_string(C.D));
   for (int l = 0; l < C.L; ++l) {
     Tail& t = C.layers[l].tail;
-    const int kb = quant.any() ? quant.k_bits : t.k_bits, vb = quant.any() ? quant.v_bits : t.v_bits;
-    const int rot = quant.any() ? quant.rotation : t.rotation;
-    if (kb != t.k_bits || vb != t.v_bits || rot != t.rotation) {  // the decode rows' storage changes: only while there are none
-      if (t.n) throw InternalError("kv_reserve: layer " + std::to_string(l) + " already holds decode rows");
-      if (!kv_quantizes_steps(quant))
-        throw InternalError("kv_reserve: decode rows of " + std::to_string(kb) + "/" + std::to_string(vb) + " bits, rotation " +
-                            std::to_string(rot));
+    if (differs(t)) {
       Tail u;
-      u.k_bits = kb;
-      u.v_bits = vb;
-      u.rotation = rot;
+      u.k_bits = quant.k_bits;
+      u.v_bits = quant.v_bits;
+      u.rotation = quant.rotation;
+      u.label = quant.label;
       t = std::move(u);
       C.changed();
     }

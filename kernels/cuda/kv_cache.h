@@ -42,15 +42,21 @@ struct Tail {
   DevMem k, v, pos;  // [kv head][cap][D·bits/8] bytes (fp16: bits 16), [kv head][cap] positions
   DevMem ranges;     // packed: [4][kv head][cap] halves — K scales, K zeros, V scales, V zeros
   int cap = 0, n = 0;
-  int k_bits = 16, v_bits = 16;  // 16: fp16 rows
-  int rotation = 0;              // packed: the keys' Hadamard block (StepQuant::rotation), 0 none
+  // The rows' storage (StepQuant): bits a side (16: fp16 rows), the keys' Hadamard block (0:
+  // none) and what the method labels a segment of such rows.
+  int k_bits = 16, v_bits = 16;
+  int rotation = 0;
+  std::string label = "fp16";
   std::vector<int32_t> host_pos;
   bool packed() const { return k_bits < 16; }
-  // What a host segment of these rows is labelled.
-  std::string label() const {
-    if (rotation) return "hadamard-int4";
-    return (k_bits == v_bits ? "q" + std::to_string(k_bits) : "k q" + std::to_string(k_bits) + " v q" + std::to_string(v_bits)) +
-           " k:per-token v:per-token";
+  // An empty tail of the same storage.
+  Tail empty_like() const {
+    Tail u;
+    u.k_bits = k_bits;
+    u.v_bits = v_bits;
+    u.rotation = rotation;
+    u.label = label;
+    return u;
   }
 };
 // The bytes of n decode rows of every KV head stored as t stores them, as the host counts a
@@ -170,11 +176,9 @@ class CudaKV : public DeviceKV {
       c->layers[l].segs = layers[l].segs;  // immutable: shared
       const Tail& t = layers[l].tail;
       n[l] = t.n;
-      if (t.cap == 0) continue;
       Tail& u = c->layers[l].tail;
-      u.k_bits = t.k_bits;
-      u.v_bits = t.v_bits;
-      u.rotation = t.rotation;
+      u = t.empty_like();
+      if (t.cap == 0) continue;
       c->alloc_tail(u, t.cap, l);
       copy_tail(t, u);
       u.n = t.n;
@@ -216,7 +220,7 @@ class CudaKV : public DeviceKV {
     for (const DevSeg& s : layers.at(l).segs) r.push_back(s.storage);
     const Tail& t = layers[l].tail;
     if (t.n && !t.packed()) r.push_back("fp16 (decode tail)");
-    if (t.n && t.packed()) r.push_back(t.label() + " (decode tail)");
+    if (t.n && t.packed()) r.push_back(t.label + " (decode tail)");
     return r;
   }
 
@@ -253,10 +257,7 @@ class CudaKV : public DeviceKV {
     Tail& t = layers[l].tail;
     if (cap <= t.cap) return;
     if (ctx->replay || ctx->capturing) throw InternalError("KV cache: decode rows grew inside a captured step");
-    Tail u;
-    u.k_bits = t.k_bits;
-    u.v_bits = t.v_bits;
-    u.rotation = t.rotation;
+    Tail u = t.empty_like();
     alloc_tail(u, cap, l);
     copy_tail(t, u);
     u.n = t.n;

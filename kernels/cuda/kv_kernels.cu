@@ -241,8 +241,7 @@ void rope_append(float* qkv, int64_t q_col, int nq, int64_t k_col, int64_t v_col
 void rope_quant_append(float* qkv, int64_t q_col, int nq, int64_t k_col, int64_t v_col, int nk, int D,
                        const int32_t* pos_in, const float* inv_freq, const QuantTail& t, int32_t* counter, int32_t* done,
                        cudaStream_t s) {
-  const bool rot_ok = t.rotation == 0 || (t.rotation >= 2 && (t.rotation & (t.rotation - 1)) == 0 && D % t.rotation == 0);
-  if (D % 8 != 0 || D > kMaxQuantTailD || t.k_bits < 1 || t.k_bits > 8 || t.v_bits < 1 || t.v_bits > 8 || !rot_ok)
+  if (!quant_tail_ok(D, t.rotation) || t.k_bits < 1 || t.k_bits > 8 || t.v_bits < 1 || t.v_bits > 8)
     throw InternalError("rope_quant_append: head size " + std::to_string(D) + " (a multiple of 8, at most " +
                         std::to_string(kMaxQuantTailD) + "), bits " + std::to_string(t.k_bits) + "/" +
                         std::to_string(t.v_bits) + " (1 to 8) and rotation " + std::to_string(t.rotation) +

@@ -23,7 +23,10 @@ namespace {
 
 // A packed decode tail (StepQuant) as the host holds such rows: a segment whose payload is each
 // head's codes and per-row fp16 ranges (CodeLayout::Blocks, per-token K and V, the layout a
-// per-token uniform method's on_decode_step makes), and with `rows` the dequantized rows.
+// per-token uniform method's on_decode_step makes), and with `rows` the dequantized rows (as
+// quant::decode gives them; kernels do not read core/compress). A cache whose prompt segments
+// are fp16 comes back so (tests/kernels/test_decode_quant_tail.cpp); a method's packed prompt
+// segments are refused by kv_hydrate as before.
 void hydrate_packed_tail(Context& ctx, const CudaKV& C, const Tail& t, KVSegment& h, bool rows) {
   const int NKV = C.NKV, D = C.D, n = t.n;
   const int64_t kr = static_cast<int64_t>(D) * t.k_bits / 8, vr = static_cast<int64_t>(D) * t.v_bits / 8;
@@ -81,7 +84,7 @@ void hydrate_packed_tail(Context& ctx, const CudaKV& C, const Tail& t, KVSegment
   // As quant::set_quantized installs a payload: every row's key bits, the bytes (tail_bytes: the
   // payload's arrays and the positions).
   for (HeadRows& r : h.heads) r.bits.assign(static_cast<size_t>(n), static_cast<uint8_t>(t.k_bits));
-  h.storage = t.label();
+  h.storage = t.label;
   h.payload = std::move(p);
 }
 
@@ -89,7 +92,8 @@ void hydrate_packed_tail(Context& ctx, const CudaKV& C, const Tail& t, KVSegment
 
 void kv_hydrate(Context& ctx, const DeviceKV& dev, KVStore& host, bool rows) {
   const CudaKV& C = as_cuda(dev);
-  // The device holds fp16 rows: the store keeps them as fp16 (values exact in float).
+  // The device's segments hold fp16 rows: the store keeps them as fp16 (values exact in float);
+  // a packed decode tail comes back as its payload (hydrate_packed_tail).
   host = KVStore(C.L, C.NKV, C.D, RowStorage::Fp16);
   for (int l = 0; l < C.L; ++l) {
     LayerKV& H = host.layer(l);

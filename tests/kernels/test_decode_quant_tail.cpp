@@ -39,9 +39,10 @@ void quantized_tail_case(const TailCase& tc) {
   const AttnLayout l1 = layout_of(c, 1);
   Backend& cpu = *op_backends().cpu;
   Backend& gpu = *op_backends().gpu;
-  const StepQuant q{tc.k_bits, tc.v_bits, tc.rotation};
-  ASSERT_TRUE(gpu.quantizes_steps(q));
-  EXPECT_FALSE(cpu.quantizes_steps(q));
+  const StepQuant q{tc.k_bits, tc.v_bits, tc.rotation, "rows of " + what};
+  ASSERT_TRUE(gpu.quantizes_steps(q, c.D));
+  EXPECT_FALSE(cpu.quantizes_steps(q, c.D));
+  EXPECT_FALSE(gpu.quantizes_steps(StepQuant{tc.k_bits, tc.v_bits, 2 * c.D}, c.D));  // a block wider than the head
   KVStore host(1, c.NKV, c.D);
   auto dev = gpu.kv_create(1, c.NKV, c.D);
   SeqKV kv{&host, dev.get(), false};
@@ -104,9 +105,7 @@ void quantized_tail_case(const TailCase& tc) {
   ASSERT_EQ(back.layer(0).segments.size(), T ? 2u : 1u);
   const KVSegment& tail = back.layer(0).segments.back();
   EXPECT_EQ(tail.kind, SegmentKind::Generated);
-  const std::string label = tc.k_bits == tc.v_bits ? "q" + std::to_string(tc.k_bits)
-                                                   : "k q" + std::to_string(tc.k_bits) + " v q" + std::to_string(tc.v_bits);
-  EXPECT_EQ(tail.storage, tc.rotation ? std::string("hadamard-int4") : label + " k:per-token v:per-token");
+  EXPECT_EQ(tail.storage, q.label);
   const auto* pay = dynamic_cast<const quant::QuantPayload*>(tail.payload.get());
   ASSERT_NE(pay, nullptr);
   EXPECT_EQ(pay->layout.kind, quant::CodeLayout::Kind::Blocks);

@@ -101,13 +101,11 @@ class CalibQuantPolicy : public quant::PrefillQuantPolicy {
   }
   // Each quantized segment takes its payload (once its codes are on the host); the list empties.
   void store(std::vector<quant::PendingPayload>& done) const override {
-    for (const quant::PendingPayload& q : done) {
-      q.p->layout.kind = quant::CodeLayout::Kind::Blocks;
-      q.p->layout.k_bits = q.p->layout.v_bits = bits_;
-      q.p->layout.k_axis = q.p->layout.v_axis = quant::Axis::PerChannel;
-      quant::set_quantized(*q.s, q.p, "q" + std::to_string(bits_) + "-channel", bits_);
-    }
-    done.clear();
+    quant::CodeLayout l;
+    l.kind = quant::CodeLayout::Kind::Blocks;
+    l.k_bits = l.v_bits = bits_;
+    l.k_axis = l.v_axis = quant::Axis::PerChannel;
+    install(done, l, "q" + std::to_string(bits_) + "-channel", bits_);
   }
 
  public:

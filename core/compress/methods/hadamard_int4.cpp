@@ -28,7 +28,7 @@ class HadamardInt4Policy : public quant::SegmentQuantPolicy {
   // unrotated and every token is in scope.
   StepQuant step_quant(int head_dim) const override {
     if (!quantize_v_ || rotate_v_ || visual_only_) return {};
-    return {4, 4, quant::hadamard_block(block_, head_dim)};
+    return {4, 4, quant::hadamard_block(block_, head_dim), "hadamard-int4"};
   }
 
  private:
@@ -66,7 +66,7 @@ class HadamardInt4Policy : public quant::SegmentQuantPolicy {
       if (rotate_v_)
         for (int j = 0; j < n; ++j) quant::block_hadamard(r.v.data() + static_cast<size_t>(j) * D, D, block_);
     }
-    if (quantize_v_ && !rotate_v_) {  // per-token INT4 codes a reader decodes directly, its query rotated
+    if (quantize_v_ && !rotate_v_) {  // per-token INT4 codes a device whose query is rotated reads directly
       p->layout.kind = quant::CodeLayout::Kind::Blocks;
       p->layout.k_bits = p->layout.v_bits = 4;
       p->layout.k_axis = p->layout.v_axis = quant::Axis::PerToken;

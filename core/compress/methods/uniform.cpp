@@ -23,7 +23,6 @@ class UniformPolicy : public quant::PrefillQuantPolicy {
   }
   std::string name() const override { return "uniform"; }
 
-
   void on_decode_step(const DecodeContext& ctx, LayerKV& layer) override {
     if (visual_only_ || k_axis_ != quant::Axis::PerToken || v_axis_ != quant::Axis::PerToken) return;
     if (layer.segments.empty() || !in_scope(layer.segments.back())) return;
@@ -34,7 +33,7 @@ class UniformPolicy : public quant::PrefillQuantPolicy {
     return !visual_only_ && k_axis_ == quant::Axis::PerToken && v_axis_ == quant::Axis::PerToken;
   }
   // Each new row's own range is all a step needs: a device quantizes it where it is appended.
-  StepQuant step_quant(int) const override { return acts_on_decode() ? StepQuant{bits_, bits_} : StepQuant{}; }
+  StepQuant step_quant(int) const override { return acts_on_decode() ? StepQuant{bits_, bits_, 0, storage_} : StepQuant{}; }
 
  private:
   bool in_scope(const KVSegment& s) const {
@@ -47,20 +46,22 @@ class UniformPolicy : public quant::PrefillQuantPolicy {
   }
   // Each quantized segment takes its payload (once its codes are on the host); the list empties.
   void store(std::vector<quant::PendingPayload>& done) const override {
-    for (const quant::PendingPayload& q : done) {
-      q.p->layout.kind = quant::CodeLayout::Kind::Blocks;
-      q.p->layout.k_bits = q.p->layout.v_bits = bits_;
-      q.p->layout.k_axis = k_axis_;
-      q.p->layout.v_axis = v_axis_;
-      quant::set_quantized(*q.s, q.p, storage_, bits_);
-    }
-    done.clear();
+    quant::CodeLayout l;
+    l.kind = quant::CodeLayout::Kind::Blocks;
+    l.k_bits = l.v_bits = bits_;
+    l.k_axis = k_axis_;
+    l.v_axis = v_axis_;
+    install(done, l, storage_, bits_);
   }
   // A decode step's new row, on the host store's rows.
   void quantize_segment(KVSegment& s, int D) const {
-    PrefillContext ctx;
-    ctx.head_dim = D;
-    std::vector<quant::PendingPayload> done{quant::quantize_rows_of(ctx, s, {bits_, k_axis_}, {bits_, v_axis_}, false, "uniform")};
+    auto p = std::make_shared<quant::QuantPayload>(static_cast<int>(s.heads.size()));
+    for (size_t h = 0; h < s.heads.size(); ++h) {
+      HeadRows& r = s.heads[h];
+      quant::quantize_block(r.k.data(), r.n(), D, {bits_, k_axis_}, p->k[h]);
+      quant::quantize_block(r.v.data(), r.n(), D, {bits_, v_axis_}, p->v[h]);
+    }
+    std::vector<quant::PendingPayload> done{{&s, std::move(p)}};
     store(done);
   }
 
