@@ -14,6 +14,7 @@
 #include "kernels/backends.h"
 #include "models/model.h"
 #include "models/tokenizer.h"
+#include "tests/policy_probe.h"
 #include "tests/test_util.h"
 
 // Skips the test, visibly, where no CUDA device is usable (tests/gpu_check.sh runs it on one).
@@ -85,6 +86,32 @@ inline void expect_same_layout(const KVStore& a, const KVStore& b) {
       }
     }
   }
+}
+
+// `spec`'s policy decoded from r's prefill three ways: `host` with its hook made to act at every
+// step (the loop keeps the host rows and calls it each layer and forward), `device` as the method
+// is (chained), `unchained` the same with unchained steps. Checks what holds for a method that
+// needs no host work while decoding: only the host path calls the hook (every layer and
+// forward), only the device path chains, and unchained steps give exactly the chained ones.
+struct ThreeDecodes {
+  DecodeResult host, device, unchained;
+};
+inline ThreeDecodes decode_three_ways(const SampleRun& r, const char* spec) {
+  PolicyProbe host(make_policy(spec), true), device(make_policy(spec), false), unchained(make_policy(spec), false);
+  ThreeDecodes t;
+  t.host = r.gpu.decode(r.st, &host, r.g);
+  t.device = r.gpu.decode(r.st, &device, r.g);
+  GenerateOptions u = r.g;
+  u.chain_steps = false;
+  t.unchained = r.gpu.decode(r.st, &unchained, u);
+  EXPECT_EQ(host.decode_calls, r.layers * (r.g.max_new_tokens - 1));
+  EXPECT_EQ(device.decode_calls + unchained.decode_calls, 0);
+  EXPECT_TRUE(t.device.chained);
+  EXPECT_FALSE(t.host.chained || t.unchained.chained);
+  EXPECT_EQ(t.unchained.generated_ids, t.device.generated_ids);
+  EXPECT_EQ(t.unchained.step_logits, t.device.step_logits);
+  EXPECT_EQ(t.unchained.bytes_final.total(), t.device.bytes_final.total());
+  return t;
 }
 
 // `spec`'s policy decoded twice from r's prefill, unchained: x on the layout alone (its policy

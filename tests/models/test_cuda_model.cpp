@@ -352,20 +352,8 @@ TEST(CudaModel, PrefillOnlyMethodsDecodeOnTheDeviceAlone) {
   ASSERT_TRUE(r.gpu.backend().chains_steps());
   for (const char* spec : {"calibquant:bits=1", "calibquant:bits=2", "calibquant:bits=4", "snapkv", "stack"}) {
     SCOPED_TRACE(spec);
-    kt::PolicyProbe host(make_policy(spec), true), inert(make_policy(spec), false), unchained(make_policy(spec), false);
-    const DecodeResult a = r.gpu.decode(r.st, &host, r.g);
-    const DecodeResult b = r.gpu.decode(r.st, &inert, r.g);
-    GenerateOptions u = r.g;
-    u.chain_steps = false;
-    const DecodeResult c = r.gpu.decode(r.st, &unchained, u);
-    EXPECT_EQ(host.decode_calls, r.layers * (r.g.max_new_tokens - 1));
-    EXPECT_EQ(inert.decode_calls + unchained.decode_calls, 0);
-    EXPECT_TRUE(b.chained);
-    EXPECT_FALSE(a.chained || c.chained);
-    expect_same_decode(b, a);
-    EXPECT_EQ(c.generated_ids, b.generated_ids);
-    EXPECT_EQ(c.step_logits, b.step_logits);
-    EXPECT_EQ(c.bytes_final.total(), b.bytes_final.total());
+    const kt::ThreeDecodes t = kt::decode_three_ways(r, spec);
+    expect_same_decode(t.device, t.host);
   }
 }
 
