@@ -138,10 +138,18 @@ struct ScoreTransform {
 // of the rotated row; every key of the cache is then stored so (CodeLayout::k_rotation), and the
 // device rotates the query once per step instead of rotating keys back.
 // `label` names the rows so stored, as the method labels the segment its hook makes.
+// group > 0 (KIVI): rows are appended as fp16 instead, and before a step appends its row, each
+// KV head whose trailing dense rows (the prompt's last dense segments, then the decode rows),
+// with that row, number at least residual + group, has its oldest such rows quantized in whole
+// groups so that `residual` rows stay dense: keys with a range per channel over each piece, cut
+// where a segment ends, values with a range per row, both k_bits (quant::quantize_block); each
+// piece becomes a segment labelled `label` before the rest of the one it was cut from. The
+// host's twin is KIVI's on_decode_step (residual >= 1, so the new row is never among them).
 struct StepQuant {
   int k_bits = 0, v_bits = 0;
   int rotation = 0;
   std::string label;
+  int group = 0, residual = 0;
   bool any() const { return k_bits > 0 && v_bits > 0; }
 };
 
@@ -495,6 +503,10 @@ class Backend {
   // Whether this backend's decode steps run `quant` themselves (kv_reserve), so a method whose
   // only decode-time action it is needs no host rows and no hook while decoding.
   virtual bool quantizes_steps(const StepQuant& quant, int head_dim) const { return false; }
+  // Before a decode step's ops, outside any captured step: the decode rows' action that
+  // kv_reserve's quant (group > 0) takes before the step's row is appended, run where the rows
+  // are. The layout may change (DeviceKV::version), so a replayed step is captured anew.
+  virtual void kv_before_step(DeviceKV& dev) {}
   // Appends to the host store, for each of `layers`, the device cache's last T decode rows
   // (appended while the host copy was put off: SeqKV::mirror off for that append), at
   // positions pos_host with kinds `kinds`. Only a backend with a device cache has such rows.

@@ -490,6 +490,9 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
     be->upload(&tok, w.ids);
     be->upload(&pos, w.pos);
   }
+  // The cache's own work due before this step's row (StepQuant::group), outside the step that
+  // may be captured: it may lay the cache out anew, and the step's key follows.
+  if (kv.dev) be->kv_before_step(*kv.dev);
   const SegmentKind gen = SegmentKind::Generated;
   const bool want = !observers.empty();
   // A policy that compresses only at prefill and calibrates (if at all) inside the device's

@@ -550,6 +550,22 @@ void quantize_channel_heads(const __half* x, int64_t x_stride, int heads, int n,
                             int64_t range_stride, cudaStream_t s);
 void quantize_token(const __half* x, int n, int D, int bits, const __half* factor, uint8_t* codes,
                     __half* scale, __half* zero, cudaStream_t s);
+// KIVI's pieces (StepQuant::group), many in one launch: piece i's n rows of fp16 keys k[n][D]
+// and values v[n][D] quantized with `bits`, keys with a range per channel over the piece
+// (quantize_block, Axis::PerChannel: D scales and zeros), values with one per row (PerToken: n
+// each), codes packed row by row as quantize_block packs them. Pieces live in device memory.
+struct GroupPiece {
+  const __half* k = nullptr;
+  const __half* v = nullptr;
+  int n = 0;
+  uint8_t* k_codes = nullptr;
+  uint8_t* v_codes = nullptr;
+  __half* k_scale = nullptr;  // [D], then zeros at k_zero
+  __half* k_zero = nullptr;
+  __half* v_scale = nullptr;  // [n]
+  __half* v_zero = nullptr;
+};
+void quantize_pieces(const GroupPiece* pieces, int n_pieces, int D, int bits, cudaStream_t s);
 // ZipCache's CST factors c_j = half(sqrt(max_t |x_tj|)) (1 where 0 or not finite).
 void cst_factors(const __half* x, int n, int D, __half* factor, cudaStream_t s);
 // ZipCache's mixed-bit group (quant::CodeLayout::ZipMixed) quantized as zipcache::quantize_group

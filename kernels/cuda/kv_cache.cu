@@ -165,7 +165,7 @@ void set_host_bytes(CudaKV& C, KVStore& host, int l) {
   const size_t ns = d.segs.size();
   for (size_t i = 0; i < H.segments.size(); ++i) {
     if (i < ns) H.segments[i].bytes = d.segs[i].bytes;
-    else if (i == ns && d.tail.n) H.segments[i].bytes = tail_bytes(d.tail, d.tail.n, C.NKV, C.D);
+    else if (i == ns && d.tail.n) H.segments[i].bytes = tail_bytes(d.tail, d.tail.rows(C.NKV), C.D);
   }
 }
 
@@ -187,7 +187,7 @@ RowMap device_rows(const CudaKV& C, const DevLayer& d) {
   }
   const Tail& t = d.tail;
   for (int h = 0; h < C.NKV && !t.packed(); ++h)  // (packed decode rows are codes, no fp16 rows)
-    for (int i = 0; i < t.n; ++i)
+    for (int i = t.first(h); i < t.n; ++i)
       m.put(h, t.host_pos[i], {t.k.as<__half>() + (static_cast<int64_t>(h) * t.cap + i) * C.D,
                                t.v.as<__half>() + (static_cast<int64_t>(h) * t.cap + i) * C.D});
   if (!d.merged.empty())
@@ -610,16 +610,23 @@ void kv_sync(Context& ctx, DeviceKV& dev, KVStore& host, int layer) {
 }
 
 bool kv_quantizes_steps(const StepQuant& q, int D) {
-  return q.k_bits >= 1 && q.k_bits <= 8 && q.v_bits >= 1 && q.v_bits <= 8 && quant_tail_ok(D, q.rotation);
+  const bool bits = q.k_bits >= 1 && q.k_bits <= 8 && q.v_bits >= 1 && q.v_bits <= 8;
+  if (q.group > 0) return bits && q.k_bits == q.v_bits && q.rotation == 0 && q.residual >= 1 && D % 8 == 0;
+  return bits && q.group == 0 && quant_tail_ok(D, q.rotation);
 }
 
 void kv_reserve(Context& ctx, DeviceKV& dev, int rows, const StepQuant& quant) {
   CudaKV& C = as_cuda(&dev);
   // The decode rows' storage changes only while no layer holds any, and to one the kernels take:
   // checked for every layer before any changes.
+  // (grouped: fp16 rows, the groups' StepQuant kept beside them)
+  const bool grouped = quant.any() && quant.group > 0;
   auto differs = [&](const Tail& t) {
-    return quant.any() &&
-           (quant.k_bits != t.k_bits || quant.v_bits != t.v_bits || quant.rotation != t.rotation || quant.label != t.label);
+    if (grouped)
+      return t.packed() || t.groups.k_bits != quant.k_bits || t.groups.group != quant.group ||
+             t.groups.residual != quant.residual || t.groups.label != quant.label;
+    return quant.any() && (quant.k_bits != t.k_bits || quant.v_bits != t.v_bits || quant.rotation != t.rotation ||
+                           quant.label != t.label || t.grouped());
   };
   for (int l = 0; l < C.L; ++l)
     if (differs(C.layers[l].tail) && C.layers[l].tail.n)
@@ -631,10 +638,14 @@ void kv_reserve(Context& ctx, DeviceKV& dev, int rows, const StepQuant& quant) {
     Tail& t = C.layers[l].tail;
     if (differs(t)) {
       Tail u;
-      u.k_bits = quant.k_bits;
-      u.v_bits = quant.v_bits;
-      u.rotation = quant.rotation;
-      u.label = quant.label;
+      if (grouped) {
+        u.groups = quant;
+      } else {
+        u.k_bits = quant.k_bits;
+        u.v_bits = quant.v_bits;
+        u.rotation = quant.rotation;
+        u.label = quant.label;
+      }
       t = std::move(u);
       C.changed();
     }

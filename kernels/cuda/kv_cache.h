@@ -37,7 +37,9 @@ struct DevSeg {
 };
 
 // The decode rows of a layer: fp16 rows, or (packed) each row's K and V quantized with its own
-// range where it was appended (StepQuant, rope_quant_append).
+// range where it was appended (StepQuant, rope_quant_append). Grouped (StepQuant::group, KIVI):
+// fp16 rows of which each KV head's first start[h] were quantized into segments of their own
+// (kv_before_step) and are no longer read here.
 struct Tail {
   DevMem k, v, pos;  // [kv head][cap][D·bits/8] bytes (fp16: bits 16), [kv head][cap] positions
   DevMem ranges;     // packed: [4][kv head][cap] halves — K scales, K zeros, V scales, V zeros
@@ -48,7 +50,19 @@ struct Tail {
   int rotation = 0;
   std::string label = "fp16";
   std::vector<int32_t> host_pos;
+  // Grouped: what kv_before_step quantizes (StepQuant: bits, group, residual, label) and, per
+  // KV head, the rows already quantized (empty: none).
+  StepQuant groups;
+  std::vector<int> start;
   bool packed() const { return k_bits < 16; }
+  bool grouped() const { return groups.group > 0; }
+  int first(int h) const { return start.empty() ? 0 : start[static_cast<size_t>(h)]; }
+  // The rows of every KV head read here.
+  int64_t rows(int NKV) const {
+    int64_t r = static_cast<int64_t>(n) * NKV;
+    for (int s : start) r -= s;
+    return r;
+  }
   // An empty tail of the same storage.
   Tail empty_like() const {
     Tail u;
@@ -56,15 +70,21 @@ struct Tail {
     u.v_bits = v_bits;
     u.rotation = rotation;
     u.label = label;
+    u.groups = groups;
     return u;
   }
+  // The rows' bookkeeping of t (after its rows were copied here).
+  void keep_rows_of(const Tail& t) {
+    n = t.n;
+    host_pos = t.host_pos;
+    start = t.start;
+  }
 };
-// The bytes of n decode rows of every KV head stored as t stores them, as the host counts a
-// segment of them (quant::set_quantized: codes, one fp16 scale and zero per row and side, int32
-// positions).
-inline KVBytes tail_bytes(const Tail& t, int64_t n, int NKV, int D) {
+// The bytes of `rows` decode rows (over every KV head) stored as t stores them, as the host
+// counts a segment of them (quant::set_quantized: codes, one fp16 scale and zero per row and
+// side, int32 positions).
+inline KVBytes tail_bytes(const Tail& t, int64_t rows, int D) {
   KVBytes b;
-  const int64_t rows = n * NKV;
   b.codes = rows * D * (t.k_bits + t.v_bits) / 8;
   if (t.packed()) b.scales = b.zeros = rows * 2 * 2;
   b.indices = rows * 4;
@@ -181,8 +201,7 @@ class CudaKV : public DeviceKV {
       if (t.cap == 0) continue;
       c->alloc_tail(u, t.cap, l);
       copy_tail(t, u);
-      u.n = t.n;
-      u.host_pos = t.host_pos;
+      u.keep_rows_of(t);
     }
     ctx->upload(c->counters.mem.get(), n.data(), static_cast<int64_t>(L) * 4, "KV tail counters");
     c->q_rotation = q_rotation;
@@ -191,7 +210,7 @@ class CudaKV : public DeviceKV {
   KVBytes bytes(int l) const override {
     KVBytes b;
     for (const DevSeg& s : layers.at(l).segs) b += s.bytes;
-    b += tail_bytes(layers[l].tail, layers[l].tail.n, NKV, D);
+    b += tail_bytes(layers[l].tail, layers[l].tail.rows(NKV), D);
     return b;
   }
   KVBytes bytes() const override {
@@ -260,8 +279,7 @@ class CudaKV : public DeviceKV {
     Tail u = t.empty_like();
     alloc_tail(u, cap, l);
     copy_tail(t, u);
-    u.n = t.n;
-    u.host_pos = t.host_pos;
+    u.keep_rows_of(t);
     t = std::move(u);
     changed();
   }
@@ -270,6 +288,7 @@ class CudaKV : public DeviceKV {
     if (t.n == 0) return;
     t.n = 0;
     t.host_pos.clear();
+    t.start.clear();
     KV_CUDA(cudaMemsetAsync(counters.as<int32_t>() + l, 0, 4, ctx->stream), "KV tail counter");
     changed();
   }
@@ -325,9 +344,9 @@ class CudaKV : public DeviceKV {
         const Tail& tl = layers[l].tail;
         if (tl.cap) {
           PartDesc d;
-          d.n = 0;
+          d.n = -tl.first(h);  // (rows quantized into segments of their own are not read here)
           d.counter = counters.as<int32_t>() + l;
-          const int64_t at = static_cast<int64_t>(h) * tl.cap;
+          const int64_t at = static_cast<int64_t>(h) * tl.cap + tl.first(h);
           if (tl.packed()) {  // codes with a range per row
             auto side = [&](KvSide& x, const DevMem& codes, int bits, int which) {
               x.fmt = kToken;

@@ -249,6 +249,8 @@ struct RecordedRows {
 
 RecordedRows recorded_rows(const CudaKV& C, int layer) {
   const DevLayer& d = C.layers[static_cast<size_t>(layer)];
+  if (!d.tail.start.empty())  // (decode steps that quantize groups are never observed)
+    throw InternalError("recorded attention: layer " + std::to_string(layer) + "'s decode rows were quantized in groups");
   RecordedRows r;
   r.order = segment_order(C, layer);
   r.pos.resize(static_cast<size_t>(C.NKV));

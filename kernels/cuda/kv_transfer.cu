@@ -127,8 +127,8 @@ void kv_hydrate(Context& ctx, const DeviceKV& dev, KVStore& host, bool rows) {
       h.storage = "fp16";
       h.layout_only = !rows;
       h.heads.resize(C.NKV);
-      for (int k = 0; k < C.NKV; ++k) h.heads[k].pos = d.tail.host_pos;
-      h.bytes = tail_bytes(d.tail, d.tail.n, C.NKV, C.D);
+      for (int k = 0; k < C.NKV; ++k) h.heads[k].pos.assign(d.tail.host_pos.begin() + d.tail.first(k), d.tail.host_pos.end());
+      h.bytes = tail_bytes(d.tail, d.tail.rows(C.NKV), C.D);
       if (d.tail.packed()) hydrate_packed_tail(ctx, C, d.tail, h, rows);
       H.segments.push_back(std::move(h));
     }
@@ -141,8 +141,8 @@ void kv_hydrate(Context& ctx, const DeviceKV& dev, KVStore& host, bool rows) {
       }
     if (d.tail.n && !d.tail.packed())
       for (int k = 0; k < C.NKV; ++k) {
-        const int64_t at = static_cast<int64_t>(k) * d.tail.cap * C.D;
-        parts.push_back({d.tail.k.as<__half>() + at, d.tail.v.as<__half>() + at, d.tail.n,
+        const int64_t at = (static_cast<int64_t>(k) * d.tail.cap + d.tail.first(k)) * C.D;
+        parts.push_back({d.tail.k.as<__half>() + at, d.tail.v.as<__half>() + at, d.tail.n - d.tail.first(k),
                          &H.segments.back().heads[k]});
       }
     int64_t total = 0;

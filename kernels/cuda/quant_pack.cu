@@ -144,6 +144,61 @@ void quantize_channel_heads(const __half* x, int64_t x_stride, int heads, int n,
   KV_LAUNCH("pack_kernel", std::to_string(heads) + "x" + std::to_string(n) + "x" + std::to_string(D));
 }
 
+namespace {
+
+// One block a piece: the keys' channel ranges (a thread a channel) and the values' row ranges
+// (a warp a row), then every row's codes, 8 channels a thread (pack_kernel's packing).
+__global__ void piece_quant_kernel(const GroupPiece* pieces, int D, int bits) {
+  const GroupPiece p = pieces[blockIdx.x];
+  for (int c = threadIdx.x; c < D; c += blockDim.x) {
+    float lo = INFINITY, hi = -INFINITY;
+    for (int r = 0; r < p.n; ++r) {
+      const float x = __half2float(p.k[static_cast<int64_t>(r) * D + c]);
+      lo = fminf(lo, x);
+      hi = fmaxf(hi, x);
+    }
+    affine(lo, hi, bits, 1.0f, false, p.k_scale + c, p.k_zero + c);
+  }
+  const int warps = blockDim.x >> 5, lane = threadIdx.x & 31;
+  for (int r = threadIdx.x >> 5; r < p.n; r += warps) {
+    float lo = INFINITY, hi = -INFINITY;
+    for (int c = lane; c < D; c += 32) {
+      const float x = __half2float(p.v[static_cast<int64_t>(r) * D + c]);
+      lo = fminf(lo, x);
+      hi = fmaxf(hi, x);
+    }
+    lo = -warp_max(-lo);
+    hi = warp_max(hi);
+    if (lane == 0) affine(lo, hi, bits, 1.0f, true, p.v_scale + r, p.v_zero + r);
+  }
+  __syncthreads();
+  const int chunks = D / 8;
+  for (int i = threadIdx.x; i < 2 * p.n * chunks; i += blockDim.x) {
+    const bool value = i >= p.n * chunks;
+    const int j = value ? i - p.n * chunks : i;
+    const int row = j / chunks, c0 = (j % chunks) * 8;
+    const __half* x = (value ? p.v : p.k) + static_cast<int64_t>(row) * D + c0;
+    uint64_t w = 0;
+    for (int c = 0; c < 8; ++c) {
+      const int r = value ? row : c0 + c;
+      const __half* sc = value ? p.v_scale : p.k_scale;
+      const __half* z = value ? p.v_zero : p.k_zero;
+      w |= static_cast<uint64_t>(encode(__half2float(x[c]), __half2float(z[r]), __half2float(sc[r]), bits)) << (c * bits);
+    }
+    uint8_t* out = (value ? p.v_codes : p.k_codes) + static_cast<int64_t>(row) * (D * bits / 8) + (c0 / 8) * bits;
+    for (int b = 0; b < bits; ++b) out[b] = static_cast<uint8_t>(w >> (8 * b));
+  }
+}
+
+}  // namespace
+
+void quantize_pieces(const GroupPiece* pieces, int n_pieces, int D, int bits, cudaStream_t s) {
+  check_shape(D, bits);
+  if (n_pieces == 0) return;
+  piece_quant_kernel<<<n_pieces, 256, 0, s>>>(pieces, D, bits);
+  KV_LAUNCH("piece_quant_kernel", std::to_string(n_pieces) + " pieces x" + std::to_string(D));
+}
+
 void quantize_token(const __half* x, int n, int D, int bits, const __half* factor, uint8_t* codes, __half* scale,
                     __half* zero, cudaStream_t s) {
   check_shape(D, bits);

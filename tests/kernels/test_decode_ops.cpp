@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstring>
 #include <random>
 
 #include "core/compress/method.h"
@@ -606,6 +607,80 @@ TEST(DecodeOps, ChannelMajorRegroupingKernel) {
       int64_t differ = 0;
       for (int64_t i = 0; i < bytes; ++i) differ += out[h * stride + i] != want[static_cast<size_t>(i)];
       EXPECT_EQ(differ, 0) << what << ", head " << h << ": bytes that differ";
+    }
+  }
+}
+
+// KIVI's pieces (quantize_pieces), several of awkward sizes in one launch, each against
+// quant::quantize_block of its rows alone — keys per channel, values per token — with
+// quant_case's bounds: equal ranges, codes at most one step apart near a boundary.
+TEST(DecodeOps, KiviPiecesKernel) {
+  KVLENS_NEED_GPU();
+  Backend& be = *op_backends().gpu;
+  for (const auto& [D, bits] : {std::array<int, 2>{128, 2}, {64, 4}, {72, 1}, {128, 3}, {8, 8}}) {
+    const std::vector<int> sizes = {1, 3, 32, 37, 2, 16};
+    int rows = 0;
+    for (int n : sizes) rows += n;
+    const auto k = rounded(Dt::F16, randn(static_cast<size_t>(rows) * D, 2.0f));
+    const auto v = rounded(Dt::F16, randn(static_cast<size_t>(rows) * D, 1.5f));
+    Buffer K = make(be, "k", {rows, D}, Dt::F16, k), V = make(be, "v", {rows, D}, Dt::F16, v);
+    const int64_t row_bytes = static_cast<int64_t>(D) * bits / 8;
+    Buffer KC = be.alloc("k codes", {(rows * row_bytes + 3) / 4}, Dt::I32), VC = be.alloc("v codes", {(rows * row_bytes + 3) / 4}, Dt::I32);
+    const int n_pieces = static_cast<int>(sizes.size());
+    Buffer KR = poisoned(be, "k ranges", {2LL * n_pieces * D}, Dt::F16), VR = poisoned(be, "v ranges", {2LL * rows}, Dt::F16);
+    std::vector<cuda::GroupPiece> table(sizes.size());
+    int at = 0;
+    for (int i = 0; i < n_pieces; ++i) {
+      cuda::GroupPiece& g = table[static_cast<size_t>(i)];
+      g.k = K.as<__half>() + static_cast<int64_t>(at) * D;
+      g.v = V.as<__half>() + static_cast<int64_t>(at) * D;
+      g.n = sizes[static_cast<size_t>(i)];
+      g.k_codes = reinterpret_cast<uint8_t*>(KC.data) + at * row_bytes;
+      g.v_codes = reinterpret_cast<uint8_t*>(VC.data) + at * row_bytes;
+      g.k_scale = KR.as<__half>() + 2LL * i * D;
+      g.k_zero = g.k_scale + D;
+      g.v_scale = VR.as<__half>() + 2LL * at;
+      g.v_zero = g.v_scale + g.n;
+      at += g.n;
+    }
+    std::vector<int32_t> words(table.size() * sizeof(cuda::GroupPiece) / 4);
+    std::memcpy(words.data(), table.data(), table.size() * sizeof(cuda::GroupPiece));
+    Buffer T = make_ids(be, "pieces", words);
+    be.synchronize();
+    cuda::quantize_pieces(reinterpret_cast<const cuda::GroupPiece*>(T.data), n_pieces, D, bits, nullptr);
+    cudaDeviceSynchronize();
+    const auto kr = read(be, KR), vr = read(be, VR);
+    std::vector<int32_t> kw(static_cast<size_t>(KC.numel())), vw(static_cast<size_t>(VC.numel()));
+    be.download(KC, kw.data());
+    be.download(VC, vw.data());
+    at = 0;
+    for (int i = 0; i < n_pieces; ++i) {
+      const int n = sizes[static_cast<size_t>(i)];
+      const std::string what = "D=" + std::to_string(D) + " bits=" + std::to_string(bits) + " piece " + std::to_string(i);
+      for (int side = 0; side < 2; ++side) {
+        const std::vector<float>& x = side ? v : k;
+        std::vector<float> xr(x.begin() + static_cast<std::ptrdiff_t>(at) * D, x.begin() + static_cast<std::ptrdiff_t>(at + n) * D);
+        quant::QuantBlock ref;
+        quant::quantize_block(xr.data(), n, D, {bits, side ? quant::Axis::PerToken : quant::Axis::PerChannel}, ref);
+        const int ranges = side ? n : D;
+        const float* s = side ? vr.data() + 2 * at : kr.data() + 2 * i * D;
+        ASSERT_EQ(ref.scales.size(), static_cast<size_t>(ranges)) << what;
+        for (int r = 0; r < ranges; ++r) {
+          EXPECT_EQ(s[r], quant::from_half(ref.scales[static_cast<size_t>(r)])) << what << " side " << side << " scale " << r;
+          EXPECT_EQ(s[ranges + r], quant::from_half(ref.zeros[static_cast<size_t>(r)])) << what << " side " << side << " zero " << r;
+        }
+        const auto* got = reinterpret_cast<const uint8_t*>(side ? vw.data() : kw.data()) + at * row_bytes;
+        int64_t differ = 0;
+        for (int64_t e = 0; e < static_cast<int64_t>(n) * D; ++e) {
+          const uint32_t a = quant::unpack_one(got, e, bits), b = quant::unpack_one(ref.codes.data(), e, bits);
+          if (a != b) {
+            ++differ;
+            EXPECT_LE(std::abs(static_cast<int>(a) - static_cast<int>(b)), 1) << what << " side " << side << " code " << e;
+          }
+        }
+        EXPECT_LE(differ, static_cast<int64_t>(n) * D / 1000 + 1) << what << " side " << side << ": codes that differ";
+      }
+      at += n;
     }
   }
 }

@@ -342,4 +342,31 @@ TEST(CudaModel, PerTokenQuantizationRunsInTheDevicesSteps) {
   EXPECT_FALSE(make_policy("uniform:scope=visual")->step_quant(64).any());
 }
 
+// KIVI's streaming groups quantized on the device before the steps that need them
+// (kv_before_step): the hook never called and the steps chained; the same tokens, bytes and
+// logits (within one fp16 rounding) as the host loop that runs KIVI's on_decode_step, unchained
+// steps exactly the chained ones, and the CPU backend's bytes. Groups of 3 to 5 rows flush
+// several times within 14 tokens; the first flushes cut the prompt's dense rows, the SnapKV stack
+// starts from evicted segments, and residual 1 leaves a single dense row.
+TEST(CudaModel, KiviGroupsAreQuantizedInTheDevicesSteps) {
+  NEED_GPU();
+  SampleRun r = sample_run(14);
+  const std::unique_ptr<Model> cpu = load_model(kt::source_dir() + "/assets/models/kvlens-scenes-6m", {"cpu"});
+  const PrefillState c = cpu->prefill(load_image(kt::source_dir() + "/assets/images/scene_000.png"), kDefaultPrompt,
+                                      kDefaultTemplate, true);
+  const int D = r.gpu.info().head_dim;
+  for (const char* spec : {"kivi:bits=2,group=4,residual=3", "kivi:bits=4,group=5,residual=2", "kivi:bits=2,group=3,residual=1",
+                           "kivi:bits=2,group=32,residual=32", "stack:evict=snapkv,quant=kivi,group=4,residual=3"}) {
+    SCOPED_TRACE(spec);
+    EXPECT_GT(kt::PolicyProbe(make_policy(spec), false).step_quant(D).group, 0);
+    const kt::ThreeDecodes t = kt::decode_three_ways(r, spec);
+    expect_same_decode(t.device, t.host);
+    auto on_cpu = make_policy(spec);
+    const DecodeResult e = cpu->decode(c, on_cpu.get(), r.g);
+    EXPECT_EQ(t.device.bytes_final.total(), e.bytes_final.total());
+    EXPECT_EQ(t.device.generated_ids, e.generated_ids);
+  }
+  EXPECT_FALSE(make_policy("kivi:residual=0")->step_quant(D).any());  // (the new row itself would be quantized)
+}
+
 }  // namespace

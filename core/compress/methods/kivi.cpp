@@ -21,6 +21,12 @@ class KiviPolicy : public KVPolicy {
  public:
   KiviPolicy(int bits, int group, int residual) : bits_(bits), G_(group), R_(residual) {}
   std::string name() const override { return "kivi"; }
+  // The decode steps' action as data (StepQuant::group): with R >= 1 a step's quantized rows are
+  // never its own, so a device may quantize them before it appends the row.
+  StepQuant step_quant(int) const override {
+    if (R_ < 1) return {};
+    return {bits_, bits_, 0, label(), G_, R_};
+  }
 
   void on_prefill_layer(const PrefillContext& ctx, LayerKV& layer) override {
     if (layer.segments.empty()) return;
@@ -103,8 +109,10 @@ class KiviPolicy : public KVPolicy {
     p->layout.k_axis = quant::Axis::PerChannel;
     p->layout.k_group = G_;
     p->layout.v_axis = quant::Axis::PerToken;
-    quant::set_quantized(s, p, "kivi q" + std::to_string(bits_), bits_);
+    quant::set_quantized(s, p, label(), bits_);
   }
+
+  std::string label() const { return "kivi q" + std::to_string(bits_); }
 
   int bits_, G_, R_;
 };
