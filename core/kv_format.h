@@ -49,6 +49,9 @@ struct UniformSpec {
   Axis axis = Axis::PerToken;
   float shrink = 1.0f;
   bool shrink_about_zero = true;
+  // Channel-wise and global ranges: over each group of `group` consecutive rows (KIVI's key
+  // groups), the groups' ranges one after another; 0: over the whole block.
+  int group = 0;
 };
 // ---- what a quantized segment stores ----------------------------------------------------------
 struct QuantBlock {

@@ -71,6 +71,13 @@ int64_t block_code_bytes(int n, int d, int bits, Axis axis) {
 
 void quantize_block(float* x, int n, int d, const UniformSpec& spec, QuantBlock& out) {
   if (n <= 0 || d <= 0) return;
+  if (spec.group > 0 && spec.group < n && spec.axis != Axis::PerToken) {  // each group on its own
+    UniformSpec one = spec;
+    one.group = 0;
+    for (int g = 0; g < n; g += spec.group)
+      quantize_block(x + static_cast<int64_t>(g) * d, std::min(spec.group, n - g), d, one, out);
+    return;
+  }
   std::vector<float> lo, hi;
   min_max(x, n, d, spec.axis, lo, hi);
   std::vector<Affine> aff(lo.size());
@@ -190,6 +197,7 @@ void split_segment(LayerKV& layer, size_t i, const std::vector<int>& cut, int he
   KVSegment tail;
   tail.kind = s.kind;
   tail.storage = s.storage;
+  tail.layout_only = s.layout_only;
   tail.heads.resize(s.heads.size());
   for (size_t h = 0; h < s.heads.size(); ++h) {
     HeadRows& r = s.heads[h];
@@ -197,13 +205,17 @@ void split_segment(LayerKV& layer, size_t i, const std::vector<int>& cut, int he
     const int c = std::clamp(cut.at(h), 0, r.n());
     const size_t off = static_cast<size_t>(c) * head_dim;
     HeadRows& t = tail.heads[h];
-    t.k.assign(r.k.begin() + off, r.k.end());
-    t.v.assign(r.v.begin() + off, r.v.end());
+    if (!s.layout_only) {  // (a layout alone has positions and annotations, no rows)
+      t.k.assign(r.k.begin() + off, r.k.end());
+      t.v.assign(r.v.begin() + off, r.v.end());
+    }
     t.pos.assign(r.pos.begin() + c, r.pos.end());
     if (!r.bits.empty()) t.bits.assign(r.bits.begin() + c, r.bits.end()), r.bits.resize(c);
     if (!r.merged.empty()) t.merged.assign(r.merged.begin() + c, r.merged.end()), r.merged.resize(c);
-    r.k.resize(off);
-    r.v.resize(off);
+    if (!s.layout_only) {
+      r.k.resize(off);
+      r.v.resize(off);
+    }
     r.pos.resize(c);
   }
   s.bytes = s.dense_bytes(head_dim, bpv);

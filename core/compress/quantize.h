@@ -154,7 +154,7 @@ class PrefillQuantPolicy : public KVPolicy {
   virtual void quantize_layer(const PrefillContext& ctx, LayerKV& layer, bool later,
                               std::vector<PendingPayload>& done) const = 0;
   virtual void store(std::vector<PendingPayload>& done) const = 0;
-  // Every pending segment takes its payload with `layout` (kind, bits and axes; the rest as the
+  // Every pending segment takes its payload with `layout` (kind, bits, axes and groups; the rest as the
   // payload has it) and `storage`, each row stored with `bits` (set_quantized); the list empties.
   static void install(std::vector<PendingPayload>& done, const CodeLayout& layout, const std::string& storage, int bits) {
     for (const PendingPayload& q : done) {
@@ -164,6 +164,8 @@ class PrefillQuantPolicy : public KVPolicy {
       l.v_bits = layout.v_bits;
       l.k_axis = layout.k_axis;
       l.v_axis = layout.v_axis;
+      l.k_group = layout.k_group;
+      l.v_group = layout.v_group;
       set_quantized(*q.s, q.p, storage, bits);
     }
     done.clear();

@@ -538,16 +538,17 @@ void gather_rows(const __half* const* src, __half* dst, int n, int D, cudaStream
 
 // ---- quantize-and-pack (quant_pack.cu): the device twins of core/compress/quantize.h ---------
 // x[n][D] (fp16 rows) → codes and fp16 scale/zero as quantize_block packs them. Channel axis:
-// one range per channel over the n rows (chan_stride 1) or one for all (0); token axis: one
-// per row. Ranges shrink by `shrink` about zero or the centre first.
+// one range per channel over the n rows (chan_stride 1) or one for all (0) — with group > 0,
+// over each group of `group` rows (UniformSpec::group), the groups' ranges one after another;
+// token axis: one per row. Ranges shrink by `shrink` about zero or the centre first.
 void quantize_channel(const __half* x, int n, int D, int bits, int chan_stride, float shrink, bool about_zero,
-                      uint8_t* codes, __half* scale, __half* zero, cudaStream_t s);
+                      uint8_t* codes, __half* scale, __half* zero, int group, cudaStream_t s);
 // The same for `heads` blocks of n rows each, one launch: head h reads x + h·x_stride (halves;
 // 0: n·D, the blocks back to back) and writes codes + h·code_stride (bytes) and scale, zero +
 // h·range_stride.
 void quantize_channel_heads(const __half* x, int64_t x_stride, int heads, int n, int D, int bits, int chan_stride, float shrink,
                             bool about_zero, uint8_t* codes, int64_t code_stride, __half* scale, __half* zero,
-                            int64_t range_stride, cudaStream_t s);
+                            int64_t range_stride, int group, cudaStream_t s);
 void quantize_token(const __half* x, int n, int D, int bits, const __half* factor, uint8_t* codes,
                     __half* scale, __half* zero, cudaStream_t s);
 // KIVI's pieces (StepQuant::group), many in one launch: piece i's n rows of fp16 keys k[n][D]

@@ -227,7 +227,8 @@ bool kv_quantize_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& s
   using Slot = StagedCodes::Slot;
   auto n_ranges = [&](const quant::UniformSpec& q, int64_t n) -> int64_t {
     if (n == 0) return 0;
-    return q.axis == quant::Axis::PerToken ? n : q.axis == quant::Axis::Global ? 1 : D;
+    const int64_t groups = q.group > 0 ? (n + q.group - 1) / q.group : 1;
+    return q.axis == quant::Axis::PerToken ? n : q.axis == quant::Axis::Global ? groups : groups * D;
   };
   std::vector<Slot> slots(static_cast<size_t>(2 * NKV));
   int64_t code_bytes = 0, range_count = 0;
@@ -255,7 +256,7 @@ bool kv_quantize_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& s
       const Slot& s1 = slots[static_cast<size_t>(side * NKV + 1)];
       quantize_channel_heads(in[side], in_stride[side], NKV, static_cast<int>(first[1]), D, q.bits, chan, q.shrink,
                              q.shrink_about_zero, static_cast<uint8_t*>(Cd.mem.get()) + s0.codes, s1.codes - s0.codes,
-                             scales + s0.ranges, zeros + s0.ranges, s1.ranges - s0.ranges, ctx.stream);
+                             scales + s0.ranges, zeros + s0.ranges, s1.ranges - s0.ranges, q.group, ctx.stream);
       continue;
     }
     for (int h = 0; h < NKV; ++h) {
@@ -267,7 +268,7 @@ bool kv_quantize_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& s
         quantize_token(x, static_cast<int>(n), D, q.bits, nullptr, codes, scales + sl.ranges, zeros + sl.ranges, ctx.stream);
       else
         quantize_channel(x, static_cast<int>(n), D, q.bits, chan, q.shrink, q.shrink_about_zero, codes,
-                         scales + sl.ranges, zeros + sl.ranges, ctx.stream);
+                         scales + sl.ranges, zeros + sl.ranges, q.group, ctx.stream);
     }
   }
   // The codes and ranges into out's blocks once on the host.

@@ -19,7 +19,7 @@ struct HeadStrides {
 };
 
 // Ranges over rows: one block per channel (chan_stride 1) or one block for all (0); one row of
-// blocks per head.
+// blocks per head, one layer of rows per range group (group rows each; 0: all n).
 // The block's range of every thread's (lo, hi), in thread 0's.
 __device__ __forceinline__ void block_range(float& lo, float& hi) {
   __shared__ float slo[32], shi[32];
@@ -39,11 +39,17 @@ __device__ __forceinline__ void block_range(float& lo, float& hi) {
 }
 
 __global__ void channel_range_kernel(const __half* x, int n, int D, int bits, int chan_stride, float shrink,
-                                     int about_zero, __half* scale, __half* zero, HeadStrides hs) {
+                                     int about_zero, __half* scale, __half* zero, HeadStrides hs, int group) {
   const int ch = blockIdx.x;
   x += blockIdx.y * hs.x;
   scale += blockIdx.y * hs.ranges;
   zero += blockIdx.y * hs.ranges;
+  if (group > 0) {  // this block's group of rows, and its ranges after the earlier groups'
+    x += static_cast<int64_t>(blockIdx.z) * group * D;
+    n = min(group, n - static_cast<int>(blockIdx.z) * group);
+    scale += blockIdx.z * (chan_stride ? D : 1);
+    zero += blockIdx.z * (chan_stride ? D : 1);
+  }
   float lo = INFINITY, hi = -INFINITY;
   const int64_t total = chan_stride ? n : static_cast<int64_t>(n) * D;
   for (int64_t i = threadIdx.x; i < total; i += blockDim.x) {
@@ -76,7 +82,7 @@ __global__ void token_range_kernel(const __half* x, int n, int D, int bits, cons
 
 // One thread per (row, 8 channels): 8 codes packed into `bits` bytes.
 __global__ void pack_kernel(const __half* x, int n, int D, int bits, int token, int chan_stride, const __half* factor,
-                            const __half* scale, const __half* zero, uint8_t* codes, HeadStrides hs) {
+                            const __half* scale, const __half* zero, uint8_t* codes, HeadStrides hs, int group) {
   x += blockIdx.y * hs.x;
   scale += blockIdx.y * hs.ranges;
   zero += blockIdx.y * hs.ranges;
@@ -94,7 +100,8 @@ __global__ void pack_kernel(const __half* x, int n, int D, int bits, int token, 
         r = row;
         if (factor) v = __fdiv_rn(v, __half2float(factor[c0 + c]));
       } else {
-        r = chan_stride ? c0 + c : 0;
+        const int gi = group > 0 ? row / group : 0;  // the row's range group
+        r = chan_stride ? gi * D + c0 + c : gi;
       }
       const uint32_t code = encode(v, __half2float(zero[r]), __half2float(scale[r]), bits);
       w |= static_cast<uint64_t>(code) << (c * bits);
@@ -122,25 +129,28 @@ void check_shape(int D, int bits) {
 }  // namespace
 
 void quantize_channel(const __half* x, int n, int D, int bits, int chan_stride, float shrink, bool about_zero,
-                      uint8_t* codes, __half* scale, __half* zero, cudaStream_t s) {
-  quantize_channel_heads(x, 0, 1, n, D, bits, chan_stride, shrink, about_zero, codes, 0, scale, zero, 0, s);
+                      uint8_t* codes, __half* scale, __half* zero, int group, cudaStream_t s) {
+  quantize_channel_heads(x, 0, 1, n, D, bits, chan_stride, shrink, about_zero, codes, 0, scale, zero, 0, group, s);
 }
 
 void quantize_channel_heads(const __half* x, int64_t x_stride, int heads, int n, int D, int bits, int chan_stride, float shrink,
                             bool about_zero, uint8_t* codes, int64_t code_stride, __half* scale, __half* zero,
-                            int64_t range_stride, cudaStream_t s) {
+                            int64_t range_stride, int group, cudaStream_t s) {
   check_shape(D, bits);
   if (n == 0 || heads == 0) return;
+  if (group >= n) group = 0;
+  const int groups = group > 0 ? (n + group - 1) / group : 1;
+  if (groups > 65535) throw InternalError("quantize: at most 65535 range groups a launch, got " + std::to_string(groups));
   if (heads > 65535) throw InternalError("quantize: at most 65535 heads a launch, got " + std::to_string(heads));
   if (x_stride != 0 && x_stride < static_cast<int64_t>(n) * D)
     throw InternalError("quantize: heads of " + std::to_string(n) + " rows " + std::to_string(x_stride) + " halves apart overlap");
   const HeadStrides hs{x_stride ? x_stride : static_cast<int64_t>(n) * D, code_stride, range_stride};
-  channel_range_kernel<<<dim3(chan_stride ? D : 1, heads), 256, 0, s>>>(x, n, D, bits, chan_stride, shrink,
-                                                                        about_zero ? 1 : 0, scale, zero, hs);
+  channel_range_kernel<<<dim3(chan_stride ? D : 1, heads, groups), 256, 0, s>>>(x, n, D, bits, chan_stride, shrink,
+                                                                                about_zero ? 1 : 0, scale, zero, hs, group);
   KV_LAUNCH("channel_range_kernel", std::to_string(heads) + "x" + std::to_string(n) + "x" + std::to_string(D));
   const int64_t total = static_cast<int64_t>(n) * (D / 8);
   pack_kernel<<<dim3(static_cast<unsigned>(std::min<int64_t>((total + 255) / 256, 8192)), heads), 256, 0, s>>>(
-      x, n, D, bits, 0, chan_stride, nullptr, scale, zero, codes, hs);
+      x, n, D, bits, 0, chan_stride, nullptr, scale, zero, codes, hs, group);
   KV_LAUNCH("pack_kernel", std::to_string(heads) + "x" + std::to_string(n) + "x" + std::to_string(D));
 }
 
@@ -207,7 +217,7 @@ void quantize_token(const __half* x, int n, int D, int bits, const __half* facto
   KV_LAUNCH("token_range_kernel", std::to_string(n) + "x" + std::to_string(D));
   const int64_t total = static_cast<int64_t>(n) * (D / 8);
   pack_kernel<<<static_cast<int>(std::min<int64_t>((total + 255) / 256, 8192)), 256, 0, s>>>(
-      x, n, D, bits, 1, 1, factor, scale, zero, codes, HeadStrides{});
+      x, n, D, bits, 1, 1, factor, scale, zero, codes, HeadStrides{}, 0);
   KV_LAUNCH("pack_kernel", std::to_string(n) + "x" + std::to_string(D));
 }
 

@@ -455,17 +455,18 @@ namespace {
 // The device quantize-and-pack kernels against quant::quantize_block / zipcache::cst_quantize:
 // identical fp16 scales and zero points, and codes equal except where a value sits within an
 // fp32 rounding of a decision boundary (then one step apart).
-void quant_case(int n, int D, int bits, quant::Axis axis, float shrink, bool cst) {
+void quant_case(int n, int D, int bits, quant::Axis axis, float shrink, bool cst, int group = 0) {
   Backend& be = *op_backends().gpu;
   const auto x = rounded(Dt::F16, randn(static_cast<size_t>(n) * D, 2.0f));
   quant::QuantBlock ref;
   std::vector<float> xr = x;
   if (cst) zipcache::cst_quantize(xr.data(), n, D, bits, ref);
-  else quant::quantize_block(xr.data(), n, D, {bits, axis, shrink, true}, ref);
+  else quant::quantize_block(xr.data(), n, D, {bits, axis, shrink, true, group}, ref);
   Buffer X = make(be, "x", {n, D}, Dt::F16, x);
   const int64_t code_bytes = static_cast<int64_t>(n) * D * bits / 8;
   Buffer C = be.alloc("codes", {(code_bytes + 3) / 4}, Dt::I32);
-  const int64_t ranges = axis == quant::Axis::PerToken ? n : axis == quant::Axis::Global ? 1 : D;
+  const int64_t groups = group > 0 && axis != quant::Axis::PerToken ? (n + group - 1) / group : 1;
+  const int64_t ranges = axis == quant::Axis::PerToken ? n : axis == quant::Axis::Global ? groups : groups * D;
   Buffer S = poisoned(be, "scale", {ranges}, Dt::F16), Z = poisoned(be, "zero", {ranges}, Dt::F16);
   Buffer F = poisoned(be, "factor", {D}, Dt::F16);
   be.synchronize();
@@ -479,11 +480,12 @@ void quant_case(int n, int D, int bits, quant::Axis axis, float shrink, bool cst
                          Z.as<__half>(), st);
   } else {
     cuda::quantize_channel(X.as<__half>(), n, D, bits, axis == quant::Axis::Global ? 0 : 1, shrink, true,
-                           reinterpret_cast<uint8_t*>(C.data), S.as<__half>(), Z.as<__half>(), st);
+                           reinterpret_cast<uint8_t*>(C.data), S.as<__half>(), Z.as<__half>(), group, st);
   }
   cudaDeviceSynchronize();
   const std::string what = "quantize n=" + std::to_string(n) + " D=" + std::to_string(D) + " bits=" +
-                           std::to_string(bits) + " " + quant::axis_name(axis) + (cst ? " cst" : "");
+                           std::to_string(bits) + " " + quant::axis_name(axis) + (cst ? " cst" : "") + " group " +
+                           std::to_string(group);
   const auto s = read(be, S), z = read(be, Z);
   ASSERT_EQ(s.size(), ref.scales.size()) << what;
   for (size_t i = 0; i < s.size(); ++i) {
@@ -515,12 +517,13 @@ void quant_case(int n, int D, int bits, quant::Axis axis, float shrink, bool cst
 // padded to 16 bytes, plus a gap) with the poison between them left alone. With gap_rows > 0 the
 // heads' rows lie that many rows apart (as a segment's heads lie within a layer's prompt rows)
 // and are read there.
-void quant_heads_case(int heads, int n, int D, int bits, quant::Axis axis, float shrink, int gap_rows = 0) {
+void quant_heads_case(int heads, int n, int D, int bits, quant::Axis axis, float shrink, int gap_rows = 0, int group = 0) {
   Backend& be = *op_backends().gpu;
   const int64_t x_stride = static_cast<int64_t>(n + gap_rows) * D;
   const auto x = rounded(Dt::F16, randn(static_cast<size_t>(heads * x_stride), 2.0f));
   const int64_t code_bytes = static_cast<int64_t>(n) * D * bits / 8, code_stride = (code_bytes + 15) / 16 * 16 + 16;
-  const int64_t ranges = axis == quant::Axis::Global ? 1 : D, range_stride = ranges + 3;
+  const int64_t groups = group > 0 ? (n + group - 1) / group : 1;
+  const int64_t ranges = (axis == quant::Axis::Global ? 1 : D) * groups, range_stride = ranges + 3;
   Buffer X = make(be, "x", {static_cast<int64_t>(heads) * (n + gap_rows), D}, Dt::F16, x);
   std::vector<int32_t> poison(static_cast<size_t>(heads * code_stride / 4), 0x5a5a5a5a);
   Buffer C = be.alloc("codes", {heads * code_stride / 4}, Dt::I32);
@@ -529,7 +532,7 @@ void quant_heads_case(int heads, int n, int D, int bits, quant::Axis axis, float
   be.synchronize();
   cuda::quantize_channel_heads(X.as<__half>(), gap_rows ? x_stride : 0, heads, n, D, bits, axis == quant::Axis::Global ? 0 : 1, shrink, true,
                                reinterpret_cast<uint8_t*>(C.data), code_stride, S.as<__half>(), Z.as<__half>(),
-                               range_stride, nullptr);
+                               range_stride, group, nullptr);
   cudaDeviceSynchronize();
   const auto s = read(be, S), z = read(be, Z);
   std::vector<int32_t> words(static_cast<size_t>(C.numel()));
@@ -541,7 +544,8 @@ void quant_heads_case(int heads, int n, int D, int bits, quant::Axis axis, float
     const auto x0 = x.begin() + static_cast<std::ptrdiff_t>(h * x_stride);
     std::vector<float> xr(x0, x0 + static_cast<std::ptrdiff_t>(n) * D);
     quant::QuantBlock ref;
-    quant::quantize_block(xr.data(), n, D, {bits, axis, shrink, true}, ref);
+    quant::quantize_block(xr.data(), n, D, {bits, axis, shrink, true, group}, ref);
+    ASSERT_EQ(static_cast<int64_t>(ref.scales.size()), ranges) << what;
     for (int64_t i = 0; i < ranges; ++i) {
       EXPECT_EQ(s[static_cast<size_t>(h * range_stride + i)], quant::from_half(ref.scales[static_cast<size_t>(i)])) << what;
       EXPECT_EQ(z[static_cast<size_t>(h * range_stride + i)], quant::from_half(ref.zeros[static_cast<size_t>(i)])) << what;
@@ -570,6 +574,12 @@ TEST(DecodeOps, QuantizeAndPackKernels) {
   quant_heads_case(4, 150, 128, 1, quant::Axis::PerChannel, 0.5f);
   quant_heads_case(6, 77, 128, 1, quant::Axis::PerChannel, 1.0f, 40);  // heads read where they lie
   quant_heads_case(3, 33, 64, 2, quant::Axis::Global, 1.0f, 5);
+  // KIVI's key groups (UniformSpec::group): ranges per group of rows, a last group cut short
+  quant_heads_case(4, 70, 128, 2, quant::Axis::PerChannel, 1.0f, 0, 32);
+  quant_heads_case(3, 64, 64, 4, quant::Axis::PerChannel, 1.0f, 6, 16);
+  quant_heads_case(2, 9, 64, 2, quant::Axis::Global, 1.0f, 0, 4);
+  quant_case(45, 128, 2, quant::Axis::PerChannel, 1.0f, false, 8);
+  quant_case(45, 24, 3, quant::Axis::PerChannel, 1.0f, false, 45);  // (one group: the whole block)
   for (int bits : {1, 2, 3, 4, 8}) {
     quant_case(203, 128, bits, quant::Axis::PerChannel, 1.0f, false);
     quant_case(57, 24, bits, quant::Axis::PerToken, 1.0f, false);

@@ -54,7 +54,7 @@ TEST(CudaModel, EvictionSelectsOnTheLayoutAloneAndTheDeviceGathers) {
 // host's quantization of the same fp16 rows (fetched because an observer reads them), the same
 // layout, bytes and fp16 ranges, codes equal but for values within an fp32 rounding of a
 // decision boundary (one step apart, at most 1 in 1000 — the quant_pack kernels' bound,
-// DecodeOps), the same tokens, and `per_layer` quantized segments a layer.
+// DecodeOps), the same tokens, and `per_layer` quantized segments a layer (< 0: at least one).
 void expect_quantized_where_the_rows_are(const SampleRun& r, const char* spec, int per_layer) {
   SCOPED_TRACE(spec);
   const TwoDecodes t = decode_on_layout_and_on_rows(r, spec);
@@ -91,7 +91,8 @@ void expect_quantized_where_the_rows_are(const SampleRun& r, const char* spec, i
           EXPECT_LE(differ, n / 1000 + 1) << "layer " << l << " head " << h;
         }
     }
-  EXPECT_EQ(quantized, per_layer * a.n_layers()) << "quantized segments a layer";
+  if (per_layer >= 0) EXPECT_EQ(quantized, per_layer * a.n_layers()) << "quantized segments a layer";
+  else EXPECT_GE(quantized, a.n_layers()) << "quantized segments";
 }
 
 // CalibQuant: the visual segment of each layer.
@@ -112,6 +113,15 @@ TEST(CudaModel, UniformQuantizesThePromptsRowsOnTheDevice) {
                            "stack:evict=snapkv,quant=uniform,budget=0.4,bits=8"})
     expect_quantized_where_the_rows_are(r, spec, 3);
   expect_quantized_where_the_rows_are(r, "uniform:bits=4,scope=visual", 1);
+}
+
+// KIVI: the prompt's oldest rows in key groups of G rows, pieces cut at segment boundaries (a
+// segment split where the quantized prefix ends in it), after an eviction too.
+TEST(CudaModel, KiviQuantizesThePromptsRowsOnTheDevice) {
+  NEED_GPU();
+  SampleRun r = sample_run(8);
+  for (const char* spec : {"kivi:bits=2", "kivi:bits=4,group=7,residual=5", "stack:evict=snapkv,quant=kivi,budget=0.4,group=8"})
+    expect_quantized_where_the_rows_are(r, spec, -1);
 }
 
 // The codes quantize_rows made on the device (every layer's landing together, quantize_rows_later,

@@ -8,7 +8,8 @@
 // so the last R tokens are never quantized. Groups never cross a segment boundary (a segment has
 // one token kind): where the quantized span crosses one, the group is cut there and the piece
 // gets its own per-channel range. Each group is packed on its own (byte-aligned); V rows are
-// packed row by row.
+// packed row by row. Rows are quantized where they are (on the device when the store holds
+// only their layout, quant::quantize_rows_of).
 #include <algorithm>
 
 #include "core/compress/quant_methods.h"
@@ -17,7 +18,7 @@ namespace kvlens {
 
 namespace {
 
-class KiviPolicy : public KVPolicy {
+class KiviPolicy : public quant::PrefillQuantPolicy {
  public:
   KiviPolicy(int bits, int group, int residual) : bits_(bits), G_(group), R_(residual) {}
   std::string name() const override { return "kivi"; }
@@ -26,14 +27,6 @@ class KiviPolicy : public KVPolicy {
   StepQuant step_quant(int) const override {
     if (R_ < 1) return {};
     return {bits_, bits_, 0, label(), G_, R_};
-  }
-
-  void on_prefill_layer(const PrefillContext& ctx, LayerKV& layer) override {
-    if (layer.segments.empty()) return;
-    const int H = static_cast<int>(layer.segments.front().heads.size());
-    std::vector<int> take(H);
-    for (int h = 0; h < H; ++h) take[h] = quantizable(quant::rows_in_head(layer, h));
-    quantize_prefix(layer, 0, take, ctx.head_dim);
   }
 
   // Before the new row: the trailing dense rows of a head, plus that row, are on_decode_step's
@@ -56,22 +49,47 @@ class KiviPolicy : public KVPolicy {
     if (from == layer.segments.size()) return;
     const int H = static_cast<int>(layer.segments.front().heads.size());
     std::vector<int> take(H, 0);
-    bool any = false;
     for (int h = 0; h < H; ++h) {
       int tail = 0;
       for (size_t i = from; i < layer.segments.size(); ++i) tail += layer.segments[i].heads[h].n();
       take[h] = quantizable(tail);
-      any = any || take[h] > 0;
     }
-    if (any) quantize_prefix(layer, from, take, ctx.head_dim);
+    PrefillContext c;  // (the rows are on the host while the hook runs)
+    c.layer = ctx.layer;
+    c.head_dim = ctx.head_dim;
+    std::vector<quant::PendingPayload> done;
+    quantize_prefix(c, layer, from, take, false, done);
+    store(done);
   }
 
  private:
   // Rows of n that leave at least R dense rows, in whole groups.
   int quantizable(int n) const { return n > R_ ? (n - R_) / G_ * G_ : 0; }
 
-  // Quantizes the first take[h] dense rows of each head, walking segments from `from`.
-  void quantize_prefix(LayerKV& layer, size_t from, std::vector<int> take, int D) const {
+  void quantize_layer(const PrefillContext& ctx, LayerKV& layer, bool later,
+                      std::vector<quant::PendingPayload>& done) const override {
+    if (layer.segments.empty()) return;
+    const int H = static_cast<int>(layer.segments.front().heads.size());
+    std::vector<int> take(H);
+    for (int h = 0; h < H; ++h) take[h] = quantizable(quant::rows_in_head(layer, h));
+    quantize_prefix(ctx, layer, 0, take, later, done);
+  }
+  void store(std::vector<quant::PendingPayload>& done) const override {
+    quant::CodeLayout l;
+    l.kind = quant::CodeLayout::Kind::Blocks;
+    l.k_bits = l.v_bits = bits_;
+    l.k_axis = quant::Axis::PerChannel;
+    l.k_group = G_;
+    l.v_axis = quant::Axis::PerToken;
+    install(done, l, label(), bits_);
+  }
+
+  // The first take[h] dense rows of each head, walking segments from `from`, each segment's
+  // share a piece of its own (split off where a head keeps rows of it), quantized where the rows
+  // are: first every cut (segments are inserted), then the pieces.
+  void quantize_prefix(const PrefillContext& ctx, LayerKV& layer, size_t from, std::vector<int> take, bool later,
+                       std::vector<quant::PendingPayload>& done) const {
+    std::vector<size_t> pieces;
     for (size_t i = from; i < layer.segments.size(); ++i) {
       if (!layer.segments[i].dense()) continue;
       const size_t H = layer.segments[i].heads.size();
@@ -84,32 +102,16 @@ class KiviPolicy : public KVPolicy {
         partial = partial || cut[h] < n;
       }
       if (!any) {
-        bool more = false;
-        for (int t : take) more = more || t > 0;
-        if (!more) return;
+        if (std::all_of(take.begin(), take.end(), [](int t) { return t <= 0; })) break;
         continue;
       }
-      if (partial) quant::split_segment(layer, i, cut, D);
-      quantize_piece(layer.segments[i], D);
+      if (partial) quant::split_segment(layer, i, cut, ctx.head_dim);
+      pieces.push_back(i);
       for (size_t h = 0; h < H; ++h) take[h] -= cut[h];
     }
-  }
-
-  void quantize_piece(KVSegment& s, int D) const {
-    auto p = std::make_shared<quant::QuantPayload>(static_cast<int>(s.heads.size()));
-    for (size_t h = 0; h < s.heads.size(); ++h) {
-      HeadRows& r = s.heads[h];
-      for (int g = 0; g < r.n(); g += G_)
-        quant::quantize_block(r.k.data() + static_cast<size_t>(g) * D, std::min(G_, r.n() - g), D,
-                              {bits_, quant::Axis::PerChannel}, p->k[h]);
-      quant::quantize_block(r.v.data(), r.n(), D, {bits_, quant::Axis::PerToken}, p->v[h]);
-    }
-    p->layout.kind = quant::CodeLayout::Kind::Blocks;
-    p->layout.k_bits = p->layout.v_bits = bits_;
-    p->layout.k_axis = quant::Axis::PerChannel;
-    p->layout.k_group = G_;
-    p->layout.v_axis = quant::Axis::PerToken;
-    quant::set_quantized(s, p, label(), bits_);
+    for (size_t i : pieces)
+      done.push_back(quant::quantize_rows_of(ctx, layer.segments[i], {bits_, quant::Axis::PerChannel, 1.0f, true, G_},
+                                             {bits_, quant::Axis::PerToken}, later, "kivi"));
   }
 
   std::string label() const { return "kivi q" + std::to_string(bits_); }

@@ -71,6 +71,45 @@ TEST(Quantize, BitPackingRoundTrip) {
     }
 }
 
+// Channel-wise and global ranges per group of rows (UniformSpec::group, KIVI's key groups): each
+// group's ranges are its own rows' min and max (a shorter last group too), one after another,
+// and every value decodes within half a step of its group's range.
+TEST(Quantize, RangesPerGroupOfRows) {
+  std::mt19937_64 rng(17);
+  std::normal_distribution<float> nd(0.0f, 3.0f);
+  const int n = 45, d = 16, G = 8, bits = 2;
+  for (quant::Axis axis : {quant::Axis::PerChannel, quant::Axis::Global}) {
+    std::vector<float> x(static_cast<size_t>(n) * d);
+    for (float& v : x) v = round_half(nd(rng));
+    std::vector<float> y = x;
+    quant::QuantBlock b;
+    quant::quantize_block(y.data(), n, d, {bits, axis, 1.0f, true, G}, b);
+    const int per = axis == quant::Axis::PerChannel ? d : 1, groups = (n + G - 1) / G;
+    ASSERT_EQ(b.scales.size(), static_cast<size_t>(groups * per));
+    ASSERT_EQ(b.codes.size(), static_cast<size_t>(n * d * bits / 8));
+    for (int g = 0; g < groups; ++g)
+      for (int c = 0; c < per; ++c) {
+        float lo = INFINITY, hi = -INFINITY;
+        for (int r = g * G; r < std::min(n, (g + 1) * G); ++r)
+          for (int e = 0; e < d; ++e)
+            if (per == 1 || e == c) {
+              lo = std::min(lo, x[static_cast<size_t>(r) * d + e]);
+              hi = std::max(hi, x[static_cast<size_t>(r) * d + e]);
+            }
+        const size_t i = static_cast<size_t>(g * per + c);
+        EXPECT_EQ(quant::from_half(b.zeros[i]), round_half(lo)) << "group " << g << " range " << c;
+        const float step = quant::from_half(b.scales[i]);
+        EXPECT_NEAR(step, (hi - lo) / 3.0f, std::ldexp(hi - lo, -10)) << "group " << g << " range " << c;
+        for (int r = g * G; r < std::min(n, (g + 1) * G); ++r)
+          for (int e = 0; e < d; ++e)
+            if (per == 1 || e == c) {
+              const size_t k = static_cast<size_t>(r) * d + e;
+              EXPECT_LE(std::fabs(y[k] - x[k]), step / 2 + std::ldexp(std::fabs(hi) + std::fabs(lo), -10)) << r << "," << e;
+            }
+      }
+  }
+}
+
 TEST(Quantize, ChannelMajorGroupsOfOneBitCodes) {
   // block_row is a permutation of 0..31; every code of a whole group is found at its word and
   // bit, the rows past the last group are untouched, and the size is the packed rows' size.
