@@ -273,8 +273,10 @@ __device__ void token_rows(const PartDesc& P, int a, int e, const float* q, cons
 
 // Channel-wise BITS-bit keys (a range per channel and group of P.k.group rows: KIVI's key
 // groups) with token-wise values of the same width: score_j = Σ_c q_c·(code_jc·s_gc + z_gc), g
-// the row's group (this lane's 8 scales and zeros in two loads), values as token_rows takes them.
-template <int L, int BITS, int U>
+// the row's group (this lane's 8 scales and zeros in two loads), values as token_rows takes them
+// — with FACTOR, times their channels' CST factors (ZipCache's values: v_jc = f_c·(code_jc·s_j +
+// z_j), this lane's 8 factors loaded once).
+template <int L, int BITS, int U, bool FACTOR>
 __device__ void channel_token_rows(const PartDesc& P, int a, int e, const float* q, const Lane& ln, int g, bool cal,
                                    float cal_t, float cal_g, float tau1, State& st) {
   constexpr int G = kThreads / L;
@@ -283,6 +285,8 @@ __device__ void channel_token_rows(const PartDesc& P, int a, int e, const float*
   const int rowb = ln.D * BITS / 8, group = P.k.group;
   const uint8_t* K = static_cast<const uint8_t*>(P.k.data) + (ln.c0 / 8) * BITS;
   const uint8_t* V = static_cast<const uint8_t*>(P.v.data) + (ln.c0 / 8) * BITS;
+  float f[8];
+  if constexpr (FACTOR) unpack8<__half>(__ldg(reinterpret_cast<const uint4*>(P.v.factor + ln.c0)), f);
   for (int j0 = a; j0 < e; j0 += G * U) {
     Word kc[U], vc[U];
     uint4 ks[U], kz[U];
@@ -315,8 +319,11 @@ __device__ void channel_token_rows(const PartDesc& P, int a, int e, const float*
     softmax_step<U>(sc, st, [&](int u, float p) {
       const float ps = p * vs[u], pz = p * vz[u];
 #pragma unroll
-      for (int c = 0; c < 8; ++c)
-        st.o[c] = fmaf(ps, code_f(static_cast<uint32_t>(vc[u] >> (c * BITS)) & mask), st.o[c]) + pz;
+      for (int c = 0; c < 8; ++c) {
+        const float x = code_f(static_cast<uint32_t>(vc[u] >> (c * BITS)) & mask);
+        if constexpr (FACTOR) st.o[c] = fmaf(f[c], fmaf(ps, x, pz), st.o[c]);
+        else st.o[c] = fmaf(ps, x, st.o[c]) + pz;
+      }
     });
   }
 }
@@ -325,17 +332,20 @@ __device__ void channel_token_rows(const PartDesc& P, int a, int e, const float*
 
 // Which fast path a part can take (0: the general one): 16 fp16 rows; 1, 2, 4, 8 channel-wise
 // codes of that width; kTokenKind + 2, 4, 8 token-wise codes of that width; kChannelTokenKind +
-// 2, 4, 8 channel-wise keys (any groups) beside token-wise values of that width.
-constexpr int kTokenKind = 100, kChannelTokenKind = 200;
+// 2, 4, 8 channel-wise keys (any groups) beside token-wise values of that width, + kWithFactor
+// with the values' CST factors.
+constexpr int kTokenKind = 100, kChannelTokenKind = 200, kWithFactor = 10;
 __device__ __forceinline__ int fast_kind(const PartDesc& P, int n, int mode, bool materialized, int lut_bits) {
   if (materialized || mode == kScores) return 0;
   if (P.k.fmt == kF16 && P.v.fmt == kF16) return mode == kAttend ? 16 : 0;
   if (P.k.fmt == kChannel && P.v.fmt == kToken && P.k.chan_stride == 1) {
     const int b = P.k.bits;
-    if (mode != kAttend || P.v.bits != b || P.v.factor || (b != 2 && b != 4 && b != 8)) return 0;
+    if (mode != kAttend || P.v.bits != b || (b != 2 && b != 4 && b != 8)) return 0;
     if ((reinterpret_cast<uintptr_t>(P.k.data) | reinterpret_cast<uintptr_t>(P.v.data)) & (b - 1)) return 0;
-    if ((reinterpret_cast<uintptr_t>(P.k.scale) | reinterpret_cast<uintptr_t>(P.k.zero)) & 15) return 0;
-    return kChannelTokenKind + b;
+    if ((reinterpret_cast<uintptr_t>(P.k.scale) | reinterpret_cast<uintptr_t>(P.k.zero) |
+         reinterpret_cast<uintptr_t>(P.v.factor)) & 15)
+      return 0;
+    return kChannelTokenKind + b + (P.v.factor ? kWithFactor : 0);
   }
   if (P.k.fmt == kToken && P.v.fmt == kToken) {
     const int b = P.k.bits;
@@ -427,9 +437,18 @@ __device__ void run_fast(int kind, const PartDesc& P, int a, int e, const float*
     case kTokenKind + 2: token_rows<L, 2, 4>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st); break;
     case kTokenKind + 4: token_rows<L, 4, 4>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st); break;
     case kTokenKind + 8: token_rows<L, 8, 4>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st); break;
-    case kChannelTokenKind + 2: channel_token_rows<L, 2, 4>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st); break;
-    case kChannelTokenKind + 4: channel_token_rows<L, 4, 4>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st); break;
-    case kChannelTokenKind + 8: channel_token_rows<L, 8, 4>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st); break;
+    case kChannelTokenKind + 2: channel_token_rows<L, 2, 4, false>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st); break;
+    case kChannelTokenKind + 4: channel_token_rows<L, 4, 4, false>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st); break;
+    case kChannelTokenKind + 8: channel_token_rows<L, 8, 4, false>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st); break;
+    case kChannelTokenKind + kWithFactor + 2:
+      channel_token_rows<L, 2, 4, true>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st);
+      break;
+    case kChannelTokenKind + kWithFactor + 4:
+      channel_token_rows<L, 4, 4, true>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st);
+      break;
+    case kChannelTokenKind + kWithFactor + 8:
+      channel_token_rows<L, 8, 4, true>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st);
+      break;
     case 1:
       if (range) packed_rows<L, 1, 16, true>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st, lo, hi, lut);
       else packed_rows<L, 1, 16, false>(P, a, e, q, ln, g, cal, cal_t, cal_g, tau1, st, lo, hi, lut);
