@@ -259,6 +259,22 @@ bool kv_quantize_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& s
                              scales + s0.ranges, zeros + s0.ranges, s1.ranges - s0.ranges, q.group, ctx.stream);
       continue;
     }
+    // A range per row: every head in one launch where their rows, codes and ranges lie back to
+    // back (rows of D·bits/8 bytes, a multiple of 16, leave no padding between heads' codes).
+    if (q.axis == quant::Axis::PerToken) {
+      const Slot& s0 = slots[static_cast<size_t>(side * NKV)];
+      bool flat = in_stride[side] == 0 || (same_rows && in_stride[side] == first[1] * D);
+      for (int h = 0; h < NKV && flat; ++h) {
+        const Slot& sl = slots[static_cast<size_t>(side * NKV + h)];
+        const int64_t r = first[static_cast<size_t>(h)];
+        flat = sl.codes == s0.codes + r * D * q.bits / 8 && sl.ranges == s0.ranges + r;
+      }
+      if (flat) {
+        quantize_token(in[side], static_cast<int>(N), D, q.bits, nullptr, static_cast<uint8_t*>(Cd.mem.get()) + s0.codes,
+                       scales + s0.ranges, zeros + s0.ranges, ctx.stream);
+        continue;
+      }
+    }
     for (int h = 0; h < NKV; ++h) {
       const Slot& sl = slots[static_cast<size_t>(side * NKV + h)];
       const int64_t n = first[static_cast<size_t>(h) + 1] - first[static_cast<size_t>(h)];
