@@ -51,7 +51,10 @@ struct UniformSpec {
   bool shrink_about_zero = true;
   // Channel-wise and global ranges: over each group of `group` consecutive rows (KIVI's key
   // groups), the groups' ranges one after another; 0: over the whole block.
-  int group = 0;
+  int group = 0;  // Per-token ranges of rows first rotated by the orthonormal Hadamard transform of blocks of
+  // `rotation` channels (block_hadamard; Hadamard-INT4's keys): the codes are of the rotated
+  // row, and the block's rows become their dequantization rotated back. 0: none.
+  int rotation = 0;
 };
 // ---- what a quantized segment stores ----------------------------------------------------------
 struct QuantBlock {

@@ -176,8 +176,10 @@ DecodeResult DecoderModel::decode(const PrefillState& st, KVPolicy* policy, cons
   const StepQuant device_quant = dev ? device_step_quant(steps, *be_, observed > 0, text_cfg_.head_dim) : StepQuant{};
   if (device_quant.any()) steps = nullptr;
   const bool mirror = !dev || decode_needs_host_rows(steps) || observed > 0;
+  // (Keys' codes of rotated rows that the device will not read: the host's rows, quantized there.)
+  const int rotated = policy ? policy->rotated_keys(text_cfg_.head_dim) : 0;
   const bool reads_rows =
-      (policy && (policy->reads_rows() || decode_needs_host_rows(steps))) ||
+      (policy && (policy->reads_rows() || decode_needs_host_rows(steps) || (dev && rotated && rotated != device_quant.rotation))) ||
       std::any_of(observers.begin(), observers.end(),
                   [](const AttentionObserver* o) { return o->reads_decode_kv() && !o->compares_to(); });
   if (dev && reads_rows && !store.has_rows()) be_->kv_hydrate(*dev, store, true);

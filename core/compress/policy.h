@@ -63,6 +63,11 @@ class KVPolicy {
   // (layout_only segments) and the device gathers the kept rows, so the prompt's rows never
   // cross to the host.
   virtual bool reads_rows() const { return true; }
+  // The Hadamard block whose rotation the keys' codes this method's prefill makes without host
+  // rows are of (CodeLayout::k_rotation); 0: none. A device reads such codes only while it rotates
+  // the query by the same blocks (StepQuant::rotation); a decode whose device does not brings the
+  // prompt's rows to the host first, and the method quantizes those.
+  virtual int rotated_keys(int head_dim) const { return 0; }
   // The storage of dense rows this policy asks for instead of the run's (the decode option
   // kv_storage, fp16 by default); nullopt = the run's. `full:storage=fp32` keeps exact rows.
   virtual std::optional<RowStorage> row_storage() const { return std::nullopt; }

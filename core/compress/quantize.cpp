@@ -71,6 +71,17 @@ int64_t block_code_bytes(int n, int d, int bits, Axis axis) {
 
 void quantize_block(float* x, int n, int d, const UniformSpec& spec, QuantBlock& out) {
   if (n <= 0 || d <= 0) return;
+  if (spec.rotation > 0) {  // rotated, quantized, rotated back (the transform is its own inverse)
+    if (spec.axis != Axis::PerToken || d % spec.rotation != 0)
+      throw InternalError("quantize_block: a Hadamard rotation of " + std::to_string(spec.rotation) +
+                          " channels needs per-token ranges and a row size it divides, got " + std::to_string(d));
+    UniformSpec plain = spec;
+    plain.rotation = 0;
+    for (int j = 0; j < n; ++j) block_hadamard(x + static_cast<int64_t>(j) * d, d, spec.rotation);
+    quantize_block(x, n, d, plain, out);
+    for (int j = 0; j < n; ++j) block_hadamard(x + static_cast<int64_t>(j) * d, d, spec.rotation);
+    return;
+  }
   if (spec.group > 0 && spec.group < n && spec.axis != Axis::PerToken) {  // each group on its own
     UniformSpec one = spec;
     one.group = 0;

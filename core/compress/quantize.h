@@ -154,8 +154,11 @@ class PrefillQuantPolicy : public KVPolicy {
   virtual void quantize_layer(const PrefillContext& ctx, LayerKV& layer, bool later,
                               std::vector<PendingPayload>& done) const = 0;
   virtual void store(std::vector<PendingPayload>& done) const = 0;
-  // Every pending segment takes its payload with `layout` (kind, bits, axes and groups; the rest as the
-  // payload has it) and `storage`, each row stored with `bits` (set_quantized); the list empties.
+
+ public:
+  // Every pending segment takes its payload with `layout` (kind, bits, axes, groups and the keys'
+  // rotation; the rest as the payload has it) and `storage`, each row stored with `bits`
+  // (set_quantized); the list empties.
   static void install(std::vector<PendingPayload>& done, const CodeLayout& layout, const std::string& storage, int bits) {
     for (const PendingPayload& q : done) {
       CodeLayout& l = q.p->layout;
@@ -166,6 +169,7 @@ class PrefillQuantPolicy : public KVPolicy {
       l.v_axis = layout.v_axis;
       l.k_group = layout.k_group;
       l.v_group = layout.v_group;
+      l.k_rotation = layout.k_rotation;
       set_quantized(*q.s, q.p, storage, bits);
     }
     done.clear();

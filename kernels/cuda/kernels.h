@@ -551,6 +551,11 @@ void quantize_channel_heads(const __half* x, int64_t x_stride, int heads, int n,
                             int64_t range_stride, int group, cudaStream_t s);
 void quantize_token(const __half* x, int n, int D, int bits, const __half* factor, uint8_t* codes,
                     __half* scale, __half* zero, cudaStream_t s);
+// Per-token ranges of the rows rotated by the Hadamard blocks of `rotation` channels first
+// (UniformSpec::rotation, quant::block_hadamard in fp32): the rotated rows' codes; quant_tail_ok(D,
+// rotation), rotation > 0.
+void quantize_token_rotated(const __half* x, int n, int D, int bits, int rotation, uint8_t* codes, __half* scale,
+                            __half* zero, cudaStream_t s);
 // KIVI's pieces (StepQuant::group), many in one launch: piece i's n rows of fp16 keys k[n][D]
 // and values v[n][D] quantized with `bits`, keys with a range per channel over the piece
 // (quantize_block, Axis::PerChannel: D scales and zeros), values with one per row (PerToken: n

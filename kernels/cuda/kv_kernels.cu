@@ -101,24 +101,6 @@ __global__ void rope_append_kernel(float* qkv, int64_t q_col, int nq, int64_t k_
   }
 }
 
-// Each block of R values of x[D] (shared memory) through the orthonormal Hadamard transform, a
-// thread a block, with quant::hadamard's fp32 operations in its order: butterflies of increasing
-// span, then the scale 1/√R.
-__device__ void hadamard_blocks(float* x, int D, int R) {
-  for (int b = threadIdx.x; b < D / R; b += blockDim.x) {
-    float* y = x + b * R;
-    for (int len = 1; len < R; len <<= 1)
-      for (int i = 0; i < R; i += len << 1)
-        for (int j = i; j < i + len; ++j) {
-          const float a = y[j], c = y[j + len];
-          y[j] = a + c;
-          y[j + len] = a - c;
-        }
-    const float s = 1.0f / sqrtf(static_cast<float>(R));
-    for (int i = 0; i < R; ++i) y[i] *= s;
-  }
-}
-
 // Blocks [0, nk): KV head b's key rotated (written back to qkv, as rope_append does), the key and
 // value rounded to fp16 as the cache keeps rows, then each quantized with its own range — warp 0
 // the key, warp 1 the value — and packed at row *counter of the tail (quant_pack.cu's layout: 8

@@ -182,8 +182,9 @@ bool kv_quantize_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& s
   if (layer < 0 || layer >= C.L || static_cast<int>(seg.heads.size()) != NKV ||
       static_cast<int>(out.k.size()) != NKV || static_cast<int>(out.v.size()) != NKV)
     throw InternalError("quantize_rows: layer " + std::to_string(layer) + " or the segment's KV heads do not match the cache");
-  auto supported = [](const quant::UniformSpec& q) {
-    return q.bits >= 1 && q.bits <= 8 && (q.axis != quant::Axis::PerToken || q.shrink == 1.0f);
+  auto supported = [D](const quant::UniformSpec& q) {
+    const bool rot = q.rotation == 0 || (q.axis == quant::Axis::PerToken && quant_tail_ok(D, q.rotation));
+    return q.bits >= 1 && q.bits <= 8 && (q.axis != quant::Axis::PerToken || q.shrink == 1.0f) && rot;
   };
   if (!supported(ks) || !supported(vs) || D % 8 != 0) return false;
   const std::string what = std::string("quantized ") + segment_kind_name(seg.kind) + " rows of layer " + std::to_string(layer);
@@ -270,8 +271,13 @@ bool kv_quantize_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& s
         flat = sl.codes == s0.codes + r * D * q.bits / 8 && sl.ranges == s0.ranges + r;
       }
       if (flat) {
-        quantize_token(in[side], static_cast<int>(N), D, q.bits, nullptr, static_cast<uint8_t*>(Cd.mem.get()) + s0.codes,
-                       scales + s0.ranges, zeros + s0.ranges, ctx.stream);
+        uint8_t* codes = static_cast<uint8_t*>(Cd.mem.get()) + s0.codes;
+        if (q.rotation)
+          quantize_token_rotated(in[side], static_cast<int>(N), D, q.bits, q.rotation, codes, scales + s0.ranges,
+                                 zeros + s0.ranges, ctx.stream);
+        else
+          quantize_token(in[side], static_cast<int>(N), D, q.bits, nullptr, codes, scales + s0.ranges, zeros + s0.ranges,
+                         ctx.stream);
         continue;
       }
     }
@@ -280,7 +286,10 @@ bool kv_quantize_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& s
       const int64_t n = first[static_cast<size_t>(h) + 1] - first[static_cast<size_t>(h)];
       const __half* x = in[side] + first[static_cast<size_t>(h)] * D;
       uint8_t* codes = static_cast<uint8_t*>(Cd.mem.get()) + sl.codes;
-      if (q.axis == quant::Axis::PerToken)
+      if (q.axis == quant::Axis::PerToken && q.rotation)
+        quantize_token_rotated(x, static_cast<int>(n), D, q.bits, q.rotation, codes, scales + sl.ranges, zeros + sl.ranges,
+                               ctx.stream);
+      else if (q.axis == quant::Axis::PerToken)
         quantize_token(x, static_cast<int>(n), D, q.bits, nullptr, codes, scales + sl.ranges, zeros + sl.ranges, ctx.stream);
       else
         quantize_channel(x, static_cast<int>(n), D, q.bits, chan, q.shrink, q.shrink_about_zero, codes,

@@ -1,7 +1,7 @@
 // The arithmetic of uniform quantization on the device, step by step as the host's
 // quant::make_affine and quant::encode (core/compress/quantize.cpp): shared by the quantize-and-
 // pack kernels (quant_pack.cu) and the decode step's per-token quantizing append (kv_kernels.cu),
-// so both give the host's codes and fp16 ranges.
+// so both give the host's codes and fp16 ranges; and quant::block_hadamard's rotation.
 #pragma once
 #include <cstdint>
 
@@ -28,6 +28,24 @@ __device__ __forceinline__ uint32_t encode(float x, float alpha, float scale, in
   if (!(scale > 0.0f)) return 0;
   const float c = rintf(__fdiv_rn(x - alpha, scale));
   return static_cast<uint32_t>(fminf(fmaxf(c, 0.0f), static_cast<float>((1u << bits) - 1u)));
+}
+
+// Each block of R values of x[D] (shared memory) through the orthonormal Hadamard transform, a
+// thread a block, with quant::hadamard's fp32 operations in its order: butterflies of increasing
+// span, then the scale 1/√R.
+__device__ inline void hadamard_blocks(float* x, int D, int R) {
+  for (int b = threadIdx.x; b < D / R; b += blockDim.x) {
+    float* y = x + b * R;
+    for (int len = 1; len < R; len <<= 1)
+      for (int i = 0; i < R; i += len << 1)
+        for (int j = i; j < i + len; ++j) {
+          const float a = y[j], c = y[j + len];
+          y[j] = a + c;
+          y[j + len] = a - c;
+        }
+    const float s = 1.0f / sqrtf(static_cast<float>(R));
+    for (int i = 0; i < R; ++i) y[i] *= s;
+  }
 }
 
 }  // namespace kvlens::cuda

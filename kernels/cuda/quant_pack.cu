@@ -209,6 +209,54 @@ void quantize_pieces(const GroupPiece* pieces, int n_pieces, int D, int bits, cu
   KV_LAUNCH("piece_quant_kernel", std::to_string(n_pieces) + " pieces x" + std::to_string(D));
 }
 
+namespace {
+
+// One block a row: the fp16 row through the Hadamard blocks in fp32 (quant::block_hadamard's
+// order), its range by warp 0, then its codes, 8 channels a thread.
+__global__ void token_rotated_kernel(const __half* x, int D, int bits, int rotation, uint8_t* codes, __half* scale,
+                                     __half* zero) {
+  __shared__ float row[kMaxQuantTailD];
+  __shared__ float range[2];
+  const int64_t r = blockIdx.x;
+  for (int c = threadIdx.x; c < D; c += blockDim.x) row[c] = __half2float(x[r * D + c]);
+  __syncthreads();
+  hadamard_blocks(row, D, rotation);
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    float lo = INFINITY, hi = -INFINITY;
+    for (int c = threadIdx.x; c < D; c += 32) {
+      lo = fminf(lo, row[c]);
+      hi = fmaxf(hi, row[c]);
+    }
+    lo = -warp_max(-lo);
+    hi = warp_max(hi);
+    if (threadIdx.x == 0) {
+      affine(lo, hi, bits, 1.0f, true, scale + r, zero + r);
+      range[0] = __half2float(zero[r]);
+      range[1] = __half2float(scale[r]);
+    }
+  }
+  __syncthreads();
+  uint8_t* out = codes + r * (D * bits / 8);
+  for (int c8 = threadIdx.x; c8 < D / 8; c8 += blockDim.x) {
+    uint64_t w = 0;
+    for (int c = 0; c < 8; ++c) w |= static_cast<uint64_t>(encode(row[c8 * 8 + c], range[0], range[1], bits)) << (c * bits);
+    for (int b = 0; b < bits; ++b) out[c8 * bits + b] = static_cast<uint8_t>(w >> (8 * b));
+  }
+}
+
+}  // namespace
+
+void quantize_token_rotated(const __half* x, int n, int D, int bits, int rotation, uint8_t* codes, __half* scale,
+                            __half* zero, cudaStream_t s) {
+  check_shape(D, bits);
+  if (!quant_tail_ok(D, rotation) || rotation == 0)
+    throw InternalError("quantize: Hadamard blocks of " + std::to_string(rotation) + " over rows of " + std::to_string(D));
+  if (n == 0) return;
+  token_rotated_kernel<<<n, 64, 0, s>>>(x, D, bits, rotation, codes, scale, zero);
+  KV_LAUNCH("token_rotated_kernel", std::to_string(n) + "x" + std::to_string(D));
+}
+
 void quantize_token(const __half* x, int n, int D, int bits, const __half* factor, uint8_t* codes, __half* scale,
                     __half* zero, cudaStream_t s) {
   check_shape(D, bits);

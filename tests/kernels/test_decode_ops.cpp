@@ -455,13 +455,13 @@ namespace {
 // The device quantize-and-pack kernels against quant::quantize_block / zipcache::cst_quantize:
 // identical fp16 scales and zero points, and codes equal except where a value sits within an
 // fp32 rounding of a decision boundary (then one step apart).
-void quant_case(int n, int D, int bits, quant::Axis axis, float shrink, bool cst, int group = 0) {
+void quant_case(int n, int D, int bits, quant::Axis axis, float shrink, bool cst, int group = 0, int rotation = 0) {
   Backend& be = *op_backends().gpu;
   const auto x = rounded(Dt::F16, randn(static_cast<size_t>(n) * D, 2.0f));
   quant::QuantBlock ref;
   std::vector<float> xr = x;
   if (cst) zipcache::cst_quantize(xr.data(), n, D, bits, ref);
-  else quant::quantize_block(xr.data(), n, D, {bits, axis, shrink, true, group}, ref);
+  else quant::quantize_block(xr.data(), n, D, {bits, axis, shrink, true, group, rotation}, ref);
   Buffer X = make(be, "x", {n, D}, Dt::F16, x);
   const int64_t code_bytes = static_cast<int64_t>(n) * D * bits / 8;
   Buffer C = be.alloc("codes", {(code_bytes + 3) / 4}, Dt::I32);
@@ -475,6 +475,9 @@ void quant_case(int n, int D, int bits, quant::Axis axis, float shrink, bool cst
     cuda::cst_factors(X.as<__half>(), n, D, F.as<__half>(), st);
     cuda::quantize_token(X.as<__half>(), n, D, bits, F.as<__half>(), reinterpret_cast<uint8_t*>(C.data), S.as<__half>(),
                          Z.as<__half>(), st);
+  } else if (axis == quant::Axis::PerToken && rotation) {
+    cuda::quantize_token_rotated(X.as<__half>(), n, D, bits, rotation, reinterpret_cast<uint8_t*>(C.data), S.as<__half>(),
+                                 Z.as<__half>(), st);
   } else if (axis == quant::Axis::PerToken) {
     cuda::quantize_token(X.as<__half>(), n, D, bits, nullptr, reinterpret_cast<uint8_t*>(C.data), S.as<__half>(),
                          Z.as<__half>(), st);
@@ -485,7 +488,7 @@ void quant_case(int n, int D, int bits, quant::Axis axis, float shrink, bool cst
   cudaDeviceSynchronize();
   const std::string what = "quantize n=" + std::to_string(n) + " D=" + std::to_string(D) + " bits=" +
                            std::to_string(bits) + " " + quant::axis_name(axis) + (cst ? " cst" : "") + " group " +
-                           std::to_string(group);
+                           std::to_string(group) + " rotation " + std::to_string(rotation);
   const auto s = read(be, S), z = read(be, Z);
   ASSERT_EQ(s.size(), ref.scales.size()) << what;
   for (size_t i = 0; i < s.size(); ++i) {
@@ -580,6 +583,10 @@ TEST(DecodeOps, QuantizeAndPackKernels) {
   quant_heads_case(2, 9, 64, 2, quant::Axis::Global, 1.0f, 0, 4);
   quant_case(45, 128, 2, quant::Axis::PerChannel, 1.0f, false, 8);
   quant_case(45, 24, 3, quant::Axis::PerChannel, 1.0f, false, 45);  // (one group: the whole block)
+  // Hadamard-INT4's keys (UniformSpec::rotation): the rows rotated in fp32 first
+  quant_case(57, 128, 4, quant::Axis::PerToken, 1.0f, false, 0, 16);
+  quant_case(33, 64, 4, quant::Axis::PerToken, 1.0f, false, 0, 8);
+  quant_case(20, 256, 2, quant::Axis::PerToken, 1.0f, false, 0, 128);
   for (int bits : {1, 2, 3, 4, 8}) {
     quant_case(203, 128, bits, quant::Axis::PerChannel, 1.0f, false);
     quant_case(57, 24, bits, quant::Axis::PerToken, 1.0f, false);

@@ -55,13 +55,16 @@ TEST(CudaModel, EvictionSelectsOnTheLayoutAloneAndTheDeviceGathers) {
 // layout, bytes and fp16 ranges, codes equal but for values within an fp32 rounding of a
 // decision boundary (one step apart, at most 1 in 1000 — the quant_pack kernels' bound,
 // DecodeOps), the same tokens, and `per_layer` quantized segments a layer (< 0: at least one).
-void expect_quantized_where_the_rows_are(const SampleRun& r, const char* spec, int per_layer) {
+// With `rotated` (Hadamard-INT4's keys), the observed decode's device, which does not rotate the
+// query, holds the quantized rows as fp16 values and reports their bytes: more than the codes'.
+void expect_quantized_where_the_rows_are(const SampleRun& r, const char* spec, int per_layer, bool rotated = false) {
   SCOPED_TRACE(spec);
   const TwoDecodes t = decode_on_layout_and_on_rows(r, spec);
   const KVStore &a = t.a, &b = t.b;
   EXPECT_EQ(t.x.generated_ids, t.y.generated_ids);
-  EXPECT_EQ(t.x.bytes_after_prefill.total(), t.y.bytes_after_prefill.total());
-  expect_same_layout(a, b);
+  if (rotated) EXPECT_LT(t.x.bytes_after_prefill.total(), t.y.bytes_after_prefill.total());
+  else EXPECT_EQ(t.x.bytes_after_prefill.total(), t.y.bytes_after_prefill.total());
+  expect_same_layout(a, b, !rotated);
   int quantized = 0;
   for (int l = 0; l < a.n_layers(); ++l)
     for (size_t i = 0; i < a.layer(l).segments.size(); ++i) {
@@ -122,6 +125,23 @@ TEST(CudaModel, KiviQuantizesThePromptsRowsOnTheDevice) {
   SampleRun r = sample_run(8);
   for (const char* spec : {"kivi:bits=2", "kivi:bits=4,group=7,residual=5", "stack:evict=snapkv,quant=kivi,budget=0.4,group=8"})
     expect_quantized_where_the_rows_are(r, spec, -1);
+}
+
+// Hadamard-INT4: every prompt segment's keys rotated by the Hadamard blocks and quantized per
+// token, values per token, after an eviction too; where the device will not rotate the query
+// (an observer reads the steps), the host's rows are quantized instead.
+TEST(CudaModel, HadamardInt4QuantizesThePromptsRowsOnTheDevice) {
+  NEED_GPU();
+  SampleRun r = sample_run(8);
+  for (const char* spec : {"hadamard_int4", "hadamard_int4:block=8", "stack:evict=snapkv,quant=hadamard_int4,budget=0.4"})
+    expect_quantized_where_the_rows_are(r, spec, 3, true);
+  EXPECT_EQ(make_policy("hadamard_int4:block=8")->rotated_keys(64), 8);
+  EXPECT_EQ(make_policy("hadamard_int4:rotate_v=on")->rotated_keys(64), 0);
+  EXPECT_TRUE(make_policy("hadamard_int4:scope=visual")->reads_rows());
+  DecodeRecorder probs_only(3, false);
+  auto p = make_policy("hadamard_int4");
+  const DecodeResult d = r.gpu.decode(r.st, p.get(), r.g, {&probs_only});
+  EXPECT_EQ(d.generated_ids.size(), static_cast<size_t>(r.g.max_new_tokens));
 }
 
 // The codes quantize_rows made on the device (every layer's landing together, quantize_rows_later,

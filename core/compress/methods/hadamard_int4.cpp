@@ -30,13 +30,51 @@ class HadamardInt4Policy : public quant::SegmentQuantPolicy {
     if (!quantize_v_ || rotate_v_ || visual_only_) return {};
     return {4, 4, quant::hadamard_block(block_, head_dim), "hadamard-int4"};
   }
+  // That layout (INT4 keys of rotated rows, INT4 values unrotated) is made where the rows are at
+  // prefill (quant::quantize_rows_of with UniformSpec::rotation): no host rows are read, unless
+  // the device will not rotate the query (rotated_keys).
+  bool reads_rows() const override { return !device_layout(); }
+  int rotated_keys(int head_dim) const override { return device_layout() ? block_of(head_dim) : 0; }
+  void on_prefill_layer(const PrefillContext& ctx, LayerKV& layer) override {
+    if (!device_layout()) return SegmentQuantPolicy::on_prefill_layer(ctx, layer);
+    std::vector<quant::PendingPayload> done;
+    quantize_layer(ctx, layer, false, done);
+    store(done, ctx.head_dim);
+  }
+  void on_prefill(const std::vector<PrefillContext>& layers, KVStore& kv) override {
+    if (!device_layout() || layers.empty()) return SegmentQuantPolicy::on_prefill(layers, kv);
+    std::vector<quant::PendingPayload> done;
+    quant::quantize_prefill(
+        layers, kv, [&](const PrefillContext& c, LayerKV& l, bool later) { quantize_layer(c, l, later, done); },
+        [&] { store(done, layers.front().head_dim); });
+  }
 
  private:
+  bool device_layout() const { return quantize_v_ && !rotate_v_ && !visual_only_; }
+  int block_of(int D) const {
+    const int b = quant::hadamard_block(block_, D);  // auto: the slides' order 16, halved until it divides head_dim
+    if (D % b != 0)
+      throw InputError("hadamard_int4: block must divide head_dim " + std::to_string(D) + ", got " + std::to_string(b));
+    return b;
+  }
+  void quantize_layer(const PrefillContext& ctx, LayerKV& layer, bool later, std::vector<quant::PendingPayload>& done) const {
+    const int b = block_of(ctx.head_dim);
+    for (KVSegment& s : layer.segments)
+      if (in_scope(s))
+        done.push_back(quant::quantize_rows_of(ctx, s, {4, quant::Axis::PerToken, 1.0f, true, 0, b},
+                                               {4, quant::Axis::PerToken}, later, "hadamard_int4"));
+  }
+  void store(std::vector<quant::PendingPayload>& done, int D) const {
+    quant::CodeLayout l;
+    l.kind = quant::CodeLayout::Kind::Blocks;
+    l.k_bits = l.v_bits = 4;
+    l.k_axis = l.v_axis = quant::Axis::PerToken;
+    l.k_rotation = block_of(D);
+    quant::PrefillQuantPolicy::install(done, l, "hadamard-int4", 4);
+  }
+
   void quantize_segment(KVSegment& s, int D) override {
-    block_ = quant::hadamard_block(block_, D);  // auto: the slides' order 16, halved until it divides head_dim
-    if (D % block_ != 0)
-      throw InputError("hadamard_int4: block must divide head_dim " + std::to_string(D) + ", got " +
-                       std::to_string(block_));
+    block_ = block_of(D);
     const bool v_half = s.storage == "fp16";  // how unquantized values stay stored
     auto p = std::make_shared<quant::QuantPayload>(static_cast<int>(s.heads.size()));
     for (size_t h = 0; h < s.heads.size(); ++h) {

@@ -57,6 +57,7 @@ class StackPolicy : public KVPolicy {
   bool reads_rows() const override {
     return (evict_ && evict_->reads_rows()) || (quant_ && quant_->reads_rows());
   }
+  int rotated_keys(int head_dim) const override { return quant_ ? quant_->rotated_keys(head_dim) : 0; }
   bool acts_on_decode() const override {
     return (evict_ && evict_->acts_on_decode()) || (quant_ && quant_->acts_on_decode());
   }
