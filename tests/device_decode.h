@@ -59,6 +59,19 @@ inline SampleRun sample_run(int new_tokens) {
   return r;
 }
 
+// The embedded model on the CPU with sample_run's image prefilled (the attention kept): what the
+// GPU tests compare bytes and tokens with.
+struct CpuRun {
+  std::unique_ptr<Model> model;
+  PrefillState st;
+};
+inline CpuRun cpu_sample_run() {
+  CpuRun c;
+  c.model = load_model(source_dir() + "/assets/models/kvlens-scenes-6m", {"cpu"});
+  c.st = c.model->prefill(load_image(source_dir() + "/assets/images/scene_000.png"), kDefaultPrompt, kDefaultTemplate, true);
+  return c;
+}
+
 // `b` against `a`, decoded by two paths of the same method: the same tokens and cache bytes,
 // and every step's logits within one fp16 rounding (2^-11 of their largest magnitude).
 inline void expect_same_decode(const DecodeResult& b, const DecodeResult& a) {

@@ -33,9 +33,8 @@ TEST(CudaModel, EvictionSelectsOnTheLayoutAloneAndTheDeviceGathers) {
   NEED_GPU();
   SampleRun r = sample_run(8);
   EXPECT_FALSE(r.st.store.has_rows());
-  const std::unique_ptr<Model> cpu = load_model(kt::source_dir() + "/assets/models/kvlens-scenes-6m", {"cpu"});
-  const PrefillState c = cpu->prefill(load_image(kt::source_dir() + "/assets/images/scene_000.png"), kDefaultPrompt,
-                                      kDefaultTemplate, true);
+  const kt::CpuRun cpu = kt::cpu_sample_run();
+  const PrefillState& c = cpu.st;
   EXPECT_TRUE(c.store.has_rows());
   KVStore cpu_fp16 = c.store;
   cpu_fp16.set_row_storage(RowStorage::Fp16);
@@ -341,9 +340,8 @@ TEST(CudaModel, LookMMergesOnTheDevice) {
 TEST(CudaModel, PerTokenQuantizationRunsInTheDevicesSteps) {
   NEED_GPU();
   SampleRun r = sample_run(12);
-  const std::unique_ptr<Model> cpu = load_model(kt::source_dir() + "/assets/models/kvlens-scenes-6m", {"cpu"});
-  const PrefillState c = cpu->prefill(load_image(kt::source_dir() + "/assets/images/scene_000.png"), kDefaultPrompt,
-                                      kDefaultTemplate, true);
+  const kt::CpuRun cpu = kt::cpu_sample_run();
+  const PrefillState& c = cpu.st;
   for (const char* spec : {"uniform:bits=4", "uniform:bits=2", "uniform:bits=8", "uniform:bits=3",
                            "stack:evict=snapkv,quant=uniform,bits=4", "hadamard_int4", "hadamard_int4:block=8"}) {
     SCOPED_TRACE(spec);
@@ -362,7 +360,7 @@ TEST(CudaModel, PerTokenQuantizationRunsInTheDevicesSteps) {
       expect_same_decode(b, a);
     }
     auto on_cpu = make_policy(spec);
-    const DecodeResult e = cpu->decode(c, on_cpu.get(), r.g);
+    const DecodeResult e = cpu.model->decode(c, on_cpu.get(), r.g);
     EXPECT_EQ(b.bytes_after_prefill.total(), e.bytes_after_prefill.total());
     EXPECT_EQ(b.bytes_final.total(), e.bytes_final.total());
     EXPECT_GT(b.bytes_final.total(), b.bytes_after_prefill.total());
@@ -381,9 +379,8 @@ TEST(CudaModel, PerTokenQuantizationRunsInTheDevicesSteps) {
 TEST(CudaModel, KiviGroupsAreQuantizedInTheDevicesSteps) {
   NEED_GPU();
   SampleRun r = sample_run(14);
-  const std::unique_ptr<Model> cpu = load_model(kt::source_dir() + "/assets/models/kvlens-scenes-6m", {"cpu"});
-  const PrefillState c = cpu->prefill(load_image(kt::source_dir() + "/assets/images/scene_000.png"), kDefaultPrompt,
-                                      kDefaultTemplate, true);
+  const kt::CpuRun cpu = kt::cpu_sample_run();
+  const PrefillState& c = cpu.st;
   const int D = r.gpu.info().head_dim;
   for (const char* spec : {"kivi:bits=2,group=4,residual=3", "kivi:bits=4,group=5,residual=2", "kivi:bits=2,group=3,residual=1",
                            "kivi:bits=2,group=32,residual=32", "stack:evict=snapkv,quant=kivi,group=4,residual=3"}) {
@@ -392,7 +389,7 @@ TEST(CudaModel, KiviGroupsAreQuantizedInTheDevicesSteps) {
     const kt::ThreeDecodes t = kt::decode_three_ways(r, spec);
     expect_same_decode(t.device, t.host);
     auto on_cpu = make_policy(spec);
-    const DecodeResult e = cpu->decode(c, on_cpu.get(), r.g);
+    const DecodeResult e = cpu.model->decode(c, on_cpu.get(), r.g);
     EXPECT_EQ(t.device.bytes_final.total(), e.bytes_final.total());
     EXPECT_EQ(t.device.generated_ids, e.generated_ids);
   }
