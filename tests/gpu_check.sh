@@ -8,8 +8,8 @@
 #   tests/gpu_check.sh            everything
 #   tests/gpu_check.sh build test only some stages (build, test, bench, throughput, threads, summary;
 #                                 and, not in the default list, sanitize: compute-sanitizer's
-#                                 memcheck, synccheck and racecheck over the decode kernel tests and
-#                                 the quantizing append's)
+#                                 memcheck, synccheck and racecheck over the decode kernel tests, the
+#                                 quantizing append's and the quantize-and-pack kernels')
 #   KVLENS_7B_METHODS="m1 m2"     the methods the bench stage times on the 7B shape
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -69,6 +69,9 @@ if has sanitize; then
   for tool in memcheck synccheck racecheck; do
     run "sanitize_$tool" 600 compute-sanitizer --tool "$tool" --error-exitcode 9 "$BUILD/test_decode_kernel"
     run "sanitize_quant_tail_$tool" 300 compute-sanitizer --tool "$tool" --error-exitcode 9 "$BUILD/test_decode_quant_tail"
+    # the quantize-and-pack kernels: KIVI's pieces, range groups, rotated rows
+    run "sanitize_quant_pack_$tool" 300 compute-sanitizer --tool "$tool" --error-exitcode 9 "$BUILD/test_decode_ops" \
+      --gtest_filter='DecodeOps.KiviPiecesKernel:DecodeOps.QuantizeAndPackKernels'
   done
 fi
 if has throughput; then
