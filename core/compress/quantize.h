@@ -156,20 +156,12 @@ class PrefillQuantPolicy : public KVPolicy {
   virtual void store(std::vector<PendingPayload>& done) const = 0;
 
  public:
-  // Every pending segment takes its payload with `layout` (kind, bits, axes, groups and the keys'
-  // rotation; the rest as the payload has it) and `storage`, each row stored with `bits`
-  // (set_quantized); the list empties.
+  // Every pending segment takes its payload with `layout` (the payloads quantize_rows_of makes
+  // carry none of their own) and `storage`, each row stored with `bits` (set_quantized); the list
+  // empties.
   static void install(std::vector<PendingPayload>& done, const CodeLayout& layout, const std::string& storage, int bits) {
     for (const PendingPayload& q : done) {
-      CodeLayout& l = q.p->layout;
-      l.kind = layout.kind;
-      l.k_bits = layout.k_bits;
-      l.v_bits = layout.v_bits;
-      l.k_axis = layout.k_axis;
-      l.v_axis = layout.v_axis;
-      l.k_group = layout.k_group;
-      l.v_group = layout.v_group;
-      l.k_rotation = layout.k_rotation;
+      q.p->layout = layout;
       set_quantized(*q.s, q.p, storage, bits);
     }
     done.clear();

@@ -51,6 +51,10 @@ class HadamardInt4Policy : public quant::SegmentQuantPolicy {
 
  private:
   bool device_layout() const { return quantize_v_ && !rotate_v_ && !visual_only_; }
+  // INT4 keys, a range per row of the row rotated by blocks of b channels (quantize_block rotates
+  // back what it leaves in the rows).
+  quant::UniformSpec key_spec(int b) const { return {4, quant::Axis::PerToken, 1.0f, true, 0, b}; }
+  quant::UniformSpec key_spec() const { return key_spec(block_); }
   int block_of(int D) const {
     const int b = quant::hadamard_block(block_, D);  // auto: the slides' order 16, halved until it divides head_dim
     if (D % b != 0)
@@ -61,16 +65,20 @@ class HadamardInt4Policy : public quant::SegmentQuantPolicy {
     const int b = block_of(ctx.head_dim);
     for (KVSegment& s : layer.segments)
       if (in_scope(s))
-        done.push_back(quant::quantize_rows_of(ctx, s, {4, quant::Axis::PerToken, 1.0f, true, 0, b},
-                                               {4, quant::Axis::PerToken}, later, "hadamard_int4"));
+        done.push_back(quant::quantize_rows_of(ctx, s, key_spec(b), {4, quant::Axis::PerToken}, later, "hadamard_int4"));
   }
   void store(std::vector<quant::PendingPayload>& done, int D) const {
+    quant::PrefillQuantPolicy::install(done, int4_layout(block_of(D)), "hadamard-int4", 4);
+  }
+  // Per-token INT4 codes of keys rotated by blocks of b channels and of unrotated values: what a
+  // device whose query is rotated reads directly.
+  static quant::CodeLayout int4_layout(int b) {
     quant::CodeLayout l;
     l.kind = quant::CodeLayout::Kind::Blocks;
     l.k_bits = l.v_bits = 4;
     l.k_axis = l.v_axis = quant::Axis::PerToken;
-    l.k_rotation = block_of(D);
-    quant::PrefillQuantPolicy::install(done, l, "hadamard-int4", 4);
+    l.k_rotation = b;
+    return l;
   }
 
   void quantize_segment(KVSegment& s, int D) override {
@@ -80,9 +88,7 @@ class HadamardInt4Policy : public quant::SegmentQuantPolicy {
     for (size_t h = 0; h < s.heads.size(); ++h) {
       HeadRows& r = s.heads[h];
       const int n = r.n();
-      for (int j = 0; j < n; ++j) quant::block_hadamard(r.k.data() + static_cast<size_t>(j) * D, D, block_);
-      quant::quantize_block(r.k.data(), n, D, {4, quant::Axis::PerToken}, p->k[h]);
-      for (int j = 0; j < n; ++j) quant::block_hadamard(r.k.data() + static_cast<size_t>(j) * D, D, block_);
+      quant::quantize_block(r.k.data(), n, D, key_spec(), p->k[h]);
       if (!quantize_v_) {
         // Values kept as the segment stored them: their halves (fp16) or floats (fp32) as codes.
         if (v_half) {
@@ -98,18 +104,9 @@ class HadamardInt4Policy : public quant::SegmentQuantPolicy {
         }
         continue;
       }
-      if (rotate_v_)
-        for (int j = 0; j < n; ++j) quant::block_hadamard(r.v.data() + static_cast<size_t>(j) * D, D, block_);
-      quant::quantize_block(r.v.data(), n, D, {4, quant::Axis::PerToken}, p->v[h]);
-      if (rotate_v_)
-        for (int j = 0; j < n; ++j) quant::block_hadamard(r.v.data() + static_cast<size_t>(j) * D, D, block_);
+      quant::quantize_block(r.v.data(), n, D, {4, quant::Axis::PerToken, 1.0f, true, 0, rotate_v_ ? block_ : 0}, p->v[h]);
     }
-    if (quantize_v_ && !rotate_v_) {  // per-token INT4 codes a device whose query is rotated reads directly
-      p->layout.kind = quant::CodeLayout::Kind::Blocks;
-      p->layout.k_bits = p->layout.v_bits = 4;
-      p->layout.k_axis = p->layout.v_axis = quant::Axis::PerToken;
-      p->layout.k_rotation = block_;
-    }
+    if (quantize_v_ && !rotate_v_) p->layout = int4_layout(block_);
     quant::set_quantized(s, p, quantize_v_ ? "hadamard-int4" : v_half ? "hadamard-int4 k, fp16 v" : "hadamard-int4 k, fp32 v", 4);
   }
 
