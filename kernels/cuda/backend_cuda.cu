@@ -558,7 +558,7 @@ class CudaBackend : public Backend {
   void kv_sync(DeviceKV& dev, KVStore& host, int layer) override { cuda::kv_sync(*ctx_, dev, host, layer); }
   void kv_reserve(DeviceKV& dev, int rows, const StepQuant& quant) override { cuda::kv_reserve(*ctx_, dev, rows, quant); }
   void kv_before_step(DeviceKV& dev) override {
-    if (!cuda::kv_groups_due(dev)) return;
+    if (!cuda::kv_has_groups(dev)) return;
     auto prof_scope = prof_.scope("kv_quantize_groups", *ctx_);
     cuda::kv_before_step(*ctx_, dev);
   }

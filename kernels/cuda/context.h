@@ -144,8 +144,8 @@ bool kv_quantizes_steps(const StepQuant& quant, int head_dim);
 // Backend::kv_before_step (kv_groups.cu): every layer's rows due under its grouped tail's
 // StepQuant quantized into segments of their own (one upload, one launch for all layers).
 void kv_before_step(Context& ctx, DeviceKV& dev);
-// Whether kv_before_step would quantize rows now.
-bool kv_groups_due(const DeviceKV& dev);
+// Whether some layer's decode rows are grouped (kv_before_step may quantize some).
+bool kv_has_groups(const DeviceKV& dev);
 void kv_pull_rows(Context& ctx, SeqKV& kv, const std::vector<int>& layers, const int32_t* pos_host,
                   const SegmentKind* kinds, int T);
 

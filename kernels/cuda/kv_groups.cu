@@ -110,15 +110,9 @@ DevSeg plan_piece(const CudaKV& C, int layer, size_t index, SegmentKind kind, co
 
 }  // namespace
 
-bool kv_groups_due(const DeviceKV& dev) {
+bool kv_has_groups(const DeviceKV& dev) {
   const CudaKV& C = as_cuda(dev);
-  for (const DevLayer& d : C.layers) {
-    if (!d.tail.grouped()) continue;
-    size_t from = 0;
-    for (int t : rows_due(C, d, from))
-      if (t > 0) return true;
-  }
-  return false;
+  return std::any_of(C.layers.begin(), C.layers.end(), [](const DevLayer& d) { return d.tail.grouped(); });
 }
 
 void kv_before_step(Context& ctx, DeviceKV& dev) {
@@ -192,11 +186,8 @@ void kv_before_step(Context& ctx, DeviceKV& dev) {
   char* base = static_cast<char*>(arena.mem.get());
   std::vector<char> up(static_cast<size_t>(total - table_at));
   auto* table = reinterpret_cast<GroupPiece*>(up.data());
-  const int bits = [&] {
-    for (const DevLayer& d : C.layers)
-      if (d.tail.grouped()) return d.tail.groups.k_bits;
-    return 0;
-  }();
+  // (kv_reserve gives every layer the same groups: one launch takes one width)
+  const int bits = C.layers[static_cast<size_t>(plan.heads.front().layer)].tail.groups.k_bits;
   const int64_t row_bytes = static_cast<int64_t>(D) * bits / 8;
   for (size_t i = 0; i < plan.heads.size(); ++i) {
     const Plan::Head& x = plan.heads[i];

@@ -142,30 +142,12 @@ __global__ void rope_quant_append_kernel(float* qkv, int64_t q_col, int nq, int6
     }
     const int side = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (side < 2 && row < t.cap) {
-      const float* x = rows[side];
-      const int bits = side ? t.v_bits : t.k_bits;
-      float lo = INFINITY, hi = -INFINITY;
-      for (int c = lane; c < D; c += 32) {
-        lo = fminf(lo, x[c]);
-        hi = fmaxf(hi, x[c]);
-      }
-      lo = -warp_max(-lo);
-      hi = warp_max(hi);
-      __half scale, zero;
-      affine(lo, hi, bits, 1.0f, true, &scale, &zero);
       const int64_t at = static_cast<int64_t>(b) * t.cap + row;
-      if (lane == 0) {
-        t.ranges[(2 * side) * static_cast<int64_t>(nk) * t.cap + at] = scale;
-        t.ranges[(2 * side + 1) * static_cast<int64_t>(nk) * t.cap + at] = zero;
-        if (side == 0) t.pos[at] = pos_in[0];
-      }
-      const float a = __half2float(zero), s = __half2float(scale);
-      uint8_t* out = (side ? t.v : t.k) + at * (D * bits / 8);
-      for (int c8 = lane; c8 < D / 8; c8 += 32) {
-        uint64_t w = 0;
-        for (int c = 0; c < 8; ++c) w |= static_cast<uint64_t>(encode(x[c8 * 8 + c], a, s, bits)) << (c * bits);
-        for (int y = 0; y < bits; ++y) out[c8 * bits + y] = static_cast<uint8_t>(w >> (8 * y));
-      }
+      const int bits = side ? t.v_bits : t.k_bits;
+      quantize_row_warp(rows[side], D, bits, lane, t.ranges + (2 * side) * static_cast<int64_t>(nk) * t.cap + at,
+                        t.ranges + (2 * side + 1) * static_cast<int64_t>(nk) * t.cap + at,
+                        (side ? t.v : t.k) + at * (D * bits / 8));
+      if (side == 0 && lane == 0) t.pos[at] = pos_in[0];
     }
   }
   __threadfence();

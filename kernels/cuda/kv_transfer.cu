@@ -249,6 +249,14 @@ bool kv_quantize_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& s
   DevMem R{ctx.alloc(std::max<int64_t>(2 * range_count * 2, 16), what + " ranges"), std::max<int64_t>(2 * range_count * 2, 16)};
   __half* scales = R.as<__half>();
   __half* zeros = scales + range_count;
+  // n rows of a per-token side from x: codes at `codes` bytes into Cd, ranges `ranges` into R.
+  auto per_token = [&](const quant::UniformSpec& q, const __half* x, int64_t n, int64_t codes, int64_t ranges) {
+    uint8_t* c = static_cast<uint8_t*>(Cd.mem.get()) + codes;
+    if (q.rotation)
+      quantize_token_rotated(x, static_cast<int>(n), D, q.bits, q.rotation, c, scales + ranges, zeros + ranges, ctx.stream);
+    else
+      quantize_token(x, static_cast<int>(n), D, q.bits, nullptr, c, scales + ranges, zeros + ranges, ctx.stream);
+  };
   for (int side = 0; side < 2; ++side) {
     const quant::UniformSpec& q = side ? vs : ks;
     const int chan = q.axis == quant::Axis::PerChannel ? 1 : 0;
@@ -271,13 +279,7 @@ bool kv_quantize_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& s
         flat = sl.codes == s0.codes + r * D * q.bits / 8 && sl.ranges == s0.ranges + r;
       }
       if (flat) {
-        uint8_t* codes = static_cast<uint8_t*>(Cd.mem.get()) + s0.codes;
-        if (q.rotation)
-          quantize_token_rotated(in[side], static_cast<int>(N), D, q.bits, q.rotation, codes, scales + s0.ranges,
-                                 zeros + s0.ranges, ctx.stream);
-        else
-          quantize_token(in[side], static_cast<int>(N), D, q.bits, nullptr, codes, scales + s0.ranges, zeros + s0.ranges,
-                         ctx.stream);
+        per_token(q, in[side], N, s0.codes, s0.ranges);
         continue;
       }
     }
@@ -285,15 +287,12 @@ bool kv_quantize_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& s
       const Slot& sl = slots[static_cast<size_t>(side * NKV + h)];
       const int64_t n = first[static_cast<size_t>(h) + 1] - first[static_cast<size_t>(h)];
       const __half* x = in[side] + first[static_cast<size_t>(h)] * D;
-      uint8_t* codes = static_cast<uint8_t*>(Cd.mem.get()) + sl.codes;
-      if (q.axis == quant::Axis::PerToken && q.rotation)
-        quantize_token_rotated(x, static_cast<int>(n), D, q.bits, q.rotation, codes, scales + sl.ranges, zeros + sl.ranges,
-                               ctx.stream);
-      else if (q.axis == quant::Axis::PerToken)
-        quantize_token(x, static_cast<int>(n), D, q.bits, nullptr, codes, scales + sl.ranges, zeros + sl.ranges, ctx.stream);
+      if (q.axis == quant::Axis::PerToken)
+        per_token(q, x, n, sl.codes, sl.ranges);
       else
-        quantize_channel(x, static_cast<int>(n), D, q.bits, chan, q.shrink, q.shrink_about_zero, codes,
-                         scales + sl.ranges, zeros + sl.ranges, q.group, ctx.stream);
+        quantize_channel(x, static_cast<int>(n), D, q.bits, chan, q.shrink, q.shrink_about_zero,
+                         static_cast<uint8_t*>(Cd.mem.get()) + sl.codes, scales + sl.ranges, zeros + sl.ranges, q.group,
+                         ctx.stream);
     }
   }
   // The codes and ranges into out's blocks once on the host.

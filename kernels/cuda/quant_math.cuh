@@ -30,6 +30,37 @@ __device__ __forceinline__ uint32_t encode(float x, float alpha, float scale, in
   return static_cast<uint32_t>(fminf(fmaxf(c, 0.0f), static_cast<float>((1u << bits) - 1u)));
 }
 
+// 8 codes of `bits` bits (code c at bits [c·bits, (c+1)·bits) of w) into `bits` bytes at out,
+// least significant first: the host's packing.
+__device__ __forceinline__ void put_codes8(uint8_t* out, uint64_t w, int bits) {
+  for (int b = 0; b < bits; ++b) out[b] = static_cast<uint8_t>(w >> (8 * b));
+}
+
+// One warp quantizes the fp32 row x[D] with its own range (quant::quantize_block, Axis::PerToken):
+// the range taken by the warp, the fp16 scale and zero written by lane 0, the codes at out.
+__device__ inline void quantize_row_warp(const float* x, int D, int bits, int lane, __half* scale, __half* zero,
+                                         uint8_t* out) {
+  float lo = INFINITY, hi = -INFINITY;
+  for (int c = lane; c < D; c += 32) {
+    lo = fminf(lo, x[c]);
+    hi = fmaxf(hi, x[c]);
+  }
+  lo = -warp_max(-lo);
+  hi = warp_max(hi);
+  __half s, z;
+  affine(lo, hi, bits, 1.0f, true, &s, &z);
+  if (lane == 0) {
+    *scale = s;
+    *zero = z;
+  }
+  const float a = __half2float(z), sc = __half2float(s);
+  for (int c8 = lane; c8 < D / 8; c8 += 32) {
+    uint64_t w = 0;
+    for (int c = 0; c < 8; ++c) w |= static_cast<uint64_t>(encode(x[c8 * 8 + c], a, sc, bits)) << (c * bits);
+    put_codes8(out + c8 * bits, w, bits);
+  }
+}
+
 // Each block of R values of x[D] (shared memory) through the orthonormal Hadamard transform, a
 // thread a block, with quant::hadamard's fp32 operations in its order: butterflies of increasing
 // span, then the scale 1/√R.

@@ -107,7 +107,7 @@ __global__ void pack_kernel(const __half* x, int n, int D, int bits, int token, 
       w |= static_cast<uint64_t>(code) << (c * bits);
     }
     uint8_t* out = codes + static_cast<int64_t>(row) * (D * bits / 8) + (c0 / 8) * bits;
-    for (int b = 0; b < bits; ++b) out[b] = static_cast<uint8_t>(w >> (8 * b));
+    put_codes8(out, w, bits);
   }
 }
 
@@ -196,7 +196,7 @@ __global__ void piece_quant_kernel(const GroupPiece* pieces, int D, int bits) {
       w |= static_cast<uint64_t>(encode(__half2float(x[c]), __half2float(z[r]), __half2float(sc[r]), bits)) << (c * bits);
     }
     uint8_t* out = (value ? p.v_codes : p.k_codes) + static_cast<int64_t>(row) * (D * bits / 8) + (c0 / 8) * bits;
-    for (int b = 0; b < bits; ++b) out[b] = static_cast<uint8_t>(w >> (8 * b));
+    put_codes8(out, w, bits);
   }
 }
 
@@ -212,37 +212,16 @@ void quantize_pieces(const GroupPiece* pieces, int n_pieces, int D, int bits, cu
 namespace {
 
 // One block a row: the fp16 row through the Hadamard blocks in fp32 (quant::block_hadamard's
-// order), its range by warp 0, then its codes, 8 channels a thread.
+// order), then quantized by warp 0.
 __global__ void token_rotated_kernel(const __half* x, int D, int bits, int rotation, uint8_t* codes, __half* scale,
                                      __half* zero) {
   __shared__ float row[kMaxQuantTailD];
-  __shared__ float range[2];
   const int64_t r = blockIdx.x;
   for (int c = threadIdx.x; c < D; c += blockDim.x) row[c] = __half2float(x[r * D + c]);
   __syncthreads();
   hadamard_blocks(row, D, rotation);
   __syncthreads();
-  if (threadIdx.x < 32) {
-    float lo = INFINITY, hi = -INFINITY;
-    for (int c = threadIdx.x; c < D; c += 32) {
-      lo = fminf(lo, row[c]);
-      hi = fmaxf(hi, row[c]);
-    }
-    lo = -warp_max(-lo);
-    hi = warp_max(hi);
-    if (threadIdx.x == 0) {
-      affine(lo, hi, bits, 1.0f, true, scale + r, zero + r);
-      range[0] = __half2float(zero[r]);
-      range[1] = __half2float(scale[r]);
-    }
-  }
-  __syncthreads();
-  uint8_t* out = codes + r * (D * bits / 8);
-  for (int c8 = threadIdx.x; c8 < D / 8; c8 += blockDim.x) {
-    uint64_t w = 0;
-    for (int c = 0; c < 8; ++c) w |= static_cast<uint64_t>(encode(row[c8 * 8 + c], range[0], range[1], bits)) << (c * bits);
-    for (int b = 0; b < bits; ++b) out[c8 * bits + b] = static_cast<uint8_t>(w >> (8 * b));
-  }
+  if (threadIdx.x < 32) quantize_row_warp(row, D, bits, threadIdx.x, scale + r, zero + r, codes + r * (D * bits / 8));
 }
 
 }  // namespace
