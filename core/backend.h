@@ -16,6 +16,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/attention_reduce.h"
@@ -145,12 +146,40 @@ struct ScoreTransform {
 // where a segment ends, values with a range per row, both k_bits (quant::quantize_block); each
 // piece becomes a segment labelled `label` before the rest of the one it was cut from. The
 // host's twin is KIVI's on_decode_step (residual >= 1, so the new row is never among them).
+// zip.gap > 0 (ZipCache, Algorithm 3): rows are appended as fp16; each layer keeps the queries
+// of its probe tokens (zipcache::ProbeStream's draws, seeded per layer), and before the step
+// whose row follows `gap` dense decode rows, those rows' saliency (zipcache::gap_saliency over
+// the probes' attention, which the device recomputes from the rows the probes saw) picks the
+// top round(ratio·gap) of each KV head (or of the layer, `shared`), and the gap is quantized as
+// ZipCache's prefill quantizes a group (k_bits salient, v_bits the others: zipcache::quantize_group)
+// into a segment of its own before the decode rows. The host's twin is ZipCache's on_decode_step.
+struct StepZip {
+  int gap = 0;
+  double ratio = 0.4;
+  bool accumulated = false;        // p_i (Eq. 7) instead of the normalized p̃_i (Eq. 8)
+  bool shared = false;             // one ranking per layer
+  bool head_token_ranges = false;  // CodeLayout: V token ranges per KV head
+  bool layer_factors = false;      // CodeLayout: CST factors over the group before the split
+  double recent = 0.05, random = 0.05;
+  uint64_t seed = 0;
+  int n_heads = 0;  // query heads (the decode fills it in)
+};
 struct StepQuant {
   int k_bits = 0, v_bits = 0;
   int rotation = 0;
   std::string label;
   int group = 0, residual = 0;
+  StepZip zip;
   bool any() const { return k_bits > 0 && v_bits > 0; }
+  // Each row quantized as it is appended (no groups, no streaming).
+  static StepQuant rows(int k_bits, int v_bits, int rotation = 0, std::string label = {}) {
+    StepQuant q;
+    q.k_bits = k_bits;
+    q.v_bits = v_bits;
+    q.rotation = rotation;
+    q.label = std::move(label);
+    return q;
+  }
 };
 
 // What a decode attention hands back to the host besides its output, each written when not null

@@ -173,7 +173,8 @@ DecodeResult DecoderModel::decode(const PrefillState& st, KVPolicy* policy, cons
   const int observed = observed_decode_steps(observers);
   // A method whose decode-time action the device runs itself (per-token quantization of each
   // new row) leaves its steps nothing to do on the host: they run as a prefill-only method's.
-  const StepQuant device_quant = dev ? device_step_quant(steps, *be_, observed > 0, text_cfg_.head_dim) : StepQuant{};
+  StepQuant device_quant = dev ? device_step_quant(steps, *be_, observed > 0, text_cfg_.head_dim) : StepQuant{};
+  device_quant.zip.n_heads = text_cfg_.num_attention_heads;  // (the probes' queries, StepQuant::zip)
   if (device_quant.any()) steps = nullptr;
   const bool mirror = !dev || decode_needs_host_rows(steps) || observed > 0;
   // (Keys' codes of rotated rows that the device will not read: the host's rows, quantized there.)

@@ -69,9 +69,9 @@ if has sanitize; then
   for tool in memcheck synccheck racecheck; do
     run "sanitize_$tool" 600 compute-sanitizer --tool "$tool" --error-exitcode 9 "$BUILD/test_decode_kernel"
     run "sanitize_quant_tail_$tool" 300 compute-sanitizer --tool "$tool" --error-exitcode 9 "$BUILD/test_decode_quant_tail"
-    # the quantize-and-pack kernels: KIVI's pieces, range groups, rotated rows
+    # the quantize-and-pack kernels (KIVI's pieces, range groups, rotated rows) and ZipCache's gap saliency
     run "sanitize_quant_pack_$tool" 300 compute-sanitizer --tool "$tool" --error-exitcode 9 "$BUILD/test_decode_ops" \
-      --gtest_filter='DecodeOps.KiviPiecesKernel:DecodeOps.QuantizeAndPackKernels'
+      --gtest_filter='DecodeOps.KiviPiecesKernel:DecodeOps.QuantizeAndPackKernels:DecodeOps.ZipGapSaliencyKernel'
   done
 fi
 if has throughput; then

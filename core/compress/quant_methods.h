@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <random>
 #include <utility>
 #include <vector>
 
@@ -62,6 +63,33 @@ std::vector<double> saliency_from_sums(const double* sums, int T, const std::vec
 std::vector<int> select_probes(Probe strategy, int T, const std::vector<SegmentKind>* kinds,
                                const std::vector<int>* ids, double recent_ratio,
                                double random_ratio, uint64_t seed);
+// The salient flags of n rows (Algorithm 2's Split): the top round(ratio·n) scores, ties to the
+// earlier row.
+std::vector<char> top_flags(const std::vector<double>& score, double ratio);
+// Algorithm 3's probes among one layer's decode tokens: a token is a probe when it is among the
+// last round(recent·gap) of its gap, or with probability `random` — one draw a token from
+// mt19937_64 seeded by `seed` and the layer, so that a device's schedule, made ahead, is the
+// host's.
+class ProbeStream {
+ public:
+  ProbeStream(uint64_t seed, int layer, int gap, double recent, double random);
+  // Whether the next token, at `index` within its gap, is a probe.
+  bool next(int index);
+
+ private:
+  std::mt19937_64 rng_;
+  int gap_, n_recent_;
+  double random_;
+};
+// The saliency of a streamed gap's rows (Algorithm 3) from its probes' raw scaled scores: for
+// probe k < n_probes and head h < heads, scores + k·probe_stride + h·stride holds its scores over
+// the rows older than the gap (`before` of them) then the gap's rows in order, of which it saw
+// the first seen[k]. Each (probe, head)'s softmax over the rows it saw (exp and sums in double),
+// summed for each gap row j < gap over the pairs that saw it (heads outer, probes inner); then
+// accumulated (p_j, Eq. 7) or divided by the number of those pairs (p̃_j, Eq. 8; 0 where none).
+// The host's streaming and the device's (zip_gap_saliency) both reduce so.
+std::vector<double> gap_saliency(const float* scores, int64_t probe_stride, int64_t stride, int n_probes, int heads,
+                                 int before, const int* seen, int gap, Saliency s);
 // The channel factors of CSTQuant (Eq. 6): c_i = sqrt(max_t |x_ti|) over the n rows of x[n][d],
 // rounded to fp16; 1 where a channel is all zero (or not finite).
 std::vector<float> channel_factors(const float* x, int n, int d);

@@ -136,15 +136,19 @@ void kv_lookm_merge(Context& ctx, DeviceKV& dev, const LookMMergeSpec& spec, std
 void kv_sync(Context& ctx, DeviceKV& dev, KVStore& host, int layer);
 // Backend::kv_reserve; with quant (any()), every layer's decode rows quantized per token as they
 // are appended (rope_quant_append), or with quant.group > 0 kept as fp16 rows whose oldest are
-// quantized in groups by kv_before_step; kv_quantizes_steps(quant, head size) must allow it.
+// quantized in groups by kv_before_step, or with quant.zip.gap > 0 kept as fp16 rows whose gaps
+// kv_before_step quantizes (ZipCache, the probes scheduled here); kv_quantizes_steps(quant, head
+// size) must allow it.
 void kv_reserve(Context& ctx, DeviceKV& dev, int rows, const StepQuant& quant);
 // 1 to 8 bits a side, and a head size and rotation rope_quant_append takes (quant_tail_ok);
-// grouped: equal bits, no rotation, a group and at least one residual row.
+// grouped: equal bits, no rotation, a group and at least one residual row; zipped: no rotation,
+// a head size that is a multiple of 8.
 bool kv_quantizes_steps(const StepQuant& quant, int head_dim);
 // Backend::kv_before_step (kv_groups.cu): every layer's rows due under its grouped tail's
-// StepQuant quantized into segments of their own (one upload, one launch for all layers).
+// StepQuant quantized into segments of their own (one upload, one launch for all layers), or
+// its zipped tail's due gap (kv::zip_gap).
 void kv_before_step(Context& ctx, DeviceKV& dev);
-// Whether some layer's decode rows are grouped (kv_before_step may quantize some).
+// Whether some layer's decode rows are grouped or zipped (kv_before_step may quantize some).
 bool kv_has_groups(const DeviceKV& dev);
 void kv_pull_rows(Context& ctx, SeqKV& kv, const std::vector<int>& layers, const int32_t* pos_host,
                   const SegmentKind* kinds, int T);

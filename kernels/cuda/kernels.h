@@ -499,12 +499,20 @@ void kv_append(const float* qkv, int64_t stride, int64_t k_col, int64_t v_col, i
 void kv_append_batch(const float* qkv, int64_t stride, int64_t k_col, int64_t v_col, int B, int NKV, int D,
                      const int32_t* pos_in, __half* k, __half* v, int32_t* pos, int cap, int row0,
                      int32_t* counter, cudaStream_t s);
+// Queries a decode keeps (ZipCache's probes, StepQuant::zip): the step appending row r writes its
+// rotated query heads to q + slot[r]·nq·D when r < rows and slot[r] >= 0.
+struct KeptQueries {
+  float* q = nullptr;
+  const int32_t* slot = nullptr;
+  int rows = 0;
+};
 // A decode step's RoPE (q and k heads of one token, in place in qkv) and its K/V row appended as
 // fp16 at row *counter of k/v [NKV][cap][D] (positions at pos [NKV][cap]); the last block to
-// finish advances *counter (done: a zero int the kernel resets).
+// finish advances *counter (done: a zero int the kernel resets). The rotated query goes to `keep`
+// too where it asks for the row.
 void rope_append(float* qkv, int64_t q_col, int nq, int64_t k_col, int64_t v_col, int nk, int D,
                  const int32_t* pos_in, const float* inv_freq, __half* k, __half* v, int32_t* pos, int cap,
-                 int32_t* counter, int32_t* done, cudaStream_t s);
+                 int32_t* counter, int32_t* done, cudaStream_t s, const KeptQueries& keep = {});
 // A decode tail of rows quantized per token (the cache's packed decode rows): codes k / v
 // [NKV][cap][D·bits/8], ranges [4][NKV][cap] halves (K scales, K zeros, V scales, V zeros),
 // positions pos [NKV][cap].
@@ -535,6 +543,16 @@ void rope_quant_append(float* qkv, int64_t q_col, int nq, int64_t k_col, int64_t
                        cudaStream_t s);
 // dst row i (D halves) = *src[i] for n rows (src pointers in device memory).
 void gather_rows(const __half* const* src, __half* dst, int n, int D, cudaStream_t s);
+// Block i of dst (`bytes`, a multiple of 4) = block index[i] of src, for n blocks (index in
+// device memory).
+void gather_blocks(const void* src, void* dst, int64_t bytes, const int32_t* index, int n, cudaStream_t s);
+// ZipCache's streamed-gap saliency (zipcache::gap_saliency, the same reduction) for every layer's
+// KV heads at once: scores [L·S][NH][stride] of the probes (query b = l·S + k is probe k of
+// layer l, k < n_probes[l], which saw seen[b] of the gap's rows), KV head kh of layer l's rows
+// older than the gap before[l·NKV + kh] then the gap's; out [L][NKV][gap] (double).
+void zip_gap_saliency(const float* scores, int64_t stride, int L, int S, int NH, int NKV, int gap,
+                      const int32_t* n_probes, const int32_t* seen, const int32_t* before, bool accumulated, double* out,
+                      cudaStream_t s);
 
 // ---- quantize-and-pack (quant_pack.cu): the device twins of core/compress/quantize.h ---------
 // x[n][D] (fp16 rows) → codes and fp16 scale/zero as quantize_block packs them. Channel axis:

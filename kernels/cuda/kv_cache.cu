@@ -17,6 +17,7 @@
 #include <unordered_map>
 #include <utility>
 
+#include "core/compress/quant_methods.h"
 #include "core/errors.h"
 #include "core/half.h"
 #include "core/parallel.h"
@@ -95,7 +96,7 @@ bool kv_rope_append(Context& ctx, SeqKV& kv, int layer, Buffer& qkv, const AttnL
   else if (!ctx.replay)
     cuda::rope_append(qkv.as<float>(), l.q_col, l.n_heads, l.k_col, l.v_col, C.NKV, C.D, pos.as<int32_t>(), inv_freq,
                       t.k.as<__half>(), t.v.as<__half>(), t.pos.as<int32_t>(), t.cap, C.counters.as<int32_t>() + layer,
-                      C.done.as<int32_t>() + layer, ctx.stream);
+                      C.done.as<int32_t>() + layer, ctx.stream, t.zipped() ? C.zip.keep(layer) : KeptQueries{});
   ++t.n;
   t.host_pos.push_back(pos_host[0]);
   return true;
@@ -609,8 +610,42 @@ void kv_sync(Context& ctx, DeviceKV& dev, KVStore& host, int layer) {
   batch.run(ctx, C.D);
 }
 
+namespace {
+
+// ZipCache's probe schedule for `rows` decode rows of every layer (zipcache::ProbeStream, as the
+// host's streaming draws it) and the room for their queries.
+void plan_probes(Context& ctx, CudaKV& C, int rows, const StepZip& z) {
+  if (z.n_heads <= 0 || z.n_heads % C.NKV != 0)
+    throw InternalError("kv_reserve: ZipCache's probes need the query heads (" + std::to_string(z.n_heads) +
+                        ", a multiple of the " + std::to_string(C.NKV) + " KV heads)");
+  CudaKV::ZipProbes& p = C.zip;
+  p.rows = std::max(rows, 1);
+  p.n_heads = z.n_heads;
+  p.width = static_cast<int64_t>(z.n_heads) * C.D;
+  p.slot_of_row.assign(static_cast<size_t>(C.L), std::vector<int32_t>(static_cast<size_t>(p.rows), -1));
+  for (int l = 0; l < C.L; ++l) {
+    zipcache::ProbeStream s(z.seed, l, z.gap, z.recent, z.random);
+    int n = 0;
+    for (int r = 0; r < p.rows; ++r) {
+      if (r % z.gap == 0) n = 0;
+      if (s.next(r % z.gap)) p.slot_of_row[static_cast<size_t>(l)][static_cast<size_t>(r)] = n++;
+      p.slots = std::max(p.slots, n);
+    }
+  }
+  p.slots = std::max(p.slots, 1);
+  std::vector<int32_t> all;
+  for (const std::vector<int32_t>& s : p.slot_of_row) all.insert(all.end(), s.begin(), s.end());
+  const int64_t sb = static_cast<int64_t>(all.size()) * 4, qb = static_cast<int64_t>(C.L) * p.slots * p.width * 4;
+  p.slot = {ctx.alloc(sb, "ZipCache probe slots"), sb};
+  ctx.upload(p.slot.mem.get(), all.data(), sb, "ZipCache probe slots");
+  p.q = {ctx.alloc(qb, "ZipCache probe queries"), qb};
+}
+
+}  // namespace
+
 bool kv_quantizes_steps(const StepQuant& q, int D) {
   const bool bits = q.k_bits >= 1 && q.k_bits <= 8 && q.v_bits >= 1 && q.v_bits <= 8;
+  if (q.zip.gap > 0) return bits && q.group == 0 && q.rotation == 0 && D % 8 == 0;
   if (q.group > 0) return bits && q.k_bits == q.v_bits && q.rotation == 0 && q.residual >= 1 && D % 8 == 0;
   return bits && q.group == 0 && quant_tail_ok(D, q.rotation);
 }
@@ -619,9 +654,12 @@ void kv_reserve(Context& ctx, DeviceKV& dev, int rows, const StepQuant& quant) {
   CudaKV& C = as_cuda(&dev);
   // The decode rows' storage changes only while no layer holds any, and to one the kernels take:
   // checked for every layer before any changes.
-  // (grouped: fp16 rows, the groups' StepQuant kept beside them)
-  const bool grouped = quant.any() && quant.group > 0;
+  // (grouped or zipped: fp16 rows, the groups' StepQuant kept beside them; a zipped tail is
+  // made anew, its probes scheduled from its first row)
+  const bool zipped = quant.any() && quant.zip.gap > 0;
+  const bool grouped = quant.any() && (quant.group > 0 || zipped);
   auto differs = [&](const Tail& t) {
+    if (zipped) return true;
     if (grouped)
       return t.packed() || t.groups.k_bits != quant.k_bits || t.groups.group != quant.group ||
              t.groups.residual != quant.residual || t.groups.label != quant.label;
@@ -655,6 +693,8 @@ void kv_reserve(Context& ctx, DeviceKV& dev, int rows, const StepQuant& quant) {
     C.q_rotation = quant.rotation;
     C.changed();
   }
+  C.zip = {};
+  if (zipped) plan_probes(ctx, C, rows, quant.zip);
 }
 
 

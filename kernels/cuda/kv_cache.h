@@ -50,12 +50,13 @@ struct Tail {
   int rotation = 0;
   std::string label = "fp16";
   std::vector<int32_t> host_pos;
-  // Grouped: what kv_before_step quantizes (StepQuant: bits, group, residual, label) and, per
-  // KV head, the rows already quantized (empty: none).
+  // Grouped (or zipped): what kv_before_step quantizes (StepQuant: bits, group, residual, label;
+  // or zip) and, per KV head, the rows already quantized (empty: none).
   StepQuant groups;
   std::vector<int> start;
   bool packed() const { return k_bits < 16; }
   bool grouped() const { return groups.group > 0; }
+  bool zipped() const { return groups.zip.gap > 0; }  // (ZipCache's streamed gaps, zip_gap)
   int first(int h) const { return start.empty() ? 0 : start[static_cast<size_t>(h)]; }
   // The rows of every KV head read here.
   int64_t rows(int NKV) const {
@@ -421,6 +422,21 @@ class CudaKV : public DeviceKV {
   // The Hadamard block the decode steps rotate the query by (StepQuant::rotation, kv_reserve):
   // every key of the cache is then stored rotated. 0: none.
   int q_rotation = 0;
+  // ZipCache's probes (StepQuant::zip, made by kv_reserve): each layer's probe slot of every
+  // decode row (−1: none; a gap's probes take slots from 0) on the host and, [L][rows], on the
+  // device, and the queries the steps keep there, [L][slots][n_heads·D] fp32 (rope_append's
+  // KeptQueries). Not copied by clone: a decode's own.
+  struct ZipProbes {
+    DevMem q, slot;
+    int slots = 0, rows = 0, n_heads = 0;
+    int64_t width = 0;  // a query's floats (n_heads · D)
+    std::vector<std::vector<int32_t>> slot_of_row;
+    KeptQueries keep(int layer) const {
+      if (!slot.mem) return {};
+      return {q.as<float>() + static_cast<int64_t>(layer) * slots * width, slot.as<int32_t>() + static_cast<int64_t>(layer) * rows,
+              rows};
+    }
+  } zip;
   bool dirty = true;
   uint64_t ver = 1;
 };
@@ -475,6 +491,23 @@ bool staged_for(const StagedCodes& q, const KVSegment& s, const quant::QuantPayl
 // with `staged` (staged_for), taken from where the codes were made.
 DevSeg build_packed(Context& ctx, const CudaKV& C, const KVSegment& s, const quant::QuantPayload& p,
                     const StagedCodes* staged);
+// ZipCache's streamed gap (kv_zip_gap.cu): whether every layer's decode rows hold a whole gap
+// not yet quantized, and its quantization (the probes' saliency on the device, the ranking on the
+// host, the rows quantized where they are into a segment before the decode rows).
+bool zip_gap_due(const CudaKV& C);
+void zip_gap(Context& ctx, CudaKV& C);
+// Raw scaled scores [n][n_heads][stride] by the decode's scoring kernel of n fp32 queries (row b
+// of q_rows, laid out as l, at l.scale) each against layer layer_of[b] of the cache as it is: the
+// layer's rows in the decode's order (segments' parts, then the decode rows), `stride` at least
+// the most any KV head holds (kv_decode.cu).
+DevMem query_scores(Context& ctx, CudaKV& C, const Buffer& q_rows, const AttnLayout& l,
+                    const std::vector<int32_t>& layer_of, int64_t stride);
+// ZipCache's mixed-bit quantization (kv_zip.cu) of group `group` of layer `layer` — rows found
+// where the device holds them (SegmentRows), flags and layout from `out` (zipcache::mark_group) —
+// into arrays laid out as the payload holds them, made on the stream; empty (no memory) when the
+// group has no rows. The caller checked the layout (ZipMixed, bits 1–8, D a multiple of 8).
+StagedZip zip_arrays(Context& ctx, const CudaKV& C, int layer, const std::vector<const KVSegment*>& group,
+                     const quant::QuantPayload& out);
 // ZipCache's group of consecutive host segments sharing payload p (CodeLayout::ZipMixed), one
 // DevSeg per segment; empty when the payload is not what its layout says. With `staged` (made
 // for p by kv_zip_quantize), its arrays are taken from where they were made.

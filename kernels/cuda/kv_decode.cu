@@ -266,48 +266,14 @@ RecordedRows recorded_rows(const CudaKV& C, int layer) {
   return r;
 }
 
-// Every recorded query's raw scores by the decode's scoring kernel, [n][n_heads][stride], in one
-// launch: the queries as a batch of n sequences, each with the layer's part table (copied n
-// times on the device). Each query scores every decode row the cache holds; its caller reads
-// those it saw.
+// Every recorded query's raw scores by the decode's scoring kernel (query_scores), each
+// against layer `layer`.
 DevMem recorded_scores(Context& ctx, CudaKV& C, int layer, const Buffer& q_rows, const AttnLayout& l, int n,
                        int64_t stride) {
   if (l.n_kv_heads != C.NKV || l.head_dim != C.D) throw InternalError("recorded_attention: cache shape differs");
   if (q_rows.rows() < n || q_rows.dt != Dt::F32)
     throw InternalError("recorded_attention: " + std::to_string(n) + " fp32 query rows expected");
-  C.build_tables(l.n_heads);
-  const int64_t per = static_cast<int64_t>(l.n_heads) * stride;
-  DevMem S{ctx.alloc(std::max<int64_t>(n * per * 4, 4), "recorded decode scores"), std::max<int64_t>(n * per * 4, 4)};
-  if (n == 0) return S;
-  const int64_t tb = static_cast<int64_t>(C.NKV) * C.max_parts * static_cast<int64_t>(sizeof(PartDesc)),
-                nb = static_cast<int64_t>(C.NKV) * 4;
-  DevMem T{ctx.alloc(n * (tb + nb), "recorded queries' part tables"), n * (tb + nb)};
-  char* tables = T.as<char>();
-  const char* from = static_cast<const char*>(C.table.mem.get()) + layer * tb;
-  const char* counts = static_cast<const char*>(C.nparts.mem.get()) + layer * nb;
-  // One copy of each, then the copies made so far copied after them: ⌈log2 n⌉ + 1 copies a table.
-  auto replicate = [&](char* to, const char* src, int64_t bytes) {
-    KV_CUDA(cudaMemcpyAsync(to, src, static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice, ctx.stream),
-            "recorded queries' part tables");
-    for (int have = 1; have < n; have *= 2)
-      KV_CUDA(cudaMemcpyAsync(to + have * bytes, to, static_cast<size_t>(std::min(have, n - have) * bytes),
-                              cudaMemcpyDeviceToDevice, ctx.stream),
-              "recorded queries' part tables");
-  };
-  replicate(tables, from, tb);
-  replicate(tables + n * tb, counts, nb);
-  Buffer none;
-  DecodeParams p = layer_params(C, q_rows, l, layer, none);
-  p.B = n;
-  p.q_stride = l.row_stride;
-  p.parts = reinterpret_cast<const PartDesc*>(tables);
-  p.n_parts = reinterpret_cast<const int32_t*>(tables + n * tb);
-  p.scores_out = S.as<float>();
-  p.scores_stride = stride;
-  // (The kernel reads its part table before its programmatic-launch wait: the copies above are
-  // not kernels, so it starts only once they are done.)
-  decode_scores(p, ctx.stream);
-  return S;
+  return query_scores(ctx, C, q_rows, l, std::vector<int32_t>(static_cast<size_t>(n), layer), stride);
 }
 
 // How many of the cache's decode rows (the tail, ascending positions) the query at `position` saw.
@@ -316,6 +282,43 @@ int rows_seen(const std::vector<int32_t>& tail_pos, int32_t position) {
 }
 
 }  // namespace
+
+DevMem kv::query_scores(Context& ctx, CudaKV& C, const Buffer& q_rows, const AttnLayout& l,
+                        const std::vector<int32_t>& layer_of, int64_t stride) {
+  const int n = static_cast<int>(layer_of.size());
+  if (l.n_kv_heads != C.NKV || l.head_dim != C.D || q_rows.rows() < n || q_rows.dt != Dt::F32)
+    throw InternalError("query scores: " + std::to_string(n) + " fp32 queries of " + std::to_string(l.n_kv_heads) +
+                        " KV heads of size " + std::to_string(l.head_dim) + " against a cache of " +
+                        std::to_string(C.NKV) + " of size " + std::to_string(C.D));
+  C.build_tables(l.n_heads);
+  const int64_t per = static_cast<int64_t>(l.n_heads) * stride, sb = std::max<int64_t>(n * per * 4, 4);
+  DevMem S{ctx.alloc(sb, "query scores"), sb};
+  if (n == 0) return S;
+  // Each query's layer's part table and counts, gathered on the device from the cache's.
+  const int64_t tb = static_cast<int64_t>(C.NKV) * C.max_parts * static_cast<int64_t>(sizeof(PartDesc)),
+                nb = static_cast<int64_t>(C.NKV) * 4, ib = static_cast<int64_t>(n) * 4;
+  for (int32_t x : layer_of)
+    if (x < 0 || x >= C.L) throw InternalError("query scores: layer " + std::to_string(x) + " of " + std::to_string(C.L));
+  DevMem T{ctx.alloc(n * (tb + nb) + ib + 4, "queries' part tables"), n * (tb + nb) + ib + 4};
+  char* tables = T.as<char>();
+  auto* index = reinterpret_cast<int32_t*>(tables + n * (tb + nb));
+  ctx.upload(index, layer_of.data(), ib, "queries' layers");
+  gather_blocks(C.table.mem.get(), tables, tb, index, n, ctx.stream);
+  gather_blocks(C.nparts.mem.get(), tables + n * tb, nb, index, n, ctx.stream);
+  // The scoring kernel reads its part table before its programmatic-launch wait: a copy (not a
+  // kernel) between them makes it start only once the tables are gathered.
+  KV_CUDA(cudaMemcpyAsync(index + n, index, 4, cudaMemcpyDeviceToDevice, ctx.stream), "queries' part tables");
+  Buffer none;
+  DecodeParams p = layer_params(C, q_rows, l, layer_of[0], none);
+  p.B = n;
+  p.q_stride = l.row_stride;
+  p.parts = reinterpret_cast<const PartDesc*>(tables);
+  p.n_parts = reinterpret_cast<const int32_t*>(tables + n * tb);
+  p.scores_out = S.as<float>();
+  p.scores_stride = stride;
+  decode_scores(p, ctx.stream);
+  return S;
+}
 
 void kv_recorded_attention(Context& ctx, SeqKV& kv, int layer, const Buffer& q_rows, const AttnLayout& l,
                            const std::vector<int32_t>& positions, const ScoreTransform* transform,
@@ -508,7 +511,8 @@ bool kv_rope_attend(Context& ctx, SeqKV& kv, int layer, Buffer& qkv, const AttnL
   Tail& t = C.layers.at(layer).tail;
   if (t.n + 1 > t.cap) C.grow_tail(layer, std::max(16, 2 * t.cap));
   C.build_tables(l.n_heads);
-  if (!C.all_f16 || !decode_f16_supported(C.D, C.max_parts)) return false;
+  // (a step that keeps its query, StepQuant::zip, runs rope_append of its own)
+  if (!C.all_f16 || !decode_f16_supported(C.D, C.max_parts) || t.zipped()) return false;
   ++t.n;
   t.host_pos.push_back(pos_host[0]);
   if (ctx.replay) return true;

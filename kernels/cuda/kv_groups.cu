@@ -112,11 +112,15 @@ DevSeg plan_piece(const CudaKV& C, int layer, size_t index, SegmentKind kind, co
 
 bool kv_has_groups(const DeviceKV& dev) {
   const CudaKV& C = as_cuda(dev);
-  return std::any_of(C.layers.begin(), C.layers.end(), [](const DevLayer& d) { return d.tail.grouped(); });
+  return std::any_of(C.layers.begin(), C.layers.end(), [](const DevLayer& d) { return d.tail.grouped() || d.tail.zipped(); });
 }
 
 void kv_before_step(Context& ctx, DeviceKV& dev) {
   CudaKV& C = as_cuda(&dev);
+  if (!C.layers.empty() && C.layers.front().tail.zipped()) {
+    zip_gap(ctx, C);
+    return;
+  }
   const int NKV = C.NKV, D = C.D;
   Plan plan;
   // Per layer, the new segments in order and where each goes: before segment `at` of the layer

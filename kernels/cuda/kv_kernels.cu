@@ -72,7 +72,7 @@ __device__ __forceinline__ void rope_pair(float* r, int j, int half, float p, co
 
 __global__ void rope_append_kernel(float* qkv, int64_t q_col, int nq, int64_t k_col, int64_t v_col, int nk, int D,
                                    const int32_t* pos_in, const float* inv_freq, __half* k, __half* v, int32_t* kpos,
-                                   int cap, int32_t* counter, int32_t* done) {
+                                   int cap, int32_t* counter, int32_t* done, KeptQueries keep) {
   pdl_wait();
   pdl_trigger();
   const int row = *counter;
@@ -83,6 +83,14 @@ __global__ void rope_append_kernel(float* qkv, int64_t q_col, int nq, int64_t k_
     float* r = qkv + (hh < nq ? q_col + static_cast<int64_t>(hh) * D : k_col + static_cast<int64_t>(hh - nq) * D);
     float na, nb;
     rope_pair(r, j, half, static_cast<float>(pos_in[0]), inv_freq, na, nb);
+    if (hh < nq && keep.slot && row < keep.rows) {
+      const int s = keep.slot[row];
+      if (s >= 0) {
+        float* o = keep.q + (static_cast<int64_t>(s) * nq + hh) * D;
+        o[j] = na;
+        o[j + half] = nb;
+      }
+    }
     if (hh >= nq && row < cap) {
       const int64_t at = (static_cast<int64_t>(hh - nq) * cap + row) * D;
       k[at + j] = __float2half_rn(na);
@@ -158,6 +166,13 @@ __global__ void rope_quant_append_kernel(float* qkv, int64_t q_col, int nq, int6
   }
 }
 
+__global__ void gather_blocks_kernel(const int32_t* src, int32_t* dst, int64_t words, const int32_t* index, int n) {
+  const int64_t total = static_cast<int64_t>(n) * words;
+  for (int64_t i = threadIdx.x + static_cast<int64_t>(blockIdx.x) * blockDim.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    dst[i] = src[static_cast<int64_t>(index[i / words]) * words + i % words];
+}
+
 __global__ void gather_rows_kernel(const __half* const* src, __half* dst, int n, int D) {
   const int64_t total = static_cast<int64_t>(n) * D;
   for (int64_t i = threadIdx.x + static_cast<int64_t>(blockIdx.x) * blockDim.x; i < total;
@@ -195,10 +210,10 @@ void kv_append_batch(const float* qkv, int64_t stride, int64_t k_col, int64_t v_
 
 void rope_append(float* qkv, int64_t q_col, int nq, int64_t k_col, int64_t v_col, int nk, int D,
                  const int32_t* pos_in, const float* inv_freq, __half* k, __half* v, int32_t* pos, int cap,
-                 int32_t* counter, int32_t* done, cudaStream_t s) {
+                 int32_t* counter, int32_t* done, cudaStream_t s, const KeptQueries& keep) {
   const int n = (nq + nk) * (D / 2) + nk * D;
   KV_CUDA(launch_dependent(rope_append_kernel, (n + 255) / 256, 256, 0, s, true, qkv, q_col, nq, k_col, v_col, nk, D,
-                           pos_in, inv_freq, k, v, pos, cap, counter, done),
+                           pos_in, inv_freq, k, v, pos, cap, counter, done, keep),
           "rope_append_kernel for " + std::to_string(nk) + " KV heads");
 }
 
@@ -213,6 +228,15 @@ void rope_quant_append(float* qkv, int64_t q_col, int nq, int64_t k_col, int64_t
   KV_CUDA(launch_dependent(rope_quant_append_kernel, nk + nq, 64, 0, s, true, qkv, q_col, nq, k_col, v_col, nk, D,
                            pos_in, inv_freq, t, counter, done),
           "rope_quant_append_kernel for " + std::to_string(nk) + " KV heads");
+}
+
+void gather_blocks(const void* src, void* dst, int64_t bytes, const int32_t* index, int n, cudaStream_t s) {
+  if (n == 0 || bytes == 0) return;
+  if (bytes % 4 != 0) throw InternalError("gather_blocks: blocks of " + std::to_string(bytes) + " bytes (a multiple of 4)");
+  const int64_t total = static_cast<int64_t>(n) * (bytes / 4);
+  gather_blocks_kernel<<<static_cast<int>(std::min<int64_t>((total + 255) / 256, 4096)), 256, 0, s>>>(
+      static_cast<const int32_t*>(src), static_cast<int32_t*>(dst), bytes / 4, index, n);
+  KV_LAUNCH("gather_blocks_kernel", std::to_string(n) + " blocks");
 }
 
 void gather_rows(const __half* const* src, __half* dst, int n, int D, cudaStream_t s) {

@@ -238,6 +238,9 @@ std::vector<DevSeg> build_zip(Context& ctx, const CudaKV& C, const std::vector<c
       L.lo_bits < 1 || L.lo_bits > 8)
     return {};
   const int bits[2] = {L.lo_bits, L.hi_bits};
+  // Arrays made on the device for this payload: the sizes are theirs (the payload's own may not
+  // have landed, or never will: a streamed gap's payload holds only its flags).
+  const bool made_for_p = staged && staged->payload == &p;
   // sub[h][s]: head h's rows (indices into the group's rows) in subset s (1: salient).
   std::vector<std::array<std::vector<int32_t>, 2>> sub(NKV);
   std::vector<std::vector<int32_t>> gpos(NKV);
@@ -247,6 +250,7 @@ std::vector<DevSeg> build_zip(Context& ctx, const CudaKV& C, const std::vector<c
     const quant::QuantBlock &k = p.k[h], &v = p.v[h];
     if (static_cast<int64_t>(k.flags.size()) != (n + 7) / 8) return {};
     for (int64_t i = 0; i < n; ++i) sub[h][quant::unpack_one(k.flags.data(), i, 1)].push_back(static_cast<int32_t>(i));
+    if (made_for_p) continue;
     const int64_t nh = static_cast<int64_t>(sub[h][1].size()), nl = n - nh;
     const int64_t codes = (nh * D * bits[1] + nl * D * bits[0]) / 8, ranges = (nh ? D : 0) + (nl ? D : 0);
     if (static_cast<int64_t>(k.codes.size()) != codes || static_cast<int64_t>(v.codes.size()) != codes) return {};
@@ -263,12 +267,14 @@ std::vector<DevSeg> build_zip(Context& ctx, const CudaKV& C, const std::vector<c
       for (int s = 0; s < 2; ++s)
         for (int32_t i : sub[h][s]) sub_pos[static_cast<size_t>(h)][static_cast<size_t>(s)].push_back(gpos[h][static_cast<size_t>(i)]);
     slots = quant::zip_slots(sub_pos);
-    if (static_cast<int64_t>(p.tokens.scales.size()) != slots.n || static_cast<int64_t>(p.tokens.zeros.size()) != slots.n)
+    if (!made_for_p &&
+        (static_cast<int64_t>(p.tokens.scales.size()) != slots.n || static_cast<int64_t>(p.tokens.zeros.size()) != slots.n))
       return {};
     one_table = slots.one_table;
   }
   // Arrays made on the device for this payload (in the same layout) are taken where they are.
-  const bool take = staged && staged->payload == &p && staged->one_table == one_table;
+  const bool take = made_for_p && staged->one_table == one_table;
+  if (made_for_p && !take) return {};
   // Else, with heads whose rows of a position differ, each head's ranges copied row by row.
   std::vector<std::vector<uint16_t>> vs(NKV), vz(NKV);
   for (int h = 0; h < NKV && L.shared_token_ranges && !one_table && !take; ++h)

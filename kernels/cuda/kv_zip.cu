@@ -33,21 +33,10 @@ struct Layout {
 
 }  // namespace
 
-bool kv_zip_quantize(Context& ctx, DeviceKV& dev, int layer, const std::vector<const KVSegment*>& group,
-                     quant::QuantPayload& out) {
-  CudaKV& C = as_cuda(&dev);
+StagedZip kv::zip_arrays(Context& ctx, const CudaKV& C, int layer, const std::vector<const KVSegment*>& group,
+                         const quant::QuantPayload& out) {
   const int NKV = C.NKV, D = C.D;
   const quant::CodeLayout& L = out.layout;
-  if (layer < 0 || layer >= C.L || group.empty() || static_cast<int>(out.k.size()) != NKV ||
-      static_cast<int>(out.v.size()) != NKV)
-    throw InternalError("zip_quantize_rows: layer " + std::to_string(layer) + " or the payload's KV heads do not match the cache");
-  for (const KVSegment* s : group)
-    if (static_cast<int>(s->heads.size()) != NKV)
-      throw InternalError("zip_quantize_rows: a segment of layer " + std::to_string(layer) + " has " +
-                          std::to_string(s->heads.size()) + " KV heads, the cache " + std::to_string(NKV));
-  if (L.kind != quant::CodeLayout::Kind::ZipMixed || L.hi_bits < 1 || L.hi_bits > 8 || L.lo_bits < 1 ||
-      L.lo_bits > 8 || D % 8 != 0)
-    return false;
   const int bits[2] = {L.lo_bits, L.hi_bits};
   const std::string what = "zipcache rows of layer " + std::to_string(layer);
   const SegmentRows rows(C, C.layers[static_cast<size_t>(layer)], group, "zip_quantize_rows: " + what);
@@ -107,7 +96,9 @@ bool kv_zip_quantize(Context& ctx, DeviceKV& dev, int layer, const std::vector<c
     row_head[h + 1] = static_cast<int64_t>(src.size());
   }
   const int64_t N = static_cast<int64_t>(src.size());
-  if (N == 0) return true;
+  StagedZip z;
+  z.payload = &out;
+  if (N == 0) return z;
   if (N > (int64_t{1} << 30)) throw InternalError("zip_quantize_rows: " + what + ": too many rows");
 
   // Token-range slots: one a row, or one per (subset, position) over the heads (salient
@@ -156,8 +147,6 @@ bool kv_zip_quantize(Context& ctx, DeviceKV& dev, int layer, const std::vector<c
   gather_rows(reinterpret_cast<const __half* const*>(base + a_ptr), X.as<__half>(), static_cast<int>(2 * N), D, ctx.stream);
 
   // The results, each array's KV heads one after another as the payload holds them.
-  StagedZip z;
-  z.payload = &out;
   z.one_table = one_table;
   Layout res;
   auto array = [&](int64_t bytes, const std::vector<int64_t>& first, int elem, bool per_head) {
@@ -207,10 +196,30 @@ bool kv_zip_quantize(Context& ctx, DeviceKV& dev, int layer, const std::vector<c
     q.row_zero = reinterpret_cast<__half*>(rb + z.row_zeros.at);
   }
   zip_quantize(q, ctx.stream);
+  return z;
+}
 
+bool kv_zip_quantize(Context& ctx, DeviceKV& dev, int layer, const std::vector<const KVSegment*>& group,
+                     quant::QuantPayload& out) {
+  CudaKV& C = as_cuda(&dev);
+  const int NKV = C.NKV, D = C.D;
+  const quant::CodeLayout& L = out.layout;
+  if (layer < 0 || layer >= C.L || group.empty() || static_cast<int>(out.k.size()) != NKV ||
+      static_cast<int>(out.v.size()) != NKV)
+    throw InternalError("zip_quantize_rows: layer " + std::to_string(layer) + " or the payload's KV heads do not match the cache");
+  for (const KVSegment* s : group)
+    if (static_cast<int>(s->heads.size()) != NKV)
+      throw InternalError("zip_quantize_rows: a segment of layer " + std::to_string(layer) + " has " +
+                          std::to_string(s->heads.size()) + " KV heads, the cache " + std::to_string(NKV));
+  if (L.kind != quant::CodeLayout::Kind::ZipMixed || L.hi_bits < 1 || L.hi_bits > 8 || L.lo_bits < 1 ||
+      L.lo_bits > 8 || D % 8 != 0)
+    return false;
+  StagedZip z = zip_arrays(ctx, C, layer, group, out);
+  if (!z.mem.mem) return true;
   // Every array into the payload once on the host (the copies per row stay on the device).
   const bool shared = L.shared_token_ranges;
-  const int64_t land_bytes = copies ? z.row_scales.at : res.bytes;
+  const bool copies = shared && !z.one_table;
+  const int64_t land_bytes = copies ? z.row_scales.at : z.mem.bytes;
   ctx.land_later(z.mem.mem, land_bytes, [&out, z, NKV, shared](const char* host) {
     // Array a from its byte `from` to `to`, or KV head h's part of it (up to the next head's).
     auto span = [&](const StagedZip::Array& a, int64_t from, int64_t to) {

@@ -39,10 +39,10 @@ void quantized_tail_case(const TailCase& tc) {
   const AttnLayout l1 = layout_of(c, 1);
   Backend& cpu = *op_backends().cpu;
   Backend& gpu = *op_backends().gpu;
-  const StepQuant q{tc.k_bits, tc.v_bits, tc.rotation, "rows of " + what};
+  const StepQuant q = StepQuant::rows(tc.k_bits, tc.v_bits, tc.rotation, "rows of " + what);
   ASSERT_TRUE(gpu.quantizes_steps(q, c.D));
   EXPECT_FALSE(cpu.quantizes_steps(q, c.D));
-  EXPECT_FALSE(gpu.quantizes_steps(StepQuant{tc.k_bits, tc.v_bits, 2 * c.D}, c.D));  // a block wider than the head
+  EXPECT_FALSE(gpu.quantizes_steps(StepQuant::rows(tc.k_bits, tc.v_bits, 2 * c.D), c.D));  // a block wider than the head
   KVStore host(1, c.NKV, c.D);
   auto dev = gpu.kv_create(1, c.NKV, c.D);
   SeqKV kv{&host, dev.get(), false};
@@ -144,7 +144,7 @@ void quantized_tail_case(const TailCase& tc) {
   Buffer Xg = make(gpu, "qkv1", {1, l1.row_stride}, Dt::F32, row), Pg = make_ids(gpu, "pos1", {p});
   EXPECT_THROW(gpu.kv_append(kv, 0, Xg, l1, Pg, &p, &gen, 1), InternalError);
   const int other = tc.k_bits == 8 ? 4 : 8;
-  EXPECT_THROW(gpu.kv_reserve(*dev, 2, StepQuant{other, other}), InternalError);
+  EXPECT_THROW(gpu.kv_reserve(*dev, 2, StepQuant::rows(other, other)), InternalError);
   if (!tc.rotation) return;
   // Unrotated keys beside a rotated query: attention is refused, not computed wrong.
   KVStore h2(1, c.NKV, c.D);

@@ -396,4 +396,31 @@ TEST(CudaModel, KiviGroupsAreQuantizedInTheDevicesSteps) {
   EXPECT_FALSE(make_policy("kivi:residual=0")->step_quant(D).any());  // (the new row itself would be quantized)
 }
 
+// ZipCache's streamed gaps quantized by the device before its steps (StepQuant::zip,
+// kv::zip_gap): the hook never called and the steps chained; the same tokens, bytes and logits
+// (within one fp16 rounding) as the host loop that runs ZipCache's on_decode_step, unchained
+// steps exactly the chained ones, and the CPU backend's tokens. Gaps of 3 to 5 flush several times
+// within 14 tokens, with probes by recency and at random (more of them than the defaults keep in
+// so short a gap), per-head and shared rankings, accumulated saliency, V ranges per head with
+// the official channel factors, and after SnapKV.
+TEST(CudaModel, ZipCacheGapsAreQuantizedInTheDevicesSteps) {
+  NEED_GPU();
+  SampleRun r = sample_run(14);
+  const kt::CpuRun cpu = kt::cpu_sample_run();
+  const int D = r.gpu.info().head_dim;
+  for (const char* spec : {"zipcache:gap=4,recent_ratio=0.25,random_ratio=0.3",
+                           "zipcache:gap=5,recent_ratio=0.4,random_ratio=0.5,seed=3,saliency_ratio=0.6",
+                           "zipcache:gap=3,saliency_heads=shared,saliency=accumulated,random_ratio=0.6",
+                           "zipcache:preset=official,value_token_range=head,gap=4,recent_ratio=0.5",
+                           "zipcache:gap=4", "stack:evict=snapkv,quant=zipcache,gap=4,random_ratio=0.4"}) {
+    SCOPED_TRACE(spec);
+    EXPECT_GT(kt::PolicyProbe(make_policy(spec), false).step_quant(D).zip.gap, 0);
+    const kt::ThreeDecodes t = kt::decode_three_ways(r, spec);
+    expect_same_decode(t.device, t.host);
+    auto on_cpu = make_policy(spec);
+    const DecodeResult e = cpu.model->decode(cpu.st, on_cpu.get(), r.g);
+    EXPECT_EQ(t.device.generated_ids, e.generated_ids);
+  }
+}
+
 }  // namespace

@@ -28,7 +28,7 @@ class HadamardInt4Policy : public quant::SegmentQuantPolicy {
   // unrotated and every token is in scope.
   StepQuant step_quant(int head_dim) const override {
     if (!quantize_v_ || rotate_v_ || visual_only_) return {};
-    return {4, 4, quant::hadamard_block(block_, head_dim), "hadamard-int4"};
+    return StepQuant::rows(4, 4, quant::hadamard_block(block_, head_dim), "hadamard-int4");
   }
   // That layout (INT4 keys of rotated rows, INT4 values unrotated) is made where the rows are at
   // prefill (quant::quantize_rows_of with UniformSpec::rotation): no host rows are read, unless

@@ -26,7 +26,10 @@ class KiviPolicy : public quant::PrefillQuantPolicy {
   // never its own, so a device may quantize them before it appends the row.
   StepQuant step_quant(int) const override {
     if (R_ < 1) return {};
-    return {bits_, bits_, 0, label(), G_, R_};
+    StepQuant q = StepQuant::rows(bits_, bits_, 0, label());
+    q.group = G_;
+    q.residual = R_;
+    return q;
   }
 
   // Before the new row: the trailing dense rows of a head, plus that row, are on_decode_step's

@@ -33,7 +33,7 @@ class UniformPolicy : public quant::PrefillQuantPolicy {
     return !visual_only_ && k_axis_ == quant::Axis::PerToken && v_axis_ == quant::Axis::PerToken;
   }
   // Each new row's own range is all a step needs: a device quantizes it where it is appended.
-  StepQuant step_quant(int) const override { return acts_on_decode() ? StepQuant{bits_, bits_, 0, storage_} : StepQuant{}; }
+  StepQuant step_quant(int) const override { return acts_on_decode() ? StepQuant::rows(bits_, bits_, 0, storage_) : StepQuant{}; }
 
  private:
   bool in_scope(const KVSegment& s) const {

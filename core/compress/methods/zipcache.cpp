@@ -40,7 +40,11 @@
 // older rows did not change since) and those gap tokens are quantized like the prompt, ranked among
 // themselves. The authors' code re-compresses the whole cache at that point; kvlens quantizes only
 // the new tokens, since the older rows are already dequantized values and quantizing them again
-// would add error a real cache (which keeps the codes) would not have.
+// would add error a real cache (which keeps the codes) would not have. A device decode runs the
+// streaming itself from the same data (step_quant: StepQuant::zip): its steps keep the probes'
+// queries, and before the step that follows a gap it scores them against its cache, reduces the
+// gap's saliency as here (zipcache::gap_saliency), ranks it on the host (top_flags) and
+// quantizes the gap where its rows are.
 //
 // The authors' code also differs in ways kvlens does not model: it normalises the probes' column
 // sums by T − i (every query that can see token i) rather than by the probes that see it, draws
@@ -52,7 +56,7 @@
 #include <array>
 #include <cmath>
 #include <numeric>
-#include <random>
+#include <optional>
 
 #include "core/errors.h"
 #include "core/compress/quant_methods.h"
@@ -80,18 +84,10 @@ struct ZipOptions {
   bool layer_channel_scales = false;   // channel_scales=layer
 };
 
-// Salient flags of n rows: the top round(ratio·n) scores, ties to the earlier row.
-std::vector<char> top_flags(const std::vector<double>& score, double ratio) {
-  const int n = static_cast<int>(score.size());
-  const int k = std::clamp(static_cast<int>(std::llround(ratio * n)), 0, n);
-  std::vector<int> idx(n);
-  std::iota(idx.begin(), idx.end(), 0);
-  std::stable_sort(idx.begin(), idx.end(), [&](int a, int b) { return score[a] > score[b]; });
-  std::vector<char> f(n, 0);
-  for (int i = 0; i < k; ++i) f[idx[i]] = 1;
-  return f;
-}
+using zipcache::top_flags;
 
+// What a quantized group's segments are labelled.
+std::string group_label(int hi, int lo) { return "zipcache q" + std::to_string(hi) + "/q" + std::to_string(lo); }
 
 class ZipCachePolicy : public KVPolicy {
  public:
@@ -129,15 +125,30 @@ class ZipCachePolicy : public KVPolicy {
   // Before the first gap completes the streaming changes nothing (the probes it keeps are only
   // read then): a decode of at most `gap` new tokens runs as one that acts at prefill alone.
   bool acts_on_decode_within(int new_tokens) const override { return new_tokens > o_.gap; }
+  // The streaming as data (StepQuant::zip): a device keeps the probes' queries and quantizes
+  // each gap in its own steps.
+  StepQuant step_quant(int) const override {
+    StepQuant q;
+    q.k_bits = o_.hi;
+    q.v_bits = o_.lo;
+    q.label = group_label(o_.hi, o_.lo);
+    q.zip.gap = o_.gap;
+    q.zip.ratio = o_.ratio;
+    q.zip.accumulated = o_.saliency == Saliency::Accumulated;
+    q.zip.shared = o_.shared;
+    q.zip.head_token_ranges = o_.head_token_ranges;
+    q.zip.layer_factors = o_.layer_channel_scales;
+    q.zip.recent = o_.recent;
+    q.zip.random = o_.random;
+    q.zip.seed = o_.seed;
+    return q;
+  }
 
   void on_decode_step(const DecodeContext& ctx, LayerKV& layer) override {
     if (layer.segments.empty() || !layer.segments.back().dense()) return;
     if (ctx.layer >= static_cast<int>(streams_.size())) streams_.resize(ctx.layer + 1);
     Stream& st = streams_[ctx.layer];
-    if (!st.started) {
-      st.rng.seed(o_.seed + 0x9E3779B97F4A7C15ull * static_cast<uint64_t>(ctx.layer + 1));
-      st.started = true;
-    }
+    if (!st.probes) st.probes.emplace(o_.seed, ctx.layer, o_.gap, o_.recent, o_.random);
     const int D = ctx.head_dim;
     int n = layer.segments.back().heads.at(0).n();
     if (n - 1 >= o_.gap) {  // `gap` tokens before the new one: compress them
@@ -148,10 +159,7 @@ class ZipCachePolicy : public KVPolicy {
       st.q.clear();
       n = layer.segments.back().heads.at(0).n();
     }
-    const int idx = n - 1;  // the new token's index within the current gap
-    const int n_recent = static_cast<int>(std::llround(o_.recent * o_.gap));
-    const double u = std::uniform_real_distribution<double>(0.0, 1.0)(st.rng);
-    if (idx >= o_.gap - n_recent || u < o_.random) {
+    if (st.probes->next(n - 1)) {  // (n − 1: the new token's index within the current gap)
       st.pos.push_back(ctx.position);
       st.q.insert(st.q.end(), ctx.q, ctx.q + static_cast<size_t>(ctx.n_heads) * D);
     }
@@ -289,13 +297,13 @@ class ZipCachePolicy : public KVPolicy {
   }
 
   struct Stream {
-    bool started = false;
-    std::mt19937_64 rng;
+    std::optional<zipcache::ProbeStream> probes;
     std::vector<int32_t> pos;  // probe positions
     std::vector<float> q;      // probe queries [n_probes][n_heads][head_dim]
   };
 
-  // Saliency of the rows of segment `gi` from the kept probe queries, then mixed quantization.
+  // Saliency of the rows of segment `gi` from the kept probe queries (each saw the rows of the
+  // segments before it and the gap's rows up to its own), then mixed quantization.
   void compress_gap(const DecodeContext& ctx, LayerKV& layer, size_t gi, const Stream& st) const {
     const int H = ctx.n_heads, KH = ctx.n_kv_heads, D = ctx.head_dim, group = H / KH;
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
@@ -304,44 +312,32 @@ class ZipCachePolicy : public KVPolicy {
     std::vector<double> shared_sum;
     const int n_probes = static_cast<int>(st.pos.size());
     for (int kh = 0; kh < KH; ++kh) {
-      // Rows of this head over all segments, and where the gap rows start among them.
+      // This head's rows older than the gap, then the gap's.
       std::vector<const float*> rows;
-      std::vector<int32_t> pos;
-      size_t off = 0;
-      for (size_t i = 0; i < layer.segments.size(); ++i) {
-        if (i == gi) off = rows.size();
+      for (size_t i = 0; i <= gi; ++i) {
         const HeadRows& r = layer.segments[i].heads[kh];
-        for (int j = 0; j < r.n(); ++j) {
-          rows.push_back(r.k.data() + static_cast<size_t>(j) * D);
-          pos.push_back(r.pos[j]);
-        }
+        for (int j = 0; j < r.n(); ++j) rows.push_back(r.k.data() + static_cast<size_t>(j) * D);
       }
-      const int ng = g.heads[kh].n();
-      std::vector<double> sum(ng, 0.0), cnt(ng, 0.0);
-      std::vector<double> p(rows.size());
-      for (int h = kh * group; h < (kh + 1) * group; ++h)
-        for (int k = 0; k < n_probes; ++k) {
-          const float* q = st.q.data() + (static_cast<size_t>(k) * H + h) * D;
-          double mx = -INFINITY;
-          for (size_t j = 0; j < rows.size(); ++j) {
-            if (pos[j] > st.pos[k]) { p[j] = -INFINITY; continue; }
+      const HeadRows& gr = g.heads[kh];
+      const int ng = gr.n(), before = static_cast<int>(rows.size()) - ng;
+      std::vector<int> seen(static_cast<size_t>(n_probes));
+      for (int k = 0; k < n_probes; ++k)
+        seen[k] = static_cast<int>(std::upper_bound(gr.pos.begin(), gr.pos.end(), st.pos[k]) - gr.pos.begin());
+      // scores[k][h][r] of the group's query heads
+      const int64_t stride = static_cast<int64_t>(rows.size()), probe_stride = group * stride;
+      std::vector<float> scores(static_cast<size_t>(n_probes * probe_stride));
+      for (int k = 0; k < n_probes; ++k)
+        for (int h = 0; h < group; ++h) {
+          const float* q = st.q.data() + (static_cast<size_t>(k) * H + kh * group + h) * D;
+          float* o = scores.data() + k * probe_stride + h * stride;
+          for (int r = 0; r < before + seen[k]; ++r) {
             float s = 0;
-            for (int c = 0; c < D; ++c) s += q[c] * rows[j][c];
-            p[j] = s * scale;
-            mx = std::max(mx, p[j]);
-          }
-          double z = 0;
-          for (double& x : p) z += (x = std::isinf(x) ? 0.0 : std::exp(x - mx));
-          if (!(z > 0)) continue;
-          for (int j = 0; j < ng; ++j) {
-            if (pos[off + j] > st.pos[k]) continue;
-            sum[j] += p[off + j] / z;
-            cnt[j] += 1;
+            for (int c = 0; c < D; ++c) s += q[c] * rows[r][c];
+            o[r] = s * scale;
           }
         }
-      std::vector<double> sal(ng);
-      for (int j = 0; j < ng; ++j)
-        sal[j] = o_.saliency == Saliency::Accumulated ? sum[j] : (cnt[j] > 0 ? sum[j] / cnt[j] : 0.0);
+      const std::vector<double> sal = zipcache::gap_saliency(scores.data(), probe_stride, stride, n_probes, group, before,
+                                                             seen.data(), ng, o_.saliency);
       if (o_.shared) {
         shared_sum.resize(ng, 0.0);
         for (int j = 0; j < ng; ++j) shared_sum[j] += sal[j];
@@ -508,7 +504,7 @@ void quantize_group(LayerKV& layer, const std::vector<size_t>& group, const Flag
 void install_group(LayerKV& layer, const std::vector<size_t>& group, const GroupSpec& o,
                    const std::shared_ptr<quant::QuantPayload>& p) {
   p->shrink_to_fit();
-  const std::string label = "zipcache q" + std::to_string(o.hi) + "/q" + std::to_string(o.lo);
+  const std::string label = group_label(o.hi, o.lo);
   for (size_t gi = 0; gi < group.size(); ++gi) {
     KVSegment& s = layer.segments[group[gi]];
     for (HeadRows& h : s.heads) quant::pad_annotations(h, 0);

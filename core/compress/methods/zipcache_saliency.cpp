@@ -29,6 +29,50 @@ std::vector<double> saliency_from_sums(const double* sums, int T, const std::vec
   return out;
 }
 
+std::vector<char> top_flags(const std::vector<double>& score, double ratio) {
+  const int n = static_cast<int>(score.size());
+  const int k = std::clamp(static_cast<int>(std::llround(ratio * n)), 0, n);
+  std::vector<int> idx(n);
+  std::iota(idx.begin(), idx.end(), 0);
+  std::stable_sort(idx.begin(), idx.end(), [&](int a, int b) { return score[a] > score[b]; });
+  std::vector<char> f(n, 0);
+  for (int i = 0; i < k; ++i) f[idx[i]] = 1;
+  return f;
+}
+
+ProbeStream::ProbeStream(uint64_t seed, int layer, int gap, double recent, double random)
+    : rng_(seed + 0x9E3779B97F4A7C15ull * static_cast<uint64_t>(layer + 1)),
+      gap_(gap),
+      n_recent_(static_cast<int>(std::llround(recent * gap))),
+      random_(random) {}
+
+bool ProbeStream::next(int index) {
+  const double u = std::uniform_real_distribution<double>(0.0, 1.0)(rng_);
+  return index >= gap_ - n_recent_ || u < random_;
+}
+
+std::vector<double> gap_saliency(const float* scores, int64_t probe_stride, int64_t stride, int n_probes, int heads,
+                                 int before, const int* seen, int gap, Saliency s) {
+  std::vector<double> sum(static_cast<size_t>(gap), 0.0), cnt(sum.size(), 0.0);
+  for (int h = 0; h < heads; ++h)
+    for (int k = 0; k < n_probes; ++k) {
+      const float* x = scores + k * probe_stride + h * stride;
+      const int n = before + seen[k];
+      double mx = -INFINITY;
+      for (int r = 0; r < n; ++r) mx = std::max(mx, static_cast<double>(x[r]));
+      double z = 0;
+      for (int r = 0; r < n; ++r) z += std::exp(static_cast<double>(x[r]) - mx);
+      if (!(z > 0)) continue;
+      for (int j = 0; j < seen[k] && j < gap; ++j) {
+        sum[static_cast<size_t>(j)] += std::exp(static_cast<double>(x[before + j]) - mx) / z;
+        cnt[static_cast<size_t>(j)] += 1;
+      }
+    }
+  if (s == Saliency::Normalized)
+    for (size_t j = 0; j < sum.size(); ++j) sum[j] = cnt[j] > 0 ? sum[j] / cnt[j] : 0.0;
+  return sum;
+}
+
 namespace {
 // Fisher–Yates with mt19937_64 (specified by the standard), so draws match on every platform.
 std::vector<int> sample(std::vector<int> pool, int k, uint64_t seed) {

@@ -1,0 +1,149 @@
+// ZipCache's streamed gaps on the GPU (StepQuant::zip; the host's twin is ZipCache's
+// on_decode_step). The steps keep each layer's probe queries after RoPE (rope_append's
+// KeptQueries, slots planned by kv_reserve from zipcache::ProbeStream). Before the step whose row
+// follows `gap` dense decode rows, every layer's probes are scored against the cache as it is (the
+// rows each probe saw have not changed since: older rows are never re-quantized) in one launch of
+// the decode's scoring kernel, the gap rows' saliency is reduced on the device
+// (zip_gap_saliency), and only that crosses to the host, which ranks it (zipcache::top_flags, as
+// the host does) and has each layer's gap quantized where its rows are (zip_arrays, the prefill's
+// kernels) into a segment of its own before the decode rows.
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/compress/quant_methods.h"
+#include "core/errors.h"
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/context.h"
+#include "kernels/cuda/kernels.h"
+#include "kernels/cuda/kv_cache.h"
+
+namespace kvlens::cuda {
+
+using namespace kv;
+
+namespace {
+
+// Layer l's salient flags of the gap's rows from its saliency sal[NKV][gap]: per KV head, or one
+// ranking of the heads' sum (`shared`).
+zipcache::Flags gap_flags(const double* sal, int NKV, int gap, const StepZip& z) {
+  zipcache::Flags f(1, std::vector<std::vector<char>>(static_cast<size_t>(NKV)));
+  std::vector<double> sum(static_cast<size_t>(gap), 0.0);
+  for (int h = 0; h < NKV; ++h) {
+    const std::vector<double> s(sal + static_cast<int64_t>(h) * gap, sal + static_cast<int64_t>(h + 1) * gap);
+    if (z.shared)
+      for (int j = 0; j < gap; ++j) sum[static_cast<size_t>(j)] += s[static_cast<size_t>(j)];
+    else
+      f[0][static_cast<size_t>(h)] = zipcache::top_flags(s, z.ratio);
+  }
+  if (z.shared)
+    for (int h = 0; h < NKV; ++h) f[0][static_cast<size_t>(h)] = zipcache::top_flags(sum, z.ratio);
+  return f;
+}
+
+}  // namespace
+
+bool kv::zip_gap_due(const CudaKV& C) {
+  const Tail& t = C.layers.front().tail;
+  return t.zipped() && t.n - t.first(0) >= t.groups.zip.gap;
+}
+
+void kv::zip_gap(Context& ctx, CudaKV& C) {
+  if (C.L == 0 || !zip_gap_due(C)) return;
+  const int L = C.L, NKV = C.NKV, D = C.D;
+  const Tail& t0 = C.layers.front().tail;
+  const StepZip& z = t0.groups.zip;
+  const int gap = z.gap, g0 = t0.first(0);
+  const CudaKV::ZipProbes& P = C.zip;
+  for (int l = 0; l < L; ++l) {
+    const Tail& t = C.layers[static_cast<size_t>(l)].tail;
+    bool same = t.zipped() && t.n == t0.n && t.groups.zip.gap == gap;
+    for (int h = 0; h < NKV && same; ++h) same = t.first(h) == g0;
+    if (!same) throw InternalError("ZipCache gaps: layer " + std::to_string(l) + "'s decode rows differ from layer 0's");
+  }
+  if (!P.slot.mem || g0 + gap > P.rows)
+    throw InternalError("ZipCache gaps: no probe schedule for decode rows " + std::to_string(g0) + " to " +
+                        std::to_string(g0 + gap - 1));
+  const int NH = P.n_heads, S = P.slots;
+
+  // Each layer's probes of this gap (slot k saw the gap's rows up to its own), and each KV
+  // head's rows older than the gap: the arguments of the reduction, in one upload.
+  std::vector<int32_t> args(static_cast<size_t>(L + L * S + L * NKV), 0);
+  int32_t* n_probes = args.data();
+  int32_t* seen = n_probes + L;
+  int32_t* before = seen + L * S;
+  int64_t stride = 1;
+  int probes = 0;
+  for (int l = 0; l < L; ++l) {
+    const std::vector<int32_t>& slot = P.slot_of_row[static_cast<size_t>(l)];
+    for (int r = g0; r < g0 + gap; ++r) {
+      const int k = slot[static_cast<size_t>(r)];
+      if (k < 0) continue;
+      seen[l * S + k] = r - g0 + 1;
+      n_probes[l] = std::max(n_probes[l], k + 1);
+    }
+    probes += n_probes[l];
+    const DevLayer& d = C.layers[static_cast<size_t>(l)];
+    for (int h = 0; h < NKV; ++h) {
+      int64_t rows = 0;
+      for (const DevSeg& s : d.segs) rows += static_cast<int64_t>(s.pos[h].size());
+      before[l * NKV + h] = static_cast<int32_t>(rows);
+      stride = std::max(stride, rows + gap);
+    }
+  }
+  std::vector<double> sal(static_cast<size_t>(L) * NKV * gap, 0.0);
+  if (probes > 0) {  // (else no row is seen: every saliency is 0, as on the host)
+    AttnLayout lay;
+    lay.n_heads = NH;
+    lay.n_kv_heads = NKV;
+    lay.head_dim = D;
+    lay.row_stride = P.width;
+    lay.scale = 1.0f / std::sqrt(static_cast<float>(D));  // (as the host's streaming scores)
+    Buffer q;
+    q.name = "ZipCache probe queries";
+    q.shape = {static_cast<int64_t>(L) * S, P.width};
+    q.dt = Dt::F32;
+    q.data = P.q.mem.get();
+    std::vector<int32_t> layer_of(static_cast<size_t>(L) * S);
+    for (size_t b = 0; b < layer_of.size(); ++b) layer_of[b] = static_cast<int32_t>(b / static_cast<size_t>(S));
+    const DevMem scores = query_scores(ctx, C, q, lay, layer_of, stride);
+    const int64_t ab = static_cast<int64_t>(args.size()) * 4, sb = static_cast<int64_t>(sal.size()) * 8;
+    DevMem A{ctx.alloc(sb + ab, "ZipCache gap saliency"), sb + ab};  // the saliency, then the arguments
+    auto* out = A.as<double>();
+    const auto* a = reinterpret_cast<const int32_t*>(A.as<char>() + sb);
+    ctx.upload(A.as<char>() + sb, args.data(), ab, "ZipCache gap probes");
+    zip_gap_saliency(scores.as<float>(), stride, L, S, NH, NKV, gap, a, a + L, a + L + L * S, z.accumulated, out,
+                     ctx.stream);
+    ctx.download(sal.data(), out, sb, "ZipCache gap saliency");
+  }
+
+  // Each layer's gap: flags ranked here, rows quantized where they are, a segment of its own.
+  const zipcache::GroupSpec spec{t0.groups.k_bits, t0.groups.v_bits, z.head_token_ranges, z.layer_factors};
+  for (int l = 0; l < L; ++l) {
+    DevLayer& d = C.layers[static_cast<size_t>(l)];
+    Tail& t = d.tail;
+    LayerKV gap_rows;
+    gap_rows.segments.resize(1);
+    KVSegment& s = gap_rows.segments[0];
+    s.kind = SegmentKind::Generated;
+    s.storage = t.groups.label;
+    s.layout_only = true;
+    s.heads.resize(static_cast<size_t>(NKV));
+    for (HeadRows& h : s.heads) h.pos.assign(t.host_pos.begin() + g0, t.host_pos.begin() + g0 + gap);
+    const zipcache::Flags flags = gap_flags(sal.data() + static_cast<int64_t>(l) * NKV * gap, NKV, gap, z);
+    quant::QuantPayload p(NKV);
+    zipcache::mark_group(gap_rows, {0}, flags, spec, p);
+    const StagedZip made = zip_arrays(ctx, C, l, {&s}, p);
+    std::vector<DevSeg> built = build_zip(ctx, C, {&s}, p, &made);
+    if (built.size() != 1)
+      throw InternalError("ZipCache gaps: layer " + std::to_string(l) + "'s gap was not laid out as the kernels read it");
+    built[0].payload = nullptr;  // (no host segment mirrors it)
+    d.segs.push_back(std::move(built[0]));
+    t.start.assign(static_cast<size_t>(NKV), g0 + gap);
+  }
+  C.changed();
+}
+
+}  // namespace kvlens::cuda
