@@ -159,7 +159,17 @@ struct StagedZip {
   // a subset's position over the heads), and those copied per row (when the heads' rows of a
   // position differ).
   Array k_codes, v_codes, k_scales, k_zeros, factors, t_scales, t_zeros, row_scales, row_zeros;
+  // The salient flags (per head, as the payload packs them) and the group's positions (segment by
+  // segment, each head's in turn), uploaded with the arrays (bytes 0: not there).
+  Array flags, pos;
   bool one_table = false;  // the slot table read by every head from its start
+};
+// A group of segments of one layer that ZipCache quantizes together, its flags and layout in
+// `payload` (zipcache::mark_group).
+struct ZipGroup {
+  int layer = 0;
+  std::vector<const KVSegment*> segs;
+  const quant::QuantPayload* payload = nullptr;
 };
 
 struct DevLayer {
@@ -502,12 +512,12 @@ void zip_gap(Context& ctx, CudaKV& C);
 // the most any KV head holds (kv_decode.cu).
 DevMem query_scores(Context& ctx, CudaKV& C, const Buffer& q_rows, const AttnLayout& l,
                     const std::vector<int32_t>& layer_of, int64_t stride);
-// ZipCache's mixed-bit quantization (kv_zip.cu) of group `group` of layer `layer` — rows found
-// where the device holds them (SegmentRows), flags and layout from `out` (zipcache::mark_group) —
-// into arrays laid out as the payload holds them, made on the stream; empty (no memory) when the
-// group has no rows. The caller checked the layout (ZipMixed, bits 1–8, D a multiple of 8).
-StagedZip zip_arrays(Context& ctx, const CudaKV& C, int layer, const std::vector<const KVSegment*>& group,
-                     const quant::QuantPayload& out);
+// ZipCache's mixed-bit quantization (kv_zip.cu) of groups — rows found where the device holds
+// them (SegmentRows), flags and layout from each payload — into arrays laid out as the payloads
+// hold them, made on the stream by one upload and one launch for all: group i's in made[i]
+// (sharing one allocation; none when no group has rows). The caller checked the layouts
+// (ZipMixed, bits 1–8, D a multiple of 8).
+std::vector<StagedZip> zip_arrays(Context& ctx, const CudaKV& C, const std::vector<ZipGroup>& groups);
 // ZipCache's group of consecutive host segments sharing payload p (CodeLayout::ZipMixed), one
 // DevSeg per segment; empty when the payload is not what its layout says. With `staged` (made
 // for p by kv_zip_quantize), its arrays are taken from where they were made.

@@ -319,7 +319,9 @@ std::vector<DevSeg> build_zip(Context& ctx, const CudaKV& C, const std::vector<c
                          : one_table ? shared(p.tokens.zeros, "V token zeros")
                                      : up([&](int h) -> H { return own ? p.v[h].zeros : vz[h]; }, 2, "V token zeros");
   const HeadArrays vm = take ? made(staged->factors) : up([&](int h) -> H { return p.v[h].meta; }, 2, "V channel factors");
-  const HeadArrays kf = up([&](int h) -> B { return p.k[h].flags; }, 1, "salient flags");
+  // (the flags and positions too where they came up with the arrays)
+  const bool with_meta = take && !staged->flags.head.empty();
+  const HeadArrays kf = with_meta ? made(staged->flags) : up([&](int h) -> B { return p.k[h].flags; }, 1, "salient flags");
   // Every segment's positions in one upload, each segment holding its own part.
   std::vector<DevSeg> out(g.size());
   std::vector<int32_t> pos;
@@ -337,7 +339,9 @@ std::vector<DevSeg> build_zip(Context& ctx, const CudaKV& C, const std::vector<c
   }
   first_pos.push_back(static_cast<int64_t>(pos.size()));
   DevMem all_pos;
-  if (!pos.empty()) {
+  if (with_meta && staged->pos.bytes == static_cast<int64_t>(pos.size()) * 4) {
+    if (!pos.empty()) all_pos = part_of(staged->mem, staged->pos.at, staged->pos.bytes);
+  } else if (!pos.empty()) {
     all_pos = {ctx.alloc(static_cast<int64_t>(pos.size()) * 4, what + " positions"), static_cast<int64_t>(pos.size()) * 4};
     ctx.upload(all_pos.mem.get(), pos.data(), all_pos.bytes, what + " positions");
   }

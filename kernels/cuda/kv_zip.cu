@@ -33,96 +33,128 @@ struct Layout {
 
 }  // namespace
 
-StagedZip kv::zip_arrays(Context& ctx, const CudaKV& C, int layer, const std::vector<const KVSegment*>& group,
-                         const quant::QuantPayload& out) {
+std::vector<StagedZip> kv::zip_arrays(Context& ctx, const CudaKV& C, const std::vector<ZipGroup>& groups) {
   const int NKV = C.NKV, D = C.D;
-  const quant::CodeLayout& L = out.layout;
-  const int bits[2] = {L.lo_bits, L.hi_bits};
-  const std::string what = "zipcache rows of layer " + std::to_string(layer);
-  const SegmentRows rows(C, C.layers[static_cast<size_t>(layer)], group, "zip_quantize_rows: " + what);
-
-  // The rows in order: per KV head, the salient subset then the other, each in the group's order.
+  // Every group's rows in order — per KV head the salient subset then the other, each in the
+  // group's order — with offsets into arrays shared by the groups (the kernels take them as one).
   std::vector<const __half*> src, values;
   std::vector<ZipBlock> blocks;
   std::vector<ZipFactorBlock> fblocks;
-  std::vector<int32_t> row_block, row_pos;
-  std::vector<int64_t> code_head(NKV + 1, 0), range_head(NKV + 1, 0), factor_head(NKV + 1, 0), row_head(NKV + 1, 0);
-  std::vector<std::array<std::vector<int32_t>, 2>> sub_pos(static_cast<size_t>(NKV));  // [head][subset] positions
-  std::vector<int32_t> row_sub;
-  int64_t code = 0, range = 0, factor = 0;
-  for (int h = 0; h < NKV; ++h) {
-    std::array<std::vector<std::pair<size_t, int>>, 2> sub;  // (segment, row) of each subset
-    int64_t n = 0;
-    for (size_t si = 0; si < group.size(); ++si) n += group[si]->heads[static_cast<size_t>(h)].n();
-    const std::vector<uint8_t>& flags = out.k[static_cast<size_t>(h)].flags;
-    if (static_cast<int64_t>(flags.size()) != (n + 7) / 8)
-      throw InternalError("zip_quantize_rows: " + what + ", KV head " + std::to_string(h) + ": " +
-                          std::to_string(flags.size()) + " bytes of salient flags for " + std::to_string(n) + " rows");
-    int64_t at = 0;
-    for (size_t si = 0; si < group.size(); ++si)
-      for (int i = 0; i < group[si]->heads[static_cast<size_t>(h)].n(); ++i, ++at)
-        sub[quant::unpack_one(flags.data(), at, 1)].push_back({si, i});
-    const int64_t first_row = static_cast<int64_t>(src.size());
-    for (int s = 1; s >= 0; --s) {
-      if (sub[s].empty()) continue;
-      ZipBlock b;
-      b.row0 = static_cast<int32_t>(src.size());
-      b.n = static_cast<int32_t>(sub[s].size());
-      b.bits = bits[s];
-      b.code = code;
-      b.range = range;
-      b.factor = L.layer_factors ? factor : range;
-      if (!L.layer_factors) fblocks.push_back({b.row0, b.n, range});
-      for (const auto& [si, i] : sub[s]) {
-        const RowMap::Row r = rows.row(si, h, i);
-        src.push_back(r.first);
-        values.push_back(r.second);
-        row_block.push_back(static_cast<int32_t>(blocks.size()));
-        row_pos.push_back(group[si]->heads[static_cast<size_t>(h)].pos[static_cast<size_t>(i)]);
-        row_sub.push_back(s);
-        sub_pos[static_cast<size_t>(h)][static_cast<size_t>(s)].push_back(row_pos.back());
+  std::vector<int32_t> row_block, row_slot;
+  std::vector<char> meta;  // each group's salient flags (per head), then its positions (4-aligned)
+  struct Span {
+    int64_t code0 = 0, range0 = 0, factor0 = 0, slot0 = 0, row0 = 0, n_slots = 0, flags_end = 0, pos0 = 0, n_pos = 0;
+    std::vector<int64_t> code_head, range_head, factor_head, row_head, flag_head;
+    bool one_table = false, shared = false;
+  };
+  std::vector<Span> spans(groups.size());
+  int64_t code = 0, range = 0, factor = 0, slots = 0;
+  bool copies = false;
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    const ZipGroup& g = groups[gi];
+    const quant::QuantPayload& out = *g.payload;
+    const quant::CodeLayout& L = out.layout;
+    const int bits[2] = {L.lo_bits, L.hi_bits};
+    const std::string what = "zipcache rows of layer " + std::to_string(g.layer);
+    const SegmentRows rows(C, C.layers[static_cast<size_t>(g.layer)], g.segs, "zip_quantize_rows: " + what);
+    Span& sp = spans[gi];
+    sp.code0 = code;
+    sp.range0 = range;
+    sp.factor0 = factor;
+    sp.slot0 = slots;
+    sp.row0 = static_cast<int64_t>(src.size());
+    sp.shared = L.shared_token_ranges;
+    std::vector<std::array<std::vector<int32_t>, 2>> sub_pos(static_cast<size_t>(NKV));  // [head][subset] positions
+    std::vector<int32_t> row_sub, row_pos;
+    for (int h = 0; h < NKV; ++h) {
+      sp.code_head.push_back(code - sp.code0);
+      sp.range_head.push_back(range - sp.range0);
+      sp.factor_head.push_back(factor - sp.factor0);
+      sp.row_head.push_back(static_cast<int64_t>(src.size()) - sp.row0);
+      std::array<std::vector<std::pair<size_t, int>>, 2> sub;  // (segment, row) of each subset
+      int64_t n = 0;
+      for (const KVSegment* s : g.segs) n += s->heads[static_cast<size_t>(h)].n();
+      const std::vector<uint8_t>& flags = out.k[static_cast<size_t>(h)].flags;
+      if (static_cast<int64_t>(flags.size()) != (n + 7) / 8)
+        throw InternalError("zip_quantize_rows: " + what + ", KV head " + std::to_string(h) + ": " +
+                            std::to_string(flags.size()) + " bytes of salient flags for " + std::to_string(n) + " rows");
+      sp.flag_head.push_back(static_cast<int64_t>(meta.size()));
+      meta.insert(meta.end(), flags.begin(), flags.end());
+      int64_t at = 0;
+      for (size_t si = 0; si < g.segs.size(); ++si)
+        for (int i = 0; i < g.segs[si]->heads[static_cast<size_t>(h)].n(); ++i, ++at)
+          sub[quant::unpack_one(flags.data(), at, 1)].push_back({si, i});
+      const int64_t first_row = static_cast<int64_t>(src.size());
+      for (int s = 1; s >= 0; --s) {
+        if (sub[s].empty()) continue;
+        ZipBlock b;
+        b.row0 = static_cast<int32_t>(src.size());
+        b.n = static_cast<int32_t>(sub[s].size());
+        b.bits = bits[s];
+        b.code = code;
+        b.range = range;
+        b.factor = factor;  // (per layer: the head's one slice, after its blocks)
+        if (!L.layer_factors) {
+          fblocks.push_back({b.row0, b.n, factor});
+          factor += D;
+        }
+        for (const auto& [si, i] : sub[s]) {
+          const RowMap::Row r = rows.row(si, h, i);
+          src.push_back(r.first);
+          values.push_back(r.second);
+          row_block.push_back(static_cast<int32_t>(blocks.size()));
+          row_pos.push_back(g.segs[si]->heads[static_cast<size_t>(h)].pos[static_cast<size_t>(i)]);
+          row_sub.push_back(s);
+          sub_pos[static_cast<size_t>(h)][static_cast<size_t>(s)].push_back(row_pos.back());
+        }
+        code += static_cast<int64_t>(b.n) * D * b.bits / 8;
+        range += D;
+        blocks.push_back(b);
       }
-      code += static_cast<int64_t>(b.n) * D * b.bits / 8;
-      range += D;
-      blocks.push_back(b);
+      if (L.layer_factors && n > 0) {
+        fblocks.push_back({static_cast<int32_t>(first_row), static_cast<int32_t>(n), factor});
+        factor += D;
+      }
     }
-    if (L.layer_factors && n > 0) {
-      fblocks.push_back({static_cast<int32_t>(first_row), static_cast<int32_t>(n), factor});
-      factor += D;
+    sp.flags_end = static_cast<int64_t>(meta.size());
+    // Token-range slots: one a row, or one per (subset, position) over the heads (salient
+    // positions ascending, then the others').
+    const int64_t n_rows = static_cast<int64_t>(src.size()) - sp.row0;
+    if (L.shared_token_ranges) {
+      const quant::ZipSlots zs = quant::zip_slots(sub_pos);
+      sp.n_slots = zs.n;
+      sp.one_table = zs.one_table;
+      for (int64_t r = 0; r < n_rows; ++r)
+        row_slot.push_back(static_cast<int32_t>(slots + zs.of(row_sub[static_cast<size_t>(r)], row_pos[static_cast<size_t>(r)])));
+    } else {
+      sp.n_slots = n_rows;
+      for (int64_t r = 0; r < n_rows; ++r) row_slot.push_back(static_cast<int32_t>(slots + r));
     }
-    code_head[h + 1] = code;
-    range_head[h + 1] = range;
-    factor_head[h + 1] = L.layer_factors ? factor : range;
-    row_head[h + 1] = static_cast<int64_t>(src.size());
+    slots += sp.n_slots;
+    copies = copies || (L.shared_token_ranges && !sp.one_table);
+    // The group's positions as build_zip lays them out: segment by segment, each head's in turn.
+    while (meta.size() % 4) meta.push_back(0);
+    sp.pos0 = static_cast<int64_t>(meta.size());
+    for (const KVSegment* s : g.segs)
+      for (const HeadRows& hr : s->heads) {
+        const char* p = reinterpret_cast<const char*>(hr.pos.data());
+        meta.insert(meta.end(), p, p + hr.pos.size() * 4);
+        sp.n_pos += static_cast<int64_t>(hr.pos.size());
+      }
   }
   const int64_t N = static_cast<int64_t>(src.size());
-  StagedZip z;
-  z.payload = &out;
-  if (N == 0) return z;
-  if (N > (int64_t{1} << 30)) throw InternalError("zip_quantize_rows: " + what + ": too many rows");
-
-  // Token-range slots: one a row, or one per (subset, position) over the heads (salient
-  // positions ascending, then the others'); the rows of each slot.
-  std::vector<int32_t> row_slot(static_cast<size_t>(N));
-  int64_t n_slots = N;
-  bool one_table = false;
-  if (L.shared_token_ranges) {
-    const quant::ZipSlots slots = quant::zip_slots(sub_pos);
-    n_slots = slots.n;
-    one_table = slots.one_table;
-    for (int64_t r = 0; r < N; ++r)
-      row_slot[static_cast<size_t>(r)] = slots.of(row_sub[static_cast<size_t>(r)], row_pos[static_cast<size_t>(r)]);
-  } else {
-    for (int64_t r = 0; r < N; ++r) row_slot[static_cast<size_t>(r)] = static_cast<int32_t>(r);
-  }
-  std::vector<int32_t> slot_first(static_cast<size_t>(n_slots) + 1, 0), slot_rows(static_cast<size_t>(N));
+  std::vector<StagedZip> made(groups.size());
+  for (size_t gi = 0; gi < groups.size(); ++gi) made[gi].payload = groups[gi].payload;
+  if (N == 0) return made;
+  if (N > (int64_t{1} << 30)) throw InternalError("zip_quantize_rows: too many rows (" + std::to_string(N) + ")");
+  std::vector<int32_t> slot_first(static_cast<size_t>(slots) + 1, 0), slot_rows(static_cast<size_t>(N));
   for (int32_t s : row_slot) ++slot_first[static_cast<size_t>(s) + 1];
-  for (int64_t s = 0; s < n_slots; ++s) slot_first[static_cast<size_t>(s) + 1] += slot_first[static_cast<size_t>(s)];
+  for (int64_t s = 0; s < slots; ++s) slot_first[static_cast<size_t>(s) + 1] += slot_first[static_cast<size_t>(s)];
   {
     std::vector<int32_t> fill(slot_first.begin(), slot_first.end() - 1);
     for (int64_t r = 0; r < N; ++r) slot_rows[static_cast<size_t>(fill[static_cast<size_t>(row_slot[static_cast<size_t>(r)])]++)] = static_cast<int32_t>(r);
   }
-  const bool copies = L.shared_token_ranges && !one_table;
+  const std::string what = "zipcache rows of " + std::to_string(groups.size()) + " group(s)";
 
   // The arguments in one upload.
   src.insert(src.end(), values.begin(), values.end());
@@ -130,7 +162,7 @@ StagedZip kv::zip_arrays(Context& ctx, const CudaKV& C, int layer, const std::ve
   const int64_t a_ptr = in.put(2 * N * static_cast<int64_t>(sizeof(void*)));
   const int64_t a_blk = in.put(static_cast<int64_t>(blocks.size() * sizeof(ZipBlock)));
   const int64_t a_fb = in.put(static_cast<int64_t>(fblocks.size() * sizeof(ZipFactorBlock)));
-  const int64_t a_rb = in.put(N * 4), a_rs = in.put(N * 4), a_sf = in.put((n_slots + 1) * 4), a_sr = in.put(N * 4);
+  const int64_t a_rb = in.put(N * 4), a_rs = in.put(N * 4), a_sf = in.put((slots + 1) * 4), a_sr = in.put(N * 4);
   std::vector<char> args(static_cast<size_t>(in.bytes));
   auto put = [&](int64_t at, const void* p, size_t n) { std::memcpy(args.data() + at, p, n); };
   put(a_ptr, src.data(), src.size() * sizeof(void*));
@@ -146,31 +178,50 @@ StagedZip kv::zip_arrays(Context& ctx, const CudaKV& C, int layer, const std::ve
   auto* base = static_cast<char*>(A.mem.get());
   gather_rows(reinterpret_cast<const __half* const*>(base + a_ptr), X.as<__half>(), static_cast<int>(2 * N), D, ctx.stream);
 
-  // The results, each array's KV heads one after another as the payload holds them.
-  z.one_table = one_table;
+  // The results: each array of every group one after another, each group's KV heads one after
+  // another as its payload holds them; then the flags and positions (uploaded); the ranges copied
+  // per row (when some group's heads hold a position's rows in different subsets) last.
   Layout res;
-  auto array = [&](int64_t bytes, const std::vector<int64_t>& first, int elem, bool per_head) {
-    StagedZip::Array a;
-    a.at = res.put(bytes);
-    a.bytes = bytes;
-    for (int h = 0; h < NKV; ++h) a.head.push_back(per_head ? first[static_cast<size_t>(h)] * elem : 0);
-    return a;
-  };
-  z.k_codes = array(code, code_head, 1, true);
-  z.v_codes = array(code, code_head, 1, true);
-  z.k_scales = array(range * 2, range_head, 2, true);
-  z.k_zeros = array(range * 2, range_head, 2, true);
-  const int64_t n_factors = factor_head[NKV];
-  z.factors = array(n_factors * 2, factor_head, 2, true);
-  // (per head when a range is a row's own; one table for all heads when shared)
-  z.t_scales = array(n_slots * 2, row_head, 2, !L.shared_token_ranges);
-  z.t_zeros = array(n_slots * 2, row_head, 2, !L.shared_token_ranges);
-  if (copies) {
-    z.row_scales = array(N * 2, row_head, 2, true);
-    z.row_zeros = array(N * 2, row_head, 2, true);
+  const int64_t r_kc = res.put(code), r_vc = res.put(code), r_ks = res.put(range * 2), r_kz = res.put(range * 2),
+                r_f = res.put(factor * 2), r_ts = res.put(slots * 2), r_tz = res.put(slots * 2),
+                r_meta = res.put(static_cast<int64_t>(meta.size()));
+  const int64_t r_rs = copies ? res.put(N * 2) : 0, r_rz = copies ? res.put(N * 2) : 0;
+  DevMem R{ctx.alloc(res.bytes, what + " codes and ranges"), res.bytes};
+  if (!meta.empty()) ctx.upload(R.as<char>() + r_meta, meta.data(), static_cast<int64_t>(meta.size()), what + " flags and positions");
+  auto* rb = R.as<char>();
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    const Span& sp = spans[gi];
+    const int64_t rows = (gi + 1 < groups.size() ? spans[gi + 1].row0 : N) - sp.row0;
+    const int64_t codes = (gi + 1 < groups.size() ? spans[gi + 1].code0 : code) - sp.code0;
+    const int64_t ranges = (gi + 1 < groups.size() ? spans[gi + 1].range0 : range) - sp.range0;
+    const int64_t factors = (gi + 1 < groups.size() ? spans[gi + 1].factor0 : factor) - sp.factor0;
+    auto array = [&](int64_t at, int64_t bytes, const std::vector<int64_t>& first, int elem, bool per_head) {
+      StagedZip::Array a;
+      a.at = at;
+      a.bytes = bytes;
+      for (int h = 0; h < NKV; ++h) a.head.push_back(per_head ? first[static_cast<size_t>(h)] * elem : 0);
+      return a;
+    };
+    StagedZip& z = made[gi];
+    z.mem = R;
+    z.one_table = sp.one_table;
+    z.k_codes = array(r_kc + sp.code0, codes, sp.code_head, 1, true);
+    z.v_codes = array(r_vc + sp.code0, codes, sp.code_head, 1, true);
+    z.k_scales = array(r_ks + sp.range0 * 2, ranges * 2, sp.range_head, 2, true);
+    z.k_zeros = array(r_kz + sp.range0 * 2, ranges * 2, sp.range_head, 2, true);
+    z.factors = array(r_f + sp.factor0 * 2, factors * 2, sp.factor_head, 2, true);
+    // (per head when a range is a row's own; one table for all heads when shared)
+    z.t_scales = array(r_ts + sp.slot0 * 2, sp.n_slots * 2, sp.row_head, 2, !sp.shared);
+    z.t_zeros = array(r_tz + sp.slot0 * 2, sp.n_slots * 2, sp.row_head, 2, !sp.shared);
+    if (sp.shared && !sp.one_table) {
+      z.row_scales = array(r_rs + sp.row0 * 2, rows * 2, sp.row_head, 2, true);
+      z.row_zeros = array(r_rz + sp.row0 * 2, rows * 2, sp.row_head, 2, true);
+    }
+    std::vector<int64_t> flag_head;
+    for (int64_t f : sp.flag_head) flag_head.push_back(f - sp.flag_head.front());
+    z.flags = array(r_meta + sp.flag_head.front(), sp.flags_end - sp.flag_head.front(), flag_head, 1, true);
+    z.pos = array(r_meta + sp.pos0, sp.n_pos * 4, {}, 4, false);
   }
-  z.mem = {ctx.alloc(res.bytes, what + " codes and ranges"), res.bytes};
-  auto* rb = static_cast<char*>(z.mem.mem.get());
   ZipQuantArgs q;
   q.x = X.as<__half>();
   q.N = static_cast<int>(N);
@@ -183,20 +234,20 @@ StagedZip kv::zip_arrays(Context& ctx, const CudaKV& C, int layer, const std::ve
   q.row_slot = reinterpret_cast<const int32_t*>(base + a_rs);
   q.slot_first = reinterpret_cast<const int32_t*>(base + a_sf);
   q.slot_rows = reinterpret_cast<const int32_t*>(base + a_sr);
-  q.n_slots = static_cast<int>(n_slots);
-  q.k_codes = reinterpret_cast<uint8_t*>(rb + z.k_codes.at);
-  q.v_codes = reinterpret_cast<uint8_t*>(rb + z.v_codes.at);
-  q.k_scale = reinterpret_cast<__half*>(rb + z.k_scales.at);
-  q.k_zero = reinterpret_cast<__half*>(rb + z.k_zeros.at);
-  q.factor = reinterpret_cast<__half*>(rb + z.factors.at);
-  q.t_scale = reinterpret_cast<__half*>(rb + z.t_scales.at);
-  q.t_zero = reinterpret_cast<__half*>(rb + z.t_zeros.at);
+  q.n_slots = static_cast<int>(slots);
+  q.k_codes = reinterpret_cast<uint8_t*>(rb + r_kc);
+  q.v_codes = reinterpret_cast<uint8_t*>(rb + r_vc);
+  q.k_scale = reinterpret_cast<__half*>(rb + r_ks);
+  q.k_zero = reinterpret_cast<__half*>(rb + r_kz);
+  q.factor = reinterpret_cast<__half*>(rb + r_f);
+  q.t_scale = reinterpret_cast<__half*>(rb + r_ts);
+  q.t_zero = reinterpret_cast<__half*>(rb + r_tz);
   if (copies) {
-    q.row_scale = reinterpret_cast<__half*>(rb + z.row_scales.at);
-    q.row_zero = reinterpret_cast<__half*>(rb + z.row_zeros.at);
+    q.row_scale = reinterpret_cast<__half*>(rb + r_rs);
+    q.row_zero = reinterpret_cast<__half*>(rb + r_rz);
   }
   zip_quantize(q, ctx.stream);
-  return z;
+  return made;
 }
 
 bool kv_zip_quantize(Context& ctx, DeviceKV& dev, int layer, const std::vector<const KVSegment*>& group,
@@ -214,7 +265,7 @@ bool kv_zip_quantize(Context& ctx, DeviceKV& dev, int layer, const std::vector<c
   if (L.kind != quant::CodeLayout::Kind::ZipMixed || L.hi_bits < 1 || L.hi_bits > 8 || L.lo_bits < 1 ||
       L.lo_bits > 8 || D % 8 != 0)
     return false;
-  StagedZip z = zip_arrays(ctx, C, layer, group, out);
+  StagedZip z = std::move(zip_arrays(ctx, C, {{layer, group, &out}}).front());
   if (!z.mem.mem) return true;
   // Every array into the payload once on the host (the copies per row stay on the device).
   const bool shared = L.shared_token_ranges;

@@ -119,12 +119,15 @@ void kv::zip_gap(Context& ctx, CudaKV& C) {
     ctx.download(sal.data(), out, sb, "ZipCache gap saliency");
   }
 
-  // Each layer's gap: flags ranked here, rows quantized where they are, a segment of its own.
+  // Each layer's gap: flags ranked here, every layer's rows quantized where they are by one
+  // launch, each gap a segment of its own.
   const zipcache::GroupSpec spec{t0.groups.k_bits, t0.groups.v_bits, z.head_token_ranges, z.layer_factors};
+  std::vector<LayerKV> gaps(static_cast<size_t>(L));
+  std::vector<quant::QuantPayload> payloads(static_cast<size_t>(L), quant::QuantPayload(NKV));
+  std::vector<ZipGroup> groups;
   for (int l = 0; l < L; ++l) {
-    DevLayer& d = C.layers[static_cast<size_t>(l)];
-    Tail& t = d.tail;
-    LayerKV gap_rows;
+    const Tail& t = C.layers[static_cast<size_t>(l)].tail;
+    LayerKV& gap_rows = gaps[static_cast<size_t>(l)];
     gap_rows.segments.resize(1);
     KVSegment& s = gap_rows.segments[0];
     s.kind = SegmentKind::Generated;
@@ -133,15 +136,19 @@ void kv::zip_gap(Context& ctx, CudaKV& C) {
     s.heads.resize(static_cast<size_t>(NKV));
     for (HeadRows& h : s.heads) h.pos.assign(t.host_pos.begin() + g0, t.host_pos.begin() + g0 + gap);
     const zipcache::Flags flags = gap_flags(sal.data() + static_cast<int64_t>(l) * NKV * gap, NKV, gap, z);
-    quant::QuantPayload p(NKV);
-    zipcache::mark_group(gap_rows, {0}, flags, spec, p);
-    const StagedZip made = zip_arrays(ctx, C, l, {&s}, p);
-    std::vector<DevSeg> built = build_zip(ctx, C, {&s}, p, &made);
+    zipcache::mark_group(gap_rows, {0}, flags, spec, payloads[static_cast<size_t>(l)]);
+    groups.push_back({l, {&s}, &payloads[static_cast<size_t>(l)]});
+  }
+  const std::vector<StagedZip> made = zip_arrays(ctx, C, groups);
+  for (int l = 0; l < L; ++l) {
+    DevLayer& d = C.layers[static_cast<size_t>(l)];
+    std::vector<DevSeg> built = build_zip(ctx, C, groups[static_cast<size_t>(l)].segs, payloads[static_cast<size_t>(l)],
+                                          &made[static_cast<size_t>(l)]);
     if (built.size() != 1)
       throw InternalError("ZipCache gaps: layer " + std::to_string(l) + "'s gap was not laid out as the kernels read it");
     built[0].payload = nullptr;  // (no host segment mirrors it)
     d.segs.push_back(std::move(built[0]));
-    t.start.assign(static_cast<size_t>(NKV), g0 + gap);
+    d.tail.start.assign(static_cast<size_t>(NKV), g0 + gap);
   }
   C.changed();
 }
