@@ -207,6 +207,14 @@ struct RecordedAttention {
   std::vector<float> scores, probs;   // [n_heads][n_max]
 };
 
+// One group of Backend::zip_quantize_rows: segments of layer `layer` and the payload whose flags
+// and layout say how, where its arrays land.
+struct ZipRowsGroup {
+  int layer = 0;
+  std::vector<const KVSegment*> segs;
+  quant::QuantPayload* out = nullptr;
+};
+
 struct SeqKV {
   KVStore* host = nullptr;
   DeviceKV* dev = nullptr;  // null on the CPU backend (the host store is the cache)
@@ -493,18 +501,17 @@ class Backend {
                                    const quant::UniformSpec& v, quant::QuantPayload& out) {
     return quantize_rows(dev, layer, seg, k, v, out);
   }
-  // ZipCache's mixed-bit quantization (quant::CodeLayout::ZipMixed) of the host segments `group`
-  // of `layer` (dense, in the layer's order), whose rows the device cache `dev` holds (found by KV
-  // head and position), as zipcache::quantize_group does on host rows: on entry out.layout holds
-  // the bits and choices and out.k[h].flags each row's salient flag (zipcache::mark_group); keys
-  // channel-wise per KV head and subset, values by CSTQuant. The codes, ranges and factors land
-  // in `out` at the next finish_reductions (it must stay where it is until then), the same bytes
-  // the host makes; the device keeps them for the layer's next kv_sync, which stores the group
-  // from them instead of uploading them. False: this backend cannot (nothing is queued).
-  virtual bool zip_quantize_rows(DeviceKV& dev, int layer, const std::vector<const KVSegment*>& group,
-                                 quant::QuantPayload& out) {
-    return false;
-  }
+  // ZipCache's mixed-bit quantization (quant::CodeLayout::ZipMixed) of groups of host segments,
+  // each of one layer (ZipRowsGroup: dense segments in the layer's order), whose rows the device
+  // cache `dev` holds (found by KV head and position), as zipcache::quantize_group does on host
+  // rows: on entry each out.layout holds the bits and choices and out.k[h].flags each row's
+  // salient flag (zipcache::mark_group); keys channel-wise per KV head and subset, values by
+  // CSTQuant. The codes, ranges and factors land in each `out` at the next finish_reductions
+  // (they must stay where they are until then), the same bytes the host makes; the device keeps
+  // them for the layers' next kv_sync, which stores each group from them instead of uploading
+  // them. Every group at once (one launch where the backend can). False: this backend cannot
+  // (nothing is queued).
+  virtual bool zip_quantize_rows(DeviceKV& dev, const std::vector<ZipRowsGroup>& groups) { return false; }
   // LOOK-M on a device cache whose rows the host does not hold, every listed layer in one call
   // (LayerMerge: the layer, its host layout with head h's rows in gather_head's order, and per KV
   // head the kept rows, ascending indices into those rows), all of it where the rows are: each

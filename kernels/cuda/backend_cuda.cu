@@ -548,11 +548,10 @@ class CudaBackend : public Backend {
     auto prof_scope = prof_.scope("quantize_rows", *ctx_);
     return cuda::kv_quantize_rows(*ctx_, dev, layer, seg, k, v, out, true);
   }
-  bool zip_quantize_rows(DeviceKV& dev, int layer, const std::vector<const KVSegment*>& group,
-                         quant::QuantPayload& out) override {
+  bool zip_quantize_rows(DeviceKV& dev, const std::vector<ZipRowsGroup>& groups) override {
     std::lock_guard<std::recursive_mutex> lock(ops_mutex());
     auto prof_scope = prof_.scope("zip_quantize_rows", *ctx_);
-    return cuda::kv_zip_quantize(*ctx_, dev, layer, group, out);
+    return cuda::kv_zip_quantize(*ctx_, dev, groups);
   }
   void kv_hydrate(const DeviceKV& dev, KVStore& host, bool rows) override { cuda::kv_hydrate(*ctx_, dev, host, rows); }
   void kv_sync(DeviceKV& dev, KVStore& host, int layer) override { cuda::kv_sync(*ctx_, dev, host, layer); }

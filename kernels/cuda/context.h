@@ -126,11 +126,10 @@ void kv_hydrate(Context& ctx, const DeviceKV& dev, KVStore& host, bool rows);
 // in one wait (later: landing at the context's next land_all).
 bool kv_quantize_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& seg, const quant::UniformSpec& k,
                       const quant::UniformSpec& v, quant::QuantPayload& out, bool later);
-// Backend::zip_quantize_rows (kv_zip.cu): the group's rows gathered from the cache by KV head,
+// Backend::zip_quantize_rows (kv_zip.cu): each group's rows gathered from the cache by KV head,
 // subset and position, quantized by zip_quantize, every array landing at the context's next
-// land_all and kept for the layer's next kv_sync.
-bool kv_zip_quantize(Context& ctx, DeviceKV& dev, int layer, const std::vector<const KVSegment*>& group,
-                     quant::QuantPayload& out);
+// land_all and kept for its layer's next kv_sync.
+bool kv_zip_quantize(Context& ctx, DeviceKV& dev, const std::vector<ZipRowsGroup>& groups);
 // Backend::kv_lookm_merge (kv_merge.cu).
 void kv_lookm_merge(Context& ctx, DeviceKV& dev, const LookMMergeSpec& spec, std::vector<LayerMerge>& layers);
 void kv_sync(Context& ctx, DeviceKV& dev, KVStore& host, int layer);

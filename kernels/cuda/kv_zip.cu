@@ -1,7 +1,9 @@
-// ZipCache's mixed-bit quantization of a group of the cache's segments where their rows are
-// (Backend::zip_quantize_rows): the rows gathered by KV head, subset and position, quantized by
-// the quant_pack.cu kernels (zip_quantize), every array landing in the host payload at the
-// context's next land_all and kept for the layer's next kv_sync (StagedZip, build_zip).
+// ZipCache's mixed-bit quantization of groups of the cache's segments where their rows are: the
+// rows gathered by KV head, subset and position and quantized by the quant_pack.cu kernels
+// (zip_quantize) — several groups in one run where they are small (zip_arrays: a decode's
+// streamed gaps, kv_zip_gap.cu), a prompt's groups one by one (Backend::zip_quantize_rows), every
+// array landing in its host payload at the context's next land_all and kept for the layer's next
+// kv_sync (StagedZip, build_zip).
 #include <algorithm>
 #include <array>
 #include <cstring>
@@ -250,63 +252,69 @@ std::vector<StagedZip> kv::zip_arrays(Context& ctx, const CudaKV& C, const std::
   return made;
 }
 
-bool kv_zip_quantize(Context& ctx, DeviceKV& dev, int layer, const std::vector<const KVSegment*>& group,
-                     quant::QuantPayload& out) {
+bool kv_zip_quantize(Context& ctx, DeviceKV& dev, const std::vector<ZipRowsGroup>& groups) {
   CudaKV& C = as_cuda(&dev);
   const int NKV = C.NKV, D = C.D;
-  const quant::CodeLayout& L = out.layout;
-  if (layer < 0 || layer >= C.L || group.empty() || static_cast<int>(out.k.size()) != NKV ||
-      static_cast<int>(out.v.size()) != NKV)
-    throw InternalError("zip_quantize_rows: layer " + std::to_string(layer) + " or the payload's KV heads do not match the cache");
-  for (const KVSegment* s : group)
-    if (static_cast<int>(s->heads.size()) != NKV)
-      throw InternalError("zip_quantize_rows: a segment of layer " + std::to_string(layer) + " has " +
-                          std::to_string(s->heads.size()) + " KV heads, the cache " + std::to_string(NKV));
-  if (L.kind != quant::CodeLayout::Kind::ZipMixed || L.hi_bits < 1 || L.hi_bits > 8 || L.lo_bits < 1 ||
-      L.lo_bits > 8 || D % 8 != 0)
-    return false;
-  StagedZip z = std::move(zip_arrays(ctx, C, {{layer, group, &out}}).front());
-  if (!z.mem.mem) return true;
-  // Every array into the payload once on the host (the copies per row stay on the device).
-  const bool shared = L.shared_token_ranges;
-  const bool copies = shared && !z.one_table;
-  const int64_t land_bytes = copies ? z.row_scales.at : z.mem.bytes;
-  ctx.land_later(z.mem.mem, land_bytes, [&out, z, NKV, shared](const char* host) {
-    // Array a from its byte `from` to `to`, or KV head h's part of it (up to the next head's).
-    auto span = [&](const StagedZip::Array& a, int64_t from, int64_t to) {
-      return std::make_pair(host + a.at + from, host + a.at + to);
-    };
-    auto head = [&](const StagedZip::Array& a, int h) {
-      return span(a, a.head[static_cast<size_t>(h)], h + 1 < NKV ? a.head[static_cast<size_t>(h) + 1] : a.bytes);
-    };
-    auto bytes = [](std::pair<const char*, const char*> x) {
-      return std::vector<uint8_t>(reinterpret_cast<const uint8_t*>(x.first), reinterpret_cast<const uint8_t*>(x.second));
-    };
-    auto halves = [](std::pair<const char*, const char*> x) {
-      return std::vector<uint16_t>(reinterpret_cast<const uint16_t*>(x.first), reinterpret_cast<const uint16_t*>(x.second));
-    };
-    for (int h = 0; h < NKV; ++h) {
-      const size_t k = static_cast<size_t>(h);
-      out.k[k].codes = bytes(head(z.k_codes, h));
-      out.v[k].codes = bytes(head(z.v_codes, h));
-      out.k[k].scales = halves(head(z.k_scales, h));
-      out.k[k].zeros = halves(head(z.k_zeros, h));
-      out.v[k].meta = halves(head(z.factors, h));
-      if (!shared) {
-        out.v[k].scales = halves(head(z.t_scales, h));
-        out.v[k].zeros = halves(head(z.t_zeros, h));
+  std::vector<ZipGroup> all;
+  for (const ZipRowsGroup& g : groups) {
+    const quant::QuantPayload& out = *g.out;
+    const quant::CodeLayout& L = out.layout;
+    if (g.layer < 0 || g.layer >= C.L || g.segs.empty() || static_cast<int>(out.k.size()) != NKV ||
+        static_cast<int>(out.v.size()) != NKV)
+      throw InternalError("zip_quantize_rows: layer " + std::to_string(g.layer) +
+                          " or the payload's KV heads do not match the cache");
+    for (const KVSegment* s : g.segs)
+      if (static_cast<int>(s->heads.size()) != NKV)
+        throw InternalError("zip_quantize_rows: a segment of layer " + std::to_string(g.layer) + " has " +
+                            std::to_string(s->heads.size()) + " KV heads, the cache " + std::to_string(NKV));
+    if (L.kind != quant::CodeLayout::Kind::ZipMixed || L.hi_bits < 1 || L.hi_bits > 8 || L.lo_bits < 1 ||
+        L.lo_bits > 8 || D % 8 != 0)
+      return false;
+    all.push_back({g.layer, g.segs, g.out});
+  }
+  // Group by group (a prompt's groups are large: the host's bookkeeping of the next overlaps the
+  // device's work on this one), each group's arrays landing in its payload and kept for its
+  // layer's next kv_sync (one entry per payload: quantizing again for the same payload replaces it).
+  for (size_t i = 0; i < all.size(); ++i) {
+    StagedZip z = std::move(zip_arrays(ctx, C, {all[i]}).front());
+    if (!z.mem.mem) continue;
+    quant::QuantPayload* out = groups[i].out;
+    ctx.land_later(z.mem.mem, z.mem.bytes, [out, z, NKV](const char* host) {
+      const bool shared = out->layout.shared_token_ranges;
+      // Array a from its byte `from` to `to`, or KV head h's part of it (up to the next head's).
+      auto span = [&](const StagedZip::Array& a, int64_t from, int64_t to) {
+        return std::make_pair(host + a.at + from, host + a.at + to);
+      };
+      auto head = [&](const StagedZip::Array& a, int h) {
+        return span(a, a.head[static_cast<size_t>(h)], h + 1 < NKV ? a.head[static_cast<size_t>(h) + 1] : a.bytes);
+      };
+      auto bytes = [](std::pair<const char*, const char*> x) {
+        return std::vector<uint8_t>(reinterpret_cast<const uint8_t*>(x.first), reinterpret_cast<const uint8_t*>(x.second));
+      };
+      auto halves = [](std::pair<const char*, const char*> x) {
+        return std::vector<uint16_t>(reinterpret_cast<const uint16_t*>(x.first), reinterpret_cast<const uint16_t*>(x.second));
+      };
+      for (int h = 0; h < NKV; ++h) {
+        const size_t k = static_cast<size_t>(h);
+        out->k[k].codes = bytes(head(z.k_codes, h));
+        out->v[k].codes = bytes(head(z.v_codes, h));
+        out->k[k].scales = halves(head(z.k_scales, h));
+        out->k[k].zeros = halves(head(z.k_zeros, h));
+        out->v[k].meta = halves(head(z.factors, h));
+        if (!shared) {
+          out->v[k].scales = halves(head(z.t_scales, h));
+          out->v[k].zeros = halves(head(z.t_zeros, h));
+        }
       }
-    }
-    if (shared) {
-      out.tokens.scales = halves(span(z.t_scales, 0, z.t_scales.bytes));
-      out.tokens.zeros = halves(span(z.t_zeros, 0, z.t_zeros.bytes));
-    }
-  });
-  // The arrays stay for the layer's next kv_sync (one entry per payload: quantizing again for
-  // the same payload replaces it).
-  std::vector<StagedZip>& kept = C.layers[static_cast<size_t>(layer)].zipped;
-  kept.erase(std::remove_if(kept.begin(), kept.end(), [&](const StagedZip& x) { return x.payload == &out; }), kept.end());
-  kept.push_back(std::move(z));
+      if (shared) {
+        out->tokens.scales = halves(span(z.t_scales, 0, z.t_scales.bytes));
+        out->tokens.zeros = halves(span(z.t_zeros, 0, z.t_zeros.bytes));
+      }
+    });
+    std::vector<StagedZip>& kept = C.layers[static_cast<size_t>(groups[i].layer)].zipped;
+    kept.erase(std::remove_if(kept.begin(), kept.end(), [&](const StagedZip& x) { return x.payload == out; }), kept.end());
+    kept.push_back(std::move(z));
+  }
   return true;
 }
 

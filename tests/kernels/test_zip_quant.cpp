@@ -115,6 +115,7 @@ TEST(Ops, ZipCacheQuantizeKernels) {
           std::vector<std::shared_ptr<quant::QuantPayload>> pa, pb;
           const std::vector<size_t> group{0, 1, 2};
           be.queue_then_finish([&] {
+            std::vector<ZipRowsGroup> both;  // (both layers in one call)
             for (int l = 0; l < 2; ++l) {
               zipcache::Flags flags(3, std::vector<std::vector<char>>(NKV));
               for (size_t s = 0; s < 3; ++s)
@@ -124,12 +125,15 @@ TEST(Ops, ZipCacheQuantizeKernels) {
               pa.push_back(std::make_shared<quant::QuantPayload>(NKV));
               pb.push_back(std::make_shared<quant::QuantPayload>(NKV));
               zipcache::mark_group(a.layer(l), group, flags, spec, *pa.back());
-              std::vector<const KVSegment*> segs;
-              for (size_t s : group) segs.push_back(&a.layer(l).segments[s]);
-              ASSERT_TRUE(be.zip_quantize_rows(*made, l, segs, *pa.back()));
+              ZipRowsGroup z;
+              z.layer = l;
+              for (size_t s : group) z.segs.push_back(&a.layer(l).segments[s]);
+              z.out = pa.back().get();
+              both.push_back(z);
               zipcache::mark_group(b.layer(l), group, flags, spec, *pb.back());
               zipcache::quantize_group(b.layer(l), group, flags, D, spec, *pb.back());
             }
+            ASSERT_TRUE(be.zip_quantize_rows(*made, both));
           });
           for (int l = 0; l < 2; ++l) {
             SCOPED_TRACE("layer " + std::to_string(l));

@@ -255,8 +255,8 @@ class ZipCachePolicy : public KVPolicy {
     return true;
   }
 
-  // Flags on threads, then every group's quantization queued on the device before one wait
-  // (Backend::zip_quantize_rows); each group's payload installed once its arrays have landed.
+  // Flags on threads, then every group's quantization queued on the device in one call before one
+  // wait (Backend::zip_quantize_rows); each group's payload installed once its arrays have landed.
   void quantize_on_device(const std::vector<Job>& jobs) {
     struct Group {
       LayerKV* layer;
@@ -275,21 +275,27 @@ class ZipCachePolicy : public KVPolicy {
       }
     });
     Backend& be = *jobs.front().ctx->backend;
-    std::vector<const Group*> queued;  // (installed also when a later group fails)
+    DeviceKV* device = jobs.front().ctx->device;
+    std::vector<ZipRowsGroup> all;
+    std::vector<const Group*> groups, queued;  // (queued: installed also when the call fails after)
+    for (size_t i = 0; i < jobs.size(); ++i)
+      for (const Group& g : per_layer[i]) {
+        const PrefillContext& c = *jobs[i].ctx;
+        if (c.backend != &be || c.device != device)
+          throw InternalError("zipcache: layers of one prefill on different backends or caches");
+        ZipRowsGroup z;
+        z.layer = c.layer;
+        for (size_t x : g.segs) z.segs.push_back(&g.layer->segments[x]);
+        z.out = g.p.get();
+        all.push_back(std::move(z));
+        groups.push_back(&g);
+      }
     be.queue_then_keep(
         [&] {
-          for (size_t i = 0; i < jobs.size(); ++i)
-            for (const Group& g : per_layer[i]) {
-              std::vector<const KVSegment*> segs;
-              for (size_t x : g.segs) segs.push_back(&g.layer->segments[x]);
-              const PrefillContext& c = *jobs[i].ctx;
-              if (c.backend != &be || !c.device)
-                throw InternalError("zipcache: layers of one prefill on different backends");
-              if (!be.zip_quantize_rows(*c.device, c.layer, segs, *g.p))
-                throw InternalError("zipcache: the " + be.name() + " backend cannot quantize layer " +
-                                    std::to_string(c.layer) + "'s rows where they are");
-              queued.push_back(&g);
-            }
+          if (!all.empty() && !be.zip_quantize_rows(*device, all))
+            throw InternalError("zipcache: the " + be.name() + " backend cannot quantize layer " +
+                                std::to_string(all.front().layer) + "'s rows where they are");
+          queued = groups;
         },
         [&] {
           for (const Group* g : queued) zipcache::install_group(*g->layer, g->segs, spec(), g->p);
