@@ -38,7 +38,8 @@ MemoryPlan plan_experiment(const Model& model, const ExperimentOptions& opt, con
   const int64_t value = device && opt.kv_storage == RowStorage::Fp16 ? 2 : 4;
   p.caches = 2 * L * KVH * (T + opt.max_new_tokens) * (2 * D * value + 4);
   // On a device, each decode step's queries kept for the observers that read them afterwards
-  // (LlamaDecoder::record_queries: every layer's q, fp32), and the queries of the observed steps
+  // (LlamaDecoder::record_queries: every layer's q, fp32; without observers, ZipCache's probe
+  // queries of one gap in their place, fewer), and the queries of the observed steps
   // put off to compare with the capture together (LlamaWorkspace::kStashSlots steps, every
   // layer's q/k/v row, fp32, and one call's copy).
   const int64_t jobs = LlamaDecoder::kExactLayersAtOnce * LlamaWorkspace::kStashSlots;

@@ -639,6 +639,8 @@ void plan_probes(Context& ctx, CudaKV& C, int rows, const StepZip& z) {
   p.slot = {ctx.alloc(sb, "ZipCache probe slots"), sb};
   ctx.upload(p.slot.mem.get(), all.data(), sb, "ZipCache probe slots");
   p.q = {ctx.alloc(qb, "ZipCache probe queries"), qb};
+  // (slots a gap leaves empty are scored with the others and never read: zeros, not garbage)
+  KV_CUDA(cudaMemsetAsync(p.q.mem.get(), 0, static_cast<size_t>(qb), ctx.stream), "ZipCache probe queries");
 }
 
 }  // namespace

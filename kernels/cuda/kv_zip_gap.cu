@@ -5,8 +5,8 @@
 // rows each probe saw have not changed since: older rows are never re-quantized) in one launch of
 // the decode's scoring kernel, the gap rows' saliency is reduced on the device
 // (zip_gap_saliency), and only that crosses to the host, which ranks it (zipcache::top_flags, as
-// the host does) and has each layer's gap quantized where its rows are (zip_arrays, the prefill's
-// kernels) into a segment of its own before the decode rows.
+// the host does) and has every layer's gap quantized where its rows are by one upload and one
+// launch (zip_arrays, the prompt's kernels), each into a segment of its own before the decode rows.
 #include <algorithm>
 #include <cmath>
 #include <memory>
