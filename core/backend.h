@@ -147,22 +147,24 @@ struct ScoreTransform {
 // piece becomes a segment labelled `label` before the rest of the one it was cut from. The
 // host's twin is KIVI's on_decode_step (residual >= 1, so the new row is never among them).
 // zip.gap > 0 (ZipCache, Algorithm 3): rows are appended as fp16; each layer keeps the queries
-// of its probe tokens (zipcache::ProbeStream's draws, seeded per layer), and before the step
-// whose row follows `gap` dense decode rows, those rows' saliency (zipcache::gap_saliency over
-// the probes' attention, which the device recomputes from the rows the probes saw) picks the
-// top round(ratio·gap) of each KV head (or of the layer, `shared`), and the gap is quantized as
-// ZipCache's prefill quantizes a group (k_bits salient, v_bits the others: zipcache::quantize_group)
-// into a segment of its own before the decode rows. The host's twin is ZipCache's on_decode_step.
+// of its probe tokens (`probes`: the method's schedule), and before the step whose row follows
+// `gap` dense decode rows, those rows' saliency (zipcache::gap_saliency over the probes'
+// attention, which the device recomputes from the rows the probes saw) is ranked by the method
+// (`rank`), and the gap is quantized as ZipCache's prefill quantizes a group (CodeLayout::ZipMixed:
+// k_bits salient, v_bits the others) into a segment of its own before the decode rows. The
+// host's twin is ZipCache's on_decode_step.
 struct StepZip {
   int gap = 0;
-  double ratio = 0.4;
   bool accumulated = false;        // p_i (Eq. 7) instead of the normalized p̃_i (Eq. 8)
-  bool shared = false;             // one ranking per layer
   bool head_token_ranges = false;  // CodeLayout: V token ranges per KV head
   bool layer_factors = false;      // CodeLayout: CST factors over the group before the split
-  double recent = 0.05, random = 0.05;
-  uint64_t seed = 0;
-  int n_heads = 0;  // query heads (the decode fills it in)
+  int n_heads = 0;                 // query heads (the decode fills it in)
+  // Layer `layer`'s probe slot of each of its first `rows` decode rows (−1: not a probe; a gap's
+  // probes numbered from 0), drawn as the host's hook draws them.
+  std::function<std::vector<int32_t>(int layer, int rows)> probes;
+  // A gap's salient flags ([KV head][row]) from its rows' saliency sal[KV head · gap + row], as
+  // the host's hook ranks them.
+  std::function<std::vector<std::vector<char>>(const std::vector<double>& sal, int n_kv_heads, int gap)> rank;
 };
 struct StepQuant {
   int k_bits = 0, v_bits = 0;

@@ -17,7 +17,6 @@
 #include <unordered_map>
 #include <utility>
 
-#include "core/compress/quant_methods.h"
 #include "core/errors.h"
 #include "core/half.h"
 #include "core/parallel.h"
@@ -612,8 +611,8 @@ void kv_sync(Context& ctx, DeviceKV& dev, KVStore& host, int layer) {
 
 namespace {
 
-// ZipCache's probe schedule for `rows` decode rows of every layer (zipcache::ProbeStream, as the
-// host's streaming draws it) and the room for their queries.
+// ZipCache's probe schedule for `rows` decode rows of every layer (StepZip::probes, the method's
+// own draws) and the room for their queries.
 void plan_probes(Context& ctx, CudaKV& C, int rows, const StepZip& z) {
   if (z.n_heads <= 0 || z.n_heads % C.NKV != 0)
     throw InternalError("kv_reserve: ZipCache's probes need the query heads (" + std::to_string(z.n_heads) +
@@ -624,13 +623,12 @@ void plan_probes(Context& ctx, CudaKV& C, int rows, const StepZip& z) {
   p.width = static_cast<int64_t>(z.n_heads) * C.D;
   p.slot_of_row.assign(static_cast<size_t>(C.L), std::vector<int32_t>(static_cast<size_t>(p.rows), -1));
   for (int l = 0; l < C.L; ++l) {
-    zipcache::ProbeStream s(z.seed, l, z.gap, z.recent, z.random);
-    int n = 0;
-    for (int r = 0; r < p.rows; ++r) {
-      if (r % z.gap == 0) n = 0;
-      if (s.next(r % z.gap)) p.slot_of_row[static_cast<size_t>(l)][static_cast<size_t>(r)] = n++;
-      p.slots = std::max(p.slots, n);
-    }
+    std::vector<int32_t>& s = p.slot_of_row[static_cast<size_t>(l)];
+    s = z.probes(l, p.rows);
+    if (static_cast<int>(s.size()) != p.rows)
+      throw InternalError("kv_reserve: ZipCache's probes of layer " + std::to_string(l) + ": " +
+                          std::to_string(s.size()) + " slots for " + std::to_string(p.rows) + " rows");
+    for (int32_t k : s) p.slots = std::max(p.slots, k + 1);
   }
   p.slots = std::max(p.slots, 1);
   std::vector<int32_t> all;
@@ -647,7 +645,7 @@ void plan_probes(Context& ctx, CudaKV& C, int rows, const StepZip& z) {
 
 bool kv_quantizes_steps(const StepQuant& q, int D) {
   const bool bits = q.k_bits >= 1 && q.k_bits <= 8 && q.v_bits >= 1 && q.v_bits <= 8;
-  if (q.zip.gap > 0) return bits && q.group == 0 && q.rotation == 0 && D % 8 == 0;
+  if (q.zip.gap > 0) return bits && q.group == 0 && q.rotation == 0 && D % 8 == 0 && q.zip.probes && q.zip.rank;
   if (q.group > 0) return bits && q.k_bits == q.v_bits && q.rotation == 0 && q.residual >= 1 && D % 8 == 0;
   return bits && q.group == 0 && quant_tail_ok(D, q.rotation);
 }

@@ -1,19 +1,19 @@
 // ZipCache's streamed gaps on the GPU (StepQuant::zip; the host's twin is ZipCache's
 // on_decode_step). The steps keep each layer's probe queries after RoPE (rope_append's
-// KeptQueries, slots planned by kv_reserve from zipcache::ProbeStream). Before the step whose row
-// follows `gap` dense decode rows, every layer's probes are scored against the cache as it is (the
-// rows each probe saw have not changed since: older rows are never re-quantized) in one launch of
-// the decode's scoring kernel, the gap rows' saliency is reduced on the device
-// (zip_gap_saliency), and only that crosses to the host, which ranks it (zipcache::top_flags, as
-// the host does) and has every layer's gap quantized where its rows are by one upload and one
-// launch (zip_arrays, the prompt's kernels), each into a segment of its own before the decode rows.
+// KeptQueries, slots planned by kv_reserve from the method's StepZip::probes). Before the step
+// whose row follows `gap` dense decode rows, every layer's probes are scored against the cache as
+// it is (the rows each probe saw have not changed since: older rows are never re-quantized) in
+// one launch of the decode's scoring kernel, the gap rows' saliency is reduced on the device
+// (zip_gap_saliency), and only that crosses to the host, where the method ranks it
+// (StepZip::rank, as its host hook does); every layer's gap is then quantized where its rows are
+// by one upload and one launch (zip_arrays, the prompt's kernels), each into a segment of its own
+// before the decode rows.
 #include <algorithm>
 #include <cmath>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "core/compress/quant_methods.h"
 #include "core/errors.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/context.h"
@@ -26,21 +26,20 @@ using namespace kv;
 
 namespace {
 
-// Layer l's salient flags of the gap's rows from its saliency sal[NKV][gap]: per KV head, or one
-// ranking of the heads' sum (`shared`).
-zipcache::Flags gap_flags(const double* sal, int NKV, int gap, const StepZip& z) {
-  zipcache::Flags f(1, std::vector<std::vector<char>>(static_cast<size_t>(NKV)));
-  std::vector<double> sum(static_cast<size_t>(gap), 0.0);
-  for (int h = 0; h < NKV; ++h) {
-    const std::vector<double> s(sal + static_cast<int64_t>(h) * gap, sal + static_cast<int64_t>(h + 1) * gap);
-    if (z.shared)
-      for (int j = 0; j < gap; ++j) sum[static_cast<size_t>(j)] += s[static_cast<size_t>(j)];
-    else
-      f[0][static_cast<size_t>(h)] = zipcache::top_flags(s, z.ratio);
+// A gap's payload before its arrays: each KV head's salient flags (1 bit a row, as
+// zipcache::mark_group packs them) and the layout the kernels make (CodeLayout::ZipMixed).
+void gap_payload(const std::vector<std::vector<char>>& flags, const StepQuant& q, quant::QuantPayload& p) {
+  for (size_t h = 0; h < flags.size(); ++h) {
+    std::vector<uint32_t> f(flags[h].begin(), flags[h].end());
+    for (uint32_t& x : f) x = x ? 1u : 0u;
+    p.k[h].flags.clear();
+    quant::pack(f.data(), static_cast<int64_t>(f.size()), 1, p.k[h].flags);
   }
-  if (z.shared)
-    for (int h = 0; h < NKV; ++h) f[0][static_cast<size_t>(h)] = zipcache::top_flags(sum, z.ratio);
-  return f;
+  p.layout.kind = quant::CodeLayout::Kind::ZipMixed;
+  p.layout.hi_bits = q.k_bits;
+  p.layout.lo_bits = q.v_bits;
+  p.layout.layer_factors = q.zip.layer_factors;
+  p.layout.shared_token_ranges = !q.zip.head_token_ranges;
 }
 
 }  // namespace
@@ -121,7 +120,6 @@ void kv::zip_gap(Context& ctx, CudaKV& C) {
 
   // Each layer's gap: flags ranked here, every layer's rows quantized where they are by one
   // launch, each gap a segment of its own.
-  const zipcache::GroupSpec spec{t0.groups.k_bits, t0.groups.v_bits, z.head_token_ranges, z.layer_factors};
   std::vector<LayerKV> gaps(static_cast<size_t>(L));
   std::vector<quant::QuantPayload> payloads(static_cast<size_t>(L), quant::QuantPayload(NKV));
   std::vector<ZipGroup> groups;
@@ -135,8 +133,13 @@ void kv::zip_gap(Context& ctx, CudaKV& C) {
     s.layout_only = true;
     s.heads.resize(static_cast<size_t>(NKV));
     for (HeadRows& h : s.heads) h.pos.assign(t.host_pos.begin() + g0, t.host_pos.begin() + g0 + gap);
-    const zipcache::Flags flags = gap_flags(sal.data() + static_cast<int64_t>(l) * NKV * gap, NKV, gap, z);
-    zipcache::mark_group(gap_rows, {0}, flags, spec, payloads[static_cast<size_t>(l)]);
+    const std::vector<double> layer_sal(sal.begin() + static_cast<std::ptrdiff_t>(l) * NKV * gap,
+                                        sal.begin() + static_cast<std::ptrdiff_t>(l + 1) * NKV * gap);
+    const std::vector<std::vector<char>> flags = z.rank(layer_sal, NKV, gap);
+    bool sized = static_cast<int>(flags.size()) == NKV;
+    for (const std::vector<char>& f : flags) sized = sized && static_cast<int>(f.size()) == gap;
+    if (!sized) throw InternalError("ZipCache gaps: layer " + std::to_string(l) + "'s ranking is not one flag a row");
+    gap_payload(flags, t0.groups, payloads[static_cast<size_t>(l)]);
     groups.push_back({l, {&s}, &payloads[static_cast<size_t>(l)]});
   }
   const std::vector<StagedZip> made = zip_arrays(ctx, C, groups);

@@ -133,14 +133,32 @@ class ZipCachePolicy : public KVPolicy {
     q.v_bits = o_.lo;
     q.label = group_label(o_.hi, o_.lo);
     q.zip.gap = o_.gap;
-    q.zip.ratio = o_.ratio;
     q.zip.accumulated = o_.saliency == Saliency::Accumulated;
-    q.zip.shared = o_.shared;
     q.zip.head_token_ranges = o_.head_token_ranges;
     q.zip.layer_factors = o_.layer_channel_scales;
-    q.zip.recent = o_.recent;
-    q.zip.random = o_.random;
-    q.zip.seed = o_.seed;
+    const ZipOptions o = o_;
+    q.zip.probes = [o](int layer, int rows) {
+      zipcache::ProbeStream s(o.seed, layer, o.gap, o.recent, o.random);
+      std::vector<int32_t> slot(static_cast<size_t>(std::max(rows, 0)), -1);
+      int n = 0;
+      for (int r = 0; r < rows; ++r) {
+        if (r % o.gap == 0) n = 0;
+        if (s.next(r % o.gap)) slot[static_cast<size_t>(r)] = n++;
+      }
+      return slot;
+    };
+    q.zip.rank = [o](const std::vector<double>& sal, int n_kv_heads, int gap) {
+      std::vector<std::vector<char>> f(static_cast<size_t>(n_kv_heads));
+      std::vector<double> sum(static_cast<size_t>(gap), 0.0);
+      for (int h = 0; h < n_kv_heads; ++h) {
+        const std::vector<double> s(sal.begin() + static_cast<std::ptrdiff_t>(h) * gap,
+                                    sal.begin() + static_cast<std::ptrdiff_t>(h + 1) * gap);
+        if (!o.shared) f[static_cast<size_t>(h)] = top_flags(s, o.ratio);
+        for (int j = 0; o.shared && j < gap; ++j) sum[static_cast<size_t>(j)] += s[static_cast<size_t>(j)];
+      }
+      for (int h = 0; o.shared && h < n_kv_heads; ++h) f[static_cast<size_t>(h)] = top_flags(sum, o.ratio);
+      return f;
+    };
     return q;
   }
 
