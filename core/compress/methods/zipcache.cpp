@@ -295,7 +295,8 @@ class ZipCachePolicy : public KVPolicy {
     Backend& be = *jobs.front().ctx->backend;
     DeviceKV* device = jobs.front().ctx->device;
     std::vector<ZipRowsGroup> all;
-    std::vector<const Group*> groups, queued;  // (queued: installed also when the call fails after)
+    // (queued: once the call took them; installed also when the wait fails)
+    std::vector<const Group*> groups, queued;
     for (size_t i = 0; i < jobs.size(); ++i)
       for (const Group& g : per_layer[i]) {
         const PrefillContext& c = *jobs[i].ctx;
