@@ -164,7 +164,7 @@ struct StepZip {
   std::function<std::vector<int32_t>(int layer, int rows)> probes;
   // A gap's salient flags ([KV head][row]) from its rows' saliency sal[KV head · gap + row], as
   // the host's hook ranks them.
-  std::function<std::vector<std::vector<char>>(const std::vector<double>& sal, int n_kv_heads, int gap)> rank;
+  std::function<std::vector<std::vector<char>>(const double* sal, int n_kv_heads, int gap)> rank;
 };
 struct StepQuant {
   int k_bits = 0, v_bits = 0;

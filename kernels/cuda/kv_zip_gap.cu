@@ -133,9 +133,7 @@ void kv::zip_gap(Context& ctx, CudaKV& C) {
     s.layout_only = true;
     s.heads.resize(static_cast<size_t>(NKV));
     for (HeadRows& h : s.heads) h.pos.assign(t.host_pos.begin() + g0, t.host_pos.begin() + g0 + gap);
-    const std::vector<double> layer_sal(sal.begin() + static_cast<std::ptrdiff_t>(l) * NKV * gap,
-                                        sal.begin() + static_cast<std::ptrdiff_t>(l + 1) * NKV * gap);
-    const std::vector<std::vector<char>> flags = z.rank(layer_sal, NKV, gap);
+    const std::vector<std::vector<char>> flags = z.rank(sal.data() + static_cast<int64_t>(l) * NKV * gap, NKV, gap);
     bool sized = static_cast<int>(flags.size()) == NKV;
     for (const std::vector<char>& f : flags) sized = sized && static_cast<int>(f.size()) == gap;
     if (!sized) throw InternalError("ZipCache gaps: layer " + std::to_string(l) + "'s ranking is not one flag a row");

@@ -43,7 +43,7 @@
 // would add error a real cache (which keeps the codes) would not have. A device decode runs the
 // streaming itself from the same data (step_quant: StepQuant::zip): its steps keep the probes'
 // queries, and before the step that follows a gap it scores them against its cache, reduces the
-// gap's saliency as here (zipcache::gap_saliency), ranks it on the host (top_flags) and
+// gap's saliency as here (zipcache::gap_saliency), ranks it on the host (rank_gap) and
 // quantizes the gap where its rows are.
 //
 // The authors' code also differs in ways kvlens does not model: it normalises the probes' column
@@ -147,17 +147,8 @@ class ZipCachePolicy : public KVPolicy {
       }
       return slot;
     };
-    q.zip.rank = [o](const std::vector<double>& sal, int n_kv_heads, int gap) {
-      std::vector<std::vector<char>> f(static_cast<size_t>(n_kv_heads));
-      std::vector<double> sum(static_cast<size_t>(gap), 0.0);
-      for (int h = 0; h < n_kv_heads; ++h) {
-        const std::vector<double> s(sal.begin() + static_cast<std::ptrdiff_t>(h) * gap,
-                                    sal.begin() + static_cast<std::ptrdiff_t>(h + 1) * gap);
-        if (!o.shared) f[static_cast<size_t>(h)] = top_flags(s, o.ratio);
-        for (int j = 0; o.shared && j < gap; ++j) sum[static_cast<size_t>(j)] += s[static_cast<size_t>(j)];
-      }
-      for (int h = 0; o.shared && h < n_kv_heads; ++h) f[static_cast<size_t>(h)] = top_flags(sum, o.ratio);
-      return f;
+    q.zip.rank = [o](const double* sal, int n_kv_heads, int gap) {
+      return zipcache::rank_gap(sal, n_kv_heads, gap, o.ratio, o.shared);
     };
     return q;
   }
@@ -334,7 +325,7 @@ class ZipCachePolicy : public KVPolicy {
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
     KVSegment& g = layer.segments[gi];
     Flags flags(layer.segments.size(), std::vector<std::vector<char>>(KH));
-    std::vector<double> shared_sum;
+    std::vector<double> sal;  // [KV head][gap row]
     const int n_probes = static_cast<int>(st.pos.size());
     for (int kh = 0; kh < KH; ++kh) {
       // This head's rows older than the gap, then the gap's.
@@ -361,17 +352,11 @@ class ZipCachePolicy : public KVPolicy {
             o[r] = s * scale;
           }
         }
-      const std::vector<double> sal = zipcache::gap_saliency(scores.data(), probe_stride, stride, n_probes, group, before,
-                                                             seen.data(), ng, o_.saliency);
-      if (o_.shared) {
-        shared_sum.resize(ng, 0.0);
-        for (int j = 0; j < ng; ++j) shared_sum[j] += sal[j];
-      } else {
-        flags[gi][kh] = top_flags(sal, o_.ratio);
-      }
+      const std::vector<double> s = zipcache::gap_saliency(scores.data(), probe_stride, stride, n_probes, group, before,
+                                                           seen.data(), ng, o_.saliency);
+      sal.insert(sal.end(), s.begin(), s.end());
     }
-    if (o_.shared)
-      for (int kh = 0; kh < KH; ++kh) flags[gi][kh] = top_flags(shared_sum, o_.ratio);
+    flags[gi] = zipcache::rank_gap(sal.data(), KH, g.heads.at(0).n(), o_.ratio, o_.shared);
     quantize_group(layer, {gi}, flags, D);
   }
 

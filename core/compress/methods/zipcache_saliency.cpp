@@ -40,6 +40,18 @@ std::vector<char> top_flags(const std::vector<double>& score, double ratio) {
   return f;
 }
 
+std::vector<std::vector<char>> rank_gap(const double* sal, int n_kv_heads, int gap, double ratio, bool shared) {
+  std::vector<std::vector<char>> f(static_cast<size_t>(n_kv_heads));
+  std::vector<double> sum(static_cast<size_t>(gap), 0.0);
+  for (int h = 0; h < n_kv_heads; ++h) {
+    const std::vector<double> s(sal + static_cast<int64_t>(h) * gap, sal + static_cast<int64_t>(h + 1) * gap);
+    if (!shared) f[static_cast<size_t>(h)] = top_flags(s, ratio);
+    for (int j = 0; shared && j < gap; ++j) sum[static_cast<size_t>(j)] += s[static_cast<size_t>(j)];
+  }
+  for (int h = 0; shared && h < n_kv_heads; ++h) f[static_cast<size_t>(h)] = top_flags(sum, ratio);
+  return f;
+}
+
 ProbeStream::ProbeStream(uint64_t seed, int layer, int gap, double recent, double random)
     : rng_(seed + 0x9E3779B97F4A7C15ull * static_cast<uint64_t>(layer + 1)),
       gap_(gap),
