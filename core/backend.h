@@ -172,7 +172,20 @@ struct StepQuant {
   std::string label;
   int group = 0, residual = 0;
   StepZip zip;
+  // Each row coded where it is appended by a row codebook a side (TurboQuant; quant::RowCodec):
+  // its codes and fp16 scales kept, its K and V replaced by their dequantization (rounded to
+  // the cache's fp16); k_bits the bits a row counts (quant::set_quantized).
+  std::shared_ptr<const quant::RowCodec> k_codec, v_codec;
   bool any() const { return k_bits > 0 && v_bits > 0; }
+  static StepQuant coded(std::shared_ptr<const quant::RowCodec> k, std::shared_ptr<const quant::RowCodec> v, int bits,
+                         std::string label) {
+    StepQuant q;
+    q.k_bits = q.v_bits = bits;
+    q.k_codec = std::move(k);
+    q.v_codec = std::move(v);
+    q.label = std::move(label);
+    return q;
+  }
   // Each row quantized as it is appended (no groups, no streaming).
   static StepQuant rows(int k_bits, int v_bits, int rotation = 0, std::string label = {}) {
     StepQuant q;

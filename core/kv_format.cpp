@@ -11,6 +11,10 @@ namespace kvlens::quant {
 
 int64_t packed_size(int64_t count, int bits) { return (count * bits + 7) / 8; }
 
+int64_t RowCodec::row_code_bytes() const {
+  return (mse_bits > 0 ? packed_size(dp, mse_bits) : 0) + (qjl ? packed_size(d, 1) : 0);
+}
+
 std::vector<uint8_t> channel_major_1bit(const uint8_t* rows, int64_t n, int d) {
   const int64_t row_bytes = d / 8, whole = n / 32 * 32;
   std::vector<uint8_t> out(rows, rows + n * row_bytes);

@@ -124,6 +124,30 @@ struct ZipSlots {
 };
 ZipSlots zip_slots(const std::vector<std::array<std::vector<int32_t>, 2>>& pos);
 
+// ---- a row codebook ---------------------------------------------------------------------------
+// One row of d values coded on its own (TurboQuant's codec; core/compress/methods/turboquant.cpp
+// makes it and is the host's coder): the row x is rotated, y = H·D·pad(x) (D: the ±1 `signs`,
+// H: hadamard() of size dp, the power of two ≥ d), each y_j·√dp/‖x‖ is coded by its nearest
+// entry of `levels` (ascending; mse_bits bits a code; none when mse_bits is 0, x_mse = 0), and
+// ‖x‖ is kept in fp16. With qjl, the residual r = x − x_mse adds sign(S·r) (S: [d][d], row-major)
+// and ‖r‖ in fp16. A row's bytes: the dp codes packed (ceil(dp·mse_bits/8)), then the d sign bits
+// (ceil(d/8)); its fp16 scales: ‖x‖, then ‖r‖ with qjl. Its dequantization: x_mse = the first d
+// of D·H·(level·‖x‖/√dp), plus √(π/2)·‖r‖/d·Sᵀ·sign(S·r) with qjl.
+struct RowCodec {
+  int d = 0, dp = 0;
+  int mse_bits = 0;
+  bool qjl = false;
+  std::vector<float> signs;   // [dp]
+  std::vector<float> levels;  // [2^mse_bits]
+  std::vector<float> S;       // [d][d] with qjl
+  int64_t row_code_bytes() const;
+  int scales_per_row() const { return qjl ? 2 : 1; }
+  bool operator==(const RowCodec& o) const {
+    return d == o.d && dp == o.dp && mse_bits == o.mse_bits && qjl == o.qjl && signs == o.signs && levels == o.levels &&
+           S == o.S;
+  }
+};
+
 // ---- rotations -------------------------------------------------------------------------------
 // In place, orthonormal Walsh–Hadamard transform (H/√n, its own inverse), n a power of two: the
 // butterflies in order of increasing span, then the scale 1/√n, in fp32.

@@ -17,7 +17,7 @@ OUT=${KVLENS_GPU_OUT:-$PWD/gpu_out}
 BUILD=${KVLENS_GPU_BUILD:-build-gpu}
 CK=${KVLENS_7B_DIR:-/tmp/kvlens-llava7b}
 STAGES=${*:-build test bench throughput threads summary}
-METHODS_7B=${KVLENS_7B_METHODS:-uniform:bits=4 hadamard_int4 kivi calibquant:bits=1 zipcache zipcache:gap=8}
+METHODS_7B=${KVLENS_7B_METHODS:-uniform:bits=4 hadamard_int4 kivi calibquant:bits=1 zipcache zipcache:gap=8 turboquant turboquant:qjl=on}
 mkdir -p "$OUT"
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 step() { echo "== $(date +%T) $*" | tee -a "$OUT/steps.log"; }

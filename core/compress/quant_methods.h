@@ -129,23 +129,17 @@ void install_group(LayerKV& layer, const std::vector<size_t>& group, const Group
 
 // ---- TurboQuant (core/compress/methods/turboquant.cpp) ----
 namespace turboquant {
-// One codec for rows of length d: randomized Hadamard rotation y = H·D·pad(x) (D: seeded ±1
-// signs, H orthonormal of size dp = next power of two ≥ d), a Lloyd-Max codebook of the
-// rotated coordinate scaled to N(0, 1) (y_j·√dp/‖x‖), and for keys with QJL a seeded Gaussian
-// S[d][d] for the 1-bit residual sketch.
-struct Codec {
-  int d = 0, dp = 0;
-  int mse_bits = 0;   // bits of the codebook index per rotated coordinate (0: no MSE stage)
-  bool qjl = false;   // add sign(S·r) with ‖r‖
-  std::vector<float> signs;   // [dp]
-  std::vector<float> levels;  // Lloyd-Max levels for N(0, 1), ascending
-  std::vector<float> S;       // [d][d] when qjl
+// One codec for rows of length d (quant::RowCodec, the format): a randomized Hadamard rotation
+// y = H·D·pad(x) (D: seeded ±1 signs, H orthonormal of size dp = next power of two ≥ d), a
+// Lloyd-Max codebook of the rotated coordinate scaled to N(0, 1) (y_j·√dp/‖x‖), and for keys
+// with QJL a seeded Gaussian S[d][d] for the 1-bit residual sketch.
+struct Codec : quant::RowCodec {
   void rotate(const float* x, float* y) const;    // y[dp] = H·D·pad(x)
   void unrotate(const float* y, float* x) const;  // x[d] = first d of D·H·y
   // Quantizes one row: appends its row-aligned codes (and sign bits) and fp16 norm (and ‖r‖)
-  // to `out`; writes the dequantized row to xhat[d].
+  // to `out`; writes the dequantized row to xhat[d]. The double sums are fused multiply-adds in
+  // index order, so a device that does the same operations gets the same codes and rows.
   void encode_row(const float* x, quant::QuantBlock& out, float* xhat) const;
-  int64_t row_code_bytes() const;  // bytes of codes one row takes
 };
 Codec make_codec(int d, int mse_bits, bool qjl, uint64_t seed);
 }  // namespace turboquant

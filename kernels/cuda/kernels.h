@@ -541,6 +541,25 @@ struct QuantTail {
 void rope_quant_append(float* qkv, int64_t q_col, int nq, int64_t k_col, int64_t v_col, int nk, int D,
                        const int32_t* pos_in, const float* inv_freq, const QuantTail& t, int32_t* counter, int32_t* done,
                        cudaStream_t s);
+// A row codebook on the device (quant::RowCodec; TurboQuant's): signs [dp], levels
+// [2^mse_bits], and with qjl S [d][d] and its transpose St, fp32.
+struct CodecDev {
+  const float* signs = nullptr;
+  const float* levels = nullptr;
+  const float* S = nullptr;
+  const float* St = nullptr;
+  int d = 0, dp = 0, mse_bits = 0, qjl = 0;
+  int row_bytes = 0;  // quant::RowCodec::row_code_bytes
+};
+constexpr int kMaxCodecDp = 256;
+// The decode row rope_append just wrote (row *counter − 1 of every KV head of k / v [NKV][cap][D]
+// fp16) coded by kc (keys) and vc (values) as quant::RowCodec says, with the host coder's
+// operations (turboquant::Codec::encode_row: fp32 butterflies in quant::hadamard's order, fused
+// double sums in index order) on the row's fp16 values: the codes to kcodes / vcodes
+// [NKV][cap][row_bytes], the fp16 scales to scales [3][NKV][cap] (‖k‖, ‖r‖ of keys with qjl, ‖v‖),
+// and the row replaced by its dequantization rounded to fp16. dp at most kMaxCodecDp.
+void codec_tail_rows(const CodecDev& kc, const CodecDev& vc, __half* k, __half* v, int NKV, int D, int cap,
+                     const int32_t* counter, uint8_t* kcodes, uint8_t* vcodes, __half* scales, cudaStream_t s);
 // dst row i (D halves) = *src[i] for n rows (src pointers in device memory).
 void gather_rows(const __half* const* src, __half* dst, int n, int D, cudaStream_t s);
 // Block i of dst (`bytes`, a multiple of 4) = block index[i] of src, for n blocks (index in

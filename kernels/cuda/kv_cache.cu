@@ -96,6 +96,10 @@ bool kv_rope_append(Context& ctx, SeqKV& kv, int layer, Buffer& qkv, const AttnL
     cuda::rope_append(qkv.as<float>(), l.q_col, l.n_heads, l.k_col, l.v_col, C.NKV, C.D, pos.as<int32_t>(), inv_freq,
                       t.k.as<__half>(), t.v.as<__half>(), t.pos.as<int32_t>(), t.cap, C.counters.as<int32_t>() + layer,
                       C.done.as<int32_t>() + layer, ctx.stream, t.zipped() ? C.zip.keep(layer) : KeptQueries{});
+  if (!ctx.replay && t.coded())  // the row just appended, coded in place
+    cuda::codec_tail_rows(codec_dev(t, 0), codec_dev(t, 1), t.k.as<__half>(), t.v.as<__half>(), C.NKV, C.D, t.cap,
+                          C.counters.as<int32_t>() + layer, t.kcodes.as<uint8_t>(), t.vcodes.as<uint8_t>(),
+                          t.cscales.as<__half>(), ctx.stream);
   ++t.n;
   t.host_pos.push_back(pos_host[0]);
   return true;
@@ -108,7 +112,7 @@ void kv_append(Context& ctx, SeqKV& kv, int layer, const Buffer& qkv, const Attn
   const int NKV = C.NKV, D = C.D;
   if (T == 1 && kinds[0] == SegmentKind::Generated) {
     Tail& t = d.tail;
-    if (t.packed())
+    if (t.packed() || t.coded())
       throw InternalError("kv_append: layer " + std::to_string(layer) +
                           "'s decode rows are quantized on the device; they take rows through rope_append alone");
     if (t.n + 1 > t.cap) C.grow_tail(layer, std::max(16, 2 * t.cap));
@@ -293,7 +297,9 @@ bool same_rows(const KVSegment& s, const DevSeg& d) {
 }
 
 bool is_tail(const KVSegment& s, const Tail& t) {
-  if (s.kind != SegmentKind::Generated || !dense_host(s.storage) || s.payload || t.n == 0 || t.packed()) return false;
+  // (a coded tail's segment on the host is its codes' payload, kv_hydrate's)
+  const bool host_form = t.coded() ? s.storage == t.label && s.payload : dense_host(s.storage) && !s.payload;
+  if (s.kind != SegmentKind::Generated || !host_form || t.n == 0 || t.packed()) return false;
   for (const HeadRows& r : s.heads) {
     if (r.pos != t.host_pos) return false;
     for (uint16_t m : r.merged)
@@ -643,8 +649,45 @@ void plan_probes(Context& ctx, CudaKV& C, int rows, const StepZip& z) {
 
 }  // namespace
 
+namespace {
+
+bool codec_ok(const quant::RowCodec* c, int D) {
+  return c && c->d == D && c->dp >= D && c->dp <= kMaxCodecDp && (c->dp & (c->dp - 1)) == 0 && c->mse_bits >= 0 &&
+         c->mse_bits <= 8 && (c->mse_bits > 0 || c->qjl) && static_cast<int>(c->signs.size()) == c->dp &&
+         (c->mse_bits == 0 || c->levels.size() == (size_t{1} << c->mse_bits)) &&
+         (!c->qjl || c->S.size() == static_cast<size_t>(D) * D);
+}
+
+// Both codecs of a coded tail into one device array (codec_dev reads it).
+DevMem codec_upload(Context& ctx, const quant::RowCodec& k, const quant::RowCodec& v) {
+  const int64_t per_side = k.dp + 256;
+  std::vector<float> a(static_cast<size_t>(2 * per_side), 0.0f);
+  for (int side = 0; side < 2; ++side) {
+    const quant::RowCodec& c = side ? v : k;
+    std::copy(c.signs.begin(), c.signs.end(), a.begin() + side * per_side);
+    if (c.mse_bits > 0) std::copy(c.levels.begin(), c.levels.end(), a.begin() + side * per_side + c.dp);
+  }
+  if (k.qjl) {
+    const int d = k.d;
+    a.insert(a.end(), k.S.begin(), k.S.end());
+    const size_t t0 = a.size();
+    a.resize(t0 + static_cast<size_t>(d) * d);
+    for (int i = 0; i < d; ++i)
+      for (int j = 0; j < d; ++j) a[t0 + static_cast<size_t>(j) * d + i] = k.S[static_cast<size_t>(i) * d + j];
+  }
+  const int64_t bytes = static_cast<int64_t>(a.size() * sizeof(float));
+  DevMem m{ctx.alloc(bytes, "decode rows' codecs"), bytes};
+  ctx.upload(m.mem.get(), a.data(), bytes, "decode rows' codecs");
+  return m;
+}
+
+}  // namespace
+
 bool kv_quantizes_steps(const StepQuant& q, int D) {
   const bool bits = q.k_bits >= 1 && q.k_bits <= 8 && q.v_bits >= 1 && q.v_bits <= 8;
+  if (q.k_codec || q.v_codec)
+    return bits && codec_ok(q.k_codec.get(), D) && codec_ok(q.v_codec.get(), D) && q.k_codec->dp == q.v_codec->dp &&
+           !q.v_codec->qjl && q.group == 0 && q.rotation == 0 && q.zip.gap == 0;
   if (q.zip.gap > 0) return bits && q.group == 0 && q.rotation == 0 && D % 8 == 0 && q.zip.probes && q.zip.rank;
   if (q.group > 0) return bits && q.k_bits == q.v_bits && q.rotation == 0 && q.residual >= 1 && D % 8 == 0;
   return bits && q.group == 0 && quant_tail_ok(D, q.rotation);
@@ -658,8 +701,12 @@ void kv_reserve(Context& ctx, DeviceKV& dev, int rows, const StepQuant& quant) {
   // made anew, its probes scheduled from its first row)
   const bool zipped = quant.any() && quant.zip.gap > 0;
   const bool grouped = quant.any() && (quant.group > 0 || zipped);
+  const bool coded = quant.any() && quant.k_codec;
   auto differs = [&](const Tail& t) {
     if (zipped) return true;
+    if (coded || t.coded())
+      return !coded || !t.coded() || !(*t.k_codec == *quant.k_codec) || !(*t.v_codec == *quant.v_codec) ||
+             t.coded_bits != quant.k_bits || t.label != quant.label;
     if (grouped)
       return t.packed() || t.groups.k_bits != quant.k_bits || t.groups.group != quant.group ||
              t.groups.residual != quant.residual || t.groups.label != quant.label;
@@ -672,12 +719,20 @@ void kv_reserve(Context& ctx, DeviceKV& dev, int rows, const StepQuant& quant) {
   if (quant.any() && !kv_quantizes_steps(quant, C.D))
     throw InternalError("kv_reserve: decode rows of " + std::to_string(quant.k_bits) + "/" + std::to_string(quant.v_bits) +
                         " bits, rotation " + std::to_string(quant.rotation) + ", head size " + std::to_string(C.D));
+  DevMem codecs;
   for (int l = 0; l < C.L; ++l) {
     Tail& t = C.layers[l].tail;
     if (differs(t)) {
       Tail u;
       if (grouped) {
         u.groups = quant;
+      } else if (coded) {  // fp16 rows, the codes beside them
+        if (!codecs.mem) codecs = codec_upload(ctx, *quant.k_codec, *quant.v_codec);
+        u.k_codec = quant.k_codec;
+        u.v_codec = quant.v_codec;
+        u.coded_bits = quant.k_bits;
+        u.codec_mem = codecs;
+        u.label = quant.label;
       } else {
         u.k_bits = quant.k_bits;
         u.v_bits = quant.v_bits;

@@ -54,6 +54,14 @@ struct Tail {
   // or zip) and, per KV head, the rows already quantized (empty: none).
   StepQuant groups;
   std::vector<int> start;
+  // Coded (StepQuant::k_codec, TurboQuant): fp16 rows, each replaced where it was appended by its
+  // dequantization (codec_tail_rows), its codes in kcodes / vcodes [kv head][cap][row bytes] and
+  // its fp16 scales in cscales [3][kv head][cap] (‖k‖, ‖r‖ with QJL, ‖v‖); codec_mem holds both
+  // codecs for the kernel (codec_dev); coded_bits the bits a row counts.
+  std::shared_ptr<const quant::RowCodec> k_codec, v_codec;
+  int coded_bits = 0;
+  DevMem kcodes, vcodes, cscales, codec_mem;
+  bool coded() const { return k_codec != nullptr; }
   bool packed() const { return k_bits < 16; }
   bool grouped() const { return groups.group > 0; }
   bool zipped() const { return groups.zip.gap > 0; }  // (ZipCache's streamed gaps, zip_gap)
@@ -72,6 +80,10 @@ struct Tail {
     u.rotation = rotation;
     u.label = label;
     u.groups = groups;
+    u.k_codec = k_codec;
+    u.v_codec = v_codec;
+    u.coded_bits = coded_bits;
+    u.codec_mem = codec_mem;
     return u;
   }
   // The rows' bookkeeping of t (after its rows were copied here).
@@ -83,9 +95,16 @@ struct Tail {
 };
 // The bytes of `rows` decode rows (over every KV head) stored as t stores them, as the host
 // counts a segment of them (quant::set_quantized: codes, one fp16 scale and zero per row and
-// side, int32 positions).
+// side, int32 positions). A coded tail counts its fp16 rows too (the host's coder counts only
+// the codes and scales; the device reads the rows).
 inline KVBytes tail_bytes(const Tail& t, int64_t rows, int D) {
   KVBytes b;
+  if (t.coded()) {  // what the device holds: the fp16 rows, and beside them their codes and fp16 scales
+    b.codes = rows * (static_cast<int64_t>(D) * 2 * 2 + t.k_codec->row_code_bytes() + t.v_codec->row_code_bytes());
+    b.scales = rows * (t.k_codec->scales_per_row() + t.v_codec->scales_per_row()) * 2;
+    b.indices = rows * 4;
+    return b;
+  }
   b.codes = rows * D * (t.k_bits + t.v_bits) / 8;
   if (t.packed()) b.scales = b.zeros = rows * 2 * 2;
   b.indices = rows * 4;
@@ -103,6 +122,25 @@ inline QuantTail quant_tail(const Tail& t) {
   q.v_bits = t.v_bits;
   q.rotation = t.rotation;
   return q;
+}
+
+// A coded tail's codec of `side` (0 keys, 1 values) as codec_tail_rows reads it from codec_mem
+// (codec_upload's layout: each side's signs [dp] and levels [256], then S and Sᵀ [d][d]).
+inline CodecDev codec_dev(const Tail& t, int side) {
+  const quant::RowCodec& c = side ? *t.v_codec : *t.k_codec;
+  const float* base = t.codec_mem.as<float>();
+  const int64_t per_side = t.k_codec->dp + 256;
+  CodecDev d;
+  d.signs = base + side * per_side;
+  d.levels = d.signs + c.dp;
+  d.S = c.qjl ? base + 2 * per_side : nullptr;
+  d.St = c.qjl ? d.S + static_cast<int64_t>(c.d) * c.d : nullptr;
+  d.d = c.d;
+  d.dp = c.dp;
+  d.mse_bits = c.mse_bits;
+  d.qjl = c.qjl ? 1 : 0;
+  d.row_bytes = static_cast<int>(c.row_code_bytes());
+  return d;
 }
 
 // fp16 rows already on the device, by KV head and position (positions are token indices, so
@@ -234,7 +272,8 @@ class CudaKV : public DeviceKV {
     for (const DevLayer& d : layers) {
       for (const DevSeg& s : d.segs)
         for (const DevMem& m : s.mem) seen[m.mem.get()] = m.bytes;
-      for (const DevMem* m : {&d.tail.k, &d.tail.v, &d.tail.pos, &d.tail.ranges, &d.merged.k, &d.merged.v})
+      for (const DevMem* m : {&d.tail.k, &d.tail.v, &d.tail.pos, &d.tail.ranges, &d.tail.kcodes, &d.tail.vcodes,
+                              &d.tail.cscales, &d.tail.codec_mem, &d.merged.k, &d.merged.v})
         if (m->mem) seen[m->mem.get()] = m->bytes;
       for (const StagedCodes& q : d.quantized)
         for (const DevMem* m : {&q.codes, &q.ranges}) seen[m->mem.get()] = m->bytes;
@@ -249,8 +288,8 @@ class CudaKV : public DeviceKV {
     std::vector<std::string> r;
     for (const DevSeg& s : layers.at(l).segs) r.push_back(s.storage);
     const Tail& t = layers[l].tail;
-    if (t.n && !t.packed()) r.push_back("fp16 (decode tail)");
-    if (t.n && t.packed()) r.push_back(t.label + " (decode tail)");
+    if (t.n && !t.packed() && !t.coded()) r.push_back("fp16 (decode tail)");
+    if (t.n && (t.packed() || t.coded())) r.push_back(t.label + " (decode tail)");
     return r;
   }
 
@@ -267,6 +306,12 @@ class CudaKV : public DeviceKV {
     t.v = {ctx->alloc(vb, what + " V"), vb};
     t.pos = {ctx->alloc(rows * 4, what + " positions"), rows * 4};
     t.ranges = t.packed() ? DevMem{ctx->alloc(rows * 4 * 2, what + " ranges"), rows * 4 * 2} : DevMem{};
+    if (t.coded()) {
+      const int64_t kc = rows * t.k_codec->row_code_bytes(), vc = rows * t.v_codec->row_code_bytes();
+      t.kcodes = {ctx->alloc(std::max<int64_t>(kc, 16), what + " K codes"), kc};
+      t.vcodes = {ctx->alloc(std::max<int64_t>(vc, 16), what + " V codes"), vc};
+      t.cscales = {ctx->alloc(rows * 3 * 2, what + " code scales"), rows * 3 * 2};
+    }
     t.cap = cap;
   }
   // Copies the first t.n rows of every head of t into u (u.cap >= t.n, the same storage).
@@ -282,6 +327,11 @@ class CudaKV : public DeviceKV {
     rows(t.v, u.v, static_cast<int64_t>(D) * t.v_bits / 8, NKV, "decode rows V");
     rows(t.pos, u.pos, 4, NKV, "decode rows positions");
     if (t.packed()) rows(t.ranges, u.ranges, 2, 4 * NKV, "decode rows ranges");
+    if (t.coded()) {
+      rows(t.kcodes, u.kcodes, t.k_codec->row_code_bytes(), NKV, "decode rows K codes");
+      rows(t.vcodes, u.vcodes, t.v_codec->row_code_bytes(), NKV, "decode rows V codes");
+      rows(t.cscales, u.cscales, 2, 3 * NKV, "decode rows code scales");
+    }
   }
   void grow_tail(int l, int cap) {
     Tail& t = layers[l].tail;

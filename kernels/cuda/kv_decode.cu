@@ -511,8 +511,9 @@ bool kv_rope_attend(Context& ctx, SeqKV& kv, int layer, Buffer& qkv, const AttnL
   Tail& t = C.layers.at(layer).tail;
   if (t.n + 1 > t.cap) C.grow_tail(layer, std::max(16, 2 * t.cap));
   C.build_tables(l.n_heads);
-  // (a step that keeps its query, StepQuant::zip, runs rope_append of its own)
-  if (!C.all_f16 || !decode_f16_supported(C.D, C.max_parts) || t.zipped()) return false;
+  // (a step that keeps its query, StepQuant::zip, or codes its row, StepQuant::k_codec, runs
+  // rope_append of its own)
+  if (!C.all_f16 || !decode_f16_supported(C.D, C.max_parts) || t.zipped() || t.coded()) return false;
   ++t.n;
   t.host_pos.push_back(pos_host[0]);
   if (ctx.replay) return true;

@@ -88,6 +88,48 @@ void hydrate_packed_tail(Context& ctx, const CudaKV& C, const Tail& t, KVSegment
   h.payload = std::move(p);
 }
 
+// A coded decode tail (StepQuant::k_codec) as the host's coder leaves such rows: a segment whose
+// payload is each head's row codes and fp16 scales in row order (‖k‖ then ‖r‖ with QJL; ‖v‖), the
+// layout only the host decodes; its rows are the tail's fp16 rows (their dequantization).
+void hydrate_coded_tail(Context& ctx, const CudaKV& C, const Tail& t, KVSegment& h) {
+  const int NKV = C.NKV, n = t.n;
+  const int64_t kr = t.k_codec->row_code_bytes(), vr = t.v_codec->row_code_bytes();
+  const int64_t kc = static_cast<int64_t>(NKV) * n * kr, vc = static_cast<int64_t>(NKV) * n * vr,
+                sc = 3LL * NKV * n * 2;
+  const std::string what = "decode rows' codes to the host";
+  auto* staged = static_cast<uint8_t*>(ctx.staging(kc + vc + sc, what));
+  auto rows_of = [&](uint8_t* to, const DevMem& from, int64_t row_bytes, int heads) {
+    KV_CUDA(cudaMemcpy2DAsync(to, static_cast<size_t>(n * row_bytes), from.mem.get(),
+                              static_cast<size_t>(t.cap * row_bytes), static_cast<size_t>(n * row_bytes), heads,
+                              cudaMemcpyDeviceToHost, ctx.stream),
+            what);
+  };
+  rows_of(staged, t.kcodes, kr, NKV);
+  rows_of(staged + kc, t.vcodes, vr, NKV);
+  rows_of(staged + kc + vc, t.cscales, 2, 3 * NKV);
+  ctx.sync(what);
+  const auto* scales = reinterpret_cast<const uint16_t*>(staged + kc + vc);
+  auto p = std::make_shared<quant::QuantPayload>(NKV);
+  for (int k = 0; k < NKV; ++k) {
+    const uint8_t* kcodes = staged + static_cast<int64_t>(k) * n * kr;
+    const uint8_t* vcodes = staged + kc + static_cast<int64_t>(k) * n * vr;
+    p->k[k].codes.assign(kcodes, kcodes + n * kr);
+    p->v[k].codes.assign(vcodes, vcodes + n * vr);
+    const uint16_t* kn = scales + static_cast<int64_t>(k) * n;
+    const uint16_t* kg = scales + (static_cast<int64_t>(NKV) + k) * n;
+    const uint16_t* vn = scales + (2LL * NKV + k) * n;
+    for (int i = 0; i < n; ++i) {
+      p->k[k].scales.push_back(kn[i]);
+      if (t.k_codec->qjl) p->k[k].scales.push_back(kg[i]);
+      p->v[k].scales.push_back(vn[i]);
+    }
+  }
+  p->shrink_to_fit();
+  for (HeadRows& r : h.heads) r.bits.assign(static_cast<size_t>(n), static_cast<uint8_t>(t.coded_bits));
+  h.storage = t.label;
+  h.payload = std::move(p);
+}
+
 }  // namespace
 
 void kv_hydrate(Context& ctx, const DeviceKV& dev, KVStore& host, bool rows) {
@@ -130,6 +172,7 @@ void kv_hydrate(Context& ctx, const DeviceKV& dev, KVStore& host, bool rows) {
       for (int k = 0; k < C.NKV; ++k) h.heads[k].pos.assign(d.tail.host_pos.begin() + d.tail.first(k), d.tail.host_pos.end());
       h.bytes = tail_bytes(d.tail, d.tail.rows(C.NKV), C.D);
       if (d.tail.packed()) hydrate_packed_tail(ctx, C, d.tail, h, rows);
+      if (d.tail.coded()) hydrate_coded_tail(ctx, C, d.tail, h);
       H.segments.push_back(std::move(h));
     }
     if (!rows) continue;
@@ -347,7 +390,7 @@ void kv_pull_rows(Context& ctx, SeqKV& kv, const std::vector<int>& layers, const
   auto vh = [&](size_t i) { return staged + (2 * i + 1) * static_cast<size_t>(n); };
   for (size_t i = 0; i < layers.size(); ++i) {
     const Tail& t = C.layers.at(layers[i]).tail;
-    if (t.packed())
+    if (t.packed() || t.coded())
       throw InternalError("kv_pull_rows: layer " + std::to_string(layers[i]) + "'s decode rows are codes on the device");
     if (T < 1 || T > t.n)
       throw InternalError("kv_pull_rows: layer " + std::to_string(layers[i]) + " holds " + std::to_string(t.n) +

@@ -4,6 +4,8 @@
 // to fp16 (for Hadamard-INT4 then through quant::block_hadamard), bit for bit; the cache's bytes are the host's count of such a segment; decode
 // attention over the packed rows matches the fp64 attention over their dequantization; the rows
 // read back (kv_hydrate) as a per-token payload; and the tail refuses rows from another path.
+// TurboQuant's rows are coded the same way (StepQuant::coded, codec_tail_rows): codes, scales and
+// the dequantized row equal turboquant::Codec::encode_row's, bit for bit.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -11,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "core/compress/quant_methods.h"
 #include "core/compress/quantize.h"
 #include "core/kv_format.h"
 #include "tests/decode_ops_case.h"
@@ -162,6 +165,115 @@ TEST(DecodeQuantTail, RowsQuantizedWhereTheyAreAppended) {
                             TailCase{8, 8, 64}, TailCase{4, 2, 256}, TailCase{4, 4, 128, 16}, TailCase{4, 4, 64, 8},
                             TailCase{4, 4, 128, 128}})
     quantized_tail_case(c);
+}
+
+struct CodecCase {
+  int D, bits;
+  bool qjl;
+};
+
+// TurboQuant's decode rows coded where they are appended: for each step, every KV head's key and
+// value codes and fp16 scales equal the host coder's (turboquant::Codec::encode_row) on the
+// device's RoPE'd row rounded to fp16, bit for bit, and the cache holds the host's dequantized row
+// rounded to fp16; attention over the prompt's fp16 rows and the coded ones matches fp64 over the
+// rows read back; the rows read back carry the host coder's payload; the bytes are the host's
+// count of such a segment plus the fp16 rows the device reads; a row from another path, or
+// another codec, is refused.
+void coded_tail_case(const CodecCase& tc) {
+  const std::string what = "D" + std::to_string(tc.D) + " bits " + std::to_string(tc.bits) + (tc.qjl ? " qjl" : "");
+  SCOPED_TRACE(what);
+  DecodeCase c;
+  c.NH = 6;
+  c.NKV = 2;
+  c.D = tc.D;
+  const int T = 23, steps = 5;
+  const AttnLayout l1 = layout_of(c, 1);
+  Backend& cpu = *op_backends().cpu;
+  Backend& gpu = *op_backends().gpu;
+  const auto kc = std::make_shared<const turboquant::Codec>(turboquant::make_codec(c.D, tc.qjl ? tc.bits - 1 : tc.bits, tc.qjl, 5));
+  const auto vc = std::make_shared<const turboquant::Codec>(turboquant::make_codec(c.D, tc.bits, false, 5));
+  const StepQuant q = StepQuant::coded(kc, vc, tc.bits, "coded rows " + what);
+  ASSERT_TRUE(gpu.quantizes_steps(q, c.D));
+  EXPECT_FALSE(cpu.quantizes_steps(q, c.D));
+  if (tc.qjl) EXPECT_FALSE(gpu.quantizes_steps(StepQuant::coded(vc, kc, tc.bits, "sketched values"), c.D));
+  KVStore host(1, c.NKV, c.D);
+  auto dev = gpu.kv_create(1, c.NKV, c.D);
+  SeqKV kv{&host, dev.get(), false};
+  append_prompt(gpu, kv, c, T);
+  const int64_t prompt_bytes = dev->bytes().total();
+  gpu.kv_reserve(*dev, 2, q);  // fewer rows than steps: the tail and its codes must grow
+  std::vector<quant::QuantBlock> want_k(c.NKV), want_v(c.NKV);
+  std::vector<std::vector<float>> rows_k(c.NKV), rows_v(c.NKV);
+  const SegmentKind gen = SegmentKind::Generated;
+  std::vector<float> xh(c.D);
+  for (int step = 0; step < steps; ++step) {
+    const auto row = randn(static_cast<size_t>(l1.row_stride), 2.0f);
+    const int32_t p = T + step;
+    Buffer Xg = make(gpu, "qkv1", {1, l1.row_stride}, Dt::F32, row), Pg = make_ids(gpu, "pos1", {p});
+    gpu.rope_append(kv, 0, Xg, l1, Pg, &p, &gen, 1, 10000.0f);
+    const std::vector<float> got = read(gpu, Xg);
+    for (int h = 0; h < c.NKV; ++h) {
+      std::vector<float> k(c.D), v(c.D);
+      for (int d = 0; d < c.D; ++d) {
+        k[d] = quant::round_half(got[l1.k_col + h * c.D + d]);
+        v[d] = quant::round_half(row[l1.v_col + h * c.D + d]);
+      }
+      kc->encode_row(k.data(), want_k[h], xh.data());
+      for (float x : xh) rows_k[h].push_back(quant::round_half(x));
+      vc->encode_row(v.data(), want_v[h], xh.data());
+      for (float x : xh) rows_v[h].push_back(quant::round_half(x));
+    }
+    Buffer O = make(gpu, "out", {1, static_cast<int64_t>(c.NH) * c.D}, Dt::F32,
+                    std::vector<float>(static_cast<size_t>(c.NH) * c.D, NAN));
+    gpu.decode_attention(Xg, l1, kv, 0, nullptr, O, DecodeTaps{});
+    KVStore back;
+    gpu.kv_hydrate(*dev, back, true);
+    std::vector<float> ref;
+    std::vector<double> out_bound;
+    std::vector<std::vector<float>> rs;
+    const std::vector<float> qv(got.begin() + l1.q_col, got.begin() + l1.q_col + c.NH * c.D);
+    reference(back, qv, c, l1, nullptr, ref, out_bound, rs);
+    expect_within(read(gpu, O), ref, out_bound, what + ": decode attention, step " + std::to_string(step));
+  }
+  KVStore back;
+  gpu.kv_hydrate(*dev, back, true);
+  ASSERT_EQ(back.layer(0).segments.size(), 2u);
+  const KVSegment& tail = back.layer(0).segments.back();
+  EXPECT_EQ(tail.kind, SegmentKind::Generated);
+  EXPECT_EQ(tail.storage, q.label);
+  const auto* pay = dynamic_cast<const quant::QuantPayload*>(tail.payload.get());
+  ASSERT_NE(pay, nullptr);
+  EXPECT_EQ(pay->layout.kind, quant::CodeLayout::Kind::None);
+  int64_t want_bytes = 0;
+  for (int h = 0; h < c.NKV; ++h) {
+    ASSERT_EQ(tail.heads[h].n(), steps);
+    EXPECT_EQ(tail.heads[h].bits, std::vector<uint8_t>(steps, static_cast<uint8_t>(tc.bits)));
+    EXPECT_EQ(pay->k[h].codes, want_k[h].codes) << "head " << h << " key codes";
+    EXPECT_EQ(pay->k[h].scales, want_k[h].scales) << "head " << h << " key norms";
+    EXPECT_EQ(pay->v[h].codes, want_v[h].codes) << "head " << h << " value codes";
+    EXPECT_EQ(pay->v[h].scales, want_v[h].scales) << "head " << h << " value norms";
+    EXPECT_EQ(tail.heads[h].k, rows_k[h]) << "head " << h << " dequantized keys";
+    EXPECT_EQ(tail.heads[h].v, rows_v[h]) << "head " << h << " dequantized values";
+    for (const quant::QuantBlock* b : {&want_k[h], &want_v[h]})
+      want_bytes += static_cast<int64_t>(b->codes.size() + 2 * b->scales.size());
+    want_bytes += 4 * steps + 2 * 2 * steps * c.D;  // (positions; the fp16 K and V rows)
+  }
+  EXPECT_EQ(tail.bytes.total(), want_bytes);
+  EXPECT_EQ(dev->bytes().total(), prompt_bytes + want_bytes);
+  const auto row = randn(static_cast<size_t>(l1.row_stride));
+  const int32_t p = T + steps;
+  Buffer Xg = make(gpu, "qkv1", {1, l1.row_stride}, Dt::F32, row), Pg = make_ids(gpu, "pos1", {p});
+  EXPECT_THROW(gpu.kv_append(kv, 0, Xg, l1, Pg, &p, &gen, 1), InternalError);
+  const auto other = std::make_shared<const turboquant::Codec>(turboquant::make_codec(c.D, tc.bits, false, 6));
+  EXPECT_THROW(gpu.kv_reserve(*dev, 2, StepQuant::coded(other, vc, tc.bits, q.label)), InternalError);
+}
+
+TEST(DecodeQuantTail, RowsCodedWhereTheyAreAppended) {
+  KVLENS_NEED_GPU();
+  for (const CodecCase& c : {CodecCase{128, 3, false}, CodecCase{128, 3, true}, CodecCase{64, 1, true},
+                             CodecCase{80, 2, true}, CodecCase{128, 4, false}, CodecCase{64, 2, false},
+                             CodecCase{256, 3, true}})  // (S staged in shared memory up to 128, read from memory above)
+    coded_tail_case(c);
 }
 
 }  // namespace

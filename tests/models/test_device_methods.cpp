@@ -370,6 +370,41 @@ TEST(CudaModel, PerTokenQuantizationRunsInTheDevicesSteps) {
   EXPECT_FALSE(make_policy("uniform:scope=visual")->step_quant(64).any());
 }
 
+// TurboQuant's generated rows coded by the device inside its steps (StepQuant::coded,
+// codec_tail_rows): no hook, steps chained — the same tokens and logits (within one fp16
+// rounding) as the loop that keeps the host rows and calls the hook each layer and step (the
+// kernel codes each row as the host's coder does, bit for bit: DecodeQuantTail); unchained steps
+// exactly the chained ones; and the CPU backend's tokens. Both device loops hold the rows as fp16
+// dequantizations; the device's own steps also keep each row's codes and scales on the device,
+// which are the bytes the CPU counts for the generated rows besides their positions. With
+// scope=visual nothing acts while decoding.
+TEST(CudaModel, TurboQuantRowsAreCodedInTheDevicesSteps) {
+  NEED_GPU();
+  SampleRun r = sample_run(12);
+  const kt::CpuRun cpu = kt::cpu_sample_run();
+  const int D = r.gpu.info().head_dim;
+  for (const char* spec : {"turboquant", "turboquant:bits=2,qjl=on", "turboquant:bits=4,seed=7", "turboquant:bits=1,qjl=on",
+                           "stack:evict=snapkv,quant=turboquant,bits=3,qjl=on"}) {
+    SCOPED_TRACE(spec);
+    EXPECT_TRUE(kt::PolicyProbe(make_policy(spec), false).step_quant(D).k_codec);
+    EXPECT_FALSE(kt::PolicyProbe(make_policy(spec), true).step_quant(D).any());
+    const kt::ThreeDecodes t = kt::decode_three_ways(r, spec);
+    const DecodeResult &a = t.host, &b = t.device;
+    EXPECT_EQ(b.generated_ids, a.generated_ids);
+    ASSERT_EQ(b.step_logits.size(), a.step_logits.size());
+    for (size_t i = 0; i < a.step_logits.size(); ++i)
+      EXPECT_LE(kt::max_rel(b.step_logits[i], a.step_logits[i]), std::ldexp(1.0, -11)) << "step " << i;
+    EXPECT_EQ(b.bytes_after_prefill.total(), a.bytes_after_prefill.total());
+    auto on_cpu = make_policy(spec);
+    const DecodeResult e = cpu.model->decode(cpu.st, on_cpu.get(), r.g);
+    EXPECT_EQ(b.generated_ids, e.generated_ids);
+    const int64_t positions = a.bytes_final.indices - a.bytes_after_prefill.indices;
+    EXPECT_GT(positions, 0);
+    EXPECT_EQ(b.bytes_final.total() - a.bytes_final.total(), e.bytes_final.total() - e.bytes_after_prefill.total() - positions);
+  }
+  EXPECT_FALSE(make_policy("turboquant:scope=visual")->step_quant(D).any());
+}
+
 // KIVI's streaming groups quantized on the device before the steps that need them
 // (kv_before_step): the hook never called and the steps chained; the same tokens, bytes and
 // logits (within one fp16 rounding) as the host loop that runs KIVI's on_decode_step, unchained

@@ -15,9 +15,12 @@
 // their own, so decode tokens are quantized as they arrive (scope=all).
 #include <algorithm>
 #include <cmath>
+#include <memory>
+#include <mutex>
 #include <random>
 
 #include "core/compress/quant_methods.h"
+#include "core/parallel.h"
 
 namespace kvlens {
 
@@ -34,13 +37,9 @@ void Codec::unrotate(const float* y, float* x) const {
   for (int j = 0; j < d; ++j) x[j] = t[j] * signs[j];
 }
 
-int64_t Codec::row_code_bytes() const {
-  return (mse_bits > 0 ? quant::packed_size(dp, mse_bits) : 0) + (qjl ? quant::packed_size(d, 1) : 0);
-}
-
 void Codec::encode_row(const float* x, quant::QuantBlock& out, float* xhat) const {
   double nn = 0;
-  for (int j = 0; j < d; ++j) nn += static_cast<double>(x[j]) * x[j];
+  for (int j = 0; j < d; ++j) nn = std::fma(static_cast<double>(x[j]), x[j], nn);
   const uint16_t norm_h = quant::to_half(static_cast<float>(std::sqrt(nn)));
   const float norm = quant::from_half(norm_h);
   out.scales.push_back(norm_h);
@@ -64,22 +63,25 @@ void Codec::encode_row(const float* x, quant::QuantBlock& out, float* xhat) cons
   double rr = 0;
   for (int j = 0; j < d; ++j) {
     r[j] = x[j] - xmse[j];
-    rr += static_cast<double>(r[j]) * r[j];
+    rr = std::fma(static_cast<double>(r[j]), r[j], rr);
   }
   const uint16_t gamma_h = quant::to_half(static_cast<float>(std::sqrt(rr)));
   out.scales.push_back(gamma_h);
   std::vector<uint32_t> sgn(d);
   for (int i = 0; i < d; ++i) {
     double s = 0;
-    for (int j = 0; j < d; ++j) s += static_cast<double>(S[static_cast<size_t>(i) * d + j]) * r[j];
+    for (int j = 0; j < d; ++j) s = std::fma(static_cast<double>(S[static_cast<size_t>(i) * d + j]), r[j], s);
     sgn[i] = s >= 0 ? 1u : 0u;
   }
   quant::pack(sgn.data(), d, 1, out.codes);
   const double c = std::sqrt(M_PI / 2.0) * quant::from_half(gamma_h) / d;
   for (int j = 0; j < d; ++j) {
     double acc = 0;
-    for (int i = 0; i < d; ++i) acc += (sgn[i] ? 1.0 : -1.0) * S[static_cast<size_t>(i) * d + j];
-    xhat[j] = static_cast<float>(xmse[j] + c * acc);
+    for (int i = 0; i < d; ++i) {
+      const double sij = S[static_cast<size_t>(i) * d + j];
+      acc += sgn[i] ? sij : -sij;
+    }
+    xhat[j] = static_cast<float>(std::fma(c, acc, static_cast<double>(xmse[j])));
   }
 }
 
@@ -120,35 +122,73 @@ class TurboQuantPolicy : public quant::SegmentQuantPolicy {
                " v:q" + std::to_string(bits);
   }
   std::string name() const override { return "turboquant"; }
+  // Each generated row coded as it arrives (scope "all"), stated as data: a device codes it
+  // where it is appended (StepQuant::coded).
+  StepQuant step_quant(int head_dim) const override {
+    if (!acts_on_decode()) return {};
+    std::shared_ptr<const turboquant::Codec> k, v;
+    codecs(head_dim, k, v);
+    return StepQuant::coded(k, v, bits_, storage_);
+  }
 
  private:
-  void quantize_segment(KVSegment& s, int D) override {
-    if (kc_.d != D) {
-      kc_ = turboquant::make_codec(D, qjl_ ? bits_ - 1 : bits_, qjl_, seed_);
-      vc_ = turboquant::make_codec(D, bits_, false, seed_);
+  // The codecs for head size D, made once a size (one rotation and one S for every layer and head).
+  void codecs(int D, std::shared_ptr<const turboquant::Codec>& k, std::shared_ptr<const turboquant::Codec>& v) const {
+    const std::lock_guard<std::mutex> lock(mu_);
+    if (!kc_ || kc_->d != D) {
+      kc_ = std::make_shared<const turboquant::Codec>(turboquant::make_codec(D, qjl_ ? bits_ - 1 : bits_, qjl_, seed_));
+      vc_ = std::make_shared<const turboquant::Codec>(turboquant::make_codec(D, bits_, false, seed_));
     }
-    auto p = std::make_shared<quant::QuantPayload>(static_cast<int>(s.heads.size()));
-    std::vector<float> xhat(D);
-    for (size_t h = 0; h < s.heads.size(); ++h) {
-      HeadRows& r = s.heads[h];
-      for (int j = 0; j < r.n(); ++j) {
-        float* k = r.k.data() + static_cast<size_t>(j) * D;
-        kc_.encode_row(k, p->k[h], xhat.data());
+    k = kc_;
+    v = vc_;
+  }
+  void quantize_segment(KVSegment& s, int D) override { code_segments({&s}, D); }
+  // The prompt: every layer's segments in scope coded together, on threads of their own.
+  void on_prefill(const std::vector<PrefillContext>& layers, KVStore& store) override {
+    std::vector<KVSegment*> segs;
+    int D = 0;
+    for (const PrefillContext& c : layers) {
+      D = c.head_dim;
+      for (KVSegment& s : store.layer(c.layer).segments)
+        if (in_scope(s)) segs.push_back(&s);
+    }
+    if (!segs.empty()) code_segments(segs, D);
+  }
+  // Each KV head of each segment coded on its own (up to 8 at once: every row is coded alone, so
+  // the codes do not depend on the threads); each row replaced by its dequantization.
+  void code_segments(const std::vector<KVSegment*>& segs, int D) {
+    std::shared_ptr<const turboquant::Codec> kc, vc;
+    codecs(D, kc, vc);
+    std::vector<std::shared_ptr<quant::QuantPayload>> pay;
+    std::vector<std::pair<size_t, size_t>> jobs;  // (segment, head)
+    for (size_t i = 0; i < segs.size(); ++i) {
+      pay.push_back(std::make_shared<quant::QuantPayload>(static_cast<int>(segs[i]->heads.size())));
+      for (size_t h = 0; h < segs[i]->heads.size(); ++h) jobs.emplace_back(i, h);
+    }
+    parallel_for(static_cast<int>(jobs.size()), 8, [&](int j) {
+      const auto [i, h] = jobs[static_cast<size_t>(j)];
+      HeadRows& r = segs[i]->heads[h];
+      quant::QuantPayload& p = *pay[i];
+      std::vector<float> xhat(static_cast<size_t>(D));
+      for (int t = 0; t < r.n(); ++t) {
+        float* k = r.k.data() + static_cast<size_t>(t) * D;
+        kc->encode_row(k, p.k[h], xhat.data());
         std::copy(xhat.begin(), xhat.end(), k);
-        float* v = r.v.data() + static_cast<size_t>(j) * D;
-        vc_.encode_row(v, p->v[h], xhat.data());
+        float* v = r.v.data() + static_cast<size_t>(t) * D;
+        vc->encode_row(v, p.v[h], xhat.data());
         std::copy(xhat.begin(), xhat.end(), v);
       }
-    }
+    });
     // Row bits are the keys': b codebook bits, or with qjl b − 1 codebook bits + the 1-bit sketch.
-    quant::set_quantized(s, p, storage_, bits_);
+    for (size_t i = 0; i < segs.size(); ++i) quant::set_quantized(*segs[i], pay[i], storage_, bits_);
   }
 
   int bits_;
   bool qjl_;
   uint64_t seed_;
   std::string storage_;
-  turboquant::Codec kc_, vc_;
+  mutable std::mutex mu_;
+  mutable std::shared_ptr<const turboquant::Codec> kc_, vc_;
 };
 
 }  // namespace
