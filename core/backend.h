@@ -509,6 +509,16 @@ class Backend {
                              const quant::UniformSpec& v, quant::QuantPayload& out) {
     return false;
   }
+  // Codes the rows of host segment `seg` of `layer`, which the device cache holds (by KV head and
+  // position), by row codebooks (TurboQuant; quant::RowCodec): keys with `k`, values with `v`, as
+  // turboquant::Codec::encode_row does on the host — into out.k[h] / out.v[h], each row's codes
+  // and fp16 scales in the head's row order, bit for bit. The device keeps each row's
+  // dequantization, rounded to fp16, until the layer's next kv_sync, which stores the segment
+  // whose payload is `out` from those rows. False: this backend cannot (the caller codes host rows).
+  virtual bool code_rows(DeviceKV& dev, int layer, const KVSegment& seg, const quant::RowCodec& k,
+                         const quant::RowCodec& v, quant::QuantPayload& out) {
+    return false;
+  }
   // quantize_rows whose codes and ranges may come later: `out` is filled by the next
   // finish_reductions (it must stay where it is until then), so that several layers' calls share
   // one wait. The default quantizes at once.

@@ -163,6 +163,35 @@ void kv_append(Context& ctx, SeqKV& kv, int layer, const Buffer& qkv, const Attn
 
 namespace kv {
 
+bool codec_fits(const quant::RowCodec* c, int D) {
+  return c && c->d == D && c->dp >= D && c->dp <= kMaxCodecDp && (c->dp & (c->dp - 1)) == 0 && c->mse_bits >= 0 &&
+         c->mse_bits <= 8 && (c->mse_bits > 0 || c->qjl) && static_cast<int>(c->signs.size()) == c->dp &&
+         (c->mse_bits == 0 || c->levels.size() == (size_t{1} << c->mse_bits)) &&
+         (!c->qjl || c->S.size() == static_cast<size_t>(D) * D);
+}
+
+DevMem codec_upload(Context& ctx, const quant::RowCodec& k, const quant::RowCodec& v) {
+  const int64_t per_side = k.dp + 256;
+  std::vector<float> a(static_cast<size_t>(2 * per_side), 0.0f);
+  for (int side = 0; side < 2; ++side) {
+    const quant::RowCodec& c = side ? v : k;
+    std::copy(c.signs.begin(), c.signs.end(), a.begin() + side * per_side);
+    if (c.mse_bits > 0) std::copy(c.levels.begin(), c.levels.end(), a.begin() + side * per_side + c.dp);
+  }
+  if (k.qjl) {
+    const int d = k.d;
+    a.insert(a.end(), k.S.begin(), k.S.end());
+    const size_t t0 = a.size();
+    a.resize(t0 + static_cast<size_t>(d) * d);
+    for (int i = 0; i < d; ++i)
+      for (int j = 0; j < d; ++j) a[t0 + static_cast<size_t>(j) * d + i] = k.S[static_cast<size_t>(i) * d + j];
+  }
+  const int64_t bytes = static_cast<int64_t>(a.size() * sizeof(float));
+  DevMem m{ctx.alloc(bytes, "decode rows' codecs"), bytes};
+  ctx.upload(m.mem.get(), a.data(), bytes, "decode rows' codecs");
+  return m;
+}
+
 void set_host_bytes(CudaKV& C, KVStore& host, int l) {
   LayerKV& H = host.layer(l);
   const DevLayer& d = C.layers[l];
@@ -481,6 +510,7 @@ void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l, SyncPlan plan, co
     d.merged = Staged{};
     d.quantized.clear();
     d.zipped.clear();
+    d.coded = {};
     set_host_bytes(C, host, l);
     return;
   }
@@ -556,6 +586,9 @@ void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l, SyncPlan plan, co
           break;
         }
       segs.push_back(build_packed(ctx, C, s, *p, taken.payload ? &taken : nullptr));
+    } else if (s.payload && std::count(d.coded.payloads.begin(), d.coded.payloads.end(), s.payload.get())) {
+      // rows a row codebook coded where they are, for this payload
+      segs.push_back(build_fp16(C, s, d.coded.rows.rows, d.coded.rows, "fp16 (dequantized " + s.storage + ")", false, batch));
     } else if (s.payload) {
       segs.push_back(build_fp16(C, s, none, d.merged, "fp16 (dequantized " + s.storage + ")", true, batch));
     } else {
@@ -569,6 +602,9 @@ void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l, SyncPlan plan, co
   d.merged = Staged{};
   d.quantized.clear();  // (what a segment took is held by it; the rest goes back to the pool in stream order)
   d.zipped.clear();
+  batch.retired_rows.push_back(std::move(d.coded.rows));  // (read by the batch's gathers)
+  for (DevMem& m : d.coded.more) batch.retired_rows.push_back(Staged{std::move(m), DevMem{}, RowMap{}});
+  d.coded = {};
   if (!keep_tail) C.reset_tail(l);
   C.changed();
   set_host_bytes(C, host, l);
@@ -649,44 +685,10 @@ void plan_probes(Context& ctx, CudaKV& C, int rows, const StepZip& z) {
 
 }  // namespace
 
-namespace {
-
-bool codec_ok(const quant::RowCodec* c, int D) {
-  return c && c->d == D && c->dp >= D && c->dp <= kMaxCodecDp && (c->dp & (c->dp - 1)) == 0 && c->mse_bits >= 0 &&
-         c->mse_bits <= 8 && (c->mse_bits > 0 || c->qjl) && static_cast<int>(c->signs.size()) == c->dp &&
-         (c->mse_bits == 0 || c->levels.size() == (size_t{1} << c->mse_bits)) &&
-         (!c->qjl || c->S.size() == static_cast<size_t>(D) * D);
-}
-
-// Both codecs of a coded tail into one device array (codec_dev reads it).
-DevMem codec_upload(Context& ctx, const quant::RowCodec& k, const quant::RowCodec& v) {
-  const int64_t per_side = k.dp + 256;
-  std::vector<float> a(static_cast<size_t>(2 * per_side), 0.0f);
-  for (int side = 0; side < 2; ++side) {
-    const quant::RowCodec& c = side ? v : k;
-    std::copy(c.signs.begin(), c.signs.end(), a.begin() + side * per_side);
-    if (c.mse_bits > 0) std::copy(c.levels.begin(), c.levels.end(), a.begin() + side * per_side + c.dp);
-  }
-  if (k.qjl) {
-    const int d = k.d;
-    a.insert(a.end(), k.S.begin(), k.S.end());
-    const size_t t0 = a.size();
-    a.resize(t0 + static_cast<size_t>(d) * d);
-    for (int i = 0; i < d; ++i)
-      for (int j = 0; j < d; ++j) a[t0 + static_cast<size_t>(j) * d + i] = k.S[static_cast<size_t>(i) * d + j];
-  }
-  const int64_t bytes = static_cast<int64_t>(a.size() * sizeof(float));
-  DevMem m{ctx.alloc(bytes, "decode rows' codecs"), bytes};
-  ctx.upload(m.mem.get(), a.data(), bytes, "decode rows' codecs");
-  return m;
-}
-
-}  // namespace
-
 bool kv_quantizes_steps(const StepQuant& q, int D) {
   const bool bits = q.k_bits >= 1 && q.k_bits <= 8 && q.v_bits >= 1 && q.v_bits <= 8;
   if (q.k_codec || q.v_codec)
-    return bits && codec_ok(q.k_codec.get(), D) && codec_ok(q.v_codec.get(), D) && q.k_codec->dp == q.v_codec->dp &&
+    return bits && codec_fits(q.k_codec.get(), D) && codec_fits(q.v_codec.get(), D) && q.k_codec->dp == q.v_codec->dp &&
            !q.v_codec->qjl && q.group == 0 && q.rotation == 0 && q.zip.gap == 0;
   if (q.zip.gap > 0) return bits && q.group == 0 && q.rotation == 0 && D % 8 == 0 && q.zip.probes && q.zip.rank;
   if (q.group > 0) return bits && q.k_bits == q.v_bits && q.rotation == 0 && q.residual >= 1 && D % 8 == 0;

@@ -124,12 +124,17 @@ inline QuantTail quant_tail(const Tail& t) {
   return q;
 }
 
-// A coded tail's codec of `side` (0 keys, 1 values) as codec_tail_rows reads it from codec_mem
-// (codec_upload's layout: each side's signs [dp] and levels [256], then S and Sᵀ [d][d]).
-inline CodecDev codec_dev(const Tail& t, int side) {
-  const quant::RowCodec& c = side ? *t.v_codec : *t.k_codec;
-  const float* base = t.codec_mem.as<float>();
-  const int64_t per_side = t.k_codec->dp + 256;
+// Whether the CUDA kernels code rows by c at head size D (a power of two dp ≥ D up to
+// kMaxCodecDp, 0 to 8 code bits, a codebook or a sketch).
+bool codec_fits(const quant::RowCodec* c, int D);
+// Codecs k and v (the same dp) in one device array, as codec_dev reads it: each side's signs
+// [dp] and levels [256], then k's S and Sᵀ [d][d].
+DevMem codec_upload(Context& ctx, const quant::RowCodec& k, const quant::RowCodec& v);
+// The codec of `side` (0: k, 1: v) in `mem` (codec_upload of k and v).
+inline CodecDev codec_dev(const DevMem& mem, const quant::RowCodec& k, const quant::RowCodec& v, int side) {
+  const quant::RowCodec& c = side ? v : k;
+  const float* base = mem.as<float>();
+  const int64_t per_side = k.dp + 256;
   CodecDev d;
   d.signs = base + side * per_side;
   d.levels = d.signs + c.dp;
@@ -142,6 +147,8 @@ inline CodecDev codec_dev(const Tail& t, int side) {
   d.row_bytes = static_cast<int>(c.row_code_bytes());
   return d;
 }
+// A coded tail's codec of `side`.
+inline CodecDev codec_dev(const Tail& t, int side) { return codec_dev(t.codec_mem, *t.k_codec, *t.v_codec, side); }
 
 // fp16 rows already on the device, by KV head and position (positions are token indices, so
 // a table per head indexed by position), for gathering.
@@ -216,6 +223,13 @@ struct DevLayer {
   Staged merged;  // (not copied by clone: it belongs to the decode that merged)
   std::vector<StagedCodes> quantized;  // (nor these)
   std::vector<StagedZip> zipped;
+  // Rows a row codebook coded where they are (kv_code_rows): their fp16 dequantizations by KV
+  // head and position, for the host segments whose payload is one of `payloads`.
+  struct Coded {
+    Staged rows;              // (rows.k: the first segment's rows)
+    std::vector<DevMem> more;  // the other segments' rows
+    std::vector<const void*> payloads;
+  } coded;  // (nor this)
 };
 
 // The device segment that mirrors host segment s, labelled `storage`, with an empty slot per KV
@@ -278,6 +292,8 @@ class CudaKV : public DeviceKV {
       for (const StagedCodes& q : d.quantized)
         for (const DevMem* m : {&q.codes, &q.ranges}) seen[m->mem.get()] = m->bytes;
       for (const StagedZip& q : d.zipped) seen[q.mem.mem.get()] = q.mem.bytes;
+      if (d.coded.rows.k.mem) seen[d.coded.rows.k.mem.get()] = d.coded.rows.k.bytes;
+      for (const DevMem& m : d.coded.more) seen[m.mem.get()] = m.bytes;
     }
     int64_t t = 0;
     for (const auto& kv : seen) t += kv.second;
@@ -482,6 +498,9 @@ class CudaKV : public DeviceKV {
   // The Hadamard block the decode steps rotate the query by (StepQuant::rotation, kv_reserve):
   // every key of the cache is then stored rotated. 0: none.
   int q_rotation = 0;
+  // The codecs kv_code_rows last coded with (copies), on the device (codec_upload).
+  std::shared_ptr<const quant::RowCodec> rows_k_codec, rows_v_codec;
+  DevMem rows_codec_mem;
   // ZipCache's probes (StepQuant::zip, made by kv_reserve): each layer's probe slot of every
   // decode row (−1: none; a gap's probes take slots from 0) on the host and, [L][rows], on the
   // device, and the queries the steps keep there, [L][slots][n_heads·D] fp32 (rope_append's

@@ -377,6 +377,82 @@ bool kv_quantize_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& s
   return true;
 }
 
+bool kv_code_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& seg, const quant::RowCodec& k,
+                  const quant::RowCodec& v, quant::QuantPayload& out) {
+  CudaKV& C = as_cuda(&dev);
+  const int NKV = C.NKV, D = C.D;
+  if (layer < 0 || layer >= C.L || static_cast<int>(seg.heads.size()) != NKV ||
+      static_cast<int>(out.k.size()) != NKV || static_cast<int>(out.v.size()) != NKV)
+    throw InternalError("code_rows: layer " + std::to_string(layer) + " or the segment's KV heads do not match the cache");
+  if (!codec_fits(&k, D) || !codec_fits(&v, D) || k.dp != v.dp || v.qjl) return false;
+  const std::string what = std::string("coded ") + segment_kind_name(seg.kind) + " rows of layer " + std::to_string(layer);
+  DevLayer& d = C.layers[static_cast<size_t>(layer)];
+  const std::vector<const KVSegment*> segs{&seg};
+  const SegmentRows rows(C, d, segs, "code_rows: " + what);
+  std::vector<int64_t> first(static_cast<size_t>(NKV) + 1, 0);
+  for (int h = 0; h < NKV; ++h)
+    first[static_cast<size_t>(h) + 1] = first[static_cast<size_t>(h)] + seg.heads[static_cast<size_t>(h)].n();
+  const int64_t N = first.back();
+  if (N == 0) return true;
+  if (!C.rows_k_codec || !(*C.rows_k_codec == k) || !(*C.rows_v_codec == v)) {
+    C.rows_codec_mem = codec_upload(ctx, k, v);
+    C.rows_k_codec = std::make_shared<const quant::RowCodec>(k);
+    C.rows_v_codec = std::make_shared<const quant::RowCodec>(v);
+  }
+  // Every head's rows by pointer, keys then values; their dequantizations into X [2][N][D].
+  std::vector<const __half*> src(static_cast<size_t>(2 * N));
+  for (int h = 0; h < NKV; ++h)
+    for (int i = 0; i < seg.heads[static_cast<size_t>(h)].n(); ++i) {
+      const RowMap::Row row = rows.row(0, h, i);
+      src[static_cast<size_t>(first[static_cast<size_t>(h)] + i)] = row.first;
+      src[static_cast<size_t>(N + first[static_cast<size_t>(h)] + i)] = row.second;
+    }
+  const int64_t lb = 2 * N * static_cast<int64_t>(sizeof(void*));
+  DevMem L{ctx.alloc(lb, what + " row list"), lb};
+  ctx.upload(L.mem.get(), src.data(), lb, what + " row list");
+  const int64_t kr = k.row_code_bytes(), vr = v.row_code_bytes();
+  DevMem X{ctx.alloc(2 * N * D * 2, what), 2 * N * D * 2};
+  const int64_t at_scales = (N * (kr + vr) + 15) / 16 * 16;  // codes K, codes V, then the scales [3][N]
+  DevMem Cd{ctx.alloc(at_scales + 3 * N * 2, what + " codes"), at_scales + 3 * N * 2};
+  uint8_t* kc = Cd.as<uint8_t>();
+  uint8_t* vc = kc + N * kr;
+  auto* sc = reinterpret_cast<__half*>(kc + at_scales);
+  const CodecDev kd = codec_dev(C.rows_codec_mem, *C.rows_k_codec, *C.rows_v_codec, 0),
+                 vd = codec_dev(C.rows_codec_mem, *C.rows_k_codec, *C.rows_v_codec, 1);
+  codec_rows(kd, vd, static_cast<const __half* const*>(L.mem.get()), static_cast<int>(N), D, X.as<__half>(), kc, vc, sc,
+             ctx.stream);
+  auto* staged = static_cast<uint8_t*>(ctx.staging(Cd.bytes, what + " to the host"));
+  ctx.download_async(staged, Cd.mem.get(), Cd.bytes, what + " to the host");
+  ctx.sync(what);
+  // Each head's rows in order, as the host's coder appends them.
+  const auto* norms = reinterpret_cast<const uint16_t*>(staged + at_scales);
+  for (int h = 0; h < NKV; ++h) {
+    const int64_t a = first[static_cast<size_t>(h)], b = first[static_cast<size_t>(h) + 1];
+    quant::QuantBlock &qk = out.k[static_cast<size_t>(h)], &qv = out.v[static_cast<size_t>(h)];
+    qk.codes.assign(staged + a * kr, staged + b * kr);
+    qv.codes.assign(staged + N * kr + a * vr, staged + N * kr + b * vr);
+    qk.scales.clear();
+    qv.scales.assign(norms + 2 * N + a, norms + 2 * N + b);
+    for (int64_t i = a; i < b; ++i) {
+      qk.scales.push_back(norms[i]);
+      if (k.qjl) qk.scales.push_back(norms[N + i]);
+    }
+  }
+  // The rows, for the layer's next kv_sync (the segment whose payload is `out`).
+  DevLayer::Coded& keep = d.coded;
+  if (keep.rows.rows.by_head.empty()) keep.rows.rows.by_head.resize(static_cast<size_t>(NKV));
+  for (int h = 0; h < NKV; ++h)
+    for (int i = 0; i < seg.heads[static_cast<size_t>(h)].n(); ++i) {
+      const int64_t r = first[static_cast<size_t>(h)] + i;
+      keep.rows.rows.put(h, seg.heads[static_cast<size_t>(h)].pos[static_cast<size_t>(i)],
+                         {X.as<__half>() + r * D, X.as<__half>() + (N + r) * D});
+    }
+  if (!keep.rows.k.mem) keep.rows.k = std::move(X);
+  else keep.more.push_back(std::move(X));
+  keep.payloads.push_back(&out);
+  return true;
+}
+
 void kv_pull_rows(Context& ctx, SeqKV& kv, const std::vector<int>& layers, const int32_t* pos_host,
                   const SegmentKind* kinds, int T) {
   CudaKV& C = as_cuda(kv.dev);

@@ -405,6 +405,46 @@ TEST(CudaModel, TurboQuantRowsAreCodedInTheDevicesSteps) {
   EXPECT_FALSE(make_policy("turboquant:scope=visual")->step_quant(D).any());
 }
 
+// TurboQuant's prompt coded where its rows are (Backend::code_rows) when the host store holds the
+// layout alone: every coded segment's codes and scales equal the host coder's on the same fp16
+// rows (the decode that observes rows brings them to the host and codes them there), bit for
+// bit; the same tokens and logits (within one fp16 rounding) and the same bytes after the prompt;
+// visual rows alone, and after SnapKV too.
+TEST(CudaModel, TurboQuantCodesThePromptOnTheDevice) {
+  NEED_GPU();
+  SampleRun r = sample_run(8);
+  for (const char* spec : {"turboquant", "turboquant:bits=2,qjl=on", "turboquant:bits=4,scope=visual",
+                           "stack:evict=snapkv,quant=turboquant,bits=3,qjl=on"}) {
+    SCOPED_TRACE(spec);
+    const TwoDecodes t = decode_on_layout_and_on_rows(r, spec);
+    EXPECT_EQ(t.x.generated_ids, t.y.generated_ids);
+    ASSERT_EQ(t.x.step_logits.size(), t.y.step_logits.size());
+    for (size_t i = 0; i < t.y.step_logits.size(); ++i)
+      EXPECT_LE(kt::max_rel(t.x.step_logits[i], t.y.step_logits[i]), std::ldexp(1.0, -11)) << "step " << i;
+    EXPECT_EQ(t.x.bytes_after_prefill.total(), t.y.bytes_after_prefill.total());
+    expect_same_layout(t.a, t.b);
+    int coded = 0;
+    for (int l = 0; l < t.b.n_layers(); ++l)
+      for (size_t i = 0; i < t.b.layer(l).segments.size(); ++i) {
+        const KVSegment &sa = t.a.layer(l).segments[i], &sb = t.b.layer(l).segments[i];
+        const auto* pa = dynamic_cast<const quant::QuantPayload*>(sa.payload.get());
+        const auto* pb = dynamic_cast<const quant::QuantPayload*>(sb.payload.get());
+        ASSERT_EQ(!pa, !pb) << "layer " << l << " segment " << i;
+        if (!pa) continue;
+        ++coded;
+        EXPECT_EQ(sa.storage, sb.storage);
+        ASSERT_EQ(pa->k.size(), pb->k.size());
+        for (size_t h = 0; h < pa->k.size(); ++h) {
+          EXPECT_TRUE(pa->k[h].codes == pb->k[h].codes && pa->k[h].scales == pb->k[h].scales)
+              << "layer " << l << " segment " << i << " head " << h << " keys";
+          EXPECT_TRUE(pa->v[h].codes == pb->v[h].codes && pa->v[h].scales == pb->v[h].scales)
+              << "layer " << l << " segment " << i << " head " << h << " values";
+        }
+      }
+    EXPECT_GE(coded, r.layers) << "a coded segment a layer at least";
+  }
+}
+
 // KIVI's streaming groups quantized on the device before the steps that need them
 // (kv_before_step): the hook never called and the steps chained; the same tokens, bytes and
 // logits (within one fp16 rounding) as the host loop that runs KIVI's on_decode_step, unchained

@@ -131,6 +131,33 @@ class TurboQuantPolicy : public quant::SegmentQuantPolicy {
     return StepQuant::coded(k, v, bits_, storage_);
   }
 
+  // The prompt: every layer's segments in scope coded together — where their rows are: on the
+  // device by its backend (Backend::code_rows) when the host store holds the layout alone, else
+  // on the host on threads of their own.
+  void on_prefill(const std::vector<PrefillContext>& layers, KVStore& store) override {
+    std::vector<KVSegment*> segs;
+    int D = 0;
+    for (const PrefillContext& c : layers) {
+      D = c.head_dim;
+      for (KVSegment& s : store.layer(c.layer).segments)
+        if (in_scope(s)) {
+          if (s.layout_only) code_on_device(c, s);
+          else segs.push_back(&s);
+        }
+    }
+    if (!segs.empty()) code_segments(segs, D);
+  }
+  void on_prefill_layer(const PrefillContext& ctx, LayerKV& layer) override {
+    std::vector<KVSegment*> segs;
+    for (KVSegment& s : layer.segments)
+      if (in_scope(s)) {
+        if (s.layout_only) code_on_device(ctx, s);
+        else segs.push_back(&s);
+      }
+    if (!segs.empty()) code_segments(segs, ctx.head_dim);
+  }
+  bool reads_rows() const override { return false; }
+
  private:
   // The codecs for head size D, made once a size (one rotation and one S for every layer and head).
   void codecs(int D, std::shared_ptr<const turboquant::Codec>& k, std::shared_ptr<const turboquant::Codec>& v) const {
@@ -143,16 +170,16 @@ class TurboQuantPolicy : public quant::SegmentQuantPolicy {
     v = vc_;
   }
   void quantize_segment(KVSegment& s, int D) override { code_segments({&s}, D); }
-  // The prompt: every layer's segments in scope coded together, on threads of their own.
-  void on_prefill(const std::vector<PrefillContext>& layers, KVStore& store) override {
-    std::vector<KVSegment*> segs;
-    int D = 0;
-    for (const PrefillContext& c : layers) {
-      D = c.head_dim;
-      for (KVSegment& s : store.layer(c.layer).segments)
-        if (in_scope(s)) segs.push_back(&s);
-    }
-    if (!segs.empty()) code_segments(segs, D);
+
+  void code_on_device(const PrefillContext& c, KVSegment& s) const {
+    std::shared_ptr<const turboquant::Codec> kc, vc;
+    codecs(c.head_dim, kc, vc);
+    auto p = std::make_shared<quant::QuantPayload>(static_cast<int>(s.heads.size()));
+    if (!c.backend || !c.device || !c.backend->code_rows(*c.device, c.layer, s, *kc, *vc, *p))
+      throw InternalError("turboquant: layer " + std::to_string(c.layer) +
+                          "'s rows are in the device cache alone, and its backend cannot code them there");
+    // Row bits are the keys': b codebook bits, or with qjl b − 1 codebook bits + the 1-bit sketch.
+    quant::set_quantized(s, p, storage_, bits_);
   }
   // Each KV head of each segment coded on its own (up to 8 at once: every row is coded alone, so
   // the codes do not depend on the threads); each row replaced by its dequantization.
@@ -179,7 +206,6 @@ class TurboQuantPolicy : public quant::SegmentQuantPolicy {
         std::copy(xhat.begin(), xhat.end(), v);
       }
     });
-    // Row bits are the keys': b codebook bits, or with qjl b − 1 codebook bits + the 1-bit sketch.
     for (size_t i = 0; i < segs.size(); ++i) quant::set_quantized(*segs[i], pay[i], storage_, bits_);
   }
 

@@ -555,6 +555,47 @@ TEST(TurboQuant, RotationIsOrthonormalAndErrorFallsWithBits) {
   }
 }
 
+// The prompt's segments, coded together with their KV heads on threads, hold each row as the
+// codec codes it alone (codes, norms, dequantized rows: bit for bit); a store that holds the
+// layout alone is coded by the device that holds the rows, and without one it is refused.
+TEST(TurboQuant, PromptRowsCodedOneByOne) {
+  for (const char* spec : {"turboquant:bits=3", "turboquant:bits=2,qjl=on,seed=4"}) {
+    SCOPED_TRACE(spec);
+    Fixture f(2, 40, 6, 32, 150, 4);
+    const bool qjl = std::string(spec).find("qjl") != std::string::npos;
+    const int bits = qjl ? 2 : 3;
+    const turboquant::Codec kc = turboquant::make_codec(f.D, qjl ? bits - 1 : bits, qjl, qjl ? 4 : 0);
+    const turboquant::Codec vc = turboquant::make_codec(f.D, bits, false, qjl ? 4 : 0);
+    f.prefill(*make_policy(spec)), expect_accounting(f.store);
+    int rows = 0;
+    for (const KVSegment& s : f.store.layer(0).segments) {
+      const auto* p = dynamic_cast<const quant::QuantPayload*>(s.payload.get());
+      ASSERT_NE(p, nullptr);
+      for (int kh = 0; kh < f.KH; ++kh) {
+        quant::QuantBlock want_k, want_v;
+        std::vector<float> xk, xv, xh(f.D);
+        for (int i = 0; i < s.heads[kh].n(); ++i, ++rows) {
+          const int t = s.heads[kh].pos[i];
+          kc.encode_row(f.key(t, kh), want_k, xh.data());
+          xk.insert(xk.end(), xh.begin(), xh.end());
+          vc.encode_row(f.val(t, kh), want_v, xh.data());
+          xv.insert(xv.end(), xh.begin(), xh.end());
+        }
+        EXPECT_TRUE(p->k[kh].codes == want_k.codes && p->k[kh].scales == want_k.scales) << "head " << kh;
+        EXPECT_TRUE(p->v[kh].codes == want_v.codes && p->v[kh].scales == want_v.scales) << "head " << kh;
+        EXPECT_EQ(s.heads[kh].k, xk) << "head " << kh;
+        EXPECT_EQ(s.heads[kh].v, xv) << "head " << kh;
+      }
+    }
+    EXPECT_EQ(rows, f.T * f.KH);
+    Fixture g(2, 40, 6, 32, 150, 4);
+    KVStore layout = g.store.without_rows();
+    const auto policy = make_policy(spec);
+    EXPECT_FALSE(policy->reads_rows());
+    EXPECT_THROW(policy->on_prefill({g.ctx()}, layout), InternalError);
+  }
+}
+
 TEST(TurboQuant, QjlKeysGiveUnbiasedInnerProducts) {
   // E over the random rotation and S (seeds) of q·k̂ equals q·k with the QJL residual; the
   // 1-bit MSE codebook alone shrinks the product (biased).
