@@ -57,6 +57,17 @@ __device__ void put_code(uint32_t* words, int i, int bits, uint32_t code) {
   if (o + bits > 32) atomicOr(&words[w + 1], code >> (32 - o));
 }
 
+// Thread 0: ‖x[0, d)‖ as the host's coder takes it (fused double sums in index order), rounded
+// to fp16, into *h and as a float into *f (read after the block's next barrier).
+__device__ void norm_of(const float* x, int d, __half* h, float* f) {
+  if (threadIdx.x != 0) return;
+  double s = 0;
+#pragma unroll 16
+  for (int j = 0; j < d; ++j) s = fma(static_cast<double>(x[j]), static_cast<double>(x[j]), s);
+  *h = __float2half_rn(static_cast<float>(sqrt(s)));
+  *f = __half2float(*h);
+}
+
 __device__ uint8_t byte_of(const uint32_t* words, int k) { return static_cast<uint8_t>(words[k >> 2] >> (8 * (k & 3))); }
 
 // A coding block's shared memory (besides S, staged in dynamic shared memory).
@@ -103,13 +114,7 @@ __device__ void code_row(const CodecDev& c, bool staged, const float* sS, CodecS
   const int code_words = (dp * mb + 31) / 32, sign_words = c.qjl ? (d + 31) / 32 : 0;
   for (int i = threadIdx.x; i < code_words + sign_words; i += blockDim.x) words[i] = 0;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    double nn = 0;
-#pragma unroll 16
-    for (int j = 0; j < d; ++j) nn = fma(static_cast<double>(x[j]), static_cast<double>(x[j]), nn);
-    sh.norm_h = __float2half_rn(static_cast<float>(sqrt(nn)));
-    sh.norm_s = __half2float(sh.norm_h);
-  }
+  norm_of(x, d, &sh.norm_h, &sh.norm_s);
   __syncthreads();
   const float norm = sh.norm_s;
   if (mb > 0) {
@@ -133,13 +138,7 @@ __device__ void code_row(const CodecDev& c, bool staged, const float* sS, CodecS
   if (c.qjl) {
     for (int j = threadIdx.x; j < d; j += blockDim.x) y[j] = x[j] - xm[j];  // r
     __syncthreads();
-    if (threadIdx.x == 0) {
-      double rr = 0;
-#pragma unroll 16
-      for (int j = 0; j < d; ++j) rr = fma(static_cast<double>(y[j]), static_cast<double>(y[j]), rr);
-      sh.gamma_h = __float2half_rn(static_cast<float>(sqrt(rr)));
-      sh.gamma_s = __half2float(sh.gamma_h);
-    }
+    norm_of(y, d, &sh.gamma_h, &sh.gamma_s);
     for (int i = threadIdx.x; i < d; i += blockDim.x) {  // sign(S·r)
       double s = 0;  // (unrolled: the loads of S go out together; the sum stays in index order)
 #pragma unroll 16

@@ -21,6 +21,30 @@ using namespace kv;
 
 namespace {
 
+// The first t.n rows of each of a tail's `arrays` (each [heads][t.cap] rows of row_bytes bytes)
+// into page-locked memory one array after another, before one wait; where they lie.
+struct TailArray {
+  const DevMem* mem;
+  int64_t row_bytes;
+  int heads;
+};
+const uint8_t* tail_to_host(Context& ctx, const Tail& t, const std::vector<TailArray>& arrays, const std::string& what) {
+  const int64_t n = t.n;
+  int64_t total = 0;
+  for (const TailArray& a : arrays) total += a.heads * n * a.row_bytes;
+  auto* staged = static_cast<uint8_t*>(ctx.staging(total, what));
+  int64_t at = 0;
+  for (const TailArray& a : arrays) {
+    KV_CUDA(cudaMemcpy2DAsync(staged + at, static_cast<size_t>(n * a.row_bytes), a.mem->mem.get(),
+                              static_cast<size_t>(t.cap * a.row_bytes), static_cast<size_t>(n * a.row_bytes), a.heads,
+                              cudaMemcpyDeviceToHost, ctx.stream),
+            what);
+    at += a.heads * n * a.row_bytes;
+  }
+  ctx.sync(what);
+  return staged;
+}
+
 // A packed decode tail (StepQuant) as the host holds such rows: a segment whose payload is each
 // head's codes and per-row fp16 ranges (CodeLayout::Blocks, per-token K and V, the layout a
 // per-token uniform method's on_decode_step makes), and with `rows` the dequantized rows (as
@@ -30,20 +54,9 @@ namespace {
 void hydrate_packed_tail(Context& ctx, const CudaKV& C, const Tail& t, KVSegment& h, bool rows) {
   const int NKV = C.NKV, D = C.D, n = t.n;
   const int64_t kr = static_cast<int64_t>(D) * t.k_bits / 8, vr = static_cast<int64_t>(D) * t.v_bits / 8;
-  const int64_t kc = static_cast<int64_t>(NKV) * n * kr, vc = static_cast<int64_t>(NKV) * n * vr,
-                rc = 4LL * NKV * n * 2;
-  const std::string what = "decode rows' codes to the host";
-  auto* staged = static_cast<uint8_t*>(ctx.staging(kc + vc + rc, what));
-  auto rows_of = [&](uint8_t* to, const DevMem& from, int64_t row_bytes, int heads) {
-    KV_CUDA(cudaMemcpy2DAsync(to, static_cast<size_t>(n * row_bytes), from.mem.get(),
-                              static_cast<size_t>(t.cap * row_bytes), static_cast<size_t>(n * row_bytes), heads,
-                              cudaMemcpyDeviceToHost, ctx.stream),
-            what);
-  };
-  rows_of(staged, t.k, kr, NKV);
-  rows_of(staged + kc, t.v, vr, NKV);
-  rows_of(staged + kc + vc, t.ranges, 2, 4 * NKV);
-  ctx.sync(what);
+  const int64_t kc = static_cast<int64_t>(NKV) * n * kr, vc = static_cast<int64_t>(NKV) * n * vr;
+  const uint8_t* staged = tail_to_host(ctx, t, {{&t.k, kr, NKV}, {&t.v, vr, NKV}, {&t.ranges, 2, 4 * NKV}},
+                                       "decode rows' codes to the host");
   const auto* ranges = reinterpret_cast<const uint16_t*>(staged + kc + vc);
   auto p = std::make_shared<quant::QuantPayload>(NKV);
   for (int k = 0; k < NKV; ++k)
@@ -94,20 +107,9 @@ void hydrate_packed_tail(Context& ctx, const CudaKV& C, const Tail& t, KVSegment
 void hydrate_coded_tail(Context& ctx, const CudaKV& C, const Tail& t, KVSegment& h) {
   const int NKV = C.NKV, n = t.n;
   const int64_t kr = t.k_codec->row_code_bytes(), vr = t.v_codec->row_code_bytes();
-  const int64_t kc = static_cast<int64_t>(NKV) * n * kr, vc = static_cast<int64_t>(NKV) * n * vr,
-                sc = 3LL * NKV * n * 2;
-  const std::string what = "decode rows' codes to the host";
-  auto* staged = static_cast<uint8_t*>(ctx.staging(kc + vc + sc, what));
-  auto rows_of = [&](uint8_t* to, const DevMem& from, int64_t row_bytes, int heads) {
-    KV_CUDA(cudaMemcpy2DAsync(to, static_cast<size_t>(n * row_bytes), from.mem.get(),
-                              static_cast<size_t>(t.cap * row_bytes), static_cast<size_t>(n * row_bytes), heads,
-                              cudaMemcpyDeviceToHost, ctx.stream),
-            what);
-  };
-  rows_of(staged, t.kcodes, kr, NKV);
-  rows_of(staged + kc, t.vcodes, vr, NKV);
-  rows_of(staged + kc + vc, t.cscales, 2, 3 * NKV);
-  ctx.sync(what);
+  const int64_t kc = static_cast<int64_t>(NKV) * n * kr, vc = static_cast<int64_t>(NKV) * n * vr;
+  const uint8_t* staged = tail_to_host(ctx, t, {{&t.kcodes, kr, NKV}, {&t.vcodes, vr, NKV}, {&t.cscales, 2, 3 * NKV}},
+                                       "decode rows' codes to the host");
   const auto* scales = reinterpret_cast<const uint16_t*>(staged + kc + vc);
   auto p = std::make_shared<quant::QuantPayload>(NKV);
   for (int k = 0; k < NKV; ++k) {

@@ -24,6 +24,22 @@ using namespace kvlens::testing;
 
 namespace {
 
+// Decode attention of the query in Xg over the cache of kv, against fp64 attention of qv over the
+// rows the cache reads back (kv_hydrate).
+void expect_attention_over_rows_read_back(Backend& gpu, SeqKV& kv, const Buffer& Xg, const AttnLayout& l1,
+                                          const DecodeCase& c, const std::vector<float>& qv, const std::string& what) {
+  Buffer O = make(gpu, "out", {1, static_cast<int64_t>(c.NH) * c.D}, Dt::F32,
+                  std::vector<float>(static_cast<size_t>(c.NH) * c.D, NAN));
+  gpu.decode_attention(Xg, l1, kv, 0, nullptr, O, DecodeTaps{});
+  KVStore back;
+  gpu.kv_hydrate(*kv.dev, back, true);
+  std::vector<float> ref;
+  std::vector<double> out_bound;
+  std::vector<std::vector<float>> rs;
+  reference(back, qv, c, l1, nullptr, ref, out_bound, rs);
+  expect_within(read(gpu, O), ref, out_bound, what);
+}
+
 struct TailCase {
   int k_bits, v_bits, D;
   int rotation = 0;  // Hadamard-INT4's blocks
@@ -91,17 +107,8 @@ void quantized_tail_case(const TailCase& tc) {
       quant::quantize_block(v.data(), 1, c.D, {tc.v_bits, quant::Axis::PerToken}, want_v[h]);
     }
     // Attention over the prompt's fp16 rows and the packed ones, against fp64 over the rows read back.
-    Buffer O = make(gpu, "out", {1, static_cast<int64_t>(c.NH) * c.D}, Dt::F32,
-                    std::vector<float>(static_cast<size_t>(c.NH) * c.D, NAN));
-    gpu.decode_attention(Xg, l1, kv, 0, nullptr, O, DecodeTaps{});
-    KVStore back;
-    gpu.kv_hydrate(*dev, back, true);
-    std::vector<float> ref;
-    std::vector<double> out_bound;
-    std::vector<std::vector<float>> rs;
     const std::vector<float> qv(rotated.begin(), rotated.begin() + c.NH * c.D);  // (RoPE alone: the rows read back are rotated back)
-    reference(back, qv, c, l1, nullptr, ref, out_bound, rs);
-    expect_within(read(gpu, O), ref, out_bound, what + ": decode attention, step " + std::to_string(step));
+    expect_attention_over_rows_read_back(gpu, kv, Xg, l1, c, qv, what + ": decode attention, step " + std::to_string(step));
   }
   KVStore back;
   gpu.kv_hydrate(*dev, back, true);
@@ -223,17 +230,8 @@ void coded_tail_case(const CodecCase& tc) {
       vc->encode_row(v.data(), want_v[h], xh.data());
       for (float x : xh) rows_v[h].push_back(quant::round_half(x));
     }
-    Buffer O = make(gpu, "out", {1, static_cast<int64_t>(c.NH) * c.D}, Dt::F32,
-                    std::vector<float>(static_cast<size_t>(c.NH) * c.D, NAN));
-    gpu.decode_attention(Xg, l1, kv, 0, nullptr, O, DecodeTaps{});
-    KVStore back;
-    gpu.kv_hydrate(*dev, back, true);
-    std::vector<float> ref;
-    std::vector<double> out_bound;
-    std::vector<std::vector<float>> rs;
     const std::vector<float> qv(got.begin() + l1.q_col, got.begin() + l1.q_col + c.NH * c.D);
-    reference(back, qv, c, l1, nullptr, ref, out_bound, rs);
-    expect_within(read(gpu, O), ref, out_bound, what + ": decode attention, step " + std::to_string(step));
+    expect_attention_over_rows_read_back(gpu, kv, Xg, l1, c, qv, what + ": decode attention, step " + std::to_string(step));
   }
   KVStore back;
   gpu.kv_hydrate(*dev, back, true);
