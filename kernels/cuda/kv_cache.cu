@@ -706,9 +706,9 @@ void kv_reserve(Context& ctx, DeviceKV& dev, int rows, const StepQuant& quant) {
   const bool coded = quant.any() && quant.k_codec;
   auto differs = [&](const Tail& t) {
     if (zipped) return true;
-    if (coded || t.coded())
-      return !coded || !t.coded() || !(*t.k_codec == *quant.k_codec) || !(*t.v_codec == *quant.v_codec) ||
-             t.coded_bits != quant.k_bits || t.label != quant.label;
+    if (coded || t.coded())  // (room alone, StepQuant{}, keeps the storage, as for a packed tail)
+      return quant.any() && (!coded || !t.coded() || !(*t.k_codec == *quant.k_codec) ||
+                             !(*t.v_codec == *quant.v_codec) || t.coded_bits != quant.k_bits || t.label != quant.label);
     if (grouped)
       return t.packed() || t.groups.k_bits != quant.k_bits || t.groups.group != quant.group ||
              t.groups.residual != quant.residual || t.groups.label != quant.label;

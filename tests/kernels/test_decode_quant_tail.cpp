@@ -264,6 +264,10 @@ void coded_tail_case(const CodecCase& tc) {
   EXPECT_THROW(gpu.kv_append(kv, 0, Xg, l1, Pg, &p, &gen, 1), InternalError);
   const auto other = std::make_shared<const turboquant::Codec>(turboquant::make_codec(c.D, tc.bits, false, 6));
   EXPECT_THROW(gpu.kv_reserve(*dev, 2, StepQuant::coded(other, vc, tc.bits, q.label)), InternalError);
+  // Room alone keeps the rows and their storage.
+  gpu.kv_reserve(*dev, 64);
+  EXPECT_EQ(dev->storage(0).back(), q.label + " (decode tail)");
+  EXPECT_EQ(dev->bytes().total(), prompt_bytes + want_bytes);
 }
 
 TEST(DecodeQuantTail, RowsCodedWhereTheyAreAppended) {
