@@ -181,7 +181,8 @@ class TurboQuantPolicy : public quant::SegmentQuantPolicy {
     // Row bits are the keys': b codebook bits, or with qjl b − 1 codebook bits + the 1-bit sketch.
     quant::set_quantized(s, p, storage_, bits_);
   }
-  // Each KV head of each segment coded on its own (up to 8 at once: every row is coded alone, so
+  // Each KV head of each segment coded on its own (up to 8 at once where there are enough rows to
+  // pay for the threads — a prompt, not a decode step's row a head: every row is coded alone, so
   // the codes do not depend on the threads); each row replaced by its dequantization.
   void code_segments(const std::vector<KVSegment*>& segs, int D) {
     std::shared_ptr<const turboquant::Codec> kc, vc;
@@ -192,7 +193,10 @@ class TurboQuantPolicy : public quant::SegmentQuantPolicy {
       pay.push_back(std::make_shared<quant::QuantPayload>(static_cast<int>(segs[i]->heads.size())));
       for (size_t h = 0; h < segs[i]->heads.size(); ++h) jobs.emplace_back(i, h);
     }
-    parallel_for(static_cast<int>(jobs.size()), 8, [&](int j) {
+    int64_t rows = 0;
+    for (const KVSegment* sg : segs)
+      for (const HeadRows& r : sg->heads) rows += r.n();
+    parallel_for(static_cast<int>(jobs.size()), rows >= kThreadedRows ? 8 : 1, [&](int j) {
       const auto [i, h] = jobs[static_cast<size_t>(j)];
       HeadRows& r = segs[i]->heads[h];
       quant::QuantPayload& p = *pay[i];
@@ -209,6 +213,7 @@ class TurboQuantPolicy : public quant::SegmentQuantPolicy {
     for (size_t i = 0; i < segs.size(); ++i) quant::set_quantized(*segs[i], pay[i], storage_, bits_);
   }
 
+  static constexpr int64_t kThreadedRows = 256;
   int bits_;
   bool qjl_;
   uint64_t seed_;
