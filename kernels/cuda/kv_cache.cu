@@ -192,6 +192,19 @@ DevMem codec_upload(Context& ctx, const quant::RowCodec& k, const quant::RowCode
   return m;
 }
 
+void land_coded(const quant::RowCodec& k, const quant::RowCodec& v, const uint8_t* kcodes, const uint8_t* vcodes,
+                const uint16_t* norm_k, const uint16_t* norm_r, const uint16_t* norm_v, int64_t n, quant::QuantBlock& qk,
+                quant::QuantBlock& qv) {
+  qk.codes.assign(kcodes, kcodes + n * k.row_code_bytes());
+  qv.codes.assign(vcodes, vcodes + n * v.row_code_bytes());
+  qv.scales.assign(norm_v, norm_v + n);
+  qk.scales.clear();
+  for (int64_t i = 0; i < n; ++i) {
+    qk.scales.push_back(norm_k[i]);
+    if (k.qjl) qk.scales.push_back(norm_r[i]);
+  }
+}
+
 void set_host_bytes(CudaKV& C, KVStore& host, int l) {
   LayerKV& H = host.layer(l);
   const DevLayer& d = C.layers[l];
@@ -721,7 +734,6 @@ void kv_reserve(Context& ctx, DeviceKV& dev, int rows, const StepQuant& quant) {
   if (quant.any() && !kv_quantizes_steps(quant, C.D))
     throw InternalError("kv_reserve: decode rows of " + std::to_string(quant.k_bits) + "/" + std::to_string(quant.v_bits) +
                         " bits, rotation " + std::to_string(quant.rotation) + ", head size " + std::to_string(C.D));
-  DevMem codecs;
   for (int l = 0; l < C.L; ++l) {
     Tail& t = C.layers[l].tail;
     if (differs(t)) {
@@ -729,11 +741,10 @@ void kv_reserve(Context& ctx, DeviceKV& dev, int rows, const StepQuant& quant) {
       if (grouped) {
         u.groups = quant;
       } else if (coded) {  // fp16 rows, the codes beside them
-        if (!codecs.mem) codecs = codec_upload(ctx, *quant.k_codec, *quant.v_codec);
         u.k_codec = quant.k_codec;
         u.v_codec = quant.v_codec;
         u.coded_bits = quant.k_bits;
-        u.codec_mem = codecs;
+        u.codec_mem = C.codecs(*quant.k_codec, *quant.v_codec);
         u.label = quant.label;
       } else {
         u.k_bits = quant.k_bits;

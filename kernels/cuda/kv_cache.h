@@ -147,6 +147,12 @@ inline CodecDev codec_dev(const DevMem& mem, const quant::RowCodec& k, const qua
   d.row_bytes = static_cast<int>(c.row_code_bytes());
   return d;
 }
+// Rows [0, n) of one KV head as the host's coder keeps them (QuantBlock): the codes of k and v
+// (rows of k / v.row_code_bytes()) and the fp16 scales, each row's ‖k‖ then ‖r‖ (QJL) for keys,
+// ‖v‖ for values, from the planes norm_k, norm_r, norm_v.
+void land_coded(const quant::RowCodec& k, const quant::RowCodec& v, const uint8_t* kcodes, const uint8_t* vcodes,
+                const uint16_t* norm_k, const uint16_t* norm_r, const uint16_t* norm_v, int64_t n, quant::QuantBlock& qk,
+                quant::QuantBlock& qv);
 // A coded tail's codec of `side`.
 inline CodecDev codec_dev(const Tail& t, int side) { return codec_dev(t.codec_mem, *t.k_codec, *t.v_codec, side); }
 
@@ -293,6 +299,7 @@ class CudaKV : public DeviceKV {
         for (const DevMem* m : {&q.codes, &q.ranges}) seen[m->mem.get()] = m->bytes;
       for (const StagedZip& q : d.zipped) seen[q.mem.mem.get()] = q.mem.bytes;
       if (d.coded.rows.k.mem) seen[d.coded.rows.k.mem.get()] = d.coded.rows.k.bytes;
+      if (codec_mem.mem) seen[codec_mem.mem.get()] = codec_mem.bytes;
       for (const DevMem& m : d.coded.more) seen[m.mem.get()] = m.bytes;
     }
     int64_t t = 0;
@@ -498,9 +505,18 @@ class CudaKV : public DeviceKV {
   // The Hadamard block the decode steps rotate the query by (StepQuant::rotation, kv_reserve):
   // every key of the cache is then stored rotated. 0: none.
   int q_rotation = 0;
-  // The codecs kv_code_rows last coded with (copies), on the device (codec_upload).
-  std::shared_ptr<const quant::RowCodec> rows_k_codec, rows_v_codec;
-  DevMem rows_codec_mem;
+  // The row codecs k and v on the device (codec_upload), uploaded once for the coded tail and the
+  // prompt's coding alike (the last pair asked for is kept).
+  DevMem codecs(const quant::RowCodec& k, const quant::RowCodec& v) {
+    if (!codec_k || !(*codec_k == k) || !(*codec_v == v)) {
+      codec_mem = codec_upload(*ctx, k, v);
+      codec_k = std::make_shared<const quant::RowCodec>(k);
+      codec_v = std::make_shared<const quant::RowCodec>(v);
+    }
+    return codec_mem;
+  }
+  std::shared_ptr<const quant::RowCodec> codec_k, codec_v;
+  DevMem codec_mem;
   // ZipCache's probes (StepQuant::zip, made by kv_reserve): each layer's probe slot of every
   // decode row (−1: none; a gap's probes take slots from 0) on the host and, [L][rows], on the
   // device, and the queries the steps keep there, [L][slots][n_heads·D] fp32 (rope_append's

@@ -213,21 +213,24 @@ __global__ void codec_rows_kernel(CodecDev kc, CodecDev vc, const __half* const*
   }
 }
 
-// The key codec's S staged in shared memory where it fits: its size, and the bytes a launch needs.
-int staged_size(const CodecDev& kc) { return kc.qjl && kc.d <= kCodecStagedD && kc.d % 4 == 0 ? kc.d : 0; }
-
-// Lets `kernel` take kCodecStagedBytes of dynamic shared memory on the current device (once).
+// The key codec's S staged in shared memory where it fits (d ≤ kCodecStagedD): its size d (0:
+// read from memory), and `kernel` allowed the dynamic shared memory that takes (once a device).
 template <class K>
-void allow_staging(K kernel, const char* name) {
+int staging_for(const CodecDev& kc, K kernel, const char* name, size_t& smem) {
+  const int d = kc.qjl && kc.d <= kCodecStagedD && kc.d % 4 == 0 ? kc.d : 0;
+  smem = d ? static_cast<size_t>(d) * (d + 1) * 4 : 0;
+  if (!d) return 0;
   static std::mutex mu;
   static std::set<int> ready;
   int dev = 0;
   KV_CUDA(cudaGetDevice(&dev), std::string(name) + ": the current device");
   const std::lock_guard<std::mutex> lock(mu);
-  if (ready.count(dev)) return;
-  KV_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kCodecStagedBytes),
-          std::string(name) + ": shared memory for S");
-  ready.insert(dev);
+  if (!ready.count(dev)) {
+    KV_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kCodecStagedBytes),
+            std::string(name) + ": shared memory for S");
+    ready.insert(dev);
+  }
+  return d;
 }
 
 void check_codecs(const CodecDev& kc, const CodecDev& vc, int D, const char* what) {
@@ -247,9 +250,8 @@ void codec_tail_rows(const CodecDev& kc, const CodecDev& vc, __half* k, __half* 
                      const int32_t* counter, uint8_t* kcodes, uint8_t* vcodes, __half* scales, cudaStream_t s) {
   check_codecs(kc, vc, D, "codec_tail_rows");
   if (NKV == 0) return;
-  const int staged_d = staged_size(kc);
-  const size_t smem = staged_d ? static_cast<size_t>(staged_d) * (staged_d + 1) * 4 : 0;
-  if (smem) allow_staging(codec_tail_kernel, "codec_tail_kernel");
+  size_t smem = 0;
+  const int staged_d = staging_for(kc, codec_tail_kernel, "codec_tail_kernel", smem);
   KV_CUDA(launch_dependent(codec_tail_kernel, 2 * NKV, kCodecThreads, smem, s, true, kc, vc, k, v, NKV, D, cap, counter,
                            kcodes, vcodes, scales, staged_d),
           "codec_tail_kernel for " + std::to_string(NKV) + " KV heads");
@@ -259,9 +261,8 @@ void codec_rows(const CodecDev& kc, const CodecDev& vc, const __half* const* src
                 uint8_t* kcodes, uint8_t* vcodes, __half* scales, cudaStream_t s) {
   check_codecs(kc, vc, D, "codec_rows");
   if (N == 0) return;
-  const int staged_d = staged_size(kc);
-  const size_t smem = staged_d ? static_cast<size_t>(staged_d) * (staged_d + 1) * 4 : 0;
-  if (smem) allow_staging(codec_rows_kernel, "codec_rows_kernel");
+  size_t smem = 0;
+  const int staged_d = staging_for(kc, codec_rows_kernel, "codec_rows_kernel", smem);
   const int B = std::min(N, 264);
   codec_rows_kernel<<<2 * B, kCodecThreads, smem, s>>>(kc, vc, src, N, D, out, kcodes, vcodes, scales, staged_d);
   KV_LAUNCH("codec_rows_kernel", std::to_string(N) + " rows a side");

@@ -112,20 +112,10 @@ void hydrate_coded_tail(Context& ctx, const CudaKV& C, const Tail& t, KVSegment&
                                        "decode rows' codes to the host");
   const auto* scales = reinterpret_cast<const uint16_t*>(staged + kc + vc);
   auto p = std::make_shared<quant::QuantPayload>(NKV);
-  for (int k = 0; k < NKV; ++k) {
-    const uint8_t* kcodes = staged + static_cast<int64_t>(k) * n * kr;
-    const uint8_t* vcodes = staged + kc + static_cast<int64_t>(k) * n * vr;
-    p->k[k].codes.assign(kcodes, kcodes + n * kr);
-    p->v[k].codes.assign(vcodes, vcodes + n * vr);
-    const uint16_t* kn = scales + static_cast<int64_t>(k) * n;
-    const uint16_t* kg = scales + (static_cast<int64_t>(NKV) + k) * n;
-    const uint16_t* vn = scales + (2LL * NKV + k) * n;
-    for (int i = 0; i < n; ++i) {
-      p->k[k].scales.push_back(kn[i]);
-      if (t.k_codec->qjl) p->k[k].scales.push_back(kg[i]);
-      p->v[k].scales.push_back(vn[i]);
-    }
-  }
+  for (int k = 0; k < NKV; ++k)
+    land_coded(*t.k_codec, *t.v_codec, staged + static_cast<int64_t>(k) * n * kr, staged + kc + static_cast<int64_t>(k) * n * vr,
+               scales + static_cast<int64_t>(k) * n, scales + (static_cast<int64_t>(NKV) + k) * n,
+               scales + (2LL * NKV + k) * n, n, p->k[static_cast<size_t>(k)], p->v[static_cast<size_t>(k)]);
   p->shrink_to_fit();
   for (HeadRows& r : h.heads) r.bits.assign(static_cast<size_t>(n), static_cast<uint8_t>(t.coded_bits));
   h.storage = t.label;
@@ -396,11 +386,6 @@ bool kv_code_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& seg, 
     first[static_cast<size_t>(h) + 1] = first[static_cast<size_t>(h)] + seg.heads[static_cast<size_t>(h)].n();
   const int64_t N = first.back();
   if (N == 0) return true;
-  if (!C.rows_k_codec || !(*C.rows_k_codec == k) || !(*C.rows_v_codec == v)) {
-    C.rows_codec_mem = codec_upload(ctx, k, v);
-    C.rows_k_codec = std::make_shared<const quant::RowCodec>(k);
-    C.rows_v_codec = std::make_shared<const quant::RowCodec>(v);
-  }
   // Every head's rows by pointer, keys then values; their dequantizations into X [2][N][D].
   std::vector<const __half*> src(static_cast<size_t>(2 * N));
   for (int h = 0; h < NKV; ++h)
@@ -419,8 +404,8 @@ bool kv_code_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& seg, 
   uint8_t* kc = Cd.as<uint8_t>();
   uint8_t* vc = kc + N * kr;
   auto* sc = reinterpret_cast<__half*>(kc + at_scales);
-  const CodecDev kd = codec_dev(C.rows_codec_mem, *C.rows_k_codec, *C.rows_v_codec, 0),
-                 vd = codec_dev(C.rows_codec_mem, *C.rows_k_codec, *C.rows_v_codec, 1);
+  const DevMem cm = C.codecs(k, v);
+  const CodecDev kd = codec_dev(cm, k, v, 0), vd = codec_dev(cm, k, v, 1);
   codec_rows(kd, vd, static_cast<const __half* const*>(L.mem.get()), static_cast<int>(N), D, X.as<__half>(), kc, vc, sc,
              ctx.stream);
   auto* staged = static_cast<uint8_t*>(ctx.staging(Cd.bytes, what + " to the host"));
@@ -430,15 +415,8 @@ bool kv_code_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& seg, 
   const auto* norms = reinterpret_cast<const uint16_t*>(staged + at_scales);
   for (int h = 0; h < NKV; ++h) {
     const int64_t a = first[static_cast<size_t>(h)], b = first[static_cast<size_t>(h) + 1];
-    quant::QuantBlock &qk = out.k[static_cast<size_t>(h)], &qv = out.v[static_cast<size_t>(h)];
-    qk.codes.assign(staged + a * kr, staged + b * kr);
-    qv.codes.assign(staged + N * kr + a * vr, staged + N * kr + b * vr);
-    qk.scales.clear();
-    qv.scales.assign(norms + 2 * N + a, norms + 2 * N + b);
-    for (int64_t i = a; i < b; ++i) {
-      qk.scales.push_back(norms[i]);
-      if (k.qjl) qk.scales.push_back(norms[N + i]);
-    }
+    land_coded(k, v, staged + a * kr, staged + N * kr + a * vr, norms + a, norms + N + a, norms + 2 * N + a, b - a,
+               out.k[static_cast<size_t>(h)], out.v[static_cast<size_t>(h)]);
   }
   // The rows, for the layer's next kv_sync (the segment whose payload is `out`).
   DevLayer::Coded& keep = d.coded;

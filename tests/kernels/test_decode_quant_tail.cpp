@@ -40,6 +40,28 @@ void expect_attention_over_rows_read_back(Backend& gpu, SeqKV& kv, const Buffer&
   expect_within(read(gpu, O), ref, out_bound, what);
 }
 
+// The cache read back (kv_hydrate, with rows) into `back`: `n_segments` segments, the last the
+// decode tail — generated rows labelled `label` with a payload of layout `kind`, in `pay`.
+void read_tail(Backend& gpu, const DeviceKV& dev, size_t n_segments, const std::string& label,
+               quant::CodeLayout::Kind kind, KVStore& back, const quant::QuantPayload*& pay) {
+  gpu.kv_hydrate(dev, back, true);
+  ASSERT_EQ(back.layer(0).segments.size(), n_segments);
+  const KVSegment& tail = back.layer(0).segments.back();
+  EXPECT_EQ(tail.kind, SegmentKind::Generated);
+  EXPECT_EQ(tail.storage, label);
+  pay = dynamic_cast<const quant::QuantPayload*>(tail.payload.get());
+  ASSERT_NE(pay, nullptr);
+  EXPECT_EQ(pay->layout.kind, kind);
+}
+
+// A generated row appended without the tail's own kernel (kv_append, at position p): refused.
+void expect_plain_append_refused(Backend& gpu, SeqKV& kv, const AttnLayout& l1, int32_t p) {
+  const auto row = randn(static_cast<size_t>(l1.row_stride));
+  const SegmentKind gen = SegmentKind::Generated;
+  Buffer Xg = make(gpu, "qkv1", {1, l1.row_stride}, Dt::F32, row), Pg = make_ids(gpu, "pos1", {p});
+  EXPECT_THROW(gpu.kv_append(kv, 0, Xg, l1, Pg, &p, &gen, 1), InternalError);
+}
+
 struct TailCase {
   int k_bits, v_bits, D;
   int rotation = 0;  // Hadamard-INT4's blocks
@@ -111,14 +133,9 @@ void quantized_tail_case(const TailCase& tc) {
     expect_attention_over_rows_read_back(gpu, kv, Xg, l1, c, qv, what + ": decode attention, step " + std::to_string(step));
   }
   KVStore back;
-  gpu.kv_hydrate(*dev, back, true);
-  ASSERT_EQ(back.layer(0).segments.size(), T ? 2u : 1u);
+  const quant::QuantPayload* pay = nullptr;
+  ASSERT_NO_FATAL_FAILURE(read_tail(gpu, *dev, T ? 2u : 1u, q.label, quant::CodeLayout::Kind::Blocks, back, pay));
   const KVSegment& tail = back.layer(0).segments.back();
-  EXPECT_EQ(tail.kind, SegmentKind::Generated);
-  EXPECT_EQ(tail.storage, q.label);
-  const auto* pay = dynamic_cast<const quant::QuantPayload*>(tail.payload.get());
-  ASSERT_NE(pay, nullptr);
-  EXPECT_EQ(pay->layout.kind, quant::CodeLayout::Kind::Blocks);
   EXPECT_EQ(pay->layout.k_rotation, tc.rotation);
   int64_t want_bytes = 0;
   for (int h = 0; h < c.NKV; ++h) {
@@ -149,10 +166,7 @@ void quantized_tail_case(const TailCase& tc) {
   EXPECT_EQ(tail.bytes.total(), want_bytes);
   EXPECT_EQ(dev->bytes().total(), prompt_bytes + want_bytes);
   // A row appended without the quantizing kernel, or a new storage once rows are there: refused.
-  const auto row = randn(static_cast<size_t>(l1.row_stride));
-  const int32_t p = T + steps;
-  Buffer Xg = make(gpu, "qkv1", {1, l1.row_stride}, Dt::F32, row), Pg = make_ids(gpu, "pos1", {p});
-  EXPECT_THROW(gpu.kv_append(kv, 0, Xg, l1, Pg, &p, &gen, 1), InternalError);
+  expect_plain_append_refused(gpu, kv, l1, T + steps);
   const int other = tc.k_bits == 8 ? 4 : 8;
   EXPECT_THROW(gpu.kv_reserve(*dev, 2, StepQuant::rows(other, other)), InternalError);
   if (!tc.rotation) return;
@@ -162,6 +176,7 @@ void quantized_tail_case(const TailCase& tc) {
   SeqKV kv2{&h2, d2.get(), false};
   append_prompt(gpu, kv2, c, 9);
   gpu.kv_reserve(*d2, 2, q);
+  const Buffer Xg = make(gpu, "qkv1", {1, l1.row_stride}, Dt::F32, randn(static_cast<size_t>(l1.row_stride)));
   Buffer O = make(gpu, "out", {1, static_cast<int64_t>(c.NH) * c.D}, Dt::F32, std::vector<float>(static_cast<size_t>(c.NH) * c.D));
   EXPECT_THROW(gpu.decode_attention(Xg, l1, kv2, 0, nullptr, O, DecodeTaps{}), InternalError);
 }
@@ -202,7 +217,9 @@ void coded_tail_case(const CodecCase& tc) {
   const StepQuant q = StepQuant::coded(kc, vc, tc.bits, "coded rows " + what);
   ASSERT_TRUE(gpu.quantizes_steps(q, c.D));
   EXPECT_FALSE(cpu.quantizes_steps(q, c.D));
-  if (tc.qjl) EXPECT_FALSE(gpu.quantizes_steps(StepQuant::coded(vc, kc, tc.bits, "sketched values"), c.D));
+  if (tc.qjl) {
+    EXPECT_FALSE(gpu.quantizes_steps(StepQuant::coded(vc, kc, tc.bits, "sketched values"), c.D));
+  }
   KVStore host(1, c.NKV, c.D);
   auto dev = gpu.kv_create(1, c.NKV, c.D);
   SeqKV kv{&host, dev.get(), false};
@@ -234,14 +251,9 @@ void coded_tail_case(const CodecCase& tc) {
     expect_attention_over_rows_read_back(gpu, kv, Xg, l1, c, qv, what + ": decode attention, step " + std::to_string(step));
   }
   KVStore back;
-  gpu.kv_hydrate(*dev, back, true);
-  ASSERT_EQ(back.layer(0).segments.size(), 2u);
+  const quant::QuantPayload* pay = nullptr;
+  ASSERT_NO_FATAL_FAILURE(read_tail(gpu, *dev, 2u, q.label, quant::CodeLayout::Kind::None, back, pay));
   const KVSegment& tail = back.layer(0).segments.back();
-  EXPECT_EQ(tail.kind, SegmentKind::Generated);
-  EXPECT_EQ(tail.storage, q.label);
-  const auto* pay = dynamic_cast<const quant::QuantPayload*>(tail.payload.get());
-  ASSERT_NE(pay, nullptr);
-  EXPECT_EQ(pay->layout.kind, quant::CodeLayout::Kind::None);
   int64_t want_bytes = 0;
   for (int h = 0; h < c.NKV; ++h) {
     ASSERT_EQ(tail.heads[h].n(), steps);
@@ -258,10 +270,7 @@ void coded_tail_case(const CodecCase& tc) {
   }
   EXPECT_EQ(tail.bytes.total(), want_bytes);
   EXPECT_EQ(dev->bytes().total(), prompt_bytes + want_bytes);
-  const auto row = randn(static_cast<size_t>(l1.row_stride));
-  const int32_t p = T + steps;
-  Buffer Xg = make(gpu, "qkv1", {1, l1.row_stride}, Dt::F32, row), Pg = make_ids(gpu, "pos1", {p});
-  EXPECT_THROW(gpu.kv_append(kv, 0, Xg, l1, Pg, &p, &gen, 1), InternalError);
+  expect_plain_append_refused(gpu, kv, l1, T + steps);
   const auto other = std::make_shared<const turboquant::Codec>(turboquant::make_codec(c.D, tc.bits, false, 6));
   EXPECT_THROW(gpu.kv_reserve(*dev, 2, StepQuant::coded(other, vc, tc.bits, q.label)), InternalError);
   // Room alone keeps the rows and their storage.

@@ -135,26 +135,14 @@ class TurboQuantPolicy : public quant::SegmentQuantPolicy {
   // device by its backend (Backend::code_rows) when the host store holds the layout alone, else
   // on the host on threads of their own.
   void on_prefill(const std::vector<PrefillContext>& layers, KVStore& store) override {
-    std::vector<KVSegment*> segs;
-    int D = 0;
-    for (const PrefillContext& c : layers) {
-      D = c.head_dim;
-      for (KVSegment& s : store.layer(c.layer).segments)
-        if (in_scope(s)) {
-          if (s.layout_only) code_on_device(c, s);
-          else segs.push_back(&s);
-        }
-    }
-    if (!segs.empty()) code_segments(segs, D);
+    std::vector<KVSegment*> on_host;
+    for (const PrefillContext& c : layers) code_layer(c, store.layer(c.layer), on_host);
+    if (!on_host.empty()) code_segments(on_host, layers.front().head_dim);
   }
   void on_prefill_layer(const PrefillContext& ctx, LayerKV& layer) override {
-    std::vector<KVSegment*> segs;
-    for (KVSegment& s : layer.segments)
-      if (in_scope(s)) {
-        if (s.layout_only) code_on_device(ctx, s);
-        else segs.push_back(&s);
-      }
-    if (!segs.empty()) code_segments(segs, ctx.head_dim);
+    std::vector<KVSegment*> on_host;
+    code_layer(ctx, layer, on_host);
+    if (!on_host.empty()) code_segments(on_host, ctx.head_dim);
   }
   bool reads_rows() const override { return false; }
 
@@ -171,6 +159,15 @@ class TurboQuantPolicy : public quant::SegmentQuantPolicy {
   }
   void quantize_segment(KVSegment& s, int D) override { code_segments({&s}, D); }
 
+  // The layer's segments in scope whose rows only the device holds, coded there; the others are
+  // added to `on_host`.
+  void code_layer(const PrefillContext& c, LayerKV& layer, std::vector<KVSegment*>& on_host) const {
+    for (KVSegment& s : layer.segments)
+      if (in_scope(s)) {
+        if (s.layout_only) code_on_device(c, s);
+        else on_host.push_back(&s);
+      }
+  }
   void code_on_device(const PrefillContext& c, KVSegment& s) const {
     std::shared_ptr<const turboquant::Codec> kc, vc;
     codecs(c.head_dim, kc, vc);
@@ -189,13 +186,14 @@ class TurboQuantPolicy : public quant::SegmentQuantPolicy {
     codecs(D, kc, vc);
     std::vector<std::shared_ptr<quant::QuantPayload>> pay;
     std::vector<std::pair<size_t, size_t>> jobs;  // (segment, head)
+    int64_t rows = 0;
     for (size_t i = 0; i < segs.size(); ++i) {
       pay.push_back(std::make_shared<quant::QuantPayload>(static_cast<int>(segs[i]->heads.size())));
-      for (size_t h = 0; h < segs[i]->heads.size(); ++h) jobs.emplace_back(i, h);
+      for (size_t h = 0; h < segs[i]->heads.size(); ++h) {
+        jobs.emplace_back(i, h);
+        rows += segs[i]->heads[h].n();
+      }
     }
-    int64_t rows = 0;
-    for (const KVSegment* sg : segs)
-      for (const HeadRows& r : sg->heads) rows += r.n();
     parallel_for(static_cast<int>(jobs.size()), rows >= kThreadedRows ? 8 : 1, [&](int j) {
       const auto [i, h] = jobs[static_cast<size_t>(j)];
       HeadRows& r = segs[i]->heads[h];
