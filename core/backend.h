@@ -519,6 +519,13 @@ class Backend {
                          const quant::RowCodec& v, quant::QuantPayload& out) {
     return false;
   }
+  // code_rows whose codes and scales may come later: `out` is filled by the next
+  // finish_reductions (it must stay where it is until then), so that several layers' calls share
+  // one wait. The default codes at once.
+  virtual bool code_rows_later(DeviceKV& dev, int layer, const KVSegment& seg, const quant::RowCodec& k,
+                               const quant::RowCodec& v, quant::QuantPayload& out) {
+    return code_rows(dev, layer, seg, k, v, out);
+  }
   // quantize_rows whose codes and ranges may come later: `out` is filled by the next
   // finish_reductions (it must stay where it is until then), so that several layers' calls share
   // one wait. The default quantizes at once.

@@ -552,7 +552,13 @@ class CudaBackend : public Backend {
                  quant::QuantPayload& out) override {
     std::lock_guard<std::recursive_mutex> lock(ops_mutex());
     auto prof_scope = prof_.scope("code_rows", *ctx_);
-    return cuda::kv_code_rows(*ctx_, dev, layer, seg, k, v, out);
+    return cuda::kv_code_rows(*ctx_, dev, layer, seg, k, v, out, false);
+  }
+  bool code_rows_later(DeviceKV& dev, int layer, const KVSegment& seg, const quant::RowCodec& k,
+                       const quant::RowCodec& v, quant::QuantPayload& out) override {
+    std::lock_guard<std::recursive_mutex> lock(ops_mutex());
+    auto prof_scope = prof_.scope("code_rows", *ctx_);
+    return cuda::kv_code_rows(*ctx_, dev, layer, seg, k, v, out, true);
   }
   bool zip_quantize_rows(DeviceKV& dev, const std::vector<ZipRowsGroup>& groups) override {
     std::lock_guard<std::recursive_mutex> lock(ops_mutex());

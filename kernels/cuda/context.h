@@ -126,11 +126,12 @@ void kv_hydrate(Context& ctx, const DeviceKV& dev, KVStore& host, bool rows);
 // in one wait (later: landing at the context's next land_all).
 bool kv_quantize_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& seg, const quant::UniformSpec& k,
                       const quant::UniformSpec& v, quant::QuantPayload& out, bool later);
-// Backend::code_rows: the segment's rows gathered from the cache by KV head and position, coded
-// by codec_rows, codes and scales copied out in one wait, the coded rows kept for the layer's
-// next kv_sync (DevLayer::coded).
+// Backend::code_rows (later: code_rows_later): the segment's rows read where the cache holds
+// them, coded by codec_rows, codes and scales copied out in one wait (later: landing at the
+// context's next land_all), the coded rows kept for the layer's next kv_sync, which makes them
+// the segment's own (DevLayer::coded).
 bool kv_code_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& seg, const quant::RowCodec& k,
-                  const quant::RowCodec& v, quant::QuantPayload& out);
+                  const quant::RowCodec& v, quant::QuantPayload& out, bool later);
 // Backend::zip_quantize_rows (kv_zip.cu): each group's rows gathered from the cache by KV head,
 // subset and position, quantized by zip_quantize, every array landing at the context's next
 // land_all and kept for its layer's next kv_sync.

@@ -192,16 +192,19 @@ DevMem codec_upload(Context& ctx, const quant::RowCodec& k, const quant::RowCode
   return m;
 }
 
-void land_coded(const quant::RowCodec& k, const quant::RowCodec& v, const uint8_t* kcodes, const uint8_t* vcodes,
-                const uint16_t* norm_k, const uint16_t* norm_r, const uint16_t* norm_v, int64_t n, quant::QuantBlock& qk,
-                quant::QuantBlock& qv) {
-  qk.codes.assign(kcodes, kcodes + n * k.row_code_bytes());
-  qv.codes.assign(vcodes, vcodes + n * v.row_code_bytes());
+void land_coded(const CodedRows& f, const uint8_t* kcodes, const uint8_t* vcodes, const uint16_t* norm_k,
+                const uint16_t* norm_r, const uint16_t* norm_v, int64_t n, quant::QuantBlock& qk, quant::QuantBlock& qv) {
+  qk.codes.assign(kcodes, kcodes + n * f.k_bytes);
+  qv.codes.assign(vcodes, vcodes + n * f.v_bytes);
   qv.scales.assign(norm_v, norm_v + n);
-  qk.scales.clear();
+  qk.scales.resize(static_cast<size_t>(f.qjl ? 2 * n : n));
   for (int64_t i = 0; i < n; ++i) {
-    qk.scales.push_back(norm_k[i]);
-    if (k.qjl) qk.scales.push_back(norm_r[i]);
+    if (!f.qjl) {
+      qk.scales[static_cast<size_t>(i)] = norm_k[i];
+      continue;
+    }
+    qk.scales[static_cast<size_t>(2 * i)] = norm_k[i];
+    qk.scales[static_cast<size_t>(2 * i + 1)] = norm_r[i];
   }
 }
 
@@ -216,6 +219,19 @@ void set_host_bytes(CudaKV& C, KVStore& host, int l) {
 }
 
 bool dense_host(const std::string& storage) { return storage == "fp32" || storage == "fp16"; }
+
+RowMap DevLayer::Coded::by_position(int D) const {
+  RowMap m;
+  m.by_head.resize(pos.size());
+  const int64_t n = first.empty() ? 0 : first.back();
+  const auto* k = rows.as<__half>();
+  for (size_t h = 0; h < pos.size(); ++h)
+    for (size_t i = 0; i < pos[h].size(); ++i) {
+      const int64_t r = first[h] + static_cast<int64_t>(i);
+      m.put(static_cast<int>(h), pos[h][i], {k + r * D, k + (n + r) * D});
+    }
+  return m;
+}
 
 RowMap device_rows(const CudaKV& C, const DevLayer& d) {
   RowMap m;
@@ -260,14 +276,41 @@ bool mirrors(const KVSegment& s, const DevSeg& d, int NKV) {
   return true;
 }
 
+namespace {
+// Whether host segment s lists, head by head, a run of the fp16 rows of device segment d (none of
+// them merged): then head h's rows start at at[h] in d's part of head h.
+bool runs_in(const KVSegment& s, const DevSeg& d, int NKV, std::vector<int64_t>& at) {
+  if (s.kind != d.kind || !d.fp16_rows || d.payload || !dense_host(d.host_storage) || s.payload ||
+      static_cast<int>(s.heads.size()) != NKV || static_cast<int>(d.heads.size()) != NKV)
+    return false;
+  at.assign(static_cast<size_t>(NKV), 0);
+  for (size_t h = 0; h < static_cast<size_t>(NKV); ++h) {
+    const std::vector<int32_t>& p = s.heads[h].pos;
+    const std::vector<int32_t>& q = d.pos[h];
+    if (d.heads[h].size() != 1 || p.size() > q.size()) return false;
+    if (p.empty()) continue;
+    const auto first = std::find(q.begin(), q.end(), p.front());
+    if (static_cast<size_t>(q.end() - first) < p.size() || !std::equal(p.begin(), p.end(), first)) return false;
+    at[h] = first - q.begin();
+    const std::vector<uint16_t>& m = d.merged[h];
+    for (size_t i = static_cast<size_t>(at[h]); i < std::min(m.size(), static_cast<size_t>(at[h]) + p.size()); ++i)
+      if (m[i]) return false;
+  }
+  return true;
+}
+}  // namespace
+
 SegmentRows::SegmentRows(const CudaKV& C, const DevLayer& d, const std::vector<const KVSegment*>& segs,
                          std::string what)
-    : segs_(segs), what_(std::move(what)), D_(C.D), whole_(segs.size(), nullptr) {
+    : segs_(segs), what_(std::move(what)), D_(C.D), whole_(segs.size(), nullptr), at_(segs.size()) {
   bool all = true;
   for (size_t i = 0; i < segs.size(); ++i) {
     if (d.merged.empty())
       for (const DevSeg& x : d.segs)
-        if (mirrors(*segs[i], x, C.NKV)) whole_[i] = &x;
+        if (runs_in(*segs[i], x, C.NKV, at_[i])) {
+          whole_[i] = &x;
+          break;
+        }
     all = all && whole_[i];
   }
   if (!all) have_ = device_rows(C, d);
@@ -276,8 +319,8 @@ SegmentRows::SegmentRows(const CudaKV& C, const DevLayer& d, const std::vector<c
 RowMap::Row SegmentRows::row(size_t seg, int h, int i) const {
   if (const DevSeg* w = whole_[seg]) {
     const PartDesc& p = w->heads[static_cast<size_t>(h)][0].d;
-    return {static_cast<const __half*>(p.k.data) + static_cast<int64_t>(i) * D_,
-            static_cast<const __half*>(p.v.data) + static_cast<int64_t>(i) * D_};
+    const int64_t r = at_[seg][static_cast<size_t>(h)] + i;
+    return {static_cast<const __half*>(p.k.data) + r * D_, static_cast<const __half*>(p.v.data) + r * D_};
   }
   const int32_t pos = segs_[seg]->heads[static_cast<size_t>(h)].pos[static_cast<size_t>(i)];
   const RowMap::Row* r = have_.find(h, pos);
@@ -289,22 +332,34 @@ RowMap::Row SegmentRows::row(size_t seg, int h, int i) const {
 
 bool SegmentRows::spaced(size_t seg, const __half*& k, const __half*& v, int64_t& k_stride, int64_t& v_stride) const {
   const DevSeg* w = whole_[seg];
-  if (!w || w->heads.empty()) return false;
-  const int64_t n = w->heads[0][0].d.n;
+  const std::vector<HeadRows>& heads = segs_[seg]->heads;
+  if (!w || heads.empty()) return false;
+  const int64_t n = heads[0].n();
   auto at = [&](size_t h, bool values) {
     const PartDesc& p = w->heads[h][0].d;
-    return static_cast<const __half*>(values ? p.v.data : p.k.data);
+    return static_cast<const __half*>(values ? p.v.data : p.k.data) + at_[seg][h] * D_;
   };
   k = at(0, false);
   v = at(0, true);
-  k_stride = w->heads.size() > 1 ? at(1, false) - k : n * D_;
-  v_stride = w->heads.size() > 1 ? at(1, true) - v : n * D_;
+  k_stride = heads.size() > 1 ? at(1, false) - k : n * D_;
+  v_stride = heads.size() > 1 ? at(1, true) - v : n * D_;
   if (k_stride < n * D_ || v_stride < n * D_) return false;
-  for (size_t h = 0; h < w->heads.size(); ++h)
-    if (w->heads[h][0].d.n != n || at(h, false) != k + static_cast<int64_t>(h) * k_stride ||
+  for (size_t h = 0; h < heads.size(); ++h)
+    if (heads[h].n() != n || at(h, false) != k + static_cast<int64_t>(h) * k_stride ||
         at(h, true) != v + static_cast<int64_t>(h) * v_stride)
       return false;
   return true;
+}
+
+void copy_spaced(Context& ctx, const __half* k, const __half* v, int64_t k_stride, int64_t v_stride, int NKV, int64_t n,
+                 int D, __half* out, const std::string& what) {
+  const size_t width = static_cast<size_t>(n) * D * 2;
+  KV_CUDA(cudaMemcpy2DAsync(out, width, k, static_cast<size_t>(k_stride) * 2, width, static_cast<size_t>(NKV),
+                            cudaMemcpyDeviceToDevice, ctx.stream),
+          what + " keys");
+  KV_CUDA(cudaMemcpy2DAsync(out + static_cast<int64_t>(NKV) * n * D, width, v, static_cast<size_t>(v_stride) * 2, width,
+                            static_cast<size_t>(NKV), cudaMemcpyDeviceToDevice, ctx.stream),
+          what + " values");
 }
 
 // The device segment that mirrors host segment s, labelled `storage`, with an empty slot per KV
@@ -358,7 +413,7 @@ bool is_tail(const KVSegment& s, const Tail& t) {
 struct SyncBatch {
   struct Gather {
     int64_t first = 0, rows = 0;  // into src
-    __half *k = nullptr, *v = nullptr;
+    __half *k = nullptr, *v = nullptr;  // (null: the rows are where they are, the positions alone copied)
     int32_t* pos = nullptr;
     int64_t pos_first = 0;  // into pos
   };
@@ -395,8 +450,10 @@ struct SyncBatch {
     const auto* dpos = reinterpret_cast<const int32_t*>(u + o_pos);
     for (const Gather& g : gathers) {
       if (g.rows == 0) continue;
-      gather_rows(ptr + g.first, g.k, static_cast<int>(g.rows), D, ctx.stream);
-      gather_rows(ptr + g.first + g.rows, g.v, static_cast<int>(g.rows), D, ctx.stream);
+      if (g.k) {
+        gather_rows(ptr + g.first, g.k, static_cast<int>(g.rows), D, ctx.stream);
+        gather_rows(ptr + g.first + g.rows, g.v, static_cast<int>(g.rows), D, ctx.stream);
+      }
       KV_CUDA(cudaMemcpyAsync(g.pos, dpos + g.pos_first, static_cast<size_t>(g.rows) * 4, cudaMemcpyDeviceToDevice, ctx.stream),
               "KV segment positions");
     }
@@ -476,6 +533,58 @@ DevSeg build_fp16(const CudaKV& C, const KVSegment& s, const RowMap& have, const
   return d;
 }
 
+// The coded rows kept for host segment s's payload (kv_code_rows), if any.
+const DevLayer::Coded* coded_for(const DevLayer& d, const KVSegment& s) {
+  if (!s.payload) return nullptr;
+  for (const DevLayer::Coded& c : d.coded)
+    if (c.payload == s.payload.get()) return &c;
+  return nullptr;
+}
+// Whether s lists, head by head, the rows c coded in their order (a segment no method edited
+// since it was coded).
+bool lists_coded(const KVSegment& s, const DevLayer::Coded& c) {
+  if (s.heads.size() != c.pos.size()) return false;
+  for (size_t h = 0; h < s.heads.size(); ++h)
+    if (s.heads[h].pos != c.pos[h]) return false;
+  for (const HeadRows& r : s.heads)
+    for (uint16_t m : r.merged)
+      if (m) return false;
+  return true;
+}
+// Host segment s as the fp16 rows c coded for it, where they lie: no copy of the rows, their
+// positions copied with the batch.
+DevSeg adopt_coded(const CudaKV& C, const KVSegment& s, const DevLayer::Coded& c, const std::string& label,
+                   SyncBatch& batch) {
+  Context& ctx = *C.ctx;
+  const int NKV = C.NKV, D = C.D;
+  DevSeg d = mirror(s, label, NKV, true);
+  const int64_t rows = c.first.back();
+  DevMem P{ctx.alloc(std::max<int64_t>(rows, 1) * 4, "KV coded segment positions"), rows * 4};
+  SyncBatch::Gather g;
+  g.first = static_cast<int64_t>(batch.src.size());
+  g.rows = rows;
+  g.pos = P.as<int32_t>();
+  g.pos_first = static_cast<int64_t>(batch.pos.size());
+  const auto* k = c.rows.as<__half>();
+  for (int h = 0; h < NKV; ++h) {
+    const HeadRows& r = s.heads[static_cast<size_t>(h)];
+    batch.pos.insert(batch.pos.end(), r.pos.begin(), r.pos.end());
+    DevPart p;
+    p.d.n = r.n();
+    p.d.visual = s.kind == SegmentKind::Visual;
+    p.d.k.data = k + c.first[static_cast<size_t>(h)] * D;
+    p.d.v.data = k + (rows + c.first[static_cast<size_t>(h)]) * D;
+    d.heads[static_cast<size_t>(h)].push_back(p);
+    d.pos[static_cast<size_t>(h)] = r.pos;
+    d.merged[static_cast<size_t>(h)] = r.merged;
+  }
+  batch.gathers.push_back(g);
+  batch.targets.push_back(P);
+  d.mem = {c.rows, P};
+  d.bytes = fp16_bytes(rows, D);
+  return d;
+}
+
 // What a layer's sync keeps: the device segment that already holds each host segment's rows as
 // they are, whether the decode tail stays, and whether nothing changed at all.
 struct SyncPlan {
@@ -523,7 +632,7 @@ void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l, SyncPlan plan, co
     d.merged = Staged{};
     d.quantized.clear();
     d.zipped.clear();
-    d.coded = {};
+    d.coded.clear();
     set_host_bytes(C, host, l);
     return;
   }
@@ -599,9 +708,16 @@ void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l, SyncPlan plan, co
           break;
         }
       segs.push_back(build_packed(ctx, C, s, *p, taken.payload ? &taken : nullptr));
-    } else if (s.payload && std::count(d.coded.payloads.begin(), d.coded.payloads.end(), s.payload.get())) {
-      // rows a row codebook coded where they are, for this payload
-      segs.push_back(build_fp16(C, s, d.coded.rows.rows, d.coded.rows, "fp16 (dequantized " + s.storage + ")", false, batch));
+    } else if (const DevLayer::Coded* c = coded_for(d, s)) {
+      // rows a row codebook coded where they are, for this payload: taken as they lie where the
+      // segment lists the rows that were coded, else gathered by position
+      const std::string label = "fp16 (dequantized " + s.storage + ")";
+      if (lists_coded(s, *c)) {
+        segs.push_back(adopt_coded(C, s, *c, label, batch));
+      } else {
+        const Staged rows{c->rows, DevMem{}, c->by_position(C.D)};
+        segs.push_back(build_fp16(C, s, rows.rows, rows, label, false, batch));
+      }
     } else if (s.payload) {
       segs.push_back(build_fp16(C, s, none, d.merged, "fp16 (dequantized " + s.storage + ")", true, batch));
     } else {
@@ -615,9 +731,9 @@ void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l, SyncPlan plan, co
   d.merged = Staged{};
   d.quantized.clear();  // (what a segment took is held by it; the rest goes back to the pool in stream order)
   d.zipped.clear();
-  batch.retired_rows.push_back(std::move(d.coded.rows));  // (read by the batch's gathers)
-  for (DevMem& m : d.coded.more) batch.retired_rows.push_back(Staged{std::move(m), DevMem{}, RowMap{}});
-  d.coded = {};
+  for (DevLayer::Coded& c : d.coded)  // (read by the batch's gathers)
+    batch.retired_rows.push_back(Staged{std::move(c.rows), DevMem{}, RowMap{}});
+  d.coded.clear();
   if (!keep_tail) C.reset_tail(l);
   C.changed();
   set_host_bytes(C, host, l);

@@ -147,12 +147,19 @@ inline CodecDev codec_dev(const DevMem& mem, const quant::RowCodec& k, const qua
   d.row_bytes = static_cast<int>(c.row_code_bytes());
   return d;
 }
-// Rows [0, n) of one KV head as the host's coder keeps them (QuantBlock): the codes of k and v
-// (rows of k / v.row_code_bytes()) and the fp16 scales, each row's ‖k‖ then ‖r‖ (QJL) for keys,
-// ‖v‖ for values, from the planes norm_k, norm_r, norm_v.
-void land_coded(const quant::RowCodec& k, const quant::RowCodec& v, const uint8_t* kcodes, const uint8_t* vcodes,
-                const uint16_t* norm_k, const uint16_t* norm_r, const uint16_t* norm_v, int64_t n, quant::QuantBlock& qk,
-                quant::QuantBlock& qv);
+// What landing a pair of row codecs' codes needs of them: a row's code bytes a side, and whether
+// the keys carry QJL's residual norm.
+struct CodedRows {
+  int64_t k_bytes = 0, v_bytes = 0;
+  bool qjl = false;
+  CodedRows(const quant::RowCodec& k, const quant::RowCodec& v)
+      : k_bytes(k.row_code_bytes()), v_bytes(v.row_code_bytes()), qjl(k.qjl) {}
+};
+// Rows [0, n) of one KV head as the host's coder keeps them (QuantBlock): the codes of keys and
+// values (rows of f.k_bytes / f.v_bytes) and the fp16 scales, each row's ‖k‖ then ‖r‖ (QJL) for
+// keys, ‖v‖ for values, from the planes norm_k, norm_r, norm_v.
+void land_coded(const CodedRows& f, const uint8_t* kcodes, const uint8_t* vcodes, const uint16_t* norm_k,
+                const uint16_t* norm_r, const uint16_t* norm_v, int64_t n, quant::QuantBlock& qk, quant::QuantBlock& qv);
 // A coded tail's codec of `side`.
 inline CodecDev codec_dev(const Tail& t, int side) { return codec_dev(t.codec_mem, *t.k_codec, *t.v_codec, side); }
 
@@ -229,13 +236,17 @@ struct DevLayer {
   Staged merged;  // (not copied by clone: it belongs to the decode that merged)
   std::vector<StagedCodes> quantized;  // (nor these)
   std::vector<StagedZip> zipped;
-  // Rows a row codebook coded where they are (kv_code_rows): their fp16 dequantizations by KV
-  // head and position, for the host segments whose payload is one of `payloads`.
+  // Rows a row codebook coded where they are (kv_code_rows), one entry a coded segment: their
+  // fp16 dequantizations, every KV head's in the segment's order, for the host segment whose
+  // payload is `payload`. The layer's next kv_sync makes them that segment's rows.
   struct Coded {
-    Staged rows;              // (rows.k: the first segment's rows)
-    std::vector<DevMem> more;  // the other segments' rows
-    std::vector<const void*> payloads;
-  } coded;  // (nor this)
+    const void* payload = nullptr;
+    DevMem rows;                             // [2: K, V][n][D] halves
+    std::vector<int64_t> first;              // [kv head + 1]: each head's first row
+    std::vector<std::vector<int32_t>> pos;  // [kv head] the rows' positions
+    RowMap by_position(int D) const;
+  };
+  std::vector<Coded> coded;  // (nor these)
 };
 
 // The device segment that mirrors host segment s, labelled `storage`, with an empty slot per KV
@@ -298,9 +309,8 @@ class CudaKV : public DeviceKV {
       for (const StagedCodes& q : d.quantized)
         for (const DevMem* m : {&q.codes, &q.ranges}) seen[m->mem.get()] = m->bytes;
       for (const StagedZip& q : d.zipped) seen[q.mem.mem.get()] = q.mem.bytes;
-      if (d.coded.rows.k.mem) seen[d.coded.rows.k.mem.get()] = d.coded.rows.k.bytes;
+      for (const DevLayer::Coded& c : d.coded) seen[c.rows.mem.get()] = c.rows.bytes;
       if (codec_mem.mem) seen[codec_mem.mem.get()] = codec_mem.bytes;
-      for (const DevMem& m : d.coded.more) seen[m.mem.get()] = m.bytes;
     }
     int64_t t = 0;
     for (const auto& kv : seen) t += kv.second;
@@ -548,17 +558,18 @@ RowMap device_rows(const CudaKV& C, const DevLayer& d);
 // does): then head h's rows are d's part of head h, in order.
 bool mirrors(const KVSegment& s, const DevSeg& d, int NKV);
 // Where the device holds the rows of host segments `segs` of layer d (for an op that reads them
-// there): each segment's rows in the device segment it mirrors (nothing merged in the layer
-// since), else found by KV head and position. `segs` must outlive it; `what` names the rows in
+// there): each segment's rows where they run, head by head, in one fp16 device segment (the one
+// it mirrors, or one it was cut from; nothing merged in the layer since), else found by KV head
+// and position. `segs` must outlive it; `what` names the rows in
 // an error.
 class SegmentRows {
  public:
   SegmentRows(const CudaKV& C, const DevLayer& d, const std::vector<const KVSegment*>& segs, std::string what);
   // Row i of KV head h of segs[seg]; InternalError where the device has none.
   RowMap::Row row(size_t seg, int h, int i) const;
-  // Whether every KV head's rows of segs[seg] lie in the device segment it mirrors, as many rows
-  // a head and equally spaced (a prefill's layout): then head h's rows are k + h·k_stride and
-  // v + h·v_stride (halves), read where they are.
+  // Whether every KV head's rows of segs[seg] run in one device segment, as many rows a head and
+  // equally spaced (a prefill's layout, or a cut of it): then head h's rows are k + h·k_stride
+  // and v + h·v_stride (halves), read where they are.
   bool spaced(size_t seg, const __half*& k, const __half*& v, int64_t& k_stride, int64_t& v_stride) const;
 
  private:
@@ -566,8 +577,13 @@ class SegmentRows {
   std::string what_;
   int D_;
   std::vector<const DevSeg*> whole_;
+  std::vector<std::vector<int64_t>> at_;  // [seg][kv head]: where the segment's rows start in whole_'s part
   RowMap have_;
 };
+// Every KV head's n rows where SegmentRows::spaced found them (k + h·k_stride, v + h·v_stride)
+// copied back to back into out [2: K, V][NKV·n][D]: one strided copy a side, nothing uploaded.
+void copy_spaced(Context& ctx, const __half* k, const __half* v, int64_t k_stride, int64_t v_stride, int NKV, int64_t n,
+                 int D, __half* out, const std::string& what);
 // Host segment i of layer l ↔ device segment i (or the tail for the last host segment): the
 // host reports what the device holds.
 void set_host_bytes(CudaKV& C, KVStore& host, int l);

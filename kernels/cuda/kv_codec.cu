@@ -195,7 +195,8 @@ __global__ void codec_tail_kernel(CodecDev kc, CodecDev vc, __half* K, __half* V
 }
 
 // Blocks [0, B) code key rows, [B, 2B) value rows (B = gridDim.x / 2): row i of side s is
-// *src[s·N + i], its dequantization goes to out + (s·N + i)·D.
+// *src[s·N + i] (src null: out's row, read into shared memory before it is written), its
+// dequantization goes to out + (s·N + i)·D.
 __global__ void codec_rows_kernel(CodecDev kc, CodecDev vc, const __half* const* src, int N, int D, __half* out,
                                   uint8_t* kcodes, uint8_t* vcodes, __half* scales, int staged_d) {
   __shared__ CodecShared sh;
@@ -206,7 +207,7 @@ __global__ void codec_rows_kernel(CodecDev kc, CodecDev vc, const __half* const*
   load_codec(c, staged, sh, sS);
   for (int i = blockIdx.x % B; i < N; i += B) {
     const int64_t r = static_cast<int64_t>(side) * N + i;
-    const __half* in = src[r];
+    const __half* in = src ? src[r] : out + r * D;
     for (int j = threadIdx.x; j < c.dp; j += blockDim.x) sh.x[j] = j < c.d ? __half2float(in[j]) : 0.0f;
     code_row(c, staged, sS, sh, out + r * D, (side ? vcodes : kcodes) + static_cast<int64_t>(i) * c.row_bytes,
              scales + (side ? 2LL : 0LL) * N + i, scales + static_cast<int64_t>(N) + i);
@@ -263,7 +264,14 @@ void codec_rows(const CodecDev& kc, const CodecDev& vc, const __half* const* src
   if (N == 0) return;
   size_t smem = 0;
   const int staged_d = staging_for(kc, codec_rows_kernel, "codec_rows_kernel", smem);
-  const int B = std::min(N, 264);
+  // A row's coding is a chain of short dependent steps (a serial norm, the butterflies' barriers):
+  // as many blocks a side as the device holds at once, so that rows overlap.
+  int dev = 0, sms = 0, per_sm = 0;
+  KV_CUDA(cudaGetDevice(&dev), "codec_rows: the current device");
+  KV_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "codec_rows: the device's SMs");
+  KV_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, codec_rows_kernel, kCodecThreads, smem),
+          "codec_rows: blocks an SM holds");
+  const int B = std::max(1, std::min(N, std::max(1, per_sm * sms / 2)));
   codec_rows_kernel<<<2 * B, kCodecThreads, smem, s>>>(kc, vc, src, N, D, out, kcodes, vcodes, scales, staged_d);
   KV_LAUNCH("codec_rows_kernel", std::to_string(N) + " rows a side");
 }

@@ -113,7 +113,7 @@ void hydrate_coded_tail(Context& ctx, const CudaKV& C, const Tail& t, KVSegment&
   const auto* scales = reinterpret_cast<const uint16_t*>(staged + kc + vc);
   auto p = std::make_shared<quant::QuantPayload>(NKV);
   for (int k = 0; k < NKV; ++k)
-    land_coded(*t.k_codec, *t.v_codec, staged + static_cast<int64_t>(k) * n * kr, staged + kc + static_cast<int64_t>(k) * n * vr,
+    land_coded(CodedRows(*t.k_codec, *t.v_codec), staged + static_cast<int64_t>(k) * n * kr, staged + kc + static_cast<int64_t>(k) * n * vr,
                scales + static_cast<int64_t>(k) * n, scales + (static_cast<int64_t>(NKV) + k) * n,
                scales + (2LL * NKV + k) * n, n, p->k[static_cast<size_t>(k)], p->v[static_cast<size_t>(k)]);
   p->shrink_to_fit();
@@ -233,7 +233,8 @@ bool kv_quantize_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& s
   // Every KV head with the same rows (a segment no method evicted from), ranges over channels:
   // one launch a side, the heads' slots being equally spaced. Where both sides are so and the
   // heads' rows also lie equally spaced in the cache (the prefill's layout), they are read there;
-  // else every head's rows are first gathered into one [N][D] block a side.
+  // else every head's rows are first copied into one [N][D] block a side (by a strided copy
+  // where they are so spaced, else gathered by pointer).
   bool same_rows = NKV >= 2;
   for (int h = 1; h < NKV; ++h)
     same_rows = same_rows && first[static_cast<size_t>(h) + 1] - first[static_cast<size_t>(h)] == first[1];
@@ -241,20 +242,25 @@ bool kv_quantize_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& s
   const __half* in[2] = {nullptr, nullptr};  // each side's first head
   int64_t in_stride[2] = {0, 0};              // (0: the gathered block's heads, back to back)
   DevMem X;
-  if (!(by_heads(ks) && by_heads(vs) && rows.spaced(0, in[0], in[1], in_stride[0], in_stride[1]))) {
-    std::vector<const __half*> src, values;  // keys, then (appended below) values
-    for (int h = 0; h < NKV; ++h)
-      for (int i = 0; i < seg.heads[static_cast<size_t>(h)].n(); ++i) {
-        const RowMap::Row row = rows.row(0, h, i);
-        src.push_back(row.first);
-        values.push_back(row.second);
-      }
-    src.insert(src.end(), values.begin(), values.end());
+  const bool spaced = rows.spaced(0, in[0], in[1], in_stride[0], in_stride[1]);
+  if (!(by_heads(ks) && by_heads(vs) && spaced)) {
     X = {ctx.alloc(2 * N * D * 2, what), 2 * N * D * 2};
-    DevMem L{ctx.alloc(2 * N * static_cast<int64_t>(sizeof(void*)), what + " gather list"),
-             2 * N * static_cast<int64_t>(sizeof(void*))};
-    ctx.upload(L.mem.get(), src.data(), 2 * N * static_cast<int64_t>(sizeof(void*)), what + " gather list");
-    gather_rows(static_cast<const __half* const*>(L.mem.get()), X.as<__half>(), static_cast<int>(2 * N), D, ctx.stream);
+    if (spaced) {
+      copy_spaced(ctx, in[0], in[1], in_stride[0], in_stride[1], NKV, first[1], D, X.as<__half>(), what);
+    } else {
+      std::vector<const __half*> src, values;  // keys, then (appended below) values
+      for (int h = 0; h < NKV; ++h)
+        for (int i = 0; i < seg.heads[static_cast<size_t>(h)].n(); ++i) {
+          const RowMap::Row row = rows.row(0, h, i);
+          src.push_back(row.first);
+          values.push_back(row.second);
+        }
+      src.insert(src.end(), values.begin(), values.end());
+      DevMem L{ctx.alloc(2 * N * static_cast<int64_t>(sizeof(void*)), what + " gather list"),
+               2 * N * static_cast<int64_t>(sizeof(void*))};
+      ctx.upload(L.mem.get(), src.data(), 2 * N * static_cast<int64_t>(sizeof(void*)), what + " gather list");
+      gather_rows(static_cast<const __half* const*>(L.mem.get()), X.as<__half>(), static_cast<int>(2 * N), D, ctx.stream);
+    }
     in[0] = X.as<__half>();
     in[1] = X.as<__half>() + N * D;
     in_stride[0] = in_stride[1] = 0;
@@ -370,7 +376,7 @@ bool kv_quantize_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& s
 }
 
 bool kv_code_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& seg, const quant::RowCodec& k,
-                  const quant::RowCodec& v, quant::QuantPayload& out) {
+                  const quant::RowCodec& v, quant::QuantPayload& out, bool later) {
   CudaKV& C = as_cuda(&dev);
   const int NKV = C.NKV, D = C.D;
   if (layer < 0 || layer >= C.L || static_cast<int>(seg.heads.size()) != NKV ||
@@ -381,55 +387,71 @@ bool kv_code_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& seg, 
   DevLayer& d = C.layers[static_cast<size_t>(layer)];
   const std::vector<const KVSegment*> segs{&seg};
   const SegmentRows rows(C, d, segs, "code_rows: " + what);
-  std::vector<int64_t> first(static_cast<size_t>(NKV) + 1, 0);
-  for (int h = 0; h < NKV; ++h)
-    first[static_cast<size_t>(h) + 1] = first[static_cast<size_t>(h)] + seg.heads[static_cast<size_t>(h)].n();
+  DevLayer::Coded keep;
+  keep.payload = &out;
+  keep.first.assign(static_cast<size_t>(NKV) + 1, 0);
+  for (int h = 0; h < NKV; ++h) {
+    keep.first[static_cast<size_t>(h) + 1] = keep.first[static_cast<size_t>(h)] + seg.heads[static_cast<size_t>(h)].n();
+    keep.pos.push_back(seg.heads[static_cast<size_t>(h)].pos);
+  }
+  const std::vector<int64_t>& first = keep.first;
   const int64_t N = first.back();
   if (N == 0) return true;
-  // Every head's rows by pointer, keys then values; their dequantizations into X [2][N][D].
-  std::vector<const __half*> src(static_cast<size_t>(2 * N));
-  for (int h = 0; h < NKV; ++h)
-    for (int i = 0; i < seg.heads[static_cast<size_t>(h)].n(); ++i) {
-      const RowMap::Row row = rows.row(0, h, i);
-      src[static_cast<size_t>(first[static_cast<size_t>(h)] + i)] = row.first;
-      src[static_cast<size_t>(N + first[static_cast<size_t>(h)] + i)] = row.second;
-    }
-  const int64_t lb = 2 * N * static_cast<int64_t>(sizeof(void*));
-  DevMem L{ctx.alloc(lb, what + " row list"), lb};
-  ctx.upload(L.mem.get(), src.data(), lb, what + " row list");
-  const int64_t kr = k.row_code_bytes(), vr = v.row_code_bytes();
+  // The rows' dequantizations into X [2][N][D], keys then values: coded in place where the rows
+  // lie equally spaced in the cache (a strided copy into X first), else read by pointer.
+  const CodedRows f(k, v);
   DevMem X{ctx.alloc(2 * N * D * 2, what), 2 * N * D * 2};
-  const int64_t at_scales = (N * (kr + vr) + 15) / 16 * 16;  // codes K, codes V, then the scales [3][N]
+  DevMem L;
+  const __half *k0 = nullptr, *v0 = nullptr;
+  int64_t k_stride = 0, v_stride = 0;
+  if (rows.spaced(0, k0, v0, k_stride, v_stride)) {
+    copy_spaced(ctx, k0, v0, k_stride, v_stride, NKV, first[1], D, X.as<__half>(), what);
+  } else {
+    std::vector<const __half*> src(static_cast<size_t>(2 * N));
+    for (int h = 0; h < NKV; ++h)
+      for (int i = 0; i < seg.heads[static_cast<size_t>(h)].n(); ++i) {
+        const RowMap::Row row = rows.row(0, h, i);
+        src[static_cast<size_t>(first[static_cast<size_t>(h)] + i)] = row.first;
+        src[static_cast<size_t>(N + first[static_cast<size_t>(h)] + i)] = row.second;
+      }
+    const int64_t lb = 2 * N * static_cast<int64_t>(sizeof(void*));
+    L = {ctx.alloc(lb, what + " row list"), lb};
+    ctx.upload(L.mem.get(), src.data(), lb, what + " row list");
+  }
+  const int64_t at_scales = (N * (f.k_bytes + f.v_bytes) + 15) / 16 * 16;  // codes K, codes V, then the scales [3][N]
   DevMem Cd{ctx.alloc(at_scales + 3 * N * 2, what + " codes"), at_scales + 3 * N * 2};
   uint8_t* kc = Cd.as<uint8_t>();
-  uint8_t* vc = kc + N * kr;
+  uint8_t* vc = kc + N * f.k_bytes;
   auto* sc = reinterpret_cast<__half*>(kc + at_scales);
   const DevMem cm = C.codecs(k, v);
   const CodecDev kd = codec_dev(cm, k, v, 0), vd = codec_dev(cm, k, v, 1);
   codec_rows(kd, vd, static_cast<const __half* const*>(L.mem.get()), static_cast<int>(N), D, X.as<__half>(), kc, vc, sc,
              ctx.stream);
-  auto* staged = static_cast<uint8_t*>(ctx.staging(Cd.bytes, what + " to the host"));
-  ctx.download_async(staged, Cd.mem.get(), Cd.bytes, what + " to the host");
-  ctx.sync(what);
   // Each head's rows in order, as the host's coder appends them.
-  const auto* norms = reinterpret_cast<const uint16_t*>(staged + at_scales);
-  for (int h = 0; h < NKV; ++h) {
-    const int64_t a = first[static_cast<size_t>(h)], b = first[static_cast<size_t>(h) + 1];
-    land_coded(k, v, staged + a * kr, staged + N * kr + a * vr, norms + a, norms + N + a, norms + 2 * N + a, b - a,
-               out.k[static_cast<size_t>(h)], out.v[static_cast<size_t>(h)]);
-  }
-  // The rows, for the layer's next kv_sync (the segment whose payload is `out`).
-  DevLayer::Coded& keep = d.coded;
-  if (keep.rows.rows.by_head.empty()) keep.rows.rows.by_head.resize(static_cast<size_t>(NKV));
-  for (int h = 0; h < NKV; ++h)
-    for (int i = 0; i < seg.heads[static_cast<size_t>(h)].n(); ++i) {
-      const int64_t r = first[static_cast<size_t>(h)] + i;
-      keep.rows.rows.put(h, seg.heads[static_cast<size_t>(h)].pos[static_cast<size_t>(i)],
-                         {X.as<__half>() + r * D, X.as<__half>() + (N + r) * D});
+  auto land = [&out, f, first, N, NKV, at_scales](const char* host) {
+    const auto* c = reinterpret_cast<const uint8_t*>(host);
+    const auto* norms = reinterpret_cast<const uint16_t*>(c + at_scales);
+    for (int h = 0; h < NKV; ++h) {
+      const int64_t a = first[static_cast<size_t>(h)], b = first[static_cast<size_t>(h) + 1];
+      land_coded(f, c + a * f.k_bytes, c + N * f.k_bytes + a * f.v_bytes, norms + a, norms + N + a, norms + 2 * N + a,
+                 b - a, out.k[static_cast<size_t>(h)], out.v[static_cast<size_t>(h)]);
     }
-  if (!keep.rows.k.mem) keep.rows.k = std::move(X);
-  else keep.more.push_back(std::move(X));
-  keep.payloads.push_back(&out);
+  };
+  if (later) {
+    ctx.land_later(Cd.mem, Cd.bytes, land);
+  } else {
+    auto* staged = static_cast<char*>(ctx.staging(Cd.bytes, what + " to the host"));
+    ctx.download_async(staged, Cd.mem.get(), Cd.bytes, what + " to the host");
+    ctx.sync(what);
+    land(staged);
+  }
+  // The rows, for the layer's next kv_sync (the segment whose payload is `out`; coding again for
+  // the same payload replaces them).
+  keep.rows = std::move(X);
+  std::vector<DevLayer::Coded>& kept = d.coded;
+  kept.erase(std::remove_if(kept.begin(), kept.end(), [&](const DevLayer::Coded& c) { return c.payload == &out; }),
+             kept.end());
+  kept.push_back(std::move(keep));
   return true;
 }
 

@@ -132,16 +132,31 @@ class TurboQuantPolicy : public quant::SegmentQuantPolicy {
   }
 
   // The prompt: every layer's segments in scope coded together — where their rows are: on the
-  // device by its backend (Backend::code_rows) when the host store holds the layout alone, else
-  // on the host on threads of their own.
+  // device by its backend when the host store holds the layout alone (every layer's codes landing
+  // after one wait where the backend queues them: Backend::code_rows_later), else on the host on
+  // threads of their own.
   void on_prefill(const std::vector<PrefillContext>& layers, KVStore& store) override {
     std::vector<KVSegment*> on_host;
-    for (const PrefillContext& c : layers) code_layer(c, store.layer(c.layer), on_host);
+    std::vector<quant::PendingPayload> coded;
+    Backend* be = layers.empty() ? nullptr : layers.front().backend;
+    const bool later = be && be->queues_reductions();
+    auto queue = [&] {
+      for (const PrefillContext& c : layers) code_layer(c, store.layer(c.layer), later, on_host, coded);
+    };
+    auto keep = [&] { install(coded); };
+    if (later) {
+      be->queue_then_keep(queue, keep);
+    } else {
+      queue();
+      keep();
+    }
     if (!on_host.empty()) code_segments(on_host, layers.front().head_dim);
   }
   void on_prefill_layer(const PrefillContext& ctx, LayerKV& layer) override {
     std::vector<KVSegment*> on_host;
-    code_layer(ctx, layer, on_host);
+    std::vector<quant::PendingPayload> coded;
+    code_layer(ctx, layer, false, on_host, coded);
+    install(coded);
     if (!on_host.empty()) code_segments(on_host, ctx.head_dim);
   }
   bool reads_rows() const override { return false; }
@@ -159,24 +174,33 @@ class TurboQuantPolicy : public quant::SegmentQuantPolicy {
   }
   void quantize_segment(KVSegment& s, int D) override { code_segments({&s}, D); }
 
-  // The layer's segments in scope whose rows only the device holds, coded there; the others are
-  // added to `on_host`.
-  void code_layer(const PrefillContext& c, LayerKV& layer, std::vector<KVSegment*>& on_host) const {
-    for (KVSegment& s : layer.segments)
-      if (in_scope(s)) {
-        if (s.layout_only) code_on_device(c, s);
-        else on_host.push_back(&s);
+  // The layer's segments in scope whose rows only the device holds, coded there (later: their
+  // codes landing at the backend's next finish_reductions), each with its payload added to
+  // `coded`; the others are added to `on_host`.
+  void code_layer(const PrefillContext& c, LayerKV& layer, bool later, std::vector<KVSegment*>& on_host,
+                  std::vector<quant::PendingPayload>& coded) const {
+    for (KVSegment& s : layer.segments) {
+      if (!in_scope(s)) continue;
+      if (!s.layout_only) {
+        on_host.push_back(&s);
+        continue;
       }
+      std::shared_ptr<const turboquant::Codec> kc, vc;
+      codecs(c.head_dim, kc, vc);
+      auto p = std::make_shared<quant::QuantPayload>(static_cast<int>(s.heads.size()));
+      if (!c.backend || !c.device ||
+          !(later ? c.backend->code_rows_later(*c.device, c.layer, s, *kc, *vc, *p)
+                  : c.backend->code_rows(*c.device, c.layer, s, *kc, *vc, *p)))
+        throw InternalError("turboquant: layer " + std::to_string(c.layer) +
+                            "'s rows are in the device cache alone, and its backend cannot code them there");
+      coded.push_back({&s, std::move(p)});
+    }
   }
-  void code_on_device(const PrefillContext& c, KVSegment& s) const {
-    std::shared_ptr<const turboquant::Codec> kc, vc;
-    codecs(c.head_dim, kc, vc);
-    auto p = std::make_shared<quant::QuantPayload>(static_cast<int>(s.heads.size()));
-    if (!c.backend || !c.device || !c.backend->code_rows(*c.device, c.layer, s, *kc, *vc, *p))
-      throw InternalError("turboquant: layer " + std::to_string(c.layer) +
-                          "'s rows are in the device cache alone, and its backend cannot code them there");
-    // Row bits are the keys': b codebook bits, or with qjl b − 1 codebook bits + the 1-bit sketch.
-    quant::set_quantized(s, p, storage_, bits_);
+  // Each coded segment takes its payload once its codes are in (the list empties). Row bits are
+  // the keys': b codebook bits, or with qjl b − 1 codebook bits + the 1-bit sketch.
+  void install(std::vector<quant::PendingPayload>& coded) const {
+    for (const quant::PendingPayload& q : coded) quant::set_quantized(*q.s, q.p, storage_, bits_);
+    coded.clear();
   }
   // Each KV head of each segment coded on its own (up to 8 at once where there are enough rows to
   // pay for the threads — a prompt, not a decode step's row a head: every row is coded alone, so
