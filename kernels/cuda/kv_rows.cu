@@ -1,0 +1,161 @@
+// Where the device cache holds a host segment's rows: every layer's rows by KV head and position
+// (device_rows), a segment's rows where they run within one device segment (SegmentRows), and the
+// strided copy of rows that lie equally spaced there into one block (copy_spaced).
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "core/errors.h"
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/context.h"
+#include "kernels/cuda/kv_cache.h"
+
+namespace kvlens::cuda {
+
+namespace kv {
+
+RowMap DevLayer::Coded::by_position(int D) const {
+  RowMap m;
+  m.by_head.resize(pos.size());
+  const int64_t n = first.empty() ? 0 : first.back();
+  const auto* k = rows.as<__half>();
+  for (size_t h = 0; h < pos.size(); ++h)
+    for (size_t i = 0; i < pos[h].size(); ++i) {
+      const int64_t r = first[h] + static_cast<int64_t>(i);
+      m.put(static_cast<int>(h), pos[h][i], {k + r * D, k + (n + r) * D});
+    }
+  return m;
+}
+
+RowMap device_rows(const CudaKV& C, const DevLayer& d) {
+  RowMap m;
+  m.by_head.resize(static_cast<size_t>(C.NKV));
+  for (const DevSeg& s : d.segs) {
+    if (!s.fp16_rows || !dense_host(s.host_storage) || s.payload) continue;
+    for (int h = 0; h < C.NKV; ++h) {
+      const PartDesc& p = s.heads[h].at(0).d;
+      bool merged = false;
+      for (uint16_t x : s.merged[h]) merged = merged || x;
+      if (merged) continue;
+      for (size_t i = 0; i < s.pos[h].size(); ++i)
+        m.put(h, s.pos[h][i], {static_cast<const __half*>(p.k.data) + i * C.D, static_cast<const __half*>(p.v.data) + i * C.D});
+    }
+  }
+  const Tail& t = d.tail;
+  for (int h = 0; h < C.NKV && !t.packed(); ++h)  // (packed decode rows are codes, no fp16 rows)
+    for (int i = t.first(h); i < t.n; ++i)
+      m.put(h, t.host_pos[i], {t.k.as<__half>() + (static_cast<int64_t>(h) * t.cap + i) * C.D,
+                               t.v.as<__half>() + (static_cast<int64_t>(h) * t.cap + i) * C.D});
+  if (!d.merged.empty())
+    for (size_t h = 0; h < d.merged.rows.by_head.size(); ++h) {
+      const std::vector<RowMap::Row>& r = d.merged.rows.by_head[h];
+      for (size_t p = 0; p < r.size(); ++p)
+        if (r[p].first) m.put(static_cast<int>(h), static_cast<int32_t>(p), r[p]);
+    }
+  return m;
+}
+
+// Whether host segment s lists exactly the fp16 rows of device segment d (as a prefill's
+// layout does): then its rows are d's rows in order.
+bool mirrors(const KVSegment& s, const DevSeg& d, int NKV) {
+  if (s.kind != d.kind || !d.fp16_rows || d.payload || !dense_host(d.host_storage) || s.payload ||
+      static_cast<int>(s.heads.size()) != NKV || static_cast<int>(d.heads.size()) != NKV)
+    return false;
+  for (int h = 0; h < NKV; ++h) {
+    if (d.heads[static_cast<size_t>(h)].size() != 1 || s.heads[static_cast<size_t>(h)].pos != d.pos[static_cast<size_t>(h)])
+      return false;
+    for (uint16_t m : d.merged[static_cast<size_t>(h)])
+      if (m) return false;
+  }
+  return true;
+}
+
+namespace {
+// Whether host segment s lists, head by head, a run of the fp16 rows of device segment d (none of
+// them merged): then head h's rows start at at[h] in d's part of head h.
+bool runs_in(const KVSegment& s, const DevSeg& d, int NKV, std::vector<int64_t>& at) {
+  if (s.kind != d.kind || !d.fp16_rows || d.payload || !dense_host(d.host_storage) || s.payload ||
+      static_cast<int>(s.heads.size()) != NKV || static_cast<int>(d.heads.size()) != NKV)
+    return false;
+  at.assign(static_cast<size_t>(NKV), 0);
+  for (size_t h = 0; h < static_cast<size_t>(NKV); ++h) {
+    const std::vector<int32_t>& p = s.heads[h].pos;
+    const std::vector<int32_t>& q = d.pos[h];
+    if (d.heads[h].size() != 1 || p.size() > q.size()) return false;
+    if (p.empty()) continue;
+    const auto first = std::find(q.begin(), q.end(), p.front());
+    if (static_cast<size_t>(q.end() - first) < p.size() || !std::equal(p.begin(), p.end(), first)) return false;
+    at[h] = first - q.begin();
+    const std::vector<uint16_t>& m = d.merged[h];
+    for (size_t i = static_cast<size_t>(at[h]); i < std::min(m.size(), static_cast<size_t>(at[h]) + p.size()); ++i)
+      if (m[i]) return false;
+  }
+  return true;
+}
+}  // namespace
+
+SegmentRows::SegmentRows(const CudaKV& C, const DevLayer& d, const std::vector<const KVSegment*>& segs,
+                         std::string what)
+    : segs_(segs), what_(std::move(what)), D_(C.D), whole_(segs.size(), nullptr), at_(segs.size()) {
+  bool all = true;
+  for (size_t i = 0; i < segs.size(); ++i) {
+    if (d.merged.empty())
+      for (const DevSeg& x : d.segs)
+        if (runs_in(*segs[i], x, C.NKV, at_[i])) {
+          whole_[i] = &x;
+          break;
+        }
+    all = all && whole_[i];
+  }
+  if (!all) have_ = device_rows(C, d);
+}
+
+RowMap::Row SegmentRows::row(size_t seg, int h, int i) const {
+  if (const DevSeg* w = whole_[seg]) {
+    const PartDesc& p = w->heads[static_cast<size_t>(h)][0].d;
+    const int64_t r = at_[seg][static_cast<size_t>(h)] + i;
+    return {static_cast<const __half*>(p.k.data) + r * D_, static_cast<const __half*>(p.v.data) + r * D_};
+  }
+  const int32_t pos = segs_[seg]->heads[static_cast<size_t>(h)].pos[static_cast<size_t>(i)];
+  const RowMap::Row* r = have_.find(h, pos);
+  if (!r)
+    throw InternalError(what_ + ", KV head " + std::to_string(h) + ": no row at position " + std::to_string(pos) +
+                        " in the device cache");
+  return *r;
+}
+
+bool SegmentRows::spaced(size_t seg, const __half*& k, const __half*& v, int64_t& k_stride, int64_t& v_stride) const {
+  const DevSeg* w = whole_[seg];
+  const std::vector<HeadRows>& heads = segs_[seg]->heads;
+  if (!w || heads.empty()) return false;
+  const int64_t n = heads[0].n();
+  auto at = [&](size_t h, bool values) {
+    const PartDesc& p = w->heads[h][0].d;
+    return static_cast<const __half*>(values ? p.v.data : p.k.data) + at_[seg][h] * D_;
+  };
+  k = at(0, false);
+  v = at(0, true);
+  k_stride = heads.size() > 1 ? at(1, false) - k : n * D_;
+  v_stride = heads.size() > 1 ? at(1, true) - v : n * D_;
+  if (k_stride < n * D_ || v_stride < n * D_) return false;
+  for (size_t h = 0; h < heads.size(); ++h)
+    if (heads[h].n() != n || at(h, false) != k + static_cast<int64_t>(h) * k_stride ||
+        at(h, true) != v + static_cast<int64_t>(h) * v_stride)
+      return false;
+  return true;
+}
+
+void copy_spaced(Context& ctx, const __half* k, const __half* v, int64_t k_stride, int64_t v_stride, int NKV, int64_t n,
+                 int D, __half* out, const std::string& what) {
+  const size_t width = static_cast<size_t>(n) * D * 2;
+  KV_CUDA(cudaMemcpy2DAsync(out, width, k, static_cast<size_t>(k_stride) * 2, width, static_cast<size_t>(NKV),
+                            cudaMemcpyDeviceToDevice, ctx.stream),
+          what + " keys");
+  KV_CUDA(cudaMemcpy2DAsync(out + static_cast<int64_t>(NKV) * n * D, width, v, static_cast<size_t>(v_stride) * 2, width,
+                            static_cast<size_t>(NKV), cudaMemcpyDeviceToDevice, ctx.stream),
+          what + " values");
+}
+
+}  // namespace kv
+
+}  // namespace kvlens::cuda
