@@ -399,14 +399,11 @@ const DevLayer::Coded* coded_for(const DevLayer& d, const KVSegment& s) {
   return nullptr;
 }
 // Whether s lists, head by head, the rows c coded in their order (a segment no method edited
-// since it was coded).
+// since it was coded; merged rows were coded as merged).
 bool lists_coded(const KVSegment& s, const DevLayer::Coded& c) {
   if (s.heads.size() != c.pos.size()) return false;
   for (size_t h = 0; h < s.heads.size(); ++h)
     if (s.heads[h].pos != c.pos[h]) return false;
-  for (const HeadRows& r : s.heads)
-    for (uint16_t m : r.merged)
-      if (m) return false;
   return true;
 }
 // Host segment s as the fp16 rows c coded for it, where they lie: no copy of the rows, their
@@ -567,15 +564,12 @@ void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l, SyncPlan plan, co
         }
       segs.push_back(build_packed(ctx, C, s, *p, taken.payload ? &taken : nullptr));
     } else if (const DevLayer::Coded* c = coded_for(d, s)) {
-      // rows a row codebook coded where they are, for this payload: taken as they lie where the
-      // segment lists the rows that were coded, else gathered by position
-      const std::string label = "fp16 (dequantized " + s.storage + ")";
-      if (lists_coded(s, *c)) {
-        segs.push_back(adopt_coded(C, s, *c, label, batch));
-      } else {
-        const Staged rows{c->rows, DevMem{}, c->by_position(C.D)};
-        segs.push_back(build_fp16(C, s, rows.rows, rows, label, false, batch));
-      }
+      // rows a row codebook coded where they are, for this payload, taken as they lie (the
+      // payload's codes are of those rows: a segment that lists others is not its payload's)
+      if (!lists_coded(s, *c))
+        throw InternalError("kv_sync: layer " + std::to_string(l) + "'s " + segment_kind_name(s.kind) +
+                            " segment lists rows other than those its payload's codes were made of");
+      segs.push_back(adopt_coded(C, s, *c, "fp16 (dequantized " + s.storage + ")", batch));
     } else if (s.payload) {
       segs.push_back(build_fp16(C, s, none, d.merged, "fp16 (dequantized " + s.storage + ")", true, batch));
     } else {

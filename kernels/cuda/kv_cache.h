@@ -244,7 +244,6 @@ struct DevLayer {
     DevMem rows;                             // [2: K, V][n][D] halves
     std::vector<int64_t> first;              // [kv head + 1]: each head's first row
     std::vector<std::vector<int32_t>> pos;  // [kv head] the rows' positions
-    RowMap by_position(int D) const;
   };
   std::vector<Coded> coded;  // (nor these)
 };

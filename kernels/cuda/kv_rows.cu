@@ -14,19 +14,6 @@ namespace kvlens::cuda {
 
 namespace kv {
 
-RowMap DevLayer::Coded::by_position(int D) const {
-  RowMap m;
-  m.by_head.resize(pos.size());
-  const int64_t n = first.empty() ? 0 : first.back();
-  const auto* k = rows.as<__half>();
-  for (size_t h = 0; h < pos.size(); ++h)
-    for (size_t i = 0; i < pos[h].size(); ++i) {
-      const int64_t r = first[h] + static_cast<int64_t>(i);
-      m.put(static_cast<int>(h), pos[h][i], {k + r * D, k + (n + r) * D});
-    }
-  return m;
-}
-
 RowMap device_rows(const CudaKV& C, const DevLayer& d) {
   RowMap m;
   m.by_head.resize(static_cast<size_t>(C.NKV));
