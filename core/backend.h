@@ -247,6 +247,22 @@ struct StepCache {
   virtual ~StepCache() = default;
 };
 
+// Runs `first`, then `then`, also when `first` throws: its error goes on after `then` ran, and an
+// error of `then` gives way to it (the first error is the one to report).
+inline void then_anyway(const std::function<void()>& first, const std::function<void()>& then) {
+  try {
+    first();
+  } catch (...) {
+    try {
+      then();
+    } catch (...) {
+      // (the first error is the one to report)
+    }
+    throw;
+  }
+  then();
+}
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -365,33 +381,13 @@ class Backend {
   // queued lands first, while the caller's results still exist; then its error goes on.
   void queue_then_finish(const std::function<void()>& queue) {
     std::lock_guard<std::recursive_mutex> ops(ops_mutex());
-    try {
-      queue();
-    } catch (...) {
-      try {
-        finish_reductions();
-      } catch (...) {
-        // (the first error is the one to report)
-      }
-      throw;
-    }
-    finish_reductions();
+    then_anyway(queue, [this] { finish_reductions(); });
   }
   // queue_then_finish, then `keep` (what takes the landed results in), also when `queue` throws:
   // what it queued before the error has landed and is kept (results made on the device name
   // what they were made for), then the error goes on; an error of `keep` then gives way to it.
   void queue_then_keep(const std::function<void()>& queue, const std::function<void()>& keep) {
-    try {
-      queue_then_finish(queue);
-    } catch (...) {
-      try {
-        keep();
-      } catch (...) {
-        // (the first error is the one to report)
-      }
-      throw;
-    }
-    keep();
+    then_anyway([&] { queue_then_finish(queue); }, keep);
   }
 
   // LOOK-M's assignment (Eq. 9) of one layer's KV heads at once: out[h] holds, for each row e of

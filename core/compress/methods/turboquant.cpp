@@ -15,6 +15,7 @@
 // their own, so decode tokens are quantized as they arrive (scope=all).
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <random>
@@ -144,19 +145,16 @@ class TurboQuantPolicy : public quant::SegmentQuantPolicy {
       for (const PrefillContext& c : layers) code_layer(c, store.layer(c.layer), later, on_host, coded);
     };
     auto keep = [&] { install(coded); };
-    if (later) {
-      be->queue_then_keep(queue, keep);
-    } else {
-      queue();
-      keep();
-    }
+    // (the segments coded before an error take their payloads: the device keeps their rows by
+    // payload until the layer's next sync)
+    if (later) be->queue_then_keep(queue, keep);
+    else then_anyway(queue, keep);
     if (!on_host.empty()) code_segments(on_host, layers.front().head_dim);
   }
   void on_prefill_layer(const PrefillContext& ctx, LayerKV& layer) override {
     std::vector<KVSegment*> on_host;
     std::vector<quant::PendingPayload> coded;
-    code_layer(ctx, layer, false, on_host, coded);
-    install(coded);
+    then_anyway([&] { code_layer(ctx, layer, false, on_host, coded); }, [&] { install(coded); });
     if (!on_host.empty()) code_segments(on_host, ctx.head_dim);
   }
   bool reads_rows() const override { return false; }
