@@ -560,12 +560,11 @@ constexpr int kMaxCodecDp = 256;
 // and the row replaced by its dequantization rounded to fp16. dp at most kMaxCodecDp.
 void codec_tail_rows(const CodecDev& kc, const CodecDev& vc, __half* k, __half* v, int NKV, int D, int cap,
                      const int32_t* counter, uint8_t* kcodes, uint8_t* vcodes, __half* scales, cudaStream_t s);
-// The same coding of N key rows and N value rows: row i of K at *src[i], of V at *src[N + i]
-// (fp16, in device memory; src null: the rows are out's own, coded in place); their
-// dequantizations to out [2][N][D] fp16, their codes to kcodes / vcodes [N][row_bytes], their
-// fp16 scales to scales [3][N].
-void codec_rows(const CodecDev& kc, const CodecDev& vc, const __half* const* src, int N, int D, __half* out,
-                uint8_t* kcodes, uint8_t* vcodes, __half* scales, cudaStream_t s);
+// The same coding of N key rows and N value rows in place: x [2][N][D] fp16 (keys, then values;
+// device memory), each row replaced by its dequantization; their codes to kcodes / vcodes
+// [N][row_bytes], their fp16 scales to scales [3][N].
+void codec_rows(const CodecDev& kc, const CodecDev& vc, int N, int D, __half* x, uint8_t* kcodes, uint8_t* vcodes,
+                __half* scales, cudaStream_t s);
 // dst row i (D halves) = *src[i] for n rows (src pointers in device memory).
 void gather_rows(const __half* const* src, __half* dst, int n, int D, cudaStream_t s);
 // Block i of dst (`bytes`, a multiple of 4) = block index[i] of src, for n blocks (index in

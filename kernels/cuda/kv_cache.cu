@@ -318,6 +318,20 @@ struct SyncBatch {
   }
 };
 
+// Head h of host segment s as device segment d's one fp16 part, its rows back to back at k and v,
+// with s's positions and merge counts.
+void place_head(DevSeg& d, const KVSegment& s, int h, const __half* k, const __half* v) {
+  const HeadRows& r = s.heads[static_cast<size_t>(h)];
+  DevPart p;
+  p.d.n = r.n();
+  p.d.visual = s.kind == SegmentKind::Visual;
+  p.d.k.data = k;
+  p.d.v.data = v;
+  d.heads[static_cast<size_t>(h)].push_back(p);
+  d.pos[static_cast<size_t>(h)] = r.pos;
+  d.merged[static_cast<size_t>(h)] = r.merged;
+}
+
 // A segment of fp16 rows: rows found on the device are gathered there, the others uploaded (the
 // copies queued in `batch`). A merged row is gathered from the rows merged on the device
 // (`merged`), else uploaded. `whole`: the device segment whose rows s lists, in order (s only
@@ -374,14 +388,7 @@ DevSeg build_fp16(const CudaKV& C, const KVSegment& s, const RowMap& have, const
       }
       batch.pos.push_back(r.pos[i]);
     }
-    DevPart p;
-    p.d.n = r.n();
-    p.d.visual = s.kind == SegmentKind::Visual;
-    p.d.k.data = K.as<__half>() + off * D;
-    p.d.v.data = V.as<__half>() + off * D;
-    d.heads[h].push_back(p);
-    d.pos[h] = r.pos;
-    d.merged[h] = r.merged;
+    place_head(d, s, h, K.as<__half>() + off * D, V.as<__half>() + off * D);
     off += r.n();
   }
   batch.gathers.push_back(g);
@@ -413,7 +420,8 @@ DevSeg adopt_coded(const CudaKV& C, const KVSegment& s, const DevLayer::Coded& c
   Context& ctx = *C.ctx;
   const int NKV = C.NKV, D = C.D;
   DevSeg d = mirror(s, label, NKV, true);
-  const int64_t rows = c.first.back();
+  int64_t rows = 0;
+  for (const HeadRows& r : s.heads) rows += r.n();
   DevMem P{ctx.alloc(std::max<int64_t>(rows, 1) * 4, "KV coded segment positions"), rows * 4};
   SyncBatch::Gather g;
   g.first = static_cast<int64_t>(batch.src.size());
@@ -421,17 +429,12 @@ DevSeg adopt_coded(const CudaKV& C, const KVSegment& s, const DevLayer::Coded& c
   g.pos = P.as<int32_t>();
   g.pos_first = static_cast<int64_t>(batch.pos.size());
   const auto* k = c.rows.as<__half>();
+  int64_t off = 0;
   for (int h = 0; h < NKV; ++h) {
     const HeadRows& r = s.heads[static_cast<size_t>(h)];
     batch.pos.insert(batch.pos.end(), r.pos.begin(), r.pos.end());
-    DevPart p;
-    p.d.n = r.n();
-    p.d.visual = s.kind == SegmentKind::Visual;
-    p.d.k.data = k + c.first[static_cast<size_t>(h)] * D;
-    p.d.v.data = k + (rows + c.first[static_cast<size_t>(h)]) * D;
-    d.heads[static_cast<size_t>(h)].push_back(p);
-    d.pos[static_cast<size_t>(h)] = r.pos;
-    d.merged[static_cast<size_t>(h)] = r.merged;
+    place_head(d, s, h, k + off * D, k + (rows + off) * D);
+    off += r.n();
   }
   batch.gathers.push_back(g);
   batch.targets.push_back(P);

@@ -241,8 +241,7 @@ struct DevLayer {
   // payload is `payload`. The layer's next kv_sync makes them that segment's rows.
   struct Coded {
     const void* payload = nullptr;
-    DevMem rows;                             // [2: K, V][n][D] halves
-    std::vector<int64_t> first;              // [kv head + 1]: each head's first row
+    DevMem rows;                             // [2: K, V][n][D] halves, each KV head's in turn
     std::vector<std::vector<int32_t>> pos;  // [kv head] the rows' positions
   };
   std::vector<Coded> coded;  // (nor these)
@@ -570,6 +569,9 @@ class SegmentRows {
   // equally spaced (a prefill's layout, or a cut of it): then head h's rows are k + h·k_stride
   // and v + h·v_stride (halves), read where they are.
   bool spaced(size_t seg, const __half*& k, const __half*& v, int64_t& k_stride, int64_t& v_stride) const;
+  // segs[seg]'s rows into out [2: K, V][N][D] (N: its rows), each KV head's in turn: one strided
+  // copy a side where they are spaced, else gathered by pointer (the list uploaded).
+  void copy_into(Context& ctx, size_t seg, __half* out, const std::string& what) const;
 
  private:
   const std::vector<const KVSegment*>& segs_;
@@ -579,10 +581,6 @@ class SegmentRows {
   std::vector<std::vector<int64_t>> at_;  // [seg][kv head]: where the segment's rows start in whole_'s part
   RowMap have_;
 };
-// Every KV head's n rows where SegmentRows::spaced found them (k + h·k_stride, v + h·v_stride)
-// copied back to back into out [2: K, V][NKV·n][D]: one strided copy a side, nothing uploaded.
-void copy_spaced(Context& ctx, const __half* k, const __half* v, int64_t k_stride, int64_t v_stride, int NKV, int64_t n,
-                 int D, __half* out, const std::string& what);
 // Host segment i of layer l ↔ device segment i (or the tail for the last host segment): the
 // host reports what the device holds.
 void set_host_bytes(CudaKV& C, KVStore& host, int l);

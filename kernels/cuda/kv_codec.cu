@@ -4,6 +4,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <map>
 #include <mutex>
 #include <set>
 #include <string>
@@ -194,11 +195,10 @@ __global__ void codec_tail_kernel(CodecDev kc, CodecDev vc, __half* K, __half* V
            scales + plane + at);
 }
 
-// Blocks [0, B) code key rows, [B, 2B) value rows (B = gridDim.x / 2): row i of side s is
-// *src[s·N + i] (src null: out's row, read into shared memory before it is written), its
-// dequantization goes to out + (s·N + i)·D.
-__global__ void codec_rows_kernel(CodecDev kc, CodecDev vc, const __half* const* src, int N, int D, __half* out,
-                                  uint8_t* kcodes, uint8_t* vcodes, __half* scales, int staged_d) {
+// Blocks [0, B) code key rows, [B, 2B) value rows (B = gridDim.x / 2): row i of side s, at
+// x + (s·N + i)·D, is read into shared memory and replaced by its dequantization.
+__global__ void codec_rows_kernel(CodecDev kc, CodecDev vc, int N, int D, __half* x, uint8_t* kcodes, uint8_t* vcodes,
+                                  __half* scales, int staged_d) {
   __shared__ CodecShared sh;
   extern __shared__ float sS[];
   const int B = gridDim.x / 2, side = blockIdx.x / B;
@@ -207,9 +207,9 @@ __global__ void codec_rows_kernel(CodecDev kc, CodecDev vc, const __half* const*
   load_codec(c, staged, sh, sS);
   for (int i = blockIdx.x % B; i < N; i += B) {
     const int64_t r = static_cast<int64_t>(side) * N + i;
-    const __half* in = src ? src[r] : out + r * D;
-    for (int j = threadIdx.x; j < c.dp; j += blockDim.x) sh.x[j] = j < c.d ? __half2float(in[j]) : 0.0f;
-    code_row(c, staged, sS, sh, out + r * D, (side ? vcodes : kcodes) + static_cast<int64_t>(i) * c.row_bytes,
+    __half* row = x + r * D;
+    for (int j = threadIdx.x; j < c.dp; j += blockDim.x) sh.x[j] = j < c.d ? __half2float(row[j]) : 0.0f;
+    code_row(c, staged, sS, sh, row, (side ? vcodes : kcodes) + static_cast<int64_t>(i) * c.row_bytes,
              scales + (side ? 2LL : 0LL) * N + i, scales + static_cast<int64_t>(N) + i);
   }
 }
@@ -258,21 +258,33 @@ void codec_tail_rows(const CodecDev& kc, const CodecDev& vc, __half* k, __half* 
           "codec_tail_kernel for " + std::to_string(NKV) + " KV heads");
 }
 
-void codec_rows(const CodecDev& kc, const CodecDev& vc, const __half* const* src, int N, int D, __half* out,
-                uint8_t* kcodes, uint8_t* vcodes, __half* scales, cudaStream_t s) {
+// The blocks of codec_rows_kernel the current device holds at once with `smem` bytes of dynamic
+// shared memory (found once a device and size).
+int codec_rows_resident(size_t smem) {
+  static std::mutex mu;
+  static std::map<std::pair<int, size_t>, int> known;
+  int dev = 0;
+  KV_CUDA(cudaGetDevice(&dev), "codec_rows: the current device");
+  const std::lock_guard<std::mutex> lock(mu);
+  const auto it = known.find({dev, smem});
+  if (it != known.end()) return it->second;
+  int sms = 0, per_sm = 0;
+  KV_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "codec_rows: the device's SMs");
+  KV_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, codec_rows_kernel, kCodecThreads, smem),
+          "codec_rows: blocks an SM holds");
+  return known[{dev, smem}] = std::max(1, per_sm * sms);
+}
+
+void codec_rows(const CodecDev& kc, const CodecDev& vc, int N, int D, __half* x, uint8_t* kcodes, uint8_t* vcodes,
+                __half* scales, cudaStream_t s) {
   check_codecs(kc, vc, D, "codec_rows");
   if (N == 0) return;
   size_t smem = 0;
   const int staged_d = staging_for(kc, codec_rows_kernel, "codec_rows_kernel", smem);
   // A row's coding is a chain of short dependent steps (a serial norm, the butterflies' barriers):
   // as many blocks a side as the device holds at once, so that rows overlap.
-  int dev = 0, sms = 0, per_sm = 0;
-  KV_CUDA(cudaGetDevice(&dev), "codec_rows: the current device");
-  KV_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "codec_rows: the device's SMs");
-  KV_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, codec_rows_kernel, kCodecThreads, smem),
-          "codec_rows: blocks an SM holds");
-  const int B = std::max(1, std::min(N, std::max(1, per_sm * sms / 2)));
-  codec_rows_kernel<<<2 * B, kCodecThreads, smem, s>>>(kc, vc, src, N, D, out, kcodes, vcodes, scales, staged_d);
+  const int B = std::max(1, std::min(N, codec_rows_resident(smem) / 2));
+  codec_rows_kernel<<<2 * B, kCodecThreads, smem, s>>>(kc, vc, N, D, x, kcodes, vcodes, scales, staged_d);
   KV_LAUNCH("codec_rows_kernel", std::to_string(N) + " rows a side");
 }
 

@@ -1,6 +1,6 @@
 // Where the device cache holds a host segment's rows: every layer's rows by KV head and position
-// (device_rows), a segment's rows where they run within one device segment (SegmentRows), and the
-// strided copy of rows that lie equally spaced there into one block (copy_spaced).
+// (device_rows), and a segment's rows where they run within one device segment (SegmentRows),
+// copied into one block by a strided copy where they lie equally spaced, else gathered.
 #include <algorithm>
 #include <string>
 #include <vector>
@@ -8,6 +8,7 @@
 #include "core/errors.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/context.h"
+#include "kernels/cuda/kernels.h"
 #include "kernels/cuda/kv_cache.h"
 
 namespace kvlens::cuda {
@@ -42,21 +43,6 @@ RowMap device_rows(const CudaKV& C, const DevLayer& d) {
   return m;
 }
 
-// Whether host segment s lists exactly the fp16 rows of device segment d (as a prefill's
-// layout does): then its rows are d's rows in order.
-bool mirrors(const KVSegment& s, const DevSeg& d, int NKV) {
-  if (s.kind != d.kind || !d.fp16_rows || d.payload || !dense_host(d.host_storage) || s.payload ||
-      static_cast<int>(s.heads.size()) != NKV || static_cast<int>(d.heads.size()) != NKV)
-    return false;
-  for (int h = 0; h < NKV; ++h) {
-    if (d.heads[static_cast<size_t>(h)].size() != 1 || s.heads[static_cast<size_t>(h)].pos != d.pos[static_cast<size_t>(h)])
-      return false;
-    for (uint16_t m : d.merged[static_cast<size_t>(h)])
-      if (m) return false;
-  }
-  return true;
-}
-
 namespace {
 // Whether host segment s lists, head by head, a run of the fp16 rows of device segment d (none of
 // them merged): then head h's rows start at at[h] in d's part of head h.
@@ -80,6 +66,14 @@ bool runs_in(const KVSegment& s, const DevSeg& d, int NKV, std::vector<int64_t>&
   return true;
 }
 }  // namespace
+
+bool mirrors(const KVSegment& s, const DevSeg& d, int NKV) {
+  std::vector<int64_t> at;
+  if (!runs_in(s, d, NKV, at)) return false;
+  for (size_t h = 0; h < s.heads.size(); ++h)
+    if (s.heads[h].pos.size() != d.pos[h].size()) return false;
+  return true;
+}
 
 SegmentRows::SegmentRows(const CudaKV& C, const DevLayer& d, const std::vector<const KVSegment*>& segs,
                          std::string what)
@@ -132,15 +126,35 @@ bool SegmentRows::spaced(size_t seg, const __half*& k, const __half*& v, int64_t
   return true;
 }
 
-void copy_spaced(Context& ctx, const __half* k, const __half* v, int64_t k_stride, int64_t v_stride, int NKV, int64_t n,
-                 int D, __half* out, const std::string& what) {
-  const size_t width = static_cast<size_t>(n) * D * 2;
-  KV_CUDA(cudaMemcpy2DAsync(out, width, k, static_cast<size_t>(k_stride) * 2, width, static_cast<size_t>(NKV),
-                            cudaMemcpyDeviceToDevice, ctx.stream),
-          what + " keys");
-  KV_CUDA(cudaMemcpy2DAsync(out + static_cast<int64_t>(NKV) * n * D, width, v, static_cast<size_t>(v_stride) * 2, width,
-                            static_cast<size_t>(NKV), cudaMemcpyDeviceToDevice, ctx.stream),
-          what + " values");
+void SegmentRows::copy_into(Context& ctx, size_t seg, __half* out, const std::string& what) const {
+  const std::vector<HeadRows>& heads = segs_[seg]->heads;
+  int64_t N = 0;
+  for (const HeadRows& r : heads) N += r.n();
+  if (N == 0) return;
+  const __half *k = nullptr, *v = nullptr;
+  int64_t k_stride = 0, v_stride = 0;
+  if (spaced(seg, k, v, k_stride, v_stride)) {  // one strided copy a side
+    const size_t width = static_cast<size_t>(heads[0].n()) * D_ * 2;
+    KV_CUDA(cudaMemcpy2DAsync(out, width, k, static_cast<size_t>(k_stride) * 2, width, heads.size(),
+                              cudaMemcpyDeviceToDevice, ctx.stream),
+            what + " keys");
+    KV_CUDA(cudaMemcpy2DAsync(out + N * D_, width, v, static_cast<size_t>(v_stride) * 2, width, heads.size(),
+                              cudaMemcpyDeviceToDevice, ctx.stream),
+            what + " values");
+    return;
+  }
+  std::vector<const __half*> src(static_cast<size_t>(2 * N));  // keys, then values
+  size_t at = 0;
+  for (size_t h = 0; h < heads.size(); ++h)
+    for (int i = 0; i < heads[h].n(); ++i, ++at) {
+      const RowMap::Row r = row(seg, static_cast<int>(h), i);
+      src[at] = r.first;
+      src[at + static_cast<size_t>(N)] = r.second;
+    }
+  const int64_t bytes = 2 * N * static_cast<int64_t>(sizeof(void*));
+  DevMem L{ctx.alloc(bytes, what + " gather list"), bytes};
+  ctx.upload(L.mem.get(), src.data(), bytes, what + " gather list");
+  gather_rows(static_cast<const __half* const*>(L.mem.get()), out, static_cast<int>(2 * N), D_, ctx.stream);
 }
 
 }  // namespace kv

@@ -242,25 +242,9 @@ bool kv_quantize_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& s
   const __half* in[2] = {nullptr, nullptr};  // each side's first head
   int64_t in_stride[2] = {0, 0};              // (0: the gathered block's heads, back to back)
   DevMem X;
-  const bool spaced = rows.spaced(0, in[0], in[1], in_stride[0], in_stride[1]);
-  if (!(by_heads(ks) && by_heads(vs) && spaced)) {
+  if (!(by_heads(ks) && by_heads(vs) && rows.spaced(0, in[0], in[1], in_stride[0], in_stride[1]))) {
     X = {ctx.alloc(2 * N * D * 2, what), 2 * N * D * 2};
-    if (spaced) {
-      copy_spaced(ctx, in[0], in[1], in_stride[0], in_stride[1], NKV, first[1], D, X.as<__half>(), what);
-    } else {
-      std::vector<const __half*> src, values;  // keys, then (appended below) values
-      for (int h = 0; h < NKV; ++h)
-        for (int i = 0; i < seg.heads[static_cast<size_t>(h)].n(); ++i) {
-          const RowMap::Row row = rows.row(0, h, i);
-          src.push_back(row.first);
-          values.push_back(row.second);
-        }
-      src.insert(src.end(), values.begin(), values.end());
-      DevMem L{ctx.alloc(2 * N * static_cast<int64_t>(sizeof(void*)), what + " gather list"),
-               2 * N * static_cast<int64_t>(sizeof(void*))};
-      ctx.upload(L.mem.get(), src.data(), 2 * N * static_cast<int64_t>(sizeof(void*)), what + " gather list");
-      gather_rows(static_cast<const __half* const*>(L.mem.get()), X.as<__half>(), static_cast<int>(2 * N), D, ctx.stream);
-    }
+    rows.copy_into(ctx, 0, X.as<__half>(), what);
     in[0] = X.as<__half>();
     in[1] = X.as<__half>() + N * D;
     in_stride[0] = in_stride[1] = 0;
@@ -387,37 +371,16 @@ bool kv_code_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& seg, 
   DevLayer& d = C.layers[static_cast<size_t>(layer)];
   const std::vector<const KVSegment*> segs{&seg};
   const SegmentRows rows(C, d, segs, "code_rows: " + what);
-  DevLayer::Coded keep;
-  keep.payload = &out;
-  keep.first.assign(static_cast<size_t>(NKV) + 1, 0);
-  for (int h = 0; h < NKV; ++h) {
-    keep.first[static_cast<size_t>(h) + 1] = keep.first[static_cast<size_t>(h)] + seg.heads[static_cast<size_t>(h)].n();
-    keep.pos.push_back(seg.heads[static_cast<size_t>(h)].pos);
-  }
-  const std::vector<int64_t>& first = keep.first;
+  std::vector<int64_t> first(static_cast<size_t>(NKV) + 1, 0);
+  for (int h = 0; h < NKV; ++h)
+    first[static_cast<size_t>(h) + 1] = first[static_cast<size_t>(h)] + seg.heads[static_cast<size_t>(h)].n();
   const int64_t N = first.back();
   if (N == 0) return true;
-  // The rows' dequantizations into X [2][N][D], keys then values: coded in place where the rows
-  // lie equally spaced in the cache (a strided copy into X first), else read by pointer.
+  // The rows into X [2][N][D], keys then values, coded there in place (X then holds their
+  // dequantizations).
   const CodedRows f(k, v);
   DevMem X{ctx.alloc(2 * N * D * 2, what), 2 * N * D * 2};
-  DevMem L;
-  const __half *k0 = nullptr, *v0 = nullptr;
-  int64_t k_stride = 0, v_stride = 0;
-  if (rows.spaced(0, k0, v0, k_stride, v_stride)) {
-    copy_spaced(ctx, k0, v0, k_stride, v_stride, NKV, first[1], D, X.as<__half>(), what);
-  } else {
-    std::vector<const __half*> src(static_cast<size_t>(2 * N));
-    for (int h = 0; h < NKV; ++h)
-      for (int i = 0; i < seg.heads[static_cast<size_t>(h)].n(); ++i) {
-        const RowMap::Row row = rows.row(0, h, i);
-        src[static_cast<size_t>(first[static_cast<size_t>(h)] + i)] = row.first;
-        src[static_cast<size_t>(N + first[static_cast<size_t>(h)] + i)] = row.second;
-      }
-    const int64_t lb = 2 * N * static_cast<int64_t>(sizeof(void*));
-    L = {ctx.alloc(lb, what + " row list"), lb};
-    ctx.upload(L.mem.get(), src.data(), lb, what + " row list");
-  }
+  rows.copy_into(ctx, 0, X.as<__half>(), what);
   const int64_t at_scales = (N * (f.k_bytes + f.v_bytes) + 15) / 16 * 16;  // codes K, codes V, then the scales [3][N]
   DevMem Cd{ctx.alloc(at_scales + 3 * N * 2, what + " codes"), at_scales + 3 * N * 2};
   uint8_t* kc = Cd.as<uint8_t>();
@@ -425,8 +388,7 @@ bool kv_code_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& seg, 
   auto* sc = reinterpret_cast<__half*>(kc + at_scales);
   const DevMem cm = C.codecs(k, v);
   const CodecDev kd = codec_dev(cm, k, v, 0), vd = codec_dev(cm, k, v, 1);
-  codec_rows(kd, vd, static_cast<const __half* const*>(L.mem.get()), static_cast<int>(N), D, X.as<__half>(), kc, vc, sc,
-             ctx.stream);
+  codec_rows(kd, vd, static_cast<int>(N), D, X.as<__half>(), kc, vc, sc, ctx.stream);
   // Each head's rows in order, as the host's coder appends them.
   auto land = [&out, f, first, N, NKV, at_scales](const char* host) {
     const auto* c = reinterpret_cast<const uint8_t*>(host);
@@ -447,7 +409,8 @@ bool kv_code_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& seg, 
   }
   // The rows, for the layer's next kv_sync (the segment whose payload is `out`; coding again for
   // the same payload replaces them).
-  keep.rows = std::move(X);
+  DevLayer::Coded keep{&out, std::move(X), {}};
+  for (const HeadRows& r : seg.heads) keep.pos.push_back(r.pos);
   std::vector<DevLayer::Coded>& kept = d.coded;
   kept.erase(std::remove_if(kept.begin(), kept.end(), [&](const DevLayer::Coded& c) { return c.payload == &out; }),
              kept.end());
