@@ -569,11 +569,14 @@ class Backend {
   virtual bool quantizes_steps(const StepQuant& quant, int head_dim) const { return false; }
   // Before a decode step's ops, outside any captured step: the decode rows' action that
   // kv_reserve's quant (group > 0) takes before the step's row is appended, run where the rows
-  // are. The layout may change (DeviceKV::version), so a replayed step is captured anew.
-  virtual void kv_before_step(DeviceKV& dev) {}
+  // of kv.dev are. The layout may change (DeviceKV::version), so a replayed step is captured
+  // anew. The decode rows the host store holds (an observed decode's) that were quantized are
+  // replaced there by their dequantization, as the device now holds them.
+  virtual void kv_before_step(SeqKV& kv) {}
   // Appends to the host store, for each of `layers`, the device cache's last T decode rows
   // (appended while the host copy was put off: SeqKV::mirror off for that append), at
-  // positions pos_host with kinds `kinds`. Only a backend with a device cache has such rows.
+  // positions pos_host with kinds `kinds`, as the device holds them (quantized rows dequantized).
+  // Only a backend with a device cache has such rows.
   virtual void kv_pull_rows(SeqKV& kv, const std::vector<int>& layers, const int32_t* pos_host,
                             const SegmentKind* kinds, int T) {
     throw InternalError(name() + " backend: no device rows to pull into the host store");

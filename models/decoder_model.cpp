@@ -173,7 +173,12 @@ DecodeResult DecoderModel::decode(const PrefillState& st, KVPolicy* policy, cons
   const int observed = observed_decode_steps(observers);
   // A method whose decode-time action the device runs itself (per-token quantization of each
   // new row) leaves its steps nothing to do on the host: they run as a prefill-only method's.
-  StepQuant device_quant = dev ? device_step_quant(steps, *be_, observed > 0, text_cfg_.head_dim) : StepQuant{};
+  // (an observed decode keeps it where every observer is served on the device, as the steps' staged taps serve them)
+  const StepReaders readers = observed == 0 ? StepReaders::None
+                              : be_->defers_decode_taps() && !observers_read_rows(observers, device_capture(observers, be_.get()))
+                                  ? StepReaders::Device
+                                  : StepReaders::Host;
+  StepQuant device_quant = dev ? device_step_quant(steps, *be_, readers, text_cfg_.head_dim) : StepQuant{};
   device_quant.zip.n_heads = text_cfg_.num_attention_heads;  // (the probes' queries, StepQuant::zip)
   if (device_quant.any()) steps = nullptr;
   const bool mirror = !dev || decode_needs_host_rows(steps) || observed > 0;
@@ -278,8 +283,11 @@ DecodeResult DecoderModel::decode(const PrefillState& st, KVPolicy* policy, cons
     // backend that records its queries there: its events come once the caption is done.
     // (device_alone: a device cache whose host rows only observers read, so steps may drop them)
     const bool device_alone = dev && mirror && !decode_needs_host_rows(steps);
+    // (not over groups quantized later, which a recorded query would see requantized, nor over
+    // rotated keys)
     const bool can_record =
-        device_alone && be_->records_decode_queries() &&
+        device_alone && be_->records_decode_queries() && device_quant.group == 0 && device_quant.zip.gap == 0 &&
+        device_quant.rotation == 0 &&
         std::any_of(observers.begin(), observers.end(), [](const AttentionObserver* o) { return o->reads_probabilities_only(); });
     std::vector<int> rec_steps;
     std::vector<int32_t> rec_pos;

@@ -443,6 +443,21 @@ LlamaWorkspace LlamaDecoder::workspace() const {
   return w;
 }
 
+const CapturedAttention* device_capture(const std::vector<AttentionObserver*>& observers, const Backend* be) {
+  const CapturedAttention* capture = nullptr;
+  for (const AttentionObserver* o : observers) {
+    const auto* c = dynamic_cast<const CapturedAttention*>(o->compares_to());
+    if (c && c->backend() == be) capture = c;
+  }
+  return capture;
+}
+
+bool observers_read_rows(const std::vector<AttentionObserver*>& observers, const CapturedAttention* capture) {
+  return std::any_of(observers.begin(), observers.end(), [&](const AttentionObserver* o) {
+    return o->reads_decode_kv() && !(capture && o->compares_to());
+  });
+}
+
 std::vector<float> LlamaDecoder::decode(int token, int position, int step_no, SeqKV& kv, KVPolicy* policy,
                                         const std::vector<AttentionObserver*>& observers,
                                         LlamaWorkspace& w) const {
@@ -492,7 +507,7 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
   }
   // The cache's own work due before this step's row (StepQuant::group), outside the step that
   // may be captured: it may lay the cache out anew, and the step's key follows.
-  if (kv.dev) be->kv_before_step(*kv.dev);
+  if (kv.dev) be->kv_before_step(kv);
   const SegmentKind gen = SegmentKind::Generated;
   const bool want = !observers.empty();
   // A policy that compresses only at prefill and calibrates (if at all) inside the device's
@@ -513,19 +528,13 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
   const bool may_defer = acts && kv.dev && !want && transform.kind != ScoreTransform::Kind::Host;
   // An observer that compares the queries with this prefill's capture: the backend may compute
   // the exact attention from the capture, and that observer then needs no rows.
-  const CapturedAttention* capture = nullptr;
-  for (const AttentionObserver* o : observers) {
-    const auto* c = dynamic_cast<const CapturedAttention*>(o->compares_to());
-    if (c && c->backend() == be.get()) capture = c;
-  }
+  const CapturedAttention* capture = device_capture(observers, be.get());
 
   // Observed steps whose observers read no rows (or compare with this capture) and whose
   // policy does nothing on the host: on a backend that defers the taps, the layers run without
   // waiting for the host, their rows come over together after the last layer, and the events
   // are handed over then, layer by layer.
-  const bool rows_wanted = std::any_of(observers.begin(), observers.end(), [&](const AttentionObserver* o) {
-    return o->reads_decode_kv() && !(capture && o->compares_to());
-  });
+  const bool rows_wanted = observers_read_rows(observers, capture);
   const bool staged = want && kv.dev && !rows_wanted && !decode_needs_host_rows(policy) && be->defers_decode_taps();
   if (staged && w.qkv_layers.empty())
     w.qkv_layers = be->alloc("step.qkv_of_each_layer", {cfg.num_hidden_layers, lay.row_stride}, Dt::F32);
@@ -537,9 +546,7 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
     const bool has_exact =
         capture && be->exact_decode_attention(q_dev, lay, capture->layer_qkv(l), capture->layout(),
                                               rows_from(*kv.host, l, capture->prompt_len()), exact);
-    const bool rows = std::any_of(observers.begin(), observers.end(), [&](const AttentionObserver* o) {
-      return o->reads_decode_kv() && !(has_exact && o->compares_to());
-    });
+    const bool rows = observers_read_rows(observers, has_exact ? capture : nullptr);
     take_positions(*kv.host, l, t);
     std::vector<float> keys(rows ? static_cast<size_t>(NKV) * t.n_max * D : 0, 0.0f), vals(keys.size(), 0.0f);
     std::vector<float> K, V;

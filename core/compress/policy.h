@@ -135,13 +135,23 @@ inline KVPolicy* step_policy(KVPolicy* policy, int new_tokens) {
   return policy && !policy->acts_on_decode_within(new_tokens) && !policy->has_score_transform() ? nullptr : policy;
 }
 
+// Who reads a decode's steps: no observer; observers the device serves where the rows are (they
+// read no keys and values, or compare with a capture the device computes the exact attention
+// from, their events handed over after the step: Backend::defers_decode_taps); others.
+enum class StepReaders { None, Device, Host };
+
 // What a decode's device runs in its steps for the step policy `steps` (null = none): its
-// step_quant() where `backend` runs it and it is all the steps need — no observer reads them
-// (`observed`) and no score transform applies. The decode then hands its steps no policy.
-inline StepQuant device_step_quant(const KVPolicy* steps, const Backend& backend, bool observed, int head_dim) {
-  if (!steps || observed || steps->has_score_transform()) return {};
+// step_quant() where `backend` runs it and it is all the steps need — no score transform
+// applies, and no observer reads the steps (`readers`), or only ones the device serves while
+// each row is quantized (or coded, or its keys rotated) on its own where it is appended, or in
+// KIVI's groups (not ZipCache's streamed gaps, whose steps the host still runs when observed).
+// The decode then hands its steps no policy.
+inline StepQuant device_step_quant(const KVPolicy* steps, const Backend& backend, StepReaders readers, int head_dim) {
+  if (!steps || readers == StepReaders::Host || steps->has_score_transform()) return {};
   const StepQuant q = steps->step_quant(head_dim);
-  return q.any() && backend.quantizes_steps(q, head_dim) ? q : StepQuant{};
+  if (!q.any() || !backend.quantizes_steps(q, head_dim)) return {};
+  const bool served = q.zip.gap == 0;
+  return readers == StepReaders::None || served ? q : StepQuant{};
 }
 
 // The storage of dense rows a decode with `policy` (null = none) uses: what the policy asks

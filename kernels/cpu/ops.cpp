@@ -201,10 +201,11 @@ float softmax_at(const float* x, int n, int i) {
 }
 
 void scores_in_order(const float* scores, int n_heads, int group, int64_t stride, const int32_t* seg_rows,
-                     int tail_rows, const int32_t* map, int64_t map_stride, float* raw, float* probs) {
+                     int tail_rows, const int32_t* tail_first, const int32_t* map, int64_t map_stride, float* raw,
+                     float* probs) {
   std::vector<float> p;
   for (int h = 0; h < n_heads; ++h) {
-    const int kv = h / group, n = seg_rows[kv] + tail_rows;
+    const int kv = h / group, n = seg_rows[kv] + tail_rows - (tail_first ? tail_first[kv] : 0);
     const float* in = scores + static_cast<int64_t>(h) * stride;
     float* r = raw + static_cast<int64_t>(h) * stride;
     std::fill(r, r + stride, -std::numeric_limits<float>::infinity());

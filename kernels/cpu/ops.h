@@ -58,12 +58,14 @@ constexpr int kAttnRows = 64;
 // A decode step's scores in another row order, and their softmax, as a device hands them to the
 // host (DecodeTaps): `scores` [n_heads][stride] holds each query head's scores over the rows of
 // its KV head (h / group) in the device's order, seg_rows[kv] rows of segments then tail_rows
-// rows of the tail. Row i goes to row r = i < seg_rows[kv] ? map[kv · map_stride + i] : i of raw
+// rows of the tail less the first tail_first[kv] (quantized into segments of their own: not read;
+// tail_first null: none). Row i goes to row r = i < seg_rows[kv] ? map[kv · map_stride + i] : i of raw
 // [n_heads][stride], every other entry −inf; with probs, probs[h][r] = float(double(exp(s − max))
 // / Σ_i double(exp(s_i − max))) with exp and max in float (0 elsewhere; core/exact_attention.h's
 // softmax_double_sum). The twin of the CUDA backend's kernel.
 void scores_in_order(const float* scores, int n_heads, int group, int64_t stride, const int32_t* seg_rows,
-                     int tail_rows, const int32_t* map, int64_t map_stride, float* raw, float* probs);
+                     int tail_rows, const int32_t* tail_first, const int32_t* map, int64_t map_stride, float* raw,
+                     float* probs);
 
 // Multiply-adds a thread must get before a product (or prefill attention) takes another thread.
 constexpr int64_t kGemmMacsPerThread = int64_t{1} << 21;

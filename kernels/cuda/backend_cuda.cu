@@ -568,10 +568,10 @@ class CudaBackend : public Backend {
   void kv_hydrate(const DeviceKV& dev, KVStore& host, bool rows) override { cuda::kv_hydrate(*ctx_, dev, host, rows); }
   void kv_sync(DeviceKV& dev, KVStore& host, int layer) override { cuda::kv_sync(*ctx_, dev, host, layer); }
   void kv_reserve(DeviceKV& dev, int rows, const StepQuant& quant) override { cuda::kv_reserve(*ctx_, dev, rows, quant); }
-  void kv_before_step(DeviceKV& dev) override {
-    if (!cuda::kv_has_groups(dev)) return;
+  void kv_before_step(SeqKV& kv) override {
+    if (!kv.dev || !cuda::kv_has_groups(*kv.dev)) return;
     auto prof_scope = prof_.scope("kv_quantize_groups", *ctx_);
-    cuda::kv_before_step(*ctx_, dev);
+    cuda::kv_before_step(*ctx_, kv);
   }
   bool quantizes_steps(const StepQuant& quant, int head_dim) const override {
     return cuda::kv_quantizes_steps(quant, head_dim);

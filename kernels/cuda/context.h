@@ -151,8 +151,9 @@ void kv_reserve(Context& ctx, DeviceKV& dev, int rows, const StepQuant& quant);
 bool kv_quantizes_steps(const StepQuant& quant, int head_dim);
 // Backend::kv_before_step (kv_groups.cu): every layer's rows due under its grouped tail's
 // StepQuant quantized into segments of their own (one upload, one launch for all layers), or
-// its zipped tail's due gap (kv::zip_gap).
-void kv_before_step(Context& ctx, DeviceKV& dev);
+// its zipped tail's due gap (kv::zip_gap); the host's copies of the decode rows grouped replaced
+// by their dequantization (kv::group_rows_to_host).
+void kv_before_step(Context& ctx, SeqKV& kv);
 // Whether some layer's decode rows are grouped or zipped (kv_before_step may quantize some).
 bool kv_has_groups(const DeviceKV& dev);
 void kv_pull_rows(Context& ctx, SeqKV& kv, const std::vector<int>& layers, const int32_t* pos_host,

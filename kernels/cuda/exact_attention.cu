@@ -140,11 +140,11 @@ __global__ void __launch_bounds__(kThreads) exact_attention_layers_kernel(const 
 // (max and exp in float, the sum in double) scattered alike.
 __global__ void __launch_bounds__(kThreads)
     scores_in_order_kernel(const float* __restrict__ scores, int G, int64_t stride, const int32_t* __restrict__ seg_rows,
-                           int tail_rows, const int32_t* __restrict__ map, int64_t map_stride, float* __restrict__ raw,
-                           float* __restrict__ probs) {
+                           int tail_rows, const int32_t* __restrict__ tail_first, const int32_t* __restrict__ map,
+                           int64_t map_stride, float* __restrict__ raw, float* __restrict__ probs) {
   __shared__ float red_f[kThreads / 32];
   __shared__ double red_d[kThreads / 32];
-  const int hd = blockIdx.x, kv = hd / G, seg = seg_rows[kv], n = seg + tail_rows;
+  const int hd = blockIdx.x, kv = hd / G, seg = seg_rows[kv], n = seg + tail_rows - (tail_first ? tail_first[kv] : 0);
   const float* in = scores + static_cast<int64_t>(hd) * stride;
   float* r = raw + static_cast<int64_t>(hd) * stride;
   float* o = probs ? probs + static_cast<int64_t>(hd) * stride : nullptr;
@@ -182,10 +182,11 @@ void exact_attention_many(const ExactArgs* args, int n, int n_heads, int head_di
 }
 
 void scores_in_order(const float* scores, int n_heads, int group, int64_t stride, const int32_t* seg_rows, int tail_rows,
-                     const int32_t* map, int64_t map_stride, float* raw, float* probs, cudaStream_t s) {
+                     const int32_t* tail_first, const int32_t* map, int64_t map_stride, float* raw, float* probs,
+                     cudaStream_t s) {
   if (n_heads <= 0) return;
-  scores_in_order_kernel<<<n_heads, kThreads, 0, s>>>(scores, group, stride, seg_rows, tail_rows, map, map_stride, raw,
-                                                        probs);
+  scores_in_order_kernel<<<n_heads, kThreads, 0, s>>>(scores, group, stride, seg_rows, tail_rows, tail_first, map,
+                                                        map_stride, raw, probs);
   KV_CUDA(cudaGetLastError(), "scores_in_order kernel");
 }
 

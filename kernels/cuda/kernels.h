@@ -129,9 +129,10 @@ struct ExactArgs {
 void exact_attention_many(const ExactArgs* args, int n, int n_heads, int head_dim, cudaStream_t s);
 // A decode step's scores to the host store's row order and their softmax, as cpu::scores_in_order
 // (kernels/cpu/ops.h, the host reference) computes them; one block a query head
-// (exact_attention.cu). seg_rows and map are device arrays; probs may be null.
+// (exact_attention.cu). seg_rows, tail_first (or null) and map are device arrays; probs may be null.
 void scores_in_order(const float* scores, int n_heads, int group, int64_t stride, const int32_t* seg_rows, int tail_rows,
-                     const int32_t* map, int64_t map_stride, float* raw, float* probs, cudaStream_t s);
+                     const int32_t* tail_first, const int32_t* map, int64_t map_stride, float* raw, float* probs,
+                     cudaStream_t s);
 // LOOK-M's assignment (cosine_assign.cu; host reference: lookm_assign) of many KV heads at
 // once. Problem p: its rows rows[row0 .. row0 + n) (device pointers to d values each), its kept
 // rows keep[kept0 .. kept0 + K) and evicted rows evicted[ev0 .. ev0 + E) (ascending indices into
@@ -541,6 +542,11 @@ struct QuantTail {
 void rope_quant_append(float* qkv, int64_t q_col, int nq, int64_t k_col, int64_t v_col, int nk, int D,
                        const int32_t* pos_in, const float* inv_freq, const QuantTail& t, int32_t* counter, int32_t* done,
                        cudaStream_t s);
+// Each of n rows of D floats (row i at x + i·D) through quant::block_hadamard's blocks of
+// `rotation` in place, with its fp32 operations in its order: the transform is its own inverse,
+// so a query rope_quant_append rotated comes back (within fp32 rounding). One block a row;
+// D a multiple of 8, at most kMaxQuantTailD; rotation as rope_quant_append takes it.
+void hadamard_rows(float* x, int n, int D, int rotation, cudaStream_t s);
 // A row codebook on the device (quant::RowCodec; TurboQuant's): signs [dp], levels
 // [2^mse_bits], and with qjl S [d][d] and its transpose St, fp32.
 struct CodecDev {

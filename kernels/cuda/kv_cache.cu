@@ -212,6 +212,7 @@ void set_host_bytes(CudaKV& C, KVStore& host, int l) {
   LayerKV& H = host.layer(l);
   const DevLayer& d = C.layers[l];
   const size_t ns = d.segs.size();
+  if (d.tail.grouped() && H.segments.size() != ns + (d.tail.n ? 1 : 0)) return;
   for (size_t i = 0; i < H.segments.size(); ++i) {
     if (i < ns) H.segments[i].bytes = d.segs[i].bytes;
     else if (i == ns && d.tail.n) H.segments[i].bytes = tail_bytes(d.tail, d.tail.rows(C.NKV), C.D);

@@ -496,7 +496,7 @@ class CudaKV : public DeviceKV {
     DevMem scores, out, taps, map;
     uint64_t map_ver = 0;
     int64_t map_stride = 0;
-    std::vector<int32_t> seg_rows;
+    std::vector<int32_t> seg_rows, tail_first;  // per KV head: segment rows; tail rows not read (Tail::first)
     int64_t stride = 0, taps_used = 0;  // taps_used: the bytes of `taps` this step wrote
     int n_heads = 0, tail_rows = 0;
     bool pending = false, probs = false;
@@ -581,8 +581,17 @@ class SegmentRows {
   std::vector<std::vector<int64_t>> at_;  // [seg][kv head]: where the segment's rows start in whole_'s part
   RowMap have_;
 };
+// The host store's copies (in segments of decode rows that hold rows) of the decode rows at
+// positions lo .. hi that KIVI's groups quantized on the device in layers `layers`
+// (kv_before_step: generated rows in segments of keys with a range per channel and values with
+// one per row), replaced by their dequantization as the device holds them (code·scale + zero, as
+// quant::decode reads KIVI's payload): the arrays of every such segment holding one copied out
+// before one wait (kv_transfer.cu); nothing when the host holds none.
+void group_rows_to_host(Context& ctx, const CudaKV& C, KVStore& host, const std::vector<int>& layers, int32_t lo,
+                        int32_t hi);
 // Host segment i of layer l ↔ device segment i (or the tail for the last host segment): the
-// host reports what the device holds.
+// host reports what the device holds. A layer whose device segments do not pair with the host's
+// so (a grouped tail's segments the host holds as its decode rows) keeps the host's bytes.
 void set_host_bytes(CudaKV& C, KVStore& host, int l);
 // Dense rows as the host store keeps them (fp32, or fp16 values: the store's row storage), no payload.
 bool dense_host(const std::string& storage);

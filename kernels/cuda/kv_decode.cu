@@ -59,13 +59,15 @@ std::vector<std::vector<int32_t>> segment_order(const CudaKV& C, int layer) {
 }
 
 // Device row order per KV head → the host store's row index; n_dev = the most rows of a head.
+// (The tail's rows a head reads, past those quantized into segments of their own, follow its
+// segments' on both sides.)
 std::vector<std::vector<int32_t>> host_order(const CudaKV& C, const KVStore& host, int layer, int& n_dev) {
   std::vector<std::vector<int32_t>> dev2host = segment_order(C, layer);
-  const int tail = C.layers[static_cast<size_t>(layer)].tail.n;
+  const Tail& t = C.layers[static_cast<size_t>(layer)].tail;
   n_dev = 0;
   for (int h = 0; h < C.NKV; ++h) {
     const int base = static_cast<int>(dev2host[h].size());
-    for (int i = 0; i < tail; ++i) dev2host[h].push_back(base + i);
+    for (int i = 0; i < t.n - t.first(h); ++i) dev2host[h].push_back(base + i);
     if (static_cast<int>(dev2host[h].size()) != host.n_rows(layer, h))
       throw InternalError("decode_attention: device and host rows differ in layer " + std::to_string(layer));
     n_dev = std::max(n_dev, static_cast<int>(dev2host[h].size()));
@@ -78,7 +80,7 @@ int device_rows(const CudaKV& C, int layer) {
   const DevLayer& d = C.layers[layer];
   int n = 0;
   for (int h = 0; h < C.NKV; ++h) {
-    int r = d.tail.n;
+    int r = d.tail.n - d.tail.first(h);
     for (const DevSeg& s : d.segs)
       for (const DevPart& q : s.heads[h]) r += q.d.n;
     n = std::max(n, r);
@@ -96,17 +98,25 @@ void set_calibration(DecodeParams& p, CudaKV& C, const ScoreTransform& transform
   p.vis_stride = C.vis_stride;
 }
 
-// d.map and d.seg_rows for the layout of `layer` as it is now (kept while the layout's version is).
+// d.map, d.seg_rows and d.tail_first for the layout of `layer` as it is now (kept while the
+// layout's version is: quantizing a tail's rows into segments lays the cache out anew). The map's
+// device array: [NKV][map_stride] host rows, then seg_rows [NKV], then tail_first [NKV].
 void segment_map(Context& ctx, CudaKV& C, int layer, CudaKV::Deferred& d) {
   if (d.map.mem && d.map_ver == C.ver) return;
   const std::vector<std::vector<int32_t>> order = segment_order(C, layer);
+  const Tail& t = C.layers[static_cast<size_t>(layer)].tail;
   d.seg_rows.assign(static_cast<size_t>(C.NKV), 0);
-  for (int h = 0; h < C.NKV; ++h) d.seg_rows[static_cast<size_t>(h)] = static_cast<int32_t>(order[h].size());
+  d.tail_first.assign(static_cast<size_t>(C.NKV), 0);
+  for (int h = 0; h < C.NKV; ++h) {
+    d.seg_rows[static_cast<size_t>(h)] = static_cast<int32_t>(order[h].size());
+    d.tail_first[static_cast<size_t>(h)] = t.first(h);
+  }
   d.map_stride = std::max<int64_t>(1, *std::max_element(d.seg_rows.begin(), d.seg_rows.end()));
-  std::vector<int32_t> m(static_cast<size_t>(C.NKV) * d.map_stride + C.NKV, 0);
+  std::vector<int32_t> m(static_cast<size_t>(C.NKV) * d.map_stride + 2 * C.NKV, 0);
   for (int h = 0; h < C.NKV; ++h) {
     std::copy(order[h].begin(), order[h].end(), m.begin() + h * d.map_stride);
     m[static_cast<size_t>(C.NKV) * d.map_stride + h] = d.seg_rows[static_cast<size_t>(h)];
+    m[static_cast<size_t>(C.NKV) * (d.map_stride + 1) + h] = d.tail_first[static_cast<size_t>(h)];
   }
   const int64_t b = static_cast<int64_t>(m.size()) * 4;
   if (d.map.bytes < b) d.map = {ctx.alloc(b, "deferred decode row map"), b};
@@ -174,8 +184,8 @@ void kv_decode_deferred(Context& ctx, const Buffer& qkv, const AttnLayout& l, Se
     d.taps = {ctx.alloc(room, "deferred decode taps"), room};
   }
   const int32_t* map = d.map.as<int32_t>();
-  scores_in_order(d.scores.as<float>(), NH, NH / C.NKV, d.stride, map + C.NKV * d.map_stride, d.tail_rows, map,
-                  d.map_stride, d.taps.as<float>(), d.probs ? d.taps.as<float>() + NH * d.stride : nullptr, ctx.stream);
+  scores_in_order(d.scores.as<float>(), NH, NH / C.NKV, d.stride, map + C.NKV * d.map_stride, d.tail_rows,
+                  map + C.NKV * (d.map_stride + 1), map, d.map_stride, d.taps.as<float>(), d.probs ? d.taps.as<float>() + NH * d.stride : nullptr, ctx.stream);
   if (want_out) {
     const int64_t ob = static_cast<int64_t>(NH) * C.D * 4;
     if (d.out.bytes != ob) d.out = {ctx.alloc(ob, "deferred decode output (fp32)"), ob};
@@ -186,6 +196,9 @@ void kv_decode_deferred(Context& ctx, const Buffer& qkv, const AttnLayout& l, Se
   } else {
     d.out = {};
   }
+  // A query rotated for rotated keys (rope_quant_append) goes back as the model computed it: the
+  // taps' exact attention and the observers read it.
+  if (C.q_rotation) hadamard_rows(const_cast<float*>(p.q), NH, C.D, C.q_rotation, ctx.stream);
   d.host = nullptr;
   d.pending = true;
 }
@@ -199,8 +212,9 @@ void kv_collect_deferred(Context& ctx, SeqKV& kv, int layer, const ScoreTransfor
   d.pending = false;
   const int NH = d.n_heads, G = NH / C.NKV, n_max = taps.n_max;
   const int64_t stride = d.stride;
+  auto rows_of = [&](int h) { return d.seg_rows[static_cast<size_t>(h)] + d.tail_rows - d.tail_first[static_cast<size_t>(h)]; };
   for (int h = 0; h < C.NKV; ++h)
-    if (kv.host->n_rows(layer, h) != d.seg_rows[static_cast<size_t>(h)] + d.tail_rows)
+    if (kv.host->n_rows(layer, h) != rows_of(h))
       throw InternalError("collect_deferred: layer " + std::to_string(layer) + " rows changed since the step");
   if (taps.rows() && n_max < stride)
     throw InternalError("collect_deferred: layer " + std::to_string(layer) + " rows changed since the step");
@@ -215,7 +229,7 @@ void kv_collect_deferred(Context& ctx, SeqKV& kv, int layer, const ScoreTransfor
   std::vector<int32_t> P;
   std::vector<SegmentKind> kinds;
   for (int hd = 0; hd < NH; ++hd) {
-    const int n = d.seg_rows[static_cast<size_t>(hd / G)] + d.tail_rows;
+    const int n = rows_of(hd / G);
     std::copy_n(raw + hd * stride, stride, s.begin());
     std::fill(s.begin() + stride, s.end(), -INFINITY);
     if (taps.raw_scores) std::copy(s.begin(), s.end(), taps.raw_scores + static_cast<size_t>(hd) * n_max);

@@ -8,6 +8,7 @@
 // tables then read the codes; the decode rows' part starts past the rows taken (Tail::start).
 // Every layer's pieces of a step are made by one launch from one upload.
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -115,8 +116,8 @@ bool kv_has_groups(const DeviceKV& dev) {
   return std::any_of(C.layers.begin(), C.layers.end(), [](const DevLayer& d) { return d.tail.grouped() || d.tail.zipped(); });
 }
 
-void kv_before_step(Context& ctx, DeviceKV& dev) {
-  CudaKV& C = as_cuda(&dev);
+void kv_before_step(Context& ctx, SeqKV& kv) {
+  CudaKV& C = as_cuda(kv.dev);
   if (!C.layers.empty() && C.layers.front().tail.zipped()) {
     zip_gap(ctx, C);
     return;
@@ -180,6 +181,16 @@ void kv_before_step(Context& ctx, DeviceKV& dev) {
     if (any) out.push_back({plan_piece(C, l, out.size(), SegmentKind::Generated, cut, k, v, pos, merged, plan), d.segs.size(), false});
   }
   if (plan.heads.empty()) return;
+  // The layers and positions of the decode rows quantized now (for the host's copies, below).
+  int32_t lo = INT32_MAX, hi = INT32_MIN;
+  std::vector<int> host_layers;
+  for (int l = 0; l < C.L; ++l)
+    for (const NewSeg& a : added[static_cast<size_t>(l)]) {
+      if (a.seg.kind != SegmentKind::Generated) continue;
+      if (host_layers.empty() || host_layers.back() != l) host_layers.push_back(l);
+      for (const std::vector<int32_t>& p : a.seg.pos)
+        if (!p.empty()) lo = std::min(lo, p.front()), hi = std::max(hi, p.back());
+    }
 
   // One allocation: every head's codes and ranges, then the pieces' table and positions, which
   // go up in one copy.
@@ -277,6 +288,9 @@ void kv_before_step(Context& ctx, DeviceKV& dev) {
     d.segs = std::move(segs);
   }
   C.changed();
+  // The host's copies of the decode rows just quantized (held by an observed decode, also while
+  // its steps put off the host's rows), as the device holds them now.
+  if (!host_layers.empty() && kv.host) group_rows_to_host(ctx, C, *kv.host, host_layers, lo, hi);
 }
 
 }  // namespace kvlens::cuda

@@ -166,6 +166,16 @@ __global__ void rope_quant_append_kernel(float* qkv, int64_t q_col, int nq, int6
   }
 }
 
+__global__ void hadamard_rows_kernel(float* x, int D, int rotation) {
+  __shared__ float row[kMaxQuantTailD];
+  float* r = x + static_cast<int64_t>(blockIdx.x) * D;
+  for (int c = threadIdx.x; c < D; c += blockDim.x) row[c] = r[c];
+  __syncthreads();
+  hadamard_blocks(row, D, rotation);
+  __syncthreads();
+  for (int c = threadIdx.x; c < D; c += blockDim.x) r[c] = row[c];
+}
+
 __global__ void gather_blocks_kernel(const int32_t* src, int32_t* dst, int64_t words, const int32_t* index, int n) {
   const int64_t total = static_cast<int64_t>(n) * words;
   for (int64_t i = threadIdx.x + static_cast<int64_t>(blockIdx.x) * blockDim.x; i < total;
@@ -228,6 +238,16 @@ void rope_quant_append(float* qkv, int64_t q_col, int nq, int64_t k_col, int64_t
   KV_CUDA(launch_dependent(rope_quant_append_kernel, nk + nq, 64, 0, s, true, qkv, q_col, nq, k_col, v_col, nk, D,
                            pos_in, inv_freq, t, counter, done),
           "rope_quant_append_kernel for " + std::to_string(nk) + " KV heads");
+}
+
+void hadamard_rows(float* x, int n, int D, int rotation, cudaStream_t s) {
+  if (!quant_tail_ok(D, rotation) || rotation == 0)
+    throw InternalError("hadamard_rows: head size " + std::to_string(D) + " (a multiple of 8, at most " +
+                        std::to_string(kMaxQuantTailD) + ") and rotation " + std::to_string(rotation) +
+                        " (a power of two dividing the head size)");
+  if (n == 0) return;
+  hadamard_rows_kernel<<<n, 64, 0, s>>>(x, D, rotation);
+  KV_LAUNCH("hadamard_rows_kernel", std::to_string(n) + " rows");
 }
 
 void gather_blocks(const void* src, void* dst, int64_t bytes, const int32_t* index, int n, cudaStream_t s) {

@@ -4,6 +4,7 @@
 // (kv_pull_rows). Copies go through page-locked memory, each batch before one wait.
 #include <algorithm>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "core/errors.h"
@@ -45,6 +46,18 @@ const uint8_t* tail_to_host(Context& ctx, const Tail& t, const std::vector<TailA
   return staged;
 }
 
+// Row `i` of packed rows (each of D codes of `bits`, D·bits/8 bytes) with its fp16 scale and
+// zero, as quant::decode reads a row (code·scale + α), into out [D]; keys of a tail that rotates
+// them (rotation > 0) rotated back, as the host's Hadamard-INT4 keeps them (the transform is its
+// own inverse).
+void dequantize_packed_row(const uint8_t* codes, uint16_t scale, uint16_t zero, int D, int bits, int rotation,
+                           uint32_t* scratch, float* out) {
+  const float sc = from_half(scale), alpha = from_half(zero);
+  quant::unpack(codes, D, bits, scratch);
+  for (int e = 0; e < D; ++e) out[e] = static_cast<float>(scratch[e]) * sc + alpha;
+  if (rotation) quant::block_hadamard(out, D, rotation);
+}
+
 // A packed decode tail (StepQuant) as the host holds such rows: a segment whose payload is each
 // head's codes and per-row fp16 ranges (CodeLayout::Blocks, per-token K and V, the layout a
 // per-token uniform method's on_decode_step makes), and with `rows` the dequantized rows (as
@@ -74,7 +87,7 @@ void hydrate_packed_tail(Context& ctx, const CudaKV& C, const Tail& t, KVSegment
   p->layout.k_bits = t.k_bits;
   p->layout.v_bits = t.v_bits;
   p->layout.k_axis = p->layout.v_axis = quant::Axis::PerToken;
-  if (rows)  // code·scale + α, as quant::decode reads a row
+  if (rows)
     for (int k = 0; k < NKV; ++k)
       for (int side = 0; side < 2; ++side) {
         const quant::QuantBlock& b = side ? p->v[k] : p->k[k];
@@ -82,17 +95,11 @@ void hydrate_packed_tail(Context& ctx, const CudaKV& C, const Tail& t, KVSegment
         std::vector<float>& x = side ? h.heads[k].v : h.heads[k].k;
         x.resize(static_cast<size_t>(n) * D);
         std::vector<uint32_t> c(static_cast<size_t>(D));
-        for (int i = 0; i < n; ++i) {
-          const float scale = from_half(b.scales[static_cast<size_t>(i)]), alpha = from_half(b.zeros[static_cast<size_t>(i)]);
-          quant::unpack(b.codes.data() + static_cast<int64_t>(i) * D * bits / 8, D, bits, c.data());
-          for (int e = 0; e < D; ++e) x[static_cast<size_t>(i) * D + e] = static_cast<float>(c[static_cast<size_t>(e)]) * scale + alpha;
-        }
+        for (int i = 0; i < n; ++i)
+          dequantize_packed_row(b.codes.data() + static_cast<int64_t>(i) * D * bits / 8, b.scales[static_cast<size_t>(i)],
+                                b.zeros[static_cast<size_t>(i)], D, bits, side ? 0 : t.rotation, c.data(),
+                                x.data() + static_cast<size_t>(i) * D);
       }
-  // Rotated keys: the rows are their dequantization rotated back (the transform is its own
-  // inverse), as the host's Hadamard-INT4 keeps them.
-  if (rows && t.rotation)
-    for (int k = 0; k < NKV; ++k)
-      for (int i = 0; i < n; ++i) quant::block_hadamard(h.heads[k].k.data() + static_cast<size_t>(i) * D, D, t.rotation);
   p->layout.k_rotation = t.rotation;
   // As quant::set_quantized installs a payload: every row's key bits, the bytes (tail_bytes: the
   // payload's arrays and the positions).
@@ -422,41 +429,163 @@ void kv_pull_rows(Context& ctx, SeqKV& kv, const std::vector<int>& layers, const
                   const SegmentKind* kinds, int T) {
   CudaKV& C = as_cuda(kv.dev);
   const int NKV = C.NKV, D = C.D;
-  const int64_t n = static_cast<int64_t>(NKV) * T * D;
-  // Rows t.n − T .. t.n − 1 of every head: one strided copy a side and layer into page-locked
-  // memory (copies that need not wait for each other), one wait.
-  auto* staged = static_cast<uint16_t*>(
-      ctx.staging(static_cast<int64_t>(layers.size()) * 2 * n * 2, "decode rows to the host"));
-  auto kh = [&](size_t i) { return staged + 2 * i * static_cast<size_t>(n); };
-  auto vh = [&](size_t i) { return staged + (2 * i + 1) * static_cast<size_t>(n); };
+  // Rows t.n − T .. t.n − 1 of every head: one strided copy an array and layer into page-locked
+  // memory (copies that need not wait for each other), one wait. Of fp16 rows (a coded tail's
+  // are their dequantization) both sides' rows; of packed rows their codes and ranges, the rows
+  // dequantized on the host as the host's per-token quantization keeps them.
+  struct Copy {
+    const DevMem* mem;
+    int64_t row_bytes;
+    int heads;
+  };
+  std::vector<std::vector<Copy>> copies(layers.size());
+  std::vector<int64_t> at(layers.size() + 1, 0);
   for (size_t i = 0; i < layers.size(); ++i) {
     const Tail& t = C.layers.at(layers[i]).tail;
-    if (t.packed() || t.coded())
-      throw InternalError("kv_pull_rows: layer " + std::to_string(layers[i]) + "'s decode rows are codes on the device");
     if (T < 1 || T > t.n)
       throw InternalError("kv_pull_rows: layer " + std::to_string(layers[i]) + " holds " + std::to_string(t.n) +
                           " decode rows, " + std::to_string(T) + " asked for");
-    const size_t pitch = static_cast<size_t>(t.cap) * D * 2, width = static_cast<size_t>(T) * D * 2;
-    const int64_t first = static_cast<int64_t>(t.n - T) * D;
-    KV_CUDA(cudaMemcpy2DAsync(kh(i), width, t.k.as<__half>() + first, pitch, width, NKV, cudaMemcpyDeviceToHost,
-                              ctx.stream),
-            "layer " + std::to_string(layers[i]) + " decode rows K to the host");
-    KV_CUDA(cudaMemcpy2DAsync(vh(i), width, t.v.as<__half>() + first, pitch, width, NKV, cudaMemcpyDeviceToHost,
-                              ctx.stream),
-            "layer " + std::to_string(layers[i]) + " decode rows V to the host");
+    if (t.zipped())
+      throw InternalError("kv_pull_rows: layer " + std::to_string(layers[i]) + "'s decode rows are quantized in gaps");
+    if (t.packed())
+      copies[i] = {{&t.k, static_cast<int64_t>(D) * t.k_bits / 8, NKV},
+                   {&t.v, static_cast<int64_t>(D) * t.v_bits / 8, NKV},
+                   {&t.ranges, 2, 4 * NKV}};
+    else
+      copies[i] = {{&t.k, static_cast<int64_t>(D) * 2, NKV}, {&t.v, static_cast<int64_t>(D) * 2, NKV}};
+    at[i + 1] = at[i];
+    for (const Copy& c : copies[i]) at[i + 1] += c.heads * T * c.row_bytes;
+  }
+  auto* staged = static_cast<uint8_t*>(ctx.staging(at.back(), "decode rows to the host"));
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const Tail& t = C.layers.at(layers[i]).tail;
+    int64_t to = at[i];
+    for (const Copy& c : copies[i]) {
+      const size_t pitch = static_cast<size_t>(t.cap * c.row_bytes), width = static_cast<size_t>(T * c.row_bytes);
+      KV_CUDA(cudaMemcpy2DAsync(staged + to, width, c.mem->as<uint8_t>() + (t.n - T) * c.row_bytes, pitch, width,
+                                c.heads, cudaMemcpyDeviceToHost, ctx.stream),
+              "layer " + std::to_string(layers[i]) + " decode rows to the host");
+      to += c.heads * T * c.row_bytes;
+    }
   }
   ctx.sync("decode rows to the host");
+  const int64_t n = static_cast<int64_t>(NKV) * T * D;
   std::vector<float> k(n), v(n);  // [T][NKV][D], as the projections lay rows out
+  std::vector<uint32_t> scratch(static_cast<size_t>(D));
   for (size_t i = 0; i < layers.size(); ++i) {
+    const Tail& t = C.layers.at(layers[i]).tail;
+    const uint8_t* base = staged + at[i];
     for (int h = 0; h < NKV; ++h)
       for (int r = 0; r < T; ++r) {
-        const int64_t from = (static_cast<int64_t>(h) * T + r) * D, to = (static_cast<int64_t>(r) * NKV + h) * D;
-        from_half_n(kh(i) + from, k.data() + to, D);
-        from_half_n(vh(i) + from, v.data() + to, D);
+        const int64_t row = static_cast<int64_t>(h) * T + r, out = (static_cast<int64_t>(r) * NKV + h) * D;
+        if (!t.packed()) {
+          const auto* kh = reinterpret_cast<const uint16_t*>(base);
+          from_half_n(kh + row * D, k.data() + out, D);
+          from_half_n(kh + n + row * D, v.data() + out, D);
+          continue;
+        }
+        const int64_t kr = copies[i][0].row_bytes, vr = copies[i][1].row_bytes;
+        const uint8_t* kc = base;
+        const uint8_t* vc = kc + NKV * T * kr;
+        const auto* ranges = reinterpret_cast<const uint16_t*>(vc + NKV * T * vr);  // [4][NKV][T]
+        auto range = [&](int plane) { return ranges[(static_cast<int64_t>(plane) * NKV + h) * T + r]; };
+        dequantize_packed_row(kc + row * kr, range(0), range(1), D, t.k_bits, t.rotation, scratch.data(), k.data() + out);
+        dequantize_packed_row(vc + row * vr, range(2), range(3), D, t.v_bits, 0, scratch.data(), v.data() + out);
       }
     kv.host->append(layers[i], k.data(), v.data(), pos_host, kinds, T);
     set_host_bytes(C, *kv.host, layers[i]);
   }
+  // Rows that KIVI's groups quantized since they were appended (a grouped tail's first rows):
+  // their dequantization, as the device holds them.
+  std::vector<int> grouped;
+  for (int l : layers) {
+    const Tail& t = C.layers.at(l).tail;
+    for (int h = 0; h < NKV && (grouped.empty() || grouped.back() != l); ++h)
+      if (t.n - T < t.first(h)) grouped.push_back(l);
+  }
+  if (!grouped.empty()) group_rows_to_host(ctx, C, *kv.host, grouped, pos_host[0], pos_host[T - 1]);
 }
+
+namespace kv {
+
+void group_rows_to_host(Context& ctx, const CudaKV& C, KVStore& host, const std::vector<int>& layers, int32_t lo,
+                        int32_t hi) {
+  const int D = C.D;
+  // The host's rows by layer, head and position (segments of decode rows that hold rows).
+  using Rows = std::unordered_map<int32_t, std::pair<float*, float*>>;
+  std::vector<std::vector<Rows>> held(layers.size(), std::vector<Rows>(static_cast<size_t>(C.NKV)));
+  for (size_t i = 0; i < layers.size(); ++i)
+    for (KVSegment& s : host.layer(layers[i]).segments) {
+      if (s.layout_only || s.kind != SegmentKind::Generated) continue;
+      for (int h = 0; h < C.NKV; ++h) {
+        HeadRows& r = s.heads.at(static_cast<size_t>(h));
+        if (r.k.size() != r.pos.size() * D) continue;
+        for (size_t j = 0; j < r.pos.size(); ++j)
+          if (r.pos[j] >= lo && r.pos[j] <= hi) held[i][h][r.pos[j]] = {r.k.data() + j * D, r.v.data() + j * D};
+      }
+    }
+  // Every KIVI piece of decode rows holding such a row: keys with a range per channel, values
+  // one per row.
+  struct Piece {
+    const Rows* rows;
+    const PartDesc* p;
+    const std::vector<int32_t>* pos;
+    int64_t at;  // bytes into the staging: K codes, V codes, K scales, K zeros, V scales, V zeros
+  };
+  std::vector<Piece> pieces;
+  int64_t total = 0;
+  for (size_t i = 0; i < layers.size(); ++i)
+    for (const DevSeg& s : C.layers.at(static_cast<size_t>(layers[i])).segs) {
+      if (s.kind != SegmentKind::Generated || s.fp16_rows) continue;
+      for (int h = 0; h < C.NKV; ++h) {
+        const Rows& rows = held[i][h];
+        const std::vector<int32_t>& pos = s.pos[static_cast<size_t>(h)];
+        if (!std::any_of(pos.begin(), pos.end(), [&](int32_t x) { return rows.count(x) > 0; })) continue;
+        for (const DevPart& q : s.heads[static_cast<size_t>(h)]) {
+          const PartDesc& p = q.d;
+          if (p.k.fmt != kChannel || p.k.group != 0 || p.k.chan_stride != 1 || p.v.fmt != kToken || p.v.factor ||
+              p.k.bits != p.v.bits || p.counter || !q.order.empty() || static_cast<size_t>(p.n) != pos.size())
+            throw InternalError("group_rows_to_host: layer " + std::to_string(layers[i]) +
+                                "'s decode rows in a segment not laid out as KIVI's groups");
+          pieces.push_back({&rows, &p, &pos, total});
+          total += 2 * static_cast<int64_t>(p.n) * D * p.k.bits / 8 + (2LL * D + 2LL * p.n) * 2;
+        }
+      }
+    }
+  if (pieces.empty()) return;
+  const std::string what = "grouped decode rows to the host";
+  auto* staged = static_cast<uint8_t*>(ctx.staging(total, what));
+  for (const Piece& x : pieces) {
+    const PartDesc& p = *x.p;
+    const int64_t cb = static_cast<int64_t>(p.n) * D * p.k.bits / 8;
+    uint8_t* o = staged + x.at;
+    ctx.download_async(o, p.k.data, cb, what);
+    ctx.download_async(o + cb, p.v.data, cb, what);
+    ctx.download_async(o + 2 * cb, p.k.scale, D * 2LL, what);
+    ctx.download_async(o + 2 * cb + 2 * D, p.k.zero, D * 2LL, what);
+    ctx.download_async(o + 2 * cb + 4 * D, p.v.scale, p.n * 2LL, what);
+    ctx.download_async(o + 2 * cb + 4 * D + 2LL * p.n, p.v.zero, p.n * 2LL, what);
+  }
+  ctx.sync(what);
+  std::vector<uint32_t> c(static_cast<size_t>(D));
+  for (const Piece& x : pieces) {
+    const PartDesc& p = *x.p;
+    const int bits = p.k.bits;
+    const int64_t rb = static_cast<int64_t>(D) * bits / 8, cb = p.n * rb;
+    const uint8_t* o = staged + x.at;
+    const auto* ks = reinterpret_cast<const uint16_t*>(o + 2 * cb);
+    const uint16_t *kz = ks + D, *vs = kz + D, *vz = vs + p.n;
+    for (int j = 0; j < p.n; ++j) {
+      const auto it = x.rows->find((*x.pos)[static_cast<size_t>(j)]);
+      if (it == x.rows->end()) continue;  // (a row the host does not hold)
+      quant::unpack(o + j * rb, D, bits, c.data());
+      for (int e = 0; e < D; ++e)
+        it->second.first[e] = static_cast<float>(c[static_cast<size_t>(e)]) * from_half(ks[e]) + from_half(kz[e]);
+      dequantize_packed_row(o + cb + j * rb, vs[j], vz[j], D, bits, 0, c.data(), it->second.second);
+    }
+  }
+}
+
+}  // namespace kv
 
 }  // namespace kvlens::cuda

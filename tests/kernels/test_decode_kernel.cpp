@@ -74,19 +74,57 @@ TEST(DecodeKernel, TensorCorePartsNeedTheirPathsAlignment) {
 #endif
 }
 
+// Rows through Hadamard blocks in place on the device (hadamard_rows: how a deferred decode
+// step hands back a query it rotated for rotated keys) against the host reference
+// (quant::block_hadamard) on fresh random rows: the same fp32 operations in the same order, so
+// equal bit for bit; and the host half checks the reference is its own inverse within fp32
+// rounding (each butterfly level and the scale round once, log2(block) + 1 roundings a pass, on
+// values that grow to block times the row's largest magnitude before the scale: two passes, bound
+// 2·(log2(block) + 1)·block·2⁻²⁴ of that magnitude).
+TEST(DecodeKernel, HadamardRowsAgainstTheHostsBlocks) {
+  for (const auto& [D, block] : std::vector<std::pair<int, int>>{{128, 16}, {128, 128}, {64, 8}, {256, 2}, {24, 8}}) {
+    SCOPED_TRACE("head size " + std::to_string(D) + ", blocks of " + std::to_string(block));
+    const int n = 37;
+    const std::vector<float> x = randn(static_cast<size_t>(n) * D, 2.0f);
+    std::vector<float> ref = x;
+    for (int i = 0; i < n; ++i) quant::block_hadamard(ref.data() + static_cast<size_t>(i) * D, D, block);
+    std::vector<float> back = ref;
+    for (int i = 0; i < n; ++i) quant::block_hadamard(back.data() + static_cast<size_t>(i) * D, D, block);
+    float mx = 0;
+    for (float v : x) mx = std::max(mx, std::abs(v));
+    const double bound = 2.0 * (std::log2(block) + 1) * block * std::ldexp(1.0, -24) * mx;
+    for (size_t i = 0; i < x.size(); ++i) EXPECT_LE(std::abs(double(back[i]) - x[i]), bound) << "value " << i;
+#ifndef KVLENS_HAVE_CUDA
+    GTEST_SKIP() << "host reference checked; built without the CUDA backend, the kernel not run";
+#else
+    KVLENS_GPU_HALF_SKIPPED();
+    Dev X(x);
+    cuda::hadamard_rows(X.as<float>(), n, D, block, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<float> got(x.size());
+    ASSERT_EQ(cudaMemcpy(got.data(), X.p, x.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(got, ref);
+#endif
+  }
+}
+
 // A decode step's scores to the host's row order and their softmax (the deferred taps): the
 // device kernel (cuda::scores_in_order) against the host reference (cpu::scores_in_order) on
 // fresh random scores, GQA 4:1, KV heads holding segment rows in a shuffled order and tail rows,
-// one with no segment rows and one holding fewer rows than the stride. The host half checks the
+// one with no segment rows, one holding fewer rows than the stride, and (KIVI's groups) tails
+// whose first rows are not read, one not at all. The host half checks the
 // reference itself: each head's rows land at the map's places (−inf / 0 elsewhere) and its
 // probabilities sum to 1. Raw scores are a scatter: equal bit for bit. A probability is
 // e / Σe with e = exp(s − max) in float: the device's expf is within 2 ulp (2·2⁻²³ relative)
 // and the host's exp within 1 ulp of the exact value, so each e and the double sum differ by at
 // most 3·2⁻²³ relative, the quotient by 6·2⁻²³, and the two final roundings add 2⁻²³: bound
 // p · 7·2⁻²³.
-TEST(DecodeKernel, ScoresToTheHostsOrderWithTheirSoftmax) {
+void scores_in_order_case(const std::vector<int32_t>& first) {
+  SCOPED_TRACE(first.empty() ? "every tail row read" : "tails' first rows not read");
   const int NKV = 3, G = 4, NH = NKV * G, tail = 5;
   const std::vector<int32_t> seg{40, 0, 23};
+  const int32_t* tf = first.empty() ? nullptr : first.data();
+  auto tail_of = [&](int kv) { return tail - (first.empty() ? 0 : first[static_cast<size_t>(kv)]); };
   const int64_t map_stride = 40, stride = 40 + tail + 3;
   std::vector<int32_t> map(static_cast<size_t>(NKV) * map_stride + NKV, 0);
   for (int h = 0; h < NKV; ++h) {
@@ -98,10 +136,10 @@ TEST(DecodeKernel, ScoresToTheHostsOrderWithTheirSoftmax) {
   }
   const std::vector<float> scores = randn(static_cast<size_t>(NH) * stride, 3.0f);
   std::vector<float> raw(scores.size()), probs(scores.size());
-  cpu::scores_in_order(scores.data(), NH, G, stride, map.data() + NKV * map_stride, tail, map.data(), map_stride,
+  cpu::scores_in_order(scores.data(), NH, G, stride, map.data() + NKV * map_stride, tail, tf, map.data(), map_stride,
                        raw.data(), probs.data());
   for (int hd = 0; hd < NH; ++hd) {
-    const int kv = hd / G, n = seg[kv] + tail;
+    const int kv = hd / G, n = seg[kv] + tail_of(kv);
     double sum = 0;
     std::vector<char> hit(static_cast<size_t>(stride), 0);
     for (int i = 0; i < n; ++i) {
@@ -115,16 +153,18 @@ TEST(DecodeKernel, ScoresToTheHostsOrderWithTheirSoftmax) {
         EXPECT_EQ(raw[static_cast<size_t>(hd * stride + r)], -std::numeric_limits<float>::infinity());
         EXPECT_EQ(probs[static_cast<size_t>(hd * stride + r)], 0.0f);
       }
-    EXPECT_NEAR(sum, 1.0, 1e-6) << "head " << hd;
+    if (n > 0) EXPECT_NEAR(sum, 1.0, 1e-6) << "head " << hd;
   }
 #ifndef KVLENS_HAVE_CUDA
   GTEST_SKIP() << "host reference checked; built without the CUDA backend, the kernel not run";
 #else
   KVLENS_GPU_HALF_SKIPPED();
-  Dev S(scores), M(map), R(raw.size() * 4), P(probs.size() * 4), R2(raw.size() * 4);
-  cuda::scores_in_order(S.as<float>(), NH, G, stride, M.as<int32_t>() + NKV * map_stride, tail, M.as<int32_t>(),
+  Dev S(scores), M(map), R(raw.size() * 4), P(probs.size() * 4), R2(raw.size() * 4),
+      F(first.empty() ? std::vector<int32_t>{0} : first);
+  const int32_t* ftf = first.empty() ? nullptr : F.as<int32_t>();
+  cuda::scores_in_order(S.as<float>(), NH, G, stride, M.as<int32_t>() + NKV * map_stride, tail, ftf, M.as<int32_t>(),
                         map_stride, R.as<float>(), P.as<float>(), nullptr);
-  cuda::scores_in_order(S.as<float>(), NH, G, stride, M.as<int32_t>() + NKV * map_stride, tail, M.as<int32_t>(),
+  cuda::scores_in_order(S.as<float>(), NH, G, stride, M.as<int32_t>() + NKV * map_stride, tail, ftf, M.as<int32_t>(),
                         map_stride, R2.as<float>(), nullptr, nullptr);  // raw scores alone
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   std::vector<float> raw_d(raw.size()), probs_d(probs.size()), raw2_d(raw.size());
@@ -136,6 +176,11 @@ TEST(DecodeKernel, ScoresToTheHostsOrderWithTheirSoftmax) {
   for (size_t i = 0; i < probs.size(); ++i)
     EXPECT_LE(std::abs(double(probs_d[i]) - probs[i]), probs[i] * 7 * std::ldexp(1.0, -23)) << "entry " << i;
 #endif
+}
+
+TEST(DecodeKernel, ScoresToTheHostsOrderWithTheirSoftmax) {
+  scores_in_order_case({});
+  scores_in_order_case({2, 0, 5});
 }
 
 TEST(DecodeKernel, SplitCountsFillTheirLastWave) {

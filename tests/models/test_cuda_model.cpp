@@ -184,7 +184,7 @@ TEST(CudaModel, RunReportDiagnosticsAgreeWithCpu) {
         EXPECT_NEAR(a.hit_rates.rates[s][t][l], b.hit_rates.rates[s][t][l], 0.05)
             << a.hit_rates.strategies[s] << " step " << t << " layer " << l;
   for (const char* m : {"calibquant:bits=1", "calibquant:bits=2", "kivi:bits=2", "zipcache", "snapkv:budget=0.3",
-                        "lookm", "uniform:bits=4"}) {
+                        "lookm", "uniform:bits=4", "turboquant"}) {
     const Params p = parse_method_spec(m);
     const MethodRun ra = run_method(cpu, a, p, opt), rb = run_method(gpu, b, p, opt);
     const bool must_match = std::string(m).rfind("calibquant", 0) == 0 || std::string(m) == "kivi:bits=2" ||
@@ -235,7 +235,7 @@ TEST(CudaModel, DiagnosticsOfMoreStepsThanADecodePutsOffAgreeWithCpu) {
   const std::unique_ptr<Model> cpu = load_model(kEmbedded, {"cpu"}), gpu = load_model(kEmbedded, {"cuda"});
   Experiment a = start_experiment(*cpu, img, opt), b = start_experiment(*gpu, img, opt);
   ASSERT_EQ(a.full.generated_ids, b.full.generated_ids);
-  for (const char* m : {"snapkv:budget=0.3", "calibquant:bits=2"}) {
+  for (const char* m : {"snapkv:budget=0.3", "calibquant:bits=2", "turboquant"}) {
     const Params p = parse_method_spec(m);
     const MethodRun ra = run_method(*cpu, a, p, opt), rb = run_method(*gpu, b, p, opt);
     EXPECT_EQ(ra.result.generated_ids, rb.result.generated_ids) << m;

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "core/compress/method.h"
+#include "core/diagnostics/diagnostics.h"
 #include "core/kv_format.h"
 #include "models/model.h"
 #include "tests/device_decode.h"
@@ -495,6 +496,101 @@ TEST(CudaModel, ZipCacheGapsAreQuantizedInTheDevicesSteps) {
     auto on_cpu = make_policy(spec);
     const DecodeResult e = cpu.model->decode(cpu.st, on_cpu.get(), r.g);
     EXPECT_EQ(t.device.generated_ids, e.generated_ids);
+  }
+}
+
+// An observed decode whose observers the device serves (a recorder comparing each query with the
+// prefill's capture, as `kvlens run` attaches one, and one reading probabilities alone) keeps a
+// method's per-row quantization, coding or KIVI's groups in the device's own steps: the hook
+// never called, the steps past the observed ones chained, the tokens and logits of the
+// unobserved decode (within one fp16 rounding: the observed steps' attention runs unfused).
+// Each observed step's comparison with its exact attention — the generated rows as the method
+// holds them, dequantized from the device's codes, KIVI's requantized as its groups flush
+// (several times within the steps, and over steps put off between observed ones) — is the host
+// loop's, which calls the hook each layer and step and keeps the host rows: per query head,
+// softmax MSE, KL and output error within 5 %, or for the smallest terms 1e-6 of KL and 2^-11 of
+// output error (one fp16 rounding of the output: the host loop's attention over host rows runs
+// other kernels, and its TurboQuant rows are the coder's fp32 dequantization where the device
+// keeps them rounded to fp16). Hadamard-INT4's steps read its rotated keys' codes with a rotated
+// query and hand the observers the query back unrotated; its host loop holds the keys as fp16
+// values rotated back, rounded once more (its logits within 2^-8 of the device steps',
+// PerTokenQuantizationRunsInTheDevicesSteps): its terms within 10 %. Every step's attention over
+// the prompt, recorded on the device or staged, is within 2 % of the host loop's (or 0.001).
+// ZipCache's streamed steps stay on the host when observed.
+TEST(CudaModel, ObservedDecodesKeepTheDevicesStepQuantization) {
+  NEED_GPU();
+  SampleRun r = sample_run(10);
+  PrefillView pv;
+  pv.full = &r.st.store;
+  pv.attention = r.st.capture.attention.get();
+  pv.kinds = &r.st.kinds;
+  pv.n_heads = r.gpu.info().n_heads;
+  pv.prompt_len = static_cast<int>(r.st.ids.size());
+  constexpr int kSteps = 6;
+  const int T = pv.prompt_len;
+  for (const char* spec : {"uniform:bits=4", "uniform:bits=2", "turboquant", "turboquant:bits=2,qjl=on",
+                           "stack:evict=snapkv,quant=uniform,bits=4", "kivi:bits=2,group=3,residual=2",
+                           "kivi:bits=4,group=4,residual=1", "stack:evict=snapkv,quant=kivi,bits=2,group=3,residual=2",
+                           "hadamard_int4", "hadamard_int4:block=8"}) {
+    SCOPED_TRACE(spec);
+    kt::PolicyProbe host(make_policy(spec), true), device(make_policy(spec), false), plain(make_policy(spec), false),
+        visual(make_policy(spec), false);
+    DecodeRecorder ra(kSteps, pv), rb(kSteps, pv);
+    rb.record_only({0, 1, 4, 5});  // (steps 2 and 3 put off: their rows fetched before step 4's)
+    ra.record_only({0, 1, 4, 5});
+    VisualAttentionRecorder va(0, T), vb(0, T);  // every step (its queries recorded on the device, or staged)
+    const DecodeResult a = r.gpu.decode(r.st, &host, r.g, {&ra, &va});
+    const DecodeResult b = r.gpu.decode(r.st, &device, r.g, {&rb});
+    const DecodeResult c = r.gpu.decode(r.st, &plain, r.g);
+    const DecodeResult d = r.gpu.decode(r.st, &visual, r.g, {&vb});
+    EXPECT_GT(host.decode_calls, 0);
+    EXPECT_EQ(device.decode_calls + plain.decode_calls + visual.decode_calls, 0);
+    EXPECT_TRUE(b.chained);
+    EXPECT_FALSE(a.chained);
+    EXPECT_EQ(b.generated_ids, c.generated_ids);
+    EXPECT_EQ(d.generated_ids, c.generated_ids);
+    EXPECT_EQ(b.generated_ids, a.generated_ids);
+    ASSERT_EQ(b.step_logits.size(), c.step_logits.size());
+    for (size_t i = 0; i < c.step_logits.size(); ++i)
+      EXPECT_LE(kt::max_rel(b.step_logits[i], c.step_logits[i]), std::ldexp(1.0, -11)) << "step " << i;
+    EXPECT_EQ(b.bytes_final.total(), c.bytes_final.total());
+    ASSERT_EQ(rb.entries().size(), static_cast<size_t>(4 * r.layers));
+    ASSERT_EQ(ra.entries().size(), rb.entries().size());
+    for (const DecodeRecorder::Entry& y : rb.entries()) {
+      const DecodeRecorder::Entry* x = ra.find(y.step, y.layer);
+      ASSERT_TRUE(x && x->compared && y.compared) << "step " << y.step << " layer " << y.layer;
+      const QueryComparison &p = x->comparison, &q = y.comparison;
+      const double rel = std::string(spec).rfind("hadamard", 0) == 0 ? 0.1 : 0.05;
+      ASSERT_EQ(p.softmax_mse.size(), q.softmax_mse.size());
+      for (size_t h = 0; h < p.softmax_mse.size(); ++h) {
+        const std::string at = "step " + std::to_string(y.step) + " layer " + std::to_string(y.layer) + " head " +
+                               std::to_string(h);
+        EXPECT_LE(std::abs(q.softmax_mse[h] - p.softmax_mse[h]), rel * p.softmax_mse[h] + 1e-9) << at;
+        EXPECT_LE(std::abs(q.softmax_kl[h] - p.softmax_kl[h]), rel * p.softmax_kl[h] + 1e-6) << at;
+        EXPECT_LE(std::abs(q.output_rel_error[h] - p.output_rel_error[h]),
+                  rel * p.output_rel_error[h] + std::ldexp(1.0, -11))
+            << at;
+      }
+      if (y.step > 0) {  // the generated rows count in the comparison: an output error of its own
+        EXPECT_GT(q.output_rel_error.front(), 0.0) << "step " << y.step << " layer " << y.layer;
+      }
+    }
+    ASSERT_EQ(vb.steps(), va.steps());
+    for (int s = 0; s < va.steps(); ++s)
+      for (int l = 0; l < r.layers; ++l) {
+        const std::vector<float> x = va.attention(s, l, -1), y = vb.attention(s, l, -1);
+        ASSERT_EQ(x.size(), y.size());
+        for (size_t i = 0; i < x.size(); ++i)
+          EXPECT_NEAR(y[i], x[i], 1e-3 + 0.02 * x[i]) << "step " << s << " layer " << l << " token " << i;
+      }
+  }
+  for (const char* spec : {"zipcache:gap=4", "zipcache:gap=5,random_ratio=0.5"}) {
+    SCOPED_TRACE(spec);
+    kt::PolicyProbe device(make_policy(spec), false);
+    DecodeRecorder rec(kSteps, pv);
+    const DecodeResult b = r.gpu.decode(r.st, &device, r.g, {&rec});
+    EXPECT_GT(device.decode_calls, 0);
+    EXPECT_EQ(rec.entries().size(), static_cast<size_t>(kSteps * r.layers));
   }
 }
 
