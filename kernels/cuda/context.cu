@@ -1,5 +1,6 @@
 // The CUDA backend's shared state (context.h): the device, its stream and cuBLAS handle,
 // allocations from the stream-ordered pool, page-locked staging and the copies through it.
+#include <exception>
 #include <limits>
 #include <string>
 
@@ -34,6 +35,10 @@ Context::Context(int dev) : device(dev) {
   constexpr size_t kWs = 32u << 20;  // a fixed workspace lets cuBLAS calls be captured in graphs
   KV_CUDA(cudaMalloc(&blas_workspace, kWs), "cuBLAS workspace (32 MiB)");
   KV_BLAS(cublasSetWorkspace(blas, blas_workspace, kWs), "cuBLAS workspace");
+  for (int i = 0; i < 2; ++i) {
+    land_ring[i] = pinned(kLandChunk, "landing buffer (16 MiB, page-locked)");
+    land_done[i] = event("landing buffer");
+  }
 }
 
 Context::~Context() {
@@ -135,17 +140,54 @@ void Context::land_later(std::shared_ptr<void> src, int64_t bytes, std::function
 void Context::land_all(const std::string& what) {
   std::vector<Landing> all = std::move(landings);
   landings.clear();
-  std::vector<int64_t> from(all.size());  // each landing's place in the staging buffer (16-byte aligned)
-  int64_t total = 0;
+  // Batches of consecutive landings within kLandChunk (16-byte aligned places); a larger one
+  // alone, through the staging buffer.
+  struct Batch {
+    size_t first = 0, end = 0;
+    int64_t bytes = 0;
+    char* host = nullptr;  // where its copies went
+  };
+  auto padded = [](int64_t b) { return (b + 15) / 16 * 16; };
+  std::vector<Batch> batches;
   for (size_t i = 0; i < all.size(); ++i) {
-    from[i] = total;
-    total += (all[i].bytes + 15) / 16 * 16;
+    const int64_t b = padded(all[i].bytes);
+    if (batches.empty() || batches.back().bytes + b > kLandChunk || b > kLandChunk) batches.push_back({i, i, 0, nullptr});
+    batches.back().end = i + 1;
+    batches.back().bytes += b;
   }
-  char* host = total ? static_cast<char*>(staging(total, what)) : nullptr;
-  for (size_t i = 0; i < all.size(); ++i)
-    if (all[i].bytes) download_async(host + from[i], all[i].src.get(), all[i].bytes, what);
-  if (total) sync(what);
-  parallel_for(static_cast<int>(all.size()), 8, [&](int i) { all[static_cast<size_t>(i)].land(host + from[static_cast<size_t>(i)]); });
+  // Batch k's copies into its buffer, then its event (the buffer's previous batch has landed).
+  auto copy = [&](size_t k) {
+    Batch& B = batches[k];
+    B.host = B.bytes > kLandChunk ? static_cast<char*>(staging(B.bytes, what)) : static_cast<char*>(land_ring[k % 2].get());
+    char* host = B.host;
+    for (size_t i = B.first; i < B.end; ++i) {
+      if (all[i].bytes) download_async(host, all[i].src.get(), all[i].bytes, what);
+      host += padded(all[i].bytes);
+    }
+    KV_CUDA(cudaEventRecord(land_done[k % 2].get(), stream), what + " (landing event)");
+  };
+  std::exception_ptr failed;
+  if (!batches.empty()) copy(0);
+  for (size_t k = 0; k < batches.size(); ++k) {
+    const Batch B = batches[k];
+    char* host = B.host;
+    // (a batch through the staging buffer waits for its own copies before the next is issued)
+    if (k + 1 < batches.size() && B.bytes <= kLandChunk && batches[k + 1].bytes <= kLandChunk) copy(k + 1);
+    KV_CUDA(cudaEventSynchronize(land_done[k % 2].get()), what);
+    std::vector<char*> at(B.end - B.first);
+    for (size_t i = B.first; i < B.end; ++i) {
+      at[i - B.first] = host;
+      host += padded(all[i].bytes);
+    }
+    try {
+      parallel_for(static_cast<int>(at.size()), 8,
+                   [&](int i) { all[B.first + static_cast<size_t>(i)].land(at[static_cast<size_t>(i)]); });
+    } catch (...) {
+      if (!failed) failed = std::current_exception();
+    }
+    if (k + 1 < batches.size() && !(B.bytes <= kLandChunk && batches[k + 1].bytes <= kLandChunk)) copy(k + 1);
+  }
+  if (failed) std::rethrow_exception(failed);
 }
 
 void Context::sync(const std::string& what) { KV_CUDA(cudaStreamSynchronize(stream), what); }

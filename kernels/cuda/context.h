@@ -62,10 +62,13 @@ struct Context : std::enable_shared_from_this<Context> {
   void free_memory(int64_t& free_bytes, int64_t& total) const;
   // Results that come to the host later (Backend::attention_reduce_later and the like): `bytes`
   // of `src` (held until then), and what to do with them once they are on the host. land_all
-  // copies every queued result into the staging buffer (staging) before one wait, then lands
-  // them on threads of their own: a landing writes only outputs no other queued landing writes.
-  // It empties the queue, also on error (the error of the first landing that failed is rethrown
-  // once all have run).
+  // copies the queued results in batches of at most kLandChunk bytes through two page-locked
+  // buffers made with the context (land_ring), each batch copied while the one before it lands on
+  // threads of their own — a method's first compression in a process does not wait for pageable
+  // copies or for pinning its landings' size (a result larger than a batch goes through
+  // `staging` alone). A landing writes only outputs no other queued landing writes. It empties
+  // the queue, also on error (the error of the first landing that failed is rethrown once all
+  // have run).
   void land_later(std::shared_ptr<void> src, int64_t bytes, std::function<void(const char*)> land);
   void land_all(const std::string& what);
   struct Landing {
@@ -74,6 +77,9 @@ struct Context : std::enable_shared_from_this<Context> {
     std::function<void(const char*)> land;
   };
   std::vector<Landing> landings;
+  static constexpr int64_t kLandChunk = int64_t{16} << 20;
+  std::shared_ptr<void> land_ring[2];
+  std::shared_ptr<CUevent_st> land_done[2];
 };
 
 // A cuBLAS status other than success as a DeviceError naming the call and `what`.

@@ -491,45 +491,59 @@ TEST(Ops, LookMMergeKernels) {
   }
 }
 
-// Results queued to land later (Context::land_later) come back whole whichever buffer they cross:
-// a batch larger than any before lands through pageable memory (the page-locked buffer is not
-// grown for it), a small batch after it pins only its own size, the large size again grows the
-// page-locked buffer to it and lands there, and a smaller batch reuses it. Each landing (on
-// threads of their own) gets its own bytes, with odd sizes between them, fresh random bytes
-// every round.
-TEST(Ops, LandingsComeBackThroughEitherStagingBuffer) {
+// Results queued to land later (Context::land_later) come back whole whichever buffer they cross.
+// Many small ones (odd sizes: each batch pads them) fill several batches of kLandChunk, each
+// copied through the two page-locked ring buffers while the one before lands, without touching
+// the staging buffer. One larger than a batch goes alone through the staging buffer, between
+// small ones: the first time through pageable memory (that size is not pinned for a result asked
+// for once), the second time the page-locked buffer grows to it. A landing that throws does not
+// stop the others: every other result lands, the queue is emptied, and the first error comes
+// back. Fresh random bytes every round.
+TEST(Ops, LandingsComeBackThroughTheRingAndTheStagingBuffer) {
   KVLENS_NEED_GPU();
   const auto made = std::make_shared<cuda::Context>(0);  // (a context hands out references to itself)
   cuda::Context& ctx = *made;
   std::mt19937 rng(std::random_device{}());
-  auto round = [&](int n, int64_t bytes, const std::string& what) {
-    std::vector<std::vector<uint8_t>> sent(static_cast<size_t>(n)), got(static_cast<size_t>(n));
-    std::vector<std::shared_ptr<void>> dev;
-    for (int i = 0; i < n; ++i) {
-      std::vector<uint8_t>& x = sent[static_cast<size_t>(i)];
-      x.resize(static_cast<size_t>(bytes + 3 * i));  // (not multiples of 16: the batch pads each)
+  // Queues results of `sizes` bytes and lands them; landing `throws_at` (−1: none) throws.
+  auto round = [&](const std::vector<int64_t>& sizes, const std::string& what, int throws_at = -1) {
+    const size_t n = sizes.size();
+    std::vector<std::vector<uint8_t>> sent(n), got(n);
+    for (size_t i = 0; i < n; ++i) {
+      std::vector<uint8_t>& x = sent[i];
+      x.resize(static_cast<size_t>(sizes[i]));
       for (uint8_t& b : x) b = static_cast<uint8_t>(rng());
-      dev.push_back(ctx.alloc(static_cast<int64_t>(x.size()), what));
-      ctx.upload(dev.back().get(), x.data(), static_cast<int64_t>(x.size()), what);
-      std::vector<uint8_t>* to = &got[static_cast<size_t>(i)];
+      const std::shared_ptr<void> dev = ctx.alloc(sizes[i], what);
+      ctx.upload(dev.get(), x.data(), sizes[i], what);
+      std::vector<uint8_t>* to = &got[i];
       const size_t size = x.size();
-      ctx.land_later(dev.back(), static_cast<int64_t>(size), [to, size](const char* host) {
+      const bool fail = static_cast<int>(i) == throws_at;
+      ctx.land_later(dev, sizes[i], [to, size, fail](const char* host) {
+        if (fail) throw InputError("landing refused on purpose");
         to->assign(reinterpret_cast<const uint8_t*>(host), reinterpret_cast<const uint8_t*>(host) + size);
       });
     }
-    ctx.land_all(what);
+    if (throws_at < 0) {
+      ctx.land_all(what);
+    } else {
+      EXPECT_THROW(ctx.land_all(what), InputError) << what;
+    }
     EXPECT_TRUE(ctx.landings.empty()) << what;
-    for (int i = 0; i < n; ++i) EXPECT_EQ(got[static_cast<size_t>(i)], sent[static_cast<size_t>(i)]) << what << " landing " << i;
+    for (size_t i = 0; i < n; ++i) {
+      if (static_cast<int>(i) != throws_at) {
+        EXPECT_EQ(got[i], sent[i]) << what << " landing " << i;
+      }
+    }
   };
-  const int64_t big = 3 << 20;
-  round(24, big / 24, "first, larger than any before");
-  EXPECT_LT(ctx.staging_bytes, big) << "the page-locked buffer grew for a size asked for once";
-  round(3, 5000, "small, after the large one");
-  EXPECT_LT(ctx.staging_bytes, big) << "a small batch pinned the large size";
-  round(24, big / 24, "the same size again");
-  EXPECT_GE(ctx.staging_bytes, big) << "the page-locked buffer did not grow for a size asked for again";
-  const void* pinned = ctx.staging_mem.get();
-  round(5, 1000, "smaller");
-  EXPECT_EQ(ctx.staging_mem.get(), pinned) << "a smaller batch replaced the page-locked buffer";
+  const int64_t chunk = cuda::Context::kLandChunk;
+  std::vector<int64_t> small;
+  for (int i = 0; i < 45; ++i) small.push_back((1 << 20) + 3 * i);  // 45 MiB: three batches and more
+  round(small, "small results over several batches");
+  EXPECT_EQ(ctx.staging_bytes, 0) << "batches within a chunk went through the staging buffer";
+  const std::vector<int64_t> mixed{5000, chunk + 77, 4001, 3};
+  round(mixed, "one larger than a batch, first time");
+  EXPECT_LT(ctx.staging_bytes, chunk) << "the page-locked buffer grew for a size asked for once";
+  round(mixed, "one larger than a batch, again");
+  EXPECT_GE(ctx.staging_bytes, chunk + 77) << "the page-locked buffer did not grow for a size asked for again";
+  round(small, "a landing that throws", 20);
 }
 #endif
