@@ -454,7 +454,7 @@ const CapturedAttention* device_capture(const std::vector<AttentionObserver*>& o
 
 bool observers_read_rows(const std::vector<AttentionObserver*>& observers, const CapturedAttention* capture) {
   return std::any_of(observers.begin(), observers.end(), [&](const AttentionObserver* o) {
-    return o->reads_decode_kv() && !(capture && o->compares_to());
+    return o->reads_decode_kv() && !(capture && o->compares_to() == capture);
   });
 }
 

@@ -55,16 +55,16 @@ struct StashedStep {
   std::vector<Layer> layers;
 };
 
-// The buffers of one sequence's decode steps, allocated once: every step runs on the same
-// buffers, so a device backend can capture a step once and replay it.
 // The capture on backend `be` that an observer among `observers` compares its decode queries
 // with (AttentionObserver::compares_to), or null: the backend then computes their exact
 // attention from it and gathers no rows for them.
 const CapturedAttention* device_capture(const std::vector<AttentionObserver*>& observers, const Backend* be);
 // Whether an observer among `observers` reads a decode step's keys and values from the host
-// rows: it reads them and does not compare with `capture` (null: none on the backend).
+// rows: it reads them and does not compare with `capture` itself (null: none on the backend).
 bool observers_read_rows(const std::vector<AttentionObserver*>& observers, const CapturedAttention* capture);
 
+// The buffers of one sequence's decode steps, allocated once: every step runs on the same
+// buffers, so a device backend can capture a step once and replay it.
 struct LlamaWorkspace {
   Buffer h, x, qkv, a, gu, g, ids, pos, logits;
   Buffer qkv_layers;  // each layer's qkv of an observed step whose events come at its end

@@ -67,8 +67,9 @@ struct Context : std::enable_shared_from_this<Context> {
   // threads of their own — a method's first compression in a process does not wait for pageable
   // copies or for pinning its landings' size (a result larger than a batch goes through
   // `staging` alone). A landing writes only outputs no other queued landing writes. It empties
-  // the queue, also on error (the error of the first landing that failed is rethrown once all
-  // have run).
+  // the queue, also on error: the error of the first landing that failed is rethrown once all
+  // have run; a copy that fails ends it there (the batches not yet landed are dropped) with its
+  // error.
   void land_later(std::shared_ptr<void> src, int64_t bytes, std::function<void(const char*)> land);
   void land_all(const std::string& what);
   struct Landing {

@@ -586,7 +586,8 @@ class SegmentRows {
 // (kv_before_step: generated rows in segments of keys with a range per channel and values with
 // one per row), replaced by their dequantization as the device holds them (code·scale + zero, as
 // quant::decode reads KIVI's payload): the arrays of every such segment holding one copied out
-// before one wait (kv_transfer.cu); nothing when the host holds none.
+// before one wait (kv_transfer.cu); nothing when the host holds none. (The prompt's rows a
+// group takes stay as they are on the host: an exact attention reads the prompt from its capture.)
 void group_rows_to_host(Context& ctx, const CudaKV& C, KVStore& host, const std::vector<int>& layers, int32_t lo,
                         int32_t hi);
 // Host segment i of layer l ↔ device segment i (or the tail for the last host segment): the

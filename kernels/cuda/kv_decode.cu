@@ -263,7 +263,7 @@ struct RecordedRows {
 
 RecordedRows recorded_rows(const CudaKV& C, int layer) {
   const DevLayer& d = C.layers[static_cast<size_t>(layer)];
-  if (!d.tail.start.empty())  // (decode steps that quantize groups are never observed)
+  if (!d.tail.start.empty())  // (a decode over groups records no queries: they would see rows requantized later)
     throw InternalError("recorded attention: layer " + std::to_string(layer) + "'s decode rows were quantized in groups");
   RecordedRows r;
   r.order = segment_order(C, layer);

@@ -3,7 +3,8 @@
 // codes and fp16 ranges equal quant::quantize_block (per token) on the same rotated row rounded
 // to fp16 (for Hadamard-INT4 then through quant::block_hadamard), bit for bit; the cache's bytes are the host's count of such a segment; decode
 // attention over the packed rows matches the fp64 attention over their dequantization; the rows
-// read back (kv_hydrate) as a per-token payload; and the tail refuses rows from another path.
+// read back (kv_hydrate) as a per-token payload, and fetched as an observed decode fetches them
+// (kv_pull_rows) as the same rows; and the tail refuses rows from another path.
 // TurboQuant's rows are coded the same way (StepQuant::coded, codec_tail_rows): codes, scales and
 // the dequantized row equal turboquant::Codec::encode_row's, bit for bit.
 #include <gtest/gtest.h>
@@ -52,6 +53,26 @@ void read_tail(Backend& gpu, const DeviceKV& dev, size_t n_segments, const std::
   pay = dynamic_cast<const quant::QuantPayload*>(tail.payload.get());
   ASSERT_NE(pay, nullptr);
   EXPECT_EQ(pay->layout.kind, kind);
+}
+
+// The decode tail's `steps` rows (at positions T ..) fetched to a host store of fp16 rows as an
+// observed decode fetches the rows its steps appended on the device alone (kv_pull_rows): the
+// rows read back (kv_hydrate), bit for bit — a packed tail's dequantized values not rounded to the
+// store's fp16, a coded tail's fp16 dequantizations — at the same positions.
+void expect_pulled_rows_read_back(Backend& gpu, DeviceKV& dev, const KVSegment& tail, int NKV, int D, int T, int steps) {
+  KVStore pulled(1, NKV, D, RowStorage::Fp16);
+  SeqKV kv{&pulled, &dev, true};
+  std::vector<int32_t> pos(static_cast<size_t>(steps));
+  for (int s = 0; s < steps; ++s) pos[static_cast<size_t>(s)] = T + s;
+  const std::vector<SegmentKind> kinds(static_cast<size_t>(steps), SegmentKind::Generated);
+  gpu.kv_pull_rows(kv, {0}, pos.data(), kinds.data(), steps);
+  ASSERT_EQ(pulled.layer(0).segments.size(), 1u);
+  const KVSegment& got = pulled.layer(0).segments[0];
+  for (int h = 0; h < NKV; ++h) {
+    EXPECT_EQ(got.heads[h].pos, pos) << "head " << h << " pulled positions";
+    EXPECT_EQ(got.heads[h].k, tail.heads[h].k) << "head " << h << " pulled keys";
+    EXPECT_EQ(got.heads[h].v, tail.heads[h].v) << "head " << h << " pulled values";
+  }
 }
 
 // A generated row appended without the tail's own kernel (kv_append, at position p): refused.
@@ -137,6 +158,7 @@ void quantized_tail_case(const TailCase& tc) {
   ASSERT_NO_FATAL_FAILURE(read_tail(gpu, *dev, T ? 2u : 1u, q.label, quant::CodeLayout::Kind::Blocks, back, pay));
   const KVSegment& tail = back.layer(0).segments.back();
   EXPECT_EQ(pay->layout.k_rotation, tc.rotation);
+  expect_pulled_rows_read_back(gpu, *dev, tail, c.NKV, c.D, T, steps);
   int64_t want_bytes = 0;
   for (int h = 0; h < c.NKV; ++h) {
     ASSERT_EQ(tail.heads[h].n(), steps);
@@ -254,6 +276,7 @@ void coded_tail_case(const CodecCase& tc) {
   const quant::QuantPayload* pay = nullptr;
   ASSERT_NO_FATAL_FAILURE(read_tail(gpu, *dev, 2u, q.label, quant::CodeLayout::Kind::None, back, pay));
   const KVSegment& tail = back.layer(0).segments.back();
+  expect_pulled_rows_read_back(gpu, *dev, tail, c.NKV, c.D, T, steps);
   int64_t want_bytes = 0;
   for (int h = 0; h < c.NKV; ++h) {
     ASSERT_EQ(tail.heads[h].n(), steps);

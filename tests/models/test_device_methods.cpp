@@ -571,9 +571,6 @@ TEST(CudaModel, ObservedDecodesKeepTheDevicesStepQuantization) {
                   rel * p.output_rel_error[h] + std::ldexp(1.0, -11))
             << at;
       }
-      if (y.step > 0) {  // the generated rows count in the comparison: an output error of its own
-        EXPECT_GT(q.output_rel_error.front(), 0.0) << "step " << y.step << " layer " << y.layer;
-      }
     }
     ASSERT_EQ(vb.steps(), va.steps());
     for (int s = 0; s < va.steps(); ++s)
