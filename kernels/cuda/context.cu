@@ -140,52 +140,48 @@ void Context::land_later(std::shared_ptr<void> src, int64_t bytes, std::function
 void Context::land_all(const std::string& what) {
   std::vector<Landing> all = std::move(landings);
   landings.clear();
-  // Batches of consecutive landings within kLandChunk (16-byte aligned places); a larger one
-  // alone, through the staging buffer.
+  // Batches of consecutive landings within kLandChunk, each landing at `from` bytes into its
+  // batch's buffer (16-byte aligned); a larger one alone, through the staging buffer.
   struct Batch {
     size_t first = 0, end = 0;
     int64_t bytes = 0;
     char* host = nullptr;  // where its copies went
+    bool staged() const { return bytes > kLandChunk; }
   };
-  auto padded = [](int64_t b) { return (b + 15) / 16 * 16; };
+  std::vector<int64_t> from(all.size());
   std::vector<Batch> batches;
   for (size_t i = 0; i < all.size(); ++i) {
-    const int64_t b = padded(all[i].bytes);
+    const int64_t b = (all[i].bytes + 15) / 16 * 16;
     if (batches.empty() || batches.back().bytes + b > kLandChunk || b > kLandChunk) batches.push_back({i, i, 0, nullptr});
+    from[i] = batches.back().bytes;
     batches.back().end = i + 1;
     batches.back().bytes += b;
   }
   // Batch k's copies into its buffer, then its event (the buffer's previous batch has landed).
   auto copy = [&](size_t k) {
     Batch& B = batches[k];
-    B.host = B.bytes > kLandChunk ? static_cast<char*>(staging(B.bytes, what)) : static_cast<char*>(land_ring[k % 2].get());
-    char* host = B.host;
-    for (size_t i = B.first; i < B.end; ++i) {
-      if (all[i].bytes) download_async(host, all[i].src.get(), all[i].bytes, what);
-      host += padded(all[i].bytes);
-    }
+    B.host = B.staged() ? static_cast<char*>(staging(B.bytes, what)) : static_cast<char*>(land_ring[k % 2].get());
+    for (size_t i = B.first; i < B.end; ++i)
+      if (all[i].bytes) download_async(B.host + from[i], all[i].src.get(), all[i].bytes, what);
     KV_CUDA(cudaEventRecord(land_done[k % 2].get(), stream), what + " (landing event)");
   };
   std::exception_ptr failed;
   if (!batches.empty()) copy(0);
   for (size_t k = 0; k < batches.size(); ++k) {
-    const Batch B = batches[k];
-    char* host = B.host;
-    // (a batch through the staging buffer waits for its own copies before the next is issued)
-    if (k + 1 < batches.size() && B.bytes <= kLandChunk && batches[k + 1].bytes <= kLandChunk) copy(k + 1);
+    const Batch& B = batches[k];
+    // The next batch copied while this one lands, unless either goes through the staging buffer.
+    const bool next = k + 1 < batches.size(), ahead = next && !B.staged() && !batches[k + 1].staged();
+    if (ahead) copy(k + 1);
     KV_CUDA(cudaEventSynchronize(land_done[k % 2].get()), what);
-    std::vector<char*> at(B.end - B.first);
-    for (size_t i = B.first; i < B.end; ++i) {
-      at[i - B.first] = host;
-      host += padded(all[i].bytes);
-    }
     try {
-      parallel_for(static_cast<int>(at.size()), 8,
-                   [&](int i) { all[B.first + static_cast<size_t>(i)].land(at[static_cast<size_t>(i)]); });
+      parallel_for(static_cast<int>(B.end - B.first), 8, [&](int j) {
+        const size_t i = B.first + static_cast<size_t>(j);
+        all[i].land(B.host + from[i]);
+      });
     } catch (...) {
       if (!failed) failed = std::current_exception();
     }
-    if (k + 1 < batches.size() && !(B.bytes <= kLandChunk && batches[k + 1].bytes <= kLandChunk)) copy(k + 1);
+    if (next && !ahead) copy(k + 1);
   }
   if (failed) std::rethrow_exception(failed);
 }

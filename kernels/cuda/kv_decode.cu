@@ -184,8 +184,9 @@ void kv_decode_deferred(Context& ctx, const Buffer& qkv, const AttnLayout& l, Se
     d.taps = {ctx.alloc(room, "deferred decode taps"), room};
   }
   const int32_t* map = d.map.as<int32_t>();
-  scores_in_order(d.scores.as<float>(), NH, NH / C.NKV, d.stride, map + C.NKV * d.map_stride, d.tail_rows,
-                  map + C.NKV * (d.map_stride + 1), map, d.map_stride, d.taps.as<float>(), d.probs ? d.taps.as<float>() + NH * d.stride : nullptr, ctx.stream);
+  const int32_t* seg_rows = map + C.NKV * d.map_stride;
+  scores_in_order(d.scores.as<float>(), NH, NH / C.NKV, d.stride, seg_rows, d.tail_rows, seg_rows + C.NKV, map,
+                  d.map_stride, d.taps.as<float>(), d.probs ? d.taps.as<float>() + NH * d.stride : nullptr, ctx.stream);
   if (want_out) {
     const int64_t ob = static_cast<int64_t>(NH) * C.D * 4;
     if (d.out.bytes != ob) d.out = {ctx.alloc(ob, "deferred decode output (fp32)"), ob};
@@ -212,7 +213,9 @@ void kv_collect_deferred(Context& ctx, SeqKV& kv, int layer, const ScoreTransfor
   d.pending = false;
   const int NH = d.n_heads, G = NH / C.NKV, n_max = taps.n_max;
   const int64_t stride = d.stride;
-  auto rows_of = [&](int h) { return d.seg_rows[static_cast<size_t>(h)] + d.tail_rows - d.tail_first[static_cast<size_t>(h)]; };
+  auto rows_of = [&](int h) {
+    return d.seg_rows[static_cast<size_t>(h)] + d.tail_rows - d.tail_first[static_cast<size_t>(h)];
+  };
   for (int h = 0; h < C.NKV; ++h)
     if (kv.host->n_rows(layer, h) != rows_of(h))
       throw InternalError("collect_deferred: layer " + std::to_string(layer) + " rows changed since the step");

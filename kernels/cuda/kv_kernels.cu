@@ -132,14 +132,7 @@ __global__ void rope_quant_append_kernel(float* qkv, int64_t q_col, int nq, int6
       rows[0][j + half] = __half2float(__float2half_rn(nb));
     }
   }
-  if (b >= nk && t.rotation) {  // the query by the keys' blocks
-    __syncthreads();
-    for (int c = threadIdx.x; c < D; c += blockDim.x) rows[0][c] = r[c];
-    __syncthreads();
-    hadamard_blocks(rows[0], D, t.rotation);
-    __syncthreads();
-    for (int c = threadIdx.x; c < D; c += blockDim.x) r[c] = rows[0][c];
-  }
+  if (b >= nk && t.rotation) hadamard_in_place(r, rows[0], D, t.rotation);  // the query by the keys' blocks
   if (b < nk) {
     for (int c = threadIdx.x; c < D; c += blockDim.x)
       rows[1][c] = __half2float(__float2half_rn(qkv[v_col + static_cast<int64_t>(b) * D + c]));
@@ -168,12 +161,7 @@ __global__ void rope_quant_append_kernel(float* qkv, int64_t q_col, int nq, int6
 
 __global__ void hadamard_rows_kernel(float* x, int D, int rotation) {
   __shared__ float row[kMaxQuantTailD];
-  float* r = x + static_cast<int64_t>(blockIdx.x) * D;
-  for (int c = threadIdx.x; c < D; c += blockDim.x) row[c] = r[c];
-  __syncthreads();
-  hadamard_blocks(row, D, rotation);
-  __syncthreads();
-  for (int c = threadIdx.x; c < D; c += blockDim.x) r[c] = row[c];
+  hadamard_in_place(x + static_cast<int64_t>(blockIdx.x) * D, row, D, rotation);
 }
 
 __global__ void gather_blocks_kernel(const int32_t* src, int32_t* dst, int64_t words, const int32_t* index, int n) {

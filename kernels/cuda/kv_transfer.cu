@@ -474,20 +474,19 @@ void kv_pull_rows(Context& ctx, SeqKV& kv, const std::vector<int>& layers, const
   std::vector<uint32_t> scratch(static_cast<size_t>(D));
   for (size_t i = 0; i < layers.size(); ++i) {
     const Tail& t = C.layers.at(layers[i]).tail;
-    const uint8_t* base = staged + at[i];
+    // This layer's arrays as copied: K then V ([NKV][T] rows), and for packed rows the ranges [4][NKV][T].
+    const int64_t kr = copies[i][0].row_bytes, vr = copies[i][1].row_bytes;
+    const uint8_t* kc = staged + at[i];
+    const uint8_t* vc = kc + NKV * T * kr;
+    const auto* ranges = reinterpret_cast<const uint16_t*>(vc + NKV * T * vr);
     for (int h = 0; h < NKV; ++h)
       for (int r = 0; r < T; ++r) {
         const int64_t row = static_cast<int64_t>(h) * T + r, out = (static_cast<int64_t>(r) * NKV + h) * D;
         if (!t.packed()) {
-          const auto* kh = reinterpret_cast<const uint16_t*>(base);
-          from_half_n(kh + row * D, k.data() + out, D);
-          from_half_n(kh + n + row * D, v.data() + out, D);
+          from_half_n(reinterpret_cast<const uint16_t*>(kc + row * kr), k.data() + out, D);
+          from_half_n(reinterpret_cast<const uint16_t*>(vc + row * vr), v.data() + out, D);
           continue;
         }
-        const int64_t kr = copies[i][0].row_bytes, vr = copies[i][1].row_bytes;
-        const uint8_t* kc = base;
-        const uint8_t* vc = kc + NKV * T * kr;
-        const auto* ranges = reinterpret_cast<const uint16_t*>(vc + NKV * T * vr);  // [4][NKV][T]
         auto range = [&](int plane) { return ranges[(static_cast<int64_t>(plane) * NKV + h) * T + r]; };
         dequantize_packed_row(kc + row * kr, range(0), range(1), D, t.k_bits, t.rotation, scratch.data(), k.data() + out);
         dequantize_packed_row(vc + row * vr, range(2), range(3), D, t.v_bits, 0, scratch.data(), v.data() + out);
@@ -511,8 +510,11 @@ void kv_pull_rows(Context& ctx, SeqKV& kv, const std::vector<int>& layers, const
   std::vector<int> grouped;
   for (int l : layers) {
     const Tail& t = C.layers.at(l).tail;
-    for (int h = 0; h < NKV && (grouped.empty() || grouped.back() != l); ++h)
-      if (t.n - T < t.first(h)) grouped.push_back(l);
+    for (int h = 0; h < NKV; ++h)
+      if (t.n - T < t.first(h)) {
+        grouped.push_back(l);
+        break;
+      }
   }
   if (!grouped.empty()) group_rows_to_host(ctx, C, *kv.host, grouped, pos_host[0], pos_host[T - 1]);
 }

@@ -79,4 +79,15 @@ __device__ inline void hadamard_blocks(float* x, int D, int R) {
   }
 }
 
+// Row r[D] through hadamard_blocks in place, the block's threads together: staged in `row`
+// (shared memory, D floats) after every thread's earlier writes to r.
+__device__ inline void hadamard_in_place(float* r, float* row, int D, int R) {
+  __syncthreads();
+  for (int c = threadIdx.x; c < D; c += blockDim.x) row[c] = r[c];
+  __syncthreads();
+  hadamard_blocks(row, D, R);
+  __syncthreads();
+  for (int c = threadIdx.x; c < D; c += blockDim.x) r[c] = row[c];
+}
+
 }  // namespace kvlens::cuda
