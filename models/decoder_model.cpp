@@ -8,6 +8,7 @@
 #include "core/errors.h"
 #include "kernels/backends.h"
 #include "kernels/cpu/ops.h"
+#include "core/trace.h"
 
 namespace kvlens {
 
@@ -198,11 +199,15 @@ DecodeResult DecoderModel::decode(const PrefillState& st, KVPolicy* policy, cons
   if (dev) be_->kv_reserve(*dev, opt.max_new_tokens, device_quant);
   const auto t0 = std::chrono::steady_clock::now();
   if (policy) {
+    trace::Scope span("method.compress");
     if (policy->needs_prefill_attention() && !st.capture.keep)
       throw InternalError("policy '" + policy->name() + "' needs the prefill attention, which was not kept");
     std::vector<PrefillContext> cs = prefill_contexts(st);
     for (PrefillContext& c : cs) c.device = dev.get();  // the decode's own copy of the prompt's rows
-    policy->on_prefill(cs, store);
+    {
+      trace::Scope on_prefill("method.on_prefill");
+      policy->on_prefill(cs, store);
+    }
     if (dev) be_->kv_sync(*dev, store, -1);
   }
   r.compress_ms = ms_since(t0);
@@ -233,6 +238,7 @@ DecodeResult DecoderModel::decode(const PrefillState& st, KVPolicy* policy, cons
   // device from the token the device chose itself; it is launched whenever the caption cannot
   // end before it for a reason known in advance.
   auto chain_from = [&](int s0) {
+    trace::Scope span("decode.chained", s0);
     bool ahead = false;
     try {
       check(s0 + 1);
@@ -328,11 +334,13 @@ DecodeResult DecoderModel::decode(const PrefillState& st, KVPolicy* policy, cons
         }
         if (!kv.mirror && step < observed) pending.push_back(pos);
       }
+      trace::Scope span("decode.step", step);
       logits = in_model(dir_, [&] { return text_.decode(tok, pos, step, kv, steps, seen, ws); });
       ++pos;
     }
     ws.record_slot = -1;
     const auto t2 = std::chrono::steady_clock::now();
+    trace::Scope span("decode.hand_over");
     in_model(dir_, [&] {
       text_.hand_over_stashed(ws);
       text_.hand_over_recorded(kv, rec_steps, rec_pos, steps, observers, ws);

@@ -8,6 +8,7 @@
 #include "core/errors.h"
 #include "core/parallel.h"
 #include "models/activations.h"
+#include "core/trace.h"
 
 namespace kvlens {
 
@@ -564,6 +565,7 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
   };
 
   auto body = [&] {
+    trace::Scope span("step.body", step);
     std::vector<int> deferred;
     be->embed(embed, w.ids, w.h);
     // Each layer's output is checked for NaN / Inf by the next norm_linear, which reads it whole
@@ -619,6 +621,7 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
     if (chain) be->next_token(w.logits, w.ids, w.pos);
     if (!deferred.empty()) be->kv_pull_rows(kv, deferred, &pos, &gen, 1);
     if (staged) {  // the step's events, now that the host store holds its rows
+      trace::Scope span("step.staged_taps", step);
       std::vector<float> q_all(static_cast<size_t>(w.qkv_layers.numel()));
       be->download(w.qkv_layers, q_all.data());
       const int L = cfg.num_hidden_layers;
@@ -646,6 +649,7 @@ void LlamaDecoder::step_ops(int token, int position, int step, SeqKV& kv, KVPoli
           take_positions(*kv.host, l, x);
           x.extra = rows_from(*kv.host, l, capture->prompt_len());
         };
+        trace::Scope keep_span("step.stash_layers");
         keep(0);  // (the first layer's collect fetches every layer's taps)
         parallel_for(L - 1, 8, [&](int i) { keep(i + 1); });
         w.stash.push_back(std::move(st));

@@ -6,6 +6,7 @@
 #include "core/errors.h"
 #include "core/parallel.h"
 #include "models/llama.h"
+#include "core/trace.h"
 
 namespace kvlens {
 
@@ -74,6 +75,7 @@ void LlamaDecoder::each_layer(const std::vector<AttentionObserver*>& observers, 
 void LlamaDecoder::hand_over_stashed(LlamaWorkspace& w) const {
   const int S = static_cast<int>(w.stash.size());
   if (S == 0) return;
+  trace::Scope span("decode.hand_over_stashed", S);
   const int L = cfg.num_hidden_layers;
   const AttnLayout lay = layout(1);
   const CapturedAttention& capture = *w.stash.front().capture;
@@ -100,6 +102,7 @@ void LlamaDecoder::hand_over_stashed(LlamaWorkspace& w) const {
       }
     }
     std::vector<ExactAttention> part;
+    trace::Scope exact_span("decode.exact_of_stashed", n);
     if (!be->exact_decode_attention_layers(w.exact_q.row_view(0, n * S), lay, prompts, capture.layout(), extras, part))
       throw InternalError("decode: the " + be->name() + " backend put observed steps off and computes no exact attention");
     for (int l = l0; l < l0 + n; ++l)
@@ -107,6 +110,7 @@ void LlamaDecoder::hand_over_stashed(LlamaWorkspace& w) const {
   }
   for (int s = 0; s < S; ++s) {
     const StashedStep& st = w.stash[static_cast<size_t>(s)];
+    trace::Scope events("decode.stashed_events", st.step);
     each_layer(st.observers, [&](int l) {
       AttentionEvent e = layer_event(st.layers[static_cast<size_t>(l)], l, st.step, &st.pos,
                                      st.q.data() + static_cast<size_t>(l) * lay.row_stride);
@@ -122,6 +126,7 @@ void LlamaDecoder::hand_over_recorded(SeqKV& kv, const std::vector<int>& steps, 
                                       LlamaWorkspace& w) const {
   const int n = static_cast<int>(steps.size());
   if (n == 0) return;
+  trace::Scope traced("decode.hand_over_recorded", n);
   if (n > w.record_slots || positions.size() != steps.size())
     throw InternalError("decode: more recorded steps than slots, or steps and positions differ");
   const int NH = cfg.num_attention_heads, D = cfg.head_dim;
@@ -179,6 +184,7 @@ void LlamaDecoder::hand_over_recorded(SeqKV& kv, const std::vector<int>& steps, 
     for (size_t first = 0; by_span && first < parts.size();) {
       size_t end = first;
       be->queue_then_finish([&] {
+        trace::Scope queue_span("decode.recorded_queue");
         int64_t queued = 0;
         for (; end < parts.size(); ++end) {
           Part& p = parts[end];

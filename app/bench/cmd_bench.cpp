@@ -26,6 +26,7 @@
 #include "app/cli/options.h"
 #include "app/lab/session.h"
 #include "app/lab/session_bench.h"
+#include "app/cli/trace_option.h"
 #include "core/errors.h"
 #include "core/files.h"
 #include "core/compress/method.h"
@@ -388,7 +389,7 @@ struct ThroughputArgs {
 };
 
 struct SessionArgs {
-  std::string session, model, image, json;
+  std::string session, model, image, json, trace;
   std::vector<std::string> edits;
   BackendOptions backend;
 };
@@ -401,7 +402,9 @@ void run_session(const SessionArgs& a) {
   if (edits.empty()) edits = default_session_edits(s);
   const std::string model = model_dir_of(!a.model.empty() ? a.model : s.model);
   const std::string image = !a.image.empty() ? a.image : !s.image.empty() ? s.image : default_image_for(model);
+  start_trace(a.trace);
   const SessionBench b = bench_session(s, model, image, a.backend, edits);
+  finish_trace(a.trace);
   std::printf("bench session %s: %zu methods, %d-token prompt, %s backend\n", a.session.c_str(), s.methods.size(),
               b.prompt_tokens, b.backend.c_str());
   std::printf("first run (model, vision, prefill, full cache, every method): %.0f ms\n", b.first_ms);
@@ -558,6 +561,7 @@ void add_bench_command(CLI::App& root) {
   ss->add_option("--image", se->image, "Image (default: the session's, else the embedded sample image)");
   add_backend_options(ss, se->backend);
   ss->add_option("--json", se->json, "Also write the timings as JSON here");
+  add_trace_option(ss, se->trace);
   ss->callback([se] { run_session(*se); });
 
   c->callback([a, c] {

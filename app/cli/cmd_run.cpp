@@ -7,6 +7,7 @@
 #include "app/cli/model_inputs.h"
 #include "app/cli/eval_common.h"
 #include "app/cli/options.h"
+#include "app/cli/trace_option.h"
 #include "core/errors.h"
 #include "core/files.h"
 #include "app/lab/session.h"
@@ -18,7 +19,7 @@ namespace kvlens::app {
 namespace {
 
 struct RunArgs {
-  std::string model, image, report, session, save_session;
+  std::string model, image, report, session, save_session, trace;
   std::string kv_storage;  // empty = the session's, else fp16
   std::vector<std::string> methods;
   ExperimentOptions opt;
@@ -109,6 +110,7 @@ void run_methods(const RunArgs& args) {
   // model and the image are refused first.
   if (!a.report.empty()) check_writable(a.report, "report");
   if (!a.save_session.empty()) check_writable(a.save_session, "session file");
+  start_trace(a.trace);
   const std::unique_ptr<Model> model_owned = load_model(model_dir_of(a.model), a.backend);
   const Model& model = *model_owned;
   const RGBImage img = command_image(model, a.image);
@@ -172,6 +174,7 @@ void run_methods(const RunArgs& args) {
       }
     }
   }
+  finish_trace(a.trace);
 }
 
 void list_methods() {
@@ -242,6 +245,7 @@ void add_run_commands(CLI::App& root) {
   add_session_options(r, *ra);
   r->add_option("--method", ra->methods, "Method spec, e.g. 'calibquant:bits=1,tau1=0,tau2=3' (repeatable)");
   r->add_option("--report", ra->report, "Write captions, ids, bytes, timings and every diagnostic as JSON");
+  add_trace_option(r, ra->trace);
   add_figure_options(r, ra->figures);
   r->callback([ra] { run_methods(*ra); });
 

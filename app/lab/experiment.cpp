@@ -8,6 +8,7 @@
 #include "core/errors.h"
 #include "core/numbers.h"
 #include "core/parallel.h"
+#include "core/trace.h"
 
 namespace kvlens {
 
@@ -24,7 +25,12 @@ PrefillView Experiment::view() const {
 Experiment start_experiment(const Model& model, const RGBImage& img, const ExperimentOptions& opt,
                             const std::vector<AttentionObserver*>& observers) {
   check_memory(model, opt, model.visual_layout(img.width, img.height));  // refused before any work when the run cannot fit
-  return start_experiment(model, model.prefill(img, opt.prompt, opt.templ, true), opt, observers);
+  PrefillState st;
+  {
+    trace::Scope span("experiment.prefill");
+    st = model.prefill(img, opt.prompt, opt.templ, true);
+  }
+  return start_experiment(model, std::move(st), opt, observers);
 }
 
 namespace {
@@ -60,25 +66,35 @@ Experiment start_experiment(const Model& model, PrefillState prefill, const Expe
   g.keep_going = opt.keep_going;
   std::vector<AttentionObserver*> obs{ex.full_recorder.get()};
   obs.insert(obs.end(), observers.begin(), observers.end());
-  ex.full = model.decode(ex.prefill, nullptr, g, obs);
+  {
+    trace::Scope span("experiment.full_decode");
+    ex.full = model.decode(ex.prefill, nullptr, g, obs);
+  }
   const PrefillView pv = ex.view();
-  for (int l = 0; l < ex.prefill.store.n_layers(); ++l) {
-    ex.sparsity_prefill.push_back(prefill_sparsity(pv, l, opt.sparsity_p));
-    double s = 0;
-    int n = 0;
-    for (const auto& e : ex.full_recorder->entries())
-      if (e.layer == l && e.step < opt.diag_steps) {  // the steps a method's decode sparsity reads
-        s += sparsity(e.probs.data(), e.n_heads, 1, e.n_k, opt.sparsity_p);
-        ++n;
-      }
-    ex.sparsity_decode_full.push_back(n ? s / n : 0.0);
-    for (const KVSegment& seg : ex.prefill.store.layer(l).segments)
-      ex.full_fp16_bytes += seg.dense_bytes(ex.prefill.store.head_dim(), 2);
+  {
+    trace::Scope sparsity_span("experiment.sparsity");
+    for (int l = 0; l < ex.prefill.store.n_layers(); ++l) {
+      ex.sparsity_prefill.push_back(prefill_sparsity(pv, l, opt.sparsity_p));
+      double s = 0;
+      int n = 0;
+      for (const auto& e : ex.full_recorder->entries())
+        if (e.layer == l && e.step < opt.diag_steps) {  // the steps a method's decode sparsity reads
+          s += sparsity(e.probs.data(), e.n_heads, 1, e.n_k, opt.sparsity_p);
+          ++n;
+        }
+      ex.sparsity_decode_full.push_back(n ? s / n : 0.0);
+      for (const KVSegment& seg : ex.prefill.store.layer(l).segments)
+        ex.full_fp16_bytes += seg.dense_bytes(ex.prefill.store.head_dim(), 2);
+    }
   }
   // After the prefill sparsity: its reduction over every query row leaves the column sums the
   // accumulated strategy reads (PrefillAttention::reduce keeps them).
-  ex.hit_rates = cache_hit_rates(pv, *ex.full_recorder, opt.hit_budget, opt.hit_steps, opt.hit_window);
+  {
+    trace::Scope hit_span("experiment.hit_rates");
+    ex.hit_rates = cache_hit_rates(pv, *ex.full_recorder, opt.hit_budget, opt.hit_steps, opt.hit_window);
+  }
   if (opt.attention_maps) {
+    trace::Scope maps_span("experiment.attention_maps");
     const int T = pv.prompt_len, S = std::min(opt.diag_steps, ex.full_recorder->steps()), n = T + S;
     ex.attention_steps = S;
     ex.attention_rows = std::min(T, opt.attention_bins);
@@ -116,7 +132,10 @@ MethodRun run_method(const Model& model, const Experiment& ex, const Params& par
   g.keep_going = opt.keep_going;
   std::vector<AttentionObserver*> obs{&rec};
   obs.insert(obs.end(), observers.begin(), observers.end());
-  r.result = model.decode(ex.prefill, policy.get(), g, obs, &compressed);
+  {
+    trace::Scope span("experiment.method_decode");
+    r.result = model.decode(ex.prefill, policy.get(), g, obs, &compressed);
+  }
   if (!ex.attention.empty()) {
     const int T = static_cast<int>(ex.prefill.ids.size());
     for (int l = 0; l < ex.prefill.store.n_layers(); ++l)

@@ -13,6 +13,7 @@
 #include "core/compress/method.h"
 #include "core/errors.h"
 #include "core/numbers.h"
+#include "core/trace.h"
 
 namespace kvlens {
 
@@ -167,6 +168,7 @@ SessionBench bench_session(const Session& s, const std::string& model_dir, const
   check(*snap);
   if (snap->model) out.backend = snap->model->backend;
   if (snap->base && snap->base->ex) out.prompt_tokens = static_cast<int>(snap->base->ex->prefill.ids.size());
+  if (trace::on()) trace::enable(true);  // (a trace covers the edits, not the first run)
 
   for (const SessionEdit& e : edits) {
     if (e.method < 0 || e.method >= static_cast<int>(params.size()))

@@ -9,6 +9,7 @@
 #include "core/numbers.h"
 #include "core/parallel.h"
 #include "models/preprocess/clip_image.h"
+#include "core/trace.h"
 
 namespace kvlens {
 
@@ -218,6 +219,7 @@ void Worker::drop_runs() {
 }
 
 void Worker::build_report(const Setup& s) {
+  trace::Scope span("worker.build_report");
   const auto t0 = std::chrono::steady_clock::now();
   ordered_.clear();
   // The report's parts, held while the report is (so that none is freed and its address reused),
@@ -432,11 +434,15 @@ void Worker::loop() {
           rr.id = id;
           rr.spec = spec;
           const auto t_run = std::chrono::steady_clock::now();
+          trace::Scope span("worker.run", id);
           auto run = std::make_shared<MethodRun>(run_method(*model_, *base_->ex, next->params, opt, {rec.get()}));
           rr.run_ms = ms_since(t_run);
           rr.pieces = pieces_of(*model_, run->result.generated_ids);
           const auto t_json = std::chrono::steady_clock::now();
-          rr.json = std::make_shared<const nlohmann::json>(method_run_json(*model_, *base_->ex, *run));
+          {
+            trace::Scope json_span("worker.method_json", id);
+            rr.json = std::make_shared<const nlohmann::json>(method_run_json(*model_, *base_->ex, *run));
+          }
           rr.json_ms = ms_since(t_json);
           rr.run = run;
           rr.patches = rec;

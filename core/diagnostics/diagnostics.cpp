@@ -9,6 +9,7 @@
 #include "core/compress/select.h"
 #include "core/exact_attention.h"
 #include "core/parallel.h"
+#include "core/trace.h"
 
 namespace kvlens {
 
@@ -24,6 +25,7 @@ void DecodeRecorder::record_only(const std::vector<int>& steps) {
 
 void DecodeRecorder::on_attention(const AttentionEvent& e) {
   if (e.phase != Phase::Decode || !reads_step(e.step)) return;
+  trace::Scope span("recorder.on_attention", e.layer);
   Entry r;
   r.step = e.step; r.layer = e.layer; r.n_heads = e.n_heads; r.n_kv_heads = e.n_kv_heads;
   r.n_k = e.n_k; r.head_dim = e.head_dim; r.query_pos = e.query_pos[0];
@@ -357,6 +359,7 @@ AttentionEvent event_of(const DecodeRecorder::Entry& E) {
 
 std::vector<LayerDiagnostics> compare_layers(const PrefillView& pv, const DecodeRecorder& method,
                                              const KVStore& compressed, int hist_bins, double p) {
+  trace::Scope span("diagnostics.compare_layers");
   if (!method.keeps_rows() && !method.compares())
     throw InternalError("compare_layers: the method's recorder kept no keys and values and compared nothing");
   const KVStore& full = *pv.full;

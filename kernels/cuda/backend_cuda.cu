@@ -16,6 +16,7 @@
 #include "kernels/cuda/context.h"
 #include "kernels/cuda/kernels.h"
 #include "kernels/cuda/profiler.h"
+#include "core/trace.h"
 
 namespace kvlens::cuda {
 
@@ -340,7 +341,10 @@ class CudaBackend : public Backend {
     if (ticket != finished_ || r.ticket != ticket)
       throw InternalError("finish_readback: ticket " + std::to_string(ticket) + " is not the oldest in flight (" +
                           std::to_string(finished_) + ")");
-    KV_CUDA(cudaEventSynchronize(r.done.get()), "decode step readback");
+    {
+      trace::Scope wait("cuda.step_wait");
+      KV_CUDA(cudaEventSynchronize(r.done.get()), "decode step readback");
+    }
     r.ticket = -1;
     ++finished_;
     const char* h = static_cast<const char*>(r.host.get());

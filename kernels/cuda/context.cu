@@ -8,6 +8,7 @@
 #include "core/parallel.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/context.h"
+#include "core/trace.h"
 
 namespace kvlens::cuda {
 
@@ -127,6 +128,7 @@ void Context::upload(void* dst, const void* src, int64_t bytes, const std::strin
 }
 
 void Context::download(void* dst, const void* src, int64_t bytes, const std::string& what) {
+  trace::Scope span("cuda.download");
   if (bytes == 0) return;
   KV_CUDA(cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyDeviceToHost, stream),
           what + " (" + std::to_string(bytes) + " bytes from the device)");
@@ -138,6 +140,7 @@ void Context::land_later(std::shared_ptr<void> src, int64_t bytes, std::function
 }
 
 void Context::land_all(const std::string& what) {
+  trace::Scope span("cuda.land_all");
   std::vector<Landing> all = std::move(landings);
   landings.clear();
   // Batches of consecutive landings within kLandChunk, each landing at `from` bytes into its
@@ -172,7 +175,10 @@ void Context::land_all(const std::string& what) {
     // The next batch copied while this one lands, unless either goes through the staging buffer.
     const bool next = k + 1 < batches.size(), ahead = next && !B.staged() && !batches[k + 1].staged();
     if (ahead) copy(k + 1);
-    KV_CUDA(cudaEventSynchronize(land_done[k % 2].get()), what);
+    {
+      trace::Scope wait("cuda.land_wait");
+      KV_CUDA(cudaEventSynchronize(land_done[k % 2].get()), what);
+    }
     try {
       parallel_for(static_cast<int>(B.end - B.first), 8, [&](int j) {
         const size_t i = B.first + static_cast<size_t>(j);
@@ -186,6 +192,9 @@ void Context::land_all(const std::string& what) {
   if (failed) std::rethrow_exception(failed);
 }
 
-void Context::sync(const std::string& what) { KV_CUDA(cudaStreamSynchronize(stream), what); }
+void Context::sync(const std::string& what) {
+  trace::Scope span("cuda.sync");
+  KV_CUDA(cudaStreamSynchronize(stream), what);
+}
 
 }  // namespace kvlens::cuda

@@ -25,6 +25,7 @@
 #include "kernels/cuda/context.h"
 #include "kernels/cuda/kernels.h"
 #include "kernels/cuda/kv_cache.h"
+#include "core/trace.h"
 
 namespace kvlens::cuda {
 
@@ -598,6 +599,7 @@ void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l, SyncPlan plan, co
 }  // namespace
 
 void kv_sync(Context& ctx, DeviceKV& dev, KVStore& host, int layer) {
+  trace::Scope span("kv.sync");
   CudaKV& C = as_cuda(&dev);
   if (host.n_layers() != C.L || host.n_kv_heads() != C.NKV || host.head_dim() != C.D)
     throw InternalError("kv_sync: the host store and the device cache differ in shape");
@@ -609,18 +611,22 @@ void kv_sync(Context& ctx, DeviceKV& dev, KVStore& host, int layer) {
       for (int l = 0; l < C.L; ++l) ls.push_back(l);
     std::vector<SyncPlan> plans;
     std::vector<int> changed;  // (indices into ls: the layers whose rows are looked up)
-    for (size_t i = 0; i < ls.size(); ++i) {
-      plans.push_back(plan_sync(C, host, ls[i]));
-      if (plans.back().needs_rows) changed.push_back(static_cast<int>(i));
-    }
-    // The device rows by position of the layers that look rows up, found on threads (they only
-    // read the cache); then the layers in turn.
     std::vector<RowMap> rows(ls.size());
-    if (changed.size() > 1)
-      parallel_for(static_cast<int>(changed.size()), 8, [&](int x) {
-        const size_t i = static_cast<size_t>(changed[static_cast<size_t>(x)]);
-        rows[i] = device_rows(C, C.layers[static_cast<size_t>(ls[i])]);
-      });
+    {
+      trace::Scope plan_span("kv.sync.plan");
+      for (size_t i = 0; i < ls.size(); ++i) {
+        plans.push_back(plan_sync(C, host, ls[i]));
+        if (plans.back().needs_rows) changed.push_back(static_cast<int>(i));
+      }
+      // The device rows by position of the layers that look rows up, found on threads (they only
+      // read the cache); then the layers in turn.
+      if (changed.size() > 1)
+        parallel_for(static_cast<int>(changed.size()), 8, [&](int x) {
+          const size_t i = static_cast<size_t>(changed[static_cast<size_t>(x)]);
+          rows[i] = device_rows(C, C.layers[static_cast<size_t>(ls[i])]);
+        });
+    }
+    trace::Scope layers_span("kv.sync.layers");
     for (size_t i = 0; i < ls.size(); ++i) {
       const RowMap* found = changed.size() > 1 && plans[i].needs_rows ? &rows[i] : nullptr;
       sync_layer(ctx, C, host, ls[i], std::move(plans[i]), found, batch);
@@ -633,6 +639,7 @@ void kv_sync(Context& ctx, DeviceKV& dev, KVStore& host, int layer) {
     }
     throw;
   }
+  trace::Scope run_span("kv.sync.batch");
   batch.run(ctx, C.D);
 }
 

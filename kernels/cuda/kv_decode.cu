@@ -8,6 +8,7 @@
 #include "core/exact_attention.h"
 #include "core/parallel.h"
 #include "kernels/cuda/kv_cache.h"
+#include "core/trace.h"
 
 namespace kvlens::cuda {
 
@@ -205,6 +206,7 @@ void kv_decode_deferred(Context& ctx, const Buffer& qkv, const AttnLayout& l, Se
 }
 
 void kv_collect_deferred(Context& ctx, SeqKV& kv, int layer, const ScoreTransform* transform, const DecodeTaps& taps) {
+  trace::Scope span("kv.collect_deferred");
   CudaKV& C = as_cuda(kv.dev);
   if (C.deferred.size() <= static_cast<size_t>(layer) || !C.deferred[static_cast<size_t>(layer)].pending)
     throw InternalError("collect_deferred: nothing deferred for layer " + std::to_string(layer));
@@ -390,10 +392,19 @@ bool kv_recorded_span_attention(Context& ctx, SeqKV& kv, int layer, const Buffer
   if (n_span <= 0) throw InternalError("recorded_span_attention: an empty span");
   out.assign(static_cast<size_t>(n) * NH * n_span, 0.0f);
   if (n == 0) return true;
+  trace::Scope span("kv.recorded_span_attention", layer);
   const DevLayer& d = C.layers[static_cast<size_t>(layer)];
-  const RecordedRows rr = recorded_rows(C, layer);
+  RecordedRows rr;
+  {
+    trace::Scope rows_span("kv.recorded_rows");
+    rr = recorded_rows(C, layer);
+  }
   const int64_t stride = rr.stride;
-  DevMem S = recorded_scores(ctx, C, layer, q_rows, l, n, stride);
+  DevMem S;
+  {
+    trace::Scope scores_span("kv.recorded_scores");
+    S = recorded_scores(ctx, C, layer, q_rows, l, n, stride);
+  }
   // Each row's code in the device's order (segments, then the decode rows), then the segment
   // rows a KV head has, then the decode rows each query saw: one upload.
   auto code = [&](int32_t pos, SegmentKind kind) {

@@ -18,6 +18,7 @@
 #include "kernels/cuda/context.h"
 #include "kernels/cuda/kernels.h"
 #include "kernels/cuda/kv_cache.h"
+#include "core/trace.h"
 
 namespace kvlens::cuda {
 
@@ -117,6 +118,7 @@ bool kv_has_groups(const DeviceKV& dev) {
 }
 
 void kv_before_step(Context& ctx, SeqKV& kv) {
+  trace::Scope span("kv.before_step");
   CudaKV& C = as_cuda(kv.dev);
   if (!C.layers.empty() && C.layers.front().tail.zipped()) {
     zip_gap(ctx, C);

@@ -14,6 +14,7 @@
 #include "kernels/cuda/context.h"
 #include "kernels/cuda/kernels.h"
 #include "kernels/cuda/kv_cache.h"
+#include "core/trace.h"
 
 namespace kvlens::cuda {
 
@@ -80,6 +81,7 @@ std::vector<int32_t> kept_positions(const LayerKV& layout, int h, const std::vec
 }  // namespace
 
 void kv_lookm_merge(Context& ctx, DeviceKV& dev, const LookMMergeSpec& spec, std::vector<LayerMerge>& layers) {
+  trace::Scope span("kv.lookm_merge");
   CudaKV& C = as_cuda(&dev);
   if (spec.kind == MergeKind::None || layers.empty()) return;
   // Every layer's KV heads as problems over one flat row list (runs of contiguous rows).

@@ -15,6 +15,7 @@
 #include "kernels/cuda/context.h"
 #include "kernels/cuda/kernels.h"
 #include "kernels/cuda/kv_cache.h"
+#include "core/trace.h"
 
 namespace kvlens::cuda {
 
@@ -132,6 +133,7 @@ void hydrate_coded_tail(Context& ctx, const CudaKV& C, const Tail& t, KVSegment&
 }  // namespace
 
 void kv_hydrate(Context& ctx, const DeviceKV& dev, KVStore& host, bool rows) {
+  trace::Scope span("kv.hydrate");
   const CudaKV& C = as_cuda(dev);
   // The device's segments hold fp16 rows: the store keeps them as fp16 (values exact in float);
   // a packed decode tail comes back as its payload (hydrate_packed_tail).
@@ -219,6 +221,7 @@ void kv_hydrate(Context& ctx, const DeviceKV& dev, KVStore& host, bool rows) {
 
 bool kv_quantize_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& seg, const quant::UniformSpec& ks,
                       const quant::UniformSpec& vs, quant::QuantPayload& out, bool later) {
+  trace::Scope span("kv.quantize_rows");
   CudaKV& C = as_cuda(&dev);
   const int NKV = C.NKV, D = C.D;
   if (layer < 0 || layer >= C.L || static_cast<int>(seg.heads.size()) != NKV ||
@@ -368,6 +371,7 @@ bool kv_quantize_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& s
 
 bool kv_code_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& seg, const quant::RowCodec& k,
                   const quant::RowCodec& v, quant::QuantPayload& out, bool later) {
+  trace::Scope span("kv.code_rows");
   CudaKV& C = as_cuda(&dev);
   const int NKV = C.NKV, D = C.D;
   if (layer < 0 || layer >= C.L || static_cast<int>(seg.heads.size()) != NKV ||
@@ -427,6 +431,7 @@ bool kv_code_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& seg, 
 
 void kv_pull_rows(Context& ctx, SeqKV& kv, const std::vector<int>& layers, const int32_t* pos_host,
                   const SegmentKind* kinds, int T) {
+  trace::Scope span("kv.pull_rows");
   CudaKV& C = as_cuda(kv.dev);
   const int NKV = C.NKV, D = C.D;
   // Rows t.n − T .. t.n − 1 of every head: one strided copy an array and layer into page-locked

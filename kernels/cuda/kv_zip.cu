@@ -16,6 +16,7 @@
 #include "kernels/cuda/context.h"
 #include "kernels/cuda/kernels.h"
 #include "kernels/cuda/kv_cache.h"
+#include "core/trace.h"
 
 namespace kvlens::cuda {
 
@@ -253,6 +254,7 @@ std::vector<StagedZip> kv::zip_arrays(Context& ctx, const CudaKV& C, const std::
 }
 
 bool kv_zip_quantize(Context& ctx, DeviceKV& dev, const std::vector<ZipRowsGroup>& groups) {
+  trace::Scope span("kv.zip_quantize");
   CudaKV& C = as_cuda(&dev);
   const int NKV = C.NKV, D = C.D;
   std::vector<ZipGroup> all;

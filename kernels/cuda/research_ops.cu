@@ -11,6 +11,7 @@
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/context.h"
 #include "kernels/cuda/kernels.h"
+#include "core/trace.h"
 
 namespace kvlens::cuda {
 
@@ -81,6 +82,7 @@ void queue_prefill_reduction(Context& ctx, const Buffer& qkv, const AttnLayout& 
 }
 
 void reduce_prefill_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, const AttentionReduction& r) {
+  trace::Scope span("cuda.reduce_prefill_attention");
   queue_prefill_reduction(ctx, qkv, l, r);
   ctx.land_all("attention reductions");
 }
@@ -203,6 +205,7 @@ void assign_by_cosine(Context& ctx, int d, const std::vector<const std::vector<f
 void exact_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l,
                             const std::vector<const Buffer*>& prompts, const AttnLayout& pl,
                             const std::vector<ExtraRows>& extras, std::vector<ExactAttention>& x) {
+  trace::Scope span("cuda.exact_decode_attention");
   const int NH = l.n_heads, NKV = l.n_kv_heads, D = l.head_dim, T = pl.T, nq = static_cast<int>(prompts.size());
   need(qkv.dt == Dt::F32 && pl.n_heads == NH && pl.n_kv_heads == NKV && pl.head_dim == D && NKV > 0 && NH % NKV == 0 &&
            extras.size() == prompts.size() && qkv.rows() >= nq,

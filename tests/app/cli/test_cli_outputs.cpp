@@ -7,6 +7,7 @@
 #include <cmath>
 #include <fstream>
 #include <numeric>
+#include <set>
 
 #include <nlohmann/json.hpp>
 
@@ -172,4 +173,42 @@ TEST(CliOutputs, SessionRunReportAndSavedSessionReadBack) {
   EXPECT_DOUBLE_EQ(saved.sparsity_p, 0.02);
   EXPECT_DOUBLE_EQ(saved.hit_budget, 0.2);
   EXPECT_EQ(saved.model, kFix);
+}
+
+// `run --trace` writes the host's timeline: the prefill, each method's compression inside its
+// decode, every decode step by number; a trace that cannot be written is refused before any work.
+TEST(CliOutputs, RunTraceHoldsThePrefillTheCompressionAndEveryStep) {
+  const std::string tmp = kt::make_temp_dir("trace");
+  const std::string base = kt::cli() + " run --backend cpu --model " + kFix + " --image " + kFix +
+                           "/image.png --max-new-tokens 4 --method kivi:group=8,residual=4";
+  const auto r = kt::run(base + " --trace " + tmp + "/t.json");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("trace " + tmp + "/t.json:"), std::string::npos) << r.output;
+  const nlohmann::json j = read_json(tmp + "/t.json");
+  const nlohmann::json* decode = nullptr;
+  const nlohmann::json* compress = nullptr;
+  std::set<int> method_steps;
+  int prefills = 0;
+  for (const nlohmann::json& e : j.at("traceEvents")) {
+    EXPECT_EQ(e.at("ph"), "X");
+    EXPECT_GE(e.at("ts").get<double>(), 0.0);
+    EXPECT_GE(e.at("dur").get<double>(), 0.0);
+    const std::string n = e.at("name");
+    if (n == "experiment.prefill") ++prefills;
+    if (n == "experiment.method_decode") decode = &e;
+    if (n == "method.compress") compress = &e;
+  }
+  ASSERT_TRUE(decode && compress);
+  EXPECT_EQ(prefills, 1);
+  const double d0 = (*decode)["ts"], d1 = d0 + (*decode)["dur"].get<double>();
+  EXPECT_GE((*compress)["ts"].get<double>(), d0);
+  EXPECT_LE((*compress)["ts"].get<double>() + (*compress)["dur"].get<double>(), d1);
+  for (const nlohmann::json& e : j.at("traceEvents"))
+    if (e.at("name") == "decode.step" && e["ts"].get<double>() >= d0 && e["ts"].get<double>() <= d1)
+      method_steps.insert(e.at("args").at("n").get<int>());
+  // The first token comes from the prefill: the decode's steps are 0 .. 2 for 4 new tokens.
+  EXPECT_EQ(method_steps, (std::set<int>{0, 1, 2}));
+  const auto bad = kt::run(base + " --trace " + tmp + "/no/such/dir/t.json");
+  EXPECT_EQ(bad.code, 2) << bad.output;
+  EXPECT_NE(bad.output.find("trace"), std::string::npos) << bad.output;
 }
