@@ -476,7 +476,7 @@ class Backend {
   // positions reads (the patch overlay: the visual tokens first .. first + n − 1): out
   // [queries][n_heads][n], each query head's probabilities summed by key position over the span
   // (span_attention_sums on recorded_attention's answer, within the softmax's roundings). `out` is
-  // sized at once and written by the next finish_reductions (it must stay where it is until
+  // sized and written by the next finish_reductions (the vector must stay where it is until
   // then), so that several layers' calls share one wait. False: this backend cannot for this
   // transform (nothing is queued; the caller asks recorded_attention).
   virtual bool recorded_span_attention(SeqKV& kv, int layer, const Buffer& q_rows, const AttnLayout& l,
@@ -573,6 +573,9 @@ class Backend {
   // anew. The decode rows the host store holds (an observed decode's) that were quantized are
   // replaced there by their dequantization, as the device now holds them.
   virtual void kv_before_step(SeqKV& kv) {}
+  // Whether the next kv_before_step would quantize rows of kv.dev (some layer's grouped rows due,
+  // or a zipped gap): the rows a recorded query sees change there.
+  virtual bool kv_quantizes_before_step(const SeqKV& kv) const { return false; }
   // Appends to the host store, for each of `layers`, the device cache's last T decode rows
   // (appended while the host copy was put off: SeqKV::mirror off for that append), at
   // positions pos_host with kinds `kinds`, as the device holds them (quantized rows dequantized).

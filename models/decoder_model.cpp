@@ -289,11 +289,11 @@ DecodeResult DecoderModel::decode(const PrefillState& st, KVPolicy* policy, cons
     // backend that records its queries there: its events come once the caption is done.
     // (device_alone: a device cache whose host rows only observers read, so steps may drop them)
     const bool device_alone = dev && mirror && !decode_needs_host_rows(steps);
-    // (not over groups quantized later, which a recorded query would see requantized, nor over
-    // rotated keys)
-    const bool can_record =
-        device_alone && be_->records_decode_queries() && device_quant.group == 0 && device_quant.zip.gap == 0 &&
-        device_quant.rotation == 0 &&
+    // (not over rotated keys, nor over zipped gaps; over KIVI's groups until the first rows are
+    // quantized into groups: the steps recorded until then are handed over first, as they saw
+    // the cache, and the later ones are staged)
+    bool can_record =
+        device_alone && be_->records_decode_queries() && device_quant.zip.gap == 0 && device_quant.rotation == 0 &&
         std::any_of(observers.begin(), observers.end(), [](const AttentionObserver* o) { return o->reads_probabilities_only(); });
     std::vector<int> rec_steps;
     std::vector<int32_t> rec_pos;
@@ -310,6 +310,12 @@ DecodeResult DecoderModel::decode(const PrefillState& st, KVPolicy* policy, cons
         break;
       }
       std::vector<AttentionObserver*> seen = decode_observers(observers, step);
+      if (can_record && device_quant.group > 0 && be_->kv_quantizes_before_step(kv)) {
+        in_model(dir_, [&] { text_.hand_over_recorded(kv, rec_steps, rec_pos, steps, observers, ws); });
+        rec_steps.clear();
+        rec_pos.clear();
+        can_record = false;
+      }
       const bool record = can_record && !seen.empty() &&
                           std::all_of(seen.begin(), seen.end(), [](const AttentionObserver* o) {
                             return o->reads_probabilities_only();

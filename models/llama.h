@@ -193,6 +193,8 @@ class LlamaDecoder {
   static constexpr int kExactLayersAtOnce = 4;
   // hand_over_recorded keeps a chunk of steps' scores, and a batch of queued span sums, near this.
   static constexpr int64_t kHandOverBytes = int64_t{256} << 20;
+  // The threads (at most the machine's) that events handed over together are compared on.
+  static constexpr int kEventThreads = 16;
   Buffer embed, norm, lm_head;  // lm_head shares embed's memory when tied
   std::vector<LlamaLayer> layers;
 

@@ -69,7 +69,7 @@ void LlamaDecoder::each_layer(const std::vector<AttentionObserver*>& observers, 
   const bool together = L > 2 && std::all_of(observers.begin(), observers.end(), [](const AttentionObserver* o) {
     return o->takes_concurrent_events();
   });
-  parallel_for(L - 1, together ? 8 : 1, [&](int i) { f(i + 1); });
+  parallel_for(L - 1, together ? kEventThreads : 1, [&](int i) { f(i + 1); });
 }
 
 void LlamaDecoder::hand_over_stashed(LlamaWorkspace& w) const {
@@ -108,16 +108,21 @@ void LlamaDecoder::hand_over_stashed(LlamaWorkspace& w) const {
     for (int l = l0; l < l0 + n; ++l)
       for (int s = 0; s < S; ++s) exact[static_cast<size_t>(l)].push_back(std::move(part[static_cast<size_t>((l - l0) * S + s)]));
   }
-  for (int s = 0; s < S; ++s) {
+  // Every stashed step's layers at once where every observer takes concurrent events (each
+  // event's comparison is the host's work alone), else in (step, layer) order on this thread.
+  bool together = true;
+  for (const StashedStep& st : w.stash)
+    together = together && std::all_of(st.observers.begin(), st.observers.end(),
+                                       [](const AttentionObserver* o) { return o->takes_concurrent_events(); });
+  trace::Scope events("decode.stashed_events", S);
+  parallel_for(S * L, together ? kEventThreads : 1, [&](int i) {
+    const int s = i / L, l = i % L;
     const StashedStep& st = w.stash[static_cast<size_t>(s)];
-    trace::Scope events("decode.stashed_events", st.step);
-    each_layer(st.observers, [&](int l) {
-      AttentionEvent e = layer_event(st.layers[static_cast<size_t>(l)], l, st.step, &st.pos,
-                                     st.q.data() + static_cast<size_t>(l) * lay.row_stride);
-      e.exact = &exact[static_cast<size_t>(l)][static_cast<size_t>(s)];
-      for (AttentionObserver* o : st.observers) o->on_attention(e);
-    });
-  }
+    AttentionEvent e = layer_event(st.layers[static_cast<size_t>(l)], l, st.step, &st.pos,
+                                   st.q.data() + static_cast<size_t>(l) * lay.row_stride);
+    e.exact = &exact[static_cast<size_t>(l)][static_cast<size_t>(s)];
+    for (AttentionObserver* o : st.observers) o->on_attention(e);
+  });
   w.stash.clear();
 }
 
@@ -176,7 +181,7 @@ void LlamaDecoder::hand_over_recorded(SeqKV& kv, const std::vector<int>& steps, 
         for (AttentionObserver* o : observers)
           if (o->reads_step(step)) o->on_span_attention(step, p->l, NH, p->sums.data() + static_cast<size_t>(i) * per);
       };
-      parallel_for(static_cast<int>(items.size()), together ? 8 : 1, one);
+      parallel_for(static_cast<int>(items.size()), together ? kEventThreads : 1, one);
       for (size_t x = first; x < end; ++x) std::vector<float>().swap(parts[x].sums);
     };
     // Batch by batch: queued and landed while another thread's ops wait (queue_then_finish holds

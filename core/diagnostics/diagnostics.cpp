@@ -304,7 +304,7 @@ QueryComparison compare_query(const AttentionEvent& e, const ExactAttention& x, 
       ++ne;
       const double pm = pm_by_pos.at(ep[j]);
       mse += (pe[j] - pm) * (pe[j] - pm);
-      if (pe[j] > 0) kl += pe[j] * (std::log(pe[j]) - std::log(std::max(pm, 1e-10)));
+      if (pe[j] > 0) kl += pe[j] * std::log(pe[j] / std::max(pm, 1e-10));  // (one logarithm a key)
     }
     std::vector<double> om(D, 0.0);
     if (!rows)

@@ -163,6 +163,9 @@ bool kv_quantizes_steps(const StepQuant& quant, int head_dim);
 void kv_before_step(Context& ctx, SeqKV& kv);
 // Whether some layer's decode rows are grouped or zipped (kv_before_step may quantize some).
 bool kv_has_groups(const DeviceKV& dev);
+// Whether kv_before_step would quantize rows now: some layer's grouped rows due (rows_due), or
+// a zipped layer (whose gaps it schedules itself).
+bool kv_groups_due(const DeviceKV& dev);
 void kv_pull_rows(Context& ctx, SeqKV& kv, const std::vector<int>& layers, const int32_t* pos_host,
                   const SegmentKind* kinds, int T);
 

@@ -131,9 +131,13 @@ void fetch_deferred(Context& ctx, CudaKV& C) {
   for (const CudaKV::Deferred& d : C.deferred)
     if (d.pending && !d.host) total += d.taps_used + (d.out.mem ? d.out.bytes : 0);
   if (total > C.taps_host_bytes) {
+    // (with room for a few dozen more rows a layer: the taps grow by one row each step, and
+    // page-locking anew each step costs more than the step's copies)
+    const int64_t room = total + total / 8 + (int64_t{1} << 20);
     C.taps_host.reset();
-    C.taps_host = ctx.pinned(total, "deferred decode taps on the host");
-    C.taps_host_bytes = total;
+    C.taps_host_bytes = 0;  // (none, should the allocation fail)
+    C.taps_host = ctx.pinned(room, "deferred decode taps on the host");
+    C.taps_host_bytes = room;
   }
   auto* at = static_cast<char*>(C.taps_host.get());
   for (CudaKV::Deferred& d : C.deferred) {
@@ -390,8 +394,11 @@ bool kv_recorded_span_attention(Context& ctx, SeqKV& kv, int layer, const Buffer
   CudaKV& C = as_cuda(kv.dev);
   const int n = static_cast<int>(positions.size()), NH = l.n_heads, NKV = C.NKV;
   if (n_span <= 0) throw InternalError("recorded_span_attention: an empty span");
-  out.assign(static_cast<size_t>(n) * NH * n_span, 0.0f);
+  // (sized where the sums land, on the landing's threads: a 7B step's sums over every layer are
+  // tens of MB, whose pages are first written there)
+  out.clear();
   if (n == 0) return true;
+  const size_t count = static_cast<size_t>(n) * NH * n_span;
   trace::Scope span("kv.recorded_span_attention", layer);
   const DevLayer& d = C.layers[static_cast<size_t>(layer)];
   RecordedRows rr;
@@ -421,15 +428,18 @@ bool kv_recorded_span_attention(Context& ctx, SeqKV& kv, int layer, const Buffer
   }
   for (int i = 0; i < n; ++i)
     host[static_cast<size_t>(NKV) * stride + NKV + i] = rows_seen(d.tail.host_pos, positions[static_cast<size_t>(i)]);
-  const int64_t hb = static_cast<int64_t>(host.size()) * 4, ob = static_cast<int64_t>(out.size()) * 4;
+  const int64_t hb = static_cast<int64_t>(host.size()) * 4, ob = static_cast<int64_t>(count) * 4;
   DevMem codes{ctx.alloc(hb, "recorded span codes"), hb};
   DevMem sums{ctx.alloc(ob, "recorded span sums"), ob};
   ctx.upload(codes.mem.get(), host.data(), hb, "recorded span codes");
   const int32_t* c = codes.as<int32_t>();
   span_softmax_sums(S.as<float>(), stride, c, c + NKV * stride, c + NKV * stride + NKV, n, NH, NKV, cal,
                     cal ? transform->tau1 : 0.0f, cal ? transform->tau2 : 0.0f, n_span, sums.as<float>(), ctx.stream);
-  float* to = out.data();
-  ctx.land_later(sums.mem, ob, [to, ob](const char* host) { std::memcpy(to, host, static_cast<size_t>(ob)); });
+  std::vector<float>* to = &out;
+  ctx.land_later(sums.mem, ob, [to, count](const char* host) {
+    const float* f = reinterpret_cast<const float*>(host);
+    to->assign(f, f + count);
+  });
   return true;
 }
 

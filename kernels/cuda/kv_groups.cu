@@ -117,6 +117,18 @@ bool kv_has_groups(const DeviceKV& dev) {
   return std::any_of(C.layers.begin(), C.layers.end(), [](const DevLayer& d) { return d.tail.grouped() || d.tail.zipped(); });
 }
 
+bool kv_groups_due(const DeviceKV& dev) {
+  const CudaKV& C = as_cuda(dev);
+  for (const DevLayer& d : C.layers) {
+    if (d.tail.zipped()) return true;
+    if (!d.tail.grouped()) continue;
+    size_t from = 0;
+    const std::vector<int> take = rows_due(C, d, from);
+    if (std::any_of(take.begin(), take.end(), [](int x) { return x > 0; })) return true;
+  }
+  return false;
+}
+
 void kv_before_step(Context& ctx, SeqKV& kv) {
   trace::Scope span("kv.before_step");
   CudaKV& C = as_cuda(kv.dev);

@@ -530,7 +530,8 @@ TEST(CudaModel, ObservedDecodesKeepTheDevicesStepQuantization) {
   const int T = pv.prompt_len;
   for (const char* spec : {"uniform:bits=4", "uniform:bits=2", "turboquant", "turboquant:bits=2,qjl=on",
                            "stack:evict=snapkv,quant=uniform,bits=4", "kivi:bits=2,group=3,residual=2",
-                           "kivi:bits=4,group=4,residual=1", "stack:evict=snapkv,quant=kivi,bits=2,group=3,residual=2",
+                           "kivi:bits=4,group=4,residual=1", "kivi:bits=2,group=6,residual=5",
+                           "stack:evict=snapkv,quant=kivi,bits=2,group=3,residual=2",
                            "hadamard_int4", "hadamard_int4:block=8"}) {
     SCOPED_TRACE(spec);
     kt::PolicyProbe host(make_policy(spec), true), device(make_policy(spec), false), plain(make_policy(spec), false),
@@ -538,7 +539,7 @@ TEST(CudaModel, ObservedDecodesKeepTheDevicesStepQuantization) {
     DecodeRecorder ra(kSteps, pv), rb(kSteps, pv);
     rb.record_only({0, 1, 4, 5});  // (steps 2 and 3 put off: their rows fetched before step 4's)
     ra.record_only({0, 1, 4, 5});
-    VisualAttentionRecorder va(0, T), vb(0, T);  // every step (its queries recorded on the device, or staged)
+    VisualAttentionRecorder va(0, T), vb(0, T);  // every step (its queries recorded on the device, over KIVI's groups until rows are due, or staged)
     const DecodeResult a = r.gpu.decode(r.st, &host, r.g, {&ra, &va});
     const DecodeResult b = r.gpu.decode(r.st, &device, r.g, {&rb});
     const DecodeResult c = r.gpu.decode(r.st, &plain, r.g);
