@@ -68,10 +68,10 @@ class AttentionObserver {
   // step's queries and hand its events over once the caption is done (Backend::
   // records_decode_queries): the step runs as an unobserved one does.
   virtual bool reads_probabilities_only() const { return false; }
-  // Whether on_attention may be called for different layers of one decode step from several
-  // threads at once. One that says so keeps what it records in an order that does not depend on
-  // the order of the calls. A step whose every observer says so may hand its layers' events
-  // over in parallel.
+  // Whether on_attention (and on_span_attention) may be called for different layers and steps
+  // from several threads at once, in any order. One that says so keeps what it records in an
+  // order that does not depend on the order of the calls. Steps whose every observer says so
+  // may have their layers' events handed over in parallel, several steps at once.
   virtual bool takes_concurrent_events() const { return false; }
   // The span of key positions (first .. first + n − 1; n = 0: none) whose probabilities, summed
   // by position for each query head (span_attention_sums), are all this observer reads of a

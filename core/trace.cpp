@@ -8,6 +8,7 @@
 namespace kvlens::trace {
 
 std::atomic<bool> g_on{false};
+std::atomic<uint64_t> g_epoch{0};
 
 namespace {
 
@@ -36,20 +37,25 @@ void enable(bool on) {
     s.spans.clear();
     s.threads.clear();
     s.threads[std::this_thread::get_id()] = 0;
+    g_epoch.fetch_add(1, std::memory_order_relaxed);
     s.origin = std::chrono::steady_clock::now();
   }
   g_on.store(on, std::memory_order_relaxed);
 }
 
-void record(const char* name, int64_t arg, std::chrono::steady_clock::time_point t0,
-            std::chrono::steady_clock::time_point t1) {
+void record(const char* name, int64_t arg, uint64_t epoch, std::chrono::steady_clock::time_point t0,
+            std::chrono::steady_clock::time_point t1) noexcept {
   State& s = state();
-  std::lock_guard<std::mutex> l(s.mu);
-  if (!on()) return;
-  auto it = s.threads.find(std::this_thread::get_id());
-  if (it == s.threads.end())
-    it = s.threads.emplace(std::this_thread::get_id(), static_cast<uint32_t>(s.threads.size())).first;
-  s.spans.push_back({name, arg, ns_between(s.origin, t0), ns_between(s.origin, t1), it->second});
+  try {
+    std::lock_guard<std::mutex> l(s.mu);
+    if (!on() || epoch != g_epoch.load(std::memory_order_relaxed)) return;
+    auto it = s.threads.find(std::this_thread::get_id());
+    if (it == s.threads.end())
+      it = s.threads.emplace(std::this_thread::get_id(), static_cast<uint32_t>(s.threads.size())).first;
+    s.spans.push_back({name, arg, ns_between(s.origin, t0), ns_between(s.origin, t1), it->second});
+  } catch (...) {
+    // (a timeline short of a span rather than a failed run)
+  }
 }
 
 std::vector<Span> take() {

@@ -21,22 +21,28 @@ struct Span {
 };
 
 extern std::atomic<bool> g_on;
+extern std::atomic<uint64_t> g_epoch;  // how many times tracing was started
 inline bool on() { return g_on.load(std::memory_order_relaxed); }
-// Starts (drops any spans kept so far) or stops recording.
+// Starts (drops any spans kept so far, and those still open) or stops recording.
 void enable(bool on);
 // The spans kept so far, in the order they ended; the list is emptied.
 std::vector<Span> take();
-void record(const char* name, int64_t arg, std::chrono::steady_clock::time_point t0,
-            std::chrono::steady_clock::time_point t1);
+// Keeps a span begun in tracing's `epoch` (one begun before tracing was last started is
+// dropped); a span that cannot be kept (no memory) is dropped too.
+void record(const char* name, int64_t arg, uint64_t epoch, std::chrono::steady_clock::time_point t0,
+            std::chrono::steady_clock::time_point t1) noexcept;
 
 // Records [construction, destruction) as `name` when tracing is on.
 class Scope {
  public:
   explicit Scope(const char* name, int64_t arg = -1) : name_(on() ? name : nullptr), arg_(arg) {
-    if (name_) t0_ = std::chrono::steady_clock::now();
+    if (name_) {
+      epoch_ = g_epoch.load(std::memory_order_relaxed);
+      t0_ = std::chrono::steady_clock::now();
+    }
   }
   ~Scope() {
-    if (name_) record(name_, arg_, t0_, std::chrono::steady_clock::now());
+    if (name_) record(name_, arg_, epoch_, t0_, std::chrono::steady_clock::now());
   }
   Scope(const Scope&) = delete;
   Scope& operator=(const Scope&) = delete;
@@ -44,6 +50,7 @@ class Scope {
  private:
   const char* name_;
   int64_t arg_;
+  uint64_t epoch_ = 0;
   std::chrono::steady_clock::time_point t0_;
 };
 

@@ -291,18 +291,29 @@ DecodeResult DecoderModel::decode(const PrefillState& st, KVPolicy* policy, cons
     const bool device_alone = dev && mirror && !decode_needs_host_rows(steps);
     // (not over rotated keys, nor over zipped gaps; over KIVI's groups until the first rows are
     // quantized into groups: the steps recorded until then are handed over first, as they saw
-    // the cache, and the later ones are staged)
+    // the cache, and the later ones are staged, or chained past the last observed step)
     bool can_record =
         device_alone && be_->records_decode_queries() && device_quant.zip.gap == 0 && device_quant.rotation == 0 &&
         std::any_of(observers.begin(), observers.end(), [](const AttentionObserver* o) { return o->reads_probabilities_only(); });
     std::vector<int> rec_steps;
     std::vector<int32_t> rec_pos;
+    double handover_ms = 0;
+    // The steps recorded so far handed over now, while the cache is as they saw it.
+    auto hand_over_now = [&] {
+      const auto t = std::chrono::steady_clock::now();
+      in_model(dir_, [&] { text_.hand_over_recorded(kv, rec_steps, rec_pos, steps, observers, ws); });
+      rec_steps.clear();
+      rec_pos.clear();
+      handover_ms += ms_since(t);
+    };
     if (can_record) text_.record_queries(ws, opt.max_new_tokens);
     for (int step = 0; !take(step); ++step) {
       check(step + 1);
       if (device_alone && can_chain && step >= observed) {
         // Past the last step an observer reads, the rest of the caption is chained on the device
-        // alone; the observed steps' events are handed over after it.
+        // alone; the observed steps' events are handed over after it (the recorded ones before
+        // it over KIVI's groups, which the chained steps may quantize).
+        if (device_quant.group > 0) hand_over_now();
         ws.record_slot = -1;
         kv.mirror = false;
         r.chained = true;
@@ -311,9 +322,7 @@ DecodeResult DecoderModel::decode(const PrefillState& st, KVPolicy* policy, cons
       }
       std::vector<AttentionObserver*> seen = decode_observers(observers, step);
       if (can_record && device_quant.group > 0 && be_->kv_quantizes_before_step(kv)) {
-        in_model(dir_, [&] { text_.hand_over_recorded(kv, rec_steps, rec_pos, steps, observers, ws); });
-        rec_steps.clear();
-        rec_pos.clear();
+        hand_over_now();
         can_record = false;
       }
       const bool record = can_record && !seen.empty() &&
@@ -351,7 +360,7 @@ DecodeResult DecoderModel::decode(const PrefillState& st, KVPolicy* policy, cons
       text_.hand_over_stashed(ws);
       text_.hand_over_recorded(kv, rec_steps, rec_pos, steps, observers, ws);
     });
-    r.handover_ms = ms_since(t2);
+    r.handover_ms = handover_ms + ms_since(t2);
   } else if (!take(0)) {
     chain_from(0);
   }

@@ -53,7 +53,10 @@ TEST(Trace, SpansNestAndCarryTheirArgument) {
 TEST(Trace, TurningOnDropsEarlierSpansAndThreadsGetTracksOfTheirOwn) {
   trace::enable(true);
   { trace::Scope s("dropped"); }
-  trace::enable(true);
+  {
+    trace::Scope open("dropped");  // (begun before tracing starts anew, it ends after)
+    trace::enable(true);
+  }
   std::vector<std::thread> ts;
   for (int i = 0; i < 3; ++i)
     ts.emplace_back([i] {

@@ -38,6 +38,7 @@ using kt::max_rel;
 using kt::sample_run;
 using kt::SampleRun;
 using kt::expect_same_decode;
+using kt::CountingRecorder;
 
 namespace {
 
@@ -633,21 +634,6 @@ TEST(CudaModel, ObserversOfProbabilitiesAloneGetTheirEventsFromRecordedQueries) 
     });
   });
 }
-
-// The overlay's recorder, counting how its recorded steps came: as span sums or as events.
-class CountingRecorder final : public VisualAttentionRecorder {
- public:
-  using VisualAttentionRecorder::VisualAttentionRecorder;
-  void on_attention(const AttentionEvent& e) override {
-    ++events;
-    VisualAttentionRecorder::on_attention(e);
-  }
-  void on_span_attention(int step, int layer, int n_heads, const float* sums) override {
-    ++spans;
-    VisualAttentionRecorder::on_span_attention(step, layer, n_heads, sums);
-  }
-  std::atomic<int> events{0}, spans{0};
-};
 
 // An observer of probabilities alone that reads no span: its recorded steps come as whole events
 // (recorded_attention: transform and softmax on the host), handed to a recorder; it keeps each

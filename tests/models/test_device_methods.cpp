@@ -13,6 +13,7 @@
 #include "models/model.h"
 #include "tests/device_decode.h"
 #include "tests/policy_probe.h"
+#include "tests/recorder_check.h"
 #include "tests/test_util.h"
 
 using namespace kvlens;
@@ -517,6 +518,16 @@ TEST(CudaModel, ZipCacheGapsAreQuantizedInTheDevicesSteps) {
 // PerTokenQuantizationRunsInTheDevicesSteps): its terms within 10 %. Every step's attention over
 // the prompt, recorded on the device or staged, is within 2 % of the host loop's (or 0.001).
 // ZipCache's streamed steps stay on the host when observed.
+// The overlay of the first `n` decode steps alone.
+class FirstSteps final : public VisualAttentionRecorder {
+ public:
+  FirstSteps(int first_visual, int n_visual, int n) : VisualAttentionRecorder(first_visual, n_visual), n_(n) {}
+  int decode_steps() const override { return n_; }
+
+ private:
+  int n_;
+};
+
 TEST(CudaModel, ObservedDecodesKeepTheDevicesStepQuantization) {
   NEED_GPU();
   SampleRun r = sample_run(10);
@@ -528,18 +539,30 @@ TEST(CudaModel, ObservedDecodesKeepTheDevicesStepQuantization) {
   pv.prompt_len = static_cast<int>(r.st.ids.size());
   constexpr int kSteps = 6;
   const int T = pv.prompt_len;
-  for (const char* spec : {"uniform:bits=4", "uniform:bits=2", "turboquant", "turboquant:bits=2,qjl=on",
-                           "stack:evict=snapkv,quant=uniform,bits=4", "kivi:bits=2,group=3,residual=2",
-                           "kivi:bits=4,group=4,residual=1", "kivi:bits=2,group=6,residual=5",
-                           "stack:evict=snapkv,quant=kivi,bits=2,group=3,residual=2",
-                           "hadamard_int4", "hadamard_int4:block=8"}) {
+  // KIVI with 5 residual rows and a group whose first rows fall due at decode step 2 (the prompt
+  // leaves 5 + (T − 5) mod G dense rows; step s quantizes when s + 1 more make 5 + G): its
+  // overlay's steps 0 and 1 are recorded and handed over before that step, the later ones staged.
+  int due_group = 0;
+  for (int g = 4; g <= 64 && !due_group; ++g)
+    if ((T - 5) % g == g - 3) due_group = g;
+  ASSERT_GT(due_group, 0) << T << "-token prompt";
+  const std::string kivi_due = "kivi:bits=2,group=" + std::to_string(due_group) + ",residual=5";
+  for (const std::string& spec_text : {std::string("uniform:bits=4"), std::string("uniform:bits=2"),
+                                       std::string("turboquant"), std::string("turboquant:bits=2,qjl=on"),
+                                       std::string("stack:evict=snapkv,quant=uniform,bits=4"),
+                                       std::string("kivi:bits=2,group=3,residual=2"),
+                                       std::string("kivi:bits=4,group=4,residual=1"), kivi_due,
+                                       std::string("stack:evict=snapkv,quant=kivi,bits=2,group=3,residual=2"),
+                                       std::string("hadamard_int4"), std::string("hadamard_int4:block=8")}) {
+    const char* spec = spec_text.c_str();
     SCOPED_TRACE(spec);
     kt::PolicyProbe host(make_policy(spec), true), device(make_policy(spec), false), plain(make_policy(spec), false),
         visual(make_policy(spec), false);
     DecodeRecorder ra(kSteps, pv), rb(kSteps, pv);
     rb.record_only({0, 1, 4, 5});  // (steps 2 and 3 put off: their rows fetched before step 4's)
     ra.record_only({0, 1, 4, 5});
-    VisualAttentionRecorder va(0, T), vb(0, T);  // every step (its queries recorded on the device, over KIVI's groups until rows are due, or staged)
+    VisualAttentionRecorder va(0, T);
+    kt::CountingRecorder vb(0, T);  // every step (its queries recorded on the device, over KIVI's groups until rows are due, or staged)
     const DecodeResult a = r.gpu.decode(r.st, &host, r.g, {&ra, &va});
     const DecodeResult b = r.gpu.decode(r.st, &device, r.g, {&rb});
     const DecodeResult c = r.gpu.decode(r.st, &plain, r.g);
@@ -577,6 +600,25 @@ TEST(CudaModel, ObservedDecodesKeepTheDevicesStepQuantization) {
     for (int s = 0; s < va.steps(); ++s)
       for (int l = 0; l < r.layers; ++l) {
         const std::vector<float> x = va.attention(s, l, -1), y = vb.attention(s, l, -1);
+        ASSERT_EQ(x.size(), y.size());
+        for (size_t i = 0; i < x.size(); ++i)
+          EXPECT_NEAR(y[i], x[i], 1e-3 + 0.02 * x[i]) << "step " << s << " layer " << l << " token " << i;
+      }
+    if (spec_text != kivi_due) continue;
+    EXPECT_EQ(vb.spans.load(), 2 * r.layers);  // steps 0 and 1 recorded, as span sums
+    EXPECT_GT(vb.events.load(), 0);            // the steps from 2 on staged
+    // An overlay of steps 0 and 1 alone: recorded, and handed over before the chained steps
+    // that follow quantize rows into groups.
+    FirstSteps early(0, T, 2);
+    kt::PolicyProbe chained(make_policy(spec), false);
+    const DecodeResult e = r.gpu.decode(r.st, &chained, r.g, {&early});
+    EXPECT_TRUE(e.chained);
+    EXPECT_EQ(chained.decode_calls, 0);
+    EXPECT_EQ(e.generated_ids, c.generated_ids);
+    ASSERT_EQ(early.steps(), 2);
+    for (int s = 0; s < 2; ++s)
+      for (int l = 0; l < r.layers; ++l) {
+        const std::vector<float> x = va.attention(s, l, -1), y = early.attention(s, l, -1);
         ASSERT_EQ(x.size(), y.size());
         for (size_t i = 0; i < x.size(); ++i)
           EXPECT_NEAR(y[i], x[i], 1e-3 + 0.02 * x[i]) << "step " << s << " layer " << l << " token " << i;
