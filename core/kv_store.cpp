@@ -56,11 +56,11 @@ void KVStore::set_row_storage(RowStorage rows) {
 }
 
 void KVStore::append(int l, const float* k, const float* v, const int32_t* pos,
-                     const SegmentKind* kinds, int T) {
+                     const SegmentKind* kinds, int T, bool as_given) {
   LayerKV& L = layers_.at(l);
   const int H = n_kv_heads_, D = head_dim_;
   const char* label = row_storage_name(rows_);
-  const bool half = rows_ == RowStorage::Fp16;
+  const bool half = rows_ == RowStorage::Fp16 && !as_given;
   // A run of tokens of one kind at a time, each head's rows of the run appended together.
   for (int t0 = 0; t0 < T;) {
     int t1 = t0 + 1;

@@ -111,9 +111,10 @@ class KVStore {
   // produce them), positions pos[T], kinds[T], stored as row_storage() says (fp16: rounded to
   // half precision). Consecutive tokens of one kind go to one segment; a token whose kind
   // equals the last segment's kind extends that segment when that segment is still dense in
-  // the store's row storage (otherwise a new dense segment starts).
+  // the store's row storage (otherwise a new dense segment starts). With `as_given` the values
+  // are kept as they are (what a cache holds already, e.g. a quantized row's dequantization).
   void append(int l, const float* k, const float* v, const int32_t* pos, const SegmentKind* kinds,
-              int T);
+              int T, bool as_given = false);
 
   // Number of rows KV head h of layer l holds over all segments.
   int n_rows(int l, int h) const;

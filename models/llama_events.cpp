@@ -10,6 +10,16 @@
 
 namespace kvlens {
 
+namespace {
+
+// Whether every one of `observers` takes events of several layers and steps at once.
+bool take_concurrent_events(const std::vector<AttentionObserver*>& observers) {
+  return std::all_of(observers.begin(), observers.end(),
+                     [](const AttentionObserver* o) { return o->takes_concurrent_events(); });
+}
+
+}  // namespace
+
 DecodeTaps LlamaDecoder::size_taps(const KVStore& host, int l, bool raw_out, LayerTaps& t) const {
   const int NH = cfg.num_attention_heads;
   t.n_max = 0;
@@ -66,9 +76,7 @@ void LlamaDecoder::each_layer(const std::vector<AttentionObserver*>& observers, 
   // The rest on threads of their own (core/parallel.h) where every observer takes concurrent
   // events: this is the host's side of a device step, not a CPU model's loops (which run on one
   // thread by default). Else in order, on this thread.
-  const bool together = L > 2 && std::all_of(observers.begin(), observers.end(), [](const AttentionObserver* o) {
-    return o->takes_concurrent_events();
-  });
+  const bool together = L > 2 && take_concurrent_events(observers);
   parallel_for(L - 1, together ? kEventThreads : 1, [&](int i) { f(i + 1); });
 }
 
@@ -110,10 +118,8 @@ void LlamaDecoder::hand_over_stashed(LlamaWorkspace& w) const {
   }
   // Every stashed step's layers at once where every observer takes concurrent events (each
   // event's comparison is the host's work alone), else in (step, layer) order on this thread.
-  bool together = true;
-  for (const StashedStep& st : w.stash)
-    together = together && std::all_of(st.observers.begin(), st.observers.end(),
-                                       [](const AttentionObserver* o) { return o->takes_concurrent_events(); });
+  const bool together = std::all_of(w.stash.begin(), w.stash.end(),
+                                    [](const StashedStep& st) { return take_concurrent_events(st.observers); });
   trace::Scope events("decode.stashed_events", S);
   parallel_for(S * L, together ? kEventThreads : 1, [&](int i) {
     const int s = i / L, l = i % L;
@@ -140,8 +146,7 @@ void LlamaDecoder::hand_over_recorded(SeqKV& kv, const std::vector<int>& steps, 
   ql.q_col = 0;
   ql.row_stride = static_cast<int64_t>(NH) * D;
   const ScoreTransform transform = policy ? policy->score_transform() : ScoreTransform{};
-  const bool together = std::all_of(observers.begin(), observers.end(),
-                                    [](const AttentionObserver* o) { return o->takes_concurrent_events(); });
+  const bool together = take_concurrent_events(observers);
   // A chunk of steps a call, so that their scores (on the backend) and events (here) stay near
   // 256 MB however long the caption: each query's scores, transformed scores and probabilities
   // over at most positions.back() + 1 keys (the span's sums: batches of at most 256 MB, below).
@@ -214,7 +219,7 @@ void LlamaDecoder::hand_over_recorded(SeqKV& kv, const std::vector<int>& steps, 
       const std::vector<int32_t> at(positions.begin() + c0, positions.begin() + c0 + m);
       const Buffer q_rows = w.recorded_q.row_view(static_cast<int64_t>(l) * w.record_slots + c0, m);
       be->recorded_attention(kv, l, q_rows, ql, at, &transform, rec);
-      parallel_for(m, together ? 8 : 1, [&](int i) {
+      parallel_for(m, together ? kEventThreads : 1, [&](int i) {
         const AttentionEvent e =
             layer_event(rec[static_cast<size_t>(i)], l, steps[static_cast<size_t>(c0 + i)], &at[static_cast<size_t>(i)], nullptr);
         for (AttentionObserver* o : observers)

@@ -578,7 +578,7 @@ class CudaBackend : public Backend {
     cuda::kv_before_step(*ctx_, kv);
   }
   bool kv_quantizes_before_step(const SeqKV& kv) const override {
-    return kv.dev && cuda::kv_has_groups(*kv.dev) && cuda::kv_groups_due(*kv.dev);
+    return kv.dev && cuda::kv_groups_due(*kv.dev);
   }
   bool quantizes_steps(const StepQuant& quant, int head_dim) const override {
     return cuda::kv_quantizes_steps(quant, head_dim);

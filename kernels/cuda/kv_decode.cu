@@ -272,7 +272,7 @@ struct RecordedRows {
 
 RecordedRows recorded_rows(const CudaKV& C, int layer) {
   const DevLayer& d = C.layers[static_cast<size_t>(layer)];
-  if (!d.tail.start.empty())  // (a decode over groups records no queries: they would see rows requantized later)
+  if (!d.tail.start.empty())  // (recorded queries over groups are handed over before rows are quantized into them)
     throw InternalError("recorded attention: layer " + std::to_string(layer) + "'s decode rows were quantized in groups");
   RecordedRows r;
   r.order = segment_order(C, layer);
@@ -401,17 +401,9 @@ bool kv_recorded_span_attention(Context& ctx, SeqKV& kv, int layer, const Buffer
   const size_t count = static_cast<size_t>(n) * NH * n_span;
   trace::Scope span("kv.recorded_span_attention", layer);
   const DevLayer& d = C.layers[static_cast<size_t>(layer)];
-  RecordedRows rr;
-  {
-    trace::Scope rows_span("kv.recorded_rows");
-    rr = recorded_rows(C, layer);
-  }
+  const RecordedRows rr = recorded_rows(C, layer);
   const int64_t stride = rr.stride;
-  DevMem S;
-  {
-    trace::Scope scores_span("kv.recorded_scores");
-    S = recorded_scores(ctx, C, layer, q_rows, l, n, stride);
-  }
+  DevMem S = recorded_scores(ctx, C, layer, q_rows, l, n, stride);
   // Each row's code in the device's order (segments, then the decode rows), then the segment
   // rows a KV head has, then the decode rows each query saw: one upload.
   auto code = [&](int32_t pos, SegmentKind kind) {

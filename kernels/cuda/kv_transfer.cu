@@ -496,18 +496,8 @@ void kv_pull_rows(Context& ctx, SeqKV& kv, const std::vector<int>& layers, const
         dequantize_packed_row(kc + row * kr, range(0), range(1), D, t.k_bits, t.rotation, scratch.data(), k.data() + out);
         dequantize_packed_row(vc + row * vr, range(2), range(3), D, t.v_bits, 0, scratch.data(), v.data() + out);
       }
-    kv.host->append(layers[i], k.data(), v.data(), pos_host, kinds, T);
-    if (t.packed()) {  // (the store rounds what it appends to its fp16 rows: the dequantized values as they are)
-      KVSegment& s = kv.host->layer(layers[i]).segments.back();
-      for (int h = 0; h < NKV; ++h) {
-        HeadRows& r = s.heads.at(static_cast<size_t>(h));
-        for (int row = 0; row < T; ++row) {
-          const size_t to = r.k.size() - static_cast<size_t>(T - row) * D, from = (static_cast<size_t>(row) * NKV + h) * D;
-          std::copy_n(k.data() + from, D, r.k.begin() + static_cast<std::ptrdiff_t>(to));
-          std::copy_n(v.data() + from, D, r.v.begin() + static_cast<std::ptrdiff_t>(to));
-        }
-      }
-    }
+    // (a packed tail's rows as their dequantization is, not rounded to fp16 again)
+    kv.host->append(layers[i], k.data(), v.data(), pos_host, kinds, T, t.packed());
     set_host_bytes(C, *kv.host, layers[i]);
   }
   // Rows that KIVI's groups quantized since they were appended (a grouped tail's first rows):

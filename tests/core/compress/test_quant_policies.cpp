@@ -305,6 +305,16 @@ TEST(KVStore, Fp16RowsAreHalfRoundedAndCountTwoBytesAValue) {
   ASSERT_EQ(exact.layer(0).segments.size(), 2u);
   EXPECT_EQ(exact.layer(0).segments[1].storage, "fp32");
   EXPECT_EQ(exact.layer(0).segments[1].heads[0].k[0], k0[0]);
+  // Rows appended as given (a cache's own values) extend the fp16 rows unrounded.
+  const int32_t p3 = 3;
+  half.append(0, k0, v0, &p3, kinds, 1, true);
+  ASSERT_EQ(half.layer(0).segments.size(), 1u);
+  ASSERT_EQ(h.heads[0].n(), 3);
+  for (int c = 0; c < D; ++c) {
+    EXPECT_EQ(h.heads[0].k[2 * D + c], k0[c]);
+    EXPECT_EQ(h.heads[0].v[2 * D + c], v0[c]);
+  }
+  EXPECT_EQ(h.bytes.codes, 3 * 2 * D * 2);
   EXPECT_THROW(parse_row_storage("bf16", "--kv-storage"), InputError);
 }
 
