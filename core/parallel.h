@@ -15,8 +15,8 @@ namespace kvlens {
 // setting is restored afterwards.
 void parallel_for(int n, int max_threads, const std::function<void(int)>& fn);
 
-// The threads a matrix product may take (cpu::linear spreads its column blocks over an OpenMP
-// team of up to that many, by its size): the app's setting (set_product_threads; every core
+// The threads a matrix product may take (cpu::linear spreads its tiles over up to that many of
+// kvlens's team, core/team.h, by its size): the app's setting (set_product_threads; every core
 // until then, and at most machine_cores()), and one in each piece of parallel_for.
 int product_threads();
 void set_product_threads(int n);  // n <= 0: every core

@@ -9,6 +9,7 @@
 #include "core/errors.h"
 #include "core/tensor.h"
 #include "core/half.h"
+#include "core/team.h"
 #include "kernels/cpu/ops.h"
 
 namespace kvlens {
@@ -203,9 +204,8 @@ class CpuBackend : public Backend {
     // Each head's queries in blocks of kAttnRows: a prompt gives every thread work even where the
     // heads are few (4 for kvlens-scenes-14m's decoder).
     const int blocks = (T + cpu::kAttnRows - 1) / cpu::kAttnRows;
-#pragma omp parallel for num_threads(cpu::head_threads(NH * blocks, T / blocks, T, D)) schedule(dynamic)
-    for (int item = 0; item < NH * blocks; ++item) {
-      const int hd = item / blocks, i0 = (item % blocks) * cpu::kAttnRows;
+    team_each(NH * blocks, cpu::head_threads(NH * blocks, T / blocks, T, D), [&](int64_t item) {
+      const int hd = static_cast<int>(item / blocks), i0 = static_cast<int>(item % blocks) * cpu::kAttnRows;
       const int kv = hd / G;
       cpu::AttnHeadArgs a;
       a.q = base + l.q_col + hd * D; a.q_stride = l.row_stride;
@@ -219,7 +219,7 @@ class CpuBackend : public Backend {
       if (scores) a.scores = scores + static_cast<size_t>(hd) * T * T;
       if (probs) a.probs = probs + static_cast<size_t>(hd) * T * T;
       cpu::attention_rows(a, i0, std::min(cpu::kAttnRows, T - i0));
-    }
+    });
   }
 
   void kv_append(SeqKV& kv, int layer, const Buffer& qkv, const AttnLayout& l, const Buffer& pos,
@@ -255,9 +255,8 @@ class CpuBackend : public Backend {
     if (taps.rows() && n_max < n_all) throw InternalError("decode_attention: n_max below the rows held");
     const float ninf = -std::numeric_limits<float>::infinity();
     const float* q = qkv.as<float>() + l.q_col;
-#pragma omp parallel for num_threads(cpu::head_threads(NH, 1, n_all, D))
-    for (int hd = 0; hd < NH; ++hd) {
-      const int h = hd / G, n = N[h];
+    team_each(NH, cpu::head_threads(NH, 1, n_all, D), [&](int64_t head) {
+      const int hd = static_cast<int>(head), h = hd / G, n = N[h];
       std::vector<float> s(n);
       const float* qh = q + hd * D;
       int j = 0;
@@ -289,7 +288,7 @@ class CpuBackend : public Backend {
           for (int d = 0; d < D; ++d) o[d] += s[j] * vj[d];
         }
       if (taps.out) std::copy(o, o + D, taps.out + static_cast<size_t>(hd) * D);
-    }
+    });
   }
 };
 

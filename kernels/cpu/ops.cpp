@@ -10,6 +10,7 @@
 
 #include "core/exact_attention.h"
 #include "core/parallel.h"
+#include "core/team.h"
 #include "core/rope.h"
 
 namespace kvlens::cpu {
@@ -18,14 +19,14 @@ namespace kvlens::cpu {
 constexpr int64_t kParallelMin = 1 << 15;
 
 int loop_threads(int64_t items, int64_t work, int64_t grain) {
-  const int64_t team = omp_in_parallel() ? 1 : omp_get_max_threads();
+  const int64_t team = omp_in_parallel() || in_team() ? 1 : omp_get_max_threads();
   return static_cast<int>(std::max<int64_t>(1, std::min({team, items, work / std::max<int64_t>(grain, 1)})));
 }
 
 // Matrix products: OpenBLAS runs each call on one thread, whatever OPENBLAS_NUM_THREADS says, and
-// kvlens spreads a product over an OpenMP team of its own (product_threads: every core, or
-// OMP_NUM_THREADS / `--threads` where set; sized by the product). With both
-// libraries threading, OpenMP's workers spin on the cores that OpenBLAS's threads wait for after
+// kvlens spreads a product over its own resident team (core/team.h; product_threads: every core,
+// or OMP_NUM_THREADS / `--threads` where set; sized by the product). With both
+// libraries threading, kvlens's workers spin on the cores that OpenBLAS's threads wait for after
 // every loop: the embedded model captioned in 570 ms with 16 threads of each against 141 ms with
 // one, on 16 cores. A product is always the same OpenBLAS calls, one per tile of kGemmRows rows
 // by kGemmCols output columns, whatever the thread count (which only says how many run at once),
@@ -41,6 +42,14 @@ constexpr int64_t kGemvMacsPerThread = int64_t{1} << 16;
 constexpr int64_t kGemvMaxThreads = 2;
 
 namespace {
+// body(i) for every i in [0, n), on the threads loop_threads gives `work` units in all.
+template <class Body>
+void each(int64_t n, int64_t work, Body&& body) {
+  team_for(n, loop_threads(n, work, kParallelMin), [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) body(i);
+  });
+}
+
 int col_blocks(int N) { return (N + kGemmCols - 1) / kGemmCols; }
 int64_t gemm_tiles(int M, int N) { return static_cast<int64_t>((M + kGemmRows - 1) / kGemmRows) * col_blocks(N); }
 }  // namespace
@@ -48,7 +57,7 @@ int64_t gemm_tiles(int M, int N) { return static_cast<int64_t>((M + kGemmRows - 
 int linear_threads(int M, int N, int K) {
   const int64_t blocks = gemm_tiles(M, N), macs = static_cast<int64_t>(M) * N * K;
   const int64_t per_thread = M == 1 ? kGemvMacsPerThread : kGemmMacsPerThread;
-  int64_t team = omp_in_parallel() ? 1 : product_threads();
+  int64_t team = omp_in_parallel() || in_team() ? 1 : product_threads();
   if (M == 1) team = std::min(team, kGemvMaxThreads);
   return static_cast<int>(std::max<int64_t>(1, std::min({team, blocks, macs / per_thread})));
 }
@@ -84,20 +93,13 @@ void linear(const float* x, int M, int K, const float* W, int N, const float* bi
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, K, 1.0f, x + static_cast<int64_t>(m0) * K, K,
                 W + static_cast<int64_t>(n0) * K, K, beta, y + static_cast<int64_t>(m0) * N + n0, N);
   };
-  const int t = linear_threads(M, N, K);
-  if (t <= 1) {
-    for (int b = 0; b < blocks; ++b) block(b);
-    return;
-  }
-#pragma omp parallel for num_threads(t) schedule(static)
-  for (int b = 0; b < blocks; ++b) block(b);
+  team_each(blocks, linear_threads(M, N, K), [&](int64_t b) { block(static_cast<int>(b)); });
 }
 
 void layer_norm(const float* x, float* y, int M, int D, const float* g, const float* b, float eps) {
-#pragma omp parallel for num_threads(loop_threads(M, static_cast<int64_t>(M) * D, kParallelMin))
-  for (int m = 0; m < M; ++m) {
-    const float* xr = x + static_cast<int64_t>(m) * D;
-    float* yr = y + static_cast<int64_t>(m) * D;
+  each(M, static_cast<int64_t>(M) * D, [&](int64_t m) {
+    const float* xr = x + m * D;
+    float* yr = y + m * D;
     double mean = 0.0;
     for (int i = 0; i < D; ++i) mean += xr[i];
     mean /= D;
@@ -107,24 +109,22 @@ void layer_norm(const float* x, float* y, int M, int D, const float* g, const fl
     const float inv = static_cast<float>(1.0 / std::sqrt(var + eps));
     for (int i = 0; i < D; ++i)
       yr[i] = (xr[i] - static_cast<float>(mean)) * inv * g[i] + (b ? b[i] : 0.0f);
-  }
+  });
 }
 
 void rms_norm(const float* x, float* y, int M, int D, const float* g, float eps) {
-#pragma omp parallel for num_threads(loop_threads(M, static_cast<int64_t>(M) * D, kParallelMin))
-  for (int m = 0; m < M; ++m) {
-    const float* xr = x + static_cast<int64_t>(m) * D;
-    float* yr = y + static_cast<int64_t>(m) * D;
+  each(M, static_cast<int64_t>(M) * D, [&](int64_t m) {
+    const float* xr = x + m * D;
+    float* yr = y + m * D;
     double ss = 0.0;
     for (int i = 0; i < D; ++i) ss += static_cast<double>(xr[i]) * xr[i];
     const float inv = static_cast<float>(1.0 / std::sqrt(ss / D + eps));
     for (int i = 0; i < D; ++i) yr[i] = g[i] * (xr[i] * inv);
-  }
+  });
 }
 
 void activate(float* x, int64_t n, Act act) {
-#pragma omp parallel for num_threads(loop_threads(n, n, kParallelMin))
-  for (int64_t i = 0; i < n; ++i) {
+  each(n, n, [&](int64_t i) {
     const float v = x[i];
     switch (act) {
       case Act::Gelu: x[i] = 0.5f * v * (1.0f + std::erf(v * 0.70710678118654752f)); break;
@@ -135,17 +135,15 @@ void activate(float* x, int64_t n, Act act) {
       case Act::Silu: x[i] = v / (1.0f + std::exp(-v)); break;
       case Act::Relu: x[i] = v > 0.0f ? v : 0.0f; break;
     }
-  }
+  });
 }
 
 void mul(float* x, const float* y, int64_t n) {
-#pragma omp parallel for num_threads(loop_threads(n, n, kParallelMin))
-  for (int64_t i = 0; i < n; ++i) x[i] *= y[i];
+  each(n, n, [&](int64_t i) { x[i] *= y[i]; });
 }
 
 void add(float* x, const float* y, int64_t n) {
-#pragma omp parallel for num_threads(loop_threads(n, n, kParallelMin))
-  for (int64_t i = 0; i < n; ++i) x[i] += y[i];
+  each(n, n, [&](int64_t i) { x[i] += y[i]; });
 }
 
 void rope(float* x, int T, int H, int D, const int32_t* pos, float theta) {
@@ -155,8 +153,7 @@ void rope(float* x, int T, int H, int D, const int32_t* pos, float theta) {
 void rope(float* x, int T, int H, int D, const int32_t* pos, const float* inv_freq, const int* row_of,
           int64_t row_stride) {
   const int half = D / 2;
-#pragma omp parallel for num_threads(loop_threads(T, static_cast<int64_t>(T) * H * D, kParallelMin))
-  for (int t = 0; t < T; ++t) {
+  each(T, static_cast<int64_t>(T) * H * D, [&](int64_t t) {
     for (int i = 0; i < half; ++i) {
       const int32_t p = row_of ? pos[row_of[i] * row_stride + t] : pos[t];
       const float ang = static_cast<float>(p) * static_cast<float>(inv_freq[i]);
@@ -168,7 +165,7 @@ void rope(float* x, int T, int H, int D, const int32_t* pos, const float* inv_fr
         r[i + half] = b * c + a * s;
       }
     }
-  }
+  });
 }
 
 namespace {

@@ -71,10 +71,11 @@ void scores_in_order(const float* scores, int n_heads, int group, int64_t stride
 constexpr int64_t kGemmMacsPerThread = int64_t{1} << 21;
 // The threads cpu::linear gives an M × K by N × K product: one a tile of 128 rows by 128 output
 // columns and kGemmMacsPerThread multiply-adds (for one row: 2^16, and at most two), at most
-// product_threads() (one inside an OpenMP team).
+// product_threads() (one inside a team job or an OpenMP team).
 int linear_threads(int M, int N, int K);
-// The threads an OpenMP loop over `items` items of `work` units in all is worth: one for each
-// `grain` units, at most one an item and the caller's OpenMP team, at least one. (Threads past
+// The threads a loop over `items` items of `work` units in all is worth: one for each `grain`
+// units, at most one an item and the caller's OpenMP setting (OMP_NUM_THREADS, `--threads`), one
+// inside a team job or an OpenMP team, at least one. (Threads past
 // that cost their hand-off and gain nothing: the embedded model captioned in 125 ms on 16
 // threads against 95 on 4 while every loop took the whole team.)
 int loop_threads(int64_t items, int64_t work, int64_t grain);

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "core/parallel.h"
+#include "core/team.h"
 #include "kernels/cpu/ops.h"
 
 using namespace kvlens;
@@ -63,7 +64,7 @@ TEST(CpuOps, LinearAgainstFp64) {
 
 // A product spread over threads (tiles of 128 rows by 128 columns on up to product_threads()) is bit for bit
 // the product on one thread, whatever the count, and OpenBLAS runs on one thread whatever
-// OPENBLAS_NUM_THREADS said (with both libraries threading, OpenMP's spinning workers and
+// OPENBLAS_NUM_THREADS said (with both libraries threading, kvlens's spinning workers and
 // OpenBLAS's threads fought for the cores). Sizes past one tile and one thread's share, with
 // partial last tiles, and a prompt's narrow product (256 columns: two column blocks) on more than
 // two threads; within a piece of parallel_for a product takes one thread, and a one-row
@@ -102,6 +103,16 @@ TEST(CpuOps, LinearIsTheSameOnAnyThreadCount) {
     EXPECT_EQ(seen, std::vector<int>(4, 1));
   }
   EXPECT_EQ(product_threads(), std::min(8, machine_threads()));
+  // Inside a job of kvlens's team (core/team.h) a product and a loop take one thread: the chunks
+  // are the parallelism.
+  std::vector<int> in_job(4, 0), loop_in_job(4, 0);
+  const ScopedOmpThreads four(4);  // (the calling thread runs chunks too)
+  team_each(4, 4, [&](int64_t i) {
+    in_job[static_cast<size_t>(i)] = cpu::linear_threads(620, 256, 768);
+    loop_in_job[static_cast<size_t>(i)] = cpu::loop_threads(1 << 20, int64_t{1} << 30, 1);
+  });
+  EXPECT_EQ(in_job, std::vector<int>(4, 1));
+  EXPECT_EQ(loop_in_job, std::vector<int>(4, 1));
   set_product_threads(was);
 }
 
