@@ -499,11 +499,16 @@ HitRates cache_hit_rates(const PrefillView& pv, const DecodeRecorder& full, doub
   };
   const int post_from = (last_visual >= 0 && last_visual + 1 < T) ? last_visual + 1 : T - 1;
   const int window_from = std::max(0, T - window_queries);
+  const std::pair<size_t, int> sums_from[] = {{0, 0}, {2, window_from}, {3, post_from}};
+  // Every layer's column sums over each strategy's queries in one pass (a capture on a device
+  // waits once a pass, not once a layer).
+  std::vector<int> layers(static_cast<size_t>(L));
+  std::iota(layers.begin(), layers.end(), 0);
+  for (const auto& sf : sums_from) pv.attention->prepare(layers, AttentionReduction::range(sf.second, T, T));
   for (int l = 0; l < L; ++l) {
     // score[g][strategy][j]: the strategies of KV head g (mean over its query heads), from each
     // query head's column sums over the strategy's queries, reduced where the attention is.
     std::vector<std::vector<std::vector<double>>> score(KH, std::vector<std::vector<double>>(S, std::vector<double>(T, 0.0)));
-    const std::pair<size_t, int> sums_from[] = {{0, 0}, {2, window_from}, {3, post_from}};
     std::vector<double> sums(static_cast<size_t>(H) * T);
     for (const auto& [st, from] : sums_from) {
       AttentionReduction r;

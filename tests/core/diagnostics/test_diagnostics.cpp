@@ -571,6 +571,35 @@ TEST(CacheHitRate, TruthRenormalisesEachHeadOverThePromptKeys) {
   }
 }
 
+// A capture on a device reduces every layer over one set of queries in one pass, with one wait:
+// the hit rates ask it to prepare every layer for each strategy's queries (the whole prompt, the
+// window, after the last visual token) before they reduce any layer, and reduce no set they did
+// not prepare.
+TEST(CacheHitRate, EveryLayerIsPreparedBeforeAnyIsReduced) {
+  const HitRun run(5);
+  cache_hit_rates(run.view(), run.rec, 0.2, run.steps, 4);
+  const auto asked = run.held->asked();
+  const std::vector<int> all_layers = {0, 1};
+  std::vector<std::vector<int>> prepared;
+  bool reduced = false;
+  for (const auto& a : asked) {
+    if (a.prepare) {
+      EXPECT_FALSE(reduced) << "a layer was reduced before every set was prepared";
+      EXPECT_EQ(a.layers, all_layers);
+      prepared.push_back(a.queries);
+    } else {
+      reduced = true;
+      EXPECT_NE(std::find(prepared.begin(), prepared.end(), a.queries), prepared.end())
+          << "layer " << a.layers.at(0) << " reduced over a set never prepared";
+    }
+  }
+  EXPECT_TRUE(reduced);
+  ASSERT_EQ(prepared.size(), 3u);
+  EXPECT_EQ(prepared[0], AttentionReduction::range(0, HitRun::T, HitRun::T));
+  EXPECT_EQ(prepared[1], AttentionReduction::range(HitRun::T - 4, HitRun::T, HitRun::T));
+  EXPECT_EQ(prepared[2], AttentionReduction::range(11, HitRun::T, HitRun::T));  // last visual token: 10
+}
+
 // Steps that were not recorded are dropped from the report; k = floor(budget · T), at least 1
 // (the rows an eviction policy at that budget keeps).
 TEST(CacheHitRate, StepsAndK) {
