@@ -1,6 +1,7 @@
 #include "core/diagnostics/diagnostics.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <numeric>
@@ -9,6 +10,7 @@
 #include "core/compress/select.h"
 #include "core/exact_attention.h"
 #include "core/parallel.h"
+#include "core/team.h"
 #include "core/trace.h"
 
 namespace kvlens {
@@ -499,24 +501,41 @@ HitRates cache_hit_rates(const PrefillView& pv, const DecodeRecorder& full, doub
   };
   const int post_from = (last_visual >= 0 && last_visual + 1 < T) ? last_visual + 1 : T - 1;
   const int window_from = std::max(0, T - window_queries);
-  const std::pair<size_t, int> sums_from[] = {{0, 0}, {2, window_from}, {3, post_from}};
+  constexpr size_t kSets = 3;  // (accumulated, and from it normalized; sliding window; post vision)
+  const std::array<std::pair<size_t, int>, kSets> sums_from = {{{0, 0}, {2, window_from}, {3, post_from}}};
   // Every layer's column sums over each strategy's queries in one pass (a capture on a device
   // waits once a pass, not once a layer).
   std::vector<int> layers(static_cast<size_t>(L));
   std::iota(layers.begin(), layers.end(), 0);
   for (const auto& sf : sums_from) pv.attention->prepare(layers, AttentionReduction::range(sf.second, T, T));
-  for (int l = 0; l < L; ++l) {
+  // sums[l][set]: layer l's column sums [H][T] over the queries of sums_from[set], reduced where
+  // the attention is, layer by layer (the capture's backend takes one caller at a time).
+  std::vector<std::array<std::vector<double>, kSets>> sums(static_cast<size_t>(L));
+  {
+    trace::Scope span("hit_rates.reduce");
+    for (int l = 0; l < L; ++l)
+      for (size_t set = 0; set < kSets; ++set) {
+        std::vector<double>& out = sums[static_cast<size_t>(l)][set];
+        out.resize(static_cast<size_t>(H) * T);
+        AttentionReduction r;
+        r.queries = AttentionReduction::range(sums_from[set].second, T, T);
+        r.column_sums = out.data();
+        pv.attention->reduce(l, r);
+      }
+  }
+  // The rankings and hits, layers side by side on the host's cores (core/team.h; each writes its
+  // own entries).
+  trace::Scope rank_span("hit_rates.rank");
+  team_each(L, machine_cores(), [&](int64_t layer_index) {
+    const int l = static_cast<int>(layer_index);
     // score[g][strategy][j]: the strategies of KV head g (mean over its query heads), from each
-    // query head's column sums over the strategy's queries, reduced where the attention is.
+    // query head's column sums over the strategy's queries.
     std::vector<std::vector<std::vector<double>>> score(KH, std::vector<std::vector<double>>(S, std::vector<double>(T, 0.0)));
-    std::vector<double> sums(static_cast<size_t>(H) * T);
-    for (const auto& [st, from] : sums_from) {
-      AttentionReduction r;
-      r.queries = AttentionReduction::range(from, T, T);
-      r.column_sums = sums.data();
-      pv.attention->reduce(l, r);
+    for (size_t set = 0; set < kSets; ++set) {
+      const size_t st = sums_from[set].first;
+      const std::vector<double>& layer_sums = sums[static_cast<size_t>(l)][set];
       for (int h = 0; h < H; ++h)
-        for (int j = 0; j < T; ++j) score[h / G][st][j] += sums[static_cast<size_t>(h) * T + j] / G;
+        for (int j = 0; j < T; ++j) score[h / G][st][j] += layer_sums[static_cast<size_t>(h) * T + j] / G;
     }
     for (int g = 0; g < KH; ++g)
       for (int j = 0; j < T; ++j) {
@@ -570,7 +589,7 @@ HitRates cache_hit_rates(const PrefillView& pv, const DecodeRecorder& full, doub
         hr.rates_head[st][si][l] = sum / KH;
       }
     }
-  }
+  });
   return hr;
 }
 
