@@ -73,8 +73,8 @@ Experiment start_experiment(const Model& model, PrefillState prefill, const Expe
   const PrefillView pv = ex.view();
   {
     trace::Scope sparsity_span("experiment.sparsity");
+    ex.sparsity_prefill = prefill_sparsities(pv, opt.sparsity_p);
     for (int l = 0; l < ex.prefill.store.n_layers(); ++l) {
-      ex.sparsity_prefill.push_back(prefill_sparsity(pv, l, opt.sparsity_p));
       double s = 0;
       int n = 0;
       for (const auto& e : ex.full_recorder->entries())

@@ -157,6 +157,16 @@ double prefill_sparsity(const PrefillView& pv, int layer, double p) {
   return H ? total / H : 0.0;
 }
 
+std::vector<double> prefill_sparsities(const PrefillView& pv, double p) {
+  const int L = pv.attention->n_layers();
+  std::vector<int> layers(static_cast<size_t>(L));
+  std::iota(layers.begin(), layers.end(), 0);
+  pv.attention->prepare(layers, AttentionReduction::range(0, pv.prompt_len, pv.prompt_len), p);
+  std::vector<double> out;
+  for (int l = 0; l < L; ++l) out.push_back(prefill_sparsity(pv, l, p));
+  return out;
+}
+
 namespace {
 
 // Key bits of a row from its segment's storage label, for rows without a per-row annotation

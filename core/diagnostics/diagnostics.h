@@ -182,6 +182,9 @@ struct FirstDivergence {
 // γ = share of attention entries below p · (row max) among unmasked entries, averaged over heads.
 double sparsity(const float* probs, int n_heads, int n_q, int n_k, double p);
 double prefill_sparsity(const PrefillView& pv, int layer, double p);
+// prefill_sparsity of every layer, in order: the counts of all layers prepared first (a capture
+// on a device reduces them in one pass with one wait, not one a layer).
+std::vector<double> prefill_sparsities(const PrefillView& pv, double p);
 
 // `method` either keeps rows or compares (its entries then hold the comparisons).
 std::vector<LayerDiagnostics> compare_layers(const PrefillView& pv, const DecodeRecorder& method,

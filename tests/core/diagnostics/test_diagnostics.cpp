@@ -600,6 +600,30 @@ TEST(CacheHitRate, EveryLayerIsPreparedBeforeAnyIsReduced) {
   EXPECT_EQ(prepared[2], AttentionReduction::range(11, HitRun::T, HitRun::T));  // last visual token: 10
 }
 
+// Every layer's prefill sparsity: the counts of all layers prepared first, over every query row
+// at p, then each layer as prefill_sparsity gives it.
+TEST(Sparsity, EveryLayerOfThePrefillPreparedInOnePass) {
+  const HitRun run(7);
+  const PrefillView v = run.view();
+  const std::vector<double> all = prefill_sparsities(v, 0.1);
+  const auto asked = run.held->asked();
+  ASSERT_EQ(asked.size(), 1u + HitRun::L);
+  EXPECT_TRUE(asked[0].prepare);
+  EXPECT_EQ(asked[0].layers, (std::vector<int>{0, 1}));
+  EXPECT_EQ(asked[0].queries, AttentionReduction::range(0, HitRun::T, HitRun::T));
+  EXPECT_TRUE(asked[0].below);
+  EXPECT_EQ(asked[0].p, 0.1);
+  for (int l = 0; l < HitRun::L; ++l) {
+    EXPECT_FALSE(asked[static_cast<size_t>(1 + l)].prepare);
+    EXPECT_EQ(asked[static_cast<size_t>(1 + l)].layers, std::vector<int>{l});
+  }
+  ASSERT_EQ(all.size(), static_cast<size_t>(HitRun::L));
+  for (int l = 0; l < HitRun::L; ++l) {
+    EXPECT_EQ(all[static_cast<size_t>(l)], prefill_sparsity(run.view(), l, 0.1)) << "layer " << l;
+    EXPECT_GT(all[static_cast<size_t>(l)], 0.0) << "layer " << l;
+  }
+}
+
 // Steps that were not recorded are dropped from the report; k = floor(budget · T), at least 1
 // (the rows an eviction policy at that budget keeps).
 TEST(CacheHitRate, StepsAndK) {
