@@ -8,8 +8,9 @@ sets must not slow it down); then HF transformers (LlavaForConditionalGeneration
 attention, fp32) captions the same image from those prompt ids with torch.set_num_threads(N),
 greedy, at most that many new tokens (the same ones where the ids agree), median of --repeat
 runs after one warm-up. With --rounds R each side runs its whole list of thread counts R times
-over, and a figure is the median of its R rounds' medians (a shared host's speed drifts within a
-call). A table last: vision, prefill and caption ms of kvlens, HF's caption ms, and whether HF's
+over (odd rounds walk the list in reverse, so a drift within a round favours no end of it), and a
+figure is the median of its R rounds' medians (a shared host's speed drifts within a call). The
+rounds' captions are printed in the order the list was given. A table last: vision, prefill and caption ms of kvlens, HF's caption ms, and whether HF's
 greedy ids equal kvlens's.
 
   python3 tests/cpu_threads_bench.py --kvlens build/kvlens [--threads 1 2 4 8 16] [--repeat 10] [--rounds 3]
@@ -26,6 +27,12 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_MODEL = os.path.join(HERE, "..", "assets", "models", "kvlens-scenes-6m")
 DEFAULT_IMAGE = os.path.join(HERE, "..", "assets", "images", "scene_000.png")
+
+
+def round_order(threads, r):
+    """The thread counts of round r: ascending in even rounds, descending in odd ones, so that a
+    host whose speed drifts during a round favours no end of the list."""
+    return list(threads) if r % 2 == 0 else list(reversed(threads))
 
 
 def kvlens_run(exe, args, n, n_new, tmp):
@@ -61,8 +68,8 @@ def hf_times(args, prompt_ids, new_ids, threads):
     n_new = len(new_ids)
     rounds = {n: [] for n in threads}
     same = {n: True for n in threads}
-    for _ in range(args.rounds):
-        for n in threads:
+    for r in range(args.rounds):
+        for n in round_order(threads, r):
             torch.set_num_threads(n)
             ms, out = [], None
             with torch.inference_mode():
@@ -90,8 +97,8 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         prompt_ids, new_ids = kvlens_ids(args.kvlens, args, tmp)
         runs = {n: [] for n in args.threads}
-        for _ in range(args.rounds):
-            for n in args.threads:
+        for r in range(args.rounds):
+            for n in round_order(args.threads, r):
                 runs[n].append(kvlens_run(args.kvlens, args, n, len(new_ids), tmp))
         keys = ("vision_ms", "prefill_ms", "caption_total_ms")
         kv = {n: dict({k: statistics.median(r[k] for r in runs[n]) for k in keys},
