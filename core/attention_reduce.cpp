@@ -4,6 +4,8 @@
 #include <cstdio>
 
 #include "core/errors.h"
+#include "core/parallel.h"
+#include "core/team.h"
 
 namespace kvlens {
 
@@ -76,15 +78,19 @@ void pool_map_rows(const float* rows, int n_rows, int first_pos, int keys, int c
 
 void reduce_attention(const float* P, int n_heads, int T, const AttentionReduction& r) {
   r.check(T, "attention reduction");
-  for (int h = 0; h < n_heads; ++h) {
+  // Heads side by side on the team (core/team.h), a thread for each 2^20 entries read.
+  const int64_t entries = static_cast<int64_t>(n_heads) * static_cast<int64_t>(r.queries.size()) * T;
+  const int threads = static_cast<int>(std::clamp<int64_t>(entries >> 20, 1, product_threads()));
+  team_each(n_heads, threads, [&](int64_t head) {
+    const int h = static_cast<int>(head);
     const float* Ph = P + static_cast<size_t>(h) * T * T;
     if (r.column_sums) {
+      // Row by row, each column's sum still taken in ascending i from 0.0.
       double* s = r.column_sums + static_cast<size_t>(h) * T;
-      for (int j = 0; j < T; ++j) {
-        double acc = 0.0;
-        for (int i : r.queries)
-          if (j <= i) acc += Ph[static_cast<size_t>(i) * T + j];
-        s[j] = acc;
+      std::fill(s, s + T, 0.0);
+      for (int i : r.queries) {
+        const float* row = Ph + static_cast<size_t>(i) * T;
+        for (int j = 0; j <= i; ++j) s[j] += row[j];
       }
     }
     if (r.below) {
@@ -97,7 +103,7 @@ void reduce_attention(const float* P, int n_heads, int T, const AttentionReducti
       }
       r.below[h] = n;
     }
-  }
+  });
   if (r.map) {
     std::vector<double> sums(static_cast<size_t>(r.map_rows) * r.map_cols, 0.0);
     for (int i : r.queries) {

@@ -12,6 +12,7 @@
 
 #include "core/attention_reduce.h"
 #include "core/errors.h"
+#include "core/parallel.h"
 
 using namespace kvlens;
 
@@ -94,6 +95,42 @@ TEST(AttentionReduce, ColumnSumsAndCountsHaveTheirProperties) {
   const int64_t mid = count(0.01, false);
   EXPECT_GT(mid, zeros);
   EXPECT_LT(mid, not_max);
+}
+
+// The contract the device twins follow: each column's sum taken in double in ascending query
+// row from 0.0, bit for bit, whether the heads run on one thread or several (eight heads of 400
+// rows: more than 2^20 entries, so the heads are spread).
+TEST(AttentionReduce, ColumnSumsAreAscendingRowSumsOnAnyThreadCount) {
+  const int H = 8, T = 400;
+  const std::vector<float> P = causal_probs(H, T, 23);
+  const int was = product_threads();
+  for (const std::vector<int>& q : {AttentionReduction::range(0, T, T), std::vector<int>{3, 50, 51, 260, 399}}) {
+    std::vector<double> want(static_cast<size_t>(H) * T);
+    for (int h = 0; h < H; ++h)
+      for (int j = 0; j < T; ++j) {
+        double acc = 0.0;
+        for (int i : q)
+          if (j <= i) acc += P[(static_cast<size_t>(h) * T + i) * T + j];
+        want[static_cast<size_t>(h) * T + j] = acc;
+      }
+    std::vector<int64_t> below_one;
+    for (int threads : {1, 4}) {
+      set_product_threads(threads);
+      std::vector<double> sums(want.size(), -1.0);
+      std::vector<int64_t> below(H, -1);
+      AttentionReduction r;
+      r.queries = q;
+      r.column_sums = sums.data();
+      r.below = below.data();
+      r.p = 0.02;
+      reduce_attention(P.data(), H, T, r);
+      for (size_t x = 0; x < want.size(); ++x)
+        ASSERT_EQ(sums[x], want[x]) << threads << " threads, head " << x / T << " column " << x % T;
+      if (threads == 1) below_one = below;
+      EXPECT_EQ(below, below_one) << threads << " threads";
+    }
+  }
+  set_product_threads(was);
 }
 
 TEST(AttentionReduce, QueryListsAreCheckedAndKeyed) {
