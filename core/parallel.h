@@ -1,6 +1,7 @@
 // Work spread over threads of their own, whatever OpenMP is set to (the CLI and the app keep
-// OpenMP at one thread for the CPU model's loops): for the host's side of a device run, where
-// independent pieces (a policy's layers, a step's events) would otherwise wait in line.
+// OpenMP at one thread, which sizes the CPU model's loops on kvlens's team, core/team.h, to one):
+// for the host's side of a device run, where independent pieces (a policy's layers, a step's
+// events) would otherwise wait in line.
 #pragma once
 #include <functional>
 #include <string>

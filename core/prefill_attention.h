@@ -1,7 +1,8 @@
 // The prompt's attention of one layer, recomputed on demand from what prefill captured (each
 // layer's q/k/v projection input, from which its post-RoPE queries, keys and values are
 // recomputed: O(layers · tokens · hidden)) instead of held for every layer: no [layers][heads][T][T] array exists anywhere. Methods that score tokens and the
-// diagnostics ask for one layer at a time; a few recent layers are kept for a caller that asks
+// diagnostics read one layer at a time (having asked to prepare every layer's reductions, which
+// a capture on a device makes in one pass); a few recent layers are kept for a caller that asks
 // again.
 #pragma once
 #include <memory>

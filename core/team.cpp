@@ -8,6 +8,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #ifdef _OPENMP
@@ -82,23 +83,24 @@ class Team {
       if (m->thread.joinable()) m->thread.join();
   }
 
-  int size() {
-    std::lock_guard<std::mutex> lock(job_mu_);
-    return static_cast<int>(members_.size());
-  }
+  int size() const { return size_.load(); }
 
   void run(int64_t n, int threads, const std::function<void(int64_t, int64_t)>& fn, int64_t chunk) {
     std::unique_lock<std::mutex> lock(job_mu_, std::try_to_lock);
-    if (!lock.owns_lock()) {  // (another caller's job is running: this one runs alone)
+    const int64_t chunks = (n + chunk - 1) / chunk;
+    // The threads asked for, no more than the chunks can use (the caller takes one).
+    const int want = static_cast<int>(std::min<int64_t>({threads - 1, machine_cores() - 1, chunks - 1}));
+    while (lock.owns_lock() && static_cast<int>(members_.size()) < want && start_member()) {
+    }
+    const int helpers = std::min(want, static_cast<int>(members_.size()));
+    if (!lock.owns_lock() || helpers <= 0) {  // (another caller's job is running, or no thread would start)
       run_alone(n, fn, chunk);
       return;
     }
-    const int helpers = std::min(threads - 1, machine_cores() - 1);
-    while (static_cast<int>(members_.size()) < helpers) start_member();
     fn_ = &fn;
     n_ = n;
     chunk_ = chunk;
-    chunks_ = (n + chunk - 1) / chunk;
+    chunks_ = chunks;
     next_.store(0, std::memory_order_relaxed);
     done_.store(0, std::memory_order_relaxed);
     failed_ = nullptr;
@@ -118,11 +120,14 @@ class Team {
     open_.store(0, std::memory_order_seq_cst);
     while (inside_.load(std::memory_order_seq_cst) != 0) relax();
     fn_ = nullptr;
-    if (failed_) std::rethrow_exception(failed_);
+    // (Taken out: the exception leaves with this caller, not with the next job.)
+    if (std::exception_ptr failed = std::exchange(failed_, nullptr)) std::rethrow_exception(failed);
   }
 
  private:
-  void wake(Member& m, uint32_t job) {
+  // Between opening a job and closing it nothing may throw (the job would stay open with its
+  // caller gone): wake and work are noexcept, so a mutex that fails there ends the process.
+  void wake(Member& m, uint32_t job) noexcept {
     m.ticket.store(job, std::memory_order_seq_cst);
     if (m.asleep.load(std::memory_order_seq_cst)) {
       { std::lock_guard<std::mutex> lock(m.mu); }
@@ -130,14 +135,23 @@ class Team {
     }
   }
 
-  void start_member() {
-    members_.push_back(std::make_unique<Member>());
-    Member& m = *members_.back();
-    m.thread = std::thread([this, &m] { serve(m); });
+  // One more thread, or false where none could be started (the job then runs on fewer).
+  bool start_member() noexcept {
+    try {
+      members_.reserve(members_.size() + 1);  // (so that keeping the new member cannot throw)
+      auto m = std::make_unique<Member>();
+      Member* p = m.get();
+      p->thread = std::thread([this, p] { serve(*p); });
+      members_.push_back(std::move(m));
+      size_.store(static_cast<int>(members_.size()));
+      return true;
+    } catch (...) {
+      return false;
+    }
   }
 
   // Claims chunks until none is left.
-  void work() {
+  void work() noexcept {
     for (int64_t c; (c = next_.fetch_add(1, std::memory_order_relaxed)) < chunks_;) {
       const int64_t b = c * chunk_, e = std::min(n_, b + chunk_);
       try {
@@ -187,7 +201,8 @@ class Team {
   }
 
   std::mutex job_mu_;  // held by the caller of the job running
-  std::vector<std::unique_ptr<Member>> members_;
+  std::vector<std::unique_ptr<Member>> members_;  // (under job_mu_)
+  std::atomic<int> size_{0};                        // members_.size()
   std::atomic<bool> stop_{false};
   uint32_t number_ = 0;  // the last job's number
   std::atomic<uint32_t> open_{0};
@@ -210,7 +225,11 @@ void team_for(int64_t n, int threads, const std::function<void(int64_t, int64_t)
   if (n <= 0) return;
   const int t = std::max(1, threads);
   if (chunk <= 0) chunk = std::max<int64_t>(1, (n + 4 * t - 1) / (4 * t));
-  if (t <= 1 || n <= chunk || tl_in_team || machine_cores() <= 1) {
+  bool in_openmp = false;  // (inside an OpenMP team a job runs on its thread alone)
+#ifdef _OPENMP
+  in_openmp = omp_in_parallel();
+#endif
+  if (t <= 1 || n <= chunk || tl_in_team || in_openmp || machine_cores() <= 1) {
     run_alone(n, fn, chunk);
     return;
   }

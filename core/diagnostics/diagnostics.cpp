@@ -4,6 +4,7 @@
 #include <array>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <numeric>
 
 #include "core/errors.h"
@@ -519,31 +520,27 @@ HitRates cache_hit_rates(const PrefillView& pv, const DecodeRecorder& full, doub
   std::iota(layers.begin(), layers.end(), 0);
   for (const auto& sf : sums_from) pv.attention->prepare(layers, AttentionReduction::range(sf.second, T, T));
   // sums[l][set]: layer l's column sums [H][T] over the queries of sums_from[set], reduced where
-  // the attention is, layer by layer (the capture's backend takes one caller at a time).
-  std::vector<std::array<std::vector<double>, kSets>> sums(static_cast<size_t>(L));
+  // the attention is, layer by layer (the capture's backend takes one caller at a time); a
+  // capture that keeps its reductions shares the arrays it keeps.
+  std::vector<std::array<std::shared_ptr<const std::vector<double>>, kSets>> sums(static_cast<size_t>(L));
   {
     trace::Scope span("hit_rates.reduce");
     for (int l = 0; l < L; ++l)
-      for (size_t set = 0; set < kSets; ++set) {
-        std::vector<double>& out = sums[static_cast<size_t>(l)][set];
-        out.resize(static_cast<size_t>(H) * T);
-        AttentionReduction r;
-        r.queries = AttentionReduction::range(sums_from[set].second, T, T);
-        r.column_sums = out.data();
-        pv.attention->reduce(l, r);
-      }
+      for (size_t set = 0; set < kSets; ++set)
+        sums[static_cast<size_t>(l)][set] =
+            pv.attention->column_sums(l, AttentionReduction::range(sums_from[set].second, T, T));
   }
-  // The rankings and hits, layers side by side on the host's cores (core/team.h; each writes its
-  // own entries).
+  // The rankings and hits, layers side by side on the team (core/team.h; each writes its own
+  // entries).
   trace::Scope rank_span("hit_rates.rank");
-  team_each(L, machine_cores(), [&](int64_t layer_index) {
+  team_each(L, product_threads(), [&](int64_t layer_index) {
     const int l = static_cast<int>(layer_index);
     // score[g][strategy][j]: the strategies of KV head g (mean over its query heads), from each
     // query head's column sums over the strategy's queries.
     std::vector<std::vector<std::vector<double>>> score(KH, std::vector<std::vector<double>>(S, std::vector<double>(T, 0.0)));
     for (size_t set = 0; set < kSets; ++set) {
       const size_t st = sums_from[set].first;
-      const std::vector<double>& layer_sums = sums[static_cast<size_t>(l)][set];
+      const std::vector<double>& layer_sums = *sums[static_cast<size_t>(l)][set];
       for (int h = 0; h < H; ++h)
         for (int j = 0; j < T; ++j) score[h / G][st][j] += layer_sums[static_cast<size_t>(h) * T + j] / G;
     }

@@ -25,9 +25,9 @@ int loop_threads(int64_t items, int64_t work, int64_t grain) {
 
 // Matrix products: OpenBLAS runs each call on one thread, whatever OPENBLAS_NUM_THREADS says, and
 // kvlens spreads a product over its own resident team (core/team.h; product_threads: every core,
-// or OMP_NUM_THREADS / `--threads` where set; sized by the product). With both
-// libraries threading, kvlens's workers spin on the cores that OpenBLAS's threads wait for after
-// every loop: the embedded model captioned in 570 ms with 16 threads of each against 141 ms with
+// or OMP_NUM_THREADS / `--threads` where set; sized by the product). With both libraries
+// threading (products then on an OpenMP team), OpenMP's workers spun on the cores that
+// OpenBLAS's threads waited for after every loop: the embedded model captioned in 570 ms with 16 threads of each against 141 ms with
 // one, on 16 cores. A product is always the same OpenBLAS calls, one per tile of kGemmRows rows
 // by kGemmCols output columns, whatever the thread count (which only says how many run at once),
 // so its result does not depend on the threads. (Columns alone left a prompt's 256-wide

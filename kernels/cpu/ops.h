@@ -1,4 +1,4 @@
-// CPU reference ops: plain, readable fp32 loops (OpenMP over rows) and OpenBLAS for GEMM.
+// CPU reference ops: plain, readable fp32 loops (rows spread over kvlens's team, core/team.h) and OpenBLAS for GEMM.
 // Every CUDA op in kernels/cuda has its twin here; the tests compare them.
 #pragma once
 #include <cstdint>

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <mutex>
 #include <set>
 #include <stdexcept>
@@ -64,11 +65,18 @@ TEST(Team, EveryIndexOnceWhateverTheThreadsAndChunks) {
 }
 
 TEST(Team, TheLowestFailingChunkIsRethrownAfterEveryChunk) {
-  std::atomic<int> done{0};
+  std::atomic<int> done{0}, thrown{0};
   try {
     team_for(40, 4, [&](int64_t b, int64_t) {
       ++done;
-      if (b == 26 || b == 9 || b == 33) throw std::runtime_error("chunk " + std::to_string(b));
+      if (b == 9) {  // fails last where other threads run the later chunks meanwhile
+        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+        while (thrown.load() < 2 && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+      }
+      if (b == 26 || b == 9 || b == 33) {
+        ++thrown;
+        throw std::runtime_error("chunk " + std::to_string(b));
+      }
     }, 1);
     ADD_FAILURE() << "nothing was rethrown";
   } catch (const std::runtime_error& e) {
@@ -78,6 +86,21 @@ TEST(Team, TheLowestFailingChunkIsRethrownAfterEveryChunk) {
   Tally after(50);  // the team still works after a failed job
   team_for(50, 4, [&](int64_t b, int64_t e) { after.add(b, e); }, 1);
   EXPECT_EQ(after.wrong(), "");
+}
+
+// Two chunks of a job run at once on two threads: each waits (up to 5 s) for the other to start.
+TEST(Team, ChunksRunSideBySide) {
+  if (machine_cores() < 2) GTEST_SKIP() << "one core: every job runs on the calling thread";
+  std::atomic<int> started{0};
+  std::atomic<bool> together{true};
+  team_for(2, 2, [&](int64_t, int64_t) {
+    ++started;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (started.load() < 2 && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+    if (started.load() < 2) together = false;
+  }, 1);
+  EXPECT_TRUE(together.load()) << "one chunk ran alone for 5 s: the job did not run on two threads";
+  EXPECT_GE(team_size(), 1);
 }
 
 TEST(Team, AJobInsideAJobRunsOnItsOwnThread) {

@@ -64,7 +64,7 @@ TEST(CpuOps, LinearAgainstFp64) {
 
 // A product spread over threads (tiles of 128 rows by 128 columns on up to product_threads()) is bit for bit
 // the product on one thread, whatever the count, and OpenBLAS runs on one thread whatever
-// OPENBLAS_NUM_THREADS said (with both libraries threading, kvlens's spinning workers and
+// OPENBLAS_NUM_THREADS said (with both libraries threading, OpenMP's spinning workers and
 // OpenBLAS's threads fought for the cores). Sizes past one tile and one thread's share, with
 // partial last tiles, and a prompt's narrow product (256 columns: two column blocks) on more than
 // two threads; within a piece of parallel_for a product takes one thread, and a one-row
