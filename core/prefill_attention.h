@@ -6,6 +6,7 @@
 // again.
 #pragma once
 #include <memory>
+#include <numeric>
 #include <vector>
 
 #include "core/attention_reduce.h"
@@ -46,6 +47,12 @@ class PrefillAttention {
   // method that scores every layer asks this first. The default does nothing. Thread-safe.
   virtual void prepare(const std::vector<int>& layers, const std::vector<int>& queries, double below_p = -1.0,
                        bool zeros_below = false) const {}
+  // prepare for every layer.
+  void prepare_every_layer(const std::vector<int>& queries, double below_p = -1.0, bool zeros_below = false) const {
+    std::vector<int> layers(static_cast<size_t>(n_layers()));
+    std::iota(layers.begin(), layers.end(), 0);
+    prepare(layers, queries, below_p, zeros_below);
+  }
   // Bytes the capture holds (every layer's projection input and the queries, keys and values it
   // keeps recomputed, in the backend's memory), and of the probabilities it keeps for callers now
   // (host memory).

@@ -30,12 +30,13 @@ constexpr int kTeamSpinMicros = 2000;
 // and products on one thread.
 void team_for(int64_t n, int threads, const std::function<void(int64_t, int64_t)>& fn, int64_t chunk = 0);
 
-// body(i) for every i in [0, n), an index a chunk, on up to `threads` threads (as team_for).
+// body(i) for every i in [0, n), in chunks of `chunk` indices (an index a chunk unless told; ≤ 0:
+// about four a thread), on up to `threads` threads (as team_for).
 template <class Body>
-void team_each(int64_t n, int threads, Body&& body) {
+void team_each(int64_t n, int threads, Body&& body, int64_t chunk = 1) {
   team_for(n, threads, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) body(i);
-  }, 1);
+  }, chunk);
 }
 
 // The calling thread is running a chunk of a team job.

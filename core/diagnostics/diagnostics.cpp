@@ -5,7 +5,6 @@
 #include <cmath>
 #include <limits>
 #include <memory>
-#include <numeric>
 
 #include "core/errors.h"
 #include "core/compress/select.h"
@@ -160,9 +159,7 @@ double prefill_sparsity(const PrefillView& pv, int layer, double p) {
 
 std::vector<double> prefill_sparsities(const PrefillView& pv, double p) {
   const int L = pv.attention->n_layers();
-  std::vector<int> layers(static_cast<size_t>(L));
-  std::iota(layers.begin(), layers.end(), 0);
-  pv.attention->prepare(layers, AttentionReduction::range(0, pv.prompt_len, pv.prompt_len), p);
+  pv.attention->prepare_every_layer(AttentionReduction::range(0, pv.prompt_len, pv.prompt_len), p);
   std::vector<double> out;
   for (int l = 0; l < L; ++l) out.push_back(prefill_sparsity(pv, l, p));
   return out;
@@ -516,9 +513,7 @@ HitRates cache_hit_rates(const PrefillView& pv, const DecodeRecorder& full, doub
   const std::array<std::pair<size_t, int>, kSets> sums_from = {{{0, 0}, {2, window_from}, {3, post_from}}};
   // Every layer's column sums over each strategy's queries in one pass (a capture on a device
   // waits once a pass, not once a layer).
-  std::vector<int> layers(static_cast<size_t>(L));
-  std::iota(layers.begin(), layers.end(), 0);
-  for (const auto& sf : sums_from) pv.attention->prepare(layers, AttentionReduction::range(sf.second, T, T));
+  for (const auto& sf : sums_from) pv.attention->prepare_every_layer(AttentionReduction::range(sf.second, T, T));
   // sums[l][set]: layer l's column sums [H][T] over the queries of sums_from[set], reduced where
   // the attention is, layer by layer (the capture's backend takes one caller at a time); a
   // capture that keeps its reductions shares the arrays it keeps.

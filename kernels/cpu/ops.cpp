@@ -42,12 +42,10 @@ constexpr int64_t kGemvMacsPerThread = int64_t{1} << 16;
 constexpr int64_t kGemvMaxThreads = 2;
 
 namespace {
-// body(i) for every i in [0, n), on the threads loop_threads gives `work` units in all.
+// body(i) for every i in [0, n), in runs of rows, on the threads loop_threads gives `work` units.
 template <class Body>
 void each(int64_t n, int64_t work, Body&& body) {
-  team_for(n, loop_threads(n, work, kParallelMin), [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) body(i);
-  });
+  team_each(n, loop_threads(n, work, kParallelMin), body, 0);
 }
 
 int col_blocks(int N) { return (N + kGemmCols - 1) / kGemmCols; }
