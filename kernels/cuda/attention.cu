@@ -345,26 +345,61 @@ __global__ void attn_simple_kernel(Args a, OT* __restrict__ out) {
   }
 }
 
-// One warp per (query row, head) writes the row's T scores (masked = -inf): the rows rows[0..n)
-// (null: every row, n = T), written to scores [n_heads][n][T].
-__global__ void attn_scores_kernel(Args a, const int* __restrict__ rows, int n, float* __restrict__ scores) {
-  const int warps = blockDim.x >> 5;
-  const int r = blockIdx.x * warps + (threadIdx.x >> 5);
-  const int h = blockIdx.y, kvh = h / a.G, lane = threadIdx.x & 31;
-  if (r >= n) return;
-  const int i = rows ? rows[r] : r;
-  const float* qr = a.qkv + i * a.stride + a.q_col + static_cast<int64_t>(h) * a.D;
-  float* srow = scores + (static_cast<int64_t>(h) * n + r) * a.T;
-  for (int j = 0; j < a.T; ++j) {
-    if (a.causal && j > i) {
-      if (lane == 0) srow[j] = -INFINITY;
-      continue;
+// Scores of a tile of kScoreRows query rows × kScoreKeys keys of one head (blockIdx.z), the
+// block's rows r0 .. r0 + kScoreRows − 1 of rows[0..n) (null: rows row0, row0 + 1, ...), written to
+// scores [n_heads][n][T] (masked = -inf). q and k come through shared memory kScoreDepth channels
+// at a time; each thread sums 2 rows × 4 keys, every dot product in ascending channel order
+// (fmaf from 0). A tile past every row's last unmasked key writes -inf alone.
+constexpr int kScoreRows = 32, kScoreKeys = 64, kScoreDepth = 32;
+__global__ void __launch_bounds__(256) attn_scores_kernel(Args a, const int* __restrict__ rows, int row0, int n,
+                                                          float* __restrict__ scores) {
+  __shared__ float qs[kScoreRows][kScoreDepth + 1];
+  __shared__ float ks[kScoreKeys][kScoreDepth + 1];
+  __shared__ int rs[kScoreRows];
+  const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
+  const int r0 = blockIdx.x * kScoreRows, k0 = blockIdx.y * kScoreKeys, h = blockIdx.z, kvh = h / a.G;
+  if (tid < kScoreRows) rs[tid] = r0 + tid < n ? (rows ? rows[r0 + tid] : row0 + r0 + tid) : -1;
+  __syncthreads();
+  int last = -1;  // the tile's largest query row
+  for (int r = 0; r < kScoreRows; ++r) last = max(last, rs[r]);
+  const int i0 = rs[ty], i1 = rs[ty + 16];
+  float acc[2][4] = {};
+  if (!a.causal || k0 <= last) {
+    for (int d0 = 0; d0 < a.D; d0 += kScoreDepth) {
+      for (int x = tid; x < kScoreRows * kScoreDepth; x += 256) {
+        const int r = x / kScoreDepth, d = d0 + x % kScoreDepth, i = rs[r];
+        qs[r][x % kScoreDepth] =
+            i >= 0 && d < a.D ? a.qkv[i * a.stride + a.q_col + static_cast<int64_t>(h) * a.D + d] : 0.0f;
+      }
+      for (int x = tid; x < kScoreKeys * kScoreDepth; x += 256) {
+        const int c = x / kScoreDepth, d = d0 + x % kScoreDepth, j = k0 + c;
+        ks[c][x % kScoreDepth] =
+            j < a.T && d < a.D ? a.qkv[j * a.stride + a.k_col + static_cast<int64_t>(kvh) * a.D + d] : 0.0f;
+      }
+      __syncthreads();
+#pragma unroll 8
+      for (int d = 0; d < kScoreDepth; ++d) {
+        const float q0 = qs[ty][d], q1 = qs[ty + 16][d];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const float k = ks[tx + 16 * c][d];
+          acc[0][c] = fmaf(q0, k, acc[0][c]);
+          acc[1][c] = fmaf(q1, k, acc[1][c]);
+        }
+      }
+      __syncthreads();
     }
-    const float* kr = a.qkv + j * a.stride + a.k_col + static_cast<int64_t>(kvh) * a.D;
-    float dot = 0.0f;
-    for (int d = lane; d < a.D; d += 32) dot = fmaf(qr[d], kr[d], dot);
-    dot = warp_sum(dot);
-    if (lane == 0) srow[j] = dot * a.scale;
+  }
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int r = r0 + ty + 16 * e, i = e ? i1 : i0;
+    if (i < 0) continue;
+    float* srow = scores + (static_cast<int64_t>(h) * n + r) * a.T;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int j = k0 + tx + 16 * c;
+      if (j < a.T) srow[j] = a.causal && j > i ? -INFINITY : acc[e][c] * a.scale;
+    }
   }
 }
 
@@ -528,15 +563,15 @@ int attention_prefill(const float* qkv, const AttnLayout& l, void* out, Dt odt, 
 }
 
 void attention_scores(const float* qkv, const AttnLayout& l, float* scores, cudaStream_t s) {
-  attention_scores_rows(qkv, l, nullptr, l.T, scores, s);
+  attention_scores_rows(qkv, l, nullptr, 0, l.T, scores, s);
 }
 
-void attention_scores_rows(const float* qkv, const AttnLayout& l, const int* rows, int n, float* scores,
+void attention_scores_rows(const float* qkv, const AttnLayout& l, const int* rows, int row0, int n, float* scores,
                            cudaStream_t s) {
   if (l.T == 0 || n == 0) return;
   const Args a = make_args(qkv, l);
-  dim3 grid((n + 3) / 4, l.n_heads);
-  attn_scores_kernel<<<grid, 128, 0, s>>>(a, rows, n, scores);
+  dim3 grid((n + kScoreRows - 1) / kScoreRows, (l.T + kScoreKeys - 1) / kScoreKeys, l.n_heads);
+  attn_scores_kernel<<<grid, 256, 0, s>>>(a, rows, row0, n, scores);
   KV_LAUNCH("attn_scores_kernel", std::to_string(n) + " of " + std::to_string(l.T) + " tokens");
 }
 

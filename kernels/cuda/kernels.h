@@ -34,6 +34,12 @@ void embed(const void* table, Dt tdt, int64_t V, int64_t H, const int32_t* ids, 
 // kept), pos[0] += 1: the next greedy decode step's input. CPU twin: std::max_element.
 void next_token(const float* logits, int n, int32_t* ids, int32_t* pos, cudaStream_t s);
 void softmax_rows(float* x, int64_t rows, int n, cudaStream_t s);
+// softmax_rows of P [n_heads][na][n] (the same values), then below[h] += the entries j ≤ i of each
+// of head h's rows below p · (their maximum over j ≤ i), or equal to 0 with zeros_below, row a
+// being query row i = queries[a] (device; null: q0 + a): attention_reduce's counts of a pass, from
+// the probabilities in hand.
+void softmax_below_rows(float* P, int n_heads, int na, int n, const int* queries, int q0, double p, bool zeros_below,
+                        unsigned long long* below, cudaStream_t s);
 // slot = min over non-finite x[i] of (i << 32 | bits of x[i]) (atomicMin; UINT64_MAX = all finite).
 void first_nonfinite(const float* x, int64_t n, unsigned long long* slot, cudaStream_t s);
 
@@ -88,23 +94,22 @@ int attention_prefill(const float* qkv, const AttnLayout& l, void* out, Dt odt, 
 void attention_prefill_simple(const float* qkv, const AttnLayout& l, void* out, Dt odt, cudaStream_t s);
 // scores[h][i][j] = scale·q_i·k_j (masked = -inf), fp32 from qkv.
 void attention_scores(const float* qkv, const AttnLayout& l, float* scores, cudaStream_t s);
-// The same for the query rows rows[0..n) (device, null: every row, n = T) alone, written to
-// scores [n_heads][n][T] (row r of a head is query row rows[r]).
-void attention_scores_rows(const float* qkv, const AttnLayout& l, const int* rows, int n, float* scores,
+// The same for the query rows rows[0..n) (device; null: the rows row0 .. row0 + n − 1) alone,
+// written to scores [n_heads][n][T] (row r of a head is query row rows[r]). Each score's dot
+// product is summed in ascending channel order.
+void attention_scores_rows(const float* qkv, const AttnLayout& l, const int* rows, int row0, int n, float* scores,
                            cudaStream_t s);
-// Reductions of causal probabilities over the query rows queries[nq] (device, ascending), P
-// holding those rows alone: P [n_heads][nq][T], row a of a head being query row queries[a]:
-// out [n_heads][T] = Σ_{i ≥ j} P[h][i][j] in double, in ascending i, from 0.0 or (go_on) from
-// out's values (a later pass of rows); below[h] += the entries j ≤ i with P < p · (row max over
-// j ≤ i), or equal to 0 with zeros_below; sums [rows][cols] += the pooled heatmap's block sums
-// (AttentionReduction::map) of the row bins [first_bin, first_bin + n_bins) that hold these rows
-// (attention_reduce.cu; host reference: reduce_attention).
-void attention_column_sums(const float* P, int n_heads, int T, const int* queries, int nq, bool go_on, double* out,
-                           cudaStream_t s);
-void attention_below(const float* P, int n_heads, int T, const int* queries, int nq, double p, bool zeros_below,
-                     unsigned long long* below, cudaStream_t s);
-void attention_map_sums(const float* P, int n_heads, int T, const int* queries, int nq, int rows, int cols, int keys,
-                        int first_bin, int n_bins, double* sums, cudaStream_t s);
+// Reductions of causal probabilities over a pass of query rows, P holding those rows alone:
+// P [n_heads][nq][T], row a of a head being query row queries[a] (device, ascending; null: the
+// rows q0 .. q0 + nq − 1). out [n_heads][T] = Σ_{i ≥ j} P[h][i][j] in double, in ascending i, from
+// 0.0 or (go_on) from out's values (a later pass of rows; P's masked entries being 0, it needs no
+// row list); sums [rows][cols] += the pooled heatmap's block sums (AttentionReduction::map) of the
+// row bins [first_bin, first_bin + n_bins) that hold these rows (attention_reduce.cu; host
+// reference: reduce_attention). The counts below a share of the row's maximum come with the
+// softmax (softmax_below_rows).
+void attention_column_sums(const float* P, int n_heads, int T, int nq, bool go_on, double* out, cudaStream_t s);
+void attention_map_sums(const float* P, int n_heads, int T, const int* queries, int q0, int nq, int rows, int cols,
+                        int keys, int first_bin, int n_bins, double* sums, cudaStream_t s);
 // The exact attention of decode queries (exact_attention.cu; host reference: exact_attention in
 // core/exact_attention.h), one block a query head: query head h of q [n_heads][head_dim] over the
 // prompt's rows (prompt [T][stride], keys at k_col, values at v_col, KV head g at + g·head_dim)

@@ -37,11 +37,18 @@ void queue_prefill_reduction(Context& ctx, const Buffer& qkv, const AttnLayout& 
   // The listed query rows' probabilities as `attention` captures them ([H][rows][T]: rows are
   // independent), a pass of at most kPassRows rows (and 256 MB) at a time, each pass reduced in
   // place and its sums going on from the previous pass's.
-  constexpr int kPassRows = 128;
+  constexpr int kPassRows = 512;
   const int pass = static_cast<int>(std::clamp<int64_t>((int64_t{256} << 20) / (int64_t{H} * T * 4), 1, kPassRows));
   const auto P = ctx.alloc(static_cast<int64_t>(H) * std::min(pass, nq) * T * 4, "attention reduction probabilities");
-  const auto q = ctx.alloc(static_cast<int64_t>(nq) * 4, "attention reduction query rows");
-  ctx.upload(q.get(), r.queries.data(), static_cast<int64_t>(nq) * 4, "attention reduction query rows");
+  // A list of consecutive rows (every row, a window, the rows after the image) goes as its first
+  // row alone; another is uploaded.
+  const int q0 = r.queries.front();
+  const bool consecutive = r.queries.back() - q0 == nq - 1;  // (ascending: r.check)
+  std::shared_ptr<void> q;
+  if (!consecutive) {
+    q = ctx.alloc(static_cast<int64_t>(nq) * 4, "attention reduction query rows");
+    ctx.upload(q.get(), r.queries.data(), static_cast<int64_t>(nq) * 4, "attention reduction query rows");
+  }
   const int64_t sums_bytes = r.column_sums ? static_cast<int64_t>(H) * T * 8 : 0, below_bytes = r.below ? H * 8 : 0;
   const int64_t bytes = sums_bytes + below_bytes + map_cells * 8;
   const auto out = ctx.alloc(std::max<int64_t>(bytes, 8), "attention reductions");
@@ -53,15 +60,16 @@ void queue_prefill_reduction(Context& ctx, const Buffer& qkv, const AttnLayout& 
   float* p = static_cast<float*>(P.get());
   for (int a0 = 0; a0 < nq; a0 += pass) {
     const int na = std::min(pass, nq - a0);
-    const int* qa = static_cast<const int*>(q.get()) + a0;
-    attention_scores_rows(qkv.as<float>(), l, qa, na, p, ctx.stream);
-    softmax_rows(p, static_cast<int64_t>(H) * na, T, ctx.stream);
-    if (r.column_sums) cuda::attention_column_sums(p, H, T, qa, na, a0 > 0, sums, ctx.stream);
-    if (r.below) cuda::attention_below(p, H, T, qa, na, r.p, r.zeros_below, below, ctx.stream);
+    const int* qa = q ? static_cast<const int*>(q.get()) + a0 : nullptr;
+    const int qa0 = q0 + a0;  // (the pass's first row when consecutive)
+    attention_scores_rows(qkv.as<float>(), l, qa, qa0, na, p, ctx.stream);
+    if (r.below) softmax_below_rows(p, H, na, T, qa, qa0, r.p, r.zeros_below, below, ctx.stream);
+    else softmax_rows(p, static_cast<int64_t>(H) * na, T, ctx.stream);
+    if (r.column_sums) cuda::attention_column_sums(p, H, T, na, a0 > 0, sums, ctx.stream);
     if (r.map) {
       const int first = r.map_row_bin(r.queries[static_cast<size_t>(a0)], T);
       const int last = r.map_row_bin(r.queries[static_cast<size_t>(a0 + na - 1)], T);
-      cuda::attention_map_sums(p, H, T, qa, na, r.map_rows, r.map_cols, r.map_keys, first, last - first + 1, map,
+      cuda::attention_map_sums(p, H, T, qa, qa0, na, r.map_rows, r.map_cols, r.map_keys, first, last - first + 1, map,
                                ctx.stream);
     }
   }

@@ -41,10 +41,10 @@ AttnLayout qkv_layout(int T, int n_heads, int n_kv_heads, int D) {
 // The device's attention reductions against the host reference on the device's own
 // probabilities: column sums (double, ascending rows), counts and pooled maps (double sums in
 // the reference's order) equal bit for bit, for ranges, scattered rows, one row and none, p = 0
-// / 0.01 / 1 with and without zeros counted; all T rows take two passes of the device's 128. The CPU
+// / 0.01 / 1 with and without zeros counted; all T rows take two passes of the device's 512. The CPU
 // backend has no such op (its callers reduce the probabilities it hands over).
 TEST(Ops, AttentionReductions) {
-  const AttnLayout l = qkv_layout(203, 4, 2, 64);
+  const AttnLayout l = qkv_layout(603, 4, 2, 64);
   const int T = l.T, H = l.n_heads;
   const auto qkv = randn(static_cast<size_t>(T) * l.row_stride, 2.5f);
   {
@@ -98,6 +98,29 @@ TEST(Ops, AttentionReductions) {
   std::vector<int64_t> b(H);
   bad.below = b.data();
   EXPECT_THROW(gpu.attention_reduce(X, l, bad), InternalError);
+  // Rows longer than the softmax holds in registers (4,096 keys): read from memory at each step,
+  // the same probabilities and counts.
+  const AttnLayout ll = qkv_layout(4100, 2, 1, 32);
+  const int TL = ll.T, HL = ll.n_heads;
+  Buffer XL = make(gpu, "qkv long", {TL, ll.row_stride}, Dt::F32, randn(static_cast<size_t>(TL) * ll.row_stride, 2.5f));
+  Buffer OL = poisoned(gpu, "o long", {TL, static_cast<int64_t>(HL) * ll.head_dim}, Dt::F32);
+  std::vector<float> PL(static_cast<size_t>(HL) * TL * TL);
+  gpu.attention(XL, ll, OL, nullptr, PL.data());
+  for (const std::vector<int>& q : {AttentionReduction::range(0, TL, TL), AttentionReduction::range(TL - 3, TL, TL)}) {
+    std::vector<double> sums(static_cast<size_t>(HL) * TL, -1.0), want(sums.size(), -2.0);
+    std::vector<int64_t> below(HL, -1), want_below(HL, -2);
+    AttentionReduction r, ref;
+    r.queries = ref.queries = q;
+    r.p = ref.p = 0.01;
+    r.column_sums = sums.data();
+    r.below = below.data();
+    ref.column_sums = want.data();
+    ref.below = want_below.data();
+    ASSERT_TRUE(gpu.attention_reduce(XL, ll, r));
+    reduce_attention(PL.data(), HL, TL, ref);
+    EXPECT_TRUE(sums == want) << "column sums of long rows, rows " << r.key();
+    EXPECT_EQ(below, want_below) << "entries below of long rows, rows " << r.key();
+  }
 }
 
 // LOOK-M's assignment on the device against the host's (lookm_assign without a backend): the
