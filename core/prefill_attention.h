@@ -40,18 +40,33 @@ class PrefillAttention {
     reduce(layer, r);
     return s;
   }
-  // Makes `layer`'s reductions over `queries` ready for reduce and column_sums, for each of
-  // `layers`: the column sums, and with below_p ≥ 0 the counts below that share of the row's
-  // maximum (zeros_below as AttentionReduction has it). A capture on a device reduces all the
-  // layers in one pass with one wait, where a layer at a time would wait once per layer; a
-  // method that scores every layer asks this first. The default does nothing. Thread-safe.
-  virtual void prepare(const std::vector<int>& layers, const std::vector<int>& queries, double below_p = -1.0,
-                       bool zeros_below = false) const {}
+  // One set of query rows whose reductions prepare makes ready: the column sums over `queries`,
+  // and with below_p ≥ 0 the counts below that share of the row's maximum (zeros_below as
+  // AttentionReduction has it).
+  struct QueryRows {
+    std::vector<int> queries;
+    double below_p = -1.0;
+    bool zeros_below = false;
+  };
+  // Makes each of `layers`' reductions over each of `sets` ready for reduce and column_sums. A
+  // capture on a device recomputes each layer's queries and keys once for all the sets and
+  // reduces every layer and set in one pass with one wait, where a layer at a time would wait
+  // once per layer; a method or a diagnostic that reads every layer asks this first. The default
+  // does nothing. Thread-safe.
+  virtual void prepare(const std::vector<int>& layers, const std::vector<QueryRows>& sets) const {}
+  // prepare of one set.
+  void prepare(const std::vector<int>& layers, const std::vector<int>& queries, double below_p = -1.0,
+               bool zeros_below = false) const {
+    prepare(layers, std::vector<QueryRows>{QueryRows{queries, below_p, zeros_below}});
+  }
   // prepare for every layer.
-  void prepare_every_layer(const std::vector<int>& queries, double below_p = -1.0, bool zeros_below = false) const {
+  void prepare_every_layer(const std::vector<QueryRows>& sets) const {
     std::vector<int> layers(static_cast<size_t>(n_layers()));
     std::iota(layers.begin(), layers.end(), 0);
-    prepare(layers, queries, below_p, zeros_below);
+    prepare(layers, sets);
+  }
+  void prepare_every_layer(const std::vector<int>& queries, double below_p = -1.0, bool zeros_below = false) const {
+    prepare_every_layer(std::vector<QueryRows>{QueryRows{queries, below_p, zeros_below}});
   }
   // Bytes the capture holds (every layer's projection input and the queries, keys and values it
   // keeps recomputed, in the backend's memory), and of the probabilities it keeps for callers now

@@ -313,56 +313,73 @@ void CapturedAttention::keep_reduced_locked(Reduced x) const {
   if (reduced_.size() > max_reduced()) reduced_.pop_back();
 }
 
-void CapturedAttention::prepare(const std::vector<int>& layers, const std::vector<int>& queries, double below_p,
-                                bool zeros_below) const {
+void CapturedAttention::prepare(const std::vector<int>& layers, const std::vector<QueryRows>& sets) const {
   const int T = lay_.T, NH = lay_.n_heads;
   if (!be_->queues_reductions()) return;  // (a layer at a time when asked, as without prepare)
-  AttentionReduction rows_only;
-  rows_only.queries = queries;
-  rows_only.check(T, "prefill attention");
-  const std::string rows = rows_only.key();
-  AttentionReduction want = rows_only;
-  want.p = below_p;
-  want.zeros_below = zeros_below;
+  std::vector<std::string> keys;
+  for (const QueryRows& q : sets) {
+    AttentionReduction rows_only;
+    rows_only.queries = q.queries;
+    rows_only.check(T, "prefill attention");
+    keys.push_back(rows_only.key());
+  }
   std::lock_guard<std::shared_mutex> lock(mu_);
-  // The layers with nothing kept over these rows, whose probabilities are not on the host.
-  std::vector<int> todo;
+  // Per layer, the sets with nothing kept over their rows (or without the counts asked for),
+  // for layers whose probabilities are not on the host.
+  std::vector<std::pair<int, std::vector<size_t>>> todo;
+  size_t jobs = 0;
   for (int l : layers) {
     if (l < 0 || l >= n_layers() || layers_[static_cast<size_t>(l)].x.empty())
       throw InternalError("prefill attention: no captured layer " + std::to_string(l));
-    const Reduced* e = find_reduced(l, rows);
-    const bool have = std::any_of(recent_.begin(), recent_.end(), [&](const auto& x) { return x.first == l; }) ||
-                      (e && (below_p < 0 || e->counts(want)));
-    if (!have && std::find(todo.begin(), todo.end(), l) == todo.end()) todo.push_back(l);
+    if (std::any_of(recent_.begin(), recent_.end(), [&](const auto& x) { return x.first == l; })) continue;
+    if (std::any_of(todo.begin(), todo.end(), [&](const auto& x) { return x.first == l; })) continue;
+    std::vector<size_t> missing;
+    for (size_t s = 0; s < sets.size(); ++s) {
+      AttentionReduction want;
+      want.p = sets[s].below_p;
+      want.zeros_below = sets[s].zeros_below;
+      const Reduced* e = find_reduced(l, keys[s]);
+      const bool have = e && (sets[s].below_p < 0 || e->counts(want));
+      const bool twice = std::any_of(missing.begin(), missing.end(), [&](size_t m) { return keys[m] == keys[s]; });
+      if (!have && !twice) missing.push_back(s);
+    }
+    if (missing.empty()) continue;
+    jobs += missing.size();
+    todo.emplace_back(l, std::move(missing));
   }
-  if (todo.size() < 2) return;  // (one layer waits once either way)
+  if (jobs < 2) return;  // (one reduction waits once either way)
   std::lock_guard<std::recursive_mutex> ops(be_->ops_mutex());
   Buffer qkv = be_->alloc("prefill.qkv_recomputed_in_turn", {T, lay_.row_stride}, Dt::F32);
   std::vector<Reduced> fresh;
-  fresh.reserve(todo.size());  // (the results' addresses are queued: no reallocation)
+  fresh.reserve(jobs);  // (the results' addresses are queued: no reallocation)
   be_->queue_then_finish([&] {
-    for (int l : todo) {
-      fresh.push_back(Reduced{l, rows, std::make_shared<std::vector<double>>(static_cast<size_t>(NH) * T), {}});
-      Reduced& x = fresh.back();
-      AttentionReduction own = rows_only;
-      own.column_sums = x.column_sums->data();
-      if (below_p >= 0) {
-        x.below.push_back(Below{below_p, zeros_below, std::vector<int64_t>(static_cast<size_t>(NH))});
-        own.below = x.below.back().counts.data();
-        own.p = below_p;
-        own.zeros_below = zeros_below;
-      }
+    for (const auto& [l, missing] : todo) {
       recompute_locked(l, qkv);
-      if (!be_->attention_reduce_later(qkv, lay_, own))
-        throw InternalError("prefill attention: the " + be_->name() + " backend said it queues reductions, then did not");
-      ++runs_;
+      ++recomputes_;
+      for (size_t s : missing) {
+        const QueryRows& q = sets[s];
+        fresh.push_back(Reduced{l, keys[s], std::make_shared<std::vector<double>>(static_cast<size_t>(NH) * T), {}});
+        Reduced& x = fresh.back();
+        AttentionReduction own;
+        own.queries = q.queries;
+        own.column_sums = x.column_sums->data();
+        if (q.below_p >= 0) {
+          x.below.push_back(Below{q.below_p, q.zeros_below, std::vector<int64_t>(static_cast<size_t>(NH))});
+          own.below = x.below.back().counts.data();
+          own.p = q.below_p;
+          own.zeros_below = q.zeros_below;
+        }
+        if (!be_->attention_reduce_later(qkv, lay_, own))
+          throw InternalError("prefill attention: the " + be_->name() + " backend said it queues reductions, then did not");
+        ++runs_;
+      }
     }
   });
-  // A layer's earlier entry over these rows gives way to the new one (counts it held for other
-  // shares are computed again if asked).
+  // A layer's earlier entry over the same rows gives way to the new one (counts it held for
+  // other shares are computed again if asked).
   for (Reduced& x : fresh) {
     reduced_.erase(std::remove_if(reduced_.begin(), reduced_.end(),
-                                  [&](const Reduced& e) { return e.layer == x.layer && e.rows == rows; }),
+                                  [&](const Reduced& e) { return e.layer == x.layer && e.rows == x.rows; }),
                    reduced_.end());
     keep_reduced_locked(std::move(x));
   }

@@ -103,10 +103,11 @@ class CapturedAttention final : public PrefillAttention {
   std::shared_ptr<const std::vector<float>> probs(int layer) const override;
   void reduce(int layer, const AttentionReduction& r) const override;
   std::shared_ptr<const std::vector<double>> column_sums(int layer, const std::vector<int>& queries) const override;
-  // The layers' q/k/v recomputed in turn into one buffer and reduced there, every reduction
-  // queued before one wait (Backend::attention_reduce_later); kept as reduce would keep them.
-  void prepare(const std::vector<int>& layers, const std::vector<int>& queries, double below_p,
-               bool zeros_below) const override;
+  // The layers' q/k/v recomputed in turn into one buffer, once a layer for every set, and reduced
+  // there, every reduction queued before one wait (Backend::attention_reduce_later); kept as
+  // reduce would keep them.
+  using PrefillAttention::prepare;
+  void prepare(const std::vector<int>& layers, const std::vector<QueryRows>& sets) const override;
   // How many layer reductions the capture has run on its backend (prepare's included).
   int64_t reductions_run() const {
     std::lock_guard<std::shared_mutex> lock(mu_);

@@ -62,19 +62,19 @@ inline void check_captured_attention(const Model& m, const RGBImage& img, const 
   const std::vector<std::vector<int>> rows = {AttentionReduction::range(0, T, T), AttentionReduction::range(T - 8, T, T),
                                               {0, T / 2, T - 1}, {}};
   // Every layer prepared at once over two of the row sets (a device capture recomputes each layer
-  // into one buffer and queues its reduction, one wait for all): the checks below read what it
-  // kept there, one reduction a layer and row set.
+  // into one buffer once for both sets and queues their reductions, one wait for all): the checks
+  // below read what it kept there, one reduction a layer and row set.
   const auto* captured = dynamic_cast<const CapturedAttention*>(&a);
   ASSERT_TRUE(captured) << what;
   std::vector<int> all(static_cast<size_t>(L));
   for (int l = 0; l < L; ++l) all[static_cast<size_t>(l)] = l;
-  const int64_t runs_before = captured->reductions_run();
-  a.prepare(all, rows[0], 0.01, false);
-  a.prepare(all, rows[1], 0.0, true);
+  const int64_t runs_before = captured->reductions_run(), recomputed_before = captured->recomputes_run();
+  a.prepare(all, std::vector<PrefillAttention::QueryRows>{{rows[0], 0.01, false}, {rows[1], 0.0, true}});
   a.prepare(all, rows[1], 0.0, true);  // (kept: nothing runs again)
   const bool device = m.backend().name() == "cuda";
   if (device && L > 1) {
     EXPECT_EQ(captured->reductions_run() - runs_before, 2 * L) << what << ": prepare ran each layer once per row set";
+    EXPECT_EQ(captured->recomputes_run() - recomputed_before, L) << what << ": prepare recomputed a layer per row set";
   }
   for (int l = 0; l < L; ++l)
     for (size_t ri = 0; ri < rows.size(); ++ri)

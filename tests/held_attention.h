@@ -38,6 +38,7 @@ class HeldAttention final : public PrefillAttention {
     bool below = false;                // counts asked for (prepare: below_p >= 0), at p
     double p = 0;
     bool zeros_below = false;
+    int call = 0;  // the prepare or reduce call it came in (a prepare's row sets share one)
   };
   std::vector<Asked> asked() const {
     std::lock_guard<std::mutex> lock(mu_);
@@ -46,19 +47,22 @@ class HeldAttention final : public PrefillAttention {
   void reduce(int layer, const AttentionReduction& r) const override {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      asked_.push_back(Asked{false, {layer}, r.queries, r.below != nullptr, r.p, r.zeros_below});
+      asked_.push_back(Asked{false, {layer}, r.queries, r.below != nullptr, r.p, r.zeros_below, calls_++});
     }
     PrefillAttention::reduce(layer, r);
   }
-  void prepare(const std::vector<int>& layers, const std::vector<int>& queries, double below_p,
-               bool zeros_below) const override {
+  using PrefillAttention::prepare;
+  void prepare(const std::vector<int>& layers, const std::vector<QueryRows>& sets) const override {
     std::lock_guard<std::mutex> lock(mu_);
-    asked_.push_back(Asked{true, layers, queries, below_p >= 0, below_p, zeros_below});
+    for (const QueryRows& q : sets)
+      asked_.push_back(Asked{true, layers, q.queries, q.below_p >= 0, q.below_p, q.zeros_below, calls_});
+    ++calls_;
   }
 
  private:
   mutable std::mutex mu_;
   mutable std::vector<Asked> asked_;
+  mutable int calls_ = 0;
   int n_layers_, n_heads_, T_;
   std::function<const std::vector<float>*(int)> layer_;
 };

@@ -493,9 +493,6 @@ HitRates cache_hit_rates(const PrefillView& pv, const DecodeRecorder& full, doub
   const int G = KH > 0 ? H / KH : 1;
   const size_t S = hr.strategies.size();
   hr.k = budget_rows(budget, T);
-  int last_visual = -1;
-  for (int t = 0; t < T; ++t)
-    if ((*pv.kinds)[t] == SegmentKind::Visual) last_visual = t;
   for (int s : steps)
     if (full.find(s, 0)) hr.steps.push_back(s);
   const auto zeros = std::vector<std::vector<double>>(hr.steps.size(), std::vector<double>(L, 0.0));
@@ -507,10 +504,9 @@ HitRates cache_hit_rates(const PrefillView& pv, const DecodeRecorder& full, doub
     std::set_intersection(x.begin(), x.end(), y.begin(), y.end(), std::back_inserter(both));
     return static_cast<double>(both.size()) / hr.k;
   };
-  const int post_from = (last_visual >= 0 && last_visual + 1 < T) ? last_visual + 1 : T - 1;
-  const int window_from = std::max(0, T - window_queries);
+  const std::array<int, 3> from = hit_rate_query_starts(pv, window_queries);
   constexpr size_t kSets = 3;  // (accumulated, and from it normalized; sliding window; post vision)
-  const std::array<std::pair<size_t, int>, kSets> sums_from = {{{0, 0}, {2, window_from}, {3, post_from}}};
+  const std::array<std::pair<size_t, int>, kSets> sums_from = {{{0, from[0]}, {2, from[1]}, {3, from[2]}}};
   // Every layer's column sums over each strategy's queries in one pass (a capture on a device
   // waits once a pass, not once a layer).
   for (const auto& sf : sums_from) pv.attention->prepare_every_layer(AttentionReduction::range(sf.second, T, T));
@@ -529,6 +525,7 @@ HitRates cache_hit_rates(const PrefillView& pv, const DecodeRecorder& full, doub
   // entries).
   trace::Scope rank_span("hit_rates.rank");
   team_each(L, product_threads(), [&](int64_t layer_index) {
+    trace::Scope layer_span("hit_rates.layer", layer_index);
     const int l = static_cast<int>(layer_index);
     // score[g][strategy][j]: the strategies of KV head g (mean over its query heads), from each
     // query head's column sums over the strategy's queries.
@@ -593,6 +590,23 @@ HitRates cache_hit_rates(const PrefillView& pv, const DecodeRecorder& full, doub
     }
   });
   return hr;
+}
+
+std::array<int, 3> hit_rate_query_starts(const PrefillView& pv, int window_queries) {
+  const int T = pv.prompt_len;
+  int last_visual = -1;
+  for (int t = 0; t < T; ++t)
+    if ((*pv.kinds)[t] == SegmentKind::Visual) last_visual = t;
+  const int post_from = (last_visual >= 0 && last_visual + 1 < T) ? last_visual + 1 : T - 1;
+  return {0, std::max(0, T - window_queries), post_from};
+}
+
+void prepare_prefill_diagnostics(const PrefillView& pv, double p, int window_queries) {
+  const int T = pv.prompt_len;
+  std::vector<PrefillAttention::QueryRows> sets{{AttentionReduction::range(0, T, T), p, false}};
+  for (int from : hit_rate_query_starts(pv, window_queries))
+    if (from > 0) sets.push_back({AttentionReduction::range(from, T, T), -1.0, false});
+  pv.attention->prepare_every_layer(sets);
 }
 
 nlohmann::json diagnostic_definitions() {

@@ -4,6 +4,7 @@
 // first divergence of the greedy output.
 #pragma once
 #include <mutex>
+#include <array>
 #include <string>
 #include <vector>
 
@@ -217,6 +218,15 @@ struct HitRates {
 };
 HitRates cache_hit_rates(const PrefillView& pv, const DecodeRecorder& full, double budget,
                          const std::vector<int>& steps, int window_queries = 32);
+// The first query row of each set of queries the strategies of cache_hit_rates sum the prefill
+// attention over, to the prompt's end: every row (accumulated, and from it normalized), the last
+// `window_queries` (sliding_window), the rows after the last visual token (post_vision; the last
+// row when none follow it).
+std::array<int, 3> hit_rate_query_starts(const PrefillView& pv, int window_queries);
+// Every layer's reductions that prefill_sparsities(pv, p) and cache_hit_rates(pv, ..,
+// window_queries) read, prepared at once (PrefillAttention::prepare: on a device, each layer's
+// queries and keys recomputed once for all of them, one wait).
+void prepare_prefill_diagnostics(const PrefillView& pv, double p, int window_queries);
 
 // The definitions above as one line each, keyed like the report's fields (the report carries
 // them, so a reader of the JSON knows e.g. which distribution KL takes as reference).

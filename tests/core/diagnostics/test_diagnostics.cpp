@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <numeric>
 #include <random>
@@ -621,6 +622,40 @@ TEST(Sparsity, EveryLayerOfThePrefillPreparedInOnePass) {
   for (int l = 0; l < HitRun::L; ++l) {
     EXPECT_EQ(all[static_cast<size_t>(l)], prefill_sparsity(run.view(), l, 0.1)) << "layer " << l;
     EXPECT_GT(all[static_cast<size_t>(l)], 0.0) << "layer " << l;
+  }
+}
+
+// The reductions the prefill sparsity and the hit rates read, asked of the capture in one call
+// (a device recomputes each layer once for all of them); the sparsity and the rates then read
+// those sets and no other.
+TEST(PrefillDiagnostics, EveryRowSetTheSparsityAndTheHitRatesReadIsPreparedInOneCall) {
+  const HitRun run(5);
+  const int T = HitRun::T;
+  EXPECT_EQ(hit_rate_query_starts(run.view(), 4), (std::array<int, 3>{0, T - 4, 11}));  // last visual token: 10
+  EXPECT_EQ(hit_rate_query_starts(run.view(), 2 * T), (std::array<int, 3>{0, 0, 11}));
+  prepare_prefill_diagnostics(run.view(), 0.1, 4);
+  auto asked = run.held->asked();
+  ASSERT_EQ(asked.size(), 3u);
+  for (const auto& a : asked) {
+    EXPECT_TRUE(a.prepare);
+    EXPECT_EQ(a.call, asked[0].call) << "the row sets were asked in more than one call";
+    EXPECT_EQ(a.layers, (std::vector<int>{0, 1}));
+  }
+  EXPECT_EQ(asked[0].queries, AttentionReduction::range(0, T, T));
+  EXPECT_TRUE(asked[0].below);
+  EXPECT_EQ(asked[0].p, 0.1);
+  EXPECT_EQ(asked[1].queries, AttentionReduction::range(T - 4, T, T));
+  EXPECT_FALSE(asked[1].below);
+  EXPECT_EQ(asked[2].queries, AttentionReduction::range(11, T, T));
+  EXPECT_FALSE(asked[2].below);
+  prefill_sparsities(run.view(), 0.1);
+  cache_hit_rates(run.view(), run.rec, 0.2, run.steps, 4);
+  asked = run.held->asked();
+  for (size_t i = 3; i < asked.size(); ++i) {
+    const bool known = std::any_of(asked.begin(), asked.begin() + 3, [&](const auto& p) {
+      return p.queries == asked[i].queries && (!asked[i].below || (p.below && p.p == asked[i].p));
+    });
+    EXPECT_TRUE(known) << "ask " << i << " reads a row set the one call did not prepare";
   }
 }
 
