@@ -118,12 +118,28 @@ void run_bench(const BenchArgs& a) {
   // The research path's prefill (kvlens run, the app): the same prompt keeping its attention —
   // each layer's queries, keys and values in the backend's memory,
   // from which a layer's probabilities are recomputed when a method or a view asks.
-  std::vector<double> capture_prefill, view_ms;
+  // Then the reductions of every layer that `run`'s prefill diagnostics read (the sparsity and
+  // the hit rates' sums), from that capture, and the sparsity from them.
+  std::vector<double> capture_prefill, view_ms, reductions_ms;
+  std::vector<std::pair<std::string, double>> prof_reductions;
   int64_t capture_dev = 0, view_bytes = 0;
   for (int i = 0; i < std::max(1, a.repeat); ++i) {
     const PrefillState st = model.prefill(img, a.prompt, templ, true);
     capture_prefill.push_back(st.prefill_ms);
     capture_dev = st.capture.attention->capture_bytes();
+    PrefillView pv;
+    pv.full = &st.store;
+    pv.attention = st.capture.attention.get();
+    pv.kinds = &st.kinds;
+    pv.n_heads = pv.attention->n_heads();
+    pv.prompt_len = static_cast<int>(st.ids.size());
+    model.backend().profile_report();
+    const auto s0 = std::chrono::steady_clock::now();
+    const ExperimentOptions defaults;
+    prepare_prefill_diagnostics(pv, defaults.sparsity_p, defaults.hit_window);
+    prefill_sparsities(pv, defaults.sparsity_p);
+    reductions_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - s0).count());
+    prof_reductions = model.backend().profile_report();
     const auto t0 = std::chrono::steady_clock::now();
     const auto probs = st.capture.attention->probs(st.capture.attention->n_layers() - 1);
     view_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
@@ -153,20 +169,23 @@ void run_bench(const BenchArgs& a) {
   std::printf("%-26s %12.2f ms\n", "prefill with capture", median(capture_prefill));
   std::printf("%-26s %12.1f MB (%s)\n", "capture memory", capture_dev / 1e6, be.name() == "cpu" ? "host" : "device");
   std::printf("%-26s %12.2f ms (%.1f MB to the host)\n", "one layer's attention", median(view_ms), view_bytes / 1e6);
+  std::printf("%-26s %12.2f ms\n", "prefill reductions", median(reductions_ms));
   const int steps = std::max(1, tokens - 1);
   if (!prof_prefill.empty() || !prof_decode.empty()) {
-    std::printf("\nper-op device time of the last run (no step replay while profiling)\n%-22s %12s %16s\n", "op",
-                "vision+prefill ms", "decode ms/token");
+    std::printf("\nper-op device time of the last run (no step replay while profiling)\n%-22s %12s %16s %12s\n", "op",
+                "vision+prefill ms", "decode ms/token", "reductions ms");
     std::vector<std::string> names;
-    for (const auto* v : {&prof_prefill, &prof_decode})
+    for (const auto* v : {&prof_prefill, &prof_decode, &prof_reductions})
       for (const auto& x : *v)
         if (std::find(names.begin(), names.end(), x.first) == names.end()) names.push_back(x.first);
-    for (const auto& n : names) {
-      double p = 0, d = 0;
-      for (const auto& x : prof_prefill) p += x.first == n ? x.second : 0;
-      for (const auto& x : prof_decode) d += x.first == n ? x.second : 0;
-      std::printf("%-22s %12.3f %16.4f\n", n.c_str(), p, d / steps);
-    }
+    auto op_ms = [](const std::vector<std::pair<std::string, double>>& v, const std::string& n) {
+      double t = 0;
+      for (const auto& x : v) t += x.first == n ? x.second : 0;
+      return t;
+    };
+    for (const auto& n : names)
+      std::printf("%-22s %12.3f %16.4f %12.3f\n", n.c_str(), op_ms(prof_prefill, n), op_ms(prof_decode, n) / steps,
+                  op_ms(prof_reductions, n));
   }
   write_json(a.json, {{"model", model.dir()},
                       {"backend", be.name()},
@@ -185,6 +204,7 @@ void run_bench(const BenchArgs& a) {
                       {"capture_backend_bytes", capture_dev},
                       {"layer_attention_ms", median(view_ms)},
                       {"layer_attention_bytes", view_bytes},
+                      {"prefill_reductions_ms", median(reductions_ms)},
                       {"compress_ms", median(compress)},
                       {"decode_ms_per_token", median(per_token)},
                       {"decode_tokens_per_s", tps},
