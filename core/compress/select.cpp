@@ -46,25 +46,26 @@ std::vector<int> top_k(const std::vector<double>& score, int k, const std::vecto
   const int n = static_cast<int>(score.size());
   if (allowed && static_cast<int>(allowed->size()) != n)
     throw InternalError("top_k: mask and scores differ in length");
-  std::vector<int> idx;
-  idx.reserve(n);
+  // (key, index) pairs side by side, NaN keyed as −∞ so that it ranks last and the order stays a
+  // strict weak ordering.
+  struct Entry {
+    double key;
+    int i;
+  };
+  std::vector<Entry> e;
+  e.reserve(static_cast<size_t>(n));
   for (int i = 0; i < n; ++i)
-    if (!allowed || (*allowed)[i]) idx.push_back(i);
-  k = std::clamp(k, 0, static_cast<int>(idx.size()));
-  // NaN ranks last so the order stays a strict weak ordering.
-  auto key = [&](int i) {
-    const double s = score[i];
-    return std::isnan(s) ? -std::numeric_limits<double>::infinity() : s;
-  };
-  auto better = [&](int a, int b) {
-    const double sa = key(a), sb = key(b);
-    if (sa != sb) return sa > sb;
-    return a < b;
-  };
-  // `better` is a strict total order (ties to the smaller index), so the k best form one set
-  // whatever order nth_element leaves them in.
-  std::nth_element(idx.begin(), idx.begin() + k, idx.end(), better);
-  idx.resize(k);
+    if (!allowed || (*allowed)[static_cast<size_t>(i)])
+      e.push_back({std::isnan(score[static_cast<size_t>(i)]) ? -std::numeric_limits<double>::infinity()
+                                                             : score[static_cast<size_t>(i)],
+                   i});
+  k = std::clamp(k, 0, static_cast<int>(e.size()));
+  // A strict total order (ties to the smaller index), so the k best form one set whatever order
+  // nth_element leaves them in.
+  auto better = [](const Entry& a, const Entry& b) { return a.key != b.key ? a.key > b.key : a.i < b.i; };
+  std::nth_element(e.begin(), e.begin() + k, e.end(), better);
+  std::vector<int> idx(static_cast<size_t>(k));
+  for (int j = 0; j < k; ++j) idx[static_cast<size_t>(j)] = e[static_cast<size_t>(j)].i;
   std::sort(idx.begin(), idx.end());
   return idx;
 }

@@ -12,6 +12,8 @@
 
 #include "core/errors.h"
 #include "core/kv_format.h"
+#include "core/parallel.h"
+#include "core/team.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/context.h"
 #include "kernels/cuda/kernels.h"
@@ -34,23 +36,36 @@ struct Layout {
   }
 };
 
-}  // namespace
-
-std::vector<StagedZip> kv::zip_arrays(Context& ctx, const CudaKV& C, const std::vector<ZipGroup>& groups) {
-  const int NKV = C.NKV, D = C.D;
-  // Every group's rows in order — per KV head the salient subset then the other, each in the
-  // group's order — with offsets into arrays shared by the groups (the kernels take them as one).
-  std::vector<const __half*> src, values;
-  std::vector<ZipBlock> blocks;
-  std::vector<ZipFactorBlock> fblocks;
-  std::vector<int32_t> row_block, row_slot;
-  std::vector<char> meta;  // each group's salient flags (per head), then its positions (4-aligned)
+// The host's part of zip_arrays for some groups (plan_zip: the cache's layout read, nothing
+// launched, so several groups' plans can be made side by side): every group's rows in order —
+// per KV head the salient subset then the other, each in the group's order — with offsets into
+// arrays shared by the groups (the kernels take them as one), and the kernels' arguments as one
+// upload.
+struct ZipPlan {
   struct Span {
     int64_t code0 = 0, range0 = 0, factor0 = 0, slot0 = 0, row0 = 0, n_slots = 0, flags_end = 0, pos0 = 0, n_pos = 0;
     std::vector<int64_t> code_head, range_head, factor_head, row_head, flag_head;
     bool one_table = false, shared = false;
   };
-  std::vector<Span> spans(groups.size());
+  std::vector<Span> spans;
+  std::vector<char> meta;  // each group's salient flags (per head), then its positions (4-aligned)
+  int64_t N = 0, code = 0, range = 0, factor = 0, slots = 0;
+  bool copies = false;
+  int64_t n_blocks = 0, n_fblocks = 0;
+  std::vector<char> args;  // row pointers, blocks, factor blocks, row blocks, row slots, slot lists
+  int64_t a_ptr = 0, a_blk = 0, a_fb = 0, a_rb = 0, a_rs = 0, a_sf = 0, a_sr = 0;
+};
+
+ZipPlan plan_zip(const CudaKV& C, const std::vector<ZipGroup>& groups) {
+  const int NKV = C.NKV, D = C.D;
+  ZipPlan zp;
+  std::vector<const __half*> src, values;
+  std::vector<ZipBlock> blocks;
+  std::vector<ZipFactorBlock> fblocks;
+  std::vector<int32_t> row_block, row_slot;
+  std::vector<char>& meta = zp.meta;
+  std::vector<ZipPlan::Span>& spans = zp.spans;
+  spans.resize(groups.size());
   int64_t code = 0, range = 0, factor = 0, slots = 0;
   bool copies = false;
   for (size_t gi = 0; gi < groups.size(); ++gi) {
@@ -60,7 +75,7 @@ std::vector<StagedZip> kv::zip_arrays(Context& ctx, const CudaKV& C, const std::
     const int bits[2] = {L.lo_bits, L.hi_bits};
     const std::string what = "zipcache rows of layer " + std::to_string(g.layer);
     const SegmentRows rows(C, C.layers[static_cast<size_t>(g.layer)], g.segs, "zip_quantize_rows: " + what);
-    Span& sp = spans[gi];
+    ZipPlan::Span& sp = spans[gi];
     sp.code0 = code;
     sp.range0 = range;
     sp.factor0 = factor;
@@ -146,9 +161,8 @@ std::vector<StagedZip> kv::zip_arrays(Context& ctx, const CudaKV& C, const std::
       }
   }
   const int64_t N = static_cast<int64_t>(src.size());
-  std::vector<StagedZip> made(groups.size());
-  for (size_t gi = 0; gi < groups.size(); ++gi) made[gi].payload = groups[gi].payload;
-  if (N == 0) return made;
+  zp.N = N, zp.code = code, zp.range = range, zp.factor = factor, zp.slots = slots, zp.copies = copies;
+  if (N == 0) return zp;
   if (N > (int64_t{1} << 30)) throw InternalError("zip_quantize_rows: too many rows (" + std::to_string(N) + ")");
   std::vector<int32_t> slot_first(static_cast<size_t>(slots) + 1, 0), slot_rows(static_cast<size_t>(N));
   for (int32_t s : row_slot) ++slot_first[static_cast<size_t>(s) + 1];
@@ -157,26 +171,44 @@ std::vector<StagedZip> kv::zip_arrays(Context& ctx, const CudaKV& C, const std::
     std::vector<int32_t> fill(slot_first.begin(), slot_first.end() - 1);
     for (int64_t r = 0; r < N; ++r) slot_rows[static_cast<size_t>(fill[static_cast<size_t>(row_slot[static_cast<size_t>(r)])]++)] = static_cast<int32_t>(r);
   }
-  const std::string what = "zipcache rows of " + std::to_string(groups.size()) + " group(s)";
-
-  // The arguments in one upload.
+  // The arguments as one upload.
   src.insert(src.end(), values.begin(), values.end());
   Layout in;
-  const int64_t a_ptr = in.put(2 * N * static_cast<int64_t>(sizeof(void*)));
-  const int64_t a_blk = in.put(static_cast<int64_t>(blocks.size() * sizeof(ZipBlock)));
-  const int64_t a_fb = in.put(static_cast<int64_t>(fblocks.size() * sizeof(ZipFactorBlock)));
-  const int64_t a_rb = in.put(N * 4), a_rs = in.put(N * 4), a_sf = in.put((slots + 1) * 4), a_sr = in.put(N * 4);
-  std::vector<char> args(static_cast<size_t>(in.bytes));
-  auto put = [&](int64_t at, const void* p, size_t n) { std::memcpy(args.data() + at, p, n); };
-  put(a_ptr, src.data(), src.size() * sizeof(void*));
-  put(a_blk, blocks.data(), blocks.size() * sizeof(ZipBlock));
-  put(a_fb, fblocks.data(), fblocks.size() * sizeof(ZipFactorBlock));
-  put(a_rb, row_block.data(), row_block.size() * 4);
-  put(a_rs, row_slot.data(), row_slot.size() * 4);
-  put(a_sf, slot_first.data(), slot_first.size() * 4);
-  put(a_sr, slot_rows.data(), slot_rows.size() * 4);
-  DevMem A{ctx.alloc(in.bytes, what + " arguments"), in.bytes};
-  ctx.upload(A.mem.get(), args.data(), in.bytes, what + " arguments");
+  zp.a_ptr = in.put(2 * N * static_cast<int64_t>(sizeof(void*)));
+  zp.a_blk = in.put(static_cast<int64_t>(blocks.size() * sizeof(ZipBlock)));
+  zp.a_fb = in.put(static_cast<int64_t>(fblocks.size() * sizeof(ZipFactorBlock)));
+  zp.a_rb = in.put(N * 4), zp.a_rs = in.put(N * 4), zp.a_sf = in.put((slots + 1) * 4), zp.a_sr = in.put(N * 4);
+  zp.args.resize(static_cast<size_t>(in.bytes));
+  auto put = [&](int64_t at, const void* p, size_t n) { std::memcpy(zp.args.data() + at, p, n); };
+  put(zp.a_ptr, src.data(), src.size() * sizeof(void*));
+  put(zp.a_blk, blocks.data(), blocks.size() * sizeof(ZipBlock));
+  put(zp.a_fb, fblocks.data(), fblocks.size() * sizeof(ZipFactorBlock));
+  put(zp.a_rb, row_block.data(), row_block.size() * 4);
+  put(zp.a_rs, row_slot.data(), row_slot.size() * 4);
+  put(zp.a_sf, slot_first.data(), slot_first.size() * 4);
+  put(zp.a_sr, slot_rows.data(), slot_rows.size() * 4);
+  zp.n_blocks = static_cast<int64_t>(blocks.size());
+  zp.n_fblocks = static_cast<int64_t>(fblocks.size());
+  return zp;
+}
+
+// The device's part of zip_arrays: the plan's arguments uploaded, the rows gathered and quantized.
+std::vector<StagedZip> launch_zip(Context& ctx, const CudaKV& C, const std::vector<ZipGroup>& groups,
+                                  const ZipPlan& zp) {
+  const int NKV = C.NKV, D = C.D;
+  std::vector<StagedZip> made(groups.size());
+  for (size_t gi = 0; gi < groups.size(); ++gi) made[gi].payload = groups[gi].payload;
+  const int64_t N = zp.N, code = zp.code, range = zp.range, factor = zp.factor, slots = zp.slots;
+  const bool copies = zp.copies;
+  const std::vector<char>& meta = zp.meta;
+  const std::vector<ZipPlan::Span>& spans = zp.spans;
+  if (N == 0) return made;
+  const std::string what = "zipcache rows of " + std::to_string(groups.size()) + " group(s)";
+  const int64_t a_ptr = zp.a_ptr, a_blk = zp.a_blk, a_fb = zp.a_fb, a_rb = zp.a_rb, a_rs = zp.a_rs, a_sf = zp.a_sf,
+                a_sr = zp.a_sr;
+  const int64_t arg_bytes = static_cast<int64_t>(zp.args.size());
+  DevMem A{ctx.alloc(arg_bytes, what + " arguments"), arg_bytes};
+  ctx.upload(A.mem.get(), zp.args.data(), arg_bytes, what + " arguments");
   DevMem X{ctx.alloc(2 * N * D * 2, what), 2 * N * D * 2};
   auto* base = static_cast<char*>(A.mem.get());
   gather_rows(reinterpret_cast<const __half* const*>(base + a_ptr), X.as<__half>(), static_cast<int>(2 * N), D, ctx.stream);
@@ -193,7 +225,7 @@ std::vector<StagedZip> kv::zip_arrays(Context& ctx, const CudaKV& C, const std::
   if (!meta.empty()) ctx.upload(R.as<char>() + r_meta, meta.data(), static_cast<int64_t>(meta.size()), what + " flags and positions");
   auto* rb = R.as<char>();
   for (size_t gi = 0; gi < groups.size(); ++gi) {
-    const Span& sp = spans[gi];
+    const ZipPlan::Span& sp = spans[gi];
     const int64_t rows = (gi + 1 < groups.size() ? spans[gi + 1].row0 : N) - sp.row0;
     const int64_t codes = (gi + 1 < groups.size() ? spans[gi + 1].code0 : code) - sp.code0;
     const int64_t ranges = (gi + 1 < groups.size() ? spans[gi + 1].range0 : range) - sp.range0;
@@ -230,9 +262,9 @@ std::vector<StagedZip> kv::zip_arrays(Context& ctx, const CudaKV& C, const std::
   q.N = static_cast<int>(N);
   q.D = D;
   q.blocks = reinterpret_cast<const ZipBlock*>(base + a_blk);
-  q.n_blocks = static_cast<int>(blocks.size());
+  q.n_blocks = static_cast<int>(zp.n_blocks);
   q.factor_blocks = reinterpret_cast<const ZipFactorBlock*>(base + a_fb);
-  q.n_factor_blocks = static_cast<int>(fblocks.size());
+  q.n_factor_blocks = static_cast<int>(zp.n_fblocks);
   q.row_block = reinterpret_cast<const int32_t*>(base + a_rb);
   q.row_slot = reinterpret_cast<const int32_t*>(base + a_rs);
   q.slot_first = reinterpret_cast<const int32_t*>(base + a_sf);
@@ -251,6 +283,12 @@ std::vector<StagedZip> kv::zip_arrays(Context& ctx, const CudaKV& C, const std::
   }
   zip_quantize(q, ctx.stream);
   return made;
+}
+
+}  // namespace
+
+std::vector<StagedZip> kv::zip_arrays(Context& ctx, const CudaKV& C, const std::vector<ZipGroup>& groups) {
+  return launch_zip(ctx, C, groups, plan_zip(C, groups));
 }
 
 bool kv_zip_quantize(Context& ctx, DeviceKV& dev, const std::vector<ZipRowsGroup>& groups) {
@@ -274,11 +312,19 @@ bool kv_zip_quantize(Context& ctx, DeviceKV& dev, const std::vector<ZipRowsGroup
       return false;
     all.push_back({g.layer, g.segs, g.out});
   }
-  // Group by group (a prompt's groups are large: the host's bookkeeping of the next overlaps the
-  // device's work on this one), each group's arrays landing in its payload and kept for its
-  // layer's next kv_sync (one entry per payload: quantizing again for the same payload replaces it).
+  // Group by group (a prompt's groups are large): every group's plan made first, side by side on
+  // the team (the host's bookkeeping, the most of the work), then each launched, its arrays landing
+  // in its payload and kept for its layer's next kv_sync (one entry per payload: quantizing again
+  // for the same payload replaces it).
+  std::vector<ZipPlan> plans(all.size());
+  team_each(static_cast<int64_t>(all.size()), product_threads(),
+            [&](int64_t i) {
+              trace::Scope plan_span("kv.zip_plan", i);
+              plans[static_cast<size_t>(i)] = plan_zip(C, {all[static_cast<size_t>(i)]});
+            });
   for (size_t i = 0; i < all.size(); ++i) {
-    StagedZip z = std::move(zip_arrays(ctx, C, {all[i]}).front());
+    StagedZip z = std::move(launch_zip(ctx, C, {all[i]}, plans[i]).front());
+    plans[i] = ZipPlan{};  // (its host arrays freed as the groups go)
     if (!z.mem.mem) continue;
     quant::QuantPayload* out = groups[i].out;
     ctx.land_later(z.mem.mem, z.mem.bytes, [out, z, NKV](const char* host) {

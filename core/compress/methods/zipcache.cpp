@@ -61,6 +61,7 @@
 #include "core/errors.h"
 #include "core/compress/quant_methods.h"
 #include "core/parallel.h"
+#include "core/trace.h"
 
 namespace kvlens {
 
@@ -273,16 +274,20 @@ class ZipCachePolicy : public KVPolicy {
       std::shared_ptr<quant::QuantPayload> p;
     };
     std::vector<std::vector<Group>> per_layer(jobs.size());
-    parallel_for(static_cast<int>(jobs.size()), 8, [&](int i) {
-      const Job& j = jobs[static_cast<size_t>(i)];
-      std::vector<size_t> dense;
-      const Flags flags = layer_flags(*j.ctx, *j.layer, dense);
-      for (const std::vector<size_t>& g : groups(dense)) {
-        auto p = std::make_shared<quant::QuantPayload>(j.ctx->n_kv_heads);
-        zipcache::mark_group(*j.layer, g, flags, spec(), *p);
-        per_layer[static_cast<size_t>(i)].push_back({j.layer, g, std::move(p)});
-      }
-    });
+    {
+      trace::Scope flags_span("zipcache.flags");
+      parallel_for(static_cast<int>(jobs.size()), product_threads(), [&](int i) {
+        trace::Scope layer_span("zipcache.layer_flags");
+        const Job& j = jobs[static_cast<size_t>(i)];
+        std::vector<size_t> dense;
+        const Flags flags = layer_flags(*j.ctx, *j.layer, dense);
+        for (const std::vector<size_t>& g : groups(dense)) {
+          auto p = std::make_shared<quant::QuantPayload>(j.ctx->n_kv_heads);
+          zipcache::mark_group(*j.layer, g, flags, spec(), *p);
+          per_layer[static_cast<size_t>(i)].push_back({j.layer, g, std::move(p)});
+        }
+      });
+    }
     Backend& be = *jobs.front().ctx->backend;
     DeviceKV* device = jobs.front().ctx->device;
     std::vector<ZipRowsGroup> all;
