@@ -167,106 +167,95 @@ __global__ void __launch_bounds__(kNextTokenThreads) next_token_kernel(const flo
   }
 }
 
-// The softmax of row[0..n) in place by a block of kSoftmaxThreads threads, thread t taking the
-// entries t, t + kSoftmaxThreads, ...: the maximum, each exp(x − max) summed by its thread in that
-// order and the sums by block_sum, each entry times 1/sum. A row of up to kSoftmaxThreads ·
-// kSoftmaxPer entries is read once and held in v (v[c]: entry t + c·kSoftmaxThreads, its
-// probability on return); a longer one is read from memory at each step. Either way the same
-// operations in the same order: the same values. A row without a finite maximum becomes zeros.
-constexpr int kSoftmaxThreads = 256, kSoftmaxPer = 16;
-__device__ __forceinline__ bool softmax_row_held(int n) { return n <= kSoftmaxThreads * kSoftmaxPer; }
-__device__ __forceinline__ void softmax_row(float* row, int n, float (&v)[kSoftmaxPer], float* sh) {
+// The softmax of row[0..n) in place by one warp, lane l taking the entries l, l + 32, ...: the
+// maximum, each exp(x − max) summed by its lane in that order and the lanes' sums by warp_sum,
+// each entry times 1/sum. A row of up to 32 · kSoftmaxPer entries is read once and held in v
+// (v[c]: entry l + 32c, its probability on return); a longer one is read from memory at each
+// step. Either way the same operations in the same order: the same values. A row without a
+// finite maximum becomes zeros. A block of kSoftmaxThreads takes kSoftmaxThreads / 32 rows.
+constexpr int kSoftmaxThreads = 256, kSoftmaxRows = kSoftmaxThreads / 32, kSoftmaxPer = 32;
+__device__ __forceinline__ bool softmax_row_held(int n) { return n <= 32 * kSoftmaxPer; }
+__device__ __forceinline__ void softmax_row(float* row, int n, float (&v)[kSoftmaxPer]) {
   const bool held = softmax_row_held(n);
-  const int t = threadIdx.x;
+  const int l = threadIdx.x & 31;
   float mx = -INFINITY;
   if (held) {
 #pragma unroll
     for (int c = 0; c < kSoftmaxPer; ++c) {
-      const int j = t + c * kSoftmaxThreads;
+      const int j = l + 32 * c;
       v[c] = j < n ? row[j] : -INFINITY;
       mx = fmaxf(mx, v[c]);
     }
   } else {
-    for (int j = t; j < n; j += kSoftmaxThreads) mx = fmaxf(mx, row[j]);
+    for (int j = l; j < n; j += 32) mx = fmaxf(mx, row[j]);
   }
   mx = warp_max(mx);
-  const int w = t >> 5, l = t & 31, nw = kSoftmaxThreads >> 5;
-  if (l == 0) sh[w] = mx;
-  __syncthreads();
-  mx = l < nw ? sh[l] : -INFINITY;
-  mx = warp_max(mx);
-  __syncthreads();
   if (!isfinite(mx)) {
 #pragma unroll
     for (int c = 0; c < kSoftmaxPer; ++c) v[c] = 0.0f;
-    for (int j = t; j < n; j += kSoftmaxThreads) row[j] = 0.0f;
+    for (int j = l; j < n; j += 32) row[j] = 0.0f;
     return;
   }
   float s = 0.0f;
   if (held) {
 #pragma unroll
     for (int c = 0; c < kSoftmaxPer; ++c) {
-      const int j = t + c * kSoftmaxThreads;
-      if (j < n) {
+      if (l + 32 * c < n) {
         const float e = expf(v[c] - mx);
         v[c] = e;
         s += e;
       }
     }
   } else {
-    for (int j = t; j < n; j += kSoftmaxThreads) {
+    for (int j = l; j < n; j += 32) {
       const float e = expf(row[j] - mx);
       row[j] = e;
       s += e;
     }
   }
-  s = block_sum(s, sh);
+  s = warp_sum(s);
   const float inv = 1.0f / s;
   if (held) {
 #pragma unroll
     for (int c = 0; c < kSoftmaxPer; ++c) {
-      const int j = t + c * kSoftmaxThreads;
+      const int j = l + 32 * c;
       if (j < n) row[j] = v[c] = v[c] * inv;
     }
   } else {
-    for (int j = t; j < n; j += kSoftmaxThreads) row[j] *= inv;
+    for (int j = l; j < n; j += 32) row[j] *= inv;
   }
 }
 
-__global__ void __launch_bounds__(kSoftmaxThreads) softmax_rows_kernel(float* x, int n) {
-  __shared__ float sh[32];
+__global__ void __launch_bounds__(kSoftmaxThreads) softmax_rows_kernel(float* x, int64_t rows, int n) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kSoftmaxRows + (threadIdx.x >> 5);
+  if (r >= rows) return;
   float v[kSoftmaxPer];
-  softmax_row(x + static_cast<int64_t>(blockIdx.x) * n, n, v, sh);
+  softmax_row(x + r * n, n, v);
 }
 
 // softmax_row of each of P's rows ([n_heads][na][n], row a of a head being query row i = q[a],
 // or q0 + a without a list), then the row's entries j ≤ i below p · (their maximum), or equal to
-// 0 with zeros_below, added to below[head] (attention_below's count, from the values in hand).
-__global__ void __launch_bounds__(kSoftmaxThreads) softmax_below_kernel(float* P, int n, int na,
+// 0 with zeros_below, added to below[head] (the counts from the values in hand).
+__global__ void __launch_bounds__(kSoftmaxThreads) softmax_below_kernel(float* P, int64_t rows, int n, int na,
                                                                      const int* __restrict__ q, int q0, double p,
                                                                      int zeros_below,
                                                                      unsigned long long* __restrict__ below) {
-  __shared__ float sh[32];
-  __shared__ unsigned int shc[32];
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kSoftmaxRows + (threadIdx.x >> 5);
+  if (r >= rows) return;
   float v[kSoftmaxPer];
-  float* row = P + static_cast<int64_t>(blockIdx.x) * n;
-  softmax_row(row, n, v, sh);
-  const int a = static_cast<int>(blockIdx.x) % na, h = static_cast<int>(blockIdx.x) / na;
-  const int i = q ? q[a] : q0 + a, t = threadIdx.x, w = t >> 5, l = t & 31, nw = kSoftmaxThreads >> 5;
+  float* row = P + r * n;
+  softmax_row(row, n, v);
+  const int a = static_cast<int>(r % na), h = static_cast<int>(r / na);
+  const int i = q ? q[a] : q0 + a, l = threadIdx.x & 31;
   const bool held = softmax_row_held(n);
-  float m = -INFINITY;  // (each thread reads back only entries it wrote)
+  float m = -INFINITY;  // (each lane reads back only entries it wrote)
   if (held) {
 #pragma unroll
     for (int c = 0; c < kSoftmaxPer; ++c)
-      if (t + c * kSoftmaxThreads <= i) m = fmaxf(m, v[c]);
+      if (l + 32 * c <= i) m = fmaxf(m, v[c]);
   } else {
-    for (int j = t; j <= i; j += kSoftmaxThreads) m = fmaxf(m, row[j]);
+    for (int j = l; j <= i; j += 32) m = fmaxf(m, row[j]);
   }
-  m = warp_max(m);
-  __syncthreads();  // (sh was block_sum's)
-  if (l == 0) sh[w] = m;
-  __syncthreads();
-  m = l < nw ? sh[l] : -INFINITY;
   m = warp_max(m);
   const double thr = p * static_cast<double>(m);
   unsigned int cnt = 0;
@@ -274,19 +263,13 @@ __global__ void __launch_bounds__(kSoftmaxThreads) softmax_below_kernel(float* P
   if (held) {
 #pragma unroll
     for (int c = 0; c < kSoftmaxPer; ++c)
-      if (t + c * kSoftmaxThreads <= i) cnt += counts(v[c]);
+      if (l + 32 * c <= i) cnt += counts(v[c]);
   } else {
-    for (int j = t; j <= i; j += kSoftmaxThreads) cnt += counts(row[j]);
+    for (int j = l; j <= i; j += 32) cnt += counts(row[j]);
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) cnt += __shfl_xor_sync(0xffffffffu, cnt, o);
-  if (l == 0) shc[w] = cnt;
-  __syncthreads();
-  if (t == 0) {
-    unsigned long long s = 0;
-    for (int k = 0; k < nw; ++k) s += shc[k];
-    atomicAdd(below + h, s);
-  }
+  if (l == 0 && cnt) atomicAdd(below + h, static_cast<unsigned long long>(cnt));
 }
 
 __global__ void first_nonfinite_kernel(const float* x, int64_t n, unsigned long long* slot) {
@@ -382,15 +365,16 @@ void next_token(const float* logits, int n, int32_t* ids, int32_t* pos, cudaStre
 
 void softmax_rows(float* x, int64_t rows, int n, cudaStream_t s) {
   if (rows == 0 || n == 0) return;
-  softmax_rows_kernel<<<static_cast<unsigned>(rows), kSoftmaxThreads, 0, s>>>(x, n);
+  softmax_rows_kernel<<<static_cast<unsigned>((rows + kSoftmaxRows - 1) / kSoftmaxRows), kSoftmaxThreads, 0, s>>>(x, rows, n);
   KV_LAUNCH("softmax_rows_kernel", std::to_string(rows) + "x" + std::to_string(n));
 }
 
 void softmax_below_rows(float* P, int n_heads, int na, int n, const int* queries, int q0, double p, bool zeros_below,
                         unsigned long long* below, cudaStream_t s) {
   if (n_heads == 0 || na == 0 || n == 0) return;
-  softmax_below_kernel<<<static_cast<unsigned>(static_cast<int64_t>(n_heads) * na), kSoftmaxThreads, 0, s>>>(
-      P, n, na, queries, q0, p, zeros_below ? 1 : 0, below);
+  const int64_t rows = static_cast<int64_t>(n_heads) * na;
+  softmax_below_kernel<<<static_cast<unsigned>((rows + kSoftmaxRows - 1) / kSoftmaxRows), kSoftmaxThreads, 0, s>>>(
+      P, rows, n, na, queries, q0, p, zeros_below ? 1 : 0, below);
   KV_LAUNCH("softmax_below_kernel", std::to_string(n_heads) + " heads x " + std::to_string(na) + " rows");
 }
 
