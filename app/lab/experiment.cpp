@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <future>
 
 #include "core/errors.h"
 #include "core/numbers.h"
@@ -72,37 +73,48 @@ Experiment start_experiment(const Model& model, PrefillState prefill, const Expe
     ex.full = model.decode(ex.prefill, nullptr, g, obs);
   }
   const PrefillView pv = ex.view();
+  const int L = ex.prefill.store.n_layers();
+  HitTruth truth;
   {
-    // The prefill's reductions the sparsity and the hit rates read, every layer in one pass.
+    // The prefill's reductions the sparsity and the hit rates read, every layer in one pass; the
+    // diagnostics' decode side, which reads none of them, meanwhile on another thread (on a
+    // device, while the host waits for the reductions).
     trace::Scope span("experiment.prefill_reductions");
-    prepare_prefill_diagnostics(pv, opt.sparsity_p, opt.hit_window);
+    auto decode_side = std::async(std::launch::async, [&] {
+      trace::Scope side_span("experiment.decode_side");
+      truth = hit_rate_truth(pv, *ex.full_recorder, opt.hit_budget, opt.hit_steps);
+      // The full cache's decode sparsity of each layer over the steps a method's decode sparsity
+      // reads (the mean in step order), layers side by side on the team (each writes its own).
+      std::vector<std::vector<const DecodeRecorder::Entry*>> steps_of(static_cast<size_t>(L));
+      for (const auto& e : ex.full_recorder->entries())
+        if (e.layer >= 0 && e.layer < L && e.step < opt.diag_steps) steps_of[static_cast<size_t>(e.layer)].push_back(&e);
+      ex.sparsity_decode_full.assign(static_cast<size_t>(L), 0.0);
+      team_each(L, product_threads(), [&](int64_t l) {
+        double s = 0;
+        for (const DecodeRecorder::Entry* e : steps_of[static_cast<size_t>(l)])
+          s += sparsity(e->probs.data(), e->n_heads, 1, e->n_k, opt.sparsity_p);
+        const size_t n = steps_of[static_cast<size_t>(l)].size();
+        ex.sparsity_decode_full[static_cast<size_t>(l)] = n ? s / static_cast<double>(n) : 0.0;
+      });
+    });
+    try {
+      prepare_prefill_diagnostics(pv, opt.sparsity_p, opt.hit_window);
+    } catch (...) {
+      decode_side.wait();
+      throw;
+    }
+    decode_side.get();
   }
   {
     trace::Scope sparsity_span("experiment.sparsity");
     ex.sparsity_prefill = prefill_sparsities(pv, opt.sparsity_p);
-    // The full cache's decode sparsity of each layer over the steps a method's decode sparsity
-    // reads (the mean in step order), layers side by side on the team (each writes its own).
-    const int L = ex.prefill.store.n_layers();
-    std::vector<std::vector<const DecodeRecorder::Entry*>> steps_of(static_cast<size_t>(L));
-    for (const auto& e : ex.full_recorder->entries())
-      if (e.layer >= 0 && e.layer < L && e.step < opt.diag_steps) steps_of[static_cast<size_t>(e.layer)].push_back(&e);
-    ex.sparsity_decode_full.assign(static_cast<size_t>(L), 0.0);
-    team_each(L, product_threads(), [&](int64_t l) {
-      double s = 0;
-      for (const DecodeRecorder::Entry* e : steps_of[static_cast<size_t>(l)])
-        s += sparsity(e->probs.data(), e->n_heads, 1, e->n_k, opt.sparsity_p);
-      const size_t n = steps_of[static_cast<size_t>(l)].size();
-      ex.sparsity_decode_full[static_cast<size_t>(l)] = n ? s / static_cast<double>(n) : 0.0;
-    });
     for (int l = 0; l < L; ++l)
       for (const KVSegment& seg : ex.prefill.store.layer(l).segments)
         ex.full_fp16_bytes += seg.dense_bytes(ex.prefill.store.head_dim(), 2);
   }
-  // After the prefill sparsity: its reduction over every query row leaves the column sums the
-  // accumulated strategy reads (PrefillAttention::reduce keeps them).
   {
     trace::Scope hit_span("experiment.hit_rates");
-    ex.hit_rates = cache_hit_rates(pv, *ex.full_recorder, opt.hit_budget, opt.hit_steps, opt.hit_window);
+    ex.hit_rates = cache_hit_rates(pv, truth, opt.hit_window);
   }
   if (opt.attention_maps) {
     trace::Scope maps_span("experiment.attention_maps");

@@ -485,16 +485,65 @@ FirstDivergence first_divergence(const std::vector<int>& full_ids, const std::ve
   return f;
 }
 
+HitTruth hit_rate_truth(const PrefillView& pv, const DecodeRecorder& full, double budget,
+                        const std::vector<int>& steps) {
+  HitTruth t;
+  const int T = pv.prompt_len, L = pv.full->n_layers(), KH = pv.full->n_kv_heads();
+  t.k = budget_rows(budget, T);
+  for (int s : steps)
+    if (full.find(s, 0)) t.steps.push_back(s);
+  const size_t S = t.steps.size();
+  t.layer.assign(S, std::vector<std::vector<int>>(static_cast<size_t>(L)));
+  t.head.assign(S, std::vector<std::vector<std::vector<int>>>(static_cast<size_t>(L)));
+  // Every (step, layer) side by side on the team (core/team.h; each writes its own entries).
+  team_each(static_cast<int64_t>(S) * L, product_threads(), [&](int64_t x) {
+    const size_t si = static_cast<size_t>(x / L);
+    const int l = static_cast<int>(x % L);
+    const auto* E = full.find(t.steps[si], l);
+    if (!E) throw InternalError("cache_hit_rates: no decode attention for step " + std::to_string(t.steps[si]));
+    // A_{m+1} = softmax(q K_{:m}ᵀ/√d) over the prompt keys alone: each query head's
+    // probabilities of the prompt keys renormalised to sum to 1 (the decode query also sees the
+    // generated keys), then averaged over the layer's heads (layer level) or over the query
+    // heads of each KV head (per KV head).
+    const int GE = E->n_heads / E->n_kv_heads;
+    std::vector<std::vector<double>> truth(E->n_kv_heads, std::vector<double>(T, 0.0));
+    std::vector<double> truth_layer(T, 0.0);
+    for (int h = 0; h < E->n_heads; ++h) {
+      double mass = 0.0;
+      for (int pass = 0; pass < 2; ++pass)
+        for (int j = 0; j < E->n_k; ++j) {
+          const int32_t pos = E->key_pos[static_cast<size_t>(h / GE) * E->n_k + j];
+          if (pos < 0 || pos >= T) continue;
+          const double p = E->probs[static_cast<size_t>(h) * E->n_k + j];
+          if (pass == 0) {
+            mass += p;
+          } else if (mass > 0.0) {
+            truth[h / GE][pos] += p / mass / GE;
+            truth_layer[pos] += p / mass / E->n_heads;
+          }
+        }
+    }
+    t.layer[si][static_cast<size_t>(l)] = top_k(truth_layer, t.k);
+    std::vector<std::vector<int>>& heads = t.head[si][static_cast<size_t>(l)];
+    heads.resize(static_cast<size_t>(KH));
+    for (int g = 0; g < KH; ++g) heads[static_cast<size_t>(g)] = top_k(truth.at(g), t.k);
+  });
+  return t;
+}
+
 HitRates cache_hit_rates(const PrefillView& pv, const DecodeRecorder& full, double budget,
                          const std::vector<int>& steps, int window_queries) {
+  return cache_hit_rates(pv, hit_rate_truth(pv, full, budget, steps), window_queries);
+}
+
+HitRates cache_hit_rates(const PrefillView& pv, const HitTruth& truth, int window_queries) {
   HitRates hr;
   hr.strategies = {"accumulated", "normalized", "sliding_window", "post_vision", "recency"};
   const int T = pv.prompt_len, H = pv.n_heads, L = pv.full->n_layers(), KH = pv.full->n_kv_heads();
   const int G = KH > 0 ? H / KH : 1;
   const size_t S = hr.strategies.size();
-  hr.k = budget_rows(budget, T);
-  for (int s : steps)
-    if (full.find(s, 0)) hr.steps.push_back(s);
+  hr.k = truth.k;
+  hr.steps = truth.steps;
   const auto zeros = std::vector<std::vector<double>>(hr.steps.size(), std::vector<double>(L, 0.0));
   hr.rates.assign(S, zeros);
   hr.rates_head.assign(S, zeros);
@@ -554,33 +603,8 @@ HitRates cache_hit_rates(const PrefillView& pv, const DecodeRecorder& full, doub
       for (int g = 0; g < KH; ++g) top_head[g][st] = top_k(score[g][st], hr.k);
     }
     for (size_t si = 0; si < hr.steps.size(); ++si) {
-      const auto* E = full.find(hr.steps[si], l);
-      if (!E) throw InternalError("cache_hit_rates: no decode attention for step " + std::to_string(hr.steps[si]));
-      // A_{m+1} = softmax(q K_{:m}ᵀ/√d) over the prompt keys alone: each query head's
-      // probabilities of the prompt keys renormalised to sum to 1 (the decode query also sees the
-      // generated keys), then averaged over the layer's heads (layer level) or over the query
-      // heads of each KV head (per KV head).
-      const int GE = E->n_heads / E->n_kv_heads;
-      std::vector<std::vector<double>> truth(E->n_kv_heads, std::vector<double>(T, 0.0));
-      std::vector<double> truth_layer(T, 0.0);
-      for (int h = 0; h < E->n_heads; ++h) {
-        double mass = 0.0;
-        for (int pass = 0; pass < 2; ++pass)
-          for (int j = 0; j < E->n_k; ++j) {
-            const int32_t pos = E->key_pos[static_cast<size_t>(h / GE) * E->n_k + j];
-            if (pos < 0 || pos >= T) continue;
-            const double p = E->probs[static_cast<size_t>(h) * E->n_k + j];
-            if (pass == 0) {
-              mass += p;
-            } else if (mass > 0.0) {
-              truth[h / GE][pos] += p / mass / GE;
-              truth_layer[pos] += p / mass / E->n_heads;
-            }
-          }
-      }
-      const std::vector<int> truth_top = top_k(truth_layer, hr.k);
-      std::vector<std::vector<int>> truth_head(static_cast<size_t>(KH));
-      for (int g = 0; g < KH; ++g) truth_head[static_cast<size_t>(g)] = top_k(truth.at(g), hr.k);
+      const std::vector<int>& truth_top = truth.layer[si][static_cast<size_t>(l)];
+      const std::vector<std::vector<int>>& truth_head = truth.head[si][static_cast<size_t>(l)];
       for (size_t st = 0; st < S; ++st) {
         hr.rates[st][si][l] = hit(top_layer[st], truth_top);
         double sum = 0.0;

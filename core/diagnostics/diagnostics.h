@@ -218,6 +218,19 @@ struct HitRates {
 };
 HitRates cache_hit_rates(const PrefillView& pv, const DecodeRecorder& full, double budget,
                          const std::vector<int>& steps, int window_queries = 32);
+// The truth side of cache_hit_rates, which reads no prefill attention (so it can run while a
+// device reduces the prefill): k, the recorded steps among `steps`, and for each step and layer
+// the top k prompt keys by the full cache's decode attention, layer[step][layer] and per KV head
+// head[step][layer][kv head] (ascending).
+struct HitTruth {
+  int k = 0;
+  std::vector<int> steps;
+  std::vector<std::vector<std::vector<int>>> layer;
+  std::vector<std::vector<std::vector<std::vector<int>>>> head;
+};
+HitTruth hit_rate_truth(const PrefillView& pv, const DecodeRecorder& full, double budget, const std::vector<int>& steps);
+// cache_hit_rates from its truth side made before.
+HitRates cache_hit_rates(const PrefillView& pv, const HitTruth& truth, int window_queries = 32);
 // The first query row of each set of queries the strategies of cache_hit_rates sum the prefill
 // attention over, to the prompt's end: every row (accumulated, and from it normalized), the last
 // `window_queries` (sliding_window), the rows after the last visual token (post_vision; the last

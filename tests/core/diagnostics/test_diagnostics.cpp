@@ -659,6 +659,35 @@ TEST(PrefillDiagnostics, EveryRowSetTheSparsityAndTheHitRatesReadIsPreparedInOne
   }
 }
 
+// The truth side (the decode attention's top keys) reads no prefill attention, so it can run
+// while a device reduces the prefill; the rates from it are those of the whole computation.
+TEST(CacheHitRate, TheTruthSideReadsNoPrefillAttention) {
+  const HitRun run(5);
+  const PrefillView v = run.view();
+  const HitTruth truth = hit_rate_truth(v, run.rec, 0.2, {0, 1, 2, 9});
+  EXPECT_TRUE(run.held->asked().empty()) << "the truth side asked the prefill attention";
+  EXPECT_EQ(truth.k, 3);
+  EXPECT_EQ(truth.steps, (std::vector<int>{0, 2}));
+  ASSERT_EQ(truth.layer.size(), 2u);
+  ASSERT_EQ(truth.head.size(), 2u);
+  for (size_t s = 0; s < 2; ++s) {
+    ASSERT_EQ(truth.layer[s].size(), static_cast<size_t>(HitRun::L));
+    for (int l = 0; l < HitRun::L; ++l) {
+      EXPECT_EQ(truth.layer[s][static_cast<size_t>(l)].size(), 3u);
+      ASSERT_EQ(truth.head[s][static_cast<size_t>(l)].size(), static_cast<size_t>(HitRun::KH));
+    }
+  }
+  const HitRates a = cache_hit_rates(v, truth, 4), b = cache_hit_rates(v, run.rec, 0.2, {0, 1, 2, 9}, 4);
+  EXPECT_EQ(a.steps, b.steps);
+  EXPECT_EQ(a.rates, b.rates);
+  EXPECT_EQ(a.rates_head, b.rates_head);
+  bool any = false;
+  for (const auto& st : a.rates)
+    for (const auto& step : st)
+      for (double r : step) any = any || r > 0.0;
+  EXPECT_TRUE(any) << "every rate is 0: the comparison above would hold for rates never computed";
+}
+
 // Steps that were not recorded are dropped from the report; k = floor(budget · T), at least 1
 // (the rows an eviction policy at that budget keeps).
 TEST(CacheHitRate, StepsAndK) {
