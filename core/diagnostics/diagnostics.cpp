@@ -570,49 +570,62 @@ HitRates cache_hit_rates(const PrefillView& pv, const HitTruth& truth, int windo
         sums[static_cast<size_t>(l)][set] =
             pv.attention->column_sums(l, AttentionReduction::range(sums_from[set].second, T, T));
   }
-  // The rankings and hits, layers side by side on the team (core/team.h; each writes its own
-  // entries).
-  trace::Scope rank_span("hit_rates.rank");
-  team_each(L, product_threads(), [&](int64_t layer_index) {
-    trace::Scope layer_span("hit_rates.layer", layer_index);
-    const int l = static_cast<int>(layer_index);
-    // score[g][strategy][j]: the strategies of KV head g (mean over its query heads), from each
-    // query head's column sums over the strategy's queries.
-    std::vector<std::vector<std::vector<double>>> score(KH, std::vector<std::vector<double>>(S, std::vector<double>(T, 0.0)));
+  // score[strategy][j] of KV head g of layer l (the mean over its query heads), from each query
+  // head's column sums over the strategy's queries, each head's in ascending order.
+  auto head_score = [&](int l, int g, std::vector<std::vector<double>>& score) {
+    score.assign(S, std::vector<double>(static_cast<size_t>(T), 0.0));
     for (size_t set = 0; set < kSets; ++set) {
       const size_t st = sums_from[set].first;
       const std::vector<double>& layer_sums = *sums[static_cast<size_t>(l)][set];
-      for (int h = 0; h < H; ++h)
-        for (int j = 0; j < T; ++j) score[h / G][st][j] += layer_sums[static_cast<size_t>(h) * T + j] / G;
+      for (int h = g * G; h < (g + 1) * G; ++h)
+        for (int j = 0; j < T; ++j) score[st][j] += layer_sums[static_cast<size_t>(h) * T + j] / G;
     }
-    for (int g = 0; g < KH; ++g)
-      for (int j = 0; j < T; ++j) {
-        score[g][1][j] = score[g][0][j] / (T - j);
-        score[g][4][j] = j;
+    for (int j = 0; j < T; ++j) {
+      score[1][j] = score[0][j] / (T - j);
+      score[4][j] = j;
+    }
+  };
+  // The rankings and hits, KH + 1 units a layer side by side on the team (core/team.h; each
+  // writes its own entries): unit g < KH ranks KV head g's strategies (the same at every step)
+  // and meets them with its truth at each step; unit KH the layer level, whose strategies are the
+  // mean over KV heads of the group means (the mean over query heads). The per-KV-head rate is
+  // then the mean of the heads' hits, in head order.
+  const size_t NS = hr.steps.size();
+  std::vector<double> head_hits(static_cast<size_t>(L) * KH * S * NS, 0.0);  // [layer][g][strategy][step]
+  {
+    trace::Scope rank_span("hit_rates.rank");
+    team_each(static_cast<int64_t>(L) * (KH + 1), product_threads(), [&](int64_t x) {
+      const int l = static_cast<int>(x / (KH + 1)), u = static_cast<int>(x % (KH + 1));
+      std::vector<std::vector<double>> score;
+      if (u < KH) {
+        head_score(l, u, score);
+        for (size_t st = 0; st < S; ++st) {
+          const std::vector<int> top = top_k(score[st], hr.k);
+          for (size_t si = 0; si < NS; ++si)
+            head_hits[((static_cast<size_t>(l) * KH + u) * S + st) * NS + si] =
+                hit(top, truth.head[si][static_cast<size_t>(l)][static_cast<size_t>(u)]);
+        }
+        return;
       }
-    // The layer level: the mean over KV heads of the group means is the mean over query heads.
-    std::vector<std::vector<double>> layer(S, std::vector<double>(T, 0.0));
-    for (int g = 0; g < KH; ++g)
-      for (size_t st = 0; st < S; ++st)
-        for (int j = 0; j < T; ++j) layer[st][j] += score[g][st][j] / KH;
-    // Each strategy's top-k, at the layer level and per KV head, the same at every step.
-    std::vector<std::vector<int>> top_layer(S);
-    std::vector<std::vector<std::vector<int>>> top_head(KH, std::vector<std::vector<int>>(S));
-    for (size_t st = 0; st < S; ++st) {
-      top_layer[st] = top_k(layer[st], hr.k);
-      for (int g = 0; g < KH; ++g) top_head[g][st] = top_k(score[g][st], hr.k);
-    }
-    for (size_t si = 0; si < hr.steps.size(); ++si) {
-      const std::vector<int>& truth_top = truth.layer[si][static_cast<size_t>(l)];
-      const std::vector<std::vector<int>>& truth_head = truth.head[si][static_cast<size_t>(l)];
+      std::vector<std::vector<double>> layer(S, std::vector<double>(static_cast<size_t>(T), 0.0));
+      for (int g = 0; g < KH; ++g) {
+        head_score(l, g, score);
+        for (size_t st = 0; st < S; ++st)
+          for (int j = 0; j < T; ++j) layer[st][j] += score[st][j] / KH;
+      }
       for (size_t st = 0; st < S; ++st) {
-        hr.rates[st][si][l] = hit(top_layer[st], truth_top);
+        const std::vector<int> top = top_k(layer[st], hr.k);
+        for (size_t si = 0; si < NS; ++si) hr.rates[st][si][l] = hit(top, truth.layer[si][static_cast<size_t>(l)]);
+      }
+    });
+  }
+  for (int l = 0; l < L; ++l)
+    for (size_t st = 0; st < S; ++st)
+      for (size_t si = 0; si < NS; ++si) {
         double sum = 0.0;
-        for (int g = 0; g < KH; ++g) sum += hit(top_head[g][st], truth_head[static_cast<size_t>(g)]);
+        for (int g = 0; g < KH; ++g) sum += head_hits[((static_cast<size_t>(l) * KH + g) * S + st) * NS + si];
         hr.rates_head[st][si][l] = sum / KH;
       }
-    }
-  });
   return hr;
 }
 

@@ -20,12 +20,17 @@ std::vector<double> saliency(const float* A, int T, const std::vector<int>& prob
 
 std::vector<double> saliency_from_sums(const double* sums, int T, const std::vector<int>& probes, Saliency s) {
   std::vector<double> out(sums, sums + T);
-  if (s != Saliency::Normalized) return out;
-  // Each token's share of the probes that see it: those at or after it.
-  std::vector<double> cnt(T, 0.0);
+  if (s != Saliency::Normalized || T <= 0) return out;
+  // Each token's share of the probes that see it: those at or after it (a count of the probes at
+  // each position, summed from the end).
+  std::vector<int64_t> cnt(static_cast<size_t>(T) + 1, 0);
   for (int k : probes)
-    for (int i = 0; i <= k && i < T; ++i) cnt[i] += 1;
-  for (int i = 0; i < T; ++i) out[i] = cnt[i] > 0 ? out[i] / cnt[i] : 0.0;
+    if (k >= 0) ++cnt[static_cast<size_t>(std::min(k, T - 1))];
+  for (int i = T - 1; i > 0; --i) cnt[static_cast<size_t>(i) - 1] += cnt[static_cast<size_t>(i)];
+  for (int i = 0; i < T; ++i) {
+    const int64_t c = cnt[static_cast<size_t>(i)];
+    out[static_cast<size_t>(i)] = c > 0 ? out[static_cast<size_t>(i)] / static_cast<double>(c) : 0.0;
+  }
   return out;
 }
 
