@@ -127,12 +127,7 @@ void run_bench(const BenchArgs& a) {
     const PrefillState st = model.prefill(img, a.prompt, templ, true);
     capture_prefill.push_back(st.prefill_ms);
     capture_dev = st.capture.attention->capture_bytes();
-    PrefillView pv;
-    pv.full = &st.store;
-    pv.attention = st.capture.attention.get();
-    pv.kinds = &st.kinds;
-    pv.n_heads = pv.attention->n_heads();
-    pv.prompt_len = static_cast<int>(st.ids.size());
+    const PrefillView pv = prefill_view(st);
     model.backend().profile_report();
     const auto s0 = std::chrono::steady_clock::now();
     const ExperimentOptions defaults;

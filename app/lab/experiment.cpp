@@ -9,12 +9,11 @@
 #include "core/errors.h"
 #include "core/numbers.h"
 #include "core/parallel.h"
-#include "core/team.h"
 #include "core/trace.h"
 
 namespace kvlens {
 
-PrefillView Experiment::view() const {
+PrefillView prefill_view(const PrefillState& prefill) {
   PrefillView v;
   v.full = &prefill.store;
   v.attention = prefill.capture.attention.get();
@@ -23,6 +22,8 @@ PrefillView Experiment::view() const {
   v.prompt_len = static_cast<int>(prefill.ids.size());
   return v;
 }
+
+PrefillView Experiment::view() const { return prefill_view(prefill); }
 
 Experiment start_experiment(const Model& model, const RGBImage& img, const ExperimentOptions& opt,
                             const std::vector<AttentionObserver*>& observers) {
@@ -83,19 +84,8 @@ Experiment start_experiment(const Model& model, PrefillState prefill, const Expe
     auto decode_side = std::async(std::launch::async, [&] {
       trace::Scope side_span("experiment.decode_side");
       truth = hit_rate_truth(pv, *ex.full_recorder, opt.hit_budget, opt.hit_steps);
-      // The full cache's decode sparsity of each layer over the steps a method's decode sparsity
-      // reads (the mean in step order), layers side by side on the team (each writes its own).
-      std::vector<std::vector<const DecodeRecorder::Entry*>> steps_of(static_cast<size_t>(L));
-      for (const auto& e : ex.full_recorder->entries())
-        if (e.layer >= 0 && e.layer < L && e.step < opt.diag_steps) steps_of[static_cast<size_t>(e.layer)].push_back(&e);
-      ex.sparsity_decode_full.assign(static_cast<size_t>(L), 0.0);
-      team_each(L, product_threads(), [&](int64_t l) {
-        double s = 0;
-        for (const DecodeRecorder::Entry* e : steps_of[static_cast<size_t>(l)])
-          s += sparsity(e->probs.data(), e->n_heads, 1, e->n_k, opt.sparsity_p);
-        const size_t n = steps_of[static_cast<size_t>(l)].size();
-        ex.sparsity_decode_full[static_cast<size_t>(l)] = n ? s / static_cast<double>(n) : 0.0;
-      });
+      // (over the steps a method's decode sparsity reads)
+      ex.sparsity_decode_full = decode_sparsities(*ex.full_recorder, L, opt.diag_steps, opt.sparsity_p);
     });
     try {
       prepare_prefill_diagnostics(pv, opt.sparsity_p, opt.hit_window);

@@ -85,6 +85,8 @@ struct Experiment {
 
   PrefillView view() const;
 };
+// The diagnostics' view of a prefill that kept its attention (Experiment::view's).
+PrefillView prefill_view(const PrefillState& prefill);
 
 // The template a run gives `model`: `templ`; where it was left at LLaVA's default, the
 // checkpoint's chat template rendered for one user turn (Tokenizer::chat_prompt) when it ships

@@ -165,6 +165,21 @@ std::vector<double> prefill_sparsities(const PrefillView& pv, double p) {
   return out;
 }
 
+std::vector<double> decode_sparsities(const DecodeRecorder& rec, int n_layers, int steps, double p) {
+  std::vector<std::vector<const DecodeRecorder::Entry*>> steps_of(static_cast<size_t>(std::max(n_layers, 0)));
+  for (const auto& e : rec.entries())
+    if (e.layer >= 0 && e.layer < n_layers && e.step < steps) steps_of[static_cast<size_t>(e.layer)].push_back(&e);
+  std::vector<double> out(steps_of.size(), 0.0);
+  team_each(n_layers, product_threads(), [&](int64_t l) {  // (each writes its own entry)
+    double s = 0;
+    for (const DecodeRecorder::Entry* e : steps_of[static_cast<size_t>(l)])
+      s += sparsity(e->probs.data(), e->n_heads, 1, e->n_k, p);
+    const size_t n = steps_of[static_cast<size_t>(l)].size();
+    out[static_cast<size_t>(l)] = n ? s / static_cast<double>(n) : 0.0;
+  });
+  return out;
+}
+
 namespace {
 
 // Key bits of a row from its segment's storage label, for rows without a per-row annotation
@@ -485,6 +500,18 @@ FirstDivergence first_divergence(const std::vector<int>& full_ids, const std::ve
   return f;
 }
 
+namespace {
+
+// The query-row sets of cache_hit_rates's strategies (hit_rate_query_starts), each to the end.
+std::vector<PrefillAttention::QueryRows> hit_rate_rows(const PrefillView& pv, int window_queries) {
+  const int T = pv.prompt_len;
+  std::vector<PrefillAttention::QueryRows> sets;
+  for (int from : hit_rate_query_starts(pv, window_queries)) sets.push_back({AttentionReduction::range(from, T, T)});
+  return sets;
+}
+
+}  // namespace
+
 HitTruth hit_rate_truth(const PrefillView& pv, const DecodeRecorder& full, double budget,
                         const std::vector<int>& steps) {
   HitTruth t;
@@ -557,8 +584,8 @@ HitRates cache_hit_rates(const PrefillView& pv, const HitTruth& truth, int windo
   constexpr size_t kSets = 3;  // (accumulated, and from it normalized; sliding window; post vision)
   const std::array<std::pair<size_t, int>, kSets> sums_from = {{{0, from[0]}, {2, from[1]}, {3, from[2]}}};
   // Every layer's column sums over each strategy's queries in one pass (a capture on a device
-  // waits once a pass, not once a layer).
-  for (const auto& sf : sums_from) pv.attention->prepare_every_layer(AttentionReduction::range(sf.second, T, T));
+  // recomputes each layer once for the three sets, and waits once).
+  pv.attention->prepare_every_layer(hit_rate_rows(pv, window_queries));
   // sums[l][set]: layer l's column sums [H][T] over the queries of sums_from[set], reduced where
   // the attention is, layer by layer (the capture's backend takes one caller at a time); a
   // capture that keeps its reductions shares the arrays it keeps.
@@ -640,9 +667,10 @@ std::array<int, 3> hit_rate_query_starts(const PrefillView& pv, int window_queri
 
 void prepare_prefill_diagnostics(const PrefillView& pv, double p, int window_queries) {
   const int T = pv.prompt_len;
+  // The sparsity's rows (every row, with the counts), then the hit rates' other sets.
   std::vector<PrefillAttention::QueryRows> sets{{AttentionReduction::range(0, T, T), p, false}};
-  for (int from : hit_rate_query_starts(pv, window_queries))
-    if (from > 0) sets.push_back({AttentionReduction::range(from, T, T), -1.0, false});
+  for (PrefillAttention::QueryRows& q : hit_rate_rows(pv, window_queries))
+    if (q.queries != sets.front().queries) sets.push_back(std::move(q));
   pv.attention->prepare_every_layer(sets);
 }
 

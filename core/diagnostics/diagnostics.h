@@ -186,6 +186,9 @@ double prefill_sparsity(const PrefillView& pv, int layer, double p);
 // prefill_sparsity of every layer, in order: the counts of all layers prepared first (a capture
 // on a device reduces them in one pass with one wait, not one a layer).
 std::vector<double> prefill_sparsities(const PrefillView& pv, double p);
+// Each of n_layers layers' decode sparsity, the mean in step order of sparsity() over the
+// recorded steps below `steps` (0 for a layer with none), the layers side by side on the team.
+std::vector<double> decode_sparsities(const DecodeRecorder& rec, int n_layers, int steps, double p);
 
 // `method` either keeps rows or compares (its entries then hold the comparisons).
 std::vector<LayerDiagnostics> compare_layers(const PrefillView& pv, const DecodeRecorder& method,

@@ -247,26 +247,23 @@ __global__ void __launch_bounds__(kSoftmaxThreads) softmax_below_kernel(float* P
   softmax_row(row, n, v);
   const int a = static_cast<int>(r % na), h = static_cast<int>(r / na);
   const int i = q ? q[a] : q0 + a, l = threadIdx.x & 31;
-  const bool held = softmax_row_held(n);
-  float m = -INFINITY;  // (each lane reads back only entries it wrote)
-  if (held) {
+  // f(x) for each of the lane's probabilities x of the keys j ≤ i, held or read back (each lane
+  // reads back only entries it wrote).
+  auto seen = [&](auto&& f) {
+    if (softmax_row_held(n)) {
 #pragma unroll
-    for (int c = 0; c < kSoftmaxPer; ++c)
-      if (l + 32 * c <= i) m = fmaxf(m, v[c]);
-  } else {
-    for (int j = l; j <= i; j += 32) m = fmaxf(m, row[j]);
-  }
+      for (int c = 0; c < kSoftmaxPer; ++c)
+        if (l + 32 * c <= i) f(v[c]);
+    } else {
+      for (int j = l; j <= i; j += 32) f(row[j]);
+    }
+  };
+  float m = -INFINITY;
+  seen([&](float x) { m = fmaxf(m, x); });
   m = warp_max(m);
   const double thr = p * static_cast<double>(m);
   unsigned int cnt = 0;
-  auto counts = [&](float x) { return (static_cast<double>(x) < thr || (zeros_below && x == 0.0f)) ? 1u : 0u; };
-  if (held) {
-#pragma unroll
-    for (int c = 0; c < kSoftmaxPer; ++c)
-      if (l + 32 * c <= i) cnt += counts(v[c]);
-  } else {
-    for (int j = l; j <= i; j += 32) cnt += counts(row[j]);
-  }
+  seen([&](float x) { cnt += (static_cast<double>(x) < thr || (zeros_below && x == 0.0f)) ? 1u : 0u; });
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) cnt += __shfl_xor_sync(0xffffffffu, cnt, o);
   if (l == 0 && cnt) atomicAdd(below + h, static_cast<unsigned long long>(cnt));

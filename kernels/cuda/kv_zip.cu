@@ -199,19 +199,15 @@ std::vector<StagedZip> launch_zip(Context& ctx, const CudaKV& C, const std::vect
   std::vector<StagedZip> made(groups.size());
   for (size_t gi = 0; gi < groups.size(); ++gi) made[gi].payload = groups[gi].payload;
   const int64_t N = zp.N, code = zp.code, range = zp.range, factor = zp.factor, slots = zp.slots;
-  const bool copies = zp.copies;
-  const std::vector<char>& meta = zp.meta;
   const std::vector<ZipPlan::Span>& spans = zp.spans;
   if (N == 0) return made;
   const std::string what = "zipcache rows of " + std::to_string(groups.size()) + " group(s)";
-  const int64_t a_ptr = zp.a_ptr, a_blk = zp.a_blk, a_fb = zp.a_fb, a_rb = zp.a_rb, a_rs = zp.a_rs, a_sf = zp.a_sf,
-                a_sr = zp.a_sr;
   const int64_t arg_bytes = static_cast<int64_t>(zp.args.size());
   DevMem A{ctx.alloc(arg_bytes, what + " arguments"), arg_bytes};
   ctx.upload(A.mem.get(), zp.args.data(), arg_bytes, what + " arguments");
   DevMem X{ctx.alloc(2 * N * D * 2, what), 2 * N * D * 2};
   auto* base = static_cast<char*>(A.mem.get());
-  gather_rows(reinterpret_cast<const __half* const*>(base + a_ptr), X.as<__half>(), static_cast<int>(2 * N), D, ctx.stream);
+  gather_rows(reinterpret_cast<const __half* const*>(base + zp.a_ptr), X.as<__half>(), static_cast<int>(2 * N), D, ctx.stream);
 
   // The results: each array of every group one after another, each group's KV heads one after
   // another as its payload holds them; then the flags and positions (uploaded); the ranges copied
@@ -219,10 +215,10 @@ std::vector<StagedZip> launch_zip(Context& ctx, const CudaKV& C, const std::vect
   Layout res;
   const int64_t r_kc = res.put(code), r_vc = res.put(code), r_ks = res.put(range * 2), r_kz = res.put(range * 2),
                 r_f = res.put(factor * 2), r_ts = res.put(slots * 2), r_tz = res.put(slots * 2),
-                r_meta = res.put(static_cast<int64_t>(meta.size()));
-  const int64_t r_rs = copies ? res.put(N * 2) : 0, r_rz = copies ? res.put(N * 2) : 0;
+                r_meta = res.put(static_cast<int64_t>(zp.meta.size()));
+  const int64_t r_rs = zp.copies ? res.put(N * 2) : 0, r_rz = zp.copies ? res.put(N * 2) : 0;
   DevMem R{ctx.alloc(res.bytes, what + " codes and ranges"), res.bytes};
-  if (!meta.empty()) ctx.upload(R.as<char>() + r_meta, meta.data(), static_cast<int64_t>(meta.size()), what + " flags and positions");
+  if (!zp.meta.empty()) ctx.upload(R.as<char>() + r_meta, zp.meta.data(), static_cast<int64_t>(zp.meta.size()), what + " flags and positions");
   auto* rb = R.as<char>();
   for (size_t gi = 0; gi < groups.size(); ++gi) {
     const ZipPlan::Span& sp = spans[gi];
@@ -261,14 +257,14 @@ std::vector<StagedZip> launch_zip(Context& ctx, const CudaKV& C, const std::vect
   q.x = X.as<__half>();
   q.N = static_cast<int>(N);
   q.D = D;
-  q.blocks = reinterpret_cast<const ZipBlock*>(base + a_blk);
+  q.blocks = reinterpret_cast<const ZipBlock*>(base + zp.a_blk);
   q.n_blocks = static_cast<int>(zp.n_blocks);
-  q.factor_blocks = reinterpret_cast<const ZipFactorBlock*>(base + a_fb);
+  q.factor_blocks = reinterpret_cast<const ZipFactorBlock*>(base + zp.a_fb);
   q.n_factor_blocks = static_cast<int>(zp.n_fblocks);
-  q.row_block = reinterpret_cast<const int32_t*>(base + a_rb);
-  q.row_slot = reinterpret_cast<const int32_t*>(base + a_rs);
-  q.slot_first = reinterpret_cast<const int32_t*>(base + a_sf);
-  q.slot_rows = reinterpret_cast<const int32_t*>(base + a_sr);
+  q.row_block = reinterpret_cast<const int32_t*>(base + zp.a_rb);
+  q.row_slot = reinterpret_cast<const int32_t*>(base + zp.a_rs);
+  q.slot_first = reinterpret_cast<const int32_t*>(base + zp.a_sf);
+  q.slot_rows = reinterpret_cast<const int32_t*>(base + zp.a_sr);
   q.n_slots = static_cast<int>(slots);
   q.k_codes = reinterpret_cast<uint8_t*>(rb + r_kc);
   q.v_codes = reinterpret_cast<uint8_t*>(rb + r_vc);
@@ -277,7 +273,7 @@ std::vector<StagedZip> launch_zip(Context& ctx, const CudaKV& C, const std::vect
   q.factor = reinterpret_cast<__half*>(rb + r_f);
   q.t_scale = reinterpret_cast<__half*>(rb + r_ts);
   q.t_zero = reinterpret_cast<__half*>(rb + r_tz);
-  if (copies) {
+  if (zp.copies) {
     q.row_scale = reinterpret_cast<__half*>(rb + r_rs);
     q.row_zero = reinterpret_cast<__half*>(rb + r_rz);
   }

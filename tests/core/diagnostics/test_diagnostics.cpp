@@ -688,6 +688,26 @@ TEST(CacheHitRate, TheTruthSideReadsNoPrefillAttention) {
   EXPECT_TRUE(any) << "every rate is 0: the comparison above would hold for rates never computed";
 }
 
+// Each layer's decode sparsity: the mean of sparsity() over its recorded steps below the limit,
+// 0 for a layer with none.
+TEST(Sparsity, DecodeSparsityOfEveryLayerIsTheMeanOverItsSteps) {
+  const HitRun run(9);  // (steps 0 and 2 recorded)
+  for (int limit : {1, 3, 9}) {
+    const std::vector<double> got = decode_sparsities(run.rec, HitRun::L + 1, limit, 0.1);
+    ASSERT_EQ(got.size(), static_cast<size_t>(HitRun::L + 1));
+    for (int l = 0; l < HitRun::L; ++l) {
+      double s = 0;
+      int n = 0;
+      for (const auto& e : run.rec.entries())
+        if (e.layer == l && e.step < limit) s += sparsity(e.probs.data(), e.n_heads, 1, e.n_k, 0.1), ++n;
+      EXPECT_EQ(n, limit > 2 ? 2 : 1) << "layer " << l;
+      EXPECT_EQ(got[static_cast<size_t>(l)], s / n) << "layer " << l << ", steps below " << limit;
+      EXPECT_GT(got[static_cast<size_t>(l)], 0.0) << "layer " << l;
+    }
+    EXPECT_EQ(got.back(), 0.0) << "a layer without steps";
+  }
+}
+
 // Steps that were not recorded are dropped from the report; k = floor(budget · T), at least 1
 // (the rows an eviction policy at that budget keeps).
 TEST(CacheHitRate, StepsAndK) {
