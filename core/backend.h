@@ -515,16 +515,15 @@ class Backend {
                          const quant::RowCodec& v, quant::QuantPayload& out) {
     return false;
   }
-  // code_rows whose codes and scales may come later: `out` is filled by the next
-  // finish_reductions (it must stay where it is until then), so that several layers' calls share
-  // one wait. The default codes at once.
+  // code_rows whose codes and scales may stay where they were made: `out` defers them
+  // (QuantPayload::defer; it must stay where it is), they land in it when a host reader asks
+  // (QuantPayload::land), and its allocated() counts them meanwhile. The default codes at once.
   virtual bool code_rows_later(DeviceKV& dev, int layer, const KVSegment& seg, const quant::RowCodec& k,
                                const quant::RowCodec& v, quant::QuantPayload& out) {
     return code_rows(dev, layer, seg, k, v, out);
   }
-  // quantize_rows whose codes and ranges may come later: `out` is filled by the next
-  // finish_reductions (it must stay where it is until then), so that several layers' calls share
-  // one wait. The default quantizes at once.
+  // quantize_rows whose codes and ranges may stay where they were made: `out` defers them as
+  // code_rows_later does. The default quantizes at once.
   virtual bool quantize_rows_later(DeviceKV& dev, int layer, const KVSegment& seg, const quant::UniformSpec& k,
                                    const quant::UniformSpec& v, quant::QuantPayload& out) {
     return quantize_rows(dev, layer, seg, k, v, out);
@@ -534,8 +533,9 @@ class Backend {
   // cache `dev` holds (found by KV head and position), as zipcache::quantize_group does on host
   // rows: on entry each out.layout holds the bits and choices and out.k[h].flags each row's
   // salient flag (zipcache::mark_group); keys channel-wise per KV head and subset, values by
-  // CSTQuant. The codes, ranges and factors land in each `out` at the next finish_reductions
-  // (they must stay where they are until then), the same bytes the host makes; the device keeps
+  // CSTQuant. The codes, ranges and factors — the same bytes the host makes — stay on the device,
+  // deferred in each `out` (QuantPayload::defer; it must stay where it is) until a host reader
+  // asks for them (QuantPayload::land); the device keeps
   // them for the layers' next kv_sync, which stores each group from them instead of uploading
   // them. Every group at once (one launch where the backend can). False: this backend cannot
   // (nothing is queued).

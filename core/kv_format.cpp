@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <mutex>
+#include <string>
 
 #include "core/errors.h"
 
@@ -14,6 +16,20 @@ int64_t packed_size(int64_t count, int bits) { return (count * bits + 7) / 8; }
 int64_t RowCodec::row_code_bytes() const {
   return (mse_bits > 0 ? packed_size(dp, mse_bits) : 0) + (qjl ? packed_size(d, 1) : 0);
 }
+
+namespace {
+// The 32 × 32 bit transpose: afterwards bit i of A[c] is what bit c of A[i] was.
+void transpose32(uint32_t* A) {
+  const uint32_t masks[5] = {0x0000FFFFu, 0x00FF00FFu, 0x0F0F0F0Fu, 0x33333333u, 0x55555555u};
+  for (int s = 0, j = 16; j; ++s, j >>= 1)
+    for (int k = 0; k < 32; ++k) {
+      if (k & j) continue;
+      const uint32_t t = ((A[k] >> j) ^ A[k + j]) & masks[s];
+      A[k] ^= t << j;
+      A[k + j] ^= t;
+    }
+}
+}  // namespace
 
 std::vector<uint8_t> channel_major_1bit(const uint8_t* rows, int64_t n, int d) {
   const int64_t row_bytes = d / 8, whole = n / 32 * 32;
@@ -37,14 +53,7 @@ std::vector<uint8_t> channel_major_1bit(const uint8_t* rows, int64_t n, int d) {
         A[i] = static_cast<uint32_t>(at[0]) | static_cast<uint32_t>(at[1]) << 8 | static_cast<uint32_t>(at[2]) << 16 |
                static_cast<uint32_t>(at[3]) << 24;
       }
-      const uint32_t masks[5] = {0x0000FFFFu, 0x00FF00FFu, 0x0F0F0F0Fu, 0x33333333u, 0x55555555u};
-      for (int s = 0, j = 16; j; ++s, j >>= 1)
-        for (int k = 0; k < 32; ++k) {
-          if (k & j) continue;
-          const uint32_t t = ((A[k] >> j) ^ A[k + j]) & masks[s];
-          A[k] ^= t << j;
-          A[k + j] ^= t;
-        }
+      transpose32(A);
       for (int c = 0; c < 32; ++c) put(b, c0 + c, A[c]);
     }
     for (int c = c0; c < d; ++c) {  // channels past the last 32
@@ -53,6 +62,39 @@ std::vector<uint8_t> channel_major_1bit(const uint8_t* rows, int64_t n, int d) {
       for (int i = 0; i < 32; ++i)
         w |= static_cast<uint32_t>((group[row_of[i] * row_bytes + byte] >> shift) & 1u) << i;
       put(b, c, w);
+    }
+  }
+  return out;
+}
+
+
+std::vector<uint8_t> rows_from_channel_major_1bit(const uint8_t* grouped, int64_t n, int d) {
+  const int64_t row_bytes = d / 8, whole = n / 32 * 32;
+  std::vector<uint8_t> out(grouped, grouped + n * row_bytes);
+  int row_of[32];
+  for (int i = 0; i < 32; ++i) row_of[i] = block_row(i);
+  auto word = [&](int64_t b, int c) {
+    const uint8_t* at = grouped + (b * d + c) * 4;
+    return static_cast<uint32_t>(at[0]) | static_cast<uint32_t>(at[1]) << 8 | static_cast<uint32_t>(at[2]) << 16 |
+           static_cast<uint32_t>(at[3]) << 24;
+  };
+  for (int64_t b = 0; b < whole / 32; ++b) {
+    uint8_t* group = out.data() + 32 * b * row_bytes;
+    int c0 = 0;
+    for (; c0 + 32 <= d; c0 += 32) {  // word c0 + c holds channel c0 + c; transposed, row block_row(i)'s channels
+      uint32_t A[32];
+      for (int c = 0; c < 32; ++c) A[c] = word(b, c0 + c);
+      transpose32(A);
+      for (int i = 0; i < 32; ++i)
+        for (int k = 0; k < 4; ++k) group[row_of[i] * row_bytes + c0 / 8 + k] = static_cast<uint8_t>(A[i] >> (8 * k));
+    }
+    for (int c = c0; c < d; ++c) {  // channels past the last 32
+      const uint32_t w = word(b, c);
+      const int byte = c >> 3, shift = c & 7;
+      for (int i = 0; i < 32; ++i) {
+        uint8_t& x = group[row_of[i] * row_bytes + byte];
+        x = static_cast<uint8_t>((x & ~(1u << shift)) | (((w >> i) & 1u) << shift));
+      }
     }
   }
   return out;
@@ -120,7 +162,38 @@ KVBytes QuantBlock::allocated() const {
   return b;
 }
 
-KVBytes QuantPayload::allocated() const {
+struct QuantPayload::Deferred {
+  std::mutex mu;
+  KVBytes bytes;
+  std::vector<std::function<void()>> lands;
+};
+
+namespace {
+bool same_bytes(const KVBytes& a, const KVBytes& b) {
+  return a.codes == b.codes && a.scales == b.scales && a.zeros == b.zeros && a.indices == b.indices && a.meta == b.meta;
+}
+}  // namespace
+
+QuantPayload::QuantPayload(const QuantPayload& o) : SegmentPayload(o) {
+  o.land();
+  k = o.k;
+  v = o.v;
+  tokens = o.tokens;
+  layout = o.layout;
+}
+
+QuantPayload& QuantPayload::operator=(const QuantPayload& o) {
+  if (this == &o) return *this;
+  land();
+  o.land();
+  k = o.k;
+  v = o.v;
+  tokens = o.tokens;
+  layout = o.layout;
+  return *this;
+}
+
+KVBytes QuantPayload::held() const {
   KVBytes b;
   for (const QuantBlock& q : k) b += q.allocated();
   for (const QuantBlock& q : v) b += q.allocated();
@@ -128,10 +201,55 @@ KVBytes QuantPayload::allocated() const {
   return b;
 }
 
+KVBytes QuantPayload::allocated() const {
+  if (!deferred_) return held();
+  std::lock_guard<std::mutex> lock(deferred_->mu);
+  KVBytes b = held();
+  if (!deferred_->lands.empty()) b += deferred_->bytes;
+  return b;
+}
+
 void QuantPayload::shrink_to_fit() {
+  // (deferred arrays land at their exact sizes: only what the host holds is shrunk)
   for (QuantBlock& q : k) q.shrink_to_fit();
   for (QuantBlock& q : v) q.shrink_to_fit();
   tokens.shrink_to_fit();
+}
+
+void QuantPayload::defer(KVBytes bytes, std::function<void()> land_fn) {
+  if (!deferred_) deferred_ = std::make_shared<Deferred>();
+  std::lock_guard<std::mutex> lock(deferred_->mu);
+  deferred_->bytes += bytes;
+  deferred_->lands.push_back(std::move(land_fn));
+}
+
+bool QuantPayload::deferred() const {
+  if (!deferred_) return false;
+  std::lock_guard<std::mutex> lock(deferred_->mu);
+  return !deferred_->lands.empty();
+}
+
+void QuantPayload::land() const {
+  if (!deferred_) return;
+  std::lock_guard<std::mutex> lock(deferred_->mu);
+  if (deferred_->lands.empty()) return;
+  KVBytes want = held();
+  want += deferred_->bytes;
+  // (the list is emptied first: a landing that throws is not tried again on half-written blocks)
+  std::vector<std::function<void()>> lands = std::move(deferred_->lands);
+  deferred_->lands.clear();
+  deferred_->bytes = KVBytes{};
+  for (const std::function<void()>& f : lands) f();
+  const KVBytes got = held();
+  if (!same_bytes(got, want))
+    throw InternalError("QuantPayload::land: the landed arrays hold " + std::to_string(got.total()) +
+                        " bytes, their deferral counted " + std::to_string(want.total()));
+}
+
+const QuantPayload* landed(const SegmentPayload* p) {
+  const auto* q = dynamic_cast<const QuantPayload*>(p);
+  if (q) q->land();
+  return q;
 }
 
 ZipSlots zip_slots(const std::vector<std::array<std::vector<int32_t>, 2>>& pos) {

@@ -5,6 +5,7 @@
 #pragma once
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -35,6 +36,8 @@ uint32_t unpack_one(const uint8_t* packed, int64_t i, int bits);
 // last whole group stay as they are. The same number of bytes as the packed rows.
 inline int block_row(int bit) { return 16 * ((bit >> 1) & 1) + 8 * (bit & 1) + (bit >> 2); }
 std::vector<uint8_t> channel_major_1bit(const uint8_t* rows, int64_t n, int d);
+// The packed rows channel_major_1bit regrouped (its inverse).
+std::vector<uint8_t> rows_from_channel_major_1bit(const uint8_t* grouped, int64_t n, int d);
 
 // ---- ranges' axes -------------------------------------------------------------------------------
 enum class Axis { Global, PerToken, PerChannel };
@@ -100,15 +103,35 @@ struct CodeLayout {
 };
 
 // One K block and one V block per KV head.
+//
+// Arrays a backend made where the rows are (a device) need not cross to the host: the backend
+// defers them (defer), and until they land the blocks lack them while allocated() already
+// counts them. A host reader of the blocks calls land() first; it brings every deferred array
+// in, once, on whichever thread asks first (others wait for it). A copy of the payload lands it
+// first and is never deferred itself. shrink_to_fit shrinks the arrays the host holds.
 class QuantPayload : public SegmentPayload {
  public:
   explicit QuantPayload(int n_heads) : k(n_heads), v(n_heads) {}
+  QuantPayload(const QuantPayload& o);
+  QuantPayload& operator=(const QuantPayload& o);
   std::vector<QuantBlock> k, v;
   QuantBlock tokens;  // ZipMixed with shared_token_ranges: the V token ranges (see CodeLayout)
   CodeLayout layout;
   KVBytes allocated() const override;
   void shrink_to_fit();
+  // Arrays of `bytes` that `land` writes into this payload's blocks when called; land() checks
+  // that the blocks then hold exactly `bytes` more than before (InternalError otherwise).
+  void defer(KVBytes bytes, std::function<void()> land);
+  bool deferred() const;
+  void land() const;
+
+ private:
+  struct Deferred;
+  std::shared_ptr<Deferred> deferred_;
+  KVBytes held() const;  // the blocks' own bytes
 };
+// s's payload as a QuantPayload with every array on the host (land()); null when it has none.
+const QuantPayload* landed(const SegmentPayload* p);
 
 // ZipMixed's V token ranges shared by the KV heads (shared_token_ranges): one slot per (subset,
 // position) that any KV head holds in that subset, numbered over the salient subset's positions

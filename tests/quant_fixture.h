@@ -140,7 +140,10 @@ inline void expect_accounting(const KVStore& st) {
 }
 
 inline const quant::QuantPayload& payload(const KVSegment& s) {
-  if (auto p = std::dynamic_pointer_cast<quant::QuantPayload>(s.payload)) return *p;
+  if (auto p = std::dynamic_pointer_cast<quant::QuantPayload>(s.payload)) {
+    p->land();
+    return *p;
+  }
   throw std::runtime_error("segment has no QuantPayload: " + s.storage);
 }
 

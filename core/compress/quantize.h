@@ -110,20 +110,20 @@ int rows_in_head(const LayerKV& layer, int h);
 
 // ---- quantizing a prompt's segments where their rows are -----------------------------------
 // A segment quantized into a payload that the segment takes (set_quantized) once the codes are
-// on the host.
+// made (on the host, or deferred where they were made: QuantPayload::defer).
 struct PendingPayload {
   KVSegment* s = nullptr;
   std::shared_ptr<QuantPayload> p;
 };
 // Segment s of ctx's layer quantized with ks / vs (quantize_block's codes and ranges): where its
 // rows are when the segment is layout_only — on ctx's device, through Backend::quantize_rows
-// (later: quantize_rows_later, the codes landing at the backend's next finish_reductions) —
+// (later: quantize_rows_later, the codes left there, deferred in the payload) —
 // else on the host store's rows, heads in parallel. `method` names the policy in the error a
 // backend that cannot quantize there gives.
 PendingPayload quantize_rows_of(const PrefillContext& ctx, KVSegment& s, const UniformSpec& ks, const UniformSpec& vs,
                                 bool later, const std::string& method);
 // A prompt's layers quantized by quantize(ctx, layer, later), each segment's payload stored by
-// store() once its codes are on the host: on a backend that queues its reductions every layer
+// store() once its codes are made: on a backend that queues its reductions every layer
 // before one wait (later = true; the layers quantized before an error keep their payloads), else
 // layer by layer (later = false, store() after each).
 void quantize_prefill(const std::vector<PrefillContext>& layers, KVStore& kv,

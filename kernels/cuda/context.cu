@@ -1,5 +1,6 @@
 // The CUDA backend's shared state (context.h): the device, its stream and cuBLAS handle,
 // allocations from the stream-ordered pool, page-locked staging and the copies through it.
+#include <algorithm>
 #include <exception>
 #include <limits>
 #include <string>
@@ -190,6 +191,24 @@ void Context::land_all(const std::string& what) {
     if (next && !ahead) copy(k + 1);
   }
   if (failed) std::rethrow_exception(failed);
+}
+
+void defer_landing(Context& ctx, quant::QuantPayload& out, std::shared_ptr<void> src, int64_t bytes, KVBytes counted,
+                   std::function<void(const char*)> land) {
+  const std::string what = "a payload's arrays kept on the device";
+  std::shared_ptr<CUevent_st> made = ctx.event(what);
+  KV_CUDA(cudaEventRecord(made.get(), ctx.stream), what);
+  const int device = ctx.device;
+  out.defer(counted, [src = std::move(src), bytes, made, device, land = std::move(land), what] {
+    trace::Scope span("cuda.land_deferred");
+    KV_CUDA(cudaSetDevice(device), what);
+    KV_CUDA(cudaEventSynchronize(made.get()), what);
+    std::vector<char> host(static_cast<size_t>(std::max<int64_t>(bytes, 1)));
+    if (bytes > 0)
+      KV_CUDA(cudaMemcpy(host.data(), src.get(), static_cast<size_t>(bytes), cudaMemcpyDeviceToHost),
+              what + " (" + std::to_string(bytes) + " bytes to the host)");
+    land(host.data());
+  });
 }
 
 void Context::sync(const std::string& what) {

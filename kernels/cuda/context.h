@@ -98,6 +98,15 @@ struct DevMem {
 inline DevMem part_of(const DevMem& m, int64_t at, int64_t bytes) {
   return {std::shared_ptr<void>(m.mem, static_cast<char*>(m.mem.get()) + at), bytes};
 }
+// Arrays made on the device for payload `out` left there (QuantPayload::defer): `bytes` of
+// `src`, which `land` writes into out's blocks from a host copy when a host reader asks for
+// them (`counted`: what they add to out.allocated()). The copy waits for the work queued on
+// ctx's stream so far (an event recorded now), not for what is queued later, and goes by a
+// synchronous copy of its own, so any thread may ask (the backend's stream may be capturing
+// meanwhile). The arrays must not change on the device after this call; src is held until
+// they land or the payload goes.
+void defer_landing(Context& ctx, quant::QuantPayload& out, std::shared_ptr<void> src, int64_t bytes, KVBytes counted,
+                   std::function<void(const char*)> land);
 
 // The KV cache half of the backend (kv_cache.cu).
 std::unique_ptr<DeviceKV> kv_create(const std::shared_ptr<Context>& ctx, int n_layers, int n_kv_heads, int head_dim);

@@ -193,22 +193,6 @@ DevMem codec_upload(Context& ctx, const quant::RowCodec& k, const quant::RowCode
   return m;
 }
 
-void land_coded(const CodedRows& f, const uint8_t* kcodes, const uint8_t* vcodes, const uint16_t* norm_k,
-                const uint16_t* norm_r, const uint16_t* norm_v, int64_t n, quant::QuantBlock& qk, quant::QuantBlock& qv) {
-  qk.codes.assign(kcodes, kcodes + n * f.k_bytes);
-  qv.codes.assign(vcodes, vcodes + n * f.v_bytes);
-  qv.scales.assign(norm_v, norm_v + n);
-  qk.scales.resize(static_cast<size_t>(f.qjl ? 2 * n : n));
-  for (int64_t i = 0; i < n; ++i) {
-    if (!f.qjl) {
-      qk.scales[static_cast<size_t>(i)] = norm_k[i];
-      continue;
-    }
-    qk.scales[static_cast<size_t>(2 * i)] = norm_k[i];
-    qk.scales[static_cast<size_t>(2 * i + 1)] = norm_r[i];
-  }
-}
-
 void set_host_bytes(CudaKV& C, KVStore& host, int l) {
   LayerKV& H = host.layer(l);
   const DevLayer& d = C.layers[l];
@@ -557,6 +541,11 @@ void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l, SyncPlan plan, co
       segs.push_back(*same[i]);
       continue;
     }
+    // A payload whose arrays are deferred, with neither those arrays (staged) nor its coded rows
+    // here, lands them: they are uploaded from the host.
+    if (p && p->deferred() && !coded_for(d, s) &&
+        std::none_of(d.quantized.begin(), d.quantized.end(), [&](const StagedCodes& q) { return staged_for(q, s, *p); }))
+      p->land();
     if (p && p->layout.kind != quant::CodeLayout::Kind::None && packed_ok(*p, s, C.D, C.q_rotation)) {
       // Codes made for this payload are taken (whatever happens next, not used twice: the values'
       // regrouping happens in place); a sync tried again uploads the payload.

@@ -200,7 +200,18 @@ struct StagedCodes {
   std::vector<Slot> slots;  // [side: K, V][kv head]
   int64_t range_count = 0;
   int k_bits = 0, v_bits = 0;
+  // The V codes regrouped channel-major where they lie (the binary decode path's layout,
+  // quant::channel_major_1bit): 1-bit channel-wise keys and values with ranges over each whole
+  // part at head size 128 (channel_major_values).
+  bool v_channel_major = false;
 };
+// Whether a part of 1-bit values beside 1-bit keys is read channel-major by the binary decode
+// path: both sides channel-wise (or global) with ranges over the whole part, head size 128.
+inline bool channel_major_values(int D, int k_bits, int v_bits, bool k_channel, bool v_channel, int k_group,
+                                 int v_group, int n) {
+  auto whole = [n](int group) { return group <= 0 || group >= n; };
+  return D == 128 && k_bits == 1 && v_bits == 1 && k_channel && v_channel && whole(k_group) && whole(v_group);
+}
 
 // ZipCache's arrays a method made where the rows are (kv_zip_quantize) and copied into the host
 // payload `payload`, kept for the layer's next kv_sync: the group is stored from them instead of
@@ -605,6 +616,10 @@ bool packed_ok(const quant::QuantPayload& p, const KVSegment& s, int D, int q_ro
 // Whether `q` holds payload p's codes and ranges as kv_quantize_rows made them for it: the same
 // payload, bits and array sizes, and no other arrays.
 bool staged_for(const StagedCodes& q, const KVSegment& s, const quant::QuantPayload& p);
+// The V codes of `slots` (slot NKV + h: KV head h's n[h] rows) in `codes` regrouped channel-major
+// where they lie (quant::channel_major_1bit, through a scratch copy).
+void regroup_values(Context& ctx, const DevMem& codes, const std::vector<StagedCodes::Slot>& slots,
+                    const std::vector<int>& n, int D, const std::string& what);
 // Host segment s with payload p as the decode kernel reads it: every array uploaded once, or,
 // with `staged` (staged_for), taken from where the codes were made.
 DevSeg build_packed(Context& ctx, const CudaKV& C, const KVSegment& s, const quant::QuantPayload& p,

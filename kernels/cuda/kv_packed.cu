@@ -56,6 +56,8 @@ bool staged_for(const StagedCodes& q, const KVSegment& s, const quant::QuantPayl
   const size_t NKV = s.heads.size();
   if (q.payload != &p || q.k_bits != p.layout.k_bits || q.v_bits != p.layout.v_bits || q.slots.size() != 2 * NKV)
     return false;
+  // (arrays the payload defers are these: kv_quantize_rows deferred them from the same slots)
+  if (p.deferred()) return true;
   for (size_t side = 0; side < 2; ++side)
     for (size_t h = 0; h < NKV; ++h) {
       const quant::QuantBlock& b = side ? p.v[h] : p.k[h];
@@ -67,12 +69,35 @@ bool staged_for(const StagedCodes& q, const KVSegment& s, const quant::QuantPayl
   return true;
 }
 
-// Whether the payload's arrays have the sizes its layout implies (else it is read on the host).
+void regroup_values(Context& ctx, const DevMem& codes, const std::vector<StagedCodes::Slot>& slots,
+                    const std::vector<int>& n, int D, const std::string& what) {
+  const int NKV = static_cast<int>(n.size());
+  if (NKV == 0) return;
+  const int64_t first = slots[static_cast<size_t>(NKV)].codes, end = codes.bytes;
+  DevMem T{ctx.alloc(end - first, what + " V codes (channel-major)"), end - first};
+  auto off = [&](int h) { return slots[static_cast<size_t>(NKV + h)].codes; };
+  bool spaced = NKV > 1;  // (kv_quantize_rows spaces equal slots equally)
+  for (int h = 1; h < NKV; ++h) spaced = spaced && off(h) - off(h - 1) == off(1) - off(0) && n[static_cast<size_t>(h)] == n[0];
+  const auto* src = static_cast<const uint8_t*>(codes.mem.get());
+  auto* dst = static_cast<uint8_t*>(T.mem.get());
+  if (spaced)
+    channel_major_1bit(src + first, NKV, n[0], D, off(1) - off(0), dst, ctx.stream);
+  else
+    for (int h = 0; h < NKV; ++h)
+      channel_major_1bit(src + off(h), 1, n[static_cast<size_t>(h)], D, 0, dst + (off(h) - first), ctx.stream);
+  KV_CUDA(cudaMemcpyAsync(static_cast<uint8_t*>(codes.mem.get()) + first, dst, static_cast<size_t>(end - first),
+                          cudaMemcpyDeviceToDevice, ctx.stream),
+          what + " V codes (channel-major)");
+}
+
+// Whether the payload's arrays have the sizes its layout implies (else it is read on the host);
+// a payload whose arrays are still deferred has those of the arrays it defers.
 bool packed_ok(const quant::QuantPayload& p, const KVSegment& s, int D, int q_rotation) {
   using K = quant::CodeLayout::Kind;
   const auto& L = p.layout;
   if (L.k_rotation != q_rotation) return false;
   auto bits_ok = [](int b) { return b >= 1 && b <= 8; };
+  if (p.deferred()) return L.kind == K::Fp16 || (L.kind == K::Blocks && bits_ok(L.k_bits) && bits_ok(L.v_bits));
   for (size_t h = 0; h < s.heads.size(); ++h) {
     const int64_t n = s.heads[h].n();
     const quant::QuantBlock &k = p.k[h], &v = p.v[h];
@@ -112,13 +137,11 @@ DevSeg build_packed(Context& ctx, const CudaKV& C, const KVSegment& s, const qua
   // 1-bit channel-wise keys and values with ranges over the whole part (CalibQuant's visual
   // segment) at head size 128: the values go up channel-major by groups of 32 rows, the layout
   // of the binary tensor-core decode path (kChannelT, the same bytes).
-  auto whole = [&](int group, int h) { return group <= 0 || group >= s.heads[h].n(); };
   const bool chan_k = L.k_axis != quant::Axis::PerToken, chan_v = L.v_axis != quant::Axis::PerToken;
-  bool channel_major = false;
-  if (L.kind == K::Blocks && D == 128 && L.k_bits == 1 && L.v_bits == 1 && chan_k && chan_v) {
-    channel_major = true;
-    for (int h = 0; h < NKV; ++h) channel_major = channel_major && whole(L.k_group, h) && whole(L.v_group, h);
-  }
+  bool channel_major = L.kind == K::Blocks;
+  for (int h = 0; h < NKV; ++h)
+    channel_major = channel_major && channel_major_values(D, L.k_bits, L.v_bits, chan_k, chan_v, L.k_group, L.v_group,
+                                                          s.heads[static_cast<size_t>(h)].n());
   HeadArrays kc, vc, ks, kz, vs, vz, km, vm, kf, vf;
   if (staged && L.kind == K::Blocks) {
     // Every array where kv_quantize_rows made it: head h's K codes at slot h, V codes at slot
@@ -137,23 +160,16 @@ DevSeg build_packed(Context& ctx, const CudaKV& C, const KVSegment& s, const qua
     vs = from(staged->ranges, 1, [](const Slot& x) { return x.ranges * 2; });
     kz = from(staged->ranges, 0, [&](const Slot& x) { return zeros_at + x.ranges * 2; });
     vz = from(staged->ranges, 1, [&](const Slot& x) { return zeros_at + x.ranges * 2; });
-    if (channel_major) {  // the values regrouped as the upload would hold them, then copied back in place
-      const int64_t first = staged->slots[static_cast<size_t>(NKV)].codes, end = staged->codes.bytes;
-      DevMem T{ctx.alloc(end - first, what + " V codes (channel-major)"), end - first};
-      bool spaced = true;  // (kv_quantize_rows spaces equal slots equally)
-      for (int h = 1; h < NKV; ++h) spaced = spaced && vc.off[h] - vc.off[h - 1] == vc.off[1] - vc.off[0];
-      const auto* src = static_cast<const uint8_t*>(staged->codes.mem.get());
-      auto* dst = static_cast<uint8_t*>(T.mem.get());
-      if (spaced && NKV > 1 && std::all_of(s.heads.begin(), s.heads.end(), [&](const HeadRows& r) { return r.n() == s.heads[0].n(); }))
-        channel_major_1bit(src + first, NKV, s.heads[0].n(), D, vc.off[1] - vc.off[0], dst, ctx.stream);
-      else
-        for (int h = 0; h < NKV; ++h)
-          channel_major_1bit(src + vc.off[h], 1, s.heads[h].n(), D, 0, dst + (vc.off[h] - first), ctx.stream);
-      KV_CUDA(cudaMemcpyAsync(static_cast<uint8_t*>(staged->codes.mem.get()) + first, dst, static_cast<size_t>(end - first),
-                              cudaMemcpyDeviceToDevice, ctx.stream),
-              what + " V codes (channel-major)");
+    if (staged->v_channel_major && !channel_major)
+      throw InternalError("kv_sync: " + what + ": values made channel-major for a layout that reads them by rows");
+    if (channel_major && !staged->v_channel_major) {  // the values regrouped where they lie
+      p.land();  // (a deferred landing reads the codes as they were made)
+      std::vector<int> n;
+      for (const HeadRows& r : s.heads) n.push_back(r.n());
+      regroup_values(ctx, staged->codes, staged->slots, n, D, what);
     }
   } else {
+    p.land();
     std::vector<std::vector<uint8_t>> v_groups;
     if (channel_major)
       for (int h = 0; h < NKV; ++h) v_groups.push_back(quant::channel_major_1bit(p.v[h].codes.data(), s.heads[h].n(), D));
@@ -241,6 +257,7 @@ std::vector<DevSeg> build_zip(Context& ctx, const CudaKV& C, const std::vector<c
   // Arrays made on the device for this payload: the sizes are theirs (the payload's own may not
   // have landed, or never will: a streamed gap's payload holds only its flags).
   const bool made_for_p = staged && staged->payload == &p;
+  if (!made_for_p) p.land();  // (its arrays are uploaded from the host)
   // sub[h][s]: head h's rows (indices into the group's rows) in subset s (1: salient).
   std::vector<std::array<std::vector<int32_t>, 2>> sub(NKV);
   std::vector<std::vector<int32_t>> gpos(NKV);

@@ -1,7 +1,8 @@
 // The KV cache's transfers with the host: its layout and rows read back into a host store
-// (kv_hydrate), a segment's rows quantized where they are with only codes and ranges copied out
-// (kv_quantize_rows), and decode rows appended on the device alone fetched to the host store
-// (kv_pull_rows). Copies go through page-locked memory, each batch before one wait.
+// (kv_hydrate), a segment's rows quantized or coded where they are, the codes and ranges left
+// there for the payload to land when asked (kv_quantize_rows, kv_code_rows, land_coded), and
+// decode rows appended on the device alone fetched to the host store (kv_pull_rows). Copies go
+// through page-locked memory, each batch before one wait.
 #include <algorithm>
 #include <string>
 #include <unordered_map>
@@ -20,6 +21,26 @@
 namespace kvlens::cuda {
 
 using namespace kv;
+
+namespace kv {
+
+void land_coded(const CodedRows& f, const uint8_t* kcodes, const uint8_t* vcodes, const uint16_t* norm_k,
+                const uint16_t* norm_r, const uint16_t* norm_v, int64_t n, quant::QuantBlock& qk, quant::QuantBlock& qv) {
+  qk.codes.assign(kcodes, kcodes + n * f.k_bytes);
+  qv.codes.assign(vcodes, vcodes + n * f.v_bytes);
+  qv.scales.assign(norm_v, norm_v + n);
+  qk.scales.resize(static_cast<size_t>(f.qjl ? 2 * n : n));
+  for (int64_t i = 0; i < n; ++i) {
+    if (!f.qjl) {
+      qk.scales[static_cast<size_t>(i)] = norm_k[i];
+      continue;
+    }
+    qk.scales[static_cast<size_t>(2 * i)] = norm_k[i];
+    qk.scales[static_cast<size_t>(2 * i + 1)] = norm_r[i];
+  }
+}
+
+}  // namespace kv
 
 namespace {
 
@@ -330,13 +351,28 @@ bool kv_quantize_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& s
                          ctx.stream);
     }
   }
+  // Values the binary decode path reads channel-major are regrouped so here, once (the host's
+  // payload keeps rows: a landing regroups them back).
+  std::vector<int> n_rows(static_cast<size_t>(NKV));
+  bool v_channel_major = true;
+  for (int h = 0; h < NKV; ++h) {
+    n_rows[static_cast<size_t>(h)] = static_cast<int>(first[static_cast<size_t>(h) + 1] - first[static_cast<size_t>(h)]);
+    v_channel_major = v_channel_major && channel_major_values(D, ks.bits, vs.bits, ks.axis != quant::Axis::PerToken,
+                                                              vs.axis != quant::Axis::PerToken, ks.group, vs.group,
+                                                              n_rows[static_cast<size_t>(h)]);
+  }
+  if (v_channel_major) regroup_values(ctx, Cd, slots, n_rows, D, what);
   // The codes and ranges into out's blocks once on the host.
-  auto land_codes = [&out, slots, NKV](const char* host) {
+  auto land_codes = [&out, slots, NKV, n_rows, v_channel_major, D](const char* host) {
     const auto* c = reinterpret_cast<const uint8_t*>(host);
     for (int side = 0; side < 2; ++side)
       for (int h = 0; h < NKV; ++h) {
         const Slot& sl = slots[static_cast<size_t>(side * NKV + h)];
-        (side ? out.v : out.k)[static_cast<size_t>(h)].codes.assign(c + sl.codes, c + sl.codes + sl.n_codes);
+        std::vector<uint8_t>& to = (side ? out.v : out.k)[static_cast<size_t>(h)].codes;
+        if (side && v_channel_major)
+          to = quant::rows_from_channel_major_1bit(c + sl.codes, n_rows[static_cast<size_t>(h)], D);
+        else
+          to.assign(c + sl.codes, c + sl.codes + sl.n_codes);
       }
   };
   auto land_ranges = [&out, slots, NKV, range_count](const char* host) {
@@ -350,9 +386,12 @@ bool kv_quantize_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& s
         b.zeros.assign(hz + sl.ranges, hz + sl.ranges + sl.n_ranges);
       }
   };
-  if (later) {
-    ctx.land_later(Cd.mem, code_bytes, land_codes);
-    ctx.land_later(R.mem, 2 * range_count * 2, land_ranges);
+  if (later) {  // (left on the device until a host reader asks)
+    KVBytes codes, ranges;
+    for (const Slot& sl : slots) codes.codes += sl.n_codes;
+    ranges.scales = ranges.zeros = range_count * 2;
+    defer_landing(ctx, out, Cd.mem, code_bytes, codes, land_codes);
+    defer_landing(ctx, out, R.mem, 2 * range_count * 2, ranges, land_ranges);
   } else {
     auto* staged = static_cast<char*>(ctx.staging(code_bytes + 2 * range_count * 2, what + " to the host"));
     ctx.download_async(staged, Cd.mem.get(), code_bytes, what + " codes");
@@ -365,7 +404,7 @@ bool kv_quantize_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& s
   // payload: quantizing again for the same payload replaces it).
   std::vector<StagedCodes>& q = C.layers[static_cast<size_t>(layer)].quantized;
   q.erase(std::remove_if(q.begin(), q.end(), [&](const StagedCodes& x) { return x.payload == &out; }), q.end());
-  q.push_back(StagedCodes{&out, std::move(Cd), std::move(R), std::move(slots), range_count, ks.bits, vs.bits});
+  q.push_back(StagedCodes{&out, std::move(Cd), std::move(R), std::move(slots), range_count, ks.bits, vs.bits, v_channel_major});
   return true;
 }
 
@@ -410,8 +449,11 @@ bool kv_code_rows(Context& ctx, DeviceKV& dev, int layer, const KVSegment& seg, 
                  b - a, out.k[static_cast<size_t>(h)], out.v[static_cast<size_t>(h)]);
     }
   };
-  if (later) {
-    ctx.land_later(Cd.mem, Cd.bytes, land);
+  if (later) {  // (left on the device until a host reader asks)
+    KVBytes coded;
+    coded.codes = N * (f.k_bytes + f.v_bytes);
+    coded.scales = (f.qjl ? 3 : 2) * N * 2;
+    defer_landing(ctx, out, Cd.mem, Cd.bytes, coded, land);
   } else {
     auto* staged = static_cast<char*>(ctx.staging(Cd.bytes, what + " to the host"));
     ctx.download_async(staged, Cd.mem.get(), Cd.bytes, what + " to the host");

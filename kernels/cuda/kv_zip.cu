@@ -309,7 +309,7 @@ bool kv_zip_quantize(Context& ctx, DeviceKV& dev, const std::vector<ZipRowsGroup
     all.push_back({g.layer, g.segs, g.out});
   }
   // Group by group (a prompt's groups are large): every group's plan made first, side by side on
-  // the team (the host's bookkeeping, the most of the work), then each launched, its arrays landing
+  // the team (the host's bookkeeping, the most of the work), then each launched, its arrays deferred
   // in its payload and kept for its layer's next kv_sync (one entry per payload: quantizing again
   // for the same payload replaces it).
   std::vector<ZipPlan> plans(all.size());
@@ -323,7 +323,13 @@ bool kv_zip_quantize(Context& ctx, DeviceKV& dev, const std::vector<ZipRowsGroup
     plans[i] = ZipPlan{};  // (its host arrays freed as the groups go)
     if (!z.mem.mem) continue;
     quant::QuantPayload* out = groups[i].out;
-    ctx.land_later(z.mem.mem, z.mem.bytes, [out, z, NKV](const char* host) {
+    // What the landing adds to the payload (its flags are the host's already).
+    KVBytes counted;
+    counted.codes = z.k_codes.bytes + z.v_codes.bytes;
+    counted.scales = z.k_scales.bytes + z.t_scales.bytes;
+    counted.zeros = z.k_zeros.bytes + z.t_zeros.bytes;
+    counted.meta = z.factors.bytes;
+    defer_landing(ctx, *out, z.mem.mem, z.mem.bytes, counted, [out, z, NKV](const char* host) {
       const bool shared = out->layout.shared_token_ranges;
       // Array a from its byte `from` to `to`, or KV head h's part of it (up to the next head's).
       auto span = [&](const StagedZip::Array& a, int64_t from, int64_t to) {

@@ -77,7 +77,7 @@ void check_bytes(const Side& g, const Side& cpu, int D, bool packed_only, const 
         // are held per head on the device — one range a row of every head of the group (its
         // payload's bytes count on its first segment) — unless every head flags the same rows
         // salient (one ranking), when the shared table is what each head reads.
-        const auto* qp = dynamic_cast<const quant::QuantPayload*>(sc[i].payload.get());
+        const auto* qp = quant::landed(sc[i].payload.get());
         bool same_flags = true;
         for (size_t h = 1; qp && h < qp->k.size(); ++h) same_flags = same_flags && qp->k[h].flags == qp->k[0].flags;
         if (qp && qp->layout.shared_token_ranges && !same_flags && (i == 0 || sc[i - 1].payload != sc[i].payload)) {

@@ -50,7 +50,7 @@ void read_tail(Backend& gpu, const DeviceKV& dev, size_t n_segments, const std::
   const KVSegment& tail = back.layer(0).segments.back();
   EXPECT_EQ(tail.kind, SegmentKind::Generated);
   EXPECT_EQ(tail.storage, label);
-  pay = dynamic_cast<const quant::QuantPayload*>(tail.payload.get());
+  pay = quant::landed(tail.payload.get());
   ASSERT_NE(pay, nullptr);
   EXPECT_EQ(pay->layout.kind, kind);
 }

@@ -58,6 +58,8 @@ TEST(CudaModel, EvictionSelectsOnTheLayoutAloneAndTheDeviceGathers) {
 // DecodeOps), the same tokens, and `per_layer` quantized segments a layer (< 0: at least one).
 // With `rotated` (Hadamard-INT4's keys), the observed decode's device, which does not rotate the
 // query, holds the quantized rows as fp16 values and reports their bytes: more than the codes'.
+// Else the codes made on the device never crossed to the host (deferred until the checks here
+// land them).
 void expect_quantized_where_the_rows_are(const SampleRun& r, const char* spec, int per_layer, bool rotated = false) {
   SCOPED_TRACE(spec);
   const TwoDecodes t = decode_on_layout_and_on_rows(r, spec);
@@ -69,8 +71,10 @@ void expect_quantized_where_the_rows_are(const SampleRun& r, const char* spec, i
   int quantized = 0;
   for (int l = 0; l < a.n_layers(); ++l)
     for (size_t i = 0; i < a.layer(l).segments.size(); ++i) {
-      const auto* pa = dynamic_cast<const quant::QuantPayload*>(a.layer(l).segments[i].payload.get());
-      const auto* pb = dynamic_cast<const quant::QuantPayload*>(b.layer(l).segments[i].payload.get());
+      const auto* made = dynamic_cast<const quant::QuantPayload*>(a.layer(l).segments[i].payload.get());
+      if (made && !rotated) EXPECT_TRUE(made->deferred()) << "layer " << l << " segment " << i << ": codes on the host";
+      const auto* pa = quant::landed(a.layer(l).segments[i].payload.get());
+      const auto* pb = quant::landed(b.layer(l).segments[i].payload.get());
       ASSERT_EQ(!pa, !pb) << "layer " << l << " segment " << i;
       if (!pa) continue;
       ++quantized;
@@ -179,8 +183,8 @@ TEST(CudaModel, CodesQuantizedOnTheDeviceAreStoredWhereTheyWereMade) {
         int compared = 0;
         for (int l = 0; l < r.layers; ++l)
           for (size_t i = 0; i < a.layer(l).segments.size(); ++i) {
-            const auto* pa = dynamic_cast<const quant::QuantPayload*>(a.layer(l).segments[i].payload.get());
-            const auto* pc = dynamic_cast<const quant::QuantPayload*>(c.layer(l).segments.at(i).payload.get());
+            const auto* pa = quant::landed(a.layer(l).segments[i].payload.get());
+            const auto* pc = quant::landed(c.layer(l).segments.at(i).payload.get());
             ASSERT_EQ(!pa, !pc) << "layer " << l << " segment " << i;
             if (!pa) continue;
             ++compared;
@@ -199,7 +203,7 @@ TEST(CudaModel, CodesQuantizedOnTheDeviceAreStoredWhereTheyWereMade) {
     for (int l = 0; l < b.n_layers(); ++l) {
       std::map<const SegmentPayload*, std::shared_ptr<SegmentPayload>> copy;  // (a group's segments share one)
       for (KVSegment& seg : b.layer(l).segments)
-        if (const auto* p = dynamic_cast<const quant::QuantPayload*>(seg.payload.get())) {
+        if (const auto* p = quant::landed(seg.payload.get())) {
           std::shared_ptr<SegmentPayload>& c = copy[p];
           if (!c) {
             c = std::make_shared<quant::QuantPayload>(*p);
@@ -248,8 +252,8 @@ TEST(CudaModel, ZipCacheQuantizesOnTheDevice) {
     std::map<const SegmentPayload*, int> groups;
     for (int l = 0; l < t.a.n_layers(); ++l)
       for (size_t i = 0; i < t.a.layer(l).segments.size(); ++i) {
-        const auto* pa = dynamic_cast<const quant::QuantPayload*>(t.a.layer(l).segments[i].payload.get());
-        const auto* pb = dynamic_cast<const quant::QuantPayload*>(t.b.layer(l).segments[i].payload.get());
+        const auto* pa = quant::landed(t.a.layer(l).segments[i].payload.get());
+        const auto* pb = quant::landed(t.b.layer(l).segments[i].payload.get());
         ASSERT_EQ(!pa, !pb) << "layer " << l << " segment " << i;
         if (!pa || groups.count(pa)) continue;
         groups[pa] = l;
@@ -429,8 +433,8 @@ TEST(CudaModel, TurboQuantCodesThePromptOnTheDevice) {
     for (int l = 0; l < t.b.n_layers(); ++l)
       for (size_t i = 0; i < t.b.layer(l).segments.size(); ++i) {
         const KVSegment &sa = t.a.layer(l).segments[i], &sb = t.b.layer(l).segments[i];
-        const auto* pa = dynamic_cast<const quant::QuantPayload*>(sa.payload.get());
-        const auto* pb = dynamic_cast<const quant::QuantPayload*>(sb.payload.get());
+        const auto* pa = quant::landed(sa.payload.get());
+        const auto* pb = quant::landed(sb.payload.get());
         ASSERT_EQ(!pa, !pb) << "layer " << l << " segment " << i;
         if (!pa) continue;
         ++coded;

@@ -91,7 +91,7 @@ class CalibQuantPolicy : public quant::PrefillQuantPolicy {
 
  private:
   // The layer's visual segments quantized into payloads (on the device where the rows are there
-  // alone; `later`: their codes land at the backend's next finish_reductions), not yet stored.
+  // alone; `later`: their codes stay there, deferred in the payloads), not yet stored.
   void quantize_layer(const PrefillContext& ctx, LayerKV& layer, bool later,
                       std::vector<quant::PendingPayload>& done) const override {
     const quant::UniformSpec ks{bits_, quant::Axis::PerChannel, k_shrink_, about_zero_};
@@ -99,7 +99,8 @@ class CalibQuantPolicy : public quant::PrefillQuantPolicy {
     for (KVSegment& s : layer.segments)
       if (s.kind == SegmentKind::Visual && s.dense()) done.push_back(quant::quantize_rows_of(ctx, s, ks, vs, later, "calibquant"));
   }
-  // Each quantized segment takes its payload (once its codes are on the host); the list empties.
+  // Each quantized segment takes its payload (its codes made, on the host or deferred); the list
+  // empties.
   void store(std::vector<quant::PendingPayload>& done) const override {
     quant::CodeLayout l;
     l.kind = quant::CodeLayout::Kind::Blocks;

@@ -133,9 +133,9 @@ class TurboQuantPolicy : public quant::SegmentQuantPolicy {
   }
 
   // The prompt: every layer's segments in scope coded together — where their rows are: on the
-  // device by its backend when the host store holds the layout alone (every layer's codes landing
-  // after one wait where the backend queues them: Backend::code_rows_later), else on the host on
-  // threads of their own.
+  // device by its backend when the host store holds the layout alone (every layer's codes left
+  // there, deferred in their payloads, where the backend can: Backend::code_rows_later), else on
+  // the host on threads of their own.
   void on_prefill(const std::vector<PrefillContext>& layers, KVStore& store) override {
     std::vector<KVSegment*> on_host;
     std::vector<quant::PendingPayload> coded;
@@ -173,7 +173,7 @@ class TurboQuantPolicy : public quant::SegmentQuantPolicy {
   void quantize_segment(KVSegment& s, int D) override { code_segments({&s}, D); }
 
   // The layer's segments in scope whose rows only the device holds, coded there (later: their
-  // codes landing at the backend's next finish_reductions), each with its payload added to
+  // codes left there, deferred in the payload), each with its payload added to
   // `coded`; the others are added to `on_host`.
   void code_layer(const PrefillContext& c, LayerKV& layer, bool later, std::vector<KVSegment*>& on_host,
                   std::vector<quant::PendingPayload>& coded) const {

@@ -44,7 +44,8 @@ class UniformPolicy : public quant::PrefillQuantPolicy {
     for (KVSegment& s : layer.segments)
       if (in_scope(s)) done.push_back(quant::quantize_rows_of(ctx, s, {bits_, k_axis_}, {bits_, v_axis_}, later, "uniform"));
   }
-  // Each quantized segment takes its payload (once its codes are on the host); the list empties.
+  // Each quantized segment takes its payload (its codes made, on the host or deferred); the list
+  // empties.
   void store(std::vector<quant::PendingPayload>& done) const override {
     quant::CodeLayout l;
     l.kind = quant::CodeLayout::Kind::Blocks;

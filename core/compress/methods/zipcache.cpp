@@ -31,7 +31,8 @@
 // On a device backend whose cache alone holds the prompt's rows (the host store keeps their
 // layout), the saliency and the flags are computed on the host from the probes' column sums, and
 // every layer's groups are quantized where the rows are (Backend::zip_quantize_rows, the same
-// bytes as on the host) before one wait; the cache stores them packed as they were made.
+// bytes as on the host) in one call; the cache stores them packed as they were made, and they
+// cross to the host only if a host reader asks (QuantPayload::land).
 //
 // Decode (Algorithm 3, streaming): new tokens stay dense (the cache's row storage); the queries of
 // probe tokens are kept (the last round(recent_ratio·gap) of each gap, plus each other token with
@@ -265,8 +266,8 @@ class ZipCachePolicy : public KVPolicy {
     return true;
   }
 
-  // Flags on threads, then every group's quantization queued on the device in one call before one
-  // wait (Backend::zip_quantize_rows); each group's payload installed once its arrays have landed.
+  // Flags on threads, then every group's quantization queued on the device in one call
+  // (Backend::zip_quantize_rows); each group's payload installed with its arrays deferred.
   void quantize_on_device(const std::vector<Job>& jobs) {
     struct Group {
       LayerKV* layer;

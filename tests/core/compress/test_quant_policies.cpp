@@ -8,6 +8,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -119,12 +120,14 @@ TEST(Quantize, ChannelMajorGroupsOfOneBitCodes) {
   EXPECT_EQ(*rows.begin(), 0);
   EXPECT_EQ(*rows.rbegin(), 31);
   std::mt19937_64 rng(17);
-  for (int d : {8, 64, 128})
+  for (int d : {8, 40, 64, 128})
     for (int64_t n : {0, 5, 32, 77, 96}) {
       std::vector<uint8_t> packed(static_cast<size_t>(n * d / 8));
       for (uint8_t& b : packed) b = static_cast<uint8_t>(rng());
       const auto g = quant::channel_major_1bit(packed.data(), n, d);
       ASSERT_EQ(g.size(), packed.size()) << "d=" << d << " n=" << n;
+      // (and its inverse gives the rows back)
+      EXPECT_EQ(quant::rows_from_channel_major_1bit(g.data(), n, d), packed) << "d=" << d << " n=" << n;
       for (int64_t j = 0; j < n; ++j)
         for (int c = 0; c < d; ++c) {
           const uint32_t want = quant::unpack_one(packed.data(), j * d + c, 1);
@@ -140,6 +143,76 @@ TEST(Quantize, ChannelMajorGroupsOfOneBitCodes) {
           ASSERT_EQ(got, want) << "d=" << d << " n=" << n << " row " << j << " channel " << c;
         }
     }
+}
+
+TEST(Quantize, DeferredArraysLandOnceWhenAskedFor) {
+  // A payload whose arrays stay where they were made: counted before they land, landed by the
+  // first reader only (however many threads ask at once), copied landed, and a landing that
+  // writes other sizes than it counted is refused.
+  std::mt19937_64 rng(5);
+  std::vector<uint8_t> codes(4099);
+  std::vector<uint16_t> ranges(37);
+  for (uint8_t& b : codes) b = static_cast<uint8_t>(rng());
+  for (uint16_t& x : ranges) x = static_cast<uint16_t>(rng());
+  auto p = std::make_shared<quant::QuantPayload>(2);
+  p->k[0].flags = {0x5a};  // (what the host holds already is counted too)
+  int landings = 0;
+  KVBytes counted;
+  counted.codes = static_cast<int64_t>(codes.size());
+  counted.scales = counted.zeros = static_cast<int64_t>(ranges.size()) * 2;
+  p->defer(counted, [&, q = p.get()] {
+    ++landings;
+    q->k[1].codes = codes;
+    q->v[0].scales = ranges;
+    q->v[0].zeros = ranges;
+  });
+  EXPECT_TRUE(p->deferred());
+  p->shrink_to_fit();  // (installing a payload lands nothing)
+  EXPECT_EQ(landings, 0);
+  const KVBytes before = p->allocated();
+  EXPECT_EQ(before.codes, 4099);
+  EXPECT_EQ(before.scales, 74);
+  EXPECT_EQ(before.zeros, 74);
+  EXPECT_EQ(before.meta, 1);
+  EXPECT_TRUE(p->k[1].codes.empty());
+  std::vector<std::thread> readers;
+  for (int i = 0; i < 4; ++i) readers.emplace_back([&] { EXPECT_EQ(quant::landed(p.get()), p.get()); });
+  for (std::thread& t : readers) t.join();
+  EXPECT_EQ(landings, 1);
+  EXPECT_FALSE(p->deferred());
+  EXPECT_EQ(p->k[1].codes, codes);
+  EXPECT_EQ(p->v[0].zeros, ranges);
+  EXPECT_EQ(p->allocated().total(), before.total());
+  p->land();
+  EXPECT_EQ(landings, 1);
+
+  // A copy of a deferred payload lands it first and is not deferred itself.
+  auto r = std::make_shared<quant::QuantPayload>(1);
+  r->defer(counted, [&, q = r.get()] {
+    q->k[0].codes = codes;
+    q->v[0].scales = q->v[0].zeros = ranges;
+  });
+  const quant::QuantPayload copy(*r);
+  EXPECT_FALSE(r->deferred());
+  EXPECT_FALSE(copy.deferred());
+  EXPECT_EQ(copy.k[0].codes, codes);
+
+  // Sizes other than those counted: an error naming both, the landing not tried again.
+  quant::QuantPayload bad(1);
+  int tries = 0;
+  bad.defer(counted, [&] {
+    ++tries;
+    bad.k[0].codes = codes;
+  });
+  try {
+    bad.land();
+    ADD_FAILURE() << "a landing of other sizes than counted was taken";
+  } catch (const InternalError& e) {
+    EXPECT_NE(std::string(e.what()).find("4099 bytes"), std::string::npos) << e.what();
+  }
+  bad.land();
+  EXPECT_EQ(tries, 1);
+  EXPECT_EQ(quant::landed(nullptr), nullptr);
 }
 
 TEST(Uniform, GranularitiesAndScope) {
