@@ -35,12 +35,13 @@ int post_vision_begin(const PrefillContext& c) {
   return std::min(last_visual + 1, T - 1);
 }
 
-double post_vision_head_sparsity(const PrefillContext& c, int head, double p) {
+namespace {
+
+// Every query head's sparsity: entries below p · (row max), or 0 after ThresholdFilter, over the
+// post-vision queries' causal entries, counted where the attention is (one reduction).
+std::vector<double> post_vision_head_sparsities(const PrefillContext& c, double p) {
   if (!c.attention) throw InputError("vlcache: layer " + std::to_string(c.layer) + ": no prefill probabilities");
-  if (head < 0 || head >= c.n_heads) throw InputError("vlcache: no query head " + std::to_string(head));
   const int T = c.prompt_len;
-  // Entries below p · (row max), or 0 after ThresholdFilter, over the post-vision queries' causal
-  // entries, counted where the attention is.
   std::vector<int64_t> below(static_cast<size_t>(c.n_heads));
   AttentionReduction r;
   r.queries = AttentionReduction::range(post_vision_begin(c), T, T);
@@ -50,12 +51,21 @@ double post_vision_head_sparsity(const PrefillContext& c, int head, double p) {
   c.attention->reduce(c.layer, r);
   int64_t total = 0;
   for (int i : r.queries) total += i + 1;
-  return static_cast<double>(below[static_cast<size_t>(head)]) / static_cast<double>(total);
+  std::vector<double> g(below.size());
+  for (size_t h = 0; h < below.size(); ++h) g[h] = static_cast<double>(below[h]) / static_cast<double>(total);
+  return g;
+}
+
+}  // namespace
+
+double post_vision_head_sparsity(const PrefillContext& c, int head, double p) {
+  if (head < 0 || head >= c.n_heads) throw InputError("vlcache: no query head " + std::to_string(head));
+  return post_vision_head_sparsities(c, p)[static_cast<size_t>(head)];
 }
 
 double post_vision_sparsity(const PrefillContext& c, double p) {
   double s = 0.0;
-  for (int h = 0; h < c.n_heads; ++h) s += post_vision_head_sparsity(c, h, p);
+  for (double g : post_vision_head_sparsities(c, p)) s += g;  // (heads in order, as before)
   return s / c.n_heads;
 }
 

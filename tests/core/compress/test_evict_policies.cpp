@@ -52,6 +52,34 @@ TEST(VLCache, SparsityOnTinyMatrixByHand) {
   EXPECT_DOUBLE_EQ(post_vision_sparsity(c, 0.5), 6.0 / 9.0);
 }
 
+TEST(VLCache, LayerSparsityIsTheMeanOfItsHeadsFromOneReduction) {
+  // Four query heads with different rows: γ(l) is the mean of the heads' shares, each head's
+  // share is its own, and the layer's γ asks the attention for one reduction.
+  Prompt P(1, 4, 2, 4, layout(1, 2, 3), 3);
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<double> u(-4.0, 4.0);
+  for (int h = 0; h < 4; ++h) {
+    std::vector<std::vector<double>> logits(static_cast<size_t>(P.T), std::vector<double>(static_cast<size_t>(P.T)));
+    for (auto& row : logits)
+      for (double& x : row) x = u(rng) * (h + 1);
+    P.set_logits(0, h, logits);
+  }
+  const PrefillContext c = P.contexts()[0];
+  const size_t before = P.held->asked().size();
+  const double g = post_vision_sparsity(c, 0.05);
+  EXPECT_EQ(P.held->asked().size(), before + 1);
+  double mean = 0;
+  std::set<double> shares;
+  for (int h = 0; h < 4; ++h) {
+    const double s = post_vision_head_sparsity(c, h, 0.05);
+    shares.insert(s);
+    mean += s / 4;
+  }
+  EXPECT_GT(shares.size(), 1u);  // (the heads differ, so a head's share read from another would show)
+  EXPECT_DOUBLE_EQ(g, mean);
+  EXPECT_THROW(post_vision_head_sparsity(c, 4, 0.05), InputError);
+}
+
 TEST(VLCache, BudgetsSumToAlphaLWithinClipping) {
   std::mt19937 rng(7);
   // γ in [0.3, 0.9]: every raw share (1−γ)/Z·αL lies in [0.1/8.4·1.2, 0.7/1.2·1.2] ⊂ (0.01, 1).
