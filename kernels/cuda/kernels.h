@@ -578,6 +578,20 @@ void codec_rows(const CodecDev& kc, const CodecDev& vc, int N, int D, __half* x,
                 __half* scales, cudaStream_t s);
 // dst row i (D halves) = *src[i] for n rows (src pointers in device memory).
 void gather_rows(const __half* const* src, __half* dst, int n, int D, cudaStream_t s);
+// One gather of a KV sync: `rows` K rows from src[first + i] and V rows from
+// src[first + rows + i] into k and v (k null: none copied, the rows stay where they are), and
+// their positions pos_in[pos_first + i] into pos.
+struct RowGather {
+  int64_t first = 0, rows = 0;
+  __half* k = nullptr;
+  __half* v = nullptr;
+  int32_t* pos = nullptr;
+  int64_t pos_first = 0;
+};
+// Every one of the n gathers of `jobs` (device memory; none longer than max_rows rows) in one
+// launch (D halves a row, a multiple of 8; src and pos_in in device memory).
+void gather_segments(const RowGather* jobs, int n, int64_t max_rows, const __half* const* src, const int32_t* pos_in,
+                     int D, cudaStream_t s);
 // Block i of dst (`bytes`, a multiple of 4) = block index[i] of src, for n blocks (index in
 // device memory).
 void gather_blocks(const void* src, void* dst, int64_t bytes, const int32_t* index, int n, cudaStream_t s);

@@ -251,16 +251,13 @@ bool is_tail(const KVSegment& s, const Tail& t) {
 
 // The copies of one kv_sync, made together once every layer's new layout is known: the rows
 // gathered into the new fp16 segments (from rows on the device, or from host rows uploaded with
-// them) and the segments' positions — one upload and two gather launches a segment, instead of
-// several uploads a segment. The segments and staged rows the sync replaces are held until the
+// them) and the segments' positions — one upload and one launch for every segment of every
+// layer (gather_segments). The segments and staged rows the sync replaces are held until the
 // gathers are queued (their memory goes back to the pool in stream order, after the reads).
 struct SyncBatch {
-  struct Gather {
-    int64_t first = 0, rows = 0;  // into src
-    __half *k = nullptr, *v = nullptr;  // (null: the rows are where they are, the positions alone copied)
-    int32_t* pos = nullptr;
-    int64_t pos_first = 0;  // into pos
-  };
+  // (first: into src; k null: the rows are where they are, the positions alone copied;
+  // pos_first: into pos)
+  using Gather = RowGather;
   std::vector<const __half*> src;  // keys of every gather, then (index + rows) values
   std::vector<std::pair<size_t, size_t>> up_at;  // the src slots of each uploaded row's key and value
   std::vector<uint16_t> upk, upv;  // the uploaded rows' halves
@@ -270,12 +267,33 @@ struct SyncBatch {
   std::vector<Staged> retired_rows;
   std::vector<DevMem> targets;  // the gathers' destinations (held even when a later layer fails)
 
+  // o's copies after these (o's indices moved past this batch's).
+  void append(SyncBatch&& o) {
+    const int64_t s0 = static_cast<int64_t>(src.size()), p0 = static_cast<int64_t>(pos.size());
+    for (Gather g : o.gathers) {
+      g.first += s0;
+      g.pos_first += p0;
+      gathers.push_back(g);
+    }
+    for (const auto& [k, v] : o.up_at) up_at.emplace_back(k + static_cast<size_t>(s0), v + static_cast<size_t>(s0));
+    src.insert(src.end(), o.src.begin(), o.src.end());
+    upk.insert(upk.end(), o.upk.begin(), o.upk.end());
+    upv.insert(upv.end(), o.upv.begin(), o.upv.end());
+    pos.insert(pos.end(), o.pos.begin(), o.pos.end());
+    for (DevSeg& x : o.retired) retired.push_back(std::move(x));
+    for (Staged& x : o.retired_rows) retired_rows.push_back(std::move(x));
+    for (DevMem& x : o.targets) targets.push_back(std::move(x));
+    o = SyncBatch{};
+  }
+
   void run(Context& ctx, int D) {
     if (gathers.empty()) return;
-    // Layout of the one upload: uploaded rows (K then V halves), the pointer lists, positions.
+    // Layout of the one upload: uploaded rows (K then V halves), the pointer lists, positions,
+    // the gathers.
     const int64_t n_up = static_cast<int64_t>(up_at.size()), n_src = static_cast<int64_t>(src.size());
     const int64_t o_rows = 0, o_ptr = (n_up * D * 2 * 2 + 15) / 16 * 16, o_pos = o_ptr + n_src * 8;
-    const int64_t bytes = o_pos + static_cast<int64_t>(pos.size()) * 4;
+    const int64_t o_jobs = (o_pos + static_cast<int64_t>(pos.size()) * 4 + 15) / 16 * 16;
+    const int64_t bytes = o_jobs + static_cast<int64_t>(gathers.size() * sizeof(Gather));
     DevMem U{ctx.alloc(std::max<int64_t>(bytes, 16), "KV sync upload"), bytes};
     char* u = static_cast<char*>(U.mem.get());
     auto* uk = reinterpret_cast<__half*>(u + o_rows);
@@ -289,18 +307,14 @@ struct SyncBatch {
     std::memcpy(host.data() + o_rows + n_up * D * 2, upv.data(), upv.size() * 2);
     std::memcpy(host.data() + o_ptr, src.data(), static_cast<size_t>(n_src) * 8);
     std::memcpy(host.data() + o_pos, pos.data(), pos.size() * 4);
+    std::memcpy(host.data() + o_jobs, gathers.data(), gathers.size() * sizeof(Gather));
     ctx.upload(u, host.data(), bytes, "KV sync upload");
-    const auto* ptr = reinterpret_cast<const __half* const*>(u + o_ptr);
-    const auto* dpos = reinterpret_cast<const int32_t*>(u + o_pos);
-    for (const Gather& g : gathers) {
-      if (g.rows == 0) continue;
-      if (g.k) {
-        gather_rows(ptr + g.first, g.k, static_cast<int>(g.rows), D, ctx.stream);
-        gather_rows(ptr + g.first + g.rows, g.v, static_cast<int>(g.rows), D, ctx.stream);
-      }
-      KV_CUDA(cudaMemcpyAsync(g.pos, dpos + g.pos_first, static_cast<size_t>(g.rows) * 4, cudaMemcpyDeviceToDevice, ctx.stream),
-              "KV segment positions");
-    }
+    int64_t longest = 0;
+    for (const Gather& g : gathers) longest = std::max(longest, g.rows);
+    // Every segment's rows and positions in one launch.
+    gather_segments(reinterpret_cast<const Gather*>(u + o_jobs), static_cast<int>(gathers.size()), longest,
+                    reinterpret_cast<const __half* const*>(u + o_ptr), reinterpret_cast<const int32_t*>(u + o_pos), D,
+                    ctx.stream);
   }
 };
 
@@ -464,12 +478,13 @@ SyncPlan plan_sync(const CudaKV& C, const KVStore& host, int l) {
 }
 
 // Layer l made to mirror the host store as `plan` found it; `given`: the layer's device rows
-// (device_rows) when the caller found them already.
+// (device_rows) when the caller found them already. Layers sync side by side: this touches
+// layer l's state alone (the calls it makes on the device are independent of other layers'),
+// and the caller then finishes each layer in turn (finish_layer).
 void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l, SyncPlan plan, const RowMap* given, SyncBatch& batch) {
   DevLayer& d = C.layers[l];
   const LayerKV& H = host.layer(l);
   std::vector<const DevSeg*>& same = plan.same;
-  const bool keep_tail = plan.keep_tail;
   const size_t n_host = plan.n_host;
   if (plan.unchanged) {
     batch.retired_rows.push_back(std::move(d.merged));
@@ -477,7 +492,6 @@ void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l, SyncPlan plan, co
     d.quantized.clear();
     d.zipped.clear();
     d.coded.clear();
-    set_host_bytes(C, host, l);
     return;
   }
   const RowMap none;
@@ -580,8 +594,15 @@ void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l, SyncPlan plan, co
   for (DevLayer::Coded& c : d.coded)  // (read by the batch's gathers)
     batch.retired_rows.push_back(Staged{std::move(c.rows), DevMem{}, RowMap{}});
   d.coded.clear();
-  if (!keep_tail) C.reset_tail(l);
-  C.changed();
+}
+
+// What sync_layer leaves to be done in turn: the decode tail dropped where the plan does not keep
+// it, the cache's tables marked stale, the host segments' bytes.
+void finish_layer(CudaKV& C, KVStore& host, int l, const SyncPlan& plan) {
+  if (!plan.unchanged) {
+    if (!plan.keep_tail) C.reset_tail(l);
+    C.changed();
+  }
   set_host_bytes(C, host, l);
 }
 
@@ -615,11 +636,42 @@ void kv_sync(Context& ctx, DeviceKV& dev, KVStore& host, int layer) {
           rows[i] = device_rows(C, C.layers[static_cast<size_t>(ls[i])]);
         });
     }
+    // The layers side by side, each with its batch of copies; then each finished in turn and
+    // the batches made one (also when a layer failed: the others get their rows).
     trace::Scope layers_span("kv.sync.layers");
-    for (size_t i = 0; i < ls.size(); ++i) {
-      const RowMap* found = changed.size() > 1 && plans[i].needs_rows ? &rows[i] : nullptr;
-      sync_layer(ctx, C, host, ls[i], std::move(plans[i]), found, batch);
+    std::vector<SyncBatch> batches(ls.size());
+    std::vector<char> done(ls.size(), 0);
+    auto finish = [&] {
+      size_t src = 0, pos = 0, up = 0, gathers = 0;
+      for (const SyncBatch& b : batches) {
+        src += b.src.size();
+        pos += b.pos.size();
+        up += b.upk.size();
+        gathers += b.gathers.size();
+      }
+      batch.src.reserve(batch.src.size() + src);
+      batch.pos.reserve(batch.pos.size() + pos);
+      batch.upk.reserve(batch.upk.size() + up);
+      batch.upv.reserve(batch.upv.size() + up);
+      batch.gathers.reserve(batch.gathers.size() + gathers);
+      for (size_t i = 0; i < ls.size(); ++i) {
+        if (done[i]) finish_layer(C, host, ls[i], plans[i]);
+        batch.append(std::move(batches[i]));
+      }
+    };
+    try {
+      parallel_for(static_cast<int>(ls.size()), 8, [&](int x) {
+        const size_t i = static_cast<size_t>(x);
+        trace::Scope layer_span("kv.sync.layer", ls[i]);
+        const RowMap* found = changed.size() > 1 && plans[i].needs_rows ? &rows[i] : nullptr;
+        sync_layer(ctx, C, host, ls[i], plans[i], found, batches[i]);
+        done[i] = 1;
+      });
+    } catch (...) {
+      finish();
+      throw;
     }
+    finish();
   } catch (...) {
     try {
       batch.run(ctx, C.D);  // the layers synced before the error get their rows

@@ -2,6 +2,7 @@
 // token into packed codes) and gather rows (the compaction after eviction). CPU twins:
 // KVStore::append (with fp16 rounding), quant::quantize_block (Axis::PerToken) on those rows, and
 // keep_rows/gather_head in core/compress/select.cpp.
+#include <algorithm>
 #include <string>
 
 #include "core/errors.h"
@@ -178,7 +179,37 @@ __global__ void gather_rows_kernel(const __half* const* src, __half* dst, int n,
     dst[i] = src[i / D][i % D];
 }
 
+// Gather blockIdx.y of jobs: 16 bytes a thread, rows one after another over the x blocks.
+__global__ void gather_segments_kernel(const RowGather* jobs, const __half* const* src, const int32_t* pos_in, int D) {
+  const RowGather j = jobs[blockIdx.y];
+  const int per_row = D / 8;
+  const int64_t total = j.rows * per_row;
+  for (int64_t i = threadIdx.x + static_cast<int64_t>(blockIdx.x) * blockDim.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / per_row;
+    const int c = static_cast<int>(i % per_row);
+    if (j.k) {
+      reinterpret_cast<uint4*>(j.k + r * D)[c] = reinterpret_cast<const uint4*>(src[j.first + r])[c];
+      reinterpret_cast<uint4*>(j.v + r * D)[c] = reinterpret_cast<const uint4*>(src[j.first + j.rows + r])[c];
+    }
+    if (c == 0) j.pos[r] = pos_in[j.pos_first + r];
+  }
+}
+
 }  // namespace
+
+void gather_segments(const RowGather* jobs, int n, int64_t max_rows, const __half* const* src, const int32_t* pos_in,
+                     int D, cudaStream_t s) {
+  if (n == 0 || max_rows == 0) return;
+  if (D % 8 != 0 || D <= 0) throw InternalError("gather_segments: rows of " + std::to_string(D) + " halves (a multiple of 8)");
+  const int64_t work = max_rows * (D / 8);
+  const unsigned gx = static_cast<unsigned>(std::clamp<int64_t>((work + 255) / 256, 1, 512));
+  for (int at = 0; at < n; at += 65535) {  // (the grid's y extent)
+    const int m = std::min(65535, n - at);
+    gather_segments_kernel<<<dim3(gx, static_cast<unsigned>(m)), 256, 0, s>>>(jobs + at, src, pos_in, D);
+    KV_LAUNCH("gather_segments_kernel", std::to_string(m) + " gathers of up to " + std::to_string(max_rows) + " rows");
+  }
+}
 
 void kv_append(const float* qkv, int64_t stride, int64_t k_col, int64_t v_col, int T, int NKV, int D,
                const int32_t* pos_in, __half* k, __half* v, int32_t* pos, int cap, int row0, int32_t* counter,

@@ -18,6 +18,16 @@ namespace kv {
 RowMap device_rows(const CudaKV& C, const DevLayer& d) {
   RowMap m;
   m.by_head.resize(static_cast<size_t>(C.NKV));
+  // Each head's table made once at its final size (the largest position any row has).
+  std::vector<int32_t> top(static_cast<size_t>(C.NKV), -1);
+  for (const DevSeg& s : d.segs)
+    for (int h = 0; h < C.NKV; ++h)
+      for (int32_t p : s.pos[static_cast<size_t>(h)]) top[static_cast<size_t>(h)] = std::max(top[static_cast<size_t>(h)], p);
+  for (int32_t p : d.tail.host_pos)
+    for (int32_t& t : top) t = std::max(t, p);
+  for (size_t h = 0; h < d.merged.rows.by_head.size() && h < top.size(); ++h)
+    top[h] = std::max(top[h], static_cast<int32_t>(d.merged.rows.by_head[h].size()) - 1);
+  for (int h = 0; h < C.NKV; ++h) m.by_head[static_cast<size_t>(h)].assign(static_cast<size_t>(top[static_cast<size_t>(h)] + 1), RowMap::Row{nullptr, nullptr});
   for (const DevSeg& s : d.segs) {
     if (!s.fp16_rows || !dense_host(s.host_storage) || s.payload) continue;
     for (int h = 0; h < C.NKV; ++h) {
