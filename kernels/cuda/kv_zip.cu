@@ -6,14 +6,17 @@
 // kv_sync (StagedZip, build_zip).
 #include <algorithm>
 #include <array>
+#include <condition_variable>
 #include <cstring>
+#include <exception>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/errors.h"
 #include "core/kv_format.h"
 #include "core/parallel.h"
-#include "core/team.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/context.h"
 #include "kernels/cuda/kernels.h"
@@ -68,6 +71,14 @@ ZipPlan plan_zip(const CudaKV& C, const std::vector<ZipGroup>& groups) {
   spans.resize(groups.size());
   int64_t code = 0, range = 0, factor = 0, slots = 0;
   bool copies = false;
+  {  // (the row lists made at their final sizes)
+    size_t all_rows = 0;
+    for (const ZipGroup& g : groups)
+      for (const KVSegment* s : g.segs)
+        for (const HeadRows& hr : s->heads) all_rows += static_cast<size_t>(hr.n());
+    for (auto* v : {&src, &values}) v->reserve(all_rows);
+    for (auto* v : {&row_block, &row_slot}) v->reserve(all_rows);
+  }
   for (size_t gi = 0; gi < groups.size(); ++gi) {
     const ZipGroup& g = groups[gi];
     const quant::QuantPayload& out = *g.payload;
@@ -84,6 +95,13 @@ ZipPlan plan_zip(const CudaKV& C, const std::vector<ZipGroup>& groups) {
     sp.shared = L.shared_token_ranges;
     std::vector<std::array<std::vector<int32_t>, 2>> sub_pos(static_cast<size_t>(NKV));  // [head][subset] positions
     std::vector<int32_t> row_sub, row_pos;
+    {
+      size_t group_rows = 0;
+      for (const KVSegment* s : g.segs)
+        for (const HeadRows& hr : s->heads) group_rows += static_cast<size_t>(hr.n());
+      row_sub.reserve(group_rows);
+      row_pos.reserve(group_rows);
+    }
     for (int h = 0; h < NKV; ++h) {
       sp.code_head.push_back(code - sp.code0);
       sp.range_head.push_back(range - sp.range0);
@@ -308,17 +326,44 @@ bool kv_zip_quantize(Context& ctx, DeviceKV& dev, const std::vector<ZipRowsGroup
       return false;
     all.push_back({g.layer, g.segs, g.out});
   }
-  // Group by group (a prompt's groups are large): every group's plan made first, side by side on
-  // the team (the host's bookkeeping, the most of the work), then each launched, its arrays deferred
-  // in its payload and kept for its layer's next kv_sync (one entry per payload: quantizing again
-  // for the same payload replaces it).
-  std::vector<ZipPlan> plans(all.size());
-  team_each(static_cast<int64_t>(all.size()), product_threads(),
-            [&](int64_t i) {
-              trace::Scope plan_span("kv.zip_plan", i);
-              plans[static_cast<size_t>(i)] = plan_zip(C, {all[static_cast<size_t>(i)]});
-            });
-  for (size_t i = 0; i < all.size(); ++i) {
+  // Group by group (a prompt's groups are large): the groups' plans (the host's bookkeeping, the
+  // most of the work) made side by side on threads of their own, each group launched here as soon
+  // as its plan is ready, its arrays deferred in its payload and kept for its layer's next kv_sync
+  // (one entry per payload: quantizing again for the same payload replaces it).
+  const size_t n = all.size();
+  std::vector<ZipPlan> plans(n);
+  std::vector<char> ready(n, 0);  // (under mu) 1: planned, 2: failed
+  std::vector<std::exception_ptr> errors(n);
+  std::mutex mu;
+  std::condition_variable planned;
+  std::thread planner([&] {
+    parallel_for(static_cast<int>(n), product_threads(), [&](int x) {
+      const size_t i = static_cast<size_t>(x);
+      char state = 1;
+      try {
+        trace::Scope plan_span("kv.zip_plan", x);
+        plans[i] = plan_zip(C, {all[i]});
+      } catch (...) {
+        errors[i] = std::current_exception();
+        state = 2;
+      }
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        ready[i] = state;
+      }
+      planned.notify_all();
+    });
+  });
+  struct Join {  // (the planner reads this frame: joined however the launches end)
+    std::thread& t;
+    ~Join() { t.join(); }
+  } join{planner};
+  for (size_t i = 0; i < n; ++i) {
+    {
+      std::unique_lock<std::mutex> lock(mu);
+      planned.wait(lock, [&] { return ready[i] != 0; });
+    }
+    if (errors[i]) std::rethrow_exception(errors[i]);
     StagedZip z = std::move(launch_zip(ctx, C, {all[i]}, plans[i]).front());
     plans[i] = ZipPlan{};  // (its host arrays freed as the groups go)
     if (!z.mem.mem) continue;

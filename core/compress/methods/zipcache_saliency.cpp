@@ -39,7 +39,11 @@ std::vector<char> top_flags(const std::vector<double>& score, double ratio) {
   const int k = std::clamp(static_cast<int>(std::llround(ratio * n)), 0, n);
   std::vector<int> idx(n);
   std::iota(idx.begin(), idx.end(), 0);
-  std::stable_sort(idx.begin(), idx.end(), [&](int a, int b) { return score[a] > score[b]; });
+  // The k first by descending score, ties to the earlier index (what a stable sort's first k
+  // are), without sorting the rest.
+  if (k > 0 && k < n)
+    std::nth_element(idx.begin(), idx.begin() + (k - 1), idx.end(),
+                     [&](int a, int b) { return score[a] > score[b] || (score[a] == score[b] && a < b); });
   std::vector<char> f(n, 0);
   for (int i = 0; i < k; ++i) f[idx[i]] = 1;
   return f;

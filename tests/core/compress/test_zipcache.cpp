@@ -52,6 +52,24 @@ TEST(ZipCache, ProbeSelection) {
   EXPECT_EQ(sp, (std::vector<int>{0, 3, 14, 18}));  // BOS, before / after the visual run, last
 }
 
+TEST(ZipCache, TopFlagsMarkTheHighestScoresTiesToTheEarlierToken) {
+  // Against a stable sort by descending score: many ties (a few distinct values), every ratio's
+  // rounding, lengths of 0 to 700.
+  std::mt19937 rng(23);
+  for (int n : {0, 1, 2, 7, 64, 333, 700})
+    for (double ratio : {0.0, 0.01, 0.4, 0.5, 0.999, 1.0}) {
+      std::vector<double> score(static_cast<size_t>(n));
+      for (double& x : score) x = static_cast<double>(rng() % 5) * 0.25 - 0.5;
+      std::vector<int> idx(static_cast<size_t>(n));
+      std::iota(idx.begin(), idx.end(), 0);
+      std::stable_sort(idx.begin(), idx.end(), [&](int a, int b) { return score[a] > score[b]; });
+      const int k = std::clamp(static_cast<int>(std::llround(ratio * n)), 0, n);
+      std::vector<char> want(static_cast<size_t>(n), 0);
+      for (int i = 0; i < k; ++i) want[static_cast<size_t>(idx[static_cast<size_t>(i)])] = 1;
+      EXPECT_EQ(zipcache::top_flags(score, ratio), want) << "n " << n << ", ratio " << ratio;
+    }
+}
+
 TEST(ZipCache, ChannelSeparableTokenWiseMatchesDirectComputation) {
   std::mt19937_64 rng(100);
   const int n = 9, d = 12, bits = 2;
