@@ -22,19 +22,15 @@
 using namespace kvlens;
 using namespace kvlens::testing;
 
-namespace {
-
 #ifdef KVLENS_HAVE_CUDA
 // n T's of device memory p, copied to the host.
 template <class T>
-std::vector<T> down(const Dev& p, size_t n) {
+static std::vector<T> down(const Dev& p, size_t n) {
   std::vector<T> h(n);
   EXPECT_EQ(cudaMemcpy(h.data(), p.p, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
   return h;
 }
 #endif
-
-}  // namespace
 
 TEST(SyncGather, EveryGatherInOneLaunchCopiesItsRowsAndPositions) {
 #ifndef KVLENS_HAVE_CUDA
