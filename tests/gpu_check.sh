@@ -72,6 +72,8 @@ if has sanitize; then
     # the quantize-and-pack kernels (KIVI's pieces, range groups, rotated rows) and ZipCache's gap saliency
     run "sanitize_quant_pack_$tool" 300 compute-sanitizer --tool "$tool" --error-exitcode 9 "$BUILD/test_decode_ops" \
       --gtest_filter='DecodeOps.KiviPiecesKernel:DecodeOps.QuantizeAndPackKernels:DecodeOps.ZipGapSaliencyKernel'
+    # a KV sync's gathers in one launch
+    run "sanitize_sync_gather_$tool" 300 compute-sanitizer --tool "$tool" --error-exitcode 9 "$BUILD/test_sync_gather"
   done
 fi
 if has throughput; then
