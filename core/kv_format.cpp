@@ -174,13 +174,7 @@ bool same_bytes(const KVBytes& a, const KVBytes& b) {
 }
 }  // namespace
 
-QuantPayload::QuantPayload(const QuantPayload& o) : SegmentPayload(o) {
-  o.land();
-  k = o.k;
-  v = o.v;
-  tokens = o.tokens;
-  layout = o.layout;
-}
+QuantPayload::QuantPayload(const QuantPayload& o) : SegmentPayload(o) { *this = o; }
 
 QuantPayload& QuantPayload::operator=(const QuantPayload& o) {
   if (this == &o) return *this;

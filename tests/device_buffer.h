@@ -1,6 +1,6 @@
 // Device memory for the tests that call CUDA kernels directly: a cudaMalloc'd buffer (at least 4
-// bytes) freed at scope end, optionally filled from a host vector. Include only where
-// KVLENS_HAVE_CUDA is defined.
+// bytes) freed at scope end, optionally filled from a host vector, read back with host<T>(n).
+// Include only where KVLENS_HAVE_CUDA is defined.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -24,6 +24,13 @@ struct Dev {
   Dev& operator=(const Dev&) = delete;
   template <class T>
   T* as() const { return static_cast<T*>(p); }
+  // The first n T's, copied to the host.
+  template <class T>
+  std::vector<T> host(size_t n) const {
+    std::vector<T> h(n);
+    EXPECT_EQ(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+    return h;
+  }
 };
 
 }  // namespace kvlens::testing

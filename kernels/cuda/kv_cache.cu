@@ -555,23 +555,24 @@ void sync_layer(Context& ctx, CudaKV& C, KVStore& host, int l, SyncPlan plan, co
       segs.push_back(*same[i]);
       continue;
     }
-    // A payload whose arrays are deferred, with neither those arrays (staged) nor its coded rows
-    // here, lands them: they are uploaded from the host.
-    if (p && p->deferred() && !coded_for(d, s) &&
-        std::none_of(d.quantized.begin(), d.quantized.end(), [&](const StagedCodes& q) { return staged_for(q, s, *p); }))
-      p->land();
+    // The arrays made on the device for this payload (staged_for), and the rows a row codebook
+    // coded for it: a payload whose arrays are deferred, with neither here, lands them (they are
+    // uploaded from the host).
+    const auto staged = p ? std::find_if(d.quantized.begin(), d.quantized.end(),
+                                         [&](const StagedCodes& q) { return staged_for(q, s, *p); })
+                          : d.quantized.end();
+    const DevLayer::Coded* c = coded_for(d, s);
+    if (p && p->deferred() && staged == d.quantized.end() && !c) p->land();
     if (p && p->layout.kind != quant::CodeLayout::Kind::None && packed_ok(*p, s, C.D, C.q_rotation)) {
       // Codes made for this payload are taken (whatever happens next, not used twice: the values'
       // regrouping happens in place); a sync tried again uploads the payload.
       StagedCodes taken;
-      for (auto q = d.quantized.begin(); q != d.quantized.end(); ++q)
-        if (staged_for(*q, s, *p)) {
-          taken = std::move(*q);
-          d.quantized.erase(q);
-          break;
-        }
+      if (staged != d.quantized.end()) {
+        taken = std::move(*staged);
+        d.quantized.erase(staged);
+      }
       segs.push_back(build_packed(ctx, C, s, *p, taken.payload ? &taken : nullptr));
-    } else if (const DevLayer::Coded* c = coded_for(d, s)) {
+    } else if (c) {
       // rows a row codebook coded where they are, for this payload, taken as they lie (the
       // payload's codes are of those rows: a segment that lists others is not its payload's)
       if (!lists_coded(s, *c))

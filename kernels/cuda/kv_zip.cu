@@ -10,6 +10,7 @@
 #include <cstring>
 #include <exception>
 #include <mutex>
+#include <numeric>
 #include <string>
 #include <thread>
 #include <vector>
@@ -71,14 +72,14 @@ ZipPlan plan_zip(const CudaKV& C, const std::vector<ZipGroup>& groups) {
   spans.resize(groups.size());
   int64_t code = 0, range = 0, factor = 0, slots = 0;
   bool copies = false;
-  {  // (the row lists made at their final sizes)
-    size_t all_rows = 0;
-    for (const ZipGroup& g : groups)
-      for (const KVSegment* s : g.segs)
-        for (const HeadRows& hr : s->heads) all_rows += static_cast<size_t>(hr.n());
-    for (auto* v : {&src, &values}) v->reserve(all_rows);
-    for (auto* v : {&row_block, &row_slot}) v->reserve(all_rows);
-  }
+  // Each group's rows, every KV head's: the row lists made at their final sizes.
+  std::vector<size_t> group_rows(groups.size(), 0);
+  for (size_t gi = 0; gi < groups.size(); ++gi)
+    for (const KVSegment* s : groups[gi].segs)
+      for (const HeadRows& hr : s->heads) group_rows[gi] += static_cast<size_t>(hr.n());
+  const size_t all_rows = std::accumulate(group_rows.begin(), group_rows.end(), size_t{0});
+  for (auto* v : {&src, &values}) v->reserve(all_rows);
+  for (auto* v : {&row_block, &row_slot}) v->reserve(all_rows);
   for (size_t gi = 0; gi < groups.size(); ++gi) {
     const ZipGroup& g = groups[gi];
     const quant::QuantPayload& out = *g.payload;
@@ -95,13 +96,8 @@ ZipPlan plan_zip(const CudaKV& C, const std::vector<ZipGroup>& groups) {
     sp.shared = L.shared_token_ranges;
     std::vector<std::array<std::vector<int32_t>, 2>> sub_pos(static_cast<size_t>(NKV));  // [head][subset] positions
     std::vector<int32_t> row_sub, row_pos;
-    {
-      size_t group_rows = 0;
-      for (const KVSegment* s : g.segs)
-        for (const HeadRows& hr : s->heads) group_rows += static_cast<size_t>(hr.n());
-      row_sub.reserve(group_rows);
-      row_pos.reserve(group_rows);
-    }
+    row_sub.reserve(group_rows[gi]);
+    row_pos.reserve(group_rows[gi]);
     for (int h = 0; h < NKV; ++h) {
       sp.code_head.push_back(code - sp.code0);
       sp.range_head.push_back(range - sp.range0);

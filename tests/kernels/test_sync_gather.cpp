@@ -22,16 +22,6 @@
 using namespace kvlens;
 using namespace kvlens::testing;
 
-#ifdef KVLENS_HAVE_CUDA
-// n T's of device memory p, copied to the host.
-template <class T>
-static std::vector<T> down(const Dev& p, size_t n) {
-  std::vector<T> h(n);
-  EXPECT_EQ(cudaMemcpy(h.data(), p.p, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
-  return h;
-}
-#endif
-
 TEST(SyncGather, EveryGatherInOneLaunchCopiesItsRowsAndPositions) {
 #ifndef KVLENS_HAVE_CUDA
   GTEST_SKIP() << "built without the CUDA backend";
@@ -82,9 +72,9 @@ TEST(SyncGather, EveryGatherInOneLaunchCopiesItsRowsAndPositions) {
     cuda::gather_segments(djobs.as<cuda::RowGather>(), static_cast<int>(jobs.size()), longest,
                           dsrc.as<const __half* const>(), dpos.as<int32_t>(), D, nullptr);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    const std::vector<uint16_t> k = down<uint16_t>(k_out, static_cast<size_t>(out_rows * D)),
-                                v = down<uint16_t>(v_out, static_cast<size_t>(out_rows * D));
-    const std::vector<int32_t> pos = down<int32_t>(pos_out, static_cast<size_t>(out_rows));
+    const std::vector<uint16_t> k = k_out.host<uint16_t>(static_cast<size_t>(out_rows * D)),
+                                v = v_out.host<uint16_t>(static_cast<size_t>(out_rows * D));
+    const std::vector<int32_t> pos = pos_out.host<int32_t>(static_cast<size_t>(out_rows));
     at = 0;
     for (size_t g = 0; g < jobs.size(); ++g) {
       const cuda::RowGather& j = jobs[g];
