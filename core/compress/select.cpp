@@ -7,6 +7,7 @@
 
 #include "core/errors.h"
 #include "core/parallel.h"
+#include "core/trace.h"
 #include "core/half.h"
 #include "core/compress/quantize.h"
 
@@ -262,7 +263,10 @@ void ScoreEvictPolicy::compress_layers(const std::vector<const PrefillContext*>&
   const bool merging = merges();
   std::vector<std::vector<std::vector<int>>> keep(cs.size());
   std::vector<char> later(cs.size(), 0);  // merged in the device cache, with the other such layers
-  if (!cs.empty()) prepare_layers(cs, scored_rows(*cs.front()));  // every layer's sums at once
+  if (!cs.empty()) {
+    trace::Scope span("evict.prepare");
+    prepare_layers(cs, scored_rows(*cs.front()));  // every layer's sums at once
+  }
   // Layers select independently once planned (scores and selection of one layer read nothing of
   // another; the capture and the backend serialise the device work they ask for): on threads of
   // their own, the same result as in turn. A layer whose rows the host holds merges there, alone.
@@ -270,6 +274,7 @@ void ScoreEvictPolicy::compress_layers(const std::vector<const PrefillContext*>&
     const size_t x = static_cast<size_t>(i);
     const PrefillContext& c = *cs[x];
     LayerKV& layer = *layers[x];
+    trace::Scope span("evict.layer", c.layer);
     keep[x] = select_layer(c, plans[x], layer);
     const bool host_rows = std::none_of(layer.segments.begin(), layer.segments.end(),
                                         [](const KVSegment& s) { return s.layout_only; });
@@ -301,6 +306,7 @@ void ScoreEvictPolicy::compress_layers(const std::vector<const PrefillContext*>&
     if (later[x]) jobs.push_back(MergeJob{cs[x], layers[x], &keep[x], nullptr, nullptr});
   if (jobs.empty()) return;
   merge_layers(jobs);
+  trace::Scope span("evict.keep");
   parallel_for(n, 8, [&](int i) {
     const size_t x = static_cast<size_t>(i);
     if (later[x]) keep_rows(name_, *layers[x], cs[x]->head_dim, keep[x]);

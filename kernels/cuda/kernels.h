@@ -174,7 +174,8 @@ void cosine_assign(const __half* const* rows, int64_t n_rows, int d, const Assig
 //   evicted rows j assigned to it (best[ev0 + j], a row index) with a source (src, or evicted
 //   where src is null), in ascending j, as merge_rows does in double (kind: 1 average,
 //   2 pivotal, 3 weighted by sim), rounded to float and then to fp16 into ok / ov [n_kept][d];
-//   count[g] = its contributions (a row without any is not written).
+//   count[g] = its contributions (a row without any is copied as it is). `scratch`: n_kept +
+//   n_evicted ints (each kept row's list of contributions).
 struct RowSegment {
   const __half* k = nullptr;
   const __half* v = nullptr;
@@ -186,8 +187,8 @@ void evicted_rows(const AssignProblem* problems, int n_problems, const int* keep
 void merge_sources(const AssignProblem* problems, int n_problems, int group, const int* evicted, const double* sim,
                    bool prefix, int* scratch, int* src, cudaStream_t s);
 void merge_kept(const __half* const* k, const __half* const* v, const AssignProblem* problems, int n_problems,
-                int64_t n_kept, const int* keep, const int* evicted, const int* src, const int* best, const double* sim,
-                int d, int kind, __half* ok, __half* ov, int* count, cudaStream_t s);
+                int64_t n_kept, int64_t n_evicted, const int* keep, const int* evicted, const int* src, const int* best,
+                const double* sim, int d, int kind, __half* ok, __half* ov, int* count, int* scratch, cudaStream_t s);
 
 // ---- decode attention over a segmented, possibly packed cache (decode_attention.cu) ----------
 // Storage of one side (K or V) of a part. Codes: row j starts at byte j·D·bits/8 and code c of a

@@ -181,10 +181,15 @@ struct RowMap {
   }
 };
 // Rows a method merged where they are (kv_lookm_merge), waiting for the layer's next kv_sync to
-// store them in place of the kept rows of the same KV head and position.
+// store them in place of the kept rows of the same KV head and position. LOOK-M's merge stages
+// every kept row of the layer (merged, or copied as it was), KV head after head: head h's rows
+// from row first[h] of k and v, at positions pos[h] in order — a host segment that lists a run
+// of them is stored where they lie.
 struct Staged {
   DevMem k, v;
   RowMap rows;
+  std::vector<int64_t> first;
+  std::vector<std::vector<int32_t>> pos;
   bool empty() const { return !k.mem; }
 };
 
@@ -646,5 +651,56 @@ std::vector<StagedZip> zip_arrays(Context& ctx, const CudaKV& C, const std::vect
 // for p by kv_zip_quantize), its arrays are taken from where they were made.
 std::vector<DevSeg> build_zip(Context& ctx, const CudaKV& C, const std::vector<const KVSegment*>& g,
                               const quant::QuantPayload& p, const StagedZip* staged);
+
+
+// The copies of one kv_sync, made together once every layer's new layout is known: the rows
+// gathered into the new fp16 segments (from rows on the device, or from host rows uploaded with
+// them) and the segments' positions — one upload and one launch for every segment of every
+// layer (gather_segments). The segments and staged rows the sync replaces are held until the
+// gathers are queued (their memory goes back to the pool in stream order, after the reads).
+struct SyncBatch {
+  // (first: into src; k null: the rows are where they are, the positions alone copied;
+  // pos_first: into pos)
+  using Gather = RowGather;
+  std::vector<const __half*> src;  // keys of every gather, then (index + rows) values
+  std::vector<std::pair<size_t, size_t>> up_at;  // the src slots of each uploaded row's key and value
+  std::vector<uint16_t> upk, upv;  // the uploaded rows' halves
+  std::vector<int32_t> pos;
+  std::vector<Gather> gathers;
+  std::vector<DevSeg> retired;
+  std::vector<Staged> retired_rows;
+  std::vector<DevMem> targets;  // the gathers' destinations (held even when a later layer fails)
+
+  // o's copies after these (o's indices moved past this batch's).
+  void append(SyncBatch&& o);
+  // The one upload and the one launch.
+  void run(Context& ctx, int D);
+};
+
+// Head h of host segment s as device segment d's one fp16 part, its rows back to back at k and v,
+// with s's positions and merge counts.
+void place_head(DevSeg& d, const KVSegment& s, int h, const __half* k, const __half* v);
+// A segment of fp16 rows: rows found on the device are gathered there, the others uploaded (the
+// copies queued in `batch`). A merged row is gathered from the rows merged on the device
+// (`merged`), else uploaded. `whole`: the device segment whose rows s lists, in order (s only
+// moves out of a shared allocation); `have` (the layer's rows by position) is not read then.
+DevSeg build_fp16(const CudaKV& C, const KVSegment& s, const RowMap& have, const Staged& merged_rows,
+                  const std::string& label, bool from_host_only, SyncBatch& batch, const DevSeg* whole = nullptr);
+// The coded rows kept for host segment s's payload (kv_code_rows), if any.
+const DevLayer::Coded* coded_for(const DevLayer& d, const KVSegment& s);
+// Whether s lists, head by head, the rows c coded in their order (a segment no method edited
+// since it was coded; merged rows were coded as merged).
+bool lists_coded(const KVSegment& s, const DevLayer::Coded& c);
+// Host segment s as the fp16 rows c coded for it, where they lie: no copy of the rows, their
+// positions copied with the batch.
+DevSeg adopt_coded(const CudaKV& C, const KVSegment& s, const DevLayer::Coded& c, const std::string& label,
+                   SyncBatch& batch);
+// Whether host segment s lists, head by head, a run of the rows a merge staged (Staged::pos):
+// then head h's rows start at row at[h] of st.k and st.v.
+bool merged_run(const Staged& st, const KVSegment& s, int NKV, std::vector<int64_t>& at);
+// Host segment s as the rows a merge staged, where they lie (`at`: merged_run's): no copy of the
+// rows, their positions copied with the batch.
+DevSeg adopt_merged(const CudaKV& C, const KVSegment& s, const Staged& st, const std::vector<int64_t>& at,
+                    SyncBatch& batch);
 
 }  // namespace kvlens::cuda::kv

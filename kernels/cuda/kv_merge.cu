@@ -1,10 +1,12 @@
 // LOOK-M where the cache is (Backend::kv_lookm_merge): the prompt's keys and values are read
 // from the device cache by KV head and position, in the host layout's row order; the
 // assignment (Eq. 9), the authors' similarity filter, and the merge (Eq. 10–12) run there, every
-// layer at once, and only each kept row's merge count comes to the host. The merged rows wait in
-// the layer's Staged rows until kv_sync stores them in place of the kept rows.
+// layer at once, and only each kept row's merge count comes to the host. Every kept row, merged
+// or as it was, waits in the layer's Staged rows until kv_sync stores the layer's segments where
+// those rows lie.
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -85,6 +87,7 @@ void kv_lookm_merge(Context& ctx, DeviceKV& dev, const LookMMergeSpec& spec, std
   CudaKV& C = as_cuda(&dev);
   if (spec.kind == MergeKind::None || layers.empty()) return;
   // Every layer's KV heads as problems over one flat row list (runs of contiguous rows).
+  std::optional<trace::Scope> plan_span(std::in_place, "kv.lookm_merge.plan");
   std::vector<RowSegment> runs;
   std::vector<AssignProblem> P;
   std::vector<int> keep;
@@ -127,7 +130,8 @@ void kv_lookm_merge(Context& ctx, DeviceKV& dev, const LookMMergeSpec& spec, std
   const bool filter = spec.above_mean, prefix = spec.prefix_sources && spec.kind == MergeKind::Average;
   const std::string what = "LOOK-M (" + std::to_string(np) + " heads, " + std::to_string(N) + " rows)";
   // In: problems, kept rows, runs (each 8-byte aligned). Work: row pointers, evicted rows,
-  // norms, choices, similarities, sources and their scratch, counts. Out: the merged rows.
+  // norms, choices, similarities, sources and their scratch, counts, the merge's lists. Out: the
+  // merged rows.
   auto up8 = [](int64_t b) { return (b + 7) / 8 * 8; };
   const int64_t o_p = 0, o_keep = up8(np * static_cast<int64_t>(sizeof(AssignProblem))), o_runs = o_keep + up8(NK * 4);
   const int64_t in_bytes = o_runs + static_cast<int64_t>(runs.size() * sizeof(RowSegment));
@@ -137,7 +141,8 @@ void kv_lookm_merge(Context& ctx, DeviceKV& dev, const LookMMergeSpec& spec, std
   std::memcpy(in.data() + o_runs, runs.data(), runs.size() * sizeof(RowSegment));
   const int64_t w_k = 0, w_v = N * 8, w_norm = 2 * N * 8, w_sim = 3 * N * 8, w_ev = w_sim + NE * 8, w_best = w_ev + up8(NE * 4),
                 w_src = w_best + up8(NE * 4), w_scr = w_src + (filter ? up8(NE * 4) : 0),
-                w_count = w_scr + (filter ? up8(NE * 4) : 0), work_bytes = w_count + up8(NK * 4);
+                w_count = w_scr + (filter ? up8(NE * 4) : 0), w_lists = w_count + up8(NK * 4),
+                work_bytes = w_lists + up8((NK + NE) * 4);
   const auto din = ctx.alloc(in_bytes, what + " problems");
   const auto work = ctx.alloc(work_bytes, what + " work");
   DevMem K{ctx.alloc(NK * D * 2, what + " merged K"), NK * D * 2};
@@ -154,40 +159,58 @@ void kv_lookm_merge(Context& ctx, DeviceKV& dev, const LookMMergeSpec& spec, std
   auto* sim = reinterpret_cast<double*>(w0 + w_sim);
   int* src = filter ? reinterpret_cast<int*>(w0 + w_src) : nullptr;
   auto* count = reinterpret_cast<int*>(w0 + w_count);
+  plan_span.reset();
   segment_rows(reinterpret_cast<const RowSegment*>(i0 + o_runs), static_cast<int>(runs.size()), N, C.D, rk, rv, ctx.stream);
   evicted_rows(dp, np, dkeep, ev, ctx.stream);
   cosine_assign(rk, N, C.D, dp, np, tiles, max_kept, dkeep, ev, reinterpret_cast<double*>(w0 + w_norm), best, sim,
                 ctx.stream);
   if (filter)
     merge_sources(dp, np, C.NKV, ev, sim, prefix, reinterpret_cast<int*>(w0 + w_scr), src, ctx.stream);
-  merge_kept(rk, rv, dp, np, NK, dkeep, ev, src, best, sim, C.D, static_cast<int>(spec.kind), K.as<__half>(),
-             V.as<__half>(), count, ctx.stream);
+  merge_kept(rk, rv, dp, np, NK, NE, dkeep, ev, src, best, sim, C.D, static_cast<int>(spec.kind), K.as<__half>(),
+             V.as<__half>(), count, reinterpret_cast<int*>(w0 + w_lists), ctx.stream);
+  // Every kept row (merged, or copied as it was) waits in its layer's Staged rows, each layer's a
+  // part of one allocation: laid out on threads while the device merges.
+  {
+    trace::Scope stage_span("kv.lookm_merge.stage");
+    parallel_for(static_cast<int>(layers.size()), 8, [&](int i) {
+      const LayerMerge& m = layers[static_cast<size_t>(i)];
+      Staged& st = C.layers[static_cast<size_t>(m.layer)].merged;
+      const AssignProblem* lp = P.data() + static_cast<size_t>(i) * C.NKV;
+      int64_t rows = 0;
+      for (int h = 0; h < C.NKV; ++h) rows += lp[h].K;
+      st.k = part_of(K, lp[0].kept0 * D * 2, rows * D * 2);
+      st.v = part_of(V, lp[0].kept0 * D * 2, rows * D * 2);
+      st.first.assign(static_cast<size_t>(C.NKV), 0);
+      st.pos.assign(static_cast<size_t>(C.NKV), {});
+      st.rows.by_head.assign(static_cast<size_t>(C.NKV), {});
+      for (int h = 0; h < C.NKV; ++h) {
+        const size_t x = static_cast<size_t>(h);
+        st.first[x] = lp[h].kept0 - lp[0].kept0;
+        st.pos[x] = kept_positions(*m.layout, h, m.keep[x]);
+        const std::vector<int32_t>& pos = st.pos[x];
+        if (!pos.empty())
+          st.rows.by_head[x].assign(static_cast<size_t>(std::max(0, *std::max_element(pos.begin(), pos.end()))) + 1,
+                                    RowMap::Row{nullptr, nullptr});
+        for (size_t j = 0; j < pos.size(); ++j) {
+          const int64_t r = lp[h].kept0 + static_cast<int64_t>(j);
+          st.rows.put(h, pos[j], {K.as<__half>() + r * D, V.as<__half>() + r * D});
+        }
+      }
+    });
+  }
+  // Each kept row's merge count to the host.
   std::vector<int> counts(static_cast<size_t>(NK));
   int* back = static_cast<int*>(ctx.staging(NK * 4, what + " merge counts"));
   ctx.download(back, count, NK * 4, what + " merge counts");
   std::memcpy(counts.data(), back, static_cast<size_t>(NK) * 4);
-  // Each kept row's count to the host; each merged row waits in its layer's Staged rows (one
-  // allocation shared by the layers; the layers on threads, each its own).
-  parallel_for(static_cast<int>(layers.size()), 8, [&](int i) {
-    LayerMerge& m = layers[static_cast<size_t>(i)];
-    Staged& st = C.layers[static_cast<size_t>(m.layer)].merged;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    LayerMerge& m = layers[i];
     m.merged.assign(static_cast<size_t>(C.NKV), {});
     for (int h = 0; h < C.NKV; ++h) {
-      const AssignProblem& p = P[static_cast<size_t>(i) * C.NKV + h];
-      const int* c = counts.data() + p.kept0;
-      m.merged[static_cast<size_t>(h)].assign(c, c + p.K);
-      if (std::none_of(c, c + p.K, [](int v) { return v > 0; })) continue;
-      const std::vector<int32_t> pos = kept_positions(*m.layout, h, m.keep[static_cast<size_t>(h)]);
-      if (st.empty()) {
-        st.k = K;
-        st.v = V;
-        st.rows.by_head.resize(static_cast<size_t>(C.NKV));
-      }
-      for (int j = 0; j < p.K; ++j)
-        if (c[j] > 0)
-          st.rows.put(h, pos[static_cast<size_t>(j)], {K.as<__half>() + (p.kept0 + j) * D, V.as<__half>() + (p.kept0 + j) * D});
+      const AssignProblem& p = P[i * static_cast<size_t>(C.NKV) + static_cast<size_t>(h)];
+      m.merged[static_cast<size_t>(h)].assign(counts.data() + p.kept0, counts.data() + p.kept0 + p.K);
     }
-  });
+  }
 }
 
 }  // namespace kvlens::cuda

@@ -111,55 +111,96 @@ __global__ void merge_sources_kernel(const AssignProblem* __restrict__ P, int np
     }
 }
 
-// One block a kept row, a thread a component (strided): the problem's evicted rows scanned in
-// order through shared memory, those assigned to this row (with a source) folded in.
+// Each kept row's contributions as a list, ascending like the evicted rows (one warp a problem):
+// an evicted row j with a source, assigned to kept row c (best[ev0 + j], found in the kept list),
+// counts for c; the counts' running sum places each kept row's list (off[g]: its start, moved
+// past the list as it fills); the rows are then placed in ascending j, those of one chunk that
+// share a kept row ranked by lane. After it off[g] is the end of g's list, count[g] its length.
+__global__ void merge_lists_kernel(const AssignProblem* __restrict__ P, int np, const int* __restrict__ keep,
+                                   const int* __restrict__ src, const int* __restrict__ best, int* __restrict__ count,
+                                   int* __restrict__ off, int* __restrict__ list) {
+  const int x = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
+  if (x >= np) return;
+  const AssignProblem p = P[x];
+  if (p.K == 0) return;
+  const int* kp = keep + p.kept0;
+  auto slot_of = [&](int j) {  // the kept slot row j folds into, or −1
+    if (j >= p.E || (src && src[p.ev0 + j] < 0)) return -1;
+    const int b = best[p.ev0 + j];
+    const int s = last_at_or_below(p.K, b, [&](int i) { return static_cast<int64_t>(kp[i]); });
+    return kp[s] == b ? s : -1;
+  };
+  for (int base = 0; base < p.E; base += 32) {
+    const int s = slot_of(base + lane);
+    if (s >= 0) atomicAdd(&count[p.kept0 + s], 1);
+  }
+  __syncwarp();
+  int run = 0;
+  for (int base = 0; base < p.K; base += 32) {
+    const int i = base + lane, c = i < p.K ? count[p.kept0 + i] : 0;
+    int incl = c;
+    for (int w = 1; w < 32; w <<= 1) {
+      const int o = __shfl_up_sync(0xffffffffu, incl, w);
+      if (lane >= w) incl += o;
+    }
+    if (i < p.K) off[p.kept0 + i] = run + incl - c;
+    run += __shfl_sync(0xffffffffu, incl, 31);
+  }
+  __syncwarp();
+  for (int base = 0; base < p.E; base += 32) {
+    const int j = base + lane, s = slot_of(j);
+    const unsigned peers = __match_any_sync(0xffffffffu, s >= 0 ? s : -1 - lane);
+    const int rank = __popc(peers & ((1u << lane) - 1u));
+    const int at = s >= 0 ? off[p.kept0 + s] : 0;
+    if (s >= 0) list[p.ev0 + at + rank] = j;
+    __syncwarp();
+    if (s >= 0 && rank == 0) off[p.kept0 + s] = at + __popc(peers);
+    __syncwarp();
+  }
+}
+
+// One warp a kept row, a lane a component (strided): its list's rows folded in, in order; a row
+// without contributions copied as it is.
 __global__ void merge_kept_kernel(const __half* const* __restrict__ rk, const __half* const* __restrict__ rv,
-                                  const AssignProblem* __restrict__ P, int np, const int* __restrict__ keep,
-                                  const int* __restrict__ evicted, const int* __restrict__ src,
-                                  const int* __restrict__ best, const double* __restrict__ sim, int d, int kind,
-                                  __half* __restrict__ ok, __half* __restrict__ ov, int* __restrict__ count) {
-  __shared__ int from[256];
-  const int64_t g = blockIdx.x;
+                                  const AssignProblem* __restrict__ P, int np, int64_t n_kept,
+                                  const int* __restrict__ keep, const int* __restrict__ evicted,
+                                  const int* __restrict__ src, const double* __restrict__ sim,
+                                  const int* __restrict__ count, const int* __restrict__ off,
+                                  const int* __restrict__ list, int d, int kind, __half* __restrict__ ok,
+                                  __half* __restrict__ ov) {
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (g >= n_kept) return;
+  const int n = count[g];
   const AssignProblem p = P[last_at_or_below(np, g, [&](int i) { return P[i].kept0; })];
+  const int* js = list + p.ev0 + off[g] - n;
   const int c = keep[g];
   const __half* kc = rk[p.row0 + c];
   const __half* vc = rv[p.row0 + c];
-  const int B = blockDim.x;
-  for (int t0 = 0; t0 < d; t0 += B) {
-    const int t = t0 + threadIdx.x;
-    const double xk = t < d ? widen(kc[t]) : 0.0, xv = t < d ? widen(vc[t]) : 0.0;
+  if (n == 0) {
+    for (int t = lane; t < d; t += 32) ok[g * d + t] = kc[t], ov[g * d + t] = vc[t];
+    return;
+  }
+  const double w = __ddiv_rn(1.0, static_cast<double>(n + 1));
+  for (int t = lane; t < d; t += 32) {
+    const double xk = widen(kc[t]), xv = widen(vc[t]);
     double ak = 0.0, av = 0.0;
-    int n = 0;
-    for (int j0 = 0; j0 < p.E; j0 += B) {
-      __syncthreads();  // (the previous chunk read)
-      const int j = j0 + threadIdx.x;
-      int e = -1;
-      if (j < p.E && best[p.ev0 + j] == c) e = src ? src[p.ev0 + j] : evicted[p.ev0 + j];
-      from[threadIdx.x] = e;
-      __syncthreads();
-      const int m = min(B, p.E - j0);
-      for (int i = 0; i < m; ++i) {
-        const int e2 = from[i];
-        if (e2 < 0) continue;
-        ++n;
-        if (t >= d) continue;
-        const double ek = widen(rk[p.row0 + e2][t]), ev = widen(rv[p.row0 + e2][t]);
-        if (kind == 1) {
-          ak = __dadd_rn(ak, ek);
-          av = __dadd_rn(av, ev);
-        } else if (kind == 2) {
-          ak = __dadd_rn(ak, __dmul_rn(0.5, __dadd_rn(ek, xk)));
-          av = __dadd_rn(av, __dmul_rn(0.5, __dadd_rn(ev, xv)));
-        } else {
-          const double s = sim[p.ev0 + j0 + i];
-          ak = __fma_rn(s, ek, ak);
-          av = __fma_rn(s, ev, av);
-        }
+    for (int i = 0; i < n; ++i) {
+      const int j = js[i];
+      const int e = src ? src[p.ev0 + j] : evicted[p.ev0 + j];
+      const double ek = widen(rk[p.row0 + e][t]), ev = widen(rv[p.row0 + e][t]);
+      if (kind == 1) {
+        ak = __dadd_rn(ak, ek);
+        av = __dadd_rn(av, ev);
+      } else if (kind == 2) {
+        ak = __dadd_rn(ak, __dmul_rn(0.5, __dadd_rn(ek, xk)));
+        av = __dadd_rn(av, __dmul_rn(0.5, __dadd_rn(ev, xv)));
+      } else {
+        const double s = sim[p.ev0 + j];
+        ak = __fma_rn(s, ek, ak);
+        av = __fma_rn(s, ev, av);
       }
     }
-    if (t0 == 0 && threadIdx.x == 0) count[g] = n;
-    if (n == 0 || t >= d) continue;  // nothing merged: the kept row stays as it is
-    const double w = __ddiv_rn(1.0, static_cast<double>(n + 1));
     const int64_t o = g * d + t;
     ok[o] = __float2half_rn(__double2float_rn(__dmul_rn(__dadd_rn(xk, ak), w)));
     ov[o] = __float2half_rn(__double2float_rn(__dmul_rn(__dadd_rn(xv, av), w)));
@@ -190,14 +231,20 @@ void merge_sources(const AssignProblem* problems, int n_problems, int group, con
 }
 
 void merge_kept(const __half* const* k, const __half* const* v, const AssignProblem* problems, int n_problems,
-                int64_t n_kept, const int* keep, const int* evicted, const int* src, const int* best, const double* sim,
-                int d, int kind, __half* ok, __half* ov, int* count, cudaStream_t s) {
+                int64_t n_kept, int64_t n_evicted, const int* keep, const int* evicted, const int* src, const int* best,
+                const double* sim, int d, int kind, __half* ok, __half* ov, int* count, int* scratch, cudaStream_t s) {
   if (n_kept == 0) return;
-  const int threads = d >= 128 ? 128 : (d + 31) / 32 * 32;
-  merge_kept_kernel<<<static_cast<unsigned>(n_kept), threads, 0, s>>>(k, v, problems, n_problems, keep, evicted, src,
-                                                                     best, sim, d, kind, ok, ov, count);
-  KV_LAUNCH("merge_kept_kernel", std::to_string(n_kept) + " kept rows of " + std::to_string(d) + ", kind " +
-                                     std::to_string(kind));
+  int* off = scratch;
+  int* list = scratch + n_kept;
+  KV_CUDA(cudaMemsetAsync(count, 0, static_cast<size_t>(n_kept) * sizeof(int), s), "merge_kept: the counts");
+  const std::string what = std::to_string(n_kept) + " kept rows of " + std::to_string(d) + ", " +
+                           std::to_string(n_evicted) + " evicted, kind " + std::to_string(kind);
+  merge_lists_kernel<<<(n_problems + 7) / 8, 256, 0, s>>>(problems, n_problems, keep, src, best, count, off, list);
+  KV_LAUNCH("merge_lists_kernel", what);
+  merge_kept_kernel<<<static_cast<unsigned>((n_kept + 7) / 8), 256, 0, s>>>(k, v, problems, n_problems, n_kept, keep,
+                                                                          evicted, src, sim, count, off, list, d, kind,
+                                                                          ok, ov);
+  KV_LAUNCH("merge_kept_kernel", what);
 }
 
 }  // namespace kvlens::cuda

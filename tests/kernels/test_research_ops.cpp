@@ -341,13 +341,14 @@ TEST(Ops, ExactDecodeAttentionOfEveryLayerAtOnce) {
 
 // LOOK-M's merge kernels (row_merge.cu, what Backend::kv_lookm_merge launches) against the host
 // references on fresh random fp16 rows, two layers of three KV heads with unequal row counts (one
-// with more evicted rows than a block has threads, so that the kernels scan them in chunks),
+// with hundreds of evicted rows, so that the kernels scan them in many chunks),
 // each head's rows in two runs stored out of order: the row pointers (segment_rows) and evicted
 // rows (evicted_rows) equal the host's lists; the sources (merge_sources) equal
 // lookm_contributions' for the authors' filter with and without prefix sources, on similarities
 // drawn from few values (ties with the mean); and every merged row and count (merge_kept) equals
 // merge_rows' on those contributions bit for bit, for each rule, with kept rows that take many
-// contributions and some that take none (left unwritten), a row of ±65504 and one of subnormals.
+// contributions and some that take none (copied as they are), a row of ±65504 and one of
+// subnormals.
 TEST(Ops, LookMMergeKernels) {
   KVLENS_NEED_GPU();
   using cuda::AssignProblem;
@@ -482,12 +483,12 @@ TEST(Ops, LookMMergeKernels) {
           ASSERT_EQ(ints_back(SRC, NE), want_src) << what;
         }
         Buffer OK = poisoned(be, "ok", {NK, d}, Dt::F16), OV = poisoned(be, "ov", {NK, d}, Dt::F16);
-        Buffer CNT = poisoned(be, "counts", {NK}, Dt::I32);
+        Buffer CNT = poisoned(be, "counts", {NK}, Dt::I32), LISTS = poisoned(be, "lists", {NK + NE}, Dt::I32);
         be.synchronize();
-        cuda::merge_kept(rk, rv, dp, G * H, NK, static_cast<const int*>(DK.data), static_cast<const int*>(EV.data),
+        cuda::merge_kept(rk, rv, dp, G * H, NK, NE, static_cast<const int*>(DK.data), static_cast<const int*>(EV.data),
                          spec.above_mean ? static_cast<const int*>(SRC.data) : nullptr, static_cast<const int*>(DB.data),
                          static_cast<const double*>(DS.data), d, static_cast<int>(kind), OK.as<__half>(), OV.as<__half>(),
-                         static_cast<int*>(CNT.data), nullptr);
+                         static_cast<int*>(CNT.data), static_cast<int*>(LISTS.data), nullptr);
         cudaDeviceSynchronize();
         const std::vector<float> gk = read(be, OK), gv = read(be, OV);
         const std::vector<int> gc = ints_back(CNT, NK);
@@ -498,7 +499,11 @@ TEST(Ops, LookMMergeKernels) {
             const int64_t gi = P[x].kept0 + j;
             ASSERT_EQ(gc[static_cast<size_t>(gi)], count[x][static_cast<size_t>(c)]) << what << " problem " << x << " row " << c;
             if (gc[static_cast<size_t>(gi)] == 0) {
-              EXPECT_TRUE(std::isnan(gk[static_cast<size_t>(gi * d)])) << what << ": a row without contributions is not written";
+              for (int t = 0; t < d; ++t) {
+                const size_t o = static_cast<size_t>(gi * d + t), h = static_cast<size_t>(c) * d + t;
+                ASSERT_EQ(gk[o], k[x][h]) << what << ": problem " << x << " K row " << c << " without contributions, ch " << t;
+                ASSERT_EQ(gv[o], v[x][h]) << what << ": problem " << x << " V row " << c << " without contributions, ch " << t;
+              }
               continue;
             }
             ++merged;
@@ -569,4 +574,5 @@ TEST(Ops, LandingsComeBackThroughTheRingAndTheStagingBuffer) {
   EXPECT_GE(ctx.staging_bytes, chunk + 77) << "the page-locked buffer did not grow for a size asked for again";
   round(small, "a landing that throws", 20);
 }
+
 #endif
