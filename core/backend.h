@@ -223,11 +223,15 @@ struct RecordedAttention {
 };
 
 // One group of Backend::zip_quantize_rows: segments of layer `layer` and the payload whose flags
-// and layout say how, where its arrays land.
+// and layout say how, where its arrays land. `prepare`, when set, makes those flags and that
+// layout: called once before the group's rows are read, on any thread, while the backend's
+// operations are held (it must not call the backend), so that it runs beside the other groups'
+// work.
 struct ZipRowsGroup {
   int layer = 0;
   std::vector<const KVSegment*> segs;
   quant::QuantPayload* out = nullptr;
+  std::function<void()> prepare;
 };
 
 struct SeqKV {

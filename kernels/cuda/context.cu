@@ -140,6 +140,22 @@ void Context::land_later(std::shared_ptr<void> src, int64_t bytes, std::function
   landings.push_back(Landing{std::move(src), bytes, std::move(land)});
 }
 
+char* Context::upload_room(int64_t bytes) {
+  const int64_t b = (bytes + 15) / 16 * 16;
+  if (b <= 0 || b > kLandChunk) return nullptr;
+  // The two buffers as one run of 2·kLandChunk bytes, a piece never across their boundary.
+  int64_t at = room_used.load();
+  for (;;) {
+    int64_t from = at;
+    if (from < kLandChunk && from + b > kLandChunk) from = kLandChunk;
+    if (from + b > 2 * kLandChunk) return nullptr;
+    if (room_used.compare_exchange_weak(at, from + b)) {
+      const int k = from >= kLandChunk ? 1 : 0;
+      return static_cast<char*>(land_ring[k].get()) + (from - k * kLandChunk);
+    }
+  }
+}
+
 void Context::land_all(const std::string& what) {
   trace::Scope span("cuda.land_all");
   std::vector<Landing> all = std::move(landings);
@@ -189,6 +205,11 @@ void Context::land_all(const std::string& what) {
       if (!failed) failed = std::current_exception();
     }
     if (next && !ahead) copy(k + 1);
+  }
+  // The upload room back once the uploads from it are done (waited for with the batches).
+  if (room_used.load() > 0) {
+    if (batches.empty()) sync(what);
+    room_used = 0;
   }
   if (failed) std::rethrow_exception(failed);
 }

@@ -5,6 +5,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -81,6 +82,13 @@ struct Context : std::enable_shared_from_this<Context> {
   static constexpr int64_t kLandChunk = int64_t{16} << 20;
   std::shared_ptr<void> land_ring[2];
   std::shared_ptr<CUevent_st> land_done[2];
+  // Page-locked room for the host side of uploads queued between two land_alls (arguments made
+  // on threads, copied without a wait): `bytes` (16-byte aligned) of the landing buffers, or null
+  // when what is left of them is too small. Any thread may ask. land_all takes the room back once
+  // the uploads queued before it are done (its copies into the buffers come after them, in stream
+  // order).
+  char* upload_room(int64_t bytes);
+  std::atomic<int64_t> room_used{0};
 };
 
 // A cuBLAS status other than success as a DeviceError naming the call and `what`.

@@ -58,6 +58,27 @@ struct ZipPlan {
   int64_t n_blocks = 0, n_fblocks = 0;
   std::vector<char> args;  // row pointers, blocks, factor blocks, row blocks, row slots, slot lists
   int64_t a_ptr = 0, a_blk = 0, a_fb = 0, a_rb = 0, a_rs = 0, a_sf = 0, a_sr = 0;
+  // args and meta moved to page-locked memory (Context::upload_room; null: uploaded from the
+  // vectors), and their sizes.
+  const char* room_args = nullptr;
+  const char* room_meta = nullptr;
+  int64_t args_bytes = 0, meta_bytes = 0;
+  // args and meta into the context's upload room where it has some left (their vectors freed).
+  void to_room(Context& ctx) {
+    args_bytes = static_cast<int64_t>(args.size());
+    meta_bytes = static_cast<int64_t>(meta.size());
+    const int64_t at = (args_bytes + 15) / 16 * 16;
+    char* room = args_bytes > 0 ? ctx.upload_room(at + meta_bytes) : nullptr;
+    if (!room) return;
+    std::memcpy(room, args.data(), static_cast<size_t>(args_bytes));
+    std::memcpy(room + at, meta.data(), static_cast<size_t>(meta_bytes));
+    room_args = room;
+    room_meta = room + at;
+    std::vector<char>().swap(args);
+    std::vector<char>().swap(meta);
+  }
+  const char* args_src() const { return room_args ? room_args : args.data(); }
+  const char* meta_src() const { return room_meta ? room_meta : meta.data(); }
 };
 
 ZipPlan plan_zip(const CudaKV& C, const std::vector<ZipGroup>& groups) {
@@ -176,6 +197,7 @@ ZipPlan plan_zip(const CudaKV& C, const std::vector<ZipGroup>& groups) {
   }
   const int64_t N = static_cast<int64_t>(src.size());
   zp.N = N, zp.code = code, zp.range = range, zp.factor = factor, zp.slots = slots, zp.copies = copies;
+  zp.meta_bytes = static_cast<int64_t>(meta.size());
   if (N == 0) return zp;
   if (N > (int64_t{1} << 30)) throw InternalError("zip_quantize_rows: too many rows (" + std::to_string(N) + ")");
   std::vector<int32_t> slot_first(static_cast<size_t>(slots) + 1, 0), slot_rows(static_cast<size_t>(N));
@@ -203,6 +225,7 @@ ZipPlan plan_zip(const CudaKV& C, const std::vector<ZipGroup>& groups) {
   put(zp.a_sr, slot_rows.data(), slot_rows.size() * 4);
   zp.n_blocks = static_cast<int64_t>(blocks.size());
   zp.n_fblocks = static_cast<int64_t>(fblocks.size());
+  zp.args_bytes = static_cast<int64_t>(zp.args.size());
   return zp;
 }
 
@@ -216,9 +239,9 @@ std::vector<StagedZip> launch_zip(Context& ctx, const CudaKV& C, const std::vect
   const std::vector<ZipPlan::Span>& spans = zp.spans;
   if (N == 0) return made;
   const std::string what = "zipcache rows of " + std::to_string(groups.size()) + " group(s)";
-  const int64_t arg_bytes = static_cast<int64_t>(zp.args.size());
+  const int64_t arg_bytes = zp.args_bytes;
   DevMem A{ctx.alloc(arg_bytes, what + " arguments"), arg_bytes};
-  ctx.upload(A.mem.get(), zp.args.data(), arg_bytes, what + " arguments");
+  ctx.upload(A.mem.get(), zp.args_src(), arg_bytes, what + " arguments");
   DevMem X{ctx.alloc(2 * N * D * 2, what), 2 * N * D * 2};
   auto* base = static_cast<char*>(A.mem.get());
   gather_rows(reinterpret_cast<const __half* const*>(base + zp.a_ptr), X.as<__half>(), static_cast<int>(2 * N), D, ctx.stream);
@@ -229,10 +252,10 @@ std::vector<StagedZip> launch_zip(Context& ctx, const CudaKV& C, const std::vect
   Layout res;
   const int64_t r_kc = res.put(code), r_vc = res.put(code), r_ks = res.put(range * 2), r_kz = res.put(range * 2),
                 r_f = res.put(factor * 2), r_ts = res.put(slots * 2), r_tz = res.put(slots * 2),
-                r_meta = res.put(static_cast<int64_t>(zp.meta.size()));
+                r_meta = res.put(zp.meta_bytes);
   const int64_t r_rs = zp.copies ? res.put(N * 2) : 0, r_rz = zp.copies ? res.put(N * 2) : 0;
   DevMem R{ctx.alloc(res.bytes, what + " codes and ranges"), res.bytes};
-  if (!zp.meta.empty()) ctx.upload(R.as<char>() + r_meta, zp.meta.data(), static_cast<int64_t>(zp.meta.size()), what + " flags and positions");
+  if (zp.meta_bytes > 0) ctx.upload(R.as<char>() + r_meta, zp.meta_src(), zp.meta_bytes, what + " flags and positions");
   auto* rb = R.as<char>();
   for (size_t gi = 0; gi < groups.size(); ++gi) {
     const ZipPlan::Span& sp = spans[gi];
@@ -305,26 +328,37 @@ bool kv_zip_quantize(Context& ctx, DeviceKV& dev, const std::vector<ZipRowsGroup
   trace::Scope span("kv.zip_quantize");
   CudaKV& C = as_cuda(&dev);
   const int NKV = C.NKV, D = C.D;
+  // A payload whose layout these kernels do not make: false before anything is queued, an
+  // error once a group prepared on a planner thread shows it.
+  auto makes = [&](const quant::QuantPayload& out) {
+    const quant::CodeLayout& L = out.layout;
+    return L.kind == quant::CodeLayout::Kind::ZipMixed && L.hi_bits >= 1 && L.hi_bits <= 8 && L.lo_bits >= 1 &&
+           L.lo_bits <= 8 && D % 8 == 0;
+  };
+  auto check_heads = [&](const ZipRowsGroup& g) {
+    if (static_cast<int>(g.out->k.size()) != NKV || static_cast<int>(g.out->v.size()) != NKV)
+      throw InternalError("zip_quantize_rows: layer " + std::to_string(g.layer) + ": the payload's KV heads (" +
+                          std::to_string(g.out->k.size()) + ") do not match the cache's " + std::to_string(NKV));
+  };
+  if (D % 8 != 0) return false;
   std::vector<ZipGroup> all;
   for (const ZipRowsGroup& g : groups) {
-    const quant::QuantPayload& out = *g.out;
-    const quant::CodeLayout& L = out.layout;
-    if (g.layer < 0 || g.layer >= C.L || g.segs.empty() || static_cast<int>(out.k.size()) != NKV ||
-        static_cast<int>(out.v.size()) != NKV)
-      throw InternalError("zip_quantize_rows: layer " + std::to_string(g.layer) +
-                          " or the payload's KV heads do not match the cache");
+    if (g.layer < 0 || g.layer >= C.L || g.segs.empty() || !g.out)
+      throw InternalError("zip_quantize_rows: layer " + std::to_string(g.layer) + " of " + std::to_string(C.L) +
+                          ", or a group without segments or payload");
     for (const KVSegment* s : g.segs)
       if (static_cast<int>(s->heads.size()) != NKV)
         throw InternalError("zip_quantize_rows: a segment of layer " + std::to_string(g.layer) + " has " +
                             std::to_string(s->heads.size()) + " KV heads, the cache " + std::to_string(NKV));
-    if (L.kind != quant::CodeLayout::Kind::ZipMixed || L.hi_bits < 1 || L.hi_bits > 8 || L.lo_bits < 1 ||
-        L.lo_bits > 8 || D % 8 != 0)
-      return false;
+    if (!g.prepare) {
+      check_heads(g);
+      if (!makes(*g.out)) return false;
+    }
     all.push_back({g.layer, g.segs, g.out});
   }
-  // Group by group (a prompt's groups are large): the groups' plans (the host's bookkeeping, the
-  // most of the work) made side by side on threads of their own, each group launched here as soon
-  // as its plan is ready, its arrays deferred in its payload and kept for its layer's next kv_sync
+  // Group by group (a prompt's groups are large): the groups prepared (ZipRowsGroup::prepare) and
+  // planned (the host's bookkeeping, the most of the work) side by side on threads of their own,
+  // each group launched here as soon as its plan is ready, its arrays deferred in its payload and kept for its layer's next kv_sync
   // (one entry per payload: quantizing again for the same payload replaces it).
   const size_t n = all.size();
   std::vector<ZipPlan> plans(n);
@@ -332,13 +366,24 @@ bool kv_zip_quantize(Context& ctx, DeviceKV& dev, const std::vector<ZipRowsGroup
   std::vector<std::exception_ptr> errors(n);
   std::mutex mu;
   std::condition_variable planned;
+  // (a core left to this thread, which launches each group as soon as it is planned: with every
+  // core planning, its wake-up waits for one)
+  const int planners = std::max(1, product_threads() - 1);
   std::thread planner([&] {
-    parallel_for(static_cast<int>(n), product_threads(), [&](int x) {
+    parallel_for(static_cast<int>(n), planners, [&](int x) {
       const size_t i = static_cast<size_t>(x);
       char state = 1;
       try {
+        if (groups[i].prepare) {
+          groups[i].prepare();
+          check_heads(groups[i]);
+          if (!makes(*groups[i].out))
+            throw InternalError("zip_quantize_rows: layer " + std::to_string(groups[i].layer) +
+                                "'s group was prepared with a layout other than ZipCache's mixed bits of 1 to 8");
+        }
         trace::Scope plan_span("kv.zip_plan", x);
         plans[i] = plan_zip(C, {all[i]});
+        plans[i].to_room(ctx);
       } catch (...) {
         errors[i] = std::current_exception();
         state = 2;
@@ -360,6 +405,7 @@ bool kv_zip_quantize(Context& ctx, DeviceKV& dev, const std::vector<ZipRowsGroup
       planned.wait(lock, [&] { return ready[i] != 0; });
     }
     if (errors[i]) std::rethrow_exception(errors[i]);
+    trace::Scope launch_span("kv.zip_launch", static_cast<int>(i));
     StagedZip z = std::move(launch_zip(ctx, C, {all[i]}, plans[i]).front());
     plans[i] = ZipPlan{};  // (its host arrays freed as the groups go)
     if (!z.mem.mem) continue;

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <thread>
 
 #include "core/compress/evict_methods.h"
 #include "core/errors.h"
@@ -575,4 +576,84 @@ TEST(Ops, LandingsComeBackThroughTheRingAndTheStagingBuffer) {
   round(small, "a landing that throws", 20);
 }
 
+// The upload room (Context::upload_room): pieces asked for from several threads at once are
+// 16-byte aligned, lie within one of the two landing buffers, never overlap and never exceed
+// them (then null); a piece larger than a buffer is refused. Bytes written into them and uploaded
+// without a wait arrive whole. land_all gives the room back — with no landing to wait for, and
+// with some — and the next piece starts at the first buffer again. Fresh random bytes.
+TEST(Ops, UploadRoomHandsOutPageLockedPiecesUntilTheNextLanding) {
+  KVLENS_NEED_GPU();
+  const auto made = std::make_shared<cuda::Context>(0);
+  cuda::Context& ctx = *made;
+  const int64_t chunk = cuda::Context::kLandChunk;
+  const char* ring0 = static_cast<const char*>(ctx.land_ring[0].get());
+  const char* ring1 = static_cast<const char*>(ctx.land_ring[1].get());
+  EXPECT_EQ(ctx.upload_room(chunk + 1), nullptr) << "a piece larger than a landing buffer";
+  std::mt19937 rng(std::random_device{}());
+  for (int round = 0; round < 3; ++round) {
+    SCOPED_TRACE("round " + std::to_string(round));
+    // 8 threads ask for pieces of 1–3 MiB and odd sizes until the room is full.
+    struct Piece {
+      char* at;
+      int64_t bytes;
+    };
+    std::vector<std::vector<Piece>> got(8);
+    std::vector<std::thread> ts;
+    for (int t = 0; t < 8; ++t)
+      ts.emplace_back([&, t, seed = rng()] {
+        std::mt19937 r(seed);
+        for (;;) {
+          const int64_t b = (int64_t{1} << 20) + static_cast<int64_t>(r() % (2u << 20)) + 1 + 2 * t;
+          char* p = ctx.upload_room(b);
+          if (!p) break;
+          got[static_cast<size_t>(t)].push_back({p, b});
+        }
+      });
+    for (std::thread& t : ts) t.join();
+    std::vector<Piece> all;
+    for (const auto& g : got) all.insert(all.end(), g.begin(), g.end());
+    ASSERT_GE(all.size(), 8u);
+    std::sort(all.begin(), all.end(), [](const Piece& a, const Piece& b) { return a.at < b.at; });
+    int64_t used = 0;
+    for (size_t i = 0; i < all.size(); ++i) {
+      const Piece& p = all[i];
+      EXPECT_EQ(reinterpret_cast<uintptr_t>(p.at) % 16, 0u);
+      const bool in0 = p.at >= ring0 && p.at + p.bytes <= ring0 + chunk, in1 = p.at >= ring1 && p.at + p.bytes <= ring1 + chunk;
+      EXPECT_TRUE(in0 || in1) << "piece " << i << " outside the landing buffers";
+      if (i > 0) {
+        EXPECT_LE(all[i - 1].at + all[i - 1].bytes, p.at) << "pieces " << i - 1 << " and " << i << " overlap";
+      }
+      used += p.bytes;
+    }
+    EXPECT_LE(used, 2 * chunk);
+    EXPECT_GT(used, 2 * chunk - 2 * ((int64_t{3} << 20) + 16) - 16 * static_cast<int64_t>(all.size())) << "the room was not filled";
+    // Each piece's bytes uploaded without a wait, then read back after the landing.
+    std::vector<std::shared_ptr<void>> dev;
+    std::vector<std::vector<char>> sent;
+    for (const Piece& p : all) {
+      std::vector<char> x(static_cast<size_t>(p.bytes));
+      for (char& c : x) c = static_cast<char>(rng());
+      std::memcpy(p.at, x.data(), x.size());
+      dev.push_back(ctx.alloc(p.bytes, "upload room piece"));
+      ctx.upload(dev.back().get(), p.at, p.bytes, "upload room piece");
+      sent.push_back(std::move(x));
+    }
+    std::vector<char> landed;
+    if (round == 1) {  // (a landing to wait for)
+      ctx.land_later(dev.front(), 64, [&](const char* h) { landed.assign(h, h + 64); });
+    }
+    ctx.land_all("upload room");
+    if (round == 1) {
+      EXPECT_TRUE(std::equal(landed.begin(), landed.end(), sent.front().begin()));
+    }
+    for (size_t i = 0; i < all.size(); ++i) {
+      std::vector<char> back(sent[i].size());
+      ctx.download(back.data(), dev[i].get(), static_cast<int64_t>(back.size()), "upload room piece");
+      ASSERT_EQ(back, sent[i]) << "piece " << i;
+    }
+    char* again = ctx.upload_room(100);
+    EXPECT_EQ(again, ring0) << "the room was not given back by land_all";
+    ctx.land_all("upload room, given back");
+  }
+}
 #endif

@@ -56,6 +56,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <mutex>
 #include <numeric>
 #include <optional>
 
@@ -198,8 +199,11 @@ class ZipCachePolicy : public KVPolicy {
 
   // The layer's salient flags (Algorithm 2's Split): each token's saliency from the probes'
   // column sums, per KV head (or shared), and the top r of every dense row of each KV head over
-  // all segments. `dense` gets the dense segments' indices. Starts a new prompt's stream.
-  Flags layer_flags(const PrefillContext& ctx, const LayerKV& layer, std::vector<size_t>& dense) {
+  // all segments. `dense` gets the dense segments' indices. Starts a new prompt's stream. `sums`:
+  // the layer's column sums over the probes when the caller has them already (then nothing here
+  // asks the capture).
+  Flags layer_flags(const PrefillContext& ctx, const LayerKV& layer, std::vector<size_t>& dense,
+                    std::shared_ptr<const std::vector<double>> sums = nullptr) {
     const int T = ctx.prompt_len, H = ctx.n_heads, KH = ctx.n_kv_heads;
     if (!ctx.attention)
       throw InputError("zipcache: layer " + std::to_string(ctx.layer) + " has no prefill attention probabilities");
@@ -208,7 +212,7 @@ class ZipCachePolicy : public KVPolicy {
     if (ctx.layer < static_cast<int>(streams_.size())) streams_[ctx.layer] = Stream{};  // new prompt
     const std::vector<int> pr = probes(ctx);
     // Each query head's column sums over the probes, reduced where the attention is.
-    const std::shared_ptr<const std::vector<double>> sums = ctx.attention->column_sums(ctx.layer, pr);
+    if (!sums) sums = ctx.attention->column_sums(ctx.layer, pr);
     std::vector<std::vector<double>> score(KH, std::vector<double>(T, 0.0));
     for (int h = 0; h < H; ++h) {
       const std::vector<double> s = zipcache::saliency_from_sums(sums->data() + static_cast<size_t>(h) * T, T, pr, o_.saliency);
@@ -266,36 +270,48 @@ class ZipCachePolicy : public KVPolicy {
     return true;
   }
 
-  // Flags on threads, then every group's quantization queued on the device in one call
-  // (Backend::zip_quantize_rows); each group's payload installed with its arrays deferred.
+  // Every group's quantization in one call (Backend::zip_quantize_rows) that makes each layer's
+  // flags where it plans the layer's groups, on its threads, and queues each group as soon as it
+  // is planned; each group's payload installed with its arrays deferred. The column sums are
+  // taken here first, so that the flags read nothing of the capture.
   void quantize_on_device(const std::vector<Job>& jobs) {
     struct Group {
       LayerKV* layer;
       std::vector<size_t> segs;
       std::shared_ptr<quant::QuantPayload> p;
     };
-    std::vector<std::vector<Group>> per_layer(jobs.size());
-    {
-      trace::Scope flags_span("zipcache.flags");
-      parallel_for(static_cast<int>(jobs.size()), product_threads(), [&](int i) {
-        trace::Scope layer_span("zipcache.layer_flags");
-        const Job& j = jobs[static_cast<size_t>(i)];
-        std::vector<size_t> dense;
-        const Flags flags = layer_flags(*j.ctx, *j.layer, dense);
-        for (const std::vector<size_t>& g : groups(dense)) {
-          auto p = std::make_shared<quant::QuantPayload>(j.ctx->n_kv_heads);
-          zipcache::mark_group(*j.layer, g, flags, spec(), *p);
-          per_layer[static_cast<size_t>(i)].push_back({j.layer, g, std::move(p)});
-        }
-      });
+    struct Layer {
+      std::vector<Group> groups;
+      std::shared_ptr<const std::vector<double>> sums;
+      std::once_flag marked;
+    };
+    std::vector<Layer> per_layer(jobs.size());
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const Job& j = jobs[i];
+      Layer& l = per_layer[i];
+      std::vector<size_t> dense;
+      for (size_t s = 0; s < j.layer->segments.size(); ++s)
+        if (j.layer->segments[s].dense()) dense.push_back(s);
+      for (const std::vector<size_t>& g : groups(dense))
+        l.groups.push_back({j.layer, g, std::make_shared<quant::QuantPayload>(j.ctx->n_kv_heads)});
+      if (j.ctx->attention) l.sums = j.ctx->attention->column_sums(j.ctx->layer, probes(*j.ctx));
+      if (l.groups.empty()) layer_flags(*j.ctx, *j.layer, dense, l.sums);  // (checks, a new stream)
     }
+    // A layer's flags and its groups' layouts, once, by whichever of its groups is planned first.
+    auto mark = [&](size_t i) {
+      trace::Scope span("zipcache.layer_flags");
+      const Job& j = jobs[i];
+      std::vector<size_t> dense;
+      const Flags flags = layer_flags(*j.ctx, *j.layer, dense, per_layer[i].sums);
+      for (Group& g : per_layer[i].groups) zipcache::mark_group(*j.layer, g.segs, flags, spec(), *g.p);
+    };
     Backend& be = *jobs.front().ctx->backend;
     DeviceKV* device = jobs.front().ctx->device;
     std::vector<ZipRowsGroup> all;
     // (queued: once the call took them; installed also when the wait fails)
     std::vector<const Group*> groups, queued;
     for (size_t i = 0; i < jobs.size(); ++i)
-      for (const Group& g : per_layer[i]) {
+      for (const Group& g : per_layer[i].groups) {
         const PrefillContext& c = *jobs[i].ctx;
         if (c.backend != &be || c.device != device)
           throw InternalError("zipcache: layers of one prefill on different backends or caches");
@@ -303,6 +319,7 @@ class ZipCachePolicy : public KVPolicy {
         z.layer = c.layer;
         for (size_t x : g.segs) z.segs.push_back(&g.layer->segments[x]);
         z.out = g.p.get();
+        z.prepare = [&per_layer, &mark, i] { std::call_once(per_layer[i].marked, mark, i); };
         all.push_back(std::move(z));
         groups.push_back(&g);
       }
