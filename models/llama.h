@@ -194,8 +194,12 @@ class LlamaDecoder {
   static constexpr int kExactLayersAtOnce = 4;
   // hand_over_recorded keeps a chunk of steps' scores, and a batch of queued span sums, near this.
   static constexpr int64_t kHandOverBytes = int64_t{256} << 20;
-  // The threads (at most the machine's) that events handed over together are compared on.
+  // The threads (at most the machine's) that events handed over together are compared on, and
+  // those an observed step's layers are handed over on: a step's 32 layers are a few
+  // milliseconds of host work, whose end waits for its slowest thread (on a virtual machine of
+  // 16 CPUs, 16 threads let one thread's stall hold up the step by several milliseconds).
   static constexpr int kEventThreads = 16;
+  static constexpr int kStepEventThreads = 8;
   Buffer embed, norm, lm_head;  // lm_head shares embed's memory when tied
   std::vector<LlamaLayer> layers;
 

@@ -77,7 +77,7 @@ void LlamaDecoder::each_layer(const std::vector<AttentionObserver*>& observers, 
   // events: this is the host's side of a device step, not a CPU model's loops (which run on one
   // thread by default). Else in order, on this thread.
   const bool together = L > 2 && take_concurrent_events(observers);
-  parallel_for(L - 1, together ? kEventThreads : 1, [&](int i) { f(i + 1); });
+  parallel_for(L - 1, together ? kStepEventThreads : 1, [&](int i) { f(i + 1); });
 }
 
 void LlamaDecoder::hand_over_stashed(LlamaWorkspace& w) const {
