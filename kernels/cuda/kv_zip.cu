@@ -358,8 +358,9 @@ bool kv_zip_quantize(Context& ctx, DeviceKV& dev, const std::vector<ZipRowsGroup
   }
   // Group by group (a prompt's groups are large): the groups prepared (ZipRowsGroup::prepare) and
   // planned (the host's bookkeeping, the most of the work) side by side on threads of their own,
-  // each group launched here as soon as its plan is ready, its arrays deferred in its payload and kept for its layer's next kv_sync
-  // (one entry per payload: quantizing again for the same payload replaces it).
+  // each group launched here as soon as its plan is ready, its arrays deferred in its payload and
+  // kept for its layer's next kv_sync (one entry per payload: quantizing again for the same
+  // payload replaces it).
   const size_t n = all.size();
   std::vector<ZipPlan> plans(n);
   std::vector<char> ready(n, 0);  // (under mu) 1: planned, 2: failed
