@@ -691,6 +691,13 @@ const DevLayer::Coded* coded_for(const DevLayer& d, const KVSegment& s);
 // Whether s lists, head by head, the rows c coded in their order (a segment no method edited
 // since it was coded; merged rows were coded as merged).
 bool lists_coded(const KVSegment& s, const DevLayer::Coded& c);
+// Where the positions p run, one after another, within q: the index of p's first in q, or −1 (an
+// empty p runs at 0).
+int64_t run_within(const std::vector<int32_t>& p, const std::vector<int32_t>& q);
+// Host segment s as fp16 rows already on the device, head h's from at[h] (keys) and at[h].second
+// (values), held by `mem`: no copy of the rows, their positions copied with the batch.
+DevSeg adopt_rows(const CudaKV& C, const KVSegment& s, const std::string& label, const std::vector<RowMap::Row>& at,
+                  std::vector<DevMem> mem, SyncBatch& batch);
 // Host segment s as the fp16 rows c coded for it, where they lie: no copy of the rows, their
 // positions copied with the batch.
 DevSeg adopt_coded(const CudaKV& C, const KVSegment& s, const DevLayer::Coded& c, const std::string& label,

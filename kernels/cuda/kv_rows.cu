@@ -53,6 +53,14 @@ RowMap device_rows(const CudaKV& C, const DevLayer& d) {
   return m;
 }
 
+int64_t run_within(const std::vector<int32_t>& p, const std::vector<int32_t>& q) {
+  if (p.empty()) return 0;
+  if (p.size() > q.size()) return -1;
+  const auto first = std::find(q.begin(), q.end(), p.front());
+  if (static_cast<size_t>(q.end() - first) < p.size() || !std::equal(p.begin(), p.end(), first)) return -1;
+  return first - q.begin();
+}
+
 namespace {
 // Whether host segment s lists, head by head, a run of the fp16 rows of device segment d (none of
 // them merged): then head h's rows start at at[h] in d's part of head h.
@@ -64,11 +72,9 @@ bool runs_in(const KVSegment& s, const DevSeg& d, int NKV, std::vector<int64_t>&
   for (size_t h = 0; h < static_cast<size_t>(NKV); ++h) {
     const std::vector<int32_t>& p = s.heads[h].pos;
     const std::vector<int32_t>& q = d.pos[h];
-    if (d.heads[h].size() != 1 || p.size() > q.size()) return false;
-    if (p.empty()) continue;
-    const auto first = std::find(q.begin(), q.end(), p.front());
-    if (static_cast<size_t>(q.end() - first) < p.size() || !std::equal(p.begin(), p.end(), first)) return false;
-    at[h] = first - q.begin();
+    if (d.heads[h].size() != 1) return false;
+    at[h] = run_within(p, q);
+    if (at[h] < 0) return false;
     const std::vector<uint16_t>& m = d.merged[h];
     for (size_t i = static_cast<size_t>(at[h]); i < std::min(m.size(), static_cast<size_t>(at[h]) + p.size()); ++i)
       if (m[i]) return false;

@@ -162,34 +162,47 @@ bool lists_coded(const KVSegment& s, const DevLayer::Coded& c) {
     if (s.heads[h].pos != c.pos[h]) return false;
   return true;
 }
-// Host segment s as the fp16 rows c coded for it, where they lie: no copy of the rows, their
-// positions copied with the batch.
-DevSeg adopt_coded(const CudaKV& C, const KVSegment& s, const DevLayer::Coded& c, const std::string& label,
-                   SyncBatch& batch) {
-  Context& ctx = *C.ctx;
-  const int NKV = C.NKV, D = C.D;
+// Host segment s as fp16 rows already on the device, head h's from at[h] (keys) and at[h].second
+// (values), held by `mem`: no copy of the rows, their positions copied with the batch.
+DevSeg adopt_rows(const CudaKV& C, const KVSegment& s, const std::string& label, const std::vector<RowMap::Row>& at,
+                  std::vector<DevMem> mem, SyncBatch& batch) {
+  const int NKV = C.NKV;
   DevSeg d = mirror(s, label, NKV, true);
   int64_t rows = 0;
   for (const HeadRows& r : s.heads) rows += r.n();
-  DevMem P{ctx.alloc(std::max<int64_t>(rows, 1) * 4, "KV coded segment positions"), rows * 4};
+  DevMem P{C.ctx->alloc(std::max<int64_t>(rows, 1) * 4, "KV " + label + " segment positions"), rows * 4};
   SyncBatch::Gather g;
   g.first = static_cast<int64_t>(batch.src.size());
   g.rows = rows;
   g.pos = P.as<int32_t>();
   g.pos_first = static_cast<int64_t>(batch.pos.size());
-  const auto* k = c.rows.as<__half>();
-  int64_t off = 0;
   for (int h = 0; h < NKV; ++h) {
     const HeadRows& r = s.heads[static_cast<size_t>(h)];
     batch.pos.insert(batch.pos.end(), r.pos.begin(), r.pos.end());
-    place_head(d, s, h, k + off * D, k + (rows + off) * D);
-    off += r.n();
+    place_head(d, s, h, at[static_cast<size_t>(h)].first, at[static_cast<size_t>(h)].second);
   }
   batch.gathers.push_back(g);
   batch.targets.push_back(P);
-  d.mem = {c.rows, P};
-  d.bytes = fp16_bytes(rows, D);
+  mem.push_back(P);
+  d.mem = std::move(mem);
+  d.bytes = fp16_bytes(rows, C.D);
   return d;
+}
+
+// Host segment s as the fp16 rows c coded for it, where they lie: no copy of the rows, their
+// positions copied with the batch.
+DevSeg adopt_coded(const CudaKV& C, const KVSegment& s, const DevLayer::Coded& c, const std::string& label,
+                   SyncBatch& batch) {
+  int64_t rows = 0;
+  for (const HeadRows& r : s.heads) rows += r.n();
+  const auto* k = c.rows.as<__half>();
+  std::vector<RowMap::Row> at;
+  int64_t off = 0;
+  for (const HeadRows& r : s.heads) {
+    at.push_back({k + off * C.D, k + (rows + off) * C.D});
+    off += r.n();
+  }
+  return adopt_rows(C, s, label, at, {c.rows}, batch);
 }
 
 // Whether host segment s lists, head by head, a run of the rows a merge staged (Staged::pos):
@@ -200,12 +213,9 @@ bool merged_run(const Staged& st, const KVSegment& s, int NKV, std::vector<int64
     return false;
   at.assign(static_cast<size_t>(NKV), 0);
   for (size_t h = 0; h < static_cast<size_t>(NKV); ++h) {
-    const std::vector<int32_t>& p = s.heads[h].pos;
-    const std::vector<int32_t>& q = st.pos[h];
-    if (p.empty()) continue;
-    const auto first = std::find(q.begin(), q.end(), p.front());
-    if (static_cast<size_t>(q.end() - first) < p.size() || !std::equal(p.begin(), p.end(), first)) return false;
-    at[h] = st.first[h] + (first - q.begin());
+    const int64_t i = run_within(s.heads[h].pos, st.pos[h]);
+    if (i < 0) return false;
+    at[h] = st.first[h] + i;
   }
   return true;
 }
@@ -214,27 +224,9 @@ bool merged_run(const Staged& st, const KVSegment& s, int NKV, std::vector<int64
 // rows, their positions copied with the batch.
 DevSeg adopt_merged(const CudaKV& C, const KVSegment& s, const Staged& st, const std::vector<int64_t>& at,
                     SyncBatch& batch) {
-  const int NKV = C.NKV, D = C.D;
-  DevSeg d = mirror(s, "fp16", NKV, true);
-  int64_t rows = 0;
-  for (const HeadRows& r : s.heads) rows += r.n();
-  DevMem P{C.ctx->alloc(std::max<int64_t>(rows, 1) * 4, "KV merged segment positions"), rows * 4};
-  SyncBatch::Gather g;
-  g.first = static_cast<int64_t>(batch.src.size());
-  g.rows = rows;
-  g.pos = P.as<int32_t>();
-  g.pos_first = static_cast<int64_t>(batch.pos.size());
-  for (int h = 0; h < NKV; ++h) {
-    const HeadRows& r = s.heads[static_cast<size_t>(h)];
-    batch.pos.insert(batch.pos.end(), r.pos.begin(), r.pos.end());
-    const int64_t a = at[static_cast<size_t>(h)];
-    place_head(d, s, h, st.k.as<__half>() + a * D, st.v.as<__half>() + a * D);
-  }
-  batch.gathers.push_back(g);
-  batch.targets.push_back(P);
-  d.mem = {st.k, st.v, P};
-  d.bytes = fp16_bytes(rows, D);
-  return d;
+  std::vector<RowMap::Row> rows;
+  for (int64_t a : at) rows.push_back({st.k.as<__half>() + a * C.D, st.v.as<__half>() + a * C.D});
+  return adopt_rows(C, s, "fp16", rows, {st.k, st.v}, batch);
 }
 
 }  // namespace kvlens::cuda::kv

@@ -199,10 +199,11 @@ class ZipCachePolicy : public KVPolicy {
 
   // The layer's salient flags (Algorithm 2's Split): each token's saliency from the probes'
   // column sums, per KV head (or shared), and the top r of every dense row of each KV head over
-  // all segments. `dense` gets the dense segments' indices. Starts a new prompt's stream. `sums`:
-  // the layer's column sums over the probes when the caller has them already (then nothing here
-  // asks the capture).
+  // all segments. `dense` gets the dense segments' indices. Starts a new prompt's stream. `pr` and
+  // `sums`: the probes and the layer's column sums over them when the caller has them already
+  // (then nothing here asks the capture).
   Flags layer_flags(const PrefillContext& ctx, const LayerKV& layer, std::vector<size_t>& dense,
+                    const std::vector<int>* given_probes = nullptr,
                     std::shared_ptr<const std::vector<double>> sums = nullptr) {
     const int T = ctx.prompt_len, H = ctx.n_heads, KH = ctx.n_kv_heads;
     if (!ctx.attention)
@@ -210,7 +211,8 @@ class ZipCachePolicy : public KVPolicy {
     if (KH <= 0 || H % KH != 0)
       throw InputError("zipcache: n_heads " + std::to_string(H) + " is not a multiple of n_kv_heads " + std::to_string(KH));
     if (ctx.layer < static_cast<int>(streams_.size())) streams_[ctx.layer] = Stream{};  // new prompt
-    const std::vector<int> pr = probes(ctx);
+    const std::vector<int> own = given_probes ? std::vector<int>{} : probes(ctx);
+    const std::vector<int>& pr = given_probes ? *given_probes : own;
     // Each query head's column sums over the probes, reduced where the attention is.
     if (!sums) sums = ctx.attention->column_sums(ctx.layer, pr);
     std::vector<std::vector<double>> score(KH, std::vector<double>(T, 0.0));
@@ -223,9 +225,7 @@ class ZipCachePolicy : public KVPolicy {
       }
     }
     Flags flags(layer.segments.size(), std::vector<std::vector<char>>(KH));
-    dense.clear();
-    for (size_t i = 0; i < layer.segments.size(); ++i)
-      if (layer.segments[i].dense()) dense.push_back(i);
+    dense = dense_segments(layer);
     for (int kh = 0; kh < KH; ++kh) {
       std::vector<double> rs;
       for (size_t i : dense)
@@ -239,6 +239,13 @@ class ZipCachePolicy : public KVPolicy {
       }
     }
     return flags;
+  }
+  // The indices of the layer's dense segments.
+  static std::vector<size_t> dense_segments(const LayerKV& layer) {
+    std::vector<size_t> dense;
+    for (size_t i = 0; i < layer.segments.size(); ++i)
+      if (layer.segments[i].dense()) dense.push_back(i);
+    return dense;
   }
   // The quantization groups of the dense segments: all of them (ranges=layer) or each alone.
   std::vector<std::vector<size_t>> groups(const std::vector<size_t>& dense) const {
@@ -286,23 +293,22 @@ class ZipCachePolicy : public KVPolicy {
       std::once_flag marked;
     };
     std::vector<Layer> per_layer(jobs.size());
+    const std::vector<int> pr = probes(*jobs.front().ctx);  // (the probes do not depend on the layer)
     for (size_t i = 0; i < jobs.size(); ++i) {
       const Job& j = jobs[i];
       Layer& l = per_layer[i];
-      std::vector<size_t> dense;
-      for (size_t s = 0; s < j.layer->segments.size(); ++s)
-        if (j.layer->segments[s].dense()) dense.push_back(s);
+      std::vector<size_t> dense = dense_segments(*j.layer);
       for (const std::vector<size_t>& g : groups(dense))
         l.groups.push_back({j.layer, g, std::make_shared<quant::QuantPayload>(j.ctx->n_kv_heads)});
-      if (j.ctx->attention) l.sums = j.ctx->attention->column_sums(j.ctx->layer, probes(*j.ctx));
-      if (l.groups.empty()) layer_flags(*j.ctx, *j.layer, dense, l.sums);  // (checks, a new stream)
+      if (j.ctx->attention) l.sums = j.ctx->attention->column_sums(j.ctx->layer, pr);
+      if (l.groups.empty()) layer_flags(*j.ctx, *j.layer, dense, &pr, l.sums);  // (checks, a new stream)
     }
     // A layer's flags and its groups' layouts, once, by whichever of its groups is planned first.
     auto mark = [&](size_t i) {
       trace::Scope span("zipcache.layer_flags");
       const Job& j = jobs[i];
       std::vector<size_t> dense;
-      const Flags flags = layer_flags(*j.ctx, *j.layer, dense, per_layer[i].sums);
+      const Flags flags = layer_flags(*j.ctx, *j.layer, dense, &pr, per_layer[i].sums);
       for (Group& g : per_layer[i].groups) zipcache::mark_group(*j.layer, g.segs, flags, spec(), *g.p);
     };
     Backend& be = *jobs.front().ctx->backend;
