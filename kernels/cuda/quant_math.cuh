@@ -61,22 +61,25 @@ __device__ inline void quantize_row_warp(const float* x, int D, int bits, int la
   }
 }
 
-// Each block of R values of x[D] (shared memory) through the orthonormal Hadamard transform, a
-// thread a block, with quant::hadamard's fp32 operations in its order: butterflies of increasing
-// span, then the scale 1/√R.
+// Each block of R values of x[D] (shared memory) through the orthonormal Hadamard transform, with
+// quant::hadamard's fp32 operations: butterflies of increasing span (a + c on the lower value,
+// a − c on the upper), then the scale 1/√R. A span's D/2 butterflies are independent, so the
+// block's threads share them, a barrier between spans; each value goes through the same
+// operations in the same order as one thread walking the block would take it, so the results are
+// the host's bit for bit. Every thread of the block calls it, after writing x.
 __device__ inline void hadamard_blocks(float* x, int D, int R) {
-  for (int b = threadIdx.x; b < D / R; b += blockDim.x) {
-    float* y = x + b * R;
-    for (int len = 1; len < R; len <<= 1)
-      for (int i = 0; i < R; i += len << 1)
-        for (int j = i; j < i + len; ++j) {
-          const float a = y[j], c = y[j + len];
-          y[j] = a + c;
-          y[j + len] = a - c;
-        }
-    const float s = 1.0f / sqrtf(static_cast<float>(R));
-    for (int i = 0; i < R; ++i) y[i] *= s;
+  for (int len = 1; len < R; len <<= 1) {
+    __syncthreads();
+    for (int t = threadIdx.x; t < D / 2; t += blockDim.x) {
+      const int j = (t / len) * 2 * len + t % len;  // the lower value of butterfly t at this span
+      const float a = x[j], c = x[j + len];
+      x[j] = a + c;
+      x[j + len] = a - c;
+    }
   }
+  __syncthreads();
+  const float s = 1.0f / sqrtf(static_cast<float>(R));
+  for (int i = threadIdx.x; i < D; i += blockDim.x) x[i] *= s;
 }
 
 // Row r[D] through hadamard_blocks in place, the block's threads together: staged in `row`
@@ -84,7 +87,6 @@ __device__ inline void hadamard_blocks(float* x, int D, int R) {
 __device__ inline void hadamard_in_place(float* r, float* row, int D, int R) {
   __syncthreads();
   for (int c = threadIdx.x; c < D; c += blockDim.x) row[c] = r[c];
-  __syncthreads();
   hadamard_blocks(row, D, R);
   __syncthreads();
   for (int c = threadIdx.x; c < D; c += blockDim.x) r[c] = row[c];
