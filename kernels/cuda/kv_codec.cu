@@ -14,6 +14,7 @@
 #include "core/errors.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/kernels.h"
+#include "kernels/cuda/quant_math.cuh"
 
 namespace kvlens::cuda {
 
@@ -32,27 +33,9 @@ constexpr int kGroupValueBytes = 8 + 3 * 4;
 constexpr int kCodecRowsMaxBytes = kCodecStagedBytes + kGroupRows * kMaxCodecDp * kGroupValueBytes;
 static_assert(kGroupRows % 2 == 0 && kGroupRows <= kCodecThreads, "rows of a group: an even count, a thread each");
 
-// The orthonormal Walsh–Hadamard transform of x[n] (shared memory) by the whole block: each
-// span's butterflies side by side — a pair's sum and difference are the ones quant::hadamard
-// computes, in whatever order a span's pairs are taken — then the scale 1/√n.
-__device__ void hadamard_shared(float* x, int n) {
-  for (int len = 1; len < n; len <<= 1) {
-    for (int p = threadIdx.x; p < n / 2; p += blockDim.x) {
-      const int j = (p / len) * (len << 1) + p % len;
-      const float a = x[j], b = x[j + len];
-      x[j] = a + b;
-      x[j + len] = a - b;
-    }
-    __syncthreads();
-  }
-  const float s = 1.0f / sqrtf(static_cast<float>(n));
-  for (int i = threadIdx.x; i < n; i += blockDim.x) x[i] *= s;
-  __syncthreads();
-}
-
-// The same butterflies for the kGroupRows rows of x (n values each, back to back): every row's
-// pairs of a span in one barrier-separated step. Without the scale: the caller multiplies each
-// value by 1/√n in its next elementwise step.
+// hadamard_blocks' butterflies (quant_math.cuh) for the kGroupRows rows of x (n values each,
+// back to back): every row's pairs of a span in one barrier-separated step. Without the scale:
+// the caller multiplies each value by 1/√n in its next elementwise step.
 __device__ void hadamard_group(float* x, int n) {
   const int half = n >> 1, lh = 30 - __clz(n);  // log2(n / 2)
   for (int len = 1, l = 0; len < n; len <<= 1, ++l) {
@@ -161,7 +144,8 @@ __device__ void code_row(const CodecDev& c, bool staged, const float* sS, CodecS
   if (mb > 0) {
     for (int j = threadIdx.x; j < dp; j += blockDim.x) y[j] = j < d ? x[j] * sh.sg[j] : 0.0f;
     __syncthreads();
-    hadamard_shared(y, dp);
+    hadamard_blocks(y, dp, dp);  // (a single block of dp)
+    __syncthreads();
     const float sq = sqrtf(static_cast<float>(dp));
     const float to_unit = norm > 0 ? sq / norm : 0.0f, from_unit = norm / sq;
     for (int j = threadIdx.x; j < dp; j += blockDim.x) {
@@ -170,7 +154,8 @@ __device__ void code_row(const CodecDev& c, bool staged, const float* sS, CodecS
       put_code(words, j, mb, code);
     }
     __syncthreads();
-    hadamard_shared(xm, dp);
+    hadamard_blocks(xm, dp, dp);
+    __syncthreads();
     for (int j = threadIdx.x; j < d; j += blockDim.x) xm[j] = xm[j] * sh.sg[j];
   } else {
     for (int j = threadIdx.x; j < d; j += blockDim.x) xm[j] = 0.0f;
