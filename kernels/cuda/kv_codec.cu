@@ -143,8 +143,7 @@ __device__ void code_row(const CodecDev& c, bool staged, const float* sS, CodecS
   const float norm = sh.norm_s;
   if (mb > 0) {
     for (int j = threadIdx.x; j < dp; j += blockDim.x) y[j] = j < d ? x[j] * sh.sg[j] : 0.0f;
-    __syncthreads();
-    hadamard_blocks(y, dp, dp);  // (a single block of dp)
+    hadamard_blocks(y, dp, dp);  // (a single block of dp; its first barrier follows these writes)
     __syncthreads();
     const float sq = sqrtf(static_cast<float>(dp));
     const float to_unit = norm > 0 ? sq / norm : 0.0f, from_unit = norm / sq;
@@ -153,7 +152,6 @@ __device__ void code_row(const CodecDev& c, bool staged, const float* sS, CodecS
       xm[j] = sh.lv[code] * from_unit;
       put_code(words, j, mb, code);
     }
-    __syncthreads();
     hadamard_blocks(xm, dp, dp);
     __syncthreads();
     for (int j = threadIdx.x; j < d; j += blockDim.x) xm[j] = xm[j] * sh.sg[j];

@@ -63,10 +63,9 @@ struct ZipPlan {
   const char* room_args = nullptr;
   const char* room_meta = nullptr;
   int64_t args_bytes = 0, meta_bytes = 0;
-  // args and meta into the context's upload room where it has some left (their vectors freed).
+  // args and meta into the context's upload room where it has some left (their vectors freed;
+  // args_bytes and meta_bytes, set by plan_zip, stay).
   void to_room(Context& ctx) {
-    args_bytes = static_cast<int64_t>(args.size());
-    meta_bytes = static_cast<int64_t>(meta.size());
     const int64_t at = (args_bytes + 15) / 16 * 16;
     char* room = args_bytes > 0 ? ctx.upload_room(at + meta_bytes) : nullptr;
     if (!room) return;

@@ -218,8 +218,7 @@ __global__ void token_rotated_kernel(const __half* x, int D, int bits, int rotat
   __shared__ float row[kMaxQuantTailD];
   const int64_t r = blockIdx.x;
   for (int c = threadIdx.x; c < D; c += blockDim.x) row[c] = __half2float(x[r * D + c]);
-  __syncthreads();
-  hadamard_blocks(row, D, rotation);
+  hadamard_blocks(row, D, rotation);  // (its first barrier follows these writes)
   __syncthreads();
   if (threadIdx.x < 32) quantize_row_warp(row, D, bits, threadIdx.x, scale + r, zero + r, codes + r * (D * bits / 8));
 }
