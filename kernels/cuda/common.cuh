@@ -140,6 +140,13 @@ __device__ __forceinline__ int atomic_add_acq_rel(int* p, int v) {
   return old;
 }
 
+// RoPE of the channel pair (a, b), a from the row's first half, at the angle whose sine and
+// cosine are sn, cs: a' = a·cos − b·sin and b' = b·cos + a·sin, each a product and a fused
+// multiply-add in this order, so that every kernel rotating a row (rope_append's and the decode
+// kernels' fused tokens) gives the same bits.
+__device__ __forceinline__ float rope_first(float a, float b, float sn, float cs) { return __fmaf_rn(a, cs, -__fmul_rn(b, sn)); }
+__device__ __forceinline__ float rope_second(float a, float b, float sn, float cs) { return __fmaf_rn(b, cs, __fmul_rn(a, sn)); }
+
 // ---- programmatic dependent launch ----------------------------------------------------------
 // A kernel started by launch_dependent() may begin while the previous kernel in the stream is
 // still running: it calls pdl_wait() before it touches memory that earlier kernels write (it

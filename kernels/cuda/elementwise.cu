@@ -101,8 +101,8 @@ __global__ void rope_kernel(float* x, int T, int64_t stride, int64_t q_col, int 
     float s, c;
     sincosf(ang, &s, &c);
     const float a = r[i], b = r[i + half];
-    r[i] = a * c - b * s;
-    r[i + half] = b * c + a * s;
+    r[i] = rope_first(a, b, s, c);
+    r[i + half] = rope_second(a, b, s, c);
   }
 }
 

@@ -65,8 +65,8 @@ __device__ __forceinline__ void rope_pair(float* r, int j, int half, float p, co
   float sn, cs;
   sincosf(p * inv_freq[j], &sn, &cs);
   const float a = r[j], b = r[j + half];
-  na = a * cs - b * sn;
-  nb = b * cs + a * sn;
+  na = rope_first(a, b, sn, cs);
+  nb = rope_second(a, b, sn, cs);
   r[j] = na;
   r[j + half] = nb;
 }

@@ -22,7 +22,8 @@ constexpr int kF16Rows = 8;
 
 // RoPE of this lane's 8 channels c0.. of a D-wide row held by a group of L lanes (channel c pairs
 // with c ± D/2, held by lane li ^ L/2, or by the same lane when L = 1), as rope_append_kernel
-// computes it: angle pos·inv_freq[c mod D/2], a' = a·cos − b·sin, b' = b·cos + a·sin.
+// computes it: angle pos·inv_freq[c mod D/2], a' = a·cos − b·sin, b' = b·cos + a·sin (rope_first,
+// rope_second: the same bits).
 template <int L>
 __device__ __forceinline__ void rope8(float* x, int c0, float pos, const float* inv_freq) {
   constexpr int half = 4 * L;
@@ -38,7 +39,7 @@ __device__ __forceinline__ void rope8(float* x, int c0, float pos, const float* 
     const bool first = ch < half;
     float sn, cs;
     sincosf(pos * inv_freq[first ? ch : ch - half], &sn, &cs);
-    x[c] = first ? x[c] * cs - other[c] * sn : x[c] * cs + other[c] * sn;
+    x[c] = first ? rope_first(x[c], other[c], sn, cs) : rope_second(other[c], x[c], sn, cs);
   }
 }
 

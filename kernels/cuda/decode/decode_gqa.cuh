@@ -218,7 +218,7 @@ __global__ void __launch_bounds__(kDecodeGqaThreads, kDecodeGqaBlocks) decode_f1
     if (fresh) {
       float sn, cs;
       sincosf(pos * p.inv_freq[c], &sn, &cs);
-      const float x2 = x * cs - y * sn, y2 = y * cs + x * sn;
+      const float x2 = rope_first(x, y, sn, cs), y2 = rope_second(x, y, sn, cs);
       x = x2;
       y = y2;
     }
@@ -230,8 +230,8 @@ __global__ void __launch_bounds__(kDecodeGqaThreads, kDecodeGqaBlocks) decode_f1
       const float x = p.fresh_k[kvh * D + c], y = p.fresh_k[kvh * D + c + D / 2];
       float sn, cs;
       sincosf(pos * p.inv_freq[c], &sn, &cs);
-      sh_tk[c] = __half2float(__float2half_rn(x * cs - y * sn));
-      sh_tk[c + D / 2] = __half2float(__float2half_rn(y * cs + x * sn));
+      sh_tk[c] = __half2float(__float2half_rn(rope_first(x, y, sn, cs)));
+      sh_tk[c + D / 2] = __half2float(__float2half_rn(rope_second(x, y, sn, cs)));
     }
     for (int c = tid; c < D; c += kDecodeGqaThreads) sh_tv[c] = __half2float(__float2half_rn(p.fresh_v[kvh * D + c]));
   }
