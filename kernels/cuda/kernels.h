@@ -190,6 +190,25 @@ void merge_kept(const __half* const* k, const __half* const* v, const AssignProb
                 int64_t n_kept, int64_t n_evicted, const int* keep, const int* evicted, const int* src, const int* best,
                 const double* sim, int d, int kind, __half* ok, __half* ov, int* count, int* scratch, cudaStream_t s);
 
+// A decode tail of rows quantized per token (the cache's packed decode rows): codes k / v
+// [NKV][cap][D·bits/8], ranges [4][NKV][cap] halves (K scales, K zeros, V scales, V zeros),
+// positions pos [NKV][cap].
+constexpr int kMaxQuantTailD = 256;
+// Whether rope_quant_append takes head size D and Hadamard block `rotation` (0: none; else a
+// power of two from 2 dividing D).
+inline bool quant_tail_ok(int D, int rotation) {
+  const bool rot = rotation == 0 || (rotation >= 2 && (rotation & (rotation - 1)) == 0 && D % rotation == 0);
+  return D % 8 == 0 && D > 0 && D <= kMaxQuantTailD && rot;
+}
+struct QuantTail {
+  uint8_t* k = nullptr;
+  uint8_t* v = nullptr;
+  __half* ranges = nullptr;
+  int32_t* pos = nullptr;
+  int cap = 0, k_bits = 0, v_bits = 0;
+  int rotation = 0;  // > 0: the key rows (after fp16 rounding) and the query rotated by Hadamard blocks of this size
+};
+
 // ---- decode attention over a segmented, possibly packed cache (decode_attention.cu) ----------
 // Storage of one side (K or V) of a part. Codes: row j starts at byte j·D·bits/8 and code c of a
 // row occupies bits [c·bits, (c+1)·bits) of the row, least significant bit first (the layout
@@ -287,6 +306,19 @@ struct DecodeParams {
   // and of attention called in a row); the fp16 kernel then reads them, and loads its first rows,
   // before waiting on that kernel. Else (a launch after kv_append, say) it waits first.
   int rows_ready = 0;
+  // Code width (2, 4 or 8) when every part of every head holds token-wise codes of that width on
+  // both sides (a range per row, no CST factors): the token-wise kernel (decode_qtok.cuh) serves
+  // an attention pass without calibration or materialized scores. With the step's token fused
+  // in, qtail is the packed tail the token is quantized into (rope_quant_append's arithmetic:
+  // RoPE, fp16 rounding, the keys' Hadamard blocks, a range per row), the query rotated by the
+  // same blocks in the kernel; tail_pos, tail_cap, tail_counter and tail_done as for fp16 rows.
+  int tok_bits = 0;
+  QuantTail qtail;
+  // Code width (2 or 4) when every part of every head holds fp16 rows or codes of that width
+  // with keys a range per channel and group of rows and values a range per row (KIVI's): the
+  // mixed kernel (decode_qtok.cuh) serves such an attention pass; a fused token is appended as
+  // fp16 rows (tail_k, tail_v).
+  int mix_bits = 0;
   // 1: every part of every head is fp16 or a packed part of the tensor-core paths (mma_part); at
   // head size 128 a kernel with only those paths is used — with 168 registers instead of 128
   // when b1 is set too.
@@ -492,6 +524,10 @@ void set_launch(DecodeParams& p, const DecodeLaunch& l);
 int decode_lut_bytes(int D, int lut_bits);
 // The fp16 decode kernel takes this head size and part count (all_f16 caches; fresh rows).
 bool decode_f16_supported(int D, int max_parts);
+// The token-wise kernel (DecodeParams::tok_bits) takes this head size, part count and code width.
+bool decode_tok_supported(int D, int max_parts, int bits);
+// The mixed kernel (DecodeParams::mix_bits) takes this head size, part count and code width.
+bool decode_mix_supported(int D, int max_parts, int bits);
 
 // ---- KV cache (kv_cache.cu) -------------------------------------------------------------------
 // Appends T rows (k and v columns of qkv, fp32) as fp16 into per-head arrays k/v [NKV][cap][D]
@@ -520,24 +556,6 @@ struct KeptQueries {
 void rope_append(float* qkv, int64_t q_col, int nq, int64_t k_col, int64_t v_col, int nk, int D,
                  const int32_t* pos_in, const float* inv_freq, __half* k, __half* v, int32_t* pos, int cap,
                  int32_t* counter, int32_t* done, cudaStream_t s, const KeptQueries& keep = {});
-// A decode tail of rows quantized per token (the cache's packed decode rows): codes k / v
-// [NKV][cap][D·bits/8], ranges [4][NKV][cap] halves (K scales, K zeros, V scales, V zeros),
-// positions pos [NKV][cap].
-constexpr int kMaxQuantTailD = 256;
-// Whether rope_quant_append takes head size D and Hadamard block `rotation` (0: none; else a
-// power of two from 2 dividing D).
-inline bool quant_tail_ok(int D, int rotation) {
-  const bool rot = rotation == 0 || (rotation >= 2 && (rotation & (rotation - 1)) == 0 && D % rotation == 0);
-  return D % 8 == 0 && D > 0 && D <= kMaxQuantTailD && rot;
-}
-struct QuantTail {
-  uint8_t* k = nullptr;
-  uint8_t* v = nullptr;
-  __half* ranges = nullptr;
-  int32_t* pos = nullptr;
-  int cap = 0, k_bits = 0, v_bits = 0;
-  int rotation = 0;  // > 0: the key rows (after fp16 rounding) and the query rotated by Hadamard blocks of this size
-};
 // rope_append with the row quantized instead: RoPE on q and k in place, then each KV head's key
 // and value rounded to fp16 and quantized with one range per row (quant::quantize_block,
 // Axis::PerToken, on those fp16 values: the same codes and ranges) at row *counter of t, which the

@@ -21,6 +21,25 @@ struct DevPart {
   std::vector<int32_t> order;  // host row (within the segment's head) of each device row; empty = same
 };
 
+// The code width of a part holding token-wise codes of one width on both sides (a range per
+// row, no CST factors), its codes aligned for the token-wise decode kernel's loads; else 0.
+inline int tok_width(const PartDesc& d) {
+  if (d.k.fmt != kToken || d.v.fmt != kToken || d.k.bits != d.v.bits || d.k.factor || d.v.factor) return 0;
+  const uintptr_t at = reinterpret_cast<uintptr_t>(d.k.data) | reinterpret_cast<uintptr_t>(d.v.data);
+  return at % static_cast<uintptr_t>(d.k.bits) == 0 ? d.k.bits : 0;
+}
+
+// 16 for a part of fp16 rows; the code width of one of channel-wise keys (a range per channel
+// and group of rows) beside token-wise values of that width without CST factors (KIVI's), aligned
+// for the mixed decode kernel's loads; else 0.
+inline int mix_width(const PartDesc& d) {
+  if (d.k.fmt == kF16 && d.v.fmt == kF16) return 16;
+  if (d.k.fmt != kChannel || d.k.chan_stride != 1 || d.v.fmt != kToken || d.k.bits != d.v.bits || d.v.factor) return 0;
+  const uintptr_t at = reinterpret_cast<uintptr_t>(d.k.data) | reinterpret_cast<uintptr_t>(d.v.data);
+  const uintptr_t ranges = reinterpret_cast<uintptr_t>(d.k.scale) | reinterpret_cast<uintptr_t>(d.k.zero);
+  return at % static_cast<uintptr_t>(d.k.bits) == 0 && ranges % 16 == 0 ? d.k.bits : 0;
+}
+
 struct DevSeg {
   SegmentKind kind = SegmentKind::System;
   std::string storage = "fp16";
@@ -411,6 +430,8 @@ class CudaKV : public DeviceKV {
     all_f16 = 1;
     all_mma = D == 128 ? 1 : 0;
     has_b1 = 0;
+    std::vector<int> widths;  // each part's token-wise code width (0: not token-wise, or not alone)
+    std::vector<int> mixed;   // and its mix_width
     int rows = 1;
     for (const DevLayer& d : layers)
       for (const DevSeg& sg : d.segs)
@@ -420,9 +441,28 @@ class CudaKV : public DeviceKV {
             if (pt.d.k.fmt != kF16 || pt.d.v.fmt != kF16) all_f16 = 0;
             if (!mma_part(pt.d, true)) all_mma = 0;
             if (pt.d.v.fmt == kChannelT) has_b1 = 1;
+            widths.push_back(tok_width(pt.d));
+            mixed.push_back(mix_width(pt.d));
           }
-    for (const DevLayer& d : layers)
+    for (const DevLayer& d : layers) {
       if (d.tail.packed()) all_f16 = all_mma = 0;
+      if (d.tail.cap) widths.push_back(d.tail.packed() && d.tail.k_bits == d.tail.v_bits ? d.tail.k_bits : 0);
+      if (d.tail.cap) mixed.push_back(d.tail.packed() ? 0 : 16);
+    }
+    // The token-wise kernel's width: one for every part and tail, which it takes.
+    tok_bits = widths.empty() ? 0 : widths[0];
+    for (int w : widths)
+      if (w != tok_bits) tok_bits = 0;
+    if (!decode_tok_supported(D, 1, tok_bits)) tok_bits = 0;  // (its part count is checked at launch)
+    // The mixed kernel's: one for every quantized part, fp16 parts beside them.
+    mix_bits = 0;
+    bool mixable = true;
+    for (int w : mixed) {
+      if (w == 16) continue;
+      if (w == 0 || (mix_bits && w != mix_bits)) mixable = false;
+      mix_bits = w;
+    }
+    if (!mixable || !decode_mix_supported(D, 1, mix_bits)) mix_bits = 0;
     // A rotated query reads rotated keys alone.
     for (int l = 0; l < L && q_rotation; ++l) {
       bool ok = !layers[l].tail.cap || layers[l].tail.rotation == q_rotation;
@@ -526,6 +566,7 @@ class CudaKV : public DeviceKV {
   int64_t vis_stride = 0;
   DecodeLaunch launch;  // the decode kernel's split count and choices for the current layout
   int max_parts = 1, nh = 0, lut_bits = 0, all_f16 = 1, all_mma = 0, has_b1 = 0;
+  int tok_bits = 0, mix_bits = 0;  // DecodeParams::tok_bits, mix_bits
   // The Hadamard block the decode steps rotate the query by (StepQuant::rotation, kv_reserve):
   // every key of the cache is then stored rotated. 0: none.
   int q_rotation = 0;

@@ -39,6 +39,8 @@ DecodeParams layer_params(CudaKV& C, const Buffer& qkv, const AttnLayout& l, int
   p.all_f16 = C.all_f16;
   p.all_mma = C.all_mma;
   p.b1 = C.has_b1;
+  p.tok_bits = C.tok_bits;
+  p.mix_bits = C.mix_bits;
   set_launch(p, C.launch);
   return p;
 }
@@ -542,8 +544,12 @@ bool kv_rope_attend(Context& ctx, SeqKV& kv, int layer, Buffer& qkv, const AttnL
   if (t.n + 1 > t.cap) C.grow_tail(layer, std::max(16, 2 * t.cap));
   C.build_tables(l.n_heads);
   // (a step that keeps its query, StepQuant::zip, or codes its row, StepQuant::k_codec, runs
-  // rope_append of its own)
-  if (!C.all_f16 || !decode_f16_supported(C.D, C.max_parts) || t.zipped() || t.coded()) return false;
+  // rope_append of its own; rows quantized where they are appended take the token-wise kernel,
+  // fp16 rows beside KIVI's groups the mixed one)
+  const bool f16 = (C.all_f16 && decode_f16_supported(C.D, C.max_parts)) ||
+                   (C.mix_bits && decode_mix_supported(C.D, C.max_parts, C.mix_bits));
+  const bool tok = t.packed() && C.tok_bits && decode_tok_supported(C.D, C.max_parts, C.tok_bits);
+  if (!(t.packed() ? tok : f16) || t.zipped() || t.coded()) return false;
   ++t.n;
   t.host_pos.push_back(pos_host[0]);
   if (ctx.replay) return true;
@@ -553,8 +559,12 @@ bool kv_rope_attend(Context& ctx, SeqKV& kv, int layer, Buffer& qkv, const AttnL
   p.fresh_v = base + l.v_col;
   p.fresh_pos = pos.as<int32_t>();
   p.inv_freq = inv_freq;
-  p.tail_k = t.k.as<__half>();
-  p.tail_v = t.v.as<__half>();
+  if (tok) {
+    p.qtail = quant_tail(t);
+  } else {
+    p.tail_k = t.k.as<__half>();
+    p.tail_v = t.v.as<__half>();
+  }
   p.tail_pos = t.pos.as<int32_t>();
   p.tail_cap = t.cap;
   p.tail_counter = C.counters.as<int32_t>() + layer;

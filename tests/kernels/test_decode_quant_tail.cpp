@@ -5,6 +5,7 @@
 // attention over the packed rows matches the fp64 attention over their dequantization; the rows
 // read back (kv_hydrate) as a per-token payload, and fetched as an observed decode fetches them
 // (kv_pull_rows) as the same rows; and the tail refuses rows from another path.
+// A plain step (rope_append_attend) over such rows is one kernel with the same codes and output.
 // TurboQuant's rows are coded the same way (StepQuant::coded, codec_tail_rows): codes, scales and
 // the dequantized row equal turboquant::Codec::encode_row's, bit for bit.
 #include <gtest/gtest.h>
@@ -25,13 +26,10 @@ using namespace kvlens::testing;
 
 namespace {
 
-// Decode attention of the query in Xg over the cache of kv, against fp64 attention of qv over the
-// rows the cache reads back (kv_hydrate).
-void expect_attention_over_rows_read_back(Backend& gpu, SeqKV& kv, const Buffer& Xg, const AttnLayout& l1,
-                                          const DecodeCase& c, const std::vector<float>& qv, const std::string& what) {
-  Buffer O = make(gpu, "out", {1, static_cast<int64_t>(c.NH) * c.D}, Dt::F32,
-                  std::vector<float>(static_cast<size_t>(c.NH) * c.D, NAN));
-  gpu.decode_attention(Xg, l1, kv, 0, nullptr, O, DecodeTaps{});
+// The attention output O against fp64 attention of qv over the rows the cache of kv reads back
+// (kv_hydrate).
+void expect_output_over_rows_read_back(Backend& gpu, SeqKV& kv, const Buffer& O, const AttnLayout& l1,
+                                       const DecodeCase& c, const std::vector<float>& qv, const std::string& what) {
   KVStore back;
   gpu.kv_hydrate(*kv.dev, back, true);
   std::vector<float> ref;
@@ -39,6 +37,16 @@ void expect_attention_over_rows_read_back(Backend& gpu, SeqKV& kv, const Buffer&
   std::vector<std::vector<float>> rs;
   reference(back, qv, c, l1, nullptr, ref, out_bound, rs);
   expect_within(read(gpu, O), ref, out_bound, what);
+}
+
+// Decode attention of the query in Xg over the cache of kv, against fp64 attention of qv over the
+// rows the cache reads back.
+void expect_attention_over_rows_read_back(Backend& gpu, SeqKV& kv, const Buffer& Xg, const AttnLayout& l1,
+                                          const DecodeCase& c, const std::vector<float>& qv, const std::string& what) {
+  Buffer O = make(gpu, "out", {1, static_cast<int64_t>(c.NH) * c.D}, Dt::F32,
+                  std::vector<float>(static_cast<size_t>(c.NH) * c.D, NAN));
+  gpu.decode_attention(Xg, l1, kv, 0, nullptr, O, DecodeTaps{});
+  expect_output_over_rows_read_back(gpu, kv, O, l1, c, qv, what);
 }
 
 // The cache read back (kv_hydrate, with rows) into `back`: `n_segments` segments, the last the
@@ -209,6 +217,129 @@ TEST(DecodeQuantTail, RowsQuantizedWhereTheyAreAppended) {
                             TailCase{8, 8, 64}, TailCase{4, 2, 256}, TailCase{4, 4, 128, 16}, TailCase{4, 4, 64, 8},
                             TailCase{4, 4, 128, 128}})
     quantized_tail_case(c);
+}
+
+// A plain decode step (rope_append_attend) over a cache of decode rows alone, against the same
+// steps taken as rope_append and then decode_attention on a twin cache. Packed rows (StepQuant
+// rows): where the token-wise kernel takes the cache (one width of 2, 4 or 8 bits on both sides,
+// head size 64 or 128) the step is one kernel. KIVI's groups (`group` > 0: the rows kept as fp16
+// and quantized in groups before a step, kv_before_step, on both caches): where the mixed kernel
+// takes the cache (2 or 4 bits) the step is one kernel too. One kernel leaves qkv as it was.
+// Both caches end with the same storages and bytes; packed rows with the same rows, positions,
+// codes and ranges, bit for bit (RoPE, fp16 rounding, the Hadamard blocks and the range per row
+// with the same operations), and every checked step's output of either matching fp64 attention
+// over the rows its cache reads back; KIVI's groups, which are not read back, with the fused
+// step's output equal to the two ops'. Enough query heads that each head's rows take few splits, so
+// that a block walks more rows than its two register stages hold.
+struct FusedCase {
+  TailCase t;
+  int NH, NKV, steps;
+  int group = 0, residual = 0;
+};
+
+void fused_step_case(const FusedCase& fc) {
+  const TailCase& tc = fc.t;
+  const std::string what = "fused k" + std::to_string(tc.k_bits) + " v" + std::to_string(tc.v_bits) + " D" +
+                           std::to_string(tc.D) + " rotation " + std::to_string(tc.rotation) + " group " +
+                           std::to_string(fc.group);
+  SCOPED_TRACE(what);
+  DecodeCase c;
+  c.NH = fc.NH;
+  c.NKV = fc.NKV;
+  c.D = tc.D;
+  const AttnLayout l1 = layout_of(c, 1);
+  Backend& cpu = *op_backends().cpu;
+  Backend& gpu = *op_backends().gpu;
+  StepQuant q = StepQuant::rows(tc.k_bits, tc.v_bits, tc.rotation, "rows of " + what);
+  q.group = fc.group;
+  q.residual = fc.residual;
+  ASSERT_TRUE(gpu.quantizes_steps(q, c.D));
+  const bool widths = fc.group ? tc.k_bits == 2 || tc.k_bits == 4 : tc.k_bits == 2 || tc.k_bits == 4 || tc.k_bits == 8;
+  const bool fused = tc.k_bits == tc.v_bits && widths && (tc.D == 64 || tc.D == 128);
+  KVStore host_a(1, c.NKV, c.D), host_b(1, c.NKV, c.D);
+  auto dev_a = gpu.kv_create(1, c.NKV, c.D), dev_b = gpu.kv_create(1, c.NKV, c.D);
+  SeqKV plain{&host_a, dev_a.get(), false}, one{&host_b, dev_b.get(), false};
+  gpu.kv_reserve(*dev_a, 2, q);
+  gpu.kv_reserve(*dev_b, 2, q);
+  const SegmentKind gen = SegmentKind::Generated;
+  for (int step = 0; step < fc.steps; ++step) {
+    const auto row = randn(static_cast<size_t>(l1.row_stride), 2.0f);
+    const int32_t p = step;
+    Buffer Xa = make(gpu, "qkv1", {1, l1.row_stride}, Dt::F32, row), Pa = make_ids(gpu, "pos1", {p});
+    Buffer Xb = make(gpu, "qkv1", {1, l1.row_stride}, Dt::F32, row);
+    Buffer Ob = make(gpu, "out", {1, static_cast<int64_t>(c.NH) * c.D}, Dt::F32,
+                     std::vector<float>(static_cast<size_t>(c.NH) * c.D, NAN));
+    if (fc.group) {
+      gpu.kv_before_step(plain);
+      gpu.kv_before_step(one);
+    }
+    gpu.rope_append(plain, 0, Xa, l1, Pa, &p, &gen, 1, 10000.0f);
+    gpu.rope_append_attend(one, 0, Xb, l1, Pa, &p, &gen, 10000.0f, Ob);
+    if (fused) {
+      ASSERT_EQ(read(gpu, Xb), row) << "step " << step << ": the fused step rewrote qkv";
+    }
+    if (step % 64 != 63 && step != fc.steps - 1) continue;
+    const std::string at = ", step " + std::to_string(step);
+    if (fc.group) {
+      // (groups quantized on the device are not read back: the fused step against the two ops,
+      // the same kernel over the same rows, bit for bit)
+      Buffer Oa = make(gpu, "out", {1, static_cast<int64_t>(c.NH) * c.D}, Dt::F32,
+                       std::vector<float>(static_cast<size_t>(c.NH) * c.D, NAN));
+      gpu.decode_attention(Xa, l1, plain, 0, nullptr, Oa, DecodeTaps{});
+      EXPECT_EQ(read(gpu, Ob), read(gpu, Oa)) << what << at;
+      continue;
+    }
+    Buffer Xc = make(cpu, "qkv1", {1, l1.row_stride}, Dt::F32, row), Pc = make_ids(cpu, "pos1", {p});
+    cpu.rope(Xc, l1, Pc, 10000.0f);
+    const std::vector<float> rotated = read(cpu, Xc);
+    const std::vector<float> qv(rotated.begin(), rotated.begin() + c.NH * c.D);
+    expect_attention_over_rows_read_back(gpu, plain, Xa, l1, c, qv, what + ": rope_append, decode_attention" + at);
+    expect_output_over_rows_read_back(gpu, one, Ob, l1, c, qv, what + ": rope_append_attend" + at);
+  }
+  EXPECT_EQ(dev_b->bytes().total(), dev_a->bytes().total());
+  EXPECT_EQ(dev_b->storage(0), dev_a->storage(0));
+  if (fc.group) {
+    EXPECT_GT(dev_a->storage(0).size(), 2u) << "no groups quantized";
+    return;
+  }
+  KVStore back_a, back_b;
+  gpu.kv_hydrate(*dev_a, back_a, true);
+  gpu.kv_hydrate(*dev_b, back_b, true);
+  const auto& sa = back_a.layer(0).segments;
+  const auto& sb = back_b.layer(0).segments;
+  ASSERT_EQ(sb.size(), sa.size());
+  for (size_t i = 0; i < sa.size(); ++i)
+    for (int h = 0; h < c.NKV; ++h) {
+      EXPECT_EQ(sb[i].storage, sa[i].storage) << "segment " << i;
+      EXPECT_EQ(sb[i].heads[h].pos, sa[i].heads[h].pos) << "segment " << i << " head " << h;
+      EXPECT_EQ(sb[i].heads[h].k, sa[i].heads[h].k) << "segment " << i << " head " << h << " keys";
+      EXPECT_EQ(sb[i].heads[h].v, sa[i].heads[h].v) << "segment " << i << " head " << h << " values";
+    }
+  const quant::QuantPayload* pa = nullptr;
+  const quant::QuantPayload* pb = nullptr;
+  ASSERT_NO_FATAL_FAILURE(read_tail(gpu, *dev_a, 1u, q.label, quant::CodeLayout::Kind::Blocks, back_a, pa));
+  ASSERT_NO_FATAL_FAILURE(read_tail(gpu, *dev_b, 1u, q.label, quant::CodeLayout::Kind::Blocks, back_b, pb));
+  for (int h = 0; h < c.NKV; ++h) {
+    EXPECT_EQ(pb->k[h].codes, pa->k[h].codes) << "head " << h << " key codes";
+    EXPECT_EQ(pb->k[h].scales, pa->k[h].scales) << "head " << h << " key scales";
+    EXPECT_EQ(pb->k[h].zeros, pa->k[h].zeros) << "head " << h << " key zeros";
+    EXPECT_EQ(pb->v[h].codes, pa->v[h].codes) << "head " << h << " value codes";
+    EXPECT_EQ(pb->v[h].scales, pa->v[h].scales) << "head " << h << " value scales";
+    EXPECT_EQ(pb->v[h].zeros, pa->v[h].zeros) << "head " << h << " value zeros";
+  }
+}
+
+TEST(DecodeQuantTail, FusedStepsQuantizeAndAttendInOneKernel) {
+  KVLENS_NEED_GPU();
+  fused_step_case({{4, 4, 128}, 128, 2, 320});
+  fused_step_case({{2, 2, 128, 128}, 128, 2, 320});
+  fused_step_case({{8, 8, 64, 8}, 128, 2, 640});
+  fused_step_case({{4, 4, 128, 16}, 6, 2, 40});
+  fused_step_case({{4, 2, 128}, 6, 2, 20});  // two widths: the steps' own kernels
+  // KIVI's groups beside fp16 rows.
+  fused_step_case({{2, 2, 128}, 128, 2, 200, 16, 8});
+  fused_step_case({{4, 4, 64}, 128, 2, 320, 32, 32});
+  fused_step_case({{2, 2, 128}, 6, 2, 30, 7, 5});
 }
 
 struct CodecCase {

@@ -46,6 +46,7 @@
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/kernels.h"
 #include "kernels/cuda/mma.cuh"
+#include "kernels/cuda/quant_math.cuh"
 
 namespace kvlens::cuda {
 
@@ -366,6 +367,7 @@ __device__ void run_fast(int kind, const PartDesc& P, int a, int e, const float*
 #include "kernels/cuda/decode/decode_merge.cuh"
 
 #include "kernels/cuda/decode/decode_f16.cuh"
+#include "kernels/cuda/decode/decode_qtok.cuh"
 #include "kernels/cuda/decode/decode_bulk.cuh"
 #include "kernels/cuda/decode/decode_gqa.cuh"
 
@@ -594,7 +596,34 @@ void launch_l(const DecodeParams& p, int mode, cudaStream_t s) {
   dim3 grid(p.splits, p.NH, p.B);
   const bool f16 = mode == kAttend && p.all_f16 && !p.calibrate && !p.scores_in && !p.scores_out && p.D == 8 * L &&
                    p.max_parts <= kSharedParts;
-  if (p.fresh_k && (!f16 || p.B != 1)) throw InternalError("decode attention: a fused token needs the fp16 kernel");
+  const bool tok = mode == kAttend && p.tok_bits && !p.calibrate && !p.scores_in && !p.scores_out &&
+                   decode_tok_supported(p.D, p.max_parts, p.tok_bits) && p.D == 8 * L;
+  const bool mix = mode == kAttend && p.mix_bits && !p.all_f16 && !p.calibrate && !p.scores_in && !p.scores_out &&
+                   decode_mix_supported(p.D, p.max_parts, p.mix_bits) && p.D == 8 * L;
+  if (p.fresh_k && (!(p.qtail.k ? tok : (f16 || mix)) || p.B != 1))
+    throw InternalError(p.qtail.k ? "decode attention: a fused quantized token needs the token-wise kernel"
+                                  : "decode attention: a fused token needs the fp16 or the mixed kernel");
+  if constexpr (L == 8 || L == 16) {
+    if (tok) {
+      auto go = [&](auto kernel) {
+        KV_CUDA(launch_dependent(kernel, grid, kThreads, 0, s, true, p),
+                "decode_qtok_kernel for " + std::to_string(p.B) + "x" + std::to_string(p.NH) + " heads");
+      };
+      if (p.tok_bits == 2) go(decode_qtok_kernel<L, 2>);
+      else if (p.tok_bits == 4) go(decode_qtok_kernel<L, 4>);
+      else go(decode_qtok_kernel<L, 8>);
+      return;
+    }
+    if (mix && !f16) {
+      auto go = [&](auto kernel) {
+        KV_CUDA(launch_dependent(kernel, grid, kThreads, 0, s, true, p),
+                "decode_mix_kernel for " + std::to_string(p.B) + "x" + std::to_string(p.NH) + " heads");
+      };
+      if (p.mix_bits == 2) go(decode_mix_kernel<L, 2>);
+      else go(decode_mix_kernel<L, 4>);
+      return;
+    }
+  }
   if constexpr (L == 4 || L == 8 || L == 16) {
     if (f16 && p.f16_gqa) {
       launch_gqa<8 * L>(p, s);
@@ -663,6 +692,14 @@ int decode_lut_bytes(int D, int lut_bits) {
   if (lut_bits <= 0 || D == 128) return 0;
   const int b = std::min(lut_bits, 4);
   return (D * b / 8 * 256 + D) * 4;  // the table and q⊙scale
+}
+
+bool decode_tok_supported(int D, int max_parts, int bits) {
+  return (D == 64 || D == 128) && max_parts <= kSharedParts && (bits == 2 || bits == 4 || bits == 8);
+}
+
+bool decode_mix_supported(int D, int max_parts, int bits) {
+  return (D == 64 || D == 128) && max_parts <= kSharedParts && (bits == 2 || bits == 4);
 }
 
 bool decode_f16_supported(int D, int max_parts) {
