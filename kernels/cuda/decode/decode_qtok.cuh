@@ -1,9 +1,10 @@
-// Decode attention when every part of the cache holds token-wise codes of one width on both
-// sides, a range per row (DecodeParams::tok_bits: uniform's per-token parts and its packed decode
-// rows, Hadamard-INT4's rotated ones): included by decode_attention.cu after decode_f16.cuh,
-// inside its anonymous namespace.
+// Two decode-attention kernels for the methods that quantize while decoding, included by
+// decode_attention.cu after decode_f16.cuh, inside its anonymous namespace: the token-wise one,
+// for caches whose every part holds token-wise codes of one width on both sides, a range per row
+// (DecodeParams::tok_bits: uniform's per-token parts and packed decode rows, Hadamard-INT4's
+// rotated ones); and the mixed one (below), for fp16 rows beside KIVI's groups.
 //
-// The fp16 kernel's shape with token-wise rows: a kernel of its own with none of the other paths
+// The token-wise kernel is the fp16 kernel's shape with token-wise rows: a kernel of its own with none of the other paths
 // compiled in (few registers, four blocks a multiprocessor), each group of L = D/8 lanes walking
 // the block's rows in two register stages of kTokRows / 2 rows, the part table and the block's
 // first rows read before waiting for the previous kernel when nothing it writes is among them.
@@ -96,6 +97,49 @@ __device__ __forceinline__ void walk_stages(int r0, int r1, int step, bool all_l
     update(j0 + step, b);
     if (j0 + 3 * step < r1) load(j0 + 3 * step, b);
   }
+}
+
+// Where a block of either kernel here stands: its split s, query head h, sequence b, thread tid
+// (group g, channels c0..), KV head kvh; whether the step's token is fused in (and the tail row
+// it takes), whether the cache's rows are read before the wait; the head's cached rows and the
+// block's [r0, r1).
+struct CodedBlock {
+  int s, h, b, tid, g, c0, kvh;
+  bool fresh, early;
+  int tail_row, n_cache, r0, r1;
+};
+
+// The block's start: as the fp16 kernel, with the token fused in (or rows_ready) nothing the
+// previous kernel writes is among the cache's rows, so the part table is read (and the first
+// stages loaded, first_stages) before the wait; otherwise after it.
+template <int L>
+__device__ __forceinline__ CodedBlock begin_coded_block(const DecodeParams& p, CodedParts& parts) {
+  CodedBlock k;
+  k.s = blockIdx.x;
+  k.h = blockIdx.y;
+  k.b = blockIdx.z;
+  k.tid = threadIdx.x;
+  k.g = k.tid / L;
+  k.c0 = (k.tid % L) * 8;
+  k.kvh = k.h / (p.NH / p.NKV);
+  k.fresh = p.fresh_k != nullptr;
+  k.early = k.fresh || p.rows_ready;
+  if (!k.early) pdl_wait();
+  k.tail_row = k.fresh ? *p.tail_counter : 0;
+  read_coded_parts(p, k.b * p.NKV + k.kvh, k.tid, k.fresh, k.s, parts, k.n_cache, k.r0, k.r1);
+  return k;
+}
+
+// The block's first two stages loaded (before the wait where the rows allow), then the wait;
+// the next kernel let in at once when they hold all the block's rows (returned).
+template <class S, class Load>
+__device__ __forceinline__ bool first_stages(const CodedBlock& k, int step, S& a, S& b, Load load) {
+  load(k.r0, a);
+  load(k.r0 + step, b);
+  if (k.early) pdl_wait();
+  const bool all_loaded = k.r1 - k.r0 <= 2 * step;
+  if (all_loaded) pdl_trigger();
+  return all_loaded;
 }
 
 // One row as a group's lane holds it: its 8 codes of each side, and (scale, zero) of each side.
@@ -247,17 +291,8 @@ __global__ void __launch_bounds__(kThreads, 4) decode_qtok_kernel(DecodeParams p
     Row r[U];
   };
   __shared__ CodedParts parts;
-  const int s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-  const int tid = threadIdx.x, g = tid / L, c0 = (tid % L) * 8;
-  const int kvh = h / (p.NH / p.NKV), bk = b * p.NKV + kvh;
-  // As the fp16 kernel: with the token fused in (or rows_ready) nothing the previous kernel
-  // writes is among the cache's rows, so they are read before the wait.
-  const bool fresh = p.fresh_k != nullptr;
-  const bool early = fresh || p.rows_ready;
-  if (!early) pdl_wait();
-  const int tail_row = fresh ? *p.tail_counter : 0;
-  int n_cache, r0, r1;
-  read_coded_parts(p, bk, tid, fresh, s, parts, n_cache, r0, r1);
+  const CodedBlock k = begin_coded_block<L>(p, parts);
+  const int g = k.g, c0 = k.c0, r1 = k.r1, n_cache = k.n_cache;
   auto load = [&](int j0, Stage& st) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -279,18 +314,13 @@ __global__ void __launch_bounds__(kThreads, 4) decode_qtok_kernel(DecodeParams p
     }
   };
   Stage sa, sb;
-  load(r0, sa);
-  load(r0 + step, sb);
-
-  if (early) pdl_wait();
-  const bool all_loaded = r1 - r0 <= 2 * step;
-  if (all_loaded) pdl_trigger();
+  const bool all_loaded = first_stages(k, step, sa, sb, load);
   float q[8];
-  const float* qrow = p.q + b * p.q_stride + static_cast<int64_t>(h) * D + c0;
+  const float* qrow = p.q + k.b * p.q_stride + static_cast<int64_t>(k.h) * D + c0;
 #pragma unroll
   for (int c = 0; c < 8; ++c) q[c] = qrow[c];
   Row tok;
-  if (fresh) fresh_qtoken<L, BITS>(p, q, c0, kvh, s, h, g, tid, tail_row, tok);
+  if (k.fresh) fresh_qtoken<L, BITS>(p, q, c0, k.kvh, k.s, k.h, g, k.tid, k.tail_row, tok);
   float qsum = 0.0f;
 #pragma unroll
   for (int c = 0; c < 8; ++c) {
@@ -301,15 +331,15 @@ __global__ void __launch_bounds__(kThreads, 4) decode_qtok_kernel(DecodeParams p
 
   State st;
   walk_stages(
-      r0, r1, step, all_loaded, sa, sb,
+      k.r0, r1, step, all_loaded, sa, sb,
       [&](int j0, Stage& x) {  // the token's row, when it falls in the stage
-        if (!fresh) return;
+        if (!k.fresh) return;
 #pragma unroll
         for (int u = 0; u < U; ++u)
           if (j0 + u * G + g == n_cache) x.r[u] = tok;
       },
       [&](int j0, Stage& x) { tok_update<L, BITS, U>(x.r, q, qsum, j0 + g, G, r1, st); }, load);
-  finish_block<L>(p, st, b, h, s);
+  finish_block<L>(p, st, k.b, k.h, k.s);
 }
 
 // ---- fp16 rows beside channel-wise keys with token-wise values (DecodeParams::mix_bits: KIVI's
@@ -379,15 +409,8 @@ __global__ void __launch_bounds__(kThreads, 4) decode_mix_kernel(DecodeParams p)
     unsigned coded;  // bit u: row u is quantized
   };
   __shared__ CodedParts parts;
-  const int s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-  const int tid = threadIdx.x, g = tid / L, c0 = (tid % L) * 8;
-  const int kvh = h / (p.NH / p.NKV), bk = b * p.NKV + kvh;
-  const bool fresh = p.fresh_k != nullptr;
-  const bool early = fresh || p.rows_ready;
-  if (!early) pdl_wait();
-  const int tail_row = fresh ? *p.tail_counter : 0;
-  int n_cache, r0, r1;
-  read_coded_parts(p, bk, tid, fresh, s, parts, n_cache, r0, r1);
+  const CodedBlock k = begin_coded_block<L>(p, parts);
+  const int g = k.g, c0 = k.c0, r1 = k.r1, n_cache = k.n_cache;
   auto load = [&](int j0, Stage& st) {
     st.coded = 0;
 #pragma unroll
@@ -418,21 +441,16 @@ __global__ void __launch_bounds__(kThreads, 4) decode_mix_kernel(DecodeParams p)
     }
   };
   Stage sa, sb;
-  load(r0, sa);
-  load(r0 + step, sb);
-
-  if (early) pdl_wait();
-  const bool all_loaded = r1 - r0 <= 2 * step;
-  if (all_loaded) pdl_trigger();
+  const bool all_loaded = first_stages(k, step, sa, sb, load);
   float q[8];
-  uint4 fk, fv;  // the step's token's K and V rows, when fused in
-  load_query<L>(p, b, h, c0, kvh, s, g, tid, tail_row, q, fk, fv);
+  uint4 fk, fv;  // the step's token's K and V rows (fp16), when fused in
+  load_query<L>(p, k.b, k.h, c0, k.kvh, k.s, g, k.tid, k.tail_row, q, fk, fv);
 
   State st;
   walk_stages(
-      r0, r1, step, all_loaded, sa, sb,
-      [&](int j0, Stage& x) {  // the token's row (fp16), when it falls in the stage
-        if (!fresh) return;
+      k.r0, r1, step, all_loaded, sa, sb,
+      [&](int j0, Stage& x) {  // the token's row as an fp16 row, when it falls in the stage
+        if (!k.fresh) return;
 #pragma unroll
         for (int u = 0; u < U; ++u)
           if (j0 + u * G + g == n_cache) {
@@ -442,5 +460,5 @@ __global__ void __launch_bounds__(kThreads, 4) decode_mix_kernel(DecodeParams p)
           }
       },
       [&](int j0, Stage& x) { mix_update<L, BITS, U>(x.r, x.coded, parts, q, j0 + g, G, r1, st); }, load);
-  finish_block<L>(p, st, b, h, s);
+  finish_block<L>(p, st, k.b, k.h, k.s);
 }
