@@ -40,6 +40,13 @@ inline int mix_width(const PartDesc& d) {
   return at % static_cast<uintptr_t>(d.k.bits) == 0 && ranges % 16 == 0 ? d.k.bits : 0;
 }
 
+// Widths added one by one: the one they all have, else 0 (none added, or several).
+struct OneWidth {
+  int w = -1;
+  void add(int x) { w = w < 0 || w == x ? x : 0; }
+  int get() const { return w < 0 ? 0 : w; }
+};
+
 struct DevSeg {
   SegmentKind kind = SegmentKind::System;
   std::string storage = "fp16";
@@ -430,8 +437,9 @@ class CudaKV : public DeviceKV {
     all_f16 = 1;
     all_mma = D == 128 ? 1 : 0;
     has_b1 = 0;
-    std::vector<int> widths;  // each part's token-wise code width (0: not token-wise, or not alone)
-    std::vector<int> mixed;   // and its mix_width
+    // The one code width every part (and tail) has, for the token-wise kernel; the one every
+    // quantized part has beside fp16 ones, for the mixed kernel (0: none, or several).
+    OneWidth tok, mix;
     int rows = 1;
     for (const DevLayer& d : layers)
       for (const DevSeg& sg : d.segs)
@@ -441,28 +449,17 @@ class CudaKV : public DeviceKV {
             if (pt.d.k.fmt != kF16 || pt.d.v.fmt != kF16) all_f16 = 0;
             if (!mma_part(pt.d, true)) all_mma = 0;
             if (pt.d.v.fmt == kChannelT) has_b1 = 1;
-            widths.push_back(tok_width(pt.d));
-            mixed.push_back(mix_width(pt.d));
+            tok.add(tok_width(pt.d));
+            if (mix_width(pt.d) != 16) mix.add(mix_width(pt.d));
           }
     for (const DevLayer& d : layers) {
       if (d.tail.packed()) all_f16 = all_mma = 0;
-      if (d.tail.cap) widths.push_back(d.tail.packed() && d.tail.k_bits == d.tail.v_bits ? d.tail.k_bits : 0);
-      if (d.tail.cap) mixed.push_back(d.tail.packed() ? 0 : 16);
+      if (d.tail.cap) tok.add(d.tail.packed() && d.tail.k_bits == d.tail.v_bits ? d.tail.k_bits : 0);
+      if (d.tail.cap && d.tail.packed()) mix.add(0);  // (an fp16 tail sits beside the mixed kernel's parts)
     }
-    // The token-wise kernel's width: one for every part and tail, which it takes.
-    tok_bits = widths.empty() ? 0 : widths[0];
-    for (int w : widths)
-      if (w != tok_bits) tok_bits = 0;
-    if (!decode_tok_supported(D, 1, tok_bits)) tok_bits = 0;  // (its part count is checked at launch)
-    // The mixed kernel's: one for every quantized part, fp16 parts beside them.
-    mix_bits = 0;
-    bool mixable = true;
-    for (int w : mixed) {
-      if (w == 16) continue;
-      if (w == 0 || (mix_bits && w != mix_bits)) mixable = false;
-      mix_bits = w;
-    }
-    if (!mixable || !decode_mix_supported(D, 1, mix_bits)) mix_bits = 0;
+    // (the part count is checked at launch)
+    tok_bits = decode_tok_supported(D, 1, tok.get()) ? tok.get() : 0;
+    mix_bits = decode_mix_supported(D, 1, mix.get()) ? mix.get() : 0;
     // A rotated query reads rotated keys alone.
     for (int l = 0; l < L && q_rotation; ++l) {
       bool ok = !layers[l].tail.cap || layers[l].tail.rotation == q_rotation;

@@ -546,10 +546,10 @@ bool kv_rope_attend(Context& ctx, SeqKV& kv, int layer, Buffer& qkv, const AttnL
   // (a step that keeps its query, StepQuant::zip, or codes its row, StepQuant::k_codec, runs
   // rope_append of its own; rows quantized where they are appended take the token-wise kernel,
   // fp16 rows beside KIVI's groups the mixed one)
-  const bool f16 = (C.all_f16 && decode_f16_supported(C.D, C.max_parts)) ||
-                   (C.mix_bits && decode_mix_supported(C.D, C.max_parts, C.mix_bits));
+  const bool fp16_token = (C.all_f16 && decode_f16_supported(C.D, C.max_parts)) ||
+                          (C.mix_bits && decode_mix_supported(C.D, C.max_parts, C.mix_bits));
   const bool tok = t.packed() && C.tok_bits && decode_tok_supported(C.D, C.max_parts, C.tok_bits);
-  if (!(t.packed() ? tok : f16) || t.zipped() || t.coded()) return false;
+  if (!(t.packed() ? tok : fp16_token) || t.zipped() || t.coded()) return false;
   ++t.n;
   t.host_pos.push_back(pos_host[0]);
   if (ctx.replay) return true;

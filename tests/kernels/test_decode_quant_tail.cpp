@@ -43,8 +43,7 @@ void expect_output_over_rows_read_back(Backend& gpu, SeqKV& kv, const Buffer& O,
 // rows the cache reads back.
 void expect_attention_over_rows_read_back(Backend& gpu, SeqKV& kv, const Buffer& Xg, const AttnLayout& l1,
                                           const DecodeCase& c, const std::vector<float>& qv, const std::string& what) {
-  Buffer O = make(gpu, "out", {1, static_cast<int64_t>(c.NH) * c.D}, Dt::F32,
-                  std::vector<float>(static_cast<size_t>(c.NH) * c.D, NAN));
+  Buffer O = poisoned(gpu, "out", {1, static_cast<int64_t>(c.NH) * c.D}, Dt::F32);
   gpu.decode_attention(Xg, l1, kv, 0, nullptr, O, DecodeTaps{});
   expect_output_over_rows_read_back(gpu, kv, O, l1, c, qv, what);
 }
@@ -254,8 +253,8 @@ void fused_step_case(const FusedCase& fc) {
   q.group = fc.group;
   q.residual = fc.residual;
   ASSERT_TRUE(gpu.quantizes_steps(q, c.D));
-  const bool widths = fc.group ? tc.k_bits == 2 || tc.k_bits == 4 : tc.k_bits == 2 || tc.k_bits == 4 || tc.k_bits == 8;
-  const bool fused = tc.k_bits == tc.v_bits && widths && (tc.D == 64 || tc.D == 128);
+  const bool width_taken = fc.group ? tc.k_bits == 2 || tc.k_bits == 4 : tc.k_bits == 2 || tc.k_bits == 4 || tc.k_bits == 8;
+  const bool fused = tc.k_bits == tc.v_bits && width_taken && (tc.D == 64 || tc.D == 128);
   KVStore host_a(1, c.NKV, c.D), host_b(1, c.NKV, c.D);
   auto dev_a = gpu.kv_create(1, c.NKV, c.D), dev_b = gpu.kv_create(1, c.NKV, c.D);
   SeqKV plain{&host_a, dev_a.get(), false}, one{&host_b, dev_b.get(), false};
@@ -267,8 +266,7 @@ void fused_step_case(const FusedCase& fc) {
     const int32_t p = step;
     Buffer Xa = make(gpu, "qkv1", {1, l1.row_stride}, Dt::F32, row), Pa = make_ids(gpu, "pos1", {p});
     Buffer Xb = make(gpu, "qkv1", {1, l1.row_stride}, Dt::F32, row);
-    Buffer Ob = make(gpu, "out", {1, static_cast<int64_t>(c.NH) * c.D}, Dt::F32,
-                     std::vector<float>(static_cast<size_t>(c.NH) * c.D, NAN));
+    Buffer Ob = poisoned(gpu, "out", {1, static_cast<int64_t>(c.NH) * c.D}, Dt::F32);
     if (fc.group) {
       gpu.kv_before_step(plain);
       gpu.kv_before_step(one);
@@ -283,8 +281,7 @@ void fused_step_case(const FusedCase& fc) {
     if (fc.group) {
       // (groups quantized on the device are not read back: the fused step against the two ops,
       // the same kernel over the same rows, bit for bit)
-      Buffer Oa = make(gpu, "out", {1, static_cast<int64_t>(c.NH) * c.D}, Dt::F32,
-                       std::vector<float>(static_cast<size_t>(c.NH) * c.D, NAN));
+      Buffer Oa = poisoned(gpu, "out", {1, static_cast<int64_t>(c.NH) * c.D}, Dt::F32);
       gpu.decode_attention(Xa, l1, plain, 0, nullptr, Oa, DecodeTaps{});
       EXPECT_EQ(read(gpu, Ob), read(gpu, Oa)) << what << at;
       continue;

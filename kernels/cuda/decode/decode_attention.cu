@@ -594,33 +594,29 @@ void launch_gqa(const DecodeParams& p, cudaStream_t s) {
 template <int L>
 void launch_l(const DecodeParams& p, int mode, cudaStream_t s) {
   dim3 grid(p.splits, p.NH, p.B);
-  const bool f16 = mode == kAttend && p.all_f16 && !p.calibrate && !p.scores_in && !p.scores_out && p.D == 8 * L &&
-                   p.max_parts <= kSharedParts;
-  const bool tok = mode == kAttend && p.tok_bits && !p.calibrate && !p.scores_in && !p.scores_out &&
-                   decode_tok_supported(p.D, p.max_parts, p.tok_bits) && p.D == 8 * L;
-  const bool mix = mode == kAttend && p.mix_bits && !p.all_f16 && !p.calibrate && !p.scores_in && !p.scores_out &&
-                   decode_mix_supported(p.D, p.max_parts, p.mix_bits) && p.D == 8 * L;
+  // An attention pass the narrower kernels take: no calibration, no materialized scores, every
+  // lane of a row busy.
+  const bool plain = mode == kAttend && !p.calibrate && !p.scores_in && !p.scores_out && p.D == 8 * L;
+  const bool f16 = plain && p.all_f16 && p.max_parts <= kSharedParts;
+  const bool tok = plain && p.tok_bits && decode_tok_supported(p.D, p.max_parts, p.tok_bits);
+  const bool mix = plain && p.mix_bits && !p.all_f16 && decode_mix_supported(p.D, p.max_parts, p.mix_bits);
   if (p.fresh_k && (!(p.qtail.k ? tok : (f16 || mix)) || p.B != 1))
     throw InternalError(p.qtail.k ? "decode attention: a fused quantized token needs the token-wise kernel"
                                   : "decode attention: a fused token needs the fp16 or the mixed kernel");
   if constexpr (L == 8 || L == 16) {
+    auto go = [&](auto kernel, const char* name) {
+      KV_CUDA(launch_dependent(kernel, grid, kThreads, 0, s, true, p),
+              std::string(name) + " for " + std::to_string(p.B) + "x" + std::to_string(p.NH) + " heads");
+    };
     if (tok) {
-      auto go = [&](auto kernel) {
-        KV_CUDA(launch_dependent(kernel, grid, kThreads, 0, s, true, p),
-                "decode_qtok_kernel for " + std::to_string(p.B) + "x" + std::to_string(p.NH) + " heads");
-      };
-      if (p.tok_bits == 2) go(decode_qtok_kernel<L, 2>);
-      else if (p.tok_bits == 4) go(decode_qtok_kernel<L, 4>);
-      else go(decode_qtok_kernel<L, 8>);
+      if (p.tok_bits == 2) go(decode_qtok_kernel<L, 2>, "decode_qtok_kernel");
+      else if (p.tok_bits == 4) go(decode_qtok_kernel<L, 4>, "decode_qtok_kernel");
+      else go(decode_qtok_kernel<L, 8>, "decode_qtok_kernel");
       return;
     }
-    if (mix && !f16) {
-      auto go = [&](auto kernel) {
-        KV_CUDA(launch_dependent(kernel, grid, kThreads, 0, s, true, p),
-                "decode_mix_kernel for " + std::to_string(p.B) + "x" + std::to_string(p.NH) + " heads");
-      };
-      if (p.mix_bits == 2) go(decode_mix_kernel<L, 2>);
-      else go(decode_mix_kernel<L, 4>);
+    if (mix) {
+      if (p.mix_bits == 2) go(decode_mix_kernel<L, 2>, "decode_mix_kernel");
+      else go(decode_mix_kernel<L, 4>, "decode_mix_kernel");
       return;
     }
   }

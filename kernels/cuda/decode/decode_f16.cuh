@@ -97,16 +97,13 @@ __device__ __forceinline__ int read_f16_parts(const DecodeParams& p, int bk, int
   return np;
 }
 
-// The step's token (DecodeParams::fresh_k) for this lane's 8 channels c0..: q and the token's k
-// rotated (RoPE at *fresh_pos), its K and V rows as fp16 in fk / fv. One block a KV head writes
-// the row to the tail at tail_row (the counter every block read before any could advance it);
-// the last block to get here advances the counter.
+// The step's token (DecodeParams::fresh_k) for this lane's 8 channels c0..: q and the token's
+// key k rotated (RoPE at *fresh_pos), its value v as the step computed it.
 template <int L>
-__device__ void fresh_token(const DecodeParams& p, float (&q)[8], int c0, int kvh, int s, int h, int g, int tid,
-                            int tail_row, uint4& fk, uint4& fv) {
+__device__ __forceinline__ void rotated_token(const DecodeParams& p, float (&q)[8], int c0, int kvh, float (&k)[8],
+                                              float (&v)[8]) {
   constexpr int D = 8 * L;
   const float pos = static_cast<float>(*p.fresh_pos);
-  float k[8], v[8];
 #pragma unroll
   for (int c = 0; c < 8; ++c) {
     k[c] = p.fresh_k[kvh * D + c0 + c];
@@ -114,6 +111,25 @@ __device__ void fresh_token(const DecodeParams& p, float (&q)[8], int c0, int kv
   }
   rope8<L>(q, c0, pos, p.inv_freq);
   rope8<L>(k, c0, pos, p.inv_freq);
+}
+
+// The tail's row count advanced past the step's token (tail_row, which every block read before
+// any could advance it) by the last block to get here (thread tid of it); tail_done back to zero.
+__device__ __forceinline__ void advance_tail(const DecodeParams& p, int tid, int tail_row) {
+  if (tid == 0 && atomicAdd(p.tail_done, 1) == static_cast<int>(gridDim.x * gridDim.y * gridDim.z) - 1) {
+    *p.tail_counter = tail_row + 1;
+    *p.tail_done = 0;
+  }
+}
+
+// The step's token (rotated_token) with its K and V rows as fp16 in fk / fv. One block a KV head
+// writes the row to the tail at tail_row; the counter then advances (advance_tail).
+template <int L>
+__device__ void fresh_token(const DecodeParams& p, float (&q)[8], int c0, int kvh, int s, int h, int g, int tid,
+                            int tail_row, uint4& fk, uint4& fv) {
+  constexpr int D = 8 * L;
+  float k[8], v[8];
+  rotated_token<L>(p, q, c0, kvh, k, v);
   fk = pack8_f16(k);
   fv = pack8_f16(v);
   if (s == 0 && h % (p.NH / p.NKV) == 0 && g == 0 && tail_row < p.tail_cap) {
@@ -122,10 +138,7 @@ __device__ void fresh_token(const DecodeParams& p, float (&q)[8], int c0, int kv
     *reinterpret_cast<uint4*>(p.tail_v + at) = fv;
     if (c0 == 0) p.tail_pos[static_cast<int64_t>(kvh) * p.tail_cap + tail_row] = *p.fresh_pos;
   }
-  if (tid == 0 && atomicAdd(p.tail_done, 1) == static_cast<int>(gridDim.x * gridDim.y * gridDim.z) - 1) {
-    *p.tail_counter = tail_row + 1;
-    *p.tail_done = 0;
-  }
+  advance_tail(p, tid, tail_row);
 }
 
 // This lane's 8 channels c0.. of head h's query, scaled; with the step's token fused in, rotated

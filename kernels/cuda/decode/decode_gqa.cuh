@@ -237,8 +237,7 @@ __global__ void __launch_bounds__(kDecodeGqaThreads, kDecodeGqaBlocks) decode_f1
   }
   __syncthreads();
   if (fresh) {
-    // Split 0 writes the row to the tail at the row every block read; the last block to get here
-    // advances the counter.
+    // Split 0 writes the row to the tail at the row every block read; the counter then advances.
     if (s == 0 && tail_row < p.tail_cap)
       for (int c = tid; c < D; c += kDecodeGqaThreads) {
         const int64_t at = (static_cast<int64_t>(kvh) * p.tail_cap + tail_row) * D + c;
@@ -246,10 +245,7 @@ __global__ void __launch_bounds__(kDecodeGqaThreads, kDecodeGqaBlocks) decode_f1
         p.tail_v[at] = __float2half_rn(sh_tv[c]);
         if (c == 0) p.tail_pos[static_cast<int64_t>(kvh) * p.tail_cap + tail_row] = *p.fresh_pos;
       }
-    if (tid == 0 && atomicAdd(p.tail_done, 1) == static_cast<int>(gridDim.x * gridDim.y * gridDim.z) - 1) {
-      *p.tail_counter = tail_row + 1;
-      *p.tail_done = 0;
-    }
+    advance_tail(p, tid, tail_row);
   }
   // Q's A fragments: row gq (head gq, zero past R), channels kk·16 + 2·tq (+1) and + 8 (+9).
   uint32_t qa[KS][2];

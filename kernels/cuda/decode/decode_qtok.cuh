@@ -207,24 +207,20 @@ __device__ __forceinline__ typename TokRow<BITS>::Word quantize8(const float (&x
 
 // The step's token (DecodeParams::qtail) for this lane's 8 channels c0..: q rotated (RoPE, then
 // the Hadamard blocks), the token's K and V rows quantized into tok. One block a KV head writes
-// the codes, ranges and position to the tail at tail_row; the last block to get here advances
-// the counter (fresh_token's bookkeeping).
+// the codes, ranges and position to the tail at tail_row; the counter then advances
+// (advance_tail).
 template <int L, int BITS>
 __device__ void fresh_qtoken(const DecodeParams& p, float (&q)[8], int c0, int kvh, int s, int h, int g, int tid,
                              int tail_row, TokRow<BITS>& tok) {
   constexpr int D = 8 * L;
   const int li = c0 / 8;
-  const float pos = static_cast<float>(*p.fresh_pos);
   float k[8], v[8];
+  rotated_token<L>(p, q, c0, kvh, k, v);
 #pragma unroll
   for (int c = 0; c < 8; ++c) {
-    k[c] = p.fresh_k[kvh * D + c0 + c];
-    v[c] = __half2float(__float2half_rn(p.fresh_v[kvh * D + c0 + c]));
+    k[c] = __half2float(__float2half_rn(k[c]));
+    v[c] = __half2float(__float2half_rn(v[c]));
   }
-  rope8<L>(q, c0, pos, p.inv_freq);
-  rope8<L>(k, c0, pos, p.inv_freq);
-#pragma unroll
-  for (int c = 0; c < 8; ++c) k[c] = __half2float(__float2half_rn(k[c]));
   const QuantTail& t = p.qtail;
   if (t.rotation) {
     hadamard8<L>(q, li, t.rotation);
@@ -252,10 +248,7 @@ __device__ void fresh_qtoken(const DecodeParams& p, float (&q)[8], int c0, int k
       t.pos[at] = *p.fresh_pos;
     }
   }
-  if (tid == 0 && atomicAdd(p.tail_done, 1) == static_cast<int>(gridDim.x * gridDim.y * gridDim.z) - 1) {
-    *p.tail_counter = tail_row + 1;
-    *p.tail_done = 0;
-  }
+  advance_tail(p, tid, tail_row);
 }
 
 // The scores, online-softmax update and P·V of U token-wise rows already loaded: rows j, j + G, …
