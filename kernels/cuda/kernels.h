@@ -305,6 +305,8 @@ struct DecodeParams {
   // counters or part table (true of the fused token's launch, which follows the q/k/v product,
   // and of attention called in a row); the fp16 kernel then reads them, and loads its first rows,
   // before waiting on that kernel. Else (a launch after kv_append, say) it waits first.
+  // 2: the same but for each head's last row (the tail's newest), which that kernel rewrites (a
+  // coded tail's row, codec_tail_rows after rope_append): the fp16 kernel reads it after the wait.
   int rows_ready = 0;
   // Code width (2, 4 or 8) when every part of every head holds token-wise codes of that width on
   // both sides (a range per row, no CST factors): the token-wise kernel (decode_qtok.cuh) serves

@@ -549,6 +549,17 @@ bool kv_rope_attend(Context& ctx, SeqKV& kv, int layer, Buffer& qkv, const AttnL
   const bool fp16_token = (C.all_f16 && decode_f16_supported(C.D, C.max_parts)) ||
                           (C.mix_bits && decode_mix_supported(C.D, C.max_parts, C.mix_bits));
   const bool tok = t.packed() && C.tok_bits && decode_tok_supported(C.D, C.max_parts, C.tok_bits);
+  if (t.coded() && !t.zipped() && C.all_f16 && decode_f16_supported(C.D, C.max_parts) && !C.launch.f16_bulk &&
+      !C.launch.f16_gqa) {
+    // A coded row (TurboQuant) is appended and coded by kernels of their own; the fp16 kernel
+    // then reads every row but the coded one before it waits for the coder.
+    kv_rope_append(ctx, kv, layer, qkv, l, pos, pos_host, kinds, 1, inv_freq);
+    if (ctx.replay) return true;
+    DecodeParams p = layer_params(C, qkv, l, layer, out);
+    p.rows_ready = 2;
+    decode_attention(p, ctx.stream);
+    return true;
+  }
   if (!(t.packed() ? tok : fp16_token) || t.zipped() || t.coded()) return false;
   ++t.n;
   t.host_pos.push_back(pos_host[0]);

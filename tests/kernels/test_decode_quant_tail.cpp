@@ -234,6 +234,7 @@ struct FusedCase {
   TailCase t;
   int NH, NKV, steps;
   int group = 0, residual = 0;
+  bool coded = false;  // TurboQuant's rows (t.k_bits a side, no sketch) instead
 };
 
 void fused_step_case(const FusedCase& fc) {
@@ -252,9 +253,14 @@ void fused_step_case(const FusedCase& fc) {
   StepQuant q = StepQuant::rows(tc.k_bits, tc.v_bits, tc.rotation, "rows of " + what);
   q.group = fc.group;
   q.residual = fc.residual;
+  if (fc.coded) {
+    const auto kc = std::make_shared<const turboquant::Codec>(turboquant::make_codec(c.D, tc.k_bits, false, 5));
+    const auto vc = std::make_shared<const turboquant::Codec>(turboquant::make_codec(c.D, tc.v_bits, false, 5));
+    q = StepQuant::coded(kc, vc, tc.k_bits, "coded rows " + what);
+  }
   ASSERT_TRUE(gpu.quantizes_steps(q, c.D));
   const bool width_taken = fc.group ? tc.k_bits == 2 || tc.k_bits == 4 : tc.k_bits == 2 || tc.k_bits == 4 || tc.k_bits == 8;
-  const bool fused = tc.k_bits == tc.v_bits && width_taken && (tc.D == 64 || tc.D == 128);
+  const bool fused = !fc.coded && tc.k_bits == tc.v_bits && width_taken && (tc.D == 64 || tc.D == 128);
   KVStore host_a(1, c.NKV, c.D), host_b(1, c.NKV, c.D);
   auto dev_a = gpu.kv_create(1, c.NKV, c.D), dev_b = gpu.kv_create(1, c.NKV, c.D);
   SeqKV plain{&host_a, dev_a.get(), false}, one{&host_b, dev_b.get(), false};
@@ -312,10 +318,11 @@ void fused_step_case(const FusedCase& fc) {
       EXPECT_EQ(sb[i].heads[h].k, sa[i].heads[h].k) << "segment " << i << " head " << h << " keys";
       EXPECT_EQ(sb[i].heads[h].v, sa[i].heads[h].v) << "segment " << i << " head " << h << " values";
     }
+  const auto kind = fc.coded ? quant::CodeLayout::Kind::None : quant::CodeLayout::Kind::Blocks;
   const quant::QuantPayload* pa = nullptr;
   const quant::QuantPayload* pb = nullptr;
-  ASSERT_NO_FATAL_FAILURE(read_tail(gpu, *dev_a, 1u, q.label, quant::CodeLayout::Kind::Blocks, back_a, pa));
-  ASSERT_NO_FATAL_FAILURE(read_tail(gpu, *dev_b, 1u, q.label, quant::CodeLayout::Kind::Blocks, back_b, pb));
+  ASSERT_NO_FATAL_FAILURE(read_tail(gpu, *dev_a, 1u, q.label, kind, back_a, pa));
+  ASSERT_NO_FATAL_FAILURE(read_tail(gpu, *dev_b, 1u, q.label, kind, back_b, pb));
   for (int h = 0; h < c.NKV; ++h) {
     EXPECT_EQ(pb->k[h].codes, pa->k[h].codes) << "head " << h << " key codes";
     EXPECT_EQ(pb->k[h].scales, pa->k[h].scales) << "head " << h << " key scales";
@@ -337,6 +344,10 @@ TEST(DecodeQuantTail, FusedStepsQuantizeAndAttendInOneKernel) {
   fused_step_case({{2, 2, 128}, 128, 2, 200, 16, 8});
   fused_step_case({{4, 4, 64}, 128, 2, 320, 32, 32});
   fused_step_case({{2, 2, 128}, 6, 2, 30, 7, 5});
+  // TurboQuant's coded rows: the fp16 kernel reads the coder's row after the wait, the others
+  // before it.
+  fused_step_case({{3, 3, 128}, 128, 2, 320, 0, 0, true});
+  fused_step_case({{4, 4, 64}, 6, 2, 40, 0, 0, true});
 }
 
 struct CodecCase {

@@ -187,12 +187,16 @@ __global__ void __launch_bounds__(kThreads, 4) decode_f16_kernel(DecodeParams p)
   const int N = n_cache + (fresh ? 1 : 0);
   const int chunk = (N + p.splits - 1) / p.splits;
   const int r0 = min(N, s * chunk), r1 = min(N, r0 + chunk);
-  // Loads rows j0 + u·G + g of the cache (the fused token's row is filled in after the wait).
-  auto load = [&](int j0, uint4 (&kr)[U], uint4 (&vr)[U]) {
+  // rows_ready 2: each head's last row (the tail's newest, which the previous kernel rewrites)
+  // is read after the wait.
+  const int late = p.rows_ready == 2 ? n_cache - 1 : -1;
+  // Loads rows j0 + u·G + g of the cache (the fused token's row is filled in after the wait;
+  // before it, `pre`, the late row is left out).
+  auto load = [&](int j0, uint4 (&kr)[U], uint4 (&vr)[U], bool pre) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int j = j0 + u * G + g;
-      if (j < r1 && j < n_cache) {
+      if (j < r1 && j < n_cache && !(pre && j == late)) {
         int pi = 0;
         while (j >= sh_end[pi]) ++pi;
         const int64_t at = static_cast<int64_t>(j - (pi ? sh_end[pi - 1] : 0)) * D + c0;
@@ -206,10 +210,23 @@ __global__ void __launch_bounds__(kThreads, 4) decode_f16_kernel(DecodeParams p)
   // Two stages of U rows a group: one stage's loads are in flight while the other's rows are
   // used.
   uint4 ka[U], va[U], kb[U], vb[U];
-  load(r0, ka, va);
-  load(r0 + step, kb, vb);
+  load(r0, ka, va, true);
+  load(r0 + step, kb, vb, true);
 
   if (early) pdl_wait();
+  if (late >= r0 && late < r1) {  // the late row, where it falls in the first two stages
+    const int64_t at = static_cast<int64_t>(late - (np > 1 ? sh_end[np - 2] : 0)) * D + c0;
+    auto refill = [&](int j0, uint4 (&kr)[U], uint4 (&vr)[U]) {
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (j0 + u * G + g == late) {
+          kr[u] = ld_row16(sh_k[np - 1] + at);
+          vr[u] = ld_row16(sh_v[np - 1] + at);
+        }
+    };
+    refill(r0, ka, va);
+    refill(r0 + step, kb, vb);
+  }
   // The next kernel (the o product, which starts its weight reads early) is let in at once when
   // the block's rows are all in its two stages already (a captioning run's context), else once
   // the block is at its last two stages, so that a block with many rows does not share its
@@ -232,11 +249,11 @@ __global__ void __launch_bounds__(kThreads, 4) decode_f16_kernel(DecodeParams p)
     if (!all_loaded && j0 + 2 * step >= r1) pdl_trigger();
     fill(j0, ka, va);
     f16_update<L, U>(ka, va, q, j0 + g, G, r1, false, 1.0f, 0.0f, 0.0f, st);
-    if (j0 + 2 * step < r1) load(j0 + 2 * step, ka, va);
+    if (j0 + 2 * step < r1) load(j0 + 2 * step, ka, va, false);
     if (j0 + step >= r1) break;
     fill(j0 + step, kb, vb);
     f16_update<L, U>(kb, vb, q, j0 + step + g, G, r1, false, 1.0f, 0.0f, 0.0f, st);
-    if (j0 + 3 * step < r1) load(j0 + 3 * step, kb, vb);
+    if (j0 + 3 * step < r1) load(j0 + 3 * step, kb, vb, false);
   }
   finish_block<L>(p, st, b, h, s);
 }
