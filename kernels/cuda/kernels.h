@@ -209,6 +209,14 @@ struct QuantTail {
   int rotation = 0;  // > 0: the key rows (after fp16 rounding) and the query rotated by Hadamard blocks of this size
 };
 
+// Queries a decode keeps (ZipCache's probes, StepQuant::zip): the step appending row r writes its
+// rotated query heads to q + slot[r]·nq·D when r < rows and slot[r] >= 0.
+struct KeptQueries {
+  float* q = nullptr;
+  const int32_t* slot = nullptr;
+  int rows = 0;
+};
+
 // ---- decode attention over a segmented, possibly packed cache (decode_attention.cu) ----------
 // Storage of one side (K or V) of a part. Codes: row j starts at byte j·D·bits/8 and code c of a
 // row occupies bits [c·bits, (c+1)·bits) of the row, least significant bit first (the layout
@@ -317,10 +325,13 @@ struct DecodeParams {
   int tok_bits = 0;
   QuantTail qtail;
   // Code width (2 or 4) when every part of every head holds fp16 rows or codes of that width
-  // with keys a range per channel and group of rows and values a range per row (KIVI's): the
-  // mixed kernel (decode_qtok.cuh) serves such an attention pass; a fused token is appended as
-  // fp16 rows (tail_k, tail_v).
+  // with keys a range per channel and group of rows and values a range per row, with or without
+  // CST factors (KIVI's, ZipCache's), or kDecodeMixWidths where such parts are of several widths
+  // among 1, 2 and 4 (ZipCache's salient and regular subsets): the mixed kernel
+  // (decode_qtok.cuh) serves such an attention pass; a fused token is appended as fp16 rows
+  // (tail_k, tail_v), and its rotated query heads go to `keep` where it asks for the row.
   int mix_bits = 0;
+  KeptQueries keep;
   // 1: every part of every head is fp16 or a packed part of the tensor-core paths (mma_part); at
   // head size 128 a kernel with only those paths is used — with 168 registers instead of 128
   // when b1 is set too.
@@ -528,6 +539,8 @@ int decode_lut_bytes(int D, int lut_bits);
 bool decode_f16_supported(int D, int max_parts);
 // The token-wise kernel (DecodeParams::tok_bits) takes this head size, part count and code width.
 bool decode_tok_supported(int D, int max_parts, int bits);
+// DecodeParams::mix_bits for parts of several widths, each read per part.
+constexpr int kDecodeMixWidths = 0x100;
 // The mixed kernel (DecodeParams::mix_bits) takes this head size, part count and code width.
 bool decode_mix_supported(int D, int max_parts, int bits);
 
@@ -544,13 +557,6 @@ void kv_append(const float* qkv, int64_t stride, int64_t k_col, int64_t v_col, i
 void kv_append_batch(const float* qkv, int64_t stride, int64_t k_col, int64_t v_col, int B, int NKV, int D,
                      const int32_t* pos_in, __half* k, __half* v, int32_t* pos, int cap, int row0,
                      int32_t* counter, cudaStream_t s);
-// Queries a decode keeps (ZipCache's probes, StepQuant::zip): the step appending row r writes its
-// rotated query heads to q + slot[r]·nq·D when r < rows and slot[r] >= 0.
-struct KeptQueries {
-  float* q = nullptr;
-  const int32_t* slot = nullptr;
-  int rows = 0;
-};
 // A decode step's RoPE (q and k heads of one token, in place in qkv) and its K/V row appended as
 // fp16 at row *counter of k/v [NKV][cap][D] (positions at pos [NKV][cap]); the last block to
 // finish advances *counter (done: a zero int the kernel resets). The rotated query goes to `keep`

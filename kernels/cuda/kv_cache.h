@@ -30,13 +30,14 @@ inline int tok_width(const PartDesc& d) {
 }
 
 // 16 for a part of fp16 rows; the code width of one of channel-wise keys (a range per channel
-// and group of rows) beside token-wise values of that width without CST factors (KIVI's), aligned
-// for the mixed decode kernel's loads; else 0.
+// and group of rows) beside token-wise values of that width, with or without CST factors (KIVI's,
+// ZipCache's), aligned for the mixed decode kernel's loads; else 0.
 inline int mix_width(const PartDesc& d) {
   if (d.k.fmt == kF16 && d.v.fmt == kF16) return 16;
-  if (d.k.fmt != kChannel || d.k.chan_stride != 1 || d.v.fmt != kToken || d.k.bits != d.v.bits || d.v.factor) return 0;
+  if (d.k.fmt != kChannel || d.k.chan_stride != 1 || d.v.fmt != kToken || d.k.bits != d.v.bits) return 0;
   const uintptr_t at = reinterpret_cast<uintptr_t>(d.k.data) | reinterpret_cast<uintptr_t>(d.v.data);
-  const uintptr_t ranges = reinterpret_cast<uintptr_t>(d.k.scale) | reinterpret_cast<uintptr_t>(d.k.zero);
+  const uintptr_t ranges = reinterpret_cast<uintptr_t>(d.k.scale) | reinterpret_cast<uintptr_t>(d.k.zero) |
+                           reinterpret_cast<uintptr_t>(d.v.factor);
   return at % static_cast<uintptr_t>(d.k.bits) == 0 && ranges % 16 == 0 ? d.k.bits : 0;
 }
 
@@ -440,6 +441,8 @@ class CudaKV : public DeviceKV {
     // The one code width every part (and tail) has, for the token-wise kernel; the one every
     // quantized part has beside fp16 ones, for the mixed kernel (0: none, or several).
     OneWidth tok, mix;
+    bool mixable = true;   // every quantized part one the mixed kernel reads (1, 2 or 4 bits)
+    bool any_coded = false, factors = false;  // some part quantized; some part's values with CST factors
     int rows = 1;
     for (const DevLayer& d : layers)
       for (const DevSeg& sg : d.segs)
@@ -450,16 +453,24 @@ class CudaKV : public DeviceKV {
             if (!mma_part(pt.d, true)) all_mma = 0;
             if (pt.d.v.fmt == kChannelT) has_b1 = 1;
             tok.add(tok_width(pt.d));
-            if (mix_width(pt.d) != 16) mix.add(mix_width(pt.d));
+            if (const int w = mix_width(pt.d); w != 16) {
+              mix.add(w);
+              any_coded = true;
+              if (w != 1 && w != 2 && w != 4) mixable = false;
+              if (pt.d.v.factor) factors = true;
+            }
           }
     for (const DevLayer& d : layers) {
       if (d.tail.packed()) all_f16 = all_mma = 0;
       if (d.tail.cap) tok.add(d.tail.packed() && d.tail.k_bits == d.tail.v_bits ? d.tail.k_bits : 0);
-      if (d.tail.cap && d.tail.packed()) mix.add(0);  // (an fp16 tail sits beside the mixed kernel's parts)
+      if (d.tail.cap && d.tail.packed()) mixable = false;  // (an fp16 tail sits beside the mixed kernel's parts)
     }
-    // (the part count is checked at launch)
+    // (the part count is checked at launch) The mixed kernel reads each part's own width
+    // (kDecodeMixWidths) where they differ, are 1 bit, or come with CST factors.
     tok_bits = decode_tok_supported(D, 1, tok.get()) ? tok.get() : 0;
-    mix_bits = decode_mix_supported(D, 1, mix.get()) ? mix.get() : 0;
+    const int one = mix.get();
+    mix_bits = !mixable || !any_coded ? 0 : (one == 2 || one == 4) && !factors ? one : kDecodeMixWidths;
+    if (!decode_mix_supported(D, 1, mix_bits)) mix_bits = 0;
     // A rotated query reads rotated keys alone.
     for (int l = 0; l < L && q_rotation; ++l) {
       bool ok = !layers[l].tail.cap || layers[l].tail.rotation == q_rotation;

@@ -543,11 +543,11 @@ bool kv_rope_attend(Context& ctx, SeqKV& kv, int layer, Buffer& qkv, const AttnL
   Tail& t = C.layers.at(layer).tail;
   if (t.n + 1 > t.cap) C.grow_tail(layer, std::max(16, 2 * t.cap));
   C.build_tables(l.n_heads);
-  // (a step that keeps its query, StepQuant::zip, or codes its row, StepQuant::k_codec, runs
-  // rope_append of its own; rows quantized where they are appended take the token-wise kernel,
-  // fp16 rows beside KIVI's groups the mixed one)
-  const bool fp16_token = (C.all_f16 && decode_f16_supported(C.D, C.max_parts)) ||
-                          (C.mix_bits && decode_mix_supported(C.D, C.max_parts, C.mix_bits));
+  // (a step that codes its row, StepQuant::k_codec, runs rope_append of its own; rows quantized
+  // where they are appended take the token-wise kernel, fp16 rows beside KIVI's or ZipCache's
+  // groups the mixed one, which also writes the queries ZipCache's steps keep)
+  const bool mix = !C.all_f16 && C.mix_bits && decode_mix_supported(C.D, C.max_parts, C.mix_bits);
+  const bool fp16_token = (C.all_f16 && decode_f16_supported(C.D, C.max_parts)) || mix;
   const bool tok = t.packed() && C.tok_bits && decode_tok_supported(C.D, C.max_parts, C.tok_bits);
   if (t.coded() && !t.zipped() && C.all_f16 && decode_f16_supported(C.D, C.max_parts) && !C.launch.f16_bulk &&
       !C.launch.f16_gqa) {
@@ -560,7 +560,8 @@ bool kv_rope_attend(Context& ctx, SeqKV& kv, int layer, Buffer& qkv, const AttnL
     decode_attention(p, ctx.stream);
     return true;
   }
-  if (!(t.packed() ? tok : fp16_token) || t.zipped() || t.coded()) return false;
+  // (ZipCache's kept queries are written by the mixed kernel alone)
+  if (!(t.packed() ? tok : fp16_token) || (t.zipped() && !mix) || t.coded()) return false;
   ++t.n;
   t.host_pos.push_back(pos_host[0]);
   if (ctx.replay) return true;
@@ -570,6 +571,7 @@ bool kv_rope_attend(Context& ctx, SeqKV& kv, int layer, Buffer& qkv, const AttnL
   p.fresh_v = base + l.v_col;
   p.fresh_pos = pos.as<int32_t>();
   p.inv_freq = inv_freq;
+  if (t.zipped()) p.keep = C.zip.keep(layer);
   if (tok) {
     p.qtail = quant_tail(t);
   } else {

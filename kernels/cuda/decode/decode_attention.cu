@@ -616,7 +616,8 @@ void launch_l(const DecodeParams& p, int mode, cudaStream_t s) {
     }
     if (mix) {
       if (p.mix_bits == 2) go(decode_mix_kernel<L, 2>, "decode_mix_kernel");
-      else go(decode_mix_kernel<L, 4>, "decode_mix_kernel");
+      else if (p.mix_bits == 4) go(decode_mix_kernel<L, 4>, "decode_mix_kernel");
+      else go(decode_mix_kernel<L, 0>, "decode_mix_kernel");
       return;
     }
   }
@@ -695,7 +696,7 @@ bool decode_tok_supported(int D, int max_parts, int bits) {
 }
 
 bool decode_mix_supported(int D, int max_parts, int bits) {
-  return (D == 64 || D == 128) && max_parts <= kSharedParts && (bits == 2 || bits == 4);
+  return (D == 64 || D == 128) && max_parts <= kSharedParts && (bits == 2 || bits == 4 || bits == kDecodeMixWidths);
 }
 
 bool decode_f16_supported(int D, int max_parts) {

@@ -130,6 +130,16 @@ __device__ void fresh_token(const DecodeParams& p, float (&q)[8], int c0, int kv
   constexpr int D = 8 * L;
   float k[8], v[8];
   rotated_token<L>(p, q, c0, kvh, k, v);
+  // A query the decode keeps (DecodeParams::keep, ZipCache's probes): the head's first block
+  // writes it rotated, as rope_append_kernel does.
+  if (p.keep.slot && s == 0 && g == 0 && tail_row < p.keep.rows) {
+    const int slot = p.keep.slot[tail_row];
+    if (slot >= 0) {
+      float* o = p.keep.q + (static_cast<int64_t>(slot) * p.NH + h) * D + c0;
+#pragma unroll
+      for (int c = 0; c < 8; ++c) o[c] = q[c];
+    }
+  }
   fk = pack8_f16(k);
   fv = pack8_f16(v);
   if (s == 0 && h % (p.NH / p.NKV) == 0 && g == 0 && tail_row < p.tail_cap) {

@@ -31,7 +31,9 @@ struct CodedParts {
   const __half* kz[kSharedParts];
   const __half* vs[kSharedParts];
   const __half* vz[kSharedParts];
+  const __half* vf[kSharedParts];  // the values' CST factors (null: none)
   int group[kSharedParts];
+  int bits[kSharedParts];
   int end[kSharedParts];
 };
 
@@ -46,6 +48,8 @@ __device__ __forceinline__ int read_coded_parts(const DecodeParams& p, int bk, i
   if (mine) {
     d.k.fmt = gp[tid].k.fmt;
     d.k.group = gp[tid].k.group;
+    d.k.bits = gp[tid].k.bits;
+    d.v.factor = gp[tid].v.factor;
     d.k.data = gp[tid].k.data;
     d.v.data = gp[tid].v.data;
     d.k.scale = gp[tid].k.scale;
@@ -63,6 +67,8 @@ __device__ __forceinline__ int read_coded_parts(const DecodeParams& p, int bk, i
     t.kz[tid] = d.k.zero;
     t.vs[tid] = d.v.scale;
     t.vz[tid] = d.v.zero;
+    t.vf[tid] = d.v.factor;
+    t.bits[tid] = d.k.bits;
     const int n = d.n + (d.counter ? *d.counter : 0);
     t.group[tid] = d.k.fmt == kF16 ? -1 : (d.k.group > 0 && d.k.group < n ? d.k.group : 0);
     t.end[tid] = n;
@@ -339,11 +345,12 @@ __global__ void __launch_bounds__(kThreads, 4) decode_qtok_kernel(DecodeParams p
 // groups, the dense rows it keeps and its fp16 decode rows) ------------------------------------
 //
 // The same shape again, for caches whose parts are fp16 rows or BITS-bit codes with keys a range
-// per channel and group of rows (PartDesc::k.group) and values a range per row: a row of either
-// kind takes the registers of an fp16 row (a quantized row's codes, its value range and where its
-// key ranges lie), its key ranges read as its score is made; with the step's token fused in, the
-// token is appended as fp16 (fresh_token). Arithmetic per row as the general kernel's fast paths
-// (f16_update; channel_token_rows).
+// per channel and group of rows (PartDesc::k.group) and values a range per row, with or without
+// the values' CST factors (BITS = 0: each part's own width, 1, 2 or 4 — ZipCache's salient and
+// regular subsets — and its factors; a fixed BITS: no factors): a row of either kind takes the registers of an fp16 row (a quantized row's
+// codes, its value range and where its key ranges lie), its key ranges (and factors) read as it
+// is used; with the step's token fused in, the token is appended as fp16 (fresh_token).
+// Arithmetic per row as the general kernel's fast paths (f16_update; channel_token_rows).
 
 // A row in registers: fp16 K and V (k, v), or a quantized row's K codes (k.x), V codes (k.y),
 // V scale and zero (k.z, a half2) and its key ranges' offset from its part's (k.w: group·D + c0)
@@ -356,19 +363,20 @@ struct MixRow {
 // `end` counting; `coded`: bit u set when row u is quantized.
 template <int L, int BITS, int U>
 __device__ __forceinline__ void mix_update(const MixRow (&r)[U], unsigned coded, const CodedParts& parts, const float* q,
-                                           int j, int G, int end, State& st) {
-  constexpr uint32_t mask = (1u << BITS) - 1u;
+                                           int c0, int j, int G, int end, State& st) {
   float sc[U];
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     float d = 0.0f;
     if (coded >> u & 1u) {
       const int pi = static_cast<int>(r[u].v.x);
+      const int bits = BITS ? BITS : parts.bits[pi];
+      const uint32_t mask = (1u << bits) - 1u;
       float sf[8], zf[8];
       unpack8<__half>(__ldg(reinterpret_cast<const uint4*>(parts.ks[pi] + r[u].k.w)), sf);
       unpack8<__half>(__ldg(reinterpret_cast<const uint4*>(parts.kz[pi] + r[u].k.w)), zf);
 #pragma unroll
-      for (int c = 0; c < 8; ++c) d = fmaf(q[c], fmaf(code_f((r[u].k.x >> (c * BITS)) & mask), sf[c], zf[c]), d);
+      for (int c = 0; c < 8; ++c) d = fmaf(q[c], fmaf(code_f((r[u].k.x >> (c * bits)) & mask), sf[c], zf[c]), d);
     } else {
       float f[8];
       unpack8<__half>(r[u].k, f);
@@ -380,10 +388,21 @@ __device__ __forceinline__ void mix_update(const MixRow (&r)[U], unsigned coded,
   }
   softmax_step<U>(sc, st, [&](int u, float p) {
     if (coded >> u & 1u) {
+      const int pi = static_cast<int>(r[u].v.x);
+      const int bits = BITS ? BITS : parts.bits[pi];
+      const uint32_t mask = (1u << bits) - 1u;
       const float2 vr = __half22float2(*reinterpret_cast<const __half2*>(&r[u].k.z));
       const float ps = p * vr.x, pz = p * vr.y;
+      const __half* vf = BITS ? nullptr : parts.vf[pi];  // (parts with factors take BITS = 0)
+      if (vf) {  // v_c = f_c·(code·scale + zero)
+        float f[8];
+        unpack8<__half>(__ldg(reinterpret_cast<const uint4*>(vf + c0)), f);
 #pragma unroll
-      for (int c = 0; c < 8; ++c) st.o[c] = fmaf(ps, code_f((r[u].k.y >> (c * BITS)) & mask), st.o[c]) + pz;
+        for (int c = 0; c < 8; ++c) st.o[c] = fmaf(f[c], fmaf(ps, code_f((r[u].k.y >> (c * bits)) & mask), pz), st.o[c]);
+      } else {
+#pragma unroll
+        for (int c = 0; c < 8; ++c) st.o[c] = fmaf(ps, code_f((r[u].k.y >> (c * bits)) & mask), st.o[c]) + pz;
+      }
     } else {
       float f[8];
       unpack8<__half>(r[u].v, f);
@@ -395,8 +414,8 @@ __device__ __forceinline__ void mix_update(const MixRow (&r)[U], unsigned coded,
 
 template <int L, int BITS>
 __global__ void __launch_bounds__(kThreads, 4) decode_mix_kernel(DecodeParams p) {
-  static_assert(BITS <= 4, "a quantized row's codes of a lane fit a word");
-  constexpr int G = kThreads / L, U = kTokRows / 2, D = 8 * L, step = U * G, rowb = D * BITS / 8;
+  static_assert(BITS <= 4, "a quantized row's codes of a lane fit a word (BITS = 0: each part's width, at most 4)");
+  constexpr int G = kThreads / L, U = kTokRows / 2, D = 8 * L, step = U * G;
   struct Stage {
     MixRow r[U];
     unsigned coded;  // bit u: row u is quantized
@@ -421,9 +440,17 @@ __global__ void __launch_bounds__(kThreads, 4) decode_mix_kernel(DecodeParams p)
           r.k = ld_row16(static_cast<const __half*>(parts.k[pi]) + at);
           r.v = ld_row16(static_cast<const __half*>(parts.v[pi]) + at);
         } else {
-          const int64_t at = static_cast<int64_t>(i) * rowb + (c0 / 8) * BITS;
-          r.k.x = static_cast<uint32_t>(load_bits<BITS>(static_cast<const uint8_t*>(parts.k[pi]) + at));
-          r.k.y = static_cast<uint32_t>(load_bits<BITS>(static_cast<const uint8_t*>(parts.v[pi]) + at));
+          const int bits = BITS ? BITS : parts.bits[pi];
+          const int64_t at = static_cast<int64_t>(i) * (D * bits / 8) + (c0 / 8) * bits;
+          const uint8_t* kp = static_cast<const uint8_t*>(parts.k[pi]) + at;
+          const uint8_t* vp = static_cast<const uint8_t*>(parts.v[pi]) + at;
+          if constexpr (BITS != 0) {
+            r.k.x = static_cast<uint32_t>(load_bits<BITS>(kp));
+            r.k.y = static_cast<uint32_t>(load_bits<BITS>(vp));
+          } else {
+            r.k.x = static_cast<uint32_t>(load_codes(kp, bits));
+            r.k.y = static_cast<uint32_t>(load_codes(vp, bits));
+          }
           const __half2 vr = __halves2half2(__ldg(parts.vs[pi] + i), __ldg(parts.vz[pi] + i));
           r.k.z = *reinterpret_cast<const uint32_t*>(&vr);
           r.k.w = static_cast<uint32_t>((grp > 0 ? i / grp : 0) * D + c0);
@@ -452,6 +479,6 @@ __global__ void __launch_bounds__(kThreads, 4) decode_mix_kernel(DecodeParams p)
             x.coded &= ~(1u << u);
           }
       },
-      [&](int j0, Stage& x) { mix_update<L, BITS, U>(x.r, x.coded, parts, q, j0 + g, G, r1, st); }, load);
+      [&](int j0, Stage& x) { mix_update<L, BITS, U>(x.r, x.coded, parts, q, c0, j0 + g, G, r1, st); }, load);
   finish_block<L>(p, st, k.b, k.h, k.s);
 }
