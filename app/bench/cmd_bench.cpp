@@ -44,7 +44,7 @@ namespace kvlens::app {
 namespace {
 
 struct BenchArgs {
-  std::string model, image, method, prompt = kDefaultPrompt, json;
+  std::string model, image, method, prompt = kDefaultPrompt, json, trace;
   int repeat = 5, max_new_tokens = 32, threads = 0;
   bool profile = false, unchained = false;
   BackendOptions backend;
@@ -89,6 +89,7 @@ void run_bench(const BenchArgs& a) {
   int tokens = 0, prompt_tokens = 0, visual_tokens = 0;
   long long bytes = 0;
   bool chained = false;  // the decode chained its steps (GenerateOptions::chain_steps)
+  start_trace(a.trace);  // (the warm-up run and the timed ones)
   for (int i = 0; i < a.repeat + 1; ++i) {  // the first run warms caches, thread pools, kernels
     std::unique_ptr<KVPolicy> policy = a.method.empty() ? nullptr : make_policy(a.method);
     const bool keep = policy && policy->needs_prefill_attention();
@@ -115,6 +116,7 @@ void run_bench(const BenchArgs& a) {
     visual_tokens = st.n_visual;  // (this image's: an anyres or tiling model's depend on it)
     bytes = r.bytes_after_prefill.total();
   }
+  finish_trace(a.trace);
   // The research path's prefill (kvlens run, the app): the same prompt keeping its attention —
   // each layer's queries, keys and values in the backend's memory,
   // from which a layer's probabilities are recomputed when a method or a view asks.
@@ -500,6 +502,7 @@ void add_bench_command(CLI::App& root) {
   add_int(c, "--threads", a->threads, 0, 256, "CPU threads for kvlens's loops and matrix products, at most the machine's physical cores (0 = as OMP_NUM_THREADS says; unset: loops on one thread, products on every core); OpenBLAS runs each product's blocks on one thread");
   c->add_option("--json", a->json, "Also write the numbers as JSON here");
   c->add_flag("--profile", a->profile, "CUDA: per-op device times of the last run (steps are not replayed from graphs)");
+  add_trace_option(c, a->trace);
   c->add_flag("--unchained", a->unchained,
               "CUDA: launch each decode step only after the previous one's logits are back on the host");
 

@@ -618,10 +618,12 @@ class CudaBackend : public Backend {
       st->warmed = false;
     }
     if (!st->warmed) {
+      trace::Scope eager("cuda.step_eager");
       body();
       st->warmed = true;
       return;
     }
+    trace::Scope captured("cuda.step_capture");
     cudaGraph_t graph = nullptr;
     KV_CUDA(cudaStreamBeginCapture(ctx_->stream, cudaStreamCaptureModeThreadLocal), "decode step capture");
     ctx_->capturing = true;

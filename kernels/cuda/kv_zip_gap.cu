@@ -11,10 +11,12 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "core/errors.h"
+#include "core/trace.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/context.h"
 #include "kernels/cuda/kernels.h"
@@ -51,6 +53,7 @@ bool kv::zip_gap_due(const CudaKV& C) {
 
 void kv::zip_gap(Context& ctx, CudaKV& C) {
   if (C.L == 0 || !zip_gap_due(C)) return;
+  trace::Scope span("kv.zip_gap");
   const int L = C.L, NKV = C.NKV, D = C.D;
   const Tail& t0 = C.layers.front().tail;
   const StepZip& z = t0.groups.zip;
@@ -94,6 +97,7 @@ void kv::zip_gap(Context& ctx, CudaKV& C) {
   }
   std::vector<double> sal(static_cast<size_t>(L) * NKV * gap, 0.0);
   if (probes > 0) {  // (else no row is seen: every saliency is 0, as on the host)
+    trace::Scope sal_span("kv.zip_gap.saliency");
     AttnLayout lay;
     lay.n_heads = NH;
     lay.n_kv_heads = NKV;
@@ -123,6 +127,7 @@ void kv::zip_gap(Context& ctx, CudaKV& C) {
   std::vector<LayerKV> gaps(static_cast<size_t>(L));
   std::vector<quant::QuantPayload> payloads(static_cast<size_t>(L), quant::QuantPayload(NKV));
   std::vector<ZipGroup> groups;
+  std::optional<trace::Scope> rank_span(std::in_place, "kv.zip_gap.rank");
   for (int l = 0; l < L; ++l) {
     const Tail& t = C.layers[static_cast<size_t>(l)].tail;
     LayerKV& gap_rows = gaps[static_cast<size_t>(l)];
@@ -140,7 +145,9 @@ void kv::zip_gap(Context& ctx, CudaKV& C) {
     gap_payload(flags, t0.groups, payloads[static_cast<size_t>(l)]);
     groups.push_back({l, {&s}, &payloads[static_cast<size_t>(l)]});
   }
+  rank_span.reset();
   const std::vector<StagedZip> made = zip_arrays(ctx, C, groups);
+  trace::Scope layout_span("kv.zip_gap.layout");
   for (int l = 0; l < L; ++l) {
     DevLayer& d = C.layers[static_cast<size_t>(l)];
     std::vector<DevSeg> built = build_zip(ctx, C, groups[static_cast<size_t>(l)].segs, payloads[static_cast<size_t>(l)],
