@@ -498,6 +498,15 @@ TEST(DecodeKernel, LongPartFewSplitsOneRangeAndOtherHeadSizes) {
     kernel_case(c);
     c.bits = 2;
     kernel_case(c);
+    c.calibrate = true;  // (one split: both passes in one kernel, on every path)
+    kernel_case(c);
+    c.keep_scores = false;
+    kernel_case(c);
+    c.mma_only = c.b1_pair = false;
+    kernel_case(c);
+    c.D = 64;
+    c.bits = 1;
+    kernel_case(c);
   }
   for (int bits : {1, 2}) {
     KernelCase c;  // one scale / zero for every channel

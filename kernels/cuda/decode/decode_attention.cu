@@ -37,6 +37,8 @@
 // integer paths (1- and 2-bit codes) with DecodeParams::vis_scores, where the first pass writes
 // each visual row's score (4 bytes against the key's 16 or 32) and the second reads it instead
 // of the keys.
+// Where a head has one split, its block's own range is the head's: both passes run in one
+// kernel (kRangeAttend), the block ranging its rows and then attending them.
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
@@ -71,7 +73,9 @@ constexpr int kI8Stages = 3;
 constexpr int kI8StageBytes = (kThreads / 32) * kI8Stages * 2048;
 static_assert(sizeof(PartDesc) % 8 == 0, "descriptors are staged in 8-byte words");
 
-enum Mode { kAttend = 0, kRange = 1, kScores = 2 };
+// kRangeAttend: a head of one split (DecodeParams::splits = 1) takes both calibrated passes in
+// one kernel, its visual range its own.
+enum Mode { kAttend = 0, kRange = 1, kScores = 2, kRangeAttend = 3 };
 
 __device__ __forceinline__ int part_rows(const PartDesc& p) { return p.n + (p.counter ? *p.counter : 0); }
 
@@ -371,6 +375,31 @@ __device__ void run_fast(int kind, const PartDesc& P, int a, int e, const float*
 #include "kernels/cuda/decode/decode_bulk.cuh"
 #include "kernels/cuda/decode/decode_gqa.cuh"
 
+// The range pass's end: the block's visual min and max (lo negated) into its split's
+// DecodeParams::vis_range entry.
+__device__ __forceinline__ void block_range(const DecodeParams& p, float lo, float hi, int64_t bh, int s, int tid) {
+  lo = -lo;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    lo = fmaxf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+    hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+  }
+  __shared__ float rlo[kThreads / 32], rhi[kThreads / 32];
+  if ((tid & 31) == 0) {
+    rlo[tid >> 5] = lo;
+    rhi[tid >> 5] = hi;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    float a = -INFINITY, c = -INFINITY;
+    for (int w = 0; w < kThreads / 32; ++w) {
+      a = fmaxf(a, rlo[w]);
+      c = fmaxf(c, rhi[w]);
+    }
+    p.vis_range[(bh * p.splits + s) * 2] = -a;
+    p.vis_range[(bh * p.splits + s) * 2 + 1] = c;
+  }
+}
 
 // MMA_ONLY: a cache of head size 128 whose parts are all fp16 or tensor-core packed parts
 // (DecodeParams::all_mma); only those two paths are compiled in, under a budget of 128 registers
@@ -379,7 +408,8 @@ __device__ void run_fast(int kind, const PartDesc& P, int a, int e, const float*
 // path needs more registers: 168, 3 blocks a multiprocessor. MMA = 3: the same with two 128-row
 // sub-tiles an iteration of the binary path (DecodeParams::b1_pair): 238 registers, 2 blocks a
 // multiprocessor, twice the stages.
-template <int L, int MMA>
+// BOTH: mode kRangeAttend (its own instances, so that the others keep their registers).
+template <int L, int MMA, bool BOTH = false>
 __global__ void __launch_bounds__(kThreads, MMA == 1 ? kMmaMinBlocks : MMA == 3 ? kB1MinBlocks : kMinBlocks)
     decode_kernel(DecodeParams p, int mode) {
   constexpr bool MMA_ONLY = MMA != 0;
@@ -443,10 +473,11 @@ __global__ void __launch_bounds__(kThreads, MMA == 1 ? kMmaMinBlocks : MMA == 3 
   }
   __syncthreads();
 
-  // Calibration coefficients from the first pass's per-split visual ranges.
+  // Calibration coefficients from the per-split visual ranges of the first pass (the block's
+  // own in kRangeAttend: a head of one split ranges and attends in one kernel).
   bool cal = false;
   float cal_t = 1.0f, cal_g = 0.0f;
-  if (mode == kAttend && p.calibrate) {
+  auto coefficients = [&] {
     float gamma = INFINITY, delta = -INFINITY;
     for (int i = 0; i < p.splits; ++i) {
       gamma = fminf(gamma, p.vis_range[(bh * p.splits + i) * 2]);
@@ -457,7 +488,9 @@ __global__ void __launch_bounds__(kThreads, MMA == 1 ? kMmaMinBlocks : MMA == 3 
       cal_g = gamma;
       cal_t = delta > gamma ? (delta - gamma + p.tau1 - p.tau2) / (delta - gamma) : 0.0f;
     }
-  }
+  };
+  constexpr bool both = BOTH;
+  if (mode == kAttend && p.calibrate) coefficients();
   const float* sin = p.scores_in ? p.scores_in + bh * p.scores_stride : nullptr;
   float* sout = p.scores_out ? p.scores_out + bh * p.scores_stride : nullptr;
 
@@ -469,7 +502,18 @@ __global__ void __launch_bounds__(kThreads, MMA == 1 ? kMmaMinBlocks : MMA == 3 
     const bool on = p.vis_scores && p.calibrate && P.visual && base + n + kDecodeScorePad <= p.vis_stride;
     return on ? p.vis_scores + bh * p.vis_stride + base : nullptr;
   };
-  for (int i = 0; i < np; ++i) {
+  // (both: the range pass, then the attention pass)
+  for (int i = 0, pass = both ? kRange : mode; i < np || (both && pass == kRange); ++i) {
+    if (both && i == np) {  // the block's visual range is the head's: its coefficients, then attention
+      block_range(p, lo, hi, bh, s, tid);
+      __syncthreads();
+      coefficients();
+      pass = kAttend;
+      i = -1;
+      base = 0;
+      continue;
+    }
+    const int mode = pass;  // (this pass's)
     const PartDesc& P = parts[i];
     const int n = staged ? sh_rows[i] : part_rows(P);
     const int a = max(r0 - base, 0), e = min(r1 - base, n);
@@ -500,30 +544,9 @@ __global__ void __launch_bounds__(kThreads, MMA == 1 ? kMmaMinBlocks : MMA == 3 
     }
     base += n;
   }
-  if (mode == kScores) return;
-  if (mode == kRange) {
-    // Min / max over the block.
-    lo = -lo;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      lo = fmaxf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
-      hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
-    }
-    __shared__ float rlo[kThreads / 32], rhi[kThreads / 32];
-    if ((tid & 31) == 0) {
-      rlo[tid >> 5] = lo;
-      rhi[tid >> 5] = hi;
-    }
-    __syncthreads();
-    if (tid == 0) {
-      float a = -INFINITY, c = -INFINITY;
-      for (int w = 0; w < kThreads / 32; ++w) {
-        a = fmaxf(a, rlo[w]);
-        c = fmaxf(c, rhi[w]);
-      }
-      p.vis_range[(bh * p.splits + s) * 2] = -a;
-      p.vis_range[(bh * p.splits + s) * 2 + 1] = c;
-    }
+  if (!both && mode == kScores) return;
+  if (!both && mode == kRange) {
+    block_range(p, lo, hi, bh, s, tid);
     return;
   }
   finish_block<L>(p, st, b, h, s);
@@ -553,6 +576,20 @@ void allow_dynamic_smem(int bytes) {
   KV_CUDA(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
           "decode attention shared memory of " + std::to_string(bytes) + " bytes");
   allowed = bytes;
+}
+
+template <auto Kernel>
+void launch_decode_kernel(const DecodeParams& p, dim3 grid, int bytes, int mode, cudaStream_t s) {
+  allow_dynamic_smem<Kernel>(bytes);
+  KV_CUDA(launch_dependent(Kernel, grid, kThreads, bytes, s, true, p, mode),
+          "decode_kernel for " + std::to_string(p.B) + "x" + std::to_string(p.NH) + " heads");
+}
+// decode_kernel<L, MMA> with `bytes` of dynamic shared memory (its kRangeAttend instance for that
+// mode).
+template <int L, int MMA>
+void launch_decode(const DecodeParams& p, dim3 grid, int bytes, int mode, cudaStream_t s) {
+  if (mode == kRangeAttend) launch_decode_kernel<decode_kernel<L, MMA, true>>(p, grid, bytes, mode, s);
+  else launch_decode_kernel<decode_kernel<L, MMA>>(p, grid, bytes, mode, s);
 }
 
 template <auto Kernel>
@@ -648,23 +685,13 @@ void launch_l(const DecodeParams& p, int mode, cudaStream_t s) {
   const int bytes = decode_lut_bytes(q.D, q.lut_bits) + (q.D == 128 ? (q.b1 ? kB1StageBytes : kI8StageBytes) : 0);
   if constexpr (L == 16) {
     if (p.all_mma && p.D == 128 && mode != kScores && !p.scores_in && !p.scores_out) {
-      if (p.b1 && p.b1_pair) {
-        allow_dynamic_smem<decode_kernel<16, 3>>(2 * bytes);  // the paired sub-tiles' stages
-        KV_CUDA(launch_dependent(decode_kernel<16, 3>, grid, kThreads, 2 * bytes, s, true, q, mode),
-                "decode_kernel for " + std::to_string(p.B) + "x" + std::to_string(p.NH) + " heads");
-        return;
-      }
-      if (p.b1) allow_dynamic_smem<decode_kernel<16, 2>>(bytes);  // stages and static arrays: past 48 KiB
-      else allow_dynamic_smem<decode_kernel<16, 1>>(bytes);
-      KV_CUDA(launch_dependent(p.b1 ? decode_kernel<16, 2> : decode_kernel<16, 1>, grid, kThreads, bytes, s, true,
-                               q, mode),
-              "decode_kernel for " + std::to_string(p.B) + "x" + std::to_string(p.NH) + " heads");
+      if (p.b1 && p.b1_pair) launch_decode<16, 3>(q, grid, 2 * bytes, mode, s);  // the paired sub-tiles' stages
+      else if (p.b1) launch_decode<16, 2>(q, grid, bytes, mode, s);  // stages and static arrays: past 48 KiB
+      else launch_decode<16, 1>(q, grid, bytes, mode, s);
       return;
     }
   }
-  allow_dynamic_smem<decode_kernel<L, 0>>(bytes);
-  KV_CUDA(launch_dependent(decode_kernel<L, 0>, grid, kThreads, bytes, s, true, q, mode),
-          "decode_kernel for " + std::to_string(p.B) + "x" + std::to_string(p.NH) + " heads");
+  launch_decode<L, 0>(q, grid, bytes, mode, s);
 }
 
 void launch(const DecodeParams& p, int mode, cudaStream_t s) {
@@ -704,8 +731,10 @@ bool decode_f16_supported(int D, int max_parts) {
 }
 
 void decode_attention(const DecodeParams& p, cudaStream_t s) {
-  if (p.calibrate) launch(p, kRange, s);
-  launch(p, kAttend, s);
+  // A head of one split knows its visual range at the end of its own range pass.
+  const bool one_kernel = p.calibrate && p.splits == 1 && !p.scores_in && !p.scores_out;
+  if (p.calibrate && !one_kernel) launch(p, kRange, s);
+  launch(p, one_kernel ? kRangeAttend : kAttend, s);
   if (p.sem) return;  // merged by each head's last block
   dim3 grid(p.NH, p.B);
   dispatch_float(p.odt, [&](auto t) {
