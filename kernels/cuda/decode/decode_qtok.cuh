@@ -352,6 +352,16 @@ __global__ void __launch_bounds__(kThreads, 4) decode_qtok_kernel(DecodeParams p
 // is used; with the step's token fused in, the token is appended as fp16 (fresh_token).
 // Arithmetic per row as the general kernel's fast paths (f16_update; channel_token_rows).
 
+// f(std::integral_constant<int, W>) for a part's code width W: BITS where fixed, else the part's
+// own (1, 2 or 4), so that every width's shifts and masks are constants.
+template <int BITS, class F>
+__device__ __forceinline__ void with_width(int bits, F&& f) {
+  if constexpr (BITS != 0) f(std::integral_constant<int, BITS>{});
+  else if (bits == 4) f(std::integral_constant<int, 4>{});
+  else if (bits == 2) f(std::integral_constant<int, 2>{});
+  else f(std::integral_constant<int, 1>{});
+}
+
 // A row in registers: fp16 K and V (k, v), or a quantized row's K codes (k.x), V codes (k.y),
 // V scale and zero (k.z, a half2) and its key ranges' offset from its part's (k.w: group·D + c0)
 // with its part's index (v.x).
@@ -370,13 +380,15 @@ __device__ __forceinline__ void mix_update(const MixRow (&r)[U], unsigned coded,
     float d = 0.0f;
     if (coded >> u & 1u) {
       const int pi = static_cast<int>(r[u].v.x);
-      const int bits = BITS ? BITS : parts.bits[pi];
-      const uint32_t mask = (1u << bits) - 1u;
       float sf[8], zf[8];
       unpack8<__half>(__ldg(reinterpret_cast<const uint4*>(parts.ks[pi] + r[u].k.w)), sf);
       unpack8<__half>(__ldg(reinterpret_cast<const uint4*>(parts.kz[pi] + r[u].k.w)), zf);
+      with_width<BITS>(BITS ? BITS : parts.bits[pi], [&](auto w) {
+        constexpr int W = decltype(w)::value;
+        constexpr uint32_t mask = (1u << W) - 1u;
 #pragma unroll
-      for (int c = 0; c < 8; ++c) d = fmaf(q[c], fmaf(code_f((r[u].k.x >> (c * bits)) & mask), sf[c], zf[c]), d);
+        for (int c = 0; c < 8; ++c) d = fmaf(q[c], fmaf(code_f((r[u].k.x >> (c * W)) & mask), sf[c], zf[c]), d);
+      });
     } else {
       float f[8];
       unpack8<__half>(r[u].k, f);
@@ -389,20 +401,22 @@ __device__ __forceinline__ void mix_update(const MixRow (&r)[U], unsigned coded,
   softmax_step<U>(sc, st, [&](int u, float p) {
     if (coded >> u & 1u) {
       const int pi = static_cast<int>(r[u].v.x);
-      const int bits = BITS ? BITS : parts.bits[pi];
-      const uint32_t mask = (1u << bits) - 1u;
       const float2 vr = __half22float2(*reinterpret_cast<const __half2*>(&r[u].k.z));
       const float ps = p * vr.x, pz = p * vr.y;
       const __half* vf = BITS ? nullptr : parts.vf[pi];  // (parts with factors take BITS = 0)
-      if (vf) {  // v_c = f_c·(code·scale + zero)
-        float f[8];
-        unpack8<__half>(__ldg(reinterpret_cast<const uint4*>(vf + c0)), f);
+      with_width<BITS>(BITS ? BITS : parts.bits[pi], [&](auto w) {
+        constexpr int W = decltype(w)::value;
+        constexpr uint32_t mask = (1u << W) - 1u;
+        if (vf) {  // v_c = f_c·(code·scale + zero)
+          float f[8];
+          unpack8<__half>(__ldg(reinterpret_cast<const uint4*>(vf + c0)), f);
 #pragma unroll
-        for (int c = 0; c < 8; ++c) st.o[c] = fmaf(f[c], fmaf(ps, code_f((r[u].k.y >> (c * bits)) & mask), pz), st.o[c]);
-      } else {
+          for (int c = 0; c < 8; ++c) st.o[c] = fmaf(f[c], fmaf(ps, code_f((r[u].k.y >> (c * W)) & mask), pz), st.o[c]);
+        } else {
 #pragma unroll
-        for (int c = 0; c < 8; ++c) st.o[c] = fmaf(ps, code_f((r[u].k.y >> (c * bits)) & mask), st.o[c]) + pz;
-      }
+          for (int c = 0; c < 8; ++c) st.o[c] = fmaf(ps, code_f((r[u].k.y >> (c * W)) & mask), st.o[c]) + pz;
+        }
+      });
     } else {
       float f[8];
       unpack8<__half>(r[u].v, f);
@@ -440,17 +454,12 @@ __global__ void __launch_bounds__(kThreads, 4) decode_mix_kernel(DecodeParams p)
           r.k = ld_row16(static_cast<const __half*>(parts.k[pi]) + at);
           r.v = ld_row16(static_cast<const __half*>(parts.v[pi]) + at);
         } else {
-          const int bits = BITS ? BITS : parts.bits[pi];
-          const int64_t at = static_cast<int64_t>(i) * (D * bits / 8) + (c0 / 8) * bits;
-          const uint8_t* kp = static_cast<const uint8_t*>(parts.k[pi]) + at;
-          const uint8_t* vp = static_cast<const uint8_t*>(parts.v[pi]) + at;
-          if constexpr (BITS != 0) {
-            r.k.x = static_cast<uint32_t>(load_bits<BITS>(kp));
-            r.k.y = static_cast<uint32_t>(load_bits<BITS>(vp));
-          } else {
-            r.k.x = static_cast<uint32_t>(load_codes(kp, bits));
-            r.k.y = static_cast<uint32_t>(load_codes(vp, bits));
-          }
+          with_width<BITS>(BITS ? BITS : parts.bits[pi], [&](auto w) {
+            constexpr int W = decltype(w)::value;  // (mix_width: parts aligned to W bytes)
+            const int64_t at = static_cast<int64_t>(i) * (D * W / 8) + (c0 / 8) * W;
+            r.k.x = static_cast<uint32_t>(load_bits<W>(static_cast<const uint8_t*>(parts.k[pi]) + at));
+            r.k.y = static_cast<uint32_t>(load_bits<W>(static_cast<const uint8_t*>(parts.v[pi]) + at));
+          });
           const __half2 vr = __halves2half2(__ldg(parts.vs[pi] + i), __ldg(parts.vz[pi] + i));
           r.k.z = *reinterpret_cast<const uint32_t*>(&vr);
           r.k.w = static_cast<uint32_t>((grp > 0 ? i / grp : 0) * D + c0);
