@@ -80,6 +80,7 @@ void run_bench(const BenchArgs& a) {
   if (a.threads > 0) set_threads(a.threads);
   if (!a.method.empty()) parse_method_spec(a.method);
   if (a.profile) setenv("KVLENS_CUDA_PROFILE", "1", 1);  // read when the CUDA backend starts
+  start_trace(a.trace);  // (refused here, before any work, when it cannot be written)
   const std::unique_ptr<Model> model_owned = load_model(model_dir_of(a.model), a.backend);
   const Model& model = *model_owned;
   const RGBImage img = command_image(model, a.image);  // (none for a text-only model)
@@ -89,7 +90,6 @@ void run_bench(const BenchArgs& a) {
   int tokens = 0, prompt_tokens = 0, visual_tokens = 0;
   long long bytes = 0;
   bool chained = false;  // the decode chained its steps (GenerateOptions::chain_steps)
-  start_trace(a.trace);  // (the warm-up run and the timed ones)
   for (int i = 0; i < a.repeat + 1; ++i) {  // the first run warms caches, thread pools, kernels
     std::unique_ptr<KVPolicy> policy = a.method.empty() ? nullptr : make_policy(a.method);
     const bool keep = policy && policy->needs_prefill_attention();
@@ -116,7 +116,6 @@ void run_bench(const BenchArgs& a) {
     visual_tokens = st.n_visual;  // (this image's: an anyres or tiling model's depend on it)
     bytes = r.bytes_after_prefill.total();
   }
-  finish_trace(a.trace);
   // The research path's prefill (kvlens run, the app): the same prompt keeping its attention —
   // each layer's queries, keys and values in the backend's memory,
   // from which a layer's probabilities are recomputed when a method or a view asks.
@@ -210,6 +209,7 @@ void run_bench(const BenchArgs& a) {
                       {"roofline_tokens_per_s", roof},
                       {"share_of_roofline", tps / roof},
                       {"caption_total_ms", median(total)}});
+  finish_trace(a.trace);
 }
 
 void need_cuda(const std::string& what) {

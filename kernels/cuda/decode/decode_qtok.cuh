@@ -347,10 +347,11 @@ __global__ void __launch_bounds__(kThreads, 4) decode_qtok_kernel(DecodeParams p
 // The same shape again, for caches whose parts are fp16 rows or BITS-bit codes with keys a range
 // per channel and group of rows (PartDesc::k.group) and values a range per row, with or without
 // the values' CST factors (BITS = 0: each part's own width, 1, 2 or 4 — ZipCache's salient and
-// regular subsets — and its factors; a fixed BITS: no factors): a row of either kind takes the registers of an fp16 row (a quantized row's
-// codes, its value range and where its key ranges lie), its key ranges (and factors) read as it
-// is used; with the step's token fused in, the token is appended as fp16 (fresh_token).
-// Arithmetic per row as the general kernel's fast paths (f16_update; channel_token_rows).
+// regular subsets — and its factors; a fixed BITS: no factors). A row of either kind takes the
+// registers of an fp16 row (a quantized row's codes, its value range and where its key ranges
+// lie), its key ranges (and factors) read as it is used; with the step's token fused in, the
+// token is appended as fp16 (fresh_token). Arithmetic per row as the general kernel's fast paths
+// (f16_update; channel_token_rows).
 
 // f(std::integral_constant<int, W>) for a part's code width W: BITS where fixed, else the part's
 // own (1, 2 or 4), so that every width's shifts and masks are constants.

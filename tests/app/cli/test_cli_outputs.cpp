@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <map>
 #include <numeric>
 #include <set>
 
@@ -211,4 +212,24 @@ TEST(CliOutputs, RunTraceHoldsThePrefillTheCompressionAndEveryStep) {
   const auto bad = kt::run(base + " --trace " + tmp + "/no/such/dir/t.json");
   EXPECT_EQ(bad.code, 2) << bad.output;
   EXPECT_NE(bad.output.find("trace"), std::string::npos) << bad.output;
+}
+
+// `bench --trace` writes the host's timeline of every caption run, the warm-up included: each
+// run's decode steps by number; a trace that cannot be written is refused before any work.
+TEST(CliOutputs, BenchTraceHoldsEveryRunsSteps) {
+  const std::string tmp = kt::make_temp_dir("bench_trace");
+  const std::string base = kt::cli() + " bench --backend cpu --model " + kFix + " --image " + kFix +
+                           "/image.png --repeat 2 --max-new-tokens 4";
+  const auto r = kt::run(base + " --trace " + tmp + "/t.json");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("trace " + tmp + "/t.json:"), std::string::npos) << r.output;
+  std::map<int, int> steps;  // step number → spans
+  for (const nlohmann::json& e : read_json(tmp + "/t.json").at("traceEvents"))
+    if (e.at("name") == "decode.step") ++steps[e.at("args").at("n").get<int>()];
+  // Three runs (one warm-up), each with decode steps 0 .. 2 for 4 new tokens.
+  EXPECT_EQ(steps, (std::map<int, int>{{0, 3}, {1, 3}, {2, 3}}));
+  const auto bad = kt::run(base + " --trace " + tmp + "/no/such/dir/t.json");
+  EXPECT_EQ(bad.code, 2) << bad.output;
+  EXPECT_NE(bad.output.find("cannot write trace"), std::string::npos) << bad.output;
+  EXPECT_EQ(bad.output.find("decode"), std::string::npos) << bad.output;  // (refused before the runs)
 }
