@@ -215,7 +215,8 @@ TEST(CliOutputs, RunTraceHoldsThePrefillTheCompressionAndEveryStep) {
 }
 
 // `bench --trace` writes the host's timeline of every caption run, the warm-up included: each
-// run's decode steps by number; a trace that cannot be written is refused before any work.
+// run's decode steps by number; a trace that cannot be written is refused before any work, and
+// one given before a subcommand is refused too.
 TEST(CliOutputs, BenchTraceHoldsEveryRunsSteps) {
   const std::string tmp = kt::make_temp_dir("bench_trace");
   const std::string base = kt::cli() + " bench --backend cpu --model " + kFix + " --image " + kFix +
@@ -223,8 +224,9 @@ TEST(CliOutputs, BenchTraceHoldsEveryRunsSteps) {
   const auto r = kt::run(base + " --trace " + tmp + "/t.json");
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_NE(r.output.find("trace " + tmp + "/t.json:"), std::string::npos) << r.output;
+  const nlohmann::json j = read_json(tmp + "/t.json");
   std::map<int, int> steps;  // step number → spans
-  for (const nlohmann::json& e : read_json(tmp + "/t.json").at("traceEvents"))
+  for (const nlohmann::json& e : j.at("traceEvents"))
     if (e.at("name") == "decode.step") ++steps[e.at("args").at("n").get<int>()];
   // Three runs (one warm-up), each with decode steps 0 .. 2 for 4 new tokens.
   EXPECT_EQ(steps, (std::map<int, int>{{0, 3}, {1, 3}, {2, 3}}));
@@ -232,4 +234,10 @@ TEST(CliOutputs, BenchTraceHoldsEveryRunsSteps) {
   EXPECT_EQ(bad.code, 2) << bad.output;
   EXPECT_NE(bad.output.find("cannot write trace"), std::string::npos) << bad.output;
   EXPECT_EQ(bad.output.find("decode"), std::string::npos) << bad.output;  // (refused before the runs)
+  // Given before a subcommand it would be ignored: refused, naming it (before the subcommand's
+  // own checks, such as attention's need of a CUDA device).
+  const auto misplaced = kt::run(kt::cli() + " bench --trace " + tmp + "/t2.json attention");
+  EXPECT_EQ(misplaced.code, 2) << misplaced.output;
+  EXPECT_NE(misplaced.output.find("--trace is an option of 'kvlens bench' itself"), std::string::npos)
+      << misplaced.output;
 }
