@@ -505,6 +505,9 @@ __global__ void __launch_bounds__(kThreads, MMA == 1 ? kMmaMinBlocks : MMA == 3 
   // (both: the range pass, then the attention pass)
   for (int i = 0, pass = both ? kRange : mode; i < np || (both && pass == kRange); ++i) {
     if (both && i == np) {  // the block's visual range is the head's: its coefficients, then attention
+      // (The packed paths leave no copy in flight when they return, only empty commit groups,
+      // so the attention pass may reuse their stages after the barrier; block_range's barrier
+      // also orders the range pass's stores to vis_scores before the attention pass's copies.)
       block_range(p, lo, hi, bh, s, tid);
       __syncthreads();
       coefficients();

@@ -354,7 +354,8 @@ __global__ void __launch_bounds__(kThreads, 4) decode_qtok_kernel(DecodeParams p
 // (f16_update; channel_token_rows).
 
 // f(std::integral_constant<int, W>) for a part's code width W: BITS where fixed, else the part's
-// own (1, 2 or 4), so that every width's shifts and masks are constants.
+// own, so that every width's shifts and masks are constants. The launch admits parts of 1, 2 or 4
+// bits only (CudaKV::build_tables, mix_width), so a width neither 4 nor 2 is 1.
 template <int BITS, class F>
 __device__ __forceinline__ void with_width(int bits, F&& f) {
   if constexpr (BITS != 0) f(std::integral_constant<int, BITS>{});
