@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <functional>
 #include <utility>
 
 #include <nlohmann/json.hpp>
@@ -486,13 +487,16 @@ void run_throughput(const ThroughputArgs& a) {
 #endif
 }
 
-// The caption bench's options given before a subcommand ('kvlens bench --trace T attention')
-// would be ignored: refused, naming the option.
-void refuse_caption_options(const CLI::App& c, const std::string& sub) {
-  for (const CLI::Option* o : c.get_options())
-    if (o->count() > 0)
-      throw InputError(o->get_name() + " is an option of 'kvlens bench' itself, not of 'kvlens bench " + sub +
-                       "': give that subcommand's own options after its name");
+// Runs `run` as sub's callback, after refusing the caption bench's (c's) options given before
+// it ('kvlens bench --trace T attention'), which the subcommand would ignore, naming the option.
+void on_run(const CLI::App* c, CLI::App* sub, std::function<void()> run) {
+  sub->callback([c, sub, run = std::move(run)] {
+    for (const CLI::Option* o : c->get_options())
+      if (o->count() > 0)
+        throw InputError(o->get_name() + " is an option of 'kvlens bench' itself, not of 'kvlens bench " +
+                         sub->get_name() + "': give that subcommand's own options after its name");
+    run();
+  });
 }
 
 }  // namespace
@@ -538,10 +542,7 @@ void add_bench_command(CLI::App& root) {
                "Time each call alone on an idle stream (the host's launch latency included) instead of behind a "
                "short spin kernel that holds the stream while the call is enqueued");
   at->add_option("--json", t->json, "Also write the rows as JSON here");
-  at->callback([t, c] {
-    refuse_caption_options(*c, "attention");
-    run_attention(*t);
-  });
+  on_run(c, at, [t] { run_attention(*t); });
 
   auto gv = std::make_shared<GemvArgs>();
   CLI::App* gm = c->add_subcommand("gemv", "One-token products alone (CUDA): decode-step sizes vs copy bandwidth");
@@ -557,10 +558,7 @@ void add_bench_command(CLI::App& root) {
   add_int(gm, "--reps", gv->reps, 1, 100000, "Calls per timing (median of 5)");
   add_int(gm, "--device", gv->device, 0, 1024, "CUDA device ordinal");
   gm->add_option("--json", gv->json, "Also write the rows as JSON here");
-  gm->callback([gv, c] {
-    refuse_caption_options(*c, "gemv");
-    run_gemv(*gv);
-  });
+  on_run(c, gm, [gv] { run_gemv(*gv); });
 
   auto pf = std::make_shared<PrefillArgs>();
   CLI::App* pr = c->add_subcommand("prefill", "Prefill / vision attention alone (CUDA) at LLaVA-1.5-7B's shapes");
@@ -570,10 +568,7 @@ void add_bench_command(CLI::App& root) {
   add_int(pr, "--reps", pf->reps, 1, 100000, "Calls per timing (median of 5)");
   add_int(pr, "--device", pf->device, 0, 1024, "CUDA device ordinal");
   pr->add_option("--json", pf->json, "Also write the rows as JSON here");
-  pr->callback([pf, c] {
-    refuse_caption_options(*c, "prefill");
-    run_prefill(*pf);
-  });
+  on_run(c, pr, [pf] { run_prefill(*pf); });
 
   auto u = std::make_shared<ThroughputArgs>();
   CLI::App* th = c->add_subcommand("throughput", "CalibQuant Fig. 3 (CUDA): largest batch under a KV budget and tokens/s");
@@ -585,10 +580,7 @@ void add_bench_command(CLI::App& root) {
   add_int(th, "--max-batch", u->max_batch, 1, 1 << 20, "Largest batch tried");
   add_int(th, "--device", u->device, 0, 1024, "CUDA device ordinal");
   th->add_option("--json", u->json, "Also write the rows as JSON here");
-  th->callback([u, c] {
-    refuse_caption_options(*c, "throughput");
-    run_throughput(*u);
-  });
+  on_run(c, th, [u] { run_throughput(*u); });
 
   auto se = std::make_shared<SessionArgs>();
   CLI::App* ss = c->add_subcommand("session", "The app's loop without a window: each parameter edit of a session timed to its caption and to every plot's data");
@@ -601,10 +593,7 @@ void add_bench_command(CLI::App& root) {
   add_backend_options(ss, se->backend);
   ss->add_option("--json", se->json, "Also write the timings as JSON here");
   add_trace_option(ss, se->trace);
-  ss->callback([se, c] {
-    refuse_caption_options(*c, "session");
-    run_session(*se);
-  });
+  on_run(c, ss, [se] { run_session(*se); });
 
   c->callback([a, c] {
     if (c->get_subcommands().empty()) run_bench(*a);

@@ -543,6 +543,14 @@ bool decode_tok_supported(int D, int max_parts, int bits);
 constexpr int kDecodeMixWidths = 0x100;
 // The mixed kernel (DecodeParams::mix_bits) takes this head size, part count and code width.
 bool decode_mix_supported(int D, int max_parts, int bits);
+// The narrower kernels a plain attention pass (no calibration, no materialized scores) may take
+// for a cache of these DecodeParams flags: the fp16 kernel, the token-wise one (tok_bits) and
+// the mixed one (mix_bits). decode_attention launches by them, and a decode step fuses its token
+// only where one of them serves it.
+struct PlainKernels {
+  bool f16 = false, tok = false, mix = false;
+};
+PlainKernels decode_plain_kernels(int D, int max_parts, int all_f16, int tok_bits, int mix_bits);
 
 // ---- KV cache (kv_cache.cu) -------------------------------------------------------------------
 // Appends T rows (k and v columns of qkv, fp32) as fp16 into per-head arrays k/v [NKV][cap][D]

@@ -46,6 +46,7 @@ struct OneWidth {
   int w = -1;
   void add(int x) { w = w < 0 || w == x ? x : 0; }
   int get() const { return w < 0 ? 0 : w; }
+  bool any() const { return w >= 0; }
 };
 
 struct DevSeg {
@@ -442,7 +443,7 @@ class CudaKV : public DeviceKV {
     // quantized part has beside fp16 ones, for the mixed kernel (0: none, or several).
     OneWidth tok, mix;
     bool mixable = true;   // every quantized part one the mixed kernel reads (1, 2 or 4 bits)
-    bool any_coded = false, factors = false;  // some part quantized; some part's values with CST factors
+    bool factors = false;  // some part's values with CST factors
     int rows = 1;
     for (const DevLayer& d : layers)
       for (const DevSeg& sg : d.segs)
@@ -455,7 +456,6 @@ class CudaKV : public DeviceKV {
             tok.add(tok_width(pt.d));
             if (const int w = mix_width(pt.d); w != 16) {
               mix.add(w);
-              any_coded = true;
               if (w != 1 && w != 2 && w != 4) mixable = false;
               if (pt.d.v.factor) factors = true;
             }
@@ -469,7 +469,7 @@ class CudaKV : public DeviceKV {
     // (kDecodeMixWidths) where they differ, are 1 bit, or come with CST factors.
     tok_bits = decode_tok_supported(D, 1, tok.get()) ? tok.get() : 0;
     const int one = mix.get();
-    mix_bits = !mixable || !any_coded ? 0 : (one == 2 || one == 4) && !factors ? one : kDecodeMixWidths;
+    mix_bits = !mixable || !mix.any() ? 0 : (one == 2 || one == 4) && !factors ? one : kDecodeMixWidths;
     if (!decode_mix_supported(D, 1, mix_bits)) mix_bits = 0;
     // A rotated query reads rotated keys alone.
     for (int l = 0; l < L && q_rotation; ++l) {

@@ -546,11 +546,9 @@ bool kv_rope_attend(Context& ctx, SeqKV& kv, int layer, Buffer& qkv, const AttnL
   // (a step that codes its row, StepQuant::k_codec, runs rope_append of its own; rows quantized
   // where they are appended take the token-wise kernel, fp16 rows beside KIVI's or ZipCache's
   // groups the mixed one, which also writes the queries ZipCache's steps keep)
-  const bool mix = !C.all_f16 && C.mix_bits && decode_mix_supported(C.D, C.max_parts, C.mix_bits);
-  const bool fp16_token = (C.all_f16 && decode_f16_supported(C.D, C.max_parts)) || mix;
-  const bool tok = t.packed() && C.tok_bits && decode_tok_supported(C.D, C.max_parts, C.tok_bits);
-  if (t.coded() && !t.zipped() && C.all_f16 && decode_f16_supported(C.D, C.max_parts) && !C.launch.f16_bulk &&
-      !C.launch.f16_gqa) {
+  const PlainKernels k = decode_plain_kernels(C.D, C.max_parts, C.all_f16, C.tok_bits, C.mix_bits);
+  const bool tok = t.packed() && k.tok;
+  if (t.coded() && !t.zipped() && k.f16 && !C.launch.f16_bulk && !C.launch.f16_gqa) {
     // A coded row (TurboQuant) is appended and coded by kernels of their own; the fp16 kernel
     // then reads every row but the coded one before it waits for the coder.
     kv_rope_append(ctx, kv, layer, qkv, l, pos, pos_host, kinds, 1, inv_freq);
@@ -561,7 +559,7 @@ bool kv_rope_attend(Context& ctx, SeqKV& kv, int layer, Buffer& qkv, const AttnL
     return true;
   }
   // (ZipCache's kept queries are written by the mixed kernel alone)
-  if (!(t.packed() ? tok : fp16_token) || (t.zipped() && !mix) || t.coded()) return false;
+  if (!(t.packed() ? tok : (k.f16 || k.mix)) || (t.zipped() && !k.mix) || t.coded()) return false;
   ++t.n;
   t.host_pos.push_back(pos_host[0]);
   if (ctx.replay) return true;

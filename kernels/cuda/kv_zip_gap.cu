@@ -11,7 +11,6 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -127,8 +126,8 @@ void kv::zip_gap(Context& ctx, CudaKV& C) {
   std::vector<LayerKV> gaps(static_cast<size_t>(L));
   std::vector<quant::QuantPayload> payloads(static_cast<size_t>(L), quant::QuantPayload(NKV));
   std::vector<ZipGroup> groups;
-  std::optional<trace::Scope> rank_span(std::in_place, "kv.zip_gap.rank");
   for (int l = 0; l < L; ++l) {
+    trace::Scope rank_span("kv.zip_gap.rank", l);
     const Tail& t = C.layers[static_cast<size_t>(l)].tail;
     LayerKV& gap_rows = gaps[static_cast<size_t>(l)];
     gap_rows.segments.resize(1);
@@ -145,7 +144,6 @@ void kv::zip_gap(Context& ctx, CudaKV& C) {
     gap_payload(flags, t0.groups, payloads[static_cast<size_t>(l)]);
     groups.push_back({l, {&s}, &payloads[static_cast<size_t>(l)]});
   }
-  rank_span.reset();
   const std::vector<StagedZip> made = zip_arrays(ctx, C, groups);
   trace::Scope layout_span("kv.zip_gap.layout");
   for (int l = 0; l < L; ++l) {

@@ -637,9 +637,8 @@ void launch_l(const DecodeParams& p, int mode, cudaStream_t s) {
   // An attention pass the narrower kernels take: no calibration, no materialized scores, every
   // lane of a row busy.
   const bool plain = mode == kAttend && !p.calibrate && !p.scores_in && !p.scores_out && p.D == 8 * L;
-  const bool f16 = plain && p.all_f16 && p.max_parts <= kSharedParts;
-  const bool tok = plain && p.tok_bits && decode_tok_supported(p.D, p.max_parts, p.tok_bits);
-  const bool mix = plain && p.mix_bits && !p.all_f16 && decode_mix_supported(p.D, p.max_parts, p.mix_bits);
+  const PlainKernels k = decode_plain_kernels(p.D, p.max_parts, p.all_f16, p.tok_bits, p.mix_bits);
+  const bool f16 = plain && k.f16, tok = plain && k.tok, mix = plain && k.mix;
   if (p.fresh_k && (!(p.qtail.k ? tok : (f16 || mix)) || p.B != 1))
     throw InternalError(p.qtail.k ? "decode attention: a fused quantized token needs the token-wise kernel"
                                   : "decode attention: a fused token needs the fp16 or the mixed kernel");
@@ -727,6 +726,14 @@ bool decode_tok_supported(int D, int max_parts, int bits) {
 
 bool decode_mix_supported(int D, int max_parts, int bits) {
   return (D == 64 || D == 128) && max_parts <= kSharedParts && (bits == 2 || bits == 4 || bits == kDecodeMixWidths);
+}
+
+PlainKernels decode_plain_kernels(int D, int max_parts, int all_f16, int tok_bits, int mix_bits) {
+  PlainKernels k;
+  k.f16 = all_f16 && decode_f16_supported(D, max_parts);
+  k.tok = tok_bits && decode_tok_supported(D, max_parts, tok_bits);
+  k.mix = mix_bits && !all_f16 && decode_mix_supported(D, max_parts, mix_bits);
+  return k;
 }
 
 bool decode_f16_supported(int D, int max_parts) {

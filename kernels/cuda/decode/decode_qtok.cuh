@@ -2,12 +2,14 @@
 // decode_attention.cu after decode_f16.cuh, inside its anonymous namespace: the token-wise one,
 // for caches whose every part holds token-wise codes of one width on both sides, a range per row
 // (DecodeParams::tok_bits: uniform's per-token parts and packed decode rows, Hadamard-INT4's
-// rotated ones); and the mixed one (below), for fp16 rows beside KIVI's groups.
+// rotated ones); and the mixed one (below), for fp16 rows beside KIVI's groups or ZipCache's
+// subsets.
 //
-// The token-wise kernel is the fp16 kernel's shape with token-wise rows: a kernel of its own with none of the other paths
-// compiled in (few registers, four blocks a multiprocessor), each group of L = D/8 lanes walking
-// the block's rows in two register stages of kTokRows / 2 rows, the part table and the block's
-// first rows read before waiting for the previous kernel when nothing it writes is among them.
+// The token-wise kernel is the fp16 kernel's shape with token-wise rows: a kernel of its own with
+// none of the other paths compiled in (few registers, four blocks a multiprocessor), each group
+// of L = D/8 lanes walking the block's rows in two register stages of kTokRows / 2 rows, the part
+// table and the block's first rows read before waiting for the previous kernel when nothing it
+// writes is among them.
 // A row's score is scale_j·(q·code_j) + zero_j·Σq and its values add (p_j·scale_j)·code_j +
 // p_j·zero_j, the arithmetic of the general kernel's token-wise fast path (token_rows).
 //

@@ -176,16 +176,28 @@ TEST(CliOutputs, SessionRunReportAndSavedSessionReadBack) {
   EXPECT_EQ(saved.model, kFix);
 }
 
+// `cmd --trace DIR/t.json`: the run succeeds and prints the trace's totals; its trace (null when
+// the run failed). Then the same with a trace in a missing folder: refused with exit code 2.
+nlohmann::json traced(const std::string& cmd, const std::string& dir) {
+  const auto r = kt::run(cmd + " --trace " + dir + "/t.json");
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("trace " + dir + "/t.json:"), std::string::npos) << r.output;
+  return r.code == 0 ? read_json(dir + "/t.json") : nlohmann::json();
+}
+kt::RunResult refused_trace(const std::string& cmd, const std::string& dir) {
+  const auto bad = kt::run(cmd + " --trace " + dir + "/no/such/dir/t.json");
+  EXPECT_EQ(bad.code, 2) << bad.output;
+  return bad;
+}
+
 // `run --trace` writes the host's timeline: the prefill, each method's compression inside its
 // decode, every decode step by number; a trace that cannot be written is refused before any work.
 TEST(CliOutputs, RunTraceHoldsThePrefillTheCompressionAndEveryStep) {
   const std::string tmp = kt::make_temp_dir("trace");
   const std::string base = kt::cli() + " run --backend cpu --model " + kFix + " --image " + kFix +
                            "/image.png --max-new-tokens 4 --method kivi:group=8,residual=4";
-  const auto r = kt::run(base + " --trace " + tmp + "/t.json");
-  ASSERT_EQ(r.code, 0) << r.output;
-  EXPECT_NE(r.output.find("trace " + tmp + "/t.json:"), std::string::npos) << r.output;
-  const nlohmann::json j = read_json(tmp + "/t.json");
+  const nlohmann::json j = traced(base, tmp);
+  ASSERT_FALSE(j.is_null());
   const nlohmann::json* decode = nullptr;
   const nlohmann::json* compress = nullptr;
   std::set<int> method_steps;
@@ -209,8 +221,7 @@ TEST(CliOutputs, RunTraceHoldsThePrefillTheCompressionAndEveryStep) {
       method_steps.insert(e.at("args").at("n").get<int>());
   // The first token comes from the prefill: the decode's steps are 0 .. 2 for 4 new tokens.
   EXPECT_EQ(method_steps, (std::set<int>{0, 1, 2}));
-  const auto bad = kt::run(base + " --trace " + tmp + "/no/such/dir/t.json");
-  EXPECT_EQ(bad.code, 2) << bad.output;
+  const auto bad = refused_trace(base, tmp);
   EXPECT_NE(bad.output.find("trace"), std::string::npos) << bad.output;
 }
 
@@ -221,17 +232,14 @@ TEST(CliOutputs, BenchTraceHoldsEveryRunsSteps) {
   const std::string tmp = kt::make_temp_dir("bench_trace");
   const std::string base = kt::cli() + " bench --backend cpu --model " + kFix + " --image " + kFix +
                            "/image.png --repeat 2 --max-new-tokens 4";
-  const auto r = kt::run(base + " --trace " + tmp + "/t.json");
-  ASSERT_EQ(r.code, 0) << r.output;
-  EXPECT_NE(r.output.find("trace " + tmp + "/t.json:"), std::string::npos) << r.output;
-  const nlohmann::json j = read_json(tmp + "/t.json");
+  const nlohmann::json j = traced(base, tmp);
+  ASSERT_FALSE(j.is_null());
   std::map<int, int> steps;  // step number → spans
   for (const nlohmann::json& e : j.at("traceEvents"))
     if (e.at("name") == "decode.step") ++steps[e.at("args").at("n").get<int>()];
   // Three runs (one warm-up), each with decode steps 0 .. 2 for 4 new tokens.
   EXPECT_EQ(steps, (std::map<int, int>{{0, 3}, {1, 3}, {2, 3}}));
-  const auto bad = kt::run(base + " --trace " + tmp + "/no/such/dir/t.json");
-  EXPECT_EQ(bad.code, 2) << bad.output;
+  const auto bad = refused_trace(base, tmp);
   EXPECT_NE(bad.output.find("cannot write trace"), std::string::npos) << bad.output;
   EXPECT_EQ(bad.output.find("decode"), std::string::npos) << bad.output;  // (refused before the runs)
   // Given before a subcommand it would be ignored: refused, naming it (before the subcommand's
