@@ -149,10 +149,10 @@ struct ScoreTransform {
 // zip.gap > 0 (ZipCache, Algorithm 3): rows are appended as fp16; each layer keeps the queries
 // of its probe tokens (`probes`: the method's schedule), and before the step whose row follows
 // `gap` dense decode rows, those rows' saliency (zipcache::gap_saliency over the probes'
-// attention, which the device recomputes from the rows the probes saw) is ranked by the method
-// (`rank`), and the gap is quantized as ZipCache's prefill quantizes a group (CodeLayout::ZipMixed:
-// k_bits salient, v_bits the others) into a segment of its own before the decode rows. The
-// host's twin is ZipCache's on_decode_step.
+// attention, which the device recomputes from the rows the probes saw) is ranked as the method
+// ranks it (`ratio`, `shared_ranking`), and the gap is quantized as ZipCache's prefill quantizes
+// a group (CodeLayout::ZipMixed: k_bits salient, v_bits the others) into a segment of its own
+// before the decode rows. The host's twin is ZipCache's on_decode_step.
 struct StepZip {
   int gap = 0;
   bool accumulated = false;        // p_i (Eq. 7) instead of the normalized p̃_i (Eq. 8)
@@ -162,9 +162,11 @@ struct StepZip {
   // Layer `layer`'s probe slot of each of its first `rows` decode rows (−1: not a probe; a gap's
   // probes numbered from 0), drawn as the host's hook draws them.
   std::function<std::vector<int32_t>(int layer, int rows)> probes;
-  // A gap's salient flags ([KV head][row]) from its rows' saliency sal[KV head · gap + row], as
-  // the host's hook ranks them.
-  std::function<std::vector<std::vector<char>>(const double* sal, int n_kv_heads, int gap)> rank;
+  // How a gap's rows are ranked, as the host's hook ranks them (zipcache::rank_gap): the top
+  // round(ratio · gap) rows of each KV head by saliency, or with `shared_ranking` by the KV heads'
+  // saliency summed.
+  double ratio = 0;
+  bool shared_ranking = false;
 };
 struct StepQuant {
   int k_bits = 0, v_bits = 0;

@@ -68,7 +68,7 @@ std::vector<int> select_probes(Probe strategy, int T, const std::vector<SegmentK
 std::vector<char> top_flags(const std::vector<double>& score, double ratio);
 // A streamed gap's salient flags [KV head][row] from its rows' saliency sal[KV head · gap + row]:
 // each KV head's top_flags, or (`shared`) every head the top_flags of the heads' sum. The host's
-// streaming and the device's (StepZip::rank) both rank so.
+// streaming ranks so; the device's twin is zip_rank_gap (StepZip::ratio, shared_ranking).
 std::vector<std::vector<char>> rank_gap(const double* sal, int n_kv_heads, int gap, double ratio, bool shared);
 // Algorithm 3's probes among one layer's decode tokens: a token is a probe when it is among the
 // last round(recent·gap) of its gap, or with probability `random` — one draw a token from

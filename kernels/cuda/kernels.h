@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "core/backend.h"
 #include "kernels/cpu/ops.h"
@@ -637,6 +638,31 @@ void gather_blocks(const void* src, void* dst, int64_t bytes, const int32_t* ind
 void zip_gap_saliency(const float* scores, int64_t stride, int L, int S, int NH, int NKV, int gap,
                       const int32_t* n_probes, const int32_t* seen, const int32_t* before, bool accumulated, double* out,
                       cudaStream_t s);
+// ZipCache's gap ranking (zipcache::rank_gap, the same flags) for every layer's KV heads at once:
+// of sal [L][NKV][gap], KV head h of layer l's k rows of highest saliency (ties to the earlier
+// row), or with `shared` the k of highest saliency summed over the layer's KV heads in head order.
+// key [L][NKV][gap] (scratch: the key ranked), salient [L][NKV][gap] (1: salient), order
+// [L][NKV][gap] (each head's salient rows ascending, then the others ascending: the rows as a
+// ZipMixed group holds them) and flags [L][NKV][(gap + 7) / 8] (1 bit a row, quant::pack's order).
+void zip_rank_gap(const double* sal, int L, int NKV, int gap, int k, bool shared, double* key, uint8_t* salient,
+                  int32_t* order, uint8_t* flags, cudaStream_t s);
+// Where each layer's decode rows are: its tail's keys and values [NKV][cap][D] and positions
+// [NKV][cap] (device arrays of L pointers each), the gap at tail row `first`.
+struct ZipGapRows {
+  const __half* const* k = nullptr;
+  const __half* const* v = nullptr;
+  const int32_t* const* pos = nullptr;
+  int cap = 0, first = 0;
+};
+// A ranked gap laid out as zip_quantize reads it, every layer's: row r = (l·NKV + h)·gap + i is
+// KV head h's i-th row in `order` (zip_rank_gap's); src [2N] the rows' keys then values (for
+// gather_rows, N = L·NKV·gap); pos_out [L][NKV][gap] the gap's positions in their own order. V
+// token ranges a row each (shared_ranges false: slot r), or shared by the heads' rows of a subset
+// and position (slot 2·gap·l + j for salient row j, 2·gap·l + gap + j for the others; L·2·gap
+// slots, some empty): row_slot [N], slot_first [slots + 1], slot_rows [N].
+void zip_gap_plan(const ZipGapRows& rows, int L, int NKV, int gap, int k, int D, bool shared_ranges,
+                  const int32_t* order, const uint8_t* salient, const __half** src, int32_t* row_slot,
+                  int32_t* slot_first, int32_t* slot_rows, int32_t* pos_out, cudaStream_t s);
 
 // ---- quantize-and-pack (quant_pack.cu): the device twins of core/compress/quantize.h ---------
 // x[n][D] (fp16 rows) → codes and fp16 scale/zero as quantize_block packs them. Channel axis:
@@ -709,6 +735,18 @@ struct ZipQuantArgs {
   __half *row_scale = nullptr, *row_zero = nullptr;
 };
 void zip_quantize(const ZipQuantArgs& a, cudaStream_t s);
+// The blocks of zip_gap_plan's rows (k salient at hi_bits, gap − k at lo_bits in every KV head),
+// the same for every gap: zip_quantize's blocks, factor blocks and row blocks; the code bytes,
+// range halves and factor halves in all and per layer, and each KV head's offsets within its layer.
+struct ZipGapLayout {
+  std::vector<ZipBlock> blocks;
+  std::vector<ZipFactorBlock> factor_blocks;
+  std::vector<int32_t> row_block;
+  int64_t code = 0, range = 0, factor = 0;
+  int64_t layer_code = 0, layer_range = 0, layer_factor = 0;
+  std::vector<int64_t> head_code, head_range, head_factor;
+};
+ZipGapLayout zip_gap_layout(int L, int NKV, int gap, int k, int D, int hi_bits, int lo_bits, bool layer_factors);
 // 1-bit codes of `heads` blocks of n rows × D channels (D a multiple of 8; block h at rows +
 // h·stride bytes, written at out + h·stride) regrouped as quant::channel_major_1bit does: the
 // same bytes (kChannelT).

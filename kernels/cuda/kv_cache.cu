@@ -542,7 +542,7 @@ bool kv_quantizes_steps(const StepQuant& q, int D) {
   if (q.k_codec || q.v_codec)
     return bits && codec_fits(q.k_codec.get(), D) && codec_fits(q.v_codec.get(), D) && q.k_codec->dp == q.v_codec->dp &&
            !q.v_codec->qjl && q.group == 0 && q.rotation == 0 && q.zip.gap == 0;
-  if (q.zip.gap > 0) return bits && q.group == 0 && q.rotation == 0 && D % 8 == 0 && q.zip.probes && q.zip.rank;
+  if (q.zip.gap > 0) return bits && q.group == 0 && q.rotation == 0 && D % 8 == 0 && q.zip.probes;
   if (q.group > 0) return bits && q.k_bits == q.v_bits && q.rotation == 0 && q.residual >= 1 && D % 8 == 0;
   return bits && q.group == 0 && quant_tail_ok(D, q.rotation);
 }

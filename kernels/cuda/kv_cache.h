@@ -2,6 +2,7 @@
 // (rows and codes to and from the host) and kv_decode.cu (decode attention over it). See kv_cache.cu for what the cache holds.
 #pragma once
 #include <algorithm>
+#include <array>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -62,6 +63,10 @@ struct DevSeg {
   std::string host_storage = "fp32";
   const void* payload = nullptr;
   std::vector<std::vector<uint16_t>> merged;
+  // Rows ranked on the device (ZipCache's streamed gaps): [kv head][rows] each device row's host
+  // row within the segment, in the parts' order, held on the device alone (the parts' `order`
+  // empty); segment_order fetches it.
+  DevMem order_dev;
 };
 
 // The decode rows of a layer: fp16 rows, or (packed) each row's K and V quantized with its own
@@ -599,6 +604,10 @@ class CudaKV : public DeviceKV {
     int slots = 0, rows = 0, n_heads = 0;
     int64_t width = 0;  // a query's floats (n_heads · D)
     std::vector<std::vector<int32_t>> slot_of_row;
+    // The gaps' blocks (zip_gap_layout, the same for every gap: made at the first) and, on the
+    // device, its blocks, factor blocks and row blocks.
+    ZipGapLayout layout;
+    DevMem blocks;
     KeptQueries keep(int layer) const {
       if (!slot.mem) return {};
       return {q.as<float>() + static_cast<int64_t>(layer) * slots * width, slot.as<int32_t>() + static_cast<int64_t>(layer) * rows,
@@ -689,15 +698,32 @@ void zip_gap(Context& ctx, CudaKV& C);
 // the most any KV head holds (kv_decode.cu).
 DevMem query_scores(Context& ctx, CudaKV& C, const Buffer& q_rows, const AttnLayout& l,
                     const std::vector<int32_t>& layer_of, int64_t stride);
-// ZipCache's mixed-bit quantization (kv_zip.cu) of groups — rows found where the device holds
-// them (SegmentRows), flags and layout from each payload — into arrays laid out as the payloads
-// hold them, made on the stream by one upload and one launch for all: group i's in made[i]
-// (sharing one allocation; none when no group has rows). The caller checked the layouts
-// (ZipMixed, bits 1–8, D a multiple of 8).
-std::vector<StagedZip> zip_arrays(Context& ctx, const CudaKV& C, const std::vector<ZipGroup>& groups);
+// One device allocation per array kind of a payload, every KV head's array concatenated.
+struct HeadArrays {
+  std::vector<int64_t> off;  // bytes
+  DevMem mem;
+  // Head h's array, `bytes` into it (null when nothing was uploaded).
+  const void* at(int h, int64_t bytes = 0) const {
+    return mem.mem ? static_cast<const char*>(mem.mem.get()) + off[static_cast<size_t>(h)] + bytes : nullptr;
+  }
+  const __half* half_at(int h, int64_t elems = 0) const { return static_cast<const __half*>(at(h, elems * 2)); }
+};
+// A ZipMixed group's arrays as the decode reads them, each with every KV head's offset: key and
+// value codes, key ranges, V token ranges (a row each: the heads' rows of one subset and position
+// copied per row where heads differ), CST factors, salient flags.
+struct ZipArrays {
+  HeadArrays kc, vc, ks, kz, vs, vz, vm, kf;
+};
+// Device segment d's parts of such a group: per KV head h its salient rows (n[h][1] at bits[1])
+// then the others (n[h][0] at bits[0]), each subset its own part (none where empty) in the order
+// the arrays hold them; the arrays' bytes counted on d. The parts' `order` is left empty.
+void zip_parts(DevSeg& d, const ZipArrays& a, const std::vector<std::array<int64_t, 2>>& n, const int bits[2],
+               bool layer_factors, int D);
 // ZipCache's group of consecutive host segments sharing payload p (CodeLayout::ZipMixed), one
 // DevSeg per segment; empty when the payload is not what its layout says. With `staged` (made
-// for p by kv_zip_quantize), its arrays are taken from where they were made.
+// for p by kv_zip_quantize), its arrays are taken from where they were made. Shared V token
+// ranges are read from one table by every head where the heads' rows agree, except in a
+// streamed gap (generated rows), whose ranges are copied per row as kv_zip_gap.cu holds them.
 std::vector<DevSeg> build_zip(Context& ctx, const CudaKV& C, const std::vector<const KVSegment*>& g,
                               const quant::QuantPayload& p, const StagedZip* staged);
 

@@ -49,13 +49,34 @@ DecodeParams layer_params(CudaKV& C, const Buffer& qkv, const AttnLayout& l, int
 // order, per KV head (the tail's rows follow in the same order on both sides).
 std::vector<std::vector<int32_t>> segment_order(const CudaKV& C, int layer) {
   const DevLayer& d = C.layers[static_cast<size_t>(layer)];
+  // The orders of rows ranked on the device, fetched (segment i's at ranked[i]).
+  std::vector<std::vector<int32_t>> ranked(d.segs.size());
+  for (size_t i = 0; i < d.segs.size(); ++i) {
+    const DevSeg& s = d.segs[i];
+    if (!s.order_dev.mem) continue;
+    int64_t n = 0;
+    for (const std::vector<int32_t>& p : s.pos) n += static_cast<int64_t>(p.size());
+    if (s.order_dev.bytes != n * 4)
+      throw InternalError("segment_order: a device-ranked segment of layer " + std::to_string(layer) + " holds an order of " +
+                          std::to_string(s.order_dev.bytes) + " bytes for " + std::to_string(n) + " rows");
+    ranked[i].resize(static_cast<size_t>(n));
+    C.ctx->download(ranked[i].data(), s.order_dev.mem.get(), n * 4, "device-ranked rows' order");
+  }
   std::vector<std::vector<int32_t>> dev2host(static_cast<size_t>(C.NKV));
   for (int h = 0; h < C.NKV; ++h) {
     int base = 0;
-    for (const DevSeg& s : d.segs) {
-      for (const DevPart& q : s.heads[h])
-        for (int i = 0; i < q.d.n; ++i) dev2host[h].push_back(base + (q.order.empty() ? i : q.order[i]));
-      base += static_cast<int>(s.pos[h].size());
+    for (size_t i = 0; i < d.segs.size(); ++i) {
+      const DevSeg& s = d.segs[i];
+      const int n = static_cast<int>(s.pos[h].size());
+      if (s.order_dev.mem) {  // (every head's rows before head h's, then head h's)
+        int64_t at = 0;
+        for (int k = 0; k < h; ++k) at += static_cast<int64_t>(s.pos[k].size());
+        for (int j = 0; j < n; ++j) dev2host[h].push_back(base + ranked[i][static_cast<size_t>(at + j)]);
+      } else {
+        for (const DevPart& q : s.heads[h])
+          for (int j = 0; j < q.d.n; ++j) dev2host[h].push_back(base + (q.order.empty() ? j : q.order[j]));
+      }
+      base += n;
     }
   }
   return dev2host;

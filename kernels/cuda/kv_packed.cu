@@ -18,16 +18,6 @@ namespace kvlens::cuda::kv {
 
 namespace {
 
-// One device allocation per array kind of a payload, every KV head's array concatenated.
-struct HeadArrays {
-  std::vector<int64_t> off;  // bytes
-  DevMem mem;
-  // Head h's array, `bytes` into it (null when nothing was uploaded).
-  const void* at(int h, int64_t bytes = 0) const {
-    return mem.mem ? static_cast<const char*>(mem.mem.get()) + off[static_cast<size_t>(h)] + bytes : nullptr;
-  }
-  const __half* half_at(int h, int64_t elems = 0) const { return static_cast<const __half*>(at(h, elems * 2)); }
-};
 // get(h): head h's vector (elements of `elem` bytes).
 template <class Get>
 HeadArrays upload_heads(Context& ctx, int NKV, Get get, int elem, const std::string& what) {
@@ -246,6 +236,41 @@ DevSeg build_packed(Context& ctx, const CudaKV& C, const KVSegment& s, const qua
 // each head gets its rows' ranges copied into its own array, and the device holds (and
 // reports) those copies instead of the shared table. Empty when the payload is not what the
 // layout says (the group is then held as fp16 values).
+void zip_parts(DevSeg& d, const ZipArrays& a, const std::vector<std::array<int64_t, 2>>& n, const int bits[2],
+               bool layer_factors, int D) {
+  for (size_t h = 0; h < n.size(); ++h) {
+    const int k = static_cast<int>(h);
+    int64_t code = 0, ranges = 0, rows = 0;
+    for (int sal = 1; sal >= 0; --sal) {
+      const int64_t m = n[h][static_cast<size_t>(sal)];
+      if (m == 0) continue;
+      DevPart q;
+      q.d.n = static_cast<int32_t>(m);
+      q.d.k.fmt = kChannel;
+      q.d.k.bits = bits[sal];
+      q.d.k.data = a.kc.at(k, code);
+      q.d.k.scale = a.ks.half_at(k, ranges);
+      q.d.k.zero = a.kz.half_at(k, ranges);
+      q.d.v.fmt = kToken;
+      q.d.v.bits = bits[sal];
+      q.d.v.data = a.vc.at(k, code);
+      q.d.v.scale = a.vs.half_at(k, rows);
+      q.d.v.zero = a.vz.half_at(k, rows);
+      q.d.v.factor = a.vm.half_at(k, layer_factors ? 0 : ranges);
+      d.heads[h].push_back(q);
+      code += m * D * bits[sal] / 8;
+      ranges += D;
+      rows += m;
+    }
+  }
+  for (const HeadArrays* x : {&a.kc, &a.vc, &a.ks, &a.kz, &a.vs, &a.vz, &a.vm, &a.kf})
+    if (x->mem.mem) d.mem.push_back(x->mem);
+  d.bytes.codes += a.kc.mem.bytes + a.vc.mem.bytes;
+  d.bytes.scales += a.ks.mem.bytes + a.vs.mem.bytes;
+  d.bytes.zeros += a.kz.mem.bytes + a.vz.mem.bytes;
+  d.bytes.meta += a.vm.mem.bytes + a.kf.mem.bytes;
+}
+
 std::vector<DevSeg> build_zip(Context& ctx, const CudaKV& C, const std::vector<const KVSegment*>& g,
                               const quant::QuantPayload& p, const StagedZip* staged) {
   const int NKV = C.NKV, D = C.D;
@@ -287,7 +312,9 @@ std::vector<DevSeg> build_zip(Context& ctx, const CudaKV& C, const std::vector<c
     if (!made_for_p &&
         (static_cast<int64_t>(p.tokens.scales.size()) != slots.n || static_cast<int64_t>(p.tokens.zeros.size()) != slots.n))
       return {};
-    one_table = slots.one_table;
+    // (a streamed gap's ranges copied per row always, as the device's own gaps hold them: whether
+    // its heads' rows agree is the ranking's, which the host does not wait for there)
+    one_table = slots.one_table && g.front()->kind != SegmentKind::Generated;
   }
   // Arrays made on the device for this payload (in the same layout) are taken where they are.
   const bool take = made_for_p && staged->one_table == one_table;
@@ -368,37 +395,15 @@ std::vector<DevSeg> build_zip(Context& ctx, const CudaKV& C, const std::vector<c
     out[i].bytes.indices = n * 4;
   }
   DevSeg& first = out.front();
+  std::vector<std::array<int64_t, 2>> counts(static_cast<size_t>(NKV));
+  for (int h = 0; h < NKV; ++h)
+    for (int sal = 0; sal < 2; ++sal) counts[static_cast<size_t>(h)][static_cast<size_t>(sal)] = static_cast<int64_t>(sub[h][sal].size());
+  zip_parts(first, {kc, vc, ks, kz, vsa, vza, vm, kf}, counts, bits, L.layer_factors, D);
   for (int h = 0; h < NKV; ++h) {
-    int64_t code = 0, ranges = 0, rows = 0;
-    for (int sal = 1; sal >= 0; --sal) {
-      const std::vector<int32_t>& idx = sub[h][sal];
-      if (idx.empty()) continue;
-      DevPart q;
-      q.d.n = static_cast<int32_t>(idx.size());
-      q.d.k.fmt = kChannel;
-      q.d.k.bits = bits[sal];
-      q.d.k.data = kc.at(h, code);
-      q.d.k.scale = ks.half_at(h, ranges);
-      q.d.k.zero = kz.half_at(h, ranges);
-      q.d.v.fmt = kToken;
-      q.d.v.bits = bits[sal];
-      q.d.v.data = vc.at(h, code);
-      q.d.v.scale = vsa.half_at(h, rows);
-      q.d.v.zero = vza.half_at(h, rows);
-      q.d.v.factor = vm.half_at(h, L.layer_factors ? 0 : ranges);
-      q.order = idx;
-      first.heads[h].push_back(q);
-      code += static_cast<int64_t>(idx.size()) * D * bits[sal] / 8;
-      ranges += D;
-      rows += static_cast<int64_t>(idx.size());
-    }
+    size_t part = 0;
+    for (int sal = 1; sal >= 0; --sal)
+      if (!sub[h][sal].empty()) first.heads[h].at(part++).order = sub[h][sal];
   }
-  for (const HeadArrays* a : {&kc, &vc, &ks, &kz, &vsa, &vza, &vm, &kf})
-    if (a->mem.mem) first.mem.push_back(a->mem);
-  first.bytes.codes += kc.mem.bytes + vc.mem.bytes;
-  first.bytes.scales += ks.mem.bytes + vsa.mem.bytes;
-  first.bytes.zeros += kz.mem.bytes + vza.mem.bytes;
-  first.bytes.meta += vm.mem.bytes + kf.mem.bytes;
   return out;
 }
 

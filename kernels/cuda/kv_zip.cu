@@ -1,8 +1,7 @@
 // ZipCache's mixed-bit quantization of groups of the cache's segments where their rows are: the
 // rows gathered by KV head, subset and position and quantized by the quant_pack.cu kernels
-// (zip_quantize) — several groups in one run where they are small (zip_arrays: a decode's
-// streamed gaps, kv_zip_gap.cu), a prompt's groups one by one (Backend::zip_quantize_rows), every
-// array landing in its host payload at the context's next land_all and kept for the layer's next
+// (zip_quantize) — a prompt's groups one by one (Backend::zip_quantize_rows; a decode's streamed
+// gaps are planned on the device instead, kv_zip_gap.cu), every array landing in its host payload at the context's next land_all and kept for the layer's next
 // kv_sync (StagedZip, build_zip).
 #include <algorithm>
 #include <array>
@@ -40,7 +39,7 @@ struct Layout {
   }
 };
 
-// The host's part of zip_arrays for some groups (plan_zip: the cache's layout read, nothing
+// The host's part of the quantization of some groups (plan_zip: the cache's layout read, nothing
 // launched, so several groups' plans can be made side by side): every group's rows in order —
 // per KV head the salient subset then the other, each in the group's order — with offsets into
 // arrays shared by the groups (the kernels take them as one), and the kernels' arguments as one
@@ -228,7 +227,7 @@ ZipPlan plan_zip(const CudaKV& C, const std::vector<ZipGroup>& groups) {
   return zp;
 }
 
-// The device's part of zip_arrays: the plan's arguments uploaded, the rows gathered and quantized.
+// The device's part of a group's quantization: the plan's arguments uploaded, the rows gathered and quantized.
 std::vector<StagedZip> launch_zip(Context& ctx, const CudaKV& C, const std::vector<ZipGroup>& groups,
                                   const ZipPlan& zp) {
   const int NKV = C.NKV, D = C.D;
@@ -318,10 +317,6 @@ std::vector<StagedZip> launch_zip(Context& ctx, const CudaKV& C, const std::vect
 }
 
 }  // namespace
-
-std::vector<StagedZip> kv::zip_arrays(Context& ctx, const CudaKV& C, const std::vector<ZipGroup>& groups) {
-  return launch_zip(ctx, C, groups, plan_zip(C, groups));
-}
 
 bool kv_zip_quantize(Context& ctx, DeviceKV& dev, const std::vector<ZipRowsGroup>& groups) {
   trace::Scope span("kv.zip_quantize");

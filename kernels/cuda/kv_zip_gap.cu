@@ -1,13 +1,16 @@
 // ZipCache's streamed gaps on the GPU (StepQuant::zip; the host's twin is ZipCache's
 // on_decode_step). The steps keep each layer's probe queries after RoPE (rope_append's
 // KeptQueries, slots planned by kv_reserve from the method's StepZip::probes). Before the step
-// whose row follows `gap` dense decode rows, every layer's probes are scored against the cache as
-// it is (the rows each probe saw have not changed since: older rows are never re-quantized) in
-// one launch of the decode's scoring kernel, the gap rows' saliency is reduced on the device
-// (zip_gap_saliency), and only that crosses to the host, where the method ranks it
-// (StepZip::rank, as its host hook does); every layer's gap is then quantized where its rows are
-// by one upload and one launch (zip_arrays, the prompt's kernels), each into a segment of its own
-// before the decode rows.
+// whose row follows `gap` dense decode rows, every layer's gap is quantized in launches queued
+// behind the steps, the host waiting for none of them: every layer's probes are scored against
+// the cache as it is (the rows each probe saw have not changed since: older rows are never
+// re-quantized) in one launch of the decode's scoring kernel, the gap rows' saliency is reduced
+// (zip_gap_saliency) and ranked (zip_rank_gap, as the method ranks it), the ranked rows are laid
+// out (zip_gap_plan), gathered and quantized (zip_quantize, the prompt's kernels), each layer's
+// gap a segment of its own before the decode rows. Which rows are salient is the ranking's and
+// stays on the device; how many is not (round(ratio · gap) a KV head), so the segments' parts,
+// sizes and bytes are known here. A gap's V token ranges are copied per row (build_zip lays the
+// host loop's gaps out so too).
 #include <algorithm>
 #include <cmath>
 #include <memory>
@@ -27,20 +30,95 @@ using namespace kv;
 
 namespace {
 
-// A gap's payload before its arrays: each KV head's salient flags (1 bit a row, as
-// zipcache::mark_group packs them) and the layout the kernels make (CodeLayout::ZipMixed).
-void gap_payload(const std::vector<std::vector<char>>& flags, const StepQuant& q, quant::QuantPayload& p) {
-  for (size_t h = 0; h < flags.size(); ++h) {
-    std::vector<uint32_t> f(flags[h].begin(), flags[h].end());
-    for (uint32_t& x : f) x = x ? 1u : 0u;
-    p.k[h].flags.clear();
-    quant::pack(f.data(), static_cast<int64_t>(f.size()), 1, p.k[h].flags);
+// Arrays laid out one after another in one allocation, each from a 256-byte boundary.
+struct Layout {
+  int64_t bytes = 0;
+  int64_t put(int64_t n) {
+    const int64_t at = bytes;
+    bytes += (n + 255) / 256 * 256;
+    return at;
   }
-  p.layout.kind = quant::CodeLayout::Kind::ZipMixed;
-  p.layout.hi_bits = q.k_bits;
-  p.layout.lo_bits = q.v_bits;
-  p.layout.layer_factors = q.zip.layer_factors;
-  p.layout.shared_token_ranges = !q.zip.head_token_ranges;
+};
+
+// Every layer's probes of this gap (slot k saw the gap's rows up to its own) and each KV head's
+// rows older than the gap, as zip_gap_saliency takes them: n_probes [L], seen [L][S], before
+// [L][NKV]; `stride` the scores' row stride, `probes` the probes in all.
+struct GapProbes {
+  std::vector<int32_t> args;
+  int64_t stride = 1;
+  int probes = 0;
+};
+GapProbes gap_probes(const CudaKV& C, int g0, int gap) {
+  const int L = C.L, NKV = C.NKV, S = C.zip.slots;
+  GapProbes g;
+  g.args.assign(static_cast<size_t>(L + L * S + L * NKV), 0);
+  int32_t* n_probes = g.args.data();
+  int32_t* seen = n_probes + L;
+  int32_t* before = seen + L * S;
+  for (int l = 0; l < L; ++l) {
+    const std::vector<int32_t>& slot = C.zip.slot_of_row[static_cast<size_t>(l)];
+    for (int r = g0; r < g0 + gap; ++r) {
+      const int k = slot[static_cast<size_t>(r)];
+      if (k < 0) continue;
+      seen[l * S + k] = r - g0 + 1;
+      n_probes[l] = std::max(n_probes[l], k + 1);
+    }
+    g.probes += n_probes[l];
+    const DevLayer& d = C.layers[static_cast<size_t>(l)];
+    for (int h = 0; h < NKV; ++h) {
+      int64_t rows = 0;
+      for (const DevSeg& s : d.segs) rows += static_cast<int64_t>(s.pos[h].size());
+      before[l * NKV + h] = static_cast<int32_t>(rows);
+      g.stride = std::max(g.stride, rows + gap);
+    }
+  }
+  return g;
+}
+
+// The saliency of every layer's gap rows, sal [L][NKV][gap] (0 where no probe saw a row, as on
+// the host), from the probes' queries scored against the cache.
+void gap_saliency(Context& ctx, CudaKV& C, const GapProbes& g, int gap, bool accumulated, double* sal) {
+  trace::Scope span("kv.zip_gap.saliency");
+  const int L = C.L, NKV = C.NKV, D = C.D;
+  const CudaKV::ZipProbes& P = C.zip;
+  const int NH = P.n_heads, S = P.slots;
+  if (g.probes == 0) {
+    KV_CUDA(cudaMemsetAsync(sal, 0, static_cast<size_t>(L) * NKV * gap * 8, ctx.stream), "ZipCache gap saliency");
+    return;
+  }
+  AttnLayout lay;
+  lay.n_heads = NH;
+  lay.n_kv_heads = NKV;
+  lay.head_dim = D;
+  lay.row_stride = P.width;
+  lay.scale = 1.0f / std::sqrt(static_cast<float>(D));  // (as the host's streaming scores)
+  Buffer q;
+  q.name = "ZipCache probe queries";
+  q.shape = {static_cast<int64_t>(L) * S, P.width};
+  q.dt = Dt::F32;
+  q.data = P.q.mem.get();
+  std::vector<int32_t> layer_of(static_cast<size_t>(L) * S);
+  for (size_t b = 0; b < layer_of.size(); ++b) layer_of[b] = static_cast<int32_t>(b / static_cast<size_t>(S));
+  const DevMem scores = query_scores(ctx, C, q, lay, layer_of, g.stride);
+  const int64_t ab = static_cast<int64_t>(g.args.size()) * 4;
+  DevMem A{ctx.alloc(ab, "ZipCache gap probes"), ab};
+  ctx.upload(A.mem.get(), g.args.data(), ab, "ZipCache gap probes");
+  const auto* a = A.as<int32_t>();
+  zip_gap_saliency(scores.as<float>(), g.stride, L, S, NH, NKV, gap, a, a + L, a + L + L * S, accumulated, sal,
+                   ctx.stream);
+}
+
+// KV head h's arrays at byte `at` of R, head h's `head[h]` bytes into them, `bytes` in all.
+HeadArrays arrays_at(const DevMem& R, int64_t at, int64_t bytes, std::vector<int64_t> head) {
+  HeadArrays a;
+  a.off = std::move(head);
+  if (bytes > 0) a.mem = part_of(R, at, bytes);
+  return a;
+}
+std::vector<int64_t> scaled(const std::vector<int64_t>& x, int64_t by) {
+  std::vector<int64_t> y(x);
+  for (int64_t& v : y) v *= by;
+  return y;
 }
 
 }  // namespace
@@ -55,105 +133,160 @@ void kv::zip_gap(Context& ctx, CudaKV& C) {
   trace::Scope span("kv.zip_gap");
   const int L = C.L, NKV = C.NKV, D = C.D;
   const Tail& t0 = C.layers.front().tail;
-  const StepZip& z = t0.groups.zip;
+  const StepQuant& q = t0.groups;
+  const StepZip& z = q.zip;
   const int gap = z.gap, g0 = t0.first(0);
-  const CudaKV::ZipProbes& P = C.zip;
+  const int k = std::clamp(static_cast<int>(std::llround(z.ratio * gap)), 0, gap);
   for (int l = 0; l < L; ++l) {
     const Tail& t = C.layers[static_cast<size_t>(l)].tail;
-    bool same = t.zipped() && t.n == t0.n && t.groups.zip.gap == gap;
+    bool same = t.zipped() && t.n == t0.n && t.groups.zip.gap == gap && t.cap == t0.cap && !t.packed();
     for (int h = 0; h < NKV && same; ++h) same = t.first(h) == g0;
     if (!same) throw InternalError("ZipCache gaps: layer " + std::to_string(l) + "'s decode rows differ from layer 0's");
   }
+  CudaKV::ZipProbes& P = C.zip;
   if (!P.slot.mem || g0 + gap > P.rows)
     throw InternalError("ZipCache gaps: no probe schedule for decode rows " + std::to_string(g0) + " to " +
                         std::to_string(g0 + gap - 1));
-  const int NH = P.n_heads, S = P.slots;
+  const int64_t N = static_cast<int64_t>(L) * NKV * gap, per = static_cast<int64_t>(NKV) * gap;
+  const bool shared_ranges = !z.head_token_ranges;
+  const int64_t n_slots = shared_ranges ? static_cast<int64_t>(L) * 2 * gap : N;
+  const int fb = (gap + 7) / 8;
+  if (N * 2 >= (int64_t{1} << 31))
+    throw InternalError("ZipCache gaps: " + std::to_string(N) + " rows over the layers' KV heads (fewer than 2^30)");
 
-  // Each layer's probes of this gap (slot k saw the gap's rows up to its own), and each KV
-  // head's rows older than the gap: the arguments of the reduction, in one upload.
-  std::vector<int32_t> args(static_cast<size_t>(L + L * S + L * NKV), 0);
-  int32_t* n_probes = args.data();
-  int32_t* seen = n_probes + L;
-  int32_t* before = seen + L * S;
-  int64_t stride = 1;
-  int probes = 0;
-  for (int l = 0; l < L; ++l) {
-    const std::vector<int32_t>& slot = P.slot_of_row[static_cast<size_t>(l)];
-    for (int r = g0; r < g0 + gap; ++r) {
-      const int k = slot[static_cast<size_t>(r)];
-      if (k < 0) continue;
-      seen[l * S + k] = r - g0 + 1;
-      n_probes[l] = std::max(n_probes[l], k + 1);
-    }
-    probes += n_probes[l];
-    const DevLayer& d = C.layers[static_cast<size_t>(l)];
-    for (int h = 0; h < NKV; ++h) {
-      int64_t rows = 0;
-      for (const DevSeg& s : d.segs) rows += static_cast<int64_t>(s.pos[h].size());
-      before[l * NKV + h] = static_cast<int32_t>(rows);
-      stride = std::max(stride, rows + gap);
-    }
+  // The blocks, the same every gap: made and uploaded once.
+  if (!P.blocks.mem) {
+    P.layout = zip_gap_layout(L, NKV, gap, k, D, q.k_bits, q.v_bits, z.layer_factors);
+    const ZipGapLayout& Z = P.layout;
+    Layout in;
+    const int64_t b0 = in.put(static_cast<int64_t>(Z.blocks.size() * sizeof(ZipBlock)));
+    const int64_t f0 = in.put(static_cast<int64_t>(Z.factor_blocks.size() * sizeof(ZipFactorBlock)));
+    const int64_t r0 = in.put(static_cast<int64_t>(Z.row_block.size()) * 4);
+    std::vector<char> host(static_cast<size_t>(in.bytes), 0);
+    std::copy_n(reinterpret_cast<const char*>(Z.blocks.data()), Z.blocks.size() * sizeof(ZipBlock), host.begin() + b0);
+    std::copy_n(reinterpret_cast<const char*>(Z.factor_blocks.data()), Z.factor_blocks.size() * sizeof(ZipFactorBlock),
+                host.begin() + f0);
+    std::copy_n(reinterpret_cast<const char*>(Z.row_block.data()), Z.row_block.size() * 4, host.begin() + r0);
+    P.blocks = {ctx.alloc(in.bytes, "ZipCache gap blocks"), in.bytes};
+    ctx.upload(P.blocks.mem.get(), host.data(), in.bytes, "ZipCache gap blocks");
   }
-  std::vector<double> sal(static_cast<size_t>(L) * NKV * gap, 0.0);
-  if (probes > 0) {  // (else no row is seen: every saliency is 0, as on the host)
-    trace::Scope sal_span("kv.zip_gap.saliency");
-    AttnLayout lay;
-    lay.n_heads = NH;
-    lay.n_kv_heads = NKV;
-    lay.head_dim = D;
-    lay.row_stride = P.width;
-    lay.scale = 1.0f / std::sqrt(static_cast<float>(D));  // (as the host's streaming scores)
-    Buffer q;
-    q.name = "ZipCache probe queries";
-    q.shape = {static_cast<int64_t>(L) * S, P.width};
-    q.dt = Dt::F32;
-    q.data = P.q.mem.get();
-    std::vector<int32_t> layer_of(static_cast<size_t>(L) * S);
-    for (size_t b = 0; b < layer_of.size(); ++b) layer_of[b] = static_cast<int32_t>(b / static_cast<size_t>(S));
-    const DevMem scores = query_scores(ctx, C, q, lay, layer_of, stride);
-    const int64_t ab = static_cast<int64_t>(args.size()) * 4, sb = static_cast<int64_t>(sal.size()) * 8;
-    DevMem A{ctx.alloc(sb + ab, "ZipCache gap saliency"), sb + ab};  // the saliency, then the arguments
-    auto* out = A.as<double>();
-    const auto* a = reinterpret_cast<const int32_t*>(A.as<char>() + sb);
-    ctx.upload(A.as<char>() + sb, args.data(), ab, "ZipCache gap probes");
-    zip_gap_saliency(scores.as<float>(), stride, L, S, NH, NKV, gap, a, a + L, a + L + L * S, z.accumulated, out,
-                     ctx.stream);
-    ctx.download(sal.data(), out, sb, "ZipCache gap saliency");
+  const ZipGapLayout& Z = P.layout;
+  if (static_cast<int64_t>(Z.row_block.size()) != N)
+    throw InternalError("ZipCache gaps: blocks made for " + std::to_string(Z.row_block.size()) + " rows, the gap has " +
+                        std::to_string(N));
+
+  // Scratch: the saliency and ranking key, salient marks, the layers' tail pointers, the plan,
+  // the gathered rows.
+  Layout sc;
+  const int64_t s_sal = sc.put(N * 8), s_key = sc.put(N * 8), s_mark = sc.put(N), s_ptr = sc.put(3LL * L * 8),
+                s_src = sc.put(2 * N * 8), s_rs = sc.put(N * 4), s_sf = sc.put((n_slots + 1) * 4), s_sr = sc.put(N * 4),
+                s_x = sc.put(2 * N * D * 2);
+  DevMem W{ctx.alloc(sc.bytes, "ZipCache gap scratch"), sc.bytes};
+  char* w = W.as<char>();
+  // The results, every layer's one after another in each array.
+  Layout rs;
+  const int64_t r_kc = rs.put(Z.code), r_vc = rs.put(Z.code), r_ks = rs.put(Z.range * 2), r_kz = rs.put(Z.range * 2),
+                r_f = rs.put(Z.factor * 2), r_ts = rs.put(n_slots * 2), r_tz = rs.put(n_slots * 2),
+                r_rs = shared_ranges ? rs.put(N * 2) : 0, r_rz = shared_ranges ? rs.put(N * 2) : 0,
+                r_fl = rs.put(static_cast<int64_t>(L) * NKV * fb), r_pos = rs.put(N * 4), r_ord = rs.put(N * 4);
+  DevMem R{ctx.alloc(rs.bytes, "ZipCache gap codes and ranges"), rs.bytes};
+  char* r = R.as<char>();
+
+  gap_saliency(ctx, C, gap_probes(C, g0, gap), gap, z.accumulated, reinterpret_cast<double*>(w + s_sal));
+  {
+    trace::Scope plan_span("kv.zip_gap.quantize");
+    std::vector<const void*> ptrs(3 * static_cast<size_t>(L));
+    for (int l = 0; l < L; ++l) {
+      const Tail& t = C.layers[static_cast<size_t>(l)].tail;
+      ptrs[static_cast<size_t>(l)] = t.k.mem.get();
+      ptrs[static_cast<size_t>(L + l)] = t.v.mem.get();
+      ptrs[static_cast<size_t>(2 * L + l)] = t.pos.mem.get();
+    }
+    ctx.upload(w + s_ptr, ptrs.data(), 3LL * L * 8, "ZipCache gap rows");
+    auto* order = reinterpret_cast<int32_t*>(r + r_ord);
+    const auto* mark = reinterpret_cast<const uint8_t*>(w + s_mark);
+    zip_rank_gap(reinterpret_cast<const double*>(w + s_sal), L, NKV, gap, k, z.shared_ranking,
+                 reinterpret_cast<double*>(w + s_key), reinterpret_cast<uint8_t*>(w + s_mark), order,
+                 reinterpret_cast<uint8_t*>(r + r_fl), ctx.stream);
+    ZipGapRows rows;
+    const auto* const* tails = reinterpret_cast<const void* const*>(w + s_ptr);
+    rows.k = reinterpret_cast<const __half* const*>(tails);
+    rows.v = reinterpret_cast<const __half* const*>(tails + L);
+    rows.pos = reinterpret_cast<const int32_t* const*>(tails + 2 * L);
+    rows.cap = t0.cap;
+    rows.first = g0;
+    auto* src = reinterpret_cast<const __half**>(w + s_src);
+    zip_gap_plan(rows, L, NKV, gap, k, D, shared_ranges, order, mark, src, reinterpret_cast<int32_t*>(w + s_rs),
+                 reinterpret_cast<int32_t*>(w + s_sf), reinterpret_cast<int32_t*>(w + s_sr),
+                 reinterpret_cast<int32_t*>(r + r_pos), ctx.stream);
+    auto* x = reinterpret_cast<__half*>(w + s_x);
+    gather_rows(src, x, static_cast<int>(2 * N), D, ctx.stream);
+    const char* b = P.blocks.as<char>();
+    ZipQuantArgs a;
+    a.x = x;
+    a.N = static_cast<int>(N);
+    a.D = D;
+    a.blocks = reinterpret_cast<const ZipBlock*>(b);
+    a.n_blocks = static_cast<int>(Z.blocks.size());
+    const int64_t f0 = (static_cast<int64_t>(Z.blocks.size() * sizeof(ZipBlock)) + 255) / 256 * 256;
+    const int64_t f1 = f0 + (static_cast<int64_t>(Z.factor_blocks.size() * sizeof(ZipFactorBlock)) + 255) / 256 * 256;
+    a.factor_blocks = reinterpret_cast<const ZipFactorBlock*>(b + f0);
+    a.n_factor_blocks = static_cast<int>(Z.factor_blocks.size());
+    a.row_block = reinterpret_cast<const int32_t*>(b + f1);
+    a.row_slot = reinterpret_cast<const int32_t*>(w + s_rs);
+    a.slot_first = reinterpret_cast<const int32_t*>(w + s_sf);
+    a.slot_rows = reinterpret_cast<const int32_t*>(w + s_sr);
+    a.n_slots = static_cast<int>(n_slots);
+    a.k_codes = reinterpret_cast<uint8_t*>(r + r_kc);
+    a.v_codes = reinterpret_cast<uint8_t*>(r + r_vc);
+    a.k_scale = reinterpret_cast<__half*>(r + r_ks);
+    a.k_zero = reinterpret_cast<__half*>(r + r_kz);
+    a.factor = reinterpret_cast<__half*>(r + r_f);
+    a.t_scale = reinterpret_cast<__half*>(r + r_ts);
+    a.t_zero = reinterpret_cast<__half*>(r + r_tz);
+    if (shared_ranges) {
+      a.row_scale = reinterpret_cast<__half*>(r + r_rs);
+      a.row_zero = reinterpret_cast<__half*>(r + r_rz);
+    }
+    zip_quantize(a, ctx.stream);
   }
 
-  // Each layer's gap: flags ranked here, every layer's rows quantized where they are by one
-  // launch, each gap a segment of its own.
-  std::vector<LayerKV> gaps(static_cast<size_t>(L));
-  std::vector<quant::QuantPayload> payloads(static_cast<size_t>(L), quant::QuantPayload(NKV));
-  std::vector<ZipGroup> groups;
-  for (int l = 0; l < L; ++l) {
-    trace::Scope rank_span("kv.zip_gap.rank", l);
-    const Tail& t = C.layers[static_cast<size_t>(l)].tail;
-    LayerKV& gap_rows = gaps[static_cast<size_t>(l)];
-    gap_rows.segments.resize(1);
-    KVSegment& s = gap_rows.segments[0];
-    s.kind = SegmentKind::Generated;
-    s.storage = t.groups.label;
-    s.layout_only = true;
-    s.heads.resize(static_cast<size_t>(NKV));
-    for (HeadRows& h : s.heads) h.pos.assign(t.host_pos.begin() + g0, t.host_pos.begin() + g0 + gap);
-    const std::vector<std::vector<char>> flags = z.rank(sal.data() + static_cast<int64_t>(l) * NKV * gap, NKV, gap);
-    bool sized = static_cast<int>(flags.size()) == NKV;
-    for (const std::vector<char>& f : flags) sized = sized && static_cast<int>(f.size()) == gap;
-    if (!sized) throw InternalError("ZipCache gaps: layer " + std::to_string(l) + "'s ranking is not one flag a row");
-    gap_payload(flags, t0.groups, payloads[static_cast<size_t>(l)]);
-    groups.push_back({l, {&s}, &payloads[static_cast<size_t>(l)]});
-  }
-  const std::vector<StagedZip> made = zip_arrays(ctx, C, groups);
+  // Each layer's gap a segment of its own, its arrays the layer's part of each result array.
   trace::Scope layout_span("kv.zip_gap.layout");
+  const int bits[2] = {q.v_bits, q.k_bits};
+  const std::vector<std::array<int64_t, 2>> counts(static_cast<size_t>(NKV), {gap - k, k});
+  std::vector<int64_t> row_head(static_cast<size_t>(NKV)), flag_head(static_cast<size_t>(NKV));
+  for (int h = 0; h < NKV; ++h) {
+    row_head[static_cast<size_t>(h)] = static_cast<int64_t>(h) * gap * 2;
+    flag_head[static_cast<size_t>(h)] = static_cast<int64_t>(h) * fb;
+  }
+  const std::string label = "packed " + q.label + (shared_ranges ? " (V token ranges per KV head)" : "");
+  const std::vector<int32_t> pos(t0.host_pos.begin() + g0, t0.host_pos.begin() + g0 + gap);
   for (int l = 0; l < L; ++l) {
     DevLayer& d = C.layers[static_cast<size_t>(l)];
-    std::vector<DevSeg> built = build_zip(ctx, C, groups[static_cast<size_t>(l)].segs, payloads[static_cast<size_t>(l)],
-                                          &made[static_cast<size_t>(l)]);
-    if (built.size() != 1)
-      throw InternalError("ZipCache gaps: layer " + std::to_string(l) + "'s gap was not laid out as the kernels read it");
-    built[0].payload = nullptr;  // (no host segment mirrors it)
-    d.segs.push_back(std::move(built[0]));
+    DevSeg s;
+    s.kind = SegmentKind::Generated;
+    s.storage = label;
+    s.host_storage = q.label;
+    s.fp16_rows = false;
+    s.heads.resize(static_cast<size_t>(NKV));
+    s.pos.assign(static_cast<size_t>(NKV), pos);
+    s.merged.resize(static_cast<size_t>(NKV));
+    ZipArrays a;
+    a.kc = arrays_at(R, r_kc + l * Z.layer_code, Z.layer_code, Z.head_code);
+    a.vc = arrays_at(R, r_vc + l * Z.layer_code, Z.layer_code, Z.head_code);
+    a.ks = arrays_at(R, r_ks + l * Z.layer_range * 2, Z.layer_range * 2, scaled(Z.head_range, 2));
+    a.kz = arrays_at(R, r_kz + l * Z.layer_range * 2, Z.layer_range * 2, scaled(Z.head_range, 2));
+    // (a range per row: its copy of its slot's where the heads share slots, else its own slot's)
+    a.vs = arrays_at(R, (shared_ranges ? r_rs : r_ts) + l * per * 2, per * 2, row_head);
+    a.vz = arrays_at(R, (shared_ranges ? r_rz : r_tz) + l * per * 2, per * 2, row_head);
+    a.vm = arrays_at(R, r_f + l * Z.layer_factor * 2, Z.layer_factor * 2, scaled(Z.head_factor, 2));
+    a.kf = arrays_at(R, r_fl + l * NKV * static_cast<int64_t>(fb), NKV * static_cast<int64_t>(fb), flag_head);
+    zip_parts(s, a, counts, bits, z.layer_factors, D);
+    s.mem.push_back(part_of(R, r_pos + l * per * 4, per * 4));
+    s.bytes.indices = per * 4;
+    s.order_dev = part_of(R, r_ord + l * per * 4, per * 4);
+    d.segs.push_back(std::move(s));
     d.tail.start.assign(static_cast<size_t>(NKV), g0 + gap);
   }
   C.changed();

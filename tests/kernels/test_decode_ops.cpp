@@ -76,9 +76,10 @@ void check_bytes(const Side& g, const Side& cpu, int D, bool packed_only, const 
         // ZipCache's V token ranges shared by the KV heads (fp16 scale and zero, 4 bytes each)
         // are held per head on the device — one range a row of every head of the group (its
         // payload's bytes count on its first segment) — unless every head flags the same rows
-        // salient (one ranking), when the shared table is what each head reads.
+        // salient (one ranking), when the shared table is what each head reads; a streamed gap
+        // (generated rows) holds its copies either way.
         const auto* qp = quant::landed(sc[i].payload.get());
-        bool same_flags = true;
+        bool same_flags = sc[i].kind != SegmentKind::Generated;
         for (size_t h = 1; qp && h < qp->k.size(); ++h) same_flags = same_flags && qp->k[h].flags == qp->k[0].flags;
         if (qp && qp->layout.shared_token_ranges && !same_flags && (i == 0 || sc[i - 1].payload != sc[i].payload)) {
           int64_t rows = 0;

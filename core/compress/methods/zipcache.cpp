@@ -44,8 +44,8 @@
 // would add error a real cache (which keeps the codes) would not have. A device decode runs the
 // streaming itself from the same data (step_quant: StepQuant::zip): its steps keep the probes'
 // queries, and before the step that follows a gap it scores them against its cache, reduces the
-// gap's saliency as here (zipcache::gap_saliency), ranks it on the host (rank_gap) and
-// quantizes the gap where its rows are.
+// gap's saliency as here (zipcache::gap_saliency), ranks it as here (rank_gap) and quantizes the
+// gap where its rows are, without waiting on the host.
 //
 // The authors' code also differs in ways kvlens does not model: it normalises the probes' column
 // sums by T − i (every query that can see token i) rather than by the probes that see it, draws
@@ -150,9 +150,8 @@ class ZipCachePolicy : public KVPolicy {
       }
       return slot;
     };
-    q.zip.rank = [o](const double* sal, int n_kv_heads, int gap) {
-      return zipcache::rank_gap(sal, n_kv_heads, gap, o.ratio, o.shared);
-    };
+    q.zip.ratio = o_.ratio;
+    q.zip.shared_ranking = o_.shared;
     return q;
   }
 
