@@ -355,20 +355,35 @@ __global__ void __launch_bounds__(kThreads, 4) decode_qtok_kernel(DecodeParams p
 // token is appended as fp16 (fresh_token). Arithmetic per row as the general kernel's fast paths
 // (f16_update; channel_token_rows).
 
-// f(std::integral_constant<int, W>) for a part's code width W: BITS where fixed, else the part's
-// own, so that every width's shifts and masks are constants. The launch admits parts of 1, 2 or 4
-// bits only (CudaKV::build_tables, mix_width), so a width neither 4 nor 2 is 1.
-template <int BITS, class F>
-__device__ __forceinline__ void with_width(int bits, F&& f) {
-  if constexpr (BITS != 0) f(std::integral_constant<int, BITS>{});
-  else if (bits == 4) f(std::integral_constant<int, 4>{});
-  else if (bits == 2) f(std::integral_constant<int, 2>{});
-  else f(std::integral_constant<int, 1>{});
+// A lane's codes of 8 channels (W·8 bits at p, W-byte aligned: mix_width), W = BITS where fixed,
+// else the part's own width (1, 2 or 4 bits: CudaKV::build_tables, mix_width) read at run time.
+// ZipCache's parts of two widths take the run-time width, one copy of the code for every width:
+// a copy per width (constant shifts) made the kernel wait on instruction fetches.
+template <int BITS>
+__device__ __forceinline__ uint32_t load_codes(const uint8_t* p, int W) {
+  if constexpr (BITS != 0) return static_cast<uint32_t>(load_bits<BITS>(p));
+  else return W == 4 ? __ldg(reinterpret_cast<const uint32_t*>(p)) : W == 2 ? __ldg(reinterpret_cast<const uint16_t*>(p)) : __ldg(p);
+}
+// The 8 codes of x, channel c at bits c·W (W as load_codes takes it), as floats.
+template <int BITS>
+__device__ __forceinline__ void codes8(uint32_t x, int W, float (&c)[8]) {
+  if constexpr (BITS != 0) {
+    constexpr uint32_t mask = (1u << BITS) - 1u;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) c[i] = code_f((x >> (i * BITS)) & mask);
+  } else {
+    const uint32_t mask = (1u << W) - 1u;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      c[i] = code_f(x & mask);
+      x >>= W;
+    }
+  }
 }
 
 // A row in registers: fp16 K and V (k, v), or a quantized row's K codes (k.x), V codes (k.y),
 // V scale and zero (k.z, a half2) and its key ranges' offset from its part's (k.w: group·D + c0)
-// with its part's index (v.x).
+// with its part's index (v.x) and code width (v.y).
 struct MixRow {
   uint4 k, v;
 };
@@ -384,15 +399,12 @@ __device__ __forceinline__ void mix_update(const MixRow (&r)[U], unsigned coded,
     float d = 0.0f;
     if (coded >> u & 1u) {
       const int pi = static_cast<int>(r[u].v.x);
-      float sf[8], zf[8];
+      float sf[8], zf[8], cf[8];
       unpack8<__half>(__ldg(reinterpret_cast<const uint4*>(parts.ks[pi] + r[u].k.w)), sf);
       unpack8<__half>(__ldg(reinterpret_cast<const uint4*>(parts.kz[pi] + r[u].k.w)), zf);
-      with_width<BITS>(BITS ? BITS : parts.bits[pi], [&](auto w) {
-        constexpr int W = decltype(w)::value;
-        constexpr uint32_t mask = (1u << W) - 1u;
+      codes8<BITS>(r[u].k.x, static_cast<int>(r[u].v.y), cf);
 #pragma unroll
-        for (int c = 0; c < 8; ++c) d = fmaf(q[c], fmaf(code_f((r[u].k.x >> (c * W)) & mask), sf[c], zf[c]), d);
-      });
+      for (int c = 0; c < 8; ++c) d = fmaf(q[c], fmaf(cf[c], sf[c], zf[c]), d);
     } else {
       float f[8];
       unpack8<__half>(r[u].k, f);
@@ -408,19 +420,17 @@ __device__ __forceinline__ void mix_update(const MixRow (&r)[U], unsigned coded,
       const float2 vr = __half22float2(*reinterpret_cast<const __half2*>(&r[u].k.z));
       const float ps = p * vr.x, pz = p * vr.y;
       const __half* vf = BITS ? nullptr : parts.vf[pi];  // (parts with factors take BITS = 0)
-      with_width<BITS>(BITS ? BITS : parts.bits[pi], [&](auto w) {
-        constexpr int W = decltype(w)::value;
-        constexpr uint32_t mask = (1u << W) - 1u;
-        if (vf) {  // v_c = f_c·(code·scale + zero)
-          float f[8];
-          unpack8<__half>(__ldg(reinterpret_cast<const uint4*>(vf + c0)), f);
+      float cf[8];
+      codes8<BITS>(r[u].k.y, static_cast<int>(r[u].v.y), cf);
+      if (vf) {  // v_c = f_c·(code·scale + zero)
+        float f[8];
+        unpack8<__half>(__ldg(reinterpret_cast<const uint4*>(vf + c0)), f);
 #pragma unroll
-          for (int c = 0; c < 8; ++c) st.o[c] = fmaf(f[c], fmaf(ps, code_f((r[u].k.y >> (c * W)) & mask), pz), st.o[c]);
-        } else {
+        for (int c = 0; c < 8; ++c) st.o[c] = fmaf(f[c], fmaf(ps, cf[c], pz), st.o[c]);
+      } else {
 #pragma unroll
-          for (int c = 0; c < 8; ++c) st.o[c] = fmaf(ps, code_f((r[u].k.y >> (c * W)) & mask), st.o[c]) + pz;
-        }
-      });
+        for (int c = 0; c < 8; ++c) st.o[c] = fmaf(ps, cf[c], st.o[c]) + pz;
+      }
     } else {
       float f[8];
       unpack8<__half>(r[u].v, f);
@@ -458,12 +468,11 @@ __global__ void __launch_bounds__(kThreads, 4) decode_mix_kernel(DecodeParams p)
           r.k = ld_row16(static_cast<const __half*>(parts.k[pi]) + at);
           r.v = ld_row16(static_cast<const __half*>(parts.v[pi]) + at);
         } else {
-          with_width<BITS>(BITS ? BITS : parts.bits[pi], [&](auto w) {
-            constexpr int W = decltype(w)::value;  // (mix_width: parts aligned to W bytes)
-            const int64_t at = static_cast<int64_t>(i) * (D * W / 8) + (c0 / 8) * W;
-            r.k.x = static_cast<uint32_t>(load_bits<W>(static_cast<const uint8_t*>(parts.k[pi]) + at));
-            r.k.y = static_cast<uint32_t>(load_bits<W>(static_cast<const uint8_t*>(parts.v[pi]) + at));
-          });
+          const int W = BITS ? BITS : parts.bits[pi];
+          const int64_t at = static_cast<int64_t>(i) * (D / 8) * W + (c0 / 8) * W;
+          r.k.x = load_codes<BITS>(static_cast<const uint8_t*>(parts.k[pi]) + at, W);
+          r.k.y = load_codes<BITS>(static_cast<const uint8_t*>(parts.v[pi]) + at, W);
+          r.v.y = static_cast<uint32_t>(W);
           const __half2 vr = __halves2half2(__ldg(parts.vs[pi] + i), __ldg(parts.vz[pi] + i));
           r.k.z = *reinterpret_cast<const uint32_t*>(&vr);
           r.k.w = static_cast<uint32_t>((grp > 0 ? i / grp : 0) * D + c0);
