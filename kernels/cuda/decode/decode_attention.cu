@@ -654,9 +654,9 @@ void launch_l(const DecodeParams& p, int mode, cudaStream_t s) {
       return;
     }
     if (mix) {
-      if (p.mix_bits == 2) go(decode_mix_kernel<L, 2>, "decode_mix_kernel");
-      else if (p.mix_bits == 4) go(decode_mix_kernel<L, 4>, "decode_mix_kernel");
-      else go(decode_mix_kernel<L, 0>, "decode_mix_kernel");
+      if (p.mix_bits == 2) go(decode_mix_kernel<L, 2, kTokRows / 2>, "decode_mix_kernel");
+      else if (p.mix_bits == 4) go(decode_mix_kernel<L, 4, kTokRows / 2>, "decode_mix_kernel");
+      else go(decode_mix_kernel<L, 0, kTokRows / 4>, "decode_mix_kernel");
       return;
     }
   }
