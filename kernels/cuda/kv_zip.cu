@@ -29,16 +29,6 @@ using namespace kv;
 
 namespace {
 
-// Arrays laid out one after another in one allocation, each from a 256-byte boundary.
-struct Layout {
-  int64_t bytes = 0;
-  int64_t put(int64_t n) {
-    const int64_t at = bytes;
-    bytes += (n + 255) / 256 * 256;
-    return at;
-  }
-};
-
 // The host's part of the quantization of some groups (plan_zip: the cache's layout read, nothing
 // launched, so several groups' plans can be made side by side): every group's rows in order —
 // per KV head the salient subset then the other, each in the group's order — with offsets into
@@ -207,7 +197,7 @@ ZipPlan plan_zip(const CudaKV& C, const std::vector<ZipGroup>& groups) {
   }
   // The arguments as one upload.
   src.insert(src.end(), values.begin(), values.end());
-  Layout in;
+  ArrayLayout in;
   zp.a_ptr = in.put(2 * N * static_cast<int64_t>(sizeof(void*)));
   zp.a_blk = in.put(static_cast<int64_t>(blocks.size() * sizeof(ZipBlock)));
   zp.a_fb = in.put(static_cast<int64_t>(fblocks.size() * sizeof(ZipFactorBlock)));
@@ -247,7 +237,7 @@ std::vector<StagedZip> launch_zip(Context& ctx, const CudaKV& C, const std::vect
   // The results: each array of every group one after another, each group's KV heads one after
   // another as its payload holds them; then the flags and positions (uploaded); the ranges copied
   // per row (when some group's heads hold a position's rows in different subsets) last.
-  Layout res;
+  ArrayLayout res;
   const int64_t r_kc = res.put(code), r_vc = res.put(code), r_ks = res.put(range * 2), r_kz = res.put(range * 2),
                 r_f = res.put(factor * 2), r_ts = res.put(slots * 2), r_tz = res.put(slots * 2),
                 r_meta = res.put(zp.meta_bytes);

@@ -30,16 +30,6 @@ using namespace kv;
 
 namespace {
 
-// Arrays laid out one after another in one allocation, each from a 256-byte boundary.
-struct Layout {
-  int64_t bytes = 0;
-  int64_t put(int64_t n) {
-    const int64_t at = bytes;
-    bytes += (n + 255) / 256 * 256;
-    return at;
-  }
-};
-
 // Every layer's probes of this gap (slot k saw the gap's rows up to its own) and each KV head's
 // rows older than the gap, as zip_gap_saliency takes them: n_probes [L], seen [L][S], before
 // [L][NKV]; `stride` the scores' row stride, `probes` the probes in all.
@@ -108,6 +98,20 @@ void gap_saliency(Context& ctx, CudaKV& C, const GapProbes& g, int gap, bool acc
                    ctx.stream);
 }
 
+// Where zip_gap_layout's blocks, factor blocks and row blocks lie in CudaKV::ZipProbes::blocks.
+struct BlockArrays {
+  int64_t blocks = 0, factors = 0, rows = 0, bytes = 0;
+};
+BlockArrays block_arrays(const ZipGapLayout& Z) {
+  ArrayLayout in;
+  BlockArrays a;
+  a.blocks = in.put(static_cast<int64_t>(Z.blocks.size() * sizeof(ZipBlock)));
+  a.factors = in.put(static_cast<int64_t>(Z.factor_blocks.size() * sizeof(ZipFactorBlock)));
+  a.rows = in.put(static_cast<int64_t>(Z.row_block.size()) * 4);
+  a.bytes = in.bytes;
+  return a;
+}
+
 // KV head h's arrays at byte `at` of R, head h's `head[h]` bytes into them, `bytes` in all.
 HeadArrays arrays_at(const DevMem& R, int64_t at, int64_t bytes, std::vector<int64_t> head) {
   HeadArrays a;
@@ -158,33 +162,31 @@ void kv::zip_gap(Context& ctx, CudaKV& C) {
   if (!P.blocks.mem) {
     P.layout = zip_gap_layout(L, NKV, gap, k, D, q.k_bits, q.v_bits, z.layer_factors);
     const ZipGapLayout& Z = P.layout;
-    Layout in;
-    const int64_t b0 = in.put(static_cast<int64_t>(Z.blocks.size() * sizeof(ZipBlock)));
-    const int64_t f0 = in.put(static_cast<int64_t>(Z.factor_blocks.size() * sizeof(ZipFactorBlock)));
-    const int64_t r0 = in.put(static_cast<int64_t>(Z.row_block.size()) * 4);
-    std::vector<char> host(static_cast<size_t>(in.bytes), 0);
-    std::copy_n(reinterpret_cast<const char*>(Z.blocks.data()), Z.blocks.size() * sizeof(ZipBlock), host.begin() + b0);
+    const BlockArrays at = block_arrays(Z);
+    std::vector<char> host(static_cast<size_t>(at.bytes), 0);
+    std::copy_n(reinterpret_cast<const char*>(Z.blocks.data()), Z.blocks.size() * sizeof(ZipBlock), host.begin() + at.blocks);
     std::copy_n(reinterpret_cast<const char*>(Z.factor_blocks.data()), Z.factor_blocks.size() * sizeof(ZipFactorBlock),
-                host.begin() + f0);
-    std::copy_n(reinterpret_cast<const char*>(Z.row_block.data()), Z.row_block.size() * 4, host.begin() + r0);
-    P.blocks = {ctx.alloc(in.bytes, "ZipCache gap blocks"), in.bytes};
-    ctx.upload(P.blocks.mem.get(), host.data(), in.bytes, "ZipCache gap blocks");
+                host.begin() + at.factors);
+    std::copy_n(reinterpret_cast<const char*>(Z.row_block.data()), Z.row_block.size() * 4, host.begin() + at.rows);
+    P.blocks = {ctx.alloc(at.bytes, "ZipCache gap blocks"), at.bytes};
+    ctx.upload(P.blocks.mem.get(), host.data(), at.bytes, "ZipCache gap blocks");
   }
   const ZipGapLayout& Z = P.layout;
+  const BlockArrays blocks_at = block_arrays(Z);
   if (static_cast<int64_t>(Z.row_block.size()) != N)
     throw InternalError("ZipCache gaps: blocks made for " + std::to_string(Z.row_block.size()) + " rows, the gap has " +
                         std::to_string(N));
 
   // Scratch: the saliency and ranking key, salient marks, the layers' tail pointers, the plan,
   // the gathered rows.
-  Layout sc;
+  ArrayLayout sc;
   const int64_t s_sal = sc.put(N * 8), s_key = sc.put(N * 8), s_mark = sc.put(N), s_ptr = sc.put(3LL * L * 8),
                 s_src = sc.put(2 * N * 8), s_rs = sc.put(N * 4), s_sf = sc.put((n_slots + 1) * 4), s_sr = sc.put(N * 4),
                 s_x = sc.put(2 * N * D * 2);
   DevMem W{ctx.alloc(sc.bytes, "ZipCache gap scratch"), sc.bytes};
   char* w = W.as<char>();
   // The results, every layer's one after another in each array.
-  Layout rs;
+  ArrayLayout rs;
   const int64_t r_kc = rs.put(Z.code), r_vc = rs.put(Z.code), r_ks = rs.put(Z.range * 2), r_kz = rs.put(Z.range * 2),
                 r_f = rs.put(Z.factor * 2), r_ts = rs.put(n_slots * 2), r_tz = rs.put(n_slots * 2),
                 r_rs = shared_ranges ? rs.put(N * 2) : 0, r_rz = shared_ranges ? rs.put(N * 2) : 0,
@@ -226,13 +228,11 @@ void kv::zip_gap(Context& ctx, CudaKV& C) {
     a.x = x;
     a.N = static_cast<int>(N);
     a.D = D;
-    a.blocks = reinterpret_cast<const ZipBlock*>(b);
+    a.blocks = reinterpret_cast<const ZipBlock*>(b + blocks_at.blocks);
     a.n_blocks = static_cast<int>(Z.blocks.size());
-    const int64_t f0 = (static_cast<int64_t>(Z.blocks.size() * sizeof(ZipBlock)) + 255) / 256 * 256;
-    const int64_t f1 = f0 + (static_cast<int64_t>(Z.factor_blocks.size() * sizeof(ZipFactorBlock)) + 255) / 256 * 256;
-    a.factor_blocks = reinterpret_cast<const ZipFactorBlock*>(b + f0);
+    a.factor_blocks = reinterpret_cast<const ZipFactorBlock*>(b + blocks_at.factors);
     a.n_factor_blocks = static_cast<int>(Z.factor_blocks.size());
-    a.row_block = reinterpret_cast<const int32_t*>(b + f1);
+    a.row_block = reinterpret_cast<const int32_t*>(b + blocks_at.rows);
     a.row_slot = reinterpret_cast<const int32_t*>(w + s_rs);
     a.slot_first = reinterpret_cast<const int32_t*>(w + s_sf);
     a.slot_rows = reinterpret_cast<const int32_t*>(w + s_sr);
@@ -261,7 +261,6 @@ void kv::zip_gap(Context& ctx, CudaKV& C) {
     flag_head[static_cast<size_t>(h)] = static_cast<int64_t>(h) * fb;
   }
   const std::string label = "packed " + q.label + (shared_ranges ? " (V token ranges per KV head)" : "");
-  const std::vector<int32_t> pos(t0.host_pos.begin() + g0, t0.host_pos.begin() + g0 + gap);
   for (int l = 0; l < L; ++l) {
     DevLayer& d = C.layers[static_cast<size_t>(l)];
     DevSeg s;
@@ -270,7 +269,7 @@ void kv::zip_gap(Context& ctx, CudaKV& C) {
     s.host_storage = q.label;
     s.fp16_rows = false;
     s.heads.resize(static_cast<size_t>(NKV));
-    s.pos.assign(static_cast<size_t>(NKV), pos);
+    s.pos.assign(static_cast<size_t>(NKV), std::vector<int32_t>(d.tail.host_pos.begin() + g0, d.tail.host_pos.begin() + g0 + gap));
     s.merged.resize(static_cast<size_t>(NKV));
     ZipArrays a;
     a.kc = arrays_at(R, r_kc + l * Z.layer_code, Z.layer_code, Z.head_code);

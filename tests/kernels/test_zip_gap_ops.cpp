@@ -78,27 +78,12 @@ TEST(ZipGapOps, HostRankingIsAStableSortsTop) {
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/kernels.h"
+#include "tests/device_buffer.h"
 namespace {
 
-// Device memory for a test, freed at the end.
-struct Dev {
-  void* p = nullptr;
-  explicit Dev(size_t bytes) { EXPECT_EQ(cudaMalloc(&p, std::max<size_t>(bytes, 1)), cudaSuccess); }
-  ~Dev() { cudaFree(p); }
-  Dev(const Dev&) = delete;
-  Dev& operator=(const Dev&) = delete;
-  template <class T>
-  T* as() const { return static_cast<T*>(p); }
-};
 template <class T>
 void put(Dev& d, const std::vector<T>& v) {
   ASSERT_EQ(cudaMemcpy(d.p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
-}
-template <class T>
-std::vector<T> get(const void* p, size_t n) {
-  std::vector<T> v(n);
-  EXPECT_EQ(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
-  return v;
 }
 void poison(Dev& d, size_t bytes) { ASSERT_EQ(cudaMemset(d.p, 0xA5, bytes), cudaSuccess); }
 
@@ -129,8 +114,8 @@ TEST(ZipGapOps, RankKernelAgainstTheHostsRanking) {
     cuda::zip_rank_gap(S.as<double>(), L, c.NKV, c.gap, k, c.shared, K.as<double>(), M.as<uint8_t>(), O.as<int32_t>(),
                        F.as<uint8_t>(), nullptr);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    const std::vector<uint8_t> mark = get<uint8_t>(M.p, n), flags = get<uint8_t>(F.p, static_cast<size_t>(L) * c.NKV * fb);
-    const std::vector<int32_t> order = get<int32_t>(O.p, n);
+    const std::vector<uint8_t> mark = M.host<uint8_t>(n), flags = F.host<uint8_t>(static_cast<size_t>(L) * c.NKV * fb);
+    const std::vector<int32_t> order = O.host<int32_t>(n);
     for (int l = 0; l < L; ++l) {
       const std::vector<std::vector<char>> want =
           zipcache::rank_gap(sal.data() + static_cast<size_t>(l) * c.NKV * c.gap, c.NKV, c.gap, c.ratio, c.shared);
@@ -256,10 +241,10 @@ TEST(ZipGapOps, GapQuantizedAsTheHostsStreaming) {
               }
               cuda::zip_quantize(a, nullptr);
               ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-              const auto kc = get<uint8_t>(KC.p, Z.code), vc = get<uint8_t>(VC.p, Z.code), flags = get<uint8_t>(F.p, L * NKV * fb);
-              const auto ks = get<uint16_t>(KS.p, Z.range), kz = get<uint16_t>(KZ.p, Z.range), vm = get<uint16_t>(VM.p, Z.factor);
-              const auto vs = get<uint16_t>(head_ranges ? TS.p : RS.p, N), vz = get<uint16_t>(head_ranges ? TZ.p : RZ.p, N);
-              const auto pos = get<int32_t>(P.p, N), order = get<int32_t>(O.p, N);
+              const auto kc = KC.host<uint8_t>(Z.code), vc = VC.host<uint8_t>(Z.code), flags = F.host<uint8_t>(L * NKV * fb);
+              const auto ks = KS.host<uint16_t>(Z.range), kz = KZ.host<uint16_t>(Z.range), vm = VM.host<uint16_t>(Z.factor);
+              const auto vs = (head_ranges ? TS : RS).host<uint16_t>(N), vz = (head_ranges ? TZ : RZ).host<uint16_t>(N);
+              const auto pos = P.host<int32_t>(N), order = O.host<int32_t>(N);
               const zipcache::GroupSpec spec{hi, lo, head_ranges, layer_factors};
               for (int l = 0; l < L; ++l) {
                 SCOPED_TRACE("layer " + std::to_string(l));
