@@ -227,15 +227,6 @@ DevSeg build_packed(Context& ctx, const CudaKV& C, const KVSegment& s, const qua
   return d;
 }
 
-// ZipCache's payload (CodeLayout::ZipMixed) over its group of consecutive host segments, one
-// DevSeg per segment: the first holds every part of the group — per KV head its salient rows
-// across the group's segments, then the others, `order` indexing the group's rows in segment
-// order — and the others only their positions. With token ranges shared by the KV heads, the
-// kernel reads a range per row of each part: when every head holds each position in the same
-// subset (one ranking for all heads) the shared table is that, and every head reads it; else
-// each head gets its rows' ranges copied into its own array, and the device holds (and
-// reports) those copies instead of the shared table. Empty when the payload is not what the
-// layout says (the group is then held as fp16 values).
 void zip_parts(DevSeg& d, const ZipArrays& a, const std::vector<std::array<int64_t, 2>>& n, const int bits[2],
                bool layer_factors, int D) {
   for (size_t h = 0; h < n.size(); ++h) {
@@ -271,6 +262,15 @@ void zip_parts(DevSeg& d, const ZipArrays& a, const std::vector<std::array<int64
   d.bytes.meta += a.vm.mem.bytes + a.kf.mem.bytes;
 }
 
+// ZipCache's payload (CodeLayout::ZipMixed) over its group of consecutive host segments, one
+// DevSeg per segment: the first holds every part of the group — per KV head its salient rows
+// across the group's segments, then the others, `order` indexing the group's rows in segment
+// order — and the others only their positions. With token ranges shared by the KV heads, the
+// kernel reads a range per row of each part: when every head holds each position in the same
+// subset (one ranking for all heads) the shared table is that, and every head reads it; else,
+// and always in a streamed gap (generated rows), each head gets its rows' ranges copied into its
+// own array, and the device holds (and reports) those copies instead of the shared table. Empty
+// when the payload is not what the layout says (the group is then held as fp16 values).
 std::vector<DevSeg> build_zip(Context& ctx, const CudaKV& C, const std::vector<const KVSegment*>& g,
                               const quant::QuantPayload& p, const StagedZip* staged) {
   const int NKV = C.NKV, D = C.D;
