@@ -9,7 +9,7 @@
 #   tests/gpu_check.sh build test only some stages (build, test, bench, throughput, threads, summary;
 #                                 and, not in the default list, sanitize: compute-sanitizer's
 #                                 memcheck, synccheck and racecheck over the decode kernel tests, the
-#                                 quantizing append's and the quantize-and-pack kernels')
+#                                 quantizing append's, the quantize-and-pack and ZipCache's gap kernels')
 #   KVLENS_7B_METHODS="m1 m2"     the methods the bench stage times on the 7B shape
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -74,6 +74,8 @@ if has sanitize; then
       --gtest_filter='DecodeOps.KiviPiecesKernel:DecodeOps.QuantizeAndPackKernels:DecodeOps.ZipGapSaliencyKernel'
     # a KV sync's gathers in one launch
     run "sanitize_sync_gather_$tool" 300 compute-sanitizer --tool "$tool" --error-exitcode 9 "$BUILD/test_sync_gather"
+    # ZipCache's gap ranked, planned and quantized on the device
+    run "sanitize_zip_gap_$tool" 300 compute-sanitizer --tool "$tool" --error-exitcode 9 "$BUILD/test_zip_gap_ops"
   done
 fi
 if has throughput; then
