@@ -102,16 +102,6 @@ struct DevMem {
   template <class T>
   T* as() const { return static_cast<T*>(mem.get()); }
 };
-// Arrays laid out one after another in one allocation, each from a 256-byte boundary: put(n)
-// gives where n more bytes start; `bytes` is the allocation's size.
-struct ArrayLayout {
-  int64_t bytes = 0;
-  int64_t put(int64_t n) {
-    const int64_t at = bytes;
-    bytes += (n + 255) / 256 * 256;
-    return at;
-  }
-};
 // `bytes` of `m` from byte `at`, holding all of m (what a cache holding a part reports as allocated).
 inline DevMem part_of(const DevMem& m, int64_t at, int64_t bytes) {
   return {std::shared_ptr<void>(m.mem, static_cast<char*>(m.mem.get()) + at), bytes};

@@ -735,6 +735,48 @@ struct ZipQuantArgs {
   __half *row_scale = nullptr, *row_zero = nullptr;
 };
 void zip_quantize(const ZipQuantArgs& a, cudaStream_t s);
+// Arrays laid out one after another in one allocation, each from a 256-byte boundary: put(n)
+// gives where n more bytes start; `bytes` is the allocation's size.
+struct ArrayLayout {
+  int64_t bytes = 0;
+  int64_t put(int64_t n) {
+    const int64_t at = bytes;
+    bytes += (n + 255) / 256 * 256;
+    return at;
+  }
+};
+// zip_quantize's outputs laid out in one allocation after what `at` holds already: K and V codes
+// (`code` bytes each), key scales and zeros (`range` halves each), CST factors (`factor` halves),
+// slot scales and zeros (`slots` halves each) and, with copy_rows > 0, each row's copy of its
+// slot's scale and zero (copy_rows halves each; else rs = rz = -1). Byte offsets.
+struct ZipOutputs {
+  int64_t kc = 0, vc = 0, ks = 0, kz = 0, f = 0, ts = 0, tz = 0, rs = -1, rz = -1;
+  ZipOutputs(ArrayLayout& at, int64_t code, int64_t range, int64_t factor, int64_t slots, int64_t copy_rows) {
+    kc = at.put(code);
+    vc = at.put(code);
+    ks = at.put(range * 2);
+    kz = at.put(range * 2);
+    f = at.put(factor * 2);
+    ts = at.put(slots * 2);
+    tz = at.put(slots * 2);
+    if (copy_rows > 0) {
+      rs = at.put(copy_rows * 2);
+      rz = at.put(copy_rows * 2);
+    }
+  }
+  // a's output arrays in the allocation at `base`.
+  void point(ZipQuantArgs& a, char* base) const {
+    a.k_codes = reinterpret_cast<uint8_t*>(base + kc);
+    a.v_codes = reinterpret_cast<uint8_t*>(base + vc);
+    a.k_scale = reinterpret_cast<__half*>(base + ks);
+    a.k_zero = reinterpret_cast<__half*>(base + kz);
+    a.factor = reinterpret_cast<__half*>(base + f);
+    a.t_scale = reinterpret_cast<__half*>(base + ts);
+    a.t_zero = reinterpret_cast<__half*>(base + tz);
+    a.row_scale = rs >= 0 ? reinterpret_cast<__half*>(base + rs) : nullptr;
+    a.row_zero = rz >= 0 ? reinterpret_cast<__half*>(base + rz) : nullptr;
+  }
+};
 // The blocks of zip_gap_plan's rows (k salient at hi_bits, gap − k at lo_bits in every KV head),
 // the same for every gap: zip_quantize's blocks, factor blocks and row blocks; the code bytes,
 // range halves and factor halves in all and per layer, and each KV head's offsets within its layer.

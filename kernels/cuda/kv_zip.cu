@@ -235,13 +235,11 @@ std::vector<StagedZip> launch_zip(Context& ctx, const CudaKV& C, const std::vect
   gather_rows(reinterpret_cast<const __half* const*>(base + zp.a_ptr), X.as<__half>(), static_cast<int>(2 * N), D, ctx.stream);
 
   // The results: each array of every group one after another, each group's KV heads one after
-  // another as its payload holds them; then the flags and positions (uploaded); the ranges copied
-  // per row (when some group's heads hold a position's rows in different subsets) last.
+  // another as its payload holds them, with the ranges copied per row where some group's heads
+  // hold a position's rows in different subsets; then the flags and positions (uploaded).
   ArrayLayout res;
-  const int64_t r_kc = res.put(code), r_vc = res.put(code), r_ks = res.put(range * 2), r_kz = res.put(range * 2),
-                r_f = res.put(factor * 2), r_ts = res.put(slots * 2), r_tz = res.put(slots * 2),
-                r_meta = res.put(zp.meta_bytes);
-  const int64_t r_rs = zp.copies ? res.put(N * 2) : 0, r_rz = zp.copies ? res.put(N * 2) : 0;
+  const ZipOutputs outs(res, code, range, factor, slots, zp.copies ? N : 0);
+  const int64_t r_meta = res.put(zp.meta_bytes);
   DevMem R{ctx.alloc(res.bytes, what + " codes and ranges"), res.bytes};
   if (zp.meta_bytes > 0) ctx.upload(R.as<char>() + r_meta, zp.meta_src(), zp.meta_bytes, what + " flags and positions");
   auto* rb = R.as<char>();
@@ -261,17 +259,17 @@ std::vector<StagedZip> launch_zip(Context& ctx, const CudaKV& C, const std::vect
     StagedZip& z = made[gi];
     z.mem = R;
     z.one_table = sp.one_table;
-    z.k_codes = array(r_kc + sp.code0, codes, sp.code_head, 1, true);
-    z.v_codes = array(r_vc + sp.code0, codes, sp.code_head, 1, true);
-    z.k_scales = array(r_ks + sp.range0 * 2, ranges * 2, sp.range_head, 2, true);
-    z.k_zeros = array(r_kz + sp.range0 * 2, ranges * 2, sp.range_head, 2, true);
-    z.factors = array(r_f + sp.factor0 * 2, factors * 2, sp.factor_head, 2, true);
+    z.k_codes = array(outs.kc + sp.code0, codes, sp.code_head, 1, true);
+    z.v_codes = array(outs.vc + sp.code0, codes, sp.code_head, 1, true);
+    z.k_scales = array(outs.ks + sp.range0 * 2, ranges * 2, sp.range_head, 2, true);
+    z.k_zeros = array(outs.kz + sp.range0 * 2, ranges * 2, sp.range_head, 2, true);
+    z.factors = array(outs.f + sp.factor0 * 2, factors * 2, sp.factor_head, 2, true);
     // (per head when a range is a row's own; one table for all heads when shared)
-    z.t_scales = array(r_ts + sp.slot0 * 2, sp.n_slots * 2, sp.row_head, 2, !sp.shared);
-    z.t_zeros = array(r_tz + sp.slot0 * 2, sp.n_slots * 2, sp.row_head, 2, !sp.shared);
+    z.t_scales = array(outs.ts + sp.slot0 * 2, sp.n_slots * 2, sp.row_head, 2, !sp.shared);
+    z.t_zeros = array(outs.tz + sp.slot0 * 2, sp.n_slots * 2, sp.row_head, 2, !sp.shared);
     if (sp.shared && !sp.one_table) {
-      z.row_scales = array(r_rs + sp.row0 * 2, rows * 2, sp.row_head, 2, true);
-      z.row_zeros = array(r_rz + sp.row0 * 2, rows * 2, sp.row_head, 2, true);
+      z.row_scales = array(outs.rs + sp.row0 * 2, rows * 2, sp.row_head, 2, true);
+      z.row_zeros = array(outs.rz + sp.row0 * 2, rows * 2, sp.row_head, 2, true);
     }
     std::vector<int64_t> flag_head;
     for (int64_t f : sp.flag_head) flag_head.push_back(f - sp.flag_head.front());
@@ -291,17 +289,7 @@ std::vector<StagedZip> launch_zip(Context& ctx, const CudaKV& C, const std::vect
   q.slot_first = reinterpret_cast<const int32_t*>(base + zp.a_sf);
   q.slot_rows = reinterpret_cast<const int32_t*>(base + zp.a_sr);
   q.n_slots = static_cast<int>(slots);
-  q.k_codes = reinterpret_cast<uint8_t*>(rb + r_kc);
-  q.v_codes = reinterpret_cast<uint8_t*>(rb + r_vc);
-  q.k_scale = reinterpret_cast<__half*>(rb + r_ks);
-  q.k_zero = reinterpret_cast<__half*>(rb + r_kz);
-  q.factor = reinterpret_cast<__half*>(rb + r_f);
-  q.t_scale = reinterpret_cast<__half*>(rb + r_ts);
-  q.t_zero = reinterpret_cast<__half*>(rb + r_tz);
-  if (zp.copies) {
-    q.row_scale = reinterpret_cast<__half*>(rb + r_rs);
-    q.row_zero = reinterpret_cast<__half*>(rb + r_rz);
-  }
+  outs.point(q, rb);
   zip_quantize(q, ctx.stream);
   return made;
 }

@@ -187,10 +187,8 @@ void kv::zip_gap(Context& ctx, CudaKV& C) {
   char* w = W.as<char>();
   // The results, every layer's one after another in each array.
   ArrayLayout rs;
-  const int64_t r_kc = rs.put(Z.code), r_vc = rs.put(Z.code), r_ks = rs.put(Z.range * 2), r_kz = rs.put(Z.range * 2),
-                r_f = rs.put(Z.factor * 2), r_ts = rs.put(n_slots * 2), r_tz = rs.put(n_slots * 2),
-                r_rs = shared_ranges ? rs.put(N * 2) : 0, r_rz = shared_ranges ? rs.put(N * 2) : 0,
-                r_fl = rs.put(static_cast<int64_t>(L) * NKV * fb), r_pos = rs.put(N * 4), r_ord = rs.put(N * 4);
+  const ZipOutputs outs(rs, Z.code, Z.range, Z.factor, n_slots, shared_ranges ? N : 0);
+  const int64_t r_fl = rs.put(static_cast<int64_t>(L) * NKV * fb), r_pos = rs.put(N * 4), r_ord = rs.put(N * 4);
   DevMem R{ctx.alloc(rs.bytes, "ZipCache gap codes and ranges"), rs.bytes};
   char* r = R.as<char>();
 
@@ -237,17 +235,7 @@ void kv::zip_gap(Context& ctx, CudaKV& C) {
     a.slot_first = reinterpret_cast<const int32_t*>(w + s_sf);
     a.slot_rows = reinterpret_cast<const int32_t*>(w + s_sr);
     a.n_slots = static_cast<int>(n_slots);
-    a.k_codes = reinterpret_cast<uint8_t*>(r + r_kc);
-    a.v_codes = reinterpret_cast<uint8_t*>(r + r_vc);
-    a.k_scale = reinterpret_cast<__half*>(r + r_ks);
-    a.k_zero = reinterpret_cast<__half*>(r + r_kz);
-    a.factor = reinterpret_cast<__half*>(r + r_f);
-    a.t_scale = reinterpret_cast<__half*>(r + r_ts);
-    a.t_zero = reinterpret_cast<__half*>(r + r_tz);
-    if (shared_ranges) {
-      a.row_scale = reinterpret_cast<__half*>(r + r_rs);
-      a.row_zero = reinterpret_cast<__half*>(r + r_rz);
-    }
+    outs.point(a, r);
     zip_quantize(a, ctx.stream);
   }
 
@@ -272,14 +260,14 @@ void kv::zip_gap(Context& ctx, CudaKV& C) {
     s.pos.assign(static_cast<size_t>(NKV), std::vector<int32_t>(d.tail.host_pos.begin() + g0, d.tail.host_pos.begin() + g0 + gap));
     s.merged.resize(static_cast<size_t>(NKV));
     ZipArrays a;
-    a.kc = arrays_at(R, r_kc + l * Z.layer_code, Z.layer_code, Z.head_code);
-    a.vc = arrays_at(R, r_vc + l * Z.layer_code, Z.layer_code, Z.head_code);
-    a.ks = arrays_at(R, r_ks + l * Z.layer_range * 2, Z.layer_range * 2, scaled(Z.head_range, 2));
-    a.kz = arrays_at(R, r_kz + l * Z.layer_range * 2, Z.layer_range * 2, scaled(Z.head_range, 2));
+    a.kc = arrays_at(R, outs.kc + l * Z.layer_code, Z.layer_code, Z.head_code);
+    a.vc = arrays_at(R, outs.vc + l * Z.layer_code, Z.layer_code, Z.head_code);
+    a.ks = arrays_at(R, outs.ks + l * Z.layer_range * 2, Z.layer_range * 2, scaled(Z.head_range, 2));
+    a.kz = arrays_at(R, outs.kz + l * Z.layer_range * 2, Z.layer_range * 2, scaled(Z.head_range, 2));
     // (a range per row: its copy of its slot's where the heads share slots, else its own slot's)
-    a.vs = arrays_at(R, (shared_ranges ? r_rs : r_ts) + l * per * 2, per * 2, row_head);
-    a.vz = arrays_at(R, (shared_ranges ? r_rz : r_tz) + l * per * 2, per * 2, row_head);
-    a.vm = arrays_at(R, r_f + l * Z.layer_factor * 2, Z.layer_factor * 2, scaled(Z.head_factor, 2));
+    a.vs = arrays_at(R, (shared_ranges ? outs.rs : outs.ts) + l * per * 2, per * 2, row_head);
+    a.vz = arrays_at(R, (shared_ranges ? outs.rz : outs.tz) + l * per * 2, per * 2, row_head);
+    a.vm = arrays_at(R, outs.f + l * Z.layer_factor * 2, Z.layer_factor * 2, scaled(Z.head_factor, 2));
     a.kf = arrays_at(R, r_fl + l * NKV * static_cast<int64_t>(fb), NKV * static_cast<int64_t>(fb), flag_head);
     zip_parts(s, a, counts, bits, z.layer_factors, D);
     s.mem.push_back(part_of(R, r_pos + l * per * 4, per * 4));

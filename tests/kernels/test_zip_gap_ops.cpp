@@ -81,10 +81,6 @@ TEST(ZipGapOps, HostRankingIsAStableSortsTop) {
 #include "tests/device_buffer.h"
 namespace {
 
-template <class T>
-void put(Dev& d, const std::vector<T>& v) {
-  ASSERT_EQ(cudaMemcpy(d.p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
-}
 void poison(Dev& d, size_t bytes) { ASSERT_EQ(cudaMemset(d.p, 0xA5, bytes), cudaSuccess); }
 
 // Each row's subset order for flags f: the salient rows ascending, then the others.
@@ -107,8 +103,7 @@ TEST(ZipGapOps, RankKernelAgainstTheHostsRanking) {
     const size_t n = static_cast<size_t>(L) * c.NKV * c.gap, fb = static_cast<size_t>(c.gap + 7) / 8;
     const std::vector<double> sal = tied_saliency(r, n);
     const int k = std::clamp(static_cast<int>(std::llround(c.ratio * c.gap)), 0, c.gap);
-    Dev S(n * 8), K(n * 8), M(n), O(n * 4), F(static_cast<size_t>(L) * c.NKV * fb);
-    put(S, sal);
+    Dev S(sal), K(n * 8), M(n), O(n * 4), F(static_cast<size_t>(L) * c.NKV * fb);
     poison(O, n * 4);
     poison(F, static_cast<size_t>(L) * c.NKV * fb);
     cuda::zip_rank_gap(S.as<double>(), L, c.NKV, c.gap, k, c.shared, K.as<double>(), M.as<uint8_t>(), O.as<int32_t>(),
@@ -166,17 +161,14 @@ TEST(ZipGapOps, GapQuantizedAsTheHostsStreaming) {
         for (const std::vector<float>* x : {&hk[l], &hv[l]}) {
           std::vector<uint16_t> h(x->size());
           to_half_n(x->data(), h.data(), static_cast<int64_t>(h.size()));
-          mem.push_back(std::make_unique<Dev>(h.size() * 2));
-          put(*mem.back(), h);
+          mem.push_back(std::make_unique<Dev>(h));
         }
-        mem.push_back(std::make_unique<Dev>(tail * 4));
-        put(*mem.back(), hpos);
+        mem.push_back(std::make_unique<Dev>(hpos));
         ptrs[static_cast<size_t>(l)] = mem[mem.size() - 3]->p;
         ptrs[static_cast<size_t>(L + l)] = mem[mem.size() - 2]->p;
         ptrs[static_cast<size_t>(2 * L + l)] = mem.back()->p;
       }
-      Dev T(ptrs.size() * 8);
-      put(T, ptrs);
+      Dev T(ptrs);
       cuda::ZipGapRows rows;
       rows.k = reinterpret_cast<const __half* const*>(T.as<const void*>());
       rows.v = rows.k + L;
@@ -198,14 +190,10 @@ TEST(ZipGapOps, GapQuantizedAsTheHostsStreaming) {
               const std::vector<double> sal = tied_saliency(r, static_cast<size_t>(N));
               const cuda::ZipGapLayout Z = cuda::zip_gap_layout(L, NKV, gap, k, D, hi, lo, layer_factors);
               const int64_t n_slots = head_ranges ? N : static_cast<int64_t>(L) * 2 * gap;
-              Dev S(N * 8), K(N * 8), M(N), O(N * 4), F(L * NKV * fb), P(N * 4), src(2 * N * 8), rs(N * 4),
-                  sf((n_slots + 1) * 4), sr(N * 4), X(2 * N * D * 2), B(Z.blocks.size() * sizeof(cuda::ZipBlock)),
-                  FB(Z.factor_blocks.size() * sizeof(cuda::ZipFactorBlock)), RB(N * 4), KC(Z.code), VC(Z.code),
-                  KS(Z.range * 2), KZ(Z.range * 2), VM(Z.factor * 2), TS(n_slots * 2), TZ(n_slots * 2), RS(N * 2), RZ(N * 2);
-              put(S, sal);
-              put(B, Z.blocks);
-              put(FB, Z.factor_blocks);
-              put(RB, Z.row_block);
+              Dev S(sal), K(N * 8), M(N), O(N * 4), F(L * NKV * fb), P(N * 4), src(2 * N * 8), rs(N * 4),
+                  sf((n_slots + 1) * 4), sr(N * 4), X(2 * N * D * 2), B(Z.blocks), FB(Z.factor_blocks), RB(Z.row_block),
+                  KC(Z.code), VC(Z.code), KS(Z.range * 2), KZ(Z.range * 2), VM(Z.factor * 2), TS(n_slots * 2),
+                  TZ(n_slots * 2), RS(N * 2), RZ(N * 2);
               for (Dev* d : {&KC, &VC})
                 poison(*d, static_cast<size_t>(Z.code));
               for (Dev* d : {&RS, &RZ, &P}) poison(*d, static_cast<size_t>(d == &P ? N * 4 : N * 2));
