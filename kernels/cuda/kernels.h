@@ -631,39 +631,6 @@ void gather_segments(const RowGather* jobs, int n, int64_t max_rows, const __hal
 // Block i of dst (`bytes`, a multiple of 4) = block index[i] of src, for n blocks (index in
 // device memory).
 void gather_blocks(const void* src, void* dst, int64_t bytes, const int32_t* index, int n, cudaStream_t s);
-// ZipCache's streamed-gap saliency (zipcache::gap_saliency, the same reduction) for every layer's
-// KV heads at once: scores [L·S][NH][stride] of the probes (query b = l·S + k is probe k of
-// layer l, k < n_probes[l], which saw seen[b] of the gap's rows), KV head kh of layer l's rows
-// older than the gap before[l·NKV + kh] then the gap's; out [L][NKV][gap] (double).
-void zip_gap_saliency(const float* scores, int64_t stride, int L, int S, int NH, int NKV, int gap,
-                      const int32_t* n_probes, const int32_t* seen, const int32_t* before, bool accumulated, double* out,
-                      cudaStream_t s);
-// ZipCache's gap ranking (zipcache::rank_gap, the same flags) for every layer's KV heads at once:
-// of sal [L][NKV][gap], KV head h of layer l's k rows of highest saliency (ties to the earlier
-// row), or with `shared` the k of highest saliency summed over the layer's KV heads in head order.
-// key [L][NKV][gap] (scratch: the key ranked), salient [L][NKV][gap] (1: salient), order
-// [L][NKV][gap] (each head's salient rows ascending, then the others ascending: the rows as a
-// ZipMixed group holds them) and flags [L][NKV][(gap + 7) / 8] (1 bit a row, quant::pack's order).
-void zip_rank_gap(const double* sal, int L, int NKV, int gap, int k, bool shared, double* key, uint8_t* salient,
-                  int32_t* order, uint8_t* flags, cudaStream_t s);
-// Where each layer's decode rows are: its tail's keys and values [NKV][cap][D] and positions
-// [NKV][cap] (device arrays of L pointers each), the gap at tail row `first`.
-struct ZipGapRows {
-  const __half* const* k = nullptr;
-  const __half* const* v = nullptr;
-  const int32_t* const* pos = nullptr;
-  int cap = 0, first = 0;
-};
-// A ranked gap laid out as zip_quantize reads it, every layer's: row r = (l·NKV + h)·gap + i is
-// KV head h's i-th row in `order` (zip_rank_gap's); src [2N] the rows' keys then values (for
-// gather_rows, N = L·NKV·gap); pos_out [L][NKV][gap] the gap's positions in their own order. V
-// token ranges a row each (shared_ranges false: slot r), or shared by the heads' rows of a subset
-// and position (slot 2·gap·l + j for salient row j, 2·gap·l + gap + j for the others; L·2·gap
-// slots, some empty): row_slot [N], slot_first [slots + 1], slot_rows [N].
-void zip_gap_plan(const ZipGapRows& rows, int L, int NKV, int gap, int k, int D, bool shared_ranges,
-                  const int32_t* order, const uint8_t* salient, const __half** src, int32_t* row_slot,
-                  int32_t* slot_first, int32_t* slot_rows, int32_t* pos_out, cudaStream_t s);
-
 // ---- quantize-and-pack (quant_pack.cu): the device twins of core/compress/quantize.h ---------
 // x[n][D] (fp16 rows) → codes and fp16 scale/zero as quantize_block packs them. Channel axis:
 // one range per channel over the n rows (chan_stride 1) or one for all (0) — with group > 0,
@@ -700,41 +667,6 @@ struct GroupPiece {
   __half* v_zero = nullptr;
 };
 void quantize_pieces(const GroupPiece* pieces, int n_pieces, int D, int bits, cudaStream_t s);
-// ZipCache's CST factors c_j = half(sqrt(max_t |x_tj|)) (1 where 0 or not finite).
-void cst_factors(const __half* x, int n, int D, __half* factor, cudaStream_t s);
-// ZipCache's mixed-bit group (quant::CodeLayout::ZipMixed) quantized as zipcache::quantize_group
-// does on the host, from fp16 rows x: keys [N][D], then values [N][D]. The rows come in blocks,
-// one per KV head and subset (salient first), each with its bits, where its codes start in the K
-// and V code arrays (row r of the block at code + r·D·bits/8, the host's packing), where its D
-// channel ranges start in k_scale / k_zero, and where its D CST factors are in `factor`. Each
-// factor block's rows (a head's subset, or all its rows) give D factors, half(sqrt(max |v|)).
-// Each value row reads its token range from slot row_slot[row]; slot s's range spans the rows
-// slot_rows[slot_first[s] .. slot_first[s + 1]) (one row a slot: a range per row; the rows of
-// one subset and position over the heads: ZipCache's shared token ranges). With row_scale /
-// row_zero, each row's slot range is copied there too.
-struct ZipBlock {
-  int32_t row0 = 0, n = 0, bits = 0;
-  int64_t code = 0, range = 0, factor = 0;  // bytes into the code arrays; halves into k_scale and `factor`
-};
-struct ZipFactorBlock {
-  int32_t row0 = 0, n = 0;
-  int64_t at = 0;  // halves into `factor`
-};
-struct ZipQuantArgs {
-  const __half* x = nullptr;
-  int N = 0, D = 0;
-  const ZipBlock* blocks = nullptr;  // device arrays from here on
-  int n_blocks = 0;
-  const ZipFactorBlock* factor_blocks = nullptr;
-  int n_factor_blocks = 0;
-  const int32_t *row_block = nullptr, *row_slot = nullptr;  // [N]
-  const int32_t *slot_first = nullptr, *slot_rows = nullptr;
-  int n_slots = 0;
-  uint8_t *k_codes = nullptr, *v_codes = nullptr;
-  __half *k_scale = nullptr, *k_zero = nullptr, *factor = nullptr, *t_scale = nullptr, *t_zero = nullptr;
-  __half *row_scale = nullptr, *row_zero = nullptr;
-};
-void zip_quantize(const ZipQuantArgs& a, cudaStream_t s);
 // Arrays laid out one after another in one allocation, each from a 256-byte boundary: put(n)
 // gives where n more bytes start; `bytes` is the allocation's size.
 struct ArrayLayout {
@@ -745,50 +677,6 @@ struct ArrayLayout {
     return at;
   }
 };
-// zip_quantize's outputs laid out in one allocation after what `at` holds already: K and V codes
-// (`code` bytes each), key scales and zeros (`range` halves each), CST factors (`factor` halves),
-// slot scales and zeros (`slots` halves each) and, with copy_rows > 0, each row's copy of its
-// slot's scale and zero (copy_rows halves each; else rs = rz = -1). Byte offsets.
-struct ZipOutputs {
-  int64_t kc = 0, vc = 0, ks = 0, kz = 0, f = 0, ts = 0, tz = 0, rs = -1, rz = -1;
-  ZipOutputs(ArrayLayout& at, int64_t code, int64_t range, int64_t factor, int64_t slots, int64_t copy_rows) {
-    kc = at.put(code);
-    vc = at.put(code);
-    ks = at.put(range * 2);
-    kz = at.put(range * 2);
-    f = at.put(factor * 2);
-    ts = at.put(slots * 2);
-    tz = at.put(slots * 2);
-    if (copy_rows > 0) {
-      rs = at.put(copy_rows * 2);
-      rz = at.put(copy_rows * 2);
-    }
-  }
-  // a's output arrays in the allocation at `base`.
-  void point(ZipQuantArgs& a, char* base) const {
-    a.k_codes = reinterpret_cast<uint8_t*>(base + kc);
-    a.v_codes = reinterpret_cast<uint8_t*>(base + vc);
-    a.k_scale = reinterpret_cast<__half*>(base + ks);
-    a.k_zero = reinterpret_cast<__half*>(base + kz);
-    a.factor = reinterpret_cast<__half*>(base + f);
-    a.t_scale = reinterpret_cast<__half*>(base + ts);
-    a.t_zero = reinterpret_cast<__half*>(base + tz);
-    a.row_scale = rs >= 0 ? reinterpret_cast<__half*>(base + rs) : nullptr;
-    a.row_zero = rz >= 0 ? reinterpret_cast<__half*>(base + rz) : nullptr;
-  }
-};
-// The blocks of zip_gap_plan's rows (k salient at hi_bits, gap − k at lo_bits in every KV head),
-// the same for every gap: zip_quantize's blocks, factor blocks and row blocks; the code bytes,
-// range halves and factor halves in all and per layer, and each KV head's offsets within its layer.
-struct ZipGapLayout {
-  std::vector<ZipBlock> blocks;
-  std::vector<ZipFactorBlock> factor_blocks;
-  std::vector<int32_t> row_block;
-  int64_t code = 0, range = 0, factor = 0;
-  int64_t layer_code = 0, layer_range = 0, layer_factor = 0;
-  std::vector<int64_t> head_code, head_range, head_factor;
-};
-ZipGapLayout zip_gap_layout(int L, int NKV, int gap, int k, int D, int hi_bits, int lo_bits, bool layer_factors);
 // 1-bit codes of `heads` blocks of n rows × D channels (D a multiple of 8; block h at rows +
 // h·stride bytes, written at out + h·stride) regrouped as quant::channel_major_1bit does: the
 // same bytes (kChannelT).

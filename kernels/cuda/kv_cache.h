@@ -14,6 +14,7 @@
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/context.h"
 #include "kernels/cuda/kernels.h"
+#include "kernels/cuda/zip_kernels.h"
 
 namespace kvlens::cuda::kv {
 

@@ -20,6 +20,7 @@
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/context.h"
 #include "kernels/cuda/kernels.h"
+#include "kernels/cuda/zip_kernels.h"
 #include "kernels/cuda/kv_cache.h"
 #include "core/trace.h"
 

@@ -7,6 +7,7 @@
 // half((β − α)/(2^b − 1)), α = half(α), code = clamp(rint((x − α)/scale), 0, 2^b − 1).
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/kernels.h"
+#include "kernels/cuda/zip_kernels.h"
 #include "kernels/cuda/quant_math.cuh"
 
 namespace kvlens::cuda {

@@ -9,6 +9,7 @@
 #include "core/errors.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/kernels.h"
+#include "kernels/cuda/zip_kernels.h"
 
 namespace kvlens::cuda {
 

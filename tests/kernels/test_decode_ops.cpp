@@ -451,6 +451,7 @@ TEST(DecodeOps, EvictionAndMergingCompactOnTheDevice) {
 #ifdef KVLENS_HAVE_CUDA
 }  // namespace
 #include "kernels/cuda/kernels.h"
+#include "kernels/cuda/zip_kernels.h"
 namespace {
 
 // The device quantize-and-pack kernels against quant::quantize_block / zipcache::cst_quantize:

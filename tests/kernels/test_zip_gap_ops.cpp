@@ -78,6 +78,7 @@ TEST(ZipGapOps, HostRankingIsAStableSortsTop) {
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/kernels.h"
+#include "kernels/cuda/zip_kernels.h"
 #include "tests/device_buffer.h"
 namespace {
 
