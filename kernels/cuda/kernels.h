@@ -236,12 +236,13 @@ enum KvFormat : int32_t {
 struct KvSide {
   int32_t fmt = kF16;
   int32_t bits = 16;
-  int32_t group = 0;        // kChannel: rows per range group (0 or >= n: the whole part)
+  int32_t group = 0;        // kChannel: rows per range group; kToken with factors: rows per factor
+                            // group (0 or >= n: the whole part)
   int32_t chan_stride = 1;  // kChannel: 1 = a range per channel, 0 = one per group
   const void* data = nullptr;
   const __half* scale = nullptr;
   const __half* zero = nullptr;
-  const __half* factor = nullptr;  // kToken: x = factor_c·(code·scale_j + zero_j)
+  const __half* factor = nullptr;  // kToken: x = factor_c·(code·scale_j + zero_j), D factors a group
 };
 // A run of rows of one KV head in one storage.
 struct PartDesc {

@@ -245,6 +245,7 @@ __device__ __forceinline__ int fast_kind(const PartDesc& P, int n, int mode, boo
     if ((reinterpret_cast<uintptr_t>(P.k.scale) | reinterpret_cast<uintptr_t>(P.k.zero) |
          reinterpret_cast<uintptr_t>(P.v.factor)) & 15)
       return 0;
+    if (P.v.factor && P.v.group > 0 && P.v.group < n) return 0;  // (factors a group of rows: the general path)
     return kChannelTokenKind + b + (P.v.factor ? kWithFactor : 0);
   }
   if (P.k.fmt == kToken && P.v.fmt == kToken) {

@@ -122,6 +122,8 @@ __device__ __forceinline__ void run_part_in(const PartDesc& P, int n, int a, int
   if (need_k) k_prep(P.k, n, q, ln, qk, qa, kgrouped);
   const KvSide& V = P.v;
   const bool vgrouped = V.fmt == kChannel && V.group > 0 && V.group < n;
+  // (token-wise values with CST factors a group of rows, ZipCache's streamed gaps: each row's own)
+  const bool fgrouped = V.fmt == kToken && V.factor && V.group > 0 && V.group < n;
   float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   float psum = 0.0f;
   for (int j0 = a; j0 < e; j0 += G * kUnroll) {
@@ -186,6 +188,11 @@ __device__ __forceinline__ void run_part_in(const PartDesc& P, int n, int a, int
           const int ch = gr * nr + (V.chan_stride ? ln.c0 + c : 0);
           acc[c] = fmaf(p, fmaf(f[c], __half2float(V.scale[ch]), __half2float(V.zero[ch])), acc[c]);
         }
+      } else if (fgrouped) {
+        const float ps = p * __half2float(V.scale[j]), pz = p * __half2float(V.zero[j]);
+        const __half* fr = V.factor + static_cast<int64_t>(j / V.group) * ln.D + ln.c0;
+#pragma unroll
+        for (int c = 0; c < 8; ++c) acc[c] = fmaf(__half2float(fr[c]), fmaf(ps, f[c], pz), acc[c]);
       } else {
         const float ps = p * __half2float(V.scale[j]), pz = p * __half2float(V.zero[j]);
 #pragma unroll
@@ -201,7 +208,7 @@ __device__ __forceinline__ void run_part_in(const PartDesc& P, int n, int a, int
       const int ch = V.chan_stride ? ln.c0 + c : 0;
       st.o[c] += __half2float(V.scale[ch]) * acc[c] + __half2float(V.zero[ch]) * psum;
     }
-  } else if (V.fmt == kToken && V.factor) {
+  } else if (V.fmt == kToken && V.factor && !fgrouped) {
 #pragma unroll
     for (int c = 0; c < 8; ++c) st.o[c] += __half2float(V.factor[ln.c0 + c]) * acc[c];
   } else {

@@ -349,7 +349,8 @@ __global__ void __launch_bounds__(kThreads, 4) decode_qtok_kernel(DecodeParams p
 // The same shape again, for caches whose parts are fp16 rows or BITS-bit codes with keys a range
 // per channel and group of rows (PartDesc::k.group) and values a range per row, with or without
 // the values' CST factors (BITS = 0: each part's own width, 1, 2 or 4 — ZipCache's salient and
-// regular subsets — and its factors; a fixed BITS: no factors). A row of either kind takes the
+// regular subsets — and its factors, D a group of rows as the keys' ranges are: mix_width; a
+// fixed BITS: no factors). A row of either kind takes the
 // registers of an fp16 row (a quantized row's codes, its value range and where its key ranges
 // lie), its key ranges (and factors) read as it is used; with the step's token fused in, the
 // token is appended as fp16 (fresh_token). Arithmetic per row as the general kernel's fast paths
@@ -424,7 +425,7 @@ __device__ __forceinline__ void mix_update(const MixRow (&r)[U], unsigned coded,
       codes8<BITS>(r[u].k.y, static_cast<int>(r[u].v.y), cf);
       if (vf) {  // v_c = f_c·(code·scale + zero)
         float f[8];
-        unpack8<__half>(__ldg(reinterpret_cast<const uint4*>(vf + c0)), f);
+        unpack8<__half>(__ldg(reinterpret_cast<const uint4*>(vf + r[u].k.w)), f);  // (the key ranges' group)
 #pragma unroll
         for (int c = 0; c < 8; ++c) st.o[c] = fmaf(f[c], fmaf(ps, cf[c], pz), st.o[c]);
       } else {
