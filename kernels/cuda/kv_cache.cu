@@ -503,6 +503,135 @@ void kv_sync(Context& ctx, DeviceKV& dev, KVStore& host, int layer) {
   batch.run(ctx, C.D);
 }
 
+// What a captured decode step holds of the tables' launch: its choices and the arrays it points at.
+std::vector<int64_t> kv::CudaKV::launch_signature() const {
+  std::vector<int64_t> s = {max_parts, nh, lut_bits, all_f16, all_mma, has_b1, tok_bits, mix_bits, vis_stride, launch.splits,
+                            launch.b1_pair, launch.f16_bulk, launch.bulk_fine, launch.f16_gqa};
+  for (const DevMem* m : {&table, &nparts, &part_o, &part_md, &vis_range, &vis_scores, &md_out, &sem, &claim})
+    s.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(m->mem.get())));
+  return s;
+}
+
+void kv::CudaKV::build_tables(int n_heads) {
+  if (!dirty && n_heads == nh) return;
+  if (ctx->replay || ctx->capturing) throw InternalError("KV cache: layout changed inside a captured step");
+  const std::vector<int64_t> before = relaid ? std::vector<int64_t>{} : launch_signature();
+  nh = n_heads;
+  max_parts = 1;
+  lut_bits = 0;
+  all_f16 = 1;
+  all_mma = D == 128 ? 1 : 0;
+  has_b1 = 0;
+  // The one code width every part (and tail) has, for the token-wise kernel; the one every
+  // quantized part has beside fp16 ones, for the mixed kernel (0: none, or several).
+  OneWidth tok, mix;
+  bool mixable = true;   // every quantized part one the mixed kernel reads (1, 2 or 4 bits)
+  bool factors = false;  // some part's values with CST factors
+  int rows = 1;
+  for (const DevLayer& d : layers)
+    for (const DevSeg& sg : d.segs)
+      for (const auto& hp : sg.heads)
+        for (const DevPart& pt : hp) {
+          if (pt.d.k.fmt == kChannel && pt.d.k.bits <= 4) lut_bits = std::max(lut_bits, pt.d.k.bits);
+          if (pt.d.k.fmt != kF16 || pt.d.v.fmt != kF16) all_f16 = 0;
+          if (!mma_part(pt.d, true)) all_mma = 0;
+          if (pt.d.v.fmt == kChannelT) has_b1 = 1;
+          tok.add(tok_width(pt.d));
+          if (const int w = mix_width(pt.d); w != 16) {
+            mix.add(w);
+            if (w != 1 && w != 2 && w != 4) mixable = false;
+            if (pt.d.v.factor) factors = true;
+          }
+        }
+  for (const DevLayer& d : layers) {
+    if (d.tail.packed()) all_f16 = all_mma = 0;
+    if (d.tail.cap) tok.add(d.tail.packed() && d.tail.k_bits == d.tail.v_bits ? d.tail.k_bits : 0);
+    if (d.tail.cap && d.tail.packed()) mixable = false;  // (an fp16 tail sits beside the mixed kernel's parts)
+  }
+  // (the part count is checked at launch) The mixed kernel reads each part's own width
+  // (kDecodeMixWidths) where they differ, are 1 bit, or come with CST factors.
+  tok_bits = decode_tok_supported(D, 1, tok.get()) ? tok.get() : 0;
+  const int one = mix.get();
+  mix_bits = !mixable || !mix.any() ? 0 : (one == 2 || one == 4) && !factors ? one : kDecodeMixWidths;
+  if (!decode_mix_supported(D, 1, mix_bits)) mix_bits = 0;
+  // A rotated query reads rotated keys alone.
+  for (int l = 0; l < L && q_rotation; ++l) {
+    bool ok = !layers[l].tail.cap || layers[l].tail.rotation == q_rotation;
+    for (const DevSeg& sg : layers[l].segs) ok = ok && sg.k_rotation == q_rotation;
+    if (!ok)
+      throw InternalError("KV cache: layer " + std::to_string(l) + " holds keys not rotated by the Hadamard blocks of " +
+                          std::to_string(q_rotation) + " the query is rotated by");
+  }
+  for (const DevLayer& d : layers)
+    for (int h = 0; h < NKV; ++h) {
+      int np = d.tail.cap ? 1 : 0, r = d.tail.cap;
+      for (const DevSeg& s : d.segs) {
+        np += static_cast<int>(s.heads[h].size());
+        if (!s.zip.gaps) r += static_cast<int>(s.pos[h].size());  // (a gap's rows: counted in the tail's capacity)
+      }
+      max_parts = std::max(max_parts, np);
+      rows = std::max(rows, r);
+    }
+  std::vector<PartDesc> t(static_cast<size_t>(L) * NKV * max_parts);
+  std::vector<int32_t> np(static_cast<size_t>(L) * NKV, 0);
+  for (int l = 0; l < L; ++l)
+    for (int h = 0; h < NKV; ++h) {
+      PartDesc* row = t.data() + (static_cast<size_t>(l) * NKV + h) * max_parts;
+      int& k = np[static_cast<size_t>(l) * NKV + h];
+      for (const DevSeg& s : layers[l].segs)
+        for (const DevPart& p : s.heads[h]) row[k++] = p.d;
+      const Tail& tl = layers[l].tail;
+      if (tl.cap) {
+        PartDesc d;
+        d.n = -tl.first(h);  // (rows quantized into segments of their own are not read here)
+        d.counter = counters.as<int32_t>() + l;
+        const int64_t at = static_cast<int64_t>(h) * tl.cap + tl.first(h);
+        if (tl.packed()) {  // codes with a range per row
+          auto side = [&](KvSide& x, const DevMem& codes, int bits, int which) {
+            x.fmt = kToken;
+            x.bits = bits;
+            x.data = codes.as<uint8_t>() + at * D * bits / 8;
+            x.scale = tl.ranges.as<__half>() + (2 * which * static_cast<int64_t>(NKV)) * tl.cap + at;
+            x.zero = tl.ranges.as<__half>() + ((2 * which + 1) * static_cast<int64_t>(NKV)) * tl.cap + at;
+          };
+          side(d.k, tl.k, tl.k_bits, 0);
+          side(d.v, tl.v, tl.v_bits, 1);
+        } else {
+          d.k.data = tl.k.as<__half>() + at * D;
+          d.v.data = tl.v.as<__half>() + at * D;
+        }
+        row[k++] = d;
+      }
+    }
+  const int64_t tb = static_cast<int64_t>(t.size() * sizeof(PartDesc)), nb = static_cast<int64_t>(np.size() * 4);
+  if (table.bytes < tb) table = {ctx->alloc(tb, "KV decode table"), tb};
+  if (nparts.bytes < nb) nparts = {ctx->alloc(nb, "KV decode table"), nb};
+  ctx->upload(table.mem.get(), t.data(), tb, "KV decode table");
+  ctx->upload(nparts.mem.get(), np.data(), nb, "KV decode table");
+  const DecodeLaunch plan = decode_launch(1, nh, rows, ctx->n_sm, D, all_f16, all_mma, has_b1, 0, ctx->sm90, NKV);
+  launch = plan;
+  const int64_t po = static_cast<int64_t>(nh) * plan.splits * D * 4, pm = static_cast<int64_t>(nh) * plan.splits * 2 * 4;
+  if (part_o.bytes < po) part_o = {ctx->alloc(po, "decode attention partial outputs"), po};
+  if (part_md.bytes < pm) part_md = {ctx->alloc(pm, "decode attention partial states"), pm};
+  if (vis_range.bytes < pm) vis_range = {ctx->alloc(pm, "decode attention visual ranges"), pm};
+  // Calibrated visual parts of 1- and 2-bit codes keep their scores between the two passes
+  // (a cache of fp16 parts only has none).
+  vis_stride = D == 128 && !all_f16 ? rows + kDecodeScorePad : 0;
+  const int64_t vb = static_cast<int64_t>(nh) * vis_stride * 4;
+  if (vis_scores.bytes < vb) vis_scores = {ctx->alloc(vb, "decode attention visual scores"), vb};
+  if (md_out.bytes < nh * 8) md_out = {ctx->alloc(nh * 8, "decode attention states"), nh * 8};
+  if (sem.bytes < nh * 4) {
+    sem = {ctx->alloc(nh * 4, "decode attention merge counters"), nh * 4};
+    KV_CUDA(cudaMemsetAsync(sem.mem.get(), 0, static_cast<size_t>(nh) * 4, ctx->stream), "merge counters");
+  }
+  if (claim.bytes < nh * 4) {
+    claim = {ctx->alloc(nh * 4, "decode attention row claims"), nh * 4};
+    KV_CUDA(cudaMemsetAsync(claim.mem.get(), 0, static_cast<size_t>(nh) * 4, ctx->stream), "row claims");
+  }
+  if (!relaid && launch_signature() != before) ++step_ver;
+  dirty = relaid = false;
+}
+
 namespace {
 
 // ZipCache's probe schedule for `rows` decode rows of every layer (StepZip::probes, the method's

@@ -33,10 +33,13 @@ inline int tok_width(const PartDesc& d) {
 
 // 16 for a part of fp16 rows; the code width of one of channel-wise keys (a range per channel
 // and group of rows) beside token-wise values of that width, with or without CST factors (KIVI's,
-// ZipCache's), aligned for the mixed decode kernel's loads; else 0.
+// ZipCache's; factors a group of rows only as the keys' ranges are grouped), aligned for the mixed
+// decode kernel's loads; else 0.
 inline int mix_width(const PartDesc& d) {
   if (d.k.fmt == kF16 && d.v.fmt == kF16) return 16;
   if (d.k.fmt != kChannel || d.k.chan_stride != 1 || d.v.fmt != kToken || d.k.bits != d.v.bits) return 0;
+  auto grouped = [&](int g) { return g > 0 && g < d.n ? g : 0; };
+  if (d.v.factor && grouped(d.v.group) != grouped(d.k.group)) return 0;
   const uintptr_t at = reinterpret_cast<uintptr_t>(d.k.data) | reinterpret_cast<uintptr_t>(d.v.data);
   const uintptr_t ranges = reinterpret_cast<uintptr_t>(d.k.scale) | reinterpret_cast<uintptr_t>(d.k.zero) |
                            reinterpret_cast<uintptr_t>(d.v.factor);
@@ -68,6 +71,13 @@ struct DevSeg {
   // row within the segment, in the parts' order, held on the device alone (the parts' `order`
   // empty); segment_order fetches it.
   DevMem order_dev;
+  // A layer's streamed ZipCache gaps where the gaps' store holds them (kv_zip_gap.cu): `gaps` of
+  // `gap` rows (k salient a KV head), each head's salient rows of every gap then its others,
+  // order_dev the store's row orders [kv head][room][gap]. Their rows were the tail's, whose
+  // capacity counts them (build_tables). gaps 0: not such a segment.
+  struct Gaps {
+    int gaps = 0, gap = 0, k = 0, room = 0;
+  } zip;
 };
 
 // The decode rows of a layer: fp16 rows, or (packed) each row's K and V quantized with its own
@@ -364,7 +374,7 @@ class CudaKV : public DeviceKV {
     for (const auto& kv : seen) t += kv.second;
     return t;
   }
-  uint64_t version() const override { return ver; }
+  uint64_t version() const override { return step_ver; }
   std::vector<std::string> storage(int l) const override {
     std::vector<std::string> r;
     for (const DevSeg& s : layers.at(l).segs) r.push_back(s.storage);
@@ -375,6 +385,16 @@ class CudaKV : public DeviceKV {
   }
 
   void changed() {
+    dirty = true;
+    relaid = true;
+    ++ver;
+    ++step_ver;
+  }
+  // Rows moved between parts of the same layout (ZipCache's gaps into the gaps' store): the
+  // tables change, the kernels' launch does not, so a captured step reads the new tables
+  // (uploaded in stream order before it) and stays fresh (version() kept) — unless build_tables
+  // finds the launch changed after all.
+  void rows_moved() {
     dirty = true;
     ++ver;
   }
@@ -435,124 +455,10 @@ class CudaKV : public DeviceKV {
     changed();
   }
 
-  // Decode tables: parts of every (layer, kv head), uploaded when the layout changed.
-  void build_tables(int n_heads) {
-    if (!dirty && n_heads == nh) return;
-    if (ctx->replay || ctx->capturing) throw InternalError("KV cache: layout changed inside a captured step");
-    nh = n_heads;
-    max_parts = 1;
-    lut_bits = 0;
-    all_f16 = 1;
-    all_mma = D == 128 ? 1 : 0;
-    has_b1 = 0;
-    // The one code width every part (and tail) has, for the token-wise kernel; the one every
-    // quantized part has beside fp16 ones, for the mixed kernel (0: none, or several).
-    OneWidth tok, mix;
-    bool mixable = true;   // every quantized part one the mixed kernel reads (1, 2 or 4 bits)
-    bool factors = false;  // some part's values with CST factors
-    int rows = 1;
-    for (const DevLayer& d : layers)
-      for (const DevSeg& sg : d.segs)
-        for (const auto& hp : sg.heads)
-          for (const DevPart& pt : hp) {
-            if (pt.d.k.fmt == kChannel && pt.d.k.bits <= 4) lut_bits = std::max(lut_bits, pt.d.k.bits);
-            if (pt.d.k.fmt != kF16 || pt.d.v.fmt != kF16) all_f16 = 0;
-            if (!mma_part(pt.d, true)) all_mma = 0;
-            if (pt.d.v.fmt == kChannelT) has_b1 = 1;
-            tok.add(tok_width(pt.d));
-            if (const int w = mix_width(pt.d); w != 16) {
-              mix.add(w);
-              if (w != 1 && w != 2 && w != 4) mixable = false;
-              if (pt.d.v.factor) factors = true;
-            }
-          }
-    for (const DevLayer& d : layers) {
-      if (d.tail.packed()) all_f16 = all_mma = 0;
-      if (d.tail.cap) tok.add(d.tail.packed() && d.tail.k_bits == d.tail.v_bits ? d.tail.k_bits : 0);
-      if (d.tail.cap && d.tail.packed()) mixable = false;  // (an fp16 tail sits beside the mixed kernel's parts)
-    }
-    // (the part count is checked at launch) The mixed kernel reads each part's own width
-    // (kDecodeMixWidths) where they differ, are 1 bit, or come with CST factors.
-    tok_bits = decode_tok_supported(D, 1, tok.get()) ? tok.get() : 0;
-    const int one = mix.get();
-    mix_bits = !mixable || !mix.any() ? 0 : (one == 2 || one == 4) && !factors ? one : kDecodeMixWidths;
-    if (!decode_mix_supported(D, 1, mix_bits)) mix_bits = 0;
-    // A rotated query reads rotated keys alone.
-    for (int l = 0; l < L && q_rotation; ++l) {
-      bool ok = !layers[l].tail.cap || layers[l].tail.rotation == q_rotation;
-      for (const DevSeg& sg : layers[l].segs) ok = ok && sg.k_rotation == q_rotation;
-      if (!ok)
-        throw InternalError("KV cache: layer " + std::to_string(l) + " holds keys not rotated by the Hadamard blocks of " +
-                            std::to_string(q_rotation) + " the query is rotated by");
-    }
-    for (const DevLayer& d : layers)
-      for (int h = 0; h < NKV; ++h) {
-        int np = d.tail.cap ? 1 : 0, r = d.tail.cap;
-        for (const DevSeg& s : d.segs) {
-          np += static_cast<int>(s.heads[h].size());
-          r += static_cast<int>(s.pos[h].size());
-        }
-        max_parts = std::max(max_parts, np);
-        rows = std::max(rows, r);
-      }
-    std::vector<PartDesc> t(static_cast<size_t>(L) * NKV * max_parts);
-    std::vector<int32_t> np(static_cast<size_t>(L) * NKV, 0);
-    for (int l = 0; l < L; ++l)
-      for (int h = 0; h < NKV; ++h) {
-        PartDesc* row = t.data() + (static_cast<size_t>(l) * NKV + h) * max_parts;
-        int& k = np[static_cast<size_t>(l) * NKV + h];
-        for (const DevSeg& s : layers[l].segs)
-          for (const DevPart& p : s.heads[h]) row[k++] = p.d;
-        const Tail& tl = layers[l].tail;
-        if (tl.cap) {
-          PartDesc d;
-          d.n = -tl.first(h);  // (rows quantized into segments of their own are not read here)
-          d.counter = counters.as<int32_t>() + l;
-          const int64_t at = static_cast<int64_t>(h) * tl.cap + tl.first(h);
-          if (tl.packed()) {  // codes with a range per row
-            auto side = [&](KvSide& x, const DevMem& codes, int bits, int which) {
-              x.fmt = kToken;
-              x.bits = bits;
-              x.data = codes.as<uint8_t>() + at * D * bits / 8;
-              x.scale = tl.ranges.as<__half>() + (2 * which * static_cast<int64_t>(NKV)) * tl.cap + at;
-              x.zero = tl.ranges.as<__half>() + ((2 * which + 1) * static_cast<int64_t>(NKV)) * tl.cap + at;
-            };
-            side(d.k, tl.k, tl.k_bits, 0);
-            side(d.v, tl.v, tl.v_bits, 1);
-          } else {
-            d.k.data = tl.k.as<__half>() + at * D;
-            d.v.data = tl.v.as<__half>() + at * D;
-          }
-          row[k++] = d;
-        }
-      }
-    const int64_t tb = static_cast<int64_t>(t.size() * sizeof(PartDesc)), nb = static_cast<int64_t>(np.size() * 4);
-    if (table.bytes < tb) table = {ctx->alloc(tb, "KV decode table"), tb};
-    if (nparts.bytes < nb) nparts = {ctx->alloc(nb, "KV decode table"), nb};
-    ctx->upload(table.mem.get(), t.data(), tb, "KV decode table");
-    ctx->upload(nparts.mem.get(), np.data(), nb, "KV decode table");
-    const DecodeLaunch plan = decode_launch(1, nh, rows, ctx->n_sm, D, all_f16, all_mma, has_b1, 0, ctx->sm90, NKV);
-    launch = plan;
-    const int64_t po = static_cast<int64_t>(nh) * plan.splits * D * 4, pm = static_cast<int64_t>(nh) * plan.splits * 2 * 4;
-    if (part_o.bytes < po) part_o = {ctx->alloc(po, "decode attention partial outputs"), po};
-    if (part_md.bytes < pm) part_md = {ctx->alloc(pm, "decode attention partial states"), pm};
-    if (vis_range.bytes < pm) vis_range = {ctx->alloc(pm, "decode attention visual ranges"), pm};
-    // Calibrated visual parts of 1- and 2-bit codes keep their scores between the two passes
-    // (a cache of fp16 parts only has none).
-    vis_stride = D == 128 && !all_f16 ? rows + kDecodeScorePad : 0;
-    const int64_t vb = static_cast<int64_t>(nh) * vis_stride * 4;
-    if (vis_scores.bytes < vb) vis_scores = {ctx->alloc(vb, "decode attention visual scores"), vb};
-    if (md_out.bytes < nh * 8) md_out = {ctx->alloc(nh * 8, "decode attention states"), nh * 8};
-    if (sem.bytes < nh * 4) {
-      sem = {ctx->alloc(nh * 4, "decode attention merge counters"), nh * 4};
-      KV_CUDA(cudaMemsetAsync(sem.mem.get(), 0, static_cast<size_t>(nh) * 4, ctx->stream), "merge counters");
-    }
-    if (claim.bytes < nh * 4) {
-      claim = {ctx->alloc(nh * 4, "decode attention row claims"), nh * 4};
-      KV_CUDA(cudaMemsetAsync(claim.mem.get(), 0, static_cast<size_t>(nh) * 4, ctx->stream), "row claims");
-    }
-    dirty = false;
-  }
+  // Decode tables: parts of every (layer, kv head), uploaded when the layout changed (kv_cache.cu);
+  // a rebuild after rows_moved alone that changes the launch marks captured steps stale.
+  void build_tables(int n_heads);
+  std::vector<int64_t> launch_signature() const;
 
   std::shared_ptr<Context> ctx;
   int L, NKV, D;
@@ -609,6 +515,12 @@ class CudaKV : public DeviceKV {
     // device, its blocks, factor blocks and row blocks.
     ZipGapLayout layout;
     DevMem blocks;
+    // The gaps' store (zip_store_layout, made at the first gap for every gap the reserved rows
+    // hold), the runs that copy a gap's arrays into it, the gaps quantized so far and the decode
+    // row the first began at.
+    ZipStoreLayout store_at;
+    DevMem store, runs;
+    int gaps = 0, first_row = 0;
     KeptQueries keep(int layer) const {
       if (!slot.mem) return {};
       return {q.as<float>() + static_cast<int64_t>(layer) * slots * width, slot.as<int32_t>() + static_cast<int64_t>(layer) * rows,
@@ -616,7 +528,9 @@ class CudaKV : public DeviceKV {
     }
   } zip;
   bool dirty = true;
-  uint64_t ver = 1;
+  bool relaid = true;  // (changed() since the tables were last built)
+  uint64_t ver = 1;       // the layout (host bookkeeping keyed on it: segment_map)
+  uint64_t step_ver = 1;  // what a captured step reads beyond the tables' contents (version())
 };
 
 CudaKV& as_cuda(DeviceKV* d);

@@ -56,6 +56,7 @@ std::vector<std::vector<int32_t>> segment_order(const CudaKV& C, int layer) {
     if (!s.order_dev.mem) continue;
     int64_t n = 0;
     for (const std::vector<int32_t>& p : s.pos) n += static_cast<int64_t>(p.size());
+    if (s.zip.gaps) n = static_cast<int64_t>(C.NKV) * s.zip.room * s.zip.gap;  // (the store's orders, room for every gap)
     if (s.order_dev.bytes != n * 4)
       throw InternalError("segment_order: a device-ranked segment of layer " + std::to_string(layer) + " holds an order of " +
                           std::to_string(s.order_dev.bytes) + " bytes for " + std::to_string(n) + " rows");
@@ -68,7 +69,14 @@ std::vector<std::vector<int32_t>> segment_order(const CudaKV& C, int layer) {
     for (size_t i = 0; i < d.segs.size(); ++i) {
       const DevSeg& s = d.segs[i];
       const int n = static_cast<int>(s.pos[h].size());
-      if (s.order_dev.mem) {  // (every head's rows before head h's, then head h's)
+      if (s.zip.gaps) {  // every gap's salient rows, then every gap's others: gap g's i-th at g·gap + order
+        const DevSeg::Gaps& z = s.zip;
+        const int32_t* o = ranked[i].data() + static_cast<int64_t>(h) * z.room * z.gap;
+        for (int sal = 1; sal >= 0; --sal)
+          for (int g = 0; g < z.gaps; ++g)
+            for (int j = sal ? 0 : z.k; j < (sal ? z.k : z.gap); ++j)
+              dev2host[h].push_back(base + g * z.gap + o[static_cast<int64_t>(g) * z.gap + j]);
+      } else if (s.order_dev.mem) {  // (every head's rows before head h's, then head h's)
         int64_t at = 0;
         for (int k = 0; k < h; ++k) at += static_cast<int64_t>(s.pos[k].size());
         for (int j = 0; j < n; ++j) dev2host[h].push_back(base + ranked[i][static_cast<size_t>(at + j)]);

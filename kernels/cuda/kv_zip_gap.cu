@@ -6,11 +6,14 @@
 // the cache as it is (the rows each probe saw have not changed since: older rows are never
 // re-quantized) in one launch of the decode's scoring kernel, the gap rows' saliency is reduced
 // (zip_gap_saliency) and ranked (zip_rank_gap, as the method ranks it), the ranked rows are laid
-// out (zip_gap_plan), gathered and quantized (zip_quantize, the prompt's kernels), each layer's
-// gap a segment of its own before the decode rows. Which rows are salient is the ranking's and
-// stays on the device; how many is not (round(ratio · gap) a KV head), so the segments' parts,
-// sizes and bytes are known here. A gap's V token ranges are copied per row (build_zip lays the
-// host loop's gaps out so too).
+// out (zip_gap_plan), gathered and quantized (zip_quantize, the prompt's kernels) and copied into
+// the gaps' store (zip_store_gap), laid out at the first gap for every gap the decode rows have
+// room for: per layer and KV head a salient part and a regular part whose rows grow by a gap's
+// subset each time, a range group and CST factors a gap. Each layer's gaps are one segment before
+// the decode rows, its parts' row counts moved at every gap without a new layout (rows_moved: the
+// steps stay captured). Which rows are salient is the ranking's and stays on the device; how many
+// is not (round(ratio · gap) a KV head), so the parts, sizes and bytes are known here. A gap's V
+// token ranges are copied per row (build_zip lays the host loop's gaps out so too).
 #include <algorithm>
 #include <cmath>
 #include <memory>
@@ -113,19 +116,6 @@ BlockArrays block_arrays(const ZipGapLayout& Z) {
   return a;
 }
 
-// KV head h's arrays at byte `at` of R, head h's `head[h]` bytes into them, `bytes` in all.
-HeadArrays arrays_at(const DevMem& R, int64_t at, int64_t bytes, std::vector<int64_t> head) {
-  HeadArrays a;
-  a.off = std::move(head);
-  if (bytes > 0) a.mem = part_of(R, at, bytes);
-  return a;
-}
-std::vector<int64_t> scaled(const std::vector<int64_t>& x, int64_t by) {
-  std::vector<int64_t> y(x);
-  for (int64_t& v : y) v *= by;
-  return y;
-}
-
 }  // namespace
 
 bool kv::zip_gap_due(const CudaKV& C) {
@@ -186,12 +176,32 @@ void kv::zip_gap(Context& ctx, CudaKV& C) {
                 s_x = sc.put(2 * N * D * 2);
   DevMem W{ctx.alloc(sc.bytes, "ZipCache gap scratch"), sc.bytes};
   char* w = W.as<char>();
-  // The results, every layer's one after another in each array.
+  // The gap's arrays, every layer's one after another in each (copied into the gaps' store).
   ArrayLayout rs;
   const ZipOutputs outs(rs, Z.code, Z.range, Z.factor, n_slots, shared_ranges ? N : 0);
-  const int64_t r_fl = rs.put(static_cast<int64_t>(L) * NKV * fb), r_pos = rs.put(N * 4), r_ord = rs.put(N * 4);
+  ZipGapResult res{outs};
+  res.flags = rs.put(static_cast<int64_t>(L) * NKV * fb);
+  res.pos = rs.put(N * 4);
+  res.order = rs.put(N * 4);
   DevMem R{ctx.alloc(rs.bytes, "ZipCache gap codes and ranges"), rs.bytes};
   char* r = R.as<char>();
+
+  // The gaps' store, made at the first gap for every gap the decode rows have room for.
+  if (!P.store.mem) {
+    P.store_at = zip_store_layout(Z, res, L, NKV, gap, k, D, q.k_bits, q.v_bits, z.layer_factors, t0.cap / gap);
+    const ZipStoreLayout& S = P.store_at;
+    P.store = {ctx.alloc(S.bytes, "ZipCache gaps' store"), S.bytes};
+    const int64_t rb = static_cast<int64_t>(S.runs.size() * sizeof(ZipStoreRun));
+    P.runs = {ctx.alloc(rb, "ZipCache gaps' store runs"), rb};
+    ctx.upload(P.runs.mem.get(), S.runs.data(), rb, "ZipCache gaps' store runs");
+    P.gaps = 0;
+    P.first_row = g0;
+  }
+  const ZipStoreLayout& S = P.store_at;
+  const int gi = P.gaps;
+  if (gi >= S.gaps || g0 != P.first_row + gi * gap)
+    throw InternalError("ZipCache gaps: gap " + std::to_string(gi) + " at decode row " + std::to_string(g0) +
+                        ", the store made for " + std::to_string(S.gaps) + " gaps from row " + std::to_string(P.first_row));
 
   gap_saliency(ctx, C, gap_probes(C, g0, gap), gap, z.accumulated, reinterpret_cast<double*>(w + s_sal));
   {
@@ -204,11 +214,11 @@ void kv::zip_gap(Context& ctx, CudaKV& C) {
       ptrs[static_cast<size_t>(2 * L + l)] = t.pos.mem.get();
     }
     ctx.upload(w + s_ptr, ptrs.data(), 3LL * L * 8, "ZipCache gap rows");
-    auto* order = reinterpret_cast<int32_t*>(r + r_ord);
+    auto* order = reinterpret_cast<int32_t*>(r + res.order);
     const auto* mark = reinterpret_cast<const uint8_t*>(w + s_mark);
     zip_rank_gap(reinterpret_cast<const double*>(w + s_sal), L, NKV, gap, k, z.shared_ranking,
                  reinterpret_cast<double*>(w + s_key), reinterpret_cast<uint8_t*>(w + s_mark), order,
-                 reinterpret_cast<uint8_t*>(r + r_fl), ctx.stream);
+                 reinterpret_cast<uint8_t*>(r + res.flags), ctx.stream);
     ZipGapRows rows;
     const auto* const* tails = reinterpret_cast<const void* const*>(w + s_ptr);
     rows.k = reinterpret_cast<const __half* const*>(tails);
@@ -219,7 +229,7 @@ void kv::zip_gap(Context& ctx, CudaKV& C) {
     auto* src = reinterpret_cast<const __half**>(w + s_src);
     zip_gap_plan(rows, L, NKV, gap, k, D, shared_ranges, order, mark, src, reinterpret_cast<int32_t*>(w + s_rs),
                  reinterpret_cast<int32_t*>(w + s_sf), reinterpret_cast<int32_t*>(w + s_sr),
-                 reinterpret_cast<int32_t*>(r + r_pos), ctx.stream);
+                 reinterpret_cast<int32_t*>(r + res.pos), ctx.stream);
     auto* x = reinterpret_cast<__half*>(w + s_x);
     gather_rows(src, x, static_cast<int>(2 * N), D, ctx.stream);
     const char* b = P.blocks.as<char>();
@@ -238,18 +248,20 @@ void kv::zip_gap(Context& ctx, CudaKV& C) {
     a.n_slots = static_cast<int>(n_slots);
     outs.point(a, r);
     zip_quantize(a, ctx.stream);
+    zip_store_gap(P.runs.as<ZipStoreRun>(), static_cast<int>(S.runs.size()), r, P.store.as<char>(), gi, ctx.stream);
   }
 
-  // Each layer's gap a segment of its own, its arrays the layer's part of each result array.
+  // Each layer's gaps one segment read from the store: per KV head the salient rows of every gap
+  // (a range group and CST factors a gap), then the others; the segment replaced at every gap.
   trace::Scope layout_span("kv.zip_gap.layout");
-  const int bits[2] = {q.v_bits, q.k_bits};
-  const std::vector<std::array<int64_t, 2>> counts(static_cast<size_t>(NKV), {gap - k, k});
-  std::vector<int64_t> row_head(static_cast<size_t>(NKV)), flag_head(static_cast<size_t>(NKV));
-  for (int h = 0; h < NKV; ++h) {
-    row_head[static_cast<size_t>(h)] = static_cast<int64_t>(h) * gap * 2;
-    flag_head[static_cast<size_t>(h)] = static_cast<int64_t>(h) * fb;
-  }
+  const int G = gi + 1;
+  KVBytes per_gap;  // (a layer's, as zip_parts counts a gap's arrays)
+  per_gap.codes = 2 * Z.layer_code;
+  per_gap.scales = per_gap.zeros = Z.layer_range * 2 + per * 2;
+  per_gap.meta = Z.layer_factor * 2 + NKV * static_cast<int64_t>(fb);
+  per_gap.indices = per * 4;
   const std::string label = "packed " + q.label + (shared_ranges ? " (V token ranges per KV head)" : "");
+  char* store = P.store.as<char>();
   for (int l = 0; l < L; ++l) {
     DevLayer& d = C.layers[static_cast<size_t>(l)];
     DevSeg s;
@@ -258,26 +270,50 @@ void kv::zip_gap(Context& ctx, CudaKV& C) {
     s.host_storage = q.label;
     s.fp16_rows = false;
     s.heads.resize(static_cast<size_t>(NKV));
-    s.pos.assign(static_cast<size_t>(NKV), std::vector<int32_t>(d.tail.host_pos.begin() + g0, d.tail.host_pos.begin() + g0 + gap));
+    const auto from = d.tail.host_pos.begin() + P.first_row;
+    s.pos.assign(static_cast<size_t>(NKV), std::vector<int32_t>(from, from + static_cast<int64_t>(G) * gap));
     s.merged.resize(static_cast<size_t>(NKV));
-    ZipArrays a;
-    a.kc = arrays_at(R, outs.kc + l * Z.layer_code, Z.layer_code, Z.head_code);
-    a.vc = arrays_at(R, outs.vc + l * Z.layer_code, Z.layer_code, Z.head_code);
-    a.ks = arrays_at(R, outs.ks + l * Z.layer_range * 2, Z.layer_range * 2, scaled(Z.head_range, 2));
-    a.kz = arrays_at(R, outs.kz + l * Z.layer_range * 2, Z.layer_range * 2, scaled(Z.head_range, 2));
-    // (a range per row: its copy of its slot's where the heads share slots, else its own slot's)
-    a.vs = arrays_at(R, (shared_ranges ? outs.rs : outs.ts) + l * per * 2, per * 2, row_head);
-    a.vz = arrays_at(R, (shared_ranges ? outs.rz : outs.tz) + l * per * 2, per * 2, row_head);
-    a.vm = arrays_at(R, outs.f + l * Z.layer_factor * 2, Z.layer_factor * 2, scaled(Z.head_factor, 2));
-    a.kf = arrays_at(R, r_fl + l * NKV * static_cast<int64_t>(fb), NKV * static_cast<int64_t>(fb), flag_head);
-    zip_parts(s, a, counts, bits, z.layer_factors, D);
-    s.mem.push_back(part_of(R, r_pos + l * per * 4, per * 4));
-    s.bytes.indices = per * 4;
-    s.order_dev = part_of(R, r_ord + l * per * 4, per * 4);
-    d.segs.push_back(std::move(s));
+    for (int h = 0; h < NKV; ++h)
+      for (int sal = 1; sal >= 0; --sal) {
+        const ZipStoreLayout::Subset& x = S.sub[static_cast<size_t>(l) * NKV + h][static_cast<size_t>(sal)];
+        if (x.kc < 0) continue;
+        DevPart p;
+        p.d.n = G * S.n[sal];
+        p.d.k.fmt = kChannel;
+        p.d.k.bits = p.d.v.bits = S.bits[sal];
+        p.d.k.group = p.d.v.group = S.n[sal];
+        p.d.k.data = store + x.kc;
+        p.d.k.scale = reinterpret_cast<const __half*>(store + x.ks);
+        p.d.k.zero = reinterpret_cast<const __half*>(store + x.kz);
+        p.d.v.fmt = kToken;
+        p.d.v.data = store + x.vc;
+        p.d.v.scale = reinterpret_cast<const __half*>(store + x.vs);
+        p.d.v.zero = reinterpret_cast<const __half*>(store + x.vz);
+        p.d.v.factor = reinterpret_cast<const __half*>(store + x.f);
+        s.heads[static_cast<size_t>(h)].push_back(p);
+      }
+    s.mem.push_back(P.store);
+    for (int i = 0; i < G; ++i) s.bytes += per_gap;
+    s.order_dev = part_of(P.store, S.order[static_cast<size_t>(l)], static_cast<int64_t>(NKV) * S.gaps * gap * 4);
+    s.zip = {G, gap, k, S.gaps};
+    if (gi == 0) {
+      d.segs.push_back(std::move(s));
+    } else {
+      if (d.segs.empty() || d.segs.back().zip.gaps != gi)
+        throw InternalError("ZipCache gaps: layer " + std::to_string(l) + "'s last segment is not its " +
+                            std::to_string(gi) + " gaps");
+      d.segs.back() = std::move(s);
+    }
     d.tail.start.assign(static_cast<size_t>(NKV), g0 + gap);
   }
-  C.changed();
+  P.gaps = G;
+  // The first gap adds the store's parts (a new layout); later ones move rows between parts.
+  if (gi == 0) {
+    C.changed();
+  } else {
+    C.rows_moved();
+    if (C.nh > 0) C.build_tables(C.nh);
+  }
 }
 
 }  // namespace kvlens::cuda

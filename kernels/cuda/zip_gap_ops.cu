@@ -2,7 +2,8 @@
 // gap's saliency and zip_quantize): zip_rank_gap, the twin of zipcache::rank_gap, and
 // zip_gap_plan, which lays the ranked rows out as zip_quantize reads them. Nothing about a gap's
 // layout depends on its ranking but which rows go where, so the blocks (zip_gap_layout) are the
-// same for every gap and the host never waits for the ranking.
+// same for every gap and the host never waits for the ranking. The gaps' store (zip_store_layout)
+// holds every gap's arrays as two parts a KV head, a gap's copied there by zip_store_gap.
 #include <algorithm>
 #include <string>
 
@@ -133,7 +134,114 @@ __global__ void __launch_bounds__(kThreads)
   if (l == L - 1 && threadIdx.x == 0) slot_first[static_cast<int64_t>(L) * 2 * gap] = static_cast<int32_t>(N);
 }
 
+// One warp a run: 16 bytes a lane where the run's ends and both places allow, else a byte.
+__global__ void __launch_bounds__(kThreads)
+    zip_store_kernel(const ZipStoreRun* __restrict__ runs, int n, const char* __restrict__ result,
+                     char* __restrict__ store, int gi) {
+  const int r = blockIdx.x * (kThreads / 32) + static_cast<int>(threadIdx.x / 32), lane = threadIdx.x % 32;
+  if (r >= n) return;
+  const ZipStoreRun x = runs[r];
+  const char* from = result + x.src;
+  char* to = store + x.dst + static_cast<int64_t>(gi) * x.step;
+  if (((reinterpret_cast<uintptr_t>(from) | reinterpret_cast<uintptr_t>(to) | static_cast<uintptr_t>(x.bytes)) & 15) == 0) {
+    for (int64_t i = lane; i < x.bytes / 16; i += 32)
+      reinterpret_cast<uint4*>(to)[i] = reinterpret_cast<const uint4*>(from)[i];
+  } else {
+    for (int64_t i = lane; i < x.bytes; i += 32) to[i] = from[i];
+  }
+}
+
+// A bump allocator of 16-byte-aligned arrays.
+struct Bump {
+  int64_t bytes = 0;
+  int64_t put(int64_t n) {
+    const int64_t at = bytes;
+    bytes += (n + 15) / 16 * 16;
+    return at;
+  }
+};
+
 }  // namespace
+
+ZipStoreLayout zip_store_layout(const ZipGapLayout& Z, const ZipGapResult& r, int L, int NKV, int gap, int k, int D,
+                                int hi_bits, int lo_bits, bool layer_factors, int gaps) {
+  if (gap <= 0 || k < 0 || k > gap || gaps < 0 || static_cast<int64_t>(Z.head_code.size()) != NKV)
+    throw InternalError("zip_store_layout: " + std::to_string(gaps) + " gaps of " + std::to_string(gap) + " rows (" +
+                        std::to_string(k) + " salient) over blocks of " + std::to_string(Z.head_code.size()) +
+                        " KV heads, " + std::to_string(NKV) + " asked");
+  ZipStoreLayout S;
+  S.gaps = gaps;
+  S.n[0] = gap - k;
+  S.n[1] = k;
+  S.bits[0] = lo_bits;
+  S.bits[1] = hi_bits;
+  const int64_t fb = (gap + 7) / 8;
+  Bump at;
+  S.sub.resize(static_cast<size_t>(L) * NKV);
+  S.flags.resize(static_cast<size_t>(L) * NKV);
+  auto run = [&](int64_t src, int64_t dst, int64_t step) { S.runs.push_back({src, dst, step, step}); };
+  for (int l = 0; l < L; ++l)
+    for (int h = 0; h < NKV; ++h) {
+      const size_t lh = static_cast<size_t>(l) * NKV + h;
+      const int64_t row0 = static_cast<int64_t>(lh) * gap;  // (the head's first row in the gap's arrays)
+      const int64_t code0 = l * Z.layer_code + Z.head_code[static_cast<size_t>(h)];
+      const int64_t range0 = l * Z.layer_range + Z.head_range[static_cast<size_t>(h)];
+      const int64_t factor0 = l * Z.layer_factor + Z.head_factor[static_cast<size_t>(h)];
+      const int64_t vs_src = r.out.rs >= 0 ? r.out.rs : r.out.ts, vz_src = r.out.rz >= 0 ? r.out.rz : r.out.tz;
+      int64_t code = 0, row = 0, block = 0;  // (within the head, salient subset first)
+      for (int s = 1; s >= 0; --s) {
+        const int64_t n = S.n[s];
+        if (n == 0) continue;
+        ZipStoreLayout::Subset& x = S.sub[lh][static_cast<size_t>(s)];
+        const int64_t cb = n * D * S.bits[s] / 8;
+        x.kc = at.put(gaps * cb);
+        run(r.out.kc + code0 + code, x.kc, cb);
+        x.vc = at.put(gaps * cb);
+        run(r.out.vc + code0 + code, x.vc, cb);
+        x.ks = at.put(gaps * D * 2LL);
+        run(r.out.ks + (range0 + block * D) * 2, x.ks, D * 2LL);
+        x.kz = at.put(gaps * D * 2LL);
+        run(r.out.kz + (range0 + block * D) * 2, x.kz, D * 2LL);
+        x.vs = at.put(gaps * n * 2);
+        run(vs_src + (row0 + row) * 2, x.vs, n * 2);
+        x.vz = at.put(gaps * n * 2);
+        run(vz_src + (row0 + row) * 2, x.vz, n * 2);
+        if (!layer_factors) {
+          x.f = at.put(gaps * D * 2LL);
+          run(r.out.f + (factor0 + block * D) * 2, x.f, D * 2LL);
+        }
+        code += cb;
+        row += n;
+        ++block;
+      }
+      if (layer_factors) {  // (one array a head, read by both subsets)
+        const int64_t f = at.put(gaps * D * 2LL);
+        run(r.out.f + factor0 * 2, f, D * 2LL);
+        for (ZipStoreLayout::Subset& x : S.sub[lh])
+          if (x.kc >= 0) x.f = f;
+      }
+      S.flags[lh] = at.put(gaps * fb);
+      run(r.flags + static_cast<int64_t>(lh) * fb, S.flags[lh], fb);
+    }
+  for (int l = 0; l < L; ++l) {
+    S.pos.push_back(at.put(static_cast<int64_t>(NKV) * gaps * gap * 4));
+    S.order.push_back(at.put(static_cast<int64_t>(NKV) * gaps * gap * 4));
+    for (int h = 0; h < NKV; ++h) {
+      const int64_t src = (static_cast<int64_t>(l) * NKV + h) * gap * 4, dst = static_cast<int64_t>(h) * gaps * gap * 4;
+      run(r.pos + src, S.pos.back() + dst, gap * 4LL);
+      run(r.order + src, S.order.back() + dst, gap * 4LL);
+    }
+  }
+  S.bytes = at.bytes;
+  return S;
+}
+
+void zip_store_gap(const ZipStoreRun* runs, int n, const char* result, char* store, int gi, cudaStream_t s) {
+  if (n <= 0) return;
+  constexpr int per = kThreads / 32;
+  zip_store_kernel<<<(n + per - 1) / per, kThreads, 0, s>>>(runs, n, result, store, gi);
+  KV_LAUNCH("zip_store_kernel", std::to_string(n) + " runs, gap " + std::to_string(gi));
+}
 
 void zip_rank_gap(const double* sal, int L, int NKV, int gap, int k, bool shared, double* key, uint8_t* salient,
                   int32_t* order, uint8_t* flags, cudaStream_t s) {

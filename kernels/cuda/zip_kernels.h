@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <array>
 #include <cstdint>
 #include <vector>
 
@@ -125,5 +126,41 @@ struct ZipGapLayout {
   std::vector<int64_t> head_code, head_range, head_factor;
 };
 ZipGapLayout zip_gap_layout(int L, int NKV, int gap, int k, int D, int hi_bits, int lo_bits, bool layer_factors);
+// Where a streamed gap's arrays lie in the result allocation kv_zip_gap.cu quantizes it into:
+// zip_quantize's outputs (`out`; V token ranges read from its per-row copies where the heads
+// share slots, else from the slots, a row each) and the flags [L][NKV][(gap + 7) / 8], positions
+// and row order [L][NKV][gap] (int32) beside them. Byte offsets.
+struct ZipGapResult {
+  ZipOutputs out;
+  int64_t flags = 0, pos = 0, order = 0;
+};
+// A run of bytes copied from a gap's result allocation into the gaps' store: `bytes` from byte
+// `src` of the result to byte dst + gi·step of the store, for gap gi.
+struct ZipStoreRun {
+  int64_t src = 0, dst = 0, step = 0, bytes = 0;
+};
+// The gaps' store: one allocation holding, for every gap the reserved decode rows have room for
+// (`gaps`), every layer's gap arrays where the decode reads them as two parts a KV head — each
+// subset s (1 salient, 0 the others; n_s rows a gap) with its K and V codes [gaps][n_s][D·bits/8],
+// K scales and zeros [gaps][D] (a range group a gap), V token ranges [gaps][n_s] and CST factors
+// [gaps][D] (with layer factors one array a head, both subsets reading it) — then each KV head's
+// salient flags [gaps][(gap + 7) / 8] and, a layer's in one array each, the positions and row
+// orders [NKV][gaps][gap]. Every array at a 16-byte boundary; byte offsets. `runs` copy gap gi's
+// arrays (ZipGapResult) into it (zip_store_gap).
+struct ZipStoreLayout {
+  struct Subset {
+    int64_t kc = -1, vc = -1, ks = -1, kz = -1, vs = -1, vz = -1, f = -1;  // (-1: the subset is empty)
+  };
+  std::vector<std::array<Subset, 2>> sub;  // [l·NKV + h][s]
+  std::vector<int64_t> flags;              // [l·NKV + h]
+  std::vector<int64_t> pos, order;         // [l]
+  std::vector<ZipStoreRun> runs;
+  int64_t bytes = 0;
+  int gaps = 0, n[2] = {0, 0}, bits[2] = {0, 0};
+};
+ZipStoreLayout zip_store_layout(const ZipGapLayout& Z, const ZipGapResult& r, int L, int NKV, int gap, int k, int D,
+                                int hi_bits, int lo_bits, bool layer_factors, int gaps);
+// Gap gi's arrays copied from `result` into `store` by the n runs (device memory), one launch.
+void zip_store_gap(const ZipStoreRun* runs, int n, const char* result, char* store, int gi, cudaStream_t s);
 
 }  // namespace kvlens::cuda

@@ -2,12 +2,15 @@
 // gather_rows and zip_quantize over zip_gap_layout's blocks, as kv_zip_gap.cu runs them) against
 // the host's streaming: zipcache::rank_gap, itself checked against a stable sort, and
 // zipcache::quantize_group on the same fp16 rows — flags, order, codes, ranges and factors equal
-// byte for byte, on fresh random inputs.
+// byte for byte, on fresh random inputs; the gaps' store (zip_store_layout, zip_store_gap)
+// holding every gap where its parts read it; and the decode kernels reading CST factors a group of
+// rows (the store's parts) as they read each group as a part of its own.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -299,6 +302,358 @@ TEST(ZipGapOps, GapQuantizedAsTheHostsStreaming) {
                 }
               }
             }
+    }
+}
+
+std::vector<uint16_t> halves_of(const std::vector<float>& v) {
+  std::vector<uint16_t> h(v.size());
+  for (size_t i = 0; i < v.size(); ++i) h[i] = quant::to_half(v[i]);
+  return h;
+}
+
+std::vector<uint8_t> random_bytes(size_t n, std::mt19937_64& r) {
+  std::vector<uint8_t> v(n);
+  for (uint8_t& x : v) x = static_cast<uint8_t>(r());
+  return v;
+}
+
+// The result allocation kv_zip_gap.cu quantizes a gap into (its offsets), for L layers of NKV heads.
+cuda::ZipGapResult gap_result(const cuda::ZipGapLayout& Z, int L, int NKV, int gap, bool shared_ranges, int64_t& bytes) {
+  cuda::ArrayLayout rs;
+  const int64_t N = static_cast<int64_t>(L) * NKV * gap;
+  cuda::ZipGapResult r{cuda::ZipOutputs(rs, Z.code, Z.range, Z.factor, shared_ranges ? L * 2LL * gap : N, shared_ranges ? N : 0)};
+  r.flags = rs.put(static_cast<int64_t>(L) * NKV * ((gap + 7) / 8));
+  r.pos = rs.put(N * 4);
+  r.order = rs.put(N * 4);
+  bytes = rs.bytes;
+  return r;
+}
+
+// zip_store_gap's host twin: each run's bytes copied to its place for gap gi.
+void store_gap_host(const std::vector<cuda::ZipStoreRun>& runs, const std::vector<uint8_t>& result, std::vector<uint8_t>& store,
+                    int gi) {
+  for (const cuda::ZipStoreRun& x : runs)
+    std::copy_n(result.begin() + x.src, x.bytes, store.begin() + x.dst + static_cast<int64_t>(gi) * x.step);
+}
+
+struct StoreCase {
+  int L, NKV, gap, k, D, hi, lo;
+  bool layer_factors, shared_ranges;
+};
+const StoreCase kStoreCases[] = {{2, 3, 8, 3, 128, 4, 2, false, true},  {2, 3, 8, 3, 128, 4, 2, true, false},
+                                 {3, 2, 37, 15, 40, 8, 1, false, false}, {1, 2, 8, 0, 64, 4, 2, true, true},
+                                 {2, 2, 8, 8, 64, 4, 2, false, true},    {2, 1, 5, 2, 16, 3, 3, false, false}};
+
+// The gaps' store laid out for every gap: each gap's result copied by the runs (their host twin)
+// puts, per layer, KV head and subset, the arrays where the decode's parts read them — row i of
+// gap g's subset at row g·n_s + i, its key ranges and CST factors at group g, its flags,
+// positions and order at gap g — equal to the gap's result as a gap's own segment read it
+// (codes by ZipGapLayout's head offsets, salient first; V ranges a row each; factors a subset or a
+// head); every store byte written by at most one run and gap, every run within its arrays.
+TEST(ZipGapOps, StoreHoldsEveryGapWhereItsPartsRead) {
+  std::mt19937_64 r(rng()());
+  for (const StoreCase& c : kStoreCases) {
+    SCOPED_TRACE("L=" + std::to_string(c.L) + " NKV=" + std::to_string(c.NKV) + " gap " + std::to_string(c.gap) + " k=" +
+                 std::to_string(c.k) + " D=" + std::to_string(c.D) + (c.layer_factors ? " factors a head" : "") +
+                 (c.shared_ranges ? " shared ranges" : ""));
+    const int gaps = 3;
+    const cuda::ZipGapLayout Z = cuda::zip_gap_layout(c.L, c.NKV, c.gap, c.k, c.D, c.hi, c.lo, c.layer_factors);
+    int64_t rbytes = 0;
+    const cuda::ZipGapResult res = gap_result(Z, c.L, c.NKV, c.gap, c.shared_ranges, rbytes);
+    const cuda::ZipStoreLayout S =
+        cuda::zip_store_layout(Z, res, c.L, c.NKV, c.gap, c.k, c.D, c.hi, c.lo, c.layer_factors, gaps);
+    ASSERT_EQ(S.gaps, gaps);
+    // Every store byte written once at most; every run inside both allocations.
+    std::vector<int> writes(static_cast<size_t>(S.bytes), 0);
+    for (const cuda::ZipStoreRun& x : S.runs) {
+      ASSERT_GT(x.bytes, 0);
+      ASSERT_LE(x.src + x.bytes, rbytes);
+      for (int g = 0; g < gaps; ++g) {
+        ASSERT_LE(x.dst + g * x.step + x.bytes, S.bytes);
+        for (int64_t b = 0; b < x.bytes; ++b) ++writes[static_cast<size_t>(x.dst + g * x.step + b)];
+      }
+    }
+    EXPECT_EQ(*std::max_element(writes.begin(), writes.end()), 1);
+    std::vector<std::vector<uint8_t>> result(gaps);
+    std::vector<uint8_t> store(static_cast<size_t>(S.bytes), 0xA5);
+    for (int g = 0; g < gaps; ++g) {
+      result[static_cast<size_t>(g)] = random_bytes(static_cast<size_t>(rbytes), r);
+      store_gap_host(S.runs, result[static_cast<size_t>(g)], store, g);
+    }
+    const int n[2] = {c.gap - c.k, c.k}, bits[2] = {c.lo, c.hi};
+    const int64_t fb = (c.gap + 7) / 8, per = static_cast<int64_t>(c.NKV) * c.gap;
+    auto same = [&](int64_t store_at, const std::vector<uint8_t>& from, int64_t at, int64_t bytes, const std::string& what) {
+      ASSERT_GE(store_at, 0) << what;
+      EXPECT_TRUE(std::equal(from.begin() + at, from.begin() + at + bytes, store.begin() + store_at)) << what;
+    };
+    for (int l = 0; l < c.L; ++l)
+      for (int h = 0; h < c.NKV; ++h) {
+        const size_t lh = static_cast<size_t>(l) * c.NKV + h;
+        for (int g = 0; g < gaps; ++g) {
+          const std::vector<uint8_t>& R = result[static_cast<size_t>(g)];
+          const std::string at = "layer " + std::to_string(l) + " head " + std::to_string(h) + " gap " + std::to_string(g);
+          int64_t code = l * Z.layer_code + Z.head_code[static_cast<size_t>(h)];
+          int64_t range = l * Z.layer_range + Z.head_range[static_cast<size_t>(h)];
+          int64_t row = l * per + static_cast<int64_t>(h) * c.gap;
+          const int64_t factor = l * Z.layer_factor + Z.head_factor[static_cast<size_t>(h)];
+          int64_t subset_factor = factor;
+          for (int s = 1; s >= 0; --s) {
+            const cuda::ZipStoreLayout::Subset& x = S.sub[lh][static_cast<size_t>(s)];
+            if (n[s] == 0) {
+              EXPECT_EQ(x.kc, -1) << at << " empty subset " << s;
+              continue;
+            }
+            const std::string w = at + " subset " + std::to_string(s);
+            const int64_t cb = static_cast<int64_t>(n[s]) * c.D * bits[s] / 8;
+            same(x.kc + g * cb, R, res.out.kc + code, cb, w + " K codes");
+            same(x.vc + g * cb, R, res.out.vc + code, cb, w + " V codes");
+            same(x.ks + g * c.D * 2LL, R, res.out.ks + range * 2, c.D * 2LL, w + " K scales");
+            same(x.kz + g * c.D * 2LL, R, res.out.kz + range * 2, c.D * 2LL, w + " K zeros");
+            same(x.f + g * c.D * 2LL, R, res.out.f + (c.layer_factors ? factor : subset_factor) * 2, c.D * 2LL, w + " factors");
+            const int64_t vs = c.shared_ranges ? res.out.rs : res.out.ts, vz = c.shared_ranges ? res.out.rz : res.out.tz;
+            same(x.vs + g * n[s] * 2LL, R, vs + row * 2, n[s] * 2LL, w + " V scales");
+            same(x.vz + g * n[s] * 2LL, R, vz + row * 2, n[s] * 2LL, w + " V zeros");
+            code += cb;
+            range += c.D;
+            row += n[s];
+            subset_factor += c.D;
+          }
+          same(S.flags[lh] + g * fb, R, res.flags + static_cast<int64_t>(lh) * fb, fb, at + " flags");
+          const int64_t ro = (static_cast<int64_t>(l) * c.NKV + h) * c.gap * 4, so = (static_cast<int64_t>(h) * gaps + g) * c.gap * 4;
+          same(S.pos[static_cast<size_t>(l)] + so, R, res.pos + ro, c.gap * 4LL, at + " positions");
+          same(S.order[static_cast<size_t>(l)] + so, R, res.order + ro, c.gap * 4LL, at + " order");
+        }
+      }
+  }
+}
+
+// zip_store_gap against its host twin: the store layouts above for gaps 0, 1 and the last, and
+// runs of odd sizes at odd offsets (bytes one at a time) beside aligned ones (16 at a time), the
+// store poisoned first so that bytes no run writes must stay.
+TEST(ZipGapOps, StoreKernelCopiesAsItsHostTwin) {
+  KVLENS_NEED_GPU();
+  std::mt19937_64 r(rng()());
+  for (const StoreCase& c : kStoreCases) {
+    const int gaps = 4;
+    const cuda::ZipGapLayout Z = cuda::zip_gap_layout(c.L, c.NKV, c.gap, c.k, c.D, c.hi, c.lo, c.layer_factors);
+    int64_t rbytes = 0;
+    const cuda::ZipGapResult res = gap_result(Z, c.L, c.NKV, c.gap, c.shared_ranges, rbytes);
+    cuda::ZipStoreLayout S = cuda::zip_store_layout(Z, res, c.L, c.NKV, c.gap, c.k, c.D, c.hi, c.lo, c.layer_factors, gaps);
+    // Odd runs past the store's arrays: 1 to 40 bytes from odd places.
+    int64_t end = S.bytes;
+    for (int i = 0; i < 7; ++i) {
+      const int64_t b = 1 + static_cast<int64_t>(r() % 40);
+      S.runs.push_back({static_cast<int64_t>(r() % static_cast<uint64_t>(rbytes - 41)), end + 3, b + 5, b});
+      end += 3 + gaps * (b + 5);
+    }
+    const std::vector<uint8_t> result = random_bytes(static_cast<size_t>(rbytes), r);
+    std::vector<uint8_t> want(static_cast<size_t>(end), 0xA5);
+    Dev R(result), St(want), runs(S.runs);
+    for (const int g : {0, 1, gaps - 1}) {
+      SCOPED_TRACE("gap " + std::to_string(g) + " of store case gap " + std::to_string(c.gap));
+      store_gap_host(S.runs, result, want, g);
+      cuda::zip_store_gap(runs.as<cuda::ZipStoreRun>(), static_cast<int>(S.runs.size()), R.as<char>(), St.as<char>(), g, nullptr);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      EXPECT_EQ(St.host<uint8_t>(want.size()), want);
+    }
+  }
+}
+
+// The decode kernels over parts whose CST factors (and key ranges) come a group of rows at a time,
+// as the gaps' store holds ZipCache's gaps — per KV head fp16 rows, a salient part of G groups of
+// 2 rows at 4 bits, a regular one of G groups of 6 at 2 bits, fp16 rows — against the same rows
+// as 2·G parts of one group each and an fp64 reference: the mixed kernel gives the same bits
+// either way (each row reads its own group's factors), and the mixed and general kernels are
+// within a bound derived from fp32 sums (score terms D·2^-23 of Σ|q·k|, D + N rounded additions)
+// of the reference. Head sizes 128 and 64, one split and three.
+TEST(ZipGapOps, GroupedFactorsReadAsTheGroupsOwnParts) {
+  KVLENS_NEED_GPU();
+  std::mt19937_64 r(rng()());
+  std::uniform_real_distribution<float> u_scale(0.02f, 0.5f), u_zero(-2.0f, 1.0f), u_factor(0.5f, 2.0f);
+  auto half_of = [](float x) { return quant::from_half(quant::to_half(x)); };
+  const int NKV = 2, NH = 4, G = 3, n_front = 9, n_back = 4;
+  const int n[2] = {6, 2}, bits[2] = {2, 4};
+  for (const int D : {128, 64})
+    for (const int splits : {1, 3}) {
+      SCOPED_TRACE("D=" + std::to_string(D) + " splits " + std::to_string(splits));
+      const int N = n_front + G * (n[0] + n[1]) + n_back;
+      // Per KV head: fp16 front and back rows; per subset codes, key ranges, V ranges, factors.
+      struct Sub {
+        std::vector<uint8_t> kc, vc;
+        std::vector<float> ks, kz, vs, vz, f;
+      };
+      std::vector<std::array<Sub, 2>> sub(NKV);
+      std::vector<std::vector<float>> fk(NKV), fv(NKV);
+      for (int h = 0; h < NKV; ++h) {
+        fk[h] = rounded(Dt::F16, randn(static_cast<size_t>(n_front + n_back) * D));
+        fv[h] = rounded(Dt::F16, randn(static_cast<size_t>(n_front + n_back) * D));
+        for (int s = 0; s < 2; ++s) {
+          Sub& x = sub[h][s];
+          const size_t cb = static_cast<size_t>(G) * n[s] * D * bits[s] / 8;
+          x.kc = random_bytes(cb, r);
+          x.vc = random_bytes(cb, r);
+          for (int i = 0; i < G * D; ++i) {
+            x.ks.push_back(half_of(u_scale(r)));
+            x.kz.push_back(half_of(u_zero(r)));
+            x.f.push_back(half_of(u_factor(r)));
+          }
+          for (int i = 0; i < G * n[s]; ++i) {
+            x.vs.push_back(half_of(u_scale(r)));
+            x.vz.push_back(half_of(u_zero(r)));
+          }
+        }
+      }
+      const std::vector<float> q = randn(static_cast<size_t>(NH) * D);
+      const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+      // The fp64 reference and its bound.
+      std::vector<double> want(static_cast<size_t>(NH) * D), bound(static_cast<size_t>(NH));
+      const double eps = std::ldexp(1.0, -23);
+      for (int qh = 0; qh < NH; ++qh) {
+        const int h = qh / (NH / NKV);
+        std::vector<std::vector<double>> K, V;
+        for (int i = 0; i < n_front; ++i) {
+          K.emplace_back(fk[h].begin() + i * D, fk[h].begin() + (i + 1) * D);
+          V.emplace_back(fv[h].begin() + i * D, fv[h].begin() + (i + 1) * D);
+        }
+        for (int s = 1; s >= 0; --s)
+          for (int g = 0; g < G; ++g)
+            for (int i = 0; i < n[s]; ++i) {
+              const Sub& x = sub[h][s];
+              const int row = g * n[s] + i;
+              std::vector<double> k(D), v(D);
+              for (int c = 0; c < D; ++c) {
+                const double ck = quant::unpack_one(x.kc.data(), static_cast<int64_t>(row) * D + c, bits[s]);
+                const double cv = quant::unpack_one(x.vc.data(), static_cast<int64_t>(row) * D + c, bits[s]);
+                k[c] = ck * x.ks[g * D + c] + x.kz[g * D + c];
+                v[c] = x.f[g * D + c] * (cv * x.vs[row] + x.vz[row]);
+              }
+              K.push_back(k);
+              V.push_back(v);
+            }
+        for (int i = n_front; i < n_front + n_back; ++i) {
+          K.emplace_back(fk[h].begin() + i * D, fk[h].begin() + (i + 1) * D);
+          V.emplace_back(fv[h].begin() + i * D, fv[h].begin() + (i + 1) * D);
+        }
+        std::vector<double> sc(N);
+        double mx = -INFINITY, abs_max = 0.0, vmax = 0.0;
+        for (int j = 0; j < N; ++j) {
+          double d = 0.0, a = 0.0;
+          for (int c = 0; c < D; ++c) {
+            d += static_cast<double>(q[qh * D + c]) * K[j][c];
+            a += std::abs(static_cast<double>(q[qh * D + c]) * K[j][c]);
+            vmax = std::max(vmax, std::abs(V[j][c]));
+          }
+          sc[j] = d * scale;
+          mx = std::max(mx, sc[j]);
+          abs_max = std::max(abs_max, a * scale);
+        }
+        double sum = 0.0;
+        for (int j = 0; j < N; ++j) sum += std::exp(sc[j] - mx);
+        for (int c = 0; c < D; ++c) {
+          double o = 0.0;
+          for (int j = 0; j < N; ++j) o += std::exp(sc[j] - mx) / sum * V[j][c];
+          want[static_cast<size_t>(qh) * D + c] = o;
+        }
+        bound[qh] = vmax * (2.0 * (D + 8) * eps * abs_max + 4.0 * (N + D + 16) * eps) + 1e-6;
+      }
+      // The device arrays (16-byte aligned offsets: each vector its own allocation).
+      std::vector<std::unique_ptr<Dev>> keep;
+      auto up = [&](const auto& v) {
+        keep.push_back(std::make_unique<Dev>(v));
+        return keep.back()->p;
+      };
+      auto up_half = [&](const std::vector<float>& v) { return static_cast<const __half*>(up(halves_of(v))); };
+      std::vector<cuda::PartDesc> grouped, single;
+      for (int h = 0; h < NKV; ++h) {
+        cuda::PartDesc front, back;
+        front.n = n_front;
+        back.n = n_back;
+        const auto* k16 = static_cast<const __half*>(up(halves_of(fk[h])));
+        const auto* v16 = static_cast<const __half*>(up(halves_of(fv[h])));
+        front.k.data = k16;
+        front.v.data = v16;
+        back.k.data = k16 + n_front * D;
+        back.v.data = v16 + n_front * D;
+        grouped.push_back(front);
+        single.push_back(front);
+        std::vector<cuda::PartDesc> own;
+        for (int s = 1; s >= 0; --s) {
+          const Sub& x = sub[h][s];
+          cuda::PartDesc p;
+          p.n = G * n[s];
+          p.k.fmt = cuda::kChannel;
+          p.v.fmt = cuda::kToken;
+          p.k.bits = p.v.bits = bits[s];
+          p.k.group = p.v.group = n[s];
+          p.k.data = up(x.kc);
+          p.v.data = up(x.vc);
+          p.k.scale = up_half(x.ks);
+          p.k.zero = up_half(x.kz);
+          p.v.scale = up_half(x.vs);
+          p.v.zero = up_half(x.vz);
+          p.v.factor = up_half(x.f);
+          grouped.push_back(p);
+          for (int g = 0; g < G; ++g) {  // (group g as a part of its own)
+            cuda::PartDesc o = p;
+            o.n = n[s];
+            o.k.group = o.v.group = 0;
+            o.k.data = static_cast<const uint8_t*>(p.k.data) + g * n[s] * D * bits[s] / 8;
+            o.v.data = static_cast<const uint8_t*>(p.v.data) + g * n[s] * D * bits[s] / 8;
+            o.k.scale += g * D;
+            o.k.zero += g * D;
+            o.v.factor += g * D;
+            o.v.scale += g * n[s];
+            o.v.zero += g * n[s];
+            single.push_back(o);
+          }
+        }
+        grouped.push_back(back);
+        single.push_back(back);
+      }
+      const int heads = NH;
+      auto run = [&](const std::vector<cuda::PartDesc>& parts, int per_head, bool mix) {
+        Dev d_parts(parts), d_np(std::vector<int32_t>(NKV, per_head)), d_q(q);
+        Dev po(static_cast<size_t>(heads) * splits * D * 4), pm(static_cast<size_t>(heads) * splits * 2 * 4);
+        Dev sem(std::vector<int32_t>(heads, 0));
+        Dev out(std::vector<float>(static_cast<size_t>(heads) * D, std::numeric_limits<float>::quiet_NaN()));
+        cuda::DecodeParams p;
+        p.B = 1;
+        p.NH = NH;
+        p.NKV = NKV;
+        p.D = D;
+        p.scale = scale;
+        p.q = d_q.as<float>();
+        p.q_stride = static_cast<int64_t>(NH) * D;
+        p.parts = d_parts.as<cuda::PartDesc>();
+        p.n_parts = d_np.as<int32_t>();
+        p.max_parts = per_head;
+        p.splits = splits;
+        p.part_o = po.as<float>();
+        p.part_md = pm.as<float>();
+        p.out = out.p;
+        p.odt = Dt::F32;
+        p.out_stride = static_cast<int64_t>(NH) * D;
+        p.sem = sem.as<int>();
+        p.mix_bits = mix ? cuda::kDecodeMixWidths : 0;
+        EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        cudaStream_t st = nullptr;
+        EXPECT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
+        cuda::decode_attention(p, st);
+        EXPECT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+        EXPECT_EQ(cudaStreamDestroy(st), cudaSuccess);
+        return out.host<float>(static_cast<size_t>(heads) * D);
+      };
+      const int per_grouped = 4, per_single = 2 + 2 * G;
+      const std::vector<float> mix_g = run(grouped, per_grouped, true), mix_s = run(single, per_single, true);
+      const std::vector<float> gen_g = run(grouped, per_grouped, false), gen_s = run(single, per_single, false);
+      EXPECT_EQ(mix_g, mix_s) << "the mixed kernel over grouped factors against one part a group";
+      for (const auto& [got, what] : {std::pair{&mix_g, "mixed, grouped"}, std::pair{&gen_g, "general, grouped"},
+                                      std::pair{&gen_s, "general, a part a group"}})
+        for (int qh = 0; qh < NH; ++qh)
+          for (int c = 0; c < D; ++c) {
+            const size_t i = static_cast<size_t>(qh) * D + c;
+            ASSERT_NEAR((*got)[i], want[i], bound[qh]) << what << ", head " << qh << " channel " << c;
+          }
     }
 }
 
