@@ -246,6 +246,7 @@ void kv::zip_gap(Context& ctx, CudaKV& C) {
     a.slot_first = reinterpret_cast<const int32_t*>(w + s_sf);
     a.slot_rows = reinterpret_cast<const int32_t*>(w + s_sr);
     a.n_slots = static_cast<int>(n_slots);
+    a.max_block_rows = std::max(k, gap - k);
     outs.point(a, r);
     zip_quantize(a, ctx.stream);
     zip_store_gap(P.runs.as<ZipStoreRun>(), static_cast<int>(S.runs.size()), r, P.store.as<char>(), gi, ctx.stream);

@@ -306,6 +306,23 @@ __global__ void zip_key_range_kernel(const __half* x, int D, const ZipBlock* blo
   }
 }
 
+// Keys of blocks of few rows (ZipQuantArgs::max_block_rows, a streamed gap's subsets): one thread a
+// (block, channel), its rows in order — the same range, without a block's reduction for a few rows.
+__global__ void zip_key_range_rows_kernel(const __half* x, int D, const ZipBlock* blocks, int n_blocks, __half* scale,
+                                          __half* zero) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= static_cast<int64_t>(n_blocks) * D) return;
+  const ZipBlock b = blocks[t / D];
+  const int ch = static_cast<int>(t % D);
+  float lo = INFINITY, hi = -INFINITY;
+  for (int i = 0; i < b.n; ++i) {
+    const float v = __half2float(x[static_cast<int64_t>(b.row0 + i) * D + ch]);
+    lo = fminf(lo, v);
+    hi = fmaxf(hi, v);
+  }
+  affine(lo, hi, b.bits, 1.0f, true, scale + b.range + ch, zero + b.range + ch);
+}
+
 // Values: CST factors of factor block blockIdx.y, one thread a channel.
 __global__ void zip_factor_kernel(const __half* v, int D, const ZipFactorBlock* blocks, __half* factor) {
   const ZipFactorBlock f = blocks[blockIdx.y];
@@ -383,8 +400,15 @@ void zip_quantize(const ZipQuantArgs& a, cudaStream_t s) {
   if (a.n_blocks > 65535 || a.n_factor_blocks > 65535)
     throw InternalError("zip_quantize: at most 65535 blocks a launch, got " + std::to_string(a.n_blocks));
   const std::string what = std::to_string(a.N) + "x" + std::to_string(a.D);
-  zip_key_range_kernel<<<dim3(a.D, a.n_blocks), 128, 0, s>>>(a.x, a.D, a.blocks, a.k_scale, a.k_zero);
-  KV_LAUNCH("zip_key_range_kernel", what);
+  if (a.max_block_rows > 0 && a.max_block_rows <= kZipFewRows) {
+    const int64_t threads = static_cast<int64_t>(a.n_blocks) * a.D;
+    zip_key_range_rows_kernel<<<static_cast<unsigned>((threads + 255) / 256), 256, 0, s>>>(a.x, a.D, a.blocks, a.n_blocks,
+                                                                                           a.k_scale, a.k_zero);
+    KV_LAUNCH("zip_key_range_rows_kernel", what);
+  } else {
+    zip_key_range_kernel<<<dim3(a.D, a.n_blocks), 128, 0, s>>>(a.x, a.D, a.blocks, a.k_scale, a.k_zero);
+    KV_LAUNCH("zip_key_range_kernel", what);
+  }
   const __half* v = a.x + static_cast<int64_t>(a.N) * a.D;
   zip_factor_kernel<<<dim3((a.D + 127) / 128, a.n_factor_blocks), 128, 0, s>>>(v, a.D, a.factor_blocks, a.factor);
   KV_LAUNCH("zip_factor_kernel", what);

@@ -77,10 +77,14 @@ struct ZipQuantArgs {
   const int32_t *row_block = nullptr, *row_slot = nullptr;  // [N]
   const int32_t *slot_first = nullptr, *slot_rows = nullptr;
   int n_slots = 0;
+  // The most rows any block holds, where known (0: not known). Blocks of at most kZipFewRows rows
+  // (a streamed gap's) take their key ranges a thread a channel instead of a block a channel.
+  int max_block_rows = 0;
   uint8_t *k_codes = nullptr, *v_codes = nullptr;
   __half *k_scale = nullptr, *k_zero = nullptr, *factor = nullptr, *t_scale = nullptr, *t_zero = nullptr;
   __half *row_scale = nullptr, *row_zero = nullptr;
 };
+constexpr int kZipFewRows = 64;
 void zip_quantize(const ZipQuantArgs& a, cudaStream_t s);
 // zip_quantize's outputs laid out in one allocation after what `at` holds already: K and V codes
 // (`code` bytes each), key scales and zeros (`range` halves each), CST factors (`factor` halves),

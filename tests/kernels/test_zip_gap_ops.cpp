@@ -142,7 +142,8 @@ TEST(ZipGapOps, RankKernelAgainstTheHostsRanking) {
 // both sides, the key ranges, the CST factors and each row's V token range byte for byte. Two
 // layers of three KV heads at a random tail row; gaps of 8 and 37 rows; bits 4/2, 8/1, 3/3; V
 // ranges shared by the heads or per row, factors per subset or per head, rankings per head or
-// shared; head sizes 128 and 40.
+// shared, key ranges by either kernel (a block a channel, or a thread a channel for few rows);
+// head sizes 128 and 40.
 TEST(ZipGapOps, GapQuantizedAsTheHostsStreaming) {
   KVLENS_NEED_GPU();
   std::mt19937_64 r(rng()());
@@ -188,7 +189,8 @@ TEST(ZipGapOps, GapQuantizedAsTheHostsStreaming) {
               SCOPED_TRACE("D=" + std::to_string(D) + " gap " + std::to_string(gap) + " bits " + std::to_string(hi) + "/" +
                            std::to_string(lo) + (head_ranges ? ", ranges per row" : ", shared ranges") +
                            (layer_factors ? ", factors per head" : ", factors per subset") +
-                           (shared ? ", shared ranking" : ", ranking per head"));
+                           (shared ? ", shared ranking" : ", ranking per head") +
+                           (head_ranges == shared ? ", key ranges a thread a channel" : ", key ranges a block a channel"));
               const double ratio = 0.4;
               const int k = static_cast<int>(std::llround(ratio * gap));
               const std::vector<double> sal = tied_saliency(r, static_cast<size_t>(N));
@@ -220,6 +222,8 @@ TEST(ZipGapOps, GapQuantizedAsTheHostsStreaming) {
               a.slot_first = sf.as<int32_t>();
               a.slot_rows = sr.as<int32_t>();
               a.n_slots = static_cast<int>(n_slots);
+              // (half the cases say how few rows a block holds: key ranges a thread a channel)
+              a.max_block_rows = head_ranges == shared ? std::max(k, gap - k) : 0;
               a.k_codes = KC.as<uint8_t>();
               a.v_codes = VC.as<uint8_t>();
               a.k_scale = KS.as<__half>();
