@@ -365,6 +365,10 @@ DevMem kv::query_scores(Context& ctx, CudaKV& C, const Buffer& q_rows, const Att
   Buffer none;
   DecodeParams p = layer_params(C, q_rows, l, layer_of[0], none);
   p.B = n;
+  // (a row's score is its own whichever block takes it: a split a head where the queries' heads
+  // fill the device many times over, as a ZipCache gap's probes of every layer do, else the decode's)
+  const int64_t heads = static_cast<int64_t>(n) * l.n_heads, enough = 8LL * ctx.n_sm;
+  p.splits = static_cast<int>(std::clamp<int64_t>((enough + heads - 1) / heads, 1, p.splits));
   p.q_stride = l.row_stride;
   p.parts = reinterpret_cast<const PartDesc*>(tables);
   p.n_parts = reinterpret_cast<const int32_t*>(tables + n * tb);
