@@ -668,13 +668,14 @@ struct GroupPiece {
   __half* v_zero = nullptr;
 };
 void quantize_pieces(const GroupPiece* pieces, int n_pieces, int D, int bits, cudaStream_t s);
-// Arrays laid out one after another in one allocation, each from a 256-byte boundary: put(n)
-// gives where n more bytes start; `bytes` is the allocation's size.
+// Arrays laid out one after another in one allocation, each from an `align`-byte boundary (256
+// unless said): put(n) gives where n more bytes start; `bytes` is the allocation's size.
 struct ArrayLayout {
   int64_t bytes = 0;
+  int64_t align = 256;
   int64_t put(int64_t n) {
     const int64_t at = bytes;
-    bytes += (n + 255) / 256 * 256;
+    bytes += (n + align - 1) / align * align;
     return at;
   }
 };

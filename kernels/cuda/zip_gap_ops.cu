@@ -151,16 +151,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// A bump allocator of 16-byte-aligned arrays.
-struct Bump {
-  int64_t bytes = 0;
-  int64_t put(int64_t n) {
-    const int64_t at = bytes;
-    bytes += (n + 15) / 16 * 16;
-    return at;
-  }
-};
-
 }  // namespace
 
 ZipStoreLayout zip_store_layout(const ZipGapLayout& Z, const ZipGapResult& r, int L, int NKV, int gap, int k, int D,
@@ -176,7 +166,7 @@ ZipStoreLayout zip_store_layout(const ZipGapLayout& Z, const ZipGapResult& r, in
   S.bits[0] = lo_bits;
   S.bits[1] = hi_bits;
   const int64_t fb = (gap + 7) / 8;
-  Bump at;
+  ArrayLayout at{0, 16};  // (the kernels' 16-byte loads of ranges and factors)
   S.sub.resize(static_cast<size_t>(L) * NKV);
   S.flags.resize(static_cast<size_t>(L) * NKV);
   auto run = [&](int64_t src, int64_t dst, int64_t step) { S.runs.push_back({src, dst, step, step}); };
