@@ -3,11 +3,13 @@
 // gathers on the device, CalibQuant and ZipCache quantize there, LOOK-M assigns and merges there.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <string>
 
 #include "core/compress/method.h"
+#include "core/trace.h"
 #include "core/diagnostics/diagnostics.h"
 #include "core/kv_format.h"
 #include "models/model.h"
@@ -502,6 +504,30 @@ TEST(CudaModel, ZipCacheGapsAreQuantizedInTheDevicesSteps) {
     const DecodeResult e = cpu.model->decode(cpu.st, on_cpu.get(), r.g);
     EXPECT_EQ(t.device.generated_ids, e.generated_ids);
   }
+}
+
+// After its first gap a ZipCache decode's gaps only move rows between the parts of the gaps'
+// store (CudaKV::rows_moved): the steps after them replay the step captured after the first gap,
+// reading the tables uploaded before them. A 14-token decode with gaps of 3 runs two steps eagerly
+// and captures two (the first step's, and after the first gap) however many gaps follow; one
+// eager step and one capture a gap would be 2 + 2 a further gap. (Its tokens, bytes and logits
+// are ZipCacheGapsAreQuantizedInTheDevicesSteps'.)
+TEST(CudaModel, ZipCacheGapsAfterTheFirstReplayTheCapturedStep) {
+  NEED_GPU();
+  SampleRun r = sample_run(14);
+  kt::PolicyProbe p(make_policy("zipcache:gap=3"), false);
+  trace::enable(true);
+  const DecodeResult d = r.gpu.decode(r.st, &p, r.g);
+  const std::vector<trace::Span> spans = trace::take();
+  trace::enable(false);
+  auto count = [&](const std::string& name) {
+    return std::count_if(spans.begin(), spans.end(), [&](const trace::Span& s) { return name == s.name; });
+  };
+  EXPECT_TRUE(d.chained);
+  EXPECT_EQ(p.decode_calls, 0);
+  ASSERT_GE(count("kv.zip_gap"), 3) << "gaps quantized on the device";
+  EXPECT_EQ(count("cuda.step_eager"), 2);
+  EXPECT_EQ(count("cuda.step_capture"), 2);
 }
 
 // An observed decode whose observers the device serves (a recorder comparing each query with the
