@@ -11,6 +11,7 @@
 #                                 memcheck, synccheck and racecheck over the decode kernel tests, the
 #                                 quantizing append's, the quantize-and-pack and ZipCache's gap kernels')
 #   KVLENS_7B_METHODS="m1 m2"     the methods the bench stage times on the 7B shape
+#   KVLENS_7B_LONG="m1 m2"        those it also times over 128 new tokens (the summary's "…@128" rows)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${KVLENS_GPU_OUT:-$PWD/gpu_out}
@@ -18,6 +19,7 @@ BUILD=${KVLENS_GPU_BUILD:-build-gpu}
 CK=${KVLENS_7B_DIR:-/tmp/kvlens-llava7b}
 STAGES=${*:-build test bench throughput threads summary}
 METHODS_7B=${KVLENS_7B_METHODS:-uniform:bits=4 hadamard_int4 kivi calibquant:bits=1 zipcache zipcache:gap=8 turboquant turboquant:qjl=on}
+LONG_7B=${KVLENS_7B_LONG:-full zipcache:gap=8}
 mkdir -p "$OUT"
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 step() { echo "== $(date +%T) $*" | tee -a "$OUT/steps.log"; }
@@ -60,6 +62,13 @@ if has bench; then
   for m in $METHODS_7B; do
     run "bench_7b_method_${m//[:=,]/_}" 200 "$BUILD/kvlens" bench --backend cuda --model "$CK" \
       --prompt "${PROMPT:-Describe the image.}" --repeat 3 --method "$m" --json "$OUT/bench_7b_method_${m//[:=,]/_}.json"
+  done
+  # Long decodes, where a method's later work while decoding (ZipCache's gaps) weighs in; the full
+  # cache's beside them.
+  for m in $LONG_7B; do
+    run "bench_7b_method_${m//[:=,]/_}@128" 200 "$BUILD/kvlens" bench --backend cuda --model "$CK" \
+      --prompt "${PROMPT:-Describe the image.}" --repeat 1 --max-new-tokens 128 --method "$m" \
+      --json "$OUT/bench_7b_method_${m//[:=,]/_}@128.json"
   done
   run bench_7b_profile 200 "$BUILD/kvlens" bench --backend cuda --model "$CK" --prompt "${PROMPT:-Describe the image.}" \
     --repeat 1 --max-new-tokens 8 --profile
