@@ -613,27 +613,26 @@ void zip_gap(Context& ctx, CudaKV& C);
 // the most any KV head holds (kv_decode.cu).
 DevMem query_scores(Context& ctx, CudaKV& C, const Buffer& q_rows, const AttnLayout& l,
                     const std::vector<int32_t>& layer_of, int64_t stride);
-// One device allocation per array kind of a payload, every KV head's array concatenated.
-struct HeadArrays {
-  std::vector<int64_t> off;  // bytes
-  DevMem mem;
-  // Head h's array, `bytes` into it (null when nothing was uploaded).
-  const void* at(int h, int64_t bytes = 0) const {
-    return mem.mem ? static_cast<const char*>(mem.mem.get()) + off[static_cast<size_t>(h)] + bytes : nullptr;
-  }
-  const __half* half_at(int h, int64_t elems = 0) const { return static_cast<const __half*>(at(h, elems * 2)); }
-};
-// A ZipMixed group's arrays as the decode reads them, each with every KV head's offset: key and
-// value codes, key ranges, V token ranges (a row each: the heads' rows of one subset and position
-// copied per row where heads differ), CST factors, salient flags.
-struct ZipArrays {
-  HeadArrays kc, vc, ks, kz, vs, vz, vm, kf;
-};
-// Device segment d's parts of such a group: per KV head h its salient rows (n[h][1] at bits[1])
-// then the others (n[h][0] at bits[0]), each subset its own part (none where empty) in the order
-// the arrays hold them; the arrays' bytes counted on d. The parts' `order` is left empty.
-void zip_parts(DevSeg& d, const ZipArrays& a, const std::vector<std::array<int64_t, 2>>& n, const int bits[2],
-               bool layer_factors, int D);
+// A ZipMixed subset's part (ZipCache's salient or regular rows of one KV head): n rows of
+// `bits`-bit codes kc / vc, keys a range per channel (ks, kz: D each) and values one per row (vs,
+// vz) with CST factors f (D each), ranges and factors a group of `group` rows (0: the part's).
+inline DevPart zip_part(int64_t n, int bits, int group, const void* kc, const void* vc, const __half* ks, const __half* kz,
+                        const __half* vs, const __half* vz, const __half* f) {
+  DevPart q;
+  q.d.n = static_cast<int32_t>(n);
+  q.d.k.fmt = kChannel;
+  q.d.v.fmt = kToken;
+  q.d.k.bits = q.d.v.bits = bits;
+  q.d.k.group = q.d.v.group = group;
+  q.d.k.data = kc;
+  q.d.k.scale = ks;
+  q.d.k.zero = kz;
+  q.d.v.data = vc;
+  q.d.v.scale = vs;
+  q.d.v.zero = vz;
+  q.d.v.factor = f;
+  return q;
+}
 // ZipCache's group of consecutive host segments sharing payload p (CodeLayout::ZipMixed), one
 // DevSeg per segment; empty when the payload is not what its layout says. With `staged` (made
 // for p by kv_zip_quantize), its arrays are taken from where they were made. Shared V token

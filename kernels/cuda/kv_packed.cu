@@ -18,6 +18,22 @@ namespace kvlens::cuda::kv {
 
 namespace {
 
+// One device allocation per array kind of a payload, every KV head's array concatenated.
+struct HeadArrays {
+  std::vector<int64_t> off;  // bytes
+  DevMem mem;
+  // Head h's array, `bytes` into it (null when nothing was uploaded).
+  const void* at(int h, int64_t bytes = 0) const {
+    return mem.mem ? static_cast<const char*>(mem.mem.get()) + off[static_cast<size_t>(h)] + bytes : nullptr;
+  }
+  const __half* half_at(int h, int64_t elems = 0) const { return static_cast<const __half*>(at(h, elems * 2)); }
+};
+// A ZipMixed group's arrays as the decode reads them, each with every KV head's offset: key and
+// value codes, key ranges, V token ranges (a row each: the heads' rows of one subset and position
+// copied per row where heads differ), CST factors, salient flags.
+struct ZipArrays {
+  HeadArrays kc, vc, ks, kz, vs, vz, vm, kf;
+};
 // get(h): head h's vector (elements of `elem` bytes).
 template <class Get>
 HeadArrays upload_heads(Context& ctx, int NKV, Get get, int elem, const std::string& what) {
@@ -36,6 +52,33 @@ HeadArrays upload_heads(Context& ctx, int NKV, Get get, int elem, const std::str
       std::memcpy(all.data() + a.off[static_cast<size_t>(h)], get(h).data(), get(h).size() * static_cast<size_t>(elem));
   ctx.upload(a.mem.mem.get(), all.data(), total, what);
   return a;
+}
+
+// Device segment d's parts of a ZipMixed group: per KV head h its salient rows (n[h][1] at
+// bits[1]) then the others (n[h][0] at bits[0]), each subset its own part (none where empty) in
+// the order the arrays hold them; the arrays' bytes counted on d. The parts' `order` is left empty.
+void zip_parts(DevSeg& d, const ZipArrays& a, const std::vector<std::array<int64_t, 2>>& n, const int bits[2],
+               bool layer_factors, int D) {
+  for (size_t h = 0; h < n.size(); ++h) {
+    const int k = static_cast<int>(h);
+    int64_t code = 0, ranges = 0, rows = 0;
+    for (int sal = 1; sal >= 0; --sal) {
+      const int64_t m = n[h][static_cast<size_t>(sal)];
+      if (m == 0) continue;
+      d.heads[h].push_back(zip_part(m, bits[sal], 0, a.kc.at(k, code), a.vc.at(k, code), a.ks.half_at(k, ranges),
+                                    a.kz.half_at(k, ranges), a.vs.half_at(k, rows), a.vz.half_at(k, rows),
+                                    a.vm.half_at(k, layer_factors ? 0 : ranges)));
+      code += m * D * bits[sal] / 8;
+      ranges += D;
+      rows += m;
+    }
+  }
+  for (const HeadArrays* x : {&a.kc, &a.vc, &a.ks, &a.kz, &a.vs, &a.vz, &a.vm, &a.kf})
+    if (x->mem.mem) d.mem.push_back(x->mem);
+  d.bytes.codes += a.kc.mem.bytes + a.vc.mem.bytes;
+  d.bytes.scales += a.ks.mem.bytes + a.vs.mem.bytes;
+  d.bytes.zeros += a.kz.mem.bytes + a.vz.mem.bytes;
+  d.bytes.meta += a.vm.mem.bytes + a.kf.mem.bytes;
 }
 
 }  // namespace
@@ -225,41 +268,6 @@ DevSeg build_packed(Context& ctx, const CudaKV& C, const KVSegment& s, const qua
   d.bytes = p.allocated();
   d.bytes.indices += static_cast<int64_t>(pos.size()) * 4;
   return d;
-}
-
-void zip_parts(DevSeg& d, const ZipArrays& a, const std::vector<std::array<int64_t, 2>>& n, const int bits[2],
-               bool layer_factors, int D) {
-  for (size_t h = 0; h < n.size(); ++h) {
-    const int k = static_cast<int>(h);
-    int64_t code = 0, ranges = 0, rows = 0;
-    for (int sal = 1; sal >= 0; --sal) {
-      const int64_t m = n[h][static_cast<size_t>(sal)];
-      if (m == 0) continue;
-      DevPart q;
-      q.d.n = static_cast<int32_t>(m);
-      q.d.k.fmt = kChannel;
-      q.d.k.bits = bits[sal];
-      q.d.k.data = a.kc.at(k, code);
-      q.d.k.scale = a.ks.half_at(k, ranges);
-      q.d.k.zero = a.kz.half_at(k, ranges);
-      q.d.v.fmt = kToken;
-      q.d.v.bits = bits[sal];
-      q.d.v.data = a.vc.at(k, code);
-      q.d.v.scale = a.vs.half_at(k, rows);
-      q.d.v.zero = a.vz.half_at(k, rows);
-      q.d.v.factor = a.vm.half_at(k, layer_factors ? 0 : ranges);
-      d.heads[h].push_back(q);
-      code += m * D * bits[sal] / 8;
-      ranges += D;
-      rows += m;
-    }
-  }
-  for (const HeadArrays* x : {&a.kc, &a.vc, &a.ks, &a.kz, &a.vs, &a.vz, &a.vm, &a.kf})
-    if (x->mem.mem) d.mem.push_back(x->mem);
-  d.bytes.codes += a.kc.mem.bytes + a.vc.mem.bytes;
-  d.bytes.scales += a.ks.mem.bytes + a.vs.mem.bytes;
-  d.bytes.zeros += a.kz.mem.bytes + a.vz.mem.bytes;
-  d.bytes.meta += a.vm.mem.bytes + a.kf.mem.bytes;
 }
 
 // ZipCache's payload (CodeLayout::ZipMixed) over its group of consecutive host segments, one

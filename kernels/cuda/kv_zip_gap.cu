@@ -256,7 +256,7 @@ void kv::zip_gap(Context& ctx, CudaKV& C) {
   // (a range group and CST factors a gap), then the others; the segment replaced at every gap.
   trace::Scope layout_span("kv.zip_gap.layout");
   const int G = gi + 1;
-  KVBytes per_gap;  // (a layer's, as zip_parts counts a gap's arrays)
+  KVBytes per_gap;  // (a layer's, as build_zip counts a group's arrays)
   per_gap.codes = 2 * Z.layer_code;
   per_gap.scales = per_gap.zeros = Z.layer_range * 2 + per * 2;
   per_gap.meta = Z.layer_factor * 2 + NKV * static_cast<int64_t>(fb);
@@ -278,20 +278,10 @@ void kv::zip_gap(Context& ctx, CudaKV& C) {
       for (int sal = 1; sal >= 0; --sal) {
         const ZipStoreLayout::Subset& x = S.sub[static_cast<size_t>(l) * NKV + h][static_cast<size_t>(sal)];
         if (x.kc < 0) continue;
-        DevPart p;
-        p.d.n = G * S.n[sal];
-        p.d.k.fmt = kChannel;
-        p.d.k.bits = p.d.v.bits = S.bits[sal];
-        p.d.k.group = p.d.v.group = S.n[sal];
-        p.d.k.data = store + x.kc;
-        p.d.k.scale = reinterpret_cast<const __half*>(store + x.ks);
-        p.d.k.zero = reinterpret_cast<const __half*>(store + x.kz);
-        p.d.v.fmt = kToken;
-        p.d.v.data = store + x.vc;
-        p.d.v.scale = reinterpret_cast<const __half*>(store + x.vs);
-        p.d.v.zero = reinterpret_cast<const __half*>(store + x.vz);
-        p.d.v.factor = reinterpret_cast<const __half*>(store + x.f);
-        s.heads[static_cast<size_t>(h)].push_back(p);
+        auto half_at = [&](int64_t at) { return reinterpret_cast<const __half*>(store + at); };
+        s.heads[static_cast<size_t>(h)].push_back(zip_part(static_cast<int64_t>(G) * S.n[sal], S.bits[sal], S.n[sal],
+                                                           store + x.kc, store + x.vc, half_at(x.ks), half_at(x.kz),
+                                                           half_at(x.vs), half_at(x.vz), half_at(x.f)));
       }
     s.mem.push_back(P.store);
     for (int i = 0; i < G; ++i) s.bytes += per_gap;

@@ -82,6 +82,7 @@ TEST(ZipGapOps, HostRankingIsAStableSortsTop) {
 
 #include "kernels/cuda/kernels.h"
 #include "kernels/cuda/zip_kernels.h"
+#include "tests/decode_kernel_case.h"
 #include "tests/device_buffer.h"
 namespace {
 
@@ -309,18 +310,6 @@ TEST(ZipGapOps, GapQuantizedAsTheHostsStreaming) {
     }
 }
 
-std::vector<uint16_t> halves_of(const std::vector<float>& v) {
-  std::vector<uint16_t> h(v.size());
-  for (size_t i = 0; i < v.size(); ++i) h[i] = quant::to_half(v[i]);
-  return h;
-}
-
-std::vector<uint8_t> random_bytes(size_t n, std::mt19937_64& r) {
-  std::vector<uint8_t> v(n);
-  for (uint8_t& x : v) x = static_cast<uint8_t>(r());
-  return v;
-}
-
 // The result allocation kv_zip_gap.cu quantizes a gap into (its offsets), for L layers of NKV heads.
 cuda::ZipGapResult gap_result(const cuda::ZipGapLayout& Z, int L, int NKV, int gap, bool shared_ranges, int64_t& bytes) {
   cuda::ArrayLayout rs;
@@ -355,7 +344,6 @@ const StoreCase kStoreCases[] = {{2, 3, 8, 3, 128, 4, 2, false, true},  {2, 3, 8
 // (codes by ZipGapLayout's head offsets, salient first; V ranges a row each; factors a subset or a
 // head); every store byte written by at most one run and gap, every run within its arrays.
 TEST(ZipGapOps, StoreHoldsEveryGapWhereItsPartsRead) {
-  std::mt19937_64 r(rng()());
   for (const StoreCase& c : kStoreCases) {
     SCOPED_TRACE("L=" + std::to_string(c.L) + " NKV=" + std::to_string(c.NKV) + " gap " + std::to_string(c.gap) + " k=" +
                  std::to_string(c.k) + " D=" + std::to_string(c.D) + (c.layer_factors ? " factors a head" : "") +
@@ -381,7 +369,7 @@ TEST(ZipGapOps, StoreHoldsEveryGapWhereItsPartsRead) {
     std::vector<std::vector<uint8_t>> result(gaps);
     std::vector<uint8_t> store(static_cast<size_t>(S.bytes), 0xA5);
     for (int g = 0; g < gaps; ++g) {
-      result[static_cast<size_t>(g)] = random_bytes(static_cast<size_t>(rbytes), r);
+      result[static_cast<size_t>(g)] = random_bytes(static_cast<size_t>(rbytes));
       store_gap_host(S.runs, result[static_cast<size_t>(g)], store, g);
     }
     const int n[2] = {c.gap - c.k, c.k}, bits[2] = {c.lo, c.hi};
@@ -450,7 +438,7 @@ TEST(ZipGapOps, StoreKernelCopiesAsItsHostTwin) {
       S.runs.push_back({static_cast<int64_t>(r() % static_cast<uint64_t>(rbytes - 41)), end + 3, b + 5, b});
       end += 3 + gaps * (b + 5);
     }
-    const std::vector<uint8_t> result = random_bytes(static_cast<size_t>(rbytes), r);
+    const std::vector<uint8_t> result = random_bytes(static_cast<size_t>(rbytes));
     std::vector<uint8_t> want(static_cast<size_t>(end), 0xA5);
     Dev R(result), St(want), runs(S.runs);
     for (const int g : {0, 1, gaps - 1}) {
@@ -494,8 +482,8 @@ TEST(ZipGapOps, GroupedFactorsReadAsTheGroupsOwnParts) {
         for (int s = 0; s < 2; ++s) {
           Sub& x = sub[h][s];
           const size_t cb = static_cast<size_t>(G) * n[s] * D * bits[s] / 8;
-          x.kc = random_bytes(cb, r);
-          x.vc = random_bytes(cb, r);
+          x.kc = random_bytes(cb);
+          x.vc = random_bytes(cb);
           for (int i = 0; i < G * D; ++i) {
             x.ks.push_back(half_of(u_scale(r)));
             x.kz.push_back(half_of(u_zero(r)));
@@ -566,14 +554,14 @@ TEST(ZipGapOps, GroupedFactorsReadAsTheGroupsOwnParts) {
         keep.push_back(std::make_unique<Dev>(v));
         return keep.back()->p;
       };
-      auto up_half = [&](const std::vector<float>& v) { return static_cast<const __half*>(up(halves_of(v))); };
+      auto up_half = [&](const std::vector<float>& v) { return static_cast<const __half*>(up(halves(v))); };
       std::vector<cuda::PartDesc> grouped, single;
       for (int h = 0; h < NKV; ++h) {
         cuda::PartDesc front, back;
         front.n = n_front;
         back.n = n_back;
-        const auto* k16 = static_cast<const __half*>(up(halves_of(fk[h])));
-        const auto* v16 = static_cast<const __half*>(up(halves_of(fv[h])));
+        const auto* k16 = static_cast<const __half*>(up(halves(fk[h])));
+        const auto* v16 = static_cast<const __half*>(up(halves(fv[h])));
         front.k.data = k16;
         front.v.data = v16;
         back.k.data = k16 + n_front * D;
