@@ -211,11 +211,16 @@ struct QuantTail {
 };
 
 // Queries a decode keeps (ZipCache's probes, StepQuant::zip): the step appending row r writes its
-// rotated query heads to q + slot[r]·nq·D when r < rows and slot[r] >= 0.
+// rotated query heads to q + slot[r]·nq·D when r < rows and slot[r] >= 0, and its decode
+// attention each head's softmax state over every row it read — (max, sum of exp(score − max)),
+// scores scaled, as md_out holds them — to md + (slot[r]·nq + head)·2. Row r is the fused token's
+// (DecodeParams::fresh_k) or, where the row was appended before the attention, *counter − 1.
 struct KeptQueries {
   float* q = nullptr;
   const int32_t* slot = nullptr;
   int rows = 0;
+  float* md = nullptr;
+  const int32_t* counter = nullptr;
 };
 
 // ---- decode attention over a segmented, possibly packed cache (decode_attention.cu) ----------

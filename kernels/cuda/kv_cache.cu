@@ -660,8 +660,10 @@ void plan_probes(Context& ctx, CudaKV& C, int rows, const StepZip& z) {
   p.slot = {ctx.alloc(sb, "ZipCache probe slots"), sb};
   ctx.upload(p.slot.mem.get(), all.data(), sb, "ZipCache probe slots");
   p.q = {ctx.alloc(qb, "ZipCache probe queries"), qb};
-  // (slots a gap leaves empty are scored with the others and never read: zeros, not garbage)
-  KV_CUDA(cudaMemsetAsync(p.q.mem.get(), 0, static_cast<size_t>(qb), ctx.stream), "ZipCache probe queries");
+  const int64_t mb = static_cast<int64_t>(C.L) * p.slots * p.n_heads * 8;
+  p.md = {ctx.alloc(mb, "ZipCache probe softmax states"), mb};
+  // (a state no step wrote is NaN, whose sum a gap's saliency skips)
+  KV_CUDA(cudaMemsetAsync(p.md.mem.get(), 0xff, static_cast<size_t>(mb), ctx.stream), "ZipCache probe softmax states");
 }
 
 }  // namespace

@@ -508,6 +508,7 @@ class CudaKV : public DeviceKV {
   // KeptQueries). Not copied by clone: a decode's own.
   struct ZipProbes {
     DevMem q, slot;
+    DevMem md;  // [L][slots][n_heads] (max, sum): each probe's softmax states (KeptQueries::md)
     int slots = 0, rows = 0, n_heads = 0;
     int64_t width = 0;  // a query's floats (n_heads · D)
     std::vector<std::vector<int32_t>> slot_of_row;
@@ -521,10 +522,13 @@ class CudaKV : public DeviceKV {
     ZipStoreLayout store_at;
     DevMem store, runs;
     int gaps = 0, first_row = 0;
-    KeptQueries keep(int layer) const {
+    // Layer `layer`'s kept queries and states; `counter`: its tail's row count, for a step whose
+    // row is appended before its attention.
+    KeptQueries keep(int layer, const int32_t* counter = nullptr) const {
       if (!slot.mem) return {};
-      return {q.as<float>() + static_cast<int64_t>(layer) * slots * width, slot.as<int32_t>() + static_cast<int64_t>(layer) * rows,
-              rows};
+      const int64_t at = static_cast<int64_t>(layer) * slots;
+      return {q.as<float>() + at * width, slot.as<int32_t>() + static_cast<int64_t>(layer) * rows, rows,
+              md.as<float>() + at * n_heads * 2, counter};
     }
   } zip;
   bool dirty = true;

@@ -366,7 +366,8 @@ DevMem kv::query_scores(Context& ctx, CudaKV& C, const Buffer& q_rows, const Att
   DecodeParams p = layer_params(C, q_rows, l, layer_of[0], none);
   p.B = n;
   // (a row's score is its own whichever block takes it: a split a head where the queries' heads
-  // fill the device many times over, as a ZipCache gap's probes of every layer do, else the decode's)
+  // fill the device many times over, as a long observed decode's recorded queries do, else the
+  // decode's)
   const int64_t heads = static_cast<int64_t>(n) * l.n_heads, enough = 8LL * ctx.n_sm;
   p.splits = static_cast<int>(std::clamp<int64_t>((enough + heads - 1) / heads, 1, p.splits));
   p.q_stride = l.row_stride;
@@ -479,6 +480,9 @@ void kv_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, S
   C.build_tables(l.n_heads);
   const int NH = l.n_heads, NKV = C.NKV, G = NH / NKV;
   DecodeParams p = layer_params(C, qkv, l, layer, out);
+  // (a ZipCache probe's row, appended before its attention: its softmax states kept)
+  const Tail& tail = C.layers[static_cast<size_t>(layer)].tail;
+  if (tail.zipped()) p.keep = C.zip.keep(layer, C.counters.as<int32_t>() + layer);
   const bool transforms = transform && transform->any();
   const bool in_kernel = transforms && transform->kind == ScoreTransform::Kind::Calibrate;
   if (!taps.any() && (!transforms || in_kernel)) {

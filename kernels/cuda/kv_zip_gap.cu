@@ -1,11 +1,12 @@
 // ZipCache's streamed gaps on the GPU (StepQuant::zip; the host's twin is ZipCache's
-// on_decode_step). The steps keep each layer's probe queries after RoPE (rope_append's
-// KeptQueries, slots planned by kv_reserve from the method's StepZip::probes). Before the step
-// whose row follows `gap` dense decode rows, every layer's gap is quantized in launches queued
-// behind the steps, the host waiting for none of them: every layer's probes are scored against
-// the cache as it is (the rows each probe saw have not changed since: older rows are never
-// re-quantized) in one launch of the decode's scoring kernel, the gap rows' saliency is reduced
-// (zip_gap_saliency) and ranked (zip_rank_gap, as the method ranks it), the ranked rows are laid
+// on_decode_step). The steps keep each layer's probe queries after RoPE and each probe's softmax
+// states over the rows it read (KeptQueries, slots planned by kv_reserve from the method's
+// StepZip::probes). Before the step whose row follows `gap` dense decode rows, every layer's gap
+// is quantized in launches queued behind the steps, the host waiting for none of them: the gap
+// rows' saliency is reduced from the probes' scores over the gap's rows under those states in
+// one launch (zip_gap_saliency: the rows older than the gap, which each probe's step read, are
+// never re-quantized, so its states are the host's softmax sums) and ranked (zip_rank_gap, as
+// the method ranks it), the ranked rows are laid
 // out (zip_gap_plan), gathered and quantized (zip_quantize, the prompt's kernels) and copied into
 // the gaps' store (zip_store_gap), laid out at the first gap for every gap the decode rows have
 // room for: per layer and KV head a salient part and a regular part whose rows grow by a gap's
@@ -34,21 +35,18 @@ using namespace kv;
 
 namespace {
 
-// Every layer's probes of this gap (slot k saw the gap's rows up to its own) and each KV head's
-// rows older than the gap, as zip_gap_saliency takes them: n_probes [L], seen [L][S], before
-// [L][NKV]; `stride` the scores' row stride, `probes` the probes in all.
+// Every layer's probes of this gap (slot k saw the gap's rows up to its own), as zip_gap_saliency
+// takes them: n_probes [L], seen [L][S]; `probes` the probes in all.
 struct GapProbes {
   std::vector<int32_t> args;
-  int64_t stride = 1;
   int probes = 0;
 };
 GapProbes gap_probes(const CudaKV& C, int g0, int gap) {
-  const int L = C.L, NKV = C.NKV, S = C.zip.slots;
+  const int L = C.L, S = C.zip.slots;
   GapProbes g;
-  g.args.assign(static_cast<size_t>(L + L * S + L * NKV), 0);
+  g.args.assign(static_cast<size_t>(L + L * S), 0);
   int32_t* n_probes = g.args.data();
   int32_t* seen = n_probes + L;
-  int32_t* before = seen + L * S;
   for (int l = 0; l < L; ++l) {
     const std::vector<int32_t>& slot = C.zip.slot_of_row[static_cast<size_t>(l)];
     for (int r = g0; r < g0 + gap; ++r) {
@@ -58,48 +56,30 @@ GapProbes gap_probes(const CudaKV& C, int g0, int gap) {
       n_probes[l] = std::max(n_probes[l], k + 1);
     }
     g.probes += n_probes[l];
-    const DevLayer& d = C.layers[static_cast<size_t>(l)];
-    for (int h = 0; h < NKV; ++h) {
-      int64_t rows = 0;
-      for (const DevSeg& s : d.segs) rows += static_cast<int64_t>(s.pos[h].size());
-      before[l * NKV + h] = static_cast<int32_t>(rows);
-      g.stride = std::max(g.stride, rows + gap);
-    }
   }
   return g;
 }
 
 // The saliency of every layer's gap rows, sal [L][NKV][gap] (0 where no probe saw a row, as on
-// the host), from the probes' queries scored against the cache.
-void gap_saliency(Context& ctx, CudaKV& C, const GapProbes& g, int gap, bool accumulated, double* sal) {
+// the host): each probe's queries scored against the gap's rows it saw, under the softmax states
+// its own step kept (the rows older than the gap are what that step read: never re-quantized
+// since).
+void gap_saliency(Context& ctx, CudaKV& C, const GapProbes& g, const ZipGapRows& rows, int gap, bool accumulated,
+                  double* sal) {
   trace::Scope span("kv.zip_gap.saliency");
   const int L = C.L, NKV = C.NKV, D = C.D;
   const CudaKV::ZipProbes& P = C.zip;
-  const int NH = P.n_heads, S = P.slots;
   if (g.probes == 0) {
     KV_CUDA(cudaMemsetAsync(sal, 0, static_cast<size_t>(L) * NKV * gap * 8, ctx.stream), "ZipCache gap saliency");
     return;
   }
-  AttnLayout lay;
-  lay.n_heads = NH;
-  lay.n_kv_heads = NKV;
-  lay.head_dim = D;
-  lay.row_stride = P.width;
-  lay.scale = 1.0f / std::sqrt(static_cast<float>(D));  // (as the host's streaming scores)
-  Buffer q;
-  q.name = "ZipCache probe queries";
-  q.shape = {static_cast<int64_t>(L) * S, P.width};
-  q.dt = Dt::F32;
-  q.data = P.q.mem.get();
-  std::vector<int32_t> layer_of(static_cast<size_t>(L) * S);
-  for (size_t b = 0; b < layer_of.size(); ++b) layer_of[b] = static_cast<int32_t>(b / static_cast<size_t>(S));
-  const DevMem scores = query_scores(ctx, C, q, lay, layer_of, g.stride);
   const int64_t ab = static_cast<int64_t>(g.args.size()) * 4;
   DevMem A{ctx.alloc(ab, "ZipCache gap probes"), ab};
   ctx.upload(A.mem.get(), g.args.data(), ab, "ZipCache gap probes");
   const auto* a = A.as<int32_t>();
-  zip_gap_saliency(scores.as<float>(), g.stride, L, S, NH, NKV, gap, a, a + L, a + L + L * S, accumulated, sal,
-                   ctx.stream);
+  // (as the host's streaming scales its scores)
+  zip_gap_saliency(P.q.as<float>(), P.md.as<float2>(), rows, D, 1.0f / std::sqrt(static_cast<float>(D)), L, P.slots,
+                   P.n_heads, NKV, gap, a, a + L, accumulated, sal, ctx.stream);
 }
 
 // Where zip_gap_layout's blocks, factor blocks and row blocks lie in CudaKV::ZipProbes::blocks.
@@ -203,29 +183,30 @@ void kv::zip_gap(Context& ctx, CudaKV& C) {
     throw InternalError("ZipCache gaps: gap " + std::to_string(gi) + " at decode row " + std::to_string(g0) +
                         ", the store made for " + std::to_string(S.gaps) + " gaps from row " + std::to_string(P.first_row));
 
-  gap_saliency(ctx, C, gap_probes(C, g0, gap), gap, z.accumulated, reinterpret_cast<double*>(w + s_sal));
+  // The layers' decode rows.
+  std::vector<const void*> ptrs(3 * static_cast<size_t>(L));
+  for (int l = 0; l < L; ++l) {
+    const Tail& t = C.layers[static_cast<size_t>(l)].tail;
+    ptrs[static_cast<size_t>(l)] = t.k.mem.get();
+    ptrs[static_cast<size_t>(L + l)] = t.v.mem.get();
+    ptrs[static_cast<size_t>(2 * L + l)] = t.pos.mem.get();
+  }
+  ctx.upload(w + s_ptr, ptrs.data(), 3LL * L * 8, "ZipCache gap rows");
+  ZipGapRows rows;
+  const auto* const* tails = reinterpret_cast<const void* const*>(w + s_ptr);
+  rows.k = reinterpret_cast<const __half* const*>(tails);
+  rows.v = reinterpret_cast<const __half* const*>(tails + L);
+  rows.pos = reinterpret_cast<const int32_t* const*>(tails + 2 * L);
+  rows.cap = t0.cap;
+  rows.first = g0;
+  gap_saliency(ctx, C, gap_probes(C, g0, gap), rows, gap, z.accumulated, reinterpret_cast<double*>(w + s_sal));
   {
     trace::Scope plan_span("kv.zip_gap.quantize");
-    std::vector<const void*> ptrs(3 * static_cast<size_t>(L));
-    for (int l = 0; l < L; ++l) {
-      const Tail& t = C.layers[static_cast<size_t>(l)].tail;
-      ptrs[static_cast<size_t>(l)] = t.k.mem.get();
-      ptrs[static_cast<size_t>(L + l)] = t.v.mem.get();
-      ptrs[static_cast<size_t>(2 * L + l)] = t.pos.mem.get();
-    }
-    ctx.upload(w + s_ptr, ptrs.data(), 3LL * L * 8, "ZipCache gap rows");
     auto* order = reinterpret_cast<int32_t*>(r + res.order);
     const auto* mark = reinterpret_cast<const uint8_t*>(w + s_mark);
     zip_rank_gap(reinterpret_cast<const double*>(w + s_sal), L, NKV, gap, k, z.shared_ranking,
                  reinterpret_cast<double*>(w + s_key), reinterpret_cast<uint8_t*>(w + s_mark), order,
                  reinterpret_cast<uint8_t*>(r + res.flags), ctx.stream);
-    ZipGapRows rows;
-    const auto* const* tails = reinterpret_cast<const void* const*>(w + s_ptr);
-    rows.k = reinterpret_cast<const __half* const*>(tails);
-    rows.v = reinterpret_cast<const __half* const*>(tails + L);
-    rows.pos = reinterpret_cast<const int32_t* const*>(tails + 2 * L);
-    rows.cap = t0.cap;
-    rows.first = g0;
     auto* src = reinterpret_cast<const __half**>(w + s_src);
     zip_gap_plan(rows, L, NKV, gap, k, D, shared_ranges, order, mark, src, reinterpret_cast<int32_t*>(w + s_rs),
                  reinterpret_cast<int32_t*>(w + s_sf), reinterpret_cast<int32_t*>(w + s_sr),

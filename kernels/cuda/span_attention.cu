@@ -2,13 +2,11 @@
 // recorded_span_attention; host reference: recorded_attention's transform and softmax, then
 // span_attention_sums). One block per (query, query head): the row maximum (and with
 // calibration the visual rows' range, then the calibrated maximum), the softmax's sum in double,
-// and each row's probability added at its span index. Also ZipCache's streamed-gap saliency
-// (host reference: zipcache::gap_saliency), the same reduction summed over probes and heads.
+// and each row's probability added at its span index.
 #include <cmath>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/kernels.h"
-#include "kernels/cuda/zip_kernels.h"
 
 namespace kvlens::cuda {
 
@@ -85,52 +83,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// ZipCache's streamed-gap saliency: one block per (KV head, layer) over its query heads (outer)
-// and probes (inner), each softmax's maximum and sum (double) over the rows its probe saw, each
-// gap row's probability added by the thread that owns the row (so in the host's order).
-__global__ void __launch_bounds__(kThreads)
-    zip_gap_saliency_kernel(const float* __restrict__ scores, int64_t stride, int S, int NH, int NKV, int gap,
-                            const int32_t* __restrict__ n_probes, const int32_t* __restrict__ seen,
-                            const int32_t* __restrict__ before, bool accumulated, double* __restrict__ out) {
-  __shared__ float redf[kThreads / 32];
-  __shared__ double redd[kThreads / 32];
-  const int kh = blockIdx.x, l = blockIdx.y, G = NH / NKV, np = n_probes[l];
-  const int nb = before[l * NKV + kh];
-  double* o = out + (static_cast<int64_t>(l) * NKV + kh) * gap;
-  for (int j = threadIdx.x; j < gap; j += kThreads) o[j] = 0.0;
-  for (int h = kh * G; h < (kh + 1) * G; ++h)
-    for (int k = 0; k < np; ++k) {
-      const int b = l * S + k, n_seen = min(seen[b], gap), rows = nb + n_seen;
-      const float* x = scores + (static_cast<int64_t>(b) * NH + h) * stride;
-      float mx = -INFINITY;
-      for (int r = threadIdx.x; r < rows; r += kThreads) mx = fmaxf(mx, x[r]);
-      mx = block_reduce(mx, redf, Max{});
-      double z = 0.0;
-      for (int r = threadIdx.x; r < rows; r += kThreads) z += exp(static_cast<double>(x[r]) - mx);
-      z = block_reduce(z, redd, Sum{});
-      if (!(z > 0)) continue;
-      for (int j = threadIdx.x; j < n_seen; j += kThreads) o[j] += exp(static_cast<double>(x[nb + j]) - mx) / z;
-    }
-  if (accumulated) return;
-  // Each row's (probe, head) pairs: the heads times the probes that saw it (z > 0 always: a
-  // probe sees at least its own row).
-  for (int j = threadIdx.x; j < gap; j += kThreads) {
-    int c = 0;
-    for (int k = 0; k < np; ++k) c += seen[l * S + k] > j;
-    o[j] = c > 0 ? o[j] / (static_cast<double>(c) * G) : 0.0;
-  }
-}
-
 }  // namespace
-
-void zip_gap_saliency(const float* scores, int64_t stride, int L, int S, int NH, int NKV, int gap,
-                      const int32_t* n_probes, const int32_t* seen, const int32_t* before, bool accumulated, double* out,
-                      cudaStream_t s) {
-  if (L <= 0 || NKV <= 0 || gap <= 0) return;
-  zip_gap_saliency_kernel<<<dim3(NKV, L), kThreads, 0, s>>>(scores, stride, S, NH, NKV, gap, n_probes, seen, before,
-                                                            accumulated, out);
-  KV_CUDA(cudaGetLastError(), "zip_gap_saliency launch");
-}
 
 void span_softmax_sums(const float* scores, int64_t stride, const int32_t* codes, const int32_t* segs,
                        const int32_t* seen, int n, int n_heads, int n_kv_heads, bool calibrate, float tau1, float tau2,

@@ -1,9 +1,10 @@
-// ZipCache's streamed gap ranked and planned on the device (kv_zip_gap.cu runs them between the
-// gap's saliency and zip_quantize): zip_rank_gap, the twin of zipcache::rank_gap, and
-// zip_gap_plan, which lays the ranked rows out as zip_quantize reads them. Nothing about a gap's
-// layout depends on its ranking but which rows go where, so the blocks (zip_gap_layout) are the
-// same for every gap and the host never waits for the ranking. The gaps' store (zip_store_layout)
-// holds every gap's arrays as two parts a KV head, a gap's copied there by zip_store_gap.
+// ZipCache's streamed gap scored, ranked and planned on the device (kv_zip_gap.cu runs them
+// before zip_quantize): zip_gap_saliency, the twin of zipcache::gap_saliency, zip_rank_gap, the
+// twin of zipcache::rank_gap, and zip_gap_plan, which lays the ranked rows out as zip_quantize
+// reads them. Nothing about a gap's layout depends on its ranking but which rows go where, so the
+// blocks (zip_gap_layout) are the same for every gap and the host never waits for the ranking.
+// The gaps' store (zip_store_layout) holds every gap's arrays as two parts a KV head, a gap's
+// copied there by zip_store_gap.
 #include <algorithm>
 #include <string>
 
@@ -17,6 +18,44 @@ namespace kvlens::cuda {
 namespace {
 
 constexpr int kThreads = 256;
+
+// One block per (KV head, layer) over its query heads (outer) and probes (inner): each gap row a
+// probe saw scored by a warp (scaled, as the decode scores it), its probability under the probe's
+// softmax state from its own step added (in double) by that warp's first lane, which owns the
+// row — so each row's sum is in the host's order.
+__global__ void __launch_bounds__(kThreads)
+    zip_gap_saliency_kernel(const float* __restrict__ q, const float2* __restrict__ md, ZipGapRows rows, int D,
+                            float scale, int S, int NH, int NKV, int gap, const int32_t* __restrict__ n_probes,
+                            const int32_t* __restrict__ seen, bool accumulated, double* __restrict__ out) {
+  const int kh = blockIdx.x, l = blockIdx.y, G = NH / NKV, np = n_probes[l];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  constexpr int kWarps = kThreads / 32;
+  double* o = out + (static_cast<int64_t>(l) * NKV + kh) * gap;
+  for (int j = threadIdx.x; j < gap; j += kThreads) o[j] = 0.0;
+  __syncthreads();
+  const __half* K = rows.k[l] + (static_cast<int64_t>(kh) * rows.cap + rows.first) * D;
+  for (int h = kh * G; h < (kh + 1) * G; ++h)
+    for (int k = 0; k < np; ++k) {
+      const int b = l * S + k, n_seen = min(seen[b], gap);
+      const float2 st = md[static_cast<int64_t>(b) * NH + h];
+      if (!(st.y > 0.0f)) continue;
+      const float* qh = q + (static_cast<int64_t>(b) * NH + h) * D;
+      for (int j = warp; j < n_seen; j += kWarps) {
+        float d = 0.0f;
+        for (int c = lane; c < D; c += 32) d = fmaf(qh[c], __half2float(K[static_cast<int64_t>(j) * D + c]), d);
+        for (int m = 16; m > 0; m >>= 1) d += __shfl_xor_sync(0xffffffffu, d, m);
+        if (lane == 0) o[j] += exp(static_cast<double>(d * scale) - st.x) / st.y;
+      }
+    }
+  if (accumulated) return;
+  __syncthreads();
+  // Each row's (probe, head) pairs: the heads times the probes that saw it.
+  for (int j = threadIdx.x; j < gap; j += kThreads) {
+    int c = 0;
+    for (int k = 0; k < np; ++k) c += seen[l * S + k] > j;
+    o[j] = c > 0 ? o[j] / (static_cast<double>(c) * G) : 0.0;
+  }
+}
 
 // One block per (KV head, layer): the head's ranking key (its saliency, or every head's summed in
 // head order), each row's rank in descending key order with ties to the earlier row (salient: rank
@@ -231,6 +270,15 @@ void zip_store_gap(const ZipStoreRun* runs, int n, const char* result, char* sto
   constexpr int per = kThreads / 32;
   zip_store_kernel<<<(n + per - 1) / per, kThreads, 0, s>>>(runs, n, result, store, gi);
   KV_LAUNCH("zip_store_kernel", std::to_string(n) + " runs, gap " + std::to_string(gi));
+}
+
+void zip_gap_saliency(const float* q, const float2* md, const ZipGapRows& rows, int D, float scale, int L, int S,
+                      int NH, int NKV, int gap, const int32_t* n_probes, const int32_t* seen, bool accumulated,
+                      double* out, cudaStream_t s) {
+  if (L <= 0 || NKV <= 0 || gap <= 0) return;
+  zip_gap_saliency_kernel<<<dim3(NKV, L), kThreads, 0, s>>>(q, md, rows, D, scale, S, NH, NKV, gap, n_probes, seen,
+                                                            accumulated, out);
+  KV_CUDA(cudaGetLastError(), "zip_gap_saliency launch");
 }
 
 void zip_rank_gap(const double* sal, int L, int NKV, int gap, int k, bool shared, double* key, uint8_t* salient,

@@ -14,21 +14,6 @@
 
 namespace kvlens::cuda {
 
-// ZipCache's streamed-gap saliency (zipcache::gap_saliency, the same reduction) for every layer's
-// KV heads at once: scores [L·S][NH][stride] of the probes (query b = l·S + k is probe k of
-// layer l, k < n_probes[l], which saw seen[b] of the gap's rows), KV head kh of layer l's rows
-// older than the gap before[l·NKV + kh] then the gap's; out [L][NKV][gap] (double).
-void zip_gap_saliency(const float* scores, int64_t stride, int L, int S, int NH, int NKV, int gap,
-                      const int32_t* n_probes, const int32_t* seen, const int32_t* before, bool accumulated, double* out,
-                      cudaStream_t s);
-// ZipCache's gap ranking (zipcache::rank_gap, the same flags) for every layer's KV heads at once:
-// of sal [L][NKV][gap], KV head h of layer l's k rows of highest saliency (ties to the earlier
-// row), or with `shared` the k of highest saliency summed over the layer's KV heads in head order.
-// key [L][NKV][gap] (scratch: the key ranked), salient [L][NKV][gap] (1: salient), order
-// [L][NKV][gap] (each head's salient rows ascending, then the others ascending: the rows as a
-// ZipMixed group holds them) and flags [L][NKV][(gap + 7) / 8] (1 bit a row, quant::pack's order).
-void zip_rank_gap(const double* sal, int L, int NKV, int gap, int k, bool shared, double* key, uint8_t* salient,
-                  int32_t* order, uint8_t* flags, cudaStream_t s);
 // Where each layer's decode rows are: its tail's keys and values [NKV][cap][D] and positions
 // [NKV][cap] (device arrays of L pointers each), the gap at tail row `first`.
 struct ZipGapRows {
@@ -37,6 +22,23 @@ struct ZipGapRows {
   const int32_t* const* pos = nullptr;
   int cap = 0, first = 0;
 };
+// ZipCache's streamed-gap saliency (zipcache::gap_saliency, the same reduction) for every layer's
+// KV heads at once, from what each probe's own decode step left: probe k < n_probes[l] of layer l
+// (query b = l·S + k) saw seen[b] of the gap's rows; its rotated query heads are q [L·S][NH][D]
+// and its softmax states md [L·S][NH] (max, sum of exp(score − max), over every row it read;
+// KeptQueries). Each probe's scores over the gap's rows it saw (scaled, `rows` from tail row
+// `first`) are computed here; out [L][NKV][gap] (double).
+void zip_gap_saliency(const float* q, const float2* md, const ZipGapRows& rows, int D, float scale, int L, int S,
+                      int NH, int NKV, int gap, const int32_t* n_probes, const int32_t* seen, bool accumulated,
+                      double* out, cudaStream_t s);
+// ZipCache's gap ranking (zipcache::rank_gap, the same flags) for every layer's KV heads at once:
+// of sal [L][NKV][gap], KV head h of layer l's k rows of highest saliency (ties to the earlier
+// row), or with `shared` the k of highest saliency summed over the layer's KV heads in head order.
+// key [L][NKV][gap] (scratch: the key ranked), salient [L][NKV][gap] (1: salient), order
+// [L][NKV][gap] (each head's salient rows ascending, then the others ascending: the rows as a
+// ZipMixed group holds them) and flags [L][NKV][(gap + 7) / 8] (1 bit a row, quant::pack's order).
+void zip_rank_gap(const double* sal, int L, int NKV, int gap, int k, bool shared, double* key, uint8_t* salient,
+                  int32_t* order, uint8_t* flags, cudaStream_t s);
 // A ranked gap laid out as zip_quantize reads it, every layer's: row r = (l·NKV + h)·gap + i is
 // KV head h's i-th row in `order` (zip_rank_gap's); src [2N] the rows' keys then values (for
 // gather_rows, N = L·NKV·gap); pos_out [L][NKV][gap] the gap's positions in their own order. V

@@ -703,55 +703,6 @@ TEST(DecodeOps, KiviPiecesKernel) {
     }
   }
 }
-// ZipCache's streamed-gap saliency on the device against zipcache::gap_saliency (the host's
-// streaming) on the same random scores: layers with 0 to S probes, KV heads with different
-// counts of older rows, normalized and accumulated. Both sum exp in double, the device's softmax
-// sums in another order and its exp within 2 ulp: relative to the largest saliency, at most
-// (rows + 8)·2^-52 a term, summed over probes and heads — 1e-11 covers 2,000 rows.
-TEST(DecodeOps, ZipGapSaliencyKernel) {
-  KVLENS_NEED_GPU();
-  Backend& be = *op_backends().gpu;
-  const int L = 3, S = 4, NH = 6, NKV = 3, G = NH / NKV, gap = 37;
-  const std::vector<int32_t> n_probes = {3, 0, 4};
-  std::vector<int32_t> seen(static_cast<size_t>(L * S), 0), before(static_cast<size_t>(L * NKV));
-  std::mt19937 r(7);
-  for (int l = 0; l < L; ++l) {
-    for (int k = 0; k < n_probes[static_cast<size_t>(l)]; ++k) seen[static_cast<size_t>(l * S + k)] = 1 + static_cast<int>(r() % gap);
-    seen[static_cast<size_t>(l * S)] = gap;  // (a probe at the gap's end)
-    for (int h = 0; h < NKV; ++h) before[static_cast<size_t>(l * NKV + h)] = static_cast<int32_t>(r() % 300) + (h == 1 ? 0 : 5);
-  }
-  int64_t stride = 0;
-  for (int32_t b : before) stride = std::max<int64_t>(stride, b + gap);
-  const auto scores = randn(static_cast<size_t>(L * S * NH * stride), 3.0f);
-  std::vector<int32_t> args(n_probes);
-  args.insert(args.end(), seen.begin(), seen.end());
-  args.insert(args.end(), before.begin(), before.end());
-  Buffer X = make(be, "scores", {L * S * NH, stride}, Dt::F32, scores);
-  Buffer A = make_ids(be, "arguments", args);
-  Buffer O = poisoned(be, "saliency", {2LL * L * NKV * gap}, Dt::F32);
-  for (const bool accumulated : {false, true}) {
-    be.synchronize();
-    const auto* a = A.as<int32_t>();
-    cuda::zip_gap_saliency(X.as<float>(), stride, L, S, NH, NKV, gap, a, a + L, a + L + L * S, accumulated,
-                           reinterpret_cast<double*>(O.data), nullptr);
-    cudaDeviceSynchronize();
-    std::vector<double> got(static_cast<size_t>(L * NKV * gap));
-    be.download(O, got.data());
-    for (int l = 0; l < L; ++l)
-      for (int h = 0; h < NKV; ++h) {
-        const std::vector<double> ref = zipcache::gap_saliency(
-            scores.data() + static_cast<int64_t>(l * S * NH + h * G) * stride, NH * stride, stride,
-            n_probes[static_cast<size_t>(l)], G, before[static_cast<size_t>(l * NKV + h)], seen.data() + l * S, gap,
-            accumulated ? zipcache::Saliency::Accumulated : zipcache::Saliency::Normalized);
-        double mx = 0;
-        for (double x : ref) mx = std::max(mx, x);
-        EXPECT_EQ(mx > 0, n_probes[static_cast<size_t>(l)] > 0) << "layer " << l;
-        for (int j = 0; j < gap; ++j)
-          EXPECT_NEAR(got[static_cast<size_t>((l * NKV + h) * gap + j)], ref[static_cast<size_t>(j)], 1e-11 * mx)
-              << "layer " << l << " KV head " << h << " row " << j << (accumulated ? " accumulated" : " normalized");
-      }
-  }
-}
 #endif
 
 }  // namespace

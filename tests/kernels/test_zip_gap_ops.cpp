@@ -1,10 +1,12 @@
-// ZipCache's streamed gap ranked and quantized on the device (zip_rank_gap, zip_gap_plan, then
-// gather_rows and zip_quantize over zip_gap_layout's blocks, as kv_zip_gap.cu runs them) against
-// the host's streaming: zipcache::rank_gap, itself checked against a stable sort, and
-// zipcache::quantize_group on the same fp16 rows — flags, order, codes, ranges and factors equal
-// byte for byte, on fresh random inputs; the gaps' store (zip_store_layout, zip_store_gap)
-// holding every gap where its parts read it; and the decode kernels reading CST factors a group of
-// rows (the store's parts) as they read each group as a part of its own.
+// ZipCache's streamed gap scored, ranked and quantized on the device (zip_gap_saliency from the
+// probes' kept softmax states, zip_rank_gap, zip_gap_plan, then gather_rows and zip_quantize over
+// zip_gap_layout's blocks, as kv_zip_gap.cu runs them) against the host's streaming:
+// zipcache::gap_saliency over every row the probes saw, zipcache::rank_gap, itself checked
+// against a stable sort, and zipcache::quantize_group on the same fp16 rows — flags, order,
+// codes, ranges and factors equal byte for byte, on fresh random inputs; the gaps' store
+// (zip_store_layout, zip_store_gap) holding every gap where its parts read it; and the decode
+// kernels reading CST factors a group of rows (the store's parts) as they read each group as a
+// part of its own, and keeping a probe's softmax states (KeptQueries::md).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -451,13 +453,131 @@ TEST(ZipGapOps, StoreKernelCopiesAsItsHostTwin) {
   }
 }
 
+// ZipCache's streamed-gap saliency on the device against zipcache::gap_saliency (the host's
+// streaming) over the same rows: each probe's scores over the rows older than the gap (random)
+// and over the gap's rows (its query against the tail's fp16 keys, in double, rounded to fp32),
+// the device given only the tail, the queries and each probe's softmax state over all of them
+// (max and sum, in fp32, as its step keeps them). Layers with 0 to S probes (the states of the
+// others NaN), KV heads with different counts of older rows, the gap from tail row 3, normalized
+// and accumulated, head sizes 64 and 40. Bound: a row's term exp(s − M)/z is off by the device's
+// fp32 score (D + 2 rounded operations: (D + 2)·2^-24 of Σ|q·k|, scaled) and the state's fp32
+// sum (2^-24), relative; summed over the pairs that saw the row, as the saliency sums them.
+TEST(ZipGapOps, SaliencyFromTheProbesStatesAsTheHostsStreaming) {
+  KVLENS_NEED_GPU();
+  std::mt19937_64 r(rng()());
+  const int L = 3, S = 4, NH = 6, NKV = 3, G = NH / NKV, gap = 37, first = 3, cap = first + gap + 2;
+  const std::vector<int32_t> n_probes = {3, 0, 4};
+  for (const int D : {64, 40}) {
+    SCOPED_TRACE("D=" + std::to_string(D));
+    const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+    std::vector<int32_t> seen(static_cast<size_t>(L * S), 0), before(static_cast<size_t>(L * NKV));
+    for (int l = 0; l < L; ++l) {
+      for (int k = 0; k < n_probes[static_cast<size_t>(l)]; ++k) seen[static_cast<size_t>(l * S + k)] = 1 + static_cast<int>(r() % gap);
+      seen[static_cast<size_t>(l * S)] = gap;  // (a probe at the gap's end)
+      for (int h = 0; h < NKV; ++h) before[static_cast<size_t>(l * NKV + h)] = static_cast<int32_t>(r() % 300) + (h == 1 ? 0 : 5);
+    }
+    const std::vector<float> q = randn(static_cast<size_t>(L * S * NH * D));
+    std::vector<std::vector<float>> tail(L);  // [NKV][cap][D] fp16 values
+    for (auto& t : tail) t = rounded(Dt::F16, randn(static_cast<size_t>(NKV * cap * D)));
+    // Per (layer, KV head): [probe][head][before + gap] scores; the states; each term's error.
+    std::vector<float> md(static_cast<size_t>(L * S * NH * 2), std::numeric_limits<float>::quiet_NaN());
+    std::vector<std::vector<float>> scores(static_cast<size_t>(L * NKV));
+    std::vector<std::vector<double>> rel(static_cast<size_t>(L * NKV));  // [probe][head][gap]
+    for (int l = 0; l < L; ++l)
+      for (int kh = 0; kh < NKV; ++kh) {
+        const int nb = before[static_cast<size_t>(l * NKV + kh)], stride = nb + gap, np = n_probes[static_cast<size_t>(l)];
+        std::vector<float>& sc = scores[static_cast<size_t>(l * NKV + kh)];
+        std::vector<double>& e = rel[static_cast<size_t>(l * NKV + kh)];
+        sc.assign(static_cast<size_t>(np * G * stride), 0.0f);
+        e.assign(static_cast<size_t>(np * G * gap), 0.0);
+        for (int k = 0; k < np; ++k)
+          for (int g = 0; g < G; ++g) {
+            const int b = l * S + k, h = kh * G + g;
+            float* x = sc.data() + (k * G + g) * stride;
+            const std::vector<float> older = randn(static_cast<size_t>(nb), 3.0f);
+            std::copy(older.begin(), older.end(), x);
+            for (int j = 0; j < gap; ++j) {
+              const float* qh = q.data() + (static_cast<size_t>(b) * NH + h) * D;
+              const float* kr = tail[static_cast<size_t>(l)].data() + (static_cast<size_t>(kh) * cap + first + j) * D;
+              double d = 0.0, a = 0.0;
+              for (int c = 0; c < D; ++c) {
+                d += static_cast<double>(qh[c]) * kr[c];
+                a += std::abs(static_cast<double>(qh[c]) * kr[c]);
+              }
+              x[nb + j] = static_cast<float>(d * scale);
+              e[static_cast<size_t>((k * G + g) * gap + j)] = (D + 2) * std::ldexp(1.0, -24) * a * scale + std::ldexp(1.0, -23);
+            }
+            const int n = nb + seen[static_cast<size_t>(b)];
+            float M = -INFINITY;
+            for (int i = 0; i < n; ++i) M = std::max(M, x[i]);
+            double z = 0.0;
+            for (int i = 0; i < n; ++i) z += std::exp(static_cast<double>(x[i]) - M);
+            md[static_cast<size_t>(b * NH + h) * 2] = M;
+            md[static_cast<size_t>(b * NH + h) * 2 + 1] = static_cast<float>(z);
+          }
+      }
+    std::vector<std::unique_ptr<Dev>> tails;
+    std::vector<const __half*> kptr;
+    for (const auto& t : tail) {
+      tails.push_back(std::make_unique<Dev>(halves(t)));
+      kptr.push_back(tails.back()->as<const __half>());
+    }
+    std::vector<int32_t> args(n_probes);
+    args.insert(args.end(), seen.begin(), seen.end());
+    Dev Q(q), MD(md), K(kptr), A(args), O(static_cast<size_t>(L * NKV * gap) * 8);
+    cuda::ZipGapRows rows;
+    rows.k = K.as<const __half* const>();
+    rows.cap = cap;
+    rows.first = first;
+    for (const bool accumulated : {false, true}) {
+      poison(O, static_cast<size_t>(L * NKV * gap) * 8);
+      cuda::zip_gap_saliency(Q.as<float>(), MD.as<float2>(), rows, D, scale, L, S, NH, NKV, gap, A.as<int32_t>(),
+                             A.as<int32_t>() + L, accumulated, O.as<double>(), nullptr);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const std::vector<double> got = O.host<double>(static_cast<size_t>(L * NKV * gap));
+      for (int l = 0; l < L; ++l)
+        for (int kh = 0; kh < NKV; ++kh) {
+          const int nb = before[static_cast<size_t>(l * NKV + kh)], stride = nb + gap, np = n_probes[static_cast<size_t>(l)];
+          const std::vector<float>& sc = scores[static_cast<size_t>(l * NKV + kh)];
+          const std::vector<double> want = zipcache::gap_saliency(
+              sc.data(), G * stride, stride, np, G, nb, seen.data() + l * S, gap,
+              accumulated ? zipcache::Saliency::Accumulated : zipcache::Saliency::Normalized);
+          double mx = 0.0;
+          for (double x : want) mx = std::max(mx, x);
+          EXPECT_EQ(mx > 0, np > 0) << "layer " << l;
+          for (int j = 0; j < gap; ++j) {
+            // The bound: each pair's term, as the host computes it, times its relative error.
+            double bound = 0.0;
+            int pairs = 0;
+            for (int g = 0; g < G; ++g)
+              for (int k = 0; k < np; ++k) {
+                const int b = l * S + k;
+                if (seen[static_cast<size_t>(b)] <= j) continue;
+                const float* x = sc.data() + (k * G + g) * stride;
+                const float M = md[static_cast<size_t>(b * NH + kh * G + g) * 2];
+                const double z = md[static_cast<size_t>(b * NH + kh * G + g) * 2 + 1];
+                bound += std::exp(static_cast<double>(x[nb + j]) - M) / z * 1.01 *
+                         rel[static_cast<size_t>(l * NKV + kh)][static_cast<size_t>((k * G + g) * gap + j)];
+                ++pairs;
+              }
+            if (!accumulated && pairs > 0) bound /= pairs;
+            EXPECT_NEAR(got[static_cast<size_t>((l * NKV + kh) * gap + j)], want[static_cast<size_t>(j)], bound + 1e-15 * mx)
+                << "layer " << l << " KV head " << kh << " row " << j << (accumulated ? " accumulated" : " normalized");
+          }
+        }
+    }
+  }
+}
+
 // The decode kernels over parts whose CST factors (and key ranges) come a group of rows at a time,
 // as the gaps' store holds ZipCache's gaps — per KV head fp16 rows, a salient part of G groups of
 // 2 rows at 4 bits, a regular one of G groups of 6 at 2 bits, fp16 rows — against the same rows
 // as 2·G parts of one group each and an fp64 reference: the mixed kernel gives the same bits
 // either way (each row reads its own group's factors), and the mixed and general kernels are
 // within a bound derived from fp32 sums (score terms D·2^-23 of Σ|q·k|, D + N rounded additions)
-// of the reference. Head sizes 128 and 64, one split and three.
+// of the reference; each keeps a probe's softmax states (KeptQueries::md, the row appended before
+// the attention) in its slot alone, within the scores' bound of the reference's maximum and
+// log-sum-exp. Head sizes 128 and 64, one split and three.
 TEST(ZipGapOps, GroupedFactorsReadAsTheGroupsOwnParts) {
   KVLENS_NEED_GPU();
   std::mt19937_64 r(rng()());
@@ -499,6 +619,7 @@ TEST(ZipGapOps, GroupedFactorsReadAsTheGroupsOwnParts) {
       const float scale = 1.0f / std::sqrt(static_cast<float>(D));
       // The fp64 reference and its bound.
       std::vector<double> want(static_cast<size_t>(NH) * D), bound(static_cast<size_t>(NH));
+      std::vector<double> want_max(static_cast<size_t>(NH)), want_lse(want_max), score_bound(want_max), lse_bound(want_max);
       const double eps = std::ldexp(1.0, -23);
       for (int qh = 0; qh < NH; ++qh) {
         const int h = qh / (NH / NKV);
@@ -547,6 +668,10 @@ TEST(ZipGapOps, GroupedFactorsReadAsTheGroupsOwnParts) {
           want[static_cast<size_t>(qh) * D + c] = o;
         }
         bound[qh] = vmax * (2.0 * (D + 8) * eps * abs_max + 4.0 * (N + D + 16) * eps) + 1e-6;
+        want_max[qh] = mx;
+        want_lse[qh] = mx + std::log(sum);
+        score_bound[qh] = 2.0 * (D + 8) * eps * abs_max;
+        lse_bound[qh] = score_bound[qh] + 4.0 * (N + 16) * eps;
       }
       // The device arrays (16-byte aligned offsets: each vector its own allocation).
       std::vector<std::unique_ptr<Dev>> keep;
@@ -603,7 +728,22 @@ TEST(ZipGapOps, GroupedFactorsReadAsTheGroupsOwnParts) {
         single.push_back(back);
       }
       const int heads = NH;
+      // Each run keeps the softmax states of a probe at row 3 (slot 1 of 3; the row appended
+      // before the attention: counter 4), the other slots poisoned.
+      std::vector<float> kept;
+      // The kept states against the reference's maximum and log-sum-exp (M + log sum).
+      auto expect_kept = [&](const std::string& what) {
+        for (int i = 0; i < 3 * NH * 2; ++i)
+          if (i / (NH * 2) != 1) EXPECT_TRUE(std::isnan(kept[static_cast<size_t>(i)])) << what << ": slot " << i / (NH * 2) << " written";
+        for (int qh = 0; qh < NH; ++qh) {
+          const float M = kept[static_cast<size_t>(NH + qh) * 2], sum = kept[static_cast<size_t>(NH + qh) * 2 + 1];
+          EXPECT_NEAR(M, want_max[qh], score_bound[qh]) << what << ", head " << qh << " maximum";
+          EXPECT_NEAR(M + std::log(static_cast<double>(sum)), want_lse[qh], lse_bound[qh]) << what << ", head " << qh << " log-sum-exp";
+        }
+      };
       auto run = [&](const std::vector<cuda::PartDesc>& parts, int per_head, bool mix) {
+        Dev slot(std::vector<int32_t>{-1, 0, -1, 1, 2}), counter(std::vector<int32_t>{4});
+        Dev md(std::vector<float>(static_cast<size_t>(3 * NH * 2), std::numeric_limits<float>::quiet_NaN()));
         Dev d_parts(parts), d_np(std::vector<int32_t>(NKV, per_head)), d_q(q);
         Dev po(static_cast<size_t>(heads) * splits * D * 4), pm(static_cast<size_t>(heads) * splits * 2 * 4);
         Dev sem(std::vector<int32_t>(heads, 0));
@@ -627,12 +767,18 @@ TEST(ZipGapOps, GroupedFactorsReadAsTheGroupsOwnParts) {
         p.out_stride = static_cast<int64_t>(NH) * D;
         p.sem = sem.as<int>();
         p.mix_bits = mix ? cuda::kDecodeMixWidths : 0;
+        p.keep.slot = slot.as<int32_t>();
+        p.keep.rows = 5;
+        p.keep.md = md.as<float>();
+        p.keep.counter = counter.as<int32_t>();
         EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
         cudaStream_t st = nullptr;
         EXPECT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
         cuda::decode_attention(p, st);
         EXPECT_EQ(cudaStreamSynchronize(st), cudaSuccess);
         EXPECT_EQ(cudaStreamDestroy(st), cudaSuccess);
+        kept = md.host<float>(static_cast<size_t>(3 * NH * 2));
+        expect_kept(std::string(mix ? "mixed" : "general") + ", " + std::to_string(per_head) + " parts a head");
         return out.host<float>(static_cast<size_t>(heads) * D);
       };
       const int per_grouped = 4, per_single = 2 + 2 * G;

@@ -553,12 +553,13 @@ __global__ void __launch_bounds__(kThreads, MMA == 1 ? kMmaMinBlocks : MMA == 3 
     block_range(p, lo, hi, bh, s, tid);
     return;
   }
-  finish_block<L>(p, st, b, h, s);
+  finish_block<L>(p, st, b, h, s, 0);  // (no fused token)
 }
 
 template <class OT>
 __global__ void merge_kernel(DecodeParams p) {
-  merge_head(p, blockIdx.y, blockIdx.x, threadIdx.x, blockDim.x);
+  // (after the decode kernel: a fused token's row is the one before the advanced counter)
+  merge_head(p, blockIdx.y, blockIdx.x, threadIdx.x, blockDim.x, p.fresh_k ? *p.tail_counter - 1 : 0);
 }
 
 __global__ void probs_kernel(DecodeParams p, float* probs) {

@@ -174,7 +174,7 @@ __global__ void __launch_bounds__(kThreads, kDecodeBulkMinBlocks) decode_f16_bul
     const uint4 kr[1] = {g == 0 ? fk : make_uint4(0, 0, 0, 0)}, vr[1] = {g == 0 ? fv : make_uint4(0, 0, 0, 0)};
     f16_update<L, 1>(kr, vr, q, g == 0 ? n_cache : N, G, N, false, 1.0f, 0.0f, 0.0f, st);
   }
-  finish_block<L>(p, st, b, h, s);
+  finish_block<L>(p, st, b, h, s, tail_row);
 #else
   __trap();  // decode_launch gives f16_bulk only on sm_90 devices
 #endif

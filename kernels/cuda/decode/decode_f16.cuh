@@ -265,5 +265,5 @@ __global__ void __launch_bounds__(kThreads, 4) decode_f16_kernel(DecodeParams p)
     f16_update<L, U>(kb, vb, q, j0 + step + g, G, r1, false, 1.0f, 0.0f, 0.0f, st);
     if (j0 + 3 * step < r1) load(j0 + 3 * step, kb, vb, false);
   }
-  finish_block<L>(p, st, b, h, s);
+  finish_block<L>(p, st, b, h, s, tail_row);
 }

@@ -125,7 +125,7 @@ __device__ void merge_group(const DecodeParams& p, int b, int h0, int R, float* 
     if (o < R * D) {
       const float ds = sh_ds[hi];
       store_out(p, b, h0 + hi, ch, ds > 0.0f ? acc[j] / ds : 0.0f);
-      store_md(p, bh0 + hi, sh_m[hi], ds, ch == 0);
+      store_md(p, bh0 + hi, sh_m[hi], ds, ch == 0, 0);  // (fp16 caches: no kept queries)
     }
   }
 }
@@ -374,7 +374,7 @@ __global__ void __launch_bounds__(kDecodeGqaThreads, kDecodeGqaBlocks) decode_f1
     const float m_nat = M * kLn2;
     if (p.sem && p.splits == 1) {
       store_out(p, b, h, c, Lsum > 0.0f ? O / Lsum : 0.0f);
-      store_md(p, bh, m_nat, Lsum, c == 0);
+      store_md(p, bh, m_nat, Lsum, c == 0, 0);  // (fp16 caches: no kept queries)
     } else {
       p.part_o[(bh * p.splits + s) * D + c] = O;
       if (c == 0) reinterpret_cast<float2*>(p.part_md)[bh * p.splits + s] = make_float2(m_nat, Lsum);

@@ -14,19 +14,32 @@ __device__ __forceinline__ void store_out(const DecodeParams& p, int b, int h, i
   }
 }
 
-// A head's softmax maximum and sum, for the callers that ask for them (decode_probs); `writer`:
-// the one thread of the head's threads that writes them.
-__device__ __forceinline__ void store_md(const DecodeParams& p, int64_t bh, float M, float dsum, bool writer) {
-  if (p.md_out && writer) {
+// A head's softmax maximum and sum, for the callers that ask for them (decode_probs) and, where
+// the step's row is a kept query's, for its slot (KeptQueries::md); `writer`: the one thread of
+// the head's threads that writes them; `tail_row`: the fused token's row (read before any block
+// could advance the tail).
+__device__ __forceinline__ void store_md(const DecodeParams& p, int64_t bh, float M, float dsum, bool writer,
+                                         int tail_row) {
+  if (!writer) return;
+  if (p.md_out) {
     p.md_out[bh * 2] = M;
     p.md_out[bh * 2 + 1] = dsum;
+  }
+  if (p.keep.md) {
+    const int row = p.fresh_k ? tail_row : (p.keep.counter ? *p.keep.counter - 1 : -1);
+    const int slot = row >= 0 && row < p.keep.rows ? p.keep.slot[row] : -1;
+    if (slot >= 0) {
+      float* o = p.keep.md + (static_cast<int64_t>(slot) * p.NH + bh % p.NH) * 2;
+      o[0] = M;
+      o[1] = dsum;
+    }
   }
 }
 
 // Merges the splits' states (m, d, o) of head h of sequence b into its output (L2 reads: the
 // other blocks' states may have been written moments ago), by threads tid of nt (the block's;
 // the GQA kernel merges its heads with merge_group, decode_gqa.cuh).
-__device__ void merge_head(const DecodeParams& p, int b, int h, int tid, int nt) {
+__device__ void merge_head(const DecodeParams& p, int b, int h, int tid, int nt, int tail_row) {
   const int64_t bh = static_cast<int64_t>(b) * p.NH + h;
   const float2* md = reinterpret_cast<const float2*>(p.part_md) + bh * p.splits;
   const float* po = p.part_o + bh * p.splits * p.D;
@@ -80,13 +93,13 @@ __device__ void merge_head(const DecodeParams& p, int b, int h, int tid, int nt)
     for (int i = i0; i < n; ++i) v += __ldcg(po + static_cast<int64_t>(i) * p.D + c) * weight(__ldcg(md + i).x);
     store_out(p, b, h, c, dsum > 0.0f ? v / dsum : 0.0f);
   }
-  store_md(p, bh, M, dsum, tid == 0);
+  store_md(p, bh, M, dsum, tid == 0, tail_row);
 }
 
 // The end of a block of either kernel: its groups' states combined into the split's partial
 // state (m, d, o); the last block of the head to finish merges every split's state.
 template <int L>
-__device__ void finish_block(const DecodeParams& p, const State& st, int b, int h, int s) {
+__device__ void finish_block(const DecodeParams& p, const State& st, int b, int h, int s, int tail_row) {
   constexpr int G = kThreads / L;
   __shared__ float sh_m[G], sh_d[G];
   __shared__ float sh_o[G][8 * L + 1];
@@ -125,7 +138,7 @@ __device__ void finish_block(const DecodeParams& p, const State& st, int b, int 
       if (c == tid) dsum = d;
       store_out(p, b, h, c, d > 0.0f ? v / d : 0.0f);
     }
-    store_md(p, bh, M, dsum, tid == 0);
+    store_md(p, bh, M, dsum, tid == 0, tail_row);
     return;
   }
   float* po = p.part_o + (bh * p.splits + s) * p.D;
@@ -144,7 +157,7 @@ __device__ void finish_block(const DecodeParams& p, const State& st, int b, int 
   if (tid == 0) last = atomic_add_acq_rel(p.sem + bh, 1) == p.splits - 1;
   __syncthreads();
   if (!last) return;
-  merge_head(p, b, h, tid, kThreads);
+  merge_head(p, b, h, tid, kThreads, tail_row);
   if (tid == 0) {
     p.sem[bh] = 0;
     if (p.claim) p.claim[bh] = 0;  // every block's last claim is ordered before its count

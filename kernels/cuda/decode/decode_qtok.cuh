@@ -340,7 +340,7 @@ __global__ void __launch_bounds__(kThreads, 4) decode_qtok_kernel(DecodeParams p
           if (j0 + u * G + g == n_cache) x.r[u] = tok;
       },
       [&](int j0, Stage& x) { tok_update<L, BITS, U>(x.r, q, qsum, j0 + g, G, r1, st); }, load);
-  finish_block<L>(p, st, k.b, k.h, k.s);
+  finish_block<L>(p, st, k.b, k.h, k.s, k.tail_row);
 }
 
 // ---- fp16 rows beside channel-wise keys with token-wise values (DecodeParams::mix_bits: KIVI's
@@ -508,5 +508,5 @@ __global__ void __launch_bounds__(kThreads, 4) decode_mix_kernel(DecodeParams p)
           }
       },
       [&](int j0, Stage& x) { mix_update<L, BITS, U>(x.r, x.coded, parts, q, c0, j0 + g, G, r1, st); }, load);
-  finish_block<L>(p, st, k.b, k.h, k.s);
+  finish_block<L>(p, st, k.b, k.h, k.s, k.tail_row);
 }
