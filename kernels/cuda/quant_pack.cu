@@ -334,23 +334,38 @@ __global__ void zip_factor_kernel(const __half* v, int D, const ZipFactorBlock* 
   factor[f.at + c] = (s > 0.0f && isfinite(s)) ? __float2half_rn(s) : __float2half_rn(1.0f);
 }
 
-// Value token ranges: one warp a slot, over its rows' values divided by their blocks' factors.
+// Value token ranges: one warp a slot, over its rows' values divided by their blocks' factors. The
+// rows' places (row, block, factors) are looked up a lane a row, 32 rows at once, and handed
+// round the warp, so the rows' loads do not wait on one another's lookups (a slot shared by the
+// KV heads has a row of each).
 __global__ void zip_slot_range_kernel(const __half* v, int D, const ZipBlock* blocks, const int32_t* row_block,
                                       const int32_t* slot_first, const int32_t* slot_rows, int n_slots,
                                       const __half* factor, __half* scale, __half* zero) {
   const int slot = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
   if (slot >= n_slots) return;
   float lo = INFINITY, hi = -INFINITY;
-  int bits = 1;
-  for (int k = slot_first[slot]; k < slot_first[slot + 1]; ++k) {
-    const int r = slot_rows[k];
-    const ZipBlock& b = blocks[row_block[r]];
-    bits = b.bits;
-    const __half* f = factor + b.factor;
-    for (int c = lane; c < D; c += 32) {
-      const float y = __fdiv_rn(__half2float(v[static_cast<int64_t>(r) * D + c]), __half2float(f[c]));
-      lo = fminf(lo, y);
-      hi = fmaxf(hi, y);
+  int bits = 1;  // (a slot's rows are of one subset: their blocks' bits agree)
+  const int first = slot_first[slot], last = slot_first[slot + 1];
+  for (int k0 = first; k0 < last; k0 += 32) {
+    int row = 0, b_bits = 1;
+    long long at = 0;
+    if (k0 + lane < last) {
+      row = slot_rows[k0 + lane];
+      const ZipBlock& b = blocks[row_block[row]];
+      at = b.factor;
+      b_bits = b.bits;
+    }
+    bits = __shfl_sync(0xffffffffu, b_bits, 0);
+    const int m = min(32, last - k0);
+#pragma unroll 4
+    for (int i = 0; i < m; ++i) {
+      const int r = __shfl_sync(0xffffffffu, row, i);
+      const __half* f = factor + __shfl_sync(0xffffffffu, at, i);
+      for (int c = lane; c < D; c += 32) {
+        const float y = __fdiv_rn(__half2float(v[static_cast<int64_t>(r) * D + c]), __half2float(f[c]));
+        lo = fminf(lo, y);
+        hi = fmaxf(hi, y);
+      }
     }
   }
   lo = -warp_max(-lo);
