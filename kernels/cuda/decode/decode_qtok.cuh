@@ -382,6 +382,9 @@ __device__ __forceinline__ void codes8(uint32_t x, int W, float (&c)[8]) {
   }
 }
 
+// A line into L1 ahead of its use (no value: a hint).
+__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
+
 // A row in registers: fp16 K and V (k, v), or a quantized row's K codes (k.x), V codes (k.y),
 // V scale and zero (k.z, a half2) and its key ranges' offset from its part's (k.w: group·D + c0)
 // with its part's index (v.x) and code width (v.y).
@@ -484,6 +487,13 @@ __global__ void __launch_bounds__(kThreads, 4) decode_mix_kernel(DecodeParams p)
           r.k.w = static_cast<uint32_t>((grp > 0 ? i / grp : 0) * D + c0);
           r.v.x = static_cast<uint32_t>(pi);
           st.coded |= 1u << u;
+          // Ranges and factors a group of rows (KIVI's groups, ZipCache's gaps) change every few
+          // rows: fetched into L1 here, a stage before mix_update reads them.
+          if (grp > 0) {
+            prefetch_l1(parts.ks[pi] + r.k.w);
+            prefetch_l1(parts.kz[pi] + r.k.w);
+            if (!BITS && parts.vf[pi]) prefetch_l1(parts.vf[pi] + r.k.w);
+          }
         }
       }
     }
