@@ -6,15 +6,15 @@
 // rows' saliency is reduced from the probes' scores over the gap's rows under those states in
 // one launch (zip_gap_saliency: the rows older than the gap, which each probe's step read, are
 // never re-quantized, so its states are the host's softmax sums) and ranked (zip_rank_gap, as
-// the method ranks it), the ranked rows are laid
-// out (zip_gap_plan), gathered and quantized (zip_quantize, the prompt's kernels) and copied into
-// the gaps' store (zip_store_gap), laid out at the first gap for every gap the decode rows have
-// room for: per layer and KV head a salient part and a regular part whose rows grow by a gap's
-// subset each time, a range group and CST factors a gap. Each layer's gaps are one segment before
-// the decode rows, its parts' row counts moved at every gap without a new layout (rows_moved: the
-// steps stay captured). Which rows are salient is the ranking's and stays on the device; how many
-// is not (round(ratio · gap) a KV head), so the parts, sizes and bytes are known here. A gap's V
-// token ranges are copied per row (build_zip lays the host loop's gaps out so too).
+// the method ranks it), the ranked rows are laid out (zip_gap_plan), gathered and quantized
+// (zip_quantize, the prompt's kernels) and copied into the gaps' store (zip_store_gap), laid out
+// at the first gap for every gap the decode rows have room for: per layer and KV head a salient
+// part and a regular part whose rows grow by a gap's subset each time, a range group and CST
+// factors a gap. Each layer's gaps are one segment before the decode rows, its parts' row counts
+// moved at every gap without a new layout (rows_moved: the steps stay captured). Which rows are
+// salient is the ranking's and stays on the device; how many is not (round(ratio · gap) a KV
+// head), so the parts, sizes and bytes are known here. A gap's V token ranges are copied per row
+// (build_zip lays the host loop's gaps out so too).
 #include <algorithm>
 #include <cmath>
 #include <memory>
