@@ -46,9 +46,9 @@ __device__ __forceinline__ void cp_async16_or_zero(uint32_t dst, const void* src
 // - each chunk's weights exp(m_i − M) are made once in shared memory, and each thread adds its
 //   output channels' R·D / kDecodeGqaThreads sums over the chunk.
 // One trip to L2 for the first chunk (with the (m, d) reads beside it) and one for each further
-// chunk. Natural-log units, as merge_head.
+// chunk. Natural-log units, as merge_head; `tail_row` as store_md takes it.
 template <int D>
-__device__ void merge_group(const DecodeParams& p, int b, int h0, int R, float* buf, int buf_bytes) {
+__device__ void merge_group(const DecodeParams& p, int b, int h0, int R, float* buf, int buf_bytes, int tail_row) {
   constexpr int T = kDecodeGqaThreads, NW = T / 32, MAXR = kDecodeGqaMaxRatio;
   constexpr int OUT = (MAXR * D + T - 1) / T;  // output channels a thread, at most
   __shared__ float sh_mf[MAXR], sh_ds[MAXR], sh_m[MAXR];
@@ -125,7 +125,7 @@ __device__ void merge_group(const DecodeParams& p, int b, int h0, int R, float* 
     if (o < R * D) {
       const float ds = sh_ds[hi];
       store_out(p, b, h0 + hi, ch, ds > 0.0f ? acc[j] / ds : 0.0f);
-      store_md(p, bh0 + hi, sh_m[hi], ds, ch == 0, 0);  // (fp16 caches: no kept queries)
+      store_md(p, bh0 + hi, sh_m[hi], ds, ch == 0, tail_row);
     }
   }
 }
@@ -374,7 +374,7 @@ __global__ void __launch_bounds__(kDecodeGqaThreads, kDecodeGqaBlocks) decode_f1
     const float m_nat = M * kLn2;
     if (p.sem && p.splits == 1) {
       store_out(p, b, h, c, Lsum > 0.0f ? O / Lsum : 0.0f);
-      store_md(p, bh, m_nat, Lsum, c == 0, 0);  // (fp16 caches: no kept queries)
+      store_md(p, bh, m_nat, Lsum, c == 0, tail_row);
     } else {
       p.part_o[(bh * p.splits + s) * D + c] = O;
       if (c == 0) reinterpret_cast<float2*>(p.part_md)[bh * p.splits + s] = make_float2(m_nat, Lsum);
@@ -389,7 +389,7 @@ __global__ void __launch_bounds__(kDecodeGqaThreads, kDecodeGqaBlocks) decode_f1
   if (tid == 0) last = atomic_add_acq_rel(p.sem + bh0, 1) == p.splits - 1;
   __syncthreads();
   if (!last) return;
-  merge_group<D>(p, b, h0, R, reinterpret_cast<float*>(gqa_stg), NS * kStageBytes);
+  merge_group<D>(p, b, h0, R, reinterpret_cast<float*>(gqa_stg), NS * kStageBytes, tail_row);
   if (tid == 0) p.sem[bh0] = 0;
 #else
   __trap();  // decode_launch gives f16_gqa only on sm_90 devices (its stages pass sm_8x's 99 KiB a block)

@@ -38,7 +38,8 @@ __device__ __forceinline__ void store_md(const DecodeParams& p, int64_t bh, floa
 
 // Merges the splits' states (m, d, o) of head h of sequence b into its output (L2 reads: the
 // other blocks' states may have been written moments ago), by threads tid of nt (the block's;
-// the GQA kernel merges its heads with merge_group, decode_gqa.cuh).
+// the GQA kernel merges its heads with merge_group, decode_gqa.cuh); `tail_row` as store_md
+// takes it.
 __device__ void merge_head(const DecodeParams& p, int b, int h, int tid, int nt, int tail_row) {
   const int64_t bh = static_cast<int64_t>(b) * p.NH + h;
   const float2* md = reinterpret_cast<const float2*>(p.part_md) + bh * p.splits;
@@ -97,7 +98,8 @@ __device__ void merge_head(const DecodeParams& p, int b, int h, int tid, int nt,
 }
 
 // The end of a block of either kernel: its groups' states combined into the split's partial
-// state (m, d, o); the last block of the head to finish merges every split's state.
+// state (m, d, o); the last block of the head to finish merges every split's state. `tail_row`
+// as store_md takes it (0 where no token is fused in).
 template <int L>
 __device__ void finish_block(const DecodeParams& p, const State& st, int b, int h, int s, int tail_row) {
   constexpr int G = kThreads / L;
