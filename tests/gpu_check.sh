@@ -9,9 +9,12 @@
 #   tests/gpu_check.sh build test only some stages (build, test, bench, throughput, threads, summary;
 #                                 and, not in the default list, sanitize: compute-sanitizer's
 #                                 memcheck, synccheck and racecheck over the decode kernel tests, the
-#                                 quantizing append's, the quantize-and-pack and ZipCache's gap kernels')
+#                                 quantizing append's, the quantize-and-pack and ZipCache's gap kernels';
+#                                 kernels: ncu's device time of each kernel over a short decode of the
+#                                 7B shape)
 #   KVLENS_7B_METHODS="m1 m2"     the methods the bench stage times on the 7B shape
 #   KVLENS_7B_LONG="m1 m2"        those it also times over 128 new tokens (the summary's "…@128" rows)
+#   KVLENS_7B_KERNELS="m1 m2"     the methods (and `full`) the kernels stage profiles
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${KVLENS_GPU_OUT:-$PWD/gpu_out}
@@ -20,6 +23,7 @@ CK=${KVLENS_7B_DIR:-/tmp/kvlens-llava7b}
 STAGES=${*:-build test bench throughput threads summary}
 METHODS_7B=${KVLENS_7B_METHODS:-uniform:bits=4 hadamard_int4 kivi calibquant:bits=1 zipcache zipcache:gap=8 turboquant turboquant:qjl=on}
 LONG_7B=${KVLENS_7B_LONG:-full zipcache:gap=8}
+KERNELS_7B=${KVLENS_7B_KERNELS:-full zipcache:gap=8}
 mkdir -p "$OUT"
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 step() { echo "== $(date +%T) $*" | tee -a "$OUT/steps.log"; }
@@ -78,13 +82,30 @@ if has sanitize; then
   for tool in memcheck synccheck racecheck; do
     run "sanitize_$tool" 600 compute-sanitizer --tool "$tool" --error-exitcode 9 "$BUILD/test_decode_kernel"
     run "sanitize_quant_tail_$tool" 300 compute-sanitizer --tool "$tool" --error-exitcode 9 "$BUILD/test_decode_quant_tail"
-    # the quantize-and-pack kernels (KIVI's pieces, range groups, rotated rows) and ZipCache's gap saliency
+    # the quantize-and-pack kernels (KIVI's pieces, range groups, rotated rows)
     run "sanitize_quant_pack_$tool" 300 compute-sanitizer --tool "$tool" --error-exitcode 9 "$BUILD/test_decode_ops" \
-      --gtest_filter='DecodeOps.KiviPiecesKernel:DecodeOps.QuantizeAndPackKernels:DecodeOps.ZipGapSaliencyKernel'
+      --gtest_filter='DecodeOps.KiviPiecesKernel:DecodeOps.QuantizeAndPackKernels'
     # a KV sync's gathers in one launch
     run "sanitize_sync_gather_$tool" 300 compute-sanitizer --tool "$tool" --error-exitcode 9 "$BUILD/test_sync_gather"
-    # ZipCache's gap ranked, planned and quantized on the device
+    # ZipCache's gap scored, ranked, planned and quantized on the device; probes' states kept
     run "sanitize_zip_gap_$tool" 300 compute-sanitizer --tool "$tool" --error-exitcode 9 "$BUILD/test_zip_gap_ops"
+  done
+fi
+if has kernels; then
+  # Each kernel's device time over a 20-token decode of the 7B shape, per method (ncu serializes
+  # the launches, flushes the caches and holds base clocks: longer than in a run, but split by
+  # kernel; `--by-grid` keeps a prompt's launches apart from a decode's).
+  if [ ! -f "$CK/config.json" ]; then
+    run make_llava7b 300 python3 tests/make_llava7b.py --out "$CK" --json "$OUT/hf_bench.json" --no-hf-bench
+  fi
+  PROMPT=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['prompt'])" "$OUT/hf_bench.json" 2>/dev/null)
+  for m in $KERNELS_7B; do
+    n=${m//[:=,]/_}
+    marg=(); [ "$m" != full ] && marg=(--method "$m")
+    run "kernels_7b_$n" 300 ncu --csv --print-units base --metrics gpu__time_duration.sum "$BUILD/kvlens" bench \
+      --backend cuda --model "$CK" --prompt "${PROMPT:-Describe the image.}" "${marg[@]}" --max-new-tokens 20 --repeat 1 &&
+      python3 tests/ncu_kernels.py "$OUT/kernels_7b_$n.txt" --by-grid --json "$OUT/kernels_7b_$n.json" \
+        > "$OUT/kernels_7b_$n.table.txt"
   done
 fi
 if has throughput; then

@@ -108,6 +108,15 @@ def main():
             rounds = " ".join("%.0f" % v for v in r.get("caption_ms_rounds", []))
             print(f"{r['threads']:>7}{r['vision_ms']:>8.1f}{r['prefill_ms']:>9.1f}{r['caption_ms']:>9.1f}"
                   f"{r['hf_caption_ms']:>8.1f}  {('yes' if r['hf_ids_equal'] else 'NO'):<12}  {rounds}")
+    for f in sorted(f for f in os.listdir(d) if f.startswith("kernels_7b_") and f.endswith(".json")):
+        k = load(d, f)
+        if not k:
+            continue
+        total = sum(r["total_us"] for r in k.values())
+        print(f"\nkernels of a 20-token 7B decode, {f[len('kernels_7b_'):-5]} (ncu, serialized; {total / 1e3:.1f} ms in all):"
+              " launches, median µs, share")
+        for name, r in sorted(k.items(), key=lambda x: -x[1]["total_us"])[:8]:
+            print(f"  {name[:52]:<52}{r['launches']:>7}{r['median_us']:>10.2f}{100 * r['total_us'] / total:>7.1f}%")
     steps = os.path.join(d, "steps.log")
     if os.path.exists(steps):
         bad = [l.strip() for l in open(steps) if re.search(r"exit [1-9]", l)]
