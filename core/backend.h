@@ -149,7 +149,8 @@ struct ScoreTransform {
 // zip.gap > 0 (ZipCache, Algorithm 3): rows are appended as fp16; each layer keeps the queries
 // of its probe tokens (`probes`: the method's schedule), and before the step whose row follows
 // `gap` dense decode rows, those rows' saliency (zipcache::gap_saliency over the probes'
-// attention, which the device recomputes from the rows the probes saw) is ranked as the method
+// attention: the device keeps each probe's softmax sums from its own step and scores it against
+// the gap's rows) is ranked as the method
 // ranks it (`ratio`, `shared_ranking`), and the gap is quantized as ZipCache's prefill quantizes
 // a group (CodeLayout::ZipMixed: k_bits salient, v_bits the others) into a segment of its own
 // before the decode rows. The host's twin is ZipCache's on_decode_step.

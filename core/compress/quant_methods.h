@@ -91,7 +91,8 @@ class ProbeStream {
 // the first seen[k]. Each (probe, head)'s softmax over the rows it saw (exp and sums in double),
 // summed for each gap row j < gap over the pairs that saw it (heads outer, probes inner); then
 // accumulated (p_j, Eq. 7) or divided by the number of those pairs (p̃_j, Eq. 8; 0 where none).
-// The host's streaming and the device's (zip_gap_saliency) both reduce so.
+// The host's streaming reduces so; the device's (zip_gap_saliency) too, its softmax sums (fp32)
+// those each probe's decode step computed over the same rows.
 std::vector<double> gap_saliency(const float* scores, int64_t probe_stride, int64_t stride, int n_probes, int heads,
                                  int before, const int* seen, int gap, Saliency s);
 // The channel factors of CSTQuant (Eq. 6): c_i = sqrt(max_t |x_ti|) over the n rows of x[n][d],

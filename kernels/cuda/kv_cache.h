@@ -509,6 +509,7 @@ class CudaKV : public DeviceKV {
   struct ZipProbes {
     DevMem q, slot;
     DevMem md;  // [L][slots][n_heads] (max, sum): each probe's softmax states (KeptQueries::md)
+    float scale = 0;  // the steps' attention scale, which the states are at (0: no step yet)
     int slots = 0, rows = 0, n_heads = 0;
     int64_t width = 0;  // a query's floats (n_heads · D)
     std::vector<std::vector<int32_t>> slot_of_row;
@@ -607,8 +608,8 @@ void regroup_values(Context& ctx, const DevMem& codes, const std::vector<StagedC
 DevSeg build_packed(Context& ctx, const CudaKV& C, const KVSegment& s, const quant::QuantPayload& p,
                     const StagedCodes* staged);
 // ZipCache's streamed gap (kv_zip_gap.cu): whether every layer's decode rows hold a whole gap
-// not yet quantized, and its quantization (the probes' saliency on the device, the ranking on the
-// host, the rows quantized where they are into a segment before the decode rows).
+// not yet quantized, and its quantization (the probes' saliency and the ranking on the device,
+// the rows quantized where they are into the gaps' store, a segment before the decode rows).
 bool zip_gap_due(const CudaKV& C);
 void zip_gap(Context& ctx, CudaKV& C);
 // Raw scaled scores [n][n_heads][stride] by the decode's scoring kernel of n fp32 queries (row b

@@ -192,6 +192,8 @@ void kv_decode_deferred(Context& ctx, const Buffer& qkv, const AttnLayout& l, Se
   if (l.n_kv_heads != C.NKV || l.head_dim != C.D) throw InternalError("decode_attention: cache shape differs");
   if (transform && transform->kind == ScoreTransform::Kind::Host)
     throw InternalError("decode_attention: a host score transform cannot be deferred");
+  if (C.layers.at(static_cast<size_t>(layer)).tail.zipped())  // (device_step_quant: not when observed)
+    throw InternalError("decode_attention: ZipCache's device gaps keep their probes' states in plain steps, not deferred ones");
   C.build_tables(l.n_heads);
   const int NH = l.n_heads;
   DecodeParams p = layer_params(C, qkv, l, layer, out);
@@ -480,10 +482,14 @@ void kv_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, S
   C.build_tables(l.n_heads);
   const int NH = l.n_heads, NKV = C.NKV, G = NH / NKV;
   DecodeParams p = layer_params(C, qkv, l, layer, out);
-  // (a ZipCache probe's row, appended before its attention: its softmax states kept)
-  const Tail& tail = C.layers[static_cast<size_t>(layer)].tail;
-  if (tail.zipped()) p.keep = C.zip.keep(layer, C.counters.as<int32_t>() + layer);
   const bool transforms = transform && transform->any();
+  // (a ZipCache probe's row, appended before its attention: its softmax states kept, of the raw
+  // scores its gap scores again — device_step_quant gives no device gaps where scores transform)
+  if (C.layers[static_cast<size_t>(layer)].tail.zipped()) {
+    if (transforms) throw InternalError("decode_attention: ZipCache's device gaps under a score transform");
+    p.keep = C.zip.keep(layer, C.counters.as<int32_t>() + layer);
+    C.zip.scale = l.scale;
+  }
   const bool in_kernel = transforms && transform->kind == ScoreTransform::Kind::Calibrate;
   if (!taps.any() && (!transforms || in_kernel)) {
     if (ctx.replay) return;
@@ -606,7 +612,10 @@ bool kv_rope_attend(Context& ctx, SeqKV& kv, int layer, Buffer& qkv, const AttnL
   p.fresh_v = base + l.v_col;
   p.fresh_pos = pos.as<int32_t>();
   p.inv_freq = inv_freq;
-  if (t.zipped()) p.keep = C.zip.keep(layer);
+  if (t.zipped()) {
+    p.keep = C.zip.keep(layer);
+    C.zip.scale = l.scale;
+  }
   if (tok) {
     p.qtail = quant_tail(t);
   } else {

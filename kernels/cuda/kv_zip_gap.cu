@@ -77,9 +77,11 @@ void gap_saliency(Context& ctx, CudaKV& C, const GapProbes& g, const ZipGapRows&
   DevMem A{ctx.alloc(ab, "ZipCache gap probes"), ab};
   ctx.upload(A.mem.get(), g.args.data(), ab, "ZipCache gap probes");
   const auto* a = A.as<int32_t>();
-  // (as the host's streaming scales its scores)
-  zip_gap_saliency(P.q.as<float>(), P.md.as<float2>(), rows, D, 1.0f / std::sqrt(static_cast<float>(D)), L, P.slots,
-                   P.n_heads, NKV, gap, a, a + L, accumulated, sal, ctx.stream);
+  // (at the scale of the steps that kept the states: 1/√D, as the host's streaming scores, for
+  // every model kvlens runs)
+  if (!(P.scale > 0)) throw InternalError("ZipCache gaps: probes of no step's attention");
+  zip_gap_saliency(P.q.as<float>(), P.md.as<float2>(), rows, D, P.scale, L, P.slots, P.n_heads, NKV, gap, a, a + L,
+                   accumulated, sal, ctx.stream);
 }
 
 // Where zip_gap_layout's blocks, factor blocks and row blocks lie in CudaKV::ZipProbes::blocks.

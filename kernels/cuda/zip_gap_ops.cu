@@ -1,5 +1,5 @@
 // ZipCache's streamed gap scored, ranked and planned on the device (kv_zip_gap.cu runs them
-// before zip_quantize): zip_gap_saliency, the twin of zipcache::gap_saliency, zip_rank_gap, the
+// before zip_quantize): zip_gap_saliency (zipcache::gap_saliency's reduction), zip_rank_gap, the
 // twin of zipcache::rank_gap, and zip_gap_plan, which lays the ranked rows out as zip_quantize
 // reads them. Nothing about a gap's layout depends on its ranking but which rows go where, so the
 // blocks (zip_gap_layout) are the same for every gap and the host never waits for the ranking.
@@ -49,11 +49,16 @@ __global__ void __launch_bounds__(kThreads)
     }
   if (accumulated) return;
   __syncthreads();
-  // Each row's (probe, head) pairs: the heads times the probes that saw it.
+  // Each row's (probe, head) pairs: those that saw it, with a state (as the host counts the pairs
+  // whose softmax sum is positive).
   for (int j = threadIdx.x; j < gap; j += kThreads) {
     int c = 0;
-    for (int k = 0; k < np; ++k) c += seen[l * S + k] > j;
-    o[j] = c > 0 ? o[j] / (static_cast<double>(c) * G) : 0.0;
+    for (int h = kh * G; h < (kh + 1) * G; ++h)
+      for (int k = 0; k < np; ++k) {
+        const int b = l * S + k;
+        c += seen[b] > j && md[static_cast<int64_t>(b) * NH + h].y > 0.0f;
+      }
+    o[j] = c > 0 ? o[j] / c : 0.0;
   }
 }
 

@@ -22,12 +22,13 @@ struct ZipGapRows {
   const int32_t* const* pos = nullptr;
   int cap = 0, first = 0;
 };
-// ZipCache's streamed-gap saliency (zipcache::gap_saliency, the same reduction) for every layer's
-// KV heads at once, from what each probe's own decode step left: probe k < n_probes[l] of layer l
-// (query b = l·S + k) saw seen[b] of the gap's rows; its rotated query heads are q [L·S][NH][D]
-// and its softmax states md [L·S][NH] (max, sum of exp(score − max), over every row it read;
-// KeptQueries). Each probe's scores over the gap's rows it saw (scaled, `rows` from tail row
-// `first`) are computed here; out [L][NKV][gap] (double).
+// ZipCache's streamed-gap saliency (zipcache::gap_saliency's reduction, the softmax sums taken
+// from the steps) for every layer's KV heads at once, from what each probe's own decode step
+// left: probe k < n_probes[l] of layer l (query b = l·S + k) saw seen[b] of the gap's rows; its
+// rotated query heads are q [L·S][NH][D] and its softmax states md [L·S][NH] (max, sum of
+// exp(score − max), over every row it read; KeptQueries). Each probe's scores over the gap's rows
+// it saw (at `scale`, its step's; `rows` from tail row `first`) are computed here. A pair whose
+// state no step wrote (NaN) counts as one that saw nothing. out [L][NKV][gap] (double).
 void zip_gap_saliency(const float* q, const float2* md, const ZipGapRows& rows, int D, float scale, int L, int S,
                       int NH, int NKV, int gap, const int32_t* n_probes, const int32_t* seen, bool accumulated,
                       double* out, cudaStream_t s);

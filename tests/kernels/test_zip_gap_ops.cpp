@@ -457,11 +457,12 @@ TEST(ZipGapOps, StoreKernelCopiesAsItsHostTwin) {
 // streaming) over the same rows: each probe's scores over the rows older than the gap (random)
 // and over the gap's rows (its query against the tail's fp16 keys, in double, rounded to fp32),
 // the device given only the tail, the queries and each probe's softmax state over all of them
-// (max and sum, in fp32, as its step keeps them). Layers with 0 to S probes (the states of the
-// others NaN), KV heads with different counts of older rows, the gap from tail row 3, normalized
+// (max and sum in fp32, as its step keeps them; NaN for slots past a layer's 0 to S probes and
+// for one pair of a probe, which like the host's pair of no positive sum is neither summed nor
+// counted). KV heads with different counts of older rows, the gap from tail row 3, normalized
 // and accumulated, head sizes 64 and 40. Bound: a row's term exp(s − M)/z is off by the device's
-// fp32 score (D + 2 rounded operations: (D + 2)·2^-24 of Σ|q·k|, scaled) and the state's fp32
-// sum (2^-24), relative; summed over the pairs that saw the row, as the saliency sums them.
+// fp32 score ((D + 2)·2^-24 of Σ|q·k|, scaled) and the state's fp32 sum (2^-24), relative;
+// summed over the pairs that saw the row, as the saliency sums them.
 TEST(ZipGapOps, SaliencyFromTheProbesStatesAsTheHostsStreaming) {
   KVLENS_NEED_GPU();
   std::mt19937_64 r(rng()());
@@ -494,7 +495,7 @@ TEST(ZipGapOps, SaliencyFromTheProbesStatesAsTheHostsStreaming) {
           for (int g = 0; g < G; ++g) {
             const int b = l * S + k, h = kh * G + g;
             float* x = sc.data() + (k * G + g) * stride;
-            const std::vector<float> older = randn(static_cast<size_t>(nb), 3.0f);
+            const std::vector<float> older = randn(static_cast<size_t>(nb), 3.0f);  // (then the gap's)
             std::copy(older.begin(), older.end(), x);
             for (int j = 0; j < gap; ++j) {
               const float* qh = q.data() + (static_cast<size_t>(b) * NH + h) * D;
@@ -508,6 +509,10 @@ TEST(ZipGapOps, SaliencyFromTheProbesStatesAsTheHostsStreaming) {
               e[static_cast<size_t>((k * G + g) * gap + j)] = (D + 2) * std::ldexp(1.0, -24) * a * scale + std::ldexp(1.0, -23);
             }
             const int n = nb + seen[static_cast<size_t>(b)];
+            if (l == 2 && k == 1 && g == 1) {  // (its state stays NaN)
+              std::fill(x, x + stride, -INFINITY);
+              continue;
+            }
             float M = -INFINITY;
             for (int i = 0; i < n; ++i) M = std::max(M, x[i]);
             double z = 0.0;
@@ -518,11 +523,8 @@ TEST(ZipGapOps, SaliencyFromTheProbesStatesAsTheHostsStreaming) {
       }
     std::vector<std::unique_ptr<Dev>> tails;
     std::vector<const __half*> kptr;
-    for (const auto& t : tail) {
-      tails.push_back(std::make_unique<Dev>(halves(t)));
-      kptr.push_back(tails.back()->as<const __half>());
-    }
-    std::vector<int32_t> args(n_probes);
+    for (const auto& t : tail) kptr.push_back(tails.emplace_back(std::make_unique<Dev>(halves(t)))->as<const __half>());
+    std::vector<int32_t> args(n_probes);  // n_probes, then seen
     args.insert(args.end(), seen.begin(), seen.end());
     Dev Q(q), MD(md), K(kptr), A(args), O(static_cast<size_t>(L * NKV * gap) * 8);
     cuda::ZipGapRows rows;
@@ -552,9 +554,9 @@ TEST(ZipGapOps, SaliencyFromTheProbesStatesAsTheHostsStreaming) {
             for (int g = 0; g < G; ++g)
               for (int k = 0; k < np; ++k) {
                 const int b = l * S + k;
-                if (seen[static_cast<size_t>(b)] <= j) continue;
-                const float* x = sc.data() + (k * G + g) * stride;
                 const float M = md[static_cast<size_t>(b * NH + kh * G + g) * 2];
+                if (seen[static_cast<size_t>(b)] <= j || std::isnan(M)) continue;
+                const float* x = sc.data() + (k * G + g) * stride;
                 const double z = md[static_cast<size_t>(b * NH + kh * G + g) * 2 + 1];
                 bound += std::exp(static_cast<double>(x[nb + j]) - M) / z * 1.01 *
                          rel[static_cast<size_t>(l * NKV + kh)][static_cast<size_t>((k * G + g) * gap + j)];

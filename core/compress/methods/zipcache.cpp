@@ -43,9 +43,10 @@
 // the new tokens, since the older rows are already dequantized values and quantizing them again
 // would add error a real cache (which keeps the codes) would not have. A device decode runs the
 // streaming itself from the same data (step_quant: StepQuant::zip): its steps keep the probes'
-// queries, and before the step that follows a gap it scores them against its cache, reduces the
-// gap's saliency as here (zipcache::gap_saliency), ranks it as here (rank_gap) and quantizes the
-// gap where its rows are, without waiting on the host.
+// queries and their softmax sums (what attention saw), and before the step that follows a gap it
+// scores them against the gap's rows, reduces the gap's saliency as here (zipcache::gap_saliency,
+// the sums in fp32 from the steps), ranks it as here (rank_gap) and quantizes the gap where its
+// rows are, without waiting on the host.
 //
 // The authors' code also differs in ways kvlens does not model: it normalises the probes' column
 // sums by T − i (every query that can see token i) rather than by the probes that see it, draws
