@@ -92,18 +92,23 @@ if has sanitize; then
   done
 fi
 if has kernels; then
-  # Each kernel's device time over a 20-token decode of the 7B shape, per method (ncu serializes
-  # the launches, flushes the caches and holds base clocks: longer than in a run, but split by
-  # kernel; `--by-grid` keeps a prompt's launches apart from a decode's).
-  if [ ! -f "$CK/config.json" ]; then
-    run make_llava7b 300 python3 tests/make_llava7b.py --out "$CK" --json "$OUT/hf_bench.json" --no-hf-bench
+  # Each kernel's device time over a bench of the 7B shape (its vision, prefills, warm-up and
+  # timed decodes of 20 new tokens), per method: ncu serializes the launches, flushes the caches
+  # and holds base clocks (longer than in a run, but split by kernel; `--by-grid` keeps a
+  # prompt's launches apart from a decode's). The bench stage's checkpoint and prompt, or a
+  # checkpoint of its own without HF's timing.
+  PJ="$OUT/hf_bench.json"
+  if [ ! -f "$CK/config.json" ] || [ ! -f "$PJ" ]; then
+    PJ="$OUT/llava7b_kernels.json"
+    run make_llava7b_kernels 300 python3 tests/make_llava7b.py --out "$CK" --json "$PJ" --no-hf-bench
   fi
-  PROMPT=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['prompt'])" "$OUT/hf_bench.json" 2>/dev/null)
+  PROMPT=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['prompt'])" "$PJ" 2>/dev/null)
   for m in $KERNELS_7B; do
     n=${m//[:=,]/_}
     marg=(); [ "$m" != full ] && marg=(--method "$m")
     run "kernels_7b_$n" 300 ncu --csv --print-units base --metrics gpu__time_duration.sum "$BUILD/kvlens" bench \
-      --backend cuda --model "$CK" --prompt "${PROMPT:-Describe the image.}" "${marg[@]}" --max-new-tokens 20 --repeat 1 &&
+      --backend cuda --model "$CK" --prompt "${PROMPT:-Describe the image.}" ${marg[@]+"${marg[@]}"} \
+      --max-new-tokens 20 --repeat 1 &&
       python3 tests/ncu_kernels.py "$OUT/kernels_7b_$n.txt" --by-grid --json "$OUT/kernels_7b_$n.json" \
         > "$OUT/kernels_7b_$n.table.txt"
   done

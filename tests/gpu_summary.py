@@ -113,8 +113,8 @@ def main():
         if not k:
             continue
         total = sum(r["total_us"] for r in k.values())
-        print(f"\nkernels of a 20-token 7B decode, {f[len('kernels_7b_'):-5]} (ncu, serialized; {total / 1e3:.1f} ms in all):"
-              " launches, median µs, share")
+        print(f"\nkernels of a 7B bench (vision, prefills, two 20-token decodes), {f[len('kernels_7b_'):-5]} "
+              f"(ncu, serialized; {total / 1e3:.1f} ms in all): launches, median µs, share")
         for name, r in sorted(k.items(), key=lambda x: -x[1]["total_us"])[:8]:
             print(f"  {name[:52]:<52}{r['launches']:>7}{r['median_us']:>10.2f}{100 * r['total_us'] / total:>7.1f}%")
     steps = os.path.join(d, "steps.log")
