@@ -92,7 +92,9 @@ inline void expect_same_layout(const KVStore& a, const KVStore& b, bool bytes = 
     ASSERT_EQ(x.size(), y.size()) << "layer " << l;
     for (size_t i = 0; i < x.size(); ++i) {
       EXPECT_EQ(x[i].kind, y[i].kind) << "layer " << l << " segment " << i;
-      if (bytes) EXPECT_EQ(x[i].bytes.total(), y[i].bytes.total()) << "layer " << l << " segment " << i;
+      if (bytes) {
+        EXPECT_EQ(x[i].bytes.total(), y[i].bytes.total()) << "layer " << l << " segment " << i;
+      }
       ASSERT_EQ(x[i].heads.size(), y[i].heads.size());
       for (size_t h = 0; h < x[i].heads.size(); ++h) {
         EXPECT_EQ(x[i].heads[h].pos, y[i].heads[h].pos) << "layer " << l << " segment " << i << " head " << h;

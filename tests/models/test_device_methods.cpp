@@ -74,7 +74,9 @@ void expect_quantized_where_the_rows_are(const SampleRun& r, const char* spec, i
   for (int l = 0; l < a.n_layers(); ++l)
     for (size_t i = 0; i < a.layer(l).segments.size(); ++i) {
       const auto* made = dynamic_cast<const quant::QuantPayload*>(a.layer(l).segments[i].payload.get());
-      if (made && !rotated) EXPECT_TRUE(made->deferred()) << "layer " << l << " segment " << i << ": codes on the host";
+      if (made && !rotated) {
+        EXPECT_TRUE(made->deferred()) << "layer " << l << " segment " << i << ": codes on the host";
+      }
       const auto* pa = quant::landed(a.layer(l).segments[i].payload.get());
       const auto* pb = quant::landed(b.layer(l).segments[i].payload.get());
       ASSERT_EQ(!pa, !pb) << "layer " << l << " segment " << i;
