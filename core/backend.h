@@ -160,6 +160,7 @@ struct StepZip {
   bool head_token_ranges = false;  // CodeLayout: V token ranges per KV head
   bool layer_factors = false;      // CodeLayout: CST factors over the group before the split
   int n_heads = 0;                 // query heads (the decode fills it in)
+  float scale = 0;                 // their attention's scale (the decode fills it in)
   // Layer `layer`'s probe slot of each of its first `rows` decode rows (−1: not a probe; a gap's
   // probes numbered from 0), drawn as the host's hook draws them.
   std::function<std::vector<int32_t>(int layer, int rows)> probes;

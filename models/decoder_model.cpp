@@ -181,6 +181,7 @@ DecodeResult DecoderModel::decode(const PrefillState& st, KVPolicy* policy, cons
                                   : StepReaders::Host;
   StepQuant device_quant = dev ? device_step_quant(steps, *be_, readers, text_cfg_.head_dim) : StepQuant{};
   device_quant.zip.n_heads = text_cfg_.num_attention_heads;  // (the probes' queries, StepQuant::zip)
+  device_quant.zip.scale = text_.attention_scale();          // (and the scale they attend at)
   if (device_quant.any()) steps = nullptr;
   const bool mirror = !dev || decode_needs_host_rows(steps) || observed > 0;
   // (Keys' codes of rotated rows that the device will not read: the host's rows, quantized there.)

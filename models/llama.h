@@ -250,6 +250,8 @@ class LlamaDecoder {
   void record_queries(LlamaWorkspace& ws, int slots) const;
   void hand_over_recorded(SeqKV& kv, const std::vector<int>& steps, const std::vector<int32_t>& positions,
                           KVPolicy* policy, const std::vector<AttentionObserver*>& observers, LlamaWorkspace& ws) const;
+  // The scale its attention applies to q·k (StepZip::scale: what ZipCache's kept states are at).
+  float attention_scale() const { return layout(1).scale; }
 
  private:
   AttnLayout layout(int T) const;

@@ -637,12 +637,14 @@ namespace {
 // ZipCache's probe schedule for `rows` decode rows of every layer (StepZip::probes, the method's
 // own draws) and the room for their queries.
 void plan_probes(Context& ctx, CudaKV& C, int rows, const StepZip& z) {
-  if (z.n_heads <= 0 || z.n_heads % C.NKV != 0)
+  if (z.n_heads <= 0 || z.n_heads % C.NKV != 0 || !(z.scale > 0))
     throw InternalError("kv_reserve: ZipCache's probes need the query heads (" + std::to_string(z.n_heads) +
-                        ", a multiple of the " + std::to_string(C.NKV) + " KV heads)");
+                        ", a multiple of the " + std::to_string(C.NKV) + " KV heads) and their attention's scale (" +
+                        std::to_string(z.scale) + ")");
   CudaKV::ZipProbes& p = C.zip;
   p.rows = std::max(rows, 1);
   p.n_heads = z.n_heads;
+  p.scale = z.scale;
   p.width = static_cast<int64_t>(z.n_heads) * C.D;
   p.slot_of_row.assign(static_cast<size_t>(C.L), std::vector<int32_t>(static_cast<size_t>(p.rows), -1));
   for (int l = 0; l < C.L; ++l) {

@@ -509,7 +509,7 @@ class CudaKV : public DeviceKV {
   struct ZipProbes {
     DevMem q, slot;
     DevMem md;  // [L][slots][n_heads] (max, sum): each probe's softmax states (KeptQueries::md)
-    float scale = 0;  // the steps' attention scale, which the states are at (0: no step yet)
+    float scale = 0;  // the steps' attention scale, which the states are at (StepZip::scale)
     int slots = 0, rows = 0, n_heads = 0;
     int64_t width = 0;  // a query's floats (n_heads · D)
     std::vector<std::vector<int32_t>> slot_of_row;

@@ -367,11 +367,6 @@ DevMem kv::query_scores(Context& ctx, CudaKV& C, const Buffer& q_rows, const Att
   Buffer none;
   DecodeParams p = layer_params(C, q_rows, l, layer_of[0], none);
   p.B = n;
-  // (a row's score is its own whichever block takes it: a split a head where the queries' heads
-  // fill the device many times over, as a long observed decode's recorded queries do, else the
-  // decode's)
-  const int64_t heads = static_cast<int64_t>(n) * l.n_heads, enough = 8LL * ctx.n_sm;
-  p.splits = static_cast<int>(std::clamp<int64_t>((enough + heads - 1) / heads, 1, p.splits));
   p.q_stride = l.row_stride;
   p.parts = reinterpret_cast<const PartDesc*>(tables);
   p.n_parts = reinterpret_cast<const int32_t*>(tables + n * tb);
@@ -488,7 +483,6 @@ void kv_decode_attention(Context& ctx, const Buffer& qkv, const AttnLayout& l, S
   if (C.layers[static_cast<size_t>(layer)].tail.zipped()) {
     if (transforms) throw InternalError("decode_attention: ZipCache's device gaps under a score transform");
     p.keep = C.zip.keep(layer, C.counters.as<int32_t>() + layer);
-    C.zip.scale = l.scale;
   }
   const bool in_kernel = transforms && transform->kind == ScoreTransform::Kind::Calibrate;
   if (!taps.any() && (!transforms || in_kernel)) {
@@ -612,10 +606,7 @@ bool kv_rope_attend(Context& ctx, SeqKV& kv, int layer, Buffer& qkv, const AttnL
   p.fresh_v = base + l.v_col;
   p.fresh_pos = pos.as<int32_t>();
   p.inv_freq = inv_freq;
-  if (t.zipped()) {
-    p.keep = C.zip.keep(layer);
-    C.zip.scale = l.scale;
-  }
+  if (t.zipped()) p.keep = C.zip.keep(layer);
   if (tok) {
     p.qtail = quant_tail(t);
   } else {

@@ -79,7 +79,6 @@ void gap_saliency(Context& ctx, CudaKV& C, const GapProbes& g, const ZipGapRows&
   const auto* a = A.as<int32_t>();
   // (at the scale of the steps that kept the states: 1/√D, as the host's streaming scores, for
   // every model kvlens runs)
-  if (!(P.scale > 0)) throw InternalError("ZipCache gaps: probes of no step's attention");
   zip_gap_saliency(P.q.as<float>(), P.md.as<float2>(), rows, D, P.scale, L, P.slots, P.n_heads, NKV, gap, a, a + L,
                    accumulated, sal, ctx.stream);
 }

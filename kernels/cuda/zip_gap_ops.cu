@@ -186,7 +186,7 @@ __global__ void __launch_bounds__(kThreads)
   if (r >= n) return;
   const ZipStoreRun x = runs[r];
   const char* from = result + x.src;
-  char* to = store + x.dst + static_cast<int64_t>(gi) * x.step;
+  char* to = store + x.dst + static_cast<int64_t>(gi) * x.bytes;
   if (((reinterpret_cast<uintptr_t>(from) | reinterpret_cast<uintptr_t>(to) | static_cast<uintptr_t>(x.bytes)) & 15) == 0) {
     for (int64_t i = lane; i < x.bytes / 16; i += 32)
       reinterpret_cast<uint4*>(to)[i] = reinterpret_cast<const uint4*>(from)[i];
@@ -213,7 +213,7 @@ ZipStoreLayout zip_store_layout(const ZipGapLayout& Z, const ZipGapResult& r, in
   ArrayLayout at{0, 16};  // (the kernels' 16-byte loads of ranges and factors)
   S.sub.resize(static_cast<size_t>(L) * NKV);
   S.flags.resize(static_cast<size_t>(L) * NKV);
-  auto run = [&](int64_t src, int64_t dst, int64_t step) { S.runs.push_back({src, dst, step, step}); };
+  auto run = [&](int64_t src, int64_t dst, int64_t bytes) { S.runs.push_back({src, dst, bytes}); };
   for (int l = 0; l < L; ++l)
     for (int h = 0; h < NKV; ++h) {
       const size_t lh = static_cast<size_t>(l) * NKV + h;

@@ -142,9 +142,10 @@ struct ZipGapResult {
   int64_t flags = 0, pos = 0, order = 0;
 };
 // A run of bytes copied from a gap's result allocation into the gaps' store: `bytes` from byte
-// `src` of the result to byte dst + gi·step of the store, for gap gi.
+// `src` of the result to byte dst + gi·bytes of the store, for gap gi (each gap's copy right
+// after the one before).
 struct ZipStoreRun {
-  int64_t src = 0, dst = 0, step = 0, bytes = 0;
+  int64_t src = 0, dst = 0, bytes = 0;
 };
 // The gaps' store: one allocation holding, for every gap the reserved decode rows have room for
 // (`gaps`), every layer's gap arrays where the decode reads them as two parts a KV head — each

@@ -328,7 +328,7 @@ cuda::ZipGapResult gap_result(const cuda::ZipGapLayout& Z, int L, int NKV, int g
 void store_gap_host(const std::vector<cuda::ZipStoreRun>& runs, const std::vector<uint8_t>& result, std::vector<uint8_t>& store,
                     int gi) {
   for (const cuda::ZipStoreRun& x : runs)
-    std::copy_n(result.begin() + x.src, x.bytes, store.begin() + x.dst + static_cast<int64_t>(gi) * x.step);
+    std::copy_n(result.begin() + x.src, x.bytes, store.begin() + x.dst + static_cast<int64_t>(gi) * x.bytes);
 }
 
 struct StoreCase {
@@ -363,8 +363,8 @@ TEST(ZipGapOps, StoreHoldsEveryGapWhereItsPartsRead) {
       ASSERT_GT(x.bytes, 0);
       ASSERT_LE(x.src + x.bytes, rbytes);
       for (int g = 0; g < gaps; ++g) {
-        ASSERT_LE(x.dst + g * x.step + x.bytes, S.bytes);
-        for (int64_t b = 0; b < x.bytes; ++b) ++writes[static_cast<size_t>(x.dst + g * x.step + b)];
+        ASSERT_LE(x.dst + (g + 1) * x.bytes, S.bytes);
+        for (int64_t b = 0; b < x.bytes; ++b) ++writes[static_cast<size_t>(x.dst + g * x.bytes + b)];
       }
     }
     EXPECT_EQ(*std::max_element(writes.begin(), writes.end()), 1);
@@ -437,8 +437,8 @@ TEST(ZipGapOps, StoreKernelCopiesAsItsHostTwin) {
     int64_t end = S.bytes;
     for (int i = 0; i < 7; ++i) {
       const int64_t b = 1 + static_cast<int64_t>(r() % 40);
-      S.runs.push_back({static_cast<int64_t>(r() % static_cast<uint64_t>(rbytes - 41)), end + 3, b + 5, b});
-      end += 3 + gaps * (b + 5);
+      S.runs.push_back({static_cast<int64_t>(r() % static_cast<uint64_t>(rbytes - 41)), end + 3, b});
+      end += 3 + gaps * b;
     }
     const std::vector<uint8_t> result = random_bytes(static_cast<size_t>(rbytes));
     std::vector<uint8_t> want(static_cast<size_t>(end), 0xA5);
